@@ -1,0 +1,316 @@
+//! Approximate prefix index for engines that publish no KV events.
+//!
+//! The router records each of its own decisions as if the chosen worker had
+//! cached the prompt. A recorded block lives for a TTL (refreshed when a later
+//! decision records it again) and the whole index is capped: past the cap the
+//! entries closest to expiry are pruned until the index is back to
+//! `prune_ratio` of it, deeper blocks before their prefixes.
+
+use super::tree::{OverlapScores, PrefixIndex, StoredBlock};
+use crate::hashing::sequence_hashes;
+use crate::types::{EngineHash, LocalHash, WorkerId};
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// Settings of [`ApproxIndex`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApproxConfig {
+    /// How long a recorded block is assumed cached, in milliseconds.
+    pub ttl_ms: f64,
+    /// Most (block, worker) pairs kept.
+    pub max_blocks: usize,
+    /// After exceeding `max_blocks`, prune down to this fraction of it.
+    pub prune_ratio: f64,
+}
+
+impl Default for ApproxConfig {
+    fn default() -> Self {
+        Self {
+            ttl_ms: 120_000.0,
+            max_blocks: 1 << 20,
+            prune_ratio: 0.8,
+        }
+    }
+}
+
+/// Why an [`ApproxConfig`] was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApproxConfigError {
+    /// TTL not a positive finite number.
+    #[error("approximate index ttl_ms must be positive and finite, got {0}")]
+    Ttl(f64),
+    /// Cap of zero.
+    #[error("approximate index max_blocks must be at least 1")]
+    MaxBlocks,
+    /// Ratio outside (0, 1].
+    #[error("approximate index prune_ratio must be in (0, 1], got {0}")]
+    PruneRatio(f64),
+}
+
+impl ApproxConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), ApproxConfigError> {
+        if !(self.ttl_ms.is_finite() && self.ttl_ms > 0.0) {
+            return Err(ApproxConfigError::Ttl(self.ttl_ms));
+        }
+        if self.max_blocks == 0 {
+            return Err(ApproxConfigError::MaxBlocks);
+        }
+        if !(self.prune_ratio > 0.0 && self.prune_ratio <= 1.0) {
+            return Err(ApproxConfigError::PruneRatio(self.prune_ratio));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Expiry {
+    at_ms: f64,
+    worker: WorkerId,
+    seq_hash: u64,
+}
+
+/// Prefix index predicted from the router's own decisions.
+#[derive(Debug)]
+pub struct ApproxIndex {
+    config: ApproxConfig,
+    index: PrefixIndex,
+    /// (worker, sequence hash) → current expiry. The source of truth for
+    /// which queue entries are still current.
+    expiries: FxHashMap<(WorkerId, u64), f64>,
+    /// Expiries in recording order (so in expiry order: the TTL is fixed);
+    /// entries superseded by a refresh are skipped when popped.
+    queue: VecDeque<Expiry>,
+    expired: u64,
+    pruned: u64,
+}
+
+impl ApproxIndex {
+    /// An empty index; `config` must pass [`ApproxConfig::validate`].
+    pub fn new(config: ApproxConfig) -> Result<Self, ApproxConfigError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            index: PrefixIndex::new(),
+            expiries: FxHashMap::default(),
+            queue: VecDeque::new(),
+            expired: 0,
+            pruned: 0,
+        })
+    }
+
+    /// Records that `worker` was chosen for a prompt with these local hashes
+    /// at `now_ms`: every block is (re)stored and its TTL restarts. Expired
+    /// entries are dropped first, and the cap is enforced after.
+    pub fn record(&mut self, worker: WorkerId, local: &[LocalHash], now_ms: f64) {
+        self.expire(now_ms);
+        if local.is_empty() {
+            return;
+        }
+        let seq = sequence_hashes(local);
+        let chain: Vec<StoredBlock> = seq
+            .iter()
+            .zip(local)
+            .map(|(s, &l)| StoredBlock {
+                engine_hash: EngineHash(s.0),
+                local_hash: l,
+            })
+            .collect();
+        self.index.store(worker, None, &chain);
+        let at_ms = now_ms + self.config.ttl_ms;
+        // Deepest first, so that among equal expiries tails go before
+        // their prefixes.
+        for s in seq.iter().rev() {
+            self.expiries.insert((worker, s.0), at_ms);
+            self.queue.push_back(Expiry {
+                at_ms,
+                worker,
+                seq_hash: s.0,
+            });
+        }
+        if self.index.live_pairs() > self.config.max_blocks {
+            let target = (self.config.max_blocks as f64 * self.config.prune_ratio) as usize;
+            while self.index.live_pairs() > target {
+                if !self.pop_front() {
+                    break;
+                }
+                self.pruned += 1;
+            }
+        }
+        self.compact_queue();
+    }
+
+    /// Drops every entry whose TTL has passed at `now_ms`; returns how many.
+    pub fn expire(&mut self, now_ms: f64) -> usize {
+        let mut n = 0;
+        while self.queue.front().is_some_and(|e| e.at_ms <= now_ms) {
+            if self.pop_front() {
+                n += 1;
+            }
+        }
+        self.expired += n as u64;
+        n
+    }
+
+    /// Removes the front queue entry; returns whether it was current (and so
+    /// removed a block).
+    fn pop_front(&mut self) -> bool {
+        let Some(e) = self.queue.pop_front() else {
+            return false;
+        };
+        let key = (e.worker, e.seq_hash);
+        if self.expiries.get(&key) != Some(&e.at_ms) {
+            return false;
+        }
+        self.expiries.remove(&key);
+        self.index.remove(e.worker, &[EngineHash(e.seq_hash)]);
+        true
+    }
+
+    /// Keeps the queue within a constant factor of the live entries by
+    /// dropping superseded entries once they dominate.
+    fn compact_queue(&mut self) {
+        if self.queue.len() <= 2 * self.expiries.len() + 1024 {
+            return;
+        }
+        let expiries = &self.expiries;
+        self.queue
+            .retain(|e| expiries.get(&(e.worker, e.seq_hash)) == Some(&e.at_ms));
+    }
+
+    /// Forgets `worker` and everything recorded for it.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        self.index.remove_worker(worker);
+        self.expiries.retain(|(w, _), _| *w != worker);
+        self.queue.retain(|e| e.worker != worker);
+    }
+
+    /// Each worker's predicted matched depth; see [`PrefixIndex::overlaps`].
+    pub fn overlaps(&self, hashes: &[LocalHash], out: &mut OverlapScores) {
+        self.index.overlaps(hashes, out);
+    }
+
+    /// The underlying index (read-only).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Entries dropped because their TTL passed.
+    pub fn expired_total(&self) -> u64 {
+        self.expired
+    }
+
+    /// Entries dropped to enforce the cap.
+    pub fn pruned_total(&self) -> u64 {
+        self.pruned
+    }
+
+    /// Estimate of heap bytes in use.
+    pub fn estimated_bytes(&self) -> usize {
+        self.index.estimated_bytes()
+            + self.expiries.capacity() * 8 / 7 * (std::mem::size_of::<((WorkerId, u64), f64)>() + 1)
+            + self.queue.capacity() * std::mem::size_of::<Expiry>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn locals(hashes: &[u64]) -> Vec<LocalHash> {
+        hashes.iter().map(|&h| LocalHash(h)).collect()
+    }
+
+    fn index(ttl_ms: f64, max_blocks: usize) -> ApproxIndex {
+        ApproxIndex::new(ApproxConfig {
+            ttl_ms,
+            max_blocks,
+            prune_ratio: 0.8,
+        })
+        .unwrap()
+    }
+
+    fn depth(index: &ApproxIndex, worker: WorkerId, query: &[u64]) -> u32 {
+        let mut out = OverlapScores::new();
+        index.overlaps(&locals(query), &mut out);
+        out.depth(worker)
+    }
+
+    #[test]
+    fn a_recorded_decision_predicts_a_cache_hit_until_its_ttl() {
+        let w = WorkerId::new(1);
+        let mut idx = index(1000.0, 100);
+        idx.record(w, &locals(&[1, 2, 3]), 0.0);
+        assert_eq!(depth(&idx, w, &[1, 2, 3, 4]), 3);
+        idx.expire(999.0);
+        assert_eq!(depth(&idx, w, &[1, 2, 3]), 3);
+        assert_eq!(idx.expire(1000.0), 3);
+        assert_eq!(depth(&idx, w, &[1, 2, 3]), 0);
+        assert_eq!(idx.index().live_pairs(), 0);
+    }
+
+    #[test]
+    fn recording_again_refreshes_the_ttl() {
+        let w = WorkerId::new(1);
+        let mut idx = index(1000.0, 100);
+        idx.record(w, &locals(&[1, 2]), 0.0);
+        idx.record(w, &locals(&[1]), 600.0);
+        idx.expire(1200.0);
+        assert_eq!(depth(&idx, w, &[1, 2]), 1);
+        idx.expire(1600.0);
+        assert_eq!(depth(&idx, w, &[1, 2]), 0);
+    }
+
+    #[test]
+    fn the_cap_prunes_oldest_entries_down_to_the_ratio() {
+        let w = WorkerId::new(1);
+        let mut idx = index(1e9, 10);
+        idx.record(w, &locals(&[1, 2, 3, 4, 5, 6]), 0.0);
+        idx.record(w, &locals(&[7, 8, 9, 10, 11]), 1.0);
+        // 11 > 10: prune to 8, oldest (the first prompt, tail first) first.
+        assert_eq!(idx.index().live_pairs(), 8);
+        assert_eq!(idx.pruned_total(), 3);
+        assert_eq!(depth(&idx, w, &[1, 2, 3, 4, 5, 6]), 3);
+        assert_eq!(depth(&idx, w, &[7, 8, 9, 10, 11]), 5);
+    }
+
+    #[test]
+    fn the_queue_stays_bounded_under_refreshes() {
+        let w = WorkerId::new(1);
+        let mut idx = index(1e9, 1000);
+        for t in 0..10_000 {
+            idx.record(w, &locals(&[1, 2, 3]), t as f64);
+        }
+        assert!(idx.queue.len() <= 2 * 3 + 1024 + 3);
+        assert_eq!(idx.index().live_pairs(), 3);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = [
+            ApproxConfig { ttl_ms: 0.0, ..Default::default() },
+            ApproxConfig { ttl_ms: f64::NAN, ..Default::default() },
+            ApproxConfig { max_blocks: 0, ..Default::default() },
+            ApproxConfig { prune_ratio: 1.5, ..Default::default() },
+            ApproxConfig { prune_ratio: 0.0, ..Default::default() },
+        ];
+        for config in bad {
+            assert!(ApproxIndex::new(config).is_err(), "{config:?}");
+        }
+        assert!(ApproxConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn removing_a_worker_forgets_its_records() {
+        let (a, b) = (WorkerId::new(1), WorkerId::new(2));
+        let mut idx = index(1000.0, 100);
+        idx.record(a, &locals(&[1, 2]), 0.0);
+        idx.record(b, &locals(&[1]), 0.0);
+        idx.remove_worker(a);
+        assert_eq!(depth(&idx, a, &[1, 2]), 0);
+        assert_eq!(depth(&idx, b, &[1, 2]), 1);
+        assert_eq!(idx.expire(2000.0), 1);
+    }
+}

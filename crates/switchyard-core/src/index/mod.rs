@@ -1,0 +1,19 @@
+//! The prefix index: which workers hold which prefix blocks.
+//!
+//! - [`PrefixIndex`] is exact: it follows the engines' own KV events
+//!   (`Stored`, `Removed`, `Cleared`) per worker.
+//! - [`ApproxIndex`] is for engines that publish no events: it records the
+//!   router's own decisions as if the chosen worker had cached the prompt,
+//!   with a TTL and a size cap.
+//!
+//! Both answer [`PrefixIndex::overlaps`]: for a prompt's local block hashes,
+//! each worker's matched prefix depth, in time proportional to the prompt.
+
+mod approx;
+mod tree;
+
+pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};
+pub use tree::{
+    ApplyOutcome, IndexCounters, IndexEvent, OverlapScores, PrefixIndex, StoredBlock,
+    WorkerOverlap,
+};

@@ -1,0 +1,1042 @@
+//! The exact prefix index: a trie of local block hashes with per-worker holders.
+//!
+//! Layout, chosen for the `overlaps` walk:
+//!
+//! - Nodes live in one arena (`Vec<Node>`, 16 bytes each) addressed by `u32`.
+//!   A chain stored in one event gets consecutive slots, so a walk down it
+//!   reads memory in order.
+//! - A node's children are encoded in one `u32`: none, one child (the common
+//!   case: most of a prompt is a chain), or an index into a side arena of
+//!   hash maps for branch points.
+//! - Which workers hold a node is a bitset of `stride` words per node in a
+//!   flat `Vec<u64>`, indexed by worker slot; the stride grows (rarely) when a
+//!   slot past the current width is first used.
+//! - Each worker keeps a map from the engine's block hash to the node it
+//!   named, so `Removed` events find their blocks.
+//!
+//! Invariants, checked by the property tests in this module:
+//!
+//! - A node is in the arena iff it is the root, or some worker holds it, or it
+//!   has a child. Nodes no worker holds are reclaimed at once, so memory tracks
+//!   live (block, worker) pairs, not history.
+//! - `live_pairs()` equals the number of (worker, node) pairs with the
+//!   worker's bit set; it returns to zero when everything is removed.
+
+use crate::types::{EngineHash, LocalHash, WorkerId};
+use rustc_hash::FxHashMap;
+use std::collections::hash_map::Entry;
+
+const ROOT: u32 = 0;
+const NO_CHILD: u32 = u32::MAX;
+const MANY_FLAG: u32 = 1 << 31;
+/// Largest arena index a single-child link can address.
+const MAX_NODES: usize = (MANY_FLAG - 1) as usize;
+
+/// One block an engine reports stored: its engine-side id and the router's own
+/// local hash of its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredBlock {
+    /// The engine's opaque block id.
+    pub engine_hash: EngineHash,
+    /// The router's hash of the block's token ids.
+    pub local_hash: LocalHash,
+}
+
+/// A KV-cache event for one worker, already normalized to router hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexEvent {
+    /// Blocks stored as a chain under `parent` (`None`: from the root).
+    Stored {
+        /// The engine hash of the block the first one follows.
+        parent: Option<EngineHash>,
+        /// The chain, in prompt order.
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks evicted, by engine hash.
+    Removed {
+        /// Engine hashes of the evicted blocks.
+        blocks: Vec<EngineHash>,
+    },
+    /// The worker dropped its whole cache.
+    Cleared,
+}
+
+/// What applying one event did. Every variant is an outcome, not a fault:
+/// malformed or stale input is counted and skipped, never applied halfway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    /// Applied; `changed` (worker, block) pairs were added or removed.
+    Applied {
+        /// Pairs that appeared or disappeared.
+        changed: usize,
+        /// Engine hashes the event named that the worker was not known to
+        /// hold (a `Removed` for an evicted-twice block, say); skipped.
+        unknown: usize,
+    },
+    /// A `Stored` whose parent the worker does not hold: dropped whole.
+    UnknownParent,
+    /// A `Removed` or `Cleared` for a worker the index has never seen.
+    UnknownWorker,
+    /// The arena is at its addressable limit; the event was dropped.
+    Full,
+}
+
+/// Counters for metrics; they only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexCounters {
+    /// `Stored` events applied.
+    pub stored_events: u64,
+    /// `Removed` events applied.
+    pub removed_events: u64,
+    /// `Cleared` events applied (worker removals included).
+    pub cleared_events: u64,
+    /// `Stored` events dropped because their parent was unknown.
+    pub unknown_parent: u64,
+    /// Engine hashes in `Removed` events that the worker did not hold.
+    pub unknown_removed_blocks: u64,
+    /// Events for workers the index does not know.
+    pub unknown_worker: u64,
+    /// Events dropped because the arena was full.
+    pub dropped_full: u64,
+}
+
+/// One worker's match for a query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerOverlap {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Leading query blocks the worker holds.
+    pub depth: u32,
+    /// Blocks the worker holds in all (a tie-break: fewer is emptier).
+    pub cached_blocks: usize,
+}
+
+/// Answer of [`PrefixIndex::overlaps`]: one entry per worker with a nonzero
+/// match, in no particular order. Reuse one value across queries to avoid
+/// allocating.
+#[derive(Clone, Debug, Default)]
+pub struct OverlapScores {
+    /// Workers with at least one matched block.
+    pub entries: Vec<WorkerOverlap>,
+    scratch: Vec<u64>,
+}
+
+impl OverlapScores {
+    /// An empty answer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The matched depth of `worker` (0 when it matched nothing).
+    pub fn depth(&self, worker: WorkerId) -> u32 {
+        self.entries
+            .iter()
+            .find(|e| e.worker == worker)
+            .map_or(0, |e| e.depth)
+    }
+
+    /// The deepest match of any worker.
+    pub fn max_depth(&self) -> u32 {
+        self.entries.iter().map(|e| e.depth).max().unwrap_or(0)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    local: u64,
+    parent: u32,
+    /// `NO_CHILD`, a single child's index, or `MANY_FLAG | child map index`.
+    children: u32,
+}
+
+#[derive(Debug)]
+struct WorkerSlot {
+    id: WorkerId,
+    /// Engine hash → node it names.
+    blocks: FxHashMap<u64, u32>,
+    /// Nodes named by more than one engine hash of this worker, with the
+    /// number of extra names. Rare (e.g. multimodal prompts whose placeholder
+    /// tokens match but whose engine hashes differ).
+    aliases: FxHashMap<u32, u32>,
+    /// Distinct nodes this worker holds.
+    held: usize,
+}
+
+/// The exact prefix index. See the module docs for layout and invariants.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    holders: Vec<u64>,
+    stride: usize,
+    child_maps: Vec<FxHashMap<u64, u32>>,
+    free_child_maps: Vec<u32>,
+    worker_slots: FxHashMap<WorkerId, u32>,
+    slots: Vec<Option<WorkerSlot>>,
+    live_nodes: usize,
+    live_pairs: usize,
+    counters: IndexCounters,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self {
+            nodes: vec![Node {
+                local: 0,
+                parent: ROOT,
+                children: NO_CHILD,
+            }],
+            free_nodes: Vec::new(),
+            holders: vec![0],
+            stride: 1,
+            child_maps: Vec::new(),
+            free_child_maps: Vec::new(),
+            worker_slots: FxHashMap::default(),
+            slots: Vec::new(),
+            live_nodes: 0,
+            live_pairs: 0,
+            counters: IndexCounters::default(),
+        }
+    }
+
+    /// Applies one event for `worker`.
+    pub fn apply(&mut self, worker: WorkerId, event: &IndexEvent) -> ApplyOutcome {
+        match event {
+            IndexEvent::Stored { parent, blocks } => self.store(worker, *parent, blocks),
+            IndexEvent::Removed { blocks } => self.remove(worker, blocks),
+            IndexEvent::Cleared => self.clear(worker),
+        }
+    }
+
+    /// Stores a chain of blocks for `worker` under `parent` (`None`: the
+    /// root). Re-storing blocks the worker already holds changes nothing. A
+    /// parent the worker does not hold drops the event whole.
+    pub fn store(
+        &mut self,
+        worker: WorkerId,
+        parent: Option<EngineHash>,
+        blocks: &[StoredBlock],
+    ) -> ApplyOutcome {
+        let slot = match parent {
+            None => self.slot_or_insert(worker),
+            Some(_) => match self.worker_slots.get(&worker) {
+                Some(&slot) => slot,
+                None => {
+                    self.counters.unknown_parent += 1;
+                    return ApplyOutcome::UnknownParent;
+                }
+            },
+        };
+        let mut cur = match parent {
+            None => ROOT,
+            Some(p) => match self.slot(slot).blocks.get(&p.0) {
+                Some(&node) => node,
+                None => {
+                    self.counters.unknown_parent += 1;
+                    return ApplyOutcome::UnknownParent;
+                }
+            },
+        };
+        if self.live_nodes + blocks.len() >= MAX_NODES {
+            self.counters.dropped_full += 1;
+            return ApplyOutcome::Full;
+        }
+        let mut changed = 0;
+        for block in blocks {
+            let child = self.child_or_insert(cur, block.local_hash.0);
+            changed += self.hold(slot, block.engine_hash.0, child);
+            cur = child;
+        }
+        self.counters.stored_events += 1;
+        ApplyOutcome::Applied {
+            changed,
+            unknown: 0,
+        }
+    }
+
+    /// Removes blocks of `worker` by engine hash. Hashes the worker does not
+    /// hold are counted and skipped.
+    pub fn remove(&mut self, worker: WorkerId, blocks: &[EngineHash]) -> ApplyOutcome {
+        let Some(&slot) = self.worker_slots.get(&worker) else {
+            self.counters.unknown_worker += 1;
+            return ApplyOutcome::UnknownWorker;
+        };
+        let (mut changed, mut unknown) = (0, 0);
+        for engine_hash in blocks {
+            match self.slot_mut(slot).blocks.remove(&engine_hash.0) {
+                Some(node) => changed += self.release(slot, node),
+                None => unknown += 1,
+            }
+        }
+        self.counters.removed_events += 1;
+        self.counters.unknown_removed_blocks += unknown as u64;
+        ApplyOutcome::Applied { changed, unknown }
+    }
+
+    /// Drops every block of `worker`; the worker stays known.
+    pub fn clear(&mut self, worker: WorkerId) -> ApplyOutcome {
+        let Some(&slot) = self.worker_slots.get(&worker) else {
+            self.counters.unknown_worker += 1;
+            return ApplyOutcome::UnknownWorker;
+        };
+        let changed = self.clear_slot(slot);
+        self.counters.cleared_events += 1;
+        ApplyOutcome::Applied {
+            changed,
+            unknown: 0,
+        }
+    }
+
+    /// Forgets `worker` entirely. Returns whether it was known.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> bool {
+        let Some(slot) = self.worker_slots.remove(&worker) else {
+            return false;
+        };
+        self.clear_slot(slot);
+        self.counters.cleared_events += 1;
+        self.slots[slot as usize] = None;
+        true
+    }
+
+    /// Each worker's matched prefix depth for a prompt's local block hashes,
+    /// written into `out` (cleared first). Cost is proportional to the matched
+    /// depth plus the number of matching workers, independent of the fleet's
+    /// size and of how many blocks are cached.
+    pub fn overlaps(&self, hashes: &[LocalHash], out: &mut OverlapScores) {
+        out.entries.clear();
+        if self.stride == 1 {
+            self.overlaps_narrow(hashes, out);
+        } else {
+            self.overlaps_wide(hashes, out);
+        }
+    }
+
+    /// Convenience form of [`Self::overlaps`] that allocates its answer.
+    pub fn find_overlaps(&self, hashes: &[LocalHash]) -> OverlapScores {
+        let mut out = OverlapScores::new();
+        self.overlaps(hashes, &mut out);
+        out
+    }
+
+    fn overlaps_narrow(&self, hashes: &[LocalHash], out: &mut OverlapScores) {
+        let mut cur = ROOT;
+        let mut active = u64::MAX;
+        let mut depth = 0u32;
+        for hash in hashes {
+            let Some(child) = self.child(cur, hash.0) else {
+                break;
+            };
+            let held = self.holders[child as usize];
+            let dropped = active & !held;
+            if dropped != 0 && depth > 0 {
+                self.push_bits(dropped, 0, depth, out);
+            }
+            active &= held;
+            if active == 0 {
+                return;
+            }
+            depth += 1;
+            cur = child;
+        }
+        if depth > 0 {
+            self.push_bits(active, 0, depth, out);
+        }
+    }
+
+    fn overlaps_wide(&self, hashes: &[LocalHash], out: &mut OverlapScores) {
+        let stride = self.stride;
+        let mut active = std::mem::take(&mut out.scratch);
+        active.clear();
+        active.resize(stride, u64::MAX);
+        let mut cur = ROOT;
+        let mut depth = 0u32;
+        for hash in hashes {
+            let Some(child) = self.child(cur, hash.0) else {
+                break;
+            };
+            let held = &self.holders[child as usize * stride..][..stride];
+            let mut any = 0;
+            for (word, (a, h)) in active.iter_mut().zip(held).enumerate() {
+                let dropped = *a & !h;
+                if dropped != 0 && depth > 0 {
+                    self.push_bits(dropped, word, depth, out);
+                }
+                *a &= h;
+                any |= *a;
+            }
+            if any == 0 {
+                depth = 0;
+                break;
+            }
+            depth += 1;
+            cur = child;
+        }
+        if depth > 0 {
+            for (word, &a) in active.iter().enumerate() {
+                self.push_bits(a, word, depth, out);
+            }
+        }
+        out.scratch = active;
+    }
+
+    fn push_bits(&self, mut bits: u64, word: usize, depth: u32, out: &mut OverlapScores) {
+        while bits != 0 {
+            let slot = word * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(Some(s)) = self.slots.get(slot) {
+                out.entries.push(WorkerOverlap {
+                    worker: s.id,
+                    depth,
+                    cached_blocks: s.held,
+                });
+            }
+        }
+    }
+
+    /// Blocks `worker` holds (0 for an unknown worker).
+    pub fn worker_blocks(&self, worker: WorkerId) -> usize {
+        self.worker_slots
+            .get(&worker)
+            .map_or(0, |&slot| self.slot(slot).held)
+    }
+
+    /// Workers the index knows, in slot order.
+    pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.slots.iter().flatten().map(|s| s.id)
+    }
+
+    /// Whether `worker` holds the block the engine calls `engine_hash`.
+    pub fn holds(&self, worker: WorkerId, engine_hash: EngineHash) -> bool {
+        self.worker_slots
+            .get(&worker)
+            .is_some_and(|&slot| self.slot(slot).blocks.contains_key(&engine_hash.0))
+    }
+
+    /// Live (block, worker) pairs.
+    pub fn live_pairs(&self) -> usize {
+        self.live_pairs
+    }
+
+    /// Live trie nodes, the root excluded.
+    pub fn live_nodes(&self) -> usize {
+        self.live_nodes
+    }
+
+    /// Event counters for metrics.
+    pub fn counters(&self) -> IndexCounters {
+        self.counters
+    }
+
+    /// Estimate of heap bytes in use, from allocated capacities.
+    pub fn estimated_bytes(&self) -> usize {
+        fn map_bytes<K, V>(map: &FxHashMap<K, V>) -> usize {
+            // hashbrown: buckets ≈ capacity · 8/7, each one entry plus one
+            // control byte.
+            let buckets = map.capacity() * 8 / 7;
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let mut bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free_nodes.capacity() * 4
+            + self.holders.capacity() * 8
+            + self.free_child_maps.capacity() * 4
+            + self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
+            + map_bytes(&self.worker_slots)
+            + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>();
+        bytes += self.child_maps.iter().map(map_bytes).sum::<usize>();
+        bytes += self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
+            .sum::<usize>();
+        bytes
+    }
+
+    // --- internals ---------------------------------------------------------
+
+    fn slot(&self, slot: u32) -> &WorkerSlot {
+        self.slots[slot as usize]
+            .as_ref()
+            .expect("worker_slots only maps to occupied slots")
+    }
+
+    fn slot_mut(&mut self, slot: u32) -> &mut WorkerSlot {
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("worker_slots only maps to occupied slots")
+    }
+
+    fn slot_or_insert(&mut self, worker: WorkerId) -> u32 {
+        if let Some(&slot) = self.worker_slots.get(&worker) {
+            return slot;
+        }
+        // Lowest free slot first keeps the holder bitsets narrow.
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[slot] = Some(WorkerSlot {
+            id: worker,
+            blocks: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+            held: 0,
+        });
+        if slot >= self.stride * 64 {
+            self.widen(slot / 64 + 1);
+        }
+        let slot = slot as u32;
+        self.worker_slots.insert(worker, slot);
+        slot
+    }
+
+    fn widen(&mut self, stride: usize) {
+        let mut holders = vec![0u64; self.nodes.len() * stride];
+        for (node, words) in self.holders.chunks_exact(self.stride).enumerate() {
+            holders[node * stride..][..self.stride].copy_from_slice(words);
+        }
+        self.holders = holders;
+        self.stride = stride;
+    }
+
+    #[inline]
+    fn child(&self, node: u32, local: u64) -> Option<u32> {
+        let children = self.nodes[node as usize].children;
+        if children == NO_CHILD {
+            None
+        } else if children & MANY_FLAG == 0 {
+            (self.nodes[children as usize].local == local).then_some(children)
+        } else {
+            self.child_maps[(children & !MANY_FLAG) as usize]
+                .get(&local)
+                .copied()
+        }
+    }
+
+    fn child_or_insert(&mut self, parent: u32, local: u64) -> u32 {
+        if let Some(child) = self.child(parent, local) {
+            return child;
+        }
+        let node = Node {
+            local,
+            parent,
+            children: NO_CHILD,
+        };
+        let child = match self.free_nodes.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                self.holders.resize(self.nodes.len() * self.stride, 0);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.live_nodes += 1;
+        let children = self.nodes[parent as usize].children;
+        self.nodes[parent as usize].children = if children == NO_CHILD {
+            child
+        } else if children & MANY_FLAG == 0 {
+            let sibling = children;
+            let mut map = self.new_child_map();
+            let m = &mut self.child_maps[map as usize];
+            m.insert(self.nodes[sibling as usize].local, sibling);
+            m.insert(local, child);
+            map |= MANY_FLAG;
+            map
+        } else {
+            self.child_maps[(children & !MANY_FLAG) as usize].insert(local, child);
+            children
+        };
+        child
+    }
+
+    fn new_child_map(&mut self) -> u32 {
+        match self.free_child_maps.pop() {
+            Some(i) => i,
+            None => {
+                self.child_maps.push(FxHashMap::default());
+                (self.child_maps.len() - 1) as u32
+            }
+        }
+    }
+
+    fn bit(&self, node: u32, slot: u32) -> bool {
+        let word = self.holders[node as usize * self.stride + slot as usize / 64];
+        word & (1 << (slot % 64)) != 0
+    }
+
+    fn set_bit(&mut self, node: u32, slot: u32, on: bool) {
+        let word = &mut self.holders[node as usize * self.stride + slot as usize / 64];
+        if on {
+            *word |= 1 << (slot % 64);
+        } else {
+            *word &= !(1 << (slot % 64));
+        }
+    }
+
+    /// Makes `slot` hold `node` under the name `engine_hash`; returns the
+    /// number of pairs added (0 or 1).
+    fn hold(&mut self, slot: u32, engine_hash: u64, node: u32) -> usize {
+        let previous = match self.slot_mut(slot).blocks.entry(engine_hash) {
+            Entry::Occupied(e) if *e.get() == node => return 0,
+            Entry::Occupied(mut e) => Some(e.insert(node)),
+            Entry::Vacant(e) => {
+                e.insert(node);
+                None
+            }
+        };
+        let mut added = 0;
+        if self.bit(node, slot) {
+            *self.slot_mut(slot).aliases.entry(node).or_insert(0) += 1;
+        } else {
+            self.set_bit(node, slot, true);
+            self.slot_mut(slot).held += 1;
+            self.live_pairs += 1;
+            added = 1;
+        }
+        // The engine reused a name for other content: drop the old meaning.
+        // `node` now has a holder, so releasing cannot reclaim it.
+        if let Some(old) = previous {
+            self.release(slot, old);
+        }
+        added
+    }
+
+    /// Drops one name of `node` held by `slot` (already removed from the
+    /// worker's map); returns pairs removed (0 or 1).
+    fn release(&mut self, slot: u32, node: u32) -> usize {
+        let worker = self.slot_mut(slot);
+        if let Some(extra) = worker.aliases.get_mut(&node) {
+            *extra -= 1;
+            if *extra == 0 {
+                worker.aliases.remove(&node);
+            }
+            return 0;
+        }
+        worker.held -= 1;
+        self.set_bit(node, slot, false);
+        self.live_pairs -= 1;
+        self.reclaim_upward(node);
+        1
+    }
+
+    fn clear_slot(&mut self, slot: u32) -> usize {
+        let worker = self.slot_mut(slot);
+        let blocks = std::mem::take(&mut worker.blocks);
+        worker.aliases.clear();
+        let mut changed = 0;
+        for (_, node) in blocks {
+            if self.bit(node, slot) {
+                self.set_bit(node, slot, false);
+                self.live_pairs -= 1;
+                changed += 1;
+                self.reclaim_upward(node);
+            }
+        }
+        self.slot_mut(slot).held = 0;
+        changed
+    }
+
+    fn unheld(&self, node: u32) -> bool {
+        self.holders[node as usize * self.stride..][..self.stride]
+            .iter()
+            .all(|&w| w == 0)
+    }
+
+    /// Frees `node` and then its ancestors while each is held by no worker
+    /// and has no child.
+    fn reclaim_upward(&mut self, mut node: u32) {
+        while node != ROOT && self.nodes[node as usize].children == NO_CHILD && self.unheld(node)
+        {
+            let Node { local, parent, .. } = self.nodes[node as usize];
+            self.unlink_child(parent, local, node);
+            self.free_nodes.push(node);
+            self.live_nodes -= 1;
+            node = parent;
+        }
+    }
+
+    fn unlink_child(&mut self, parent: u32, local: u64, child: u32) {
+        let children = self.nodes[parent as usize].children;
+        if children & MANY_FLAG == 0 {
+            debug_assert_eq!(children, child);
+            self.nodes[parent as usize].children = NO_CHILD;
+            return;
+        }
+        let map_index = children & !MANY_FLAG;
+        let map = &mut self.child_maps[map_index as usize];
+        map.remove(&local);
+        if map.len() == 1 {
+            let (_, &only) = map.iter().next().expect("len is 1");
+            self.nodes[parent as usize].children = only;
+        } else {
+            return;
+        }
+        // Demoted to a single link: recycle the map, releasing big ones.
+        let map = &mut self.child_maps[map_index as usize];
+        if map.capacity() > 64 {
+            *map = FxHashMap::default();
+        } else {
+            map.clear();
+        }
+        self.free_child_maps.push(map_index);
+    }
+
+    #[cfg(test)]
+    fn check_invariants(&self) {
+        let mut pairs = 0;
+        let mut live = 0;
+        let free: std::collections::HashSet<u32> = self.free_nodes.iter().copied().collect();
+        for i in 1..self.nodes.len() as u32 {
+            if free.contains(&i) {
+                continue;
+            }
+            live += 1;
+            let node = self.nodes[i as usize];
+            assert!(
+                !self.unheld(i) || node.children != NO_CHILD,
+                "node {i} is neither held nor a parent"
+            );
+            assert_eq!(self.child(node.parent, node.local), Some(i));
+            for s in 0..self.slots.len() as u32 {
+                if self.bit(i, s) {
+                    assert!(self.slots[s as usize].is_some());
+                    pairs += 1;
+                }
+            }
+        }
+        assert_eq!(live, self.live_nodes);
+        assert_eq!(pairs, self.live_pairs);
+        let held: usize = self.slots.iter().flatten().map(|s| s.held).sum();
+        assert_eq!(held, self.live_pairs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{HashMap, HashSet};
+
+    fn w(id: u64) -> WorkerId {
+        WorkerId::new(id)
+    }
+
+    fn blocks(pairs: &[(u64, u64)]) -> Vec<StoredBlock> {
+        pairs
+            .iter()
+            .map(|&(e, l)| StoredBlock {
+                engine_hash: EngineHash(e),
+                local_hash: LocalHash(l),
+            })
+            .collect()
+    }
+
+    fn locals(hashes: &[u64]) -> Vec<LocalHash> {
+        hashes.iter().map(|&h| LocalHash(h)).collect()
+    }
+
+    #[test]
+    fn overlaps_report_each_workers_matched_prefix_depth() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(101, 1), (102, 2), (103, 3)]));
+        index.store(w(2), None, &blocks(&[(201, 1), (202, 2)]));
+        let scores = index.find_overlaps(&locals(&[1, 2, 3, 4]));
+        assert_eq!(scores.depth(w(1)), 3);
+        assert_eq!(scores.depth(w(2)), 2);
+        assert_eq!(scores.entries.len(), 2);
+        assert_eq!(index.find_overlaps(&locals(&[2, 3])).entries.len(), 0);
+        assert_eq!(index.find_overlaps(&[]).entries.len(), 0);
+    }
+
+    #[test]
+    fn a_stored_chain_continues_from_its_parent() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        let outcome = index.store(w(1), Some(EngineHash(11)), &blocks(&[(12, 2)]));
+        assert_eq!(outcome, ApplyOutcome::Applied { changed: 1, unknown: 0 });
+        assert_eq!(index.find_overlaps(&locals(&[1, 2])).depth(w(1)), 2);
+    }
+
+    #[test]
+    fn a_parent_never_stored_drops_the_event_and_is_counted() {
+        let mut index = PrefixIndex::new();
+        let outcome = index.store(w(1), Some(EngineHash(99)), &blocks(&[(12, 2)]));
+        assert_eq!(outcome, ApplyOutcome::UnknownParent);
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        let outcome = index.store(w(1), Some(EngineHash(99)), &blocks(&[(12, 2)]));
+        assert_eq!(outcome, ApplyOutcome::UnknownParent);
+        assert_eq!(index.counters().unknown_parent, 2);
+        assert_eq!(index.live_pairs(), 1);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn restoring_a_cached_block_changes_nothing() {
+        let mut index = PrefixIndex::new();
+        let chain = blocks(&[(11, 1), (12, 2)]);
+        index.store(w(1), None, &chain);
+        let bytes = index.live_nodes();
+        let outcome = index.store(w(1), None, &chain);
+        assert_eq!(outcome, ApplyOutcome::Applied { changed: 0, unknown: 0 });
+        assert_eq!(index.live_pairs(), 2);
+        assert_eq!(index.live_nodes(), bytes);
+    }
+
+    #[test]
+    fn a_worker_missing_a_middle_block_matches_only_up_to_it() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1), (12, 2), (13, 3)]));
+        index.remove(w(1), &[EngineHash(12)]);
+        assert_eq!(index.find_overlaps(&locals(&[1, 2, 3])).depth(w(1)), 1);
+        // The unheld middle node stays as structure for its held child.
+        assert_eq!(index.live_nodes(), 3);
+        index.check_invariants();
+        index.remove(w(1), &[EngineHash(13)]);
+        assert_eq!(index.live_nodes(), 1);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn removing_everything_reclaims_every_node() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1), (12, 2), (13, 3)]));
+        index.store(w(2), None, &blocks(&[(21, 1), (22, 2), (24, 4)]));
+        index.remove(w(1), &[EngineHash(13), EngineHash(12), EngineHash(11)]);
+        index.clear(w(2));
+        assert_eq!(index.live_pairs(), 0);
+        assert_eq!(index.live_nodes(), 0);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn unknown_workers_and_blocks_are_outcomes() {
+        let mut index = PrefixIndex::new();
+        assert_eq!(index.remove(w(7), &[EngineHash(1)]), ApplyOutcome::UnknownWorker);
+        assert_eq!(index.clear(w(7)), ApplyOutcome::UnknownWorker);
+        assert!(!index.remove_worker(w(7)));
+        index.store(w(7), None, &blocks(&[(11, 1)]));
+        assert_eq!(
+            index.remove(w(7), &[EngineHash(5), EngineHash(11)]),
+            ApplyOutcome::Applied { changed: 1, unknown: 1 }
+        );
+        assert_eq!(index.counters().unknown_removed_blocks, 1);
+    }
+
+    #[test]
+    fn a_removed_worker_is_never_matched_again() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        index.store(w(2), None, &blocks(&[(21, 1)]));
+        assert!(index.remove_worker(w(1)));
+        let scores = index.find_overlaps(&locals(&[1]));
+        assert_eq!(scores.entries.len(), 1);
+        assert_eq!(scores.depth(w(2)), 1);
+        assert_eq!(index.workers().collect::<Vec<_>>(), vec![w(2)]);
+    }
+
+    #[test]
+    fn an_engine_hash_reused_for_other_content_moves_to_the_new_block() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        index.store(w(1), None, &blocks(&[(11, 5)]));
+        assert_eq!(index.find_overlaps(&locals(&[1])).depth(w(1)), 0);
+        assert_eq!(index.find_overlaps(&locals(&[5])).depth(w(1)), 1);
+        assert_eq!(index.live_pairs(), 1);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn two_engine_names_for_one_block_keep_it_until_both_are_removed() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        index.store(w(1), None, &blocks(&[(12, 1)]));
+        assert_eq!(index.live_pairs(), 1);
+        index.remove(w(1), &[EngineHash(11)]);
+        assert_eq!(index.find_overlaps(&locals(&[1])).depth(w(1)), 1);
+        index.remove(w(1), &[EngineHash(12)]);
+        assert_eq!(index.find_overlaps(&locals(&[1])).depth(w(1)), 0);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn more_than_64_workers_widen_the_holder_sets() {
+        let mut index = PrefixIndex::new();
+        for id in 0..130 {
+            let depth = 1 + id % 3;
+            let chain: Vec<(u64, u64)> = (0..depth).map(|d| (1000 * id + d, d + 1)).collect();
+            index.store(w(id), None, &blocks(&chain));
+        }
+        let scores = index.find_overlaps(&locals(&[1, 2, 3]));
+        assert_eq!(scores.entries.len(), 130);
+        for id in 0..130 {
+            assert_eq!(scores.depth(w(id)), (1 + id % 3) as u32, "worker {id}");
+        }
+        index.check_invariants();
+        for id in 0..130 {
+            index.remove_worker(w(id));
+        }
+        assert_eq!(index.live_nodes(), 0);
+    }
+
+    // --- model-based property test ----------------------------------------
+
+    /// Naive reference: per worker, engine hash → full prefix (as a vector of
+    /// local hashes) it names.
+    #[derive(Default)]
+    struct Model {
+        workers: HashMap<u64, HashMap<u64, Vec<u64>>>,
+    }
+
+    impl Model {
+        fn prefixes(&self, worker: u64) -> HashSet<Vec<u64>> {
+            self.workers
+                .get(&worker)
+                .map(|m| m.values().cloned().collect())
+                .unwrap_or_default()
+        }
+
+        fn depth(&self, worker: u64, query: &[u64]) -> u32 {
+            let held = self.prefixes(worker);
+            (1..=query.len())
+                .take_while(|&n| held.contains(&query[..n]))
+                .count() as u32
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Store a chain of local hashes under the prefix of an existing
+        /// engine hash (by index into the worker's known ones) or the root.
+        Store {
+            worker: u64,
+            parent: Option<usize>,
+            locals: Vec<u64>,
+            engine_base: u64,
+        },
+        Remove {
+            worker: u64,
+            picks: Vec<usize>,
+            bogus: bool,
+        },
+        Clear {
+            worker: u64,
+        },
+        RemoveWorker {
+            worker: u64,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0..5u64, proptest::option::of(0..50usize), proptest::collection::vec(0..4u64, 1..6), 0..40u64)
+                .prop_map(|(worker, parent, locals, engine_base)| Op::Store { worker, parent, locals, engine_base }),
+            3 => (0..5u64, proptest::collection::vec(0..50usize, 1..4), any::<bool>())
+                .prop_map(|(worker, picks, bogus)| Op::Remove { worker, picks, bogus }),
+            1 => (0..5u64).prop_map(|worker| Op::Clear { worker }),
+            1 => (0..5u64).prop_map(|worker| Op::RemoveWorker { worker }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn index_agrees_with_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
+            let mut index = PrefixIndex::new();
+            let mut model = Model::default();
+            let mut queries: Vec<Vec<u64>> = vec![vec![0, 1, 2, 3, 0]];
+            for op in ops {
+                match op {
+                    Op::Store { worker, parent, locals, engine_base } => {
+                        let known: Vec<(u64, Vec<u64>)> = {
+                            let mut v: Vec<_> = model.workers.get(&worker)
+                                .map(|m| m.iter().map(|(k, p)| (*k, p.clone())).collect())
+                                .unwrap_or_default();
+                            v.sort();
+                            v
+                        };
+                        let (parent_hash, mut prefix) = match parent {
+                            Some(i) if !known.is_empty() => {
+                                let (e, p) = &known[i % known.len()];
+                                (Some(EngineHash(*e)), p.clone())
+                            }
+                            // A parent the worker never stored.
+                            Some(_) => (Some(EngineHash(999_999)), vec![]),
+                            None => (None, vec![]),
+                        };
+                        let chain: Vec<StoredBlock> = locals.iter().enumerate().map(|(i, &l)| StoredBlock {
+                            engine_hash: EngineHash(engine_base * 8 + i as u64),
+                            local_hash: LocalHash(l),
+                        }).collect();
+                        let outcome = index.store(WorkerId::new(worker), parent_hash, &chain);
+                        if parent.is_some() && known.is_empty() {
+                            prop_assert_eq!(outcome, ApplyOutcome::UnknownParent);
+                            continue;
+                        }
+                        let applied = matches!(outcome, ApplyOutcome::Applied { .. });
+                        prop_assert!(applied, "store was not applied: {:?}", outcome);
+                        let entry = model.workers.entry(worker).or_default();
+                        for block in &chain {
+                            prefix.push(block.local_hash.0);
+                            entry.insert(block.engine_hash.0, prefix.clone());
+                        }
+                        queries.push(prefix);
+                    }
+                    Op::Remove { worker, picks, bogus } => {
+                        let mut known: Vec<u64> = model.workers.get(&worker)
+                            .map(|m| m.keys().copied().collect()).unwrap_or_default();
+                        known.sort();
+                        let mut hashes: Vec<EngineHash> = if known.is_empty() { vec![] } else {
+                            picks.iter().map(|&i| EngineHash(known[i % known.len()])).collect()
+                        };
+                        if bogus { hashes.push(EngineHash(777_777)); }
+                        index.remove(WorkerId::new(worker), &hashes);
+                        if let Some(m) = model.workers.get_mut(&worker) {
+                            for h in &hashes { m.remove(&h.0); }
+                        }
+                    }
+                    Op::Clear { worker } => {
+                        index.clear(WorkerId::new(worker));
+                        if let Some(m) = model.workers.get_mut(&worker) { m.clear(); }
+                    }
+                    Op::RemoveWorker { worker } => {
+                        index.remove_worker(WorkerId::new(worker));
+                        model.workers.remove(&worker);
+                    }
+                }
+                index.check_invariants();
+                let model_pairs: usize = model.workers.keys().map(|&w| model.prefixes(w).len()).sum();
+                prop_assert_eq!(index.live_pairs(), model_pairs);
+                for query in &queries {
+                    let scores = index.find_overlaps(&locals(query));
+                    for worker in 0..5u64 {
+                        prop_assert_eq!(scores.depth(WorkerId::new(worker)), model.depth(worker, query),
+                            "worker {} query {:?}", worker, query);
+                    }
+                    for e in &scores.entries {
+                        prop_assert!(e.depth > 0);
+                        prop_assert_eq!(e.cached_blocks, model.prefixes(e.worker.worker_id).len());
+                    }
+                }
+            }
+            for worker in 0..5u64 {
+                index.remove_worker(WorkerId::new(worker));
+            }
+            prop_assert_eq!(index.live_pairs(), 0);
+            prop_assert_eq!(index.live_nodes(), 0);
+            index.check_invariants();
+        }
+    }
+}

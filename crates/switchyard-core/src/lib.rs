@@ -1,0 +1,35 @@
+//! The routing brain of Switchyard, sans I/O.
+//!
+//! Nothing in this crate performs I/O, spawns a task, sleeps or reads a clock:
+//! every time-dependent call takes `now_ms` (milliseconds on any monotonic
+//! clock the driver chooses). The HTTP server and the fleet simulator are two
+//! drivers of this same code, which is what makes every decision reproducible
+//! in a unit test.
+//!
+//! Modules, in the order a request meets them:
+//!
+//! - [`types`] — identities shared by every module: workers, requests, hashes.
+//! - [`hashing`] — token ids to local block hashes and chained sequence hashes
+//!   (xxh3-64; LoRA name and cache salt fold into the seed).
+//! - [`index`] — the prefix index: which workers hold which prefix blocks, fed
+//!   by engine KV events ([`index::PrefixIndex`]) or by the router's own
+//!   decisions with a TTL ([`index::ApproxIndex`]).
+//! - [`sequences`] — active sequences: the write model (worker table, request
+//!   index, per-worker active sequences) and the derived read model
+//!   ([`sequences::PromptRegistry`]) that selectors read.
+//! - [`select`] — the cost function and the routing policies behind one
+//!   [`select::Selector`] trait.
+//!
+//! Data flow for one request: `hashing` turns the prompt into block hashes;
+//! the selector reads overlaps from `index` and load from the registry and
+//! picks a worker; the driver books the request in `sequences`
+//! (`AddRequest`), marks its prefill done at the first token and frees it at
+//! the end. Engine KV events flow into `index` independently.
+
+pub mod hashing;
+pub mod index;
+pub mod select;
+pub mod sequences;
+pub mod types;
+
+pub use types::{EngineHash, LocalHash, RequestId, SequenceHash, WorkerId};

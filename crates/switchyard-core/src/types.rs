@@ -1,0 +1,64 @@
+//! Identities shared by every module.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One engine instance: a worker id plus its data-parallel rank.
+///
+/// Data-parallel ranks of one engine hold separate KV caches, so each rank is
+/// a routing target of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerId {
+    /// The engine instance.
+    pub worker_id: u64,
+    /// Data-parallel rank within the instance (0 when the engine has one).
+    pub dp_rank: u32,
+}
+
+impl WorkerId {
+    /// A worker with data-parallel rank 0.
+    pub const fn new(worker_id: u64) -> Self {
+        Self {
+            worker_id,
+            dp_rank: 0,
+        }
+    }
+
+    /// A worker's data-parallel rank `dp_rank`.
+    pub const fn with_rank(worker_id: u64, dp_rank: u32) -> Self {
+        Self { worker_id, dp_rank }
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.dp_rank == 0 {
+            write!(f, "{}", self.worker_id)
+        } else {
+            write!(f, "{}:{}", self.worker_id, self.dp_rank)
+        }
+    }
+}
+
+/// A request, unique across router replicas (a UUID fits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u128);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// Hash of one block's token ids only (see [`crate::hashing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LocalHash(pub u64);
+
+/// Chained hash identifying a whole prefix up to and including one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SequenceHash(pub u64);
+
+/// The opaque id an engine publishes for a block. Mapped to router nodes,
+/// never recomputed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EngineHash(pub u64);
