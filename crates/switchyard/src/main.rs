@@ -1,1 +1,38 @@
-fn main() {}
+//! The `switchyard` command: router, simulated worker, simulator and benchmarks.
+//!
+//! Each subcommand lives in its own module; `main` only parses and dispatches.
+
+mod bench;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Switchyard: a KV-cache-aware, session-aware request router for LLM
+/// inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "switchyard", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("switchyard: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! `switchyard bench ...`: benchmarks that print figures and write JSON.
+
+use clap::Subcommand;
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Prefix-index benchmarks.
+    #[command(subcommand)]
+    Index(IndexBench),
+}
+
+/// Prefix-index benchmarks.
+#[derive(Debug, Subcommand)]
+pub(crate) enum IndexBench {
+    /// The standard indexer micro-workload.
+    Micro,
+}
+
+pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Index(IndexBench::Micro) => anyhow::bail!("not built yet"),
+    }
+}
