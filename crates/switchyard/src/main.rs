@@ -1,8 +1,9 @@
 //! The `switchyard` command: router, simulated worker, simulator and benchmarks.
 //!
-//! Each subcommand lives in its own module; `main` only parses and dispatches.
+//! Each subcommand lives in its own module of the `switchyard` library;
+//! `main` only parses and dispatches.
 
-mod bench;
+use switchyard::bench;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

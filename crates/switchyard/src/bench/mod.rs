@@ -4,7 +4,7 @@ use clap::Subcommand;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
-pub(crate) enum BenchCommand {
+pub enum BenchCommand {
     /// Prefix-index benchmarks.
     #[command(subcommand)]
     Index(IndexBench),
@@ -12,12 +12,12 @@ pub(crate) enum BenchCommand {
 
 /// Prefix-index benchmarks.
 #[derive(Debug, Subcommand)]
-pub(crate) enum IndexBench {
+pub enum IndexBench {
     /// The standard indexer micro-workload.
     Micro,
 }
 
-pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Index(IndexBench::Micro) => anyhow::bail!("not built yet"),
     }

@@ -1,0 +1,9 @@
+//! The `switchyard` binary's library: everything that does I/O.
+//!
+//! `main.rs` only parses the command line and dispatches to these modules;
+//! integration tests in `tests/` drive the same modules and the built binary.
+//!
+//! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
+//!   write JSON.
+
+pub mod bench;
