@@ -113,8 +113,7 @@ impl Selector for CacheAwareSelector {
         }
         let imbalanced = max - min > self.config.balance_abs_threshold
             && max as f64 > min as f64 * self.config.balance_rel_threshold;
-        self.tree
-            .overlaps(ctx.request.blocks, &mut self.scores);
+        self.tree.overlaps(ctx.request.blocks, &mut self.scores);
         let depth_of = |scores: &OverlapScores, c: &Candidate| scores.depth(c.worker);
         let chosen = if imbalanced {
             self.least_loaded(ctx)
@@ -126,7 +125,11 @@ impl Selector for CacheAwareSelector {
                 .max()
                 .unwrap_or(0);
             let blocks = ctx.request.blocks.len();
-            let ratio = if blocks == 0 { 0.0 } else { best as f64 / blocks as f64 };
+            let ratio = if blocks == 0 {
+                0.0
+            } else {
+                best as f64 / blocks as f64
+            };
             let pick = if best > 0 && ratio > self.config.cache_threshold {
                 argmin_random_tie(
                     ctx.available().filter(|c| depth_of(&scores, c) == best),

@@ -83,7 +83,8 @@ impl KvSelector {
         let new_tokens = (ctx.request.prompt_tokens as f64 - cached_tokens).max(0.0);
         let prefill_blocks = (c.active_prefill_tokens as f64 + new_tokens) / block_size;
         let n = ctx.prompt_blocks() as f64;
-        let decode_blocks = c.active_decode_blocks as f64 + (n - c.active_prompt_blocks as f64).max(0.0);
+        let decode_blocks =
+            c.active_decode_blocks as f64 + (n - c.active_prompt_blocks as f64).max(0.0);
         self.config.overlap_weight * prefill_blocks + decode_blocks
     }
 }
@@ -183,7 +184,13 @@ mod tests {
         let cost = s.cost(&ctx(&BLOCKS, 64, &[]), &c);
         // prefill (32 + 64 − 32) / 16 = 4; decode 10 + 4 − 1 = 13.
         assert_eq!(cost, 17.0);
-        let heavy = KvSelector::new(KvConfig { overlap_weight: 2.0, temperature: 0.0 }, 0);
+        let heavy = KvSelector::new(
+            KvConfig {
+                overlap_weight: 2.0,
+                temperature: 0.0,
+            },
+            0,
+        );
         assert_eq!(heavy.cost(&ctx(&BLOCKS, 64, &[]), &c), 21.0);
     }
 
@@ -195,7 +202,10 @@ mod tests {
         let outcome = s.select(&ctx(&BLOCKS, 64, &cands));
         assert_eq!(
             outcome,
-            SelectOutcome::Selected(Decision { worker: cands[1].worker, overlap_blocks: 3 })
+            SelectOutcome::Selected(Decision {
+                worker: cands[1].worker,
+                overlap_blocks: 3
+            })
         );
     }
 
@@ -224,7 +234,13 @@ mod tests {
         let mut cands = [candidate(1), candidate(2)];
         cands[0].overlap_blocks = 4;
         cands[1].active_decode_blocks = 8;
-        let mut s = KvSelector::new(KvConfig { overlap_weight: 1.0, temperature: 0.5 }, 42);
+        let mut s = KvSelector::new(
+            KvConfig {
+                overlap_weight: 1.0,
+                temperature: 0.5,
+            },
+            42,
+        );
         let mut first = 0;
         for _ in 0..1000 {
             if chosen(s.select(&ctx(&BLOCKS, 64, &cands))) == 1 {
@@ -232,15 +248,27 @@ mod tests {
             }
         }
         // cost 4 vs 16: weights 1 and exp(-(1 − 0.25)/0.5) ≈ 0.22 → p ≈ 0.82.
-        assert!((760..880).contains(&first), "picked the cheap worker {first} of 1000 times");
+        assert!(
+            (760..880).contains(&first),
+            "picked the cheap worker {first} of 1000 times"
+        );
     }
 
     #[test]
     fn bad_settings_are_refused() {
         for config in [
-            KvConfig { overlap_weight: -1.0, temperature: 0.0 },
-            KvConfig { overlap_weight: 1.0, temperature: f64::INFINITY },
-            KvConfig { overlap_weight: f64::NAN, temperature: 0.0 },
+            KvConfig {
+                overlap_weight: -1.0,
+                temperature: 0.0,
+            },
+            KvConfig {
+                overlap_weight: 1.0,
+                temperature: f64::INFINITY,
+            },
+            KvConfig {
+                overlap_weight: f64::NAN,
+                temperature: 0.0,
+            },
         ] {
             assert!(config.validate().is_err(), "{config:?}");
         }

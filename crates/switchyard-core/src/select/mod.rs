@@ -333,8 +333,16 @@ mod tests {
                 let cands = [busy, free];
                 assert_eq!(chosen(s.select(&ctx(&[], 10, &cands))), 2, "{kind}");
             }
-            assert_eq!(s.select(&ctx(&[], 10, &[busy])), SelectOutcome::AllBusy, "{kind}");
-            assert_eq!(s.select(&ctx(&[], 10, &[])), SelectOutcome::NoWorkers, "{kind}");
+            assert_eq!(
+                s.select(&ctx(&[], 10, &[busy])),
+                SelectOutcome::AllBusy,
+                "{kind}"
+            );
+            assert_eq!(
+                s.select(&ctx(&[], 10, &[])),
+                SelectOutcome::NoWorkers,
+                "{kind}"
+            );
         }
     }
 

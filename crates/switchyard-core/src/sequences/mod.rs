@@ -314,7 +314,10 @@ impl ActiveSequences {
         let Some(slot) = self.requests.remove(id) else {
             return false;
         };
-        let worker = self.workers.id(slot).expect("an owner slot is in the table");
+        let worker = self
+            .workers
+            .id(slot)
+            .expect("an owner slot is in the table");
         let state = self.per_worker[slot as usize]
             .as_mut()
             .expect("an owner slot has state");
@@ -378,7 +381,9 @@ impl ActiveSequences {
 
     /// The worker a request is booked on.
     pub fn owner(&self, id: RequestId) -> Option<WorkerId> {
-        self.requests.owner(id).and_then(|slot| self.workers.id(slot))
+        self.requests
+            .owner(id)
+            .and_then(|slot| self.workers.id(slot))
     }
 
     /// Active requests across all workers.
@@ -423,7 +428,10 @@ impl ActiveSequences {
         let mut owned = 0;
         for (slot, state) in self.per_worker.iter().enumerate() {
             let Some(state) = state else { continue };
-            let worker = self.workers.id(slot as u32).expect("state has a table entry");
+            let worker = self
+                .workers
+                .id(slot as u32)
+                .expect("state has a table entry");
             let mut recount: HashMap<SequenceHash, u32> = HashMap::new();
             let mut partial = 0;
             for (id, r) in &state.requests {
@@ -438,7 +446,10 @@ impl ActiveSequences {
                 state.block_refs.iter().map(|(k, v)| (*k, *v)).collect();
             assert_eq!(counted, recount);
             assert_eq!(state.partial_blocks, partial);
-            let load = self.registry.load(worker).expect("registry has every worker");
+            let load = self
+                .registry
+                .load(worker)
+                .expect("registry has every worker");
             assert_eq!(load.decode_blocks, recount.len() + partial);
             assert_eq!(load.requests, state.requests.len());
             assert_eq!(self.registry.active_blocks(worker), recount.len());

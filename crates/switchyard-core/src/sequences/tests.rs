@@ -85,14 +85,32 @@ fn duplicate_and_stale_events_change_nothing() {
     let mut s = model();
     s.add_worker(w(1));
     s.add_worker(w(2));
-    assert_eq!(s.add_request(&add(1, 1, &[1], 4), 0.0), LifecycleOutcome::Applied);
+    assert_eq!(
+        s.add_request(&add(1, 1, &[1], 4), 0.0),
+        LifecycleOutcome::Applied
+    );
     // The same id again, even for another worker, stays with its owner.
-    assert_eq!(s.add_request(&add(1, 2, &[1], 4), 0.0), LifecycleOutcome::Duplicate);
+    assert_eq!(
+        s.add_request(&add(1, 2, &[1], 4), 0.0),
+        LifecycleOutcome::Duplicate
+    );
     assert_eq!(s.owner(r(1)), Some(w(1)));
-    assert_eq!(s.mark_prefill_completed(r(1), 1.0), LifecycleOutcome::Applied);
-    assert_eq!(s.mark_prefill_completed(r(1), 1.0), LifecycleOutcome::Duplicate);
-    assert_eq!(s.mark_prefill_completed(r(5), 1.0), LifecycleOutcome::UnknownRequest);
-    assert_eq!(s.add_request(&add(3, 7, &[1], 4), 0.0), LifecycleOutcome::UnknownWorker);
+    assert_eq!(
+        s.mark_prefill_completed(r(1), 1.0),
+        LifecycleOutcome::Applied
+    );
+    assert_eq!(
+        s.mark_prefill_completed(r(1), 1.0),
+        LifecycleOutcome::Duplicate
+    );
+    assert_eq!(
+        s.mark_prefill_completed(r(5), 1.0),
+        LifecycleOutcome::UnknownRequest
+    );
+    assert_eq!(
+        s.add_request(&add(3, 7, &[1], 4), 0.0),
+        LifecycleOutcome::UnknownWorker
+    );
     s.check_invariants();
 }
 
@@ -100,7 +118,10 @@ fn duplicate_and_stale_events_change_nothing() {
 fn an_empty_prompt_books_no_blocks() {
     let mut s = model();
     s.add_worker(w(1));
-    assert_eq!(s.add_request(&add(1, 1, &[], 0), 0.0), LifecycleOutcome::Applied);
+    assert_eq!(
+        s.add_request(&add(1, 1, &[], 0), 0.0),
+        LifecycleOutcome::Applied
+    );
     let load = s.registry().load(w(1)).unwrap();
     assert_eq!((load.decode_blocks, load.requests), (0, 1));
     assert_eq!(s.free(r(1), 0.0), LifecycleOutcome::Applied);
@@ -113,7 +134,10 @@ fn prefill_tokens_exclude_the_expected_cached_prefix_and_drop_at_the_first_token
     let mut a = add(1, 1, &[1, 2, 3], 13);
     a.overlap_blocks = 2;
     s.add_request(&a, 0.0);
-    assert_eq!(s.registry().load(w(1)).unwrap().active_prefill_tokens(0.0), 5);
+    assert_eq!(
+        s.registry().load(w(1)).unwrap().active_prefill_tokens(0.0),
+        5
+    );
     s.mark_prefill_completed(r(1), 1.0);
     let load = s.registry().load(w(1)).unwrap();
     assert_eq!(load.active_prefill_tokens(1.0), 0);
@@ -221,12 +245,12 @@ proptest! {
                     let outcome = s.add_request(&a, now);
                     let expected = if !workers.contains(&worker) {
                         LifecycleOutcome::UnknownWorker
-                    } else if reference.contains_key(&id) {
-                        LifecycleOutcome::Duplicate
-                    } else {
-                        reference.insert(id, (worker, blocks));
+                    } else if let std::collections::hash_map::Entry::Vacant(e) = reference.entry(id) {
+                        e.insert((worker, blocks));
                         booked_at.insert(id, now);
                         LifecycleOutcome::Applied
+                    } else {
+                        LifecycleOutcome::Duplicate
                     };
                     prop_assert_eq!(outcome, expected);
                 }
