@@ -32,6 +32,7 @@
 
 pub mod hashing;
 pub mod index;
+mod maps;
 pub mod router;
 pub mod select;
 pub mod sequences;

@@ -16,6 +16,7 @@ use crate::index::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, OverlapScores,
     PrefixIndex,
 };
+use crate::maps::FxHashMap;
 use crate::select::{
     build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind,
     RoutingContext, RoutingRequest, SelectOutcome, Selector,
@@ -24,7 +25,6 @@ use crate::sequences::{
     ActiveSequences, AddRequest, LifecycleOutcome, SequencesConfig, SequencesConfigError,
 };
 use crate::types::{RequestId, WorkerId};
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 /// How the router learns what workers have cached.

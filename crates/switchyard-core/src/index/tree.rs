@@ -24,9 +24,9 @@
 //! - `live_pairs()` equals the number of (worker, node) pairs with the
 //!   worker's bit set; it returns to zero when everything is removed.
 
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{EngineHash, LocalHash, WorkerId};
-use rustc_hash::FxHashMap;
-use std::collections::hash_map::Entry;
+use hashbrown::hash_map::Entry;
 
 const ROOT: u32 = 0;
 const NO_CHILD: u32 = u32::MAX;
@@ -107,6 +107,26 @@ pub struct IndexCounters {
     pub unknown_worker: u64,
     /// Events dropped because the arena was full.
     pub dropped_full: u64,
+}
+
+/// Heap bytes of a [`PrefixIndex`] by structure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IndexMemory {
+    /// The node arena (24 bytes a node) and wide holder words.
+    pub nodes: usize,
+    /// Free lists of nodes and child maps.
+    pub free_lists: usize,
+    /// Child maps of branch nodes.
+    pub child_maps: usize,
+    /// Per-worker engine-hash maps and worker slots.
+    pub engine_maps: usize,
+}
+
+impl IndexMemory {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.nodes + self.free_lists + self.child_maps + self.engine_maps
+    }
 }
 
 /// One worker's match for a query.
@@ -451,27 +471,26 @@ impl PrefixIndex {
 
     /// Estimate of heap bytes in use, from allocated capacities.
     pub fn estimated_bytes(&self) -> usize {
-        fn map_bytes<K, V>(map: &FxHashMap<K, V>) -> usize {
-            // hashbrown: buckets ≈ capacity · 8/7, each one entry plus one
-            // control byte.
-            let buckets = map.capacity() * 8 / 7;
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        self.memory().total()
+    }
+
+    /// Heap bytes by structure, from allocated capacities.
+    pub fn memory(&self) -> IndexMemory {
+        IndexMemory {
+            nodes: self.nodes.capacity() * std::mem::size_of::<Node>()
+                + self.wide_holders.capacity() * 8,
+            free_lists: self.free_nodes.capacity() * 4 + self.free_child_maps.capacity() * 4,
+            child_maps: self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
+                + self.child_maps.iter().map(|m| map_bytes(m)).sum::<usize>(),
+            engine_maps: self
+                .slots
+                .iter()
+                .flatten()
+                .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
+                .sum::<usize>()
+                + map_bytes(&self.worker_slots)
+                + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>(),
         }
-        let mut bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.free_nodes.capacity() * 4
-            + self.wide_holders.capacity() * 8
-            + self.free_child_maps.capacity() * 4
-            + self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
-            + map_bytes(&self.worker_slots)
-            + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>();
-        bytes += self.child_maps.iter().map(map_bytes).sum::<usize>();
-        bytes += self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
-            .sum::<usize>();
-        bytes
     }
 
     // --- internals ---------------------------------------------------------

@@ -28,9 +28,9 @@ pub use registry::{PromptRegistry, WorkerLoad};
 pub use tables::{RequestIndex, WorkerTable};
 
 use crate::hashing::sequence_hashes;
+use crate::maps::FxHashMap;
 use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
 use prefill::PrefillTracker;
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 

@@ -16,8 +16,8 @@
 //! - When any active prefill lacks a hint, the remaining time is
 //!   [`MissingExpectedDuration`] and token load decays the anchor alone.
 
+use crate::maps::FxHashMap;
 use crate::types::RequestId;
-use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 
 /// The modeled remaining prefill time is unknown because an active prefill

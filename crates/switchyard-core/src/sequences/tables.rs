@@ -1,7 +1,7 @@
 //! Identity tables of the write model.
 
+use crate::maps::FxHashMap;
 use crate::types::{RequestId, WorkerId};
-use rustc_hash::FxHashMap;
 
 /// Maps worker identity to a dense slot, reusing the lowest free slot so that
 /// per-slot arrays stay short.

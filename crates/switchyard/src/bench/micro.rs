@@ -273,12 +273,35 @@ fn print(r: &Report) {
         r.live_pairs,
         r.live_nodes
     );
-    println!("{:<16} {:>10} {:>10} {:>14}", "operation", "p50 µs", "p99 µs", "ops/s");
+    println!(
+        "{:<16} {:>10} {:>10} {:>14}",
+        "operation", "p50 µs", "p99 µs", "ops/s"
+    );
     let rows = [
-        ("store (event)", r.store_p50_us, r.store_p99_us, r.ops_per_sec.store),
-        ("remove (event)", r.remove_p50_us, r.remove_p99_us, r.ops_per_sec.remove),
-        ("overlaps hit", r.overlaps_hit_p50_us, r.overlaps_hit_p99_us, r.ops_per_sec.overlaps_hit),
-        ("overlaps miss", r.overlaps_miss_p50_us, r.overlaps_miss_p99_us, r.ops_per_sec.overlaps_miss),
+        (
+            "store (event)",
+            r.store_p50_us,
+            r.store_p99_us,
+            r.ops_per_sec.store,
+        ),
+        (
+            "remove (event)",
+            r.remove_p50_us,
+            r.remove_p99_us,
+            r.ops_per_sec.remove,
+        ),
+        (
+            "overlaps hit",
+            r.overlaps_hit_p50_us,
+            r.overlaps_hit_p99_us,
+            r.ops_per_sec.overlaps_hit,
+        ),
+        (
+            "overlaps miss",
+            r.overlaps_miss_p50_us,
+            r.overlaps_miss_p99_us,
+            r.ops_per_sec.overlaps_miss,
+        ),
     ];
     for (name, p50, p99, ops) in rows {
         println!("{name:<16} {p50:>10.3} {p99:>10.3} {ops:>14.0}");

@@ -5,13 +5,16 @@
 //! event stream a fleet of engines would publish:
 //!
 //! - each request queries `overlaps` and goes to the worker with the deepest
-//!   match (round-robin among workers when nothing matches);
+//!   match when that covers at least half the prompt, else to the next
+//!   worker in turn (every request shares the trace's first block, so
+//!   "deepest match" alone would send everything to one worker);
 //! - that worker publishes `Stored` for the blocks it did not have;
 //! - a per-worker LRU of `--capacity-blocks` evicts (tails before their
 //!   prefixes) and publishes `Removed`.
 //!
-//! Only index calls are timed. Memory is sampled when the fleet first fills
-//! (the start of the churn phase, where removals match stores) and at the end.
+//! Only index calls are timed. Memory is sampled when every worker has
+//! started evicting (the start of the churn phase, where removals match
+//! stores) and at the end.
 
 use super::stats::{rss_bytes, write_json, Latency};
 use crate::data::data_path;
@@ -23,7 +26,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
 use switchyard_core::hashing::{extend_local_block_hashes, sequence_hashes, DEFAULT_SEED};
-use switchyard_core::index::{OverlapScores, PrefixIndex, StoredBlock};
+use switchyard_core::index::{IndexMemory, OverlapScores, PrefixIndex, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
 
@@ -86,7 +89,9 @@ impl Lru {
 struct MemorySample {
     requests: usize,
     live_pairs: usize,
+    live_nodes: usize,
     index_bytes: usize,
+    index: IndexMemory,
     rss_bytes: Option<u64>,
 }
 
@@ -124,7 +129,10 @@ struct Report {
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     anyhow::ensure!(args.block_size > 0, "--block-size must be at least 1");
-    anyhow::ensure!(args.capacity_blocks > 0, "--capacity-blocks must be at least 1");
+    anyhow::ensure!(
+        args.capacity_blocks > 0,
+        "--capacity-blocks must be at least 1"
+    );
     let path = match &args.trace {
         Some(p) => p.clone(),
         None => data_path("traces/mooncake_conversation.jsonl")?,
@@ -140,11 +148,14 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut requests = 0usize;
     let mut next_rr = 0u64;
     let mut churn_start: Option<(MemorySample, u64, u64)> = None;
+    let mut evicting = vec![false; args.workers as usize];
     let mut samples = Vec::new();
     let sample = |index: &PrefixIndex, requests| MemorySample {
         requests,
         live_pairs: index.live_pairs(),
+        live_nodes: index.live_nodes(),
         index_bytes: index.estimated_bytes(),
+        index: index.memory(),
         rss_bytes: rss_bytes(),
     };
     for pass in 0..args.passes.max(1) {
@@ -174,12 +185,17 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
             let start = Instant::now();
             index.overlaps(black_box(&locals), &mut out);
             query_us.push(start.elapsed().as_nanos() as f64 / 1000.0);
-            let best = out.entries.iter().max_by_key(|e| (e.depth, Reverse(e.cached_blocks)));
+            let best = out
+                .entries
+                .iter()
+                .max_by_key(|e| (e.depth, Reverse(e.cached_blocks)))
+                .filter(|e| 2 * e.depth as usize >= locals.len());
             let (worker, depth) = match best {
                 Some(e) => (e.worker, e.depth as usize),
                 None => {
                     next_rr = (next_rr + 1) % args.workers;
-                    (WorkerId::new(next_rr), 0)
+                    let worker = WorkerId::new(next_rr);
+                    (worker, out.depth(worker) as usize)
                 }
             };
             matched += depth as u64;
@@ -213,7 +229,8 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
             }
             if !evicted.is_empty() {
-                if churn_start.is_none() {
+                evicting[worker.worker_id as usize] = true;
+                if churn_start.is_none() && evicting.iter().all(|&e| e) {
                     churn_start = Some((sample(&index, requests), stored, removed));
                 }
                 let start = Instant::now();
