@@ -3,7 +3,10 @@
 //! - [`trace`] — streaming readers for public LLM-serving traces, with errors
 //!   that name the offending line, and the deterministic expansion of
 //!   Mooncake's 512-token hash ids into synthetic token ids.
+//! - [`reference`] — the infinite-cache bound and the pooled-LRU reference
+//!   that policies' hit rates are read against.
 
 #![warn(missing_docs)]
 
+pub mod reference;
 pub mod trace;
