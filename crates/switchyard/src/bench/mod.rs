@@ -2,12 +2,16 @@
 
 use clap::Subcommand;
 
+pub mod engine;
+
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Prefix-index benchmarks.
     #[command(subcommand)]
     Index(IndexBench),
+    /// Simulated-engine scheduler steps per minute on one core.
+    Engine(engine::EngineBench),
 }
 
 /// Prefix-index benchmarks.
@@ -20,5 +24,6 @@ pub enum IndexBench {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Index(IndexBench::Micro) => anyhow::bail!("not built yet"),
+        BenchCommand::Engine(opts) => engine::run(opts),
     }
 }
