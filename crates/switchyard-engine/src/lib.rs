@@ -1,1 +1,42 @@
-//! placeholder
+//! Switchyard's simulated engine: a real engine core without a model.
+//!
+//! Pure: nothing here reads a clock, sleeps or does I/O. The fleet simulator
+//! drives it in virtual time; `switchyard sim-worker` drives it in real time.
+//!
+//! Modules, in the order one step meets them:
+//!
+//! - [`config`] — [`EngineConfig`]: every knob, documented defaults, `validate()`.
+//! - [`scheduler`] — [`Engine`]: waiting and running queues, continuous
+//!   batching, chunked prefill, recompute preemption; one [`Engine::step`]
+//!   plans a batch, asks the device layer for effects, applies the outcomes.
+//! - [`device`] — the [`DeviceLayer`] contract (reserve, roll back, release,
+//!   restore, launch, result) and its synchronous, reserve-ahead and scripted
+//!   implementations.
+//! - [`blocks`] — [`BlockManager`]: the paged KV pool, ref counts, prefix
+//!   cache, LRU eviction, optional host tier.
+//! - [`restore`] — the host-tier restore protocol: decisions, deferral guard,
+//!   validation.
+//! - [`timing`] — [`TimingConfig`]: step and restore durations.
+//! - [`events`] — [`KvEvent`]: the typed KV events every store, removal and
+//!   clear emits, independent of any wire format.
+//!
+//! Data flow: requests enter [`Engine::add_request`]; each step emits sampled
+//! tokens and finished requests in a [`StepReport`]; the block manager's
+//! events and the scheduler's observations are drained by the driver.
+
+#![warn(missing_docs)]
+
+pub mod blocks;
+pub mod config;
+pub mod device;
+pub mod events;
+pub mod restore;
+pub mod scheduler;
+pub mod timing;
+
+pub use blocks::{engine_hash, BlockManager, SeqId};
+pub use config::EngineConfig;
+pub use device::{AheadDevice, DeviceLayer, ScriptedDevice, SyncDevice};
+pub use events::{KvEvent, Medium};
+pub use scheduler::{Engine, Finished, FinishReason, NewRequest, Observation, StepReport, TokenOutput};
+pub use timing::TimingConfig;

@@ -2,8 +2,10 @@
 //!
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
+//! - [`engine`] — simulated-engine scheduler steps per minute;
 //! - [`stats`] — latency summaries and JSON output.
 
+pub mod engine;
 pub mod micro;
 pub mod stats;
 pub mod trace;
@@ -16,6 +18,8 @@ pub enum BenchCommand {
     /// Prefix-index benchmarks.
     #[command(subcommand)]
     Index(IndexBench),
+    /// Simulated-engine scheduler steps per minute on one core.
+    Engine(engine::EngineBench),
 }
 
 /// Prefix-index benchmarks.
@@ -32,5 +36,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Index(IndexBench::Micro(args)) => micro::run(args),
         BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
+        BenchCommand::Engine(opts) => engine::run(opts),
     }
 }

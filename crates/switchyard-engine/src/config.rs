@@ -1,0 +1,134 @@
+//! Engine configuration: one struct, documented defaults, `validate()`.
+
+use crate::blocks::KvConfig;
+use crate::timing::{TimingConfig, TimingConfigError};
+use serde::{Deserialize, Serialize};
+
+/// Every knob of the simulated engine. Defaults follow vLLM's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Tokens per KV block (16).
+    pub block_size: usize,
+    /// Device KV blocks in the pool (16,384).
+    pub num_blocks: usize,
+    /// Host-tier capacity in blocks (0: no host tier).
+    pub host_blocks: usize,
+    /// Most sequences running in one step (256).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (8,192); longer prompts are chunked.
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting; beyond it new requests are refused (4,096).
+    pub max_waiting: usize,
+    /// Longest prompt plus output a request may have (32,768 tokens).
+    pub max_model_len: usize,
+    /// Host-tier restores shorter than this are skipped (256 tokens).
+    pub min_restore_tokens: usize,
+    /// Times a restore may be deferred for device capacity before the
+    /// request computes its prefix instead (8).
+    pub max_restore_deferrals: u32,
+    /// Whether to record KV events (the simulator may not need them).
+    pub emit_kv_events: bool,
+    /// KV events buffered between drains (65,536); beyond it they are dropped and counted.
+    pub max_buffered_events: usize,
+    /// The timing model.
+    pub timing: TimingConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 16_384,
+            host_blocks: 0,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8_192,
+            max_waiting: 4_096,
+            max_model_len: 32_768,
+            min_restore_tokens: 256,
+            max_restore_deferrals: 8,
+            emit_kv_events: true,
+            max_buffered_events: 1 << 16,
+            timing: TimingConfig::default(),
+        }
+    }
+}
+
+/// An engine configuration that makes no sense.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// A count that must be positive is zero.
+    #[error("{0} must be > 0")]
+    Zero(&'static str),
+    /// Too many blocks for 32-bit block ids.
+    #[error("num_blocks must be < 2^32 - 1")]
+    TooManyBlocks,
+    /// A block size beyond what anyone uses.
+    #[error("block_size must be <= 1024, got {0}")]
+    BlockSize(usize),
+    /// Timing knobs.
+    #[error(transparent)]
+    Timing(#[from] TimingConfigError),
+}
+
+impl EngineConfig {
+    /// Checks ranges and relations.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, value) in [
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_waiting", self.max_waiting),
+            ("max_model_len", self.max_model_len),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        if self.block_size > 1024 {
+            return Err(ConfigError::BlockSize(self.block_size));
+        }
+        if self.num_blocks >= u32::MAX as usize {
+            return Err(ConfigError::TooManyBlocks);
+        }
+        self.timing.validate()?;
+        Ok(())
+    }
+
+    /// The block manager's part.
+    pub fn kv(&self) -> KvConfig {
+        KvConfig {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            host_blocks: self.host_blocks,
+            emit_events: self.emit_kv_events,
+            max_buffered_events: self.max_buffered_events,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_validate() {
+        assert_eq!(EngineConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_zero_block_size_is_rejected() {
+        let c = EngineConfig {
+            block_size: 0,
+            ..EngineConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::Zero("block_size")));
+    }
+
+    #[test]
+    fn unknown_config_keys_are_rejected() {
+        let err = serde_json::from_str::<EngineConfig>(r#"{"block_sise": 16}"#);
+        assert!(err.is_err());
+    }
+}

@@ -1,0 +1,1047 @@
+//! The scheduler core: a pure loop of steps over waiting and running queues.
+//!
+//! One [`Engine::step`]:
+//!
+//! 1. running sequences first, in order: each gets its remaining tokens (a
+//!    decode token, or the next prefill chunk) within the step's token
+//!    budget; a dry pool preempts the newest running sequence (recompute,
+//!    LIFO), possibly the one being scheduled;
+//! 2. if nothing was preempted, waiting sequences in order while the budget
+//!    and `max_num_seqs` allow: prefix hits on the device, then the host-tier
+//!    restore protocol ([`crate::restore`]), then a reservation for the first
+//!    chunk; a dry pool leaves the request waiting;
+//! 3. launch the step on the device layer and read its result;
+//! 4. advance every scheduled sequence, cache its newly full blocks, sample a
+//!    synthetic token where a sequence caught up, finish those at `max_tokens`.
+//!
+//! Nothing here reads a clock or does I/O: the step's duration comes back
+//! from the device layer as model milliseconds, and the driver decides what
+//! a millisecond is.
+
+use crate::blocks::{BlockManager, SeqId};
+use crate::config::{ConfigError, EngineConfig};
+use crate::device::{DeviceError, DeviceLayer, Reservation};
+use crate::events::KvEvent;
+use crate::restore::{self, RestoreDecision, RestoreDeferral, RestoreError, RestoreQuery, RestoreTicket};
+use crate::timing::StepShape;
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
+use switchyard_core::hashing::{chain_hash, local_block_hash};
+use switchyard_core::{LocalHash, RequestId, SequenceHash};
+
+/// A request as the engine takes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewRequest {
+    /// Its id.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Output tokens to generate (at least 1).
+    pub max_tokens: u32,
+    /// Block-hash seed (see `switchyard_core::hashing::seed_for`).
+    pub hash_seed: u64,
+}
+
+/// Why a request was refused. Bad input, not an engine fault.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// The id is already in the engine.
+    #[error("request {0} is already in the engine")]
+    Duplicate(RequestId),
+    /// An empty prompt.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// `max_tokens` of zero.
+    #[error("max_tokens must be at least 1")]
+    NoOutput,
+    /// Prompt plus output exceeds the model length or the pool.
+    #[error("prompt of {prompt_tokens} tokens plus {max_tokens} output tokens exceeds the limit of {limit}")]
+    TooLong {
+        /// Prompt length.
+        prompt_tokens: usize,
+        /// Requested output.
+        max_tokens: u32,
+        /// The limit.
+        limit: usize,
+    },
+    /// The waiting queue is full.
+    #[error("the waiting queue is full ({0} requests)")]
+    QueueFull(usize),
+}
+
+/// An engine fault: the device layer broke.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// The device layer failed.
+    #[error("device layer: {0}")]
+    Device(#[from] DeviceError),
+    /// The configuration is invalid.
+    #[error("config: {0}")]
+    Config(#[from] ConfigError),
+}
+
+/// Why a request left the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated `max_tokens` (or hit the model length).
+    Length,
+    /// It was cancelled.
+    Cancelled,
+    /// A published restore failed; the request was cancelled.
+    RestoreFailed,
+}
+
+/// A request that left the engine. Lengths only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub request: RequestId,
+    /// Why.
+    pub reason: FinishReason,
+    /// Its prompt length.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache (device hit plus restore) at first admission.
+    pub cached_tokens: usize,
+    /// Output tokens generated.
+    pub output_tokens: usize,
+}
+
+/// One synthetic output token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenOutput {
+    /// The request.
+    pub request: RequestId,
+    /// The token id.
+    pub token: u32,
+    /// 0-based output position.
+    pub index: u32,
+}
+
+/// What a step did. The buffers are reused from step to step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// Model milliseconds the step took (0 when idle).
+    pub model_ms: f64,
+    /// What it computed.
+    pub shape: StepShape,
+    /// Sequences scheduled.
+    pub scheduled: usize,
+    /// Tokens sampled this step.
+    pub tokens: Vec<TokenOutput>,
+    /// Requests that finished this step.
+    pub finished: Vec<Finished>,
+}
+
+impl StepReport {
+    /// Whether the step computed nothing.
+    pub fn is_idle(&self) -> bool {
+        self.scheduled == 0
+    }
+
+    fn clear(&mut self) {
+        self.model_ms = 0.0;
+        self.shape = StepShape::default();
+        self.scheduled = 0;
+        self.tokens.clear();
+        self.finished.clear();
+    }
+}
+
+/// Something worth exporting that happened inside the core. Lengths only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Observation {
+    /// A restore decision was taken (`Restore` is only an intent).
+    RestoreDecided {
+        /// The request.
+        request: RequestId,
+        /// The decision.
+        decision: RestoreDecision,
+    },
+    /// A restore was installed and acknowledged.
+    Restored {
+        /// The request.
+        request: RequestId,
+        /// Tokens restored.
+        candidate_prefix_tokens: usize,
+    },
+    /// A published restore failed; the request was cancelled.
+    RestoreFailed {
+        /// The request.
+        request: RequestId,
+        /// Why, when the output was invalid (`None`: the device failed).
+        error: Option<RestoreError>,
+    },
+    /// A running request was preempted (recompute).
+    Preempted {
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// Counts of restore outcomes, by decision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RestoreCounters {
+    /// `NoReusableEntry` decisions.
+    pub no_reusable_entry: u64,
+    /// `SequenceCapacityNotReady` decisions (deferrals).
+    pub sequence_capacity_not_ready: u64,
+    /// `NativeRestoreSkipped` decisions.
+    pub native_restore_skipped: u64,
+    /// Restores acknowledged (`Restored`).
+    pub restored: u64,
+    /// Restores that failed after publication.
+    pub failed: u64,
+}
+
+/// Engine counters (monotonic).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineCounters {
+    /// Steps that computed something.
+    pub steps: u64,
+    /// Prompt tokens admitted (counted once per request).
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the cache at first admission.
+    pub prefix_hit_tokens: u64,
+    /// Output tokens sampled.
+    pub generated_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Requests finished at their length.
+    pub finished: u64,
+    /// Requests cancelled.
+    pub cancelled: u64,
+    /// Restore outcomes.
+    pub restores: RestoreCounters,
+    /// Observations dropped because nobody drained them.
+    pub observations_dropped: u64,
+}
+
+const MAX_BUFFERED_OBSERVATIONS: usize = 4_096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Running,
+}
+
+struct Seq {
+    request: RequestId,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    num_computed: usize,
+    hashes: Vec<SequenceHash>,
+    seed: u64,
+    committed_blocks: usize,
+    phase: Phase,
+    deferral: Option<RestoreDeferral>,
+    prompt_counted: bool,
+    cached_tokens: usize,
+}
+
+impl Seq {
+    fn outputs(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn ensure_hashes(&mut self, blocks: usize, block_size: usize) {
+        while self.hashes.len() < blocks {
+            let i = self.hashes.len();
+            let local = local_block_hash(&self.tokens[i * block_size..(i + 1) * block_size], self.seed);
+            let hash = match self.hashes.last() {
+                None => SequenceHash(local.0),
+                Some(&prev) => chain_hash(prev, LocalHash(local.0)),
+            };
+            self.hashes.push(hash);
+        }
+    }
+}
+
+enum Admission {
+    Scheduled(usize),
+    Blocked,
+    Removed,
+}
+
+/// The scheduler core over a device layer `D`.
+pub struct Engine<D> {
+    config: EngineConfig,
+    kv: BlockManager,
+    device: D,
+    slots: Vec<Option<Seq>>,
+    free_slots: Vec<u32>,
+    by_request: FxHashMap<RequestId, SeqId>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    counters: EngineCounters,
+    observations: Vec<Observation>,
+    scheduled: Vec<(SeqId, usize)>,
+}
+
+impl<D: DeviceLayer> Engine<D> {
+    /// An idle engine over `device`.
+    pub fn new(config: EngineConfig, device: D) -> Result<Self, EngineError> {
+        config.validate()?;
+        Ok(Self {
+            kv: BlockManager::new(config.kv()),
+            device,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            by_request: FxHashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            counters: EngineCounters::default(),
+            observations: Vec::new(),
+            scheduled: Vec::new(),
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The block manager (read-only).
+    pub fn kv(&self) -> &BlockManager {
+        &self.kv
+    }
+
+    /// The device layer.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The device layer, for scripting.
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.device
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> EngineCounters {
+        self.counters
+    }
+
+    /// Requests running.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether any request is in the engine.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Used / total device blocks.
+    pub fn kv_usage(&self) -> f64 {
+        self.kv.used_blocks() as f64 / self.kv.num_blocks() as f64
+    }
+
+    /// Moves buffered KV events into `out`.
+    pub fn drain_kv_events(&mut self, out: &mut Vec<KvEvent>) {
+        self.kv.drain_events_into(out);
+    }
+
+    /// Moves buffered observations into `out`.
+    pub fn drain_observations(&mut self, out: &mut Vec<Observation>) {
+        out.append(&mut self.observations);
+    }
+
+    /// Drops every cached block (`AllBlocksCleared`); refused while any
+    /// request holds blocks.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.kv.reset_prefix_cache()
+    }
+
+    /// Queues a request.
+    pub fn add_request(&mut self, request: NewRequest) -> Result<(), AdmitError> {
+        if self.by_request.contains_key(&request.id) {
+            return Err(AdmitError::Duplicate(request.id));
+        }
+        if request.prompt.is_empty() {
+            return Err(AdmitError::EmptyPrompt);
+        }
+        if request.max_tokens == 0 {
+            return Err(AdmitError::NoOutput);
+        }
+        let total = request.prompt.len() + request.max_tokens as usize;
+        let pool_tokens = self.config.num_blocks * self.config.block_size;
+        let limit = self.config.max_model_len.min(pool_tokens);
+        if total > limit {
+            return Err(AdmitError::TooLong {
+                prompt_tokens: request.prompt.len(),
+                max_tokens: request.max_tokens,
+                limit,
+            });
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(AdmitError::QueueFull(self.config.max_waiting));
+        }
+        let seq = Seq {
+            request: request.id,
+            prompt_len: request.prompt.len(),
+            tokens: request.prompt,
+            max_tokens: request.max_tokens as usize,
+            num_computed: 0,
+            hashes: Vec::new(),
+            seed: request.hash_seed,
+            committed_blocks: 0,
+            phase: Phase::Waiting,
+            deferral: None,
+            prompt_counted: false,
+            cached_tokens: 0,
+        };
+        let id = match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(seq);
+                SeqId(slot)
+            }
+            None => {
+                self.slots.push(Some(seq));
+                SeqId(self.slots.len() as u32 - 1)
+            }
+        };
+        self.by_request.insert(request.id, id);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Cancels a request wherever it is; its blocks stay cached. Returns
+    /// what it had done, or `None` when the engine does not hold it.
+    pub fn cancel(&mut self, request: RequestId) -> Result<Option<Finished>, EngineError> {
+        let Some(&id) = self.by_request.get(&request) else {
+            return Ok(None);
+        };
+        let phase = self.seq(id).phase;
+        match phase {
+            Phase::Waiting => self.waiting.retain(|&s| s != id),
+            Phase::Running => self.running.retain(|&s| s != id),
+        }
+        self.release(id, true)?;
+        self.counters.cancelled += 1;
+        Ok(Some(self.remove(id, FinishReason::Cancelled)))
+    }
+
+    /// Runs one step. `report` is cleared and filled.
+    pub fn step(&mut self, report: &mut StepReport) -> Result<(), EngineError> {
+        report.clear();
+        let mut scheduled = std::mem::take(&mut self.scheduled);
+        scheduled.clear();
+        let result = self.plan_and_run(&mut scheduled, report);
+        self.scheduled = scheduled;
+        result
+    }
+
+    fn plan_and_run(
+        &mut self,
+        scheduled: &mut Vec<(SeqId, usize)>,
+        report: &mut StepReport,
+    ) -> Result<(), EngineError> {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut preempted = false;
+        let mut restore_tokens = 0usize;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = self.seq(id);
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let target = seq.num_computed + n;
+            loop {
+                match self.device.reserve_kv(&mut self.kv, id, target)? {
+                    Reservation::Reserved { .. } => {
+                        scheduled.push((id, n));
+                        budget -= n;
+                        i += 1;
+                        break;
+                    }
+                    Reservation::Exhausted => {
+                        let victim = *self.running.last().expect("the scheduled sequence is running");
+                        self.preempt(victim)?;
+                        preempted = true;
+                        if victim == id {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+
+        if !preempted {
+            while budget > 0 && self.running.len() < self.config.max_num_seqs {
+                let Some(&id) = self.waiting.front() else { break };
+                match self.admit(id, budget, &mut restore_tokens, report)? {
+                    Admission::Scheduled(n) => {
+                        self.waiting.pop_front();
+                        self.seq_mut(id).phase = Phase::Running;
+                        self.running.push(id);
+                        scheduled.push((id, n));
+                        budget -= n;
+                    }
+                    Admission::Blocked => break,
+                    Admission::Removed => {
+                        self.waiting.pop_front();
+                    }
+                }
+            }
+        }
+
+        if scheduled.is_empty() {
+            return Ok(());
+        }
+
+        let mut shape = StepShape {
+            restore_tokens: restore_tokens as u64,
+            kv_used_blocks: self.kv.used_blocks() as u64,
+            kv_total_blocks: self.kv.num_blocks() as u64,
+            ..StepShape::default()
+        };
+        for &(id, n) in scheduled.iter() {
+            let seq = self.seq(id);
+            if n == 1 && seq.outputs() > 0 && seq.num_computed + 1 == seq.tokens.len() {
+                shape.decode_tokens += 1;
+            } else {
+                shape.prefill_tokens += n as u64;
+            }
+        }
+        self.device.launch_step(&self.kv, &shape)?;
+        let result = self.device.step_result()?;
+        report.model_ms = result.duration_ms;
+        report.shape = shape;
+        report.scheduled = scheduled.len();
+        self.counters.steps += 1;
+
+        let bs = self.config.block_size;
+        let mut any_finished = false;
+        for &(id, n) in scheduled.iter() {
+            let max_model_len = self.config.max_model_len;
+            let seq = self.slots[id.0 as usize].as_mut().expect("scheduled sequences are live");
+            seq.num_computed += n;
+            let full = seq.num_computed / bs;
+            if full > seq.committed_blocks {
+                seq.ensure_hashes(full, bs);
+                let first = seq.committed_blocks;
+                let parent = first.checked_sub(1).map(|p| seq.hashes[p]);
+                self.kv.commit(id, first, parent, &seq.hashes[first..full], &seq.tokens[first * bs..full * bs]);
+                seq.committed_blocks = full;
+            }
+            if seq.num_computed == seq.tokens.len() {
+                let index = seq.outputs() as u32;
+                let token = synthetic_token(seq.request, index);
+                seq.tokens.push(token);
+                report.tokens.push(TokenOutput {
+                    request: seq.request,
+                    token,
+                    index,
+                });
+                self.counters.generated_tokens += 1;
+                if seq.outputs() >= seq.max_tokens || seq.tokens.len() >= max_model_len {
+                    any_finished = true;
+                }
+            }
+        }
+        if any_finished {
+            for &(id, _) in scheduled.iter() {
+                let done = {
+                    let seq = self.seq(id);
+                    seq.num_computed + 1 == seq.tokens.len()
+                        && (seq.outputs() >= seq.max_tokens || seq.tokens.len() >= self.config.max_model_len)
+                };
+                if done {
+                    self.release(id, true)?;
+                    self.counters.finished += 1;
+                    let finished = self.remove(id, FinishReason::Length);
+                    report.finished.push(finished);
+                }
+            }
+            let slots = &self.slots;
+            self.running.retain(|s| slots[s.0 as usize].is_some());
+        }
+        Ok(())
+    }
+
+    fn admit(
+        &mut self,
+        id: SeqId,
+        budget: usize,
+        restore_tokens: &mut usize,
+        report: &mut StepReport,
+    ) -> Result<Admission, EngineError> {
+        let bs = self.config.block_size;
+        let timing = &self.config.timing;
+        let seq = self.slots[id.0 as usize].as_mut().expect("waiting sequences are live");
+        let max_hit_blocks = (seq.tokens.len() - 1) / bs;
+        seq.ensure_hashes(max_hit_blocks, bs);
+        let hit = self.kv.lookup_prefix(&seq.hashes[..max_hit_blocks]);
+        let mut computed_blocks = hit;
+        let mut restored = None;
+
+        if self.kv.has_host_tier() {
+            let host_run = self.kv.lookup_host(&seq.hashes[hit..max_hit_blocks]);
+            let mut decision = restore::decide(
+                &RestoreQuery {
+                    prompt_tokens: seq.tokens.len(),
+                    device_hit_blocks: hit,
+                    host_run_blocks: host_run,
+                    free_device_blocks: self.kv.free_blocks(),
+                    block_size: bs,
+                    min_restore_tokens: self.config.min_restore_tokens,
+                },
+                timing,
+            );
+            let attempts = seq.deferral.as_ref().map_or(0, |d| d.attempts);
+            if matches!(decision, RestoreDecision::SequenceCapacityNotReady { .. })
+                && attempts >= self.config.max_restore_deferrals
+            {
+                decision = RestoreDecision::NativeRestoreSkipped;
+            }
+            let request = seq.request;
+            let counters = &mut self.counters.restores;
+            match decision {
+                RestoreDecision::NoReusableEntry => counters.no_reusable_entry += 1,
+                RestoreDecision::NativeRestoreSkipped => counters.native_restore_skipped += 1,
+                RestoreDecision::SequenceCapacityNotReady { .. } => {
+                    counters.sequence_capacity_not_ready += 1
+                }
+                RestoreDecision::Restore { .. } => {}
+            }
+            push_bounded(
+                &mut self.observations,
+                &mut self.counters.observations_dropped,
+                Observation::RestoreDecided { request, decision },
+            );
+            let seq = self.slots[id.0 as usize].as_mut().expect("live");
+            match decision {
+                RestoreDecision::SequenceCapacityNotReady { candidate_prefix_tokens } => {
+                    let pins = self.kv.pin_host(&seq.hashes[hit..hit + candidate_prefix_tokens / bs]);
+                    seq.deferral = Some(RestoreDeferral::new(candidate_prefix_tokens, attempts + 1, pins));
+                    return Ok(Admission::Blocked);
+                }
+                RestoreDecision::Restore { candidate_prefix_tokens } => {
+                    seq.deferral = None;
+                    restored = Some(candidate_prefix_tokens);
+                }
+                RestoreDecision::NoReusableEntry | RestoreDecision::NativeRestoreSkipped => {
+                    seq.deferral = None;
+                }
+            }
+        }
+
+        let seq = self.slots[id.0 as usize].as_mut().expect("live");
+        let hashes = std::mem::take(&mut seq.hashes);
+        self.kv.acquire_prefix(id, &hashes[..hit]);
+        if let Some(candidate_prefix_tokens) = restored {
+            let blocks = candidate_prefix_tokens / bs;
+            let seq = self.slots[id.0 as usize].as_mut().expect("live");
+            let ticket = RestoreTicket {
+                request: seq.request,
+                prompt_tokens: seq.tokens.len(),
+                device_prefix_tokens: hit * bs,
+                blocks,
+            };
+            let source = &hashes[hit..hit + blocks];
+            let pins = self.kv.pin_host(source);
+            let parent = hit.checked_sub(1).map(|p| hashes[p]);
+            let outcome = self.device.restore(&mut self.kv, id, &ticket, parent, source);
+            let checked = match outcome {
+                Ok(output) => restore::validate(&ticket, &output, bs).map_err(Some),
+                Err(_) => Err(None),
+            };
+            self.seq_mut(id).hashes = hashes;
+            match checked {
+                Ok(computed_tokens) => {
+                    // Install the progress, then acknowledge; only then observe.
+                    computed_blocks = computed_tokens / bs;
+                    self.device.acknowledge_restore(id)?;
+                    drop(pins);
+                    *restore_tokens += computed_tokens - hit * bs;
+                    self.counters.restores.restored += 1;
+                    push_bounded(
+                        &mut self.observations,
+                        &mut self.counters.observations_dropped,
+                        Observation::Restored {
+                            request: ticket.request,
+                            candidate_prefix_tokens,
+                        },
+                    );
+                }
+                Err(error) => {
+                    drop(pins);
+                    self.device.release_seq(&mut self.kv, id, false)?;
+                    self.counters.restores.failed += 1;
+                    push_bounded(
+                        &mut self.observations,
+                        &mut self.counters.observations_dropped,
+                        Observation::RestoreFailed {
+                            request: ticket.request,
+                            error,
+                        },
+                    );
+                    let finished = self.remove(id, FinishReason::RestoreFailed);
+                    report.finished.push(finished);
+                    return Ok(Admission::Removed);
+                }
+            }
+        } else {
+            self.seq_mut(id).hashes = hashes;
+        }
+
+        let seq = self.slots[id.0 as usize].as_mut().expect("live");
+        seq.num_computed = computed_blocks * bs;
+        seq.committed_blocks = computed_blocks;
+        if !seq.prompt_counted {
+            seq.prompt_counted = true;
+            seq.cached_tokens = seq.num_computed;
+            self.counters.prompt_tokens += seq.prompt_len as u64;
+            self.counters.prefix_hit_tokens += seq.num_computed as u64;
+        }
+        let n = (seq.tokens.len() - seq.num_computed).min(budget);
+        let target = seq.num_computed + n;
+        match self.device.reserve_kv(&mut self.kv, id, target)? {
+            Reservation::Reserved { .. } => Ok(Admission::Scheduled(n)),
+            Reservation::Exhausted => {
+                self.device.release_seq(&mut self.kv, id, true)?;
+                let seq = self.seq_mut(id);
+                seq.num_computed = 0;
+                seq.committed_blocks = 0;
+                Ok(Admission::Blocked)
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: SeqId) -> Result<(), EngineError> {
+        let popped = self.running.pop();
+        debug_assert_eq!(popped, Some(id));
+        self.release(id, true)?;
+        let seq = self.seq_mut(id);
+        seq.num_computed = 0;
+        seq.committed_blocks = 0;
+        seq.phase = Phase::Waiting;
+        let request = seq.request;
+        self.waiting.push_front(id);
+        self.counters.preemptions += 1;
+        push_bounded(
+            &mut self.observations,
+            &mut self.counters.observations_dropped,
+            Observation::Preempted { request },
+        );
+        Ok(())
+    }
+
+    fn release(&mut self, id: SeqId, cache: bool) -> Result<(), EngineError> {
+        if self.device.reserves_ahead() {
+            self.device.rollback(&mut self.kv, id)?;
+        }
+        self.device.release_seq(&mut self.kv, id, cache)?;
+        Ok(())
+    }
+
+    fn remove(&mut self, id: SeqId, reason: FinishReason) -> Finished {
+        let seq = self.slots[id.0 as usize].take().expect("removed sequences are live");
+        self.by_request.remove(&seq.request);
+        self.free_slots.push(id.0);
+        Finished {
+            request: seq.request,
+            reason,
+            prompt_tokens: seq.prompt_len,
+            cached_tokens: seq.cached_tokens,
+            output_tokens: seq.outputs(),
+        }
+    }
+
+    fn seq(&self, id: SeqId) -> &Seq {
+        self.slots[id.0 as usize].as_ref().expect("scheduler ids name live sequences")
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> &mut Seq {
+        self.slots[id.0 as usize].as_mut().expect("scheduler ids name live sequences")
+    }
+}
+
+fn push_bounded(buffer: &mut Vec<Observation>, dropped: &mut u64, observation: Observation) {
+    if buffer.len() >= MAX_BUFFERED_OBSERVATIONS {
+        *dropped += 1;
+    } else {
+        buffer.push(observation);
+    }
+}
+
+/// The synthetic token sampled at output position `index` of `request`:
+/// deterministic, spread over a 32k vocabulary above the special ids.
+pub fn synthetic_token(request: RequestId, index: u32) -> u32 {
+    let mut x = (request.0 as u64) ^ ((request.0 >> 64) as u64) ^ (u64::from(index) << 32 | u64::from(index));
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    100 + (x % 32_000) as u32
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{AheadDevice, Effect, ScriptedDevice, SyncDevice};
+    use crate::restore::RestoreOutput;
+    use crate::timing::TimingConfig;
+    use switchyard_core::hashing::DEFAULT_SEED;
+
+    fn config() -> EngineConfig {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 256,
+            ..EngineConfig::default()
+        }
+    }
+
+    fn request(id: u128, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
+        NewRequest {
+            id: RequestId(id),
+            prompt,
+            max_tokens,
+            hash_seed: DEFAULT_SEED,
+        }
+    }
+
+    fn run_to_end<D: DeviceLayer>(engine: &mut Engine<D>) -> Vec<StepReport> {
+        let mut reports = Vec::new();
+        for _ in 0..10_000 {
+            if !engine.has_work() {
+                return reports;
+            }
+            let mut report = StepReport::default();
+            engine.step(&mut report).unwrap();
+            reports.push(report);
+        }
+        panic!("engine did not drain");
+    }
+
+    #[test]
+    fn the_second_of_two_requests_sharing_a_prefix_computes_only_its_suffix() {
+        let timing = TimingConfig::default();
+        let mut engine = Engine::new(config(), SyncDevice::new(timing.clone())).unwrap();
+        let shared: Vec<u32> = (0..1000).collect();
+        let mut first = shared.clone();
+        first.extend(5000..5100);
+        let mut second = shared.clone();
+        second.extend(7000..7100);
+
+        engine.add_request(request(1, first, 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert_eq!(reports[0].shape.prefill_tokens, 1100);
+
+        engine.add_request(request(2, second, 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        // 62 full blocks (992 tokens) of the shared prefix are cached.
+        assert_eq!(reports[0].shape.prefill_tokens, 1100 - 992);
+        assert!((reports[0].model_ms - timing.prefill_ms(108)).abs() < 1e-9);
+        assert_eq!(engine.counters().prefix_hit_tokens, 992);
+        assert_eq!(engine.kv().free_blocks(), 256);
+    }
+
+    #[test]
+    fn a_long_prompt_is_prefilled_in_chunks_within_the_token_budget() {
+        let cfg = EngineConfig {
+            max_num_batched_tokens: 512,
+            ..config()
+        };
+        let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
+        engine.add_request(request(1, (0..1200).collect(), 2)).unwrap();
+        let reports = run_to_end(&mut engine);
+        let prefill: Vec<u64> = reports.iter().map(|r| r.shape.prefill_tokens).collect();
+        assert_eq!(prefill, vec![512, 512, 176, 0]);
+        assert_eq!(reports[2].tokens.len(), 1, "the first token comes with the last chunk");
+        assert_eq!(reports[3].finished.len(), 1);
+        assert_eq!(reports[3].finished[0].output_tokens, 2);
+    }
+
+    #[test]
+    fn a_dry_pool_preempts_the_newest_running_request_and_it_recomputes() {
+        let cfg = EngineConfig {
+            num_blocks: 8,
+            ..config()
+        };
+        let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
+        engine.add_request(request(1, (0..48).collect(), 40)).unwrap();
+        engine.add_request(request(2, (100..148).collect(), 40)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert!(engine.counters().preemptions > 0);
+        let finished: Vec<_> = reports.iter().flat_map(|r| r.finished.clone()).collect();
+        assert_eq!(finished.len(), 2);
+        assert!(finished.iter().all(|f| f.output_tokens == 40));
+        assert_eq!(finished[0].request, RequestId(1), "the older request is never the victim");
+        assert_eq!(engine.kv().free_blocks(), 8);
+    }
+
+    #[test]
+    fn cancelling_a_running_request_frees_its_blocks() {
+        let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
+        engine.add_request(request(1, (0..100).collect(), 50)).unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert!(engine.kv().used_blocks() > 0);
+        let finished = engine.cancel(RequestId(1)).unwrap().unwrap();
+        assert_eq!(finished.reason, FinishReason::Cancelled);
+        assert_eq!(engine.kv().free_blocks(), 256);
+        assert!(!engine.has_work());
+        assert_eq!(engine.cancel(RequestId(1)), Ok(None), "cancelling twice is harmless");
+    }
+
+    #[test]
+    fn bad_requests_are_refused_with_a_reason() {
+        let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
+        assert_eq!(engine.add_request(request(1, vec![], 1)), Err(AdmitError::EmptyPrompt));
+        assert_eq!(engine.add_request(request(1, vec![1], 0)), Err(AdmitError::NoOutput));
+        assert!(matches!(
+            engine.add_request(request(1, vec![1; 5000], 1)),
+            Err(AdmitError::TooLong { .. })
+        ));
+        engine.add_request(request(1, vec![1], 1)).unwrap();
+        assert_eq!(engine.add_request(request(1, vec![1], 1)), Err(AdmitError::Duplicate(RequestId(1))));
+    }
+
+    #[test]
+    fn the_ahead_device_rolls_back_lookahead_blocks_when_a_request_finishes() {
+        let mut engine = Engine::new(config(), AheadDevice::new(TimingConfig::default(), 1)).unwrap();
+        engine.add_request(request(1, (0..32).collect(), 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert_eq!(reports.len(), 1);
+        assert_eq!(engine.kv().free_blocks(), 256);
+        assert_eq!(engine.kv().cached_blocks(), 2, "the lookahead block was never offered to the cache");
+    }
+
+    fn host_config() -> EngineConfig {
+        EngineConfig {
+            num_blocks: 64,
+            host_blocks: 256,
+            min_restore_tokens: 16,
+            ..config()
+        }
+    }
+
+    /// Fills the host tier with `prompt`'s blocks: run it, then flush the device.
+    fn spill_prompt<D: DeviceLayer>(engine: &mut Engine<D>, prompt: &[u32]) {
+        engine.add_request(request(900, prompt.to_vec(), 1)).unwrap();
+        run_to_end(engine);
+        engine.add_request(request(901, (50_000..50_000 + 63 * 16).collect(), 1)).unwrap();
+        run_to_end(engine);
+    }
+
+    fn observations<D: DeviceLayer>(engine: &mut Engine<D>) -> Vec<Observation> {
+        let mut out = Vec::new();
+        engine.drain_observations(&mut out);
+        out
+    }
+
+    #[test]
+    fn a_host_tier_hit_is_restored_then_acknowledged_then_observed() {
+        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        observations(&mut engine);
+        engine.device_mut().log.clear();
+        engine.add_request(request(1, prompt.clone(), 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        let obs = observations(&mut engine);
+        assert!(
+            obs.contains(&Observation::Restored {
+                request: RequestId(1),
+                candidate_prefix_tokens: 608
+            }),
+            "{obs:?}"
+        );
+        // One prompt block survived on the device; 38 came back from the
+        // host; the last block is computed (no logits are cached).
+        assert_eq!(reports[0].shape.prefill_tokens, 16);
+        assert_eq!(reports[0].shape.restore_tokens, 608);
+        let log = &engine.device().log;
+        let restore_at = log.iter().position(|e| matches!(e, Effect::Restore { .. })).unwrap();
+        let ack_at = log.iter().position(|e| matches!(e, Effect::AckRestore { .. })).unwrap();
+        assert!(restore_at < ack_at);
+        assert_eq!(engine.counters().restores.restored, 1);
+    }
+
+    #[test]
+    fn a_restore_without_device_capacity_is_deferred_with_its_source_pinned() {
+        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        // A long-running request holds most of the device.
+        engine.add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 200)).unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        engine.step(&mut report).unwrap();
+        let obs = observations(&mut engine);
+        assert!(obs.contains(&Observation::RestoreDecided {
+            request: RequestId(1),
+            decision: RestoreDecision::SequenceCapacityNotReady {
+                candidate_prefix_tokens: 624
+            }
+        }));
+        assert_eq!(engine.waiting_len(), 1);
+        // Cancelling drops the deferral, which unpins the source.
+        engine.cancel(RequestId(1)).unwrap();
+        assert_eq!(engine.counters().restores.sequence_capacity_not_ready, 1);
+    }
+
+    #[test]
+    fn a_prompt_with_nothing_on_the_host_is_no_reusable_entry() {
+        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine.add_request(request(1, (0..64).collect(), 1)).unwrap();
+        run_to_end(&mut engine);
+        assert_eq!(engine.counters().restores.no_reusable_entry, 1);
+    }
+
+    #[test]
+    fn an_invalid_restore_output_cancels_the_request_instead_of_falling_back() {
+        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        observations(&mut engine);
+        engine.device_mut().tamper_restore = Some(|out: RestoreOutput| RestoreOutput {
+            restored_tokens: out.prompt_tokens,
+            ..out
+        });
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert_eq!(reports[0].finished[0].reason, FinishReason::RestoreFailed);
+        let obs = observations(&mut engine);
+        assert!(obs.contains(&Observation::RestoreFailed {
+            request: RequestId(1),
+            error: Some(RestoreError::NoSuffixLeft)
+        }));
+        assert!(!obs.iter().any(|o| matches!(o, Observation::Restored { .. })));
+        assert_eq!(engine.kv().free_blocks(), 64);
+        assert!(!engine.device().log.iter().any(|e| matches!(e, Effect::AckRestore { .. })));
+    }
+
+    #[test]
+    fn a_device_failure_during_restore_cancels_the_request() {
+        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        engine.device_mut().fail_next_restore = true;
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert_eq!(reports[0].finished[0].reason, FinishReason::RestoreFailed);
+        assert_eq!(engine.counters().restores.failed, 1);
+    }
+
+    #[test]
+    fn a_scripted_dry_pool_leaves_a_new_request_waiting() {
+        let mut engine = Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine.device_mut().exhaust_next = 1;
+        engine.add_request(request(1, (0..40).collect(), 1)).unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert!(report.is_idle());
+        assert_eq!(engine.waiting_len(), 1);
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.finished.len(), 1);
+    }
+}

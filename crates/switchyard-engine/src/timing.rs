@@ -1,0 +1,196 @@
+//! The timing model: how long a step or a host-tier restore takes.
+//!
+//! Fitted polynomials (DESIGN.md, "Engine side"):
+//!
+//! - prefill: `ms = a·T² + b·T + c`, `T` = uncached tokens computed in the
+//!   batch (decode tokens riding along in a mixed batch count too);
+//! - decode-only batch: `ms = a·u² + b·u + c` with `u` = used / total device
+//!   KV blocks, never below [`TimingConfig::decode_floor_ms`];
+//! - restore: `tokens × bytes_per_token / bandwidth`, added to the step that
+//!   carries the restore.
+//!
+//! All of these are *model* milliseconds. [`TimingConfig::wall_ms`] divides by
+//! the speed-up factor for a real-time driver (`0` makes every step instant).
+
+use serde::{Deserialize, Serialize};
+
+/// Timing-model knobs. Defaults are the documented fit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimingConfig {
+    /// Prefill polynomial `[a, b, c]` in `a·T² + b·T + c` (ms, `T` tokens).
+    pub prefill: [f64; 3],
+    /// Decode polynomial `[a, b, c]` in `a·u² + b·u + c` (ms, `u` KV usage 0..=1).
+    pub decode: [f64; 3],
+    /// Lower bound of a decode step (ms).
+    pub decode_floor_ms: f64,
+    /// Bytes of KV cache per token, for restore time (default 128 KiB).
+    pub bytes_per_token: u64,
+    /// Host-to-device bandwidth in bytes per second (default 64 GB/s).
+    pub restore_bandwidth_bytes_per_s: f64,
+    /// Real-time speed-up: wall time = model time / speedup; `0` = instant.
+    pub speedup: f64,
+}
+
+impl Default for TimingConfig {
+    fn default() -> Self {
+        Self {
+            prefill: [4.209989e-7, 1.518344e-2, 16.50142],
+            decode: [-25.74, 54.01, 5.74],
+            decode_floor_ms: 1.0,
+            bytes_per_token: 128 * 1024,
+            restore_bandwidth_bytes_per_s: 64e9,
+            speedup: 1.0,
+        }
+    }
+}
+
+/// A timing configuration that makes no sense.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TimingConfigError {
+    /// Speed-up must be finite and not negative.
+    #[error("speedup must be a finite number >= 0, got {0}")]
+    Speedup(f64),
+    /// Restore bandwidth must be positive.
+    #[error("restore bandwidth must be > 0 bytes/s, got {0}")]
+    Bandwidth(f64),
+    /// Polynomial coefficients must be finite.
+    #[error("timing coefficients must be finite")]
+    Coefficients,
+}
+
+impl TimingConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), TimingConfigError> {
+        if !self.speedup.is_finite() || self.speedup < 0.0 {
+            return Err(TimingConfigError::Speedup(self.speedup));
+        }
+        if !(self.restore_bandwidth_bytes_per_s.is_finite()
+            && self.restore_bandwidth_bytes_per_s > 0.0)
+        {
+            return Err(TimingConfigError::Bandwidth(
+                self.restore_bandwidth_bytes_per_s,
+            ));
+        }
+        let all = self
+            .prefill
+            .iter()
+            .chain(&self.decode)
+            .chain(std::iter::once(&self.decode_floor_ms));
+        if all.into_iter().any(|c| !c.is_finite()) {
+            return Err(TimingConfigError::Coefficients);
+        }
+        Ok(())
+    }
+
+    /// Model ms of a batch computing `tokens` uncached tokens with prefill work.
+    pub fn prefill_ms(&self, tokens: u64) -> f64 {
+        let t = tokens as f64;
+        let [a, b, c] = self.prefill;
+        (a * t * t + b * t + c).max(0.0)
+    }
+
+    /// Model ms of a decode-only batch at KV usage `usage` (clamped to 0..=1).
+    pub fn decode_ms(&self, usage: f64) -> f64 {
+        let u = usage.clamp(0.0, 1.0);
+        let [a, b, c] = self.decode;
+        (a * u * u + b * u + c).max(self.decode_floor_ms)
+    }
+
+    /// Model ms to copy `tokens` tokens of KV from host to device.
+    pub fn restore_ms(&self, tokens: u64) -> f64 {
+        tokens as f64 * self.bytes_per_token as f64 / self.restore_bandwidth_bytes_per_s * 1e3
+    }
+
+    /// Model ms of one step of the given shape.
+    pub fn step_ms(&self, shape: &StepShape) -> f64 {
+        let compute = if shape.prefill_tokens > 0 {
+            self.prefill_ms(shape.prefill_tokens + shape.decode_tokens)
+        } else if shape.decode_tokens > 0 {
+            self.decode_ms(shape.kv_usage())
+        } else {
+            0.0
+        };
+        compute + self.restore_ms(shape.restore_tokens)
+    }
+
+    /// Wall-clock ms for `model_ms` under the speed-up factor (`0`: instant).
+    pub fn wall_ms(&self, model_ms: f64) -> f64 {
+        if self.speedup == 0.0 {
+            0.0
+        } else {
+            model_ms / self.speedup
+        }
+    }
+}
+
+/// What a step computes, as the timing model needs it. Lengths only.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepShape {
+    /// Prompt (or recompute) tokens computed this step, after prefix hits.
+    pub prefill_tokens: u64,
+    /// Sequences decoding one token this step.
+    pub decode_tokens: u64,
+    /// Tokens restored from the host tier this step.
+    pub restore_tokens: u64,
+    /// Device blocks in use when the step launches.
+    pub kv_used_blocks: u64,
+    /// Device blocks in the pool.
+    pub kv_total_blocks: u64,
+}
+
+impl StepShape {
+    /// Used / total device blocks.
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_total_blocks == 0 {
+            0.0
+        } else {
+            self.kv_used_blocks as f64 / self.kv_total_blocks as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_of_a_thousand_tokens_costs_the_documented_polynomial() {
+        let t = TimingConfig::default();
+        let expected = 4.209989e-7 * 1e6 + 1.518344e-2 * 1000.0 + 16.50142;
+        assert!((t.prefill_ms(1000) - expected).abs() < 1e-9);
+    }
+
+    #[test]
+    fn decode_never_drops_below_the_floor() {
+        let mut t = TimingConfig::default();
+        t.decode = [0.0, 0.0, -5.0];
+        assert_eq!(t.decode_ms(0.5), 1.0);
+        assert!((TimingConfig::default().decode_ms(0.0) - 5.74).abs() < 1e-12);
+    }
+
+    #[test]
+    fn restore_of_a_million_tokens_at_defaults_takes_about_two_seconds() {
+        let t = TimingConfig::default();
+        let ms = t.restore_ms(1_000_000);
+        assert!((ms - 1_000_000.0 * 131_072.0 / 64e9 * 1e3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn speedup_zero_is_instant_and_two_halves_wall_time() {
+        let mut t = TimingConfig::default();
+        t.speedup = 0.0;
+        assert_eq!(t.wall_ms(100.0), 0.0);
+        t.speedup = 2.0;
+        assert_eq!(t.wall_ms(100.0), 50.0);
+    }
+
+    #[test]
+    fn a_negative_speedup_is_rejected() {
+        let t = TimingConfig {
+            speedup: -1.0,
+            ..TimingConfig::default()
+        };
+        assert_eq!(t.validate(), Err(TimingConfigError::Speedup(-1.0)));
+    }
+}
