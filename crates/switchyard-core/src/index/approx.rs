@@ -290,11 +290,26 @@ mod tests {
     #[test]
     fn bad_settings_are_refused() {
         let bad = [
-            ApproxConfig { ttl_ms: 0.0, ..Default::default() },
-            ApproxConfig { ttl_ms: f64::NAN, ..Default::default() },
-            ApproxConfig { max_blocks: 0, ..Default::default() },
-            ApproxConfig { prune_ratio: 1.5, ..Default::default() },
-            ApproxConfig { prune_ratio: 0.0, ..Default::default() },
+            ApproxConfig {
+                ttl_ms: 0.0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                ttl_ms: f64::NAN,
+                ..Default::default()
+            },
+            ApproxConfig {
+                max_blocks: 0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                prune_ratio: 1.5,
+                ..Default::default()
+            },
+            ApproxConfig {
+                prune_ratio: 0.0,
+                ..Default::default()
+            },
         ];
         for config in bad {
             assert!(ApproxIndex::new(config).is_err(), "{config:?}");

@@ -14,6 +14,5 @@ mod tree;
 
 pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};
 pub use tree::{
-    ApplyOutcome, IndexCounters, IndexEvent, OverlapScores, PrefixIndex, StoredBlock,
-    WorkerOverlap,
+    ApplyOutcome, IndexCounters, IndexEvent, OverlapScores, PrefixIndex, StoredBlock, WorkerOverlap,
 };

@@ -657,8 +657,7 @@ impl PrefixIndex {
     /// Frees `node` and then its ancestors while each is held by no worker
     /// and has no child.
     fn reclaim_upward(&mut self, mut node: u32) {
-        while node != ROOT && self.nodes[node as usize].children == NO_CHILD && self.unheld(node)
-        {
+        while node != ROOT && self.nodes[node as usize].children == NO_CHILD && self.unheld(node) {
             let Node { local, parent, .. } = self.nodes[node as usize];
             self.unlink_child(parent, local, node);
             self.free_nodes.push(node);
@@ -765,7 +764,13 @@ mod tests {
         let mut index = PrefixIndex::new();
         index.store(w(1), None, &blocks(&[(11, 1)]));
         let outcome = index.store(w(1), Some(EngineHash(11)), &blocks(&[(12, 2)]));
-        assert_eq!(outcome, ApplyOutcome::Applied { changed: 1, unknown: 0 });
+        assert_eq!(
+            outcome,
+            ApplyOutcome::Applied {
+                changed: 1,
+                unknown: 0
+            }
+        );
         assert_eq!(index.find_overlaps(&locals(&[1, 2])).depth(w(1)), 2);
     }
 
@@ -789,7 +794,13 @@ mod tests {
         index.store(w(1), None, &chain);
         let bytes = index.live_nodes();
         let outcome = index.store(w(1), None, &chain);
-        assert_eq!(outcome, ApplyOutcome::Applied { changed: 0, unknown: 0 });
+        assert_eq!(
+            outcome,
+            ApplyOutcome::Applied {
+                changed: 0,
+                unknown: 0
+            }
+        );
         assert_eq!(index.live_pairs(), 2);
         assert_eq!(index.live_nodes(), bytes);
     }
@@ -823,13 +834,19 @@ mod tests {
     #[test]
     fn unknown_workers_and_blocks_are_outcomes() {
         let mut index = PrefixIndex::new();
-        assert_eq!(index.remove(w(7), &[EngineHash(1)]), ApplyOutcome::UnknownWorker);
+        assert_eq!(
+            index.remove(w(7), &[EngineHash(1)]),
+            ApplyOutcome::UnknownWorker
+        );
         assert_eq!(index.clear(w(7)), ApplyOutcome::UnknownWorker);
         assert!(!index.remove_worker(w(7)));
         index.store(w(7), None, &blocks(&[(11, 1)]));
         assert_eq!(
             index.remove(w(7), &[EngineHash(5), EngineHash(11)]),
-            ApplyOutcome::Applied { changed: 1, unknown: 1 }
+            ApplyOutcome::Applied {
+                changed: 1,
+                unknown: 1
+            }
         );
         assert_eq!(index.counters().unknown_removed_blocks, 1);
     }

@@ -1,0 +1,1 @@
+//! Decoded KV events → prefix-index events (filled in by the next commit).
