@@ -107,7 +107,7 @@ impl SkipReason {
     ];
 
     /// Stable label for `switchyard_kv_events_dropped_total{reason}`.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             SkipReason::TokenCountMismatch => "token_count_mismatch",
             SkipReason::PartialBlock => "partial_block",

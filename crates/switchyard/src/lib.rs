@@ -5,5 +5,8 @@
 //!
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
+//! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
+//!   subscriber with gap replay, metrics) and `switchyard events ...`.
 
 pub mod bench;
+pub mod events;
