@@ -6,6 +6,9 @@
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
 //! - [`data`] — finding the bundled data files.
+//! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
+//!   subscriber with gap replay, metrics) and `switchyard events ...`.
 
 pub mod bench;
 pub mod data;
+pub mod events;

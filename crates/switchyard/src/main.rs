@@ -22,12 +22,16 @@ enum Command {
     /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Inspect engine KV events: decode a payload file, or listen to an engine.
+    #[command(subcommand)]
+    Events(switchyard::events::EventsCommand),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Events(cmd) => switchyard::events::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
