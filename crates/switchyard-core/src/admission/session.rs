@@ -212,6 +212,9 @@ struct Session {
     last_active_ms: f64,
     /// Footprint counted in its worker's `resident` (0 when not counted).
     counted: u64,
+    /// Whether `(counted, key)` is in its worker's idle index (saves a
+    /// B-tree search on every event that does not change it).
+    in_idle: bool,
 }
 
 impl Session {
@@ -361,11 +364,17 @@ impl SessionAwareStrategy {
         let was = session.counted;
         session.counted = want;
         let idle_now = want > 0 && session.is_quiet();
+        let was_idle = std::mem::replace(&mut session.in_idle, idle_now);
         let worker = session.worker;
         if let Some(worker) = worker {
+            if want == was && was_idle == idle_now {
+                return;
+            }
             let kv = self.workers.entry(worker).or_default();
             kv.resident = (kv.resident + want).saturating_sub(was);
-            kv.idle.remove(&(was, key));
+            if was_idle {
+                kv.idle.remove(&(was, key));
+            }
             if idle_now {
                 kv.idle.insert((want, key));
             }
@@ -378,10 +387,13 @@ impl SessionAwareStrategy {
             return;
         };
         let was = std::mem::take(&mut session.counted);
+        let was_idle = std::mem::take(&mut session.in_idle);
         if let Some(worker) = session.worker {
             if let Some(kv) = self.workers.get_mut(&worker) {
                 kv.resident = kv.resident.saturating_sub(was);
-                kv.idle.remove(&(was, key));
+                if was_idle {
+                    kv.idle.remove(&(was, key));
+                }
             }
         }
     }
@@ -638,6 +650,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
                     pause_after_turn: false,
                     last_active_ms: facts.now_ms,
                     counted: 0,
+                    in_idle: false,
                 },
             );
         }

@@ -1,9 +1,11 @@
 //! `switchyard bench ...`: benchmarks that print figures and write JSON.
 //!
+//! - [`admission`] — live progress and session-aware admission;
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
 //! - [`stats`] — latency summaries and JSON output.
 
+pub mod admission;
 pub mod micro;
 pub mod stats;
 pub mod trace;
@@ -16,6 +18,8 @@ pub enum BenchCommand {
     /// Prefix-index benchmarks.
     #[command(subcommand)]
     Index(IndexBench),
+    /// Admission: live progress, admit + event with many sessions retained.
+    Admission(admission::AdmissionArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -32,5 +36,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Index(IndexBench::Micro(args)) => micro::run(args),
         BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
+        BenchCommand::Admission(args) => admission::run(args),
     }
 }
