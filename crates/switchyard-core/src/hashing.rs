@@ -120,9 +120,15 @@ mod tests {
         // and its peers agree on, so it must be deliberate. Computed independently
         // with Python's `xxhash` package (`xxh3_64_intdigest`).
         let tokens: Vec<u32> = (0..16).collect();
-        assert_eq!(local_block_hash(&tokens, DEFAULT_SEED).0, 0xd47a_8f41_c833_328a);
+        assert_eq!(
+            local_block_hash(&tokens, DEFAULT_SEED).0,
+            0xd47a_8f41_c833_328a
+        );
         let block = [1u32, 2, 3, 4];
-        assert_eq!(local_block_hash(&block, DEFAULT_SEED).0, 0xcb38_e4d7_fb2d_ca5c);
+        assert_eq!(
+            local_block_hash(&block, DEFAULT_SEED).0,
+            0xcb38_e4d7_fb2d_ca5c
+        );
         let seq = sequence_hashes(&[LocalHash(1), LocalHash(2)]);
         assert_eq!(seq[0], SequenceHash(1));
         assert_eq!(seq[1].0, 0x07ee_86c2_8144_6bef);

@@ -19,6 +19,8 @@
 //!   ([`sequences::PromptRegistry`]) that selectors read.
 //! - [`select`] — the cost function and the routing policies behind one
 //!   [`select::Selector`] trait.
+//! - [`router`] — the four above as one value ([`router::Router`]) with the
+//!   call sequence both drivers follow.
 //!
 //! Data flow for one request: `hashing` turns the prompt into block hashes;
 //! the selector reads overlaps from `index` and load from the registry and
@@ -26,10 +28,15 @@
 //! (`AddRequest`), marks its prefill done at the first token and frees it at
 //! the end. Engine KV events flow into `index` independently.
 
+#![warn(missing_docs)]
+
 pub mod hashing;
 pub mod index;
+mod maps;
+pub mod router;
 pub mod select;
 pub mod sequences;
 pub mod types;
 
+pub use router::{Router, RouterConfig};
 pub use types::{EngineHash, LocalHash, RequestId, SequenceHash, WorkerId};

@@ -5,5 +5,7 @@
 //!
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
+//! - [`data`] — finding the bundled data files.
 
 pub mod bench;
+pub mod data;

@@ -8,8 +8,8 @@
 
 use super::tree::{OverlapScores, PrefixIndex, StoredBlock};
 use crate::hashing::sequence_hashes;
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{EngineHash, LocalHash, WorkerId};
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
@@ -210,7 +210,7 @@ impl ApproxIndex {
     /// Estimate of heap bytes in use.
     pub fn estimated_bytes(&self) -> usize {
         self.index.estimated_bytes()
-            + self.expiries.capacity() * 8 / 7 * (std::mem::size_of::<((WorkerId, u64), f64)>() + 1)
+            + map_bytes(&self.expiries)
             + self.queue.capacity() * std::mem::size_of::<Expiry>()
     }
 }
@@ -290,11 +290,26 @@ mod tests {
     #[test]
     fn bad_settings_are_refused() {
         let bad = [
-            ApproxConfig { ttl_ms: 0.0, ..Default::default() },
-            ApproxConfig { ttl_ms: f64::NAN, ..Default::default() },
-            ApproxConfig { max_blocks: 0, ..Default::default() },
-            ApproxConfig { prune_ratio: 1.5, ..Default::default() },
-            ApproxConfig { prune_ratio: 0.0, ..Default::default() },
+            ApproxConfig {
+                ttl_ms: 0.0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                ttl_ms: f64::NAN,
+                ..Default::default()
+            },
+            ApproxConfig {
+                max_blocks: 0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                prune_ratio: 1.5,
+                ..Default::default()
+            },
+            ApproxConfig {
+                prune_ratio: 0.0,
+                ..Default::default()
+            },
         ];
         for config in bad {
             assert!(ApproxIndex::new(config).is_err(), "{config:?}");

@@ -14,6 +14,6 @@ mod tree;
 
 pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};
 pub use tree::{
-    ApplyOutcome, IndexCounters, IndexEvent, OverlapScores, PrefixIndex, StoredBlock,
+    ApplyOutcome, IndexCounters, IndexEvent, IndexMemory, OverlapScores, PrefixIndex, StoredBlock,
     WorkerOverlap,
 };

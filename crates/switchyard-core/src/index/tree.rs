@@ -2,17 +2,19 @@
 //!
 //! Layout, chosen for the `overlaps` walk:
 //!
-//! - Nodes live in one arena (`Vec<Node>`, 16 bytes each) addressed by `u32`.
+//! - Nodes live in one arena (`Vec<Node>`, 24 bytes each) addressed by `u32`.
 //!   A chain stored in one event gets consecutive slots, so a walk down it
-//!   reads memory in order.
+//!   reads memory in order. The arena grows by an eighth at a time, not by
+//!   doubling, so at most an eighth of it is slack.
 //! - A node's children are encoded in one `u32`: none, one child (the common
 //!   case: most of a prompt is a chain), or an index into a side arena of
 //!   hash maps for branch points.
-//! - Which workers hold a node is a bitset of `stride` words per node in a
-//!   flat `Vec<u64>`, indexed by worker slot; the stride grows (rarely) when a
-//!   slot past the current width is first used.
+//! - Which workers hold a node is a bitset indexed by worker slot: the first
+//!   64 slots inline in the node, further slots in a side array of
+//!   `stride − 1` words per node that exists only once a 65th worker appears.
 //! - Each worker keeps a map from the engine's block hash to the node it
-//!   named, so `Removed` events find their blocks.
+//!   named, so `Removed` events find their blocks. Keys are stored as two
+//!   `u32` halves so an entry packs into 12 bytes instead of 16.
 //!
 //! Invariants, checked by the property tests in this module:
 //!
@@ -22,15 +24,22 @@
 //! - `live_pairs()` equals the number of (worker, node) pairs with the
 //!   worker's bit set; it returns to zero when everything is removed.
 
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{EngineHash, LocalHash, WorkerId};
-use rustc_hash::FxHashMap;
-use std::collections::hash_map::Entry;
+use hashbrown::hash_map::Entry;
 
 const ROOT: u32 = 0;
 const NO_CHILD: u32 = u32::MAX;
 const MANY_FLAG: u32 = 1 << 31;
 /// Largest arena index a single-child link can address.
 const MAX_NODES: usize = (MANY_FLAG - 1) as usize;
+
+/// An engine hash as two `u32` halves: a 4-byte-aligned map key, so that
+/// (key, node) entries pack into 12 bytes.
+#[inline]
+fn split(hash: u64) -> [u32; 2] {
+    [hash as u32, (hash >> 32) as u32]
+}
 
 /// One block an engine reports stored: its engine-side id and the router's own
 /// local hash of its tokens.
@@ -100,6 +109,26 @@ pub struct IndexCounters {
     pub dropped_full: u64,
 }
 
+/// Heap bytes of a [`PrefixIndex`] by structure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IndexMemory {
+    /// The node arena (24 bytes a node) and wide holder words.
+    pub nodes: usize,
+    /// Free lists of nodes and child maps.
+    pub free_lists: usize,
+    /// Child maps of branch nodes.
+    pub child_maps: usize,
+    /// Per-worker engine-hash maps and worker slots.
+    pub engine_maps: usize,
+}
+
+impl IndexMemory {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.nodes + self.free_lists + self.child_maps + self.engine_maps
+    }
+}
+
 /// One worker's match for a query.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerOverlap {
@@ -144,6 +173,8 @@ impl OverlapScores {
 #[derive(Clone, Copy, Debug)]
 struct Node {
     local: u64,
+    /// Holder bits of worker slots 0..64.
+    holders: u64,
     parent: u32,
     /// `NO_CHILD`, a single child's index, or `MANY_FLAG | child map index`.
     children: u32,
@@ -152,8 +183,8 @@ struct Node {
 #[derive(Debug)]
 struct WorkerSlot {
     id: WorkerId,
-    /// Engine hash → node it names.
-    blocks: FxHashMap<u64, u32>,
+    /// Engine hash (as [`split`] halves) → node it names.
+    blocks: FxHashMap<[u32; 2], u32>,
     /// Nodes named by more than one engine hash of this worker, with the
     /// number of extra names. Rare (e.g. multimodal prompts whose placeholder
     /// tokens match but whose engine hashes differ).
@@ -167,7 +198,8 @@ struct WorkerSlot {
 pub struct PrefixIndex {
     nodes: Vec<Node>,
     free_nodes: Vec<u32>,
-    holders: Vec<u64>,
+    /// Holder words beyond the first, `stride − 1` per node.
+    wide_holders: Vec<u64>,
     stride: usize,
     child_maps: Vec<FxHashMap<u64, u32>>,
     free_child_maps: Vec<u32>,
@@ -190,11 +222,12 @@ impl PrefixIndex {
         Self {
             nodes: vec![Node {
                 local: 0,
+                holders: 0,
                 parent: ROOT,
                 children: NO_CHILD,
             }],
             free_nodes: Vec::new(),
-            holders: vec![0],
+            wide_holders: Vec::new(),
             stride: 1,
             child_maps: Vec::new(),
             free_child_maps: Vec::new(),
@@ -236,7 +269,7 @@ impl PrefixIndex {
         };
         let mut cur = match parent {
             None => ROOT,
-            Some(p) => match self.slot(slot).blocks.get(&p.0) {
+            Some(p) => match self.slot(slot).blocks.get(&split(p.0)) {
                 Some(&node) => node,
                 None => {
                     self.counters.unknown_parent += 1;
@@ -270,7 +303,7 @@ impl PrefixIndex {
         };
         let (mut changed, mut unknown) = (0, 0);
         for engine_hash in blocks {
-            match self.slot_mut(slot).blocks.remove(&engine_hash.0) {
+            match self.slot_mut(slot).blocks.remove(&split(engine_hash.0)) {
                 Some(node) => changed += self.release(slot, node),
                 None => unknown += 1,
             }
@@ -333,7 +366,7 @@ impl PrefixIndex {
             let Some(child) = self.child(cur, hash.0) else {
                 break;
             };
-            let held = self.holders[child as usize];
+            let held = self.nodes[child as usize].holders;
             let dropped = active & !held;
             if dropped != 0 && depth > 0 {
                 self.push_bits(dropped, 0, depth, out);
@@ -361,8 +394,10 @@ impl PrefixIndex {
             let Some(child) = self.child(cur, hash.0) else {
                 break;
             };
-            let held = &self.holders[child as usize * stride..][..stride];
+            let extra = &self.wide_holders[child as usize * (stride - 1)..][..stride - 1];
+            let first = self.nodes[child as usize].holders;
             let mut any = 0;
+            let held = std::iter::once(first).chain(extra.iter().copied());
             for (word, (a, h)) in active.iter_mut().zip(held).enumerate() {
                 let dropped = *a & !h;
                 if dropped != 0 && depth > 0 {
@@ -416,7 +451,7 @@ impl PrefixIndex {
     pub fn holds(&self, worker: WorkerId, engine_hash: EngineHash) -> bool {
         self.worker_slots
             .get(&worker)
-            .is_some_and(|&slot| self.slot(slot).blocks.contains_key(&engine_hash.0))
+            .is_some_and(|&slot| self.slot(slot).blocks.contains_key(&split(engine_hash.0)))
     }
 
     /// Live (block, worker) pairs.
@@ -436,27 +471,26 @@ impl PrefixIndex {
 
     /// Estimate of heap bytes in use, from allocated capacities.
     pub fn estimated_bytes(&self) -> usize {
-        fn map_bytes<K, V>(map: &FxHashMap<K, V>) -> usize {
-            // hashbrown: buckets ≈ capacity · 8/7, each one entry plus one
-            // control byte.
-            let buckets = map.capacity() * 8 / 7;
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        self.memory().total()
+    }
+
+    /// Heap bytes by structure, from allocated capacities.
+    pub fn memory(&self) -> IndexMemory {
+        IndexMemory {
+            nodes: self.nodes.capacity() * std::mem::size_of::<Node>()
+                + self.wide_holders.capacity() * 8,
+            free_lists: self.free_nodes.capacity() * 4 + self.free_child_maps.capacity() * 4,
+            child_maps: self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
+                + self.child_maps.iter().map(|m| map_bytes(m)).sum::<usize>(),
+            engine_maps: self
+                .slots
+                .iter()
+                .flatten()
+                .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
+                .sum::<usize>()
+                + map_bytes(&self.worker_slots)
+                + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>(),
         }
-        let mut bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.free_nodes.capacity() * 4
-            + self.holders.capacity() * 8
-            + self.free_child_maps.capacity() * 4
-            + self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
-            + map_bytes(&self.worker_slots)
-            + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>();
-        bytes += self.child_maps.iter().map(map_bytes).sum::<usize>();
-        bytes += self
-            .slots
-            .iter()
-            .flatten()
-            .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
-            .sum::<usize>();
-        bytes
     }
 
     // --- internals ---------------------------------------------------------
@@ -500,11 +534,14 @@ impl PrefixIndex {
     }
 
     fn widen(&mut self, stride: usize) {
-        let mut holders = vec![0u64; self.nodes.len() * stride];
-        for (node, words) in self.holders.chunks_exact(self.stride).enumerate() {
-            holders[node * stride..][..self.stride].copy_from_slice(words);
+        let (old, new) = (self.stride - 1, stride - 1);
+        let mut wide = vec![0u64; self.nodes.len() * new];
+        if old > 0 {
+            for (node, words) in self.wide_holders.chunks_exact(old).enumerate() {
+                wide[node * new..][..old].copy_from_slice(words);
+            }
         }
-        self.holders = holders;
+        self.wide_holders = wide;
         self.stride = stride;
     }
 
@@ -528,6 +565,7 @@ impl PrefixIndex {
         }
         let node = Node {
             local,
+            holders: 0,
             parent,
             children: NO_CHILD,
         };
@@ -537,8 +575,14 @@ impl PrefixIndex {
                 i
             }
             None => {
+                if self.nodes.len() == self.nodes.capacity() {
+                    self.nodes.reserve_exact(self.nodes.len() / 8 + 64);
+                }
                 self.nodes.push(node);
-                self.holders.resize(self.nodes.len() * self.stride, 0);
+                if self.stride > 1 {
+                    self.wide_holders
+                        .resize(self.nodes.len() * (self.stride - 1), 0);
+                }
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -571,13 +615,23 @@ impl PrefixIndex {
         }
     }
 
+    fn word_mut(&mut self, node: u32, slot: u32) -> &mut u64 {
+        match slot as usize / 64 {
+            0 => &mut self.nodes[node as usize].holders,
+            w => &mut self.wide_holders[node as usize * (self.stride - 1) + w - 1],
+        }
+    }
+
     fn bit(&self, node: u32, slot: u32) -> bool {
-        let word = self.holders[node as usize * self.stride + slot as usize / 64];
+        let word = match slot as usize / 64 {
+            0 => self.nodes[node as usize].holders,
+            w => self.wide_holders[node as usize * (self.stride - 1) + w - 1],
+        };
         word & (1 << (slot % 64)) != 0
     }
 
     fn set_bit(&mut self, node: u32, slot: u32, on: bool) {
-        let word = &mut self.holders[node as usize * self.stride + slot as usize / 64];
+        let word = self.word_mut(node, slot);
         if on {
             *word |= 1 << (slot % 64);
         } else {
@@ -588,7 +642,7 @@ impl PrefixIndex {
     /// Makes `slot` hold `node` under the name `engine_hash`; returns the
     /// number of pairs added (0 or 1).
     fn hold(&mut self, slot: u32, engine_hash: u64, node: u32) -> usize {
-        let previous = match self.slot_mut(slot).blocks.entry(engine_hash) {
+        let previous = match self.slot_mut(slot).blocks.entry(split(engine_hash)) {
             Entry::Occupied(e) if *e.get() == node => return 0,
             Entry::Occupied(mut e) => Some(e.insert(node)),
             Entry::Vacant(e) => {
@@ -617,7 +671,9 @@ impl PrefixIndex {
     /// worker's map); returns pairs removed (0 or 1).
     fn release(&mut self, slot: u32, node: u32) -> usize {
         let worker = self.slot_mut(slot);
-        if let Some(extra) = worker.aliases.get_mut(&node) {
+        if worker.aliases.is_empty() {
+            // The common case: no block of this worker has two names.
+        } else if let Some(extra) = worker.aliases.get_mut(&node) {
             *extra -= 1;
             if *extra == 0 {
                 worker.aliases.remove(&node);
@@ -649,16 +705,17 @@ impl PrefixIndex {
     }
 
     fn unheld(&self, node: u32) -> bool {
-        self.holders[node as usize * self.stride..][..self.stride]
-            .iter()
-            .all(|&w| w == 0)
+        self.nodes[node as usize].holders == 0
+            && (self.stride == 1
+                || self.wide_holders[node as usize * (self.stride - 1)..][..self.stride - 1]
+                    .iter()
+                    .all(|&w| w == 0))
     }
 
     /// Frees `node` and then its ancestors while each is held by no worker
     /// and has no child.
     fn reclaim_upward(&mut self, mut node: u32) {
-        while node != ROOT && self.nodes[node as usize].children == NO_CHILD && self.unheld(node)
-        {
+        while node != ROOT && self.nodes[node as usize].children == NO_CHILD && self.unheld(node) {
             let Node { local, parent, .. } = self.nodes[node as usize];
             self.unlink_child(parent, local, node);
             self.free_nodes.push(node);
@@ -765,7 +822,13 @@ mod tests {
         let mut index = PrefixIndex::new();
         index.store(w(1), None, &blocks(&[(11, 1)]));
         let outcome = index.store(w(1), Some(EngineHash(11)), &blocks(&[(12, 2)]));
-        assert_eq!(outcome, ApplyOutcome::Applied { changed: 1, unknown: 0 });
+        assert_eq!(
+            outcome,
+            ApplyOutcome::Applied {
+                changed: 1,
+                unknown: 0
+            }
+        );
         assert_eq!(index.find_overlaps(&locals(&[1, 2])).depth(w(1)), 2);
     }
 
@@ -789,7 +852,13 @@ mod tests {
         index.store(w(1), None, &chain);
         let bytes = index.live_nodes();
         let outcome = index.store(w(1), None, &chain);
-        assert_eq!(outcome, ApplyOutcome::Applied { changed: 0, unknown: 0 });
+        assert_eq!(
+            outcome,
+            ApplyOutcome::Applied {
+                changed: 0,
+                unknown: 0
+            }
+        );
         assert_eq!(index.live_pairs(), 2);
         assert_eq!(index.live_nodes(), bytes);
     }
@@ -823,13 +892,19 @@ mod tests {
     #[test]
     fn unknown_workers_and_blocks_are_outcomes() {
         let mut index = PrefixIndex::new();
-        assert_eq!(index.remove(w(7), &[EngineHash(1)]), ApplyOutcome::UnknownWorker);
+        assert_eq!(
+            index.remove(w(7), &[EngineHash(1)]),
+            ApplyOutcome::UnknownWorker
+        );
         assert_eq!(index.clear(w(7)), ApplyOutcome::UnknownWorker);
         assert!(!index.remove_worker(w(7)));
         index.store(w(7), None, &blocks(&[(11, 1)]));
         assert_eq!(
             index.remove(w(7), &[EngineHash(5), EngineHash(11)]),
-            ApplyOutcome::Applied { changed: 1, unknown: 1 }
+            ApplyOutcome::Applied {
+                changed: 1,
+                unknown: 1
+            }
         );
         assert_eq!(index.counters().unknown_removed_blocks, 1);
     }

@@ -1,8 +1,16 @@
 //! `switchyard bench ...`: benchmarks that print figures and write JSON.
-
-use clap::Subcommand;
+//!
+//! - [`micro`] — the standard indexer micro-workload;
+//! - [`trace`] — the index under a real trace's event stream;
+//! - [`stats`] — latency summaries and JSON output;
+//! - [`engine`] — simulated-engine scheduler steps per minute.
 
 pub mod engine;
+pub mod micro;
+pub mod stats;
+pub mod trace;
+
+use clap::Subcommand;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -17,13 +25,17 @@ pub enum BenchCommand {
 /// Prefix-index benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum IndexBench {
-    /// The standard indexer micro-workload.
-    Micro,
+    /// The standard indexer micro-workload (store, remove, overlaps hit/miss).
+    Micro(micro::MicroArgs),
+    /// Replay a Mooncake trace as KV events and queries.
+    Trace(trace::TraceArgs),
 }
 
+/// Runs a benchmark.
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Index(IndexBench::Micro) => anyhow::bail!("not built yet"),
+        BenchCommand::Index(IndexBench::Micro(args)) => micro::run(args),
+        BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
         BenchCommand::Engine(opts) => engine::run(opts),
     }
 }

@@ -1,0 +1,507 @@
+//! The routing core as one value: prefix index + active sequences + a
+//! selector. Both drivers (the HTTP server and the fleet simulator) hold one
+//! [`Router`] and call it with their own clock.
+//!
+//! One request's life through it:
+//!
+//! 1. [`Router::route`] — reads overlaps and load, asks the selector;
+//! 2. [`Router::book`] — `AddRequest` on the chosen worker (and, without KV
+//!    events, records the decision in the approximate index);
+//! 3. [`Router::mark_prefill_completed`] at the first token;
+//! 4. [`Router::free`] at the end, on error, or on disconnect.
+//!
+//! KV events arrive independently through [`Router::apply_kv_event`].
+
+use crate::index::{
+    ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, OverlapScores,
+    PrefixIndex,
+};
+use crate::maps::FxHashMap;
+use crate::select::{
+    build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind,
+    RoutingContext, RoutingRequest, SelectOutcome, Selector,
+};
+use crate::sequences::{
+    ActiveSequences, AddRequest, LifecycleOutcome, SequencesConfig, SequencesConfigError,
+};
+use crate::types::{RequestId, WorkerId};
+use serde::{Deserialize, Serialize};
+
+/// How the router learns what workers have cached.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheTracking {
+    /// From the engines' KV events (exact).
+    Events,
+    /// Predicted from the router's own decisions (engines without events).
+    Approximate(ApproxConfig),
+}
+
+/// Settings of a [`Router`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// The routing policy.
+    pub policy: PolicyKind,
+    /// Settings of every policy.
+    pub policies: PolicyConfig,
+    /// Active-sequence settings (block size, expiry).
+    pub sequences: SequencesConfig,
+    /// Exact or approximate cache tracking.
+    pub cache: CacheTracking,
+    /// A worker whose active prefill tokens exceed this fraction of its
+    /// `max_num_batched_tokens`, or whose decode blocks exceed this fraction
+    /// of its KV blocks, is busy and skipped. `None` disables the check.
+    pub busy_threshold: Option<f64>,
+    /// Seed of every random choice.
+    pub seed: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::Kv,
+            policies: PolicyConfig::default(),
+            sequences: SequencesConfig::default(),
+            cache: CacheTracking::Events,
+            busy_threshold: None,
+            seed: 0,
+        }
+    }
+}
+
+/// Why a [`RouterConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RouterConfigError {
+    /// A policy setting.
+    #[error(transparent)]
+    Policy(#[from] PolicyConfigError),
+    /// An active-sequence setting.
+    #[error(transparent)]
+    Sequences(#[from] SequencesConfigError),
+    /// An approximate-index setting.
+    #[error(transparent)]
+    Approx(#[from] ApproxConfigError),
+    /// A busy threshold that is not positive.
+    #[error("busy_threshold must be positive and finite, got {0}")]
+    BusyThreshold(f64),
+}
+
+impl RouterConfig {
+    /// Checks every part.
+    pub fn validate(&self) -> Result<(), RouterConfigError> {
+        self.policies.validate()?;
+        self.sequences.validate()?;
+        if let CacheTracking::Approximate(approx) = self.cache {
+            approx.validate()?;
+        }
+        if let Some(t) = self.busy_threshold {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(RouterConfigError::BusyThreshold(t));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a worker can hold, for busy thresholds. Unknown parts never make a
+/// worker busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerCapacity {
+    /// Tokens the engine batches per step.
+    pub max_num_batched_tokens: Option<u64>,
+    /// KV blocks on the device.
+    pub kv_blocks: Option<u64>,
+}
+
+#[derive(Debug)]
+enum CacheIndex {
+    Exact(PrefixIndex),
+    Approximate(ApproxIndex),
+}
+
+/// The routing core. See the module docs for the call sequence.
+pub struct Router {
+    config: RouterConfig,
+    cache: CacheIndex,
+    sequences: ActiveSequences,
+    selector: Box<dyn Selector>,
+    capacities: FxHashMap<WorkerId, WorkerCapacity>,
+    overlaps: OverlapScores,
+    active: OverlapScores,
+    candidates: Vec<Candidate>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("policy", &self.selector.name())
+            .field("workers", &self.capacities.len())
+            .field("active_requests", &self.sequences.active_requests())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Router {
+    /// A router with no workers.
+    pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
+        config.validate()?;
+        let cache = match config.cache {
+            CacheTracking::Events => CacheIndex::Exact(PrefixIndex::new()),
+            CacheTracking::Approximate(approx) => {
+                CacheIndex::Approximate(ApproxIndex::new(approx)?)
+            }
+        };
+        Ok(Self {
+            selector: build_selector(config.policy, &config.policies, config.seed)?,
+            sequences: ActiveSequences::new(config.sequences)?,
+            config,
+            cache,
+            capacities: FxHashMap::default(),
+            overlaps: OverlapScores::new(),
+            active: OverlapScores::new(),
+            candidates: Vec::new(),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// The selector's policy name.
+    pub fn policy_name(&self) -> &'static str {
+        self.selector.name()
+    }
+
+    /// Adds (or updates the capacity of) a worker.
+    pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity) {
+        self.capacities.insert(worker, capacity);
+        self.sequences.add_worker(worker);
+    }
+
+    /// Removes a worker: it is never selected again, its cached blocks are
+    /// forgotten, and its active requests are freed (returned).
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
+        self.capacities.remove(&worker);
+        match &mut self.cache {
+            CacheIndex::Exact(index) => {
+                index.remove_worker(worker);
+            }
+            CacheIndex::Approximate(index) => index.remove_worker(worker),
+        }
+        self.selector.remove_worker(worker);
+        self.sequences.remove_worker(worker)
+    }
+
+    /// Applies an engine KV event. Events for workers the router does not
+    /// route to are still indexed (a worker may publish before it is added);
+    /// in approximate mode events are ignored and `None` is returned.
+    pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {
+        match &mut self.cache {
+            CacheIndex::Exact(index) => Some(index.apply(worker, event)),
+            CacheIndex::Approximate(_) => None,
+        }
+    }
+
+    /// Chooses a worker for a request among `eligible` (all workers when
+    /// `None`). Changes no booking: call [`Router::book`] on dispatch.
+    pub fn route(
+        &mut self,
+        request: RoutingRequest<'_>,
+        eligible: Option<&[WorkerId]>,
+        now_ms: f64,
+    ) -> SelectOutcome {
+        match &mut self.cache {
+            CacheIndex::Exact(index) => index.overlaps(request.blocks, &mut self.overlaps),
+            CacheIndex::Approximate(index) => {
+                index.expire(now_ms);
+                index.overlaps(request.blocks, &mut self.overlaps);
+            }
+        }
+        self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
+        self.sequences
+            .registry()
+            .active_prompt_overlaps(request.blocks, &mut self.active);
+        self.active.entries.sort_unstable_by_key(|e| e.worker);
+        let cached_blocks = |worker| match &self.cache {
+            CacheIndex::Exact(index) => index.worker_blocks(worker),
+            CacheIndex::Approximate(index) => index.index().worker_blocks(worker),
+        };
+        self.candidates.clear();
+        for load in self.sequences.registry().loads() {
+            let worker = load.worker;
+            if let Some(eligible) = eligible {
+                if !eligible.contains(&worker) {
+                    continue;
+                }
+            }
+            let prefill_tokens = load.active_prefill_tokens(now_ms);
+            let busy = match (self.config.busy_threshold, self.capacities.get(&worker)) {
+                (Some(t), Some(cap)) => {
+                    cap.max_num_batched_tokens
+                        .is_some_and(|m| prefill_tokens as f64 > t * m as f64)
+                        || cap
+                            .kv_blocks
+                            .is_some_and(|m| load.decode_blocks as f64 > t * m as f64)
+                }
+                _ => false,
+            };
+            self.candidates.push(Candidate {
+                worker,
+                overlap_blocks: depth_of(&self.overlaps, worker),
+                cached_blocks: cached_blocks(worker),
+                active_prompt_blocks: depth_of(&self.active, worker),
+                active_prefill_tokens: prefill_tokens,
+                active_decode_blocks: load.decode_blocks,
+                active_requests: load.requests,
+                busy,
+            });
+        }
+        let ctx = RoutingContext {
+            request,
+            candidates: &self.candidates,
+            block_size: self.config.sequences.block_size,
+            now_ms,
+        };
+        self.selector.select(&ctx)
+    }
+
+    /// Books a routed request on its worker (`AddRequest`).
+    pub fn book(
+        &mut self,
+        id: RequestId,
+        request: RoutingRequest<'_>,
+        decision: Decision,
+        expected_prefill_ms: Option<f64>,
+        now_ms: f64,
+    ) -> LifecycleOutcome {
+        let outcome = self.sequences.add_request(
+            &AddRequest {
+                request: id,
+                worker: decision.worker,
+                prompt_tokens: request.prompt_tokens,
+                blocks: request.blocks.to_vec(),
+                overlap_blocks: decision.overlap_blocks,
+                expected_prefill_ms,
+            },
+            now_ms,
+        );
+        if outcome == LifecycleOutcome::Applied {
+            if let CacheIndex::Approximate(index) = &mut self.cache {
+                index.record(decision.worker, request.blocks, now_ms);
+            }
+        }
+        outcome
+    }
+
+    /// The request's first token arrived.
+    pub fn mark_prefill_completed(&mut self, id: RequestId, now_ms: f64) -> LifecycleOutcome {
+        self.sequences.mark_prefill_completed(id, now_ms)
+    }
+
+    /// The request ended, however it ended.
+    pub fn free(&mut self, id: RequestId, now_ms: f64) -> LifecycleOutcome {
+        self.sequences.free(id, now_ms)
+    }
+
+    /// Frees requests past their deadline; returns them.
+    pub fn expire(&mut self, now_ms: f64) -> Vec<RequestId> {
+        if let CacheIndex::Approximate(index) = &mut self.cache {
+            index.expire(now_ms);
+        }
+        self.sequences.expire(now_ms)
+    }
+
+    /// The active-sequence model (read-only).
+    pub fn sequences(&self) -> &ActiveSequences {
+        &self.sequences
+    }
+
+    /// The exact prefix index, when the router follows KV events.
+    pub fn index(&self) -> &PrefixIndex {
+        match &self.cache {
+            CacheIndex::Exact(index) => index,
+            CacheIndex::Approximate(index) => index.index(),
+        }
+    }
+
+    /// Estimate of heap bytes held by the index and the registry.
+    pub fn estimated_bytes(&self) -> usize {
+        let index = match &self.cache {
+            CacheIndex::Exact(index) => index.estimated_bytes(),
+            CacheIndex::Approximate(index) => index.estimated_bytes(),
+        };
+        index + self.sequences.registry().estimated_bytes()
+    }
+}
+
+/// Depth of `worker` in scores sorted by worker.
+fn depth_of(scores: &OverlapScores, worker: WorkerId) -> u32 {
+    scores
+        .entries
+        .binary_search_by_key(&worker, |e| e.worker)
+        .map_or(0, |i| scores.entries[i].depth)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::StoredBlock;
+    use crate::types::{EngineHash, LocalHash};
+
+    fn w(id: u64) -> WorkerId {
+        WorkerId::new(id)
+    }
+
+    fn router(config: RouterConfig) -> Router {
+        let mut r = Router::new(config).unwrap();
+        for id in 1..=3 {
+            r.add_worker(
+                w(id),
+                WorkerCapacity {
+                    max_num_batched_tokens: Some(1000),
+                    kv_blocks: Some(100),
+                },
+            );
+        }
+        r
+    }
+
+    fn prompt(blocks: &[LocalHash]) -> RoutingRequest<'_> {
+        RoutingRequest {
+            prompt_tokens: blocks.len() as u32 * 16,
+            blocks,
+        }
+    }
+
+    fn selected(outcome: SelectOutcome) -> Decision {
+        match outcome {
+            SelectOutcome::Selected(d) => d,
+            other => panic!("expected a selection, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn kv_events_steer_requests_to_the_worker_with_the_prefix() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let stored: Vec<StoredBlock> = blocks
+            .iter()
+            .map(|&l| StoredBlock {
+                engine_hash: EngineHash(l.0 + 100),
+                local_hash: l,
+            })
+            .collect();
+        r.apply_kv_event(
+            w(2),
+            &IndexEvent::Stored {
+                parent: None,
+                blocks: stored,
+            },
+        );
+        let d = selected(r.route(prompt(&blocks), None, 0.0));
+        assert_eq!(
+            d,
+            Decision {
+                worker: w(2),
+                overlap_blocks: 8
+            }
+        );
+        // Only the eligible workers are considered.
+        let d = selected(r.route(prompt(&blocks), Some(&[w(1), w(3)]), 0.0));
+        assert_ne!(d.worker, w(2));
+    }
+
+    #[test]
+    fn booking_adds_load_that_steers_the_next_request_away() {
+        let mut r = router(RouterConfig::default());
+        let a: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let first = selected(r.route(prompt(&a), None, 0.0));
+        r.book(RequestId(1), prompt(&a), first, None, 0.0);
+        let b: Vec<LocalHash> = (20..28).map(LocalHash).collect();
+        let second = selected(r.route(prompt(&b), None, 0.0));
+        assert_ne!(second.worker, first.worker);
+        assert_eq!(r.free(RequestId(1), 1.0), LifecycleOutcome::Applied);
+        assert_eq!(r.sequences().active_requests(), 0);
+    }
+
+    #[test]
+    fn busy_workers_are_skipped_and_all_busy_waits() {
+        let mut r = router(RouterConfig {
+            busy_threshold: Some(0.5),
+            policy: PolicyKind::RoundRobin,
+            ..Default::default()
+        });
+        let big: Vec<LocalHash> = (1..=40).map(LocalHash).collect(); // 640 tokens > 500
+        for id in 1..=3 {
+            let d = selected(r.route(prompt(&big), None, 0.0));
+            assert_eq!(d.worker, w(id));
+            r.book(RequestId(id.into()), prompt(&big), d, None, 0.0);
+        }
+        assert_eq!(r.route(prompt(&big), None, 0.0), SelectOutcome::AllBusy);
+        r.mark_prefill_completed(RequestId(2), 1.0);
+        assert_eq!(selected(r.route(prompt(&big), None, 1.0)).worker, w(2));
+    }
+
+    #[test]
+    fn a_removed_worker_is_never_selected_and_its_bookings_are_freed() {
+        let mut r = router(RouterConfig {
+            policy: PolicyKind::RoundRobin,
+            ..Default::default()
+        });
+        let a: Vec<LocalHash> = (1..=2).map(LocalHash).collect();
+        r.book(
+            RequestId(7),
+            prompt(&a),
+            Decision {
+                worker: w(2),
+                overlap_blocks: 0,
+            },
+            None,
+            0.0,
+        );
+        assert_eq!(r.remove_worker(w(2)), vec![RequestId(7)]);
+        for _ in 0..10 {
+            assert_ne!(selected(r.route(prompt(&a), None, 0.0)).worker, w(2));
+        }
+        assert_eq!(r.free(RequestId(7), 0.0), LifecycleOutcome::UnknownRequest);
+    }
+
+    #[test]
+    fn without_events_the_router_predicts_from_its_own_decisions() {
+        let mut r = router(RouterConfig {
+            cache: CacheTracking::Approximate(ApproxConfig::default()),
+            ..Default::default()
+        });
+        let a: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let first = selected(r.route(prompt(&a), None, 0.0));
+        assert_eq!(first.overlap_blocks, 0);
+        r.book(RequestId(1), prompt(&a), first, None, 0.0);
+        r.free(RequestId(1), 10.0);
+        let again = selected(r.route(prompt(&a), None, 20.0));
+        assert_eq!(
+            again,
+            Decision {
+                worker: first.worker,
+                overlap_blocks: 8
+            }
+        );
+        assert!(r.apply_kv_event(w(1), &IndexEvent::Cleared).is_none());
+        // Past the TTL the prediction is gone.
+        let later = selected(r.route(prompt(&a), None, 200_000.0));
+        assert_eq!(later.overlap_blocks, 0);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = RouterConfig {
+            busy_threshold: Some(0.0),
+            ..Default::default()
+        };
+        assert_eq!(
+            Router::new(bad).unwrap_err(),
+            RouterConfigError::BusyThreshold(0.0)
+        );
+    }
+}

@@ -1,0 +1,369 @@
+//! Worker selection: the cost function and the routing policies.
+//!
+//! Every policy implements [`Selector`] and sees the same
+//! [`RoutingContext`]: the request's facts and one [`Candidate`] per eligible
+//! worker (cached overlap from the prefix index, load from the prompt
+//! registry, and whether the worker is over its busy threshold). That is what
+//! lets the simulator and the server compare policies on equal terms.
+//!
+//! | policy | picks |
+//! |---|---|
+//! | `round-robin` | the next worker in turn |
+//! | `random` | a uniformly random worker |
+//! | `least-loaded` | the worker with the fewest active requests |
+//! | `power-of-two` | the less loaded of two random workers |
+//! | `kv` | the lowest [`kv`] cost: prefill work to do plus decode blocks held |
+//! | `cache-aware` | SGLang-router style: its own prefix tree of past choices, a match-ratio threshold, and a load-imbalance fallback |
+//!
+//! Busy workers are skipped by every policy; when all are busy the outcome is
+//! [`SelectOutcome::AllBusy`] and the request waits in the policy queue.
+
+mod cache_aware;
+mod kv;
+mod simple;
+
+pub use cache_aware::{CacheAwareConfig, CacheAwareSelector};
+pub use kv::{KvConfig, KvSelector};
+pub use simple::{LeastLoadedSelector, PowerOfTwoSelector, RandomSelector, RoundRobinSelector};
+
+use crate::types::{LocalHash, WorkerId};
+use rand::rngs::StdRng;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Facts about the request being routed.
+#[derive(Clone, Copy, Debug)]
+pub struct RoutingRequest<'a> {
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Local hashes of the prompt's full blocks.
+    pub blocks: &'a [LocalHash],
+}
+
+/// One eligible worker as a selector sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Leading prompt blocks in the worker's KV cache (prefix index).
+    pub overlap_blocks: u32,
+    /// Blocks the worker holds in the prefix index (tie-break).
+    pub cached_blocks: usize,
+    /// Leading prompt blocks already held by the worker's active requests.
+    pub active_prompt_blocks: u32,
+    /// Uncached prefill tokens still to compute on the worker.
+    pub active_prefill_tokens: u64,
+    /// KV blocks held by the worker's active requests.
+    pub active_decode_blocks: usize,
+    /// Active requests on the worker.
+    pub active_requests: usize,
+    /// Over its busy threshold: not to be chosen now.
+    pub busy: bool,
+}
+
+/// Everything a selector may read for one decision.
+#[derive(Clone, Copy, Debug)]
+pub struct RoutingContext<'a> {
+    /// The request.
+    pub request: RoutingRequest<'a>,
+    /// Eligible workers, in a stable order.
+    pub candidates: &'a [Candidate],
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// The driver's clock.
+    pub now_ms: f64,
+}
+
+impl<'a> RoutingContext<'a> {
+    /// Prompt blocks, counting a partial trailing block.
+    pub fn prompt_blocks(&self) -> u64 {
+        (self.request.prompt_tokens as u64).div_ceil(self.block_size.max(1) as u64)
+    }
+
+    /// Candidates not over their busy threshold.
+    pub fn available(&self) -> impl Iterator<Item = &'a Candidate> + 'a {
+        self.candidates.iter().filter(|c| !c.busy)
+    }
+
+    /// The outcome when no available candidate exists.
+    pub fn unavailable(&self) -> SelectOutcome {
+        if self.candidates.is_empty() {
+            SelectOutcome::NoWorkers
+        } else {
+            SelectOutcome::AllBusy
+        }
+    }
+}
+
+/// A worker chosen for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// The chosen worker.
+    pub worker: WorkerId,
+    /// Leading prompt blocks the router predicts it has cached.
+    pub overlap_blocks: u32,
+}
+
+/// What a selector answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelectOutcome {
+    /// A worker was chosen.
+    Selected(Decision),
+    /// Every eligible worker is over its busy threshold: wait and retry.
+    AllBusy,
+    /// No worker is eligible at all.
+    NoWorkers,
+}
+
+/// A routing policy. Implementations are deterministic given their seed.
+pub trait Selector: Send {
+    /// The policy's name, as the CLI spells it.
+    fn name(&self) -> &'static str;
+
+    /// Chooses a worker among `ctx.candidates`, skipping busy ones.
+    fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome;
+
+    /// Forgets any per-worker state about `worker`.
+    fn remove_worker(&mut self, _worker: WorkerId) {}
+}
+
+/// The routing policies, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// [`RoundRobinSelector`].
+    RoundRobin,
+    /// [`RandomSelector`].
+    Random,
+    /// [`LeastLoadedSelector`].
+    LeastLoaded,
+    /// [`PowerOfTwoSelector`].
+    PowerOfTwo,
+    /// [`KvSelector`].
+    Kv,
+    /// [`CacheAwareSelector`].
+    CacheAware,
+}
+
+impl PolicyKind {
+    /// Every policy, in the order reports list them.
+    pub const ALL: [PolicyKind; 6] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::LeastLoaded,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::Kv,
+        PolicyKind::CacheAware,
+    ];
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::PowerOfTwo => "power-of-two",
+            PolicyKind::Kv => "kv",
+            PolicyKind::CacheAware => "cache-aware",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown policy name.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {0:?}; expected one of round-robin, random, least-loaded, power-of-two, kv, cache-aware")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// Settings of every policy; each reads its own part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// `kv` settings.
+    pub kv: KvConfig,
+    /// `cache-aware` settings.
+    pub cache_aware: CacheAwareConfig,
+}
+
+/// Why a policy's settings were refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PolicyConfigError {
+    /// A `kv` setting out of range.
+    #[error("kv policy: {0}")]
+    Kv(String),
+    /// A `cache-aware` setting out of range.
+    #[error("cache-aware policy: {0}")]
+    CacheAware(String),
+}
+
+impl PolicyConfig {
+    /// Checks every part.
+    pub fn validate(&self) -> Result<(), PolicyConfigError> {
+        self.kv.validate()?;
+        self.cache_aware.validate()
+    }
+}
+
+/// Builds the selector for `kind` with a seeded RNG.
+pub fn build_selector(
+    kind: PolicyKind,
+    config: &PolicyConfig,
+    seed: u64,
+) -> Result<Box<dyn Selector>, PolicyConfigError> {
+    config.validate()?;
+    Ok(match kind {
+        PolicyKind::RoundRobin => Box::new(RoundRobinSelector::default()),
+        PolicyKind::Random => Box::new(RandomSelector::new(seed)),
+        PolicyKind::LeastLoaded => Box::new(LeastLoadedSelector::new(seed)),
+        PolicyKind::PowerOfTwo => Box::new(PowerOfTwoSelector::new(seed)),
+        PolicyKind::Kv => Box::new(KvSelector::new(config.kv, seed)),
+        PolicyKind::CacheAware => Box::new(CacheAwareSelector::new(config.cache_aware, seed)),
+    })
+}
+
+/// Picks uniformly among the available candidates minimizing `key`, with the
+/// RNG breaking exact ties (reservoir sampling: one pass, no allocation).
+pub(crate) fn argmin_random_tie<'a, K: PartialOrd>(
+    candidates: impl Iterator<Item = &'a Candidate>,
+    rng: &mut StdRng,
+    mut key: impl FnMut(&Candidate) -> K,
+) -> Option<&'a Candidate> {
+    let mut best: Option<(&Candidate, K)> = None;
+    let mut ties = 0u32;
+    for c in candidates {
+        let k = key(c);
+        match &best {
+            Some((_, bk)) if k > *bk => {}
+            Some((_, bk)) if k == *bk => {
+                ties += 1;
+                if rng.gen_range(0..=ties) == 0 {
+                    best = Some((c, k));
+                }
+            }
+            _ => {
+                best = Some((c, k));
+                ties = 0;
+            }
+        }
+    }
+    best.map(|(c, _)| c)
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    pub(crate) fn candidate(worker: u64) -> Candidate {
+        Candidate {
+            worker: WorkerId::new(worker),
+            overlap_blocks: 0,
+            cached_blocks: 0,
+            active_prompt_blocks: 0,
+            active_prefill_tokens: 0,
+            active_decode_blocks: 0,
+            active_requests: 0,
+            busy: false,
+        }
+    }
+
+    pub(crate) fn ctx<'a>(
+        blocks: &'a [LocalHash],
+        prompt_tokens: u32,
+        candidates: &'a [Candidate],
+    ) -> RoutingContext<'a> {
+        RoutingContext {
+            request: RoutingRequest {
+                prompt_tokens,
+                blocks,
+            },
+            candidates,
+            block_size: 16,
+            now_ms: 0.0,
+        }
+    }
+
+    pub(crate) fn chosen(outcome: SelectOutcome) -> u64 {
+        match outcome {
+            SelectOutcome::Selected(d) => d.worker.worker_id,
+            other => panic!("expected a selection, got {other:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
+    #[test]
+    fn policy_names_round_trip() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.name().parse::<PolicyKind>(), Ok(kind));
+        }
+        let err = "fastest".parse::<PolicyKind>().unwrap_err();
+        assert!(err.to_string().contains("round-robin"));
+    }
+
+    #[test]
+    fn every_policy_skips_busy_workers_and_reports_all_busy() {
+        let mut busy = candidate(1);
+        busy.busy = true;
+        let free = candidate(2);
+        for kind in PolicyKind::ALL {
+            let mut s = build_selector(kind, &PolicyConfig::default(), 7).unwrap();
+            for _ in 0..20 {
+                let cands = [busy, free];
+                assert_eq!(chosen(s.select(&ctx(&[], 10, &cands))), 2, "{kind}");
+            }
+            assert_eq!(
+                s.select(&ctx(&[], 10, &[busy])),
+                SelectOutcome::AllBusy,
+                "{kind}"
+            );
+            assert_eq!(
+                s.select(&ctx(&[], 10, &[])),
+                SelectOutcome::NoWorkers,
+                "{kind}"
+            );
+        }
+    }
+
+    #[test]
+    fn ties_are_broken_by_the_seeded_rng_reproducibly() {
+        let cands = [candidate(1), candidate(2), candidate(3)];
+        let run = |seed| {
+            let mut rng = <StdRng as rand::SeedableRng>::seed_from_u64(seed);
+            (0..50)
+                .map(|_| {
+                    argmin_random_tie(cands.iter(), &mut rng, |_| 0)
+                        .unwrap()
+                        .worker
+                        .worker_id
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(1));
+        let picks = run(1);
+        for w in 1..=3 {
+            assert!(picks.contains(&w), "worker {w} never picked: {picks:?}");
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! Active sequences: one write model, one derived read model.
+//!
+//! A lifecycle event (`AddRequest`, `MarkPrefillCompleted`, `Free`) flows one
+//! way:
+//!
+//! ```text
+//! event → WorkerTable + RequestIndex → per-worker active sequences (authoritative)
+//!       → PromptRegistry (derived) → selectors read
+//! ```
+//!
+//! - [`WorkerTable`] maps worker identity to a dense slot; [`RequestIndex`]
+//!   maps a request to the slot that owns it. With the per-worker state they
+//!   keep the invariants: a request is owned by exactly one worker, is freed
+//!   at most once, and freeing it returns every block it held.
+//! - [`PromptRegistry`] is a projection for selectors: per-worker load and
+//!   which prompt prefixes are active where. It never writes back.
+//!
+//! Duplicate and stale events are outcomes ([`LifecycleOutcome`]), never
+//! faults. Requests older than `expiry_ms` are freed by [`ActiveSequences::expire`]
+//! (a lost `Free`, a dead replica).
+
+mod prefill;
+mod registry;
+mod tables;
+
+pub use prefill::{MissingExpectedDuration, PrefillSummary};
+pub use registry::{PromptRegistry, WorkerLoad};
+pub use tables::{RequestIndex, WorkerTable};
+
+use crate::hashing::sequence_hashes;
+use crate::maps::FxHashMap;
+use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
+use prefill::PrefillTracker;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// Settings of [`ActiveSequences`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SequencesConfig {
+    /// Tokens per KV block (must match the engines').
+    pub block_size: u32,
+    /// Requests older than this are freed by [`ActiveSequences::expire`].
+    pub expiry_ms: f64,
+}
+
+impl Default for SequencesConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            expiry_ms: 300_000.0,
+        }
+    }
+}
+
+/// Why a [`SequencesConfig`] was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SequencesConfigError {
+    /// Block size of zero.
+    #[error("block_size must be at least 1")]
+    BlockSize,
+    /// Expiry not positive.
+    #[error("expiry_ms must be positive and finite, got {0}")]
+    Expiry(f64),
+}
+
+impl SequencesConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), SequencesConfigError> {
+        if self.block_size == 0 {
+            return Err(SequencesConfigError::BlockSize);
+        }
+        if !(self.expiry_ms.is_finite() && self.expiry_ms > 0.0) {
+            return Err(SequencesConfigError::Expiry(self.expiry_ms));
+        }
+        Ok(())
+    }
+}
+
+/// Booking of a request on a worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AddRequest {
+    /// The request.
+    pub request: RequestId,
+    /// The worker it was dispatched to.
+    pub worker: WorkerId,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Local hashes of the prompt's full blocks.
+    pub blocks: Vec<LocalHash>,
+    /// Leading blocks the router expects the worker to have cached.
+    pub overlap_blocks: u32,
+    /// Expected prefill duration, when the driver can model it.
+    pub expected_prefill_ms: Option<f64>,
+}
+
+/// A lifecycle event of the write model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SequenceEvent {
+    /// Book a request.
+    Add(AddRequest),
+    /// The request's first token arrived: its prefill is done.
+    MarkPrefillCompleted(RequestId),
+    /// The request ended (completed, failed or cancelled).
+    Free(RequestId),
+}
+
+/// What applying a lifecycle event did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LifecycleOutcome {
+    /// The event changed state.
+    Applied,
+    /// Already applied (a duplicate `Add`, a second mark): nothing changed.
+    Duplicate,
+    /// The request is not active (never booked, or already freed).
+    UnknownRequest,
+    /// The worker is not in the table.
+    UnknownWorker,
+}
+
+/// Counters for metrics; they only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SequenceCounters {
+    /// Requests booked.
+    pub added: u64,
+    /// Requests freed by `Free`.
+    pub freed: u64,
+    /// Requests freed by expiry.
+    pub expired: u64,
+    /// Requests freed because their worker was removed.
+    pub dropped_with_worker: u64,
+    /// Duplicate or stale events ignored.
+    pub ignored: u64,
+}
+
+#[derive(Debug)]
+struct ActiveRequest {
+    blocks: Box<[SequenceHash]>,
+    partial_block: bool,
+    added_ms: f64,
+}
+
+/// Authoritative state of one worker.
+#[derive(Debug, Default)]
+struct WorkerSequences {
+    requests: FxHashMap<RequestId, ActiveRequest>,
+    /// Active requests holding each prompt block (shared blocks count once).
+    block_refs: FxHashMap<SequenceHash, u32>,
+    /// Requests whose prompt ends in a partial block: each such block is its
+    /// own.
+    partial_blocks: usize,
+    prefill: PrefillTracker,
+}
+
+impl WorkerSequences {
+    fn active_blocks(&self) -> usize {
+        self.block_refs.len() + self.partial_blocks
+    }
+}
+
+/// The write model of active sequences, with its read model kept in step.
+#[derive(Debug)]
+pub struct ActiveSequences {
+    config: SequencesConfig,
+    workers: WorkerTable,
+    requests: RequestIndex,
+    per_worker: Vec<Option<WorkerSequences>>,
+    /// Bookings in arrival order, for expiry; entries of requests already
+    /// freed are skipped.
+    expiry_queue: VecDeque<(f64, RequestId)>,
+    registry: PromptRegistry,
+    counters: SequenceCounters,
+}
+
+impl ActiveSequences {
+    /// An empty model; `config` must validate.
+    pub fn new(config: SequencesConfig) -> Result<Self, SequencesConfigError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            workers: WorkerTable::default(),
+            requests: RequestIndex::default(),
+            per_worker: Vec::new(),
+            expiry_queue: VecDeque::new(),
+            registry: PromptRegistry::default(),
+            counters: SequenceCounters::default(),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &SequencesConfig {
+        &self.config
+    }
+
+    /// Adds a worker (idempotent).
+    pub fn add_worker(&mut self, worker: WorkerId) {
+        let slot = self.workers.insert(worker) as usize;
+        if self.per_worker.len() <= slot {
+            self.per_worker.resize_with(slot + 1, || None);
+        }
+        if self.per_worker[slot].is_none() {
+            self.per_worker[slot] = Some(WorkerSequences::default());
+            self.registry.set_load(slot, Some(WorkerLoad::idle(worker)));
+        }
+    }
+
+    /// Removes a worker, freeing every request booked on it; returns them.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
+        let Some(slot) = self.workers.remove(worker) else {
+            return Vec::new();
+        };
+        let state = self.per_worker[slot as usize]
+            .take()
+            .expect("a slot in the table has state");
+        let freed: Vec<RequestId> = state.requests.keys().copied().collect();
+        for id in &freed {
+            self.requests.remove(*id);
+        }
+        self.counters.dropped_with_worker += freed.len() as u64;
+        self.registry.drop_worker(slot as usize, worker);
+        freed
+    }
+
+    /// Applies one lifecycle event at `now_ms`.
+    pub fn apply(&mut self, event: &SequenceEvent, now_ms: f64) -> LifecycleOutcome {
+        match event {
+            SequenceEvent::Add(add) => self.add_request(add, now_ms),
+            SequenceEvent::MarkPrefillCompleted(id) => self.mark_prefill_completed(*id, now_ms),
+            SequenceEvent::Free(id) => self.free(*id, now_ms),
+        }
+    }
+
+    /// Books a request on its worker.
+    pub fn add_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
+        let Some(slot) = self.workers.slot(add.worker) else {
+            self.counters.ignored += 1;
+            return LifecycleOutcome::UnknownWorker;
+        };
+        if self.requests.owner(add.request).is_some() {
+            self.counters.ignored += 1;
+            return LifecycleOutcome::Duplicate;
+        }
+        let block_size = self.config.block_size;
+        let seq = sequence_hashes(&add.blocks);
+        let state = self.per_worker[slot as usize]
+            .as_mut()
+            .expect("a slot in the table has state");
+        // Count every prompt block once per worker; a block seen for the first
+        // time becomes visible in the registry (prefix order: parents first).
+        for (i, &s) in seq.iter().enumerate() {
+            let refs = state.block_refs.entry(s).or_insert(0);
+            *refs += 1;
+            if *refs == 1 {
+                let parent = i.checked_sub(1).map(|p| seq[p]);
+                self.registry
+                    .activate_block(add.worker, parent, s, add.blocks[i]);
+            }
+        }
+        let partial_block = add.prompt_tokens as u64 > seq.len() as u64 * block_size as u64;
+        if partial_block {
+            state.partial_blocks += 1;
+        }
+        let cached = (add.overlap_blocks as u64 * block_size as u64).min(add.prompt_tokens as u64);
+        let prefill_tokens = add.prompt_tokens as u64 - cached;
+        if prefill_tokens > 0 {
+            state
+                .prefill
+                .insert(add.request, prefill_tokens, add.expected_prefill_ms, now_ms);
+        }
+        state.requests.insert(
+            add.request,
+            ActiveRequest {
+                blocks: seq.into_boxed_slice(),
+                partial_block,
+                added_ms: now_ms,
+            },
+        );
+        self.requests.insert(add.request, slot);
+        self.expiry_queue.push_back((now_ms, add.request));
+        self.counters.added += 1;
+        self.publish_load(slot);
+        LifecycleOutcome::Applied
+    }
+
+    /// Marks a request's prefill done (its first token arrived).
+    pub fn mark_prefill_completed(&mut self, id: RequestId, now_ms: f64) -> LifecycleOutcome {
+        let Some(slot) = self.requests.owner(id) else {
+            self.counters.ignored += 1;
+            return LifecycleOutcome::UnknownRequest;
+        };
+        let state = self.per_worker[slot as usize]
+            .as_mut()
+            .expect("an owner slot has state");
+        if !state.prefill.remove(id, now_ms) {
+            self.counters.ignored += 1;
+            return LifecycleOutcome::Duplicate;
+        }
+        self.publish_load(slot);
+        LifecycleOutcome::Applied
+    }
+
+    /// Frees a request, returning every block it held.
+    pub fn free(&mut self, id: RequestId, now_ms: f64) -> LifecycleOutcome {
+        if self.free_inner(id, now_ms) {
+            self.counters.freed += 1;
+            LifecycleOutcome::Applied
+        } else {
+            self.counters.ignored += 1;
+            LifecycleOutcome::UnknownRequest
+        }
+    }
+
+    fn free_inner(&mut self, id: RequestId, now_ms: f64) -> bool {
+        let Some(slot) = self.requests.remove(id) else {
+            return false;
+        };
+        let worker = self
+            .workers
+            .id(slot)
+            .expect("an owner slot is in the table");
+        let state = self.per_worker[slot as usize]
+            .as_mut()
+            .expect("an owner slot has state");
+        let request = state
+            .requests
+            .remove(&id)
+            .expect("the request index and the worker agree");
+        state.prefill.remove(id, now_ms);
+        if request.partial_block {
+            state.partial_blocks -= 1;
+        }
+        // Deepest first, so the registry never holds a child without its parent.
+        for s in request.blocks.iter().rev() {
+            let refs = state
+                .block_refs
+                .get_mut(s)
+                .expect("a booked block is counted");
+            *refs -= 1;
+            if *refs == 0 {
+                state.block_refs.remove(s);
+                self.registry.deactivate_block(worker, *s);
+            }
+        }
+        if state.requests.is_empty() {
+            // Give memory back after a burst.
+            state.block_refs.shrink_to(64);
+            state.requests.shrink_to(64);
+        }
+        self.publish_load(slot);
+        true
+    }
+
+    /// Frees every request booked at or before `now_ms − expiry_ms`; returns
+    /// their ids.
+    pub fn expire(&mut self, now_ms: f64) -> Vec<RequestId> {
+        let deadline = now_ms - self.config.expiry_ms;
+        let mut expired = Vec::new();
+        while let Some(&(added, id)) = self.expiry_queue.front() {
+            if added > deadline {
+                break;
+            }
+            self.expiry_queue.pop_front();
+            let current = self.requests.owner(id).and_then(|slot| {
+                self.per_worker[slot as usize]
+                    .as_ref()
+                    .and_then(|s| s.requests.get(&id))
+                    .map(|r| r.added_ms == added)
+            });
+            if current == Some(true) && self.free_inner(id, now_ms) {
+                expired.push(id);
+            }
+        }
+        self.counters.expired += expired.len() as u64;
+        if self.expiry_queue.len() > 2 * self.requests.len() + 1024 {
+            let requests = &self.requests;
+            self.expiry_queue
+                .retain(|(_, id)| requests.owner(*id).is_some());
+        }
+        expired
+    }
+
+    /// The worker a request is booked on.
+    pub fn owner(&self, id: RequestId) -> Option<WorkerId> {
+        self.requests
+            .owner(id)
+            .and_then(|slot| self.workers.id(slot))
+    }
+
+    /// Active requests across all workers.
+    pub fn active_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The derived read model.
+    pub fn registry(&self) -> &PromptRegistry {
+        &self.registry
+    }
+
+    /// Workers in the table.
+    pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.workers.iter()
+    }
+
+    /// Counters for metrics.
+    pub fn counters(&self) -> SequenceCounters {
+        self.counters
+    }
+
+    fn publish_load(&mut self, slot: u32) {
+        let worker = self.workers.id(slot).expect("slot is in the table");
+        let state = self.per_worker[slot as usize]
+            .as_ref()
+            .expect("slot has state");
+        self.registry.set_load(
+            slot as usize,
+            Some(WorkerLoad {
+                worker,
+                prefill: state.prefill.summary(),
+                decode_blocks: state.active_blocks(),
+                requests: state.requests.len(),
+            }),
+        );
+    }
+
+    #[cfg(test)]
+    fn check_invariants(&self) {
+        use std::collections::HashMap;
+        let mut owned = 0;
+        for (slot, state) in self.per_worker.iter().enumerate() {
+            let Some(state) = state else { continue };
+            let worker = self
+                .workers
+                .id(slot as u32)
+                .expect("state has a table entry");
+            let mut recount: HashMap<SequenceHash, u32> = HashMap::new();
+            let mut partial = 0;
+            for (id, r) in &state.requests {
+                assert_eq!(self.requests.owner(*id), Some(slot as u32));
+                for b in r.blocks.iter() {
+                    *recount.entry(*b).or_default() += 1;
+                }
+                partial += r.partial_block as usize;
+                owned += 1;
+            }
+            let counted: HashMap<SequenceHash, u32> =
+                state.block_refs.iter().map(|(k, v)| (*k, *v)).collect();
+            assert_eq!(counted, recount);
+            assert_eq!(state.partial_blocks, partial);
+            let load = self
+                .registry
+                .load(worker)
+                .expect("registry has every worker");
+            assert_eq!(load.decode_blocks, recount.len() + partial);
+            assert_eq!(load.requests, state.requests.len());
+            assert_eq!(self.registry.active_blocks(worker), recount.len());
+        }
+        assert_eq!(owned, self.requests.len());
+    }
+}
+
+#[cfg(test)]
+mod tests;

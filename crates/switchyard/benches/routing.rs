@@ -1,0 +1,126 @@
+//! Criterion benchmarks of the routing core's hot paths: hashing, prefix
+//! index queries and event application, and one full routing decision.
+//!
+//! `cargo bench -p switchyard --bench routing`
+
+use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
+use switchyard::bench::micro::{build, generate, MicroArgs};
+use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
+use switchyard_core::index::{IndexEvent, OverlapScores, StoredBlock};
+use switchyard_core::router::{Router, RouterConfig, WorkerCapacity};
+use switchyard_core::select::{RoutingRequest, SelectOutcome};
+use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
+
+fn micro_args() -> MicroArgs {
+    MicroArgs {
+        pairs: 100_000,
+        depth: 64,
+        workers: 4,
+        prefix_ratio: 0.25,
+        prefix_groups: 4,
+        iterations: 0,
+        seed: 42,
+        json: None,
+    }
+}
+
+fn hashing(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..4096).map(|i| (i * 7919) % 151_643).collect();
+    c.bench_function("hashing/local_block_hashes_4096_tokens_bs16", |b| {
+        b.iter(|| local_block_hashes(black_box(&tokens), 16, DEFAULT_SEED))
+    });
+}
+
+fn index(c: &mut Criterion) {
+    let seqs = generate(&micro_args());
+    let mut index = build(&seqs);
+    let mut out = OverlapScores::new();
+    let mut i = 0;
+    c.bench_function("index/overlaps_hit_depth64", |b| {
+        b.iter(|| {
+            i = (i + 7919) % seqs.len();
+            index.overlaps(black_box(&seqs[i].locals), &mut out);
+        })
+    });
+    let garbage: Vec<LocalHash> = (0..64).map(|d| LocalHash(0x0BAD_C0DE_0000 | d)).collect();
+    c.bench_function("index/overlaps_miss_depth64", |b| {
+        b.iter(|| index.overlaps(black_box(&garbage), &mut out))
+    });
+    let mut j = 0;
+    c.bench_function("index/remove_then_store_64_block_sequence", |b| {
+        b.iter(|| {
+            j = (j + 1) % seqs.len();
+            let s = &seqs[j];
+            index.remove(s.worker, &s.engine_hashes);
+            index.store(s.worker, None, &s.blocks);
+        })
+    });
+}
+
+/// A router with 64 workers, each holding a few thousand cached sequences
+/// and some active requests, deciding for a 64-block prompt.
+fn decision(c: &mut Criterion) {
+    let mut router = Router::new(RouterConfig::default()).expect("defaults are valid");
+    let workers: Vec<WorkerId> = (0..64).map(WorkerId::new).collect();
+    for &w in &workers {
+        router.add_worker(w, WorkerCapacity::default());
+    }
+    let prompt =
+        |seed: u64| -> Vec<LocalHash> { (0..64).map(|d| LocalHash(seed << 16 | d)).collect() };
+    for s in 0..4096u64 {
+        let locals = prompt(s % 512);
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .map(|&l| StoredBlock {
+                engine_hash: EngineHash(l.0),
+                local_hash: l,
+            })
+            .collect();
+        router.apply_kv_event(
+            workers[(s % 64) as usize],
+            &IndexEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        );
+    }
+    for r in 0..256u64 {
+        let locals = prompt(r % 700);
+        let req = RoutingRequest {
+            prompt_tokens: 1024,
+            blocks: &locals,
+        };
+        if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
+            router.book(
+                RequestId(u128::from(r) + 1_000_000),
+                req,
+                d,
+                Some(50.0),
+                0.0,
+            );
+        }
+    }
+    let mut n = 0u64;
+    c.bench_function("router/route_book_free_64_workers_64_blocks", |b| {
+        b.iter_batched(
+            || {
+                n += 1;
+                (n, prompt(n % 600))
+            },
+            |(id, locals)| {
+                let req = RoutingRequest {
+                    prompt_tokens: 1024,
+                    blocks: &locals,
+                };
+                if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
+                    router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);
+                    router.free(RequestId(u128::from(id)), 2.0);
+                }
+            },
+            BatchSize::SmallInput,
+        )
+    });
+}
+
+criterion_group!(benches, hashing, index, decision);
+criterion_main!(benches);
