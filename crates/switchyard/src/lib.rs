@@ -6,6 +6,9 @@
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
 //! - [`data`] — finding the bundled data files.
+//! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
+//!   OpenAI-compatible HTTP server, driven in real time.
 
 pub mod bench;
 pub mod data;
+pub mod sim_worker;

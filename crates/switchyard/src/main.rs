@@ -3,7 +3,7 @@
 //! Each subcommand lives in its own module of the `switchyard` library;
 //! `main` only parses and dispatches.
 
-use switchyard::bench;
+use switchyard::{bench, sim_worker};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -22,12 +22,15 @@ enum Command {
     /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
+    SimWorker(sim_worker::SimWorkerArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
+        Command::SimWorker(args) => sim_worker::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
