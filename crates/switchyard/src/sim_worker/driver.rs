@@ -69,7 +69,10 @@ impl DriverHandle {
         let capacity = request.max_tokens as usize + 2;
         let (tx, rx) = mpsc::channel(capacity);
         self.commands
-            .send(Command::Submit { request, events: tx })
+            .send(Command::Submit {
+                request,
+                events: tx,
+            })
             .await
             .ok()?;
         Some(rx)
@@ -222,7 +225,9 @@ impl Driver {
                     let batch = std::mem::take(&mut self.events);
                     let n = batch.len() as u64;
                     if sink.try_send(batch).is_err() {
-                        self.metrics.kv_events_dropped.fetch_add(n, Ordering::Relaxed);
+                        self.metrics
+                            .kv_events_dropped
+                            .fetch_add(n, Ordering::Relaxed);
                     }
                 }
                 None => self.events.clear(),

@@ -183,7 +183,8 @@ struct ChatMessageBody {
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -207,7 +208,10 @@ impl AppState {
             Some(m) if m != &*self.model => Err(ApiError {
                 status: StatusCode::NOT_FOUND,
                 kind: "invalid_request_error",
-                message: format!("the model `{m}` does not exist; this worker serves `{}`", self.model),
+                message: format!(
+                    "the model `{m}` does not exist; this worker serves `{}`",
+                    self.model
+                ),
                 param: Some("model"),
             }),
             _ => Ok(()),
@@ -229,7 +233,10 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
         Prompt::TokenBatches(mut batch) if batch.len() == 1 => batch.remove(0),
         Prompt::Texts(mut texts) if texts.len() == 1 => encode(&state, texts.remove(0)).await?,
         Prompt::Texts(_) | Prompt::TokenBatches(_) => {
-            return Err(ApiError::bad_request("batched prompts are not supported; send one prompt per request", Some("prompt")))
+            return Err(ApiError::bad_request(
+                "batched prompts are not supported; send one prompt per request",
+                Some("prompt"),
+            ))
         }
     };
     let job = Job {
@@ -240,14 +247,26 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
         stream: body.stream,
         include_usage: body.stream_options.is_some_and(|o| o.include_usage),
     };
-    run(state.clone(), job, prompt, body.max_tokens.unwrap_or(state.default_max_tokens)).await
+    run(
+        state.clone(),
+        job,
+        prompt,
+        body.max_tokens.unwrap_or(state.default_max_tokens),
+    )
+    .await
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let body: ChatBody = parse(&body)?;
     state.check_model(body.model.as_deref())?;
     if body.messages.is_empty() {
-        return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
+        return Err(ApiError::bad_request(
+            "messages must not be empty",
+            Some("messages"),
+        ));
     }
     let mut messages = Vec::with_capacity(body.messages.len());
     for m in body.messages {
@@ -258,15 +277,30 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<
                 let mut text = String::new();
                 for part in parts {
                     match part.get("text").and_then(Value::as_str) {
-                        Some(t) if part.get("type").and_then(Value::as_str) == Some("text") => text.push_str(t),
-                        _ => return Err(ApiError::bad_request("only text content parts are supported", Some("messages"))),
+                        Some(t) if part.get("type").and_then(Value::as_str) == Some("text") => {
+                            text.push_str(t)
+                        }
+                        _ => {
+                            return Err(ApiError::bad_request(
+                                "only text content parts are supported",
+                                Some("messages"),
+                            ))
+                        }
                     }
                 }
                 text
             }
-            Some(_) => return Err(ApiError::bad_request("message content must be a string or a list of text parts", Some("messages"))),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "message content must be a string or a list of text parts",
+                    Some("messages"),
+                ))
+            }
         };
-        messages.push(ChatMessage { role: m.role, content });
+        messages.push(ChatMessage {
+            role: m.role,
+            content,
+        });
     }
     let tokenizer = state.tokenizer.clone();
     let prompt = tokio::task::spawn_blocking(move || {
@@ -284,7 +318,10 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Result<
         stream: body.stream,
         include_usage: body.stream_options.is_some_and(|o| o.include_usage),
     };
-    let max_tokens = body.max_completion_tokens.or(body.max_tokens).unwrap_or(state.default_max_tokens);
+    let max_tokens = body
+        .max_completion_tokens
+        .or(body.max_tokens)
+        .unwrap_or(state.default_max_tokens);
     run(state, job, prompt, max_tokens).await
 }
 
@@ -296,7 +333,12 @@ async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
 }
 
-async fn run(state: AppState, job: Job, prompt: Vec<u32>, max_tokens: u32) -> Result<Response, ApiError> {
+async fn run(
+    state: AppState,
+    job: Job,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> Result<Response, ApiError> {
     if max_tokens == 0 {
         return Err(AdmitError::NoOutput.into());
     }
@@ -313,7 +355,10 @@ async fn run(state: AppState, job: Job, prompt: Vec<u32>, max_tokens: u32) -> Re
         .await
         .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
     // The first event tells whether the engine took the request.
-    let first = rx.recv().await.ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
+    let first = rx
+        .recv()
+        .await
+        .ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
     if let GenEvent::Rejected(err) = first {
         return Err(err.into());
     }
@@ -327,10 +372,38 @@ async fn run(state: AppState, job: Job, prompt: Vec<u32>, max_tokens: u32) -> Re
 /// Synthetic output text: a fixed word per token id.
 fn token_text(token: u32) -> &'static str {
     const WORDS: [&str; 32] = [
-        " the", " switch", " yard", " routes", " a", " request", " to", " the", " worker", " with",
-        " its", " prefix", " cached", ",", " and", " tokens", " stream", " back", " in", " order",
-        ".", " Blocks", " are", " evicted", " tail", " first", " so", " prefixes", " survive", " long",
-        " enough", "\n",
+        " the",
+        " switch",
+        " yard",
+        " routes",
+        " a",
+        " request",
+        " to",
+        " the",
+        " worker",
+        " with",
+        " its",
+        " prefix",
+        " cached",
+        ",",
+        " and",
+        " tokens",
+        " stream",
+        " back",
+        " in",
+        " order",
+        ".",
+        " Blocks",
+        " are",
+        " evicted",
+        " tail",
+        " first",
+        " so",
+        " prefixes",
+        " survive",
+        " long",
+        " enough",
+        "\n",
     ];
     WORDS[token as usize % WORDS.len()]
 }
@@ -352,16 +425,30 @@ fn usage(prompt_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Va
     })
 }
 
-async fn collect_response(job: Job, first: GenEvent, mut rx: mpsc::Receiver<GenEvent>) -> Result<Response, ApiError> {
+async fn collect_response(
+    job: Job,
+    first: GenEvent,
+    mut rx: mpsc::Receiver<GenEvent>,
+) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut event = Some(first);
     loop {
         match event.take() {
             Some(GenEvent::Token { token, .. }) => text.push_str(token_text(token)),
-            Some(GenEvent::Finished { reason: FinishReason::RestoreFailed, .. }) => {
-                return Err(ApiError::internal("the engine cancelled the request: a host-tier restore failed"))
+            Some(GenEvent::Finished {
+                reason: FinishReason::RestoreFailed,
+                ..
+            }) => {
+                return Err(ApiError::internal(
+                    "the engine cancelled the request: a host-tier restore failed",
+                ))
             }
-            Some(GenEvent::Finished { reason, prompt_tokens, cached_tokens, output_tokens }) => {
+            Some(GenEvent::Finished {
+                reason,
+                prompt_tokens,
+                cached_tokens,
+                output_tokens,
+            }) => {
                 let usage = usage(prompt_tokens, cached_tokens, output_tokens);
                 let body = match job.api {
                     Api::Completions => json!({
@@ -386,13 +473,25 @@ async fn collect_response(job: Job, first: GenEvent, mut rx: mpsc::Receiver<GenE
             Some(GenEvent::Rejected(err)) => return Err(err.into()),
             None => {}
         }
-        event = Some(rx.recv().await.ok_or_else(|| ApiError::internal("the engine dropped the request"))?);
+        event = Some(
+            rx.recv()
+                .await
+                .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
+        );
     }
 }
 
 enum StreamState {
-    Open { job: Job, pending: Option<GenEvent>, rx: mpsc::Receiver<GenEvent>, started: bool },
-    Usage { job: Job, usage: Value },
+    Open {
+        job: Job,
+        pending: Option<GenEvent>,
+        rx: mpsc::Receiver<GenEvent>,
+        started: bool,
+    },
+    Usage {
+        job: Job,
+        usage: Value,
+    },
     Done,
     Closed,
 }
@@ -444,28 +543,68 @@ fn usage_chunk(job: &Job, usage: Value) -> Value {
     })
 }
 
-fn stream_response(job: Job, first: GenEvent, rx: mpsc::Receiver<GenEvent>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let state = StreamState::Open { job, pending: Some(first), rx, started: false };
+fn stream_response(
+    job: Job,
+    first: GenEvent,
+    rx: mpsc::Receiver<GenEvent>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let state = StreamState::Open {
+        job,
+        pending: Some(first),
+        rx,
+        started: false,
+    };
     let events = stream::unfold(state, |state| async move {
         match state {
-            StreamState::Open { job, mut pending, mut rx, started } => {
+            StreamState::Open {
+                job,
+                mut pending,
+                mut rx,
+                started,
+            } => {
                 let event = match pending.take() {
                     Some(e) => Some(e),
                     None => rx.recv().await,
                 };
                 match event {
                     Some(GenEvent::Token { token, .. }) => {
-                        let data = chunk(&job, Some(token_text(token)), !started && job.api == Api::Chat, None);
-                        Some((Event::default().data(data.to_string()), StreamState::Open { job, pending: None, rx, started: true }))
+                        let data = chunk(
+                            &job,
+                            Some(token_text(token)),
+                            !started && job.api == Api::Chat,
+                            None,
+                        );
+                        Some((
+                            Event::default().data(data.to_string()),
+                            StreamState::Open {
+                                job,
+                                pending: None,
+                                rx,
+                                started: true,
+                            },
+                        ))
                     }
-                    Some(GenEvent::Finished { reason: FinishReason::RestoreFailed, .. }) | Some(GenEvent::Rejected(_)) | None => {
+                    Some(GenEvent::Finished {
+                        reason: FinishReason::RestoreFailed,
+                        ..
+                    })
+                    | Some(GenEvent::Rejected(_))
+                    | None => {
                         let data = json!({"error": {"message": "the engine cancelled the request", "type": "internal_error", "param": null, "code": 500}});
                         Some((Event::default().data(data.to_string()), StreamState::Done))
                     }
-                    Some(GenEvent::Finished { reason, prompt_tokens, cached_tokens, output_tokens }) => {
+                    Some(GenEvent::Finished {
+                        reason,
+                        prompt_tokens,
+                        cached_tokens,
+                        output_tokens,
+                    }) => {
                         let data = chunk(&job, None, false, Some(finish_reason(reason)));
                         let next = if job.include_usage {
-                            StreamState::Usage { usage: usage(prompt_tokens, cached_tokens, output_tokens), job }
+                            StreamState::Usage {
+                                usage: usage(prompt_tokens, cached_tokens, output_tokens),
+                                job,
+                            }
                         } else {
                             StreamState::Done
                         };
@@ -473,9 +612,10 @@ fn stream_response(job: Job, first: GenEvent, rx: mpsc::Receiver<GenEvent>) -> S
                     }
                 }
             }
-            StreamState::Usage { job, usage } => {
-                Some((Event::default().data(usage_chunk(&job, usage).to_string()), StreamState::Done))
-            }
+            StreamState::Usage { job, usage } => Some((
+                Event::default().data(usage_chunk(&job, usage).to_string()),
+                StreamState::Done,
+            )),
             StreamState::Done => Some((Event::default().data("[DONE]"), StreamState::Closed)),
             StreamState::Closed => None,
         }
@@ -508,10 +648,17 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
         max_tokens: 1,
         hash_seed: DEFAULT_SEED,
     };
-    let mut rx = state.driver.submit(request).await.ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
+    let mut rx = state
+        .driver
+        .submit(request)
+        .await
+        .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
     while let Some(event) = rx.recv().await {
         match event {
-            GenEvent::Finished { reason: FinishReason::Length, .. } => return Ok(StatusCode::OK),
+            GenEvent::Finished {
+                reason: FinishReason::Length,
+                ..
+            } => return Ok(StatusCode::OK),
             GenEvent::Token { .. } => {}
             GenEvent::Rejected(err) => return Err(err.into()),
             GenEvent::Finished { .. } => break,
@@ -552,12 +699,17 @@ async fn model_info(State(state): State<AppState>) -> Json<Value> {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         state.metrics.render(),
     )
         .into_response()
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

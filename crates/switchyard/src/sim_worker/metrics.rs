@@ -40,7 +40,10 @@ const RESTORE_LABELS: [&str; 5] = [
 impl Metrics {
     /// Counts a request leaving with `status` (a fixed label set).
     pub fn count_request(&self, status: &'static str) {
-        let mut requests = self.requests.lock().expect("metrics lock is never poisoned");
+        let mut requests = self
+            .requests
+            .lock()
+            .expect("metrics lock is never poisoned");
         match requests.iter_mut().find(|(s, _)| *s == status) {
             Some((_, n)) => *n += 1,
             None => requests.push((status, 1)),
@@ -78,7 +81,10 @@ impl Metrics {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut out = String::with_capacity(2048);
         let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
         };
         metric(
             "switchyard_engine_kv_usage_ratio",
@@ -87,21 +93,65 @@ impl Metrics {
             f64::from_bits(get(&self.kv_usage_bits)).to_string(),
         );
         for (name, help, v) in [
-            ("switchyard_engine_prompt_tokens_total", "Prompt tokens admitted.", &self.prompt_tokens),
-            ("switchyard_engine_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache.", &self.prefix_hit_tokens),
-            ("switchyard_engine_generation_tokens_total", "Output tokens generated.", &self.generation_tokens),
-            ("switchyard_engine_preemptions_total", "Requests preempted (recompute).", &self.preemptions),
-            ("switchyard_engine_steps_total", "Scheduler steps that computed something.", &self.steps),
-            ("switchyard_engine_kv_events_total", "KV events emitted.", &self.kv_events),
-            ("switchyard_engine_kv_events_dropped_total", "KV events dropped because the publisher lagged.", &self.kv_events_dropped),
+            (
+                "switchyard_engine_prompt_tokens_total",
+                "Prompt tokens admitted.",
+                &self.prompt_tokens,
+            ),
+            (
+                "switchyard_engine_prefix_hit_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                &self.prefix_hit_tokens,
+            ),
+            (
+                "switchyard_engine_generation_tokens_total",
+                "Output tokens generated.",
+                &self.generation_tokens,
+            ),
+            (
+                "switchyard_engine_preemptions_total",
+                "Requests preempted (recompute).",
+                &self.preemptions,
+            ),
+            (
+                "switchyard_engine_steps_total",
+                "Scheduler steps that computed something.",
+                &self.steps,
+            ),
+            (
+                "switchyard_engine_kv_events_total",
+                "KV events emitted.",
+                &self.kv_events,
+            ),
+            (
+                "switchyard_engine_kv_events_dropped_total",
+                "KV events dropped because the publisher lagged.",
+                &self.kv_events_dropped,
+            ),
         ] {
             metric(name, "counter", help, get(v).to_string());
         }
         for (name, help, v) in [
-            ("switchyard_engine_running", "Requests running.", &self.running),
-            ("switchyard_engine_waiting", "Requests waiting.", &self.waiting),
-            ("switchyard_engine_cached_blocks", "Device blocks holding a cached prefix block.", &self.cached_blocks),
-            ("switchyard_engine_host_cached_blocks", "Host-tier blocks.", &self.host_blocks),
+            (
+                "switchyard_engine_running",
+                "Requests running.",
+                &self.running,
+            ),
+            (
+                "switchyard_engine_waiting",
+                "Requests waiting.",
+                &self.waiting,
+            ),
+            (
+                "switchyard_engine_cached_blocks",
+                "Device blocks holding a cached prefix block.",
+                &self.cached_blocks,
+            ),
+            (
+                "switchyard_engine_host_cached_blocks",
+                "Host-tier blocks.",
+                &self.host_blocks,
+            ),
         ] {
             metric(name, "gauge", help, get(v).to_string());
         }
@@ -110,15 +160,26 @@ impl Metrics {
             "# HELP switchyard_engine_restores_total Host-tier restore outcomes by decision.\n# TYPE switchyard_engine_restores_total counter"
         );
         for (label, v) in RESTORE_LABELS.iter().zip(&self.restores) {
-            let _ = writeln!(out, "switchyard_engine_restores_total{{decision=\"{label}\"}} {}", get(v));
+            let _ = writeln!(
+                out,
+                "switchyard_engine_restores_total{{decision=\"{label}\"}} {}",
+                get(v)
+            );
         }
         let _ = writeln!(
             out,
             "# HELP switchyard_engine_requests_total Requests by final status.\n# TYPE switchyard_engine_requests_total counter"
         );
-        let requests = self.requests.lock().expect("metrics lock is never poisoned").clone();
+        let requests = self
+            .requests
+            .lock()
+            .expect("metrics lock is never poisoned")
+            .clone();
         for (status, n) in requests {
-            let _ = writeln!(out, "switchyard_engine_requests_total{{status=\"{status}\"}} {n}");
+            let _ = writeln!(
+                out,
+                "switchyard_engine_requests_total{{status=\"{status}\"}} {n}"
+            );
         }
         out
     }

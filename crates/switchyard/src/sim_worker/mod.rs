@@ -133,7 +133,11 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
     runtime.block_on(serve(args, config, tokenizer))
 }
 
-async fn serve(args: SimWorkerArgs, config: EngineConfig, tokenizer: Tokenizer) -> anyhow::Result<()> {
+async fn serve(
+    args: SimWorkerArgs,
+    config: EngineConfig,
+    tokenizer: Tokenizer,
+) -> anyhow::Result<()> {
     let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
     let metrics = Arc::new(metrics::Metrics::default());
     let driver = driver::spawn(engine, metrics.clone(), None);
@@ -156,7 +160,10 @@ async fn serve(args: SimWorkerArgs, config: EngineConfig, tokenizer: Tokenizer) 
         .await
         .with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr()?;
-    println!("switchyard sim-worker listening on http://{local} (model {})", args.model);
+    println!(
+        "switchyard sim-worker listening on http://{local} (model {})",
+        args.model
+    );
     axum::serve(listener, http::router(state))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
