@@ -481,7 +481,7 @@ impl PrefixIndex {
                 + self.wide_holders.capacity() * 8,
             free_lists: self.free_nodes.capacity() * 4 + self.free_child_maps.capacity() * 4,
             child_maps: self.child_maps.capacity() * std::mem::size_of::<FxHashMap<u64, u32>>()
-                + self.child_maps.iter().map(|m| map_bytes(m)).sum::<usize>(),
+                + self.child_maps.iter().map(map_bytes).sum::<usize>(),
             engine_maps: self
                 .slots
                 .iter()

@@ -4,8 +4,10 @@
 //! not grow with the trace; a malformed line is an error naming its line
 //! number, never a panic.
 
+mod azure;
 mod mooncake;
 
+pub use azure::{AzureReader, AzureRecord};
 pub use mooncake::{synthetic_tokens, MooncakeReader, MooncakeRecord, MOONCAKE_BLOCK_TOKENS};
 
 /// A trace could not be read.

@@ -2,8 +2,8 @@
 //!
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
-//! - [`stats`] — latency summaries and JSON output;
-//! - [`engine`] — simulated-engine scheduler steps per minute.
+//! - [`engine`] — simulated-engine scheduler steps per minute;
+//! - [`stats`] — latency summaries and JSON output.
 
 pub mod engine;
 pub mod micro;

@@ -18,16 +18,15 @@
 
 use super::stats::{rss_bytes, write_json, Latency};
 use crate::data::data_path;
-use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::cmp::Reverse;
-use std::collections::BTreeSet;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
 use switchyard_core::hashing::{extend_local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexMemory, OverlapScores, PrefixIndex, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
+use switchyard_sim::reference::BlockLru;
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
 
 /// Trace-replay parameters.
@@ -56,33 +55,6 @@ pub struct TraceArgs {
     #[arg(long)]
     #[serde(skip)]
     pub json: Option<PathBuf>,
-}
-
-/// Per-worker LRU of blocks: evicts least recently used first and, among
-/// blocks used by the same request, deeper blocks first.
-#[derive(Default)]
-struct Lru {
-    stamp: FxHashMap<u64, (u64, u32)>,
-    order: BTreeSet<(u64, Reverse<u32>, u64)>,
-}
-
-impl Lru {
-    fn touch(&mut self, hash: u64, tick: u64, depth: u32) {
-        if let Some(old) = self.stamp.insert(hash, (tick, depth)) {
-            self.order.remove(&(old.0, Reverse(old.1), hash));
-        }
-        self.order.insert((tick, Reverse(depth), hash));
-    }
-
-    fn evict(&mut self) -> Option<u64> {
-        let (_, _, hash) = self.order.pop_first()?;
-        self.stamp.remove(&hash);
-        Some(hash)
-    }
-
-    fn len(&self) -> usize {
-        self.stamp.len()
-    }
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -139,7 +111,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
     let wall = Instant::now();
     let mut index = PrefixIndex::new();
-    let mut lrus: Vec<Lru> = (0..args.workers).map(|_| Lru::default()).collect();
+    let mut lrus: Vec<BlockLru> = (0..args.workers).map(|_| BlockLru::default()).collect();
     let mut out = OverlapScores::new();
     let (mut tokens, mut locals) = (Vec::new(), Vec::<LocalHash>::new());
     let mut query_us = Vec::new();

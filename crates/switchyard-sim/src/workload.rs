@@ -1,0 +1,473 @@
+//! Workloads: what the simulated clients send, as sessions of turns.
+//!
+//! Every trace becomes a stream of [`Session`]s in first-arrival order. A
+//! single-turn trace (Mooncake, Azure) yields one-turn sessions with fixed
+//! arrival times (open loop); a multi-turn workload yields sessions whose
+//! turn `k + 1` arrives a think time after turn `k` finishes (closed loop
+//! within a session), which is how chat users and agents behave.
+//!
+//! Prompts are kept compact ([`PromptSpec`]) and expanded into token ids only
+//! when a request is dispatched, so memory stays bounded by what is in
+//! flight, not by the trace.
+
+use crate::trace::{synthetic_tokens, AzureReader, MooncakeReader, TraceError};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::io::BufRead;
+use std::sync::Arc;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Vocabulary size synthetic tokens are drawn from.
+const VOCAB: u64 = 151_643;
+
+/// How a prompt's token ids are made when the request is dispatched.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptSpec {
+    /// Mooncake hash ids, 512 synthetic tokens each, truncated to `tokens`.
+    Mooncake {
+        /// The prefix-chained hash ids.
+        hash_ids: Box<[u64]>,
+        /// Prompt length.
+        tokens: u32,
+    },
+    /// Random tokens: no prefix shared with anything.
+    Random {
+        /// Seed of this prompt's tokens.
+        seed: u64,
+        /// Prompt length.
+        tokens: u32,
+    },
+    /// Literal token ids.
+    Tokens(Arc<[u32]>),
+}
+
+impl PromptSpec {
+    /// Prompt length in tokens.
+    pub fn len(&self) -> u32 {
+        match self {
+            PromptSpec::Mooncake { tokens, .. } | PromptSpec::Random { tokens, .. } => *tokens,
+            PromptSpec::Tokens(t) => t.len() as u32,
+        }
+    }
+
+    /// Whether the prompt is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The token ids.
+    pub fn tokens(&self) -> Vec<u32> {
+        match self {
+            PromptSpec::Mooncake { hash_ids, tokens } => {
+                let mut out = Vec::new();
+                synthetic_tokens(hash_ids, *tokens as usize, &mut out);
+                out
+            }
+            PromptSpec::Random { seed, tokens } => (0..u64::from(*tokens))
+                .map(|i| (xxh3_64_with_seed(&i.to_le_bytes(), *seed) % VOCAB) as u32)
+                .collect(),
+            PromptSpec::Tokens(t) => t.to_vec(),
+        }
+    }
+}
+
+/// One turn of a session.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Turn {
+    /// The whole prompt of this turn (for chats: the conversation so far).
+    pub prompt: PromptSpec,
+    /// Tokens the answer has.
+    pub output_tokens: u32,
+}
+
+/// A client's sequence of turns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Session {
+    /// Unique within the workload.
+    pub id: u64,
+    /// When the first turn arrives (ms from the start).
+    pub arrival_ms: f64,
+    /// Pause between one turn's end and the next turn's arrival.
+    pub think_time_ms: f64,
+    /// The turns, in order (at least one).
+    pub turns: Vec<Turn>,
+}
+
+/// Time and length controls applied to any workload.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkloadLimits {
+    /// Arrival-rate multiplier: 2 halves every arrival time, 0.5 doubles it.
+    pub rate_scale: f64,
+    /// Stop after this many sessions.
+    pub max_sessions: Option<usize>,
+    /// Stop at the first session arriving after this (ms, after scaling).
+    pub duration_ms: Option<f64>,
+}
+
+impl Default for WorkloadLimits {
+    fn default() -> Self {
+        Self {
+            rate_scale: 1.0,
+            max_sessions: None,
+            duration_ms: None,
+        }
+    }
+}
+
+/// A stream of sessions in first-arrival order.
+pub type SessionStream = Box<dyn Iterator<Item = Result<Session, TraceError>> + Send>;
+
+/// Applies [`WorkloadLimits`] to a stream.
+pub fn limited(stream: SessionStream, limits: WorkloadLimits) -> SessionStream {
+    let scale = if limits.rate_scale > 0.0 {
+        limits.rate_scale
+    } else {
+        1.0
+    };
+    let stream = stream
+        .map(move |s| {
+            s.map(|mut s| {
+                s.arrival_ms /= scale;
+                s
+            })
+        })
+        .take_while(move |s| match (s, limits.duration_ms) {
+            (Ok(s), Some(d)) => s.arrival_ms <= d,
+            _ => true,
+        });
+    match limits.max_sessions {
+        Some(n) => Box::new(stream.take(n)),
+        None => Box::new(stream),
+    }
+}
+
+/// Mooncake records as one-turn sessions. Records sharing a timestamp (the
+/// conversation trace logs in ~3 s steps) are spread evenly over the gap to
+/// the next distinct timestamp, at most `max_spread_ms`.
+pub fn mooncake<R: BufRead + Send + 'static>(input: R, max_spread_ms: f64) -> SessionStream {
+    let records = MooncakeReader::new(input).map(|r| {
+        r.map(|r| {
+            (
+                r.timestamp,
+                Turn {
+                    prompt: PromptSpec::Mooncake {
+                        hash_ids: r.hash_ids.into_boxed_slice(),
+                        tokens: r.input_length,
+                    },
+                    output_tokens: r.output_length.max(1),
+                },
+            )
+        })
+    });
+    Box::new(Spread::new(records, max_spread_ms))
+}
+
+/// Azure rows as one-turn sessions with random prompts (seeded by `seed`).
+pub fn azure<R: BufRead + Send + 'static>(input: R, seed: u64) -> SessionStream {
+    let mut n = 0u64;
+    Box::new(AzureReader::new(input).map(move |r| {
+        r.map(|r| {
+            n += 1;
+            Session {
+                id: n - 1,
+                arrival_ms: r.arrival_ms,
+                think_time_ms: 0.0,
+                turns: vec![Turn {
+                    prompt: PromptSpec::Random {
+                        seed: seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                        tokens: r.context_tokens.max(1),
+                    },
+                    output_tokens: r.generated_tokens.max(1),
+                }],
+            }
+        })
+    }))
+}
+
+/// Spreads groups of equal timestamps, with one group of lookahead.
+struct Spread<I> {
+    inner: I,
+    max_spread_ms: f64,
+    pending: Option<(f64, Turn)>,
+    out: VecDeque<Session>,
+    next_id: u64,
+    failed: Option<TraceError>,
+}
+
+impl<I: Iterator<Item = Result<(f64, Turn), TraceError>>> Spread<I> {
+    fn new(inner: I, max_spread_ms: f64) -> Self {
+        Self {
+            inner,
+            max_spread_ms,
+            pending: None,
+            out: VecDeque::new(),
+            next_id: 0,
+            failed: None,
+        }
+    }
+
+    fn fill(&mut self) {
+        let first = match self.pending.take() {
+            Some(p) => p,
+            None => match self.inner.next() {
+                Some(Ok(p)) => p,
+                Some(Err(e)) => {
+                    self.failed = Some(e);
+                    return;
+                }
+                None => return,
+            },
+        };
+        let t = first.0;
+        let mut group = vec![first.1];
+        let gap = loop {
+            match self.inner.next() {
+                Some(Ok((ts, turn))) if ts == t => group.push(turn),
+                Some(Ok(next)) => {
+                    let gap = next.0 - t;
+                    self.pending = Some(next);
+                    break gap;
+                }
+                Some(Err(e)) => {
+                    self.failed = Some(e);
+                    break 0.0;
+                }
+                None => break self.max_spread_ms,
+            }
+        };
+        let span = gap.clamp(0.0, self.max_spread_ms);
+        let n = group.len() as f64;
+        for (i, turn) in group.into_iter().enumerate() {
+            self.out.push_back(Session {
+                id: self.next_id,
+                arrival_ms: t + span * i as f64 / n,
+                think_time_ms: 0.0,
+                turns: vec![turn],
+            });
+            self.next_id += 1;
+        }
+    }
+}
+
+impl<I: Iterator<Item = Result<(f64, Turn), TraceError>>> Iterator for Spread<I> {
+    type Item = Result<Session, TraceError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.out.is_empty() && self.failed.is_none() {
+            self.fill();
+        }
+        match self.out.pop_front() {
+            Some(s) => Some(Ok(s)),
+            None => self.failed.take().map(Err),
+        }
+    }
+}
+
+/// Parameters of the synthetic multi-turn generator.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyntheticConfig {
+    /// Sessions to generate.
+    pub sessions: usize,
+    /// Mean session arrivals per second (Poisson).
+    pub sessions_per_sec: f64,
+    /// Fewest turns per session.
+    pub min_turns: u32,
+    /// Most turns per session.
+    pub max_turns: u32,
+    /// Distinct system prompts; sessions share them round-robin.
+    pub system_prompts: u32,
+    /// Tokens of each system prompt.
+    pub system_tokens: u32,
+    /// Tokens of each user message.
+    pub user_tokens: u32,
+    /// Tokens of each answer.
+    pub output_tokens: u32,
+    /// Think time between turns, ms.
+    pub think_time_ms: f64,
+    /// Seed.
+    pub seed: u64,
+}
+
+impl Default for SyntheticConfig {
+    fn default() -> Self {
+        Self {
+            sessions: 1000,
+            sessions_per_sec: 4.0,
+            min_turns: 2,
+            max_turns: 8,
+            system_prompts: 8,
+            system_tokens: 1024,
+            user_tokens: 128,
+            output_tokens: 256,
+            think_time_ms: 5000.0,
+            seed: 7,
+        }
+    }
+}
+
+/// Synthetic chat sessions: each starts with one of a few shared system
+/// prompts, and turn `k`'s prompt is the system prompt, every earlier user
+/// message and answer, and the new user message.
+pub fn synthetic(config: SyntheticConfig) -> SessionStream {
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut clock = 0.0;
+    let tokens = move |seed: u64, n: u32| -> Vec<u32> {
+        (0..u64::from(n))
+            .map(|i| (xxh3_64_with_seed(&i.to_le_bytes(), seed) % VOCAB) as u32)
+            .collect()
+    };
+    Box::new((0..config.sessions as u64).map(move |id| {
+        let rate = config.sessions_per_sec.max(1e-9);
+        clock += -(1.0 - rng.gen::<f64>()).ln() / rate * 1000.0;
+        let turns_n =
+            rng.gen_range(config.min_turns.max(1)..=config.max_turns.max(config.min_turns.max(1)));
+        let system = u64::from(id as u32 % config.system_prompts.max(1));
+        let mut context = tokens(0x5157_0000 ^ system, config.system_tokens);
+        let mut turns = Vec::with_capacity(turns_n as usize);
+        for k in 0..u64::from(turns_n) {
+            context.extend(tokens(id << 20 ^ k << 1, config.user_tokens));
+            turns.push(Turn {
+                prompt: PromptSpec::Tokens(context.clone().into()),
+                output_tokens: config.output_tokens.max(1),
+            });
+            context.extend(tokens(id << 20 ^ k << 1 ^ 1, config.output_tokens));
+        }
+        Ok(Session {
+            id,
+            arrival_ms: clock,
+            think_time_ms: config.think_time_ms,
+            turns,
+        })
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect(stream: SessionStream) -> Vec<Session> {
+        stream.map(Result::unwrap).collect()
+    }
+
+    #[test]
+    fn equal_timestamps_are_spread_over_the_gap_to_the_next() {
+        let text = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [0]}\n\
+                    {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n\
+                    {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [2]}\n\
+                    {\"timestamp\": 3000, \"input_length\": 10, \"output_length\": 0, \"hash_ids\": [3]}\n";
+        let s = collect(mooncake(text.as_bytes(), 3000.0));
+        let arrivals: Vec<f64> = s.iter().map(|s| s.arrival_ms).collect();
+        assert_eq!(arrivals, vec![0.0, 1000.0, 2000.0, 3000.0]);
+        assert_eq!(s.iter().map(|s| s.id).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        // A zero output length still asks for one token.
+        assert_eq!(s[3].turns[0].output_tokens, 1);
+    }
+
+    #[test]
+    fn a_malformed_record_surfaces_after_the_good_ones_before_it() {
+        let text =
+            "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [0]}\n\
+                    garbage\n";
+        let items: Vec<_> = mooncake(text.as_bytes(), 3000.0).collect();
+        assert_eq!(items.len(), 2);
+        assert!(items[0].is_ok());
+        assert!(items[1]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .starts_with("line 2"));
+    }
+
+    #[test]
+    fn limits_scale_time_and_stop_early() {
+        let text = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [0]}\n\
+                    {\"timestamp\": 4000, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n\
+                    {\"timestamp\": 8000, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [2]}\n";
+        let limits = WorkloadLimits {
+            rate_scale: 2.0,
+            max_sessions: None,
+            duration_ms: Some(2500.0),
+        };
+        let s = collect(limited(mooncake(text.as_bytes(), 3000.0), limits));
+        assert_eq!(
+            s.iter().map(|s| s.arrival_ms).collect::<Vec<_>>(),
+            vec![0.0, 2000.0]
+        );
+        let limits = WorkloadLimits {
+            max_sessions: Some(1),
+            ..Default::default()
+        };
+        assert_eq!(
+            collect(limited(mooncake(text.as_bytes(), 3000.0), limits)).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn prompts_expand_deterministically() {
+        let a = PromptSpec::Random {
+            seed: 1,
+            tokens: 50,
+        };
+        assert_eq!(a.tokens(), a.tokens());
+        assert_eq!(a.tokens().len(), 50);
+        assert_ne!(
+            a.tokens(),
+            PromptSpec::Random {
+                seed: 2,
+                tokens: 50
+            }
+            .tokens()
+        );
+        let m = PromptSpec::Mooncake {
+            hash_ids: vec![3, 4].into(),
+            tokens: 700,
+        };
+        assert_eq!(m.len(), 700);
+        assert_eq!(m.tokens().len(), 700);
+    }
+
+    #[test]
+    fn synthetic_turns_extend_the_conversation_so_far() {
+        let config = SyntheticConfig {
+            sessions: 20,
+            ..Default::default()
+        };
+        let sessions = collect(synthetic(config));
+        assert_eq!(sessions.len(), 20);
+        assert!(sessions
+            .windows(2)
+            .all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+        for s in &sessions {
+            assert!((2..=8).contains(&s.turns.len()));
+            for pair in s.turns.windows(2) {
+                let (a, b) = (pair[0].prompt.tokens(), pair[1].prompt.tokens());
+                assert_eq!(b.len(), a.len() + 256 + 128);
+                assert_eq!(b[..a.len()], a[..]);
+            }
+        }
+        // Sessions on the same system prompt share its tokens.
+        let (a, b) = (
+            sessions[0].turns[0].prompt.tokens(),
+            sessions[8].turns[0].prompt.tokens(),
+        );
+        assert_eq!(a[..1024], b[..1024]);
+        assert_ne!(a[1024..], b[1024..]);
+        assert_eq!(collect(synthetic(config)), sessions);
+    }
+
+    #[test]
+    fn azure_rows_become_random_prompts() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 18:15:46.0,100,5\n2023-11-16 18:15:47.0,100,0\n";
+        let s = collect(azure(text.as_bytes(), 1));
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[1].arrival_ms, 1000.0);
+        assert_ne!(s[0].turns[0].prompt.tokens(), s[1].turns[0].prompt.tokens());
+        assert_eq!(s[1].turns[0].output_tokens, 1);
+    }
+}
