@@ -3,7 +3,7 @@
 //! Each subcommand lives in its own module of the `switchyard` library;
 //! `main` only parses and dispatches.
 
-use switchyard::bench;
+use switchyard::{bench, sim_worker};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -25,6 +25,8 @@ enum Command {
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
     Events(switchyard::events::EventsCommand),
+    /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
+    SimWorker(sim_worker::SimWorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +34,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Events(cmd) => switchyard::events::run(cmd),
+        Command::SimWorker(args) => sim_worker::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
