@@ -8,10 +8,13 @@
 //! - [`data`] — finding the bundled data files.
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
+//! - [`server`] — `switchyard serve`: the router's HTTP frontend, proxy,
+//!   worker fleet, admission wiring and metrics.
 //! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
 //!   OpenAI-compatible HTTP server, driven in real time.
 
 pub mod bench;
 pub mod data;
 pub mod events;
+pub mod server;
 pub mod sim_worker;

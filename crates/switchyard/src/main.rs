@@ -25,6 +25,8 @@ enum Command {
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
     Events(switchyard::events::EventsCommand),
+    /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
+    Serve(switchyard::server::ServeArgs),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
     SimWorker(sim_worker::SimWorkerArgs),
 }
@@ -34,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Events(cmd) => switchyard::events::run(cmd),
+        Command::Serve(args) => switchyard::server::run(args),
         Command::SimWorker(args) => sim_worker::run(args),
     };
     match result {

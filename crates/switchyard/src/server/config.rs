@@ -1,0 +1,402 @@
+//! The router's configuration: one validated struct filled by the TOML file
+//! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
+//! line flags (both through clap, flags winning), in that order.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
+use switchyard_core::select::{PolicyConfig, PolicyKind};
+
+/// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]`
+/// or a `[[workers]]` table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Base URL, e.g. `http://10.0.0.5:8000` (no path).
+    pub url: String,
+    /// Name in metrics, logs and `x-switchyard-worker` (default: host:port).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The engine's KV-event PUB endpoint; without it the router predicts
+    /// the worker's cache from its own decisions (approximate mode).
+    #[serde(default)]
+    pub events: Option<String>,
+    /// The engine's KV-event replay endpoint.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// The engine's block size; must equal the router's.
+    #[serde(default, rename = "block-size", alias = "block_size")]
+    pub block_size: Option<u32>,
+}
+
+impl WorkerSpec {
+    /// Parses the command-line form.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut parts = text.split(',');
+        let url = parts.next().unwrap_or_default().trim().to_owned();
+        let mut spec = WorkerSpec {
+            url,
+            name: None,
+            events: None,
+            replay: None,
+            block_size: None,
+        };
+        for part in parts {
+            let (key, value) = part.split_once('=').ok_or_else(|| {
+                ConfigError::Worker(format!(
+                    "{text:?}: expected key=value after the URL, got {part:?}"
+                ))
+            })?;
+            let value = value.trim().to_owned();
+            match key.trim() {
+                "events" => spec.events = Some(value),
+                "replay" => spec.replay = Some(value),
+                "name" => spec.name = Some(value),
+                "block-size" | "block_size" => {
+                    spec.block_size = Some(value.parse().map_err(|_| {
+                        ConfigError::Worker(format!("{text:?}: block-size must be a positive integer"))
+                    })?)
+                }
+                other => {
+                    return Err(ConfigError::Worker(format!(
+                        "{text:?}: unknown worker option {other:?} (expected events, replay, block-size, name)"
+                    )))
+                }
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// The worker's `host:port`, the default name.
+    pub fn authority(&self) -> &str {
+        let rest = self.url.strip_prefix("http://").unwrap_or(&self.url);
+        rest.split('/').next().unwrap_or(rest)
+    }
+
+    /// The name used everywhere.
+    pub fn display_name(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| self.authority().to_owned())
+    }
+
+    /// Checks the URL and options.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let Some(rest) = self.url.strip_prefix("http://") else {
+            return Err(ConfigError::Worker(format!(
+                "{:?}: worker URLs must start with http://",
+                self.url
+            )));
+        };
+        let authority = rest.trim_end_matches('/');
+        if authority.is_empty() || authority.contains('/') {
+            return Err(ConfigError::Worker(format!(
+                "{:?}: a worker URL is scheme://host:port with no path",
+                self.url
+            )));
+        }
+        if self.block_size == Some(0) {
+            return Err(ConfigError::Worker(format!(
+                "{:?}: block-size must be positive",
+                self.url
+            )));
+        }
+        for endpoint in self.events.iter().chain(&self.replay) {
+            if !endpoint.starts_with("tcp://") && !endpoint.starts_with("ipc://") {
+                return Err(ConfigError::Worker(format!(
+                    "{endpoint:?}: event endpoints are tcp://HOST:PORT or ipc://PATH"
+                )));
+            }
+        }
+        if self.replay.is_some() && self.events.is_none() {
+            return Err(ConfigError::Worker(format!(
+                "{:?}: replay= needs events=",
+                self.url
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How the router learns workers' caches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheMode {
+    /// Exact (KV events) when every configured worker has `events=`,
+    /// approximate otherwise.
+    #[default]
+    Auto,
+    /// KV events only.
+    Events,
+    /// The router's own decisions with a TTL.
+    Approximate,
+}
+
+/// Admission strategies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionMode {
+    /// The policy queue only.
+    #[default]
+    None,
+    /// Session-aware admission (sessions from `x-session-id` or `session_id`).
+    SessionAware,
+}
+
+/// Every setting of `switchyard serve`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    pub port: u16,
+    /// Routing policy.
+    pub policy: PolicyKind,
+    /// Policy settings.
+    pub policies: PolicyConfig,
+    /// Tokens per KV block (must match the engines').
+    pub block_size: u32,
+    /// Exact or approximate cache tracking.
+    pub cache: CacheMode,
+    /// Busy threshold as a fraction of a worker's capacity (none: off).
+    pub busy_threshold: Option<f64>,
+    /// Admission strategy.
+    pub admission: AdmissionMode,
+    /// Policy-queue and record limits.
+    pub queue: AdmissionConfig,
+    /// Session-aware strategy settings.
+    pub session: SessionAwareConfig,
+    /// The fleet.
+    pub workers: Vec<WorkerSpec>,
+    /// Add `x-switchyard-worker` to responses.
+    pub worker_header: bool,
+    /// Bearer token the admin API requires (admin API off without one).
+    pub admin_token: Option<String>,
+    /// Client API keys (`Authorization: Bearer`); empty: no check.
+    pub api_keys: Vec<String>,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Milliseconds between health checks of each worker.
+    pub health_interval_ms: u64,
+    /// Consecutive failed checks that take a worker out.
+    pub health_failures: u32,
+    /// Connect timeout to a worker, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// How long shutdown waits for in-flight streams, in milliseconds.
+    pub shutdown_grace_ms: u64,
+    /// Logs as JSON lines.
+    pub log_json: bool,
+    /// Tokenizer directory (default: the bundled Qwen3 tokenizer).
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Seed of the policies' random choices.
+    pub seed: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            policy: PolicyKind::Kv,
+            policies: PolicyConfig::default(),
+            block_size: 16,
+            cache: CacheMode::Auto,
+            busy_threshold: None,
+            admission: AdmissionMode::None,
+            queue: AdmissionConfig::default(),
+            session: SessionAwareConfig::default(),
+            workers: Vec::new(),
+            worker_header: true,
+            admin_token: None,
+            api_keys: Vec::new(),
+            max_body_bytes: 32 * 1024 * 1024,
+            health_interval_ms: 1000,
+            health_failures: 2,
+            connect_timeout_ms: 1000,
+            shutdown_grace_ms: 30_000,
+            log_json: false,
+            tokenizer_dir: None,
+            seed: 0,
+        }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A worker entry.
+    #[error("worker: {0}")]
+    Worker(String),
+    /// A setting out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The TOML file.
+    #[error("config file {path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl ServerConfig {
+    /// Reads a TOML file.
+    pub fn from_toml_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Self::from_toml(&text).map_err(|e| match e {
+            ConfigError::File { reason, .. } => ConfigError::File {
+                path: path.to_owned(),
+                reason,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses TOML text (and validates it).
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError::File {
+            path: PathBuf::from("<text>"),
+            reason: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and relations.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.block_size == 0 {
+            return invalid("block_size must be positive".into());
+        }
+        if let Some(t) = self.busy_threshold {
+            if !(t.is_finite() && t > 0.0) {
+                return invalid(format!("busy_threshold must be positive, got {t}"));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            return invalid("max_body_bytes must be positive".into());
+        }
+        if self.health_interval_ms == 0 || self.health_failures == 0 {
+            return invalid("health_interval_ms and health_failures must be positive".into());
+        }
+        self.policies
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.queue
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("queue: {e}")))?;
+        self.session
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("session: {e}")))?;
+        let mut names = std::collections::HashSet::new();
+        for worker in &self.workers {
+            worker.validate()?;
+            if let Some(bs) = worker.block_size {
+                if bs != self.block_size {
+                    return Err(ConfigError::Worker(format!(
+                        "{}: block-size {bs} differs from the router's {}; run the router with --block-size {bs}",
+                        worker.url, self.block_size
+                    )));
+                }
+            }
+            if !names.insert(worker.display_name()) {
+                return Err(ConfigError::Worker(format!(
+                    "two workers are named {:?}",
+                    worker.display_name()
+                )));
+            }
+        }
+        if self.cache == CacheMode::Events && self.workers.iter().any(|w| w.events.is_none()) {
+            return invalid("--cache events needs events= on every worker".into());
+        }
+        Ok(())
+    }
+
+    /// Whether the router follows KV events (else approximate).
+    pub fn uses_events(&self) -> bool {
+        match self.cache {
+            CacheMode::Events => true,
+            CacheMode::Approximate => false,
+            CacheMode::Auto => {
+                !self.workers.is_empty() && self.workers.iter().all(|w| w.events.is_some())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_flag_with_every_option_parses() {
+        let w = WorkerSpec::parse(
+            "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,block-size=16,name=w1",
+        )
+        .unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8001");
+        assert_eq!(w.events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(w.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(w.block_size, Some(16));
+        assert_eq!(w.display_name(), "w1");
+    }
+
+    #[test]
+    fn a_worker_without_a_name_is_named_by_host_and_port() {
+        let w = WorkerSpec::parse("http://127.0.0.1:8001").unwrap();
+        assert_eq!(w.display_name(), "127.0.0.1:8001");
+    }
+
+    #[test]
+    fn unknown_worker_options_and_bad_urls_are_refused() {
+        assert!(WorkerSpec::parse("http://h:1,colour=red").is_err());
+        assert!(WorkerSpec::parse("https://h:1").is_err());
+        assert!(WorkerSpec::parse("http://h:1/v1").is_err());
+        assert!(WorkerSpec::parse("http://h:1,replay=tcp://h:2").is_err());
+    }
+
+    #[test]
+    fn a_toml_file_fills_the_same_struct_and_refuses_unknown_keys() {
+        let config = ServerConfig::from_toml(
+            r#"
+            port = 9000
+            policy = "round-robin"
+            [[workers]]
+            url = "http://127.0.0.1:8001"
+            events = "tcp://127.0.0.1:5557"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.port, 9000);
+        assert_eq!(config.policy, PolicyKind::RoundRobin);
+        assert!(config.uses_events());
+        assert!(ServerConfig::from_toml("colour = 1").is_err());
+    }
+
+    #[test]
+    fn a_worker_block_size_that_differs_from_the_routers_is_refused() {
+        let config = ServerConfig {
+            workers: vec![WorkerSpec::parse("http://h:1,block-size=64").unwrap()],
+            ..ServerConfig::default()
+        };
+        assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn a_worker_without_events_makes_auto_mode_approximate() {
+        let config = ServerConfig {
+            workers: vec![
+                WorkerSpec::parse("http://h:1,events=tcp://h:2").unwrap(),
+                WorkerSpec::parse("http://h:3").unwrap(),
+            ],
+            ..ServerConfig::default()
+        };
+        assert!(!config.uses_events());
+    }
+}

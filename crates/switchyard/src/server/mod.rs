@@ -1,0 +1,344 @@
+//! `switchyard serve`: the router. An OpenAI-compatible HTTP frontend that
+//! routes each request to the best worker and streams the answer back.
+//!
+//! - [`config`] — [`ServerConfig`]: TOML file, `SWITCHYARD_*` environment
+//!   and flags fill one validated struct.
+//! - [`state`] — [`state::SharedRouter`]: routing core + admission + worker
+//!   table behind one short-held mutex; booking guards.
+//! - [`workers`] — [`workers::Fleet`]: workers, KV-event subscribers,
+//!   health checks.
+//! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
+//! - [`proxy`] — the HTTP handlers and the streaming response body.
+//! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//!
+//! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
+//! book) → upstream POST → `ObservedBody` (first token, latencies) → drop
+//! frees the booking.
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
+pub mod state;
+pub mod tokenize;
+pub mod workers;
+
+pub use config::{ServerConfig, WorkerSpec};
+
+use anyhow::Context as _;
+use clap::Args;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use switchyard_core::admission::{AdmissionController, AdmissionStrategy, SessionAwareStrategy};
+use switchyard_core::index::ApproxConfig;
+use switchyard_core::router::CacheTracking;
+use switchyard_core::select::PolicyKind;
+use switchyard_core::sequences::SequencesConfig;
+use switchyard_core::{Router, RouterConfig};
+use switchyard_tokenizer::Tokenizer;
+
+/// Options of `switchyard serve`. Each flag also reads `SWITCHYARD_<NAME>`;
+/// flags and variables override the `--config` file.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// TOML file with any of the settings below (`[[workers]]` tables).
+    #[arg(long, env = "SWITCHYARD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long, env = "SWITCHYARD_HOST")]
+    pub host: Option<String>,
+    /// Port (0: any free port; the address is printed) [default: 8080].
+    #[arg(long, env = "SWITCHYARD_PORT")]
+    pub port: Option<u16>,
+    /// Routing policy: kv, round-robin, random, least-loaded, power-of-two, cache-aware [default: kv].
+    #[arg(long, env = "SWITCHYARD_POLICY")]
+    pub policy: Option<PolicyKind>,
+    /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]; repeat.
+    #[arg(long = "worker", env = "SWITCHYARD_WORKERS", value_delimiter = ';')]
+    pub workers: Vec<String>,
+    /// Tokens per KV block; must match the engines' [default: 16].
+    #[arg(long, env = "SWITCHYARD_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// Cache tracking: auto (events if every worker has events=), events, approximate.
+    #[arg(long, env = "SWITCHYARD_CACHE", value_enum)]
+    pub cache: Option<config::CacheMode>,
+    /// Busy threshold (fraction of a worker's capacity); busy workers are skipped and requests queue.
+    #[arg(long, env = "SWITCHYARD_BUSY_THRESHOLD")]
+    pub busy_threshold: Option<f64>,
+    /// Admission strategy: none or session-aware.
+    #[arg(long, env = "SWITCHYARD_ADMISSION", value_enum)]
+    pub admission: Option<config::AdmissionMode>,
+    /// Omit the x-switchyard-worker response header.
+    #[arg(long, env = "SWITCHYARD_NO_WORKER_HEADER")]
+    pub no_worker_header: bool,
+    /// Bearer token for /admin/workers (admin API off without it).
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Client API key (Authorization: Bearer); repeat for several.
+    #[arg(long = "api-key", env = "SWITCHYARD_API_KEYS", value_delimiter = ',')]
+    pub api_keys: Vec<String>,
+    /// Largest request body in bytes [default: 33554432].
+    #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Milliseconds between worker health checks [default: 1000].
+    #[arg(long, env = "SWITCHYARD_HEALTH_INTERVAL_MS")]
+    pub health_interval_ms: Option<u64>,
+    /// Consecutive failed checks that take a worker out [default: 2].
+    #[arg(long, env = "SWITCHYARD_HEALTH_FAILURES")]
+    pub health_failures: Option<u32>,
+    /// Log JSON lines.
+    #[arg(long, env = "SWITCHYARD_LOG_JSON")]
+    pub log_json: bool,
+    /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
+    #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// The file (if any), overridden by flags and environment, validated.
+    pub fn to_config(&self) -> anyhow::Result<ServerConfig> {
+        let mut c = match &self.config {
+            Some(path) => ServerConfig::from_toml_file(path)?,
+            None => ServerConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = self.$field.clone() { c.$field = v; } )* };
+        }
+        set!(
+            host,
+            port,
+            policy,
+            block_size,
+            cache,
+            admission,
+            max_body_bytes,
+            health_interval_ms,
+            health_failures
+        );
+        if self.busy_threshold.is_some() {
+            c.busy_threshold = self.busy_threshold;
+        }
+        if self.admin_token.is_some() {
+            c.admin_token = self.admin_token.clone();
+        }
+        if self.tokenizer_dir.is_some() {
+            c.tokenizer_dir = self.tokenizer_dir.clone();
+        }
+        if !self.api_keys.is_empty() {
+            c.api_keys = self.api_keys.clone();
+        }
+        if self.no_worker_header {
+            c.worker_header = false;
+        }
+        if self.log_json {
+            c.log_json = true;
+        }
+        for w in &self.workers {
+            c.workers.push(WorkerSpec::parse(w)?);
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// Runs `switchyard serve` until Ctrl-C or SIGTERM.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.to_config()?;
+    init_logging(config.log_json);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        let server = start(config).await?;
+        println!("switchyard serve listening on http://{}", server.addr);
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining in-flight requests");
+        server.shutdown().await
+    })
+}
+
+/// Installs the `tracing` subscriber (`RUST_LOG` filters; default `info`).
+pub fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// A router running on the current tokio runtime.
+#[derive(Debug)]
+pub struct RunningServer {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// Routing state (for in-process inspection).
+    pub shared: Arc<state::SharedRouter>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    background: Vec<tokio::task::JoinHandle<()>>,
+    grace: Duration,
+}
+
+impl RunningServer {
+    /// Stops accepting, waits for in-flight responses (up to the grace
+    /// period), then stops the background tasks.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        let mut task = self.task;
+        let result = match tokio::time::timeout(self.grace, &mut task).await {
+            Ok(joined) => joined.context("server task")?.context("serving HTTP"),
+            Err(_) => {
+                tracing::warn!("grace period over: dropping in-flight requests");
+                task.abort();
+                Ok(())
+            }
+        };
+        for t in self.background {
+            t.abort();
+        }
+        result
+    }
+}
+
+/// Builds the routing core from `config`.
+pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
+    let cache = if config.uses_events() {
+        CacheTracking::Events
+    } else {
+        CacheTracking::Approximate(ApproxConfig::default())
+    };
+    let router_config = RouterConfig {
+        policy: config.policy,
+        policies: config.policies,
+        sequences: SequencesConfig {
+            block_size: config.block_size,
+            ..SequencesConfig::default()
+        },
+        cache,
+        busy_threshold: config.busy_threshold,
+        seed: config.seed,
+    };
+    Router::new(router_config).context("invalid router configuration")
+}
+
+/// Starts the router: binds, adds the workers, starts health checks and
+/// the admission ticker.
+pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
+    config.validate()?;
+    let tokenizer = match &config.tokenizer_dir {
+        Some(dir) => Tokenizer::from_files(
+            &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
+            Some(&dir.join(switchyard_tokenizer::BUNDLED_CONFIG)),
+        ),
+        None => Tokenizer::bundled(),
+    }
+    .context("loading the tokenizer")?;
+    start_with_tokenizer(config, Arc::new(tokenize::HfTokenizer(tokenizer))).await
+}
+
+/// [`start`] with a given tokenizer (shared between in-process routers).
+pub async fn start_with_tokenizer(
+    config: ServerConfig,
+    tokenizer: Arc<dyn tokenize::PromptTokenizer>,
+) -> anyhow::Result<RunningServer> {
+    config.validate()?;
+    let router = build_router(&config)?;
+    let strategy: Option<Box<dyn AdmissionStrategy + Send>> = match config.admission {
+        config::AdmissionMode::None => None,
+        config::AdmissionMode::SessionAware => Some(Box::new(
+            SessionAwareStrategy::new(config.session).context("invalid session settings")?,
+        )),
+    };
+    let admission = AdmissionController::new(config.queue.clone(), strategy)
+        .context("invalid admission settings")?;
+    let metrics = Arc::new(metrics::ServerMetrics::default());
+    let shared = Arc::new(state::SharedRouter::new(router, admission, metrics));
+    let client = workers::upstream_client(Duration::from_millis(config.connect_timeout_ms));
+    let interval = Duration::from_millis(config.health_interval_ms);
+    let fleet = Arc::new(workers::Fleet::new(
+        shared.clone(),
+        client.clone(),
+        config.uses_events(),
+        config.block_size,
+        config.health_failures,
+        interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
+    ));
+    for spec in &config.workers {
+        fleet
+            .add(spec)
+            .map_err(|e| anyhow::anyhow!("worker {}: {e}", spec.url))?;
+    }
+    fleet.check_all().await;
+    let state = Arc::new(proxy::AppState {
+        shared: shared.clone(),
+        fleet: fleet.clone(),
+        client,
+        tokenizer,
+        policy: config.policy.name(),
+        block_size: config.block_size,
+        hash_seed: switchyard_core::hashing::seed_for(None, None),
+        worker_header: config.worker_header,
+        api_keys: config.api_keys.clone(),
+        admin_token: config.admin_token.clone(),
+        max_body_bytes: config.max_body_bytes,
+    });
+    let addr: SocketAddr = format!("{}:{}", config.host, config.port)
+        .parse()
+        .with_context(|| format!("bad host/port {}:{}", config.host, config.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let addr = listener.local_addr()?;
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let app = proxy::app(state);
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let health = tokio::spawn(fleet.clone().run_health_checks(interval));
+    let ticker_state = shared.clone();
+    let ticker = tokio::spawn(async move {
+        loop {
+            let now = ticker_state.now_ms();
+            let wait_ms = ticker_state
+                .next_wakeup_ms()
+                .map_or(1000.0, |at| (at - now).clamp(1.0, 1000.0));
+            tokio::time::sleep(Duration::from_secs_f64(wait_ms / 1e3)).await;
+            ticker_state.tick();
+        }
+    });
+    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), "router started");
+    Ok(RunningServer {
+        addr,
+        shared,
+        stop,
+        task,
+        background: vec![health, ticker],
+        grace: Duration::from_millis(config.shutdown_grace_ms),
+    })
+}

@@ -1,0 +1,766 @@
+//! The router's shared state: the routing core, admission and the worker
+//! table behind one `std::sync::Mutex`.
+//!
+//! Why a `std` mutex and not tokio's, nor an actor: every critical section
+//! is short, synchronous work on in-memory structures (a route + book is a
+//! few microseconds at 64 workers) and never spans an `.await`, so a plain
+//! mutex is the cheapest correct choice — an uncontended lock is ~20 ns,
+//! an actor round trip through a channel is 220–560 ns plus a task wake-up
+//! (figures from `bench admission`'s notes). tokio's mutex is for holding a
+//! lock across awaits, which this state must never do.
+//!
+//! [`SharedRouter`] is the small interface everything else uses: request
+//! admission and placement ([`SharedRouter::submit`] returning a
+//! [`WaitHandle`], then a [`Booking`] guard whose drop frees the request),
+//! KV events ([`crate::events::subscriber::IndexSink`]), worker changes
+//! (`add_worker`/`remove_worker`/`set_draining`), and
+//! [`SharedRouter::with_core`] for anything else — such as applying replica
+//! events to the same `Router` — with the lock held for the closure only.
+
+use super::metrics::{AdmissionDecision, ServerMetrics};
+use crate::events::subscriber::IndexSink;
+use rustc_hash::FxHashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+use switchyard_core::admission::{
+    AdmissionController, CancelOutcome, Placed, Placement, QueueClass, RequestFacts,
+    ResponseTicket, SessionKey, SubmitOutcome,
+};
+use switchyard_core::index::IndexEvent;
+use switchyard_core::router::WorkerCapacity;
+use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
+use switchyard_core::{LocalHash, RequestId, Router, WorkerId};
+use tokio::sync::oneshot;
+
+/// One worker as the router knows it.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    /// Stable id in the routing core.
+    pub id: WorkerId,
+    /// Name in metrics, logs and `x-switchyard-worker`.
+    pub name: Arc<str>,
+    /// Base URL, `http://host:port`.
+    pub url: Arc<str>,
+    /// Models from its `/v1/models` (empty until first fetched).
+    pub models: Vec<String>,
+    /// In the routing core (healthy and not removed).
+    pub in_router: bool,
+    /// Draining: no new requests; removed once idle.
+    pub draining: bool,
+    /// Consecutive failed health checks.
+    pub failures: u32,
+    /// What it can hold, from its `/get_server_info` (for busy thresholds).
+    pub capacity: WorkerCapacity,
+}
+
+/// Where a placed request goes, handed from the core to the waiting handler.
+#[derive(Debug)]
+pub enum Assignment {
+    /// A worker was chosen and the request is booked on it.
+    Selected {
+        /// Admission's ticket.
+        ticket: ResponseTicket,
+        /// The selector's decision.
+        decision: Decision,
+        /// The worker's name.
+        name: Arc<str>,
+        /// The worker's base URL.
+        url: Arc<str>,
+        /// Time spent queued.
+        waited_ms: f64,
+    },
+    /// No worker can take it.
+    NoWorkers,
+}
+
+struct Waiter {
+    blocks: Vec<LocalHash>,
+    prompt_tokens: u32,
+    eligible: Vec<WorkerId>,
+    tx: oneshot::Sender<Assignment>,
+}
+
+/// Everything behind the lock.
+pub struct Core {
+    /// The routing brain.
+    pub router: Router,
+    /// Policy queue and admission strategy.
+    pub admission: AdmissionController,
+    /// The fleet, by id.
+    pub workers: FxHashMap<WorkerId, WorkerInfo>,
+    waiting: FxHashMap<RequestId, Waiter>,
+    placed: Vec<Placed>,
+    next_worker: u64,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("router", &self.router)
+            .field("workers", &self.workers.len())
+            .field("waiting", &self.waiting.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    /// Offers queued requests to the router and hands placements to their
+    /// waiters. Call after anything that may make room.
+    fn poll(&mut self, now_ms: f64, metrics: &ServerMetrics) {
+        if self.admission.queue().ready_len() == 0 {
+            return;
+        }
+        let Core {
+            router,
+            admission,
+            waiting,
+            placed,
+            ..
+        } = self;
+        admission.poll(now_ms, placed, |id, placement| {
+            let Some(waiter) = waiting.get(&id) else {
+                return SelectOutcome::NoWorkers;
+            };
+            let exact;
+            let eligible = match placement {
+                Placement::Exact(worker) => {
+                    exact = [worker];
+                    Some(&exact[..])
+                }
+                Placement::Any if waiter.eligible.is_empty() => None,
+                Placement::Any => Some(&waiter.eligible[..]),
+            };
+            let request = RoutingRequest {
+                prompt_tokens: waiter.prompt_tokens,
+                blocks: &waiter.blocks,
+            };
+            let started = Instant::now();
+            let outcome = router.route(request, eligible, now_ms);
+            if let SelectOutcome::Selected(decision) = outcome {
+                router.book(id, request, decision, None, now_ms);
+            }
+            metrics
+                .routing_decision
+                .observe(started.elapsed().as_secs_f64());
+            outcome
+        });
+        let mut placed = std::mem::take(&mut self.placed);
+        for p in placed.drain(..) {
+            match p {
+                Placed::Selected {
+                    ticket,
+                    decision,
+                    waited_ms,
+                } => {
+                    let id = ticket.id();
+                    let info = self.workers.get(&decision.worker);
+                    let waiter = self.waiting.remove(&id);
+                    match (waiter, info) {
+                        (Some(waiter), Some(info)) => {
+                            self.admission.dispatched(&ticket, now_ms);
+                            let assignment = Assignment::Selected {
+                                ticket,
+                                decision,
+                                name: info.name.clone(),
+                                url: info.url.clone(),
+                                waited_ms,
+                            };
+                            if let Err(Assignment::Selected { ticket, .. }) =
+                                waiter.tx.send(assignment)
+                            {
+                                self.release(id, Some(ticket), false, 0, now_ms);
+                            }
+                        }
+                        (_, _) => self.release(id, Some(ticket), false, 0, now_ms),
+                    }
+                }
+                Placed::NoWorkers { id } => {
+                    if let Some(waiter) = self.waiting.remove(&id) {
+                        let _ = waiter.tx.send(Assignment::NoWorkers);
+                    }
+                }
+            }
+        }
+        self.placed = placed;
+    }
+
+    /// Frees a booking and ends its ticket.
+    fn release(
+        &mut self,
+        id: RequestId,
+        ticket: Option<ResponseTicket>,
+        completed: bool,
+        context_tokens: u64,
+        now_ms: f64,
+    ) {
+        self.router.free(id, now_ms);
+        if let Some(ticket) = ticket {
+            if completed {
+                if let Err(invalid) = self.admission.complete(ticket, context_tokens, now_ms) {
+                    let _ = self.admission.abort(invalid.ticket, now_ms);
+                }
+            } else {
+                let _ = self.admission.abort(ticket, now_ms);
+            }
+        }
+    }
+
+    /// Workers that may take new requests for `model` (empty: all of them).
+    fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, ()> {
+        let mut any_draining = false;
+        let mut all = 0usize;
+        let mut eligible = Vec::new();
+        for info in self.workers.values() {
+            if !info.in_router {
+                continue;
+            }
+            all += 1;
+            any_draining |= info.draining;
+            let serves = match model {
+                None => true,
+                Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
+            };
+            if serves && !info.draining {
+                eligible.push(info.id);
+            }
+        }
+        if eligible.is_empty() && all > 0 && model.is_some() && !any_draining {
+            return Err(());
+        }
+        if eligible.len() == all && !any_draining {
+            eligible.clear();
+        } else if eligible.is_empty() {
+            // Nothing may take it; a nonexistent id keeps the router from
+            // choosing a draining worker.
+            eligible.push(WorkerId::new(u64::MAX));
+        }
+        Ok(eligible)
+    }
+}
+
+/// What a request brings to admission.
+#[derive(Debug)]
+pub struct Submission<'a> {
+    /// Local block hashes of its prompt.
+    pub blocks: Vec<LocalHash>,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// The session, when the client named one.
+    pub session: Option<SessionKey>,
+    /// The requested model.
+    pub model: Option<&'a str>,
+}
+
+/// Why a submission was not queued.
+#[derive(Debug)]
+pub enum SubmitError {
+    /// 429 with this retry-after.
+    QueueFull {
+        /// Suggested wait.
+        retry_after_ms: u64,
+    },
+    /// No worker serves the model.
+    UnknownModel,
+}
+
+/// The shared state; cheap to clone behind an `Arc`.
+pub struct SharedRouter {
+    core: Mutex<Core>,
+    epoch: Instant,
+    next_request: AtomicU64,
+    request_salt: u64,
+    /// Router metrics.
+    pub metrics: Arc<ServerMetrics>,
+}
+
+impl std::fmt::Debug for SharedRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRouter").finish_non_exhaustive()
+    }
+}
+
+impl SharedRouter {
+    /// Wraps a router and an admission controller.
+    pub fn new(
+        router: Router,
+        admission: AdmissionController,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            core: Mutex::new(Core {
+                router,
+                admission,
+                workers: FxHashMap::default(),
+                waiting: FxHashMap::default(),
+                placed: Vec::new(),
+                next_worker: 0,
+            }),
+            epoch: Instant::now(),
+            next_request: AtomicU64::new(1),
+            request_salt: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            metrics,
+        }
+    }
+
+    /// Milliseconds since the router started: the core's clock.
+    pub fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// A fresh request id, unique across router processes with high
+    /// probability (start-time salt in the high half).
+    pub fn next_request_id(&self) -> RequestId {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        RequestId((u128::from(self.request_salt) << 64) | u128::from(n))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        // A panic while holding the lock leaves the core as consistent as
+        // the core's own invariants make it; keep serving.
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` with the lock held; keep it short and never await inside.
+    pub fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+        f(&mut self.lock())
+    }
+
+    /// Registers a worker (not yet in selection until `set_in_router`).
+    pub fn add_worker(&self, name: &str, url: &str) -> Result<WorkerId, String> {
+        let mut core = self.lock();
+        if core.workers.values().any(|w| &*w.name == name) {
+            return Err(format!("a worker named {name:?} exists"));
+        }
+        let id = WorkerId::new(core.next_worker);
+        core.next_worker += 1;
+        core.workers.insert(
+            id,
+            WorkerInfo {
+                id,
+                name: name.into(),
+                url: url.trim_end_matches('/').into(),
+                models: Vec::new(),
+                in_router: false,
+                draining: false,
+                failures: 0,
+                capacity: WorkerCapacity::default(),
+            },
+        );
+        Ok(id)
+    }
+
+    /// Puts a worker into selection or takes it out. Taking it out drops
+    /// its index entries and active sequences (`Router::remove_worker`).
+    pub fn set_in_router(&self, id: WorkerId, in_router: bool) {
+        let now = self.now_ms();
+        let mut core = self.lock();
+        let Some(info) = core.workers.get_mut(&id) else {
+            return;
+        };
+        if info.in_router == in_router {
+            return;
+        }
+        info.in_router = in_router;
+        if in_router {
+            info.failures = 0;
+            let capacity = info.capacity;
+            core.router.add_worker(id, capacity);
+        } else {
+            let freed = core.router.remove_worker(id);
+            self.metrics
+                .freed_by_removal
+                .fetch_add(freed.len() as u64, Ordering::Relaxed);
+        }
+        core.poll(now, &self.metrics);
+    }
+
+    /// Removes a worker entirely.
+    pub fn remove_worker(&self, id: WorkerId) -> Option<WorkerInfo> {
+        self.set_in_router(id, false);
+        self.lock().workers.remove(&id)
+    }
+
+    /// Marks a worker draining (no new requests).
+    pub fn set_draining(&self, id: WorkerId) {
+        if let Some(info) = self.lock().workers.get_mut(&id) {
+            info.draining = true;
+        }
+    }
+
+    /// Records one health-check result; returns whether the worker should
+    /// now be in selection.
+    pub fn health_result(&self, id: WorkerId, ok: bool, threshold: u32) -> Option<bool> {
+        let mut core = self.lock();
+        let info = core.workers.get_mut(&id)?;
+        if ok {
+            info.failures = 0;
+            Some(true)
+        } else {
+            info.failures = info.failures.saturating_add(1);
+            Some(info.failures < threshold && info.in_router)
+        }
+    }
+
+    /// Snapshot of the worker table.
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        let mut list: Vec<_> = self.lock().workers.values().cloned().collect();
+        list.sort_by_key(|w| w.id);
+        list
+    }
+
+    /// Sets a worker's capacity (applies when it next enters selection).
+    pub fn set_capacity(&self, id: WorkerId, capacity: WorkerCapacity) {
+        if let Some(info) = self.lock().workers.get_mut(&id) {
+            info.capacity = capacity;
+        }
+    }
+
+    /// Sets a worker's model list.
+    pub fn set_models(&self, id: WorkerId, models: Vec<String>) {
+        if let Some(info) = self.lock().workers.get_mut(&id) {
+            info.models = models;
+        }
+    }
+
+    /// Active requests booked on `id` (0 when unknown).
+    pub fn active_requests(&self, id: WorkerId) -> usize {
+        self.lock()
+            .router
+            .sequences()
+            .registry()
+            .load(id)
+            .map_or(0, |l| l.requests)
+    }
+
+    /// Admission: queues the request and tries to place it at once.
+    pub fn submit(
+        self: &Arc<Self>,
+        id: RequestId,
+        submission: Submission<'_>,
+    ) -> Result<WaitHandle, SubmitError> {
+        let now = self.now_ms();
+        let (tx, rx) = oneshot::channel();
+        let mut core = self.lock();
+        let eligible = core
+            .eligible_for(submission.model)
+            .map_err(|()| SubmitError::UnknownModel)?;
+        let facts = RequestFacts {
+            id,
+            session: submission.session,
+            context_tokens: submission.prompt_tokens,
+            uncached_tokens: submission.prompt_tokens,
+            class: QueueClass::default(),
+            eligible: &eligible,
+            now_ms: now,
+        };
+        match core.admission.submit(&facts) {
+            SubmitOutcome::Rejected { retry_after_ms, .. } => {
+                self.metrics.count_admission(AdmissionDecision::Rejected);
+                return Err(SubmitError::QueueFull { retry_after_ms });
+            }
+            SubmitOutcome::Queued | SubmitOutcome::Duplicate => {
+                self.metrics.count_admission(AdmissionDecision::Queued)
+            }
+            SubmitOutcome::Deferred => self.metrics.count_admission(AdmissionDecision::Deferred),
+        }
+        core.waiting.insert(
+            id,
+            Waiter {
+                blocks: submission.blocks,
+                prompt_tokens: submission.prompt_tokens,
+                eligible,
+                tx,
+            },
+        );
+        core.poll(now, &self.metrics);
+        Ok(WaitHandle {
+            shared: self.clone(),
+            id,
+            rx: Some(rx),
+        })
+    }
+
+    /// Periodic work: admission reconcile and rechecks, request expiry.
+    pub fn tick(&self) {
+        let now = self.now_ms();
+        let mut core = self.lock();
+        core.admission.tick(now);
+        core.router.expire(now);
+        core.poll(now, &self.metrics);
+    }
+
+    /// When `tick` is next due (ms on [`Self::now_ms`]'s clock), if sooner
+    /// than the regular expiry sweep.
+    pub fn next_wakeup_ms(&self) -> Option<f64> {
+        self.lock().admission.next_wakeup_ms()
+    }
+
+    /// Appends the per-worker gauges, index size and queue depth.
+    pub fn render_gauges(&self, out: &mut String) {
+        let now = self.now_ms();
+        let core = self.lock();
+        let mut rows: Vec<(&str, u64, usize, usize)> = core
+            .workers
+            .values()
+            .map(|info| {
+                let load = core.router.sequences().registry().load(info.id);
+                (
+                    &*info.name,
+                    load.map_or(0, |l| l.active_prefill_tokens(now)),
+                    load.map_or(0, |l| l.decode_blocks),
+                    load.map_or(0, |l| l.requests),
+                )
+            })
+            .collect();
+        rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let gauge = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        };
+        gauge(
+            out,
+            "switchyard_worker_active_prefill_tokens",
+            "Uncached prefill tokens booked on the worker.",
+        );
+        for (name, prefill, _, _) in &rows {
+            let _ = writeln!(
+                out,
+                "switchyard_worker_active_prefill_tokens{{worker=\"{name}\"}} {prefill}"
+            );
+        }
+        gauge(
+            out,
+            "switchyard_worker_active_decode_blocks",
+            "KV blocks held by the worker's active requests.",
+        );
+        for (name, _, blocks, _) in &rows {
+            let _ = writeln!(
+                out,
+                "switchyard_worker_active_decode_blocks{{worker=\"{name}\"}} {blocks}"
+            );
+        }
+        gauge(
+            out,
+            "switchyard_worker_active_requests",
+            "Requests booked on the worker and not yet freed.",
+        );
+        for (name, _, _, requests) in &rows {
+            let _ = writeln!(
+                out,
+                "switchyard_worker_active_requests{{worker=\"{name}\"}} {requests}"
+            );
+        }
+        gauge(
+            out,
+            "switchyard_worker_up",
+            "1 while the worker is in selection.",
+        );
+        let mut up: Vec<_> = core
+            .workers
+            .values()
+            .map(|w| (&*w.name, w.in_router && !w.draining))
+            .collect();
+        up.sort_unstable();
+        for (name, up) in up {
+            let _ = writeln!(
+                out,
+                "switchyard_worker_up{{worker=\"{name}\"}} {}",
+                u8::from(up)
+            );
+        }
+        gauge(
+            out,
+            "switchyard_active_requests",
+            "Requests booked on any worker.",
+        );
+        let _ = writeln!(
+            out,
+            "switchyard_active_requests {}",
+            core.router.sequences().active_requests()
+        );
+        gauge(
+            out,
+            "switchyard_index_blocks",
+            "Live (block, worker) pairs in the prefix index.",
+        );
+        let _ = writeln!(
+            out,
+            "switchyard_index_blocks {}",
+            core.router.index().live_pairs()
+        );
+        gauge(
+            out,
+            "switchyard_index_bytes",
+            "Estimated heap bytes of the index and the registry.",
+        );
+        let _ = writeln!(
+            out,
+            "switchyard_index_bytes {}",
+            core.router.estimated_bytes()
+        );
+        gauge(
+            out,
+            "switchyard_queue_depth",
+            "Requests waiting in the admission queue.",
+        );
+        let _ = writeln!(
+            out,
+            "switchyard_queue_depth {}",
+            core.admission.queue().len()
+        );
+    }
+}
+
+impl IndexSink for SharedRouter {
+    fn apply(&self, worker: WorkerId, event: &IndexEvent) {
+        self.lock().router.apply_kv_event(worker, event);
+    }
+}
+
+/// A request waiting for placement. Dropping it before it resolves (the
+/// client went away) takes the request out of the queue, or, if it was
+/// placed meanwhile, frees the booking: no path leaks one.
+#[derive(Debug)]
+pub struct WaitHandle {
+    shared: Arc<SharedRouter>,
+    id: RequestId,
+    rx: Option<oneshot::Receiver<Assignment>>,
+}
+
+impl WaitHandle {
+    /// Waits for placement; the booking is owned by the returned guard.
+    pub async fn placed(mut self) -> Result<Booking, ()> {
+        let rx = self
+            .rx
+            .as_mut()
+            .expect("the receiver is present until resolved");
+        let result = rx.await;
+        self.rx = None;
+        match result {
+            Ok(Assignment::Selected {
+                ticket,
+                decision,
+                name,
+                url,
+                waited_ms,
+            }) => Ok(Booking {
+                shared: self.shared.clone(),
+                id: self.id,
+                worker: decision.worker,
+                name,
+                url,
+                ticket: Some(ticket),
+                prefill_marked: false,
+                completed: false,
+                context_tokens: 0,
+                overlap_blocks: decision.overlap_blocks,
+                waited_ms,
+            }),
+            Ok(Assignment::NoWorkers) | Err(_) => Err(()),
+        }
+    }
+}
+
+impl Drop for WaitHandle {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let now = self.shared.now_ms();
+        let mut core = self.shared.lock();
+        core.waiting.remove(&self.id);
+        if core.admission.cancel(self.id, now) == CancelOutcome::Removed {
+            self.shared
+                .metrics
+                .count_admission(AdmissionDecision::Cancelled);
+        }
+        rx.close();
+        if let Ok(Assignment::Selected { ticket, .. }) = rx.try_recv() {
+            core.release(self.id, Some(ticket), false, 0, now);
+        }
+        core.poll(now, &self.shared.metrics);
+    }
+}
+
+/// A request booked on a worker. Its drop frees the booking (and completes
+/// or aborts the admission ticket), however the response ends.
+#[derive(Debug)]
+pub struct Booking {
+    shared: Arc<SharedRouter>,
+    id: RequestId,
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its name.
+    pub name: Arc<str>,
+    /// Its base URL.
+    pub url: Arc<str>,
+    ticket: Option<ResponseTicket>,
+    prefill_marked: bool,
+    completed: bool,
+    context_tokens: u64,
+    /// Blocks the router predicted cached.
+    pub overlap_blocks: u32,
+    /// Time queued before placement.
+    pub waited_ms: f64,
+}
+
+impl Booking {
+    /// The request id.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The first token arrived: prefill is done (once).
+    pub fn mark_first_token(&mut self) {
+        if self.prefill_marked {
+            return;
+        }
+        self.prefill_marked = true;
+        let now = self.shared.now_ms();
+        let mut core = self.shared.lock();
+        core.router.mark_prefill_completed(self.id, now);
+        core.poll(now, &self.shared.metrics);
+    }
+
+    /// Live progress: `generated` tokens so far (no lock, no allocation).
+    pub fn progress(&mut self, generated: u64) {
+        if let Some(updater) = self.ticket.as_mut().and_then(|t| t.progress()) {
+            updater.set(generated);
+        }
+    }
+
+    /// The response ended normally with `context_tokens` (prompt plus
+    /// generated); the drop then completes rather than aborts.
+    pub fn completed(&mut self, context_tokens: u64) {
+        self.completed = true;
+        self.context_tokens = context_tokens;
+    }
+
+    /// The worker could not be reached: take it out of selection now
+    /// (health checks put it back).
+    pub fn worker_failed(&self) {
+        self.shared
+            .metrics
+            .upstream_failures
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared.set_in_router(self.worker, false);
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        let now = self.shared.now_ms();
+        let mut core = self.shared.lock();
+        core.release(
+            self.id,
+            self.ticket.take(),
+            self.completed,
+            self.context_tokens,
+            now,
+        );
+        core.poll(now, &self.shared.metrics);
+    }
+}

@@ -1,0 +1,121 @@
+//! Prompt to token ids, for routing only: the worker receives the client's
+//! JSON unchanged and tokenizes it itself; the router's ids must equal the
+//! worker's so that block hashes match the engine's KV events.
+//!
+//! [`PromptTokenizer`] is the seam: the server holds an
+//! `Arc<dyn PromptTokenizer>`, the bundled Hugging Face implementation is
+//! [`HfTokenizer`], and tests check any implementation against the
+//! `tokenizers` crate. Callers run it on a blocking thread when the prompt
+//! is long (see [`INLINE_CHARS`]).
+
+use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+
+/// Prompts up to this many characters are tokenized on the async worker
+/// thread (tens of microseconds, cheaper than a thread hand-off); longer
+/// ones go to `spawn_blocking`.
+pub const INLINE_CHARS: usize = 2048;
+
+/// Text to token ids, with the model's chat template.
+pub trait PromptTokenizer: Send + Sync + 'static {
+    /// Token ids of `text` (special tokens in the text map to their ids).
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError>;
+
+    /// Token ids of `messages` rendered with the chat template, ending with
+    /// the assistant turn's opening, as engines do for a chat request.
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError>;
+}
+
+/// The `switchyard-tokenizer` crate (Hugging Face `tokenizer.json` plus the
+/// Jinja chat template).
+#[derive(Debug)]
+pub struct HfTokenizer(pub Tokenizer);
+
+impl PromptTokenizer for HfTokenizer {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.0.encode(text)
+    }
+
+    fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+        let text = self.0.apply_chat_template(messages, true)?;
+        self.0.encode(&text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+    use std::sync::OnceLock;
+
+    fn bundled() -> &'static HfTokenizer {
+        static T: OnceLock<HfTokenizer> = OnceLock::new();
+        T.get_or_init(|| HfTokenizer(Tokenizer::bundled().expect("bundled tokenizer loads")))
+    }
+
+    /// The `tokenizers` crate on the same vocabulary: the reference.
+    fn reference() -> &'static tokenizers::Tokenizer {
+        static T: OnceLock<tokenizers::Tokenizer> = OnceLock::new();
+        T.get_or_init(|| {
+            tokenizers::Tokenizer::from_file(
+                Tokenizer::bundled_dir().join(switchyard_tokenizer::BUNDLED_TOKENIZER),
+            )
+            .expect("reference tokenizer loads")
+        })
+    }
+
+    /// The ShareGPT fixture: a few conversations from the shared trace, as
+    /// `{"id", "conversations": [{"from", "value"}]}` lines (see
+    /// `tests/fixtures/README.md` for provenance).
+    fn sharegpt_texts() -> Vec<String> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/sharegpt_sample.jsonl"
+        );
+        let file = std::fs::File::open(path).expect("fixture exists");
+        let mut texts = Vec::new();
+        for line in std::io::BufReader::new(file).lines() {
+            let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+            for turn in v["conversations"].as_array().unwrap() {
+                texts.push(turn["value"].as_str().unwrap().to_owned());
+            }
+        }
+        texts
+    }
+
+    #[test]
+    fn router_token_ids_equal_the_tokenizers_crate_on_sharegpt_text() {
+        let texts = sharegpt_texts();
+        assert!(texts.len() >= 20, "fixture has {} texts", texts.len());
+        for text in &texts {
+            let ours = bundled().encode(text).unwrap();
+            let theirs = reference().encode(text.as_str(), false).unwrap();
+            assert_eq!(ours, theirs.get_ids(), "ids differ on a ShareGPT turn");
+        }
+    }
+
+    #[test]
+    fn chat_ids_equal_the_tokenizers_crate_on_the_rendered_template() {
+        let texts = sharegpt_texts();
+        let messages: Vec<ChatMessage> = texts
+            .iter()
+            .take(6)
+            .enumerate()
+            .map(|(i, t)| ChatMessage {
+                role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
+                content: t.clone(),
+            })
+            .collect();
+        let ours = bundled().encode_chat(&messages[..5]).unwrap();
+        let rendered = bundled()
+            .0
+            .apply_chat_template(&messages[..5], true)
+            .unwrap();
+        let theirs = reference().encode(rendered.as_str(), false).unwrap();
+        assert_eq!(ours, theirs.get_ids());
+        assert_eq!(
+            *ours.last().unwrap(),
+            198,
+            "ends with the assistant opening's newline"
+        );
+    }
+}

@@ -1,0 +1,247 @@
+//! The fleet: adding and removing workers, KV-event subscribers, health
+//! checks and model lists.
+//!
+//! A worker enters selection after its first good `GET /health` (its
+//! `/v1/models` is read then), leaves it after `health_failures`
+//! consecutive bad checks or one failed connection from the proxy, and is
+//! put back when checks pass again. Leaving selection drops its index and
+//! active-sequence entries (`Router::remove_worker`). A draining worker
+//! takes no new requests and is removed once it has none in flight.
+
+use super::config::WorkerSpec;
+use super::state::SharedRouter;
+use crate::events::metrics::KvEventMetrics;
+use crate::events::subscriber::{KvEventSubscriber, SubscriberConfig};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use switchyard_core::router::WorkerCapacity;
+use switchyard_core::WorkerId;
+
+/// The pooled upstream HTTP client.
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Builds the pooled HTTP/1 client shared by the proxy and health checks.
+pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(4096)
+        .build(connector)
+}
+
+/// Adds, removes and watches workers.
+pub struct Fleet {
+    shared: Arc<SharedRouter>,
+    client: UpstreamClient,
+    zmq: zmq::Context,
+    subscribers: Mutex<HashMap<WorkerId, KvEventSubscriber>>,
+    /// KV-event counters per worker.
+    pub kv_metrics: KvEventMetrics,
+    uses_events: bool,
+    block_size: u32,
+    health_failures: u32,
+    health_timeout: Duration,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet").finish_non_exhaustive()
+    }
+}
+
+impl Fleet {
+    /// A fleet with no workers yet.
+    pub fn new(
+        shared: Arc<SharedRouter>,
+        client: UpstreamClient,
+        uses_events: bool,
+        block_size: u32,
+        health_failures: u32,
+        health_timeout: Duration,
+    ) -> Self {
+        Self {
+            shared,
+            client,
+            zmq: zmq::Context::new(),
+            subscribers: Mutex::new(HashMap::new()),
+            kv_metrics: KvEventMetrics::new(),
+            uses_events,
+            block_size,
+            health_failures,
+            health_timeout,
+        }
+    }
+
+    /// Registers a worker and starts its KV-event subscriber; it enters
+    /// selection at its first good health check.
+    pub fn add(&self, spec: &WorkerSpec) -> Result<WorkerId, String> {
+        spec.validate().map_err(|e| e.to_string())?;
+        if spec.block_size.is_some_and(|b| b != self.block_size) {
+            return Err(format!(
+                "block-size {} differs from the router's {}",
+                spec.block_size.unwrap_or_default(),
+                self.block_size
+            ));
+        }
+        let name = spec.display_name();
+        let id = self.shared.add_worker(&name, &spec.url)?;
+        if let (Some(events), true) = (&spec.events, self.uses_events) {
+            let mut config = SubscriberConfig::new(id, events, self.block_size);
+            config.replay_endpoint = spec.replay.clone();
+            let sink: Arc<dyn crate::events::subscriber::IndexSink> = self.shared.clone();
+            match KvEventSubscriber::spawn(&self.zmq, config, sink, self.kv_metrics.worker(id)) {
+                Ok(sub) => {
+                    self.subscribers
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id, sub);
+                }
+                Err(e) => {
+                    self.shared.remove_worker(id);
+                    return Err(format!("starting the KV-event subscriber: {e}"));
+                }
+            }
+        }
+        tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
+        Ok(id)
+    }
+
+    /// Removes a worker now, or drains it first.
+    pub fn remove(&self, name: &str, drain: bool) -> bool {
+        let Some(info) = self.shared.workers().into_iter().find(|w| &*w.name == name) else {
+            return false;
+        };
+        if drain && self.shared.active_requests(info.id) > 0 {
+            self.shared.set_draining(info.id);
+            tracing::info!(worker = %name, "worker draining");
+        } else {
+            self.drop_worker(info.id);
+        }
+        true
+    }
+
+    fn drop_worker(&self, id: WorkerId) {
+        let removed = self.shared.remove_worker(id);
+        let sub = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        if let Some(sub) = sub {
+            // Joining takes up to one poll interval: off the async threads.
+            std::thread::spawn(move || sub.shutdown());
+        }
+        if let Some(info) = removed {
+            tracing::info!(worker = %info.name, "worker removed");
+        }
+    }
+
+    /// One round of health checks over every worker, concurrently.
+    pub async fn check_all(&self) {
+        let workers = self.shared.workers();
+        let checks = workers.iter().map(|info| async move {
+            let ok = self.get(&info.url, "/health").await.is_some();
+            (info, ok)
+        });
+        for (info, ok) in futures_util::future::join_all(checks).await {
+            if info.draining {
+                if self.shared.active_requests(info.id) == 0 {
+                    self.drop_worker(info.id);
+                }
+                continue;
+            }
+            let keep = self
+                .shared
+                .health_result(info.id, ok, self.health_failures)
+                .unwrap_or(false);
+            if ok && !info.in_router {
+                if let Some(models) = self.models_of(&info.url).await {
+                    self.shared.set_models(info.id, models);
+                }
+                if let Some(capacity) = self.capacity_of(&info.url).await {
+                    self.shared.set_capacity(info.id, capacity);
+                }
+                self.shared.set_in_router(info.id, true);
+                tracing::info!(worker = %info.name, "worker healthy: in selection");
+            } else if !keep && info.in_router {
+                self.shared.set_in_router(info.id, false);
+                tracing::warn!(worker = %info.name, "worker failed its health checks: out of selection");
+            }
+        }
+    }
+
+    /// Health checks forever, every `interval`.
+    pub async fn run_health_checks(self: Arc<Self>, interval: Duration) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            self.check_all().await;
+        }
+    }
+
+    async fn models_of(&self, url: &str) -> Option<Vec<String>> {
+        let body = self.get(url, "/v1/models").await?;
+        let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        Some(
+            value["data"]
+                .as_array()?
+                .iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_owned))
+                .take(256)
+                .collect(),
+        )
+    }
+
+    /// Capacity from `/get_server_info` (SGLang's and the sim-worker's
+    /// field names); unknown parts stay unknown and never make it busy.
+    async fn capacity_of(&self, url: &str) -> Option<WorkerCapacity> {
+        let body = self.get(url, "/get_server_info").await?;
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        Some(WorkerCapacity {
+            max_num_batched_tokens: v["max_num_batched_tokens"].as_u64(),
+            kv_blocks: v["num_gpu_blocks"].as_u64(),
+        })
+    }
+
+    /// GET `url` + `path`; the body when the status is 2xx within the timeout.
+    async fn get(&self, url: &str, path: &str) -> Option<Bytes> {
+        let request = hyper::Request::get(format!("{url}{path}"))
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let fetch = async {
+            let response = self.client.request(request).await.ok()?;
+            if !response.status().is_success() {
+                return None;
+            }
+            // Bounded: models lists and health bodies are small.
+            let body = http_body_util::Limited::new(response.into_body(), 1 << 20);
+            body.collect().await.ok().map(|b| b.to_bytes())
+        };
+        tokio::time::timeout(self.health_timeout, fetch)
+            .await
+            .ok()?
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        let subs: Vec<_> = self
+            .subscribers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        if !subs.is_empty() {
+            std::thread::spawn(move || subs.into_iter().for_each(KvEventSubscriber::shutdown));
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! The router as a real process in front of real sim-worker processes,
+//! driven over loopback by a real HTTP client.
+
+mod common;
+
+use common::{eventually, metric, router, sim_worker};
+use futures_util::StreamExt;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::Duration;
+
+async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Streams one request to its end; returns (status, worker, SSE events, saw [DONE]).
+async fn stream_completion(
+    client: &reqwest::Client,
+    base: &str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> Result<(u16, String, usize, bool), String> {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "switchyard-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": true}))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let mut body = response.bytes_stream();
+    let mut text = Vec::new();
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(c) => text.extend_from_slice(&c),
+            Err(_) => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    let events = text.matches("data:").count();
+    Ok((status, worker, events, text.contains("data: [DONE]")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run() {
+    let w0 = sim_worker("20");
+    let w1 = sim_worker("20");
+    let router = router(
+        &[
+            format!("{},name=w0", w0.base),
+            format!("{},name=w1", w1.base),
+        ],
+        &["--policy", "kv"],
+    );
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+
+    // Models are the union of the workers'.
+    let models: serde_json::Value = client
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "switchyard-sim");
+
+    // Non-streaming chat: the worker's JSON comes back with the worker named.
+    let response = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({
+            "model": "switchyard-sim",
+            "messages": [{"role": "user", "content": "Route me somewhere with a warm cache."}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let worker = response.headers()["x-switchyard-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(worker == "w0" || worker == "w1", "{worker}");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+
+    // Streaming completion with token ids.
+    let (status, _, events, done) = stream_completion(&client, &base, (0..300).collect(), 6)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(events >= 6 && done, "events {events}, done {done}");
+
+    // A steady streaming load; kill w0 while it runs.
+    let mut tasks = Vec::new();
+    for i in 0..12u32 {
+        let client = client.clone();
+        let base = base.clone();
+        tasks.push(tokio::spawn(async move {
+            let prompt: Vec<u32> = (i * 1000..i * 1000 + 200).collect();
+            stream_completion(&client, &base, prompt, 400).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut w0 = w0;
+    w0.kill();
+    let mut finished = 0;
+    for task in tasks {
+        // No request hangs: each ends (completed or cut) well within the timeout.
+        let outcome = tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("no request hangs after a worker dies")
+            .unwrap();
+        if let Ok((200, _, _, true)) = outcome {
+            finished += 1;
+        }
+    }
+    assert!(finished >= 1, "the surviving worker's requests complete");
+
+    // The dead worker is not selected again.
+    let mut seen = HashSet::new();
+    for i in 0..10u32 {
+        let response = client
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"prompt": (i * 7..i * 7 + 40).collect::<Vec<u32>>(), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        if status == 200 {
+            seen.insert(
+                response.headers()["x-switchyard-worker"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned(),
+            );
+        } else {
+            // At most the first request after the kill may find w0 before
+            // the proxy or the health check takes it out.
+            assert!(i == 0 && status == 502, "status {status} on request {i}");
+        }
+    }
+    assert_eq!(seen, HashSet::from(["w1".to_owned()]));
+
+    // Every booking is freed.
+    let freed = eventually(Duration::from_secs(10), || {
+        let client = client.clone();
+        let base = base.clone();
+        async move {
+            let text = metrics_text(&client, &base).await;
+            metric(&text, "switchyard_active_requests") == Some(0.0)
+                && metric(&text, "switchyard_worker_active_requests{worker=\"w1\"}") == Some(0.0)
+                && metric(&text, "switchyard_queue_depth") == Some(0.0)
+        }
+    })
+    .await;
+    assert!(freed, "{}", metrics_text(&client, &base).await);
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric(&text, "switchyard_worker_up{worker=\"w0\"}"),
+        Some(0.0)
+    );
+    drop(w1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
+    let w0 = sim_worker("5");
+    let router = router(&[format!("{},name=w0", w0.base)], &[]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 2000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, "switchyard_active_requests"), Some(1.0));
+    drop(body);
+    let freed = eventually(Duration::from_secs(5), || {
+        let client = client.clone();
+        let base = router.base.clone();
+        async move {
+            metric(
+                &metrics_text(&client, &base).await,
+                "switchyard_active_requests",
+            ) == Some(0.0)
+        }
+    })
+    .await;
+    assert!(freed, "the booking is freed when the client goes away");
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(
+            &text,
+            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+        ),
+        Some(1.0)
+    );
+}
