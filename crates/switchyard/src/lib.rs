@@ -6,8 +6,11 @@
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
 //! - [`data`] — finding the bundled data files.
+//! - [`demo`] — `switchyard demo`: sim-workers and the router on loopback,
+//!   `kv` against `round-robin`.
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
+//! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
 //! - [`server`] — `switchyard serve`: the router's HTTP frontend, proxy,
 //!   worker fleet, admission wiring and metrics.
 //! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
@@ -15,6 +18,8 @@
 
 pub mod bench;
 pub mod data;
+pub mod demo;
 pub mod events;
+pub mod loadgen;
 pub mod server;
 pub mod sim_worker;

@@ -25,6 +25,10 @@ enum Command {
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
     Events(switchyard::events::EventsCommand),
+    /// Sim-workers and the router on loopback, driven by the load generator; kv against round-robin.
+    Demo(switchyard::demo::DemoArgs),
+    /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
+    Loadgen(switchyard::loadgen::LoadgenArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
     Serve(switchyard::server::ServeArgs),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
@@ -36,6 +40,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Events(cmd) => switchyard::events::run(cmd),
+        Command::Demo(args) => switchyard::demo::run(args),
+        Command::Loadgen(args) => switchyard::loadgen::run(args),
         Command::Serve(args) => switchyard::server::run(args),
         Command::SimWorker(args) => sim_worker::run(args),
     };

@@ -1,0 +1,193 @@
+//! `switchyard demo`: sim-workers and the router on loopback, driven by the
+//! load generator, once with `kv` and once with `round-robin`.
+//!
+//! Each policy gets a fresh fleet (child processes of this same binary), so
+//! neither run inherits the other's warm caches.
+
+use crate::bench::stats::write_json;
+use crate::loadgen::{self, Pacing, Report};
+use crate::server::{self, ServerConfig, WorkerSpec};
+use anyhow::Context as _;
+use clap::Args;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use switchyard_core::select::PolicyKind;
+
+/// Options of `switchyard demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Sim-workers to start.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Requests per policy, from the start of the trace.
+    #[arg(long, default_value_t = 240)]
+    pub requests: usize,
+    /// Requests in flight (enough to keep the fleet busy).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// Output-token cap per request.
+    #[arg(long, default_value_t = 32)]
+    pub max_output_tokens: u32,
+    /// Sim-worker speed-up over the timing model.
+    #[arg(long, default_value_t = 10.0)]
+    pub speedup: f64,
+    /// KV blocks per sim-worker (small enough that placement matters).
+    #[arg(long, default_value_t = 8192)]
+    pub num_blocks: usize,
+    /// Mooncake trace [default: the bundled conversation trace].
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// The policy compared against round-robin.
+    #[arg(long, default_value = "kv")]
+    pub policy: PolicyKind,
+    /// Write both reports here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Child processes killed on drop.
+struct Fleet {
+    children: Vec<Child>,
+    urls: Vec<String>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
+    let exe = std::env::current_exe().context("locating the switchyard binary")?;
+    let mut fleet = Fleet {
+        children: Vec::new(),
+        urls: Vec::new(),
+    };
+    for _ in 0..args.workers {
+        let mut child = Command::new(&exe)
+            .args(["sim-worker", "--host", "127.0.0.1", "--port", "0"])
+            .args(["--speedup", &args.speedup.to_string()])
+            .args(["--num-blocks", &args.num_blocks.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a sim-worker")?;
+        let stdout = child.stdout.take().context("sim-worker stdout")?;
+        fleet.children.push(child);
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .with_context(|| format!("no address in the sim-worker's first line {line:?}"))?
+            .to_owned();
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+                sink.clear();
+            }
+        });
+        fleet.urls.push(url);
+    }
+    Ok(fleet)
+}
+
+async fn one_policy(
+    args: &DemoArgs,
+    policy: PolicyKind,
+    tokenizer: Arc<dyn server::tokenize::PromptTokenizer>,
+    requests: Vec<loadgen::PreparedRequest>,
+) -> anyhow::Result<Report> {
+    let fleet = start_fleet(args)?;
+    let config = ServerConfig {
+        port: 0,
+        policy,
+        workers: fleet
+            .urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| WorkerSpec {
+                url: url.clone(),
+                name: Some(format!("worker-{i}")),
+                events: None,
+                replay: None,
+                block_size: None,
+            })
+            .collect(),
+        health_interval_ms: 500,
+        ..ServerConfig::default()
+    };
+    let router = server::start_with_tokenizer(config, tokenizer).await?;
+    let base = format!("http://{}", router.addr);
+    let report = loadgen::run_load(
+        &base,
+        requests,
+        Pacing::Concurrency(args.concurrency),
+        true,
+        &fleet.urls,
+        true,
+    )
+    .await;
+    router.shutdown().await?;
+    drop(fleet);
+    Ok(report)
+}
+
+/// Runs `switchyard demo`.
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.workers > 0, "--workers must be positive");
+    let started = Instant::now();
+    let trace = match &args.trace {
+        Some(p) => p.clone(),
+        None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+    };
+    let requests = loadgen::mooncake_requests(&trace, args.requests, args.max_output_tokens, None)?;
+    let tokenizer: Arc<dyn server::tokenize::PromptTokenizer> = Arc::new(
+        server::tokenize::HfTokenizer(switchyard_tokenizer::Tokenizer::bundled()?),
+    );
+    println!(
+        "switchyard demo: {} sim-workers (speedup {}, {} KV blocks each), {} requests of {} at concurrency {}",
+        args.workers,
+        args.speedup,
+        args.num_blocks,
+        requests.len(),
+        trace.display(),
+        args.concurrency
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut reports = Vec::new();
+    for policy in [args.policy, PolicyKind::RoundRobin] {
+        let report = runtime.block_on(one_policy(&args, policy, tokenizer.clone(), requests.clone()))?;
+        loadgen::print_report(&format!("policy {policy}"), &report);
+        reports.push((policy, report));
+    }
+    println!("\nside by side        {:>14} {:>14}", reports[0].0.name(), reports[1].0.name());
+    let row = |name: &str, f: &dyn Fn(&Report) -> String| {
+        println!("{name:<19} {:>14} {:>14}", f(&reports[0].1), f(&reports[1].1));
+    };
+    row("requests", &|r| r.requests.to_string());
+    row("errors", &|r| r.errors.to_string());
+    row("TTFT p50 ms", &|r| format!("{:.1}", r.ttft_ms.p50));
+    row("TTFT p90 ms", &|r| format!("{:.1}", r.ttft_ms.p90));
+    row("e2e p50 ms", &|r| format!("{:.1}", r.e2e_ms.p50));
+    row("throughput req/s", &|r| format!("{:.1}", r.throughput_rps));
+    row("hit rate", &|r| r.hit_rate.map_or("n/a".into(), |h| format!("{:.1}%", h * 100.0)));
+    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let value: serde_json::Map<String, serde_json::Value> = reports
+            .iter()
+            .map(|(p, r)| (p.name().to_owned(), serde_json::to_value(r).unwrap_or_default()))
+            .collect();
+        write_json(path, &value)?;
+    }
+    // Let the fleet's sockets close before exiting.
+    std::thread::sleep(Duration::from_millis(50));
+    Ok(())
+}

@@ -1,0 +1,448 @@
+//! `switchyard loadgen`: an OpenAI-API load generator.
+//!
+//! Replays a trace against any OpenAI-compatible endpoint — the router, a
+//! sim-worker, a real engine — streaming every answer, and reports TTFT,
+//! inter-token latency, end-to-end latency, throughput, errors, the share
+//! of each worker (from `x-switchyard-worker`) and, given the workers'
+//! `/metrics`, the engines' prefix hit rate.
+//!
+//! - Mooncake traces (`--trace`, the default is the bundled conversation
+//!   trace) become `/v1/completions` requests with token-id prompts
+//!   expanded from the hash ids.
+//! - ShareGPT (`--sharegpt`, `.jsonl` or `.jsonl.gz`) becomes
+//!   `/v1/chat/completions` turns with real text, each turn's prompt being
+//!   the conversation so far, sent with `x-session-id`.
+
+use crate::bench::stats::{write_json, Latency};
+use anyhow::Context as _;
+use bytes::Bytes;
+use clap::Args;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
+
+/// Options of `switchyard loadgen`.
+#[derive(Debug, Clone, Args)]
+pub struct LoadgenArgs {
+    /// Base URL of the OpenAI-compatible endpoint, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub url: String,
+    /// Mooncake trace (JSONL) [default: the bundled conversation trace].
+    #[arg(long, conflicts_with = "sharegpt")]
+    pub trace: Option<PathBuf>,
+    /// ShareGPT conversations (JSONL, optionally gzipped): real prompts, turn by turn.
+    #[arg(long)]
+    pub sharegpt: Option<PathBuf>,
+    /// Open loop: requests per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Closed loop: requests in flight [default: 8].
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Stop after this many requests.
+    #[arg(long, default_value_t = 200)]
+    pub max_requests: usize,
+    /// Cap on each request's output tokens.
+    #[arg(long, default_value_t = 64)]
+    pub max_output_tokens: u32,
+    /// Model name to send (omitted by default).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Non-streaming requests (TTFT then equals e2e).
+    #[arg(long)]
+    pub no_stream: bool,
+    /// A worker's base URL whose /metrics give the prefix hit rate; repeat.
+    #[arg(long = "worker-metrics")]
+    pub worker_metrics: Vec<String>,
+    /// Write the figures here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One prepared request.
+#[derive(Debug, Clone)]
+pub struct PreparedRequest {
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'static str,
+    /// The JSON body.
+    pub body: Bytes,
+    /// Session header, if any.
+    pub session: Option<String>,
+}
+
+/// How the load is offered.
+#[derive(Debug, Clone, Copy)]
+pub enum Pacing {
+    /// This many requests in flight.
+    Concurrency(usize),
+    /// Open loop at this many requests per second.
+    Rate(f64),
+}
+
+/// The figures (keys per DESIGN.md "Interfaces").
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed (non-2xx or broken stream).
+    pub errors: usize,
+    /// Time to first token, ms.
+    pub ttft_ms: Latency,
+    /// Between streamed tokens, ms.
+    pub itl_ms: Latency,
+    /// End to end, ms.
+    pub e2e_ms: Latency,
+    /// Completed requests per second.
+    pub throughput_rps: f64,
+    /// Streamed tokens per second.
+    pub output_tokens_per_sec: f64,
+    /// Engines' prefix hit rate over the run (null without worker metrics).
+    pub hit_rate: Option<f64>,
+    /// Requests per `x-switchyard-worker`.
+    pub worker_share: BTreeMap<String, usize>,
+    /// Wall time of the run.
+    pub wall_seconds: f64,
+}
+
+/// Mooncake records as completion requests.
+pub fn mooncake_requests(path: &Path, max: usize, max_output: u32, model: Option<&str>) -> anyhow::Result<Vec<PreparedRequest>> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut out = Vec::new();
+    let mut tokens = Vec::new();
+    for record in MooncakeReader::new(std::io::BufReader::new(file)).take(max) {
+        let record = record?;
+        tokens.clear();
+        synthetic_tokens(&record.hash_ids, record.input_length as usize, &mut tokens);
+        let mut body = json!({
+            "prompt": tokens,
+            "max_tokens": record.output_length.clamp(1, max_output),
+            "stream": true,
+        });
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        out.push(PreparedRequest {
+            path: "/v1/completions",
+            body: serde_json::to_vec(&body)?.into(),
+            session: None,
+        });
+    }
+    Ok(out)
+}
+
+/// ShareGPT conversations as chat turns: sessions are taken 16 at a time
+/// and their turns interleaved, so each turn follows its predecessor.
+pub fn sharegpt_requests(path: &Path, max: usize, max_output: u32, model: Option<&str>) -> anyhow::Result<Vec<PreparedRequest>> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let reader: Box<dyn BufRead> = if path.extension().is_some_and(|e| e == "gz") {
+        Box::new(std::io::BufReader::new(flate2::read::GzDecoder::new(file)))
+    } else {
+        Box::new(std::io::BufReader::new(file))
+    };
+    let mut conversations: Vec<(String, Vec<Vec<Value>>)> = Vec::new();
+    let mut planned = 0;
+    for (n, line) in reader.lines().enumerate() {
+        if planned >= max {
+            break;
+        }
+        let line = line?;
+        let v: Value = serde_json::from_str(&line).with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
+        let id = v["id"].as_str().map_or_else(|| format!("conv-{n}"), str::to_owned);
+        let mut messages = Vec::new();
+        let mut turns = Vec::new();
+        for turn in v["conversations"].as_array().into_iter().flatten() {
+            let text = turn["value"].as_str().unwrap_or_default();
+            let role = if turn["from"] == "human" { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": text}));
+            if role == "user" {
+                turns.push(messages.clone());
+            }
+        }
+        planned += turns.len();
+        conversations.push((id, turns));
+    }
+    let mut out = Vec::new();
+    for window in conversations.chunks(16) {
+        let longest = window.iter().map(|(_, t)| t.len()).max().unwrap_or(0);
+        for k in 0..longest {
+            for (id, turns) in window {
+                if let Some(messages) = turns.get(k) {
+                    let mut body = json!({"messages": messages, "max_tokens": max_output, "stream": true});
+                    if let Some(m) = model {
+                        body["model"] = json!(m);
+                    }
+                    out.push(PreparedRequest {
+                        path: "/v1/chat/completions",
+                        body: serde_json::to_vec(&body)?.into(),
+                        session: Some(id.clone()),
+                    });
+                }
+            }
+        }
+    }
+    out.truncate(max);
+    Ok(out)
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_max_idle_per_host(4096)
+        .build(connector)
+}
+
+#[derive(Default)]
+struct Sample {
+    ok: bool,
+    ttft_ms: f64,
+    e2e_ms: f64,
+    itl_ms: Vec<f64>,
+    tokens: u64,
+    worker: Option<String>,
+}
+
+async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream: bool) -> Sample {
+    let started = Instant::now();
+    let mut sample = Sample::default();
+    let body = if stream {
+        request.body.clone()
+    } else {
+        match serde_json::from_slice::<Value>(&request.body) {
+            Ok(mut v) => {
+                v["stream"] = json!(false);
+                serde_json::to_vec(&v).map(Bytes::from).unwrap_or_default()
+            }
+            Err(_) => request.body.clone(),
+        }
+    };
+    let mut builder = hyper::Request::post(format!("{base}{}", request.path))
+        .header("content-type", "application/json");
+    if let Some(s) = &request.session {
+        builder = builder.header("x-session-id", s);
+    }
+    let Ok(http_request) = builder.body(Full::new(body)) else {
+        return sample;
+    };
+    let Ok(response) = client.request(http_request).await else {
+        return sample;
+    };
+    sample.worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let status_ok = response.status().is_success();
+    let mut body = response.into_body();
+    let mut last: Option<Instant> = None;
+    let mut broken = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            broken = true;
+            break;
+        };
+        let Some(data) = frame.data_ref() else { continue };
+        let now = Instant::now();
+        let events = if stream {
+            data.windows(5).filter(|w| *w == b"data:").count() as u64
+                - data.windows(6).filter(|w| *w == b"[DONE]").count() as u64
+        } else {
+            0
+        };
+        if events == 0 && stream {
+            continue;
+        }
+        match last {
+            None => sample.ttft_ms = (now - started).as_secs_f64() * 1e3,
+            Some(l) => sample.itl_ms.push((now - l).as_secs_f64() * 1e3 / events.max(1) as f64),
+        }
+        last = Some(now);
+        sample.tokens += events;
+    }
+    sample.e2e_ms = started.elapsed().as_secs_f64() * 1e3;
+    if !stream {
+        sample.ttft_ms = sample.e2e_ms;
+    }
+    sample.ok = status_ok && !broken;
+    sample
+}
+
+/// Sums `prefix hit` and `prompt` token counters over the workers.
+async fn engine_counters(client: &HttpClient, workers: &[String]) -> Option<(f64, f64)> {
+    let mut hits = 0.0;
+    let mut prompts = 0.0;
+    for w in workers {
+        let request = hyper::Request::get(format!("{}/metrics", w.trim_end_matches('/')))
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let response = client.request(request).await.ok()?;
+        let text = response.into_body().collect().await.ok()?.to_bytes();
+        let text = String::from_utf8_lossy(&text);
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+        };
+        hits += value("switchyard_engine_prefix_hit_tokens_total")?;
+        prompts += value("switchyard_engine_prompt_tokens_total")?;
+    }
+    Some((hits, prompts))
+}
+
+/// Runs `requests` against `base` and summarizes.
+pub async fn run_load(
+    base: &str,
+    requests: Vec<PreparedRequest>,
+    pacing: Pacing,
+    stream: bool,
+    worker_metrics: &[String],
+    progress: bool,
+) -> Report {
+    let client = client();
+    let base: Arc<str> = base.trim_end_matches('/').into();
+    let before = if worker_metrics.is_empty() { None } else { engine_counters(&client, worker_metrics).await };
+    let total = requests.len();
+    let requests = Arc::new(requests);
+    let next = Arc::new(AtomicUsize::new(0));
+    let samples = Arc::new(Mutex::new(Vec::with_capacity(total)));
+    let started = Instant::now();
+    let reporter = progress.then(|| {
+        let samples = samples.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let done = samples.lock().map(|s| s.len()).unwrap_or(0);
+                eprint!("\rloadgen: {done}/{total} requests");
+            }
+        })
+    });
+    let mut tasks = Vec::new();
+    match pacing {
+        Pacing::Concurrency(c) => {
+            for _ in 0..c.max(1) {
+                let (client, base, requests, next, samples) =
+                    (client.clone(), base.clone(), requests.clone(), next.clone(), samples.clone());
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(request) = requests.get(i) else { break };
+                        let s = one(&client, &base, request, stream).await;
+                        samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                    }
+                }));
+            }
+        }
+        Pacing::Rate(rate) => {
+            let gap = Duration::from_secs_f64(1.0 / rate.max(1e-6));
+            for i in 0..total {
+                tokio::time::sleep_until((started + gap * i as u32).into()).await;
+                let (client, base, requests, samples) =
+                    (client.clone(), base.clone(), requests.clone(), samples.clone());
+                tasks.push(tokio::spawn(async move {
+                    let s = one(&client, &base, &requests[i], stream).await;
+                    samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                }));
+            }
+        }
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Some(r) = reporter {
+        r.abort();
+        eprintln!();
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let after = if worker_metrics.is_empty() { None } else { engine_counters(&client, worker_metrics).await };
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut ttft = Vec::new();
+    let mut itl = Vec::new();
+    let mut e2e = Vec::new();
+    let mut tokens = 0;
+    let mut errors = 0;
+    let mut share = BTreeMap::new();
+    for s in &samples {
+        if let Some(w) = &s.worker {
+            *share.entry(w.clone()).or_insert(0) += 1;
+        }
+        if !s.ok {
+            errors += 1;
+            continue;
+        }
+        ttft.push(s.ttft_ms);
+        e2e.push(s.e2e_ms);
+        itl.extend_from_slice(&s.itl_ms);
+        tokens += s.tokens;
+    }
+    let hit_rate = match (before, after) {
+        (Some((h0, p0)), Some((h1, p1))) if p1 > p0 => Some((h1 - h0) / (p1 - p0)),
+        _ => None,
+    };
+    Report {
+        requests: samples.len(),
+        errors,
+        throughput_rps: e2e.len() as f64 / wall,
+        output_tokens_per_sec: tokens as f64 / wall,
+        ttft_ms: Latency::of(&mut ttft),
+        itl_ms: Latency::of(&mut itl),
+        e2e_ms: Latency::of(&mut e2e),
+        hit_rate,
+        worker_share: share,
+        wall_seconds: wall,
+    }
+}
+
+/// Prints a report as a few lines.
+pub fn print_report(title: &str, r: &Report) {
+    let lat = |l: &Latency| format!("mean {:.1} p50 {:.1} p90 {:.1} p99 {:.1}", l.mean, l.p50, l.p90, l.p99);
+    println!("{title}");
+    println!("  requests {}  errors {}  wall {:.1} s", r.requests, r.errors, r.wall_seconds);
+    println!("  TTFT ms  {}", lat(&r.ttft_ms));
+    println!("  ITL ms   {}", lat(&r.itl_ms));
+    println!("  e2e ms   {}", lat(&r.e2e_ms));
+    println!("  throughput {:.1} req/s, {:.0} output tokens/s", r.throughput_rps, r.output_tokens_per_sec);
+    match r.hit_rate {
+        Some(h) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
+        None => println!("  engine prefix hit rate: n/a (no --worker-metrics)"),
+    }
+    if !r.worker_share.is_empty() {
+        let share: Vec<String> = r.worker_share.iter().map(|(w, n)| format!("{w}={n}")).collect();
+        println!("  per-worker share {}", share.join(" "));
+    }
+}
+
+/// Runs `switchyard loadgen`.
+pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    let requests = match (&args.sharegpt, &args.trace) {
+        (Some(path), _) => sharegpt_requests(path, args.max_requests, args.max_output_tokens, args.model.as_deref())?,
+        (None, Some(path)) => mooncake_requests(path, args.max_requests, args.max_output_tokens, args.model.as_deref())?,
+        (None, None) => mooncake_requests(
+            &crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+            args.max_requests,
+            args.max_output_tokens,
+            args.model.as_deref(),
+        )?,
+    };
+    let pacing = match (args.rate, args.concurrency) {
+        (Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
+        (Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
+        (None, c) => Pacing::Concurrency(c.unwrap_or(8)),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let report = runtime.block_on(run_load(&args.url, requests, pacing, !args.no_stream, &args.worker_metrics, true));
+    print_report(&format!("loadgen against {}", args.url), &report);
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+    }
+    Ok(())
+}
