@@ -23,7 +23,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
     /// Requests per policy, from the start of the trace.
-    #[arg(long, default_value_t = 240)]
+    #[arg(long, default_value_t = 1000)]
     pub requests: usize,
     /// Requests in flight (enough to keep the fleet busy).
     #[arg(long, default_value_t = 16)]
@@ -34,8 +34,9 @@ pub struct DemoArgs {
     /// Sim-worker speed-up over the timing model.
     #[arg(long, default_value_t = 10.0)]
     pub speedup: f64,
-    /// KV blocks per sim-worker (small enough that placement matters).
-    #[arg(long, default_value_t = 8192)]
+    /// KV blocks per sim-worker (1M tokens: conversations' earlier turns
+    /// stay cached long enough for placement to matter).
+    #[arg(long, default_value_t = 65_536)]
     pub num_blocks: usize,
     /// Mooncake trace [default: the bundled conversation trace].
     #[arg(long)]
@@ -148,7 +149,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
     };
-    let requests = loadgen::mooncake_requests(&trace, args.requests, args.max_output_tokens, None)?;
+    let requests =
+        loadgen::mooncake_requests(&trace, args.requests, args.max_output_tokens, 32_000, None)?;
     let tokenizer: Arc<dyn server::tokenize::PromptTokenizer> = Arc::new(
         server::tokenize::HfTokenizer(switchyard_tokenizer::Tokenizer::bundled()?),
     );
@@ -161,16 +163,31 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         trace.display(),
         args.concurrency
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let mut reports = Vec::new();
     for policy in [args.policy, PolicyKind::RoundRobin] {
-        let report = runtime.block_on(one_policy(&args, policy, tokenizer.clone(), requests.clone()))?;
+        let report = runtime.block_on(one_policy(
+            &args,
+            policy,
+            tokenizer.clone(),
+            requests.clone(),
+        ))?;
         loadgen::print_report(&format!("policy {policy}"), &report);
         reports.push((policy, report));
     }
-    println!("\nside by side        {:>14} {:>14}", reports[0].0.name(), reports[1].0.name());
+    println!(
+        "\nside by side        {:>14} {:>14}",
+        reports[0].0.name(),
+        reports[1].0.name()
+    );
     let row = |name: &str, f: &dyn Fn(&Report) -> String| {
-        println!("{name:<19} {:>14} {:>14}", f(&reports[0].1), f(&reports[1].1));
+        println!(
+            "{name:<19} {:>14} {:>14}",
+            f(&reports[0].1),
+            f(&reports[1].1)
+        );
     };
     row("requests", &|r| r.requests.to_string());
     row("errors", &|r| r.errors.to_string());
@@ -178,12 +195,20 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     row("TTFT p90 ms", &|r| format!("{:.1}", r.ttft_ms.p90));
     row("e2e p50 ms", &|r| format!("{:.1}", r.e2e_ms.p50));
     row("throughput req/s", &|r| format!("{:.1}", r.throughput_rps));
-    row("hit rate", &|r| r.hit_rate.map_or("n/a".into(), |h| format!("{:.1}%", h * 100.0)));
+    row("hit rate", &|r| {
+        r.hit_rate
+            .map_or("n/a".into(), |h| format!("{:.1}%", h * 100.0))
+    });
     println!("finished in {:.1} s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.json {
         let value: serde_json::Map<String, serde_json::Value> = reports
             .iter()
-            .map(|(p, r)| (p.name().to_owned(), serde_json::to_value(r).unwrap_or_default()))
+            .map(|(p, r)| {
+                (
+                    p.name().to_owned(),
+                    serde_json::to_value(r).unwrap_or_default(),
+                )
+            })
             .collect();
         write_json(path, &value)?;
     }

@@ -54,6 +54,9 @@ pub struct LoadgenArgs {
     /// Cap on each request's output tokens.
     #[arg(long, default_value_t = 64)]
     pub max_output_tokens: u32,
+    /// Skip trace records with longer prompts (Mooncake only).
+    #[arg(long, default_value_t = 32_000)]
+    pub max_prompt_tokens: u32,
     /// Model name to send (omitted by default).
     #[arg(long)]
     pub model: Option<String>,
@@ -113,13 +116,26 @@ pub struct Report {
     pub wall_seconds: f64,
 }
 
-/// Mooncake records as completion requests.
-pub fn mooncake_requests(path: &Path, max: usize, max_output: u32, model: Option<&str>) -> anyhow::Result<Vec<PreparedRequest>> {
+/// Mooncake records as completion requests; records whose prompt exceeds
+/// `max_prompt_tokens` are skipped (an engine would refuse them).
+pub fn mooncake_requests(
+    path: &Path,
+    max: usize,
+    max_output: u32,
+    max_prompt_tokens: u32,
+    model: Option<&str>,
+) -> anyhow::Result<Vec<PreparedRequest>> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
     let mut tokens = Vec::new();
-    for record in MooncakeReader::new(std::io::BufReader::new(file)).take(max) {
+    for record in MooncakeReader::new(std::io::BufReader::new(file)) {
         let record = record?;
+        if out.len() >= max {
+            break;
+        }
+        if record.input_length > max_prompt_tokens {
+            continue;
+        }
         tokens.clear();
         synthetic_tokens(&record.hash_ids, record.input_length as usize, &mut tokens);
         let mut body = json!({
@@ -141,7 +157,12 @@ pub fn mooncake_requests(path: &Path, max: usize, max_output: u32, model: Option
 
 /// ShareGPT conversations as chat turns: sessions are taken 16 at a time
 /// and their turns interleaved, so each turn follows its predecessor.
-pub fn sharegpt_requests(path: &Path, max: usize, max_output: u32, model: Option<&str>) -> anyhow::Result<Vec<PreparedRequest>> {
+pub fn sharegpt_requests(
+    path: &Path,
+    max: usize,
+    max_output: u32,
+    model: Option<&str>,
+) -> anyhow::Result<Vec<PreparedRequest>> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let reader: Box<dyn BufRead> = if path.extension().is_some_and(|e| e == "gz") {
         Box::new(std::io::BufReader::new(flate2::read::GzDecoder::new(file)))
@@ -155,13 +176,20 @@ pub fn sharegpt_requests(path: &Path, max: usize, max_output: u32, model: Option
             break;
         }
         let line = line?;
-        let v: Value = serde_json::from_str(&line).with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
-        let id = v["id"].as_str().map_or_else(|| format!("conv-{n}"), str::to_owned);
+        let v: Value = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
+        let id = v["id"]
+            .as_str()
+            .map_or_else(|| format!("conv-{n}"), str::to_owned);
         let mut messages = Vec::new();
         let mut turns = Vec::new();
         for turn in v["conversations"].as_array().into_iter().flatten() {
             let text = turn["value"].as_str().unwrap_or_default();
-            let role = if turn["from"] == "human" { "user" } else { "assistant" };
+            let role = if turn["from"] == "human" {
+                "user"
+            } else {
+                "assistant"
+            };
             messages.push(json!({"role": role, "content": text}));
             if role == "user" {
                 turns.push(messages.clone());
@@ -176,7 +204,8 @@ pub fn sharegpt_requests(path: &Path, max: usize, max_output: u32, model: Option
         for k in 0..longest {
             for (id, turns) in window {
                 if let Some(messages) = turns.get(k) {
-                    let mut body = json!({"messages": messages, "max_tokens": max_output, "stream": true});
+                    let mut body =
+                        json!({"messages": messages, "max_tokens": max_output, "stream": true});
                     if let Some(m) = model {
                         body["model"] = json!(m);
                     }
@@ -252,7 +281,9 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
             broken = true;
             break;
         };
-        let Some(data) = frame.data_ref() else { continue };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
         let now = Instant::now();
         let events = if stream {
             data.windows(5).filter(|w| *w == b"data:").count() as u64
@@ -265,7 +296,9 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         }
         match last {
             None => sample.ttft_ms = (now - started).as_secs_f64() * 1e3,
-            Some(l) => sample.itl_ms.push((now - l).as_secs_f64() * 1e3 / events.max(1) as f64),
+            Some(l) => sample
+                .itl_ms
+                .push((now - l).as_secs_f64() * 1e3 / events.max(1) as f64),
         }
         last = Some(now);
         sample.tokens += events;
@@ -290,8 +323,13 @@ async fn engine_counters(client: &HttpClient, workers: &[String]) -> Option<(f64
         let text = response.into_body().collect().await.ok()?.to_bytes();
         let text = String::from_utf8_lossy(&text);
         let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+            text.lines().find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
         };
         hits += value("switchyard_engine_prefix_hit_tokens_total")?;
         prompts += value("switchyard_engine_prompt_tokens_total")?;
@@ -310,7 +348,11 @@ pub async fn run_load(
 ) -> Report {
     let client = client();
     let base: Arc<str> = base.trim_end_matches('/').into();
-    let before = if worker_metrics.is_empty() { None } else { engine_counters(&client, worker_metrics).await };
+    let before = if worker_metrics.is_empty() {
+        None
+    } else {
+        engine_counters(&client, worker_metrics).await
+    };
     let total = requests.len();
     let requests = Arc::new(requests);
     let next = Arc::new(AtomicUsize::new(0));
@@ -330,12 +372,19 @@ pub async fn run_load(
     match pacing {
         Pacing::Concurrency(c) => {
             for _ in 0..c.max(1) {
-                let (client, base, requests, next, samples) =
-                    (client.clone(), base.clone(), requests.clone(), next.clone(), samples.clone());
+                let (client, base, requests, next, samples) = (
+                    client.clone(),
+                    base.clone(),
+                    requests.clone(),
+                    next.clone(),
+                    samples.clone(),
+                );
                 tasks.push(tokio::spawn(async move {
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(request) = requests.get(i) else { break };
+                        let Some(request) = requests.get(i) else {
+                            break;
+                        };
                         let s = one(&client, &base, request, stream).await;
                         samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
                     }
@@ -346,8 +395,12 @@ pub async fn run_load(
             let gap = Duration::from_secs_f64(1.0 / rate.max(1e-6));
             for i in 0..total {
                 tokio::time::sleep_until((started + gap * i as u32).into()).await;
-                let (client, base, requests, samples) =
-                    (client.clone(), base.clone(), requests.clone(), samples.clone());
+                let (client, base, requests, samples) = (
+                    client.clone(),
+                    base.clone(),
+                    requests.clone(),
+                    samples.clone(),
+                );
                 tasks.push(tokio::spawn(async move {
                     let s = one(&client, &base, &requests[i], stream).await;
                     samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
@@ -363,7 +416,11 @@ pub async fn run_load(
         eprintln!();
     }
     let wall = started.elapsed().as_secs_f64();
-    let after = if worker_metrics.is_empty() { None } else { engine_counters(&client, worker_metrics).await };
+    let after = if worker_metrics.is_empty() {
+        None
+    } else {
+        engine_counters(&client, worker_metrics).await
+    };
     let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|p| p.into_inner()));
     let mut ttft = Vec::new();
     let mut itl = Vec::new();
@@ -404,19 +461,34 @@ pub async fn run_load(
 
 /// Prints a report as a few lines.
 pub fn print_report(title: &str, r: &Report) {
-    let lat = |l: &Latency| format!("mean {:.1} p50 {:.1} p90 {:.1} p99 {:.1}", l.mean, l.p50, l.p90, l.p99);
+    let lat = |l: &Latency| {
+        format!(
+            "mean {:.1} p50 {:.1} p90 {:.1} p99 {:.1}",
+            l.mean, l.p50, l.p90, l.p99
+        )
+    };
     println!("{title}");
-    println!("  requests {}  errors {}  wall {:.1} s", r.requests, r.errors, r.wall_seconds);
+    println!(
+        "  requests {}  errors {}  wall {:.1} s",
+        r.requests, r.errors, r.wall_seconds
+    );
     println!("  TTFT ms  {}", lat(&r.ttft_ms));
     println!("  ITL ms   {}", lat(&r.itl_ms));
     println!("  e2e ms   {}", lat(&r.e2e_ms));
-    println!("  throughput {:.1} req/s, {:.0} output tokens/s", r.throughput_rps, r.output_tokens_per_sec);
+    println!(
+        "  throughput {:.1} req/s, {:.0} output tokens/s",
+        r.throughput_rps, r.output_tokens_per_sec
+    );
     match r.hit_rate {
         Some(h) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
         None => println!("  engine prefix hit rate: n/a (no --worker-metrics)"),
     }
     if !r.worker_share.is_empty() {
-        let share: Vec<String> = r.worker_share.iter().map(|(w, n)| format!("{w}={n}")).collect();
+        let share: Vec<String> = r
+            .worker_share
+            .iter()
+            .map(|(w, n)| format!("{w}={n}"))
+            .collect();
         println!("  per-worker share {}", share.join(" "));
     }
 }
@@ -424,12 +496,24 @@ pub fn print_report(title: &str, r: &Report) {
 /// Runs `switchyard loadgen`.
 pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
     let requests = match (&args.sharegpt, &args.trace) {
-        (Some(path), _) => sharegpt_requests(path, args.max_requests, args.max_output_tokens, args.model.as_deref())?,
-        (None, Some(path)) => mooncake_requests(path, args.max_requests, args.max_output_tokens, args.model.as_deref())?,
+        (Some(path), _) => sharegpt_requests(
+            path,
+            args.max_requests,
+            args.max_output_tokens,
+            args.model.as_deref(),
+        )?,
+        (None, Some(path)) => mooncake_requests(
+            path,
+            args.max_requests,
+            args.max_output_tokens,
+            args.max_prompt_tokens,
+            args.model.as_deref(),
+        )?,
         (None, None) => mooncake_requests(
             &crate::data::data_path("traces/mooncake_conversation.jsonl")?,
             args.max_requests,
             args.max_output_tokens,
+            args.max_prompt_tokens,
             args.model.as_deref(),
         )?,
     };
@@ -438,8 +522,17 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
         (Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
         (None, c) => Pacing::Concurrency(c.unwrap_or(8)),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let report = runtime.block_on(run_load(&args.url, requests, pacing, !args.no_stream, &args.worker_metrics, true));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let report = runtime.block_on(run_load(
+        &args.url,
+        requests,
+        pacing,
+        !args.no_stream,
+        &args.worker_metrics,
+        true,
+    ));
     print_report(&format!("loadgen against {}", args.url), &report);
     if let Some(path) = &args.json {
         write_json(path, &report)?;
