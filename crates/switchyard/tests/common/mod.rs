@@ -26,6 +26,8 @@ impl Drop for Proc {
 }
 
 /// Starts `switchyard ARGS...` and waits for its `http://` address line.
+// The child is waited for by `Proc`'s drop, or on the early-exit path.
+#[allow(clippy::zombie_processes)]
 pub fn spawn(args: &[&str]) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args(args)
