@@ -245,7 +245,8 @@ struct Sample {
 async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream: bool) -> Sample {
     let started = Instant::now();
     let mut sample = Sample::default();
-    let body = if stream {
+    let streams = request.body.windows(13).any(|w| w == b"\"stream\":true");
+    let body = if stream || !streams {
         request.body.clone()
     } else {
         match serde_json::from_slice::<Value>(&request.body) {
