@@ -213,3 +213,50 @@ async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
         Some(1.0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admission() {
+    let w0 = sim_worker("5");
+    let w1 = sim_worker("5");
+    let router = router(
+        &[format!("{},name=w0", w0.base), format!("{},name=w1", w1.base)],
+        &["--admission", "session-aware"],
+    );
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", router.base);
+    let turn = |max_tokens: u32| {
+        client
+            .post(&url)
+            .header("x-session-id", "conversation-1")
+            .json(&json!({"prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": max_tokens, "stream": true}))
+            .send()
+    };
+    let first = turn(60).await.unwrap();
+    let first_worker = first.headers()["x-switchyard-worker"].to_str().unwrap().to_owned();
+    let started = std::time::Instant::now();
+    let second = tokio::spawn({
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let response = client
+                .post(&url)
+                .header("x-session-id", "conversation-1")
+                .json(&json!({"prompt": (0..120).collect::<Vec<u32>>(), "max_tokens": 2}))
+                .send()
+                .await
+                .unwrap();
+            (std::time::Instant::now(), response.headers()["x-switchyard-worker"].to_str().unwrap().to_owned())
+        }
+    });
+    // Read the first turn to its end.
+    let _ = first.bytes().await.unwrap();
+    let first_ended = std::time::Instant::now();
+    let (second_started, second_worker) = second.await.unwrap();
+    assert!(
+        second_started >= first_ended,
+        "the second turn started {:?} after the first began, before the first ended ({:?})",
+        second_started - started,
+        first_ended - started
+    );
+    assert_eq!(second_worker, first_worker, "the session stays on its worker");
+}
