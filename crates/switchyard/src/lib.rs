@@ -8,7 +8,10 @@
 //! - [`data`] — finding the bundled data files.
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
+//! - [`replay`] — `switchyard replay`: policies compared in the fleet
+//!   simulator, with a table, JSON and SVG plots.
 
 pub mod bench;
 pub mod data;
 pub mod events;
+pub mod replay;
