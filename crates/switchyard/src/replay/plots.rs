@@ -23,16 +23,16 @@ fn color(i: usize) -> RGBColor {
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// Draws one plot into a file.
+type PlotFn = fn(&Path, &ReplayReport, &[(String, SimOutcome)]) -> PlotResult<()>;
+
 /// Writes every plot into `dir`; returns their paths.
 pub(super) fn write_all(
     dir: &Path,
     report: &ReplayReport,
     outcomes: &[(String, SimOutcome)],
 ) -> anyhow::Result<Vec<PathBuf>> {
-    let plots: [(
-        &str,
-        fn(&Path, &ReplayReport, &[(String, SimOutcome)]) -> PlotResult<()>,
-    ); 3] = [
+    let plots: [(&str, PlotFn); 3] = [
         ("ttft_cdf.svg", ttft_cdf),
         ("hit_rate.svg", hit_rate),
         ("worker_load.svg", worker_load),
