@@ -21,8 +21,13 @@
 //!   [`select::Selector`] trait.
 //! - [`router`] — the four above as one value ([`router::Router`]) with the
 //!   call sequence both drivers follow.
+//! - [`admission`] — in front of the router: the policy queue (requests wait
+//!   when every worker is busy), the admission-strategy API, request
+//!   lifecycle records and live progress, and the session-aware strategy,
+//!   behind one [`admission::AdmissionController`].
 //!
-//! Data flow for one request: `hashing` turns the prompt into block hashes;
+//! Data flow for one request: `admission` queues it (and may defer it);
+//! when it is offered, `hashing` turns the prompt into block hashes;
 //! the selector reads overlaps from `index` and load from the registry and
 //! picks a worker; the driver books the request in `sequences`
 //! (`AddRequest`), marks its prefill done at the first token and frees it at
@@ -30,6 +35,7 @@
 
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod hashing;
 pub mod index;
 mod maps;

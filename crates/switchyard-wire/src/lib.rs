@@ -1,1 +1,22 @@
-//! placeholder
+//! Switchyard's wire formats: what crosses a socket, typed, with no I/O.
+//!
+//! Modules, in the order an engine's KV event meets them:
+//!
+//! - [`kv_events`] — the engines' KV-cache event batches (vLLM's format;
+//!   SGLang's variant): typed [`kv_events::KvEventBatch`], a decoder for every
+//!   shape the engines have shipped, and an encoder for the current vLLM shape
+//!   (used by the simulated engine and by tests).
+//! - [`normalize`] — decoded events to the prefix index's
+//!   [`switchyard_core::index::IndexEvent`]: router-side block hashes from
+//!   `token_ids`, partial blocks, storage tiers and hybrid-model groups
+//!   filtered, every skip counted by reason.
+//!
+//! Data flow: socket bytes → [`kv_events::decode_batch_lossy`] →
+//! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`. Sockets live
+//! in the `switchyard` crate; nothing here blocks, allocates without bound or
+//! panics on input.
+
+#![warn(missing_docs)]
+
+pub mod kv_events;
+pub mod normalize;

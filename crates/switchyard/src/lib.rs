@@ -6,9 +6,12 @@
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
 //! - [`data`] — finding the bundled data files.
+//! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
+//!   subscriber with gap replay, metrics) and `switchyard events ...`.
 //! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
 //!   OpenAI-compatible HTTP server, driven in real time.
 
 pub mod bench;
 pub mod data;
+pub mod events;
 pub mod sim_worker;

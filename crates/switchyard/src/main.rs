@@ -24,6 +24,9 @@ enum Command {
     Bench(bench::BenchCommand),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
     SimWorker(sim_worker::SimWorkerArgs),
+    /// Inspect engine KV events: decode a payload file, or listen to an engine.
+    #[command(subcommand)]
+    Events(switchyard::events::EventsCommand),
 }
 
 fn main() -> ExitCode {
@@ -31,6 +34,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(cmd) => bench::run(cmd),
         Command::SimWorker(args) => sim_worker::run(args),
+        Command::Events(cmd) => switchyard::events::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,10 +1,12 @@
 //! `switchyard bench ...`: benchmarks that print figures and write JSON.
 //!
+//! - [`admission`] — live progress and session-aware admission;
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
 //! - [`engine`] — simulated-engine scheduler steps per minute;
 //! - [`stats`] — latency summaries and JSON output.
 
+pub mod admission;
 pub mod engine;
 pub mod micro;
 pub mod stats;
@@ -20,6 +22,8 @@ pub enum BenchCommand {
     Index(IndexBench),
     /// Simulated-engine scheduler steps per minute on one core.
     Engine(engine::EngineBench),
+    /// Admission: live progress, admit + event with many sessions retained.
+    Admission(admission::AdmissionArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -37,5 +41,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Index(IndexBench::Micro(args)) => micro::run(args),
         BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
         BenchCommand::Engine(opts) => engine::run(opts),
+        BenchCommand::Admission(args) => admission::run(args),
     }
 }

@@ -1,0 +1,604 @@
+//! The policy queue: requests waiting for a worker (ready) or for their
+//! strategy (deferred), in a configured order, under per-class limits.
+//!
+//! Storage is one map from request id to its entry (the truth) plus a binary
+//! heap of ready ids ordered by `(key, arrival seq)`. Removing a request —
+//! dispatch, or a client that gave up — is one map removal; its heap entry
+//! goes stale and is skipped when popped (O(1) + amortized O(log n)), and
+//! the heap is compacted when stale entries outnumber live ones.
+
+use super::{Placement, QueueClass};
+use crate::maps::FxHashMap;
+use crate::types::RequestId;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// The order in which ready requests are offered to workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueueOrder {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Last come, first served.
+    Lcfs,
+    /// Weighted shortest processing time: fewest uncached prompt tokens first
+    /// (ties in arrival order).
+    Wspt,
+}
+
+/// Limits of one queue class; a request beyond either is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClassLimits {
+    /// Waiting requests (ready plus deferred).
+    pub max_requests: usize,
+    /// Sum of the waiting requests' uncached tokens.
+    pub max_uncached_tokens: u64,
+}
+
+impl Default for ClassLimits {
+    fn default() -> Self {
+        Self {
+            max_requests: 4096,
+            max_uncached_tokens: 16 << 20,
+        }
+    }
+}
+
+/// Settings of the [`PolicyQueue`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QueueConfig {
+    /// Order of the ready queue.
+    pub order: QueueOrder,
+    /// Limits of classes without an entry in `class_limits`.
+    pub default_limits: ClassLimits,
+    /// Limits of class `i` at index `i`.
+    pub class_limits: Vec<ClassLimits>,
+    /// While requests wait, the driver rechecks at least this often even if
+    /// no capacity event arrives.
+    pub recheck_interval_ms: f64,
+    /// One poll stops after this many consecutive "all busy" answers (the
+    /// rest of the queue would most likely be busy too).
+    pub busy_probe_limit: usize,
+    /// Bounds of the suggested `Retry-After` for refused requests.
+    pub min_retry_after_ms: u64,
+    /// See `min_retry_after_ms`.
+    pub max_retry_after_ms: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            order: QueueOrder::Fcfs,
+            default_limits: ClassLimits::default(),
+            class_limits: Vec::new(),
+            recheck_interval_ms: 50.0,
+            busy_probe_limit: 4,
+            min_retry_after_ms: 1_000,
+            max_retry_after_ms: 60_000,
+        }
+    }
+}
+
+/// Why a [`QueueConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum QueueConfigError {
+    /// A recheck interval that is not positive.
+    #[error("recheck_interval_ms must be positive and finite, got {0}")]
+    RecheckInterval(f64),
+    /// A probe limit of zero.
+    #[error("busy_probe_limit must be at least 1")]
+    BusyProbeLimit,
+    /// Retry-after bounds out of order.
+    #[error("min_retry_after_ms ({min}) must be at most max_retry_after_ms ({max})")]
+    RetryAfter {
+        /// The lower bound.
+        min: u64,
+        /// The upper bound.
+        max: u64,
+    },
+}
+
+impl QueueConfig {
+    /// Checks ranges and relations.
+    pub fn validate(&self) -> Result<(), QueueConfigError> {
+        if !(self.recheck_interval_ms.is_finite() && self.recheck_interval_ms > 0.0) {
+            return Err(QueueConfigError::RecheckInterval(self.recheck_interval_ms));
+        }
+        if self.busy_probe_limit == 0 {
+            return Err(QueueConfigError::BusyProbeLimit);
+        }
+        if self.min_retry_after_ms > self.max_retry_after_ms {
+            return Err(QueueConfigError::RetryAfter {
+                min: self.min_retry_after_ms,
+                max: self.max_retry_after_ms,
+            });
+        }
+        Ok(())
+    }
+
+    fn limits(&self, class: QueueClass) -> ClassLimits {
+        self.class_limits
+            .get(class.0 as usize)
+            .copied()
+            .unwrap_or(self.default_limits)
+    }
+}
+
+/// Counters for metrics; they only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct QueueCounters {
+    /// Requests accepted into the queue.
+    pub enqueued: u64,
+    /// Requests that left for a worker.
+    pub dispatched: u64,
+    /// Requests refused because their class was full.
+    pub rejected_full: u64,
+    /// Waiting requests whose client gave up.
+    pub abandoned: u64,
+    /// Requests that entered deferred storage.
+    pub deferrals: u64,
+    /// Deferred requests made ready.
+    pub made_ready: u64,
+    /// Waiting requests removed for another reason (unroutable, aborted by
+    /// their strategy).
+    pub removed: u64,
+    /// Ready requests put back because every worker was busy.
+    pub busy_requeues: u64,
+}
+
+/// Whether a waiting request may be routed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitState {
+    /// In the ready heap with this placement.
+    Ready(Placement),
+    /// Held for its strategy.
+    Deferred,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    class: QueueClass,
+    uncached_tokens: u32,
+    seq: u64,
+    enqueued_ms: f64,
+    state: WaitState,
+    /// Popped and not yet put back or removed.
+    out: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct ClassUsage {
+    requests: usize,
+    uncached_tokens: u64,
+}
+
+/// A waiting request taken from the head of the ready queue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Popped {
+    /// The request.
+    pub id: RequestId,
+    /// Where it may go.
+    pub placement: Placement,
+    /// When it entered the queue.
+    pub enqueued_ms: f64,
+}
+
+/// Ready and deferred requests. It stores ids and lengths only.
+#[derive(Debug)]
+pub struct PolicyQueue {
+    config: QueueConfig,
+    entries: FxHashMap<RequestId, Entry>,
+    heap: BinaryHeap<Reverse<(u64, u64, RequestId)>>,
+    ready: usize,
+    usage: Vec<ClassUsage>,
+    next_seq: u64,
+    /// Moving average of the wait of dispatched requests.
+    wait_ewma_ms: Option<f64>,
+    counters: QueueCounters,
+}
+
+impl PolicyQueue {
+    /// An empty queue; `config` must validate.
+    pub fn new(config: QueueConfig) -> Result<Self, QueueConfigError> {
+        config.validate()?;
+        Ok(Self {
+            usage: vec![ClassUsage::default(); config.class_limits.len() + 1],
+            config,
+            entries: FxHashMap::default(),
+            heap: BinaryHeap::new(),
+            ready: 0,
+            next_seq: 0,
+            wait_ewma_ms: None,
+            counters: QueueCounters::default(),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// Waiting requests (ready and deferred).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Ready requests (including any popped and not yet put back).
+    pub fn ready_len(&self) -> usize {
+        self.ready
+    }
+
+    /// Deferred requests.
+    pub fn deferred_len(&self) -> usize {
+        self.entries.len() - self.ready
+    }
+
+    /// Whether `id` waits here.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// The state of a waiting request.
+    pub fn state(&self, id: RequestId) -> Option<WaitState> {
+        self.entries.get(&id).map(|e| e.state)
+    }
+
+    /// Counters.
+    pub fn counters(&self) -> &QueueCounters {
+        &self.counters
+    }
+
+    /// Heap bytes held (map table and heap buffer).
+    pub fn heap_bytes(&self) -> usize {
+        crate::maps::map_bytes(&self.entries)
+            + self.heap.capacity() * std::mem::size_of::<Reverse<(u64, u64, RequestId)>>()
+    }
+
+    fn usage_slot(&self, class: QueueClass) -> usize {
+        (class.0 as usize).min(self.usage.len() - 1)
+    }
+
+    /// Whether a request of `class` with `uncached_tokens` fits its class
+    /// limits now.
+    pub fn has_room(&self, class: QueueClass, uncached_tokens: u32) -> bool {
+        let limits = self.config.limits(class);
+        let usage = &self.usage[self.usage_slot(class)];
+        usage.requests < limits.max_requests
+            && usage.uncached_tokens + uncached_tokens as u64 <= limits.max_uncached_tokens
+    }
+
+    /// A suggested `Retry-After` for a refused request: the recent average
+    /// wait of dispatched requests, within the configured bounds.
+    pub fn retry_after_ms(&self) -> u64 {
+        let wait = self.wait_ewma_ms.unwrap_or(0.0).ceil() as u64;
+        wait.clamp(
+            self.config.min_retry_after_ms,
+            self.config.max_retry_after_ms,
+        )
+    }
+
+    /// Counts a refusal (the caller checked [`Self::has_room`]).
+    pub fn count_rejection(&mut self) {
+        self.counters.rejected_full += 1;
+    }
+
+    /// Adds a request; the caller checked room and that `id` is absent.
+    /// Returns `false` (and changes nothing) when `id` already waits.
+    pub fn push(
+        &mut self,
+        id: RequestId,
+        class: QueueClass,
+        uncached_tokens: u32,
+        state: WaitState,
+        now_ms: f64,
+    ) -> bool {
+        if self.entries.contains_key(&id) {
+            return false;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let entry = Entry {
+            class,
+            uncached_tokens,
+            seq,
+            enqueued_ms: now_ms,
+            state,
+            out: false,
+        };
+        self.entries.insert(id, entry);
+        let slot = self.usage_slot(class);
+        self.usage[slot].requests += 1;
+        self.usage[slot].uncached_tokens += uncached_tokens as u64;
+        self.counters.enqueued += 1;
+        match state {
+            WaitState::Ready(_) => {
+                self.ready += 1;
+                self.push_heap(id, &entry);
+            }
+            WaitState::Deferred => self.counters.deferrals += 1,
+        }
+        true
+    }
+
+    fn push_heap(&mut self, id: RequestId, entry: &Entry) {
+        let key = match self.config.order {
+            QueueOrder::Fcfs => 0,
+            QueueOrder::Lcfs => u64::MAX - entry.seq,
+            QueueOrder::Wspt => entry.uncached_tokens as u64,
+        };
+        self.heap.push(Reverse((key, entry.seq, id)));
+    }
+
+    /// Moves a deferred request to the ready queue. `false` when `id` is not
+    /// deferred (stale or duplicate action): nothing changes.
+    pub fn make_ready(&mut self, id: RequestId, placement: Placement) -> bool {
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        if entry.state != WaitState::Deferred {
+            return false;
+        }
+        entry.state = WaitState::Ready(placement);
+        let entry = *entry;
+        self.ready += 1;
+        self.counters.made_ready += 1;
+        self.push_heap(id, &entry);
+        true
+    }
+
+    /// Changes the placement of a popped request (a fallback).
+    pub fn set_placement(&mut self, id: RequestId, placement: Placement) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            if let WaitState::Ready(_) = entry.state {
+                entry.state = WaitState::Ready(placement);
+            }
+        }
+    }
+
+    /// Takes the head of the ready queue. It stays counted as waiting until
+    /// [`Self::put_back`] or [`Self::remove`].
+    pub fn pop(&mut self) -> Option<Popped> {
+        while let Some(Reverse((_, seq, id))) = self.heap.pop() {
+            let Some(entry) = self.entries.get_mut(&id) else {
+                continue;
+            };
+            let WaitState::Ready(placement) = entry.state else {
+                continue;
+            };
+            if entry.seq != seq || entry.out {
+                continue;
+            }
+            entry.out = true;
+            return Some(Popped {
+                id,
+                placement,
+                enqueued_ms: entry.enqueued_ms,
+            });
+        }
+        None
+    }
+
+    /// Returns a popped request to its place in the order.
+    pub fn put_back(&mut self, id: RequestId) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            if entry.out {
+                entry.out = false;
+                let entry = *entry;
+                self.counters.busy_requeues += 1;
+                self.push_heap(id, &entry);
+            }
+        }
+    }
+
+    fn take(&mut self, id: RequestId) -> Option<Entry> {
+        let entry = self.entries.remove(&id)?;
+        let slot = self.usage_slot(entry.class);
+        self.usage[slot].requests -= 1;
+        self.usage[slot].uncached_tokens -= entry.uncached_tokens as u64;
+        if let WaitState::Ready(_) = entry.state {
+            self.ready -= 1;
+        }
+        let stale = self.heap.len().saturating_sub(self.ready);
+        if stale > self.ready + 1024 {
+            let entries = &self.entries;
+            self.heap.retain(|Reverse((_, seq, id))| {
+                entries
+                    .get(id)
+                    .is_some_and(|e| e.seq == *seq && matches!(e.state, WaitState::Ready(_)))
+            });
+        }
+        Some(entry)
+    }
+
+    /// A request left for a worker: removes it and learns its wait.
+    pub fn dispatch(&mut self, id: RequestId, now_ms: f64) -> bool {
+        let Some(entry) = self.take(id) else {
+            return false;
+        };
+        let wait = (now_ms - entry.enqueued_ms).max(0.0);
+        self.wait_ewma_ms = Some(match self.wait_ewma_ms {
+            None => wait,
+            Some(avg) => 0.9 * avg + 0.1 * wait,
+        });
+        self.counters.dispatched += 1;
+        true
+    }
+
+    /// The client gave up on a waiting request: it leaves at once.
+    pub fn abandon(&mut self, id: RequestId) -> bool {
+        let found = self.take(id).is_some();
+        if found {
+            self.counters.abandoned += 1;
+        }
+        found
+    }
+
+    /// Removes a waiting request for any other reason.
+    pub fn remove(&mut self, id: RequestId) -> bool {
+        let found = self.take(id).is_some();
+        if found {
+            self.counters.removed += 1;
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(order: QueueOrder) -> PolicyQueue {
+        PolicyQueue::new(QueueConfig {
+            order,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn fill(q: &mut PolicyQueue, uncached: &[u32]) {
+        for (i, &u) in uncached.iter().enumerate() {
+            let ready = WaitState::Ready(Placement::Any);
+            assert!(q.push(RequestId(i as u128), QueueClass(0), u, ready, i as f64));
+        }
+    }
+
+    fn drain(q: &mut PolicyQueue) -> Vec<u128> {
+        let mut out = Vec::new();
+        while let Some(p) = q.pop() {
+            q.dispatch(p.id, 10.0);
+            out.push(p.id.0);
+        }
+        out
+    }
+
+    #[test]
+    fn fcfs_lcfs_and_wspt_order_the_ready_queue() {
+        let sizes = [30, 10, 20, 10];
+        let mut q = queue(QueueOrder::Fcfs);
+        fill(&mut q, &sizes);
+        assert_eq!(drain(&mut q), vec![0, 1, 2, 3]);
+        let mut q = queue(QueueOrder::Lcfs);
+        fill(&mut q, &sizes);
+        assert_eq!(drain(&mut q), vec![3, 2, 1, 0]);
+        let mut q = queue(QueueOrder::Wspt);
+        fill(&mut q, &sizes);
+        assert_eq!(drain(&mut q), vec![1, 3, 2, 0]);
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn an_abandoned_request_leaves_at_once_and_is_never_popped() {
+        let mut q = queue(QueueOrder::Fcfs);
+        fill(&mut q, &[1, 1, 1]);
+        assert!(q.abandon(RequestId(1)));
+        assert!(!q.abandon(RequestId(1)));
+        assert_eq!(q.len(), 2);
+        assert_eq!(drain(&mut q), vec![0, 2]);
+        assert_eq!(q.counters().abandoned, 1);
+    }
+
+    #[test]
+    fn class_limits_count_requests_and_uncached_tokens() {
+        let mut q = PolicyQueue::new(QueueConfig {
+            default_limits: ClassLimits {
+                max_requests: 2,
+                max_uncached_tokens: 100,
+            },
+            class_limits: vec![ClassLimits {
+                max_requests: 10,
+                max_uncached_tokens: 50,
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        let ready = WaitState::Ready(Placement::Any);
+        assert!(q.has_room(QueueClass(0), 50));
+        assert!(!q.has_room(QueueClass(0), 51));
+        q.push(RequestId(1), QueueClass(0), 50, ready, 0.0);
+        assert!(!q.has_room(QueueClass(0), 1));
+        // Unlisted classes share the default limits.
+        q.push(RequestId(2), QueueClass(7), 10, ready, 0.0);
+        q.push(RequestId(3), QueueClass(9), 10, WaitState::Deferred, 0.0);
+        assert!(!q.has_room(QueueClass(8), 1));
+        q.remove(RequestId(3));
+        assert!(q.has_room(QueueClass(8), 90));
+        assert!(!q.has_room(QueueClass(8), 91));
+    }
+
+    #[test]
+    fn deferred_requests_wait_until_made_ready_and_stale_actions_are_ignored() {
+        let mut q = queue(QueueOrder::Fcfs);
+        q.push(RequestId(1), QueueClass(0), 1, WaitState::Deferred, 0.0);
+        assert_eq!(q.pop(), None);
+        assert!(q.make_ready(RequestId(1), Placement::Any));
+        assert!(!q.make_ready(RequestId(1), Placement::Any));
+        assert!(!q.make_ready(RequestId(9), Placement::Any));
+        assert_eq!(drain(&mut q), vec![1]);
+    }
+
+    #[test]
+    fn a_put_back_request_keeps_its_place() {
+        let mut q = queue(QueueOrder::Fcfs);
+        fill(&mut q, &[1, 1]);
+        let head = q.pop().unwrap();
+        q.put_back(head.id);
+        assert_eq!(drain(&mut q), vec![0, 1]);
+    }
+
+    #[test]
+    fn retry_after_follows_recent_waits_within_bounds() {
+        let mut q = queue(QueueOrder::Fcfs);
+        assert_eq!(q.retry_after_ms(), 1_000);
+        q.push(
+            RequestId(1),
+            QueueClass(0),
+            1,
+            WaitState::Ready(Placement::Any),
+            0.0,
+        );
+        q.pop();
+        q.dispatch(RequestId(1), 5_000.0);
+        assert_eq!(q.retry_after_ms(), 5_000);
+    }
+
+    #[test]
+    fn stale_heap_entries_are_compacted() {
+        let mut q = queue(QueueOrder::Fcfs);
+        let ready = WaitState::Ready(Placement::Any);
+        for i in 0..3000 {
+            q.push(RequestId(i), QueueClass(0), 0, ready, 0.0);
+        }
+        for i in 0..2990 {
+            q.abandon(RequestId(i));
+        }
+        assert!(q.heap.len() < 2000);
+        assert_eq!(q.ready_len(), 10);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = QueueConfig {
+            min_retry_after_ms: 10,
+            max_retry_after_ms: 5,
+            ..Default::default()
+        };
+        assert!(matches!(
+            PolicyQueue::new(bad),
+            Err(QueueConfigError::RetryAfter { .. })
+        ));
+        let bad = QueueConfig {
+            recheck_interval_ms: 0.0,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,1123 @@
+//! The session-aware strategy (`--admission session-aware`).
+//!
+//! - Requests without a session bypass: nothing is retained for them.
+//! - Turns of one session are serialized: while a turn is admitted or
+//!   running, later turns are deferred (in arrival order) and made ready
+//!   when it completes or aborts.
+//! - A session sticks to the worker that served its last turn while that
+//!   worker is eligible. `Strict` affinity waits for a busy pinned worker;
+//!   `Soft` falls back to any worker. A worker that became invalid always
+//!   falls back to any worker, and the session re-pins where it lands.
+//! - KV pressure: each worker's usage is the engine's report (corrected by
+//!   the strategy's own changes since) or, without one, the sum of its
+//!   sessions' footprints (context + `buffer_per_session`) plus live
+//!   progress of running turns. Above `pause_threshold` of capacity the
+//!   strategy pauses sessions between turns, smallest first, until usage is
+//!   at `pause_target`; if that is not enough it marks running sessions,
+//!   smallest first, to pause when their turn ends. A paused session's next
+//!   turn is deferred. Paused sessions resume best-fit (the largest that
+//!   fits) while a worker's usage stays at or below
+//!   `pause_target − resume_hysteresis` (the gap is the hysteresis: a
+//!   session just paused is not resumed by the same reconcile); one paused
+//!   longer than `resume_timeout_ms` is forced back.
+//! - State is bounded: at `max_sessions` the least recently active quiet
+//!   session is evicted; quiet sessions expire after `session_expiry_ms`.
+//!
+//! No operation scans all retained sessions: admission and events touch one
+//! session and ordered indexes (`BTreeSet`s keyed by footprint, a queue
+//! ordered by last activity); `Reconcile` visits workers, expired entries,
+//! and only the sessions it pauses or resumes.
+
+use super::progress::ProgressReader;
+use super::{
+    Admission, AdmissionStrategy, Fallback, KvUsage, LifecycleEvent, MakeReady, Placement,
+    RequestFacts, SessionKey, Unavailable,
+};
+use crate::maps::FxHashMap;
+use crate::types::{RequestId, WorkerId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, VecDeque};
+
+/// How firmly a session sticks to its worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Affinity {
+    /// Wait for the pinned worker while it is busy.
+    Strict,
+    /// Prefer the pinned worker; go elsewhere when it is busy.
+    #[default]
+    Soft,
+}
+
+/// Settings of the [`SessionAwareStrategy`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionAwareConfig {
+    /// Strict or soft worker affinity.
+    pub affinity: Affinity,
+    /// Fraction of a worker's KV capacity above which sessions are paused.
+    pub pause_threshold: f64,
+    /// Pausing stops once usage is at or below this fraction.
+    pub pause_target: f64,
+    /// Paused sessions resume while usage stays at or below
+    /// `pause_target − resume_hysteresis`.
+    pub resume_hysteresis: f64,
+    /// Tokens added to each session's context as its footprint (room for the
+    /// next turn's growth).
+    pub buffer_per_session: u64,
+    /// A session paused longer than this is forced back.
+    pub resume_timeout_ms: f64,
+    /// A quiet session inactive longer than this is forgotten.
+    pub session_expiry_ms: f64,
+    /// Most sessions retained.
+    pub max_sessions: usize,
+    /// How often `Reconcile` is wanted.
+    pub reconcile_interval_ms: f64,
+}
+
+impl Default for SessionAwareConfig {
+    fn default() -> Self {
+        Self {
+            affinity: Affinity::Soft,
+            pause_threshold: 0.95,
+            pause_target: 0.80,
+            resume_hysteresis: 0.10,
+            buffer_per_session: 100,
+            resume_timeout_ms: 1_800_000.0,
+            session_expiry_ms: 1_800_000.0,
+            max_sessions: 1_000_000,
+            reconcile_interval_ms: 1_000.0,
+        }
+    }
+}
+
+/// Why a [`SessionAwareConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SessionConfigError {
+    /// A fraction outside (0, 1].
+    #[error("{name} must be in (0, 1], got {value}")]
+    Fraction {
+        /// The setting.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// `pause_target` above `pause_threshold`.
+    #[error("pause_target ({target}) must be at most pause_threshold ({threshold})")]
+    TargetAboveThreshold {
+        /// `pause_target`.
+        target: f64,
+        /// `pause_threshold`.
+        threshold: f64,
+    },
+    /// A hysteresis that leaves no resume level.
+    #[error("resume_hysteresis must be in [0, pause_target), got {0}")]
+    Hysteresis(f64),
+    /// A duration that is not positive.
+    #[error("{name} must be positive and finite, got {value}")]
+    Duration {
+        /// The setting.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A session cap of zero.
+    #[error("max_sessions must be at least 1")]
+    MaxSessions,
+}
+
+impl SessionAwareConfig {
+    /// Checks ranges and relations.
+    pub fn validate(&self) -> Result<(), SessionConfigError> {
+        for (name, value) in [
+            ("pause_threshold", self.pause_threshold),
+            ("pause_target", self.pause_target),
+        ] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(SessionConfigError::Fraction { name, value });
+            }
+        }
+        if self.pause_target > self.pause_threshold {
+            return Err(SessionConfigError::TargetAboveThreshold {
+                target: self.pause_target,
+                threshold: self.pause_threshold,
+            });
+        }
+        if !(self.resume_hysteresis >= 0.0 && self.resume_hysteresis < self.pause_target) {
+            return Err(SessionConfigError::Hysteresis(self.resume_hysteresis));
+        }
+        for (name, value) in [
+            ("resume_timeout_ms", self.resume_timeout_ms),
+            ("session_expiry_ms", self.session_expiry_ms),
+            ("reconcile_interval_ms", self.reconcile_interval_ms),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(SessionConfigError::Duration { name, value });
+            }
+        }
+        if self.max_sessions == 0 {
+            return Err(SessionConfigError::MaxSessions);
+        }
+        Ok(())
+    }
+}
+
+/// Counters for metrics; they only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SessionCounters {
+    /// Requests without a session.
+    pub bypassed: u64,
+    /// Requests bypassed because the session cap was reached and no quiet
+    /// session could be evicted.
+    pub bypassed_full: u64,
+    /// Turns deferred (serialization or pause).
+    pub deferred_turns: u64,
+    /// Sessions paused between turns.
+    pub pauses: u64,
+    /// Running sessions marked to pause when their turn ends.
+    pub marked: u64,
+    /// Paused sessions resumed by capacity.
+    pub resumes: u64,
+    /// Paused sessions forced back by `resume_timeout_ms`.
+    pub forced_resumes: u64,
+    /// Sessions forgotten after inactivity.
+    pub expired: u64,
+    /// Sessions evicted at the cap.
+    pub evicted: u64,
+    /// Duplicate, stale or unknown events ignored.
+    pub stale_events: u64,
+}
+
+/// The turn a session has in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Turn {
+    None,
+    /// Admitted (or made ready), not yet dispatched.
+    Admitted(RequestId),
+    Running(RequestId),
+}
+
+#[derive(Debug)]
+struct Session {
+    /// Where its KV prefix lives.
+    worker: Option<WorkerId>,
+    /// Context tokens after its last completed turn (or the running turn's
+    /// prompt): its footprint is this plus the buffer.
+    context_tokens: u64,
+    turn: Turn,
+    /// Deferred turns, in arrival order.
+    waiting: VecDeque<RequestId>,
+    paused_since: Option<f64>,
+    pause_after_turn: bool,
+    last_active_ms: f64,
+    /// Footprint counted in its worker's `resident` (0 when not counted).
+    counted: u64,
+    /// Whether `(counted, key)` is in its worker's idle index (saves a
+    /// B-tree search on every event that does not change it).
+    in_idle: bool,
+}
+
+impl Session {
+    fn is_quiet(&self) -> bool {
+        self.turn == Turn::None && self.waiting.is_empty()
+    }
+}
+
+#[derive(Debug, Default)]
+struct WorkerKv {
+    capacity_tokens: u64,
+    reported: Option<u64>,
+    /// `resident` when the engine last reported.
+    resident_at_report: u64,
+    /// Footprints of unpaused sessions pinned here.
+    resident: u64,
+    /// Quiet, unpaused sessions pinned here: pause candidates, smallest first.
+    idle: BTreeSet<(u64, SessionKey)>,
+    /// Running turns' progress.
+    running: FxHashMap<RequestId, (SessionKey, ProgressReader)>,
+}
+
+impl WorkerKv {
+    fn usage(&self) -> u64 {
+        match self.reported {
+            Some(reported) => (reported + self.resident).saturating_sub(self.resident_at_report),
+            None => {
+                self.resident
+                    + self
+                        .running
+                        .values()
+                        .map(|(_, progress)| progress.read())
+                        .sum::<u64>()
+            }
+        }
+    }
+}
+
+/// Serializes session turns, keeps sessions on their worker, and pauses and
+/// resumes them under KV pressure. See the module docs.
+#[derive(Debug)]
+pub struct SessionAwareStrategy {
+    config: SessionAwareConfig,
+    sessions: FxHashMap<SessionKey, Session>,
+    /// Tracked requests and their session.
+    requests: FxHashMap<RequestId, SessionKey>,
+    workers: FxHashMap<WorkerId, WorkerKv>,
+    /// Paused sessions by footprint, for best-fit resume.
+    paused: BTreeSet<(u64, SessionKey)>,
+    /// `(paused_since, session)` in pause order; stale entries are skipped.
+    pause_order: VecDeque<(f64, SessionKey)>,
+    /// `(last_active_ms, session)` of quiet sessions in activity order;
+    /// stale entries (the session has been active since) are skipped.
+    expiry: VecDeque<(f64, SessionKey)>,
+    now_ms: f64,
+    counters: SessionCounters,
+}
+
+impl SessionAwareStrategy {
+    /// A strategy with no sessions; `config` must validate.
+    pub fn new(config: SessionAwareConfig) -> Result<Self, SessionConfigError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            sessions: FxHashMap::default(),
+            requests: FxHashMap::default(),
+            workers: FxHashMap::default(),
+            paused: BTreeSet::new(),
+            pause_order: VecDeque::new(),
+            expiry: VecDeque::new(),
+            now_ms: 0.0,
+            counters: SessionCounters::default(),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &SessionAwareConfig {
+        &self.config
+    }
+
+    /// Sessions retained.
+    pub fn sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Sessions paused now.
+    pub fn paused_sessions(&self) -> usize {
+        self.paused.len()
+    }
+
+    /// The worker a session is pinned to.
+    pub fn session_worker(&self, session: SessionKey) -> Option<WorkerId> {
+        self.sessions.get(&session).and_then(|s| s.worker)
+    }
+
+    /// Whether a session is paused.
+    pub fn is_paused(&self, session: SessionKey) -> bool {
+        self.sessions
+            .get(&session)
+            .is_some_and(|s| s.paused_since.is_some())
+    }
+
+    /// Estimated KV tokens in use on a worker.
+    pub fn worker_usage(&self, worker: WorkerId) -> Option<u64> {
+        self.workers.get(&worker).map(WorkerKv::usage)
+    }
+
+    /// Footprints of the unpaused sessions pinned to a worker.
+    pub fn resident_tokens(&self, worker: WorkerId) -> u64 {
+        self.workers.get(&worker).map_or(0, |kv| kv.resident)
+    }
+
+    /// Counters.
+    pub fn counters(&self) -> &SessionCounters {
+        &self.counters
+    }
+
+    /// Estimate of heap bytes held: map tables, queue buffers, and set
+    /// entries (a B-tree node holds up to 11 entries; counted at 2/3 full).
+    pub fn estimated_bytes(&self) -> usize {
+        let set_entry = std::mem::size_of::<(u64, SessionKey)>() * 3 / 2;
+        let idle: usize = self.workers.values().map(|w| w.idle.len()).sum();
+        crate::maps::map_bytes(&self.sessions)
+            + crate::maps::map_bytes(&self.requests)
+            + crate::maps::map_bytes(&self.workers)
+            + (idle + self.paused.len()) * set_entry
+            + (self.expiry.capacity() + self.pause_order.capacity())
+                * std::mem::size_of::<(f64, SessionKey)>()
+    }
+
+    fn footprint(&self, session: &Session) -> u64 {
+        session.context_tokens + self.config.buffer_per_session
+    }
+
+    /// Keeps a session's counted footprint and idle-index entry in step with
+    /// its state. Call after any change to a session.
+    fn settle(&mut self, key: SessionKey) {
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        let footprint = session.context_tokens + self.config.buffer_per_session;
+        let want = if session.paused_since.is_none() && session.worker.is_some() {
+            footprint
+        } else {
+            0
+        };
+        let was = session.counted;
+        session.counted = want;
+        let idle_now = want > 0 && session.is_quiet();
+        let was_idle = std::mem::replace(&mut session.in_idle, idle_now);
+        let worker = session.worker;
+        if let Some(worker) = worker {
+            if want == was && was_idle == idle_now {
+                return;
+            }
+            let kv = self.workers.entry(worker).or_default();
+            kv.resident = (kv.resident + want).saturating_sub(was);
+            if was_idle {
+                kv.idle.remove(&(was, key));
+            }
+            if idle_now {
+                kv.idle.insert((want, key));
+            }
+        }
+    }
+
+    /// Takes a session's footprint off its worker before it moves.
+    fn unpin(&mut self, key: SessionKey) {
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        let was = std::mem::take(&mut session.counted);
+        let was_idle = std::mem::take(&mut session.in_idle);
+        if let Some(worker) = session.worker {
+            if let Some(kv) = self.workers.get_mut(&worker) {
+                kv.resident = kv.resident.saturating_sub(was);
+                if was_idle {
+                    kv.idle.remove(&(was, key));
+                }
+            }
+        }
+    }
+
+    fn touch(&mut self, key: SessionKey) {
+        let now = self.now_ms;
+        if let Some(session) = self.sessions.get_mut(&key) {
+            session.last_active_ms = now;
+            if session.is_quiet() {
+                self.expiry.push_back((now, key));
+            }
+        }
+    }
+
+    /// Evicts the least recently active quiet session.
+    fn evict_one(&mut self) -> bool {
+        while let Some((at, key)) = self.expiry.pop_front() {
+            if self.quiet_since(key) == Some(at) {
+                self.forget(key);
+                self.counters.evicted += 1;
+                return true;
+            }
+        }
+        false
+    }
+
+    fn quiet_since(&self, key: SessionKey) -> Option<f64> {
+        self.sessions
+            .get(&key)
+            .filter(|s| s.is_quiet())
+            .map(|s| s.last_active_ms)
+    }
+
+    fn forget(&mut self, key: SessionKey) {
+        self.unpin(key);
+        if let Some(session) = self.sessions.remove(&key) {
+            if session.paused_since.is_some() {
+                let footprint = self.footprint(&session);
+                self.paused.remove(&(footprint, key));
+            }
+        }
+    }
+
+    fn placement_for(&self, session: &Session, facts: Option<&RequestFacts<'_>>) -> Placement {
+        match session.worker {
+            Some(worker) if facts.map_or(true, |f| f.allows(worker)) => Placement::Exact(worker),
+            _ => Placement::Any,
+        }
+    }
+
+    /// A session's turn ended: pause it if marked, else start its next
+    /// deferred turn, else it becomes quiet.
+    fn after_turn(&mut self, key: SessionKey, out: &mut Vec<MakeReady>) {
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        if std::mem::take(&mut session.pause_after_turn) && session.paused_since.is_none() {
+            self.pause(key);
+        } else if session.paused_since.is_none() {
+            if let Some(next) = session.waiting.pop_front() {
+                session.turn = Turn::Admitted(next);
+                let placement = self.placement_for(&self.sessions[&key], None);
+                out.push(MakeReady {
+                    id: next,
+                    placement,
+                });
+            }
+        }
+        self.settle(key);
+        self.touch(key);
+    }
+
+    fn pause(&mut self, key: SessionKey) {
+        self.unpin(key);
+        let now = self.now_ms;
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        session.paused_since = Some(now);
+        let footprint = session.context_tokens + self.config.buffer_per_session;
+        self.paused.insert((footprint, key));
+        self.pause_order.push_back((now, key));
+        self.counters.pauses += 1;
+    }
+
+    /// Resumes a paused session on `worker` (or where it was), starting its
+    /// next deferred turn.
+    fn resume(&mut self, key: SessionKey, worker: Option<WorkerId>, out: &mut Vec<MakeReady>) {
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        if session.paused_since.take().is_none() {
+            return;
+        }
+        let footprint = session.context_tokens + self.config.buffer_per_session;
+        self.paused.remove(&(footprint, key));
+        if worker.is_some() {
+            session.worker = worker;
+        }
+        if session.turn == Turn::None {
+            if let Some(next) = session.waiting.pop_front() {
+                session.turn = Turn::Admitted(next);
+                let placement = self.placement_for(&self.sessions[&key], None);
+                out.push(MakeReady {
+                    id: next,
+                    placement,
+                });
+            }
+        }
+        self.settle(key);
+        self.touch(key);
+    }
+
+    fn reconcile(&mut self, out: &mut Vec<MakeReady>) {
+        let now = self.now_ms;
+        // Inactivity expiry: only entries that are due are visited.
+        while let Some(&(at, key)) = self.expiry.front() {
+            if at + self.config.session_expiry_ms > now {
+                break;
+            }
+            self.expiry.pop_front();
+            if self.quiet_since(key) == Some(at) {
+                self.forget(key);
+                self.counters.expired += 1;
+            }
+        }
+        // Compact stale activity entries if they dominate.
+        if self.expiry.len() > 2 * self.sessions.len() + 1024 {
+            let sessions = &self.sessions;
+            self.expiry.retain(|&(at, key)| {
+                sessions
+                    .get(&key)
+                    .is_some_and(|s| s.is_quiet() && s.last_active_ms == at)
+            });
+        }
+        // Forced resumes.
+        while let Some(&(since, key)) = self.pause_order.front() {
+            let current = self.sessions.get(&key).and_then(|s| s.paused_since);
+            if current != Some(since) {
+                self.pause_order.pop_front();
+                continue;
+            }
+            if since + self.config.resume_timeout_ms > now {
+                break;
+            }
+            self.pause_order.pop_front();
+            self.resume(key, None, out);
+            self.counters.forced_resumes += 1;
+        }
+        let workers: Vec<WorkerId> = self.workers.keys().copied().collect();
+        for &worker in &workers {
+            self.relieve(worker);
+        }
+        for &worker in &workers {
+            self.refill(worker, out);
+        }
+    }
+
+    /// Pauses sessions on an over-full worker.
+    fn relieve(&mut self, worker: WorkerId) {
+        let Some(kv) = self.workers.get(&worker) else {
+            return;
+        };
+        let capacity = kv.capacity_tokens as f64;
+        if capacity <= 0.0 || (kv.usage() as f64) <= self.config.pause_threshold * capacity {
+            return;
+        }
+        let target = self.config.pause_target * capacity;
+        while let Some(&(_, key)) = self.workers[&worker].idle.first() {
+            if self.workers[&worker].usage() as f64 <= target {
+                return;
+            }
+            self.pause(key);
+        }
+        let kv = &self.workers[&worker];
+        let mut usage = kv.usage() as f64;
+        if usage <= target {
+            return;
+        }
+        let mut running: Vec<(u64, SessionKey)> = kv
+            .running
+            .values()
+            .filter_map(|(key, _)| {
+                let s = self.sessions.get(key)?;
+                (!s.pause_after_turn).then_some((s.counted, *key))
+            })
+            .collect();
+        running.sort_unstable();
+        for (footprint, key) in running {
+            if usage <= target {
+                break;
+            }
+            if let Some(session) = self.sessions.get_mut(&key) {
+                session.pause_after_turn = true;
+                self.counters.marked += 1;
+                usage -= footprint as f64;
+            }
+        }
+    }
+
+    /// Resumes paused sessions best-fit into a worker's free room.
+    fn refill(&mut self, worker: WorkerId, out: &mut Vec<MakeReady>) {
+        let Some(kv) = self.workers.get(&worker) else {
+            return;
+        };
+        let capacity = kv.capacity_tokens as f64;
+        if capacity <= 0.0 {
+            return;
+        }
+        let level = (self.config.pause_target - self.config.resume_hysteresis) * capacity;
+        loop {
+            let usage = self.workers[&worker].usage() as f64;
+            let room = level - usage;
+            if room < 1.0 {
+                return;
+            }
+            let Some(&(_, key)) = self
+                .paused
+                .range(..=(room as u64, SessionKey(u64::MAX)))
+                .next_back()
+            else {
+                return;
+            };
+            self.resume(key, Some(worker), out);
+            self.counters.resumes += 1;
+        }
+    }
+}
+
+impl AdmissionStrategy for SessionAwareStrategy {
+    fn name(&self) -> &'static str {
+        "session-aware"
+    }
+
+    fn admit(&mut self, facts: &RequestFacts<'_>) -> Admission {
+        let Some(key) = facts.session else {
+            self.counters.bypassed += 1;
+            return Admission::Bypass;
+        };
+        self.now_ms = self.now_ms.max(facts.now_ms);
+        if !self.sessions.contains_key(&key) {
+            if self.sessions.len() >= self.config.max_sessions && !self.evict_one() {
+                self.counters.bypassed_full += 1;
+                return Admission::Bypass;
+            }
+            self.sessions.insert(
+                key,
+                Session {
+                    worker: None,
+                    context_tokens: facts.context_tokens as u64,
+                    turn: Turn::None,
+                    waiting: VecDeque::new(),
+                    paused_since: None,
+                    pause_after_turn: false,
+                    last_active_ms: facts.now_ms,
+                    counted: 0,
+                    in_idle: false,
+                },
+            );
+        }
+        self.requests.insert(facts.id, key);
+        let session = self.sessions.get_mut(&key).expect("inserted above");
+        session.last_active_ms = facts.now_ms;
+        let admission = if session.turn != Turn::None || session.paused_since.is_some() {
+            session.waiting.push_back(facts.id);
+            self.counters.deferred_turns += 1;
+            Admission::Defer
+        } else {
+            session.turn = Turn::Admitted(facts.id);
+            Admission::Ready(self.placement_for(&self.sessions[&key], Some(facts)))
+        };
+        // No longer quiet: out of the idle index (its footprint stays).
+        self.settle(key);
+        admission
+    }
+
+    fn on_event(&mut self, event: &LifecycleEvent, now_ms: f64, out: &mut Vec<MakeReady>) {
+        self.now_ms = self.now_ms.max(now_ms);
+        match event {
+            LifecycleEvent::Dispatched {
+                id,
+                worker,
+                progress,
+            } => {
+                let Some(&key) = self.requests.get(id) else {
+                    self.counters.stale_events += 1;
+                    return;
+                };
+                let Some(session) = self.sessions.get_mut(&key) else {
+                    self.counters.stale_events += 1;
+                    return;
+                };
+                if session.turn != Turn::Admitted(*id) {
+                    self.counters.stale_events += 1;
+                    return;
+                }
+                session.turn = Turn::Running(*id);
+                if session.worker != Some(*worker) {
+                    self.unpin(key);
+                    if let Some(session) = self.sessions.get_mut(&key) {
+                        session.worker = Some(*worker);
+                    }
+                }
+                self.settle(key);
+                self.workers
+                    .entry(*worker)
+                    .or_default()
+                    .running
+                    .insert(*id, (key, progress.clone()));
+            }
+            LifecycleEvent::Completed { id, context_tokens } => {
+                self.end_turn(*id, Some(*context_tokens), out);
+            }
+            LifecycleEvent::Aborted { id } => self.end_turn(*id, None, out),
+            LifecycleEvent::Reconcile => self.reconcile(out),
+        }
+    }
+
+    fn reconcile_interval_ms(&self) -> f64 {
+        self.config.reconcile_interval_ms
+    }
+
+    fn on_unavailable(&mut self, _id: RequestId, _worker: WorkerId, why: Unavailable) -> Fallback {
+        match (why, self.config.affinity) {
+            (Unavailable::Busy, Affinity::Strict) => Fallback::Wait,
+            _ => Fallback::Any,
+        }
+    }
+
+    fn observe_kv(&mut self, worker: WorkerId, usage: KvUsage) {
+        let kv = self.workers.entry(worker).or_default();
+        kv.capacity_tokens = usage.capacity_tokens;
+        kv.reported = usage.used_tokens;
+        kv.resident_at_report = kv.resident;
+    }
+
+    fn tracked_requests(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+impl SessionAwareStrategy {
+    fn end_turn(&mut self, id: RequestId, context_tokens: Option<u64>, out: &mut Vec<MakeReady>) {
+        let Some(key) = self.requests.remove(&id) else {
+            self.counters.stale_events += 1;
+            return;
+        };
+        let Some(session) = self.sessions.get_mut(&key) else {
+            return;
+        };
+        match session.turn {
+            Turn::Admitted(turn) | Turn::Running(turn) if turn == id => {
+                session.turn = Turn::None;
+                if let Some(context_tokens) = context_tokens {
+                    session.context_tokens = context_tokens;
+                }
+                if let Some(worker) = session.worker {
+                    if let Some(kv) = self.workers.get_mut(&worker) {
+                        kv.running.remove(&id);
+                    }
+                }
+                self.after_turn(key, out);
+            }
+            _ => {
+                // A deferred turn that never ran.
+                if let Some(pos) = session.waiting.iter().position(|&w| w == id) {
+                    session.waiting.remove(pos);
+                }
+                self.settle(key);
+                self.touch(key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::progress_pair;
+
+    fn w(id: u64) -> WorkerId {
+        WorkerId::new(id)
+    }
+
+    fn facts(id: u128, session: Option<u64>, tokens: u32, now_ms: f64) -> RequestFacts<'static> {
+        RequestFacts {
+            id: RequestId(id),
+            session: session.map(SessionKey),
+            context_tokens: tokens,
+            uncached_tokens: tokens,
+            class: Default::default(),
+            eligible: &[],
+            now_ms,
+        }
+    }
+
+    fn strategy(config: SessionAwareConfig) -> SessionAwareStrategy {
+        SessionAwareStrategy::new(config).unwrap()
+    }
+
+    fn dispatch(s: &mut SessionAwareStrategy, id: u128, worker: WorkerId, now: f64) {
+        let (_, progress) = progress_pair();
+        let mut out = Vec::new();
+        s.on_event(
+            &LifecycleEvent::Dispatched {
+                id: RequestId(id),
+                worker,
+                progress,
+            },
+            now,
+            &mut out,
+        );
+        assert!(out.is_empty());
+    }
+
+    fn complete(s: &mut SessionAwareStrategy, id: u128, context: u64, now: f64) -> Vec<MakeReady> {
+        let mut out = Vec::new();
+        s.on_event(
+            &LifecycleEvent::Completed {
+                id: RequestId(id),
+                context_tokens: context,
+            },
+            now,
+            &mut out,
+        );
+        out
+    }
+
+    fn reconcile(s: &mut SessionAwareStrategy, now: f64) -> Vec<MakeReady> {
+        let mut out = Vec::new();
+        s.on_event(&LifecycleEvent::Reconcile, now, &mut out);
+        out
+    }
+
+    /// One turn from admission to completion on `worker`.
+    fn turn(s: &mut SessionAwareStrategy, id: u128, session: u64, context: u64, worker: WorkerId) {
+        assert!(matches!(
+            s.admit(&facts(id, Some(session), context as u32, 0.0)),
+            Admission::Ready(_)
+        ));
+        dispatch(s, id, worker, 0.0);
+        assert!(complete(s, id, context, 0.0).is_empty());
+    }
+
+    #[test]
+    fn requests_without_a_session_bypass_and_leave_nothing_behind() {
+        let mut s = strategy(Default::default());
+        assert_eq!(s.admit(&facts(1, None, 100, 0.0)), Admission::Bypass);
+        assert_eq!(s.sessions(), 0);
+        assert_eq!(s.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn a_second_concurrent_turn_waits_for_the_first_and_follows_it_to_its_worker() {
+        let mut s = strategy(Default::default());
+        assert_eq!(
+            s.admit(&facts(1, Some(7), 100, 0.0)),
+            Admission::Ready(Placement::Any)
+        );
+        assert_eq!(s.admit(&facts(2, Some(7), 150, 1.0)), Admission::Defer);
+        dispatch(&mut s, 1, w(3), 2.0);
+        let ready = complete(&mut s, 1, 140, 3.0);
+        assert_eq!(
+            ready,
+            vec![MakeReady {
+                id: RequestId(2),
+                placement: Placement::Exact(w(3))
+            }]
+        );
+        // A later turn after the session is quiet goes straight to its worker.
+        dispatch(&mut s, 2, w(3), 4.0);
+        assert!(complete(&mut s, 2, 300, 5.0).is_empty());
+        assert_eq!(
+            s.admit(&facts(3, Some(7), 320, 6.0)),
+            Admission::Ready(Placement::Exact(w(3)))
+        );
+    }
+
+    #[test]
+    fn an_aborted_turn_releases_the_next_one_and_commits_no_context() {
+        let mut s = strategy(Default::default());
+        turn(&mut s, 1, 7, 100, w(1));
+        s.admit(&facts(2, Some(7), 500, 0.0));
+        assert_eq!(s.admit(&facts(3, Some(7), 600, 0.0)), Admission::Defer);
+        let mut out = Vec::new();
+        s.on_event(&LifecycleEvent::Aborted { id: RequestId(2) }, 1.0, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].id, RequestId(3));
+        assert_eq!(s.worker_usage(w(1)), Some(100 + 100));
+    }
+
+    #[test]
+    fn strict_affinity_waits_for_a_busy_worker_and_soft_goes_elsewhere() {
+        let mut strict = strategy(SessionAwareConfig {
+            affinity: Affinity::Strict,
+            ..Default::default()
+        });
+        let mut soft = strategy(Default::default());
+        let id = RequestId(1);
+        assert_eq!(
+            strict.on_unavailable(id, w(1), Unavailable::Busy),
+            Fallback::Wait
+        );
+        assert_eq!(
+            soft.on_unavailable(id, w(1), Unavailable::Busy),
+            Fallback::Any
+        );
+        assert_eq!(
+            strict.on_unavailable(id, w(1), Unavailable::Invalid),
+            Fallback::Any
+        );
+    }
+
+    #[test]
+    fn a_pinned_worker_that_is_not_eligible_is_not_asked_for() {
+        let mut s = strategy(Default::default());
+        turn(&mut s, 1, 7, 100, w(1));
+        let eligible = [w(2)];
+        let f = RequestFacts {
+            eligible: &eligible,
+            ..facts(2, Some(7), 100, 0.0)
+        };
+        assert_eq!(s.admit(&f), Admission::Ready(Placement::Any));
+        dispatch(&mut s, 2, w(2), 0.0);
+        complete(&mut s, 2, 200, 0.0);
+        assert_eq!(s.session_worker(SessionKey(7)), Some(w(2)));
+        assert_eq!(s.worker_usage(w(1)), Some(0));
+        assert_eq!(s.worker_usage(w(2)), Some(300));
+    }
+
+    #[test]
+    fn under_pressure_idle_sessions_pause_smallest_first_and_resume_best_fit() {
+        let mut s = strategy(Default::default());
+        s.observe_kv(
+            w(1),
+            KvUsage {
+                capacity_tokens: 10_000,
+                used_tokens: None,
+            },
+        );
+        // Footprints 1100 + 2100 + 3100 + 3600 = 9900 > 0.95 × 10000.
+        turn(&mut s, 1, 1, 1000, w(1));
+        turn(&mut s, 2, 2, 2000, w(1));
+        turn(&mut s, 3, 3, 3000, w(1));
+        turn(&mut s, 4, 4, 3500, w(1));
+        assert_eq!(s.worker_usage(w(1)), Some(9_900));
+        assert!(reconcile(&mut s, 10.0).is_empty());
+        // 9900 > 9500: pause 1100 (→8800), then 2100 (→6700 ≤ 8000).
+        assert!(s.is_paused(SessionKey(1)));
+        assert!(s.is_paused(SessionKey(2)));
+        assert!(!s.is_paused(SessionKey(3)));
+        assert_eq!(s.worker_usage(w(1)), Some(6_700));
+        // A paused session's next turn is deferred.
+        assert_eq!(s.admit(&facts(5, Some(1), 1000, 11.0)), Admission::Defer);
+        // Resume level (0.80 − 0.10) × 10000 = 7000: room 300, nothing fits.
+        assert!(reconcile(&mut s, 15.0).is_empty());
+        assert_eq!(s.paused_sessions(), 2);
+        // Capacity returns: level 0.70 × 15000 = 10500, room 3800: best fit
+        // is 2100, then room 1700: 1100 fits too.
+        s.observe_kv(
+            w(1),
+            KvUsage {
+                capacity_tokens: 15_000,
+                used_tokens: None,
+            },
+        );
+        let ready = reconcile(&mut s, 20.0);
+        assert_eq!(s.counters().resumes, 2);
+        assert_eq!(
+            ready,
+            vec![MakeReady {
+                id: RequestId(5),
+                placement: Placement::Exact(w(1))
+            }]
+        );
+        assert_eq!(s.paused_sessions(), 0);
+    }
+
+    #[test]
+    fn running_sessions_are_marked_to_pause_when_their_turn_ends() {
+        let mut s = strategy(Default::default());
+        s.observe_kv(
+            w(1),
+            KvUsage {
+                capacity_tokens: 1_000,
+                used_tokens: Some(990),
+            },
+        );
+        s.admit(&facts(1, Some(1), 400, 0.0));
+        dispatch(&mut s, 1, w(1), 0.0);
+        reconcile(&mut s, 1.0);
+        assert_eq!(s.counters().marked, 1);
+        assert!(!s.is_paused(SessionKey(1)));
+        assert_eq!(s.admit(&facts(2, Some(1), 500, 2.0)), Admission::Defer);
+        assert!(complete(&mut s, 1, 450, 3.0).is_empty());
+        assert!(s.is_paused(SessionKey(1)));
+    }
+
+    #[test]
+    fn a_session_paused_past_the_resume_timeout_is_forced_back() {
+        let mut s = strategy(SessionAwareConfig {
+            resume_timeout_ms: 1_000.0,
+            ..Default::default()
+        });
+        s.observe_kv(
+            w(1),
+            KvUsage {
+                capacity_tokens: 1_000,
+                used_tokens: Some(2_000),
+            },
+        );
+        turn(&mut s, 1, 1, 100, w(1));
+        reconcile(&mut s, 0.0);
+        assert!(s.is_paused(SessionKey(1)));
+        assert_eq!(s.admit(&facts(2, Some(1), 150, 10.0)), Admission::Defer);
+        assert!(reconcile(&mut s, 999.0).is_empty() && s.is_paused(SessionKey(1)));
+        let ready = reconcile(&mut s, 1_000.0);
+        assert_eq!(ready.len(), 1);
+        assert_eq!(s.counters().forced_resumes, 1);
+    }
+
+    #[test]
+    fn quiet_sessions_expire_and_the_cap_evicts_the_least_recent() {
+        let mut s = strategy(SessionAwareConfig {
+            max_sessions: 2,
+            session_expiry_ms: 100.0,
+            ..Default::default()
+        });
+        turn(&mut s, 1, 1, 10, w(1));
+        turn(&mut s, 2, 2, 10, w(1));
+        // Session 3 evicts session 1 (least recently active).
+        assert!(matches!(
+            s.admit(&facts(3, Some(3), 10, 1.0)),
+            Admission::Ready(_)
+        ));
+        assert_eq!(s.counters().evicted, 1);
+        assert!(s.session_worker(SessionKey(1)).is_none());
+        // Session 4 evicts session 2, the only quiet one.
+        assert!(matches!(
+            s.admit(&facts(4, Some(4), 10, 1.0)),
+            Admission::Ready(_)
+        ));
+        // Now 3 and 4 are busy: 5 cannot be retained and bypasses.
+        assert_eq!(s.admit(&facts(5, Some(5), 10, 1.0)), Admission::Bypass);
+        assert_eq!(s.counters().bypassed_full, 1);
+        dispatch(&mut s, 3, w(1), 2.0);
+        complete(&mut s, 3, 20, 2.0);
+        dispatch(&mut s, 4, w(1), 2.0);
+        complete(&mut s, 4, 20, 2.0);
+        reconcile(&mut s, 50.0);
+        assert_eq!(s.sessions(), 2);
+        reconcile(&mut s, 102.0);
+        assert_eq!(s.sessions(), 0);
+        assert_eq!(s.worker_usage(w(1)), Some(0));
+        assert_eq!(s.counters().expired, 2);
+    }
+
+    #[test]
+    fn duplicate_stale_and_unknown_events_are_harmless() {
+        let mut s = strategy(Default::default());
+        let mut out = Vec::new();
+        s.on_event(&LifecycleEvent::Aborted { id: RequestId(9) }, 0.0, &mut out);
+        s.on_event(
+            &LifecycleEvent::Completed {
+                id: RequestId(9),
+                context_tokens: 5,
+            },
+            0.0,
+            &mut out,
+        );
+        dispatch(&mut s, 9, w(1), 0.0);
+        turn(&mut s, 1, 1, 10, w(1));
+        assert!(complete(&mut s, 1, 99, 0.0).is_empty());
+        dispatch(&mut s, 1, w(2), 0.0);
+        assert!(out.is_empty());
+        assert_eq!(s.worker_usage(w(1)), Some(110));
+        assert_eq!(s.counters().stale_events, 5);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = |c: SessionAwareConfig| SessionAwareStrategy::new(c).unwrap_err();
+        assert!(matches!(
+            bad(SessionAwareConfig {
+                pause_target: 0.96,
+                ..Default::default()
+            }),
+            SessionConfigError::TargetAboveThreshold { .. }
+        ));
+        assert!(matches!(
+            bad(SessionAwareConfig {
+                pause_threshold: 1.5,
+                ..Default::default()
+            }),
+            SessionConfigError::Fraction { .. }
+        ));
+        assert!(matches!(
+            bad(SessionAwareConfig {
+                resume_hysteresis: 0.80,
+                ..Default::default()
+            }),
+            SessionConfigError::Hysteresis(_)
+        ));
+        assert!(matches!(
+            bad(SessionAwareConfig {
+                resume_timeout_ms: f64::NAN,
+                ..Default::default()
+            }),
+            SessionConfigError::Duration { .. }
+        ));
+        assert!(matches!(
+            bad(SessionAwareConfig {
+                max_sessions: 0,
+                ..Default::default()
+            }),
+            SessionConfigError::MaxSessions
+        ));
+    }
+
+    #[test]
+    fn the_config_rejects_unknown_keys_and_fills_defaults() {
+        let parsed: SessionAwareConfig = serde_json::from_str(r#"{"affinity":"strict"}"#).unwrap();
+        assert_eq!(parsed.affinity, Affinity::Strict);
+        assert_eq!(parsed.pause_threshold, 0.95);
+        assert!(serde_json::from_str::<SessionAwareConfig>(r#"{"pause_treshold":0.9}"#).is_err());
+    }
+}

@@ -1,0 +1,360 @@
+use super::*;
+use proptest::prelude::*;
+use rmpv::Value;
+
+fn write(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, value).unwrap();
+    out
+}
+
+#[test]
+fn the_encoder_writes_a_three_element_batch_of_type_tagged_maps() {
+    let batch = KvEventBatch {
+        ts: 1.5,
+        events: vec![KvEvent::AllBlocksCleared],
+        data_parallel_rank: Some(0),
+    };
+    let bytes = encode_batch(&batch);
+    let value = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
+    let Value::Array(items) = value else {
+        panic!("batch is not an array")
+    };
+    assert_eq!(items.len(), 3);
+    assert_eq!(items[0], Value::F64(1.5));
+    assert_eq!(items[2], Value::from(0));
+    let Value::Array(events) = &items[1] else {
+        panic!("events is not an array")
+    };
+    assert_eq!(
+        events[0],
+        Value::Map(vec![(Value::from("type"), Value::from("AllBlocksCleared"))])
+    );
+}
+
+#[test]
+fn a_batch_without_a_rank_is_two_elements_long_and_decodes_to_none() {
+    let batch = KvEventBatch {
+        ts: 2.0,
+        events: vec![],
+        data_parallel_rank: None,
+    };
+    let bytes = encode_batch(&batch);
+    assert_eq!(bytes[0], 0x92);
+    assert_eq!(decode_batch(&bytes, Format::Auto).unwrap(), batch);
+}
+
+#[test]
+fn negative_integer_hashes_are_reinterpreted_as_twos_complement() {
+    let payload = write(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![Value::Array(vec![
+            Value::from("BlockRemoved"),
+            Value::Array(vec![
+                Value::from(-1i64),
+                Value::from(-2i64),
+                Value::from(7u8),
+            ]),
+        ])]),
+    ]));
+    let batch = decode_batch(&payload, Format::Sglang).unwrap();
+    let KvEvent::BlockRemoved(removed) = &batch.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        removed.block_hashes,
+        vec![
+            EngineHash(u64::MAX),
+            EngineHash(u64::MAX - 1),
+            EngineHash(7)
+        ]
+    );
+}
+
+#[test]
+fn byte_hashes_use_their_last_eight_bytes_big_endian() {
+    let mut hash = vec![0xAAu8; 24];
+    hash.extend_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+    let payload = write(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![Value::Map(vec![
+            (Value::from("type"), Value::from("BlockRemoved")),
+            (
+                Value::from("block_hashes"),
+                Value::Array(vec![Value::Binary(hash)]),
+            ),
+            (Value::from("medium"), Value::Nil),
+        ])]),
+    ]));
+    let batch = decode_batch(&payload, Format::Vllm).unwrap();
+    let KvEvent::BlockRemoved(removed) = &batch.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        removed.block_hashes,
+        vec![EngineHash(0x0102_0304_0506_0708)]
+    );
+    assert!(decode_batch(&payload, Format::Sglang).is_err());
+}
+
+#[test]
+fn unknown_keys_and_extra_trailing_elements_are_ignored() {
+    let payload = write(&Value::Array(vec![
+        Value::F64(3.0),
+        Value::Array(vec![
+            Value::Map(vec![
+                (Value::from("type"), Value::from("BlockRemoved")),
+                (
+                    Value::from("block_hashes"),
+                    Value::Array(vec![Value::from(5)]),
+                ),
+                (Value::from("future_field"), Value::from("x")),
+            ]),
+            Value::Array(vec![
+                Value::from("BlockRemoved"),
+                Value::Array(vec![Value::from(6)]),
+                Value::from("GPU"),
+                Value::Nil,
+                Value::Nil,
+                Value::Nil,
+                Value::from("an element from a future release"),
+            ]),
+        ]),
+        Value::from(1),
+        Value::from("a trailing batch element from a future release"),
+    ]));
+    let batch = decode_batch(&payload, Format::Auto).unwrap();
+    assert_eq!(batch.events.len(), 2);
+    assert_eq!(batch.data_parallel_rank, Some(1));
+}
+
+#[test]
+fn a_map_shaped_batch_decodes_like_an_array_shaped_one() {
+    let payload = write(&Value::Map(vec![
+        (Value::from("ts"), Value::F64(4.0)),
+        (Value::from("events"), Value::Array(vec![])),
+        (Value::from("data_parallel_rank"), Value::from(2)),
+    ]));
+    let batch = decode_batch(&payload, Format::Vllm).unwrap();
+    assert_eq!(batch.data_parallel_rank, Some(2));
+    assert_eq!(
+        decode_batch(&payload, Format::Sglang),
+        Err(DecodeError::FormatMismatch(Format::Sglang))
+    );
+}
+
+#[test]
+fn one_bad_event_is_reported_without_losing_the_others() {
+    let payload = write(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![
+            Value::Map(vec![(Value::from("type"), Value::from("AllBlocksCleared"))]),
+            Value::Map(vec![
+                (Value::from("type"), Value::from("BlockStored")),
+                (
+                    Value::from("block_hashes"),
+                    Value::Array(vec![Value::from("nope")]),
+                ),
+            ]),
+            Value::Map(vec![(Value::from("type"), Value::from("SomethingNew"))]),
+        ]),
+    ]));
+    let (batch, errors) = decode_batch_lossy(&payload, Format::Auto).unwrap();
+    assert_eq!(batch.events.len(), 2);
+    assert_eq!(
+        batch.events[1],
+        KvEvent::Unknown {
+            tag: "SomethingNew".into()
+        }
+    );
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].index, 1);
+    assert_eq!(errors[0].error.reason(), "invalid_field");
+    assert!(decode_batch(&payload, Format::Auto).is_err());
+}
+
+#[test]
+fn token_pairs_keep_both_columns() {
+    let payload = write(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![Value::Map(vec![
+            (Value::from("type"), Value::from("BlockStored")),
+            (
+                Value::from("block_hashes"),
+                Value::Array(vec![Value::from(1)]),
+            ),
+            (Value::from("parent_block_hash"), Value::Nil),
+            (
+                Value::from("token_ids"),
+                Value::Array(vec![
+                    Value::Array(vec![Value::from(10), Value::from(11)]),
+                    Value::Array(vec![Value::from(11), Value::from(12)]),
+                ]),
+            ),
+            (Value::from("block_size"), Value::from(2)),
+        ])]),
+    ]));
+    let batch = decode_batch(&payload, Format::Auto).unwrap();
+    let KvEvent::BlockStored(s) = &batch.events[0] else {
+        panic!()
+    };
+    assert_eq!(s.token_ids, vec![10, 11]);
+    assert_eq!(s.token_pair_next_ids, Some(vec![11, 12]));
+    let again = decode_batch(&encode_batch(&batch), Format::Auto).unwrap();
+    assert_eq!(again, batch);
+}
+
+#[test]
+fn garbage_gets_a_typed_error() {
+    assert!(matches!(
+        decode_batch(b"", Format::Auto),
+        Err(DecodeError::Msgpack(_))
+    ));
+    assert!(matches!(
+        decode_batch(&[0xc0], Format::Auto),
+        Err(DecodeError::BatchShape)
+    ));
+    assert!(matches!(
+        decode_batch(&[0x90, 0x00], Format::Auto),
+        Err(DecodeError::TrailingBytes(1))
+    ));
+    let negative_token = write(&Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![Value::Array(vec![
+            Value::from("BlockStored"),
+            Value::Array(vec![Value::from(1)]),
+            Value::Nil,
+            Value::Array(vec![Value::from(-3)]),
+            Value::from(1),
+        ])]),
+    ]));
+    assert_eq!(
+        decode_batch(&negative_token, Format::Auto),
+        Err(DecodeError::InvalidField {
+            event: "BlockStored",
+            field: "token_ids"
+        })
+    );
+}
+
+fn arb_opt_string() -> impl Strategy<Value = Option<String>> {
+    proptest::option::of("[a-zA-Z0-9_]{0,8}")
+}
+
+fn arb_hashes() -> impl Strategy<Value = Vec<EngineHash>> {
+    proptest::collection::vec(any::<u64>().prop_map(EngineHash), 0..6)
+}
+
+fn arb_event() -> impl Strategy<Value = KvEvent> {
+    let stored = (
+        arb_hashes(),
+        proptest::option::of(any::<u64>().prop_map(EngineHash)),
+        proptest::collection::vec(any::<u32>(), 0..40),
+        any::<bool>(),
+        any::<u32>(),
+        proptest::option::of(any::<i64>()),
+        arb_opt_string(),
+        arb_opt_string(),
+        (
+            proptest::option::of(any::<i64>()),
+            arb_opt_string(),
+            proptest::option::of(any::<i64>()),
+            arb_opt_string(),
+            arb_opt_string(),
+            arb_opt_string(),
+            arb_opt_string(),
+            proptest::option::of(any::<u32>().prop_map(|t| Value::Array(vec![Value::from(t)]))),
+        ),
+    )
+        .prop_map(
+            |(hashes, parent, tokens, pairs, block_size, lora_id, medium, lora_name, rest)| {
+                let (group, kind, window, locality, ownership, session, salt, extra) = rest;
+                KvEvent::BlockStored(Box::new(BlockStored {
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    // Zero pairs are indistinguishable from zero tokens.
+                    token_pair_next_ids: (pairs && !tokens.is_empty())
+                        .then(|| tokens.iter().map(|t| t.wrapping_add(1)).collect()),
+                    token_ids: tokens,
+                    block_size,
+                    lora_id,
+                    medium,
+                    lora_name,
+                    extra_keys: extra,
+                    group_idx: group,
+                    kv_cache_spec_kind: kind,
+                    kv_cache_spec_sliding_window: window,
+                    locality,
+                    ownership,
+                    session_id: session,
+                    lookahead_token_ids: None,
+                    cache_salt: salt,
+                }))
+            },
+        );
+    let removed = (
+        arb_hashes(),
+        arb_opt_string(),
+        proptest::option::of(any::<i64>()),
+        arb_opt_string(),
+        arb_opt_string(),
+    )
+        .prop_map(|(hashes, medium, group_idx, locality, ownership)| {
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: hashes,
+                medium,
+                group_idx,
+                locality,
+                ownership,
+            })
+        });
+    prop_oneof![stored, removed, Just(KvEvent::AllBlocksCleared)]
+}
+
+fn arb_batch() -> impl Strategy<Value = KvEventBatch> {
+    (
+        -1e12f64..1e12,
+        proptest::collection::vec(arb_event(), 0..6),
+        proptest::option::of(any::<i64>()),
+    )
+        .prop_map(|(ts, events, rank)| KvEventBatch {
+            ts,
+            events,
+            data_parallel_rank: rank,
+        })
+}
+
+proptest! {
+    #[test]
+    fn encoding_then_decoding_gives_back_the_batch(batch in arb_batch()) {
+        prop_assert_eq!(decode_batch(&encode_batch(&batch), Format::Auto).unwrap(), batch.clone());
+        prop_assert_eq!(decode_batch(&encode_batch(&batch), Format::Vllm).unwrap(), batch);
+    }
+
+    #[test]
+    fn byte_hashes_round_trip_like_integer_hashes(batch in arb_batch()) {
+        let bytes = encode_batch_with(&batch, HashEncoding::Bytes32);
+        prop_assert_eq!(decode_batch(&bytes, Format::Auto).unwrap(), batch);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        for format in [Format::Auto, Format::Vllm, Format::Sglang] {
+            let _ = decode_batch_lossy(&bytes, format);
+        }
+    }
+
+    #[test]
+    fn mutated_valid_batches_never_panic_the_decoder(
+        batch in arb_batch(),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+    ) {
+        let mut bytes = encode_batch(&batch);
+        for (at, byte) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = byte;
+        }
+        let _ = decode_batch_lossy(&bytes, Format::Auto);
+        let _ = decode_batch_lossy(&bytes[..bytes.len() / 2], Format::Auto);
+    }
+}

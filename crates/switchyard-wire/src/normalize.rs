@@ -1,0 +1,504 @@
+//! Decoded KV events → [`IndexEvent`]s for one worker's stream.
+//!
+//! This lives in the wire crate, not the core: it is the one place that
+//! knows both the engines' field semantics and the index's vocabulary, and
+//! it stays pure (no I/O, no clock) so the subscriber, the simulator and
+//! tests all run the same code.
+//!
+//! Rules, each skip counted by [`SkipReason`]:
+//!
+//! - **Router hashes.** Local hashes are recomputed from `token_ids` with the
+//!   router's block size and seed (`seed_for(lora_name, cache_salt)`); the
+//!   engine's hashes are only names for removals. An event with a `lora_id`
+//!   but no `lora_name` is skipped: its seed is unknowable, and a base-model
+//!   seed would claim hits the engine cannot serve.
+//! - **Whole blocks only.** `token_ids.len()` must equal
+//!   `block_hashes.len() × block_size`, and the event's `block_size` must be
+//!   the router's. SGLang's partial last page fails this and is skipped
+//!   (a partial block is not a block).
+//! - **Device tier only.** `medium` maps to a [`Tier`]; the index tracks the
+//!   device tier, so host- and disk-tier stores *and removals* are skipped
+//!   and counted (a host-tier eviction must not remove the device copy).
+//! - **Full attention only.** Hybrid models publish one group per cache spec
+//!   (`group_idx`, `kv_cache_spec_kind`). Groups are learned from stores;
+//!   only a full-attention group describes a prefix. An event with no group
+//!   is a single-group engine's and is kept; a group never described is kept
+//!   until a full-attention group is known, then skipped.
+
+use crate::kv_events::{BlockRemoved, BlockStored, KvEvent};
+use switchyard_core::hashing::{local_block_hashes, seed_for};
+use switchyard_core::index::{IndexEvent, StoredBlock};
+
+/// Most distinct groups remembered per worker; real hybrid models have a
+/// handful. Past the cap, events of new groups are skipped.
+pub const MAX_GROUPS: usize = 64;
+
+/// Where a cached block lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// GPU memory (`"GPU"` or no `medium`).
+    Device,
+    /// CPU memory (`"CPU"`, `"CPU_PINNED"`).
+    Host,
+    /// Disk, storage or a remote pool (`"DISK"`, `"STORAGE"`, `"EXTERNAL"`).
+    Disk,
+}
+
+impl Tier {
+    /// The tier a `medium` string names; `None` for an unknown name.
+    pub fn from_medium(medium: Option<&str>) -> Option<Tier> {
+        match medium {
+            None => Some(Tier::Device),
+            Some(m) if m.eq_ignore_ascii_case("GPU") => Some(Tier::Device),
+            Some(m) if m.eq_ignore_ascii_case("CPU") || m.eq_ignore_ascii_case("CPU_PINNED") => {
+                Some(Tier::Host)
+            }
+            Some(m)
+                if ["DISK", "STORAGE", "EXTERNAL"]
+                    .iter()
+                    .any(|d| m.eq_ignore_ascii_case(d)) =>
+            {
+                Some(Tier::Disk)
+            }
+            Some(_) => None,
+        }
+    }
+}
+
+/// Why an event did not reach the index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    /// `token_ids.len() != block_hashes.len() × block_size`.
+    TokenCountMismatch,
+    /// One block's worth of hashes with fewer tokens than a block (SGLang's
+    /// last page).
+    PartialBlock,
+    /// The event's `block_size` is not the router's.
+    BlockSizeMismatch,
+    /// A `lora_id` without a `lora_name`: the hash seed is unknowable.
+    LoraWithoutName,
+    /// An event type this router does not know.
+    UnknownEventType,
+    /// A host-tier store or removal (filtered, not malformed).
+    HostTier,
+    /// A disk-tier store or removal (filtered, not malformed).
+    DiskTier,
+    /// A `medium` string no engine is known to send.
+    UnknownMedium,
+    /// A group other than full attention (filtered, not malformed).
+    NonFullAttentionGroup,
+    /// More than [`MAX_GROUPS`] groups.
+    TooManyGroups,
+}
+
+impl SkipReason {
+    /// Every reason, for metrics that export zeros too.
+    pub const ALL: [SkipReason; 10] = [
+        SkipReason::TokenCountMismatch,
+        SkipReason::PartialBlock,
+        SkipReason::BlockSizeMismatch,
+        SkipReason::LoraWithoutName,
+        SkipReason::UnknownEventType,
+        SkipReason::HostTier,
+        SkipReason::DiskTier,
+        SkipReason::UnknownMedium,
+        SkipReason::NonFullAttentionGroup,
+        SkipReason::TooManyGroups,
+    ];
+
+    /// Stable label for `switchyard_kv_events_dropped_total{reason}`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::TokenCountMismatch => "token_count_mismatch",
+            SkipReason::PartialBlock => "partial_block",
+            SkipReason::BlockSizeMismatch => "block_size_mismatch",
+            SkipReason::LoraWithoutName => "lora_without_name",
+            SkipReason::UnknownEventType => "unknown_event_type",
+            SkipReason::HostTier => "host_tier",
+            SkipReason::DiskTier => "disk_tier",
+            SkipReason::UnknownMedium => "unknown_medium",
+            SkipReason::NonFullAttentionGroup => "non_full_attention_group",
+            SkipReason::TooManyGroups => "too_many_groups",
+        }
+    }
+
+    /// Whether the event was bad input (as opposed to deliberately filtered).
+    pub fn is_malformed(self) -> bool {
+        !matches!(
+            self,
+            SkipReason::HostTier | SkipReason::DiskTier | SkipReason::NonFullAttentionGroup
+        )
+    }
+}
+
+/// What became of one event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Normalized {
+    /// Apply this to the index.
+    Index(IndexEvent),
+    /// Skipped, for this reason.
+    Skipped(SkipReason),
+}
+
+/// Counters of one normalizer; they only grow.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NormalizeCounters {
+    /// `BlockStored` events turned into index events.
+    pub stored: u64,
+    /// `BlockRemoved` events turned into index events.
+    pub removed: u64,
+    /// `AllBlocksCleared` events.
+    pub cleared: u64,
+    /// Skipped events, indexed like [`SkipReason::ALL`].
+    pub skipped: [u64; SkipReason::ALL.len()],
+}
+
+impl NormalizeCounters {
+    /// Events skipped for `reason`.
+    pub fn skipped(&self, reason: SkipReason) -> u64 {
+        self.skipped[reason as usize]
+    }
+}
+
+/// Normalizes one worker's event stream. Keeps what it learns about the
+/// worker's groups, so use one per worker (data-parallel rank).
+#[derive(Clone, Debug)]
+pub struct Normalizer {
+    block_size: u32,
+    /// `(group_idx, is_full_attention)`, learned from stores; at most
+    /// [`MAX_GROUPS`] entries.
+    groups: Vec<(i64, bool)>,
+    counters: NormalizeCounters,
+}
+
+impl Normalizer {
+    /// A normalizer for a router hashing `block_size`-token blocks.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            groups: Vec::new(),
+            counters: NormalizeCounters::default(),
+        }
+    }
+
+    /// The router block size this normalizer checks against.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &NormalizeCounters {
+        &self.counters
+    }
+
+    /// Normalizes one event, counting the outcome.
+    pub fn normalize(&mut self, event: &KvEvent) -> Normalized {
+        let outcome = match event {
+            KvEvent::BlockStored(stored) => self.stored(stored),
+            KvEvent::BlockRemoved(removed) => self.removed(removed),
+            KvEvent::AllBlocksCleared => Ok(IndexEvent::Cleared),
+            KvEvent::Unknown { .. } => Err(SkipReason::UnknownEventType),
+        };
+        match outcome {
+            Ok(index_event) => {
+                match &index_event {
+                    IndexEvent::Stored { .. } => self.counters.stored += 1,
+                    IndexEvent::Removed { .. } => self.counters.removed += 1,
+                    IndexEvent::Cleared => self.counters.cleared += 1,
+                }
+                Normalized::Index(index_event)
+            }
+            Err(reason) => {
+                self.counters.skipped[reason as usize] += 1;
+                Normalized::Skipped(reason)
+            }
+        }
+    }
+
+    fn stored(&mut self, stored: &BlockStored) -> Result<IndexEvent, SkipReason> {
+        check_tier(stored.medium.as_deref())?;
+        self.check_group(stored.group_idx, stored.kv_cache_spec_kind.as_deref())?;
+        if stored.lora_id.is_some() && stored.lora_name.is_none() {
+            return Err(SkipReason::LoraWithoutName);
+        }
+        if stored.block_size != self.block_size {
+            return Err(SkipReason::BlockSizeMismatch);
+        }
+        let block_size = self.block_size as usize;
+        let blocks = stored.block_hashes.len();
+        let expected = blocks.checked_mul(block_size);
+        if expected != Some(stored.token_ids.len()) {
+            return Err(if blocks == 1 && stored.token_ids.len() < block_size {
+                SkipReason::PartialBlock
+            } else {
+                SkipReason::TokenCountMismatch
+            });
+        }
+        let seed = seed_for(stored.lora_name.as_deref(), stored.cache_salt.as_deref());
+        let local = local_block_hashes(&stored.token_ids, block_size, seed);
+        Ok(IndexEvent::Stored {
+            parent: stored.parent_block_hash,
+            blocks: stored
+                .block_hashes
+                .iter()
+                .zip(local)
+                .map(|(&engine_hash, local_hash)| StoredBlock {
+                    engine_hash,
+                    local_hash,
+                })
+                .collect(),
+        })
+    }
+
+    fn removed(&mut self, removed: &BlockRemoved) -> Result<IndexEvent, SkipReason> {
+        check_tier(removed.medium.as_deref())?;
+        self.check_group(removed.group_idx, None)?;
+        Ok(IndexEvent::Removed {
+            blocks: removed.block_hashes.clone(),
+        })
+    }
+
+    fn check_group(
+        &mut self,
+        group_idx: Option<i64>,
+        kind: Option<&str>,
+    ) -> Result<(), SkipReason> {
+        let Some(group) = group_idx else {
+            return Ok(());
+        };
+        if let Some(kind) = kind {
+            let full = is_full_attention(kind);
+            let known = self.groups.len();
+            match self.groups.iter_mut().find(|(g, _)| *g == group) {
+                Some(entry) => entry.1 = full,
+                None if known >= MAX_GROUPS => return Err(SkipReason::TooManyGroups),
+                None => self.groups.push((group, full)),
+            }
+        }
+        match self.groups.iter().find(|(g, _)| *g == group) {
+            Some((_, true)) => Ok(()),
+            Some((_, false)) => Err(SkipReason::NonFullAttentionGroup),
+            None if self.groups.iter().any(|(_, full)| *full) => {
+                Err(SkipReason::NonFullAttentionGroup)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// vLLM's `KVCacheSpecKind.FULL_ATTENTION` is `"full_attention"`; MLA caches
+/// are full attention too.
+fn is_full_attention(kind: &str) -> bool {
+    let kind = kind.to_ascii_lowercase();
+    kind.contains("full") || kind.contains("mla")
+}
+
+fn check_tier(medium: Option<&str>) -> Result<(), SkipReason> {
+    match Tier::from_medium(medium) {
+        Some(Tier::Device) => Ok(()),
+        Some(Tier::Host) => Err(SkipReason::HostTier),
+        Some(Tier::Disk) => Err(SkipReason::DiskTier),
+        None => Err(SkipReason::UnknownMedium),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_core::hashing::DEFAULT_SEED;
+    use switchyard_core::EngineHash;
+
+    fn stored(hashes: &[u64], tokens: Vec<u32>) -> BlockStored {
+        BlockStored {
+            block_hashes: hashes.iter().map(|&h| EngineHash(h)).collect(),
+            token_ids: tokens,
+            block_size: 4,
+            medium: Some("GPU".into()),
+            ..BlockStored::default()
+        }
+    }
+
+    fn store_event(s: BlockStored) -> KvEvent {
+        KvEvent::BlockStored(Box::new(s))
+    }
+
+    #[test]
+    fn local_hashes_are_recomputed_from_token_ids_with_the_router_seed() {
+        let mut n = Normalizer::new(4);
+        let tokens: Vec<u32> = (0..8).collect();
+        let mut event = stored(&[11, 12], tokens.clone());
+        event.parent_block_hash = Some(EngineHash(10));
+        let Normalized::Index(IndexEvent::Stored { parent, blocks }) =
+            n.normalize(&store_event(event))
+        else {
+            panic!("not stored")
+        };
+        assert_eq!(parent, Some(EngineHash(10)));
+        let expected = local_block_hashes(&tokens, 4, DEFAULT_SEED);
+        assert_eq!(blocks[0].engine_hash, EngineHash(11));
+        assert_eq!(blocks[0].local_hash, expected[0]);
+        assert_eq!(blocks[1].local_hash, expected[1]);
+        assert_eq!(n.counters().stored, 1);
+    }
+
+    #[test]
+    fn the_lora_name_and_cache_salt_fold_into_the_seed() {
+        let mut n = Normalizer::new(4);
+        let tokens: Vec<u32> = (0..4).collect();
+        let mut event = stored(&[1], tokens.clone());
+        event.lora_name = Some("adapter".into());
+        event.cache_salt = Some("tenant".into());
+        let Normalized::Index(IndexEvent::Stored { blocks, .. }) = n.normalize(&store_event(event))
+        else {
+            panic!("not stored")
+        };
+        let seed = seed_for(Some("adapter"), Some("tenant"));
+        assert_eq!(
+            blocks[0].local_hash,
+            local_block_hashes(&tokens, 4, seed)[0]
+        );
+    }
+
+    #[test]
+    fn a_partial_last_page_is_not_a_block() {
+        let mut n = Normalizer::new(4);
+        let out = n.normalize(&store_event(stored(&[1], vec![1, 2, 3])));
+        assert_eq!(out, Normalized::Skipped(SkipReason::PartialBlock));
+        let out = n.normalize(&store_event(stored(&[1, 2], vec![1, 2, 3, 4, 5])));
+        assert_eq!(out, Normalized::Skipped(SkipReason::TokenCountMismatch));
+        assert_eq!(n.counters().skipped(SkipReason::PartialBlock), 1);
+        assert_eq!(n.counters().skipped(SkipReason::TokenCountMismatch), 1);
+        assert!(SkipReason::PartialBlock.is_malformed());
+    }
+
+    #[test]
+    fn an_engine_block_size_other_than_the_routers_is_skipped() {
+        let mut n = Normalizer::new(16);
+        let out = n.normalize(&store_event(stored(&[1], vec![1, 2, 3, 4])));
+        assert_eq!(out, Normalized::Skipped(SkipReason::BlockSizeMismatch));
+    }
+
+    #[test]
+    fn host_and_disk_tier_events_are_skipped_and_counted_not_applied() {
+        let mut n = Normalizer::new(4);
+        let mut host = stored(&[1], vec![1, 2, 3, 4]);
+        host.medium = Some("CPU_PINNED".into());
+        assert_eq!(
+            n.normalize(&store_event(host)),
+            Normalized::Skipped(SkipReason::HostTier)
+        );
+        let disk_removal = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![EngineHash(1)],
+            medium: Some("DISK".into()),
+            ..BlockRemoved::default()
+        });
+        assert_eq!(
+            n.normalize(&disk_removal),
+            Normalized::Skipped(SkipReason::DiskTier)
+        );
+        let odd = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![EngineHash(1)],
+            medium: Some("TAPE".into()),
+            ..BlockRemoved::default()
+        });
+        assert_eq!(
+            n.normalize(&odd),
+            Normalized::Skipped(SkipReason::UnknownMedium)
+        );
+        assert_eq!(Tier::from_medium(None), Some(Tier::Device));
+        assert_eq!(Tier::from_medium(Some("STORAGE")), Some(Tier::Disk));
+        assert_eq!(Tier::from_medium(Some("EXTERNAL")), Some(Tier::Disk));
+        assert_eq!(Tier::from_medium(Some("CPU")), Some(Tier::Host));
+    }
+
+    #[test]
+    fn only_the_full_attention_group_of_a_hybrid_model_reaches_the_index() {
+        let mut n = Normalizer::new(4);
+        let mut full = stored(&[1], vec![1, 2, 3, 4]);
+        full.group_idx = Some(0);
+        full.kv_cache_spec_kind = Some("full_attention".into());
+        let mut window = stored(&[2], vec![1, 2, 3, 4]);
+        window.group_idx = Some(1);
+        window.kv_cache_spec_kind = Some("sliding_window".into());
+        assert!(matches!(
+            n.normalize(&store_event(full)),
+            Normalized::Index(_)
+        ));
+        assert_eq!(
+            n.normalize(&store_event(window)),
+            Normalized::Skipped(SkipReason::NonFullAttentionGroup)
+        );
+        let removal = |group| {
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![EngineHash(9)],
+                group_idx: Some(group),
+                ..BlockRemoved::default()
+            })
+        };
+        assert!(matches!(n.normalize(&removal(0)), Normalized::Index(_)));
+        assert_eq!(
+            n.normalize(&removal(1)),
+            Normalized::Skipped(SkipReason::NonFullAttentionGroup)
+        );
+        // A group never described, once a full-attention group is known.
+        assert_eq!(
+            n.normalize(&removal(7)),
+            Normalized::Skipped(SkipReason::NonFullAttentionGroup)
+        );
+    }
+
+    #[test]
+    fn events_without_group_information_are_kept() {
+        let mut n = Normalizer::new(4);
+        let removal = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![EngineHash(9)],
+            group_idx: Some(0),
+            ..BlockRemoved::default()
+        });
+        assert!(matches!(n.normalize(&removal), Normalized::Index(_)));
+        assert!(matches!(
+            n.normalize(&store_event(stored(&[1], vec![1, 2, 3, 4]))),
+            Normalized::Index(_)
+        ));
+    }
+
+    #[test]
+    fn the_group_table_is_bounded() {
+        let mut n = Normalizer::new(4);
+        for group in 0..MAX_GROUPS as i64 + 1 {
+            let mut s = stored(&[1], vec![1, 2, 3, 4]);
+            s.group_idx = Some(group);
+            s.kv_cache_spec_kind = Some("sliding_window".into());
+            n.normalize(&store_event(s));
+        }
+        assert_eq!(n.counters().skipped(SkipReason::TooManyGroups), 1);
+    }
+
+    #[test]
+    fn a_lora_id_without_a_name_is_skipped() {
+        let mut n = Normalizer::new(4);
+        let mut s = stored(&[1], vec![1, 2, 3, 4]);
+        s.lora_id = Some(3);
+        assert_eq!(
+            n.normalize(&store_event(s)),
+            Normalized::Skipped(SkipReason::LoraWithoutName)
+        );
+    }
+
+    #[test]
+    fn clears_pass_through_and_unknown_types_are_counted() {
+        let mut n = Normalizer::new(4);
+        assert_eq!(
+            n.normalize(&KvEvent::AllBlocksCleared),
+            Normalized::Index(IndexEvent::Cleared)
+        );
+        assert_eq!(
+            n.normalize(&KvEvent::Unknown { tag: "New".into() }),
+            Normalized::Skipped(SkipReason::UnknownEventType)
+        );
+        assert_eq!(n.counters().cleared, 1);
+        for (i, reason) in SkipReason::ALL.iter().enumerate() {
+            assert_eq!(*reason as usize, i);
+        }
+    }
+}
