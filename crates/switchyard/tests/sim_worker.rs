@@ -20,7 +20,7 @@ impl Drop for Worker {
 }
 
 fn start_worker(extra: &[&str]) -> Worker {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args([
             "sim-worker",
             "--host",
@@ -35,9 +35,14 @@ fn start_worker(extra: &[&str]) -> Worker {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("the switchyard binary starts");
-    let stdout = child.stdout.take().expect("stdout is piped");
+    // Owned by the guard from here on, so every exit path kills and reaps it.
+    let mut worker = Worker {
+        child,
+        base: String::new(),
+        kv: None,
+    };
+    let stdout = worker.child.stdout.take().expect("stdout is piped");
     let mut reader = BufReader::new(stdout);
-    let mut kv = None;
     loop {
         let mut line = String::new();
         let n = reader
@@ -46,14 +51,11 @@ fn start_worker(extra: &[&str]) -> Worker {
         assert!(n > 0, "the worker exited before listening");
         let words: Vec<&str> = line.split_whitespace().collect();
         if let Some(i) = words.iter().position(|w| *w == "kv-events") {
-            kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+            worker.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
         }
         if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
-            return Worker {
-                child,
-                base: (*url).to_owned(),
-                kv,
-            };
+            worker.base = (*url).to_owned();
+            return worker;
         }
     }
 }
