@@ -79,6 +79,14 @@ pub struct SimWorkerArgs {
     /// Host-tier restores shorter than this many tokens are skipped.
     #[arg(long, default_value_t = 256)]
     pub min_restore_tokens: usize,
+    /// Times a host-tier restore may wait for device capacity before the
+    /// prefix is recomputed instead.
+    #[arg(long, default_value_t = 8)]
+    pub max_restore_deferrals: u32,
+    /// KV events buffered while the publisher lags; beyond it the newest are
+    /// dropped and counted.
+    #[arg(long, default_value_t = 1 << 16)]
+    pub max_buffered_events: usize,
     /// KV bytes per token, for host-tier restore time.
     #[arg(long, default_value_t = 128 * 1024)]
     pub bytes_per_token: u64,
@@ -106,6 +114,9 @@ impl SimWorkerArgs {
             max_waiting: self.max_waiting,
             max_model_len: self.max_model_len,
             min_restore_tokens: self.min_restore_tokens,
+            max_restore_deferrals: self.max_restore_deferrals,
+            max_buffered_events: self.max_buffered_events,
+            emit_kv_events: self.kv_events.is_some(),
             timing: TimingConfig {
                 speedup: if self.no_delay { 0.0 } else { self.speedup },
                 bytes_per_token: self.bytes_per_token,
