@@ -123,7 +123,6 @@ impl SimWorkerArgs {
                 restore_bandwidth_bytes_per_s: self.restore_bandwidth,
                 ..TimingConfig::default()
             },
-            ..EngineConfig::default()
         }
     }
 }
