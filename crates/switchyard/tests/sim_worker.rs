@@ -21,15 +21,7 @@ impl Drop for Worker {
 
 fn start_worker(extra: &[&str]) -> Worker {
     let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "sim-worker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--speedup",
-            "50",
-        ])
+        .args(["sim-worker", "--host", "127.0.0.1", "--port", "0"])
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -71,7 +63,7 @@ fn metric(text: &str, name: &str) -> f64 {
 
 #[tokio::test]
 async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
-    let worker = start_worker(&["--num-blocks", "1024"]);
+    let worker = start_worker(&["--num-blocks", "1024", "--speedup", "50"]);
     let client = reqwest::Client::new();
     let prompt: Vec<u32> = (1000..1400).collect();
     let body = serde_json::json!({
@@ -327,4 +319,43 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
         0.0
     );
     subscriber.shutdown();
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
+    let worker = start_worker(&["--speedup", "1"]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", worker.base))
+        .json(&serde_json::json!({"prompt": [5, 6, 7, 8], "max_tokens": 5000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    use futures_util::StreamExt;
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let text = client
+            .get(format!("{}/metrics", worker.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let cancelled = text
+            .lines()
+            .any(|l| l.starts_with("switchyard_engine_requests_total{status=\"cancelled\"} 1"));
+        if cancelled && metric(&text, "switchyard_engine_running") == 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request was never cancelled:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
