@@ -11,6 +11,8 @@
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
+//! - [`replay`] — `switchyard replay`: policies compared in the fleet
+//!   simulator, with a table, JSON and SVG plots.
 //! - [`server`] — `switchyard serve`: the router's HTTP frontend, proxy,
 //!   worker fleet, admission wiring and metrics.
 //! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
@@ -21,5 +23,6 @@ pub mod data;
 pub mod demo;
 pub mod events;
 pub mod loadgen;
+pub mod replay;
 pub mod server;
 pub mod sim_worker;

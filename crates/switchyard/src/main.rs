@@ -19,6 +19,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Compare routing policies on a trace in the fleet simulator (the main
+    /// job: with no arguments it replays the bundled Mooncake conversation
+    /// trace on the default fleet).
+    Replay(switchyard::replay::ReplayArgs),
     /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -38,6 +42,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Replay(args) => switchyard::replay::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Events(cmd) => switchyard::events::run(cmd),
         Command::Demo(args) => switchyard::demo::run(args),

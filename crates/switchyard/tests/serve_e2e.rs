@@ -219,7 +219,10 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
     let w0 = sim_worker("5");
     let w1 = sim_worker("5");
     let router = router(
-        &[format!("{},name=w0", w0.base), format!("{},name=w1", w1.base)],
+        &[
+            format!("{},name=w0", w0.base),
+            format!("{},name=w1", w1.base),
+        ],
         &["--admission", "session-aware"],
     );
     let client = reqwest::Client::new();
@@ -232,7 +235,10 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
             .send()
     };
     let first = turn(60).await.unwrap();
-    let first_worker = first.headers()["x-switchyard-worker"].to_str().unwrap().to_owned();
+    let first_worker = first.headers()["x-switchyard-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
     let started = std::time::Instant::now();
     let second = tokio::spawn({
         let client = client.clone();
@@ -245,7 +251,13 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
                 .send()
                 .await
                 .unwrap();
-            (std::time::Instant::now(), response.headers()["x-switchyard-worker"].to_str().unwrap().to_owned())
+            (
+                std::time::Instant::now(),
+                response.headers()["x-switchyard-worker"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned(),
+            )
         }
     });
     // Read the first turn to its end.
@@ -258,5 +270,8 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
         second_started - started,
         first_ended - started
     );
-    assert_eq!(second_worker, first_worker, "the session stays on its worker");
+    assert_eq!(
+        second_worker, first_worker,
+        "the session stays on its worker"
+    );
 }

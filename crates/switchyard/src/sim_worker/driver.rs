@@ -11,10 +11,13 @@ use rustc_hash::FxHashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use switchyard_core::RequestId;
+use switchyard_core::{EngineHash, RequestId};
 use switchyard_engine::scheduler::AdmitError;
-use switchyard_engine::{Engine, FinishReason, KvEvent, NewRequest, StepReport, SyncDevice};
-use tokio::sync::mpsc;
+use switchyard_engine::{
+    Engine, FinishReason, KvEvent, Medium, NewRequest, StepReport, SyncDevice,
+};
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 /// What a request's receiver sees.
@@ -54,6 +57,8 @@ pub enum Command {
     },
     /// Cancel a request.
     Cancel(RequestId),
+    /// Report the cached blocks of both tiers (for `/debug/kv_cache`).
+    Snapshot(oneshot::Sender<Vec<(Medium, EngineHash)>>),
 }
 
 /// Handle to the driver task.
@@ -82,10 +87,18 @@ impl DriverHandle {
     pub async fn cancel(&self, id: RequestId) {
         let _ = self.commands.send(Command::Cancel(id)).await;
     }
+
+    /// The cached blocks of both tiers, sorted; `None` when the driver stopped.
+    pub async fn snapshot(&self) -> Option<Vec<(Medium, EngineHash)>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Snapshot(tx)).await.ok()?;
+        rx.await.ok()
+    }
 }
 
-/// Starts the driver task. KV events go to `kv_sink` when given (a full
-/// sink drops the batch and counts it).
+/// Starts the driver task. KV events go to `kv_sink` when given; while the
+/// sink is full they wait in the driver (up to the engine's event buffer
+/// size; beyond it the newest are dropped and counted).
 pub fn spawn(
     engine: Engine<SyncDevice>,
     metrics: Arc<Metrics>,
@@ -102,6 +115,8 @@ struct Driver {
     metrics: Arc<Metrics>,
     kv_sink: Option<mpsc::Sender<Vec<KvEvent>>>,
     events: Vec<KvEvent>,
+    /// Events in `events` already counted (held back by a full sink).
+    held_events: usize,
     hung_up: Vec<RequestId>,
 }
 
@@ -117,6 +132,7 @@ async fn run(
         metrics,
         kv_sink,
         events: Vec::new(),
+        held_events: 0,
         hung_up: Vec::new(),
     };
     let mut report = StepReport::default();
@@ -167,6 +183,11 @@ impl Driver {
                 }
             }
             Command::Cancel(id) => self.cancel(id),
+            Command::Snapshot(reply) => {
+                // Flush first so a reader that saw these events sees this state.
+                self.publish();
+                let _ = reply.send(self.engine.kv().cached_state());
+            }
         }
     }
 
@@ -216,20 +237,33 @@ impl Driver {
         self.engine.drain_kv_events(&mut self.events);
         let mut observations = Vec::new();
         self.engine.drain_observations(&mut observations);
-        if !self.events.is_empty() {
+        let cap = self.engine.config().max_buffered_events;
+        if self.events.len() > cap {
+            let dropped = (self.events.len() - cap) as u64;
+            self.events.truncate(cap);
             self.metrics
-                .kv_events
-                .fetch_add(self.events.len() as u64, Ordering::Relaxed);
+                .kv_events_dropped
+                .fetch_add(dropped, Ordering::Relaxed);
+        }
+        let new_events = self.events.len().saturating_sub(self.held_events) as u64;
+        self.metrics
+            .kv_events
+            .fetch_add(new_events, Ordering::Relaxed);
+        self.held_events = 0;
+        if !self.events.is_empty() {
             match &self.kv_sink {
-                Some(sink) => {
-                    let batch = std::mem::take(&mut self.events);
-                    let n = batch.len() as u64;
-                    if sink.try_send(batch).is_err() {
+                Some(sink) => match sink.try_send(std::mem::take(&mut self.events)) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(batch)) => {
+                        self.held_events = batch.len();
+                        self.events = batch;
+                    }
+                    Err(TrySendError::Closed(batch)) => {
                         self.metrics
                             .kv_events_dropped
-                            .fetch_add(n, Ordering::Relaxed);
+                            .fetch_add(batch.len() as u64, Ordering::Relaxed);
                     }
-                }
+                },
                 None => self.events.clear(),
             }
         }

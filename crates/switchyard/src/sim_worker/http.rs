@@ -61,6 +61,7 @@ pub fn router(state: AppState) -> Router {
         .route("/get_server_info", get(server_info))
         .route("/get_model_info", get(model_info))
         .route("/metrics", get(metrics))
+        .route("/debug/kv_cache", get(kv_cache))
         .fallback(not_found)
         .with_state(state)
 }
@@ -706,6 +707,28 @@ async fn metrics(State(state): State<AppState>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+/// The worker's cached blocks by engine hash, per tier: what a subscriber's
+/// index should hold once it has applied every published event.
+async fn kv_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let cached = state
+        .driver
+        .snapshot()
+        .await
+        .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
+    let tier = |m: switchyard_engine::Medium| -> Vec<u64> {
+        cached
+            .iter()
+            .filter(|(medium, _)| *medium == m)
+            .map(|(_, h)| h.0)
+            .collect()
+    };
+    Ok(Json(json!({
+        "block_size": state.config.block_size,
+        "device": tier(switchyard_engine::Medium::Device),
+        "host": tier(switchyard_engine::Medium::Host),
+    })))
 }
 
 fn unix_now() -> u64 {

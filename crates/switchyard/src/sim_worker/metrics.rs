@@ -24,8 +24,10 @@ pub struct Metrics {
     restores: [AtomicU64; 5],
     /// KV events emitted.
     pub kv_events: AtomicU64,
-    /// KV events dropped because the publisher lagged.
+    /// KV events dropped because the publisher lagged or failed.
     pub kv_events_dropped: AtomicU64,
+    /// KV-event batches published over ZMQ.
+    pub kv_batches_published: AtomicU64,
     requests: Mutex<Vec<(&'static str, u64)>>,
 }
 
@@ -125,8 +127,13 @@ impl Metrics {
             ),
             (
                 "switchyard_engine_kv_events_dropped_total",
-                "KV events dropped because the publisher lagged.",
+                "KV events dropped because the publisher lagged or failed.",
                 &self.kv_events_dropped,
+            ),
+            (
+                "switchyard_engine_kv_batches_published_total",
+                "KV-event batches published over ZMQ.",
+                &self.kv_batches_published,
             ),
         ] {
             metric(name, "counter", help, get(v).to_string());

@@ -4,6 +4,8 @@
 //!   real time (model time divided by `--speedup`) and fans tokens out;
 //! - [`http`] — the OpenAI-compatible HTTP surface (axum) and the
 //!   informational endpoints routers probe;
+//! - [`kv_publish`] — KV events in vLLM's wire format over the event
+//!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
 //! - [`metrics`] — Prometheus text at `/metrics`.
 //!
 //! Data flow: HTTP handler → tokenizer → driver command channel → engine
@@ -12,8 +14,10 @@
 
 pub mod driver;
 pub mod http;
+pub mod kv_publish;
 pub mod metrics;
 
+use crate::events::publisher::{KvEventPublisher, PublisherConfig};
 use anyhow::Context;
 use clap::Args;
 use std::net::SocketAddr;
@@ -35,12 +39,16 @@ pub struct SimWorkerArgs {
     /// Model name served at /v1/models and accepted in requests.
     #[arg(long, default_value = "switchyard-sim")]
     pub model: String,
-    /// ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://127.0.0.1:5557.
+    /// ZMQ PUB endpoint to bind for vLLM-format KV events, e.g.
+    /// tcp://127.0.0.1:5557 (tcp://127.0.0.1:* picks a port; it is printed).
     #[arg(long)]
     pub kv_events: Option<String>,
-    /// ZMQ ROUTER endpoint replaying buffered KV-event batches.
+    /// ZMQ ROUTER endpoint to bind for replaying buffered KV-event batches.
     #[arg(long)]
     pub kv_replay: Option<String>,
+    /// KV-event batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_replay_buffer: usize,
     /// Real-time speed-up: wall time = model time / F; 0 makes every step instant.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -71,6 +79,14 @@ pub struct SimWorkerArgs {
     /// Host-tier restores shorter than this many tokens are skipped.
     #[arg(long, default_value_t = 256)]
     pub min_restore_tokens: usize,
+    /// Times a host-tier restore may wait for device capacity before the
+    /// prefix is recomputed instead.
+    #[arg(long, default_value_t = 8)]
+    pub max_restore_deferrals: u32,
+    /// KV events buffered while the publisher lags; beyond it the newest are
+    /// dropped and counted.
+    #[arg(long, default_value_t = 1 << 16)]
+    pub max_buffered_events: usize,
     /// KV bytes per token, for host-tier restore time.
     #[arg(long, default_value_t = 128 * 1024)]
     pub bytes_per_token: u64,
@@ -98,23 +114,23 @@ impl SimWorkerArgs {
             max_waiting: self.max_waiting,
             max_model_len: self.max_model_len,
             min_restore_tokens: self.min_restore_tokens,
+            max_restore_deferrals: self.max_restore_deferrals,
+            max_buffered_events: self.max_buffered_events,
+            emit_kv_events: self.kv_events.is_some(),
             timing: TimingConfig {
                 speedup: if self.no_delay { 0.0 } else { self.speedup },
                 bytes_per_token: self.bytes_per_token,
                 restore_bandwidth_bytes_per_s: self.restore_bandwidth,
                 ..TimingConfig::default()
             },
-            ..EngineConfig::default()
         }
     }
 }
 
 /// Runs the worker until Ctrl-C.
 pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
-    if args.kv_events.is_some() || args.kv_replay.is_some() {
-        anyhow::bail!(
-            "--kv-events/--kv-replay: this build has no ZMQ KV-event publisher yet (it lands with the engine-events work)"
-        );
+    if args.kv_replay.is_some() && args.kv_events.is_none() {
+        anyhow::bail!("--kv-replay needs --kv-events");
     }
     let config = args.engine_config();
     config.validate().context("invalid engine configuration")?;
@@ -140,7 +156,26 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
     let metrics = Arc::new(metrics::Metrics::default());
-    let driver = driver::spawn(engine, metrics.clone(), None);
+    let kv_sink = match &args.kv_events {
+        None => None,
+        Some(endpoint) => {
+            let mut publisher_config =
+                PublisherConfig::new(endpoint.clone(), args.kv_replay.clone());
+            publisher_config.replay_buffer = args.kv_replay_buffer;
+            let publisher = KvEventPublisher::bind(publisher_config)
+                .with_context(|| format!("binding the KV-event publisher on {endpoint}"))?;
+            println!(
+                "switchyard sim-worker kv-events {} replay {}",
+                publisher.endpoint(),
+                publisher.replay_endpoint().unwrap_or("-")
+            );
+            let (tx, rx) = tokio::sync::mpsc::channel(1024);
+            kv_publish::spawn(publisher, rx, metrics.clone())
+                .context("starting the KV-event publisher")?;
+            Some(tx)
+        }
+    };
+    let driver = driver::spawn(engine, metrics.clone(), kv_sink);
     let state = http::AppState {
         model: args.model.as_str().into(),
         config: Arc::new(config),

@@ -1,0 +1,591 @@
+//! `switchyard replay`: compare routing policies on a trace in the fleet
+//! simulator.
+//!
+//! Every policy runs on an identical fleet with the same seed, one simulation
+//! per policy, spread over the machine's cores. The output is a table on
+//! stdout, a JSON file with every figure, and SVG plots.
+
+mod plots;
+
+use crate::data::data_path;
+use anyhow::Context;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Instant;
+use switchyard_core::admission::SessionAwareConfig;
+use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
+use switchyard_core::select::PolicyKind;
+use switchyard_engine::EngineConfig;
+use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
+use switchyard_sim::reference::References;
+use switchyard_sim::report::PolicyReport;
+use switchyard_sim::trace::{read_sharegpt, ShareGptOptions};
+use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
+
+/// Default arrival-rate multiplier for the bundled trace. At 1× the default
+/// fleet idles (TTFT p90 about 0.1 s for every policy); at 28× round-robin's
+/// TTFT p90 passes 2 s while the fleet still keeps up, which is where the
+/// choice of policy decides how the fleet holds up.
+pub const DEFAULT_RATE_SCALE: f64 = 28.0;
+
+/// Fleet profiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    /// 8 workers; engine blocks of 64 tokens, 16,384 device blocks each,
+    /// speed-up 4, the DESIGN.md timing model.
+    Default,
+    /// The fleet of the best-known open-source replay of the conversation
+    /// trace: 16 workers, blocks of 64 tokens, 16,384 device blocks each,
+    /// speed-up 4.
+    DynamoMocker,
+}
+
+/// Trace formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TraceFormat {
+    /// Guess from the file name (`.csv` Azure, `sharegpt` in the name
+    /// ShareGPT, otherwise Mooncake).
+    Auto,
+    /// Mooncake JSONL.
+    Mooncake,
+    /// Azure LLM inference 2023 CSV.
+    Azure,
+    /// ShareGPT multi-turn conversations (JSONL, optionally gzip), tokenized
+    /// with the bundled Qwen3 tokenizer and chat template.
+    Sharegpt,
+    /// The built-in synthetic multi-turn generator (no file).
+    Synthetic,
+}
+
+/// Admission strategies to run each policy with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionChoice {
+    /// The policy queue alone.
+    None,
+    /// Session-aware admission (sessions of multi-turn workloads).
+    SessionAware,
+    /// Each policy twice, without and with session-aware admission.
+    Both,
+}
+
+/// `switchyard replay` arguments.
+#[derive(Clone, Debug, clap::Args, Serialize)]
+pub struct ReplayArgs {
+    /// Trace file (default: the bundled Mooncake conversation trace).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Trace format.
+    #[arg(long, value_enum, default_value_t = TraceFormat::Auto)]
+    pub format: TraceFormat,
+    /// Fleet profile; the flags below override its parts.
+    #[arg(long, value_enum, default_value_t = Profile::Default)]
+    pub profile: Profile,
+    /// Workers in the fleet.
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Engine (and router) block size in tokens.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Device KV blocks per worker.
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Engine speed-up over the timing model.
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Arrival-rate multiplier (2 = twice as fast as the trace).
+    #[arg(long, default_value_t = DEFAULT_RATE_SCALE)]
+    pub rate_scale: f64,
+    /// Stop after this many sessions (requests, for single-turn traces).
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Stop at the first arrival after this many seconds (after scaling).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Policies to compare (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<PolicyKind>,
+    /// `kv` policy: weight of prefill work against decode load.
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_weight: f64,
+    /// `kv` policy: softmax temperature (0 = argmin).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Admission strategy (`both` runs each policy without and with it).
+    #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
+    pub admission: AdmissionChoice,
+    /// Delay from an engine's KV event to the router, in ms.
+    #[arg(long, default_value_t = 10.0)]
+    pub kv_event_delay_ms: f64,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Multi-turn workloads: new sessions per second.
+    #[arg(long, default_value_t = 2.0)]
+    pub sessions_per_sec: f64,
+    /// Multi-turn workloads: think time between an answer and the next turn, ms.
+    #[arg(long, default_value_t = 5000.0)]
+    pub think_time_ms: f64,
+    /// Simulations run at once (default: the machine's cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Directory for the JSON and the plots.
+    #[arg(long, default_value = "replay-out")]
+    pub out: PathBuf,
+    /// JSON report path (default: OUT/replay.json).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Skip the plots.
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Sweep `overlap_weight` and temperature for the `kv` policy instead of
+    /// comparing policies.
+    #[arg(long)]
+    pub sweep: bool,
+    /// No progress output on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The JSON report.
+#[derive(Debug, Serialize)]
+pub struct ReplayReport {
+    /// The trace replayed.
+    pub trace: String,
+    /// Requests (turns) completed or failed, per policy they are the same.
+    pub requests: u64,
+    /// Hit rate with an infinite cache.
+    pub bound_hit_rate: f64,
+    /// Hit rate of one LRU cache of the fleet's total capacity.
+    pub pooled_lru_hit_rate: f64,
+    /// Wall-clock seconds of the whole run.
+    pub wall_seconds: f64,
+    /// Figures per policy.
+    pub policies: BTreeMap<String, PolicyReport>,
+    /// The fleet simulated.
+    pub fleet: FleetConfig,
+    /// The arguments.
+    pub args: ReplayArgs,
+}
+
+/// Builds the fleet the arguments describe.
+pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
+    let (workers, block_size, num_blocks, speedup) = match args.profile {
+        Profile::Default => (8, 64, 16_384, 4.0),
+        Profile::DynamoMocker => (16, 64, 16_384, 4.0),
+    };
+    let mut engine = EngineConfig {
+        block_size: args.block_size.unwrap_or(block_size),
+        num_blocks: args.num_blocks.unwrap_or(num_blocks),
+        // Trace prompts reach 126k tokens; the pool is the real limit.
+        max_model_len: 1 << 20,
+        // The router needs no events from a request it never sees cached.
+        emit_kv_events: true,
+        ..EngineConfig::default()
+    };
+    engine.timing.speedup = args.speedup.unwrap_or(speedup);
+    anyhow::ensure!(
+        engine.timing.speedup > 0.0,
+        "--speedup must be positive in the simulator (virtual time needs durations)"
+    );
+    engine
+        .validate()
+        .map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let mut fleet = FleetConfig {
+        workers: args.workers.unwrap_or(workers),
+        engine,
+        kv_event_delay_ms: args.kv_event_delay_ms,
+        ..FleetConfig::default()
+    };
+    anyhow::ensure!(fleet.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(args.rate_scale > 0.0, "--rate-scale must be positive");
+    fleet.router.seed = args.seed;
+    fleet.router.policies.kv.overlap_weight = args.overlap_weight;
+    fleet.router.policies.kv.temperature = args.temperature;
+    fleet.router.sequences.block_size = fleet.engine.block_size as u32;
+    fleet
+        .router
+        .validate()
+        .map_err(|e| anyhow::anyhow!("router: {e}"))?;
+    Ok(fleet)
+}
+
+fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
+    if args.format == TraceFormat::Synthetic {
+        return Ok(None);
+    }
+    Ok(Some(match &args.trace {
+        Some(p) => p.clone(),
+        None => data_path("traces/mooncake_conversation.jsonl")?,
+    }))
+}
+
+fn format_of(args: &ReplayArgs, path: Option<&Path>) -> TraceFormat {
+    let name = path
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    match (args.format, path) {
+        (TraceFormat::Auto, Some(_)) if name.ends_with(".csv") => TraceFormat::Azure,
+        (TraceFormat::Auto, Some(_)) if name.contains("sharegpt") => TraceFormat::Sharegpt,
+        (TraceFormat::Auto, _) => TraceFormat::Mooncake,
+        (f, _) => f,
+    }
+}
+
+/// A workload each simulation can open: traces are re-read per
+/// simulation (streaming, bounded memory); tokenized ShareGPT sessions are
+/// built once and shared.
+#[derive(Clone)]
+pub enum WorkloadSource {
+    /// Re-read from the trace file each time.
+    Streamed,
+    /// Built once.
+    Shared(Arc<Vec<Session>>),
+}
+
+impl WorkloadSource {
+    /// Prepares the workload of `args` (tokenizing ShareGPT once).
+    pub fn prepare(args: &ReplayArgs) -> anyhow::Result<Self> {
+        let path = trace_path(args)?;
+        if format_of(args, path.as_deref()) != TraceFormat::Sharegpt {
+            return Ok(Self::Streamed);
+        }
+        let path = path.expect("ShareGPT is a file format");
+        let file =
+            File::open(&path).with_context(|| format!("opening trace {}", path.display()))?;
+        let input: Box<dyn BufRead> = if path.extension().is_some_and(|e| e == "gz") {
+            Box::new(BufReader::new(flate2::read::GzDecoder::new(file)))
+        } else {
+            Box::new(BufReader::new(file))
+        };
+        let tokenizer = switchyard_tokenizer::Tokenizer::bundled()
+            .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?;
+        let sessions = read_sharegpt(
+            input,
+            &tokenizer,
+            ShareGptOptions {
+                sessions_per_sec: args.sessions_per_sec,
+                think_time_ms: args.think_time_ms,
+                max_sessions: args.max_requests,
+                seed: args.seed,
+                ..ShareGptOptions::default()
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(Self::Shared(Arc::new(sessions)))
+    }
+
+    /// A fresh stream of the workload with the limits of `args` applied.
+    pub fn open(&self, args: &ReplayArgs) -> anyhow::Result<SessionStream> {
+        match self {
+            Self::Streamed => open_workload(args),
+            Self::Shared(sessions) => {
+                let sessions = Arc::clone(sessions);
+                let stream: SessionStream =
+                    Box::new((0..sessions.len()).map(move |i| Ok(sessions[i].clone())));
+                Ok(workload::limited(stream, limits(args)))
+            }
+        }
+    }
+}
+
+fn limits(args: &ReplayArgs) -> WorkloadLimits {
+    WorkloadLimits {
+        rate_scale: args.rate_scale,
+        max_sessions: args.max_requests,
+        duration_ms: args.duration.map(|s| s * 1000.0),
+    }
+}
+
+/// Opens a streamed (file or synthetic) workload, with limits applied.
+pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
+    let path = trace_path(args)?;
+    let open = |p: &Path| -> anyhow::Result<BufReader<File>> {
+        Ok(BufReader::new(File::open(p).with_context(|| {
+            format!("opening trace {}", p.display())
+        })?))
+    };
+    let stream = match format_of(args, path.as_deref()) {
+        TraceFormat::Synthetic => workload::synthetic(SyntheticConfig {
+            seed: args.seed,
+            sessions_per_sec: args.sessions_per_sec,
+            think_time_ms: args.think_time_ms,
+            sessions: args
+                .max_requests
+                .unwrap_or(SyntheticConfig::default().sessions),
+            ..SyntheticConfig::default()
+        }),
+        TraceFormat::Sharegpt => anyhow::bail!("ShareGPT workloads are prepared, not streamed"),
+        TraceFormat::Azure => {
+            workload::azure(open(path.as_deref().expect("a file format"))?, args.seed)
+        }
+        TraceFormat::Mooncake | TraceFormat::Auto => {
+            workload::mooncake(open(path.as_deref().expect("a file format"))?, 3_000.0)
+        }
+    };
+    Ok(workload::limited(stream, limits(args)))
+}
+
+/// The references over the same workload: infinite cache and pooled LRU of
+/// the fleet's capacity, at the engine's block size.
+pub fn references(
+    args: &ReplayArgs,
+    source: &WorkloadSource,
+    fleet: &FleetConfig,
+) -> anyhow::Result<(u64, References)> {
+    let block_size = fleet.engine.block_size;
+    let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
+    let mut requests = 0;
+    for session in source.open(args)? {
+        let session = session.map_err(|e| anyhow::anyhow!("{e}"))?;
+        for turn in &session.turns {
+            let tokens = turn.prompt.tokens();
+            let seq = sequence_hashes(&local_block_hashes(&tokens, block_size, DEFAULT_SEED));
+            refs.observe(tokens.len() as u64, &seq);
+            requests += 1;
+        }
+    }
+    Ok((requests, refs))
+}
+
+/// Runs one simulation per fleet configuration, `threads` at a time, with a
+/// progress bar per simulation on stderr (`total`: requests per simulation,
+/// when known).
+pub fn run_all(
+    args: &ReplayArgs,
+    source: &WorkloadSource,
+    fleets: Vec<(String, FleetConfig)>,
+    total: Option<u64>,
+) -> anyhow::Result<Vec<(String, SimOutcome)>> {
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let bars = MultiProgress::with_draw_target(if args.quiet {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    });
+    let style =
+        ProgressStyle::with_template("{prefix:>16} [{bar:40}] {pos}/{len} requests {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> ");
+    // Popped from the back: reverse so simulations start in the given order.
+    let mut jobs: Vec<_> = fleets
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, fleet))| {
+            let bar = bars.add(ProgressBar::new(total.unwrap_or(0)));
+            bar.set_style(style.clone());
+            bar.set_prefix(name.clone());
+            (i, name, fleet, bar)
+        })
+        .collect();
+    jobs.reverse();
+    let queue = Mutex::new(jobs);
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let mut handles = Vec::new();
+        for _ in 0..threads {
+            handles.push(scope.spawn(|| -> anyhow::Result<()> {
+                loop {
+                    let Some((i, name, fleet, bar)) = queue.lock().expect("not poisoned").pop()
+                    else {
+                        return Ok(());
+                    };
+                    let workload = source.open(args)?;
+                    bar.reset_elapsed();
+                    let outcome = simulate(&fleet, workload, |done| bar.set_position(done))
+                        .with_context(|| format!("simulating {name}"))?;
+                    bar.set_position(outcome.report.completed + outcome.report.errors);
+                    bar.finish();
+                    results
+                        .lock()
+                        .expect("not poisoned")
+                        .push((i, name, outcome));
+                }
+            }));
+        }
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    let mut results = results.into_inner().expect("not poisoned");
+    results.sort_by_key(|(i, _, _)| *i);
+    Ok(results.into_iter().map(|(_, n, o)| (n, o)).collect())
+}
+
+/// Runs `switchyard replay`.
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let fleet = fleet_config(&args)?;
+    let source = WorkloadSource::prepare(&args)?;
+    if args.sweep {
+        return sweep(&args, &source, &fleet);
+    }
+    let policies = if args.policies.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        args.policies.clone()
+    };
+    let trace =
+        trace_path(&args)?.map_or_else(|| "synthetic".to_owned(), |p| p.display().to_string());
+    if !args.quiet {
+        eprintln!(
+            "replaying {trace} on {} workers ({} blocks of {} tokens each, speed-up {}), rate ×{}, policies: {}",
+            fleet.workers,
+            fleet.engine.num_blocks,
+            fleet.engine.block_size,
+            fleet.engine.timing.speedup,
+            args.rate_scale,
+            policies.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let (requests, refs) = references(&args, &source, &fleet)?;
+    let variants: &[bool] = match args.admission {
+        AdmissionChoice::None => &[false],
+        AdmissionChoice::SessionAware => &[true],
+        AdmissionChoice::Both => &[false, true],
+    };
+    let fleets = policies
+        .iter()
+        .flat_map(|&p| {
+            variants
+                .iter()
+                .map(move |&session_aware| (p, session_aware))
+        })
+        .map(|(p, session_aware)| {
+            let mut f = fleet.clone();
+            f.router.policy = p;
+            let mut name = p.name().to_owned();
+            if session_aware {
+                f.session_aware = Some(SessionAwareConfig::default());
+                name.push_str("+session");
+            }
+            (name, f)
+        })
+        .collect();
+    let outcomes = run_all(&args, &source, fleets, Some(requests))?;
+    let report = ReplayReport {
+        trace,
+        requests,
+        bound_hit_rate: refs.bound_hit_rate(),
+        pooled_lru_hit_rate: refs.pooled_lru_hit_rate(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+        policies: outcomes
+            .iter()
+            .map(|(n, o)| (n.clone(), o.report.clone()))
+            .collect(),
+        fleet,
+        args: args.clone(),
+    };
+    print_table(&report, &outcomes);
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let json = args
+        .json
+        .clone()
+        .unwrap_or_else(|| args.out.join("replay.json"));
+    crate::bench::stats::write_json(&json, &report)?;
+    println!("wrote {}", json.display());
+    if !args.no_plots {
+        for path in plots::write_all(&args.out, &report, &outcomes)? {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
+    println!(
+        "{} requests; hit-rate references: infinite cache {:.3}, pooled LRU of the fleet's capacity {:.3}",
+        report.requests, report.bound_hit_rate, report.pooled_lru_hit_rate
+    );
+    println!(
+        "{:<16} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
+        "policy",
+        "ttft mean",
+        "ttft p50",
+        "ttft p90",
+        "itl p50",
+        "e2e p90",
+        "hit",
+        "pred",
+        "req/s",
+        "tok/s",
+        "cv",
+        "preempt"
+    );
+    for (name, o) in outcomes {
+        let r = &o.report;
+        println!(
+            "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
+            name,
+            r.ttft_ms.mean,
+            r.ttft_ms.p50,
+            r.ttft_ms.p90,
+            r.itl_ms.p50,
+            r.e2e_ms.p90,
+            r.hit_rate,
+            r.predicted_hit_rate,
+            r.throughput_rps,
+            r.output_tokens_per_sec,
+            r.load_cv,
+            r.preemptions
+        );
+    }
+    println!("(times in ms; hit = engine prefix hit rate; pred = router's predicted hit rate; cv = per-worker load imbalance)");
+    println!("wall: {:.1} s", report.wall_seconds);
+}
+
+/// `--sweep`: the `kv` policy over a grid of overlap weights and
+/// temperatures; reports the best TTFT p90.
+fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> anyhow::Result<()> {
+    let mut fleets = Vec::new();
+    for w in [0.5, 1.0, 2.0, 4.0, 8.0, 16.0] {
+        for t in [0.0, 0.05] {
+            let mut f = fleet.clone();
+            f.router.policy = PolicyKind::Kv;
+            f.router.policies.kv.overlap_weight = w;
+            f.router.policies.kv.temperature = t;
+            fleets.push((format!("kv w={w} T={t}"), f));
+        }
+    }
+    let outcomes = run_all(args, source, fleets, None)?;
+    println!(
+        "{:<16} {:>9} {:>9} {:>6}",
+        "setting", "ttft p50", "ttft p90", "hit"
+    );
+    for (name, o) in &outcomes {
+        println!(
+            "{:<16} {:>9.1} {:>9.1} {:>6.3}",
+            name, o.report.ttft_ms.p50, o.report.ttft_ms.p90, o.report.hit_rate
+        );
+    }
+    if let Some((name, o)) = outcomes
+        .iter()
+        .min_by(|a, b| a.1.report.ttft_ms.p90.total_cmp(&b.1.report.ttft_ms.p90))
+    {
+        println!("best: {name} (TTFT p90 {:.1} ms)", o.report.ttft_ms.p90);
+    }
+    if let Some(json) = &args.json {
+        let map: BTreeMap<&str, &PolicyReport> = outcomes
+            .iter()
+            .map(|(n, o)| (n.as_str(), &o.report))
+            .collect();
+        crate::bench::stats::write_json(json, &map)?;
+        println!("wrote {}", json.display());
+    }
+    Ok(())
+}
