@@ -44,6 +44,9 @@ pub struct DemoArgs {
     /// The policy compared against round-robin.
     #[arg(long, default_value = "kv")]
     pub policy: PolicyKind,
+    /// Workers publish no KV events; the router predicts their caches.
+    #[arg(long)]
+    pub approximate: bool,
     /// Write both reports here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -53,6 +56,14 @@ pub struct DemoArgs {
 struct Fleet {
     children: Vec<Child>,
     urls: Vec<String>,
+    events: Vec<Option<(String, String)>>,
+}
+
+/// A loopback port free a moment ago (the worker binds it right after).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 impl Drop for Fleet {
@@ -69,10 +80,24 @@ fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet {
         children: Vec::new(),
         urls: Vec::new(),
+        events: Vec::new(),
     };
     for _ in 0..args.workers {
-        let mut child = Command::new(&exe)
-            .args(["sim-worker", "--host", "127.0.0.1", "--port", "0"])
+        let events = if args.approximate {
+            None
+        } else {
+            Some((
+                format!("tcp://127.0.0.1:{}", free_port()?),
+                format!("tcp://127.0.0.1:{}", free_port()?),
+            ))
+        };
+        let mut command = Command::new(&exe);
+        command.args(["sim-worker", "--host", "127.0.0.1", "--port", "0"]);
+        if let Some((pub_endpoint, replay)) = &events {
+            command.args(["--kv-events", pub_endpoint, "--kv-replay", replay]);
+        }
+        fleet.events.push(events);
+        let mut child = command
             .args(["--speedup", &args.speedup.to_string()])
             .args(["--num-blocks", &args.num_blocks.to_string()])
             .stdout(Stdio::piped())
@@ -83,12 +108,16 @@ fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
         fleet.children.push(child);
         let mut reader = BufReader::new(stdout);
         let mut line = String::new();
-        reader.read_line(&mut line)?;
-        let url = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .with_context(|| format!("no address in the sim-worker's first line {line:?}"))?
-            .to_owned();
+        let url = loop {
+            line.clear();
+            anyhow::ensure!(
+                reader.read_line(&mut line)? > 0,
+                "a sim-worker exited before printing its address"
+            );
+            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
+                break url.to_owned();
+            }
+        };
         std::thread::spawn(move || {
             let mut sink = String::new();
             while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
@@ -114,11 +143,12 @@ async fn one_policy(
             .urls
             .iter()
             .enumerate()
-            .map(|(i, url)| WorkerSpec {
+            .zip(&fleet.events)
+            .map(|((i, url), events)| WorkerSpec {
                 url: url.clone(),
                 name: Some(format!("worker-{i}")),
-                events: None,
-                replay: None,
+                events: events.as_ref().map(|e| e.0.clone()),
+                replay: events.as_ref().map(|e| e.1.clone()),
                 block_size: None,
             })
             .collect(),
@@ -155,10 +185,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         server::tokenize::HfTokenizer(switchyard_tokenizer::Tokenizer::bundled()?),
     );
     println!(
-        "switchyard demo: {} sim-workers (speedup {}, {} KV blocks each), {} requests of {} at concurrency {}",
+        "switchyard demo: {} sim-workers (speedup {}, {} KV blocks each, {}), {} requests of {} at concurrency {}",
         args.workers,
         args.speedup,
         args.num_blocks,
+        if args.approximate { "approximate cache tracking" } else { "KV events over ZMQ" },
         requests.len(),
         trace.display(),
         args.concurrency
