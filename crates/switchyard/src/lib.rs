@@ -8,7 +8,10 @@
 //! - [`data`] — finding the bundled data files.
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
+//! - [`replica`] — replica sync: bookings shared between router replicas
+//!   over NATS (or in process), publisher, subscriber, worker-origin marks.
 
 pub mod bench;
 pub mod data;
 pub mod events;
+pub mod replica;
