@@ -234,7 +234,11 @@ impl RemoteBookings {
     /// Frees the bookings of every origin silent for `silence_expiry_ms`
     /// and forgets the origin; returns the requests freed. Visits origins
     /// only (at most `max_replicas`).
-    pub fn expire_silent(&mut self, sequences: &mut ActiveSequences, now_ms: f64) -> Vec<RequestId> {
+    pub fn expire_silent(
+        &mut self,
+        sequences: &mut ActiveSequences,
+        now_ms: f64,
+    ) -> Vec<RequestId> {
         let deadline = now_ms - self.config.silence_expiry_ms;
         let silent: Vec<ReplicaId> = self
             .origins

@@ -19,11 +19,11 @@ use crate::index::{
     PrefixIndex,
 };
 use crate::maps::FxHashMap;
+use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::select::{
     build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind,
     RoutingContext, RoutingRequest, SelectOutcome, Selector,
 };
-use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::sequences::{
     ActiveSequences, AddRequest, LifecycleOutcome, SequenceEvent, SequencesConfig,
     SequencesConfigError,

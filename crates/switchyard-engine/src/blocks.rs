@@ -263,7 +263,9 @@ impl BlockManager {
 
     /// The blocks `seq` holds, in prompt order.
     pub fn seq_blocks(&self, seq: SeqId) -> &[BlockId] {
-        self.tables.get(seq.0 as usize).map_or(&[], |t| t.as_slice())
+        self.tables
+            .get(seq.0 as usize)
+            .map_or(&[], |t| t.as_slice())
     }
 
     /// Moves the buffered events into `out` (appending).
@@ -422,7 +424,10 @@ impl BlockManager {
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
     ) -> Result<usize, NoCapacity> {
-        let fresh = hashes.iter().filter(|h| !self.cached.contains_key(h)).count();
+        let fresh = hashes
+            .iter()
+            .filter(|h| !self.cached.contains_key(h))
+            .count();
         if fresh > self.free_blocks() {
             return Err(NoCapacity {
                 needed: fresh,
@@ -505,7 +510,10 @@ impl BlockManager {
 
     fn drop_ref(&mut self, block: BlockId, cache: bool) {
         let b = &mut self.blocks[block as usize];
-        debug_assert!(b.ref_count > 0, "block {block} released more often than taken");
+        debug_assert!(
+            b.ref_count > 0,
+            "block {block} released more often than taken"
+        );
         b.ref_count -= 1;
         if b.ref_count > 0 {
             return;
@@ -620,12 +628,18 @@ impl BlockManager {
         hashes: &[SequenceHash],
         tokens: &[u32],
     ) {
-        let Some(start) = run_start.take() else { return };
+        let Some(start) = run_start.take() else {
+            return;
+        };
         if !self.config.emit_events {
             return;
         }
         let bs = self.config.block_size;
-        let run_parent = if start == 0 { parent } else { Some(hashes[start - 1]) };
+        let run_parent = if start == 0 {
+            parent
+        } else {
+            Some(hashes[start - 1])
+        };
         let event = KvEvent::BlockStored {
             block_hashes: hashes[start..end].iter().map(|&h| engine_hash(h)).collect(),
             parent_block_hash: run_parent.map(engine_hash),
@@ -689,7 +703,10 @@ impl BlockManager {
             let b = &mut self.blocks[block as usize];
             debug_assert!(b.on_lru);
             b.on_lru = false;
-            (std::mem::replace(&mut b.prev, NIL), std::mem::replace(&mut b.next, NIL))
+            (
+                std::mem::replace(&mut b.prev, NIL),
+                std::mem::replace(&mut b.next, NIL),
+            )
         };
         if prev == NIL {
             self.lru_head = next;

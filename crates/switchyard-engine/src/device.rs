@@ -489,7 +489,10 @@ mod tests {
             dev.reserve_kv(&mut kv, SeqId(0), 5),
             Ok(Reservation::Reserved { blocks: 2 })
         );
-        assert_eq!(dev.rollback(&mut kv, SeqId(0)), Err(DeviceError::RollbackUnsupported));
+        assert_eq!(
+            dev.rollback(&mut kv, SeqId(0)),
+            Err(DeviceError::RollbackUnsupported)
+        );
         assert_eq!(kv.seq_blocks(SeqId(0)).len(), 2);
     }
 
@@ -522,7 +525,11 @@ mod tests {
         dev.step_result().unwrap();
         assert_eq!(dev.rollback(&mut kv, SeqId(0)), Ok(1));
         assert_eq!(kv.seq_blocks(SeqId(0)).len(), 2);
-        assert_eq!(dev.rollback(&mut kv, SeqId(0)), Ok(0), "a second rollback has nothing left");
+        assert_eq!(
+            dev.rollback(&mut kv, SeqId(0)),
+            Ok(0),
+            "a second rollback has nothing left"
+        );
     }
 
     #[test]
@@ -533,7 +540,10 @@ mod tests {
             dev.reserve_kv(&mut kv, SeqId(0), 64),
             Ok(Reservation::Reserved { blocks: 16 })
         );
-        assert_eq!(dev.reserve_kv(&mut kv, SeqId(1), 1), Ok(Reservation::Exhausted));
+        assert_eq!(
+            dev.reserve_kv(&mut kv, SeqId(1), 1),
+            Ok(Reservation::Exhausted)
+        );
     }
 
     #[test]

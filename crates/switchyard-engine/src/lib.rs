@@ -38,5 +38,7 @@ pub use blocks::{engine_hash, BlockManager, SeqId};
 pub use config::EngineConfig;
 pub use device::{AheadDevice, DeviceLayer, ScriptedDevice, SyncDevice};
 pub use events::{KvEvent, Medium};
-pub use scheduler::{Engine, Finished, FinishReason, NewRequest, Observation, StepReport, TokenOutput};
+pub use scheduler::{
+    Engine, FinishReason, Finished, NewRequest, Observation, StepReport, TokenOutput,
+};
 pub use timing::TimingConfig;

@@ -84,8 +84,15 @@ pub fn decide(query: &RestoreQuery, timing: &TimingConfig) -> RestoreDecision {
         return RestoreDecision::NoReusableEntry;
     }
     let tokens = candidate * bs;
-    let saved_ms = timing.prefill_ms(query.prompt_tokens.saturating_sub(query.device_hit_blocks * bs) as u64)
-        - timing.prefill_ms(query.prompt_tokens.saturating_sub((query.device_hit_blocks + candidate) * bs) as u64);
+    let saved_ms = timing.prefill_ms(
+        query
+            .prompt_tokens
+            .saturating_sub(query.device_hit_blocks * bs) as u64,
+    ) - timing.prefill_ms(
+        query
+            .prompt_tokens
+            .saturating_sub((query.device_hit_blocks + candidate) * bs) as u64,
+    );
     if tokens < query.min_restore_tokens || timing.restore_ms(tokens as u64) >= saved_ms {
         return RestoreDecision::NativeRestoreSkipped;
     }
@@ -211,8 +218,7 @@ pub fn validate(
     if output.restored_tokens >= ticket.prompt_tokens {
         return Err(RestoreError::NoSuffixLeft);
     }
-    if output.restored_tokens
-        != ticket.device_prefix_tokens + output.blocks_installed * block_size
+    if output.restored_tokens != ticket.device_prefix_tokens + output.blocks_installed * block_size
         || output.blocks_installed == 0
         || output.blocks_installed > ticket.blocks
     {
@@ -245,7 +251,10 @@ mod tests {
             host_run_blocks: 0,
             ..query()
         };
-        assert_eq!(decide(&q, &TimingConfig::default()), RestoreDecision::NoReusableEntry);
+        assert_eq!(
+            decide(&q, &TimingConfig::default()),
+            RestoreDecision::NoReusableEntry
+        );
     }
 
     #[test]
@@ -283,7 +292,10 @@ mod tests {
             restore_bandwidth_bytes_per_s: 1e6,
             ..TimingConfig::default()
         };
-        assert_eq!(decide(&query(), &timing), RestoreDecision::NativeRestoreSkipped);
+        assert_eq!(
+            decide(&query(), &timing),
+            RestoreDecision::NativeRestoreSkipped
+        );
     }
 
     #[test]
@@ -292,7 +304,10 @@ mod tests {
             min_restore_tokens: 4096,
             ..query()
         };
-        assert_eq!(decide(&q, &TimingConfig::default()), RestoreDecision::NativeRestoreSkipped);
+        assert_eq!(
+            decide(&q, &TimingConfig::default()),
+            RestoreDecision::NativeRestoreSkipped
+        );
     }
 
     #[test]
@@ -334,7 +349,10 @@ mod tests {
             request: RequestId(8),
             ..output()
         };
-        assert_eq!(validate(&ticket(), &out, 16), Err(RestoreError::WrongRequest));
+        assert_eq!(
+            validate(&ticket(), &out, 16),
+            Err(RestoreError::WrongRequest)
+        );
     }
 
     #[test]
@@ -358,7 +376,10 @@ mod tests {
             restored_tokens: 100,
             ..output()
         };
-        assert_eq!(validate(&ticket(), &out, 16), Err(RestoreError::NoSuffixLeft));
+        assert_eq!(
+            validate(&ticket(), &out, 16),
+            Err(RestoreError::NoSuffixLeft)
+        );
     }
 
     #[test]

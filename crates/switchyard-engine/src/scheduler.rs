@@ -22,7 +22,9 @@ use crate::blocks::{BlockManager, SeqId};
 use crate::config::{ConfigError, EngineConfig};
 use crate::device::{DeviceError, DeviceLayer, Reservation};
 use crate::events::KvEvent;
-use crate::restore::{self, RestoreDecision, RestoreDeferral, RestoreError, RestoreQuery, RestoreTicket};
+use crate::restore::{
+    self, RestoreDecision, RestoreDeferral, RestoreError, RestoreQuery, RestoreTicket,
+};
 use crate::timing::StepShape;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
@@ -247,7 +249,10 @@ impl Seq {
     fn ensure_hashes(&mut self, blocks: usize, block_size: usize) {
         while self.hashes.len() < blocks {
             let i = self.hashes.len();
-            let local = local_block_hash(&self.tokens[i * block_size..(i + 1) * block_size], self.seed);
+            let local = local_block_hash(
+                &self.tokens[i * block_size..(i + 1) * block_size],
+                self.seed,
+            );
             let hash = match self.hashes.last() {
                 None => SequenceHash(local.0),
                 Some(&prev) => chain_hash(prev, LocalHash(local.0)),
@@ -461,7 +466,10 @@ impl<D: DeviceLayer> Engine<D> {
                         break;
                     }
                     Reservation::Exhausted => {
-                        let victim = *self.running.last().expect("the scheduled sequence is running");
+                        let victim = *self
+                            .running
+                            .last()
+                            .expect("the scheduled sequence is running");
                         self.preempt(victim)?;
                         preempted = true;
                         if victim == id {
@@ -474,7 +482,9 @@ impl<D: DeviceLayer> Engine<D> {
 
         if !preempted {
             while budget > 0 && self.running.len() < self.config.max_num_seqs {
-                let Some(&id) = self.waiting.front() else { break };
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
                 match self.admit(id, budget, &mut restore_tokens, report)? {
                     Admission::Scheduled(n) => {
                         self.waiting.pop_front();
@@ -520,14 +530,22 @@ impl<D: DeviceLayer> Engine<D> {
         let mut any_finished = false;
         for &(id, n) in scheduled.iter() {
             let max_model_len = self.config.max_model_len;
-            let seq = self.slots[id.0 as usize].as_mut().expect("scheduled sequences are live");
+            let seq = self.slots[id.0 as usize]
+                .as_mut()
+                .expect("scheduled sequences are live");
             seq.num_computed += n;
             let full = seq.num_computed / bs;
             if full > seq.committed_blocks {
                 seq.ensure_hashes(full, bs);
                 let first = seq.committed_blocks;
                 let parent = first.checked_sub(1).map(|p| seq.hashes[p]);
-                self.kv.commit(id, first, parent, &seq.hashes[first..full], &seq.tokens[first * bs..full * bs]);
+                self.kv.commit(
+                    id,
+                    first,
+                    parent,
+                    &seq.hashes[first..full],
+                    &seq.tokens[first * bs..full * bs],
+                );
                 seq.committed_blocks = full;
             }
             if seq.num_computed == seq.tokens.len() {
@@ -550,7 +568,8 @@ impl<D: DeviceLayer> Engine<D> {
                 let done = {
                     let seq = self.seq(id);
                     seq.num_computed + 1 == seq.tokens.len()
-                        && (seq.outputs() >= seq.max_tokens || seq.tokens.len() >= self.config.max_model_len)
+                        && (seq.outputs() >= seq.max_tokens
+                            || seq.tokens.len() >= self.config.max_model_len)
                 };
                 if done {
                     self.release(id, true)?;
@@ -574,7 +593,9 @@ impl<D: DeviceLayer> Engine<D> {
     ) -> Result<Admission, EngineError> {
         let bs = self.config.block_size;
         let timing = &self.config.timing;
-        let seq = self.slots[id.0 as usize].as_mut().expect("waiting sequences are live");
+        let seq = self.slots[id.0 as usize]
+            .as_mut()
+            .expect("waiting sequences are live");
         let max_hit_blocks = (seq.tokens.len() - 1) / bs;
         seq.ensure_hashes(max_hit_blocks, bs);
         let hit = self.kv.lookup_prefix(&seq.hashes[..max_hit_blocks]);
@@ -617,12 +638,22 @@ impl<D: DeviceLayer> Engine<D> {
             );
             let seq = self.slots[id.0 as usize].as_mut().expect("live");
             match decision {
-                RestoreDecision::SequenceCapacityNotReady { candidate_prefix_tokens } => {
-                    let pins = self.kv.pin_host(&seq.hashes[hit..hit + candidate_prefix_tokens / bs]);
-                    seq.deferral = Some(RestoreDeferral::new(candidate_prefix_tokens, attempts + 1, pins));
+                RestoreDecision::SequenceCapacityNotReady {
+                    candidate_prefix_tokens,
+                } => {
+                    let pins = self
+                        .kv
+                        .pin_host(&seq.hashes[hit..hit + candidate_prefix_tokens / bs]);
+                    seq.deferral = Some(RestoreDeferral::new(
+                        candidate_prefix_tokens,
+                        attempts + 1,
+                        pins,
+                    ));
                     return Ok(Admission::Blocked);
                 }
-                RestoreDecision::Restore { candidate_prefix_tokens } => {
+                RestoreDecision::Restore {
+                    candidate_prefix_tokens,
+                } => {
                     seq.deferral = None;
                     restored = Some(candidate_prefix_tokens);
                 }
@@ -647,7 +678,9 @@ impl<D: DeviceLayer> Engine<D> {
             let source = &hashes[hit..hit + blocks];
             let pins = self.kv.pin_host(source);
             let parent = hit.checked_sub(1).map(|p| hashes[p]);
-            let outcome = self.device.restore(&mut self.kv, id, &ticket, parent, source);
+            let outcome = self
+                .device
+                .restore(&mut self.kv, id, &ticket, parent, source);
             let checked = match outcome {
                 Ok(output) => restore::validate(&ticket, &output, bs).map_err(Some),
                 Err(_) => Err(None),
@@ -742,7 +775,9 @@ impl<D: DeviceLayer> Engine<D> {
     }
 
     fn remove(&mut self, id: SeqId, reason: FinishReason) -> Finished {
-        let seq = self.slots[id.0 as usize].take().expect("removed sequences are live");
+        let seq = self.slots[id.0 as usize]
+            .take()
+            .expect("removed sequences are live");
         self.by_request.remove(&seq.request);
         self.free_slots.push(id.0);
         Finished {
@@ -755,11 +790,15 @@ impl<D: DeviceLayer> Engine<D> {
     }
 
     fn seq(&self, id: SeqId) -> &Seq {
-        self.slots[id.0 as usize].as_ref().expect("scheduler ids name live sequences")
+        self.slots[id.0 as usize]
+            .as_ref()
+            .expect("scheduler ids name live sequences")
     }
 
     fn seq_mut(&mut self, id: SeqId) -> &mut Seq {
-        self.slots[id.0 as usize].as_mut().expect("scheduler ids name live sequences")
+        self.slots[id.0 as usize]
+            .as_mut()
+            .expect("scheduler ids name live sequences")
     }
 }
 
@@ -774,13 +813,14 @@ fn push_bounded(buffer: &mut Vec<Observation>, dropped: &mut u64, observation: O
 /// The synthetic token sampled at output position `index` of `request`:
 /// deterministic, spread over a 32k vocabulary above the special ids.
 pub fn synthetic_token(request: RequestId, index: u32) -> u32 {
-    let mut x = (request.0 as u64) ^ ((request.0 >> 64) as u64) ^ (u64::from(index) << 32 | u64::from(index));
+    let mut x = (request.0 as u64)
+        ^ ((request.0 >> 64) as u64)
+        ^ (u64::from(index) << 32 | u64::from(index));
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;
     100 + (x % 32_000) as u32
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -850,11 +890,17 @@ mod tests {
             ..config()
         };
         let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
-        engine.add_request(request(1, (0..1200).collect(), 2)).unwrap();
+        engine
+            .add_request(request(1, (0..1200).collect(), 2))
+            .unwrap();
         let reports = run_to_end(&mut engine);
         let prefill: Vec<u64> = reports.iter().map(|r| r.shape.prefill_tokens).collect();
         assert_eq!(prefill, vec![512, 512, 176, 0]);
-        assert_eq!(reports[2].tokens.len(), 1, "the first token comes with the last chunk");
+        assert_eq!(
+            reports[2].tokens.len(),
+            1,
+            "the first token comes with the last chunk"
+        );
         assert_eq!(reports[3].finished.len(), 1);
         assert_eq!(reports[3].finished[0].output_tokens, 2);
     }
@@ -866,21 +912,31 @@ mod tests {
             ..config()
         };
         let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
-        engine.add_request(request(1, (0..48).collect(), 40)).unwrap();
-        engine.add_request(request(2, (100..148).collect(), 40)).unwrap();
+        engine
+            .add_request(request(1, (0..48).collect(), 40))
+            .unwrap();
+        engine
+            .add_request(request(2, (100..148).collect(), 40))
+            .unwrap();
         let reports = run_to_end(&mut engine);
         assert!(engine.counters().preemptions > 0);
         let finished: Vec<_> = reports.iter().flat_map(|r| r.finished.clone()).collect();
         assert_eq!(finished.len(), 2);
         assert!(finished.iter().all(|f| f.output_tokens == 40));
-        assert_eq!(finished[0].request, RequestId(1), "the older request is never the victim");
+        assert_eq!(
+            finished[0].request,
+            RequestId(1),
+            "the older request is never the victim"
+        );
         assert_eq!(engine.kv().free_blocks(), 8);
     }
 
     #[test]
     fn cancelling_a_running_request_frees_its_blocks() {
         let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
-        engine.add_request(request(1, (0..100).collect(), 50)).unwrap();
+        engine
+            .add_request(request(1, (0..100).collect(), 50))
+            .unwrap();
         let mut report = StepReport::default();
         engine.step(&mut report).unwrap();
         assert!(engine.kv().used_blocks() > 0);
@@ -888,30 +944,50 @@ mod tests {
         assert_eq!(finished.reason, FinishReason::Cancelled);
         assert_eq!(engine.kv().free_blocks(), 256);
         assert!(!engine.has_work());
-        assert_eq!(engine.cancel(RequestId(1)), Ok(None), "cancelling twice is harmless");
+        assert_eq!(
+            engine.cancel(RequestId(1)),
+            Ok(None),
+            "cancelling twice is harmless"
+        );
     }
 
     #[test]
     fn bad_requests_are_refused_with_a_reason() {
         let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
-        assert_eq!(engine.add_request(request(1, vec![], 1)), Err(AdmitError::EmptyPrompt));
-        assert_eq!(engine.add_request(request(1, vec![1], 0)), Err(AdmitError::NoOutput));
+        assert_eq!(
+            engine.add_request(request(1, vec![], 1)),
+            Err(AdmitError::EmptyPrompt)
+        );
+        assert_eq!(
+            engine.add_request(request(1, vec![1], 0)),
+            Err(AdmitError::NoOutput)
+        );
         assert!(matches!(
             engine.add_request(request(1, vec![1; 5000], 1)),
             Err(AdmitError::TooLong { .. })
         ));
         engine.add_request(request(1, vec![1], 1)).unwrap();
-        assert_eq!(engine.add_request(request(1, vec![1], 1)), Err(AdmitError::Duplicate(RequestId(1))));
+        assert_eq!(
+            engine.add_request(request(1, vec![1], 1)),
+            Err(AdmitError::Duplicate(RequestId(1)))
+        );
     }
 
     #[test]
     fn the_ahead_device_rolls_back_lookahead_blocks_when_a_request_finishes() {
-        let mut engine = Engine::new(config(), AheadDevice::new(TimingConfig::default(), 1)).unwrap();
-        engine.add_request(request(1, (0..32).collect(), 1)).unwrap();
+        let mut engine =
+            Engine::new(config(), AheadDevice::new(TimingConfig::default(), 1)).unwrap();
+        engine
+            .add_request(request(1, (0..32).collect(), 1))
+            .unwrap();
         let reports = run_to_end(&mut engine);
         assert_eq!(reports.len(), 1);
         assert_eq!(engine.kv().free_blocks(), 256);
-        assert_eq!(engine.kv().cached_blocks(), 2, "the lookahead block was never offered to the cache");
+        assert_eq!(
+            engine.kv().cached_blocks(),
+            2,
+            "the lookahead block was never offered to the cache"
+        );
     }
 
     fn host_config() -> EngineConfig {
@@ -925,9 +1001,13 @@ mod tests {
 
     /// Fills the host tier with `prompt`'s blocks: run it, then flush the device.
     fn spill_prompt<D: DeviceLayer>(engine: &mut Engine<D>, prompt: &[u32]) {
-        engine.add_request(request(900, prompt.to_vec(), 1)).unwrap();
+        engine
+            .add_request(request(900, prompt.to_vec(), 1))
+            .unwrap();
         run_to_end(engine);
-        engine.add_request(request(901, (50_000..50_000 + 63 * 16).collect(), 1)).unwrap();
+        engine
+            .add_request(request(901, (50_000..50_000 + 63 * 16).collect(), 1))
+            .unwrap();
         run_to_end(engine);
     }
 
@@ -939,7 +1019,8 @@ mod tests {
 
     #[test]
     fn a_host_tier_hit_is_restored_then_acknowledged_then_observed() {
-        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -959,19 +1040,28 @@ mod tests {
         assert_eq!(reports[0].shape.prefill_tokens, 16);
         assert_eq!(reports[0].shape.restore_tokens, 608);
         let log = &engine.device().log;
-        let restore_at = log.iter().position(|e| matches!(e, Effect::Restore { .. })).unwrap();
-        let ack_at = log.iter().position(|e| matches!(e, Effect::AckRestore { .. })).unwrap();
+        let restore_at = log
+            .iter()
+            .position(|e| matches!(e, Effect::Restore { .. }))
+            .unwrap();
+        let ack_at = log
+            .iter()
+            .position(|e| matches!(e, Effect::AckRestore { .. }))
+            .unwrap();
         assert!(restore_at < ack_at);
         assert_eq!(engine.counters().restores.restored, 1);
     }
 
     #[test]
     fn a_restore_without_device_capacity_is_deferred_with_its_source_pinned() {
-        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         // A long-running request holds most of the device.
-        engine.add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 200)).unwrap();
+        engine
+            .add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 200))
+            .unwrap();
         let mut report = StepReport::default();
         engine.step(&mut report).unwrap();
         engine.add_request(request(1, prompt, 1)).unwrap();
@@ -991,15 +1081,19 @@ mod tests {
 
     #[test]
     fn a_prompt_with_nothing_on_the_host_is_no_reusable_entry() {
-        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
-        engine.add_request(request(1, (0..64).collect(), 1)).unwrap();
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine
+            .add_request(request(1, (0..64).collect(), 1))
+            .unwrap();
         run_to_end(&mut engine);
         assert_eq!(engine.counters().restores.no_reusable_entry, 1);
     }
 
     #[test]
     fn an_invalid_restore_output_cancels_the_request_instead_of_falling_back() {
-        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -1015,14 +1109,21 @@ mod tests {
             request: RequestId(1),
             error: Some(RestoreError::NoSuffixLeft)
         }));
-        assert!(!obs.iter().any(|o| matches!(o, Observation::Restored { .. })));
+        assert!(!obs
+            .iter()
+            .any(|o| matches!(o, Observation::Restored { .. })));
         assert_eq!(engine.kv().free_blocks(), 64);
-        assert!(!engine.device().log.iter().any(|e| matches!(e, Effect::AckRestore { .. })));
+        assert!(!engine
+            .device()
+            .log
+            .iter()
+            .any(|e| matches!(e, Effect::AckRestore { .. })));
     }
 
     #[test]
     fn a_device_failure_during_restore_cancels_the_request() {
-        let mut engine = Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         engine.device_mut().fail_next_restore = true;
@@ -1034,9 +1135,12 @@ mod tests {
 
     #[test]
     fn a_scripted_dry_pool_leaves_a_new_request_waiting() {
-        let mut engine = Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine =
+            Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         engine.device_mut().exhaust_next = 1;
-        engine.add_request(request(1, (0..40).collect(), 1)).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), 1))
+            .unwrap();
         let mut report = StepReport::default();
         engine.step(&mut report).unwrap();
         assert!(report.is_idle());

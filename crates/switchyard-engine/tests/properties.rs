@@ -6,13 +6,24 @@ use switchyard_core::hashing::{local_block_hash, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, PrefixIndex, StoredBlock};
 use switchyard_core::{RequestId, WorkerId};
 use switchyard_engine::device::ScriptedDevice;
-use switchyard_engine::{Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, TimingConfig};
+use switchyard_engine::{
+    Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, TimingConfig,
+};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Arrive { prefix: u8, prefix_len: u16, suffix_len: u16, max_tokens: u8 },
-    Cancel { pick: u16 },
-    Step { dry: bool },
+    Arrive {
+        prefix: u8,
+        prefix_len: u16,
+        suffix_len: u16,
+        max_tokens: u8,
+    },
+    Cancel {
+        pick: u16,
+    },
+    Step {
+        dry: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -47,9 +58,18 @@ impl Replay {
 
     fn apply(&mut self, event: &KvEvent) {
         match event {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+            } => {
                 for h in block_hashes {
-                    assert!(self.model.insert((*medium, h.0)), "stored twice without removal");
+                    assert!(
+                        self.model.insert((*medium, h.0)),
+                        "stored twice without removal"
+                    );
                 }
                 if *medium == Medium::Device {
                     let blocks: Vec<StoredBlock> = block_hashes
@@ -62,16 +82,30 @@ impl Replay {
                         .collect();
                     self.index.apply(
                         self.worker,
-                        &IndexEvent::Stored { parent: *parent_block_hash, blocks },
+                        &IndexEvent::Stored {
+                            parent: *parent_block_hash,
+                            blocks,
+                        },
                     );
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, medium } => {
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
                 for h in block_hashes {
-                    assert!(self.model.remove(&(*medium, h.0)), "removed a block never stored");
+                    assert!(
+                        self.model.remove(&(*medium, h.0)),
+                        "removed a block never stored"
+                    );
                 }
                 if *medium == Medium::Device {
-                    self.index.apply(self.worker, &IndexEvent::Removed { blocks: block_hashes.clone() });
+                    self.index.apply(
+                        self.worker,
+                        &IndexEvent::Removed {
+                            blocks: block_hashes.clone(),
+                        },
+                    );
                 }
             }
             KvEvent::AllBlocksCleared => {
@@ -108,10 +142,19 @@ fn run(ops: Vec<Op>, host_blocks: usize) {
     };
     for op in ops {
         match op {
-            Op::Arrive { prefix, prefix_len, suffix_len, max_tokens } => {
+            Op::Arrive {
+                prefix,
+                prefix_len,
+                suffix_len,
+                max_tokens,
+            } => {
                 next_id += 1;
-                let mut prompt: Vec<u32> = (0..u32::from(prefix_len)).map(|t| t + 1000 * u32::from(prefix)).collect();
-                prompt.extend((0..u32::from(suffix_len)).map(|t| 100_000 + (next_id as u32) * 1000 + t));
+                let mut prompt: Vec<u32> = (0..u32::from(prefix_len))
+                    .map(|t| t + 1000 * u32::from(prefix))
+                    .collect();
+                prompt.extend(
+                    (0..u32::from(suffix_len)).map(|t| 100_000 + (next_id as u32) * 1000 + t),
+                );
                 let ok = engine
                     .add_request(NewRequest {
                         id: RequestId(next_id),
@@ -151,13 +194,20 @@ fn run(ops: Vec<Op>, host_blocks: usize) {
     drain(&mut engine, &mut replay);
 
     assert_eq!(engine.kv().free_blocks(), engine.kv().num_blocks());
-    let cached: BTreeSet<(Medium, u64)> = engine.kv().cached_state().into_iter().map(|(m, h)| (m, h.0)).collect();
+    let cached: BTreeSet<(Medium, u64)> = engine
+        .kv()
+        .cached_state()
+        .into_iter()
+        .map(|(m, h)| (m, h.0))
+        .collect();
     assert_eq!(replay.model, cached);
     let device_blocks = cached.iter().filter(|(m, _)| *m == Medium::Device).count();
     assert_eq!(replay.index.worker_blocks(replay.worker), device_blocks);
     for (m, h) in &cached {
         if *m == Medium::Device {
-            assert!(replay.index.holds(replay.worker, switchyard_core::EngineHash(*h)));
+            assert!(replay
+                .index
+                .holds(replay.worker, switchyard_core::EngineHash(*h)));
         }
     }
     assert!(engine.reset_prefix_cache());

@@ -88,21 +88,34 @@ impl Tokenizer {
     /// Loads the bundled Qwen3 tokenizer.
     pub fn bundled() -> Result<Self, TokenizerError> {
         let dir = Self::bundled_dir();
-        Self::from_files(&dir.join(BUNDLED_TOKENIZER), Some(&dir.join(BUNDLED_CONFIG)))
+        Self::from_files(
+            &dir.join(BUNDLED_TOKENIZER),
+            Some(&dir.join(BUNDLED_CONFIG)),
+        )
     }
 
     /// Loads `tokenizer.json` and, when given, the chat template of
     /// `tokenizer_config.json`.
-    pub fn from_files(tokenizer_json: &Path, config_json: Option<&Path>) -> Result<Self, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| TokenizerError::Load {
-            path: tokenizer_json.to_owned(),
-            reason: e.to_string(),
-        })?;
+    pub fn from_files(
+        tokenizer_json: &Path,
+        config_json: Option<&Path>,
+    ) -> Result<Self, TokenizerError> {
+        let inner =
+            tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| TokenizerError::Load {
+                path: tokenizer_json.to_owned(),
+                reason: e.to_string(),
+            })?;
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         let mut has_template = false;
         if let Some(path) = config_json {
             let load = |reason: String| TokenizerError::Load {
@@ -110,7 +123,8 @@ impl Tokenizer {
                 reason,
             };
             let text = std::fs::read_to_string(path).map_err(|e| load(e.to_string()))?;
-            let config: TokenizerConfig = serde_json::from_str(&text).map_err(|e| load(e.to_string()))?;
+            let config: TokenizerConfig =
+                serde_json::from_str(&text).map_err(|e| load(e.to_string()))?;
             let template = config.chat_template.ok_or(TokenizerError::NoChatTemplate)?;
             env.add_template_owned("chat", template)
                 .map_err(|e| TokenizerError::Template(e.to_string()))?;
@@ -187,9 +201,14 @@ mod tests {
     #[test]
     fn text_round_trips_through_encode_and_decode() {
         let t = tokenizer();
-        let ids = t.encode("Hello, world! Switchyard routes requests.").unwrap();
+        let ids = t
+            .encode("Hello, world! Switchyard routes requests.")
+            .unwrap();
         assert!(!ids.is_empty());
-        assert_eq!(t.decode(&ids).unwrap(), "Hello, world! Switchyard routes requests.");
+        assert_eq!(
+            t.decode(&ids).unwrap(),
+            "Hello, world! Switchyard routes requests."
+        );
     }
 
     #[test]
@@ -234,12 +253,16 @@ mod tests {
             },
         ];
         let text = tokenizer().apply_chat_template(&messages, false).unwrap();
-        assert!(text.contains("<|im_start|>assistant\nA<|im_end|>"), "{text}");
+        assert!(
+            text.contains("<|im_start|>assistant\nA<|im_end|>"),
+            "{text}"
+        );
     }
 
     #[test]
     fn a_missing_file_is_a_load_error() {
-        let err = Tokenizer::from_files(Path::new("/nonexistent/tokenizer.json"), None).unwrap_err();
+        let err =
+            Tokenizer::from_files(Path::new("/nonexistent/tokenizer.json"), None).unwrap_err();
         assert!(matches!(err, TokenizerError::Load { .. }));
     }
 }

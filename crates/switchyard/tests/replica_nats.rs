@@ -45,8 +45,11 @@ impl Replica {
         }
         let router = Arc::new(Mutex::new(router));
         let id = random_replica_id();
-        let transport =
-            Arc::new(NatsTransport::connect(config.nats_url.as_deref().unwrap()).await.unwrap());
+        let transport = Arc::new(
+            NatsTransport::connect(config.nats_url.as_deref().unwrap())
+                .await
+                .unwrap(),
+        );
         let plane = ReplicaPlane::start(
             transport,
             config,
@@ -158,12 +161,20 @@ async fn bookings_spread_across_three_replicas_converge_to_the_truth_within_100_
             let replica = rng.gen_range(0..replicas.len());
             let worker = WORKERS[rng.gen_range(0..WORKERS.len())];
             live.push((id, replica, worker, false));
-            (replica, worker, SequenceEvent::Add(booking(id, worker, &mut rng)))
+            (
+                replica,
+                worker,
+                SequenceEvent::Add(booking(id, worker, &mut rng)),
+            )
         } else if roll < 0.75 {
             let i = rng.gen_range(0..live.len());
             live[i].3 = true;
             let (rid, replica, worker, _) = live[i];
-            (replica, worker, SequenceEvent::MarkPrefillCompleted(RequestId(rid)))
+            (
+                replica,
+                worker,
+                SequenceEvent::MarkPrefillCompleted(RequestId(rid)),
+            )
         } else {
             let (rid, replica, worker, _) = live.swap_remove(rng.gen_range(0..live.len()));
             (replica, worker, SequenceEvent::Free(RequestId(rid)))
@@ -178,9 +189,11 @@ async fn bookings_spread_across_three_replicas_converge_to_the_truth_within_100_
     let expected = loads(&truth);
     assert!(expected.iter().any(|(_, requests, _)| *requests > 0));
     // Quiescence starts now: every replica must agree within 100 ms.
-    let took = wait_for("three replicas converge", Duration::from_millis(100), || {
-        replicas.iter().all(|r| r.loads() == expected)
-    })
+    let took = wait_for(
+        "three replicas converge",
+        Duration::from_millis(100),
+        || replicas.iter().all(|r| r.loads() == expected),
+    )
     .await;
     eprintln!("converged {took:?} after the last event");
     for r in &replicas {
@@ -206,9 +219,15 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
     let c = Replica::start(&config, clock).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for id in 1..=5 {
-        a.apply_local(&SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)), WORKERS[0]);
+        a.apply_local(
+            &SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)),
+            WORKERS[0],
+        );
     }
-    b.apply_local(&SequenceEvent::Add(booking(100, WORKERS[1], &mut rng)), WORKERS[1]);
+    b.apply_local(
+        &SequenceEvent::Add(booking(100, WORKERS[1], &mut rng)),
+        WORKERS[1],
+    );
     wait_for("bookings reach c", Duration::from_secs(2), || {
         c.router.lock().unwrap().sequences().active_requests() == 6
     })
@@ -219,7 +238,10 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
     })
     .await;
     eprintln!("expired {took:?} after a stopped (expiry 300 ms)");
-    assert!(took >= Duration::from_millis(150), "expired too early: {took:?}");
+    assert!(
+        took >= Duration::from_millis(150),
+        "expired too early: {took:?}"
+    );
     // b kept heartbeating: its booking survives well past the expiry.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let c_router = c.router.lock().unwrap();
@@ -239,14 +261,20 @@ async fn replicas_on_another_endpoint_see_nothing() {
     let other = Replica::start(&config(&server, "embed"), clock).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(8);
     for id in 1..=20 {
-        a.apply_local(&SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)), WORKERS[0]);
+        a.apply_local(
+            &SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)),
+            WORKERS[0],
+        );
     }
     wait_for("b sees a", Duration::from_secs(2), || {
         b.router.lock().unwrap().sequences().active_requests() == 20
     })
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(other.router.lock().unwrap().sequences().active_requests(), 0);
+    assert_eq!(
+        other.router.lock().unwrap().sequences().active_requests(),
+        0
+    );
     let m = other.plane.metrics.snapshot();
     assert_eq!((m.received, m.batches_received), (0, 0));
 }

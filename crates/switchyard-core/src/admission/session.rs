@@ -764,7 +764,10 @@ impl AdmissionStrategy for SessionAwareStrategy {
                 );
             }
         }
-        let s = self.sessions.get_mut(&session).expect("present or inserted");
+        let s = self
+            .sessions
+            .get_mut(&session)
+            .expect("present or inserted");
         s.worker = Some(worker);
         s.context_tokens = context_tokens;
         self.counters.remote_bindings += 1;

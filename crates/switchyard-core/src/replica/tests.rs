@@ -55,7 +55,10 @@ fn loads(r: &ActiveSequences, now_ms: f64) -> Vec<(WorkerId, usize, usize, u64)>
 #[test]
 fn a_replica_ignores_its_own_events() {
     let mut r = router(1000.0);
-    assert_eq!(r.apply_remote(ME, &add(1, 0, &[1, 2], 32), 0.0), RemoteOutcome::Own);
+    assert_eq!(
+        r.apply_remote(ME, &add(1, 0, &[1, 2], 32), 0.0),
+        RemoteOutcome::Own
+    );
     assert_eq!(r.sequences().active_requests(), 0);
     assert_eq!(r.remote().counters().own, 1);
     assert_eq!(r.remote().replicas(), 0);
@@ -69,9 +72,15 @@ fn a_peers_booking_counts_in_the_local_load_until_the_peer_frees_it() {
     let load = r.sequences().registry().load(WorkerId::new(2)).unwrap();
     assert_eq!((load.requests, load.decode_blocks), (1, 3));
     assert!(r
-        .apply_remote(PEER, &SequenceEvent::MarkPrefillCompleted(RequestId(1)), 1.0)
+        .apply_remote(
+            PEER,
+            &SequenceEvent::MarkPrefillCompleted(RequestId(1)),
+            1.0
+        )
         .applied());
-    assert!(r.apply_remote(PEER, &SequenceEvent::Free(RequestId(1)), 2.0).applied());
+    assert!(r
+        .apply_remote(PEER, &SequenceEvent::Free(RequestId(1)), 2.0)
+        .applied());
     assert_eq!(r.sequences().active_requests(), 0);
     assert_eq!(r.remote().remote_requests(), 0);
 }
@@ -94,7 +103,11 @@ fn any_origin_may_mark_prefill_completed_as_a_worker_does() {
     r.apply_remote(PEER, &add(1, 0, &[1], 16), 0.0);
     let worker_origin = ReplicaId(99);
     assert!(r
-        .apply_remote(worker_origin, &SequenceEvent::MarkPrefillCompleted(RequestId(1)), 1.0)
+        .apply_remote(
+            worker_origin,
+            &SequenceEvent::MarkPrefillCompleted(RequestId(1)),
+            1.0
+        )
         .applied());
     let load = r.sequences().registry().load(WorkerId::new(0)).unwrap();
     assert_eq!(load.active_prefill_tokens(1.0), 0);
@@ -118,7 +131,11 @@ fn bookings_of_a_silent_peer_expire_and_a_chatty_peers_do_not() {
 fn the_longest_silent_origin_is_evicted_at_the_cap_and_its_bookings_freed() {
     let mut r = router(1e9);
     for origin in 10..14u64 {
-        r.apply_remote(ReplicaId(origin), &add(origin as u128, 0, &[1], 16), origin as f64);
+        r.apply_remote(
+            ReplicaId(origin),
+            &add(origin as u128, 0, &[1], 16),
+            origin as f64,
+        );
     }
     assert_eq!(r.remote().replicas(), 4);
     r.replica_heartbeat(ReplicaId(20), 30.0);
@@ -155,7 +172,11 @@ fn a_bad_remote_config_is_refused() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Add { worker: u64, blocks: Vec<u64>, extra: u32 },
+    Add {
+        worker: u64,
+        blocks: Vec<u64>,
+        extra: u32,
+    },
     Mark(usize),
     Free(usize),
 }

@@ -43,7 +43,10 @@ pub fn run(opts: EngineBench) -> anyhow::Result<()> {
         let shared = opts.prompt_tokens / 2;
         let prefix = (next % 4) as u32;
         let mut prompt: Vec<u32> = (0..shared).map(|t| prefix * 1_000_000 + t).collect();
-        prompt.extend((0..opts.prompt_tokens - shared).map(|t| (next as u32).wrapping_mul(7919) ^ (t + 50_000_000)));
+        prompt.extend(
+            (0..opts.prompt_tokens - shared)
+                .map(|t| (next as u32).wrapping_mul(7919) ^ (t + 50_000_000)),
+        );
         engine.add_request(NewRequest {
             id: RequestId(u128::from(next)),
             prompt,

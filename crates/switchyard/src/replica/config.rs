@@ -81,7 +81,9 @@ pub enum ReplicaConfigError {
         value: f64,
     },
     /// Heartbeats too rare to keep bookings alive.
-    #[error("replica heartbeat ({heartbeat_ms} ms) must be shorter than the expiry ({expiry_ms} ms)")]
+    #[error(
+        "replica heartbeat ({heartbeat_ms} ms) must be shorter than the expiry ({expiry_ms} ms)"
+    )]
     Heartbeat {
         /// The heartbeat.
         heartbeat_ms: f64,

@@ -88,7 +88,9 @@ impl ReplicaMetrics {
     pub fn render(&self) -> String {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let mut out = String::new();
-        out.push_str("# HELP switchyard_replica_events_total Replica-sync lifecycle events by direction.\n");
+        out.push_str(
+            "# HELP switchyard_replica_events_total Replica-sync lifecycle events by direction.\n",
+        );
         out.push_str("# TYPE switchyard_replica_events_total counter\n");
         for (direction, counter) in [
             ("published", &self.published),
@@ -103,7 +105,9 @@ impl ReplicaMetrics {
                 r(counter)
             );
         }
-        out.push_str("# HELP switchyard_replica_batches_total Replica-sync messages by direction.\n");
+        out.push_str(
+            "# HELP switchyard_replica_batches_total Replica-sync messages by direction.\n",
+        );
         out.push_str("# TYPE switchyard_replica_batches_total counter\n");
         for (direction, counter) in [
             ("published", &self.batches_published),

@@ -88,7 +88,11 @@ impl ReplicaPublisher {
     }
 
     /// Enqueues a prefill completion.
-    pub fn prefill_completed(&self, request: RequestId, worker: WorkerId) -> Result<(), PublishError> {
+    pub fn prefill_completed(
+        &self,
+        request: RequestId,
+        worker: WorkerId,
+    ) -> Result<(), PublishError> {
         self.publish(ActiveSequenceEvent::from_sequence_event(
             self.id,
             worker,

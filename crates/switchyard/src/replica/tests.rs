@@ -74,11 +74,15 @@ async fn order_is_preserved(batching: bool) {
         publisher.added(&add(id, 0), None).unwrap();
         expected.push((id, "add"));
         if id >= 1 {
-            publisher.prefill_completed(RequestId(id - 1), WorkerId::new(0)).unwrap();
+            publisher
+                .prefill_completed(RequestId(id - 1), WorkerId::new(0))
+                .unwrap();
             expected.push((id - 1, "mark"));
         }
         if id >= 2 {
-            publisher.freed(RequestId(id - 2), WorkerId::new(0)).unwrap();
+            publisher
+                .freed(RequestId(id - 2), WorkerId::new(0))
+                .unwrap();
             expected.push((id - 2, "free"));
         }
     }
@@ -106,7 +110,14 @@ async fn a_batching_transport_preserves_the_order_of_every_event() {
 
 /// A publisher whose transport is stuck: the one subscriber never reads
 /// and its inbox holds one payload.
-async fn blocked_publisher(capacity: usize) -> (ReplicaPublisher, JoinHandle<()>, CancellationToken, Subscription) {
+async fn blocked_publisher(
+    capacity: usize,
+) -> (
+    ReplicaPublisher,
+    JoinHandle<()>,
+    CancellationToken,
+    Subscription,
+) {
     let transport = InProcessTransport::new(InProcessBus::new(), false, 1);
     let cfg = ReplicaConfig {
         queue_capacity: capacity,
@@ -162,8 +173,16 @@ async fn cancellation_stops_a_blocked_publisher_promptly() {
     // The in-flight event was dropped and counted.
     assert_eq!(publisher.metrics().snapshot().dropped, 1);
     let err = publisher.added(&add(9, 0), None).unwrap_err();
-    assert_eq!(err, PublishError::Closed { during_shutdown: true });
-    assert_eq!(err.to_string(), "replica event queue closed during shutdown");
+    assert_eq!(
+        err,
+        PublishError::Closed {
+            during_shutdown: true
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "replica event queue closed during shutdown"
+    );
 }
 
 #[tokio::test]
@@ -185,7 +204,12 @@ async fn a_publisher_that_died_says_it_was_not_shutting_down() {
     task.abort();
     let _ = task.await;
     let err = publisher.added(&add(1, 0), None).unwrap_err();
-    assert_eq!(err, PublishError::Closed { during_shutdown: false });
+    assert_eq!(
+        err,
+        PublishError::Closed {
+            during_shutdown: false
+        }
+    );
     assert!(err.to_string().contains("while not shutting down"));
 }
 
@@ -218,8 +242,19 @@ async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
         .unwrap()
         .book_request(&booking, clock.now_ms());
     a.publisher.added(&booking, None).unwrap();
-    wait_until(|| router_b.lock().unwrap().sequences().owner(RequestId(7)).is_some()).await;
-    assert_eq!(router_b.lock().unwrap().remote().owner(RequestId(7)), Some(ReplicaId(1)));
+    wait_until(|| {
+        router_b
+            .lock()
+            .unwrap()
+            .sequences()
+            .owner(RequestId(7))
+            .is_some()
+    })
+    .await;
+    assert_eq!(
+        router_b.lock().unwrap().remote().owner(RequestId(7)),
+        Some(ReplicaId(1))
+    );
     // A saw its own batch and ignored it: one booking, local.
     wait_until(|| a.metrics.snapshot().batches_own >= 1).await;
     assert_eq!(router_a.lock().unwrap().sequences().active_requests(), 1);
@@ -268,7 +303,10 @@ async fn session_bindings_reach_the_peers_hook() {
 async fn wait_until(mut done: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while !done() {
-        assert!(tokio::time::Instant::now() < deadline, "condition not met within 5 s");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met within 5 s"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }

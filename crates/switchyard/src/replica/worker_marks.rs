@@ -10,8 +10,8 @@
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
 use super::publisher::{spawn_publisher, PublishError, ReplicaPublisher};
-use super::transport::Transport;
 use super::random_replica_id;
+use super::transport::Transport;
 use std::sync::Arc;
 use switchyard_core::{RequestId, WorkerId};
 use tokio::task::JoinHandle;
