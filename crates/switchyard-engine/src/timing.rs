@@ -163,8 +163,10 @@ mod tests {
 
     #[test]
     fn decode_never_drops_below_the_floor() {
-        let mut t = TimingConfig::default();
-        t.decode = [0.0, 0.0, -5.0];
+        let t = TimingConfig {
+            decode: [0.0, 0.0, -5.0],
+            ..TimingConfig::default()
+        };
         assert_eq!(t.decode_ms(0.5), 1.0);
         assert!((TimingConfig::default().decode_ms(0.0) - 5.74).abs() < 1e-12);
     }
@@ -178,8 +180,10 @@ mod tests {
 
     #[test]
     fn speedup_zero_is_instant_and_two_halves_wall_time() {
-        let mut t = TimingConfig::default();
-        t.speedup = 0.0;
+        let mut t = TimingConfig {
+            speedup: 0.0,
+            ..TimingConfig::default()
+        };
         assert_eq!(t.wall_ms(100.0), 0.0);
         t.speedup = 2.0;
         assert_eq!(t.wall_ms(100.0), 50.0);

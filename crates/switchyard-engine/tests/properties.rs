@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use switchyard_core::hashing::{local_block_hash, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, PrefixIndex, StoredBlock};
 use switchyard_core::{RequestId, WorkerId};
-use switchyard_engine::device::ScriptedDevice;
+use switchyard_engine::device::{AheadDevice, DeviceLayer, ScriptedDevice};
 use switchyard_engine::{
     Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, TimingConfig,
 };
@@ -116,7 +116,7 @@ impl Replay {
     }
 }
 
-fn run(ops: Vec<Op>, host_blocks: usize) {
+fn run<D: DeviceLayer>(ops: Vec<Op>, host_blocks: usize, device: D, run_dry: fn(&mut D)) {
     let config = EngineConfig {
         block_size: 16,
         num_blocks: 96,
@@ -126,15 +126,13 @@ fn run(ops: Vec<Op>, host_blocks: usize) {
         min_restore_tokens: 16,
         ..EngineConfig::default()
     };
-    let mut device = ScriptedDevice::new(TimingConfig::default());
-    device.record = false;
     let mut engine = Engine::new(config, device).unwrap();
     let mut replay = Replay::new();
     let mut events = Vec::new();
     let mut report = StepReport::default();
     let mut live: Vec<u128> = Vec::new();
     let mut next_id = 0u128;
-    let mut drain = |engine: &mut Engine<ScriptedDevice>, replay: &mut Replay| {
+    let mut drain = |engine: &mut Engine<D>, replay: &mut Replay| {
         engine.drain_kv_events(&mut events);
         for e in events.drain(..) {
             replay.apply(&e);
@@ -175,7 +173,7 @@ fn run(ops: Vec<Op>, host_blocks: usize) {
             }
             Op::Step { dry } => {
                 if dry {
-                    engine.device_mut().exhaust_next = 1;
+                    run_dry(engine.device_mut());
                 }
                 engine.step(&mut report).unwrap();
                 for f in &report.finished {
@@ -215,16 +213,31 @@ fn run(ops: Vec<Op>, host_blocks: usize) {
     assert!(replay.model.is_empty());
 }
 
+fn scripted() -> ScriptedDevice {
+    let mut device = ScriptedDevice::new(TimingConfig::default());
+    device.record = false;
+    device
+}
+
+fn dry_once(device: &mut ScriptedDevice) {
+    device.exhaust_next = 1;
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
     fn after_everything_finishes_the_pool_is_free_and_events_replay_to_the_cache(ops in prop::collection::vec(op(), 1..200)) {
-        run(ops, 0);
+        run(ops, 0, scripted(), dry_once);
     }
 
     #[test]
     fn with_a_host_tier_events_of_both_media_replay_to_the_cache(ops in prop::collection::vec(op(), 1..200)) {
-        run(ops, 48);
+        run(ops, 48, scripted(), dry_once);
+    }
+
+    #[test]
+    fn a_device_reserving_ahead_rolls_back_and_still_drains_to_a_free_pool(ops in prop::collection::vec(op(), 1..200)) {
+        run(ops, 48, AheadDevice::new(TimingConfig::default(), 1), |_| {});
     }
 }

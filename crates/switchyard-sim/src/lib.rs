@@ -1,4 +1,4 @@
-//! Trace loaders and (to come) the discrete-event fleet simulator.
+//! Trace loaders and the discrete-event fleet simulator.
 //!
 //! - [`trace`] — streaming readers for public LLM-serving traces, with errors
 //!   that name the offending line, and the deterministic expansion of
@@ -6,11 +6,16 @@
 //! - [`workload`] — every trace as a stream of sessions of turns, with
 //!   compact prompts expanded only at dispatch; the synthetic multi-turn
 //!   generator.
+//! - [`fleet`] — the simulator: the real routing core against simulated
+//!   engine cores in virtual time.
+//! - [`report`] — latency summaries and per-policy figures.
 //! - [`reference`] — the infinite-cache bound and the pooled-LRU reference
 //!   that policies' hit rates are read against.
 
 #![warn(missing_docs)]
 
+pub mod fleet;
 pub mod reference;
+pub mod report;
 pub mod trace;
 pub mod workload;

@@ -76,13 +76,21 @@ struct TokenizerConfig {
 }
 
 impl Tokenizer {
-    /// The repository's `data/tokenizers` directory (overridable with the
-    /// `SWITCHYARD_TOKENIZER_DIR` environment variable).
+    /// Where the bundled tokenizer lives: `$SWITCHYARD_TOKENIZER_DIR`, else
+    /// `$SWITCHYARD_DATA/tokenizers`, else `data/tokenizers` under the working
+    /// directory when it holds the files, else the source tree's.
     pub fn bundled_dir() -> PathBuf {
-        match std::env::var_os("SWITCHYARD_TOKENIZER_DIR") {
-            Some(dir) => PathBuf::from(dir),
-            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tokenizers"),
+        if let Some(dir) = std::env::var_os("SWITCHYARD_TOKENIZER_DIR") {
+            return PathBuf::from(dir);
         }
+        if let Some(data) = std::env::var_os("SWITCHYARD_DATA") {
+            return PathBuf::from(data).join("tokenizers");
+        }
+        let local = Path::new("data/tokenizers");
+        if local.join(BUNDLED_TOKENIZER).is_file() {
+            return local.to_owned();
+        }
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tokenizers")
     }
 
     /// Loads the bundled Qwen3 tokenizer.

@@ -10,8 +10,14 @@
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
 //! - [`replica`] — replica sync: bookings shared between router replicas
 //!   over NATS (or in process), publisher, subscriber, worker-origin marks.
+//! - [`replay`] — `switchyard replay`: policies compared in the fleet
+//!   simulator, with a table, JSON and SVG plots.
+//! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
+//!   OpenAI-compatible HTTP server, driven in real time.
 
 pub mod bench;
 pub mod data;
 pub mod events;
+pub mod replay;
 pub mod replica;
+pub mod sim_worker;

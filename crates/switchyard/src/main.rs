@@ -3,7 +3,7 @@
 //! Each subcommand lives in its own module of the `switchyard` library;
 //! `main` only parses and dispatches.
 
-use switchyard::bench;
+use switchyard::{bench, sim_worker};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -19,9 +19,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Compare routing policies on a trace in the fleet simulator (the main
+    /// job: with no arguments it replays the bundled Mooncake conversation
+    /// trace on the default fleet).
+    Replay(switchyard::replay::ReplayArgs),
     /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
+    SimWorker(sim_worker::SimWorkerArgs),
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
     Events(switchyard::events::EventsCommand),
@@ -30,7 +36,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Replay(args) => switchyard::replay::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::SimWorker(args) => sim_worker::run(args),
         Command::Events(cmd) => switchyard::events::run(cmd),
     };
     match result {

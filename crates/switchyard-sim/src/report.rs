@@ -1,0 +1,149 @@
+//! Figures a simulation produces, and how they are summarized.
+
+use serde::Serialize;
+
+/// Mean and percentiles of a sample, in the unit the caller chose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Latency {
+    /// Arithmetic mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Latency {
+    /// Summarizes `samples` (sorted in place; nearest-rank percentiles). An
+    /// empty sample is all zeros.
+    pub fn of(samples: &mut [f64]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        samples.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+            samples[i]
+        };
+        Self {
+            mean: samples.iter().sum::<f64>() / samples.len() as f64,
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+        }
+    }
+}
+
+/// What one policy achieved on one fleet.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PolicyReport {
+    /// Time to first token.
+    pub ttft_ms: Latency,
+    /// Inter-token latency.
+    pub itl_ms: Latency,
+    /// End-to-end latency.
+    pub e2e_ms: Latency,
+    /// Time from arrival to dispatch (waiting in the router's queue).
+    pub queue_ms: Latency,
+    /// Cached prompt tokens / prompt tokens, as the engines saw it.
+    pub hit_rate: f64,
+    /// Prompt tokens the router predicted cached / prompt tokens.
+    pub predicted_hit_rate: f64,
+    /// Completed requests per second of simulated time.
+    pub throughput_rps: f64,
+    /// Output tokens per second of simulated time.
+    pub output_tokens_per_sec: f64,
+    /// Coefficient of variation of tokens computed per worker.
+    pub load_cv: f64,
+    /// Preemptions across the fleet.
+    pub preemptions: u64,
+    /// Requests that completed.
+    pub completed: u64,
+    /// Requests refused (by an engine's limits) or lost.
+    pub errors: u64,
+    /// Multi-turn sessions whose every turn completed.
+    pub sessions_completed: u64,
+    /// Simulated seconds from the first arrival to the last completion.
+    pub makespan_s: f64,
+    /// Engine steps simulated.
+    pub engine_steps: u64,
+}
+
+/// Per-worker load over time, for plots: tokens computed per bucket.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LoadTimeline {
+    /// Bucket width in simulated milliseconds.
+    pub bucket_ms: f64,
+    /// `tokens[worker][bucket]`.
+    pub tokens: Vec<Vec<u64>>,
+}
+
+/// Most buckets a timeline keeps; later steps land in the last one.
+pub const MAX_BUCKETS: usize = 4096;
+
+impl LoadTimeline {
+    /// An empty timeline for `workers` workers.
+    pub fn new(workers: usize, bucket_ms: f64) -> Self {
+        Self {
+            bucket_ms,
+            tokens: vec![Vec::new(); workers],
+        }
+    }
+
+    /// Adds `tokens` computed by `worker` at `at_ms`.
+    pub fn add(&mut self, worker: usize, at_ms: f64, tokens: u64) {
+        let bucket = ((at_ms.max(0.0) / self.bucket_ms) as usize).min(MAX_BUCKETS - 1);
+        let row = &mut self.tokens[worker];
+        if row.len() <= bucket {
+            row.resize(bucket + 1, 0);
+        }
+        row[bucket] += tokens;
+    }
+}
+
+/// Coefficient of variation (standard deviation over mean) of `values`.
+pub fn coefficient_of_variation(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if mean == 0.0 {
+        return 0.0;
+    }
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+    var.sqrt() / mean
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let l = Latency::of(&mut v);
+        assert_eq!((l.p50, l.p90, l.p99), (50.0, 90.0, 99.0));
+        assert_eq!(l.mean, 50.5);
+        assert_eq!(Latency::of(&mut []), Latency::default());
+    }
+
+    #[test]
+    fn coefficient_of_variation_of_equal_loads_is_zero() {
+        assert_eq!(coefficient_of_variation(&[5.0, 5.0, 5.0]), 0.0);
+        assert!((coefficient_of_variation(&[0.0, 10.0]) - 1.0).abs() < 1e-12);
+        assert_eq!(coefficient_of_variation(&[]), 0.0);
+    }
+
+    #[test]
+    fn the_timeline_is_bounded() {
+        let mut t = LoadTimeline::new(2, 10.0);
+        t.add(1, 25.0, 7);
+        t.add(1, 1e12, 1);
+        assert_eq!(t.tokens[1][2], 7);
+        assert_eq!(t.tokens[1].len(), MAX_BUCKETS);
+        assert!(t.tokens[0].is_empty());
+    }
+}

@@ -1,0 +1,459 @@
+//! `switchyard replay`: compare routing policies on a trace in the fleet
+//! simulator.
+//!
+//! Every policy runs on an identical fleet with the same seed, one simulation
+//! per policy, spread over the machine's cores. The output is a table on
+//! stdout, a JSON file with every figure, and SVG plots.
+
+mod plots;
+
+use crate::data::data_path;
+use anyhow::Context;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
+use switchyard_core::select::PolicyKind;
+use switchyard_engine::EngineConfig;
+use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
+use switchyard_sim::reference::References;
+use switchyard_sim::report::PolicyReport;
+use switchyard_sim::workload::{self, SessionStream, SyntheticConfig, WorkloadLimits};
+
+/// Default arrival-rate multiplier for the bundled trace: at 1× the default
+/// fleet idles; at 6× round-robin's TTFT p90 passes 2 s, where routing
+/// decides how the fleet holds up.
+pub const DEFAULT_RATE_SCALE: f64 = 6.0;
+
+/// Fleet profiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    /// 8 workers; engine blocks of 64 tokens, 16,384 device blocks each,
+    /// speed-up 4, the DESIGN.md timing model.
+    Default,
+    /// The fleet of the best-known open-source replay of the conversation
+    /// trace: 16 workers, blocks of 64 tokens, 16,384 device blocks each,
+    /// speed-up 4.
+    DynamoMocker,
+}
+
+/// Trace formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TraceFormat {
+    /// Guess from the file name (`.jsonl` Mooncake, `.csv` Azure).
+    Auto,
+    /// Mooncake JSONL.
+    Mooncake,
+    /// Azure LLM inference 2023 CSV.
+    Azure,
+    /// The built-in synthetic multi-turn generator (no file).
+    Synthetic,
+}
+
+/// `switchyard replay` arguments.
+#[derive(Clone, Debug, clap::Args, Serialize)]
+pub struct ReplayArgs {
+    /// Trace file (default: the bundled Mooncake conversation trace).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Trace format.
+    #[arg(long, value_enum, default_value_t = TraceFormat::Auto)]
+    pub format: TraceFormat,
+    /// Fleet profile; the flags below override its parts.
+    #[arg(long, value_enum, default_value_t = Profile::Default)]
+    pub profile: Profile,
+    /// Workers in the fleet.
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Engine (and router) block size in tokens.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Device KV blocks per worker.
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Engine speed-up over the timing model.
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// Arrival-rate multiplier (2 = twice as fast as the trace).
+    #[arg(long, default_value_t = DEFAULT_RATE_SCALE)]
+    pub rate_scale: f64,
+    /// Stop after this many sessions (requests, for single-turn traces).
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Stop at the first arrival after this many seconds (after scaling).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Policies to compare (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<PolicyKind>,
+    /// `kv` policy: weight of prefill work against decode load.
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_weight: f64,
+    /// `kv` policy: softmax temperature (0 = argmin).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Delay from an engine's KV event to the router, in ms.
+    #[arg(long, default_value_t = 10.0)]
+    pub kv_event_delay_ms: f64,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Simulations run at once (default: the machine's cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Directory for the JSON and the plots.
+    #[arg(long, default_value = "replay-out")]
+    pub out: PathBuf,
+    /// JSON report path (default: OUT/replay.json).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Skip the plots.
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Sweep `overlap_weight` and temperature for the `kv` policy instead of
+    /// comparing policies.
+    #[arg(long)]
+    pub sweep: bool,
+    /// No progress output on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The JSON report.
+#[derive(Debug, Serialize)]
+pub struct ReplayReport {
+    /// The trace replayed.
+    pub trace: String,
+    /// Requests (turns) completed or failed, per policy they are the same.
+    pub requests: u64,
+    /// Hit rate with an infinite cache.
+    pub bound_hit_rate: f64,
+    /// Hit rate of one LRU cache of the fleet's total capacity.
+    pub pooled_lru_hit_rate: f64,
+    /// Wall-clock seconds of the whole run.
+    pub wall_seconds: f64,
+    /// Figures per policy.
+    pub policies: BTreeMap<String, PolicyReport>,
+    /// The fleet simulated.
+    pub fleet: FleetConfig,
+    /// The arguments.
+    pub args: ReplayArgs,
+}
+
+/// Builds the fleet the arguments describe.
+pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
+    let (workers, block_size, num_blocks, speedup) = match args.profile {
+        Profile::Default => (8, 64, 16_384, 4.0),
+        Profile::DynamoMocker => (16, 64, 16_384, 4.0),
+    };
+    let mut engine = EngineConfig {
+        block_size: args.block_size.unwrap_or(block_size),
+        num_blocks: args.num_blocks.unwrap_or(num_blocks),
+        // Trace prompts reach 126k tokens; the pool is the real limit.
+        max_model_len: 1 << 20,
+        // The router needs no events from a request it never sees cached.
+        emit_kv_events: true,
+        ..EngineConfig::default()
+    };
+    engine.timing.speedup = args.speedup.unwrap_or(speedup);
+    anyhow::ensure!(
+        engine.timing.speedup > 0.0,
+        "--speedup must be positive in the simulator (virtual time needs durations)"
+    );
+    engine
+        .validate()
+        .map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let mut fleet = FleetConfig {
+        workers: args.workers.unwrap_or(workers),
+        engine,
+        kv_event_delay_ms: args.kv_event_delay_ms,
+        ..FleetConfig::default()
+    };
+    anyhow::ensure!(fleet.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(args.rate_scale > 0.0, "--rate-scale must be positive");
+    fleet.router.seed = args.seed;
+    fleet.router.policies.kv.overlap_weight = args.overlap_weight;
+    fleet.router.policies.kv.temperature = args.temperature;
+    fleet.router.sequences.block_size = fleet.engine.block_size as u32;
+    fleet
+        .router
+        .validate()
+        .map_err(|e| anyhow::anyhow!("router: {e}"))?;
+    Ok(fleet)
+}
+
+fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
+    if args.format == TraceFormat::Synthetic {
+        return Ok(None);
+    }
+    Ok(Some(match &args.trace {
+        Some(p) => p.clone(),
+        None => data_path("traces/mooncake_conversation.jsonl")?,
+    }))
+}
+
+fn format_of(args: &ReplayArgs, path: Option<&Path>) -> TraceFormat {
+    match (args.format, path) {
+        (TraceFormat::Auto, Some(p)) if p.extension().is_some_and(|e| e == "csv") => {
+            TraceFormat::Azure
+        }
+        (TraceFormat::Auto, _) => TraceFormat::Mooncake,
+        (f, _) => f,
+    }
+}
+
+/// Opens the workload the arguments describe, with limits applied.
+pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
+    let path = trace_path(args)?;
+    let open = |p: &Path| -> anyhow::Result<BufReader<File>> {
+        Ok(BufReader::new(File::open(p).with_context(|| {
+            format!("opening trace {}", p.display())
+        })?))
+    };
+    let stream = match format_of(args, path.as_deref()) {
+        TraceFormat::Synthetic => workload::synthetic(SyntheticConfig {
+            seed: args.seed,
+            ..SyntheticConfig::default()
+        }),
+        TraceFormat::Azure => {
+            workload::azure(open(path.as_deref().expect("a file format"))?, args.seed)
+        }
+        TraceFormat::Mooncake | TraceFormat::Auto => {
+            workload::mooncake(open(path.as_deref().expect("a file format"))?, 3_000.0)
+        }
+    };
+    Ok(workload::limited(
+        stream,
+        WorkloadLimits {
+            rate_scale: args.rate_scale,
+            max_sessions: args.max_requests,
+            duration_ms: args.duration.map(|s| s * 1000.0),
+        },
+    ))
+}
+
+/// The references over the same workload: infinite cache and pooled LRU of
+/// the fleet's capacity, at the engine's block size.
+pub fn references(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<(u64, References)> {
+    let block_size = fleet.engine.block_size;
+    let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
+    let mut requests = 0;
+    for session in open_workload(args)? {
+        let session = session.map_err(|e| anyhow::anyhow!("{e}"))?;
+        for turn in &session.turns {
+            let tokens = turn.prompt.tokens();
+            let seq = sequence_hashes(&local_block_hashes(&tokens, block_size, DEFAULT_SEED));
+            refs.observe(tokens.len() as u64, &seq);
+            requests += 1;
+        }
+    }
+    Ok((requests, refs))
+}
+
+/// Runs one simulation per fleet configuration, `threads` at a time.
+pub fn run_all(
+    args: &ReplayArgs,
+    fleets: Vec<(String, FleetConfig)>,
+) -> anyhow::Result<Vec<(String, SimOutcome)>> {
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let queue = Mutex::new(fleets.into_iter().enumerate().collect::<Vec<_>>());
+    let results = Mutex::new(Vec::new());
+    let started = Instant::now();
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let mut handles = Vec::new();
+        for _ in 0..threads {
+            handles.push(scope.spawn(|| -> anyhow::Result<()> {
+                loop {
+                    let Some((i, (name, fleet))) = queue.lock().expect("not poisoned").pop() else {
+                        return Ok(());
+                    };
+                    let workload = open_workload(args)?;
+                    let outcome = simulate(&fleet, workload, |done| {
+                        if !args.quiet && done % 2048 == 0 {
+                            eprintln!(
+                                "  {name}: {done} requests done ({:.0} s)",
+                                started.elapsed().as_secs_f64()
+                            );
+                        }
+                    })
+                    .with_context(|| format!("simulating {name}"))?;
+                    if !args.quiet {
+                        eprintln!(
+                            "  {name}: finished in {:.1} s",
+                            started.elapsed().as_secs_f64()
+                        );
+                    }
+                    results
+                        .lock()
+                        .expect("not poisoned")
+                        .push((i, name, outcome));
+                }
+            }));
+        }
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    let mut results = results.into_inner().expect("not poisoned");
+    results.sort_by_key(|(i, _, _)| *i);
+    Ok(results.into_iter().map(|(_, n, o)| (n, o)).collect())
+}
+
+/// Runs `switchyard replay`.
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let fleet = fleet_config(&args)?;
+    if args.sweep {
+        return sweep(&args, &fleet);
+    }
+    let policies = if args.policies.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        args.policies.clone()
+    };
+    let trace =
+        trace_path(&args)?.map_or_else(|| "synthetic".to_owned(), |p| p.display().to_string());
+    if !args.quiet {
+        eprintln!(
+            "replaying {trace} on {} workers ({} blocks of {} tokens each, speed-up {}), rate ×{}, policies: {}",
+            fleet.workers,
+            fleet.engine.num_blocks,
+            fleet.engine.block_size,
+            fleet.engine.timing.speedup,
+            args.rate_scale,
+            policies.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let (requests, refs) = references(&args, &fleet)?;
+    let fleets = policies
+        .iter()
+        .map(|&p| {
+            let mut f = fleet.clone();
+            f.router.policy = p;
+            (p.name().to_owned(), f)
+        })
+        .collect();
+    let outcomes = run_all(&args, fleets)?;
+    let report = ReplayReport {
+        trace,
+        requests,
+        bound_hit_rate: refs.bound_hit_rate(),
+        pooled_lru_hit_rate: refs.pooled_lru_hit_rate(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+        policies: outcomes
+            .iter()
+            .map(|(n, o)| (n.clone(), o.report.clone()))
+            .collect(),
+        fleet,
+        args: args.clone(),
+    };
+    print_table(&report, &outcomes);
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let json = args
+        .json
+        .clone()
+        .unwrap_or_else(|| args.out.join("replay.json"));
+    crate::bench::stats::write_json(&json, &report)?;
+    println!("wrote {}", json.display());
+    if !args.no_plots {
+        for path in plots::write_all(&args.out, &report, &outcomes)? {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
+    println!(
+        "{} requests; hit-rate references: infinite cache {:.3}, pooled LRU of the fleet's capacity {:.3}",
+        report.requests, report.bound_hit_rate, report.pooled_lru_hit_rate
+    );
+    println!(
+        "{:<13} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
+        "policy",
+        "ttft mean",
+        "ttft p50",
+        "ttft p90",
+        "itl p50",
+        "e2e p90",
+        "hit",
+        "pred",
+        "req/s",
+        "tok/s",
+        "cv",
+        "preempt"
+    );
+    for (name, o) in outcomes {
+        let r = &o.report;
+        println!(
+            "{:<13} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
+            name,
+            r.ttft_ms.mean,
+            r.ttft_ms.p50,
+            r.ttft_ms.p90,
+            r.itl_ms.p50,
+            r.e2e_ms.p90,
+            r.hit_rate,
+            r.predicted_hit_rate,
+            r.throughput_rps,
+            r.output_tokens_per_sec,
+            r.load_cv,
+            r.preemptions
+        );
+    }
+    println!("(times in ms; hit = engine prefix hit rate; pred = router's predicted hit rate; cv = per-worker load imbalance)");
+    println!("wall: {:.1} s", report.wall_seconds);
+}
+
+/// `--sweep`: the `kv` policy over a grid of overlap weights and
+/// temperatures; reports the best TTFT p90.
+fn sweep(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<()> {
+    let mut fleets = Vec::new();
+    for w in [0.0, 0.5, 1.0, 2.0, 4.0] {
+        for t in [0.0, 0.1, 0.5] {
+            let mut f = fleet.clone();
+            f.router.policy = PolicyKind::Kv;
+            f.router.policies.kv.overlap_weight = w;
+            f.router.policies.kv.temperature = t;
+            fleets.push((format!("kv w={w} T={t}"), f));
+        }
+    }
+    let outcomes = run_all(args, fleets)?;
+    println!(
+        "{:<16} {:>9} {:>9} {:>6}",
+        "setting", "ttft p50", "ttft p90", "hit"
+    );
+    for (name, o) in &outcomes {
+        println!(
+            "{:<16} {:>9.1} {:>9.1} {:>6.3}",
+            name, o.report.ttft_ms.p50, o.report.ttft_ms.p90, o.report.hit_rate
+        );
+    }
+    if let Some((name, o)) = outcomes
+        .iter()
+        .min_by(|a, b| a.1.report.ttft_ms.p90.total_cmp(&b.1.report.ttft_ms.p90))
+    {
+        println!("best: {name} (TTFT p90 {:.1} ms)", o.report.ttft_ms.p90);
+    }
+    if let Some(json) = &args.json {
+        let map: BTreeMap<&str, &PolicyReport> = outcomes
+            .iter()
+            .map(|(n, o)| (n.as_str(), &o.report))
+            .collect();
+        crate::bench::stats::write_json(json, &map)?;
+        println!("wrote {}", json.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,208 @@
+//! `switchyard sim-worker`: a simulated engine worker.
+//!
+//! - [`driver`] — the tokio task that owns the pure engine core, steps it in
+//!   real time (model time divided by `--speedup`) and fans tokens out;
+//! - [`http`] — the OpenAI-compatible HTTP surface (axum) and the
+//!   informational endpoints routers probe;
+//! - [`kv_publish`] — KV events in vLLM's wire format over the event
+//!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
+//! - [`metrics`] — Prometheus text at `/metrics`.
+//!
+//! Data flow: HTTP handler → tokenizer → driver command channel → engine
+//! step → per-request token channel → SSE or JSON reply. KV events leave the
+//! driver through a bounded sink.
+
+pub mod driver;
+pub mod http;
+pub mod kv_publish;
+pub mod metrics;
+
+use crate::events::publisher::{KvEventPublisher, PublisherConfig};
+use anyhow::Context;
+use clap::Args;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use switchyard_engine::{Engine, EngineConfig, SyncDevice, TimingConfig};
+use switchyard_tokenizer::Tokenizer;
+
+/// Options of `switchyard sim-worker`.
+#[derive(Debug, Clone, Args)]
+pub struct SimWorkerArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Model name served at /v1/models and accepted in requests.
+    #[arg(long, default_value = "switchyard-sim")]
+    pub model: String,
+    /// ZMQ PUB endpoint to bind for vLLM-format KV events, e.g.
+    /// tcp://127.0.0.1:5557 (tcp://127.0.0.1:* picks a port; it is printed).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// ZMQ ROUTER endpoint to bind for replaying buffered KV-event batches.
+    #[arg(long)]
+    pub kv_replay: Option<String>,
+    /// KV-event batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_replay_buffer: usize,
+    /// Real-time speed-up: wall time = model time / F; 0 makes every step instant.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Same as --speedup 0.
+    #[arg(long)]
+    pub no_delay: bool,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Device KV blocks.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_blocks: usize,
+    /// Host-tier KV blocks that evicted device blocks spill into (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: usize,
+    /// Most sequences running in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (longer prompts are chunked).
+    #[arg(long, default_value_t = 8_192)]
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting before new ones get 503.
+    #[arg(long, default_value_t = 4_096)]
+    pub max_waiting: usize,
+    /// Longest prompt plus output a request may have.
+    #[arg(long, default_value_t = 32_768)]
+    pub max_model_len: usize,
+    /// Host-tier restores shorter than this many tokens are skipped.
+    #[arg(long, default_value_t = 256)]
+    pub min_restore_tokens: usize,
+    /// Times a host-tier restore may wait for device capacity before the
+    /// prefix is recomputed instead.
+    #[arg(long, default_value_t = 8)]
+    pub max_restore_deferrals: u32,
+    /// KV events buffered while the publisher lags; beyond it the newest are
+    /// dropped and counted.
+    #[arg(long, default_value_t = 1 << 16)]
+    pub max_buffered_events: usize,
+    /// KV bytes per token, for host-tier restore time.
+    #[arg(long, default_value_t = 128 * 1024)]
+    pub bytes_per_token: u64,
+    /// Host-to-device bandwidth in bytes per second, for restore time.
+    #[arg(long, default_value_t = 64e9)]
+    pub restore_bandwidth: f64,
+    /// Output tokens when a request gives no max_tokens.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: u32,
+    /// Directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json
+    /// (default: the repository's data/tokenizers, or $SWITCHYARD_TOKENIZER_DIR).
+    #[arg(long)]
+    pub tokenizer_dir: Option<PathBuf>,
+}
+
+impl SimWorkerArgs {
+    /// The engine configuration these flags describe.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            host_blocks: self.host_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_waiting: self.max_waiting,
+            max_model_len: self.max_model_len,
+            min_restore_tokens: self.min_restore_tokens,
+            max_restore_deferrals: self.max_restore_deferrals,
+            max_buffered_events: self.max_buffered_events,
+            emit_kv_events: self.kv_events.is_some(),
+            timing: TimingConfig {
+                speedup: if self.no_delay { 0.0 } else { self.speedup },
+                bytes_per_token: self.bytes_per_token,
+                restore_bandwidth_bytes_per_s: self.restore_bandwidth,
+                ..TimingConfig::default()
+            },
+        }
+    }
+}
+
+/// Runs the worker until Ctrl-C.
+pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
+    if args.kv_replay.is_some() && args.kv_events.is_none() {
+        anyhow::bail!("--kv-replay needs --kv-events");
+    }
+    let config = args.engine_config();
+    config.validate().context("invalid engine configuration")?;
+    let tokenizer = match &args.tokenizer_dir {
+        Some(dir) => Tokenizer::from_files(
+            &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
+            Some(&dir.join(switchyard_tokenizer::BUNDLED_CONFIG)),
+        ),
+        None => Tokenizer::bundled(),
+    }
+    .context("loading the tokenizer")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(serve(args, config, tokenizer))
+}
+
+async fn serve(
+    args: SimWorkerArgs,
+    config: EngineConfig,
+    tokenizer: Tokenizer,
+) -> anyhow::Result<()> {
+    let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
+    let metrics = Arc::new(metrics::Metrics::default());
+    let kv_sink = match &args.kv_events {
+        None => None,
+        Some(endpoint) => {
+            let mut publisher_config =
+                PublisherConfig::new(endpoint.clone(), args.kv_replay.clone());
+            publisher_config.replay_buffer = args.kv_replay_buffer;
+            let publisher = KvEventPublisher::bind(publisher_config)
+                .with_context(|| format!("binding the KV-event publisher on {endpoint}"))?;
+            println!(
+                "switchyard sim-worker kv-events {} replay {}",
+                publisher.endpoint(),
+                publisher.replay_endpoint().unwrap_or("-")
+            );
+            let (tx, rx) = tokio::sync::mpsc::channel(1024);
+            kv_publish::spawn(publisher, rx, metrics.clone())
+                .context("starting the KV-event publisher")?;
+            Some(tx)
+        }
+    };
+    let driver = driver::spawn(engine, metrics.clone(), kv_sink);
+    let state = http::AppState {
+        model: args.model.as_str().into(),
+        config: Arc::new(config),
+        tokenizer: Arc::new(tokenizer),
+        driver,
+        metrics,
+        default_max_tokens: args.default_max_tokens,
+        next_id: Arc::new(AtomicU64::new(1)),
+        id_salt: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    };
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+    println!(
+        "switchyard sim-worker listening on http://{local} (model {})",
+        args.model
+    );
+    axum::serve(listener, http::router(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("serving HTTP")
+}

@@ -1,0 +1,361 @@
+//! `switchyard sim-worker` as a real process on loopback, driven by a real
+//! HTTP client.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+/// Kills the worker when the test ends, pass or fail.
+struct Worker {
+    child: Child,
+    base: String,
+    /// `(pub, replay)` endpoints when started with `--kv-events`.
+    kv: Option<(String, String)>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_worker(extra: &[&str]) -> Worker {
+    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["sim-worker", "--host", "127.0.0.1", "--port", "0"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the switchyard binary starts");
+    // Owned by the guard from here on, so every exit path kills and reaps it.
+    let mut worker = Worker {
+        child,
+        base: String::new(),
+        kv: None,
+    };
+    let stdout = worker.child.stdout.take().expect("stdout is piped");
+    let mut reader = BufReader::new(stdout);
+    loop {
+        let mut line = String::new();
+        let n = reader
+            .read_line(&mut line)
+            .expect("the worker prints its address");
+        assert!(n > 0, "the worker exited before listening");
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let Some(i) = words.iter().position(|w| *w == "kv-events") {
+            worker.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+        }
+        if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
+            worker.base = (*url).to_owned();
+            return worker;
+        }
+    }
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
+#[tokio::test]
+async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
+    let worker = start_worker(&["--num-blocks", "1024", "--speedup", "50"]);
+    let client = reqwest::Client::new();
+    let prompt: Vec<u32> = (1000..1400).collect();
+    let body = serde_json::json!({
+        "model": "switchyard-sim",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let response = client
+        .post(format!("{}/v1/completions", worker.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut stream = response.bytes_stream();
+    let mut text = String::new();
+    use futures_util::StreamExt;
+    let mut chunks_seen = 0;
+    while let Some(chunk) = stream.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        chunks_seen += 1;
+    }
+    assert!(chunks_seen >= 1);
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let events: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let tokens = events
+        .iter()
+        .filter(|e| {
+            e["choices"][0]["finish_reason"].is_null()
+                && !e["choices"].as_array().unwrap().is_empty()
+        })
+        .count();
+    assert_eq!(tokens, 8);
+    let usage = &events.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], 400);
+    assert_eq!(usage["completion_tokens"], 8);
+
+    let metrics = client
+        .get(format!("{}/metrics", worker.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&metrics, "switchyard_engine_prompt_tokens_total"),
+        400.0
+    );
+    assert_eq!(
+        metric(&metrics, "switchyard_engine_generation_tokens_total"),
+        8.0
+    );
+    assert!(metric(&metrics, "switchyard_engine_cached_blocks") >= 25.0);
+
+    // The same prompt again is served from the prefix cache.
+    let second = client
+        .post(format!("{}/v1/completions", worker.base))
+        .json(&serde_json::json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap();
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        384
+    );
+    let metrics = client
+        .get(format!("{}/metrics", worker.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&metrics, "switchyard_engine_prefix_hit_tokens_total"),
+        384.0
+    );
+}
+
+#[tokio::test]
+async fn chat_text_and_bad_input_get_openai_shaped_replies() {
+    let worker = start_worker(&["--no-delay", "--model", "m1"]);
+    let client = reqwest::Client::new();
+    let chat = client
+        .post(format!("{}/v1/chat/completions", worker.base))
+        .json(&serde_json::json!({
+            "model": "m1",
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(chat.status(), 200);
+    let chat: serde_json::Value = chat.json().await.unwrap();
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["usage"]["completion_tokens"], 4);
+    assert!(
+        chat["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .len()
+            > 1
+    );
+
+    for (body, status) in [
+        (r#"{"prompt": "#.to_owned(), 400),
+        (r#"{"prompt": [], "max_tokens": 1}"#.to_owned(), 400),
+        (r#"{"prompt": "hi", "max_tokens": 0}"#.to_owned(), 400),
+        (r#"{"prompt": "hi", "model": "other"}"#.to_owned(), 404),
+        (
+            format!(r#"{{"prompt": {:?}, "max_tokens": 1}}"#, vec![7u32; 40_000]),
+            400,
+        ),
+    ] {
+        let reply = client
+            .post(format!("{}/v1/completions", worker.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), status);
+        let error: serde_json::Value = reply.json().await.unwrap();
+        assert!(error["error"]["message"].is_string());
+    }
+
+    for path in [
+        "/health",
+        "/health_generate",
+        "/get_server_info",
+        "/get_model_info",
+        "/v1/models",
+    ] {
+        let reply = client
+            .get(format!("{}{path}", worker.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 200, "{path}");
+    }
+}
+
+#[tokio::test]
+async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
+    use std::sync::{Arc, Mutex};
+    use switchyard::events::metrics::KvEventMetrics;
+    use switchyard::events::subscriber::{KvEventSubscriber, SubscriberConfig};
+    use switchyard_core::index::PrefixIndex;
+    use switchyard_core::{EngineHash, WorkerId};
+
+    // A small pool so that later prompts evict earlier ones: removals flow too.
+    let worker = start_worker(&[
+        "--no-delay",
+        "--num-blocks",
+        "64",
+        "--kv-events",
+        "tcp://127.0.0.1:*",
+        "--kv-replay",
+        "tcp://127.0.0.1:*",
+    ]);
+    let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
+    let id = WorkerId::new(7);
+    let index = Arc::new(Mutex::new(PrefixIndex::new()));
+    let metrics = KvEventMetrics::new();
+    let mut config = SubscriberConfig::new(id, pub_endpoint, 16);
+    config.replay_endpoint = Some(replay_endpoint);
+    let context = zmq::Context::new();
+    let subscriber =
+        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker(id)).unwrap();
+
+    let client = reqwest::Client::new();
+    for round in 0..6u32 {
+        // Pairs of prompts share a 320-token prefix.
+        let mut prompt: Vec<u32> = (0..320).map(|t| 10_000 * (round / 2) + t).collect();
+        prompt.extend((0..200).map(|t| 900_000 + 1_000 * round + t));
+        let reply = client
+            .post(format!("{}/v1/completions", worker.base))
+            .json(
+                &serde_json::json!({"prompt": prompt, "max_tokens": 20, "stream": round % 2 == 0}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 200);
+        reply.bytes().await.unwrap();
+    }
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let cache: serde_json::Value = client
+            .get(format!("{}/debug/kv_cache", worker.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let device: Vec<u64> = cache["device"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        assert!(!device.is_empty());
+        let matches = {
+            let index = index.lock().unwrap();
+            index.worker_blocks(id) == device.len()
+                && device.iter().all(|&h| index.holds(id, EngineHash(h)))
+        };
+        if matches {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the subscriber's index never matched the worker's cache"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let metrics_text = client
+        .get(format!("{}/metrics", worker.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &metrics_text,
+            "switchyard_engine_kv_batches_published_total"
+        ) > 0.0
+    );
+    assert_eq!(
+        metric(&metrics_text, "switchyard_engine_kv_events_dropped_total"),
+        0.0
+    );
+    subscriber.shutdown();
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
+    let worker = start_worker(&["--speedup", "1"]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", worker.base))
+        .json(&serde_json::json!({"prompt": [5, 6, 7, 8], "max_tokens": 5000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    use futures_util::StreamExt;
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let text = client
+            .get(format!("{}/metrics", worker.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let cancelled = text
+            .lines()
+            .any(|l| l.starts_with("switchyard_engine_requests_total{status=\"cancelled\"} 1"));
+        if cancelled && metric(&text, "switchyard_engine_running") == 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request was never cancelled:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
