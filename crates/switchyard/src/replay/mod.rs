@@ -12,8 +12,9 @@ use anyhow::Context;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
@@ -22,12 +23,14 @@ use switchyard_engine::EngineConfig;
 use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
-use switchyard_sim::workload::{self, SessionStream, SyntheticConfig, WorkloadLimits};
+use switchyard_sim::trace::{read_sharegpt, ShareGptOptions};
+use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
 
-/// Default arrival-rate multiplier for the bundled trace: at 1× the default
-/// fleet idles; at 6× round-robin's TTFT p90 passes 2 s, where routing
-/// decides how the fleet holds up.
-pub const DEFAULT_RATE_SCALE: f64 = 6.0;
+/// Default arrival-rate multiplier for the bundled trace. At 1× the default
+/// fleet idles (TTFT p90 about 0.1 s for every policy); at 28× round-robin's
+/// TTFT p90 passes 2 s while the fleet still keeps up, which is where the
+/// choice of policy decides how the fleet holds up.
+pub const DEFAULT_RATE_SCALE: f64 = 28.0;
 
 /// Fleet profiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -46,12 +49,16 @@ pub enum Profile {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum TraceFormat {
-    /// Guess from the file name (`.jsonl` Mooncake, `.csv` Azure).
+    /// Guess from the file name (`.csv` Azure, `sharegpt` in the name
+    /// ShareGPT, otherwise Mooncake).
     Auto,
     /// Mooncake JSONL.
     Mooncake,
     /// Azure LLM inference 2023 CSV.
     Azure,
+    /// ShareGPT multi-turn conversations (JSONL, optionally gzip), tokenized
+    /// with the bundled Qwen3 tokenizer and chat template.
+    Sharegpt,
     /// The built-in synthetic multi-turn generator (no file).
     Synthetic,
 }
@@ -104,6 +111,12 @@ pub struct ReplayArgs {
     /// Seed of every random choice.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Multi-turn workloads: new sessions per second.
+    #[arg(long, default_value_t = 2.0)]
+    pub sessions_per_sec: f64,
+    /// Multi-turn workloads: think time between an answer and the next turn, ms.
+    #[arg(long, default_value_t = 5000.0)]
+    pub think_time_ms: f64,
     /// Simulations run at once (default: the machine's cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -199,16 +212,84 @@ fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
 }
 
 fn format_of(args: &ReplayArgs, path: Option<&Path>) -> TraceFormat {
+    let name = path
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
     match (args.format, path) {
-        (TraceFormat::Auto, Some(p)) if p.extension().is_some_and(|e| e == "csv") => {
-            TraceFormat::Azure
-        }
+        (TraceFormat::Auto, Some(_)) if name.ends_with(".csv") => TraceFormat::Azure,
+        (TraceFormat::Auto, Some(_)) if name.contains("sharegpt") => TraceFormat::Sharegpt,
         (TraceFormat::Auto, _) => TraceFormat::Mooncake,
         (f, _) => f,
     }
 }
 
-/// Opens the workload the arguments describe, with limits applied.
+/// A workload each simulation can open: traces are re-read per
+/// simulation (streaming, bounded memory); tokenized ShareGPT sessions are
+/// built once and shared.
+#[derive(Clone)]
+pub enum WorkloadSource {
+    /// Re-read from the trace file each time.
+    Streamed,
+    /// Built once.
+    Shared(Arc<Vec<Session>>),
+}
+
+impl WorkloadSource {
+    /// Prepares the workload of `args` (tokenizing ShareGPT once).
+    pub fn prepare(args: &ReplayArgs) -> anyhow::Result<Self> {
+        let path = trace_path(args)?;
+        if format_of(args, path.as_deref()) != TraceFormat::Sharegpt {
+            return Ok(Self::Streamed);
+        }
+        let path = path.expect("ShareGPT is a file format");
+        let file =
+            File::open(&path).with_context(|| format!("opening trace {}", path.display()))?;
+        let input: Box<dyn BufRead> = if path.extension().is_some_and(|e| e == "gz") {
+            Box::new(BufReader::new(flate2::read::GzDecoder::new(file)))
+        } else {
+            Box::new(BufReader::new(file))
+        };
+        let tokenizer = switchyard_tokenizer::Tokenizer::bundled()
+            .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?;
+        let sessions = read_sharegpt(
+            input,
+            &tokenizer,
+            ShareGptOptions {
+                sessions_per_sec: args.sessions_per_sec,
+                think_time_ms: args.think_time_ms,
+                max_sessions: args.max_requests,
+                seed: args.seed,
+                ..ShareGptOptions::default()
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(Self::Shared(Arc::new(sessions)))
+    }
+
+    /// A fresh stream of the workload with the limits of `args` applied.
+    pub fn open(&self, args: &ReplayArgs) -> anyhow::Result<SessionStream> {
+        match self {
+            Self::Streamed => open_workload(args),
+            Self::Shared(sessions) => {
+                let sessions = Arc::clone(sessions);
+                let stream: SessionStream =
+                    Box::new((0..sessions.len()).map(move |i| Ok(sessions[i].clone())));
+                Ok(workload::limited(stream, limits(args)))
+            }
+        }
+    }
+}
+
+fn limits(args: &ReplayArgs) -> WorkloadLimits {
+    WorkloadLimits {
+        rate_scale: args.rate_scale,
+        max_sessions: args.max_requests,
+        duration_ms: args.duration.map(|s| s * 1000.0),
+    }
+}
+
+/// Opens a streamed (file or synthetic) workload, with limits applied.
 pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
     let path = trace_path(args)?;
     let open = |p: &Path| -> anyhow::Result<BufReader<File>> {
@@ -219,8 +300,14 @@ pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
     let stream = match format_of(args, path.as_deref()) {
         TraceFormat::Synthetic => workload::synthetic(SyntheticConfig {
             seed: args.seed,
+            sessions_per_sec: args.sessions_per_sec,
+            think_time_ms: args.think_time_ms,
+            sessions: args
+                .max_requests
+                .unwrap_or(SyntheticConfig::default().sessions),
             ..SyntheticConfig::default()
         }),
+        TraceFormat::Sharegpt => anyhow::bail!("ShareGPT workloads are prepared, not streamed"),
         TraceFormat::Azure => {
             workload::azure(open(path.as_deref().expect("a file format"))?, args.seed)
         }
@@ -228,23 +315,20 @@ pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
             workload::mooncake(open(path.as_deref().expect("a file format"))?, 3_000.0)
         }
     };
-    Ok(workload::limited(
-        stream,
-        WorkloadLimits {
-            rate_scale: args.rate_scale,
-            max_sessions: args.max_requests,
-            duration_ms: args.duration.map(|s| s * 1000.0),
-        },
-    ))
+    Ok(workload::limited(stream, limits(args)))
 }
 
 /// The references over the same workload: infinite cache and pooled LRU of
 /// the fleet's capacity, at the engine's block size.
-pub fn references(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<(u64, References)> {
+pub fn references(
+    args: &ReplayArgs,
+    source: &WorkloadSource,
+    fleet: &FleetConfig,
+) -> anyhow::Result<(u64, References)> {
     let block_size = fleet.engine.block_size;
     let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
     let mut requests = 0;
-    for session in open_workload(args)? {
+    for session in source.open(args)? {
         let session = session.map_err(|e| anyhow::anyhow!("{e}"))?;
         for turn in &session.turns {
             let tokens = turn.prompt.tokens();
@@ -259,6 +343,7 @@ pub fn references(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<(u64
 /// Runs one simulation per fleet configuration, `threads` at a time.
 pub fn run_all(
     args: &ReplayArgs,
+    source: &WorkloadSource,
     fleets: Vec<(String, FleetConfig)>,
 ) -> anyhow::Result<Vec<(String, SimOutcome)>> {
     let threads = args
@@ -276,7 +361,7 @@ pub fn run_all(
                     let Some((i, (name, fleet))) = queue.lock().expect("not poisoned").pop() else {
                         return Ok(());
                     };
-                    let workload = open_workload(args)?;
+                    let workload = source.open(args)?;
                     let outcome = simulate(&fleet, workload, |done| {
                         if !args.quiet && done % 2048 == 0 {
                             eprintln!(
@@ -314,8 +399,9 @@ pub fn run_all(
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let fleet = fleet_config(&args)?;
+    let source = WorkloadSource::prepare(&args)?;
     if args.sweep {
-        return sweep(&args, &fleet);
+        return sweep(&args, &source, &fleet);
     }
     let policies = if args.policies.is_empty() {
         PolicyKind::ALL.to_vec()
@@ -335,7 +421,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             policies.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
         );
     }
-    let (requests, refs) = references(&args, &fleet)?;
+    let (requests, refs) = references(&args, &source, &fleet)?;
     let fleets = policies
         .iter()
         .map(|&p| {
@@ -344,7 +430,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             (p.name().to_owned(), f)
         })
         .collect();
-    let outcomes = run_all(&args, fleets)?;
+    let outcomes = run_all(&args, &source, fleets)?;
     let report = ReplayReport {
         trace,
         requests,
@@ -419,10 +505,10 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
 
 /// `--sweep`: the `kv` policy over a grid of overlap weights and
 /// temperatures; reports the best TTFT p90.
-fn sweep(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<()> {
+fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> anyhow::Result<()> {
     let mut fleets = Vec::new();
-    for w in [0.0, 0.5, 1.0, 2.0, 4.0] {
-        for t in [0.0, 0.1, 0.5] {
+    for w in [0.5, 1.0, 2.0, 4.0, 8.0, 16.0] {
+        for t in [0.0, 0.05] {
             let mut f = fleet.clone();
             f.router.policy = PolicyKind::Kv;
             f.router.policies.kv.overlap_weight = w;
@@ -430,7 +516,7 @@ fn sweep(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<()> {
             fleets.push((format!("kv w={w} T={t}"), f));
         }
     }
-    let outcomes = run_all(args, fleets)?;
+    let outcomes = run_all(args, source, fleets)?;
     println!(
         "{:<16} {:>9} {:>9} {:>6}",
         "setting", "ttft p50", "ttft p90", "hit"
