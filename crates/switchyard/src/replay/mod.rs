@@ -9,6 +9,7 @@ mod plots;
 
 use crate::data::data_path;
 use anyhow::Context;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -340,43 +341,57 @@ pub fn references(
     Ok((requests, refs))
 }
 
-/// Runs one simulation per fleet configuration, `threads` at a time.
+/// Runs one simulation per fleet configuration, `threads` at a time, with a
+/// progress bar per simulation on stderr (`total`: requests per simulation,
+/// when known).
 pub fn run_all(
     args: &ReplayArgs,
     source: &WorkloadSource,
     fleets: Vec<(String, FleetConfig)>,
+    total: Option<u64>,
 ) -> anyhow::Result<Vec<(String, SimOutcome)>> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    let queue = Mutex::new(fleets.into_iter().enumerate().collect::<Vec<_>>());
+    let bars = MultiProgress::with_draw_target(if args.quiet {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    });
+    let style =
+        ProgressStyle::with_template("{prefix:>16} [{bar:40}] {pos}/{len} requests {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> ");
+    // Popped from the back: reverse so simulations start in the given order.
+    let mut jobs: Vec<_> = fleets
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, fleet))| {
+            let bar = bars.add(ProgressBar::new(total.unwrap_or(0)));
+            bar.set_style(style.clone());
+            bar.set_prefix(name.clone());
+            (i, name, fleet, bar)
+        })
+        .collect();
+    jobs.reverse();
+    let queue = Mutex::new(jobs);
     let results = Mutex::new(Vec::new());
-    let started = Instant::now();
     std::thread::scope(|scope| -> anyhow::Result<()> {
         let mut handles = Vec::new();
         for _ in 0..threads {
             handles.push(scope.spawn(|| -> anyhow::Result<()> {
                 loop {
-                    let Some((i, (name, fleet))) = queue.lock().expect("not poisoned").pop() else {
+                    let Some((i, name, fleet, bar)) = queue.lock().expect("not poisoned").pop()
+                    else {
                         return Ok(());
                     };
                     let workload = source.open(args)?;
-                    let outcome = simulate(&fleet, workload, |done| {
-                        if !args.quiet && done % 2048 == 0 {
-                            eprintln!(
-                                "  {name}: {done} requests done ({:.0} s)",
-                                started.elapsed().as_secs_f64()
-                            );
-                        }
-                    })
-                    .with_context(|| format!("simulating {name}"))?;
-                    if !args.quiet {
-                        eprintln!(
-                            "  {name}: finished in {:.1} s",
-                            started.elapsed().as_secs_f64()
-                        );
-                    }
+                    bar.reset_elapsed();
+                    let outcome = simulate(&fleet, workload, |done| bar.set_position(done))
+                        .with_context(|| format!("simulating {name}"))?;
+                    bar.set_position(outcome.report.completed + outcome.report.errors);
+                    bar.finish();
                     results
                         .lock()
                         .expect("not poisoned")
@@ -430,7 +445,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             (p.name().to_owned(), f)
         })
         .collect();
-    let outcomes = run_all(&args, &source, fleets)?;
+    let outcomes = run_all(&args, &source, fleets, Some(requests))?;
     let report = ReplayReport {
         trace,
         requests,
@@ -516,7 +531,7 @@ fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> any
             fleets.push((format!("kv w={w} T={t}"), f));
         }
     }
-    let outcomes = run_all(args, source, fleets)?;
+    let outcomes = run_all(args, source, fleets, None)?;
     println!(
         "{:<16} {:>9} {:>9} {:>6}",
         "setting", "ttft p50", "ttft p90", "hit"
