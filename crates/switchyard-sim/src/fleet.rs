@@ -4,9 +4,11 @@
 //! Events, each at a simulated instant (ties in scheduling order):
 //!
 //! - **arrival** — a turn of a session arrives; its prompt is expanded and
-//!   hashed exactly as the router would, routed (`Router::route`), booked
-//!   (`book`), and handed to the chosen engine; when every worker is busy it
-//!   waits in a FIFO queue until capacity frees;
+//!   hashed exactly as the router would and submitted to the admission
+//!   controller (the policy queue, plus the session-aware strategy when
+//!   configured); each poll routes ready requests (`Router::route`), books
+//!   them (`book`) and hands them to the chosen engine; when every worker is
+//!   busy they wait until capacity frees or the periodic recheck;
 //! - **step done** — an engine step launched earlier completes: its tokens
 //!   reach the clients (a first token marks the prefill done, a last one
 //!   frees the booking), its KV events leave for the router, and the engine
@@ -24,12 +26,17 @@ use crate::workload::{Session, SessionStream};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::BinaryHeap;
+use switchyard_core::admission::{
+    AdmissionConfig, AdmissionController, AdmissionStrategy, KvUsage, Placed, Placement,
+    QueueClass, RequestFacts, ResponseTicket, SessionAwareConfig, SessionAwareStrategy, SessionKey,
+    SubmitOutcome,
+};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, StoredBlock};
 use switchyard_core::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
 use switchyard_core::select::{RoutingRequest, SelectOutcome};
-use switchyard_core::{RequestId, WorkerId};
+use switchyard_core::{LocalHash, RequestId, WorkerId};
 use switchyard_engine::{
     Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, SyncDevice,
 };
@@ -50,6 +57,10 @@ pub struct FleetConfig {
     pub prefill_hints: bool,
     /// Width of the per-worker load timeline buckets.
     pub timeline_bucket_ms: f64,
+    /// The policy queue.
+    pub admission: AdmissionConfig,
+    /// Session-aware admission (multi-turn sessions); `None`: no strategy.
+    pub session_aware: Option<SessionAwareConfig>,
 }
 
 impl Default for FleetConfig {
@@ -61,6 +72,8 @@ impl Default for FleetConfig {
             kv_event_delay_ms: 10.0,
             prefill_hints: true,
             timeline_bucket_ms: 10_000.0,
+            admission: AdmissionConfig::default(),
+            session_aware: None,
         }
     }
 }
@@ -80,6 +93,9 @@ pub enum SimError {
     /// The fleet has no workers.
     #[error("the fleet needs at least one worker")]
     NoWorkers,
+    /// An admission setting is invalid.
+    #[error("admission: {0}")]
+    Admission(String),
 }
 
 /// What a simulation produced.
@@ -123,6 +139,8 @@ enum Event {
         worker: usize,
         events: Vec<IndexEvent>,
     },
+    /// The admission controller's recheck or reconcile is due.
+    AdmissionTick,
 }
 
 struct Scheduled {
@@ -161,12 +179,17 @@ struct InFlight {
     first_token_ms: Option<f64>,
     last_token_ms: f64,
     worker: usize,
+    ticket: Option<ResponseTicket>,
 }
 
-struct Waiting {
+/// A submitted request waiting for placement: the driver owns its payload.
+struct Payload {
     session: u64,
     turn: usize,
     arrival_ms: f64,
+    tokens: Vec<u32>,
+    blocks: Vec<LocalHash>,
+    output_tokens: u32,
 }
 
 struct WorkerState {
@@ -198,7 +221,10 @@ struct Fleet {
     lookahead: Option<Session>,
     sessions: FxHashMap<u64, Session>,
     in_flight: FxHashMap<RequestId, InFlight>,
-    waiting: VecDeque<Waiting>,
+    admission: AdmissionController,
+    payloads: FxHashMap<RequestId, Payload>,
+    placed: Vec<Placed>,
+    tick_at: Option<f64>,
     kv_scratch: Vec<KvEvent>,
     // Figures.
     ttft: Vec<f64>,
@@ -251,6 +277,15 @@ impl Fleet {
             });
         }
         let timeline = LoadTimeline::new(config.workers, config.timeline_bucket_ms.max(1.0));
+        let strategy = match config.session_aware {
+            Some(session) => Some(Box::new(
+                SessionAwareStrategy::new(session)
+                    .map_err(|e| SimError::Admission(e.to_string()))?,
+            ) as Box<dyn AdmissionStrategy + Send>),
+            None => None,
+        };
+        let admission = AdmissionController::new(config.admission.clone(), strategy)
+            .map_err(|e| SimError::Admission(e.to_string()))?;
         Ok(Self {
             config,
             router,
@@ -263,7 +298,10 @@ impl Fleet {
             lookahead: None,
             sessions: FxHashMap::default(),
             in_flight: FxHashMap::default(),
-            waiting: VecDeque::new(),
+            admission,
+            payloads: FxHashMap::default(),
+            placed: Vec::new(),
+            tick_at: None,
             kv_scratch: Vec::new(),
             ttft: Vec::new(),
             itl: Vec::new(),
@@ -321,7 +359,12 @@ impl Fleet {
                 Event::Turn { session, turn } => self.arrive(session, turn),
                 Event::StepDone { worker } => {
                     self.finish_step(worker, progress)?;
-                    self.drain_waiting();
+                    self.poll_admission();
+                }
+                Event::AdmissionTick => {
+                    self.tick_at = None;
+                    self.admission.tick(self.now);
+                    self.poll_admission();
                 }
                 Event::KvDelivery { worker, events } => {
                     let id = self.workers[worker].id;
@@ -339,97 +382,153 @@ impl Fleet {
     }
 
     fn arrive(&mut self, session: u64, turn: usize) {
-        self.waiting.push_back(Waiting {
-            session,
-            turn,
-            arrival_ms: self.now,
-        });
-        self.drain_waiting();
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        let multi_turn = s.turns.len() > 1;
+        let spec = &s.turns[turn];
+        let output_tokens = spec.output_tokens;
+        let tokens = spec.prompt.tokens();
+        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
+        let id = Self::request_id(session, turn);
+        let facts = RequestFacts {
+            id,
+            session: multi_turn.then_some(SessionKey(session)),
+            context_tokens: tokens.len() as u32,
+            uncached_tokens: tokens.len() as u32,
+            class: QueueClass::default(),
+            eligible: &[],
+            now_ms: self.now,
+        };
+        match self.admission.submit(&facts) {
+            SubmitOutcome::Queued | SubmitOutcome::Deferred => {
+                self.payloads.insert(
+                    id,
+                    Payload {
+                        session,
+                        turn,
+                        arrival_ms: self.now,
+                        tokens,
+                        blocks,
+                        output_tokens,
+                    },
+                );
+            }
+            SubmitOutcome::Rejected { .. } | SubmitOutcome::Duplicate => self.fail(session),
+        }
+        self.poll_admission();
     }
 
-    /// Dispatches waiting requests in order until one finds every worker busy.
-    fn drain_waiting(&mut self) {
-        while let Some(w) = self.waiting.front() {
-            let (session, turn, arrival_ms) = (w.session, w.turn, w.arrival_ms);
-            if !self.dispatch(session, turn, arrival_ms) {
-                break;
+    /// Places every request the admission controller offers, books it and
+    /// starts it on its engine; schedules the next recheck while work remains.
+    fn poll_admission(&mut self) {
+        let mut placed = std::mem::take(&mut self.placed);
+        let now = self.now;
+        let router = &mut self.router;
+        let payloads = &self.payloads;
+        let config = &self.config;
+        self.admission.poll(now, &mut placed, |id, placement| {
+            let Some(p) = payloads.get(&id) else {
+                return SelectOutcome::NoWorkers;
+            };
+            let request = RoutingRequest {
+                prompt_tokens: p.tokens.len() as u32,
+                blocks: &p.blocks,
+            };
+            let exact;
+            let eligible = match placement {
+                Placement::Any => None,
+                Placement::Exact(worker) => {
+                    exact = [worker];
+                    Some(&exact[..])
+                }
+            };
+            let outcome = router.route(request, eligible, now);
+            if let SelectOutcome::Selected(decision) = outcome {
+                let cached = (decision.overlap_blocks as u64 * config.engine.block_size as u64)
+                    .min(p.tokens.len() as u64);
+                let hint = config
+                    .prefill_hints
+                    .then(|| expected_prefill_ms(config, p.tokens.len() as u64 - cached));
+                router.book(id, request, decision, hint, now);
             }
-            self.waiting.pop_front();
+            outcome
+        });
+        for p in placed.drain(..) {
+            match p {
+                Placed::Selected {
+                    ticket,
+                    decision,
+                    waited_ms,
+                } => self.start(ticket, decision.worker, decision.overlap_blocks, waited_ms),
+                Placed::NoWorkers { id } => {
+                    if let Some(p) = self.payloads.remove(&id) {
+                        self.fail(p.session);
+                    }
+                }
+            }
+        }
+        self.placed = placed;
+        let busy = !self.payloads.is_empty()
+            || !self.in_flight.is_empty()
+            || !self.sessions.is_empty()
+            || self.lookahead.is_some();
+        if let Some(at) = self.admission.next_wakeup_ms().filter(|_| busy) {
+            let at = at.max(self.now + 1.0);
+            if self.tick_at.is_none_or(|t| at < t) {
+                self.tick_at = Some(at);
+                self.schedule(at, Event::AdmissionTick);
+            }
         }
     }
 
-    /// Routes and starts one turn; returns false when it must keep waiting.
-    fn dispatch(&mut self, session: u64, turn: usize, arrival_ms: f64) -> bool {
-        let Some(spec) = self.sessions.get(&session).map(|s| &s.turns[turn]) else {
-            return true;
+    /// Hands a placed (and booked) request to its engine.
+    fn start(
+        &mut self,
+        ticket: ResponseTicket,
+        worker_id: WorkerId,
+        overlap_blocks: u32,
+        waited_ms: f64,
+    ) {
+        let id = ticket.id();
+        let Some(p) = self.payloads.remove(&id) else {
+            self.router.free(id, self.now);
+            self.admission.abort(ticket, self.now);
+            return;
         };
-        let output_tokens = spec.output_tokens;
-        let tokens = spec.prompt.tokens();
-        let block_size = self.config.engine.block_size;
-        let blocks = local_block_hashes(&tokens, block_size, DEFAULT_SEED);
-        let request = RoutingRequest {
-            prompt_tokens: tokens.len() as u32,
-            blocks: &blocks,
-        };
-        let decision = match self.router.route(request, None, self.now) {
-            SelectOutcome::Selected(d) => d,
-            SelectOutcome::AllBusy => return false,
-            SelectOutcome::NoWorkers => {
-                self.fail(session);
-                return true;
-            }
-        };
-        let id = Self::request_id(session, turn);
-        let cached = (decision.overlap_blocks as u64 * block_size as u64).min(tokens.len() as u64);
-        let hint = self
-            .config
-            .prefill_hints
-            .then(|| self.expected_prefill_ms(tokens.len() as u64 - cached));
-        self.router.book(id, request, decision, hint, self.now);
-        let worker = self.by_worker_id[&decision.worker];
-        let prompt_tokens = tokens.len() as u32;
+        let worker = self.by_worker_id[&worker_id];
+        let prompt_tokens = p.tokens.len() as u32;
+        let cached = (u64::from(overlap_blocks) * self.config.engine.block_size as u64)
+            .min(u64::from(prompt_tokens));
         let admitted = self.workers[worker].engine.add_request(NewRequest {
             id,
-            prompt: tokens,
-            max_tokens: output_tokens,
+            prompt: p.tokens,
+            max_tokens: p.output_tokens,
             hash_seed: DEFAULT_SEED,
         });
         if admitted.is_err() {
             self.router.free(id, self.now);
-            self.fail(session);
-            return true;
+            self.admission.abort(ticket, self.now);
+            self.fail(p.session);
+            return;
         }
-        self.queue.push(self.now - arrival_ms);
+        self.admission.dispatched(&ticket, self.now);
+        self.queue.push(waited_ms);
         self.in_flight.insert(
             id,
             InFlight {
-                session,
-                turn,
-                arrival_ms,
+                session: p.session,
+                turn: p.turn,
+                arrival_ms: p.arrival_ms,
                 prompt_tokens,
                 predicted_tokens: cached,
                 first_token_ms: None,
                 last_token_ms: self.now,
                 worker,
+                ticket: Some(ticket),
             },
         );
         self.kick(worker);
-        true
-    }
-
-    /// Expected prefill time of `tokens` uncached tokens, chunked as the
-    /// engine batches them, in simulated milliseconds.
-    fn expected_prefill_ms(&self, tokens: u64) -> f64 {
-        let timing = &self.config.engine.timing;
-        let chunk = self.config.engine.max_num_batched_tokens.max(1) as u64;
-        let mut left = tokens;
-        let mut ms = 0.0;
-        while left > 0 {
-            let t = left.min(chunk);
-            ms += timing.prefill_ms(t);
-            left -= t;
-        }
-        timing.wall_ms(ms)
     }
 
     fn fail(&mut self, session: u64) {
@@ -484,6 +583,9 @@ impl Fleet {
             let Some(r) = self.in_flight.get_mut(&token.request) else {
                 continue;
             };
+            if let Some(progress) = r.ticket.as_mut().and_then(ResponseTicket::progress) {
+                progress.advance(1);
+            }
             match r.first_token_ms {
                 None => {
                     r.first_token_ms = Some(now);
@@ -505,6 +607,11 @@ impl Fleet {
             self.output_tokens += done.output_tokens as u64;
             self.e2e.push(now - r.arrival_ms);
             self.completed += 1;
+            if let Some(ticket) = r.ticket {
+                let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
+                // A refusal gives the ticket back; it was dispatched, so none comes.
+                let _ = self.admission.complete(ticket, context, now);
+            }
             self.last_completion = now;
             debug_assert_eq!(r.worker, worker);
             self.next_turn(r.session, r.turn);
@@ -513,6 +620,15 @@ impl Fleet {
             }
         }
         self.deliver_kv_events(worker);
+        let engine = &self.workers[worker].engine;
+        let capacity = (self.config.engine.num_blocks * self.config.engine.block_size) as u64;
+        self.admission.report_kv(
+            self.workers[worker].id,
+            KvUsage {
+                capacity_tokens: capacity,
+                used_tokens: Some((engine.kv_usage() * capacity as f64) as u64),
+            },
+        );
         self.workers[worker].pending = report;
         self.workers[worker].busy = false;
         self.kick(worker);
@@ -588,6 +704,21 @@ impl Fleet {
             ttft_samples_ms: self.ttft,
         }
     }
+}
+
+/// Expected prefill time of `tokens` uncached tokens, chunked as the engine
+/// batches them, in simulated milliseconds.
+fn expected_prefill_ms(config: &FleetConfig, tokens: u64) -> f64 {
+    let timing = &config.engine.timing;
+    let chunk = config.engine.max_num_batched_tokens.max(1) as u64;
+    let mut left = tokens;
+    let mut ms = 0.0;
+    while left > 0 {
+        let t = left.min(chunk);
+        ms += timing.prefill_ms(t);
+        left -= t;
+    }
+    timing.wall_ms(ms)
 }
 
 /// An engine's KV event as the router's index sees it: device-tier events
@@ -796,5 +927,63 @@ mod tests {
         let workload = crate::workload::mooncake(text.as_bytes(), 3000.0);
         let err = simulate(&fleet(1, PolicyKind::Kv), workload, |_| {}).unwrap_err();
         assert!(err.to_string().starts_with("line 2"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use super::*;
+    use crate::workload::{synthetic, SyntheticConfig};
+    use switchyard_core::select::PolicyKind;
+
+    fn config(session_aware: bool) -> FleetConfig {
+        let mut config = FleetConfig {
+            workers: 4,
+            session_aware: session_aware.then(SessionAwareConfig::default),
+            ..FleetConfig::default()
+        };
+        config.engine.timing.speedup = 4.0;
+        config.router.policy = PolicyKind::Kv;
+        config
+    }
+
+    fn workload() -> SessionStream {
+        synthetic(SyntheticConfig {
+            sessions: 60,
+            sessions_per_sec: 10.0,
+            think_time_ms: 200.0,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn session_aware_admission_completes_every_turn_and_ends() {
+        let out = simulate(&config(true), workload(), |_| {}).unwrap();
+        let expected: u64 = workload().map(|s| s.unwrap().turns.len() as u64).sum();
+        assert_eq!(out.report.completed, expected);
+        assert_eq!(out.report.errors, 0);
+        assert_eq!(out.report.sessions_completed, 60);
+    }
+
+    #[test]
+    fn session_aware_admission_is_deterministic() {
+        let run = || {
+            serde_json::to_string(&simulate(&config(true), workload(), |_| {}).unwrap()).unwrap()
+        };
+        assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn sticking_sessions_to_their_worker_keeps_their_prefix_cached() {
+        let with = simulate(&config(true), workload(), |_| {}).unwrap().report;
+        let mut rr = config(false);
+        rr.router.policy = PolicyKind::RoundRobin;
+        let without = simulate(&rr, workload(), |_| {}).unwrap().report;
+        assert!(
+            with.hit_rate > without.hit_rate,
+            "session-aware kv {} vs round-robin {}",
+            with.hit_rate,
+            without.hit_rate
+        );
     }
 }

@@ -444,7 +444,7 @@ impl SessionAwareStrategy {
 
     fn placement_for(&self, session: &Session, facts: Option<&RequestFacts<'_>>) -> Placement {
         match session.worker {
-            Some(worker) if facts.map_or(true, |f| f.allows(worker)) => Placement::Exact(worker),
+            Some(worker) if facts.is_none_or(|f| f.allows(worker)) => Placement::Exact(worker),
             _ => Placement::Any,
         }
     }

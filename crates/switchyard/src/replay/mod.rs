@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
+use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::PolicyKind;
 use switchyard_engine::EngineConfig;
@@ -64,6 +65,18 @@ pub enum TraceFormat {
     Synthetic,
 }
 
+/// Admission strategies to run each policy with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionChoice {
+    /// The policy queue alone.
+    None,
+    /// Session-aware admission (sessions of multi-turn workloads).
+    SessionAware,
+    /// Each policy twice, without and with session-aware admission.
+    Both,
+}
+
 /// `switchyard replay` arguments.
 #[derive(Clone, Debug, clap::Args, Serialize)]
 pub struct ReplayArgs {
@@ -106,6 +119,9 @@ pub struct ReplayArgs {
     /// `kv` policy: softmax temperature (0 = argmin).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Admission strategy (`both` runs each policy without and with it).
+    #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
+    pub admission: AdmissionChoice,
     /// Delay from an engine's KV event to the router, in ms.
     #[arg(long, default_value_t = 10.0)]
     pub kv_event_delay_ms: f64,
@@ -437,12 +453,27 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     let (requests, refs) = references(&args, &source, &fleet)?;
+    let variants: &[bool] = match args.admission {
+        AdmissionChoice::None => &[false],
+        AdmissionChoice::SessionAware => &[true],
+        AdmissionChoice::Both => &[false, true],
+    };
     let fleets = policies
         .iter()
-        .map(|&p| {
+        .flat_map(|&p| {
+            variants
+                .iter()
+                .map(move |&session_aware| (p, session_aware))
+        })
+        .map(|(p, session_aware)| {
             let mut f = fleet.clone();
             f.router.policy = p;
-            (p.name().to_owned(), f)
+            let mut name = p.name().to_owned();
+            if session_aware {
+                f.session_aware = Some(SessionAwareConfig::default());
+                name.push_str("+session");
+            }
+            (name, f)
         })
         .collect();
     let outcomes = run_all(&args, &source, fleets, Some(requests))?;
@@ -482,7 +513,7 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
         report.requests, report.bound_hit_rate, report.pooled_lru_hit_rate
     );
     println!(
-        "{:<13} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
+        "{:<16} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
         "policy",
         "ttft mean",
         "ttft p50",
@@ -499,7 +530,7 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
     for (name, o) in outcomes {
         let r = &o.report;
         println!(
-            "{:<13} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
+            "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
             name,
             r.ttft_ms.mean,
             r.ttft_ms.p50,
