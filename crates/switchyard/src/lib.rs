@@ -8,6 +8,8 @@
 //! - [`data`] — finding the bundled data files.
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
+//! - [`replica`] — replica sync: bookings shared between router replicas
+//!   over NATS (or in process), publisher, subscriber, worker-origin marks.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet
 //!   simulator, with a table, JSON and SVG plots.
 //! - [`sim_worker`] — `switchyard sim-worker`: a simulated engine behind an
@@ -17,4 +19,5 @@ pub mod bench;
 pub mod data;
 pub mod events;
 pub mod replay;
+pub mod replica;
 pub mod sim_worker;

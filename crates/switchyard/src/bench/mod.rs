@@ -4,11 +4,14 @@
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
 //! - [`engine`] — simulated-engine scheduler steps per minute;
+//! - [`replica`] — replica events per second over NATS and booking →
+//!   visibility latency on a peer;
 //! - [`stats`] — latency summaries and JSON output.
 
 pub mod admission;
 pub mod engine;
 pub mod micro;
+pub mod replica;
 pub mod stats;
 pub mod trace;
 
@@ -24,6 +27,8 @@ pub enum BenchCommand {
     Engine(engine::EngineBench),
     /// Admission: live progress, admit + event with many sessions retained.
     Admission(admission::AdmissionArgs),
+    /// Replica sync over a local NATS server: events/s and visibility latency.
+    Replica(replica::ReplicaArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -42,5 +47,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
         BenchCommand::Engine(opts) => engine::run(opts),
         BenchCommand::Admission(args) => admission::run(args),
+        BenchCommand::Replica(args) => replica::run(args),
     }
 }
