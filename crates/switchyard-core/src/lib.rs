@@ -21,6 +21,8 @@
 //!   [`select::Selector`] trait.
 //! - [`router`] — the four above as one value ([`router::Router`]) with the
 //!   call sequence both drivers follow.
+//! - [`replica`] — peer replicas' bookings applied to the write model as
+//!   advisory remote bookings, expired when their origin goes silent.
 //! - [`admission`] — in front of the router: the policy queue (requests wait
 //!   when every worker is busy), the admission-strategy API, request
 //!   lifecycle records and live progress, and the session-aware strategy,
@@ -39,10 +41,11 @@ pub mod admission;
 pub mod hashing;
 pub mod index;
 mod maps;
+pub mod replica;
 pub mod router;
 pub mod select;
 pub mod sequences;
 pub mod types;
 
 pub use router::{Router, RouterConfig};
-pub use types::{EngineHash, LocalHash, RequestId, SequenceHash, WorkerId};
+pub use types::{EngineHash, LocalHash, ReplicaId, RequestId, SequenceHash, WorkerId};

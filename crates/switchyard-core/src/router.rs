@@ -10,21 +10,25 @@
 //! 3. [`Router::mark_prefill_completed`] at the first token;
 //! 4. [`Router::free`] at the end, on error, or on disconnect.
 //!
-//! KV events arrive independently through [`Router::apply_kv_event`].
+//! KV events arrive independently through [`Router::apply_kv_event`]; peer
+//! replicas' bookings through [`Router::apply_remote`] (see
+//! [`crate::replica`]).
 
 use crate::index::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, OverlapScores,
     PrefixIndex,
 };
 use crate::maps::FxHashMap;
+use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::select::{
     build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind,
     RoutingContext, RoutingRequest, SelectOutcome, Selector,
 };
 use crate::sequences::{
-    ActiveSequences, AddRequest, LifecycleOutcome, SequencesConfig, SequencesConfigError,
+    ActiveSequences, AddRequest, LifecycleOutcome, SequenceEvent, SequencesConfig,
+    SequencesConfigError,
 };
-use crate::types::{RequestId, WorkerId};
+use crate::types::{ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// How the router learns what workers have cached.
@@ -49,6 +53,8 @@ pub struct RouterConfig {
     pub sequences: SequencesConfig,
     /// Exact or approximate cache tracking.
     pub cache: CacheTracking,
+    /// Peer replicas' bookings (silence expiry, origin cap).
+    pub remote: RemoteConfig,
     /// A worker whose active prefill tokens exceed this fraction of its
     /// `max_num_batched_tokens`, or whose decode blocks exceed this fraction
     /// of its KV blocks, is busy and skipped. `None` disables the check.
@@ -64,6 +70,7 @@ impl Default for RouterConfig {
             policies: PolicyConfig::default(),
             sequences: SequencesConfig::default(),
             cache: CacheTracking::Events,
+            remote: RemoteConfig::default(),
             busy_threshold: None,
             seed: 0,
         }
@@ -82,6 +89,9 @@ pub enum RouterConfigError {
     /// An approximate-index setting.
     #[error(transparent)]
     Approx(#[from] ApproxConfigError),
+    /// A remote-booking setting.
+    #[error(transparent)]
+    Remote(#[from] RemoteConfigError),
     /// A busy threshold that is not positive.
     #[error("busy_threshold must be positive and finite, got {0}")]
     BusyThreshold(f64),
@@ -92,6 +102,7 @@ impl RouterConfig {
     pub fn validate(&self) -> Result<(), RouterConfigError> {
         self.policies.validate()?;
         self.sequences.validate()?;
+        self.remote.validate()?;
         if let CacheTracking::Approximate(approx) = self.cache {
             approx.validate()?;
         }
@@ -125,6 +136,7 @@ pub struct Router {
     config: RouterConfig,
     cache: CacheIndex,
     sequences: ActiveSequences,
+    remote: RemoteBookings,
     selector: Box<dyn Selector>,
     capacities: FxHashMap<WorkerId, WorkerCapacity>,
     overlaps: OverlapScores,
@@ -155,6 +167,7 @@ impl Router {
         Ok(Self {
             selector: build_selector(config.policy, &config.policies, config.seed)?,
             sequences: ActiveSequences::new(config.sequences)?,
+            remote: RemoteBookings::new(config.remote)?,
             config,
             cache,
             capacities: FxHashMap::default(),
@@ -191,7 +204,9 @@ impl Router {
             CacheIndex::Approximate(index) => index.remove_worker(worker),
         }
         self.selector.remove_worker(worker);
-        self.sequences.remove_worker(worker)
+        let freed = self.sequences.remove_worker(worker);
+        self.remote.forget_all(&freed);
+        freed
     }
 
     /// Applies an engine KV event. Events for workers the router does not
@@ -276,7 +291,7 @@ impl Router {
         expected_prefill_ms: Option<f64>,
         now_ms: f64,
     ) -> LifecycleOutcome {
-        let outcome = self.sequences.add_request(
+        self.book_request(
             &AddRequest {
                 request: id,
                 worker: decision.worker,
@@ -286,10 +301,16 @@ impl Router {
                 expected_prefill_ms,
             },
             now_ms,
-        );
+        )
+    }
+
+    /// Books a request described by its `AddRequest` — the form a replica
+    /// publishes to its peers, so a driver with replica sync builds it once.
+    pub fn book_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
+        let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
             if let CacheIndex::Approximate(index) = &mut self.cache {
-                index.record(decision.worker, request.blocks, now_ms);
+                index.record(add.worker, &add.blocks, now_ms);
             }
         }
         outcome
@@ -310,7 +331,50 @@ impl Router {
         if let CacheIndex::Approximate(index) = &mut self.cache {
             index.expire(now_ms);
         }
-        self.sequences.expire(now_ms)
+        let expired = self.sequences.expire(now_ms);
+        self.remote.forget_all(&expired);
+        expired
+    }
+
+    /// Names this replica: peer events carrying `id` are then ignored.
+    pub fn set_replica_id(&mut self, id: ReplicaId) {
+        self.remote.set_local(id);
+    }
+
+    /// Applies a peer replica's lifecycle event as a remote booking
+    /// (advisory; see [`crate::replica`]). An applied `Add` also feeds the
+    /// approximate index, as a local booking would.
+    pub fn apply_remote(
+        &mut self,
+        origin: ReplicaId,
+        event: &SequenceEvent,
+        now_ms: f64,
+    ) -> RemoteOutcome {
+        let outcome = self
+            .remote
+            .apply(origin, event, &mut self.sequences, now_ms);
+        if let (true, SequenceEvent::Add(add), CacheIndex::Approximate(index)) =
+            (outcome.applied(), event, &mut self.cache)
+        {
+            index.record(add.worker, &add.blocks, now_ms);
+        }
+        outcome
+    }
+
+    /// A peer is alive (an empty heartbeat batch); `false` for oneself.
+    pub fn replica_heartbeat(&mut self, origin: ReplicaId, now_ms: f64) -> bool {
+        self.remote.heard_from(origin, &mut self.sequences, now_ms)
+    }
+
+    /// Frees the bookings of peers silent past
+    /// [`RemoteConfig::silence_expiry_ms`]; returns them.
+    pub fn expire_silent_replicas(&mut self, now_ms: f64) -> Vec<RequestId> {
+        self.remote.expire_silent(&mut self.sequences, now_ms)
+    }
+
+    /// Remote-booking bookkeeping (read-only).
+    pub fn remote(&self) -> &RemoteBookings {
+        &self.remote
     }
 
     /// The active-sequence model (read-only).

@@ -62,3 +62,15 @@ pub struct SequenceHash(pub u64);
 /// never recomputed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EngineHash(pub u64);
+
+/// One router replica (or another origin of replica events, such as a worker
+/// publishing its own prefill marks). Drawn at random at start-up; unique
+/// among the replicas of one endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ReplicaId(pub u64);
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}

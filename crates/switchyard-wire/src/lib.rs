@@ -11,6 +11,10 @@
 //!   `token_ids`, partial blocks, storage tiers and hybrid-model groups
 //!   filtered, every skip counted by reason.
 //!
+//! - [`replica`] — replica events: one router replica's bookings
+//!   ([`replica::ActiveSequenceEvent`]) and session bindings in a
+//!   [`replica::ReplicaBatch`], MessagePack-encoded, for its peers.
+//!
 //! Data flow: socket bytes → [`kv_events::decode_batch_lossy`] →
 //! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`. Sockets live
 //! in the `switchyard` crate; nothing here blocks, allocates without bound or
@@ -20,3 +24,4 @@
 
 pub mod kv_events;
 pub mod normalize;
+pub mod replica;

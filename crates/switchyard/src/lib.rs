@@ -11,6 +11,8 @@
 //! - [`events`] — the KV-event plane: engine KV events over ZMQ (publisher,
 //!   subscriber with gap replay, metrics) and `switchyard events ...`.
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
+//! - [`replica`] — replica sync: bookings shared between router replicas
+//!   over NATS (or in process), publisher, subscriber, worker-origin marks.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet
 //!   simulator, with a table, JSON and SVG plots.
 //! - [`server`] — `switchyard serve`: the router's HTTP frontend, proxy,
@@ -24,5 +26,6 @@ pub mod demo;
 pub mod events;
 pub mod loadgen;
 pub mod replay;
+pub mod replica;
 pub mod server;
 pub mod sim_worker;

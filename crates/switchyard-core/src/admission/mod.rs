@@ -224,6 +224,19 @@ pub trait AdmissionStrategy {
     /// The driver's latest view of a worker's KV cache. Default: ignored.
     fn observe_kv(&mut self, _worker: WorkerId, _usage: KvUsage) {}
 
+    /// A peer router replica dispatched a turn of `session` to `worker`
+    /// (replica sync): a strategy with session affinity pins the session
+    /// there unless it has the session's turn in flight itself. Advisory;
+    /// the default ignores it.
+    fn observe_remote_binding(
+        &mut self,
+        _session: SessionKey,
+        _worker: WorkerId,
+        _context_tokens: u64,
+        _now_ms: f64,
+    ) {
+    }
+
     /// Requests the strategy currently tracks (for tests and metrics).
     fn tracked_requests(&self) -> usize;
 }
@@ -246,6 +259,15 @@ impl<S: AdmissionStrategy + ?Sized> AdmissionStrategy for Box<S> {
     }
     fn observe_kv(&mut self, worker: WorkerId, usage: KvUsage) {
         (**self).observe_kv(worker, usage)
+    }
+    fn observe_remote_binding(
+        &mut self,
+        session: SessionKey,
+        worker: WorkerId,
+        context_tokens: u64,
+        now_ms: f64,
+    ) {
+        (**self).observe_remote_binding(session, worker, context_tokens, now_ms)
     }
     fn tracked_requests(&self) -> usize {
         (**self).tracked_requests()

@@ -186,6 +186,11 @@ pub struct SessionCounters {
     pub evicted: u64,
     /// Duplicate, stale or unknown events ignored.
     pub stale_events: u64,
+    /// Peer replicas' session bindings that re-pinned or created a session.
+    pub remote_bindings: u64,
+    /// Peer bindings ignored: a local turn in flight, a paused session, or
+    /// the session cap with nothing to evict.
+    pub remote_bindings_ignored: u64,
 }
 
 /// The turn a session has in flight.
@@ -723,6 +728,53 @@ impl AdmissionStrategy for SessionAwareStrategy {
         }
     }
 
+    fn observe_remote_binding(
+        &mut self,
+        session: SessionKey,
+        worker: WorkerId,
+        context_tokens: u64,
+        now_ms: f64,
+    ) {
+        self.now_ms = self.now_ms.max(now_ms);
+        match self.sessions.get(&session) {
+            // What this replica is doing with the session now wins.
+            Some(s) if !s.is_quiet() || s.paused_since.is_some() => {
+                self.counters.remote_bindings_ignored += 1;
+                return;
+            }
+            Some(_) => self.unpin(session),
+            None => {
+                if self.sessions.len() >= self.config.max_sessions && !self.evict_one() {
+                    self.counters.remote_bindings_ignored += 1;
+                    return;
+                }
+                self.sessions.insert(
+                    session,
+                    Session {
+                        worker: None,
+                        context_tokens,
+                        turn: Turn::None,
+                        waiting: VecDeque::new(),
+                        paused_since: None,
+                        pause_after_turn: false,
+                        last_active_ms: self.now_ms,
+                        counted: 0,
+                        in_idle: false,
+                    },
+                );
+            }
+        }
+        let s = self
+            .sessions
+            .get_mut(&session)
+            .expect("present or inserted");
+        s.worker = Some(worker);
+        s.context_tokens = context_tokens;
+        self.counters.remote_bindings += 1;
+        self.settle(session);
+        self.touch(session);
+    }
+
     fn observe_kv(&mut self, worker: WorkerId, usage: KvUsage) {
         let kv = self.workers.entry(worker).or_default();
         kv.capacity_tokens = usage.capacity_tokens;
@@ -826,6 +878,37 @@ mod tests {
         let mut out = Vec::new();
         s.on_event(&LifecycleEvent::Reconcile, now, &mut out);
         out
+    }
+
+    #[test]
+    fn a_peers_binding_sends_the_sessions_next_turn_to_that_worker() {
+        let mut s = strategy(SessionAwareConfig::default());
+        // Unknown here: the peer served the first turn.
+        s.observe_remote_binding(SessionKey(5), w(2), 300, 0.0);
+        assert_eq!(
+            s.admit(&facts(1, Some(5), 400, 1.0)),
+            Admission::Ready(Placement::Exact(w(2)))
+        );
+        // Known and quiet here: the peer's later turn re-pins it.
+        dispatch(&mut s, 1, w(2), 1.0);
+        complete(&mut s, 1, 450, 2.0);
+        s.observe_remote_binding(SessionKey(5), w(3), 600, 3.0);
+        assert_eq!(s.session_worker(SessionKey(5)), Some(w(3)));
+        assert_eq!(s.resident_tokens(w(2)), 0);
+        assert_eq!(s.counters().remote_bindings, 2);
+    }
+
+    #[test]
+    fn a_peers_binding_never_moves_a_turn_in_flight_here() {
+        let mut s = strategy(SessionAwareConfig::default());
+        assert!(matches!(
+            s.admit(&facts(1, Some(5), 100, 0.0)),
+            Admission::Ready(_)
+        ));
+        dispatch(&mut s, 1, w(1), 0.0);
+        s.observe_remote_binding(SessionKey(5), w(2), 300, 1.0);
+        assert_eq!(s.session_worker(SessionKey(5)), Some(w(1)));
+        assert_eq!(s.counters().remote_bindings_ignored, 1);
     }
 
     /// One turn from admission to completion on `worker`.

@@ -4,6 +4,8 @@
 //! - [`micro`] — the standard indexer micro-workload;
 //! - [`trace`] — the index under a real trace's event stream;
 //! - [`engine`] — simulated-engine scheduler steps per minute;
+//! - [`replica`] — replica events per second over NATS and booking →
+//!   visibility latency on a peer;
 //! - [`proxy`] — the router's added latency and request rate against one
 //!   sim-worker directly;
 //! - [`stats`] — latency summaries and JSON output.
@@ -12,6 +14,7 @@ pub mod admission;
 pub mod engine;
 pub mod micro;
 pub mod proxy;
+pub mod replica;
 pub mod stats;
 pub mod trace;
 
@@ -27,6 +30,8 @@ pub enum BenchCommand {
     Engine(engine::EngineBench),
     /// Admission: live progress, admit + event with many sessions retained.
     Admission(admission::AdmissionArgs),
+    /// Replica sync over a local NATS server: events/s and visibility latency.
+    Replica(replica::ReplicaArgs),
     /// Router overhead: the same load to one sim-worker directly and through the router.
     Proxy(proxy::ProxyArgs),
 }
@@ -47,6 +52,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Index(IndexBench::Trace(args)) => trace::run(args),
         BenchCommand::Engine(opts) => engine::run(opts),
         BenchCommand::Admission(args) => admission::run(args),
+        BenchCommand::Replica(args) => replica::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
     }
 }

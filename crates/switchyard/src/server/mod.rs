@@ -239,6 +239,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         cache,
         busy_threshold: config.busy_threshold,
         seed: config.seed,
+        ..RouterConfig::default()
     };
     Router::new(router_config).context("invalid router configuration")
 }

@@ -1,0 +1,168 @@
+//! Replica sync: several router replicas share their bookings over an event
+//! plane so each one's load view includes the others'.
+//!
+//! - [`config`] — [`ReplicaConfig`]: `--replica-sync nats://HOST:PORT` (off
+//!   by default), namespace, endpoint, queue and batch limits, expiry.
+//! - [`transport`] — the [`Transport`] trait (publish bytes on a subject,
+//!   subscribe to one) and its in-process implementation.
+//! - [`nats`] — the NATS implementation (`async-nats`), for more than one
+//!   machine.
+//! - [`publisher`] — [`ReplicaPublisher`]: the request path's non-blocking
+//!   handle onto a bounded queue, drained by one task that batches, encodes
+//!   and publishes; heartbeats when idle.
+//! - [`subscriber`] — the task that decodes peers' batches and applies them
+//!   through a [`ReplicaSink`] (implemented for a shared `Router` by
+//!   [`SharedRouter`]), and expires silent peers.
+//! - [`nats_server`] — a private `nats-server` for tests and benchmarks.
+//! - [`worker_marks`] — a worker-side publisher of `MarkPrefillCompleted`.
+//! - [`metrics`] — `switchyard_replica_events_total{direction}`.
+//!
+//! Data flow on one replica: request path mutates its `Router` → enqueues
+//! the event on [`ReplicaPublisher`] → publisher task → transport subject
+//! `switchyard.<namespace>.<endpoint>.active_sequences` → every peer's
+//! subscriber task → [`ReplicaSink::apply_batch`] → the peer's `Router`
+//! (`apply_remote`). The semantics of remote bookings (advisory, owner-only
+//! frees, silence expiry, no snapshot) live in `switchyard_core::replica`.
+
+pub mod config;
+pub mod metrics;
+pub mod nats;
+pub mod nats_server;
+pub mod publisher;
+pub mod subscriber;
+pub mod transport;
+pub mod worker_marks;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{ReplicaConfig, ReplicaConfigError};
+pub use metrics::ReplicaMetrics;
+pub use nats::NatsTransport;
+pub use nats_server::LocalNatsServer;
+pub use publisher::{spawn_publisher, PublishError, ReplicaPublisher};
+pub use subscriber::{spawn_subscriber, BatchReport, ReplicaSink, SharedRouter};
+pub use transport::{InProcessBus, InProcessTransport, Subscription, Transport, TransportError};
+pub use worker_marks::WorkerMarks;
+
+use std::sync::Arc;
+use std::time::Instant;
+use switchyard_core::ReplicaId;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// A fresh random replica id.
+pub fn random_replica_id() -> ReplicaId {
+    use rand::{RngCore, SeedableRng};
+    ReplicaId(rand::rngs::StdRng::from_entropy().next_u64())
+}
+
+/// Milliseconds since a fixed origin: the `now_ms` a replica's `Router`
+/// calls use. The server and the replica tasks must share one clock.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    origin: Instant,
+}
+
+impl Clock {
+    /// A clock whose zero is now.
+    pub fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the origin.
+    pub fn now_ms(&self) -> f64 {
+        self.origin.elapsed().as_secs_f64() * 1e3
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A running replica plane: the publisher handle for the request path, and
+/// both tasks. Dropping it cancels the tasks.
+#[derive(Debug)]
+pub struct ReplicaPlane {
+    /// This replica's id.
+    pub id: ReplicaId,
+    /// Enqueue local events here (cheap to clone).
+    pub publisher: ReplicaPublisher,
+    /// Counters of both directions.
+    pub metrics: Arc<ReplicaMetrics>,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl ReplicaPlane {
+    /// Starts the publisher and the subscriber of replica `id` over
+    /// `transport`, applying peers' batches to `sink`.
+    pub async fn start<T: Transport, S: ReplicaSink>(
+        transport: Arc<T>,
+        config: &ReplicaConfig,
+        id: ReplicaId,
+        sink: S,
+    ) -> Result<Self, TransportError> {
+        let metrics = Arc::new(ReplicaMetrics::default());
+        let cancel = CancellationToken::new();
+        let subject = config.subject();
+        let subscriber = spawn_subscriber(
+            transport.clone(),
+            &subject,
+            id,
+            sink,
+            config,
+            metrics.clone(),
+            cancel.clone(),
+        )
+        .await?;
+        let (publisher, task) = spawn_publisher(
+            transport,
+            subject,
+            id,
+            config,
+            metrics.clone(),
+            cancel.clone(),
+        );
+        Ok(Self {
+            id,
+            publisher,
+            metrics,
+            cancel,
+            tasks: vec![subscriber, task],
+        })
+    }
+
+    /// Connects to `config.nats_url` and starts the plane over NATS.
+    pub async fn start_nats<S: ReplicaSink>(
+        config: &ReplicaConfig,
+        id: ReplicaId,
+        sink: S,
+    ) -> Result<Self, TransportError> {
+        let url = config
+            .nats_url
+            .as_deref()
+            .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
+        let transport = Arc::new(NatsTransport::connect(url).await?);
+        Self::start(transport, config, id, sink).await
+    }
+
+    /// Stops both tasks promptly (an in-flight publish is dropped) and
+    /// waits for them.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        for task in self.tasks.drain(..) {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for ReplicaPlane {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}

@@ -1,0 +1,312 @@
+use super::*;
+use std::sync::Mutex;
+use std::time::Duration;
+use switchyard_core::admission::SessionKey;
+use switchyard_core::router::WorkerCapacity;
+use switchyard_core::sequences::AddRequest;
+use switchyard_core::{LocalHash, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_wire::replica::{decode_batch, ActiveSequenceData, SessionBinding};
+
+fn config() -> ReplicaConfig {
+    ReplicaConfig {
+        heartbeat_ms: 50.0,
+        ..ReplicaConfig::default()
+    }
+}
+
+fn add(id: u128, worker: u64) -> AddRequest {
+    AddRequest {
+        request: RequestId(id),
+        worker: WorkerId::new(worker),
+        prompt_tokens: 40,
+        blocks: vec![LocalHash(1), LocalHash(id as u64)],
+        overlap_blocks: 0,
+        expected_prefill_ms: None,
+    }
+}
+
+fn router() -> Arc<Mutex<Router>> {
+    let mut r = Router::new(RouterConfig::default()).unwrap();
+    r.add_worker(WorkerId::new(0), WorkerCapacity::default());
+    r.add_worker(WorkerId::new(1), WorkerCapacity::default());
+    Arc::new(Mutex::new(r))
+}
+
+/// `(request, kind)` of every event seen by a raw subscriber.
+async fn collect(mut sub: Subscription, events: usize) -> Vec<(u128, &'static str)> {
+    use futures_util::StreamExt as _;
+    let mut seen = Vec::new();
+    while seen.len() < events {
+        let payload = tokio::time::timeout(Duration::from_secs(5), sub.next())
+            .await
+            .expect("events arrive")
+            .expect("subscription open");
+        for e in decode_batch(&payload).unwrap().events {
+            let kind = match e.data {
+                ActiveSequenceData::AddRequest { .. } => "add",
+                ActiveSequenceData::MarkPrefillCompleted => "mark",
+                ActiveSequenceData::Free => "free",
+            };
+            seen.push((e.request_id.0, kind));
+        }
+    }
+    seen
+}
+
+async fn order_is_preserved(batching: bool) {
+    let bus = InProcessBus::new();
+    let transport = InProcessTransport::new(bus, batching, 1024);
+    let cfg = config();
+    let sub = transport.subscribe(&cfg.subject()).await.unwrap();
+    let metrics = Arc::new(ReplicaMetrics::default());
+    let cancel = CancellationToken::new();
+    let (publisher, _task) = spawn_publisher(
+        transport,
+        cfg.subject(),
+        ReplicaId(1),
+        &cfg,
+        metrics.clone(),
+        cancel.clone(),
+    );
+    // Interleave the lifecycles of many requests.
+    let mut expected = Vec::new();
+    for id in 0..300u128 {
+        publisher.added(&add(id, 0), None).unwrap();
+        expected.push((id, "add"));
+        if id >= 1 {
+            publisher
+                .prefill_completed(RequestId(id - 1), WorkerId::new(0))
+                .unwrap();
+            expected.push((id - 1, "mark"));
+        }
+        if id >= 2 {
+            publisher
+                .freed(RequestId(id - 2), WorkerId::new(0))
+                .unwrap();
+            expected.push((id - 2, "free"));
+        }
+    }
+    let seen = collect(sub, expected.len()).await;
+    assert_eq!(seen, expected);
+    let snapshot = metrics.snapshot();
+    assert_eq!(snapshot.published, expected.len() as u64);
+    if batching {
+        assert!(snapshot.batches_published < expected.len() as u64);
+    } else {
+        assert_eq!(snapshot.batches_published, expected.len() as u64);
+    }
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn a_singleton_transport_preserves_the_order_of_every_event() {
+    order_is_preserved(false).await;
+}
+
+#[tokio::test]
+async fn a_batching_transport_preserves_the_order_of_every_event() {
+    order_is_preserved(true).await;
+}
+
+/// A publisher whose transport is stuck: the one subscriber never reads
+/// and its inbox holds one payload.
+async fn blocked_publisher(
+    capacity: usize,
+) -> (
+    ReplicaPublisher,
+    JoinHandle<()>,
+    CancellationToken,
+    Subscription,
+) {
+    let transport = InProcessTransport::new(InProcessBus::new(), false, 1);
+    let cfg = ReplicaConfig {
+        queue_capacity: capacity,
+        ..config()
+    };
+    let sub = transport.subscribe(&cfg.subject()).await.unwrap();
+    let cancel = CancellationToken::new();
+    let (publisher, task) = spawn_publisher(
+        transport,
+        cfg.subject(),
+        ReplicaId(1),
+        &cfg,
+        Arc::new(ReplicaMetrics::default()),
+        cancel.clone(),
+    );
+    // Event 1 fills the inbox; event 2 blocks the task in `publish`.
+    publisher.added(&add(1, 0), None).unwrap();
+    publisher.added(&add(2, 0), None).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    (publisher, task, cancel, sub)
+}
+
+#[tokio::test]
+async fn a_full_queue_drops_the_newest_event_counts_it_and_names_it() {
+    let (publisher, _task, _cancel, _sub) = blocked_publisher(2).await;
+    publisher.added(&add(3, 0), None).unwrap();
+    publisher.added(&add(4, 0), None).unwrap();
+    let err = publisher.added(&add(5, 0), None).unwrap_err();
+    assert_eq!(
+        err,
+        PublishError::QueueFull {
+            request_id: RequestId(5),
+            capacity: 2
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "replica event queue full (capacity 2): dropped the newest event, for request \
+         00000000000000000000000000000005"
+    );
+    assert_eq!(publisher.metrics().snapshot().dropped, 1);
+}
+
+#[tokio::test]
+async fn cancellation_stops_a_blocked_publisher_promptly() {
+    let (publisher, task, cancel, _sub) = blocked_publisher(4).await;
+    assert!(!task.is_finished());
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_millis(200), task)
+        .await
+        .expect("the publisher stops within 200 ms")
+        .unwrap();
+    // The in-flight event was dropped and counted.
+    assert_eq!(publisher.metrics().snapshot().dropped, 1);
+    let err = publisher.added(&add(9, 0), None).unwrap_err();
+    assert_eq!(
+        err,
+        PublishError::Closed {
+            during_shutdown: true
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "replica event queue closed during shutdown"
+    );
+}
+
+#[tokio::test]
+async fn a_publisher_that_died_says_it_was_not_shutting_down() {
+    let transport = InProcessTransport::new(InProcessBus::new(), true, 16);
+    let cfg = config();
+    let (publisher, task, ..) = {
+        let cancel = CancellationToken::new();
+        let (p, t) = spawn_publisher(
+            transport,
+            cfg.subject(),
+            ReplicaId(1),
+            &cfg,
+            Arc::new(ReplicaMetrics::default()),
+            cancel.clone(),
+        );
+        (p, t, cancel)
+    };
+    task.abort();
+    let _ = task.await;
+    let err = publisher.added(&add(1, 0), None).unwrap_err();
+    assert_eq!(
+        err,
+        PublishError::Closed {
+            during_shutdown: false
+        }
+    );
+    assert!(err.to_string().contains("while not shutting down"));
+}
+
+#[tokio::test]
+async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
+    let bus = InProcessBus::new();
+    let cfg = config();
+    let clock = Clock::new();
+    let (router_a, router_b) = (router(), router());
+    let a = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
+        &cfg,
+        ReplicaId(1),
+        SharedRouter::new(router_a.clone(), ReplicaId(1), clock),
+    )
+    .await
+    .unwrap();
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus, true, 1024)),
+        &cfg,
+        ReplicaId(2),
+        SharedRouter::new(router_b.clone(), ReplicaId(2), clock),
+    )
+    .await
+    .unwrap();
+    // Local mutation first, then enqueue.
+    let booking = add(7, 1);
+    router_a
+        .lock()
+        .unwrap()
+        .book_request(&booking, clock.now_ms());
+    a.publisher.added(&booking, None).unwrap();
+    wait_until(|| {
+        router_b
+            .lock()
+            .unwrap()
+            .sequences()
+            .owner(RequestId(7))
+            .is_some()
+    })
+    .await;
+    assert_eq!(
+        router_b.lock().unwrap().remote().owner(RequestId(7)),
+        Some(ReplicaId(1))
+    );
+    // A saw its own batch and ignored it: one booking, local.
+    wait_until(|| a.metrics.snapshot().batches_own >= 1).await;
+    assert_eq!(router_a.lock().unwrap().sequences().active_requests(), 1);
+    assert_eq!(router_a.lock().unwrap().remote().remote_requests(), 0);
+    assert_eq!(a.metrics.snapshot().applied, 0);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
+async fn session_bindings_reach_the_peers_hook() {
+    let bus = InProcessBus::new();
+    let cfg = config();
+    let seen: Arc<Mutex<Vec<SessionBinding>>> = Arc::default();
+    let sink_seen = seen.clone();
+    let a = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
+        &cfg,
+        ReplicaId(1),
+        SharedRouter::new(router(), ReplicaId(1), Clock::new()),
+    )
+    .await
+    .unwrap();
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus, true, 1024)),
+        &cfg,
+        ReplicaId(2),
+        SharedRouter::new(router(), ReplicaId(2), Clock::new()).with_session_hook(Box::new(
+            move |binding, _now| sink_seen.lock().unwrap().push(*binding),
+        )),
+    )
+    .await
+    .unwrap();
+    let binding = SessionBinding {
+        session: SessionKey::from_client_id("chat-42"),
+        worker: WorkerId::new(1),
+        context_tokens: 900,
+    };
+    a.publisher.session_bound(binding).unwrap();
+    wait_until(|| !seen.lock().unwrap().is_empty()).await;
+    assert_eq!(seen.lock().unwrap()[0], binding);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+async fn wait_until(mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
