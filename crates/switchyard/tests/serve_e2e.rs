@@ -274,4 +274,17 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
         second_worker, first_worker,
         "the session stays on its worker"
     );
+    // The strategy's deferral of the second turn is exported.
+    let text = metrics_text(&client, &router.base).await;
+    let deferred = text
+        .lines()
+        .find(|l| {
+            l.starts_with("switchyard_admission_strategy_events_total{")
+                && l.contains("event=\"deferred_turns\"")
+        })
+        .unwrap_or_else(|| panic!("no deferral series in /metrics:\n{text}"));
+    assert!(
+        !deferred.ends_with(" 0"),
+        "the second turn was deferred: {deferred}"
+    );
 }

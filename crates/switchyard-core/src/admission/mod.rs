@@ -239,6 +239,12 @@ pub trait AdmissionStrategy {
 
     /// Requests the strategy currently tracks (for tests and metrics).
     fn tracked_requests(&self) -> usize;
+
+    /// The strategy's own event counters as `(label, count)`, for metrics
+    /// (pauses, resumes, deferrals, expiries...). None by default.
+    fn event_counts(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 impl<S: AdmissionStrategy + ?Sized> AdmissionStrategy for Box<S> {
@@ -271,5 +277,8 @@ impl<S: AdmissionStrategy + ?Sized> AdmissionStrategy for Box<S> {
     }
     fn tracked_requests(&self) -> usize {
         (**self).tracked_requests()
+    }
+    fn event_counts(&self) -> Vec<(&'static str, u64)> {
+        (**self).event_counts()
     }
 }

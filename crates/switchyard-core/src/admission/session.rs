@@ -785,6 +785,23 @@ impl AdmissionStrategy for SessionAwareStrategy {
     fn tracked_requests(&self) -> usize {
         self.requests.len()
     }
+
+    fn event_counts(&self) -> Vec<(&'static str, u64)> {
+        let c = &self.counters;
+        vec![
+            ("bypassed", c.bypassed),
+            ("bypassed_full", c.bypassed_full),
+            ("deferred_turns", c.deferred_turns),
+            ("pauses", c.pauses),
+            ("marked", c.marked),
+            ("resumes", c.resumes),
+            ("forced_resumes", c.forced_resumes),
+            ("expired", c.expired),
+            ("evicted", c.evicted),
+            ("stale_events", c.stale_events),
+            ("remote_bindings", c.remote_bindings),
+        ]
+    }
 }
 
 impl SessionAwareStrategy {

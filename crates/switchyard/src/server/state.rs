@@ -611,6 +611,18 @@ impl SharedRouter {
             "switchyard_queue_depth {}",
             core.admission.queue().len()
         );
+        if let Some(strategy) = core.admission.strategy() {
+            out.push_str(
+                "# HELP switchyard_admission_strategy_events_total Events of the admission strategy (deferrals, pauses, resumes, expiries).\n# TYPE switchyard_admission_strategy_events_total counter\n",
+            );
+            for (event, n) in strategy.event_counts() {
+                let _ = writeln!(
+                    out,
+                    "switchyard_admission_strategy_events_total{{strategy=\"{}\",event=\"{event}\"}} {n}",
+                    strategy.name()
+                );
+            }
+        }
     }
 }
 
