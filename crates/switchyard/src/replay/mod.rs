@@ -346,7 +346,10 @@ pub fn references(
     let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
     let mut requests = 0;
     for session in source.open(args)? {
-        let session = session.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let session = session.map_err(|e| match trace_path(args) {
+            Ok(Some(path)) => anyhow::anyhow!("{}: {e}", path.display()),
+            _ => anyhow::anyhow!("{e}"),
+        })?;
         for turn in &session.turns {
             let tokens = turn.prompt.tokens();
             let seq = sequence_hashes(&local_block_hashes(&tokens, block_size, DEFAULT_SEED));
