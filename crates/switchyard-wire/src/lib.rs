@@ -11,6 +11,8 @@
 //!   `token_ids`, partial blocks, storage tiers and hybrid-model groups
 //!   filtered, every skip counted by reason.
 //!
+//! - [`openai`] — OpenAI API shapes shared by the router and the simulated
+//!   worker.
 //! - [`replica`] — replica events: one router replica's bookings
 //!   ([`replica::ActiveSequenceEvent`]) and session bindings in a
 //!   [`replica::ReplicaBatch`], MessagePack-encoded, for its peers.
@@ -24,4 +26,5 @@
 
 pub mod kv_events;
 pub mod normalize;
+pub mod openai;
 pub mod replica;

@@ -32,6 +32,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
+use switchyard_wire::openai::Prompt;
 
 /// Header naming the worker that served a response.
 pub const WORKER_HEADER: &str = "x-switchyard-worker";
@@ -131,15 +132,6 @@ struct ChatMessageBody {
     role: String,
     #[serde(default)]
     content: Option<Value>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-    Texts(Vec<String>),
-    TokenBatches(Vec<Vec<u32>>),
 }
 
 #[derive(Deserialize)]

@@ -27,6 +27,7 @@ use switchyard_core::RequestId;
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
+use switchyard_wire::openai::Prompt;
 use tokio::sync::mpsc;
 
 /// Everything a handler needs.
@@ -144,15 +145,6 @@ async fn not_found() -> ApiError {
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-    Texts(Vec<String>),
-    TokenBatches(Vec<Vec<u32>>),
 }
 
 #[derive(Deserialize)]
