@@ -4,7 +4,7 @@
 //! arrivals are taken relative to the first row. The trace carries no prefix
 //! information: prompts are random tokens (a pure load trace).
 
-use super::TraceError;
+use super::{Lines, TraceError};
 use std::io::BufRead;
 
 /// One request of an Azure trace.
@@ -21,9 +21,7 @@ pub struct AzureRecord {
 /// Reads Azure records one line at a time; the header line is required.
 #[derive(Debug)]
 pub struct AzureReader<R> {
-    input: R,
-    line: usize,
-    buf: String,
+    lines: Lines<R>,
     origin_ms: Option<f64>,
 }
 
@@ -31,9 +29,7 @@ impl<R: BufRead> AzureReader<R> {
     /// A reader over `input`.
     pub fn new(input: R) -> Self {
         Self {
-            input,
-            line: 0,
-            buf: String::new(),
+            lines: Lines::new(input),
             origin_ms: None,
         }
     }
@@ -72,17 +68,10 @@ impl<R: BufRead> Iterator for AzureReader<R> {
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            self.buf.clear();
-            match self.input.read_line(&mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => self.line += 1,
-                Err(e) => return Some(Err(e.into())),
-            }
-            let text = self.buf.trim();
-            if text.is_empty() {
-                continue;
-            }
-            let line = self.line;
+            let (line, text) = match self.lines.next_line()? {
+                Ok(l) => l,
+                Err(e) => return Some(Err(e)),
+            };
             let malformed = |reason: String| Some(Err(TraceError::Malformed { line, reason }));
             if line == 1 {
                 if text.to_ascii_lowercase().starts_with("timestamp") {

@@ -2,7 +2,7 @@
 //! `{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int]}`,
 //! each hash id standing for one 512-token block, prefix-chained.
 
-use super::TraceError;
+use super::{Lines, TraceError};
 use serde::Deserialize;
 use std::io::BufRead;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -31,18 +31,14 @@ pub struct MooncakeRecord {
 /// Reads Mooncake records one line at a time; blank lines are skipped.
 #[derive(Debug)]
 pub struct MooncakeReader<R> {
-    input: R,
-    line: usize,
-    buf: String,
+    lines: Lines<R>,
 }
 
 impl<R: BufRead> MooncakeReader<R> {
     /// A reader over `input`.
     pub fn new(input: R) -> Self {
         Self {
-            input,
-            line: 0,
-            buf: String::new(),
+            lines: Lines::new(input),
         }
     }
 }
@@ -51,42 +47,31 @@ impl<R: BufRead> Iterator for MooncakeReader<R> {
     type Item = Result<MooncakeRecord, TraceError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            self.buf.clear();
-            match self.input.read_line(&mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => self.line += 1,
-                Err(e) => return Some(Err(e.into())),
-            }
-            let text = self.buf.trim();
-            if text.is_empty() {
-                continue;
-            }
-            let malformed = |reason: String| TraceError::Malformed {
-                line: self.line,
-                reason,
-            };
-            let record: MooncakeRecord = match serde_json::from_str(text) {
-                Ok(r) => r,
-                Err(e) => return Some(Err(malformed(format!("not a Mooncake record: {e}")))),
-            };
-            if !(record.timestamp.is_finite() && record.timestamp >= 0.0) {
-                return Some(Err(malformed(format!(
-                    "timestamp must be a non-negative number, got {}",
-                    record.timestamp
-                ))));
-            }
-            let covered = record.hash_ids.len() * MOONCAKE_BLOCK_TOKENS;
-            if record.input_length as usize > covered {
-                return Some(Err(malformed(format!(
-                    "input_length {} exceeds the {} tokens its {} hash ids cover",
-                    record.input_length,
-                    covered,
-                    record.hash_ids.len()
-                ))));
-            }
-            return Some(Ok(record));
+        let (line, text) = match self.lines.next_line()? {
+            Ok(l) => l,
+            Err(e) => return Some(Err(e)),
+        };
+        let malformed = |reason: String| TraceError::Malformed { line, reason };
+        let record: MooncakeRecord = match serde_json::from_str(text) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(malformed(format!("not a Mooncake record: {e}")))),
+        };
+        if !(record.timestamp.is_finite() && record.timestamp >= 0.0) {
+            return Some(Err(malformed(format!(
+                "timestamp must be a non-negative number, got {}",
+                record.timestamp
+            ))));
         }
+        let covered = record.hash_ids.len() * MOONCAKE_BLOCK_TOKENS;
+        if record.input_length as usize > covered {
+            return Some(Err(malformed(format!(
+                "input_length {} exceeds the {} tokens its {} hash ids cover",
+                record.input_length,
+                covered,
+                record.hash_ids.len()
+            ))));
+        }
+        Some(Ok(record))
     }
 }
 
