@@ -192,6 +192,19 @@ pub struct ServerConfig {
     pub tokenizer_dir: Option<PathBuf>,
     /// Seed of the policies' random choices.
     pub seed: u64,
+    /// Migrations allowed per request (0: a failed worker fails the request).
+    pub migration_limit: u32,
+    /// Prompt plus generated tokens above which a broken stream is not
+    /// resumed (the client gets an error event instead).
+    pub migration_max_seq_len: u64,
+    /// Seconds to wait for a worker's response headers and first streamed
+    /// event (and, mid-stream, for its next event) before moving the request.
+    pub first_token_timeout_secs: f64,
+    /// Seconds a request may take in all; then the upstream work is
+    /// cancelled and the client gets a 504 (or an error event mid-stream).
+    pub request_timeout_secs: f64,
+    /// Largest non-streaming response the router buffers, in bytes.
+    pub max_response_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -219,6 +232,11 @@ impl Default for ServerConfig {
             log_json: false,
             tokenizer_dir: None,
             seed: 0,
+            migration_limit: 3,
+            migration_max_seq_len: 32_768,
+            first_token_timeout_secs: 60.0,
+            request_timeout_secs: 600.0,
+            max_response_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -284,6 +302,19 @@ impl ServerConfig {
         }
         if self.health_interval_ms == 0 || self.health_failures == 0 {
             return invalid("health_interval_ms and health_failures must be positive".into());
+        }
+        for (name, secs) in [
+            ("first_token_timeout_secs", self.first_token_timeout_secs),
+            ("request_timeout_secs", self.request_timeout_secs),
+        ] {
+            if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
+                return invalid(format!(
+                    "{name} must be a positive number of seconds (at most 1e6), got {secs}"
+                ));
+            }
+        }
+        if self.max_response_bytes == 0 {
+            return invalid("max_response_bytes must be positive".into());
         }
         self.policies
             .validate()
@@ -377,6 +408,23 @@ mod tests {
         assert_eq!(config.policy, PolicyKind::RoundRobin);
         assert!(config.uses_events());
         assert!(ServerConfig::from_toml("colour = 1").is_err());
+    }
+
+    #[test]
+    fn timeouts_must_be_positive_and_finite() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let config = ServerConfig {
+                request_timeout_secs: bad,
+                ..ServerConfig::default()
+            };
+            assert!(config.validate().is_err(), "{bad}");
+            let config = ServerConfig {
+                first_token_timeout_secs: bad,
+                ..ServerConfig::default()
+            };
+            assert!(config.validate().is_err(), "{bad}");
+        }
+        assert!(ServerConfig::from_toml("migration_limit = 0\nrequest_timeout_secs = 2.5").is_ok());
     }
 
     #[test]

@@ -93,6 +93,18 @@ impl ApiError {
         Self::new(StatusCode::BAD_GATEWAY, "upstream_error", message)
     }
 
+    /// 504: the request timeout passed; the upstream work was cancelled.
+    pub fn timeout(after: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "timeout",
+            format!(
+                "the request did not complete within the router's request timeout of {:.1} s",
+                after.as_secs_f64()
+            ),
+        )
+    }
+
     /// 500: a bug or an internal failure.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)

@@ -8,6 +8,7 @@
 //!
 //! Names follow DESIGN.md "Interfaces".
 
+use super::migration::Failure;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -144,10 +145,16 @@ pub struct ServerMetrics {
     pub routing_decision: Histogram,
     /// Prompt to token ids (chat template included).
     pub tokenize: Histogram,
-    /// Upstream connection failures that took a worker out of selection.
+    /// Worker failures reported by the proxy (`Booking::worker_failed`).
     pub upstream_failures: AtomicU64,
     /// Requests freed by a worker's removal rather than by their own end.
     pub freed_by_removal: AtomicU64,
+    migrations: [AtomicU64; 5],
+    /// Requests that failed on a worker and could not be migrated (limit
+    /// reached, too long, not resumable, or no other worker).
+    pub migrations_exhausted: AtomicU64,
+    /// Requests cancelled by the request timeout.
+    pub request_timeouts: AtomicU64,
 }
 
 impl ServerMetrics {
@@ -167,6 +174,16 @@ impl ServerMetrics {
             .position(|s| *s == status)
             .unwrap_or(0);
         self.requests[i].load(Ordering::Relaxed)
+    }
+
+    /// Counts one migration of a request away from a failed worker.
+    pub fn count_migration(&self, reason: Failure) {
+        self.migrations[reason.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Migrations counted with `reason`.
+    pub fn migrations(&self, reason: Failure) -> u64 {
+        self.migrations[reason.index()].load(Ordering::Relaxed)
     }
 
     /// Counts an admission outcome.
@@ -220,13 +237,32 @@ impl ServerMetrics {
         );
         let _ = writeln!(
             out,
-            "# HELP switchyard_upstream_failures_total Connection failures to workers.\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
+            "# HELP switchyard_upstream_failures_total Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream).\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
             self.upstream_failures.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,
             "# HELP switchyard_requests_freed_by_removal_total Bookings dropped because their worker was removed.\n# TYPE switchyard_requests_freed_by_removal_total counter\nswitchyard_requests_freed_by_removal_total {}",
             self.freed_by_removal.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP switchyard_migrations_total Requests moved to another worker after a failure, by reason.\n# TYPE switchyard_migrations_total counter\n");
+        for reason in Failure::ALL {
+            let _ = writeln!(
+                out,
+                "switchyard_migrations_total{{reason=\"{}\"}} {}",
+                reason.label(),
+                self.migrations(reason)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_migrations_exhausted_total Failed requests that could not be migrated (limit, length, or no other worker).\n# TYPE switchyard_migrations_exhausted_total counter\nswitchyard_migrations_exhausted_total {}",
+            self.migrations_exhausted.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_request_timeouts_total Requests cancelled by the request timeout.\n# TYPE switchyard_request_timeouts_total counter\nswitchyard_request_timeouts_total {}",
+            self.request_timeouts.load(Ordering::Relaxed)
         );
     }
 }
@@ -257,5 +293,6 @@ mod tests {
         m.render(&mut out, "kv");
         assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"rejected\"} 1"));
         assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"ok\"} 0"));
+        assert!(out.contains("switchyard_migrations_total{reason=\"midstream\"} 0"));
     }
 }

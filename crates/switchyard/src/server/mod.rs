@@ -8,17 +8,25 @@
 //! - [`workers`] — [`workers::Fleet`]: workers, KV-event subscribers,
 //!   health checks.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
-//! - [`proxy`] — the HTTP handlers and the streaming response body.
+//! - [`proxy`] — the HTTP handlers, attempts and the non-streaming path.
+//! - [`stream`] — the streaming response body: forwards events, resumes a
+//!   broken stream on another worker.
+//! - [`migration`] and [`sse`] — the pure parts of migration: the decision,
+//!   progress, the resume request; the SSE parser and chunk rewriter.
 //! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
-//! book) → upstream POST → `ObservedBody` (first token, latencies) → drop
-//! frees the booking.
+//! book) → upstream POST → first event (else: free, exclude, retry
+//! elsewhere) → `stream::MigratingStream` (first token, latencies,
+//! mid-stream resume) → drop frees the booking.
 
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod migration;
 pub mod proxy;
+pub mod sse;
+pub mod stream;
 pub mod state;
 pub mod tokenize;
 pub mod workers;
@@ -91,6 +99,21 @@ pub struct ServeArgs {
     /// Log JSON lines.
     #[arg(long, env = "SWITCHYARD_LOG_JSON")]
     pub log_json: bool,
+    /// Migrations per request after a worker fails it (0: off) [default: 3].
+    #[arg(long, env = "SWITCHYARD_MIGRATION_LIMIT")]
+    pub migration_limit: Option<u32>,
+    /// Prompt plus generated tokens above which a broken stream is not resumed [default: 32768].
+    #[arg(long, env = "SWITCHYARD_MIGRATION_MAX_SEQ_LEN")]
+    pub migration_max_seq_len: Option<u64>,
+    /// Seconds to wait for a worker's first byte (and, mid-stream, its next event) [default: 60].
+    #[arg(long, env = "SWITCHYARD_FIRST_TOKEN_TIMEOUT")]
+    pub first_token_timeout: Option<f64>,
+    /// Seconds a request may take in all; then it is cancelled with a 504 [default: 600].
+    #[arg(long, env = "SWITCHYARD_REQUEST_TIMEOUT")]
+    pub request_timeout: Option<f64>,
+    /// Largest non-streaming response the router buffers, in bytes [default: 16777216].
+    #[arg(long, env = "SWITCHYARD_MAX_RESPONSE_BYTES")]
+    pub max_response_bytes: Option<usize>,
     /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
@@ -115,8 +138,17 @@ impl ServeArgs {
             admission,
             max_body_bytes,
             health_interval_ms,
-            health_failures
+            health_failures,
+            migration_limit,
+            migration_max_seq_len,
+            max_response_bytes
         );
+        if let Some(secs) = self.first_token_timeout {
+            c.first_token_timeout_secs = secs;
+        }
+        if let Some(secs) = self.request_timeout {
+            c.request_timeout_secs = secs;
+        }
         if self.busy_threshold.is_some() {
             c.busy_threshold = self.busy_threshold;
         }
@@ -304,6 +336,13 @@ pub async fn start_with_tokenizer(
         api_keys: config.api_keys.clone(),
         admin_token: config.admin_token.clone(),
         max_body_bytes: config.max_body_bytes,
+        migration: migration::MigrationPolicy {
+            limit: config.migration_limit,
+            max_seq_len: config.migration_max_seq_len,
+        },
+        first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
+        request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
+        max_response_bytes: config.max_response_bytes,
     });
     let addr: SocketAddr = format!("{}:{}", config.host, config.port)
         .parse()

@@ -4,14 +4,21 @@
 //! One request: check the key → read the body (limit) → parse only the
 //! fields routing needs → tokenize (chat template for chat) → block hashes
 //! → admission and selection ([`SharedRouter::submit`]) → forward the
-//! client's bytes unchanged to the worker → stream the worker's response
-//! back frame by frame through [`ObservedBody`], which marks the first
-//! token, records latencies and, when dropped, frees the booking.
+//! client's bytes unchanged to the worker → wait for its first event
+//! (streaming) or its whole answer (non-streaming, buffered up to
+//! `max_response_bytes`). A worker that fails before that point (refused,
+//! reset, 5xx, first-token timeout) is reported, its booking freed, and the
+//! request retried elsewhere ([`Attempts`]); a stream then flows through
+//! [`MigratingStream`], which resumes it on another worker if it breaks.
+//! The whole request is bounded by the request timeout (504).
 
 use super::config::WorkerSpec;
 use super::error::ApiError;
 use super::metrics::RequestStatus;
+use super::migration::{decide, Failure, GiveUp, MigrationPolicy, Phase, Progress, Verdict};
+use super::sse::{classify, Api, Chunk, SseParser};
 use super::state::{Booking, SharedRouter, Submission, SubmitError};
+use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::{PromptTokenizer, INLINE_CHARS};
 use super::workers::{Fleet, UpstreamClient};
 use axum::body::Body;
@@ -22,17 +29,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router as AxumRouter;
 use bytes::Bytes;
-use http_body::{Body as HttpBody, Frame, SizeHint};
-use http_body_util::Full;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::Value;
-use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use switchyard_core::admission::SessionKey;
+use switchyard_core::{RequestId, WorkerId};
 use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::openai::Prompt;
+
+/// Largest single SSE event the router accepts from a worker.
+pub const MAX_EVENT_BYTES: usize = 256 * 1024;
 
 /// Header naming the worker that served a response.
 pub const WORKER_HEADER: &str = "x-switchyard-worker";
@@ -61,9 +71,17 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// Body limit.
     pub max_body_bytes: usize,
+    /// Migration limits.
+    pub migration: MigrationPolicy,
+    /// Wait for a worker's headers and first event (and each next event).
+    pub first_token_timeout: Duration,
+    /// A request's total time.
+    pub request_timeout: Duration,
+    /// Largest buffered (non-streaming) response.
+    pub max_response_bytes: usize,
 }
 
-type Shared = Arc<AppState>;
+pub(super) type Shared = Arc<AppState>;
 
 /// The axum router for `state`.
 pub fn app(state: Shared) -> AxumRouter {
@@ -283,10 +301,14 @@ async fn finish(
     parsed: Result<(Bytes, Parsed), ApiError>,
 ) -> Response {
     let metrics = state.shared.metrics.clone();
+    // Counts the request as cancelled if the client goes away before the
+    // response head (this future is then dropped mid-await).
+    let mut guard = CancelGuard(Some(metrics.clone()));
     let response = match parsed {
         Ok((body, facts)) => proxy(state, headers, path, arrival, body, facts).await,
         Err(e) => Err(e),
     };
+    guard.0 = None;
     match response {
         Ok(response) => response,
         Err(e) => {
@@ -300,6 +322,17 @@ async fn finish(
     }
 }
 
+/// Counts [`RequestStatus::Cancelled`] when dropped armed.
+struct CancelGuard(Option<Arc<super::metrics::ServerMetrics>>);
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if let Some(metrics) = self.0.take() {
+            metrics.count_request(RequestStatus::Cancelled);
+        }
+    }
+}
+
 async fn proxy(
     state: Shared,
     headers: HeaderMap,
@@ -309,212 +342,414 @@ async fn proxy(
     facts: Parsed,
 ) -> Result<Response, ApiError> {
     let request_id = state.shared.next_request_id();
-    let blocks = switchyard_core::hashing::local_block_hashes(
-        &facts.tokens,
-        state.block_size as usize,
-        state.hash_seed,
-    );
     let session = headers
         .get("x-session-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .or(facts.session)
+        .or(facts.session.clone())
         .filter(|s| !s.is_empty())
         .map(|s| SessionKey::from_client_id(&s));
-    let prompt_tokens = u32::try_from(facts.tokens.len()).unwrap_or(u32::MAX);
-    let wait = state
-        .shared
-        .submit(
-            request_id,
-            Submission {
-                blocks,
-                prompt_tokens,
-                session,
-                model: facts.model.as_deref(),
-            },
-        )
-        .map_err(|e| match e {
-            SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
-            SubmitError::UnknownModel => ApiError::not_found(
-                format!(
-                    "the model `{}` is not served by any worker",
-                    facts.model.as_deref().unwrap_or_default()
-                ),
-                Some("model"),
-            ),
-        })?;
-    let booking = wait
-        .placed()
-        .await
-        .map_err(|()| ApiError::no_workers("no worker can take the request"))?;
-    let uri = format!("{}{}", booking.url, path);
-    let mut upstream = Request::builder()
-        .method(Method::POST)
-        .uri(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header("x-request-id", request_id.to_string());
-    if let Some(accept) = headers.get(header::ACCEPT) {
-        upstream = upstream.header(header::ACCEPT, accept);
-    }
-    let upstream = upstream
-        .body(Full::new(body))
-        .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
-    let response = match state.client.request(upstream).await {
-        Ok(r) => r,
-        Err(e) => {
-            if e.is_connect() {
-                booking.worker_failed();
-            }
-            tracing::warn!(request = %request_id, worker = %booking.name, error = %e, "upstream request failed");
-            return Err(ApiError::bad_gateway(format!(
-                "worker {} failed: {}",
-                booking.name,
-                if e.is_connect() {
-                    "connection refused"
-                } else {
-                    "request failed"
-                }
-            )));
-        }
+    let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
+    let attempts = Attempts {
+        state: state.clone(),
+        client_id: request_id,
+        model: facts.model.clone(),
+        accept: headers.get(header::ACCEPT).cloned(),
+        deadline,
+        exclude: Vec::new(),
+        migrations: 0,
     };
-    let (mut parts, incoming) = response.into_parts();
-    for name in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        HeaderName::from_static("keep-alive"),
-    ] {
-        parts.headers.remove(name);
-    }
-    if state.worker_header {
-        if let Ok(v) = HeaderValue::from_str(&booking.name) {
-            parts.headers.insert(WORKER_HEADER, v);
+    let metrics = state.shared.metrics.clone();
+    let timeout = state.request_timeout;
+    match tokio::time::timeout_at(
+        deadline,
+        first_phase(attempts, session, path, arrival, body, facts),
+    )
+    .await
+    {
+        Ok(result) => result,
+        Err(_) => {
+            metrics.request_timeouts.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(request = %request_id, "request timed out before its first token: upstream cancelled");
+            Err(ApiError::timeout(timeout))
         }
     }
-    if let Ok(v) = HeaderValue::from_str(&request_id.to_string()) {
-        parts.headers.insert("x-request-id", v);
+}
+
+/// Attempts until one worker produces a first event (streaming) or a whole
+/// response (non-streaming); each failure frees the booking, reports the
+/// worker and moves the request elsewhere, up to the migration limit.
+async fn first_phase(
+    mut attempts: Attempts,
+    mut session: Option<SessionKey>,
+    path: &'static str,
+    arrival: Instant,
+    body: Bytes,
+    facts: Parsed,
+) -> Result<Response, ApiError> {
+    let state = attempts.state.clone();
+    let prompt_tokens = facts.tokens.len() as u64;
+    loop {
+        // A migrated request is admitted without its session: the session's
+        // worker is the one that failed it.
+        let booking = attempts.book(&facts.tokens, session.take()).await?;
+        let sent = attempts.send(&booking, path, body.clone()).await;
+        let outcome = match sent {
+            Ok(response) if facts.stream && response.status().is_success() => {
+                first_event(&attempts, response).await
+            }
+            Ok(response) => buffered(&attempts, response).await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(Answer::Buffered(parts, bytes)) => {
+                let ok = parts.status.is_success();
+                let mut booking = booking;
+                booking.mark_first_token();
+                state
+                    .shared
+                    .metrics
+                    .ttft
+                    .observe(arrival.elapsed().as_secs_f64());
+                if ok {
+                    booking.completed(prompt_tokens);
+                }
+                state.shared.metrics.count_request(if ok {
+                    RequestStatus::Ok
+                } else {
+                    RequestStatus::WorkerError
+                });
+                let parts = attempts.client_parts(parts, &booking);
+                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
+                return Ok(Response::from_parts(parts, Body::from(bytes)));
+            }
+            Ok(Answer::Stream(parts, upstream, parser, first)) => {
+                let parts = attempts.client_parts(parts, &booking);
+                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
+                let api = if path == "/v1/chat/completions" {
+                    Api::Chat
+                } else {
+                    Api::Completions
+                };
+                let stream = MigratingStream::new(StreamStart {
+                    attempts,
+                    api,
+                    booking,
+                    upstream,
+                    parser,
+                    first,
+                    prompt: facts.tokens,
+                    original: body,
+                    arrival,
+                });
+                return Ok(Response::from_parts(parts, stream.into_body()));
+            }
+            Err(AttemptError::Fatal(e)) => return Err(e),
+            Err(AttemptError::Retry(reason, detail)) => {
+                tracing::warn!(request = %attempts.client_id, worker = %booking.name, reason = reason.label(), %detail, "attempt failed before the first token");
+                let progress = Progress::default();
+                if let Err(give_up) = attempts.fail(
+                    booking,
+                    reason,
+                    Phase::BeforeFirstToken,
+                    prompt_tokens,
+                    &progress,
+                    Ok(()),
+                ) {
+                    return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")));
+                }
+            }
+        }
     }
+}
+
+fn log_dispatch(booking: &Booking, attempts: &Attempts, prompt_tokens: u64, stream: bool) {
     tracing::debug!(
-        request = %request_id,
+        request = %attempts.client_id,
         worker = %booking.name,
         prompt_tokens,
         overlap_blocks = booking.overlap_blocks,
         waited_ms = booking.waited_ms,
-        status = parts.status.as_u16(),
-        stream = facts.stream,
+        migrations = attempts.migrations,
+        stream,
         "dispatched"
     );
-    let observed = ObservedBody {
-        inner: incoming,
-        booking,
-        state: state.clone(),
-        arrival,
-        last_frame: None,
-        chunks: 0,
-        prompt_tokens: u64::from(prompt_tokens),
-        status_ok: parts.status.is_success(),
-        stream: facts.stream,
-        done: false,
-    };
-    Ok(Response::from_parts(parts, Body::new(observed)))
 }
 
-/// The worker's response body on its way to the client, frame by frame
-/// (nothing is buffered). Owns the [`Booking`]: when the client goes away
-/// axum drops this body, which drops the upstream connection (cancelling
-/// the worker's request) and frees the booking.
-struct ObservedBody {
-    inner: hyper::body::Incoming,
-    booking: Booking,
-    state: Shared,
-    arrival: Instant,
-    last_frame: Option<Instant>,
-    chunks: u64,
-    prompt_tokens: u64,
-    status_ok: bool,
-    stream: bool,
-    done: bool,
+/// A successful attempt.
+enum Answer {
+    /// A whole response (non-streaming, or an error status passed through).
+    Buffered(hyper::http::response::Parts, Bytes),
+    /// A stream whose first event has arrived.
+    Stream(
+        hyper::http::response::Parts,
+        Incoming,
+        SseParser,
+        String,
+    ),
 }
 
-impl ObservedBody {
-    fn end(&mut self, status: RequestStatus) {
-        if self.done {
-            return;
-        }
-        self.done = true;
-        if status == RequestStatus::Ok {
-            self.booking.completed(self.prompt_tokens + self.chunks);
-        }
-        self.state.shared.metrics.count_request(status);
-    }
+/// A failed attempt.
+pub(super) enum AttemptError {
+    /// The worker failed: move the request (reason, detail for logs and
+    /// the client's error; never prompt text).
+    Retry(Failure, String),
+    /// The request itself cannot be served: answer this.
+    Fatal(ApiError),
 }
 
-impl HttpBody for ObservedBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    let now = Instant::now();
-                    let metrics = &this.state.shared.metrics;
-                    match this.last_frame {
-                        None => {
-                            this.booking.mark_first_token();
-                            metrics.ttft.observe((now - this.arrival).as_secs_f64());
-                        }
-                        Some(last) if this.stream => {
-                            metrics.itl.observe((now - last).as_secs_f64())
-                        }
-                        Some(_) => {}
+/// Reads a streaming response up to its first complete event, within the
+/// first-token timeout.
+async fn first_event(
+    attempts: &Attempts,
+    response: hyper::Response<Incoming>,
+) -> Result<Answer, AttemptError> {
+    let (parts, mut upstream) = response.into_parts();
+    let mut parser = SseParser::new(MAX_EVENT_BYTES);
+    let read = async {
+        loop {
+            match parser.next_event() {
+                Ok(Some(event)) => return Ok(event),
+                Ok(None) => {}
+                Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
+            }
+            match upstream.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        parser.push(&data);
                     }
-                    this.last_frame = Some(now);
-                    this.chunks += if this.stream { count_events(data) } else { 0 };
-                    this.booking.progress(this.chunks);
+                }
+                Some(Err(_)) => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream broke before its first event".into(),
+                    ))
+                }
+                None => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream ended before its first event".into(),
+                    ))
                 }
             }
-            Poll::Ready(None) => this.end(if this.status_ok {
-                RequestStatus::Ok
+        }
+    };
+    let timeout = attempts.state.first_token_timeout;
+    let first = tokio::time::timeout(timeout, read)
+        .await
+        .map_err(|_| {
+            AttemptError::Retry(
+                Failure::Timeout,
+                format!("no first event within {:.1} s", timeout.as_secs_f64()),
+            )
+        })??;
+    if classify(&first) == Chunk::Error {
+        return Err(AttemptError::Retry(
+            Failure::Status5xx,
+            "the worker answered with an error event".into(),
+        ));
+    }
+    Ok(Answer::Stream(parts, upstream, parser, first))
+}
+
+/// Buffers a whole response (bounded by `max_response_bytes`).
+async fn buffered(
+    attempts: &Attempts,
+    response: hyper::Response<Incoming>,
+) -> Result<Answer, AttemptError> {
+    let limit = attempts.state.max_response_bytes;
+    let (parts, upstream) = response.into_parts();
+    match http_body_util::Limited::new(upstream, limit).collect().await {
+        Ok(body) => Ok(Answer::Buffered(parts, body.to_bytes())),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
+                "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
+            ))))
+        }
+        Err(_) => Err(AttemptError::Retry(
+            Failure::Reset,
+            "the worker's response broke before it was complete".into(),
+        )),
+    }
+}
+
+/// What every attempt of one request shares: where it may go, what failed
+/// it so far, and its deadline.
+pub(super) struct Attempts {
+    pub(super) state: Shared,
+    /// The id the client sees (`x-request-id`); each attempt books its own.
+    pub(super) client_id: RequestId,
+    model: Option<String>,
+    accept: Option<HeaderValue>,
+    /// When the request timeout cancels it.
+    pub(super) deadline: tokio::time::Instant,
+    /// Workers that failed this request.
+    exclude: Vec<WorkerId>,
+    /// Migrations made so far.
+    pub(super) migrations: u32,
+}
+
+impl Attempts {
+    /// Admission and placement for `tokens` on a worker not yet tried.
+    pub(super) async fn book(
+        &self,
+        tokens: &[u32],
+        session: Option<SessionKey>,
+    ) -> Result<Booking, ApiError> {
+        let state = &self.state;
+        let blocks = switchyard_core::hashing::local_block_hashes(
+            tokens,
+            state.block_size as usize,
+            state.hash_seed,
+        );
+        let wait = state
+            .shared
+            .submit(
+                state.shared.next_request_id(),
+                Submission {
+                    blocks,
+                    prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+                    session,
+                    model: self.model.as_deref(),
+                    exclude: &self.exclude,
+                },
+            )
+            .map_err(|e| match e {
+                SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
+                SubmitError::UnknownModel => ApiError::not_found(
+                    format!(
+                        "the model `{}` is not served by any worker",
+                        self.model.as_deref().unwrap_or_default()
+                    ),
+                    Some("model"),
+                ),
+            })?;
+        wait.placed().await.map_err(|()| {
+            if self.exclude.is_empty() {
+                ApiError::no_workers("no worker can take the request")
             } else {
-                RequestStatus::WorkerError
-            }),
-            Poll::Ready(Some(Err(_))) => this.end(RequestStatus::Unavailable),
-            Poll::Pending => {}
+                state
+                    .shared
+                    .metrics
+                    .migrations_exhausted
+                    .fetch_add(1, Ordering::Relaxed);
+                ApiError::no_workers(format!(
+                    "{} worker(s) failed the request and no other worker can take it",
+                    self.exclude.len()
+                ))
+            }
+        })
+    }
+
+    /// POSTs `body` to the booked worker; a refused or broken connection, a
+    /// 5xx or no headers within the first-token timeout is a
+    /// [`AttemptError::Retry`].
+    pub(super) async fn send(
+        &self,
+        booking: &Booking,
+        path: &str,
+        body: Bytes,
+    ) -> Result<hyper::Response<Incoming>, AttemptError> {
+        let mut upstream = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}{}", booking.url, path))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-request-id", self.client_id.to_string());
+        if let Some(accept) = &self.accept {
+            upstream = upstream.header(header::ACCEPT, accept);
         }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl Drop for ObservedBody {
-    fn drop(&mut self) {
-        if !self.done {
-            self.done = true;
-            self.state
-                .shared
-                .metrics
-                .count_request(RequestStatus::Cancelled);
-            tracing::debug!(request = %self.booking.id(), "client went away: upstream cancelled");
+        let upstream = upstream
+            .body(Full::new(body))
+            .map_err(|_| AttemptError::Fatal(ApiError::internal("cannot build the upstream request")))?;
+        let timeout = self.state.first_token_timeout;
+        match tokio::time::timeout(timeout, self.state.client.request(upstream)).await {
+            Err(_) => Err(AttemptError::Retry(
+                Failure::Timeout,
+                format!(
+                    "worker {} sent no response headers within {:.1} s",
+                    booking.name,
+                    timeout.as_secs_f64()
+                ),
+            )),
+            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Retry(
+                Failure::Connect,
+                format!("worker {} refused the connection", booking.name),
+            )),
+            Ok(Err(_)) => Err(AttemptError::Retry(
+                Failure::Reset,
+                format!("the connection to worker {} broke", booking.name),
+            )),
+            Ok(Ok(response)) if response.status().is_server_error() => Err(AttemptError::Retry(
+                Failure::Status5xx,
+                format!("worker {} answered {}", booking.name, response.status().as_u16()),
+            )),
+            Ok(Ok(response)) => Ok(response),
         }
     }
+
+    /// A worker failed this request: report it, free its booking, exclude
+    /// it, and decide whether the request may move on (counting the
+    /// migration or the give-up).
+    pub(super) fn fail(
+        &mut self,
+        booking: Booking,
+        reason: Failure,
+        phase: Phase,
+        prompt_tokens: u64,
+        progress: &Progress,
+        resumable: Result<(), &'static str>,
+    ) -> Result<(), GiveUp> {
+        booking.worker_failed();
+        self.exclude.push(booking.worker);
+        drop(booking);
+        let metrics = &self.state.shared.metrics;
+        match decide(
+            self.state.migration,
+            self.migrations,
+            phase,
+            prompt_tokens,
+            progress,
+            resumable,
+        ) {
+            Verdict::Migrate => {
+                self.migrations += 1;
+                metrics.count_migration(reason);
+                Ok(())
+            }
+            Verdict::GiveUp(why) => {
+                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
+                Err(why)
+            }
+        }
+    }
+
+    /// The worker's response head as the client gets it.
+    fn client_parts(
+        &self,
+        mut parts: hyper::http::response::Parts,
+        booking: &Booking,
+    ) -> hyper::http::response::Parts {
+        for name in [
+            header::CONNECTION,
+            header::TRANSFER_ENCODING,
+            header::CONTENT_LENGTH,
+            HeaderName::from_static("keep-alive"),
+        ] {
+            parts.headers.remove(name);
+        }
+        if self.state.worker_header {
+            if let Ok(v) = HeaderValue::from_str(&booking.name) {
+                parts.headers.insert(WORKER_HEADER, v);
+            }
+        }
+        if let Ok(v) = HeaderValue::from_str(&self.client_id.to_string()) {
+            parts.headers.insert("x-request-id", v);
+        }
+        parts
+    }
 }
 
-/// SSE events in a chunk (each `data:` line is one streamed delta).
-fn count_events(data: &[u8]) -> u64 {
-    data.windows(5).filter(|w| *w == b"data:").count() as u64
-}
 
 async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
     check_key(&state, &headers)?;

@@ -207,9 +207,15 @@ impl Core {
         }
     }
 
-    /// Workers that may take new requests for `model` (empty: all of them).
-    fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, ()> {
+    /// Workers that may take new requests for `model`, minus `exclude`
+    /// (empty: all of them).
+    fn eligible_for(
+        &self,
+        model: Option<&str>,
+        exclude: &[WorkerId],
+    ) -> Result<Vec<WorkerId>, ()> {
         let mut any_draining = false;
+        let mut any_excluded = false;
         let mut all = 0usize;
         let mut eligible = Vec::new();
         for info in self.workers.values() {
@@ -222,11 +228,13 @@ impl Core {
                 None => true,
                 Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
             };
-            if serves && !info.draining {
+            let excluded = exclude.contains(&info.id);
+            any_excluded |= excluded;
+            if serves && !info.draining && !excluded {
                 eligible.push(info.id);
             }
         }
-        if eligible.is_empty() && all > 0 && model.is_some() && !any_draining {
+        if eligible.is_empty() && all > 0 && model.is_some() && !any_draining && !any_excluded {
             return Err(());
         }
         if eligible.len() == all && !any_draining {
@@ -251,6 +259,9 @@ pub struct Submission<'a> {
     pub session: Option<SessionKey>,
     /// The requested model.
     pub model: Option<&'a str>,
+    /// Workers that must not take it: those that already failed this
+    /// request (migration). Empty for a first attempt.
+    pub exclude: &'a [WorkerId],
 }
 
 /// Why a submission was not queued.
@@ -446,7 +457,7 @@ impl SharedRouter {
         let (tx, rx) = oneshot::channel();
         let mut core = self.lock();
         let eligible = core
-            .eligible_for(submission.model)
+            .eligible_for(submission.model, submission.exclude)
             .map_err(|()| SubmitError::UnknownModel)?;
         let facts = RequestFacts {
             id,
@@ -774,5 +785,61 @@ impl Drop for Booking {
             now,
         );
         core.poll(now, &self.shared.metrics);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::{build_router, ServerConfig};
+
+    fn shared_with(names: &[&str]) -> (Arc<SharedRouter>, Vec<WorkerId>) {
+        let config = ServerConfig::default();
+        let router = build_router(&config).unwrap();
+        let admission = AdmissionController::new(config.queue.clone(), None).unwrap();
+        let shared = Arc::new(SharedRouter::new(router, admission, Arc::default()));
+        let ids = names
+            .iter()
+            .map(|name| {
+                let id = shared
+                    .add_worker(name, &format!("http://{name}:1"))
+                    .unwrap();
+                shared.set_in_router(id, true);
+                id
+            })
+            .collect();
+        (shared, ids)
+    }
+
+    fn submission(exclude: &[WorkerId]) -> Submission<'_> {
+        Submission {
+            blocks: Vec::new(),
+            prompt_tokens: 4,
+            session: None,
+            model: Some("any"),
+            exclude,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_excluded_worker_is_never_chosen() {
+        let (shared, ids) = shared_with(&["a", "b", "c"]);
+        for i in 0..12 {
+            let booking = shared
+                .submit(RequestId(i), submission(&ids[..2]))
+                .unwrap()
+                .placed()
+                .await
+                .unwrap();
+            assert_eq!(booking.worker, ids[2]);
+        }
+    }
+
+    #[tokio::test]
+    async fn excluding_every_worker_means_no_workers_not_an_unknown_model() {
+        let (shared, ids) = shared_with(&["a", "b"]);
+        let wait = shared.submit(RequestId(1), submission(&ids)).unwrap();
+        assert!(wait.placed().await.is_err());
+        assert_eq!(shared.with_core(|c| c.router.sequences().active_requests()), 0);
     }
 }

@@ -155,6 +155,9 @@ struct CompletionBody {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// vLLM's flag: each streamed choice carries the `token_ids` it adds.
+    #[serde(default)]
+    return_token_ids: bool,
 }
 
 #[derive(Deserialize)]
@@ -166,6 +169,9 @@ struct ChatBody {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// vLLM's flag: each streamed choice carries the `token_ids` it adds.
+    #[serde(default)]
+    return_token_ids: bool,
 }
 
 #[derive(Deserialize)]
@@ -193,6 +199,8 @@ struct Job {
     created: u64,
     stream: bool,
     include_usage: bool,
+    /// Add `token_ids` to streamed choices.
+    return_token_ids: bool,
 }
 
 impl AppState {
@@ -239,6 +247,7 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
         created: unix_now(),
         stream: body.stream,
         include_usage: body.stream_options.is_some_and(|o| o.include_usage),
+        return_token_ids: body.return_token_ids,
     };
     run(
         state.clone(),
@@ -310,6 +319,7 @@ async fn chat_completions(
         created: unix_now(),
         stream: body.stream,
         include_usage: body.stream_options.is_some_and(|o| o.include_usage),
+        return_token_ids: body.return_token_ids,
     };
     let max_tokens = body
         .max_completion_tokens
@@ -489,8 +499,14 @@ enum StreamState {
     Closed,
 }
 
-fn chunk(job: &Job, delta_text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
-    match job.api {
+fn chunk(
+    job: &Job,
+    token: Option<u32>,
+    role: bool,
+    finish: Option<&str>,
+) -> Value {
+    let delta_text = token.map(token_text);
+    let mut chunk = match job.api {
         Api::Completions => json!({
             "id": format!("cmpl-{}", job.id),
             "object": "text_completion",
@@ -514,7 +530,11 @@ fn chunk(job: &Job, delta_text: Option<&str>, role: bool, finish: Option<&str>) 
                 "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
             })
         }
+    };
+    if let (true, Some(token)) = (job.return_token_ids, token) {
+        chunk["choices"][0]["token_ids"] = json!([token]);
     }
+    chunk
 }
 
 fn usage_chunk(job: &Job, usage: Value) -> Value {
@@ -563,7 +583,7 @@ fn stream_response(
                     Some(GenEvent::Token { token, .. }) => {
                         let data = chunk(
                             &job,
-                            Some(token_text(token)),
+                            Some(token),
                             !started && job.api == Api::Chat,
                             None,
                         );

@@ -75,6 +75,49 @@ pub fn sim_worker(speedup: &str) -> Proc {
     ])
 }
 
+/// A sim-worker on `port` (0: any free port) with extra flags.
+pub fn sim_worker_on(port: u16, speedup: &str, extra: &[&str]) -> Proc {
+    let port = port.to_string();
+    let mut args = vec![
+        "sim-worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--speedup",
+        speedup,
+        "--num-blocks",
+        "1024",
+    ];
+    args.extend_from_slice(extra);
+    spawn(&args)
+}
+
+/// The port of a `http://host:port` base URL.
+pub fn port_of(base: &str) -> u16 {
+    base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a base URL with a port")
+}
+
+/// `GET base/metrics` as text ("" when unreachable).
+pub async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    match client.get(format!("{base}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Sum of every sample of a metric family (`name{...} v` and `name v`).
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The router in front of `workers` (`URL,name=...` specs) with extra flags.
 pub fn router(workers: &[String], extra: &[&str]) -> Proc {
     let mut args: Vec<String> = vec![

@@ -1,0 +1,370 @@
+//! Request lifecycle over real sockets: migration away from a failing
+//! worker (before the first token and mid-stream), the request timeout,
+//! and client disconnects, checked down to the workers' running counts.
+//!
+//! The failing workers are small scripted HTTP servers on loopback (a real
+//! socket, a scripted reply); the healthy ones are sim-worker processes.
+
+mod common;
+
+use common::{eventually, metric, metric_sum, metrics_text, router, sim_worker_on};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How a scripted worker answers generation requests.
+#[derive(Clone, Copy)]
+enum Script {
+    /// `500` with an error body.
+    Status500,
+    /// A chat stream of three content chunks, then the connection drops.
+    CutChatStream,
+}
+
+/// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
+/// answers generation requests by `script`. Returns its base URL.
+async fn scripted_worker(script: Script) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(serve_one(socket, script));
+        }
+    });
+    base
+}
+
+async fn serve_one(mut socket: TcpStream, script: Script) {
+    // Read the head and the body (Content-Length) of one request.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let Ok(n) = socket.read(&mut chunk).await else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + length {
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+    let reply = |status: &str, body: &str| {
+        format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let out = match path.as_str() {
+        "/health" => reply("200 OK", "{}"),
+        "/v1/models" => reply("200 OK", r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#),
+        "/get_server_info" => reply("200 OK", "{}"),
+        _ => match script {
+            Script::Status500 => reply(
+                "500 Internal Server Error",
+                r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,
+            ),
+            Script::CutChatStream => {
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let mut events = vec![json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " alpha"}, "finish_reason": null}]})];
+                for word in [" beta", " gamma"] {
+                    events.push(json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": null}]}));
+                }
+                for e in events {
+                    let data = format!("data: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                // A half event, then the connection drops (no final chunk).
+                out.push_str("10\r\ndata: {\"id\": \"ch\r\n");
+                out
+            }
+        },
+    };
+    let _ = socket.write_all(out.as_bytes()).await;
+    let _ = socket.flush().await;
+    // Dropping the socket closes the connection.
+}
+
+fn sse_events(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| e.strip_prefix("data: ").unwrap_or(e).to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
+    let failing = scripted_worker(Script::Status500).await;
+    let good = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[format!("{failing},name=bad"), format!("{},name=good", good.base)],
+        &["--policy", "round-robin"],
+    );
+    let client = reqwest::Client::new();
+    for stream in [false, true, false, true] {
+        let response = client
+            .post(format!("{}/v1/completions", router.base))
+            .json(&json!({"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": stream}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-switchyard-worker"], "good");
+        let text = response.text().await.unwrap();
+        if stream {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["object"], "text_completion");
+        }
+    }
+    let text = metrics_text(&client, &router.base).await;
+    assert!(
+        metric(&text, "switchyard_migrations_total{reason=\"status_5xx\"}") >= Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() {
+    let cutting = scripted_worker(Script::CutChatStream).await;
+    let good = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[
+            format!("{cutting},name=cutting"),
+            format!("{},name=good", good.base),
+        ],
+        &["--policy", "round-robin"],
+    );
+    let client = reqwest::Client::new();
+    // Round-robin: one of the first two requests starts on the cutting worker.
+    let mut resumed = None;
+    for _ in 0..6 {
+        let response = client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&json!({
+                "model": "switchyard-sim",
+                "messages": [{"role": "user", "content": "tell me about yards"}],
+                "max_tokens": 10,
+                "stream": true,
+                "stream_options": {"include_usage": true},
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let worker = response.headers()["x-switchyard-worker"].clone();
+        let text = response.text().await.unwrap();
+        if worker == "cutting" {
+            resumed = Some(text);
+            break;
+        }
+    }
+    let text = resumed.expect("a request started on the cutting worker");
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap_or_else(|_| panic!("not JSON: {e}")))
+        .collect();
+    let mut content = 0;
+    let mut finish = None;
+    let mut usage = None;
+    for c in &chunks {
+        assert_eq!(c["id"], "chatcmpl-scripted", "{c}");
+        assert_eq!(c["object"], "chat.completion.chunk", "{c}");
+        assert_eq!(c["created"], 1234, "{c}");
+        if let Some(choice) = c["choices"].get(0) {
+            if choice["delta"]["content"].as_str().is_some_and(|s| !s.is_empty()) {
+                content += 1;
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+        if c.get("usage").is_some() {
+            usage = Some(c["usage"].clone());
+        }
+    }
+    assert_eq!(content, 10, "3 tokens before the cut, 7 after: {text}");
+    assert_eq!(finish.as_deref(), Some("length"));
+    let usage = usage.expect("the usage chunk survives the rewrite");
+    assert_eq!(usage["completion_tokens"], 10, "{usage}");
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(&metrics, "switchyard_migrations_total{reason=\"midstream\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+    let idle = eventually(Duration::from_secs(5), || {
+        let client = client.clone();
+        let base = router.base.clone();
+        async move {
+            metric(&metrics_text(&client, &base).await, "switchyard_active_requests") == Some(0.0)
+        }
+    })
+    .await;
+    assert!(idle);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
+    let cutting = scripted_worker(Script::CutChatStream).await;
+    let router = router(&[format!("{cutting},name=cutting")], &[]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    let events = sse_events(&text);
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{text}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert!(last["error"]["message"].is_string(), "{text}");
+    assert_eq!(events.len(), 4, "three forwarded chunks, then the error: {text}");
+}
+
+/// Router and worker both idle: nothing booked, nothing running.
+async fn assert_all_idle(client: &reqwest::Client, router: &str, worker: &str) {
+    let idle = eventually(Duration::from_secs(10), || {
+        let client = client.clone();
+        let (router, worker) = (router.to_owned(), worker.to_owned());
+        async move {
+            let r = metrics_text(&client, &router).await;
+            let w = metrics_text(&client, &worker).await;
+            metric(&r, "switchyard_active_requests") == Some(0.0)
+                && metric_sum(&r, "switchyard_worker_active_requests") == 0.0
+                && metric(&w, "switchyard_engine_running") == Some(0.0)
+                && metric(&w, "switchyard_engine_waiting") == Some(0.0)
+        }
+    })
+    .await;
+    assert!(
+        idle,
+        "router:\n{}\nworker:\n{}",
+        metrics_text(client, router).await,
+        metrics_text(client, worker).await
+    );
+}
+
+/// Waits until the worker runs a request.
+async fn wait_running(client: &reqwest::Client, worker: &str) {
+    let running = eventually(Duration::from_secs(10), || {
+        let client = client.clone();
+        let worker = worker.to_owned();
+        async move {
+            metric(&metrics_text(&client, &worker).await, "switchyard_engine_running") >= Some(1.0)
+        }
+    })
+    .await;
+    assert!(running, "the worker never ran the request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_event() {
+    // About 100 ms a token: 2000 tokens would take minutes.
+    let worker = sim_worker_on(0, "0.05", &[]);
+    let router = router(
+        &[format!("{},name=w0", worker.base)],
+        &["--request-timeout", "1.5"],
+    );
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", router.base);
+
+    let started = std::time::Instant::now();
+    let response = client
+        .post(&url)
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 2000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 504);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "timeout", "{body}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_all_idle(&client, &router.base, &worker.base).await;
+
+    let response = client
+        .post(&url)
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 2000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    let events = sse_events(&text);
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], 504, "{text}");
+    assert!(!events.iter().any(|e| e == "[DONE]"));
+    assert_all_idle(&client, &router.base, &worker.base).await;
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, "switchyard_request_timeouts_total"), Some(2.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_cancels_the_workers_request() {
+    let worker = sim_worker_on(0, "0.05", &[]);
+    let router = router(&[format!("{},name=w0", worker.base)], &[]);
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", router.base);
+
+    // Non-streaming: the client gives up while the worker generates.
+    let pending = tokio::spawn({
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            client
+                .post(&url)
+                .json(&json!({"prompt": [1, 2, 3], "max_tokens": 2000}))
+                .send()
+                .await
+        }
+    });
+    wait_running(&client, &worker.base).await;
+    pending.abort();
+    assert_all_idle(&client, &router.base, &worker.base).await;
+
+    // Streaming: the client reads one chunk and hangs up.
+    let response = client
+        .post(&url)
+        .json(&json!({"prompt": [4, 5, 6], "max_tokens": 2000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    wait_running(&client, &worker.base).await;
+    drop(body);
+    assert_all_idle(&client, &router.base, &worker.base).await;
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(&text, "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"),
+        Some(2.0),
+        "{text}"
+    );
+}
