@@ -97,8 +97,8 @@ async fn one_request(
             done += 1;
             continue;
         }
-        let v: Value =
-            serde_json::from_str(data).map_err(|e| format!("an event is not JSON ({e}): {data}"))?;
+        let v: Value = serde_json::from_str(data)
+            .map_err(|e| format!("an event is not JSON ({e}): {data}"))?;
         if let Some(error) = v.get("error") {
             let message = error["message"]
                 .as_str()
@@ -115,7 +115,9 @@ async fn one_request(
         match &identity {
             None => identity = Some(this),
             Some(first) if *first != this => {
-                return Err(format!("a chunk with another identity {this:?} than {first:?}"))
+                return Err(format!(
+                    "a chunk with another identity {this:?} than {first:?}"
+                ))
             }
             Some(_) => {}
         }
@@ -195,7 +197,8 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
                 let chat = (i + n) % 2 == 0;
                 let max_tokens = 20 + 10 * ((i + n) % 3);
                 let started = Instant::now();
-                let outcome = one_request(&client, &base, chat, i * 10_000 + n * 64, max_tokens).await;
+                let outcome =
+                    one_request(&client, &base, chat, i * 10_000 + n * 64, max_tokens).await;
                 let took = started.elapsed();
                 outcomes.push((outcome, took));
                 n += 1;
@@ -221,7 +224,10 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
         }
     })
     .await;
-    assert!(back, "the restarted worker is re-admitted by the health checks");
+    assert!(
+        back,
+        "the restarted worker is re-admitted by the health checks"
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
 
@@ -264,7 +270,12 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
         let quiet = eventually(Duration::from_secs(10), || {
             let client = client.clone();
             let base = w.base.clone();
-            async move { metric(&metrics_text(&client, &base).await, "switchyard_engine_running") == Some(0.0) }
+            async move {
+                metric(
+                    &metrics_text(&client, &base).await,
+                    "switchyard_engine_running",
+                ) == Some(0.0)
+            }
         })
         .await;
         assert!(quiet, "{} still runs requests", w.base);

@@ -76,7 +76,10 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
     };
     let out = match path.as_str() {
         "/health" => reply("200 OK", "{}"),
-        "/v1/models" => reply("200 OK", r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#),
+        "/v1/models" => reply(
+            "200 OK",
+            r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#,
+        ),
         "/get_server_info" => reply("200 OK", "{}"),
         _ => match script {
             Script::Status500 => reply(
@@ -87,7 +90,9 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
                 let mut out = String::from(
                     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
                 );
-                let mut events = vec![json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " alpha"}, "finish_reason": null}]})];
+                let mut events = vec![
+                    json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " alpha"}, "finish_reason": null}]}),
+                ];
                 for word in [" beta", " gamma"] {
                     events.push(json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": null}]}));
                 }
@@ -118,7 +123,10 @@ async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
     let failing = scripted_worker(Script::Status500).await;
     let good = sim_worker_on(0, "0", &[]);
     let router = router(
-        &[format!("{failing},name=bad"), format!("{},name=good", good.base)],
+        &[
+            format!("{failing},name=bad"),
+            format!("{},name=good", good.base),
+        ],
         &["--policy", "round-robin"],
     );
     let client = reqwest::Client::new();
@@ -197,7 +205,10 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         assert_eq!(c["object"], "chat.completion.chunk", "{c}");
         assert_eq!(c["created"], 1234, "{c}");
         if let Some(choice) = c["choices"].get(0) {
-            if choice["delta"]["content"].as_str().is_some_and(|s| !s.is_empty()) {
+            if choice["delta"]["content"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty())
+            {
                 content += 1;
             }
             if let Some(f) = choice["finish_reason"].as_str() {
@@ -214,7 +225,10 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
     assert_eq!(usage["completion_tokens"], 10, "{usage}");
     let metrics = metrics_text(&client, &router.base).await;
     assert_eq!(
-        metric(&metrics, "switchyard_migrations_total{reason=\"midstream\"}"),
+        metric(
+            &metrics,
+            "switchyard_migrations_total{reason=\"midstream\"}"
+        ),
         Some(1.0),
         "{metrics}"
     );
@@ -222,7 +236,10 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         let client = client.clone();
         let base = router.base.clone();
         async move {
-            metric(&metrics_text(&client, &base).await, "switchyard_active_requests") == Some(0.0)
+            metric(
+                &metrics_text(&client, &base).await,
+                "switchyard_active_requests",
+            ) == Some(0.0)
         }
     })
     .await;
@@ -246,7 +263,11 @@ async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
     assert!(!events.iter().any(|e| e == "[DONE]"), "{text}");
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert!(last["error"]["message"].is_string(), "{text}");
-    assert_eq!(events.len(), 4, "three forwarded chunks, then the error: {text}");
+    assert_eq!(
+        events.len(),
+        4,
+        "three forwarded chunks, then the error: {text}"
+    );
 }
 
 /// Router and worker both idle: nothing booked, nothing running.
@@ -278,7 +299,10 @@ async fn wait_running(client: &reqwest::Client, worker: &str) {
         let client = client.clone();
         let worker = worker.to_owned();
         async move {
-            metric(&metrics_text(&client, &worker).await, "switchyard_engine_running") >= Some(1.0)
+            metric(
+                &metrics_text(&client, &worker).await,
+                "switchyard_engine_running",
+            ) >= Some(1.0)
         }
     })
     .await;
@@ -323,7 +347,10 @@ async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_even
     assert!(!events.iter().any(|e| e == "[DONE]"));
     assert_all_idle(&client, &router.base, &worker.base).await;
     let text = metrics_text(&client, &router.base).await;
-    assert_eq!(metric(&text, "switchyard_request_timeouts_total"), Some(2.0));
+    assert_eq!(
+        metric(&text, "switchyard_request_timeouts_total"),
+        Some(2.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,7 +390,10 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
     assert_all_idle(&client, &router.base, &worker.base).await;
     let text = metrics_text(&client, &router.base).await;
     assert_eq!(
-        metric(&text, "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"),
+        metric(
+            &text,
+            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+        ),
         Some(2.0),
         "{text}"
     );

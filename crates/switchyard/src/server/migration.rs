@@ -237,16 +237,25 @@ impl Progress {
 /// Why a request cannot be resumed mid-stream, judged from its body.
 pub fn resumable(body: &Value) -> Result<(), &'static str> {
     if body.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1)
-        || body.get("best_of").and_then(Value::as_u64).is_some_and(|n| n > 1)
+        || body
+            .get("best_of")
+            .and_then(Value::as_u64)
+            .is_some_and(|n| n > 1)
     {
         return Err("it asks for several choices");
     }
     if let Some(Value::Array(prompts)) = body.get("prompt") {
-        if prompts.first().is_some_and(|p| p.is_string() || p.is_array()) {
+        if prompts
+            .first()
+            .is_some_and(|p| p.is_string() || p.is_array())
+        {
             return Err("it has a batch of prompts");
         }
     }
-    if body.get("logprobs").is_some_and(|l| !l.is_null() && l != &Value::Bool(false)) {
+    if body
+        .get("logprobs")
+        .is_some_and(|l| !l.is_null() && l != &Value::Bool(false))
+    {
         return Err("it asks for logprobs");
     }
     Ok(())
@@ -345,7 +354,14 @@ mod tests {
         );
         // Before the first token the sequence limit does not apply.
         assert_eq!(
-            decide(POLICY, 0, Phase::BeforeFirstToken, 200, &Progress::new(8), Ok(())),
+            decide(
+                POLICY,
+                0,
+                Phase::BeforeFirstToken,
+                200,
+                &Progress::new(8),
+                Ok(())
+            ),
             Verdict::Migrate
         );
     }
@@ -402,6 +418,8 @@ mod tests {
                 "prompt": [1, 2, 3], "max_tokens": 12, "stream": true, "return_token_ids": true,
             })
         );
-        assert!(resume_body(&json!("junk"), &[1], None).get("max_tokens").is_none());
+        assert!(resume_body(&json!("junk"), &[1], None)
+            .get("max_tokens")
+            .is_none());
     }
 }

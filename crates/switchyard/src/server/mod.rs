@@ -26,8 +26,8 @@ pub mod metrics;
 pub mod migration;
 pub mod proxy;
 pub mod sse;
-pub mod stream;
 pub mod state;
+pub mod stream;
 pub mod tokenize;
 pub mod workers;
 

@@ -481,12 +481,7 @@ enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
-    Stream(
-        hyper::http::response::Parts,
-        Incoming,
-        SseParser,
-        String,
-    ),
+    Stream(hyper::http::response::Parts, Incoming, SseParser, String),
 }
 
 /// A failed attempt.
@@ -535,14 +530,12 @@ async fn first_event(
         }
     };
     let timeout = attempts.state.first_token_timeout;
-    let first = tokio::time::timeout(timeout, read)
-        .await
-        .map_err(|_| {
-            AttemptError::Retry(
-                Failure::Timeout,
-                format!("no first event within {:.1} s", timeout.as_secs_f64()),
-            )
-        })??;
+    let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
+        AttemptError::Retry(
+            Failure::Timeout,
+            format!("no first event within {:.1} s", timeout.as_secs_f64()),
+        )
+    })??;
     if classify(&first) == Chunk::Error {
         return Err(AttemptError::Retry(
             Failure::Status5xx,
@@ -658,9 +651,9 @@ impl Attempts {
         if let Some(accept) = &self.accept {
             upstream = upstream.header(header::ACCEPT, accept);
         }
-        let upstream = upstream
-            .body(Full::new(body))
-            .map_err(|_| AttemptError::Fatal(ApiError::internal("cannot build the upstream request")))?;
+        let upstream = upstream.body(Full::new(body)).map_err(|_| {
+            AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
+        })?;
         let timeout = self.state.first_token_timeout;
         match tokio::time::timeout(timeout, self.state.client.request(upstream)).await {
             Err(_) => Err(AttemptError::Retry(
@@ -681,7 +674,11 @@ impl Attempts {
             )),
             Ok(Ok(response)) if response.status().is_server_error() => Err(AttemptError::Retry(
                 Failure::Status5xx,
-                format!("worker {} answered {}", booking.name, response.status().as_u16()),
+                format!(
+                    "worker {} answered {}",
+                    booking.name,
+                    response.status().as_u16()
+                ),
             )),
             Ok(Ok(response)) => Ok(response),
         }
@@ -749,7 +746,6 @@ impl Attempts {
         parts
     }
 }
-
 
 async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
     check_key(&state, &headers)?;

@@ -227,8 +227,7 @@ impl StreamShape {
             Api::Chat => "chat.completion.chunk",
             Api::Completions => "text_completion",
         };
-        let choices = if usage.is_some() && delta.text.is_none() && delta.finish_reason.is_none()
-        {
+        let choices = if usage.is_some() && delta.text.is_none() && delta.finish_reason.is_none() {
             json!([])
         } else {
             let text = delta.text.as_deref();
@@ -303,10 +302,7 @@ mod tests {
     fn an_event_over_the_limit_is_an_error_not_a_buffer() {
         let mut p = SseParser::new(16);
         p.push(&[b'x'; 17]);
-        assert_eq!(
-            p.next_event(),
-            Err(SseError::EventTooLarge { limit: 16 })
-        );
+        assert_eq!(p.next_event(), Err(SseError::EventTooLarge { limit: 16 }));
     }
 
     #[test]
@@ -333,9 +329,9 @@ mod tests {
             (d.id.as_deref(), d.model.as_deref(), d.created),
             (Some("chatcmpl-1"), Some("m"), Some(7))
         );
-        let Chunk::Delta(d) = classify(
-            r#"{"choices":[{"index":0,"text":"","finish_reason":"length"}]}"#,
-        ) else {
+        let Chunk::Delta(d) =
+            classify(r#"{"choices":[{"index":0,"text":"","finish_reason":"length"}]}"#)
+        else {
             panic!()
         };
         assert_eq!(d.finish_reason.as_deref(), Some("length"));
@@ -380,8 +376,7 @@ mod tests {
             ..Delta::default()
         };
         let bytes = shape.rewrite(&d, Some(json!({"completion_tokens": 9})));
-        let v: Value =
-            serde_json::from_slice(&bytes[6..bytes.len() - 2]).unwrap();
+        let v: Value = serde_json::from_slice(&bytes[6..bytes.len() - 2]).unwrap();
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"], json!([]));
         assert_eq!(v["usage"]["completion_tokens"], 9);

@@ -209,11 +209,7 @@ impl Core {
 
     /// Workers that may take new requests for `model`, minus `exclude`
     /// (empty: all of them).
-    fn eligible_for(
-        &self,
-        model: Option<&str>,
-        exclude: &[WorkerId],
-    ) -> Result<Vec<WorkerId>, ()> {
+    fn eligible_for(&self, model: Option<&str>, exclude: &[WorkerId]) -> Result<Vec<WorkerId>, ()> {
         let mut any_draining = false;
         let mut any_excluded = false;
         let mut all = 0usize;
@@ -840,6 +836,9 @@ mod tests {
         let (shared, ids) = shared_with(&["a", "b"]);
         let wait = shared.submit(RequestId(1), submission(&ids)).unwrap();
         assert!(wait.placed().await.is_err());
-        assert_eq!(shared.with_core(|c| c.router.sequences().active_requests()), 0);
+        assert_eq!(
+            shared.with_core(|c| c.router.sequences().active_requests()),
+            0
+        );
     }
 }

@@ -499,12 +499,7 @@ enum StreamState {
     Closed,
 }
 
-fn chunk(
-    job: &Job,
-    token: Option<u32>,
-    role: bool,
-    finish: Option<&str>,
-) -> Value {
+fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Value {
     let delta_text = token.map(token_text);
     let mut chunk = match job.api {
         Api::Completions => json!({
@@ -581,12 +576,7 @@ fn stream_response(
                 };
                 match event {
                     Some(GenEvent::Token { token, .. }) => {
-                        let data = chunk(
-                            &job,
-                            Some(token),
-                            !started && job.api == Api::Chat,
-                            None,
-                        );
+                        let data = chunk(&job, Some(token), !started && job.api == Api::Chat, None);
                         Some((
                             Event::default().data(data.to_string()),
                             StreamState::Open {

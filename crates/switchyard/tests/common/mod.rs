@@ -95,7 +95,10 @@ pub fn sim_worker_on(port: u16, speedup: &str, extra: &[&str]) -> Proc {
 
 /// The port of a `http://host:port` base URL.
 pub fn port_of(base: &str) -> u16 {
-    base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a base URL with a port")
+    base.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a base URL with a port")
 }
 
 /// `GET base/metrics` as text ("" when unreachable).
