@@ -21,6 +21,10 @@ enum Script {
     Status500,
     /// A chat stream of three content chunks, then the connection drops.
     CutChatStream,
+    /// Nothing: the connection stays open and silent.
+    Silent,
+    /// A JSON answer cut before its announced length.
+    CutJson,
 }
 
 /// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
@@ -82,6 +86,13 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
         ),
         "/get_server_info" => reply("200 OK", "{}"),
         _ => match script {
+            Script::Silent => {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                return;
+            }
+            Script::CutJson => String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{\"id\": \"cmpl-cut\", \"choi",
+            ),
             Script::Status500 => reply(
                 "500 Internal Server Error",
                 r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,
@@ -150,6 +161,70 @@ async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
     let text = metrics_text(&client, &router.base).await;
     assert!(
         metric(&text, "switchyard_migrations_total{reason=\"status_5xx\"}") >= Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
+    let cutting = scripted_worker(Script::CutJson).await;
+    let good = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[
+            format!("{cutting},name=cut"),
+            format!("{},name=good", good.base),
+        ],
+        &["--policy", "round-robin"],
+    );
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        let response = client
+            .post(format!("{}/v1/completions", router.base))
+            .json(&json!({"prompt": [1, 2, 3, 4], "max_tokens": 3}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-switchyard-worker"], "good");
+        let v: Value = response.json().await.unwrap();
+        assert_eq!(v["object"], "text_completion", "{v}");
+    }
+    let text = metrics_text(&client, &router.base).await;
+    assert!(
+        metric(&text, "switchyard_migrations_total{reason=\"reset\"}") >= Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_another() {
+    let silent = scripted_worker(Script::Silent).await;
+    let good = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[
+            format!("{silent},name=silent"),
+            format!("{},name=good", good.base),
+        ],
+        &["--policy", "round-robin", "--first-token-timeout", "0.5"],
+    );
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        let response = client
+            .post(format!("{}/v1/completions", router.base))
+            .json(&json!({"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-switchyard-worker"], "good");
+        let text = response.text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
+    let text = metrics_text(&client, &router.base).await;
+    assert!(
+        metric(&text, "switchyard_migrations_total{reason=\"timeout\"}") >= Some(1.0),
         "{text}"
     );
 }

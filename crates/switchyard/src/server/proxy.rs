@@ -393,7 +393,9 @@ async fn first_phase(
         // A migrated request is admitted without its session: the session's
         // worker is the one that failed it.
         let booking = attempts.book(&facts.tokens, session.take()).await?;
-        let sent = attempts.send(&booking, path, body.clone()).await;
+        let sent = attempts
+            .send(&booking, path, body.clone(), facts.stream)
+            .await;
         let outcome = match sent {
             Ok(response) if facts.stream && response.status().is_success() => {
                 first_event(&attempts, response).await
@@ -635,13 +637,15 @@ impl Attempts {
     }
 
     /// POSTs `body` to the booked worker; a refused or broken connection, a
-    /// 5xx or no headers within the first-token timeout is a
-    /// [`AttemptError::Retry`].
+    /// 5xx or (when `streaming`) no headers within the first-token timeout
+    /// is a [`AttemptError::Retry`]. A non-streaming answer's head comes
+    /// with the whole answer, so only the request timeout bounds it.
     pub(super) async fn send(
         &self,
         booking: &Booking,
         path: &str,
         body: Bytes,
+        streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
         let mut upstream = Request::builder()
             .method(Method::POST)
@@ -655,7 +659,13 @@ impl Attempts {
             AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
         })?;
         let timeout = self.state.first_token_timeout;
-        match tokio::time::timeout(timeout, self.state.client.request(upstream)).await {
+        let request = self.state.client.request(upstream);
+        let answered = if streaming {
+            tokio::time::timeout(timeout, request).await
+        } else {
+            Ok(request.await)
+        };
+        match answered {
             Err(_) => Err(AttemptError::Retry(
                 Failure::Timeout,
                 format!(

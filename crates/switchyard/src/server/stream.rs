@@ -300,7 +300,12 @@ impl MigratingStream {
             };
             let sent = self
                 .attempts
-                .send(&booking, "/v1/completions", Bytes::from(body.to_string()))
+                .send(
+                    &booking,
+                    "/v1/completions",
+                    Bytes::from(body.to_string()),
+                    true,
+                )
                 .await;
             match sent {
                 Ok(response) if response.status().is_success() => {
