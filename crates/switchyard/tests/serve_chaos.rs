@@ -249,6 +249,7 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
 
     let text = metrics_text(&client, &base).await;
     let migrations = metric_sum(&text, "switchyard_migrations_total");
+    eprintln!("chaos: {complete} streams complete, {migrations} migrations");
     assert!(migrations >= 1.0, "no migration happened:\n{text}");
 
     // Nothing stays booked or queued on the router ...

@@ -343,6 +343,12 @@ async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
         4,
         "three forwarded chunks, then the error: {text}"
     );
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(&metrics, "switchyard_migrations_exhausted_total"),
+        Some(1.0),
+        "{metrics}"
+    );
 }
 
 /// Router and worker both idle: nothing booked, nothing running.
@@ -472,4 +478,38 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
         Some(2.0),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
+    let cutting = scripted_worker(Script::CutChatStream).await;
+    let good = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[
+            format!("{cutting},name=cutting"),
+            format!("{},name=good", good.base),
+        ],
+        &["--policy", "round-robin", "--migration-max-seq-len", "8"],
+    );
+    let client = reqwest::Client::new();
+    for _ in 0..6 {
+        let response = client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&json!({"messages": [{"role": "user", "content": "a prompt longer than eight tokens, surely"}], "max_tokens": 10, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let worker = response.headers()["x-switchyard-worker"].clone();
+        let text = response.text().await.unwrap();
+        if worker != "cutting" {
+            continue;
+        }
+        let events = sse_events(&text);
+        assert!(!events.iter().any(|e| e == "[DONE]"), "{text}");
+        let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+        let message = last["error"]["message"].as_str().unwrap();
+        assert!(message.contains("migration limit of 8"), "{message}");
+        return;
+    }
+    panic!("no request started on the cutting worker");
 }

@@ -359,3 +359,35 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn return_token_ids_adds_each_chunks_token_ids_and_only_when_asked() {
+    let worker = start_worker(&["--num-blocks", "1024", "--speedup", "0"]);
+    let client = reqwest::Client::new();
+    for ask in [true, false] {
+        let text = client
+            .post(format!("{}/v1/completions", worker.base))
+            .json(&serde_json::json!({"prompt": [1, 2, 3], "max_tokens": 4, "stream": true, "return_token_ids": ask}))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let chunks: Vec<serde_json::Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let with_ids = chunks
+            .iter()
+            .filter(|c| {
+                c["choices"][0]["token_ids"]
+                    .as_array()
+                    .is_some_and(|a| a.len() == 1)
+            })
+            .count();
+        assert_eq!(with_ids, if ask { 4 } else { 0 }, "{text}");
+    }
+}

@@ -758,8 +758,9 @@ impl Booking {
         self.context_tokens = context_tokens;
     }
 
-    /// The worker could not be reached: take it out of selection now
-    /// (health checks put it back).
+    /// The worker failed this request (refused, reset, 5xx, timeout, broken
+    /// stream): take it out of selection now (health checks put it back).
+    /// The proxy calls it before migrating the request elsewhere.
     pub fn worker_failed(&self) {
         self.shared
             .metrics

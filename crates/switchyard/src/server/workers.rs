@@ -3,8 +3,9 @@
 //!
 //! A worker enters selection after its first good `GET /health` (its
 //! `/v1/models` is read then), leaves it after `health_failures`
-//! consecutive bad checks or one failed connection from the proxy, and is
-//! put back when checks pass again. Leaving selection drops its index and
+//! consecutive bad checks or one failure reported by the proxy
+//! (`Booking::worker_failed`: refused, reset, 5xx, timeout, broken
+//! stream), and is put back when checks pass again. Leaving selection drops its index and
 //! active-sequence entries (`Router::remove_worker`). A draining worker
 //! takes no new requests and is removed once it has none in flight.
 
