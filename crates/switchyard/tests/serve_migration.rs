@@ -513,3 +513,31 @@ async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
     }
     panic!("no request started on the cutting worker");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
+    let worker = sim_worker_on(0, "0", &[]);
+    let router = router(
+        &[format!("{},name=w0", worker.base)],
+        &["--max-response-bytes", "64"],
+    );
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 40}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--max-response-bytes"), "{message}");
+    // Streams are not buffered: the same request streams fine.
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 40, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+}
