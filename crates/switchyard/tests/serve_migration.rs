@@ -220,7 +220,8 @@ async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_anothe
         assert_eq!(response.headers()["x-switchyard-worker"], "good");
         let text = response.text().await.unwrap();
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-        assert!(started.elapsed() < Duration::from_secs(3));
+        // Well under the silent worker's hour; loose for a loaded machine.
+        assert!(started.elapsed() < Duration::from_secs(20));
     }
     let text = metrics_text(&client, &router.base).await;
     assert!(
@@ -411,7 +412,9 @@ async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_even
     assert_eq!(response.status(), 504);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["type"], "timeout", "{body}");
-    assert!(started.elapsed() < Duration::from_secs(5));
+    // Generating all 2000 tokens would take over 200 s; the bound is loose
+    // for a loaded CI machine.
+    assert!(started.elapsed() < Duration::from_secs(30));
     assert_all_idle(&client, &router.base, &worker.base).await;
 
     let response = client
