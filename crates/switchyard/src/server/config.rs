@@ -2,6 +2,7 @@
 //! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
 //! line flags (both through clap, flags winning), in that order.
 
+use crate::replica::ReplicaConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
@@ -192,6 +193,8 @@ pub struct ServerConfig {
     pub tokenizer_dir: Option<PathBuf>,
     /// Seed of the policies' random choices.
     pub seed: u64,
+    /// Replica sync (`[replica]`; off unless `nats_url` is set).
+    pub replica: ReplicaConfig,
 }
 
 impl Default for ServerConfig {
@@ -219,6 +222,7 @@ impl Default for ServerConfig {
             log_json: false,
             tokenizer_dir: None,
             seed: 0,
+            replica: ReplicaConfig::default(),
         }
     }
 }
@@ -294,6 +298,9 @@ impl ServerConfig {
         self.session
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("session: {e}")))?;
+        self.replica
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let mut names = std::collections::HashSet::new();
         for worker in &self.workers {
             worker.validate()?;
@@ -398,5 +405,40 @@ mod tests {
             ..ServerConfig::default()
         };
         assert!(!config.uses_events());
+    }
+
+    #[test]
+    fn replica_sync_is_off_by_default_and_a_replica_table_turns_it_on() {
+        assert!(!ServerConfig::default().replica.enabled());
+        let config = ServerConfig::from_toml(
+            r#"
+            [replica]
+            nats_url = "nats://10.0.0.9:4222"
+            endpoint = "chat"
+            silence_expiry_ms = 2000.0
+            "#,
+        )
+        .unwrap();
+        assert!(config.replica.enabled());
+        assert_eq!(
+            config.replica.subject(),
+            "switchyard.default.chat.active_sequences"
+        );
+    }
+
+    #[test]
+    fn bad_replica_settings_are_refused_with_a_clear_error() {
+        let err = ServerConfig::from_toml("[replica]\nnats_url = \"http://h:4222\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--replica-sync must be nats://HOST:PORT"),
+            "{err}"
+        );
+        let err = ServerConfig::from_toml("[replica]\nendpoint = \"a.b\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("endpoint"), "{err}");
+        assert!(ServerConfig::from_toml("[replica]\nnats = 1").is_err());
     }
 }

@@ -10,6 +10,8 @@
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
 //! - [`proxy`] — the HTTP handlers and the streaming response body.
 //! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//! - [`replica`] — replica sync (`--replica-sync`): local mutations out to
+//!   peers, peers' bookings into the core.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
 //! book) → upstream POST → `ObservedBody` (first token, latencies) → drop
@@ -19,6 +21,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
+pub mod replica;
 pub mod state;
 pub mod tokenize;
 pub mod workers;
@@ -33,6 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::admission::{AdmissionController, AdmissionStrategy, SessionAwareStrategy};
 use switchyard_core::index::ApproxConfig;
+use switchyard_core::replica::RemoteConfig;
 use switchyard_core::router::CacheTracking;
 use switchyard_core::select::PolicyKind;
 use switchyard_core::sequences::SequencesConfig;
@@ -94,6 +98,9 @@ pub struct ServeArgs {
     /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// Replica sync (off unless --replica-sync is given).
+    #[command(flatten)]
+    pub replica: replica::ReplicaArgs,
 }
 
 impl ServeArgs {
@@ -138,6 +145,7 @@ impl ServeArgs {
         for w in &self.workers {
             c.workers.push(WorkerSpec::parse(w)?);
         }
+        self.replica.apply(&mut c.replica);
         c.validate()?;
         Ok(c)
     }
@@ -199,6 +207,7 @@ pub struct RunningServer {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
+    replica: Option<crate::replica::ReplicaPlane>,
 }
 
 impl RunningServer {
@@ -217,6 +226,11 @@ impl RunningServer {
         };
         for t in self.background {
             t.abort();
+        }
+        if let Some(plane) = self.replica {
+            // The drained requests' frees go out before the plane stops.
+            plane.flush(Duration::from_millis(500)).await;
+            plane.shutdown().await;
         }
         result
     }
@@ -239,6 +253,10 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         cache,
         busy_threshold: config.busy_threshold,
         seed: config.seed,
+        remote: RemoteConfig {
+            silence_expiry_ms: config.replica.silence_expiry_ms,
+            ..RemoteConfig::default()
+        },
         ..RouterConfig::default()
     };
     Router::new(router_config).context("invalid router configuration")
@@ -276,6 +294,14 @@ pub async fn start_with_tokenizer(
         .context("invalid admission settings")?;
     let metrics = Arc::new(metrics::ServerMetrics::default());
     let shared = Arc::new(state::SharedRouter::new(router, admission, metrics));
+    let replica_plane = match config.replica.enabled() {
+        false => None,
+        true => Some(
+            replica::start(&config.replica, &shared)
+                .await
+                .context("starting replica sync")?,
+        ),
+    };
     let client = workers::upstream_client(Duration::from_millis(config.connect_timeout_ms));
     let interval = Duration::from_millis(config.health_interval_ms);
     let fleet = Arc::new(workers::Fleet::new(
@@ -304,6 +330,9 @@ pub async fn start_with_tokenizer(
         api_keys: config.api_keys.clone(),
         admin_token: config.admin_token.clone(),
         max_body_bytes: config.max_body_bytes,
+        router_id: replica_plane
+            .as_ref()
+            .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok()),
     });
     let addr: SocketAddr = format!("{}:{}", config.host, config.port)
         .parse()
@@ -333,7 +362,7 @@ pub async fn start_with_tokenizer(
             ticker_state.tick();
         }
     });
-    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), "router started");
+    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), replica = ?replica_plane.as_ref().map(|p| p.id.to_string()), "router started");
     Ok(RunningServer {
         addr,
         shared,
@@ -341,5 +370,6 @@ pub async fn start_with_tokenizer(
         task,
         background: vec![health, ticker],
         grace: Duration::from_millis(config.shutdown_grace_ms),
+        replica: replica_plane,
     })
 }

@@ -61,6 +61,8 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// Body limit.
     pub max_body_bytes: usize,
+    /// This replica's id for upstream requests, while replica sync is on.
+    pub router_id: Option<HeaderValue>,
 }
 
 type Shared = Arc<AppState>;
@@ -353,6 +355,9 @@ async fn proxy(
         .uri(uri)
         .header(header::CONTENT_TYPE, "application/json")
         .header("x-request-id", request_id.to_string());
+    if let Some(router_id) = &state.router_id {
+        upstream = upstream.header(crate::replica::ROUTER_ID_HEADER, router_id.clone());
+    }
     if let Some(accept) = headers.get(header::ACCEPT) {
         upstream = upstream.header(header::ACCEPT, accept);
     }
@@ -552,6 +557,9 @@ async fn metrics(State(state): State<Shared>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
     state.shared.metrics.render(&mut out, state.policy);
     state.shared.render_gauges(&mut out);
+    state
+        .shared
+        .with_core(|core| super::replica::render(core, &mut out));
     out.push_str(&state.fleet.kv_metrics.render_prometheus());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

@@ -1,0 +1,349 @@
+//! Replica sync end to end: three `switchyard serve` processes with
+//! `--replica-sync` in front of two `switchyard sim-worker` processes (which
+//! publish their own prefill marks), a fourth router on another endpoint,
+//! and a private `nats-server`, all real processes on loopback, driven by a
+//! real HTTP client.
+//!
+//! The test skips (with a printed reason) only when no `nats-server`
+//! binary is installed; CI installs it (`apt-get install -y nats-server`).
+
+mod common;
+
+use common::{metric, router, spawn, Proc};
+use futures_util::StreamExt;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use switchyard::replica::nats_server::nats_server_binary;
+use switchyard::replica::LocalNatsServer;
+use tokio::sync::mpsc;
+
+const WORKERS: [&str; 2] = ["w0", "w1"];
+/// Requests per syncing replica.
+const PER_REPLICA: usize = 4;
+/// Output tokens per request: at `--speedup 1` about 6 ms a token, so a
+/// request lives about 6 s, past the kill and the expiry below.
+const MAX_TOKENS: u32 = 1000;
+/// The peers' silence expiry (`--replica-expiry-ms`).
+const EXPIRY_MS: u64 = 1500;
+
+fn sim_worker(nats: &str) -> Proc {
+    spawn(&[
+        "sim-worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--speedup",
+        "1",
+        "--num-blocks",
+        "4096",
+        "--replica-sync",
+        nats,
+    ])
+}
+
+fn replica(workers: &[String], nats: &str, endpoint: &str) -> Proc {
+    let expiry = EXPIRY_MS.to_string();
+    router(
+        workers,
+        &[
+            "--replica-sync",
+            nats,
+            "--replica-endpoint",
+            endpoint,
+            "--replica-heartbeat-ms",
+            "100",
+            "--replica-expiry-ms",
+            &expiry,
+            "--replica-expiry-check-ms",
+            "50",
+        ],
+    )
+}
+
+/// `worker -> (local, remote)` as one replica sees it.
+type View = BTreeMap<String, (u64, u64)>;
+
+async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("/metrics answers")
+        .text()
+        .await
+        .expect("/metrics body")
+}
+
+async fn view(client: &reqwest::Client, base: &str) -> View {
+    let text = metrics_text(client, base).await;
+    WORKERS
+        .iter()
+        .map(|w| {
+            let series = |origin: &str| {
+                let name = format!(
+                    "switchyard_worker_active_requests_by_origin{{worker=\"{w}\",origin=\"{origin}\"}}"
+                );
+                metric(&text, &name).unwrap_or_else(|| panic!("{name} missing")) as u64
+            };
+            (w.to_string(), (series("local"), series("remote")))
+        })
+        .collect()
+}
+
+fn replica_events(text: &str, direction: &str) -> u64 {
+    metric(
+        text,
+        &format!("switchyard_replica_events_total{{direction=\"{direction}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("replica {direction} counter missing")) as u64
+}
+
+/// Whether every view's local + remote equals `truth` per worker.
+fn agrees(views: &[View], truth: &BTreeMap<String, u64>) -> bool {
+    views.iter().all(|v| {
+        WORKERS
+            .iter()
+            .all(|w| v[*w].0 + v[*w].1 == truth.get(*w).copied().unwrap_or(0))
+    })
+}
+
+/// What a request's task reports once the router answered.
+struct Routed {
+    replica: usize,
+    worker: String,
+    sent: Instant,
+}
+
+/// Sends one streaming completion to `base`, reports where it went, then
+/// reads the body to its end (or to the router's death).
+async fn hold_request(
+    client: reqwest::Client,
+    base: String,
+    replica: usize,
+    prompt: Vec<u32>,
+    routed: mpsc::UnboundedSender<Routed>,
+) {
+    let sent = Instant::now();
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "switchyard-sim", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true}))
+        .send()
+        .await
+        .expect("the router answers");
+    assert_eq!(response.status(), 200, "request via replica {replica}");
+    let worker = response.headers()["x-switchyard-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let _ = routed.send(Routed {
+        replica,
+        worker,
+        sent,
+    });
+    let mut body = response.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        if chunk.is_err() {
+            break;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoint() {
+    if nats_server_binary().is_none() {
+        eprintln!(
+            "skipping: no nats-server binary (install it: apt-get install -y nats-server, or set NATS_SERVER)"
+        );
+        return;
+    }
+    let test_start = Instant::now();
+    let nats = LocalNatsServer::start().expect("nats-server starts");
+    let url = nats.url();
+    let w0 = sim_worker(&url);
+    let w1 = sim_worker(&url);
+    let workers = vec![
+        format!("{},name=w0", w0.base),
+        format!("{},name=w1", w1.base),
+    ];
+    let mut replicas: Vec<Proc> = (0..3)
+        .map(|_| replica(&workers, &url, "generate"))
+        .collect();
+    let other = replica(&workers, &url, "other");
+    let bases: Vec<String> = replicas.iter().map(|p| p.base.clone()).collect();
+    let client = reqwest::Client::new();
+
+    // Spread held requests across the three syncing replicas.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut tasks = Vec::new();
+    for i in 0..3 * PER_REPLICA {
+        let replica = i % 3;
+        let prompt: Vec<u32> = (0..64).map(|t| (i as u32) * 1000 + t).collect();
+        tasks.push((
+            replica,
+            tokio::spawn(hold_request(
+                client.clone(),
+                bases[replica].clone(),
+                replica,
+                prompt,
+                tx.clone(),
+            )),
+        ));
+    }
+    drop(tx);
+    let mut routed = Vec::new();
+    while routed.len() < tasks.len() {
+        routed.push(
+            tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("every request is routed within 10 s")
+                .expect("a task reports"),
+        );
+    }
+    let last_sent = routed.iter().map(|r| r.sent).max().unwrap();
+    let last_routed = Instant::now();
+    let truth_of = |keep: &dyn Fn(&Routed) -> bool| {
+        let mut truth: BTreeMap<String, u64> = BTreeMap::new();
+        for r in routed.iter().filter(|r| keep(r)) {
+            *truth.entry(r.worker.clone()).or_default() += 1;
+        }
+        truth
+    };
+    let truth = truth_of(&|_| true);
+    println!("in flight per worker: {truth:?}");
+
+    // Every syncing replica's view converges to the truth.
+    let converged_at = loop {
+        let mut views = Vec::new();
+        for base in &bases {
+            views.push(view(&client, base).await);
+        }
+        if agrees(&views, &truth) {
+            // Each replica's own bookings are the local part.
+            for (i, v) in views.iter().enumerate() {
+                let own = truth_of(&|r| r.replica == i);
+                for w in WORKERS {
+                    assert_eq!(
+                        v[w].0,
+                        own.get(w).copied().unwrap_or(0),
+                        "replica {i} local on {w}"
+                    );
+                }
+            }
+            break Instant::now();
+        }
+        assert!(
+            last_sent.elapsed() < Duration::from_secs(5),
+            "no convergence 5 s after the last submission: views {views:?}, truth {truth:?}"
+        );
+    };
+    let since_sent = converged_at - last_sent;
+    let since_routed = converged_at.saturating_duration_since(last_routed);
+    println!(
+        "converged {:.1} ms after the last submission ({:.1} ms after its response headers)",
+        since_sent.as_secs_f64() * 1e3,
+        since_routed.as_secs_f64() * 1e3
+    );
+    assert!(
+        since_sent <= Duration::from_millis(100),
+        "convergence took {since_sent:?} after the last submission (bound 100 ms)"
+    );
+
+    // The replica on another endpoint holds no remote bookings, ever.
+    let other_text = metrics_text(&client, &other.base).await;
+    let other_view = view(&client, &other.base).await;
+    assert!(
+        other_view.values().all(|&(l, r)| l == 0 && r == 0),
+        "{other_view:?}"
+    );
+    assert_eq!(replica_events(&other_text, "received"), 0);
+
+    // SIGKILL replica 2 with its requests in flight: the others keep its
+    // bookings until its silence expiry, then free them.
+    let killed = 2;
+    replicas[killed].kill();
+    let killed_at = Instant::now();
+    let survivors = [0usize, 1];
+    let just_after = view(&client, &bases[0]).await;
+    assert!(
+        agrees(&[just_after.clone()], &truth),
+        "a dead peer's bookings are kept until its expiry: {just_after:?}"
+    );
+    let truth_alive = truth_of(&|r| r.replica != killed);
+    let expired_at = loop {
+        let mut views = Vec::new();
+        for &i in &survivors {
+            views.push(view(&client, &bases[i]).await);
+        }
+        if agrees(&views, &truth_alive) {
+            break Instant::now();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_millis(EXPIRY_MS + 3000),
+            "the killed replica's bookings did not expire: {views:?}, expected {truth_alive:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let expiry_took = expired_at - killed_at;
+    println!(
+        "the killed replica's bookings expired on its peers {:.0} ms after the kill (expiry {EXPIRY_MS} ms)",
+        expiry_took.as_secs_f64() * 1e3
+    );
+    // Its last heartbeat was at most 100 ms before the kill.
+    assert!(
+        expiry_took >= Duration::from_millis(EXPIRY_MS - 150),
+        "expired too early: {expiry_took:?}"
+    );
+    for &i in &survivors {
+        let text = metrics_text(&client, &bases[i]).await;
+        assert_eq!(
+            replica_events(&text, "expired"),
+            PER_REPLICA as u64,
+            "replica {i} expired the killed replica's bookings"
+        );
+    }
+    for (replica, task) in &tasks {
+        if *replica != killed {
+            assert!(
+                !task.is_finished(),
+                "a request ended before the checks: the machine is too slow for MAX_TOKENS"
+            );
+        }
+    }
+
+    // When every request has ended, every count is back to zero.
+    for (_, task) in tasks {
+        tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("requests end")
+            .expect("request task");
+    }
+    let zero: BTreeMap<String, u64> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let mut views = Vec::new();
+        for base in survivors.iter().map(|&i| &bases[i]).chain([&other.base]) {
+            views.push(view(&client, base).await);
+        }
+        if agrees(&views, &zero)
+            && views
+                .iter()
+                .all(|v| v.values().all(|&(l, r)| l == 0 && r == 0))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "counts stay nonzero: {views:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for &i in &survivors {
+        let text = metrics_text(&client, &bases[i]).await;
+        assert_eq!(
+            replica_events(&text, "dropped"),
+            0,
+            "replica {i} dropped events"
+        );
+        assert!(replica_events(&text, "applied") > 0);
+    }
+    println!("wall time {:.1} s", test_start.elapsed().as_secs_f64());
+}
