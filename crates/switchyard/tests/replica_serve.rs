@@ -267,7 +267,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     let survivors = [0usize, 1];
     let just_after = view(&client, &bases[0]).await;
     assert!(
-        agrees(&[just_after.clone()], &truth),
+        agrees(std::slice::from_ref(&just_after), &truth),
         "a dead peer's bookings are kept until its expiry: {just_after:?}"
     );
     let truth_alive = truth_of(&|r| r.replica != killed);

@@ -36,7 +36,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::admission::{AdmissionController, AdmissionStrategy, SessionAwareStrategy};
 use switchyard_core::index::ApproxConfig;
-use switchyard_core::replica::RemoteConfig;
 use switchyard_core::router::CacheTracking;
 use switchyard_core::select::PolicyKind;
 use switchyard_core::sequences::SequencesConfig;
@@ -243,7 +242,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
     } else {
         CacheTracking::Approximate(ApproxConfig::default())
     };
-    let router_config = RouterConfig {
+    let mut router_config = RouterConfig {
         policy: config.policy,
         policies: config.policies,
         sequences: SequencesConfig {
@@ -253,12 +252,9 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         cache,
         busy_threshold: config.busy_threshold,
         seed: config.seed,
-        remote: RemoteConfig {
-            silence_expiry_ms: config.replica.silence_expiry_ms,
-            ..RemoteConfig::default()
-        },
         ..RouterConfig::default()
     };
+    router_config.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     Router::new(router_config).context("invalid router configuration")
 }
 
