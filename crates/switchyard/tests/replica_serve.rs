@@ -21,9 +21,11 @@ use tokio::sync::mpsc;
 const WORKERS: [&str; 2] = ["w0", "w1"];
 /// Requests per syncing replica.
 const PER_REPLICA: usize = 4;
-/// Output tokens per request: at `--speedup 1` about 6 ms a token, so a
-/// request lives about 6 s, past the kill and the expiry below.
-const MAX_TOKENS: u32 = 1000;
+/// Output tokens per request: at `--speedup 1` a decode step takes at
+/// least 5.74 ms, so a request lives at least 3.4 s, past the kill, the
+/// expiry and the cancellations below (about 2 s after the requests are
+/// routed).
+const MAX_TOKENS: u32 = 600;
 /// The peers' silence expiry (`--replica-expiry-ms`).
 const EXPIRY_MS: u64 = 1500;
 
@@ -100,6 +102,23 @@ fn replica_events(text: &str, direction: &str) -> u64 {
     .unwrap_or_else(|| panic!("replica {direction} counter missing")) as u64
 }
 
+/// Every replica's view, fetched concurrently.
+async fn views_of(client: &reqwest::Client, bases: &[String]) -> Vec<View> {
+    futures_util::future::join_all(bases.iter().map(|base| view(client, base))).await
+}
+
+/// Starts `n` processes at once; `start(i)` starts the `i`-th.
+fn in_parallel(n: usize, start: impl Fn(usize) -> Proc + Sync) -> Vec<Proc> {
+    std::thread::scope(|scope| {
+        let start = &start;
+        let handles: Vec<_> = (0..n).map(|i| scope.spawn(move || start(i))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a process starts"))
+            .collect()
+    })
+}
+
 /// Whether every view's local + remote equals `truth` per worker.
 fn agrees(views: &[View], truth: &BTreeMap<String, u64>) -> bool {
     views.iter().all(|v| {
@@ -161,17 +180,21 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     let test_start = Instant::now();
     let nats = LocalNatsServer::start().expect("nats-server starts");
     let url = nats.url();
-    let w0 = sim_worker(&url);
-    let w1 = sim_worker(&url);
+    // Processes start in parallel: each router loads the tokenizer.
+    let sims = in_parallel(2, |_| sim_worker(&url));
     let workers = vec![
-        format!("{},name=w0", w0.base),
-        format!("{},name=w1", w1.base),
+        format!("{},name=w0", sims[0].base),
+        format!("{},name=w1", sims[1].base),
     ];
-    let mut replicas: Vec<Proc> = (0..3)
-        .map(|_| replica(&workers, &url, "generate"))
-        .collect();
-    let other = replica(&workers, &url, "other");
+    let mut replicas = in_parallel(4, |i| {
+        replica(&workers, &url, if i < 3 { "generate" } else { "other" })
+    });
+    let other = replicas.pop().expect("four routers");
     let bases: Vec<String> = replicas.iter().map(|p| p.base.clone()).collect();
+    println!(
+        "processes up after {:.1} s",
+        test_start.elapsed().as_secs_f64()
+    );
     let client = reqwest::Client::new();
 
     // Spread held requests across the three syncing replicas.
@@ -213,12 +236,10 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     let truth = truth_of(&|_| true);
     println!("in flight per worker: {truth:?}");
 
-    // Every syncing replica's view converges to the truth.
+    // Every syncing replica's view converges to the truth (the replicas
+    // are polled at once, so a round costs one /metrics round trip).
     let converged_at = loop {
-        let mut views = Vec::new();
-        for base in &bases {
-            views.push(view(&client, base).await);
-        }
+        let views = views_of(&client, &bases).await;
         if agrees(&views, &truth) {
             // Each replica's own bookings are the local part.
             for (i, v) in views.iter().enumerate() {
@@ -265,6 +286,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     replicas[killed].kill();
     let killed_at = Instant::now();
     let survivors = [0usize, 1];
+    assert_eq!(bases[..2].len(), survivors.len());
     let just_after = view(&client, &bases[0]).await;
     assert!(
         agrees(std::slice::from_ref(&just_after), &truth),
@@ -272,10 +294,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     );
     let truth_alive = truth_of(&|r| r.replica != killed);
     let expired_at = loop {
-        let mut views = Vec::new();
-        for &i in &survivors {
-            views.push(view(&client, &bases[i]).await);
-        }
+        let views = views_of(&client, &bases[..2]).await;
         if agrees(&views, &truth_alive) {
             break Instant::now();
         }
@@ -312,24 +331,52 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         }
     }
 
-    // When every request has ended, every count is back to zero.
-    for (_, task) in tasks {
-        tokio::time::timeout(Duration::from_secs(20), task)
-            .await
-            .expect("requests end")
-            .expect("request task");
-    }
-    let zero: BTreeMap<String, u64> = BTreeMap::new();
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let mut views = Vec::new();
-        for base in survivors.iter().map(|&i| &bases[i]).chain([&other.base]) {
-            views.push(view(&client, base).await);
+    // Replica 0's clients go away (the cancel path frees the bookings):
+    // every view drops to replica 1's requests before those end.
+    for (replica, task) in &tasks {
+        if *replica == 0 {
+            task.abort();
         }
-        if agrees(&views, &zero)
-            && views
-                .iter()
-                .all(|v| v.values().all(|&(l, r)| l == 0 && r == 0))
+    }
+    let truth_one = truth_of(&|r| r.replica == 1);
+    let cancelled_at = Instant::now();
+    loop {
+        let views = views_of(&client, &bases[..2]).await;
+        if agrees(&views, &truth_one) {
+            break;
+        }
+        assert!(
+            cancelled_at.elapsed() < Duration::from_secs(2),
+            "cancelled requests stay booked: {views:?}, expected {truth_one:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    println!(
+        "cancelled requests freed everywhere {:.1} ms after the clients left",
+        cancelled_at.elapsed().as_secs_f64() * 1e3
+    );
+    for (replica, task) in &tasks {
+        if *replica == 1 {
+            assert!(!task.is_finished(), "replica 1's requests ended too early");
+        }
+    }
+
+    // When every request has ended, every count is back to zero.
+    for (replica, task) in tasks {
+        let ended = tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("requests end");
+        if replica != 0 {
+            ended.expect("request task");
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let watched = [bases[0].clone(), bases[1].clone(), other.base.clone()];
+    loop {
+        let views = views_of(&client, &watched).await;
+        if views
+            .iter()
+            .all(|v| v.values().all(|&(l, r)| l == 0 && r == 0))
         {
             break;
         }
