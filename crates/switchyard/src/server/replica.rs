@@ -21,8 +21,8 @@
 use super::metrics::ServerMetrics;
 use super::state::{Core, SharedRouter};
 use crate::replica::{
-    apply_events, random_replica_id, BatchReport, ReplicaConfig, ReplicaMetrics, ReplicaPlane,
-    ReplicaPublisher, ReplicaSink, TransportError,
+    apply_events, random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaMetrics,
+    ReplicaPlane, ReplicaPublisher, ReplicaSink, Transport, TransportError,
 };
 use clap::Args;
 use std::fmt::Write as _;
@@ -207,12 +207,27 @@ pub async fn start(
     config: &ReplicaConfig,
     shared: &Arc<SharedRouter>,
 ) -> Result<ReplicaPlane, TransportError> {
+    let url = config
+        .nats_url
+        .as_deref()
+        .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
+    let transport = Arc::new(NatsTransport::connect(url).await?);
+    start_over(transport, config, shared).await
+}
+
+/// [`start`] over any transport (in-process replicas share an
+/// [`crate::replica::InProcessBus`]).
+pub async fn start_over<T: Transport>(
+    transport: Arc<T>,
+    config: &ReplicaConfig,
+    shared: &Arc<SharedRouter>,
+) -> Result<ReplicaPlane, TransportError> {
     let id = random_replica_id();
     shared.with_core(|core| core.router.set_replica_id(id));
     let sink = ServerSink {
         shared: shared.clone(),
     };
-    let plane = ReplicaPlane::start_nats(config, id, sink).await?;
+    let plane = ReplicaPlane::start(transport, config, id, sink).await?;
     let link = ReplicaLink {
         publisher: plane.publisher.clone(),
     };
@@ -260,6 +275,14 @@ pub fn render(core: &Core, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replica::{InProcessBus, InProcessTransport};
+    use crate::server::config::ServerConfig;
+    use crate::server::state::Submission;
+    use std::time::Duration;
+    use switchyard_core::admission::{
+        AdmissionController, AdmissionStrategy, SessionAwareStrategy,
+    };
+    use switchyard_core::LocalHash;
 
     #[test]
     fn flags_override_only_what_they_set() {
@@ -277,5 +300,95 @@ mod tests {
         assert_eq!(config.endpoint, "chat");
         assert_eq!(config.silence_expiry_ms, 2_000.0);
         assert_eq!(config.queue_capacity, 100_000);
+    }
+
+    /// A server's routing state with session-aware admission and two
+    /// workers, on the plane of `bus`.
+    async fn replica(bus: &Arc<InProcessBus>) -> (Arc<SharedRouter>, ReplicaPlane) {
+        let config = ServerConfig::default();
+        let router = crate::server::build_router(&config).unwrap();
+        let strategy: Box<dyn AdmissionStrategy + Send> =
+            Box::new(SessionAwareStrategy::new(config.session).unwrap());
+        let admission = AdmissionController::new(config.queue.clone(), Some(strategy)).unwrap();
+        let shared = Arc::new(SharedRouter::new(
+            router,
+            admission,
+            Arc::new(ServerMetrics::default()),
+        ));
+        for name in ["w0", "w1"] {
+            let id = shared.add_worker(name, "http://127.0.0.1:9").unwrap();
+            shared.set_in_router(id, true);
+        }
+        let transport = Arc::new(InProcessTransport::new(bus.clone(), true, 1024));
+        let plane = start_over(transport, &config.replica, &shared)
+            .await
+            .unwrap();
+        (shared, plane)
+    }
+
+    fn rendered(shared: &SharedRouter) -> String {
+        let mut out = String::new();
+        shared.with_core(|core| render(core, &mut out));
+        out
+    }
+
+    async fn eventually(what: &str, check: impl Fn() -> bool) {
+        for _ in 0..400 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    #[tokio::test]
+    async fn a_booking_its_session_binding_and_its_free_reach_the_peer() {
+        let bus = InProcessBus::new();
+        let (a, plane_a) = replica(&bus).await;
+        let (b, plane_b) = replica(&bus).await;
+        let wait = a
+            .submit(
+                a.next_request_id(),
+                Submission {
+                    blocks: vec![LocalHash(1), LocalHash(2)],
+                    prompt_tokens: 40,
+                    session: Some(SessionKey(5)),
+                    model: None,
+                },
+            )
+            .unwrap();
+        let mut booking = wait.placed().await.unwrap();
+        let remote = format!(
+            "switchyard_worker_active_requests_by_origin{{worker=\"{}\",origin=\"remote\"}} 1",
+            booking.name
+        );
+        let local = remote.replace("remote", "local");
+        assert!(rendered(&a).contains(&local), "{}", rendered(&a));
+        eventually("the peer holds the booking as remote", || {
+            rendered(&b).contains(&remote)
+        })
+        .await;
+        eventually("the peer's strategy got the session binding", || {
+            plane_b.metrics.snapshot().applied >= 1
+                && plane_b
+                    .metrics
+                    .sessions_applied
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    == 1
+        })
+        .await;
+        booking.mark_first_token();
+        drop(booking);
+        eventually("the free reaches the peer", || {
+            b.with_core(|core| core.router.sequences().active_requests()) == 0
+        })
+        .await;
+        // add, mark, free from A; nothing from B.
+        assert_eq!(plane_a.metrics.snapshot().published, 3);
+        assert_eq!(plane_b.metrics.snapshot().published, 0);
+        assert!(rendered(&b).contains("switchyard_replica_events_total{direction=\"applied\"} 3"));
+        plane_a.shutdown().await;
+        plane_b.shutdown().await;
     }
 }
