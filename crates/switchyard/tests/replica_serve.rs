@@ -13,9 +13,11 @@ use common::{metric, router, spawn, Proc};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard::replica::nats_server::nats_server_binary;
-use switchyard::replica::LocalNatsServer;
+use switchyard::replica::{LocalNatsServer, NatsTransport, ReplicaConfig, Transport as _};
+use switchyard_wire::replica::{decode_batch, ActiveSequenceData};
 use tokio::sync::mpsc;
 
 const WORKERS: [&str; 2] = ["w0", "w1"];
@@ -102,6 +104,32 @@ fn replica_events(text: &str, direction: &str) -> u64 {
     .unwrap_or_else(|| panic!("replica {direction} counter missing")) as u64
 }
 
+/// `(request, origin)` of every `MarkPrefillCompleted` on the plane.
+type Marks = Arc<Mutex<Vec<(u128, u64)>>>;
+
+/// Subscribes to the replicas' subject and records every mark.
+async fn watch_marks(url: &str) -> Marks {
+    let transport = NatsTransport::connect(url).await.expect("NATS connects");
+    let subject = ReplicaConfig::default().subject();
+    let mut subscription = transport.subscribe(&subject).await.expect("subscribed");
+    let marks = Marks::default();
+    let sink = marks.clone();
+    tokio::spawn(async move {
+        let _transport = transport;
+        while let Some(payload) = subscription.next().await {
+            let batch = decode_batch(&payload).expect("replica batches decode");
+            for event in batch.events {
+                if event.data == ActiveSequenceData::MarkPrefillCompleted {
+                    sink.lock()
+                        .unwrap()
+                        .push((event.request_id.0, event.router_id.0));
+                }
+            }
+        }
+    });
+    marks
+}
+
 /// Every replica's view, fetched concurrently.
 async fn views_of(client: &reqwest::Client, bases: &[String]) -> Vec<View> {
     futures_util::future::join_all(bases.iter().map(|base| view(client, base))).await
@@ -133,6 +161,8 @@ struct Routed {
     replica: usize,
     worker: String,
     sent: Instant,
+    /// The router's request id (`x-request-id`).
+    request_id: u128,
 }
 
 /// Sends one streaming completion to `base`, reports where it went, then
@@ -156,10 +186,13 @@ async fn hold_request(
         .to_str()
         .unwrap()
         .to_owned();
+    let request_id = response.headers()["x-request-id"].to_str().unwrap();
+    let request_id = u128::from_str_radix(request_id, 16).expect("a hex request id");
     let _ = routed.send(Routed {
         replica,
         worker,
         sent,
+        request_id,
     });
     let mut body = response.bytes_stream();
     while let Some(chunk) = body.next().await {
@@ -196,6 +229,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         test_start.elapsed().as_secs_f64()
     );
     let client = reqwest::Client::new();
+    let marks = watch_marks(&url).await;
 
     // Spread held requests across the three syncing replicas.
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -270,6 +304,34 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         since_sent <= Duration::from_millis(100),
         "convergence took {since_sent:?} after the last submission (bound 100 ms)"
     );
+
+    // Each request's prefill was marked twice: by its replica and, straight
+    // onto the plane, by its worker (another origin).
+    let origins_of = |request: u128| {
+        let marks = marks.lock().unwrap();
+        let mut origins: Vec<u64> = marks
+            .iter()
+            .filter(|(r, _)| *r == request)
+            .map(|(_, o)| *o)
+            .collect();
+        origins.sort_unstable();
+        origins.dedup();
+        origins
+    };
+    let marked_at = Instant::now();
+    while !routed.iter().all(|r| origins_of(r.request_id).len() == 2) {
+        assert!(
+            marked_at.elapsed() < Duration::from_secs(2),
+            "every request is marked by its replica and its worker"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let origins: std::collections::BTreeSet<u64> = routed
+        .iter()
+        .flat_map(|r| origins_of(r.request_id))
+        .collect();
+    // The three replicas and every worker that served a request.
+    assert_eq!(origins.len(), 3 + truth.len(), "{origins:?}");
 
     // The replica on another endpoint holds no remote bookings, ever.
     let other_text = metrics_text(&client, &other.base).await;
