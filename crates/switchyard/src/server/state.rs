@@ -767,7 +767,10 @@ impl Booking {
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
         let marked = core.router.mark_prefill_completed(self.id, now);
-        if let (Some(link), LifecycleOutcome::Applied) = (&core.replica, marked) {
+        // Duplicate: the worker's own mark came first; peers may not have it.
+        if let (Some(link), LifecycleOutcome::Applied | LifecycleOutcome::Duplicate) =
+            (&core.replica, marked)
+        {
             link.prefill_completed(self.id, self.worker);
         }
         core.poll(now, &self.shared.metrics);
