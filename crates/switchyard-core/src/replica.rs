@@ -26,7 +26,7 @@
 
 use crate::maps::FxHashMap;
 use crate::sequences::{ActiveSequences, LifecycleOutcome, SequenceEvent};
-use crate::types::{ReplicaId, RequestId};
+use crate::types::{ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// Settings of [`RemoteBookings`].
@@ -114,12 +114,17 @@ struct Origin {
 }
 
 /// Who owns each remote booking, and when each origin was last heard.
+///
+/// `owners` holds one entry per remote booking (origin and worker) and
+/// `per_worker` one count per worker that has any, so both are bounded by
+/// the remote bookings held; a worker's entry goes when its count is zero.
 #[derive(Debug)]
 pub struct RemoteBookings {
     config: RemoteConfig,
     local: Option<ReplicaId>,
     origins: FxHashMap<ReplicaId, Origin>,
-    owners: FxHashMap<RequestId, ReplicaId>,
+    owners: FxHashMap<RequestId, (ReplicaId, WorkerId)>,
+    per_worker: FxHashMap<WorkerId, usize>,
     counters: RemoteCounters,
 }
 
@@ -132,6 +137,7 @@ impl RemoteBookings {
             local: None,
             origins: FxHashMap::default(),
             owners: FxHashMap::default(),
+            per_worker: FxHashMap::default(),
             counters: RemoteCounters::default(),
         })
     }
@@ -204,7 +210,8 @@ impl RemoteBookings {
             SequenceEvent::Add(add) => {
                 let outcome = sequences.add_request(add, now_ms);
                 if outcome == LifecycleOutcome::Applied {
-                    self.owners.insert(add.request, origin);
+                    self.owners.insert(add.request, (origin, add.worker));
+                    *self.per_worker.entry(add.worker).or_insert(0) += 1;
                     if let Some(known) = self.origins.get_mut(&origin) {
                         known.bookings.insert(add.request, ());
                     }
@@ -215,7 +222,7 @@ impl RemoteBookings {
                 RemoteOutcome::Lifecycle(sequences.mark_prefill_completed(*id, now_ms))
             }
             SequenceEvent::Free(id) => {
-                if self.owners.get(id) == Some(&origin) {
+                if self.owner(*id) == Some(origin) {
                     self.forget(*id);
                     RemoteOutcome::Lifecycle(sequences.free(*id, now_ms))
                 } else {
@@ -263,12 +270,17 @@ impl RemoteBookings {
 
     /// The origin of a remote booking; `None` for local or unknown requests.
     pub fn owner(&self, id: RequestId) -> Option<ReplicaId> {
-        self.owners.get(&id).copied()
+        self.owners.get(&id).map(|(origin, _)| *origin)
     }
 
     /// Remote bookings held now.
     pub fn remote_requests(&self) -> usize {
         self.owners.len()
+    }
+
+    /// Remote bookings held now on `worker` (the rest of its load is local).
+    pub fn remote_requests_on(&self, worker: WorkerId) -> usize {
+        self.per_worker.get(&worker).copied().unwrap_or(0)
     }
 
     /// Origins tracked now.
@@ -282,11 +294,23 @@ impl RemoteBookings {
     }
 
     fn forget(&mut self, id: RequestId) {
-        if let Some(origin) = self.owners.remove(&id) {
+        if let Some((origin, _)) = self.remove_owner(id) {
             if let Some(known) = self.origins.get_mut(&origin) {
                 known.bookings.remove(&id);
             }
         }
+    }
+
+    /// Drops a booking's owner entry and its worker's count.
+    fn remove_owner(&mut self, id: RequestId) -> Option<(ReplicaId, WorkerId)> {
+        let (origin, worker) = self.owners.remove(&id)?;
+        if let Some(count) = self.per_worker.get_mut(&worker) {
+            *count -= 1;
+            if *count == 0 {
+                self.per_worker.remove(&worker);
+            }
+        }
+        Some((origin, worker))
     }
 
     fn drop_origin(
@@ -300,7 +324,7 @@ impl RemoteBookings {
         };
         let mut freed = Vec::with_capacity(known.bookings.len());
         for id in known.bookings.keys() {
-            self.owners.remove(id);
+            self.remove_owner(*id);
             if sequences.free(*id, now_ms) == LifecycleOutcome::Applied {
                 freed.push(*id);
             }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard::replica::{
     random_replica_id, Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane,
-    SharedRouter,
+    RouterSink,
 };
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::{ActiveSequences, AddRequest, SequenceEvent, SequencesConfig};
@@ -54,7 +54,7 @@ impl Replica {
             transport,
             config,
             id,
-            SharedRouter::new(router.clone(), id, clock),
+            RouterSink::new(router.clone(), id, clock),
         )
         .await
         .unwrap();

@@ -155,6 +155,25 @@ fn per_request_expiry_of_a_remote_booking_forgets_its_owner() {
 }
 
 #[test]
+fn remote_bookings_are_counted_per_worker_until_freed_or_expired() {
+    let mut r = router(100.0);
+    r.apply_remote(PEER, &add(1, 0, &[1], 16), 0.0);
+    r.apply_remote(PEER, &add(2, 0, &[2], 16), 0.0);
+    r.apply_remote(ReplicaId(8), &add(3, 1, &[3], 16), 0.0);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(0)), 2);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(1)), 1);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(2)), 0);
+    r.apply_remote(PEER, &SequenceEvent::Free(RequestId(1)), 1.0);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(0)), 1);
+    r.replica_heartbeat(ReplicaId(8), 90.0);
+    r.expire_silent_replicas(150.0);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(0)), 0);
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(1)), 1);
+    r.remove_worker(WorkerId::new(1));
+    assert_eq!(r.remote().remote_requests_on(WorkerId::new(1)), 0);
+}
+
+#[test]
 fn a_bad_remote_config_is_refused() {
     assert!(RemoteConfig {
         silence_expiry_ms: 0.0,

@@ -16,7 +16,7 @@
 
 use super::stats::{write_json, Latency};
 use crate::replica::{
-    Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane, SharedRouter,
+    Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane, RouterSink,
 };
 use anyhow::Context as _;
 use serde::Serialize;
@@ -154,14 +154,14 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         Arc::new(connect().await?),
         &config,
         id_a,
-        SharedRouter::new(router_a.clone(), id_a, clock),
+        RouterSink::new(router_a.clone(), id_a, clock),
     )
     .await?;
     let b = ReplicaPlane::start(
         Arc::new(connect().await?),
         &config,
         id_b,
-        SharedRouter::new(router_b.clone(), id_b, clock),
+        RouterSink::new(router_b.clone(), id_b, clock),
     )
     .await?;
 

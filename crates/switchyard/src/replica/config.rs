@@ -1,41 +1,33 @@
-//! [`ReplicaConfig`]: one struct that the CLI flags and a config file fill.
+//! [`ReplicaConfig`]: one struct that the config file's `[replica]` table
+//! and the flags fill (`switchyard serve`'s flags are
+//! `server::replica::ReplicaArgs`, which override the file's values).
 
-use clap::Args;
 use serde::{Deserialize, Serialize};
 
 /// Settings of replica sync. Off unless `nats_url` is set.
-#[derive(Clone, Debug, PartialEq, Args, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReplicaConfig {
     /// Share bookings with peer replicas over NATS at this URL
     /// (`nats://HOST:PORT`); off when absent.
-    #[arg(long = "replica-sync", value_name = "nats://HOST:PORT")]
     pub nats_url: Option<String>,
     /// Replica-sync namespace (first subject level).
-    #[arg(long = "replica-namespace", default_value = "default")]
     pub namespace: String,
     /// Endpoint: replicas of different endpoints never see each other.
-    #[arg(long = "replica-endpoint", default_value = "generate")]
     pub endpoint: String,
     /// Events queued for publishing before the newest is dropped.
-    #[arg(long = "replica-queue-capacity", default_value_t = 100_000)]
     pub queue_capacity: usize,
     /// Most events in one published batch.
-    #[arg(long = "replica-batch-max-events", default_value_t = 128)]
     pub batch_max_events: usize,
     /// Longest wait for a batch to fill, in milliseconds.
-    #[arg(long = "replica-batch-max-delay-ms", default_value_t = 1.0)]
     pub batch_max_delay_ms: f64,
     /// An idle publisher sends an empty batch this often, so peers keep its
     /// bookings.
-    #[arg(long = "replica-heartbeat-ms", default_value_t = 1_000.0)]
     pub heartbeat_ms: f64,
     /// A peer silent this long has its bookings freed. Also the `Router`'s
     /// `remote.silence_expiry_ms`.
-    #[arg(long = "replica-expiry-ms", default_value_t = 300_000.0)]
     pub silence_expiry_ms: f64,
     /// How often the subscriber checks for silent peers.
-    #[arg(long = "replica-expiry-check-ms", default_value_t = 1_000.0)]
     pub expiry_check_ms: f64,
 }
 

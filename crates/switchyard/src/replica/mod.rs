@@ -11,8 +11,9 @@
 //!   handle onto a bounded queue, drained by one task that batches, encodes
 //!   and publishes; heartbeats when idle.
 //! - [`subscriber`] — the task that decodes peers' batches and applies them
-//!   through a [`ReplicaSink`] (implemented for a shared `Router` by
-//!   [`SharedRouter`]), and expires silent peers.
+//!   through a [`ReplicaSink`] ([`apply_events`] is the one way events
+//!   reach a `Router`; [`RouterSink`] is the sink over a bare router, the
+//!   server's lives in `server::replica`), and expires silent peers.
 //! - [`nats_server`] — a private `nats-server` for tests and benchmarks.
 //! - [`worker_marks`] — a worker-side publisher of `MarkPrefillCompleted`.
 //! - [`metrics`] — `switchyard_replica_events_total{direction}`.
@@ -41,13 +42,13 @@ pub use metrics::ReplicaMetrics;
 pub use nats::NatsTransport;
 pub use nats_server::LocalNatsServer;
 pub use publisher::{spawn_publisher, PublishError, ReplicaPublisher};
-pub use subscriber::{spawn_subscriber, BatchReport, ReplicaSink, SharedRouter};
+pub use subscriber::{apply_events, spawn_subscriber, BatchReport, ReplicaSink, RouterSink};
 pub use transport::{InProcessBus, InProcessTransport, Subscription, Transport, TransportError};
-pub use worker_marks::WorkerMarks;
+pub use worker_marks::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 
 use std::sync::Arc;
-use std::time::Instant;
-use switchyard_core::ReplicaId;
+use std::time::{Duration, Instant};
+use switchyard_core::{ReplicaId, WorkerId};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +56,20 @@ use tokio_util::sync::CancellationToken;
 pub fn random_replica_id() -> ReplicaId {
     use rand::{RngCore, SeedableRng};
     ReplicaId(rand::rngs::StdRng::from_entropy().next_u64())
+}
+
+/// The [`WorkerId`] every replica (and the worker itself) gives the worker
+/// named `name`. Replica events name workers by id, so an id must not
+/// depend on the order in which a replica learned its workers: it is the
+/// FNV-1a 64-bit hash of the name's bytes, stable across processes, builds
+/// and platforms (unlike `std`'s hasher).
+pub fn worker_id_for_name(name: &str) -> WorkerId {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let hash = name
+        .bytes()
+        .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
+    WorkerId::new(hash)
 }
 
 /// Milliseconds since a fixed origin: the `now_ms` a replica's `Router`
@@ -96,6 +111,7 @@ pub struct ReplicaPlane {
     pub metrics: Arc<ReplicaMetrics>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+    batch_delay: Duration,
 }
 
 impl ReplicaPlane {
@@ -134,6 +150,7 @@ impl ReplicaPlane {
             metrics,
             cancel,
             tasks: vec![subscriber, task],
+            batch_delay: Duration::from_secs_f64(config.batch_max_delay_ms / 1e3),
         })
     }
 
@@ -149,6 +166,19 @@ impl ReplicaPlane {
             .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
         let transport = Arc::new(NatsTransport::connect(url).await?);
         Self::start(transport, config, id, sink).await
+    }
+
+    /// Best effort before [`Self::shutdown`]: waits (at most `grace`) until
+    /// the queue is empty, then one batch delay for the last batch to go
+    /// out, so that peers see the frees of a replica stopping gracefully
+    /// instead of waiting for its silence expiry.
+    pub async fn flush(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        while self.publisher.queued() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let rest = deadline.saturating_duration_since(Instant::now());
+        tokio::time::sleep(rest.min(self.batch_delay + Duration::from_millis(10))).await;
     }
 
     /// Stops both tasks promptly (an in-flight publish is dropped) and

@@ -82,6 +82,11 @@ impl ReplicaPublisher {
         &self.metrics
     }
 
+    /// Events waiting in the queue now.
+    pub fn queued(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
+
     /// Enqueues a booking (call after `Router::book` applied it).
     pub fn added(&self, add: &AddRequest, lora_name: Option<String>) -> Result<(), PublishError> {
         self.publish(ActiveSequenceEvent::add(self.id, add, lora_name))

@@ -27,7 +27,8 @@ pub struct BatchReport {
 }
 
 /// Where peers' events go: the server implements it over its shared
-/// routing state ([`SharedRouter`] does it for `Arc<Mutex<Router>>`).
+/// routing state (`server::replica`), and [`RouterSink`] over a bare
+/// `Arc<Mutex<Router>>` (the plane on its own: tests, `bench replica`).
 /// Calls are short and synchronous; they run on the subscriber task.
 pub trait ReplicaSink: Send + Sync + 'static {
     /// Applies a peer's batch (never one of this replica's own); an empty
@@ -38,28 +39,42 @@ pub trait ReplicaSink: Send + Sync + 'static {
     fn expire_silent(&self) -> u64;
 }
 
+/// Applies a peer's lifecycle events to `router` (the sender's heartbeat
+/// first, then each event in order); returns how many changed the model.
+/// Every [`ReplicaSink`] over a `Router` goes through here. Session
+/// bindings are the caller's: they belong to its admission strategy.
+pub fn apply_events(router: &mut Router, batch: &ReplicaBatch, now_ms: f64) -> u64 {
+    router.replica_heartbeat(batch.router_id, now_ms);
+    let mut applied = 0;
+    for event in &batch.events {
+        let outcome = router.apply_remote(event.router_id, &event.to_sequence_event(), now_ms);
+        applied += u64::from(outcome.applied());
+    }
+    applied
+}
+
 /// Applies a session binding (the server's admission strategy).
 pub type SessionHook = Box<dyn Fn(&SessionBinding, f64) + Send + Sync>;
 
 /// [`ReplicaSink`] over a `Router` behind a `std::sync::Mutex`, with the
 /// replica's clock (the one its request path passes as `now_ms`) and an
-/// optional session-binding hook.
-pub struct SharedRouter {
+/// optional session-binding hook: the replica plane without a server.
+pub struct RouterSink {
     router: Arc<Mutex<Router>>,
     clock: Clock,
     sessions: Option<SessionHook>,
 }
 
-impl std::fmt::Debug for SharedRouter {
+impl std::fmt::Debug for RouterSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedRouter")
+        f.debug_struct("RouterSink")
             .field("clock", &self.clock)
             .field("session_hook", &self.sessions.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl SharedRouter {
+impl RouterSink {
     /// A sink over `router`; sets the router's replica id to `id` so that
     /// its own events are ignored at the core too.
     pub fn new(router: Arc<Mutex<Router>>, id: ReplicaId, clock: Clock) -> Self {
@@ -74,27 +89,26 @@ impl SharedRouter {
         }
     }
 
-    /// Session bindings go to `hook` (say, the admission controller's
-    /// `strategy_mut().observe_remote_binding(..)`).
+    /// Session bindings go to `hook` (say, an admission strategy's
+    /// `observe_remote_binding(..)`).
     pub fn with_session_hook(mut self, hook: SessionHook) -> Self {
         self.sessions = Some(hook);
         self
     }
 }
 
-impl ReplicaSink for SharedRouter {
+impl ReplicaSink for RouterSink {
     fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
         let now_ms = self.clock.now_ms();
-        let mut report = BatchReport::default();
-        {
-            let mut router = self.router.lock().expect("router lock poisoned");
-            router.replica_heartbeat(batch.router_id, now_ms);
-            for event in &batch.events {
-                let outcome =
-                    router.apply_remote(event.router_id, &event.to_sequence_event(), now_ms);
-                report.applied += outcome.applied() as u64;
-            }
-        }
+        let applied = apply_events(
+            &mut self.router.lock().expect("router lock poisoned"),
+            batch,
+            now_ms,
+        );
+        let mut report = BatchReport {
+            applied,
+            sessions_applied: 0,
+        };
         if let Some(hook) = &self.sessions {
             for binding in &batch.sessions {
                 hook(binding, now_ms);

@@ -223,7 +223,7 @@ async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
         Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
         &cfg,
         ReplicaId(1),
-        SharedRouter::new(router_a.clone(), ReplicaId(1), clock),
+        RouterSink::new(router_a.clone(), ReplicaId(1), clock),
     )
     .await
     .unwrap();
@@ -231,7 +231,7 @@ async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
         Arc::new(InProcessTransport::new(bus, true, 1024)),
         &cfg,
         ReplicaId(2),
-        SharedRouter::new(router_b.clone(), ReplicaId(2), clock),
+        RouterSink::new(router_b.clone(), ReplicaId(2), clock),
     )
     .await
     .unwrap();
@@ -274,7 +274,7 @@ async fn session_bindings_reach_the_peers_hook() {
         Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
         &cfg,
         ReplicaId(1),
-        SharedRouter::new(router(), ReplicaId(1), Clock::new()),
+        RouterSink::new(router(), ReplicaId(1), Clock::new()),
     )
     .await
     .unwrap();
@@ -282,7 +282,7 @@ async fn session_bindings_reach_the_peers_hook() {
         Arc::new(InProcessTransport::new(bus, true, 1024)),
         &cfg,
         ReplicaId(2),
-        SharedRouter::new(router(), ReplicaId(2), Clock::new()).with_session_hook(Box::new(
+        RouterSink::new(router(), ReplicaId(2), Clock::new()).with_session_hook(Box::new(
             move |binding, _now| sink_seen.lock().unwrap().push(*binding),
         )),
     )
@@ -309,4 +309,15 @@ async fn wait_until(mut done: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+#[test]
+fn worker_ids_come_from_names_so_every_replica_agrees() {
+    // FNV-1a 64 of "w0": fixed across processes, builds and platforms.
+    assert_eq!(
+        worker_id_for_name("w0"),
+        WorkerId::new(0x08cb_8607_b56d_7952)
+    );
+    assert_eq!(worker_id_for_name("w0"), worker_id_for_name("w0"));
+    assert_ne!(worker_id_for_name("w0"), worker_id_for_name("w1"));
 }

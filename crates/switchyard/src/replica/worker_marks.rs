@@ -6,6 +6,11 @@
 //! The marks carry the worker's own origin id; replicas accept marks from
 //! any origin (see `switchyard_core::replica`), and applying one twice is
 //! harmless, so the booking replica's own mark may follow.
+//!
+//! A router with replica sync on sends every upstream request with
+//! [`REQUEST_ID_HEADER`] (its request id, 32 hex digits) and
+//! [`ROUTER_ID_HEADER`] (its replica id); a worker marks only requests
+//! that carry both ([`routed_request_id`]).
 
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
@@ -16,6 +21,24 @@ use std::sync::Arc;
 use switchyard_core::{RequestId, WorkerId};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// The router's request id, on upstream requests.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The booking replica's id, on upstream requests while replica sync is on.
+pub const ROUTER_ID_HEADER: &str = "x-switchyard-router-id";
+
+/// The request id a replica-syncing router gave a request, from the values
+/// of [`ROUTER_ID_HEADER`] and [`REQUEST_ID_HEADER`]; `None` unless both
+/// are present and the request id is exactly 32 hex digits.
+pub fn routed_request_id(router_id: Option<&str>, request_id: Option<&str>) -> Option<RequestId> {
+    router_id.filter(|r| !r.is_empty())?;
+    let id = request_id?;
+    if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u128::from_str_radix(id, 16).ok().map(RequestId)
+}
 
 /// A worker's non-blocking mark publisher (same queue rules as a replica's).
 #[derive(Debug)]
@@ -63,5 +86,22 @@ impl WorkerMarks {
 impl Drop for WorkerMarks {
     fn drop(&mut self) {
         self.cancel.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_requests_with_both_identity_headers_are_marked() {
+        let id = RequestId((0xabc << 64) | 7);
+        let text = id.to_string();
+        assert_eq!(routed_request_id(Some("00ff"), Some(&text)), Some(id));
+        assert_eq!(routed_request_id(None, Some(&text)), None);
+        assert_eq!(routed_request_id(Some("00ff"), None), None);
+        assert_eq!(routed_request_id(Some("00ff"), Some("req-1")), None);
+        let signed = format!("+{}", &text[1..]);
+        assert_eq!(routed_request_id(Some("00ff"), Some(&signed)), None);
     }
 }

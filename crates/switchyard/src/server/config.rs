@@ -2,6 +2,7 @@
 //! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
 //! line flags (both through clap, flags winning), in that order.
 
+use crate::replica::ReplicaConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
@@ -205,6 +206,8 @@ pub struct ServerConfig {
     pub request_timeout_secs: f64,
     /// Largest non-streaming response the router buffers, in bytes.
     pub max_response_bytes: usize,
+    /// Replica sync (`[replica]`; off unless `nats_url` is set).
+    pub replica: ReplicaConfig,
 }
 
 impl Default for ServerConfig {
@@ -237,6 +240,7 @@ impl Default for ServerConfig {
             first_token_timeout_secs: 60.0,
             request_timeout_secs: 600.0,
             max_response_bytes: 16 * 1024 * 1024,
+            replica: ReplicaConfig::default(),
         }
     }
 }
@@ -325,6 +329,9 @@ impl ServerConfig {
         self.session
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("session: {e}")))?;
+        self.replica
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let mut names = std::collections::HashSet::new();
         for worker in &self.workers {
             worker.validate()?;
@@ -446,5 +453,40 @@ mod tests {
             ..ServerConfig::default()
         };
         assert!(!config.uses_events());
+    }
+
+    #[test]
+    fn replica_sync_is_off_by_default_and_a_replica_table_turns_it_on() {
+        assert!(!ServerConfig::default().replica.enabled());
+        let config = ServerConfig::from_toml(
+            r#"
+            [replica]
+            nats_url = "nats://10.0.0.9:4222"
+            endpoint = "chat"
+            silence_expiry_ms = 2000.0
+            "#,
+        )
+        .unwrap();
+        assert!(config.replica.enabled());
+        assert_eq!(
+            config.replica.subject(),
+            "switchyard.default.chat.active_sequences"
+        );
+    }
+
+    #[test]
+    fn bad_replica_settings_are_refused_with_a_clear_error() {
+        let err = ServerConfig::from_toml("[replica]\nnats_url = \"http://h:4222\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--replica-sync must be nats://HOST:PORT"),
+            "{err}"
+        );
+        let err = ServerConfig::from_toml("[replica]\nendpoint = \"a.b\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("endpoint"), "{err}");
+        assert!(ServerConfig::from_toml("[replica]\nnats = 1").is_err());
     }
 }

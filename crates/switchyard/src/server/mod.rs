@@ -14,6 +14,8 @@
 //! - [`migration`] and [`sse`] — the pure parts of migration: the decision,
 //!   progress, the resume request; the SSE parser and chunk rewriter.
 //! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//! - [`replica`] — replica sync (`--replica-sync`): local mutations out to
+//!   peers, peers' bookings into the core.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
 //! book) → upstream POST → first event (else: free, exclude, retry
@@ -25,6 +27,7 @@ pub mod error;
 pub mod metrics;
 pub mod migration;
 pub mod proxy;
+pub mod replica;
 pub mod sse;
 pub mod state;
 pub mod stream;
@@ -117,6 +120,9 @@ pub struct ServeArgs {
     /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// Replica sync (off unless --replica-sync is given).
+    #[command(flatten)]
+    pub replica: replica::ReplicaArgs,
 }
 
 impl ServeArgs {
@@ -170,6 +176,7 @@ impl ServeArgs {
         for w in &self.workers {
             c.workers.push(WorkerSpec::parse(w)?);
         }
+        self.replica.apply(&mut c.replica);
         c.validate()?;
         Ok(c)
     }
@@ -231,6 +238,7 @@ pub struct RunningServer {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
+    replica: Option<crate::replica::ReplicaPlane>,
 }
 
 impl RunningServer {
@@ -250,6 +258,11 @@ impl RunningServer {
         for t in self.background {
             t.abort();
         }
+        if let Some(plane) = self.replica {
+            // The drained requests' frees go out before the plane stops.
+            plane.flush(Duration::from_millis(500)).await;
+            plane.shutdown().await;
+        }
         result
     }
 }
@@ -261,7 +274,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
     } else {
         CacheTracking::Approximate(ApproxConfig::default())
     };
-    let router_config = RouterConfig {
+    let mut router_config = RouterConfig {
         policy: config.policy,
         policies: config.policies,
         sequences: SequencesConfig {
@@ -273,6 +286,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         seed: config.seed,
         ..RouterConfig::default()
     };
+    router_config.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     Router::new(router_config).context("invalid router configuration")
 }
 
@@ -308,6 +322,14 @@ pub async fn start_with_tokenizer(
         .context("invalid admission settings")?;
     let metrics = Arc::new(metrics::ServerMetrics::default());
     let shared = Arc::new(state::SharedRouter::new(router, admission, metrics));
+    let replica_plane = match config.replica.enabled() {
+        false => None,
+        true => Some(
+            replica::start(&config.replica, &shared)
+                .await
+                .context("starting replica sync")?,
+        ),
+    };
     let client = workers::upstream_client(Duration::from_millis(config.connect_timeout_ms));
     let interval = Duration::from_millis(config.health_interval_ms);
     let fleet = Arc::new(workers::Fleet::new(
@@ -343,6 +365,9 @@ pub async fn start_with_tokenizer(
         first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
         request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
         max_response_bytes: config.max_response_bytes,
+        router_id: replica_plane
+            .as_ref()
+            .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok()),
     });
     let addr: SocketAddr = format!("{}:{}", config.host, config.port)
         .parse()
@@ -372,7 +397,7 @@ pub async fn start_with_tokenizer(
             ticker_state.tick();
         }
     });
-    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), "router started");
+    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), replica = ?replica_plane.as_ref().map(|p| p.id.to_string()), "router started");
     Ok(RunningServer {
         addr,
         shared,
@@ -380,5 +405,6 @@ pub async fn start_with_tokenizer(
         task,
         background: vec![health, ticker],
         grace: Duration::from_millis(config.shutdown_grace_ms),
+        replica: replica_plane,
     })
 }

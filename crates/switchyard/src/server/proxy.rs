@@ -79,6 +79,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     /// Largest buffered (non-streaming) response.
     pub max_response_bytes: usize,
+    /// This replica's id for upstream requests, while replica sync is on.
+    pub router_id: Option<HeaderValue>,
 }
 
 pub(super) type Shared = Arc<AppState>;
@@ -572,7 +574,8 @@ async fn buffered(
 /// it so far, and its deadline.
 pub(super) struct Attempts {
     pub(super) state: Shared,
-    /// The id the client sees (`x-request-id`); each attempt books its own.
+    /// The id the client sees (`x-request-id`) and the first attempt's
+    /// booking; each migration books under a new id.
     pub(super) client_id: RequestId,
     model: Option<String>,
     accept: Option<HeaderValue>,
@@ -600,7 +603,14 @@ impl Attempts {
         let wait = state
             .shared
             .submit(
-                state.shared.next_request_id(),
+                // The first attempt books under the client's id, so the
+                // response's x-request-id names the booking replicas and
+                // worker-origin marks see; each migration books a new one.
+                if self.migrations == 0 {
+                    self.client_id
+                } else {
+                    state.shared.next_request_id()
+                },
                 Submission {
                     blocks,
                     prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
@@ -651,7 +661,12 @@ impl Attempts {
             .method(Method::POST)
             .uri(format!("{}{}", booking.url, path))
             .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", self.client_id.to_string());
+            // The attempt's own booking id: worker-origin prefill marks
+            // (replica sync) name the booking, not the client's id.
+            .header("x-request-id", booking.id().to_string());
+        if let Some(router_id) = &self.state.router_id {
+            upstream = upstream.header(crate::replica::ROUTER_ID_HEADER, router_id.clone());
+        }
         if let Some(accept) = &self.accept {
             upstream = upstream.header(header::ACCEPT, accept);
         }
@@ -793,6 +808,9 @@ async fn metrics(State(state): State<Shared>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
     state.shared.metrics.render(&mut out, state.policy);
     state.shared.render_gauges(&mut out);
+    state
+        .shared
+        .with_core(|core| super::replica::render(core, &mut out));
     out.push_str(&state.fleet.kv_metrics.render_prometheus());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

@@ -31,6 +31,7 @@ use switchyard_core::admission::{
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
+use switchyard_core::sequences::LifecycleOutcome;
 use switchyard_core::{LocalHash, RequestId, Router, WorkerId};
 use tokio::sync::oneshot;
 
@@ -78,6 +79,7 @@ pub enum Assignment {
 struct Waiter {
     blocks: Vec<LocalHash>,
     prompt_tokens: u32,
+    session: Option<SessionKey>,
     eligible: Vec<WorkerId>,
     tx: oneshot::Sender<Assignment>,
 }
@@ -92,7 +94,8 @@ pub struct Core {
     pub workers: FxHashMap<WorkerId, WorkerInfo>,
     waiting: FxHashMap<RequestId, Waiter>,
     placed: Vec<Placed>,
-    next_worker: u64,
+    /// Replica sync, when on: told of every local mutation, lock held.
+    pub(super) replica: Option<super::replica::ReplicaLink>,
 }
 
 impl std::fmt::Debug for Core {
@@ -108,7 +111,7 @@ impl std::fmt::Debug for Core {
 impl Core {
     /// Offers queued requests to the router and hands placements to their
     /// waiters. Call after anything that may make room.
-    fn poll(&mut self, now_ms: f64, metrics: &ServerMetrics) {
+    pub(super) fn poll(&mut self, now_ms: f64, metrics: &ServerMetrics) {
         if self.admission.queue().ready_len() == 0 {
             return;
         }
@@ -117,6 +120,7 @@ impl Core {
             admission,
             waiting,
             placed,
+            replica,
             ..
         } = self;
         admission.poll(now_ms, placed, |id, placement| {
@@ -139,7 +143,10 @@ impl Core {
             let started = Instant::now();
             let outcome = router.route(request, eligible, now_ms);
             if let SelectOutcome::Selected(decision) = outcome {
-                router.book(id, request, decision, None, now_ms);
+                let booked = router.book(id, request, decision, None, now_ms);
+                if let (Some(link), LifecycleOutcome::Applied) = (replica.as_ref(), booked) {
+                    link.booked(id, &request, &decision);
+                }
             }
             metrics
                 .routing_decision
@@ -160,6 +167,12 @@ impl Core {
                     match (waiter, info) {
                         (Some(waiter), Some(info)) => {
                             self.admission.dispatched(&ticket, now_ms);
+                            if let (Some(link), Some(session), Some(_)) =
+                                (&self.replica, waiter.session, self.admission.strategy())
+                            {
+                                let context = u64::from(waiter.prompt_tokens);
+                                link.session_bound(session, decision.worker, context);
+                            }
                             let assignment = Assignment::Selected {
                                 ticket,
                                 decision,
@@ -195,7 +208,13 @@ impl Core {
         context_tokens: u64,
         now_ms: f64,
     ) {
-        self.router.free(id, now_ms);
+        let worker = self.router.sequences().owner(id);
+        let freed = self.router.free(id, now_ms);
+        if let (Some(link), Some(worker), LifecycleOutcome::Applied) =
+            (&self.replica, worker, freed)
+        {
+            link.freed(id, worker);
+        }
         if let Some(ticket) = ticket {
             if completed {
                 if let Err(invalid) = self.admission.complete(ticket, context_tokens, now_ms) {
@@ -302,7 +321,7 @@ impl SharedRouter {
                 workers: FxHashMap::default(),
                 waiting: FxHashMap::default(),
                 placed: Vec::new(),
-                next_worker: 0,
+                replica: None,
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(1),
@@ -342,8 +361,13 @@ impl SharedRouter {
         if core.workers.values().any(|w| &*w.name == name) {
             return Err(format!("a worker named {name:?} exists"));
         }
-        let id = WorkerId::new(core.next_worker);
-        core.next_worker += 1;
+        // Replicas name workers by id: derive it from the name, not the order.
+        let id = crate::replica::worker_id_for_name(name);
+        if core.workers.contains_key(&id) {
+            return Err(format!(
+                "the worker name {name:?} collides with another's id"
+            ));
+        }
         core.workers.insert(
             id,
             WorkerInfo {
@@ -378,6 +402,10 @@ impl SharedRouter {
             core.router.add_worker(id, capacity);
         } else {
             let freed = core.router.remove_worker(id);
+            if let Some(link) = &core.replica {
+                // Peers ignore the frees of bookings this replica does not own.
+                freed.iter().for_each(|&request| link.freed(request, id));
+            }
             self.metrics
                 .freed_by_removal
                 .fetch_add(freed.len() as u64, Ordering::Relaxed);
@@ -415,7 +443,7 @@ impl SharedRouter {
     /// Snapshot of the worker table.
     pub fn workers(&self) -> Vec<WorkerInfo> {
         let mut list: Vec<_> = self.lock().workers.values().cloned().collect();
-        list.sort_by_key(|w| w.id);
+        list.sort_by(|a, b| a.name.cmp(&b.name));
         list
     }
 
@@ -479,6 +507,7 @@ impl SharedRouter {
             Waiter {
                 blocks: submission.blocks,
                 prompt_tokens: submission.prompt_tokens,
+                session: submission.session,
                 eligible,
                 tx,
             },
@@ -497,6 +526,10 @@ impl SharedRouter {
         let mut core = self.lock();
         core.admission.tick(now);
         core.router.expire(now);
+        let silent = core.router.expire_silent_replicas(now).len();
+        if let Some(link) = &core.replica {
+            link.count_expired(silent);
+        }
         core.poll(now, &self.metrics);
     }
 
@@ -740,7 +773,13 @@ impl Booking {
         self.prefill_marked = true;
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
-        core.router.mark_prefill_completed(self.id, now);
+        let marked = core.router.mark_prefill_completed(self.id, now);
+        // Duplicate: the worker's own mark came first; peers may not have it.
+        if let (Some(link), LifecycleOutcome::Applied | LifecycleOutcome::Duplicate) =
+            (&core.replica, marked)
+        {
+            link.prefill_completed(self.id, self.worker);
+        }
         core.poll(now, &self.shared.metrics);
     }
 

@@ -7,9 +7,10 @@
 
 use super::driver::{DriverHandle, GenEvent};
 use super::metrics::Metrics;
+use crate::replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -49,6 +50,8 @@ pub struct AppState {
     pub next_id: Arc<AtomicU64>,
     /// Random high bits of request ids (unique across restarts).
     pub id_salt: u64,
+    /// Replica-sync marks (`--replica-sync`), when on.
+    pub marks: Option<Arc<WorkerMarks>>,
 }
 
 /// The router of every endpoint.
@@ -195,6 +198,9 @@ enum Api {
 struct Job {
     api: Api,
     id: RequestId,
+    /// The router's id for the request, when a replica-syncing router
+    /// sent it: marked at the first token.
+    routed: Option<RequestId>,
     model: Arc<str>,
     created: u64,
     stream: bool,
@@ -225,7 +231,18 @@ impl AppState {
     }
 }
 
-async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+/// The router's request id, when the request carries a replica-syncing
+/// router's identity headers.
+fn routed(headers: &HeaderMap) -> Option<RequestId> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    routed_request_id(text(ROUTER_ID_HEADER), text(REQUEST_ID_HEADER))
+}
+
+async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let body: CompletionBody = parse(&body)?;
     state.check_model(body.model.as_deref())?;
     let prompt = match body.prompt {
@@ -243,6 +260,7 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
     let job = Job {
         api: Api::Completions,
         id: state.request_id(),
+        routed: routed(&headers),
         model: state.model.clone(),
         created: unix_now(),
         stream: body.stream,
@@ -260,6 +278,7 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Result<Respo
 
 async fn chat_completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let body: ChatBody = parse(&body)?;
@@ -315,6 +334,7 @@ async fn chat_completions(
     let job = Job {
         api: Api::Chat,
         id: state.request_id(),
+        routed: routed(&headers),
         model: state.model.clone(),
         created: unix_now(),
         stream: body.stream,
@@ -364,6 +384,10 @@ async fn run(
         .ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
     if let GenEvent::Rejected(err) = first {
         return Err(err.into());
+    }
+    if let (Some(marks), Some(id), GenEvent::Token { .. }) = (&state.marks, job.routed, &first) {
+        // Never blocks; a full queue drops and counts the mark.
+        let _ = marks.prefill_completed(id);
     }
     if job.stream {
         Ok(stream_response(job, first, rx).into_response())

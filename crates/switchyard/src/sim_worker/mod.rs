@@ -8,6 +8,10 @@
 //!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
 //! - [`metrics`] — Prometheus text at `/metrics`.
 //!
+//! With `--replica-sync nats://HOST:PORT` the worker also publishes
+//! `MarkPrefillCompleted` at each routed request's first token straight
+//! onto the routers' replica plane ([`crate::replica::WorkerMarks`]).
+//!
 //! Data flow: HTTP handler → tokenizer → driver command channel → engine
 //! step → per-request token channel → SSE or JSON reply. KV events leave the
 //! driver through a bounded sink.
@@ -18,6 +22,9 @@ pub mod kv_publish;
 pub mod metrics;
 
 use crate::events::publisher::{KvEventPublisher, PublisherConfig};
+use crate::replica::{
+    worker_id_for_name, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
+};
 use anyhow::Context;
 use clap::Args;
 use std::net::SocketAddr;
@@ -100,9 +107,35 @@ pub struct SimWorkerArgs {
     /// (default: the repository's data/tokenizers, or $SWITCHYARD_TOKENIZER_DIR).
     #[arg(long)]
     pub tokenizer_dir: Option<PathBuf>,
+    /// Publish MarkPrefillCompleted at each routed request's first token
+    /// onto the routers' replica plane over NATS at this URL (requests
+    /// without the router's identity headers are not marked).
+    #[arg(long, value_name = "nats://HOST:PORT")]
+    pub replica_sync: Option<String>,
+    /// Replica-sync namespace; must match the routers'.
+    #[arg(long, alias = "namespace", default_value = "default")]
+    pub replica_namespace: String,
+    /// Replica-sync endpoint; must match the routers'.
+    #[arg(long, alias = "endpoint", default_value = "generate")]
+    pub replica_endpoint: String,
 }
 
 impl SimWorkerArgs {
+    /// The replica plane the marks go to, when `--replica-sync` is given.
+    pub fn replica_config(&self) -> Result<Option<ReplicaConfig>, ReplicaConfigError> {
+        let Some(url) = &self.replica_sync else {
+            return Ok(None);
+        };
+        let config = ReplicaConfig {
+            nats_url: Some(url.clone()),
+            namespace: self.replica_namespace.clone(),
+            endpoint: self.replica_endpoint.clone(),
+            ..ReplicaConfig::default()
+        };
+        config.validate()?;
+        Ok(Some(config))
+    }
+
     /// The engine configuration these flags describe.
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
@@ -134,6 +167,7 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
     }
     let config = args.engine_config();
     config.validate().context("invalid engine configuration")?;
+    args.replica_config()?;
     let tokenizer = match &args.tokenizer_dir {
         Some(dir) => Tokenizer::from_files(
             &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
@@ -176,6 +210,25 @@ async fn serve(
         }
     };
     let driver = driver::spawn(engine, metrics.clone(), kv_sink);
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+    let marks = match args.replica_config()? {
+        None => None,
+        Some(replica) => {
+            let url = replica.nats_url.as_deref().unwrap_or_default();
+            let transport = NatsTransport::connect(url)
+                .await
+                .context("starting replica-sync marks")?;
+            // Routers ignore a mark's worker; this is its default name's id.
+            let worker = worker_id_for_name(&local.to_string());
+            Some(Arc::new(WorkerMarks::start(transport, &replica, worker)))
+        }
+    };
     let state = http::AppState {
         model: args.model.as_str().into(),
         config: Arc::new(config),
@@ -187,14 +240,8 @@ async fn serve(
         id_salt: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
+        marks,
     };
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
-    let local = listener.local_addr()?;
     println!(
         "switchyard sim-worker listening on http://{local} (model {})",
         args.model

@@ -1,0 +1,395 @@
+//! Replica sync in the router server (`--replica-sync nats://HOST:PORT`).
+//!
+//! - [`ReplicaArgs`] — the `serve` flags (and `SWITCHYARD_REPLICA_*`
+//!   variables) that override the config file's `[replica]` table.
+//! - [`ReplicaLink`] — the request path's side: held in the server's
+//!   [`Core`], called with the core lock held right after each local
+//!   mutation (booked, prefill marked, freed, session bound), so the
+//!   publish queue sees one request's events in the order they happened.
+//!   Enqueueing never awaits; a full queue drops and counts.
+//! - [`ServerSink`] — the subscriber's side: peers' batches go into the
+//!   same [`Core`] through [`crate::replica::apply_events`] (the one path
+//!   from replica events to a `Router`), session bindings into the
+//!   admission strategy, then queued requests get another chance.
+//! - [`render`] — the per-worker local/remote load gauge and the plane's
+//!   counters on `/metrics`.
+//!
+//! Workers are named by id on the wire; the server derives every worker's
+//! id from its name ([`crate::replica::worker_id_for_name`]), so replicas
+//! configured with the same worker names agree on ids.
+
+use super::metrics::ServerMetrics;
+use super::state::{Core, SharedRouter};
+use crate::replica::{
+    apply_events, random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaMetrics,
+    ReplicaPlane, ReplicaPublisher, ReplicaSink, Transport, TransportError,
+};
+use clap::Args;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use switchyard_core::admission::{AdmissionStrategy as _, SessionKey};
+use switchyard_core::select::{Decision, RoutingRequest};
+use switchyard_core::sequences::AddRequest;
+use switchyard_core::{ReplicaId, RequestId, WorkerId};
+use switchyard_wire::replica::{ReplicaBatch, SessionBinding};
+
+/// `switchyard serve`'s replica-sync flags; each also reads its
+/// `SWITCHYARD_*` variable, and each set one overrides the config file.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ReplicaArgs {
+    /// Share bookings with peer replicas over NATS at this URL; off when absent.
+    #[arg(
+        long = "replica-sync",
+        env = "SWITCHYARD_REPLICA_SYNC",
+        value_name = "nats://HOST:PORT"
+    )]
+    pub replica_sync: Option<String>,
+    /// Replica-sync namespace (first subject level) [default: default].
+    #[arg(long, env = "SWITCHYARD_REPLICA_NAMESPACE")]
+    pub replica_namespace: Option<String>,
+    /// Replica-sync endpoint: replicas of different endpoints never see each other [default: generate].
+    #[arg(long, env = "SWITCHYARD_REPLICA_ENDPOINT")]
+    pub replica_endpoint: Option<String>,
+    /// Replica events queued for publishing before the newest is dropped [default: 100000].
+    #[arg(long, env = "SWITCHYARD_REPLICA_QUEUE_CAPACITY")]
+    pub replica_queue_capacity: Option<usize>,
+    /// Most events in one published batch [default: 128].
+    #[arg(long, env = "SWITCHYARD_REPLICA_BATCH_MAX_EVENTS")]
+    pub replica_batch_max_events: Option<usize>,
+    /// Longest wait for a batch to fill, in ms [default: 1].
+    #[arg(long, env = "SWITCHYARD_REPLICA_BATCH_MAX_DELAY_MS")]
+    pub replica_batch_max_delay_ms: Option<f64>,
+    /// An idle replica publishes a heartbeat this often, in ms [default: 1000].
+    #[arg(long, env = "SWITCHYARD_REPLICA_HEARTBEAT_MS")]
+    pub replica_heartbeat_ms: Option<f64>,
+    /// A peer silent this long has its bookings freed, in ms [default: 300000].
+    #[arg(long, env = "SWITCHYARD_REPLICA_EXPIRY_MS")]
+    pub replica_expiry_ms: Option<f64>,
+    /// How often silent peers are looked for, in ms [default: 1000].
+    #[arg(long, env = "SWITCHYARD_REPLICA_EXPIRY_CHECK_MS")]
+    pub replica_expiry_check_ms: Option<f64>,
+}
+
+impl ReplicaArgs {
+    /// Overrides the settings given on the command line or in the
+    /// environment (validation is the whole config's).
+    pub fn apply(&self, config: &mut ReplicaConfig) {
+        if let Some(url) = &self.replica_sync {
+            config.nats_url = Some(url.clone());
+        }
+        if let Some(v) = &self.replica_namespace {
+            config.namespace = v.clone();
+        }
+        if let Some(v) = &self.replica_endpoint {
+            config.endpoint = v.clone();
+        }
+        if let Some(v) = self.replica_queue_capacity {
+            config.queue_capacity = v;
+        }
+        if let Some(v) = self.replica_batch_max_events {
+            config.batch_max_events = v;
+        }
+        if let Some(v) = self.replica_batch_max_delay_ms {
+            config.batch_max_delay_ms = v;
+        }
+        if let Some(v) = self.replica_heartbeat_ms {
+            config.heartbeat_ms = v;
+        }
+        if let Some(v) = self.replica_expiry_ms {
+            config.silence_expiry_ms = v;
+        }
+        if let Some(v) = self.replica_expiry_check_ms {
+            config.expiry_check_ms = v;
+        }
+    }
+}
+
+/// The request path's handle onto the plane. Every method is non-blocking
+/// and ignores a refused enqueue: the publisher already counted (and
+/// rate-limits the log of) a drop, and the plane is advisory.
+#[derive(Debug, Clone)]
+pub struct ReplicaLink {
+    publisher: ReplicaPublisher,
+}
+
+impl ReplicaLink {
+    /// This replica's id.
+    pub fn id(&self) -> ReplicaId {
+        self.publisher.id()
+    }
+
+    /// The plane's counters.
+    pub fn metrics(&self) -> &Arc<ReplicaMetrics> {
+        self.publisher.metrics()
+    }
+
+    /// A request was booked on `decision.worker` (after `Router::book`).
+    pub fn booked(&self, id: RequestId, request: &RoutingRequest<'_>, decision: &Decision) {
+        let add = AddRequest {
+            request: id,
+            worker: decision.worker,
+            prompt_tokens: request.prompt_tokens,
+            blocks: request.blocks.to_vec(),
+            overlap_blocks: decision.overlap_blocks,
+            expected_prefill_ms: None,
+        };
+        let _ = self.publisher.added(&add, None);
+    }
+
+    /// The request's first token arrived.
+    pub fn prefill_completed(&self, id: RequestId, worker: WorkerId) {
+        let _ = self.publisher.prefill_completed(id, worker);
+    }
+
+    /// The request was freed, however it ended.
+    pub fn freed(&self, id: RequestId, worker: WorkerId) {
+        let _ = self.publisher.freed(id, worker);
+    }
+
+    /// A session's turn was dispatched to `worker` (session-aware
+    /// admission only).
+    pub fn session_bound(&self, session: SessionKey, worker: WorkerId, context_tokens: u64) {
+        let _ = self.publisher.session_bound(SessionBinding {
+            session,
+            worker,
+            context_tokens,
+        });
+    }
+
+    /// Peers' bookings freed because their replica went silent.
+    pub fn count_expired(&self, n: usize) {
+        ReplicaMetrics::add(&self.metrics().expired, n as u64);
+    }
+}
+
+/// Peers' events into the server's routing state.
+#[derive(Debug)]
+pub struct ServerSink {
+    shared: Arc<SharedRouter>,
+}
+
+impl ReplicaSink for ServerSink {
+    fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        let now = self.shared.now_ms();
+        let metrics: &ServerMetrics = &self.shared.metrics;
+        self.shared.with_core(|core| {
+            let applied = apply_events(&mut core.router, batch, now);
+            let mut sessions_applied = 0;
+            if let Some(strategy) = core.admission.strategy_mut() {
+                for b in &batch.sessions {
+                    strategy.observe_remote_binding(b.session, b.worker, b.context_tokens, now);
+                    sessions_applied += 1;
+                }
+            }
+            // A peer's free may have made room for a queued request.
+            core.poll(now, metrics);
+            BatchReport {
+                applied,
+                sessions_applied,
+            }
+        })
+    }
+
+    fn expire_silent(&self) -> u64 {
+        let now = self.shared.now_ms();
+        let metrics: &ServerMetrics = &self.shared.metrics;
+        self.shared.with_core(|core| {
+            let expired = core.router.expire_silent_replicas(now).len() as u64;
+            core.poll(now, metrics);
+            expired
+        })
+    }
+}
+
+/// Connects to NATS, starts the plane of a fresh replica id over `shared`
+/// and attaches its [`ReplicaLink`] to the core. Call before serving.
+pub async fn start(
+    config: &ReplicaConfig,
+    shared: &Arc<SharedRouter>,
+) -> Result<ReplicaPlane, TransportError> {
+    let url = config
+        .nats_url
+        .as_deref()
+        .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
+    let transport = Arc::new(NatsTransport::connect(url).await?);
+    start_over(transport, config, shared).await
+}
+
+/// [`start`] over any transport (in-process replicas share an
+/// [`crate::replica::InProcessBus`]).
+pub async fn start_over<T: Transport>(
+    transport: Arc<T>,
+    config: &ReplicaConfig,
+    shared: &Arc<SharedRouter>,
+) -> Result<ReplicaPlane, TransportError> {
+    let id = random_replica_id();
+    shared.with_core(|core| core.router.set_replica_id(id));
+    let sink = ServerSink {
+        shared: shared.clone(),
+    };
+    let plane = ReplicaPlane::start(transport, config, id, sink).await?;
+    let link = ReplicaLink {
+        publisher: plane.publisher.clone(),
+    };
+    shared.with_core(|core| core.replica = Some(link));
+    Ok(plane)
+}
+
+/// Appends `switchyard_worker_active_requests_by_origin{worker,origin}`
+/// (what this replica believes each worker's active requests are: its own
+/// bookings, `local`, and its peers', `remote`; their sum is
+/// `switchyard_worker_active_requests`) and, with sync on, the plane's
+/// counters.
+pub fn render(core: &Core, out: &mut String) {
+    let mut rows: Vec<(&str, usize, usize)> = core
+        .workers
+        .values()
+        .map(|info| {
+            let total = core
+                .router
+                .sequences()
+                .registry()
+                .load(info.id)
+                .map_or(0, |l| l.requests);
+            let remote = core.router.remote().remote_requests_on(info.id);
+            (&*info.name, total.saturating_sub(remote), remote)
+        })
+        .collect();
+    rows.sort_unstable();
+    let name = "switchyard_worker_active_requests_by_origin";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Requests booked on the worker, by the replica that booked them (local: this one).\n# TYPE {name} gauge"
+    );
+    for (worker, local, remote) in rows {
+        let _ = writeln!(
+            out,
+            "{name}{{worker=\"{worker}\",origin=\"local\"}} {local}\n{name}{{worker=\"{worker}\",origin=\"remote\"}} {remote}"
+        );
+    }
+    if let Some(link) = &core.replica {
+        out.push_str(&link.metrics().render());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::{InProcessBus, InProcessTransport};
+    use crate::server::config::ServerConfig;
+    use crate::server::state::Submission;
+    use std::time::Duration;
+    use switchyard_core::admission::{
+        AdmissionController, AdmissionStrategy, SessionAwareStrategy,
+    };
+    use switchyard_core::LocalHash;
+
+    #[test]
+    fn flags_override_only_what_they_set() {
+        let mut config = ReplicaConfig {
+            endpoint: "chat".into(),
+            ..ReplicaConfig::default()
+        };
+        ReplicaArgs {
+            replica_sync: Some("nats://127.0.0.1:4222".into()),
+            replica_expiry_ms: Some(2_000.0),
+            ..ReplicaArgs::default()
+        }
+        .apply(&mut config);
+        assert!(config.enabled());
+        assert_eq!(config.endpoint, "chat");
+        assert_eq!(config.silence_expiry_ms, 2_000.0);
+        assert_eq!(config.queue_capacity, 100_000);
+    }
+
+    /// A server's routing state with session-aware admission and two
+    /// workers, on the plane of `bus`.
+    async fn replica(bus: &Arc<InProcessBus>) -> (Arc<SharedRouter>, ReplicaPlane) {
+        let config = ServerConfig::default();
+        let router = crate::server::build_router(&config).unwrap();
+        let strategy: Box<dyn AdmissionStrategy + Send> =
+            Box::new(SessionAwareStrategy::new(config.session).unwrap());
+        let admission = AdmissionController::new(config.queue.clone(), Some(strategy)).unwrap();
+        let shared = Arc::new(SharedRouter::new(
+            router,
+            admission,
+            Arc::new(ServerMetrics::default()),
+        ));
+        for name in ["w0", "w1"] {
+            let id = shared.add_worker(name, "http://127.0.0.1:9").unwrap();
+            shared.set_in_router(id, true);
+        }
+        let transport = Arc::new(InProcessTransport::new(bus.clone(), true, 1024));
+        let plane = start_over(transport, &config.replica, &shared)
+            .await
+            .unwrap();
+        (shared, plane)
+    }
+
+    fn rendered(shared: &SharedRouter) -> String {
+        let mut out = String::new();
+        shared.with_core(|core| render(core, &mut out));
+        out
+    }
+
+    async fn eventually(what: &str, check: impl Fn() -> bool) {
+        for _ in 0..400 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    #[tokio::test]
+    async fn a_booking_its_session_binding_and_its_free_reach_the_peer() {
+        let bus = InProcessBus::new();
+        let (a, plane_a) = replica(&bus).await;
+        let (b, plane_b) = replica(&bus).await;
+        let wait = a
+            .submit(
+                a.next_request_id(),
+                Submission {
+                    blocks: vec![LocalHash(1), LocalHash(2)],
+                    prompt_tokens: 40,
+                    session: Some(SessionKey(5)),
+                    model: None,
+                    exclude: &[],
+                },
+            )
+            .unwrap();
+        let mut booking = wait.placed().await.unwrap();
+        let remote = format!(
+            "switchyard_worker_active_requests_by_origin{{worker=\"{}\",origin=\"remote\"}} 1",
+            booking.name
+        );
+        let local = remote.replace("remote", "local");
+        assert!(rendered(&a).contains(&local), "{}", rendered(&a));
+        eventually("the peer holds the booking as remote", || {
+            rendered(&b).contains(&remote)
+        })
+        .await;
+        eventually("the peer's strategy got the session binding", || {
+            plane_b.metrics.snapshot().applied >= 1
+                && plane_b
+                    .metrics
+                    .sessions_applied
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    == 1
+        })
+        .await;
+        booking.mark_first_token();
+        drop(booking);
+        eventually("the free reaches the peer", || {
+            b.with_core(|core| core.router.sequences().active_requests()) == 0
+        })
+        .await;
+        // add, mark, free from A; nothing from B.
+        assert_eq!(plane_a.metrics.snapshot().published, 3);
+        assert_eq!(plane_b.metrics.snapshot().published, 0);
+        assert!(rendered(&b).contains("switchyard_replica_events_total{direction=\"applied\"} 3"));
+        plane_a.shutdown().await;
+        plane_b.shutdown().await;
+    }
+}
