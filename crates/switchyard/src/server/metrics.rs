@@ -69,7 +69,8 @@ pub enum RequestStatus {
     WorkerError,
     /// Refused by the router: bad input, bad key, unknown model (4xx).
     Invalid,
-    /// Admission queue full (429).
+    /// Refused for overload: admission queue full (429) or the in-flight
+    /// limit reached (503).
     Rejected,
     /// No worker could take it, or the worker failed (502/503).
     Unavailable,
@@ -144,10 +145,18 @@ pub struct ServerMetrics {
     pub routing_decision: Histogram,
     /// Prompt to token ids (chat template included).
     pub tokenize: Histogram,
-    /// Upstream connection failures that took a worker out of selection.
+    /// Upstream failures reported to the circuit breakers.
     pub upstream_failures: AtomicU64,
     /// Requests freed by a worker's removal rather than by their own end.
     pub freed_by_removal: AtomicU64,
+    /// KV events from a subscriber whose worker left the router since.
+    pub stale_kv_events: AtomicU64,
+    /// `POST /v1/...` requests holding an in-flight permit.
+    pub inflight: AtomicU64,
+    /// The in-flight limit (`--max-inflight`).
+    pub inflight_limit: AtomicU64,
+    /// Requests refused at the in-flight limit (503).
+    pub inflight_rejected: AtomicU64,
 }
 
 impl ServerMetrics {
@@ -220,13 +229,33 @@ impl ServerMetrics {
         );
         let _ = writeln!(
             out,
-            "# HELP switchyard_upstream_failures_total Connection failures to workers.\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
+            "# HELP switchyard_upstream_failures_total Upstream failures reported to the workers' circuit breakers.\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
             self.upstream_failures.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,
             "# HELP switchyard_requests_freed_by_removal_total Bookings dropped because their worker was removed.\n# TYPE switchyard_requests_freed_by_removal_total counter\nswitchyard_requests_freed_by_removal_total {}",
             self.freed_by_removal.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_kv_events_stale_total KV events dropped because their worker left the router after the subscriber started.\n# TYPE switchyard_kv_events_stale_total counter\nswitchyard_kv_events_stale_total {}",
+            self.stale_kv_events.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_requests OpenAI requests in the router (queued, waiting or streaming).\n# TYPE switchyard_inflight_requests gauge\nswitchyard_inflight_requests {}",
+            self.inflight.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_limit The in-flight limit (--max-inflight).\n# TYPE switchyard_inflight_limit gauge\nswitchyard_inflight_limit {}",
+            self.inflight_limit.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_rejected_total Requests refused with 503 at the in-flight limit.\n# TYPE switchyard_inflight_rejected_total counter\nswitchyard_inflight_rejected_total {}",
+            self.inflight_rejected.load(Ordering::Relaxed)
         );
     }
 }

@@ -17,17 +17,19 @@
 //! [`SharedRouter::with_core`] for anything else — such as applying replica
 //! events to the same `Router` — with the lock held for the closure only.
 
+use super::health::{self, WorkerCircuit};
 use super::metrics::{AdmissionDecision, ServerMetrics};
 use crate::events::subscriber::IndexSink;
 use rustc_hash::FxHashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use switchyard_core::admission::{
     AdmissionController, CancelOutcome, Placed, Placement, QueueClass, RequestFacts,
     ResponseTicket, SessionKey, SubmitOutcome,
 };
+use switchyard_core::health::{CircuitConfig, CircuitEvent};
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
@@ -53,6 +55,12 @@ pub struct WorkerInfo {
     pub failures: u32,
     /// What it can hold, from its `/get_server_info` (for busy thresholds).
     pub capacity: WorkerCapacity,
+    /// Passive failure detection; reset whenever the worker enters or
+    /// leaves the router.
+    pub circuit: WorkerCircuit,
+    /// Counts entries into the router: KV events from a subscriber started
+    /// for an earlier entry are stale and dropped.
+    pub events_epoch: u64,
 }
 
 /// Where a placed request goes, handed from the core to the waiting handler.
@@ -90,6 +98,8 @@ pub struct Core {
     pub admission: AdmissionController,
     /// The fleet, by id.
     pub workers: FxHashMap<WorkerId, WorkerInfo>,
+    /// Settings of every worker's circuit breaker.
+    pub circuit_config: CircuitConfig,
     waiting: FxHashMap<RequestId, Waiter>,
     placed: Vec<Placed>,
     next_worker: u64,
@@ -117,6 +127,8 @@ impl Core {
             admission,
             waiting,
             placed,
+            workers,
+            circuit_config,
             ..
         } = self;
         admission.poll(now_ms, placed, |id, placement| {
@@ -140,6 +152,17 @@ impl Core {
             let outcome = router.route(request, eligible, now_ms);
             if let SelectOutcome::Selected(decision) = outcome {
                 router.book(id, request, decision, None, now_ms);
+                // A half-open worker takes this one probe, then no more
+                // until its verdict: decided before the next placement.
+                if let Some(info) = workers.get_mut(&decision.worker) {
+                    health::step(
+                        router,
+                        info,
+                        CircuitEvent::Dispatched,
+                        circuit_config,
+                        now_ms,
+                    );
+                }
             }
             metrics
                 .routing_decision
@@ -293,6 +316,7 @@ impl SharedRouter {
                 router,
                 admission,
                 workers: FxHashMap::default(),
+                circuit_config: CircuitConfig::default(),
                 waiting: FxHashMap::default(),
                 placed: Vec::new(),
                 next_worker: 0,
@@ -348,6 +372,8 @@ impl SharedRouter {
                 draining: false,
                 failures: 0,
                 capacity: WorkerCapacity::default(),
+                circuit: WorkerCircuit::default(),
+                events_epoch: 0,
             },
         );
         Ok(id)
@@ -365,8 +391,10 @@ impl SharedRouter {
             return;
         }
         info.in_router = in_router;
+        info.circuit.breaker = Default::default();
         if in_router {
             info.failures = 0;
+            info.events_epoch += 1;
             let capacity = info.capacity;
             core.router.add_worker(id, capacity);
         } else {
@@ -376,6 +404,44 @@ impl SharedRouter {
                 .fetch_add(freed.len() as u64, Ordering::Relaxed);
         }
         core.poll(now, &self.metrics);
+    }
+
+    /// Sets every worker's circuit-breaker settings.
+    pub fn set_circuit_config(&self, config: CircuitConfig) {
+        self.lock().circuit_config = config;
+    }
+
+    /// Feeds one request outcome to `worker`'s circuit breaker.
+    pub fn circuit_event(&self, worker: WorkerId, event: CircuitEvent) {
+        let now = self.now_ms();
+        let mut core = self.lock();
+        health::circuit_event(&mut core, worker, event, now);
+        core.poll(now, &self.metrics);
+    }
+
+    /// The epoch a KV-event subscriber started now belongs to (`None` while
+    /// the worker is out of the router).
+    pub fn events_epoch(&self, id: WorkerId) -> Option<u64> {
+        let core = self.lock();
+        let info = core.workers.get(&id)?;
+        info.in_router.then_some(info.events_epoch)
+    }
+
+    /// Applies a KV event from the subscriber of `epoch`; a stale
+    /// subscriber's (the worker left the router since) is dropped and
+    /// counted. Returns whether it was applied.
+    pub fn apply_worker_event(&self, worker: WorkerId, epoch: u64, event: &IndexEvent) -> bool {
+        let mut core = self.lock();
+        let live = core
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.in_router && w.events_epoch == epoch);
+        if live {
+            core.router.apply_kv_event(worker, event);
+        } else {
+            self.metrics.stale_kv_events.fetch_add(1, Ordering::Relaxed);
+        }
+        live
     }
 
     /// Removes a worker entirely.
@@ -490,13 +556,19 @@ impl SharedRouter {
         let mut core = self.lock();
         core.admission.tick(now);
         core.router.expire(now);
+        health::poll_circuits(&mut core, now);
         core.poll(now, &self.metrics);
     }
 
     /// When `tick` is next due (ms on [`Self::now_ms`]'s clock), if sooner
     /// than the regular expiry sweep.
     pub fn next_wakeup_ms(&self) -> Option<f64> {
-        self.lock().admission.next_wakeup_ms()
+        let core = self.lock();
+        let admission = core.admission.next_wakeup_ms();
+        match (admission, health::next_cooldown_end(&core)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Appends the per-worker gauges, index size and queue depth.
@@ -571,6 +643,8 @@ impl SharedRouter {
                 u8::from(up)
             );
         }
+        let mut infos: Vec<&WorkerInfo> = core.workers.values().collect();
+        health::render(&mut infos, out);
         gauge(
             out,
             "switchyard_active_requests",
@@ -666,6 +740,8 @@ impl WaitHandle {
                 url,
                 ticket: Some(ticket),
                 prefill_marked: false,
+                verdict: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
                 completed: false,
                 context_tokens: 0,
                 overlap_blocks: decision.overlap_blocks,
@@ -711,6 +787,11 @@ pub struct Booking {
     pub url: Arc<str>,
     ticket: Option<ResponseTicket>,
     prefill_marked: bool,
+    /// A success or failure reached the worker's circuit breaker.
+    verdict: AtomicBool,
+    /// A failure did (counted once per request). Atomics only so that
+    /// `worker_failed` takes `&self`.
+    failed: AtomicBool,
     completed: bool,
     context_tokens: u64,
     /// Blocks the router predicted cached.
@@ -734,6 +815,9 @@ impl Booking {
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
         core.router.mark_prefill_completed(self.id, now);
+        if !self.verdict.swap(true, Ordering::Relaxed) {
+            health::circuit_event(&mut core, self.worker, CircuitEvent::Success, now);
+        }
         core.poll(now, &self.shared.metrics);
     }
 
@@ -751,14 +835,21 @@ impl Booking {
         self.context_tokens = context_tokens;
     }
 
-    /// The worker could not be reached: take it out of selection now
-    /// (health checks put it back).
+    /// The worker failed this request (connect refused, reset, 5xx,
+    /// first-token timeout): one failure for its circuit breaker, which
+    /// takes it out of selection after `failure_threshold` in a row. Counted
+    /// once per request however often it is called.
     pub fn worker_failed(&self) {
         self.shared
             .metrics
             .upstream_failures
             .fetch_add(1, Ordering::Relaxed);
-        self.shared.set_in_router(self.worker, false);
+        if self.failed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        self.verdict.store(true, Ordering::Relaxed);
+        self.shared
+            .circuit_event(self.worker, CircuitEvent::Failure);
     }
 }
 
@@ -766,6 +857,10 @@ impl Drop for Booking {
     fn drop(&mut self) {
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
+        if !self.verdict.load(Ordering::Relaxed) {
+            // Frees a half-open worker's probe slot.
+            health::circuit_event(&mut core, self.worker, CircuitEvent::Released, now);
+        }
         core.release(
             self.id,
             self.ticket.take(),
