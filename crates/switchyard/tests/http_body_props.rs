@@ -12,13 +12,8 @@ use http_body_util::BodyExt;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
-use switchyard::server::proxy::{app, AppState};
-use switchyard::server::state::SharedRouter;
+use switchyard::server::standalone::{app_without_workers, check_error_answer};
 use switchyard::server::tokenize::HfTokenizer;
-use switchyard::server::workers::{upstream_client, Fleet};
-use switchyard::server::{build_router, metrics::ServerMetrics, ServerConfig};
-use switchyard_core::admission::AdmissionController;
 use tower::ServiceExt;
 
 const MAX_BODY: usize = 64 * 1024;
@@ -37,39 +32,12 @@ fn rig() -> &'static Rig {
             .enable_all()
             .build()
             .unwrap();
-        let app = runtime.block_on(async {
-            let config = ServerConfig::default();
-            let admission = AdmissionController::new(config.queue.clone(), None).unwrap();
-            let shared = Arc::new(SharedRouter::new(
-                build_router(&config).unwrap(),
-                admission,
-                Arc::new(ServerMetrics::default()),
-            ));
-            let client = upstream_client(Duration::from_millis(100));
-            let fleet = Arc::new(Fleet::new(
-                shared.clone(),
-                client.clone(),
-                false,
-                config.block_size,
-                config.health_failures,
-                Duration::from_millis(100),
-            ));
-            app(Arc::new(AppState {
-                shared,
-                fleet,
-                client,
-                tokenizer: Arc::new(HfTokenizer(
-                    switchyard_tokenizer::Tokenizer::bundled().unwrap(),
-                )),
-                policy: "kv",
-                block_size: config.block_size,
-                hash_seed: 0,
-                worker_header: true,
-                api_keys: Vec::new(),
-                admin_token: None,
-                max_body_bytes: MAX_BODY,
-            }))
-        });
+        let tokenizer = Arc::new(HfTokenizer(
+            switchyard_tokenizer::Tokenizer::bundled().unwrap(),
+        ));
+        let app = runtime
+            .block_on(async { app_without_workers(tokenizer, MAX_BODY) })
+            .unwrap();
         Rig { runtime, app }
     })
 }
@@ -85,27 +53,20 @@ fn post(path: &str, body: Vec<u8>) -> (StatusCode, Value) {
         let response = rig.app.clone().oneshot(request).await.unwrap();
         let status = response.status();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        let value = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-            panic!(
-                "a {status} answer that is not JSON ({e}): {:?}",
-                String::from_utf8_lossy(&bytes)
-            )
-        });
-        (status, value)
+        if let Err(why) = check_error_answer(status.as_u16(), &bytes) {
+            panic!("{why}");
+        }
+        (status, serde_json::from_slice(&bytes).unwrap())
     })
 }
 
-/// The contract for a body the router cannot serve: an OpenAI error object,
-/// 4xx for the client's mistakes, 503 only for a body that parsed.
+/// The contract ([`check_error_answer`], which [`post`] already applies):
+/// an OpenAI error object, 4xx for the client's mistakes, 503 only for a
+/// body that parsed.
 fn assert_openai_error(status: StatusCode, body: &Value) {
-    assert!(
-        status.is_client_error() || status == StatusCode::SERVICE_UNAVAILABLE,
-        "status {status}: {body}"
-    );
-    let error = &body["error"];
-    assert!(error["message"].is_string(), "{body}");
-    assert!(error["type"].is_string(), "{body}");
-    assert_eq!(error["code"], status.as_u16(), "{body}");
+    if let Err(why) = check_error_answer(status.as_u16(), body.to_string().as_bytes()) {
+        panic!("{why}");
+    }
 }
 
 const PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];

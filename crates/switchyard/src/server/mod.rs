@@ -14,6 +14,7 @@
 //! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
 //!   cancellation of what is still in flight at the shutdown deadline.
 //! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
 //! book) → upstream POST → `ObservedBody` (first token, latencies) → drop
@@ -25,6 +26,7 @@ pub mod health;
 pub mod inflight;
 pub mod metrics;
 pub mod proxy;
+pub mod standalone;
 pub mod state;
 pub mod tokenize;
 pub mod workers;
