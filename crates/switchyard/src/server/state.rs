@@ -29,7 +29,7 @@ use switchyard_core::admission::{
     AdmissionController, CancelOutcome, Placed, Placement, QueueClass, RequestFacts,
     ResponseTicket, SessionKey, SubmitOutcome,
 };
-use switchyard_core::health::{CircuitConfig, CircuitEvent};
+use switchyard_core::health::{CircuitConfig, CircuitEvent, CircuitState};
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
@@ -391,6 +391,11 @@ impl SharedRouter {
             return;
         }
         info.in_router = in_router;
+        // Entering or leaving the router starts the circuit afresh (a
+        // reset out of open or half-open counts as a close).
+        if info.circuit.breaker.state() != CircuitState::Closed {
+            info.circuit.transitions[CircuitState::Closed as usize] += 1;
+        }
         info.circuit.breaker = Default::default();
         if in_router {
             info.failures = 0;
