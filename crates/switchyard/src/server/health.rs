@@ -140,3 +140,112 @@ pub(crate) fn render(workers: &mut [&WorkerInfo], out: &mut String) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::metrics::ServerMetrics;
+    use super::super::state::{Booking, SharedRouter, Submission};
+    use super::super::{build_router, ServerConfig};
+    use std::sync::Arc;
+    use switchyard_core::admission::AdmissionController;
+    use switchyard_core::health::CircuitConfig;
+    use switchyard_core::WorkerId;
+
+    fn shared(workers: usize) -> (Arc<SharedRouter>, Vec<WorkerId>) {
+        let config = ServerConfig {
+            policy: switchyard_core::select::PolicyKind::RoundRobin,
+            ..ServerConfig::default()
+        };
+        let admission = AdmissionController::new(config.queue.clone(), None).unwrap();
+        let shared = Arc::new(SharedRouter::new(
+            build_router(&config).unwrap(),
+            admission,
+            Arc::new(ServerMetrics::default()),
+        ));
+        shared.set_circuit_config(CircuitConfig {
+            failure_threshold: 2,
+            cooldown_ms: 60_000,
+            max_cooldown_ms: 60_000,
+        });
+        let ids = (0..workers)
+            .map(|i| {
+                let id = shared
+                    .add_worker(&format!("w{i}"), &format!("http://h:{i}"))
+                    .unwrap();
+                shared.set_in_router(id, true);
+                id
+            })
+            .collect();
+        (shared, ids)
+    }
+
+    async fn book(shared: &Arc<SharedRouter>) -> Option<Booking> {
+        let id = shared.next_request_id();
+        let wait = shared
+            .submit(
+                id,
+                Submission {
+                    blocks: Vec::new(),
+                    prompt_tokens: 1,
+                    session: None,
+                    model: None,
+                },
+            )
+            .ok()?;
+        wait.placed().await.ok()
+    }
+
+    fn state_of(shared: &SharedRouter, id: WorkerId) -> u8 {
+        shared.with_core(|core| core.workers[&id].circuit.breaker.state() as u8)
+    }
+
+    #[tokio::test]
+    async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_again() {
+        let (shared, ids) = shared(2);
+        let mut failures = 0;
+        while failures < 2 {
+            let booking = book(&shared).await.expect("a worker is free");
+            if booking.worker == ids[0] {
+                booking.worker_failed();
+                // Reported twice, counted once.
+                booking.worker_failed();
+                failures += 1;
+            }
+        }
+        assert_eq!(state_of(&shared, ids[0]), 1, "open");
+        for _ in 0..10 {
+            let booking = book(&shared).await.unwrap();
+            assert_eq!(booking.worker, ids[1]);
+        }
+        // The worker is still in the router: only selection skips it.
+        assert!(shared.workers()[0].in_router);
+    }
+
+    #[tokio::test]
+    async fn a_first_token_is_a_success_that_resets_the_failure_streak() {
+        let (shared, ids) = shared(1);
+        book(&shared).await.unwrap().worker_failed();
+        book(&shared).await.unwrap().mark_first_token();
+        book(&shared).await.unwrap().worker_failed();
+        assert_eq!(
+            state_of(&shared, ids[0]),
+            0,
+            "closed: the streak was broken"
+        );
+        book(&shared).await.unwrap().worker_failed();
+        assert_eq!(state_of(&shared, ids[0]), 1, "open after two in a row");
+        assert!(book(&shared).await.is_none(), "no worker can take it");
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_leaves_and_reenters_the_router_starts_with_a_closed_circuit() {
+        let (shared, ids) = shared(1);
+        book(&shared).await.unwrap().worker_failed();
+        book(&shared).await.unwrap().worker_failed();
+        assert_eq!(state_of(&shared, ids[0]), 1);
+        shared.set_in_router(ids[0], false);
+        shared.set_in_router(ids[0], true);
+        assert_eq!(state_of(&shared, ids[0]), 0);
+        assert!(book(&shared).await.is_some());
+    }
+}
