@@ -18,8 +18,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A sim-worker on `port` publishing KV events on `events_port` (replay on
-/// `events_port + 1`... chosen free by the caller).
+/// A sim-worker on `port`; with `events = Some((pub_port, replay_port))`
+/// it publishes KV events and serves replay on those ports.
 fn sim_worker_on(port: u16, speedup: &str, events: Option<(u16, u16)>) -> Proc {
     let port = port.to_string();
     let mut args = vec![
