@@ -23,6 +23,8 @@
 //!   call sequence both drivers follow.
 //! - [`replica`] — peer replicas' bookings applied to the write model as
 //!   advisory remote bookings, expired when their origin goes silent.
+//! - [`health`] — passive failure detection: a circuit breaker per worker
+//!   that the driver feeds with request outcomes and asks before selection.
 //! - [`admission`] — in front of the router: the policy queue (requests wait
 //!   when every worker is busy), the admission-strategy API, request
 //!   lifecycle records and live progress, and the session-aware strategy,
@@ -39,6 +41,7 @@
 
 pub mod admission;
 pub mod hashing;
+pub mod health;
 pub mod index;
 mod maps;
 pub mod replica;

@@ -139,6 +139,9 @@ pub struct Router {
     remote: RemoteBookings,
     selector: Box<dyn Selector>,
     capacities: FxHashMap<WorkerId, WorkerCapacity>,
+    /// Workers kept (index, bookings) but not offered new requests, such
+    /// as those whose circuit is open.
+    unselectable: FxHashMap<WorkerId, ()>,
     overlaps: OverlapScores,
     active: OverlapScores,
     candidates: Vec<Candidate>,
@@ -171,6 +174,7 @@ impl Router {
             config,
             cache,
             capacities: FxHashMap::default(),
+            unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
             active: OverlapScores::new(),
             candidates: Vec::new(),
@@ -197,6 +201,7 @@ impl Router {
     /// forgotten, and its active requests are freed (returned).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         self.capacities.remove(&worker);
+        self.unselectable.remove(&worker);
         match &mut self.cache {
             CacheIndex::Exact(index) => {
                 index.remove_worker(worker);
@@ -207,6 +212,23 @@ impl Router {
         let freed = self.sequences.remove_worker(worker);
         self.remote.forget_all(&freed);
         freed
+    }
+
+    /// Offers a worker new requests or stops offering them, keeping its
+    /// cached blocks and bookings (unlike [`Router::remove_worker`]): a
+    /// worker whose circuit is open is never selected, and needs no
+    /// rebuilding when it closes. Workers are selectable when added.
+    pub fn set_selectable(&mut self, worker: WorkerId, selectable: bool) {
+        if selectable {
+            self.unselectable.remove(&worker);
+        } else if self.capacities.contains_key(&worker) {
+            self.unselectable.insert(worker, ());
+        }
+    }
+
+    /// Whether a worker is in the router and may be selected.
+    pub fn is_selectable(&self, worker: WorkerId) -> bool {
+        self.capacities.contains_key(&worker) && !self.unselectable.contains_key(&worker)
     }
 
     /// Applies an engine KV event. Events for workers the router does not
@@ -250,6 +272,9 @@ impl Router {
                 if !eligible.contains(&worker) {
                     continue;
                 }
+            }
+            if self.unselectable.contains_key(&worker) {
+                continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);
             let busy = match (self.config.busy_threshold, self.capacities.get(&worker)) {
@@ -530,6 +555,48 @@ mod tests {
             assert_ne!(selected(r.route(prompt(&a), None, 0.0)).worker, w(2));
         }
         assert_eq!(r.free(RequestId(7), 0.0), LifecycleOutcome::UnknownRequest);
+    }
+
+    #[test]
+    fn an_unselectable_worker_keeps_its_cache_but_is_never_chosen_until_selectable_again() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=4).map(LocalHash).collect();
+        let stored: Vec<StoredBlock> = blocks
+            .iter()
+            .map(|&l| StoredBlock {
+                engine_hash: EngineHash(l.0),
+                local_hash: l,
+            })
+            .collect();
+        r.apply_kv_event(
+            w(2),
+            &IndexEvent::Stored {
+                parent: None,
+                blocks: stored,
+            },
+        );
+        r.set_selectable(w(2), false);
+        assert!(!r.is_selectable(w(2)));
+        for _ in 0..10 {
+            assert_ne!(selected(r.route(prompt(&blocks), None, 0.0)).worker, w(2));
+        }
+        assert_eq!(
+            r.route(prompt(&blocks), Some(&[w(2)]), 0.0),
+            SelectOutcome::NoWorkers
+        );
+        r.set_selectable(w(2), true);
+        assert_eq!(
+            selected(r.route(prompt(&blocks), None, 0.0)),
+            Decision {
+                worker: w(2),
+                overlap_blocks: 4
+            }
+        );
+        // Unknown workers are not remembered.
+        r.set_selectable(w(9), false);
+        assert!(!r.is_selectable(w(9)));
+        r.add_worker(w(9), WorkerCapacity::default());
+        assert!(r.is_selectable(w(9)));
     }
 
     #[test]

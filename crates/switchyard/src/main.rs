@@ -34,7 +34,7 @@ enum Command {
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
     Loadgen(switchyard::loadgen::LoadgenArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
-    Serve(switchyard::server::ServeArgs),
+    Serve(Box<switchyard::server::ServeArgs>),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
     SimWorker(sim_worker::SimWorkerArgs),
 }
@@ -47,7 +47,7 @@ fn main() -> ExitCode {
         Command::Events(cmd) => switchyard::events::run(cmd),
         Command::Demo(args) => switchyard::demo::run(args),
         Command::Loadgen(args) => switchyard::loadgen::run(args),
-        Command::Serve(args) => switchyard::server::run(args),
+        Command::Serve(args) => switchyard::server::run(*args),
         Command::SimWorker(args) => sim_worker::run(args),
     };
     match result {

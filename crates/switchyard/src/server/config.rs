@@ -6,6 +6,7 @@ use crate::replica::ReplicaConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
+use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
 
 /// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]`
@@ -185,8 +186,14 @@ pub struct ServerConfig {
     pub health_failures: u32,
     /// Connect timeout to a worker, in milliseconds.
     pub connect_timeout_ms: u64,
-    /// How long shutdown waits for in-flight streams, in milliseconds.
+    /// How long shutdown waits for in-flight streams before cancelling
+    /// them, in milliseconds (`--shutdown-timeout-ms`).
     pub shutdown_grace_ms: u64,
+    /// Passive failure detection: each worker's circuit breaker.
+    pub circuit: CircuitConfig,
+    /// OpenAI requests the router holds at once (queued, waiting or
+    /// streaming); beyond it, 503 with `Retry-After`.
+    pub max_inflight: usize,
     /// Logs as JSON lines.
     pub log_json: bool,
     /// Tokenizer directory (default: the bundled Qwen3 tokenizer).
@@ -232,6 +239,11 @@ impl Default for ServerConfig {
             health_failures: 2,
             connect_timeout_ms: 1000,
             shutdown_grace_ms: 30_000,
+            circuit: CircuitConfig::default(),
+            // The default admission queue (4096) full, plus as many
+            // dispatched responses. Worst-case body memory is
+            // max_inflight × max_body_bytes; real prompts are kilobytes.
+            max_inflight: 8192,
             log_json: false,
             tokenizer_dir: None,
             seed: 0,
@@ -320,6 +332,12 @@ impl ServerConfig {
         if self.max_response_bytes == 0 {
             return invalid("max_response_bytes must be positive".into());
         }
+        if self.max_inflight == 0 {
+            return invalid("max_inflight must be positive".into());
+        }
+        self.circuit
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.policies
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -441,6 +459,25 @@ mod tests {
             ..ServerConfig::default()
         };
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn overload_and_circuit_settings_are_validated() {
+        let zero_inflight = ServerConfig {
+            max_inflight: 0,
+            ..ServerConfig::default()
+        };
+        assert!(zero_inflight.validate().is_err());
+        let config = ServerConfig::from_toml(
+            "max_inflight = 64\nshutdown_grace_ms = 500\n[circuit]\nfailure_threshold = 5\ncooldown_ms = 100\nmax_cooldown_ms = 1000\n",
+        )
+        .unwrap();
+        assert_eq!(config.max_inflight, 64);
+        assert_eq!(config.circuit.failure_threshold, 5);
+        assert!(ServerConfig::from_toml("[circuit]\nfailure_threshold = 0\n").is_err());
+        assert!(
+            ServerConfig::from_toml("[circuit]\ncooldown_ms = 10\nmax_cooldown_ms = 1\n").is_err()
+        );
     }
 
     #[test]

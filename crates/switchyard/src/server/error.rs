@@ -88,6 +88,30 @@ impl ApiError {
         }
     }
 
+    /// 503: the router already holds `limit` requests (`--max-inflight`).
+    pub fn overloaded(limit: u64) -> Self {
+        Self {
+            retry_after_secs: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                format!("the router is at its limit of {limit} requests in flight; retry later"),
+            )
+        }
+    }
+
+    /// 503: the router is shutting down.
+    pub fn shutting_down() -> Self {
+        Self {
+            retry_after_secs: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "the router is shutting down; retry on another replica",
+            )
+        }
+    }
+
     /// 502: the chosen worker failed before answering.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_GATEWAY, "upstream_error", message)

@@ -70,7 +70,8 @@ pub enum RequestStatus {
     WorkerError,
     /// Refused by the router: bad input, bad key, unknown model (4xx).
     Invalid,
-    /// Admission queue full (429).
+    /// Refused for overload: admission queue full (429) or the in-flight
+    /// limit reached (503).
     Rejected,
     /// No worker could take it, or the worker failed (502/503).
     Unavailable,
@@ -155,6 +156,14 @@ pub struct ServerMetrics {
     pub migrations_exhausted: AtomicU64,
     /// Requests cancelled by the request timeout.
     pub request_timeouts: AtomicU64,
+    /// KV events from a subscriber whose worker left the router since.
+    pub stale_kv_events: AtomicU64,
+    /// `POST /v1/...` requests holding an in-flight permit.
+    pub inflight: AtomicU64,
+    /// The in-flight limit (`--max-inflight`).
+    pub inflight_limit: AtomicU64,
+    /// Requests refused at the in-flight limit (503).
+    pub inflight_rejected: AtomicU64,
 }
 
 impl ServerMetrics {
@@ -237,7 +246,7 @@ impl ServerMetrics {
         );
         let _ = writeln!(
             out,
-            "# HELP switchyard_upstream_failures_total Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream).\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
+            "# HELP switchyard_upstream_failures_total Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream), each reported to the worker's circuit breaker.\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
             self.upstream_failures.load(Ordering::Relaxed)
         );
         let _ = writeln!(
@@ -263,6 +272,26 @@ impl ServerMetrics {
             out,
             "# HELP switchyard_request_timeouts_total Requests cancelled by the request timeout.\n# TYPE switchyard_request_timeouts_total counter\nswitchyard_request_timeouts_total {}",
             self.request_timeouts.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_kv_events_stale_total KV events dropped because their worker left the router after the subscriber started.\n# TYPE switchyard_kv_events_stale_total counter\nswitchyard_kv_events_stale_total {}",
+            self.stale_kv_events.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_requests OpenAI requests in the router (queued, waiting or streaming).\n# TYPE switchyard_inflight_requests gauge\nswitchyard_inflight_requests {}",
+            self.inflight.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_limit The in-flight limit (--max-inflight).\n# TYPE switchyard_inflight_limit gauge\nswitchyard_inflight_limit {}",
+            self.inflight_limit.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP switchyard_inflight_rejected_total Requests refused with 503 at the in-flight limit.\n# TYPE switchyard_inflight_rejected_total counter\nswitchyard_inflight_rejected_total {}",
+            self.inflight_rejected.load(Ordering::Relaxed)
         );
     }
 }

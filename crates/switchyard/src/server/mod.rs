@@ -13,9 +13,14 @@
 //!   broken stream on another worker.
 //! - [`migration`] and [`sse`] — the pure parts of migration: the decision,
 //!   progress, the resume request; the SSE parser and chunk rewriter.
-//! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
 //! - [`replica`] — replica sync (`--replica-sync`): local mutations out to
 //!   peers, peers' bookings into the core.
+//! - [`health`] — per-worker circuit breakers (passive failure detection);
+//!   active health checks live in [`workers`].
+//! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
+//!   cancellation of what is still in flight at the shutdown deadline.
+//! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
 //! book) → upstream POST → first event (else: free, exclude, retry
@@ -24,11 +29,14 @@
 
 pub mod config;
 pub mod error;
+pub mod health;
+pub mod inflight;
 pub mod metrics;
 pub mod migration;
 pub mod proxy;
 pub mod replica;
 pub mod sse;
+pub mod standalone;
 pub mod state;
 pub mod stream;
 pub mod tokenize;
@@ -99,6 +107,27 @@ pub struct ServeArgs {
     /// Consecutive failed checks that take a worker out [default: 2].
     #[arg(long, env = "SWITCHYARD_HEALTH_FAILURES")]
     pub health_failures: Option<u32>,
+    /// Consecutive request failures that open a worker's circuit [default: 3].
+    #[arg(long, env = "SWITCHYARD_CIRCUIT_FAILURES")]
+    pub circuit_failures: Option<u32>,
+    /// First cooldown of an open circuit, in ms; doubles per failed probe [default: 5000].
+    #[arg(long, env = "SWITCHYARD_CIRCUIT_COOLDOWN_MS")]
+    pub circuit_cooldown_ms: Option<u64>,
+    /// Longest cooldown of an open circuit, in ms [default: 60000].
+    #[arg(long, env = "SWITCHYARD_CIRCUIT_MAX_COOLDOWN_MS")]
+    pub circuit_max_cooldown_ms: Option<u64>,
+    /// OpenAI requests in the router at once (queued, waiting or streaming);
+    /// beyond it, 503 with Retry-After [default: 8192].
+    #[arg(long, env = "SWITCHYARD_MAX_INFLIGHT")]
+    pub max_inflight: Option<usize>,
+    /// On SIGTERM/Ctrl-C, how long in-flight requests may finish before
+    /// they are cancelled, in ms [default: 30000].
+    #[arg(
+        long,
+        visible_alias = "shutdown-timeout",
+        env = "SWITCHYARD_SHUTDOWN_TIMEOUT_MS"
+    )]
+    pub shutdown_timeout_ms: Option<u64>,
     /// Log JSON lines.
     #[arg(long, env = "SWITCHYARD_LOG_JSON")]
     pub log_json: bool,
@@ -147,13 +176,27 @@ impl ServeArgs {
             health_failures,
             migration_limit,
             migration_max_seq_len,
-            max_response_bytes
+            max_response_bytes,
+            max_inflight
         );
         if let Some(secs) = self.first_token_timeout {
             c.first_token_timeout_secs = secs;
         }
         if let Some(secs) = self.request_timeout {
             c.request_timeout_secs = secs;
+        }
+        if let Some(ms) = self.shutdown_timeout_ms {
+            c.shutdown_grace_ms = ms;
+        }
+        if let Some(n) = self.circuit_failures {
+            c.circuit.failure_threshold = n;
+        }
+        if let Some(ms) = self.circuit_cooldown_ms {
+            c.circuit.cooldown_ms = ms;
+            c.circuit.max_cooldown_ms = c.circuit.max_cooldown_ms.max(ms);
+        }
+        if let Some(ms) = self.circuit_max_cooldown_ms {
+            c.circuit.max_cooldown_ms = ms;
         }
         if self.busy_threshold.is_some() {
             c.busy_threshold = self.busy_threshold;
@@ -239,20 +282,36 @@ pub struct RunningServer {
     background: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
     replica: Option<crate::replica::ReplicaPlane>,
+    inflight: Arc<inflight::Inflight>,
 }
 
 impl RunningServer {
-    /// Stops accepting, waits for in-flight responses (up to the grace
-    /// period), then stops the background tasks.
+    /// Stops accepting and lets in-flight requests finish for up to the
+    /// grace period (`--shutdown-timeout-ms`); then cancels the rest —
+    /// queued requests get a 503, streams a final SSE error event, and
+    /// their upstream requests and bookings are dropped — and waits a
+    /// little for those last bytes before stopping the background tasks.
     pub async fn shutdown(self) -> anyhow::Result<()> {
+        /// Time for cancelled responses to flush their last frame.
+        const FLUSH: Duration = Duration::from_secs(2);
         let _ = self.stop.send(true);
         let mut task = self.task;
         let result = match tokio::time::timeout(self.grace, &mut task).await {
             Ok(joined) => joined.context("server task")?.context("serving HTTP"),
             Err(_) => {
-                tracing::warn!("grace period over: dropping in-flight requests");
-                task.abort();
-                Ok(())
+                let cancelled = self.inflight.current();
+                tracing::warn!(
+                    cancelled,
+                    "shutdown deadline passed: cancelling in-flight requests"
+                );
+                self.inflight.cancel();
+                match tokio::time::timeout(FLUSH, &mut task).await {
+                    Ok(joined) => joined.context("server task")?.context("serving HTTP"),
+                    Err(_) => {
+                        task.abort();
+                        Ok(())
+                    }
+                }
             }
         };
         for t in self.background {
@@ -321,7 +380,9 @@ pub async fn start_with_tokenizer(
     let admission = AdmissionController::new(config.queue.clone(), strategy)
         .context("invalid admission settings")?;
     let metrics = Arc::new(metrics::ServerMetrics::default());
-    let shared = Arc::new(state::SharedRouter::new(router, admission, metrics));
+    let shared = Arc::new(state::SharedRouter::new(router, admission, metrics.clone()));
+    shared.set_circuit_config(config.circuit);
+    let inflight = inflight::Inflight::new(config.max_inflight, metrics);
     let replica_plane = match config.replica.enabled() {
         false => None,
         true => Some(
@@ -346,29 +407,17 @@ pub async fn start_with_tokenizer(
             .map_err(|e| anyhow::anyhow!("worker {}: {e}", spec.url))?;
     }
     fleet.check_all().await;
-    let state = Arc::new(proxy::AppState {
-        shared: shared.clone(),
-        fleet: fleet.clone(),
+    let router_id = replica_plane
+        .as_ref()
+        .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
+    let state = Arc::new(proxy::AppState::new(
+        &config,
+        shared.clone(),
+        fleet.clone(),
         client,
         tokenizer,
-        policy: config.policy.name(),
-        block_size: config.block_size,
-        hash_seed: switchyard_core::hashing::seed_for(None, None),
-        worker_header: config.worker_header,
-        api_keys: config.api_keys.clone(),
-        admin_token: config.admin_token.clone(),
-        max_body_bytes: config.max_body_bytes,
-        migration: migration::MigrationPolicy {
-            limit: config.migration_limit,
-            max_seq_len: config.migration_max_seq_len,
-        },
-        first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
-        request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
-        max_response_bytes: config.max_response_bytes,
-        router_id: replica_plane
-            .as_ref()
-            .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok()),
-    });
+        router_id,
+    ));
     let addr: SocketAddr = format!("{}:{}", config.host, config.port)
         .parse()
         .with_context(|| format!("bad host/port {}:{}", config.host, config.port))?;
@@ -377,7 +426,7 @@ pub async fn start_with_tokenizer(
         .with_context(|| format!("binding {addr}"))?;
     let addr = listener.local_addr()?;
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let app = proxy::app(state);
+    let app = inflight::layer(proxy::app(state), inflight.clone());
     let task = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
@@ -406,5 +455,6 @@ pub async fn start_with_tokenizer(
         background: vec![health, ticker],
         grace: Duration::from_millis(config.shutdown_grace_ms),
         replica: replica_plane,
+        inflight,
     })
 }

@@ -83,6 +83,41 @@ pub struct AppState {
     pub router_id: Option<HeaderValue>,
 }
 
+impl AppState {
+    /// The state of a router configured by `config` (already validated);
+    /// `router_id` is this replica's id while replica sync is on.
+    pub fn new(
+        config: &super::ServerConfig,
+        shared: Arc<SharedRouter>,
+        fleet: Arc<Fleet>,
+        client: UpstreamClient,
+        tokenizer: Arc<dyn PromptTokenizer>,
+        router_id: Option<HeaderValue>,
+    ) -> Self {
+        Self {
+            shared,
+            fleet,
+            client,
+            tokenizer,
+            policy: config.policy.name(),
+            block_size: config.block_size,
+            hash_seed: switchyard_core::hashing::seed_for(None, None),
+            worker_header: config.worker_header,
+            api_keys: config.api_keys.clone(),
+            admin_token: config.admin_token.clone(),
+            max_body_bytes: config.max_body_bytes,
+            migration: MigrationPolicy {
+                limit: config.migration_limit,
+                max_seq_len: config.migration_max_seq_len,
+            },
+            first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
+            request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
+            max_response_bytes: config.max_response_bytes,
+            router_id,
+        }
+    }
+}
+
 pub(super) type Shared = Arc<AppState>;
 
 /// The axum router for `state`.

@@ -17,17 +17,19 @@
 //! [`SharedRouter::with_core`] for anything else — such as applying replica
 //! events to the same `Router` — with the lock held for the closure only.
 
+use super::health::{self, WorkerCircuit};
 use super::metrics::{AdmissionDecision, ServerMetrics};
 use crate::events::subscriber::IndexSink;
 use rustc_hash::FxHashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use switchyard_core::admission::{
     AdmissionController, CancelOutcome, Placed, Placement, QueueClass, RequestFacts,
     ResponseTicket, SessionKey, SubmitOutcome,
 };
+use switchyard_core::health::{CircuitConfig, CircuitEvent, CircuitState};
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
@@ -54,6 +56,12 @@ pub struct WorkerInfo {
     pub failures: u32,
     /// What it can hold, from its `/get_server_info` (for busy thresholds).
     pub capacity: WorkerCapacity,
+    /// Passive failure detection; reset whenever the worker enters or
+    /// leaves the router.
+    pub circuit: WorkerCircuit,
+    /// Counts entries into the router: KV events from a subscriber started
+    /// for an earlier entry are stale and dropped.
+    pub events_epoch: u64,
 }
 
 /// Where a placed request goes, handed from the core to the waiting handler.
@@ -92,6 +100,8 @@ pub struct Core {
     pub admission: AdmissionController,
     /// The fleet, by id.
     pub workers: FxHashMap<WorkerId, WorkerInfo>,
+    /// Settings of every worker's circuit breaker.
+    pub circuit_config: CircuitConfig,
     waiting: FxHashMap<RequestId, Waiter>,
     placed: Vec<Placed>,
     /// Replica sync, when on: told of every local mutation, lock held.
@@ -121,6 +131,8 @@ impl Core {
             waiting,
             placed,
             replica,
+            workers,
+            circuit_config,
             ..
         } = self;
         admission.poll(now_ms, placed, |id, placement| {
@@ -146,6 +158,17 @@ impl Core {
                 let booked = router.book(id, request, decision, None, now_ms);
                 if let (Some(link), LifecycleOutcome::Applied) = (replica.as_ref(), booked) {
                     link.booked(id, &request, &decision);
+                }
+                // A half-open worker takes this one probe, then no more
+                // until its verdict: decided before the next placement.
+                if let Some(info) = workers.get_mut(&decision.worker) {
+                    health::step(
+                        router,
+                        info,
+                        CircuitEvent::Dispatched,
+                        circuit_config,
+                        now_ms,
+                    );
                 }
             }
             metrics
@@ -319,6 +342,7 @@ impl SharedRouter {
                 router,
                 admission,
                 workers: FxHashMap::default(),
+                circuit_config: CircuitConfig::default(),
                 waiting: FxHashMap::default(),
                 placed: Vec::new(),
                 replica: None,
@@ -379,6 +403,8 @@ impl SharedRouter {
                 draining: false,
                 failures: 0,
                 capacity: WorkerCapacity::default(),
+                circuit: WorkerCircuit::default(),
+                events_epoch: 0,
             },
         );
         Ok(id)
@@ -396,8 +422,15 @@ impl SharedRouter {
             return;
         }
         info.in_router = in_router;
+        // Entering or leaving the router starts the circuit afresh (a
+        // reset out of open or half-open counts as a close).
+        if info.circuit.breaker.state() != CircuitState::Closed {
+            info.circuit.transitions[CircuitState::Closed as usize] += 1;
+        }
+        info.circuit.breaker = Default::default();
         if in_router {
             info.failures = 0;
+            info.events_epoch += 1;
             let capacity = info.capacity;
             core.router.add_worker(id, capacity);
         } else {
@@ -411,6 +444,44 @@ impl SharedRouter {
                 .fetch_add(freed.len() as u64, Ordering::Relaxed);
         }
         core.poll(now, &self.metrics);
+    }
+
+    /// Sets every worker's circuit-breaker settings.
+    pub fn set_circuit_config(&self, config: CircuitConfig) {
+        self.lock().circuit_config = config;
+    }
+
+    /// Feeds one request outcome to `worker`'s circuit breaker.
+    pub fn circuit_event(&self, worker: WorkerId, event: CircuitEvent) {
+        let now = self.now_ms();
+        let mut core = self.lock();
+        health::circuit_event(&mut core, worker, event, now);
+        core.poll(now, &self.metrics);
+    }
+
+    /// The epoch a KV-event subscriber started now belongs to (`None` while
+    /// the worker is out of the router).
+    pub fn events_epoch(&self, id: WorkerId) -> Option<u64> {
+        let core = self.lock();
+        let info = core.workers.get(&id)?;
+        info.in_router.then_some(info.events_epoch)
+    }
+
+    /// Applies a KV event from the subscriber of `epoch`; a stale
+    /// subscriber's (the worker left the router since) is dropped and
+    /// counted. Returns whether it was applied.
+    pub fn apply_worker_event(&self, worker: WorkerId, epoch: u64, event: &IndexEvent) -> bool {
+        let mut core = self.lock();
+        let live = core
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.in_router && w.events_epoch == epoch);
+        if live {
+            core.router.apply_kv_event(worker, event);
+        } else {
+            self.metrics.stale_kv_events.fetch_add(1, Ordering::Relaxed);
+        }
+        live
     }
 
     /// Removes a worker entirely.
@@ -530,13 +601,19 @@ impl SharedRouter {
         if let Some(link) = &core.replica {
             link.count_expired(silent);
         }
+        health::poll_circuits(&mut core, now);
         core.poll(now, &self.metrics);
     }
 
     /// When `tick` is next due (ms on [`Self::now_ms`]'s clock), if sooner
     /// than the regular expiry sweep.
     pub fn next_wakeup_ms(&self) -> Option<f64> {
-        self.lock().admission.next_wakeup_ms()
+        let core = self.lock();
+        let admission = core.admission.next_wakeup_ms();
+        match (admission, health::next_cooldown_end(&core)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Appends the per-worker gauges, index size and queue depth.
@@ -611,6 +688,8 @@ impl SharedRouter {
                 u8::from(up)
             );
         }
+        let mut infos: Vec<&WorkerInfo> = core.workers.values().collect();
+        health::render(&mut infos, out);
         gauge(
             out,
             "switchyard_active_requests",
@@ -706,6 +785,8 @@ impl WaitHandle {
                 url,
                 ticket: Some(ticket),
                 prefill_marked: false,
+                verdict: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
                 completed: false,
                 context_tokens: 0,
                 overlap_blocks: decision.overlap_blocks,
@@ -751,6 +832,11 @@ pub struct Booking {
     pub url: Arc<str>,
     ticket: Option<ResponseTicket>,
     prefill_marked: bool,
+    /// A success or failure reached the worker's circuit breaker.
+    verdict: AtomicBool,
+    /// A failure did (counted once per request). Atomics only so that
+    /// `worker_failed` takes `&self`.
+    failed: AtomicBool,
     completed: bool,
     context_tokens: u64,
     /// Blocks the router predicted cached.
@@ -780,6 +866,9 @@ impl Booking {
         {
             link.prefill_completed(self.id, self.worker);
         }
+        if !self.verdict.swap(true, Ordering::Relaxed) {
+            health::circuit_event(&mut core, self.worker, CircuitEvent::Success, now);
+        }
         core.poll(now, &self.shared.metrics);
     }
 
@@ -797,15 +886,22 @@ impl Booking {
         self.context_tokens = context_tokens;
     }
 
-    /// The worker failed this request (refused, reset, 5xx, timeout, broken
-    /// stream): take it out of selection now (health checks put it back).
-    /// The proxy calls it before migrating the request elsewhere.
+    /// The worker failed this request (connect refused, reset, 5xx,
+    /// first-token timeout, broken stream): one failure for its circuit
+    /// breaker, which takes it out of selection after `failure_threshold`
+    /// in a row. Counted once per request however often it is called (and
+    /// not at all after the first token, which counted as a success).
     pub fn worker_failed(&self) {
         self.shared
             .metrics
             .upstream_failures
             .fetch_add(1, Ordering::Relaxed);
-        self.shared.set_in_router(self.worker, false);
+        if self.failed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        self.verdict.store(true, Ordering::Relaxed);
+        self.shared
+            .circuit_event(self.worker, CircuitEvent::Failure);
     }
 }
 
@@ -813,6 +909,10 @@ impl Drop for Booking {
     fn drop(&mut self) {
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
+        if !self.verdict.load(Ordering::Relaxed) {
+            // Frees a half-open worker's probe slot.
+            health::circuit_event(&mut core, self.worker, CircuitEvent::Released, now);
+        }
         core.release(
             self.id,
             self.ticket.take(),

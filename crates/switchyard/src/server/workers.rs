@@ -3,16 +3,21 @@
 //!
 //! A worker enters selection after its first good `GET /health` (its
 //! `/v1/models` is read then), leaves it after `health_failures`
-//! consecutive bad checks or one failure reported by the proxy
-//! (`Booking::worker_failed`: refused, reset, 5xx, timeout, broken
-//! stream), and is put back when checks pass again. Leaving selection drops its index and
-//! active-sequence entries (`Router::remove_worker`). A draining worker
-//! takes no new requests and is removed once it has none in flight.
+//! consecutive bad checks (declared dead), and is put back when checks pass
+//! again — a worker restarted on the same URL included. Leaving selection
+//! drops its index and active-sequence entries (`Router::remove_worker`)
+//! and stops its KV-event subscriber; entering starts a fresh one, whose
+//! first contact clears the worker's entries and rebuilds them (from the
+//! replay socket when there is one). Events a stopped subscriber still
+//! delivers are dropped by epoch ([`WorkerEventSink`]). Request failures
+//! (refused, reset, 5xx, timeout, broken stream) feed the passive circuit breakers instead ([`super::health`]). A
+//! draining worker takes no new requests and is removed once it has none
+//! in flight.
 
 use super::config::WorkerSpec;
 use super::state::SharedRouter;
 use crate::events::metrics::KvEventMetrics;
-use crate::events::subscriber::{KvEventSubscriber, SubscriberConfig};
+use crate::events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -20,6 +25,7 @@ use hyper_util::client::legacy::Client;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 
@@ -43,6 +49,9 @@ pub struct Fleet {
     client: UpstreamClient,
     zmq: zmq::Context,
     subscribers: Mutex<HashMap<WorkerId, KvEventSubscriber>>,
+    /// Subscriber settings of workers with KV events, started while the
+    /// worker is in the router.
+    event_configs: Mutex<HashMap<WorkerId, SubscriberConfig>>,
     /// KV-event counters per worker.
     pub kv_metrics: KvEventMetrics,
     uses_events: bool,
@@ -72,6 +81,7 @@ impl Fleet {
             client,
             zmq: zmq::Context::new(),
             subscribers: Mutex::new(HashMap::new()),
+            event_configs: Mutex::new(HashMap::new()),
             kv_metrics: KvEventMetrics::new(),
             uses_events,
             block_size,
@@ -80,8 +90,8 @@ impl Fleet {
         }
     }
 
-    /// Registers a worker and starts its KV-event subscriber; it enters
-    /// selection at its first good health check.
+    /// Registers a worker; it enters selection (and its KV-event
+    /// subscriber starts) at its first good health check.
     pub fn add(&self, spec: &WorkerSpec) -> Result<WorkerId, String> {
         spec.validate().map_err(|e| e.to_string())?;
         if spec.block_size.is_some_and(|b| b != self.block_size) {
@@ -96,22 +106,47 @@ impl Fleet {
         if let (Some(events), true) = (&spec.events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
             config.replay_endpoint = spec.replay.clone();
-            let sink: Arc<dyn crate::events::subscriber::IndexSink> = self.shared.clone();
-            match KvEventSubscriber::spawn(&self.zmq, config, sink, self.kv_metrics.worker(id)) {
-                Ok(sub) => {
-                    self.subscribers
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, sub);
-                }
-                Err(e) => {
-                    self.shared.remove_worker(id);
-                    return Err(format!("starting the KV-event subscriber: {e}"));
-                }
-            }
+            lock(&self.event_configs).insert(id, config);
         }
         tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
         Ok(id)
+    }
+
+    /// Puts a worker into the router and starts a fresh KV-event
+    /// subscriber for this entry.
+    fn enter(&self, id: WorkerId) {
+        self.shared.set_in_router(id, true);
+        let Some(epoch) = self.shared.events_epoch(id) else {
+            return;
+        };
+        let Some(config) = lock(&self.event_configs).get(&id).cloned() else {
+            return;
+        };
+        let sink: Arc<dyn IndexSink> = Arc::new(WorkerEventSink {
+            shared: self.shared.clone(),
+            worker: id,
+            epoch,
+        });
+        match KvEventSubscriber::spawn(&self.zmq, config, sink, self.kv_metrics.worker(id)) {
+            Ok(sub) => {
+                if let Some(old) = lock(&self.subscribers).insert(id, sub) {
+                    stop_off_thread(old);
+                }
+            }
+            Err(e) => {
+                tracing::error!(worker = %id, error = %e, "cannot start the KV-event subscriber: out of selection");
+                self.shared.set_in_router(id, false);
+            }
+        }
+    }
+
+    /// Takes a worker out of the router (index and bookings dropped) and
+    /// stops its subscriber.
+    fn leave(&self, id: WorkerId) {
+        self.shared.set_in_router(id, false);
+        if let Some(sub) = lock(&self.subscribers).remove(&id) {
+            stop_off_thread(sub);
+        }
     }
 
     /// Removes a worker now, or drains it first.
@@ -129,16 +164,9 @@ impl Fleet {
     }
 
     fn drop_worker(&self, id: WorkerId) {
+        self.leave(id);
+        lock(&self.event_configs).remove(&id);
         let removed = self.shared.remove_worker(id);
-        let sub = self
-            .subscribers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
-        if let Some(sub) = sub {
-            // Joining takes up to one poll interval: off the async threads.
-            std::thread::spawn(move || sub.shutdown());
-        }
         if let Some(info) = removed {
             tracing::info!(worker = %info.name, "worker removed");
         }
@@ -169,11 +197,11 @@ impl Fleet {
                 if let Some(capacity) = self.capacity_of(&info.url).await {
                     self.shared.set_capacity(info.id, capacity);
                 }
-                self.shared.set_in_router(info.id, true);
+                self.enter(info.id);
                 tracing::info!(worker = %info.name, "worker healthy: in selection");
             } else if !keep && info.in_router {
-                self.shared.set_in_router(info.id, false);
-                tracing::warn!(worker = %info.name, "worker failed its health checks: out of selection");
+                self.leave(info.id);
+                tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
             }
         }
     }
@@ -230,6 +258,31 @@ impl Fleet {
             .await
             .ok()?
     }
+}
+
+/// Applies one subscriber's events to the routing core while the entry it
+/// was started for lasts ([`SharedRouter::apply_worker_event`]).
+struct WorkerEventSink {
+    shared: Arc<SharedRouter>,
+    worker: WorkerId,
+    epoch: u64,
+}
+
+impl IndexSink for WorkerEventSink {
+    fn apply(&self, worker: WorkerId, event: &IndexEvent) {
+        debug_assert_eq!(worker, self.worker, "one sink per worker");
+        self.shared
+            .apply_worker_event(self.worker, self.epoch, event);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Joining takes up to one poll interval: off the async threads.
+fn stop_off_thread(sub: KvEventSubscriber) {
+    std::thread::spawn(move || sub.shutdown());
 }
 
 impl Drop for Fleet {

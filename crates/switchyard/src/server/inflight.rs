@@ -1,0 +1,232 @@
+//! Overload and shutdown for the OpenAI endpoints: a bounded in-flight
+//! count, and cancellation of whatever is still in flight when the
+//! shutdown deadline passes.
+//!
+//! A middleware in front of every `POST /v1/...` route takes a [`Permit`]
+//! before the body is read, or answers 503 with `Retry-After` and an
+//! OpenAI-style error when `max_inflight` requests are already in the
+//! router (queued, waiting for the worker or streaming). The permit lives
+//! in the response body ([`GuardedBody`]), so a streaming answer counts
+//! until its last byte. Together with the admission queue's own limit
+//! (429) this bounds the router's memory under any burst: each request
+//! holds at most its body (`max_body_bytes`) and its routing facts.
+//!
+//! [`Inflight::cancel`] (shutdown, after the grace period) makes every
+//! guarded request end now: a request still waiting for a worker gets a
+//! 503; a streaming response gets a final SSE `data: {"error": ...}` event
+//! and ends cleanly; any other body is cut. Ending drops the proxied body,
+//! which drops the upstream connection (the worker cancels the request)
+//! and frees the booking.
+
+use super::error::ApiError;
+use super::metrics::{RequestStatus, ServerMetrics};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+/// The in-flight limit and the shutdown switch, shared by every request.
+#[derive(Debug)]
+pub struct Inflight {
+    limit: u64,
+    metrics: Arc<ServerMetrics>,
+    cancel: CancellationToken,
+}
+
+impl Inflight {
+    /// A limit of `limit` concurrent requests (at least 1); the count and
+    /// the refusals are kept in `metrics`.
+    pub fn new(limit: usize, metrics: Arc<ServerMetrics>) -> Arc<Self> {
+        let limit = (limit as u64).max(1);
+        metrics.inflight_limit.store(limit, Ordering::Relaxed);
+        Arc::new(Self {
+            limit,
+            metrics,
+            cancel: CancellationToken::new(),
+        })
+    }
+
+    /// A permit, or `None` at the limit (counted).
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+        let taken = self
+            .metrics
+            .inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .is_ok();
+        if taken {
+            Some(Permit(self.clone()))
+        } else {
+            self.metrics
+                .inflight_rejected
+                .fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+
+    /// Requests holding a permit now.
+    pub fn current(&self) -> u64 {
+        self.metrics.inflight.load(Ordering::Acquire)
+    }
+
+    /// Ends every guarded request now and refuses new ones.
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Whether [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+}
+
+/// One request's place in the in-flight count; dropping it gives the place
+/// back.
+#[derive(Debug)]
+pub struct Permit(Arc<Inflight>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.metrics.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Wraps `app` so that `POST /v1/...` requests are counted, limited and
+/// cancellable (other routes — health, metrics, admin — never are, so an
+/// operator can see an overloaded router).
+pub fn layer(app: axum::Router, inflight: Arc<Inflight>) -> axum::Router {
+    app.layer(axum::middleware::from_fn_with_state(inflight, guard))
+}
+
+async fn guard(State(inflight): State<Arc<Inflight>>, request: Request, next: Next) -> Response {
+    if request.method() != Method::POST || !request.uri().path().starts_with("/v1/") {
+        return next.run(request).await;
+    }
+    let refuse = |error: ApiError| {
+        inflight.metrics.count_request(RequestStatus::Rejected);
+        error.into_response()
+    };
+    if inflight.is_cancelled() {
+        return refuse(ApiError::shutting_down());
+    }
+    let Some(permit) = inflight.try_acquire() else {
+        return refuse(ApiError::overloaded(inflight.limit));
+    };
+    let cancelled = inflight.cancel.clone().cancelled_owned();
+    tokio::select! {
+        response = next.run(request) => {
+            let sse = response
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            response.map(|inner| {
+                Body::new(GuardedBody {
+                    inner: Some(inner),
+                    cancelled: Box::pin(inflight.cancel.clone().cancelled_owned()),
+                    sse,
+                    _permit: permit,
+                })
+            })
+        }
+        () = cancelled => {
+            // The handler (and its place in the admission queue) is dropped.
+            inflight.metrics.count_request(RequestStatus::Cancelled);
+            ApiError::shutting_down().into_response()
+        }
+    }
+}
+
+/// A response body that holds its [`Permit`] to the end and ends early,
+/// cleanly, when the router shuts down.
+struct GuardedBody {
+    /// `None` once cancelled (the proxied body is dropped at once).
+    inner: Option<Body>,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    sse: bool,
+    _permit: Permit,
+}
+
+/// The last SSE event of a stream cut by shutdown.
+const SHUTDOWN_EVENT: &str = "data: {\"error\":{\"message\":\"the router is shutting down; the response was cut\",\"type\":\"service_unavailable\",\"param\":null,\"code\":503}}\n\n";
+
+impl HttpBody for GuardedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        if this.cancelled.as_mut().poll(cx).is_ready() {
+            this.inner = None;
+            return Poll::Ready(if this.sse {
+                Some(Ok(Frame::data(Bytes::from_static(
+                    SHUTDOWN_EVENT.as_bytes(),
+                ))))
+            } else {
+                Some(Err(axum::Error::new("the router is shutting down")))
+            });
+        }
+        Pin::new(inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(HttpBody::is_end_stream)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.inner {
+            // Cancellation may append an event to a stream.
+            Some(_) if self.sse => http_body::SizeHint::default(),
+            Some(inner) => inner.size_hint(),
+            None => http_body::SizeHint::with_exact(0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permits_are_bounded_counted_and_returned_on_drop() {
+        let metrics = Arc::new(ServerMetrics::default());
+        let inflight = Inflight::new(2, metrics.clone());
+        let a = inflight.try_acquire().expect("first");
+        let b = inflight.try_acquire().expect("second");
+        assert!(
+            inflight.try_acquire().is_none(),
+            "the third is over the limit"
+        );
+        assert_eq!(inflight.current(), 2);
+        assert_eq!(metrics.inflight_rejected.load(Ordering::Relaxed), 1);
+        drop(a);
+        assert_eq!(inflight.current(), 1);
+        let _c = inflight
+            .try_acquire()
+            .expect("a returned permit is reusable");
+        drop(b);
+        assert_eq!(inflight.current(), 1);
+    }
+
+    #[test]
+    fn a_limit_of_zero_still_admits_one() {
+        let inflight = Inflight::new(0, Arc::new(ServerMetrics::default()));
+        assert!(inflight.try_acquire().is_some());
+    }
+}

@@ -1,0 +1,62 @@
+//! The router's HTTP app with no workers, in-process: what the request-body
+//! property tests and the `http_body` fuzz target drive. Every request the
+//! app can parse ends in 503 (no worker); every other one in a 4xx. Nothing
+//! leaves the process (no worker, no KV events, no health checks).
+
+use super::proxy::{app, AppState};
+use super::state::SharedRouter;
+use super::tokenize::PromptTokenizer;
+use super::workers::{upstream_client, Fleet};
+use super::{build_router, metrics::ServerMetrics, ServerConfig};
+use std::sync::Arc;
+use std::time::Duration;
+use switchyard_core::admission::AdmissionController;
+
+/// The app of a default-configured router with no workers and a body limit
+/// of `max_body_bytes`. Call inside a tokio runtime.
+pub fn app_without_workers(
+    tokenizer: Arc<dyn PromptTokenizer>,
+    max_body_bytes: usize,
+) -> anyhow::Result<axum::Router> {
+    let config = ServerConfig {
+        max_body_bytes,
+        ..ServerConfig::default()
+    };
+    let admission = AdmissionController::new(config.queue.clone(), None)?;
+    let shared = Arc::new(SharedRouter::new(
+        build_router(&config)?,
+        admission,
+        Arc::new(ServerMetrics::default()),
+    ));
+    let client = upstream_client(Duration::from_millis(100));
+    let fleet = Arc::new(Fleet::new(
+        shared.clone(),
+        client.clone(),
+        false,
+        config.block_size,
+        config.health_failures,
+        Duration::from_millis(100),
+    ));
+    Ok(app(Arc::new(AppState::new(
+        &config, shared, fleet, client, tokenizer, None,
+    ))))
+}
+
+/// Checks one answer to a body the router cannot serve: 4xx, or 503 for a
+/// body that parsed, with `{"error": {"message", "type", "code"}}` whose
+/// code is the status. Returns why not.
+pub fn check_error_answer(status: u16, body: &[u8]) -> Result<(), String> {
+    if !((400..500).contains(&status) || status == 503) {
+        return Err(format!("status {status}"));
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| format!("a {status} answer that is not JSON: {e}"))?;
+    let error = &value["error"];
+    if !error["message"].is_string() || !error["type"].is_string() {
+        return Err(format!("not an OpenAI error object: {value}"));
+    }
+    if error["code"] != status {
+        return Err(format!("code differs from the status {status}: {value}"));
+    }
+    Ok(())
+}

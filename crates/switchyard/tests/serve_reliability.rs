@@ -1,0 +1,512 @@
+//! Worker failures, overload and shutdown, with real router and sim-worker
+//! processes over loopback. Every wait polls with a generous timeout: a
+//! slow machine makes these tests slower, never red.
+
+mod common;
+
+use common::{eventually, metric, spawn, Proc};
+use futures_util::StreamExt;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A sim-worker on `port`; with `events = Some((pub_port, replay_port))`
+/// it publishes KV events and serves replay on those ports.
+fn sim_worker_on(port: u16, speedup: &str, events: Option<(u16, u16)>) -> Proc {
+    let port = port.to_string();
+    let mut args = vec![
+        "sim-worker".to_owned(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port,
+        "--speedup".into(),
+        speedup.into(),
+        "--num-blocks".into(),
+        "1024".into(),
+    ];
+    if let Some((pub_port, replay_port)) = events {
+        args.extend([
+            "--kv-events".into(),
+            format!("tcp://127.0.0.1:{pub_port}"),
+            "--kv-replay".into(),
+            format!("tcp://127.0.0.1:{replay_port}"),
+        ]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    spawn(&refs)
+}
+
+/// The router with exactly these arguments after `serve --host --port 0`.
+fn router_with(args: &[String]) -> Proc {
+    let mut all: Vec<String> = vec![
+        "serve".into(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        "0".into(),
+    ];
+    all.extend(args.iter().cloned());
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    spawn(&refs)
+}
+
+async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    match client.get(format!("{base}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Polls `base`'s /metrics until `check` holds; panics with the last text.
+async fn wait_metrics(
+    client: &reqwest::Client,
+    base: &str,
+    what: &str,
+    check: impl Fn(&str) -> bool,
+) {
+    let check = &check;
+    let ok = eventually(Duration::from_secs(30), || async move {
+        check(&metrics_text(client, base).await)
+    })
+    .await;
+    assert!(ok, "{what}:\n{}", metrics_text(client, base).await);
+}
+
+async fn complete(client: &reqwest::Client, base: &str, seed: u32) -> (u16, String) {
+    let prompt: Vec<u32> = (seed * 100..seed * 100 + 48).collect();
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .expect("the router answers");
+    let worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (response.status().as_u16(), worker)
+}
+
+/// An OpenAI-style error with `Retry-After`, as every overload answer is.
+async fn assert_retryable_error(response: reqwest::Response) -> u16 {
+    let status = response.status().as_u16();
+    assert!(
+        response.headers().get("retry-after").is_some(),
+        "a {status} without Retry-After"
+    );
+    let body: serde_json::Value = response.json().await.expect("a JSON error body");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_readmitted() {
+    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
+    let mut w0 = sim_worker_on(port, "1", Some((pub_port, replay_port)));
+    let spec = format!(
+        "{},name=w0,events=tcp://127.0.0.1:{pub_port},replay=tcp://127.0.0.1:{replay_port}",
+        w0.base
+    );
+    let router = router_with(&[
+        "--worker".into(),
+        spec,
+        "--health-interval-ms".into(),
+        "200".into(),
+    ]);
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+
+    // Served, and the worker's KV events fill the index.
+    served_and_indexed(&client, &base).await;
+
+    // A long stream keeps one booking active on w0 when it dies.
+    let stream = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 4000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = stream.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric(&text, "switchyard_worker_active_requests{worker=\"w0\"}"),
+        Some(1.0)
+    );
+
+    w0.kill();
+    // The stream ends (cut), it does not hang.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(Ok(_)) = body.next().await {}
+    })
+    .await
+    .expect("a stream from a dead worker ends");
+    wait_metrics(
+        &client,
+        &base,
+        "the dead worker is out of selection with no index entries or bookings",
+        |t| {
+            metric(t, "switchyard_worker_up{worker=\"w0\"}") == Some(0.0)
+                && metric(t, "switchyard_index_blocks") == Some(0.0)
+                && metric(t, "switchyard_worker_active_requests{worker=\"w0\"}") == Some(0.0)
+                && metric(t, "switchyard_active_requests") == Some(0.0)
+        },
+    )
+    .await;
+    // Nothing routes to it: no stale entry survives.
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(assert_retryable_error(response).await, 503);
+
+    // The same URL comes back: the health checks re-admit it, a fresh
+    // subscriber rebuilds its index, and it serves again.
+    let _w0 = sim_worker_on(port, "1", Some((pub_port, replay_port)));
+    wait_metrics(&client, &base, "the restarted worker is re-admitted", |t| {
+        metric(t, "switchyard_worker_up{worker=\"w0\"}") == Some(1.0)
+    })
+    .await;
+    served_and_indexed(&client, &base).await;
+}
+
+/// Sends requests (each storing new blocks) until the router has indexed
+/// some: a SUB socket misses what is published before it connects, and
+/// the first batch it does receive makes it replay the earlier ones.
+async fn served_and_indexed(client: &reqwest::Client, base: &str) {
+    for seed in 1..=300 {
+        assert_eq!(complete(client, base, seed).await, (200, "w0".to_owned()));
+        let text = metrics_text(client, base).await;
+        if metric(&text, "switchyard_index_blocks").unwrap_or(0.0) > 0.0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "the worker's blocks never reached the index:\n{}",
+        metrics_text(client, base).await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consecutive_failures_open_a_workers_circuit_and_a_probe_closes_it() {
+    let port = free_port();
+    let mut w0 = sim_worker_on(port, "0", None);
+    let w1 = sim_worker_on(free_port(), "0", None);
+    // Health checks are slow here: only the circuit breaker reacts.
+    let router = router_with(&[
+        "--worker".into(),
+        format!("{},name=w0", w0.base),
+        "--worker".into(),
+        format!("{},name=w1", w1.base),
+        "--policy".into(),
+        "round-robin".into(),
+        "--health-interval-ms".into(),
+        "600000".into(),
+        "--circuit-failures".into(),
+        "3".into(),
+        "--circuit-cooldown-ms".into(),
+        "300".into(),
+    ]);
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+    let mut served = std::collections::HashSet::new();
+    for i in 0..4 {
+        served.insert(complete(&client, &base, i).await.1);
+    }
+    assert_eq!(served.len(), 2, "both workers serve: {served:?}");
+
+    w0.kill();
+    // Round-robin keeps offering w0 until three failures open its circuit;
+    // each failed attempt migrates to w1, so the client sees only w1's 200s.
+    for i in 0..60 {
+        let (status, worker) = complete(&client, &base, 10 + i).await;
+        assert_eq!(
+            (status, worker.as_str()),
+            (200, "w1"),
+            "a request refused by the dead w0 moves to w1 transparently"
+        );
+        let text = metrics_text(&client, &base).await;
+        if metric(&text, "switchyard_circuit_state{worker=\"w0\"}") == Some(1.0) {
+            break;
+        }
+    }
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric(&text, "switchyard_circuit_state{worker=\"w0\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    let failures = metric(&text, "switchyard_upstream_failures_total").unwrap_or(0.0);
+    assert!(failures >= 3.0, "{failures} failures opened the circuit");
+    assert_eq!(
+        metric(&text, "switchyard_migrations_total{reason=\"connect\"}"),
+        Some(failures),
+        "every failure was a refused connection, migrated"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "switchyard_circuit_transitions_total{worker=\"w0\",to=\"open\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&text, "switchyard_circuit_state{worker=\"w1\"}"),
+        Some(0.0)
+    );
+    // The worker is still in the router (health checks have not run), but
+    // while its circuit is open or probing a dead worker, every request
+    // that succeeds is w1's; a probe of the dead w0 fails and re-opens.
+    for i in 0..6 {
+        let (status, worker) = complete(&client, &base, 100 + i).await;
+        assert!(
+            status == 200 && worker == "w1" || status == 502,
+            "{status} {worker}"
+        );
+    }
+
+    // w0 comes back on the same port: after a cooldown the half-open
+    // circuit lets one probe through, which succeeds and closes it.
+    let _w0 = sim_worker_on(port, "0", None);
+    let closed = eventually(Duration::from_secs(60), || {
+        let client = client.clone();
+        let base = base.clone();
+        async move {
+            let _ = complete(&client, &base, 200).await;
+            let text = metrics_text(&client, &base).await;
+            metric(&text, "switchyard_circuit_state{worker=\"w0\"}") == Some(0.0)
+        }
+    })
+    .await;
+    let text = metrics_text(&client, &base).await;
+    assert!(closed, "{text}");
+    assert!(
+        metric(
+            &text,
+            "switchyard_circuit_transitions_total{worker=\"w0\",to=\"half_open\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "switchyard_circuit_transitions_total{worker=\"w0\",to=\"closed\"}"
+        ),
+        Some(1.0)
+    );
+    let mut served = std::collections::HashSet::new();
+    for i in 0..4 {
+        let (status, worker) = complete(&client, &base, 300 + i).await;
+        assert_eq!(status, 200);
+        served.insert(worker);
+    }
+    assert_eq!(served.len(), 2, "w0 serves again: {served:?}");
+}
+
+/// Resident memory of a process, in KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resumes() {
+    let w0 = sim_worker_on(free_port(), "1", None);
+    let w1 = sim_worker_on(free_port(), "1", None);
+    let dir = std::env::temp_dir().join(format!("switchyard-overload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("router.toml");
+    // One request makes a worker busy and eight may wait in the queue: two
+    // dispatched plus eight queued is the in-flight limit of 10, so the
+    // in-flight limit (503) refuses most of the burst; a queue that fills
+    // while a slot is free refuses with 429.
+    std::fs::write(
+        &config,
+        "busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 8\nmax_uncached_tokens = 100000000\n",
+    )
+    .unwrap();
+    let router = router_with(&[
+        "--worker".into(),
+        format!("{},name=w0", w0.base),
+        "--worker".into(),
+        format!("{},name=w1", w1.base),
+        "--config".into(),
+        config.to_str().unwrap().into(),
+        "--max-inflight".into(),
+        "10".into(),
+    ]);
+    let base = router.base.clone();
+    let pid = router.child.id();
+    let baseline = rss_kib(pid).expect("the router's VmRSS");
+
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let sampler = {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut peak = 0;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_kib(pid).unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            peak
+        });
+        (stop, handle)
+    };
+    let burst: Vec<_> = (0..500u32)
+        .map(|i| {
+            let client = client.clone();
+            let url = format!("{base}/v1/completions");
+            tokio::spawn(async move {
+                let prompt: Vec<u32> = (i * 64..i * 64 + 64).collect();
+                let response = client
+                    .post(url)
+                    .json(&json!({"prompt": prompt, "max_tokens": 16}))
+                    .send()
+                    .await
+                    .expect("no request hangs or is dropped");
+                match response.status().as_u16() {
+                    200 => {
+                        response.bytes().await.expect("a whole answer");
+                        200
+                    }
+                    _ => assert_retryable_error(response).await,
+                }
+            })
+        })
+        .collect();
+    let mut counts = std::collections::BTreeMap::new();
+    for task in burst {
+        *counts.entry(task.await.unwrap()).or_insert(0u32) += 1;
+    }
+    sampler.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.1.join().unwrap();
+    eprintln!("burst outcomes {counts:?}; router VmRSS {baseline} KiB before, peak {peak} KiB");
+    assert!(
+        counts.keys().all(|s| [200, 429, 503].contains(s)),
+        "{counts:?}"
+    );
+    assert!(counts.get(&200).copied().unwrap_or(0) >= 1, "{counts:?}");
+    assert!(
+        counts.get(&429).copied().unwrap_or(0) + counts.get(&503).copied().unwrap_or(0) >= 100,
+        "a burst 50x over capacity is mostly refused: {counts:?}"
+    );
+    assert!(counts.get(&503).copied().unwrap_or(0) >= 1, "{counts:?}");
+    assert!(
+        peak < baseline + 256 * 1024,
+        "the router's memory stays bounded: {baseline} KiB → {peak} KiB"
+    );
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric(&text, "switchyard_inflight_rejected_total"),
+        Some(f64::from(counts.get(&503).copied().unwrap_or(0))),
+        "every 503 is an in-flight refusal"
+    );
+
+    // After the burst: nothing is left in flight and service is normal.
+    wait_metrics(&client, &base, "every gauge returns to zero", |t| {
+        metric(t, "switchyard_inflight_requests") == Some(0.0)
+            && metric(t, "switchyard_active_requests") == Some(0.0)
+            && metric(t, "switchyard_queue_depth") == Some(0.0)
+    })
+    .await;
+    assert_eq!(complete(&client, &base, 9999).await.0, 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sigterm_a_stream_past_the_shutdown_timeout_ends_with_an_error_event_and_the_worker_is_freed(
+) {
+    let w0 = sim_worker_on(free_port(), "1", None);
+    let mut router = router_with(&[
+        "--worker".into(),
+        format!("{},name=w0", w0.base),
+        "--shutdown-timeout-ms".into(),
+        "1000".into(),
+    ]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 4000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut text = String::from_utf8_lossy(&body.next().await.unwrap().unwrap()).into_owned();
+    wait_metrics(&client, &w0.base, "the worker runs the request", |t| {
+        metric(t, "switchyard_engine_running") == Some(1.0)
+    })
+    .await;
+
+    let signalled = Instant::now();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &router.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(chunk) = body.next().await {
+            match chunk {
+                Ok(c) => text.push_str(&String::from_utf8_lossy(&c)),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .expect("the stream ends after the shutdown timeout, it does not hang");
+    let elapsed = signalled.elapsed();
+    assert!(ended.is_ok(), "the stream ends cleanly: {ended:?}");
+    let last = text.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("data: {\"error\"") && last.contains("shutting down"),
+        "the last event says why the stream ended: {last}"
+    );
+    assert!(
+        !text.contains("[DONE]"),
+        "the stream was cut, not completed"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(900),
+        "in-flight work had its grace period: {elapsed:?}"
+    );
+    // The upstream request is cancelled and the router exits.
+    wait_metrics(
+        &client,
+        &w0.base,
+        "the worker's running count returns to zero",
+        |t| metric(t, "switchyard_engine_running") == Some(0.0),
+    )
+    .await;
+    let exited = eventually(Duration::from_secs(30), || {
+        let done = router.child.try_wait().unwrap().is_some();
+        async move { done }
+    })
+    .await;
+    assert!(exited, "the router exits after the shutdown");
+}
