@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::select::PolicyKind;
 use switchyard_sim::fleet::{simulate, FleetConfig};
+use switchyard_sim::replicas::ReplicasConfig;
 use switchyard_sim::workload::{self, SessionStream, SyntheticConfig, WorkloadLimits};
 
 fn root() -> PathBuf {
@@ -68,14 +69,22 @@ fn small_fleet(policy: PolicyKind, seed: u64, session_aware: bool) -> FleetConfi
 
 fn run_all() -> BTreeMap<String, serde_json::Value> {
     let mut out = BTreeMap::new();
-    let mut record = |name: String, fleet: FleetConfig, workload: SessionStream| {
+    let mut record = |name: String, mut fleet: FleetConfig, workload: SessionStream| {
+        fleet.replicas = ReplicasConfig {
+            count: 1,
+            ..ReplicasConfig::default()
+        };
         let outcome = simulate(&fleet, workload, |_| {}).expect("simulates");
         out.insert(
             name,
             serde_json::to_value(&outcome.report).expect("serializes"),
         );
     };
-    for policy in [PolicyKind::Kv, PolicyKind::RoundRobin, PolicyKind::CacheAware] {
+    for policy in [
+        PolicyKind::Kv,
+        PolicyKind::RoundRobin,
+        PolicyKind::CacheAware,
+    ] {
         record(
             format!("mooncake-300/{}", policy.name()),
             replay_fleet(policy, 0),
@@ -116,7 +125,10 @@ fn one_replica_reproduces_the_single_router_simulator() {
     for (name, figures) in &figures {
         let line = serde_json::to_string(figures).expect("serializes");
         let expected = golden_entry(&golden, name);
-        assert_eq!(line, expected, "{name} differs from the single-router figures");
+        assert_eq!(
+            line, expected,
+            "{name} differs from the single-router figures"
+        );
     }
     assert_eq!(golden.matches("\"completed\"").count(), figures.len());
 }
