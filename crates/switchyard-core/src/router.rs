@@ -603,6 +603,34 @@ mod tests {
     }
 
     #[test]
+    fn memory_accounts_for_bookings_and_sums_its_parts() {
+        let mut r = router(RouterConfig::default());
+        let empty = r.memory();
+        let blocks: Vec<LocalHash> = (1..=64).map(LocalHash).collect();
+        for id in 0..100u128 {
+            let d = selected(r.route(prompt(&blocks), None, 0.0));
+            r.book(RequestId(id), prompt(&blocks), d, Some(5.0), 0.0);
+        }
+        let busy = r.memory();
+        assert!(busy.sequences.requests >= 100 * 64 * 8, "{busy:?}");
+        assert!(busy.sequences.expiry_queue > empty.sequences.expiry_queue);
+        assert!(busy.sequences.prefill > 0 && busy.sequences.registry > 0);
+        assert_eq!(
+            busy.total(),
+            busy.index.total()
+                + busy.approx_extra
+                + busy.sequences.total()
+                + busy.remote
+                + busy.other
+        );
+        for id in 0..100u128 {
+            r.free(RequestId(id), 1.0);
+        }
+        // Freed bookings give their block lists back.
+        assert!(r.memory().sequences.requests < busy.sequences.requests);
+    }
+
+    #[test]
     fn bad_settings_are_refused() {
         let bad = RouterConfig {
             busy_threshold: Some(0.0),

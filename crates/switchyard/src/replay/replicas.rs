@@ -176,7 +176,7 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
             )
         })
         .collect();
-    let outcomes = run_all(args, source, fleets.clone(), Some(requests))?;
+    let outcomes = run_all(args, source, fleets, Some(requests))?;
     let runs: Vec<ReplicaRun> = keys
         .into_iter()
         .zip(outcomes)
