@@ -420,7 +420,10 @@ impl Router {
             CacheIndex::Exact(index) => (index.memory(), 0),
             CacheIndex::Approximate(approx) => {
                 let index = approx.index().memory();
-                (index, approx.estimated_bytes().saturating_sub(index.total()))
+                (
+                    index,
+                    approx.estimated_bytes().saturating_sub(index.total()),
+                )
             }
         };
         RouterMemory {

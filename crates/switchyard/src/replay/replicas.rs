@@ -220,15 +220,7 @@ fn print_table(report: &ReplicaReport) {
     println!("{} requests per simulation", report.requests);
     println!(
         "{:<14} {:>8} {:>8} {:>9} {:>9} {:>6} {:>6} {:>9} {:>7}",
-        "policy",
-        "replicas",
-        "sync",
-        "ttft p50",
-        "ttft p90",
-        "hit",
-        "cv",
-        "view err",
-        "excess"
+        "policy", "replicas", "sync", "ttft p50", "ttft p90", "hit", "cv", "view err", "excess"
     );
     for r in &report.runs {
         let sync = match r.sync_delay_ms {

@@ -10,8 +10,8 @@
 //! - [`plateau`] — the verdict: memory in the last quarter of the samples
 //!   within 5% of the second quarter. A failed verdict is a nonzero exit.
 
-pub mod routing;
 pub mod plateau;
+pub mod routing;
 pub mod server;
 
 use super::stats::write_json;
@@ -252,7 +252,14 @@ fn run_core_mode(
             plateau: plateau(&rss_series, PLATEAU_TOLERANCE),
         },
     ];
-    finish("core", verdicts, trace, trace_requests_per_sec, outcome, args)
+    finish(
+        "core",
+        verdicts,
+        trace,
+        trace_requests_per_sec,
+        outcome,
+        args,
+    )
 }
 
 fn run_server_mode(
@@ -314,7 +321,14 @@ fn run_server_mode(
         series: "router RSS",
         plateau: plateau(&rss, PLATEAU_TOLERANCE),
     }];
-    finish("server", verdicts, trace, trace_requests_per_sec, outcome, args)
+    finish(
+        "server",
+        verdicts,
+        trace,
+        trace_requests_per_sec,
+        outcome,
+        args,
+    )
 }
 
 fn finish<T: Serialize>(

@@ -372,7 +372,10 @@ mod tests {
         assert!(out.samples.iter().all(|s| s.core_bytes > 0
             && s.core_bytes == s.memory.total()
             && s.active_requests <= 16));
-        assert_eq!((out.refused, out.expired, out.index_unknown_parent), (0, 0, 0));
+        assert_eq!(
+            (out.refused, out.expired, out.index_unknown_parent),
+            (0, 0, 0)
+        );
     }
 
     #[test]

@@ -133,7 +133,10 @@ pub fn run_server(
 ) -> anyhow::Result<ServerSoakOutcome> {
     anyhow::ensure!(!records.is_empty(), "the trace has no records");
     anyhow::ensure!(config.workers > 0, "--server-workers must be at least 1");
-    anyhow::ensure!(config.round_requests > 0, "--round-requests must be at least 1");
+    anyhow::ensure!(
+        config.round_requests > 0,
+        "--round-requests must be at least 1"
+    );
     let fleet = start_fleet(&DemoArgs {
         workers: config.workers,
         requests: 0,
@@ -178,11 +181,13 @@ pub fn run_server(
         .enable_all()
         .build()?;
     let outcome = runtime.block_on(async {
-        let client = reqwest::Client::new();
+        let client = loadgen::client();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ready = client.get(format!("{base}/ready")).send().await;
-            if ready.is_ok_and(|r| r.status().is_success()) {
+            if loadgen::get_text(&client, &format!("{base}/ready"))
+                .await
+                .is_some()
+            {
                 break;
             }
             anyhow::ensure!(
@@ -203,14 +208,9 @@ pub fn run_server(
                 ticker.tick().await;
                 loop {
                     ticker.tick().await;
-                    let index_bytes = match client.get(format!("{base}/metrics")).send().await {
-                        Ok(r) => r
-                            .text()
-                            .await
-                            .ok()
-                            .and_then(|t| metric(&t, "switchyard_index_bytes")),
-                        Err(_) => None,
-                    };
+                    let index_bytes = loadgen::get_text(&client, &format!("{base}/metrics"))
+                        .await
+                        .and_then(|t| metric(&t, "switchyard_index_bytes"));
                     let sample = ServerSample {
                         seconds: started.elapsed().as_secs_f64(),
                         requests: done.load(std::sync::atomic::Ordering::Relaxed),
