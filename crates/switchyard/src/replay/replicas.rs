@@ -8,7 +8,8 @@
 //! throughout. The model (per-replica routing cores, the load balancer, what
 //! a delay means) is `switchyard_sim::replicas`.
 
-use super::{references, run_all, ReplayArgs, WorkloadSource};
+use super::{references, run_all, AdmissionChoice, ReplayArgs, WorkloadSource};
+use switchyard_core::admission::SessionAwareConfig;
 use crate::bench::stats::write_json;
 use serde::Serialize;
 use std::time::Instant;
@@ -95,6 +96,13 @@ fn variants(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<Vec<(Strin
         !args.sync_delay_ms.is_empty() || args.replica_sync == SyncChoice::Off,
         "--sync-delay-ms needs at least one value with sync on"
     );
+    let session_aware = match args.admission {
+        AdmissionChoice::None => false,
+        AdmissionChoice::SessionAware => true,
+        AdmissionChoice::Both => {
+            anyhow::bail!("--replicas takes --admission none or session-aware, not both")
+        }
+    };
     let policies = if args.policies.is_empty() {
         vec![PolicyKind::Kv]
     } else {
@@ -121,6 +129,7 @@ fn variants(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<Vec<(Strin
             for (sync, delay) in settings {
                 let mut f = fleet.clone();
                 f.router.policy = policy;
+                f.session_aware = session_aware.then(SessionAwareConfig::default);
                 f.replicas = ReplicasConfig {
                     count,
                     sync,
@@ -129,8 +138,9 @@ fn variants(args: &ReplayArgs, fleet: &FleetConfig) -> anyhow::Result<Vec<(Strin
                 };
                 f.replicas.validate()?;
                 let name = format!(
-                    "{} ×{count} {}",
+                    "{}{} ×{count} {}",
                     policy.name(),
+                    if session_aware { "+session" } else { "" },
                     sync_label(count, sync, delay)
                 );
                 out.push((name, f));
@@ -169,7 +179,11 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
         .iter()
         .map(|(_, f)| {
             (
-                f.router.policy.name().to_owned(),
+                format!(
+                    "{}{}",
+                    f.router.policy.name(),
+                    if f.session_aware.is_some() { "+session" } else { "" }
+                ),
                 f.replicas.count,
                 f.replicas.sync,
                 f.replicas.sync_delay_ms,
@@ -300,6 +314,11 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("at least 1"));
+        let both = parse(&["--replicas", "2", "--admission", "both"]);
+        assert!(variants(&both, &fleet)
+            .unwrap_err()
+            .to_string()
+            .contains("not both"));
         let negative = parse(&["--replicas", "2", "--sync-delay-ms=-1"]);
         assert!(variants(&negative, &fleet)
             .unwrap_err()
