@@ -232,6 +232,9 @@ struct Replica {
     routed: u64,
 }
 
+/// Simulated milliseconds between `Router::expire` sweeps.
+const EXPIRE_EVERY_MS: f64 = 1_000.0;
+
 /// Runs one simulation to completion.
 pub fn simulate(
     config: &FleetConfig,
@@ -277,6 +280,7 @@ struct Fleet {
     view_error_sum: f64,
     excess_sum: f64,
     decisions: u64,
+    next_expiry_ms: f64,
 }
 
 impl Fleet {
@@ -378,6 +382,7 @@ impl Fleet {
             view_error_sum: 0.0,
             excess_sum: 0.0,
             decisions: 0,
+            next_expiry_ms: EXPIRE_EVERY_MS,
         })
     }
 
@@ -413,6 +418,14 @@ impl Fleet {
         self.pull_next_session()?;
         while let Some(Scheduled { at, event, .. }) = self.heap.pop() {
             self.now = at.0;
+            if self.now >= self.next_expiry_ms {
+                // As the server's tick does: frees lost bookings and keeps
+                // the write model's expiry queue compacted.
+                for replica in &mut self.replicas {
+                    replica.router.expire(self.now);
+                }
+                self.next_expiry_ms = self.now + EXPIRE_EVERY_MS;
+            }
             match event {
                 Event::NextSession => {
                     if let Some(session) = self.lookahead.take() {
