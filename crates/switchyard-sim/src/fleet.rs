@@ -1252,7 +1252,10 @@ mod replica_tests {
     /// Everything a replica's selector reads from shared state: per-worker
     /// requests, decode blocks, prefill tokens now and active prompt blocks;
     /// the index's live pairs.
-    fn view(router: &Router, now_ms: f64) -> (Vec<(WorkerId, usize, usize, u64, usize)>, usize) {
+    /// Per worker: requests, decode blocks, prefill tokens, active prompt blocks.
+    type Loads = Vec<(WorkerId, usize, usize, u64, usize)>;
+
+    fn view(router: &Router, now_ms: f64) -> (Loads, usize) {
         let registry = router.sequences().registry();
         let loads = registry
             .loads()

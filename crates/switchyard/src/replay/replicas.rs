@@ -9,10 +9,10 @@
 //! a delay means) is `switchyard_sim::replicas`.
 
 use super::{references, run_all, AdmissionChoice, ReplayArgs, WorkloadSource};
-use switchyard_core::admission::SessionAwareConfig;
 use crate::bench::stats::write_json;
 use serde::Serialize;
 use std::time::Instant;
+use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::select::PolicyKind;
 use switchyard_sim::fleet::{FleetConfig, SimOutcome};
 use switchyard_sim::replicas::{Balance, ReplicaStats, ReplicasConfig};
@@ -182,7 +182,11 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
                 format!(
                     "{}{}",
                     f.router.policy.name(),
-                    if f.session_aware.is_some() { "+session" } else { "" }
+                    if f.session_aware.is_some() {
+                        "+session"
+                    } else {
+                        ""
+                    }
                 ),
                 f.replicas.count,
                 f.replicas.sync,
