@@ -24,7 +24,7 @@
 //!   after it subscribed, and its view converges to the truth as the peers'
 //!   older requests end (at most one request lifetime, or the expiry).
 
-use crate::maps::FxHashMap;
+use crate::maps::{map_bytes, FxHashMap};
 use crate::sequences::{ActiveSequences, LifecycleOutcome, SequenceEvent};
 use crate::types::{ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
@@ -291,6 +291,17 @@ impl RemoteBookings {
     /// Counters for metrics.
     pub fn counters(&self) -> RemoteCounters {
         self.counters
+    }
+
+    /// Heap bytes: the origin table, each origin's bookings and the owner map.
+    pub fn estimated_bytes(&self) -> usize {
+        map_bytes(&self.origins)
+            + self
+                .origins
+                .values()
+                .map(|o| map_bytes(&o.bookings))
+                .sum::<usize>()
+            + map_bytes(&self.owners)
     }
 
     fn forget(&mut self, id: RequestId) {

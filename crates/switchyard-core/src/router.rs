@@ -15,8 +15,8 @@
 //! [`crate::replica`]).
 
 use crate::index::{
-    ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, OverlapScores,
-    PrefixIndex,
+    ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, IndexMemory,
+    OverlapScores, PrefixIndex,
 };
 use crate::maps::FxHashMap;
 use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
@@ -26,7 +26,7 @@ use crate::select::{
 };
 use crate::sequences::{
     ActiveSequences, AddRequest, LifecycleOutcome, SequenceEvent, SequencesConfig,
-    SequencesConfigError,
+    SequencesConfigError, SequencesMemory,
 };
 use crate::types::{ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
@@ -123,6 +123,28 @@ pub struct WorkerCapacity {
     pub max_num_batched_tokens: Option<u64>,
     /// KV blocks on the device.
     pub kv_blocks: Option<u64>,
+}
+
+/// Heap bytes of a [`Router`] by part, from allocated capacities.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RouterMemory {
+    /// The cache index (exact, or the approximate index's tree).
+    pub index: IndexMemory,
+    /// The approximate index's expiry bookkeeping (0 in exact mode).
+    pub approx_extra: usize,
+    /// Active sequences, the read model included.
+    pub sequences: SequencesMemory,
+    /// Remote-booking bookkeeping.
+    pub remote: usize,
+    /// Worker capacities and the routing scratch buffers.
+    pub other: usize,
+}
+
+impl RouterMemory {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.index.total() + self.approx_extra + self.sequences.total() + self.remote + self.other
+    }
 }
 
 #[derive(Debug)]
@@ -415,6 +437,32 @@ impl Router {
         }
     }
 
+    /// Heap bytes by part: every map and queue the router owns (the
+    /// selector's private state aside). Visits every active request; call
+    /// it for reports, not per request.
+    pub fn memory(&self) -> RouterMemory {
+        let (index, approx_extra) = match &self.cache {
+            CacheIndex::Exact(index) => (index.memory(), 0),
+            CacheIndex::Approximate(approx) => {
+                let index = approx.index().memory();
+                (
+                    index,
+                    approx.estimated_bytes().saturating_sub(index.total()),
+                )
+            }
+        };
+        RouterMemory {
+            index,
+            approx_extra,
+            sequences: self.sequences.memory(),
+            remote: self.remote.estimated_bytes(),
+            other: crate::maps::map_bytes(&self.capacities)
+                + (self.overlaps.entries.capacity() + self.active.entries.capacity())
+                    * std::mem::size_of::<crate::index::WorkerOverlap>()
+                + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
+        }
+    }
+
     /// Estimate of heap bytes held by the index and the registry.
     pub fn estimated_bytes(&self) -> usize {
         let index = match &self.cache {
@@ -622,6 +670,34 @@ mod tests {
         // Past the TTL the prediction is gone.
         let later = selected(r.route(prompt(&a), None, 200_000.0));
         assert_eq!(later.overlap_blocks, 0);
+    }
+
+    #[test]
+    fn memory_accounts_for_bookings_and_sums_its_parts() {
+        let mut r = router(RouterConfig::default());
+        let empty = r.memory();
+        let blocks: Vec<LocalHash> = (1..=64).map(LocalHash).collect();
+        for id in 0..100u128 {
+            let d = selected(r.route(prompt(&blocks), None, 0.0));
+            r.book(RequestId(id), prompt(&blocks), d, Some(5.0), 0.0);
+        }
+        let busy = r.memory();
+        assert!(busy.sequences.requests >= 100 * 64 * 8, "{busy:?}");
+        assert!(busy.sequences.expiry_queue > empty.sequences.expiry_queue);
+        assert!(busy.sequences.prefill > 0 && busy.sequences.registry > 0);
+        assert_eq!(
+            busy.total(),
+            busy.index.total()
+                + busy.approx_extra
+                + busy.sequences.total()
+                + busy.remote
+                + busy.other
+        );
+        for id in 0..100u128 {
+            r.free(RequestId(id), 1.0);
+        }
+        // Freed bookings give their block lists back.
+        assert!(r.memory().sequences.requests < busy.sequences.requests);
     }
 
     #[test]

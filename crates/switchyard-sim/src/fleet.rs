@@ -3,23 +3,29 @@
 //!
 //! Events, each at a simulated instant (ties in scheduling order):
 //!
-//! - **arrival** — a turn of a session arrives; its prompt is expanded and
-//!   hashed exactly as the router would and submitted to the admission
-//!   controller (the policy queue, plus the session-aware strategy when
-//!   configured); each poll routes ready requests (`Router::route`), books
-//!   them (`book`) and hands them to the chosen engine; when every worker is
-//!   busy they wait until capacity frees or the periodic recheck;
+//! - **arrival** — a turn of a session arrives; a load balancer hands it to
+//!   one router replica (one, unless [`FleetConfig::replicas`] says more);
+//!   its prompt is expanded and hashed exactly as the router would and
+//!   submitted to that replica's admission controller (the policy queue,
+//!   plus the session-aware strategy when configured); each poll routes
+//!   ready requests (`Router::route`), books them (`book_request`) and hands
+//!   them to the chosen engine; when every worker is busy they wait until
+//!   capacity frees or the periodic recheck;
 //! - **step done** — an engine step launched earlier completes: its tokens
 //!   reach the clients (a first token marks the prefill done, a last one
-//!   frees the booking), its KV events leave for the router, and the engine
-//!   launches its next step;
-//! - **KV delivery** — KV events reach the router after `kv_event_delay_ms`,
-//!   as they would over the network.
+//!   frees the booking, both on the replica that routed the request), its KV
+//!   events leave for the routers, and the engine launches its next step;
+//! - **KV delivery** — KV events reach every replica after
+//!   `kv_event_delay_ms`, as they would over the network;
+//! - **replica sync** — a replica's booking, mark or free reaches its peers
+//!   `sync_delay_ms` after it happened, and they apply it as a remote
+//!   booking (see [`crate::replicas`]).
 //!
 //! A session's next turn arrives a think time after its previous turn ends.
 //! Nothing reads a clock and every random choice is seeded: a run is a pure
 //! function of its configuration and workload.
 
+use crate::replicas::{replica_seed, Balancer, ReplicaStats, ReplicasConfig};
 use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport};
 use crate::trace::TraceError;
 use crate::workload::{Session, SessionStream};
@@ -36,12 +42,13 @@ use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, StoredBlock};
 use switchyard_core::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
 use switchyard_core::select::{RoutingRequest, SelectOutcome};
-use switchyard_core::{LocalHash, RequestId, WorkerId};
+use switchyard_core::sequences::{AddRequest, SequenceEvent};
+use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_engine::{
     Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, SyncDevice,
 };
 
-/// One fleet and its router.
+/// One fleet and its router replicas.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FleetConfig {
@@ -49,9 +56,9 @@ pub struct FleetConfig {
     pub workers: usize,
     /// Every worker's engine.
     pub engine: EngineConfig,
-    /// The router (its block size is forced to the engine's).
+    /// Every replica's router (its block size is forced to the engine's).
     pub router: RouterConfig,
-    /// Delay from an engine emitting a KV event to the router applying it.
+    /// Delay from an engine emitting a KV event to the routers applying it.
     pub kv_event_delay_ms: f64,
     /// Give the router expected prefill durations from the timing model.
     pub prefill_hints: bool,
@@ -61,6 +68,8 @@ pub struct FleetConfig {
     pub admission: AdmissionConfig,
     /// Session-aware admission (multi-turn sessions); `None`: no strategy.
     pub session_aware: Option<SessionAwareConfig>,
+    /// Router replicas, their sync and the load balancer in front of them.
+    pub replicas: ReplicasConfig,
 }
 
 impl Default for FleetConfig {
@@ -74,6 +83,7 @@ impl Default for FleetConfig {
             timeline_bucket_ms: 10_000.0,
             admission: AdmissionConfig::default(),
             session_aware: None,
+            replicas: ReplicasConfig::default(),
         }
     }
 }
@@ -96,6 +106,9 @@ pub enum SimError {
     /// An admission setting is invalid.
     #[error("admission: {0}")]
     Admission(String),
+    /// A replica setting is invalid.
+    #[error("replicas: {0}")]
+    Replicas(#[from] crate::replicas::ReplicasConfigError),
 }
 
 /// What a simulation produced.
@@ -107,6 +120,8 @@ pub struct SimOutcome {
     pub timeline: LoadTimeline,
     /// Every TTFT sample (ms), sorted, for CDF plots.
     pub ttft_samples_ms: Vec<f64>,
+    /// What the router replicas did and what their views cost.
+    pub replicas: ReplicaStats,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -134,13 +149,15 @@ enum Event {
     Turn { session: u64, turn: usize },
     /// A worker's running step completes.
     StepDone { worker: usize },
-    /// KV events reach the router.
+    /// KV events reach the routers.
     KvDelivery {
         worker: usize,
         events: Vec<IndexEvent>,
     },
-    /// The admission controller's recheck or reconcile is due.
-    AdmissionTick,
+    /// A replica's admission recheck or reconcile is due.
+    AdmissionTick { replica: usize },
+    /// A replica's lifecycle event reaches its peers.
+    ReplicaSync { origin: usize, event: SequenceEvent },
 }
 
 struct Scheduled {
@@ -179,6 +196,7 @@ struct InFlight {
     first_token_ms: Option<f64>,
     last_token_ms: f64,
     worker: usize,
+    replica: usize,
     ticket: Option<ResponseTicket>,
 }
 
@@ -198,7 +216,24 @@ struct WorkerState {
     busy: bool,
     pending: StepReport,
     served_tokens: u64,
+    /// Requests booked on this worker by any replica (the truth the
+    /// replicas' views approximate).
+    booked: u64,
 }
+
+/// One router replica: a routing core and the admission in front of it, as
+/// one `switchyard serve` process holds them.
+struct Replica {
+    id: ReplicaId,
+    router: Router,
+    admission: AdmissionController,
+    placed: Vec<Placed>,
+    tick_at: Option<f64>,
+    routed: u64,
+}
+
+/// Simulated milliseconds between `Router::expire` sweeps.
+const EXPIRE_EVERY_MS: f64 = 1_000.0;
 
 /// Runs one simulation to completion.
 pub fn simulate(
@@ -206,12 +241,15 @@ pub fn simulate(
     workload: SessionStream,
     mut progress: impl FnMut(u64),
 ) -> Result<SimOutcome, SimError> {
-    Fleet::new(config, workload)?.run(&mut progress)
+    Fleet::new(config, workload)?.run(&mut progress, |_| {})
 }
 
 struct Fleet {
     config: FleetConfig,
-    router: Router,
+    replicas: Vec<Replica>,
+    balancer: Balancer,
+    /// The replica of each multi-turn session, with session-aware admission.
+    session_replica: FxHashMap<u64, usize>,
     workers: Vec<WorkerState>,
     by_worker_id: FxHashMap<WorkerId, usize>,
     heap: BinaryHeap<Scheduled>,
@@ -221,11 +259,9 @@ struct Fleet {
     lookahead: Option<Session>,
     sessions: FxHashMap<u64, Session>,
     in_flight: FxHashMap<RequestId, InFlight>,
-    admission: AdmissionController,
     payloads: FxHashMap<RequestId, Payload>,
-    placed: Vec<Placed>,
-    tick_at: Option<f64>,
     kv_scratch: Vec<KvEvent>,
+    outbox: Vec<SequenceEvent>,
     // Figures.
     ttft: Vec<f64>,
     itl: Vec<f64>,
@@ -241,6 +277,10 @@ struct Fleet {
     first_arrival: Option<f64>,
     last_completion: f64,
     timeline: LoadTimeline,
+    view_error_sum: f64,
+    excess_sum: f64,
+    decisions: u64,
+    next_expiry_ms: f64,
 }
 
 impl Fleet {
@@ -248,11 +288,12 @@ impl Fleet {
         if config.workers == 0 {
             return Err(SimError::NoWorkers);
         }
+        config.replicas.validate()?;
         let mut config = config.clone();
         config.router.sequences.block_size = config.engine.block_size as u32;
-        let mut router = Router::new(config.router)?;
         let mut workers = Vec::with_capacity(config.workers);
         let mut by_worker_id = FxHashMap::default();
+        let mut capacities = Vec::with_capacity(config.workers);
         for i in 0..config.workers {
             let id = WorkerId::new(i as u64);
             let engine = Engine::new(
@@ -260,13 +301,13 @@ impl Fleet {
                 SyncDevice::new(config.engine.timing.clone()),
             )
             .map_err(|e| SimError::Engine(e.to_string()))?;
-            router.add_worker(
+            capacities.push((
                 id,
                 WorkerCapacity {
                     max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64),
                     kv_blocks: Some(config.engine.num_blocks as u64),
                 },
-            );
+            ));
             by_worker_id.insert(id, i);
             workers.push(WorkerState {
                 id,
@@ -274,21 +315,44 @@ impl Fleet {
                 busy: false,
                 pending: StepReport::default(),
                 served_tokens: 0,
+                booked: 0,
+            });
+        }
+        let mut replicas = Vec::with_capacity(config.replicas.count);
+        for r in 0..config.replicas.count {
+            let mut router = Router::new(RouterConfig {
+                seed: replica_seed(config.router.seed, r),
+                ..config.router
+            })?;
+            let id = ReplicaId(r as u64 + 1);
+            router.set_replica_id(id);
+            for &(worker, capacity) in &capacities {
+                router.add_worker(worker, capacity);
+            }
+            let strategy = match config.session_aware {
+                Some(session) => Some(Box::new(
+                    SessionAwareStrategy::new(session)
+                        .map_err(|e| SimError::Admission(e.to_string()))?,
+                ) as Box<dyn AdmissionStrategy + Send>),
+                None => None,
+            };
+            let admission = AdmissionController::new(config.admission.clone(), strategy)
+                .map_err(|e| SimError::Admission(e.to_string()))?;
+            replicas.push(Replica {
+                id,
+                router,
+                admission,
+                placed: Vec::new(),
+                tick_at: None,
+                routed: 0,
             });
         }
         let timeline = LoadTimeline::new(config.workers, config.timeline_bucket_ms.max(1.0));
-        let strategy = match config.session_aware {
-            Some(session) => Some(Box::new(
-                SessionAwareStrategy::new(session)
-                    .map_err(|e| SimError::Admission(e.to_string()))?,
-            ) as Box<dyn AdmissionStrategy + Send>),
-            None => None,
-        };
-        let admission = AdmissionController::new(config.admission.clone(), strategy)
-            .map_err(|e| SimError::Admission(e.to_string()))?;
         Ok(Self {
+            balancer: Balancer::new(&config.replicas, config.router.seed),
+            session_replica: FxHashMap::default(),
+            replicas,
             config,
-            router,
             workers,
             by_worker_id,
             heap: BinaryHeap::new(),
@@ -298,11 +362,9 @@ impl Fleet {
             lookahead: None,
             sessions: FxHashMap::default(),
             in_flight: FxHashMap::default(),
-            admission,
             payloads: FxHashMap::default(),
-            placed: Vec::new(),
-            tick_at: None,
             kv_scratch: Vec::new(),
+            outbox: Vec::new(),
             ttft: Vec::new(),
             itl: Vec::new(),
             e2e: Vec::new(),
@@ -317,6 +379,10 @@ impl Fleet {
             first_arrival: None,
             last_completion: 0.0,
             timeline,
+            view_error_sum: 0.0,
+            excess_sum: 0.0,
+            decisions: 0,
+            next_expiry_ms: EXPIRE_EVERY_MS,
         })
     }
 
@@ -342,10 +408,24 @@ impl Fleet {
         Ok(())
     }
 
-    fn run(mut self, progress: &mut impl FnMut(u64)) -> Result<SimOutcome, SimError> {
+    /// Runs to the end; `after_event` sees the fleet after every event (tests
+    /// check invariants there).
+    fn run(
+        mut self,
+        progress: &mut impl FnMut(u64),
+        mut after_event: impl FnMut(&Fleet),
+    ) -> Result<SimOutcome, SimError> {
         self.pull_next_session()?;
         while let Some(Scheduled { at, event, .. }) = self.heap.pop() {
             self.now = at.0;
+            if self.now >= self.next_expiry_ms {
+                // As the server's tick does: frees lost bookings and keeps
+                // the write model's expiry queue compacted.
+                for replica in &mut self.replicas {
+                    replica.router.expire(self.now);
+                }
+                self.next_expiry_ms = self.now + EXPIRE_EVERY_MS;
+            }
             match event {
                 Event::NextSession => {
                     if let Some(session) = self.lookahead.take() {
@@ -359,26 +439,48 @@ impl Fleet {
                 Event::Turn { session, turn } => self.arrive(session, turn),
                 Event::StepDone { worker } => {
                     self.finish_step(worker, progress)?;
-                    self.poll_admission();
+                    for replica in 0..self.replicas.len() {
+                        self.poll_admission(replica);
+                    }
                 }
-                Event::AdmissionTick => {
-                    self.tick_at = None;
-                    self.admission.tick(self.now);
-                    self.poll_admission();
+                Event::AdmissionTick { replica } => {
+                    let r = &mut self.replicas[replica];
+                    r.tick_at = None;
+                    r.admission.tick(self.now);
+                    self.poll_admission(replica);
                 }
                 Event::KvDelivery { worker, events } => {
                     let id = self.workers[worker].id;
-                    for e in &events {
-                        self.router.apply_kv_event(id, e);
+                    for replica in &mut self.replicas {
+                        for e in &events {
+                            replica.router.apply_kv_event(id, e);
+                        }
                     }
                 }
+                Event::ReplicaSync { origin, event } => self.apply_on_peers(origin, &event),
             }
+            after_event(&self);
         }
         Ok(self.outcome())
     }
 
     fn request_id(session: u64, turn: usize) -> RequestId {
         RequestId(u128::from(session) << 32 | turn as u128)
+    }
+
+    /// The replica the load balancer hands a turn to: a session-affinity
+    /// balancer keeps a session's turns together when admission is
+    /// session-aware.
+    fn pick_replica(&mut self, session: u64, multi_turn: bool) -> usize {
+        if multi_turn && self.config.session_aware.is_some() {
+            if let Some(&r) = self.session_replica.get(&session) {
+                return r;
+            }
+            let r = self.balancer.pick();
+            self.session_replica.insert(session, r);
+            return r;
+        }
+        self.balancer.pick()
     }
 
     fn arrive(&mut self, session: u64, turn: usize) {
@@ -391,6 +493,7 @@ impl Fleet {
         let tokens = spec.prompt.tokens();
         let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
         let id = Self::request_id(session, turn);
+        let replica = self.pick_replica(session, multi_turn);
         let facts = RequestFacts {
             id,
             session: multi_turn.then_some(SessionKey(session)),
@@ -400,7 +503,7 @@ impl Fleet {
             eligible: &[],
             now_ms: self.now,
         };
-        match self.admission.submit(&facts) {
+        match self.replicas[replica].admission.submit(&facts) {
             SubmitOutcome::Queued | SubmitOutcome::Deferred => {
                 self.payloads.insert(
                     id,
@@ -416,18 +519,34 @@ impl Fleet {
             }
             SubmitOutcome::Rejected { .. } | SubmitOutcome::Duplicate => self.fail(session),
         }
-        self.poll_admission();
+        self.poll_admission(replica);
     }
 
-    /// Places every request the admission controller offers, books it and
-    /// starts it on its engine; schedules the next recheck while work remains.
-    fn poll_admission(&mut self) {
-        let mut placed = std::mem::take(&mut self.placed);
+    /// Places every request `replica`'s admission controller offers, books
+    /// it and starts it on its engine; schedules the next recheck while work
+    /// remains.
+    fn poll_admission(&mut self, replica: usize) {
         let now = self.now;
-        let router = &mut self.router;
-        let payloads = &self.payloads;
-        let config = &self.config;
-        self.admission.poll(now, &mut placed, |id, placement| {
+        let shares = self.config.replicas.shares_bookings();
+        let Fleet {
+            replicas,
+            payloads,
+            config,
+            workers,
+            by_worker_id,
+            outbox,
+            view_error_sum,
+            excess_sum,
+            decisions,
+            ..
+        } = self;
+        let Replica {
+            router,
+            admission,
+            placed,
+            ..
+        } = &mut replicas[replica];
+        admission.poll(now, placed, |id, placement| {
             let Some(p) = payloads.get(&id) else {
                 return SelectOutcome::NoWorkers;
             };
@@ -443,6 +562,9 @@ impl Fleet {
                     Some(&exact[..])
                 }
             };
+            let seen = router.sequences().active_requests() as f64;
+            let booked: u64 = workers.iter().map(|w| w.booked).sum();
+            *view_error_sum += (seen - booked as f64).abs();
             let outcome = router.route(request, eligible, now);
             if let SelectOutcome::Selected(decision) = outcome {
                 let cached = (decision.overlap_blocks as u64 * config.engine.block_size as u64)
@@ -450,17 +572,41 @@ impl Fleet {
                 let hint = config
                     .prefill_hints
                     .then(|| expected_prefill_ms(config, p.tokens.len() as u64 - cached));
-                router.book(id, request, decision, hint, now);
+                let add = AddRequest {
+                    request: id,
+                    worker: decision.worker,
+                    prompt_tokens: request.prompt_tokens,
+                    blocks: request.blocks.to_vec(),
+                    overlap_blocks: decision.overlap_blocks,
+                    expected_prefill_ms: hint,
+                };
+                router.book_request(&add, now);
+                let least = workers.iter().map(|w| w.booked).min().unwrap_or(0);
+                let chosen = &mut workers[by_worker_id[&decision.worker]];
+                *excess_sum += (chosen.booked - least) as f64;
+                *decisions += 1;
+                chosen.booked += 1;
+                if shares {
+                    outbox.push(SequenceEvent::Add(add));
+                }
             }
             outcome
         });
+        let mut placed = std::mem::take(placed);
+        self.publish_outbox(replica);
         for p in placed.drain(..) {
             match p {
                 Placed::Selected {
                     ticket,
                     decision,
                     waited_ms,
-                } => self.start(ticket, decision.worker, decision.overlap_blocks, waited_ms),
+                } => self.start(
+                    replica,
+                    ticket,
+                    decision.worker,
+                    decision.overlap_blocks,
+                    waited_ms,
+                ),
                 Placed::NoWorkers { id } => {
                     if let Some(p) = self.payloads.remove(&id) {
                         self.fail(p.session);
@@ -468,23 +614,69 @@ impl Fleet {
                 }
             }
         }
-        self.placed = placed;
+        self.replicas[replica].placed = placed;
         let busy = !self.payloads.is_empty()
             || !self.in_flight.is_empty()
             || !self.sessions.is_empty()
             || self.lookahead.is_some();
-        if let Some(at) = self.admission.next_wakeup_ms().filter(|_| busy) {
+        let r = &mut self.replicas[replica];
+        if let Some(at) = r.admission.next_wakeup_ms().filter(|_| busy) {
             let at = at.max(self.now + 1.0);
-            if self.tick_at.is_none_or(|t| at < t) {
-                self.tick_at = Some(at);
-                self.schedule(at, Event::AdmissionTick);
+            if r.tick_at.is_none_or(|t| at < t) {
+                r.tick_at = Some(at);
+                self.schedule(at, Event::AdmissionTick { replica });
             }
         }
+    }
+
+    /// Sends the lifecycle events `origin` queued to its peers: at once when
+    /// the delay is zero, otherwise as one scheduled delivery each.
+    fn publish_outbox(&mut self, origin: usize) {
+        let mut outbox = std::mem::take(&mut self.outbox);
+        for event in outbox.drain(..) {
+            self.publish(origin, event);
+        }
+        self.outbox = outbox;
+    }
+
+    /// Shares one of `origin`'s lifecycle events with its peers, if replicas
+    /// share bookings at all.
+    fn publish(&mut self, origin: usize, event: SequenceEvent) {
+        if !self.config.replicas.shares_bookings() {
+            return;
+        }
+        let delay = self.config.replicas.sync_delay_ms;
+        if delay == 0.0 {
+            self.apply_on_peers(origin, &event);
+        } else {
+            self.schedule(self.now + delay, Event::ReplicaSync { origin, event });
+        }
+    }
+
+    fn apply_on_peers(&mut self, origin: usize, event: &SequenceEvent) {
+        let from = self.replicas[origin].id;
+        let now = self.now;
+        for (r, replica) in self.replicas.iter_mut().enumerate() {
+            if r != origin {
+                replica.router.apply_remote(from, event, now);
+            }
+        }
+    }
+
+    /// A request booked by `replica` ends before it ran (the engine refused
+    /// it, or its payload is gone): free it there and tell the peers.
+    fn unbook(&mut self, replica: usize, id: RequestId, worker: WorkerId) {
+        self.replicas[replica].router.free(id, self.now);
+        if let Some(&w) = self.by_worker_id.get(&worker) {
+            self.workers[w].booked = self.workers[w].booked.saturating_sub(1);
+        }
+        self.publish(replica, SequenceEvent::Free(id));
     }
 
     /// Hands a placed (and booked) request to its engine.
     fn start(
         &mut self,
+        replica: usize,
         ticket: ResponseTicket,
         worker_id: WorkerId,
         overlap_blocks: u32,
@@ -492,8 +684,8 @@ impl Fleet {
     ) {
         let id = ticket.id();
         let Some(p) = self.payloads.remove(&id) else {
-            self.router.free(id, self.now);
-            self.admission.abort(ticket, self.now);
+            self.unbook(replica, id, worker_id);
+            self.replicas[replica].admission.abort(ticket, self.now);
             return;
         };
         let worker = self.by_worker_id[&worker_id];
@@ -507,12 +699,15 @@ impl Fleet {
             hash_seed: DEFAULT_SEED,
         });
         if admitted.is_err() {
-            self.router.free(id, self.now);
-            self.admission.abort(ticket, self.now);
+            self.unbook(replica, id, worker_id);
+            self.replicas[replica].admission.abort(ticket, self.now);
             self.fail(p.session);
             return;
         }
-        self.admission.dispatched(&ticket, self.now);
+        self.replicas[replica]
+            .admission
+            .dispatched(&ticket, self.now);
+        self.replicas[replica].routed += 1;
         self.queue.push(waited_ms);
         self.in_flight.insert(
             id,
@@ -525,6 +720,7 @@ impl Fleet {
                 first_token_ms: None,
                 last_token_ms: self.now,
                 worker,
+                replica,
                 ticket: Some(ticket),
             },
         );
@@ -534,6 +730,7 @@ impl Fleet {
     fn fail(&mut self, session: u64) {
         self.errors += 1;
         self.sessions.remove(&session);
+        self.session_replica.remove(&session);
     }
 
     /// Launches a step on an idle worker that has work.
@@ -586,21 +783,29 @@ impl Fleet {
             if let Some(progress) = r.ticket.as_mut().and_then(ResponseTicket::progress) {
                 progress.advance(1);
             }
-            match r.first_token_ms {
-                None => {
-                    r.first_token_ms = Some(now);
-                    self.ttft.push(now - r.arrival_ms);
-                    self.router.mark_prefill_completed(token.request, now);
-                }
-                Some(_) => self.itl.push(now - r.last_token_ms),
+            let first = r.first_token_ms.is_none();
+            if first {
+                r.first_token_ms = Some(now);
+                self.ttft.push(now - r.arrival_ms);
+            } else {
+                self.itl.push(now - r.last_token_ms);
             }
             r.last_token_ms = now;
+            let replica = r.replica;
+            if first {
+                self.replicas[replica]
+                    .router
+                    .mark_prefill_completed(token.request, now);
+                self.publish(replica, SequenceEvent::MarkPrefillCompleted(token.request));
+            }
         }
         for done in &report.finished {
-            self.router.free(done.request, now);
             let Some(r) = self.in_flight.remove(&done.request) else {
                 continue;
             };
+            self.replicas[r.replica].router.free(done.request, now);
+            self.workers[r.worker].booked = self.workers[r.worker].booked.saturating_sub(1);
+            self.publish(r.replica, SequenceEvent::Free(done.request));
             self.prompt_tokens += u64::from(r.prompt_tokens);
             self.cached_tokens += done.cached_tokens as u64;
             self.predicted_tokens += r.predicted_tokens;
@@ -610,7 +815,9 @@ impl Fleet {
             if let Some(ticket) = r.ticket {
                 let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
                 // A refusal gives the ticket back; it was dispatched, so none comes.
-                let _ = self.admission.complete(ticket, context, now);
+                let _ = self.replicas[r.replica]
+                    .admission
+                    .complete(ticket, context, now);
             }
             self.last_completion = now;
             debug_assert_eq!(r.worker, worker);
@@ -622,13 +829,14 @@ impl Fleet {
         self.deliver_kv_events(worker);
         let engine = &self.workers[worker].engine;
         let capacity = (self.config.engine.num_blocks * self.config.engine.block_size) as u64;
-        self.admission.report_kv(
-            self.workers[worker].id,
-            KvUsage {
-                capacity_tokens: capacity,
-                used_tokens: Some((engine.kv_usage() * capacity as f64) as u64),
-            },
-        );
+        let usage = KvUsage {
+            capacity_tokens: capacity,
+            used_tokens: Some((engine.kv_usage() * capacity as f64) as u64),
+        };
+        let id = self.workers[worker].id;
+        for replica in &mut self.replicas {
+            replica.admission.report_kv(id, usage);
+        }
         self.workers[worker].pending = report;
         self.workers[worker].busy = false;
         self.kick(worker);
@@ -650,6 +858,7 @@ impl Fleet {
             );
         } else {
             self.sessions.remove(&session);
+            self.session_replica.remove(&session);
             self.sessions_completed += 1;
         }
     }
@@ -698,10 +907,30 @@ impl Fleet {
             makespan_s: makespan_ms / 1000.0,
             engine_steps: self.workers.iter().map(|w| w.engine.counters().steps).sum(),
         };
+        let decisions = self.decisions.max(1) as f64;
+        let replicas = ReplicaStats {
+            replicas: self.replicas.len(),
+            sync: self.config.replicas.sync,
+            sync_delay_ms: self.config.replicas.sync_delay_ms,
+            routed_per_replica: self.replicas.iter().map(|r| r.routed).collect(),
+            remote_applied: self
+                .replicas
+                .iter()
+                .map(|r| r.router.remote().counters().applied)
+                .sum(),
+            remote_ignored: self
+                .replicas
+                .iter()
+                .map(|r| r.router.remote().counters().ignored)
+                .sum(),
+            view_error_requests: self.view_error_sum / decisions,
+            excess_requests: self.excess_sum / decisions,
+        };
         SimOutcome {
             report,
             timeline: self.timeline,
             ttft_samples_ms: self.ttft,
+            replicas,
         }
     }
 }
@@ -985,5 +1214,206 @@ mod admission_tests {
             with.hit_rate,
             without.hit_rate
         );
+    }
+}
+
+#[cfg(test)]
+mod replica_tests {
+    use super::*;
+    use crate::replicas::Balance;
+    use crate::workload::{synthetic, PromptSpec, SyntheticConfig, Turn};
+    use switchyard_core::select::PolicyKind;
+
+    fn config(replicas: usize, sync: bool, sync_delay_ms: f64) -> FleetConfig {
+        let mut config = FleetConfig {
+            workers: 4,
+            replicas: ReplicasConfig {
+                count: replicas,
+                sync,
+                sync_delay_ms,
+                balance: Balance::RoundRobin,
+            },
+            ..FleetConfig::default()
+        };
+        config.engine.timing.speedup = 4.0;
+        config.router.policy = PolicyKind::Kv;
+        config
+    }
+
+    fn workload() -> SessionStream {
+        synthetic(SyntheticConfig {
+            sessions: 60,
+            sessions_per_sec: 20.0,
+            think_time_ms: 50.0,
+            ..Default::default()
+        })
+    }
+
+    /// Everything a replica's selector reads from shared state: per-worker
+    /// requests, decode blocks, prefill tokens now and active prompt blocks;
+    /// the index's live pairs.
+    /// Per worker: requests, decode blocks, prefill tokens, active prompt blocks.
+    type Loads = Vec<(WorkerId, usize, usize, u64, usize)>;
+
+    fn view(router: &Router, now_ms: f64) -> (Loads, usize) {
+        let registry = router.sequences().registry();
+        let loads = registry
+            .loads()
+            .map(|l| {
+                (
+                    l.worker,
+                    l.requests,
+                    l.decode_blocks,
+                    l.active_prefill_tokens(now_ms),
+                    registry.active_blocks(l.worker),
+                )
+            })
+            .collect();
+        (loads, router.index().live_pairs())
+    }
+
+    fn run(config: &FleetConfig, workload: SessionStream, check: impl FnMut(&Fleet)) -> SimOutcome {
+        Fleet::new(config, workload)
+            .unwrap()
+            .run(&mut |_| {}, check)
+            .unwrap()
+    }
+
+    #[test]
+    fn with_sync_at_delay_zero_every_replica_sees_the_same_state_after_every_event() {
+        let mut events = 0u64;
+        let mut busy_views = 0u64;
+        let out = run(&config(3, true, 0.0), workload(), |fleet| {
+            events += 1;
+            let first = view(&fleet.replicas[0].router, fleet.now);
+            for r in &fleet.replicas[1..] {
+                assert_eq!(view(&r.router, fleet.now), first, "at {} ms", fleet.now);
+            }
+            // And the shared view is the truth: every booking anywhere.
+            let booked: u64 = fleet.workers.iter().map(|w| w.booked).sum();
+            assert_eq!(
+                fleet.replicas[0].router.sequences().active_requests() as u64,
+                booked
+            );
+            busy_views += u64::from(booked > 0);
+        });
+        assert!(
+            events > 1000 && busy_views > 100,
+            "{events} events, {busy_views} busy"
+        );
+        assert_eq!(out.replicas.view_error_requests, 0.0);
+        assert!(out.replicas.routed_per_replica.iter().all(|&n| n > 50));
+        assert_eq!(out.report.errors, 0);
+    }
+
+    #[test]
+    fn a_delayed_sync_frees_every_booking_everywhere_and_ignores_nothing() {
+        let mut last_active = Vec::new();
+        let out = run(&config(4, true, 7.0), workload(), |fleet| {
+            last_active = fleet
+                .replicas
+                .iter()
+                .map(|r| r.router.sequences().active_requests())
+                .collect();
+        });
+        assert_eq!(last_active, vec![0; 4]);
+        assert_eq!(out.replicas.remote_ignored, 0);
+        // Each of 3 peers applies add, mark and free of every request.
+        let requests: u64 = out.replicas.routed_per_replica.iter().sum();
+        assert_eq!(out.replicas.remote_applied, requests * 3 * 3);
+        assert!(out.replicas.view_error_requests > 0.0);
+    }
+
+    #[test]
+    fn without_sync_peers_learn_nothing_but_kv_events_still_reach_every_replica() {
+        let mut pairs = Vec::new();
+        let out = run(&config(2, false, 7.0), workload(), |fleet| {
+            pairs = fleet
+                .replicas
+                .iter()
+                .map(|r| r.router.index().live_pairs())
+                .collect();
+        });
+        assert_eq!(out.replicas.remote_applied, 0);
+        assert!(pairs[0] > 0);
+        assert_eq!(pairs[0], pairs[1]);
+    }
+
+    /// Rounds of two equal requests 5 ms apart on two workers, each round
+    /// done before the next: a replica that sees the first booking sends the
+    /// second request to the other worker; without sync the two replicas
+    /// choose independently and often pick the same one.
+    fn pairs(rounds: u64) -> SessionStream {
+        let sessions: Vec<Session> = (0..rounds * 2)
+            .map(|i| Session {
+                id: i,
+                arrival_ms: (i / 2) as f64 * 2_000.0 + (i % 2) as f64 * 5.0,
+                think_time_ms: 0.0,
+                turns: vec![Turn {
+                    prompt: PromptSpec::Random {
+                        seed: i,
+                        tokens: 2048,
+                    },
+                    output_tokens: 64,
+                }],
+            })
+            .collect();
+        Box::new(sessions.into_iter().map(Ok))
+    }
+
+    #[test]
+    fn without_sync_load_balance_is_measurably_worse() {
+        let fleet = |sync| {
+            let mut c = config(2, sync, 1.0);
+            c.workers = 2;
+            c
+        };
+        let on = run(&fleet(true), pairs(40), |_| {});
+        let off = run(&fleet(false), pairs(40), |_| {});
+        // With sync every second request of a pair sees the first one's
+        // booking and goes to the idle worker.
+        assert_eq!(on.replicas.excess_requests, 0.0);
+        assert!(
+            off.replicas.excess_requests >= 0.1,
+            "excess without sync: {}",
+            off.replicas.excess_requests
+        );
+        // A collision batches two prefills on one worker: slower first tokens.
+        assert!(
+            off.report.ttft_ms.p90 > on.report.ttft_ms.p90,
+            "TTFT p90 {} (off) vs {} (on)",
+            off.report.ttft_ms.p90,
+            on.report.ttft_ms.p90
+        );
+        assert_eq!((on.report.completed, off.report.completed), (80, 80));
+    }
+
+    #[test]
+    fn replicas_with_random_balance_are_deterministic_for_a_seed() {
+        let run = || {
+            let mut c = config(3, true, 7.0);
+            c.replicas.balance = Balance::Random;
+            c.router.seed = 9;
+            serde_json::to_string(&simulate(&c, workload(), |_| {}).unwrap()).unwrap()
+        };
+        assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn with_session_aware_admission_a_sessions_turns_stay_on_one_replica() {
+        let mut c = config(3, true, 7.0);
+        c.session_aware = Some(SessionAwareConfig::default());
+        let mut sticky = true;
+        let out = run(&c, workload(), |fleet| {
+            for (id, f) in &fleet.in_flight {
+                let session = (id.0 >> 32) as u64;
+                if let Some(&r) = fleet.session_replica.get(&session) {
+                    sticky &= r == f.replica;
+                }
+            }
+        });
+        assert!(sticky);
+        let expected: u64 = workload().map(|s| s.unwrap().turns.len() as u64).sum();
+        assert_eq!(out.report.completed, expected);
     }
 }

@@ -8,6 +8,9 @@
 //!   generator.
 //! - [`fleet`] — the simulator: the real routing core against simulated
 //!   engine cores in virtual time.
+//! - [`replicas`] — several router replicas in front of one fleet: their
+//!   booking sync (delay, or none), the load balancer that spreads requests
+//!   over them, and what their stale views cost.
 //! - [`report`] — latency summaries and per-policy figures.
 //! - [`reference`] — the infinite-cache bound and the pooled-LRU reference
 //!   that policies' hit rates are read against.
@@ -16,6 +19,7 @@
 
 pub mod fleet;
 pub mod reference;
+pub mod replicas;
 pub mod report;
 pub mod trace;
 pub mod workload;

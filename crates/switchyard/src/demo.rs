@@ -52,15 +52,16 @@ pub struct DemoArgs {
     pub json: Option<PathBuf>,
 }
 
-/// Child processes killed on drop.
-struct Fleet {
-    children: Vec<Child>,
-    urls: Vec<String>,
-    events: Vec<Option<(String, String)>>,
+/// Sim-worker child processes, killed on drop: their URLs and, unless
+/// approximate, their KV-event and replay endpoints.
+pub(crate) struct Fleet {
+    pub(crate) children: Vec<Child>,
+    pub(crate) urls: Vec<String>,
+    pub(crate) events: Vec<Option<(String, String)>>,
 }
 
 /// A loopback port free a moment ago (the worker binds it right after).
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -75,7 +76,9 @@ impl Drop for Fleet {
     }
 }
 
-fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
+/// Starts `args.workers` sim-workers (this binary) with `args`' speed-up,
+/// pool size and KV-event choice.
+pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
     let exe = std::env::current_exe().context("locating the switchyard binary")?;
     let mut fleet = Fleet {
         children: Vec::new(),

@@ -222,9 +222,11 @@ pub fn sharegpt_requests(
     Ok(out)
 }
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+/// The load generator's pooled HTTP/1 client.
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-fn client() -> HttpClient {
+/// A client with `TCP_NODELAY` and a pool deep enough for any concurrency.
+pub(crate) fn client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -313,6 +315,19 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
 }
 
 /// Sums `prefix hit` and `prompt` token counters over the workers.
+/// GETs `url`; the body as text when the status is a success, else `None`.
+pub(crate) async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
+    let request = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let response = client.request(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some(String::from_utf8_lossy(&body).into_owned())
+}
+
 async fn engine_counters(client: &HttpClient, workers: &[String]) -> Option<(f64, f64)> {
     let mut hits = 0.0;
     let mut prompts = 0.0;

@@ -28,7 +28,7 @@ pub use registry::{PromptRegistry, WorkerLoad};
 pub use tables::{RequestIndex, WorkerTable};
 
 use crate::hashing::sequence_hashes;
-use crate::maps::FxHashMap;
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
 use prefill::PrefillTracker;
 use serde::{Deserialize, Serialize};
@@ -131,6 +131,36 @@ pub struct SequenceCounters {
     pub dropped_with_worker: u64,
     /// Duplicate or stale events ignored.
     pub ignored: u64,
+}
+
+/// Heap bytes of [`ActiveSequences`] by structure, from allocated capacities.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SequencesMemory {
+    /// Per-worker request maps and each request's boxed block list.
+    pub requests: usize,
+    /// Per-worker block reference counts.
+    pub block_refs: usize,
+    /// Per-worker prefill trackers.
+    pub prefill: usize,
+    /// The worker table, the request index and the per-worker slot array.
+    pub tables: usize,
+    /// The expiry queue (bookings in arrival order, freed ones included
+    /// until the next [`ActiveSequences::expire`] compacts it).
+    pub expiry_queue: usize,
+    /// The derived read model ([`PromptRegistry`]).
+    pub registry: usize,
+}
+
+impl SequencesMemory {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.requests
+            + self.block_refs
+            + self.prefill
+            + self.tables
+            + self.expiry_queue
+            + self.registry
+    }
 }
 
 #[derive(Debug)]
@@ -404,6 +434,30 @@ impl ActiveSequences {
     /// Counters for metrics.
     pub fn counters(&self) -> SequenceCounters {
         self.counters
+    }
+
+    /// Heap bytes by structure. Visits every active request (for its block
+    /// list): call it for reports, not per request.
+    pub fn memory(&self) -> SequencesMemory {
+        let mut memory = SequencesMemory {
+            tables: self.workers.estimated_bytes()
+                + self.requests.estimated_bytes()
+                + self.per_worker.capacity() * std::mem::size_of::<Option<WorkerSequences>>(),
+            expiry_queue: self.expiry_queue.capacity() * std::mem::size_of::<(f64, RequestId)>(),
+            registry: self.registry.estimated_bytes(),
+            ..SequencesMemory::default()
+        };
+        for state in self.per_worker.iter().flatten() {
+            memory.requests += map_bytes(&state.requests)
+                + state
+                    .requests
+                    .values()
+                    .map(|r| r.blocks.len() * std::mem::size_of::<SequenceHash>())
+                    .sum::<usize>();
+            memory.block_refs += map_bytes(&state.block_refs);
+            memory.prefill += state.prefill.estimated_bytes();
+        }
+        memory
     }
 
     fn publish_load(&mut self, slot: u32) {

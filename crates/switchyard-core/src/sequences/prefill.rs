@@ -16,7 +16,7 @@
 //! - When any active prefill lacks a hint, the remaining time is
 //!   [`MissingExpectedDuration`] and token load decays the anchor alone.
 
-use crate::maps::FxHashMap;
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::RequestId;
 use std::collections::VecDeque;
 
@@ -198,6 +198,11 @@ impl PrefillTracker {
             anchor_duration_ms,
             anchor_since_ms,
         }
+    }
+
+    /// Heap bytes: the arrival-order queue and the per-request states.
+    pub(crate) fn estimated_bytes(&self) -> usize {
+        self.order.capacity() * std::mem::size_of::<RequestId>() + map_bytes(&self.states)
     }
 
     #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Identity tables of the write model.
 
-use crate::maps::FxHashMap;
+use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{RequestId, WorkerId};
 
 /// Maps worker identity to a dense slot, reusing the lowest free slot so that
@@ -61,6 +61,11 @@ impl WorkerTable {
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
+
+    /// Heap bytes of the slot map and the slot array.
+    pub fn estimated_bytes(&self) -> usize {
+        map_bytes(&self.slots) + self.ids.capacity() * std::mem::size_of::<Option<WorkerId>>()
+    }
 }
 
 /// Maps each active request to the slot of the worker that owns it.
@@ -97,5 +102,10 @@ impl RequestIndex {
     /// Whether no request is active.
     pub fn is_empty(&self) -> bool {
         self.owners.is_empty()
+    }
+
+    /// Heap bytes of the owner map.
+    pub fn estimated_bytes(&self) -> usize {
+        map_bytes(&self.owners)
     }
 }

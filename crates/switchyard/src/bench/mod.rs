@@ -8,6 +8,9 @@
 //!   visibility latency on a peer;
 //! - [`proxy`] — the router's added latency and request rate against one
 //!   sim-worker directly;
+//! - [`soak`] — bounded memory under a long load: the routing core driven
+//!   by simulated engines' KV events, or the router server under a
+//!   demo-like load; a plateau verdict on the samples;
 //! - [`stats`] — latency summaries and JSON output.
 
 pub mod admission;
@@ -15,6 +18,7 @@ pub mod engine;
 pub mod micro;
 pub mod proxy;
 pub mod replica;
+pub mod soak;
 pub mod stats;
 pub mod trace;
 
@@ -34,6 +38,8 @@ pub enum BenchCommand {
     Replica(replica::ReplicaArgs),
     /// Router overhead: the same load to one sim-worker directly and through the router.
     Proxy(proxy::ProxyArgs),
+    /// Bounded memory: the core (or, with --server, the router process) under a long load.
+    Soak(soak::SoakArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -54,5 +60,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Admission(args) => admission::run(args),
         BenchCommand::Replica(args) => replica::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
+        BenchCommand::Soak(args) => soak::run(args),
     }
 }

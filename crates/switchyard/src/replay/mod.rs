@@ -6,6 +6,7 @@
 //! stdout, a JSON file with every figure, and SVG plots.
 
 mod plots;
+pub mod replicas;
 
 use crate::data::data_path;
 use anyhow::Context;
@@ -153,6 +154,21 @@ pub struct ReplayArgs {
     /// No progress output on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Router replica counts to compare (e.g. `1,2,4`): runs the replica-sync
+    /// study instead of comparing policies (policy `kv` unless `--policies`).
+    #[arg(long, value_delimiter = ',')]
+    pub replicas: Vec<usize>,
+    /// With `--replicas`: booking → visibility delay between replicas, ms
+    /// (comma-separated for several). Default: the p99 of `bench replica`
+    /// over local NATS (6.9 ms), rounded.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![switchyard_sim::replicas::DEFAULT_SYNC_DELAY_MS])]
+    pub sync_delay_ms: Vec<f64>,
+    /// With `--replicas`: run more than one replica with sync on, off, or both.
+    #[arg(long, value_enum, default_value_t = replicas::SyncChoice::Both)]
+    pub replica_sync: replicas::SyncChoice,
+    /// With `--replicas`: how the load balancer spreads requests over replicas.
+    #[arg(long, value_enum, default_value_t = replicas::BalanceChoice::RoundRobin)]
+    pub replica_balance: replicas::BalanceChoice,
 }
 
 /// The JSON report.
@@ -218,7 +234,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     Ok(fleet)
 }
 
-fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
+pub(crate) fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
     if args.format == TraceFormat::Synthetic {
         return Ok(None);
     }
@@ -436,6 +452,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let source = WorkloadSource::prepare(&args)?;
     if args.sweep {
         return sweep(&args, &source, &fleet);
+    }
+    if !args.replicas.is_empty() {
+        return replicas::run(&args, &source, &fleet);
     }
     let policies = if args.policies.is_empty() {
         PolicyKind::ALL.to_vec()

@@ -1,0 +1,358 @@
+//! `switchyard bench soak`: is memory bounded under a long, heavy load?
+//!
+//! - [`routing`] — the routing core (index + active sequences) driven by
+//!   simulated engines' real KV events, far faster than the trace, for a
+//!   set number of block events (default 10 M); samples the core's own byte
+//!   accounting (`Router::memory`) and this process's RSS.
+//! - [`server`] (`--server`) — `switchyard serve` as a child process in
+//!   front of sim-workers under a demo-like load for `--duration-secs`;
+//!   samples the router process's RSS (and its `switchyard_index_bytes`).
+//! - [`plateau`] — the verdict: memory in the last quarter of the samples
+//!   within 5% of the second quarter. A failed verdict is a nonzero exit.
+
+pub mod plateau;
+pub mod routing;
+pub mod server;
+
+use super::stats::write_json;
+use crate::data::data_path;
+use plateau::{plateau, Plateau, PLATEAU_TOLERANCE};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Duration;
+use switchyard_sim::trace::{MooncakeReader, MooncakeRecord};
+
+/// `switchyard bench soak` arguments.
+#[derive(Clone, Debug, clap::Args, Serialize)]
+pub struct SoakArgs {
+    /// Soak the router server (child processes over loopback) instead of the core.
+    #[arg(long)]
+    pub server: bool,
+    /// Mooncake JSONL trace (default: the bundled conversation trace).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Core: stop after this many block events (blocks stored or removed) applied.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub block_events: u64,
+    /// Core: memory samples over the run.
+    #[arg(long, default_value_t = 40)]
+    pub samples: usize,
+    /// Core: simulated engines.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Requests in flight (core default 256; with --server, 32).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Device KV blocks per engine (core default 16,384; with --server, 8,192).
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Output tokens per request at most.
+    #[arg(long, default_value_t = 16)]
+    pub max_output_tokens: u32,
+    /// Prompt tokens per request at most (longer trace prompts are cut).
+    #[arg(long, default_value_t = 16_384)]
+    pub max_prompt_tokens: u32,
+    /// Server: how long to drive load, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub duration_secs: u64,
+    /// Server: seconds between RSS samples.
+    #[arg(long, default_value_t = 5.0)]
+    pub sample_secs: f64,
+    /// Server: sim-workers.
+    #[arg(long, default_value_t = 4)]
+    pub server_workers: usize,
+    /// Server: sim-worker speed-up over the timing model.
+    #[arg(long, default_value_t = 20.0)]
+    pub speedup: f64,
+    /// Server: requests per load round (each round has fresh content).
+    #[arg(long, default_value_t = 1000)]
+    pub round_requests: usize,
+    /// Write the samples and the verdict as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// A plateau verdict on one memory series.
+#[derive(Debug, Serialize)]
+pub struct Verdict {
+    /// Which series.
+    pub series: &'static str,
+    /// The figures; `None` when there were too few samples.
+    pub plateau: Option<Plateau>,
+}
+
+#[derive(Debug, Serialize)]
+struct SoakReport<T: Serialize> {
+    mode: &'static str,
+    tolerance: f64,
+    verdicts: Vec<Verdict>,
+    pass: bool,
+    trace: String,
+    trace_requests_per_sec: f64,
+    outcome: T,
+    args: SoakArgs,
+}
+
+fn load_records(path: &std::path::Path) -> anyhow::Result<Vec<MooncakeRecord>> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("opening trace {}: {e}", path.display()))?;
+    MooncakeReader::new(std::io::BufReader::new(file))
+        .map(|r| r.map_err(|e| anyhow::anyhow!("{}: {e}", path.display())))
+        .collect()
+}
+
+/// Requests per second of the trace at its own pace.
+fn trace_rate(records: &[MooncakeRecord]) -> f64 {
+    let first = records.first().map_or(0.0, |r| r.timestamp);
+    let last = records.last().map_or(0.0, |r| r.timestamp);
+    records.len() as f64 / ((last - first) / 1000.0).max(1e-9)
+}
+
+fn mib(bytes: f64) -> f64 {
+    bytes / (1024.0 * 1024.0)
+}
+
+/// Judges the series; `Err` with a clear message when one fails.
+fn judge(verdicts: &[Verdict]) -> Result<(), String> {
+    let mut failures = Vec::new();
+    for v in verdicts {
+        match v.plateau {
+            Some(p) if p.pass => println!(
+                "plateau {}: PASS (last quarter {:.2} MiB / second quarter {:.2} MiB = {:.4}; tolerance ±{:.0}%)",
+                v.series,
+                mib(p.last_quarter_mean),
+                mib(p.second_quarter_mean),
+                p.ratio,
+                PLATEAU_TOLERANCE * 100.0
+            ),
+            Some(p) => {
+                println!(
+                    "plateau {}: FAIL (last quarter {:.2} MiB / second quarter {:.2} MiB = {:.4}; tolerance ±{:.0}%)",
+                    v.series,
+                    mib(p.last_quarter_mean),
+                    mib(p.second_quarter_mean),
+                    p.ratio,
+                    PLATEAU_TOLERANCE * 100.0
+                );
+                failures.push(format!("{} ratio {:.4}", v.series, p.ratio));
+            }
+            None => {
+                println!("plateau {}: no verdict (too few samples)", v.series);
+                failures.push(format!("{} had too few samples", v.series));
+            }
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "memory did not plateau: {} (last quarter vs second quarter must be within {:.0}%)",
+            failures.join(", "),
+            PLATEAU_TOLERANCE * 100.0
+        ))
+    }
+}
+
+/// Runs `switchyard bench soak`.
+pub fn run(args: SoakArgs) -> anyhow::Result<()> {
+    let path = match &args.trace {
+        Some(p) => p.clone(),
+        None => data_path("traces/mooncake_conversation.jsonl")?,
+    };
+    let records = load_records(&path)?;
+    let rate = trace_rate(&records);
+    if args.server {
+        run_server_mode(args, &records, path.display().to_string(), rate)
+    } else {
+        run_core_mode(args, &records, path.display().to_string(), rate)
+    }
+}
+
+fn run_core_mode(
+    args: SoakArgs,
+    records: &[MooncakeRecord],
+    trace: String,
+    trace_requests_per_sec: f64,
+) -> anyhow::Result<()> {
+    let config = routing::CoreSoakConfig {
+        block_events: args.block_events,
+        samples: args.samples,
+        workers: args.workers,
+        concurrency: args.concurrency.unwrap_or(256),
+        max_output_tokens: args.max_output_tokens,
+        max_prompt_tokens: args.max_prompt_tokens,
+        num_blocks: args.num_blocks.unwrap_or(16_384),
+        ..routing::CoreSoakConfig::default()
+    };
+    println!(
+        "soak (core): {} block events, {} engines of {} blocks, {} requests in flight, trace {trace}",
+        config.block_events, config.workers, config.num_blocks, config.concurrency
+    );
+    println!(
+        "{:>6} {:>12} {:>9} {:>9} {:>7} {:>10} {:>10} {:>10} {:>10} {:>9}",
+        "wall s",
+        "block events",
+        "requests",
+        "pairs",
+        "active",
+        "core MiB",
+        "index MiB",
+        "seqs MiB",
+        "remote B",
+        "RSS MiB"
+    );
+    let outcome = routing::run_core(&config, records, |s| {
+        println!(
+            "{:>6.1} {:>12} {:>9} {:>9} {:>7} {:>10.2} {:>10.2} {:>10.2} {:>10} {:>9}",
+            s.wall_seconds,
+            s.block_events,
+            s.requests,
+            s.live_pairs,
+            s.active_requests,
+            mib(s.core_bytes as f64),
+            mib(s.memory.index.total() as f64),
+            mib(s.memory.sequences.total() as f64),
+            s.memory.remote,
+            s.rss_bytes
+                .map_or("n/a".to_owned(), |b| format!("{:.1}", mib(b as f64)))
+        );
+    })?;
+    let core_series: Vec<f64> = outcome
+        .samples
+        .iter()
+        .map(|s| s.core_bytes as f64)
+        .collect();
+    let rss_series: Vec<f64> = outcome
+        .samples
+        .iter()
+        .filter_map(|s| s.rss_bytes.map(|b| b as f64))
+        .collect();
+    let rps = outcome.requests as f64 / outcome.wall_seconds.max(1e-9);
+    println!(
+        "{} block events ({} stored, {} removed), {} requests in {:.1} s wall: {:.0} requests/s, ×{:.0} the trace's {:.2} requests/s; refused {}, expired {}, unknown-parent drops {}",
+        outcome.block_events,
+        outcome.stored_blocks,
+        outcome.removed_blocks,
+        outcome.requests,
+        outcome.wall_seconds,
+        rps,
+        rps / trace_requests_per_sec.max(1e-9),
+        trace_requests_per_sec,
+        outcome.refused,
+        outcome.expired,
+        outcome.index_unknown_parent
+    );
+    let verdicts = vec![
+        Verdict {
+            series: "core bytes",
+            plateau: plateau(&core_series, PLATEAU_TOLERANCE),
+        },
+        Verdict {
+            series: "process RSS",
+            plateau: plateau(&rss_series, PLATEAU_TOLERANCE),
+        },
+    ];
+    finish(
+        "core",
+        verdicts,
+        trace,
+        trace_requests_per_sec,
+        outcome,
+        args,
+    )
+}
+
+fn run_server_mode(
+    args: SoakArgs,
+    records: &[MooncakeRecord],
+    trace: String,
+    trace_requests_per_sec: f64,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.sample_secs.is_finite() && args.sample_secs > 0.0,
+        "--sample-secs must be positive"
+    );
+    let config = server::ServerSoakConfig {
+        duration: Duration::from_secs(args.duration_secs),
+        sample_every: Duration::from_secs_f64(args.sample_secs),
+        workers: args.server_workers,
+        concurrency: args.concurrency.unwrap_or(32),
+        round_requests: args.round_requests,
+        speedup: args.speedup,
+        num_blocks: args.num_blocks.unwrap_or(8_192),
+        max_output_tokens: args.max_output_tokens,
+        max_prompt_tokens: args.max_prompt_tokens,
+    };
+    println!(
+        "soak (server): {} s of load, {} sim-workers ({} blocks, speed-up {}), concurrency {}, trace {trace}",
+        args.duration_secs, config.workers, config.num_blocks, config.speedup, config.concurrency
+    );
+    println!(
+        "{:>8} {:>10} {:>14} {:>10}",
+        "seconds", "requests", "router RSS MiB", "index MiB"
+    );
+    let outcome = server::run_server(&config, records, |s| {
+        println!(
+            "{:>8.1} {:>10} {:>14} {:>10}",
+            s.seconds,
+            s.requests,
+            s.rss_bytes
+                .map_or("n/a".to_owned(), |b| format!("{:.1}", mib(b as f64))),
+            s.index_bytes
+                .map_or("n/a".to_owned(), |b| format!("{:.2}", mib(b as f64)))
+        );
+    })?;
+    println!(
+        "{} requests ({} errors) in {} rounds, {:.1} s: {:.0} requests/s, ×{:.0} the trace's {:.2} requests/s",
+        outcome.requests,
+        outcome.errors,
+        outcome.rounds,
+        outcome.wall_seconds,
+        outcome.requests as f64 / outcome.wall_seconds.max(1e-9),
+        outcome.requests as f64 / outcome.wall_seconds.max(1e-9) / trace_requests_per_sec.max(1e-9),
+        trace_requests_per_sec
+    );
+    let rss: Vec<f64> = outcome
+        .samples
+        .iter()
+        .filter_map(|s| s.rss_bytes.map(|b| b as f64))
+        .collect();
+    let verdicts = vec![Verdict {
+        series: "router RSS",
+        plateau: plateau(&rss, PLATEAU_TOLERANCE),
+    }];
+    finish(
+        "server",
+        verdicts,
+        trace,
+        trace_requests_per_sec,
+        outcome,
+        args,
+    )
+}
+
+fn finish<T: Serialize>(
+    mode: &'static str,
+    verdicts: Vec<Verdict>,
+    trace: String,
+    trace_requests_per_sec: f64,
+    outcome: T,
+    args: SoakArgs,
+) -> anyhow::Result<()> {
+    let verdict = judge(&verdicts);
+    let report = SoakReport {
+        mode,
+        tolerance: PLATEAU_TOLERANCE,
+        pass: verdict.is_ok(),
+        verdicts,
+        trace,
+        trace_requests_per_sec,
+        outcome,
+        args,
+    };
+    if let Some(path) = &report.args.json {
+        write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    verdict.map_err(|message| anyhow::anyhow!(message))
+}
