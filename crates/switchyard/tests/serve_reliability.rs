@@ -439,7 +439,7 @@ async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sigterm_a_stream_past_the_shutdown_timeout_ends_with_an_error_event_and_the_worker_is_freed(
+async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the_worker_is_freed(
 ) {
     let w0 = sim_worker_on(free_port(), "1", None);
     let mut router = router_with(&[
@@ -458,8 +458,24 @@ async fn on_sigterm_a_stream_past_the_shutdown_timeout_ends_with_an_error_event_
     assert_eq!(response.status(), 200);
     let mut body = response.bytes_stream();
     let mut text = String::from_utf8_lossy(&body.next().await.unwrap().unwrap()).into_owned();
-    wait_metrics(&client, &w0.base, "the worker runs the request", |t| {
-        metric(t, "switchyard_engine_running") == Some(1.0)
+    // A non-streaming request in flight too: the router buffers its answer.
+    let unary = tokio::spawn({
+        let client = client.clone();
+        let url = format!("{}/v1/completions", router.base);
+        async move {
+            let response = client
+                .post(url)
+                .json(&json!({"prompt": (100..164).collect::<Vec<u32>>(), "max_tokens": 4000}))
+                .send()
+                .await;
+            match response {
+                Ok(r) => Ok((r.status().as_u16(), r.text().await.unwrap_or_default())),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    });
+    wait_metrics(&client, &w0.base, "the worker runs both requests", |t| {
+        metric(t, "switchyard_engine_running") == Some(2.0)
     })
     .await;
 
@@ -495,7 +511,16 @@ async fn on_sigterm_a_stream_past_the_shutdown_timeout_ends_with_an_error_event_
         elapsed >= Duration::from_millis(900),
         "in-flight work had its grace period: {elapsed:?}"
     );
-    // The upstream request is cancelled and the router exits.
+    // The non-streaming request ends too, with a clear 503, not a hang and
+    // not a 200 for work that was cancelled.
+    let unary = tokio::time::timeout(Duration::from_secs(30), unary)
+        .await
+        .expect("the non-streaming request ends after the shutdown timeout")
+        .unwrap();
+    let (status, answer) = unary.expect("the router answers before it exits");
+    assert_eq!(status, 503, "{answer}");
+    assert!(answer.contains("shutting down"), "{answer}");
+    // Both upstream requests are cancelled and the router exits.
     wait_metrics(
         &client,
         &w0.base,
