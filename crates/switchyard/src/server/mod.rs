@@ -342,7 +342,14 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         },
         cache,
         busy_threshold: config.busy_threshold,
-        seed: config.seed,
+        // Replicas must not break cost ties in lockstep (they would all
+        // pick the same worker until the sync catches up): with replica
+        // sync on, each process mixes fresh entropy into its seed.
+        seed: if config.replica.enabled() {
+            config.seed ^ crate::replica::random_replica_id().0
+        } else {
+            config.seed
+        },
         ..RouterConfig::default()
     };
     router_config.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
