@@ -179,6 +179,26 @@ impl std::fmt::Debug for Router {
     }
 }
 
+impl AddRequest {
+    /// The booking of request `id` as `decision` placed it: what
+    /// [`Router::book`] applies and what a replica publishes to its peers.
+    pub fn for_decision(
+        id: RequestId,
+        request: &RoutingRequest<'_>,
+        decision: &Decision,
+        expected_prefill_ms: Option<f64>,
+    ) -> Self {
+        Self {
+            request: id,
+            worker: decision.worker,
+            prompt_tokens: request.prompt_tokens,
+            blocks: request.blocks.to_vec(),
+            overlap_blocks: decision.overlap_blocks,
+            expected_prefill_ms,
+        }
+    }
+}
+
 impl Router {
     /// A router with no workers.
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
@@ -339,14 +359,7 @@ impl Router {
         now_ms: f64,
     ) -> LifecycleOutcome {
         self.book_request(
-            &AddRequest {
-                request: id,
-                worker: decision.worker,
-                prompt_tokens: request.prompt_tokens,
-                blocks: request.blocks.to_vec(),
-                overlap_blocks: decision.overlap_blocks,
-                expected_prefill_ms,
-            },
+            &AddRequest::for_decision(id, &request, &decision, expected_prefill_ms),
             now_ms,
         )
     }

@@ -572,14 +572,7 @@ impl Fleet {
                 let hint = config
                     .prefill_hints
                     .then(|| expected_prefill_ms(config, p.tokens.len() as u64 - cached));
-                let add = AddRequest {
-                    request: id,
-                    worker: decision.worker,
-                    prompt_tokens: request.prompt_tokens,
-                    blocks: request.blocks.to_vec(),
-                    overlap_blocks: decision.overlap_blocks,
-                    expected_prefill_ms: hint,
-                };
+                let add = AddRequest::for_decision(id, &request, &decision, hint);
                 router.book_request(&add, now);
                 let least = workers.iter().map(|w| w.booked).min().unwrap_or(0);
                 let chosen = &mut workers[by_worker_id[&decision.worker]];

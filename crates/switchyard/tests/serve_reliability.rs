@@ -439,8 +439,7 @@ async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the_worker_is_freed(
-) {
+async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the_worker_is_freed() {
     let w0 = sim_worker_on(free_port(), "1", None);
     let mut router = router_with(&[
         "--worker".into(),

@@ -28,7 +28,6 @@ use clap::Args;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use switchyard_core::admission::{AdmissionStrategy as _, SessionKey};
-use switchyard_core::select::{Decision, RoutingRequest};
 use switchyard_core::sequences::AddRequest;
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
 use switchyard_wire::replica::{ReplicaBatch, SessionBinding};
@@ -123,17 +122,9 @@ impl ReplicaLink {
         self.publisher.metrics()
     }
 
-    /// A request was booked on `decision.worker` (after `Router::book`).
-    pub fn booked(&self, id: RequestId, request: &RoutingRequest<'_>, decision: &Decision) {
-        let add = AddRequest {
-            request: id,
-            worker: decision.worker,
-            prompt_tokens: request.prompt_tokens,
-            blocks: request.blocks.to_vec(),
-            overlap_blocks: decision.overlap_blocks,
-            expected_prefill_ms: None,
-        };
-        let _ = self.publisher.added(&add, None);
+    /// A request was booked (after `Router::book_request` applied `add`).
+    pub fn booked(&self, add: &AddRequest) {
+        let _ = self.publisher.added(add, None);
     }
 
     /// The request's first token arrived.

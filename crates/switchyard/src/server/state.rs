@@ -33,7 +33,7 @@ use switchyard_core::health::{CircuitConfig, CircuitEvent, CircuitState};
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::select::{Decision, RoutingRequest, SelectOutcome};
-use switchyard_core::sequences::LifecycleOutcome;
+use switchyard_core::sequences::{AddRequest, LifecycleOutcome};
 use switchyard_core::{LocalHash, RequestId, Router, WorkerId};
 use tokio::sync::oneshot;
 
@@ -155,9 +155,10 @@ impl Core {
             let started = Instant::now();
             let outcome = router.route(request, eligible, now_ms);
             if let SelectOutcome::Selected(decision) = outcome {
-                let booked = router.book(id, request, decision, None, now_ms);
+                let add = AddRequest::for_decision(id, &request, &decision, None);
+                let booked = router.book_request(&add, now_ms);
                 if let (Some(link), LifecycleOutcome::Applied) = (replica.as_ref(), booked) {
-                    link.booked(id, &request, &decision);
+                    link.booked(&add);
                 }
                 // A half-open worker takes this one probe, then no more
                 // until its verdict: decided before the next placement.
