@@ -1242,12 +1242,12 @@ mod replica_tests {
         })
     }
 
-    /// Everything a replica's selector reads from shared state: per-worker
-    /// requests, decode blocks, prefill tokens now and active prompt blocks;
-    /// the index's live pairs.
     /// Per worker: requests, decode blocks, prefill tokens, active prompt blocks.
     type Loads = Vec<(WorkerId, usize, usize, u64, usize)>;
 
+    /// Everything a replica's selector reads from shared state: per-worker
+    /// requests, decode blocks, prefill tokens now and active prompt blocks;
+    /// the index's live pairs.
     fn view(router: &Router, now_ms: f64) -> (Loads, usize) {
         let registry = router.sequences().registry();
         let loads = registry
