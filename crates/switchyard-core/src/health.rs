@@ -20,6 +20,14 @@
 //!   `min(cooldown_ms · 2^(opens − 1), max_cooldown_ms)`, where `opens`
 //!   counts consecutive openings without a close in between. Late results
 //!   of requests sent before the circuit opened change nothing.
+//! - **Generations.** Every opening (and every [`CircuitBreaker::reset`])
+//!   starts a new generation; a request remembers the generation it was
+//!   dispatched in ([`CircuitBreaker::generation`]) and reports its result
+//!   with it ([`CircuitBreaker::on_result`]). A result of an older
+//!   generation changes nothing, whatever the state: it can neither close
+//!   a half-open circuit nor free its probe slot, so only the probe's own
+//!   verdict (the one request dispatched in the half-open generation)
+//!   decides.
 //! - **HalfOpen** admits a single probe request. Its success closes the
 //!   circuit (and resets the backoff); its failure re-opens it with the next
 //!   cooldown; if it ends with no verdict (the client went away) the probe
@@ -177,6 +185,9 @@ pub struct CircuitBreaker {
     open_until_ms: f64,
     /// A half-open probe is in flight.
     probing: bool,
+    /// Bumped at every opening and reset: results of requests dispatched
+    /// in an earlier generation are late and ignored.
+    generation: u64,
 }
 
 impl Default for CircuitBreaker {
@@ -194,7 +205,23 @@ impl CircuitBreaker {
             opens: 0,
             open_until_ms: 0.0,
             probing: false,
+            generation: 0,
         }
+    }
+
+    /// The current generation: a request dispatched now reports its
+    /// result with it ([`Self::on_result`]).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Starts afresh: closed, no history, and a new generation so that
+    /// results of requests dispatched before the reset change nothing.
+    pub fn reset(&mut self) {
+        *self = Self {
+            generation: self.generation.wrapping_add(1),
+            ..Self::new()
+        };
     }
 
     /// The current state (as of the last call; see [`Self::poll`]).
@@ -233,15 +260,32 @@ impl CircuitBreaker {
         changed
     }
 
-    /// Applies one observation at `now_ms` (after ending a cooldown that
-    /// is over).
+    /// Applies one observation of a request dispatched in the current
+    /// generation at `now_ms` (after ending a cooldown that is over); a
+    /// dispatch is always of the current generation.
     pub fn on_event(
         &mut self,
         event: CircuitEvent,
         now_ms: f64,
         config: &CircuitConfig,
     ) -> Transitions {
+        self.on_result(event, self.generation, now_ms, config)
+    }
+
+    /// Applies one observation of a request dispatched in `generation`
+    /// at `now_ms` (after ending a cooldown that is over). An observation
+    /// of an earlier generation is late: it changes nothing.
+    pub fn on_result(
+        &mut self,
+        event: CircuitEvent,
+        generation: u64,
+        now_ms: f64,
+        config: &CircuitConfig,
+    ) -> Transitions {
         let mut changed = self.poll(now_ms);
+        if generation != self.generation {
+            return changed;
+        }
         match (self.state, event) {
             (CircuitState::Closed, CircuitEvent::Success) => self.failures = 0,
             (CircuitState::Closed, CircuitEvent::Failure) => {
@@ -254,7 +298,12 @@ impl CircuitBreaker {
             (CircuitState::HalfOpen, CircuitEvent::Dispatched) => self.probing = true,
             (CircuitState::HalfOpen, CircuitEvent::Released) => self.probing = false,
             (CircuitState::HalfOpen, CircuitEvent::Success) => {
-                *self = Self::new();
+                // Closed with no history; the generation goes on (only the
+                // probe was dispatched in it).
+                *self = Self {
+                    generation: self.generation,
+                    ..Self::new()
+                };
                 changed.push(CircuitState::Closed);
             }
             (CircuitState::HalfOpen, CircuitEvent::Failure) => {
@@ -269,6 +318,7 @@ impl CircuitBreaker {
 
     fn open(&mut self, now_ms: f64, config: &CircuitConfig) {
         self.opens = self.opens.saturating_add(1);
+        self.generation = self.generation.wrapping_add(1);
         self.state = CircuitState::Open;
         self.failures = 0;
         self.probing = false;
@@ -381,7 +431,7 @@ mod tests {
             vec![CircuitState::Closed]
         );
         assert!(b.admits());
-        assert_eq!(b, CircuitBreaker::new());
+        assert_eq!(b.consecutive_failures(), 0);
         // The next opening starts from the first cooldown again.
         let b = opened_at(1000.0);
         assert_eq!(b.open_until_ms(), Some(1100.0));
@@ -423,6 +473,54 @@ mod tests {
     }
 
     #[test]
+    fn a_late_success_from_before_the_opening_does_not_close_a_half_open_circuit() {
+        let mut b = CircuitBreaker::new();
+        let before = b.generation();
+        b.on_event(Dispatched, 0.0, &CONFIG);
+        for _ in 0..3 {
+            b.on_event(Failure, 0.0, &CONFIG);
+        }
+        b.poll(100.0);
+        b.on_event(Dispatched, 100.0, &CONFIG);
+        assert!(b
+            .on_result(Success, before, 101.0, &CONFIG)
+            .is_empty());
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert!(!b.admits(), "the probe is still in flight");
+        assert_eq!(
+            states(b.on_result(Success, b.generation(), 102.0, &CONFIG)),
+            vec![CircuitState::Closed],
+            "the probe's own verdict decides"
+        );
+    }
+
+    #[test]
+    fn a_late_release_from_before_the_opening_does_not_free_the_probe_slot() {
+        let before = CircuitBreaker::new().generation();
+        let mut b = opened_at(0.0);
+        assert_ne!(b.generation(), before, "an opening starts a generation");
+        b.poll(100.0);
+        b.on_event(Dispatched, 100.0, &CONFIG);
+        assert!(b.on_result(Released, before, 101.0, &CONFIG).is_empty());
+        assert!(!b.admits(), "one probe at a time");
+        assert!(b.on_result(Failure, before, 101.0, &CONFIG).is_empty());
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+    }
+
+    #[test]
+    fn a_reset_closes_the_circuit_and_makes_every_earlier_result_late() {
+        let mut b = opened_at(0.0);
+        let before = b.generation();
+        b.reset();
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.admits());
+        for _ in 0..5 {
+            assert!(b.on_result(Failure, before, 1.0, &CONFIG).is_empty());
+        }
+        assert_eq!(b.consecutive_failures(), 0);
+    }
+
+    #[test]
     fn bad_settings_are_refused() {
         let zero = CircuitConfig {
             failure_threshold: 0,
@@ -443,7 +541,9 @@ mod tests {
     /// recomputed from the whole history of observations.
     #[derive(Debug, Default)]
     struct Reference {
-        history: Vec<(CircuitEvent, f64)>,
+        /// Each observation with the generation of the request it is about:
+        /// the number of openings before that request was dispatched.
+        history: Vec<(CircuitEvent, f64, u64)>,
     }
 
     #[derive(Debug, PartialEq)]
@@ -454,8 +554,10 @@ mod tests {
     }
 
     impl Reference {
-        fn state(&self, now: f64, c: &CircuitConfig) -> RefState {
+        /// The state at `now` and the generation (openings so far).
+        fn replay(&self, now: f64, c: &CircuitConfig) -> (RefState, u64) {
             let mut s = RefState::Closed { streak: 0 };
+            let mut openings = 0u64;
             let end_cooldown = |s: RefState, t: f64| match s {
                 RefState::Open { until, opens } if t >= until => RefState::HalfOpen {
                     opens,
@@ -463,8 +565,13 @@ mod tests {
                 },
                 other => other,
             };
-            for &(event, t) in &self.history {
+            for &(event, t, generation) in &self.history {
                 s = end_cooldown(s, t);
+                if generation != openings {
+                    // About a request dispatched before the last opening.
+                    continue;
+                }
+                let was_open = matches!(s, RefState::Open { .. });
                 s = match (s, event) {
                     (RefState::Closed { streak }, Failure) if streak + 1 >= c.failure_threshold => {
                         RefState::Open {
@@ -491,8 +598,15 @@ mod tests {
                     },
                     (other, _) => other,
                 };
+                if !was_open && matches!(s, RefState::Open { .. }) {
+                    openings += 1;
+                }
             }
-            end_cooldown(s, now)
+            (end_cooldown(s, now), openings)
+        }
+
+        fn state(&self, now: f64, c: &CircuitConfig) -> RefState {
+            self.replay(now, c).0
         }
 
         fn admits(&self, now: f64, c: &CircuitConfig) -> bool {
@@ -513,13 +627,18 @@ mod tests {
         ]
     }
 
+    /// How many openings late a result is (mostly not late).
+    fn age() -> impl Strategy<Value = u64> {
+        prop_oneof![3 => Just(0u64), 1 => 1u64..3]
+    }
+
     proptest! {
         #[test]
         fn the_breaker_matches_the_reference_model(
             threshold in 1u32..5,
             cooldown in 1u64..200,
             cap_factor in 1u64..6,
-            steps in prop::collection::vec((event(), 0u32..150, any::<bool>()), 0..200),
+            steps in prop::collection::vec((event(), 0u32..150, any::<bool>(), age()), 0..200),
         ) {
             let config = CircuitConfig {
                 failure_threshold: threshold,
@@ -530,7 +649,7 @@ mod tests {
             let mut reference = Reference::default();
             let mut now = 0.0;
             let mut last_state = CircuitState::Closed;
-            for (event, dt, poll_first) in steps {
+            for (event, dt, poll_first, age) in steps {
                 now += f64::from(dt);
                 if poll_first {
                     for to in breaker.poll(now).iter() {
@@ -538,11 +657,18 @@ mod tests {
                         last_state = to;
                     }
                 }
-                for to in breaker.on_event(event, now, &config).iter() {
+                // A result `age` openings late (a dispatch is never late).
+                let current = reference.replay(now, &config).1;
+                let generation = match event {
+                    Dispatched => current,
+                    _ => current.saturating_sub(age),
+                };
+                prop_assert_eq!(breaker.generation(), current);
+                for to in breaker.on_result(event, generation, now, &config).iter() {
                     prop_assert_ne!(to, last_state, "a transition changes the state");
                     last_state = to;
                 }
-                reference.history.push((event, now));
+                reference.history.push((event, now, generation));
                 prop_assert_eq!(breaker.state(), last_state, "transitions report every change");
                 prop_assert_eq!(breaker.admits(), reference.admits(now, &config));
                 let expected = match reference.state(now, &config) {
