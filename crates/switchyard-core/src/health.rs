@@ -482,9 +482,7 @@ mod tests {
         }
         b.poll(100.0);
         b.on_event(Dispatched, 100.0, &CONFIG);
-        assert!(b
-            .on_result(Success, before, 101.0, &CONFIG)
-            .is_empty());
+        assert!(b.on_result(Success, before, 101.0, &CONFIG).is_empty());
         assert_eq!(b.state(), CircuitState::HalfOpen);
         assert!(!b.admits(), "the probe is still in flight");
         assert_eq!(

@@ -283,6 +283,15 @@ impl RemoteBookings {
         self.per_worker.get(&worker).copied().unwrap_or(0)
     }
 
+    /// The remote bookings held now on `worker`. Visits every remote
+    /// booking: for rare events such as a worker's removal.
+    pub fn requests_on(&self, worker: WorkerId) -> impl Iterator<Item = RequestId> + '_ {
+        self.owners
+            .iter()
+            .filter(move |(_, &(_, w))| w == worker)
+            .map(|(&id, _)| id)
+    }
+
     /// Origins tracked now.
     pub fn replicas(&self) -> usize {
         self.origins.len()

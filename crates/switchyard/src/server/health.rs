@@ -42,13 +42,20 @@ impl WorkerCircuit {
     }
 }
 
-/// Applies one request outcome to `worker`'s breaker and brings its
-/// selectability in line. Unknown workers (removed meanwhile) and workers
-/// out of the router are ignored.
-pub(crate) fn circuit_event(core: &mut Core, worker: WorkerId, event: CircuitEvent, now_ms: f64) {
+/// Applies one outcome of a request dispatched in the breaker's
+/// `generation` to `worker`'s breaker and brings its selectability in
+/// line. Unknown workers (removed meanwhile), workers out of the router
+/// and results of an earlier generation (late) are ignored.
+pub(crate) fn circuit_event(
+    core: &mut Core,
+    worker: WorkerId,
+    event: CircuitEvent,
+    generation: u64,
+    now_ms: f64,
+) {
     let config = core.circuit_config;
     if let Some(info) = core.workers.get_mut(&worker) {
-        step(&mut core.router, info, event, &config, now_ms);
+        step(&mut core.router, info, event, generation, &config, now_ms);
     }
 }
 
@@ -58,13 +65,17 @@ pub(crate) fn step(
     router: &mut Router,
     info: &mut WorkerInfo,
     event: CircuitEvent,
+    generation: u64,
     config: &CircuitConfig,
     now_ms: f64,
 ) {
     if !info.in_router {
         return;
     }
-    let changed = info.circuit.breaker.on_event(event, now_ms, config);
+    let changed = info
+        .circuit
+        .breaker
+        .on_result(event, generation, now_ms, config);
     settle(router, info, changed);
 }
 

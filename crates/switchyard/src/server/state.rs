@@ -20,7 +20,7 @@
 use super::health::{self, WorkerCircuit};
 use super::metrics::{AdmissionDecision, ServerMetrics};
 use crate::events::subscriber::IndexSink;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -79,6 +79,9 @@ pub enum Assignment {
         url: Arc<str>,
         /// Time spent queued.
         waited_ms: f64,
+        /// The worker's circuit generation at dispatch: the request's
+        /// results are reported with it.
+        circuit_generation: u64,
     },
     /// No worker can take it.
     NoWorkers,
@@ -163,10 +166,12 @@ impl Core {
                 // A half-open worker takes this one probe, then no more
                 // until its verdict: decided before the next placement.
                 if let Some(info) = workers.get_mut(&decision.worker) {
+                    let generation = info.circuit.breaker.generation();
                     health::step(
                         router,
                         info,
                         CircuitEvent::Dispatched,
+                        generation,
                         circuit_config,
                         now_ms,
                     );
@@ -187,6 +192,13 @@ impl Core {
                 } => {
                     let id = ticket.id();
                     let info = self.workers.get(&decision.worker);
+                    // Read under the same lock hold as the dispatch above:
+                    // nothing can have opened the circuit in between.
+                    let dispatch = Dispatch {
+                        worker: decision.worker,
+                        circuit_generation: info.map_or(0, |i| i.circuit.breaker.generation()),
+                        verdict: false,
+                    };
                     let waiter = self.waiting.remove(&id);
                     match (waiter, info) {
                         (Some(waiter), Some(info)) => {
@@ -203,14 +215,15 @@ impl Core {
                                 name: info.name.clone(),
                                 url: info.url.clone(),
                                 waited_ms,
+                                circuit_generation: dispatch.circuit_generation,
                             };
                             if let Err(Assignment::Selected { ticket, .. }) =
                                 waiter.tx.send(assignment)
                             {
-                                self.release(id, Some(ticket), false, 0, now_ms);
+                                self.release(id, dispatch, Some(ticket), false, 0, now_ms);
                             }
                         }
-                        (_, _) => self.release(id, Some(ticket), false, 0, now_ms),
+                        (_, _) => self.release(id, dispatch, Some(ticket), false, 0, now_ms),
                     }
                 }
                 Placed::NoWorkers { id } => {
@@ -223,15 +236,29 @@ impl Core {
         self.placed = placed;
     }
 
-    /// Frees a booking and ends its ticket.
+    /// Frees a booking and ends its ticket. A booking that reached its
+    /// worker's circuit with no verdict (no first token, no failure)
+    /// reports `Released` here, on every path that ends one — the
+    /// handler's drop, a placement nobody waits for any more — so a
+    /// half-open worker's probe slot is never lost.
     fn release(
         &mut self,
         id: RequestId,
+        dispatch: Dispatch,
         ticket: Option<ResponseTicket>,
         completed: bool,
         context_tokens: u64,
         now_ms: f64,
     ) {
+        if !dispatch.verdict {
+            health::circuit_event(
+                self,
+                dispatch.worker,
+                CircuitEvent::Released,
+                dispatch.circuit_generation,
+                now_ms,
+            );
+        }
         let worker = self.router.sequences().owner(id);
         let freed = self.router.free(id, now_ms);
         if let (Some(link), Some(worker), LifecycleOutcome::Applied) =
@@ -285,6 +312,16 @@ impl Core {
         }
         Ok(eligible)
     }
+}
+
+/// A booking as its worker's circuit breaker saw it dispatched.
+#[derive(Clone, Copy, Debug)]
+struct Dispatch {
+    worker: WorkerId,
+    /// The breaker's generation at dispatch.
+    circuit_generation: u64,
+    /// A success or failure was reported for it.
+    verdict: bool,
 }
 
 /// What a request brings to admission.
@@ -428,16 +465,20 @@ impl SharedRouter {
         if info.circuit.breaker.state() != CircuitState::Closed {
             info.circuit.transitions[CircuitState::Closed as usize] += 1;
         }
-        info.circuit.breaker = Default::default();
+        info.circuit.breaker.reset();
         if in_router {
             info.failures = 0;
             info.events_epoch += 1;
             let capacity = info.capacity;
             core.router.add_worker(id, capacity);
         } else {
-            let freed = core.router.remove_worker(id);
+            // Peers' bookings on the worker go too, but they are theirs to
+            // free and to count: only this replica's own are published
+            // and counted.
+            let remote: FxHashSet<RequestId> = core.router.remote().requests_on(id).collect();
+            let mut freed = core.router.remove_worker(id);
+            freed.retain(|request| !remote.contains(request));
             if let Some(link) = &core.replica {
-                // Peers ignore the frees of bookings this replica does not own.
                 freed.iter().for_each(|&request| link.freed(request, id));
             }
             self.metrics
@@ -452,11 +493,13 @@ impl SharedRouter {
         self.lock().circuit_config = config;
     }
 
-    /// Feeds one request outcome to `worker`'s circuit breaker.
-    pub fn circuit_event(&self, worker: WorkerId, event: CircuitEvent) {
+    /// Feeds one outcome of a request dispatched in the breaker's
+    /// `generation` to `worker`'s circuit breaker (a late one, of an
+    /// earlier generation, changes nothing).
+    pub fn circuit_event(&self, worker: WorkerId, event: CircuitEvent, generation: u64) {
         let now = self.now_ms();
         let mut core = self.lock();
-        health::circuit_event(&mut core, worker, event, now);
+        health::circuit_event(&mut core, worker, event, generation, now);
         core.poll(now, &self.metrics);
     }
 
@@ -533,7 +576,8 @@ impl SharedRouter {
         }
     }
 
-    /// Active requests booked on `id` (0 when unknown).
+    /// Active requests booked on `id` (0 when unknown): this replica's
+    /// and, with replica sync on, its peers'. This is the worker's load.
     pub fn active_requests(&self, id: WorkerId) -> usize {
         self.lock()
             .router
@@ -541,6 +585,21 @@ impl SharedRouter {
             .registry()
             .load(id)
             .map_or(0, |l| l.requests)
+    }
+
+    /// Requests this replica booked on `id` and has not freed (0 when
+    /// unknown): [`Self::active_requests`] minus peers' remote bookings.
+    /// Draining waits for these only — a peer's bookings end on the peer,
+    /// and this replica never sees them end if it stops routing there.
+    pub fn local_requests(&self, id: WorkerId) -> usize {
+        let core = self.lock();
+        let all = core
+            .router
+            .sequences()
+            .registry()
+            .load(id)
+            .map_or(0, |l| l.requests);
+        all.saturating_sub(core.router.remote().remote_requests_on(id))
     }
 
     /// Admission: queues the request and tries to place it at once.
@@ -778,6 +837,7 @@ impl WaitHandle {
                 name,
                 url,
                 waited_ms,
+                circuit_generation,
             }) => Ok(Booking {
                 shared: self.shared.clone(),
                 id: self.id,
@@ -792,6 +852,7 @@ impl WaitHandle {
                 context_tokens: 0,
                 overlap_blocks: decision.overlap_blocks,
                 waited_ms,
+                circuit_generation,
             }),
             Ok(Assignment::NoWorkers) | Err(_) => Err(()),
         }
@@ -812,8 +873,20 @@ impl Drop for WaitHandle {
                 .count_admission(AdmissionDecision::Cancelled);
         }
         rx.close();
-        if let Ok(Assignment::Selected { ticket, .. }) = rx.try_recv() {
-            core.release(self.id, Some(ticket), false, 0, now);
+        if let Ok(Assignment::Selected {
+            ticket,
+            decision,
+            circuit_generation,
+            ..
+        }) = rx.try_recv()
+        {
+            // Placed (and dispatched to the circuit) but never handed over.
+            let dispatch = Dispatch {
+                worker: decision.worker,
+                circuit_generation,
+                verdict: false,
+            };
+            core.release(self.id, dispatch, Some(ticket), false, 0, now);
         }
         core.poll(now, &self.shared.metrics);
     }
@@ -844,6 +917,8 @@ pub struct Booking {
     pub overlap_blocks: u32,
     /// Time queued before placement.
     pub waited_ms: f64,
+    /// The worker's circuit generation at dispatch.
+    circuit_generation: u64,
 }
 
 impl Booking {
@@ -868,7 +943,13 @@ impl Booking {
             link.prefill_completed(self.id, self.worker);
         }
         if !self.verdict.swap(true, Ordering::Relaxed) {
-            health::circuit_event(&mut core, self.worker, CircuitEvent::Success, now);
+            health::circuit_event(
+                &mut core,
+                self.worker,
+                CircuitEvent::Success,
+                self.circuit_generation,
+                now,
+            );
         }
         core.poll(now, &self.shared.metrics);
     }
@@ -902,7 +983,7 @@ impl Booking {
         }
         self.verdict.store(true, Ordering::Relaxed);
         self.shared
-            .circuit_event(self.worker, CircuitEvent::Failure);
+            .circuit_event(self.worker, CircuitEvent::Failure, self.circuit_generation);
     }
 }
 
@@ -910,12 +991,14 @@ impl Drop for Booking {
     fn drop(&mut self) {
         let now = self.shared.now_ms();
         let mut core = self.shared.lock();
-        if !self.verdict.load(Ordering::Relaxed) {
-            // Frees a half-open worker's probe slot.
-            health::circuit_event(&mut core, self.worker, CircuitEvent::Released, now);
-        }
+        let dispatch = Dispatch {
+            worker: self.worker,
+            circuit_generation: self.circuit_generation,
+            verdict: self.verdict.load(Ordering::Relaxed),
+        };
         core.release(
             self.id,
+            dispatch,
             self.ticket.take(),
             self.completed,
             self.context_tokens,
@@ -970,6 +1053,155 @@ mod tests {
                 .unwrap();
             assert_eq!(booking.worker, ids[2]);
         }
+    }
+
+    /// A peer replica's booking of request `id` on `worker`, as replica
+    /// sync applies it.
+    fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
+        use switchyard_core::sequences::SequenceEvent;
+        use switchyard_core::ReplicaId;
+        let now = shared.now_ms();
+        let add = AddRequest {
+            request: RequestId(id),
+            worker,
+            prompt_tokens: 4,
+            blocks: Vec::new(),
+            overlap_blocks: 0,
+            expected_prefill_ms: None,
+        };
+        let outcome = shared.with_core(|c| {
+            c.router
+                .apply_remote(ReplicaId(7), &SequenceEvent::Add(add), now)
+        });
+        assert!(outcome.applied());
+    }
+
+    #[tokio::test]
+    async fn local_requests_leave_out_peers_bookings_on_the_worker() {
+        let (shared, ids) = shared_with(&["a"]);
+        book_remotely(&shared, 1_000, ids[0]);
+        book_remotely(&shared, 1_001, ids[0]);
+        assert_eq!(shared.active_requests(ids[0]), 2, "the load counts them");
+        assert_eq!(shared.local_requests(ids[0]), 0);
+        let booking = shared
+            .submit(RequestId(1), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        assert_eq!(shared.active_requests(ids[0]), 3);
+        assert_eq!(shared.local_requests(ids[0]), 1);
+        drop(booking);
+        assert_eq!(shared.local_requests(ids[0]), 0);
+    }
+
+    #[tokio::test]
+    async fn removing_a_worker_counts_only_this_replicas_bookings_as_freed() {
+        let (shared, ids) = shared_with(&["a"]);
+        book_remotely(&shared, 1_000, ids[0]);
+        let booking = shared
+            .submit(RequestId(1), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        shared.set_in_router(ids[0], false);
+        assert_eq!(
+            shared.metrics.freed_by_removal.load(Ordering::Relaxed),
+            1,
+            "the peer's booking is the peer's to free"
+        );
+        assert_eq!(shared.active_requests(ids[0]), 0);
+        drop(booking);
+    }
+
+    /// One worker whose circuit is half-open (its one failure opened it,
+    /// and the 1 ms cooldown is over).
+    async fn half_open_worker() -> (Arc<SharedRouter>, WorkerId) {
+        let (shared, ids) = shared_with(&["a"]);
+        shared.set_circuit_config(CircuitConfig {
+            failure_threshold: 1,
+            cooldown_ms: 1,
+            max_cooldown_ms: 1,
+        });
+        let booking = shared
+            .submit(RequestId(1), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        booking.worker_failed();
+        drop(booking);
+        // Sleeping is a lower bound: any machine gets past the cooldown.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        shared.tick();
+        let state = shared.with_core(|c| c.workers[&ids[0]].circuit.breaker.state());
+        assert_eq!(state, CircuitState::HalfOpen);
+        (shared, ids[0])
+    }
+
+    #[tokio::test]
+    async fn a_probe_placed_but_dropped_before_its_handler_took_it_frees_the_probe_slot() {
+        let (shared, worker) = half_open_worker().await;
+        // Placed at once (the probe is dispatched), then the client goes
+        // away before the handler reads the placement.
+        let wait = shared.submit(RequestId(2), submission(&[])).unwrap();
+        assert!(shared.with_core(|c| !c.workers[&worker].circuit.breaker.admits()));
+        drop(wait);
+        assert_eq!(
+            shared.with_core(|c| c.router.sequences().active_requests()),
+            0
+        );
+        assert!(
+            shared.with_core(|c| c.workers[&worker].circuit.breaker.admits()),
+            "the circuit may probe again"
+        );
+        let probe = shared
+            .submit(RequestId(3), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .expect("the next request is the probe");
+        assert_eq!(probe.worker, worker);
+    }
+
+    #[tokio::test]
+    async fn a_late_result_of_a_request_dispatched_before_the_opening_is_ignored() {
+        let (shared, ids) = shared_with(&["a"]);
+        shared.set_circuit_config(CircuitConfig {
+            failure_threshold: 1,
+            cooldown_ms: 1,
+            max_cooldown_ms: 1,
+        });
+        let mut early = shared
+            .submit(RequestId(1), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        let failing = shared
+            .submit(RequestId(2), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        failing.worker_failed();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        shared.tick();
+        let probe = shared
+            .submit(RequestId(3), submission(&[]))
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        // The early request's first token is not the probe's success.
+        early.mark_first_token();
+        let state = shared.with_core(|c| c.workers[&ids[0]].circuit.breaker.state());
+        assert_eq!(state, CircuitState::HalfOpen);
+        // Nor does its end free the probe slot.
+        drop(early);
+        assert!(shared.with_core(|c| !c.workers[&ids[0]].circuit.breaker.admits()));
+        drop((failing, probe));
     }
 
     #[tokio::test]

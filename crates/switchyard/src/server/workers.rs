@@ -10,9 +10,11 @@
 //! first contact clears the worker's entries and rebuilds them (from the
 //! replay socket when there is one). Events a stopped subscriber still
 //! delivers are dropped by epoch ([`WorkerEventSink`]). Request failures
-//! (refused, reset, 5xx, timeout, broken stream) feed the passive circuit breakers instead ([`super::health`]). A
-//! draining worker takes no new requests and is removed once it has none
-//! in flight.
+//! (refused, reset, 5xx, timeout, broken stream) feed the passive circuit
+//! breakers instead ([`super::health`]). A draining worker takes no new
+//! requests and is removed once this replica has none in flight on it
+//! (peers' bookings, with replica sync on, do not hold it back: they end on
+//! the peers).
 
 use super::config::WorkerSpec;
 use super::state::SharedRouter;
@@ -154,7 +156,7 @@ impl Fleet {
         let Some(info) = self.shared.workers().into_iter().find(|w| &*w.name == name) else {
             return false;
         };
-        if drain && self.shared.active_requests(info.id) > 0 {
+        if drain && self.shared.local_requests(info.id) > 0 {
             self.shared.set_draining(info.id);
             tracing::info!(worker = %name, "worker draining");
         } else {
@@ -181,7 +183,7 @@ impl Fleet {
         });
         for (info, ok) in futures_util::future::join_all(checks).await {
             if info.draining {
-                if self.shared.active_requests(info.id) == 0 {
+                if self.shared.local_requests(info.id) == 0 {
                     self.drop_worker(info.id);
                 }
                 continue;
@@ -297,5 +299,94 @@ impl Drop for Fleet {
         if !subs.is_empty() {
             std::thread::spawn(move || subs.into_iter().for_each(KvEventSubscriber::shutdown));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::state::Submission;
+    use crate::server::{build_router, ServerConfig};
+    use switchyard_core::admission::AdmissionController;
+    use switchyard_core::sequences::{AddRequest, SequenceEvent};
+    use switchyard_core::{ReplicaId, RequestId};
+
+    /// A fleet of one worker in selection (nothing listens at its URL).
+    fn fleet() -> (Fleet, Arc<SharedRouter>, WorkerId) {
+        let config = ServerConfig::default();
+        let admission = AdmissionController::new(config.queue.clone(), None).unwrap();
+        let shared = Arc::new(SharedRouter::new(
+            build_router(&config).unwrap(),
+            admission,
+            Arc::default(),
+        ));
+        let fleet = Fleet::new(
+            shared.clone(),
+            upstream_client(Duration::from_millis(100)),
+            false,
+            config.block_size,
+            3,
+            Duration::from_millis(100),
+        );
+        let id = shared.add_worker("w", "http://127.0.0.1:9").unwrap();
+        shared.set_in_router(id, true);
+        (fleet, shared, id)
+    }
+
+    /// A peer replica's booking on `worker`, as replica sync applies it.
+    fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
+        let add = AddRequest {
+            request: RequestId(id),
+            worker,
+            prompt_tokens: 4,
+            blocks: Vec::new(),
+            overlap_blocks: 0,
+            expected_prefill_ms: None,
+        };
+        let now = shared.now_ms();
+        let outcome = shared.with_core(|c| {
+            c.router
+                .apply_remote(ReplicaId(7), &SequenceEvent::Add(add), now)
+        });
+        assert!(outcome.applied());
+    }
+
+    #[tokio::test]
+    async fn draining_a_worker_with_only_peers_bookings_removes_it_at_once() {
+        let (fleet, shared, id) = fleet();
+        book_remotely(&shared, 1_000, id);
+        assert!(fleet.remove("w", true));
+        assert!(shared.workers().is_empty(), "nothing of ours to wait for");
+    }
+
+    #[tokio::test]
+    async fn a_draining_worker_is_removed_once_this_replicas_requests_end_whatever_peers_hold() {
+        let (fleet, shared, id) = fleet();
+        let booking = shared
+            .submit(
+                RequestId(1),
+                Submission {
+                    blocks: Vec::new(),
+                    prompt_tokens: 4,
+                    session: None,
+                    model: None,
+                    exclude: &[],
+                },
+            )
+            .unwrap()
+            .placed()
+            .await
+            .unwrap();
+        book_remotely(&shared, 1_000, id);
+        assert!(fleet.remove("w", true));
+        assert!(shared.workers()[0].draining);
+        fleet.check_all().await;
+        assert_eq!(shared.workers().len(), 1, "our request is still in flight");
+        drop(booking);
+        fleet.check_all().await;
+        assert!(
+            shared.workers().is_empty(),
+            "the peer's booking does not hold the drain"
+        );
     }
 }
