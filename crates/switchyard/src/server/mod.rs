@@ -338,6 +338,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         policies: config.policies,
         sequences: SequencesConfig {
             block_size: config.block_size,
+            expiry_ms: sequence_expiry_ms(config),
             ..SequencesConfig::default()
         },
         cache,
@@ -354,6 +355,19 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
     };
     router_config.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     Router::new(router_config).context("invalid router configuration")
+}
+
+/// How long a booking may stay in the load view before the router
+/// presumes it leaked and frees it: the request timeout plus a minute, and
+/// never less than the core's default. The expiry is a safety net for
+/// bookings whose end was never seen; every request the server handles
+/// ends (and is freed) by its request timeout at the latest, so a shorter
+/// expiry would drop long streams that are still running from the load
+/// the selector sees. The minute covers the time between the timeout
+/// firing and the booking's guard being dropped.
+fn sequence_expiry_ms(config: &ServerConfig) -> f64 {
+    const MARGIN_MS: f64 = 60_000.0;
+    (config.request_timeout_secs * 1e3 + MARGIN_MS).max(SequencesConfig::default().expiry_ms)
 }
 
 /// Starts the router: binds, adds the workers, starts health checks and

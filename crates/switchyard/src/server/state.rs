@@ -971,8 +971,13 @@ impl Booking {
     /// The worker failed this request (connect refused, reset, 5xx,
     /// first-token timeout, broken stream): one failure for its circuit
     /// breaker, which takes it out of selection after `failure_threshold`
-    /// in a row. Counted once per request however often it is called (and
-    /// not at all after the first token, which counted as a success).
+    /// in a row. Counted once per request (per booking: each worker a
+    /// migrated request visits has its own) however often it is called —
+    /// also after the first token: a stream that breaks mid-way counted a
+    /// success at its first token and now counts a failure too, since a
+    /// worker killed mid-stream is a failing worker. A failure of a request
+    /// dispatched before the circuit last opened is late and changes
+    /// nothing.
     pub fn worker_failed(&self) {
         self.shared
             .metrics
@@ -1202,6 +1207,33 @@ mod tests {
         drop(early);
         assert!(shared.with_core(|c| !c.workers[&ids[0]].circuit.breaker.admits()));
         drop((failing, probe));
+    }
+
+    #[test]
+    fn a_booking_still_running_at_the_request_timeout_stays_in_the_load_view() {
+        for request_timeout_secs in [1.0, 600.0, 3_600.0] {
+            let config = ServerConfig {
+                request_timeout_secs,
+                ..ServerConfig::default()
+            };
+            let mut router = build_router(&config).unwrap();
+            let worker = WorkerId::new(1);
+            router.add_worker(worker, Default::default());
+            let add = AddRequest {
+                request: RequestId(1),
+                worker,
+                prompt_tokens: 4,
+                blocks: Vec::new(),
+                overlap_blocks: 0,
+                expected_prefill_ms: None,
+            };
+            router.book_request(&add, 0.0);
+            let timeout_ms = request_timeout_secs * 1e3;
+            assert!(router.expire(timeout_ms).is_empty());
+            assert_eq!(router.sequences().active_requests(), 1);
+            // A booking whose end was never seen still goes, later.
+            assert_eq!(router.expire(timeout_ms + 3_600_000.0).len(), 1);
+        }
     }
 
     #[tokio::test]
