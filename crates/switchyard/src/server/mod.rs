@@ -339,7 +339,6 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         sequences: SequencesConfig {
             block_size: config.block_size,
             expiry_ms: sequence_expiry_ms(config),
-            ..SequencesConfig::default()
         },
         cache,
         busy_threshold: config.busy_threshold,
