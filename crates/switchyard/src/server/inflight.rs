@@ -9,7 +9,11 @@
 //! in the response body ([`GuardedBody`]), so a streaming answer counts
 //! until its last byte. Together with the admission queue's own limit
 //! (429) this bounds the router's memory under any burst: each request
-//! holds at most its body (`max_body_bytes`) and its routing facts.
+//! holds at most its body (`max_body_bytes`), its routing facts (the
+//! prompt's token ids) and either a buffered answer
+//! (`max_response_bytes`) or a stream's buffers (one SSE event of
+//! [`super::proxy::MAX_EVENT_BYTES`] plus 36 bytes a token of the
+//! migration sequence limit, see [`super::stream`]).
 //!
 //! [`Inflight::cancel`] (shutdown, after the grace period) makes every
 //! guarded request end now: a request still waiting for a worker gets a
