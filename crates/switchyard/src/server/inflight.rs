@@ -260,7 +260,7 @@ mod tests {
     fn never_answering(inflight: Arc<Inflight>) -> axum::Router {
         let app = axum::Router::new().route(
             "/v1/completions",
-            axum::routing::post(|| std::future::pending::<&'static str>()),
+            axum::routing::post(std::future::pending::<&'static str>),
         );
         layer(app, inflight)
     }
