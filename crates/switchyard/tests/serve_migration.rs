@@ -651,3 +651,64 @@ async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
         .unwrap();
     assert!(response.text().await.unwrap().ends_with("data: [DONE]\n\n"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
+    use switchyard::server::{self, config::WorkerSpec, ServerConfig};
+    let silent = scripted_worker(Script::Silent).await;
+    let config = ServerConfig {
+        port: 0,
+        workers: vec![WorkerSpec::parse(&format!("{silent},name=silent")).unwrap()],
+        shutdown_grace_ms: 100,
+        health_interval_ms: 100,
+        ..ServerConfig::default()
+    };
+    let running = server::start(config).await.unwrap();
+    let base = format!("http://{}", running.addr);
+    let client = reqwest::Client::new();
+    let ready = eventually(Duration::from_secs(10), || {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            client
+                .get(format!("{base}/ready"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    assert!(ready);
+    // Non-streaming, on a worker that never answers: it waits for the
+    // worker when the shutdown deadline cancels it.
+    let request = tokio::spawn(
+        client
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"prompt": "x", "max_tokens": 4}))
+            .send(),
+    );
+    let booked = eventually(Duration::from_secs(10), || {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            metric(
+                &metrics_text(&client, &base).await,
+                "switchyard_active_requests",
+            ) == Some(1.0)
+        }
+    })
+    .await;
+    assert!(booked);
+    let metrics = running.shared.metrics.clone();
+    running.shutdown().await.unwrap();
+    let response = request.await.unwrap().unwrap();
+    assert_eq!(response.status(), 503);
+    let mut text = String::new();
+    metrics.render(&mut text, "kv");
+    assert_eq!(
+        metric(
+            &text,
+            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}
