@@ -25,6 +25,9 @@ enum Script {
     Silent,
     /// A JSON answer cut before its announced length.
     CutJson,
+    /// A completions stream with two choices: choice 0 finishes, choice 1
+    /// is still generating when the connection drops.
+    CutTwoChoiceStream,
 }
 
 /// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
@@ -97,6 +100,25 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
                 "500 Internal Server Error",
                 r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,
             ),
+            Script::CutTwoChoiceStream => {
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let chunk = |index: u32, text: &str, finish: Option<&str>| {
+                    json!({"id": "cmpl-two", "object": "text_completion", "created": 1, "model": "switchyard-sim", "choices": [{"index": index, "text": text, "finish_reason": finish}]})
+                };
+                for e in [
+                    chunk(0, " a", None),
+                    chunk(1, " b", None),
+                    chunk(0, "", Some("stop")),
+                    chunk(1, " c", None),
+                ] {
+                    let data = format!("data: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                // The connection drops with choice 1 unfinished.
+                out
+            }
             Script::CutChatStream => {
                 let mut out = String::from(
                     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -350,6 +372,91 @@ async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
         Some(1.0),
         "{metrics}"
     );
+    assert_eq!(
+        metric_sum(&metrics, "switchyard_migrations_total"),
+        0.0,
+        "no other worker took it, so no migration happened: {metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error_event() {
+    let cutting = scripted_worker(Script::CutTwoChoiceStream).await;
+    let router = router(&[format!("{cutting},name=cutting")], &[]);
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": "x", "n": 2, "max_tokens": 10, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    let events = sse_events(&text);
+    assert!(
+        !events.iter().any(|e| e == "[DONE]"),
+        "choice 1 never finished, so the stream is not complete: {text}"
+    );
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert!(last["error"]["message"].is_string(), "{text}");
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "switchyard_requests_total{policy=\"kv\",status=\"ok\"}"
+        )
+        .unwrap_or(0.0),
+        0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "switchyard_requests_total{policy=\"kv\",status=\"unavailable\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fails_two_workers_with_5xx_is_its_own_fault_and_stops_there() {
+    let a = scripted_worker(Script::Status500).await;
+    let b = scripted_worker(Script::Status500).await;
+    let c = scripted_worker(Script::Status500).await;
+    let router = router(
+        &[
+            format!("{a},name=a"),
+            format!("{b},name=b"),
+            format!("{c},name=c"),
+        ],
+        &["--migration-limit", "5"],
+    );
+    let client = reqwest::Client::new();
+    let response = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": "a prompt that crashes every engine", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("answered 500") && message.contains("request's fault"),
+        "the client learns which worker answered what, and why it stopped: {message}"
+    );
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(&metrics, "switchyard_upstream_failures_total"),
+        Some(1.0),
+        "only the first worker is reported; the second failure is the request's: {metrics}"
+    );
+    assert_eq!(
+        metric_sum(&metrics, "switchyard_migrations_total"),
+        1.0,
+        "one migration, and none to the third worker: {metrics}"
+    );
 }
 
 /// Router and worker both idle: nothing booked, nothing running.
@@ -543,4 +650,65 @@ async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
         .await
         .unwrap();
     assert!(response.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
+    use switchyard::server::{self, config::WorkerSpec, ServerConfig};
+    let silent = scripted_worker(Script::Silent).await;
+    let config = ServerConfig {
+        port: 0,
+        workers: vec![WorkerSpec::parse(&format!("{silent},name=silent")).unwrap()],
+        shutdown_grace_ms: 100,
+        health_interval_ms: 100,
+        ..ServerConfig::default()
+    };
+    let running = server::start(config).await.unwrap();
+    let base = format!("http://{}", running.addr);
+    let client = reqwest::Client::new();
+    let ready = eventually(Duration::from_secs(10), || {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            client
+                .get(format!("{base}/ready"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    assert!(ready);
+    // Non-streaming, on a worker that never answers: it waits for the
+    // worker when the shutdown deadline cancels it.
+    let request = tokio::spawn(
+        client
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"prompt": "x", "max_tokens": 4}))
+            .send(),
+    );
+    let booked = eventually(Duration::from_secs(10), || {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            metric(
+                &metrics_text(&client, &base).await,
+                "switchyard_active_requests",
+            ) == Some(1.0)
+        }
+    })
+    .await;
+    assert!(booked);
+    let metrics = running.shared.metrics.clone();
+    running.shutdown().await.unwrap();
+    let response = request.await.unwrap().unwrap();
+    assert_eq!(response.status(), 503);
+    let mut text = String::new();
+    metrics.render(&mut text, "kv");
+    assert_eq!(
+        metric(
+            &text,
+            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
 }

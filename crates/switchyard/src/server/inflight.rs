@@ -9,7 +9,11 @@
 //! in the response body ([`GuardedBody`]), so a streaming answer counts
 //! until its last byte. Together with the admission queue's own limit
 //! (429) this bounds the router's memory under any burst: each request
-//! holds at most its body (`max_body_bytes`) and its routing facts.
+//! holds at most its body (`max_body_bytes`), its routing facts (the
+//! prompt's token ids) and either a buffered answer
+//! (`max_response_bytes`) or a stream's buffers (one SSE event of
+//! [`super::proxy::MAX_EVENT_BYTES`] plus 36 bytes a token of the
+//! migration sequence limit, see [`super::stream`]).
 //!
 //! [`Inflight::cancel`] (shutdown, after the grace period) makes every
 //! guarded request end now: a request still waiting for a worker gets a
@@ -123,8 +127,14 @@ async fn guard(State(inflight): State<Arc<Inflight>>, request: Request, next: Ne
         return refuse(ApiError::overloaded(inflight.limit));
     };
     let cancelled = inflight.cancel.clone().cancelled_owned();
+    // The one place a request dropped before its response head is counted
+    // `Cancelled`: the client went away (this future is dropped) or the
+    // router shut down (the handler is dropped below). A response counts
+    // its own status; a body cut later counts in its own drop.
+    let mut unanswered = CountCancelled(Some(inflight.metrics.clone()));
     tokio::select! {
         response = next.run(request) => {
+            unanswered.0 = None;
             let sse = response
                 .headers()
                 .get(header::CONTENT_TYPE)
@@ -140,9 +150,20 @@ async fn guard(State(inflight): State<Arc<Inflight>>, request: Request, next: Ne
             })
         }
         () = cancelled => {
-            // The handler (and its place in the admission queue) is dropped.
-            inflight.metrics.count_request(RequestStatus::Cancelled);
+            // The handler (and its place in the admission queue) is
+            // dropped; `unanswered` counts it.
             ApiError::shutting_down().into_response()
+        }
+    }
+}
+
+/// Counts [`RequestStatus::Cancelled`] when dropped armed.
+struct CountCancelled(Option<Arc<ServerMetrics>>);
+
+impl Drop for CountCancelled {
+    fn drop(&mut self) {
+        if let Some(metrics) = self.0.take() {
+            metrics.count_request(RequestStatus::Cancelled);
         }
     }
 }
@@ -222,6 +243,65 @@ mod tests {
             .expect("a returned permit is reusable");
         drop(b);
         assert_eq!(inflight.current(), 1);
+    }
+
+    fn cancelled_count(metrics: &ServerMetrics) -> u64 {
+        let mut out = String::new();
+        metrics.render(&mut out, "kv");
+        out.lines()
+            .find_map(|l| {
+                l.strip_prefix("switchyard_requests_total{policy=\"kv\",status=\"cancelled\"} ")
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// A router whose generation endpoint never answers, behind the guard.
+    fn never_answering(inflight: Arc<Inflight>) -> axum::Router {
+        let app = axum::Router::new().route(
+            "/v1/completions",
+            axum::routing::post(std::future::pending::<&'static str>),
+        );
+        layer(app, inflight)
+    }
+
+    fn post() -> Request {
+        Request::builder()
+            .method(Method::POST)
+            .uri("/v1/completions")
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_request_cancelled_at_shutdown_is_counted_once() {
+        use tower::ServiceExt as _;
+        let metrics = Arc::new(ServerMetrics::default());
+        let inflight = Inflight::new(4, metrics.clone());
+        let call = tokio::spawn(never_answering(inflight.clone()).oneshot(post()));
+        while inflight.current() == 0 {
+            tokio::task::yield_now().await;
+        }
+        inflight.cancel();
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(response.status(), 503);
+        assert_eq!(cancelled_count(&metrics), 1);
+        assert_eq!(inflight.current(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_whose_client_went_away_is_counted_once() {
+        use tower::ServiceExt as _;
+        let metrics = Arc::new(ServerMetrics::default());
+        let inflight = Inflight::new(4, metrics.clone());
+        let call = tokio::spawn(never_answering(inflight.clone()).oneshot(post()));
+        while inflight.current() == 0 {
+            tokio::task::yield_now().await;
+        }
+        call.abort();
+        let _ = call.await;
+        assert_eq!(cancelled_count(&metrics), 1);
+        assert_eq!(inflight.current(), 0);
     }
 
     #[test]

@@ -14,9 +14,19 @@
 //! worker sends them (vLLM's and the sim-worker's `return_token_ids`,
 //! which the router asks of every worker it resumes on), otherwise from the
 //! streamed text, re-tokenized with the router's tokenizer at migration
-//! time. Memory per request: the ids (4 bytes a token) plus at most
-//! [`Progress::text_cap`] bytes of not yet tokenized text, both bounded by
-//! the migration sequence limit.
+//! time. Memory per request: the ids (4 bytes a token, at most the
+//! migration sequence limit less the prompt: [`Progress::bounded`]) plus at
+//! most [`Progress::text_cap`] bytes of not yet tokenized text. Past either
+//! bound the progress stops recording and the stream is no longer
+//! resumable.
+//!
+//! A request can fail workers by itself (a prompt that crashes the engine,
+//! a prefill slower than the first-token timeout). So that one such
+//! request cannot open circuits across the fleet, the second "suspect"
+//! failure of a request ([`Failure::request_may_cause`]: a 5xx, an error
+//! event, a first-token timeout) on another worker is taken as the
+//! request's fault ([`request_fault`]): that worker is not reported and
+//! the request is not moved again.
 
 use serde_json::{Map, Value};
 
@@ -56,6 +66,14 @@ impl Failure {
             Failure::Timeout => "timeout",
             Failure::MidStream => "midstream",
         }
+    }
+
+    /// Whether the request itself may cause this failure (a prompt that
+    /// makes the engine answer 5xx or an error event, or a prefill slower
+    /// than the first-token timeout), as opposed to a refused or broken
+    /// connection, which only the worker causes.
+    pub fn request_may_cause(self) -> bool {
+        matches!(self, Failure::Status5xx | Failure::Timeout)
     }
 
     /// Index into [`Failure::ALL`].
@@ -100,19 +118,26 @@ pub enum GiveUp {
     /// The request cannot be resumed mid-stream (several choices, a batch
     /// of prompts, or generated text too long to keep).
     NotResumable(&'static str),
+    /// The request failed the same way on two workers: it is taken to be
+    /// the request's fault ([`request_fault`]), not the workers'.
+    RequestFault,
 }
 
 impl std::fmt::Display for GiveUp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             GiveUp::LimitReached { limit } => {
-                write!(f, "the request failed on {} workers (migration limit {limit})", limit + 1)
+                write!(f, "the request failed on {} workers (migration limit {limit})", limit.saturating_add(1))
             }
             GiveUp::TooLong { len, max } => write!(
                 f,
                 "the stream cannot be resumed: {len} prompt and generated tokens exceed the migration limit of {max}"
             ),
             GiveUp::NotResumable(why) => write!(f, "the stream cannot be resumed: {why}"),
+            GiveUp::RequestFault => write!(
+                f,
+                "the request failed on two workers (5xx, error event or first-token timeout), so it is taken to be the request's fault and not retried"
+            ),
         }
     }
 }
@@ -124,6 +149,15 @@ pub enum Phase {
     BeforeFirstToken,
     /// Tokens have reached the client: the request is resumed.
     MidStream,
+}
+
+/// Whether a failure is the request's fault: `reason` is one the request
+/// may cause ([`Failure::request_may_cause`]) and `earlier_suspects`
+/// failures of that kind already happened on other workers. Then the
+/// worker is not reported (its circuit stays closed) and the request is
+/// answered with the error instead of moving on.
+pub fn request_fault(reason: Failure, earlier_suspects: u32) -> bool {
+    reason.request_may_cause() && earlier_suspects >= 1
 }
 
 /// The migration decision: a pure function of the request's state.
@@ -145,17 +179,17 @@ pub fn decide(
         if let Err(why) = resumable {
             return Verdict::GiveUp(GiveUp::NotResumable(why));
         }
-        if progress.overflowed {
-            return Verdict::GiveUp(GiveUp::NotResumable(
-                "the generated text outgrew what the router keeps",
-            ));
-        }
-        let len = prompt_tokens + progress.generated;
+        let len = prompt_tokens.saturating_add(progress.generated);
         if len > policy.max_seq_len {
             return Verdict::GiveUp(GiveUp::TooLong {
                 len,
                 max: policy.max_seq_len,
             });
+        }
+        if progress.overflowed {
+            return Verdict::GiveUp(GiveUp::NotResumable(
+                "the generated text outgrew what the router keeps",
+            ));
         }
     }
     Verdict::Migrate
@@ -174,9 +208,14 @@ pub struct Progress {
     pending_text: String,
     /// Largest `pending_text`, in bytes.
     text_cap: usize,
-    /// Text outgrew `text_cap`: the stream can no longer be resumed.
+    /// Most ids kept (`None`: unbounded).
+    max_ids: Option<usize>,
+    /// Text outgrew `text_cap` or ids outgrew `max_ids`: nothing more is
+    /// recorded and the stream can no longer be resumed.
     overflowed: bool,
-    /// A choice reported its `finish_reason`: generation is complete.
+    /// A choice reported its `finish_reason`. Only the first choice of each
+    /// chunk is read, so this means the whole generation is complete only
+    /// for a single-choice (resumable) request.
     pub finished: bool,
 }
 
@@ -185,6 +224,18 @@ impl Progress {
     pub fn new(text_cap: usize) -> Self {
         Self {
             text_cap,
+            ..Self::default()
+        }
+    }
+
+    /// Empty progress that keeps at most `text_cap` bytes of text and
+    /// `max_ids` token ids: a stream resumable only while prompt plus
+    /// generated tokens fit the migration sequence limit needs no more
+    /// than that limit less the prompt.
+    pub fn bounded(text_cap: usize, max_ids: usize) -> Self {
+        Self {
+            text_cap,
+            max_ids: Some(max_ids),
             ..Self::default()
         }
     }
@@ -198,17 +249,14 @@ impl Progress {
     pub fn observe(&mut self, text: Option<&str>, token_ids: Option<&[u32]>, finish: bool) {
         match token_ids {
             Some(ids) if !ids.is_empty() => {
-                self.generated += ids.len() as u64;
-                if !self.overflowed {
-                    self.ids.extend_from_slice(ids);
-                }
+                self.generated = self.generated.saturating_add(ids.len() as u64);
+                self.extend_ids(ids);
             }
             _ => {
                 if let Some(text) = text.filter(|t| !t.is_empty()) {
-                    self.generated += 1;
-                    if self.pending_text.len() + text.len() > self.text_cap {
-                        self.overflowed = true;
-                        self.pending_text = String::new();
+                    self.generated = self.generated.saturating_add(1);
+                    if self.pending_text.len().saturating_add(text.len()) > self.text_cap {
+                        self.overflow();
                     } else if !self.overflowed {
                         self.pending_text.push_str(text);
                     }
@@ -223,9 +271,32 @@ impl Progress {
         std::mem::take(&mut self.pending_text)
     }
 
-    /// Appends ids obtained by tokenizing the pending text.
+    /// Appends ids (streamed, or obtained by tokenizing the pending text),
+    /// unless that would pass the bound on kept ids.
     pub fn extend_ids(&mut self, ids: &[u32]) {
-        self.ids.extend_from_slice(ids);
+        if self.overflowed {
+            return;
+        }
+        let within = self
+            .max_ids
+            .is_none_or(|max| self.ids.len().saturating_add(ids.len()) <= max);
+        if within {
+            self.ids.extend_from_slice(ids);
+        } else {
+            self.overflow();
+        }
+    }
+
+    /// Stops recording for good and frees what was kept.
+    fn overflow(&mut self) {
+        self.overflowed = true;
+        self.ids = Vec::new();
+        self.pending_text = String::new();
+    }
+
+    /// Whether recording stopped at a bound (the stream cannot resume).
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
     }
 
     /// The generated ids known so far.
@@ -400,6 +471,54 @@ mod tests {
             decide(POLICY, 0, Phase::MidStream, 1, &p, Ok(())),
             Verdict::GiveUp(GiveUp::NotResumable(_))
         ));
+    }
+
+    #[test]
+    fn ids_past_the_sequence_limit_are_not_kept_and_the_stream_is_not_resumable() {
+        // Prompt of 90 under a limit of 100: at most 10 generated ids.
+        let mut p = Progress::bounded(64, 10);
+        for _ in 0..10 {
+            p.observe(None, Some(&[1]), false);
+        }
+        assert!(!p.overflowed());
+        assert_eq!(p.ids().len(), 10);
+        p.observe(None, Some(&[2, 3]), false);
+        assert!(p.overflowed(), "the eleventh id passes the bound");
+        assert!(p.ids().is_empty(), "what was kept is freed");
+        p.observe(None, Some(&[4]), false);
+        assert!(p.ids().is_empty(), "nothing more is recorded");
+        assert_eq!(p.generated, 13, "generated tokens are still counted");
+        assert_eq!(
+            decide(POLICY, 0, Phase::MidStream, 90, &p, Ok(())),
+            Verdict::GiveUp(GiveUp::TooLong { len: 103, max: 100 })
+        );
+    }
+
+    #[test]
+    fn worker_sent_counts_never_overflow() {
+        let mut p = Progress::new(8);
+        p.generated = u64::MAX;
+        p.observe(None, Some(&[1]), false);
+        p.observe(Some("x"), None, false);
+        assert_eq!(p.generated, u64::MAX);
+        assert!(matches!(
+            decide(POLICY, 0, Phase::MidStream, u64::MAX, &p, Ok(())),
+            Verdict::GiveUp(GiveUp::TooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn a_second_failure_the_request_may_cause_is_the_requests_fault() {
+        // The first 5xx or timeout may be the worker's: it is reported.
+        assert!(!request_fault(Failure::Status5xx, 0));
+        assert!(!request_fault(Failure::Timeout, 0));
+        // The second, on another worker, is taken to be the request's.
+        assert!(request_fault(Failure::Status5xx, 1));
+        assert!(request_fault(Failure::Timeout, 1));
+        // Refused and broken connections are always the worker's.
+        for reason in [Failure::Connect, Failure::Reset, Failure::MidStream] {
+            assert!(!request_fault(reason, 5), "{reason:?}");
+        }
     }
 
     #[test]

@@ -15,7 +15,9 @@
 use super::config::WorkerSpec;
 use super::error::ApiError;
 use super::metrics::RequestStatus;
-use super::migration::{decide, Failure, GiveUp, MigrationPolicy, Phase, Progress, Verdict};
+use super::migration::{
+    decide, request_fault, Failure, GiveUp, MigrationPolicy, Phase, Progress, Verdict,
+};
 use super::sse::{classify, Api, Chunk, SseParser};
 use super::state::{Booking, SharedRouter, Submission, SubmitError};
 use super::stream::{MigratingStream, StreamStart};
@@ -338,14 +340,13 @@ async fn finish(
     parsed: Result<(Bytes, Parsed), ApiError>,
 ) -> Response {
     let metrics = state.shared.metrics.clone();
-    // Counts the request as cancelled if the client goes away before the
-    // response head (this future is then dropped mid-await).
-    let mut guard = CancelGuard(Some(metrics.clone()));
+    // A request dropped before its response head (the client went away,
+    // or shutdown) is counted `Cancelled` once, by the in-flight
+    // middleware ([`super::inflight`]), not here.
     let response = match parsed {
         Ok((body, facts)) => proxy(state, headers, path, arrival, body, facts).await,
         Err(e) => Err(e),
     };
-    guard.0 = None;
     match response {
         Ok(response) => response,
         Err(e) => {
@@ -355,17 +356,6 @@ async fn finish(
                 _ => RequestStatus::Invalid,
             });
             e.into_response()
-        }
-    }
-}
-
-/// Counts [`RequestStatus::Cancelled`] when dropped armed.
-struct CancelGuard(Option<Arc<super::metrics::ServerMetrics>>);
-
-impl Drop for CancelGuard {
-    fn drop(&mut self) {
-        if let Some(metrics) = self.0.take() {
-            metrics.count_request(RequestStatus::Cancelled);
         }
     }
 }
@@ -395,6 +385,8 @@ async fn proxy(
         deadline,
         exclude: Vec::new(),
         migrations: 0,
+        pending_migration: None,
+        suspect_failures: 0,
     };
     let metrics = state.shared.metrics.clone();
     let timeout = state.request_timeout;
@@ -435,7 +427,7 @@ async fn first_phase(
             .await;
         let outcome = match sent {
             Ok(response) if facts.stream && response.status().is_success() => {
-                first_event(&attempts, response).await
+                first_event(&attempts, &booking.name, response).await
             }
             Ok(response) => buffered(&attempts, response).await,
             Err(e) => Err(e),
@@ -536,6 +528,7 @@ pub(super) enum AttemptError {
 /// first-token timeout.
 async fn first_event(
     attempts: &Attempts,
+    worker: &str,
     response: hyper::Response<Incoming>,
 ) -> Result<Answer, AttemptError> {
     let (parts, mut upstream) = response.into_parts();
@@ -572,13 +565,16 @@ async fn first_event(
     let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
         AttemptError::Retry(
             Failure::Timeout,
-            format!("no first event within {:.1} s", timeout.as_secs_f64()),
+            format!(
+                "worker {worker} sent no first event within {:.1} s",
+                timeout.as_secs_f64()
+            ),
         )
     })??;
     if classify(&first) == Chunk::Error {
         return Err(AttemptError::Retry(
             Failure::Status5xx,
-            "the worker answered with an error event".into(),
+            format!("worker {worker} answered with an error event"),
         ));
     }
     Ok(Answer::Stream(parts, upstream, parser, first))
@@ -620,12 +616,18 @@ pub(super) struct Attempts {
     exclude: Vec<WorkerId>,
     /// Migrations made so far.
     pub(super) migrations: u32,
+    /// A migration decided but not yet placed: counted in
+    /// `migrations_total{reason}` once [`Self::book`] finds a worker.
+    pending_migration: Option<Failure>,
+    /// Failures so far that the request itself may have caused
+    /// ([`Failure::request_may_cause`]).
+    suspect_failures: u32,
 }
 
 impl Attempts {
     /// Admission and placement for `tokens` on a worker not yet tried.
     pub(super) async fn book(
-        &self,
+        &mut self,
         tokens: &[u32],
         session: Option<SessionKey>,
     ) -> Result<Booking, ApiError> {
@@ -664,21 +666,29 @@ impl Attempts {
                     Some("model"),
                 ),
             })?;
-        wait.placed().await.map_err(|()| {
-            if self.exclude.is_empty() {
-                ApiError::no_workers("no worker can take the request")
-            } else {
-                state
-                    .shared
-                    .metrics
-                    .migrations_exhausted
-                    .fetch_add(1, Ordering::Relaxed);
-                ApiError::no_workers(format!(
-                    "{} worker(s) failed the request and no other worker can take it",
-                    self.exclude.len()
-                ))
-            }
-        })
+        let placed = wait.placed().await;
+        let pending = self.pending_migration.take();
+        placed
+            .map_err(|()| {
+                if self.exclude.is_empty() {
+                    ApiError::no_workers("no worker can take the request")
+                } else {
+                    state
+                        .shared
+                        .metrics
+                        .migrations_exhausted
+                        .fetch_add(1, Ordering::Relaxed);
+                    ApiError::no_workers(format!(
+                        "{} worker(s) failed the request and no other worker can take it",
+                        self.exclude.len()
+                    ))
+                }
+            })
+            .inspect(|_| {
+                if let Some(reason) = pending {
+                    state.shared.metrics.count_migration(reason);
+                }
+            })
     }
 
     /// POSTs `body` to the booked worker; a refused or broken connection, a
@@ -746,7 +756,11 @@ impl Attempts {
 
     /// A worker failed this request: report it, free its booking, exclude
     /// it, and decide whether the request may move on (counting the
-    /// migration or the give-up).
+    /// give-up now; the migration is counted when [`Self::book`] places
+    /// it). A second failure the request may have caused itself (5xx,
+    /// error event, first-token timeout) is the request's fault
+    /// ([`super::migration::request_fault`]): that worker is not reported
+    /// and the request gives up.
     pub(super) fn fail(
         &mut self,
         booking: Booking,
@@ -756,10 +770,20 @@ impl Attempts {
         progress: &Progress,
         resumable: Result<(), &'static str>,
     ) -> Result<(), GiveUp> {
+        let metrics = &self.state.shared.metrics;
+        if request_fault(reason, self.suspect_failures) {
+            // Freed, not reported: the worker's circuit stays closed.
+            drop(booking);
+            metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {}", GiveUp::RequestFault);
+            return Err(GiveUp::RequestFault);
+        }
+        if reason.request_may_cause() {
+            self.suspect_failures += 1;
+        }
         booking.worker_failed();
         self.exclude.push(booking.worker);
         drop(booking);
-        let metrics = &self.state.shared.metrics;
         match decide(
             self.state.migration,
             self.migrations,
@@ -770,7 +794,7 @@ impl Attempts {
         ) {
             Verdict::Migrate => {
                 self.migrations += 1;
-                metrics.count_migration(reason);
+                self.pending_migration = Some(reason);
                 Ok(())
             }
             Verdict::GiveUp(why) => {

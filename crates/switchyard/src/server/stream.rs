@@ -8,8 +8,10 @@
 //! [`super::proxy::MAX_EVENT_BYTES`] plus one frame), the event being
 //! forwarded, the prompt's token ids and the client's body (both already
 //! in memory for routing), and the generated tokens ([`Progress`]: 4 bytes
-//! a token id, plus not-yet-tokenized text capped at 32 bytes a token of
-//! the migration sequence limit).
+//! a token id, at most the migration sequence limit less the prompt, plus
+//! not-yet-tokenized text capped at 32 bytes a token of the migration
+//! sequence limit). Past those bounds the stream stops recording and can
+//! no longer be resumed.
 //!
 //! Events of the first worker are forwarded byte for byte (only whole
 //! events: a half event at a break is dropped). After a break the request
@@ -95,6 +97,15 @@ impl MigratingStream {
             .max_seq_len
             .saturating_mul(TEXT_BYTES_PER_TOKEN)
             .min(usize::MAX as u64) as usize;
+        // Once prompt plus generated tokens pass the sequence limit the
+        // stream cannot resume, so no more ids than that are worth keeping.
+        let max_ids = start
+            .attempts
+            .state
+            .migration
+            .max_seq_len
+            .saturating_sub(start.prompt.len() as u64)
+            .min(usize::MAX as u64) as usize;
         Self {
             attempts: start.attempts,
             api: start.api,
@@ -104,7 +115,7 @@ impl MigratingStream {
             first: Some(start.first),
             resumed: false,
             shape: None,
-            progress: Progress::new(text_cap),
+            progress: Progress::bounded(text_cap, max_ids),
             generated_at_resume: 0,
             prompt: start.prompt,
             original: start.original,
@@ -251,12 +262,16 @@ impl MigratingStream {
         self.upstream = None;
         self.parser = SseParser::new(MAX_EVENT_BYTES);
         let mut failed = self.booking.take();
-        if self.progress.finished {
+        let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
+        let resumable = migration::resumable(&original);
+        // Only the first choice of each chunk is read: a finish means the
+        // whole generation is complete only for a single-choice request. A
+        // request with several choices (or prompts) falls through to an
+        // error event, as it cannot be resumed.
+        if self.progress.finished && resumable.is_ok() {
             // Every token arrived; only the terminator was lost.
             return Recovery::End(DONE_EVENT.to_vec());
         }
-        let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
-        let resumable = migration::resumable(&original);
         let prompt_tokens = self.prompt.len() as u64;
         loop {
             let client = self.attempts.client_id;
@@ -279,6 +294,13 @@ impl MigratingStream {
             if let Err(e) = self.tokenize_pending().await {
                 return Recovery::End(error_event(&e));
             }
+            if self.progress.overflowed() {
+                // Re-tokenized text passed the bound on kept ids: what
+                // was generated is no longer known, so it cannot resume.
+                return Recovery::End(error_event(&ApiError::bad_gateway(format!(
+                    "{detail}; the stream cannot be resumed: the generated text outgrew what the router keeps"
+                ))));
+            }
             let remaining =
                 migration::max_tokens(&original).map(|m| m.saturating_sub(self.progress.generated));
             if remaining == Some(0) {
@@ -290,7 +312,8 @@ impl MigratingStream {
                 bytes.extend_from_slice(DONE_EVENT);
                 return Recovery::End(bytes);
             }
-            let mut prompt = Vec::with_capacity(self.prompt.len() + self.progress.ids().len());
+            let mut prompt =
+                Vec::with_capacity(self.prompt.len().saturating_add(self.progress.ids().len()));
             prompt.extend_from_slice(&self.prompt);
             prompt.extend_from_slice(self.progress.ids());
             let body = migration::resume_body(&original, &prompt, remaining);
@@ -381,13 +404,9 @@ impl MigratingStream {
             .get("completion_tokens")
             .and_then(Value::as_u64)
             .unwrap_or(0)
-            + self.generated_at_resume;
+            .saturating_add(self.generated_at_resume);
         let prompt = self.prompt.len() as u64;
-        let mut usage = usage.clone();
-        usage["prompt_tokens"] = prompt.into();
-        usage["completion_tokens"] = completion.into();
-        usage["total_tokens"] = (prompt + completion).into();
-        usage
+        adjusted_usage(usage, prompt, completion)
     }
 
     /// Latency metrics and the booking's first token.
@@ -409,7 +428,8 @@ impl MigratingStream {
         self.ended = true;
         if let Some(mut booking) = self.booking.take() {
             if status == RequestStatus::Ok {
-                booking.completed(self.prompt.len() as u64 + self.progress.generated);
+                booking
+                    .completed((self.prompt.len() as u64).saturating_add(self.progress.generated));
             }
         }
         self.upstream = None;
@@ -431,7 +451,38 @@ impl Drop for MigratingStream {
     }
 }
 
+/// `usage` (the worker's object) with the whole request's counts; the
+/// worker's numbers may be anything, so the sums saturate.
+fn adjusted_usage(usage: &Value, prompt: u64, completion: u64) -> Value {
+    let mut usage = usage.clone();
+    if usage.is_object() {
+        usage["prompt_tokens"] = prompt.into();
+        usage["completion_tokens"] = completion.into();
+        usage["total_tokens"] = prompt.saturating_add(completion).into();
+    }
+    usage
+}
+
 /// An OpenAI-style error as an SSE event.
 fn error_event(error: &ApiError) -> Vec<u8> {
     event_bytes(&error.body().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_sums_saturate_on_worker_sent_numbers() {
+        let usage = adjusted_usage(&json!({"completion_tokens": u64::MAX}), 5, u64::MAX);
+        assert_eq!(usage["prompt_tokens"], 5);
+        assert_eq!(usage["completion_tokens"], u64::MAX);
+        assert_eq!(usage["total_tokens"], u64::MAX);
+    }
+
+    #[test]
+    fn a_usage_that_is_not_an_object_is_left_alone() {
+        assert_eq!(adjusted_usage(&json!(3), 1, 2), json!(3));
+    }
 }

@@ -153,6 +153,28 @@ fn judge(verdicts: &[Verdict]) -> Result<(), String> {
     }
 }
 
+/// Largest share of failed requests a server soak may have and pass: a
+/// memory plateau means nothing if the requests did not go through.
+pub const MAX_ERROR_RATIO: f64 = 0.01;
+
+/// The server soak's request verdict: at least one request, and failed
+/// requests at most [`MAX_ERROR_RATIO`] of them.
+pub fn judge_errors(requests: u64, errors: u64) -> Result<(), String> {
+    if requests == 0 {
+        return Err("no request was sent".to_owned());
+    }
+    let ratio = errors as f64 / requests as f64;
+    if ratio > MAX_ERROR_RATIO {
+        Err(format!(
+            "{errors} of {requests} requests failed ({:.1}%; at most {:.0}% may)",
+            ratio * 100.0,
+            MAX_ERROR_RATIO * 100.0
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 /// Runs `switchyard bench soak`.
 pub fn run(args: SoakArgs) -> anyhow::Result<()> {
     let path = match &args.trace {
@@ -255,6 +277,7 @@ fn run_core_mode(
     finish(
         "core",
         verdicts,
+        Ok(()),
         trace,
         trace_requests_per_sec,
         outcome,
@@ -321,9 +344,18 @@ fn run_server_mode(
         series: "router RSS",
         plateau: plateau(&rss, PLATEAU_TOLERANCE),
     }];
+    let requests = judge_errors(outcome.requests, outcome.errors);
+    match &requests {
+        Ok(()) => println!(
+            "requests: PASS ({} errors of {})",
+            outcome.errors, outcome.requests
+        ),
+        Err(why) => println!("requests: FAIL ({why})"),
+    }
     finish(
         "server",
         verdicts,
+        requests,
         trace,
         trace_requests_per_sec,
         outcome,
@@ -334,12 +366,20 @@ fn run_server_mode(
 fn finish<T: Serialize>(
     mode: &'static str,
     verdicts: Vec<Verdict>,
+    requests: Result<(), String>,
     trace: String,
     trace_requests_per_sec: f64,
     outcome: T,
     args: SoakArgs,
 ) -> anyhow::Result<()> {
-    let verdict = judge(&verdicts);
+    let verdict = match (judge(&verdicts), requests) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(memory), Ok(())) => Err(memory),
+        (Ok(()), Err(requests)) => Err(format!("too many requests failed: {requests}")),
+        (Err(memory), Err(requests)) => {
+            Err(format!("{memory}; too many requests failed: {requests}"))
+        }
+    };
     let report = SoakReport {
         mode,
         tolerance: PLATEAU_TOLERANCE,
@@ -355,4 +395,27 @@ fn finish<T: Serialize>(
         println!("wrote {}", path.display());
     }
     verdict.map_err(|message| anyhow::anyhow!(message))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_soak_where_every_request_failed_does_not_pass() {
+        assert!(judge_errors(1000, 1000).is_err());
+    }
+
+    #[test]
+    fn a_soak_with_errors_above_one_percent_does_not_pass() {
+        let why = judge_errors(1000, 11).unwrap_err();
+        assert!(why.contains("11 of 1000"), "{why}");
+        assert!(judge_errors(1000, 10).is_ok(), "exactly 1% passes");
+        assert!(judge_errors(1000, 0).is_ok());
+    }
+
+    #[test]
+    fn a_soak_that_sent_nothing_does_not_pass() {
+        assert!(judge_errors(0, 0).is_err());
+    }
 }
