@@ -287,4 +287,26 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
         !deferred.ends_with(" 0"),
         "the second turn was deferred: {deferred}"
     );
+    // With a strategy on, the health checks read each worker's KV usage
+    // from its /metrics and feed it to the strategy; it is exported too.
+    let reported = eventually(Duration::from_secs(20), || {
+        let client = client.clone();
+        let base = router.base.clone();
+        async move {
+            let text = metrics_text(&client, &base).await;
+            ["w0", "w1"].iter().all(|w| {
+                metric(
+                    &text,
+                    &format!("switchyard_worker_kv_usage_ratio{{worker=\"{w}\"}}"),
+                )
+                .is_some_and(|v| (0.0..=1.0).contains(&v))
+            })
+        }
+    })
+    .await;
+    assert!(
+        reported,
+        "both workers' KV usage is read:\n{}",
+        metrics_text(&client, &router.base).await
+    );
 }

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use switchyard_core::admission::{
-    AdmissionController, CancelOutcome, Placed, Placement, QueueClass, RequestFacts,
+    AdmissionController, CancelOutcome, KvUsage, Placed, Placement, QueueClass, RequestFacts,
     ResponseTicket, SessionKey, SubmitOutcome,
 };
 use switchyard_core::health::{CircuitConfig, CircuitEvent, CircuitState};
@@ -56,6 +56,9 @@ pub struct WorkerInfo {
     pub failures: u32,
     /// What it can hold, from its `/get_server_info` (for busy thresholds).
     pub capacity: WorkerCapacity,
+    /// Fraction of its KV cache in use, from its `/metrics` (read only when
+    /// an admission strategy needs it).
+    pub kv_usage: Option<f64>,
     /// Passive failure detection; reset whenever the worker enters or
     /// leaves the router.
     pub circuit: WorkerCircuit,
@@ -122,6 +125,28 @@ impl std::fmt::Debug for Core {
 }
 
 impl Core {
+    /// Tells the admission strategy a worker's KV capacity (its device
+    /// blocks × the block size, when its `/get_server_info` said) and, when
+    /// measured, the tokens in use. Without a capacity the strategy cannot
+    /// pause sessions on that worker.
+    fn report_kv(&mut self, id: WorkerId, used_fraction: Option<f64>) {
+        let Some(info) = self.workers.get(&id) else {
+            return;
+        };
+        let Some(blocks) = info.capacity.kv_blocks else {
+            return;
+        };
+        let block_size = u64::from(self.router.config().sequences.block_size);
+        let capacity_tokens = blocks.saturating_mul(block_size);
+        self.admission.report_kv(
+            id,
+            KvUsage {
+                capacity_tokens,
+                used_tokens: used_fraction.map(|f| (f * capacity_tokens as f64) as u64),
+            },
+        );
+    }
+
     /// Offers queued requests to the router and hands placements to their
     /// waiters. Call after anything that may make room.
     pub(super) fn poll(&mut self, now_ms: f64, metrics: &ServerMetrics) {
@@ -441,6 +466,7 @@ impl SharedRouter {
                 draining: false,
                 failures: 0,
                 capacity: WorkerCapacity::default(),
+                kv_usage: None,
                 circuit: WorkerCircuit::default(),
                 events_epoch: 0,
             },
@@ -564,9 +590,34 @@ impl SharedRouter {
 
     /// Sets a worker's capacity (applies when it next enters selection).
     pub fn set_capacity(&self, id: WorkerId, capacity: WorkerCapacity) {
-        if let Some(info) = self.lock().workers.get_mut(&id) {
-            info.capacity = capacity;
-        }
+        let mut core = self.lock();
+        let Some(info) = core.workers.get_mut(&id) else {
+            return;
+        };
+        info.capacity = capacity;
+        let used = info.kv_usage;
+        core.report_kv(id, used);
+    }
+
+    /// Whether an admission strategy wants the workers' KV usage.
+    pub fn wants_kv_usage(&self) -> bool {
+        self.lock().admission.strategy().is_some()
+    }
+
+    /// Records a worker's measured KV usage (a fraction, clamped to 0..=1)
+    /// and passes it, in tokens, to the admission strategy.
+    pub fn set_kv_usage(&self, id: WorkerId, fraction: f64) {
+        let mut core = self.lock();
+        let Some(info) = core.workers.get_mut(&id) else {
+            return;
+        };
+        let fraction = if fraction.is_finite() {
+            fraction.clamp(0.0, 1.0)
+        } else {
+            return;
+        };
+        info.kv_usage = Some(fraction);
+        core.report_kv(id, Some(fraction));
     }
 
     /// Sets a worker's model list.
@@ -746,6 +797,23 @@ impl SharedRouter {
                 out,
                 "switchyard_worker_up{{worker=\"{name}\"}} {}",
                 u8::from(up)
+            );
+        }
+        gauge(
+            out,
+            "switchyard_worker_kv_usage_ratio",
+            "Fraction of the worker's KV cache in use, from its /metrics (read while an admission strategy is on).",
+        );
+        let mut usage: Vec<_> = core
+            .workers
+            .values()
+            .filter_map(|w| Some((&*w.name, w.kv_usage?)))
+            .collect();
+        usage.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (name, fraction) in usage {
+            let _ = writeln!(
+                out,
+                "switchyard_worker_kv_usage_ratio{{worker=\"{name}\"}} {fraction}"
             );
         }
         let mut infos: Vec<&WorkerInfo> = core.workers.values().collect();

@@ -205,6 +205,15 @@ impl Fleet {
                 self.leave(info.id);
                 tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
             }
+            if ok && self.shared.wants_kv_usage() {
+                let usage = self
+                    .get(&info.url, "/metrics")
+                    .await
+                    .and_then(|body| kv_usage_fraction(std::str::from_utf8(&body).ok()?));
+                if let Some(fraction) = usage {
+                    self.shared.set_kv_usage(info.id, fraction);
+                }
+            }
         }
     }
 
@@ -302,6 +311,39 @@ impl Drop for Fleet {
     }
 }
 
+/// Prometheus series giving the fraction of an engine's KV cache in use, in
+/// the order they are looked for: ours (the sim-worker), vLLM's current and
+/// older names, SGLang's.
+const KV_USAGE_SERIES: [&str; 4] = [
+    "switchyard_engine_kv_usage_ratio",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+];
+
+/// The fraction of the KV cache in use from a worker's `/metrics` text: the
+/// first of [`KV_USAGE_SERIES`] present (any labels; with several series of
+/// one name, e.g. per model, the largest). `None` when none is there or a
+/// value is not a number in 0..=1.
+pub fn kv_usage_fraction(metrics: &str) -> Option<f64> {
+    KV_USAGE_SERIES.iter().find_map(|name| {
+        metrics
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(|line| {
+                let rest = line.strip_prefix(name)?;
+                let value = match rest.as_bytes().first() {
+                    Some(b'{') => rest.rsplit_once('}')?.1,
+                    Some(b' ') => rest,
+                    _ => return None,
+                };
+                let v: f64 = value.split_whitespace().next()?.parse().ok()?;
+                (0.0..=1.0).contains(&v).then_some(v)
+            })
+            .reduce(f64::max)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,6 +352,34 @@ mod tests {
     use switchyard_core::admission::AdmissionController;
     use switchyard_core::sequences::{AddRequest, SequenceEvent};
     use switchyard_core::{ReplicaId, RequestId};
+
+    #[test]
+    fn kv_usage_is_read_from_the_sim_worker_vllm_and_sglang_series() {
+        let ours = "# HELP switchyard_engine_kv_usage_ratio x\n# TYPE switchyard_engine_kv_usage_ratio gauge\nswitchyard_engine_kv_usage_ratio 0.25\n";
+        assert_eq!(kv_usage_fraction(ours), Some(0.25));
+        let vllm = "vllm:num_requests_running{model_name=\"m\"} 3\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\nvllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.75\n";
+        assert_eq!(kv_usage_fraction(vllm), Some(0.75), "the fullest engine");
+        let old_vllm = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.125\n";
+        assert_eq!(kv_usage_fraction(old_vllm), Some(0.125));
+        let sglang = "sglang:token_usage{model_name=\"m\"} 0.0625\n";
+        assert_eq!(kv_usage_fraction(sglang), Some(0.0625));
+    }
+
+    #[test]
+    fn kv_usage_ignores_other_series_and_values_out_of_range() {
+        assert_eq!(kv_usage_fraction(""), None);
+        assert_eq!(
+            kv_usage_fraction("vllm:kv_cache_usage_perc_total 0.5\n"),
+            None
+        );
+        assert_eq!(kv_usage_fraction("vllm:kv_cache_usage_perc 1.5\n"), None);
+        assert_eq!(kv_usage_fraction("vllm:kv_cache_usage_perc NaN\n"), None);
+        assert_eq!(
+            kv_usage_fraction("vllm:kv_cache_usage_perc{a=\"}\"} x\n"),
+            None
+        );
+        assert_eq!(kv_usage_fraction("# vllm:kv_cache_usage_perc 0.5\n"), None);
+    }
 
     /// A fleet of one worker in selection (nothing listens at its URL).
     fn fleet() -> (Fleet, Arc<SharedRouter>, WorkerId) {
