@@ -383,4 +383,56 @@ mod tests {
         plane_a.shutdown().await;
         plane_b.shutdown().await;
     }
+
+    #[tokio::test]
+    async fn a_sessions_next_turn_on_another_replica_lands_on_its_worker() {
+        let bus = InProcessBus::new();
+        let (a, plane_a) = replica(&bus).await;
+        let (b, plane_b) = replica(&bus).await;
+        let submit = |r: &Arc<SharedRouter>, session: u64, first_block: u64| {
+            r.submit(
+                r.next_request_id(),
+                Submission {
+                    blocks: (first_block..first_block + 4).map(LocalHash).collect(),
+                    prompt_tokens: 64,
+                    session: Some(SessionKey(session)),
+                    model: None,
+                    exclude: &[],
+                },
+            )
+            .unwrap()
+        };
+        // Replica A serves the first turns of sessions 5 and 6, one on each
+        // worker (the second goes to the idle one).
+        let mut five = submit(&a, 5, 100).placed().await.unwrap();
+        let mut six = submit(&a, 6, 200).placed().await.unwrap();
+        let (x, y) = (five.worker, six.worker);
+        assert_ne!(x, y, "A spread its two sessions");
+        eventually("B holds both bindings", || {
+            plane_b
+                .metrics
+                .sessions_applied
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == 2
+        })
+        .await;
+        five.mark_first_token();
+        six.mark_first_token();
+        drop((five, six));
+        eventually("B sees both turns end", || {
+            b.with_core(|core| core.router.sequences().active_requests()) == 0
+        })
+        .await;
+        // Replica B gets the next turns, in the other order and with new
+        // prompts (no cache overlap to explain a choice). B's policy, seeded
+        // like A's on an idle fleet, would put the first on x and the
+        // second on y; the bindings put each on its session's worker.
+        let six_again = submit(&b, 6, 300).placed().await.unwrap();
+        let five_again = submit(&b, 5, 400).placed().await.unwrap();
+        assert_eq!(six_again.worker, y, "session 6 stays on its worker");
+        assert_eq!(five_again.worker, x, "session 5 stays on its worker");
+        drop((six_again, five_again));
+        plane_a.shutdown().await;
+        plane_b.shutdown().await;
+    }
 }
