@@ -18,6 +18,7 @@
 //!
 //! Everything here runs under the core's lock and is a few field updates.
 
+use super::metrics::render_by_worker;
 use super::state::{Core, WorkerInfo};
 use std::fmt::Write as _;
 use switchyard_core::health::{
@@ -126,18 +127,18 @@ fn settle(router: &mut Router, info: &mut WorkerInfo, changed: Transitions) {
 }
 
 /// Appends `switchyard_circuit_state{worker}` (0 closed, 1 open,
-/// 2 half-open) and `switchyard_circuit_transitions_total{worker,to}`.
-pub(crate) fn render(workers: &mut [&WorkerInfo], out: &mut String) {
-    workers.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-    out.push_str("# HELP switchyard_circuit_state Circuit breaker per worker: 0 closed, 1 open, 2 half-open.\n# TYPE switchyard_circuit_state gauge\n");
-    for w in workers.iter() {
-        let _ = writeln!(
-            out,
-            "switchyard_circuit_state{{worker=\"{}\"}} {}",
-            w.name,
-            w.circuit.breaker.state() as u8
-        );
-    }
+/// 2 half-open) and `switchyard_circuit_transitions_total{worker,to}`, for
+/// `workers` sorted by name.
+pub(crate) fn render(workers: &[&WorkerInfo], out: &mut String) {
+    render_by_worker(
+        out,
+        "switchyard_circuit_state",
+        "gauge",
+        "Circuit breaker per worker: 0 closed, 1 open, 2 half-open.",
+        workers
+            .iter()
+            .map(|w| (&*w.name, w.circuit.breaker.state() as u8)),
+    );
     out.push_str("# HELP switchyard_circuit_transitions_total Circuit breaker transitions per worker, by the state entered.\n# TYPE switchyard_circuit_transitions_total counter\n");
     for w in workers.iter() {
         for to in CircuitState::ALL {

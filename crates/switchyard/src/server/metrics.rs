@@ -244,15 +244,19 @@ impl ServerMetrics {
             "switchyard_tokenize_seconds",
             "Prompt to token ids, chat template included.",
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_upstream_failures_total Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream), each reported to the worker's circuit breaker.\n# TYPE switchyard_upstream_failures_total counter\nswitchyard_upstream_failures_total {}",
-            self.upstream_failures.load(Ordering::Relaxed)
+            "switchyard_upstream_failures_total",
+            "counter",
+            "Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream), each reported to the worker's circuit breaker.",
+            self.upstream_failures.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_requests_freed_by_removal_total Bookings dropped because their worker was removed.\n# TYPE switchyard_requests_freed_by_removal_total counter\nswitchyard_requests_freed_by_removal_total {}",
-            self.freed_by_removal.load(Ordering::Relaxed)
+            "switchyard_requests_freed_by_removal_total",
+            "counter",
+            "Bookings dropped because their worker was removed.",
+            self.freed_by_removal.load(Ordering::Relaxed),
         );
         out.push_str("# HELP switchyard_migrations_total Requests moved to another worker after a failure, by reason.\n# TYPE switchyard_migrations_total counter\n");
         for reason in Failure::ALL {
@@ -263,36 +267,77 @@ impl ServerMetrics {
                 self.migrations(reason)
             );
         }
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_migrations_exhausted_total Failed requests that could not be migrated (limit, length, or no other worker).\n# TYPE switchyard_migrations_exhausted_total counter\nswitchyard_migrations_exhausted_total {}",
-            self.migrations_exhausted.load(Ordering::Relaxed)
+            "switchyard_migrations_exhausted_total",
+            "counter",
+            "Failed requests that could not be migrated (limit, length, or no other worker).",
+            self.migrations_exhausted.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_request_timeouts_total Requests cancelled by the request timeout.\n# TYPE switchyard_request_timeouts_total counter\nswitchyard_request_timeouts_total {}",
-            self.request_timeouts.load(Ordering::Relaxed)
+            "switchyard_request_timeouts_total",
+            "counter",
+            "Requests cancelled by the request timeout.",
+            self.request_timeouts.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_kv_events_stale_total KV events dropped because their worker left the router after the subscriber started.\n# TYPE switchyard_kv_events_stale_total counter\nswitchyard_kv_events_stale_total {}",
-            self.stale_kv_events.load(Ordering::Relaxed)
+            "switchyard_kv_events_stale_total",
+            "counter",
+            "KV events dropped because their worker left the router after the subscriber started.",
+            self.stale_kv_events.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_inflight_requests OpenAI requests in the router (queued, waiting or streaming).\n# TYPE switchyard_inflight_requests gauge\nswitchyard_inflight_requests {}",
-            self.inflight.load(Ordering::Relaxed)
+            "switchyard_inflight_requests",
+            "gauge",
+            "OpenAI requests in the router (queued, waiting or streaming).",
+            self.inflight.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_inflight_limit The in-flight limit (--max-inflight).\n# TYPE switchyard_inflight_limit gauge\nswitchyard_inflight_limit {}",
-            self.inflight_limit.load(Ordering::Relaxed)
+            "switchyard_inflight_limit",
+            "gauge",
+            "The in-flight limit (--max-inflight).",
+            self.inflight_limit.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
+        render_one(
             out,
-            "# HELP switchyard_inflight_rejected_total Requests refused with 503 at the in-flight limit.\n# TYPE switchyard_inflight_rejected_total counter\nswitchyard_inflight_rejected_total {}",
-            self.inflight_rejected.load(Ordering::Relaxed)
+            "switchyard_inflight_rejected_total",
+            "counter",
+            "Requests refused with 503 at the in-flight limit.",
+            self.inflight_rejected.load(Ordering::Relaxed),
         );
+    }
+}
+
+/// Appends one unlabelled sample with its HELP and TYPE lines.
+pub(crate) fn render_one(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    value: impl std::fmt::Display,
+) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+    );
+}
+
+/// Appends one metric family with a `worker` label: its HELP and TYPE lines,
+/// then one sample per row, in row order.
+pub(crate) fn render_by_worker<'a, V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    rows: impl IntoIterator<Item = (&'a str, V)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (worker, value) in rows {
+        let _ = writeln!(out, "{name}{{worker=\"{worker}\"}} {value}");
     }
 }
 

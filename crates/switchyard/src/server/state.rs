@@ -18,7 +18,7 @@
 //! events to the same `Router` — with the lock held for the closure only.
 
 use super::health::{self, WorkerCircuit};
-use super::metrics::{AdmissionDecision, ServerMetrics};
+use super::metrics::{render_by_worker, render_one, AdmissionDecision, ServerMetrics};
 use crate::events::subscriber::IndexSink;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::fmt::Write as _;
@@ -745,118 +745,73 @@ impl SharedRouter {
             })
             .collect();
         rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        let gauge = |out: &mut String, name: &str, help: &str| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        };
-        gauge(
+        render_by_worker(
             out,
             "switchyard_worker_active_prefill_tokens",
+            "gauge",
             "Uncached prefill tokens booked on the worker.",
+            rows.iter().map(|r| (r.0, r.1)),
         );
-        for (name, prefill, _, _) in &rows {
-            let _ = writeln!(
-                out,
-                "switchyard_worker_active_prefill_tokens{{worker=\"{name}\"}} {prefill}"
-            );
-        }
-        gauge(
+        render_by_worker(
             out,
             "switchyard_worker_active_decode_blocks",
+            "gauge",
             "KV blocks held by the worker's active requests.",
+            rows.iter().map(|r| (r.0, r.2)),
         );
-        for (name, _, blocks, _) in &rows {
-            let _ = writeln!(
-                out,
-                "switchyard_worker_active_decode_blocks{{worker=\"{name}\"}} {blocks}"
-            );
-        }
-        gauge(
+        render_by_worker(
             out,
             "switchyard_worker_active_requests",
+            "gauge",
             "Requests booked on the worker and not yet freed.",
+            rows.iter().map(|r| (r.0, r.3)),
         );
-        for (name, _, _, requests) in &rows {
-            let _ = writeln!(
-                out,
-                "switchyard_worker_active_requests{{worker=\"{name}\"}} {requests}"
-            );
-        }
-        gauge(
+        let mut workers: Vec<&WorkerInfo> = core.workers.values().collect();
+        workers.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        render_by_worker(
             out,
             "switchyard_worker_up",
+            "gauge",
             "1 while the worker is in selection.",
+            workers
+                .iter()
+                .map(|w| (&*w.name, u8::from(w.in_router && !w.draining))),
         );
-        let mut up: Vec<_> = core
-            .workers
-            .values()
-            .map(|w| (&*w.name, w.in_router && !w.draining))
-            .collect();
-        up.sort_unstable();
-        for (name, up) in up {
-            let _ = writeln!(
-                out,
-                "switchyard_worker_up{{worker=\"{name}\"}} {}",
-                u8::from(up)
-            );
-        }
-        gauge(
+        render_by_worker(
             out,
             "switchyard_worker_kv_usage_ratio",
+            "gauge",
             "Fraction of the worker's KV cache in use, from its /metrics (read while an admission strategy is on).",
+            workers.iter().filter_map(|w| Some((&*w.name, w.kv_usage?))),
         );
-        let mut usage: Vec<_> = core
-            .workers
-            .values()
-            .filter_map(|w| Some((&*w.name, w.kv_usage?)))
-            .collect();
-        usage.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        for (name, fraction) in usage {
-            let _ = writeln!(
-                out,
-                "switchyard_worker_kv_usage_ratio{{worker=\"{name}\"}} {fraction}"
-            );
-        }
-        let mut infos: Vec<&WorkerInfo> = core.workers.values().collect();
-        health::render(&mut infos, out);
-        gauge(
+        health::render(&workers, out);
+        render_one(
             out,
             "switchyard_active_requests",
+            "gauge",
             "Requests booked on any worker.",
+            core.router.sequences().active_requests(),
         );
-        let _ = writeln!(
-            out,
-            "switchyard_active_requests {}",
-            core.router.sequences().active_requests()
-        );
-        gauge(
+        render_one(
             out,
             "switchyard_index_blocks",
+            "gauge",
             "Live (block, worker) pairs in the prefix index.",
+            core.router.index().live_pairs(),
         );
-        let _ = writeln!(
-            out,
-            "switchyard_index_blocks {}",
-            core.router.index().live_pairs()
-        );
-        gauge(
+        render_one(
             out,
             "switchyard_index_bytes",
+            "gauge",
             "Estimated heap bytes of the index and the registry.",
+            core.router.estimated_bytes(),
         );
-        let _ = writeln!(
-            out,
-            "switchyard_index_bytes {}",
-            core.router.estimated_bytes()
-        );
-        gauge(
+        render_one(
             out,
             "switchyard_queue_depth",
+            "gauge",
             "Requests waiting in the admission queue.",
-        );
-        let _ = writeln!(
-            out,
-            "switchyard_queue_depth {}",
-            core.admission.queue().len()
+            core.admission.queue().len(),
         );
         if let Some(strategy) = core.admission.strategy() {
             out.push_str(
