@@ -177,6 +177,7 @@ pub fn judge_errors(requests: u64, errors: u64) -> Result<(), String> {
 
 /// Runs `switchyard bench soak`.
 pub fn run(args: SoakArgs) -> anyhow::Result<()> {
+    check_args(&args)?;
     let path = match &args.trace {
         Some(p) => p.clone(),
         None => data_path("traces/mooncake_conversation.jsonl")?,
@@ -188,6 +189,40 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
     } else {
         run_core_mode(args, &records, path.display().to_string(), rate)
     }
+}
+
+/// Refuses settings that cannot give a verdict, before any work.
+fn check_args(args: &SoakArgs) -> anyhow::Result<()> {
+    let min = plateau::MIN_SAMPLES;
+    if args.server {
+        let samples = args.duration_secs as f64 / args.sample_secs;
+        anyhow::ensure!(
+            args.sample_secs.is_finite() && args.sample_secs > 0.0 && samples >= min as f64,
+            "--duration-secs / --sample-secs must give at least {min} samples, got {samples:.1}"
+        );
+        anyhow::ensure!(
+            args.server_workers > 0,
+            "--server-workers must be at least 1"
+        );
+        anyhow::ensure!(
+            args.round_requests > 0,
+            "--round-requests must be at least 1"
+        );
+    } else {
+        anyhow::ensure!(
+            args.samples >= min,
+            "--samples must be at least {min}, got {}",
+            args.samples
+        );
+        anyhow::ensure!(
+            args.block_events >= args.samples as u64,
+            "--block-events must be at least --samples ({}), got {}",
+            args.samples,
+            args.block_events
+        );
+        anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    }
+    Ok(())
 }
 
 fn run_core_mode(
@@ -400,6 +435,32 @@ fn finish<T: Serialize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        soak: SoakArgs,
+    }
+
+    fn args(flags: &[&str]) -> SoakArgs {
+        Cli::parse_from(std::iter::once("soak").chain(flags.iter().copied())).soak
+    }
+
+    #[test]
+    fn settings_that_cannot_give_a_verdict_are_refused_up_front() {
+        assert!(check_args(&args(&[])).is_ok(), "the defaults");
+        assert!(
+            check_args(&args(&["--server"])).is_ok(),
+            "the server defaults"
+        );
+        let why = check_args(&args(&["--block-events", "0"])).unwrap_err();
+        assert!(why.to_string().contains("--block-events"), "{why}");
+        let why = check_args(&args(&["--samples", "3"])).unwrap_err();
+        assert!(why.to_string().contains("at least 8"), "{why}");
+        let why = check_args(&args(&["--server", "--duration-secs", "10"])).unwrap_err();
+        assert!(why.to_string().contains("--sample-secs"), "{why}");
+    }
 
     #[test]
     fn a_soak_where_every_request_failed_does_not_pass() {
