@@ -151,17 +151,31 @@ fn sse_events(text: &str) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
-    let failing = scripted_worker(Script::Status500).await;
+/// A scripted worker named `name` beside a healthy sim-worker named
+/// `good`, behind a round-robin router with `extra` flags: (the sim-worker,
+/// the router); keep both alive for the test.
+async fn beside_a_good_worker(
+    script: Script,
+    name: &str,
+    extra: &[&str],
+) -> (common::Proc, common::Proc) {
+    let scripted = scripted_worker(script).await;
     let good = sim_worker_on(0, "0", &[]);
+    let mut flags = vec!["--policy", "round-robin"];
+    flags.extend_from_slice(extra);
     let router = router(
         &[
-            format!("{failing},name=bad"),
+            format!("{scripted},name={name}"),
             format!("{},name=good", good.base),
         ],
-        &["--policy", "round-robin"],
+        &flags,
     );
+    (good, router)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
+    let (_good, router) = beside_a_good_worker(Script::Status500, "bad", &[]).await;
     let client = reqwest::Client::new();
     for stream in [false, true, false, true] {
         let response = client
@@ -189,15 +203,7 @@ async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
-    let cutting = scripted_worker(Script::CutJson).await;
-    let good = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[
-            format!("{cutting},name=cut"),
-            format!("{},name=good", good.base),
-        ],
-        &["--policy", "round-robin"],
-    );
+    let (_good, router) = beside_a_good_worker(Script::CutJson, "cut", &[]).await;
     let client = reqwest::Client::new();
     for _ in 0..3 {
         let response = client
@@ -220,15 +226,8 @@ async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_another() {
-    let silent = scripted_worker(Script::Silent).await;
-    let good = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[
-            format!("{silent},name=silent"),
-            format!("{},name=good", good.base),
-        ],
-        &["--policy", "round-robin", "--first-token-timeout", "0.5"],
-    );
+    let (_good, router) =
+        beside_a_good_worker(Script::Silent, "silent", &["--first-token-timeout", "0.5"]).await;
     let client = reqwest::Client::new();
     for _ in 0..3 {
         let started = std::time::Instant::now();
@@ -254,15 +253,7 @@ async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_anothe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() {
-    let cutting = scripted_worker(Script::CutChatStream).await;
-    let good = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[
-            format!("{cutting},name=cutting"),
-            format!("{},name=good", good.base),
-        ],
-        &["--policy", "round-robin"],
-    );
+    let (_good, router) = beside_a_good_worker(Script::CutChatStream, "cutting", &[]).await;
     let client = reqwest::Client::new();
     // Round-robin: one of the first two requests starts on the cutting worker.
     let mut resumed = None;
@@ -592,15 +583,12 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
-    let cutting = scripted_worker(Script::CutChatStream).await;
-    let good = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[
-            format!("{cutting},name=cutting"),
-            format!("{},name=good", good.base),
-        ],
-        &["--policy", "round-robin", "--migration-max-seq-len", "8"],
-    );
+    let (_good, router) = beside_a_good_worker(
+        Script::CutChatStream,
+        "cutting",
+        &["--migration-max-seq-len", "8"],
+    )
+    .await;
     let client = reqwest::Client::new();
     for _ in 0..6 {
         let response = client
