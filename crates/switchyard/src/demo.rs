@@ -6,7 +6,6 @@
 
 use crate::bench::stats::write_json;
 use crate::loadgen::{self, Pacing, Report};
-use crate::server::{self, ServerConfig, WorkerSpec};
 use anyhow::Context as _;
 use clap::Args;
 use std::io::{BufRead, BufReader};
@@ -15,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
+use switchyard_server::{self, ServerConfig, WorkerSpec};
 
 /// Options of `switchyard demo`.
 #[derive(Debug, Clone, Args)]
@@ -135,7 +135,7 @@ pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
 async fn one_policy(
     args: &DemoArgs,
     policy: PolicyKind,
-    tokenizer: Arc<dyn server::tokenize::PromptTokenizer>,
+    tokenizer: Arc<dyn switchyard_server::tokenize::PromptTokenizer>,
     requests: Vec<loadgen::PreparedRequest>,
 ) -> anyhow::Result<Report> {
     let fleet = start_fleet(args)?;
@@ -158,7 +158,7 @@ async fn one_policy(
         health_interval_ms: 500,
         ..ServerConfig::default()
     };
-    let router = server::start_with_tokenizer(config, tokenizer).await?;
+    let router = switchyard_server::start_with_tokenizer(config, tokenizer).await?;
     let base = format!("http://{}", router.addr);
     let report = loadgen::run_load(
         &base,
@@ -184,8 +184,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let requests =
         loadgen::mooncake_requests(&trace, args.requests, args.max_output_tokens, 32_000, None)?;
-    let tokenizer: Arc<dyn server::tokenize::PromptTokenizer> = Arc::new(
-        server::tokenize::HfTokenizer(switchyard_tokenizer::Tokenizer::bundled()?),
+    let tokenizer: Arc<dyn switchyard_server::tokenize::PromptTokenizer> = Arc::new(
+        switchyard_server::tokenize::HfTokenizer(switchyard_tokenizer::Tokenizer::bundled()?),
     );
     println!(
         "switchyard demo: {} sim-workers (speedup {}, {} KV blocks each, {}), {} requests of {} at concurrency {}",

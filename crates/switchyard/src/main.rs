@@ -3,7 +3,7 @@
 //! Each subcommand lives in its own module of the `switchyard` library;
 //! `main` only parses and dispatches.
 
-use switchyard::{bench, sim_worker};
+use switchyard::bench;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -34,9 +34,9 @@ enum Command {
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
     Loadgen(switchyard::loadgen::LoadgenArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
-    Serve(Box<switchyard::server::ServeArgs>),
+    Serve(Box<switchyard_server::ServeArgs>),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
-    SimWorker(sim_worker::SimWorkerArgs),
+    SimWorker(switchyard_sim_worker::SimWorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -47,8 +47,8 @@ fn main() -> ExitCode {
         Command::Events(cmd) => switchyard::events::run(cmd),
         Command::Demo(args) => switchyard::demo::run(args),
         Command::Loadgen(args) => switchyard::loadgen::run(args),
-        Command::Serve(args) => switchyard::server::run(*args),
-        Command::SimWorker(args) => sim_worker::run(args),
+        Command::Serve(args) => switchyard_server::run(*args),
+        Command::SimWorker(args) => switchyard_sim_worker::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,8 +12,8 @@ use http_body_util::BodyExt;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::sync::{Arc, OnceLock};
-use switchyard::server::standalone::{app_without_workers, check_error_answer};
-use switchyard::server::tokenize::HfTokenizer;
+use switchyard_server::standalone::{app_without_workers, check_error_answer};
+use switchyard_server::tokenize::HfTokenizer;
 use tower::ServiceExt;
 
 const MAX_BODY: usize = 64 * 1024;

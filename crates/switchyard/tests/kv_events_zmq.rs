@@ -6,12 +6,12 @@
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard::events::metrics::KvEventMetrics;
-use switchyard::events::publisher::{KvEventPublisher, PublisherConfig};
-use switchyard::events::subscriber::{KvEventSubscriber, SubscriberConfig};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::PrefixIndex;
 use switchyard_core::{EngineHash, WorkerId};
+use switchyard_kv_events::metrics::KvEventMetrics;
+use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
+use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
 use switchyard_wire::kv_events::{encode_batch, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
 use switchyard_wire::normalize::{Normalized, Normalizer};
 

@@ -8,13 +8,13 @@
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard::replica::{
-    random_replica_id, Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane,
-    RouterSink,
-};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::{ActiveSequences, AddRequest, SequenceEvent, SequencesConfig};
 use switchyard_core::{LocalHash, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_replica::{
+    random_replica_id, Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane,
+    RouterSink,
+};
 
 const WORKERS: [WorkerId; 2] = [WorkerId::new(1), WorkerId::new(2)];
 

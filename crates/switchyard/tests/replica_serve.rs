@@ -15,8 +15,8 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard::replica::nats_server::nats_server_binary;
-use switchyard::replica::{LocalNatsServer, NatsTransport, ReplicaConfig, Transport as _};
+use switchyard_replica::nats_server::nats_server_binary;
+use switchyard_replica::{LocalNatsServer, NatsTransport, ReplicaConfig, Transport as _};
 use switchyard_wire::replica::{decode_batch, ActiveSequenceData};
 use tokio::sync::mpsc;
 

@@ -642,7 +642,7 @@ async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
-    use switchyard::server::{self, config::WorkerSpec, ServerConfig};
+    use switchyard_server::{self, config::WorkerSpec, ServerConfig};
     let silent = scripted_worker(Script::Silent).await;
     let config = ServerConfig {
         port: 0,
@@ -651,7 +651,7 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
         health_interval_ms: 100,
         ..ServerConfig::default()
     };
-    let running = server::start(config).await.unwrap();
+    let running = switchyard_server::start(config).await.unwrap();
     let base = format!("http://{}", running.addr);
     let client = reqwest::Client::new();
     let ready = eventually(Duration::from_secs(10), || {

@@ -227,10 +227,10 @@ async fn chat_text_and_bad_input_get_openai_shaped_replies() {
 #[tokio::test]
 async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
     use std::sync::{Arc, Mutex};
-    use switchyard::events::metrics::KvEventMetrics;
-    use switchyard::events::subscriber::{KvEventSubscriber, SubscriberConfig};
     use switchyard_core::index::PrefixIndex;
     use switchyard_core::{EngineHash, WorkerId};
+    use switchyard_kv_events::metrics::KvEventMetrics;
+    use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
 
     // A small pool so that later prompts evict earlier ones: removals flow too.
     let worker = start_worker(&[

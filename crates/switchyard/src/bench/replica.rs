@@ -15,9 +15,6 @@
 //! Starts its own `nats-server` (the Debian package) unless `--nats` names one.
 
 use super::stats::{write_json, Latency};
-use crate::replica::{
-    Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane, RouterSink,
-};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -27,6 +24,9 @@ use std::time::{Duration, Instant};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::AddRequest;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_replica::{
+    Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane, RouterSink,
+};
 
 /// Workload parameters.
 #[derive(Clone, Debug, Serialize, clap::Args)]

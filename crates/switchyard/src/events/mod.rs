@@ -1,20 +1,9 @@
-//! The KV-event plane: engines' KV-cache events over ZMQ into the prefix
-//! index, and the `switchyard events` commands that inspect them.
+//! `switchyard events ...`: inspect engines' KV events (the plane itself is
+//! the `switchyard-kv-events` crate).
 //!
-//! - [`publisher`] — the engine side (PUB + replay ROUTER), as vLLM runs
-//!   it; the simulated engine publishes through it.
-//! - [`subscriber`] — the router side: one SUB thread per worker endpoint,
-//!   gap detection and replay, applying into an [`subscriber::IndexSink`].
-//! - [`metrics`] — counters per worker, rendered as Prometheus text.
 //! - [`json`] — a decoded batch as the JSON `events decode` prints.
-//!
-//! Data flow: engine PUB → [`subscriber::KvEventSubscriber`] (sequence check,
-//! replay) → `switchyard_wire` decode and normalize → sink (`PrefixIndex`).
 
 pub mod json;
-pub mod metrics;
-pub mod publisher;
-pub mod subscriber;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand, ValueEnum};
@@ -123,13 +112,17 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
     );
     let worker = WorkerId::new(0);
     let index = Arc::new(Mutex::new(PrefixIndex::new()));
-    let registry = metrics::KvEventMetrics::new();
-    let mut config = subscriber::SubscriberConfig::new(worker, &args.endpoint, args.block_size);
+    let registry = switchyard_kv_events::metrics::KvEventMetrics::new();
+    let mut config = switchyard_kv_events::subscriber::SubscriberConfig::new(
+        worker,
+        &args.endpoint,
+        args.block_size,
+    );
     config.replay_endpoint = args.replay.clone();
     config.format = args.format.into();
     config.topic = args.topic.clone();
     let context = zmq::Context::new();
-    let sub = subscriber::KvEventSubscriber::spawn(
+    let sub = switchyard_kv_events::subscriber::KvEventSubscriber::spawn(
         &context,
         config,
         index.clone(),
@@ -158,7 +151,11 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_summary(started: Instant, registry: &metrics::KvEventMetrics, index: &Mutex<PrefixIndex>) {
+fn print_summary(
+    started: Instant,
+    registry: &switchyard_kv_events::metrics::KvEventMetrics,
+    index: &Mutex<PrefixIndex>,
+) {
     let t = registry.total();
     let blocks = index.lock().map(|i| i.live_pairs()).unwrap_or(0);
     println!(

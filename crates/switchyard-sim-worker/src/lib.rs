@@ -10,7 +10,7 @@
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight
-//! onto the routers' replica plane ([`crate::replica::WorkerMarks`]).
+//! onto the routers' replica plane ([`switchyard_replica::WorkerMarks`]).
 //!
 //! Data flow: HTTP handler → tokenizer → driver command channel → engine
 //! step → per-request token channel → SSE or JSON reply. KV events leave the
@@ -21,10 +21,6 @@ pub mod http;
 pub mod kv_publish;
 pub mod metrics;
 
-use crate::events::publisher::{KvEventPublisher, PublisherConfig};
-use crate::replica::{
-    worker_id_for_name, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
-};
 use anyhow::Context;
 use clap::Args;
 use std::net::SocketAddr;
@@ -32,6 +28,10 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use switchyard_engine::{Engine, EngineConfig, SyncDevice, TimingConfig};
+use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
+use switchyard_replica::{
+    worker_id_for_name, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
+};
 use switchyard_tokenizer::Tokenizer;
 
 /// Options of `switchyard sim-worker`.

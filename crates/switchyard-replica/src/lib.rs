@@ -154,20 +154,6 @@ impl ReplicaPlane {
         })
     }
 
-    /// Connects to `config.nats_url` and starts the plane over NATS.
-    pub async fn start_nats<S: ReplicaSink>(
-        config: &ReplicaConfig,
-        id: ReplicaId,
-        sink: S,
-    ) -> Result<Self, TransportError> {
-        let url = config
-            .nats_url
-            .as_deref()
-            .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
-        let transport = Arc::new(NatsTransport::connect(url).await?);
-        Self::start(transport, config, id, sink).await
-    }
-
     /// Best effort before [`Self::shutdown`]: waits (at most `grace`) until
     /// the queue is empty, then one batch delay for the last batch to go
     /// out, so that peers see the frees of a replica stopping gracefully

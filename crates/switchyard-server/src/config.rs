@@ -2,12 +2,12 @@
 //! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
 //! line flags (both through clap, flags winning), in that order.
 
-use crate::replica::ReplicaConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
 use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
+use switchyard_replica::ReplicaConfig;
 
 /// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]`
 /// or a `[[workers]]` table.

@@ -8,28 +8,28 @@
 //!   publish queue sees one request's events in the order they happened.
 //!   Enqueueing never awaits; a full queue drops and counts.
 //! - [`ServerSink`] — the subscriber's side: peers' batches go into the
-//!   same [`Core`] through [`crate::replica::apply_events`] (the one path
+//!   same [`Core`] through [`switchyard_replica::apply_events`] (the one path
 //!   from replica events to a `Router`), session bindings into the
 //!   admission strategy, then queued requests get another chance.
 //! - [`render`] — the per-worker local/remote load gauge and the plane's
 //!   counters on `/metrics`.
 //!
 //! Workers are named by id on the wire; the server derives every worker's
-//! id from its name ([`crate::replica::worker_id_for_name`]), so replicas
+//! id from its name ([`switchyard_replica::worker_id_for_name`]), so replicas
 //! configured with the same worker names agree on ids.
 
 use super::metrics::ServerMetrics;
 use super::state::{Core, SharedRouter};
-use crate::replica::{
-    apply_events, random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaMetrics,
-    ReplicaPlane, ReplicaPublisher, ReplicaSink, Transport, TransportError,
-};
 use clap::Args;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use switchyard_core::admission::{AdmissionStrategy as _, SessionKey};
 use switchyard_core::sequences::AddRequest;
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
+use switchyard_replica::{
+    apply_events, random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaMetrics,
+    ReplicaPlane, ReplicaPublisher, ReplicaSink, Transport, TransportError,
+};
 use switchyard_wire::replica::{ReplicaBatch, SessionBinding};
 
 /// `switchyard serve`'s replica-sync flags; each also reads its
@@ -207,7 +207,7 @@ pub async fn start(
 }
 
 /// [`start`] over any transport (in-process replicas share an
-/// [`crate::replica::InProcessBus`]).
+/// [`switchyard_replica::InProcessBus`]).
 pub async fn start_over<T: Transport>(
     transport: Arc<T>,
     config: &ReplicaConfig,
@@ -266,14 +266,14 @@ pub fn render(core: &Core, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replica::{InProcessBus, InProcessTransport};
-    use crate::server::config::ServerConfig;
-    use crate::server::state::Submission;
+    use crate::config::ServerConfig;
+    use crate::state::Submission;
     use std::time::Duration;
     use switchyard_core::admission::{
         AdmissionController, AdmissionStrategy, SessionAwareStrategy,
     };
     use switchyard_core::LocalHash;
+    use switchyard_replica::{InProcessBus, InProcessTransport};
 
     #[test]
     fn flags_override_only_what_they_set() {
@@ -297,7 +297,7 @@ mod tests {
     /// workers, on the plane of `bus`.
     async fn replica(bus: &Arc<InProcessBus>) -> (Arc<SharedRouter>, ReplicaPlane) {
         let config = ServerConfig::default();
-        let router = crate::server::build_router(&config).unwrap();
+        let router = crate::build_router(&config).unwrap();
         let strategy: Box<dyn AdmissionStrategy + Send> =
             Box::new(SessionAwareStrategy::new(config.session).unwrap());
         let admission = AdmissionController::new(config.queue.clone(), Some(strategy)).unwrap();

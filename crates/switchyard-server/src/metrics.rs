@@ -4,7 +4,7 @@
 //! small and fixed (statuses, admission decisions) or keyed by the worker
 //! table the router already owns, so plain atomics plus one text renderer
 //! cover it with no dependency and no allocation on the request path — the
-//! same style as [`crate::events::metrics`], whose text is appended.
+//! same style as [`switchyard_kv_events::metrics`], whose text is appended.
 //!
 //! Names follow DESIGN.md "Interfaces".
 

@@ -7,7 +7,6 @@
 
 use super::driver::{DriverHandle, GenEvent};
 use super::metrics::Metrics;
-use crate::replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -27,6 +26,7 @@ use switchyard_core::hashing::DEFAULT_SEED;
 use switchyard_core::RequestId;
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
+use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
 use switchyard_wire::openai::Prompt;
 use tokio::sync::mpsc;

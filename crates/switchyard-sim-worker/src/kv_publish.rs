@@ -6,11 +6,11 @@
 //! own fed by the driver through a bounded channel.
 
 use super::metrics::Metrics;
-use crate::events::publisher::KvEventPublisher;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use switchyard_engine::{KvEvent, Medium};
+use switchyard_kv_events::publisher::KvEventPublisher;
 use switchyard_wire::kv_events::{self as wire, BlockRemoved, BlockStored, KvEventBatch};
 use tokio::sync::mpsc;
 

@@ -12,14 +12,13 @@
 //! [`SharedRouter`] is the small interface everything else uses: request
 //! admission and placement ([`SharedRouter::submit`] returning a
 //! [`WaitHandle`], then a [`Booking`] guard whose drop frees the request),
-//! KV events ([`crate::events::subscriber::IndexSink`]), worker changes
+//! KV events ([`SharedRouter::apply_worker_event`]), worker changes
 //! (`add_worker`/`remove_worker`/`set_draining`), and
 //! [`SharedRouter::with_core`] for anything else — such as applying replica
 //! events to the same `Router` — with the lock held for the closure only.
 
 use super::health::{self, WorkerCircuit};
 use super::metrics::{render_by_worker, render_one, AdmissionDecision, ServerMetrics};
-use crate::events::subscriber::IndexSink;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -449,7 +448,7 @@ impl SharedRouter {
             return Err(format!("a worker named {name:?} exists"));
         }
         // Replicas name workers by id: derive it from the name, not the order.
-        let id = crate::replica::worker_id_for_name(name);
+        let id = switchyard_replica::worker_id_for_name(name);
         if core.workers.contains_key(&id) {
             return Err(format!(
                 "the worker name {name:?} collides with another's id"
@@ -828,12 +827,6 @@ impl SharedRouter {
     }
 }
 
-impl IndexSink for SharedRouter {
-    fn apply(&self, worker: WorkerId, event: &IndexEvent) {
-        self.lock().router.apply_kv_event(worker, event);
-    }
-}
-
 /// A request waiting for placement. Dropping it before it resolves (the
 /// client went away) takes the request out of the queue, or, if it was
 /// placed meanwhile, frees the booking: no path leaks one.
@@ -1039,7 +1032,7 @@ impl Drop for Booking {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{build_router, ServerConfig};
+    use crate::{build_router, ServerConfig};
 
     fn shared_with(names: &[&str]) -> (Arc<SharedRouter>, Vec<WorkerId>) {
         let config = ServerConfig::default();

@@ -281,7 +281,7 @@ pub struct RunningServer {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
-    replica: Option<crate::replica::ReplicaPlane>,
+    replica: Option<switchyard_replica::ReplicaPlane>,
     inflight: Arc<inflight::Inflight>,
 }
 
@@ -346,7 +346,7 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         // pick the same worker until the sync catches up): with replica
         // sync on, each process mixes fresh entropy into its seed.
         seed: if config.replica.enabled() {
-            config.seed ^ crate::replica::random_replica_id().0
+            config.seed ^ switchyard_replica::random_replica_id().0
         } else {
             config.seed
         },

@@ -18,8 +18,6 @@
 
 use super::config::WorkerSpec;
 use super::state::SharedRouter;
-use crate::events::metrics::KvEventMetrics;
-use crate::events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -30,6 +28,8 @@ use std::time::Duration;
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
+use switchyard_kv_events::metrics::KvEventMetrics;
+use switchyard_kv_events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
 
 /// The pooled upstream HTTP client.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -347,8 +347,8 @@ pub fn kv_usage_fraction(metrics: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::state::Submission;
-    use crate::server::{build_router, ServerConfig};
+    use crate::state::Submission;
+    use crate::{build_router, ServerConfig};
     use switchyard_core::admission::AdmissionController;
     use switchyard_core::sequences::{AddRequest, SequenceEvent};
     use switchyard_core::{ReplicaId, RequestId};

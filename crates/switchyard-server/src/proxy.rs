@@ -710,7 +710,7 @@ impl Attempts {
             // (replica sync) name the booking, not the client's id.
             .header("x-request-id", booking.id().to_string());
         if let Some(router_id) = &self.state.router_id {
-            upstream = upstream.header(crate::replica::ROUTER_ID_HEADER, router_id.clone());
+            upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }
         if let Some(accept) = &self.accept {
             upstream = upstream.header(header::ACCEPT, accept);

@@ -64,7 +64,8 @@ pub struct ReplicaSnapshot {
 }
 
 impl ReplicaMetrics {
-    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+    /// Adds `n` to one of the counters.
+    pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
