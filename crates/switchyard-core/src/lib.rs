@@ -29,17 +29,29 @@
 //!   when every worker is busy), the admission-strategy API, request
 //!   lifecycle records and live progress, and the session-aware strategy,
 //!   behind one [`admission::AdmissionController`].
+//! - [`estimate`] — prefill-duration hints: the configured timing model,
+//!   fitted online per worker from observed times to first token.
+//! - [`dispatch`] — the request lifecycle as one value,
+//!   [`dispatch::Dispatcher`]: router, admission, the request table, the
+//!   estimator and the circuit breakers, driven by pure calls (submit,
+//!   first token, finish, abort, migrate, tick, KV events, peers' batches)
+//!   that return the driver's [`dispatch::Effects`]. The server and the
+//!   simulator are its two drivers.
 //!
-//! Data flow for one request: `admission` queues it (and may defer it);
-//! when it is offered, `hashing` turns the prompt into block hashes;
-//! the selector reads overlaps from `index` and load from the registry and
-//! picks a worker; the driver books the request in `sequences`
-//! (`AddRequest`), marks its prefill done at the first token and frees it at
-//! the end. Engine KV events flow into `index` independently.
+//! Data flow for one request: the driver hashes the prompt (`hashing`) and
+//! submits it to the `dispatch`er; `admission` queues it (and may defer
+//! it); when it is offered, the selector reads overlaps from `index` and
+//! load from the registry and picks a worker; the dispatcher books it in
+//! `sequences` (`AddRequest` with a prefill hint from `estimate`) and hands
+//! the driver a dispatch; the driver reports the first token and the end,
+//! and the dispatcher marks and frees the booking. Engine KV events flow
+//! into `index` independently.
 
 #![warn(missing_docs)]
 
 pub mod admission;
+pub mod dispatch;
+pub mod estimate;
 pub mod hashing;
 pub mod health;
 pub mod index;

@@ -159,6 +159,9 @@ pub struct AdmissionCounters {
     pub duplicates: u64,
     /// `Reconcile` events sent.
     pub reconciles: u64,
+    /// Dispatched requests put back in the queue after their worker failed
+    /// them (migration).
+    pub requeued: u64,
     /// Progress pairs created (zero without a strategy).
     pub progress_handles: u64,
 }
@@ -471,6 +474,51 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
             return TransitionOutcome::Untracked;
         }
         self.end(ticket.id, Stage::Aborted, None, now_ms)
+    }
+
+    /// The dispatched request's worker failed it: it waits again, ready for
+    /// any worker (its strategy hears `Migrating`, and `Dispatched` again
+    /// when it is placed), keeping its place as a tracked request — a
+    /// session's migrated turn stays its current turn. The ticket is
+    /// consumed; the next [`Placed::Selected`] carries a new one. A ticket
+    /// of a request that was not dispatched comes back in the error.
+    pub fn requeue(
+        &mut self,
+        ticket: ResponseTicket,
+        facts: &RequestFacts<'_>,
+    ) -> Result<TransitionOutcome, InvalidTransition> {
+        if ticket.tracked {
+            let Some(record) = self.records.get_mut(&ticket.id) else {
+                return Ok(TransitionOutcome::Unknown);
+            };
+            if !record.stage.can_become(Stage::Pending) {
+                return Err(InvalidTransition {
+                    from: record.stage,
+                    to: Stage::Pending,
+                    ticket,
+                });
+            }
+            record.stage = Stage::Pending;
+            record.reader = None;
+        }
+        self.counters.requeued += 1;
+        self.queue.push(
+            facts.id,
+            facts.class,
+            facts.uncached_tokens,
+            WaitState::Ready(Placement::Any),
+            facts.now_ms,
+        );
+        if ticket.tracked {
+            let event = LifecycleEvent::Migrating {
+                id: ticket.id,
+                from: ticket.worker,
+            };
+            self.deliver(&event, facts.now_ms);
+            Ok(TransitionOutcome::Applied)
+        } else {
+            Ok(TransitionOutcome::Untracked)
+        }
     }
 
     /// A client gave up on a request that is still waiting: it leaves the

@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! pending ──► selected ──► dispatched ──► completed
-//!    │           │             │
-//!    └───────────┴─────────────┴────────► aborted
+//!    ▲ │           │         │    │
+//!    │ └───────────┴─────────┼────┴─────► aborted
+//!    └───────────────────────┘ migrated (its worker failed it)
 //! ```
 //!
 //! Until selection the scheduling side owns cancellation
@@ -41,6 +42,7 @@ impl Stage {
             (Pending, Selected)
                 | (Selected, Dispatched)
                 | (Dispatched, Completed)
+                | (Dispatched, Pending)
                 | (Pending | Selected | Dispatched, Aborted)
         )
     }
@@ -115,6 +117,12 @@ impl ResponseTicket {
     pub fn progress(&mut self) -> Option<&mut ProgressUpdater> {
         self.progress.as_mut()
     }
+
+    /// Takes the live-progress updater out, for a response path that
+    /// updates progress without holding the ticket.
+    pub fn take_progress(&mut self) -> Option<ProgressUpdater> {
+        self.progress.take()
+    }
 }
 
 #[cfg(test)]
@@ -137,6 +145,7 @@ mod tests {
                 (Pending, Aborted),
                 (Selected, Dispatched),
                 (Selected, Aborted),
+                (Dispatched, Pending),
                 (Dispatched, Completed),
                 (Dispatched, Aborted),
             ]

@@ -141,6 +141,16 @@ pub enum LifecycleEvent {
         /// Context length after the turn.
         context_tokens: u64,
     },
+    /// The dispatched request's worker failed it and it waits again for
+    /// another worker (migration): it is still the session's current turn,
+    /// no longer running on `from`. A `Dispatched` follows when it is
+    /// placed again (possibly elsewhere), or a terminal event.
+    Migrating {
+        /// The request.
+        id: RequestId,
+        /// The worker that failed it.
+        from: WorkerId,
+    },
     /// The request ended without a result (cancelled, failed, unroutable);
     /// it commits nothing.
     Aborted {
@@ -196,8 +206,9 @@ pub struct KvUsage {
 /// the controller guarantees the calling contract:
 ///
 /// - `admit` is called exactly once per request;
-/// - each request answered `Ready` or `Defer` receives `Dispatched` at most
-///   once and exactly one of `Completed` / `Aborted`, and nothing after it;
+/// - each request answered `Ready` or `Defer` receives exactly one of
+///   `Completed` / `Aborted`, and nothing after it; before it, `Dispatched`
+///   once per placement, and between two placements a `Migrating`;
 /// - `Reconcile` arrives at least every `reconcile_interval_ms()` while the
 ///   driver follows the controller's wake-ups.
 ///

@@ -186,6 +186,8 @@ pub struct SessionCounters {
     pub evicted: u64,
     /// Duplicate, stale or unknown events ignored.
     pub stale_events: u64,
+    /// Running turns whose worker failed them, waiting to be placed again.
+    pub migrated_turns: u64,
     /// Peer replicas' session bindings that re-pinned or created a session.
     pub remote_bindings: u64,
     /// Peer bindings ignored: a local turn in flight, a paused session, or
@@ -713,6 +715,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
                 self.end_turn(*id, Some(*context_tokens), out);
             }
             LifecycleEvent::Aborted { id } => self.end_turn(*id, None, out),
+            LifecycleEvent::Migrating { id, from } => self.migrating(*id, *from),
             LifecycleEvent::Reconcile => self.reconcile(out),
         }
     }
@@ -799,12 +802,37 @@ impl AdmissionStrategy for SessionAwareStrategy {
             ("expired", c.expired),
             ("evicted", c.evicted),
             ("stale_events", c.stale_events),
+            ("migrated_turns", c.migrated_turns),
             ("remote_bindings", c.remote_bindings),
         ]
     }
 }
 
 impl SessionAwareStrategy {
+    /// A running turn's worker failed it: it is still the session's turn
+    /// (later turns keep waiting), no longer running on `from`; its next
+    /// `Dispatched` re-pins the session where it lands.
+    fn migrating(&mut self, id: RequestId, from: WorkerId) {
+        let Some(&key) = self.requests.get(&id) else {
+            self.counters.stale_events += 1;
+            return;
+        };
+        let Some(session) = self.sessions.get_mut(&key) else {
+            self.counters.stale_events += 1;
+            return;
+        };
+        if session.turn != Turn::Running(id) {
+            self.counters.stale_events += 1;
+            return;
+        }
+        session.turn = Turn::Admitted(id);
+        if let Some(kv) = self.workers.get_mut(&from) {
+            kv.running.remove(&id);
+        }
+        self.counters.migrated_turns += 1;
+        self.settle(key);
+    }
+
     fn end_turn(&mut self, id: RequestId, context_tokens: Option<u64>, out: &mut Vec<MakeReady>) {
         let Some(key) = self.requests.remove(&id) else {
             self.counters.stale_events += 1;

@@ -90,6 +90,11 @@ impl<S: AdmissionStrategy> AdmissionStrategy for Recorder<S> {
                 assert!(self.tracked.contains(id), "event for untracked {id}");
                 assert!(self.ended.insert(*id), "second terminal event for {id}");
             }
+            LifecycleEvent::Migrating { id, .. } => {
+                assert!(!self.ended.contains(id), "migrating after its end: {id}");
+                // Dispatched once per placement: the next one is legal.
+                assert!(self.dispatched.remove(id), "migrating undispatched {id}");
+            }
             LifecycleEvent::Reconcile => self.reconciles.push(now_ms),
         }
         self.inner.on_event(event, now_ms, out);

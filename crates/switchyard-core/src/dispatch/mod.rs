@@ -1,0 +1,1035 @@
+//! The request lifecycle: one dispatcher, two drivers.
+//!
+//! [`Dispatcher`] owns everything that decides about a request between its
+//! arrival and its end — the [`Router`] (prefix index, active sequences,
+//! selector), the [`AdmissionController`] (policy queue, strategy), the
+//! request table, the [`PrefillEstimator`] and every worker's
+//! [`CircuitBreaker`] — and exposes the lifecycle as pure calls that take
+//! the time as an argument. Each call returns the [`Effects`] the driver
+//! must carry out (requests to send to their workers, requests that can go
+//! nowhere, replica events to publish, session bindings, circuit changes,
+//! counts), in the spirit of raft-rs's `Ready`; nothing here performs I/O
+//! or calls out. The HTTP server and the fleet simulator are two drivers of
+//! this one value, so what `replay` measures is what `serve` does.
+//!
+//! One request:
+//!
+//! ```text
+//! submit ─► waiting (queued or deferred) ─► Dispatch{booking, worker}   (Effects::dispatch)
+//!                 │                              │
+//!                 │ abort                        ├─ first_token ─ finish(context_tokens)
+//!                 ▼                              ├─ worker_failed ─ migrate ─► waiting again
+//!             (gone)                             └─ abort / expiry
+//! ```
+//!
+//! - A request keeps its id (`RequestId`, the admission and session
+//!   identity) for life; each placement books it under a *booking* id the
+//!   driver chooses (the request id for the first placement), which is what
+//!   the router's write model, peer replicas and worker-origin marks see.
+//!   A migrated request books afresh, so a late event about its old booking
+//!   can never touch the new one.
+//! - Every mutating call ends with a poll of the admission queue: anything
+//!   that frees capacity (a first token, a finish, a peer's free, a tick)
+//!   may place waiting requests, and their [`Dispatch`]es come back with
+//!   the call that made room.
+//! - Booking hints: each booking carries the estimator's expected prefill
+//!   duration for its uncached tokens on the chosen worker.
+//! - Replica events are emitted only once replica sync is on
+//!   ([`Dispatcher::set_replica`]), and only for what this replica changed:
+//!   an `Add` that was applied, a mark of a booking it holds, a `Free` that
+//!   freed one of its bookings.
+//! - Circuit breakers: a placement is a `Dispatched` event (the probe, when
+//!   half-open); a first token a success; [`Dispatcher::worker_failed`] a
+//!   failure (once per booking); a booking that ends with neither is
+//!   `Released`. Results of an older breaker generation change nothing.
+
+use crate::admission::{
+    AdmissionConfig, AdmissionConfigError, AdmissionController, AdmissionStrategy, CancelOutcome,
+    KvUsage, Placed, Placement, ProgressUpdater, QueueClass, RequestFacts, ResponseTicket,
+    SessionKey, SubmitOutcome,
+};
+use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
+use crate::health::{CircuitBreaker, CircuitConfig, CircuitConfigError, CircuitEvent, CircuitState};
+use crate::index::{ApplyOutcome, IndexEvent};
+use crate::maps::FxHashMap;
+use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
+use crate::select::{RoutingRequest, SelectOutcome};
+use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
+use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
+use serde::{Deserialize, Serialize};
+
+#[cfg(test)]
+mod tests;
+
+/// Settings of a [`Dispatcher`]: one struct per part.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DispatcherConfig {
+    /// The routing core.
+    pub router: RouterConfig,
+    /// The policy queue and the record cap.
+    pub admission: AdmissionConfig,
+    /// Prefill-duration hints.
+    pub estimator: EstimatorConfig,
+    /// Every worker's circuit breaker.
+    pub circuit: CircuitConfig,
+    /// How often [`Dispatcher::tick`] is due at the latest (expired
+    /// bookings, silent replicas), in ms.
+    pub sweep_interval_ms: f64,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self {
+            router: RouterConfig::default(),
+            admission: AdmissionConfig::default(),
+            estimator: EstimatorConfig::default(),
+            circuit: CircuitConfig::default(),
+            sweep_interval_ms: 1_000.0,
+        }
+    }
+}
+
+/// Why a [`DispatcherConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum DispatcherConfigError {
+    /// A routing setting.
+    #[error(transparent)]
+    Router(#[from] RouterConfigError),
+    /// An admission setting.
+    #[error(transparent)]
+    Admission(#[from] AdmissionConfigError),
+    /// An estimator setting.
+    #[error("estimator: {0}")]
+    Estimator(#[from] EstimatorConfigError),
+    /// A circuit-breaker setting.
+    #[error(transparent)]
+    Circuit(#[from] CircuitConfigError),
+    /// A sweep interval that is not positive.
+    #[error("sweep_interval_ms must be positive and finite, got {0}")]
+    SweepInterval(f64),
+}
+
+impl DispatcherConfig {
+    /// Checks every part.
+    pub fn validate(&self) -> Result<(), DispatcherConfigError> {
+        self.router.validate()?;
+        self.admission.validate()?;
+        self.estimator.validate()?;
+        self.circuit.validate()?;
+        if !(self.sweep_interval_ms.is_finite() && self.sweep_interval_ms > 0.0) {
+            return Err(DispatcherConfigError::SweepInterval(self.sweep_interval_ms));
+        }
+        Ok(())
+    }
+}
+
+/// What a request brings: ids and lengths, never prompt text.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Submission {
+    /// Local block hashes of the prompt's full blocks.
+    pub blocks: Vec<LocalHash>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// The session, when the client named one.
+    pub session: Option<SessionKey>,
+    /// Workers allowed to serve it; empty: every worker.
+    pub eligible: Vec<WorkerId>,
+    /// The queue class whose limits apply.
+    pub class: QueueClass,
+}
+
+/// A request accepted by [`Dispatcher::submit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admitted {
+    /// In the ready queue (and possibly already dispatched: see the effects).
+    Queued,
+    /// Held by the admission strategy (a session's later turn, a paused
+    /// session) until it makes the request ready.
+    Deferred,
+}
+
+/// Why [`Dispatcher::submit`] refused a request. Nothing was retained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The queue or the record cap is full: retry after this long (HTTP 429).
+    Full {
+        /// Suggested `Retry-After`.
+        retry_after_ms: u64,
+    },
+    /// The id is already known here.
+    Duplicate,
+}
+
+/// Why [`Dispatcher::migrate`] did nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MigrateError {
+    /// The request is not known (ended, expired, never submitted).
+    #[error("unknown request")]
+    Unknown,
+    /// The request is waiting, not placed on a worker.
+    #[error("the request is not placed on a worker")]
+    NotPlaced,
+}
+
+/// A request to send: booked on `worker` under `booking`.
+#[derive(Debug)]
+pub struct Dispatch {
+    /// The request.
+    pub id: RequestId,
+    /// The booking's id (the id to send to the worker).
+    pub booking: RequestId,
+    /// Where it goes.
+    pub worker: WorkerId,
+    /// Leading blocks the router expects the worker to have cached.
+    pub overlap_blocks: u32,
+    /// Time it waited in the queue.
+    pub waited_ms: f64,
+    /// Live progress (tokens generated so far), when a strategy tracks the
+    /// request: the response path sets it without calling back here.
+    pub progress: Option<ProgressUpdater>,
+}
+
+/// A session's turn was dispatched: peers pin the session there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionBound {
+    /// The session.
+    pub session: SessionKey,
+    /// Its worker.
+    pub worker: WorkerId,
+    /// The turn's prompt length.
+    pub context_tokens: u64,
+}
+
+/// A worker's circuit entered a state.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CircuitChange {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The state entered.
+    pub to: CircuitState,
+    /// When an open circuit turns half-open.
+    pub open_until_ms: Option<f64>,
+}
+
+/// Counts of one call, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Routing decisions the selector made.
+    pub decisions: u32,
+    /// Waiting requests whose client gave up.
+    pub cancelled: u32,
+    /// This replica's bookings freed because their worker left.
+    pub freed_by_removal: u32,
+    /// This replica's bookings freed by the safety-net expiry (their end
+    /// was never reported).
+    pub expired: u32,
+    /// Peers' bookings freed because their replica went silent.
+    pub expired_remote: u32,
+}
+
+/// What the driver must do after a call. Dropping it unread loses work:
+/// a [`Dispatch`] not sent stays booked until the driver ends the request
+/// or the safety-net expiry frees it.
+#[derive(Debug, Default)]
+#[must_use = "effects are what the driver must carry out"]
+pub struct Effects {
+    /// Requests to send to their workers, in placement order.
+    pub dispatch: Vec<Dispatch>,
+    /// Requests that no worker can take: they have ended (HTTP 503).
+    pub no_worker: Vec<RequestId>,
+    /// Lifecycle events for peer replicas (empty unless replica sync is on).
+    pub publish: Vec<SequenceEvent>,
+    /// Session bindings for peer replicas (replica sync with a strategy).
+    pub bindings: Vec<SessionBound>,
+    /// Circuit transitions, in order.
+    pub circuits: Vec<CircuitChange>,
+    /// Counts for metrics.
+    pub counts: Counts,
+}
+
+impl Effects {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.dispatch.is_empty()
+            && self.no_worker.is_empty()
+            && self.publish.is_empty()
+            && self.bindings.is_empty()
+            && self.circuits.is_empty()
+            && self.counts == Counts::default()
+    }
+}
+
+/// What [`Dispatcher::apply_replica_batch`] applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchApplied {
+    /// Lifecycle events that changed a remote booking.
+    pub applied: u64,
+    /// Session bindings handed to the strategy.
+    pub sessions: u64,
+}
+
+/// A placed request's booking.
+#[derive(Debug)]
+struct Booked {
+    worker: WorkerId,
+    /// `None` only between the selector's choice and the end of the poll.
+    ticket: Option<ResponseTicket>,
+    placed_ms: f64,
+    overlap_blocks: u32,
+    uncached_tokens: u64,
+    /// It was the only local prefill on its worker when placed: its time
+    /// to first token measures its prefill (an estimator sample).
+    sole_prefill: bool,
+    first_token: bool,
+    circuit_generation: u64,
+    /// A success or failure reached the breaker.
+    verdict: bool,
+    /// A failure did (counted once per booking).
+    failed: bool,
+}
+
+#[derive(Debug)]
+struct Request {
+    booking: RequestId,
+    blocks: Vec<LocalHash>,
+    prompt_tokens: u32,
+    session: Option<SessionKey>,
+    eligible: Vec<WorkerId>,
+    /// Workers that failed it (never chosen again for it).
+    excluded: Vec<WorkerId>,
+    class: QueueClass,
+    booked: Option<Booked>,
+}
+
+#[derive(Debug)]
+struct WorkerSlot {
+    capacity: WorkerCapacity,
+    breaker: CircuitBreaker,
+    /// Local bookings placed here that have not had their first token.
+    prefilling: u32,
+}
+
+/// The request lifecycle as one value (see the module docs).
+pub struct Dispatcher {
+    config: DispatcherConfig,
+    router: Router,
+    admission: AdmissionController,
+    estimator: PrefillEstimator,
+    workers: FxHashMap<WorkerId, WorkerSlot>,
+    requests: FxHashMap<RequestId, Request>,
+    /// Booking id → request id, for every placed request.
+    bookings: FxHashMap<RequestId, RequestId>,
+    /// Replica sync is on: emit lifecycle events for peers.
+    publishing: bool,
+    last_sweep_ms: f64,
+    placed: Vec<Placed>,
+    scratch: Vec<WorkerId>,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("router", &self.router)
+            .field("admission", &self.admission)
+            .field("requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dispatcher {
+    /// A dispatcher with no workers; `strategy` is the admission strategy,
+    /// if any.
+    pub fn new(
+        config: DispatcherConfig,
+        strategy: Option<Box<dyn AdmissionStrategy + Send>>,
+    ) -> Result<Self, DispatcherConfigError> {
+        config.validate()?;
+        Ok(Self {
+            router: Router::new(config.router)?,
+            admission: AdmissionController::new(config.admission.clone(), strategy)?,
+            estimator: PrefillEstimator::new(config.estimator)?,
+            workers: FxHashMap::default(),
+            requests: FxHashMap::default(),
+            bookings: FxHashMap::default(),
+            publishing: false,
+            last_sweep_ms: 0.0,
+            placed: Vec::new(),
+            scratch: Vec::new(),
+            config,
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &DispatcherConfig {
+        &self.config
+    }
+
+    /// Turns replica sync on as replica `id`: peers' events carrying `id`
+    /// are ignored, and this replica's changes come back as
+    /// [`Effects::publish`] and [`Effects::bindings`].
+    pub fn set_replica(&mut self, id: ReplicaId) {
+        self.router.set_replica_id(id);
+        self.publishing = true;
+    }
+
+    /// The routing core (read-only).
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Admission (read-only).
+    pub fn admission(&self) -> &AdmissionController {
+        &self.admission
+    }
+
+    /// The prefill estimator (read-only).
+    pub fn estimator(&self) -> &PrefillEstimator {
+        &self.estimator
+    }
+
+    /// Requests known here (waiting or placed).
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The worker a request is placed on, if it is.
+    pub fn placement_of(&self, id: RequestId) -> Option<WorkerId> {
+        self.requests.get(&id)?.booked.as_ref().map(|b| b.worker)
+    }
+
+    /// Requests this replica booked on `worker` and has not freed.
+    pub fn local_requests_on(&self, worker: WorkerId) -> usize {
+        let all = self
+            .router
+            .sequences()
+            .registry()
+            .load(worker)
+            .map_or(0, |l| l.requests);
+        all.saturating_sub(self.router.remote().remote_requests_on(worker))
+    }
+
+    /// A worker's circuit state, while it is in the fleet.
+    pub fn circuit_state(&self, worker: WorkerId) -> Option<CircuitState> {
+        self.workers.get(&worker).map(|w| w.breaker.state())
+    }
+
+    /// Whether a worker's breaker would admit a request now.
+    pub fn circuit_admits(&self, worker: WorkerId) -> Option<bool> {
+        self.workers.get(&worker).map(|w| w.breaker.admits())
+    }
+
+    /// Heap bytes of the dispatcher's own tables (the router's are in
+    /// [`Router::memory`]).
+    pub fn heap_bytes(&self) -> usize {
+        crate::maps::map_bytes(&self.requests)
+            + crate::maps::map_bytes(&self.bookings)
+            + crate::maps::map_bytes(&self.workers)
+            + self
+                .requests
+                .values()
+                .map(|r| {
+                    (r.blocks.capacity()) * std::mem::size_of::<LocalHash>()
+                        + (r.eligible.capacity() + r.excluded.capacity())
+                            * std::mem::size_of::<WorkerId>()
+                })
+                .sum::<usize>()
+            + self.admission.heap_bytes()
+            + self.estimator.heap_bytes()
+    }
+
+    // ---- Workers -------------------------------------------------------
+
+    /// Adds a worker (with a closed circuit), or updates its capacity.
+    pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        self.workers
+            .entry(worker)
+            .and_modify(|slot| slot.capacity = capacity)
+            .or_insert_with(|| WorkerSlot {
+                capacity,
+                breaker: CircuitBreaker::default(),
+                prefilling: 0,
+            });
+        self.router.add_worker(worker, capacity);
+        self.report_kv(worker, None);
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// Removes a worker: it is never chosen again, its cached blocks are
+    /// forgotten and its bookings freed (this replica's are published and
+    /// counted; their requests end when their driver ends them). Its
+    /// circuit starts closed if it comes back.
+    pub fn remove_worker(&mut self, worker: WorkerId, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        if let Some(slot) = self.workers.remove(&worker) {
+            if slot.breaker.state() != CircuitState::Closed {
+                fx.circuits.push(CircuitChange {
+                    worker,
+                    to: CircuitState::Closed,
+                    open_until_ms: None,
+                });
+            }
+        }
+        self.estimator.remove_worker(worker);
+        for booking in self.router.remove_worker(worker) {
+            if self.bookings.contains_key(&booking) {
+                fx.counts.freed_by_removal += 1;
+                if self.publishing {
+                    fx.publish.push(SequenceEvent::Free(booking));
+                }
+            }
+        }
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// Whether a worker is in the fleet.
+    pub fn has_worker(&self, worker: WorkerId) -> bool {
+        self.workers.contains_key(&worker)
+    }
+
+    /// Sets every worker's circuit-breaker settings (from the next result on).
+    pub fn set_circuit_config(&mut self, circuit: CircuitConfig) -> Result<(), CircuitConfigError> {
+        circuit.validate()?;
+        self.config.circuit = circuit;
+        Ok(())
+    }
+
+    /// Tells the admission strategy a worker's KV capacity (its device
+    /// blocks × the block size, when known) and, when measured, the
+    /// fraction in use (clamped to `0..=1`; a non-finite one is ignored).
+    /// Without a capacity the strategy cannot pause sessions there.
+    pub fn report_kv(&mut self, worker: WorkerId, used_fraction: Option<f64>) {
+        let Some(blocks) = self.workers.get(&worker).and_then(|w| w.capacity.kv_blocks) else {
+            return;
+        };
+        let block_size = u64::from(self.router.config().sequences.block_size);
+        let capacity_tokens = blocks.saturating_mul(block_size);
+        let used_tokens = used_fraction
+            .filter(|f| f.is_finite())
+            .map(|f| (f.clamp(0.0, 1.0) * capacity_tokens as f64) as u64);
+        self.admission.report_kv(
+            worker,
+            KvUsage {
+                capacity_tokens,
+                used_tokens,
+            },
+        );
+    }
+
+    // ---- Engine KV events and peers ----------------------------------
+
+    /// Applies an engine KV event (already normalized: see
+    /// `switchyard_wire::normalize`). `None` in approximate mode.
+    pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {
+        self.router.apply_kv_event(worker, event)
+    }
+
+    /// Applies one batch from peer replica `origin` (a heartbeat even when
+    /// empty): lifecycle events as advisory remote bookings, keyed by the
+    /// origin each event names, and session bindings into the strategy.
+    pub fn apply_replica_batch(
+        &mut self,
+        origin: ReplicaId,
+        events: impl IntoIterator<Item = (ReplicaId, SequenceEvent)>,
+        bindings: impl IntoIterator<Item = SessionBound>,
+        now_ms: f64,
+    ) -> (BatchApplied, Effects) {
+        let mut fx = Effects::default();
+        let mut applied = BatchApplied::default();
+        self.router.replica_heartbeat(origin, now_ms);
+        for (event_origin, event) in events {
+            let outcome = self.router.apply_remote(event_origin, &event, now_ms);
+            applied.applied += u64::from(outcome.applied());
+        }
+        if let Some(strategy) = self.admission.strategy_mut() {
+            for b in bindings {
+                strategy.observe_remote_binding(b.session, b.worker, b.context_tokens, now_ms);
+                applied.sessions += 1;
+            }
+        }
+        // A peer's free may have made room for a waiting request.
+        self.poll_into(now_ms, &mut fx);
+        (applied, fx)
+    }
+
+    // ---- The lifecycle -----------------------------------------------
+
+    /// A request arrives: admission (the strategy may defer it), then a
+    /// poll that may dispatch it at once.
+    pub fn submit(
+        &mut self,
+        id: RequestId,
+        submission: Submission,
+        now_ms: f64,
+    ) -> Result<(Admitted, Effects), Refused> {
+        if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
+            return Err(Refused::Duplicate);
+        }
+        let facts = RequestFacts {
+            id,
+            session: submission.session,
+            context_tokens: submission.prompt_tokens,
+            uncached_tokens: submission.prompt_tokens,
+            class: submission.class,
+            eligible: &submission.eligible,
+            now_ms,
+        };
+        let admitted = match self.admission.submit(&facts) {
+            SubmitOutcome::Queued => Admitted::Queued,
+            SubmitOutcome::Deferred => Admitted::Deferred,
+            SubmitOutcome::Rejected { retry_after_ms, .. } => {
+                return Err(Refused::Full { retry_after_ms })
+            }
+            SubmitOutcome::Duplicate => return Err(Refused::Duplicate),
+        };
+        self.requests.insert(
+            id,
+            Request {
+                booking: id,
+                blocks: submission.blocks,
+                prompt_tokens: submission.prompt_tokens,
+                session: submission.session,
+                eligible: submission.eligible,
+                excluded: Vec::new(),
+                class: submission.class,
+                booked: None,
+            },
+        );
+        let mut fx = Effects::default();
+        self.poll_into(now_ms, &mut fx);
+        Ok((admitted, fx))
+    }
+
+    /// Offers waiting requests to the router again (call when
+    /// [`Self::next_wakeup_ms`] says, after [`Self::tick`]; every other call
+    /// polls on its own).
+    pub fn poll(&mut self, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// The request's first token arrived: its prefill is done (once).
+    pub fn first_token(&mut self, id: RequestId, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        let Some(request) = self.requests.get_mut(&id) else {
+            return fx;
+        };
+        let Some(booked) = request.booked.as_mut() else {
+            return fx;
+        };
+        if booked.first_token {
+            return fx;
+        }
+        booked.first_token = true;
+        let (worker, booking) = (booked.worker, request.booking);
+        if let Some(slot) = self.workers.get_mut(&worker) {
+            slot.prefilling = slot.prefilling.saturating_sub(1);
+        }
+        let marked = self.router.mark_prefill_completed(booking, now_ms);
+        // Duplicate: the worker's own mark came first; peers may not have it.
+        if self.publishing
+            && matches!(
+                marked,
+                LifecycleOutcome::Applied | LifecycleOutcome::Duplicate
+            )
+        {
+            fx.publish.push(SequenceEvent::MarkPrefillCompleted(booking));
+        }
+        if booked.sole_prefill {
+            self.estimator
+                .observe(worker, booked.uncached_tokens, now_ms - booked.placed_ms);
+        }
+        if !booked.verdict {
+            booked.verdict = true;
+            let generation = booked.circuit_generation;
+            self.circuit(worker, CircuitEvent::Success, generation, now_ms, &mut fx);
+        }
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// The worker failed the request (refused, reset, 5xx, error event,
+    /// timeout): one failure for its circuit breaker, once per booking
+    /// however often it is called. The request stays booked: the driver
+    /// then migrates or ends it.
+    pub fn worker_failed(&mut self, id: RequestId, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        let Some(booked) = self.requests.get_mut(&id).and_then(|r| r.booked.as_mut()) else {
+            return fx;
+        };
+        if booked.failed {
+            return fx;
+        }
+        booked.failed = true;
+        booked.verdict = true;
+        let (worker, generation) = (booked.worker, booked.circuit_generation);
+        self.circuit(worker, CircuitEvent::Failure, generation, now_ms, &mut fx);
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// The request finished; `context_tokens` (prompt plus generated) is
+    /// authoritative for its session. A request that never got a worker
+    /// ends as aborted.
+    pub fn finish(&mut self, id: RequestId, context_tokens: u64, now_ms: f64) -> Effects {
+        self.end(id, Some(context_tokens), now_ms)
+    }
+
+    /// The request ended without a result (client gone, failure, timeout),
+    /// wherever it was: waiting, it leaves the queue; placed, its booking
+    /// is freed. It commits nothing to its session.
+    pub fn abort(&mut self, id: RequestId, now_ms: f64) -> Effects {
+        self.end(id, None, now_ms)
+    }
+
+    /// The request's worker failed it and it moves: its booking there is
+    /// freed, that worker is excluded for this request, and it waits again
+    /// — still its session's current turn, so the session's next turn
+    /// keeps waiting for it — until it is placed under the new `booking`
+    /// id; the session then re-pins to the worker that takes it. `prompt`
+    /// replaces the prompt (a stream resumed with its generated tokens).
+    pub fn migrate(
+        &mut self,
+        id: RequestId,
+        booking: RequestId,
+        prompt: Option<(Vec<LocalHash>, u32)>,
+        now_ms: f64,
+    ) -> Result<Effects, MigrateError> {
+        let mut fx = Effects::default();
+        let request = self.requests.get_mut(&id).ok_or(MigrateError::Unknown)?;
+        let mut booked = request.booked.take().ok_or(MigrateError::NotPlaced)?;
+        let old = std::mem::replace(&mut request.booking, booking);
+        if !request.excluded.contains(&booked.worker) {
+            request.excluded.push(booked.worker);
+        }
+        if let Some((blocks, prompt_tokens)) = prompt {
+            request.blocks = blocks;
+            request.prompt_tokens = prompt_tokens;
+        }
+        let facts_tokens = request.prompt_tokens;
+        let class = request.class;
+        let session = request.session;
+        let ticket = booked.ticket.take();
+        self.bookings.remove(&old);
+        self.release(old, &booked, now_ms, &mut fx);
+        if let Some(ticket) = ticket {
+            let facts = RequestFacts {
+                id,
+                session,
+                context_tokens: facts_tokens,
+                uncached_tokens: facts_tokens,
+                class,
+                eligible: &[],
+                now_ms,
+            };
+            if let Err(invalid) = self.admission.requeue(ticket, &facts) {
+                // Not dispatched (cannot happen: placements are dispatched
+                // before they are returned); end it rather than leak it.
+                let _ = self.admission.abort(invalid.ticket, now_ms);
+                self.requests.remove(&id);
+                fx.no_worker.push(id);
+            }
+        }
+        self.poll_into(now_ms, &mut fx);
+        Ok(fx)
+    }
+
+    /// Periodic work: the strategy's reconcile, bookings past their
+    /// deadline (their requests end as aborted), silent peers' bookings,
+    /// circuit cooldowns that are over; then a poll.
+    pub fn tick(&mut self, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        self.admission.tick(now_ms);
+        for booking in self.router.expire(now_ms) {
+            let Some(id) = self.bookings.remove(&booking) else {
+                continue;
+            };
+            fx.counts.expired += 1;
+            if let Some(mut request) = self.requests.remove(&id) {
+                if let Some(mut booked) = request.booked.take() {
+                    // Already out of the write model; peers expire it on
+                    // the same deadline, so nothing is published.
+                    self.settle_booking(&booked, now_ms, &mut fx);
+                    if let Some(ticket) = booked.ticket.take() {
+                        let _ = self.admission.abort(ticket, now_ms);
+                    }
+                }
+            }
+        }
+        fx.counts.expired_remote += self.router.expire_silent_replicas(now_ms).len() as u32;
+        let due: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.breaker.open_until_ms().is_some_and(|t| t <= now_ms))
+            .map(|(&w, _)| w)
+            .collect();
+        for worker in due {
+            if let Some(slot) = self.workers.get_mut(&worker) {
+                let changed = slot.breaker.poll(now_ms);
+                Self::settle(&mut self.router, worker, slot, changed, &mut fx);
+            }
+        }
+        self.last_sweep_ms = now_ms;
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// When [`Self::tick`] is next due: the strategy's reconcile, a recheck
+    /// while requests wait for a busy fleet, the end of a circuit
+    /// cooldown, or the periodic sweep, whichever comes first.
+    pub fn next_wakeup_ms(&self) -> f64 {
+        let sweep = self.last_sweep_ms + self.config.sweep_interval_ms;
+        let cooldown = self
+            .workers
+            .values()
+            .filter_map(|w| w.breaker.open_until_ms())
+            .fold(f64::INFINITY, f64::min);
+        let admission = self.admission.next_wakeup_ms().unwrap_or(f64::INFINITY);
+        sweep.min(cooldown).min(admission)
+    }
+
+    // ---- Internals ---------------------------------------------------
+
+    /// Ends a request wherever it is.
+    fn end(&mut self, id: RequestId, context_tokens: Option<u64>, now_ms: f64) -> Effects {
+        let mut fx = Effects::default();
+        let Some(mut request) = self.requests.remove(&id) else {
+            return fx;
+        };
+        match request.booked.take() {
+            None => {
+                if self.admission.cancel(id, now_ms) == CancelOutcome::Removed {
+                    fx.counts.cancelled += 1;
+                }
+            }
+            Some(mut booked) => {
+                self.bookings.remove(&request.booking);
+                self.release(request.booking, &booked, now_ms, &mut fx);
+                if let Some(ticket) = booked.ticket.take() {
+                    match context_tokens {
+                        Some(context) => {
+                            if let Err(invalid) = self.admission.complete(ticket, context, now_ms) {
+                                let _ = self.admission.abort(invalid.ticket, now_ms);
+                            }
+                        }
+                        None => {
+                            let _ = self.admission.abort(ticket, now_ms);
+                        }
+                    }
+                }
+            }
+        }
+        self.poll_into(now_ms, &mut fx);
+        fx
+    }
+
+    /// Frees a booking: its prefill count, its breaker verdict (`Released`
+    /// when it had none), its place in the write model (published when it
+    /// freed one of ours).
+    fn release(&mut self, booking: RequestId, booked: &Booked, now_ms: f64, fx: &mut Effects) {
+        self.settle_booking(booked, now_ms, fx);
+        if self.router.free(booking, now_ms) == LifecycleOutcome::Applied && self.publishing {
+            fx.publish.push(SequenceEvent::Free(booking));
+        }
+    }
+
+    /// A booking ends: its worker has one prefill fewer if it never got its
+    /// first token, and its breaker hears `Released` if it had no verdict
+    /// (so a half-open worker's probe slot is never lost).
+    fn settle_booking(&mut self, booked: &Booked, now_ms: f64, fx: &mut Effects) {
+        if let Some(slot) = self.workers.get_mut(&booked.worker) {
+            if !booked.first_token {
+                slot.prefilling = slot.prefilling.saturating_sub(1);
+            }
+        }
+        if !booked.verdict {
+            self.circuit(
+                booked.worker,
+                CircuitEvent::Released,
+                booked.circuit_generation,
+                now_ms,
+                fx,
+            );
+        }
+    }
+
+    /// Feeds one result to a worker's breaker and brings its selectability
+    /// in line. Unknown workers (removed meanwhile) are ignored.
+    fn circuit(
+        &mut self,
+        worker: WorkerId,
+        event: CircuitEvent,
+        generation: u64,
+        now_ms: f64,
+        fx: &mut Effects,
+    ) {
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let changed = slot
+            .breaker
+            .on_result(event, generation, now_ms, &self.config.circuit);
+        Self::settle(&mut self.router, worker, slot, changed, fx);
+    }
+
+    fn settle(
+        router: &mut Router,
+        worker: WorkerId,
+        slot: &WorkerSlot,
+        changed: crate::health::Transitions,
+        fx: &mut Effects,
+    ) {
+        for to in changed.iter() {
+            fx.circuits.push(CircuitChange {
+                worker,
+                to,
+                open_until_ms: slot.breaker.open_until_ms(),
+            });
+        }
+        router.set_selectable(worker, slot.breaker.admits());
+    }
+
+    /// Places ready requests: route, book (with a prefill hint), tell the
+    /// breaker, hand out the dispatch.
+    fn poll_into(&mut self, now_ms: f64, fx: &mut Effects) {
+        if self.admission.queue().ready_len() == 0 {
+            return;
+        }
+        let Dispatcher {
+            router,
+            admission,
+            requests,
+            estimator,
+            workers,
+            placed,
+            scratch,
+            publishing,
+            config,
+            ..
+        } = self;
+        let block_size = u64::from(router.config().sequences.block_size);
+        admission.poll(now_ms, placed, |id, placement| {
+            let Some(request) = requests.get_mut(&id) else {
+                return SelectOutcome::NoWorkers;
+            };
+            let exact;
+            let eligible: Option<&[WorkerId]> = match placement {
+                Placement::Exact(worker) if request.excluded.contains(&worker) => Some(&[]),
+                Placement::Exact(worker) => {
+                    exact = [worker];
+                    Some(&exact)
+                }
+                Placement::Any if request.excluded.is_empty() => {
+                    (!request.eligible.is_empty()).then_some(&request.eligible[..])
+                }
+                Placement::Any => {
+                    scratch.clear();
+                    if request.eligible.is_empty() {
+                        scratch.extend(router.sequences().workers());
+                    } else {
+                        scratch.extend_from_slice(&request.eligible);
+                    }
+                    scratch.retain(|w| !request.excluded.contains(w));
+                    Some(&scratch[..])
+                }
+            };
+            let routing = RoutingRequest {
+                prompt_tokens: request.prompt_tokens,
+                blocks: &request.blocks,
+            };
+            fx.counts.decisions += 1;
+            let outcome = router.route(routing, eligible, now_ms);
+            let SelectOutcome::Selected(decision) = outcome else {
+                return outcome;
+            };
+            let prompt = u64::from(request.prompt_tokens);
+            let cached = (u64::from(decision.overlap_blocks) * block_size).min(prompt);
+            let uncached_tokens = prompt - cached;
+            let hint = estimator.expected_ms(decision.worker, uncached_tokens);
+            let add = AddRequest::for_decision(request.booking, &routing, &decision, Some(hint));
+            let booked = router.book_request(&add, now_ms);
+            if *publishing && booked == LifecycleOutcome::Applied {
+                fx.publish.push(SequenceEvent::Add(add));
+            }
+            let mut generation = 0;
+            let mut sole_prefill = false;
+            if let Some(slot) = workers.get_mut(&decision.worker) {
+                sole_prefill = slot.prefilling == 0;
+                slot.prefilling += 1;
+                // A half-open worker takes this one probe, then no more
+                // until its verdict: decided before the next placement.
+                generation = slot.breaker.generation();
+                let changed =
+                    slot.breaker
+                        .on_result(CircuitEvent::Dispatched, generation, now_ms, &config.circuit);
+                Self::settle(router, decision.worker, slot, changed, fx);
+            }
+            request.booked = Some(Booked {
+                worker: decision.worker,
+                ticket: None,
+                placed_ms: now_ms,
+                overlap_blocks: decision.overlap_blocks,
+                uncached_tokens,
+                sole_prefill,
+                first_token: false,
+                circuit_generation: generation,
+                verdict: false,
+                failed: false,
+            });
+            outcome
+        });
+        let mut placed = std::mem::take(&mut self.placed);
+        for p in placed.drain(..) {
+            match p {
+                Placed::Selected {
+                    mut ticket,
+                    decision,
+                    waited_ms,
+                } => {
+                    let id = ticket.id();
+                    let Some(request) = self.requests.get_mut(&id) else {
+                        // The poll closure saw it a moment ago.
+                        let _ = self.admission.abort(ticket, now_ms);
+                        continue;
+                    };
+                    self.admission.dispatched(&ticket, now_ms);
+                    let progress = ticket.take_progress();
+                    if let (true, Some(session), Some(_)) = (
+                        self.publishing,
+                        request.session,
+                        self.admission.strategy(),
+                    ) {
+                        fx.bindings.push(SessionBound {
+                            session,
+                            worker: decision.worker,
+                            context_tokens: u64::from(request.prompt_tokens),
+                        });
+                    }
+                    let booked = request
+                        .booked
+                        .as_mut()
+                        .expect("a selected request was booked by the poll closure");
+                    booked.ticket = Some(ticket);
+                    self.bookings.insert(request.booking, id);
+                    fx.dispatch.push(Dispatch {
+                        id,
+                        booking: request.booking,
+                        worker: booked.worker,
+                        overlap_blocks: booked.overlap_blocks,
+                        waited_ms,
+                        progress,
+                    });
+                }
+                Placed::NoWorkers { id } => {
+                    self.requests.remove(&id);
+                    fx.no_worker.push(id);
+                }
+            }
+        }
+        self.placed = placed;
+    }
+}

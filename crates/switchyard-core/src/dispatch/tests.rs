@@ -1,0 +1,559 @@
+use super::*;
+use crate::admission::{SessionAwareConfig, SessionAwareStrategy};
+use crate::select::PolicyKind;
+use proptest::prelude::*;
+
+fn w(id: u64) -> WorkerId {
+    WorkerId::new(id)
+}
+
+const CAPACITY: WorkerCapacity = WorkerCapacity {
+    max_num_batched_tokens: Some(8192),
+    kv_blocks: Some(1024),
+};
+
+fn dispatcher_with(config: DispatcherConfig, session_aware: bool, workers: u64) -> Dispatcher {
+    let strategy = session_aware.then(|| {
+        Box::new(SessionAwareStrategy::new(SessionAwareConfig::default()).unwrap())
+            as Box<dyn AdmissionStrategy + Send>
+    });
+    let mut d = Dispatcher::new(config, strategy).unwrap();
+    for id in 1..=workers {
+        let fx = d.add_worker(w(id), CAPACITY, 0.0);
+        assert!(fx.is_empty());
+    }
+    d
+}
+
+fn dispatcher(workers: u64) -> Dispatcher {
+    dispatcher_with(DispatcherConfig::default(), false, workers)
+}
+
+fn round_robin() -> DispatcherConfig {
+    let mut config = DispatcherConfig::default();
+    config.router.policy = PolicyKind::RoundRobin;
+    config
+}
+
+fn submission(first_block: u64, blocks: u64) -> Submission {
+    Submission {
+        blocks: (first_block..first_block + blocks).map(LocalHash).collect(),
+        prompt_tokens: blocks as u32 * 16,
+        ..Submission::default()
+    }
+}
+
+fn in_session(mut s: Submission, session: u64) -> Submission {
+    s.session = Some(SessionKey(session));
+    s
+}
+
+/// Submits and expects an immediate dispatch.
+fn place(d: &mut Dispatcher, id: u128, s: Submission, now: f64) -> Dispatch {
+    let (admitted, mut fx) = d.submit(RequestId(id), s, now).unwrap();
+    assert_eq!(admitted, Admitted::Queued);
+    assert_eq!(fx.dispatch.len(), 1, "{fx:?}");
+    fx.dispatch.pop().unwrap()
+}
+
+#[test]
+fn a_request_is_dispatched_booked_with_a_prefill_hint_and_freed_when_it_finishes() {
+    let mut d = dispatcher(2);
+    let sent = place(&mut d, 1, submission(0, 64), 0.0);
+    assert_eq!(sent.id, RequestId(1));
+    assert_eq!(sent.booking, RequestId(1), "the first booking is the request id");
+    assert_eq!(d.router().sequences().owner(RequestId(1)), Some(sent.worker));
+    // The booking carries the model's prefill time for its 1024 tokens:
+    // its prefill load decays before the first token.
+    let load = d.router().sequences().registry().load(sent.worker).unwrap();
+    assert_eq!(load.active_prefill_tokens(0.0), 1024);
+    let expected = d.estimator().config().model_ms(1024);
+    assert_eq!(load.active_prefill_tokens(expected + 1.0), 0);
+    let fx = d.finish(RequestId(1), 1024 + 10, 50.0);
+    assert!(fx.publish.is_empty(), "no replica sync, nothing published");
+    assert_eq!(d.router().sequences().active_requests(), 0);
+    assert_eq!(d.requests(), 0);
+}
+
+#[test]
+fn a_first_token_marks_the_prefill_once_and_a_sole_prefill_teaches_the_estimator() {
+    let mut config = DispatcherConfig::default();
+    config.estimator.min_samples = 2;
+    config.estimator.window = 2;
+    let mut d = dispatcher_with(config, false, 1);
+    for (i, tokens_blocks) in [(1u128, 10u64), (2, 40)] {
+        let sent = place(&mut d, i, submission(i as u64 * 1000, tokens_blocks), 0.0);
+        let model = d.estimator().config().model_ms(tokens_blocks * 16);
+        // Observed: twice the model.
+        let fx = d.first_token(sent.id, 2.0 * model);
+        assert!(fx.is_empty(), "{fx:?}");
+        let again = d.first_token(sent.id, 3.0 * model);
+        assert!(again.is_empty());
+        d.finish(sent.id, 1, 3.0 * model).dispatch.is_empty();
+    }
+    let fit = d.estimator().fit(w(1)).expect("two sole-prefill samples");
+    assert!((fit.scale - 2.0).abs() < 1e-9, "{fit:?}");
+    // A request placed while another prefills is not a sample.
+    let a = place(&mut d, 3, submission(5000, 8), 100.0);
+    let b = place(&mut d, 4, submission(6000, 8), 100.0);
+    let _ = d.first_token(b.id, 10_000.0);
+    let _ = d.first_token(a.id, 10_000.0);
+    assert_eq!(d.estimator().fit(w(1)).unwrap().samples, 2);
+}
+
+#[test]
+fn with_replica_sync_each_change_of_ours_is_published_once() {
+    let mut d = dispatcher(1);
+    d.set_replica(ReplicaId(7));
+    let (_, fx) = d.submit(RequestId(1), submission(0, 4), 0.0).unwrap();
+    let add = match fx.publish.as_slice() {
+        [SequenceEvent::Add(add)] => add.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(add.request, RequestId(1));
+    assert!(add.expected_prefill_ms.is_some(), "peers get the hint too");
+    assert!(fx.bindings.is_empty(), "no strategy, no session bindings");
+    let fx = d.first_token(RequestId(1), 5.0);
+    assert_eq!(fx.publish, vec![SequenceEvent::MarkPrefillCompleted(RequestId(1))]);
+    let fx = d.finish(RequestId(1), 70, 9.0);
+    assert_eq!(fx.publish, vec![SequenceEvent::Free(RequestId(1))]);
+    // Ending it again publishes nothing.
+    assert!(d.finish(RequestId(1), 70, 9.0).publish.is_empty());
+}
+
+#[test]
+fn a_free_is_published_only_for_a_booking_that_was_still_ours() {
+    let mut d = dispatcher(1);
+    d.set_replica(ReplicaId(7));
+    let _ = d.submit(RequestId(1), submission(0, 4), 0.0).unwrap();
+    let fx = d.remove_worker(w(1), 1.0);
+    assert_eq!(fx.publish, vec![SequenceEvent::Free(RequestId(1))]);
+    assert_eq!(fx.counts.freed_by_removal, 1);
+    // The handler ends the request later: nothing more goes out.
+    let fx = d.abort(RequestId(1), 2.0);
+    assert!(fx.publish.is_empty(), "{fx:?}");
+    assert_eq!(d.requests(), 0);
+}
+
+#[test]
+fn a_migrated_request_never_returns_to_a_worker_that_failed_it() {
+    let mut d = dispatcher_with(round_robin(), false, 3);
+    d.set_replica(ReplicaId(1));
+    let first = place(&mut d, 1, submission(0, 4), 0.0);
+    let mut failed = vec![first.worker];
+    let mut booking = RequestId(100);
+    for round in 0..2 {
+        let _ = d.worker_failed(RequestId(1), 1.0);
+        let fx = d
+            .migrate(RequestId(1), booking, None, 1.0)
+            .expect("placed");
+        assert!(fx.publish.contains(&SequenceEvent::Free(if round == 0 {
+            RequestId(1)
+        } else {
+            RequestId(booking.0 - 1)
+        })));
+        let [sent] = fx.dispatch.as_slice() else {
+            panic!("{fx:?}")
+        };
+        assert_eq!(sent.booking, booking, "a migration books afresh");
+        assert!(!failed.contains(&sent.worker), "{failed:?} {sent:?}");
+        failed.push(sent.worker);
+        booking = RequestId(booking.0 + 1);
+    }
+    // Every worker failed it: it can go nowhere and has ended.
+    let _ = d.worker_failed(RequestId(1), 2.0);
+    let fx = d.migrate(RequestId(1), booking, None, 2.0).unwrap();
+    assert_eq!(fx.no_worker, vec![RequestId(1)]);
+    assert_eq!(d.requests(), 0);
+    assert_eq!(d.router().sequences().active_requests(), 0);
+    assert_eq!(
+        d.migrate(RequestId(1), booking, None, 3.0).unwrap_err(),
+        MigrateError::Unknown
+    );
+}
+
+#[test]
+fn a_migrated_turn_stays_the_sessions_turn_and_the_session_repins_where_it_lands() {
+    let mut d = dispatcher_with(round_robin(), true, 2);
+    // Turn 1 of session 9 goes to the first worker.
+    let turn1 = place(&mut d, 1, in_session(submission(0, 4), 9), 0.0);
+    // Turn 2 arrives while turn 1 runs: deferred.
+    let (admitted, fx) = d
+        .submit(RequestId(2), in_session(submission(0, 8), 9), 1.0)
+        .unwrap();
+    assert_eq!(admitted, Admitted::Deferred);
+    assert!(fx.dispatch.is_empty());
+    // Turn 1's worker fails it; it moves to the other worker.
+    let _ = d.worker_failed(RequestId(1), 2.0);
+    let fx = d.migrate(RequestId(1), RequestId(11), None, 2.0).unwrap();
+    let [moved] = fx.dispatch.as_slice() else {
+        panic!("{fx:?}")
+    };
+    assert_ne!(moved.worker, turn1.worker);
+    assert!(
+        d.placement_of(RequestId(2)).is_none(),
+        "turn 2 still waits for the migrated turn"
+    );
+    // Turn 1 completes on its new worker: turn 2 goes there too.
+    let _ = d.first_token(RequestId(1), 3.0);
+    let fx = d.finish(RequestId(1), 80, 4.0);
+    let [next] = fx.dispatch.as_slice() else {
+        panic!("{fx:?}")
+    };
+    assert_eq!(next.id, RequestId(2));
+    assert_eq!(next.worker, moved.worker, "the session re-pinned");
+    let strategy = d.admission().strategy().unwrap();
+    assert!(strategy
+        .event_counts()
+        .contains(&("migrated_turns", 1)));
+}
+
+#[test]
+fn consecutive_failures_open_a_circuit_and_a_released_probe_frees_its_slot() {
+    let mut config = round_robin();
+    config.circuit = CircuitConfig {
+        failure_threshold: 2,
+        cooldown_ms: 100,
+        max_cooldown_ms: 100,
+    };
+    let mut d = dispatcher_with(config, false, 2);
+    let mut opened = false;
+    let mut id = 0;
+    while !opened {
+        id += 1;
+        let sent = place(&mut d, id, submission(id as u64 * 10, 1), 0.0);
+        if sent.worker == w(1) {
+            let fx = d.worker_failed(sent.id, 0.0);
+            opened = fx
+                .circuits
+                .iter()
+                .any(|c| c.worker == w(1) && c.to == CircuitState::Open);
+            // Reported twice, counted once.
+            assert!(d.worker_failed(sent.id, 0.0).is_empty());
+        }
+        let _ = d.abort(sent.id, 0.0);
+    }
+    assert_eq!(d.circuit_state(w(1)), Some(CircuitState::Open));
+    for i in 0..6 {
+        let sent = place(&mut d, 1000 + i, submission(5000 + i as u64, 1), 10.0);
+        assert_eq!(sent.worker, w(2), "an open circuit takes nothing");
+        let _ = d.abort(sent.id, 10.0);
+    }
+    assert!(d.next_wakeup_ms() <= 100.0);
+    let fx = d.tick(100.0);
+    assert!(fx
+        .circuits
+        .iter()
+        .any(|c| c.worker == w(1) && c.to == CircuitState::HalfOpen));
+    // The probe is placed, then dropped with no verdict: the slot is free
+    // again and the next request may probe.
+    let mut probe = None;
+    for i in 0..2 {
+        let sent = place(&mut d, 2000 + i, submission(9000 + i as u64, 1), 101.0);
+        if sent.worker == w(1) {
+            probe = Some(sent.id);
+        } else {
+            let _ = d.abort(sent.id, 101.0);
+        }
+    }
+    let probe = probe.expect("round-robin reaches the half-open worker");
+    assert_eq!(d.circuit_admits(w(1)), Some(false), "one probe at a time");
+    let _ = d.abort(probe, 102.0);
+    assert_eq!(d.circuit_admits(w(1)), Some(true));
+}
+
+#[test]
+fn a_waiting_request_that_is_aborted_leaves_the_queue_and_is_counted() {
+    let mut config = DispatcherConfig::default();
+    config.router.busy_threshold = Some(0.5);
+    let mut d = dispatcher_with(config, false, 1);
+    // 5,000 prompt tokens is over half of 8,192 batched tokens: busy.
+    let big = Submission {
+        blocks: Vec::new(),
+        prompt_tokens: 5_000,
+        ..Submission::default()
+    };
+    let _ = place(&mut d, 1, big.clone(), 0.0);
+    let (admitted, fx) = d.submit(RequestId(2), big, 0.0).unwrap();
+    assert_eq!(admitted, Admitted::Queued);
+    assert!(fx.dispatch.is_empty(), "every worker is busy");
+    let fx = d.abort(RequestId(2), 1.0);
+    assert_eq!(fx.counts.cancelled, 1);
+    assert_eq!(d.admission().queue().len(), 0);
+}
+
+#[test]
+fn a_booking_past_its_deadline_ends_its_request_and_keeps_nothing() {
+    let mut config = DispatcherConfig::default();
+    config.router.sequences.expiry_ms = 1_000.0;
+    let mut d = dispatcher_with(config, true, 1);
+    let _ = place(&mut d, 1, in_session(submission(0, 4), 3), 0.0);
+    let fx = d.tick(5_000.0);
+    assert_eq!(fx.counts.expired, 1);
+    assert_eq!(d.requests(), 0);
+    assert_eq!(d.admission().tracked_records(), 0);
+    // Its session's next turn is not stuck behind it.
+    let next = place(&mut d, 2, in_session(submission(0, 8), 3), 5_001.0);
+    assert_eq!(next.id, RequestId(2));
+}
+
+#[test]
+fn refusals_retain_nothing() {
+    let mut config = DispatcherConfig::default();
+    config.admission.queue.class_limits = Vec::new();
+    config.admission.queue.default_limits.max_requests = 1;
+    config.router.busy_threshold = Some(0.5);
+    let mut d = dispatcher_with(config, false, 1);
+    let big = Submission {
+        prompt_tokens: 5_000,
+        ..Submission::default()
+    };
+    let _ = place(&mut d, 1, big.clone(), 0.0);
+    let _ = d.submit(RequestId(2), big.clone(), 0.0).unwrap();
+    assert!(matches!(
+        d.submit(RequestId(3), big.clone(), 0.0),
+        Err(Refused::Full { .. })
+    ));
+    assert_eq!(d.submit(RequestId(1), big, 0.0).unwrap_err(), Refused::Duplicate);
+    assert_eq!(d.requests(), 2);
+}
+
+#[test]
+fn peers_bookings_count_in_the_load_and_our_own_events_are_ignored() {
+    let mut d = dispatcher(2);
+    d.set_replica(ReplicaId(1));
+    let peer_add = AddRequest {
+        request: RequestId(500),
+        worker: w(1),
+        prompt_tokens: 64,
+        blocks: Vec::new(),
+        overlap_blocks: 0,
+        expected_prefill_ms: None,
+    };
+    let (applied, _) = d.apply_replica_batch(
+        ReplicaId(2),
+        [(ReplicaId(2), SequenceEvent::Add(peer_add.clone()))],
+        [],
+        0.0,
+    );
+    assert_eq!(applied.applied, 1);
+    let own = AddRequest {
+        request: RequestId(501),
+        ..peer_add
+    };
+    let (applied, _) =
+        d.apply_replica_batch(ReplicaId(1), [(ReplicaId(1), SequenceEvent::Add(own))], [], 0.0);
+    assert_eq!(applied.applied, 0, "our own echo");
+    assert_eq!(d.router().sequences().active_requests(), 1);
+    assert_eq!(d.local_requests_on(w(1)), 0);
+    // The next request avoids the peer's busy worker.
+    let sent = place(&mut d, 1, submission(0, 4), 0.0);
+    assert_eq!(sent.worker, w(2));
+    assert_eq!(d.local_requests_on(w(2)), 1);
+}
+
+#[test]
+fn with_a_strategy_and_sync_a_sessions_dispatch_is_a_binding_for_peers() {
+    let mut d = dispatcher_with(DispatcherConfig::default(), true, 1);
+    d.set_replica(ReplicaId(1));
+    let (_, fx) = d
+        .submit(RequestId(1), in_session(submission(0, 4), 5), 0.0)
+        .unwrap();
+    assert_eq!(
+        fx.bindings,
+        vec![SessionBound {
+            session: SessionKey(5),
+            worker: w(1),
+            context_tokens: 64
+        }]
+    );
+}
+
+#[test]
+fn bad_settings_are_refused_naming_the_part() {
+    let config = DispatcherConfig {
+        sweep_interval_ms: 0.0,
+        ..DispatcherConfig::default()
+    };
+    assert_eq!(
+        Dispatcher::new(config, None).unwrap_err(),
+        DispatcherConfigError::SweepInterval(0.0)
+    );
+    let mut config = DispatcherConfig::default();
+    config.estimator.speedup = -1.0;
+    let err = Dispatcher::new(config, None).unwrap_err();
+    assert!(err.to_string().starts_with("estimator:"), "{err}");
+}
+
+/// One step of the lifecycle model.
+#[derive(Clone, Debug)]
+enum Op {
+    Submit { session: Option<u8>, blocks: u8 },
+    FirstToken(u8),
+    Finish(u8),
+    Abort(u8),
+    Fail(u8),
+    Migrate(u8),
+    Tick(u16),
+    RemoveWorker(u8),
+    AddWorker(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (proptest::option::of(0u8..4), 1u8..40)
+            .prop_map(|(session, blocks)| Op::Submit { session, blocks }),
+        3 => any::<u8>().prop_map(Op::FirstToken),
+        3 => any::<u8>().prop_map(Op::Finish),
+        1 => any::<u8>().prop_map(Op::Abort),
+        1 => any::<u8>().prop_map(Op::Fail),
+        1 => any::<u8>().prop_map(Op::Migrate),
+        1 => (0u16..3000).prop_map(Op::Tick),
+        1 => (1u8..=3).prop_map(Op::RemoveWorker),
+        1 => (1u8..=3).prop_map(Op::AddWorker),
+    ]
+}
+
+proptest! {
+    /// Against a reference model of who is placed where: every placed
+    /// request holds exactly one live booking on the worker the dispatcher
+    /// reports, nothing else is booked, replica events balance (each
+    /// published `Add` is freed exactly once, by a `Free` or by its
+    /// worker's removal), and once every request has ended nothing is left
+    /// anywhere.
+    #[test]
+    fn bookings_follow_placements_and_nothing_leaks(
+        ops in proptest::collection::vec(op(), 1..120),
+        session_aware in any::<bool>(),
+        busy in any::<bool>(),
+    ) {
+        let mut config = DispatcherConfig::default();
+        config.router.sequences.expiry_ms = 2_000.0;
+        if busy {
+            config.router.busy_threshold = Some(0.1);
+        }
+        let mut d = dispatcher_with(config, session_aware, 3);
+        d.set_replica(ReplicaId(1));
+        let mut now = 0.0;
+        let mut next_id: u128 = 0;
+        // request → (booking, worker), for placed requests; ids submitted.
+        let mut placed: std::collections::HashMap<RequestId, (RequestId, WorkerId)> =
+            Default::default();
+        let mut known: Vec<RequestId> = Vec::new();
+        let mut open_adds: std::collections::HashSet<RequestId> = Default::default();
+        // Placed requests whose worker left: their bookings are gone.
+        let mut orphans: std::collections::HashSet<(RequestId, RequestId)> = Default::default();
+        let apply = |fx: Effects,
+                         placed: &mut std::collections::HashMap<RequestId, (RequestId, WorkerId)>,
+                         open_adds: &mut std::collections::HashSet<RequestId>| {
+            for sent in fx.dispatch {
+                placed.insert(sent.id, (sent.booking, sent.worker));
+            }
+            for id in fx.no_worker {
+                placed.remove(&id);
+            }
+            for event in fx.publish {
+                match event {
+                    SequenceEvent::Add(add) => {
+                        assert!(open_adds.insert(add.request), "added twice");
+                    }
+                    SequenceEvent::Free(id) => {
+                        assert!(open_adds.remove(&id), "freed without an add");
+                    }
+                    SequenceEvent::MarkPrefillCompleted(id) => {
+                        assert!(open_adds.contains(&id), "marked after its free");
+                    }
+                }
+            }
+        };
+        let pick = |known: &[RequestId], i: u8| -> Option<RequestId> {
+            (!known.is_empty()).then(|| known[i as usize % known.len()])
+        };
+        for op in ops {
+            now += 1.0;
+            match op {
+                Op::Submit { session, blocks } => {
+                    next_id += 1;
+                    let mut s = submission(u64::from(blocks) % 7, u64::from(blocks));
+                    s.session = session.map(|k| SessionKey(u64::from(k)));
+                    if let Ok((_, fx)) = d.submit(RequestId(next_id), s, now) {
+                        known.push(RequestId(next_id));
+                        apply(fx, &mut placed, &mut open_adds);
+                    }
+                }
+                Op::FirstToken(i) => if let Some(id) = pick(&known, i) {
+                    apply(d.first_token(id, now), &mut placed, &mut open_adds);
+                },
+                Op::Finish(i) => if let Some(id) = pick(&known, i) {
+                    apply(d.finish(id, 100, now), &mut placed, &mut open_adds);
+                    placed.remove(&id);
+                    known.retain(|&k| k != id);
+                },
+                Op::Abort(i) => if let Some(id) = pick(&known, i) {
+                    apply(d.abort(id, now), &mut placed, &mut open_adds);
+                    placed.remove(&id);
+                    known.retain(|&k| k != id);
+                },
+                Op::Fail(i) => if let Some(id) = pick(&known, i) {
+                    apply(d.worker_failed(id, now), &mut placed, &mut open_adds);
+                },
+                Op::Migrate(i) => if let Some(id) = pick(&known, i) {
+                    next_id += 1;
+                    if let Ok(fx) = d.migrate(id, RequestId(next_id), None, now) {
+                        placed.remove(&id);
+                        apply(fx, &mut placed, &mut open_adds);
+                    }
+                },
+                Op::Tick(ms) => {
+                    now += f64::from(ms);
+                    let fx = d.tick(now);
+                    apply(fx, &mut placed, &mut open_adds);
+                    // Expired requests are gone from the dispatcher.
+                    placed.retain(|id, _| d.placement_of(*id).is_some());
+                    known.retain(|&id| d.placement_of(id).is_some() || d.requests.contains_key(&id));
+                    // Expired bookings are not published; peers expire them too.
+                    open_adds.retain(|b| d.router().sequences().owner(*b).is_some());
+                },
+                Op::RemoveWorker(k) => {
+                    let worker = w(u64::from(k));
+                    orphans.extend(
+                        placed.iter().filter(|(_, p)| p.1 == worker).map(|(&id, p)| (id, p.0)),
+                    );
+                    apply(d.remove_worker(worker, now), &mut placed, &mut open_adds);
+                },
+                Op::AddWorker(k) => {
+                    apply(d.add_worker(w(u64::from(k)), CAPACITY, now), &mut placed, &mut open_adds);
+                },
+            }
+            known.retain(|id| d.requests.contains_key(id));
+            placed.retain(|id, _| d.requests.contains_key(id));
+            // Every placed request: the dispatcher agrees, and its booking
+            // is live on that worker unless the worker was removed since.
+            for (&id, &(booking, worker)) in &placed {
+                prop_assert_eq!(d.placement_of(id), Some(worker));
+                let owner = d.router().sequences().owner(booking);
+                if orphans.contains(&(id, booking)) {
+                    prop_assert_eq!(owner, None);
+                } else {
+                    prop_assert_eq!(owner, Some(worker));
+                }
+            }
+            // Nothing else is booked.
+            let live = placed
+                .values()
+                .filter(|(b, _)| d.router().sequences().owner(*b).is_some())
+                .count();
+            prop_assert_eq!(d.router().sequences().active_requests(), live);
+        }
+        for id in known.clone() {
+            apply(d.abort(id, now), &mut placed, &mut open_adds);
+        }
+        // Whatever was admitted but deferred ends too.
+        prop_assert_eq!(d.requests(), 0);
+        prop_assert_eq!(d.router().sequences().active_requests(), 0);
+        prop_assert_eq!(d.admission().tracked_records(), 0);
+        prop_assert_eq!(d.admission().queue().len(), 0);
+        prop_assert!(open_adds.iter().all(|b| d.router().sequences().owner(*b).is_none()));
+        prop_assert!(open_adds.is_empty(), "adds never freed: {:?}", open_adds);
+    }
+}

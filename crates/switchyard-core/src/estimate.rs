@@ -1,0 +1,413 @@
+//! Prefill-duration hints: how long a request's uncached prefill should take
+//! on a worker, for the active-sequence model's prefill-time rules
+//! ([`crate::sequences`]: spillover, anchor shift).
+//!
+//! One estimator serves both drivers (the server and the simulator):
+//!
+//! - **The configured timing model** answers until a worker has been seen
+//!   often enough: the prefill polynomial `ms = a·T² + b·T + c` per chunk of
+//!   at most `chunk_tokens` uncached tokens (engines prefill long prompts in
+//!   chunks of their batch budget), divided by the speed-up factor. The
+//!   defaults are the documented fit the simulated engine also runs
+//!   ([`DEFAULT_PREFILL_CURVE`], shared with `switchyard-engine`).
+//! - **An online fit per worker**, from observed times to first token. A
+//!   sample is taken only when the request was the sole local prefill on its
+//!   worker when it was placed (otherwise its time to first token measures
+//!   the queue, not its prefill). Each worker keeps the newest
+//!   [`EstimatorConfig::window`] samples; from [`EstimatorConfig::min_samples`]
+//!   on, the estimate is `scale · model(T) + offset`, fitted by least squares
+//!   over the window (the offset takes the network and framework overhead
+//!   the model leaves out); when the samples' model times are too alike to
+//!   separate scale from offset, the offset is zero and the scale is the
+//!   median ratio. Scale and offset are clamped ([`SCALE_RANGE`],
+//!   [`MAX_OFFSET_MS`]), so a worker reporting nonsense cannot push hints to
+//!   zero or to minutes.
+//!
+//! State is bounded: `window` samples per worker, and workers are forgotten
+//! with [`PrefillEstimator::remove_worker`].
+
+use crate::maps::FxHashMap;
+use crate::types::WorkerId;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// The documented prefill fit `[a, b, c]` of `a·T² + b·T + c` model
+/// milliseconds for `T` uncached tokens in a batch (DESIGN.md, "Engine side").
+pub const DEFAULT_PREFILL_CURVE: [f64; 3] = [4.209989e-7, 1.518344e-2, 16.50142];
+
+/// The fitted scale is kept within this range.
+pub const SCALE_RANGE: (f64, f64) = (0.02, 50.0);
+
+/// The fitted offset is kept within `0..=MAX_OFFSET_MS`.
+pub const MAX_OFFSET_MS: f64 = 5_000.0;
+
+/// Settings of a [`PrefillEstimator`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EstimatorConfig {
+    /// Prefill polynomial `[a, b, c]` (model ms for `T` tokens).
+    pub prefill_curve: [f64; 3],
+    /// Most uncached tokens an engine prefills in one step (its
+    /// `max_num_batched_tokens`); longer prompts take several steps.
+    pub chunk_tokens: u32,
+    /// Wall time = model time / `speedup` (the simulated engine's factor;
+    /// 1 for a real engine, whose scale the online fit learns anyway).
+    pub speedup: f64,
+    /// Fit each worker from observed times to first token.
+    pub online: bool,
+    /// Samples before a worker's fit replaces the model.
+    pub min_samples: usize,
+    /// Newest samples kept per worker.
+    pub window: usize,
+}
+
+impl Default for EstimatorConfig {
+    fn default() -> Self {
+        Self {
+            prefill_curve: DEFAULT_PREFILL_CURVE,
+            chunk_tokens: 8192,
+            speedup: 1.0,
+            online: true,
+            min_samples: 16,
+            window: 64,
+        }
+    }
+}
+
+/// Why an [`EstimatorConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EstimatorConfigError {
+    /// A coefficient that is not finite.
+    #[error("prefill_curve coefficients must be finite")]
+    Curve,
+    /// A chunk of zero tokens.
+    #[error("chunk_tokens must be at least 1")]
+    Chunk,
+    /// A speed-up that is not positive.
+    #[error("speedup must be positive and finite, got {0}")]
+    Speedup(f64),
+    /// A window smaller than the samples a fit needs, or a fit from fewer
+    /// than two samples.
+    #[error("window ({window}) must be at least min_samples ({min_samples}), which must be at least 2")]
+    Window {
+        /// The window.
+        window: usize,
+        /// The samples a fit needs.
+        min_samples: usize,
+    },
+}
+
+impl EstimatorConfig {
+    /// Checks ranges and relations.
+    pub fn validate(&self) -> Result<(), EstimatorConfigError> {
+        if self.prefill_curve.iter().any(|c| !c.is_finite()) {
+            return Err(EstimatorConfigError::Curve);
+        }
+        if self.chunk_tokens == 0 {
+            return Err(EstimatorConfigError::Chunk);
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(EstimatorConfigError::Speedup(self.speedup));
+        }
+        if self.min_samples < 2 || self.window < self.min_samples {
+            return Err(EstimatorConfigError::Window {
+                window: self.window,
+                min_samples: self.min_samples,
+            });
+        }
+        Ok(())
+    }
+
+    /// The configured model: wall milliseconds to prefill `tokens`
+    /// uncached tokens, chunked as the engine batches them (no tokens, no
+    /// time).
+    pub fn model_ms(&self, tokens: u64) -> f64 {
+        let [a, b, c] = self.prefill_curve;
+        let chunk = u64::from(self.chunk_tokens);
+        let curve = |t: u64| {
+            let t = t as f64;
+            (a * t * t + b * t + c).max(0.0)
+        };
+        let full = tokens / chunk;
+        let rest = tokens % chunk;
+        let mut ms = full as f64 * curve(chunk);
+        if rest > 0 {
+            ms += curve(rest);
+        }
+        ms / self.speedup
+    }
+}
+
+/// A worker's fit: `scale · model(T) + offset`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fit {
+    /// Multiplies the model.
+    pub scale: f64,
+    /// Added to it, in ms.
+    pub offset_ms: f64,
+    /// Samples it was fitted from.
+    pub samples: usize,
+}
+
+#[derive(Debug, Default)]
+struct WorkerSamples {
+    /// `(model ms, observed ms)`, newest last.
+    samples: VecDeque<(f64, f64)>,
+    fit: Option<Fit>,
+}
+
+/// Prefill-duration hints per worker (see the module docs).
+#[derive(Debug)]
+pub struct PrefillEstimator {
+    config: EstimatorConfig,
+    workers: FxHashMap<WorkerId, WorkerSamples>,
+    rejected_samples: u64,
+}
+
+impl PrefillEstimator {
+    /// An estimator; `config` must validate.
+    pub fn new(config: EstimatorConfig) -> Result<Self, EstimatorConfigError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            workers: FxHashMap::default(),
+            rejected_samples: 0,
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &EstimatorConfig {
+        &self.config
+    }
+
+    /// Expected wall milliseconds for `worker` to prefill `tokens` uncached
+    /// tokens.
+    pub fn expected_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
+        let model = self.config.model_ms(tokens);
+        match self.fit(worker) {
+            Some(fit) => fit.scale * model + fit.offset_ms,
+            None => model,
+        }
+    }
+
+    /// The fit in force for `worker`, once it has enough samples.
+    pub fn fit(&self, worker: WorkerId) -> Option<Fit> {
+        self.workers.get(&worker).and_then(|w| w.fit)
+    }
+
+    /// Samples refused as not finite or not positive (counted, never used).
+    pub fn rejected_samples(&self) -> u64 {
+        self.rejected_samples
+    }
+
+    /// Records one observation: a request of `tokens` uncached tokens, the
+    /// only local prefill on `worker` when it was placed, took `observed_ms`
+    /// from placement to its first token. Ignored when the fit is off.
+    pub fn observe(&mut self, worker: WorkerId, tokens: u64, observed_ms: f64) {
+        if !self.config.online {
+            return;
+        }
+        let model = self.config.model_ms(tokens);
+        if !(observed_ms.is_finite() && observed_ms > 0.0 && model > 0.0) {
+            self.rejected_samples += 1;
+            return;
+        }
+        let entry = self.workers.entry(worker).or_default();
+        if entry.samples.len() == self.config.window {
+            entry.samples.pop_front();
+        }
+        entry.samples.push_back((model, observed_ms));
+        if entry.samples.len() >= self.config.min_samples {
+            entry.fit = Some(fit(&entry.samples));
+        }
+    }
+
+    /// Forgets a worker's samples (it left the fleet).
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        self.workers.remove(&worker);
+    }
+
+    /// Heap bytes held (sample windows and the worker map).
+    pub fn heap_bytes(&self) -> usize {
+        crate::maps::map_bytes(&self.workers)
+            + self
+                .workers
+                .values()
+                .map(|w| w.samples.capacity() * std::mem::size_of::<(f64, f64)>())
+                .sum::<usize>()
+    }
+}
+
+/// Least squares of `observed = scale · model + offset`, clamped; the
+/// median ratio with no offset when the model times barely vary.
+fn fit(samples: &VecDeque<(f64, f64)>) -> Fit {
+    let n = samples.len() as f64;
+    let mean_x = samples.iter().map(|s| s.0).sum::<f64>() / n;
+    let mean_y = samples.iter().map(|s| s.1).sum::<f64>() / n;
+    let sxx: f64 = samples.iter().map(|s| (s.0 - mean_x).powi(2)).sum();
+    let sxy: f64 = samples
+        .iter()
+        .map(|s| (s.0 - mean_x) * (s.1 - mean_y))
+        .sum();
+    // Relative spread of the model times: below 10% the slope is noise.
+    let spread = (sxx / n).sqrt() / mean_x;
+    let (scale, offset_ms) = if spread >= 0.1 {
+        let scale = (sxy / sxx).clamp(SCALE_RANGE.0, SCALE_RANGE.1);
+        let offset = (mean_y - scale * mean_x).clamp(0.0, MAX_OFFSET_MS);
+        (scale, offset)
+    } else {
+        let mut ratios: Vec<f64> = samples.iter().map(|s| s.1 / s.0).collect();
+        ratios.sort_unstable_by(f64::total_cmp);
+        let median = ratios[ratios.len() / 2];
+        (median.clamp(SCALE_RANGE.0, SCALE_RANGE.1), 0.0)
+    };
+    Fit {
+        scale,
+        offset_ms,
+        samples: samples.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn estimator() -> PrefillEstimator {
+        PrefillEstimator::new(EstimatorConfig::default()).unwrap()
+    }
+
+    const W: WorkerId = WorkerId::new(1);
+
+    #[test]
+    fn the_model_is_the_documented_polynomial_divided_by_the_speedup() {
+        let config = EstimatorConfig {
+            speedup: 4.0,
+            ..EstimatorConfig::default()
+        };
+        let expected = (4.209989e-7 * 1e6 + 1.518344e-2 * 1000.0 + 16.50142) / 4.0;
+        assert!((config.model_ms(1000) - expected).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_long_prompt_is_prefilled_in_chunks_of_the_batch_budget() {
+        let config = EstimatorConfig {
+            chunk_tokens: 1000,
+            ..EstimatorConfig::default()
+        };
+        let one = config.model_ms(1000);
+        assert!((config.model_ms(2500) - (2.0 * one + config.model_ms(500))).abs() < 1e-9);
+        assert_eq!(config.model_ms(0), 0.0);
+    }
+
+    #[test]
+    fn without_enough_samples_the_model_answers() {
+        let mut e = estimator();
+        for _ in 0..15 {
+            e.observe(W, 1000, 500.0);
+        }
+        assert_eq!(e.fit(W), None);
+        assert_eq!(e.expected_ms(W, 1000), e.config().model_ms(1000));
+    }
+
+    #[test]
+    fn a_worker_three_times_slower_with_a_fixed_overhead_is_learned() {
+        let mut e = estimator();
+        for i in 0..64u64 {
+            let tokens = 200 + i * 100;
+            let observed = 3.0 * e.config().model_ms(tokens) + 7.0;
+            e.observe(W, tokens, observed);
+        }
+        let fit = e.fit(W).unwrap();
+        assert!((fit.scale - 3.0).abs() < 1e-6, "{fit:?}");
+        assert!((fit.offset_ms - 7.0).abs() < 1e-6, "{fit:?}");
+        let expected = 3.0 * e.config().model_ms(5000) + 7.0;
+        assert!((e.expected_ms(W, 5000) - expected).abs() < 1e-6);
+        // Another worker still gets the model.
+        let other = WorkerId::new(2);
+        assert_eq!(e.expected_ms(other, 5000), e.config().model_ms(5000));
+    }
+
+    #[test]
+    fn alike_prompts_give_a_median_ratio_and_no_offset() {
+        let mut e = estimator();
+        for i in 0..20 {
+            // Every sample the same length: the slope is undefined.
+            e.observe(W, 1000, e.config().model_ms(1000) * if i % 2 == 0 { 2.0 } else { 2.2 });
+        }
+        let fit = e.fit(W).unwrap();
+        assert_eq!(fit.offset_ms, 0.0);
+        assert!((fit.scale - 2.2).abs() < 1e-9 || (fit.scale - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn nonsense_samples_are_counted_and_never_used() {
+        let mut e = estimator();
+        for bad in [f64::NAN, f64::INFINITY, -1.0, 0.0] {
+            e.observe(W, 1000, bad);
+        }
+        assert_eq!(e.rejected_samples(), 4);
+        assert_eq!(e.heap_bytes(), 0);
+    }
+
+    #[test]
+    fn the_fit_can_be_turned_off() {
+        let mut e = PrefillEstimator::new(EstimatorConfig {
+            online: false,
+            ..EstimatorConfig::default()
+        })
+        .unwrap();
+        for _ in 0..100 {
+            e.observe(W, 1000, 1.0);
+        }
+        assert_eq!(e.fit(W), None);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = |c: EstimatorConfig| PrefillEstimator::new(c).unwrap_err();
+        let d = EstimatorConfig::default();
+        assert_eq!(
+            bad(EstimatorConfig { speedup: 0.0, ..d }),
+            EstimatorConfigError::Speedup(0.0)
+        );
+        assert_eq!(
+            bad(EstimatorConfig {
+                chunk_tokens: 0,
+                ..d
+            }),
+            EstimatorConfigError::Chunk
+        );
+        assert!(matches!(
+            bad(EstimatorConfig { window: 8, ..d }),
+            EstimatorConfigError::Window { .. }
+        ));
+        assert_eq!(
+            bad(EstimatorConfig {
+                prefill_curve: [f64::NAN, 0.0, 0.0],
+                ..d
+            }),
+            EstimatorConfigError::Curve
+        );
+    }
+
+    proptest! {
+        /// Whatever a worker reports, the window stays bounded and the fit
+        /// stays in its clamps.
+        #[test]
+        fn the_window_is_bounded_and_the_fit_clamped(
+            samples in proptest::collection::vec((0u64..100_000, -1e6f64..1e7), 0..300)
+        ) {
+            let mut e = estimator();
+            for (tokens, observed) in samples {
+                e.observe(W, tokens, observed);
+            }
+            if let Some(fit) = e.fit(W) {
+                prop_assert!(fit.samples <= 64);
+                prop_assert!((SCALE_RANGE.0..=SCALE_RANGE.1).contains(&fit.scale));
+                prop_assert!((0.0..=MAX_OFFSET_MS).contains(&fit.offset_ms));
+                prop_assert!(e.expected_ms(W, 1000).is_finite());
+            }
+        }
+    }
+}
