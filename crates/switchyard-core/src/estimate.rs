@@ -51,7 +51,8 @@ pub struct EstimatorConfig {
     /// `max_num_batched_tokens`); longer prompts take several steps.
     pub chunk_tokens: u32,
     /// Wall time = model time / `speedup` (the simulated engine's factor;
-    /// 1 for a real engine, whose scale the online fit learns anyway).
+    /// 1 for a real engine, whose scale the online fit learns anyway; 0 for
+    /// an instant engine, whose hints are all zero).
     pub speedup: f64,
     /// Fit each worker from observed times to first token.
     pub online: bool,
@@ -83,8 +84,8 @@ pub enum EstimatorConfigError {
     /// A chunk of zero tokens.
     #[error("chunk_tokens must be at least 1")]
     Chunk,
-    /// A speed-up that is not positive.
-    #[error("speedup must be positive and finite, got {0}")]
+    /// A speed-up that is negative or not finite.
+    #[error("speedup must be a finite number >= 0, got {0}")]
     Speedup(f64),
     /// A window smaller than the samples a fit needs, or a fit from fewer
     /// than two samples.
@@ -106,7 +107,7 @@ impl EstimatorConfig {
         if self.chunk_tokens == 0 {
             return Err(EstimatorConfigError::Chunk);
         }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+        if !(self.speedup.is_finite() && self.speedup >= 0.0) {
             return Err(EstimatorConfigError::Speedup(self.speedup));
         }
         if self.min_samples < 2 || self.window < self.min_samples {
@@ -122,6 +123,9 @@ impl EstimatorConfig {
     /// uncached tokens, chunked as the engine batches them (no tokens, no
     /// time).
     pub fn model_ms(&self, tokens: u64) -> f64 {
+        if self.speedup == 0.0 {
+            return 0.0;
+        }
         let [a, b, c] = self.prefill_curve;
         let chunk = u64::from(self.chunk_tokens);
         let curve = |t: u64| {
@@ -368,8 +372,8 @@ mod tests {
         let bad = |c: EstimatorConfig| PrefillEstimator::new(c).unwrap_err();
         let d = EstimatorConfig::default();
         assert_eq!(
-            bad(EstimatorConfig { speedup: 0.0, ..d }),
-            EstimatorConfigError::Speedup(0.0)
+            bad(EstimatorConfig { speedup: -1.0, ..d }),
+            EstimatorConfigError::Speedup(-1.0)
         );
         assert_eq!(
             bad(EstimatorConfig {

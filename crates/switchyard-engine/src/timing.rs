@@ -35,7 +35,7 @@ pub struct TimingConfig {
 impl Default for TimingConfig {
     fn default() -> Self {
         Self {
-            prefill: [4.209989e-7, 1.518344e-2, 16.50142],
+            prefill: switchyard_core::estimate::DEFAULT_PREFILL_CURVE,
             decode: [-25.74, 54.01, 5.74],
             decode_floor_ms: 1.0,
             bytes_per_token: 128 * 1024,

@@ -1,30 +1,39 @@
-//! The discrete-event fleet simulator: the real routing core against N
+//! The discrete-event fleet simulator: the real request lifecycle against N
 //! simulated engine cores, in virtual time.
+//!
+//! Each router replica is one [`Dispatcher`] — the same value `switchyard
+//! serve` drives from its HTTP handlers — and this module is its second
+//! driver: it calls the dispatcher at the simulated instants a server would
+//! (arrival, first token, end, ticks, KV events, peers' batches) and carries
+//! out the [`Effects`] it returns (start a request on its engine, fail one
+//! that can go nowhere, deliver replica events to peers). Nothing here books,
+//! frees, publishes or admits on its own.
 //!
 //! Events, each at a simulated instant (ties in scheduling order):
 //!
 //! - **arrival** — a turn of a session arrives; a load balancer hands it to
 //!   one router replica (one, unless [`FleetConfig::replicas`] says more);
 //!   its prompt is expanded and hashed exactly as the router would and
-//!   submitted to that replica's admission controller (the policy queue,
-//!   plus the session-aware strategy when configured); each poll routes
-//!   ready requests (`Router::route`), books them (`book_request`) and hands
-//!   them to the chosen engine; when every worker is busy they wait until
-//!   capacity frees or the periodic recheck;
+//!   submitted to that replica's dispatcher;
 //! - **step done** — an engine step launched earlier completes: its tokens
-//!   reach the clients (a first token marks the prefill done, a last one
-//!   frees the booking, both on the replica that routed the request), its KV
-//!   events leave for the routers, and the engine launches its next step;
+//!   reach the clients (a first token and a last one are reported to the
+//!   replica that routed the request), its KV events leave for the routers,
+//!   and the engine launches its next step;
 //! - **KV delivery** — KV events reach every replica after
-//!   `kv_event_delay_ms`, as they would over the network;
-//! - **replica sync** — a replica's booking, mark or free reaches its peers
-//!   `sync_delay_ms` after it happened, and they apply it as a remote
-//!   booking (see [`crate::replicas`]).
+//!   `kv_event_delay_ms`, as they would over the network, normalized by the
+//!   router's own normalizer ([`crate::engine_events`]);
+//! - **tick** — a replica's dispatcher asked to be woken
+//!   ([`Dispatcher::next_wakeup_ms`]: admission rechecks and reconciles, the
+//!   expiry sweep), as the server's ticker does;
+//! - **replica sync** — a replica's published events and session bindings
+//!   reach its peers `sync_delay_ms` later, and they apply them as a
+//!   peer's batch (see [`crate::replicas`]).
 //!
 //! A session's next turn arrives a think time after its previous turn ends.
 //! Nothing reads a clock and every random choice is seeded: a run is a pure
 //! function of its configuration and workload.
 
+use crate::engine_events::EngineEventStream;
 use crate::replicas::{replica_seed, Balancer, ReplicaStats, ReplicasConfig};
 use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport};
 use crate::trace::TraceError;
@@ -32,21 +41,22 @@ use crate::workload::{Session, SessionStream};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 use switchyard_core::admission::{
-    AdmissionConfig, AdmissionController, AdmissionStrategy, KvUsage, Placed, Placement,
-    QueueClass, RequestFacts, ResponseTicket, SessionAwareConfig, SessionAwareStrategy, SessionKey,
-    SubmitOutcome,
+    AdmissionConfig, AdmissionStrategy, ProgressUpdater, SessionAwareConfig, SessionAwareStrategy,
+    SessionKey,
 };
+use switchyard_core::dispatch::{
+    Dispatch, Dispatcher, DispatcherConfig, DispatcherConfigError, Effects, SessionBound,
+    Submission,
+};
+use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::{IndexEvent, StoredBlock};
-use switchyard_core::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
-use switchyard_core::select::{RoutingRequest, SelectOutcome};
-use switchyard_core::sequences::{AddRequest, SequenceEvent};
-use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
-use switchyard_engine::{
-    Engine, EngineConfig, KvEvent, Medium, NewRequest, StepReport, SyncDevice,
-};
+use switchyard_core::index::IndexEvent;
+use switchyard_core::router::{RouterConfig, WorkerCapacity};
+use switchyard_core::sequences::SequenceEvent;
+use switchyard_core::{ReplicaId, RequestId, WorkerId};
+use switchyard_engine::{Engine, EngineConfig, KvEvent, NewRequest, StepReport, SyncDevice};
 
 /// One fleet and its router replicas.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -60,8 +70,10 @@ pub struct FleetConfig {
     pub router: RouterConfig,
     /// Delay from an engine emitting a KV event to the routers applying it.
     pub kv_event_delay_ms: f64,
-    /// Give the router expected prefill durations from the timing model.
-    pub prefill_hints: bool,
+    /// Fit each worker's prefill-duration hints online from observed times
+    /// to first token, as `serve` does (the model itself is always the
+    /// engines' timing model).
+    pub online_prefill_fit: bool,
     /// Width of the per-worker load timeline buckets.
     pub timeline_bucket_ms: f64,
     /// The policy queue.
@@ -79,11 +91,38 @@ impl Default for FleetConfig {
             engine: EngineConfig::default(),
             router: RouterConfig::default(),
             kv_event_delay_ms: 10.0,
-            prefill_hints: true,
+            online_prefill_fit: false,
             timeline_bucket_ms: 10_000.0,
             admission: AdmissionConfig::default(),
             session_aware: None,
             replicas: ReplicasConfig::default(),
+        }
+    }
+}
+
+impl FleetConfig {
+    /// The dispatcher settings of replica `index`: the router with the
+    /// engine's block size and the replica's seed, and prefill hints from
+    /// the engines' own timing model (their prefill polynomial, batch
+    /// budget and speed-up).
+    pub fn dispatcher(&self, index: usize) -> DispatcherConfig {
+        let mut router = RouterConfig {
+            seed: replica_seed(self.router.seed, index),
+            ..self.router
+        };
+        router.sequences.block_size = self.engine.block_size as u32;
+        let timing = &self.engine.timing;
+        DispatcherConfig {
+            router,
+            admission: self.admission.clone(),
+            estimator: EstimatorConfig {
+                prefill_curve: timing.prefill,
+                chunk_tokens: self.engine.max_num_batched_tokens.max(1) as u32,
+                speedup: timing.speedup,
+                online: self.online_prefill_fit,
+                ..EstimatorConfig::default()
+            },
+            ..DispatcherConfig::default()
         }
     }
 }
@@ -94,9 +133,9 @@ pub enum SimError {
     /// The workload could not be read.
     #[error(transparent)]
     Trace(#[from] TraceError),
-    /// The router configuration is invalid.
+    /// A routing setting is invalid.
     #[error("router: {0}")]
-    Router(#[from] RouterConfigError),
+    Dispatcher(#[from] DispatcherConfigError),
     /// The engine configuration or device failed.
     #[error("engine: {0}")]
     Engine(String),
@@ -154,10 +193,14 @@ enum Event {
         worker: usize,
         events: Vec<IndexEvent>,
     },
-    /// A replica's admission recheck or reconcile is due.
-    AdmissionTick { replica: usize },
-    /// A replica's lifecycle event reaches its peers.
-    ReplicaSync { origin: usize, event: SequenceEvent },
+    /// A replica's dispatcher asked to be ticked.
+    Tick { replica: usize },
+    /// A replica's published events reach its peers.
+    ReplicaSync {
+        origin: usize,
+        events: Vec<SequenceEvent>,
+        bindings: Vec<SessionBound>,
+    },
 }
 
 struct Scheduled {
@@ -197,16 +240,16 @@ struct InFlight {
     last_token_ms: f64,
     worker: usize,
     replica: usize,
-    ticket: Option<ResponseTicket>,
+    progress: Option<ProgressUpdater>,
 }
 
-/// A submitted request waiting for placement: the driver owns its payload.
+/// A submitted request waiting for placement: the driver owns its payload
+/// (the dispatcher holds only hashes and lengths).
 struct Payload {
     session: u64,
     turn: usize,
     arrival_ms: f64,
     tokens: Vec<u32>,
-    blocks: Vec<LocalHash>,
     output_tokens: u32,
 }
 
@@ -219,21 +262,18 @@ struct WorkerState {
     /// Requests booked on this worker by any replica (the truth the
     /// replicas' views approximate).
     booked: u64,
+    /// The router's normalizer for this engine's event stream.
+    events: EngineEventStream,
 }
 
-/// One router replica: a routing core and the admission in front of it, as
-/// one `switchyard serve` process holds them.
+/// One router replica: one dispatcher, as one `switchyard serve` process
+/// holds it.
 struct Replica {
     id: ReplicaId,
-    router: Router,
-    admission: AdmissionController,
-    placed: Vec<Placed>,
+    dispatcher: Dispatcher,
     tick_at: Option<f64>,
     routed: u64,
 }
-
-/// Simulated milliseconds between `Router::expire` sweeps.
-const EXPIRE_EVERY_MS: f64 = 1_000.0;
 
 /// Runs one simulation to completion.
 pub fn simulate(
@@ -260,8 +300,9 @@ struct Fleet {
     sessions: FxHashMap<u64, Session>,
     in_flight: FxHashMap<RequestId, InFlight>,
     payloads: FxHashMap<RequestId, Payload>,
+    /// Effects still to carry out, with the replica that produced them.
+    effects: VecDeque<(usize, Effects)>,
     kv_scratch: Vec<KvEvent>,
-    outbox: Vec<SequenceEvent>,
     // Figures.
     ttft: Vec<f64>,
     itl: Vec<f64>,
@@ -280,7 +321,6 @@ struct Fleet {
     view_error_sum: f64,
     excess_sum: f64,
     decisions: u64,
-    next_expiry_ms: f64,
 }
 
 impl Fleet {
@@ -289,11 +329,10 @@ impl Fleet {
             return Err(SimError::NoWorkers);
         }
         config.replicas.validate()?;
-        let mut config = config.clone();
-        config.router.sequences.block_size = config.engine.block_size as u32;
+        let config = config.clone();
+        let block_size = config.engine.block_size as u32;
         let mut workers = Vec::with_capacity(config.workers);
         let mut by_worker_id = FxHashMap::default();
-        let mut capacities = Vec::with_capacity(config.workers);
         for i in 0..config.workers {
             let id = WorkerId::new(i as u64);
             let engine = Engine::new(
@@ -301,13 +340,6 @@ impl Fleet {
                 SyncDevice::new(config.engine.timing.clone()),
             )
             .map_err(|e| SimError::Engine(e.to_string()))?;
-            capacities.push((
-                id,
-                WorkerCapacity {
-                    max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64),
-                    kv_blocks: Some(config.engine.num_blocks as u64),
-                },
-            ));
             by_worker_id.insert(id, i);
             workers.push(WorkerState {
                 id,
@@ -316,19 +348,15 @@ impl Fleet {
                 pending: StepReport::default(),
                 served_tokens: 0,
                 booked: 0,
+                events: EngineEventStream::new(block_size),
             });
         }
+        let capacity = WorkerCapacity {
+            max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64),
+            kv_blocks: Some(config.engine.num_blocks as u64),
+        };
         let mut replicas = Vec::with_capacity(config.replicas.count);
         for r in 0..config.replicas.count {
-            let mut router = Router::new(RouterConfig {
-                seed: replica_seed(config.router.seed, r),
-                ..config.router
-            })?;
-            let id = ReplicaId(r as u64 + 1);
-            router.set_replica_id(id);
-            for &(worker, capacity) in &capacities {
-                router.add_worker(worker, capacity);
-            }
             let strategy = match config.session_aware {
                 Some(session) => Some(Box::new(
                     SessionAwareStrategy::new(session)
@@ -336,13 +364,18 @@ impl Fleet {
                 ) as Box<dyn AdmissionStrategy + Send>),
                 None => None,
             };
-            let admission = AdmissionController::new(config.admission.clone(), strategy)
-                .map_err(|e| SimError::Admission(e.to_string()))?;
+            let mut dispatcher = Dispatcher::new(config.dispatcher(r), strategy)?;
+            let id = ReplicaId(r as u64 + 1);
+            if config.replicas.shares_bookings() {
+                dispatcher.set_replica(id);
+            }
+            for w in &workers {
+                // Nothing waits yet: adding a worker places nothing.
+                let _ = dispatcher.add_worker(w.id, capacity, 0.0);
+            }
             replicas.push(Replica {
                 id,
-                router,
-                admission,
-                placed: Vec::new(),
+                dispatcher,
                 tick_at: None,
                 routed: 0,
             });
@@ -363,8 +396,8 @@ impl Fleet {
             sessions: FxHashMap::default(),
             in_flight: FxHashMap::default(),
             payloads: FxHashMap::default(),
+            effects: VecDeque::new(),
             kv_scratch: Vec::new(),
-            outbox: Vec::new(),
             ttft: Vec::new(),
             itl: Vec::new(),
             e2e: Vec::new(),
@@ -382,7 +415,6 @@ impl Fleet {
             view_error_sum: 0.0,
             excess_sum: 0.0,
             decisions: 0,
-            next_expiry_ms: EXPIRE_EVERY_MS,
         })
     }
 
@@ -418,14 +450,6 @@ impl Fleet {
         self.pull_next_session()?;
         while let Some(Scheduled { at, event, .. }) = self.heap.pop() {
             self.now = at.0;
-            if self.now >= self.next_expiry_ms {
-                // As the server's tick does: frees lost bookings and keeps
-                // the write model's expiry queue compacted.
-                for replica in &mut self.replicas {
-                    replica.router.expire(self.now);
-                }
-                self.next_expiry_ms = self.now + EXPIRE_EVERY_MS;
-            }
             match event {
                 Event::NextSession => {
                     if let Some(session) = self.lookahead.take() {
@@ -437,28 +461,27 @@ impl Fleet {
                     self.pull_next_session()?;
                 }
                 Event::Turn { session, turn } => self.arrive(session, turn),
-                Event::StepDone { worker } => {
-                    self.finish_step(worker, progress)?;
-                    for replica in 0..self.replicas.len() {
-                        self.poll_admission(replica);
-                    }
-                }
-                Event::AdmissionTick { replica } => {
-                    let r = &mut self.replicas[replica];
-                    r.tick_at = None;
-                    r.admission.tick(self.now);
-                    self.poll_admission(replica);
+                Event::StepDone { worker } => self.finish_step(worker, progress),
+                Event::Tick { replica } => {
+                    self.replicas[replica].tick_at = None;
+                    let fx = self.replicas[replica].dispatcher.tick(self.now);
+                    self.carry_out(replica, fx);
                 }
                 Event::KvDelivery { worker, events } => {
                     let id = self.workers[worker].id;
                     for replica in &mut self.replicas {
                         for e in &events {
-                            replica.router.apply_kv_event(id, e);
+                            replica.dispatcher.apply_kv_event(id, e);
                         }
                     }
                 }
-                Event::ReplicaSync { origin, event } => self.apply_on_peers(origin, &event),
+                Event::ReplicaSync {
+                    origin,
+                    events,
+                    bindings,
+                } => self.apply_on_peers(origin, events, bindings),
             }
+            self.schedule_ticks();
             after_event(&self);
         }
         Ok(self.outcome())
@@ -494,196 +517,144 @@ impl Fleet {
         let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
         let id = Self::request_id(session, turn);
         let replica = self.pick_replica(session, multi_turn);
-        let facts = RequestFacts {
-            id,
+        let submission = Submission {
+            blocks,
+            prompt_tokens: tokens.len() as u32,
             session: multi_turn.then_some(SessionKey(session)),
-            context_tokens: tokens.len() as u32,
-            uncached_tokens: tokens.len() as u32,
-            class: QueueClass::default(),
-            eligible: &[],
-            now_ms: self.now,
+            ..Submission::default()
         };
-        match self.replicas[replica].admission.submit(&facts) {
-            SubmitOutcome::Queued | SubmitOutcome::Deferred => {
-                self.payloads.insert(
-                    id,
-                    Payload {
-                        session,
-                        turn,
-                        arrival_ms: self.now,
-                        tokens,
-                        blocks,
-                        output_tokens,
-                    },
-                );
+        self.payloads.insert(
+            id,
+            Payload {
+                session,
+                turn,
+                arrival_ms: self.now,
+                tokens,
+                output_tokens,
+            },
+        );
+        match self.replicas[replica]
+            .dispatcher
+            .submit(id, submission, self.now)
+        {
+            Ok((_, fx)) => self.carry_out(replica, fx),
+            Err(_) => {
+                self.payloads.remove(&id);
+                self.fail(session);
             }
-            SubmitOutcome::Rejected { .. } | SubmitOutcome::Duplicate => self.fail(session),
         }
-        self.poll_admission(replica);
     }
 
-    /// Places every request `replica`'s admission controller offers, books
-    /// it and starts it on its engine; schedules the next recheck while work
-    /// remains.
-    fn poll_admission(&mut self, replica: usize) {
-        let now = self.now;
-        let shares = self.config.replicas.shares_bookings();
-        let Fleet {
-            replicas,
-            payloads,
-            config,
-            workers,
-            by_worker_id,
-            outbox,
-            view_error_sum,
-            excess_sum,
-            decisions,
-            ..
-        } = self;
-        let Replica {
-            router,
-            admission,
-            placed,
-            ..
-        } = &mut replicas[replica];
-        admission.poll(now, placed, |id, placement| {
-            let Some(p) = payloads.get(&id) else {
-                return SelectOutcome::NoWorkers;
-            };
-            let request = RoutingRequest {
-                prompt_tokens: p.tokens.len() as u32,
-                blocks: &p.blocks,
-            };
-            let exact;
-            let eligible = match placement {
-                Placement::Any => None,
-                Placement::Exact(worker) => {
-                    exact = [worker];
-                    Some(&exact[..])
-                }
-            };
-            let seen = router.sequences().active_requests() as f64;
-            let booked: u64 = workers.iter().map(|w| w.booked).sum();
-            *view_error_sum += (seen - booked as f64).abs();
-            let outcome = router.route(request, eligible, now);
-            if let SelectOutcome::Selected(decision) = outcome {
-                let cached = (decision.overlap_blocks as u64 * config.engine.block_size as u64)
-                    .min(p.tokens.len() as u64);
-                let hint = config
-                    .prefill_hints
-                    .then(|| expected_prefill_ms(config, p.tokens.len() as u64 - cached));
-                let add = AddRequest::for_decision(id, &request, &decision, hint);
-                router.book_request(&add, now);
-                let least = workers.iter().map(|w| w.booked).min().unwrap_or(0);
-                let chosen = &mut workers[by_worker_id[&decision.worker]];
-                *excess_sum += (chosen.booked - least) as f64;
-                *decisions += 1;
-                chosen.booked += 1;
-                if shares {
-                    outbox.push(SequenceEvent::Add(add));
-                }
+    /// Carries out what a dispatcher asked for, and whatever that leads to
+    /// (a peer's dispatches at sync delay 0, an engine refusal's free), in
+    /// order.
+    fn carry_out(&mut self, replica: usize, fx: Effects) {
+        self.effects.push_back((replica, fx));
+        while let Some((replica, fx)) = self.effects.pop_front() {
+            let Effects {
+                dispatch,
+                no_worker,
+                publish,
+                bindings,
+                ..
+            } = fx;
+            if !publish.is_empty() || !bindings.is_empty() {
+                self.publish(replica, publish, bindings);
             }
-            outcome
-        });
-        let mut placed = std::mem::take(placed);
-        self.publish_outbox(replica);
-        for p in placed.drain(..) {
-            match p {
-                Placed::Selected {
-                    ticket,
-                    decision,
-                    waited_ms,
-                } => self.start(
-                    replica,
-                    ticket,
-                    decision.worker,
-                    decision.overlap_blocks,
-                    waited_ms,
-                ),
-                Placed::NoWorkers { id } => {
-                    if let Some(p) = self.payloads.remove(&id) {
-                        self.fail(p.session);
-                    }
+            for sent in dispatch {
+                self.start(replica, sent);
+            }
+            for id in no_worker {
+                if let Some(p) = self.payloads.remove(&id) {
+                    self.fail(p.session);
                 }
             }
         }
-        self.replicas[replica].placed = placed;
+    }
+
+    /// Asks for a tick of every replica at its dispatcher's next wake-up,
+    /// while there is work left (a tick after the last request would keep
+    /// an idle fleet ticking for ever).
+    fn schedule_ticks(&mut self) {
         let busy = !self.payloads.is_empty()
             || !self.in_flight.is_empty()
             || !self.sessions.is_empty()
             || self.lookahead.is_some();
-        let r = &mut self.replicas[replica];
-        if let Some(at) = r.admission.next_wakeup_ms().filter(|_| busy) {
-            let at = at.max(self.now + 1.0);
+        if !busy {
+            return;
+        }
+        for replica in 0..self.replicas.len() {
+            let r = &mut self.replicas[replica];
+            // As the server's ticker: at least 1 ms ahead.
+            let at = r.dispatcher.next_wakeup_ms().max(self.now + 1.0);
             if r.tick_at.is_none_or(|t| at < t) {
                 r.tick_at = Some(at);
-                self.schedule(at, Event::AdmissionTick { replica });
+                self.schedule(at, Event::Tick { replica });
             }
         }
     }
 
-    /// Sends the lifecycle events `origin` queued to its peers: at once when
-    /// the delay is zero, otherwise as one scheduled delivery each.
-    fn publish_outbox(&mut self, origin: usize) {
-        let mut outbox = std::mem::take(&mut self.outbox);
-        for event in outbox.drain(..) {
-            self.publish(origin, event);
-        }
-        self.outbox = outbox;
-    }
-
-    /// Shares one of `origin`'s lifecycle events with its peers, if replicas
-    /// share bookings at all.
-    fn publish(&mut self, origin: usize, event: SequenceEvent) {
-        if !self.config.replicas.shares_bookings() {
-            return;
-        }
+    /// Sends `origin`'s published events to its peers: at once when the
+    /// delay is zero, otherwise as one scheduled delivery.
+    fn publish(&mut self, origin: usize, events: Vec<SequenceEvent>, bindings: Vec<SessionBound>) {
         let delay = self.config.replicas.sync_delay_ms;
         if delay == 0.0 {
-            self.apply_on_peers(origin, &event);
+            self.apply_on_peers(origin, events, bindings);
         } else {
-            self.schedule(self.now + delay, Event::ReplicaSync { origin, event });
+            self.schedule(
+                self.now + delay,
+                Event::ReplicaSync {
+                    origin,
+                    events,
+                    bindings,
+                },
+            );
         }
     }
 
-    fn apply_on_peers(&mut self, origin: usize, event: &SequenceEvent) {
-        let from = self.replicas[origin].id;
-        let now = self.now;
-        for (r, replica) in self.replicas.iter_mut().enumerate() {
-            if r != origin {
-                replica.router.apply_remote(from, event, now);
-            }
-        }
-    }
-
-    /// A request booked by `replica` ends before it ran (the engine refused
-    /// it, or its payload is gone): free it there and tell the peers.
-    fn unbook(&mut self, replica: usize, id: RequestId, worker: WorkerId) {
-        self.replicas[replica].router.free(id, self.now);
-        if let Some(&w) = self.by_worker_id.get(&worker) {
-            self.workers[w].booked = self.workers[w].booked.saturating_sub(1);
-        }
-        self.publish(replica, SequenceEvent::Free(id));
-    }
-
-    /// Hands a placed (and booked) request to its engine.
-    fn start(
+    fn apply_on_peers(
         &mut self,
-        replica: usize,
-        ticket: ResponseTicket,
-        worker_id: WorkerId,
-        overlap_blocks: u32,
-        waited_ms: f64,
+        origin: usize,
+        events: Vec<SequenceEvent>,
+        bindings: Vec<SessionBound>,
     ) {
-        let id = ticket.id();
+        let from = self.replicas[origin].id;
+        for r in 0..self.replicas.len() {
+            if r == origin {
+                continue;
+            }
+            let (_, fx) = self.replicas[r].dispatcher.apply_replica_batch(
+                from,
+                events.iter().map(|e| (from, e.clone())),
+                bindings.iter().copied(),
+                self.now,
+            );
+            self.effects.push_back((r, fx));
+        }
+    }
+
+    /// Hands a dispatched (and booked) request to its engine.
+    fn start(&mut self, replica: usize, sent: Dispatch) {
+        let id = sent.id;
+        let worker = self.by_worker_id[&sent.worker];
+        // What the routing replica saw against the truth, at this decision.
+        let seen = self.replicas[replica]
+            .dispatcher
+            .router()
+            .sequences()
+            .active_requests() as f64;
+        let booked: u64 = self.workers.iter().map(|w| w.booked).sum::<u64>() + 1;
+        self.view_error_sum += (seen - booked as f64).abs();
+        let least = self.workers.iter().map(|w| w.booked).min().unwrap_or(0);
+        self.excess_sum += (self.workers[worker].booked - least) as f64;
+        self.decisions += 1;
         let Some(p) = self.payloads.remove(&id) else {
-            self.unbook(replica, id, worker_id);
-            self.replicas[replica].admission.abort(ticket, self.now);
+            let fx = self.replicas[replica].dispatcher.abort(id, self.now);
+            self.effects.push_back((replica, fx));
             return;
         };
-        let worker = self.by_worker_id[&worker_id];
         let prompt_tokens = p.tokens.len() as u32;
-        let cached = (u64::from(overlap_blocks) * self.config.engine.block_size as u64)
+        let cached = (u64::from(sent.overlap_blocks) * self.config.engine.block_size as u64)
             .min(u64::from(prompt_tokens));
         let admitted = self.workers[worker].engine.add_request(NewRequest {
             id,
@@ -692,16 +663,14 @@ impl Fleet {
             hash_seed: DEFAULT_SEED,
         });
         if admitted.is_err() {
-            self.unbook(replica, id, worker_id);
-            self.replicas[replica].admission.abort(ticket, self.now);
+            let fx = self.replicas[replica].dispatcher.abort(id, self.now);
+            self.effects.push_back((replica, fx));
             self.fail(p.session);
             return;
         }
-        self.replicas[replica]
-            .admission
-            .dispatched(&ticket, self.now);
+        self.workers[worker].booked += 1;
         self.replicas[replica].routed += 1;
-        self.queue.push(waited_ms);
+        self.queue.push(sent.waited_ms);
         self.in_flight.insert(
             id,
             InFlight {
@@ -714,7 +683,7 @@ impl Fleet {
                 last_token_ms: self.now,
                 worker,
                 replica,
-                ticket: Some(ticket),
+                progress: sent.progress,
             },
         );
         self.kick(worker);
@@ -759,11 +728,7 @@ impl Fleet {
         self.schedule(self.now + duration, Event::StepDone { worker });
     }
 
-    fn finish_step(
-        &mut self,
-        worker: usize,
-        progress: &mut impl FnMut(u64),
-    ) -> Result<(), SimError> {
+    fn finish_step(&mut self, worker: usize, progress: &mut impl FnMut(u64)) {
         let now = self.now;
         let report = std::mem::take(&mut self.workers[worker].pending);
         let computed = report.shape.prefill_tokens + report.shape.decode_tokens;
@@ -773,7 +738,7 @@ impl Fleet {
             let Some(r) = self.in_flight.get_mut(&token.request) else {
                 continue;
             };
-            if let Some(progress) = r.ticket.as_mut().and_then(ResponseTicket::progress) {
+            if let Some(progress) = r.progress.as_mut() {
                 progress.advance(1);
             }
             let first = r.first_token_ms.is_none();
@@ -786,32 +751,28 @@ impl Fleet {
             r.last_token_ms = now;
             let replica = r.replica;
             if first {
-                self.replicas[replica]
-                    .router
-                    .mark_prefill_completed(token.request, now);
-                self.publish(replica, SequenceEvent::MarkPrefillCompleted(token.request));
+                let fx = self.replicas[replica]
+                    .dispatcher
+                    .first_token(token.request, now);
+                self.carry_out(replica, fx);
             }
         }
         for done in &report.finished {
             let Some(r) = self.in_flight.remove(&done.request) else {
                 continue;
             };
-            self.replicas[r.replica].router.free(done.request, now);
             self.workers[r.worker].booked = self.workers[r.worker].booked.saturating_sub(1);
-            self.publish(r.replica, SequenceEvent::Free(done.request));
             self.prompt_tokens += u64::from(r.prompt_tokens);
             self.cached_tokens += done.cached_tokens as u64;
             self.predicted_tokens += r.predicted_tokens;
             self.output_tokens += done.output_tokens as u64;
             self.e2e.push(now - r.arrival_ms);
             self.completed += 1;
-            if let Some(ticket) = r.ticket {
-                let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
-                // A refusal gives the ticket back; it was dispatched, so none comes.
-                let _ = self.replicas[r.replica]
-                    .admission
-                    .complete(ticket, context, now);
-            }
+            let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
+            let fx = self.replicas[r.replica]
+                .dispatcher
+                .finish(done.request, context, now);
+            self.carry_out(r.replica, fx);
             self.last_completion = now;
             debug_assert_eq!(r.worker, worker);
             self.next_turn(r.session, r.turn);
@@ -820,20 +781,14 @@ impl Fleet {
             }
         }
         self.deliver_kv_events(worker);
-        let engine = &self.workers[worker].engine;
-        let capacity = (self.config.engine.num_blocks * self.config.engine.block_size) as u64;
-        let usage = KvUsage {
-            capacity_tokens: capacity,
-            used_tokens: Some((engine.kv_usage() * capacity as f64) as u64),
-        };
+        let usage = self.workers[worker].engine.kv_usage();
         let id = self.workers[worker].id;
         for replica in &mut self.replicas {
-            replica.admission.report_kv(id, usage);
+            replica.dispatcher.report_kv(id, Some(usage));
         }
         self.workers[worker].pending = report;
         self.workers[worker].busy = false;
         self.kick(worker);
-        Ok(())
     }
 
     fn next_turn(&mut self, session: u64, turn: usize) {
@@ -860,11 +815,10 @@ impl Fleet {
         let mut raw = std::mem::take(&mut self.kv_scratch);
         raw.clear();
         self.workers[worker].engine.drain_kv_events(&mut raw);
-        let block_size = self.config.engine.block_size;
-        let events: Vec<IndexEvent> = raw
-            .drain(..)
-            .filter_map(|e| to_index_event(e, block_size))
-            .collect();
+        let mut events = Vec::new();
+        self.workers[worker]
+            .events
+            .normalize(raw.drain(..), &mut events);
         self.kv_scratch = raw;
         if !events.is_empty() {
             let at = self.now + self.config.kv_event_delay_ms;
@@ -909,12 +863,12 @@ impl Fleet {
             remote_applied: self
                 .replicas
                 .iter()
-                .map(|r| r.router.remote().counters().applied)
+                .map(|r| r.dispatcher.router().remote().counters().applied)
                 .sum(),
             remote_ignored: self
                 .replicas
                 .iter()
-                .map(|r| r.router.remote().counters().ignored)
+                .map(|r| r.dispatcher.router().remote().counters().ignored)
                 .sum(),
             view_error_requests: self.view_error_sum / decisions,
             excess_requests: self.excess_sum / decisions,
@@ -925,60 +879,6 @@ impl Fleet {
             ttft_samples_ms: self.ttft,
             replicas,
         }
-    }
-}
-
-/// Expected prefill time of `tokens` uncached tokens, chunked as the engine
-/// batches them, in simulated milliseconds.
-fn expected_prefill_ms(config: &FleetConfig, tokens: u64) -> f64 {
-    let timing = &config.engine.timing;
-    let chunk = config.engine.max_num_batched_tokens.max(1) as u64;
-    let mut left = tokens;
-    let mut ms = 0.0;
-    while left > 0 {
-        let t = left.min(chunk);
-        ms += timing.prefill_ms(t);
-        left -= t;
-    }
-    timing.wall_ms(ms)
-}
-
-/// An engine's KV event as the router's index sees it: device-tier events
-/// only (the index tracks what is on the GPU), local hashes recomputed from
-/// the event's tokens as the router's normalizer does.
-pub fn to_index_event(event: KvEvent, block_size: usize) -> Option<IndexEvent> {
-    match event {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            medium: Medium::Device,
-            ..
-        } => {
-            let locals = local_block_hashes(&token_ids, block_size, DEFAULT_SEED);
-            if locals.len() != block_hashes.len() {
-                return None;
-            }
-            Some(IndexEvent::Stored {
-                parent: parent_block_hash,
-                blocks: block_hashes
-                    .into_iter()
-                    .zip(locals)
-                    .map(|(engine_hash, local_hash)| StoredBlock {
-                        engine_hash,
-                        local_hash,
-                    })
-                    .collect(),
-            })
-        }
-        KvEvent::BlockRemoved {
-            block_hashes,
-            medium: Medium::Device,
-        } => Some(IndexEvent::Removed {
-            blocks: block_hashes,
-        }),
-        KvEvent::AllBlocksCleared => Some(IndexEvent::Cleared),
-        _ => None,
     }
 }
 
@@ -1248,7 +1148,7 @@ mod replica_tests {
     /// Everything a replica's selector reads from shared state: per-worker
     /// requests, decode blocks, prefill tokens now and active prompt blocks;
     /// the index's live pairs.
-    fn view(router: &Router, now_ms: f64) -> (Loads, usize) {
+    fn view(router: &switchyard_core::Router, now_ms: f64) -> (Loads, usize) {
         let registry = router.sequences().registry();
         let loads = registry
             .loads()
@@ -1278,14 +1178,14 @@ mod replica_tests {
         let mut busy_views = 0u64;
         let out = run(&config(3, true, 0.0), workload(), |fleet| {
             events += 1;
-            let first = view(&fleet.replicas[0].router, fleet.now);
+            let first = view(fleet.replicas[0].dispatcher.router(), fleet.now);
             for r in &fleet.replicas[1..] {
-                assert_eq!(view(&r.router, fleet.now), first, "at {} ms", fleet.now);
+                assert_eq!(view(r.dispatcher.router(), fleet.now), first, "at {} ms", fleet.now);
             }
             // And the shared view is the truth: every booking anywhere.
             let booked: u64 = fleet.workers.iter().map(|w| w.booked).sum();
             assert_eq!(
-                fleet.replicas[0].router.sequences().active_requests() as u64,
+                fleet.replicas[0].dispatcher.router().sequences().active_requests() as u64,
                 booked
             );
             busy_views += u64::from(booked > 0);
@@ -1306,7 +1206,7 @@ mod replica_tests {
             last_active = fleet
                 .replicas
                 .iter()
-                .map(|r| r.router.sequences().active_requests())
+                .map(|r| r.dispatcher.router().sequences().active_requests())
                 .collect();
         });
         assert_eq!(last_active, vec![0; 4]);
@@ -1324,7 +1224,7 @@ mod replica_tests {
             pairs = fleet
                 .replicas
                 .iter()
-                .map(|r| r.router.index().live_pairs())
+                .map(|r| r.dispatcher.router().index().live_pairs())
                 .collect();
         });
         assert_eq!(out.replicas.remote_applied, 0);

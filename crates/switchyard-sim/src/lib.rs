@@ -6,8 +6,10 @@
 //! - [`workload`] — every trace as a stream of sessions of turns, with
 //!   compact prompts expanded only at dispatch; the synthetic multi-turn
 //!   generator.
-//! - [`fleet`] — the simulator: the real routing core against simulated
-//!   engine cores in virtual time.
+//! - [`fleet`] — the simulator: the real request lifecycle (the core's
+//!   dispatcher) against simulated engine cores in virtual time.
+//! - [`engine_events`] — the simulated engine's KV events in vLLM's wire
+//!   shapes and, through the router's normalizer, as index events.
 //! - [`replicas`] — several router replicas in front of one fleet: their
 //!   booking sync (delay, or none), the load balancer that spreads requests
 //!   over them, and what their stale views cost.
@@ -17,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod engine_events;
 pub mod fleet;
 pub mod reference;
 pub mod replicas;

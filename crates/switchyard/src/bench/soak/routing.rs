@@ -2,24 +2,28 @@
 //!
 //! Simulated engines (`switchyard-engine`, the same cores the fleet
 //! simulator and `sim-worker` run) serve Mooncake-shaped requests that the
-//! real `Router` routes (`kv`), books, marks and frees; every KV event the
-//! engines emit is applied to the router's index. Each pass over the trace
-//! uses fresh hash ids, so content never repeats across passes and the
-//! index churns for as long as the run lasts. The loop is closed (a fixed
-//! number of requests in flight) and steps every engine in lockstep; it
-//! calls `Router::expire` once a virtual second, as the server's tick does.
+//! real request lifecycle (the core's `Dispatcher`, policy `kv`) admits,
+//! routes, books, marks and frees; every KV event the engines emit goes
+//! through the router's normalizer into the index
+//! (`switchyard_sim::engine_events`). Each pass over the trace uses fresh
+//! hash ids, so content never repeats across passes and the index churns
+//! for as long as the run lasts. The loop is closed (a fixed number of
+//! requests in flight) and steps every engine in lockstep; it ticks the
+//! dispatcher once a virtual second, as the server's ticker does at the
+//! latest.
 
 use super::plateau::statm_rss_bytes;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::time::Instant;
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Effects, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::IndexEvent;
-use switchyard_core::router::{Router, RouterConfig, RouterMemory, WorkerCapacity};
-use switchyard_core::select::{PolicyKind, RoutingRequest, SelectOutcome};
+use switchyard_core::router::{RouterMemory, WorkerCapacity};
+use switchyard_core::select::PolicyKind;
 use switchyard_core::{RequestId, WorkerId};
 use switchyard_engine::{Engine, EngineConfig, KvEvent, NewRequest, StepReport, SyncDevice};
-use switchyard_sim::fleet::to_index_event;
+use switchyard_sim::engine_events::EngineEventStream;
 use switchyard_sim::trace::{synthetic_tokens, MooncakeRecord};
 
 /// Settings of one core soak.
@@ -41,7 +45,7 @@ pub struct CoreSoakConfig {
     pub block_size: usize,
     /// Device KV blocks per engine.
     pub num_blocks: usize,
-    /// Virtual milliseconds between `Router::expire` calls.
+    /// Virtual milliseconds between dispatcher ticks (expiry sweeps).
     pub expire_every_ms: f64,
 }
 
@@ -76,10 +80,13 @@ pub struct CoreSample {
     pub live_pairs: usize,
     /// Active requests booked.
     pub active_requests: usize,
-    /// The router's own byte accounting, total.
+    /// The core's own byte accounting, total: the router's parts plus the
+    /// dispatcher's tables.
     pub core_bytes: usize,
-    /// The same by part.
+    /// The router's part, by part.
     pub memory: RouterMemory,
+    /// The dispatcher's request table, admission and estimator.
+    pub dispatcher_bytes: usize,
     /// This process's resident set, from `/proc/self/statm`.
     pub rss_bytes: Option<u64>,
 }
@@ -99,7 +106,7 @@ pub struct CoreSoakOutcome {
     pub requests: u64,
     /// Requests an engine refused (freed at once).
     pub refused: u64,
-    /// Requests freed by `Router::expire` (a lost free would show here).
+    /// Requests freed by the expiry sweep (a lost free would show here).
     pub expired: u64,
     /// KV events the index dropped (unknown parent, unknown blocks).
     pub index_unknown_parent: u64,
@@ -111,16 +118,21 @@ pub struct CoreSoakOutcome {
 
 struct Run<'a> {
     config: &'a CoreSoakConfig,
-    router: Router,
+    dispatcher: Dispatcher,
+    streams: Vec<EngineEventStream>,
+    index_events: Vec<IndexEvent>,
     engines: Vec<Engine<SyncDevice>>,
     reports: Vec<StepReport>,
     records: &'a [MooncakeRecord],
     next_record: u64,
-    awaiting_first_token: HashMap<RequestId, ()>,
+    /// Started requests: prompt length, and whether the first token is
+    /// still to come.
+    started: HashMap<RequestId, (u32, bool)>,
     in_flight: usize,
     now_ms: f64,
     kv_scratch: Vec<KvEvent>,
-    tokens: Vec<u32>,
+    /// Prompt and output cap of each submitted request not yet started.
+    payloads: HashMap<RequestId, (Vec<u32>, u32)>,
     ids: Vec<u64>,
     out: CoreSoakOutcome,
 }
@@ -145,21 +157,20 @@ pub fn run_core(
     engine
         .validate()
         .map_err(|e| anyhow::anyhow!("engine: {e}"))?;
-    let mut router_config = RouterConfig {
-        policy: PolicyKind::Kv,
-        ..RouterConfig::default()
-    };
-    router_config.sequences.block_size = config.block_size as u32;
-    let mut router = Router::new(router_config)?;
+    let mut dispatcher_config = DispatcherConfig::default();
+    dispatcher_config.router.policy = PolicyKind::Kv;
+    dispatcher_config.router.sequences.block_size = config.block_size as u32;
+    dispatcher_config.estimator.prefill_curve = engine.timing.prefill;
+    dispatcher_config.estimator.chunk_tokens = engine.max_num_batched_tokens as u32;
+    dispatcher_config.estimator.speedup = engine.timing.speedup;
+    let mut dispatcher = Dispatcher::new(dispatcher_config, None)?;
     let mut engines = Vec::with_capacity(config.workers);
     for w in 0..config.workers {
-        router.add_worker(
-            WorkerId::new(w as u64),
-            WorkerCapacity {
-                max_num_batched_tokens: Some(engine.max_num_batched_tokens as u64),
-                kv_blocks: Some(engine.num_blocks as u64),
-            },
-        );
+        let capacity = WorkerCapacity {
+            max_num_batched_tokens: Some(engine.max_num_batched_tokens as u64),
+            kv_blocks: Some(engine.num_blocks as u64),
+        };
+        let _ = dispatcher.add_worker(WorkerId::new(w as u64), capacity, 0.0);
         engines.push(
             Engine::new(engine.clone(), SyncDevice::new(engine.timing.clone()))
                 .map_err(|e| anyhow::anyhow!("engine: {e}"))?,
@@ -167,16 +178,20 @@ pub fn run_core(
     }
     let mut run = Run {
         config,
-        router,
+        dispatcher,
+        streams: (0..config.workers)
+            .map(|_| EngineEventStream::new(config.block_size as u32))
+            .collect(),
+        index_events: Vec::new(),
         reports: (0..config.workers).map(|_| StepReport::default()).collect(),
         engines,
         records,
         next_record: 0,
-        awaiting_first_token: HashMap::new(),
+        started: HashMap::new(),
         in_flight: 0,
         now_ms: 0.0,
         kv_scratch: Vec::new(),
-        tokens: Vec::new(),
+        payloads: HashMap::new(),
         ids: Vec::new(),
         out: CoreSoakOutcome {
             samples: Vec::with_capacity(config.samples + 1),
@@ -199,7 +214,9 @@ pub fn run_core(
         run.admit();
         run.step();
         if run.now_ms >= next_expiry {
-            run.out.expired += run.router.expire(run.now_ms).len() as u64;
+            let fx = run.dispatcher.tick(run.now_ms);
+            run.out.expired += u64::from(fx.counts.expired);
+            run.carry_out(fx);
             next_expiry = run.now_ms + config.expire_every_ms;
         }
         while run.out.block_events >= next_sample && run.out.samples.len() < config.samples {
@@ -211,12 +228,12 @@ pub fn run_core(
     }
     run.out.wall_seconds = started.elapsed().as_secs_f64();
     run.out.virtual_seconds = run.now_ms / 1000.0;
-    run.out.index_unknown_parent = run.router.index().counters().unknown_parent;
+    run.out.index_unknown_parent = run.dispatcher.router().index().counters().unknown_parent;
     Ok(run.out)
 }
 
 impl Run<'_> {
-    /// Routes, books and starts requests until `concurrency` are in flight.
+    /// Submits requests until `concurrency` are in flight.
     fn admit(&mut self) {
         while self.in_flight < self.config.concurrency {
             let records = self.records;
@@ -232,36 +249,60 @@ impl Run<'_> {
                 .min(self.config.max_prompt_tokens)
                 .min(self.ids.len() as u32 * 512)
                 .max(1);
-            self.tokens.clear();
-            synthetic_tokens(&self.ids, len as usize, &mut self.tokens);
-            let blocks = local_block_hashes(&self.tokens, self.config.block_size, DEFAULT_SEED);
-            let request = RoutingRequest {
-                prompt_tokens: self.tokens.len() as u32,
-                blocks: &blocks,
-            };
-            let SelectOutcome::Selected(decision) = self.router.route(request, None, self.now_ms)
-            else {
-                // Nothing is ever busy here (no busy threshold); a fleet
-                // with no workers cannot happen either.
-                return;
-            };
+            let mut tokens = Vec::new();
+            synthetic_tokens(&self.ids, len as usize, &mut tokens);
+            let blocks = local_block_hashes(&tokens, self.config.block_size, DEFAULT_SEED);
             let id = RequestId(u128::from(self.next_record));
-            self.router.book(id, request, decision, None, self.now_ms);
+            let submission = Submission {
+                blocks,
+                prompt_tokens: tokens.len() as u32,
+                ..Submission::default()
+            };
+            let max_tokens = record.output_length.clamp(1, self.config.max_output_tokens);
+            self.payloads.insert(id, (tokens, max_tokens));
+            self.in_flight += 1;
+            match self.dispatcher.submit(id, submission, self.now_ms) {
+                Ok((_, fx)) => self.carry_out(fx),
+                Err(_) => {
+                    // Nothing waits here (no busy threshold, no strategy),
+                    // so the queue never fills: counted, never hidden.
+                    self.payloads.remove(&id);
+                    self.in_flight -= 1;
+                    self.out.refused += 1;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Starts what the dispatcher placed; a request an engine refuses is
+    /// aborted (its booking freed) and counted.
+    fn carry_out(&mut self, fx: Effects) {
+        for sent in fx.dispatch {
+            let Some((prompt, max_tokens)) = self.payloads.remove(&sent.id) else {
+                continue;
+            };
             self.out.requests += 1;
-            let engine = &mut self.engines[decision.worker.worker_id as usize];
+            let prompt_tokens = prompt.len() as u32;
+            let engine = &mut self.engines[sent.worker.worker_id as usize];
             let admitted = engine.add_request(NewRequest {
-                id,
-                prompt: std::mem::take(&mut self.tokens),
-                max_tokens: record.output_length.clamp(1, self.config.max_output_tokens),
+                id: sent.id,
+                prompt,
+                max_tokens,
                 hash_seed: DEFAULT_SEED,
             });
             if admitted.is_err() {
-                self.router.free(id, self.now_ms);
+                let fx = self.dispatcher.abort(sent.id, self.now_ms);
+                debug_assert!(fx.dispatch.is_empty(), "nothing waits in the soak");
                 self.out.refused += 1;
+                self.in_flight -= 1;
                 continue;
             }
-            self.awaiting_first_token.insert(id, ());
-            self.in_flight += 1;
+            self.started.insert(sent.id, (prompt_tokens, true));
+        }
+        for id in fx.no_worker {
+            self.payloads.remove(&id);
+            self.in_flight -= 1;
         }
     }
 
@@ -282,25 +323,32 @@ impl Run<'_> {
         self.now_ms += longest_ms.max(1.0);
         let now = self.now_ms;
         for w in 0..self.engines.len() {
-            let report = &self.reports[w];
+            let report = std::mem::take(&mut self.reports[w]);
             for token in &report.tokens {
-                if self.awaiting_first_token.remove(&token.request).is_some() {
-                    self.router.mark_prefill_completed(token.request, now);
+                let Some((_, awaiting)) = self.started.get_mut(&token.request) else {
+                    continue;
+                };
+                if std::mem::take(awaiting) {
+                    let fx = self.dispatcher.first_token(token.request, now);
+                    self.carry_out(fx);
                 }
             }
             for done in &report.finished {
-                self.awaiting_first_token.remove(&done.request);
-                self.router.free(done.request, now);
+                let prompt = self.started.remove(&done.request).map_or(0, |s| s.0);
+                let context = u64::from(prompt) + done.output_tokens as u64;
+                let fx = self.dispatcher.finish(done.request, context, now);
+                self.carry_out(fx);
                 self.in_flight -= 1;
             }
+            // The engine reuses the report's buffers on its next step.
+            self.reports[w] = report;
             self.kv_scratch.clear();
             self.engines[w].drain_kv_events(&mut self.kv_scratch);
             let worker = WorkerId::new(w as u64);
-            for event in self.kv_scratch.drain(..) {
-                let Some(event) = to_index_event(event, self.config.block_size) else {
-                    continue;
-                };
-                match &event {
+            self.index_events.clear();
+            self.streams[w].normalize(self.kv_scratch.drain(..), &mut self.index_events);
+            for event in &self.index_events {
+                match event {
                     IndexEvent::Stored { blocks, .. } => {
                         self.out.stored_blocks += blocks.len() as u64;
                         self.out.block_events += blocks.len() as u64;
@@ -311,22 +359,25 @@ impl Run<'_> {
                     }
                     IndexEvent::Cleared => self.out.block_events += 1,
                 }
-                self.router.apply_kv_event(worker, &event);
+                self.dispatcher.apply_kv_event(worker, event);
             }
         }
     }
 
     fn sample(&self, started: Instant) -> CoreSample {
-        let memory = self.router.memory();
+        let router = self.dispatcher.router();
+        let memory = router.memory();
+        let dispatcher_bytes = self.dispatcher.heap_bytes();
         CoreSample {
             block_events: self.out.block_events,
             requests: self.out.requests,
             wall_seconds: started.elapsed().as_secs_f64(),
             virtual_seconds: self.now_ms / 1000.0,
-            live_pairs: self.router.index().live_pairs(),
-            active_requests: self.router.sequences().active_requests(),
-            core_bytes: memory.total(),
+            live_pairs: router.index().live_pairs(),
+            active_requests: router.sequences().active_requests(),
+            core_bytes: memory.total() + dispatcher_bytes,
             memory,
+            dispatcher_bytes,
             rss_bytes: statm_rss_bytes(None),
         }
     }
@@ -370,7 +421,7 @@ mod tests {
         // The pools are small: engines evict, so removals keep pace.
         assert!(out.removed_blocks > out.stored_blocks / 2);
         assert!(out.samples.iter().all(|s| s.core_bytes > 0
-            && s.core_bytes == s.memory.total()
+            && s.core_bytes == s.memory.total() + s.dispatcher_bytes
             && s.active_requests <= 16));
         assert_eq!(
             (out.refused, out.expired, out.index_unknown_parent),

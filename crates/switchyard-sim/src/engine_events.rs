@@ -1,0 +1,174 @@
+//! The simulated engine's KV events as every consumer sees them: mapped
+//! onto vLLM's wire shapes ([`to_wire`], what a sim-worker publishes over
+//! ZMQ), and from there through the router's one normalizer
+//! (`switchyard_wire::normalize`) into index events ([`EngineEventStream`],
+//! what the fleet simulator and the core soak feed the router). The
+//! simulator thus applies exactly what the server would receive from a
+//! sim-worker, by the same code.
+
+use switchyard_core::index::IndexEvent;
+use switchyard_engine::{KvEvent, Medium};
+use switchyard_wire::kv_events::{self as wire, BlockRemoved, BlockStored};
+use switchyard_wire::normalize::{NormalizeCounters, Normalized, Normalizer};
+
+/// vLLM's medium name for an engine medium.
+fn medium(m: Medium) -> Option<String> {
+    Some(m.vllm_name().to_owned())
+}
+
+/// Maps engine events onto the wire's vLLM shapes (fields the engine does
+/// not have stay absent).
+pub fn to_wire(events: Vec<KvEvent>) -> Vec<wire::KvEvent> {
+    events.into_iter().map(event_to_wire).collect()
+}
+
+fn event_to_wire(event: KvEvent) -> wire::KvEvent {
+    match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium: m,
+        } => wire::KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium: medium(m),
+            ..BlockStored::default()
+        })),
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium: m,
+        } => wire::KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes,
+            medium: medium(m),
+            ..BlockRemoved::default()
+        }),
+        KvEvent::AllBlocksCleared => wire::KvEvent::AllBlocksCleared,
+    }
+}
+
+/// One engine's KV events into index events, through the normalizer a
+/// router's subscriber runs for that engine's stream.
+#[derive(Clone, Debug)]
+pub struct EngineEventStream {
+    normalizer: Normalizer,
+}
+
+impl EngineEventStream {
+    /// A stream for a router hashing `block_size`-token blocks.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            normalizer: Normalizer::new(block_size),
+        }
+    }
+
+    /// Appends the index events of `events` to `out` (skipped events are
+    /// counted, as the subscriber counts them).
+    pub fn normalize(&mut self, events: impl IntoIterator<Item = KvEvent>, out: &mut Vec<IndexEvent>) {
+        for event in events {
+            if let Normalized::Index(e) = self.normalizer.normalize(&event_to_wire(event)) {
+                out.push(e);
+            }
+        }
+    }
+
+    /// What the normalizer applied and skipped so far.
+    pub fn counters(&self) -> &NormalizeCounters {
+        self.normalizer.counters()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
+    use switchyard_core::index::StoredBlock;
+    use switchyard_core::EngineHash;
+    use switchyard_wire::normalize::SkipReason;
+
+    #[test]
+    fn engine_events_map_onto_vllm_shapes_with_gpu_and_cpu_media() {
+        let wire = to_wire(vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![EngineHash(1), EngineHash(2)],
+                parent_block_hash: Some(EngineHash(9)),
+                token_ids: (0..32).collect(),
+                block_size: 16,
+                medium: Medium::Device,
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![EngineHash(1)],
+                medium: Medium::Host,
+            },
+            KvEvent::AllBlocksCleared,
+        ]);
+        let wire::KvEvent::BlockStored(stored) = &wire[0] else {
+            panic!("not stored")
+        };
+        assert_eq!(stored.block_hashes, vec![EngineHash(1), EngineHash(2)]);
+        assert_eq!(stored.parent_block_hash, Some(EngineHash(9)));
+        assert_eq!(stored.token_ids.len(), 32);
+        assert_eq!(stored.medium.as_deref(), Some("GPU"));
+        let wire::KvEvent::BlockRemoved(removed) = &wire[1] else {
+            panic!("not removed")
+        };
+        assert_eq!(removed.medium.as_deref(), Some("CPU"));
+        assert_eq!(wire[2], wire::KvEvent::AllBlocksCleared);
+    }
+
+    #[test]
+    fn device_events_become_index_events_and_host_tier_events_are_skipped_and_counted() {
+        let mut stream = EngineEventStream::new(16);
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut out = Vec::new();
+        stream.normalize(
+            [
+                KvEvent::BlockStored {
+                    block_hashes: vec![EngineHash(1), EngineHash(2)],
+                    parent_block_hash: None,
+                    token_ids: tokens.clone(),
+                    block_size: 16,
+                    medium: Medium::Device,
+                },
+                KvEvent::BlockStored {
+                    block_hashes: vec![EngineHash(3)],
+                    parent_block_hash: None,
+                    token_ids: tokens[..16].to_vec(),
+                    block_size: 16,
+                    medium: Medium::Host,
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![EngineHash(2)],
+                    medium: Medium::Device,
+                },
+            ],
+            &mut out,
+        );
+        let locals = local_block_hashes(&tokens, 16, DEFAULT_SEED);
+        assert_eq!(
+            out,
+            vec![
+                IndexEvent::Stored {
+                    parent: None,
+                    blocks: vec![
+                        StoredBlock {
+                            engine_hash: EngineHash(1),
+                            local_hash: locals[0]
+                        },
+                        StoredBlock {
+                            engine_hash: EngineHash(2),
+                            local_hash: locals[1]
+                        },
+                    ],
+                },
+                IndexEvent::Removed {
+                    blocks: vec![EngineHash(2)]
+                },
+            ]
+        );
+        assert_eq!(stream.counters().skipped(SkipReason::HostTier), 1);
+    }
+}
