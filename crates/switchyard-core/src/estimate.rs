@@ -89,7 +89,9 @@ pub enum EstimatorConfigError {
     Speedup(f64),
     /// A window smaller than the samples a fit needs, or a fit from fewer
     /// than two samples.
-    #[error("window ({window}) must be at least min_samples ({min_samples}), which must be at least 2")]
+    #[error(
+        "window ({window}) must be at least min_samples ({min_samples}), which must be at least 2"
+    )]
     Window {
         /// The window.
         window: usize,
@@ -337,7 +339,11 @@ mod tests {
         let mut e = estimator();
         for i in 0..20 {
             // Every sample the same length: the slope is undefined.
-            e.observe(W, 1000, e.config().model_ms(1000) * if i % 2 == 0 { 2.0 } else { 2.2 });
+            e.observe(
+                W,
+                1000,
+                e.config().model_ms(1000) * if i % 2 == 0 { 2.0 } else { 2.2 },
+            );
         }
         let fit = e.fit(W).unwrap();
         assert_eq!(fit.offset_ms, 0.0);

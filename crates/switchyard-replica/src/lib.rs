@@ -11,18 +11,20 @@
 //!   handle onto a bounded queue, drained by one task that batches, encodes
 //!   and publishes; heartbeats when idle.
 //! - [`subscriber`] — the task that decodes peers' batches and applies them
-//!   through a [`ReplicaSink`] ([`apply_events`] is the one way events
-//!   reach a `Router`; [`RouterSink`] is the sink over a bare router, the
-//!   server's lives in `server::replica`), and expires silent peers.
+//!   through a [`ReplicaSink`] ([`apply_batch`] is the one way a peer's
+//!   batch reaches a core `Dispatcher`; [`DispatcherSink`] is the sink over
+//!   a bare dispatcher, the server's lives in its `replica` module), and
+//!   expires silent peers; [`publish_effects`] is the one way a
+//!   dispatcher's published events reach the wire.
 //! - [`nats_server`] — a private `nats-server` for tests and benchmarks.
 //! - [`worker_marks`] — a worker-side publisher of `MarkPrefillCompleted`.
 //! - [`metrics`] — `switchyard_replica_events_total{direction}`.
 //!
-//! Data flow on one replica: request path mutates its `Router` → enqueues
-//! the event on [`ReplicaPublisher`] → publisher task → transport subject
+//! Data flow on one replica: request path drives its `Dispatcher` →
+//! enqueues the published events on [`ReplicaPublisher`] → publisher task → transport subject
 //! `switchyard.<namespace>.<endpoint>.active_sequences` → every peer's
-//! subscriber task → [`ReplicaSink::apply_batch`] → the peer's `Router`
-//! (`apply_remote`). The semantics of remote bookings (advisory, owner-only
+//! subscriber task → [`ReplicaSink::apply_batch`] → the peer's `Dispatcher`
+//! (`Dispatcher::apply_replica_batch`). The semantics of remote bookings (advisory, owner-only
 //! frees, silence expiry, no snapshot) live in `switchyard_core::replica`.
 
 pub mod config;
@@ -42,7 +44,10 @@ pub use metrics::ReplicaMetrics;
 pub use nats::NatsTransport;
 pub use nats_server::LocalNatsServer;
 pub use publisher::{spawn_publisher, PublishError, ReplicaPublisher};
-pub use subscriber::{apply_events, spawn_subscriber, BatchReport, ReplicaSink, RouterSink};
+pub use subscriber::{
+    apply_batch, publish_effects, spawn_subscriber, BatchReport, DispatcherSink, EffectsHandler,
+    ReplicaSink,
+};
 pub use transport::{InProcessBus, InProcessTransport, Subscription, Transport, TransportError};
 pub use worker_marks::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 
@@ -70,33 +75,6 @@ pub fn worker_id_for_name(name: &str) -> WorkerId {
         .bytes()
         .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
     WorkerId::new(hash)
-}
-
-/// Milliseconds since a fixed origin: the `now_ms` a replica's `Router`
-/// calls use. The server and the replica tasks must share one clock.
-#[derive(Clone, Copy, Debug)]
-pub struct Clock {
-    origin: Instant,
-}
-
-impl Clock {
-    /// A clock whose zero is now.
-    pub fn new() -> Self {
-        Self {
-            origin: Instant::now(),
-        }
-    }
-
-    /// Milliseconds since the origin.
-    pub fn now_ms(&self) -> f64 {
-        self.origin.elapsed().as_secs_f64() * 1e3
-    }
-}
-
-impl Default for Clock {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 /// A running replica plane: the publisher handle for the request path, and

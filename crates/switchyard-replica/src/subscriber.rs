@@ -7,12 +7,14 @@
 
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
+use super::publisher::ReplicaPublisher;
 use super::transport::{Transport, TransportError};
-use super::Clock;
 use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use switchyard_core::{ReplicaId, Router};
+use std::time::{Duration, Instant};
+use switchyard_core::dispatch::{Dispatcher, Effects, Published, SessionBound};
+use switchyard_core::sequences::SequenceEvent;
+use switchyard_core::ReplicaId;
 use switchyard_wire::replica::{decode_batch, ReplicaBatch, SessionBinding};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -27,8 +29,8 @@ pub struct BatchReport {
 }
 
 /// Where peers' events go: the server implements it over its shared
-/// routing state (`server::replica`), and [`RouterSink`] over a bare
-/// `Arc<Mutex<Router>>` (the plane on its own: tests, `bench replica`).
+/// routing state, and [`DispatcherSink`] over a bare dispatcher (the plane
+/// on its own: tests, `bench replica`); both through [`apply_batch`].
 /// Calls are short and synchronous; they run on the subscriber task.
 pub trait ReplicaSink: Send + Sync + 'static {
     /// Applies a peer's batch (never one of this replica's own); an empty
@@ -39,89 +41,117 @@ pub trait ReplicaSink: Send + Sync + 'static {
     fn expire_silent(&self) -> u64;
 }
 
-/// Applies a peer's lifecycle events to `router` (the sender's heartbeat
-/// first, then each event in order); returns how many changed the model.
-/// Every [`ReplicaSink`] over a `Router` goes through here. Session
-/// bindings are the caller's: they belong to its admission strategy.
-pub fn apply_events(router: &mut Router, batch: &ReplicaBatch, now_ms: f64) -> u64 {
-    router.replica_heartbeat(batch.router_id, now_ms);
-    let mut applied = 0;
-    for event in &batch.events {
-        let outcome = router.apply_remote(event.router_id, &event.to_sequence_event(), now_ms);
-        applied += u64::from(outcome.applied());
-    }
-    applied
+/// Applies a peer's batch to `dispatcher` — remote bookings (keyed by the
+/// origin each event names), the sender's heartbeat, session bindings into
+/// the admission strategy — and returns what it applied and the effects
+/// the driver must carry out (a peer's free may place a waiting request).
+/// Every [`ReplicaSink`] goes through here: the one path from the wire
+/// into the core.
+pub fn apply_batch(
+    dispatcher: &mut Dispatcher,
+    batch: &ReplicaBatch,
+    now_ms: f64,
+) -> (BatchReport, Effects) {
+    let events = batch
+        .events
+        .iter()
+        .map(|e| (e.router_id, e.to_sequence_event()));
+    let bindings = batch.sessions.iter().map(|b| SessionBound {
+        session: b.session,
+        worker: b.worker,
+        context_tokens: b.context_tokens,
+    });
+    let (applied, fx) = dispatcher.apply_replica_batch(batch.router_id, events, bindings, now_ms);
+    let report = BatchReport {
+        applied: applied.applied,
+        sessions_applied: applied.sessions,
+    };
+    (report, fx)
 }
 
-/// Applies a session binding (the server's admission strategy).
-pub type SessionHook = Box<dyn Fn(&SessionBinding, f64) + Send + Sync>;
-
-/// [`ReplicaSink`] over a `Router` behind a `std::sync::Mutex`, with the
-/// replica's clock (the one its request path passes as `now_ms`) and an
-/// optional session-binding hook: the replica plane without a server.
-pub struct RouterSink {
-    router: Arc<Mutex<Router>>,
-    clock: Clock,
-    sessions: Option<SessionHook>,
-}
-
-impl std::fmt::Debug for RouterSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RouterSink")
-            .field("clock", &self.clock)
-            .field("session_hook", &self.sessions.is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-impl RouterSink {
-    /// A sink over `router`; sets the router's replica id to `id` so that
-    /// its own events are ignored at the core too.
-    pub fn new(router: Arc<Mutex<Router>>, id: ReplicaId, clock: Clock) -> Self {
-        router
-            .lock()
-            .expect("router lock poisoned")
-            .set_replica_id(id);
-        Self {
-            router,
-            clock,
-            sessions: None,
-        }
-    }
-
-    /// Session bindings go to `hook` (say, an admission strategy's
-    /// `observe_remote_binding(..)`).
-    pub fn with_session_hook(mut self, hook: SessionHook) -> Self {
-        self.sessions = Some(hook);
-        self
-    }
-}
-
-impl ReplicaSink for RouterSink {
-    fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
-        let now_ms = self.clock.now_ms();
-        let applied = apply_events(
-            &mut self.router.lock().expect("router lock poisoned"),
-            batch,
-            now_ms,
-        );
-        let mut report = BatchReport {
-            applied,
-            sessions_applied: 0,
+/// Enqueues what a dispatcher published ([`Effects::publish`],
+/// [`Effects::bindings`]) on `publisher`, in order. Never blocks; a refused
+/// enqueue was counted (and its log rate-limited) by the publisher.
+pub fn publish_effects(
+    publisher: &ReplicaPublisher,
+    published: &[Published],
+    bindings: &[SessionBound],
+) {
+    for p in published {
+        let _ = match &p.event {
+            SequenceEvent::Add(add) => publisher.added(add, None),
+            SequenceEvent::MarkPrefillCompleted(id) => publisher.prefill_completed(*id, p.worker),
+            SequenceEvent::Free(id) => publisher.freed(*id, p.worker),
         };
-        if let Some(hook) = &self.sessions {
-            for binding in &batch.sessions {
-                hook(binding, now_ms);
-                report.sessions_applied += 1;
-            }
+    }
+    for b in bindings {
+        let _ = publisher.session_bound(SessionBinding {
+            session: b.session,
+            worker: b.worker,
+            context_tokens: b.context_tokens,
+        });
+    }
+}
+
+/// What a [`DispatcherSink`] does with the effects of a peer's batch.
+pub type EffectsHandler = Box<dyn Fn(Effects) + Send + Sync>;
+
+/// [`ReplicaSink`] over a bare [`Dispatcher`] behind a `std::sync::Mutex`:
+/// the replica plane without a server (tests, `bench replica`). Its clock
+/// is milliseconds since `epoch`, which must be the clock the dispatcher's
+/// other callers use; the effects of each batch go to `on_effects`.
+pub struct DispatcherSink {
+    dispatcher: Arc<Mutex<Dispatcher>>,
+    epoch: Instant,
+    on_effects: EffectsHandler,
+}
+
+impl std::fmt::Debug for DispatcherSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatcherSink").finish_non_exhaustive()
+    }
+}
+
+impl DispatcherSink {
+    /// A sink over `dispatcher`, which becomes replica `id` (its own
+    /// events are then ignored at the core too).
+    pub fn new(
+        dispatcher: Arc<Mutex<Dispatcher>>,
+        id: ReplicaId,
+        epoch: Instant,
+        on_effects: EffectsHandler,
+    ) -> Self {
+        lock(&dispatcher).set_replica(id);
+        Self {
+            dispatcher,
+            epoch,
+            on_effects,
         }
+    }
+
+    fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e3
+    }
+}
+
+fn lock(dispatcher: &Mutex<Dispatcher>) -> std::sync::MutexGuard<'_, Dispatcher> {
+    dispatcher.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ReplicaSink for DispatcherSink {
+    fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        let now_ms = self.now_ms();
+        let (report, fx) = apply_batch(&mut lock(&self.dispatcher), batch, now_ms);
+        (self.on_effects)(fx);
         report
     }
 
     fn expire_silent(&self) -> u64 {
-        let now_ms = self.clock.now_ms();
-        let mut router = self.router.lock().expect("router lock poisoned");
-        router.expire_silent_replicas(now_ms).len() as u64
+        let now_ms = self.now_ms();
+        let fx = lock(&self.dispatcher).tick(now_ms);
+        let expired = u64::from(fx.counts.expired_remote);
+        (self.on_effects)(fx);
+        expired
     }
 }
 

@@ -1,10 +1,13 @@
 use super::*;
 use std::sync::Mutex;
 use std::time::Duration;
-use switchyard_core::admission::SessionKey;
+use switchyard_core::admission::{
+    AdmissionStrategy, SessionAwareConfig, SessionAwareStrategy, SessionKey,
+};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::AddRequest;
-use switchyard_core::{LocalHash, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_core::{LocalHash, RequestId, WorkerId};
 use switchyard_wire::replica::{decode_batch, ActiveSequenceData, SessionBinding};
 
 fn config() -> ReplicaConfig {
@@ -25,11 +28,33 @@ fn add(id: u128, worker: u64) -> AddRequest {
     }
 }
 
-fn router() -> Arc<Mutex<Router>> {
-    let mut r = Router::new(RouterConfig::default()).unwrap();
-    r.add_worker(WorkerId::new(0), WorkerCapacity::default());
-    r.add_worker(WorkerId::new(1), WorkerCapacity::default());
-    Arc::new(Mutex::new(r))
+/// A dispatcher over workers 0 and 1, with the session-aware strategy when
+/// asked.
+fn dispatcher(session_aware: bool) -> Arc<Mutex<Dispatcher>> {
+    let strategy = session_aware.then(|| {
+        Box::new(SessionAwareStrategy::new(SessionAwareConfig::default()).unwrap())
+            as Box<dyn AdmissionStrategy + Send>
+    });
+    let mut d = Dispatcher::new(DispatcherConfig::default(), strategy).unwrap();
+    for w in 0..2 {
+        let _ = d.add_worker(WorkerId::new(w), WorkerCapacity::default(), 0.0);
+    }
+    Arc::new(Mutex::new(d))
+}
+
+/// A sink over `dispatcher` that publishes what a peer's batch makes it
+/// publish (nothing waits in these tests, so nothing is dispatched).
+fn sink(
+    dispatcher: &Arc<Mutex<Dispatcher>>,
+    id: ReplicaId,
+    epoch: std::time::Instant,
+) -> DispatcherSink {
+    DispatcherSink::new(
+        dispatcher.clone(),
+        id,
+        epoch,
+        Box::new(|fx| assert!(fx.dispatch.is_empty())),
+    )
 }
 
 /// `(request, kind)` of every event seen by a raw subscriber.
@@ -217,13 +242,13 @@ async fn a_publisher_that_died_says_it_was_not_shutting_down() {
 async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
     let bus = InProcessBus::new();
     let cfg = config();
-    let clock = Clock::new();
-    let (router_a, router_b) = (router(), router());
+    let epoch = std::time::Instant::now();
+    let (dispatcher_a, dispatcher_b) = (dispatcher(false), dispatcher(false));
     let a = ReplicaPlane::start(
         Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
         &cfg,
         ReplicaId(1),
-        RouterSink::new(router_a.clone(), ReplicaId(1), clock),
+        sink(&dispatcher_a, ReplicaId(1), epoch),
     )
     .await
     .unwrap();
@@ -231,60 +256,74 @@ async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
         Arc::new(InProcessTransport::new(bus, true, 1024)),
         &cfg,
         ReplicaId(2),
-        RouterSink::new(router_b.clone(), ReplicaId(2), clock),
+        sink(&dispatcher_b, ReplicaId(2), epoch),
     )
     .await
     .unwrap();
-    // Local mutation first, then enqueue.
-    let booking = add(7, 1);
-    router_a
+    // A request on A: the dispatcher books it and publishes the booking.
+    let submission = Submission {
+        blocks: vec![LocalHash(1)],
+        prompt_tokens: 16,
+        ..Submission::default()
+    };
+    let now = epoch.elapsed().as_secs_f64() * 1e3;
+    let (_, fx) = dispatcher_a
         .lock()
         .unwrap()
-        .book_request(&booking, clock.now_ms());
-    a.publisher.added(&booking, None).unwrap();
+        .submit(RequestId(7), submission, now)
+        .unwrap();
+    assert_eq!(fx.dispatch.len(), 1);
+    publish_effects(&a.publisher, &fx.publish, &fx.bindings);
     wait_until(|| {
-        router_b
+        dispatcher_b
             .lock()
             .unwrap()
+            .router()
             .sequences()
             .owner(RequestId(7))
             .is_some()
     })
     .await;
     assert_eq!(
-        router_b.lock().unwrap().remote().owner(RequestId(7)),
+        dispatcher_b
+            .lock()
+            .unwrap()
+            .router()
+            .remote()
+            .owner(RequestId(7)),
         Some(ReplicaId(1))
     );
     // A saw its own batch and ignored it: one booking, local.
     wait_until(|| a.metrics.snapshot().batches_own >= 1).await;
-    assert_eq!(router_a.lock().unwrap().sequences().active_requests(), 1);
-    assert_eq!(router_a.lock().unwrap().remote().remote_requests(), 0);
+    {
+        let d = dispatcher_a.lock().unwrap();
+        assert_eq!(d.router().sequences().active_requests(), 1);
+        assert_eq!(d.router().remote().remote_requests(), 0);
+    }
     assert_eq!(a.metrics.snapshot().applied, 0);
     a.shutdown().await;
     b.shutdown().await;
 }
 
 #[tokio::test]
-async fn session_bindings_reach_the_peers_hook() {
+async fn session_bindings_reach_the_peers_strategy() {
     let bus = InProcessBus::new();
     let cfg = config();
-    let seen: Arc<Mutex<Vec<SessionBinding>>> = Arc::default();
-    let sink_seen = seen.clone();
+    let epoch = std::time::Instant::now();
     let a = ReplicaPlane::start(
         Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
         &cfg,
         ReplicaId(1),
-        RouterSink::new(router(), ReplicaId(1), Clock::new()),
+        sink(&dispatcher(true), ReplicaId(1), epoch),
     )
     .await
     .unwrap();
+    let peer = dispatcher(true);
     let b = ReplicaPlane::start(
         Arc::new(InProcessTransport::new(bus, true, 1024)),
         &cfg,
         ReplicaId(2),
-        RouterSink::new(router(), ReplicaId(2), Clock::new()).with_session_hook(Box::new(
-            move |binding, _now| sink_seen.lock().unwrap().push(*binding),
-        )),
+        sink(&peer, ReplicaId(2), epoch),
     )
     .await
     .unwrap();
@@ -294,8 +333,21 @@ async fn session_bindings_reach_the_peers_hook() {
         context_tokens: 900,
     };
     a.publisher.session_bound(binding).unwrap();
-    wait_until(|| !seen.lock().unwrap().is_empty()).await;
-    assert_eq!(seen.lock().unwrap()[0], binding);
+    wait_until(|| {
+        b.metrics
+            .sessions_applied
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 1
+    })
+    .await;
+    let counts = peer
+        .lock()
+        .unwrap()
+        .admission()
+        .strategy()
+        .unwrap()
+        .event_counts();
+    assert!(counts.contains(&("remote_bindings", 1)), "{counts:?}");
     a.shutdown().await;
     b.shutdown().await;
 }

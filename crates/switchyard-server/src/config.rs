@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
+use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
 use switchyard_replica::ReplicaConfig;
@@ -191,6 +192,9 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Passive failure detection: each worker's circuit breaker.
     pub circuit: CircuitConfig,
+    /// Prefill-duration hints (`[estimator]`): the workers' timing model
+    /// and its online fit.
+    pub estimator: EstimatorConfig,
     /// OpenAI requests the router holds at once (queued, waiting or
     /// streaming); beyond it, 503 with `Retry-After`.
     pub max_inflight: usize,
@@ -240,6 +244,7 @@ impl Default for ServerConfig {
             connect_timeout_ms: 1000,
             shutdown_grace_ms: 30_000,
             circuit: CircuitConfig::default(),
+            estimator: EstimatorConfig::default(),
             // The default admission queue (4096) full, plus as many
             // dispatched responses. Worst-case body memory is
             // max_inflight × max_body_bytes; real prompts are kilobytes.
@@ -338,6 +343,9 @@ impl ServerConfig {
         self.circuit
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.estimator
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("estimator: {e}")))?;
         self.policies
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;

@@ -27,18 +27,23 @@
 //! elsewhere) → `stream::MigratingStream` (first token, latencies,
 //! mid-stream resume) → drop frees the booking.
 
+mod attempt;
+pub mod booking;
 pub mod config;
 pub mod error;
-pub mod health;
+pub mod gauges;
 pub mod inflight;
 pub mod metrics;
 pub mod migration;
 pub mod proxy;
 pub mod replica;
+pub mod roster;
+pub mod shared;
 pub mod sse;
 pub mod standalone;
-pub mod state;
-pub mod stream;
+mod stream;
+#[cfg(test)]
+mod testing;
 pub mod tokenize;
 pub mod workers;
 
@@ -50,12 +55,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use switchyard_core::admission::{AdmissionController, AdmissionStrategy, SessionAwareStrategy};
+use switchyard_core::admission::{AdmissionStrategy, SessionAwareStrategy};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
 use switchyard_core::index::ApproxConfig;
 use switchyard_core::router::CacheTracking;
 use switchyard_core::select::PolicyKind;
 use switchyard_core::sequences::SequencesConfig;
-use switchyard_core::{Router, RouterConfig};
+use switchyard_core::RouterConfig;
 use switchyard_tokenizer::Tokenizer;
 
 /// Options of `switchyard serve`. Each flag also reads `SWITCHYARD_<NAME>`;
@@ -149,6 +155,19 @@ pub struct ServeArgs {
     /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// The workers' prefill time in ms for T uncached tokens, `A,B,C` in
+    /// A·T²+B·T+C per chunk [default: the simulated engine's fit].
+    #[arg(long, env = "SWITCHYARD_PREFILL_CURVE", value_parser = parse_curve)]
+    pub prefill_curve: Option<[f64; 3]>,
+    /// The workers' speed-up over that curve (a sim-worker's --speedup) [default: 1].
+    #[arg(long, env = "SWITCHYARD_PREFILL_SPEEDUP")]
+    pub prefill_speedup: Option<f64>,
+    /// Uncached tokens the workers prefill per step (their max_num_batched_tokens) [default: 8192].
+    #[arg(long, env = "SWITCHYARD_PREFILL_CHUNK_TOKENS")]
+    pub prefill_chunk_tokens: Option<u32>,
+    /// Keep the configured prefill model; do not fit it per worker from observed times to first token.
+    #[arg(long, env = "SWITCHYARD_NO_PREFILL_FIT")]
+    pub no_prefill_fit: bool,
     /// Replica sync (off unless --replica-sync is given).
     #[command(flatten)]
     pub replica: replica::ReplicaArgs,
@@ -201,6 +220,18 @@ impl ServeArgs {
         if self.busy_threshold.is_some() {
             c.busy_threshold = self.busy_threshold;
         }
+        if let Some(curve) = self.prefill_curve {
+            c.estimator.prefill_curve = curve;
+        }
+        if let Some(speedup) = self.prefill_speedup {
+            c.estimator.speedup = speedup;
+        }
+        if let Some(tokens) = self.prefill_chunk_tokens {
+            c.estimator.chunk_tokens = tokens;
+        }
+        if self.no_prefill_fit {
+            c.estimator.online = false;
+        }
         if self.admin_token.is_some() {
             c.admin_token = self.admin_token.clone();
         }
@@ -222,6 +253,19 @@ impl ServeArgs {
         self.replica.apply(&mut c.replica);
         c.validate()?;
         Ok(c)
+    }
+}
+
+/// `A,B,C` as three finite numbers.
+fn parse_curve(text: &str) -> Result<[f64; 3], String> {
+    let parts: Vec<f64> = text
+        .split(',')
+        .map(|p| p.trim().parse::<f64>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{text:?}: {e}"))?;
+    match parts.as_slice() {
+        [a, b, c] if parts.iter().all(|x| x.is_finite()) => Ok([*a, *b, *c]),
+        _ => Err(format!("{text:?}: expected three finite numbers A,B,C")),
     }
 }
 
@@ -276,7 +320,7 @@ pub struct RunningServer {
     /// The bound address.
     pub addr: SocketAddr,
     /// Routing state (for in-process inspection).
-    pub shared: Arc<state::SharedRouter>,
+    pub shared: Arc<shared::SharedRouter>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -326,14 +370,14 @@ impl RunningServer {
     }
 }
 
-/// Builds the routing core from `config`.
-pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
+/// The dispatcher settings of `config` (already validated).
+pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     let cache = if config.uses_events() {
         CacheTracking::Events
     } else {
         CacheTracking::Approximate(ApproxConfig::default())
     };
-    let mut router_config = RouterConfig {
+    let mut router = RouterConfig {
         policy: config.policy,
         policies: config.policies,
         sequences: SequencesConfig {
@@ -352,8 +396,31 @@ pub fn build_router(config: &ServerConfig) -> anyhow::Result<Router> {
         },
         ..RouterConfig::default()
     };
-    router_config.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
-    Router::new(router_config).context("invalid router configuration")
+    router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
+    DispatcherConfig {
+        router,
+        admission: config.queue.clone(),
+        estimator: config.estimator,
+        circuit: config.circuit,
+        ..DispatcherConfig::default()
+    }
+}
+
+/// The router's shared state for `config`: its dispatcher (with the
+/// configured admission strategy) and no workers yet.
+pub fn build_shared(
+    config: &ServerConfig,
+    metrics: Arc<metrics::ServerMetrics>,
+) -> anyhow::Result<shared::SharedRouter> {
+    let strategy: Option<Box<dyn AdmissionStrategy + Send>> = match config.admission {
+        config::AdmissionMode::None => None,
+        config::AdmissionMode::SessionAware => Some(Box::new(
+            SessionAwareStrategy::new(config.session).context("invalid session settings")?,
+        )),
+    };
+    let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
+        .context("invalid routing configuration")?;
+    Ok(shared::SharedRouter::new(dispatcher, metrics))
 }
 
 /// How long a booking may stay in the load view before the router
@@ -390,18 +457,8 @@ pub async fn start_with_tokenizer(
     tokenizer: Arc<dyn tokenize::PromptTokenizer>,
 ) -> anyhow::Result<RunningServer> {
     config.validate()?;
-    let router = build_router(&config)?;
-    let strategy: Option<Box<dyn AdmissionStrategy + Send>> = match config.admission {
-        config::AdmissionMode::None => None,
-        config::AdmissionMode::SessionAware => Some(Box::new(
-            SessionAwareStrategy::new(config.session).context("invalid session settings")?,
-        )),
-    };
-    let admission = AdmissionController::new(config.queue.clone(), strategy)
-        .context("invalid admission settings")?;
     let metrics = Arc::new(metrics::ServerMetrics::default());
-    let shared = Arc::new(state::SharedRouter::new(router, admission, metrics.clone()));
-    shared.set_circuit_config(config.circuit);
+    let shared = Arc::new(build_shared(&config, metrics.clone())?);
     let inflight = inflight::Inflight::new(config.max_inflight, metrics);
     let replica_plane = match config.replica.enabled() {
         false => None,
@@ -459,9 +516,9 @@ pub async fn start_with_tokenizer(
     let ticker = tokio::spawn(async move {
         loop {
             let now = ticker_state.now_ms();
-            let wait_ms = ticker_state
-                .next_wakeup_ms()
-                .map_or(1000.0, |at| (at - now).clamp(1.0, 1000.0));
+            // The dispatcher's own wake-up (reconcile, recheck, cooldown,
+            // expiry sweep), at least 1 ms and at most 1 s ahead.
+            let wait_ms = (ticker_state.next_wakeup_ms() - now).clamp(1.0, 1000.0);
             tokio::time::sleep(Duration::from_secs_f64(wait_ms / 1e3)).await;
             ticker_state.tick();
         }

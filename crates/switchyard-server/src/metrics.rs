@@ -133,7 +133,7 @@ impl AdmissionDecision {
 }
 
 /// Router-wide metrics; per-worker gauges are read from the routing core at
-/// render time (see [`super::state::SharedRouter::render_gauges`]).
+/// render time (see [`crate::gauges::Snapshot`]).
 #[derive(Debug, Default)]
 pub struct ServerMetrics {
     requests: [AtomicU64; 6],
@@ -142,7 +142,9 @@ pub struct ServerMetrics {
     pub ttft: Histogram,
     /// Between consecutive streamed chunks.
     pub itl: Histogram,
-    /// One `route` + `book` under the core's lock (tokenize excluded).
+    /// One routing decision (route + book) under the router's lock,
+    /// tokenization excluded: a dispatcher call's time shared between the
+    /// decisions it made.
     pub routing_decision: Histogram,
     /// Prompt to token ids (chat template included).
     pub tokenize: Histogram,
@@ -195,13 +197,13 @@ impl ServerMetrics {
         self.migrations[reason.index()].load(Ordering::Relaxed)
     }
 
-    /// Counts an admission outcome.
-    pub fn count_admission(&self, decision: AdmissionDecision) {
+    /// Counts `n` admission outcomes.
+    pub fn count_admissions(&self, decision: AdmissionDecision, n: u32) {
         let i = AdmissionDecision::ALL
             .iter()
             .position(|d| *d == decision)
             .unwrap_or(0);
-        self.admission[i].fetch_add(1, Ordering::Relaxed);
+        self.admission[i].fetch_add(u64::from(n), Ordering::Relaxed);
     }
 
     /// Appends the router-wide series to `out`.
@@ -328,12 +330,12 @@ pub(crate) fn render_one(
 
 /// Appends one metric family with a `worker` label: its HELP and TYPE lines,
 /// then one sample per row, in row order.
-pub(crate) fn render_by_worker<'a, V: std::fmt::Display>(
+pub(crate) fn render_by_worker<W: std::fmt::Display, V: std::fmt::Display>(
     out: &mut String,
     name: &str,
     kind: &str,
     help: &str,
-    rows: impl IntoIterator<Item = (&'a str, V)>,
+    rows: impl IntoIterator<Item = (W, V)>,
 ) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (worker, value) in rows {

@@ -12,26 +12,26 @@
 //! [`MigratingStream`], which resumes it on another worker if it breaks.
 //! The whole request is bounded by the request timeout (504).
 
+use super::attempt::{AttemptError, Attempts};
+use super::booking::Booking;
 use super::config::WorkerSpec;
 use super::error::ApiError;
 use super::metrics::RequestStatus;
-use super::migration::{
-    decide, request_fault, Failure, GiveUp, MigrationPolicy, Phase, Progress, Verdict,
-};
+use super::migration::{Failure, MigrationPolicy, Phase, Progress};
+use super::shared::SharedRouter;
 use super::sse::{classify, Api, Chunk, SseParser};
-use super::state::{Booking, SharedRouter, Submission, SubmitError};
 use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::{PromptTokenizer, INLINE_CHARS};
 use super::workers::{Fleet, UpstreamClient};
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router as AxumRouter;
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::Value;
@@ -39,7 +39,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::admission::SessionKey;
-use switchyard_core::{RequestId, WorkerId};
 use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::openai::Prompt;
 
@@ -120,7 +119,7 @@ impl AppState {
     }
 }
 
-pub(super) type Shared = Arc<AppState>;
+pub(crate) type Shared = Arc<AppState>;
 
 /// The axum router for `state`.
 pub fn app(state: Shared) -> AxumRouter {
@@ -265,7 +264,7 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
     };
     state
         .shared
-        .metrics
+        .metrics()
         .tokenize
         .observe(started.elapsed().as_secs_f64());
     result.map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))
@@ -339,7 +338,7 @@ async fn finish(
     arrival: Instant,
     parsed: Result<(Bytes, Parsed), ApiError>,
 ) -> Response {
-    let metrics = state.shared.metrics.clone();
+    let metrics = state.shared.metrics().clone();
     // A request dropped before its response head (the client went away,
     // or shutdown) is counted `Cancelled` once, by the in-flight
     // middleware ([`super::inflight`]), not here.
@@ -377,18 +376,14 @@ async fn proxy(
         .filter(|s| !s.is_empty())
         .map(|s| SessionKey::from_client_id(&s));
     let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
-    let attempts = Attempts {
-        state: state.clone(),
-        client_id: request_id,
-        model: facts.model.clone(),
-        accept: headers.get(header::ACCEPT).cloned(),
+    let attempts = Attempts::new(
+        state.clone(),
+        request_id,
+        facts.model.clone(),
+        headers.get(header::ACCEPT).cloned(),
         deadline,
-        exclude: Vec::new(),
-        migrations: 0,
-        pending_migration: None,
-        suspect_failures: 0,
-    };
-    let metrics = state.shared.metrics.clone();
+    );
+    let metrics = state.shared.metrics().clone();
     let timeout = state.request_timeout;
     match tokio::time::timeout_at(
         deadline,
@@ -406,11 +401,11 @@ async fn proxy(
 }
 
 /// Attempts until one worker produces a first event (streaming) or a whole
-/// response (non-streaming); each failure frees the booking, reports the
-/// worker and moves the request elsewhere, up to the migration limit.
+/// response (non-streaming); each failure reports the worker and moves the
+/// request elsewhere (still its session's turn), up to the migration limit.
 async fn first_phase(
     mut attempts: Attempts,
-    mut session: Option<SessionKey>,
+    session: Option<SessionKey>,
     path: &'static str,
     arrival: Instant,
     body: Bytes,
@@ -418,10 +413,9 @@ async fn first_phase(
 ) -> Result<Response, ApiError> {
     let state = attempts.state.clone();
     let prompt_tokens = facts.tokens.len() as u64;
+    let wait = attempts.submit(&facts.tokens, session)?;
+    let mut booking = attempts.placed(wait).await?;
     loop {
-        // A migrated request is admitted without its session: the session's
-        // worker is the one that failed it.
-        let booking = attempts.book(&facts.tokens, session.take()).await?;
         let sent = attempts
             .send(&booking, path, body.clone(), facts.stream)
             .await;
@@ -439,13 +433,16 @@ async fn first_phase(
                 booking.mark_first_token();
                 state
                     .shared
-                    .metrics
+                    .metrics()
                     .ttft
                     .observe(arrival.elapsed().as_secs_f64());
                 if ok {
-                    booking.completed(prompt_tokens);
+                    // The session's context grows by what was generated.
+                    let completion = completion_tokens(&bytes);
+                    booking.progress(completion);
+                    booking.completed(prompt_tokens.saturating_add(completion));
                 }
-                state.shared.metrics.count_request(if ok {
+                state.shared.metrics().count_request(if ok {
                     RequestStatus::Ok
                 } else {
                     RequestStatus::WorkerError
@@ -479,7 +476,7 @@ async fn first_phase(
             Err(AttemptError::Retry(reason, detail)) => {
                 tracing::warn!(request = %attempts.client_id, worker = %booking.name, reason = reason.label(), %detail, "attempt failed before the first token");
                 let progress = Progress::default();
-                if let Err(give_up) = attempts.fail(
+                match attempts.fail(
                     booking,
                     reason,
                     Phase::BeforeFirstToken,
@@ -487,7 +484,10 @@ async fn first_phase(
                     &progress,
                     Ok(()),
                 ) {
-                    return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")));
+                    Ok(failed) => booking = attempts.migrate(failed, None).await?,
+                    Err(give_up) => {
+                        return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")))
+                    }
                 }
             }
         }
@@ -507,21 +507,30 @@ fn log_dispatch(booking: &Booking, attempts: &Attempts, prompt_tokens: u64, stre
     );
 }
 
+/// `usage.completion_tokens` of a whole (non-streaming) answer; 0 when the
+/// worker sent none. Only that field is parsed.
+fn completion_tokens(body: &[u8]) -> u64 {
+    #[derive(Deserialize)]
+    struct Usage {
+        #[serde(default)]
+        completion_tokens: u64,
+    }
+    #[derive(Deserialize)]
+    struct Answer {
+        usage: Option<Usage>,
+    }
+    serde_json::from_slice::<Answer>(body)
+        .ok()
+        .and_then(|a| a.usage)
+        .map_or(0, |u| u.completion_tokens)
+}
+
 /// A successful attempt.
 enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
     Stream(hyper::http::response::Parts, Incoming, SseParser, String),
-}
-
-/// A failed attempt.
-pub(super) enum AttemptError {
-    /// The worker failed: move the request (reason, detail for logs and
-    /// the client's error; never prompt text).
-    Retry(Failure, String),
-    /// The request itself cannot be served: answer this.
-    Fatal(ApiError),
 }
 
 /// Reads a streaming response up to its first complete event, within the
@@ -601,236 +610,6 @@ async fn buffered(
     }
 }
 
-/// What every attempt of one request shares: where it may go, what failed
-/// it so far, and its deadline.
-pub(super) struct Attempts {
-    pub(super) state: Shared,
-    /// The id the client sees (`x-request-id`) and the first attempt's
-    /// booking; each migration books under a new id.
-    pub(super) client_id: RequestId,
-    model: Option<String>,
-    accept: Option<HeaderValue>,
-    /// When the request timeout cancels it.
-    pub(super) deadline: tokio::time::Instant,
-    /// Workers that failed this request.
-    exclude: Vec<WorkerId>,
-    /// Migrations made so far.
-    pub(super) migrations: u32,
-    /// A migration decided but not yet placed: counted in
-    /// `migrations_total{reason}` once [`Self::book`] finds a worker.
-    pending_migration: Option<Failure>,
-    /// Failures so far that the request itself may have caused
-    /// ([`Failure::request_may_cause`]).
-    suspect_failures: u32,
-}
-
-impl Attempts {
-    /// Admission and placement for `tokens` on a worker not yet tried.
-    pub(super) async fn book(
-        &mut self,
-        tokens: &[u32],
-        session: Option<SessionKey>,
-    ) -> Result<Booking, ApiError> {
-        let state = &self.state;
-        let blocks = switchyard_core::hashing::local_block_hashes(
-            tokens,
-            state.block_size as usize,
-            state.hash_seed,
-        );
-        let wait = state
-            .shared
-            .submit(
-                // The first attempt books under the client's id, so the
-                // response's x-request-id names the booking replicas and
-                // worker-origin marks see; each migration books a new one.
-                if self.migrations == 0 {
-                    self.client_id
-                } else {
-                    state.shared.next_request_id()
-                },
-                Submission {
-                    blocks,
-                    prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-                    session,
-                    model: self.model.as_deref(),
-                    exclude: &self.exclude,
-                },
-            )
-            .map_err(|e| match e {
-                SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
-                SubmitError::UnknownModel => ApiError::not_found(
-                    format!(
-                        "the model `{}` is not served by any worker",
-                        self.model.as_deref().unwrap_or_default()
-                    ),
-                    Some("model"),
-                ),
-            })?;
-        let placed = wait.placed().await;
-        let pending = self.pending_migration.take();
-        placed
-            .map_err(|()| {
-                if self.exclude.is_empty() {
-                    ApiError::no_workers("no worker can take the request")
-                } else {
-                    state
-                        .shared
-                        .metrics
-                        .migrations_exhausted
-                        .fetch_add(1, Ordering::Relaxed);
-                    ApiError::no_workers(format!(
-                        "{} worker(s) failed the request and no other worker can take it",
-                        self.exclude.len()
-                    ))
-                }
-            })
-            .inspect(|_| {
-                if let Some(reason) = pending {
-                    state.shared.metrics.count_migration(reason);
-                }
-            })
-    }
-
-    /// POSTs `body` to the booked worker; a refused or broken connection, a
-    /// 5xx or (when `streaming`) no headers within the first-token timeout
-    /// is a [`AttemptError::Retry`]. A non-streaming answer's head comes
-    /// with the whole answer, so only the request timeout bounds it.
-    pub(super) async fn send(
-        &self,
-        booking: &Booking,
-        path: &str,
-        body: Bytes,
-        streaming: bool,
-    ) -> Result<hyper::Response<Incoming>, AttemptError> {
-        let mut upstream = Request::builder()
-            .method(Method::POST)
-            .uri(format!("{}{}", booking.url, path))
-            .header(header::CONTENT_TYPE, "application/json")
-            // The attempt's own booking id: worker-origin prefill marks
-            // (replica sync) name the booking, not the client's id.
-            .header("x-request-id", booking.id().to_string());
-        if let Some(router_id) = &self.state.router_id {
-            upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
-        }
-        if let Some(accept) = &self.accept {
-            upstream = upstream.header(header::ACCEPT, accept);
-        }
-        let upstream = upstream.body(Full::new(body)).map_err(|_| {
-            AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
-        })?;
-        let timeout = self.state.first_token_timeout;
-        let request = self.state.client.request(upstream);
-        let answered = if streaming {
-            tokio::time::timeout(timeout, request).await
-        } else {
-            Ok(request.await)
-        };
-        match answered {
-            Err(_) => Err(AttemptError::Retry(
-                Failure::Timeout,
-                format!(
-                    "worker {} sent no response headers within {:.1} s",
-                    booking.name,
-                    timeout.as_secs_f64()
-                ),
-            )),
-            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Retry(
-                Failure::Connect,
-                format!("worker {} refused the connection", booking.name),
-            )),
-            Ok(Err(_)) => Err(AttemptError::Retry(
-                Failure::Reset,
-                format!("the connection to worker {} broke", booking.name),
-            )),
-            Ok(Ok(response)) if response.status().is_server_error() => Err(AttemptError::Retry(
-                Failure::Status5xx,
-                format!(
-                    "worker {} answered {}",
-                    booking.name,
-                    response.status().as_u16()
-                ),
-            )),
-            Ok(Ok(response)) => Ok(response),
-        }
-    }
-
-    /// A worker failed this request: report it, free its booking, exclude
-    /// it, and decide whether the request may move on (counting the
-    /// give-up now; the migration is counted when [`Self::book`] places
-    /// it). A second failure the request may have caused itself (5xx,
-    /// error event, first-token timeout) is the request's fault
-    /// ([`super::migration::request_fault`]): that worker is not reported
-    /// and the request gives up.
-    pub(super) fn fail(
-        &mut self,
-        booking: Booking,
-        reason: Failure,
-        phase: Phase,
-        prompt_tokens: u64,
-        progress: &Progress,
-        resumable: Result<(), &'static str>,
-    ) -> Result<(), GiveUp> {
-        let metrics = &self.state.shared.metrics;
-        if request_fault(reason, self.suspect_failures) {
-            // Freed, not reported: the worker's circuit stays closed.
-            drop(booking);
-            metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {}", GiveUp::RequestFault);
-            return Err(GiveUp::RequestFault);
-        }
-        if reason.request_may_cause() {
-            self.suspect_failures += 1;
-        }
-        booking.worker_failed();
-        self.exclude.push(booking.worker);
-        drop(booking);
-        match decide(
-            self.state.migration,
-            self.migrations,
-            phase,
-            prompt_tokens,
-            progress,
-            resumable,
-        ) {
-            Verdict::Migrate => {
-                self.migrations += 1;
-                self.pending_migration = Some(reason);
-                Ok(())
-            }
-            Verdict::GiveUp(why) => {
-                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
-                Err(why)
-            }
-        }
-    }
-
-    /// The worker's response head as the client gets it.
-    fn client_parts(
-        &self,
-        mut parts: hyper::http::response::Parts,
-        booking: &Booking,
-    ) -> hyper::http::response::Parts {
-        for name in [
-            header::CONNECTION,
-            header::TRANSFER_ENCODING,
-            header::CONTENT_LENGTH,
-            HeaderName::from_static("keep-alive"),
-        ] {
-            parts.headers.remove(name);
-        }
-        if self.state.worker_header {
-            if let Ok(v) = HeaderValue::from_str(&booking.name) {
-                parts.headers.insert(WORKER_HEADER, v);
-            }
-        }
-        if let Ok(v) = HeaderValue::from_str(&self.client_id.to_string()) {
-            parts.headers.insert("x-request-id", v);
-        }
-        parts
-    }
-}
-
 async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
     check_key(&state, &headers)?;
     let mut names: Vec<String> = state
@@ -865,11 +644,8 @@ async fn ready(State(state): State<Shared>) -> Response {
 
 async fn metrics(State(state): State<Shared>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
-    state.shared.metrics.render(&mut out, state.policy);
-    state.shared.render_gauges(&mut out);
-    state
-        .shared
-        .with_core(|core| super::replica::render(core, &mut out));
+    state.shared.metrics().render(&mut out, state.policy);
+    state.shared.snapshot().render(&mut out);
     out.push_str(&state.fleet.kv_metrics.render_prometheus());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

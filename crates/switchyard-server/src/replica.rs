@@ -2,35 +2,28 @@
 //!
 //! - [`ReplicaArgs`] — the `serve` flags (and `SWITCHYARD_REPLICA_*`
 //!   variables) that override the config file's `[replica]` table.
-//! - [`ReplicaLink`] — the request path's side: held in the server's
-//!   [`Core`], called with the core lock held right after each local
-//!   mutation (booked, prefill marked, freed, session bound), so the
-//!   publish queue sees one request's events in the order they happened.
-//!   Enqueueing never awaits; a full queue drops and counts.
+//! - The request path's side lives in [`crate::shared`]: the dispatcher
+//!   returns this replica's lifecycle events and session bindings with each
+//!   call, and they are enqueued on the plane's publisher with the router's
+//!   lock held, so the queue sees one request's events in the order they
+//!   happened. Enqueueing never awaits; a full queue drops and counts.
 //! - [`ServerSink`] — the subscriber's side: peers' batches go into the
-//!   same [`Core`] through [`switchyard_replica::apply_events`] (the one path
-//!   from replica events to a `Router`), session bindings into the
-//!   admission strategy, then queued requests get another chance.
-//! - [`render`] — the per-worker local/remote load gauge and the plane's
-//!   counters on `/metrics`.
+//!   same dispatcher ([`SharedRouter::apply_replica_batch`]: remote
+//!   bookings, session bindings into the admission strategy, then queued
+//!   requests get another chance).
 //!
 //! Workers are named by id on the wire; the server derives every worker's
 //! id from its name ([`switchyard_replica::worker_id_for_name`]), so replicas
 //! configured with the same worker names agree on ids.
 
-use super::metrics::ServerMetrics;
-use super::state::{Core, SharedRouter};
+use crate::shared::SharedRouter;
 use clap::Args;
-use std::fmt::Write as _;
 use std::sync::Arc;
-use switchyard_core::admission::{AdmissionStrategy as _, SessionKey};
-use switchyard_core::sequences::AddRequest;
-use switchyard_core::{ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{
-    apply_events, random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaMetrics,
-    ReplicaPlane, ReplicaPublisher, ReplicaSink, Transport, TransportError,
+    random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaPlane, ReplicaSink,
+    Transport, TransportError,
 };
-use switchyard_wire::replica::{ReplicaBatch, SessionBinding};
+use switchyard_wire::replica::ReplicaBatch;
 
 /// `switchyard serve`'s replica-sync flags; each also reads its
 /// `SWITCHYARD_*` variable, and each set one overrides the config file.
@@ -103,56 +96,6 @@ impl ReplicaArgs {
     }
 }
 
-/// The request path's handle onto the plane. Every method is non-blocking
-/// and ignores a refused enqueue: the publisher already counted (and
-/// rate-limits the log of) a drop, and the plane is advisory.
-#[derive(Debug, Clone)]
-pub struct ReplicaLink {
-    publisher: ReplicaPublisher,
-}
-
-impl ReplicaLink {
-    /// This replica's id.
-    pub fn id(&self) -> ReplicaId {
-        self.publisher.id()
-    }
-
-    /// The plane's counters.
-    pub fn metrics(&self) -> &Arc<ReplicaMetrics> {
-        self.publisher.metrics()
-    }
-
-    /// A request was booked (after `Router::book_request` applied `add`).
-    pub fn booked(&self, add: &AddRequest) {
-        let _ = self.publisher.added(add, None);
-    }
-
-    /// The request's first token arrived.
-    pub fn prefill_completed(&self, id: RequestId, worker: WorkerId) {
-        let _ = self.publisher.prefill_completed(id, worker);
-    }
-
-    /// The request was freed, however it ended.
-    pub fn freed(&self, id: RequestId, worker: WorkerId) {
-        let _ = self.publisher.freed(id, worker);
-    }
-
-    /// A session's turn was dispatched to `worker` (session-aware
-    /// admission only).
-    pub fn session_bound(&self, session: SessionKey, worker: WorkerId, context_tokens: u64) {
-        let _ = self.publisher.session_bound(SessionBinding {
-            session,
-            worker,
-            context_tokens,
-        });
-    }
-
-    /// Peers' bookings freed because their replica went silent.
-    pub fn count_expired(&self, n: usize) {
-        ReplicaMetrics::add(&self.metrics().expired, n as u64);
-    }
-}
-
 /// Peers' events into the server's routing state.
 #[derive(Debug)]
 pub struct ServerSink {
@@ -161,34 +104,11 @@ pub struct ServerSink {
 
 impl ReplicaSink for ServerSink {
     fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
-        let now = self.shared.now_ms();
-        let metrics: &ServerMetrics = &self.shared.metrics;
-        self.shared.with_core(|core| {
-            let applied = apply_events(&mut core.router, batch, now);
-            let mut sessions_applied = 0;
-            if let Some(strategy) = core.admission.strategy_mut() {
-                for b in &batch.sessions {
-                    strategy.observe_remote_binding(b.session, b.worker, b.context_tokens, now);
-                    sessions_applied += 1;
-                }
-            }
-            // A peer's free may have made room for a queued request.
-            core.poll(now, metrics);
-            BatchReport {
-                applied,
-                sessions_applied,
-            }
-        })
+        self.shared.apply_replica_batch(batch)
     }
 
     fn expire_silent(&self) -> u64 {
-        let now = self.shared.now_ms();
-        let metrics: &ServerMetrics = &self.shared.metrics;
-        self.shared.with_core(|core| {
-            let expired = core.router.expire_silent_replicas(now).len() as u64;
-            core.poll(now, metrics);
-            expired
-        })
+        self.shared.expire_silent_replicas()
     }
 }
 
@@ -214,64 +134,22 @@ pub async fn start_over<T: Transport>(
     shared: &Arc<SharedRouter>,
 ) -> Result<ReplicaPlane, TransportError> {
     let id = random_replica_id();
-    shared.with_core(|core| core.router.set_replica_id(id));
     let sink = ServerSink {
         shared: shared.clone(),
     };
     let plane = ReplicaPlane::start(transport, config, id, sink).await?;
-    let link = ReplicaLink {
-        publisher: plane.publisher.clone(),
-    };
-    shared.with_core(|core| core.replica = Some(link));
+    shared.attach_replica(id, plane.publisher.clone());
     Ok(plane)
-}
-
-/// Appends `switchyard_worker_active_requests_by_origin{worker,origin}`
-/// (what this replica believes each worker's active requests are: its own
-/// bookings, `local`, and its peers', `remote`; their sum is
-/// `switchyard_worker_active_requests`) and, with sync on, the plane's
-/// counters.
-pub fn render(core: &Core, out: &mut String) {
-    let mut rows: Vec<(&str, usize, usize)> = core
-        .workers
-        .values()
-        .map(|info| {
-            let total = core
-                .router
-                .sequences()
-                .registry()
-                .load(info.id)
-                .map_or(0, |l| l.requests);
-            let remote = core.router.remote().remote_requests_on(info.id);
-            (&*info.name, total.saturating_sub(remote), remote)
-        })
-        .collect();
-    rows.sort_unstable();
-    let name = "switchyard_worker_active_requests_by_origin";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Requests booked on the worker, by the replica that booked them (local: this one).\n# TYPE {name} gauge"
-    );
-    for (worker, local, remote) in rows {
-        let _ = writeln!(
-            out,
-            "{name}{{worker=\"{worker}\",origin=\"local\"}} {local}\n{name}{{worker=\"{worker}\",origin=\"remote\"}} {remote}"
-        );
-    }
-    if let Some(link) = &core.replica {
-        out.push_str(&link.metrics().render());
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ServerConfig;
-    use crate::state::Submission;
+    use crate::config::{AdmissionMode, ServerConfig};
+    use crate::shared::Request;
+    use crate::testing::shared_with;
     use std::time::Duration;
-    use switchyard_core::admission::{
-        AdmissionController, AdmissionStrategy, SessionAwareStrategy,
-    };
+    use switchyard_core::admission::SessionKey;
     use switchyard_core::LocalHash;
     use switchyard_replica::{InProcessBus, InProcessTransport};
 
@@ -296,20 +174,11 @@ mod tests {
     /// A server's routing state with session-aware admission and two
     /// workers, on the plane of `bus`.
     async fn replica(bus: &Arc<InProcessBus>) -> (Arc<SharedRouter>, ReplicaPlane) {
-        let config = ServerConfig::default();
-        let router = crate::build_router(&config).unwrap();
-        let strategy: Box<dyn AdmissionStrategy + Send> =
-            Box::new(SessionAwareStrategy::new(config.session).unwrap());
-        let admission = AdmissionController::new(config.queue.clone(), Some(strategy)).unwrap();
-        let shared = Arc::new(SharedRouter::new(
-            router,
-            admission,
-            Arc::new(ServerMetrics::default()),
-        ));
-        for name in ["w0", "w1"] {
-            let id = shared.add_worker(name, "http://127.0.0.1:9").unwrap();
-            shared.set_in_router(id, true);
-        }
+        let config = ServerConfig {
+            admission: AdmissionMode::SessionAware,
+            ..ServerConfig::default()
+        };
+        let (shared, _) = shared_with(&config, &["w0", "w1"]);
         let transport = Arc::new(InProcessTransport::new(bus.clone(), true, 1024));
         let plane = start_over(transport, &config.replica, &shared)
             .await
@@ -319,7 +188,7 @@ mod tests {
 
     fn rendered(shared: &SharedRouter) -> String {
         let mut out = String::new();
-        shared.with_core(|core| render(core, &mut out));
+        shared.snapshot().render(&mut out);
         out
     }
 
@@ -341,12 +210,11 @@ mod tests {
         let wait = a
             .submit(
                 a.next_request_id(),
-                Submission {
+                Request {
                     blocks: vec![LocalHash(1), LocalHash(2)],
                     prompt_tokens: 40,
                     session: Some(SessionKey(5)),
                     model: None,
-                    exclude: &[],
                 },
             )
             .unwrap();
@@ -373,7 +241,7 @@ mod tests {
         booking.mark_first_token();
         drop(booking);
         eventually("the free reaches the peer", || {
-            b.with_core(|core| core.router.sequences().active_requests()) == 0
+            b.total_active_requests() == 0
         })
         .await;
         // add, mark, free from A; nothing from B.
@@ -392,12 +260,11 @@ mod tests {
         let submit = |r: &Arc<SharedRouter>, session: u64, first_block: u64| {
             r.submit(
                 r.next_request_id(),
-                Submission {
+                Request {
                     blocks: (first_block..first_block + 4).map(LocalHash).collect(),
                     prompt_tokens: 64,
                     session: Some(SessionKey(session)),
                     model: None,
-                    exclude: &[],
                 },
             )
             .unwrap()
@@ -419,10 +286,7 @@ mod tests {
         five.mark_first_token();
         six.mark_first_token();
         drop((five, six));
-        eventually("B sees both turns end", || {
-            b.with_core(|core| core.router.sequences().active_requests()) == 0
-        })
-        .await;
+        eventually("B sees both turns end", || b.total_active_requests() == 0).await;
         // Replica B gets the next turns, in the other order and with new
         // prompts (no cache overlap to explain a choice). B's policy, seeded
         // like A's on an idle fleet, would put the first on x and the

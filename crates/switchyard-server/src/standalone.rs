@@ -4,13 +4,11 @@
 //! leaves the process (no worker, no KV events, no health checks).
 
 use super::proxy::{app, AppState};
-use super::state::SharedRouter;
 use super::tokenize::PromptTokenizer;
 use super::workers::{upstream_client, Fleet};
-use super::{build_router, metrics::ServerMetrics, ServerConfig};
+use super::{build_shared, metrics::ServerMetrics, ServerConfig};
 use std::sync::Arc;
 use std::time::Duration;
-use switchyard_core::admission::AdmissionController;
 
 /// The app of a default-configured router with no workers and a body limit
 /// of `max_body_bytes`. Call inside a tokio runtime.
@@ -22,12 +20,7 @@ pub fn app_without_workers(
         max_body_bytes,
         ..ServerConfig::default()
     };
-    let admission = AdmissionController::new(config.queue.clone(), None)?;
-    let shared = Arc::new(SharedRouter::new(
-        build_router(&config)?,
-        admission,
-        Arc::new(ServerMetrics::default()),
-    ));
+    let shared = Arc::new(build_shared(&config, Arc::new(ServerMetrics::default()))?);
     let client = upstream_client(Duration::from_millis(100));
     let fleet = Arc::new(Fleet::new(
         shared.clone(),

@@ -21,16 +21,24 @@
 //! sees one stream with one `[DONE]`, or an error event and the end when
 //! the request cannot move (limit, length, no worker, request timeout).
 //!
-//! Dropping the body (the client went away) drops the upstream connection,
-//! which cancels the worker's request, and frees the booking.
 
-use super::error::ApiError;
-use super::metrics::RequestStatus;
-use super::migration::{self, Failure, Phase, Progress};
-use super::proxy::{AttemptError, Attempts, MAX_EVENT_BYTES};
-use super::sse::{classify, event_bytes, Api, Chunk, Delta, SseParser, StreamShape, DONE_EVENT};
-use super::state::Booking;
-use super::tokenize::INLINE_CHARS;
+//! The stream is a small state machine ([`State`]): its first event
+//! waiting to be forwarded, then forwarding one worker's *leg* (its
+//! booking, its response body and parser), then ended. A migration
+//! replaces the leg: the failed leg's booking moves on with the request
+//! (still its session's turn) and a resumed leg's chunks are rewritten.
+//!
+//! Dropping the body (the client went away) drops the upstream connection,
+//! which cancels the worker's request, and aborts the request.
+
+use crate::attempt::{AttemptError, Attempts};
+use crate::booking::Booking;
+use crate::error::ApiError;
+use crate::metrics::RequestStatus;
+use crate::migration::{self, Failure, Phase, Progress};
+use crate::proxy::MAX_EVENT_BYTES;
+use crate::sse::{classify, event_bytes, Api, Chunk, Delta, SseParser, StreamShape, DONE_EVENT};
+use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
@@ -38,45 +46,64 @@ use hyper::body::Incoming;
 use serde_json::Value;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Bytes of generated text kept per token of the migration sequence limit.
 const TEXT_BYTES_PER_TOKEN: u64 = 32;
 
 /// What the proxy hands over once the first event has arrived.
-pub(super) struct StreamStart {
-    pub(super) attempts: Attempts,
-    pub(super) api: Api,
-    pub(super) booking: Booking,
-    pub(super) upstream: Incoming,
-    pub(super) parser: SseParser,
-    pub(super) first: String,
-    pub(super) prompt: Vec<u32>,
-    pub(super) original: Bytes,
-    pub(super) arrival: Instant,
+pub(crate) struct StreamStart {
+    pub(crate) attempts: Attempts,
+    pub(crate) api: Api,
+    pub(crate) booking: Booking,
+    pub(crate) upstream: Incoming,
+    pub(crate) parser: SseParser,
+    pub(crate) first: String,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) original: Bytes,
+    pub(crate) arrival: Instant,
 }
 
-/// One client stream across its workers. Owns the current [`Booking`]
-/// (freed on drop) and the current upstream body (dropped: cancelled).
-pub(super) struct MigratingStream {
+/// One worker's part of the stream.
+struct Leg {
+    /// The request's booking on the worker (its drop ends the request
+    /// unless it moved on).
+    booking: Booking,
+    /// The worker's response body (its drop cancels the worker's request).
+    upstream: Incoming,
+    parser: SseParser,
+    /// A resumed request: its chunks are rewritten into the original shape.
+    resumed: bool,
+}
+
+/// Where the stream is.
+enum State {
+    /// The first worker's first event, not yet forwarded.
+    First {
+        /// The leg it came from.
+        leg: Leg,
+        /// The event's data.
+        event: String,
+    },
+    /// Forwarding the leg's events.
+    Streaming(Leg),
+    /// The response has ended (counted); nothing more is sent.
+    Ended,
+}
+
+/// One client stream across its workers.
+pub(crate) struct MigratingStream {
     attempts: Attempts,
     api: Api,
-    booking: Option<Booking>,
-    upstream: Option<Incoming>,
-    parser: SseParser,
-    first: Option<String>,
-    /// The current upstream is a resumed request: rewrite its chunks.
-    resumed: bool,
+    state: State,
     shape: Option<StreamShape>,
     progress: Progress,
-    /// `progress.generated` when the current resume started.
+    /// `progress.generated` when the current leg started.
     generated_at_resume: u64,
     prompt: Vec<u32>,
     original: Bytes,
     arrival: Instant,
     last_event: Option<Instant>,
-    /// The response has ended (counted); nothing more is sent.
-    ended: bool,
 }
 
 /// How a failure was handled.
@@ -89,31 +116,30 @@ enum Recovery {
 
 impl MigratingStream {
     /// Takes over a stream whose first event has arrived.
-    pub(super) fn new(start: StreamStart) -> Self {
-        let text_cap = start
-            .attempts
-            .state
-            .migration
+    pub(crate) fn new(start: StreamStart) -> Self {
+        let limits = start.attempts.state.migration;
+        let text_cap = limits
             .max_seq_len
             .saturating_mul(TEXT_BYTES_PER_TOKEN)
             .min(usize::MAX as u64) as usize;
         // Once prompt plus generated tokens pass the sequence limit the
         // stream cannot resume, so no more ids than that are worth keeping.
-        let max_ids = start
-            .attempts
-            .state
-            .migration
+        let max_ids = limits
             .max_seq_len
             .saturating_sub(start.prompt.len() as u64)
             .min(usize::MAX as u64) as usize;
         Self {
             attempts: start.attempts,
             api: start.api,
-            booking: Some(start.booking),
-            upstream: Some(start.upstream),
-            parser: start.parser,
-            first: Some(start.first),
-            resumed: false,
+            state: State::First {
+                leg: Leg {
+                    booking: start.booking,
+                    upstream: start.upstream,
+                    parser: start.parser,
+                    resumed: false,
+                },
+                event: start.first,
+            },
             shape: None,
             progress: Progress::bounded(text_cap, max_ids),
             generated_at_resume: 0,
@@ -121,13 +147,12 @@ impl MigratingStream {
             original: start.original,
             arrival: start.arrival,
             last_event: None,
-            ended: false,
         }
     }
 
     /// The response body: polled by the client's connection, one event per
     /// poll.
-    pub(super) fn into_body(self) -> Body {
+    pub(crate) fn into_body(self) -> Body {
         let events = futures_util::stream::unfold(self, |mut s| async move {
             let chunk = s.next().await?;
             Some((Ok::<Bytes, Infallible>(chunk), s))
@@ -136,32 +161,52 @@ impl MigratingStream {
     }
 
     async fn next(&mut self) -> Option<Bytes> {
-        if self.ended {
+        if matches!(self.state, State::Ended) {
             return None;
         }
         let deadline = self.attempts.deadline;
         match tokio::time::timeout_at(deadline, self.next_event()).await {
             Ok(bytes) => bytes,
             Err(_) => {
-                // Dropping the upstream cancels the worker's request.
-                self.upstream = None;
-                self.booking = None;
-                let metrics = &self.attempts.state.shared.metrics;
+                let metrics = self.attempts.state.shared.metrics();
                 metrics.request_timeouts.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(request = %self.attempts.client_id, "stream timed out: upstream cancelled");
                 let error = ApiError::timeout(self.attempts.state.request_timeout);
+                // Ending drops the leg: the worker's request is cancelled.
                 Some(self.end_with(RequestStatus::Unavailable, error_event(&error)))
             }
         }
     }
 
+    /// The current leg's next event: the waiting first one, or one read
+    /// from the worker.
+    async fn read(&mut self, idle: Duration) -> Result<String, (Failure, String)> {
+        if matches!(self.state, State::First { .. }) {
+            if let State::First { leg, event } = std::mem::replace(&mut self.state, State::Ended) {
+                self.state = State::Streaming(leg);
+                return Ok(event);
+            }
+        }
+        match &mut self.state {
+            State::Streaming(leg) => read_event(leg, idle).await,
+            State::First { .. } | State::Ended => {
+                Err((Failure::MidStream, "the stream has no worker".into()))
+            }
+        }
+    }
+
+    /// The current leg, while there is one.
+    fn leg(&mut self) -> Option<&mut Leg> {
+        match &mut self.state {
+            State::First { leg, .. } | State::Streaming(leg) => Some(leg),
+            State::Ended => None,
+        }
+    }
+
     async fn next_event(&mut self) -> Option<Bytes> {
+        let idle = self.attempts.state.first_token_timeout;
         loop {
-            let read = match self.first.take() {
-                Some(first) => Ok(first),
-                None => self.read_event().await,
-            };
-            let data = match read {
+            let data = match self.read(idle).await {
                 Ok(data) => data,
                 Err((reason, detail)) => match self.recover(reason, detail).await {
                     Recovery::Resumed => continue,
@@ -175,6 +220,7 @@ impl MigratingStream {
                     }
                 },
             };
+            let resumed = self.leg().is_some_and(|leg| leg.resumed);
             match classify(&data) {
                 Chunk::Done => {
                     return Some(self.end_with(RequestStatus::Ok, DONE_EVENT.to_vec()));
@@ -188,7 +234,7 @@ impl MigratingStream {
                         }
                     }
                 }
-                Chunk::Unknown if self.resumed => continue,
+                Chunk::Unknown if resumed => continue,
                 Chunk::Unknown => {
                     self.observe_event();
                     return Some(Bytes::from(event_bytes(&data)));
@@ -200,10 +246,11 @@ impl MigratingStream {
                         delta.token_ids.as_deref(),
                         delta.finish_reason.is_some(),
                     );
-                    if let Some(booking) = self.booking.as_mut() {
-                        booking.progress(self.progress.generated);
+                    let generated = self.progress.generated;
+                    if let Some(leg) = self.leg() {
+                        leg.booking.progress(generated);
                     }
-                    if !self.resumed {
+                    if !resumed {
                         if self.shape.is_none() && delta.usage.is_none() {
                             self.shape = Some(StreamShape::from_delta(self.api, &delta));
                         }
@@ -217,59 +264,27 @@ impl MigratingStream {
         }
     }
 
-    /// Reads the current worker up to its next complete event. A break, an
-    /// end without `[DONE]`, an oversized event or silence longer than the
-    /// first-token timeout is a failure.
-    async fn read_event(&mut self) -> Result<String, (Failure, String)> {
-        let idle = self.attempts.state.first_token_timeout;
-        loop {
-            match self.parser.next_event() {
-                Ok(Some(event)) => return Ok(event),
-                Ok(None) => {}
-                Err(e) => return Err((Failure::MidStream, e.to_string())),
-            }
-            let Some(upstream) = self.upstream.as_mut() else {
-                return Err((Failure::MidStream, "no upstream".into()));
-            };
-            match tokio::time::timeout(idle, upstream.frame()).await {
-                Err(_) => {
-                    return Err((
-                        Failure::Timeout,
-                        format!("the worker sent nothing for {:.1} s", idle.as_secs_f64()),
-                    ))
-                }
-                Ok(None) => {
-                    return Err((
-                        Failure::MidStream,
-                        "the worker's stream ended without [DONE]".into(),
-                    ))
-                }
-                Ok(Some(Err(_))) => {
-                    return Err((Failure::MidStream, "the worker's stream broke".into()))
-                }
-                Ok(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.parser.push(&data);
-                    }
-                }
-            }
-        }
-    }
-
     /// Moves the request to another worker after `reason`, until one
     /// accepts it or it cannot move.
     async fn recover(&mut self, mut reason: Failure, mut detail: String) -> Recovery {
-        self.upstream = None;
-        self.parser = SseParser::new(MAX_EVENT_BYTES);
-        let mut failed = self.booking.take();
+        // The failed leg's body is dropped here (the worker's request is
+        // cancelled); its booking goes on with the request.
+        let mut failed = match std::mem::replace(&mut self.state, State::Ended) {
+            State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
+            State::Ended => None,
+        };
         let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
         let resumable = migration::resumable(&original);
+        let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
         // Only the first choice of each chunk is read: a finish means the
         // whole generation is complete only for a single-choice request. A
         // request with several choices (or prompts) falls through to an
         // error event, as it cannot be resumed.
         if self.progress.finished && resumable.is_ok() {
             // Every token arrived; only the terminator was lost.
+            if let Some(mut booking) = failed {
+                booking.completed(context);
+            }
             return Recovery::End(DONE_EVENT.to_vec());
         }
         let prompt_tokens = self.prompt.len() as u64;
@@ -277,20 +292,24 @@ impl MigratingStream {
             let client = self.attempts.client_id;
             let worker = failed.as_ref().map(|b| b.name.clone());
             tracing::warn!(request = %client, worker = worker.as_deref().unwrap_or("-"), reason = reason.label(), %detail, generated = self.progress.generated, "stream failed");
-            if let Some(booking) = failed.take() {
-                if let Err(why) = self.attempts.fail(
-                    booking,
-                    reason,
-                    Phase::MidStream,
-                    prompt_tokens,
-                    &self.progress,
-                    resumable,
-                ) {
+            let Some(booking) = failed.take() else {
+                return Recovery::End(error_event(&ApiError::bad_gateway(detail)));
+            };
+            let mut moving = match self.attempts.fail(
+                booking,
+                reason,
+                Phase::MidStream,
+                prompt_tokens,
+                &self.progress,
+                resumable,
+            ) {
+                Ok(moving) => moving,
+                Err(why) => {
                     return Recovery::End(error_event(&ApiError::bad_gateway(format!(
                         "{detail}; {why}"
-                    ))));
+                    ))))
                 }
-            }
+            };
             if let Err(e) = self.tokenize_pending().await {
                 return Recovery::End(error_event(&e));
             }
@@ -304,6 +323,9 @@ impl MigratingStream {
             let remaining =
                 migration::max_tokens(&original).map(|m| m.saturating_sub(self.progress.generated));
             if remaining == Some(0) {
+                // Every token the client asked for has arrived.
+                moving
+                    .completed((self.prompt.len() as u64).saturating_add(self.progress.generated));
                 let finish = Delta {
                     finish_reason: Some("length".into()),
                     ..Delta::default()
@@ -317,7 +339,7 @@ impl MigratingStream {
             prompt.extend_from_slice(&self.prompt);
             prompt.extend_from_slice(self.progress.ids());
             let body = migration::resume_body(&original, &prompt, remaining);
-            let booking = match self.attempts.book(&prompt, None).await {
+            let booking = match self.attempts.migrate(moving, Some(&prompt)).await {
                 Ok(b) => b,
                 Err(e) => return Recovery::End(error_event(&e)),
             };
@@ -333,9 +355,12 @@ impl MigratingStream {
             match sent {
                 Ok(response) if response.status().is_success() => {
                     tracing::info!(request = %client, worker = %booking.name, resumed_at = self.progress.generated, "stream resumed on another worker");
-                    self.upstream = Some(response.into_body());
-                    self.booking = Some(booking);
-                    self.resumed = true;
+                    self.state = State::Streaming(Leg {
+                        booking,
+                        upstream: response.into_body(),
+                        parser: SseParser::new(MAX_EVENT_BYTES),
+                        resumed: true,
+                    });
                     self.generated_at_resume = self.progress.generated;
                     return Recovery::Resumed;
                 }
@@ -412,41 +437,78 @@ impl MigratingStream {
     /// Latency metrics and the booking's first token.
     fn observe_event(&mut self) {
         let now = Instant::now();
-        let metrics = &self.attempts.state.shared.metrics;
+        let metrics = self.attempts.state.shared.metrics();
         match self.last_event {
             None => metrics.ttft.observe((now - self.arrival).as_secs_f64()),
             Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
         }
         self.last_event = Some(now);
-        if let Some(booking) = self.booking.as_mut() {
-            booking.mark_first_token();
+        if let Some(leg) = self.leg() {
+            leg.booking.mark_first_token();
         }
     }
 
-    /// Ends the response with `bytes` as its last chunk.
+    /// Ends the response with `bytes` as its last chunk: a normal end
+    /// finishes the request with its context length, any other aborts it;
+    /// the worker's body is dropped either way.
     fn end_with(&mut self, status: RequestStatus, bytes: Vec<u8>) -> Bytes {
-        self.ended = true;
-        if let Some(mut booking) = self.booking.take() {
+        let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
+        if let State::First { mut leg, .. } | State::Streaming(mut leg) =
+            std::mem::replace(&mut self.state, State::Ended)
+        {
             if status == RequestStatus::Ok {
-                booking
-                    .completed((self.prompt.len() as u64).saturating_add(self.progress.generated));
+                leg.booking.completed(context);
             }
         }
-        self.upstream = None;
-        self.attempts.state.shared.metrics.count_request(status);
+        self.attempts.state.shared.metrics().count_request(status);
         Bytes::from(bytes)
     }
 }
 
 impl Drop for MigratingStream {
     fn drop(&mut self) {
-        if !self.ended {
+        if !matches!(self.state, State::Ended) {
             self.attempts
                 .state
                 .shared
-                .metrics
+                .metrics()
                 .count_request(RequestStatus::Cancelled);
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
+        }
+    }
+}
+
+/// Reads `leg`'s worker up to its next complete event. A break, an end
+/// without `[DONE]`, an oversized event or silence longer than `idle` is a
+/// failure.
+async fn read_event(leg: &mut Leg, idle: Duration) -> Result<String, (Failure, String)> {
+    loop {
+        match leg.parser.next_event() {
+            Ok(Some(event)) => return Ok(event),
+            Ok(None) => {}
+            Err(e) => return Err((Failure::MidStream, e.to_string())),
+        }
+        match tokio::time::timeout(idle, leg.upstream.frame()).await {
+            Err(_) => {
+                return Err((
+                    Failure::Timeout,
+                    format!("the worker sent nothing for {:.1} s", idle.as_secs_f64()),
+                ))
+            }
+            Ok(None) => {
+                return Err((
+                    Failure::MidStream,
+                    "the worker's stream ended without [DONE]".into(),
+                ))
+            }
+            Ok(Some(Err(_))) => {
+                return Err((Failure::MidStream, "the worker's stream broke".into()))
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    leg.parser.push(&data);
+                }
+            }
         }
     }
 }

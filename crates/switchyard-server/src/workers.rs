@@ -11,13 +11,13 @@
 //! replay socket when there is one). Events a stopped subscriber still
 //! delivers are dropped by epoch ([`WorkerEventSink`]). Request failures
 //! (refused, reset, 5xx, timeout, broken stream) feed the passive circuit
-//! breakers instead ([`super::health`]). A draining worker takes no new
+//! breakers instead (the core's dispatcher keeps one per worker). A draining worker takes no new
 //! requests and is removed once this replica has none in flight on it
 //! (peers' bookings, with replica sync on, do not hold it back: they end on
 //! the peers).
 
 use super::config::WorkerSpec;
-use super::state::SharedRouter;
+use super::shared::SharedRouter;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -347,11 +347,8 @@ pub fn kv_usage_fraction(metrics: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::Submission;
-    use crate::{build_router, ServerConfig};
-    use switchyard_core::admission::AdmissionController;
-    use switchyard_core::sequences::{AddRequest, SequenceEvent};
-    use switchyard_core::{ReplicaId, RequestId};
+    use crate::testing::{book_remotely, place, request, shared_with};
+    use crate::ServerConfig;
 
     #[test]
     fn kv_usage_is_read_from_the_sim_worker_vllm_and_sglang_series() {
@@ -384,12 +381,7 @@ mod tests {
     /// A fleet of one worker in selection (nothing listens at its URL).
     fn fleet() -> (Fleet, Arc<SharedRouter>, WorkerId) {
         let config = ServerConfig::default();
-        let admission = AdmissionController::new(config.queue.clone(), None).unwrap();
-        let shared = Arc::new(SharedRouter::new(
-            build_router(&config).unwrap(),
-            admission,
-            Arc::default(),
-        ));
+        let (shared, ids) = shared_with(&config, &["w"]);
         let fleet = Fleet::new(
             shared.clone(),
             upstream_client(Duration::from_millis(100)),
@@ -398,27 +390,7 @@ mod tests {
             3,
             Duration::from_millis(100),
         );
-        let id = shared.add_worker("w", "http://127.0.0.1:9").unwrap();
-        shared.set_in_router(id, true);
-        (fleet, shared, id)
-    }
-
-    /// A peer replica's booking on `worker`, as replica sync applies it.
-    fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
-        let add = AddRequest {
-            request: RequestId(id),
-            worker,
-            prompt_tokens: 4,
-            blocks: Vec::new(),
-            overlap_blocks: 0,
-            expected_prefill_ms: None,
-        };
-        let now = shared.now_ms();
-        let outcome = shared.with_core(|c| {
-            c.router
-                .apply_remote(ReplicaId(7), &SequenceEvent::Add(add), now)
-        });
-        assert!(outcome.applied());
+        (fleet, shared, ids[0])
     }
 
     #[tokio::test]
@@ -432,21 +404,7 @@ mod tests {
     #[tokio::test]
     async fn a_draining_worker_is_removed_once_this_replicas_requests_end_whatever_peers_hold() {
         let (fleet, shared, id) = fleet();
-        let booking = shared
-            .submit(
-                RequestId(1),
-                Submission {
-                    blocks: Vec::new(),
-                    prompt_tokens: 4,
-                    session: None,
-                    model: None,
-                    exclude: &[],
-                },
-            )
-            .unwrap()
-            .placed()
-            .await
-            .unwrap();
+        let booking = place(&shared, request(&[], 4)).await.unwrap();
         book_remotely(&shared, 1_000, id);
         assert!(fleet.remove("w", true));
         assert!(shared.workers()[0].draining);

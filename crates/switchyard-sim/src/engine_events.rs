@@ -67,7 +67,11 @@ impl EngineEventStream {
 
     /// Appends the index events of `events` to `out` (skipped events are
     /// counted, as the subscriber counts them).
-    pub fn normalize(&mut self, events: impl IntoIterator<Item = KvEvent>, out: &mut Vec<IndexEvent>) {
+    pub fn normalize(
+        &mut self,
+        events: impl IntoIterator<Item = KvEvent>,
+        out: &mut Vec<IndexEvent>,
+    ) {
         for event in events {
             if let Normalized::Index(e) = self.normalizer.normalize(&event_to_wire(event)) {
                 out.push(e);

@@ -47,14 +47,13 @@ use switchyard_core::admission::{
     SessionKey,
 };
 use switchyard_core::dispatch::{
-    Dispatch, Dispatcher, DispatcherConfig, DispatcherConfigError, Effects, SessionBound,
-    Submission,
+    Dispatch, Dispatcher, DispatcherConfig, DispatcherConfigError, Effects, Published,
+    SessionBound, Submission,
 };
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::{RouterConfig, WorkerCapacity};
-use switchyard_core::sequences::SequenceEvent;
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
 use switchyard_engine::{Engine, EngineConfig, KvEvent, NewRequest, StepReport, SyncDevice};
 
@@ -198,7 +197,7 @@ enum Event {
     /// A replica's published events reach its peers.
     ReplicaSync {
         origin: usize,
-        events: Vec<SequenceEvent>,
+        events: Vec<Published>,
         bindings: Vec<SessionBound>,
     },
 }
@@ -596,7 +595,7 @@ impl Fleet {
 
     /// Sends `origin`'s published events to its peers: at once when the
     /// delay is zero, otherwise as one scheduled delivery.
-    fn publish(&mut self, origin: usize, events: Vec<SequenceEvent>, bindings: Vec<SessionBound>) {
+    fn publish(&mut self, origin: usize, events: Vec<Published>, bindings: Vec<SessionBound>) {
         let delay = self.config.replicas.sync_delay_ms;
         if delay == 0.0 {
             self.apply_on_peers(origin, events, bindings);
@@ -615,7 +614,7 @@ impl Fleet {
     fn apply_on_peers(
         &mut self,
         origin: usize,
-        events: Vec<SequenceEvent>,
+        events: Vec<Published>,
         bindings: Vec<SessionBound>,
     ) {
         let from = self.replicas[origin].id;
@@ -625,7 +624,7 @@ impl Fleet {
             }
             let (_, fx) = self.replicas[r].dispatcher.apply_replica_batch(
                 from,
-                events.iter().map(|e| (from, e.clone())),
+                events.iter().map(|e| (from, e.event.clone())),
                 bindings.iter().copied(),
                 self.now,
             );
@@ -1180,12 +1179,21 @@ mod replica_tests {
             events += 1;
             let first = view(fleet.replicas[0].dispatcher.router(), fleet.now);
             for r in &fleet.replicas[1..] {
-                assert_eq!(view(r.dispatcher.router(), fleet.now), first, "at {} ms", fleet.now);
+                assert_eq!(
+                    view(r.dispatcher.router(), fleet.now),
+                    first,
+                    "at {} ms",
+                    fleet.now
+                );
             }
             // And the shared view is the truth: every booking anywhere.
             let booked: u64 = fleet.workers.iter().map(|w| w.booked).sum();
             assert_eq!(
-                fleet.replicas[0].dispatcher.router().sequences().active_requests() as u64,
+                fleet.replicas[0]
+                    .dispatcher
+                    .router()
+                    .sequences()
+                    .active_requests() as u64,
                 booked
             );
             busy_views += u64::from(booked > 0);

@@ -1,19 +1,21 @@
 //! Replica sync over a real `nats-server` (the Debian package's binary,
 //! spawned on a free loopback port; a missing binary fails the test).
 //!
-//! Each replica is a `Router` with a NATS publisher and subscriber in this
-//! process, each on its own NATS connection, routing to the same two
-//! workers.
+//! Each replica is a core `Dispatcher` with a NATS publisher and subscriber
+//! in this process, each on its own NATS connection, routing to the same
+//! two workers; what a dispatcher publishes goes out through
+//! `publish_effects`, as in the server.
 
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Effects, Submission};
 use switchyard_core::router::WorkerCapacity;
-use switchyard_core::sequences::{ActiveSequences, AddRequest, SequenceEvent, SequencesConfig};
-use switchyard_core::{LocalHash, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_core::sequences::{ActiveSequences, SequencesConfig};
+use switchyard_core::{LocalHash, RequestId, WorkerId};
 use switchyard_replica::{
-    random_replica_id, Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane,
-    RouterSink,
+    publish_effects, random_replica_id, DispatcherSink, LocalNatsServer, NatsTransport,
+    ReplicaConfig, ReplicaPlane,
 };
 
 const WORKERS: [WorkerId; 2] = [WorkerId::new(1), WorkerId::new(2)];
@@ -25,69 +27,83 @@ fn nats() -> LocalNatsServer {
 }
 
 struct Replica {
-    router: Arc<Mutex<Router>>,
+    dispatcher: Arc<Mutex<Dispatcher>>,
     plane: ReplicaPlane,
-    clock: Clock,
+    epoch: Instant,
 }
 
 impl Replica {
-    async fn start(config: &ReplicaConfig, clock: Clock) -> Self {
-        let mut router = Router::new(RouterConfig {
-            remote: switchyard_core::replica::RemoteConfig {
-                silence_expiry_ms: config.silence_expiry_ms,
-                ..Default::default()
-            },
-            ..RouterConfig::default()
-        })
-        .unwrap();
+    async fn start(config: &ReplicaConfig, epoch: Instant) -> Self {
+        let mut dispatcher_config = DispatcherConfig::default();
+        dispatcher_config.router.remote.silence_expiry_ms = config.silence_expiry_ms;
+        let mut dispatcher = Dispatcher::new(dispatcher_config, None).unwrap();
         for worker in WORKERS {
-            router.add_worker(worker, WorkerCapacity::default());
+            let _ = dispatcher.add_worker(worker, WorkerCapacity::default(), 0.0);
         }
-        let router = Arc::new(Mutex::new(router));
+        let dispatcher = Arc::new(Mutex::new(dispatcher));
         let id = random_replica_id();
         let transport = Arc::new(
             NatsTransport::connect(config.nats_url.as_deref().unwrap())
                 .await
                 .unwrap(),
         );
-        let plane = ReplicaPlane::start(
-            transport,
-            config,
+        // Nothing waits in these dispatchers: a peer's batch places nothing.
+        let sink = DispatcherSink::new(
+            dispatcher.clone(),
             id,
-            RouterSink::new(router.clone(), id, clock),
-        )
-        .await
-        .unwrap();
+            epoch,
+            Box::new(|fx| assert!(fx.dispatch.is_empty())),
+        );
+        let plane = ReplicaPlane::start(transport, config, id, sink)
+            .await
+            .unwrap();
         Self {
-            router,
+            dispatcher,
             plane,
-            clock,
+            epoch,
         }
     }
 
-    /// Local mutation first, then enqueue, as the server does.
-    fn apply_local(&self, event: &SequenceEvent, worker: WorkerId) {
-        let now = self.clock.now_ms();
-        let mut router = self.router.lock().unwrap();
-        match event {
-            SequenceEvent::Add(add) => {
-                router.book_request(add, now);
-                self.plane.publisher.added(add, None).unwrap();
-            }
-            SequenceEvent::MarkPrefillCompleted(id) => {
-                router.mark_prefill_completed(*id, now);
-                self.plane.publisher.prefill_completed(*id, worker).unwrap();
-            }
-            SequenceEvent::Free(id) => {
-                router.free(*id, now);
-                self.plane.publisher.freed(*id, worker).unwrap();
-            }
+    fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// Runs one dispatcher call and publishes what it published, as the
+    /// server does; the published events go to `truth`.
+    fn drive(
+        &self,
+        truth: &mut ActiveSequences,
+        call: impl FnOnce(&mut Dispatcher, f64) -> Effects,
+    ) {
+        let now = self.now_ms();
+        let fx = call(&mut self.dispatcher.lock().unwrap(), now);
+        publish_effects(&self.plane.publisher, &fx.publish, &fx.bindings);
+        for p in &fx.publish {
+            truth.apply(&p.event, now);
         }
+    }
+
+    /// A request of `blocks` on `worker` (the only one it may go to).
+    fn submit(&self, truth: &mut ActiveSequences, id: u128, worker: WorkerId, rng: &mut impl Rng) {
+        self.drive(truth, |d, now| {
+            let (_, fx) = d.submit(RequestId(id), booking(worker, rng), now).unwrap();
+            assert_eq!(fx.dispatch.len(), 1, "placed at once");
+            fx
+        });
     }
 
     /// `(worker, requests, decode blocks)` per worker.
     fn loads(&self) -> Vec<(WorkerId, usize, usize)> {
-        loads(self.router.lock().unwrap().sequences())
+        loads(self.dispatcher.lock().unwrap().router().sequences())
+    }
+
+    fn active_requests(&self) -> usize {
+        self.dispatcher
+            .lock()
+            .unwrap()
+            .router()
+            .sequences()
+            .active_requests()
     }
 }
 
@@ -119,17 +135,15 @@ fn truth() -> ActiveSequences {
     s
 }
 
-fn booking(id: u128, worker: WorkerId, rng: &mut impl Rng) -> AddRequest {
+fn booking(worker: WorkerId, rng: &mut impl Rng) -> Submission {
     let blocks: Vec<LocalHash> = (0..rng.gen_range(1..12))
         .map(|i| LocalHash(if i < 2 { i } else { rng.gen() }))
         .collect();
-    AddRequest {
-        request: RequestId(id),
-        worker,
+    Submission {
         prompt_tokens: blocks.len() as u32 * 16 + rng.gen_range(0..16),
         blocks,
-        overlap_blocks: 0,
-        expected_prefill_ms: None,
+        eligible: vec![worker],
+        ..Submission::default()
     }
 }
 
@@ -146,42 +160,29 @@ async fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) 
 async fn bookings_spread_across_three_replicas_converge_to_the_truth_within_100_ms() {
     let server = nats();
     let config = config(&server, "generate");
-    let clock = Clock::new();
+    let epoch = Instant::now();
     let mut replicas = Vec::new();
     for _ in 0..3 {
-        replicas.push(Replica::start(&config, clock).await);
+        replicas.push(Replica::start(&config, epoch).await);
     }
     let mut truth = truth();
     let mut rng = rand::rngs::StdRng::seed_from_u64(6);
-    // Live requests: (id, replica that booked it, worker, marked).
-    let mut live: Vec<(u128, usize, WorkerId, bool)> = Vec::new();
+    // Live requests: (id, replica that booked it).
+    let mut live: Vec<(u128, usize)> = Vec::new();
     for id in 1..=600u128 {
         let roll: f64 = rng.gen();
-        let event = if roll < 0.5 || live.is_empty() {
+        if roll < 0.5 || live.is_empty() {
             let replica = rng.gen_range(0..replicas.len());
             let worker = WORKERS[rng.gen_range(0..WORKERS.len())];
-            live.push((id, replica, worker, false));
-            (
-                replica,
-                worker,
-                SequenceEvent::Add(booking(id, worker, &mut rng)),
-            )
+            live.push((id, replica));
+            replicas[replica].submit(&mut truth, id, worker, &mut rng);
         } else if roll < 0.75 {
-            let i = rng.gen_range(0..live.len());
-            live[i].3 = true;
-            let (rid, replica, worker, _) = live[i];
-            (
-                replica,
-                worker,
-                SequenceEvent::MarkPrefillCompleted(RequestId(rid)),
-            )
+            let (rid, replica) = live[rng.gen_range(0..live.len())];
+            replicas[replica].drive(&mut truth, |d, now| d.first_token(RequestId(rid), now));
         } else {
-            let (rid, replica, worker, _) = live.swap_remove(rng.gen_range(0..live.len()));
-            (replica, worker, SequenceEvent::Free(RequestId(rid)))
-        };
-        let (replica, worker, event) = event;
-        truth.apply(&event, clock.now_ms());
-        replicas[replica].apply_local(&event, worker);
+            let (rid, replica) = live.swap_remove(rng.gen_range(0..live.len()));
+            replicas[replica].drive(&mut truth, |d, now| d.finish(RequestId(rid), 64, now));
+        }
         if id % 50 == 0 {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -213,28 +214,23 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
         silence_expiry_ms: 300.0,
         ..config(&server, "generate")
     };
-    let clock = Clock::new();
-    let a = Replica::start(&config, clock).await;
-    let b = Replica::start(&config, clock).await;
-    let c = Replica::start(&config, clock).await;
+    let epoch = Instant::now();
+    let a = Replica::start(&config, epoch).await;
+    let b = Replica::start(&config, epoch).await;
+    let c = Replica::start(&config, epoch).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut truth = truth();
     for id in 1..=5 {
-        a.apply_local(
-            &SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)),
-            WORKERS[0],
-        );
+        a.submit(&mut truth, id, WORKERS[0], &mut rng);
     }
-    b.apply_local(
-        &SequenceEvent::Add(booking(100, WORKERS[1], &mut rng)),
-        WORKERS[1],
-    );
+    b.submit(&mut truth, 100, WORKERS[1], &mut rng);
     wait_for("bookings reach c", Duration::from_secs(2), || {
-        c.router.lock().unwrap().sequences().active_requests() == 6
+        c.active_requests() == 6
     })
     .await;
     a.plane.shutdown().await;
     let took = wait_for("a's bookings expire on c", Duration::from_secs(2), || {
-        c.router.lock().unwrap().sequences().active_requests() == 1
+        c.active_requests() == 1
     })
     .await;
     eprintln!("expired {took:?} after a stopped (expiry 300 ms)");
@@ -244,37 +240,33 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
     );
     // b kept heartbeating: its booking survives well past the expiry.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let c_router = c.router.lock().unwrap();
+    let c_dispatcher = c.dispatcher.lock().unwrap();
+    let c_router = c_dispatcher.router();
     assert_eq!(c_router.sequences().owner(RequestId(100)), Some(WORKERS[1]));
     assert_eq!(c_router.sequences().active_requests(), 1);
-    drop(c_router);
+    drop(c_dispatcher);
     assert_eq!(c.plane.metrics.snapshot().expired, 5);
-    assert_eq!(b.router.lock().unwrap().sequences().active_requests(), 1);
+    assert_eq!(b.active_requests(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_on_another_endpoint_see_nothing() {
     let server = nats();
-    let clock = Clock::new();
-    let a = Replica::start(&config(&server, "generate"), clock).await;
-    let b = Replica::start(&config(&server, "generate"), clock).await;
-    let other = Replica::start(&config(&server, "embed"), clock).await;
+    let epoch = Instant::now();
+    let a = Replica::start(&config(&server, "generate"), epoch).await;
+    let b = Replica::start(&config(&server, "generate"), epoch).await;
+    let other = Replica::start(&config(&server, "embed"), epoch).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    let mut truth = truth();
     for id in 1..=20 {
-        a.apply_local(
-            &SequenceEvent::Add(booking(id, WORKERS[0], &mut rng)),
-            WORKERS[0],
-        );
+        a.submit(&mut truth, id, WORKERS[0], &mut rng);
     }
     wait_for("b sees a", Duration::from_secs(2), || {
-        b.router.lock().unwrap().sequences().active_requests() == 20
+        b.active_requests() == 20
     })
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        other.router.lock().unwrap().sequences().active_requests(),
-        0
-    );
+    assert_eq!(other.active_requests(), 0);
     let m = other.plane.metrics.snapshot();
     assert_eq!((m.received, m.batches_received), (0, 0));
 }

@@ -685,7 +685,7 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
     })
     .await;
     assert!(booked);
-    let metrics = running.shared.metrics.clone();
+    let metrics = running.shared.metrics().clone();
     running.shutdown().await.unwrap();
     let response = request.await.unwrap().unwrap();
     assert_eq!(response.status(), 503);

@@ -49,7 +49,9 @@ use crate::admission::{
     SessionKey, SubmitOutcome,
 };
 use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
-use crate::health::{CircuitBreaker, CircuitConfig, CircuitConfigError, CircuitEvent, CircuitState};
+use crate::health::{
+    CircuitBreaker, CircuitConfig, CircuitConfigError, CircuitEvent, CircuitState,
+};
 use crate::index::{ApplyOutcome, IndexEvent};
 use crate::maps::FxHashMap;
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
@@ -190,6 +192,15 @@ pub struct Dispatch {
     pub progress: Option<ProgressUpdater>,
 }
 
+/// A lifecycle event of one of this replica's bookings, for its peers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Published {
+    /// The booking's worker (the wire names it on every event).
+    pub worker: WorkerId,
+    /// What happened.
+    pub event: SequenceEvent,
+}
+
 /// A session's turn was dispatched: peers pin the session there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SessionBound {
@@ -239,7 +250,7 @@ pub struct Effects {
     /// Requests that no worker can take: they have ended (HTTP 503).
     pub no_worker: Vec<RequestId>,
     /// Lifecycle events for peer replicas (empty unless replica sync is on).
-    pub publish: Vec<SequenceEvent>,
+    pub publish: Vec<Published>,
     /// Session bindings for peer replicas (replica sync with a strategy).
     pub bindings: Vec<SessionBound>,
     /// Circuit transitions, in order.
@@ -441,7 +452,12 @@ impl Dispatcher {
     // ---- Workers -------------------------------------------------------
 
     /// Adds a worker (with a closed circuit), or updates its capacity.
-    pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity, now_ms: f64) -> Effects {
+    pub fn add_worker(
+        &mut self,
+        worker: WorkerId,
+        capacity: WorkerCapacity,
+        now_ms: f64,
+    ) -> Effects {
         let mut fx = Effects::default();
         self.workers
             .entry(worker)
@@ -477,7 +493,10 @@ impl Dispatcher {
             if self.bookings.contains_key(&booking) {
                 fx.counts.freed_by_removal += 1;
                 if self.publishing {
-                    fx.publish.push(SequenceEvent::Free(booking));
+                    fx.publish.push(Published {
+                        worker,
+                        event: SequenceEvent::Free(booking),
+                    });
                 }
             }
         }
@@ -637,7 +656,10 @@ impl Dispatcher {
                 LifecycleOutcome::Applied | LifecycleOutcome::Duplicate
             )
         {
-            fx.publish.push(SequenceEvent::MarkPrefillCompleted(booking));
+            fx.publish.push(Published {
+                worker,
+                event: SequenceEvent::MarkPrefillCompleted(booking),
+            });
         }
         if booked.sole_prefill {
             self.estimator
@@ -833,7 +855,10 @@ impl Dispatcher {
     fn release(&mut self, booking: RequestId, booked: &Booked, now_ms: f64, fx: &mut Effects) {
         self.settle_booking(booked, now_ms, fx);
         if self.router.free(booking, now_ms) == LifecycleOutcome::Applied && self.publishing {
-            fx.publish.push(SequenceEvent::Free(booking));
+            fx.publish.push(Published {
+                worker: booked.worker,
+                event: SequenceEvent::Free(booking),
+            });
         }
     }
 
@@ -953,7 +978,10 @@ impl Dispatcher {
             let add = AddRequest::for_decision(request.booking, &routing, &decision, Some(hint));
             let booked = router.book_request(&add, now_ms);
             if *publishing && booked == LifecycleOutcome::Applied {
-                fx.publish.push(SequenceEvent::Add(add));
+                fx.publish.push(Published {
+                    worker: decision.worker,
+                    event: SequenceEvent::Add(add),
+                });
             }
             let mut generation = 0;
             let mut sole_prefill = false;
@@ -963,9 +991,12 @@ impl Dispatcher {
                 // A half-open worker takes this one probe, then no more
                 // until its verdict: decided before the next placement.
                 generation = slot.breaker.generation();
-                let changed =
-                    slot.breaker
-                        .on_result(CircuitEvent::Dispatched, generation, now_ms, &config.circuit);
+                let changed = slot.breaker.on_result(
+                    CircuitEvent::Dispatched,
+                    generation,
+                    now_ms,
+                    &config.circuit,
+                );
                 Self::settle(router, decision.worker, slot, changed, fx);
             }
             request.booked = Some(Booked {
@@ -998,11 +1029,9 @@ impl Dispatcher {
                     };
                     self.admission.dispatched(&ticket, now_ms);
                     let progress = ticket.take_progress();
-                    if let (true, Some(session), Some(_)) = (
-                        self.publishing,
-                        request.session,
-                        self.admission.strategy(),
-                    ) {
+                    if let (true, Some(session), Some(_)) =
+                        (self.publishing, request.session, self.admission.strategy())
+                    {
                         fx.bindings.push(SessionBound {
                             session,
                             worker: decision.worker,

@@ -48,6 +48,11 @@ fn in_session(mut s: Submission, session: u64) -> Submission {
     s
 }
 
+/// The events of `fx` for peers, without their workers.
+fn events(fx: &Effects) -> Vec<SequenceEvent> {
+    fx.publish.iter().map(|p| p.event.clone()).collect()
+}
+
 /// Submits and expects an immediate dispatch.
 fn place(d: &mut Dispatcher, id: u128, s: Submission, now: f64) -> Dispatch {
     let (admitted, mut fx) = d.submit(RequestId(id), s, now).unwrap();
@@ -61,8 +66,15 @@ fn a_request_is_dispatched_booked_with_a_prefill_hint_and_freed_when_it_finishes
     let mut d = dispatcher(2);
     let sent = place(&mut d, 1, submission(0, 64), 0.0);
     assert_eq!(sent.id, RequestId(1));
-    assert_eq!(sent.booking, RequestId(1), "the first booking is the request id");
-    assert_eq!(d.router().sequences().owner(RequestId(1)), Some(sent.worker));
+    assert_eq!(
+        sent.booking,
+        RequestId(1),
+        "the first booking is the request id"
+    );
+    assert_eq!(
+        d.router().sequences().owner(RequestId(1)),
+        Some(sent.worker)
+    );
     // The booking carries the model's prefill time for its 1024 tokens:
     // its prefill load decays before the first token.
     let load = d.router().sequences().registry().load(sent.worker).unwrap();
@@ -107,16 +119,22 @@ fn with_replica_sync_each_change_of_ours_is_published_once() {
     d.set_replica(ReplicaId(7));
     let (_, fx) = d.submit(RequestId(1), submission(0, 4), 0.0).unwrap();
     let add = match fx.publish.as_slice() {
-        [SequenceEvent::Add(add)] => add.clone(),
+        [Published {
+            event: SequenceEvent::Add(add),
+            ..
+        }] => add.clone(),
         other => panic!("{other:?}"),
     };
     assert_eq!(add.request, RequestId(1));
     assert!(add.expected_prefill_ms.is_some(), "peers get the hint too");
     assert!(fx.bindings.is_empty(), "no strategy, no session bindings");
     let fx = d.first_token(RequestId(1), 5.0);
-    assert_eq!(fx.publish, vec![SequenceEvent::MarkPrefillCompleted(RequestId(1))]);
+    assert_eq!(
+        events(&fx),
+        vec![SequenceEvent::MarkPrefillCompleted(RequestId(1))]
+    );
     let fx = d.finish(RequestId(1), 70, 9.0);
-    assert_eq!(fx.publish, vec![SequenceEvent::Free(RequestId(1))]);
+    assert_eq!(events(&fx), vec![SequenceEvent::Free(RequestId(1))]);
     // Ending it again publishes nothing.
     assert!(d.finish(RequestId(1), 70, 9.0).publish.is_empty());
 }
@@ -127,7 +145,13 @@ fn a_free_is_published_only_for_a_booking_that_was_still_ours() {
     d.set_replica(ReplicaId(7));
     let _ = d.submit(RequestId(1), submission(0, 4), 0.0).unwrap();
     let fx = d.remove_worker(w(1), 1.0);
-    assert_eq!(fx.publish, vec![SequenceEvent::Free(RequestId(1))]);
+    assert_eq!(
+        fx.publish,
+        vec![Published {
+            worker: w(1),
+            event: SequenceEvent::Free(RequestId(1))
+        }]
+    );
     assert_eq!(fx.counts.freed_by_removal, 1);
     // The handler ends the request later: nothing more goes out.
     let fx = d.abort(RequestId(1), 2.0);
@@ -144,10 +168,8 @@ fn a_migrated_request_never_returns_to_a_worker_that_failed_it() {
     let mut booking = RequestId(100);
     for round in 0..2 {
         let _ = d.worker_failed(RequestId(1), 1.0);
-        let fx = d
-            .migrate(RequestId(1), booking, None, 1.0)
-            .expect("placed");
-        assert!(fx.publish.contains(&SequenceEvent::Free(if round == 0 {
+        let fx = d.migrate(RequestId(1), booking, None, 1.0).expect("placed");
+        assert!(events(&fx).contains(&SequenceEvent::Free(if round == 0 {
             RequestId(1)
         } else {
             RequestId(booking.0 - 1)
@@ -203,9 +225,7 @@ fn a_migrated_turn_stays_the_sessions_turn_and_the_session_repins_where_it_lands
     assert_eq!(next.id, RequestId(2));
     assert_eq!(next.worker, moved.worker, "the session re-pinned");
     let strategy = d.admission().strategy().unwrap();
-    assert!(strategy
-        .event_counts()
-        .contains(&("migrated_turns", 1)));
+    assert!(strategy.event_counts().contains(&("migrated_turns", 1)));
 }
 
 #[test]
@@ -314,7 +334,10 @@ fn refusals_retain_nothing() {
         d.submit(RequestId(3), big.clone(), 0.0),
         Err(Refused::Full { .. })
     ));
-    assert_eq!(d.submit(RequestId(1), big, 0.0).unwrap_err(), Refused::Duplicate);
+    assert_eq!(
+        d.submit(RequestId(1), big, 0.0).unwrap_err(),
+        Refused::Duplicate
+    );
     assert_eq!(d.requests(), 2);
 }
 
@@ -341,8 +364,12 @@ fn peers_bookings_count_in_the_load_and_our_own_events_are_ignored() {
         request: RequestId(501),
         ..peer_add
     };
-    let (applied, _) =
-        d.apply_replica_batch(ReplicaId(1), [(ReplicaId(1), SequenceEvent::Add(own))], [], 0.0);
+    let (applied, _) = d.apply_replica_batch(
+        ReplicaId(1),
+        [(ReplicaId(1), SequenceEvent::Add(own))],
+        [],
+        0.0,
+    );
     assert_eq!(applied.applied, 0, "our own echo");
     assert_eq!(d.router().sequences().active_requests(), 1);
     assert_eq!(d.local_requests_on(w(1)), 0);
@@ -452,8 +479,8 @@ proptest! {
             for id in fx.no_worker {
                 placed.remove(&id);
             }
-            for event in fx.publish {
-                match event {
+            for published in fx.publish {
+                match published.event {
                     SequenceEvent::Add(add) => {
                         assert!(open_adds.insert(add.request), "added twice");
                     }

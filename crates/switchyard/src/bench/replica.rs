@@ -1,15 +1,17 @@
 //! `switchyard bench replica`: the replica plane over a local NATS server.
 //!
-//! Two replicas (each a `Router` with its own NATS connection, publisher
-//! and subscriber) in one process:
+//! Two replicas (each a core `Dispatcher` with its own NATS connection,
+//! publisher and subscriber) in one process. Replica A publishes the plane's
+//! traffic directly — the add, mark and free a replica publishes for each
+//! request — so the figures are the plane's alone (the request path that
+//! produces these events is measured by `bench proxy` and `bench twin`):
 //!
-//! - throughput: replica A books, marks and frees `--requests` requests
-//!   (three events each) as fast as its queue takes them; replica B applies
-//!   them. `events_per_sec` is events applied on B over the time from the
-//!   first enqueue to the last apply; `published_per_sec` the same for A's
-//!   publishing;
-//! - visibility latency: `--probes` bookings on A, one at a time, each timed
-//!   from just before `book_request` on A until B has applied it (batch
+//! - throughput: A publishes `--requests` requests' events (three each) as
+//!   fast as its queue takes them; replica B applies them. `events_per_sec`
+//!   is events applied on B over the time from the first enqueue to the
+//!   last apply; `published_per_sec` the same for A's publishing;
+//! - visibility latency: `--probes` bookings from A, one at a time, each
+//!   timed from just before the enqueue on A until B has applied it (batch
 //!   delay included: a lone event waits up to `batch_max_delay_ms`).
 //!
 //! Starts its own `nats-server` (the Debian package) unless `--nats` names one.
@@ -21,11 +23,12 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::AddRequest;
-use switchyard_core::{LocalHash, ReplicaId, RequestId, Router, RouterConfig, WorkerId};
+use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{
-    Clock, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane, RouterSink,
+    DispatcherSink, LocalNatsServer, NatsTransport, ReplicaConfig, ReplicaPlane,
 };
 
 /// Workload parameters.
@@ -103,12 +106,15 @@ pub fn run(args: ReplicaArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn router(workers: u64) -> Arc<Mutex<Router>> {
-    let mut router = Router::new(RouterConfig::default()).expect("default config validates");
+/// A replica's dispatcher over `workers` workers, as the plane's sink.
+fn sink(workers: u64, id: ReplicaId, epoch: Instant) -> DispatcherSink {
+    let mut dispatcher =
+        Dispatcher::new(DispatcherConfig::default(), None).expect("default config validates");
     for w in 0..workers {
-        router.add_worker(WorkerId::new(w), WorkerCapacity::default());
+        let _ = dispatcher.add_worker(WorkerId::new(w), WorkerCapacity::default(), 0.0);
     }
-    Arc::new(Mutex::new(router))
+    // Nothing waits in either dispatcher: a peer's batch places nothing.
+    DispatcherSink::new(Arc::new(Mutex::new(dispatcher)), id, epoch, Box::new(drop))
 }
 
 fn booking(id: u64, args: &ReplicaArgs) -> AddRequest {
@@ -142,8 +148,7 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         ..ReplicaConfig::default()
     };
     config.validate()?;
-    let clock = Clock::new();
-    let (router_a, router_b) = (router(args.workers), router(args.workers));
+    let epoch = Instant::now();
     let (id_a, id_b) = (ReplicaId(0xa), ReplicaId(0xb));
     let connect = || async {
         NatsTransport::connect(&url)
@@ -154,14 +159,14 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         Arc::new(connect().await?),
         &config,
         id_a,
-        RouterSink::new(router_a.clone(), id_a, clock),
+        sink(args.workers, id_a, epoch),
     )
     .await?;
     let b = ReplicaPlane::start(
         Arc::new(connect().await?),
         &config,
         id_b,
-        RouterSink::new(router_b.clone(), id_b, clock),
+        sink(args.workers, id_b, epoch),
     )
     .await?;
 
@@ -172,13 +177,6 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
     let mut enqueued = 0u64;
     for id in 0..args.requests {
         let add = booking(id, args);
-        {
-            let now = clock.now_ms();
-            let mut r = router_a.lock().expect("router lock");
-            r.book_request(&add, now);
-            r.mark_prefill_completed(add.request, now);
-            r.free(add.request, now);
-        }
         while enqueued - a.metrics.published.load(Ordering::Relaxed) + 3 > window {
             tokio::task::yield_now().await;
         }
@@ -214,20 +212,12 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         let add = booking(args.requests + probe, args);
         let before = b.metrics.applied.load(Ordering::Relaxed);
         let t0 = Instant::now();
-        router_a
-            .lock()
-            .expect("router lock")
-            .book_request(&add, clock.now_ms());
         let _ = a.publisher.added(&add, None);
         while b.metrics.applied.load(Ordering::Relaxed) == before {
             anyhow::ensure!(t0.elapsed() < Duration::from_secs(10), "a probe was lost");
             tokio::task::yield_now().await;
         }
         samples.push(t0.elapsed().as_secs_f64() * 1e6);
-        router_a
-            .lock()
-            .expect("router lock")
-            .free(add.request, clock.now_ms());
         let _ = a.publisher.freed(add.request, add.worker);
         // Let the free land before the next probe.
         let target = before + 2;

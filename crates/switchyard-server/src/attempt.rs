@@ -1,0 +1,302 @@
+//! One request's attempts on workers: placing it, sending it to its
+//! worker, and when that worker fails it, deciding whether it moves on
+//! ([`crate::migration::decide`]) and moving it ([`Booking::migrate`]).
+//!
+//! The handlers ([`crate::proxy`]) and the streaming body
+//! ([`crate::stream`]) share one [`Attempts`] per request.
+
+use crate::booking::{Booking, WaitHandle};
+use crate::error::ApiError;
+use crate::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
+use crate::proxy::{AppState, WORKER_HEADER};
+use crate::shared::{Request, SubmitError};
+use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use switchyard_core::admission::SessionKey;
+use switchyard_core::dispatch::MigrateError;
+use switchyard_core::{LocalHash, RequestId};
+
+/// A failed attempt.
+pub(crate) enum AttemptError {
+    /// The worker failed: move the request (reason, detail for logs and
+    /// the client's error; never prompt text).
+    Retry(Failure, String),
+    /// The request itself cannot be served: answer this.
+    Fatal(ApiError),
+}
+
+/// What every attempt of one request shares: where it may go, what failed
+/// it so far, and its deadline.
+pub(crate) struct Attempts {
+    pub(crate) state: Arc<AppState>,
+    /// The request's id: what the client sees (`x-request-id`), the
+    /// admission and session identity, and the first attempt's booking.
+    pub(crate) client_id: RequestId,
+    model: Option<String>,
+    accept: Option<HeaderValue>,
+    /// When the request timeout cancels it.
+    pub(crate) deadline: tokio::time::Instant,
+    /// Migrations made so far.
+    pub(crate) migrations: u32,
+    /// A migration decided but not yet placed: counted in
+    /// `migrations_total{reason}` once a worker takes the request.
+    pending_migration: Option<Failure>,
+    /// Failures so far that the request itself may have caused
+    /// ([`Failure::request_may_cause`]).
+    suspect_failures: u32,
+}
+
+impl Attempts {
+    /// The attempts of request `client_id`.
+    pub(crate) fn new(
+        state: Arc<AppState>,
+        client_id: RequestId,
+        model: Option<String>,
+        accept: Option<HeaderValue>,
+        deadline: tokio::time::Instant,
+    ) -> Self {
+        Self {
+            state,
+            client_id,
+            model,
+            accept,
+            deadline,
+            migrations: 0,
+            pending_migration: None,
+            suspect_failures: 0,
+        }
+    }
+
+    fn blocks(&self, tokens: &[u32]) -> Vec<LocalHash> {
+        switchyard_core::hashing::local_block_hashes(
+            tokens,
+            self.state.block_size as usize,
+            self.state.hash_seed,
+        )
+    }
+
+    /// Admission for the request's prompt `tokens`.
+    pub(crate) fn submit(
+        &self,
+        tokens: &[u32],
+        session: Option<SessionKey>,
+    ) -> Result<WaitHandle, ApiError> {
+        self.state
+            .shared
+            .submit(
+                self.client_id,
+                Request {
+                    blocks: self.blocks(tokens),
+                    prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+                    session,
+                    model: self.model.as_deref(),
+                },
+            )
+            .map_err(|e| match e {
+                SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
+                SubmitError::UnknownModel => ApiError::not_found(
+                    format!(
+                        "the model `{}` is not served by any worker",
+                        self.model.as_deref().unwrap_or_default()
+                    ),
+                    Some("model"),
+                ),
+            })
+    }
+
+    /// Waits for the request's placement on a worker not yet tried.
+    pub(crate) async fn placed(&mut self, wait: WaitHandle) -> Result<Booking, ApiError> {
+        let placed = wait.placed().await;
+        let pending = self.pending_migration.take();
+        let metrics = self.state.shared.metrics();
+        match placed {
+            Ok(booking) => {
+                if let Some(reason) = pending {
+                    metrics.count_migration(reason);
+                }
+                Ok(booking)
+            }
+            Err(()) if self.migrations == 0 => {
+                Err(ApiError::no_workers("no worker can take the request"))
+            }
+            Err(()) => {
+                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+                Err(ApiError::no_workers(format!(
+                    "{} worker(s) failed the request and no other worker can take it",
+                    self.migrations
+                )))
+            }
+        }
+    }
+
+    /// POSTs `body` to the booked worker; a refused or broken connection, a
+    /// 5xx or (when `streaming`) no headers within the first-token timeout
+    /// is a [`AttemptError::Retry`]. A non-streaming answer's head comes
+    /// with the whole answer, so only the request timeout bounds it.
+    pub(crate) async fn send(
+        &self,
+        booking: &Booking,
+        path: &str,
+        body: Bytes,
+        streaming: bool,
+    ) -> Result<hyper::Response<Incoming>, AttemptError> {
+        let mut upstream = HttpRequest::builder()
+            .method(Method::POST)
+            .uri(format!("{}{}", booking.url, path))
+            .header(header::CONTENT_TYPE, "application/json")
+            // The attempt's own booking id: worker-origin prefill marks
+            // (replica sync) name the booking, not the client's id.
+            .header("x-request-id", booking.booking_id().to_string());
+        if let Some(router_id) = &self.state.router_id {
+            upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
+        }
+        if let Some(accept) = &self.accept {
+            upstream = upstream.header(header::ACCEPT, accept);
+        }
+        let upstream = upstream.body(Full::new(body)).map_err(|_| {
+            AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
+        })?;
+        let timeout = self.state.first_token_timeout;
+        let request = self.state.client.request(upstream);
+        let answered = if streaming {
+            tokio::time::timeout(timeout, request).await
+        } else {
+            Ok(request.await)
+        };
+        match answered {
+            Err(_) => Err(AttemptError::Retry(
+                Failure::Timeout,
+                format!(
+                    "worker {} sent no response headers within {:.1} s",
+                    booking.name,
+                    timeout.as_secs_f64()
+                ),
+            )),
+            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Retry(
+                Failure::Connect,
+                format!("worker {} refused the connection", booking.name),
+            )),
+            Ok(Err(_)) => Err(AttemptError::Retry(
+                Failure::Reset,
+                format!("the connection to worker {} broke", booking.name),
+            )),
+            Ok(Ok(response)) if response.status().is_server_error() => Err(AttemptError::Retry(
+                Failure::Status5xx,
+                format!(
+                    "worker {} answered {}",
+                    booking.name,
+                    response.status().as_u16()
+                ),
+            )),
+            Ok(Ok(response)) => Ok(response),
+        }
+    }
+
+    /// A worker failed this request: report it and decide whether the
+    /// request may move on. `Ok` hands back the booking to
+    /// [`Self::migrate`] (the migration is counted once placed); `Err`
+    /// gives up, the booking dropped (the request aborted) and the give-up
+    /// counted. A second failure the request may have caused itself (5xx,
+    /// error event, first-token timeout) is the request's fault
+    /// ([`crate::migration::request_fault`]): that worker is not reported.
+    pub(crate) fn fail(
+        &mut self,
+        booking: Booking,
+        reason: Failure,
+        phase: Phase,
+        prompt_tokens: u64,
+        progress: &Progress,
+        resumable: Result<(), &'static str>,
+    ) -> Result<Booking, GiveUp> {
+        let metrics = self.state.shared.metrics();
+        if request_fault(reason, self.suspect_failures) {
+            // Aborted, not reported: the worker's circuit stays closed.
+            drop(booking);
+            metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {}", GiveUp::RequestFault);
+            return Err(GiveUp::RequestFault);
+        }
+        if reason.request_may_cause() {
+            self.suspect_failures += 1;
+        }
+        booking.worker_failed();
+        match decide(
+            self.state.migration,
+            self.migrations,
+            phase,
+            prompt_tokens,
+            progress,
+            resumable,
+        ) {
+            Verdict::Migrate => {
+                self.migrations += 1;
+                self.pending_migration = Some(reason);
+                Ok(booking)
+            }
+            Verdict::GiveUp(why) => {
+                drop(booking);
+                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
+                Err(why)
+            }
+        }
+    }
+
+    /// Moves the request off `failed`'s worker (see [`Booking::migrate`])
+    /// and waits for its next placement; `prompt` replaces the prompt (a
+    /// resumed stream's prompt plus generated tokens).
+    pub(crate) async fn migrate(
+        &mut self,
+        failed: Booking,
+        prompt: Option<&[u32]>,
+    ) -> Result<Booking, ApiError> {
+        let prompt = prompt.map(|tokens| {
+            (
+                self.blocks(tokens),
+                u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            )
+        });
+        match failed.migrate(prompt) {
+            Ok(wait) => self.placed(wait).await,
+            Err(MigrateError::Unknown | MigrateError::NotPlaced) => {
+                self.state
+                    .shared
+                    .metrics()
+                    .migrations_exhausted
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(ApiError::no_workers(
+                    "the request ended while it was moving to another worker",
+                ))
+            }
+        }
+    }
+
+    /// The worker's response head as the client gets it.
+    pub(crate) fn client_parts(
+        &self,
+        mut parts: hyper::http::response::Parts,
+        booking: &Booking,
+    ) -> hyper::http::response::Parts {
+        for name in [
+            header::CONNECTION,
+            header::TRANSFER_ENCODING,
+            header::CONTENT_LENGTH,
+            HeaderName::from_static("keep-alive"),
+        ] {
+            parts.headers.remove(name);
+        }
+        if self.state.worker_header {
+            if let Ok(v) = HeaderValue::from_str(&booking.name) {
+                parts.headers.insert(WORKER_HEADER, v);
+            }
+        }
+        if let Ok(v) = HeaderValue::from_str(&self.client_id.to_string()) {
+            parts.headers.insert("x-request-id", v);
+        }
+        parts
+    }
+}

@@ -1,0 +1,225 @@
+//! The guards a handler holds for its request: a [`WaitHandle`] while the
+//! request waits for a worker, then a [`Booking`] while it runs there. Each
+//! stands for the request's place in the dispatcher, and dropping it ends
+//! that place — the client went away, the stream ended, the handler
+//! panicked — so no path leaks a booking.
+//!
+//! - Dropping a `WaitHandle` before it resolves aborts the request (out of
+//!   the queue, or freed if it was placed meanwhile).
+//! - Dropping a `Booking` finishes the request when the response ended
+//!   normally ([`Booking::completed`]), otherwise aborts it.
+//! - [`Booking::migrate`] hands the request over to a new `WaitHandle`
+//!   instead: the dispatcher keeps it (and its session's turn) while it
+//!   moves to another worker.
+
+use crate::shared::SharedRouter;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use switchyard_core::admission::ProgressUpdater;
+use switchyard_core::dispatch::MigrateError;
+use switchyard_core::{LocalHash, RequestId, WorkerId};
+use tokio::sync::oneshot;
+
+/// Where a request goes, handed from the dispatcher to its waiting handler.
+#[derive(Debug)]
+pub enum Assignment {
+    /// Placed and booked on a worker.
+    Dispatched {
+        /// The booking's id: what the worker is told (`x-request-id`).
+        booking: RequestId,
+        /// The worker.
+        worker: WorkerId,
+        /// Its name.
+        name: Arc<str>,
+        /// Its base URL.
+        url: Arc<str>,
+        /// Blocks the router expects it to have cached.
+        overlap_blocks: u32,
+        /// Time spent queued.
+        waited_ms: f64,
+        /// Live progress, when an admission strategy tracks the request.
+        progress: Option<ProgressUpdater>,
+    },
+    /// No worker can take it: the request has ended.
+    NoWorkers,
+}
+
+/// A request waiting for placement (see the module docs).
+#[derive(Debug)]
+pub struct WaitHandle {
+    shared: Arc<SharedRouter>,
+    id: RequestId,
+    rx: Option<oneshot::Receiver<Assignment>>,
+}
+
+impl WaitHandle {
+    pub(crate) fn new(
+        shared: Arc<SharedRouter>,
+        id: RequestId,
+        rx: oneshot::Receiver<Assignment>,
+    ) -> Self {
+        Self {
+            shared,
+            id,
+            rx: Some(rx),
+        }
+    }
+
+    /// The request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Waits for placement; the booking is owned by the returned guard.
+    /// `Err` when no worker can take the request (it has ended).
+    pub async fn placed(mut self) -> Result<Booking, ()> {
+        let rx = self
+            .rx
+            .as_mut()
+            .expect("the receiver is present until resolved");
+        let result = rx.await;
+        self.rx = None;
+        match result {
+            Ok(Assignment::Dispatched {
+                booking,
+                worker,
+                name,
+                url,
+                overlap_blocks,
+                waited_ms,
+                progress,
+            }) => Ok(Booking {
+                shared: self.shared.clone(),
+                id: self.id,
+                booking,
+                worker,
+                name,
+                url,
+                overlap_blocks,
+                waited_ms,
+                progress,
+                first_token: false,
+                completed: None,
+                handed_over: false,
+            }),
+            Ok(Assignment::NoWorkers) | Err(_) => Err(()),
+        }
+    }
+}
+
+impl Drop for WaitHandle {
+    fn drop(&mut self) {
+        if self.rx.take().is_some() {
+            // Out of the queue, or freed if it was placed meanwhile.
+            self.shared.abort(self.id);
+        }
+    }
+}
+
+/// A request booked on a worker (see the module docs).
+#[derive(Debug)]
+pub struct Booking {
+    shared: Arc<SharedRouter>,
+    id: RequestId,
+    booking: RequestId,
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its name.
+    pub name: Arc<str>,
+    /// Its base URL.
+    pub url: Arc<str>,
+    /// Blocks the router predicted cached.
+    pub overlap_blocks: u32,
+    /// Time queued before placement.
+    pub waited_ms: f64,
+    progress: Option<ProgressUpdater>,
+    first_token: bool,
+    /// The response ended normally with this context length.
+    completed: Option<u64>,
+    /// Migrated: the request lives on in another guard.
+    handed_over: bool,
+}
+
+impl Booking {
+    /// The request (the id the client sees).
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// This booking's id: the request id for a first placement, a fresh
+    /// one for each migration. What the worker is told.
+    pub fn booking_id(&self) -> RequestId {
+        self.booking
+    }
+
+    /// The first token arrived: prefill is done (once).
+    pub fn mark_first_token(&mut self) {
+        if std::mem::replace(&mut self.first_token, true) {
+            return;
+        }
+        self.shared.first_token(self.id);
+    }
+
+    /// Live progress: `generated` tokens so far (no lock, no allocation).
+    pub fn progress(&mut self, generated: u64) {
+        if let Some(updater) = self.progress.as_mut() {
+            updater.set(generated);
+        }
+    }
+
+    /// The response ended normally with `context_tokens` (prompt plus
+    /// generated); the drop then finishes rather than aborts.
+    pub fn completed(&mut self, context_tokens: u64) {
+        self.completed = Some(context_tokens);
+    }
+
+    /// The worker failed this request (connect refused, reset, 5xx,
+    /// first-token timeout, broken stream): one failure for its circuit
+    /// breaker, which takes it out of selection after `failure_threshold`
+    /// in a row. The breaker hears it once per booking however often it is
+    /// called — also after the first token: a stream that breaks mid-way
+    /// counted a success at its first token and now counts a failure too,
+    /// since a worker killed mid-stream is a failing worker. A failure of a
+    /// request dispatched before the circuit last opened changes nothing.
+    pub fn worker_failed(&self) {
+        self.shared
+            .metrics()
+            .upstream_failures
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared.worker_failed(self.id);
+    }
+
+    /// Moves the request off this worker (report its failure first): its
+    /// booking here is freed, this worker is never chosen for it again, and
+    /// it waits for another under a new booking id — with `prompt` (its
+    /// blocks and length) when the prompt changed, as for a stream resumed
+    /// with its generated tokens. The request stays its session's current
+    /// turn throughout.
+    pub fn migrate(
+        mut self,
+        prompt: Option<(Vec<LocalHash>, u32)>,
+    ) -> Result<WaitHandle, MigrateError> {
+        let booking = self.shared.next_request_id();
+        self.handed_over = true;
+        let shared = self.shared.clone();
+        let result = shared.migrate(self.id, booking, prompt);
+        if result.is_err() {
+            // Ended meanwhile (expired, or its worker left and it was
+            // aborted): nothing to hand over.
+            self.handed_over = false;
+        }
+        result
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        if self.handed_over {
+            return;
+        }
+        match self.completed {
+            Some(context_tokens) => self.shared.finish(self.id, context_tokens),
+            None => self.shared.abort(self.id),
+        }
+    }
+}

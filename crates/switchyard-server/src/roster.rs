@@ -1,0 +1,211 @@
+//! The worker table: what the server knows of each worker beyond what the
+//! dispatcher decides with — its name and URL, its models, whether it is in
+//! the router or draining, its health-check streak, its measured KV usage,
+//! the epoch of its KV-event subscriber and its circuit transitions.
+//!
+//! Pure data under the router's lock ([`crate::shared`]); nothing here
+//! touches the network or the dispatcher.
+
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+use switchyard_core::dispatch::CircuitChange;
+use switchyard_core::health::CircuitState;
+use switchyard_core::router::WorkerCapacity;
+use switchyard_core::WorkerId;
+
+/// One worker as the server knows it.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    /// Stable id in the routing core (a hash of the name: replicas agree).
+    pub id: WorkerId,
+    /// Name in metrics, logs and `x-switchyard-worker`.
+    pub name: Arc<str>,
+    /// Base URL, `http://host:port`.
+    pub url: Arc<str>,
+    /// Models from its `/v1/models` (empty until first fetched).
+    pub models: Vec<String>,
+    /// In the routing core (healthy and not removed).
+    pub in_router: bool,
+    /// Draining: no new requests; removed once idle.
+    pub draining: bool,
+    /// Consecutive failed health checks.
+    pub failures: u32,
+    /// What it can hold, from its `/get_server_info` (for busy thresholds).
+    pub capacity: WorkerCapacity,
+    /// Fraction of its KV cache in use, from its `/metrics` (read only when
+    /// an admission strategy needs it).
+    pub kv_usage: Option<f64>,
+    /// Counts entries into the router: KV events from a subscriber started
+    /// for an earlier entry are stale and dropped.
+    pub events_epoch: u64,
+    /// Its circuit's state, as the dispatcher last reported it.
+    pub circuit: CircuitState,
+    /// Circuit transitions into each state, indexed by `CircuitState as
+    /// usize`; they only grow (a counter family).
+    pub circuit_transitions: [u64; 3],
+}
+
+/// Why a request cannot be routed at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownModel;
+
+/// Every worker, by id.
+#[derive(Debug, Default)]
+pub struct Roster {
+    workers: FxHashMap<WorkerId, WorkerInfo>,
+}
+
+impl Roster {
+    /// A worker by id.
+    pub fn get(&self, id: WorkerId) -> Option<&WorkerInfo> {
+        self.workers.get(&id)
+    }
+
+    /// A worker by id, mutably.
+    pub fn get_mut(&mut self, id: WorkerId) -> Option<&mut WorkerInfo> {
+        self.workers.get_mut(&id)
+    }
+
+    /// Registers a worker named `name` with id `id`; refused when the name
+    /// or the id is taken.
+    pub fn insert(&mut self, id: WorkerId, name: &str, url: &str) -> Result<(), String> {
+        if self.workers.values().any(|w| &*w.name == name) {
+            return Err(format!("a worker named {name:?} exists"));
+        }
+        if self.workers.contains_key(&id) {
+            return Err(format!(
+                "the worker name {name:?} collides with another's id"
+            ));
+        }
+        self.workers.insert(
+            id,
+            WorkerInfo {
+                id,
+                name: name.into(),
+                url: url.trim_end_matches('/').into(),
+                models: Vec::new(),
+                in_router: false,
+                draining: false,
+                failures: 0,
+                capacity: WorkerCapacity::default(),
+                kv_usage: None,
+                events_epoch: 0,
+                circuit: CircuitState::Closed,
+                circuit_transitions: [0; 3],
+            },
+        );
+        Ok(())
+    }
+
+    /// Forgets a worker.
+    pub fn remove(&mut self, id: WorkerId) -> Option<WorkerInfo> {
+        self.workers.remove(&id)
+    }
+
+    /// Every worker, sorted by name.
+    pub fn sorted(&self) -> Vec<&WorkerInfo> {
+        let mut list: Vec<&WorkerInfo> = self.workers.values().collect();
+        list.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// Counts and logs circuit transitions.
+    pub fn circuit_changed(&mut self, change: &CircuitChange) {
+        let Some(info) = self.workers.get_mut(&change.worker) else {
+            return;
+        };
+        info.circuit = change.to;
+        info.circuit_transitions[change.to as usize] += 1;
+        match change.to {
+            CircuitState::Open => tracing::warn!(
+                worker = %info.name,
+                cooldown_until_ms = change.open_until_ms.unwrap_or_default(),
+                "circuit open: worker out of selection"
+            ),
+            CircuitState::HalfOpen => {
+                tracing::info!(worker = %info.name, "circuit half-open: one probe request")
+            }
+            CircuitState::Closed => tracing::info!(worker = %info.name, "circuit closed"),
+        }
+    }
+
+    /// Workers that may take new requests for `model`: empty means every
+    /// worker. `UnknownModel` when workers are up but none serves `model`
+    /// (and none is draining, whose model list may be the one missing).
+    pub fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, UnknownModel> {
+        let mut any_draining = false;
+        let mut all = 0usize;
+        let mut eligible = Vec::new();
+        for info in self.workers.values() {
+            if !info.in_router {
+                continue;
+            }
+            all += 1;
+            any_draining |= info.draining;
+            let serves = match model {
+                None => true,
+                Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
+            };
+            if serves && !info.draining {
+                eligible.push(info.id);
+            }
+        }
+        if eligible.is_empty() && all > 0 && model.is_some() && !any_draining {
+            return Err(UnknownModel);
+        }
+        if eligible.len() == all && !any_draining {
+            eligible.clear();
+        } else if eligible.is_empty() {
+            // Nothing may take it; a nonexistent id keeps the router from
+            // choosing a draining worker.
+            eligible.push(WorkerId::new(u64::MAX));
+        }
+        Ok(eligible)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roster(workers: &[(&str, &[&str])]) -> Roster {
+        let mut r = Roster::default();
+        for (i, (name, models)) in workers.iter().enumerate() {
+            let id = WorkerId::new(i as u64 + 1);
+            r.insert(id, name, "http://h:1/").unwrap();
+            let info = r.get_mut(id).unwrap();
+            info.in_router = true;
+            info.models = models.iter().map(|m| m.to_string()).collect();
+        }
+        r
+    }
+
+    #[test]
+    fn every_worker_serving_the_model_means_any_worker() {
+        let r = roster(&[("a", &["m"]), ("b", &["m"])]);
+        assert_eq!(r.eligible_for(Some("m")), Ok(vec![]));
+        assert_eq!(r.eligible_for(None), Ok(vec![]));
+    }
+
+    #[test]
+    fn only_workers_serving_the_model_are_eligible() {
+        let r = roster(&[("a", &["m"]), ("b", &["n"])]);
+        assert_eq!(r.eligible_for(Some("n")), Ok(vec![WorkerId::new(2)]));
+        assert_eq!(r.eligible_for(Some("x")), Err(UnknownModel));
+    }
+
+    #[test]
+    fn a_draining_worker_takes_nothing_new() {
+        let mut r = roster(&[("a", &["m"])]);
+        r.get_mut(WorkerId::new(1)).unwrap().draining = true;
+        assert_eq!(r.eligible_for(Some("m")), Ok(vec![WorkerId::new(u64::MAX)]));
+    }
+
+    #[test]
+    fn names_and_ids_are_unique_and_urls_lose_their_trailing_slash() {
+        let mut r = roster(&[("a", &[])]);
+        assert!(r.insert(WorkerId::new(9), "a", "http://x").is_err());
+        assert!(r.insert(WorkerId::new(1), "b", "http://x").is_err());
+        assert_eq!(&*r.get(WorkerId::new(1)).unwrap().url, "http://h:1");
+    }
+}

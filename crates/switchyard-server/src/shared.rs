@@ -1,0 +1,849 @@
+//! The router's shared state: the core's [`Dispatcher`], the worker table
+//! and the requests waiting for placement, behind one `std::sync::Mutex`,
+//! and the shell that carries out the dispatcher's [`Effects`].
+//!
+//! Why a `std` mutex and not tokio's, nor an actor: every critical section
+//! is short, synchronous work on in-memory structures (a route + book is a
+//! few microseconds at 64 workers) and never spans an `.await`, so a plain
+//! mutex is the cheapest correct choice — an uncontended lock is ~20 ns, an
+//! actor round trip through a channel is 220–560 ns plus a task wake-up
+//! (figures from `bench admission`'s notes).
+//!
+//! Every lifecycle decision is the dispatcher's; this module only drives
+//! it: each call takes the lock, calls the dispatcher with the router's
+//! clock, and carries out the effects before releasing the lock — a
+//! dispatch goes to the handler waiting for it (a oneshot send, which
+//! never blocks), replica events and session bindings to the publisher's
+//! bounded queue (never blocks; a full queue drops and counts), circuit
+//! transitions to the worker table and the log, counts to the metrics. A
+//! dispatch whose handler is gone is aborted at once.
+//!
+//! Handlers use the guards in [`crate::booking`]; nothing outside this
+//! module sees the dispatcher or the lock.
+
+use crate::booking::{Assignment, WaitHandle};
+use crate::gauges::{Snapshot, WorkerRow};
+use crate::metrics::{AdmissionDecision, ServerMetrics};
+use crate::roster::{Roster, UnknownModel, WorkerInfo};
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+use switchyard_core::admission::{QueueClass, SessionKey};
+use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
+use switchyard_core::health::{CircuitConfig, CircuitConfigError, CircuitState};
+use switchyard_core::index::IndexEvent;
+use switchyard_core::router::WorkerCapacity;
+use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
+use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
+use switchyard_wire::replica::ReplicaBatch;
+use tokio::sync::oneshot;
+
+/// What a request brings to admission.
+#[derive(Debug)]
+pub struct Request<'a> {
+    /// Local block hashes of its prompt.
+    pub blocks: Vec<LocalHash>,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// The session, when the client named one.
+    pub session: Option<SessionKey>,
+    /// The requested model.
+    pub model: Option<&'a str>,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// 429 with this retry-after.
+    QueueFull {
+        /// Suggested wait.
+        retry_after_ms: u64,
+    },
+    /// No worker serves the model.
+    UnknownModel,
+}
+
+struct Inner {
+    dispatcher: Dispatcher,
+    roster: Roster,
+    /// Handlers waiting for their request's placement.
+    waiting: FxHashMap<RequestId, oneshot::Sender<Assignment>>,
+    /// Replica sync, when on.
+    publisher: Option<ReplicaPublisher>,
+}
+
+/// The shared state; cheap to share behind an `Arc`.
+pub struct SharedRouter {
+    inner: Mutex<Inner>,
+    epoch: Instant,
+    next_request: AtomicU64,
+    request_salt: u64,
+    metrics: Arc<ServerMetrics>,
+}
+
+impl std::fmt::Debug for SharedRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRouter").finish_non_exhaustive()
+    }
+}
+
+impl SharedRouter {
+    /// Wraps a dispatcher (with no workers yet).
+    pub fn new(dispatcher: Dispatcher, metrics: Arc<ServerMetrics>) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                dispatcher,
+                roster: Roster::default(),
+                waiting: FxHashMap::default(),
+                publisher: None,
+            }),
+            epoch: Instant::now(),
+            next_request: AtomicU64::new(1),
+            request_salt: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            metrics,
+        }
+    }
+
+    /// Router metrics.
+    pub fn metrics(&self) -> &Arc<ServerMetrics> {
+        &self.metrics
+    }
+
+    /// Milliseconds since the router started: the core's clock.
+    pub fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// A fresh request id, unique across router processes with high
+    /// probability (start-time salt in the high half).
+    pub fn next_request_id(&self) -> RequestId {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        RequestId((u128::from(self.request_salt) << 64) | u128::from(n))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves the state as consistent as
+        // the dispatcher's own invariants make it; keep serving.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs one dispatcher call with the lock held and carries out its
+    /// effects; routing decisions it made are timed as the call's time
+    /// shared between them.
+    fn drive<R>(&self, call: impl FnOnce(&mut Inner, f64) -> (R, Effects)) -> R {
+        let started = Instant::now();
+        let now = self.now_ms();
+        let mut inner = self.lock();
+        let (result, fx) = call(&mut inner, now);
+        let decisions = fx.counts.decisions;
+        self.carry_out(&mut inner, fx, now);
+        if decisions > 0 {
+            let each = started.elapsed().as_secs_f64() / f64::from(decisions);
+            for _ in 0..decisions {
+                self.metrics.routing_decision.observe(each);
+            }
+        }
+        result
+    }
+
+    /// Carries out effects (and those of the aborts they cause).
+    fn carry_out(&self, inner: &mut Inner, fx: Effects, now: f64) {
+        let mut pending = vec![fx];
+        while let Some(fx) = pending.pop() {
+            let counts = fx.counts;
+            if counts.cancelled > 0 {
+                self.metrics
+                    .count_admissions(AdmissionDecision::Cancelled, counts.cancelled);
+            }
+            self.metrics
+                .freed_by_removal
+                .fetch_add(u64::from(counts.freed_by_removal), Ordering::Relaxed);
+            if let Some(publisher) = &inner.publisher {
+                ReplicaMetrics::add(
+                    &publisher.metrics().expired,
+                    u64::from(counts.expired_remote),
+                );
+                switchyard_replica::publish_effects(publisher, &fx.publish, &fx.bindings);
+            }
+            for change in &fx.circuits {
+                inner.roster.circuit_changed(change);
+            }
+            for sent in fx.dispatch {
+                let handed = match (
+                    inner.waiting.remove(&sent.id),
+                    inner.roster.get(sent.worker),
+                ) {
+                    (Some(tx), Some(info)) => tx
+                        .send(Assignment::Dispatched {
+                            booking: sent.booking,
+                            worker: sent.worker,
+                            name: info.name.clone(),
+                            url: info.url.clone(),
+                            overlap_blocks: sent.overlap_blocks,
+                            waited_ms: sent.waited_ms,
+                            progress: sent.progress,
+                        })
+                        .is_ok(),
+                    _ => false,
+                };
+                if !handed {
+                    // Nobody waits for it any more (the client went away).
+                    pending.push(inner.dispatcher.abort(sent.id, now));
+                }
+            }
+            for id in fx.no_worker {
+                if let Some(tx) = inner.waiting.remove(&id) {
+                    let _ = tx.send(Assignment::NoWorkers);
+                }
+            }
+        }
+    }
+
+    // ---- Requests (through the guards in `booking`) --------------------
+
+    /// Admission: queues the request and tries to place it at once.
+    pub fn submit(
+        self: &Arc<Self>,
+        id: RequestId,
+        request: Request<'_>,
+    ) -> Result<WaitHandle, SubmitError> {
+        let (tx, rx) = oneshot::channel();
+        let admitted = self.drive(|inner, now| {
+            let eligible = match inner.roster.eligible_for(request.model) {
+                Ok(eligible) => eligible,
+                Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
+            };
+            let submission = Submission {
+                blocks: request.blocks,
+                prompt_tokens: request.prompt_tokens,
+                session: request.session,
+                eligible,
+                class: QueueClass::default(),
+            };
+            // Registered first: the submit's own effects may dispatch it.
+            inner.waiting.insert(id, tx);
+            match inner.dispatcher.submit(id, submission, now) {
+                Ok((admitted, fx)) => (Ok(admitted), fx),
+                Err(refused) => {
+                    inner.waiting.remove(&id);
+                    let retry_after_ms = match refused {
+                        Refused::Full { retry_after_ms } => retry_after_ms,
+                        // Ids are fresh per request: a duplicate is a retry
+                        // of a request still here, so it waits its turn too.
+                        Refused::Duplicate => 1_000,
+                    };
+                    (
+                        Err(SubmitError::QueueFull { retry_after_ms }),
+                        Effects::default(),
+                    )
+                }
+            }
+        });
+        match admitted {
+            Ok(Admitted::Queued) => self.metrics.count_admissions(AdmissionDecision::Queued, 1),
+            Ok(Admitted::Deferred) => self
+                .metrics
+                .count_admissions(AdmissionDecision::Deferred, 1),
+            Err(SubmitError::QueueFull { .. }) => self
+                .metrics
+                .count_admissions(AdmissionDecision::Rejected, 1),
+            Err(SubmitError::UnknownModel) => {}
+        }
+        admitted?;
+        Ok(WaitHandle::new(self.clone(), id, rx))
+    }
+
+    /// The request's first token arrived.
+    pub(crate) fn first_token(&self, id: RequestId) {
+        self.drive(|inner, now| ((), inner.dispatcher.first_token(id, now)));
+    }
+
+    /// Its worker failed it (the circuit breaker hears it once per booking).
+    pub(crate) fn worker_failed(&self, id: RequestId) {
+        self.drive(|inner, now| ((), inner.dispatcher.worker_failed(id, now)));
+    }
+
+    /// It finished with `context_tokens` (prompt plus generated).
+    pub(crate) fn finish(&self, id: RequestId, context_tokens: u64) {
+        self.drive(|inner, now| ((), inner.dispatcher.finish(id, context_tokens, now)));
+    }
+
+    /// It ended without a result, wherever it was.
+    pub(crate) fn abort(&self, id: RequestId) {
+        self.drive(|inner, now| {
+            inner.waiting.remove(&id);
+            ((), inner.dispatcher.abort(id, now))
+        });
+    }
+
+    /// Moves a placed request off its worker under the new `booking` id
+    /// (with `prompt`, when it changes); the handle resolves when it is
+    /// placed again.
+    pub(crate) fn migrate(
+        self: &Arc<Self>,
+        id: RequestId,
+        booking: RequestId,
+        prompt: Option<(Vec<LocalHash>, u32)>,
+    ) -> Result<WaitHandle, MigrateError> {
+        let (tx, rx) = oneshot::channel();
+        self.drive(|inner, now| {
+            inner.waiting.insert(id, tx);
+            match inner.dispatcher.migrate(id, booking, prompt, now) {
+                Ok(fx) => (Ok(()), fx),
+                Err(e) => {
+                    inner.waiting.remove(&id);
+                    (Err(e), Effects::default())
+                }
+            }
+        })?;
+        Ok(WaitHandle::new(self.clone(), id, rx))
+    }
+
+    /// Periodic work: admission reconcile and rechecks, expiry, silent
+    /// peers, circuit cooldowns.
+    pub fn tick(&self) {
+        self.drive(|inner, now| ((), inner.dispatcher.tick(now)));
+    }
+
+    /// When `tick` is next due, on [`Self::now_ms`]'s clock.
+    pub fn next_wakeup_ms(&self) -> f64 {
+        self.lock().dispatcher.next_wakeup_ms()
+    }
+
+    // ---- Workers ------------------------------------------------------
+
+    /// Registers a worker (not yet in selection until `set_in_router`).
+    pub fn add_worker(&self, name: &str, url: &str) -> Result<WorkerId, String> {
+        // Replicas name workers by id: derive it from the name, not the order.
+        let id = switchyard_replica::worker_id_for_name(name);
+        self.lock().roster.insert(id, name, url)?;
+        Ok(id)
+    }
+
+    /// Puts a worker into selection or takes it out. Taking it out drops
+    /// its index entries and bookings; putting it back starts a fresh
+    /// circuit and a new KV-event epoch.
+    pub fn set_in_router(&self, id: WorkerId, in_router: bool) {
+        self.drive(|inner, now| {
+            let Some(info) = inner.roster.get_mut(id) else {
+                return ((), Effects::default());
+            };
+            if info.in_router == in_router {
+                return ((), Effects::default());
+            }
+            info.in_router = in_router;
+            if in_router {
+                info.failures = 0;
+                info.events_epoch += 1;
+                let capacity = info.capacity;
+                let used = info.kv_usage;
+                let fx = inner.dispatcher.add_worker(id, capacity, now);
+                inner.dispatcher.report_kv(id, used);
+                ((), fx)
+            } else {
+                ((), inner.dispatcher.remove_worker(id, now))
+            }
+        });
+    }
+
+    /// Sets every worker's circuit-breaker settings.
+    pub fn set_circuit_config(&self, config: CircuitConfig) -> Result<(), CircuitConfigError> {
+        self.lock().dispatcher.set_circuit_config(config)
+    }
+
+    /// A worker's circuit state, while it is in the router.
+    pub fn circuit_state(&self, id: WorkerId) -> Option<CircuitState> {
+        self.lock().dispatcher.circuit_state(id)
+    }
+
+    /// Whether a worker's circuit would take a request now.
+    pub fn circuit_admits(&self, id: WorkerId) -> Option<bool> {
+        self.lock().dispatcher.circuit_admits(id)
+    }
+
+    /// The epoch a KV-event subscriber started now belongs to (`None` while
+    /// the worker is out of the router).
+    pub fn events_epoch(&self, id: WorkerId) -> Option<u64> {
+        let inner = self.lock();
+        let info = inner.roster.get(id)?;
+        info.in_router.then_some(info.events_epoch)
+    }
+
+    /// Applies a KV event from the subscriber of `epoch`; a stale
+    /// subscriber's (the worker left the router since) is dropped and
+    /// counted. Returns whether it was applied.
+    pub fn apply_worker_event(&self, worker: WorkerId, epoch: u64, event: &IndexEvent) -> bool {
+        let mut inner = self.lock();
+        let live = inner
+            .roster
+            .get(worker)
+            .is_some_and(|w| w.in_router && w.events_epoch == epoch);
+        if live {
+            inner.dispatcher.apply_kv_event(worker, event);
+        } else {
+            self.metrics.stale_kv_events.fetch_add(1, Ordering::Relaxed);
+        }
+        live
+    }
+
+    /// Removes a worker entirely.
+    pub fn remove_worker(&self, id: WorkerId) -> Option<WorkerInfo> {
+        self.set_in_router(id, false);
+        self.lock().roster.remove(id)
+    }
+
+    /// Marks a worker draining (no new requests).
+    pub fn set_draining(&self, id: WorkerId) {
+        if let Some(info) = self.lock().roster.get_mut(id) {
+            info.draining = true;
+        }
+    }
+
+    /// Records one health-check result; returns whether the worker should
+    /// now be in selection.
+    pub fn health_result(&self, id: WorkerId, ok: bool, threshold: u32) -> Option<bool> {
+        let mut inner = self.lock();
+        let info = inner.roster.get_mut(id)?;
+        if ok {
+            info.failures = 0;
+            Some(true)
+        } else {
+            info.failures = info.failures.saturating_add(1);
+            Some(info.failures < threshold && info.in_router)
+        }
+    }
+
+    /// Snapshot of the worker table, sorted by name.
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.lock().roster.sorted().into_iter().cloned().collect()
+    }
+
+    /// Sets a worker's capacity (the busy thresholds use it from its next
+    /// entry into selection; the admission strategy at once).
+    pub fn set_capacity(&self, id: WorkerId, capacity: WorkerCapacity) {
+        let mut inner = self.lock();
+        let Some(info) = inner.roster.get_mut(id) else {
+            return;
+        };
+        info.capacity = capacity;
+        let (in_router, used) = (info.in_router, info.kv_usage);
+        if in_router {
+            // Updates the capacity in place: places nothing new.
+            let now = self.now_ms();
+            let fx = inner.dispatcher.add_worker(id, capacity, now);
+            self.carry_out(&mut inner, fx, now);
+            inner.dispatcher.report_kv(id, used);
+        }
+    }
+
+    /// Whether an admission strategy wants the workers' KV usage.
+    pub fn wants_kv_usage(&self) -> bool {
+        self.lock().dispatcher.admission().strategy().is_some()
+    }
+
+    /// Records a worker's measured KV usage (a fraction, clamped to 0..=1;
+    /// not a number: ignored) and passes it to the admission strategy.
+    pub fn set_kv_usage(&self, id: WorkerId, fraction: f64) {
+        if !fraction.is_finite() {
+            return;
+        }
+        let fraction = fraction.clamp(0.0, 1.0);
+        let mut inner = self.lock();
+        let Some(info) = inner.roster.get_mut(id) else {
+            return;
+        };
+        info.kv_usage = Some(fraction);
+        inner.dispatcher.report_kv(id, Some(fraction));
+    }
+
+    /// Sets a worker's model list.
+    pub fn set_models(&self, id: WorkerId, models: Vec<String>) {
+        if let Some(info) = self.lock().roster.get_mut(id) {
+            info.models = models;
+        }
+    }
+
+    /// Active requests booked on `id` (0 when unknown): this replica's
+    /// and, with replica sync on, its peers'. This is the worker's load.
+    pub fn active_requests(&self, id: WorkerId) -> usize {
+        self.lock()
+            .dispatcher
+            .router()
+            .sequences()
+            .registry()
+            .load(id)
+            .map_or(0, |l| l.requests)
+    }
+
+    /// Requests booked on any worker.
+    pub fn total_active_requests(&self) -> usize {
+        self.lock()
+            .dispatcher
+            .router()
+            .sequences()
+            .active_requests()
+    }
+
+    /// Requests this replica booked on `id` and has not freed. Draining
+    /// waits for these only — a peer's bookings end on the peer.
+    pub fn local_requests(&self, id: WorkerId) -> usize {
+        self.lock().dispatcher.local_requests_on(id)
+    }
+
+    // ---- Replica sync -------------------------------------------------
+
+    /// Turns replica sync on as replica `id`, publishing through
+    /// `publisher`.
+    pub fn attach_replica(&self, id: ReplicaId, publisher: ReplicaPublisher) {
+        let mut inner = self.lock();
+        inner.dispatcher.set_replica(id);
+        inner.publisher = Some(publisher);
+    }
+
+    /// The replica plane's counters, with sync on.
+    pub fn replica_metrics(&self) -> Option<Arc<ReplicaMetrics>> {
+        self.lock().publisher.as_ref().map(|p| p.metrics().clone())
+    }
+
+    /// Applies one of a peer's batches.
+    pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
+    }
+
+    /// Frees the bookings of peers silent past their expiry; returns how many.
+    pub fn expire_silent_replicas(&self) -> u64 {
+        self.drive(|inner, now| {
+            let fx = inner.dispatcher.tick(now);
+            (u64::from(fx.counts.expired_remote), fx)
+        })
+    }
+
+    // ---- Metrics ------------------------------------------------------
+
+    /// What `/metrics` shows of the routing state, read under one lock.
+    pub fn snapshot(&self) -> Snapshot {
+        let now = self.now_ms();
+        let inner = self.lock();
+        let router = inner.dispatcher.router();
+        let registry = router.sequences().registry();
+        let workers = inner
+            .roster
+            .sorted()
+            .into_iter()
+            .map(|info| {
+                let load = registry.load(info.id);
+                let requests = load.map_or(0, |l| l.requests);
+                let remote = router.remote().remote_requests_on(info.id);
+                WorkerRow {
+                    name: info.name.clone(),
+                    prefill_tokens: load.map_or(0, |l| l.active_prefill_tokens(now)),
+                    decode_blocks: load.map_or(0, |l| l.decode_blocks),
+                    requests,
+                    local_requests: requests.saturating_sub(remote),
+                    remote_requests: remote,
+                    up: info.in_router && !info.draining,
+                    kv_usage: info.kv_usage,
+                    circuit: info.circuit,
+                    circuit_transitions: info.circuit_transitions,
+                }
+            })
+            .collect();
+        let admission = inner.dispatcher.admission();
+        Snapshot {
+            workers,
+            active_requests: router.sequences().active_requests(),
+            index_blocks: router.index().live_pairs(),
+            index_bytes: router.estimated_bytes(),
+            queue_depth: admission.queue().len(),
+            strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),
+            replica: inner.publisher.as_ref().map(|p| p.metrics().clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AdmissionMode;
+    use crate::testing::{book_remotely, place, request, shared_with};
+    use crate::ServerConfig;
+    use switchyard_core::select::PolicyKind;
+
+    fn round_robin() -> ServerConfig {
+        ServerConfig {
+            policy: PolicyKind::RoundRobin,
+            ..ServerConfig::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_migrated_request_never_goes_back_to_a_worker_that_failed_it() {
+        let (shared, _) = shared_with(&round_robin(), &["a", "b", "c"]);
+        // Failing every worker in turn must not open their circuits.
+        with_circuit(&shared, 100, 60_000);
+        for _ in 0..4 {
+            let mut booking = place(&shared, request(&[], 4)).await.unwrap();
+            let mut failed = Vec::new();
+            for _ in 0..2 {
+                booking.worker_failed();
+                failed.push(booking.worker);
+                let wait = booking.migrate(None).unwrap();
+                booking = wait.placed().await.unwrap();
+                assert!(!failed.contains(&booking.worker), "{failed:?}");
+            }
+            // The last worker fails it too: no worker can take it.
+            booking.worker_failed();
+            assert!(booking.migrate(None).unwrap().placed().await.is_err());
+            assert_eq!(shared.total_active_requests(), 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn local_requests_leave_out_peers_bookings_on_the_worker() {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
+        book_remotely(&shared, 1_000, ids[0]);
+        book_remotely(&shared, 1_001, ids[0]);
+        assert_eq!(shared.active_requests(ids[0]), 2, "the load counts them");
+        assert_eq!(shared.local_requests(ids[0]), 0);
+        let booking = place(&shared, request(&[], 4)).await.unwrap();
+        assert_eq!(shared.active_requests(ids[0]), 3);
+        assert_eq!(shared.local_requests(ids[0]), 1);
+        drop(booking);
+        assert_eq!(shared.local_requests(ids[0]), 0);
+    }
+
+    #[tokio::test]
+    async fn removing_a_worker_counts_only_this_replicas_bookings_as_freed() {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
+        book_remotely(&shared, 1_000, ids[0]);
+        let booking = place(&shared, request(&[], 4)).await.unwrap();
+        shared.set_in_router(ids[0], false);
+        assert_eq!(
+            shared.metrics().freed_by_removal.load(Ordering::Relaxed),
+            1,
+            "the peer's booking is the peer's to free"
+        );
+        assert_eq!(shared.active_requests(ids[0]), 0);
+        drop(booking);
+    }
+
+    /// Breakers that open after `threshold` failures for 1 ms (or a minute).
+    fn with_circuit(shared: &SharedRouter, threshold: u32, cooldown_ms: u64) {
+        shared
+            .set_circuit_config(CircuitConfig {
+                failure_threshold: threshold,
+                cooldown_ms,
+                max_cooldown_ms: cooldown_ms,
+            })
+            .unwrap();
+    }
+
+    /// One worker whose circuit is half-open (its one failure opened it,
+    /// and the 1 ms cooldown is over).
+    async fn half_open_worker() -> (Arc<SharedRouter>, WorkerId) {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
+        with_circuit(&shared, 1, 1);
+        let booking = place(&shared, request(&[], 4)).await.unwrap();
+        booking.worker_failed();
+        drop(booking);
+        // Sleeping is a lower bound: any machine gets past the cooldown.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        shared.tick();
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
+        (shared, ids[0])
+    }
+
+    #[tokio::test]
+    async fn a_probe_placed_but_dropped_before_its_handler_took_it_frees_the_probe_slot() {
+        let (shared, worker) = half_open_worker().await;
+        // Placed at once (the probe is dispatched), then the client goes
+        // away before the handler reads the placement.
+        let wait = shared.submit(RequestId(2), request(&[], 4)).unwrap();
+        assert_eq!(shared.circuit_admits(worker), Some(false));
+        drop(wait);
+        assert_eq!(shared.total_active_requests(), 0);
+        assert_eq!(
+            shared.circuit_admits(worker),
+            Some(true),
+            "the circuit may probe again"
+        );
+        let probe = place(&shared, request(&[], 4))
+            .await
+            .expect("the next request is the probe");
+        assert_eq!(probe.worker, worker);
+    }
+
+    #[tokio::test]
+    async fn a_late_result_of_a_request_dispatched_before_the_opening_is_ignored() {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
+        with_circuit(&shared, 1, 1);
+        let mut early = place(&shared, request(&[], 4)).await.unwrap();
+        let failing = place(&shared, request(&[], 4)).await.unwrap();
+        failing.worker_failed();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        shared.tick();
+        let probe = place(&shared, request(&[], 4)).await.unwrap();
+        // The early request's first token is not the probe's success.
+        early.mark_first_token();
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
+        // Nor does its end free the probe slot.
+        drop(early);
+        assert_eq!(shared.circuit_admits(ids[0]), Some(false));
+        drop((failing, probe));
+    }
+
+    #[tokio::test]
+    async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_again() {
+        let (shared, ids) = shared_with(&round_robin(), &["w0", "w1"]);
+        with_circuit(&shared, 2, 60_000);
+        let mut failures = 0;
+        while failures < 2 {
+            let booking = place(&shared, request(&[], 1))
+                .await
+                .expect("a worker is free");
+            if booking.worker == ids[0] {
+                booking.worker_failed();
+                // Reported twice, counted once.
+                booking.worker_failed();
+                failures += 1;
+            }
+        }
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
+        for _ in 0..10 {
+            let booking = place(&shared, request(&[], 1)).await.unwrap();
+            assert_eq!(booking.worker, ids[1]);
+        }
+        // The worker is still in the router: only selection skips it.
+        let info = shared
+            .workers()
+            .into_iter()
+            .find(|w| w.id == ids[0])
+            .unwrap();
+        assert!(info.in_router);
+        assert_eq!(info.circuit, CircuitState::Open);
+        assert_eq!(info.circuit_transitions[CircuitState::Open as usize], 1);
+    }
+
+    #[tokio::test]
+    async fn a_first_token_is_a_success_that_resets_the_failure_streak() {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["w0"]);
+        with_circuit(&shared, 2, 60_000);
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .worker_failed();
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .mark_first_token();
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .worker_failed();
+        assert_eq!(
+            shared.circuit_state(ids[0]),
+            Some(CircuitState::Closed),
+            "the streak was broken"
+        );
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .worker_failed();
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
+        assert!(
+            place(&shared, request(&[], 1)).await.is_none(),
+            "no worker can take it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_leaves_and_reenters_the_router_starts_with_a_closed_circuit() {
+        let (shared, ids) = shared_with(&ServerConfig::default(), &["w0"]);
+        with_circuit(&shared, 2, 60_000);
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .worker_failed();
+        place(&shared, request(&[], 1))
+            .await
+            .unwrap()
+            .worker_failed();
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
+        shared.set_in_router(ids[0], false);
+        shared.set_in_router(ids[0], true);
+        assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Closed));
+        let info = shared.workers().remove(0);
+        assert_eq!(
+            info.circuit_transitions[CircuitState::Closed as usize],
+            1,
+            "the reset out of open counts as a close"
+        );
+        assert!(place(&shared, request(&[], 1)).await.is_some());
+    }
+
+    #[test]
+    fn a_booking_still_running_at_the_request_timeout_stays_in_the_load_view() {
+        for request_timeout_secs in [1.0, 600.0, 3_600.0] {
+            let config = ServerConfig {
+                request_timeout_secs,
+                ..ServerConfig::default()
+            };
+            let expiry_ms = crate::dispatcher_config(&config).router.sequences.expiry_ms;
+            assert!(
+                expiry_ms >= request_timeout_secs * 1e3 + 60_000.0,
+                "{expiry_ms} for a {request_timeout_secs} s timeout"
+            );
+        }
+    }
+
+    /// Session-aware routing state over two workers.
+    fn sessions() -> (Arc<SharedRouter>, Vec<WorkerId>) {
+        let config = ServerConfig {
+            admission: AdmissionMode::SessionAware,
+            policy: PolicyKind::RoundRobin,
+            ..ServerConfig::default()
+        };
+        shared_with(&config, &["a", "b"])
+    }
+
+    fn turn(session: u64, blocks: &[u64]) -> Request<'static> {
+        Request {
+            session: Some(SessionKey(session)),
+            ..request(blocks, blocks.len() as u32 * 16)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
+        let (shared, _) = sessions();
+        let mut first = place(&shared, turn(9, &[1, 2])).await.unwrap();
+        first.mark_first_token();
+        // The next turn arrives while the first runs: it waits.
+        let next = shared
+            .submit(shared.next_request_id(), turn(9, &[1, 2, 3]))
+            .unwrap();
+        // The first turn's worker fails it mid-stream; it moves.
+        first.worker_failed();
+        let failed = first.worker;
+        let mut moved = first.migrate(None).unwrap().placed().await.unwrap();
+        assert_ne!(moved.worker, failed);
+        tokio::task::yield_now().await;
+        assert_eq!(
+            shared.snapshot().queue_depth,
+            1,
+            "the next turn still waits for the migrated one"
+        );
+        // The migrated turn completes: the next turn goes where it ended.
+        moved.mark_first_token();
+        moved.completed(48);
+        let worker = moved.worker;
+        drop(moved);
+        let next = next.placed().await.unwrap();
+        assert_eq!(next.worker, worker, "the session re-pinned");
+        let counts = shared.snapshot().strategy.unwrap().1;
+        assert!(counts.contains(&("migrated_turns", 1)), "{counts:?}");
+    }
+}

@@ -1,0 +1,66 @@
+//! Helpers the server's unit tests share (compiled for tests only).
+
+use crate::booking::Booking;
+use crate::metrics::ServerMetrics;
+use crate::shared::{Request, SharedRouter};
+use crate::{build_shared, ServerConfig};
+use std::sync::Arc;
+use switchyard_core::sequences::AddRequest;
+use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
+use switchyard_wire::replica::{ActiveSequenceEvent, ReplicaBatch};
+
+/// The routing state of a router configured by `config`, with workers
+/// `names` in selection (nothing listens at their URLs).
+pub(crate) fn shared_with(
+    config: &ServerConfig,
+    names: &[&str],
+) -> (Arc<SharedRouter>, Vec<WorkerId>) {
+    let shared = Arc::new(build_shared(config, Arc::new(ServerMetrics::default())).unwrap());
+    let ids = names
+        .iter()
+        .map(|name| {
+            let id = shared
+                .add_worker(name, &format!("http://{name}.invalid:1"))
+                .unwrap();
+            shared.set_in_router(id, true);
+            id
+        })
+        .collect();
+    (shared, ids)
+}
+
+/// A request of `tokens` prompt tokens hashed into `blocks`.
+pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
+    Request {
+        blocks: blocks.iter().copied().map(LocalHash).collect(),
+        prompt_tokens: tokens,
+        session: None,
+        model: None,
+    }
+}
+
+/// Submits `request` under a fresh id and waits for its placement.
+pub(crate) async fn place(shared: &Arc<SharedRouter>, request: Request<'_>) -> Option<Booking> {
+    let id = shared.next_request_id();
+    shared.submit(id, request).ok()?.placed().await.ok()
+}
+
+/// A peer replica's booking of request `id` on `worker`, applied the way
+/// replica sync applies it (a wire batch).
+pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
+    let add = AddRequest {
+        request: RequestId(id),
+        worker,
+        prompt_tokens: 4,
+        blocks: Vec::new(),
+        overlap_blocks: 0,
+        expected_prefill_ms: None,
+    };
+    let peer = ReplicaId(7);
+    let batch = ReplicaBatch {
+        router_id: peer,
+        events: vec![ActiveSequenceEvent::add(peer, &add, None)],
+        sessions: Vec::new(),
+    };
+    assert_eq!(shared.apply_replica_batch(&batch).applied, 1);
+}
