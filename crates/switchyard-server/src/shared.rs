@@ -513,11 +513,13 @@ impl SharedRouter {
         self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
     }
 
-    /// Frees the bookings of peers silent past their expiry; returns how many.
+    /// Frees the bookings of peers silent past their expiry; returns how
+    /// many (the plane's subscriber, which asks, counts them).
     pub fn expire_silent_replicas(&self) -> u64 {
         self.drive(|inner, now| {
-            let fx = inner.dispatcher.tick(now);
-            (u64::from(fx.counts.expired_remote), fx)
+            let mut fx = inner.dispatcher.tick(now);
+            let expired = std::mem::take(&mut fx.counts.expired_remote);
+            (u64::from(expired), fx)
         })
     }
 
