@@ -64,12 +64,13 @@ mod tests {
     }
 
     /// The ShareGPT fixture: a few conversations from the shared trace, as
-    /// `{"id", "conversations": [{"from", "value"}]}` lines (see
-    /// `tests/fixtures/README.md` for provenance).
+    /// `{"id", "conversations": [{"from", "value"}]}` lines (kept with the
+    /// binary's integration-test fixtures; see
+    /// `crates/switchyard/tests/fixtures/README.md` for provenance).
     fn sharegpt_texts() -> Vec<String> {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/sharegpt_sample.jsonl"
+            "/../switchyard/tests/fixtures/sharegpt_sample.jsonl"
         );
         let file = std::fs::File::open(path).expect("fixture exists");
         let mut texts = Vec::new();
