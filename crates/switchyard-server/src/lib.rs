@@ -11,8 +11,10 @@
 //! - [`proxy`] — the HTTP handlers, attempts and the non-streaming path.
 //! - [`stream`] — the streaming response body: forwards events, resumes a
 //!   broken stream on another worker.
-//! - [`migration`] and [`sse`] — the pure parts of migration: the decision,
-//!   progress, the resume request; the SSE parser and chunk rewriter.
+//! - [`migration`] — the pure parts of migration: the decision, progress,
+//!   the resume request. The SSE parser, the chunk classifier and rewriter
+//!   and the OpenAI types are the wire crate's ([`switchyard_wire::sse`],
+//!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): local mutations out to
 //!   peers, peers' bookings into the core.
 //! - [`health`] — per-worker circuit breakers (passive failure detection);
@@ -35,7 +37,6 @@ pub mod metrics;
 pub mod migration;
 pub mod proxy;
 pub mod replica;
-pub mod sse;
 pub mod standalone;
 pub mod state;
 pub mod stream;

@@ -39,6 +39,14 @@ pub struct Completion {
     pub usage: Option<Usage>,
 }
 
+impl Completion {
+    /// The answer as JSON text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self)
+            .expect("an answer is strings, numbers and string-keyed maps: it serializes")
+    }
+}
+
 /// One choice. A completion choice has `text`; a whole chat answer has
 /// `message`; a chat chunk has `delta`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
