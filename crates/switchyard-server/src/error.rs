@@ -1,160 +1,145 @@
-//! OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`.
+//! The router's own error answers: the wire crate's OpenAI error body
+//! ([`ErrorBody`], `{"error": {"message", "type", "param", "code"}}`) with
+//! its HTTP status and, for 429 and 503, `Retry-After`.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use switchyard_wire::openai::ErrorBody;
 
 /// An error answered by the router itself (never one passed through from a
 /// worker, whose bodies go back unchanged).
 #[derive(Debug)]
 pub struct ApiError {
-    /// HTTP status.
+    /// HTTP status (also the body's `code`).
     pub status: StatusCode,
-    /// OpenAI's `type`.
-    pub kind: &'static str,
-    /// Human-readable; never contains prompt text.
-    pub message: String,
-    /// The offending field, when one is to blame.
-    pub param: Option<&'static str>,
+    /// Its message never contains prompt text.
+    body: ErrorBody,
     /// `Retry-After`, in seconds, for 429 and 503.
     pub retry_after_secs: Option<u64>,
 }
 
-impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+impl From<ErrorBody> for ApiError {
+    /// The answer of `body`, with the status its `code` names (500 when it
+    /// names none).
+    fn from(body: ErrorBody) -> Self {
+        let status = body
+            .status()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         Self {
             status,
-            kind,
-            message: message.into(),
-            param: None,
+            body,
             retry_after_secs: None,
         }
+    }
+}
+
+impl ApiError {
+    fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after_secs = Some(secs);
+        self
     }
 
     /// 400: malformed JSON or an invalid field.
     pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            param,
-            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-        }
+        ErrorBody::invalid_request(message, param).into()
     }
 
     /// 401: missing or wrong key.
     pub fn unauthorized() -> Self {
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "invalid or missing API key (Authorization: Bearer ...)",
-        )
+        ErrorBody::authentication("invalid or missing API key (Authorization: Bearer ...)").into()
     }
 
     /// 404: unknown route or model.
     pub fn not_found(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            param,
-            ..Self::new(StatusCode::NOT_FOUND, "not_found_error", message)
-        }
+        ErrorBody::not_found(message, param).into()
     }
 
     /// 413: body over the limit.
     pub fn too_large(limit: usize) -> Self {
-        Self::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("request body exceeds the limit of {limit} bytes"),
-        )
+        ErrorBody::too_large(limit).into()
     }
 
     /// 429: the admission queue is full.
     pub fn queue_full(retry_after_ms: u64) -> Self {
-        Self {
-            retry_after_secs: Some(retry_after_ms.div_ceil(1000).max(1)),
-            ..Self::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "the router's admission queue is full; retry later",
-            )
-        }
+        Self::from(ErrorBody::rate_limited(
+            "the router's admission queue is full; retry later",
+        ))
+        .retry_after(retry_after_ms.div_ceil(1000).max(1))
     }
 
     /// 503: no worker can take the request.
     pub fn no_workers(message: impl Into<String>) -> Self {
-        Self {
-            retry_after_secs: Some(1),
-            ..Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                message,
-            )
-        }
+        Self::from(ErrorBody::unavailable(message)).retry_after(1)
     }
 
     /// 503: the router already holds `limit` requests (`--max-inflight`).
     pub fn overloaded(limit: u64) -> Self {
-        Self {
-            retry_after_secs: Some(1),
-            ..Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                format!("the router is at its limit of {limit} requests in flight; retry later"),
-            )
-        }
+        Self::from(ErrorBody::unavailable(format!(
+            "the router is at its limit of {limit} requests in flight; retry later"
+        )))
+        .retry_after(1)
     }
 
     /// 503: the router is shutting down.
     pub fn shutting_down() -> Self {
-        Self {
-            retry_after_secs: Some(1),
-            ..Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "the router is shutting down; retry on another replica",
-            )
-        }
+        Self::from(ErrorBody::unavailable(
+            "the router is shutting down; retry on another replica",
+        ))
+        .retry_after(1)
     }
 
     /// 502: the chosen worker failed before answering.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_GATEWAY, "upstream_error", message)
+        ErrorBody::upstream(message).into()
     }
 
     /// 504: the request timeout passed; the upstream work was cancelled.
     pub fn timeout(after: std::time::Duration) -> Self {
-        Self::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "timeout",
-            format!(
-                "the request did not complete within the router's request timeout of {:.1} s",
-                after.as_secs_f64()
-            ),
-        )
+        ErrorBody::timeout(format!(
+            "the request did not complete within the router's request timeout of {:.1} s",
+            after.as_secs_f64()
+        ))
+        .into()
     }
 
     /// 500: a bug or an internal failure.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+        ErrorBody::internal(message).into()
     }
 
-    /// The JSON body.
-    pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status.as_u16(),
-            }
-        })
+    /// The body (as JSON: [`ErrorBody::to_json`]).
+    pub fn body(&self) -> &ErrorBody {
+        &self.body
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body())).into_response();
+        let mut response = (self.status, axum::Json(self.body)).into_response();
         if let Some(secs) = self.retry_after_secs {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_is_the_bodys_code_and_retry_after_only_where_it_helps() {
+        let queue = ApiError::queue_full(1500);
+        assert_eq!(queue.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(queue.body().status(), Some(429));
+        assert_eq!(queue.retry_after_secs, Some(2));
+        let bad = ApiError::bad_request("x", Some("messages"));
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        assert_eq!(bad.body().error.param.as_deref(), Some("messages"));
+        assert_eq!(bad.retry_after_secs, None);
+        assert_eq!(ApiError::no_workers("x").retry_after_secs, Some(1));
     }
 }

@@ -3,29 +3,40 @@
 //!
 //! - [`config`] — [`ServerConfig`]: TOML file, `SWITCHYARD_*` environment
 //!   and flags fill one validated struct.
-//! - [`state`] — [`state::SharedRouter`]: routing core + admission + worker
-//!   table behind one short-held mutex; booking guards.
+//! - [`shared`] — [`shared::SharedRouter`]: the core's `Dispatcher` (every
+//!   lifecycle decision: admission, routing, booking, freeing, migration,
+//!   replica events, circuit breakers), the worker table ([`roster`]) and
+//!   the requests waiting for placement, behind one short-held mutex; it
+//!   carries out the dispatcher's effects.
+//! - [`booking`] — the guards a handler holds: a `WaitHandle` until its
+//!   request is placed, then a `Booking` whose drop ends it.
 //! - [`workers`] — [`workers::Fleet`]: workers, KV-event subscribers,
 //!   health checks.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
-//! - [`proxy`] — the HTTP handlers, attempts and the non-streaming path.
-//! - [`stream`] — the streaming response body: forwards events, resumes a
-//!   broken stream on another worker.
-//! - [`migration`] and [`sse`] — the pure parts of migration: the decision,
-//!   progress, the resume request; the SSE parser and chunk rewriter.
-//! - [`replica`] — replica sync (`--replica-sync`): local mutations out to
-//!   peers, peers' bookings into the core.
-//! - [`health`] — per-worker circuit breakers (passive failure detection);
-//!   active health checks live in [`workers`].
+//! - [`proxy`] — the HTTP handlers and the non-streaming path; `attempt` —
+//!   one request's attempts on workers (send, judge a failure, migrate).
+//! - `stream` — the streaming response body, a small state machine that
+//!   forwards events and resumes a broken stream on another worker.
+//! - [`migration`] — the pure parts of migration: the decision, progress,
+//!   the resume request. The SSE parser, the chunk classifier and rewriter
+//!   and the OpenAI types are the wire crate's ([`switchyard_wire::sse`],
+//!   [`switchyard_wire::openai`]).
+//! - [`replica`] — replica sync (`--replica-sync`): the plane started over
+//!   NATS, peers' batches into the dispatcher.
 //! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
 //!   cancellation of what is still in flight at the shutdown deadline.
-//! - [`metrics`] and [`error`] — Prometheus text and OpenAI-style errors.
+//! - [`metrics`], [`gauges`] and [`error`] — Prometheus text and
+//!   OpenAI-style errors.
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
-//! Data flow: handler → tokenize → `SharedRouter::submit` (admission, route,
-//! book) → upstream POST → first event (else: free, exclude, retry
-//! elsewhere) → `stream::MigratingStream` (first token, latencies,
-//! mid-stream resume) → drop frees the booking.
+//! Data flow: handler → tokenize → `SharedRouter::submit` (the dispatcher
+//! admits, routes and books) → upstream POST → first event (else: the
+//! worker is reported and the request migrates, still its session's turn)
+//! → `stream::MigratingStream` (first token, latencies, mid-stream resume)
+//! → the booking's drop finishes or aborts the request.
+//!
+//! Modules import each other in one direction only: `proxy` → `attempt`
+//! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
 
 mod attempt;
 pub mod booking;
@@ -39,7 +50,6 @@ pub mod proxy;
 pub mod replica;
 pub mod roster;
 pub mod shared;
-pub mod sse;
 pub mod standalone;
 mod stream;
 #[cfg(test)]

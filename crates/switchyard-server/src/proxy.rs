@@ -19,7 +19,6 @@ use super::error::ApiError;
 use super::metrics::RequestStatus;
 use super::migration::{Failure, MigrationPolicy, Phase, Progress};
 use super::shared::SharedRouter;
-use super::sse::{classify, Api, Chunk, SseParser};
 use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::{PromptTokenizer, INLINE_CHARS};
 use super::workers::{Fleet, UpstreamClient};
@@ -40,7 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
-use switchyard_wire::openai::Prompt;
+use switchyard_wire::openai::{
+    Api, ChatCompletionRequest, CompletionRequest, Message, MessageContent, Prompt,
+};
+use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// Largest single SSE event the router accepts from a worker.
 pub const MAX_EVENT_BYTES: usize = 256 * 1024;
@@ -174,31 +176,6 @@ fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
 }
 
-#[derive(Deserialize)]
-struct ChatBody {
-    model: Option<String>,
-    messages: Vec<ChatMessageBody>,
-    #[serde(default)]
-    stream: bool,
-    session_id: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct ChatMessageBody {
-    role: String,
-    #[serde(default)]
-    content: Option<Value>,
-}
-
-#[derive(Deserialize)]
-struct CompletionBody {
-    model: Option<String>,
-    prompt: Prompt,
-    #[serde(default)]
-    stream: bool,
-    session_id: Option<String>,
-}
-
 /// The routing facts of one request.
 struct Parsed {
     model: Option<String>,
@@ -207,7 +184,10 @@ struct Parsed {
     tokens: Vec<u32>,
 }
 
-fn chat_messages(body: Vec<ChatMessageBody>) -> Result<Vec<ChatMessage>, ApiError> {
+/// The router's reading of chat messages: text content as is, the text
+/// of every content part that has one (images and other parts do not
+/// change the text prefix), no content as empty.
+fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request(
             "messages must not be empty",
@@ -217,19 +197,12 @@ fn chat_messages(body: Vec<ChatMessageBody>) -> Result<Vec<ChatMessage>, ApiErro
     let mut messages = Vec::with_capacity(body.len());
     for m in body {
         let content = match m.content {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s,
-            Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for part in parts {
-                    // Non-text parts (images) do not change the text prefix.
-                    if let Some(t) = part.get("text").and_then(Value::as_str) {
-                        text.push_str(t);
-                    }
-                }
-                text
+            None => String::new(),
+            Some(MessageContent::Text(s)) => s,
+            Some(MessageContent::Parts(parts)) => {
+                parts.into_iter().filter_map(|p| p.text).collect()
             }
-            Some(_) => {
+            Some(MessageContent::Invalid) => {
                 return Err(ApiError::bad_request(
                     "message content must be a string or a list of content parts",
                     Some("messages"),
@@ -284,7 +257,7 @@ async fn chat_completions(
     let result = async {
         check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: ChatBody = parse(&body)?;
+        let parsed: ChatCompletionRequest = parse(&body)?;
         let messages = chat_messages(parsed.messages)?;
         let tokens = tokenize(&state, TokenizeJob::Chat(messages)).await?;
         let facts = Parsed {
@@ -308,7 +281,7 @@ async fn completions(
     let result = async {
         check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: CompletionBody = parse(&body)?;
+        let parsed: CompletionRequest = parse(&body)?;
         // A batch is routed by its first prompt: one worker serves it all.
         let tokens = match parsed.prompt {
             Prompt::Tokens(ids) => ids,

@@ -1,9 +1,11 @@
 //! The sim-worker's OpenAI-compatible HTTP surface.
 //!
-//! Bodies are parsed by hand from bytes so that every malformed request gets
-//! an OpenAI-style error body (`{"error": {"message", "type", "param",
-//! "code"}}`) with the right status, never a panic or a plain-text reply.
-//! Prompt contents never reach logs or metrics.
+//! Bodies are parsed from bytes into the wire crate's OpenAI types
+//! ([`switchyard_wire::openai`]) so that every malformed request gets an
+//! OpenAI-style error body ([`ErrorBody`]) with the right status, never a
+//! panic or a plain-text reply; answers and chunks are written with the
+//! same types the router reads. Prompt contents never reach logs or
+//! metrics.
 
 use super::driver::{DriverHandle, GenEvent};
 use super::metrics::Metrics;
@@ -16,8 +18,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use futures_util::StreamExt;
-use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,7 +31,10 @@ use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
-use switchyard_wire::openai::Prompt;
+use switchyard_wire::openai::{
+    Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion, CompletionRequest,
+    ErrorBody, MessageContent, Prompt, Usage,
+};
 use tokio::sync::mpsc;
 
 /// Everything a handler needs.
@@ -70,129 +76,65 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// An OpenAI-style error reply.
+/// An OpenAI-style error reply: the wire body and the status its `code`
+/// names.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
-    kind: &'static str,
-    message: String,
-    param: Option<&'static str>,
+    body: ErrorBody,
 }
 
-impl ApiError {
-    fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
-            message: message.into(),
-            param,
-        }
-    }
-
-    fn unavailable(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_overloaded",
-            message: message.into(),
-            param: None,
-        }
-    }
-
-    fn internal(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "internal_error",
-            message: message.into(),
-            param: None,
-        }
+impl From<ErrorBody> for ApiError {
+    fn from(body: ErrorBody) -> Self {
+        let status = body
+            .status()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        Self { status, body }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status.as_u16(),
-            }
-        });
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body)).into_response()
     }
 }
 
 impl From<AdmitError> for ApiError {
     fn from(err: AdmitError) -> Self {
+        let message = err.to_string();
         match err {
-            AdmitError::QueueFull(_) => ApiError::unavailable(err.to_string()),
-            AdmitError::Duplicate(_) => ApiError::internal(err.to_string()),
-            AdmitError::NoOutput => ApiError::bad_request(err.to_string(), Some("max_tokens")),
+            AdmitError::QueueFull(_) => ErrorBody::overloaded(message),
+            AdmitError::Duplicate(_) => ErrorBody::internal(message),
+            AdmitError::NoOutput => ErrorBody::invalid_request(message, Some("max_tokens")),
             AdmitError::EmptyPrompt | AdmitError::TooLong { .. } => {
-                ApiError::bad_request(err.to_string(), Some("prompt"))
+                ErrorBody::invalid_request(message, Some("prompt"))
             }
         }
+        .into()
     }
 }
 
 async fn not_found() -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        kind: "not_found_error",
-        message: "no such endpoint".into(),
-        param: None,
-    }
+    ErrorBody::not_found("no such endpoint", None).into()
 }
 
-#[derive(Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
-
-#[derive(Deserialize)]
-struct CompletionBody {
-    model: Option<String>,
-    prompt: Prompt,
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    /// vLLM's flag: each streamed choice carries the `token_ids` it adds.
-    #[serde(default)]
-    return_token_ids: bool,
-}
-
-#[derive(Deserialize)]
-struct ChatBody {
-    model: Option<String>,
-    messages: Vec<ChatMessageBody>,
-    max_tokens: Option<u32>,
-    max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    /// vLLM's flag: each streamed choice carries the `token_ids` it adds.
-    #[serde(default)]
-    return_token_ids: bool,
-}
-
-#[derive(Deserialize)]
-struct ChatMessageBody {
-    role: String,
-    #[serde(default)]
-    content: Option<Value>,
-}
-
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+        .map_err(|e| ErrorBody::invalid_request(format!("invalid request body: {e}"), None).into())
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Api {
-    Completions,
-    Chat,
+/// This worker generates one choice per request.
+fn check_n(n: u32) -> Result<(), ApiError> {
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(ErrorBody::invalid_request(
+            format!("n = {n} is not supported; this worker generates one choice per request"),
+            Some("n"),
+        )
+        .into())
+    }
 }
 
 struct Job {
@@ -212,15 +154,16 @@ struct Job {
 impl AppState {
     fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != &*self.model => Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                kind: "invalid_request_error",
-                message: format!(
+            Some(m) if m != &*self.model => Err(ErrorBody::new(
+                404,
+                "invalid_request_error",
+                format!(
                     "the model `{m}` does not exist; this worker serves `{}`",
                     self.model
                 ),
-                param: Some("model"),
-            }),
+            )
+            .with_param("model")
+            .into()),
             _ => Ok(()),
         }
     }
@@ -243,18 +186,23 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body: CompletionBody = parse(&body)?;
+    let body: CompletionRequest = parse(&body)?;
     state.check_model(body.model.as_deref())?;
+    check_n(body.n()?)?;
+    let include_usage = body.include_usage()?;
+    let return_token_ids = body.return_token_ids()?;
+    let max_tokens = body.max_tokens()?;
     let prompt = match body.prompt {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(text) => encode(&state, text).await?,
         Prompt::TokenBatches(mut batch) if batch.len() == 1 => batch.remove(0),
         Prompt::Texts(mut texts) if texts.len() == 1 => encode(&state, texts.remove(0)).await?,
         Prompt::Texts(_) | Prompt::TokenBatches(_) => {
-            return Err(ApiError::bad_request(
+            return Err(ErrorBody::invalid_request(
                 "batched prompts are not supported; send one prompt per request",
                 Some("prompt"),
-            ))
+            )
+            .into())
         }
     };
     let job = Job {
@@ -264,16 +212,11 @@ async fn completions(
         model: state.model.clone(),
         created: unix_now(),
         stream: body.stream,
-        include_usage: body.stream_options.is_some_and(|o| o.include_usage),
-        return_token_ids: body.return_token_ids,
+        include_usage,
+        return_token_ids,
     };
-    run(
-        state.clone(),
-        job,
-        prompt,
-        body.max_tokens.unwrap_or(state.default_max_tokens),
-    )
-    .await
+    let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
+    run(state, job, prompt, max_tokens).await
 }
 
 async fn chat_completions(
@@ -281,41 +224,45 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body: ChatBody = parse(&body)?;
+    let body: ChatCompletionRequest = parse(&body)?;
     state.check_model(body.model.as_deref())?;
+    check_n(body.n()?)?;
+    let include_usage = body.include_usage()?;
+    let return_token_ids = body.return_token_ids()?;
+    let max_tokens = body.max_tokens()?.unwrap_or(state.default_max_tokens);
     if body.messages.is_empty() {
-        return Err(ApiError::bad_request(
-            "messages must not be empty",
-            Some("messages"),
-        ));
+        return Err(
+            ErrorBody::invalid_request("messages must not be empty", Some("messages")).into(),
+        );
     }
     let mut messages = Vec::with_capacity(body.messages.len());
     for m in body.messages {
+        // The worker's reading: text, or text parts only.
         let content = match m.content {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s,
-            Some(Value::Array(parts)) => {
+            None => String::new(),
+            Some(MessageContent::Text(s)) => s,
+            Some(MessageContent::Parts(parts)) => {
                 let mut text = String::new();
                 for part in parts {
-                    match part.get("text").and_then(Value::as_str) {
-                        Some(t) if part.get("type").and_then(Value::as_str) == Some("text") => {
-                            text.push_str(t)
-                        }
+                    match part.text {
+                        Some(t) if part.kind.as_deref() == Some("text") => text.push_str(&t),
                         _ => {
-                            return Err(ApiError::bad_request(
+                            return Err(ErrorBody::invalid_request(
                                 "only text content parts are supported",
                                 Some("messages"),
-                            ))
+                            )
+                            .into())
                         }
                     }
                 }
                 text
             }
-            Some(_) => {
-                return Err(ApiError::bad_request(
+            Some(MessageContent::Invalid) => {
+                return Err(ErrorBody::invalid_request(
                     "message content must be a string or a list of text parts",
                     Some("messages"),
-                ))
+                )
+                .into())
             }
         };
         messages.push(ChatMessage {
@@ -329,8 +276,8 @@ async fn chat_completions(
         tokenizer.encode(&text)
     })
     .await
-    .map_err(|_| ApiError::internal("tokenizer task failed"))?
-    .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
+    .map_err(|_| ErrorBody::internal("tokenizer task failed"))?
+    .map_err(|e| ErrorBody::invalid_request(e.to_string(), Some("messages")))?;
     let job = Job {
         api: Api::Chat,
         id: state.request_id(),
@@ -338,13 +285,9 @@ async fn chat_completions(
         model: state.model.clone(),
         created: unix_now(),
         stream: body.stream,
-        include_usage: body.stream_options.is_some_and(|o| o.include_usage),
-        return_token_ids: body.return_token_ids,
+        include_usage,
+        return_token_ids,
     };
-    let max_tokens = body
-        .max_completion_tokens
-        .or(body.max_tokens)
-        .unwrap_or(state.default_max_tokens);
     run(state, job, prompt, max_tokens).await
 }
 
@@ -352,8 +295,8 @@ async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
     let tokenizer = state.tokenizer.clone();
     tokio::task::spawn_blocking(move || tokenizer.encode(&text))
         .await
-        .map_err(|_| ApiError::internal("tokenizer task failed"))?
-        .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+        .map_err(|_| ErrorBody::internal("tokenizer task failed"))?
+        .map_err(|e| ErrorBody::invalid_request(e.to_string(), Some("prompt")).into())
 }
 
 async fn run(
@@ -376,12 +319,12 @@ async fn run(
         .driver
         .submit(request)
         .await
-        .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
+        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
     // The first event tells whether the engine took the request.
     let first = rx
         .recv()
         .await
-        .ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
+        .ok_or_else(|| ApiError::from(ErrorBody::internal("the engine dropped the request")))?;
     if let GenEvent::Rejected(err) = first {
         return Err(err.into());
     }
@@ -443,13 +386,24 @@ fn finish_reason(reason: FinishReason) -> &'static str {
     }
 }
 
-fn usage(prompt_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": output_tokens,
-        "total_tokens": prompt_tokens + output_tokens,
-        "prompt_tokens_details": { "cached_tokens": cached_tokens },
-    })
+fn usage(prompt_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Usage {
+    Usage::new(
+        prompt_tokens as u64,
+        cached_tokens as u64,
+        output_tokens as u64,
+    )
+}
+
+/// An answer or chunk of `job` with `choices`.
+fn completion(job: &Job, object: &'static str, choices: Vec<Choice>) -> Completion {
+    Completion {
+        id: format!("{}-{}", job.api.id_prefix(), job.id),
+        object: Cow::Borrowed(object),
+        created: job.created,
+        model: job.model.to_string(),
+        choices,
+        usage: None,
+    }
 }
 
 async fn collect_response(
@@ -466,9 +420,10 @@ async fn collect_response(
                 reason: FinishReason::RestoreFailed,
                 ..
             }) => {
-                return Err(ApiError::internal(
+                return Err(ErrorBody::internal(
                     "the engine cancelled the request: a host-tier restore failed",
-                ))
+                )
+                .into())
             }
             Some(GenEvent::Finished {
                 reason,
@@ -476,35 +431,34 @@ async fn collect_response(
                 cached_tokens,
                 output_tokens,
             }) => {
-                let usage = usage(prompt_tokens, cached_tokens, output_tokens);
-                let body = match job.api {
-                    Api::Completions => json!({
-                        "id": format!("cmpl-{}", job.id),
-                        "object": "text_completion",
-                        "created": job.created,
-                        "model": &*job.model,
-                        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(reason)}],
-                        "usage": usage,
-                    }),
-                    Api::Chat => json!({
-                        "id": format!("chatcmpl-{}", job.id),
-                        "object": "chat.completion",
-                        "created": job.created,
-                        "model": &*job.model,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_reason(reason)}],
-                        "usage": usage,
-                    }),
+                let finish_reason = Some(finish_reason(reason).to_owned());
+                let choice = match job.api {
+                    Api::Completions => Choice {
+                        text: Some(text),
+                        finish_reason,
+                        ..Choice::default()
+                    },
+                    Api::Chat => Choice {
+                        message: Some(ChoiceMessage {
+                            role: "assistant".into(),
+                            content: Some(text),
+                        }),
+                        finish_reason,
+                        ..Choice::default()
+                    },
+                };
+                let body = Completion {
+                    usage: Some(usage(prompt_tokens, cached_tokens, output_tokens)),
+                    ..completion(&job, job.api.object(), vec![choice])
                 };
                 return Ok(Json(body).into_response());
             }
             Some(GenEvent::Rejected(err)) => return Err(err.into()),
             None => {}
         }
-        event = Some(
-            rx.recv()
-                .await
-                .ok_or_else(|| ApiError::internal("the engine dropped the request"))?,
-        );
+        event = Some(rx.recv().await.ok_or_else(|| {
+            ApiError::from(ErrorBody::internal("the engine dropped the request"))
+        })?);
     }
 }
 
@@ -517,62 +471,36 @@ enum StreamState {
     },
     Usage {
         job: Job,
-        usage: Value,
+        usage: Usage,
     },
     Done,
     Closed,
 }
 
-fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Value {
-    let delta_text = token.map(token_text);
-    let mut chunk = match job.api {
-        Api::Completions => json!({
-            "id": format!("cmpl-{}", job.id),
-            "object": "text_completion",
-            "created": job.created,
-            "model": &*job.model,
-            "choices": [{"index": 0, "text": delta_text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
-        }),
+fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Completion {
+    let text = token.map(|t| token_text(t).to_owned());
+    let mut choice = Choice {
+        finish_reason: finish.map(str::to_owned),
+        token_ids: token.filter(|_| job.return_token_ids).map(|t| vec![t]),
+        ..Choice::default()
+    };
+    match job.api {
+        Api::Completions => choice.text = Some(text.unwrap_or_default()),
         Api::Chat => {
-            let mut delta = serde_json::Map::new();
-            if role {
-                delta.insert("role".into(), json!("assistant"));
-            }
-            if let Some(t) = delta_text {
-                delta.insert("content".into(), json!(t));
-            }
-            json!({
-                "id": format!("chatcmpl-{}", job.id),
-                "object": "chat.completion.chunk",
-                "created": job.created,
-                "model": &*job.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            choice.delta = Some(ChoiceDelta {
+                role: role.then(|| "assistant".to_owned()),
+                content: text,
             })
         }
-    };
-    if let (true, Some(token)) = (job.return_token_ids, token) {
-        chunk["choices"][0]["token_ids"] = json!([token]);
     }
-    chunk
+    completion(job, job.api.chunk_object(), vec![choice])
 }
 
-fn usage_chunk(job: &Job, usage: Value) -> Value {
-    let object = match job.api {
-        Api::Completions => "text_completion",
-        Api::Chat => "chat.completion.chunk",
-    };
-    let prefix = match job.api {
-        Api::Completions => "cmpl",
-        Api::Chat => "chatcmpl",
-    };
-    json!({
-        "id": format!("{prefix}-{}", job.id),
-        "object": object,
-        "created": job.created,
-        "model": &*job.model,
-        "choices": [],
-        "usage": usage,
-    })
+fn usage_chunk(job: &Job, usage: Usage) -> Completion {
+    Completion {
+        usage: Some(usage),
+        ..completion(job, job.api.chunk_object(), Vec::new())
+    }
 }
 
 fn stream_response(
@@ -602,7 +530,7 @@ fn stream_response(
                     Some(GenEvent::Token { token, .. }) => {
                         let data = chunk(&job, Some(token), !started && job.api == Api::Chat, None);
                         Some((
-                            Event::default().data(data.to_string()),
+                            Event::default().data(data.to_json()),
                             StreamState::Open {
                                 job,
                                 pending: None,
@@ -617,8 +545,8 @@ fn stream_response(
                     })
                     | Some(GenEvent::Rejected(_))
                     | None => {
-                        let data = json!({"error": {"message": "the engine cancelled the request", "type": "internal_error", "param": null, "code": 500}});
-                        Some((Event::default().data(data.to_string()), StreamState::Done))
+                        let data = ErrorBody::internal("the engine cancelled the request");
+                        Some((Event::default().data(data.to_json()), StreamState::Done))
                     }
                     Some(GenEvent::Finished {
                         reason,
@@ -635,12 +563,12 @@ fn stream_response(
                         } else {
                             StreamState::Done
                         };
-                        Some((Event::default().data(data.to_string()), next))
+                        Some((Event::default().data(data.to_json()), next))
                     }
                 }
             }
             StreamState::Usage { job, usage } => Some((
-                Event::default().data(usage_chunk(&job, usage).to_string()),
+                Event::default().data(usage_chunk(&job, usage).to_json()),
                 StreamState::Done,
             )),
             StreamState::Done => Some((Event::default().data("[DONE]"), StreamState::Closed)),
@@ -679,7 +607,7 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
         .driver
         .submit(request)
         .await
-        .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
+        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
     while let Some(event) = rx.recv().await {
         match event {
             GenEvent::Finished {
@@ -691,7 +619,9 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
             GenEvent::Finished { .. } => break,
         }
     }
-    Err(ApiError::unavailable("the engine did not generate"))
+    Err(ApiError::from(ErrorBody::overloaded(
+        "the engine did not generate",
+    )))
 }
 
 async fn server_info(State(state): State<AppState>) -> Json<Value> {
@@ -742,7 +672,7 @@ async fn kv_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError
         .driver
         .snapshot()
         .await
-        .ok_or_else(|| ApiError::unavailable("the engine has stopped"))?;
+        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
     let tier = |m: switchyard_engine::Medium| -> Vec<u64> {
         cached
             .iter()

@@ -11,15 +11,21 @@
 //!   `token_ids`, partial blocks, storage tiers and hybrid-model groups
 //!   filtered, every skip counted by reason.
 //!
-//! - [`openai`] — OpenAI API shapes shared by the router and the simulated
-//!   worker.
+//! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
+//!   the error body; plain serde types that the router, the simulated
+//!   worker and the load generator all read and write.
+//! - [`sse`] — server-sent events: an incremental parser for any framing,
+//!   the chunk classifier (done, error, delta) and the rewriter that moves a
+//!   chunk into another response's shape.
 //! - [`replica`] — replica events: one router replica's bookings
 //!   ([`replica::ActiveSequenceEvent`]) and session bindings in a
 //!   [`replica::ReplicaBatch`], MessagePack-encoded, for its peers.
 //!
-//! Data flow: socket bytes → [`kv_events::decode_batch_lossy`] →
-//! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`. Sockets live
-//! in the `switchyard` crate; nothing here blocks, allocates without bound or
+//! Data flows: socket bytes → [`kv_events::decode_batch_lossy`] →
+//! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`; and a
+//! worker's stream → [`sse::SseParser`] → [`sse::classify`] →
+//! [`sse::StreamShape::rewrite`]. Sockets and HTTP frameworks live in the
+//! crates that serve; nothing here blocks, allocates without bound or
 //! panics on input.
 
 #![warn(missing_docs)]
@@ -28,3 +34,4 @@ pub mod kv_events;
 pub mod normalize;
 pub mod openai;
 pub mod replica;
+pub mod sse;

@@ -12,6 +12,12 @@
 //! - ShareGPT (`--sharegpt`, `.jsonl` or `.jsonl.gz`) becomes
 //!   `/v1/chat/completions` turns with real text, each turn's prompt being
 //!   the conversation so far, sent with `x-session-id`.
+//!
+//! Answers are read with the wire crate's SSE parser and OpenAI types
+//! ([`StreamTally`]): tokens are counted per event (a chunk's token ids, or
+//! one for a chunk with text), whatever the network's framing, and a
+//! stream counts as an error unless it ends with `[DONE]` and no error
+//! event.
 
 use crate::bench::stats::{write_json, Latency};
 use anyhow::Context as _;
@@ -29,6 +35,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
+use switchyard_wire::openai::Completion;
+use switchyard_wire::sse::{classify, Chunk, SseParser};
+
+/// Largest streamed event read; a longer one fails the request.
+const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// Options of `switchyard loadgen`.
 #[derive(Debug, Clone, Args)]
@@ -277,7 +288,8 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         .map(str::to_owned);
     let status_ok = response.status().is_success();
     let mut body = response.into_body();
-    let mut last: Option<Instant> = None;
+    let mut tally = StreamTally::new(started);
+    let mut whole = Vec::new();
     let mut broken = false;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
@@ -287,31 +299,92 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         let Some(data) = frame.data_ref() else {
             continue;
         };
-        let now = Instant::now();
-        let events = if stream {
-            data.windows(5).filter(|w| *w == b"data:").count() as u64
-                - data.windows(6).filter(|w| *w == b"[DONE]").count() as u64
+        if stream {
+            tally.frame(data, Instant::now());
         } else {
-            0
-        };
-        if events == 0 && stream {
-            continue;
+            whole.extend_from_slice(data);
         }
-        match last {
-            None => sample.ttft_ms = (now - started).as_secs_f64() * 1e3,
-            Some(l) => sample
-                .itl_ms
-                .push((now - l).as_secs_f64() * 1e3 / events.max(1) as f64),
-        }
-        last = Some(now);
-        sample.tokens += events;
     }
     sample.e2e_ms = started.elapsed().as_secs_f64() * 1e3;
-    if !stream {
+    if stream {
+        sample.ttft_ms = tally.ttft_ms.unwrap_or(sample.e2e_ms);
+        sample.itl_ms = tally.itl_ms;
+        sample.tokens = tally.tokens;
+        sample.ok = status_ok && !broken && tally.done && !tally.failed;
+    } else {
         sample.ttft_ms = sample.e2e_ms;
+        sample.tokens = serde_json::from_slice::<Completion>(&whole)
+            .ok()
+            .and_then(|answer| answer.usage)
+            .map_or(0, |usage| usage.completion_tokens);
+        sample.ok = status_ok && !broken;
     }
-    sample.ok = status_ok && !broken;
     sample
+}
+
+/// One streamed answer, read event by event as its frames arrive: the
+/// same figures however the network split or joined the events.
+#[derive(Debug)]
+struct StreamTally {
+    parser: SseParser,
+    started: Instant,
+    /// Arrival of the last frame that carried a token.
+    last: Option<Instant>,
+    /// Until the first frame with a token.
+    ttft_ms: Option<f64>,
+    /// One sample per later frame with tokens: its gap over its tokens.
+    itl_ms: Vec<f64>,
+    tokens: u64,
+    /// `[DONE]` arrived.
+    done: bool,
+    /// An error event, or a stream the parser refused.
+    failed: bool,
+}
+
+impl StreamTally {
+    fn new(started: Instant) -> Self {
+        Self {
+            parser: SseParser::new(MAX_EVENT_BYTES),
+            started,
+            last: None,
+            ttft_ms: None,
+            itl_ms: Vec::new(),
+            tokens: 0,
+            done: false,
+            failed: false,
+        }
+    }
+
+    /// One network frame, received at `now`.
+    fn frame(&mut self, bytes: &[u8], now: Instant) {
+        self.parser.push(bytes);
+        let mut tokens = 0;
+        loop {
+            match self.parser.next_event() {
+                Ok(Some(data)) => match classify(&data) {
+                    Chunk::Delta(delta) => tokens += delta.tokens() as u64,
+                    Chunk::Done => self.done = true,
+                    Chunk::Error => self.failed = true,
+                    Chunk::Unknown => {}
+                },
+                Ok(None) => break,
+                Err(_) => {
+                    self.failed = true;
+                    break;
+                }
+            }
+        }
+        if tokens == 0 {
+            return;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        match self.last {
+            None => self.ttft_ms = Some(ms(now - self.started)),
+            Some(last) => self.itl_ms.push(ms(now - last) / tokens as f64),
+        }
+        self.last = Some(now);
+        self.tokens += tokens;
+    }
 }
 
 /// Sums `prefix hit` and `prompt` token counters over the workers.
@@ -554,4 +627,96 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
         write_json(path, &report)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::borrow::Cow;
+    use switchyard_wire::openai::{Api, Choice, Usage};
+    use switchyard_wire::sse::{json_event, DONE_EVENT};
+
+    /// A completions chunk adding `text` (and `ids`, when given).
+    fn chunk(text: &str, ids: Option<Vec<u32>>, finish: Option<&str>) -> Vec<u8> {
+        json_event(&Completion {
+            id: "cmpl-1".into(),
+            object: Cow::Borrowed(Api::Completions.chunk_object()),
+            created: 1,
+            model: "m".into(),
+            choices: vec![Choice {
+                text: Some(text.into()),
+                token_ids: ids,
+                finish_reason: finish.map(str::to_owned),
+                ..Choice::default()
+            }],
+            usage: None,
+        })
+    }
+
+    fn usage_chunk() -> Vec<u8> {
+        json_event(&Completion {
+            choices: Vec::new(),
+            usage: Some(Usage::new(4, 0, 3)),
+            ..Completion::default()
+        })
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_frame_split_mid_event_is_counted_when_the_event_completes() {
+        let t0 = Instant::now();
+        let mut tally = StreamTally::new(t0);
+        let second = chunk(" b", None, None);
+        let (head, tail) = second.split_at(second.len() / 2);
+        let mut frame = chunk(" a", None, None);
+        frame.extend_from_slice(head);
+        tally.frame(&frame, t0 + ms(10));
+        assert_eq!(tally.tokens, 1, "half an event is not a token yet");
+        assert_eq!(tally.ttft_ms, Some(10.0));
+        tally.frame(tail, t0 + ms(30));
+        assert_eq!(tally.tokens, 2);
+        assert_eq!(tally.itl_ms, vec![20.0]);
+        let mut rest = chunk("", None, Some("length"));
+        rest.extend_from_slice(&usage_chunk());
+        rest.extend_from_slice(DONE_EVENT);
+        tally.frame(&rest, t0 + ms(40));
+        assert_eq!(tally.tokens, 2, "finish and usage chunks add no token");
+        assert_eq!(tally.itl_ms, vec![20.0]);
+        assert!(tally.done && !tally.failed);
+    }
+
+    #[test]
+    fn the_counts_do_not_depend_on_the_framing() {
+        let mut stream = Vec::new();
+        for word in [" a", " b", " c"] {
+            stream.extend_from_slice(&chunk(word, None, None));
+        }
+        stream.extend_from_slice(&chunk(" d e", Some(vec![7, 8]), None));
+        stream.extend_from_slice(&chunk("", None, Some("length")));
+        stream.extend_from_slice(DONE_EVENT);
+        let t0 = Instant::now();
+        for size in [1, 7, 64, stream.len()] {
+            let mut tally = StreamTally::new(t0);
+            for (i, frame) in stream.chunks(size).enumerate() {
+                tally.frame(frame, t0 + ms(i as u64 + 1));
+            }
+            assert_eq!(tally.tokens, 5, "frames of {size} bytes");
+            assert!(tally.done && !tally.failed, "frames of {size} bytes");
+        }
+    }
+
+    #[test]
+    fn an_error_event_or_an_oversized_event_fails_the_stream() {
+        let t0 = Instant::now();
+        let mut tally = StreamTally::new(t0);
+        tally.frame(&chunk(" a", None, None), t0);
+        tally.frame(b"data: {\"error\": {\"message\": \"gone\"}}\n\n", t0);
+        assert!(tally.failed);
+        let mut tally = StreamTally::new(t0);
+        tally.frame(&vec![b'x'; MAX_EVENT_BYTES + 1], t0);
+        assert!(tally.failed && !tally.done);
+    }
 }

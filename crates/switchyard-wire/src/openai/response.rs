@@ -1,0 +1,164 @@
+//! Answers of both endpoints, whole or streamed: what a worker writes and
+//! what the router and the load generator read.
+
+use super::lenient::object_or_none;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::borrow::Cow;
+
+/// One answer, whole or one streamed chunk: a `text_completion`,
+/// `chat.completion` or `chat.completion.chunk` object (`object` says
+/// which). Writers fill what their shape has; a reader gets defaults for
+/// what a chunk lacks, and an error for fields of the wrong type (a chunk
+/// it cannot read). `choices` is the one required field.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// `cmpl-…` or `chatcmpl-…`; the same in every chunk of a stream.
+    #[serde(default)]
+    pub id: String,
+    /// `text_completion`, `chat.completion` or `chat.completion.chunk`.
+    #[serde(default)]
+    pub object: Cow<'static, str>,
+    /// Unix seconds.
+    #[serde(default)]
+    pub created: u64,
+    /// The model that answered.
+    #[serde(default)]
+    pub model: String,
+    /// One choice per `n` (and per prompt of a batch); empty in the usage
+    /// chunk of a stream.
+    pub choices: Vec<Choice>,
+    /// Token counts: in a whole answer, and in the last chunk of a stream
+    /// that asked for `include_usage`. A value that is not an object reads
+    /// as `None`.
+    #[serde(
+        default,
+        deserialize_with = "object_or_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub usage: Option<Usage>,
+}
+
+impl Completion {
+    /// The answer as JSON text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self)
+            .expect("an answer is strings, numbers and string-keyed maps: it serializes")
+    }
+}
+
+/// One choice. A completion choice has `text`; a whole chat answer has
+/// `message`; a chat chunk has `delta`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Choice {
+    /// Which choice (of `n`) this is.
+    #[serde(default)]
+    pub index: u32,
+    /// New text (completions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// The whole answer (chat, not streamed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChoiceMessage>,
+    /// New text (chat, streamed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChoiceDelta>,
+    /// Written as `null`: no log-probabilities are produced. Ignored when
+    /// read.
+    #[serde(skip_deserializing)]
+    pub logprobs: (),
+    /// `length`, `stop`, ... once the choice is complete; `null` before.
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    /// Token ids of the new text, when asked for (vLLM's
+    /// `return_token_ids`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+impl Choice {
+    /// The choice's new text, whichever shape carries it (`text`,
+    /// `delta.content`, `message.content`).
+    pub fn content(&self) -> Option<&str> {
+        self.text
+            .as_deref()
+            .or_else(|| self.delta.as_ref()?.content.as_deref())
+            .or_else(|| self.message.as_ref()?.content.as_deref())
+    }
+}
+
+/// A whole chat answer's message.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChoiceMessage {
+    /// `assistant`.
+    #[serde(default)]
+    pub role: String,
+    /// The text; `null` when the answer is something else (a tool call).
+    #[serde(default)]
+    pub content: Option<String>,
+}
+
+/// What one chat chunk adds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChoiceDelta {
+    /// `assistant`, in the first chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// New text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// Token counts of a request.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// Their sum.
+    #[serde(default)]
+    pub total_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+    /// Fields this type does not name (an engine's own counts), kept so
+    /// that a usage read, adjusted and written again passes them on.
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+impl Usage {
+    /// The counts of a request of `prompt_tokens` that generated
+    /// `completion_tokens`, `cached_tokens` of its prompt from the cache.
+    pub fn new(prompt_tokens: u64, cached_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+            other: Map::new(),
+        }
+    }
+
+    /// This usage with the prompt and completion counts replaced (and the
+    /// total their saturating sum); everything else kept.
+    pub fn with_counts(&self, prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            ..self.clone()
+        }
+    }
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    #[serde(default)]
+    pub cached_tokens: u64,
+}
