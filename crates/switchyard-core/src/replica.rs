@@ -353,6 +353,3 @@ impl RemoteBookings {
         freed
     }
 }
-
-#[cfg(test)]
-mod tests;

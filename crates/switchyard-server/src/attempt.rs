@@ -6,9 +6,9 @@
 //! ([`crate::stream`]) share one [`Attempts`] per request.
 
 use crate::booking::{Booking, WaitHandle};
+use crate::context::{AppState, WORKER_HEADER};
 use crate::error::ApiError;
 use crate::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
-use crate::proxy::{AppState, WORKER_HEADER};
 use crate::shared::{Request, SubmitError};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest};
 use bytes::Bytes;
@@ -85,27 +85,26 @@ impl Attempts {
         tokens: &[u32],
         session: Option<SessionKey>,
     ) -> Result<WaitHandle, ApiError> {
-        self.state
-            .shared
-            .submit(
-                self.client_id,
-                Request {
-                    blocks: self.blocks(tokens),
-                    prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-                    session,
-                    model: self.model.as_deref(),
-                },
-            )
-            .map_err(|e| match e {
-                SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
-                SubmitError::UnknownModel => ApiError::not_found(
-                    format!(
-                        "the model `{}` is not served by any worker",
-                        self.model.as_deref().unwrap_or_default()
-                    ),
-                    Some("model"),
+        WaitHandle::submit(
+            &self.state.shared,
+            self.client_id,
+            Request {
+                blocks: self.blocks(tokens),
+                prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+                session,
+                model: self.model.as_deref(),
+            },
+        )
+        .map_err(|e| match e {
+            SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
+            SubmitError::UnknownModel => ApiError::not_found(
+                format!(
+                    "the model `{}` is not served by any worker",
+                    self.model.as_deref().unwrap_or_default()
                 ),
-            })
+                Some("model"),
+            ),
+        })
     }
 
     /// Waits for the request's placement on a worker not yet tried.

@@ -12,37 +12,13 @@
 //!   instead: the dispatcher keeps it (and its session's turn) while it
 //!   moves to another worker.
 
-use crate::shared::SharedRouter;
+use crate::shared::{Assignment, Request, SharedRouter, SubmitError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
 use switchyard_core::dispatch::MigrateError;
 use switchyard_core::{LocalHash, RequestId, WorkerId};
 use tokio::sync::oneshot;
-
-/// Where a request goes, handed from the dispatcher to its waiting handler.
-#[derive(Debug)]
-pub enum Assignment {
-    /// Placed and booked on a worker.
-    Dispatched {
-        /// The booking's id: what the worker is told (`x-request-id`).
-        booking: RequestId,
-        /// The worker.
-        worker: WorkerId,
-        /// Its name.
-        name: Arc<str>,
-        /// Its base URL.
-        url: Arc<str>,
-        /// Blocks the router expects it to have cached.
-        overlap_blocks: u32,
-        /// Time spent queued.
-        waited_ms: f64,
-        /// Live progress, when an admission strategy tracks the request.
-        progress: Option<ProgressUpdater>,
-    },
-    /// No worker can take it: the request has ended.
-    NoWorkers,
-}
 
 /// A request waiting for placement (see the module docs).
 #[derive(Debug)]
@@ -53,11 +29,18 @@ pub struct WaitHandle {
 }
 
 impl WaitHandle {
-    pub(crate) fn new(
-        shared: Arc<SharedRouter>,
+    /// Admission for request `id`: queued, and placed at once when a worker
+    /// can take it.
+    pub fn submit(
+        shared: &Arc<SharedRouter>,
         id: RequestId,
-        rx: oneshot::Receiver<Assignment>,
-    ) -> Self {
+        request: Request<'_>,
+    ) -> Result<Self, SubmitError> {
+        let rx = shared.submit(id, request)?;
+        Ok(Self::new(shared.clone(), id, rx))
+    }
+
+    fn new(shared: Arc<SharedRouter>, id: RequestId, rx: oneshot::Receiver<Assignment>) -> Self {
         Self {
             shared,
             id,
@@ -202,13 +185,15 @@ impl Booking {
         let booking = self.shared.next_request_id();
         self.handed_over = true;
         let shared = self.shared.clone();
-        let result = shared.migrate(self.id, booking, prompt);
-        if result.is_err() {
-            // Ended meanwhile (expired, or its worker left and it was
-            // aborted): nothing to hand over.
-            self.handed_over = false;
+        match shared.migrate(self.id, booking, prompt) {
+            Ok(rx) => Ok(WaitHandle::new(shared, self.id, rx)),
+            Err(e) => {
+                // Ended meanwhile (expired, or its worker left and it was
+                // aborted): nothing to hand over.
+                self.handed_over = false;
+                Err(e)
+            }
         }
-        result
     }
 }
 

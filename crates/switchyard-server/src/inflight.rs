@@ -12,7 +12,7 @@
 //! holds at most its body (`max_body_bytes`), its routing facts (the
 //! prompt's token ids) and either a buffered answer
 //! (`max_response_bytes`) or a stream's buffers (one SSE event of
-//! [`super::proxy::MAX_EVENT_BYTES`] plus 36 bytes a token of the
+//! [`crate::context::MAX_EVENT_BYTES`] plus 36 bytes a token of the
 //! migration sequence limit, see [`super::stream`]).
 //!
 //! [`Inflight::cancel`] (shutdown, after the grace period) makes every

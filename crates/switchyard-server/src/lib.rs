@@ -41,6 +41,7 @@
 mod attempt;
 pub mod booking;
 pub mod config;
+pub mod context;
 pub mod error;
 pub mod gauges;
 pub mod inflight;
@@ -497,7 +498,7 @@ pub async fn start_with_tokenizer(
     let router_id = replica_plane
         .as_ref()
         .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
-    let state = Arc::new(proxy::AppState::new(
+    let state = Arc::new(context::AppState::new(
         &config,
         shared.clone(),
         fleet.clone(),

@@ -145,6 +145,7 @@ pub async fn start_over<T: Transport>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::booking::WaitHandle;
     use crate::config::{AdmissionMode, ServerConfig};
     use crate::shared::Request;
     use crate::testing::shared_with;
@@ -207,17 +208,17 @@ mod tests {
         let bus = InProcessBus::new();
         let (a, plane_a) = replica(&bus).await;
         let (b, plane_b) = replica(&bus).await;
-        let wait = a
-            .submit(
-                a.next_request_id(),
-                Request {
-                    blocks: vec![LocalHash(1), LocalHash(2)],
-                    prompt_tokens: 40,
-                    session: Some(SessionKey(5)),
-                    model: None,
-                },
-            )
-            .unwrap();
+        let wait = WaitHandle::submit(
+            &a,
+            a.next_request_id(),
+            Request {
+                blocks: vec![LocalHash(1), LocalHash(2)],
+                prompt_tokens: 40,
+                session: Some(SessionKey(5)),
+                model: None,
+            },
+        )
+        .unwrap();
         let mut booking = wait.placed().await.unwrap();
         let remote = format!(
             "switchyard_worker_active_requests_by_origin{{worker=\"{}\",origin=\"remote\"}} 1",
@@ -258,7 +259,8 @@ mod tests {
         let (a, plane_a) = replica(&bus).await;
         let (b, plane_b) = replica(&bus).await;
         let submit = |r: &Arc<SharedRouter>, session: u64, first_block: u64| {
-            r.submit(
+            WaitHandle::submit(
+                r,
                 r.next_request_id(),
                 Request {
                     blocks: (first_block..first_block + 4).map(LocalHash).collect(),

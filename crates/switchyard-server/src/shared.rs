@@ -18,10 +18,10 @@
 //! transitions to the worker table and the log, counts to the metrics. A
 //! dispatch whose handler is gone is aborted at once.
 //!
-//! Handlers use the guards in [`crate::booking`]; nothing outside this
-//! module sees the dispatcher or the lock.
+//! Handlers use the guards in [`crate::booking`], which wrap the
+//! assignments this module hands out; nothing outside this module sees the
+//! dispatcher or the lock.
 
-use crate::booking::{Assignment, WaitHandle};
 use crate::gauges::{Snapshot, WorkerRow};
 use crate::metrics::{AdmissionDecision, ServerMetrics};
 use crate::roster::{Roster, UnknownModel, WorkerInfo};
@@ -29,7 +29,7 @@ use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
-use switchyard_core::admission::{QueueClass, SessionKey};
+use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
 use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
 use switchyard_core::health::{CircuitConfig, CircuitConfigError, CircuitState};
 use switchyard_core::index::IndexEvent;
@@ -38,6 +38,31 @@ use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
+
+/// Where a request goes, handed from the dispatcher to its waiting handler
+/// (see [`crate::booking::WaitHandle`]).
+#[derive(Debug)]
+pub enum Assignment {
+    /// Placed and booked on a worker.
+    Dispatched {
+        /// The booking's id: what the worker is told (`x-request-id`).
+        booking: RequestId,
+        /// The worker.
+        worker: WorkerId,
+        /// Its name.
+        name: Arc<str>,
+        /// Its base URL.
+        url: Arc<str>,
+        /// Blocks the router expects it to have cached.
+        overlap_blocks: u32,
+        /// Time spent queued.
+        waited_ms: f64,
+        /// Live progress, when an admission strategy tracks the request.
+        progress: Option<ProgressUpdater>,
+    },
+    /// No worker can take it: the request has ended.
+    NoWorkers,
+}
 
 /// What a request brings to admission.
 #[derive(Debug)]
@@ -204,12 +229,14 @@ impl SharedRouter {
 
     // ---- Requests (through the guards in `booking`) --------------------
 
-    /// Admission: queues the request and tries to place it at once.
-    pub fn submit(
-        self: &Arc<Self>,
+    /// Admission: queues the request and tries to place it at once; the
+    /// receiver gets its assignment (use [`crate::booking::WaitHandle`],
+    /// whose drop ends a request nobody waits for any more).
+    pub(crate) fn submit(
+        &self,
         id: RequestId,
         request: Request<'_>,
-    ) -> Result<WaitHandle, SubmitError> {
+    ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
         let (tx, rx) = oneshot::channel();
         let admitted = self.drive(|inner, now| {
             let eligible = match inner.roster.eligible_for(request.model) {
@@ -253,7 +280,7 @@ impl SharedRouter {
             Err(SubmitError::UnknownModel) => {}
         }
         admitted?;
-        Ok(WaitHandle::new(self.clone(), id, rx))
+        Ok(rx)
     }
 
     /// The request's first token arrived.
@@ -280,14 +307,14 @@ impl SharedRouter {
     }
 
     /// Moves a placed request off its worker under the new `booking` id
-    /// (with `prompt`, when it changes); the handle resolves when it is
-    /// placed again.
+    /// (with `prompt`, when it changes); the receiver gets its next
+    /// assignment.
     pub(crate) fn migrate(
-        self: &Arc<Self>,
+        &self,
         id: RequestId,
         booking: RequestId,
         prompt: Option<(Vec<LocalHash>, u32)>,
-    ) -> Result<WaitHandle, MigrateError> {
+    ) -> Result<oneshot::Receiver<Assignment>, MigrateError> {
         let (tx, rx) = oneshot::channel();
         self.drive(|inner, now| {
             inner.waiting.insert(id, tx);
@@ -299,7 +326,7 @@ impl SharedRouter {
                 }
             }
         })?;
-        Ok(WaitHandle::new(self.clone(), id, rx))
+        Ok(rx)
     }
 
     /// Periodic work: admission reconcile and rechecks, expiry, silent
@@ -569,6 +596,7 @@ impl SharedRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::booking::WaitHandle;
     use crate::config::AdmissionMode;
     use crate::testing::{book_remotely, place, request, shared_with};
     use crate::ServerConfig;
@@ -663,7 +691,7 @@ mod tests {
         let (shared, worker) = half_open_worker().await;
         // Placed at once (the probe is dispatched), then the client goes
         // away before the handler reads the placement.
-        let wait = shared.submit(RequestId(2), request(&[], 4)).unwrap();
+        let wait = WaitHandle::submit(&shared, RequestId(2), request(&[], 4)).unwrap();
         assert_eq!(shared.circuit_admits(worker), Some(false));
         drop(wait);
         assert_eq!(shared.total_active_requests(), 0);
@@ -824,9 +852,8 @@ mod tests {
         let mut first = place(&shared, turn(9, &[1, 2])).await.unwrap();
         first.mark_first_token();
         // The next turn arrives while the first runs: it waits.
-        let next = shared
-            .submit(shared.next_request_id(), turn(9, &[1, 2, 3]))
-            .unwrap();
+        let next =
+            WaitHandle::submit(&shared, shared.next_request_id(), turn(9, &[1, 2, 3])).unwrap();
         // The first turn's worker fails it mid-stream; it moves.
         first.worker_failed();
         let failed = first.worker;

@@ -3,7 +3,8 @@
 //! app can parse ends in 503 (no worker); every other one in a 4xx. Nothing
 //! leaves the process (no worker, no KV events, no health checks).
 
-use super::proxy::{app, AppState};
+use super::context::AppState;
+use super::proxy::app;
 use super::tokenize::PromptTokenizer;
 use super::workers::{upstream_client, Fleet};
 use super::{build_shared, metrics::ServerMetrics, ServerConfig};

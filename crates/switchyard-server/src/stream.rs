@@ -5,7 +5,7 @@
 //! next chunk, one event at a time, so a slow client slows the read from
 //! the worker (TCP back-pressure) instead of growing a buffer. Per stream
 //! the router holds: one incomplete event (at most
-//! [`super::proxy::MAX_EVENT_BYTES`] plus one frame), the event being
+//! [`crate::context::MAX_EVENT_BYTES`] plus one frame), the event being
 //! forwarded, the prompt's token ids and the client's body (both already
 //! in memory for routing), and the generated tokens ([`Progress`]: 4 bytes
 //! a token id, at most the migration sequence limit less the prompt, plus
@@ -33,10 +33,10 @@
 
 use crate::attempt::{AttemptError, Attempts};
 use crate::booking::Booking;
+use crate::context::MAX_EVENT_BYTES;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::migration::{self, Failure, Phase, Progress};
-use crate::proxy::MAX_EVENT_BYTES;
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;

@@ -1,6 +1,6 @@
 //! Helpers the server's unit tests share (compiled for tests only).
 
-use crate::booking::Booking;
+use crate::booking::{Booking, WaitHandle};
 use crate::metrics::ServerMetrics;
 use crate::shared::{Request, SharedRouter};
 use crate::{build_shared, ServerConfig};
@@ -42,7 +42,11 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
 /// Submits `request` under a fresh id and waits for its placement.
 pub(crate) async fn place(shared: &Arc<SharedRouter>, request: Request<'_>) -> Option<Booking> {
     let id = shared.next_request_id();
-    shared.submit(id, request).ok()?.placed().await.ok()
+    WaitHandle::submit(shared, id, request)
+        .ok()?
+        .placed()
+        .await
+        .ok()
 }
 
 /// A peer replica's booking of request `id` on `worker`, applied the way

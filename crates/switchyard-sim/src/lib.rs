@@ -4,8 +4,8 @@
 //!   that name the offending line, and the deterministic expansion of
 //!   Mooncake's 512-token hash ids into synthetic token ids.
 //! - [`workload`] — every trace as a stream of sessions of turns, with
-//!   compact prompts expanded only at dispatch; the synthetic multi-turn
-//!   generator.
+//!   compact prompts expanded only at dispatch; ShareGPT conversations as
+//!   sessions; the synthetic multi-turn generator.
 //! - [`fleet`] — the simulator: the real request lifecycle (the core's
 //!   dispatcher) against simulated engine cores in virtual time.
 //! - [`engine_events`] — the simulated engine's KV events in vLLM's wire

@@ -4,8 +4,8 @@
 //! Each policy gets a fresh fleet (child processes of this same binary), so
 //! neither run inherits the other's warm caches.
 
-use crate::bench::stats::write_json;
 use crate::loadgen::{self, Pacing, Report};
+use crate::stats::write_json;
 use anyhow::Context as _;
 use clap::Args;
 use std::io::{BufRead, BufReader};

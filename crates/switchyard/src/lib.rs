@@ -12,6 +12,8 @@
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet
 //!   simulator, with a table, JSON and SVG plots.
+//! - [`stats`] — what every reporting command shares: latency summaries,
+//!   JSON output, resident memory.
 
 pub mod bench;
 pub mod data;
@@ -19,3 +21,4 @@ pub mod demo;
 pub mod events;
 pub mod loadgen;
 pub mod replay;
+pub mod stats;

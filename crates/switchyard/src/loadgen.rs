@@ -19,7 +19,7 @@
 //! stream counts as an error unless it ends with `[DONE]` and no error
 //! event.
 
-use crate::bench::stats::{write_json, Latency};
+use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Args;

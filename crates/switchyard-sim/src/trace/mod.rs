@@ -6,11 +6,9 @@
 
 mod azure;
 mod mooncake;
-mod sharegpt;
 
 pub use azure::{AzureReader, AzureRecord};
 pub use mooncake::{synthetic_tokens, MooncakeReader, MooncakeRecord, MOONCAKE_BLOCK_TOKENS};
-pub use sharegpt::{read_sharegpt, ShareGptOptions};
 
 /// A trace could not be read.
 #[derive(Debug, thiserror::Error)]

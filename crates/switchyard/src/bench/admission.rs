@@ -9,7 +9,7 @@
 //! - `turn_cycle`: admit + dispatched + completed, for context;
 //! - `bytes_per_session`: the strategy's heap estimate divided by sessions.
 
-use super::stats::{rss_bytes, write_json, Latency};
+use crate::stats::{rss_bytes, write_json, Latency};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;

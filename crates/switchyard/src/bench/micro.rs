@@ -14,7 +14,7 @@
 //! Each timing includes one `Instant::now()` pair; its own cost is measured
 //! and reported as `timer_overhead_ns` rather than subtracted.
 
-use super::stats::{write_json, Latency};
+use crate::stats::{write_json, Latency};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;

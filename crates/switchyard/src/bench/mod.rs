@@ -10,8 +10,7 @@
 //!   sim-worker directly;
 //! - [`soak`] — bounded memory under a long load: the routing core driven
 //!   by simulated engines' KV events, or the router server under a
-//!   demo-like load; a plateau verdict on the samples;
-//! - [`stats`] — latency summaries and JSON output.
+//!   demo-like load; a plateau verdict on the samples.
 
 pub mod admission;
 pub mod engine;
@@ -19,7 +18,6 @@ pub mod micro;
 pub mod proxy;
 pub mod replica;
 pub mod soak;
-pub mod stats;
 pub mod trace;
 
 use clap::Subcommand;

@@ -9,8 +9,8 @@
 //! both ways. Prompts are token ids (no tokenization) and, separately, a
 //! 465-character chat message the router tokenizes every time.
 
-use super::stats::write_json;
 use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
+use crate::stats::write_json;
 use anyhow::Context as _;
 use clap::Args;
 use serde_json::json;

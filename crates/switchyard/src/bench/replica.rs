@@ -16,7 +16,7 @@
 //!
 //! Starts its own `nats-server` (the Debian package) unless `--nats` names one.
 
-use super::stats::{write_json, Latency};
+use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::path::PathBuf;

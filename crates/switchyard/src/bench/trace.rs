@@ -16,8 +16,8 @@
 //! started evicting (the start of the churn phase, where removals match
 //! stores) and at the end.
 
-use super::stats::{rss_bytes, write_json, Latency};
 use crate::data::data_path;
+use crate::stats::{rss_bytes, write_json, Latency};
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::hint::black_box;

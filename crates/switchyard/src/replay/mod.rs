@@ -26,8 +26,8 @@ use switchyard_engine::EngineConfig;
 use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
-use switchyard_sim::trace::{read_sharegpt, ShareGptOptions};
 use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
+use switchyard_sim::workload::{read_sharegpt, ShareGptOptions};
 
 /// Default arrival-rate multiplier for the bundled trace. At 1× the default
 /// fleet idles (TTFT p90 about 0.1 s for every policy); at 28× round-robin's
@@ -519,7 +519,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         .json
         .clone()
         .unwrap_or_else(|| args.out.join("replay.json"));
-    crate::bench::stats::write_json(&json, &report)?;
+    crate::stats::write_json(&json, &report)?;
     println!("wrote {}", json.display());
     if !args.no_plots {
         for path in plots::write_all(&args.out, &report, &outcomes)? {
@@ -606,7 +606,7 @@ fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> any
             .iter()
             .map(|(n, o)| (n.as_str(), &o.report))
             .collect();
-        crate::bench::stats::write_json(json, &map)?;
+        crate::stats::write_json(json, &map)?;
         println!("wrote {}", json.display());
     }
     Ok(())

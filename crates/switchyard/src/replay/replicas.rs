@@ -9,7 +9,7 @@
 //! a delay means) is `switchyard_sim::replicas`.
 
 use super::{references, run_all, AdmissionChoice, ReplayArgs, WorkloadSource};
-use crate::bench::stats::write_json;
+use crate::stats::write_json;
 use serde::Serialize;
 use std::time::Instant;
 use switchyard_core::admission::SessionAwareConfig;

@@ -14,8 +14,8 @@ pub mod plateau;
 pub mod routing;
 pub mod server;
 
-use super::stats::write_json;
 use crate::data::data_path;
+use crate::stats::write_json;
 use plateau::{plateau, Plateau, PLATEAU_TOLERANCE};
 use serde::Serialize;
 use std::path::PathBuf;

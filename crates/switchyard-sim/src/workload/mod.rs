@@ -9,6 +9,13 @@
 //! Prompts are kept compact ([`PromptSpec`]) and expanded into token ids only
 //! when a request is dispatched, so memory stays bounded by what is in
 //! flight, not by the trace.
+//!
+//! ShareGPT conversations become sessions in `sharegpt` (tokenized with
+//! the real tokenizer and chat template).
+
+mod sharegpt;
+
+pub use sharegpt::{read_sharegpt, ShareGptOptions};
 
 use crate::trace::{synthetic_tokens, AzureReader, MooncakeReader, TraceError};
 use rand::rngs::StdRng;

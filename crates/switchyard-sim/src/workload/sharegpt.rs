@@ -8,8 +8,8 @@
 //! tokenizer; its output length is the tokenized length of the assistant's
 //! actual answer.
 
-use super::TraceError;
-use crate::workload::{PromptSpec, Session, Turn};
+use super::{PromptSpec, Session, Turn};
+use crate::trace::TraceError;
 use serde::Deserialize;
 use std::io::BufRead;
 use switchyard_tokenizer::{ChatMessage, Tokenizer};

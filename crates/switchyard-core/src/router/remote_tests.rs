@@ -1,7 +1,9 @@
-use super::*;
-use crate::router::{Router, RouterConfig, WorkerCapacity};
+use super::{Router, RouterConfig, WorkerCapacity};
+use crate::replica::*;
 use crate::sequences::AddRequest;
+use crate::sequences::{ActiveSequences, SequenceEvent};
 use crate::types::{LocalHash, WorkerId};
+use crate::types::{ReplicaId, RequestId};
 use proptest::prelude::*;
 
 const PEER: ReplicaId = ReplicaId(7);

@@ -1,4 +1,5 @@
-//! Latency summaries shared by the benchmarks.
+//! Figures shared by every command that reports them: latency summaries,
+//! JSON output, resident memory.
 
 use serde::Serialize;
 

@@ -494,6 +494,11 @@ fn depth_of(scores: &OverlapScores, worker: WorkerId) -> u32 {
         .map_or(0, |i| scores.entries[i].depth)
 }
 
+/// Peers' bookings applied through the router (`crate::replica`'s
+/// remote-booking rules, end to end).
+#[cfg(test)]
+mod remote_tests;
+
 #[cfg(test)]
 mod tests {
     use super::*;
