@@ -616,3 +616,176 @@ async fn admin_remove(
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::ServerMetrics;
+    use crate::shared::SharedRouter;
+    use crate::tokenize::PromptTokenizer;
+    use crate::workers::{upstream_client, Fleet};
+    use crate::ServerConfig;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use switchyard_core::admission::{
+        Admission, AdmissionStrategy, LifecycleEvent, MakeReady, Placement, RequestFacts,
+    };
+    use switchyard_core::dispatch::Dispatcher;
+    use switchyard_tokenizer::TokenizerError;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tower::ServiceExt as _;
+
+    /// Tracks every request and records what it hears.
+    #[derive(Default)]
+    struct Recorder {
+        events: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl AdmissionStrategy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn admit(&mut self, _: &RequestFacts<'_>) -> Admission {
+            Admission::Ready(Placement::Any)
+        }
+        fn on_event(&mut self, event: &LifecycleEvent, _: f64, _: &mut Vec<MakeReady>) {
+            let line = match event {
+                LifecycleEvent::Dispatched { .. } => "dispatched".to_owned(),
+                LifecycleEvent::Completed { context_tokens, .. } => {
+                    format!("completed {context_tokens}")
+                }
+                LifecycleEvent::Aborted { .. } => "aborted".to_owned(),
+                LifecycleEvent::Migrating { .. } => "migrating".to_owned(),
+                LifecycleEvent::Reconcile => return,
+            };
+            self.events.lock().unwrap().push(line);
+        }
+        fn reconcile_interval_ms(&self) -> f64 {
+            1e9
+        }
+        fn tracked_requests(&self) -> usize {
+            0
+        }
+    }
+
+    /// Token-id prompts only: nothing to tokenize.
+    struct NoText;
+
+    impl PromptTokenizer for NoText {
+        fn encode(&self, _: &str) -> Result<Vec<u32>, TokenizerError> {
+            Ok(Vec::new())
+        }
+        fn encode_chat(&self, _: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// A worker on a real loopback socket that answers every request with
+    /// `body` (one connection at a time).
+    async fn worker(body: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Read the head and the declared body, then answer.
+                loop {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&seen);
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length = text[..end]
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(answer.as_bytes()).await;
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_non_streaming_answer_completes_with_prompt_plus_completion_tokens() {
+        let url = worker(
+            r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#,
+        )
+        .await;
+        let config = ServerConfig::default();
+        let events: Arc<Mutex<Vec<String>>> = Arc::default();
+        let strategy = Recorder {
+            events: events.clone(),
+        };
+        let dispatcher =
+            Dispatcher::new(crate::dispatcher_config(&config), Some(Box::new(strategy))).unwrap();
+        let shared = Arc::new(SharedRouter::new(
+            dispatcher,
+            Arc::new(ServerMetrics::default()),
+        ));
+        let id = shared.add_worker("w", &url).unwrap();
+        shared.set_in_router(id, true);
+        let client = upstream_client(Duration::from_secs(1));
+        let fleet = Arc::new(Fleet::new(
+            shared.clone(),
+            client.clone(),
+            false,
+            config.block_size,
+            3,
+            Duration::from_secs(1),
+        ));
+        let state = Arc::new(AppState::new(
+            &config,
+            shared.clone(),
+            fleet,
+            client,
+            Arc::new(NoText),
+            None,
+        ));
+        let request = axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"prompt":[1,2,3,4],"max_tokens":7,"stream":false,"session_id":"s"}"#,
+            ))
+            .unwrap();
+        let response = app(state).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&body).contains("abcdefg"));
+        assert_eq!(
+            *events.lock().unwrap(),
+            vec!["dispatched".to_owned(), "completed 11".to_owned()],
+            "the session's context grows by the answer's completion tokens"
+        );
+        assert_eq!(shared.total_active_requests(), 0);
+    }
+
+    #[test]
+    fn completion_tokens_are_read_from_usage_and_default_to_zero() {
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
+            9
+        );
+        assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
+        assert_eq!(completion_tokens(b"not json"), 0);
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
+            0
+        );
+    }
+}

@@ -700,3 +700,101 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
         "{text}"
     );
 }
+
+/// Migrations counted for `reason`.
+async fn migrations(client: &reqwest::Client, base: &str, reason: &str) -> f64 {
+    let text = metrics_text(client, base).await;
+    metric(
+        &text,
+        &format!("switchyard_migrations_total{{reason=\"{reason}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
+    // A failing worker beside a sim-worker at model speed (a 150-token
+    // answer streams for about a second), session-aware admission.
+    let scripted = scripted_worker(Script::Status500).await;
+    let good = sim_worker_on(0, "1", &[]);
+    let router = router(
+        &[
+            format!("{scripted},name=bad"),
+            format!("{},name=good", good.base),
+        ],
+        &["--policy", "round-robin", "--admission", "session-aware"],
+    );
+    let client = reqwest::Client::new();
+    let base = router.base.clone();
+    let turn = |session: String, max_tokens: u32| {
+        let client = client.clone();
+        let base = base.clone();
+        async move {
+            let response = client
+                .post(format!("{base}/v1/completions"))
+                .header("x-session-id", session)
+                .json(&json!({"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": max_tokens, "stream": true}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            let headers_at = std::time::Instant::now();
+            let worker = response.headers()["x-switchyard-worker"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            let text = response.text().await.unwrap();
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+            (worker, headers_at, std::time::Instant::now())
+        }
+    };
+    // Find a session whose first turn started on the failing worker (the
+    // round-robin alternates) and moved: one more 5xx migration.
+    let mut session = None;
+    for i in 0..6 {
+        let before = migrations(&client, &base, "status_5xx").await;
+        let name = format!("chat-{i}");
+        let first = tokio::spawn(turn(name.clone(), 150));
+        // The first turn is placed, fails on `bad` or not, and streams
+        // from `good` either way (for about a second): its migration shows
+        // long before it ends.
+        let moved = loop {
+            if migrations(&client, &base, "status_5xx").await > before {
+                break true;
+            }
+            if first.is_finished() {
+                break migrations(&client, &base, "status_5xx").await > before;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if moved {
+            session = Some((name, first, before + 1.0));
+            break;
+        }
+        first.await.unwrap();
+    }
+    let (name, first, after_first) = session.expect("a first turn started on the failing worker");
+    // The next turn arrives while the migrated turn streams: it waits for
+    // it, then goes where it finished — straight to `good`, no migration.
+    let second = tokio::spawn(turn(name, 4));
+    let (first_worker, _, first_done) = first.await.unwrap();
+    let (second_worker, second_headers, _) = second.await.unwrap();
+    assert_eq!(first_worker, "good");
+    // Sent with most of the first turn's second still to stream: had it
+    // not waited, its answer would have begun long before the first ended
+    // (the 100 ms allow for the first turn's last bytes in flight when
+    // the router, ending it, places the next).
+    assert!(
+        second_headers + Duration::from_millis(100) >= first_done,
+        "the session's next turn started before its migrated turn ended"
+    );
+    assert_eq!(
+        second_worker, "good",
+        "the session re-pinned to its new worker"
+    );
+    assert_eq!(
+        migrations(&client, &base, "status_5xx").await,
+        after_first,
+        "the next turn was not sent to the failed worker first"
+    );
+}
