@@ -1,5 +1,6 @@
 //! Criterion benchmarks of the routing core's hot paths: hashing, prefix
-//! index queries and event application, and one full routing decision.
+//! index queries and event application, and one request through the
+//! dispatcher (admission, routing decision, booking, free).
 //!
 //! `cargo bench -p switchyard --bench routing`
 
@@ -7,8 +8,8 @@ use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion
 use switchyard::bench::micro::{build, generate, MicroArgs};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, OverlapScores, StoredBlock};
-use switchyard_core::router::{Router, RouterConfig, WorkerCapacity};
-use switchyard_core::select::{RoutingRequest, SelectOutcome};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
+use switchyard_core::router::WorkerCapacity;
 use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
 
 fn micro_args() -> MicroArgs {
@@ -57,13 +58,16 @@ fn index(c: &mut Criterion) {
     });
 }
 
-/// A router with 64 workers, each holding a few thousand cached sequences
-/// and some active requests, deciding for a 64-block prompt.
+/// The request lifecycle on 64 workers, each holding a few thousand cached
+/// sequences and some active requests: one 64-block request submitted
+/// (admission, selection, booking with a prefill hint) and finished (free),
+/// as the server and the simulator drive the core's dispatcher.
 fn decision(c: &mut Criterion) {
-    let mut router = Router::new(RouterConfig::default()).expect("defaults are valid");
+    let mut dispatcher =
+        Dispatcher::new(DispatcherConfig::default(), None).expect("defaults are valid");
     let workers: Vec<WorkerId> = (0..64).map(WorkerId::new).collect();
     for &w in &workers {
-        router.add_worker(w, WorkerCapacity::default());
+        let _ = dispatcher.add_worker(w, WorkerCapacity::default(), 0.0);
     }
     let prompt =
         |seed: u64| -> Vec<LocalHash> { (0..64).map(|d| LocalHash(seed << 16 | d)).collect() };
@@ -76,7 +80,7 @@ fn decision(c: &mut Criterion) {
                 local_hash: l,
             })
             .collect();
-        router.apply_kv_event(
+        dispatcher.apply_kv_event(
             workers[(s % 64) as usize],
             &IndexEvent::Stored {
                 parent: None,
@@ -84,38 +88,30 @@ fn decision(c: &mut Criterion) {
             },
         );
     }
+    let submission = |locals: Vec<LocalHash>| Submission {
+        blocks: locals,
+        prompt_tokens: 1024,
+        ..Submission::default()
+    };
     for r in 0..256u64 {
-        let locals = prompt(r % 700);
-        let req = RoutingRequest {
-            prompt_tokens: 1024,
-            blocks: &locals,
-        };
-        if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
-            router.book(
-                RequestId(u128::from(r) + 1_000_000),
-                req,
-                d,
-                Some(50.0),
-                0.0,
-            );
-        }
+        let placed = dispatcher.submit(
+            RequestId(u128::from(r) + 1_000_000),
+            submission(prompt(r % 700)),
+            0.0,
+        );
+        assert!(matches!(placed, Ok((_, fx)) if fx.dispatch.len() == 1));
     }
     let mut n = 0u64;
-    c.bench_function("router/route_book_free_64_workers_64_blocks", |b| {
+    c.bench_function("dispatcher/submit_finish_64_workers_64_blocks", |b| {
         b.iter_batched(
             || {
                 n += 1;
-                (n, prompt(n % 600))
+                (RequestId(u128::from(n)), submission(prompt(n % 600)))
             },
-            |(id, locals)| {
-                let req = RoutingRequest {
-                    prompt_tokens: 1024,
-                    blocks: &locals,
-                };
-                if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
-                    router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);
-                    router.free(RequestId(u128::from(id)), 2.0);
-                }
+            |(id, request)| {
+                let placed = dispatcher.submit(id, request, 1.0);
+                let finished = dispatcher.finish(id, 1024, 2.0);
+                black_box((placed, finished))
             },
             BatchSize::SmallInput,
         )
