@@ -126,6 +126,11 @@ pub struct ReplayArgs {
     /// Delay from an engine's KV event to the router, in ms.
     #[arg(long, default_value_t = 10.0)]
     pub kv_event_delay_ms: f64,
+    /// Fit each worker's prefill-duration hints online from observed times
+    /// to first token, as `serve` does (the model itself is the engines'
+    /// timing model either way).
+    #[arg(long)]
+    pub prefill_fit: bool,
     /// Seed of every random choice.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -219,6 +224,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         workers: args.workers.unwrap_or(workers),
         engine,
         kv_event_delay_ms: args.kv_event_delay_ms,
+        online_prefill_fit: args.prefill_fit,
         ..FleetConfig::default()
     };
     anyhow::ensure!(fleet.workers > 0, "--workers must be at least 1");
