@@ -97,6 +97,7 @@ impl Attempts {
         )
         .map_err(|e| match e {
             SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
+            SubmitError::Duplicate => ApiError::internal("the request id is already in use"),
             SubmitError::UnknownModel => ApiError::not_found(
                 format!(
                     "the model `{}` is not served by any worker",

@@ -87,6 +87,9 @@ pub enum SubmitError {
     },
     /// No worker serves the model.
     UnknownModel,
+    /// The request id is already in use here (ids are fresh per request and
+    /// migration: a bug, never the client's doing).
+    Duplicate,
 }
 
 struct Inner {
@@ -251,21 +254,26 @@ impl SharedRouter {
                 class: QueueClass::default(),
             };
             // Registered first: the submit's own effects may dispatch it.
-            inner.waiting.insert(id, tx);
+            // An id already waiting is another handler's: left alone.
+            match inner.waiting.entry(id) {
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    return (Err(SubmitError::Duplicate), Effects::default());
+                }
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(tx);
+                }
+            }
             match inner.dispatcher.submit(id, submission, now) {
                 Ok((admitted, fx)) => (Ok(admitted), fx),
                 Err(refused) => {
                     inner.waiting.remove(&id);
-                    let retry_after_ms = match refused {
-                        Refused::Full { retry_after_ms } => retry_after_ms,
-                        // Ids are fresh per request: a duplicate is a retry
-                        // of a request still here, so it waits its turn too.
-                        Refused::Duplicate => 1_000,
+                    let error = match refused {
+                        Refused::Full { retry_after_ms } => {
+                            SubmitError::QueueFull { retry_after_ms }
+                        }
+                        Refused::Duplicate => SubmitError::Duplicate,
                     };
-                    (
-                        Err(SubmitError::QueueFull { retry_after_ms }),
-                        Effects::default(),
-                    )
+                    (Err(error), Effects::default())
                 }
             }
         });
@@ -277,7 +285,7 @@ impl SharedRouter {
             Err(SubmitError::QueueFull { .. }) => self
                 .metrics
                 .count_admissions(AdmissionDecision::Rejected, 1),
-            Err(SubmitError::UnknownModel) => {}
+            Err(SubmitError::UnknownModel | SubmitError::Duplicate) => {}
         }
         admitted?;
         Ok(rx)

@@ -6,9 +6,9 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
 use switchyard::bench::micro::{build, generate, MicroArgs};
+use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, OverlapScores, StoredBlock};
-use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
 
