@@ -32,9 +32,10 @@ use axum::Router as AxumRouter;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::Value;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::admission::SessionKey;
@@ -60,8 +61,9 @@ pub struct AppState {
     pub client: UpstreamClient,
     /// Tokenizer for routing.
     pub tokenizer: Arc<dyn PromptTokenizer>,
-    /// Policy name for metrics.
-    pub policy: &'static str,
+    /// What `/metrics` encodes: the router's families and the routing
+    /// state ([`SharedRouter::register_metrics`]) and the KV-event plane's.
+    pub registry: Registry,
     /// Router block size.
     pub block_size: u32,
     /// Seed of block hashes (no LoRA, no salt).
@@ -97,12 +99,15 @@ impl AppState {
         tokenizer: Arc<dyn PromptTokenizer>,
         router_id: Option<HeaderValue>,
     ) -> Self {
+        let mut registry = Registry::default();
+        shared.register_metrics(&mut registry);
+        fleet.kv_metrics.register(&mut registry);
         Self {
             shared,
             fleet,
             client,
             tokenizer,
-            policy: config.policy.name(),
+            registry,
             block_size: config.block_size,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
             worker_header: config.worker_header,
@@ -366,7 +371,7 @@ async fn proxy(
     {
         Ok(result) => result,
         Err(_) => {
-            metrics.request_timeouts.fetch_add(1, Ordering::Relaxed);
+            metrics.request_timeouts.inc();
             tracing::info!(request = %request_id, "request timed out before its first token: upstream cancelled");
             Err(ApiError::timeout(timeout))
         }
@@ -617,10 +622,10 @@ async fn ready(State(state): State<Shared>) -> Response {
 
 async fn metrics(State(state): State<Shared>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
-    state.shared.metrics().render(&mut out, state.policy);
-    state.shared.snapshot().render(&mut out);
-    out.push_str(&state.fleet.kv_metrics.render_prometheus());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    match prometheus_text::encode(&mut out, &state.registry) {
+        Ok(()) => ([(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)], out).into_response(),
+        Err(_) => ApiError::internal("cannot encode the metrics").into_response(),
+    }
 }
 
 fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
