@@ -412,4 +412,33 @@ mod tests {
         }
         assert_eq!(registry.workers.lock().unwrap().len(), MAX_WORKERS + 1);
     }
+
+    /// What the subscriber thread does per event, with a counting
+    /// allocator (`allocation-counter` counts this thread's allocations).
+    #[test]
+    fn counting_events_does_not_allocate() {
+        let registry = KvEventMetrics::new();
+        let w = registry.worker("w");
+        let counted = allocation_counter::measure(|| {
+            for _ in 0..10_000 {
+                w.batch();
+                for t in EVENT_TYPES {
+                    w.event(t);
+                }
+                w.drop_for("partial_block");
+                w.gap();
+                w.replay(2);
+                w.reset();
+            }
+        });
+        assert_eq!(counted.count_total, 0, "{counted:?}");
+        let control = allocation_counter::measure(|| {
+            std::hint::black_box(vec![0u8; 8]);
+        });
+        assert_eq!(
+            control.count_total, 1,
+            "the counting allocator is installed"
+        );
+        assert_eq!(registry.total().events[0], 10_000);
+    }
 }

@@ -412,4 +412,48 @@ mod tests {
         );
         assert_eq!(m.admissions(AdmissionDecision::Cancelled), 3);
     }
+
+    /// The request path's metric updates, run with a counting allocator
+    /// (`allocation-counter` counts this thread's allocations).
+    #[test]
+    fn the_request_path_updates_metrics_without_allocating() {
+        let m = ServerMetrics::new("kv");
+        let replica = switchyard_replica::ReplicaMetrics::default();
+        // Warm up once: parking_lot's and the histograms' lazy state.
+        m.ttft.observe(0.01);
+        let updates = allocation_counter::measure(|| {
+            for i in 0..10_000u32 {
+                let seconds = f64::from(i % 4096) * 1e-5;
+                for status in RequestStatus::ALL {
+                    m.count_request(status);
+                }
+                for decision in AdmissionDecision::ALL {
+                    m.count_admissions(decision, 1);
+                }
+                for reason in Failure::ALL {
+                    m.count_migration(reason);
+                }
+                m.ttft.observe(seconds);
+                m.itl.observe(seconds);
+                m.routing_decision.observe(seconds);
+                m.tokenize.observe(seconds);
+                m.upstream_failures.inc();
+                m.request_timeouts.inc();
+                m.migrations_exhausted.inc();
+                m.inflight.inc();
+                m.inflight.dec();
+                replica.published.inc_by(3);
+                replica.dropped.inc();
+            }
+        });
+        assert_eq!(updates.count_total, 0, "{updates:?}");
+        let control = allocation_counter::measure(|| {
+            std::hint::black_box(vec![0u8; 8]);
+        });
+        assert_eq!(
+            control.count_total, 1,
+            "the counting allocator is installed"
+        );
+        assert_eq!(m.requests(RequestStatus::Ok), 10_000);
+    }
 }
