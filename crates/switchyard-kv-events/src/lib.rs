@@ -7,7 +7,8 @@
 //! - [`subscriber`] — the router side: one SUB thread per worker endpoint,
 //!   gap detection and replay, decoding and normalizing
 //!   (`switchyard_wire`), applying into an [`subscriber::IndexSink`].
-//! - [`metrics`] — counters per worker, for `/metrics`.
+//! - [`metrics`] — `prometheus-client` counter families, labelled by
+//!   worker name, that a server registers into its `/metrics` registry.
 //!
 //! Data flow: engine PUB → [`subscriber::KvEventSubscriber`] (sequence
 //! check, replay) → `switchyard_wire` decode and normalize → sink.

@@ -1,5 +1,6 @@
-//! Counters of the KV-event plane: plain atomics, one set per worker
-//! stream, rendered as Prometheus text under the names DESIGN.md lists.
+//! Counters of the KV-event plane, as `prometheus-client` families that a
+//! server registers into its registry ([`KvEventMetrics::register`]) under
+//! the names DESIGN.md lists. The `worker` label is the worker's name.
 //!
 //! | metric | labels | meaning |
 //! |---|---|---|
@@ -9,11 +10,16 @@
 //! | `switchyard_kv_event_batches_total` | `worker` | batches decoded |
 //! | `switchyard_kv_event_replays_total` | `worker` | gaps filled from the replay socket |
 //! | `switchyard_kv_event_resets_total` | `worker` | times the worker's index entries were cleared to resync |
+//!
+//! A worker's label sets are created once, when its counters are
+//! ([`KvEventMetrics::worker`]); the subscriber thread then only adds to
+//! atomics through the handles it holds.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
-use switchyard_core::WorkerId;
 use switchyard_wire::normalize::SkipReason;
 
 /// Event types counted by `switchyard_kv_events_total{type}`.
@@ -45,28 +51,48 @@ pub const DROP_REASONS: [&str; 17] = [
 /// Reasons in [`DROP_REASONS`] that are filtering, not bad input.
 const FILTER_REASONS: [&str; 3] = ["host_tier", "disk_tier", "non_full_attention_group"];
 
-/// Reads one counter out of a snapshot.
-type CounterOf = fn(&MetricsSnapshot) -> u64;
-
-/// Most worker streams one registry tracks; later ones share an overflow
-/// entry (worker id `u64::MAX`), so the label set stays bounded.
+/// Most worker streams one registry tracks; later ones share the entry
+/// named [`OVERFLOW_WORKER`], so the label set stays bounded.
 pub const MAX_WORKERS: usize = 4096;
 
-/// Counters of one worker's event stream. Written by its subscriber thread,
-/// read by anyone.
-#[derive(Debug)]
-pub struct WorkerMetrics {
-    worker: WorkerId,
-    batches: AtomicU64,
-    events: [AtomicU64; EVENT_TYPES.len()],
-    dropped: [AtomicU64; DROP_REASONS.len()],
-    gaps: AtomicU64,
-    replays: AtomicU64,
-    replayed_batches: AtomicU64,
-    resets: AtomicU64,
+/// The `worker` label of the counters shared by workers past
+/// [`MAX_WORKERS`].
+pub const OVERFLOW_WORKER: &str = "_overflow";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabels {
+    worker: Arc<str>,
 }
 
-/// A point-in-time copy of one worker's counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    worker: Arc<str>,
+    r#type: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+/// Counters of one worker's event stream: handles into the registry's
+/// families, so the subscriber thread that writes them only adds to
+/// atomics. Drops are counted for the whole plane (their family has no
+/// `worker` label): every worker's handles share one set.
+#[derive(Debug)]
+pub struct WorkerMetrics {
+    name: Arc<str>,
+    batches: Counter,
+    events: [Counter; EVENT_TYPES.len()],
+    dropped: [Counter; DROP_REASONS.len()],
+    gaps: Counter,
+    replays: Counter,
+    /// Not exported: the tests and `events listen` read it.
+    replayed_batches: Counter,
+    resets: Counter,
+}
+
+/// A point-in-time sum of the plane's counters ([`KvEventMetrics::total`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
     /// Batches decoded.
@@ -81,7 +107,7 @@ pub struct MetricsSnapshot {
     pub replays: u64,
     /// Batches received through replay.
     pub replayed_batches: u64,
-    /// Times the worker's entries were cleared to resync.
+    /// Times the workers' entries were cleared to resync.
     pub resets: u64,
 }
 
@@ -111,27 +137,13 @@ impl MetricsSnapshot {
 }
 
 impl WorkerMetrics {
-    /// Fresh counters for `worker`.
-    pub fn new(worker: WorkerId) -> Self {
-        Self {
-            worker,
-            batches: AtomicU64::new(0),
-            events: Default::default(),
-            dropped: Default::default(),
-            gaps: AtomicU64::new(0),
-            replays: AtomicU64::new(0),
-            replayed_batches: AtomicU64::new(0),
-            resets: AtomicU64::new(0),
-        }
-    }
-
-    /// The worker these counters belong to.
-    pub fn worker(&self) -> WorkerId {
-        self.worker
+    /// The name these counters are labelled with.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub(crate) fn batch(&self) {
-        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.batches.inc();
     }
 
     pub(crate) fn event(&self, type_name: &str) {
@@ -139,135 +151,178 @@ impl WorkerMetrics {
             .iter()
             .position(|t| *t == type_name)
             .unwrap_or(EVENT_TYPES.len() - 1);
-        self.events[i].fetch_add(1, Ordering::Relaxed);
+        self.events[i].inc();
     }
 
     pub(crate) fn drop_for(&self, reason: &str) {
         if let Some(i) = DROP_REASONS.iter().position(|r| *r == reason) {
-            self.dropped[i].fetch_add(1, Ordering::Relaxed);
+            self.dropped[i].inc();
         }
     }
 
     pub(crate) fn gap(&self) {
-        self.gaps.fetch_add(1, Ordering::Relaxed);
+        self.gaps.inc();
     }
 
     pub(crate) fn replay(&self, batches: u64) {
-        self.replays.fetch_add(1, Ordering::Relaxed);
-        self.replayed_batches.fetch_add(batches, Ordering::Relaxed);
+        self.replays.inc();
+        self.replayed_batches.inc_by(batches);
     }
 
     pub(crate) fn reset(&self) {
-        self.resets.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A copy of the counters (each read is atomic; the set may be torn).
-    pub fn snapshot(&self) -> MetricsSnapshot {
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        MetricsSnapshot {
-            batches: load(&self.batches),
-            events: std::array::from_fn(|i| load(&self.events[i])),
-            dropped: std::array::from_fn(|i| load(&self.dropped[i])),
-            gaps: load(&self.gaps),
-            replays: load(&self.replays),
-            replayed_batches: load(&self.replayed_batches),
-            resets: load(&self.resets),
-        }
+        self.resets.inc();
     }
 }
 
-/// All workers' KV-event counters.
-#[derive(Debug, Default)]
+/// The KV-event plane's families, and every worker's handles into them.
+#[derive(Debug)]
 pub struct KvEventMetrics {
+    events: Family<EventLabels, Counter>,
+    dropped: Family<ReasonLabels, Counter>,
+    gaps: Family<WorkerLabels, Counter>,
+    batches: Family<WorkerLabels, Counter>,
+    replays: Family<WorkerLabels, Counter>,
+    resets: Family<WorkerLabels, Counter>,
+    /// The drop counters, one per [`DROP_REASONS`] entry, shared by every
+    /// worker.
+    dropped_handles: [Counter; DROP_REASONS.len()],
     workers: Mutex<Vec<Arc<WorkerMetrics>>>,
 }
 
+impl Default for KvEventMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl KvEventMetrics {
-    /// An empty registry.
+    /// Empty families; every drop reason is exported (at zero) from the
+    /// start.
     pub fn new() -> Self {
-        Self::default()
+        let dropped = Family::<ReasonLabels, Counter>::default();
+        let dropped_handles =
+            DROP_REASONS.map(|reason| dropped.get_or_create(&ReasonLabels { reason }).clone());
+        Self {
+            events: Family::default(),
+            dropped,
+            gaps: Family::default(),
+            batches: Family::default(),
+            replays: Family::default(),
+            resets: Family::default(),
+            dropped_handles,
+            workers: Mutex::new(Vec::new()),
+        }
     }
 
-    /// The counters of `worker`, created on first use (bounded by
-    /// [`MAX_WORKERS`]).
-    pub fn worker(&self, worker: WorkerId) -> Arc<WorkerMetrics> {
+    /// Registers the plane's families into `registry` (they stay shared
+    /// with `self`: later counts show in every registry they are in).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_kv_events",
+            "KV events decoded, by worker and wire type",
+            self.events.clone(),
+        );
+        registry.register(
+            "switchyard_kv_events_dropped",
+            "KV events or messages skipped, by reason (all workers)",
+            self.dropped.clone(),
+        );
+        registry.register(
+            "switchyard_kv_event_gaps",
+            "Sequence gaps seen in the worker's event stream",
+            self.gaps.clone(),
+        );
+        registry.register(
+            "switchyard_kv_event_batches",
+            "KV-event batches decoded from the worker",
+            self.batches.clone(),
+        );
+        registry.register(
+            "switchyard_kv_event_replays",
+            "Gaps filled from the worker's replay socket",
+            self.replays.clone(),
+        );
+        registry.register(
+            "switchyard_kv_event_resets",
+            "Times the worker's index entries were cleared to resync",
+            self.resets.clone(),
+        );
+    }
+
+    /// The plane's families alone as Prometheus text (what
+    /// `events listen --metrics` prints).
+    pub fn encode_text(&self) -> String {
+        let mut registry = Registry::default();
+        self.register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    /// The counters of the worker named `name`, created on first use with
+    /// their label sets (bounded by [`MAX_WORKERS`]); a worker that comes
+    /// back under the same name gets the same counters.
+    pub fn worker(&self, name: &str) -> Arc<WorkerMetrics> {
         let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(found) = workers.iter().find(|w| w.worker == worker) {
+        if let Some(found) = workers.iter().find(|w| &*w.name == name) {
             return found.clone();
         }
-        let id = if workers.len() >= MAX_WORKERS {
-            WorkerId::new(u64::MAX)
+        let name = if workers.len() >= MAX_WORKERS {
+            OVERFLOW_WORKER
         } else {
-            worker
+            name
         };
-        if let Some(found) = workers.iter().find(|w| w.worker == id) {
+        if let Some(found) = workers.iter().find(|w| &*w.name == name) {
             return found.clone();
         }
-        let created = Arc::new(WorkerMetrics::new(id));
+        let created = Arc::new(self.create(name.into()));
         workers.push(created.clone());
         created
     }
 
-    /// Sum over all workers.
+    fn create(&self, name: Arc<str>) -> WorkerMetrics {
+        let worker = WorkerLabels {
+            worker: name.clone(),
+        };
+        let handle = |family: &Family<WorkerLabels, Counter>| family.get_or_create(&worker).clone();
+        WorkerMetrics {
+            batches: handle(&self.batches),
+            events: EVENT_TYPES.map(|r#type| {
+                self.events
+                    .get_or_create(&EventLabels {
+                        worker: name.clone(),
+                        r#type,
+                    })
+                    .clone()
+            }),
+            dropped: self.dropped_handles.clone(),
+            gaps: handle(&self.gaps),
+            replays: handle(&self.replays),
+            replayed_batches: Counter::default(),
+            resets: handle(&self.resets),
+            name,
+        }
+    }
+
+    /// Sum over all workers (each read is atomic; the set may be torn).
     pub fn total(&self) -> MetricsSnapshot {
         let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
-        let mut total = MetricsSnapshot::default();
-        for snap in workers.iter().map(|w| w.snapshot()) {
-            total.batches += snap.batches;
-            total.gaps += snap.gaps;
-            total.replays += snap.replays;
-            total.replayed_batches += snap.replayed_batches;
-            total.resets += snap.resets;
-            for (t, n) in total.events.iter_mut().zip(snap.events) {
-                *t += n;
-            }
-            for (t, n) in total.dropped.iter_mut().zip(snap.dropped) {
-                *t += n;
+        let mut total = MetricsSnapshot {
+            dropped: std::array::from_fn(|i| self.dropped_handles[i].get()),
+            ..MetricsSnapshot::default()
+        };
+        for w in workers.iter() {
+            total.batches += w.batches.get();
+            total.gaps += w.gaps.get();
+            total.replays += w.replays.get();
+            total.replayed_batches += w.replayed_batches.get();
+            total.resets += w.resets.get();
+            for (t, n) in total.events.iter_mut().zip(&w.events) {
+                *t += n.get();
             }
         }
         total
-    }
-
-    /// Prometheus text exposition of every counter.
-    pub fn render_prometheus(&self) -> String {
-        let workers: Vec<_> = self
-            .workers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|w| (w.worker, w.snapshot()))
-            .collect();
-        let mut out = String::new();
-        out.push_str("# TYPE switchyard_kv_events_total counter\n");
-        for (worker, snap) in &workers {
-            for (t, n) in EVENT_TYPES.iter().zip(snap.events) {
-                let _ = writeln!(
-                    out,
-                    "switchyard_kv_events_total{{worker=\"{worker}\",type=\"{t}\"}} {n}"
-                );
-            }
-        }
-        out.push_str("# TYPE switchyard_kv_events_dropped_total counter\n");
-        let total = self.total();
-        for (reason, n) in DROP_REASONS.iter().zip(total.dropped) {
-            let _ = writeln!(
-                out,
-                "switchyard_kv_events_dropped_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
-        let per_worker: [(&str, CounterOf); 4] = [
-            ("switchyard_kv_event_gaps_total", |s| s.gaps),
-            ("switchyard_kv_event_batches_total", |s| s.batches),
-            ("switchyard_kv_event_replays_total", |s| s.replays),
-            ("switchyard_kv_event_resets_total", |s| s.resets),
-        ];
-        for (name, get) in per_worker {
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for (worker, snap) in &workers {
-                let _ = writeln!(out, "{name}{{worker=\"{worker}\"}} {}", get(snap));
-            }
-        }
-        out
     }
 }
 
@@ -288,26 +343,102 @@ mod tests {
     #[test]
     fn prometheus_text_uses_the_documented_names_and_labels() {
         let registry = KvEventMetrics::new();
-        let w = registry.worker(WorkerId::new(7));
+        let w = registry.worker("w7");
         w.event("BlockStored");
         w.event("SomethingElse");
         w.drop_for("partial_block");
         w.drop_for("host_tier");
         w.gap();
-        let text = registry.render_prometheus();
-        assert!(text.contains("switchyard_kv_events_total{worker=\"7\",type=\"BlockStored\"} 1"));
-        assert!(text.contains("switchyard_kv_events_total{worker=\"7\",type=\"Unknown\"} 1"));
-        assert!(text.contains("switchyard_kv_events_dropped_total{reason=\"partial_block\"} 1"));
-        assert!(text.contains("switchyard_kv_event_gaps_total{worker=\"7\"} 1"));
+        let text = registry.encode_text();
+        assert!(text.contains("switchyard_kv_events_total{worker=\"w7\",type=\"BlockStored\"} 1\n"));
+        assert!(text.contains("switchyard_kv_events_total{worker=\"w7\",type=\"Unknown\"} 1\n"));
+        assert!(text.contains("switchyard_kv_events_dropped_total{reason=\"partial_block\"} 1\n"));
+        assert!(text.contains("switchyard_kv_events_dropped_total{reason=\"bad_framing\"} 0\n"));
+        assert!(text.contains("switchyard_kv_event_gaps_total{worker=\"w7\"} 1\n"));
         assert_eq!(registry.total().malformed(), 1);
+    }
+
+    #[test]
+    fn every_family_has_help_and_type() {
+        let registry = KvEventMetrics::new();
+        registry.worker("w");
+        let text = registry.encode_text();
+        for family in [
+            "switchyard_kv_events_total",
+            "switchyard_kv_events_dropped_total",
+            "switchyard_kv_event_gaps_total",
+            "switchyard_kv_event_batches_total",
+            "switchyard_kv_event_replays_total",
+            "switchyard_kv_event_resets_total",
+        ] {
+            assert!(
+                text.contains(&format!("# HELP {family} ")),
+                "{family}:\n{text}"
+            );
+            assert!(
+                text.contains(&format!("# TYPE {family} counter\n")),
+                "{family}:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_worker_name_is_an_escaped_label_value() {
+        let registry = KvEventMetrics::new();
+        registry.worker("gpu \"a\"\\0").gap();
+        let text = registry.encode_text();
+        assert!(
+            text.contains("switchyard_kv_event_gaps_total{worker=\"gpu \\\"a\\\"\\\\0\"} 1\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_worker_back_under_its_name_keeps_its_counters() {
+        let registry = KvEventMetrics::new();
+        registry.worker("a").gap();
+        registry.worker("a").gap();
+        assert_eq!(registry.total().gaps, 2);
+        assert!(registry
+            .encode_text()
+            .contains("switchyard_kv_event_gaps_total{worker=\"a\"} 2\n"));
     }
 
     #[test]
     fn the_worker_label_set_is_bounded() {
         let registry = KvEventMetrics::new();
-        for id in 0..MAX_WORKERS as u64 + 10 {
-            registry.worker(WorkerId::new(id));
+        for id in 0..MAX_WORKERS + 10 {
+            registry.worker(&format!("w{id}"));
         }
         assert_eq!(registry.workers.lock().unwrap().len(), MAX_WORKERS + 1);
+    }
+
+    /// What the subscriber thread does per event, with a counting
+    /// allocator (`allocation-counter` counts this thread's allocations).
+    #[test]
+    fn counting_events_does_not_allocate() {
+        let registry = KvEventMetrics::new();
+        let w = registry.worker("w");
+        let counted = allocation_counter::measure(|| {
+            for _ in 0..10_000 {
+                w.batch();
+                for t in EVENT_TYPES {
+                    w.event(t);
+                }
+                w.drop_for("partial_block");
+                w.gap();
+                w.replay(2);
+                w.reset();
+            }
+        });
+        assert_eq!(counted.count_total, 0, "{counted:?}");
+        let control = allocation_counter::measure(|| {
+            std::hint::black_box(vec![0u8; 8]);
+        });
+        assert_eq!(
+            control.count_total, 1,
+            "the counting allocator is installed"
+        );
+        assert_eq!(registry.total().events[0], 10_000);
     }
 }

@@ -18,7 +18,8 @@
 //!   dispatcher's published events reach the wire.
 //! - [`nats_server`] — a private `nats-server` for tests and benchmarks.
 //! - [`worker_marks`] — a worker-side publisher of `MarkPrefillCompleted`.
-//! - [`metrics`] — `switchyard_replica_events_total{direction}`.
+//! - [`metrics`] — `switchyard_replica_events_total{direction}` and the
+//!   other replica-sync counters, as `prometheus-client` families.
 //!
 //! Data flow on one replica: request path drives its `Dispatcher` →
 //! enqueues the published events on [`ReplicaPublisher`] → publisher task → transport subject

@@ -1,4 +1,5 @@
-//! Counters of the replica plane, rendered as Prometheus text.
+//! Counters of the replica plane, as `prometheus-client` families that a
+//! server registers into its registry ([`ReplicaMetrics::register`]).
 //!
 //! | metric | labels | meaning |
 //! |---|---|---|
@@ -9,35 +10,50 @@
 //! | | `expired` | remote bookings freed because their replica went silent |
 //! | `switchyard_replica_batches_total` | `direction` = `published`, `received`, `own`, `malformed` | messages |
 //! | `switchyard_replica_session_bindings_total` | `direction` = `published`, `applied` | session bindings |
+//!
+//! Every field is a handle into its family, its label set created by
+//! [`ReplicaMetrics::default`]: adding to one is a relaxed atomic add.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 
-/// Plain atomics; every counter only grows.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+type ByDirection = Family<DirectionLabels, Counter>;
+
+/// The plane's counters; each only grows.
+#[derive(Debug)]
 pub struct ReplicaMetrics {
+    events: ByDirection,
+    batches: ByDirection,
+    sessions: ByDirection,
     /// Events published.
-    pub published: AtomicU64,
+    pub published: Counter,
     /// Events dropped.
-    pub dropped: AtomicU64,
+    pub dropped: Counter,
     /// Peers' events received.
-    pub received: AtomicU64,
+    pub received: Counter,
     /// Peers' events applied.
-    pub applied: AtomicU64,
+    pub applied: Counter,
     /// Remote bookings expired.
-    pub expired: AtomicU64,
+    pub expired: Counter,
     /// Batches published (heartbeats included).
-    pub batches_published: AtomicU64,
+    pub batches_published: Counter,
     /// Peers' batches received.
-    pub batches_received: AtomicU64,
+    pub batches_received: Counter,
     /// Own batches received and ignored.
-    pub batches_own: AtomicU64,
+    pub batches_own: Counter,
     /// Messages that did not decode.
-    pub batches_malformed: AtomicU64,
+    pub batches_malformed: Counter,
     /// Session bindings published.
-    pub sessions_published: AtomicU64,
+    pub sessions_published: Counter,
     /// Peers' session bindings applied.
-    pub sessions_applied: AtomicU64,
+    pub sessions_applied: Counter,
 }
 
 /// A point-in-time copy of [`ReplicaMetrics`].
@@ -63,95 +79,91 @@ pub struct ReplicaSnapshot {
     pub batches_malformed: u64,
 }
 
-impl ReplicaMetrics {
-    /// Adds `n` to one of the counters.
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+impl Default for ReplicaMetrics {
+    fn default() -> Self {
+        let events = ByDirection::default();
+        let batches = ByDirection::default();
+        let sessions = ByDirection::default();
+        let handle = |family: &ByDirection, direction| {
+            family.get_or_create(&DirectionLabels { direction }).clone()
+        };
+        Self {
+            published: handle(&events, "published"),
+            dropped: handle(&events, "dropped"),
+            received: handle(&events, "received"),
+            applied: handle(&events, "applied"),
+            expired: handle(&events, "expired"),
+            batches_published: handle(&batches, "published"),
+            batches_received: handle(&batches, "received"),
+            batches_own: handle(&batches, "own"),
+            batches_malformed: handle(&batches, "malformed"),
+            sessions_published: handle(&sessions, "published"),
+            sessions_applied: handle(&sessions, "applied"),
+            events,
+            batches,
+            sessions,
+        }
     }
+}
 
+impl ReplicaMetrics {
     /// Reads every counter.
     pub fn snapshot(&self) -> ReplicaSnapshot {
-        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         ReplicaSnapshot {
-            published: r(&self.published),
-            dropped: r(&self.dropped),
-            received: r(&self.received),
-            applied: r(&self.applied),
-            expired: r(&self.expired),
-            batches_published: r(&self.batches_published),
-            batches_received: r(&self.batches_received),
-            batches_own: r(&self.batches_own),
-            batches_malformed: r(&self.batches_malformed),
+            published: self.published.get(),
+            dropped: self.dropped.get(),
+            received: self.received.get(),
+            applied: self.applied.get(),
+            expired: self.expired.get(),
+            batches_published: self.batches_published.get(),
+            batches_received: self.batches_received.get(),
+            batches_own: self.batches_own.get(),
+            batches_malformed: self.batches_malformed.get(),
         }
     }
 
-    /// Prometheus text exposition of every counter.
-    pub fn render(&self) -> String {
-        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let mut out = String::new();
-        out.push_str(
-            "# HELP switchyard_replica_events_total Replica-sync lifecycle events by direction.\n",
+    /// Registers the plane's families into `registry` (shared with `self`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_replica_events",
+            "Replica-sync lifecycle events by direction",
+            self.events.clone(),
         );
-        out.push_str("# TYPE switchyard_replica_events_total counter\n");
-        for (direction, counter) in [
-            ("published", &self.published),
-            ("dropped", &self.dropped),
-            ("received", &self.received),
-            ("applied", &self.applied),
-            ("expired", &self.expired),
-        ] {
-            let _ = writeln!(
-                out,
-                "switchyard_replica_events_total{{direction=\"{direction}\"}} {}",
-                r(counter)
-            );
-        }
-        out.push_str(
-            "# HELP switchyard_replica_batches_total Replica-sync messages by direction.\n",
+        registry.register(
+            "switchyard_replica_batches",
+            "Replica-sync messages by direction",
+            self.batches.clone(),
         );
-        out.push_str("# TYPE switchyard_replica_batches_total counter\n");
-        for (direction, counter) in [
-            ("published", &self.batches_published),
-            ("received", &self.batches_received),
-            ("own", &self.batches_own),
-            ("malformed", &self.batches_malformed),
-        ] {
-            let _ = writeln!(
-                out,
-                "switchyard_replica_batches_total{{direction=\"{direction}\"}} {}",
-                r(counter)
-            );
-        }
-        out.push_str("# HELP switchyard_replica_session_bindings_total Session bindings shared between replicas.\n");
-        out.push_str("# TYPE switchyard_replica_session_bindings_total counter\n");
-        for (direction, counter) in [
-            ("published", &self.sessions_published),
-            ("applied", &self.sessions_applied),
-        ] {
-            let _ = writeln!(
-                out,
-                "switchyard_replica_session_bindings_total{{direction=\"{direction}\"}} {}",
-                r(counter)
-            );
-        }
-        out
+        registry.register(
+            "switchyard_replica_session_bindings",
+            "Session bindings shared between replicas",
+            self.sessions.clone(),
+        );
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::encoding::prometheus_text::encode;
 
     #[test]
-    fn every_direction_is_rendered_even_at_zero() {
+    fn every_direction_is_exported_even_at_zero() {
         let m = ReplicaMetrics::default();
-        ReplicaMetrics::add(&m.dropped, 3);
-        let text = m.render();
+        m.dropped.inc_by(3);
+        let mut registry = Registry::default();
+        m.register(&mut registry);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
         for d in ["published", "received", "applied", "expired"] {
             assert!(text.contains(&format!(
-                "switchyard_replica_events_total{{direction=\"{d}\"}} 0"
+                "switchyard_replica_events_total{{direction=\"{d}\"}} 0\n"
             )));
         }
-        assert!(text.contains("switchyard_replica_events_total{direction=\"dropped\"} 3"));
+        assert!(text.contains("switchyard_replica_events_total{direction=\"dropped\"} 3\n"));
+        assert!(text.contains("switchyard_replica_batches_total{direction=\"malformed\"} 0\n"));
+        assert!(text.contains(
+            "# HELP switchyard_replica_session_bindings_total Session bindings shared between replicas.\n# TYPE switchyard_replica_session_bindings_total counter\n"
+        ), "{text}");
     }
 }

@@ -131,7 +131,7 @@ impl ReplicaPublisher {
         match self.tx.try_send(item) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
-                ReplicaMetrics::add(&self.metrics.dropped, 1);
+                self.metrics.dropped.inc();
                 let err = PublishError::QueueFull {
                     request_id,
                     capacity: self.capacity,
@@ -159,7 +159,7 @@ impl ReplicaPublisher {
         {
             eprintln!(
                 "switchyard: {err} ({} replica events dropped so far)",
-                self.metrics.dropped.load(Ordering::Relaxed)
+                self.metrics.dropped.get()
             );
         }
     }
@@ -252,19 +252,19 @@ impl<T: Transport> PublisherTask<T> {
             let sent = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => {
-                    ReplicaMetrics::add(&self.metrics.dropped, events);
+                    self.metrics.dropped.inc_by(events);
                     return;
                 }
                 sent = self.transport.publish(&self.subject, payload) => sent,
             };
             match sent {
                 Ok(()) => {
-                    ReplicaMetrics::add(&self.metrics.published, events);
-                    ReplicaMetrics::add(&self.metrics.sessions_published, sessions);
-                    ReplicaMetrics::add(&self.metrics.batches_published, 1);
+                    self.metrics.published.inc_by(events);
+                    self.metrics.sessions_published.inc_by(sessions);
+                    self.metrics.batches_published.inc();
                 }
                 Err(err) => {
-                    ReplicaMetrics::add(&self.metrics.dropped, events);
+                    self.metrics.dropped.inc_by(events);
                     eprintln!("switchyard: dropped {events} replica events: {err}");
                 }
             }
@@ -293,7 +293,7 @@ impl<T: Transport> PublisherTask<T> {
             tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => {
-                    ReplicaMetrics::add(&self.metrics.dropped, batch.events.len() as u64);
+                    self.metrics.dropped.inc_by(batch.events.len() as u64);
                     return false;
                 }
                 () = tokio::time::sleep_until(deadline.into()) => return true,

@@ -176,26 +176,26 @@ pub async fn spawn_subscriber<T: Transport, S: ReplicaSink>(
                 biased;
                 () = cancel.cancelled() => return,
                 _ = expiry.tick() => {
-                    ReplicaMetrics::add(&metrics.expired, sink.expire_silent());
+                    metrics.expired.inc_by(sink.expire_silent());
                 }
                 payload = subscription.next() => {
                     let Some(payload) = payload else { return };
                     let batch = match decode_batch(&payload) {
                         Ok(batch) => batch,
                         Err(_) => {
-                            ReplicaMetrics::add(&metrics.batches_malformed, 1);
+                            metrics.batches_malformed.inc();
                             continue;
                         }
                     };
                     if batch.router_id == id {
-                        ReplicaMetrics::add(&metrics.batches_own, 1);
+                        metrics.batches_own.inc();
                         continue;
                     }
-                    ReplicaMetrics::add(&metrics.batches_received, 1);
-                    ReplicaMetrics::add(&metrics.received, batch.events.len() as u64);
+                    metrics.batches_received.inc();
+                    metrics.received.inc_by(batch.events.len() as u64);
                     let report = sink.apply_batch(&batch);
-                    ReplicaMetrics::add(&metrics.applied, report.applied);
-                    ReplicaMetrics::add(&metrics.sessions_applied, report.sessions_applied);
+                    metrics.applied.inc_by(report.applied);
+                    metrics.sessions_applied.inc_by(report.sessions_applied);
                 }
             }
         }

@@ -333,13 +333,7 @@ async fn session_bindings_reach_the_peers_strategy() {
         context_tokens: 900,
     };
     a.publisher.session_bound(binding).unwrap();
-    wait_until(|| {
-        b.metrics
-            .sessions_applied
-            .load(std::sync::atomic::Ordering::Relaxed)
-            == 1
-    })
-    .await;
+    wait_until(|| b.metrics.sessions_applied.get() == 1).await;
     let counts = peer
         .lock()
         .unwrap()

@@ -14,7 +14,6 @@ use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::dispatch::MigrateError;
@@ -124,7 +123,7 @@ impl Attempts {
                 Err(ApiError::no_workers("no worker can take the request"))
             }
             Err(()) => {
-                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+                metrics.migrations_exhausted.inc();
                 Err(ApiError::no_workers(format!(
                     "{} worker(s) failed the request and no other worker can take it",
                     self.migrations
@@ -216,7 +215,7 @@ impl Attempts {
         if request_fault(reason, self.suspect_failures) {
             // Aborted, not reported: the worker's circuit stays closed.
             drop(booking);
-            metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+            metrics.migrations_exhausted.inc();
             tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {}", GiveUp::RequestFault);
             return Err(GiveUp::RequestFault);
         }
@@ -239,7 +238,7 @@ impl Attempts {
             }
             Verdict::GiveUp(why) => {
                 drop(booking);
-                metrics.migrations_exhausted.fetch_add(1, Ordering::Relaxed);
+                metrics.migrations_exhausted.inc();
                 tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
                 Err(why)
             }
@@ -263,11 +262,7 @@ impl Attempts {
         match failed.migrate(prompt) {
             Ok(wait) => self.placed(wait).await,
             Err(MigrateError::Unknown | MigrateError::NotPlaced) => {
-                self.state
-                    .shared
-                    .metrics()
-                    .migrations_exhausted
-                    .fetch_add(1, Ordering::Relaxed);
+                self.state.shared.metrics().migrations_exhausted.inc();
                 Err(ApiError::no_workers(
                     "the request ended while it was moving to another worker",
                 ))

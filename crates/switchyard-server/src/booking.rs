@@ -13,7 +13,6 @@
 //!   moves to another worker.
 
 use crate::shared::{Assignment, Request, SharedRouter, SubmitError};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
 use switchyard_core::dispatch::MigrateError;
@@ -165,10 +164,7 @@ impl Booking {
     /// since a worker killed mid-stream is a failing worker. A failure of a
     /// request dispatched before the circuit last opened changes nothing.
     pub fn worker_failed(&self) {
-        self.shared
-            .metrics()
-            .upstream_failures
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics().upstream_failures.inc();
         self.shared.worker_failed(self.id);
     }
 

@@ -6,6 +6,7 @@ use crate::shared::SharedRouter;
 use crate::tokenize::PromptTokenizer;
 use crate::workers::{Fleet, UpstreamClient};
 use axum::http::HeaderValue;
+use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,8 +26,9 @@ pub struct AppState {
     pub client: UpstreamClient,
     /// Tokenizer for routing.
     pub tokenizer: Arc<dyn PromptTokenizer>,
-    /// Policy name for metrics.
-    pub policy: &'static str,
+    /// What `/metrics` encodes: the router's families and the routing
+    /// state ([`SharedRouter::register_metrics`]) and the KV-event plane's.
+    pub registry: Registry,
     /// Router block size.
     pub block_size: u32,
     /// Seed of block hashes (no LoRA, no salt).
@@ -62,12 +64,15 @@ impl AppState {
         tokenizer: Arc<dyn PromptTokenizer>,
         router_id: Option<HeaderValue>,
     ) -> Self {
+        let mut registry = Registry::default();
+        shared.register_metrics(&mut registry);
+        fleet.kv_metrics.register(&mut registry);
         Self {
             shared,
             fleet,
             client,
             tokenizer,
-            policy: config.policy.name(),
+            registry,
             block_size: config.block_size,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
             worker_header: config.worker_header,

@@ -51,7 +51,7 @@ impl Inflight {
     /// the refusals are kept in `metrics`.
     pub fn new(limit: usize, metrics: Arc<ServerMetrics>) -> Arc<Self> {
         let limit = (limit as u64).max(1);
-        metrics.inflight_limit.store(limit, Ordering::Relaxed);
+        metrics.inflight_limit.set(limit);
         Arc::new(Self {
             limit,
             metrics,
@@ -64,6 +64,7 @@ impl Inflight {
         let taken = self
             .metrics
             .inflight
+            .inner()
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < self.limit).then_some(n + 1)
             })
@@ -71,16 +72,14 @@ impl Inflight {
         if taken {
             Some(Permit(self.clone()))
         } else {
-            self.metrics
-                .inflight_rejected
-                .fetch_add(1, Ordering::Relaxed);
+            self.metrics.inflight_rejected.inc();
             None
         }
     }
 
     /// Requests holding a permit now.
     pub fn current(&self) -> u64 {
-        self.metrics.inflight.load(Ordering::Acquire)
+        self.metrics.inflight.inner().load(Ordering::Acquire)
     }
 
     /// Ends every guarded request now and refuses new ones.
@@ -101,7 +100,11 @@ pub struct Permit(Arc<Inflight>);
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.0.metrics.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.0
+            .metrics
+            .inflight
+            .inner()
+            .fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -226,7 +229,7 @@ mod tests {
 
     #[test]
     fn permits_are_bounded_counted_and_returned_on_drop() {
-        let metrics = Arc::new(ServerMetrics::default());
+        let metrics = Arc::new(ServerMetrics::new("kv"));
         let inflight = Inflight::new(2, metrics.clone());
         let a = inflight.try_acquire().expect("first");
         let b = inflight.try_acquire().expect("second");
@@ -235,7 +238,7 @@ mod tests {
             "the third is over the limit"
         );
         assert_eq!(inflight.current(), 2);
-        assert_eq!(metrics.inflight_rejected.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.inflight_rejected.get(), 1);
         drop(a);
         assert_eq!(inflight.current(), 1);
         let _c = inflight
@@ -246,14 +249,7 @@ mod tests {
     }
 
     fn cancelled_count(metrics: &ServerMetrics) -> u64 {
-        let mut out = String::new();
-        metrics.render(&mut out, "kv");
-        out.lines()
-            .find_map(|l| {
-                l.strip_prefix("switchyard_requests_total{policy=\"kv\",status=\"cancelled\"} ")
-            })
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
+        metrics.requests(RequestStatus::Cancelled)
     }
 
     /// A router whose generation endpoint never answers, behind the guard.
@@ -276,7 +272,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_cancelled_at_shutdown_is_counted_once() {
         use tower::ServiceExt as _;
-        let metrics = Arc::new(ServerMetrics::default());
+        let metrics = Arc::new(ServerMetrics::new("kv"));
         let inflight = Inflight::new(4, metrics.clone());
         let call = tokio::spawn(never_answering(inflight.clone()).oneshot(post()));
         while inflight.current() == 0 {
@@ -292,7 +288,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_whose_client_went_away_is_counted_once() {
         use tower::ServiceExt as _;
-        let metrics = Arc::new(ServerMetrics::default());
+        let metrics = Arc::new(ServerMetrics::new("kv"));
         let inflight = Inflight::new(4, metrics.clone());
         let call = tokio::spawn(never_answering(inflight.clone()).oneshot(post()));
         while inflight.current() == 0 {
@@ -306,7 +302,7 @@ mod tests {
 
     #[test]
     fn a_limit_of_zero_still_admits_one() {
-        let inflight = Inflight::new(0, Arc::new(ServerMetrics::default()));
+        let inflight = Inflight::new(0, Arc::new(ServerMetrics::new("kv")));
         assert!(inflight.try_acquire().is_some());
     }
 }

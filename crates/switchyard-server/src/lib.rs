@@ -25,8 +25,12 @@
 //!   NATS, peers' batches into the dispatcher.
 //! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
 //!   cancellation of what is still in flight at the shutdown deadline.
-//! - [`metrics`], [`gauges`] and [`error`] — Prometheus text and
-//!   OpenAI-style errors.
+//! - [`metrics`] — the router's counters and histograms
+//!   (`prometheus-client`, updated by the request path without allocating);
+//!   [`gauges`] — the routing state, snapshotted at scrape time. `/metrics`
+//!   encodes one registry of these, the KV-event plane's and the replica
+//!   plane's families ([`shared::SharedRouter::register_metrics`]).
+//! - [`error`] — OpenAI-style errors.
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: handler → tokenize → `SharedRouter::submit` (the dispatcher
@@ -468,7 +472,7 @@ pub async fn start_with_tokenizer(
     tokenizer: Arc<dyn tokenize::PromptTokenizer>,
 ) -> anyhow::Result<RunningServer> {
     config.validate()?;
-    let metrics = Arc::new(metrics::ServerMetrics::default());
+    let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
     let shared = Arc::new(build_shared(&config, metrics.clone())?);
     let inflight = inflight::Inflight::new(config.max_inflight, metrics);
     let replica_plane = match config.replica.enabled() {

@@ -1,65 +1,30 @@
-//! The router's Prometheus metrics: a tiny lock-free registry.
+//! The router's own metrics: the counters and histograms the request path
+//! updates, as `prometheus-client` metrics. Counting a request, an
+//! admission decision or a migration is one relaxed atomic add on a handle
+//! taken when [`ServerMetrics::new`] created the family's label sets;
+//! observing a latency is one histogram observe (a short uncontended lock
+//! around a bucket increment). Nothing on the request path allocates.
 //!
-//! Why not the `prometheus` or `metrics` crate: the label sets here are
-//! small and fixed (statuses, admission decisions) or keyed by the worker
-//! table the router already owns, so plain atomics plus one text renderer
-//! cover it with no dependency and no allocation on the request path — the
-//! same style as [`switchyard_kv_events::metrics`], whose text is appended.
-//!
-//! Names follow DESIGN.md "Interfaces".
+//! [`ServerMetrics::register`] puts the families into the `/metrics`
+//! registry, beside the routing state's gauges (read at scrape time,
+//! [`crate::gauges`]) and the KV-event and replica planes' families.
+//! Names follow DESIGN.md "Interfaces"; counters are registered without
+//! their `_total` suffix, which the encoder appends.
 
 use super::migration::Failure;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
-const LATENCY_BUCKETS: [f64; 20] = [
+pub const LATENCY_BUCKETS: [f64; 20] = [
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
-
-/// A fixed-bucket histogram of seconds; `observe` is a few relaxed atomic adds.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    count: AtomicU64,
-    sum_nanos: AtomicU64,
-}
-
-impl Histogram {
-    /// Records one observation.
-    pub fn observe(&self, seconds: f64) {
-        let seconds = if seconds.is_finite() {
-            seconds.max(0.0)
-        } else {
-            0.0
-        };
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| seconds <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos
-            .fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
-    }
-
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.buckets) {
-            cumulative += bucket.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
-        }
-        let count = self.count();
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
-    }
-}
 
 /// How a request ended, as the `status` label of `switchyard_requests_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,7 +45,8 @@ pub enum RequestStatus {
 }
 
 impl RequestStatus {
-    const ALL: [RequestStatus; 6] = [
+    /// Every status, in declaration order (a status's index is `as usize`).
+    pub const ALL: [RequestStatus; 6] = [
         RequestStatus::Ok,
         RequestStatus::WorkerError,
         RequestStatus::Invalid,
@@ -89,7 +55,8 @@ impl RequestStatus {
         RequestStatus::Cancelled,
     ];
 
-    fn label(self) -> &'static str {
+    /// Its `status` label.
+    pub fn label(self) -> &'static str {
         match self {
             RequestStatus::Ok => "ok",
             RequestStatus::WorkerError => "worker_error",
@@ -115,14 +82,16 @@ pub enum AdmissionDecision {
 }
 
 impl AdmissionDecision {
-    const ALL: [AdmissionDecision; 4] = [
+    /// Every decision, in declaration order (an index is `as usize`).
+    pub const ALL: [AdmissionDecision; 4] = [
         AdmissionDecision::Queued,
         AdmissionDecision::Deferred,
         AdmissionDecision::Rejected,
         AdmissionDecision::Cancelled,
     ];
 
-    fn label(self) -> &'static str {
+    /// Its `decision` label.
+    pub fn label(self) -> &'static str {
         match self {
             AdmissionDecision::Queued => "queued",
             AdmissionDecision::Deferred => "deferred",
@@ -132,12 +101,39 @@ impl AdmissionDecision {
     }
 }
 
-/// Router-wide metrics; per-worker gauges are read from the routing core at
-/// render time (see [`crate::gauges::Snapshot`]).
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    policy: &'static str,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+/// A gauge of a non-negative count.
+pub type CountGauge = Gauge<u64, AtomicU64>;
+
+/// Router-wide metrics. Every field is a handle sharing its atomic with
+/// the registered family, so cloning one out of here and updating it shows
+/// at the next scrape.
+#[derive(Debug)]
 pub struct ServerMetrics {
-    requests: [AtomicU64; 6],
-    admission: [AtomicU64; 4],
+    requests_by_status: Family<RequestLabels, Counter>,
+    /// Handles of `requests_by_status`, indexed by `RequestStatus as usize`.
+    requests: [Counter; RequestStatus::ALL.len()],
+    admissions_by_decision: Family<DecisionLabels, Counter>,
+    /// Handles, indexed by `AdmissionDecision as usize`.
+    admissions: [Counter; AdmissionDecision::ALL.len()],
+    migrations_by_reason: Family<ReasonLabels, Counter>,
+    /// Handles, indexed by [`Failure::index`].
+    migrations: [Counter; Failure::ALL.len()],
     /// Arrival to first body byte from the worker.
     pub ttft: Histogram,
     /// Between consecutive streamed chunks.
@@ -149,226 +145,315 @@ pub struct ServerMetrics {
     /// Prompt to token ids (chat template included).
     pub tokenize: Histogram,
     /// Worker failures reported by the proxy (`Booking::worker_failed`).
-    pub upstream_failures: AtomicU64,
+    pub upstream_failures: Counter,
     /// Requests freed by a worker's removal rather than by their own end.
-    pub freed_by_removal: AtomicU64,
-    migrations: [AtomicU64; 5],
+    pub freed_by_removal: Counter,
     /// Requests that failed on a worker and could not be migrated (limit
     /// reached, too long, not resumable, or no other worker).
-    pub migrations_exhausted: AtomicU64,
+    pub migrations_exhausted: Counter,
     /// Requests cancelled by the request timeout.
-    pub request_timeouts: AtomicU64,
+    pub request_timeouts: Counter,
     /// KV events from a subscriber whose worker left the router since.
-    pub stale_kv_events: AtomicU64,
-    /// `POST /v1/...` requests holding an in-flight permit.
-    pub inflight: AtomicU64,
+    pub stale_kv_events: Counter,
+    /// `POST /v1/...` requests holding an in-flight permit; the in-flight
+    /// limiter counts in this gauge's atomic ([`crate::inflight`]).
+    pub inflight: CountGauge,
     /// The in-flight limit (`--max-inflight`).
-    pub inflight_limit: AtomicU64,
+    pub inflight_limit: CountGauge,
     /// Requests refused at the in-flight limit (503).
-    pub inflight_rejected: AtomicU64,
+    pub inflight_rejected: Counter,
 }
 
 impl ServerMetrics {
+    /// Fresh metrics of a router running `policy` (the `policy` label of
+    /// `switchyard_requests_total`). Every label set of the request path
+    /// is created here, so each is exported from the start, at zero.
+    pub fn new(policy: &'static str) -> Self {
+        let requests_by_status = Family::<RequestLabels, Counter>::default();
+        let requests = RequestStatus::ALL.map(|status| {
+            requests_by_status
+                .get_or_create(&RequestLabels {
+                    policy,
+                    status: status.label(),
+                })
+                .clone()
+        });
+        let admissions_by_decision = Family::<DecisionLabels, Counter>::default();
+        let admissions = AdmissionDecision::ALL.map(|decision| {
+            admissions_by_decision
+                .get_or_create(&DecisionLabels {
+                    decision: decision.label(),
+                })
+                .clone()
+        });
+        let migrations_by_reason = Family::<ReasonLabels, Counter>::default();
+        let migrations = Failure::ALL.map(|reason| {
+            migrations_by_reason
+                .get_or_create(&ReasonLabels {
+                    reason: reason.label(),
+                })
+                .clone()
+        });
+        let latency = || Histogram::new(LATENCY_BUCKETS);
+        Self {
+            requests_by_status,
+            requests,
+            admissions_by_decision,
+            admissions,
+            migrations_by_reason,
+            migrations,
+            ttft: latency(),
+            itl: latency(),
+            routing_decision: latency(),
+            tokenize: latency(),
+            upstream_failures: Counter::default(),
+            freed_by_removal: Counter::default(),
+            migrations_exhausted: Counter::default(),
+            request_timeouts: Counter::default(),
+            stale_kv_events: Counter::default(),
+            inflight: CountGauge::default(),
+            inflight_limit: CountGauge::default(),
+            inflight_rejected: Counter::default(),
+        }
+    }
+
     /// Counts a finished request.
     pub fn count_request(&self, status: RequestStatus) {
-        let i = RequestStatus::ALL
-            .iter()
-            .position(|s| *s == status)
-            .unwrap_or(0);
-        self.requests[i].fetch_add(1, Ordering::Relaxed);
+        self.requests[status as usize].inc();
     }
 
     /// Requests counted with `status`.
     pub fn requests(&self, status: RequestStatus) -> u64 {
-        let i = RequestStatus::ALL
-            .iter()
-            .position(|s| *s == status)
-            .unwrap_or(0);
-        self.requests[i].load(Ordering::Relaxed)
+        self.requests[status as usize].get()
     }
 
     /// Counts one migration of a request away from a failed worker.
     pub fn count_migration(&self, reason: Failure) {
-        self.migrations[reason.index()].fetch_add(1, Ordering::Relaxed);
+        self.migrations[reason.index()].inc();
     }
 
     /// Migrations counted with `reason`.
     pub fn migrations(&self, reason: Failure) -> u64 {
-        self.migrations[reason.index()].load(Ordering::Relaxed)
+        self.migrations[reason.index()].get()
     }
 
     /// Counts `n` admission outcomes.
     pub fn count_admissions(&self, decision: AdmissionDecision, n: u32) {
-        let i = AdmissionDecision::ALL
-            .iter()
-            .position(|d| *d == decision)
-            .unwrap_or(0);
-        self.admission[i].fetch_add(u64::from(n), Ordering::Relaxed);
+        self.admissions[decision as usize].inc_by(u64::from(n));
     }
 
-    /// Appends the router-wide series to `out`.
-    pub fn render(&self, out: &mut String, policy: &str) {
-        out.push_str("# HELP switchyard_requests_total Requests by routing policy and how they ended.\n# TYPE switchyard_requests_total counter\n");
-        for (status, n) in RequestStatus::ALL.iter().zip(&self.requests) {
-            let _ = writeln!(
-                out,
-                "switchyard_requests_total{{policy=\"{policy}\",status=\"{}\"}} {}",
-                status.label(),
-                n.load(Ordering::Relaxed)
-            );
-        }
-        out.push_str("# HELP switchyard_admission_decisions_total Admission outcomes.\n# TYPE switchyard_admission_decisions_total counter\n");
-        for (decision, n) in AdmissionDecision::ALL.iter().zip(&self.admission) {
-            let _ = writeln!(
-                out,
-                "switchyard_admission_decisions_total{{decision=\"{}\"}} {}",
-                decision.label(),
-                n.load(Ordering::Relaxed)
-            );
-        }
-        self.ttft.render(
-            out,
+    /// Admission outcomes counted with `decision`.
+    pub fn admissions(&self, decision: AdmissionDecision) -> u64 {
+        self.admissions[decision as usize].get()
+    }
+
+    /// Registers every family into `registry` (shared with `self`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_requests",
+            "Requests by routing policy and how they ended",
+            self.requests_by_status.clone(),
+        );
+        registry.register(
+            "switchyard_admission_decisions",
+            "Admission outcomes",
+            self.admissions_by_decision.clone(),
+        );
+        registry.register(
             "switchyard_time_to_first_token_seconds",
-            "Arrival at the router to the first response byte from the worker.",
+            "Arrival at the router to the first response byte from the worker",
+            self.ttft.clone(),
         );
-        self.itl.render(
-            out,
+        registry.register(
             "switchyard_inter_token_latency_seconds",
-            "Time between consecutive streamed chunks.",
+            "Time between consecutive streamed chunks",
+            self.itl.clone(),
         );
-        self.routing_decision.render(
-            out,
+        registry.register(
             "switchyard_routing_decision_seconds",
-            "Worker selection and booking, tokenization excluded.",
+            "Worker selection and booking, tokenization excluded",
+            self.routing_decision.clone(),
         );
-        self.tokenize.render(
-            out,
+        registry.register(
             "switchyard_tokenize_seconds",
-            "Prompt to token ids, chat template included.",
+            "Prompt to token ids, chat template included",
+            self.tokenize.clone(),
         );
-        render_one(
-            out,
-            "switchyard_upstream_failures_total",
-            "counter",
-            "Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream), each reported to the worker's circuit breaker.",
-            self.upstream_failures.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_upstream_failures",
+            "Worker failures seen by the proxy (refused, reset, 5xx, timeout, broken stream), each reported to the worker's circuit breaker",
+            self.upstream_failures.clone(),
         );
-        render_one(
-            out,
-            "switchyard_requests_freed_by_removal_total",
-            "counter",
-            "Bookings dropped because their worker was removed.",
-            self.freed_by_removal.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_requests_freed_by_removal",
+            "Bookings dropped because their worker was removed",
+            self.freed_by_removal.clone(),
         );
-        out.push_str("# HELP switchyard_migrations_total Requests moved to another worker after a failure, by reason.\n# TYPE switchyard_migrations_total counter\n");
-        for reason in Failure::ALL {
-            let _ = writeln!(
-                out,
-                "switchyard_migrations_total{{reason=\"{}\"}} {}",
-                reason.label(),
-                self.migrations(reason)
-            );
-        }
-        render_one(
-            out,
-            "switchyard_migrations_exhausted_total",
-            "counter",
-            "Failed requests that could not be migrated (limit, length, or no other worker).",
-            self.migrations_exhausted.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_migrations",
+            "Requests moved to another worker after a failure, by reason",
+            self.migrations_by_reason.clone(),
         );
-        render_one(
-            out,
-            "switchyard_request_timeouts_total",
-            "counter",
-            "Requests cancelled by the request timeout.",
-            self.request_timeouts.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_migrations_exhausted",
+            "Failed requests that could not be migrated (limit, length, or no other worker)",
+            self.migrations_exhausted.clone(),
         );
-        render_one(
-            out,
-            "switchyard_kv_events_stale_total",
-            "counter",
-            "KV events dropped because their worker left the router after the subscriber started.",
-            self.stale_kv_events.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_request_timeouts",
+            "Requests cancelled by the request timeout",
+            self.request_timeouts.clone(),
         );
-        render_one(
-            out,
+        registry.register(
+            "switchyard_kv_events_stale",
+            "KV events dropped because their worker left the router after the subscriber started",
+            self.stale_kv_events.clone(),
+        );
+        registry.register(
             "switchyard_inflight_requests",
-            "gauge",
-            "OpenAI requests in the router (queued, waiting or streaming).",
-            self.inflight.load(Ordering::Relaxed),
+            "OpenAI requests in the router (queued, waiting or streaming)",
+            self.inflight.clone(),
         );
-        render_one(
-            out,
+        registry.register(
             "switchyard_inflight_limit",
-            "gauge",
-            "The in-flight limit (--max-inflight).",
-            self.inflight_limit.load(Ordering::Relaxed),
+            "The in-flight limit (--max-inflight)",
+            self.inflight_limit.clone(),
         );
-        render_one(
-            out,
-            "switchyard_inflight_rejected_total",
-            "counter",
-            "Requests refused with 503 at the in-flight limit.",
-            self.inflight_rejected.load(Ordering::Relaxed),
+        registry.register(
+            "switchyard_inflight_rejected",
+            "Requests refused with 503 at the in-flight limit",
+            self.inflight_rejected.clone(),
         );
-    }
-}
-
-/// Appends one unlabelled sample with its HELP and TYPE lines.
-pub(crate) fn render_one(
-    out: &mut String,
-    name: &str,
-    kind: &str,
-    help: &str,
-    value: impl std::fmt::Display,
-) {
-    let _ = writeln!(
-        out,
-        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-    );
-}
-
-/// Appends one metric family with a `worker` label: its HELP and TYPE lines,
-/// then one sample per row, in row order.
-pub(crate) fn render_by_worker<W: std::fmt::Display, V: std::fmt::Display>(
-    out: &mut String,
-    name: &str,
-    kind: &str,
-    help: &str,
-    rows: impl IntoIterator<Item = (W, V)>,
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (worker, value) in rows {
-        let _ = writeln!(out, "{name}{{worker=\"{worker}\"}} {value}");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::encoding::prometheus_text::encode;
 
-    #[test]
-    fn a_histogram_renders_cumulative_buckets_sum_and_count() {
-        let h = Histogram::default();
-        h.observe(0.0001);
-        h.observe(0.002);
-        h.observe(100.0);
+    fn text(m: &ServerMetrics) -> String {
+        let mut registry = Registry::default();
+        m.register(&mut registry);
         let mut out = String::new();
-        h.render(&mut out, "x_seconds", "help");
-        assert!(out.contains("x_seconds_bucket{le=\"0.0001\"} 1\n"), "{out}");
-        assert!(out.contains("x_seconds_bucket{le=\"0.0025\"} 2\n"), "{out}");
-        assert!(out.contains("x_seconds_bucket{le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_seconds_count 3\n"), "{out}");
+        encode(&mut out, &registry).unwrap();
+        out
     }
 
     #[test]
-    fn every_status_label_is_rendered_even_at_zero() {
-        let m = ServerMetrics::default();
+    fn a_histogram_exports_cumulative_buckets_sum_and_count() {
+        let m = ServerMetrics::new("kv");
+        m.ttft.observe(0.0001);
+        m.ttft.observe(0.002);
+        m.ttft.observe(100.0);
+        let out = text(&m);
+        let family = "switchyard_time_to_first_token_seconds";
+        assert!(
+            out.contains(&format!("# TYPE {family} histogram\n")),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!("{family}_bucket{{le=\"0.0001\"}} 1\n")),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!("{family}_bucket{{le=\"0.0025\"}} 2\n")),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!("{family}_bucket{{le=\"30\"}} 2\n")),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!("{family}_bucket{{le=\"+Inf\"}} 3\n")),
+            "{out}"
+        );
+        assert!(out.contains(&format!("{family}_count 3\n")), "{out}");
+    }
+
+    #[test]
+    fn every_status_label_is_exported_even_at_zero() {
+        let m = ServerMetrics::new("kv");
         m.count_request(RequestStatus::Rejected);
-        let mut out = String::new();
-        m.render(&mut out, "kv");
-        assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"rejected\"} 1"));
-        assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"ok\"} 0"));
-        assert!(out.contains("switchyard_migrations_total{reason=\"midstream\"} 0"));
+        let out = text(&m);
+        assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"rejected\"} 1\n"));
+        assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"ok\"} 0\n"));
+        assert!(out.contains("switchyard_migrations_total{reason=\"midstream\"} 0\n"));
+        assert!(out.contains("switchyard_admission_decisions_total{decision=\"queued\"} 0\n"));
+    }
+
+    #[test]
+    fn every_family_has_help_and_type_and_counters_end_in_total() {
+        let out = text(&ServerMetrics::new("kv"));
+        let families: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(families.len(), 15, "{out}");
+        for typed in families {
+            let (name, kind) = typed.split_once(' ').unwrap();
+            assert!(out.contains(&format!("# HELP {name} ")), "{name}");
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{typed}");
+        }
+    }
+
+    #[test]
+    fn handles_are_indexed_like_their_labels() {
+        let m = ServerMetrics::new("kv");
+        for (i, status) in RequestStatus::ALL.into_iter().enumerate() {
+            assert_eq!(status as usize, i);
+        }
+        for (i, decision) in AdmissionDecision::ALL.into_iter().enumerate() {
+            assert_eq!(decision as usize, i);
+        }
+        m.count_admissions(AdmissionDecision::Cancelled, 3);
+        assert!(
+            text(&m).contains("switchyard_admission_decisions_total{decision=\"cancelled\"} 3\n")
+        );
+        assert_eq!(m.admissions(AdmissionDecision::Cancelled), 3);
+    }
+
+    /// The request path's metric updates, run with a counting allocator
+    /// (`allocation-counter` counts this thread's allocations).
+    #[test]
+    fn the_request_path_updates_metrics_without_allocating() {
+        let m = ServerMetrics::new("kv");
+        let replica = switchyard_replica::ReplicaMetrics::default();
+        // Warm up once: parking_lot's and the histograms' lazy state.
+        m.ttft.observe(0.01);
+        let updates = allocation_counter::measure(|| {
+            for i in 0..10_000u32 {
+                let seconds = f64::from(i % 4096) * 1e-5;
+                for status in RequestStatus::ALL {
+                    m.count_request(status);
+                }
+                for decision in AdmissionDecision::ALL {
+                    m.count_admissions(decision, 1);
+                }
+                for reason in Failure::ALL {
+                    m.count_migration(reason);
+                }
+                m.ttft.observe(seconds);
+                m.itl.observe(seconds);
+                m.routing_decision.observe(seconds);
+                m.tokenize.observe(seconds);
+                m.upstream_failures.inc();
+                m.request_timeouts.inc();
+                m.migrations_exhausted.inc();
+                m.inflight.inc();
+                m.inflight.dec();
+                replica.published.inc_by(3);
+                replica.dropped.inc();
+            }
+        });
+        assert_eq!(updates.count_total, 0, "{updates:?}");
+        let control = allocation_counter::measure(|| {
+            std::hint::black_box(vec![0u8; 8]);
+        });
+        assert_eq!(
+            control.count_total, 1,
+            "the counting allocator is installed"
+        );
+        assert_eq!(m.requests(RequestStatus::Ok), 10_000);
     }
 }

@@ -31,9 +31,9 @@ use axum::Router as AxumRouter;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
+use prometheus_client::encoding::prometheus_text;
 use serde::Deserialize;
 use serde_json::Value;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
@@ -285,7 +285,7 @@ async fn proxy(
     {
         Ok(result) => result,
         Err(_) => {
-            metrics.request_timeouts.fetch_add(1, Ordering::Relaxed);
+            metrics.request_timeouts.inc();
             tracing::info!(request = %request_id, "request timed out before its first token: upstream cancelled");
             Err(ApiError::timeout(timeout))
         }
@@ -536,10 +536,10 @@ async fn ready(State(state): State<Shared>) -> Response {
 
 async fn metrics(State(state): State<Shared>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
-    state.shared.metrics().render(&mut out, state.policy);
-    state.shared.snapshot().render(&mut out);
-    out.push_str(&state.fleet.kv_metrics.render_prometheus());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    match prometheus_text::encode(&mut out, &state.registry) {
+        Ok(()) => ([(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)], out).into_response(),
+        Err(_) => ApiError::internal("cannot encode the metrics").into_response(),
+    }
 }
 
 fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -736,7 +736,7 @@ mod tests {
             Dispatcher::new(crate::dispatcher_config(&config), Some(Box::new(strategy))).unwrap();
         let shared = Arc::new(SharedRouter::new(
             dispatcher,
-            Arc::new(ServerMetrics::default()),
+            Arc::new(ServerMetrics::new(config.policy.name())),
         ));
         let id = shared.add_worker("w", &url).unwrap();
         shared.set_in_router(id, true);

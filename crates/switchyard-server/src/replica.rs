@@ -187,9 +187,12 @@ mod tests {
         (shared, plane)
     }
 
-    fn rendered(shared: &SharedRouter) -> String {
+    /// What the router's `/metrics` would show of `shared`.
+    fn rendered(shared: &Arc<SharedRouter>) -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        shared.register_metrics(&mut registry);
         let mut out = String::new();
-        shared.snapshot().render(&mut out);
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
         out
     }
 
@@ -231,12 +234,7 @@ mod tests {
         })
         .await;
         eventually("the peer's strategy got the session binding", || {
-            plane_b.metrics.snapshot().applied >= 1
-                && plane_b
-                    .metrics
-                    .sessions_applied
-                    .load(std::sync::atomic::Ordering::Relaxed)
-                    == 1
+            plane_b.metrics.snapshot().applied >= 1 && plane_b.metrics.sessions_applied.get() == 1
         })
         .await;
         booking.mark_first_token();
@@ -278,11 +276,7 @@ mod tests {
         let (x, y) = (five.worker, six.worker);
         assert_ne!(x, y, "A spread its two sessions");
         eventually("B holds both bindings", || {
-            plane_b
-                .metrics
-                .sessions_applied
-                .load(std::sync::atomic::Ordering::Relaxed)
-                == 2
+            plane_b.metrics.sessions_applied.get() == 2
         })
         .await;
         five.mark_first_token();

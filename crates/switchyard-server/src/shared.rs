@@ -22,9 +22,10 @@
 //! assignments this module hands out; nothing outside this module sees the
 //! dispatcher or the lock.
 
-use crate::gauges::{Snapshot, WorkerRow};
+use crate::gauges::{RoutingStateCollector, Snapshot, WorkerRow};
 use crate::metrics::{AdmissionDecision, ServerMetrics};
 use crate::roster::{Roster, UnknownModel, WorkerInfo};
+use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -188,12 +189,12 @@ impl SharedRouter {
             }
             self.metrics
                 .freed_by_removal
-                .fetch_add(u64::from(counts.freed_by_removal), Ordering::Relaxed);
+                .inc_by(u64::from(counts.freed_by_removal));
             if let Some(publisher) = &inner.publisher {
-                ReplicaMetrics::add(
-                    &publisher.metrics().expired,
-                    u64::from(counts.expired_remote),
-                );
+                publisher
+                    .metrics()
+                    .expired
+                    .inc_by(u64::from(counts.expired_remote));
                 switchyard_replica::publish_effects(publisher, &fx.publish, &fx.bindings);
             }
             for change in &fx.circuits {
@@ -419,7 +420,7 @@ impl SharedRouter {
         if live {
             inner.dispatcher.apply_kv_event(worker, event);
         } else {
-            self.metrics.stale_kv_events.fetch_add(1, Ordering::Relaxed);
+            self.metrics.stale_kv_events.inc();
         }
         live
     }
@@ -596,7 +597,21 @@ impl SharedRouter {
             index_bytes: router.estimated_bytes(),
             queue_depth: admission.queue().len(),
             strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),
-            replica: inner.publisher.as_ref().map(|p| p.metrics().clone()),
+        }
+    }
+
+    /// Registers what `/metrics` shows of this router into `registry`: its
+    /// own counters and histograms, the routing state (a [`Snapshot`] per
+    /// scrape) and, with replica sync attached (call after
+    /// [`Self::attach_replica`]), the replica plane's counters.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        self.metrics.register(registry);
+        let shared = self.clone();
+        registry.register_collector(Box::new(RoutingStateCollector::new(move || {
+            shared.snapshot()
+        })));
+        if let Some(replica) = self.replica_metrics() {
+            replica.register(registry);
         }
     }
 }
@@ -660,7 +675,7 @@ mod tests {
         let booking = place(&shared, request(&[], 4)).await.unwrap();
         shared.set_in_router(ids[0], false);
         assert_eq!(
-            shared.metrics().freed_by_removal.load(Ordering::Relaxed),
+            shared.metrics().freed_by_removal.get(),
             1,
             "the peer's booking is the peer's to free"
         );

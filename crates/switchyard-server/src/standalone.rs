@@ -21,7 +21,10 @@ pub fn app_without_workers(
         max_body_bytes,
         ..ServerConfig::default()
     };
-    let shared = Arc::new(build_shared(&config, Arc::new(ServerMetrics::default()))?);
+    let shared = Arc::new(build_shared(
+        &config,
+        Arc::new(ServerMetrics::new(config.policy.name())),
+    )?);
     let client = upstream_client(Duration::from_millis(100));
     let fleet = Arc::new(Fleet::new(
         shared.clone(),

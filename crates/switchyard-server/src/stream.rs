@@ -44,7 +44,6 @@ use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use serde_json::Value;
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use switchyard_wire::openai::{Api, Usage};
 use switchyard_wire::sse::{
@@ -172,7 +171,7 @@ impl MigratingStream {
             Ok(bytes) => bytes,
             Err(_) => {
                 let metrics = self.attempts.state.shared.metrics();
-                metrics.request_timeouts.fetch_add(1, Ordering::Relaxed);
+                metrics.request_timeouts.inc();
                 tracing::info!(request = %self.attempts.client_id, "stream timed out: upstream cancelled");
                 let error = ApiError::timeout(self.attempts.state.request_timeout);
                 // Ending drops the leg: the worker's request is cancelled.

@@ -15,7 +15,8 @@ pub(crate) fn shared_with(
     config: &ServerConfig,
     names: &[&str],
 ) -> (Arc<SharedRouter>, Vec<WorkerId>) {
-    let shared = Arc::new(build_shared(config, Arc::new(ServerMetrics::default())).unwrap());
+    let shared =
+        Arc::new(build_shared(config, Arc::new(ServerMetrics::new(config.policy.name()))).unwrap());
     let ids = names
         .iter()
         .map(|name| {

@@ -51,10 +51,11 @@ pub struct Fleet {
     client: UpstreamClient,
     zmq: zmq::Context,
     subscribers: Mutex<HashMap<WorkerId, KvEventSubscriber>>,
-    /// Subscriber settings of workers with KV events, started while the
-    /// worker is in the router.
-    event_configs: Mutex<HashMap<WorkerId, SubscriberConfig>>,
-    /// KV-event counters per worker.
+    /// Subscriber settings of workers with KV events (and the worker's
+    /// name, their metrics' `worker` label), started while the worker is
+    /// in the router.
+    event_configs: Mutex<HashMap<WorkerId, (String, SubscriberConfig)>>,
+    /// KV-event counters, labelled by worker name.
     pub kv_metrics: KvEventMetrics,
     uses_events: bool,
     block_size: u32,
@@ -108,7 +109,7 @@ impl Fleet {
         if let (Some(events), true) = (&spec.events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
             config.replay_endpoint = spec.replay.clone();
-            lock(&self.event_configs).insert(id, config);
+            lock(&self.event_configs).insert(id, (name.clone(), config));
         }
         tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
         Ok(id)
@@ -121,7 +122,7 @@ impl Fleet {
         let Some(epoch) = self.shared.events_epoch(id) else {
             return;
         };
-        let Some(config) = lock(&self.event_configs).get(&id).cloned() else {
+        let Some((name, config)) = lock(&self.event_configs).get(&id).cloned() else {
             return;
         };
         let sink: Arc<dyn IndexSink> = Arc::new(WorkerEventSink {
@@ -129,7 +130,7 @@ impl Fleet {
             worker: id,
             epoch,
         });
-        match KvEventSubscriber::spawn(&self.zmq, config, sink, self.kv_metrics.worker(id)) {
+        match KvEventSubscriber::spawn(&self.zmq, config, sink, self.kv_metrics.worker(&name)) {
             Ok(sub) => {
                 if let Some(old) = lock(&self.subscribers).insert(id, sub) {
                     stop_off_thread(old);
@@ -391,6 +392,39 @@ mod tests {
             Duration::from_millis(100),
         );
         (fleet, shared, ids[0])
+    }
+
+    #[tokio::test]
+    async fn kv_event_metrics_are_labelled_by_the_workers_name() {
+        let config = ServerConfig::default();
+        let (shared, _) = shared_with(&config, &[]);
+        let fleet = Fleet::new(
+            shared.clone(),
+            upstream_client(Duration::from_millis(100)),
+            true,
+            config.block_size,
+            3,
+            Duration::from_millis(100),
+        );
+        let spec = WorkerSpec {
+            url: "http://127.0.0.1:9".into(),
+            name: Some("gpu \"0\"".into()),
+            events: Some("tcp://127.0.0.1:9".into()),
+            replay: None,
+            block_size: None,
+        };
+        let id = fleet.add(&spec).unwrap();
+        fleet.enter(id);
+        let text = fleet.kv_metrics.encode_text();
+        fleet.leave(id);
+        assert!(
+            text.contains("switchyard_kv_event_resets_total{worker=\"gpu \\\"0\\\"\"} "),
+            "{text}"
+        );
+        assert!(
+            !text.contains(&format!("worker=\"{id}\"")),
+            "never the numeric id:\n{text}"
+        );
     }
 
     #[tokio::test]

@@ -6,9 +6,8 @@
 //! never waits on a client. A request whose receiver is gone (the client
 //! hung up) is cancelled at the next token.
 
-use super::metrics::Metrics;
+use super::metrics::{Metrics, RequestOutcome};
 use rustc_hash::FxHashMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::{EngineHash, RequestId};
@@ -177,7 +176,7 @@ impl Driver {
                         self.streams.insert(id, events);
                     }
                     Err(err) => {
-                        self.metrics.count_request("rejected");
+                        self.metrics.count_request(RequestOutcome::Rejected);
                         let _ = events.try_send(GenEvent::Rejected(err));
                     }
                 }
@@ -194,7 +193,7 @@ impl Driver {
     fn cancel(&mut self, id: RequestId) {
         self.streams.remove(&id);
         if let Ok(Some(_)) = self.engine.cancel(id) {
-            self.metrics.count_request("cancelled");
+            self.metrics.count_request(RequestOutcome::Cancelled);
         }
     }
 
@@ -211,12 +210,12 @@ impl Driver {
             }
         }
         for f in &report.finished {
-            let status = match f.reason {
-                FinishReason::Length => "finished",
-                FinishReason::Cancelled => "cancelled",
-                FinishReason::RestoreFailed => "restore_failed",
+            let outcome = match f.reason {
+                FinishReason::Length => RequestOutcome::Finished,
+                FinishReason::Cancelled => RequestOutcome::Cancelled,
+                FinishReason::RestoreFailed => RequestOutcome::RestoreFailed,
             };
-            self.metrics.count_request(status);
+            self.metrics.count_request(outcome);
             if let Some(tx) = self.streams.remove(&f.request) {
                 let _ = tx.try_send(GenEvent::Finished {
                     reason: f.reason,
@@ -241,14 +240,10 @@ impl Driver {
         if self.events.len() > cap {
             let dropped = (self.events.len() - cap) as u64;
             self.events.truncate(cap);
-            self.metrics
-                .kv_events_dropped
-                .fetch_add(dropped, Ordering::Relaxed);
+            self.metrics.kv_events_dropped.inc_by(dropped);
         }
         let new_events = self.events.len().saturating_sub(self.held_events) as u64;
-        self.metrics
-            .kv_events
-            .fetch_add(new_events, Ordering::Relaxed);
+        self.metrics.kv_events.inc_by(new_events);
         self.held_events = 0;
         if !self.events.is_empty() {
             match &self.kv_sink {
@@ -259,9 +254,7 @@ impl Driver {
                         self.events = batch;
                     }
                     Err(TrySendError::Closed(batch)) => {
-                        self.metrics
-                            .kv_events_dropped
-                            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        self.metrics.kv_events_dropped.inc_by(batch.len() as u64);
                     }
                 },
                 None => self.events.clear(),

@@ -656,11 +656,8 @@ async fn model_info(State(state): State<AppState>) -> Json<Value> {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        state.metrics.render(),
+        [(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)],
+        state.metrics.encode(),
     )
         .into_response()
 }

@@ -7,7 +7,6 @@
 //! own fed by the driver through a bounded channel.
 
 use super::metrics::Metrics;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use switchyard_engine::KvEvent;
@@ -36,10 +35,10 @@ pub fn spawn(
                 };
                 match publisher.publish(&batch) {
                     Ok(_) => {
-                        metrics.kv_batches_published.fetch_add(1, Ordering::Relaxed);
+                        metrics.kv_batches_published.inc();
                     }
                     Err(_) => {
-                        metrics.kv_events_dropped.fetch_add(n, Ordering::Relaxed);
+                        metrics.kv_events_dropped.inc_by(n);
                     }
                 }
             }

@@ -6,7 +6,7 @@
 //!   informational endpoints routers probe;
 //! - [`kv_publish`] — KV events in vLLM's wire format over the event
 //!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
-//! - [`metrics`] — Prometheus text at `/metrics`.
+//! - [`metrics`] — the `prometheus-client` registry `/metrics` encodes.
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight

@@ -1,36 +1,60 @@
-//! The sim-worker's Prometheus metrics (names as in DESIGN.md "Interfaces").
+//! The sim-worker's Prometheus metrics (names as in DESIGN.md "Interfaces"),
+//! in a `prometheus-client` registry that `/metrics` encodes.
 //!
-//! The driver writes a snapshot after every step; `/metrics` reads it
-//! without locking the engine.
+//! The driver copies the engine's counters and gauges after every step
+//! ([`Metrics::observe`]); `/metrics` reads them without locking the
+//! engine. The engine's own counters only grow, so each is mirrored into
+//! its Prometheus counter by adding what it grew since the last copy (the
+//! driver is the only writer).
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use switchyard_engine::{DeviceLayer, Engine};
 
-/// Shared counters and gauges.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    kv_usage_bits: AtomicU64,
-    prompt_tokens: AtomicU64,
-    prefix_hit_tokens: AtomicU64,
-    generation_tokens: AtomicU64,
-    running: AtomicU64,
-    waiting: AtomicU64,
-    preemptions: AtomicU64,
-    cached_blocks: AtomicU64,
-    host_blocks: AtomicU64,
-    steps: AtomicU64,
-    restores: [AtomicU64; 5],
-    /// KV events emitted.
-    pub kv_events: AtomicU64,
-    /// KV events dropped because the publisher lagged or failed.
-    pub kv_events_dropped: AtomicU64,
-    /// KV-event batches published over ZMQ.
-    pub kv_batches_published: AtomicU64,
-    requests: Mutex<Vec<(&'static str, u64)>>,
+/// The `Content-Type` of [`Metrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+/// How a request left the engine: the `status` label of
+/// `switchyard_engine_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// Generated up to its length.
+    Finished,
+    /// Cancelled (its client hung up).
+    Cancelled,
+    /// Its host-tier restore failed.
+    RestoreFailed,
+    /// Refused at admission.
+    Rejected,
 }
 
+impl RequestOutcome {
+    /// Every outcome, in declaration order (an index is `as usize`).
+    pub const ALL: [RequestOutcome; 4] = [
+        RequestOutcome::Finished,
+        RequestOutcome::Cancelled,
+        RequestOutcome::RestoreFailed,
+        RequestOutcome::Rejected,
+    ];
+
+    /// Its `status` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            RequestOutcome::Finished => "finished",
+            RequestOutcome::Cancelled => "cancelled",
+            RequestOutcome::RestoreFailed => "restore_failed",
+            RequestOutcome::Rejected => "rejected",
+        }
+    }
+}
+
+/// The `decision` labels of `switchyard_engine_restores_total`, in the
+/// order of [`Metrics::observe`]'s copy.
 const RESTORE_LABELS: [&str; 5] = [
     "no_reusable_entry",
     "sequence_capacity_not_ready",
@@ -39,155 +63,219 @@ const RESTORE_LABELS: [&str; 5] = [
     "failed",
 ];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    decision: &'static str,
+}
+
+type CountGauge = Gauge<u64, AtomicU64>;
+
+/// The registry and handles into each of its metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    kv_usage: Gauge<f64, AtomicU64>,
+    prompt_tokens: Counter,
+    prefix_hit_tokens: Counter,
+    generation_tokens: Counter,
+    preemptions: Counter,
+    steps: Counter,
+    running: CountGauge,
+    waiting: CountGauge,
+    cached_blocks: CountGauge,
+    host_blocks: CountGauge,
+    /// Indexed like `RESTORE_LABELS`.
+    restores: [Counter; RESTORE_LABELS.len()],
+    /// Indexed by `RequestOutcome as usize`.
+    requests: [Counter; RequestOutcome::ALL.len()],
+    /// KV events emitted.
+    pub kv_events: Counter,
+    /// KV events dropped because the publisher lagged or failed.
+    pub kv_events_dropped: Counter,
+    /// KV-event batches published over ZMQ.
+    pub kv_batches_published: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
-    /// Counts a request leaving with `status` (a fixed label set).
-    pub fn count_request(&self, status: &'static str) {
-        let mut requests = self
-            .requests
-            .lock()
-            .expect("metrics lock is never poisoned");
-        match requests.iter_mut().find(|(s, _)| *s == status) {
-            Some((_, n)) => *n += 1,
-            None => requests.push((status, 1)),
+    /// Every series registered, at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let kv_usage = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "switchyard_engine_kv_usage_ratio",
+            "Used over total device KV blocks",
+            kv_usage.clone(),
+        );
+        let mut counter = |name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let prompt_tokens = counter("switchyard_engine_prompt_tokens", "Prompt tokens admitted");
+        let prefix_hit_tokens = counter(
+            "switchyard_engine_prefix_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+        );
+        let generation_tokens = counter(
+            "switchyard_engine_generation_tokens",
+            "Output tokens generated",
+        );
+        let preemptions = counter(
+            "switchyard_engine_preemptions",
+            "Requests preempted (recompute)",
+        );
+        let steps = counter(
+            "switchyard_engine_steps",
+            "Scheduler steps that computed something",
+        );
+        let kv_events = counter("switchyard_engine_kv_events", "KV events emitted");
+        let kv_events_dropped = counter(
+            "switchyard_engine_kv_events_dropped",
+            "KV events dropped because the publisher lagged or failed",
+        );
+        let kv_batches_published = counter(
+            "switchyard_engine_kv_batches_published",
+            "KV-event batches published over ZMQ",
+        );
+        let mut gauge = |name: &str, help: &str| {
+            let g = CountGauge::default();
+            registry.register(name, help, g.clone());
+            g
+        };
+        let running = gauge("switchyard_engine_running", "Requests running");
+        let waiting = gauge("switchyard_engine_waiting", "Requests waiting");
+        let cached_blocks = gauge(
+            "switchyard_engine_cached_blocks",
+            "Device blocks holding a cached prefix block",
+        );
+        let host_blocks = gauge("switchyard_engine_host_cached_blocks", "Host-tier blocks");
+        let restores_by_decision = Family::<DecisionLabels, Counter>::default();
+        let restores = RESTORE_LABELS.map(|decision| {
+            restores_by_decision
+                .get_or_create(&DecisionLabels { decision })
+                .clone()
+        });
+        registry.register(
+            "switchyard_engine_restores",
+            "Host-tier restore outcomes by decision",
+            restores_by_decision,
+        );
+        let requests_by_status = Family::<StatusLabels, Counter>::default();
+        let requests = RequestOutcome::ALL.map(|outcome| {
+            requests_by_status
+                .get_or_create(&StatusLabels {
+                    status: outcome.label(),
+                })
+                .clone()
+        });
+        registry.register(
+            "switchyard_engine_requests",
+            "Requests by final status",
+            requests_by_status,
+        );
+        Self {
+            registry,
+            kv_usage,
+            prompt_tokens,
+            prefix_hit_tokens,
+            generation_tokens,
+            preemptions,
+            steps,
+            running,
+            waiting,
+            cached_blocks,
+            host_blocks,
+            restores,
+            requests,
+            kv_events,
+            kv_events_dropped,
+            kv_batches_published,
         }
+    }
+
+    /// Counts a request leaving with `outcome`.
+    pub fn count_request(&self, outcome: RequestOutcome) {
+        self.requests[outcome as usize].inc();
     }
 
     /// Copies the engine's counters and gauges.
     pub fn observe<D: DeviceLayer>(&self, engine: &Engine<D>) {
         let c = engine.counters();
-        let set = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
-        set(&self.kv_usage_bits, engine.kv_usage().to_bits());
-        set(&self.prompt_tokens, c.prompt_tokens);
-        set(&self.prefix_hit_tokens, c.prefix_hit_tokens);
-        set(&self.generation_tokens, c.generated_tokens);
-        set(&self.running, engine.running_len() as u64);
-        set(&self.waiting, engine.waiting_len() as u64);
-        set(&self.preemptions, c.preemptions);
-        set(&self.cached_blocks, engine.kv().cached_blocks() as u64);
-        set(&self.host_blocks, engine.kv().host_blocks() as u64);
-        set(&self.steps, c.steps);
+        self.kv_usage.set(engine.kv_usage());
+        mirror(&self.prompt_tokens, c.prompt_tokens);
+        mirror(&self.prefix_hit_tokens, c.prefix_hit_tokens);
+        mirror(&self.generation_tokens, c.generated_tokens);
+        mirror(&self.preemptions, c.preemptions);
+        mirror(&self.steps, c.steps);
+        self.running.set(engine.running_len() as u64);
+        self.waiting.set(engine.waiting_len() as u64);
+        self.cached_blocks.set(engine.kv().cached_blocks() as u64);
+        self.host_blocks.set(engine.kv().host_blocks() as u64);
         let r = c.restores;
-        for (slot, v) in self.restores.iter().zip([
+        for (counter, total) in self.restores.iter().zip([
             r.no_reusable_entry,
             r.sequence_capacity_not_ready,
             r.native_restore_skipped,
             r.restored,
             r.failed,
         ]) {
-            set(slot, v);
+            mirror(counter, total);
         }
     }
 
-    /// Prometheus text exposition.
-    pub fn render(&self) -> String {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = String::with_capacity(2048);
-        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
-        };
-        metric(
-            "switchyard_engine_kv_usage_ratio",
-            "gauge",
-            "Used over total device KV blocks.",
-            f64::from_bits(get(&self.kv_usage_bits)).to_string(),
-        );
-        for (name, help, v) in [
-            (
-                "switchyard_engine_prompt_tokens_total",
-                "Prompt tokens admitted.",
-                &self.prompt_tokens,
-            ),
-            (
-                "switchyard_engine_prefix_hit_tokens_total",
-                "Prompt tokens served from the prefix cache.",
-                &self.prefix_hit_tokens,
-            ),
-            (
-                "switchyard_engine_generation_tokens_total",
-                "Output tokens generated.",
-                &self.generation_tokens,
-            ),
-            (
-                "switchyard_engine_preemptions_total",
-                "Requests preempted (recompute).",
-                &self.preemptions,
-            ),
-            (
-                "switchyard_engine_steps_total",
-                "Scheduler steps that computed something.",
-                &self.steps,
-            ),
-            (
-                "switchyard_engine_kv_events_total",
-                "KV events emitted.",
-                &self.kv_events,
-            ),
-            (
-                "switchyard_engine_kv_events_dropped_total",
-                "KV events dropped because the publisher lagged or failed.",
-                &self.kv_events_dropped,
-            ),
-            (
-                "switchyard_engine_kv_batches_published_total",
-                "KV-event batches published over ZMQ.",
-                &self.kv_batches_published,
-            ),
-        ] {
-            metric(name, "counter", help, get(v).to_string());
-        }
-        for (name, help, v) in [
-            (
-                "switchyard_engine_running",
-                "Requests running.",
-                &self.running,
-            ),
-            (
-                "switchyard_engine_waiting",
-                "Requests waiting.",
-                &self.waiting,
-            ),
-            (
-                "switchyard_engine_cached_blocks",
-                "Device blocks holding a cached prefix block.",
-                &self.cached_blocks,
-            ),
-            (
-                "switchyard_engine_host_cached_blocks",
-                "Host-tier blocks.",
-                &self.host_blocks,
-            ),
-        ] {
-            metric(name, "gauge", help, get(v).to_string());
-        }
-        let _ = writeln!(
-            out,
-            "# HELP switchyard_engine_restores_total Host-tier restore outcomes by decision.\n# TYPE switchyard_engine_restores_total counter"
-        );
-        for (label, v) in RESTORE_LABELS.iter().zip(&self.restores) {
-            let _ = writeln!(
-                out,
-                "switchyard_engine_restores_total{{decision=\"{label}\"}} {}",
-                get(v)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP switchyard_engine_requests_total Requests by final status.\n# TYPE switchyard_engine_requests_total counter"
-        );
-        let requests = self
-            .requests
-            .lock()
-            .expect("metrics lock is never poisoned")
-            .clone();
-        for (status, n) in requests {
-            let _ = writeln!(
-                out,
-                "switchyard_engine_requests_total{{status=\"{status}\"}} {n}"
-            );
-        }
+    /// Prometheus text exposition of every series.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        prometheus_text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// Brings `counter` up to the engine's running `total`.
+fn mirror(counter: &Counter, total: u64) {
+    counter.inc_by(total.saturating_sub(counter.get()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_exported_with_help_and_type() {
+        let m = Metrics::new();
+        m.count_request(RequestOutcome::Cancelled);
+        m.kv_events.inc_by(3);
+        mirror(&m.prompt_tokens, 10);
+        mirror(&m.prompt_tokens, 25);
+        m.kv_usage.set(0.25);
+        let text = m.encode();
+        for line in [
+            "# HELP switchyard_engine_prompt_tokens_total Prompt tokens admitted.\n",
+            "# TYPE switchyard_engine_prompt_tokens_total counter\n",
+            "switchyard_engine_prompt_tokens_total 25\n",
+            "switchyard_engine_kv_events_total 3\n",
+            "# TYPE switchyard_engine_running gauge\n",
+            "switchyard_engine_running 0\n",
+            "switchyard_engine_kv_usage_ratio 0.25\n",
+            "switchyard_engine_requests_total{status=\"cancelled\"} 1\n",
+            "switchyard_engine_requests_total{status=\"finished\"} 0\n",
+            "switchyard_engine_restores_total{decision=\"restored\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line}in:\n{text}");
+        }
+        let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
+        assert_eq!((typed, helped), (15, 15), "{text}");
     }
 }

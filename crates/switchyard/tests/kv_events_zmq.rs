@@ -128,7 +128,7 @@ fn rig(replay: bool) -> Rig {
     config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
     let context = zmq::Context::new();
     let subscriber =
-        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker(worker)).unwrap();
+        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w1")).unwrap();
     Rig {
         publisher,
         index,
@@ -201,8 +201,8 @@ fn a_sequence_gap_is_filled_from_the_replay_socket_and_the_index_ends_exact() {
     assert_eq!(totals.resets, 0);
     assert!(rig
         .metrics
-        .render_prometheus()
-        .contains("switchyard_kv_event_gaps_total{worker=\"1\"} 1"));
+        .encode_text()
+        .contains("switchyard_kv_event_gaps_total{worker=\"w1\"} 1"));
 }
 
 #[test]
@@ -250,7 +250,7 @@ fn garbage_on_the_wire_is_counted_and_neither_its_stream_nor_another_stalls() {
         &context,
         SubscriberConfig::new(worker, rogue_endpoint, BLOCK),
         index.clone(),
-        metrics.worker(worker),
+        metrics.worker("w2"),
     )
     .unwrap();
     let partial = {

@@ -689,15 +689,9 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
     running.shutdown().await.unwrap();
     let response = request.await.unwrap().unwrap();
     assert_eq!(response.status(), 503);
-    let mut text = String::new();
-    metrics.render(&mut text, "kv");
     assert_eq!(
-        metric(
-            &text,
-            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
-        ),
-        Some(1.0),
-        "{text}"
+        metrics.requests(switchyard_server::metrics::RequestStatus::Cancelled),
+        1
     );
 }
 

@@ -250,7 +250,7 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
     config.replay_endpoint = Some(replay_endpoint);
     let context = zmq::Context::new();
     let subscriber =
-        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker(id)).unwrap();
+        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w7")).unwrap();
 
     let client = reqwest::Client::new();
     for round in 0..6u32 {

@@ -20,7 +20,6 @@ use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
@@ -177,7 +176,7 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
     let mut enqueued = 0u64;
     for id in 0..args.requests {
         let add = booking(id, args);
-        while enqueued - a.metrics.published.load(Ordering::Relaxed) + 3 > window {
+        while enqueued - a.metrics.published.get() + 3 > window {
             tokio::task::yield_now().await;
         }
         let _ = a.publisher.added(&add, None);
@@ -192,13 +191,13 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         if published_at.is_none() && m.published + m.dropped >= events {
             published_at = Some(start.elapsed());
         }
-        if b.metrics.applied.load(Ordering::Relaxed) >= events - m.dropped {
+        if b.metrics.applied.get() >= events - m.dropped {
             break;
         }
         anyhow::ensure!(
             Instant::now() < deadline,
             "the peer applied {} of {events} events in 120 s",
-            b.metrics.applied.load(Ordering::Relaxed)
+            b.metrics.applied.get()
         );
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
@@ -210,10 +209,10 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
     let mut samples = Vec::with_capacity(args.probes);
     for probe in 0..args.probes as u64 {
         let add = booking(args.requests + probe, args);
-        let before = b.metrics.applied.load(Ordering::Relaxed);
+        let before = b.metrics.applied.get();
         let t0 = Instant::now();
         let _ = a.publisher.added(&add, None);
-        while b.metrics.applied.load(Ordering::Relaxed) == before {
+        while b.metrics.applied.get() == before {
             anyhow::ensure!(t0.elapsed() < Duration::from_secs(10), "a probe was lost");
             tokio::task::yield_now().await;
         }
@@ -221,7 +220,7 @@ async fn measure(args: &ReplicaArgs) -> anyhow::Result<ReplicaReport> {
         let _ = a.publisher.freed(add.request, add.worker);
         // Let the free land before the next probe.
         let target = before + 2;
-        while b.metrics.applied.load(Ordering::Relaxed) < target {
+        while b.metrics.applied.get() < target {
             anyhow::ensure!(t0.elapsed() < Duration::from_secs(10), "a free was lost");
             tokio::task::yield_now().await;
         }

@@ -79,7 +79,8 @@ pub struct ListenArgs {
     /// Seconds between summary lines.
     #[arg(long, default_value_t = 2.0)]
     pub interval: f64,
-    /// Print the Prometheus text of the counters when done.
+    /// Print the Prometheus text of the counters when done (their `worker`
+    /// label is the endpoint).
     #[arg(long)]
     pub metrics: bool,
 }
@@ -126,7 +127,7 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
         &context,
         config,
         index.clone(),
-        registry.worker(worker),
+        registry.worker(&args.endpoint),
     )?;
     let started = Instant::now();
     let end = args
@@ -146,7 +147,7 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
     }
     sub.shutdown();
     if args.metrics {
-        print!("{}", registry.render_prometheus());
+        print!("{}", registry.encode_text());
     }
     Ok(())
 }
