@@ -12,6 +12,10 @@
 //! - ShareGPT (`--sharegpt`, `.jsonl` or `.jsonl.gz`) becomes
 //!   `/v1/chat/completions` turns with real text, each turn's prompt being
 //!   the conversation so far, sent with `x-session-id`.
+//!
+//! Pacing: closed loop (`--concurrency`), open loop at a fixed rate
+//! (`--rate`), or open loop at the trace's own timestamps (`--timestamps`,
+//! Mooncake: [`Pacing::Arrivals`], the arrival times `replay` uses).
 
 use crate::bench::stats::{write_json, Latency};
 use anyhow::Context as _;
@@ -29,6 +33,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
+use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
 
 /// Options of `switchyard loadgen`.
 #[derive(Debug, Clone, Args)]
@@ -45,6 +50,13 @@ pub struct LoadgenArgs {
     /// Open loop: requests per second.
     #[arg(long, conflicts_with = "concurrency")]
     pub rate: Option<f64>,
+    /// Open loop at the trace's own timestamps (Mooncake only; records
+    /// sharing a timestamp are spread over its ~3 s step, as `replay` does).
+    #[arg(long, conflicts_with_all = ["rate", "concurrency", "sharegpt"])]
+    pub timestamps: bool,
+    /// With --timestamps: arrival-rate multiplier (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0, requires = "timestamps")]
+    pub rate_scale: f64,
     /// Closed loop: requests in flight [default: 8].
     #[arg(long)]
     pub concurrency: Option<usize>,
@@ -83,12 +95,15 @@ pub struct PreparedRequest {
 }
 
 /// How the load is offered.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum Pacing {
     /// This many requests in flight.
     Concurrency(usize),
     /// Open loop at this many requests per second.
     Rate(f64),
+    /// Open loop: request `i` is sent `arrivals[i]` ms after the start (a
+    /// trace's timestamps; requests beyond the list are not sent).
+    Arrivals(Arc<[f64]>),
 }
 
 /// The figures (keys per DESIGN.md "Interfaces").
@@ -114,6 +129,9 @@ pub struct Report {
     pub worker_share: BTreeMap<String, usize>,
     /// Wall time of the run.
     pub wall_seconds: f64,
+    /// Open loop: how late each request was sent against its schedule
+    /// (null in closed loop).
+    pub send_lag_ms: Option<Latency>,
 }
 
 /// Mooncake records as completion requests; records whose prompt exceeds
@@ -153,6 +171,41 @@ pub fn mooncake_requests(
         });
     }
     Ok(out)
+}
+
+/// One-turn sessions (a [`mooncake_slice`]) as completion requests with
+/// their arrival times in ms, for [`Pacing::Arrivals`]: token-id prompts
+/// and the sessions' output lengths as `max_tokens`.
+pub fn session_requests(
+    sessions: &[Session],
+    model: Option<&str>,
+) -> anyhow::Result<(Vec<PreparedRequest>, Vec<f64>)> {
+    let mut requests = Vec::with_capacity(sessions.len());
+    let mut arrivals = Vec::with_capacity(sessions.len());
+    for s in sessions {
+        let [turn] = &s.turns[..] else {
+            anyhow::bail!(
+                "session {} has {} turns; timed requests are single-turn",
+                s.id,
+                s.turns.len()
+            );
+        };
+        let mut body = json!({
+            "prompt": turn.prompt.tokens(),
+            "max_tokens": turn.output_tokens,
+            "stream": true,
+        });
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        requests.push(PreparedRequest {
+            path: "/v1/completions",
+            body: serde_json::to_vec(&body)?.into(),
+            session: None,
+        });
+        arrivals.push(s.arrival_ms);
+    }
+    Ok((requests, arrivals))
 }
 
 /// ShareGPT conversations as chat turns: sessions are taken 16 at a time
@@ -385,6 +438,7 @@ pub async fn run_load(
         })
     });
     let mut tasks = Vec::new();
+    let mut send_lag = Vec::new();
     match pacing {
         Pacing::Concurrency(c) => {
             for _ in 0..c.max(1) {
@@ -407,10 +461,21 @@ pub async fn run_load(
                 }));
             }
         }
-        Pacing::Rate(rate) => {
-            let gap = Duration::from_secs_f64(1.0 / rate.max(1e-6));
+        Pacing::Rate(_) | Pacing::Arrivals(_) => {
+            let gap = match &pacing {
+                Pacing::Rate(rate) => Duration::from_secs_f64(1.0 / rate.max(1e-6)),
+                _ => Duration::ZERO,
+            };
             for i in 0..total {
-                tokio::time::sleep_until((started + gap * i as u32).into()).await;
+                let at = match &pacing {
+                    Pacing::Arrivals(arrivals) => match arrivals.get(i) {
+                        Some(&ms) => started + Duration::from_secs_f64(ms.max(0.0) / 1e3),
+                        None => break,
+                    },
+                    _ => started + gap * i as u32,
+                };
+                tokio::time::sleep_until(at.into()).await;
+                send_lag.push(at.elapsed().as_secs_f64() * 1e3);
                 let (client, base, requests, samples) = (
                     client.clone(),
                     base.clone(),
@@ -472,6 +537,7 @@ pub async fn run_load(
         hit_rate,
         worker_share: share,
         wall_seconds: wall,
+        send_lag_ms: (!send_lag.is_empty()).then(|| Latency::of(&mut send_lag)),
     }
 }
 
@@ -499,6 +565,12 @@ pub fn print_report(title: &str, r: &Report) {
         Some(h) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
         None => println!("  engine prefix hit rate: n/a (no --worker-metrics)"),
     }
+    if let Some(lag) = &r.send_lag_ms {
+        println!(
+            "  sent late by ms: p50 {:.2} p99 {:.2} (open loop)",
+            lag.p50, lag.p99
+        );
+    }
     if !r.worker_share.is_empty() {
         let share: Vec<String> = r
             .worker_share
@@ -511,7 +583,32 @@ pub fn print_report(title: &str, r: &Report) {
 
 /// Runs `switchyard loadgen`.
 pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    let mut arrivals = None;
     let requests = match (&args.sharegpt, &args.trace) {
+        (None, trace) if args.timestamps => {
+            anyhow::ensure!(
+                args.rate_scale.is_finite() && args.rate_scale > 0.0,
+                "--rate-scale must be positive, got {}",
+                args.rate_scale
+            );
+            let path = match trace {
+                Some(p) => p.clone(),
+                None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+            };
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let slice = TraceSlice {
+                requests: args.max_requests,
+                max_prompt_tokens: args.max_prompt_tokens,
+                max_output_tokens: Some(args.max_output_tokens),
+                rate_scale: args.rate_scale,
+            };
+            let sessions = mooncake_slice(std::io::BufReader::new(file), &slice)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let (requests, times) = session_requests(&sessions, args.model.as_deref())?;
+            arrivals = Some(times);
+            requests
+        }
         (Some(path), _) => sharegpt_requests(
             path,
             args.max_requests,
@@ -533,10 +630,11 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
             args.model.as_deref(),
         )?,
     };
-    let pacing = match (args.rate, args.concurrency) {
-        (Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
-        (Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
-        (None, c) => Pacing::Concurrency(c.unwrap_or(8)),
+    let pacing = match (arrivals, args.rate, args.concurrency) {
+        (Some(times), _, _) => Pacing::Arrivals(times.into()),
+        (None, Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
+        (None, Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
+        (None, None, c) => Pacing::Concurrency(c.unwrap_or(8)),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
