@@ -1,7 +1,8 @@
 //! `switchyard sim-worker`: a simulated engine worker.
 //!
-//! - [`driver`] — the tokio task that owns the pure engine core, steps it in
-//!   real time (model time divided by `--speedup`) and fans tokens out;
+//! - [`driver`] — the thread that owns the pure engine core, steps it in
+//!   real time (model time divided by `--speedup`, to absolute deadlines)
+//!   and fans tokens out at each step's end;
 //! - [`http`] — the OpenAI-compatible HTTP surface (axum) and the
 //!   informational endpoints routers probe;
 //! - [`kv_publish`] — KV events in vLLM's wire format over the event
@@ -209,7 +210,8 @@ async fn serve(
             Some(tx)
         }
     };
-    let driver = driver::spawn(engine, metrics.clone(), kv_sink);
+    let driver =
+        driver::spawn(engine, metrics.clone(), kv_sink).context("starting the engine thread")?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;

@@ -21,6 +21,9 @@ pub struct Metrics {
     cached_blocks: AtomicU64,
     host_blocks: AtomicU64,
     steps: AtomicU64,
+    paced_micros: AtomicU64,
+    pacing_dropped_micros: AtomicU64,
+    pacing_resyncs: AtomicU64,
     restores: [AtomicU64; 5],
     /// KV events emitted.
     pub kv_events: AtomicU64,
@@ -49,6 +52,18 @@ impl Metrics {
         match requests.iter_mut().find(|(s, _)| *s == status) {
             Some((_, n)) => *n += 1,
             None => requests.push((status, 1)),
+        }
+    }
+
+    /// Counts one paced step: the wall time the timing model gave it and
+    /// the schedule given up before it (see the driver's `MAX_LAG`).
+    pub fn record_pacing(&self, paced: std::time::Duration, dropped: std::time::Duration) {
+        self.paced_micros
+            .fetch_add(paced.as_micros() as u64, Ordering::Relaxed);
+        if !dropped.is_zero() {
+            self.pacing_dropped_micros
+                .fetch_add(dropped.as_micros() as u64, Ordering::Relaxed);
+            self.pacing_resyncs.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -138,6 +153,26 @@ impl Metrics {
         ] {
             metric(name, "counter", help, get(v).to_string());
         }
+        for (name, help, v) in [
+            (
+                "switchyard_engine_paced_seconds_total",
+                "Wall time the timing model gave the steps run (model time / speed-up).",
+                &self.paced_micros,
+            ),
+            (
+                "switchyard_engine_pacing_dropped_seconds_total",
+                "Schedule the driver fell too far behind to catch up on and gave up: the worker ran that much slower than its model.",
+                &self.pacing_dropped_micros,
+            ),
+        ] {
+            metric(name, "counter", help, (get(v) as f64 / 1e6).to_string());
+        }
+        metric(
+            "switchyard_engine_pacing_resyncs_total",
+            "counter",
+            "Times the driver gave up schedule (see switchyard_engine_pacing_dropped_seconds_total).",
+            get(&self.pacing_resyncs).to_string(),
+        );
         for (name, help, v) in [
             (
                 "switchyard_engine_running",

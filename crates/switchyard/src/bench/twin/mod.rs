@@ -83,6 +83,10 @@ pub struct TwinArgs {
     /// (`replay`'s default; the real one is whatever ZMQ and the router take).
     #[arg(long, default_value_t = 10.0)]
     pub kv_event_delay_ms: f64,
+    /// Simulator only, a diagnostic: book without expected prefill
+    /// durations, as the server does today (`replay` passes them).
+    #[arg(long)]
+    pub no_prefill_hints: bool,
     /// Mooncake trace [default: the bundled conversation trace].
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -255,7 +259,9 @@ pub fn twin_fleet(args: &TwinArgs) -> anyhow::Result<FleetConfig> {
     let flags = replay_flags(args);
     let replay = Replay::try_parse_from(std::iter::once("replay".to_owned()).chain(flags))
         .context("building replay's arguments")?;
-    fleet_config(&replay.args)
+    let mut fleet = fleet_config(&replay.args)?;
+    fleet.prefill_hints = !args.no_prefill_hints;
+    Ok(fleet)
 }
 
 /// The `switchyard replay` flags that give the twin's fleet.
@@ -422,8 +428,13 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         fleet.engine.timing.speedup
     );
     println!(
-        "  replay side: switchyard replay {} on the same slice",
-        replay_flags(&args).join(" ")
+        "  replay side: switchyard replay {} on the same slice{}",
+        replay_flags(&args).join(" "),
+        if fleet.prefill_hints {
+            ""
+        } else {
+            ", booking without prefill hints (--no-prefill-hints)"
+        }
     );
     let mut pairs = BTreeMap::new();
     for &policy in &args.policies {
@@ -595,6 +606,12 @@ mod tests {
         assert_eq!(fleet.engine.timing.speedup, 8.0);
         assert_eq!(fleet.router.sequences.block_size, 16);
         assert_eq!(fleet.kv_event_delay_ms, 10.0);
+        assert!(fleet.prefill_hints, "replay passes prefill hints");
+        assert!(
+            !twin_fleet(&args(&["--no-prefill-hints"]))
+                .unwrap()
+                .prefill_hints
+        );
     }
 
     /// One truth for the engine settings: the flags handed to each
