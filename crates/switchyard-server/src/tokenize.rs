@@ -65,11 +65,12 @@ mod tests {
 
     /// The ShareGPT fixture: a few conversations from the shared trace, as
     /// `{"id", "conversations": [{"from", "value"}]}` lines (see
-    /// `tests/fixtures/README.md` for provenance).
+    /// `crates/switchyard/tests/fixtures/README.md` for provenance; it
+    /// stayed with the binary's tests when the server moved out).
     fn sharegpt_texts() -> Vec<String> {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/sharegpt_sample.jsonl"
+            "/../switchyard/tests/fixtures/sharegpt_sample.jsonl"
         );
         let file = std::fs::File::open(path).expect("fixture exists");
         let mut texts = Vec::new();
