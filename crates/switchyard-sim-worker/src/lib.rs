@@ -23,6 +23,7 @@ pub mod kv_publish;
 pub mod metrics;
 
 use anyhow::Context;
+use axum::serve::ListenerExt as _;
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -248,6 +249,13 @@ async fn serve(
         "switchyard sim-worker listening on http://{local} (model {})",
         args.model
     );
+    // Each token is one small write: without TCP_NODELAY, Nagle's algorithm
+    // holds it until the client's (delayed) ACK of the previous one and
+    // tokens reach clients in bursts tens of milliseconds apart. Engines'
+    // servers (uvicorn under vLLM and SGLang) set it too.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, http::router(state))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
