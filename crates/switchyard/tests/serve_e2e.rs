@@ -168,11 +168,19 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
     })
     .await;
     assert!(freed, "{}", metrics_text(&client, &base).await);
-    let text = metrics_text(&client, &base).await;
-    assert_eq!(
-        metric(&text, "switchyard_worker_up{worker=\"w0\"}"),
-        Some(0.0)
-    );
+    // Declared dead by its health checks (two failures, 200 ms apart):
+    // waited for, since how long the run above took since the kill depends
+    // on the workers' speed and the machine's load.
+    let down = eventually(Duration::from_secs(10), || {
+        let client = client.clone();
+        let base = base.clone();
+        async move {
+            let text = metrics_text(&client, &base).await;
+            metric(&text, "switchyard_worker_up{worker=\"w0\"}") == Some(0.0)
+        }
+    })
+    .await;
+    assert!(down, "{}", metrics_text(&client, &base).await);
     drop(w1);
 }
 
