@@ -26,7 +26,6 @@ use clap::{Args, Parser};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::select::PolicyKind;
 use switchyard_engine::{EngineConfig, TimingConfig};
@@ -460,26 +459,17 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     let mut health = BTreeMap::new();
     if !args.replay_only {
         let (requests, arrivals) = loadgen::session_requests(&sessions, None)?;
-        let arrivals: Arc<[f64]> = arrivals.into();
-        let worker_args = sim_worker_args(&fleet.engine)?;
-        for &policy in &args.policies {
-            eprintln!(
-                "serve {}: {} requests over {:.0} s",
-                policy.name(),
-                requests.len(),
-                span_s
-            );
-            let run = serve::run(
-                policy,
-                fleet.workers,
-                fleet.engine.block_size,
-                &worker_args,
-                requests.clone(),
-                arrivals.clone(),
-            )?;
+        let setup = serve::ServeSetup {
+            workers: fleet.workers,
+            block_size: fleet.engine.block_size,
+            worker_args: sim_worker_args(&fleet.engine)?,
+            requests,
+            arrivals: arrivals.into(),
+        };
+        serve::run_all(&setup, &args.policies, |policy, run| {
             let side = Side::of_serve(&run.report);
             println!(
-                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms  ({} errors; sim-workers fell behind their model by {:.2}% of step time; sends late by p99 {:.1} ms)",
+                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
                 policy.name(),
                 side.hit_rate,
                 side.ttft_p50_ms,
@@ -492,7 +482,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
                 pair.serve = Some(side);
             }
             health.insert(policy.name().to_owned(), run.health);
-        }
+        })?;
     }
     let verdict = verdict(&pairs);
     print_table(&pairs, &verdict);

@@ -156,28 +156,62 @@ async fn interrupted() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// One policy on a fresh fleet: starts the sim-workers and the router,
-/// waits until every worker is in selection, sends `requests` at
-/// `arrivals` (ms from the start) and reads the engines' counters.
-pub(super) fn run(
-    policy: PolicyKind,
-    workers: usize,
-    block_size: usize,
-    worker_args: &[String],
-    requests: Vec<PreparedRequest>,
-    arrivals: Arc<[f64]>,
-) -> anyhow::Result<ServeRun> {
-    let fleet = start_sim_workers(workers, worker_args, true)?;
-    let (router, base) = start_router(&serve_args(policy, block_size, &fleet))?;
+/// The serve side's fixed inputs: the fleet's shape and the load.
+pub(super) struct ServeSetup {
+    pub(super) workers: usize,
+    pub(super) block_size: usize,
+    pub(super) worker_args: Vec<String>,
+    pub(super) requests: Vec<PreparedRequest>,
+    pub(super) arrivals: Arc<[f64]>,
+}
+
+/// Runs every policy, one fresh fleet each, calling `on_run` after each.
+/// One runtime for all of them, so Ctrl-C or SIGTERM at any point —
+/// starting a fleet, waiting for it, under load — ends the run and drops
+/// (kills) whatever children are alive.
+pub(super) fn run_all(
+    setup: &ServeSetup,
+    policies: &[PolicyKind],
+    mut on_run: impl FnMut(PolicyKind, ServeRun),
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let run = runtime.block_on(async {
+    runtime.block_on(async {
+        let all = async {
+            for &policy in policies {
+                let run = run(policy, setup).await?;
+                on_run(policy, run);
+            }
+            anyhow::Ok(())
+        };
         tokio::select! {
-            run = drive(&base, &fleet, requests, arrivals) => run,
-            () = interrupted() => Err(anyhow::anyhow!("interrupted: stopping the router and the sim-workers")),
+            done = all => done,
+            () = interrupted() => Err(anyhow::anyhow!("interrupted: stopped the router and the sim-workers")),
         }
-    });
+    })
+}
+
+/// One policy on a fresh fleet: starts the sim-workers and the router
+/// (their guards kill them when this future ends or is dropped), waits
+/// until every worker is in selection, sends the requests at their arrival
+/// times and reads the engines' counters.
+async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun> {
+    eprintln!(
+        "serve {}: {} requests over {:.0} s",
+        policy.name(),
+        setup.requests.len(),
+        setup.arrivals.last().copied().unwrap_or(0.0) / 1e3
+    );
+    let fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
+    let (router, base) = start_router(&serve_args(policy, setup.block_size, &fleet))?;
+    let run = drive(
+        &base,
+        &fleet,
+        setup.requests.clone(),
+        setup.arrivals.clone(),
+    )
+    .await;
     drop(router);
     drop(fleet);
     run
