@@ -462,17 +462,19 @@ pub async fn run_load(
             }
         }
         Pacing::Rate(_) | Pacing::Arrivals(_) => {
-            let gap = match &pacing {
-                Pacing::Rate(rate) => Duration::from_secs_f64(1.0 / rate.max(1e-6)),
-                _ => Duration::ZERO,
+            // When request `i` is due (`None`: not at all).
+            let due = |i: usize| match &pacing {
+                Pacing::Rate(rate) => {
+                    Some(started + Duration::from_secs_f64(i as f64 / rate.max(1e-6)))
+                }
+                Pacing::Arrivals(arrivals) => arrivals
+                    .get(i)
+                    .map(|&ms| started + Duration::from_secs_f64(ms.max(0.0) / 1e3)),
+                Pacing::Concurrency(_) => None,
             };
             for i in 0..total {
-                let at = match &pacing {
-                    Pacing::Arrivals(arrivals) => match arrivals.get(i) {
-                        Some(&ms) => started + Duration::from_secs_f64(ms.max(0.0) / 1e3),
-                        None => break,
-                    },
-                    _ => started + gap * i as u32,
+                let Some(at) = due(i) else {
+                    break;
                 };
                 tokio::time::sleep_until(at.into()).await;
                 send_lag.push(at.elapsed().as_secs_f64() * 1e3);
@@ -652,4 +654,79 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
         write_json(path, &report)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_sim::workload::{PromptSpec, Turn};
+
+    fn session(id: u64, arrival_ms: f64, turns: usize) -> Session {
+        Session {
+            id,
+            arrival_ms,
+            think_time_ms: 0.0,
+            turns: (0..turns)
+                .map(|_| Turn {
+                    prompt: PromptSpec::Mooncake {
+                        hash_ids: vec![id].into(),
+                        tokens: 20,
+                    },
+                    output_tokens: 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn sessions_become_token_id_completions_with_their_arrival_times() {
+        let sessions = [session(3, 0.0, 1), session(4, 250.5, 1)];
+        let (requests, arrivals) = session_requests(&sessions, Some("m")).unwrap();
+        assert_eq!(arrivals, vec![0.0, 250.5]);
+        let body: Value = serde_json::from_slice(&requests[1].body).unwrap();
+        assert_eq!(requests[1].path, "/v1/completions");
+        assert_eq!(body["max_tokens"], 7);
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["model"], "m");
+        let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+        assert_eq!(prompt, sessions[1].turns[0].prompt.tokens());
+        assert!(session_requests(&[session(5, 0.0, 2)], None).is_err());
+    }
+
+    /// Nothing listens on the port: every request fails at once, which is
+    /// enough to see which requests the schedule sent.
+    #[tokio::test]
+    async fn arrivals_pacing_sends_only_the_scheduled_requests_and_records_lateness() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let (requests, _) = session_requests(
+            &[session(1, 0.0, 1), session(2, 0.0, 1), session(3, 0.0, 1)],
+            None,
+        )
+        .unwrap();
+        let report = run_load(
+            &format!("http://127.0.0.1:{port}"),
+            requests,
+            Pacing::Arrivals(vec![0.0, 1.0].into()),
+            true,
+            &[],
+            false,
+        )
+        .await;
+        assert_eq!((report.requests, report.errors), (2, 2));
+        assert!(report.send_lag_ms.is_some());
+        let closed = run_load(
+            &format!("http://127.0.0.1:{port}"),
+            Vec::new(),
+            Pacing::Concurrency(1),
+            true,
+            &[],
+            false,
+        )
+        .await;
+        assert!(closed.send_lag_ms.is_none());
+    }
 }
