@@ -178,8 +178,8 @@ pub enum Figure {
     HitRate,
 }
 
-/// `names` ordered best first by `figure` (ties by name, so an order is
-/// always defined).
+/// The policies of `sides` ordered best first by `figure` (ties by name,
+/// so an order is always defined).
 pub fn order_by(sides: &[(&str, Side)], figure: Figure) -> Vec<String> {
     let mut v: Vec<(&str, f64)> = sides
         .iter()
@@ -370,6 +370,12 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
         "--rate-scale must be positive"
     );
     anyhow::ensure!(!args.policies.is_empty(), "--policies names none");
+    for (i, p) in args.policies.iter().enumerate() {
+        anyhow::ensure!(
+            !args.policies[..i].contains(p),
+            "--policies names {p} twice"
+        );
+    }
     Ok(())
 }
 
@@ -588,6 +594,7 @@ mod tests {
         check(&a).unwrap();
         assert!(check(&args(&["--speedup", "0"])).is_err());
         assert!(check(&args(&["--rate-scale=-1"])).is_err());
+        assert!(check(&args(&["--policies", "kv,round-robin,kv"])).is_err());
     }
 
     #[test]
