@@ -1,5 +1,22 @@
-//! The real-time driver: one tokio task owns the engine core and steps it,
+//! The real-time driver: one thread owns the engine core and steps it,
 //! pacing each step by the timing model divided by the speed-up factor.
+//!
+//! A step is computed when it is launched, but its tokens and KV events go
+//! out only at its deadline, when its modeled duration has passed — as the
+//! fleet simulator delivers them at the step's end. Deadlines are absolute
+//! ([`Pacer`]): each step's deadline counts from the previous step's
+//! deadline, not from when the sleep returned, so a sleep's overshoot is
+//! made up by the next steps instead of adding up; a worker that falls more
+//! than [`MAX_LAG`] behind resumes from the present and counts the time
+//! given up.
+//!
+//! The driver is a plain thread, not a tokio task, because tokio's timer
+//! counts whole milliseconds: steps are 0.4–6 ms at the speed-ups in use,
+//! so a tokio sleep would deliver tokens in millisecond bursts (right on
+//! average once deadlines carry over, but not token by token). A thread's
+//! sleep wakes within tens of microseconds. The thread blocks only on its
+//! own command channel and its sleeps; everything it sends (tokens, KV
+//! events) goes through non-blocking `try_send`.
 //!
 //! HTTP handlers talk to it only through a bounded command channel; each
 //! request gets a channel of its own sized to its `max_tokens`, so the driver
@@ -9,7 +26,7 @@
 use super::metrics::{Metrics, RequestOutcome};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use switchyard_core::{EngineHash, RequestId};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{
@@ -17,7 +34,6 @@ use switchyard_engine::{
 };
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
 
 /// What a request's receiver sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,17 +111,78 @@ impl DriverHandle {
     }
 }
 
-/// Starts the driver task. KV events go to `kv_sink` when given; while the
-/// sink is full they wait in the driver (up to the engine's event buffer
-/// size; beyond it the newest are dropped and counted).
+/// Starts the driver thread; it ends when every [`DriverHandle`] is gone.
+/// KV events go to `kv_sink` when given; while the sink is full they wait
+/// in the driver (up to the engine's event buffer size; beyond it the
+/// newest are dropped and counted).
 pub fn spawn(
     engine: Engine<SyncDevice>,
     metrics: Arc<Metrics>,
     kv_sink: Option<mpsc::Sender<Vec<KvEvent>>>,
-) -> DriverHandle {
+) -> std::io::Result<DriverHandle> {
     let (tx, rx) = mpsc::channel(1024);
-    tokio::spawn(run(engine, rx, metrics, kv_sink));
-    DriverHandle { commands: tx }
+    std::thread::Builder::new()
+        .name("sim-worker-engine".into())
+        .spawn(move || run(engine, rx, metrics, kv_sink))?;
+    Ok(DriverHandle { commands: tx })
+}
+
+/// How far behind its schedule a worker may fall and still catch up. Up
+/// to this lag, late steps run back to back (a burst of at most this much
+/// model time) until the schedule is met again; it covers the timer's
+/// millisecond granularity and ordinary scheduling delays several times
+/// over. Beyond it (the process was descheduled, the machine is
+/// overloaded) the next step starts now: the worker then runs that much
+/// slower than its model, and the time is counted in
+/// `switchyard_engine_pacing_dropped_seconds_total` rather than made up in
+/// one unbounded burst.
+pub const MAX_LAG: Duration = Duration::from_millis(5);
+
+/// One step's place on the wall clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacedStep {
+    /// When the step's outputs are due.
+    pub deadline: Instant,
+    /// Schedule given up because the step launched more than the allowed
+    /// lag behind it (zero when on time or catching up).
+    pub dropped: Duration,
+}
+
+/// Absolute-deadline pacing of engine steps (pure: the caller passes the
+/// time). A step's nominal start is the previous step's deadline — or the
+/// moment it launches, after an idle spell or when it launches more than
+/// `max_lag` late — and its deadline is that start plus its duration.
+#[derive(Clone, Copy, Debug)]
+pub struct Pacer {
+    deadline: Option<Instant>,
+    max_lag: Duration,
+}
+
+impl Pacer {
+    /// A pacer that catches up on at most `max_lag` of lateness.
+    pub fn new(max_lag: Duration) -> Self {
+        Self {
+            deadline: None,
+            max_lag,
+        }
+    }
+
+    /// The engine ran out of work: the next step starts when it launches.
+    pub fn idle(&mut self) {
+        self.deadline = None;
+    }
+
+    /// Places a step of `duration` launched at `now`.
+    pub fn schedule(&mut self, now: Instant, duration: Duration) -> PacedStep {
+        let (start, dropped) = match self.deadline {
+            Some(previous) if now <= previous + self.max_lag => (previous, Duration::ZERO),
+            Some(previous) => (now, now - previous),
+            None => (now, Duration::ZERO),
+        };
+        let deadline = start + duration;
+        self.deadline = Some(deadline);
+        PacedStep { deadline, dropped }
+    }
 }
 
 struct Driver {
@@ -119,7 +196,7 @@ struct Driver {
     hung_up: Vec<RequestId>,
 }
 
-async fn run(
+fn run(
     engine: Engine<SyncDevice>,
     mut commands: mpsc::Receiver<Command>,
     metrics: Arc<Metrics>,
@@ -135,9 +212,11 @@ async fn run(
         hung_up: Vec::new(),
     };
     let mut report = StepReport::default();
+    let mut pacer = Pacer::new(MAX_LAG);
     loop {
         if !driver.engine.has_work() {
-            match commands.recv().await {
+            pacer.idle();
+            match commands.blocking_recv() {
                 Some(cmd) => driver.handle(cmd),
                 None => return,
             }
@@ -149,20 +228,31 @@ async fn run(
             driver.publish();
             continue;
         }
-        let started = Instant::now();
         if let Err(err) = driver.engine.step(&mut report) {
             // The simulated device has no faults; a contract error is a bug.
             eprintln!("switchyard sim-worker: engine step failed: {err}");
             return;
         }
+        let timing = &driver.engine.config().timing;
+        // Work that cannot be scheduled yet (a deferred restore) is looked
+        // at again after a floor-length step, as the fleet simulator does.
+        let model_ms = if report.is_idle() {
+            timing.decode_floor_ms
+        } else {
+            report.model_ms
+        };
+        let wall_ms = timing.wall_ms(model_ms);
+        if wall_ms > 0.0 {
+            let duration = Duration::from_secs_f64(wall_ms / 1e3);
+            let step = pacer.schedule(Instant::now(), duration);
+            driver.metrics.record_pacing(duration, step.dropped);
+            let now = Instant::now();
+            if step.deadline > now {
+                std::thread::sleep(step.deadline - now);
+            }
+        }
         driver.dispatch(&report);
         driver.publish();
-        let wall_ms = driver.engine.config().timing.wall_ms(report.model_ms);
-        if wall_ms > 0.0 {
-            tokio::time::sleep_until(started + Duration::from_secs_f64(wall_ms / 1e3)).await;
-        } else {
-            tokio::task::yield_now().await;
-        }
     }
 }
 
@@ -261,5 +351,90 @@ impl Driver {
             }
         }
         self.metrics.observe(&self.engine);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: f64) -> Duration {
+        Duration::from_secs_f64(n / 1e3)
+    }
+
+    #[test]
+    fn each_deadline_counts_from_the_previous_deadline_not_from_the_wake_up() {
+        let t0 = Instant::now();
+        let mut pacer = Pacer::new(MAX_LAG);
+        let first = pacer.schedule(t0, ms(1.5));
+        assert_eq!(first.deadline, t0 + ms(1.5));
+        // The timer woke 0.5 ms late; the next step is still due 1.5 ms
+        // after the first one's deadline, not after the wake-up.
+        let second = pacer.schedule(t0 + ms(2.0), ms(1.5));
+        assert_eq!(second.deadline, t0 + ms(3.0));
+        assert_eq!(second.dropped, Duration::ZERO);
+        // Ten steps woken late each still end where the model says.
+        let mut now = second.deadline;
+        let mut last = second;
+        for _ in 0..10 {
+            now = last.deadline + ms(0.9);
+            last = pacer.schedule(now, ms(1.5));
+        }
+        assert_eq!(last.deadline, t0 + ms(18.0));
+        assert!(now < last.deadline);
+    }
+
+    #[test]
+    fn a_late_worker_catches_up_back_to_back_within_the_bound() {
+        let t0 = Instant::now();
+        let mut pacer = Pacer::new(ms(5.0));
+        pacer.schedule(t0, ms(0.25));
+        // Launched 4 ms after the last deadline: within the bound, so the
+        // step keeps its nominal start and is already due.
+        let late = t0 + ms(4.25);
+        let step = pacer.schedule(late, ms(0.25));
+        assert_eq!(step.deadline, t0 + ms(0.5));
+        assert!(step.deadline <= late, "due at once: catching up");
+        assert_eq!(step.dropped, Duration::ZERO);
+        // Steps launched at that same instant stay due until caught up.
+        let mut due_at_once = 1;
+        while pacer.schedule(late, ms(0.25)).deadline <= late {
+            due_at_once += 1;
+        }
+        assert_eq!(
+            due_at_once, 16,
+            "4 ms of 0.25 ms steps, then back on schedule"
+        );
+    }
+
+    #[test]
+    fn beyond_the_bound_the_worker_resynchronises_and_counts_what_it_gave_up() {
+        let t0 = Instant::now();
+        let mut pacer = Pacer::new(ms(5.0));
+        pacer.schedule(t0, ms(1.0));
+        let stalled = t0 + ms(31.0);
+        let step = pacer.schedule(stalled, ms(1.0));
+        assert_eq!(step.dropped, ms(30.0));
+        assert_eq!(step.deadline, stalled + ms(1.0));
+        // And from there on the schedule holds again.
+        let next = pacer.schedule(step.deadline + ms(0.2), ms(1.0));
+        assert_eq!(
+            (next.deadline, next.dropped),
+            (stalled + ms(2.0), Duration::ZERO)
+        );
+    }
+
+    #[test]
+    fn after_an_idle_spell_the_next_step_starts_when_it_launches() {
+        let t0 = Instant::now();
+        let mut pacer = Pacer::new(MAX_LAG);
+        pacer.schedule(t0, ms(1.0));
+        pacer.idle();
+        let later = t0 + ms(500.0);
+        let step = pacer.schedule(later, ms(2.0));
+        assert_eq!(
+            (step.deadline, step.dropped),
+            (later + ms(2.0), Duration::ZERO)
+        );
     }
 }

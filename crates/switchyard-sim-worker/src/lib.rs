@@ -1,7 +1,8 @@
 //! `switchyard sim-worker`: a simulated engine worker.
 //!
-//! - [`driver`] — the tokio task that owns the pure engine core, steps it in
-//!   real time (model time divided by `--speedup`) and fans tokens out;
+//! - [`driver`] — the thread that owns the pure engine core, steps it in
+//!   real time (model time divided by `--speedup`, to absolute deadlines)
+//!   and fans tokens out at each step's end;
 //! - [`http`] — the OpenAI-compatible HTTP surface (axum) and the
 //!   informational endpoints routers probe;
 //! - [`kv_publish`] — KV events in vLLM's wire format over the event
@@ -22,6 +23,7 @@ pub mod kv_publish;
 pub mod metrics;
 
 use anyhow::Context;
+use axum::serve::ListenerExt as _;
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -209,7 +211,8 @@ async fn serve(
             Some(tx)
         }
     };
-    let driver = driver::spawn(engine, metrics.clone(), kv_sink);
+    let driver =
+        driver::spawn(engine, metrics.clone(), kv_sink).context("starting the engine thread")?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;
@@ -246,6 +249,13 @@ async fn serve(
         "switchyard sim-worker listening on http://{local} (model {})",
         args.model
     );
+    // Each token is one small write: without TCP_NODELAY, Nagle's algorithm
+    // holds it until the client's (delayed) ACK of the previous one and
+    // tokens reach clients in bursts tens of milliseconds apart. Engines'
+    // servers (uvicorn under vLLM and SGLang) set it too.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, http::router(state))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -89,6 +89,9 @@ pub struct Metrics {
     waiting: CountGauge,
     cached_blocks: CountGauge,
     host_blocks: CountGauge,
+    paced_seconds: Counter<f64, AtomicU64>,
+    pacing_dropped_seconds: Counter<f64, AtomicU64>,
+    pacing_resyncs: Counter,
     /// Indexed like `RESTORE_LABELS`.
     restores: [Counter; RESTORE_LABELS.len()],
     /// Indexed by `RequestOutcome as usize`.
@@ -148,6 +151,22 @@ impl Metrics {
             "switchyard_engine_kv_batches_published",
             "KV-event batches published over ZMQ",
         );
+        let pacing_resyncs = counter(
+            "switchyard_engine_pacing_resyncs",
+            "Times the driver gave up schedule (see switchyard_engine_pacing_dropped_seconds_total)",
+        );
+        let paced_seconds = Counter::<f64, AtomicU64>::default();
+        registry.register(
+            "switchyard_engine_paced_seconds",
+            "Wall time the timing model gave the steps run (model time / speed-up)",
+            paced_seconds.clone(),
+        );
+        let pacing_dropped_seconds = Counter::<f64, AtomicU64>::default();
+        registry.register(
+            "switchyard_engine_pacing_dropped_seconds",
+            "Schedule the driver fell too far behind to catch up on and gave up: the worker ran that much slower than its model",
+            pacing_dropped_seconds.clone(),
+        );
         let mut gauge = |name: &str, help: &str| {
             let g = CountGauge::default();
             registry.register(name, help, g.clone());
@@ -196,6 +215,9 @@ impl Metrics {
             waiting,
             cached_blocks,
             host_blocks,
+            paced_seconds,
+            pacing_dropped_seconds,
+            pacing_resyncs,
             restores,
             requests,
             kv_events,
@@ -207,6 +229,16 @@ impl Metrics {
     /// Counts a request leaving with `outcome`.
     pub fn count_request(&self, outcome: RequestOutcome) {
         self.requests[outcome as usize].inc();
+    }
+
+    /// Counts one paced step: the wall time the timing model gave it and
+    /// the schedule given up before it (see the driver's `MAX_LAG`).
+    pub fn record_pacing(&self, paced: std::time::Duration, dropped: std::time::Duration) {
+        self.paced_seconds.inc_by(paced.as_secs_f64());
+        if !dropped.is_zero() {
+            self.pacing_dropped_seconds.inc_by(dropped.as_secs_f64());
+            self.pacing_resyncs.inc();
+        }
     }
 
     /// Copies the engine's counters and gauges.
@@ -276,6 +308,18 @@ mod tests {
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (15, 15), "{text}");
+        assert_eq!((typed, helped), (18, 18), "{text}");
+        m.record_pacing(
+            std::time::Duration::from_millis(1500),
+            std::time::Duration::from_millis(250),
+        );
+        let text = m.encode();
+        for line in [
+            "switchyard_engine_paced_seconds_total 1.5\n",
+            "switchyard_engine_pacing_dropped_seconds_total 0.25\n",
+            "switchyard_engine_pacing_resyncs_total 1\n",
+        ] {
+            assert!(text.contains(line), "{line}in:\n{text}");
+        }
     }
 }

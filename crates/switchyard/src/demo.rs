@@ -79,20 +79,38 @@ impl Drop for Fleet {
 /// Starts `args.workers` sim-workers (this binary) with `args`' speed-up,
 /// pool size and KV-event choice.
 pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
+    let worker_args = [
+        "--speedup".to_owned(),
+        args.speedup.to_string(),
+        "--num-blocks".to_owned(),
+        args.num_blocks.to_string(),
+    ];
+    start_sim_workers(args.workers, &worker_args, !args.approximate)
+}
+
+/// Starts `count` sim-workers (this binary) on loopback with
+/// `worker_args`, each publishing KV events (with replay) on free ports
+/// when `kv_events`; returns once each has printed its address (it binds
+/// before printing).
+pub(crate) fn start_sim_workers(
+    count: usize,
+    worker_args: &[String],
+    kv_events: bool,
+) -> anyhow::Result<Fleet> {
     let exe = std::env::current_exe().context("locating the switchyard binary")?;
     let mut fleet = Fleet {
         children: Vec::new(),
         urls: Vec::new(),
         events: Vec::new(),
     };
-    for _ in 0..args.workers {
-        let events = if args.approximate {
-            None
-        } else {
+    for _ in 0..count {
+        let events = if kv_events {
             Some((
                 format!("tcp://127.0.0.1:{}", free_port()?),
                 format!("tcp://127.0.0.1:{}", free_port()?),
             ))
+        } else {
+            None
         };
         let mut command = Command::new(&exe);
         command.args(["sim-worker", "--host", "127.0.0.1", "--port", "0"]);
@@ -101,8 +119,7 @@ pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
         }
         fleet.events.push(events);
         let mut child = command
-            .args(["--speedup", &args.speedup.to_string()])
-            .args(["--num-blocks", &args.num_blocks.to_string()])
+            .args(worker_args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -18,6 +18,9 @@
 //! one for a chunk with text), whatever the network's framing, and a
 //! stream counts as an error unless it ends with `[DONE]` and no error
 //! event.
+//! Pacing: closed loop (`--concurrency`), open loop at a fixed rate
+//! (`--rate`), or open loop at the trace's own timestamps (`--timestamps`,
+//! Mooncake: [`Pacing::Arrivals`], the arrival times `replay` uses).
 
 use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
@@ -40,6 +43,7 @@ use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// Largest streamed event read; a longer one fails the request.
 const MAX_EVENT_BYTES: usize = 1 << 20;
+use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
 
 /// Options of `switchyard loadgen`.
 #[derive(Debug, Clone, Args)]
@@ -56,6 +60,13 @@ pub struct LoadgenArgs {
     /// Open loop: requests per second.
     #[arg(long, conflicts_with = "concurrency")]
     pub rate: Option<f64>,
+    /// Open loop at the trace's own timestamps (Mooncake only; records
+    /// sharing a timestamp are spread over its ~3 s step, as `replay` does).
+    #[arg(long, conflicts_with_all = ["rate", "concurrency", "sharegpt"])]
+    pub timestamps: bool,
+    /// With --timestamps: arrival-rate multiplier (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0, requires = "timestamps")]
+    pub rate_scale: f64,
     /// Closed loop: requests in flight [default: 8].
     #[arg(long)]
     pub concurrency: Option<usize>,
@@ -94,12 +105,15 @@ pub struct PreparedRequest {
 }
 
 /// How the load is offered.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum Pacing {
     /// This many requests in flight.
     Concurrency(usize),
     /// Open loop at this many requests per second.
     Rate(f64),
+    /// Open loop: request `i` is sent `arrivals[i]` ms after the start (a
+    /// trace's timestamps; requests beyond the list are not sent).
+    Arrivals(Arc<[f64]>),
 }
 
 /// The figures (keys per DESIGN.md "Interfaces").
@@ -125,6 +139,9 @@ pub struct Report {
     pub worker_share: BTreeMap<String, usize>,
     /// Wall time of the run.
     pub wall_seconds: f64,
+    /// Open loop: how late each request was sent against its schedule
+    /// (null in closed loop).
+    pub send_lag_ms: Option<Latency>,
 }
 
 /// Mooncake records as completion requests; records whose prompt exceeds
@@ -164,6 +181,41 @@ pub fn mooncake_requests(
         });
     }
     Ok(out)
+}
+
+/// One-turn sessions (a [`mooncake_slice`]) as completion requests with
+/// their arrival times in ms, for [`Pacing::Arrivals`]: token-id prompts
+/// and the sessions' output lengths as `max_tokens`.
+pub fn session_requests(
+    sessions: &[Session],
+    model: Option<&str>,
+) -> anyhow::Result<(Vec<PreparedRequest>, Vec<f64>)> {
+    let mut requests = Vec::with_capacity(sessions.len());
+    let mut arrivals = Vec::with_capacity(sessions.len());
+    for s in sessions {
+        let [turn] = &s.turns[..] else {
+            anyhow::bail!(
+                "session {} has {} turns; timed requests are single-turn",
+                s.id,
+                s.turns.len()
+            );
+        };
+        let mut body = json!({
+            "prompt": turn.prompt.tokens(),
+            "max_tokens": turn.output_tokens,
+            "stream": true,
+        });
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        requests.push(PreparedRequest {
+            path: "/v1/completions",
+            body: serde_json::to_vec(&body)?.into(),
+            session: None,
+        });
+        arrivals.push(s.arrival_ms);
+    }
+    Ok((requests, arrivals))
 }
 
 /// ShareGPT conversations as chat turns: sessions are taken 16 at a time
@@ -458,6 +510,7 @@ pub async fn run_load(
         })
     });
     let mut tasks = Vec::new();
+    let mut send_lag = Vec::new();
     match pacing {
         Pacing::Concurrency(c) => {
             for _ in 0..c.max(1) {
@@ -480,10 +533,23 @@ pub async fn run_load(
                 }));
             }
         }
-        Pacing::Rate(rate) => {
-            let gap = Duration::from_secs_f64(1.0 / rate.max(1e-6));
+        Pacing::Rate(_) | Pacing::Arrivals(_) => {
+            // When request `i` is due (`None`: not at all).
+            let due = |i: usize| match &pacing {
+                Pacing::Rate(rate) => {
+                    Some(started + Duration::from_secs_f64(i as f64 / rate.max(1e-6)))
+                }
+                Pacing::Arrivals(arrivals) => arrivals
+                    .get(i)
+                    .map(|&ms| started + Duration::from_secs_f64(ms.max(0.0) / 1e3)),
+                Pacing::Concurrency(_) => None,
+            };
             for i in 0..total {
-                tokio::time::sleep_until((started + gap * i as u32).into()).await;
+                let Some(at) = due(i) else {
+                    break;
+                };
+                tokio::time::sleep_until(at.into()).await;
+                send_lag.push(at.elapsed().as_secs_f64() * 1e3);
                 let (client, base, requests, samples) = (
                     client.clone(),
                     base.clone(),
@@ -545,6 +611,7 @@ pub async fn run_load(
         hit_rate,
         worker_share: share,
         wall_seconds: wall,
+        send_lag_ms: (!send_lag.is_empty()).then(|| Latency::of(&mut send_lag)),
     }
 }
 
@@ -572,6 +639,12 @@ pub fn print_report(title: &str, r: &Report) {
         Some(h) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
         None => println!("  engine prefix hit rate: n/a (no --worker-metrics)"),
     }
+    if let Some(lag) = &r.send_lag_ms {
+        println!(
+            "  sent late by ms: p50 {:.2} p99 {:.2} (open loop)",
+            lag.p50, lag.p99
+        );
+    }
     if !r.worker_share.is_empty() {
         let share: Vec<String> = r
             .worker_share
@@ -584,7 +657,32 @@ pub fn print_report(title: &str, r: &Report) {
 
 /// Runs `switchyard loadgen`.
 pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    let mut arrivals = None;
     let requests = match (&args.sharegpt, &args.trace) {
+        (None, trace) if args.timestamps => {
+            anyhow::ensure!(
+                args.rate_scale.is_finite() && args.rate_scale > 0.0,
+                "--rate-scale must be positive, got {}",
+                args.rate_scale
+            );
+            let path = match trace {
+                Some(p) => p.clone(),
+                None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+            };
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let slice = TraceSlice {
+                requests: args.max_requests,
+                max_prompt_tokens: args.max_prompt_tokens,
+                max_output_tokens: Some(args.max_output_tokens),
+                rate_scale: args.rate_scale,
+            };
+            let sessions = mooncake_slice(std::io::BufReader::new(file), &slice)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let (requests, times) = session_requests(&sessions, args.model.as_deref())?;
+            arrivals = Some(times);
+            requests
+        }
         (Some(path), _) => sharegpt_requests(
             path,
             args.max_requests,
@@ -606,10 +704,11 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
             args.model.as_deref(),
         )?,
     };
-    let pacing = match (args.rate, args.concurrency) {
-        (Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
-        (Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
-        (None, c) => Pacing::Concurrency(c.unwrap_or(8)),
+    let pacing = match (arrivals, args.rate, args.concurrency) {
+        (Some(times), _, _) => Pacing::Arrivals(times.into()),
+        (None, Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
+        (None, Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
+        (None, None, c) => Pacing::Concurrency(c.unwrap_or(8)),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -718,5 +817,76 @@ mod tests {
         let mut tally = StreamTally::new(t0);
         tally.frame(&vec![b'x'; MAX_EVENT_BYTES + 1], t0);
         assert!(tally.failed && !tally.done);
+    }
+
+    use switchyard_sim::workload::{PromptSpec, Turn};
+
+    fn session(id: u64, arrival_ms: f64, turns: usize) -> Session {
+        Session {
+            id,
+            arrival_ms,
+            think_time_ms: 0.0,
+            turns: (0..turns)
+                .map(|_| Turn {
+                    prompt: PromptSpec::Mooncake {
+                        hash_ids: vec![id].into(),
+                        tokens: 20,
+                    },
+                    output_tokens: 7,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn sessions_become_token_id_completions_with_their_arrival_times() {
+        let sessions = [session(3, 0.0, 1), session(4, 250.5, 1)];
+        let (requests, arrivals) = session_requests(&sessions, Some("m")).unwrap();
+        assert_eq!(arrivals, vec![0.0, 250.5]);
+        let body: Value = serde_json::from_slice(&requests[1].body).unwrap();
+        assert_eq!(requests[1].path, "/v1/completions");
+        assert_eq!(body["max_tokens"], 7);
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["model"], "m");
+        let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+        assert_eq!(prompt, sessions[1].turns[0].prompt.tokens());
+        assert!(session_requests(&[session(5, 0.0, 2)], None).is_err());
+    }
+
+    /// Nothing listens on the port: every request fails at once, which is
+    /// enough to see which requests the schedule sent.
+    #[tokio::test]
+    async fn arrivals_pacing_sends_only_the_scheduled_requests_and_records_lateness() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let (requests, _) = session_requests(
+            &[session(1, 0.0, 1), session(2, 0.0, 1), session(3, 0.0, 1)],
+            None,
+        )
+        .unwrap();
+        let report = run_load(
+            &format!("http://127.0.0.1:{port}"),
+            requests,
+            Pacing::Arrivals(vec![0.0, 1.0].into()),
+            true,
+            &[],
+            false,
+        )
+        .await;
+        assert_eq!((report.requests, report.errors), (2, 2));
+        assert!(report.send_lag_ms.is_some());
+        let closed = run_load(
+            &format!("http://127.0.0.1:{port}"),
+            Vec::new(),
+            Pacing::Concurrency(1),
+            true,
+            &[],
+            false,
+        )
+        .await;
+        assert!(closed.send_lag_ms.is_none());
     }
 }

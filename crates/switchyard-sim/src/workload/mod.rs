@@ -151,6 +151,10 @@ pub fn limited(stream: SessionStream, limits: WorkloadLimits) -> SessionStream {
     }
 }
 
+/// How far [`mooncake`] spreads records sharing a timestamp: the
+/// conversation trace logs in ~3 s steps.
+pub const MOONCAKE_MAX_SPREAD_MS: f64 = 3_000.0;
+
 /// Mooncake records as one-turn sessions. Records sharing a timestamp (the
 /// conversation trace logs in ~3 s steps) are spread evenly over the gap to
 /// the next distinct timestamp, at most `max_spread_ms`.
@@ -170,6 +174,55 @@ pub fn mooncake<R: BufRead + Send + 'static>(input: R, max_spread_ms: f64) -> Se
         })
     });
     Box::new(Spread::new(records, max_spread_ms))
+}
+
+/// Which part of a Mooncake trace to replay, and how fast.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceSlice {
+    /// Requests to take, from the start.
+    pub requests: usize,
+    /// Records with longer prompts are skipped (an engine would refuse them).
+    pub max_prompt_tokens: u32,
+    /// Cap on each request's output tokens (`None`: the trace's).
+    pub max_output_tokens: Option<u32>,
+    /// Arrival-rate multiplier, as [`WorkloadLimits::rate_scale`].
+    pub rate_scale: f64,
+}
+
+/// The first `slice.requests` servable records of a Mooncake trace as
+/// one-turn sessions: arrivals spread within equal timestamps by
+/// [`mooncake`] (over all records, so a skipped record leaves its gap),
+/// then divided by the rate scale as [`limited`] does. One function for
+/// every side of a comparison (the simulator, the load generator), so they
+/// replay identical requests at identical times.
+pub fn mooncake_slice<R: BufRead + Send + 'static>(
+    input: R,
+    slice: &TraceSlice,
+) -> Result<Vec<Session>, TraceError> {
+    let max_prompt = slice.max_prompt_tokens;
+    let servable: SessionStream = Box::new(mooncake(input, MOONCAKE_MAX_SPREAD_MS).filter(
+        move |s| match s {
+            Ok(s) => s.turns.iter().all(|t| t.prompt.len() <= max_prompt),
+            Err(_) => true,
+        },
+    ));
+    let limits = WorkloadLimits {
+        rate_scale: slice.rate_scale,
+        max_sessions: Some(slice.requests),
+        duration_ms: None,
+    };
+    limited(servable, limits)
+        .map(|s| {
+            s.map(|mut s| {
+                if let Some(cap) = slice.max_output_tokens {
+                    for t in &mut s.turns {
+                        t.output_tokens = t.output_tokens.min(cap.max(1));
+                    }
+                }
+                s
+            })
+        })
+        .collect()
 }
 
 /// Azure rows as one-turn sessions with random prompts (seeded by `seed`).
@@ -412,6 +465,51 @@ mod tests {
             collect(limited(mooncake(text.as_bytes(), 3000.0), limits)).len(),
             1
         );
+    }
+
+    #[test]
+    fn a_slice_skips_long_prompts_keeps_their_gaps_scales_and_caps() {
+        let text = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 500, \"hash_ids\": [0]}\n\
+                    {\"timestamp\": 0, \"input_length\": 900, \"output_length\": 5, \"hash_ids\": [1, 2]}\n\
+                    {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 0, \"hash_ids\": [3]}\n\
+                    {\"timestamp\": 3000, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [4]}\n\
+                    {\"timestamp\": 6000, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [5]}\n";
+        let slice = TraceSlice {
+            requests: 3,
+            max_prompt_tokens: 512,
+            max_output_tokens: Some(64),
+            rate_scale: 2.0,
+        };
+        let s = mooncake_slice(text.as_bytes(), &slice).unwrap();
+        // The 900-token record is skipped; the step's three records were
+        // spread over 3 s before it was (0, 1000, 2000), then halved.
+        assert_eq!(
+            s.iter().map(|s| s.arrival_ms).collect::<Vec<_>>(),
+            vec![0.0, 1000.0, 1500.0]
+        );
+        assert_eq!(s.iter().map(|s| s.id).collect::<Vec<_>>(), vec![0, 2, 3]);
+        assert_eq!(
+            s.iter()
+                .map(|s| s.turns[0].output_tokens)
+                .collect::<Vec<_>>(),
+            vec![64, 1, 5]
+        );
+        // Without a cap the trace's lengths stand.
+        let uncapped = TraceSlice {
+            max_output_tokens: None,
+            ..slice
+        };
+        assert_eq!(
+            mooncake_slice(text.as_bytes(), &uncapped).unwrap()[0].turns[0].output_tokens,
+            500
+        );
+        // A malformed record is an error, not a shorter slice.
+        let bad = format!("{text}garbage\n");
+        let all = TraceSlice {
+            requests: 10,
+            ..slice
+        };
+        assert!(mooncake_slice(std::io::Cursor::new(bad.into_bytes()), &all).is_err());
     }
 
     #[test]

@@ -10,15 +10,21 @@
 //!   sim-worker directly;
 //! - [`soak`] — bounded memory under a long load: the routing core driven
 //!   by simulated engines' KV events, or the router server under a
-//!   demo-like load; a plateau verdict on the samples.
+//!   demo-like load; a plateau verdict on the samples;
+//! - [`itl`] — does a sim-worker keep its timing model's time: model
+//!   against measured TTFT and inter-token latency per speed-up;
+//! - [`twin`] — does `replay` predict `serve`: one trace slice through the
+//!   fleet simulator and through the router and sim-worker processes.
 
 pub mod admission;
 pub mod engine;
+pub mod itl;
 pub mod micro;
 pub mod proxy;
 pub mod replica;
 pub mod soak;
 pub mod trace;
+pub mod twin;
 
 use clap::Subcommand;
 
@@ -38,6 +44,10 @@ pub enum BenchCommand {
     Proxy(proxy::ProxyArgs),
     /// Bounded memory: the core (or, with --server, the router process) under a long load.
     Soak(soak::SoakArgs),
+    /// Sim-worker timing: model against measured TTFT and inter-token latency per speed-up.
+    Itl(itl::ItlArgs),
+    /// Does replay predict serve: one trace slice through the simulator and through real processes.
+    Twin(twin::TwinArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -59,5 +69,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Replica(args) => replica::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::Soak(args) => soak::run(args),
+        BenchCommand::Itl(args) => itl::run(args),
+        BenchCommand::Twin(args) => twin::run(args),
     }
 }

@@ -350,9 +350,10 @@ pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
         TraceFormat::Azure => {
             workload::azure(open(path.as_deref().expect("a file format"))?, args.seed)
         }
-        TraceFormat::Mooncake | TraceFormat::Auto => {
-            workload::mooncake(open(path.as_deref().expect("a file format"))?, 3_000.0)
-        }
+        TraceFormat::Mooncake | TraceFormat::Auto => workload::mooncake(
+            open(path.as_deref().expect("a file format"))?,
+            workload::MOONCAKE_MAX_SPREAD_MS,
+        ),
     };
     Ok(workload::limited(stream, limits(args)))
 }

@@ -1,0 +1,759 @@
+//! `switchyard bench twin`: does `replay` predict what `serve` does?
+//!
+//! One slice of a Mooncake trace — [`mooncake_slice`]: the first N
+//! servable records, equal timestamps spread over the trace's ~3 s steps
+//! and every arrival divided by the rate scale — runs twice per policy on
+//! one fleet configuration (built by `replay`'s own [`fleet_config`]):
+//!
+//! - in virtual time through the fleet simulator, as `switchyard replay`
+//!   runs it;
+//! - in real time through `switchyard serve` (a child process) in front of
+//!   N `switchyard sim-worker` children with the same engine settings
+//!   ([`sim_worker_args`]), publishing KV events over ZMQ, driven open loop
+//!   by the load generator at the same arrival times ([`serve`]).
+//!
+//! Both sides get the same sessions; the serve side's requests are made
+//! from them by [`loadgen::session_requests`]. Neither side is tuned: the
+//! figures say how far the real router is from its simulation today.
+
+pub(crate) mod serve;
+
+use crate::loadgen;
+use crate::replay::{fleet_config, ReplayArgs};
+use crate::stats::write_json;
+use anyhow::Context as _;
+use clap::{Args, Parser};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use switchyard_core::estimate::EstimatorConfig;
+use switchyard_core::select::PolicyKind;
+use switchyard_engine::{EngineConfig, TimingConfig};
+use switchyard_sim::fleet::{simulate, FleetConfig};
+use switchyard_sim::report::PolicyReport;
+use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
+
+/// Engine speed-up of the twin's fleet. With the default arrivals on 4
+/// workers, 1 (model time is wall time) is where the policies part: in the
+/// simulator round-robin's TTFT p90 is about 1 s and `kv`'s about 0.5 s; at
+/// 2 the three are within 20% of each other and their order says little.
+pub const DEFAULT_SPEEDUP: f64 = 1.0;
+
+/// Arrival-rate multiplier: the first 1,000 servable requests of the
+/// conversation trace span 366 s; ×6 plays them in about a minute.
+pub const DEFAULT_RATE_SCALE: f64 = 6.0;
+
+/// The target: each policy's hit rate within this relative difference.
+pub const HIT_RATE_TOLERANCE: f64 = 0.10;
+
+/// Options of `switchyard bench twin`.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct TwinArgs {
+    /// Requests: the first N servable records of the trace.
+    #[arg(long, default_value_t = 1000)]
+    pub requests: usize,
+    /// Workers on both sides.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Engine speed-up over the timing model, on both sides.
+    #[arg(long, default_value_t = DEFAULT_SPEEDUP)]
+    pub speedup: f64,
+    /// Arrival-rate multiplier (2 = twice as fast as the trace), on both sides.
+    #[arg(long, default_value_t = DEFAULT_RATE_SCALE)]
+    pub rate_scale: f64,
+    /// Policies to compare (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kv,cache-aware,round-robin"
+    )]
+    pub policies: Vec<PolicyKind>,
+    /// Engine (and router) block size in tokens.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: usize,
+    /// Device KV blocks per worker.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_blocks: usize,
+    /// Records with longer prompts are skipped (the same as `loadgen`'s
+    /// default: the slice `demo` and `loadgen` serve).
+    #[arg(long, default_value_t = 32_000)]
+    pub max_prompt_tokens: u32,
+    /// Cap on each request's output tokens (default: the trace's).
+    #[arg(long)]
+    pub max_output_tokens: Option<u32>,
+    /// Simulator only: delay from an engine's KV event to the router, ms
+    /// (`replay`'s default; the real one is whatever ZMQ and the router take).
+    #[arg(long, default_value_t = 10.0)]
+    pub kv_event_delay_ms: f64,
+    /// Both sides: keep the engines' prefill model as is instead of fitting
+    /// it per worker from observed times to first token (`serve` fits by
+    /// default; the twin's replay side fits too, to match it).
+    #[arg(long)]
+    pub no_prefill_fit: bool,
+    /// Mooncake trace [default: the bundled conversation trace].
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Run the simulator side only (seconds, no processes).
+    #[arg(long)]
+    pub replay_only: bool,
+    /// Write the figures here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One side's figures for one policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Side {
+    /// Engine prefix hit rate: cached / prompt tokens over the run.
+    pub hit_rate: f64,
+    /// TTFT median, ms.
+    pub ttft_p50_ms: f64,
+    /// TTFT 90th percentile, ms.
+    pub ttft_p90_ms: f64,
+    /// TTFT mean, ms.
+    pub ttft_mean_ms: f64,
+    /// Inter-token latency mean, ms.
+    pub itl_mean_ms: f64,
+    /// End-to-end latency median, ms.
+    pub e2e_p50_ms: f64,
+    /// Requests completed.
+    pub completed: u64,
+    /// Requests that failed.
+    pub errors: u64,
+}
+
+impl Side {
+    fn of_replay(r: &PolicyReport) -> Self {
+        Self {
+            hit_rate: r.hit_rate,
+            ttft_p50_ms: r.ttft_ms.p50,
+            ttft_p90_ms: r.ttft_ms.p90,
+            ttft_mean_ms: r.ttft_ms.mean,
+            itl_mean_ms: r.itl_ms.mean,
+            e2e_p50_ms: r.e2e_ms.p50,
+            completed: r.completed,
+            errors: r.errors,
+        }
+    }
+
+    fn of_serve(r: &loadgen::Report) -> Self {
+        Self {
+            hit_rate: r.hit_rate.unwrap_or(f64::NAN),
+            ttft_p50_ms: r.ttft_ms.p50,
+            ttft_p90_ms: r.ttft_ms.p90,
+            ttft_mean_ms: r.ttft_ms.mean,
+            itl_mean_ms: r.itl_ms.mean,
+            e2e_p50_ms: r.e2e_ms.p50,
+            completed: (r.requests - r.errors) as u64,
+            errors: r.errors as u64,
+        }
+    }
+}
+
+/// Both sides of one policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Pair {
+    /// The simulator, virtual time.
+    pub replay: Side,
+    /// The router and sim-worker processes, real time (`None`: `--replay-only`).
+    pub serve: Option<Side>,
+}
+
+/// Policies in order of one figure on one side.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Orders {
+    /// The simulator's order.
+    pub replay: Vec<String>,
+    /// The server's order.
+    pub serve: Vec<String>,
+    /// Whether they agree.
+    pub same: bool,
+}
+
+/// Which figure to order policies by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Figure {
+    /// TTFT p90, lowest first.
+    TtftP90,
+    /// Engine hit rate, highest first.
+    HitRate,
+}
+
+/// The policies of `sides` ordered best first by `figure` (ties by name,
+/// so an order is always defined).
+pub fn order_by(sides: &[(&str, Side)], figure: Figure) -> Vec<String> {
+    let mut v: Vec<(&str, f64)> = sides
+        .iter()
+        .map(|(n, s)| {
+            let key = match figure {
+                Figure::TtftP90 => s.ttft_p90_ms,
+                Figure::HitRate => -s.hit_rate,
+            };
+            (*n, key)
+        })
+        .collect();
+    v.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(b.0)));
+    v.into_iter().map(|(n, _)| n.to_owned()).collect()
+}
+
+/// `(serve − replay) / replay`; NaN when replay is zero.
+pub fn relative_difference(replay: f64, serve: f64) -> f64 {
+    if replay == 0.0 {
+        f64::NAN
+    } else {
+        (serve - replay) / replay
+    }
+}
+
+/// The comparison of both sides over every policy.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Verdict {
+    /// Per policy, the relative hit-rate difference (serve against replay).
+    pub hit_rate_relative_difference: BTreeMap<String, f64>,
+    /// Every policy's hit rate within [`HIT_RATE_TOLERANCE`].
+    pub hit_rates_within_tolerance: bool,
+    /// Policies by TTFT p90 on both sides.
+    pub order_by_ttft_p90: Orders,
+    /// Policies by hit rate on both sides.
+    pub order_by_hit_rate: Orders,
+    /// All of the above.
+    pub target_met: bool,
+}
+
+/// Compares the sides of `pairs` (policies with no serve side are left out).
+pub fn verdict(pairs: &BTreeMap<String, Pair>) -> Verdict {
+    let both: Vec<(&str, Side, Side)> = pairs
+        .iter()
+        .filter_map(|(n, p)| p.serve.map(|s| (n.as_str(), p.replay, s)))
+        .collect();
+    let replay: Vec<(&str, Side)> = both.iter().map(|(n, r, _)| (*n, *r)).collect();
+    let serve: Vec<(&str, Side)> = both.iter().map(|(n, _, s)| (*n, *s)).collect();
+    let orders = |figure| {
+        let (replay, serve) = (order_by(&replay, figure), order_by(&serve, figure));
+        Orders {
+            same: replay == serve,
+            replay,
+            serve,
+        }
+    };
+    let differences: BTreeMap<String, f64> = both
+        .iter()
+        .map(|(n, r, s)| ((*n).to_owned(), relative_difference(r.hit_rate, s.hit_rate)))
+        .collect();
+    let within =
+        !differences.is_empty() && differences.values().all(|d| d.abs() <= HIT_RATE_TOLERANCE);
+    let (by_ttft, by_hit) = (orders(Figure::TtftP90), orders(Figure::HitRate));
+    Verdict {
+        target_met: within && by_ttft.same && by_hit.same,
+        hit_rate_relative_difference: differences,
+        hit_rates_within_tolerance: within,
+        order_by_ttft_p90: by_ttft,
+        order_by_hit_rate: by_hit,
+    }
+}
+
+/// The fleet both sides run: `replay`'s own configuration for these flags.
+pub fn twin_fleet(args: &TwinArgs) -> anyhow::Result<FleetConfig> {
+    #[derive(Parser)]
+    struct Replay {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    let flags = replay_flags(args);
+    let replay = Replay::try_parse_from(std::iter::once("replay".to_owned()).chain(flags))
+        .context("building replay's arguments")?;
+    let mut fleet = fleet_config(&replay.args)?;
+    fleet.online_prefill_fit = !args.no_prefill_fit;
+    Ok(fleet)
+}
+
+/// The `switchyard replay` flags that give the twin's fleet.
+fn replay_flags(args: &TwinArgs) -> Vec<String> {
+    [
+        ("--workers", args.workers.to_string()),
+        ("--block-size", args.block_size.to_string()),
+        ("--num-blocks", args.num_blocks.to_string()),
+        ("--speedup", args.speedup.to_string()),
+        ("--rate-scale", args.rate_scale.to_string()),
+        ("--kv-event-delay-ms", args.kv_event_delay_ms.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(k, v)| [k.to_owned(), v])
+    .collect()
+}
+
+/// `switchyard serve` flags that give the router the simulator's prefill
+/// estimator (the engines' timing model, and the online fit on or off): a
+/// platform team configures its router with its engines' model the same
+/// way.
+pub fn estimator_args(estimator: &EstimatorConfig) -> Vec<String> {
+    let [a, b, c] = estimator.prefill_curve;
+    let mut args = vec![
+        "--prefill-curve".to_owned(),
+        format!("{a:e},{b:e},{c:e}"),
+        "--prefill-speedup".to_owned(),
+        estimator.speedup.to_string(),
+        "--prefill-chunk-tokens".to_owned(),
+        estimator.chunk_tokens.to_string(),
+    ];
+    if !estimator.online {
+        args.push("--no-prefill-fit".to_owned());
+    }
+    args
+}
+
+/// `switchyard sim-worker` flags that give an engine configured as
+/// `engine` (KV events on; endpoints are added by the caller). Refuses
+/// settings the sim-worker has no flag for (timing polynomials).
+pub fn sim_worker_args(engine: &EngineConfig) -> anyhow::Result<Vec<String>> {
+    let t = &engine.timing;
+    let d = TimingConfig::default();
+    anyhow::ensure!(
+        t.prefill == d.prefill && t.decode == d.decode && t.decode_floor_ms == d.decode_floor_ms,
+        "the sim-worker runs the default timing polynomials only"
+    );
+    anyhow::ensure!(
+        engine.emit_kv_events,
+        "the twin's engines publish KV events"
+    );
+    let flags = [
+        ("--block-size", engine.block_size.to_string()),
+        ("--num-blocks", engine.num_blocks.to_string()),
+        ("--host-blocks", engine.host_blocks.to_string()),
+        ("--max-num-seqs", engine.max_num_seqs.to_string()),
+        (
+            "--max-num-batched-tokens",
+            engine.max_num_batched_tokens.to_string(),
+        ),
+        ("--max-waiting", engine.max_waiting.to_string()),
+        ("--max-model-len", engine.max_model_len.to_string()),
+        (
+            "--min-restore-tokens",
+            engine.min_restore_tokens.to_string(),
+        ),
+        (
+            "--max-restore-deferrals",
+            engine.max_restore_deferrals.to_string(),
+        ),
+        (
+            "--max-buffered-events",
+            engine.max_buffered_events.to_string(),
+        ),
+        ("--bytes-per-token", t.bytes_per_token.to_string()),
+        (
+            "--restore-bandwidth",
+            t.restore_bandwidth_bytes_per_s.to_string(),
+        ),
+        ("--speedup", t.speedup.to_string()),
+    ];
+    Ok(flags
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect())
+}
+
+/// The slice both sides replay.
+fn slice(args: &TwinArgs) -> TraceSlice {
+    TraceSlice {
+        requests: args.requests,
+        max_prompt_tokens: args.max_prompt_tokens,
+        max_output_tokens: args.max_output_tokens,
+        rate_scale: args.rate_scale,
+    }
+}
+
+fn load_sessions(args: &TwinArgs) -> anyhow::Result<(PathBuf, Vec<Session>)> {
+    let path = match &args.trace {
+        Some(p) => p.clone(),
+        None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+    };
+    let file =
+        std::fs::File::open(&path).with_context(|| format!("opening trace {}", path.display()))?;
+    let sessions = mooncake_slice(std::io::BufReader::new(file), &slice(args))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    anyhow::ensure!(
+        !sessions.is_empty(),
+        "{}: no servable requests",
+        path.display()
+    );
+    Ok((path, sessions))
+}
+
+fn check(args: &TwinArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.requests > 0, "--requests must be at least 1");
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(
+        args.speedup.is_finite() && args.speedup > 0.0,
+        "--speedup must be positive (the simulator needs durations)"
+    );
+    anyhow::ensure!(
+        args.rate_scale.is_finite() && args.rate_scale > 0.0,
+        "--rate-scale must be positive"
+    );
+    anyhow::ensure!(!args.policies.is_empty(), "--policies names none");
+    for (i, p) in args.policies.iter().enumerate() {
+        anyhow::ensure!(
+            !args.policies[..i].contains(p),
+            "--policies names {p} twice"
+        );
+    }
+    Ok(())
+}
+
+/// The simulator side of one policy.
+fn replay_side(
+    fleet: &FleetConfig,
+    policy: PolicyKind,
+    sessions: &[Session],
+) -> anyhow::Result<Side> {
+    let mut f = fleet.clone();
+    f.router.policy = policy;
+    let sessions = sessions.to_vec();
+    let outcome = simulate(&f, Box::new(sessions.into_iter().map(Ok)), |_| {})
+        .with_context(|| format!("simulating {policy}"))?;
+    Ok(Side::of_replay(&outcome.report))
+}
+
+/// Everything `bench twin` measured, as written to `--json`.
+#[derive(Debug, Serialize)]
+pub struct TwinReport {
+    /// Per policy, both sides (DESIGN.md "Interfaces").
+    pub policies: BTreeMap<String, Pair>,
+    /// How the sides compare.
+    pub verdict: Verdict,
+    /// Per policy, how well the real-time run kept its clocks.
+    pub serve_runs: BTreeMap<String, serve::ServeHealth>,
+    /// The trace replayed.
+    pub trace: String,
+    /// Requests in the slice.
+    pub requests: usize,
+    /// Last arrival, seconds after the first (after scaling).
+    pub arrival_span_s: f64,
+    /// The fleet both sides ran.
+    pub fleet: FleetConfig,
+    /// The arguments.
+    pub args: TwinArgs,
+    /// Wall-clock seconds of the whole benchmark.
+    pub wall_seconds: f64,
+}
+
+/// Runs `switchyard bench twin`.
+pub fn run(args: TwinArgs) -> anyhow::Result<()> {
+    check(&args)?;
+    let started = Instant::now();
+    let fleet = twin_fleet(&args)?;
+    let (path, sessions) = load_sessions(&args)?;
+    let span_s = sessions.last().map_or(0.0, |s| s.arrival_ms) / 1e3;
+    println!(
+        "bench twin: {} requests of {} (prompts ≤ {} tokens), arrivals ×{} over {:.1} s; {} workers × {} blocks of {} tokens, speed-up {}",
+        sessions.len(),
+        path.display(),
+        args.max_prompt_tokens,
+        args.rate_scale,
+        span_s,
+        fleet.workers,
+        fleet.engine.num_blocks,
+        fleet.engine.block_size,
+        fleet.engine.timing.speedup
+    );
+    println!(
+        "  replay side: switchyard replay {} on the same slice{}",
+        replay_flags(&args).join(" "),
+        if fleet.online_prefill_fit {
+            ", prefill hints fitted online as serve fits them"
+        } else {
+            ", prefill hints from the engines' model (--no-prefill-fit)"
+        }
+    );
+    let mut pairs = BTreeMap::new();
+    for &policy in &args.policies {
+        let side = replay_side(&fleet, policy, &sessions)?;
+        println!(
+            "  replay {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms",
+            policy.name(),
+            side.hit_rate,
+            side.ttft_p50_ms,
+            side.ttft_p90_ms
+        );
+        pairs.insert(
+            policy.name().to_owned(),
+            Pair {
+                replay: side,
+                serve: None,
+            },
+        );
+    }
+    let mut health = BTreeMap::new();
+    if !args.replay_only {
+        let (requests, arrivals) = loadgen::session_requests(&sessions, None)?;
+        let setup = serve::ServeSetup {
+            workers: fleet.workers,
+            block_size: fleet.engine.block_size,
+            worker_args: sim_worker_args(&fleet.engine)?,
+            router_args: estimator_args(&fleet.dispatcher(0).estimator),
+            requests,
+            arrivals: arrivals.into(),
+        };
+        serve::run_all(&setup, &args.policies, |policy, run| {
+            let side = Side::of_serve(&run.report);
+            println!(
+                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
+                policy.name(),
+                side.hit_rate,
+                side.ttft_p50_ms,
+                side.ttft_p90_ms,
+                side.errors,
+                run.health.dropped_fraction * 100.0,
+                run.health.send_lag_p99_ms,
+            );
+            if let Some(pair) = pairs.get_mut(policy.name()) {
+                pair.serve = Some(side);
+            }
+            health.insert(policy.name().to_owned(), run.health);
+        })?;
+    }
+    let verdict = verdict(&pairs);
+    print_table(&pairs, &verdict);
+    let report = TwinReport {
+        policies: pairs,
+        verdict,
+        serve_runs: health,
+        trace: path.display().to_string(),
+        requests: sessions.len(),
+        arrival_span_s: span_s,
+        fleet,
+        args: args.clone(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
+    println!(
+        "\n{:<12} {:>11} {:>10} {:>9} {:>19} {:>19}",
+        "policy", "hit replay", "hit serve", "hit diff", "TTFT p50 rep/serve", "TTFT p90 rep/serve"
+    );
+    for (name, p) in pairs {
+        let r = &p.replay;
+        match &p.serve {
+            Some(s) => println!(
+                "{:<12} {:>11.3} {:>10.3} {:>8.1}% {:>9.1}/{:<9.1} {:>9.1}/{:<9.1}",
+                name,
+                r.hit_rate,
+                s.hit_rate,
+                relative_difference(r.hit_rate, s.hit_rate) * 100.0,
+                r.ttft_p50_ms,
+                s.ttft_p50_ms,
+                r.ttft_p90_ms,
+                s.ttft_p90_ms
+            ),
+            None => println!(
+                "{:<12} {:>11.3} {:>10} {:>9} {:>9.1}/{:<9} {:>9.1}/{:<9}",
+                name, r.hit_rate, "-", "-", r.ttft_p50_ms, "-", r.ttft_p90_ms, "-"
+            ),
+        }
+    }
+    if verdict.hit_rate_relative_difference.is_empty() {
+        return;
+    }
+    let line = |what: &str, o: &Orders| {
+        println!(
+            "order by {what}: replay {} | serve {} — {}",
+            o.replay.join(" > "),
+            o.serve.join(" > "),
+            if o.same { "same" } else { "DIFFERENT" }
+        );
+    };
+    line("TTFT p90 (best first)", &verdict.order_by_ttft_p90);
+    line("hit rate (best first)", &verdict.order_by_hit_rate);
+    println!(
+        "target (each hit rate within {:.0}%, both orders the same): {}",
+        HIT_RATE_TOLERANCE * 100.0,
+        if verdict.target_met { "met" } else { "not met" }
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_sim_worker::SimWorkerArgs;
+
+    fn args(flags: &[&str]) -> TwinArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: TwinArgs,
+        }
+        Cli::try_parse_from(std::iter::once("twin").chain(flags.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    fn side(hit_rate: f64, ttft_p90_ms: f64) -> Side {
+        Side {
+            hit_rate,
+            ttft_p90_ms,
+            ..Side::default()
+        }
+    }
+
+    #[test]
+    fn the_defaults_compare_three_policies_on_four_workers() {
+        let a = args(&[]);
+        assert_eq!(
+            a.policies,
+            vec![
+                PolicyKind::Kv,
+                PolicyKind::CacheAware,
+                PolicyKind::RoundRobin
+            ]
+        );
+        assert_eq!((a.requests, a.workers), (1000, 4));
+        check(&a).unwrap();
+        assert!(check(&args(&["--speedup", "0"])).is_err());
+        assert!(check(&args(&["--rate-scale=-1"])).is_err());
+        assert!(check(&args(&["--policies", "kv,round-robin,kv"])).is_err());
+    }
+
+    #[test]
+    fn the_fleet_is_replays_own_for_the_same_flags() {
+        let a = args(&["--workers", "3", "--speedup", "8", "--block-size", "16"]);
+        let fleet = twin_fleet(&a).unwrap();
+        assert_eq!(fleet.workers, 3);
+        assert_eq!(fleet.engine.block_size, 16);
+        assert_eq!(fleet.engine.timing.speedup, 8.0);
+        assert_eq!(fleet.router.sequences.block_size, 16);
+        assert_eq!(fleet.kv_event_delay_ms, 10.0);
+        assert!(fleet.online_prefill_fit, "as serve, by default");
+        assert!(
+            !twin_fleet(&args(&["--no-prefill-fit"]))
+                .unwrap()
+                .online_prefill_fit
+        );
+    }
+
+    /// One truth for the prefill estimator: the flags handed to the router
+    /// parse back, through `serve`'s own options, into exactly the
+    /// simulator's estimator settings.
+    #[test]
+    fn the_router_gets_the_simulators_prefill_estimator() {
+        #[derive(Parser)]
+        struct Serve {
+            #[command(flatten)]
+            args: switchyard_server::ServeArgs,
+        }
+        for extra in [&[][..], &["--no-prefill-fit"][..]] {
+            let fleet = twin_fleet(&args(extra)).unwrap();
+            let expected = fleet.dispatcher(0).estimator;
+            let flags = estimator_args(&expected);
+            let serve =
+                Serve::try_parse_from(std::iter::once("serve".to_owned()).chain(flags)).unwrap();
+            assert_eq!(serve.args.to_config().unwrap().estimator, expected);
+        }
+    }
+
+    /// One truth for the engine settings: the flags handed to each
+    /// sim-worker parse back, through the sim-worker's own options, into
+    /// exactly the simulator's engine configuration.
+    #[test]
+    fn sim_workers_get_the_simulators_engine_configuration() {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SimWorkerArgs,
+        }
+        for flags in [&[][..], &["--block-size", "16", "--num-blocks", "4096"][..]] {
+            let fleet = twin_fleet(&args(flags)).unwrap();
+            let mut argv = vec!["sim-worker".to_owned()];
+            argv.extend(sim_worker_args(&fleet.engine).unwrap());
+            argv.extend(["--kv-events".to_owned(), "tcp://127.0.0.1:*".to_owned()]);
+            let parsed = Cli::try_parse_from(argv).unwrap().args;
+            assert_eq!(parsed.engine_config(), fleet.engine);
+        }
+    }
+
+    /// The router the server builds from its defaults chooses as the
+    /// simulator's does: same policy settings, seed and busy threshold.
+    #[test]
+    fn the_server_and_the_simulator_route_with_the_same_settings() {
+        let fleet = twin_fleet(&args(&[])).unwrap();
+        let server = switchyard_server::ServerConfig::default();
+        assert_eq!(server.policies, fleet.router.policies);
+        assert_eq!(server.seed, fleet.router.seed);
+        assert_eq!(server.busy_threshold, fleet.router.busy_threshold);
+        assert_eq!(server.queue, fleet.admission);
+    }
+
+    #[test]
+    fn a_custom_timing_polynomial_is_refused_rather_than_silently_dropped() {
+        let mut engine = twin_fleet(&args(&[])).unwrap().engine;
+        engine.timing.decode = [0.0, 0.0, 2.0];
+        assert!(sim_worker_args(&engine).is_err());
+    }
+
+    #[test]
+    fn policies_are_ordered_best_first_with_ties_by_name() {
+        let sides = [
+            ("round-robin", side(0.08, 900.0)),
+            ("kv", side(0.19, 200.0)),
+            ("cache-aware", side(0.27, 200.0)),
+        ];
+        assert_eq!(
+            order_by(&sides, Figure::TtftP90),
+            ["cache-aware", "kv", "round-robin"]
+        );
+        assert_eq!(
+            order_by(&sides, Figure::HitRate),
+            ["cache-aware", "kv", "round-robin"]
+        );
+    }
+
+    #[test]
+    fn the_target_needs_close_hit_rates_and_equal_orders() {
+        let pair = |r: Side, s: Side| Pair {
+            replay: r,
+            serve: Some(s),
+        };
+        let mut pairs = BTreeMap::new();
+        pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.19, 150.0)));
+        pairs.insert(
+            "round-robin".to_owned(),
+            pair(side(0.10, 500.0), side(0.105, 700.0)),
+        );
+        let v = verdict(&pairs);
+        assert!(v.target_met, "{v:?}");
+        assert!((v.hit_rate_relative_difference["kv"] + 0.05).abs() < 1e-12);
+        // 15% lower on one policy misses the target though orders agree.
+        pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.17, 150.0)));
+        let v = verdict(&pairs);
+        assert!(!v.hit_rates_within_tolerance && v.order_by_ttft_p90.same);
+        assert!(!v.target_met);
+        // Swapped TTFT order misses it too.
+        pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.20, 800.0)));
+        let v = verdict(&pairs);
+        assert!(v.hit_rates_within_tolerance && !v.order_by_ttft_p90.same);
+        assert!(!v.target_met);
+        // Replay only: nothing to compare, no claim.
+        let mut replay_only = BTreeMap::new();
+        replay_only.insert("kv".to_owned(), Pair::default());
+        assert!(!verdict(&replay_only).target_met);
+    }
+
+    #[test]
+    fn a_replay_only_run_on_a_tiny_slice_simulates_every_policy() {
+        let a = args(&["--requests", "20", "--workers", "2"]);
+        let fleet = twin_fleet(&a).unwrap();
+        let (_, sessions) = load_sessions(&a).unwrap();
+        assert_eq!(sessions.len(), 20);
+        for policy in a.policies {
+            let s = replay_side(&fleet, policy, &sessions).unwrap();
+            assert_eq!((s.completed, s.errors), (20, 0));
+            assert!(s.ttft_p90_ms > 0.0);
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The real-time side of `bench twin`: `switchyard serve` and its
+//! sim-workers as child processes of this binary, the load generator here.
+//!
+//! Readiness is observed, never slept on: a sim-worker is up when it prints
+//! its address (after binding), the router when it prints its own and its
+//! `/metrics` shows every worker in selection. The children are killed
+//! when their guards drop — on success, on error, on a panic, and on
+//! Ctrl-C or SIGTERM, which end the run with an error.
+
+use crate::demo::{start_sim_workers, Fleet};
+use crate::loadgen::{self, Pacing, PreparedRequest, Report};
+use anyhow::Context as _;
+use serde::Serialize;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use switchyard_core::select::PolicyKind;
+
+/// How long the router may take to list every worker as up.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How faithfully one real-time run kept its clocks.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct ServeHealth {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed.
+    pub errors: usize,
+    /// Wall seconds of the load.
+    pub wall_seconds: f64,
+    /// Step time the sim-workers' timing model asked for, seconds (all workers).
+    pub paced_seconds: f64,
+    /// Of which the sim-workers fell too far behind to catch up, seconds.
+    pub dropped_seconds: f64,
+    /// `dropped_seconds / paced_seconds`: 0 when the workers kept model time.
+    pub dropped_fraction: f64,
+    /// How late the load generator sent requests against their arrival
+    /// times, 99th percentile, ms.
+    pub send_lag_p99_ms: f64,
+}
+
+/// What one policy's real-time run measured.
+pub(super) struct ServeRun {
+    pub(super) report: Report,
+    pub(super) health: ServeHealth,
+}
+
+/// The router child, killed on drop.
+pub(crate) struct Router(Child);
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `switchyard serve` flags for `policy` in front of `fleet`.
+fn serve_args(policy: PolicyKind, block_size: usize, fleet: &Fleet) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--policy",
+        policy.name(),
+        "--block-size",
+        &block_size.to_string(),
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    for (i, (url, events)) in fleet.urls.iter().zip(&fleet.events).enumerate() {
+        let mut spec = format!("{url},name=worker-{i}");
+        if let Some((events, replay)) = events {
+            spec.push_str(&format!(",events={events},replay={replay}"));
+        }
+        args.extend(["--worker".to_owned(), spec]);
+    }
+    args
+}
+
+/// Starts `switchyard serve` with `args` (which must include `--port 0`)
+/// and returns it with its base URL once it has printed it.
+pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Router, String)> {
+    let exe = std::env::current_exe().context("locating the switchyard binary")?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the router")?;
+    let stdout = child.stdout.take().context("router stdout")?;
+    let router = Router(child);
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        anyhow::ensure!(
+            reader.read_line(&mut line)? > 0,
+            "the router exited before printing its address"
+        );
+        if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
+            let url = url.to_owned();
+            std::thread::spawn(move || {
+                let mut sink = String::new();
+                while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+                    sink.clear();
+                }
+            });
+            return Ok((router, url));
+        }
+    }
+}
+
+/// Workers the router's `/metrics` lists as in selection.
+fn workers_up(metrics: &str) -> usize {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("switchyard_worker_up{") && l.ends_with(" 1"))
+        .count()
+}
+
+/// A counter's value in Prometheus text (`name value`, no labels).
+pub(crate) fn counter(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(name)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse::<f64>()
+            .ok()
+    })
+}
+
+/// Ends when this process gets Ctrl-C or SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// The serve side's fixed inputs: the fleet's shape and the load.
+pub(super) struct ServeSetup {
+    pub(super) workers: usize,
+    pub(super) block_size: usize,
+    pub(super) worker_args: Vec<String>,
+    /// Extra `serve` flags (the prefill estimator's settings).
+    pub(super) router_args: Vec<String>,
+    pub(super) requests: Vec<PreparedRequest>,
+    pub(super) arrivals: Arc<[f64]>,
+}
+
+/// Runs every policy, one fresh fleet each, calling `on_run` after each.
+/// One runtime for all of them, so Ctrl-C or SIGTERM at any point —
+/// starting a fleet, waiting for it, under load — ends the run and drops
+/// (kills) whatever children are alive.
+pub(super) fn run_all(
+    setup: &ServeSetup,
+    policies: &[PolicyKind],
+    mut on_run: impl FnMut(PolicyKind, ServeRun),
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let all = async {
+            for &policy in policies {
+                let run = run(policy, setup).await?;
+                on_run(policy, run);
+            }
+            anyhow::Ok(())
+        };
+        tokio::select! {
+            done = all => done,
+            () = interrupted() => Err(anyhow::anyhow!("interrupted: stopped the router and the sim-workers")),
+        }
+    })
+}
+
+/// One policy on a fresh fleet: starts the sim-workers and the router
+/// (their guards kill them when this future ends or is dropped), waits
+/// until every worker is in selection, sends the requests at their arrival
+/// times and reads the engines' counters.
+async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun> {
+    eprintln!(
+        "serve {}: {} requests over {:.0} s",
+        policy.name(),
+        setup.requests.len(),
+        setup.arrivals.last().copied().unwrap_or(0.0) / 1e3
+    );
+    let fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
+    let mut args = serve_args(policy, setup.block_size, &fleet);
+    args.extend(setup.router_args.iter().cloned());
+    let (router, base) = start_router(&args)?;
+    let run = drive(
+        &base,
+        &fleet,
+        setup.requests.clone(),
+        setup.arrivals.clone(),
+    )
+    .await;
+    drop(router);
+    drop(fleet);
+    run
+}
+
+/// Polls the router at `base` until its `/metrics` lists `workers` workers
+/// in selection.
+pub(crate) async fn wait_for_workers(base: &str, workers: usize) -> anyhow::Result<()> {
+    let client = loadgen::client();
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        let metrics = loadgen::get_text(&client, &format!("{base}/metrics")).await;
+        if metrics.as_deref().map(workers_up) == Some(workers) {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the router did not list all {workers} workers as up within {READY_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn drive(
+    base: &str,
+    fleet: &Fleet,
+    requests: Vec<PreparedRequest>,
+    arrivals: Arc<[f64]>,
+) -> anyhow::Result<ServeRun> {
+    let client = loadgen::client();
+    wait_for_workers(base, fleet.urls.len()).await?;
+    let report = loadgen::run_load(
+        base,
+        requests,
+        Pacing::Arrivals(arrivals),
+        true,
+        &fleet.urls,
+        true,
+    )
+    .await;
+    let (mut paced, mut dropped) = (0.0, 0.0);
+    for url in &fleet.urls {
+        let text = loadgen::get_text(&client, &format!("{url}/metrics"))
+            .await
+            .with_context(|| format!("reading {url}/metrics"))?;
+        paced += counter(&text, "switchyard_engine_paced_seconds_total").unwrap_or(0.0);
+        dropped += counter(&text, "switchyard_engine_pacing_dropped_seconds_total").unwrap_or(0.0);
+    }
+    let health = ServeHealth {
+        requests: report.requests,
+        errors: report.errors,
+        wall_seconds: report.wall_seconds,
+        paced_seconds: paced,
+        dropped_seconds: dropped,
+        dropped_fraction: if paced > 0.0 { dropped / paced } else { 0.0 },
+        send_lag_p99_ms: report.send_lag_ms.map_or(0.0, |l| l.p99),
+    };
+    Ok(ServeRun { report, health })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_in_selection_are_counted_from_the_routers_metrics() {
+        let text = "# HELP switchyard_worker_up 1 while the worker is in selection.\n\
+                    # TYPE switchyard_worker_up gauge\n\
+                    switchyard_worker_up{worker=\"worker-0\"} 1\n\
+                    switchyard_worker_up{worker=\"worker-1\"} 0\n\
+                    switchyard_worker_up{worker=\"worker-2\"} 1\n\
+                    switchyard_worker_up_total 1\n";
+        assert_eq!(workers_up(text), 2);
+    }
+
+    #[test]
+    fn a_counter_is_read_by_exact_name() {
+        let text = "switchyard_engine_paced_seconds_total 12.5\n\
+                    switchyard_engine_pacing_dropped_seconds_total 0.25\n";
+        assert_eq!(
+            counter(text, "switchyard_engine_paced_seconds_total"),
+            Some(12.5)
+        );
+        assert_eq!(
+            counter(text, "switchyard_engine_pacing_dropped_seconds_total"),
+            Some(0.25)
+        );
+        assert_eq!(counter(text, "switchyard_engine_paced_seconds"), None);
+    }
+
+    #[test]
+    fn the_router_gets_every_worker_with_its_event_endpoints_and_the_block_size() {
+        let fleet = Fleet {
+            children: Vec::new(),
+            urls: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+            events: vec![
+                Some(("tcp://127.0.0.1:3".into(), "tcp://127.0.0.1:4".into())),
+                Some(("tcp://127.0.0.1:5".into(), "tcp://127.0.0.1:6".into())),
+            ],
+        };
+        let args = serve_args(PolicyKind::CacheAware, 64, &fleet);
+        let joined = args.join(" ");
+        assert!(joined
+            .starts_with("serve --host 127.0.0.1 --port 0 --policy cache-aware --block-size 64"));
+        assert!(joined.contains(
+            "--worker http://127.0.0.1:2,name=worker-1,events=tcp://127.0.0.1:5,replay=tcp://127.0.0.1:6"
+        ));
+    }
+}
