@@ -5,9 +5,10 @@
 //! The failing workers are small scripted HTTP servers on loopback (a real
 //! socket, a scripted reply); the healthy ones are sim-worker processes.
 
-mod common;
-
-use common::{eventually, metric, metric_sum, metrics_text, router, sim_worker_on};
+use crate::support::{
+    metric, metric_sum, metrics_text, poll, router, sim_worker, wait_for, wait_metrics, Proc,
+    PATIENCE,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -90,6 +91,8 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
         "/get_server_info" => reply("200 OK", "{}"),
         _ => match script {
             Script::Silent => {
+                // The script itself: an hour of silence (a fixed sleep is
+                // what is specified, not a wait for something to happen).
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 return;
             }
@@ -154,20 +157,13 @@ fn sse_events(text: &str) -> Vec<String> {
 /// A scripted worker named `name` beside a healthy sim-worker named
 /// `good`, behind a round-robin router with `extra` flags: (the sim-worker,
 /// the router); keep both alive for the test.
-async fn beside_a_good_worker(
-    script: Script,
-    name: &str,
-    extra: &[&str],
-) -> (common::Proc, common::Proc) {
+async fn beside_a_good_worker(script: Script, name: &str, extra: &[&str]) -> (Proc, Proc) {
     let scripted = scripted_worker(script).await;
-    let good = sim_worker_on(0, "0", &[]);
+    let good = sim_worker("0");
     let mut flags = vec!["--policy", "round-robin"];
     flags.extend_from_slice(extra);
     let router = router(
-        &[
-            format!("{scripted},name={name}"),
-            format!("{},name=good", good.base),
-        ],
+        &[format!("{scripted},name={name}"), good.named("good")],
         &flags,
     );
     (good, router)
@@ -321,18 +317,10 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         Some(1.0),
         "{metrics}"
     );
-    let idle = eventually(Duration::from_secs(5), || {
-        let client = client.clone();
-        let base = router.base.clone();
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_active_requests",
-            ) == Some(0.0)
-        }
+    wait_metrics(&client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
     })
     .await;
-    assert!(idle);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,51 +440,32 @@ async fn a_request_that_fails_two_workers_with_5xx_is_its_own_fault_and_stops_th
 
 /// Router and worker both idle: nothing booked, nothing running.
 async fn assert_all_idle(client: &reqwest::Client, router: &str, worker: &str) {
-    let idle = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let (router, worker) = (router.to_owned(), worker.to_owned());
-        async move {
-            let r = metrics_text(&client, &router).await;
-            let w = metrics_text(&client, &worker).await;
-            metric(&r, "switchyard_active_requests") == Some(0.0)
-                && metric_sum(&r, "switchyard_worker_active_requests") == 0.0
-                && metric(&w, "switchyard_engine_running") == Some(0.0)
-                && metric(&w, "switchyard_engine_waiting") == Some(0.0)
-        }
+    let (mut r, mut w) = (String::new(), String::new());
+    let idle = poll(PATIENCE, async || {
+        r = metrics_text(client, router).await;
+        w = metrics_text(client, worker).await;
+        metric(&r, "switchyard_active_requests") == Some(0.0)
+            && metric_sum(&r, "switchyard_worker_active_requests") == 0.0
+            && metric(&w, "switchyard_engine_running") == Some(0.0)
+            && metric(&w, "switchyard_engine_waiting") == Some(0.0)
     })
     .await;
-    assert!(
-        idle,
-        "router:\n{}\nworker:\n{}",
-        metrics_text(client, router).await,
-        metrics_text(client, worker).await
-    );
+    assert!(idle.is_some(), "router:\n{r}\nworker:\n{w}");
 }
 
 /// Waits until the worker runs a request.
 async fn wait_running(client: &reqwest::Client, worker: &str) {
-    let running = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let worker = worker.to_owned();
-        async move {
-            metric(
-                &metrics_text(&client, &worker).await,
-                "switchyard_engine_running",
-            ) >= Some(1.0)
-        }
+    wait_metrics(client, worker, "the worker to run the request", |text| {
+        metric(text, "switchyard_engine_running") >= Some(1.0)
     })
     .await;
-    assert!(running, "the worker never ran the request");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_event() {
     // About 100 ms a token: 2000 tokens would take minutes.
-    let worker = sim_worker_on(0, "0.05", &[]);
-    let router = router(
-        &[format!("{},name=w0", worker.base)],
-        &["--request-timeout", "1.5"],
-    );
+    let worker = sim_worker("0.05");
+    let router = router(&[worker.named("w0")], &["--request-timeout", "1.5"]);
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", router.base);
 
@@ -537,8 +506,8 @@ async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_even
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_cancels_the_workers_request() {
-    let worker = sim_worker_on(0, "0.05", &[]);
-    let router = router(&[format!("{},name=w0", worker.base)], &[]);
+    let worker = sim_worker("0.05");
+    let router = router(&[worker.named("w0")], &[]);
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", router.base);
 
@@ -614,11 +583,8 @@ async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
-    let worker = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[format!("{},name=w0", worker.base)],
-        &["--max-response-bytes", "64"],
-    );
+    let worker = sim_worker("0");
+    let router = router(&[worker.named("w0")], &["--max-response-bytes", "64"]);
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/completions", router.base))
@@ -654,18 +620,14 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
     let running = switchyard_server::start(config).await.unwrap();
     let base = format!("http://{}", running.addr);
     let client = reqwest::Client::new();
-    let ready = eventually(Duration::from_secs(10), || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            client
-                .get(format!("{base}/ready"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        }
+    wait_for("the router to be ready", PATIENCE, async || {
+        client
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
     })
     .await;
-    assert!(ready);
     // Non-streaming, on a worker that never answers: it waits for the
     // worker when the shutdown deadline cancels it.
     let request = tokio::spawn(
@@ -674,17 +636,10 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
             .json(&json!({"prompt": "x", "max_tokens": 4}))
             .send(),
     );
-    let booked = eventually(Duration::from_secs(10), || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_active_requests",
-            ) == Some(1.0)
-        }
+    wait_metrics(&client, &base, "the request to be booked", |text| {
+        metric(text, "switchyard_active_requests") == Some(1.0)
     })
     .await;
-    assert!(booked);
     let metrics = running.shared.metrics().clone();
     running.shutdown().await.unwrap();
     let response = request.await.unwrap().unwrap();

@@ -1,0 +1,20 @@
+//! The `switchyard` binary's integration tests, in one test binary (`it`):
+//! each module starts the built binary (`CARGO_BIN_EXE_switchyard`) as real
+//! processes on loopback and drives them over real sockets. What they share
+//! (processes that die with the test, `/metrics`, waits on conditions) is in
+//! `support`.
+//!
+//! One module per command or concern; run one with
+//! `cargo test -p switchyard --test it serve_migration::`.
+
+mod support;
+
+mod events_decode;
+mod openai_client;
+mod serve_chaos;
+mod serve_errors;
+mod serve_migration;
+mod serve_reliability;
+mod serve_replica_sync;
+mod serve_routing;
+mod sim_worker;

@@ -1,0 +1,214 @@
+//! What the binary's integration tests share: `switchyard` processes on
+//! loopback that die with the test, their `/metrics`, and waits that poll a
+//! condition up to a deadline instead of sleeping a fixed time.
+//!
+//! Deadlines are generous: they bound how long a broken run takes to fail,
+//! so a slow or shared machine makes a test slower, never red.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a condition that a healthy run meets in a second or two may
+/// take before the test fails.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A `switchyard` process, killed and reaped when the test ends, pass or
+/// fail.
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    /// `http://127.0.0.1:PORT`, from the address line it printed.
+    pub(crate) base: String,
+    /// `(pub, replay)` endpoints a sim-worker printed for `--kv-events`.
+    pub(crate) kv: Option<(String, String)>,
+}
+
+impl Proc {
+    /// SIGKILL, then reap.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.base
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("a base URL with a port")
+    }
+
+    /// Its `--worker` spec for a router: `URL,name=NAME`.
+    pub(crate) fn named(&self, name: &str) -> String {
+        format!("{},name={name}", self.base)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts `switchyard ARGS...` and returns once it printed its `http://`
+/// address (it listens from then on).
+pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the switchyard binary starts");
+    // Owned by the guard from here on, so every exit path kills and reaps it.
+    let mut proc = Proc {
+        child,
+        base: String::new(),
+        kv: None,
+    };
+    let stdout = proc.child.stdout.take().expect("stdout is piped");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = reader.read_line(&mut line).expect("reading stdout");
+        assert!(
+            n > 0,
+            "switchyard {args:?} exited before printing its address"
+        );
+        let words: Vec<&str> = line.split_whitespace().collect();
+        // `switchyard sim-worker kv-events PUB replay REPLAY`
+        if let Some(i) = words.iter().position(|w| *w == "kv-events") {
+            proc.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+        }
+        if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
+            proc.base = url.trim_end_matches('/').to_owned();
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || {
+                let mut sink = String::new();
+                while reader.read_line(&mut sink).is_ok_and(|n| n > 0) {
+                    sink.clear();
+                }
+            });
+            return proc;
+        }
+    }
+}
+
+/// `switchyard sim-worker` on 127.0.0.1:`port` (0: a free port) with
+/// exactly `flags` besides the address.
+pub(crate) fn sim_worker_with<S: AsRef<str>>(port: u16, flags: &[S]) -> Proc {
+    let port = port.to_string();
+    let mut args = vec!["sim-worker", "--host", "127.0.0.1", "--port", &port];
+    args.extend(flags.iter().map(AsRef::as_ref));
+    spawn(&args)
+}
+
+/// A sim-worker on `port` (0: a free port) at `speedup` with a 1024-block
+/// pool, as most router tests use.
+pub(crate) fn sim_worker_on(port: u16, speedup: &str) -> Proc {
+    sim_worker_with(port, &["--speedup", speedup, "--num-blocks", "1024"])
+}
+
+/// [`sim_worker_on`] a free port.
+pub(crate) fn sim_worker(speedup: &str) -> Proc {
+    sim_worker_on(0, speedup)
+}
+
+/// `switchyard serve` on a free loopback port with exactly `flags` besides
+/// the address.
+pub(crate) fn serve<S: AsRef<str>>(flags: &[S]) -> Proc {
+    let mut args = vec!["serve", "--host", "127.0.0.1", "--port", "0"];
+    args.extend(flags.iter().map(AsRef::as_ref));
+    spawn(&args)
+}
+
+/// The router in front of `workers` (`URL,name=...` specs), health-checking
+/// them every 200 ms, with `extra` flags.
+pub(crate) fn router(workers: &[String], extra: &[&str]) -> Proc {
+    let mut flags = vec!["--health-interval-ms", "200"];
+    for w in workers {
+        flags.extend(["--worker", w.as_str()]);
+    }
+    flags.extend_from_slice(extra);
+    serve(&flags)
+}
+
+/// `GET base/metrics` as text ("" when unreachable).
+pub(crate) async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    match client.get(format!("{base}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// One sample of a Prometheus text, by its exact series name.
+pub(crate) fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Sum of every sample of a metric family (`name{...} v` and `name v`).
+pub(crate) fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Polls `condition` every 10 ms until it holds, for at most `within`:
+/// how long it took, or `None`.
+pub(crate) async fn poll(
+    within: Duration,
+    mut condition: impl AsyncFnMut() -> bool,
+) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if condition().await {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() >= within {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until `condition` holds; panics naming `what` when `within`
+/// passes first. Returns how long it took.
+pub(crate) async fn wait_for(
+    what: &str,
+    within: Duration,
+    condition: impl AsyncFnMut() -> bool,
+) -> Duration {
+    poll(within, condition)
+        .await
+        .unwrap_or_else(|| panic!("timed out after {within:?} waiting for {what}"))
+}
+
+/// Waits (up to [`PATIENCE`]) until `check` holds on `base`'s `/metrics`;
+/// panics naming `what`, with the last text seen.
+pub(crate) async fn wait_metrics(
+    client: &reqwest::Client,
+    base: &str,
+    what: &str,
+    check: impl Fn(&str) -> bool,
+) {
+    let mut last = String::new();
+    let met = poll(PATIENCE, async || {
+        last = metrics_text(client, base).await;
+        check(&last)
+    })
+    .await;
+    assert!(
+        met.is_some(),
+        "timed out after {PATIENCE:?} waiting for {what}; {base}/metrics:\n{last}"
+    );
+}
