@@ -1,8 +1,9 @@
 //! The `switchyard` binary's integration tests, in one test binary (`it`):
 //! each module starts the built binary (`CARGO_BIN_EXE_switchyard`) as real
 //! processes on loopback and drives them over real sockets. What they share
-//! (processes that die with the test, `/metrics`, waits on conditions) is in
-//! `support`.
+//! (processes that die with the test, `/metrics`, waits on conditions, the
+//! machine itself: every test holds it shared, a test that times the router
+//! to the millisecond holds it alone) is in `support`.
 //!
 //! One module per command or concern; run one with
 //! `cargo test -p switchyard --test it serve_migration::`.

@@ -3,7 +3,9 @@
 //! Every stream must complete whole (migrated when its worker died) and
 //! the router must end with nothing booked.
 
-use crate::support::{metric, metric_sum, metrics_text, router, sim_worker_on, wait_metrics};
+use crate::support::{
+    machine, metric, metric_sum, metrics_text, router, sim_worker_on, wait_metrics,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -155,6 +157,7 @@ async fn one_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_survive_a_worker_killed_and_restarted_under_load() {
+    let _machine = machine().await;
     // Slowed workers: a 20-40 token stream lasts about 0.5-1.5 s.
     let speed = "0.2";
     let w0 = sim_worker_on(0, speed);

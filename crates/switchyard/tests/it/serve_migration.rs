@@ -6,8 +6,8 @@
 //! socket, a scripted reply); the healthy ones are sim-worker processes.
 
 use crate::support::{
-    metric, metric_sum, metrics_text, poll, router, sim_worker, wait_for, wait_metrics, Proc,
-    PATIENCE,
+    machine, metric, metric_sum, metrics_text, poll, router, sim_worker, wait_for, wait_metrics,
+    Proc, PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -171,6 +171,7 @@ async fn beside_a_good_worker(script: Script, name: &str, extra: &[&str]) -> (Pr
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::Status500, "bad", &[]).await;
     let client = reqwest::Client::new();
     for stream in [false, true, false, true] {
@@ -199,6 +200,7 @@ async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::CutJson, "cut", &[]).await;
     let client = reqwest::Client::new();
     for _ in 0..3 {
@@ -222,6 +224,7 @@ async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_another() {
+    let _machine = machine().await;
     let (_good, router) =
         beside_a_good_worker(Script::Silent, "silent", &["--first-token-timeout", "0.5"]).await;
     let client = reqwest::Client::new();
@@ -249,6 +252,7 @@ async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_anothe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::CutChatStream, "cutting", &[]).await;
     let client = reqwest::Client::new();
     // Round-robin: one of the first two requests starts on the cutting worker.
@@ -325,6 +329,7 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
+    let _machine = machine().await;
     let cutting = scripted_worker(Script::CutChatStream).await;
     let router = router(&[format!("{cutting},name=cutting")], &[]);
     let client = reqwest::Client::new();
@@ -360,6 +365,7 @@ async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error_event() {
+    let _machine = machine().await;
     let cutting = scripted_worker(Script::CutTwoChoiceStream).await;
     let router = router(&[format!("{cutting},name=cutting")], &[]);
     let client = reqwest::Client::new();
@@ -400,6 +406,7 @@ async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_fails_two_workers_with_5xx_is_its_own_fault_and_stops_there() {
+    let _machine = machine().await;
     let a = scripted_worker(Script::Status500).await;
     let b = scripted_worker(Script::Status500).await;
     let c = scripted_worker(Script::Status500).await;
@@ -463,6 +470,7 @@ async fn wait_running(client: &reqwest::Client, worker: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_event() {
+    let _machine = machine().await;
     // About 100 ms a token: 2000 tokens would take minutes.
     let worker = sim_worker("0.05");
     let router = router(&[worker.named("w0")], &["--request-timeout", "1.5"]);
@@ -506,6 +514,7 @@ async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_even
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_cancels_the_workers_request() {
+    let _machine = machine().await;
     let worker = sim_worker("0.05");
     let router = router(&[worker.named("w0")], &[]);
     let client = reqwest::Client::new();
@@ -552,6 +561,7 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(
         Script::CutChatStream,
         "cutting",
@@ -583,6 +593,7 @@ async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
+    let _machine = machine().await;
     let worker = sim_worker("0");
     let router = router(&[worker.named("w0")], &["--max-response-bytes", "64"]);
     let client = reqwest::Client::new();
@@ -608,6 +619,7 @@ async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
+    let _machine = machine().await;
     use switchyard_server::{self, config::WorkerSpec, ServerConfig};
     let silent = scripted_worker(Script::Silent).await;
     let config = ServerConfig {

@@ -3,8 +3,8 @@
 //! slow machine makes these tests slower, never red.
 
 use crate::support::{
-    metric, metrics_text, poll, serve, sim_worker, sim_worker_on, sim_worker_with, wait_for,
-    wait_metrics, PATIENCE,
+    machine, metric, metrics_text, openai_error, poll, scratch_file, serve, sim_worker,
+    sim_worker_on, sim_worker_with, wait_for, wait_metrics, PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::json;
@@ -33,14 +33,13 @@ async fn assert_retryable_error(response: reqwest::Response) -> u16 {
         response.headers().get("retry-after").is_some(),
         "a {status} without Retry-After"
     );
-    let body: serde_json::Value = response.json().await.expect("a JSON error body");
-    assert!(body["error"]["message"].is_string(), "{body}");
-    assert!(body["error"]["type"].is_string(), "{body}");
+    openai_error(response).await;
     status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_readmitted() {
+    let _machine = machine().await;
     // KV events and their replay on free ports; the restart below binds the
     // same ones.
     let flags = ["--speedup", "1", "--num-blocks", "1024"];
@@ -135,6 +134,7 @@ async fn served_and_indexed(client: &reqwest::Client, base: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consecutive_failures_open_a_workers_circuit_and_a_probe_closes_it() {
+    let _machine = machine().await;
     let mut w0 = sim_worker("0");
     let w1 = sim_worker("0");
     // Health checks are slow here: only the circuit breaker reacts.
@@ -261,20 +261,17 @@ fn rss_kib(pid: u32) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resumes() {
+    let _machine = machine().await;
     let w0 = sim_worker("1");
     let w1 = sim_worker("1");
-    let dir = std::env::temp_dir().join(format!("switchyard-overload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("router.toml");
     // One request makes a worker busy and eight may wait in the queue: two
     // dispatched plus eight queued is the in-flight limit of 10, so the
     // in-flight limit (503) refuses most of the burst; a queue that fills
     // while a slot is free refuses with 429.
-    std::fs::write(
-        &config,
-        "busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 8\nmax_uncached_tokens = 100000000\n",
-    )
-    .unwrap();
+    let config = scratch_file(
+        "queue-of-eight.toml",
+        b"busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 8\nmax_uncached_tokens = 100000000\n",
+    );
     let router = serve(&[
         "--worker",
         &w0.named("w0"),
@@ -365,11 +362,11 @@ async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resu
     })
     .await;
     assert_eq!(complete(&client, &base, 9999).await.0, 200);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the_worker_is_freed() {
+    let _machine = machine().await;
     let w0 = sim_worker("1");
     let mut router = serve(&["--worker", &w0.named("w0"), "--shutdown-timeout-ms", "1000"]);
     let client = reqwest::Client::new();

@@ -8,7 +8,7 @@
 //! binary is installed; CI installs it (`apt-get install -y nats-server`).
 
 use crate::support::{
-    metric, metrics_text, poll, router, sim_worker_with, wait_for, Proc, PATIENCE,
+    machine_alone, metric, metrics_text, poll, router, sim_worker_with, wait_for, Proc, PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::json;
@@ -191,6 +191,8 @@ async fn hold_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoint() {
+    // Convergence is timed to 100 ms: no other test runs meanwhile.
+    let _machine = machine_alone().await;
     if nats_server_binary().is_none() {
         eprintln!(
             "skipping: no nats-server binary (install it: apt-get install -y nats-server, or set NATS_SERVER)"

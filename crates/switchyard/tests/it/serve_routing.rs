@@ -1,7 +1,7 @@
 //! The router as a real process in front of real sim-worker processes,
 //! driven over loopback by a real HTTP client.
 
-use crate::support::{metric, metrics_text, router, sim_worker, wait_metrics};
+use crate::support::{machine, metric, metrics_text, router, sim_worker, wait_metrics};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::HashSet;
@@ -41,6 +41,7 @@ async fn stream_completion(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run() {
+    let _machine = machine().await;
     let w0 = sim_worker("20");
     let w1 = sim_worker("20");
     let router = router(&[w0.named("w0"), w1.named("w1")], &["--policy", "kv"]);
@@ -156,6 +157,7 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
+    let _machine = machine().await;
     let w0 = sim_worker("5");
     let router = router(&[w0.named("w0")], &[]);
     let client = reqwest::Client::new();
@@ -189,6 +191,7 @@ async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admission() {
+    let _machine = machine().await;
     let w0 = sim_worker("5");
     let w1 = sim_worker("5");
     let router = router(

@@ -1,11 +1,14 @@
 //! `switchyard sim-worker` as a real process on loopback, driven by a real
 //! HTTP client.
 
-use crate::support::{metric, metrics_text, sim_worker_with, wait_for, wait_metrics, PATIENCE};
+use crate::support::{
+    machine, metric, metrics_text, sim_worker_with, wait_for, wait_metrics, PATIENCE,
+};
 use futures_util::StreamExt;
 
 #[tokio::test]
 async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
+    let _machine = machine().await;
     let worker = sim_worker_with(0, &["--num-blocks", "1024", "--speedup", "50"]);
     let client = reqwest::Client::new();
     let prompt: Vec<u32> = (1000..1400).collect();
@@ -90,6 +93,7 @@ async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
 
 #[tokio::test]
 async fn chat_text_and_bad_input_get_openai_shaped_replies() {
+    let _machine = machine().await;
     let worker = sim_worker_with(0, &["--no-delay", "--model", "m1"]);
     let client = reqwest::Client::new();
     let chat = client
@@ -154,6 +158,7 @@ async fn chat_text_and_bad_input_get_openai_shaped_replies() {
 
 #[tokio::test]
 async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
+    let _machine = machine().await;
     use std::sync::{Arc, Mutex};
     use switchyard_core::index::PrefixIndex;
     use switchyard_core::{EngineHash, WorkerId};
@@ -237,6 +242,7 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
 
 #[tokio::test]
 async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
+    let _machine = machine().await;
     let worker = sim_worker_with(0, &["--speedup", "1"]);
     let client = reqwest::Client::new();
     let response = client
@@ -265,6 +271,7 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
 
 #[tokio::test]
 async fn return_token_ids_adds_each_chunks_token_ids_and_only_when_asked() {
+    let _machine = machine().await;
     let worker = sim_worker_with(0, &["--num-blocks", "1024", "--speedup", "0"]);
     let client = reqwest::Client::new();
     for ask in [true, false] {

@@ -6,12 +6,37 @@
 //! so a slow or shared machine makes a test slower, never red.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// How long a condition that a healthy run meets in a second or two may
 /// take before the test fails.
 pub(crate) const PATIENCE: Duration = Duration::from_secs(60);
+
+/// The machine, as the tests in this binary share it: libtest runs them
+/// two at a time (a thread per core), and each holds the machine shared for
+/// its whole run ([`machine`]), except a test that times the router to tens
+/// of milliseconds: it holds it alone ([`machine_alone`]), as when it was a
+/// test binary of its own. The lock is fair, so a test waiting to be alone
+/// waits only for the tests already running.
+static MACHINE: RwLock<()> = RwLock::const_new(());
+
+/// Holds the machine shared with the other tests; call first.
+pub(crate) async fn machine() -> RwLockReadGuard<'static, ()> {
+    MACHINE.read().await
+}
+
+/// [`machine`], for a test outside an async runtime.
+pub(crate) fn machine_blocking() -> RwLockReadGuard<'static, ()> {
+    MACHINE.blocking_read()
+}
+
+/// Holds the machine with no other test running; call first.
+pub(crate) async fn machine_alone() -> RwLockWriteGuard<'static, ()> {
+    MACHINE.write().await
+}
 
 /// A `switchyard` process, killed and reaped when the test ends, pass or
 /// fail.
@@ -134,6 +159,23 @@ pub(crate) fn router(workers: &[String], extra: &[&str]) -> Proc {
     }
     flags.extend_from_slice(extra);
     serve(&flags)
+}
+
+/// A file named `name` holding `contents` in this test binary's scratch
+/// directory (under `target/`), for `--config` and the like.
+pub(crate) fn scratch_file(name: &str, contents: &[u8]) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::write(&path, contents).expect("writing a scratch file");
+    path
+}
+
+/// The body of an answer the router gave itself: an OpenAI-style error
+/// object with a message and a type (the status is the caller's to check).
+pub(crate) async fn openai_error(response: reqwest::Response) -> serde_json::Value {
+    let body: serde_json::Value = response.json().await.expect("a JSON error body");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+    body
 }
 
 /// `GET base/metrics` as text ("" when unreachable).
