@@ -9,6 +9,9 @@
 //! `cargo test -p switchyard --test it serve_migration::`.
 
 mod support;
+// Workers that fail on purpose; the server crate's tests use them too.
+#[path = "../../../switchyard-server/tests/it/scripted_worker.rs"]
+mod scripted_worker;
 
 mod events_decode;
 mod openai_client;
