@@ -1,8 +1,8 @@
 //! Any request body POSTed to `/v1/chat/completions` or `/v1/completions`
 //! (the first input byte chooses) must get an OpenAI-style error from the
 //! router's real axum app — 4xx, or 503 when it parsed but no worker
-//! exists — and never a panic. Same contract as
-//! `crates/switchyard/tests/http_body_props.rs`, for longer runs.
+//! exists — and never a panic. Same contract as the proptests in
+//! `crates/switchyard-server/tests/it/request_bodies.rs`, for longer runs.
 #![no_main]
 
 use axum::body::Body;
@@ -10,8 +10,8 @@ use axum::http::Request;
 use http_body_util::BodyExt;
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
-use switchyard::server::standalone::{app_without_workers, check_error_answer};
-use switchyard::server::tokenize::HfTokenizer;
+use switchyard_server::standalone::{app_without_workers, check_error_answer};
+use switchyard_server::tokenize::HfTokenizer;
 use tower::ServiceExt;
 
 struct Rig {

@@ -4,8 +4,8 @@
 //! Ports are picked by the OS (`tcp://127.0.0.1:*`). Waits poll a condition
 //! with a generous deadline; no test relies on a fixed sleep being enough.
 
+use crate::support::wait_for;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::PrefixIndex;
 use switchyard_core::{EngineHash, WorkerId};
@@ -16,15 +16,6 @@ use switchyard_wire::kv_events::{encode_batch, BlockRemoved, BlockStored, KvEven
 use switchyard_wire::normalize::{Normalized, Normalizer};
 
 const BLOCK: u32 = 4;
-const DEADLINE: Duration = Duration::from_secs(20);
-
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 /// A chain of `blocks` blocks under `parent`; engine hashes `first..`.
 fn stored(first: u64, parent: Option<u64>, blocks: u64, token_base: u32) -> KvEvent {
@@ -145,7 +136,6 @@ impl Rig {
     fn warm_up(&self) {
         wait_for("the subscription to connect", || {
             self.publisher.publish(&batch(vec![])).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
             self.metrics.total().batches > 0
         });
     }
@@ -278,7 +268,6 @@ fn garbage_on_the_wire_is_counted_and_neither_its_stream_nor_another_stalls() {
             .send_multipart([&b""[..], &s[..], &good[..]], 0)
             .unwrap();
         seq += 2;
-        std::thread::sleep(Duration::from_millis(20));
         let t = metrics.total();
         [
             "partial_block",

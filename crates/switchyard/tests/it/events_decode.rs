@@ -1,6 +1,7 @@
 //! `switchyard events decode` as a user runs it: the built binary on the
 //! golden fixtures and on garbage.
 
+use crate::support::{machine_blocking, scratch_file};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,6 +23,7 @@ fn decode(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn decode_prints_every_fixture_as_json_with_unsigned_hashes_and_null_absent_fields() {
+    let _machine = machine_blocking();
     for name in [
         "vllm_int_hashes.msgpack",
         "vllm_bytes32_hashes.msgpack",
@@ -58,10 +60,8 @@ fn decode_prints_every_fixture_as_json_with_unsigned_hashes_and_null_absent_fiel
 
 #[test]
 fn decode_rejects_garbage_with_one_line_and_a_nonzero_exit() {
-    let dir = std::env::temp_dir().join(format!("switchyard-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let garbage = dir.join("garbage.bin");
-    std::fs::write(&garbage, [0x93, 0xcb, 0x00]).unwrap();
+    let _machine = machine_blocking();
+    let garbage = scratch_file("garbage.bin", &[0x93, 0xcb, 0x00]);
     let out = decode(&[garbage.to_str().unwrap()]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -73,5 +73,4 @@ fn decode_rejects_garbage_with_one_line_and_a_nonzero_exit() {
         fixture("vllm_bytes32_hashes.msgpack").to_str().unwrap(),
     ]);
     assert!(!out.status.success());
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,10 +1,10 @@
 //! The fleet simulator with one router replica reproduces, figure for
 //! figure, the single-router simulator it grew out of.
 //!
-//! `fixtures/single_router_golden.json` was written by the single-router
+//! `tests/fixtures/single_router_golden.json` was written by the single-router
 //! simulator (before replicas existed) for these exact workloads and seeds.
 //! Regenerate it only for an intended behaviour change:
-//! `SWITCHYARD_BLESS=1 cargo test -p switchyard-sim --test single_router_golden`.
+//! `SWITCHYARD_BLESS=1 cargo test -p switchyard-sim --test it single_router_golden`.
 
 use std::collections::BTreeMap;
 use std::fs::File;

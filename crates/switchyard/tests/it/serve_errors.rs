@@ -1,25 +1,22 @@
 //! Every error the router answers itself is an OpenAI-style JSON body with
 //! the right status, over a real socket.
 
-mod common;
-
-use common::{router, sim_worker};
+use crate::support::{
+    machine, metric, openai_error, router, scratch_file, sim_worker, wait_metrics, PATIENCE,
+};
 use serde_json::json;
-use std::time::Duration;
 
 async fn expect_error(response: reqwest::Response, status: u16) -> serde_json::Value {
     assert_eq!(response.status().as_u16(), status);
-    let body: serde_json::Value = response.json().await.expect("a JSON error body");
-    assert!(body["error"]["message"].is_string(), "{body}");
-    assert!(body["error"]["type"].is_string(), "{body}");
-    body
+    openai_error(response).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_style_errors_with_the_right_status() {
+    let _machine = machine().await;
     let w0 = sim_worker("0");
     let router = router(
-        &[format!("{},name=w0", w0.base)],
+        &[w0.named("w0")],
         &["--api-key", "sk-good", "--max-body-bytes", "4096"],
     );
     let client = reqwest::Client::new();
@@ -86,6 +83,7 @@ async fn bad_requests_get_openai_style_errors_with_the_right_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_live_worker_requests_get_503_or_502() {
+    let _machine = machine().await;
     // A worker URL nobody listens on: it never enters selection.
     let router = router(&["http://127.0.0.1:9,name=ghost".to_owned()], &[]);
     let client = reqwest::Client::new();
@@ -107,20 +105,14 @@ async fn without_a_live_worker_requests_get_503_or_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_admission_queue_answers_429_with_retry_after() {
+    let _machine = machine().await;
     let w0 = sim_worker("1");
-    let dir = std::env::temp_dir().join(format!("switchyard-429-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("router.toml");
     // Any booked request makes the worker busy; one request may wait.
-    std::fs::write(
-        &config,
-        "busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 1\nmax_uncached_tokens = 1000000\n",
-    )
-    .unwrap();
-    let router = router(
-        &[format!("{},name=w0", w0.base)],
-        &["--config", config.to_str().unwrap()],
+    let config = scratch_file(
+        "queue-of-one.toml",
+        b"busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 1\nmax_uncached_tokens = 1000000\n",
     );
+    let router = router(&[w0.named("w0")], &["--config", config.to_str().unwrap()]);
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", router.base);
     let long = json!({"prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 200, "stream": true});
@@ -138,7 +130,13 @@ async fn a_full_admission_queue_answers_429_with_retry_after() {
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_metrics(
+        &client,
+        &router.base,
+        "the second request to queue",
+        |text| metric(text, "switchyard_queue_depth") == Some(1.0),
+    )
+    .await;
     // ... and the third finds the queue full.
     let third = client
         .post(&url)
@@ -150,11 +148,10 @@ async fn a_full_admission_queue_answers_429_with_retry_after() {
     expect_error(third, 429).await;
     // Ending the first lets the queued one through.
     drop(first);
-    let second = tokio::time::timeout(Duration::from_secs(20), second)
+    let second = tokio::time::timeout(PATIENCE, second)
         .await
         .expect("the queued request is dispatched when room frees")
         .unwrap()
         .unwrap();
     assert_eq!(second.status(), 200);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,144 +5,14 @@
 //! The failing workers are small scripted HTTP servers on loopback (a real
 //! socket, a scripted reply); the healthy ones are sim-worker processes.
 
-mod common;
-
-use common::{eventually, metric, metric_sum, metrics_text, router, sim_worker_on};
+use crate::scripted_worker::{scripted_worker, Script};
+use crate::support::{
+    machine, metric, metric_sum, metrics_text, poll, router, sim_worker, wait_metrics, Proc,
+    PATIENCE,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// How a scripted worker answers generation requests.
-#[derive(Clone, Copy)]
-enum Script {
-    /// `500` with an error body.
-    Status500,
-    /// A chat stream of three content chunks, then the connection drops.
-    CutChatStream,
-    /// Nothing: the connection stays open and silent.
-    Silent,
-    /// A JSON answer cut before its announced length.
-    CutJson,
-    /// A completions stream with two choices: choice 0 finishes, choice 1
-    /// is still generating when the connection drops.
-    CutTwoChoiceStream,
-}
-
-/// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
-/// answers generation requests by `script`. Returns its base URL.
-async fn scripted_worker(script: Script) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        loop {
-            let Ok((socket, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(serve_one(socket, script));
-        }
-    });
-    base
-}
-
-async fn serve_one(mut socket: TcpStream, script: Script) {
-    // Read the head and the body (Content-Length) of one request.
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        let Ok(n) = socket.read(&mut chunk).await else {
-            return;
-        };
-        if n == 0 {
-            return;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < head_end + length {
-        match socket.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
-    let reply = |status: &str, body: &str| {
-        format!(
-            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
-    };
-    let out = match path.as_str() {
-        "/health" => reply("200 OK", "{}"),
-        "/v1/models" => reply(
-            "200 OK",
-            r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#,
-        ),
-        "/get_server_info" => reply("200 OK", "{}"),
-        _ => match script {
-            Script::Silent => {
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                return;
-            }
-            Script::CutJson => String::from(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{\"id\": \"cmpl-cut\", \"choi",
-            ),
-            Script::Status500 => reply(
-                "500 Internal Server Error",
-                r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,
-            ),
-            Script::CutTwoChoiceStream => {
-                let mut out = String::from(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
-                );
-                let chunk = |index: u32, text: &str, finish: Option<&str>| {
-                    json!({"id": "cmpl-two", "object": "text_completion", "created": 1, "model": "switchyard-sim", "choices": [{"index": index, "text": text, "finish_reason": finish}]})
-                };
-                for e in [
-                    chunk(0, " a", None),
-                    chunk(1, " b", None),
-                    chunk(0, "", Some("stop")),
-                    chunk(1, " c", None),
-                ] {
-                    let data = format!("data: {e}\n\n");
-                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
-                }
-                // The connection drops with choice 1 unfinished.
-                out
-            }
-            Script::CutChatStream => {
-                let mut out = String::from(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
-                );
-                let mut events = vec![
-                    json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " alpha"}, "finish_reason": null}]}),
-                ];
-                for word in [" beta", " gamma"] {
-                    events.push(json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": null}]}));
-                }
-                for e in events {
-                    let data = format!("data: {e}\n\n");
-                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
-                }
-                // A half event, then the connection drops (no final chunk).
-                out.push_str("10\r\ndata: {\"id\": \"ch\r\n");
-                out
-            }
-        },
-    };
-    let _ = socket.write_all(out.as_bytes()).await;
-    let _ = socket.flush().await;
-    // Dropping the socket closes the connection.
-}
 
 fn sse_events(text: &str) -> Vec<String> {
     text.split("\n\n")
@@ -154,20 +24,13 @@ fn sse_events(text: &str) -> Vec<String> {
 /// A scripted worker named `name` beside a healthy sim-worker named
 /// `good`, behind a round-robin router with `extra` flags: (the sim-worker,
 /// the router); keep both alive for the test.
-async fn beside_a_good_worker(
-    script: Script,
-    name: &str,
-    extra: &[&str],
-) -> (common::Proc, common::Proc) {
+async fn beside_a_good_worker(script: Script, name: &str, extra: &[&str]) -> (Proc, Proc) {
     let scripted = scripted_worker(script).await;
-    let good = sim_worker_on(0, "0", &[]);
+    let good = sim_worker("0");
     let mut flags = vec!["--policy", "round-robin"];
     flags.extend_from_slice(extra);
     let router = router(
-        &[
-            format!("{scripted},name={name}"),
-            format!("{},name=good", good.base),
-        ],
+        &[format!("{scripted},name={name}"), good.named("good")],
         &flags,
     );
     (good, router)
@@ -175,6 +38,7 @@ async fn beside_a_good_worker(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::Status500, "bad", &[]).await;
     let client = reqwest::Client::new();
     for stream in [false, true, false, true] {
@@ -203,6 +67,7 @@ async fn a_5xx_before_the_first_token_is_retried_elsewhere_transparently() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::CutJson, "cut", &[]).await;
     let client = reqwest::Client::new();
     for _ in 0..3 {
@@ -226,6 +91,7 @@ async fn a_non_streaming_answer_cut_before_its_end_is_retried_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_another() {
+    let _machine = machine().await;
     let (_good, router) =
         beside_a_good_worker(Script::Silent, "silent", &["--first-token-timeout", "0.5"]).await;
     let client = reqwest::Client::new();
@@ -253,6 +119,7 @@ async fn a_worker_silent_past_the_first_token_timeout_loses_the_stream_to_anothe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(Script::CutChatStream, "cutting", &[]).await;
     let client = reqwest::Client::new();
     // Round-robin: one of the first two requests starts on the cutting worker.
@@ -321,22 +188,15 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         Some(1.0),
         "{metrics}"
     );
-    let idle = eventually(Duration::from_secs(5), || {
-        let client = client.clone();
-        let base = router.base.clone();
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_active_requests",
-            ) == Some(0.0)
-        }
+    wait_metrics(&client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
     })
     .await;
-    assert!(idle);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
+    let _machine = machine().await;
     let cutting = scripted_worker(Script::CutChatStream).await;
     let router = router(&[format!("{cutting},name=cutting")], &[]);
     let client = reqwest::Client::new();
@@ -372,6 +232,7 @@ async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error_event() {
+    let _machine = machine().await;
     let cutting = scripted_worker(Script::CutTwoChoiceStream).await;
     let router = router(&[format!("{cutting},name=cutting")], &[]);
     let client = reqwest::Client::new();
@@ -412,6 +273,7 @@ async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_fails_two_workers_with_5xx_is_its_own_fault_and_stops_there() {
+    let _machine = machine().await;
     let a = scripted_worker(Script::Status500).await;
     let b = scripted_worker(Script::Status500).await;
     let c = scripted_worker(Script::Status500).await;
@@ -452,51 +314,33 @@ async fn a_request_that_fails_two_workers_with_5xx_is_its_own_fault_and_stops_th
 
 /// Router and worker both idle: nothing booked, nothing running.
 async fn assert_all_idle(client: &reqwest::Client, router: &str, worker: &str) {
-    let idle = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let (router, worker) = (router.to_owned(), worker.to_owned());
-        async move {
-            let r = metrics_text(&client, &router).await;
-            let w = metrics_text(&client, &worker).await;
-            metric(&r, "switchyard_active_requests") == Some(0.0)
-                && metric_sum(&r, "switchyard_worker_active_requests") == 0.0
-                && metric(&w, "switchyard_engine_running") == Some(0.0)
-                && metric(&w, "switchyard_engine_waiting") == Some(0.0)
-        }
+    let (mut r, mut w) = (String::new(), String::new());
+    let idle = poll(PATIENCE, async || {
+        r = metrics_text(client, router).await;
+        w = metrics_text(client, worker).await;
+        metric(&r, "switchyard_active_requests") == Some(0.0)
+            && metric_sum(&r, "switchyard_worker_active_requests") == 0.0
+            && metric(&w, "switchyard_engine_running") == Some(0.0)
+            && metric(&w, "switchyard_engine_waiting") == Some(0.0)
     })
     .await;
-    assert!(
-        idle,
-        "router:\n{}\nworker:\n{}",
-        metrics_text(client, router).await,
-        metrics_text(client, worker).await
-    );
+    assert!(idle.is_some(), "router:\n{r}\nworker:\n{w}");
 }
 
 /// Waits until the worker runs a request.
 async fn wait_running(client: &reqwest::Client, worker: &str) {
-    let running = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let worker = worker.to_owned();
-        async move {
-            metric(
-                &metrics_text(&client, &worker).await,
-                "switchyard_engine_running",
-            ) >= Some(1.0)
-        }
+    wait_metrics(client, worker, "the worker to run the request", |text| {
+        metric(text, "switchyard_engine_running") >= Some(1.0)
     })
     .await;
-    assert!(running, "the worker never ran the request");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_event() {
+    let _machine = machine().await;
     // About 100 ms a token: 2000 tokens would take minutes.
-    let worker = sim_worker_on(0, "0.05", &[]);
-    let router = router(
-        &[format!("{},name=w0", worker.base)],
-        &["--request-timeout", "1.5"],
-    );
+    let worker = sim_worker("0.05");
+    let router = router(&[worker.named("w0")], &["--request-timeout", "1.5"]);
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", router.base);
 
@@ -537,8 +381,9 @@ async fn the_request_timeout_cancels_the_worker_and_answers_504_or_an_error_even
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_cancels_the_workers_request() {
-    let worker = sim_worker_on(0, "0.05", &[]);
-    let router = router(&[format!("{},name=w0", worker.base)], &[]);
+    let _machine = machine().await;
+    let worker = sim_worker("0.05");
+    let router = router(&[worker.named("w0")], &[]);
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", router.base);
 
@@ -583,6 +428,7 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
+    let _machine = machine().await;
     let (_good, router) = beside_a_good_worker(
         Script::CutChatStream,
         "cutting",
@@ -614,11 +460,9 @@ async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
-    let worker = sim_worker_on(0, "0", &[]);
-    let router = router(
-        &[format!("{},name=w0", worker.base)],
-        &["--max-response-bytes", "64"],
-    );
+    let _machine = machine().await;
+    let worker = sim_worker("0");
+    let router = router(&[worker.named("w0")], &["--max-response-bytes", "64"]);
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/completions", router.base))
@@ -640,61 +484,6 @@ async fn a_non_streaming_answer_over_the_buffer_limit_gets_a_clear_502() {
     assert!(response.text().await.unwrap().ends_with("data: [DONE]\n\n"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
-    use switchyard_server::{self, config::WorkerSpec, ServerConfig};
-    let silent = scripted_worker(Script::Silent).await;
-    let config = ServerConfig {
-        port: 0,
-        workers: vec![WorkerSpec::parse(&format!("{silent},name=silent")).unwrap()],
-        shutdown_grace_ms: 100,
-        health_interval_ms: 100,
-        ..ServerConfig::default()
-    };
-    let running = switchyard_server::start(config).await.unwrap();
-    let base = format!("http://{}", running.addr);
-    let client = reqwest::Client::new();
-    let ready = eventually(Duration::from_secs(10), || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            client
-                .get(format!("{base}/ready"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        }
-    })
-    .await;
-    assert!(ready);
-    // Non-streaming, on a worker that never answers: it waits for the
-    // worker when the shutdown deadline cancels it.
-    let request = tokio::spawn(
-        client
-            .post(format!("{base}/v1/completions"))
-            .json(&json!({"prompt": "x", "max_tokens": 4}))
-            .send(),
-    );
-    let booked = eventually(Duration::from_secs(10), || {
-        let (client, base) = (client.clone(), base.clone());
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_active_requests",
-            ) == Some(1.0)
-        }
-    })
-    .await;
-    assert!(booked);
-    let metrics = running.shared.metrics().clone();
-    running.shutdown().await.unwrap();
-    let response = request.await.unwrap().unwrap();
-    assert_eq!(response.status(), 503);
-    assert_eq!(
-        metrics.requests(switchyard_server::metrics::RequestStatus::Cancelled),
-        1
-    );
-}
-
 /// Migrations counted for `reason`.
 async fn migrations(client: &reqwest::Client, base: &str, reason: &str) -> f64 {
     let text = metrics_text(client, base).await;
@@ -707,10 +496,11 @@ async fn migrations(client: &reqwest::Client, base: &str, reason: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
-    // A failing worker beside a sim-worker at model speed (a 150-token
-    // answer streams for about a second), session-aware admission.
+    let _machine = machine().await;
+    // A failing worker beside a sim-worker at model speed (a 400-token
+    // answer streams for more than two seconds), session-aware admission.
     let scripted = scripted_worker(Script::Status500).await;
-    let good = sim_worker_on(0, "1", &[]);
+    let good = sim_worker("1");
     let router = router(
         &[
             format!("{scripted},name=bad"),
@@ -732,26 +522,30 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
                 .await
                 .unwrap();
             assert_eq!(response.status(), 200);
-            let headers_at = std::time::Instant::now();
             let worker = response.headers()["x-switchyard-worker"]
                 .to_str()
                 .unwrap()
                 .to_owned();
             let text = response.text().await.unwrap();
             assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-            (worker, headers_at, std::time::Instant::now())
+            worker
         }
     };
+    let deferred = |text: &str| {
+        metric(
+            text,
+            "switchyard_admission_decisions_total{decision=\"deferred\"}",
+        )
+        .unwrap_or(0.0)
+    };
     // Find a session whose first turn started on the failing worker (the
-    // round-robin alternates) and moved: one more 5xx migration.
+    // round-robin alternates) and moved: one more 5xx migration, seen
+    // long before the turn ends.
     let mut session = None;
     for i in 0..6 {
         let before = migrations(&client, &base, "status_5xx").await;
         let name = format!("chat-{i}");
-        let first = tokio::spawn(turn(name.clone(), 150));
-        // The first turn is placed, fails on `bad` or not, and streams
-        // from `good` either way (for about a second): its migration shows
-        // long before it ends.
+        let first = tokio::spawn(turn(name.clone(), 400));
         let moved = loop {
             if migrations(&client, &base, "status_5xx").await > before {
                 break true;
@@ -768,22 +562,19 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
         first.await.unwrap();
     }
     let (name, first, after_first) = session.expect("a first turn started on the failing worker");
-    // The next turn arrives while the migrated turn streams: it waits for
-    // it, then goes where it finished — straight to `good`, no migration.
+    // The next turn arrives while the migrated turn streams: it is still
+    // the session's turn, so the next one is deferred until it ends...
+    let deferred_before = deferred(&metrics_text(&client, &base).await);
     let second = tokio::spawn(turn(name, 4));
-    let (first_worker, _, first_done) = first.await.unwrap();
-    let (second_worker, second_headers, _) = second.await.unwrap();
-    assert_eq!(first_worker, "good");
-    // Sent with most of the first turn's second still to stream: had it
-    // not waited, its answer would have begun long before the first ended
-    // (the 100 ms allow for the first turn's last bytes in flight when
-    // the router, ending it, places the next).
-    assert!(
-        second_headers + Duration::from_millis(100) >= first_done,
-        "the session's next turn started before its migrated turn ended"
-    );
+    wait_metrics(&client, &base, "the next turn to be deferred", |text| {
+        deferred(text) == deferred_before + 1.0
+    })
+    .await;
+    // ...then goes where it finished: straight to `good`, no migration.
+    assert_eq!(first.await.unwrap(), "good");
     assert_eq!(
-        second_worker, "good",
+        second.await.unwrap(),
+        "good",
         "the session re-pinned to its new worker"
     );
     assert_eq!(

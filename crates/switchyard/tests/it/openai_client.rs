@@ -2,9 +2,7 @@
 //! chat and completions, streaming and not. Skipped, with the reason
 //! printed, when python3 or pip cannot install the client.
 
-mod common;
-
-use common::{router, sim_worker};
+use crate::support::{machine_blocking, router, sim_worker};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -67,6 +65,7 @@ fn venv() -> Result<PathBuf, String> {
 
 #[test]
 fn the_official_openai_python_client_works_against_the_router_unchanged() {
+    let _machine = machine_blocking();
     let python = match venv() {
         Ok(p) => p,
         Err(reason) => {
@@ -75,7 +74,7 @@ fn the_official_openai_python_client_works_against_the_router_unchanged() {
         }
     };
     let worker = sim_worker("0");
-    let router = router(&[format!("{},name=w0", worker.base)], &[]);
+    let router = router(&[worker.named("w0")], &[]);
     let output = Command::new(python)
         .args(["-c", SCRIPT, &router.base])
         .output()

@@ -1,69 +1,15 @@
 //! `switchyard sim-worker` as a real process on loopback, driven by a real
 //! HTTP client.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-
-/// Kills the worker when the test ends, pass or fail.
-struct Worker {
-    child: Child,
-    base: String,
-    /// `(pub, replay)` endpoints when started with `--kv-events`.
-    kv: Option<(String, String)>,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_worker(extra: &[&str]) -> Worker {
-    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(["sim-worker", "--host", "127.0.0.1", "--port", "0"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the switchyard binary starts");
-    // Owned by the guard from here on, so every exit path kills and reaps it.
-    let mut worker = Worker {
-        child,
-        base: String::new(),
-        kv: None,
-    };
-    let stdout = worker.child.stdout.take().expect("stdout is piped");
-    let mut reader = BufReader::new(stdout);
-    loop {
-        let mut line = String::new();
-        let n = reader
-            .read_line(&mut line)
-            .expect("the worker prints its address");
-        assert!(n > 0, "the worker exited before listening");
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if let Some(i) = words.iter().position(|w| *w == "kv-events") {
-            worker.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
-        }
-        if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
-            worker.base = (*url).to_owned();
-            return worker;
-        }
-    }
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("metric {name} missing"))
-        .trim()
-        .parse()
-        .expect("a number")
-}
+use crate::support::{
+    machine, metric, metrics_text, sim_worker_with, wait_for, wait_metrics, PATIENCE,
+};
+use futures_util::StreamExt;
 
 #[tokio::test]
 async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
-    let worker = start_worker(&["--num-blocks", "1024", "--speedup", "50"]);
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--num-blocks", "1024", "--speedup", "50"]);
     let client = reqwest::Client::new();
     let prompt: Vec<u32> = (1000..1400).collect();
     let body = serde_json::json!({
@@ -86,7 +32,6 @@ async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
         .starts_with("text/event-stream"));
     let mut stream = response.bytes_stream();
     let mut text = String::new();
-    use futures_util::StreamExt;
     let mut chunks_seen = 0;
     while let Some(chunk) = stream.next().await {
         text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
@@ -114,23 +59,16 @@ async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
     assert_eq!(usage["prompt_tokens"], 400);
     assert_eq!(usage["completion_tokens"], 8);
 
-    let metrics = client
-        .get(format!("{}/metrics", worker.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&client, &worker.base).await;
     assert_eq!(
         metric(&metrics, "switchyard_engine_prompt_tokens_total"),
-        400.0
+        Some(400.0)
     );
     assert_eq!(
         metric(&metrics, "switchyard_engine_generation_tokens_total"),
-        8.0
+        Some(8.0)
     );
-    assert!(metric(&metrics, "switchyard_engine_cached_blocks") >= 25.0);
+    assert!(metric(&metrics, "switchyard_engine_cached_blocks") >= Some(25.0));
 
     // The same prompt again is served from the prefix cache.
     let second = client
@@ -146,23 +84,17 @@ async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
         second["usage"]["prompt_tokens_details"]["cached_tokens"],
         384
     );
-    let metrics = client
-        .get(format!("{}/metrics", worker.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&client, &worker.base).await;
     assert_eq!(
         metric(&metrics, "switchyard_engine_prefix_hit_tokens_total"),
-        384.0
+        Some(384.0)
     );
 }
 
 #[tokio::test]
 async fn chat_text_and_bad_input_get_openai_shaped_replies() {
-    let worker = start_worker(&["--no-delay", "--model", "m1"]);
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--no-delay", "--model", "m1"]);
     let client = reqwest::Client::new();
     let chat = client
         .post(format!("{}/v1/chat/completions", worker.base))
@@ -226,6 +158,7 @@ async fn chat_text_and_bad_input_get_openai_shaped_replies() {
 
 #[tokio::test]
 async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
+    let _machine = machine().await;
     use std::sync::{Arc, Mutex};
     use switchyard_core::index::PrefixIndex;
     use switchyard_core::{EngineHash, WorkerId};
@@ -233,15 +166,18 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
     use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
 
     // A small pool so that later prompts evict earlier ones: removals flow too.
-    let worker = start_worker(&[
-        "--no-delay",
-        "--num-blocks",
-        "64",
-        "--kv-events",
-        "tcp://127.0.0.1:*",
-        "--kv-replay",
-        "tcp://127.0.0.1:*",
-    ]);
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--no-delay",
+            "--num-blocks",
+            "64",
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+            "--kv-replay",
+            "tcp://127.0.0.1:*",
+        ],
+    );
     let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
     let id = WorkerId::new(7);
     let index = Arc::new(Mutex::new(PrefixIndex::new()));
@@ -269,61 +205,45 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
         reply.bytes().await.unwrap();
     }
 
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let cache: serde_json::Value = client
-            .get(format!("{}/debug/kv_cache", worker.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let device: Vec<u64> = cache["device"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| h.as_u64().unwrap())
-            .collect();
-        assert!(!device.is_empty());
-        let matches = {
+    let debug_kv_cache = format!("{}/debug/kv_cache", worker.base);
+    wait_for(
+        "the subscriber's index to match the worker's cache",
+        PATIENCE,
+        async || {
+            let cache: serde_json::Value = client
+                .get(&debug_kv_cache)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let device: Vec<u64> = cache["device"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_u64().unwrap())
+                .collect();
+            assert!(!device.is_empty());
             let index = index.lock().unwrap();
             index.worker_blocks(id) == device.len()
                 && device.iter().all(|&h| index.holds(id, EngineHash(h)))
-        };
-        if matches {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the subscriber's index never matched the worker's cache"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    let metrics_text = client
-        .get(format!("{}/metrics", worker.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metric(
-            &metrics_text,
-            "switchyard_engine_kv_batches_published_total"
-        ) > 0.0
-    );
+        },
+    )
+    .await;
+    let text = metrics_text(&client, &worker.base).await;
+    assert!(metric(&text, "switchyard_engine_kv_batches_published_total") > Some(0.0));
     assert_eq!(
-        metric(&metrics_text, "switchyard_engine_kv_events_dropped_total"),
-        0.0
+        metric(&text, "switchyard_engine_kv_events_dropped_total"),
+        Some(0.0)
     );
     subscriber.shutdown();
 }
 
 #[tokio::test]
 async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
-    let worker = start_worker(&["--speedup", "1"]);
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--speedup", "1"]);
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/completions", worker.base))
@@ -332,37 +252,27 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
         .await
         .unwrap();
     let mut stream = response.bytes_stream();
-    use futures_util::StreamExt;
     stream.next().await.unwrap().unwrap();
     drop(stream);
 
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let text = client
-            .get(format!("{}/metrics", worker.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let cancelled = text
-            .lines()
-            .any(|l| l.starts_with("switchyard_engine_requests_total{status=\"cancelled\"} 1"));
-        if cancelled && metric(&text, "switchyard_engine_running") == 0.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the request was never cancelled:\n{text}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    wait_metrics(
+        &client,
+        &worker.base,
+        "the request to be cancelled",
+        |text| {
+            let cancelled = text
+                .lines()
+                .any(|l| l.starts_with("switchyard_engine_requests_total{status=\"cancelled\"} 1"));
+            cancelled && metric(text, "switchyard_engine_running") == Some(0.0)
+        },
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn return_token_ids_adds_each_chunks_token_ids_and_only_when_asked() {
-    let worker = start_worker(&["--num-blocks", "1024", "--speedup", "0"]);
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--num-blocks", "1024", "--speedup", "0"]);
     let client = reqwest::Client::new();
     for ask in [true, false] {
         let text = client

@@ -2,84 +2,13 @@
 //! processes over loopback. Every wait polls with a generous timeout: a
 //! slow machine makes these tests slower, never red.
 
-mod common;
-
-use common::{eventually, metric, spawn, Proc};
+use crate::support::{
+    machine, metric, metrics_text, openai_error, poll, scratch_file, serve, sim_worker,
+    sim_worker_on, sim_worker_with, wait_for, wait_metrics, PATIENCE,
+};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
-
-/// A port nobody listens on right now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A sim-worker on `port`; with `events = Some((pub_port, replay_port))`
-/// it publishes KV events and serves replay on those ports.
-fn sim_worker_on(port: u16, speedup: &str, events: Option<(u16, u16)>) -> Proc {
-    let port = port.to_string();
-    let mut args = vec![
-        "sim-worker".to_owned(),
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        port,
-        "--speedup".into(),
-        speedup.into(),
-        "--num-blocks".into(),
-        "1024".into(),
-    ];
-    if let Some((pub_port, replay_port)) = events {
-        args.extend([
-            "--kv-events".into(),
-            format!("tcp://127.0.0.1:{pub_port}"),
-            "--kv-replay".into(),
-            format!("tcp://127.0.0.1:{replay_port}"),
-        ]);
-    }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    spawn(&refs)
-}
-
-/// The router with exactly these arguments after `serve --host --port 0`.
-fn router_with(args: &[String]) -> Proc {
-    let mut all: Vec<String> = vec![
-        "serve".into(),
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        "0".into(),
-    ];
-    all.extend(args.iter().cloned());
-    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
-    spawn(&refs)
-}
-
-async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
-    match client.get(format!("{base}/metrics")).send().await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    }
-}
-
-/// Polls `base`'s /metrics until `check` holds; panics with the last text.
-async fn wait_metrics(
-    client: &reqwest::Client,
-    base: &str,
-    what: &str,
-    check: impl Fn(&str) -> bool,
-) {
-    let check = &check;
-    let ok = eventually(Duration::from_secs(30), || async move {
-        check(&metrics_text(client, base).await)
-    })
-    .await;
-    assert!(ok, "{what}:\n{}", metrics_text(client, base).await);
-}
 
 async fn complete(client: &reqwest::Client, base: &str, seed: u32) -> (u16, String) {
     let prompt: Vec<u32> = (seed * 100..seed * 100 + 48).collect();
@@ -104,26 +33,26 @@ async fn assert_retryable_error(response: reqwest::Response) -> u16 {
         response.headers().get("retry-after").is_some(),
         "a {status} without Retry-After"
     );
-    let body: serde_json::Value = response.json().await.expect("a JSON error body");
-    assert!(body["error"]["message"].is_string(), "{body}");
-    assert!(body["error"]["type"].is_string(), "{body}");
+    openai_error(response).await;
     status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_readmitted() {
-    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
-    let mut w0 = sim_worker_on(port, "1", Some((pub_port, replay_port)));
-    let spec = format!(
-        "{},name=w0,events=tcp://127.0.0.1:{pub_port},replay=tcp://127.0.0.1:{replay_port}",
-        w0.base
-    );
-    let router = router_with(&[
-        "--worker".into(),
-        spec,
-        "--health-interval-ms".into(),
-        "200".into(),
-    ]);
+    let _machine = machine().await;
+    // KV events and their replay on free ports; the restart below binds the
+    // same ones.
+    let flags = ["--speedup", "1", "--num-blocks", "1024"];
+    let any_port = [
+        "--kv-events",
+        "tcp://127.0.0.1:*",
+        "--kv-replay",
+        "tcp://127.0.0.1:*",
+    ];
+    let mut w0 = sim_worker_with(0, &[&flags[..], &any_port[..]].concat());
+    let (events, replay) = w0.kv.clone().expect("the worker prints its KV endpoints");
+    let spec = format!("{},events={events},replay={replay}", w0.named("w0"));
+    let router = serve(&["--worker", &spec, "--health-interval-ms", "200"]);
     let base = router.base.clone();
     let client = reqwest::Client::new();
 
@@ -175,7 +104,8 @@ async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_
 
     // The same URL comes back: the health checks re-admit it, a fresh
     // subscriber rebuilds its index, and it serves again.
-    let _w0 = sim_worker_on(port, "1", Some((pub_port, replay_port)));
+    let same_ports = ["--kv-events", &events, "--kv-replay", &replay];
+    let _w0 = sim_worker_with(w0.port(), &[&flags[..], &same_ports[..]].concat());
     wait_metrics(&client, &base, "the restarted worker is re-admitted", |t| {
         metric(t, "switchyard_worker_up{worker=\"w0\"}") == Some(1.0)
     })
@@ -187,39 +117,40 @@ async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_
 /// some: a SUB socket misses what is published before it connects, and
 /// the first batch it does receive makes it replay the earlier ones.
 async fn served_and_indexed(client: &reqwest::Client, base: &str) {
-    for seed in 1..=300 {
+    let mut seed = 0;
+    let mut text = String::new();
+    let indexed = poll(PATIENCE, async || {
+        seed += 1;
         assert_eq!(complete(client, base, seed).await, (200, "w0".to_owned()));
-        let text = metrics_text(client, base).await;
-        if metric(&text, "switchyard_index_blocks").unwrap_or(0.0) > 0.0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!(
-        "the worker's blocks never reached the index:\n{}",
-        metrics_text(client, base).await
+        text = metrics_text(client, base).await;
+        metric(&text, "switchyard_index_blocks").unwrap_or(0.0) > 0.0
+    })
+    .await;
+    assert!(
+        indexed.is_some(),
+        "the worker's blocks never reached the index:\n{text}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consecutive_failures_open_a_workers_circuit_and_a_probe_closes_it() {
-    let port = free_port();
-    let mut w0 = sim_worker_on(port, "0", None);
-    let w1 = sim_worker_on(free_port(), "0", None);
+    let _machine = machine().await;
+    let mut w0 = sim_worker("0");
+    let w1 = sim_worker("0");
     // Health checks are slow here: only the circuit breaker reacts.
-    let router = router_with(&[
-        "--worker".into(),
-        format!("{},name=w0", w0.base),
-        "--worker".into(),
-        format!("{},name=w1", w1.base),
-        "--policy".into(),
-        "round-robin".into(),
-        "--health-interval-ms".into(),
-        "600000".into(),
-        "--circuit-failures".into(),
-        "3".into(),
-        "--circuit-cooldown-ms".into(),
-        "300".into(),
+    let router = serve(&[
+        "--worker",
+        &w0.named("w0"),
+        "--worker",
+        &w1.named("w1"),
+        "--policy",
+        "round-robin",
+        "--health-interval-ms",
+        "600000",
+        "--circuit-failures",
+        "3",
+        "--circuit-cooldown-ms",
+        "300",
     ]);
     let base = router.base.clone();
     let client = reqwest::Client::new();
@@ -283,19 +214,15 @@ async fn consecutive_failures_open_a_workers_circuit_and_a_probe_closes_it() {
 
     // w0 comes back on the same port: after a cooldown the half-open
     // circuit lets one probe through, which succeeds and closes it.
-    let _w0 = sim_worker_on(port, "0", None);
-    let closed = eventually(Duration::from_secs(60), || {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            let _ = complete(&client, &base, 200).await;
-            let text = metrics_text(&client, &base).await;
-            metric(&text, "switchyard_circuit_state{worker=\"w0\"}") == Some(0.0)
-        }
+    let _w0 = sim_worker_on(w0.port(), "0");
+    let closed = poll(PATIENCE, async || {
+        let _ = complete(&client, &base, 200).await;
+        let text = metrics_text(&client, &base).await;
+        metric(&text, "switchyard_circuit_state{worker=\"w0\"}") == Some(0.0)
     })
     .await;
     let text = metrics_text(&client, &base).await;
-    assert!(closed, "{text}");
+    assert!(closed.is_some(), "{text}");
     assert!(
         metric(
             &text,
@@ -334,29 +261,26 @@ fn rss_kib(pid: u32) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resumes() {
-    let w0 = sim_worker_on(free_port(), "1", None);
-    let w1 = sim_worker_on(free_port(), "1", None);
-    let dir = std::env::temp_dir().join(format!("switchyard-overload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("router.toml");
+    let _machine = machine().await;
+    let w0 = sim_worker("1");
+    let w1 = sim_worker("1");
     // One request makes a worker busy and eight may wait in the queue: two
     // dispatched plus eight queued is the in-flight limit of 10, so the
     // in-flight limit (503) refuses most of the burst; a queue that fills
     // while a slot is free refuses with 429.
-    std::fs::write(
-        &config,
-        "busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 8\nmax_uncached_tokens = 100000000\n",
-    )
-    .unwrap();
-    let router = router_with(&[
-        "--worker".into(),
-        format!("{},name=w0", w0.base),
-        "--worker".into(),
-        format!("{},name=w1", w1.base),
-        "--config".into(),
-        config.to_str().unwrap().into(),
-        "--max-inflight".into(),
-        "10".into(),
+    let config = scratch_file(
+        "queue-of-eight.toml",
+        b"busy_threshold = 0.001\n[queue.queue.default_limits]\nmax_requests = 8\nmax_uncached_tokens = 100000000\n",
+    );
+    let router = serve(&[
+        "--worker",
+        &w0.named("w0"),
+        "--worker",
+        &w1.named("w1"),
+        "--config",
+        config.to_str().unwrap(),
+        "--max-inflight",
+        "10",
     ]);
     let base = router.base.clone();
     let pid = router.child.id();
@@ -373,6 +297,7 @@ async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resu
             let mut peak = 0;
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 peak = peak.max(rss_kib(pid).unwrap_or(0));
+                // The sampling period, not a wait for anything.
                 std::thread::sleep(Duration::from_millis(20));
             }
             peak
@@ -437,18 +362,13 @@ async fn a_burst_far_above_capacity_is_refused_with_retry_after_and_service_resu
     })
     .await;
     assert_eq!(complete(&client, &base, 9999).await.0, 200);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the_worker_is_freed() {
-    let w0 = sim_worker_on(free_port(), "1", None);
-    let mut router = router_with(&[
-        "--worker".into(),
-        format!("{},name=w0", w0.base),
-        "--shutdown-timeout-ms".into(),
-        "1000".into(),
-    ]);
+    let _machine = machine().await;
+    let w0 = sim_worker("1");
+    let mut router = serve(&["--worker", &w0.named("w0"), "--shutdown-timeout-ms", "1000"]);
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/completions", router.base))
@@ -529,10 +449,10 @@ async fn on_sigterm_requests_past_the_shutdown_timeout_end_with_an_error_and_the
         |t| metric(t, "switchyard_engine_running") == Some(0.0),
     )
     .await;
-    let exited = eventually(Duration::from_secs(30), || {
-        let done = router.child.try_wait().unwrap().is_some();
-        async move { done }
-    })
+    wait_for(
+        "the router to exit after the shutdown",
+        PATIENCE,
+        async || router.child.try_wait().unwrap().is_some(),
+    )
     .await;
-    assert!(exited, "the router exits after the shutdown");
 }

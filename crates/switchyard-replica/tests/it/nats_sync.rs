@@ -6,6 +6,7 @@
 //! two workers; what a dispatcher publishes goes out through
 //! `publish_effects`, as in the server.
 
+use crate::support::{nats, wait_for};
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,12 +20,6 @@ use switchyard_replica::{
 };
 
 const WORKERS: [WorkerId; 2] = [WorkerId::new(1), WorkerId::new(2)];
-
-fn nats() -> LocalNatsServer {
-    LocalNatsServer::start().unwrap_or_else(|e| {
-        panic!("these tests need a real nats-server: {e:#}");
-    })
-}
 
 struct Replica {
     dispatcher: Arc<Mutex<Dispatcher>>,
@@ -147,15 +142,6 @@ fn booking(worker: WorkerId, rng: &mut impl Rng) -> Submission {
     }
 }
 
-async fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < within, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    start.elapsed()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bookings_spread_across_three_replicas_converge_to_the_truth_within_100_ms() {
     let server = nats();
@@ -184,6 +170,9 @@ async fn bookings_spread_across_three_replicas_converge_to_the_truth_within_100_
             replicas[replica].drive(&mut truth, |d, now| d.finish(RequestId(rid), 64, now));
         }
         if id % 50 == 0 {
+            // Part of the workload, not a wait: bookings arrive over time,
+            // as at a live router, and the planes ship them in several
+            // batches.
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
@@ -238,7 +227,9 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
         took >= Duration::from_millis(150),
         "expired too early: {took:?}"
     );
-    // b kept heartbeating: its booking survives well past the expiry.
+    // b kept heartbeating: its booking survives well past the expiry. The
+    // sleep is what is specified (a span longer than the 300 ms expiry with
+    // no expiry of b's booking), not a wait for something to happen.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let c_dispatcher = c.dispatcher.lock().unwrap();
     let c_router = c_dispatcher.router();
@@ -265,6 +256,9 @@ async fn replicas_on_another_endpoint_see_nothing() {
         b.active_requests() == 20
     })
     .await;
+    // Nothing must arrive: no condition marks "never", so a wrong delivery
+    // gets a window on top of b having received all of a's bookings (a
+    // leak would show up at about the same time).
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(other.active_requests(), 0);
     let m = other.plane.metrics.snapshot();

@@ -5,7 +5,7 @@
 //! from vLLM `vllm/distributed/kv_events.py` and SGLang
 //! `python/sglang/srt/disaggregation/kv_events.py`), independently of our
 //! encoder. This file is also the generator: run
-//! `SWITCHYARD_BLESS=1 cargo test -p switchyard-wire --test golden` to
+//! `SWITCHYARD_BLESS=1 cargo test -p switchyard-wire --test it golden_payloads` to
 //! rewrite the files, then review the diff.
 
 use rmpv::Value;

@@ -1,24 +1,11 @@
 //! The router as a real process in front of real sim-worker processes,
 //! driven over loopback by a real HTTP client.
 
-mod common;
-
-use common::{eventually, metric, router, sim_worker};
+use crate::support::{machine, metric, metrics_text, router, sim_worker, wait_metrics};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::HashSet;
 use std::time::Duration;
-
-async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
-    client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
 
 /// Streams one request to its end; returns (status, worker, SSE events, saw [DONE]).
 async fn stream_completion(
@@ -54,15 +41,10 @@ async fn stream_completion(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run() {
+    let _machine = machine().await;
     let w0 = sim_worker("20");
     let w1 = sim_worker("20");
-    let router = router(
-        &[
-            format!("{},name=w0", w0.base),
-            format!("{},name=w1", w1.base),
-        ],
-        &["--policy", "kv"],
-    );
+    let router = router(&[w0.named("w0"), w1.named("w1")], &["--policy", "kv"]);
     let base = router.base.clone();
     let client = reqwest::Client::new();
 
@@ -114,7 +96,10 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
             stream_completion(&client, &base, prompt, 400).await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_metrics(&client, &w0.base, "w0 to run some of the load", |t| {
+        metric(t, "switchyard_engine_running") >= Some(1.0)
+    })
+    .await;
     let mut w0 = w0;
     w0.kill();
     let mut finished = 0;
@@ -156,38 +141,27 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
     assert_eq!(seen, HashSet::from(["w1".to_owned()]));
 
     // Every booking is freed.
-    let freed = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            let text = metrics_text(&client, &base).await;
-            metric(&text, "switchyard_active_requests") == Some(0.0)
-                && metric(&text, "switchyard_worker_active_requests{worker=\"w1\"}") == Some(0.0)
-                && metric(&text, "switchyard_queue_depth") == Some(0.0)
-        }
+    wait_metrics(&client, &base, "every booking to be freed", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+            && metric(text, "switchyard_worker_active_requests{worker=\"w1\"}") == Some(0.0)
+            && metric(text, "switchyard_queue_depth") == Some(0.0)
     })
     .await;
-    assert!(freed, "{}", metrics_text(&client, &base).await);
     // Declared dead by its health checks (two failures, 200 ms apart):
     // waited for, since how long the run above took since the kill depends
     // on the workers' speed and the machine's load.
-    let down = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            let text = metrics_text(&client, &base).await;
-            metric(&text, "switchyard_worker_up{worker=\"w0\"}") == Some(0.0)
-        }
+    wait_metrics(&client, &base, "w0 to be declared dead", |text| {
+        metric(text, "switchyard_worker_up{worker=\"w0\"}") == Some(0.0)
     })
     .await;
-    assert!(down, "{}", metrics_text(&client, &base).await);
     drop(w1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
+    let _machine = machine().await;
     let w0 = sim_worker("5");
-    let router = router(&[format!("{},name=w0", w0.base)], &[]);
+    let router = router(&[w0.named("w0")], &[]);
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/completions", router.base))
@@ -200,18 +174,13 @@ async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
     let text = metrics_text(&client, &router.base).await;
     assert_eq!(metric(&text, "switchyard_active_requests"), Some(1.0));
     drop(body);
-    let freed = eventually(Duration::from_secs(5), || {
-        let client = client.clone();
-        let base = router.base.clone();
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_active_requests",
-            ) == Some(0.0)
-        }
-    })
+    wait_metrics(
+        &client,
+        &router.base,
+        "the booking to be freed when the client goes away",
+        |text| metric(text, "switchyard_active_requests") == Some(0.0),
+    )
     .await;
-    assert!(freed, "the booking is freed when the client goes away");
     let text = metrics_text(&client, &router.base).await;
     assert_eq!(
         metric(
@@ -224,13 +193,11 @@ async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admission() {
+    let _machine = machine().await;
     let w0 = sim_worker("5");
     let w1 = sim_worker("5");
     let router = router(
-        &[
-            format!("{},name=w0", w0.base),
-            format!("{},name=w1", w1.base),
-        ],
+        &[w0.named("w0"), w1.named("w1")],
         &["--admission", "session-aware"],
     );
     let client = reqwest::Client::new();
@@ -297,26 +264,21 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
     );
     // With a strategy on, the health checks read each worker's KV usage
     // from its /metrics and feed it to the strategy; it is exported too.
-    let reported = eventually(Duration::from_secs(20), || {
-        let client = client.clone();
-        let base = router.base.clone();
-        async move {
-            let text = metrics_text(&client, &base).await;
+    wait_metrics(
+        &client,
+        &router.base,
+        "both workers' KV usage to be read",
+        |text| {
             ["w0", "w1"].iter().all(|w| {
                 metric(
-                    &text,
+                    text,
                     &format!("switchyard_worker_kv_usage_ratio{{worker=\"{w}\"}}"),
                 )
                 .is_some_and(|v| (0.0..=1.0).contains(&v))
             })
-        }
-    })
+        },
+    )
     .await;
-    assert!(
-        reported,
-        "both workers' KV usage is read:\n{}",
-        metrics_text(&client, &router.base).await
-    );
 }
 
 /// `bench twin` end to end on a tiny slice: both sides run for every

@@ -7,9 +7,9 @@
 //! The test skips (with a printed reason) only when no `nats-server`
 //! binary is installed; CI installs it (`apt-get install -y nats-server`).
 
-mod common;
-
-use common::{metric, router, spawn, Proc};
+use crate::support::{
+    machine_alone, metric, metrics_text, poll, router, sim_worker_with, wait_for, Proc, PATIENCE,
+};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -32,19 +32,17 @@ const MAX_TOKENS: u32 = 600;
 const EXPIRY_MS: u64 = 1500;
 
 fn sim_worker(nats: &str) -> Proc {
-    spawn(&[
-        "sim-worker",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--speedup",
-        "1",
-        "--num-blocks",
-        "4096",
-        "--replica-sync",
-        nats,
-    ])
+    sim_worker_with(
+        0,
+        &[
+            "--speedup",
+            "1",
+            "--num-blocks",
+            "4096",
+            "--replica-sync",
+            nats,
+        ],
+    )
 }
 
 fn replica(workers: &[String], nats: &str, endpoint: &str) -> Proc {
@@ -68,17 +66,6 @@ fn replica(workers: &[String], nats: &str, endpoint: &str) -> Proc {
 
 /// `worker -> (local, remote)` as one replica sees it.
 type View = BTreeMap<String, (u64, u64)>;
-
-async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
-    client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .expect("/metrics answers")
-        .text()
-        .await
-        .expect("/metrics body")
-}
 
 async fn view(client: &reqwest::Client, base: &str) -> View {
     let text = metrics_text(client, base).await;
@@ -204,6 +191,8 @@ async fn hold_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoint() {
+    // Convergence is timed to 100 ms: no other test runs meanwhile.
+    let _machine = machine_alone().await;
     if nats_server_binary().is_none() {
         eprintln!(
             "skipping: no nats-server binary (install it: apt-get install -y nats-server, or set NATS_SERVER)"
@@ -215,10 +204,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     let url = nats.url();
     // Processes start in parallel: each router loads the tokenizer.
     let sims = in_parallel(2, |_| sim_worker(&url));
-    let workers = vec![
-        format!("{},name=w0", sims[0].base),
-        format!("{},name=w1", sims[1].base),
-    ];
+    let workers = vec![sims[0].named("w0"), sims[1].named("w1")];
     let mut replicas = in_parallel(4, |i| {
         replica(&workers, &url, if i < 3 { "generate" } else { "other" })
     });
@@ -318,14 +304,12 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         origins.dedup();
         origins
     };
-    let marked_at = Instant::now();
-    while !routed.iter().all(|r| origins_of(r.request_id).len() == 2) {
-        assert!(
-            marked_at.elapsed() < Duration::from_secs(2),
-            "every request is marked by its replica and its worker"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for(
+        "every request to be marked by its replica and its worker",
+        PATIENCE,
+        async || routed.iter().all(|r| origins_of(r.request_id).len() == 2),
+    )
+    .await;
     let origins: std::collections::BTreeSet<u64> = routed
         .iter()
         .flat_map(|r| origins_of(r.request_id))
@@ -355,18 +339,17 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         "a dead peer's bookings are kept until its expiry: {just_after:?}"
     );
     let truth_alive = truth_of(&|r| r.replica != killed);
-    let expired_at = loop {
-        let views = views_of(&client, &bases[..2]).await;
-        if agrees(&views, &truth_alive) {
-            break Instant::now();
-        }
-        assert!(
-            killed_at.elapsed() < Duration::from_millis(EXPIRY_MS + 3000),
-            "the killed replica's bookings did not expire: {views:?}, expected {truth_alive:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    let expiry_took = expired_at - killed_at;
+    let mut views = Vec::new();
+    let expired = poll(Duration::from_millis(EXPIRY_MS + 3000), async || {
+        views = views_of(&client, &bases[..2]).await;
+        agrees(&views, &truth_alive)
+    })
+    .await;
+    let expiry_took = killed_at.elapsed();
+    assert!(
+        expired.is_some(),
+        "the killed replica's bookings did not expire: {views:?}, expected {truth_alive:?}"
+    );
     println!(
         "the killed replica's bookings expired on its peers {:.0} ms after the kill (expiry {EXPIRY_MS} ms)",
         expiry_took.as_secs_f64() * 1e3
@@ -401,21 +384,18 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
         }
     }
     let truth_one = truth_of(&|r| r.replica == 1);
-    let cancelled_at = Instant::now();
-    loop {
-        let views = views_of(&client, &bases[..2]).await;
-        if agrees(&views, &truth_one) {
-            break;
-        }
-        assert!(
-            cancelled_at.elapsed() < Duration::from_secs(2),
-            "cancelled requests stay booked: {views:?}, expected {truth_one:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // Within 2 s: replica 1's requests must still be running afterwards.
+    let freed = poll(Duration::from_secs(2), async || {
+        views = views_of(&client, &bases[..2]).await;
+        agrees(&views, &truth_one)
+    })
+    .await;
+    let freed = freed.unwrap_or_else(|| {
+        panic!("cancelled requests stay booked: {views:?}, expected {truth_one:?}")
+    });
     println!(
         "cancelled requests freed everywhere {:.1} ms after the clients left",
-        cancelled_at.elapsed().as_secs_f64() * 1e3
+        freed.as_secs_f64() * 1e3
     );
     for (replica, task) in &tasks {
         if *replica == 1 {
@@ -432,19 +412,15 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
             ended.expect("request task");
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(3);
     let watched = [bases[0].clone(), bases[1].clone(), other.base.clone()];
-    loop {
-        let views = views_of(&client, &watched).await;
-        if views
+    let zero = poll(PATIENCE, async || {
+        views = views_of(&client, &watched).await;
+        views
             .iter()
             .all(|v| v.values().all(|&(l, r)| l == 0 && r == 0))
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "counts stay nonzero: {views:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
+    assert!(zero.is_some(), "counts stay nonzero: {views:?}");
     for &i in &survivors {
         let text = metrics_text(&client, &bases[i]).await;
         assert_eq!(

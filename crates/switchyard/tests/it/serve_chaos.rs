@@ -3,12 +3,12 @@
 //! Every stream must complete whole (migrated when its worker died) and
 //! the router must end with nothing booked.
 
-mod common;
-
-use common::{eventually, metric, metric_sum, metrics_text, port_of, router, sim_worker_on};
+use crate::support::{
+    machine, metric, metric_sum, metrics_text, router, sim_worker_on, wait_metrics,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -157,18 +157,14 @@ async fn one_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_survive_a_worker_killed_and_restarted_under_load() {
+    let _machine = machine().await;
     // Slowed workers: a 20-40 token stream lasts about 0.5-1.5 s.
     let speed = "0.2";
-    let w0 = sim_worker_on(0, speed, &[]);
-    let mut w1 = sim_worker_on(0, speed, &[]);
-    let w2 = sim_worker_on(0, speed, &[]);
-    let w1_port = port_of(&w1.base);
+    let w0 = sim_worker_on(0, speed);
+    let mut w1 = sim_worker_on(0, speed);
+    let w2 = sim_worker_on(0, speed);
     let router = router(
-        &[
-            format!("{},name=w0", w0.base),
-            format!("{},name=w1", w1.base),
-            format!("{},name=w2", w2.base),
-        ],
+        &[w0.named("w0"), w1.named("w1"), w2.named("w2")],
         &[
             "--policy",
             "round-robin",
@@ -185,11 +181,14 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
         .unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
+    // Whole streams so far, for pacing the phases below.
+    let completed = Arc::new(AtomicUsize::new(0));
     let mut loops = Vec::new();
     for i in 0..8u32 {
         let client = client.clone();
         let base = base.clone();
         let stop = stop.clone();
+        let completed = completed.clone();
         loops.push(tokio::spawn(async move {
             let mut outcomes = Vec::new();
             let mut n = 0u32;
@@ -200,6 +199,9 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
                 let outcome =
                     one_request(&client, &base, chat, i * 10_000 + n * 64, max_tokens).await;
                 let took = started.elapsed();
+                if let Ok(Outcome::Complete) = outcome {
+                    completed.fetch_add(1, Ordering::Relaxed);
+                }
                 outcomes.push((outcome, took));
                 n += 1;
             }
@@ -207,28 +209,42 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
         }));
     }
 
-    // Load on three workers, then SIGKILL w1 mid-stream.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    w1.kill();
-    // Load on two, then w1 comes back on its port.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let w1 = sim_worker_on(w1_port, speed, &[]);
-    let back = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            metric(
-                &metrics_text(&client, &base).await,
-                "switchyard_worker_up{worker=\"w1\"}",
-            ) == Some(1.0)
-        }
+    // Load on three workers (a stream done per client loop), then SIGKILL
+    // w1 mid-stream.
+    wait_metrics(&client, &base, "steady load with streams on w1", |text| {
+        completed.load(Ordering::Relaxed) >= 8
+            && metric(text, "switchyard_worker_active_requests{worker=\"w1\"}") >= Some(1.0)
     })
     .await;
-    assert!(
-        back,
-        "the restarted worker is re-admitted by the health checks"
-    );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    w1.kill();
+    // Load on two (the router took w1 out, and as many streams again
+    // completed without it), then w1 comes back on its port.
+    let before = completed.load(Ordering::Relaxed);
+    wait_metrics(&client, &base, "load on the two survivors", |text| {
+        completed.load(Ordering::Relaxed) >= before + 8
+            && metric(text, "switchyard_worker_up{worker=\"w1\"}") == Some(0.0)
+    })
+    .await;
+    let w1 = sim_worker_on(w1.port(), speed);
+    wait_metrics(
+        &client,
+        &base,
+        "the restarted worker to be re-admitted by the health checks",
+        |text| metric(text, "switchyard_worker_up{worker=\"w1\"}") == Some(1.0),
+    )
+    .await;
+    // Load on three again, until the restarted worker has served some of
+    // it and at least 20 streams completed in all.
+    wait_metrics(
+        &client,
+        &w1.base,
+        "the restarted worker to serve the load",
+        |text| {
+            completed.load(Ordering::Relaxed) >= 20
+                && metric_sum(text, "switchyard_engine_requests_total") >= 2.0
+        },
+    )
+    .await;
     stop.store(true, Ordering::Relaxed);
 
     let mut complete = 0;
@@ -253,33 +269,19 @@ async fn streams_survive_a_worker_killed_and_restarted_under_load() {
     assert!(migrations >= 1.0, "no migration happened:\n{text}");
 
     // Nothing stays booked or queued on the router ...
-    let idle = eventually(Duration::from_secs(10), || {
-        let client = client.clone();
-        let base = base.clone();
-        async move {
-            let text = metrics_text(&client, &base).await;
-            metric(&text, "switchyard_active_requests") == Some(0.0)
-                && metric_sum(&text, "switchyard_worker_active_requests") == 0.0
-                && metric_sum(&text, "switchyard_worker_active_prefill_tokens") == 0.0
-                && metric(&text, "switchyard_queue_depth") == Some(0.0)
-        }
+    wait_metrics(&client, &base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+            && metric_sum(text, "switchyard_worker_active_requests") == 0.0
+            && metric_sum(text, "switchyard_worker_active_prefill_tokens") == 0.0
+            && metric(text, "switchyard_queue_depth") == Some(0.0)
     })
     .await;
-    assert!(idle, "{}", metrics_text(&client, &base).await);
     // ... nor runs on any worker.
     for w in [&w0, &w1, &w2] {
-        let quiet = eventually(Duration::from_secs(10), || {
-            let client = client.clone();
-            let base = w.base.clone();
-            async move {
-                metric(
-                    &metrics_text(&client, &base).await,
-                    "switchyard_engine_running",
-                ) == Some(0.0)
-            }
+        wait_metrics(&client, &w.base, "the worker to run nothing", |text| {
+            metric(text, "switchyard_engine_running") == Some(0.0)
         })
         .await;
-        assert!(quiet, "{} still runs requests", w.base);
     }
 
     // The restarted worker serves requests again.

@@ -1,0 +1,6 @@
+//! The KV-event plane's integration tests, in one test binary (`it`): real
+//! ZMQ sockets on loopback, no router and no engine.
+
+mod support;
+
+mod publish_subscribe;

@@ -1,0 +1,146 @@
+//! Scripted workers: small HTTP servers on loopback (a real socket, a
+//! scripted reply) that fail the way engines fail. Healthy on `/health`,
+//! serving the model `switchyard-sim`; generation requests get the script.
+//!
+//! Shared by this crate's tests and, through `#[path]`, by the `switchyard`
+//! binary's (`crates/switchyard/tests/it/main.rs`): one copy for both test
+//! binaries.
+
+use serde_json::json;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How a scripted worker answers generation requests.
+// Each test binary that includes this file plays some of the scripts.
+#[allow(dead_code)]
+#[derive(Clone, Copy)]
+pub(crate) enum Script {
+    /// `500` with an error body.
+    Status500,
+    /// A chat stream of three content chunks, then the connection drops.
+    CutChatStream,
+    /// Nothing: the connection stays open and silent.
+    Silent,
+    /// A JSON answer cut before its announced length.
+    CutJson,
+    /// A completions stream with two choices: choice 0 finishes, choice 1
+    /// is still generating when the connection drops.
+    CutTwoChoiceStream,
+}
+
+/// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
+/// answers generation requests by `script`. Returns its base URL.
+pub(crate) async fn scripted_worker(script: Script) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(serve_one(socket, script));
+        }
+    });
+    base
+}
+
+async fn serve_one(mut socket: TcpStream, script: Script) {
+    // Read the head and the body (Content-Length) of one request.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let Ok(n) = socket.read(&mut chunk).await else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + length {
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+    let reply = |status: &str, body: &str| {
+        format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let out = match path.as_str() {
+        "/health" => reply("200 OK", "{}"),
+        "/v1/models" => reply(
+            "200 OK",
+            r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#,
+        ),
+        "/get_server_info" => reply("200 OK", "{}"),
+        _ => match script {
+            Script::Silent => {
+                // The script itself: an hour of silence (a fixed sleep is
+                // what is specified, not a wait for something to happen).
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                return;
+            }
+            Script::CutJson => String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{\"id\": \"cmpl-cut\", \"choi",
+            ),
+            Script::Status500 => reply(
+                "500 Internal Server Error",
+                r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,
+            ),
+            Script::CutTwoChoiceStream => {
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let chunk = |index: u32, text: &str, finish: Option<&str>| {
+                    json!({"id": "cmpl-two", "object": "text_completion", "created": 1, "model": "switchyard-sim", "choices": [{"index": index, "text": text, "finish_reason": finish}]})
+                };
+                for e in [
+                    chunk(0, " a", None),
+                    chunk(1, " b", None),
+                    chunk(0, "", Some("stop")),
+                    chunk(1, " c", None),
+                ] {
+                    let data = format!("data: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                // The connection drops with choice 1 unfinished.
+                out
+            }
+            Script::CutChatStream => {
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let mut events = vec![
+                    json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " alpha"}, "finish_reason": null}]}),
+                ];
+                for word in [" beta", " gamma"] {
+                    events.push(json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 1234, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": null}]}));
+                }
+                for e in events {
+                    let data = format!("data: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                // A half event, then the connection drops (no final chunk).
+                out.push_str("10\r\ndata: {\"id\": \"ch\r\n");
+                out
+            }
+        },
+    };
+    let _ = socket.write_all(out.as_bytes()).await;
+    let _ = socket.flush().await;
+    // Dropping the socket closes the connection.
+}

@@ -1,0 +1,3 @@
+//! The wire formats' integration tests, in one test binary (`it`).
+
+mod golden_payloads;

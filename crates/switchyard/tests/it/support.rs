@@ -1,0 +1,159 @@
+//! What the binary's integration tests share: `switchyard` processes on
+//! loopback that die with the test, and the machine they run on. What the
+//! server crate's tests share too (`/metrics`, waits that poll a condition
+//! up to a deadline instead of sleeping a fixed time, error bodies, scratch
+//! files) is one file there, included here and re-exported.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+#[path = "../../../switchyard-server/tests/it/support.rs"]
+mod router_support;
+pub(crate) use router_support::*;
+
+/// The machine, as the tests in this binary share it: libtest runs them
+/// two at a time (a thread per core), and each holds the machine shared for
+/// its whole run ([`machine`]), except a test that times the router to tens
+/// of milliseconds: it holds it alone ([`machine_alone`]), as when it was a
+/// test binary of its own. The lock is fair, so a test waiting to be alone
+/// waits only for the tests already running.
+static MACHINE: RwLock<()> = RwLock::const_new(());
+
+/// Holds the machine shared with the other tests; call first.
+pub(crate) async fn machine() -> RwLockReadGuard<'static, ()> {
+    MACHINE.read().await
+}
+
+/// [`machine`], for a test outside an async runtime.
+pub(crate) fn machine_blocking() -> RwLockReadGuard<'static, ()> {
+    MACHINE.blocking_read()
+}
+
+/// Holds the machine with no other test running; call first.
+pub(crate) async fn machine_alone() -> RwLockWriteGuard<'static, ()> {
+    MACHINE.write().await
+}
+
+/// A `switchyard` process, killed and reaped when the test ends, pass or
+/// fail.
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    /// `http://127.0.0.1:PORT`, from the address line it printed.
+    pub(crate) base: String,
+    /// `(pub, replay)` endpoints a sim-worker printed for `--kv-events`.
+    pub(crate) kv: Option<(String, String)>,
+}
+
+impl Proc {
+    /// SIGKILL, then reap.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.base
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("a base URL with a port")
+    }
+
+    /// Its `--worker` spec for a router: `URL,name=NAME`.
+    pub(crate) fn named(&self, name: &str) -> String {
+        format!("{},name={name}", self.base)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts `switchyard ARGS...` and returns once it printed its `http://`
+/// address (it listens from then on).
+pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the switchyard binary starts");
+    // Owned by the guard from here on, so every exit path kills and reaps it.
+    let mut proc = Proc {
+        child,
+        base: String::new(),
+        kv: None,
+    };
+    let stdout = proc.child.stdout.take().expect("stdout is piped");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = reader.read_line(&mut line).expect("reading stdout");
+        assert!(
+            n > 0,
+            "switchyard {args:?} exited before printing its address"
+        );
+        let words: Vec<&str> = line.split_whitespace().collect();
+        // `switchyard sim-worker kv-events PUB replay REPLAY`
+        if let Some(i) = words.iter().position(|w| *w == "kv-events") {
+            proc.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+        }
+        if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
+            proc.base = url.trim_end_matches('/').to_owned();
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || {
+                let mut sink = String::new();
+                while reader.read_line(&mut sink).is_ok_and(|n| n > 0) {
+                    sink.clear();
+                }
+            });
+            return proc;
+        }
+    }
+}
+
+/// `switchyard sim-worker` on 127.0.0.1:`port` (0: a free port) with
+/// exactly `flags` besides the address.
+pub(crate) fn sim_worker_with<S: AsRef<str>>(port: u16, flags: &[S]) -> Proc {
+    let port = port.to_string();
+    let mut args = vec!["sim-worker", "--host", "127.0.0.1", "--port", &port];
+    args.extend(flags.iter().map(AsRef::as_ref));
+    spawn(&args)
+}
+
+/// A sim-worker on `port` (0: a free port) at `speedup` with a 1024-block
+/// pool, as most router tests use.
+pub(crate) fn sim_worker_on(port: u16, speedup: &str) -> Proc {
+    sim_worker_with(port, &["--speedup", speedup, "--num-blocks", "1024"])
+}
+
+/// [`sim_worker_on`] a free port.
+pub(crate) fn sim_worker(speedup: &str) -> Proc {
+    sim_worker_on(0, speedup)
+}
+
+/// `switchyard serve` on a free loopback port with exactly `flags` besides
+/// the address.
+pub(crate) fn serve<S: AsRef<str>>(flags: &[S]) -> Proc {
+    let mut args = vec!["serve", "--host", "127.0.0.1", "--port", "0"];
+    args.extend(flags.iter().map(AsRef::as_ref));
+    spawn(&args)
+}
+
+/// The router in front of `workers` (`URL,name=...` specs), health-checking
+/// them every 200 ms, with `extra` flags.
+pub(crate) fn router(workers: &[String], extra: &[&str]) -> Proc {
+    let mut flags = vec!["--health-interval-ms", "200"];
+    for w in workers {
+        flags.extend(["--worker", w.as_str()]);
+    }
+    flags.extend_from_slice(extra);
+    serve(&flags)
+}
