@@ -1,7 +1,7 @@
 //! Criterion benchmarks of the router's request-path metrics: a latency
 //! histogram observe and a labelled counter increment, alone and with two
 //! threads updating the same metric at once. (The hand-written atomics
-//! they replaced were timed beside them once; the README quotes both.)
+//! they replaced were timed beside them once; docs/router.md quotes both.)
 //!
 //! `cargo bench -p switchyard --bench metrics`
 

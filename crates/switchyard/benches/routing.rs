@@ -9,7 +9,8 @@ use switchyard::bench::micro::{build, generate, MicroArgs};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexEvent, OverlapScores, StoredBlock};
-use switchyard_core::router::WorkerCapacity;
+use switchyard_core::router::{Router, RouterConfig, WorkerCapacity};
+use switchyard_core::select::{RoutingRequest, SelectOutcome};
 use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
 
 fn micro_args() -> MicroArgs {
@@ -55,6 +56,66 @@ fn index(c: &mut Criterion) {
             index.remove(s.worker, &s.engine_hashes);
             index.store(s.worker, None, &s.blocks);
         })
+    });
+}
+
+/// The router alone on the same fleet: route, book, free — the work the
+/// dispatcher wraps (its admission, request table, estimator and effects
+/// are the difference between the two figures).
+fn bare_router(c: &mut Criterion) {
+    let mut router = Router::new(RouterConfig::default()).expect("defaults are valid");
+    let workers: Vec<WorkerId> = (0..64).map(WorkerId::new).collect();
+    for &w in &workers {
+        router.add_worker(w, WorkerCapacity::default());
+    }
+    let prompt =
+        |seed: u64| -> Vec<LocalHash> { (0..64).map(|d| LocalHash(seed << 16 | d)).collect() };
+    for s in 0..4096u64 {
+        let locals = prompt(s % 512);
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .map(|&l| StoredBlock {
+                engine_hash: EngineHash(l.0),
+                local_hash: l,
+            })
+            .collect();
+        router.apply_kv_event(
+            workers[(s % 64) as usize],
+            &IndexEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        );
+    }
+    for r in 0..256u64 {
+        let locals = prompt(r % 700);
+        let req = RoutingRequest {
+            prompt_tokens: 1024,
+            blocks: &locals,
+        };
+        if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
+            router.book(RequestId(u128::from(r) + 1_000_000), req, d, Some(50.0), 0.0);
+        }
+    }
+    let mut n = 0u64;
+    c.bench_function("router/route_book_free_64_workers_64_blocks", |b| {
+        b.iter_batched(
+            || {
+                n += 1;
+                (n, prompt(n % 600))
+            },
+            |(id, locals)| {
+                let req = RoutingRequest {
+                    prompt_tokens: 1024,
+                    blocks: &locals,
+                };
+                if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
+                    router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);
+                    router.free(RequestId(u128::from(id)), 2.0);
+                }
+            },
+            BatchSize::SmallInput,
+        )
     });
 }
 
@@ -118,5 +179,5 @@ fn decision(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, hashing, index, decision);
+criterion_group!(benches, hashing, index, bare_router, decision);
 criterion_main!(benches);

@@ -14,6 +14,7 @@ mod support;
 mod scripted_worker;
 
 mod events_decode;
+mod layout;
 mod openai_client;
 mod serve_chaos;
 mod serve_errors;
