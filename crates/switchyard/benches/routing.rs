@@ -59,27 +59,29 @@ fn index(c: &mut Criterion) {
     });
 }
 
-/// The router alone on the same fleet: route, book, free — the work the
-/// dispatcher wraps (its admission, request table, estimator and effects
-/// are the difference between the two figures).
-fn bare_router(c: &mut Criterion) {
-    let mut router = Router::new(RouterConfig::default()).expect("defaults are valid");
-    let workers: Vec<WorkerId> = (0..64).map(WorkerId::new).collect();
-    for &w in &workers {
-        router.add_worker(w, WorkerCapacity::default());
-    }
-    let prompt =
-        |seed: u64| -> Vec<LocalHash> { (0..64).map(|d| LocalHash(seed << 16 | d)).collect() };
+/// The fleet both lifecycle benches run on: 64 workers.
+fn fleet_workers() -> Vec<WorkerId> {
+    (0..64).map(WorkerId::new).collect()
+}
+
+/// A 64-block prompt; prompts with the same seed share every block.
+fn prompt(seed: u64) -> Vec<LocalHash> {
+    (0..64).map(|d| LocalHash(seed << 16 | d)).collect()
+}
+
+/// The cached state both lifecycle benches start from: 4,096 sequences
+/// (512 distinct prompts) stored round-robin over the workers, applied
+/// through `apply` (the router's or the dispatcher's KV-event entry).
+fn fill_caches(workers: &[WorkerId], mut apply: impl FnMut(WorkerId, &IndexEvent)) {
     for s in 0..4096u64 {
-        let locals = prompt(s % 512);
-        let blocks: Vec<StoredBlock> = locals
-            .iter()
-            .map(|&l| StoredBlock {
+        let blocks: Vec<StoredBlock> = prompt(s % 512)
+            .into_iter()
+            .map(|l| StoredBlock {
                 engine_hash: EngineHash(l.0),
                 local_hash: l,
             })
             .collect();
-        router.apply_kv_event(
+        apply(
             workers[(s % 64) as usize],
             &IndexEvent::Stored {
                 parent: None,
@@ -87,6 +89,20 @@ fn bare_router(c: &mut Criterion) {
             },
         );
     }
+}
+
+/// The router alone on the same fleet: route, book, free — the work the
+/// dispatcher wraps (its admission, request table, estimator and effects
+/// are the difference between the two figures).
+fn bare_router(c: &mut Criterion) {
+    let mut router = Router::new(RouterConfig::default()).expect("defaults are valid");
+    let workers = fleet_workers();
+    for &w in &workers {
+        router.add_worker(w, WorkerCapacity::default());
+    }
+    fill_caches(&workers, |w, event| {
+        router.apply_kv_event(w, event);
+    });
     for r in 0..256u64 {
         let locals = prompt(r % 700);
         let req = RoutingRequest {
@@ -94,7 +110,13 @@ fn bare_router(c: &mut Criterion) {
             blocks: &locals,
         };
         if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
-            router.book(RequestId(u128::from(r) + 1_000_000), req, d, Some(50.0), 0.0);
+            router.book(
+                RequestId(u128::from(r) + 1_000_000),
+                req,
+                d,
+                Some(50.0),
+                0.0,
+            );
         }
     }
     let mut n = 0u64;
@@ -126,29 +148,13 @@ fn bare_router(c: &mut Criterion) {
 fn decision(c: &mut Criterion) {
     let mut dispatcher =
         Dispatcher::new(DispatcherConfig::default(), None).expect("defaults are valid");
-    let workers: Vec<WorkerId> = (0..64).map(WorkerId::new).collect();
+    let workers = fleet_workers();
     for &w in &workers {
         let _ = dispatcher.add_worker(w, WorkerCapacity::default(), 0.0);
     }
-    let prompt =
-        |seed: u64| -> Vec<LocalHash> { (0..64).map(|d| LocalHash(seed << 16 | d)).collect() };
-    for s in 0..4096u64 {
-        let locals = prompt(s % 512);
-        let blocks: Vec<StoredBlock> = locals
-            .iter()
-            .map(|&l| StoredBlock {
-                engine_hash: EngineHash(l.0),
-                local_hash: l,
-            })
-            .collect();
-        dispatcher.apply_kv_event(
-            workers[(s % 64) as usize],
-            &IndexEvent::Stored {
-                parent: None,
-                blocks,
-            },
-        );
-    }
+    fill_caches(&workers, |w, event| {
+        dispatcher.apply_kv_event(w, event);
+    });
     let submission = |locals: Vec<LocalHash>| Submission {
         blocks: locals,
         prompt_tokens: 1024,

@@ -41,10 +41,12 @@ fn manifest_dependencies(manifest: &Path) -> BTreeSet<String> {
 
 /// The README's crate graph: the lines of the block between
 /// `<!-- crate-graph -->` and `<!-- /crate-graph -->` that read
-/// `crate → dep, dep` (or `crate → (none)`).
+/// `- \`crate\` → \`dep\`, \`dep\`` (or `→ (none)`).
 fn readme_graph() -> BTreeMap<String, BTreeSet<String>> {
     let text = std::fs::read_to_string(workspace().join("README.md")).expect("README.md");
-    let start = text.find("<!-- crate-graph -->").expect("the README marks its crate graph");
+    let start = text
+        .find("<!-- crate-graph -->")
+        .expect("the README marks its crate graph");
     let end = text.find("<!-- /crate-graph -->").expect("and its end");
     let mut graph = BTreeMap::new();
     for line in text[start..end].lines() {
@@ -56,7 +58,12 @@ fn readme_graph() -> BTreeMap<String, BTreeSet<String>> {
             .map(|d| d.trim().trim_matches('`').to_owned())
             .filter(|d| d.starts_with("switchyard"))
             .collect();
-        graph.insert(krate.trim().trim_matches('`').to_owned(), deps);
+        let krate = krate
+            .trim()
+            .trim_start_matches('-')
+            .trim()
+            .trim_matches('`');
+        graph.insert(krate.to_owned(), deps);
     }
     graph
 }
@@ -153,7 +160,11 @@ fn top_level_edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
                 base.pop();
                 base
             };
-            path.extend(tail.split("::").filter(|s| !s.is_empty()).map(str::to_owned));
+            path.extend(
+                tail.split("::")
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned),
+            );
             // The longest prefix that is a module.
             let target = (1..=path.len())
                 .rev()
