@@ -27,6 +27,7 @@
 //! with [`PrefillEstimator::remove_worker`].
 
 use crate::maps::FxHashMap;
+use crate::select::PrefillTime;
 use crate::types::WorkerId;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -141,6 +142,19 @@ impl EstimatorConfig {
             ms += curve(rest);
         }
         ms / self.speedup
+    }
+}
+
+impl PrefillTime for EstimatorConfig {
+    /// The configured model, the same for every worker.
+    fn prefill_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
+        self.model_ms(tokens)
+    }
+}
+
+impl PrefillTime for PrefillEstimator {
+    fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
+        self.expected_ms(worker, tokens)
     }
 }
 

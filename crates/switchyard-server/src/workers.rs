@@ -246,9 +246,17 @@ impl Fleet {
     async fn capacity_of(&self, url: &str) -> Option<WorkerCapacity> {
         let body = self.get(url, "/get_server_info").await?;
         let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        let kv_blocks = v["num_gpu_blocks"].as_u64();
+        // SGLang reports its KV capacity in tokens; otherwise blocks times
+        // the engine's page (block) size, when it names one.
+        let page = v["page_size"].as_u64().or(v["block_size"].as_u64());
+        let kv_tokens = v["max_total_num_tokens"]
+            .as_u64()
+            .or_else(|| kv_blocks?.checked_mul(page?));
         Some(WorkerCapacity {
             max_num_batched_tokens: v["max_num_batched_tokens"].as_u64(),
-            kv_blocks: v["num_gpu_blocks"].as_u64(),
+            kv_blocks,
+            kv_tokens,
         })
     }
 

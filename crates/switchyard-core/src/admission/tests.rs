@@ -430,6 +430,7 @@ fn a_request_waits_while_every_worker_is_busy_and_goes_when_capacity_frees() {
         let capacity = WorkerCapacity {
             max_num_batched_tokens: Some(1000),
             kv_blocks: None,
+            kv_tokens: None,
         };
         router.add_worker(w(id), capacity);
     }

@@ -967,7 +967,7 @@ impl Dispatcher {
                 blocks: &request.blocks,
             };
             fx.counts.decisions += 1;
-            let outcome = router.route(routing, eligible, now_ms);
+            let outcome = router.route_with(routing, eligible, &*estimator, now_ms);
             let SelectOutcome::Selected(decision) = outcome else {
                 return outcome;
             };

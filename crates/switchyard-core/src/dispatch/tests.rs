@@ -10,6 +10,7 @@ fn w(id: u64) -> WorkerId {
 const CAPACITY: WorkerCapacity = WorkerCapacity {
     max_num_batched_tokens: Some(8192),
     kv_blocks: Some(1024),
+    kv_tokens: Some(1024 * 16),
 };
 
 fn dispatcher_with(config: DispatcherConfig, session_aware: bool, workers: u64) -> Dispatcher {

@@ -14,6 +14,7 @@
 //! replicas' bookings through [`Router::apply_remote`] (see
 //! [`crate::replica`]).
 
+use crate::estimate::EstimatorConfig;
 use crate::index::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, IndexMemory,
     OverlapScores, PrefixIndex,
@@ -21,7 +22,7 @@ use crate::index::{
 use crate::maps::FxHashMap;
 use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::select::{
-    build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind,
+    build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind, PrefillTime,
     RoutingContext, RoutingRequest, SelectOutcome, Selector,
 };
 use crate::sequences::{
@@ -115,14 +116,17 @@ impl RouterConfig {
     }
 }
 
-/// What a worker can hold, for busy thresholds. Unknown parts never make a
-/// worker busy.
+/// What a worker can hold, for busy thresholds and the `ttft` policy's KV
+/// pressure. Unknown parts never make a worker busy or pressed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerCapacity {
     /// Tokens the engine batches per step.
     pub max_num_batched_tokens: Option<u64>,
     /// KV blocks on the device.
     pub kv_blocks: Option<u64>,
+    /// KV capacity in tokens (device blocks × the engine's block size,
+    /// which need not be the router's).
+    pub kv_tokens: Option<u64>,
 }
 
 /// Heap bytes of a [`Router`] by part, from allocated capacities.
@@ -284,11 +288,25 @@ impl Router {
     }
 
     /// Chooses a worker for a request among `eligible` (all workers when
-    /// `None`). Changes no booking: call [`Router::book`] on dispatch.
+    /// `None`), with the default timing model for prefill durations
+    /// ([`EstimatorConfig::default`]). Changes no booking: call
+    /// [`Router::book`] on dispatch.
     pub fn route(
         &mut self,
         request: RoutingRequest<'_>,
         eligible: Option<&[WorkerId]>,
+        now_ms: f64,
+    ) -> SelectOutcome {
+        self.route_with(request, eligible, &EstimatorConfig::default(), now_ms)
+    }
+
+    /// [`Router::route`] with `prefill` for the prefill durations the
+    /// time-based policies weigh (the dispatcher passes its estimator).
+    pub fn route_with(
+        &mut self,
+        request: RoutingRequest<'_>,
+        eligible: Option<&[WorkerId]>,
+        prefill: &dyn PrefillTime,
         now_ms: f64,
     ) -> SelectOutcome {
         match &mut self.cache {
@@ -329,6 +347,12 @@ impl Router {
                 }
                 _ => false,
             };
+            let block_size = u64::from(self.config.sequences.block_size.max(1));
+            let kv_capacity_blocks = self
+                .capacities
+                .get(&worker)
+                .and_then(|cap| cap.kv_tokens)
+                .map(|tokens| tokens / block_size);
             self.candidates.push(Candidate {
                 worker,
                 overlap_blocks: depth_of(&self.overlaps, worker),
@@ -337,6 +361,7 @@ impl Router {
                 active_prefill_tokens: prefill_tokens,
                 active_decode_blocks: load.decode_blocks,
                 active_requests: load.requests,
+                kv_capacity_blocks,
                 busy,
             });
         }
@@ -345,6 +370,7 @@ impl Router {
             candidates: &self.candidates,
             block_size: self.config.sequences.block_size,
             now_ms,
+            prefill,
         };
         self.selector.select(&ctx)
     }
@@ -517,6 +543,7 @@ mod tests {
                 WorkerCapacity {
                     max_num_batched_tokens: Some(1000),
                     kv_blocks: Some(100),
+                    kv_tokens: None,
                 },
             );
         }

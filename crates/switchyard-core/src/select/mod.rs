@@ -12,7 +12,8 @@
 //! | `random` | a uniformly random worker |
 //! | `least-loaded` | the worker with the fewest active requests |
 //! | `power-of-two` | the less loaded of two random workers |
-//! | `kv` | the lowest [`kv`] cost: prefill work to do plus decode blocks held |
+//! | `kv` | the lowest [`kv`] cost: prefill work to do plus decode blocks held (Dynamo's form) |
+//! | `ttft` | the lowest [`ttft`] cost: expected time to first token plus the recompute it adds to the fleet |
 //! | `cache-aware` | SGLang-router style: its own prefix tree of past choices, a match-ratio threshold, and a load-imbalance fallback |
 //!
 //! Busy workers are skipped by every policy; when all are busy the outcome is
@@ -21,10 +22,12 @@
 mod cache_aware;
 mod kv;
 mod simple;
+mod ttft;
 
 pub use cache_aware::{CacheAwareConfig, CacheAwareSelector};
 pub use kv::{KvConfig, KvSelector};
 pub use simple::{LeastLoadedSelector, PowerOfTwoSelector, RandomSelector, RoundRobinSelector};
+pub use ttft::{TtftConfig, TtftCost, TtftSelector};
 
 use crate::types::{LocalHash, WorkerId};
 use rand::rngs::StdRng;
@@ -59,12 +62,22 @@ pub struct Candidate {
     pub active_decode_blocks: usize,
     /// Active requests on the worker.
     pub active_requests: usize,
+    /// The worker's KV capacity in router blocks, when it reported one.
+    pub kv_capacity_blocks: Option<u64>,
     /// Over its busy threshold: not to be chosen now.
     pub busy: bool,
 }
 
+/// How long a worker takes to prefill uncached tokens: the dispatcher's
+/// [`crate::estimate::PrefillEstimator`], or the configured model alone.
+pub trait PrefillTime {
+    /// Expected wall milliseconds for `worker` to prefill `tokens`
+    /// uncached tokens (0 tokens may still cost a fitted fixed overhead).
+    fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64;
+}
+
 /// Everything a selector may read for one decision.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct RoutingContext<'a> {
     /// The request.
     pub request: RoutingRequest<'a>,
@@ -74,6 +87,19 @@ pub struct RoutingContext<'a> {
     pub block_size: u32,
     /// The driver's clock.
     pub now_ms: f64,
+    /// Prefill durations per worker (the time-based policies' model).
+    pub prefill: &'a dyn PrefillTime,
+}
+
+impl fmt::Debug for RoutingContext<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RoutingContext")
+            .field("request", &self.request)
+            .field("candidates", &self.candidates)
+            .field("block_size", &self.block_size)
+            .field("now_ms", &self.now_ms)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'a> RoutingContext<'a> {
@@ -145,17 +171,20 @@ pub enum PolicyKind {
     Kv,
     /// [`CacheAwareSelector`].
     CacheAware,
+    /// [`TtftSelector`].
+    Ttft,
 }
 
 impl PolicyKind {
     /// Every policy, in the order reports list them.
-    pub const ALL: [PolicyKind; 6] = [
+    pub const ALL: [PolicyKind; 7] = [
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::LeastLoaded,
         PolicyKind::PowerOfTwo,
         PolicyKind::Kv,
         PolicyKind::CacheAware,
+        PolicyKind::Ttft,
     ];
 
     /// The CLI name.
@@ -167,6 +196,7 @@ impl PolicyKind {
             PolicyKind::PowerOfTwo => "power-of-two",
             PolicyKind::Kv => "kv",
             PolicyKind::CacheAware => "cache-aware",
+            PolicyKind::Ttft => "ttft",
         }
     }
 }
@@ -179,7 +209,7 @@ impl fmt::Display for PolicyKind {
 
 /// An unknown policy name.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {0:?}; expected one of round-robin, random, least-loaded, power-of-two, kv, cache-aware")]
+#[error("unknown policy {0:?}; expected one of round-robin, random, least-loaded, power-of-two, kv, cache-aware, ttft")]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for PolicyKind {
@@ -201,6 +231,8 @@ pub struct PolicyConfig {
     pub kv: KvConfig,
     /// `cache-aware` settings.
     pub cache_aware: CacheAwareConfig,
+    /// `ttft` settings.
+    pub ttft: TtftConfig,
 }
 
 /// Why a policy's settings were refused.
@@ -212,13 +244,17 @@ pub enum PolicyConfigError {
     /// A `cache-aware` setting out of range.
     #[error("cache-aware policy: {0}")]
     CacheAware(String),
+    /// A `ttft` setting out of range.
+    #[error("ttft policy: {0}")]
+    Ttft(String),
 }
 
 impl PolicyConfig {
     /// Checks every part.
     pub fn validate(&self) -> Result<(), PolicyConfigError> {
         self.kv.validate()?;
-        self.cache_aware.validate()
+        self.cache_aware.validate()?;
+        self.ttft.validate()
     }
 }
 
@@ -236,6 +272,7 @@ pub fn build_selector(
         PolicyKind::PowerOfTwo => Box::new(PowerOfTwoSelector::new(seed)),
         PolicyKind::Kv => Box::new(KvSelector::new(config.kv, seed)),
         PolicyKind::CacheAware => Box::new(CacheAwareSelector::new(config.cache_aware, seed)),
+        PolicyKind::Ttft => Box::new(TtftSelector::new(config.ttft, seed)),
     })
 }
 
@@ -280,14 +317,43 @@ pub(crate) mod test_support {
             active_prefill_tokens: 0,
             active_decode_blocks: 0,
             active_requests: 0,
+            kv_capacity_blocks: None,
             busy: false,
         }
     }
 
+    /// 1 ms a token, no chunking, no fixed cost: costs easy to compute by hand.
+    pub(crate) struct LinearModel;
+
+    impl PrefillTime for LinearModel {
+        fn prefill_ms(&self, _: WorkerId, tokens: u64) -> f64 {
+            tokens as f64
+        }
+    }
+
+    /// An engine that takes no time (`--speedup 0`).
+    pub(crate) struct InstantModel;
+
+    impl PrefillTime for InstantModel {
+        fn prefill_ms(&self, _: WorkerId, _: u64) -> f64 {
+            0.0
+        }
+    }
+
+    /// A context with block size 16 and [`LinearModel`].
     pub(crate) fn ctx<'a>(
         blocks: &'a [LocalHash],
         prompt_tokens: u32,
         candidates: &'a [Candidate],
+    ) -> RoutingContext<'a> {
+        ctx_with_model(blocks, prompt_tokens, candidates, &LinearModel)
+    }
+
+    pub(crate) fn ctx_with_model<'a>(
+        blocks: &'a [LocalHash],
+        prompt_tokens: u32,
+        candidates: &'a [Candidate],
+        prefill: &'a dyn PrefillTime,
     ) -> RoutingContext<'a> {
         RoutingContext {
             request: RoutingRequest {
@@ -297,6 +363,7 @@ pub(crate) mod test_support {
             candidates,
             block_size: 16,
             now_ms: 0.0,
+            prefill,
         }
     }
 

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
-use switchyard_core::select::PolicyKind;
+use switchyard_core::select::{PolicyKind, TtftConfig};
 use switchyard_engine::EngineConfig;
 use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
 use switchyard_sim::reference::References;
@@ -120,6 +120,14 @@ pub struct ReplayArgs {
     /// `kv` policy: softmax temperature (0 = argmin).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// `ttft` policy: weight of the recompute a choice adds to the fleet
+    /// (0 = greedy on the request's time to first token).
+    #[arg(long, default_value_t = TtftConfig::default().locality_weight)]
+    pub locality_weight: f64,
+    /// `ttft` policy: weight of KV-memory pressure (0 = ignore how full a
+    /// worker is).
+    #[arg(long, default_value_t = TtftConfig::default().pressure_weight)]
+    pub pressure_weight: f64,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -232,6 +240,8 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.seed = args.seed;
     fleet.router.policies.kv.overlap_weight = args.overlap_weight;
     fleet.router.policies.kv.temperature = args.temperature;
+    fleet.router.policies.ttft.locality_weight = args.locality_weight;
+    fleet.router.policies.ttft.pressure_weight = args.pressure_weight;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet
         .router

@@ -1,0 +1,291 @@
+//! The `ttft` policy: a cost in time, not in blocks.
+//!
+//! For a request of `P` prompt tokens and each worker `w` with `overlap[w]`
+//! leading prompt blocks cached:
+//!
+//! ```text
+//! new[w]      = max(0, P − overlap[w]·block_size)         uncached tokens here
+//! ahead[w]    = active_prefill_tokens[w] + active_requests[w]
+//! first[w]    = prefill_ms(w, ahead[w] + new[w])           when its first token would come
+//! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
+//! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
+//! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
+//! cost[w]     = first[w] + locality[w] + pressure[w]
+//! ```
+//!
+//! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
+//! timing model, fitted per worker online), so the cost is in the same
+//! milliseconds the prefill hints are. `first` is the time the worker needs
+//! to compute the uncached prefill queued before this request (chunked
+//! prefill is first come, first served) plus this request's own, with one
+//! decode token per running request riding in the batch; the decode load
+//! costs a worker only what it takes from the batch, not one block per
+//! block held (the `kv` policy's trade). `locality` is the future value of
+//! keeping a prefix where it lives: every token computed again here is a
+//! second copy in the fleet's KV memory, evicting something else, and the
+//! prefix's next user (a session's next turn, a shared system prompt) finds
+//! it on the worker that already had it. With `locality_weight` 0 the policy
+//! is greedy on this request's time to first token. `pressure` is what
+//! piling onto one worker costs later: the KV memory its running requests
+//! hold is memory its cache cannot keep, so the fuller it is, the likelier
+//! this prompt (and everyone else's) must be computed again from scratch;
+//! it grows with the square of the worker's KV usage, so it is near zero
+//! until a worker fills up (a worker that reported no capacity has none).
+//!
+//! Ties (an instant engine's zero times, equal workers) go to fewer new
+//! tokens, then fewer running requests, then the seeded RNG.
+
+use super::{
+    argmin_random_tie, Candidate, Decision, PolicyConfigError, RoutingContext, SelectOutcome,
+    Selector,
+};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+/// Settings of the `ttft` policy.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TtftConfig {
+    /// Weight of the recompute a choice adds to the fleet (0: greedy on
+    /// this request's time to first token).
+    pub locality_weight: f64,
+    /// Weight of KV-memory pressure (0: ignore how full a worker is).
+    pub pressure_weight: f64,
+}
+
+impl Default for TtftConfig {
+    fn default() -> Self {
+        Self {
+            locality_weight: 1.0,
+            pressure_weight: 1.0,
+        }
+    }
+}
+
+impl TtftConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), PolicyConfigError> {
+        if !(self.locality_weight.is_finite() && self.locality_weight >= 0.0) {
+            return Err(PolicyConfigError::Ttft(format!(
+                "locality_weight must be finite and >= 0, got {}",
+                self.locality_weight
+            )));
+        }
+        if !(self.pressure_weight.is_finite() && self.pressure_weight >= 0.0) {
+            return Err(PolicyConfigError::Ttft(format!(
+                "pressure_weight must be finite and >= 0, got {}",
+                self.pressure_weight
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The `ttft` policy.
+#[derive(Debug)]
+pub struct TtftSelector {
+    config: TtftConfig,
+    rng: StdRng,
+}
+
+/// One candidate's cost, in parts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TtftCost {
+    /// Uncached prompt tokens on this worker.
+    pub new_tokens: u64,
+    /// Expected wall ms until this request's first token there.
+    pub first_token_ms: f64,
+    /// The locality term, in ms.
+    pub locality_ms: f64,
+    /// The KV-pressure term, in ms.
+    pub pressure_ms: f64,
+}
+
+impl TtftCost {
+    /// The total the policy minimizes.
+    pub fn total(&self) -> f64 {
+        self.first_token_ms + self.locality_ms + self.pressure_ms
+    }
+}
+
+impl TtftSelector {
+    /// A selector with a seeded RNG (ties only).
+    pub fn new(config: TtftConfig, seed: u64) -> Self {
+        Self {
+            config,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// The cost of routing the request in `ctx` to `c`.
+    pub fn cost(&self, ctx: &RoutingContext<'_>, c: &Candidate) -> TtftCost {
+        let prompt = u64::from(ctx.request.prompt_tokens);
+        let cached = (u64::from(c.overlap_blocks) * u64::from(ctx.block_size)).min(prompt);
+        let new_tokens = prompt - cached;
+        let ahead = c.active_prefill_tokens + c.active_requests as u64;
+        let first_token_ms = ctx.prefill.prefill_ms(c.worker, ahead + new_tokens);
+        let locality_ms = if new_tokens == 0 {
+            0.0
+        } else {
+            self.config.locality_weight * ctx.prefill.prefill_ms(c.worker, new_tokens)
+        };
+        let pressure_ms = match c.kv_capacity_blocks {
+            Some(capacity) if self.config.pressure_weight > 0.0 => {
+                let adds = ctx
+                    .prompt_blocks()
+                    .saturating_sub(u64::from(c.active_prompt_blocks));
+                let held = c.active_decode_blocks as u64 + adds;
+                let usage = (held as f64 / capacity.max(1) as f64).min(1.0);
+                self.config.pressure_weight
+                    * usage
+                    * usage
+                    * ctx.prefill.prefill_ms(c.worker, prompt)
+            }
+            _ => 0.0,
+        };
+        TtftCost {
+            new_tokens,
+            first_token_ms,
+            locality_ms,
+            pressure_ms,
+        }
+    }
+}
+
+impl Selector for TtftSelector {
+    fn name(&self) -> &'static str {
+        "ttft"
+    }
+
+    fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
+        let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
+        let best = argmin_random_tie(ctx.available(), &mut rng, |c| {
+            let cost = self.cost(ctx, c);
+            (cost.total(), cost.new_tokens, c.active_requests)
+        });
+        self.rng = rng;
+        match best {
+            Some(c) => SelectOutcome::Selected(Decision {
+                worker: c.worker,
+                overlap_blocks: c.overlap_blocks,
+            }),
+            None => ctx.unavailable(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_support::*;
+    use super::*;
+    use crate::types::LocalHash;
+
+    fn blocks(n: u64) -> Vec<LocalHash> {
+        (0..n).map(LocalHash).collect()
+    }
+
+    #[test]
+    fn the_cost_is_the_queued_and_own_prefill_time_plus_the_recompute() {
+        // The linear model of test_support: 1 ms per token, no chunking.
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let b = blocks(4);
+        let mut c = candidate(1);
+        c.overlap_blocks = 2; // 32 of 64 tokens cached
+        c.active_prefill_tokens = 100;
+        c.active_requests = 3;
+        let cost = s.cost(&ctx(&b, 64, &[c]), &c);
+        assert_eq!(cost.new_tokens, 32);
+        assert_eq!(cost.first_token_ms, 100.0 + 3.0 + 32.0);
+        assert_eq!(cost.locality_ms, 32.0);
+        assert_eq!(cost.total(), 167.0);
+    }
+
+    #[test]
+    fn a_hot_prefix_stays_on_a_busier_worker_while_the_wait_is_worth_it() {
+        // 1,024-token prompt; w1 holds 960 tokens of it and has 300 tokens
+        // of prefill queued; w2 is idle and cold.
+        let b = blocks(64);
+        let mut hot = candidate(1);
+        hot.overlap_blocks = 60;
+        hot.active_prefill_tokens = 300;
+        hot.active_requests = 4;
+        let cold = candidate(2);
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        // hot: 300 + 4 + 64 = 368 ms, +64 locality = 432; cold: 1024 + 1024.
+        assert_eq!(chosen(s.select(&ctx(&b, 1024, &[hot, cold]))), 1);
+        // Greedy on time alone it is still faster: 368 against 1,024 ms.
+        let mut greedy = TtftSelector::new(
+            TtftConfig {
+                locality_weight: 0.0,
+                ..TtftConfig::default()
+            },
+            0,
+        );
+        assert_eq!(chosen(greedy.select(&ctx(&b, 1024, &[hot, cold]))), 1);
+        // With 3,000 tokens queued the hot worker loses, recompute counted:
+        // 3,068 + 64 against 1,024 + 1,024 ms.
+        hot.active_prefill_tokens = 3000;
+        assert_eq!(chosen(s.select(&ctx(&b, 1024, &[hot, cold]))), 2);
+    }
+
+    #[test]
+    fn a_cold_prompt_goes_where_the_least_prefill_is_queued() {
+        // No worker has any of it: only the queues differ. A worker with
+        // many running decodes but nothing to prefill beats one with a
+        // prefill queued, which the kv policy's block count gets the other
+        // way round.
+        let b = blocks(8);
+        let mut decoding = candidate(1);
+        decoding.active_requests = 20;
+        decoding.active_decode_blocks = 2_000;
+        let mut prefilling = candidate(2);
+        prefilling.active_prefill_tokens = 200;
+        prefilling.active_requests = 1;
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        assert_eq!(chosen(s.select(&ctx(&b, 128, &[decoding, prefilling]))), 1);
+    }
+
+    #[test]
+    fn with_an_instant_engine_ties_go_to_the_cache_then_to_the_idler_worker() {
+        let b = blocks(4);
+        let mut busy_hot = candidate(1);
+        busy_hot.overlap_blocks = 4;
+        busy_hot.active_requests = 9;
+        let idle_cold = candidate(2);
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        let cands = [busy_hot, idle_cold];
+        let zero = ctx_with_model(&b, 64, &cands, &InstantModel);
+        assert_eq!(
+            chosen(s.select(&zero)),
+            1,
+            "all costs are 0: fewer new tokens"
+        );
+        let mut idle_hot = busy_hot;
+        idle_hot.worker = crate::types::WorkerId::new(3);
+        idle_hot.active_requests = 0;
+        let cands = [busy_hot, idle_hot];
+        let zero = ctx_with_model(&b, 64, &cands, &InstantModel);
+        assert_eq!(chosen(s.select(&zero)), 3, "then fewer running requests");
+    }
+
+    #[test]
+    fn a_negative_or_infinite_locality_weight_is_refused() {
+        for w in [-1.0, f64::INFINITY, f64::NAN] {
+            let err = TtftConfig {
+                locality_weight: w,
+                ..TtftConfig::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(err.to_string().contains("locality_weight"), "{err}");
+            let err = TtftConfig {
+                pressure_weight: w,
+                ..TtftConfig::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(err.to_string().contains("pressure_weight"), "{err}");
+        }
+    }
+}
