@@ -444,6 +444,24 @@ mod tests {
     }
 
     #[test]
+    fn the_ttft_policy_and_its_settings_come_from_the_policies_table() {
+        let config = ServerConfig::from_toml(
+            r#"
+            policy = "ttft"
+            [policies.ttft]
+            locality_weight = 0.5
+            pressure_weight = 4.0
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.policy, PolicyKind::Ttft);
+        assert_eq!(config.policies.ttft.locality_weight, 0.5);
+        assert_eq!(config.policies.ttft.pressure_weight, 4.0);
+        let err = ServerConfig::from_toml("[policies.ttft]\nlocality_weight = -1.0").unwrap_err();
+        assert!(err.to_string().contains("locality_weight"), "{err}");
+    }
+
+    #[test]
     fn timeouts_must_be_positive_and_finite() {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let config = ServerConfig {

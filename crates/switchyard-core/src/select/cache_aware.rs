@@ -15,8 +15,8 @@
 //! Every choice is recorded in the tree. Defaults are SGLang's.
 
 use super::{
-    argmin_random_tie, Candidate, Decision, PolicyConfigError, RoutingContext, SelectOutcome,
-    Selector,
+    argmin_random_tie, at_least, Candidate, Decision, PolicyConfigError, RoutingContext,
+    SelectOutcome, Selector,
 };
 use crate::index::{ApproxConfig, ApproxIndex, OverlapScores};
 use crate::types::WorkerId;
@@ -58,12 +58,8 @@ impl CacheAwareConfig {
                 self.cache_threshold
             )));
         }
-        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 1.0) {
-            return Err(PolicyConfigError::CacheAware(format!(
-                "balance_rel_threshold must be finite and >= 1, got {}",
-                self.balance_rel_threshold
-            )));
-        }
+        at_least("balance_rel_threshold", self.balance_rel_threshold, 1.0)
+            .map_err(PolicyConfigError::CacheAware)?;
         self.tree
             .validate()
             .map_err(|e| PolicyConfigError::CacheAware(e.to_string()))

@@ -13,8 +13,8 @@
 //! random). Temperature `T > 0` samples `softmax(−cost/max_cost / T)`.
 
 use super::{
-    argmin_random_tie, Candidate, Decision, PolicyConfigError, RoutingContext, SelectOutcome,
-    Selector,
+    argmin_random_tie, at_least, Candidate, Decision, PolicyConfigError, RoutingContext,
+    SelectOutcome, Selector,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -42,19 +42,8 @@ impl Default for KvConfig {
 impl KvConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<(), PolicyConfigError> {
-        if !(self.overlap_weight.is_finite() && self.overlap_weight >= 0.0) {
-            return Err(PolicyConfigError::Kv(format!(
-                "overlap_weight must be finite and >= 0, got {}",
-                self.overlap_weight
-            )));
-        }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(PolicyConfigError::Kv(format!(
-                "temperature must be finite and >= 0, got {}",
-                self.temperature
-            )));
-        }
-        Ok(())
+        at_least("overlap_weight", self.overlap_weight, 0.0).map_err(PolicyConfigError::Kv)?;
+        at_least("temperature", self.temperature, 0.0).map_err(PolicyConfigError::Kv)
     }
 }
 

@@ -258,6 +258,16 @@ impl PolicyConfig {
     }
 }
 
+/// A policy setting's range check: `value` finite and at least `min`,
+/// otherwise the message that names it.
+pub(crate) fn at_least(name: &str, value: f64, min: f64) -> Result<(), String> {
+    if value.is_finite() && value >= min {
+        Ok(())
+    } else {
+        Err(format!("{name} must be finite and >= {min}, got {value}"))
+    }
+}
+
 /// Builds the selector for `kind` with a seeded RNG.
 pub fn build_selector(
     kind: PolicyKind,

@@ -36,8 +36,8 @@
 //! tokens, then fewer running requests, then the seeded RNG.
 
 use super::{
-    argmin_random_tie, Candidate, Decision, PolicyConfigError, RoutingContext, SelectOutcome,
-    Selector,
+    argmin_random_tie, at_least, Candidate, Decision, PolicyConfigError, RoutingContext,
+    SelectOutcome, Selector,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -66,19 +66,8 @@ impl Default for TtftConfig {
 impl TtftConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<(), PolicyConfigError> {
-        if !(self.locality_weight.is_finite() && self.locality_weight >= 0.0) {
-            return Err(PolicyConfigError::Ttft(format!(
-                "locality_weight must be finite and >= 0, got {}",
-                self.locality_weight
-            )));
-        }
-        if !(self.pressure_weight.is_finite() && self.pressure_weight >= 0.0) {
-            return Err(PolicyConfigError::Ttft(format!(
-                "pressure_weight must be finite and >= 0, got {}",
-                self.pressure_weight
-            )));
-        }
-        Ok(())
+        at_least("locality_weight", self.locality_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
+        at_least("pressure_weight", self.pressure_weight, 0.0).map_err(PolicyConfigError::Ttft)
     }
 }
 
@@ -267,6 +256,28 @@ mod tests {
         let cands = [busy_hot, idle_hot];
         let zero = ctx_with_model(&b, 64, &cands, &InstantModel);
         assert_eq!(chosen(s.select(&zero)), 3, "then fewer running requests");
+    }
+
+    #[test]
+    fn kv_pressure_grows_with_the_square_of_the_workers_usage() {
+        // 64-token prompt = 4 blocks; capacity 8 blocks; the prompt's 4
+        // blocks are new here. Prefill of the whole prompt: 64 ms.
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let b = blocks(4);
+        let mut c = candidate(1);
+        c.kv_capacity_blocks = Some(8);
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.25 * 64.0);
+        c.active_decode_blocks = 4; // 8 of 8 blocks: full
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 64.0);
+        c.active_decode_blocks = 100; // over capacity counts as full
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 64.0);
+        // Blocks the worker's running requests already hold are not added.
+        c.active_decode_blocks = 2;
+        c.active_prompt_blocks = 4;
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.0625 * 64.0);
+        // No reported capacity, no pressure.
+        c.kv_capacity_blocks = None;
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.0);
     }
 
     #[test]
