@@ -226,7 +226,7 @@ impl Default for ServerConfig {
         Self {
             host: "127.0.0.1".into(),
             port: 8080,
-            policy: PolicyKind::Kv,
+            policy: PolicyKind::DEFAULT,
             policies: PolicyConfig::default(),
             block_size: 16,
             cache: CacheMode::Auto,
@@ -441,6 +441,15 @@ mod tests {
         assert_eq!(config.policy, PolicyKind::RoundRobin);
         assert!(config.uses_events());
         assert!(ServerConfig::from_toml("colour = 1").is_err());
+    }
+
+    #[test]
+    fn serve_runs_the_cores_default_policy_when_none_is_named() {
+        assert_eq!(ServerConfig::default().policy, PolicyKind::DEFAULT);
+        assert_eq!(
+            ServerConfig::from_toml("").unwrap().policy,
+            PolicyKind::DEFAULT
+        );
     }
 
     #[test]

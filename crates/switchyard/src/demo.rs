@@ -42,7 +42,7 @@ pub struct DemoArgs {
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// The policy compared against round-robin.
-    #[arg(long, default_value = "kv")]
+    #[arg(long, default_value_t = PolicyKind::DEFAULT)]
     pub policy: PolicyKind,
     /// Workers publish no KV events; the router predicts their caches.
     #[arg(long)]

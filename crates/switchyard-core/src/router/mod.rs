@@ -67,7 +67,7 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
-            policy: PolicyKind::Kv,
+            policy: PolicyKind::DEFAULT,
             policies: PolicyConfig::default(),
             sequences: SequencesConfig::default(),
             cache: CacheTracking::Events,
@@ -157,6 +157,32 @@ enum CacheIndex {
     Approximate(ApproxIndex),
 }
 
+/// Time constant of each worker's recent-writes counter (ms): a booking's
+/// uncached tokens count in full when booked and fade by `e` each minute.
+pub const WRITES_TIME_CONSTANT_MS: f64 = 60_000.0;
+
+/// Uncached tokens booked on a worker, fading exponentially with
+/// [`WRITES_TIME_CONSTANT_MS`]: about the tokens it was given to compute
+/// (and to write into its KV cache) in the last minute.
+#[derive(Clone, Copy, Debug, Default)]
+struct RecentWrites {
+    tokens: f64,
+    at_ms: f64,
+}
+
+impl RecentWrites {
+    fn at(&self, now_ms: f64) -> f64 {
+        let age = (now_ms - self.at_ms).max(0.0);
+        self.tokens * (-age / WRITES_TIME_CONSTANT_MS).exp()
+    }
+
+    fn add(&mut self, tokens: f64, now_ms: f64) {
+        let now_ms = now_ms.max(self.at_ms);
+        self.tokens = self.at(now_ms) + tokens;
+        self.at_ms = now_ms;
+    }
+}
+
 /// The routing core. See the module docs for the call sequence.
 pub struct Router {
     config: RouterConfig,
@@ -165,6 +191,8 @@ pub struct Router {
     remote: RemoteBookings,
     selector: Box<dyn Selector>,
     capacities: FxHashMap<WorkerId, WorkerCapacity>,
+    /// Per worker, as `capacities`: uncached tokens booked lately.
+    writes: FxHashMap<WorkerId, RecentWrites>,
     /// Workers kept (index, bookings) but not offered new requests, such
     /// as those whose circuit is open.
     unselectable: FxHashMap<WorkerId, ()>,
@@ -220,6 +248,7 @@ impl Router {
             config,
             cache,
             capacities: FxHashMap::default(),
+            writes: FxHashMap::default(),
             unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
             active: OverlapScores::new(),
@@ -240,6 +269,7 @@ impl Router {
     /// Adds (or updates the capacity of) a worker.
     pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity) {
         self.capacities.insert(worker, capacity);
+        self.writes.entry(worker).or_default();
         self.sequences.add_worker(worker);
     }
 
@@ -247,6 +277,7 @@ impl Router {
     /// forgotten, and its active requests are freed (returned).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         self.capacities.remove(&worker);
+        self.writes.remove(&worker);
         self.unselectable.remove(&worker);
         match &mut self.cache {
             CacheIndex::Exact(index) => {
@@ -362,6 +393,7 @@ impl Router {
                 active_decode_blocks: load.decode_blocks,
                 active_requests: load.requests,
                 kv_capacity_blocks,
+                recent_writes_tokens: self.writes.get(&worker).map_or(0.0, |w| w.at(now_ms)),
                 busy,
             });
         }
@@ -395,6 +427,12 @@ impl Router {
     pub fn book_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
+            if let Some(writes) = self.writes.get_mut(&add.worker) {
+                let cached =
+                    u64::from(add.overlap_blocks) * u64::from(self.config.sequences.block_size);
+                let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
+                writes.add(uncached as f64, now_ms);
+            }
             if let CacheIndex::Approximate(index) = &mut self.cache {
                 index.record(add.worker, &add.blocks, now_ms);
             }
@@ -496,6 +534,7 @@ impl Router {
             sequences: self.sequences.memory(),
             remote: self.remote.estimated_bytes(),
             other: crate::maps::map_bytes(&self.capacities)
+                + crate::maps::map_bytes(&self.writes)
                 + (self.overlaps.entries.capacity() + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
@@ -606,6 +645,38 @@ mod tests {
         assert_ne!(second.worker, first.worker);
         assert_eq!(r.free(RequestId(1), 1.0), LifecycleOutcome::Applied);
         assert_eq!(r.sequences().active_requests(), 0);
+    }
+
+    #[test]
+    fn recent_writes_count_a_bookings_uncached_tokens_and_fade_by_e_a_minute() {
+        let mut writes = RecentWrites::default();
+        writes.add(1000.0, 0.0);
+        assert_eq!(writes.at(0.0), 1000.0);
+        let faded = writes.at(WRITES_TIME_CONSTANT_MS);
+        assert!(
+            (faded - 1000.0 / std::f64::consts::E).abs() < 1e-9,
+            "{faded}"
+        );
+        writes.add(500.0, WRITES_TIME_CONSTANT_MS);
+        assert!((writes.at(WRITES_TIME_CONSTANT_MS) - (faded + 500.0)).abs() < 1e-9);
+        // A clock that steps back never inflates the count.
+        assert!(writes.at(0.0) <= faded + 500.0 + 1e-9);
+
+        // Through the router: only the uncached part of a booking counts.
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let decision = Decision {
+            worker: w(1),
+            overlap_blocks: 3,
+        };
+        r.book(RequestId(1), prompt(&blocks), decision, None, 0.0);
+        assert_eq!(r.writes[&w(1)].at(0.0), (8 - 3) as f64 * 16.0);
+        assert_eq!(r.writes[&w(2)].at(0.0), 0.0);
+        r.remove_worker(w(1));
+        assert!(
+            !r.writes.contains_key(&w(1)),
+            "a removed worker is forgotten"
+        );
     }
 
     #[test]

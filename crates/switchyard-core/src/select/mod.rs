@@ -64,6 +64,9 @@ pub struct Candidate {
     pub active_requests: usize,
     /// The worker's KV capacity in router blocks, when it reported one.
     pub kv_capacity_blocks: Option<u64>,
+    /// Uncached tokens this router booked on the worker lately (fading
+    /// with a one-minute time constant): how fast its cache is rewritten.
+    pub recent_writes_tokens: f64,
     /// Over its busy threshold: not to be chosen now.
     pub busy: bool,
 }
@@ -176,6 +179,10 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
+    /// The policy `serve` and the core run when none is named: the one that
+    /// measured best on every bundled workload (docs/simulator.md).
+    pub const DEFAULT: PolicyKind = PolicyKind::Ttft;
+
     /// Every policy, in the order reports list them.
     pub const ALL: [PolicyKind; 7] = [
         PolicyKind::RoundRobin,
@@ -328,6 +335,7 @@ pub(crate) mod test_support {
             active_decode_blocks: 0,
             active_requests: 0,
             kv_capacity_blocks: None,
+            recent_writes_tokens: 0.0,
             busy: false,
         }
     }

@@ -10,7 +10,8 @@
 //! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
-//! cost[w]     = first[w] + locality[w] + pressure[w]
+//! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
+//! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w]
 //! ```
 //!
 //! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
@@ -31,6 +32,11 @@
 //! this prompt (and everyone else's) must be computed again from scratch;
 //! it grows with the square of the worker's KV usage, so it is near zero
 //! until a worker fills up (a worker that reported no capacity has none).
+//! `turnover` is what writing `new` tokens into a busy cache evicts: a
+//! worker that was given its whole KV capacity's worth of new tokens in the
+//! last minute or so ([`crate::router::WRITES_TIME_CONSTANT_MS`]) is pushing
+//! out prefixes that are still young and likely to be asked for again; an
+//! idle worker's oldest blocks are cheap to lose.
 //!
 //! Ties (an instant engine's zero times, equal workers) go to fewer new
 //! tokens, then fewer running requests, then the seeded RNG.
@@ -52,6 +58,9 @@ pub struct TtftConfig {
     pub locality_weight: f64,
     /// Weight of KV-memory pressure (0: ignore how full a worker is).
     pub pressure_weight: f64,
+    /// Weight of cache turnover (0: ignore how fast a worker's cache is
+    /// being rewritten).
+    pub turnover_weight: f64,
 }
 
 impl Default for TtftConfig {
@@ -59,6 +68,7 @@ impl Default for TtftConfig {
         Self {
             locality_weight: 1.0,
             pressure_weight: 1.0,
+            turnover_weight: 1.0,
         }
     }
 }
@@ -67,7 +77,8 @@ impl TtftConfig {
     /// Checks ranges.
     pub fn validate(&self) -> Result<(), PolicyConfigError> {
         at_least("locality_weight", self.locality_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
-        at_least("pressure_weight", self.pressure_weight, 0.0).map_err(PolicyConfigError::Ttft)
+        at_least("pressure_weight", self.pressure_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
+        at_least("turnover_weight", self.turnover_weight, 0.0).map_err(PolicyConfigError::Ttft)
     }
 }
 
@@ -89,12 +100,14 @@ pub struct TtftCost {
     pub locality_ms: f64,
     /// The KV-pressure term, in ms.
     pub pressure_ms: f64,
+    /// The cache-turnover term, in ms.
+    pub turnover_ms: f64,
 }
 
 impl TtftCost {
     /// The total the policy minimizes.
     pub fn total(&self) -> f64 {
-        self.first_token_ms + self.locality_ms + self.pressure_ms
+        self.first_token_ms + self.locality_ms + self.pressure_ms + self.turnover_ms
     }
 }
 
@@ -133,11 +146,22 @@ impl TtftSelector {
             }
             _ => 0.0,
         };
+        let turnover_ms = match c.kv_capacity_blocks {
+            Some(capacity) if self.config.turnover_weight > 0.0 && new_tokens > 0 => {
+                let capacity_tokens = (capacity * u64::from(ctx.block_size)).max(1) as f64;
+                let rewritten = (c.recent_writes_tokens / capacity_tokens).min(1.0);
+                self.config.turnover_weight
+                    * rewritten
+                    * ctx.prefill.prefill_ms(c.worker, new_tokens)
+            }
+            _ => 0.0,
+        };
         TtftCost {
             new_tokens,
             first_token_ms,
             locality_ms,
             pressure_ms,
+            turnover_ms,
         }
     }
 }
@@ -278,6 +302,35 @@ mod tests {
         // No reported capacity, no pressure.
         c.kv_capacity_blocks = None;
         assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.0);
+    }
+
+    #[test]
+    fn a_worker_rewriting_its_cache_fast_charges_its_new_tokens_again() {
+        // 64-token prompt, 32 cached; capacity 8 blocks = 128 tokens.
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let b = blocks(4);
+        let mut c = candidate(1);
+        c.overlap_blocks = 2;
+        c.kv_capacity_blocks = Some(8);
+        c.recent_writes_tokens = 64.0; // half its cache rewritten lately
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).turnover_ms, 0.5 * 32.0);
+        c.recent_writes_tokens = 1e6; // more than all of it: capped at once
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).turnover_ms, 32.0);
+        // A cold prompt on a churning worker loses to an idle one holding
+        // nothing: 64 + 64 + 64 against 64 + 64 ms.
+        let mut churning = candidate(1);
+        churning.kv_capacity_blocks = Some(8);
+        churning.recent_writes_tokens = 1e6;
+        let mut idle = candidate(2);
+        idle.kv_capacity_blocks = Some(8);
+        let mut p = TtftSelector::new(
+            TtftConfig {
+                pressure_weight: 0.0,
+                ..TtftConfig::default()
+            },
+            0,
+        );
+        assert_eq!(chosen(p.select(&ctx(&b, 64, &[churning, idle]))), 2);
     }
 
     #[test]

@@ -128,6 +128,10 @@ pub struct ReplayArgs {
     /// worker is).
     #[arg(long, default_value_t = TtftConfig::default().pressure_weight)]
     pub pressure_weight: f64,
+    /// `ttft` policy: weight of cache turnover (0 = ignore how fast a
+    /// worker's cache is being rewritten).
+    #[arg(long, default_value_t = TtftConfig::default().turnover_weight)]
+    pub turnover_weight: f64,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -197,6 +201,9 @@ pub struct ReplayReport {
     pub pooled_lru_hit_rate: f64,
     /// Wall-clock seconds of the whole run.
     pub wall_seconds: f64,
+    /// The policy `serve` runs when none is named (its figures are under
+    /// `policies` when it was replayed).
+    pub default_policy: &'static str,
     /// Figures per policy.
     pub policies: BTreeMap<String, PolicyReport>,
     /// The fleet simulated.
@@ -242,6 +249,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.kv.temperature = args.temperature;
     fleet.router.policies.ttft.locality_weight = args.locality_weight;
     fleet.router.policies.ttft.pressure_weight = args.pressure_weight;
+    fleet.router.policies.ttft.turnover_weight = args.turnover_weight;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet
         .router
@@ -522,6 +530,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         bound_hit_rate: refs.bound_hit_rate(),
         pooled_lru_hit_rate: refs.pooled_lru_hit_rate(),
         wall_seconds: started.elapsed().as_secs_f64(),
+        default_policy: PolicyKind::DEFAULT.name(),
         policies: outcomes
             .iter()
             .map(|(n, o)| (n.clone(), o.report.clone()))

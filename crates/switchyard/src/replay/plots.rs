@@ -3,6 +3,7 @@
 
 use super::ReplayReport;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 use switchyard_sim::fleet::SimOutcome;
 
@@ -116,17 +117,27 @@ fn hit_rate(
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..n as f64, 0.0..top)?;
-    let names: Vec<String> = outcomes.iter().map(|(name, _)| name.clone()).collect();
+    // Every bar carries its own label above it (an axis of numbers would
+    // pick "nice" ticks and skip bars); neighbours alternate between two
+    // heights so long names do not run into each other.
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(n.max(1))
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            names.get(i).cloned().unwrap_or_default()
-        })
+        .x_labels(0)
         .y_desc("cached prompt tokens / prompt tokens")
         .draw()?;
+    let label = ("sans-serif", 13)
+        .into_font()
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Center, VPos::Bottom));
+    chart.draw_series(outcomes.iter().enumerate().map(|(i, (name, o))| {
+        let lift = if i % 2 == 0 { 0.01 } else { 0.05 } * top;
+        Text::new(
+            format!("{name} {:.3}", o.report.hit_rate),
+            (i as f64 + 0.5, o.report.hit_rate + lift),
+            label.clone(),
+        )
+    }))?;
     chart.draw_series(outcomes.iter().enumerate().map(|(i, (_, o))| {
         Rectangle::new(
             [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, o.report.hit_rate)],
