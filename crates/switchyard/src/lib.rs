@@ -7,7 +7,7 @@
 //!   write JSON.
 //! - [`data`] — finding the bundled data files.
 //! - [`demo`] — `switchyard demo`: sim-workers and the router on loopback,
-//!   `kv` against `round-robin`.
+//!   the default policy against `round-robin`.
 //! - [`events`] — `switchyard events ...`: inspect engines' KV events.
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet

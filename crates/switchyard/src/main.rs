@@ -29,7 +29,7 @@ enum Command {
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
     Events(switchyard::events::EventsCommand),
-    /// Sim-workers and the router on loopback, driven by the load generator; kv against round-robin.
+    /// Sim-workers and the router on loopback, driven by the load generator; the default policy against round-robin.
     Demo(switchyard::demo::DemoArgs),
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
     Loadgen(switchyard::loadgen::LoadgenArgs),
