@@ -103,8 +103,8 @@ fn fill_caches(workers: &[WorkerId], mut apply: impl FnMut(WorkerId, &IndexEvent
 /// dispatcher wraps (its admission, request table, estimator and effects
 /// are the difference between the two figures).
 fn bare_router(c: &mut Criterion) {
-    // `kv` keeps the name the figures were first published under; `ttft`,
-    // the default since, is timed beside it.
+    // `kv` keeps the name the figures were first published under; `ttft`
+    // is timed beside it.
     bare_router_with(
         c,
         PolicyKind::Kv,
