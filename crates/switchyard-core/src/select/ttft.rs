@@ -127,11 +127,14 @@ impl TtftSelector {
         let new_tokens = prompt - cached;
         let ahead = c.active_prefill_tokens + c.active_requests as u64;
         let first_token_ms = ctx.prefill.prefill_ms(c.worker, ahead + new_tokens);
-        let locality_ms = if new_tokens == 0 {
+        // This request's own uncached prefill, priced once for the terms
+        // that weigh it.
+        let own_ms = if new_tokens == 0 {
             0.0
         } else {
-            self.config.locality_weight * ctx.prefill.prefill_ms(c.worker, new_tokens)
+            ctx.prefill.prefill_ms(c.worker, new_tokens)
         };
+        let locality_ms = self.config.locality_weight * own_ms;
         let pressure_ms = match c.kv_capacity_blocks {
             Some(capacity) if self.config.pressure_weight > 0.0 => {
                 let adds = ctx
@@ -150,9 +153,7 @@ impl TtftSelector {
             Some(capacity) if self.config.turnover_weight > 0.0 && new_tokens > 0 => {
                 let capacity_tokens = (capacity * u64::from(ctx.block_size)).max(1) as f64;
                 let rewritten = (c.recent_writes_tokens / capacity_tokens).min(1.0);
-                self.config.turnover_weight
-                    * rewritten
-                    * ctx.prefill.prefill_ms(c.worker, new_tokens)
+                self.config.turnover_weight * rewritten * own_ms
             }
             _ => 0.0,
         };
