@@ -6,11 +6,9 @@
 
 use crate::loadgen::{self, Pacing, Report};
 use crate::stats::write_json;
-use anyhow::Context as _;
 use clap::Args;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
@@ -97,7 +95,6 @@ pub(crate) fn start_sim_workers(
     worker_args: &[String],
     kv_events: bool,
 ) -> anyhow::Result<Fleet> {
-    let exe = std::env::current_exe().context("locating the switchyard binary")?;
     let mut fleet = Fleet {
         children: Vec::new(),
         urls: Vec::new(),
@@ -112,38 +109,15 @@ pub(crate) fn start_sim_workers(
         } else {
             None
         };
-        let mut command = Command::new(&exe);
+        let mut command = crate::child::this_binary()?;
         command.args(["sim-worker", "--host", "127.0.0.1", "--port", "0"]);
         if let Some((pub_endpoint, replay)) = &events {
             command.args(["--kv-events", pub_endpoint, "--kv-replay", replay]);
         }
+        command.args(worker_args);
         fleet.events.push(events);
-        let mut child = command
-            .args(worker_args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting a sim-worker")?;
-        let stdout = child.stdout.take().context("sim-worker stdout")?;
+        let (child, url) = crate::child::spawn_printing_url(command, "a sim-worker")?;
         fleet.children.push(child);
-        let mut reader = BufReader::new(stdout);
-        let mut line = String::new();
-        let url = loop {
-            line.clear();
-            anyhow::ensure!(
-                reader.read_line(&mut line)? > 0,
-                "a sim-worker exited before printing its address"
-            );
-            if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-                break url.to_owned();
-            }
-        };
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
-                sink.clear();
-            }
-        });
         fleet.urls.push(url);
     }
     Ok(fleet)

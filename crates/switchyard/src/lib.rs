@@ -5,6 +5,8 @@
 //!
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
+//! - `child` — this binary's subcommands started as child processes
+//!   (sim-workers, routers) and the address each prints.
 //! - [`data`] — finding the bundled data files.
 //! - [`demo`] — `switchyard demo`: sim-workers and the router on loopback,
 //!   the default policy against `round-robin`.
@@ -16,6 +18,7 @@
 //!   JSON output, resident memory.
 
 pub mod bench;
+mod child;
 pub mod data;
 pub mod demo;
 pub mod events;

@@ -11,12 +11,10 @@
 
 use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
 use crate::stats::write_json;
-use anyhow::Context as _;
 use clap::Args;
 use serde_json::json;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
 /// Options of `bench proxy`.
 #[derive(Debug, Clone, Args)]
@@ -47,32 +45,11 @@ impl Drop for Children {
 }
 
 fn spawn(children: &mut Children, args: &[&str]) -> anyhow::Result<String> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting a child")?;
-    let stdout = child.stdout.take().context("stdout")?;
+    let mut command = crate::child::this_binary()?;
+    command.args(args).env("RUST_LOG", "warn");
+    let (child, url) = crate::child::spawn_printing_url(command, args[0])?;
     children.0.push(child);
-    let mut reader = BufReader::new(stdout);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        anyhow::ensure!(reader.read_line(&mut line)? > 0, "{args:?} exited early");
-        if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-            let url = url.to_owned();
-            std::thread::spawn(move || {
-                let mut sink = String::new();
-                while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
-                    sink.clear();
-                }
-            });
-            return Ok(url);
-        }
-    }
+    Ok(url)
 }
 
 fn requests(n: usize, chat: bool) -> Vec<PreparedRequest> {

@@ -11,8 +11,7 @@ use crate::demo::{start_sim_workers, Fleet};
 use crate::loadgen::{self, Pacing, PreparedRequest, Report};
 use anyhow::Context as _;
 use serde::Serialize;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
@@ -85,35 +84,10 @@ fn serve_args(policy: PolicyKind, block_size: usize, fleet: &Fleet) -> Vec<Strin
 /// Starts `switchyard serve` with `args` (which must include `--port 0`)
 /// and returns it with its base URL once it has printed it.
 pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Router, String)> {
-    let exe = std::env::current_exe().context("locating the switchyard binary")?;
-    let mut child = Command::new(exe)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting the router")?;
-    let stdout = child.stdout.take().context("router stdout")?;
-    let router = Router(child);
-    let mut reader = BufReader::new(stdout);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        anyhow::ensure!(
-            reader.read_line(&mut line)? > 0,
-            "the router exited before printing its address"
-        );
-        if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-            let url = url.to_owned();
-            std::thread::spawn(move || {
-                let mut sink = String::new();
-                while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
-                    sink.clear();
-                }
-            });
-            return Ok((router, url));
-        }
-    }
+    let mut command = crate::child::this_binary()?;
+    command.args(args).env("RUST_LOG", "warn");
+    let (child, url) = crate::child::spawn_printing_url(command, "the router")?;
+    Ok((Router(child), url))
 }
 
 /// Workers the router's `/metrics` lists as in selection.
