@@ -7,8 +7,8 @@
 
 use crate::scripted_worker::{scripted_worker, Script};
 use crate::support::{
-    machine, metric, metric_sum, metrics_text, poll, router, sim_worker, wait_metrics, Proc,
-    PATIENCE,
+    machine, metric, metric_sum, metrics_text, poll, router, served_by, sim_worker, wait_metrics,
+    Proc, PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -522,10 +522,7 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
                 .await
                 .unwrap();
             assert_eq!(response.status(), 200);
-            let worker = response.headers()["x-switchyard-worker"]
-                .to_str()
-                .unwrap()
-                .to_owned();
+            let worker = served_by(&response);
             let text = response.text().await.unwrap();
             assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
             worker

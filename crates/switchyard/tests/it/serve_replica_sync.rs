@@ -8,7 +8,8 @@
 //! binary is installed; CI installs it (`apt-get install -y nats-server`).
 
 use crate::support::{
-    machine_alone, metric, metrics_text, poll, router, sim_worker_with, wait_for, Proc, PATIENCE,
+    machine_alone, metric, metrics_text, poll, router, served_by, sim_worker_with, wait_for, Proc,
+    PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::json;
@@ -169,10 +170,7 @@ async fn hold_request(
         .await
         .expect("the router answers");
     assert_eq!(response.status(), 200, "request via replica {replica}");
-    let worker = response.headers()["x-switchyard-worker"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let worker = served_by(&response);
     let request_id = response.headers()["x-request-id"].to_str().unwrap();
     let request_id = u128::from_str_radix(request_id, 16).expect("a hex request id");
     let _ = routed.send(Routed {

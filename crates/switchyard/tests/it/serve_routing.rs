@@ -1,7 +1,7 @@
 //! The router as a real process in front of real sim-worker processes,
 //! driven over loopback by a real HTTP client.
 
-use crate::support::{machine, metric, metrics_text, router, sim_worker, wait_metrics};
+use crate::support::{machine, metric, metrics_text, router, served_by, sim_worker, wait_metrics};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::HashSet;
@@ -71,10 +71,7 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    let worker = response.headers()["x-switchyard-worker"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let worker = served_by(&response);
     assert!(worker == "w0" || worker == "w1", "{worker}");
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion");
@@ -126,12 +123,7 @@ async fn requests_stream_through_the_router_and_survive_a_worker_dying_mid_run()
             .unwrap();
         let status = response.status().as_u16();
         if status == 200 {
-            seen.insert(
-                response.headers()["x-switchyard-worker"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned(),
-            );
+            seen.insert(served_by(&response));
         } else {
             // At most the first request after the kill may find w0 before
             // the proxy or the health check takes it out.
@@ -210,10 +202,7 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
             .send()
     };
     let first = turn(60).await.unwrap();
-    let first_worker = first.headers()["x-switchyard-worker"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let first_worker = served_by(&first);
     let started = std::time::Instant::now();
     let second = tokio::spawn({
         let client = client.clone();
@@ -226,13 +215,7 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
                 .send()
                 .await
                 .unwrap();
-            (
-                std::time::Instant::now(),
-                response.headers()["x-switchyard-worker"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned(),
-            )
+            (std::time::Instant::now(), served_by(&response))
         }
     });
     // Read the first turn to its end.

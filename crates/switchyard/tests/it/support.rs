@@ -157,3 +157,11 @@ pub(crate) fn router(workers: &[String], extra: &[&str]) -> Proc {
     flags.extend_from_slice(extra);
     serve(&flags)
 }
+
+/// The worker the router names in `x-switchyard-worker`.
+pub(crate) fn served_by(response: &reqwest::Response) -> String {
+    response.headers()["x-switchyard-worker"]
+        .to_str()
+        .expect("the worker header is ASCII")
+        .to_owned()
+}
