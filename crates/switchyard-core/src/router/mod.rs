@@ -183,6 +183,13 @@ impl RecentWrites {
     }
 }
 
+/// What the router keeps per worker besides its bookings and cache.
+#[derive(Clone, Copy, Debug)]
+struct WorkerSlot {
+    capacity: WorkerCapacity,
+    writes: RecentWrites,
+}
+
 /// The routing core. See the module docs for the call sequence.
 pub struct Router {
     config: RouterConfig,
@@ -190,9 +197,8 @@ pub struct Router {
     sequences: ActiveSequences,
     remote: RemoteBookings,
     selector: Box<dyn Selector>,
-    capacities: FxHashMap<WorkerId, WorkerCapacity>,
-    /// Per worker, as `capacities`: uncached tokens booked lately.
-    writes: FxHashMap<WorkerId, RecentWrites>,
+    /// Per worker: what it can hold and what it was given lately.
+    workers: FxHashMap<WorkerId, WorkerSlot>,
     /// Workers kept (index, bookings) but not offered new requests, such
     /// as those whose circuit is open.
     unselectable: FxHashMap<WorkerId, ()>,
@@ -205,7 +211,7 @@ impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Router")
             .field("policy", &self.selector.name())
-            .field("workers", &self.capacities.len())
+            .field("workers", &self.workers.len())
             .field("active_requests", &self.sequences.active_requests())
             .finish_non_exhaustive()
     }
@@ -247,8 +253,7 @@ impl Router {
             remote: RemoteBookings::new(config.remote)?,
             config,
             cache,
-            capacities: FxHashMap::default(),
-            writes: FxHashMap::default(),
+            workers: FxHashMap::default(),
             unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
             active: OverlapScores::new(),
@@ -268,16 +273,20 @@ impl Router {
 
     /// Adds (or updates the capacity of) a worker.
     pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity) {
-        self.capacities.insert(worker, capacity);
-        self.writes.entry(worker).or_default();
+        self.workers
+            .entry(worker)
+            .and_modify(|slot| slot.capacity = capacity)
+            .or_insert(WorkerSlot {
+                capacity,
+                writes: RecentWrites::default(),
+            });
         self.sequences.add_worker(worker);
     }
 
     /// Removes a worker: it is never selected again, its cached blocks are
     /// forgotten, and its active requests are freed (returned).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
-        self.capacities.remove(&worker);
-        self.writes.remove(&worker);
+        self.workers.remove(&worker);
         self.unselectable.remove(&worker);
         match &mut self.cache {
             CacheIndex::Exact(index) => {
@@ -298,14 +307,14 @@ impl Router {
     pub fn set_selectable(&mut self, worker: WorkerId, selectable: bool) {
         if selectable {
             self.unselectable.remove(&worker);
-        } else if self.capacities.contains_key(&worker) {
+        } else if self.workers.contains_key(&worker) {
             self.unselectable.insert(worker, ());
         }
     }
 
     /// Whether a worker is in the router and may be selected.
     pub fn is_selectable(&self, worker: WorkerId) -> bool {
-        self.capacities.contains_key(&worker) && !self.unselectable.contains_key(&worker)
+        self.workers.contains_key(&worker) && !self.unselectable.contains_key(&worker)
     }
 
     /// Applies an engine KV event. Events for workers the router does not
@@ -368,7 +377,8 @@ impl Router {
                 continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);
-            let busy = match (self.config.busy_threshold, self.capacities.get(&worker)) {
+            let slot = self.workers.get(&worker);
+            let busy = match (self.config.busy_threshold, slot.map(|s| &s.capacity)) {
                 (Some(t), Some(cap)) => {
                     cap.max_num_batched_tokens
                         .is_some_and(|m| prefill_tokens as f64 > t * m as f64)
@@ -379,10 +389,8 @@ impl Router {
                 _ => false,
             };
             let block_size = u64::from(self.config.sequences.block_size.max(1));
-            let kv_capacity_blocks = self
-                .capacities
-                .get(&worker)
-                .and_then(|cap| cap.kv_tokens)
+            let kv_capacity_blocks = slot
+                .and_then(|s| s.capacity.kv_tokens)
                 .map(|tokens| tokens / block_size);
             self.candidates.push(Candidate {
                 worker,
@@ -393,7 +401,7 @@ impl Router {
                 active_decode_blocks: load.decode_blocks,
                 active_requests: load.requests,
                 kv_capacity_blocks,
-                recent_writes_tokens: self.writes.get(&worker).map_or(0.0, |w| w.at(now_ms)),
+                recent_writes_tokens: slot.map_or(0.0, |s| s.writes.at(now_ms)),
                 busy,
             });
         }
@@ -427,11 +435,11 @@ impl Router {
     pub fn book_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
-            if let Some(writes) = self.writes.get_mut(&add.worker) {
+            if let Some(slot) = self.workers.get_mut(&add.worker) {
                 let cached =
                     u64::from(add.overlap_blocks) * u64::from(self.config.sequences.block_size);
                 let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
-                writes.add(uncached as f64, now_ms);
+                slot.writes.add(uncached as f64, now_ms);
             }
             if let CacheIndex::Approximate(index) = &mut self.cache {
                 index.record(add.worker, &add.blocks, now_ms);
@@ -533,8 +541,7 @@ impl Router {
             approx_extra,
             sequences: self.sequences.memory(),
             remote: self.remote.estimated_bytes(),
-            other: crate::maps::map_bytes(&self.capacities)
-                + crate::maps::map_bytes(&self.writes)
+            other: crate::maps::map_bytes(&self.workers)
                 + (self.overlaps.entries.capacity() + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
@@ -670,11 +677,11 @@ mod tests {
             overlap_blocks: 3,
         };
         r.book(RequestId(1), prompt(&blocks), decision, None, 0.0);
-        assert_eq!(r.writes[&w(1)].at(0.0), (8 - 3) as f64 * 16.0);
-        assert_eq!(r.writes[&w(2)].at(0.0), 0.0);
+        assert_eq!(r.workers[&w(1)].writes.at(0.0), (8 - 3) as f64 * 16.0);
+        assert_eq!(r.workers[&w(2)].writes.at(0.0), 0.0);
         r.remove_worker(w(1));
         assert!(
-            !r.writes.contains_key(&w(1)),
+            !r.workers.contains_key(&w(1)),
             "a removed worker is forgotten"
         );
     }
