@@ -2,6 +2,7 @@
 //! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
 //! line flags (both through clap, flags winning), in that order.
 
+use crate::ratelimit::RateLimitConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
@@ -219,6 +220,8 @@ pub struct ServerConfig {
     pub max_response_bytes: usize,
     /// Replica sync (`[replica]`; off unless `nats_url` is set).
     pub replica: ReplicaConfig,
+    /// Per-key rate limits and named keys (`[rate_limits]`; none by default).
+    pub rate_limits: RateLimitConfig,
 }
 
 impl Default for ServerConfig {
@@ -258,6 +261,7 @@ impl Default for ServerConfig {
             request_timeout_secs: 600.0,
             max_response_bytes: 16 * 1024 * 1024,
             replica: ReplicaConfig::default(),
+            rate_limits: RateLimitConfig::default(),
         }
     }
 }
@@ -358,6 +362,7 @@ impl ServerConfig {
         self.replica
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        self.rate_limits.validate().map_err(ConfigError::Invalid)?;
         let mut names = std::collections::HashSet::new();
         for worker in &self.workers {
             worker.validate()?;

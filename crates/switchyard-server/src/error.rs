@@ -68,6 +68,16 @@ impl ApiError {
         .retry_after(retry_after_ms.div_ceil(1000).max(1))
     }
 
+    /// 429: a rate limit of the client's key; `Retry-After` rounded up to
+    /// whole seconds when waiting helps.
+    pub fn rate_limited(message: impl Into<String>, retry_after: Option<std::time::Duration>) -> Self {
+        let error = Self::from(ErrorBody::rate_limited(message));
+        match retry_after {
+            Some(wait) => error.retry_after(wait.as_secs_f64().ceil().max(1.0) as u64),
+            None => error,
+        }
+    }
+
     /// 503: no worker can take the request.
     pub fn no_workers(message: impl Into<String>) -> Self {
         Self::from(ErrorBody::unavailable(message)).retry_after(1)

@@ -52,6 +52,7 @@ pub mod inflight;
 pub mod metrics;
 pub mod migration;
 pub mod proxy;
+pub mod ratelimit;
 pub mod replica;
 pub mod roster;
 pub mod shared;
