@@ -70,7 +70,10 @@ impl ApiError {
 
     /// 429: a rate limit of the client's key; `Retry-After` rounded up to
     /// whole seconds when waiting helps.
-    pub fn rate_limited(message: impl Into<String>, retry_after: Option<std::time::Duration>) -> Self {
+    pub fn rate_limited(
+        message: impl Into<String>,
+        retry_after: Option<std::time::Duration>,
+    ) -> Self {
         let error = Self::from(ErrorBody::rate_limited(message));
         match retry_after {
             Some(wait) => error.retry_after(wait.as_secs_f64().ceil().max(1.0) as u64),

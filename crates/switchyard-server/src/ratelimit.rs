@@ -143,7 +143,10 @@ impl RateLimitConfig {
                 ));
             }
             if !names.insert(key.name.as_str()) {
-                return Err(format!("rate_limits.keys: two keys are named {:?}", key.name));
+                return Err(format!(
+                    "rate_limits.keys: two keys are named {:?}",
+                    key.name
+                ));
             }
             if key.key.is_some() == key.key_file.is_some() {
                 return Err(format!(
@@ -269,7 +272,10 @@ impl<C: Clock + Clone> RateLimits<C> {
                 let limits = own.or(defaults);
                 let requests = limits.requests_per_second.map(|rps| {
                     let quota = Quota::per_second(rps).allow_burst(limits.burst.unwrap_or(rps));
-                    (RateLimiter::direct_with_clock(quota, clock.clone()), rps.get())
+                    (
+                        RateLimiter::direct_with_clock(quota, clock.clone()),
+                        rps.get(),
+                    )
                 });
                 let tokens = limits.tokens_per_minute.map(|tpm| {
                     (
@@ -503,10 +509,10 @@ mod tests {
         assert!(parse("[[keys]]\nname = \"a b\"\nkey = \"s\"\n").is_err());
         assert!(parse("[[keys]]\nname = \"a\"\n").is_err());
         assert!(parse("[[keys]]\nname = \"a\"\nkey = \"s\"\nkey_file = \"f\"\n").is_err());
-        assert!(
-            parse("[[keys]]\nname = \"a\"\nkey = \"s\"\n[[keys]]\nname = \"a\"\nkey = \"t\"\n")
-                .is_err()
-        );
+        assert!(parse(
+            "[[keys]]\nname = \"a\"\nkey = \"s\"\n[[keys]]\nname = \"a\"\nkey = \"t\"\n"
+        )
+        .is_err());
         assert!(parse("requests_per_second = 0\n").is_err());
         assert!(parse("request_per_second = 1\n").is_err());
     }

@@ -7,6 +7,7 @@
 
 mod plots;
 pub mod replicas;
+pub mod tune;
 
 use crate::data::data_path;
 use anyhow::Context;
@@ -168,6 +169,21 @@ pub struct ReplayArgs {
     /// comparing policies.
     #[arg(long)]
     pub sweep: bool,
+    /// Search the policies' settings on this trace for the lowest TTFT p90
+    /// at ≥ 90% of the pooled-LRU hit rate, instead of comparing policies.
+    #[arg(long)]
+    pub tune: bool,
+    /// With `--tune`: stop after the batch of simulations that crosses this
+    /// many seconds.
+    #[arg(long, default_value_t = tune::DEFAULT_BUDGET_SECS)]
+    pub budget_secs: u64,
+    /// With `--tune`: simulate at most this many candidates (fixes the
+    /// result independently of the machine's speed).
+    #[arg(long)]
+    pub tune_trials: Option<usize>,
+    /// With `--tune`: write the best settings as a `serve --config` file.
+    #[arg(long)]
+    pub write_config: Option<PathBuf>,
     /// No progress output on stderr.
     #[arg(long)]
     pub quiet: bool,
@@ -477,6 +493,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let source = WorkloadSource::prepare(&args)?;
     if args.sweep {
         return sweep(&args, &source, &fleet);
+    }
+    if args.tune {
+        return tune::run(&args, &source, &fleet);
     }
     if !args.replicas.is_empty() {
         return replicas::run(&args, &source, &fleet);
