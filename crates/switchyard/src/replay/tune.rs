@@ -249,8 +249,10 @@ mod tests {
     use super::*;
 
     fn report(hit: f64, p90: f64) -> PolicyReport {
-        let mut r = PolicyReport::default();
-        r.hit_rate = hit;
+        let mut r = PolicyReport {
+            hit_rate: hit,
+            ..PolicyReport::default()
+        };
         r.ttft_ms.p90 = p90;
         r
     }
