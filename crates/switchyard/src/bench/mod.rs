@@ -14,7 +14,10 @@
 //! - [`itl`] — does a sim-worker keep its timing model's time: model
 //!   against measured TTFT and inter-token latency per speed-up;
 //! - [`twin`] — does `replay` predict `serve`: one trace slice through the
-//!   fleet simulator and through the router and sim-worker processes.
+//!   fleet simulator and through the router and sim-worker processes;
+//! - [`versus`] — Switchyard against SGLang's routers (`smg`,
+//!   `sglang-router`) on the same conversations, each in front of fresh
+//!   sim-workers.
 
 pub mod admission;
 pub mod engine;
@@ -25,6 +28,7 @@ pub mod replica;
 pub mod soak;
 pub mod trace;
 pub mod twin;
+pub mod versus;
 
 use clap::Subcommand;
 
@@ -48,6 +52,8 @@ pub enum BenchCommand {
     Itl(itl::ItlArgs),
     /// Does replay predict serve: one trace slice through the simulator and through real processes.
     Twin(twin::TwinArgs),
+    /// Switchyard against SGLang's routers (smg, sglang-router) on the same conversations.
+    Versus(versus::VersusArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -71,5 +77,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Itl(args) => itl::run(args),
         BenchCommand::Twin(args) => twin::run(args),
+        BenchCommand::Versus(args) => versus::run(args),
     }
 }
