@@ -1,8 +1,9 @@
 //! The HTTP surface: OpenAI endpoints proxied to the chosen worker, the
 //! operational endpoints and the admin API.
 //!
-//! One request: check the key → read the body (limit) → parse only the
-//! fields routing needs → tokenize (chat template for chat) → block hashes
+//! One request: the key was checked from its head ([`crate::auth`]) and
+//! its body read whole within its limit and deadline ([`crate::upload`])
+//! before a handler runs → parse only the fields routing needs → tokenize (chat template for chat) → block hashes
 //! → admission and selection ([`SharedRouter::submit`]) → forward the
 //! client's bytes unchanged to the worker → wait for its first event
 //! (streaming) or its whole answer (non-streaming, buffered up to
@@ -21,6 +22,7 @@ use super::metrics::RequestStatus;
 use super::migration::{Failure, Phase, Progress};
 use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::INLINE_CHARS;
+use super::upload::UploadLimits;
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -34,6 +36,7 @@ use hyper::body::Incoming;
 use prometheus_client::encoding::prometheus_text;
 use serde::Deserialize;
 use serde_json::Value;
+use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
@@ -42,42 +45,41 @@ use switchyard_wire::openai::{
 };
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
-/// The axum router for `state`.
+/// The axum router for `state`: [`routes`] behind the credential check
+/// ([`crate::auth`]). The server adds the in-flight limit between the two
+/// ([`crate::front_door`]).
 pub fn app(state: Shared) -> AxumRouter {
+    let credentials = state.credentials.clone();
+    super::auth::layer(routes(state), credentials)
+}
+
+/// The routes, each `POST` body read whole within its limit and deadline
+/// ([`crate::upload`]) before its handler runs. The admin routes exist only
+/// while an admin token is configured.
+pub fn routes(state: Shared) -> AxumRouter {
     let limit = state.max_body_bytes;
-    AxumRouter::new()
+    let uploads = Arc::new(UploadLimits {
+        max_bytes: limit,
+        deadline: state.body_read_timeout,
+        metrics: state.shared.metrics().clone(),
+    });
+    let mut routes = AxumRouter::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .route("/admin/workers", get(admin_list).post(admin_add))
-        .route("/admin/workers/{name}", delete(admin_remove))
+        .route("/metrics", get(metrics));
+    if state.admin_api {
+        routes = routes
+            .route("/admin/workers", get(admin_list).post(admin_add))
+            .route("/admin/workers/{name}", delete(admin_remove));
+    }
+    let routes = super::upload::route_layer(routes, uploads);
+    routes
         .fallback(|| async { ApiError::not_found("no such route", None) })
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
-}
-
-fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if state.api_keys.is_empty() {
-        return Ok(());
-    }
-    let given = bearer(headers).ok_or_else(ApiError::unauthorized)?;
-    if state.api_keys.iter().any(|k| k == given) {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized())
-    }
-}
-
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
 }
 
 fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
@@ -174,7 +176,6 @@ async fn chat_completions(
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
-        check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
         let parsed: ChatCompletionRequest = parse(&body)?;
         let messages = chat_messages(parsed.messages)?;
@@ -198,7 +199,6 @@ async fn completions(
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
-        check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
         let parsed: CompletionRequest = parse(&body)?;
         // A batch is routed by its first prompt: one worker serves it all.
@@ -502,8 +502,7 @@ async fn buffered(
     }
 }
 
-async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
-    check_key(&state, &headers)?;
+async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
     let mut names: Vec<String> = state
         .shared
         .workers()
@@ -542,19 +541,7 @@ async fn metrics(State(state): State<Shared>) -> Response {
     }
 }
 
-fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match &state.admin_token {
-        None => Err(ApiError::not_found(
-            "the admin API is off (start the router with --admin-token)",
-            None,
-        )),
-        Some(token) if bearer(headers) == Some(token.as_str()) => Ok(()),
-        Some(_) => Err(ApiError::unauthorized()),
-    }
-}
-
-async fn admin_list(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
+async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
     let list: Vec<Value> = state
         .shared
         .workers()
@@ -575,10 +562,8 @@ async fn admin_list(State(state): State<Shared>, headers: HeaderMap) -> Result<R
 
 async fn admin_add(
     State(state): State<Shared>,
-    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
     let body = body_bytes(body, state.max_body_bytes)?;
     let spec: WorkerSpec = parse(&body)?;
     state
@@ -602,11 +587,9 @@ struct RemoveQuery {
 
 async fn admin_remove(
     State(state): State<Shared>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     Query(query): Query<RemoveQuery>,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
     if state.fleet.remove(&name, query.drain) {
         Ok(StatusCode::NO_CONTENT.into_response())
     } else {
