@@ -308,6 +308,45 @@ mod tests {
         assert_eq!(inflight.current(), 0);
     }
 
+    #[tokio::test]
+    async fn the_limit_covers_every_route_but_the_probes() {
+        use tower::ServiceExt as _;
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        let inflight = Inflight::new(1, metrics.clone());
+        let _held = inflight.try_acquire().expect("the one place");
+        let app = layer(
+            axum::Router::new()
+                .route("/admin/workers", axum::routing::post(|| async { "added" }))
+                .route("/v1/models", axum::routing::get(|| async { "models" }))
+                .route("/health", axum::routing::get(|| async { "ok" }))
+                .route("/ready", axum::routing::get(|| async { "ready" }))
+                .route("/metrics", axum::routing::get(|| async { "metrics" })),
+            inflight,
+        );
+        let call = |method: Method, path: &'static str| {
+            let app = app.clone();
+            async move {
+                let request = Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::empty())
+                    .unwrap();
+                app.oneshot(request).await.unwrap().status()
+            }
+        };
+        assert_eq!(call(Method::POST, "/admin/workers").await, 503);
+        assert_eq!(call(Method::GET, "/v1/models").await, 503);
+        for probe in ["/health", "/ready", "/metrics"] {
+            assert_eq!(call(Method::GET, probe).await, 200, "{probe}");
+        }
+        assert_eq!(metrics.inflight_rejected.get(), 2);
+        assert_eq!(
+            metrics.requests(RequestStatus::Rejected),
+            0,
+            "only OpenAI POSTs count in switchyard_requests_total"
+        );
+    }
+
     #[test]
     fn a_limit_of_zero_still_admits_one() {
         let inflight = Inflight::new(0, Arc::new(ServerMetrics::new("kv")));

@@ -655,3 +655,83 @@ pub async fn start_with_tokenizer(
         inflight,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn config(args: &[&str]) -> anyhow::Result<ServerConfig> {
+        let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))?;
+        cli.serve.to_config()
+    }
+
+    fn scratch(name: &str, text: &str) -> String {
+        let dir =
+            std::env::temp_dir().join(format!("switchyard-serve-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn secret_flags_and_files_fill_the_config_and_a_flag_replaces_the_files_form() {
+        let keys = scratch("keys", "# clients\nsk-1\nsk-2\n");
+        let token = scratch("token", "adm-file\n");
+        let toml = scratch(
+            "serve.toml",
+            "admin_token = \"adm-toml\"\nworker_api_key = \"wk-toml\"\n",
+        );
+        let c = config(&[
+            "--config",
+            &toml,
+            "--api-key",
+            "sk-0",
+            "--api-key-file",
+            &keys,
+            "--admin-token-file",
+            &token,
+            "--max-connections",
+            "7",
+            "--header-read-timeout-ms",
+            "100",
+            "--body-read-timeout-ms",
+            "200",
+        ])
+        .unwrap();
+        assert_eq!(c.api_keys, ["sk-0", "sk-1", "sk-2"]);
+        assert_eq!(c.admin_token.as_deref(), Some("adm-file"));
+        assert_eq!(c.worker_api_key.as_deref(), Some("wk-toml"));
+        assert_eq!(c.metrics_key, None);
+        assert_eq!(
+            (
+                c.max_connections,
+                c.header_read_timeout_ms,
+                c.body_read_timeout_ms
+            ),
+            (7, 100, 200)
+        );
+        assert!(
+            config(&["--admin-token", "a", "--admin-token-file", &token]).is_err(),
+            "one form per secret on the command line"
+        );
+        let err = config(&["--api-key-file", "/nonexistent/keys"]).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/keys"), "{err}");
+    }
+
+    #[test]
+    fn the_front_door_defaults_are_the_documented_ones() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.max_connections, 10_240);
+        assert_eq!(c.header_read_timeout_ms, 10_000);
+        assert_eq!(c.body_read_timeout_ms, 30_000);
+        assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
+    }
+}

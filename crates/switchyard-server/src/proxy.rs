@@ -663,11 +663,16 @@ mod tests {
         }
     }
 
+    /// The request heads a test worker received.
+    type Heads = Arc<Mutex<Vec<String>>>;
+
     /// A worker on a real loopback socket that answers every request with
-    /// `body` (one connection at a time).
-    async fn worker(body: &'static str) -> String {
+    /// `body` (one connection at a time) and records each request's head.
+    async fn worker(body: &'static str) -> (String, Heads) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
+        let heads = Heads::default();
+        let record = heads.clone();
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let mut seen = Vec::new();
@@ -690,6 +695,7 @@ mod tests {
                             })
                             .unwrap_or(0);
                         if seen.len() >= end + 4 + length {
+                            record.lock().unwrap().push(text[..end].to_owned());
                             break;
                         }
                     }
@@ -701,27 +707,22 @@ mod tests {
                 let _ = socket.write_all(answer.as_bytes()).await;
             }
         });
-        url
+        (url, heads)
     }
 
-    #[tokio::test]
-    async fn a_non_streaming_answer_completes_with_prompt_plus_completion_tokens() {
-        let url = worker(
-            r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#,
-        )
-        .await;
-        let config = ServerConfig::default();
-        let events: Arc<Mutex<Vec<String>>> = Arc::default();
-        let strategy = Recorder {
-            events: events.clone(),
-        };
-        let dispatcher =
-            Dispatcher::new(crate::dispatcher_config(&config), Some(Box::new(strategy))).unwrap();
+    /// The state of a router configured by `config` whose one worker, at
+    /// `url`, is in selection; `strategy` admits.
+    fn state_with_worker(
+        config: &ServerConfig,
+        url: &str,
+        strategy: Box<dyn AdmissionStrategy + Send>,
+    ) -> (Shared, Arc<SharedRouter>) {
+        let dispatcher = Dispatcher::new(crate::dispatcher_config(config), Some(strategy)).unwrap();
         let shared = Arc::new(SharedRouter::new(
             dispatcher,
             Arc::new(ServerMetrics::new(config.policy.name())),
         ));
-        let id = shared.add_worker("w", &url).unwrap();
+        let id = shared.add_worker("w", url).unwrap();
         shared.set_in_router(id, true);
         let client = upstream_client(Duration::from_secs(1));
         let fleet = Arc::new(Fleet::new(
@@ -733,13 +734,27 @@ mod tests {
             Duration::from_secs(1),
         ));
         let state = Arc::new(AppState::new(
-            &config,
+            config,
             shared.clone(),
             fleet,
             client,
             Arc::new(NoText),
             None,
         ));
+        (state, shared)
+    }
+
+    const ANSWER: &str = r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#;
+
+    #[tokio::test]
+    async fn a_non_streaming_answer_completes_with_prompt_plus_completion_tokens() {
+        let (url, _) = worker(ANSWER).await;
+        let config = ServerConfig::default();
+        let events: Arc<Mutex<Vec<String>>> = Arc::default();
+        let strategy = Recorder {
+            events: events.clone(),
+        };
+        let (state, shared) = state_with_worker(&config, &url, Box::new(strategy));
         let request = axum::http::Request::post("/v1/completions")
             .header("content-type", "application/json")
             .body(Body::from(
@@ -756,6 +771,55 @@ mod tests {
             "the session's context grows by the answer's completion tokens"
         );
         assert_eq!(shared.total_active_requests(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_worker_gets_the_routers_key_and_never_the_clients() {
+        let (url, heads) = worker(ANSWER).await;
+        let config = ServerConfig {
+            api_keys: vec!["sk-client".into()],
+            worker_api_key: Some("wk-router".into()),
+            ..ServerConfig::default()
+        };
+        let (state, _) = state_with_worker(&config, &url, Box::new(Recorder::default()));
+        let request = axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-client")
+            .body(Body::from(r#"{"prompt":[1,2,3,4],"max_tokens":7}"#))
+            .unwrap();
+        let response = app(state).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let heads = heads.lock().unwrap();
+        assert_eq!(heads.len(), 1);
+        let head = heads[0].to_ascii_lowercase();
+        assert_eq!(
+            head.matches("authorization:").count(),
+            1,
+            "one credential: {head}"
+        );
+        assert!(head.contains("authorization: bearer wk-router"), "{head}");
+        assert!(
+            !head.contains("sk-client"),
+            "the client's key leaked: {head}"
+        );
+    }
+
+    #[tokio::test]
+    async fn without_an_admin_token_the_admin_routes_do_not_exist() {
+        let (url, _) = worker(ANSWER).await;
+        for (token, expected) in [(None, StatusCode::NOT_FOUND), (Some("adm"), StatusCode::OK)] {
+            let config = ServerConfig {
+                admin_token: token.map(str::to_owned),
+                ..ServerConfig::default()
+            };
+            let (state, _) = state_with_worker(&config, &url, Box::new(Recorder::default()));
+            let request = axum::http::Request::get("/admin/workers")
+                .header("authorization", "Bearer adm")
+                .body(Body::empty())
+                .unwrap();
+            let response = app(state).oneshot(request).await.unwrap();
+            assert_eq!(response.status(), expected, "admin token {token:?}");
+        }
     }
 
     #[test]
