@@ -23,6 +23,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use subtle::ConstantTimeEq as _;
+use switchyard_wire::openai::ErrorBody;
 
 /// A bearer secret. Its `Debug` never shows it.
 #[derive(Clone)]
@@ -109,21 +110,27 @@ impl Credentials {
         }
     }
 
-    /// Whether a request with `headers` may go to `path`; a refusal is
-    /// counted (and, for an OpenAI `POST`, counted as an invalid request
-    /// like any other 4xx the router answers itself).
-    pub fn admits(&self, method: &Method, path: &str, headers: &HeaderMap) -> bool {
+    /// Whether a request with `headers` may go to `path`: `Err` names
+    /// the credential it lacks. A refusal is counted (and, for an OpenAI
+    /// `POST`, counted as an invalid request like any other 4xx the router
+    /// answers itself).
+    pub fn admits(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<(), AuthScope> {
         let Some((scope, secrets)) = self.required(path) else {
-            return true;
+            return Ok(());
         };
         if bearer(headers).is_some_and(|given| any_matches(secrets, given)) {
-            return true;
+            return Ok(());
         }
         self.metrics.count_auth_failure(scope);
         if scope == AuthScope::Client && method == Method::POST {
             self.metrics.count_request(RequestStatus::Invalid);
         }
-        false
+        Err(scope)
     }
 }
 
@@ -138,13 +145,23 @@ async fn check(
     request: Request,
     next: Next,
 ) -> Response {
-    if credentials.admits(request.method(), request.uri().path(), request.headers()) {
+    let Err(scope) = credentials.admits(request.method(), request.uri().path(), request.headers())
+    else {
         return next.run(request).await;
-    }
+    };
     // The body is dropped unread with the request; hyper then closes the
     // connection rather than drain an upload nobody asked for.
     drop(request);
-    let mut response = ApiError::unauthorized().into_response();
+    let error = match scope {
+        AuthScope::Client => ApiError::unauthorized(),
+        AuthScope::Admin => ApiError::from(ErrorBody::authentication(
+            "invalid or missing admin token (Authorization: Bearer ...)",
+        )),
+        AuthScope::Metrics => ApiError::from(ErrorBody::authentication(
+            "invalid or missing metrics key (Authorization: Bearer ...)",
+        )),
+    };
+    let mut response = error.into_response();
     response
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

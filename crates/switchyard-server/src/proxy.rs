@@ -77,7 +77,7 @@ pub fn routes(state: Shared) -> AxumRouter {
     }
     let routes = super::upload::route_layer(routes, uploads);
     routes
-        .fallback(|| async { ApiError::not_found("no such route", None) })
+        .fallback(no_route)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -499,6 +499,19 @@ async fn buffered(
             Failure::Reset,
             "the worker's response broke before it was complete".into(),
         )),
+    }
+}
+
+/// 404 for a path no route matches (its body is never read).
+async fn no_route(State(state): State<Shared>, uri: axum::http::Uri) -> ApiError {
+    let admin = uri.path() == "/admin" || uri.path().starts_with("/admin/");
+    if admin && !state.admin_api {
+        ApiError::not_found(
+            "no such route: the admin API is off (start the router with --admin-token)",
+            None,
+        )
+    } else {
+        ApiError::not_found("no such route", None)
     }
 }
 
