@@ -25,6 +25,11 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+/// Largest read buffer of one connection, so the largest request head
+/// (hyper's default is about 400 KiB). An open connection costs at most
+/// this much for reading, whatever its client sends.
+pub const READ_BUFFER_BYTES: usize = 64 * 1024;
+
 /// The per-connection bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionLimits {
@@ -50,6 +55,7 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(READ_BUFFER_BYTES)
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
     // Also ends when the sender is dropped.
