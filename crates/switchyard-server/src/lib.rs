@@ -534,6 +534,12 @@ fn sequence_expiry_ms(config: &ServerConfig) -> f64 {
     (config.request_timeout_secs * 1e3 + MARGIN_MS).max(SequencesConfig::default().expiry_ms)
 }
 
+/// Whether the router would serve anyone who can reach `addr`: it listens
+/// beyond loopback and requires no client key (warned about at startup).
+fn open_beyond_loopback(addr: SocketAddr, config: &ServerConfig) -> bool {
+    !addr.ip().is_loopback() && config.api_keys.is_empty()
+}
+
 /// The router's app as it is served: the credential check first (from the
 /// head: a refused request costs nothing more), then the in-flight limit,
 /// then the routes, each reading its body within its limit and deadline.
@@ -615,7 +621,7 @@ pub async fn start_with_tokenizer(
         .await
         .with_context(|| format!("binding {addr}"))?;
     let addr = listener.local_addr()?;
-    if !addr.ip().is_loopback() && config.api_keys.is_empty() {
+    if open_beyond_loopback(addr, &config) {
         tracing::warn!(%addr, "listening beyond loopback with no API key: anyone who can reach this address can use the workers (set --api-key or --api-key-file)");
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -724,6 +730,26 @@ mod tests {
         );
         let err = config(&["--api-key-file", "/nonexistent/keys"]).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/keys"), "{err}");
+    }
+
+    #[test]
+    fn listening_beyond_loopback_without_a_key_is_flagged() {
+        let open = ServerConfig::default();
+        let keyed = ServerConfig {
+            api_keys: vec!["sk".into()],
+            ..ServerConfig::default()
+        };
+        for (addr, beyond) in [
+            ("0.0.0.0:8080", true),
+            ("10.1.2.3:8080", true),
+            ("[::]:8080", true),
+            ("127.0.0.1:8080", false),
+            ("[::1]:8080", false),
+        ] {
+            let addr: SocketAddr = addr.parse().unwrap();
+            assert_eq!(open_beyond_loopback(addr, &open), beyond, "{addr}");
+            assert!(!open_beyond_loopback(addr, &keyed), "{addr} with a key");
+        }
     }
 
     #[test]
