@@ -156,6 +156,10 @@ impl Attempts {
         if let Some(accept) = &self.accept {
             upstream = upstream.header(header::ACCEPT, accept);
         }
+        // The router's own credential; the client's is never forwarded.
+        if let Some(auth) = &self.state.worker_auth {
+            upstream = upstream.header(header::AUTHORIZATION, auth.clone());
+        }
         let upstream = upstream.body(Full::new(body)).map_err(|_| {
             AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
         })?;

@@ -176,12 +176,37 @@ pub struct ServerConfig {
     pub workers: Vec<WorkerSpec>,
     /// Add `x-switchyard-worker` to responses.
     pub worker_header: bool,
-    /// Bearer token the admin API requires (admin API off without one).
+    /// Bearer token the admin API requires (admin API off without one:
+    /// its routes do not exist).
     pub admin_token: Option<String>,
-    /// Client API keys (`Authorization: Bearer`); empty: no check.
+    /// A file holding the admin token (its first non-comment line);
+    /// read at startup ([`Self::load_secret_files`]).
+    pub admin_token_file: Option<PathBuf>,
+    /// Client API keys (`Authorization: Bearer`) for `/v1/*`; empty: no check.
     pub api_keys: Vec<String>,
+    /// A file of client API keys, one a line (blank lines and `#` comments
+    /// ignored), added to `api_keys` at startup.
+    pub api_key_file: Option<PathBuf>,
+    /// Bearer token `/metrics` requires (none: `/metrics` is open).
+    pub metrics_key: Option<String>,
+    /// A file holding the metrics key.
+    pub metrics_key_file: Option<PathBuf>,
+    /// Key the router sends to every worker (`Authorization: Bearer`) on
+    /// proxied requests, health checks and model probes.
+    pub worker_api_key: Option<String>,
+    /// A file holding the worker key.
+    pub worker_api_key_file: Option<PathBuf>,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// Connections the router holds open at once; a connection accepted
+    /// beyond it is closed at once (counted).
+    pub max_connections: usize,
+    /// How long a client may take to send a request's head (and how long
+    /// an idle keep-alive connection stays open), in milliseconds.
+    pub header_read_timeout_ms: u64,
+    /// How long a client may take to send a request's body, from its head
+    /// on, in milliseconds; a slower upload gets a 408 (counted).
+    pub body_read_timeout_ms: u64,
     /// Milliseconds between health checks of each worker.
     pub health_interval_ms: u64,
     /// Consecutive failed checks that take a worker out.
@@ -240,8 +265,20 @@ impl Default for ServerConfig {
             workers: Vec::new(),
             worker_header: true,
             admin_token: None,
+            admin_token_file: None,
             api_keys: Vec::new(),
+            api_key_file: None,
+            metrics_key: None,
+            metrics_key_file: None,
+            worker_api_key: None,
+            worker_api_key_file: None,
             max_body_bytes: 32 * 1024 * 1024,
+            // Above the in-flight limit (plus probes), so an overloaded
+            // router answers 503 rather than closing connections; each
+            // connection costs a file descriptor and its buffers.
+            max_connections: 10_240,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
             health_interval_ms: 1000,
             health_failures: 2,
             connect_timeout_ms: 1000,
@@ -275,6 +312,14 @@ pub enum ConfigError {
     /// A setting out of range.
     #[error("{0}")]
     Invalid(String),
+    /// A file of keys or tokens.
+    #[error("secret file {path}: {reason}")]
+    SecretFile {
+        /// The file.
+        path: PathBuf,
+        /// Why (never the file's contents).
+        reason: String,
+    },
     /// The TOML file.
     #[error("config file {path}: {reason}")]
     File {
@@ -344,6 +389,15 @@ impl ServerConfig {
         if self.max_inflight == 0 {
             return invalid("max_inflight must be positive".into());
         }
+        if self.max_connections == 0 {
+            return invalid("max_connections must be positive".into());
+        }
+        if self.header_read_timeout_ms == 0 || self.body_read_timeout_ms == 0 {
+            return invalid(
+                "header_read_timeout_ms and body_read_timeout_ms must be positive".into(),
+            );
+        }
+        self.validate_secrets()?;
         self.circuit
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -387,6 +441,75 @@ impl ServerConfig {
         Ok(())
     }
 
+    /// Checks the secrets: each is a usable bearer token, and no secret is
+    /// given both inline and as a file.
+    fn validate_secrets(&self) -> Result<(), ConfigError> {
+        for (name, inline, file) in [
+            (
+                "admin_token",
+                self.admin_token.is_some(),
+                &self.admin_token_file,
+            ),
+            (
+                "metrics_key",
+                self.metrics_key.is_some(),
+                &self.metrics_key_file,
+            ),
+            (
+                "worker_api_key",
+                self.worker_api_key.is_some(),
+                &self.worker_api_key_file,
+            ),
+        ] {
+            if inline && file.is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} and {name}_file are both set; give one"
+                )));
+            }
+        }
+        let secrets = self
+            .api_keys
+            .iter()
+            .map(|k| ("an api key", k))
+            .chain(self.admin_token.iter().map(|t| ("admin_token", t)))
+            .chain(self.metrics_key.iter().map(|t| ("metrics_key", t)))
+            .chain(self.worker_api_key.iter().map(|t| ("worker_api_key", t)));
+        for (name, secret) in secrets {
+            check_secret(name, secret)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the secret files (`api_key_file`, `admin_token_file`,
+    /// `metrics_key_file`, `worker_api_key_file`) into their settings and
+    /// clears the paths, so loading twice reads nothing twice. An
+    /// unreadable file or one without a secret is an error naming the file,
+    /// never its contents.
+    pub fn load_secret_files(&mut self) -> Result<(), ConfigError> {
+        self.validate_secrets()?;
+        if let Some(path) = self.api_key_file.take() {
+            let keys = read_secrets(&path)?;
+            self.api_keys.extend(keys);
+        }
+        for (slot, file) in [
+            (&mut self.admin_token, &mut self.admin_token_file),
+            (&mut self.metrics_key, &mut self.metrics_key_file),
+            (&mut self.worker_api_key, &mut self.worker_api_key_file),
+        ] {
+            if let Some(path) = file.take() {
+                let mut secrets = read_secrets(&path)?;
+                if secrets.len() > 1 {
+                    return Err(ConfigError::SecretFile {
+                        path,
+                        reason: format!("holds {} secrets; expected one", secrets.len()),
+                    });
+                }
+                *slot = secrets.pop();
+            }
+        }
+        self.validate_secrets()
+    }
+
     /// Whether the router follows KV events (else approximate).
     pub fn uses_events(&self) -> bool {
         match self.cache {
@@ -397,6 +520,46 @@ impl ServerConfig {
             }
         }
     }
+}
+
+/// The secrets in `path`: one a line, trimmed, blank lines and lines
+/// starting with `#` skipped; at least one.
+fn read_secrets(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
+    let file_error = |reason: String| ConfigError::SecretFile {
+        path: path.to_owned(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    let secrets: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    if secrets.is_empty() {
+        return Err(file_error(
+            "holds no secret (blank lines and # comments are skipped)".into(),
+        ));
+    }
+    for (line, secret) in secrets.iter().enumerate() {
+        check_secret("a secret", secret).map_err(|_| {
+            file_error(format!(
+                "secret {} is not a usable bearer token (visible ASCII, no spaces)",
+                line + 1
+            ))
+        })?;
+    }
+    Ok(secrets)
+}
+
+/// A bearer token a client can send: non-empty visible ASCII, no spaces.
+fn check_secret(name: &str, secret: &str) -> Result<(), ConfigError> {
+    if secret.is_empty() || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::Invalid(format!(
+            "{name} must be non-empty visible ASCII with no spaces"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -565,5 +728,107 @@ mod tests {
             .to_string();
         assert!(err.contains("endpoint"), "{err}");
         assert!(ServerConfig::from_toml("[replica]\nnats = 1").is_err());
+    }
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("switchyard-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_key_file_adds_one_key_a_line_skipping_blanks_and_comments() {
+        let path = write("keys", "# team a\n  sk-a  \n\n#sk-commented\nsk-b\n");
+        let mut config = ServerConfig {
+            api_keys: vec!["sk-inline".into()],
+            api_key_file: Some(path),
+            ..ServerConfig::default()
+        };
+        config.load_secret_files().unwrap();
+        assert_eq!(config.api_keys, ["sk-inline", "sk-a", "sk-b"]);
+        assert_eq!(config.api_key_file, None, "read once");
+        config.load_secret_files().unwrap();
+        assert_eq!(config.api_keys.len(), 3, "loading again adds nothing");
+    }
+
+    #[test]
+    fn single_secret_files_fill_their_settings() {
+        let mut config = ServerConfig::from_toml(&format!(
+            "admin_token_file = {:?}\nworker_api_key_file = {:?}\nmetrics_key_file = {:?}\n",
+            write("admin", "# admin\nadm-1\n"),
+            write("worker", "wk-1"),
+            write("metrics", "mk-1\n"),
+        ))
+        .unwrap();
+        config.load_secret_files().unwrap();
+        assert_eq!(config.admin_token.as_deref(), Some("adm-1"));
+        assert_eq!(config.worker_api_key.as_deref(), Some("wk-1"));
+        assert_eq!(config.metrics_key.as_deref(), Some("mk-1"));
+    }
+
+    #[test]
+    fn unreadable_empty_or_ambiguous_secret_files_are_clear_errors() {
+        let missing = std::env::temp_dir().join("switchyard-no-such-key-file");
+        let mut config = ServerConfig {
+            api_key_file: Some(missing.clone()),
+            ..ServerConfig::default()
+        };
+        let err = config.load_secret_files().unwrap_err().to_string();
+        assert!(err.contains("switchyard-no-such-key-file"), "{err}");
+
+        let mut config = ServerConfig {
+            api_key_file: Some(write("empty", "\n# nothing here\n  \n")),
+            ..ServerConfig::default()
+        };
+        let err = config.load_secret_files().unwrap_err().to_string();
+        assert!(err.contains("holds no secret"), "{err}");
+
+        let mut config = ServerConfig {
+            admin_token_file: Some(write("two-tokens", "a\nb\n")),
+            ..ServerConfig::default()
+        };
+        let err = config.load_secret_files().unwrap_err().to_string();
+        assert!(err.contains("expected one"), "{err}");
+
+        let mut config = ServerConfig {
+            api_key_file: Some(write("spaced", "sk a\n")),
+            ..ServerConfig::default()
+        };
+        let err = config.load_secret_files().unwrap_err().to_string();
+        assert!(err.contains("secret 1"), "{err}");
+        assert!(
+            !err.contains("sk a"),
+            "the error never quotes a secret: {err}"
+        );
+
+        let both = ServerConfig {
+            admin_token: Some("t".into()),
+            admin_token_file: Some(write("admin2", "t2")),
+            ..ServerConfig::default()
+        };
+        assert!(both
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("both set"));
+    }
+
+    #[test]
+    fn front_door_limits_must_be_positive() {
+        for bad in [
+            "max_connections = 0",
+            "header_read_timeout_ms = 0",
+            "body_read_timeout_ms = 0",
+            "api_keys = [\"\"]",
+            "admin_token = \"has space\"",
+        ] {
+            assert!(ServerConfig::from_toml(bad).is_err(), "{bad}");
+        }
+        let config =
+            ServerConfig::from_toml("max_connections = 5\nbody_read_timeout_ms = 100\n").unwrap();
+        assert_eq!(config.max_connections, 5);
+        assert_eq!(config.body_read_timeout_ms, 100);
     }
 }

@@ -1,6 +1,7 @@
 //! What every handler reads: the router's settings and shared parts as one
 //! [`AppState`], built once at startup.
 
+use crate::auth::Credentials;
 use crate::migration::MigrationPolicy;
 use crate::shared::SharedRouter;
 use crate::tokenize::PromptTokenizer;
@@ -35,12 +36,17 @@ pub struct AppState {
     pub hash_seed: u64,
     /// Add `x-switchyard-worker`.
     pub worker_header: bool,
-    /// Client keys (empty: none required).
-    pub api_keys: Vec<String>,
-    /// Admin token (none: admin API off).
-    pub admin_token: Option<String>,
+    /// The credentials checked from request heads.
+    pub credentials: Arc<Credentials>,
+    /// Whether the admin routes exist (an admin token is configured).
+    pub admin_api: bool,
+    /// `Authorization` sent to workers (`--worker-api-key`), marked
+    /// sensitive; the client's own is never forwarded.
+    pub worker_auth: Option<HeaderValue>,
     /// Body limit.
     pub max_body_bytes: usize,
+    /// Time from a request's head to its body's last byte.
+    pub body_read_timeout: Duration,
     /// Migration limits.
     pub migration: MigrationPolicy,
     /// Wait for a worker's headers and first event (and each next event).
@@ -67,6 +73,7 @@ impl AppState {
         let mut registry = Registry::default();
         shared.register_metrics(&mut registry);
         fleet.kv_metrics.register(&mut registry);
+        let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         Self {
             shared,
             fleet,
@@ -76,9 +83,11 @@ impl AppState {
             block_size: config.block_size,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
             worker_header: config.worker_header,
-            api_keys: config.api_keys.clone(),
-            admin_token: config.admin_token.clone(),
+            credentials,
+            admin_api: config.admin_token.is_some(),
+            worker_auth: worker_authorization(config),
             max_body_bytes: config.max_body_bytes,
+            body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
             migration: MigrationPolicy {
                 limit: config.migration_limit,
                 max_seq_len: config.migration_max_seq_len,
@@ -89,6 +98,15 @@ impl AppState {
             router_id,
         }
     }
+}
+
+/// The `Authorization` header value the router sends to workers, when
+/// `--worker-api-key` is set (marked sensitive: never logged by hyper).
+pub fn worker_authorization(config: &crate::config::ServerConfig) -> Option<HeaderValue> {
+    let key = config.worker_api_key.as_deref()?;
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
 }
 
 pub(crate) type Shared = Arc<AppState>;

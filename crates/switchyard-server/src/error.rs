@@ -60,6 +60,19 @@ impl ApiError {
         ErrorBody::too_large(limit).into()
     }
 
+    /// 408: the request body did not arrive within `after`.
+    pub fn slow_upload(after: std::time::Duration) -> Self {
+        ErrorBody::new(
+            408,
+            "timeout",
+            format!(
+                "the request body did not arrive within the router's body-read deadline of {:.1} s",
+                after.as_secs_f64()
+            ),
+        )
+        .into()
+    }
+
     /// 429: the admission queue is full.
     pub fn queue_full(retry_after_ms: u64) -> Self {
         Self::from(ErrorBody::rate_limited(

@@ -1,16 +1,20 @@
-//! Overload and shutdown for the OpenAI endpoints: a bounded in-flight
-//! count, and cancellation of whatever is still in flight when the
+//! Overload and shutdown: a bounded in-flight count over every route but
+//! the probes, and cancellation of whatever is still in flight when the
 //! shutdown deadline passes.
 //!
-//! A middleware in front of every `POST /v1/...` route takes a [`Permit`]
-//! before the body is read, or answers 503 with `Retry-After` and an
+//! A middleware takes a [`Permit`] for each request — after its credential
+//! was checked ([`crate::auth`]) and before its body is read
+//! ([`crate::upload`]) — or answers 503 with `Retry-After` and an
 //! OpenAI-style error when `max_inflight` requests are already in the
-//! router (queued, waiting for the worker or streaming). The permit lives
-//! in the response body ([`GuardedBody`]), so a streaming answer counts
-//! until its last byte. Together with the admission queue's own limit
-//! (429) this bounds the router's memory under any burst: each request
-//! holds at most its body (`max_body_bytes`), its routing facts (the
-//! prompt's token ids) and either a buffered answer
+//! router (queued, waiting for the worker, streaming, or an admin call).
+//! Only `/health`, `/ready` and `/metrics` go without one: they read no
+//! body, do bounded work, and are how an operator sees an overloaded
+//! router (the connection cap still bounds them). The permit lives in the
+//! response body ([`GuardedBody`]), so a streaming answer counts until its
+//! last byte. Together with the admission queue's own limit (429) this
+//! bounds the router's memory under any burst: each request holds at most
+//! its body (`max_body_bytes`, read within the body-read deadline), its
+//! routing facts (the prompt's token ids) and either a buffered answer
 //! (`max_response_bytes`) or a stream's buffers (one SSE event of
 //! [`crate::context::MAX_EVENT_BYTES`] plus 36 bytes a token of the
 //! migration sequence limit, see [`super::stream`]).
@@ -108,19 +112,23 @@ impl Drop for Permit {
     }
 }
 
-/// Wraps `app` so that `POST /v1/...` requests are counted, limited and
-/// cancellable (other routes — health, metrics, admin — never are, so an
-/// operator can see an overloaded router).
+/// Wraps `app` so that every request but the probes (`/health`, `/ready`,
+/// `/metrics`) is counted, limited and cancellable. `switchyard_requests_total`
+/// counts OpenAI requests (`POST /v1/...`) only.
 pub fn layer(app: axum::Router, inflight: Arc<Inflight>) -> axum::Router {
     app.layer(axum::middleware::from_fn_with_state(inflight, guard))
 }
 
 async fn guard(State(inflight): State<Arc<Inflight>>, request: Request, next: Next) -> Response {
-    if request.method() != Method::POST || !request.uri().path().starts_with("/v1/") {
+    let path = request.uri().path();
+    if matches!(path, "/health" | "/ready" | "/metrics") {
         return next.run(request).await;
     }
+    let openai = request.method() == Method::POST && path.starts_with("/v1/");
     let refuse = |error: ApiError| {
-        inflight.metrics.count_request(RequestStatus::Rejected);
+        if openai {
+            inflight.metrics.count_request(RequestStatus::Rejected);
+        }
         error.into_response()
     };
     if inflight.is_cancelled() {
@@ -134,7 +142,7 @@ async fn guard(State(inflight): State<Arc<Inflight>>, request: Request, next: Ne
     // `Cancelled`: the client went away (this future is dropped) or the
     // router shut down (the handler is dropped below). A response counts
     // its own status; a body cut later counts in its own drop.
-    let mut unanswered = CountCancelled(Some(inflight.metrics.clone()));
+    let mut unanswered = CountCancelled(openai.then(|| inflight.metrics.clone()));
     tokio::select! {
         response = next.run(request) => {
             unanswered.0 = None;
@@ -298,6 +306,45 @@ mod tests {
         let _ = call.await;
         assert_eq!(cancelled_count(&metrics), 1);
         assert_eq!(inflight.current(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_limit_covers_every_route_but_the_probes() {
+        use tower::ServiceExt as _;
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        let inflight = Inflight::new(1, metrics.clone());
+        let _held = inflight.try_acquire().expect("the one place");
+        let app = layer(
+            axum::Router::new()
+                .route("/admin/workers", axum::routing::post(|| async { "added" }))
+                .route("/v1/models", axum::routing::get(|| async { "models" }))
+                .route("/health", axum::routing::get(|| async { "ok" }))
+                .route("/ready", axum::routing::get(|| async { "ready" }))
+                .route("/metrics", axum::routing::get(|| async { "metrics" })),
+            inflight,
+        );
+        let call = |method: Method, path: &'static str| {
+            let app = app.clone();
+            async move {
+                let request = Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::empty())
+                    .unwrap();
+                app.oneshot(request).await.unwrap().status()
+            }
+        };
+        assert_eq!(call(Method::POST, "/admin/workers").await, 503);
+        assert_eq!(call(Method::GET, "/v1/models").await, 503);
+        for probe in ["/health", "/ready", "/metrics"] {
+            assert_eq!(call(Method::GET, probe).await, 200, "{probe}");
+        }
+        assert_eq!(metrics.inflight_rejected.get(), 2);
+        assert_eq!(
+            metrics.requests(RequestStatus::Rejected),
+            0,
+            "only OpenAI POSTs count in switchyard_requests_total"
+        );
     }
 
     #[test]

@@ -13,6 +13,11 @@
 //! - [`workers`] — [`workers::Fleet`]: workers, KV-event subscribers,
 //!   health checks.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
+//! - The front door, outermost first: [`accept`] — the accept loop
+//!   (connection cap, header-read timeout); [`auth`] — credentials checked
+//!   from the request head; [`inflight`] — the in-flight limit; [`upload`]
+//!   — the body read within its size limit and deadline ([`front_door`]
+//!   puts them together; nothing reads a body before the key is checked).
 //! - [`proxy`] — the HTTP handlers and the non-streaming path; `attempt` —
 //!   one request's attempts on workers (send, judge a failure, migrate).
 //! - `stream` — the streaming response body, a small state machine that
@@ -23,8 +28,8 @@
 //!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): the plane started over
 //!   NATS, peers' batches into the dispatcher.
-//! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
-//!   cancellation of what is still in flight at the shutdown deadline.
+//! - [`inflight`] — also cancels what is still in flight at the shutdown
+//!   deadline.
 //! - [`metrics`] — the router's counters and histograms
 //!   (`prometheus-client`, updated by the request path without allocating);
 //!   [`gauges`] — the routing state, snapshotted at scrape time. `/metrics`
@@ -33,7 +38,8 @@
 //! - [`error`] — OpenAI-style errors.
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
-//! Data flow: handler → tokenize → `SharedRouter::submit` (the dispatcher
+//! Data flow: accept → credential check → in-flight permit → body read →
+//! handler → tokenize → `SharedRouter::submit` (the dispatcher
 //! admits, routes and books) → upstream POST → first event (else: the
 //! worker is reported and the request migrates, still its session's turn)
 //! → `stream::MigratingStream` (first token, latencies, mid-stream resume)
@@ -42,7 +48,9 @@
 //! Modules import each other in one direction only: `proxy` → `attempt`
 //! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
 
+pub mod accept;
 mod attempt;
+pub mod auth;
 pub mod booking;
 pub mod config;
 pub mod context;
@@ -61,12 +69,12 @@ mod stream;
 #[cfg(test)]
 mod testing;
 pub mod tokenize;
+pub mod upload;
 pub mod workers;
 
 pub use config::{ServerConfig, WorkerSpec};
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt as _;
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -115,15 +123,58 @@ pub struct ServeArgs {
     /// Omit the x-switchyard-worker response header.
     #[arg(long, env = "SWITCHYARD_NO_WORKER_HEADER")]
     pub no_worker_header: bool,
-    /// Bearer token for /admin/workers (admin API off without it).
-    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN")]
+    /// Bearer token for /admin/* (without one the admin routes do not exist).
+    #[arg(
+        long,
+        env = "SWITCHYARD_ADMIN_TOKEN",
+        conflicts_with = "admin_token_file"
+    )]
     pub admin_token: Option<String>,
-    /// Client API key (Authorization: Bearer); repeat for several.
+    /// File holding the admin token (first non-blank, non-# line).
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Client API key for /v1/* (Authorization: Bearer); repeat for several.
     #[arg(long = "api-key", env = "SWITCHYARD_API_KEYS", value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    /// File of client API keys, one a line (blank lines and # comments
+    /// skipped); added to --api-key.
+    #[arg(long, env = "SWITCHYARD_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Bearer token /metrics requires [default: none, /metrics is open].
+    #[arg(
+        long,
+        env = "SWITCHYARD_METRICS_KEY",
+        conflicts_with = "metrics_key_file"
+    )]
+    pub metrics_key: Option<String>,
+    /// File holding the metrics key.
+    #[arg(long, env = "SWITCHYARD_METRICS_KEY_FILE")]
+    pub metrics_key_file: Option<PathBuf>,
+    /// Key the router sends to workers (Authorization: Bearer) on every
+    /// request, health check and probe.
+    #[arg(
+        long,
+        env = "SWITCHYARD_WORKER_API_KEY",
+        conflicts_with = "worker_api_key_file"
+    )]
+    pub worker_api_key: Option<String>,
+    /// File holding the worker key.
+    #[arg(long, env = "SWITCHYARD_WORKER_API_KEY_FILE")]
+    pub worker_api_key_file: Option<PathBuf>,
     /// Largest request body in bytes [default: 33554432].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Client connections open at once; more are closed at accept [default: 10240].
+    #[arg(long, env = "SWITCHYARD_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Time for a request head to arrive, and for an idle keep-alive
+    /// connection to send its next one, in ms [default: 10000].
+    #[arg(long, env = "SWITCHYARD_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Time for a request body to arrive after its head, in ms; a slower
+    /// upload gets a 408 [default: 30000].
+    #[arg(long, env = "SWITCHYARD_BODY_READ_TIMEOUT_MS")]
+    pub body_read_timeout_ms: Option<u64>,
     /// Milliseconds between worker health checks [default: 1000].
     #[arg(long, env = "SWITCHYARD_HEALTH_INTERVAL_MS")]
     pub health_interval_ms: Option<u64>,
@@ -213,7 +264,10 @@ impl ServeArgs {
             migration_limit,
             migration_max_seq_len,
             max_response_bytes,
-            max_inflight
+            max_inflight,
+            max_connections,
+            header_read_timeout_ms,
+            body_read_timeout_ms
         );
         if let Some(secs) = self.first_token_timeout {
             c.first_token_timeout_secs = secs;
@@ -249,8 +303,35 @@ impl ServeArgs {
         if self.no_prefill_fit {
             c.estimator.online = false;
         }
-        if self.admin_token.is_some() {
-            c.admin_token = self.admin_token.clone();
+        // A secret given by flag or environment replaces the file's,
+        // whichever form each uses.
+        for (flag, flag_file, slot, slot_file) in [
+            (
+                &self.admin_token,
+                &self.admin_token_file,
+                &mut c.admin_token,
+                &mut c.admin_token_file,
+            ),
+            (
+                &self.metrics_key,
+                &self.metrics_key_file,
+                &mut c.metrics_key,
+                &mut c.metrics_key_file,
+            ),
+            (
+                &self.worker_api_key,
+                &self.worker_api_key_file,
+                &mut c.worker_api_key,
+                &mut c.worker_api_key_file,
+            ),
+        ] {
+            if flag.is_some() || flag_file.is_some() {
+                *slot = flag.clone();
+                *slot_file = flag_file.clone();
+            }
+        }
+        if self.api_key_file.is_some() {
+            c.api_key_file = self.api_key_file.clone();
         }
         if self.tokenizer_dir.is_some() {
             c.tokenizer_dir = self.tokenizer_dir.clone();
@@ -269,6 +350,7 @@ impl ServeArgs {
         }
         self.replica.apply(&mut c.replica);
         c.validate()?;
+        c.load_secret_files()?;
         Ok(c)
     }
 }
@@ -453,6 +535,23 @@ fn sequence_expiry_ms(config: &ServerConfig) -> f64 {
     (config.request_timeout_secs * 1e3 + MARGIN_MS).max(SequencesConfig::default().expiry_ms)
 }
 
+/// Whether the router would serve anyone who can reach `addr`: it listens
+/// beyond loopback and requires no client key (warned about at startup).
+fn open_beyond_loopback(addr: SocketAddr, config: &ServerConfig) -> bool {
+    !addr.ip().is_loopback() && config.api_keys.is_empty()
+}
+
+/// The router's app as it is served: the credential check first (from the
+/// head: a refused request costs nothing more), then the in-flight limit,
+/// then the routes, each reading its body within its limit and deadline.
+pub fn front_door(
+    state: &Arc<context::AppState>,
+    inflight: Arc<inflight::Inflight>,
+) -> axum::Router {
+    let routes = inflight::layer(proxy::routes(state.clone()), inflight);
+    auth::layer(routes, state.credentials.clone())
+}
+
 /// Starts the router: binds, adds the workers, starts health checks and
 /// the admission ticker.
 pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
@@ -470,10 +569,11 @@ pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
 
 /// [`start`] with a given tokenizer (shared between in-process routers).
 pub async fn start_with_tokenizer(
-    config: ServerConfig,
+    mut config: ServerConfig,
     tokenizer: Arc<dyn tokenize::PromptTokenizer>,
 ) -> anyhow::Result<RunningServer> {
     config.validate()?;
+    config.load_secret_files()?;
     let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
     let shared = Arc::new(build_shared(&config, metrics.clone())?);
     let inflight = inflight::Inflight::new(config.max_inflight, metrics);
@@ -487,14 +587,17 @@ pub async fn start_with_tokenizer(
     };
     let client = workers::upstream_client(Duration::from_millis(config.connect_timeout_ms));
     let interval = Duration::from_millis(config.health_interval_ms);
-    let fleet = Arc::new(workers::Fleet::new(
-        shared.clone(),
-        client.clone(),
-        config.uses_events(),
-        config.block_size,
-        config.health_failures,
-        interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
-    ));
+    let fleet = Arc::new(
+        workers::Fleet::new(
+            shared.clone(),
+            client.clone(),
+            config.uses_events(),
+            config.block_size,
+            config.health_failures,
+            interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
+        )
+        .with_worker_auth(context::worker_authorization(&config)),
+    );
     for spec in &config.workers {
         fleet
             .add(spec)
@@ -519,22 +622,22 @@ pub async fn start_with_tokenizer(
         .await
         .with_context(|| format!("binding {addr}"))?;
     let addr = listener.local_addr()?;
-    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's
-    // algorithm holds each one until the client ACKs the previous, and a
-    // client on a reused connection got its 2nd..30th tokens in one burst
-    // about 45 ms late (the client's delayed ACK).
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let app = inflight::layer(proxy::app(state), inflight.clone());
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    if open_beyond_loopback(addr, &config) {
+        tracing::warn!(%addr, "listening beyond loopback with no API key: anyone who can reach this address can use the workers (set --api-key or --api-key-file)");
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let app = front_door(&state, inflight.clone());
+    let limits = accept::ConnectionLimits {
+        max_connections: config.max_connections,
+        header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+    };
+    let task = tokio::spawn(accept::serve(
+        listener,
+        app,
+        limits,
+        shared.metrics().clone(),
+        stopped,
+    ));
     let health = tokio::spawn(fleet.clone().run_health_checks(interval));
     let ticker_state = shared.clone();
     let ticker = tokio::spawn(async move {
@@ -558,4 +661,104 @@ pub async fn start_with_tokenizer(
         replica: replica_plane,
         inflight,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn config(args: &[&str]) -> anyhow::Result<ServerConfig> {
+        let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))?;
+        cli.serve.to_config()
+    }
+
+    fn scratch(name: &str, text: &str) -> String {
+        let dir =
+            std::env::temp_dir().join(format!("switchyard-serve-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn secret_flags_and_files_fill_the_config_and_a_flag_replaces_the_files_form() {
+        let keys = scratch("keys", "# clients\nsk-1\nsk-2\n");
+        let token = scratch("token", "adm-file\n");
+        let toml = scratch(
+            "serve.toml",
+            "admin_token = \"adm-toml\"\nworker_api_key = \"wk-toml\"\n",
+        );
+        let c = config(&[
+            "--config",
+            &toml,
+            "--api-key",
+            "sk-0",
+            "--api-key-file",
+            &keys,
+            "--admin-token-file",
+            &token,
+            "--max-connections",
+            "7",
+            "--header-read-timeout-ms",
+            "100",
+            "--body-read-timeout-ms",
+            "200",
+        ])
+        .unwrap();
+        assert_eq!(c.api_keys, ["sk-0", "sk-1", "sk-2"]);
+        assert_eq!(c.admin_token.as_deref(), Some("adm-file"));
+        assert_eq!(c.worker_api_key.as_deref(), Some("wk-toml"));
+        assert_eq!(c.metrics_key, None);
+        assert_eq!(
+            (
+                c.max_connections,
+                c.header_read_timeout_ms,
+                c.body_read_timeout_ms
+            ),
+            (7, 100, 200)
+        );
+        assert!(
+            config(&["--admin-token", "a", "--admin-token-file", &token]).is_err(),
+            "one form per secret on the command line"
+        );
+        let err = config(&["--api-key-file", "/nonexistent/keys"]).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/keys"), "{err}");
+    }
+
+    #[test]
+    fn listening_beyond_loopback_without_a_key_is_flagged() {
+        let open = ServerConfig::default();
+        let keyed = ServerConfig {
+            api_keys: vec!["sk".into()],
+            ..ServerConfig::default()
+        };
+        for (addr, beyond) in [
+            ("0.0.0.0:8080", true),
+            ("10.1.2.3:8080", true),
+            ("[::]:8080", true),
+            ("127.0.0.1:8080", false),
+            ("[::1]:8080", false),
+        ] {
+            let addr: SocketAddr = addr.parse().unwrap();
+            assert_eq!(open_beyond_loopback(addr, &open), beyond, "{addr}");
+            assert!(!open_beyond_loopback(addr, &keyed), "{addr} with a key");
+        }
+    }
+
+    #[test]
+    fn the_front_door_defaults_are_the_documented_ones() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.max_connections, 10_240);
+        assert_eq!(c.header_read_timeout_ms, 10_000);
+        assert_eq!(c.body_read_timeout_ms, 30_000);
+        assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
+    }
 }

@@ -101,6 +101,37 @@ impl AdmissionDecision {
     }
 }
 
+/// What a refused credential was for, as the `scope` label of
+/// `switchyard_auth_failures_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthScope {
+    /// A client API key, on `/v1/*`.
+    Client,
+    /// The admin token, on `/admin/*`.
+    Admin,
+    /// The metrics key, on `/metrics`.
+    Metrics,
+}
+
+impl AuthScope {
+    /// Every scope, in declaration order (an index is `as usize`).
+    pub const ALL: [AuthScope; 3] = [AuthScope::Client, AuthScope::Admin, AuthScope::Metrics];
+
+    /// Its `scope` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            AuthScope::Client => "client",
+            AuthScope::Admin => "admin",
+            AuthScope::Metrics => "metrics",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScopeLabels {
+    scope: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
     policy: &'static str,
@@ -134,6 +165,9 @@ pub struct ServerMetrics {
     migrations_by_reason: Family<ReasonLabels, Counter>,
     /// Handles, indexed by [`Failure::index`].
     migrations: [Counter; Failure::ALL.len()],
+    auth_failures_by_scope: Family<ScopeLabels, Counter>,
+    /// Handles, indexed by `AuthScope as usize`.
+    auth_failures: [Counter; AuthScope::ALL.len()],
     /// Arrival to first body byte from the worker.
     pub ttft: Histogram,
     /// Between consecutive streamed chunks.
@@ -155,13 +189,26 @@ pub struct ServerMetrics {
     pub request_timeouts: Counter,
     /// KV events from a subscriber whose worker left the router since.
     pub stale_kv_events: Counter,
-    /// `POST /v1/...` requests holding an in-flight permit; the in-flight
-    /// limiter counts in this gauge's atomic ([`crate::inflight`]).
+    /// Requests holding an in-flight permit (every route but the probes);
+    /// the in-flight limiter counts in this gauge's atomic
+    /// ([`crate::inflight`]).
     pub inflight: CountGauge,
     /// The in-flight limit (`--max-inflight`).
     pub inflight_limit: CountGauge,
     /// Requests refused at the in-flight limit (503).
     pub inflight_rejected: Counter,
+    /// Request bodies cut at the body-read deadline (408).
+    pub slow_uploads: Counter,
+    /// Client connections open now ([`crate::accept`]).
+    pub connections_open: CountGauge,
+    /// The connection cap (`--max-connections`).
+    pub connections_limit: CountGauge,
+    /// Connections closed at accept because the cap was reached.
+    pub connections_refused: Counter,
+    /// Connections closed because a request head (or the next one on an
+    /// idle keep-alive connection) did not arrive within the header-read
+    /// timeout.
+    pub header_read_timeouts: Counter,
 }
 
 impl ServerMetrics {
@@ -194,8 +241,18 @@ impl ServerMetrics {
                 })
                 .clone()
         });
+        let auth_failures_by_scope = Family::<ScopeLabels, Counter>::default();
+        let auth_failures = AuthScope::ALL.map(|scope| {
+            auth_failures_by_scope
+                .get_or_create(&ScopeLabels {
+                    scope: scope.label(),
+                })
+                .clone()
+        });
         let latency = || Histogram::new(LATENCY_BUCKETS);
         Self {
+            auth_failures_by_scope,
+            auth_failures,
             requests_by_status,
             requests,
             admissions_by_decision,
@@ -214,7 +271,22 @@ impl ServerMetrics {
             inflight: CountGauge::default(),
             inflight_limit: CountGauge::default(),
             inflight_rejected: Counter::default(),
+            slow_uploads: Counter::default(),
+            connections_open: CountGauge::default(),
+            connections_limit: CountGauge::default(),
+            connections_refused: Counter::default(),
+            header_read_timeouts: Counter::default(),
         }
+    }
+
+    /// Counts a request refused for a missing or wrong credential.
+    pub fn count_auth_failure(&self, scope: AuthScope) {
+        self.auth_failures[scope as usize].inc();
+    }
+
+    /// Refusals counted with `scope`.
+    pub fn auth_failures(&self, scope: AuthScope) -> u64 {
+        self.auth_failures[scope as usize].get()
     }
 
     /// Counts a finished request.
@@ -324,6 +396,36 @@ impl ServerMetrics {
             "Requests refused with 503 at the in-flight limit",
             self.inflight_rejected.clone(),
         );
+        registry.register(
+            "switchyard_auth_failures",
+            "Requests refused with 401 for a missing or wrong credential, by scope (client, admin, metrics); no body byte of them was read",
+            self.auth_failures_by_scope.clone(),
+        );
+        registry.register(
+            "switchyard_slow_uploads",
+            "Request bodies cut with 408 at the body-read deadline (--body-read-timeout-ms)",
+            self.slow_uploads.clone(),
+        );
+        registry.register(
+            "switchyard_connections_open",
+            "Client connections open now",
+            self.connections_open.clone(),
+        );
+        registry.register(
+            "switchyard_connections_limit",
+            "The connection cap (--max-connections)",
+            self.connections_limit.clone(),
+        );
+        registry.register(
+            "switchyard_connections_refused",
+            "Connections closed at accept because the connection cap was reached",
+            self.connections_refused.clone(),
+        );
+        registry.register(
+            "switchyard_header_read_timeouts",
+            "Connections closed because a request head did not arrive within --header-read-timeout-ms (idle keep-alive connections included)",
+            self.header_read_timeouts.clone(),
+        );
     }
 }
 
@@ -380,6 +482,7 @@ mod tests {
         assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"ok\"} 0\n"));
         assert!(out.contains("switchyard_migrations_total{reason=\"midstream\"} 0\n"));
         assert!(out.contains("switchyard_admission_decisions_total{decision=\"queued\"} 0\n"));
+        assert!(out.contains("switchyard_auth_failures_total{scope=\"admin\"} 0\n"));
     }
 
     #[test]
@@ -389,7 +492,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 15, "{out}");
+        assert_eq!(families.len(), 21, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -442,6 +545,14 @@ mod tests {
                 m.migrations_exhausted.inc();
                 m.inflight.inc();
                 m.inflight.dec();
+                for scope in AuthScope::ALL {
+                    m.count_auth_failure(scope);
+                }
+                m.slow_uploads.inc();
+                m.connections_open.inc();
+                m.connections_open.dec();
+                m.connections_refused.inc();
+                m.header_read_timeouts.inc();
                 replica.published.inc_by(3);
                 replica.dropped.inc();
             }

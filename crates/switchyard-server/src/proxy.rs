@@ -1,8 +1,9 @@
 //! The HTTP surface: OpenAI endpoints proxied to the chosen worker, the
 //! operational endpoints and the admin API.
 //!
-//! One request: check the key → read the body (limit) → parse only the
-//! fields routing needs → tokenize (chat template for chat) → block hashes
+//! One request: the key was checked from its head ([`crate::auth`]) and
+//! its body read whole within its limit and deadline ([`crate::upload`])
+//! before a handler runs → parse only the fields routing needs → tokenize (chat template for chat) → block hashes
 //! → admission and selection ([`SharedRouter::submit`]) → forward the
 //! client's bytes unchanged to the worker → wait for its first event
 //! (streaming) or its whole answer (non-streaming, buffered up to
@@ -21,6 +22,7 @@ use super::metrics::RequestStatus;
 use super::migration::{Failure, Phase, Progress};
 use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::INLINE_CHARS;
+use super::upload::UploadLimits;
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -34,6 +36,7 @@ use hyper::body::Incoming;
 use prometheus_client::encoding::prometheus_text;
 use serde::Deserialize;
 use serde_json::Value;
+use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
@@ -42,42 +45,41 @@ use switchyard_wire::openai::{
 };
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
-/// The axum router for `state`.
+/// The axum router for `state`: [`routes`] behind the credential check
+/// ([`crate::auth`]). The server adds the in-flight limit between the two
+/// ([`crate::front_door`]).
 pub fn app(state: Shared) -> AxumRouter {
+    let credentials = state.credentials.clone();
+    super::auth::layer(routes(state), credentials)
+}
+
+/// The routes, each `POST` body read whole within its limit and deadline
+/// ([`crate::upload`]) before its handler runs. The admin routes exist only
+/// while an admin token is configured.
+pub fn routes(state: Shared) -> AxumRouter {
     let limit = state.max_body_bytes;
-    AxumRouter::new()
+    let uploads = Arc::new(UploadLimits {
+        max_bytes: limit,
+        deadline: state.body_read_timeout,
+        metrics: state.shared.metrics().clone(),
+    });
+    let mut routes = AxumRouter::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .route("/admin/workers", get(admin_list).post(admin_add))
-        .route("/admin/workers/{name}", delete(admin_remove))
-        .fallback(|| async { ApiError::not_found("no such route", None) })
+        .route("/metrics", get(metrics));
+    if state.admin_api {
+        routes = routes
+            .route("/admin/workers", get(admin_list).post(admin_add))
+            .route("/admin/workers/{name}", delete(admin_remove));
+    }
+    let routes = super::upload::route_layer(routes, uploads);
+    routes
+        .fallback(no_route)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
-}
-
-fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if state.api_keys.is_empty() {
-        return Ok(());
-    }
-    let given = bearer(headers).ok_or_else(ApiError::unauthorized)?;
-    if state.api_keys.iter().any(|k| k == given) {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized())
-    }
-}
-
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
 }
 
 fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
@@ -174,7 +176,6 @@ async fn chat_completions(
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
-        check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
         let parsed: ChatCompletionRequest = parse(&body)?;
         let messages = chat_messages(parsed.messages)?;
@@ -198,7 +199,6 @@ async fn completions(
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
-        check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
         let parsed: CompletionRequest = parse(&body)?;
         // A batch is routed by its first prompt: one worker serves it all.
@@ -502,8 +502,20 @@ async fn buffered(
     }
 }
 
-async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
-    check_key(&state, &headers)?;
+/// 404 for a path no route matches (its body is never read).
+async fn no_route(State(state): State<Shared>, uri: axum::http::Uri) -> ApiError {
+    let admin = uri.path() == "/admin" || uri.path().starts_with("/admin/");
+    if admin && !state.admin_api {
+        ApiError::not_found(
+            "no such route: the admin API is off (start the router with --admin-token)",
+            None,
+        )
+    } else {
+        ApiError::not_found("no such route", None)
+    }
+}
+
+async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
     let mut names: Vec<String> = state
         .shared
         .workers()
@@ -542,19 +554,7 @@ async fn metrics(State(state): State<Shared>) -> Response {
     }
 }
 
-fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match &state.admin_token {
-        None => Err(ApiError::not_found(
-            "the admin API is off (start the router with --admin-token)",
-            None,
-        )),
-        Some(token) if bearer(headers) == Some(token.as_str()) => Ok(()),
-        Some(_) => Err(ApiError::unauthorized()),
-    }
-}
-
-async fn admin_list(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
+async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
     let list: Vec<Value> = state
         .shared
         .workers()
@@ -575,10 +575,8 @@ async fn admin_list(State(state): State<Shared>, headers: HeaderMap) -> Result<R
 
 async fn admin_add(
     State(state): State<Shared>,
-    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
     let body = body_bytes(body, state.max_body_bytes)?;
     let spec: WorkerSpec = parse(&body)?;
     state
@@ -602,11 +600,9 @@ struct RemoveQuery {
 
 async fn admin_remove(
     State(state): State<Shared>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     Query(query): Query<RemoveQuery>,
 ) -> Result<Response, ApiError> {
-    check_admin(&state, &headers)?;
     if state.fleet.remove(&name, query.drain) {
         Ok(StatusCode::NO_CONTENT.into_response())
     } else {
@@ -680,11 +676,16 @@ mod tests {
         }
     }
 
+    /// The request heads a test worker received.
+    type Heads = Arc<Mutex<Vec<String>>>;
+
     /// A worker on a real loopback socket that answers every request with
-    /// `body` (one connection at a time).
-    async fn worker(body: &'static str) -> String {
+    /// `body` (one connection at a time) and records each request's head.
+    async fn worker(body: &'static str) -> (String, Heads) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
+        let heads = Heads::default();
+        let record = heads.clone();
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let mut seen = Vec::new();
@@ -707,6 +708,7 @@ mod tests {
                             })
                             .unwrap_or(0);
                         if seen.len() >= end + 4 + length {
+                            record.lock().unwrap().push(text[..end].to_owned());
                             break;
                         }
                     }
@@ -718,27 +720,22 @@ mod tests {
                 let _ = socket.write_all(answer.as_bytes()).await;
             }
         });
-        url
+        (url, heads)
     }
 
-    #[tokio::test]
-    async fn a_non_streaming_answer_completes_with_prompt_plus_completion_tokens() {
-        let url = worker(
-            r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#,
-        )
-        .await;
-        let config = ServerConfig::default();
-        let events: Arc<Mutex<Vec<String>>> = Arc::default();
-        let strategy = Recorder {
-            events: events.clone(),
-        };
-        let dispatcher =
-            Dispatcher::new(crate::dispatcher_config(&config), Some(Box::new(strategy))).unwrap();
+    /// The state of a router configured by `config` whose one worker, at
+    /// `url`, is in selection; `strategy` admits.
+    fn state_with_worker(
+        config: &ServerConfig,
+        url: &str,
+        strategy: Box<dyn AdmissionStrategy + Send>,
+    ) -> (Shared, Arc<SharedRouter>) {
+        let dispatcher = Dispatcher::new(crate::dispatcher_config(config), Some(strategy)).unwrap();
         let shared = Arc::new(SharedRouter::new(
             dispatcher,
             Arc::new(ServerMetrics::new(config.policy.name())),
         ));
-        let id = shared.add_worker("w", &url).unwrap();
+        let id = shared.add_worker("w", url).unwrap();
         shared.set_in_router(id, true);
         let client = upstream_client(Duration::from_secs(1));
         let fleet = Arc::new(Fleet::new(
@@ -750,13 +747,27 @@ mod tests {
             Duration::from_secs(1),
         ));
         let state = Arc::new(AppState::new(
-            &config,
+            config,
             shared.clone(),
             fleet,
             client,
             Arc::new(NoText),
             None,
         ));
+        (state, shared)
+    }
+
+    const ANSWER: &str = r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#;
+
+    #[tokio::test]
+    async fn a_non_streaming_answer_completes_with_prompt_plus_completion_tokens() {
+        let (url, _) = worker(ANSWER).await;
+        let config = ServerConfig::default();
+        let events: Arc<Mutex<Vec<String>>> = Arc::default();
+        let strategy = Recorder {
+            events: events.clone(),
+        };
+        let (state, shared) = state_with_worker(&config, &url, Box::new(strategy));
         let request = axum::http::Request::post("/v1/completions")
             .header("content-type", "application/json")
             .body(Body::from(
@@ -773,6 +784,55 @@ mod tests {
             "the session's context grows by the answer's completion tokens"
         );
         assert_eq!(shared.total_active_requests(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_worker_gets_the_routers_key_and_never_the_clients() {
+        let (url, heads) = worker(ANSWER).await;
+        let config = ServerConfig {
+            api_keys: vec!["sk-client".into()],
+            worker_api_key: Some("wk-router".into()),
+            ..ServerConfig::default()
+        };
+        let (state, _) = state_with_worker(&config, &url, Box::new(Recorder::default()));
+        let request = axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-client")
+            .body(Body::from(r#"{"prompt":[1,2,3,4],"max_tokens":7}"#))
+            .unwrap();
+        let response = app(state).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let heads = heads.lock().unwrap();
+        assert_eq!(heads.len(), 1);
+        let head = heads[0].to_ascii_lowercase();
+        assert_eq!(
+            head.matches("authorization:").count(),
+            1,
+            "one credential: {head}"
+        );
+        assert!(head.contains("authorization: bearer wk-router"), "{head}");
+        assert!(
+            !head.contains("sk-client"),
+            "the client's key leaked: {head}"
+        );
+    }
+
+    #[tokio::test]
+    async fn without_an_admin_token_the_admin_routes_do_not_exist() {
+        let (url, _) = worker(ANSWER).await;
+        for (token, expected) in [(None, StatusCode::NOT_FOUND), (Some("adm"), StatusCode::OK)] {
+            let config = ServerConfig {
+                admin_token: token.map(str::to_owned),
+                ..ServerConfig::default()
+            };
+            let (state, _) = state_with_worker(&config, &url, Box::new(Recorder::default()));
+            let request = axum::http::Request::get("/admin/workers")
+                .header("authorization", "Bearer adm")
+                .body(Body::empty())
+                .unwrap();
+            let response = app(state).oneshot(request).await.unwrap();
+            assert_eq!(response.status(), expected, "admin token {token:?}");
+        }
     }
 
     #[test]

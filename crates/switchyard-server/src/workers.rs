@@ -20,6 +20,7 @@ use super::config::WorkerSpec;
 use super::shared::SharedRouter;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::header::HeaderValue;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use std::collections::HashMap;
@@ -61,6 +62,8 @@ pub struct Fleet {
     block_size: u32,
     health_failures: u32,
     health_timeout: Duration,
+    /// `Authorization` for health checks and probes (`--worker-api-key`).
+    worker_auth: Option<HeaderValue>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -90,7 +93,15 @@ impl Fleet {
             block_size,
             health_failures,
             health_timeout,
+            worker_auth: None,
         }
+    }
+
+    /// The same fleet, sending `auth` as `Authorization` on its health
+    /// checks and probes.
+    pub fn with_worker_auth(mut self, auth: Option<HeaderValue>) -> Self {
+        self.worker_auth = auth;
+        self
     }
 
     /// Registers a worker; it enters selection (and its KV-event
@@ -262,9 +273,11 @@ impl Fleet {
 
     /// GET `url` + `path`; the body when the status is 2xx within the timeout.
     async fn get(&self, url: &str, path: &str) -> Option<Bytes> {
-        let request = hyper::Request::get(format!("{url}{path}"))
-            .body(Full::new(Bytes::new()))
-            .ok()?;
+        let mut request = hyper::Request::get(format!("{url}{path}"));
+        if let Some(auth) = &self.worker_auth {
+            request = request.header(hyper::header::AUTHORIZATION, auth.clone());
+        }
+        let request = request.body(Full::new(Bytes::new())).ok()?;
         let fetch = async {
             let response = self.client.request(request).await.ok()?;
             if !response.status().is_success() {

@@ -76,6 +76,35 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// `app` requiring `Authorization: Bearer KEY` (`--api-key`) on every
+/// route but `/metrics`, as an engine started with an API key does: a
+/// missing or wrong key gets a 401 before the body is read.
+pub fn require_key(app: Router, key: &str) -> Router {
+    let key: Arc<[u8]> = key.as_bytes().into();
+    app.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let key = key.clone();
+            async move {
+                use subtle::ConstantTimeEq as _;
+                let given = request
+                    .headers()
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                    .map(<[u8]>::trim_ascii);
+                let ok = given.is_some_and(|g| bool::from(g.ct_eq(&key)));
+                if ok || request.uri().path() == "/metrics" {
+                    next.run(request).await
+                } else {
+                    ApiError::from(ErrorBody::authentication(
+                        "invalid or missing API key (Authorization: Bearer ...)",
+                    ))
+                    .into_response()
+                }
+            }
+        },
+    ))
+}
+
 /// An OpenAI-style error reply: the wire body and the status its `code`
 /// names.
 #[derive(Debug)]

@@ -120,6 +120,9 @@ pub struct SimWorkerArgs {
     /// Replica-sync endpoint; must match the routers'.
     #[arg(long, alias = "endpoint", default_value = "generate")]
     pub replica_endpoint: String,
+    /// Require this key (Authorization: Bearer) on every route but /metrics.
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 impl SimWorkerArgs {
@@ -256,7 +259,11 @@ async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, http::router(state))
+    let app = match &args.api_key {
+        Some(key) => http::require_key(http::router(state), key),
+        None => http::router(state),
+    };
+    axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })

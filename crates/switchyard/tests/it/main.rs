@@ -23,4 +23,5 @@ mod serve_migration;
 mod serve_reliability;
 mod serve_replica_sync;
 mod serve_routing;
+mod serve_security;
 mod sim_worker;

@@ -1,0 +1,131 @@
+//! The router's accept loop: hyper's HTTP/1 server on each connection, with
+//! the bounds `axum::serve` does not offer.
+//!
+//! - A connection cap (`--max-connections`): a connection accepted while
+//!   the cap is reached is closed at once, before any byte of it is read,
+//!   and counted (`switchyard_connections_refused_total`). Closing rather
+//!   than leaving it in the kernel's backlog tells the client now (it may
+//!   retry another replica) and costs nothing to hold.
+//! - A header-read timeout (`--header-read-timeout-ms`): a request head
+//!   must arrive within it, and an idle keep-alive connection is closed
+//!   after it (`switchyard_header_read_timeouts_total`).
+//! - `TCP_NODELAY` on every connection: streamed tokens are small writes,
+//!   and Nagle's algorithm would hold each one for the client's delayed ACK.
+//! - Graceful shutdown: once stopped, the loop accepts nothing more, idle
+//!   connections close, and it returns when every open request has ended.
+//!
+//! The body-read deadline is per request, in [`crate::upload`].
+
+use super::metrics::ServerMetrics;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+/// Largest read buffer of one connection, so the largest request head
+/// (hyper's default is about 400 KiB). An open connection costs at most
+/// this much for reading, whatever its client sends.
+pub const READ_BUFFER_BYTES: usize = 64 * 1024;
+
+/// The per-connection bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Time for a request head to arrive (and for an idle connection to
+    /// send its next one).
+    pub header_read_timeout: Duration,
+}
+
+/// Serves `app` on `listener` until `stop` turns true, then waits for the
+/// open requests to end (the caller bounds that wait).
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ConnectionLimits,
+    metrics: Arc<ServerMetrics>,
+    mut stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let max = limits.max_connections.max(1);
+    metrics.connections_limit.set(max as u64);
+    let slots = Arc::new(Semaphore::new(max));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(READ_BUFFER_BYTES)
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    // Also ends when the sender is dropped.
+    let stopped = async move { stop.wait_for(|stopped| *stopped).await.is_ok() };
+    tokio::pin!(stopped);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _peer)) => tcp,
+                Err(e) => {
+                    accept_failed(e).await;
+                    continue;
+                }
+            },
+            _ = &mut stopped => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            metrics.connections_refused.inc();
+            drop(tcp);
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let connection =
+            http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let connection = graceful.watch(connection);
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let _open = OpenConnection::new(&metrics);
+            if let Err(e) = connection.await {
+                if e.is_timeout() {
+                    metrics.header_read_timeouts.inc();
+                }
+                // Clients that go away mid-request are routine.
+                tracing::debug!(error = %e, "client connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// Counts a connection in `switchyard_connections_open` while it lives.
+struct OpenConnection<'a>(&'a ServerMetrics);
+
+impl<'a> OpenConnection<'a> {
+    fn new(metrics: &'a ServerMetrics) -> Self {
+        metrics.connections_open.inc();
+        Self(metrics)
+    }
+}
+
+impl Drop for OpenConnection<'_> {
+    fn drop(&mut self) {
+        self.0.connections_open.dec();
+    }
+}
+
+/// After a failed accept: a connection that died in the backlog is
+/// skipped; anything else (out of file descriptors, most often) is logged
+/// and the loop pauses, so it does not spin while nothing can be accepted.
+async fn accept_failed(e: std::io::Error) {
+    use std::io::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset | ErrorKind::ConnectionRefused
+    ) {
+        return;
+    }
+    tracing::warn!(error = %e, "accepting a connection failed; pausing 100 ms");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}

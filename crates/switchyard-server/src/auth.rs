@@ -1,0 +1,332 @@
+//! Who may ask what, decided from the request head alone: the outermost
+//! middleware checks the bearer credential a path needs before any later
+//! layer runs, so a refused request costs its head and nothing more — no
+//! body byte is read, no in-flight permit taken, nothing tokenized.
+//!
+//! | path | credential | when none is configured |
+//! |---|---|---|
+//! | `/v1/*` | a client API key (`--api-key`, `--api-key-file`) | open |
+//! | `/admin/*` | the admin token (`--admin-token`, `--admin-token-file`) | the routes do not exist (404) |
+//! | `/metrics` | the metrics key (`--metrics-key`, `--metrics-key-file`) | open |
+//! | `/health`, `/ready` | none | open |
+//!
+//! Secrets are compared in constant time ([`subtle`]); a comparison
+//! reveals at most a secret's length. Every refusal is a 401 with
+//! `WWW-Authenticate: Bearer` and is counted by scope
+//! (`switchyard_auth_failures_total`).
+
+use super::error::ApiError;
+use super::metrics::{AuthScope, RequestStatus, ServerMetrics};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+use subtle::ConstantTimeEq as _;
+use switchyard_wire::openai::ErrorBody;
+
+/// A bearer secret. Its `Debug` never shows it.
+#[derive(Clone)]
+pub struct Secret(Box<[u8]>);
+
+impl Secret {
+    /// The secret `text`.
+    pub fn new(text: &str) -> Self {
+        Self(text.as_bytes().into())
+    }
+
+    /// Whether `given` is this secret, in time that depends on the lengths
+    /// only.
+    pub fn matches(&self, given: &[u8]) -> bool {
+        self.0.as_ref().ct_eq(given).into()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// Whether `given` is any of `keys`: every key is compared, so the time
+/// does not tell which one (or whether an early one) matched.
+pub fn any_matches(keys: &[Secret], given: &[u8]) -> bool {
+    keys.iter()
+        .fold(subtle::Choice::from(0), |found, key| {
+            found | key.0.as_ref().ct_eq(given)
+        })
+        .into()
+}
+
+/// The token of an `Authorization: Bearer TOKEN` header (scheme matched
+/// without case, surrounding spaces trimmed).
+pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = value.split_at_checked(7)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
+    Some(token.trim_ascii())
+}
+
+/// The credentials the router checks, built once at startup.
+#[derive(Debug)]
+pub struct Credentials {
+    client: Vec<Secret>,
+    admin: Option<Secret>,
+    metrics_key: Option<Secret>,
+    metrics: Arc<ServerMetrics>,
+}
+
+impl Credentials {
+    /// The credentials of `config` (secret files already read); refusals
+    /// are counted in `metrics`.
+    pub fn new(config: &crate::ServerConfig, metrics: Arc<ServerMetrics>) -> Self {
+        Self {
+            client: config.api_keys.iter().map(|k| Secret::new(k)).collect(),
+            admin: config.admin_token.as_deref().map(Secret::new),
+            metrics_key: config.metrics_key.as_deref().map(Secret::new),
+            metrics,
+        }
+    }
+
+    /// What a request to `path` must present, if anything: the scope and
+    /// the secrets any one of which will do.
+    fn required(&self, path: &str) -> Option<(AuthScope, &[Secret])> {
+        if path.starts_with("/v1/") && !self.client.is_empty() {
+            Some((AuthScope::Client, &self.client))
+        } else if path == "/admin" || path.starts_with("/admin/") {
+            // Without a token the admin routes do not exist: the router's
+            // fallback answers 404, also without reading the body.
+            self.admin
+                .as_ref()
+                .map(|t| (AuthScope::Admin, std::slice::from_ref(t)))
+        } else if path == "/metrics" {
+            self.metrics_key
+                .as_ref()
+                .map(|k| (AuthScope::Metrics, std::slice::from_ref(k)))
+        } else {
+            None
+        }
+    }
+
+    /// Whether a request with `headers` may go to `path`: `Err` names
+    /// the credential it lacks. A refusal is counted (and, for an OpenAI
+    /// `POST`, counted as an invalid request like any other 4xx the router
+    /// answers itself).
+    pub fn admits(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<(), AuthScope> {
+        let Some((scope, secrets)) = self.required(path) else {
+            return Ok(());
+        };
+        if bearer(headers).is_some_and(|given| any_matches(secrets, given)) {
+            return Ok(());
+        }
+        self.metrics.count_auth_failure(scope);
+        if scope == AuthScope::Client && method == Method::POST {
+            self.metrics.count_request(RequestStatus::Invalid);
+        }
+        Err(scope)
+    }
+}
+
+/// Wraps `app` so that every request is checked by [`Credentials::admits`]
+/// before anything else of `app` runs; apply it last (outermost).
+pub fn layer(app: axum::Router, credentials: Arc<Credentials>) -> axum::Router {
+    app.layer(axum::middleware::from_fn_with_state(credentials, check))
+}
+
+async fn check(
+    State(credentials): State<Arc<Credentials>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Err(scope) = credentials.admits(request.method(), request.uri().path(), request.headers())
+    else {
+        return next.run(request).await;
+    };
+    // The body is dropped unread with the request; hyper then closes the
+    // connection rather than drain an upload nobody asked for.
+    drop(request);
+    let error = match scope {
+        AuthScope::Client => ApiError::unauthorized(),
+        AuthScope::Admin => ApiError::from(ErrorBody::authentication(
+            "invalid or missing admin token (Authorization: Bearer ...)",
+        )),
+        AuthScope::Metrics => ApiError::from(ErrorBody::authentication(
+            "invalid or missing metrics key (Authorization: Bearer ...)",
+        )),
+    };
+    let mut response = error.into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::StatusCode;
+    use bytes::Bytes;
+    use http_body::Frame;
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Poll};
+    use tower::ServiceExt as _;
+
+    #[test]
+    fn a_secret_matches_itself_only() {
+        let s = Secret::new("sk-good");
+        assert!(s.matches(b"sk-good"));
+        assert!(!s.matches(b"sk-goo"));
+        assert!(!s.matches(b"sk-good!"));
+        assert!(!s.matches(b"sk-bad!"));
+        assert!(!s.matches(b""));
+        assert_eq!(format!("{s:?}"), "Secret(..)", "Debug hides the secret");
+    }
+
+    #[test]
+    fn any_of_several_keys_matches_and_none_of_them_is_refused() {
+        let keys = [
+            Secret::new("a-1"),
+            Secret::new("b-22"),
+            Secret::new("c-333"),
+        ];
+        for given in ["a-1", "b-22", "c-333"] {
+            assert!(any_matches(&keys, given.as_bytes()), "{given}");
+        }
+        assert!(!any_matches(&keys, b"d-4444"));
+        assert!(!any_matches(&[], b"a-1"));
+    }
+
+    #[test]
+    fn the_bearer_token_is_read_from_the_header() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+            h
+        };
+        assert_eq!(bearer(&with("Bearer sk-1")), Some(&b"sk-1"[..]));
+        assert_eq!(bearer(&with("bearer  sk-1 ")), Some(&b"sk-1"[..]));
+        assert_eq!(bearer(&with("Basic c2stMQ==")), None);
+        assert_eq!(bearer(&with("Bearer")), None);
+        assert_eq!(bearer(&HeaderMap::new()), None);
+    }
+
+    /// A request body that records whether anyone polled it.
+    struct Untouchable(Arc<AtomicBool>);
+
+    impl http_body::Body for Untouchable {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.store(true, Ordering::SeqCst);
+            Poll::Pending
+        }
+    }
+
+    /// An app whose every route reads its whole body, behind [`layer`].
+    fn guarded(config: &crate::ServerConfig, metrics: Arc<ServerMetrics>) -> axum::Router {
+        let read = |body: Bytes| async move { format!("read {}", body.len()) };
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", axum::routing::post(read))
+            .route("/admin/workers", axum::routing::post(read))
+            .route("/metrics", axum::routing::get(|| async { "metrics" }))
+            .route("/health", axum::routing::get(|| async { "ok" }));
+        layer(app, Arc::new(Credentials::new(config, metrics)))
+    }
+
+    async fn call(
+        app: &axum::Router,
+        method: Method,
+        path: &str,
+        key: Option<&str>,
+    ) -> (StatusCode, bool) {
+        let polled = Arc::new(AtomicBool::new(false));
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = key {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {key}"));
+        }
+        let request = request
+            .body(Body::new(Untouchable(polled.clone())))
+            .unwrap();
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            app.clone().oneshot(request),
+        )
+        .await;
+        match answer {
+            Ok(response) => (response.unwrap().status(), polled.load(Ordering::SeqCst)),
+            // The handler waits on the never-ending body: it was read.
+            Err(_) => (StatusCode::REQUEST_TIMEOUT, polled.load(Ordering::SeqCst)),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_or_wrong_key_is_refused_without_reading_the_body() {
+        let config = crate::ServerConfig {
+            api_keys: vec!["sk-good".into()],
+            admin_token: Some("adm".into()),
+            metrics_key: Some("mk".into()),
+            ..crate::ServerConfig::default()
+        };
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        let app = guarded(&config, metrics.clone());
+        for (path, key) in [
+            ("/v1/chat/completions", None),
+            ("/v1/chat/completions", Some("sk-bad")),
+            ("/v1/chat/completions", Some("adm")),
+            ("/admin/workers", None),
+            ("/admin/workers", Some("sk-good")),
+        ] {
+            let (status, polled) = call(&app, Method::POST, path, key).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{path} {key:?}");
+            assert!(!polled, "{path} {key:?}: the body was read");
+        }
+        let (status, _) = call(&app, Method::GET, "/metrics", Some("sk-good")).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(metrics.auth_failures(AuthScope::Client), 3);
+        assert_eq!(metrics.auth_failures(AuthScope::Admin), 2);
+        assert_eq!(metrics.auth_failures(AuthScope::Metrics), 1);
+        assert_eq!(metrics.requests(RequestStatus::Invalid), 3);
+
+        // The right credential lets the request through to its body.
+        let (status, polled) =
+            call(&app, Method::POST, "/v1/chat/completions", Some("sk-good")).await;
+        assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "the handler reads on");
+        assert!(polled);
+        let (status, polled) = call(&app, Method::POST, "/admin/workers", Some("adm")).await;
+        assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
+        assert!(polled);
+        assert_eq!(
+            call(&app, Method::GET, "/metrics", Some("mk")).await.0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(&app, Method::GET, "/health", None).await.0,
+            StatusCode::OK
+        );
+    }
+
+    #[tokio::test]
+    async fn without_configured_secrets_every_route_is_open() {
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        let app = guarded(&crate::ServerConfig::default(), metrics.clone());
+        assert_eq!(
+            call(&app, Method::GET, "/metrics", None).await.0,
+            StatusCode::OK
+        );
+        let (_, polled) = call(&app, Method::POST, "/v1/chat/completions", None).await;
+        assert!(polled, "no key configured: the request goes on to its body");
+        assert_eq!(metrics.auth_failures(AuthScope::Client), 0);
+    }
+}

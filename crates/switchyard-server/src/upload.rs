@@ -1,0 +1,181 @@
+//! Reading a request body, once the head has passed the credential check
+//! ([`crate::auth`]) and the in-flight limit ([`crate::inflight`]): a
+//! route layer buffers every `POST` body before its handler runs, under
+//! two bounds —
+//!
+//! - the size limit (`--max-body-bytes`): a declared `Content-Length` over
+//!   it is refused before any byte is read, a chunked body as soon as it
+//!   passes it (413);
+//! - the body-read deadline (`--body-read-timeout-ms`), from the head on: a
+//!   client that uploads slower is cut with a 408 and counted
+//!   (`switchyard_slow_uploads_total`), so a stalled upload holds its
+//!   connection, permit and partial body for a bounded time.
+//!
+//! Handlers then extract `Bytes` from a body that is already whole. Only
+//! matched routes read bodies: an unknown path gets its 404 unread.
+
+use super::error::ApiError;
+use super::metrics::{RequestStatus, ServerMetrics};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The bounds on reading one body.
+#[derive(Debug)]
+pub struct UploadLimits {
+    /// Largest body, in bytes.
+    pub max_bytes: usize,
+    /// Time from the head to the body's last byte.
+    pub deadline: Duration,
+    /// Where 408s (and the 4xx of OpenAI requests) are counted.
+    pub metrics: Arc<ServerMetrics>,
+}
+
+/// Wraps the routes of `app` (not its fallback) so that a `POST` body is
+/// read whole, within `limits`, before the handler runs.
+pub fn route_layer<S>(app: axum::Router<S>, limits: Arc<UploadLimits>) -> axum::Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    app.route_layer(axum::middleware::from_fn_with_state(limits, read_body))
+}
+
+async fn read_body(
+    State(limits): State<Arc<UploadLimits>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.method() != Method::POST {
+        return next.run(request).await;
+    }
+    let openai = request.uri().path().starts_with("/v1/");
+    let refuse = |error: ApiError| {
+        if openai {
+            limits.metrics.count_request(RequestStatus::Invalid);
+        }
+        error.into_response()
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_bytes as u64) {
+        return refuse(ApiError::too_large(limits.max_bytes));
+    }
+    let (parts, body) = request.into_parts();
+    let limited = http_body_util::Limited::new(body, limits.max_bytes);
+    let bytes = match tokio::time::timeout(limits.deadline, limited.collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return refuse(ApiError::too_large(limits.max_bytes));
+        }
+        // The client broke off or sent a malformed body.
+        Ok(Err(_)) => {
+            return refuse(ApiError::bad_request(
+                "could not read the request body",
+                None,
+            ))
+        }
+        Err(_) => {
+            limits.metrics.slow_uploads.inc();
+            return refuse(ApiError::slow_upload(limits.deadline));
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use bytes::Bytes;
+    use futures_util::stream;
+    use futures_util::StreamExt as _;
+    use tower::ServiceExt as _;
+
+    fn app(limits: UploadLimits) -> axum::Router {
+        let echo = |body: Bytes| async move { format!("{}", body.len()) };
+        route_layer(
+            axum::Router::new().route("/v1/completions", axum::routing::post(echo)),
+            Arc::new(limits),
+        )
+    }
+
+    fn limits(max_bytes: usize, deadline_ms: u64) -> (UploadLimits, Arc<ServerMetrics>) {
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        (
+            UploadLimits {
+                max_bytes,
+                deadline: Duration::from_millis(deadline_ms),
+                metrics: metrics.clone(),
+            },
+            metrics,
+        )
+    }
+
+    async fn text(response: Response) -> String {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_body_within_the_limits_reaches_the_handler_whole() {
+        let (limits, _) = limits(16, 5_000);
+        let chunks = stream::iter(["abc", "defg"].map(|c| Ok::<_, std::io::Error>(Bytes::from(c))));
+        let request = Request::post("/v1/completions")
+            .body(Body::from_stream(chunks))
+            .unwrap();
+        let response = app(limits).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(text(response).await, "7");
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_limit_is_refused_unread() {
+        let (limits, metrics) = limits(16, 5_000);
+        // A body that never ends: reading any of it would hang the test.
+        let never = stream::pending::<Result<Bytes, std::io::Error>>();
+        let request = Request::post("/v1/completions")
+            .header(header::CONTENT_LENGTH, "1000000")
+            .body(Body::from_stream(never))
+            .unwrap();
+        let response = app(limits).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(metrics.requests(RequestStatus::Invalid), 1);
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_over_the_limit_is_refused() {
+        let (limits, _) = limits(4, 5_000);
+        let chunks = stream::iter(["abc", "defg"].map(|c| Ok::<_, std::io::Error>(Bytes::from(c))));
+        let request = Request::post("/v1/completions")
+            .body(Body::from_stream(chunks))
+            .unwrap();
+        let response = app(limits).oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[tokio::test]
+    async fn a_body_slower_than_the_deadline_is_cut_with_408_and_counted() {
+        let (limits, metrics) = limits(1 << 20, 50);
+        let stalls =
+            stream::iter([Ok::<_, std::io::Error>(Bytes::from("{\"pro"))]).chain(stream::pending());
+        let request = Request::post("/v1/completions")
+            .body(Body::from_stream(stalls))
+            .unwrap();
+        let response = tokio::time::timeout(Duration::from_secs(30), app(limits).oneshot(request))
+            .await
+            .expect("the deadline ends the read")
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+        assert!(text(response).await.contains("body-read deadline"));
+        assert_eq!(metrics.slow_uploads.get(), 1);
+        assert_eq!(metrics.requests(RequestStatus::Invalid), 1);
+    }
+}
