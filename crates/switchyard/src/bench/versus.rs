@@ -132,6 +132,26 @@ pub struct RunFigures {
     pub round: usize,
     /// The load generator's report.
     pub report: Report,
+    /// CPU time the router process used per request during the load, ms
+    /// (user + system, from `/proc`; `None` where it cannot be read).
+    pub router_cpu_ms_per_request: Option<f64>,
+}
+
+/// Clock ticks per second of `/proc/PID/stat` times (`USER_HZ`, 100 on
+/// every mainstream Linux architecture).
+const USER_HZ: f64 = 100.0;
+
+/// CPU seconds (user + system) process `pid` has used so far.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, field 2, is in parentheses and may hold spaces.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 11 and 12
+    // after the name.
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / USER_HZ)
 }
 
 /// The child processes of one run, killed on drop.
@@ -291,7 +311,7 @@ fn one_run(
     args: &VersusArgs,
     peer: Option<(Peer, &Path)>,
     requests: Vec<loadgen::PreparedRequest>,
-) -> anyhow::Result<Report> {
+) -> anyhow::Result<(Report, Option<f64>)> {
     let fleet = start_sim_workers(args.workers, &worker_args(args), true)?;
     let mut children = Children(Vec::new());
     let (base, what) = match peer {
@@ -321,6 +341,8 @@ fn one_run(
         .enable_all()
         .build()?;
     wait_ready(&runtime, &base, &mut children, &what)?;
+    let pid = children.0.last().map(Child::id);
+    let cpu_before = pid.and_then(cpu_seconds);
     let report = runtime.block_on(loadgen::run_load(
         &base,
         requests,
@@ -329,9 +351,14 @@ fn one_run(
         &fleet.urls,
         false,
     ));
+    let cpu_after = pid.and_then(cpu_seconds);
+    let cpu_ms_per_request = match (cpu_before, cpu_after) {
+        (Some(b), Some(a)) if report.requests > 0 => Some((a - b) * 1e3 / report.requests as f64),
+        _ => None,
+    };
     drop(children);
     drop(fleet);
-    Ok(report)
+    Ok((report, cpu_ms_per_request))
 }
 
 /// Runs `bench versus`.
@@ -376,11 +403,12 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
                 Some(_) => peer_name.clone(),
             };
             eprintln!("round {}: {name}...", round + 1);
-            let report = one_run(&args, program.map(|p| (args.peer, p)), requests.clone())?;
+            let (report, cpu) = one_run(&args, program.map(|p| (args.peer, p)), requests.clone())?;
             runs.push(RunFigures {
                 router: name,
                 round: round + 1,
                 report,
+                router_cpu_ms_per_request: cpu,
             });
         }
     }
@@ -398,23 +426,27 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         args.requests, args.concurrency, args.workers, args.speedup, args.num_blocks
     );
     println!(
-        "{:<34} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6}",
-        "router", "round", "TTFT p50", "TTFT p90", "hit", "req/s", "errors"
+        "{:<34} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6} {:>9}",
+        "router", "round", "TTFT p50", "TTFT p90", "hit", "req/s", "errors", "cpu ms/rq"
     );
     for r in runs {
         let hit = r
             .report
             .hit_rate
             .map_or_else(|| "n/a".to_owned(), |h| format!("{h:.3}"));
+        let cpu = r
+            .router_cpu_ms_per_request
+            .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.2}"));
         println!(
-            "{:<34} {:>5} {:>10.1} {:>10.1} {:>6} {:>8.1} {:>6}",
+            "{:<34} {:>5} {:>10.1} {:>10.1} {:>6} {:>8.1} {:>6} {:>9}",
             r.router,
             r.round,
             r.report.ttft_ms.p50,
             r.report.ttft_ms.p90,
             hit,
             r.report.throughput_rps,
-            r.report.errors
+            r.report.errors,
+            cpu
         );
     }
     if args.rounds > 1 {
@@ -447,7 +479,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
             );
         }
     }
-    println!("(TTFT in ms at the client; hit = the sim-workers' prefix hit rate over the run; med = median over rounds)");
+    println!("(TTFT in ms at the client; hit = the sim-workers' prefix hit rate over the run; cpu ms/rq = the router process's CPU time per request; med = median over rounds)");
 }
 
 #[cfg(test)]
@@ -486,6 +518,24 @@ mod tests {
                 ]
             );
         }
+    }
+
+    #[test]
+    fn this_processs_cpu_time_is_read_and_grows_with_work() {
+        let before = cpu_seconds(std::process::id()).expect("/proc/self/stat is readable");
+        let mut x = 0u64;
+        let started = Instant::now();
+        let mut after = before;
+        // Spin until a clock tick of CPU time shows (10 ms of CPU), however
+        // busy the machine; a minute of wall time is far past any load.
+        while after <= before && started.elapsed() < Duration::from_secs(60) {
+            for _ in 0..100_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+            std::hint::black_box(x);
+            after = cpu_seconds(std::process::id()).unwrap();
+        }
+        assert!(after > before, "{before} -> {after}");
     }
 
     #[test]
