@@ -14,9 +14,17 @@
 //! reveals at most a secret's length. Every refusal is a 401 with
 //! `WWW-Authenticate: Bearer` and is counted by scope
 //! (`switchyard_auth_failures_total`).
+//!
+//! A client key admitted, the same check takes one request from that key's
+//! rate limit ([`crate::ratelimit`]; 429 past it, still before the body)
+//! and hands the handler a [`ClientKey`] to charge its tokens to. Client
+//! keys are `--api-key`/`--api-key-file` (labelled `api-key-1`, `api-key-2`,
+//! … in metrics) and the named keys of `[[rate_limits.keys]]`; with no key
+//! configured every client shares one `anonymous` limit.
 
 use super::error::ApiError;
 use super::metrics::{AuthScope, RequestStatus, ServerMetrics};
+use super::ratelimit::{Limited, Limits, RateLimits};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method};
 use axum::middleware::Next;
@@ -69,25 +77,90 @@ pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
     Some(token.trim_ascii())
 }
 
+/// Which client key a request presented: its position among the router's
+/// client keys (0, the `anonymous` limit, when none is configured).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientKey(pub usize);
+
+/// The position of the first of `keys` that `given` is, in time that does
+/// not depend on which (every key is compared).
+fn position(keys: &[Secret], given: &[u8]) -> Option<usize> {
+    use subtle::ConditionallySelectable as _;
+    let mut found = subtle::Choice::from(0);
+    let mut at = 0u64;
+    for (i, key) in keys.iter().enumerate().rev() {
+        let eq = key.0.as_ref().ct_eq(given);
+        at = u64::conditional_select(&at, &(i as u64), eq);
+        found |= eq;
+    }
+    bool::from(found).then_some(at as usize)
+}
+
 /// The credentials the router checks, built once at startup.
-#[derive(Debug)]
 pub struct Credentials {
     client: Vec<Secret>,
     admin: Option<Secret>,
     metrics_key: Option<Secret>,
     metrics: Arc<ServerMetrics>,
+    /// One bucket pair per client key (or the anonymous one).
+    rate_limits: RateLimits,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("client_keys", &self.client.len())
+            .field("admin", &self.admin.is_some())
+            .field("metrics_key", &self.metrics_key.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a request may not go on.
+#[derive(Debug)]
+pub enum Refusal {
+    /// It lacks this credential (401).
+    Credential(AuthScope),
+    /// Its key is over a rate limit (429).
+    RateLimited(Limited),
 }
 
 impl Credentials {
     /// The credentials of `config` (secret files already read); refusals
     /// are counted in `metrics`.
     pub fn new(config: &crate::ServerConfig, metrics: Arc<ServerMetrics>) -> Self {
+        let limits = &config.rate_limits;
+        let unnamed: Vec<String> = (1..=config.api_keys.len())
+            .map(|i| format!("api-key-{i}"))
+            .collect();
+        let mut client: Vec<Secret> = config.api_keys.iter().map(|k| Secret::new(k)).collect();
+        let mut labels: Vec<(&str, Limits)> = unnamed
+            .iter()
+            .map(|n| (n.as_str(), Limits::default()))
+            .collect();
+        for named in &limits.keys {
+            // Secret files were read at load; a key without its secret
+            // (never loaded) is left out rather than accepted empty.
+            if let Some(key) = &named.key {
+                client.push(Secret::new(key));
+                labels.push((named.name.as_str(), named.limits()));
+            }
+        }
+        if client.is_empty() {
+            labels.push(("anonymous", Limits::default()));
+        }
         Self {
-            client: config.api_keys.iter().map(|k| Secret::new(k)).collect(),
+            client,
             admin: config.admin_token.as_deref().map(Secret::new),
             metrics_key: config.metrics_key.as_deref().map(Secret::new),
             metrics,
+            rate_limits: RateLimits::new(labels, limits.defaults()),
         }
+    }
+
+    /// The per-key rate limits (to charge a request's tokens).
+    pub fn rate_limits(&self) -> &RateLimits {
+        &self.rate_limits
     }
 
     /// What a request to `path` must present, if anything: the scope and
@@ -119,18 +192,42 @@ impl Credentials {
         method: &Method,
         path: &str,
         headers: &HeaderMap,
-    ) -> Result<(), AuthScope> {
+    ) -> Result<Option<ClientKey>, Refusal> {
+        let client_route = path.starts_with("/v1/");
         let Some((scope, secrets)) = self.required(path) else {
-            return Ok(());
+            return match client_route {
+                // No key configured: the anonymous limit.
+                true => self.take_request(method, ClientKey(0)).map(Some),
+                false => Ok(None),
+            };
         };
-        if bearer(headers).is_some_and(|given| any_matches(secrets, given)) {
-            return Ok(());
+        let given = bearer(headers);
+        if scope == AuthScope::Client {
+            if let Some(at) = given.and_then(|g| position(secrets, g)) {
+                return self.take_request(method, ClientKey(at)).map(Some);
+            }
+        } else if given.is_some_and(|g| any_matches(secrets, g)) {
+            return Ok(None);
         }
         self.metrics.count_auth_failure(scope);
         if scope == AuthScope::Client && method == Method::POST {
             self.metrics.count_request(RequestStatus::Invalid);
         }
-        Err(scope)
+        Err(Refusal::Credential(scope))
+    }
+
+    /// One request from `key`'s rate limit; a refused `POST` is counted as
+    /// a rejected request.
+    fn take_request(&self, method: &Method, key: ClientKey) -> Result<ClientKey, Refusal> {
+        match self.rate_limits.check_request(key.0) {
+            Ok(()) => Ok(key),
+            Err(limited) => {
+                if method == Method::POST {
+                    self.metrics.count_request(RequestStatus::Rejected);
+                }
+                Err(Refusal::RateLimited(limited))
+            }
+        }
     }
 }
 
@@ -142,12 +239,22 @@ pub fn layer(app: axum::Router, credentials: Arc<Credentials>) -> axum::Router {
 
 async fn check(
     State(credentials): State<Arc<Credentials>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    let Err(scope) = credentials.admits(request.method(), request.uri().path(), request.headers())
-    else {
-        return next.run(request).await;
+    let scope = match credentials.admits(request.method(), request.uri().path(), request.headers())
+    {
+        Ok(key) => {
+            if let Some(key) = key {
+                request.extensions_mut().insert(key);
+            }
+            return next.run(request).await;
+        }
+        Err(Refusal::RateLimited(limited)) => {
+            drop(request);
+            return ApiError::from(limited).into_response();
+        }
+        Err(Refusal::Credential(scope)) => scope,
     };
     // The body is dropped unread with the request; hyper then closes the
     // connection rather than drain an upload nobody asked for.
@@ -311,6 +418,59 @@ mod tests {
             call(&app, Method::GET, "/metrics", Some("mk")).await.0,
             StatusCode::OK
         );
+        assert_eq!(
+            call(&app, Method::GET, "/health", None).await.0,
+            StatusCode::OK
+        );
+    }
+
+    #[test]
+    fn the_position_of_the_matching_key_is_found_among_several() {
+        let keys = [Secret::new("a"), Secret::new("bb"), Secret::new("a")];
+        assert_eq!(position(&keys, b"a"), Some(0), "the first of equal keys");
+        assert_eq!(position(&keys, b"bb"), Some(1));
+        assert_eq!(position(&keys, b"c"), None);
+        assert_eq!(position(&[], b"a"), None);
+    }
+
+    #[tokio::test]
+    async fn a_key_over_its_rate_limit_gets_429_before_its_body_while_another_key_is_served() {
+        let config = crate::ServerConfig::from_toml(
+            "api_keys = [\"sk-a\"]\n[rate_limits]\nrequests_per_second = 1\n[[rate_limits.keys]]\nname = \"team-b\"\nkey = \"sk-b\"\nrequests_per_second = 100\n",
+        )
+        .unwrap();
+        let metrics = Arc::new(ServerMetrics::new("kv"));
+        let app = guarded(&config, metrics.clone());
+        let path = "/v1/chat/completions";
+        // The first request of sk-a passes (a quick one: the test app has
+        // no /v1/models, so 404 — past the key and the limit).
+        let (status, _) = call(&app, Method::GET, "/v1/models", Some("sk-a")).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let (status, polled) = call(&app, Method::POST, path, Some("sk-a")).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(!polled, "a rate-limited request's body is not read");
+        assert_eq!(metrics.requests(RequestStatus::Rejected), 1);
+        // team-b has its own bucket.
+        for _ in 0..3 {
+            let (status, _) = call(&app, Method::GET, "/v1/models", Some("sk-b")).await;
+            assert_eq!(status, StatusCode::NOT_FOUND);
+        }
+    }
+
+    #[tokio::test]
+    async fn without_keys_every_client_shares_the_anonymous_limit() {
+        let config =
+            crate::ServerConfig::from_toml("[rate_limits]\nrequests_per_second = 2\n").unwrap();
+        let app = guarded(&config, Arc::new(ServerMetrics::new("kv")));
+        let path = "/v1/chat/completions";
+        for key in [None, Some("anything")] {
+            let (status, _) = call(&app, Method::GET, "/v1/models", key).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "past the limit");
+        }
+        let (status, polled) = call(&app, Method::POST, path, None).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(!polled);
+        // Probes are never limited.
         assert_eq!(
             call(&app, Method::GET, "/health", None).await.0,
             StatusCode::OK

@@ -473,7 +473,14 @@ impl ServerConfig {
             .map(|k| ("an api key", k))
             .chain(self.admin_token.iter().map(|t| ("admin_token", t)))
             .chain(self.metrics_key.iter().map(|t| ("metrics_key", t)))
-            .chain(self.worker_api_key.iter().map(|t| ("worker_api_key", t)));
+            .chain(self.worker_api_key.iter().map(|t| ("worker_api_key", t)))
+            .chain(
+                self.rate_limits
+                    .keys
+                    .iter()
+                    .filter_map(|k| k.key.as_ref())
+                    .map(|k| ("a rate_limits key", k)),
+            );
         for (name, secret) in secrets {
             check_secret(name, secret)?;
         }
@@ -497,17 +504,21 @@ impl ServerConfig {
             (&mut self.worker_api_key, &mut self.worker_api_key_file),
         ] {
             if let Some(path) = file.take() {
-                let mut secrets = read_secrets(&path)?;
-                if secrets.len() > 1 {
-                    return Err(ConfigError::SecretFile {
-                        path,
-                        reason: format!("holds {} secrets; expected one", secrets.len()),
-                    });
-                }
-                *slot = secrets.pop();
+                *slot = Some(read_one_secret(&path)?);
+            }
+        }
+        for named in &mut self.rate_limits.keys {
+            if let Some(path) = named.key_file.take() {
+                named.key = Some(read_one_secret(&path)?);
             }
         }
         self.validate_secrets()
+    }
+
+    /// Whether clients must present a key: `api_keys` or a named key of
+    /// `[rate_limits]`.
+    pub fn requires_client_key(&self) -> bool {
+        !self.api_keys.is_empty() || !self.rate_limits.keys.is_empty()
     }
 
     /// Whether the router follows KV events (else approximate).
@@ -550,6 +561,18 @@ fn read_secrets(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
         })?;
     }
     Ok(secrets)
+}
+
+/// The one secret in `path` ([`read_secrets`]; more than one is an error).
+fn read_one_secret(path: &std::path::Path) -> Result<String, ConfigError> {
+    let mut secrets = read_secrets(path)?;
+    match (secrets.pop(), secrets.len()) {
+        (Some(secret), 0) => Ok(secret),
+        (_, more) => Err(ConfigError::SecretFile {
+            path: path.to_owned(),
+            reason: format!("holds {} secrets; expected one", more + 1),
+        }),
+    }
 }
 
 /// A bearer token a client can send: non-empty visible ASCII, no spaces.

@@ -74,6 +74,7 @@ impl AppState {
         shared.register_metrics(&mut registry);
         fleet.kv_metrics.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
+        credentials.rate_limits().register(&mut registry);
         Self {
             shared,
             fleet,

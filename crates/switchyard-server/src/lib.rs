@@ -538,7 +538,7 @@ fn sequence_expiry_ms(config: &ServerConfig) -> f64 {
 /// Whether the router would serve anyone who can reach `addr`: it listens
 /// beyond loopback and requires no client key (warned about at startup).
 fn open_beyond_loopback(addr: SocketAddr, config: &ServerConfig) -> bool {
-    !addr.ip().is_loopback() && config.api_keys.is_empty()
+    !addr.ip().is_loopback() && !config.requires_client_key()
 }
 
 /// The router's app as it is served: the credential check first (from the
