@@ -209,6 +209,11 @@ pub struct ServerConfig {
     /// Prompt plus generated tokens above which a broken stream is not
     /// resumed (the client gets an error event instead).
     pub migration_max_seq_len: u64,
+    /// Workers a request may fail on (workers that received it; a refused
+    /// connection does not count) before it ends with a 502 or an error
+    /// event instead of going to another: a prompt that failed on two
+    /// workers is probably the cause.
+    pub max_attempt_workers: u32,
     /// Seconds to wait for a worker's response headers and first streamed
     /// event (and, mid-stream, for its next event) before moving the request.
     pub first_token_timeout_secs: f64,
@@ -254,6 +259,7 @@ impl Default for ServerConfig {
             seed: 0,
             migration_limit: 3,
             migration_max_seq_len: 32_768,
+            max_attempt_workers: 2,
             first_token_timeout_secs: 60.0,
             request_timeout_secs: 600.0,
             max_response_bytes: 16 * 1024 * 1024,
@@ -336,6 +342,9 @@ impl ServerConfig {
         }
         if self.max_response_bytes == 0 {
             return invalid("max_response_bytes must be positive".into());
+        }
+        if self.max_attempt_workers == 0 {
+            return invalid("max_attempt_workers must be positive".into());
         }
         if self.max_inflight == 0 {
             return invalid("max_inflight must be positive".into());

@@ -276,7 +276,7 @@ impl MigratingStream {
             State::Ended => None,
         };
         let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
-        let resumable = migration::resumable(&original);
+        let resumable = migration::resumable(self.api, &original);
         let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
         // Only the first choice of each chunk is read: a finish means the
         // whole generation is complete only for a single-choice request. A
