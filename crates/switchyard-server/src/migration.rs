@@ -655,8 +655,13 @@ mod tests {
         });
         assert_eq!(resumable(Api::Chat, &chat), Ok(()));
         for prompt in [json!("text"), json!([1, 2, 3]), json!([])] {
-            let completion = json!({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": true});
-            assert_eq!(resumable(Api::Completions, &completion), Ok(()), "{completion}");
+            let completion =
+                json!({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": true});
+            assert_eq!(
+                resumable(Api::Completions, &completion),
+                Ok(()),
+                "{completion}"
+            );
         }
     }
 
@@ -670,13 +675,22 @@ mod tests {
             resumable(Api::Chat, &body)
         };
         let cases = [
-            (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
             (json!({"tools": []}), "tools"),
             (json!({"tool_choice": "none"}), "tools"),
             (json!({"functions": [{"name": "f"}]}), "tools"),
-            (json!({"response_format": {"type": "json_object"}}), "constrains"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "constrains",
+            ),
             (json!({"guided_json": {}}), "constrains"),
-            (json!({"chat_template_kwargs": {"enable_thinking": false}}), "rendered"),
+            (
+                json!({"chat_template_kwargs": {"enable_thinking": false}}),
+                "rendered",
+            ),
             (json!({"add_generation_prompt": false}), "rendered"),
             (json!({"n": 2}), "several choices"),
             (json!({"best_of": 3}), "several choices"),
@@ -687,15 +701,42 @@ mod tests {
             (json!({"presence_penalty": -1}), "penalties"),
             (json!({"prompt": "wrong endpoint"}), "endpoint"),
             (json!({"some_new_engine_knob": 1}), "does not know"),
-            (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]}), "non-text"),
-            (json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]}), "non-text"),
-            (json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}), "several text parts"),
-            (json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]}), "non-text"),
-            (json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]}), "role"),
-            (json!({"messages": [{"role": "developer", "content": "x"}]}), "role"),
-            (json!({"messages": [{"role": "user", "content": "x", "name": "bob"}]}), "more than a role"),
-            (json!({"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}), "more than a role"),
-            (json!({"messages": [{"role": "user", "content": 7}]}), "not text"),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}),
+                "several text parts",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]}),
+                "role",
+            ),
+            (
+                json!({"messages": [{"role": "developer", "content": "x"}]}),
+                "role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x", "name": "bob"}]}),
+                "more than a role",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}),
+                "more than a role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": 7}]}),
+                "not text",
+            ),
             (json!({"messages": "hi"}), "not a list"),
             (json!({"messages": ["hi"]}), "not objects"),
         ];
@@ -705,10 +746,18 @@ mod tests {
             assert!(!why.contains("secret"), "no content in the reason");
         }
         let completion = |body: serde_json::Value| resumable(Api::Completions, &body);
-        assert!(completion(json!({"prompt": ["a", "b"]})).unwrap_err().contains("batch"));
-        assert!(completion(json!({"prompt": [[1], [2]]})).unwrap_err().contains("batch"));
-        assert!(completion(json!({"prompt": [1], "suffix": "x"})).unwrap_err().contains("does not know"));
-        assert!(completion(json!({"prompt": [1], "logprobs": 0})).unwrap_err().contains("logprobs"));
+        assert!(completion(json!({"prompt": ["a", "b"]}))
+            .unwrap_err()
+            .contains("batch"));
+        assert!(completion(json!({"prompt": [[1], [2]]}))
+            .unwrap_err()
+            .contains("batch"));
+        assert!(completion(json!({"prompt": [1], "suffix": "x"}))
+            .unwrap_err()
+            .contains("does not know"));
+        assert!(completion(json!({"prompt": [1], "logprobs": 0}))
+            .unwrap_err()
+            .contains("logprobs"));
         assert!(completion(json!({"prompt": 5})).is_err());
         assert!(completion(json!({"prompt": [1], "messages": []})).is_err());
         assert!(completion(json!("junk")).is_err());
@@ -740,7 +789,12 @@ mod tests {
             Verdict::Migrate
         );
         assert!(!Failure::Connect.reached_worker());
-        for reason in [Failure::Reset, Failure::Status5xx, Failure::Timeout, Failure::MidStream] {
+        for reason in [
+            Failure::Reset,
+            Failure::Status5xx,
+            Failure::Timeout,
+            Failure::MidStream,
+        ] {
             assert!(reason.reached_worker(), "{reason:?}");
         }
         let why = GiveUp::WorkerLimit { workers: 2 }.to_string();
