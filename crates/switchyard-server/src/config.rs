@@ -497,6 +497,15 @@ mod tests {
     }
 
     #[test]
+    fn a_request_goes_to_two_workers_by_default_and_at_least_one() {
+        assert_eq!(ServerConfig::default().max_attempt_workers, 2);
+        let config = ServerConfig::from_toml("max_attempt_workers = 3").unwrap();
+        assert_eq!(config.max_attempt_workers, 3);
+        let err = ServerConfig::from_toml("max_attempt_workers = 0").unwrap_err();
+        assert!(err.to_string().contains("max_attempt_workers"), "{err}");
+    }
+
+    #[test]
     fn a_worker_block_size_that_differs_from_the_routers_is_refused() {
         let config = ServerConfig {
             workers: vec![WorkerSpec::parse("http://h:1,block-size=64").unwrap()],

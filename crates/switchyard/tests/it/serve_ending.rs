@@ -427,6 +427,26 @@ async fn a_prompt_that_failed_on_two_workers_is_not_sent_to_a_third() {
         Some(4.0),
         "hang-ups are the workers' failures, each reported: {text}"
     );
+
+    // The limit is `--max-attempt-workers`: at 3 the prompt reaches every
+    // worker, and then none is left.
+    let wider = crate::support::router(
+        &[
+            workers[0].named("a"),
+            workers[1].named("b"),
+            workers[2].named("c"),
+        ],
+        &["--migration-limit", "5", "--max-attempt-workers", "3"],
+    );
+    let before = received();
+    let response = client
+        .post(format!("{}/v1/completions", wider.base))
+        .json(&json!({"prompt": [9, 8, 7, 6], "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_server_error());
+    assert_eq!(received(), before + 3, "three workers with the limit at 3");
 }
 
 /// Streams a chat request; the worker that took it and the stream's text.
