@@ -181,31 +181,37 @@ impl MigratingStream {
     /// away (`gone` resolves when the body is dropped) or the request
     /// timeout passes, whichever comes first. At the timeout the leg is
     /// dropped at once — the worker's request cancelled, the booking freed
-    /// — and the client gets an error event once it reads again.
+    /// — and the client gets an error event once it reads again. A
+    /// response that has ended (its booking finished) waits for the
+    /// client to take its last bytes, with no deadline left to count.
     async fn run(mut self, tx: mpsc::Sender<Bytes>, mut gone: oneshot::Receiver<()>) {
         let deadline = tokio::time::sleep_until(self.attempts.deadline);
-        let timed_out = {
-            let forward = async {
-                while !matches!(self.state, State::Ended) {
-                    let Some(bytes) = self.next_event().await else {
-                        return;
-                    };
-                    if tx.send(bytes).await.is_err() {
-                        // The client went away (counted by the drop).
+        tokio::pin!(deadline);
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = &mut deadline => break,
+                // The client went away (counted by the drop).
+                _ = &mut gone => return,
+                next = self.next_event() => next,
+            };
+            let Some(bytes) = next else {
+                return;
+            };
+            if matches!(self.state, State::Ended) {
+                drop(self);
+                let _ = tx.send(bytes).await;
+                return;
+            }
+            tokio::select! {
+                biased;
+                () = &mut deadline => break,
+                sent = tx.send(bytes) => {
+                    if sent.is_err() {
                         return;
                     }
                 }
-            };
-            tokio::select! {
-                biased;
-                () = deadline => true,
-                _ = &mut gone => false,
-                () = forward => false,
             }
-        };
-        if !timed_out {
-            // Ended, or dropped unfinished: the client went away.
-            return;
         }
         let metrics = self.attempts.state.shared.metrics();
         metrics.request_timeouts.inc();
