@@ -47,6 +47,9 @@ pub(crate) struct Attempts {
     /// Failures so far that the request itself may have caused
     /// ([`Failure::request_may_cause`]).
     suspect_failures: u32,
+    /// Workers that received the request and failed it
+    /// ([`Failure::reached_worker`]), against `--max-attempt-workers`.
+    failed_workers: u32,
 }
 
 impl Attempts {
@@ -67,6 +70,7 @@ impl Attempts {
             migrations: 0,
             pending_migration: None,
             suspect_failures: 0,
+            failed_workers: 0,
         }
     }
 
@@ -135,7 +139,10 @@ impl Attempts {
     /// POSTs `body` to the booked worker; a refused or broken connection, a
     /// 5xx or (when `streaming`) no headers within the first-token timeout
     /// is a [`AttemptError::Retry`]. A non-streaming answer's head comes
-    /// with the whole answer, so only the request timeout bounds it.
+    /// with the whole answer (vLLM, SGLang), so only the request timeout
+    /// bounds it: a first-token timeout there would fail every answer
+    /// longer than it. A worker still silent at the request timeout is
+    /// reported then ([`Self::timed_out_on`]).
     pub(crate) async fn send(
         &self,
         booking: &Booking,
@@ -206,6 +213,8 @@ impl Attempts {
     /// counted. A second failure the request may have caused itself (5xx,
     /// error event, first-token timeout) is the request's fault
     /// ([`crate::migration::request_fault`]): that worker is not reported.
+    /// A request that failed on `--max-attempt-workers` workers (2) is not
+    /// sent to another.
     pub(crate) fn fail(
         &mut self,
         booking: Booking,
@@ -215,21 +224,22 @@ impl Attempts {
         progress: &Progress,
         resumable: Result<(), &'static str>,
     ) -> Result<Booking, GiveUp> {
-        let metrics = self.state.shared.metrics();
         if request_fault(reason, self.suspect_failures) {
             // Aborted, not reported: the worker's circuit stays closed.
             drop(booking);
-            metrics.migrations_exhausted.inc();
-            tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {}", GiveUp::RequestFault);
-            return Err(GiveUp::RequestFault);
+            return Err(self.give_up(reason, GiveUp::RequestFault));
         }
         if reason.request_may_cause() {
             self.suspect_failures += 1;
+        }
+        if reason.reached_worker() {
+            self.failed_workers = self.failed_workers.saturating_add(1);
         }
         booking.worker_failed();
         match decide(
             self.state.migration,
             self.migrations,
+            self.failed_workers,
             phase,
             prompt_tokens,
             progress,
@@ -242,11 +252,43 @@ impl Attempts {
             }
             Verdict::GiveUp(why) => {
                 drop(booking);
-                metrics.migrations_exhausted.inc();
-                tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
-                Err(why)
+                Err(self.give_up(reason, why))
             }
         }
+    }
+
+    /// Counts and logs a request that is not moved on after `reason`.
+    fn give_up(&self, reason: Failure, why: GiveUp) -> GiveUp {
+        let metrics = self.state.shared.metrics();
+        metrics.migrations_exhausted.inc();
+        metrics.count_refused(&why);
+        tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
+        why
+    }
+
+    /// The request timeout passed while `booking`'s worker had the request
+    /// and had not answered it (no headers or first event, or for a
+    /// non-streaming request not its whole body). When `fair` (the worker
+    /// had it for at least the first-token timeout) that is the worker's
+    /// failure for its circuit breaker — a worker that accepts requests
+    /// and never answers must not stay selectable — unless an earlier
+    /// suspect failure makes it the request's fault. The booking is
+    /// dropped (the request aborted, the upstream request cancelled); the
+    /// timeout is counted and the client's error returned.
+    pub(crate) fn timed_out_on(&self, booking: Booking, fair: bool) -> ApiError {
+        let reported = fair && !request_fault(Failure::Timeout, self.suspect_failures);
+        if reported {
+            booking.worker_failed();
+        }
+        tracing::info!(request = %self.client_id, worker = %booking.name, reported, "request timed out waiting for its worker's answer: upstream cancelled");
+        drop(booking);
+        self.timed_out()
+    }
+
+    /// The request timeout passed: counted, and the client's error.
+    pub(crate) fn timed_out(&self) -> ApiError {
+        self.state.shared.metrics().request_timeouts.inc();
+        ApiError::timeout(self.state.request_timeout)
     }
 
     /// Moves the request off `failed`'s worker (see [`Booking::migrate`])

@@ -235,6 +235,11 @@ pub struct ServerConfig {
     /// Prompt plus generated tokens above which a broken stream is not
     /// resumed (the client gets an error event instead).
     pub migration_max_seq_len: u64,
+    /// Workers a request may fail on (workers that received it; a refused
+    /// connection does not count) before it ends with a 502 or an error
+    /// event instead of going to another: a prompt that failed on two
+    /// workers is probably the cause.
+    pub max_attempt_workers: u32,
     /// Seconds to wait for a worker's response headers and first streamed
     /// event (and, mid-stream, for its next event) before moving the request.
     pub first_token_timeout_secs: f64,
@@ -294,6 +299,7 @@ impl Default for ServerConfig {
             seed: 0,
             migration_limit: 3,
             migration_max_seq_len: 32_768,
+            max_attempt_workers: 2,
             first_token_timeout_secs: 60.0,
             request_timeout_secs: 600.0,
             max_response_bytes: 16 * 1024 * 1024,
@@ -385,6 +391,9 @@ impl ServerConfig {
         }
         if self.max_response_bytes == 0 {
             return invalid("max_response_bytes must be positive".into());
+        }
+        if self.max_attempt_workers == 0 {
+            return invalid("max_attempt_workers must be positive".into());
         }
         if self.max_inflight == 0 {
             return invalid("max_inflight must be positive".into());
@@ -676,6 +685,15 @@ mod tests {
             assert!(config.validate().is_err(), "{bad}");
         }
         assert!(ServerConfig::from_toml("migration_limit = 0\nrequest_timeout_secs = 2.5").is_ok());
+    }
+
+    #[test]
+    fn a_request_goes_to_two_workers_by_default_and_at_least_one() {
+        assert_eq!(ServerConfig::default().max_attempt_workers, 2);
+        let config = ServerConfig::from_toml("max_attempt_workers = 3").unwrap();
+        assert_eq!(config.max_attempt_workers, 3);
+        let err = ServerConfig::from_toml("max_attempt_workers = 0").unwrap_err();
+        assert!(err.to_string().contains("max_attempt_workers"), "{err}");
     }
 
     #[test]

@@ -92,6 +92,7 @@ impl AppState {
             migration: MigrationPolicy {
                 limit: config.migration_limit,
                 max_seq_len: config.migration_max_seq_len,
+                max_workers: config.max_attempt_workers,
             },
             first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
             request_timeout: Duration::from_secs_f64(config.request_timeout_secs),

@@ -211,6 +211,10 @@ pub struct ServeArgs {
     /// Prompt plus generated tokens above which a broken stream is not resumed [default: 32768].
     #[arg(long, env = "SWITCHYARD_MIGRATION_MAX_SEQ_LEN")]
     pub migration_max_seq_len: Option<u64>,
+    /// Workers a request may fail on (refused connections aside) before it
+    /// ends instead of going to another [default: 2].
+    #[arg(long, env = "SWITCHYARD_MAX_ATTEMPT_WORKERS")]
+    pub max_attempt_workers: Option<u32>,
     /// Seconds to wait for a worker's first byte (and, mid-stream, its next event) [default: 60].
     #[arg(long, env = "SWITCHYARD_FIRST_TOKEN_TIMEOUT")]
     pub first_token_timeout: Option<f64>,
@@ -263,6 +267,7 @@ impl ServeArgs {
             health_failures,
             migration_limit,
             migration_max_seq_len,
+            max_attempt_workers,
             max_response_bytes,
             max_inflight,
             max_connections,

@@ -11,7 +11,7 @@
 //! Names follow DESIGN.md "Interfaces"; counters are registered without
 //! their `_total` suffix, which the encoder appends.
 
-use super::migration::Failure;
+use super::migration::{Failure, GiveUp};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -168,6 +168,9 @@ pub struct ServerMetrics {
     auth_failures_by_scope: Family<ScopeLabels, Counter>,
     /// Handles, indexed by `AuthScope as usize`.
     auth_failures: [Counter; AuthScope::ALL.len()],
+    refused_by_reason: Family<ReasonLabels, Counter>,
+    /// Handles, indexed by [`GiveUp::index`].
+    refused: [Counter; GiveUp::LABELS.len()],
     /// Arrival to first body byte from the worker.
     pub ttft: Histogram,
     /// Between consecutive streamed chunks.
@@ -249,6 +252,12 @@ impl ServerMetrics {
                 })
                 .clone()
         });
+        let refused_by_reason = Family::<ReasonLabels, Counter>::default();
+        let refused = GiveUp::LABELS.map(|reason| {
+            refused_by_reason
+                .get_or_create(&ReasonLabels { reason })
+                .clone()
+        });
         let latency = || Histogram::new(LATENCY_BUCKETS);
         Self {
             auth_failures_by_scope,
@@ -259,6 +268,8 @@ impl ServerMetrics {
             admissions,
             migrations_by_reason,
             migrations,
+            refused_by_reason,
+            refused,
             ttft: latency(),
             itl: latency(),
             routing_decision: latency(),
@@ -307,6 +318,17 @@ impl ServerMetrics {
     /// Migrations counted with `reason`.
     pub fn migrations(&self, reason: Failure) -> u64 {
         self.migrations[reason.index()].get()
+    }
+
+    /// Counts a failed request that was not moved to another worker, by
+    /// why (besides `migrations_exhausted`, which counts every such request).
+    pub fn count_refused(&self, why: &GiveUp) {
+        self.refused[why.index()].inc();
+    }
+
+    /// Refusals counted under `why`'s label.
+    pub fn refused(&self, why: &GiveUp) -> u64 {
+        self.refused[why.index()].get()
     }
 
     /// Counts `n` admission outcomes.
@@ -370,6 +392,11 @@ impl ServerMetrics {
             "switchyard_migrations_exhausted",
             "Failed requests that could not be migrated (limit, length, or no other worker)",
             self.migrations_exhausted.clone(),
+        );
+        registry.register(
+            "switchyard_migrations_refused",
+            "Failed requests not moved to another worker, by why: limit (--migration-limit), too_long (--migration-max-seq-len), not_resumable (a stream whose request the resume cannot reproduce), request_fault (a second suspect failure), worker_limit (--max-attempt-workers)",
+            self.refused_by_reason.clone(),
         );
         registry.register(
             "switchyard_request_timeouts",
@@ -481,6 +508,7 @@ mod tests {
         assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"rejected\"} 1\n"));
         assert!(out.contains("switchyard_requests_total{policy=\"kv\",status=\"ok\"} 0\n"));
         assert!(out.contains("switchyard_migrations_total{reason=\"midstream\"} 0\n"));
+        assert!(out.contains("switchyard_migrations_refused_total{reason=\"not_resumable\"} 0\n"));
         assert!(out.contains("switchyard_admission_decisions_total{decision=\"queued\"} 0\n"));
         assert!(out.contains("switchyard_auth_failures_total{scope=\"admin\"} 0\n"));
     }
@@ -492,7 +520,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 21, "{out}");
+        assert_eq!(families.len(), 22, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -536,6 +564,7 @@ mod tests {
                 for reason in Failure::ALL {
                     m.count_migration(reason);
                 }
+                m.count_refused(&GiveUp::RequestFault);
                 m.ttft.observe(seconds);
                 m.itl.observe(seconds);
                 m.routing_decision.observe(seconds);

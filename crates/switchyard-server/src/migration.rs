@@ -27,8 +27,25 @@
 //! event, a first-token timeout) on another worker is taken as the
 //! request's fault ([`request_fault`]): that worker is not reported and
 //! the request is not moved again.
+//!
+//! Whatever the failures, a prompt goes to at most
+//! [`MigrationPolicy::max_workers`] (`--max-attempt-workers`, 2) workers
+//! that received it: a prompt that failed on two workers is probably the
+//! prompt's fault, and a third attempt would only spread the damage (a
+//! prompt that crashes engines). A refused connection does not count: the
+//! worker never saw the prompt.
+//!
+//! A resumed request is a different request (a token-id prompt on
+//! `/v1/completions`), so it is sent only when it reproduces the original:
+//! [`resumable`] accepts a body only when every field is on an allow-list
+//! of fields the resume carries or rebuilds. Anything else — `tools`,
+//! `response_format`, image parts, `chat_template_kwargs`, output
+//! penalties, a field the router does not know — ends a broken stream with
+//! an error event instead. Before the first token the client's own request
+//! is retried unchanged, so that limit does not apply there.
 
 use serde_json::{Map, Value};
+use switchyard_wire::openai::Api;
 
 /// Why an attempt failed: the `reason` label of
 /// `switchyard_migrations_total`.
@@ -80,15 +97,26 @@ impl Failure {
     pub fn index(self) -> usize {
         Failure::ALL.iter().position(|f| *f == self).unwrap_or(0)
     }
+
+    /// Whether the worker received the prompt before failing: every
+    /// failure but a refused connection. Those count toward
+    /// [`MigrationPolicy::max_workers`].
+    pub fn reached_worker(self) -> bool {
+        self != Failure::Connect
+    }
 }
 
-/// Migration limits (`--migration-limit`, `--migration-max-seq-len`).
+/// Migration limits (`--migration-limit`, `--migration-max-seq-len`,
+/// `--max-attempt-workers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MigrationPolicy {
     /// Migrations allowed per request (0: none).
     pub limit: u32,
     /// Prompt plus generated tokens above which a stream is not resumed.
     pub max_seq_len: u64,
+    /// Workers a request may fail on (after they received it) before it
+    /// ends: the request is not sent to another one.
+    pub max_workers: u32,
 }
 
 /// What to do after a failure.
@@ -121,6 +149,40 @@ pub enum GiveUp {
     /// The request failed the same way on two workers: it is taken to be
     /// the request's fault ([`request_fault`]), not the workers'.
     RequestFault,
+    /// The request failed on this many workers that received it
+    /// ([`MigrationPolicy::max_workers`]): the prompt is the likely cause.
+    WorkerLimit {
+        /// Workers it failed on.
+        workers: u32,
+    },
+}
+
+impl GiveUp {
+    /// The `reason` labels of `switchyard_migrations_refused_total`, in
+    /// [`GiveUp::index`] order.
+    pub const LABELS: [&'static str; 5] = [
+        "limit",
+        "too_long",
+        "not_resumable",
+        "request_fault",
+        "worker_limit",
+    ];
+
+    /// Index into [`GiveUp::LABELS`].
+    pub fn index(&self) -> usize {
+        match self {
+            GiveUp::LimitReached { .. } => 0,
+            GiveUp::TooLong { .. } => 1,
+            GiveUp::NotResumable(_) => 2,
+            GiveUp::RequestFault => 3,
+            GiveUp::WorkerLimit { .. } => 4,
+        }
+    }
+
+    /// Its metric label.
+    pub fn label(&self) -> &'static str {
+        Self::LABELS[self.index()]
+    }
 }
 
 impl std::fmt::Display for GiveUp {
@@ -137,6 +199,10 @@ impl std::fmt::Display for GiveUp {
             GiveUp::RequestFault => write!(
                 f,
                 "the request failed on two workers (5xx, error event or first-token timeout), so it is taken to be the request's fault and not retried"
+            ),
+            GiveUp::WorkerLimit { workers } => write!(
+                f,
+                "the request failed on {workers} workers, so it is taken to be the request's fault and not sent to another (--max-attempt-workers)"
             ),
         }
     }
@@ -161,10 +227,12 @@ pub fn request_fault(reason: Failure, earlier_suspects: u32) -> bool {
 }
 
 /// The migration decision: a pure function of the request's state.
-/// `migrations` counts the migrations already made.
+/// `migrations` counts the migrations already made, `failed_workers` the
+/// workers that received the request and failed it (this one included).
 pub fn decide(
     policy: MigrationPolicy,
     migrations: u32,
+    failed_workers: u32,
     phase: Phase,
     prompt_tokens: u64,
     progress: &Progress,
@@ -173,6 +241,11 @@ pub fn decide(
     if migrations >= policy.limit {
         return Verdict::GiveUp(GiveUp::LimitReached {
             limit: policy.limit,
+        });
+    }
+    if failed_workers >= policy.max_workers {
+        return Verdict::GiveUp(GiveUp::WorkerLimit {
+            workers: failed_workers,
         });
     }
     if phase == Phase::MidStream {
@@ -305,31 +378,137 @@ impl Progress {
     }
 }
 
-/// Why a request cannot be resumed mid-stream, judged from its body.
-pub fn resumable(body: &Value) -> Result<(), &'static str> {
-    if body.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1)
-        || body
-            .get("best_of")
-            .and_then(Value::as_u64)
-            .is_some_and(|n| n > 1)
-    {
-        return Err("it asks for several choices");
-    }
-    if let Some(Value::Array(prompts)) = body.get("prompt") {
-        if prompts
-            .first()
-            .is_some_and(|p| p.is_string() || p.is_array())
-        {
-            return Err("it has a batch of prompts");
+/// Why a request cannot be resumed mid-stream, judged from its body: `Ok`
+/// only when every field is one the resume reproduces. An allow-list, not
+/// a deny-list: a field the router does not know may change what the
+/// model generates, so it makes the request not resumable. A `null` field
+/// is as good as absent. Accepted:
+///
+/// - the fields [`resume_body`] carries as they are ([`CARRIED`]: `model`,
+///   `temperature`, `top_p`, `seed`, `stop`, ...);
+/// - the fields it rebuilds: `stream`, `max_tokens`,
+///   `max_completion_tokens`, and the prompt — for chat, `messages` whose
+///   every message is a `system`, `user` or `assistant` role with text
+///   content (a string, or one text part: what the router's chat template
+///   renders as the engine does); for completions, one text or token-id
+///   `prompt`;
+/// - fields at their neutral value: `n` and `best_of` 1, `echo` and
+///   `logprobs` false, `frequency_penalty` and `presence_penalty` 0 (they
+///   apply to generated tokens, which a resumed request sees as prompt).
+///
+/// Everything else — `tools`, `tool_choice`, `response_format`, guided
+/// decoding, `chat_template_kwargs`, image or audio parts, message names
+/// and tool calls, several choices, logprobs, `echo`, `suffix`, ... — is
+/// an `Err` naming what cannot be reproduced (field names only, never
+/// content).
+pub fn resumable(api: Api, body: &Value) -> Result<(), &'static str> {
+    let Some(fields) = body.as_object() else {
+        return Err("its body is not a JSON object");
+    };
+    for (key, value) in fields {
+        if value.is_null() {
+            continue;
+        }
+        match key.as_str() {
+            k if CARRIED.contains(&k) => {}
+            "stream" | "max_tokens" | "max_completion_tokens" => {}
+            "messages" if api == Api::Chat => plain_messages(value)?,
+            "prompt" if api == Api::Completions => single_prompt(value)?,
+            "n" | "best_of" if value.as_u64() == Some(1) => {}
+            "n" | "best_of" => return Err("it asks for several choices"),
+            "echo" | "logprobs" if value == &Value::Bool(false) => {}
+            "frequency_penalty" | "presence_penalty" if value.as_f64() == Some(0.0) => {}
+            other => return Err(not_reproduced(other)),
         }
     }
-    if body
-        .get("logprobs")
-        .is_some_and(|l| !l.is_null() && l != &Value::Bool(false))
-    {
-        return Err("it asks for logprobs");
+    Ok(())
+}
+
+/// Why a request with field `key` (set, not at a neutral value) cannot be
+/// resumed.
+fn not_reproduced(key: &str) -> &'static str {
+    match key {
+        "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call" => {
+            "it uses tools (`tools`, `tool_choice` or `functions`), which a resumed request cannot reproduce"
+        }
+        "response_format" | "structured_outputs" | "guided_json" | "guided_regex"
+        | "guided_choice" | "guided_grammar" | "guided_decoding_backend" => {
+            "it constrains the output (`response_format` or guided decoding), which a resumed request cannot reproduce"
+        }
+        "chat_template" | "chat_template_kwargs" | "add_generation_prompt"
+        | "continue_final_message" | "documents" | "add_special_tokens"
+        | "mm_processor_kwargs" => {
+            "it changes how the prompt is rendered (`chat_template_kwargs` or the like), which a resumed prompt cannot reproduce"
+        }
+        "logprobs" | "top_logprobs" | "prompt_logprobs" => "it asks for logprobs",
+        "echo" => "it asks for the prompt to be echoed",
+        "frequency_penalty" | "presence_penalty" => {
+            "it sets frequency or presence penalties, which a resumed request would apply to the tokens generated so far as prompt"
+        }
+        "messages" | "prompt" => "its prompt is not of its endpoint's kind",
+        _ => "it sets a field the router does not know how to carry to another worker",
+    }
+}
+
+/// Whether every chat message is one the router's chat template renders as
+/// the engine does: a plain role and text.
+fn plain_messages(messages: &Value) -> Result<(), &'static str> {
+    let Some(messages) = messages.as_array() else {
+        return Err("its messages are not a list");
+    };
+    for message in messages {
+        let Some(fields) = message.as_object() else {
+            return Err("its messages are not objects");
+        };
+        for (key, value) in fields {
+            match key.as_str() {
+                "role" if matches!(value.as_str(), Some("system" | "user" | "assistant")) => {}
+                "role" => {
+                    return Err("it has a message whose role is not system, user or assistant (a tool result, say)")
+                }
+                "content" => plain_content(value)?,
+                _ if value.is_null() => {}
+                _ => {
+                    return Err("it has a message with more than a role and text content (a name or tool calls)")
+                }
+            }
+        }
     }
     Ok(())
+}
+
+/// Text content: a string, nothing, or a list of exactly one text part
+/// (several parts are joined by the engine in ways the router does not
+/// repeat).
+fn plain_content(content: &Value) -> Result<(), &'static str> {
+    match content {
+        Value::Null | Value::String(_) => Ok(()),
+        Value::Array(parts) => {
+            let text_part = |p: &Value| {
+                p.get("type").and_then(Value::as_str) == Some("text")
+                    && p.get("text").is_some_and(Value::is_string)
+                    && p.as_object().is_some_and(|o| o.len() == 2)
+            };
+            if !parts.iter().all(text_part) {
+                Err("it has image, audio or other non-text content parts")
+            } else if parts.len() > 1 {
+                Err("it has a message made of several text parts")
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err("it has message content that is not text"),
+    }
+}
+
+/// One prompt: text or token ids, not a batch.
+fn single_prompt(prompt: &Value) -> Result<(), &'static str> {
+    match prompt {
+        Value::String(_) => Ok(()),
+        Value::Array(items) if items.iter().all(Value::is_u64) => Ok(()),
+        Value::Array(_) => Err("it has a batch of prompts"),
+        _ => Err("its prompt is neither text nor token ids"),
+    }
 }
 
 /// The original request's `max_tokens` (`max_completion_tokens` first for
@@ -340,16 +519,18 @@ pub fn max_tokens(body: &Value) -> Option<u64> {
         .or_else(|| body.get("max_tokens").and_then(Value::as_u64))
 }
 
-/// Sampling fields carried from the original request into a resumed one;
-/// everything else (messages, tools, n, echo, ...) stays behind.
+/// Sampling fields carried from the original request into a resumed one
+/// as they are; the prompt, `stream` and `max_tokens` are rebuilt, and a
+/// request with any other field is not resumed ([`resumable`]).
+/// `repetition_penalty` applies to prompt and generated tokens alike, so
+/// it means the same on a resumed prompt; frequency and presence
+/// penalties apply to generated tokens only and are not carried.
 const CARRIED: &[&str] = &[
     "model",
     "temperature",
     "top_p",
     "top_k",
     "min_p",
-    "frequency_penalty",
-    "presence_penalty",
     "repetition_penalty",
     "seed",
     "stop",
@@ -391,6 +572,7 @@ mod tests {
     const POLICY: MigrationPolicy = MigrationPolicy {
         limit: 3,
         max_seq_len: 100,
+        max_workers: 10,
     };
 
     #[test]
@@ -398,17 +580,17 @@ mod tests {
         let p = Progress::new(64);
         for done in 0..3 {
             assert_eq!(
-                decide(POLICY, done, Phase::BeforeFirstToken, 10, &p, Ok(())),
+                decide(POLICY, done, 1, Phase::BeforeFirstToken, 10, &p, Ok(())),
                 Verdict::Migrate
             );
         }
         assert_eq!(
-            decide(POLICY, 3, Phase::MidStream, 10, &p, Ok(())),
+            decide(POLICY, 3, 1, Phase::MidStream, 10, &p, Ok(())),
             Verdict::GiveUp(GiveUp::LimitReached { limit: 3 })
         );
         let off = MigrationPolicy { limit: 0, ..POLICY };
         assert!(matches!(
-            decide(off, 0, Phase::BeforeFirstToken, 10, &p, Ok(())),
+            decide(off, 0, 1, Phase::BeforeFirstToken, 10, &p, Ok(())),
             Verdict::GiveUp(_)
         ));
     }
@@ -420,7 +602,7 @@ mod tests {
             p.observe(None, Some(&[1]), false);
         }
         assert_eq!(
-            decide(POLICY, 0, Phase::MidStream, 90, &p, Ok(())),
+            decide(POLICY, 0, 1, Phase::MidStream, 90, &p, Ok(())),
             Verdict::GiveUp(GiveUp::TooLong { len: 101, max: 100 })
         );
         // Before the first token the sequence limit does not apply.
@@ -428,6 +610,7 @@ mod tests {
             decide(
                 POLICY,
                 0,
+                1,
                 Phase::BeforeFirstToken,
                 200,
                 &Progress::new(8),
@@ -440,20 +623,184 @@ mod tests {
     #[test]
     fn a_request_that_cannot_be_resumed_gives_up_mid_stream_only() {
         let p = Progress::new(64);
-        let why = resumable(&json!({"n": 2}));
+        let why = resumable(Api::Completions, &json!({"prompt": [1], "n": 2}));
         assert!(why.is_err());
         assert!(matches!(
-            decide(POLICY, 0, Phase::MidStream, 1, &p, why),
+            decide(POLICY, 0, 1, Phase::MidStream, 1, &p, why),
             Verdict::GiveUp(GiveUp::NotResumable(_))
         ));
         assert_eq!(
-            decide(POLICY, 0, Phase::BeforeFirstToken, 1, &p, why),
+            decide(POLICY, 0, 1, Phase::BeforeFirstToken, 1, &p, why),
+            Verdict::Migrate,
+            "before the first token the request is retried as it came"
+        );
+    }
+
+    #[test]
+    fn plain_text_requests_with_sampling_fields_are_resumable() {
+        let chat = json!({
+            "model": "m", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": "hello", "name": null},
+                {"role": "user", "content": "again"},
+            ],
+            "max_completion_tokens": 20, "max_tokens": null, "temperature": 0.7,
+            "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": 1, "stop": ["\n"],
+            "stop_token_ids": [2], "logit_bias": {"5": -1}, "repetition_penalty": 1.1,
+            "ignore_eos": false, "user": "u", "session_id": "s", "n": 1, "best_of": 1,
+            "logprobs": false, "echo": false, "frequency_penalty": 0, "presence_penalty": 0.0,
+            "tools": null, "response_format": null,
+        });
+        assert_eq!(resumable(Api::Chat, &chat), Ok(()));
+        for prompt in [json!("text"), json!([1, 2, 3]), json!([])] {
+            let completion =
+                json!({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": true});
+            assert_eq!(
+                resumable(Api::Completions, &completion),
+                Ok(()),
+                "{completion}"
+            );
+        }
+    }
+
+    #[test]
+    fn anything_the_resume_cannot_reproduce_makes_a_request_not_resumable() {
+        let chat = |extra: serde_json::Value| {
+            let mut body = json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            resumable(Api::Chat, &body)
+        };
+        let cases = [
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
+            (json!({"tools": []}), "tools"),
+            (json!({"tool_choice": "none"}), "tools"),
+            (json!({"functions": [{"name": "f"}]}), "tools"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "constrains",
+            ),
+            (json!({"guided_json": {}}), "constrains"),
+            (
+                json!({"chat_template_kwargs": {"enable_thinking": false}}),
+                "rendered",
+            ),
+            (json!({"add_generation_prompt": false}), "rendered"),
+            (json!({"n": 2}), "several choices"),
+            (json!({"best_of": 3}), "several choices"),
+            (json!({"logprobs": true}), "logprobs"),
+            (json!({"top_logprobs": 2}), "logprobs"),
+            (json!({"echo": true}), "echoed"),
+            (json!({"frequency_penalty": 0.5}), "penalties"),
+            (json!({"presence_penalty": -1}), "penalties"),
+            (json!({"prompt": "wrong endpoint"}), "endpoint"),
+            (json!({"some_new_engine_knob": 1}), "does not know"),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}),
+                "several text parts",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]}),
+                "non-text",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]}),
+                "role",
+            ),
+            (
+                json!({"messages": [{"role": "developer", "content": "x"}]}),
+                "role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x", "name": "bob"}]}),
+                "more than a role",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}),
+                "more than a role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": 7}]}),
+                "not text",
+            ),
+            (json!({"messages": "hi"}), "not a list"),
+            (json!({"messages": ["hi"]}), "not objects"),
+        ];
+        for (extra, expected) in cases {
+            let why = chat(extra.clone()).expect_err(&extra.to_string());
+            assert!(why.contains(expected), "{extra}: {why}");
+            assert!(!why.contains("secret"), "no content in the reason");
+        }
+        let completion = |body: serde_json::Value| resumable(Api::Completions, &body);
+        assert!(completion(json!({"prompt": ["a", "b"]}))
+            .unwrap_err()
+            .contains("batch"));
+        assert!(completion(json!({"prompt": [[1], [2]]}))
+            .unwrap_err()
+            .contains("batch"));
+        assert!(completion(json!({"prompt": [1], "suffix": "x"}))
+            .unwrap_err()
+            .contains("does not know"));
+        assert!(completion(json!({"prompt": [1], "logprobs": 0}))
+            .unwrap_err()
+            .contains("logprobs"));
+        assert!(completion(json!({"prompt": 5})).is_err());
+        assert!(completion(json!({"prompt": [1], "messages": []})).is_err());
+        assert!(completion(json!("junk")).is_err());
+        assert!(completion(json!([1, 2])).is_err());
+    }
+
+    #[test]
+    fn a_request_is_not_sent_to_more_workers_than_the_limit() {
+        let policy = MigrationPolicy {
+            max_workers: 2,
+            ..POLICY
+        };
+        let p = Progress::new(64);
+        assert_eq!(
+            decide(policy, 0, 1, Phase::BeforeFirstToken, 1, &p, Ok(())),
             Verdict::Migrate
         );
-        assert!(resumable(&json!({"prompt": ["a", "b"]})).is_err());
-        assert!(resumable(&json!({"prompt": [[1], [2]]})).is_err());
-        assert!(resumable(&json!({"prompt": [1, 2]})).is_ok());
-        assert!(resumable(&json!({"messages": [], "n": 1, "logprobs": false})).is_ok());
+        for phase in [Phase::BeforeFirstToken, Phase::MidStream] {
+            assert_eq!(
+                decide(policy, 1, 2, phase, 1, &p, Ok(())),
+                Verdict::GiveUp(GiveUp::WorkerLimit { workers: 2 }),
+                "{phase:?}"
+            );
+        }
+        // Refused connections (the worker never had the prompt) do not
+        // count: migrations beyond the worker limit are still allowed.
+        assert_eq!(
+            decide(policy, 2, 1, Phase::BeforeFirstToken, 1, &p, Ok(())),
+            Verdict::Migrate
+        );
+        assert!(!Failure::Connect.reached_worker());
+        for reason in [
+            Failure::Reset,
+            Failure::Status5xx,
+            Failure::Timeout,
+            Failure::MidStream,
+        ] {
+            assert!(reason.reached_worker(), "{reason:?}");
+        }
+        let why = GiveUp::WorkerLimit { workers: 2 }.to_string();
+        assert!(why.contains("failed on 2 workers"), "{why}");
+        assert_eq!(GiveUp::WorkerLimit { workers: 2 }.label(), "worker_limit");
+        assert_eq!(GiveUp::NotResumable("x").label(), "not_resumable");
     }
 
     #[test]
@@ -468,7 +815,7 @@ mod tests {
         p.observe(Some("123456789"), None, true);
         assert!(p.finished);
         assert!(matches!(
-            decide(POLICY, 0, Phase::MidStream, 1, &p, Ok(())),
+            decide(POLICY, 0, 1, Phase::MidStream, 1, &p, Ok(())),
             Verdict::GiveUp(GiveUp::NotResumable(_))
         ));
     }
@@ -489,7 +836,7 @@ mod tests {
         assert!(p.ids().is_empty(), "nothing more is recorded");
         assert_eq!(p.generated, 13, "generated tokens are still counted");
         assert_eq!(
-            decide(POLICY, 0, Phase::MidStream, 90, &p, Ok(())),
+            decide(POLICY, 0, 1, Phase::MidStream, 90, &p, Ok(())),
             Verdict::GiveUp(GiveUp::TooLong { len: 103, max: 100 })
         );
     }
@@ -502,7 +849,7 @@ mod tests {
         p.observe(Some("x"), None, false);
         assert_eq!(p.generated, u64::MAX);
         assert!(matches!(
-            decide(POLICY, 0, Phase::MidStream, u64::MAX, &p, Ok(())),
+            decide(POLICY, 0, 1, Phase::MidStream, u64::MAX, &p, Ok(())),
             Verdict::GiveUp(GiveUp::TooLong { .. })
         ));
     }

@@ -275,26 +275,17 @@ async fn proxy(
         headers.get(header::ACCEPT).cloned(),
         deadline,
     );
-    let metrics = state.shared.metrics().clone();
-    let timeout = state.request_timeout;
-    match tokio::time::timeout_at(
-        deadline,
-        first_phase(attempts, session, path, arrival, body, facts),
-    )
-    .await
-    {
-        Ok(result) => result,
-        Err(_) => {
-            metrics.request_timeouts.inc();
-            tracing::info!(request = %request_id, "request timed out before its first token: upstream cancelled");
-            Err(ApiError::timeout(timeout))
-        }
-    }
+    first_phase(attempts, session, path, arrival, body, facts).await
 }
 
 /// Attempts until one worker produces a first event (streaming) or a whole
 /// response (non-streaming); each failure reports the worker and moves the
 /// request elsewhere (still its session's turn), up to the migration limit.
+/// The request timeout bounds every wait: for placement (a 504, no worker
+/// to blame) and for the worker's answer (a 504, and the worker reported
+/// when it had the request for at least the first-token timeout: a worker
+/// that accepts requests and never answers them must not stay
+/// selectable).
 async fn first_phase(
     mut attempts: Attempts,
     session: Option<SessionKey>,
@@ -305,18 +296,32 @@ async fn first_phase(
 ) -> Result<Response, ApiError> {
     let state = attempts.state.clone();
     let prompt_tokens = facts.tokens.len() as u64;
+    let deadline = attempts.deadline;
     let wait = attempts.submit(&facts.tokens, session)?;
-    let mut booking = attempts.placed(wait).await?;
+    let placed = tokio::time::timeout_at(deadline, attempts.placed(wait)).await;
+    let mut booking = match placed {
+        Ok(placed) => placed?,
+        Err(_) => return Err(queue_timeout(&attempts)),
+    };
     loop {
-        let sent = attempts
-            .send(&booking, path, body.clone(), facts.stream)
-            .await;
-        let outcome = match sent {
-            Ok(response) if facts.stream && response.status().is_success() => {
-                first_event(&attempts, &booking.name, response).await
+        let sent_at = tokio::time::Instant::now();
+        let attempt = async {
+            let sent = attempts
+                .send(&booking, path, body.clone(), facts.stream)
+                .await;
+            match sent {
+                Ok(response) if facts.stream && response.status().is_success() => {
+                    first_event(&attempts, &booking.name, response).await
+                }
+                Ok(response) => buffered(&attempts, response).await,
+                Err(e) => Err(e),
             }
-            Ok(response) => buffered(&attempts, response).await,
-            Err(e) => Err(e),
+        };
+        let answered = tokio::time::timeout_at(deadline, attempt).await;
+        let Ok(outcome) = answered else {
+            // The upstream request is dropped with the booking.
+            let fair = sent_at.elapsed() >= state.first_token_timeout;
+            return Err(attempts.timed_out_on(booking, fair));
         };
         match outcome {
             Ok(Answer::Buffered(parts, bytes)) => {
@@ -376,7 +381,14 @@ async fn first_phase(
                     &progress,
                     Ok(()),
                 ) {
-                    Ok(failed) => booking = attempts.migrate(failed, None).await?,
+                    Ok(failed) => {
+                        let moved =
+                            tokio::time::timeout_at(deadline, attempts.migrate(failed, None)).await;
+                        booking = match moved {
+                            Ok(moved) => moved?,
+                            Err(_) => return Err(queue_timeout(&attempts)),
+                        };
+                    }
                     Err(give_up) => {
                         return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")))
                     }
@@ -384,6 +396,12 @@ async fn first_phase(
             }
         }
     }
+}
+
+/// The request timeout passed while the request waited for a worker.
+fn queue_timeout(attempts: &Attempts) -> ApiError {
+    tracing::info!(request = %attempts.client_id, "request timed out waiting for a worker");
+    attempts.timed_out()
 }
 
 fn log_dispatch(booking: &Booking, attempts: &Attempts, prompt_tokens: u64, stream: bool) {

@@ -1,10 +1,15 @@
 //! The streaming response body: the worker's SSE events on their way to the
 //! client, resumed on another worker when the stream breaks.
 //!
-//! Pull-based: the worker's body is read only when the client asks for the
-//! next chunk, one event at a time, so a slow client slows the read from
-//! the worker (TCP back-pressure) instead of growing a buffer. Per stream
-//! the router holds: one incomplete event (at most
+//! Paced by the client: the stream runs in a task of its own that reads
+//! the worker one event at a time and hands each to the client's body
+//! through a one-event channel, so the worker is read at most one event
+//! ahead of the client and a slow client slows the read from the worker
+//! (TCP back-pressure) instead of growing a buffer. The task, not the
+//! client's polling, keeps the request timeout: a client that stops
+//! reading still has its worker's request cancelled and its booking
+//! freed at the timeout. Per stream the router holds: one incomplete
+//! event (at most
 //! [`crate::context::MAX_EVENT_BYTES`] plus one frame), the event being
 //! forwarded, the prompt's token ids and the client's body (both already
 //! in memory for routing), and the generated tokens ([`Progress`]: 4 bytes
@@ -19,17 +24,19 @@
 //! ids ([`super::migration::resume_body`]), and the new worker's chunks are
 //! rewritten into the original shape ([`StreamShape::rewrite`]). The client
 //! sees one stream with one `[DONE]`, or an error event and the end when
-//! the request cannot move (limit, length, no worker, request timeout).
+//! the request cannot move (limit, length, no worker, a request the
+//! resume cannot reproduce — [`super::migration::resumable`] —, the
+//! request timeout).
 //!
-
 //! The stream is a small state machine ([`State`]): its first event
 //! waiting to be forwarded, then forwarding one worker's *leg* (its
 //! booking, its response body and parser), then ended. A migration
 //! replaces the leg: the failed leg's booking moves on with the request
 //! (still its session's turn) and a resumed leg's chunks are rewritten.
 //!
-//! Dropping the body (the client went away) drops the upstream connection,
-//! which cancels the worker's request, and aborts the request.
+//! Dropping the body (the client went away) stops the task, which drops
+//! the upstream connection, cancelling the worker's request, and aborts
+//! the request.
 
 use crate::attempt::{AttemptError, Attempts};
 use crate::booking::Booking;
@@ -40,15 +47,19 @@ use crate::migration::{self, Failure, Phase, Progress};
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;
+use http_body::Frame;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use serde_json::Value;
 use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use switchyard_wire::openai::{Api, Usage};
 use switchyard_wire::sse::{
     classify, event_bytes, Chunk, Delta, SseParser, StreamShape, DONE_EVENT,
 };
+use tokio::sync::{mpsc, oneshot};
 
 /// Bytes of generated text kept per token of the migration sequence limit.
 const TEXT_BYTES_PER_TOKEN: u64 = 32;
@@ -152,32 +163,66 @@ impl MigratingStream {
         }
     }
 
-    /// The response body: polled by the client's connection, one event per
-    /// poll.
+    /// The response body. The stream runs in a task of its own
+    /// ([`Self::run`]) that hands events to the body through a one-event
+    /// channel, so its request timeout fires whether or not the client
+    /// reads: a client that stops reading stops polling the body, and a
+    /// deadline checked only when the body is polled would never fire,
+    /// holding the booking and the worker's request for as long as the
+    /// client keeps the connection open.
     pub(crate) fn into_body(self) -> Body {
-        let events = futures_util::stream::unfold(self, |mut s| async move {
-            let chunk = s.next().await?;
-            Some((Ok::<Bytes, Infallible>(chunk), s))
-        });
-        Body::from_stream(events)
+        let (tx, rx) = mpsc::channel(1);
+        let (alive, gone) = oneshot::channel();
+        tokio::spawn(self.run(tx, gone));
+        Body::new(Events { rx, _alive: alive })
     }
 
-    async fn next(&mut self) -> Option<Bytes> {
-        if matches!(self.state, State::Ended) {
-            return None;
-        }
-        let deadline = self.attempts.deadline;
-        match tokio::time::timeout_at(deadline, self.next_event()).await {
-            Ok(bytes) => bytes,
-            Err(_) => {
-                let metrics = self.attempts.state.shared.metrics();
-                metrics.request_timeouts.inc();
-                tracing::info!(request = %self.attempts.client_id, "stream timed out: upstream cancelled");
-                let error = ApiError::timeout(self.attempts.state.request_timeout);
-                // Ending drops the leg: the worker's request is cancelled.
-                Some(self.end_with(RequestStatus::Unavailable, error_event(&error)))
+    /// Forwards events to `tx` until the response ends, the client goes
+    /// away (`gone` resolves when the body is dropped) or the request
+    /// timeout passes, whichever comes first. At the timeout the leg is
+    /// dropped at once — the worker's request cancelled, the booking freed
+    /// — and the client gets an error event once it reads again. A
+    /// response that has ended (its booking finished) waits for the
+    /// client to take its last bytes, with no deadline left to count.
+    async fn run(mut self, tx: mpsc::Sender<Bytes>, mut gone: oneshot::Receiver<()>) {
+        let deadline = tokio::time::sleep_until(self.attempts.deadline);
+        tokio::pin!(deadline);
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = &mut deadline => break,
+                // The client went away (counted by the drop).
+                _ = &mut gone => return,
+                next = self.next_event() => next,
+            };
+            let Some(bytes) = next else {
+                return;
+            };
+            if matches!(self.state, State::Ended) {
+                drop(self);
+                let _ = tx.send(bytes).await;
+                return;
+            }
+            tokio::select! {
+                biased;
+                () = &mut deadline => break,
+                sent = tx.send(bytes) => {
+                    if sent.is_err() {
+                        return;
+                    }
+                }
             }
         }
+        let metrics = self.attempts.state.shared.metrics();
+        metrics.request_timeouts.inc();
+        tracing::info!(request = %self.attempts.client_id, "stream timed out: upstream cancelled");
+        let error = ApiError::timeout(self.attempts.state.request_timeout);
+        // Ending drops the leg: the worker's request is cancelled and the
+        // booking freed, now, whether or not the client reads.
+        let last = self.end_with(RequestStatus::Unavailable, error_event(&error));
+        drop(self);
+        // Delivered when the client reads on; fails once it is gone.
+        let _ = tx.send(last).await;
     }
 
     /// The current leg's next event: the waiting first one, or one read
@@ -276,7 +321,7 @@ impl MigratingStream {
             State::Ended => None,
         };
         let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
-        let resumable = migration::resumable(&original);
+        let resumable = migration::resumable(self.api, &original);
         let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
         // Only the first choice of each chunk is read: a finish means the
         // whole generation is complete only for a single-choice request. A
@@ -509,6 +554,29 @@ async fn read_event(leg: &mut Leg, idle: Duration) -> Result<String, (Failure, S
                 }
             }
         }
+    }
+}
+
+/// The client's side of a stream: the events its task forwards
+/// ([`MigratingStream::into_body`]).
+struct Events {
+    rx: mpsc::Receiver<Bytes>,
+    /// Dropped with the body (the client went away, or shutdown cut the
+    /// response): the stream's task stops at once.
+    _alive: oneshot::Sender<()>,
+}
+
+impl http_body::Body for Events {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|event| event.map(|bytes| Ok(Frame::data(bytes))))
     }
 }
 

@@ -18,6 +18,7 @@ mod layout;
 mod openai_client;
 mod replay_tune;
 mod serve_chaos;
+mod serve_ending;
 mod serve_errors;
 mod serve_migration;
 mod serve_reliability;
