@@ -12,7 +12,8 @@ use super::transport::{Transport, TransportError};
 use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard_core::dispatch::{Dispatcher, Effects, Published, SessionBound};
+use switchyard_core::dispatch::{DigestPart, Dispatcher, Effects, Published, SessionBound};
+use switchyard_core::replica::RemoteCounters;
 use switchyard_core::sequences::SequenceEvent;
 use switchyard_core::ReplicaId;
 use switchyard_wire::replica::{decode_batch, ReplicaBatch, SessionBinding};
@@ -26,6 +27,9 @@ pub struct BatchReport {
     pub applied: u64,
     /// Session bindings handed to the admission strategy.
     pub sessions_applied: u64,
+    /// What the batch added to the core's remote-booking counters: drops
+    /// by reason, clamps, digest frees, session evictions.
+    pub remote: RemoteCounters,
 }
 
 /// Where peers' events go: the server implements it over its shared
@@ -61,10 +65,17 @@ pub fn apply_batch(
         worker: b.worker,
         context_tokens: b.context_tokens,
     });
-    let (applied, fx) = dispatcher.apply_replica_batch(batch.router_id, events, bindings, now_ms);
+    let digest = batch.digest.as_ref().map(|d| DigestPart {
+        lo: d.lo,
+        hi: d.hi,
+        live: &d.live,
+    });
+    let (applied, fx) =
+        dispatcher.apply_replica_batch(batch.router_id, events, bindings, digest, now_ms);
     let report = BatchReport {
         applied: applied.applied,
         sessions_applied: applied.sessions,
+        remote: applied.remote,
     };
     (report, fx)
 }
