@@ -139,14 +139,16 @@ impl SharedRouter {
         self.epoch.elapsed().as_secs_f64() * 1e3
     }
 
-    /// A fresh request id: 128 bits from the thread's CSPRNG (ChaCha,
+    /// A fresh request id: 127 bits from the thread's CSPRNG (ChaCha,
     /// seeded from the OS and reseeded by `rand`), so ids are unique across
     /// router processes with overwhelming probability and unpredictable:
-    /// clients see them in `x-request-id`, and peer replicas key their
-    /// bookings by them, so no one can guess the next one. Never zero.
+    /// clients see them in `x-request-id`, and no one can guess the next
+    /// one. The top bit is clear (the core keeps peers' bookings under
+    /// keys with it set, `switchyard_core::replica::REMOTE_KEY_BIT`).
+    /// Never zero.
     pub fn next_request_id(&self) -> RequestId {
         use rand::Rng as _;
-        RequestId(rand::thread_rng().gen::<u128>().max(1))
+        RequestId((rand::thread_rng().gen::<u128>() >> 1).max(1))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -540,6 +542,11 @@ impl SharedRouter {
         self.lock().publisher.as_ref().map(|p| p.metrics().clone())
     }
 
+    /// The booking ids of this replica's live bookings (its digest).
+    pub fn local_booking_ids(&self) -> Vec<RequestId> {
+        self.lock().dispatcher.local_booking_ids()
+    }
+
     /// Applies one of a peer's batches.
     pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
         self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
@@ -634,7 +641,9 @@ mod tests {
         let ids: Vec<u128> = (0..2_000).map(|_| shared.next_request_id().0).collect();
         let distinct: std::collections::HashSet<u128> = ids.iter().copied().collect();
         assert_eq!(distinct.len(), ids.len());
-        assert!(ids.iter().all(|&id| id != 0));
+        assert!(ids
+            .iter()
+            .all(|&id| id != 0 && id & switchyard_core::replica::REMOTE_KEY_BIT == 0));
         // A start-time salt and a counter would repeat the high half and
         // step the low half by one; 128 random bits do neither.
         let highs: std::collections::HashSet<u64> = ids.iter().map(|&id| (id >> 64) as u64).collect();

@@ -425,6 +425,12 @@ impl Dispatcher {
         self.requests.get(&id)?.booked.as_ref().map(|b| b.worker)
     }
 
+    /// The booking ids of every placed local request: what a digest of
+    /// this replica's live bookings lists (peers know them by these ids).
+    pub fn local_booking_ids(&self) -> Vec<RequestId> {
+        self.bookings.keys().copied().collect()
+    }
+
     /// Requests this replica booked on `worker` and has not freed.
     pub fn local_requests_on(&self, worker: WorkerId) -> usize {
         let all = self
