@@ -517,3 +517,89 @@ fn push(batch: &mut ReplicaBatch, item: Outgoing) {
         Outgoing::Digest(_) => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_core::LocalHash;
+    use switchyard_wire::replica::decode_batch;
+
+    fn booking(id: u128, blocks: u64) -> ActiveSequenceEvent {
+        ActiveSequenceEvent::add(
+            ReplicaId(1),
+            &AddRequest {
+                request: RequestId(id),
+                worker: WorkerId::new(0),
+                prompt_tokens: blocks as u32 * 16,
+                blocks: (0..blocks).map(|b| LocalHash(u64::MAX - b)).collect(),
+                overlap_blocks: 0,
+                expected_prefill_ms: None,
+            },
+            None,
+        )
+    }
+
+    #[test]
+    fn a_batch_over_the_limit_is_split_in_order_into_messages_under_it() {
+        let limit = 16 * 1024;
+        let mut batch = ReplicaBatch::heartbeat(ReplicaId(1));
+        batch.events = (0..128).map(|id| booking(id, 500)).collect();
+        batch.sessions = vec![SessionBinding {
+            session: switchyard_core::admission::SessionKey(3),
+            worker: WorkerId::new(0),
+            context_tokens: 9,
+        }];
+        let split = encode_within(&batch, limit);
+        assert!(split.messages.len() > 1);
+        assert_eq!((split.truncated, split.unsendable), (0, 0));
+        let mut events = Vec::new();
+        let mut sessions = Vec::new();
+        for m in &split.messages {
+            assert!(m.payload.len() <= limit, "{}", m.payload.len());
+            let decoded = decode_batch(&m.payload).unwrap();
+            assert_eq!(decoded.events.len() as u64, m.events);
+            events.extend(decoded.events);
+            sessions.extend(decoded.sessions);
+        }
+        assert_eq!(events, batch.events);
+        assert_eq!(sessions, batch.sessions);
+        // A batch under the limit is one message.
+        batch.events.truncate(2);
+        assert_eq!(encode_within(&batch, limit).messages.len(), 1);
+    }
+
+    #[test]
+    fn a_lone_booking_over_the_limit_keeps_its_leading_blocks() {
+        let limit = 4 * 1024;
+        let mut batch = ReplicaBatch::heartbeat(ReplicaId(1));
+        batch.events = vec![booking(1, 2_000)];
+        let split = encode_within(&batch, limit);
+        assert_eq!((split.messages.len(), split.truncated), (1, 1));
+        assert!(split.messages[0].payload.len() <= limit);
+        let event = &decode_batch(&split.messages[0].payload).unwrap().events[0];
+        let ActiveSequenceData::AddRequest { blocks, .. } = &event.data else {
+            panic!("an add")
+        };
+        let ActiveSequenceData::AddRequest { blocks: all, .. } = &batch.events[0].data else {
+            panic!("an add")
+        };
+        assert!(!blocks.is_empty() && blocks.len() < all.len());
+        assert_eq!(blocks[..], all[..blocks.len()]);
+    }
+
+    #[test]
+    fn digest_parts_fit_the_limit() {
+        for limit in [1024, 64 * 1024, 1024 * 1024] {
+            let live: Vec<RequestId> = (0..20_000u128).map(|i| RequestId(i * 7919 + (i << 100))).collect();
+            for part in DigestPart::split(live, digest_ids_per_message(limit)) {
+                let batch = ReplicaBatch {
+                    digest: Some(part),
+                    ..ReplicaBatch::heartbeat(ReplicaId(u64::MAX))
+                };
+                let mut buf = Vec::new();
+                encode_batch_into(&batch, &mut buf);
+                assert!(buf.len() <= limit, "{} > {limit}", buf.len());
+            }
+        }
+    }
+}
