@@ -223,14 +223,20 @@ impl NatsAuth {
             ));
         }
         if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(Auth("a TLS client certificate needs its key, and a key its certificate"));
+            return Err(Auth(
+                "a TLS client certificate needs its key, and a key its certificate",
+            ));
         }
         Ok(())
     }
 
     /// The password, from the setting or its file.
     pub fn password(&self) -> std::io::Result<Option<String>> {
-        secret(self.password.as_ref(), self.password_file.as_ref(), "password")
+        secret(
+            self.password.as_ref(),
+            self.password_file.as_ref(),
+            "password",
+        )
     }
 
     /// The token, from the setting or its file.
@@ -365,7 +371,10 @@ mod tests {
             ..NatsAuth::default()
         };
         let err = missing.password().unwrap_err().to_string();
-        assert!(err.contains("password file") && err.contains("absent"), "{err}");
+        assert!(
+            err.contains("password file") && err.contains("absent"),
+            "{err}"
+        );
         std::fs::write(&file, "\n").unwrap();
         assert!(auth.token().unwrap_err().to_string().contains("empty"));
         std::fs::remove_dir_all(&dir).unwrap();

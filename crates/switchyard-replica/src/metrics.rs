@@ -259,10 +259,19 @@ mod tests {
         }
         assert!(text.contains("switchyard_replica_events_total{direction=\"dropped\"} 3\n"));
         assert!(text.contains("switchyard_replica_batches_total{direction=\"malformed\"} 0\n"));
-        for reason in ["origin_mismatch", "unknown_worker", "unknown_booking", "duplicate", "replica_full"] {
-            assert!(text.contains(&format!(
-                "switchyard_replica_dropped_total{{reason=\"{reason}\"}} 0\n"
-            )), "{text}");
+        for reason in [
+            "origin_mismatch",
+            "unknown_worker",
+            "unknown_booking",
+            "duplicate",
+            "replica_full",
+        ] {
+            assert!(
+                text.contains(&format!(
+                    "switchyard_replica_dropped_total{{reason=\"{reason}\"}} 0\n"
+                )),
+                "{text}"
+            );
         }
         assert!(text.contains("switchyard_replica_events_total{direction=\"digest_freed\"} 0\n"));
         assert!(text.contains("switchyard_replica_clamped_total 0\n"));

@@ -590,7 +590,9 @@ mod tests {
     #[test]
     fn digest_parts_fit_the_limit() {
         for limit in [1024, 64 * 1024, 1024 * 1024] {
-            let live: Vec<RequestId> = (0..20_000u128).map(|i| RequestId(i * 7919 + (i << 100))).collect();
+            let live: Vec<RequestId> = (0..20_000u128)
+                .map(|i| RequestId(i * 7919 + (i << 100)))
+                .collect();
             for part in DigestPart::split(live, digest_ids_per_message(limit)) {
                 let batch = ReplicaBatch {
                     digest: Some(part),

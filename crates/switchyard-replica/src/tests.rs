@@ -376,7 +376,9 @@ fn long_add(id: u128, worker: u64, blocks: u64) -> AddRequest {
         request: RequestId(id),
         worker: WorkerId::new(worker),
         prompt_tokens: blocks as u32 * 16,
-        blocks: (0..blocks).map(|b| LocalHash(u64::MAX - b - id as u64)).collect(),
+        blocks: (0..blocks)
+            .map(|b| LocalHash(u64::MAX - b - id as u64))
+            .collect(),
         overlap_blocks: 0,
         expected_prefill_ms: None,
     }
@@ -411,11 +413,15 @@ async fn a_burst_of_long_prompts_over_a_small_payload_limit_arrives_whole_with_e
     // would be about 2 MB, 30 times the limit. Then one over the limit
     // alone, then every free.
     for id in 1..=100u128 {
-        a.publisher.added(&long_add(id, id as u64 % 2, 2_000), None).unwrap();
+        a.publisher
+            .added(&long_add(id, id as u64 % 2, 2_000), None)
+            .unwrap();
     }
     a.publisher.added(&long_add(101, 0, 10_000), None).unwrap();
     for id in 1..=101u128 {
-        a.publisher.freed(RequestId(id), WorkerId::new(id as u64 % 2)).unwrap();
+        a.publisher
+            .freed(RequestId(id), WorkerId::new(id as u64 % 2))
+            .unwrap();
     }
     wait_until(|| b.metrics.snapshot().applied == 202).await;
     assert_eq!(peer.lock().unwrap().router().remote().remote_requests(), 0);

@@ -18,8 +18,8 @@
 
 use crate::shared::SharedRouter;
 use clap::Args;
-use std::sync::Arc;
 use std::path::PathBuf;
+use std::sync::Arc;
 use switchyard_core::RequestId;
 use switchyard_replica::{
     random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaPlane, ReplicaSink,

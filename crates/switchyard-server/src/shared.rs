@@ -646,9 +646,13 @@ mod tests {
             .all(|&id| id != 0 && id & switchyard_core::replica::REMOTE_KEY_BIT == 0));
         // A start-time salt and a counter would repeat the high half and
         // step the low half by one; 128 random bits do neither.
-        let highs: std::collections::HashSet<u64> = ids.iter().map(|&id| (id >> 64) as u64).collect();
+        let highs: std::collections::HashSet<u64> =
+            ids.iter().map(|&id| (id >> 64) as u64).collect();
         assert!(highs.len() > 1_990, "{} distinct high halves", highs.len());
-        let steps = ids.windows(2).filter(|w| w[1].wrapping_sub(w[0]) == 1).count();
+        let steps = ids
+            .windows(2)
+            .filter(|w| w[1].wrapping_sub(w[0]) == 1)
+            .count();
         assert_eq!(steps, 0);
         // Still a valid header value: 32 lowercase hex digits.
         let text = RequestId(ids[0]).to_string();

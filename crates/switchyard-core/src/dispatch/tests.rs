@@ -403,7 +403,10 @@ fn a_peer_booking_and_freeing_a_local_requests_id_leaves_the_local_booking_alone
             (peer, SequenceEvent::Free(RequestId(77))),
             (peer, SequenceEvent::Free(RequestId(77))),
             // Marks name the booking's origin: this one names ours.
-            (ReplicaId(1), SequenceEvent::MarkPrefillCompleted(RequestId(77))),
+            (
+                ReplicaId(1),
+                SequenceEvent::MarkPrefillCompleted(RequestId(77)),
+            ),
         ],
         [],
         None,
@@ -412,7 +415,10 @@ fn a_peer_booking_and_freeing_a_local_requests_id_leaves_the_local_booking_alone
     assert_eq!(applied.applied, 2, "the peer's own add and free");
     assert_eq!(applied.remote.drops.unknown_booking, 1);
     assert_eq!(applied.remote.own, 1);
-    assert_eq!(d.router().sequences().owner(RequestId(77)), Some(sent.worker));
+    assert_eq!(
+        d.router().sequences().owner(RequestId(77)),
+        Some(sent.worker)
+    );
     assert_eq!(d.local_requests_on(sent.worker), 1);
     assert_eq!(d.router().remote().remote_requests(), 0);
 }

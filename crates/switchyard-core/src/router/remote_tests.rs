@@ -296,10 +296,16 @@ fn an_event_for_an_unknown_worker_is_dropped_and_counted() {
 fn a_booking_with_more_blocks_than_the_bound_keeps_its_leading_blocks() {
     let mut r = router(1000.0);
     let huge = add_with(1, 0, MAX_REMOTE_BLOCKS + 5, u32::MAX);
-    assert!(r.apply_remote(PEER, &SequenceEvent::Add(huge), 0.0).applied());
+    assert!(r
+        .apply_remote(PEER, &SequenceEvent::Add(huge), 0.0)
+        .applied());
     let load = r.sequences().registry().load(WorkerId::new(0)).unwrap();
     // Its blocks, plus the partial block the clamped prompt length implies.
-    assert!(load.decode_blocks <= MAX_REMOTE_BLOCKS + 1, "{}", load.decode_blocks);
+    assert!(
+        load.decode_blocks <= MAX_REMOTE_BLOCKS + 1,
+        "{}",
+        load.decode_blocks
+    );
     assert_eq!(
         load.active_prefill_tokens(0.0),
         u64::from(MAX_REMOTE_PROMPT_TOKENS)
@@ -370,7 +376,9 @@ fn bookings_past_the_per_origin_cap_are_dropped_and_counted() {
     assert_eq!(r.remote().remote_requests(), 2);
     assert_eq!(r.remote().counters().drops.replica_full, 1);
     // Another origin has a cap of its own.
-    assert!(r.apply_remote(ReplicaId(8), &add(1, 0, &[1], 16), 0.0).applied());
+    assert!(r
+        .apply_remote(ReplicaId(8), &add(1, 0, &[1], 16), 0.0)
+        .applied());
 }
 
 #[test]
@@ -404,7 +412,11 @@ fn a_digest_frees_the_senders_unlisted_bookings_in_its_range_past_the_grace() {
     let all = (RequestId(0), RequestId(u128::MAX));
     assert_eq!(r.apply_remote_digest(PEER, all.0, all.1, &[], now).len(), 2);
     assert!(r.remote().key_of(PEER, RequestId(5)).is_some());
-    assert_eq!(r.apply_remote_digest(PEER, all.0, all.1, &[], 3_001.0).len(), 1);
+    assert_eq!(
+        r.apply_remote_digest(PEER, all.0, all.1, &[], 3_001.0)
+            .len(),
+        1
+    );
     assert_eq!(r.remote().remote_requests(), 1);
     // A digest claiming this replica's id frees nothing.
     assert!(r.apply_remote_digest(ME, all.0, all.1, &[], 9e9).is_empty());

@@ -55,7 +55,12 @@ impl Replica {
     }
 
     fn remote_requests(&self) -> usize {
-        self.dispatcher.lock().unwrap().router().remote().remote_requests()
+        self.dispatcher
+            .lock()
+            .unwrap()
+            .router()
+            .remote()
+            .remote_requests()
     }
 
     fn holds(&self, origin: ReplicaId, id: u128) -> bool {
@@ -78,7 +83,9 @@ fn booking(id: u128, worker: WorkerId, blocks: u64, prompt_tokens: u32) -> AddRe
         request: RequestId(id),
         worker,
         prompt_tokens,
-        blocks: (0..blocks).map(|b| LocalHash(u64::MAX - b - id as u64)).collect(),
+        blocks: (0..blocks)
+            .map(|b| LocalHash(u64::MAX - b - id as u64))
+            .collect(),
         overlap_blocks: 0,
         expected_prefill_ms: None,
     }
@@ -141,9 +148,11 @@ async fn with_a_password_on_the_server_only_authenticated_replicas_reach_the_bus
         .publisher
         .added(&booking(1, WORKERS[0], 2, 32), None)
         .unwrap();
-    wait_for("an authenticated pair syncs", Duration::from_secs(5), || {
-        b.holds(ReplicaId(1), 1)
-    })
+    wait_for(
+        "an authenticated pair syncs",
+        Duration::from_secs(5),
+        || b.holds(ReplicaId(1), 1),
+    )
     .await;
 
     // No credentials, or the wrong password: no connection at all.
@@ -160,7 +169,10 @@ async fn with_a_password_on_the_server_only_authenticated_replicas_reach_the_bus
         .unwrap_err()
         .to_string();
     assert!(refused.contains("authorization"), "{refused}");
-    assert!(!refused.contains("guess"), "the secret is not echoed: {refused}");
+    assert!(
+        !refused.contains("guess"),
+        "the secret is not echoed: {refused}"
+    );
     // A raw client that tries anyway never gets to publish a forged free.
     assert!(async_nats::connect(&url).await.is_err());
 
@@ -188,7 +200,9 @@ async fn with_a_token_on_the_server_a_token_file_connects_and_no_token_does_not(
         token_file: Some(token_file),
         ..NatsAuth::default()
     };
-    let transport = NatsTransport::connect_with(&server.url(), &auth).await.unwrap();
+    let transport = NatsTransport::connect_with(&server.url(), &auth)
+        .await
+        .unwrap();
     transport.flush().await.unwrap();
     assert!(NatsTransport::connect(&server.url()).await.is_err());
     let missing = NatsAuth {
@@ -199,7 +213,10 @@ async fn with_a_token_on_the_server_a_token_file_connects_and_no_token_does_not(
         .await
         .unwrap_err()
         .to_string();
-    assert!(err.contains("token file") && err.contains("absent"), "{err}");
+    assert!(
+        err.contains("token file") && err.contains("absent"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -224,7 +241,9 @@ async fn forged_batches_change_nothing_beyond_the_clamps() {
         let raw = raw.clone();
         let subject = config.subject();
         async move {
-            raw.publish(&subject, Bytes::from(encode_batch(&batch))).await.unwrap();
+            raw.publish(&subject, Bytes::from(encode_batch(&batch)))
+                .await
+                .unwrap();
             raw.flush().await.unwrap();
         }
     };
@@ -245,7 +264,11 @@ async fn forged_batches_change_nothing_beyond_the_clamps() {
     send(batch(forger, vec![free(honest, 1, WORKERS[0])])).await;
     send(batch(
         ReplicaId(2),
-        vec![ActiveSequenceEvent::add(ReplicaId(2), &booking(5, WORKERS[0], 1, 16), None)],
+        vec![ActiveSequenceEvent::add(
+            ReplicaId(2),
+            &booking(5, WORKERS[0], 1, 16),
+            None,
+        )],
     ))
     .await;
     // Unknown workers, huge token counts, maximal everything.
@@ -261,9 +284,12 @@ async fn forged_batches_change_nothing_beyond_the_clamps() {
     ))
     .await;
     // Garbage.
-    raw.publish(&config.subject(), Bytes::from_static(b"\xc1\xff not a batch"))
-        .await
-        .unwrap();
+    raw.publish(
+        &config.subject(),
+        Bytes::from_static(b"\xc1\xff not a batch"),
+    )
+    .await
+    .unwrap();
     raw.flush().await.unwrap();
     wait_for("b counted every forgery", Duration::from_secs(5), || {
         let m = &b.plane.metrics;

@@ -16,6 +16,7 @@ mod scripted_worker;
 mod events_decode;
 mod layout;
 mod openai_client;
+mod replica_security;
 mod serve_chaos;
 mod serve_errors;
 mod serve_migration;
