@@ -259,10 +259,10 @@ impl<T: Transport> PublisherTask<T> {
                     }
                 }
             }
-            if digest.is_none() || !batch.is_heartbeat() {
-                if !self.send(&batch).await {
-                    return;
-                }
+            // A digest alone needs no heartbeat before it.
+            let heartbeat_only = batch.is_heartbeat();
+            if (digest.is_none() || !heartbeat_only) && !self.send(&batch).await {
+                return;
             }
             batch.events.clear();
             batch.sessions.clear();
