@@ -74,6 +74,12 @@ pub struct ReplicaConfig {
     /// How often this replica publishes a digest of its live bookings, so
     /// that peers drop bookings whose free was lost.
     pub digest_ms: f64,
+    /// Live bookings held per peer; a peer's further bookings are dropped.
+    /// The `Router`'s `remote.max_bookings_per_replica`.
+    pub max_bookings_per_peer: usize,
+    /// Session bindings remembered per peer; its oldest is forgotten. The
+    /// `Router`'s `remote.max_sessions_per_replica`.
+    pub max_sessions_per_peer: usize,
     /// Authentication and TLS towards the NATS server.
     pub auth: NatsAuth,
 }
@@ -91,6 +97,8 @@ impl Default for ReplicaConfig {
             silence_expiry_ms: 300_000.0,
             expiry_check_ms: 1_000.0,
             digest_ms: 2_000.0,
+            max_bookings_per_peer: 262_144,
+            max_sessions_per_peer: 65_536,
             auth: NatsAuth::default(),
         }
     }
@@ -179,6 +187,12 @@ impl ReplicaConfig {
         }
         if self.batch_max_events == 0 {
             return Err(ReplicaConfigError::Zero("batch_max_events"));
+        }
+        if self.max_bookings_per_peer == 0 {
+            return Err(ReplicaConfigError::Zero("max_bookings_per_peer"));
+        }
+        if self.max_sessions_per_peer == 0 {
+            return Err(ReplicaConfigError::Zero("max_sessions_per_peer"));
         }
         for (what, value) in [
             ("batch_max_delay_ms", self.batch_max_delay_ms),
@@ -303,6 +317,8 @@ mod tests {
         assert!(bad(|c| c.batch_max_delay_ms = 0.0).contains("batch_max_delay_ms"));
         assert!(bad(|c| c.heartbeat_ms = 400_000.0).contains("heartbeat"));
         assert!(bad(|c| c.digest_ms = f64::NAN).contains("digest_ms"));
+        assert!(bad(|c| c.max_bookings_per_peer = 0).contains("max_bookings_per_peer"));
+        assert!(bad(|c| c.max_sessions_per_peer = 0).contains("max_sessions_per_peer"));
     }
 
     #[test]
