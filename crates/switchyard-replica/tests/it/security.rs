@@ -312,3 +312,139 @@ async fn forged_batches_change_nothing_beyond_the_clamps() {
     drop(d);
     assert_eq!(b.plane.metrics.snapshot().batches_own, 1);
 }
+
+/// A CA and a server certificate for 127.0.0.1 made with the `openssl`
+/// command in `dir`; `None` (the test skips, saying why) without it.
+fn test_certificates(dir: &std::path::Path) -> Option<()> {
+    let openssl = |args: &[&str]| {
+        std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let made = openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca-key.pem",
+                "-out",
+                "ca.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=switchyard test CA",
+            ],
+        ]
+        .concat(),
+    ) && openssl(
+        &[
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                "server-key.pem",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+        ]
+        .concat(),
+    ) && openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca-key.pem",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    made.then_some(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_a_replica_that_trusts_the_servers_ca_syncs_and_one_that_does_not_cannot_connect()
+{
+    let dir = std::env::temp_dir().join(format!("sy-nats-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if test_certificates(&dir).is_none() {
+        eprintln!("skipping: the openssl command could not make test certificates");
+        return;
+    }
+    let server = nats_with(&format!(
+        "tls {{ cert_file: \"{}\", key_file: \"{}\" }}\nauthorization {{ token: tls-token }}",
+        dir.join("server.pem").display(),
+        dir.join("server-key.pem").display()
+    ));
+    let tls_url = server.url().replace("nats://", "tls://");
+    let mut config = config(&server);
+    config.nats_url = Some(tls_url.clone());
+    config.auth = NatsAuth {
+        token: Some(Secret("tls-token".into())),
+        tls_ca_file: Some(dir.join("ca.pem")),
+        ..NatsAuth::default()
+    };
+    config.validate().unwrap();
+    let a = Replica::start(&config, ReplicaId(1)).await;
+    let b = Replica::start(&config, ReplicaId(2)).await;
+    a.plane
+        .publisher
+        .added(&booking(1, WORKERS[0], 2, 32), None)
+        .unwrap();
+    wait_for("a pair syncs over TLS", Duration::from_secs(5), || {
+        b.holds(ReplicaId(1), 1)
+    })
+    .await;
+    // Without the CA the server's certificate is not trusted; without TLS
+    // at all the server refuses.
+    let untrusting = NatsAuth {
+        token: Some(Secret("tls-token".into())),
+        ..NatsAuth::default()
+    };
+    let err = NatsTransport::connect_with(&tls_url, &untrusting)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.to_lowercase().contains("certificate") || err.contains("tls"),
+        "{err}"
+    );
+    assert!(NatsTransport::connect_with(&server.url(), &untrusting)
+        .await
+        .is_err());
+    let missing_ca = NatsAuth {
+        tls_ca_file: Some(dir.join("absent.pem")),
+        ..untrusting
+    };
+    let err = NatsTransport::connect_with(&tls_url, &missing_ca)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("absent.pem"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
