@@ -197,8 +197,10 @@ pub struct ReplicaBatch {
     #[serde(default)]
     pub sessions: Vec<SessionBinding>,
     /// One part of the sender's digest of its live bookings, in a message
-    /// of its own (no events, no sessions).
-    #[serde(default)]
+    /// of its own (no events, no sessions). Left out of the encoding when
+    /// absent, so replicas older than digests still decode every other
+    /// message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<DigestPart>,
 }
 
@@ -387,6 +389,34 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(decode_batch(&bytes).unwrap().digest, None);
+    }
+
+    #[test]
+    fn a_replica_older_than_digests_decodes_batches_without_one() {
+        // The shape an older replica decodes into.
+        #[derive(Deserialize)]
+        #[allow(dead_code)]
+        struct Before {
+            router_id: ReplicaId,
+            events: Vec<ActiveSequenceEvent>,
+            #[serde(default)]
+            sessions: Vec<SessionBinding>,
+        }
+        let plain = ReplicaBatch {
+            sessions: vec![SessionBinding {
+                session: SessionKey(1),
+                worker: WorkerId::new(2),
+                context_tokens: 3,
+            }],
+            ..ReplicaBatch::heartbeat(ReplicaId(4))
+        };
+        let old: Before = rmp_serde::from_slice(&encode_batch(&plain)).unwrap();
+        assert_eq!((old.router_id, old.sessions.len()), (ReplicaId(4), 1));
+        // A digest message is one it cannot read: it counts it as
+        // malformed and skips it (documented).
+        let mut with_digest = plain.clone();
+        with_digest.digest = DigestPart::split(vec![RequestId(1)], 4).pop();
+        assert!(rmp_serde::from_slice::<Before>(&encode_batch(&with_digest)).is_err());
     }
 
     #[test]
