@@ -508,3 +508,111 @@ async fn a_digest_drops_a_booking_whose_free_was_lost_and_keeps_live_ones() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A transport that loses every message carrying a free, as a refused
+/// publish or a network fault would: the frees it swallowed are counted.
+struct LosingFrees {
+    inner: InProcessTransport,
+    lost: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Transport for LosingFrees {
+    fn batching(&self) -> bool {
+        self.inner.batching()
+    }
+
+    async fn publish(&self, subject: &str, payload: bytes::Bytes) -> Result<(), TransportError> {
+        let frees = decode_batch(&payload)
+            .map(|b| {
+                b.events
+                    .iter()
+                    .filter(|e| e.data == ActiveSequenceData::Free)
+                    .count()
+            })
+            .unwrap_or(0);
+        if frees > 0 {
+            self.lost
+                .fetch_add(frees as u64, std::sync::atomic::Ordering::Relaxed);
+            return Ok(());
+        }
+        self.inner.publish(subject, payload).await
+    }
+
+    async fn subscribe(&self, subject: &str) -> Result<Subscription, TransportError> {
+        self.inner.subscribe(subject).await
+    }
+}
+
+#[tokio::test]
+async fn requests_whose_frees_are_lost_in_transit_leave_the_peer_within_a_few_seconds() {
+    let bus = InProcessBus::new();
+    let cfg = ReplicaConfig {
+        digest_ms: 200.0,
+        ..config()
+    };
+    let epoch = std::time::Instant::now();
+    let (dispatcher_a, peer) = (dispatcher(false), dispatcher(false));
+    let lost = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let a = ReplicaPlane::start(
+        Arc::new(LosingFrees {
+            inner: InProcessTransport::new(bus.clone(), true, 1024),
+            lost: lost.clone(),
+        }),
+        &cfg,
+        ReplicaId(1),
+        sink(&dispatcher_a, ReplicaId(1), epoch),
+    )
+    .await
+    .unwrap();
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus, true, 1024)),
+        &cfg,
+        ReplicaId(2),
+        sink(&peer, ReplicaId(2), epoch),
+    )
+    .await
+    .unwrap();
+    let now = || epoch.elapsed().as_secs_f64() * 1e3;
+    let drive = |call: &dyn Fn(&mut Dispatcher) -> switchyard_core::dispatch::Effects| {
+        let fx = call(&mut dispatcher_a.lock().unwrap());
+        publish_effects(&a.publisher, &fx.publish, &fx.bindings);
+    };
+    // Ten requests on A; the peer sees all ten.
+    for id in 1..=10u128 {
+        drive(&|d| {
+            let submission = Submission {
+                blocks: vec![LocalHash(id as u64)],
+                prompt_tokens: 16,
+                ..Submission::default()
+            };
+            d.submit(RequestId(id), submission, now()).unwrap().1
+        });
+    }
+    let remote = || peer.lock().unwrap().router().remote().remote_requests();
+    wait_until(|| remote() == 10).await;
+    // Six end; their frees are lost on the way.
+    for id in 1..=6u128 {
+        drive(&|d| d.finish(RequestId(id), 20, now()));
+    }
+    let ended = std::time::Instant::now();
+    let deadline = ended + Duration::from_secs(4);
+    while remote() != 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stale bookings linger: {} held",
+            remote()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "stale bookings dropped {:?} after their end",
+        ended.elapsed()
+    );
+    assert_eq!(lost.load(std::sync::atomic::Ordering::Relaxed), 6);
+    assert_eq!(b.metrics.snapshot().digest_freed, 6);
+    // The four live ones stay through further digests.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(remote(), 4);
+    a.shutdown().await;
+    b.shutdown().await;
+}
