@@ -6,7 +6,7 @@
 //! Skips (with a printed reason) only when no `nats-server` is installed.
 
 use crate::support::{
-    machine, metric, metrics_text, router, scratch_file, served_by, sim_worker, wait_metrics,
+    machine, metric, metrics_text, router, scratch_file, served_by, sim_worker_with, wait_metrics,
 };
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -22,7 +22,8 @@ use switchyard_replica::{
     Transport as _,
 };
 use switchyard_wire::replica::{
-    decode_batch, encode_batch, ActiveSequenceEvent, DigestPart, ReplicaBatch, SessionBinding,
+    decode_batch, encode_batch, ActiveSequenceData, ActiveSequenceEvent, DigestPart, ReplicaBatch,
+    SessionBinding,
 };
 
 const USER: &str = "router";
@@ -67,7 +68,22 @@ async fn forged_replica_messages_change_nothing_beyond_the_clamps_and_the_unauth
         "replica-security-password",
         format!("{PASSWORD}\n").as_bytes(),
     );
-    let worker = sim_worker("1");
+    // The worker marks its prefills on the plane, authenticated too.
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--speedup",
+            "1",
+            "--num-blocks",
+            "1024",
+            "--replica-sync",
+            &url,
+            "--nats-user",
+            USER,
+            "--nats-password-file",
+            password_file.to_str().unwrap(),
+        ],
+    );
     let w0 = worker_id_for_name("w0");
     let serve = router(
         &[worker.named("w0")],
@@ -191,7 +207,9 @@ async fn forged_replica_messages_change_nothing_beyond_the_clamps_and_the_unauth
         "{prefill} prefill tokens"
     );
 
-    // Routing still works, in front of the clamped load.
+    // Routing still works, in front of the clamped load; the worker's mark
+    // of it names the router as the booking's origin.
+    let mut plane = forger.subscribe(&subject).await.unwrap();
     let response = client
         .post(format!("{base}/v1/completions"))
         .json(&json!({"model": "switchyard-sim", "prompt": [1, 2, 3], "max_tokens": 4}))
@@ -200,7 +218,29 @@ async fn forged_replica_messages_change_nothing_beyond_the_clamps_and_the_unauth
         .expect("the router answers");
     assert_eq!(response.status(), 200);
     assert_eq!(served_by(&response), "w0");
+    let request_id = response.headers()["x-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let request_id = RequestId(u128::from_str_radix(&request_id, 16).unwrap());
     let _ = response.bytes().await;
+    let marked_by_worker = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(payload) = plane.next().await {
+            let batch = decode_batch(&payload).unwrap();
+            if batch.router_id != own
+                && batch.events.iter().any(|e| {
+                    e.request_id == request_id
+                        && e.router_id == own
+                        && e.data == ActiveSequenceData::MarkPrefillCompleted
+                })
+            {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(marked_by_worker.is_ok(), "the worker's mark never came");
+    drop(plane);
 
     // The liar's booking 4 lost its free: its digest (every id, none
     // live) drops it once past the grace; the victim's stays.
