@@ -3,6 +3,48 @@
 //! `server::replica::ReplicaArgs`, which override the file's values).
 
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// A secret (password, token) from the config file or the environment:
+/// never printed (`Debug` shows `"<redacted>"`).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"<redacted>\"")
+    }
+}
+
+/// How this replica proves itself to the NATS server, and how it checks
+/// the server (TLS). At most one of user/password, token and credentials
+/// file; TLS combines with any.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsAuth {
+    /// User name (with a password).
+    pub user: Option<String>,
+    /// Password (prefer `password_file` or the environment).
+    pub password: Option<Secret>,
+    /// A file whose contents (trailing newline trimmed) are the password.
+    pub password_file: Option<PathBuf>,
+    /// Token (prefer `token_file` or the environment).
+    pub token: Option<Secret>,
+    /// A file whose contents (trailing newline trimmed) are the token.
+    pub token_file: Option<PathBuf>,
+    /// A NATS credentials file (`.creds`: user JWT and NKey seed).
+    pub creds_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that signed the server's certificate.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate, for servers that verify clients (with
+    /// `tls_key_file`).
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// Refuse a server that does not speak TLS (implied by a `tls://` URL).
+    pub require_tls: bool,
+}
 
 /// Settings of replica sync. Off unless `nats_url` is set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -29,6 +71,17 @@ pub struct ReplicaConfig {
     pub silence_expiry_ms: f64,
     /// How often the subscriber checks for silent peers.
     pub expiry_check_ms: f64,
+    /// How often this replica publishes a digest of its live bookings, so
+    /// that peers drop bookings whose free was lost.
+    pub digest_ms: f64,
+    /// Live bookings held per peer; a peer's further bookings are dropped.
+    /// The `Router`'s `remote.max_bookings_per_replica`.
+    pub max_bookings_per_peer: usize,
+    /// Session bindings remembered per peer; its oldest is forgotten. The
+    /// `Router`'s `remote.max_sessions_per_replica`.
+    pub max_sessions_per_peer: usize,
+    /// Authentication and TLS towards the NATS server.
+    pub auth: NatsAuth,
 }
 
 impl Default for ReplicaConfig {
@@ -43,6 +96,10 @@ impl Default for ReplicaConfig {
             heartbeat_ms: 1_000.0,
             silence_expiry_ms: 300_000.0,
             expiry_check_ms: 1_000.0,
+            digest_ms: 2_000.0,
+            max_bookings_per_peer: 262_144,
+            max_sessions_per_peer: 65_536,
+            auth: NatsAuth::default(),
         }
     }
 }
@@ -50,9 +107,12 @@ impl Default for ReplicaConfig {
 /// Why a [`ReplicaConfig`] was refused.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ReplicaConfigError {
-    /// Not a `nats://` URL.
-    #[error("--replica-sync must be nats://HOST:PORT, got {0:?}")]
+    /// Not a `nats://` or `tls://` URL.
+    #[error("--replica-sync must be nats://HOST:PORT or tls://HOST:PORT, got {0:?}")]
     Url(String),
+    /// Authentication settings that contradict each other.
+    #[error("replica NATS authentication: {0}")]
+    Auth(&'static str),
     /// A subject level that NATS would split or treat as a wildcard.
     #[error("replica {what} {value:?} must be nonempty without '.', '*', '>' or whitespace")]
     SubjectToken {
@@ -101,11 +161,15 @@ impl ReplicaConfig {
     /// Checks ranges and relations.
     pub fn validate(&self) -> Result<(), ReplicaConfigError> {
         if let Some(url) = &self.nats_url {
-            let rest = url.strip_prefix("nats://").unwrap_or("");
+            let rest = url
+                .strip_prefix("nats://")
+                .or_else(|| url.strip_prefix("tls://"))
+                .unwrap_or("");
             if rest.is_empty() || rest.contains('/') {
                 return Err(ReplicaConfigError::Url(url.clone()));
             }
         }
+        self.auth.validate()?;
         for (what, value) in [("namespace", &self.namespace), ("endpoint", &self.endpoint)] {
             if value.is_empty()
                 || value
@@ -124,11 +188,18 @@ impl ReplicaConfig {
         if self.batch_max_events == 0 {
             return Err(ReplicaConfigError::Zero("batch_max_events"));
         }
+        if self.max_bookings_per_peer == 0 {
+            return Err(ReplicaConfigError::Zero("max_bookings_per_peer"));
+        }
+        if self.max_sessions_per_peer == 0 {
+            return Err(ReplicaConfigError::Zero("max_sessions_per_peer"));
+        }
         for (what, value) in [
             ("batch_max_delay_ms", self.batch_max_delay_ms),
             ("heartbeat_ms", self.heartbeat_ms),
             ("silence_expiry_ms", self.silence_expiry_ms),
             ("expiry_check_ms", self.expiry_check_ms),
+            ("digest_ms", self.digest_ms),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(ReplicaConfigError::Duration { what, value });
@@ -142,6 +213,79 @@ impl ReplicaConfig {
         }
         Ok(())
     }
+}
+
+impl NatsAuth {
+    /// Checks that the settings name one way to authenticate.
+    pub fn validate(&self) -> Result<(), ReplicaConfigError> {
+        use ReplicaConfigError::Auth;
+        if self.password.is_some() && self.password_file.is_some() {
+            return Err(Auth("give the password or a password file, not both"));
+        }
+        if self.token.is_some() && self.token_file.is_some() {
+            return Err(Auth("give the token or a token file, not both"));
+        }
+        let password = self.password.is_some() || self.password_file.is_some();
+        if self.user.is_some() != password {
+            return Err(Auth("a user needs a password and a password needs a user"));
+        }
+        let token = self.token.is_some() || self.token_file.is_some();
+        let ways = [self.user.is_some(), token, self.creds_file.is_some()];
+        if ways.iter().filter(|&&w| w).count() > 1 {
+            return Err(Auth(
+                "choose one of user and password, token, or credentials file",
+            ));
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Auth(
+                "a TLS client certificate needs its key, and a key its certificate",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The password, from the setting or its file.
+    pub fn password(&self) -> std::io::Result<Option<String>> {
+        secret(
+            self.password.as_ref(),
+            self.password_file.as_ref(),
+            "password",
+        )
+    }
+
+    /// The token, from the setting or its file.
+    pub fn token(&self) -> std::io::Result<Option<String>> {
+        secret(self.token.as_ref(), self.token_file.as_ref(), "token")
+    }
+}
+
+/// A secret given directly or as a file (its contents without the
+/// trailing line break); an empty one is an error.
+fn secret(
+    value: Option<&Secret>,
+    file: Option<&PathBuf>,
+    what: &str,
+) -> std::io::Result<Option<String>> {
+    let text = match (value, file) {
+        (Some(v), _) => v.0.clone(),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("reading the NATS {what} file {}: {e}", path.display()),
+                )
+            })?
+            .trim_end_matches(['\n', '\r'])
+            .to_owned(),
+        (None, None) => return Ok(None),
+    };
+    if text.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("the NATS {what} is empty"),
+        ));
+    }
+    Ok(Some(text))
 }
 
 #[cfg(test)]
@@ -172,13 +316,94 @@ mod tests {
         assert!(bad(|c| c.queue_capacity = 0).contains("queue_capacity"));
         assert!(bad(|c| c.batch_max_delay_ms = 0.0).contains("batch_max_delay_ms"));
         assert!(bad(|c| c.heartbeat_ms = 400_000.0).contains("heartbeat"));
+        assert!(bad(|c| c.digest_ms = f64::NAN).contains("digest_ms"));
+        assert!(bad(|c| c.max_bookings_per_peer = 0).contains("max_bookings_per_peer"));
+        assert!(bad(|c| c.max_sessions_per_peer = 0).contains("max_sessions_per_peer"));
+    }
+
+    #[test]
+    fn authentication_names_one_way_and_tls_urls_are_accepted() {
+        let with = |f: fn(&mut NatsAuth)| {
+            let mut c = ReplicaConfig {
+                nats_url: Some("tls://nats.internal:4222".into()),
+                ..ReplicaConfig::default()
+            };
+            f(&mut c.auth);
+            c.validate().map_err(|e| e.to_string())
+        };
+        assert_eq!(with(|_| {}), Ok(()));
+        assert_eq!(
+            with(|a| {
+                a.user = Some("router".into());
+                a.password_file = Some("/run/secrets/nats".into());
+            }),
+            Ok(())
+        );
+        assert!(with(|a| a.user = Some("router".into()))
+            .unwrap_err()
+            .contains("needs a password"));
+        assert!(with(|a| {
+            a.user = Some("router".into());
+            a.password = Some(Secret("p".into()));
+            a.token = Some(Secret("t".into()));
+        })
+        .unwrap_err()
+        .contains("choose one"));
+        assert!(with(|a| {
+            a.token = Some(Secret("t".into()));
+            a.token_file = Some("/x".into());
+        })
+        .unwrap_err()
+        .contains("not both"));
+        assert!(with(|a| a.tls_cert_file = Some("/c.pem".into()))
+            .unwrap_err()
+            .contains("key"));
+        assert!(with(|a| {
+            a.creds_file = Some("/r.creds".into());
+            a.tls_ca_file = Some("/ca.pem".into());
+            a.tls_cert_file = Some("/c.pem".into());
+            a.tls_key_file = Some("/k.pem".into());
+            a.require_tls = true;
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn secrets_come_from_files_without_their_line_break_and_never_print() {
+        let dir = std::env::temp_dir().join(format!("sy-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let auth = NatsAuth {
+            token_file: Some(file.clone()),
+            password: Some(Secret("hunter2".into())),
+            ..NatsAuth::default()
+        };
+        assert_eq!(auth.token().unwrap().as_deref(), Some("s3cret"));
+        assert_eq!(auth.password().unwrap().as_deref(), Some("hunter2"));
+        assert!(!format!("{auth:?}").contains("hunter2"));
+        let missing = NatsAuth {
+            password_file: Some(dir.join("absent")),
+            ..NatsAuth::default()
+        };
+        let err = missing.password().unwrap_err().to_string();
+        assert!(
+            err.contains("password file") && err.contains("absent"),
+            "{err}"
+        );
+        std::fs::write(&file, "\n").unwrap();
+        assert!(auth.token().unwrap_err().to_string().contains("empty"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn a_config_file_fills_the_same_struct_and_rejects_unknown_keys() {
-        let c: ReplicaConfig =
-            serde_json::from_str(r#"{"nats_url": "nats://127.0.0.1:4222", "endpoint": "chat"}"#)
-                .unwrap();
+        let c: ReplicaConfig = serde_json::from_str(
+            r#"{"nats_url": "nats://127.0.0.1:4222", "endpoint": "chat",
+                "auth": {"user": "router", "password_file": "/run/secrets/nats"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.auth.user.as_deref(), Some("router"));
         assert!(c.enabled());
         assert_eq!(c.queue_capacity, 100_000);
         assert!(serde_json::from_str::<ReplicaConfig>(r#"{"queue": 1}"#).is_err());

@@ -2,14 +2,18 @@
 //! plane so each one's load view includes the others'.
 //!
 //! - [`config`] — [`ReplicaConfig`]: `--replica-sync nats://HOST:PORT` (off
-//!   by default), namespace, endpoint, queue and batch limits, expiry.
+//!   by default), namespace, endpoint, queue and batch limits, expiry,
+//!   digest period, and [`NatsAuth`] (user/password, token, credentials
+//!   file, TLS).
 //! - [`transport`] — the [`Transport`] trait (publish bytes on a subject,
 //!   subscribe to one) and its in-process implementation.
-//! - [`nats`] — the NATS implementation (`async-nats`), for more than one
-//!   machine.
+//! - [`nats`] — the NATS implementation (`async-nats`, authenticated and
+//!   TLS when configured), for more than one machine; its payload limit is
+//!   the server's announced `max_payload` less a margin.
 //! - [`publisher`] — [`ReplicaPublisher`]: the request path's non-blocking
 //!   handle onto a bounded queue, drained by one task that batches, encodes
-//!   and publishes; heartbeats when idle.
+//!   (splitting by bytes under the payload limit) and publishes; heartbeats
+//!   when idle; digests of live bookings every `digest_ms`.
 //! - [`subscriber`] — the task that decodes peers' batches and applies them
 //!   through a [`ReplicaSink`] ([`apply_batch`] is the one way a peer's
 //!   batch reaches a core `Dispatcher`; [`DispatcherSink`] is the sink over
@@ -40,14 +44,14 @@ pub mod worker_marks;
 #[cfg(test)]
 mod tests;
 
-pub use config::{ReplicaConfig, ReplicaConfigError};
+pub use config::{NatsAuth, ReplicaConfig, ReplicaConfigError, Secret};
 pub use metrics::ReplicaMetrics;
-pub use nats::NatsTransport;
+pub use nats::{payload_limit, NatsTransport};
 pub use nats_server::LocalNatsServer;
 pub use publisher::{spawn_publisher, PublishError, ReplicaPublisher};
 pub use subscriber::{
-    apply_batch, publish_effects, spawn_subscriber, BatchReport, DispatcherSink, EffectsHandler,
-    ReplicaSink,
+    apply_batch, publish_effects, spawn_digests, spawn_subscriber, BatchReport, DispatcherSink,
+    EffectsHandler, ReplicaSink,
 };
 pub use transport::{InProcessBus, InProcessTransport, Subscription, Transport, TransportError};
 pub use worker_marks::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
@@ -105,11 +109,12 @@ impl ReplicaPlane {
         let metrics = Arc::new(ReplicaMetrics::default());
         let cancel = CancellationToken::new();
         let subject = config.subject();
+        let sink = Arc::new(sink);
         let subscriber = spawn_subscriber(
             transport.clone(),
             &subject,
             id,
-            sink,
+            sink.clone(),
             config,
             metrics.clone(),
             cancel.clone(),
@@ -123,12 +128,13 @@ impl ReplicaPlane {
             metrics.clone(),
             cancel.clone(),
         );
+        let digests = spawn_digests(sink, publisher.clone(), config, cancel.clone());
         Ok(Self {
             id,
             publisher,
             metrics,
             cancel,
-            tasks: vec![subscriber, task],
+            tasks: vec![subscriber, task, digests],
             batch_delay: Duration::from_secs_f64(config.batch_max_delay_ms / 1e3),
         })
     }

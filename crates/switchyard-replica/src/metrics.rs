@@ -8,8 +8,13 @@
 //! | | `received` | events in peers' batches (own batches excluded) |
 //! | | `applied` | peers' events that changed the local model |
 //! | | `expired` | remote bookings freed because their replica went silent |
-//! | `switchyard_replica_batches_total` | `direction` = `published`, `received`, `own`, `malformed` | messages |
-//! | `switchyard_replica_session_bindings_total` | `direction` = `published`, `applied` | session bindings |
+//! | | `digest_freed` | remote bookings freed because their replica's digest no longer listed them (a lost free) |
+//! | | `truncated` | own bookings whose block list was cut to fit one message |
+//! | `switchyard_replica_batches_total` | `direction` = `published`, `received`, `own`, `malformed`, `split` | messages (`split`: batches sent as several messages to stay under the payload limit) |
+//! | `switchyard_replica_digests_total` | `direction` = `published`, `received` | digest parts |
+//! | `switchyard_replica_session_bindings_total` | `direction` = `published`, `applied`, `evicted` | session bindings (`evicted`: a peer's oldest, past its per-peer cap) |
+//! | `switchyard_replica_dropped_total` | `reason` = `origin_mismatch`, `unknown_worker`, `unknown_booking`, `duplicate`, `replica_full` | peers' events and bindings dropped by the checks of `switchyard_core::replica` |
+//! | `switchyard_replica_clamped_total` | | peers' bookings and bindings with a number clamped to its bound |
 //!
 //! Every field is a handle into its family, its label set created by
 //! [`ReplicaMetrics::default`]: adding to one is a relaxed atomic add.
@@ -18,10 +23,16 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use switchyard_core::replica::{RemoteCounters, RemoteDrops};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabels {
     direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 type ByDirection = Family<DirectionLabels, Counter>;
@@ -32,6 +43,22 @@ pub struct ReplicaMetrics {
     events: ByDirection,
     batches: ByDirection,
     sessions: ByDirection,
+    digests: ByDirection,
+    drops: Family<ReasonLabels, Counter>,
+    /// Peers' bookings and bindings clamped.
+    pub clamped: Counter,
+    /// Remote bookings freed by a digest.
+    pub digest_freed: Counter,
+    /// Own bookings whose blocks were cut to fit a message.
+    pub truncated: Counter,
+    /// Batches split into several messages.
+    pub batches_split: Counter,
+    /// Digest parts published.
+    pub digests_published: Counter,
+    /// Peers' digest parts received.
+    pub digests_received: Counter,
+    /// Peers' session bindings evicted at the per-peer cap.
+    pub sessions_evicted: Counter,
     /// Events published.
     pub published: Counter,
     /// Events dropped.
@@ -77,6 +104,18 @@ pub struct ReplicaSnapshot {
     pub batches_own: u64,
     /// Malformed messages.
     pub batches_malformed: u64,
+    /// Remote bookings freed by a digest.
+    pub digest_freed: u64,
+    /// Batches split into several messages.
+    pub batches_split: u64,
+    /// Digest parts published.
+    pub digests_published: u64,
+    /// Digest parts received.
+    pub digests_received: u64,
+    /// Peers' events and bindings dropped, every reason.
+    pub peer_dropped: u64,
+    /// Peers' bookings and bindings clamped.
+    pub clamped: u64,
 }
 
 impl Default for ReplicaMetrics {
@@ -84,10 +123,22 @@ impl Default for ReplicaMetrics {
         let events = ByDirection::default();
         let batches = ByDirection::default();
         let sessions = ByDirection::default();
+        let digests = ByDirection::default();
+        let drops = Family::<ReasonLabels, Counter>::default();
+        for (reason, _) in RemoteDrops::default().by_reason() {
+            let _ = drops.get_or_create(&ReasonLabels { reason });
+        }
         let handle = |family: &ByDirection, direction| {
             family.get_or_create(&DirectionLabels { direction }).clone()
         };
         Self {
+            clamped: Counter::default(),
+            digest_freed: handle(&events, "digest_freed"),
+            truncated: handle(&events, "truncated"),
+            batches_split: handle(&batches, "split"),
+            digests_published: handle(&digests, "published"),
+            digests_received: handle(&digests, "received"),
+            sessions_evicted: handle(&sessions, "evicted"),
             published: handle(&events, "published"),
             dropped: handle(&events, "dropped"),
             received: handle(&events, "received"),
@@ -102,6 +153,8 @@ impl Default for ReplicaMetrics {
             events,
             batches,
             sessions,
+            digests,
+            drops,
         }
     }
 }
@@ -119,7 +172,36 @@ impl ReplicaMetrics {
             batches_received: self.batches_received.get(),
             batches_own: self.batches_own.get(),
             batches_malformed: self.batches_malformed.get(),
+            digest_freed: self.digest_freed.get(),
+            batches_split: self.batches_split.get(),
+            digests_published: self.digests_published.get(),
+            digests_received: self.digests_received.get(),
+            peer_dropped: RemoteDrops::default()
+                .by_reason()
+                .iter()
+                .map(|(reason, _)| self.drops.get_or_create(&ReasonLabels { reason }).get())
+                .sum(),
+            clamped: self.clamped.get(),
         }
+    }
+
+    /// Adds what applying a peer's batch reported to the drop, clamp,
+    /// digest and session-eviction counters.
+    pub fn record_remote(&self, remote: &RemoteCounters) {
+        for (reason, n) in remote.drops.by_reason() {
+            if n > 0 {
+                self.drops.get_or_create(&ReasonLabels { reason }).inc_by(n);
+            }
+        }
+        self.clamped.inc_by(remote.clamped);
+        self.digest_freed.inc_by(remote.digest_freed);
+        self.sessions_evicted.inc_by(remote.sessions_evicted);
+    }
+
+    /// Peers' events and bindings dropped for `reason` (a label of
+    /// `switchyard_replica_dropped_total`).
+    pub fn dropped_for(&self, reason: &'static str) -> u64 {
+        self.drops.get_or_create(&ReasonLabels { reason }).get()
     }
 
     /// Registers the plane's families into `registry` (shared with `self`).
@@ -138,6 +220,21 @@ impl ReplicaMetrics {
             "switchyard_replica_session_bindings",
             "Session bindings shared between replicas",
             self.sessions.clone(),
+        );
+        registry.register(
+            "switchyard_replica_digests",
+            "Digest parts of live bookings by direction",
+            self.digests.clone(),
+        );
+        registry.register(
+            "switchyard_replica_dropped",
+            "Peers' replica events and session bindings dropped, by reason",
+            self.drops.clone(),
+        );
+        registry.register(
+            "switchyard_replica_clamped",
+            "Peers' bookings and session bindings with a number clamped to its bound",
+            self.clamped.clone(),
         );
     }
 }
@@ -162,6 +259,22 @@ mod tests {
         }
         assert!(text.contains("switchyard_replica_events_total{direction=\"dropped\"} 3\n"));
         assert!(text.contains("switchyard_replica_batches_total{direction=\"malformed\"} 0\n"));
+        for reason in [
+            "origin_mismatch",
+            "unknown_worker",
+            "unknown_booking",
+            "duplicate",
+            "replica_full",
+        ] {
+            assert!(
+                text.contains(&format!(
+                    "switchyard_replica_dropped_total{{reason=\"{reason}\"}} 0\n"
+                )),
+                "{text}"
+            );
+        }
+        assert!(text.contains("switchyard_replica_events_total{direction=\"digest_freed\"} 0\n"));
+        assert!(text.contains("switchyard_replica_clamped_total 0\n"));
         assert!(text.contains(
             "# HELP switchyard_replica_session_bindings_total Session bindings shared between replicas.\n# TYPE switchyard_replica_session_bindings_total counter\n"
         ), "{text}");

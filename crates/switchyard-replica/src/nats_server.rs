@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 pub struct LocalNatsServer {
     child: Child,
     port: u16,
+    /// The configuration file passed with `-c`, removed on drop.
+    config_file: Option<PathBuf>,
 }
 
 /// Where `nats-server` is: `$NATS_SERVER`, else `PATH`, else the Debian
@@ -31,6 +33,14 @@ impl LocalNatsServer {
     /// Starts a server on a free port of 127.0.0.1 and waits (up to 10 s)
     /// until it accepts connections.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with_config("")
+    }
+
+    /// [`Self::start`] with `config` (nats-server configuration syntax,
+    /// e.g. `authorization { user: a, password: b }` or
+    /// `max_payload: 65536`) in a file passed with `-c`; the address and
+    /// port flags override any in it.
+    pub fn start_with_config(config: &str) -> anyhow::Result<Self> {
         let binary = nats_server_binary().ok_or_else(|| {
             anyhow::anyhow!(
                 "nats-server not found (set NATS_SERVER or install it: \
@@ -38,14 +48,30 @@ impl LocalNatsServer {
             )
         })?;
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let child = Command::new(&binary)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        let mut command = Command::new(&binary);
+        command.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+        let config_file = if config.is_empty() {
+            None
+        } else {
+            let path = std::env::temp_dir().join(format!(
+                "switchyard-nats-{}-{port}.conf",
+                std::process::id()
+            ));
+            std::fs::write(&path, config)?;
+            command.arg("-c").arg(&path);
+            Some(path)
+        };
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| anyhow::anyhow!("spawning {}: {e}", binary.display()))?;
-        let mut server = Self { child, port };
+        let mut server = Self {
+            child,
+            port,
+            config_file,
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             if let Some(status) = server.child.try_wait()? {
@@ -69,5 +95,8 @@ impl Drop for LocalNatsServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(path) = self.config_file.take() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }

@@ -1,9 +1,13 @@
 //! The subscriber: peers' batches into the local routing state.
 //!
-//! One task per replica decodes each message, ignores its own batches, and
-//! hands the rest to a [`ReplicaSink`]; every `expiry_check_ms` it asks the
-//! sink to free the bookings of silent peers. Malformed messages are counted
-//! and skipped.
+//! One task per replica decodes each message, ignores its own batches (a
+//! forged batch claiming this replica's id changes nothing), and hands the
+//! rest to a [`ReplicaSink`]; every `expiry_check_ms` it asks the sink to
+//! free the bookings of silent peers. Malformed messages are counted and
+//! skipped. What a peer's batch may change is checked in the core
+//! (`switchyard_core::replica`: clamps, origins, unknown workers, caps);
+//! its drops and clamps are counted here ([`ReplicaMetrics::record_remote`]).
+//! [`spawn_digests`] publishes this replica's digest of live bookings.
 
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
@@ -12,9 +16,10 @@ use super::transport::{Transport, TransportError};
 use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard_core::dispatch::{Dispatcher, Effects, Published, SessionBound};
+use switchyard_core::dispatch::{DigestPart, Dispatcher, Effects, Published, SessionBound};
+use switchyard_core::replica::RemoteCounters;
 use switchyard_core::sequences::SequenceEvent;
-use switchyard_core::ReplicaId;
+use switchyard_core::{ReplicaId, RequestId};
 use switchyard_wire::replica::{decode_batch, ReplicaBatch, SessionBinding};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -26,6 +31,9 @@ pub struct BatchReport {
     pub applied: u64,
     /// Session bindings handed to the admission strategy.
     pub sessions_applied: u64,
+    /// What the batch added to the core's remote-booking counters: drops
+    /// by reason, clamps, digest frees, session evictions.
+    pub remote: RemoteCounters,
 }
 
 /// Where peers' events go: the server implements it over its shared
@@ -39,6 +47,21 @@ pub trait ReplicaSink: Send + Sync + 'static {
 
     /// Frees the bookings of peers silent past the expiry; returns how many.
     fn expire_silent(&self) -> u64;
+
+    /// The request ids of this replica's live bookings (for its digest).
+    fn local_bookings(&self) -> Vec<RequestId>;
+}
+
+impl<S: ReplicaSink> ReplicaSink for Arc<S> {
+    fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        (**self).apply_batch(batch)
+    }
+    fn expire_silent(&self) -> u64 {
+        (**self).expire_silent()
+    }
+    fn local_bookings(&self) -> Vec<RequestId> {
+        (**self).local_bookings()
+    }
 }
 
 /// Applies a peer's batch to `dispatcher` — remote bookings (keyed by the
@@ -61,10 +84,17 @@ pub fn apply_batch(
         worker: b.worker,
         context_tokens: b.context_tokens,
     });
-    let (applied, fx) = dispatcher.apply_replica_batch(batch.router_id, events, bindings, now_ms);
+    let digest = batch.digest.as_ref().map(|d| DigestPart {
+        lo: d.lo,
+        hi: d.hi,
+        live: &d.live,
+    });
+    let (applied, fx) =
+        dispatcher.apply_replica_batch(batch.router_id, events, bindings, digest, now_ms);
     let report = BatchReport {
         applied: applied.applied,
         sessions_applied: applied.sessions,
+        remote: applied.remote,
     };
     (report, fx)
 }
@@ -153,6 +183,36 @@ impl ReplicaSink for DispatcherSink {
         (self.on_effects)(fx);
         expired
     }
+
+    fn local_bookings(&self) -> Vec<RequestId> {
+        lock(&self.dispatcher).local_booking_ids()
+    }
+}
+
+/// Starts the task that, every `digest_ms`, enqueues a digest of the
+/// sink's live local bookings on `publisher` (after whatever is queued).
+pub fn spawn_digests<S: ReplicaSink>(
+    sink: S,
+    publisher: ReplicaPublisher,
+    config: &ReplicaConfig,
+    cancel: CancellationToken,
+) -> JoinHandle<()> {
+    let period = Duration::from_secs_f64(config.digest_ms / 1e3);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => return,
+                _ = tick.tick() => {
+                    // A full queue drops the digest (counted); the next
+                    // one comes a period later.
+                    let _ = publisher.digest(sink.local_bookings());
+                }
+            }
+        }
+    })
 }
 
 /// Subscribes replica `id` to `subject` (live when this returns) and starts
@@ -193,9 +253,11 @@ pub async fn spawn_subscriber<T: Transport, S: ReplicaSink>(
                     }
                     metrics.batches_received.inc();
                     metrics.received.inc_by(batch.events.len() as u64);
+                    metrics.digests_received.inc_by(u64::from(batch.digest.is_some()));
                     let report = sink.apply_batch(&batch);
                     metrics.applied.inc_by(report.applied);
                     metrics.sessions_applied.inc_by(report.sessions_applied);
+                    metrics.record_remote(&report.remote);
                 }
             }
         }

@@ -279,18 +279,20 @@ async fn a_replica_ignores_its_own_events_and_its_peer_applies_them() {
             .lock()
             .unwrap()
             .router()
-            .sequences()
-            .owner(RequestId(7))
+            .remote()
+            .key_of(ReplicaId(1), RequestId(7))
             .is_some()
     })
     .await;
+    let key = dispatcher_b
+        .lock()
+        .unwrap()
+        .router()
+        .remote()
+        .key_of(ReplicaId(1), RequestId(7))
+        .unwrap();
     assert_eq!(
-        dispatcher_b
-            .lock()
-            .unwrap()
-            .router()
-            .remote()
-            .owner(RequestId(7)),
+        dispatcher_b.lock().unwrap().router().remote().owner(key),
         Some(ReplicaId(1))
     );
     // A saw its own batch and ignored it: one booking, local.
@@ -366,4 +368,251 @@ fn worker_ids_come_from_names_so_every_replica_agrees() {
     );
     assert_eq!(worker_id_for_name("w0"), worker_id_for_name("w0"));
     assert_ne!(worker_id_for_name("w0"), worker_id_for_name("w1"));
+}
+
+/// A booking of `blocks` blocks (about 9 bytes each on the wire).
+fn long_add(id: u128, worker: u64, blocks: u64) -> AddRequest {
+    AddRequest {
+        request: RequestId(id),
+        worker: WorkerId::new(worker),
+        prompt_tokens: blocks as u32 * 16,
+        blocks: (0..blocks)
+            .map(|b| LocalHash(u64::MAX - b - id as u64))
+            .collect(),
+        overlap_blocks: 0,
+        expected_prefill_ms: None,
+    }
+}
+
+#[tokio::test]
+async fn a_burst_of_long_prompts_over_a_small_payload_limit_arrives_whole_with_every_free() {
+    const LIMIT: usize = 64 * 1024;
+    let bus = InProcessBus::new();
+    let cfg = config();
+    let epoch = std::time::Instant::now();
+    let peer = dispatcher(false);
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus.clone(), true, 1024).with_max_payload(LIMIT)),
+        &cfg,
+        ReplicaId(2),
+        sink(&peer, ReplicaId(2), epoch),
+    )
+    .await
+    .unwrap();
+    let transport = InProcessTransport::new(bus, true, 1024).with_max_payload(LIMIT);
+    let raw = transport.subscribe(&cfg.subject()).await.unwrap();
+    let a = ReplicaPlane::start(
+        Arc::new(transport),
+        &cfg,
+        ReplicaId(1),
+        sink(&dispatcher(false), ReplicaId(1), epoch),
+    )
+    .await
+    .unwrap();
+    // 100 bookings of 2,000 blocks (about 18 KB each): a 128-event batch
+    // would be about 2 MB, 30 times the limit. Then one over the limit
+    // alone, then every free.
+    for id in 1..=100u128 {
+        a.publisher
+            .added(&long_add(id, id as u64 % 2, 2_000), None)
+            .unwrap();
+    }
+    a.publisher.added(&long_add(101, 0, 10_000), None).unwrap();
+    for id in 1..=101u128 {
+        a.publisher
+            .freed(RequestId(id), WorkerId::new(id as u64 % 2))
+            .unwrap();
+    }
+    wait_until(|| b.metrics.snapshot().applied == 202).await;
+    assert_eq!(peer.lock().unwrap().router().remote().remote_requests(), 0);
+    let m = a.metrics.snapshot();
+    assert_eq!(m.dropped, 0);
+    assert_eq!(m.published, 202);
+    assert!(m.batches_split >= 1, "{m:?}");
+    assert_eq!(a.metrics.truncated.get(), 1);
+    // Every message on the bus fits the limit.
+    let mut raw = raw;
+    use futures_util::StreamExt as _;
+    let mut events = 0;
+    while events < 202 {
+        let payload = tokio::time::timeout(Duration::from_secs(5), raw.next())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(payload.len() <= LIMIT, "{} bytes", payload.len());
+        events += decode_batch(&payload).unwrap().events.len();
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_digest_drops_a_booking_whose_free_was_lost_and_keeps_live_ones() {
+    let bus = InProcessBus::new();
+    let cfg = ReplicaConfig {
+        digest_ms: 100.0,
+        ..config()
+    };
+    let epoch = std::time::Instant::now();
+    let (dispatcher_a, peer) = (dispatcher(false), dispatcher(false));
+    let a = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus.clone(), true, 1024)),
+        &cfg,
+        ReplicaId(1),
+        sink(&dispatcher_a, ReplicaId(1), epoch),
+    )
+    .await
+    .unwrap();
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus, true, 1024)),
+        &cfg,
+        ReplicaId(2),
+        sink(&peer, ReplicaId(2), epoch),
+    )
+    .await
+    .unwrap();
+    // A live booking on A, published as the server does.
+    let submission = Submission {
+        blocks: vec![LocalHash(1)],
+        prompt_tokens: 16,
+        ..Submission::default()
+    };
+    let now = epoch.elapsed().as_secs_f64() * 1e3;
+    let (_, fx) = dispatcher_a
+        .lock()
+        .unwrap()
+        .submit(RequestId(7), submission, now)
+        .unwrap();
+    publish_effects(&a.publisher, &fx.publish, &fx.bindings);
+    // A booking A published and no longer holds: its free was lost.
+    a.publisher.added(&add(8, 1), None).unwrap();
+    let held = |id: u128| {
+        peer.lock()
+            .unwrap()
+            .router()
+            .remote()
+            .key_of(ReplicaId(1), RequestId(id))
+            .is_some()
+    };
+    wait_until(|| held(7) && held(8)).await;
+    let seen = std::time::Instant::now();
+    wait_until(|| !held(8)).await;
+    let took = seen.elapsed();
+    // Not before the grace, and within a digest period or two after it.
+    let grace = Duration::from_secs_f64(switchyard_core::replica::DIGEST_GRACE_MS / 1e3);
+    assert!(took >= grace - Duration::from_millis(50), "{took:?}");
+    assert!(took < grace + Duration::from_millis(1_000), "{took:?}");
+    assert!(held(7), "the live booking stays");
+    assert_eq!(b.metrics.snapshot().digest_freed, 1);
+    assert!(a.metrics.snapshot().digests_published >= 1);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A transport that loses every message carrying a free, as a refused
+/// publish or a network fault would: the frees it swallowed are counted.
+struct LosingFrees {
+    inner: InProcessTransport,
+    lost: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Transport for LosingFrees {
+    fn batching(&self) -> bool {
+        self.inner.batching()
+    }
+
+    async fn publish(&self, subject: &str, payload: bytes::Bytes) -> Result<(), TransportError> {
+        let frees = decode_batch(&payload)
+            .map(|b| {
+                b.events
+                    .iter()
+                    .filter(|e| e.data == ActiveSequenceData::Free)
+                    .count()
+            })
+            .unwrap_or(0);
+        if frees > 0 {
+            self.lost
+                .fetch_add(frees as u64, std::sync::atomic::Ordering::Relaxed);
+            return Ok(());
+        }
+        self.inner.publish(subject, payload).await
+    }
+
+    async fn subscribe(&self, subject: &str) -> Result<Subscription, TransportError> {
+        self.inner.subscribe(subject).await
+    }
+}
+
+#[tokio::test]
+async fn requests_whose_frees_are_lost_in_transit_leave_the_peer_within_a_few_seconds() {
+    let bus = InProcessBus::new();
+    let cfg = ReplicaConfig {
+        digest_ms: 200.0,
+        ..config()
+    };
+    let epoch = std::time::Instant::now();
+    let (dispatcher_a, peer) = (dispatcher(false), dispatcher(false));
+    let lost = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let a = ReplicaPlane::start(
+        Arc::new(LosingFrees {
+            inner: InProcessTransport::new(bus.clone(), true, 1024),
+            lost: lost.clone(),
+        }),
+        &cfg,
+        ReplicaId(1),
+        sink(&dispatcher_a, ReplicaId(1), epoch),
+    )
+    .await
+    .unwrap();
+    let b = ReplicaPlane::start(
+        Arc::new(InProcessTransport::new(bus, true, 1024)),
+        &cfg,
+        ReplicaId(2),
+        sink(&peer, ReplicaId(2), epoch),
+    )
+    .await
+    .unwrap();
+    let now = || epoch.elapsed().as_secs_f64() * 1e3;
+    let drive = |call: &dyn Fn(&mut Dispatcher) -> switchyard_core::dispatch::Effects| {
+        let fx = call(&mut dispatcher_a.lock().unwrap());
+        publish_effects(&a.publisher, &fx.publish, &fx.bindings);
+    };
+    // Ten requests on A; the peer sees all ten.
+    for id in 1..=10u128 {
+        drive(&|d| {
+            let submission = Submission {
+                blocks: vec![LocalHash(id as u64)],
+                prompt_tokens: 16,
+                ..Submission::default()
+            };
+            d.submit(RequestId(id), submission, now()).unwrap().1
+        });
+    }
+    let remote = || peer.lock().unwrap().router().remote().remote_requests();
+    wait_until(|| remote() == 10).await;
+    // Six end; their frees are lost on the way.
+    for id in 1..=6u128 {
+        drive(&|d| d.finish(RequestId(id), 20, now()));
+    }
+    let ended = std::time::Instant::now();
+    let deadline = ended + Duration::from_secs(4);
+    while remote() != 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stale bookings linger: {} held",
+            remote()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "stale bookings dropped {:?} after their end",
+        ended.elapsed()
+    );
+    assert_eq!(lost.load(std::sync::atomic::Ordering::Relaxed), 6);
+    assert_eq!(b.metrics.snapshot().digest_freed, 6);
+    // The four live ones stay through further digests.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(remote(), 4);
+    a.shutdown().await;
+    b.shutdown().await;
 }

@@ -34,6 +34,12 @@ pub trait Transport: Send + Sync + 'static {
     /// event per message get batches of one.
     fn batching(&self) -> bool;
 
+    /// The largest payload to publish in one message (the publisher
+    /// splits batches to stay within it). Unbounded by default.
+    fn max_payload(&self) -> usize {
+        usize::MAX
+    }
+
     /// Publishes one payload. May wait (back-pressure); the publisher task
     /// abandons the future on shutdown, so it must be cancel-safe in the
     /// sense that dropping it loses at most this payload.
@@ -54,6 +60,9 @@ pub trait Transport: Send + Sync + 'static {
 impl<T: Transport> Transport for Arc<T> {
     fn batching(&self) -> bool {
         (**self).batching()
+    }
+    fn max_payload(&self) -> usize {
+        (**self).max_payload()
     }
     fn publish(
         &self,
@@ -92,6 +101,7 @@ pub struct InProcessTransport {
     bus: Arc<InProcessBus>,
     batching: bool,
     inbox_capacity: usize,
+    max_payload: usize,
 }
 
 impl InProcessTransport {
@@ -101,7 +111,15 @@ impl InProcessTransport {
             bus,
             batching,
             inbox_capacity: inbox_capacity.max(1),
+            max_payload: usize::MAX,
         }
+    }
+
+    /// Refuses payloads larger than `bytes`, as a NATS server does past
+    /// its `max_payload`.
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
     }
 }
 
@@ -110,7 +128,18 @@ impl Transport for InProcessTransport {
         self.batching
     }
 
+    fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), TransportError> {
+        if payload.len() > self.max_payload {
+            return Err(TransportError::Publish(format!(
+                "payload of {} bytes over the limit of {}",
+                payload.len(),
+                self.max_payload
+            )));
+        }
         let inboxes: Vec<mpsc::Sender<Bytes>> = {
             let mut subjects = self.bus.subjects.lock().expect("bus lock poisoned");
             let Some(inboxes) = subjects.get_mut(subject) else {

@@ -18,7 +18,9 @@ use super::publisher::{spawn_publisher, PublishError, ReplicaPublisher};
 use super::random_replica_id;
 use super::transport::Transport;
 use std::sync::Arc;
-use switchyard_core::{RequestId, WorkerId};
+use switchyard_core::sequences::SequenceEvent;
+use switchyard_core::{ReplicaId, RequestId, WorkerId};
+use switchyard_wire::replica::ActiveSequenceEvent;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -28,16 +30,24 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The booking replica's id, on upstream requests while replica sync is on.
 pub const ROUTER_ID_HEADER: &str = "x-switchyard-router-id";
 
-/// The request id a replica-syncing router gave a request, from the values
-/// of [`ROUTER_ID_HEADER`] and [`REQUEST_ID_HEADER`]; `None` unless both
-/// are present and the request id is exactly 32 hex digits.
-pub fn routed_request_id(router_id: Option<&str>, request_id: Option<&str>) -> Option<RequestId> {
-    router_id.filter(|r| !r.is_empty())?;
-    let id = request_id?;
-    if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+/// The booking replica and the request id a replica-syncing router gave a
+/// request, from the values of [`ROUTER_ID_HEADER`] (16 hex digits) and
+/// [`REQUEST_ID_HEADER`] (32 hex digits); `None` unless both are present
+/// and well formed.
+pub fn routed_request_id(
+    router_id: Option<&str>,
+    request_id: Option<&str>,
+) -> Option<(ReplicaId, RequestId)> {
+    let router = parse_hex(router_id?, 16)?;
+    let id = parse_hex(request_id?, 32)?;
+    Some((ReplicaId(u64::try_from(router).ok()?), RequestId(id)))
+}
+
+fn parse_hex(text: &str, digits: usize) -> Option<u128> {
+    if text.len() != digits || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
-    u128::from_str_radix(id, 16).ok().map(RequestId)
+    u128::from_str_radix(text, 16).ok()
 }
 
 /// A worker's non-blocking mark publisher (same queue rules as a replica's).
@@ -69,9 +79,22 @@ impl WorkerMarks {
         }
     }
 
-    /// The request's first token was produced. Never blocks.
-    pub fn prefill_completed(&self, request: RequestId) -> Result<(), PublishError> {
-        self.publisher.prefill_completed(request, self.worker)
+    /// The first token of `router`'s request was produced. The mark names
+    /// the booking replica as the booking's origin (replicas key remote
+    /// bookings by origin and request id); the message is this worker's.
+    /// Never blocks.
+    pub fn prefill_completed(
+        &self,
+        router: ReplicaId,
+        request: RequestId,
+    ) -> Result<(), PublishError> {
+        self.publisher
+            .publish(ActiveSequenceEvent::from_sequence_event(
+                router,
+                self.worker,
+                &SequenceEvent::MarkPrefillCompleted(request),
+                None,
+            ))
     }
 
     /// Stops the publisher (pending marks may be dropped) and waits for it.
@@ -97,11 +120,16 @@ mod tests {
     fn only_requests_with_both_identity_headers_are_marked() {
         let id = RequestId((0xabc << 64) | 7);
         let text = id.to_string();
-        assert_eq!(routed_request_id(Some("00ff"), Some(&text)), Some(id));
+        let router = ReplicaId(0xff).to_string();
+        assert_eq!(
+            routed_request_id(Some(&router), Some(&text)),
+            Some((ReplicaId(0xff), id))
+        );
         assert_eq!(routed_request_id(None, Some(&text)), None);
-        assert_eq!(routed_request_id(Some("00ff"), None), None);
-        assert_eq!(routed_request_id(Some("00ff"), Some("req-1")), None);
+        assert_eq!(routed_request_id(Some(&router), None), None);
+        assert_eq!(routed_request_id(Some("00ff"), Some(&text)), None);
+        assert_eq!(routed_request_id(Some(&router), Some("req-1")), None);
         let signed = format!("+{}", &text[1..]);
-        assert_eq!(routed_request_id(Some("00ff"), Some(&signed)), None);
+        assert_eq!(routed_request_id(Some(&router), Some(&signed)), None);
     }
 }

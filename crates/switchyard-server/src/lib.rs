@@ -501,6 +501,8 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
         ..RouterConfig::default()
     };
     router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
+    router.remote.max_bookings_per_replica = config.replica.max_bookings_per_peer;
+    router.remote.max_sessions_per_replica = config.replica.max_sessions_per_peer;
     DispatcherConfig {
         router,
         admission: config.queue.clone(),

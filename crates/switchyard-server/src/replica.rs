@@ -18,10 +18,12 @@
 
 use crate::shared::SharedRouter;
 use clap::Args;
+use std::path::PathBuf;
 use std::sync::Arc;
+use switchyard_core::RequestId;
 use switchyard_replica::{
     random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaPlane, ReplicaSink,
-    Transport, TransportError,
+    Secret, Transport, TransportError,
 };
 use switchyard_wire::replica::ReplicaBatch;
 
@@ -60,6 +62,39 @@ pub struct ReplicaArgs {
     /// How often silent peers are looked for, in ms [default: 1000].
     #[arg(long, env = "SWITCHYARD_REPLICA_EXPIRY_CHECK_MS")]
     pub replica_expiry_check_ms: Option<f64>,
+    /// How often this replica publishes a digest of its live bookings, so peers drop bookings whose free was lost, in ms [default: 2000].
+    #[arg(long, env = "SWITCHYARD_REPLICA_DIGEST_MS")]
+    pub replica_digest_ms: Option<f64>,
+    /// NATS user name (with --nats-password-file or SWITCHYARD_NATS_PASSWORD).
+    #[arg(long, env = "SWITCHYARD_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password (prefer --nats-password-file: a flag shows in `ps`).
+    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// File holding the NATS password (trailing newline ignored).
+    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD_FILE", value_name = "PATH")]
+    pub nats_password_file: Option<PathBuf>,
+    /// NATS token (prefer --nats-token-file: a flag shows in `ps`).
+    #[arg(long, env = "SWITCHYARD_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// File holding the NATS token (trailing newline ignored).
+    #[arg(long, env = "SWITCHYARD_NATS_TOKEN_FILE", value_name = "PATH")]
+    pub nats_token_file: Option<PathBuf>,
+    /// NATS credentials file (.creds: user JWT and NKey seed).
+    #[arg(long, env = "SWITCHYARD_NATS_CREDS", value_name = "PATH")]
+    pub nats_creds: Option<PathBuf>,
+    /// PEM CA file to verify the NATS server's TLS certificate.
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_CA", value_name = "PATH")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for NATS TLS (with --nats-tls-key).
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_CERT", value_name = "PATH")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of --nats-tls-cert.
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_KEY", value_name = "PATH")]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS server without TLS (implied by a tls:// URL).
+    #[arg(long, env = "SWITCHYARD_NATS_REQUIRE_TLS")]
+    pub nats_require_tls: bool,
 }
 
 impl ReplicaArgs {
@@ -93,6 +128,46 @@ impl ReplicaArgs {
         if let Some(v) = self.replica_expiry_check_ms {
             config.expiry_check_ms = v;
         }
+        if let Some(v) = self.replica_digest_ms {
+            config.digest_ms = v;
+        }
+        let auth = &mut config.auth;
+        if let Some(v) = &self.nats_user {
+            auth.user = Some(v.clone());
+        }
+        // A secret given here replaces the file's secret of either form,
+        // so a flag never collides with the config file's other form.
+        if let Some(v) = &self.nats_password {
+            auth.password = Some(Secret(v.clone()));
+            auth.password_file = None;
+        }
+        if let Some(v) = &self.nats_password_file {
+            auth.password_file = Some(v.clone());
+            auth.password = None;
+        }
+        if let Some(v) = &self.nats_token {
+            auth.token = Some(Secret(v.clone()));
+            auth.token_file = None;
+        }
+        if let Some(v) = &self.nats_token_file {
+            auth.token_file = Some(v.clone());
+            auth.token = None;
+        }
+        if let Some(v) = &self.nats_creds {
+            auth.creds_file = Some(v.clone());
+        }
+        if let Some(v) = &self.nats_tls_ca {
+            auth.tls_ca_file = Some(v.clone());
+        }
+        if let Some(v) = &self.nats_tls_cert {
+            auth.tls_cert_file = Some(v.clone());
+        }
+        if let Some(v) = &self.nats_tls_key {
+            auth.tls_key_file = Some(v.clone());
+        }
+        if self.nats_require_tls {
+            auth.require_tls = true;
+        }
     }
 }
 
@@ -110,6 +185,10 @@ impl ReplicaSink for ServerSink {
     fn expire_silent(&self) -> u64 {
         self.shared.expire_silent_replicas()
     }
+
+    fn local_bookings(&self) -> Vec<RequestId> {
+        self.shared.local_booking_ids()
+    }
 }
 
 /// Connects to NATS, starts the plane of a fresh replica id over `shared`
@@ -122,7 +201,7 @@ pub async fn start(
         .nats_url
         .as_deref()
         .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
-    let transport = Arc::new(NatsTransport::connect(url).await?);
+    let transport = Arc::new(NatsTransport::connect_with(url, &config.auth).await?);
     start_over(transport, config, shared).await
 }
 
@@ -170,6 +249,33 @@ mod tests {
         assert_eq!(config.endpoint, "chat");
         assert_eq!(config.silence_expiry_ms, 2_000.0);
         assert_eq!(config.queue_capacity, 100_000);
+    }
+
+    #[test]
+    fn auth_flags_fill_the_auth_table_and_a_secret_flag_replaces_the_files_other_form() {
+        let mut config = ReplicaConfig::default();
+        config.auth.user = Some("file-user".into());
+        config.auth.password = Some(Secret("from-file".into()));
+        ReplicaArgs {
+            replica_sync: Some("tls://nats.internal:4222".into()),
+            nats_password_file: Some("/run/secrets/nats".into()),
+            nats_tls_ca: Some("/etc/ca.pem".into()),
+            replica_digest_ms: Some(500.0),
+            ..ReplicaArgs::default()
+        }
+        .apply(&mut config);
+        assert_eq!(config.auth.user.as_deref(), Some("file-user"));
+        assert_eq!(config.auth.password, None);
+        assert_eq!(
+            config.auth.password_file.as_deref(),
+            Some(std::path::Path::new("/run/secrets/nats"))
+        );
+        assert_eq!(
+            config.auth.tls_ca_file.as_deref(),
+            Some(std::path::Path::new("/etc/ca.pem"))
+        );
+        assert_eq!(config.digest_ms, 500.0);
+        assert_eq!(config.validate(), Ok(()));
     }
 
     /// A server's routing state with session-aware admission and two

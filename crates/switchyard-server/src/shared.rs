@@ -27,7 +27,6 @@ use crate::metrics::{AdmissionDecision, ServerMetrics};
 use crate::roster::{Roster, UnknownModel, WorkerInfo};
 use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
@@ -106,8 +105,6 @@ struct Inner {
 pub struct SharedRouter {
     inner: Mutex<Inner>,
     epoch: Instant,
-    next_request: AtomicU64,
-    request_salt: u64,
     metrics: Arc<ServerMetrics>,
 }
 
@@ -128,10 +125,6 @@ impl SharedRouter {
                 publisher: None,
             }),
             epoch: Instant::now(),
-            next_request: AtomicU64::new(1),
-            request_salt: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
             metrics,
         }
     }
@@ -146,11 +139,16 @@ impl SharedRouter {
         self.epoch.elapsed().as_secs_f64() * 1e3
     }
 
-    /// A fresh request id, unique across router processes with high
-    /// probability (start-time salt in the high half).
+    /// A fresh request id: 127 bits from the thread's CSPRNG (ChaCha,
+    /// seeded from the OS and reseeded by `rand`), so ids are unique across
+    /// router processes with overwhelming probability and unpredictable:
+    /// clients see them in `x-request-id`, and no one can guess the next
+    /// one. The top bit is clear (the core keeps peers' bookings under
+    /// keys with it set, `switchyard_core::replica::REMOTE_KEY_BIT`).
+    /// Never zero.
     pub fn next_request_id(&self) -> RequestId {
-        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
-        RequestId((u128::from(self.request_salt) << 64) | u128::from(n))
+        use rand::Rng as _;
+        RequestId((rand::thread_rng().gen::<u128>() >> 1).max(1))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -544,6 +542,11 @@ impl SharedRouter {
         self.lock().publisher.as_ref().map(|p| p.metrics().clone())
     }
 
+    /// The booking ids of this replica's live bookings (its digest).
+    pub fn local_booking_ids(&self) -> Vec<RequestId> {
+        self.lock().dispatcher.local_booking_ids()
+    }
+
     /// Applies one of a peer's batches.
     pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
         self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
@@ -630,6 +633,31 @@ mod tests {
             policy: PolicyKind::RoundRobin,
             ..ServerConfig::default()
         }
+    }
+
+    #[test]
+    fn request_ids_are_distinct_and_share_no_predictable_part() {
+        let (shared, _) = shared_with(&ServerConfig::default(), &["a"]);
+        let ids: Vec<u128> = (0..2_000).map(|_| shared.next_request_id().0).collect();
+        let distinct: std::collections::HashSet<u128> = ids.iter().copied().collect();
+        assert_eq!(distinct.len(), ids.len());
+        assert!(ids
+            .iter()
+            .all(|&id| id != 0 && id & switchyard_core::replica::REMOTE_KEY_BIT == 0));
+        // A start-time salt and a counter would repeat the high half and
+        // step the low half by one; 128 random bits do neither.
+        let highs: std::collections::HashSet<u64> =
+            ids.iter().map(|&id| (id >> 64) as u64).collect();
+        assert!(highs.len() > 1_990, "{} distinct high halves", highs.len());
+        let steps = ids
+            .windows(2)
+            .filter(|w| w[1].wrapping_sub(w[0]) == 1)
+            .count();
+        assert_eq!(steps, 0);
+        // Still a valid header value: 32 lowercase hex digits.
+        let text = RequestId(ids[0]).to_string();
+        assert_eq!(text.len(), 32);
+        assert!(text.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 
     #[tokio::test]

@@ -66,6 +66,7 @@ pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
         router_id: peer,
         events: vec![ActiveSequenceEvent::add(peer, &add, None)],
         sessions: Vec::new(),
+        digest: None,
     };
     assert_eq!(shared.apply_replica_batch(&batch).applied, 1);
 }

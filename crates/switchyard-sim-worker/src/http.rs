@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use switchyard_core::hashing::DEFAULT_SEED;
-use switchyard_core::RequestId;
+use switchyard_core::{ReplicaId, RequestId};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
@@ -171,7 +171,7 @@ struct Job {
     id: RequestId,
     /// The router's id for the request, when a replica-syncing router
     /// sent it: marked at the first token.
-    routed: Option<RequestId>,
+    routed: Option<(ReplicaId, RequestId)>,
     model: Arc<str>,
     created: u64,
     stream: bool,
@@ -205,7 +205,7 @@ impl AppState {
 
 /// The router's request id, when the request carries a replica-syncing
 /// router's identity headers.
-fn routed(headers: &HeaderMap) -> Option<RequestId> {
+fn routed(headers: &HeaderMap) -> Option<(ReplicaId, RequestId)> {
     let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     routed_request_id(text(ROUTER_ID_HEADER), text(REQUEST_ID_HEADER))
 }
@@ -357,9 +357,11 @@ async fn run(
     if let GenEvent::Rejected(err) = first {
         return Err(err.into());
     }
-    if let (Some(marks), Some(id), GenEvent::Token { .. }) = (&state.marks, job.routed, &first) {
+    if let (Some(marks), Some((router, id)), GenEvent::Token { .. }) =
+        (&state.marks, job.routed, &first)
+    {
         // Never blocks; a full queue drops and counts the mark.
-        let _ = marks.prefill_completed(id);
+        let _ = marks.prefill_completed(router, id);
     }
     if job.stream {
         Ok(stream_response(job, first, rx).into_response())

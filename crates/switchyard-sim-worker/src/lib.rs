@@ -32,7 +32,7 @@ use std::sync::Arc;
 use switchyard_engine::{Engine, EngineConfig, SyncDevice, TimingConfig};
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
 use switchyard_replica::{
-    worker_id_for_name, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
+    worker_id_for_name, NatsAuth, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
 };
 use switchyard_tokenizer::Tokenizer;
 
@@ -123,6 +123,27 @@ pub struct SimWorkerArgs {
     /// Require this key (Authorization: Bearer) on every route but /metrics.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// NATS user name for the marks (with --nats-password-file).
+    #[arg(long, env = "SWITCHYARD_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// File holding the NATS password.
+    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD_FILE", value_name = "PATH")]
+    pub nats_password_file: Option<PathBuf>,
+    /// File holding a NATS token.
+    #[arg(long, env = "SWITCHYARD_NATS_TOKEN_FILE", value_name = "PATH")]
+    pub nats_token_file: Option<PathBuf>,
+    /// NATS credentials file (.creds).
+    #[arg(long, env = "SWITCHYARD_NATS_CREDS", value_name = "PATH")]
+    pub nats_creds: Option<PathBuf>,
+    /// PEM CA file to verify the NATS server's TLS certificate.
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_CA", value_name = "PATH")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for NATS TLS (with --nats-tls-key).
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_CERT", value_name = "PATH")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of --nats-tls-cert.
+    #[arg(long, env = "SWITCHYARD_NATS_TLS_KEY", value_name = "PATH")]
+    pub nats_tls_key: Option<PathBuf>,
 }
 
 impl SimWorkerArgs {
@@ -135,6 +156,16 @@ impl SimWorkerArgs {
             nats_url: Some(url.clone()),
             namespace: self.replica_namespace.clone(),
             endpoint: self.replica_endpoint.clone(),
+            auth: NatsAuth {
+                user: self.nats_user.clone(),
+                password_file: self.nats_password_file.clone(),
+                token_file: self.nats_token_file.clone(),
+                creds_file: self.nats_creds.clone(),
+                tls_ca_file: self.nats_tls_ca.clone(),
+                tls_cert_file: self.nats_tls_cert.clone(),
+                tls_key_file: self.nats_tls_key.clone(),
+                ..NatsAuth::default()
+            },
             ..ReplicaConfig::default()
         };
         config.validate()?;
@@ -227,7 +258,7 @@ async fn serve(
         None => None,
         Some(replica) => {
             let url = replica.nats_url.as_deref().unwrap_or_default();
-            let transport = NatsTransport::connect(url)
+            let transport = NatsTransport::connect_with(url, &replica.auth)
                 .await
                 .context("starting replica-sync marks")?;
             // Routers ignore a mark's worker; this is its default name's id.

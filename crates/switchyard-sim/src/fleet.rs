@@ -627,6 +627,7 @@ impl Fleet {
                 from,
                 events.iter().map(|e| (from, e.event.clone())),
                 bindings.iter().copied(),
+                None,
                 self.now,
             );
             self.effects.push_back((r, fx));

@@ -137,6 +137,55 @@ pub struct SessionBinding {
     pub context_tokens: u64,
 }
 
+/// One part of a replica's digest of its live bookings: the sender's live
+/// bookings with request ids in `lo..=hi` are exactly `live`. A digest is
+/// split into parts whose ranges cover every request id, so each part can
+/// be applied on its own and a lost part only delays its range.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DigestPart {
+    /// First request id covered.
+    pub lo: RequestId,
+    /// Last request id covered.
+    pub hi: RequestId,
+    /// The sender's live bookings in `lo..=hi`, ascending.
+    pub live: Vec<RequestId>,
+}
+
+impl DigestPart {
+    /// Splits a set of live request ids (any order) into parts of at most
+    /// `max_ids` ids each, whose ranges cover `0..=u128::MAX` without gaps
+    /// or overlaps. No ids: one empty part covering everything.
+    pub fn split(mut live: Vec<RequestId>, max_ids: usize) -> Vec<DigestPart> {
+        live.sort_unstable();
+        live.dedup();
+        let max_ids = max_ids.max(1);
+        let chunks: Vec<&[RequestId]> = live.chunks(max_ids).collect();
+        if chunks.is_empty() {
+            return vec![DigestPart {
+                lo: RequestId(0),
+                hi: RequestId(u128::MAX),
+                live: Vec::new(),
+            }];
+        }
+        let mut parts = Vec::with_capacity(chunks.len());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let lo = if i == 0 { RequestId(0) } else { chunk[0] };
+            let hi = match chunks.get(i + 1) {
+                // The next part starts at its first id; ids are distinct,
+                // so that id is at least one more than this chunk's last.
+                Some(next) => RequestId(next[0].0 - 1),
+                None => RequestId(u128::MAX),
+            };
+            parts.push(DigestPart {
+                lo,
+                hi,
+                live: chunk.to_vec(),
+            });
+        }
+        parts
+    }
+}
+
 /// One message of the replica plane.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ReplicaBatch {
@@ -147,6 +196,12 @@ pub struct ReplicaBatch {
     /// Session bindings made since the sender's previous batch.
     #[serde(default)]
     pub sessions: Vec<SessionBinding>,
+    /// One part of the sender's digest of its live bookings, in a message
+    /// of its own (no events, no sessions). Left out of the encoding when
+    /// absent, so replicas older than digests still decode every other
+    /// message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<DigestPart>,
 }
 
 impl ReplicaBatch {
@@ -156,12 +211,13 @@ impl ReplicaBatch {
             router_id,
             events: Vec::new(),
             sessions: Vec::new(),
+            digest: None,
         }
     }
 
     /// Whether the batch carries nothing but its sender's liveness.
     pub fn is_heartbeat(&self) -> bool {
-        self.events.is_empty() && self.sessions.is_empty()
+        self.events.is_empty() && self.sessions.is_empty() && self.digest.is_none()
     }
 }
 
@@ -262,6 +318,7 @@ mod tests {
                 router_id: ReplicaId(router),
                 events,
                 sessions,
+                digest: None,
             })
     }
 
@@ -293,6 +350,75 @@ mod tests {
         }
     }
 
+    proptest! {
+        #[test]
+        fn digest_parts_cover_every_id_once_and_list_each_live_id_in_its_range(
+            ids in proptest::collection::vec(any::<u128>(), 0..200),
+            max_ids in 1usize..50,
+        ) {
+            let live: Vec<RequestId> = ids.iter().copied().map(RequestId).collect();
+            let parts = DigestPart::split(live.clone(), max_ids);
+            prop_assert_eq!(parts[0].lo, RequestId(0));
+            prop_assert_eq!(parts.last().unwrap().hi, RequestId(u128::MAX));
+            for pair in parts.windows(2) {
+                prop_assert_eq!(pair[0].hi.0.checked_add(1), Some(pair[1].lo.0));
+            }
+            for part in &parts {
+                prop_assert!(part.live.len() <= max_ids);
+                prop_assert!(part.lo <= part.hi);
+                prop_assert!(part.live.iter().all(|id| (part.lo..=part.hi).contains(id)));
+            }
+            for id in &live {
+                let holders = parts.iter().filter(|p| p.live.contains(id)).count();
+                prop_assert_eq!(holders, 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_batch_with_a_digest_round_trips_and_a_batch_without_one_decodes() {
+        let mut batch = ReplicaBatch::heartbeat(ReplicaId(3));
+        batch.digest = DigestPart::split(vec![RequestId(9), RequestId(2)], 8).pop();
+        assert!(!batch.is_heartbeat());
+        assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+        // `[router_id, events, sessions]`, the shape before digests.
+        let bytes = rmp_serde::to_vec(&(
+            ReplicaId(5),
+            Vec::<ActiveSequenceEvent>::new(),
+            Vec::<SessionBinding>::new(),
+        ))
+        .unwrap();
+        assert_eq!(decode_batch(&bytes).unwrap().digest, None);
+    }
+
+    #[test]
+    fn a_replica_older_than_digests_decodes_batches_without_one() {
+        // The shape an older replica decodes into.
+        #[derive(Deserialize)]
+        #[allow(dead_code)]
+        struct Before {
+            router_id: ReplicaId,
+            events: Vec<ActiveSequenceEvent>,
+            #[serde(default)]
+            sessions: Vec<SessionBinding>,
+        }
+        let plain = ReplicaBatch {
+            sessions: vec![SessionBinding {
+                session: SessionKey(1),
+                worker: WorkerId::new(2),
+                context_tokens: 3,
+            }],
+            ..ReplicaBatch::heartbeat(ReplicaId(4))
+        };
+        let old: Before = rmp_serde::from_slice(&encode_batch(&plain)).unwrap();
+        assert_eq!((old.router_id, old.sessions.len()), (ReplicaId(4), 1));
+        // A digest message is one it cannot read: it counts it as
+        // malformed and skips it (documented).
+        let mut with_digest = plain.clone();
+        with_digest.digest = DigestPart::split(vec![RequestId(1)], 4).pop();
+        assert!(rmp_serde::from_slice::<Before>(&encode_batch(&with_digest)).is_err());
+    }
+
     #[test]
     fn a_batch_written_before_sessions_existed_still_decodes() {
         // `[router_id, events]`, the two-field shape.
@@ -316,6 +442,7 @@ mod tests {
             router_id: ReplicaId(u64::MAX),
             events: vec![ActiveSequenceEvent::add(ReplicaId(u64::MAX), &add, None)],
             sessions: Vec::new(),
+            digest: None,
         };
         let len = encode_batch(&batch).len();
         // 16 × 9 bytes of hashes dominate; the envelope is about 80 bytes.

@@ -248,6 +248,11 @@ pub trait AdmissionStrategy {
     ) {
     }
 
+    /// Forgets a peer's binding of `session` (its sender is past its
+    /// per-replica cap of bindings) unless the session is active here.
+    /// Nothing by default.
+    fn forget_remote_binding(&mut self, _session: SessionKey) {}
+
     /// Requests the strategy currently tracks (for tests and metrics).
     fn tracked_requests(&self) -> usize;
 
@@ -285,6 +290,9 @@ impl<S: AdmissionStrategy + ?Sized> AdmissionStrategy for Box<S> {
         now_ms: f64,
     ) {
         (**self).observe_remote_binding(session, worker, context_tokens, now_ms)
+    }
+    fn forget_remote_binding(&mut self, session: SessionKey) {
+        (**self).forget_remote_binding(session)
     }
     fn tracked_requests(&self) -> usize {
         (**self).tracked_requests()

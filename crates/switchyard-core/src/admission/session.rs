@@ -193,6 +193,9 @@ pub struct SessionCounters {
     /// Peer bindings ignored: a local turn in flight, a paused session, or
     /// the session cap with nothing to evict.
     pub remote_bindings_ignored: u64,
+    /// Peers' bindings forgotten because their replica bound more
+    /// sessions than its cap.
+    pub remote_bindings_forgotten: u64,
 }
 
 /// The turn a session has in flight.
@@ -778,6 +781,17 @@ impl AdmissionStrategy for SessionAwareStrategy {
         self.touch(session);
     }
 
+    fn forget_remote_binding(&mut self, session: SessionKey) {
+        let quiet = self
+            .sessions
+            .get(&session)
+            .is_some_and(|s| s.is_quiet() && s.paused_since.is_none());
+        if quiet {
+            self.forget(session);
+            self.counters.remote_bindings_forgotten += 1;
+        }
+    }
+
     fn observe_kv(&mut self, worker: WorkerId, usage: KvUsage) {
         let kv = self.workers.entry(worker).or_default();
         kv.capacity_tokens = usage.capacity_tokens;
@@ -804,6 +818,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
             ("stale_events", c.stale_events),
             ("migrated_turns", c.migrated_turns),
             ("remote_bindings", c.remote_bindings),
+            ("remote_bindings_forgotten", c.remote_bindings_forgotten),
         ]
     }
 }

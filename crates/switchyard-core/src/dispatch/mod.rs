@@ -54,6 +54,7 @@ use crate::health::{
 };
 use crate::index::{ApplyOutcome, IndexEvent};
 use crate::maps::FxHashMap;
+use crate::replica::{clamp_context_tokens, DropReason, RemoteCounters};
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
 use crate::select::{RoutingRequest, SelectOutcome};
 use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
@@ -278,6 +279,21 @@ pub struct BatchApplied {
     pub applied: u64,
     /// Session bindings handed to the strategy.
     pub sessions: u64,
+    /// What the batch added to the remote-booking counters (drops by
+    /// reason, clamps, digest frees, session evictions).
+    pub remote: RemoteCounters,
+}
+
+/// One part of a peer's digest of its live bookings: its bookings with
+/// request ids in `lo..=hi` are exactly `live`.
+#[derive(Clone, Copy, Debug)]
+pub struct DigestPart<'a> {
+    /// First request id the part covers.
+    pub lo: RequestId,
+    /// Last request id the part covers.
+    pub hi: RequestId,
+    /// The sender's live bookings in the range.
+    pub live: &'a [RequestId],
 }
 
 /// A placed request's booking.
@@ -407,6 +423,12 @@ impl Dispatcher {
     /// The worker a request is placed on, if it is.
     pub fn placement_of(&self, id: RequestId) -> Option<WorkerId> {
         self.requests.get(&id)?.booked.as_ref().map(|b| b.worker)
+    }
+
+    /// The booking ids of every placed local request: what a digest of
+    /// this replica's live bookings lists (peers know them by these ids).
+    pub fn local_booking_ids(&self) -> Vec<RequestId> {
+        self.bookings.keys().copied().collect()
     }
 
     /// Requests this replica booked on `worker` and has not freed.
@@ -546,29 +568,60 @@ impl Dispatcher {
         self.router.apply_kv_event(worker, event)
     }
 
-    /// Applies one batch from peer replica `origin` (a heartbeat even when
-    /// empty): lifecycle events as advisory remote bookings, keyed by the
-    /// origin each event names, and session bindings into the strategy.
+    /// Applies one batch from peer replica `sender` (a heartbeat even when
+    /// empty): lifecycle events as advisory remote bookings keyed by
+    /// (origin, request id) — an `Add` or `Free` must name the sender as
+    /// its origin —, session bindings into the strategy (a known worker,
+    /// context clamped, at most `max_sessions_per_replica` remembered per
+    /// sender), and a digest part that frees the sender's stale bookings.
+    /// A batch claiming this replica's own id changes nothing.
     pub fn apply_replica_batch(
         &mut self,
-        origin: ReplicaId,
+        sender: ReplicaId,
         events: impl IntoIterator<Item = (ReplicaId, SequenceEvent)>,
         bindings: impl IntoIterator<Item = SessionBound>,
+        digest: Option<DigestPart<'_>>,
         now_ms: f64,
     ) -> (BatchApplied, Effects) {
         let mut fx = Effects::default();
         let mut applied = BatchApplied::default();
-        self.router.replica_heartbeat(origin, now_ms);
+        let before = self.router.remote().counters();
+        if !self.router.replica_heartbeat(sender, now_ms) {
+            let own = events.into_iter().count() as u64;
+            self.router.remote_mut().note_own(own);
+            applied.remote = self.router.remote().counters().since(&before);
+            return (applied, fx);
+        }
         for (event_origin, event) in events {
-            let outcome = self.router.apply_remote(event_origin, &event, now_ms);
+            let outcome = self
+                .router
+                .apply_remote_from(sender, event_origin, &event, now_ms);
             applied.applied += u64::from(outcome.applied());
         }
         if let Some(strategy) = self.admission.strategy_mut() {
             for b in bindings {
-                strategy.observe_remote_binding(b.session, b.worker, b.context_tokens, now_ms);
+                if !self.router.sequences().has_worker(b.worker) {
+                    self.router
+                        .remote_mut()
+                        .note_dropped(DropReason::UnknownWorker);
+                    continue;
+                }
+                let (context_tokens, clamped) = clamp_context_tokens(b.context_tokens);
+                if clamped {
+                    self.router.remote_mut().note_clamped();
+                }
+                if let Some(evicted) = self.router.remote_mut().bind_session(sender, b.session) {
+                    strategy.forget_remote_binding(evicted);
+                }
+                strategy.observe_remote_binding(b.session, b.worker, context_tokens, now_ms);
                 applied.sessions += 1;
             }
         }
+        if let Some(part) = digest {
+            self.router
+                .apply_remote_digest(sender, part.lo, part.hi, part.live, now_ms);
+        }
+        applied.remote = self.router.remote().counters().since(&before);
         // A peer's free may have made room for a waiting request.
         self.poll_into(now_ms, &mut fx);
         (applied, fx)

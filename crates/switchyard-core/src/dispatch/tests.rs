@@ -358,6 +358,7 @@ fn peers_bookings_count_in_the_load_and_our_own_events_are_ignored() {
         ReplicaId(2),
         [(ReplicaId(2), SequenceEvent::Add(peer_add.clone()))],
         [],
+        None,
         0.0,
     );
     assert_eq!(applied.applied, 1);
@@ -369,6 +370,7 @@ fn peers_bookings_count_in_the_load_and_our_own_events_are_ignored() {
         ReplicaId(1),
         [(ReplicaId(1), SequenceEvent::Add(own))],
         [],
+        None,
         0.0,
     );
     assert_eq!(applied.applied, 0, "our own echo");
@@ -378,6 +380,82 @@ fn peers_bookings_count_in_the_load_and_our_own_events_are_ignored() {
     let sent = place(&mut d, 1, submission(0, 4), 0.0);
     assert_eq!(sent.worker, w(2));
     assert_eq!(d.local_requests_on(w(2)), 1);
+}
+
+#[test]
+fn a_peer_booking_and_freeing_a_local_requests_id_leaves_the_local_booking_alone() {
+    let mut d = dispatcher(2);
+    d.set_replica(ReplicaId(1));
+    let sent = place(&mut d, 77, submission(0, 4), 0.0);
+    let peer = ReplicaId(2);
+    let forged = AddRequest {
+        request: RequestId(77),
+        worker: w(2),
+        prompt_tokens: 64,
+        blocks: Vec::new(),
+        overlap_blocks: 0,
+        expected_prefill_ms: None,
+    };
+    let (applied, _) = d.apply_replica_batch(
+        peer,
+        [
+            (peer, SequenceEvent::Add(forged)),
+            (peer, SequenceEvent::Free(RequestId(77))),
+            (peer, SequenceEvent::Free(RequestId(77))),
+            // Marks name the booking's origin: this one names ours.
+            (
+                ReplicaId(1),
+                SequenceEvent::MarkPrefillCompleted(RequestId(77)),
+            ),
+        ],
+        [],
+        None,
+        1.0,
+    );
+    assert_eq!(applied.applied, 2, "the peer's own add and free");
+    assert_eq!(applied.remote.drops.unknown_booking, 1);
+    assert_eq!(applied.remote.own, 1);
+    assert_eq!(
+        d.router().sequences().owner(RequestId(77)),
+        Some(sent.worker)
+    );
+    assert_eq!(d.local_requests_on(sent.worker), 1);
+    assert_eq!(d.router().remote().remote_requests(), 0);
+}
+
+#[test]
+fn a_peers_session_bindings_are_capped_per_peer_and_unknown_workers_dropped() {
+    let mut config = DispatcherConfig::default();
+    config.router.remote.max_sessions_per_replica = 2;
+    let mut d = dispatcher_with(config, true, 2);
+    d.set_replica(ReplicaId(1));
+    let peer = ReplicaId(2);
+    let bind = |session: u64, worker: WorkerId, context_tokens: u64| SessionBound {
+        session: SessionKey(session),
+        worker,
+        context_tokens,
+    };
+    let (applied, _) = d.apply_replica_batch(
+        peer,
+        [],
+        [
+            bind(1, w(1), 10),
+            bind(2, w(2), u64::MAX),
+            bind(3, w(1), 10),
+            bind(4, w(9), 10),
+        ],
+        None,
+        0.0,
+    );
+    assert_eq!(applied.sessions, 3);
+    assert_eq!(applied.remote.sessions_evicted, 1);
+    assert_eq!(applied.remote.drops.unknown_worker, 1);
+    assert_eq!(applied.remote.clamped, 1);
+    let counts = d.admission().strategy().unwrap().event_counts();
+    let count = |label| counts.iter().find(|(k, _)| *k == label).unwrap().1;
+    assert_eq!(count("remote_bindings"), 3);
+    // Session 1, the peer's oldest binding, was forgotten by the strategy.
+    assert_eq!(count("remote_bindings_forgotten"), 1);
 }
 
 #[test]

@@ -473,24 +473,57 @@ impl Router {
         self.remote.set_local(id);
     }
 
-    /// Applies a peer replica's lifecycle event as a remote booking
-    /// (advisory; see [`crate::replica`]). An applied `Add` also feeds the
-    /// approximate index, as a local booking would.
+    /// Applies a peer replica's lifecycle event about a booking of
+    /// `origin` as a remote booking (advisory, clamped; see
+    /// [`crate::replica`]). An applied `Add` also feeds the approximate
+    /// index, as a local booking would.
     pub fn apply_remote(
         &mut self,
         origin: ReplicaId,
         event: &SequenceEvent,
         now_ms: f64,
     ) -> RemoteOutcome {
+        self.apply_remote_from(origin, origin, event, now_ms)
+    }
+
+    /// [`Self::apply_remote`] for an event in a batch sent by `sender`:
+    /// an `Add` or `Free` naming another origin is dropped.
+    pub fn apply_remote_from(
+        &mut self,
+        sender: ReplicaId,
+        origin: ReplicaId,
+        event: &SequenceEvent,
+        now_ms: f64,
+    ) -> RemoteOutcome {
         let outcome = self
             .remote
-            .apply(origin, event, &mut self.sequences, now_ms);
+            .apply_from(sender, origin, event, &mut self.sequences, now_ms);
         if let (true, SequenceEvent::Add(add), CacheIndex::Approximate(index)) =
             (outcome.applied(), event, &mut self.cache)
         {
-            index.record(add.worker, &add.blocks, now_ms);
+            let blocks = &add.blocks[..add.blocks.len().min(crate::replica::MAX_REMOTE_BLOCKS)];
+            index.record(add.worker, blocks, now_ms);
         }
         outcome
+    }
+
+    /// One part of peer `origin`'s digest of its live bookings (see
+    /// [`RemoteBookings::apply_digest`]); returns the keys freed.
+    pub fn apply_remote_digest(
+        &mut self,
+        origin: ReplicaId,
+        lo: RequestId,
+        hi: RequestId,
+        live: &[RequestId],
+        now_ms: f64,
+    ) -> Vec<RequestId> {
+        self.remote
+            .apply_digest(origin, lo, hi, live, &mut self.sequences, now_ms)
+    }
+
+    /// Remote-booking bookkeeping, for session bindings and drop counts.
+    pub fn remote_mut(&mut self) -> &mut RemoteBookings {
+        &mut self.remote
     }
 
     /// A peer is alive (an empty heartbeat batch); `false` for oneself.

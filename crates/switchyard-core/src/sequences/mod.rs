@@ -426,6 +426,11 @@ impl ActiveSequences {
         &self.registry
     }
 
+    /// Whether `worker` is in the table.
+    pub fn has_worker(&self, worker: WorkerId) -> bool {
+        self.workers.slot(worker).is_some()
+    }
+
     /// Workers in the table.
     pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
         self.workers.iter()

@@ -4,3 +4,4 @@
 mod support;
 
 mod nats_sync;
+mod security;

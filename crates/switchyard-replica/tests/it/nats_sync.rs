@@ -233,7 +233,11 @@ async fn a_stopped_replicas_bookings_expire_on_the_others_and_live_ones_stay() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let c_dispatcher = c.dispatcher.lock().unwrap();
     let c_router = c_dispatcher.router();
-    assert_eq!(c_router.sequences().owner(RequestId(100)), Some(WORKERS[1]));
+    let key = c_router
+        .remote()
+        .key_of(b.plane.id, RequestId(100))
+        .unwrap();
+    assert_eq!(c_router.sequences().owner(key), Some(WORKERS[1]));
     assert_eq!(c_router.sequences().active_requests(), 1);
     drop(c_dispatcher);
     assert_eq!(c.plane.metrics.snapshot().expired, 5);

@@ -13,6 +13,13 @@ pub(crate) fn nats() -> LocalNatsServer {
     })
 }
 
+/// [`nats`] with `config` (nats-server configuration syntax).
+pub(crate) fn nats_with(config: &str) -> LocalNatsServer {
+    LocalNatsServer::start_with_config(config).unwrap_or_else(|e| {
+        panic!("these tests need a real nats-server: {e:#}");
+    })
+}
+
 /// Polls `condition` every millisecond until it holds; panics naming
 /// `what` when `within` passes first. Returns how long it took.
 pub(crate) async fn wait_for(

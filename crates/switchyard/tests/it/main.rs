@@ -17,6 +17,7 @@ mod events_decode;
 mod layout;
 mod openai_client;
 mod replay_tune;
+mod replica_security;
 mod serve_chaos;
 mod serve_ending;
 mod serve_errors;

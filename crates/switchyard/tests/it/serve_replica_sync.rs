@@ -92,7 +92,9 @@ fn replica_events(text: &str, direction: &str) -> u64 {
     .unwrap_or_else(|| panic!("replica {direction} counter missing")) as u64
 }
 
-/// `(request, origin)` of every `MarkPrefillCompleted` on the plane.
+/// `(request, sender)` of every `MarkPrefillCompleted` on the plane: the
+/// replica or worker whose message carried it (a mark names the booking
+/// replica as its booking's origin whoever sends it).
 type Marks = Arc<Mutex<Vec<(u128, u64)>>>;
 
 /// Subscribes to the replicas' subject and records every mark.
@@ -110,7 +112,7 @@ async fn watch_marks(url: &str) -> Marks {
                 if event.data == ActiveSequenceData::MarkPrefillCompleted {
                     sink.lock()
                         .unwrap()
-                        .push((event.request_id.0, event.router_id.0));
+                        .push((event.request_id.0, batch.router_id.0));
                 }
             }
         }
@@ -290,7 +292,7 @@ async fn three_replicas_converge_expire_a_killed_peer_and_ignore_another_endpoin
     );
 
     // Each request's prefill was marked twice: by its replica and, straight
-    // onto the plane, by its worker (another origin).
+    // onto the plane, by its worker (another sender).
     let origins_of = |request: u128| {
         let marks = marks.lock().unwrap();
         let mut origins: Vec<u64> = marks
