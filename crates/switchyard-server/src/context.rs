@@ -41,6 +41,8 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// Body limit.
     pub max_body_bytes: usize,
+    /// Limits on what a body holds ([`crate::limits`]).
+    pub limits: crate::limits::InputLimits,
     /// Migration limits.
     pub migration: MigrationPolicy,
     /// Wait for a worker's headers and first event (and each next event).
@@ -79,6 +81,7 @@ impl AppState {
             api_keys: config.api_keys.clone(),
             admin_token: config.admin_token.clone(),
             max_body_bytes: config.max_body_bytes,
+            limits: crate::limits::InputLimits::new(config),
             migration: MigrationPolicy {
                 limit: config.migration_limit,
                 max_seq_len: config.migration_max_seq_len,

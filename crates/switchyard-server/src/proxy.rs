@@ -17,10 +17,12 @@ use super::booking::Booking;
 use super::config::WorkerSpec;
 use super::context::{AppState, Shared, MAX_EVENT_BYTES};
 use super::error::ApiError;
+use super::limits;
+use super::metrics::InputLimit;
 use super::metrics::RequestStatus;
 use super::migration::{Failure, Phase, Progress};
 use super::stream::{MigratingStream, StreamStart};
-use super::tokenize::INLINE_CHARS;
+use super::tokenize::{rendered_size_estimate, INLINE_CHARS};
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
@@ -37,9 +39,7 @@ use serde_json::Value;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
-use switchyard_wire::openai::{
-    Api, ChatCompletionRequest, CompletionRequest, Message, MessageContent, Prompt,
-};
+use switchyard_wire::openai::{Api, Message, MessageContent, Prompt};
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// The axum router for `state`.
@@ -138,9 +138,11 @@ fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
 
 async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiError> {
     let started = Instant::now();
+    // The size of the text the tokenizer reads: a chat's estimated as
+    // rendered (its template adds to every message, empty ones included).
     let chars = match &job {
         TokenizeJob::Text(t) => t.len(),
-        TokenizeJob::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+        TokenizeJob::Chat(m) => rendered_size_estimate(m),
     };
     let tokenizer = state.tokenizer.clone();
     let run = move || match job {
@@ -176,9 +178,10 @@ async fn chat_completions(
     let result = async {
         check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: ChatCompletionRequest = parse(&body)?;
+        let parsed = limits::parse_chat(&state, &body)?;
         let messages = chat_messages(parsed.messages)?;
         let tokens = tokenize(&state, TokenizeJob::Chat(messages)).await?;
+        limits::check_prompt_tokens(&state, tokens.len(), "messages")?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
@@ -200,8 +203,10 @@ async fn completions(
     let result = async {
         check_key(&state, &headers)?;
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: CompletionRequest = parse(&body)?;
+        let parsed = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
+        // Token ids were bounded while parsing; text is bounded once
+        // tokenized (a batch's later texts are the worker's to judge).
         let tokens = match parsed.prompt {
             Prompt::Tokens(ids) => ids,
             Prompt::TokenBatches(batch) => batch.into_iter().next().unwrap_or_default(),
@@ -211,6 +216,7 @@ async fn completions(
                 None => Vec::new(),
             },
         };
+        limits::check_prompt_tokens(&state, tokens.len(), "prompt")?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
@@ -241,6 +247,9 @@ async fn finish(
     match response {
         Ok(response) => response,
         Err(e) => {
+            if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+                metrics.count_limit_refusal(InputLimit::BodyBytes);
+            }
             metrics.count_request(match e.status {
                 StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
                 s if s.is_server_error() => RequestStatus::Unavailable,

@@ -6,7 +6,8 @@
 //! `Arc<dyn PromptTokenizer>`, the bundled Hugging Face implementation is
 //! [`HfTokenizer`], and tests check any implementation against the
 //! `tokenizers` crate. Callers run it on a blocking thread when the prompt
-//! is long (see [`INLINE_CHARS`]).
+//! is long (see [`INLINE_CHARS`]); a chat's length is its estimated
+//! rendered size ([`rendered_size_estimate`]), not its contents' alone.
 
 use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
@@ -14,6 +15,24 @@ use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 /// thread (tens of microseconds, cheaper than a thread hand-off); longer
 /// ones go to `spawn_blocking`.
 pub const INLINE_CHARS: usize = 2048;
+
+/// What a chat template adds to each message, at least as much as the
+/// bundled ChatML template does: `<|im_start|>`, the role, a newline,
+/// `<|im_end|>` and a newline are 25 bytes besides the role.
+pub const TEMPLATE_BYTES_PER_MESSAGE: usize = 32;
+
+/// The size of `messages` as a chat template renders them, estimated
+/// without rendering: contents, roles and [`TEMPLATE_BYTES_PER_MESSAGE`]
+/// each. A million empty messages are tens of megabytes of template text
+/// to render and tokenize: they go to a blocking thread like a long
+/// prompt does.
+pub fn rendered_size_estimate(messages: &[ChatMessage]) -> usize {
+    messages.iter().fold(0usize, |size, m| {
+        size.saturating_add(m.content.len())
+            .saturating_add(m.role.len())
+            .saturating_add(TEMPLATE_BYTES_PER_MESSAGE)
+    })
+}
 
 /// Text to token ids, with the model's chat template.
 pub trait PromptTokenizer: Send + Sync + 'static {
@@ -80,6 +99,36 @@ mod tests {
             }
         }
         texts
+    }
+
+    #[test]
+    fn the_rendered_size_estimate_covers_the_bundled_template() {
+        let message = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        for messages in [
+            vec![message("user", "")],
+            vec![message("user", ""); 100],
+            vec![message("system", "be brief"), message("user", "hi")],
+            vec![message("assistant", ""), message("user", "x")],
+        ] {
+            let rendered = bundled().0.apply_chat_template(&messages, true).unwrap();
+            // The template's fixed text (the assistant opening) aside.
+            let fixed = bundled()
+                .0
+                .apply_chat_template(&[], true)
+                .unwrap_or_default()
+                .len();
+            assert!(
+                rendered.len() <= rendered_size_estimate(&messages) + fixed.max(32),
+                "{} bytes rendered, {} estimated",
+                rendered.len(),
+                rendered_size_estimate(&messages)
+            );
+        }
+        let empty = vec![message("user", ""); 100];
+        assert!(rendered_size_estimate(&empty) > INLINE_CHARS);
     }
 
     #[test]
