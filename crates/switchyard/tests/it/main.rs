@@ -18,6 +18,7 @@ mod layout;
 mod openai_client;
 mod serve_chaos;
 mod serve_errors;
+mod serve_limits;
 mod serve_migration;
 mod serve_reliability;
 mod serve_replica_sync;

@@ -1,0 +1,251 @@
+//! Every input bounded, with the bound stated: bodies of the largest
+//! accepted size built to cost the router memory (token ids; a million
+//! empty messages) are refused with a 400 naming the limit, and the
+//! router's peak memory grows by less than [`PEAK_GROWTH_BOUND`] times the
+//! body; `n` and `max_tokens` past their limits are refused naming them;
+//! the prompt token limit defaults to the worker's `max_model_len`.
+
+use crate::support::{machine, metric, openai_error, router, sim_worker_with, wait_for, PATIENCE};
+use serde_json::json;
+
+/// The router's default body limit (`--max-body-bytes`).
+const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// How much a refused body of the largest accepted size may raise the
+/// router's peak resident memory, in multiples of the body's size.
+/// Reading the body costs up to two bodies (its frames, then the one
+/// buffer they are copied into); the bounded parser stops at the first
+/// element past a limit, so parsing adds almost nothing. Measured (debug
+/// build): 2.00x for 32 MiB of token ids, 1.02x for a million empty
+/// messages (29 MB). Before the bounds, the ids alone became a 64 MiB
+/// vector and the messages some 90 MB of structs, then a rendered chat.
+const PEAK_GROWTH_BOUND: f64 = 3.0;
+
+/// `VmHWM` (peak resident) of process `pid`, in bytes.
+fn peak_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading /proc");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb * 1024
+}
+
+/// Resets the peak to the current resident size (Linux's `clear_refs` 5),
+/// so that the next [`peak_bytes`] measures one request alone.
+fn reset_peak(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("resetting VmHWM");
+}
+
+/// Posts `body` to `path` and returns the router's peak growth over it in
+/// bytes, with the status and the error body.
+async fn peak_growth_of(
+    client: &reqwest::Client,
+    base: &str,
+    pid: u32,
+    path: &str,
+    body: Vec<u8>,
+) -> (u64, u16, serde_json::Value) {
+    reset_peak(pid);
+    let before = peak_bytes(pid);
+    let response = client
+        .post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let error = openai_error(response).await;
+    (peak_bytes(pid).saturating_sub(before), status, error)
+}
+
+/// Waits until the router serves (its worker in selection, its
+/// `/v1/models` read).
+async fn ready(client: &reqwest::Client, base: &str) {
+    wait_for("the router to be ready", PATIENCE, async || {
+        client
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bound() {
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--speedup", "0", "--num-blocks", "1024"]);
+    let router = router(&[worker.named("w0")], &[]);
+    let pid = router.child.id();
+    let client = reqwest::Client::new();
+    ready(&client, &router.base).await;
+
+    // (a) Token ids, two bytes each, up to the body limit: 16 million ids.
+    let mut ids = Vec::with_capacity(MAX_BODY_BYTES);
+    ids.extend_from_slice(b"{\"prompt\":[");
+    while ids.len() + 4 < MAX_BODY_BYTES {
+        ids.extend_from_slice(b"1,");
+    }
+    ids.extend_from_slice(b"1]}");
+    let size = ids.len();
+    let (growth, status, error) =
+        peak_growth_of(&client, &router.base, pid, "/v1/completions", ids).await;
+    eprintln!(
+        "token ids: {size} bytes, peak grew {growth} bytes ({:.2}x)",
+        growth as f64 / size as f64
+    );
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "prompt");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("limit of 32768 tokens (the largest max_model_len the workers report)"),
+        "{message}"
+    );
+    assert!(
+        (growth as f64) < PEAK_GROWTH_BOUND * size as f64,
+        "the peak grew by {growth} bytes for a body of {size}"
+    );
+
+    // (b) A million empty messages (30 bytes each): refused at 4096.
+    let mut chat = Vec::with_capacity(MAX_BODY_BYTES);
+    chat.extend_from_slice(b"{\"messages\":[");
+    for i in 0..1_000_000 {
+        if i > 0 {
+            chat.push(b',');
+        }
+        chat.extend_from_slice(br#"{"role":"user","content":""}"#);
+    }
+    chat.extend_from_slice(b"]}");
+    let size = chat.len();
+    assert!(size <= MAX_BODY_BYTES);
+    let (growth, status, error) =
+        peak_growth_of(&client, &router.base, pid, "/v1/chat/completions", chat).await;
+    eprintln!(
+        "a million empty messages: {size} bytes, peak grew {growth} bytes ({:.2}x)",
+        growth as f64 / size as f64
+    );
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "messages");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("limit of 4096 (--max-messages)"),
+        "{message}"
+    );
+    assert!(
+        (growth as f64) < PEAK_GROWTH_BOUND * size as f64,
+        "the peak grew by {growth} bytes for a body of {size}"
+    );
+
+    // Both counted by limit, and the router still serves.
+    let text = client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for limit in ["prompt_tokens", "messages"] {
+        let series = format!("switchyard_input_limit_refusals_total{{limit=\"{limit}\"}}");
+        assert_eq!(metric(&text, &series), Some(1.0), "{series}");
+    }
+    let ok = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_max_tokens_and_prompt_length_are_refused_past_their_limits() {
+    let _machine = machine().await;
+    // The worker reports max_model_len 2048: the router's default prompt
+    // token limit, and its default output token limit.
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--speedup",
+            "0",
+            "--num-blocks",
+            "1024",
+            "--max-model-len",
+            "2048",
+        ],
+    );
+    let router = router(&[worker.named("w0")], &["--max-n", "4"]);
+    let client = reqwest::Client::new();
+    ready(&client, &router.base).await;
+    let post = async |path: &str, body: serde_json::Value| {
+        let response = client
+            .post(format!("{}{path}", router.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.json::<serde_json::Value>().await.unwrap())
+    };
+    let m = json!([{"role": "user", "content": "hi"}]);
+    let source = "(the largest max_model_len the workers report)";
+    for (path, body, param, says) in [
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "n": 5}),
+            "n",
+            "`n` is 5, over the limit of 4 (--max-n)".to_owned(),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": m, "n": 5}),
+            "n",
+            "over the limit of 4 (--max-n)".to_owned(),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "max_tokens": 2049}),
+            "max_tokens",
+            format!("`max_tokens` is 2049, over the limit of 2048 tokens {source}"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": m, "max_completion_tokens": 2049}),
+            "max_completion_tokens",
+            format!("over the limit of 2048 tokens {source}"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": vec![7u32; 2049]}),
+            "prompt",
+            format!("limit of 2048 tokens {source}"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hello ".repeat(2100)}),
+            "prompt",
+            format!("over the limit of 2048 tokens {source}"),
+        ),
+    ] {
+        let (status, error) = post(path, body).await;
+        assert_eq!(status, 400, "{path}: {error}");
+        assert_eq!(error["error"]["param"], param, "{error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&says), "{message}");
+    }
+    // At the limits: forwarded (the sim-worker generates one choice per
+    // request: its own 400 shows the router let n = 4 through).
+    let (status, answer) = post("/v1/completions", json!({"prompt": [7], "n": 4})).await;
+    assert_eq!(status, 400, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.contains("one choice per request"), "{message}");
+    let (status, answer) = post(
+        "/v1/completions",
+        json!({"prompt": vec![7u32; 2000], "max_tokens": 48}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+}
