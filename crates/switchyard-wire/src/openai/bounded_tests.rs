@@ -353,3 +353,74 @@ fn fields_keep_their_derived_rules() {
         Err(BodyError::Json(_))
     ));
 }
+
+/// The untagged retry `Lenient` was before it judged in one pass: the
+/// reference (it buffers the value into a generic tree).
+fn untagged<T: serde::de::DeserializeOwned>(v: &Value) -> Lenient<T> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Repr<T> {
+        Valid(T),
+        Invalid(serde::de::IgnoredAny),
+    }
+    match serde_json::from_value::<Repr<T>>(v.clone()).unwrap() {
+        Repr::Valid(v) => Lenient::Valid(v),
+        Repr::Invalid(_) => Lenient::Invalid,
+    }
+}
+
+fn any_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        (0u64..5).prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        (-1e10f64..1e10).prop_map(Value::from),
+        "[a-z_]{0,14}".prop_map(Value::from),
+        Just(json!("include_usage")),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            prop::collection::vec(
+                (
+                    prop_oneof![Just("include_usage".to_owned()), "[a-z]{1,3}"],
+                    inner
+                ),
+                0..3
+            )
+            .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #[test]
+    fn a_lenient_field_judges_as_the_untagged_retry_did(v in any_value()) {
+        let text = v.to_string();
+        prop_assert_eq!(serde_json::from_str::<Lenient<u32>>(&text).unwrap(), untagged::<u32>(&v));
+        prop_assert_eq!(serde_json::from_str::<Lenient<bool>>(&text).unwrap(), untagged::<bool>(&v));
+        // An array was read as the struct's fields in order; no client
+        // sends one, and it is now invalid.
+        let options = serde_json::from_str::<Lenient<StreamOptions>>(&text).unwrap();
+        if v.is_array() {
+            prop_assert_eq!(options, Lenient::Invalid);
+        } else {
+            prop_assert_eq!(options, untagged::<StreamOptions>(&v));
+        }
+    }
+}
+
+#[test]
+fn a_list_where_a_count_belongs_is_invalid_and_a_duplicate_option_too() {
+    // 200 000 elements (the untagged retry held them as a tree first).
+    let body = format!(r#"{{"prompt": [1], "n": [{}0]}}"#, "0,".repeat(200_000));
+    let parsed = CompletionRequest::from_json(body.as_bytes(), &BodyLimits::NONE).unwrap();
+    assert_eq!(parsed.n, Some(Lenient::Invalid));
+    let options = serde_json::from_str::<Lenient<StreamOptions>>(
+        r#"{"include_usage": true, "include_usage": true}"#,
+    )
+    .unwrap();
+    assert_eq!(options, Lenient::Invalid, "a duplicate key");
+}

@@ -5,7 +5,7 @@
 //! body; `n` and `max_tokens` past their limits are refused naming them;
 //! the prompt token limit defaults to the worker's `max_model_len`.
 
-use crate::support::{machine, metric, openai_error, router, sim_worker_with, wait_for, PATIENCE};
+use crate::support::{machine, metric, router, sim_worker_with, wait_for, PATIENCE};
 use serde_json::json;
 
 /// The router's default body limit (`--max-body-bytes`).
@@ -16,9 +16,10 @@ const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 /// Reading the body costs up to two bodies (its frames, then the one
 /// buffer they are copied into); the bounded parser stops at the first
 /// element past a limit, so parsing adds almost nothing. Measured (debug
-/// build): 2.00x for 32 MiB of token ids, 1.02x for a million empty
-/// messages (29 MB). Before the bounds, the ids alone became a 64 MiB
-/// vector and the messages some 90 MB of structs, then a rendered chat.
+/// build, 2026-12-01): 2.00x for 32 MiB of token ids, 1.03-1.08x for a
+/// million empty messages (29 MB), 1.06x for 32 MiB of numbers as `n`.
+/// The same bodies against the router before the bounds: 14x, 82x (2.4 GB:
+/// the chat rendered and tokenized) and 17x.
 const PEAK_GROWTH_BOUND: f64 = 3.0;
 
 /// `VmHWM` (peak resident) of process `pid`, in bytes.
@@ -39,14 +40,14 @@ fn reset_peak(pid: u32) {
 }
 
 /// Posts `body` to `path` and returns the router's peak growth over it in
-/// bytes, with the status and the error body.
+/// bytes, with the status and the answer's body.
 async fn peak_growth_of(
     client: &reqwest::Client,
     base: &str,
     pid: u32,
     path: &str,
     body: Vec<u8>,
-) -> (u64, u16, serde_json::Value) {
+) -> (u64, u16, String) {
     reset_peak(pid);
     let before = peak_bytes(pid);
     let response = client
@@ -57,8 +58,8 @@ async fn peak_growth_of(
         .await
         .unwrap();
     let status = response.status().as_u16();
-    let error = openai_error(response).await;
-    (peak_bytes(pid).saturating_sub(before), status, error)
+    let answer = response.text().await.unwrap();
+    (peak_bytes(pid).saturating_sub(before), status, answer)
 }
 
 /// Waits until the router serves (its worker in selection, its
@@ -91,8 +92,9 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
     }
     ids.extend_from_slice(b"1]}");
     let size = ids.len();
-    let (growth, status, error) =
+    let (growth, status, answer) =
         peak_growth_of(&client, &router.base, pid, "/v1/completions", ids).await;
+    let error: serde_json::Value = serde_json::from_str(&answer).unwrap();
     eprintln!(
         "token ids: {size} bytes, peak grew {growth} bytes ({:.2}x)",
         growth as f64 / size as f64
@@ -121,8 +123,9 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
     chat.extend_from_slice(b"]}");
     let size = chat.len();
     assert!(size <= MAX_BODY_BYTES);
-    let (growth, status, error) =
+    let (growth, status, answer) =
         peak_growth_of(&client, &router.base, pid, "/v1/chat/completions", chat).await;
+    let error: serde_json::Value = serde_json::from_str(&answer).unwrap();
     eprintln!(
         "a million empty messages: {size} bytes, peak grew {growth} bytes ({:.2}x)",
         growth as f64 / size as f64
@@ -139,7 +142,31 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
         "the peak grew by {growth} bytes for a body of {size}"
     );
 
-    // Both counted by limit, and the router still serves.
+    // (c) A list of 16 million numbers where `n` belongs: judged "not a
+    // count" in one pass and forwarded for the worker to refuse (the
+    // router once copied such a value into a generic tree first). The
+    // sim-worker refuses it (its own body limit, 413, or a 400 naming
+    // `n`): either is the worker's answer, passed through.
+    let mut n = Vec::with_capacity(MAX_BODY_BYTES);
+    n.extend_from_slice(b"{\"prompt\":[1],\"n\":[");
+    while n.len() + 4 < MAX_BODY_BYTES {
+        n.extend_from_slice(b"0,");
+    }
+    n.extend_from_slice(b"0]}");
+    let size = n.len();
+    let (growth, status, answer) =
+        peak_growth_of(&client, &router.base, pid, "/v1/completions", n).await;
+    eprintln!(
+        "a list as n: {size} bytes, peak grew {growth} bytes ({:.2}x)",
+        growth as f64 / size as f64
+    );
+    assert!(status == 413 || status == 400, "{status}: {answer}");
+    assert!(
+        (growth as f64) < PEAK_GROWTH_BOUND * size as f64,
+        "the peak grew by {growth} bytes for a body of {size}"
+    );
+
+    // Both limits counted, and the router still serves.
     let text = client
         .get(format!("{}/metrics", router.base))
         .send()
