@@ -16,8 +16,10 @@
 //! bound, so a refused body costs the body and the bounded part parsed. A
 //! batch keeps only its first prompt (the one the request is routed by);
 //! the others are checked against the token limit and dropped. Text
-//! prompts and chats are bounded after tokenizing (their length in tokens
-//! is the tokenizer's to say): the body limit bounds that work. `n` and
+//! prompts and chats (as rendered) are bounded while tokenized: the
+//! tokenizer encodes a long text a piece at a time and stops at the first
+//! piece past the limit, so a text far over it costs about the limit's
+//! work, not the text's. `n` and
 //! the output token limits are checked when they are integers; a value of
 //! another type is left for the worker to refuse, as before. Every refusal
 //! is counted in `switchyard_input_limit_refusals_total{limit}`.
@@ -60,7 +62,7 @@ impl InputLimits {
 
 /// The prompt token limit in force and where it comes from (for the
 /// refusal's message).
-fn prompt_token_limit(state: &AppState) -> (usize, &'static str) {
+pub(crate) fn prompt_token_limit(state: &AppState) -> (usize, &'static str) {
     if let Some(max) = state.limits.prompt_tokens {
         return (max, "--max-prompt-tokens");
     }
@@ -179,20 +181,12 @@ pub(crate) fn parse_chat(state: &AppState, body: &[u8]) -> Result<ChatCompletion
     Ok(parsed)
 }
 
-/// A tokenized prompt (text, or a chat as rendered) against the prompt
-/// token limit; `param` is the field that held it.
-pub(crate) fn check_prompt_tokens(
-    state: &AppState,
-    tokens: usize,
-    param: &'static str,
-) -> Result<(), ApiError> {
+/// A 400 for a text prompt or a chat (as rendered) whose tokens passed the
+/// prompt token limit; `param` is the field that held it.
+pub(crate) fn prompt_too_long(state: &AppState, param: &'static str) -> ApiError {
     let (max, source) = prompt_token_limit(state);
-    if tokens > max {
-        let message =
-            format!("the prompt is {tokens} tokens, over the limit of {max} tokens ({source})");
-        return Err(refuse(state, InputLimit::PromptTokens, message, param));
-    }
-    Ok(())
+    let message = format!("the prompt is longer than the limit of {max} tokens ({source})");
+    refuse(state, InputLimit::PromptTokens, message, param)
 }
 
 #[cfg(test)]
@@ -312,14 +306,14 @@ mod tests {
                 json!({"prompt": "abcde"}),
                 "prompt",
                 PromptTokens,
-                "the prompt is 5 tokens, over the limit of 4 tokens",
+                "the prompt is longer than the limit of 4 tokens",
             ),
             (
                 chat,
                 json!({"messages": [{"role": "user", "content": "abcde"}]}),
                 "messages",
                 PromptTokens,
-                "over the limit of 4 tokens",
+                "longer than the limit of 4 tokens",
             ),
             (
                 chat,

@@ -136,8 +136,15 @@ fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(messages)
 }
 
+/// The prompt's token ids, or a 400 when it is past the prompt token limit
+/// (the tokenizer stops counting soon after the limit).
 async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiError> {
     let started = Instant::now();
+    let max_tokens = limits::prompt_token_limit(state).0;
+    let param = match &job {
+        TokenizeJob::Text(_) => "prompt",
+        TokenizeJob::Chat(_) => "messages",
+    };
     // The size of the text the tokenizer reads: a chat's estimated as
     // rendered (its template adds to every message, empty ones included).
     let chars = match &job {
@@ -146,8 +153,8 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
     };
     let tokenizer = state.tokenizer.clone();
     let run = move || match job {
-        TokenizeJob::Text(t) => tokenizer.encode(&t),
-        TokenizeJob::Chat(m) => tokenizer.encode_chat(&m),
+        TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
+        TokenizeJob::Chat(m) => tokenizer.encode_chat_within(&m, max_tokens),
     };
     let result = if chars <= INLINE_CHARS {
         run()
@@ -161,7 +168,9 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
         .metrics()
         .tokenize
         .observe(started.elapsed().as_secs_f64());
-    result.map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))
+    result
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))?
+        .ok_or_else(|| limits::prompt_too_long(state, param))
 }
 
 enum TokenizeJob {
@@ -181,7 +190,6 @@ async fn chat_completions(
         let parsed = limits::parse_chat(&state, &body)?;
         let messages = chat_messages(parsed.messages)?;
         let tokens = tokenize(&state, TokenizeJob::Chat(messages)).await?;
-        limits::check_prompt_tokens(&state, tokens.len(), "messages")?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
@@ -205,8 +213,8 @@ async fn completions(
         let body = body_bytes(body, state.max_body_bytes)?;
         let parsed = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
-        // Token ids were bounded while parsing; text is bounded once
-        // tokenized (a batch's later texts are the worker's to judge).
+        // Token ids were bounded while parsing; text while tokenized (a
+        // batch's later texts are the worker's to judge).
         let tokens = match parsed.prompt {
             Prompt::Tokens(ids) => ids,
             Prompt::TokenBatches(batch) => batch.into_iter().next().unwrap_or_default(),
@@ -216,7 +224,6 @@ async fn completions(
                 None => Vec::new(),
             },
         };
-        limits::check_prompt_tokens(&state, tokens.len(), "prompt")?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,

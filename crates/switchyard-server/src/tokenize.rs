@@ -42,6 +42,26 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     /// Token ids of `messages` rendered with the chat template, ending with
     /// the assistant turn's opening, as engines do for a chat request.
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError>;
+
+    /// [`Self::encode`] when the text is at most `max_tokens` long, `None`
+    /// when longer; an implementation stops counting soon after the
+    /// budget is passed (this default does not).
+    fn encode_within(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        Ok(Some(self.encode(text)?).filter(|ids| ids.len() <= max_tokens))
+    }
+
+    /// [`Self::encode_chat`] within `max_tokens`, as [`Self::encode_within`].
+    fn encode_chat_within(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        Ok(Some(self.encode_chat(messages)?).filter(|ids| ids.len() <= max_tokens))
+    }
 }
 
 /// The `switchyard-tokenizer` crate (Hugging Face `tokenizer.json` plus the
@@ -57,6 +77,27 @@ impl PromptTokenizer for HfTokenizer {
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
         let text = self.0.apply_chat_template(messages, true)?;
         self.0.encode(&text)
+    }
+
+    /// Piece by piece: a text far over the budget costs about the
+    /// budget's work ([`Tokenizer::encode_within`]).
+    fn encode_within(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        self.0.encode_within(text, max_tokens)
+    }
+
+    /// The rendered chat, piece by piece (rendering costs about the
+    /// rendered text; tokenizing it whole, a hundred times that).
+    fn encode_chat_within(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        let text = self.0.apply_chat_template(messages, true)?;
+        self.0.encode_within(&text, max_tokens)
     }
 }
 
@@ -140,6 +181,33 @@ mod tests {
             let theirs = reference().encode(text.as_str(), false).unwrap();
             assert_eq!(ours, theirs.get_ids(), "ids differ on a ShareGPT turn");
         }
+    }
+
+    #[test]
+    fn sharegpt_text_encoded_in_pieces_has_the_whole_texts_ids() {
+        let texts = sharegpt_texts();
+        let mut compared = 0;
+        for text in &texts {
+            let whole = bundled().encode(text).unwrap();
+            let pieces: Vec<&str> = switchyard_tokenizer::pieces(text, 256).collect();
+            // Only pieces cut where a word ends (not a forced cut of 256
+            // bytes with no space or newline) must agree.
+            let word_ends = pieces
+                .windows(2)
+                .all(|w| w[0].ends_with('\n') || w[1].starts_with(' '));
+            if !word_ends {
+                continue;
+            }
+            let mut ids = Vec::new();
+            for piece in &pieces {
+                ids.extend(bundled().encode(piece).unwrap());
+            }
+            assert_eq!(ids, whole, "a ShareGPT turn in {} pieces", pieces.len());
+            compared += usize::from(pieces.len() > 1);
+            let within = bundled().encode_within(text, whole.len()).unwrap();
+            assert_eq!(within.as_ref(), Some(&whole));
+        }
+        assert!(compared >= 10, "only {compared} texts were cut");
     }
 
     #[test]

@@ -22,6 +22,16 @@ const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 /// the chat rendered and tokenized) and 17x.
 const PEAK_GROWTH_BOUND: f64 = 3.0;
 
+/// The same for a text prompt, which the router tokenizes to count: the
+/// text as a string (one body more) and, for a chat, the rendered template
+/// (its copy of the messages and the growing output: two to three more);
+/// the tokenizer itself, which costs some 100 bytes per byte of text at
+/// once, works a 64 KiB piece at a time and stops at the first piece past
+/// the limit. Measured (debug build, 2026-12-01): 2.1-3.3x for 32 MiB of
+/// text, 6.0x for a chat of one 29 MB message. Before: 65-102x and 64x,
+/// and 30 to 90 seconds of tokenizing.
+const TEXT_PEAK_GROWTH_BOUND: f64 = 8.0;
+
 /// `VmHWM` (peak resident) of process `pid`, in bytes.
 fn peak_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading /proc");
@@ -143,16 +153,16 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
     );
 
     // (c) A list of 16 million numbers where `n` belongs: judged "not a
-    // count" in one pass and forwarded for the worker to refuse (the
-    // router once copied such a value into a generic tree first). The
-    // sim-worker refuses it (its own body limit, 413, or a 400 naming
-    // `n`): either is the worker's answer, passed through.
+    // count" in one pass (the router once copied such a value into a
+    // generic tree first); a router forwards such a value for the worker
+    // to refuse, so a `max_tokens` past its limit after it keeps this body
+    // in the router.
     let mut n = Vec::with_capacity(MAX_BODY_BYTES);
     n.extend_from_slice(b"{\"prompt\":[1],\"n\":[");
-    while n.len() + 4 < MAX_BODY_BYTES {
+    while n.len() + 40 < MAX_BODY_BYTES {
         n.extend_from_slice(b"0,");
     }
-    n.extend_from_slice(b"0]}");
+    n.extend_from_slice(b"0],\"max_tokens\":4000000000}");
     let size = n.len();
     let (growth, status, answer) =
         peak_growth_of(&client, &router.base, pid, "/v1/completions", n).await;
@@ -160,14 +170,48 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
         "a list as n: {size} bytes, peak grew {growth} bytes ({:.2}x)",
         growth as f64 / size as f64
     );
-    assert!(status == 413 || status == 400, "{status}: {answer}");
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("\"param\":\"max_tokens\""), "{answer}");
     assert!(
         (growth as f64) < PEAK_GROWTH_BOUND * size as f64,
         "the peak grew by {growth} bytes for a body of {size}"
     );
 
-    // Both limits counted, and the router still serves.
-    let text = client
+    // (d) A text prompt of the largest size, and (e) a chat of one message
+    // as large: refused once the tokens counted pass the limit.
+    let words = "lorem ipsum dolor sit amet, consectetur adipiscing elit ";
+    let text = words.repeat((MAX_BODY_BYTES - 64) / words.len());
+    for (path, body, param) in [
+        ("/v1/completions", json!({ "prompt": text }), "prompt"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": text}]}),
+            "messages",
+        ),
+    ] {
+        let body = body.to_string().into_bytes();
+        let size = body.len();
+        let (growth, status, answer) = peak_growth_of(&client, &router.base, pid, path, body).await;
+        eprintln!(
+            "a text {param}: {size} bytes, peak grew {growth} bytes ({:.2}x)",
+            growth as f64 / size as f64
+        );
+        assert_eq!(status, 400, "{answer}");
+        let error: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(error["error"]["param"], param);
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("longer than the limit of 32768 tokens"),
+            "{message}"
+        );
+        assert!(
+            (growth as f64) < TEXT_PEAK_GROWTH_BOUND * size as f64,
+            "the peak grew by {growth} bytes for a body of {size}"
+        );
+    }
+
+    // Every limit counted, and the router still serves.
+    let metrics = client
         .get(format!("{}/metrics", router.base))
         .send()
         .await
@@ -175,9 +219,13 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
         .text()
         .await
         .unwrap();
-    for limit in ["prompt_tokens", "messages"] {
+    for (limit, count) in [
+        ("prompt_tokens", 3.0),
+        ("messages", 1.0),
+        ("output_tokens", 1.0),
+    ] {
         let series = format!("switchyard_input_limit_refusals_total{{limit=\"{limit}\"}}");
-        assert_eq!(metric(&text, &series), Some(1.0), "{series}");
+        assert_eq!(metric(&metrics, &series), Some(count), "{series}");
     }
     let ok = client
         .post(format!("{}/v1/completions", router.base))
@@ -254,7 +302,7 @@ async fn n_max_tokens_and_prompt_length_are_refused_past_their_limits() {
             "/v1/completions",
             json!({"prompt": "hello ".repeat(2100)}),
             "prompt",
-            format!("over the limit of 2048 tokens {source}"),
+            format!("the prompt is longer than the limit of 2048 tokens {source}"),
         ),
     ] {
         let (status, error) = post(path, body).await;
