@@ -207,6 +207,20 @@ pub struct ServerConfig {
     /// How long a client may take to send a request's body, from its head
     /// on, in milliseconds; a slower upload gets a 408 (counted).
     pub body_read_timeout_ms: u64,
+    /// Most tokens in one prompt (token ids as given, or text and chats
+    /// as the router tokenizes them). None: the largest `max_model_len`
+    /// the workers report on `/v1/models`, else
+    /// [`FALLBACK_MAX_PROMPT_TOKENS`].
+    pub max_prompt_tokens: Option<usize>,
+    /// Most messages in one chat request.
+    pub max_messages: usize,
+    /// Most content parts in all of one chat request's messages.
+    pub max_content_parts: usize,
+    /// Largest `n` (choices asked for).
+    pub max_n: u32,
+    /// Largest `max_tokens` / `max_completion_tokens`. None: the prompt
+    /// token limit in force (a model's context bounds its output too).
+    pub max_output_tokens: Option<u32>,
     /// Milliseconds between health checks of each worker.
     pub health_interval_ms: u64,
     /// Consecutive failed checks that take a worker out.
@@ -284,6 +298,11 @@ impl Default for ServerConfig {
             max_connections: 10_240,
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 30_000,
+            max_prompt_tokens: None,
+            max_messages: 4096,
+            max_content_parts: 16_384,
+            max_n: 16,
+            max_output_tokens: None,
             health_interval_ms: 1000,
             health_failures: 2,
             connect_timeout_ms: 1000,
@@ -308,6 +327,10 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// The prompt token limit when none is configured and no worker reports
+/// its `max_model_len`.
+pub const FALLBACK_MAX_PROMPT_TOKENS: usize = 131_072;
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -375,6 +398,20 @@ impl ServerConfig {
         }
         if self.max_body_bytes == 0 {
             return invalid("max_body_bytes must be positive".into());
+        }
+        for (name, value) in [
+            ("max_prompt_tokens", self.max_prompt_tokens.unwrap_or(1)),
+            ("max_messages", self.max_messages),
+            ("max_content_parts", self.max_content_parts),
+            ("max_n", self.max_n as usize),
+            (
+                "max_output_tokens",
+                self.max_output_tokens.map_or(1, |v| v as usize),
+            ),
+        ] {
+            if value == 0 {
+                return invalid(format!("{name} must be positive"));
+            }
         }
         if self.health_interval_ms == 0 || self.health_failures == 0 {
             return invalid("health_interval_ms and health_failures must be positive".into());
@@ -609,6 +646,32 @@ mod tests {
         assert_eq!(w.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
         assert_eq!(w.block_size, Some(16));
         assert_eq!(w.display_name(), "w1");
+    }
+
+    #[test]
+    fn input_limits_have_defaults_and_must_be_positive() {
+        let c = ServerConfig::default();
+        assert_eq!(
+            (c.max_prompt_tokens, c.max_messages, c.max_content_parts),
+            (None, 4096, 16_384)
+        );
+        assert_eq!((c.max_n, c.max_output_tokens), (16, None));
+        let c = ServerConfig::from_toml(
+            "max_prompt_tokens = 8192\nmax_messages = 10\nmax_content_parts = 20\nmax_n = 2\nmax_output_tokens = 100",
+        )
+        .unwrap();
+        assert_eq!(c.max_prompt_tokens, Some(8192));
+        assert_eq!(c.max_output_tokens, Some(100));
+        for zero in [
+            "max_prompt_tokens = 0",
+            "max_messages = 0",
+            "max_content_parts = 0",
+            "max_n = 0",
+            "max_output_tokens = 0",
+        ] {
+            let error = ServerConfig::from_toml(zero).unwrap_err().to_string();
+            assert!(error.contains("must be positive"), "{zero}: {error}");
+        }
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Time from a request's head to its body's last byte.
     pub body_read_timeout: Duration,
+    /// Limits on what a body holds ([`crate::limits`]).
+    pub limits: crate::limits::InputLimits,
     /// Migration limits.
     pub migration: MigrationPolicy,
     /// Wait for a worker's headers and first event (and each next event).
@@ -89,6 +91,7 @@ impl AppState {
             worker_auth: worker_authorization(config),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
+            limits: crate::limits::InputLimits::new(config),
             migration: MigrationPolicy {
                 limit: config.migration_limit,
                 max_seq_len: config.migration_max_seq_len,

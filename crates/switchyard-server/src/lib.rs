@@ -28,8 +28,10 @@
 //!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): the plane started over
 //!   NATS, peers' batches into the dispatcher.
-//! - [`inflight`] — also cancels what is still in flight at the shutdown
-//!   deadline.
+//! - [`limits`] — input limits: prompt tokens, messages, content parts,
+//!   `n` and output tokens, each refusal naming its limit.
+//! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
+//!   cancellation of what is still in flight at the shutdown deadline.
 //! - [`metrics`] — the router's counters and histograms
 //!   (`prometheus-client`, updated by the request path without allocating);
 //!   [`gauges`] — the routing state, snapshotted at scrape time. `/metrics`
@@ -57,6 +59,7 @@ pub mod context;
 pub mod error;
 pub mod gauges;
 pub mod inflight;
+pub mod limits;
 pub mod metrics;
 pub mod migration;
 pub mod proxy;
@@ -175,6 +178,22 @@ pub struct ServeArgs {
     /// upload gets a 408 [default: 30000].
     #[arg(long, env = "SWITCHYARD_BODY_READ_TIMEOUT_MS")]
     pub body_read_timeout_ms: Option<u64>,
+    /// Most tokens in one prompt; past it, 400 [default: the largest
+    /// max_model_len the workers report on /v1/models, else 131072].
+    #[arg(long, env = "SWITCHYARD_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
+    /// Most messages in one chat request; past it, 400 [default: 4096].
+    #[arg(long, env = "SWITCHYARD_MAX_MESSAGES")]
+    pub max_messages: Option<usize>,
+    /// Most content parts in all of a chat's messages; past it, 400 [default: 16384].
+    #[arg(long, env = "SWITCHYARD_MAX_CONTENT_PARTS")]
+    pub max_content_parts: Option<usize>,
+    /// Largest `n` a request may ask for; past it, 400 [default: 16].
+    #[arg(long, env = "SWITCHYARD_MAX_N")]
+    pub max_n: Option<u32>,
+    /// Largest max_tokens / max_completion_tokens; past it, 400 [default: the prompt token limit].
+    #[arg(long, env = "SWITCHYARD_MAX_OUTPUT_TOKENS")]
+    pub max_output_tokens: Option<u32>,
     /// Milliseconds between worker health checks [default: 1000].
     #[arg(long, env = "SWITCHYARD_HEALTH_INTERVAL_MS")]
     pub health_interval_ms: Option<u64>,
@@ -263,6 +282,9 @@ impl ServeArgs {
             cache,
             admission,
             max_body_bytes,
+            max_messages,
+            max_content_parts,
+            max_n,
             health_interval_ms,
             health_failures,
             migration_limit,
@@ -274,6 +296,12 @@ impl ServeArgs {
             header_read_timeout_ms,
             body_read_timeout_ms
         );
+        if self.max_prompt_tokens.is_some() {
+            c.max_prompt_tokens = self.max_prompt_tokens;
+        }
+        if self.max_output_tokens.is_some() {
+            c.max_output_tokens = self.max_output_tokens;
+        }
         if let Some(secs) = self.first_token_timeout {
             c.first_token_timeout_secs = secs;
         }

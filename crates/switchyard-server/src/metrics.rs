@@ -127,9 +127,57 @@ impl AuthScope {
     }
 }
 
+/// The input limit that refused a request, as the `limit` label of
+/// `switchyard_input_limit_refusals_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputLimit {
+    /// `--max-body-bytes` (413).
+    BodyBytes,
+    /// The prompt token limit (`--max-prompt-tokens` or the workers'
+    /// `max_model_len`).
+    PromptTokens,
+    /// `--max-messages`.
+    Messages,
+    /// `--max-content-parts`.
+    ContentParts,
+    /// `--max-n`.
+    N,
+    /// `--max-output-tokens` (`max_tokens`, `max_completion_tokens`).
+    OutputTokens,
+}
+
+impl InputLimit {
+    /// Every limit, in declaration order (an index is `as usize`).
+    pub const ALL: [InputLimit; 6] = [
+        InputLimit::BodyBytes,
+        InputLimit::PromptTokens,
+        InputLimit::Messages,
+        InputLimit::ContentParts,
+        InputLimit::N,
+        InputLimit::OutputTokens,
+    ];
+
+    /// Its `limit` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            InputLimit::BodyBytes => "body_bytes",
+            InputLimit::PromptTokens => "prompt_tokens",
+            InputLimit::Messages => "messages",
+            InputLimit::ContentParts => "content_parts",
+            InputLimit::N => "n",
+            InputLimit::OutputTokens => "output_tokens",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ScopeLabels {
     scope: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    limit: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -171,6 +219,9 @@ pub struct ServerMetrics {
     refused_by_reason: Family<ReasonLabels, Counter>,
     /// Handles, indexed by [`GiveUp::index`].
     refused: [Counter; GiveUp::LABELS.len()],
+    limit_refusals_by_limit: Family<LimitLabels, Counter>,
+    /// Handles, indexed by `InputLimit as usize`.
+    limit_refusals: [Counter; InputLimit::ALL.len()],
     /// Arrival to first body byte from the worker.
     pub ttft: Histogram,
     /// Between consecutive streamed chunks.
@@ -258,6 +309,14 @@ impl ServerMetrics {
                 .get_or_create(&ReasonLabels { reason })
                 .clone()
         });
+        let limit_refusals_by_limit = Family::<LimitLabels, Counter>::default();
+        let limit_refusals = InputLimit::ALL.map(|limit| {
+            limit_refusals_by_limit
+                .get_or_create(&LimitLabels {
+                    limit: limit.label(),
+                })
+                .clone()
+        });
         let latency = || Histogram::new(LATENCY_BUCKETS);
         Self {
             auth_failures_by_scope,
@@ -270,6 +329,8 @@ impl ServerMetrics {
             migrations,
             refused_by_reason,
             refused,
+            limit_refusals_by_limit,
+            limit_refusals,
             ttft: latency(),
             itl: latency(),
             routing_decision: latency(),
@@ -329,6 +390,16 @@ impl ServerMetrics {
     /// Refusals counted under `why`'s label.
     pub fn refused(&self, why: &GiveUp) -> u64 {
         self.refused[why.index()].get()
+    }
+
+    /// Counts a request refused (400 or 413) at an input limit.
+    pub fn count_limit_refusal(&self, limit: InputLimit) {
+        self.limit_refusals[limit as usize].inc();
+    }
+
+    /// Refusals counted at `limit`.
+    pub fn limit_refusals(&self, limit: InputLimit) -> u64 {
+        self.limit_refusals[limit as usize].get()
     }
 
     /// Counts `n` admission outcomes.
@@ -453,6 +524,11 @@ impl ServerMetrics {
             "Connections closed because a request head did not arrive within --header-read-timeout-ms (idle keep-alive connections included)",
             self.header_read_timeouts.clone(),
         );
+        registry.register(
+            "switchyard_input_limit_refusals",
+            "Requests refused at an input limit (body bytes, prompt tokens, messages, content parts, n, output tokens)",
+            self.limit_refusals_by_limit.clone(),
+        );
     }
 }
 
@@ -520,7 +596,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 22, "{out}");
+        assert_eq!(families.len(), 23, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -542,6 +618,13 @@ mod tests {
             text(&m).contains("switchyard_admission_decisions_total{decision=\"cancelled\"} 3\n")
         );
         assert_eq!(m.admissions(AdmissionDecision::Cancelled), 3);
+        for (i, limit) in InputLimit::ALL.into_iter().enumerate() {
+            assert_eq!(limit as usize, i);
+        }
+        m.count_limit_refusal(InputLimit::Messages);
+        assert!(text(&m).contains("switchyard_input_limit_refusals_total{limit=\"messages\"} 1\n"));
+        assert!(text(&m).contains("switchyard_input_limit_refusals_total{limit=\"n\"} 0\n"));
+        assert_eq!(m.limit_refusals(InputLimit::Messages), 1);
     }
 
     /// The request path's metric updates, run with a counting allocator
@@ -565,6 +648,9 @@ mod tests {
                     m.count_migration(reason);
                 }
                 m.count_refused(&GiveUp::RequestFault);
+                for limit in InputLimit::ALL {
+                    m.count_limit_refusal(limit);
+                }
                 m.ttft.observe(seconds);
                 m.itl.observe(seconds);
                 m.routing_decision.observe(seconds);

@@ -14,18 +14,20 @@
 //! The whole request is bounded by the request timeout (504).
 
 use super::attempt::{AttemptError, Attempts};
+use super::auth::ClientKey;
 use super::booking::Booking;
 use super::config::WorkerSpec;
 use super::context::{AppState, Shared, MAX_EVENT_BYTES};
 use super::error::ApiError;
+use super::limits;
 use super::metrics::RequestStatus;
 use super::migration::{Failure, Phase, Progress};
 use super::stream::{MigratingStream, StreamStart};
-use super::tokenize::INLINE_CHARS;
+use super::tokenize::{rendered_size_estimate, INLINE_CHARS};
 use super::upload::UploadLimits;
 use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -40,9 +42,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
-use switchyard_wire::openai::{
-    Api, ChatCompletionRequest, CompletionRequest, Message, MessageContent, Prompt,
-};
+use switchyard_wire::openai::{Api, Message, MessageContent, Prompt};
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// The axum router for `state`: [`routes`] behind the credential check
@@ -138,16 +138,25 @@ fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(messages)
 }
 
+/// The prompt's token ids, or a 400 when it is past the prompt token limit
+/// (the tokenizer stops counting soon after the limit).
 async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiError> {
     let started = Instant::now();
+    let max_tokens = limits::prompt_token_limit(state).0;
+    let param = match &job {
+        TokenizeJob::Text(_) => "prompt",
+        TokenizeJob::Chat(_) => "messages",
+    };
+    // The size of the text the tokenizer reads: a chat's estimated as
+    // rendered (its template adds to every message, empty ones included).
     let chars = match &job {
         TokenizeJob::Text(t) => t.len(),
-        TokenizeJob::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+        TokenizeJob::Chat(m) => rendered_size_estimate(m),
     };
     let tokenizer = state.tokenizer.clone();
     let run = move || match job {
-        TokenizeJob::Text(t) => tokenizer.encode(&t),
-        TokenizeJob::Chat(m) => tokenizer.encode_chat(&m),
+        TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
+        TokenizeJob::Chat(m) => tokenizer.encode_chat_within(&m, max_tokens),
     };
     let result = if chars <= INLINE_CHARS {
         run()
@@ -161,7 +170,9 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
         .metrics()
         .tokenize
         .observe(started.elapsed().as_secs_f64());
-    result.map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))
+    result
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))?
+        .ok_or_else(|| limits::prompt_too_long(state, param))
 }
 
 enum TokenizeJob {
@@ -169,17 +180,37 @@ enum TokenizeJob {
     Chat(Vec<ChatMessage>),
 }
 
+/// Charges a request's prompt and requested completion tokens to its key's
+/// token limit ([`crate::ratelimit`]).
+fn charge_tokens(
+    state: &AppState,
+    key: Option<Extension<ClientKey>>,
+    prompt: usize,
+    output: u64,
+) -> Result<(), ApiError> {
+    let key = key.map_or(0, |Extension(ClientKey(k))| k);
+    state
+        .credentials
+        .rate_limits()
+        .check_tokens(key, prompt as u64 + output)
+        .map_err(ApiError::from)
+}
+
 async fn chat_completions(
     State(state): State<Shared>,
+    key: Option<Extension<ClientKey>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: ChatCompletionRequest = parse(&body)?;
+        let parsed = limits::parse_chat(&state, &body)?;
+        let output =
+            limits::requested_output_tokens([&parsed.max_tokens, &parsed.max_completion_tokens]);
         let messages = chat_messages(parsed.messages)?;
         let tokens = tokenize(&state, TokenizeJob::Chat(messages)).await?;
+        charge_tokens(&state, key, tokens.len(), output)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
@@ -194,14 +225,17 @@ async fn chat_completions(
 
 async fn completions(
     State(state): State<Shared>,
+    key: Option<Extension<ClientKey>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrival = Instant::now();
     let result = async {
         let body = body_bytes(body, state.max_body_bytes)?;
-        let parsed: CompletionRequest = parse(&body)?;
+        let parsed = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
+        // Token ids were bounded while parsing; text while tokenized (a
+        // batch's later texts are the worker's to judge).
         let tokens = match parsed.prompt {
             Prompt::Tokens(ids) => ids,
             Prompt::TokenBatches(batch) => batch.into_iter().next().unwrap_or_default(),
@@ -211,6 +245,8 @@ async fn completions(
                 None => Vec::new(),
             },
         };
+        let output = limits::requested_output_tokens([&parsed.max_tokens, &None]);
+        charge_tokens(&state, key, tokens.len(), output)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,

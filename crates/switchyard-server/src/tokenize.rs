@@ -6,7 +6,8 @@
 //! `Arc<dyn PromptTokenizer>`, the bundled Hugging Face implementation is
 //! [`HfTokenizer`], and tests check any implementation against the
 //! `tokenizers` crate. Callers run it on a blocking thread when the prompt
-//! is long (see [`INLINE_CHARS`]).
+//! is long (see [`INLINE_CHARS`]); a chat's length is its estimated
+//! rendered size ([`rendered_size_estimate`]), not its contents' alone.
 
 use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
@@ -14,6 +15,24 @@ use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 /// thread (tens of microseconds, cheaper than a thread hand-off); longer
 /// ones go to `spawn_blocking`.
 pub const INLINE_CHARS: usize = 2048;
+
+/// What a chat template adds to each message, at least as much as the
+/// bundled ChatML template does: `<|im_start|>`, the role, a newline,
+/// `<|im_end|>` and a newline are 25 bytes besides the role.
+pub const TEMPLATE_BYTES_PER_MESSAGE: usize = 32;
+
+/// The size of `messages` as a chat template renders them, estimated
+/// without rendering: contents, roles and [`TEMPLATE_BYTES_PER_MESSAGE`]
+/// each. A million empty messages are tens of megabytes of template text
+/// to render and tokenize: they go to a blocking thread like a long
+/// prompt does.
+pub fn rendered_size_estimate(messages: &[ChatMessage]) -> usize {
+    messages.iter().fold(0usize, |size, m| {
+        size.saturating_add(m.content.len())
+            .saturating_add(m.role.len())
+            .saturating_add(TEMPLATE_BYTES_PER_MESSAGE)
+    })
+}
 
 /// Text to token ids, with the model's chat template.
 pub trait PromptTokenizer: Send + Sync + 'static {
@@ -23,6 +42,26 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     /// Token ids of `messages` rendered with the chat template, ending with
     /// the assistant turn's opening, as engines do for a chat request.
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError>;
+
+    /// [`Self::encode`] when the text is at most `max_tokens` long, `None`
+    /// when longer; an implementation stops counting soon after the
+    /// budget is passed (this default does not).
+    fn encode_within(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        Ok(Some(self.encode(text)?).filter(|ids| ids.len() <= max_tokens))
+    }
+
+    /// [`Self::encode_chat`] within `max_tokens`, as [`Self::encode_within`].
+    fn encode_chat_within(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        Ok(Some(self.encode_chat(messages)?).filter(|ids| ids.len() <= max_tokens))
+    }
 }
 
 /// The `switchyard-tokenizer` crate (Hugging Face `tokenizer.json` plus the
@@ -38,6 +77,27 @@ impl PromptTokenizer for HfTokenizer {
     fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
         let text = self.0.apply_chat_template(messages, true)?;
         self.0.encode(&text)
+    }
+
+    /// Piece by piece: a text far over the budget costs about the
+    /// budget's work ([`Tokenizer::encode_within`]).
+    fn encode_within(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        self.0.encode_within(text, max_tokens)
+    }
+
+    /// The rendered chat, piece by piece (rendering costs about the
+    /// rendered text; tokenizing it whole, a hundred times that).
+    fn encode_chat_within(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        let text = self.0.apply_chat_template(messages, true)?;
+        self.0.encode_within(&text, max_tokens)
     }
 }
 
@@ -83,6 +143,36 @@ mod tests {
     }
 
     #[test]
+    fn the_rendered_size_estimate_covers_the_bundled_template() {
+        let message = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        for messages in [
+            vec![message("user", "")],
+            vec![message("user", ""); 100],
+            vec![message("system", "be brief"), message("user", "hi")],
+            vec![message("assistant", ""), message("user", "x")],
+        ] {
+            let rendered = bundled().0.apply_chat_template(&messages, true).unwrap();
+            // The template's fixed text (the assistant opening) aside.
+            let fixed = bundled()
+                .0
+                .apply_chat_template(&[], true)
+                .unwrap_or_default()
+                .len();
+            assert!(
+                rendered.len() <= rendered_size_estimate(&messages) + fixed.max(32),
+                "{} bytes rendered, {} estimated",
+                rendered.len(),
+                rendered_size_estimate(&messages)
+            );
+        }
+        let empty = vec![message("user", ""); 100];
+        assert!(rendered_size_estimate(&empty) > INLINE_CHARS);
+    }
+
+    #[test]
     fn router_token_ids_equal_the_tokenizers_crate_on_sharegpt_text() {
         let texts = sharegpt_texts();
         assert!(texts.len() >= 20, "fixture has {} texts", texts.len());
@@ -91,6 +181,33 @@ mod tests {
             let theirs = reference().encode(text.as_str(), false).unwrap();
             assert_eq!(ours, theirs.get_ids(), "ids differ on a ShareGPT turn");
         }
+    }
+
+    #[test]
+    fn sharegpt_text_encoded_in_pieces_has_the_whole_texts_ids() {
+        let texts = sharegpt_texts();
+        let mut compared = 0;
+        for text in &texts {
+            let whole = bundled().encode(text).unwrap();
+            let pieces: Vec<&str> = switchyard_tokenizer::pieces(text, 256).collect();
+            // Only pieces cut where a word ends (not a forced cut of 256
+            // bytes with no space or newline) must agree.
+            let word_ends = pieces
+                .windows(2)
+                .all(|w| w[0].ends_with('\n') || w[1].starts_with(' '));
+            if !word_ends {
+                continue;
+            }
+            let mut ids = Vec::new();
+            for piece in &pieces {
+                ids.extend(bundled().encode(piece).unwrap());
+            }
+            assert_eq!(ids, whole, "a ShareGPT turn in {} pieces", pieces.len());
+            compared += usize::from(pieces.len() > 1);
+            let within = bundled().encode_within(text, whole.len()).unwrap();
+            assert_eq!(within.as_ref(), Some(&whole));
+        }
+        assert!(compared >= 10, "only {compared} texts were cut");
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! matched routes read bodies: an unknown path gets its 404 unread.
 
 use super::error::ApiError;
-use super::metrics::{RequestStatus, ServerMetrics};
+use super::metrics::{InputLimit, RequestStatus, ServerMetrics};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, Method};
@@ -65,6 +65,7 @@ async fn read_body(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limits.max_bytes as u64) {
+        limits.metrics.count_limit_refusal(InputLimit::BodyBytes);
         return refuse(ApiError::too_large(limits.max_bytes));
     }
     let (parts, body) = request.into_parts();
@@ -72,6 +73,7 @@ async fn read_body(
     let bytes = match tokio::time::timeout(limits.deadline, limited.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            limits.metrics.count_limit_refusal(InputLimit::BodyBytes);
             return refuse(ApiError::too_large(limits.max_bytes));
         }
         // The client broke off or sent a malformed body.

@@ -14,7 +14,9 @@
 //! breakers instead (the core's dispatcher keeps one per worker). A draining worker takes no new
 //! requests and is removed once this replica has none in flight on it
 //! (peers' bookings, with replica sync on, do not hold it back: they end on
-//! the peers).
+//! the peers). Each worker's `max_model_len` (vLLM's and the sim-worker's
+//! model cards carry one) is kept too: the largest is the default prompt
+//! token limit ([`Fleet::max_model_len`]).
 
 use super::config::WorkerSpec;
 use super::shared::SharedRouter;
@@ -24,6 +26,7 @@ use hyper::header::HeaderValue;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use switchyard_core::index::IndexEvent;
@@ -64,6 +67,10 @@ pub struct Fleet {
     health_timeout: Duration,
     /// `Authorization` for health checks and probes (`--worker-api-key`).
     worker_auth: Option<HeaderValue>,
+    /// Each worker's `max_model_len`, for those that report one.
+    model_lens: Mutex<HashMap<WorkerId, u64>>,
+    /// The largest of `model_lens` (0: none), read per request.
+    max_model_len: AtomicU64,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -94,6 +101,8 @@ impl Fleet {
             health_failures,
             health_timeout,
             worker_auth: None,
+            model_lens: Mutex::new(HashMap::new()),
+            max_model_len: AtomicU64::new(0),
         }
     }
 
@@ -102,6 +111,25 @@ impl Fleet {
     pub fn with_worker_auth(mut self, auth: Option<HeaderValue>) -> Self {
         self.worker_auth = auth;
         self
+    }
+
+    /// The largest `max_model_len` the registered workers reported on
+    /// `/v1/models` (None when none reports one): the prompt token limit
+    /// when none is configured. The largest, not the smallest: a prompt
+    /// longer than every worker's context fits nowhere, while one that fits
+    /// some worker of a mixed fleet is that worker's to judge.
+    pub fn max_model_len(&self) -> Option<u64> {
+        Some(self.max_model_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
+    fn set_model_len(&self, id: WorkerId, len: Option<u64>) {
+        let mut lens = lock(&self.model_lens);
+        match len {
+            Some(len) => lens.insert(id, len),
+            None => lens.remove(&id),
+        };
+        let largest = lens.values().copied().max().unwrap_or(0);
+        self.max_model_len.store(largest, Ordering::Relaxed);
     }
 
     /// Registers a worker; it enters selection (and its KV-event
@@ -180,6 +208,7 @@ impl Fleet {
     fn drop_worker(&self, id: WorkerId) {
         self.leave(id);
         lock(&self.event_configs).remove(&id);
+        self.set_model_len(id, None);
         let removed = self.shared.remove_worker(id);
         if let Some(info) = removed {
             tracing::info!(worker = %info.name, "worker removed");
@@ -205,8 +234,9 @@ impl Fleet {
                 .health_result(info.id, ok, self.health_failures)
                 .unwrap_or(false);
             if ok && !info.in_router {
-                if let Some(models) = self.models_of(&info.url).await {
+                if let Some((models, max_model_len)) = self.models_of(&info.url).await {
                     self.shared.set_models(info.id, models);
+                    self.set_model_len(info.id, max_model_len);
                 }
                 if let Some(capacity) = self.capacity_of(&info.url).await {
                     self.shared.set_capacity(info.id, capacity);
@@ -239,17 +269,23 @@ impl Fleet {
         }
     }
 
-    async fn models_of(&self, url: &str) -> Option<Vec<String>> {
+    /// The model names on a worker's `/v1/models` and the smallest
+    /// `max_model_len` of its model cards (None when none has one).
+    async fn models_of(&self, url: &str) -> Option<(Vec<String>, Option<u64>)> {
         let body = self.get(url, "/v1/models").await?;
         let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
-        Some(
-            value["data"]
-                .as_array()?
-                .iter()
-                .filter_map(|m| m["id"].as_str().map(str::to_owned))
-                .take(256)
-                .collect(),
-        )
+        let cards = value["data"].as_array()?;
+        let models = cards
+            .iter()
+            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+            .take(256)
+            .collect();
+        let max_model_len = cards
+            .iter()
+            .filter_map(|m| m["max_model_len"].as_u64())
+            .filter(|&n| n > 0)
+            .min();
+        Some((models, max_model_len))
     }
 
     /// Capacity from `/get_server_info` (SGLang's and the sim-worker's

@@ -155,6 +155,24 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// [`Self::encode`] within a budget: the ids of `text` when it is at
+    /// most `max_tokens` long, `None` when longer. A long text is encoded
+    /// piece by piece ([`pieces`], [`PIECE_BYTES`] at a time) and the
+    /// count stops at the first piece past the budget, so the memory and
+    /// time spent on a text far over it are those of the budget, not of
+    /// the text (encoding costs some 100 bytes per byte of text at once).
+    /// The pieces end where the pre-tokenizer ends a word, so their ids
+    /// are the whole text's; only a run of [`PIECE_BYTES`] with no space
+    /// or newline is cut elsewhere (there, ids may differ from an
+    /// engine's: the router's prefix hashes, not the count, are affected).
+    pub fn encode_within(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        encode_pieces(text, PIECE_BYTES, max_tokens, |piece| self.encode(piece))
+    }
+
     /// Text of `ids` (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner
@@ -189,6 +207,85 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// The size of the pieces [`Tokenizer::encode_within`] encodes at a time.
+pub const PIECE_BYTES: usize = 64 * 1024;
+
+/// `encode` over the [`pieces`] of `text`, stopping at the first piece
+/// that takes the count past `max_tokens` (`None`).
+fn encode_pieces(
+    text: &str,
+    piece_bytes: usize,
+    max_tokens: usize,
+    mut encode: impl FnMut(&str) -> Result<Vec<u32>, TokenizerError>,
+) -> Result<Option<Vec<u32>>, TokenizerError> {
+    let mut ids = Vec::new();
+    for piece in pieces(text, piece_bytes) {
+        ids.extend(encode(piece)?);
+        if ids.len() > max_tokens {
+            return Ok(None);
+        }
+    }
+    Ok(Some(ids))
+}
+
+/// `text` cut into pieces of at most `max_bytes` (at least one character)
+/// where a byte-level BPE pre-tokenizer of the GPT-2/Qwen family ends a
+/// word, so that encoding the pieces one by one gives the whole text's ids:
+/// after a newline followed by a non-space, or before a single space
+/// between two non-spaces. A stretch of `max_bytes` with neither is cut at
+/// a character boundary. No special token holds a space or a newline, so
+/// none is cut.
+pub fn pieces(text: &str, max_bytes: usize) -> impl Iterator<Item = &str> {
+    let max_bytes = max_bytes.max(8);
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        if rest.len() <= max_bytes {
+            return Some(std::mem::take(&mut rest));
+        }
+        let mut limit = max_bytes;
+        while !rest.is_char_boundary(limit) {
+            limit -= 1;
+        }
+        let cut = word_end_before(rest, limit).unwrap_or(if limit > 0 {
+            limit
+        } else {
+            rest.chars().next().map_or(rest.len(), char::len_utf8)
+        });
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
+/// The last place at or before `limit` (a char boundary, not 0) where a
+/// word ends in `text`; see [`pieces`].
+fn word_end_before(text: &str, limit: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let starts_non_space = |at: usize| {
+        text[at..]
+            .chars()
+            .next()
+            .is_some_and(|c| !c.is_whitespace())
+    };
+    let ends_non_space = |at: usize| {
+        text[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|c| !c.is_whitespace())
+    };
+    (1..=limit).rev().find(|&at| {
+        if !text.is_char_boundary(at) || at >= text.len() {
+            return false;
+        }
+        let after_newline = bytes[at - 1] == b'\n' && starts_non_space(at);
+        let single_space = bytes[at] == b' ' && ends_non_space(at) && starts_non_space(at + 1);
+        after_newline || single_space
+    })
 }
 
 #[cfg(test)]
@@ -265,6 +362,62 @@ mod tests {
             text.contains("<|im_start|>assistant\nA<|im_end|>"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn pieces_cut_where_words_end_and_encode_as_the_whole_text() {
+        let t = tokenizer();
+        let texts = [
+            "Hello, world! Switchyard routes requests.\nA second line,  with  two spaces.\n\n\tTabbed: 12 345 6789.",
+            "def f(x):\n    return x  # comment\n\nclass A:\n    pass\n",
+            "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+            "naïve café 東京 タワー 🙂 emoji\u{301} e\u{301} ...!!! ''s 'll",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa bbbbbbbbbb",
+            "                                     spaces       and\r\nCRLF\r\n lines",
+        ];
+        for text in texts {
+            let whole = t.encode(text).unwrap();
+            for max in [8, 13, 21, 40] {
+                let pieces: Vec<&str> = pieces(text, max).collect();
+                assert_eq!(pieces.concat(), text);
+                let mut ids = Vec::new();
+                for piece in &pieces {
+                    ids.extend(t.encode(piece).unwrap());
+                }
+                // A stretch of `max` bytes with no word end is cut
+                // anywhere: only texts without one may differ.
+                let clean = pieces.iter().all(|p| p.len() < max)
+                    || pieces
+                        .windows(2)
+                        .all(|w| w[0].ends_with('\n') || w[1].starts_with(' '));
+                if clean {
+                    assert_eq!(ids, whole, "{text:?} in pieces of {max}: {pieces:?}");
+                }
+            }
+            assert_eq!(
+                t.encode_within(text, whole.len()).unwrap(),
+                Some(whole.clone())
+            );
+            assert_eq!(t.encode_within(text, whole.len() - 1).unwrap(), None);
+        }
+    }
+
+    #[test]
+    fn a_text_far_over_the_budget_is_refused_after_the_piece_that_passes_it() {
+        let t = tokenizer();
+        // 8 MiB of words: about two million tokens, 128 pieces.
+        let text = "lorem ipsum dolor sit amet ".repeat(8 * 1024 * 1024 / 27);
+        let mut encoded = Vec::new();
+        let within = encode_pieces(&text, PIECE_BYTES, 10_000, |piece| {
+            encoded.push(piece.len());
+            t.encode(piece)
+        })
+        .unwrap();
+        assert_eq!(within, None);
+        // A 64 KiB piece of these words is some 12 000 tokens: one or
+        // two pieces of the 128 are encoded.
+        assert!(encoded.len() <= 2, "{encoded:?}");
+        assert!(encoded.iter().all(|&n| n <= PIECE_BYTES));
     }
 
     #[test]

@@ -5,6 +5,12 @@
 //! decision records it again) and the whole index is capped: past the cap the
 //! entries closest to expiry are pruned until the index is back to
 //! `prune_ratio` of it, deeper blocks before their prefixes.
+//!
+//! One prompt takes at most a share of the cap, a sixteenth by default
+//! ([`ApproxConfig::max_record_blocks`]): only its first blocks are
+//! recorded. However long a prompt is, recording it displaces no more of
+//! everyone else's entries than a prompt of that many blocks would, so a
+//! huge prompt can never prune the index of the others' entries.
 
 use super::tree::{OverlapScores, PrefixIndex, StoredBlock};
 use crate::hashing::sequence_hashes;
@@ -23,6 +29,9 @@ pub struct ApproxConfig {
     pub max_blocks: usize,
     /// After exceeding `max_blocks`, prune down to this fraction of it.
     pub prune_ratio: f64,
+    /// The fraction of `max_blocks` one record may take; see
+    /// [`ApproxConfig::max_record_blocks`].
+    pub record_share: f64,
 }
 
 impl Default for ApproxConfig {
@@ -31,6 +40,7 @@ impl Default for ApproxConfig {
             ttl_ms: 120_000.0,
             max_blocks: 1 << 20,
             prune_ratio: 0.8,
+            record_share: 1.0 / 16.0,
         }
     }
 }
@@ -47,9 +57,20 @@ pub enum ApproxConfigError {
     /// Ratio outside (0, 1].
     #[error("approximate index prune_ratio must be in (0, 1], got {0}")]
     PruneRatio(f64),
+    /// Share outside (0, 1].
+    #[error("approximate index record_share must be in (0, 1], got {0}")]
+    RecordShare(f64),
 }
 
 impl ApproxConfig {
+    /// Most blocks one [`ApproxIndex::record`] stores: `record_share` of
+    /// `max_blocks` (at least 1); of a longer prompt, its first blocks
+    /// only (the prefix is what later prompts match). At the defaults,
+    /// 65 536 blocks: a million tokens at 16 per block.
+    pub fn max_record_blocks(&self) -> usize {
+        ((self.max_blocks as f64 * self.record_share) as usize).max(1)
+    }
+
     /// Checks ranges.
     pub fn validate(&self) -> Result<(), ApproxConfigError> {
         if !(self.ttl_ms.is_finite() && self.ttl_ms > 0.0) {
@@ -60,6 +81,9 @@ impl ApproxConfig {
         }
         if !(self.prune_ratio > 0.0 && self.prune_ratio <= 1.0) {
             return Err(ApproxConfigError::PruneRatio(self.prune_ratio));
+        }
+        if !(self.record_share > 0.0 && self.record_share <= 1.0) {
+            return Err(ApproxConfigError::RecordShare(self.record_share));
         }
         Ok(())
     }
@@ -102,10 +126,12 @@ impl ApproxIndex {
     }
 
     /// Records that `worker` was chosen for a prompt with these local hashes
-    /// at `now_ms`: every block is (re)stored and its TTL restarts. Expired
-    /// entries are dropped first, and the cap is enforced after.
+    /// at `now_ms`: every block up to [`ApproxConfig::max_record_blocks`]
+    /// is (re)stored and its TTL restarts; later blocks are not recorded.
+    /// Expired entries are dropped first, and the cap is enforced after.
     pub fn record(&mut self, worker: WorkerId, local: &[LocalHash], now_ms: f64) {
         self.expire(now_ms);
+        let local = &local[..local.len().min(self.config.max_record_blocks())];
         if local.is_empty() {
             return;
         }
@@ -228,6 +254,17 @@ mod tests {
             ttl_ms,
             max_blocks,
             prune_ratio: 0.8,
+            record_share: 1.0,
+        })
+        .unwrap()
+    }
+
+    /// [`index`] with the default record share.
+    fn shared_index(max_blocks: usize) -> ApproxIndex {
+        ApproxIndex::new(ApproxConfig {
+            ttl_ms: 1e9,
+            max_blocks,
+            ..ApproxConfig::default()
         })
         .unwrap()
     }
@@ -277,6 +314,53 @@ mod tests {
     }
 
     #[test]
+    fn one_huge_prompt_never_prunes_everyone_elses_entries() {
+        let cap = 4096;
+        let mut idx = shared_index(cap);
+        // 200 small prompts of 8 blocks each on two workers: 1600 entries,
+        // well under the cap.
+        let small = |i: u64| -> Vec<u64> { (0..8).map(|b| 1_000_000 * (i + 1) + b).collect() };
+        for i in 0..200 {
+            idx.record(WorkerId::new(1 + i % 2), &locals(&small(i)), i as f64);
+        }
+        // One prompt of ten times the cap.
+        let huge: Vec<u64> = (0..10 * cap as u64).map(|b| 7_000_000_000 + b).collect();
+        let w = WorkerId::new(3);
+        idx.record(w, &locals(&huge), 1000.0);
+        for i in 0..200 {
+            assert_eq!(
+                depth(&idx, WorkerId::new(1 + i % 2), &small(i)),
+                8,
+                "small prompt {i} kept"
+            );
+        }
+        assert_eq!(idx.pruned_total(), 0);
+        // Its prefix is recorded, up to a sixteenth of the cap.
+        let share = idx.config.max_record_blocks();
+        assert_eq!(share, cap / 16);
+        assert_eq!(depth(&idx, w, &huge), share as u32);
+        assert_eq!(idx.index().live_pairs(), 1600 + share);
+        // With the index full, a huge prompt displaces no more than a
+        // prompt of `share` blocks: the prune to 80 % of the cap, oldest
+        // first, and the newest small prompts survive it.
+        let mut full = shared_index(cap);
+        for i in 0..(cap as u64 / 8) {
+            full.record(WorkerId::new(1), &locals(&small(i)), i as f64);
+        }
+        full.record(w, &locals(&huge), 1e6);
+        assert!(full.index().live_pairs() <= cap);
+        let newest = cap as u64 / 8 - 1;
+        assert_eq!(depth(&full, WorkerId::new(1), &small(newest)), 8);
+        let kept = (0..cap as u64 / 8)
+            .filter(|&i| depth(&full, WorkerId::new(1), &small(i)) == 8)
+            .count();
+        assert!(
+            kept * 8 >= cap * 8 / 10 - share - 8,
+            "{kept} small prompts kept"
+        );
+    }
+
+    #[test]
     fn the_queue_stays_bounded_under_refreshes() {
         let w = WorkerId::new(1);
         let mut idx = index(1e9, 1000);
@@ -308,6 +392,14 @@ mod tests {
             },
             ApproxConfig {
                 prune_ratio: 0.0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                record_share: 0.0,
+                ..Default::default()
+            },
+            ApproxConfig {
+                record_share: f64::NAN,
                 ..Default::default()
             },
         ];

@@ -1,8 +1,9 @@
 //! Lenient reading: fields whose wrong-typed value is kept as "invalid" or
-//! read as "absent" instead of failing the whole body, without building a
-//! JSON tree for the values that are fine.
+//! read as "absent" instead of failing the whole body, in one pass: no
+//! value is copied into a JSON tree, not even a wrong-typed one (a list of
+//! millions of numbers sent as `n` costs nothing to judge).
 
-use super::ErrorBody;
+use super::{ErrorBody, StreamOptions};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::fmt;
@@ -43,20 +44,164 @@ impl<T> Lenient<T> {
     }
 }
 
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Lenient<T> {
+/// A type a [`Lenient`] field can hold: it judges a value as valid or not
+/// in one pass, without buffering it (an untagged retry would copy the
+/// value into a generic tree first: some 32 bytes per element of a list
+/// sent where a number belongs).
+pub trait Judged: Sized {
+    /// Reads a value: `Valid` when of this type, `Invalid` (the value read
+    /// and dropped) otherwise.
+    fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<Self>, D::Error>;
+}
+
+impl<'de, T: Judged> Deserialize<'de> for Lenient<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        // The value is buffered only to retry it as "anything": these
-        // fields are scalars or small objects, never prompt text.
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Repr<T> {
-            Valid(T),
-            Invalid(IgnoredAny),
+        T::judge(deserializer)
+    }
+}
+
+/// `Invalid` for every value but those a visitor's own methods take.
+macro_rules! otherwise_invalid {
+    () => {
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            drain_seq(seq).map(|()| Lenient::Invalid)
         }
-        Ok(match Repr::<T>::deserialize(deserializer)? {
-            Repr::Valid(v) => Lenient::Valid(v),
-            Repr::Invalid(_) => Lenient::Invalid,
-        })
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            drain_map(map).map(|()| Lenient::Invalid)
+        }
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(Lenient::Invalid)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(Lenient::Invalid)
+        }
+        fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
+            Ok(Lenient::Invalid)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Lenient::Invalid)
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Lenient::Invalid)
+        }
+    };
+}
+
+impl Judged for u32 {
+    fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<u32>, D::Error> {
+        struct U32Visitor;
+        impl<'de> Visitor<'de> for U32Visitor {
+            type Value = Lenient<u32>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Lenient<u32>, E> {
+                Ok(u32::try_from(v).map_or(Lenient::Invalid, Lenient::Valid))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Lenient<u32>, E> {
+                Ok(u32::try_from(v).map_or(Lenient::Invalid, Lenient::Valid))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Lenient<u32>, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Lenient<u32>, D::Error> {
+                u32::judge(d)
+            }
+            otherwise_invalid!();
+        }
+        d.deserialize_any(U32Visitor)
+    }
+}
+
+impl Judged for bool {
+    fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<bool>, D::Error> {
+        struct BoolVisitor;
+        impl<'de> Visitor<'de> for BoolVisitor {
+            type Value = Lenient<bool>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Lenient<bool>, E> {
+                Ok(Lenient::Valid(v))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Lenient<bool>, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Lenient<bool>, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Lenient<bool>, D::Error> {
+                bool::judge(d)
+            }
+            otherwise_invalid!();
+        }
+        d.deserialize_any(BoolVisitor)
+    }
+}
+
+impl Judged for StreamOptions {
+    /// An object whose `include_usage` (default false) is a boolean, once;
+    /// other keys ignored.
+    fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<StreamOptions>, D::Error> {
+        struct OptionsVisitor;
+        impl<'de> Visitor<'de> for OptionsVisitor {
+            type Value = Lenient<StreamOptions>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut include_usage: Option<Lenient<bool>> = None;
+                let mut valid = true;
+                while let Some(key) = map.next_key::<MaybeString>()? {
+                    if key.0.as_deref() == Some("include_usage") {
+                        let value = map.next_value::<Lenient<bool>>()?;
+                        valid &= include_usage.is_none();
+                        include_usage = Some(value);
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(match include_usage {
+                    _ if !valid => Lenient::Invalid,
+                    None => Lenient::Valid(StreamOptions::default()),
+                    Some(Lenient::Valid(include_usage)) => {
+                        Lenient::Valid(StreamOptions { include_usage })
+                    }
+                    Some(Lenient::Invalid) => Lenient::Invalid,
+                })
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                StreamOptions::judge(d)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                drain_seq(seq).map(|()| Lenient::Invalid)
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Lenient::Invalid)
+            }
+        }
+        d.deserialize_any(OptionsVisitor)
     }
 }
 

@@ -7,13 +7,17 @@
 //! Reading is lenient where a reader must not judge (unknown fields are
 //! ignored everywhere; fields only a worker interprets are [`Lenient`]) and
 //! typed everywhere else: a prompt is parsed straight into token ids or
-//! strings, never through a generic JSON tree.
+//! strings, never through a generic JSON tree, and a router parses a body
+//! within [`BodyLimits`] (prompt tokens, messages, content parts), stopping
+//! at the first element past a bound.
 
+mod bounded;
 mod error;
 mod lenient;
 mod request;
 mod response;
 
+pub use bounded::{BodyError, BodyLimits, Limit, OverLimit};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use lenient::Lenient;
 pub use request::{
@@ -67,5 +71,7 @@ impl Api {
     }
 }
 
+#[cfg(test)]
+mod bounded_tests;
 #[cfg(test)]
 mod tests;

@@ -2,24 +2,24 @@
 //! fields a router or a worker reads. Every other field is ignored here
 //! (the router forwards the client's bytes unchanged, so nothing is lost).
 
-use super::lenient::{drain_map, drain_seq, scalars_are, MaybeString};
+use super::lenient::{drain_seq, scalars_are, MaybeString};
 use super::{ErrorBody, Lenient};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Unexpected, Visitor};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// What a count field (`max_tokens`, `n`) must be.
 const COUNT: &str = "an integer from 0 to 4294967295";
 
-/// The body of `/v1/completions`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+/// The body of `/v1/completions`. Parsed field by field without a JSON
+/// tree; [`CompletionRequest::from_json`] parses it within [`BodyLimits`].
+#[derive(Clone, Debug, PartialEq)]
 pub struct CompletionRequest {
     /// The model asked for; `None` lets the server choose.
     pub model: Option<String>,
     /// The prompt, in any of its four shapes.
     pub prompt: Prompt,
     /// Stream the answer as server-sent events.
-    #[serde(default)]
     pub stream: bool,
     /// `stream_options` (`include_usage`); see [`Self::include_usage`].
     pub stream_options: Option<Lenient<StreamOptions>>,
@@ -58,15 +58,16 @@ impl CompletionRequest {
     }
 }
 
-/// The body of `/v1/chat/completions`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+/// The body of `/v1/chat/completions`. Parsed field by field without a
+/// JSON tree; [`ChatCompletionRequest::from_json`] parses it within
+/// [`BodyLimits`].
+#[derive(Clone, Debug, PartialEq)]
 pub struct ChatCompletionRequest {
     /// The model asked for; `None` lets the server choose.
     pub model: Option<String>,
     /// The conversation so far.
     pub messages: Vec<Message>,
     /// Stream the answer as server-sent events.
-    #[serde(default)]
     pub stream: bool,
     /// `stream_options` (`include_usage`); see [`Self::include_usage`].
     pub stream_options: Option<Lenient<StreamOptions>>,
@@ -147,12 +148,11 @@ pub struct StreamOptions {
 }
 
 /// One message of a chat request.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Message {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// `None` when absent or `null`.
-    #[serde(default)]
     pub content: Option<MessageContent>,
 }
 
@@ -168,39 +168,6 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
     /// Neither a string nor a list (a number, a boolean, an object).
     Invalid,
-}
-
-impl<'de> Deserialize<'de> for MessageContent {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct ContentVisitor;
-        impl<'de> Visitor<'de> for ContentVisitor {
-            type Value = MessageContent;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string or a list of content parts")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<MessageContent, E> {
-                Ok(MessageContent::Text(v.to_owned()))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<MessageContent, E> {
-                Ok(MessageContent::Text(v))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<MessageContent, A::Error> {
-                let mut parts = Vec::new();
-                while let Some(part) = seq.next_element()? {
-                    parts.push(part);
-                }
-                Ok(MessageContent::Parts(parts))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<MessageContent, A::Error> {
-                drain_map(map).map(|()| MessageContent::Invalid)
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<MessageContent, D::Error> {
-                MessageContent::deserialize(d)
-            }
-            scalars_are!(MessageContent::Invalid);
-        }
-        deserializer.deserialize_any(ContentVisitor)
-    }
 }
 
 /// One content part, as far as text goes: its `type` and its `text`, each
@@ -295,88 +262,4 @@ pub enum Prompt {
     Texts(Vec<String>),
     /// A batch of token-id prompts.
     TokenBatches(Vec<Vec<u32>>),
-}
-
-impl<'de> Deserialize<'de> for Prompt {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct PromptVisitor;
-        impl<'de> Visitor<'de> for PromptVisitor {
-            type Value = Prompt;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "a prompt: a string, a list of token ids, a list of strings \
-                     or a list of token-id lists",
-                )
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Prompt, E> {
-                Ok(Prompt::Text(v.to_owned()))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Prompt, E> {
-                Ok(Prompt::Text(v))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
-                fn rest<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(
-                    first: T,
-                    mut seq: A,
-                ) -> Result<Vec<T>, A::Error> {
-                    let mut all = vec![first];
-                    while let Some(next) = seq.next_element()? {
-                        all.push(next);
-                    }
-                    Ok(all)
-                }
-                Ok(match seq.next_element::<FirstItem>()? {
-                    None => Prompt::Tokens(Vec::new()),
-                    Some(FirstItem::Token(id)) => Prompt::Tokens(rest(id, seq)?),
-                    Some(FirstItem::Text(text)) => Prompt::Texts(rest(text, seq)?),
-                    Some(FirstItem::Tokens(ids)) => Prompt::TokenBatches(rest(ids, seq)?),
-                })
-            }
-        }
-        deserializer.deserialize_any(PromptVisitor)
-    }
-}
-
-/// The first element of a list prompt, which decides the list's shape.
-enum FirstItem {
-    Token(u32),
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-impl<'de> Deserialize<'de> for FirstItem {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct ItemVisitor;
-        const TOKEN_ID: &str = "a token id (0 to 4294967295)";
-        impl<'de> Visitor<'de> for ItemVisitor {
-            type Value = FirstItem;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a token id, a string or a list of token ids")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<FirstItem, E> {
-                u32::try_from(v)
-                    .map(FirstItem::Token)
-                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &TOKEN_ID))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<FirstItem, E> {
-                u32::try_from(v)
-                    .map(FirstItem::Token)
-                    .map_err(|_| E::invalid_value(Unexpected::Signed(v), &TOKEN_ID))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<FirstItem, E> {
-                Ok(FirstItem::Text(v.to_owned()))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<FirstItem, E> {
-                Ok(FirstItem::Text(v))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<FirstItem, A::Error> {
-                let mut ids = Vec::new();
-                while let Some(id) = seq.next_element::<u32>()? {
-                    ids.push(id);
-                }
-                Ok(FirstItem::Tokens(ids))
-            }
-        }
-        deserializer.deserialize_any(ItemVisitor)
-    }
 }

@@ -21,6 +21,7 @@ mod replica_security;
 mod serve_chaos;
 mod serve_ending;
 mod serve_errors;
+mod serve_limits;
 mod serve_migration;
 mod serve_reliability;
 mod serve_replica_sync;
