@@ -423,3 +423,97 @@ async fn the_router_authenticates_to_a_worker_that_requires_a_key() {
         .unwrap();
     assert_eq!(ready.status(), 503, "health checks without the key fail");
 }
+
+/// Per-key rate limits through a real router: a key over its token budget
+/// gets 429 (with `Retry-After`, a message naming the limit, counted by the
+/// key's name) while another key is served, and a key over its request
+/// rate is refused before its body is read. Tokens per minute refill at
+/// 100 a minute (one every 0.6 s), so the budget a test spends stays spent
+/// for the whole test however slow the machine; the request limit's refill
+/// is accounted for in the bound it checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_over_its_rate_limit_gets_429_while_another_key_is_served() {
+    let _machine = machine().await;
+    let worker = sim_worker("0");
+    let config = crate::support::scratch_file(
+        "rate_limits.toml",
+        br#"
+[rate_limits]
+tokens_per_minute = 100
+
+[[rate_limits.keys]]
+name = "small"
+key = "sk-small"
+
+[[rate_limits.keys]]
+name = "big"
+key = "sk-big"
+tokens_per_minute = 1000000
+requests_per_second = 1
+"#,
+    );
+    let config = config.to_str().expect("a UTF-8 path");
+    let router = router(&[worker.named("w0")], &["--config", config]);
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let send = |key: &'static str, tokens: usize| {
+        let client = client.clone();
+        let base = router.base.clone();
+        async move {
+            let prompt: Vec<u32> = (0..tokens as u32).collect();
+            client
+                .post(format!("{base}/v1/completions"))
+                .bearer_auth(key)
+                .json(&json!({"model": "switchyard-sim", "prompt": prompt, "max_tokens": 10}))
+                .send()
+                .await
+                .expect("the router answers")
+        }
+    };
+    // 50 + 10 of "small"'s 100 tokens: served; the next 60 are not there.
+    assert_eq!(send("sk-small", 50).await.status(), 200);
+    let refused = send("sk-small", 50).await;
+    assert_eq!(refused.status(), 429);
+    let retry_after: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .expect("Retry-After in seconds");
+    assert!((1..=60).contains(&retry_after), "Retry-After {retry_after}");
+    let body: serde_json::Value = refused.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("100 tokens per minute"), "{message}");
+    // A request larger than a whole minute's budget can never pass.
+    let too_big = send("sk-small", 200).await;
+    assert_eq!(too_big.status(), 429);
+    assert!(too_big.headers().get("retry-after").is_none());
+    // Meanwhile the other key is served.
+    assert_eq!(send("sk-big", 50).await.status(), 200);
+
+    // "big" may send one request a second: of 10 sent back to back, at
+    // most 1 + (seconds elapsed, rounded up) pass; the rest are 429.
+    let started = std::time::Instant::now();
+    let mut passed = 0;
+    for _ in 0..10 {
+        if send("sk-big", 1).await.status() == 200 {
+            passed += 1;
+        }
+    }
+    let allowed = 1 + started.elapsed().as_secs_f64().ceil() as usize;
+    assert!(
+        passed <= allowed,
+        "{passed} passed, at most {allowed} allowed"
+    );
+    let metrics = metrics_text(&client, &router.base).await;
+    let tokens = metric(
+        &metrics,
+        r#"switchyard_rate_limited_total{key="small",limit="tokens"}"#,
+    );
+    assert_eq!(tokens, Some(2.0), "{metrics}");
+    let requests = metric(
+        &metrics,
+        r#"switchyard_rate_limited_total{key="big",limit="requests"}"#,
+    )
+    .unwrap_or_default();
+    assert_eq!(requests as usize, 10 - passed, "{metrics}");
+}
