@@ -48,7 +48,7 @@ pub struct AppState {
     /// Time from a request's head to its body's last byte.
     pub body_read_timeout: Duration,
     /// Limits on what a body holds ([`crate::limits`]).
-    pub limits: crate::limits::InputLimits,
+    pub limits: InputLimits,
     /// Migration limits.
     pub migration: MigrationPolicy,
     /// Wait for a worker's headers and first event (and each next event).
@@ -91,7 +91,7 @@ impl AppState {
             worker_auth: worker_authorization(config),
             max_body_bytes: config.max_body_bytes,
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
-            limits: crate::limits::InputLimits::new(config),
+            limits: InputLimits::new(config),
             migration: MigrationPolicy {
                 limit: config.migration_limit,
                 max_seq_len: config.migration_max_seq_len,
@@ -115,3 +115,31 @@ pub fn worker_authorization(config: &crate::config::ServerConfig) -> Option<Head
 }
 
 pub(crate) type Shared = Arc<AppState>;
+
+/// The configured input limits ([`crate::limits`] applies them).
+#[derive(Clone, Copy, Debug)]
+pub struct InputLimits {
+    /// `--max-prompt-tokens` (None: the workers' `max_model_len`).
+    pub prompt_tokens: Option<usize>,
+    /// `--max-messages`.
+    pub messages: usize,
+    /// `--max-content-parts`.
+    pub content_parts: usize,
+    /// `--max-n`.
+    pub n: u32,
+    /// `--max-output-tokens` (None: the prompt token limit).
+    pub output_tokens: Option<u32>,
+}
+
+impl InputLimits {
+    /// The limits of `config`.
+    pub fn new(config: &crate::config::ServerConfig) -> Self {
+        Self {
+            prompt_tokens: config.max_prompt_tokens,
+            messages: config.max_messages,
+            content_parts: config.max_content_parts,
+            n: config.max_n,
+            output_tokens: config.max_output_tokens,
+        }
+    }
+}

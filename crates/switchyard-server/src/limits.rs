@@ -24,41 +24,13 @@
 //! another type is left for the worker to refuse, as before. Every refusal
 //! is counted in `switchyard_input_limit_refusals_total{limit}`.
 
-use crate::config::{ServerConfig, FALLBACK_MAX_PROMPT_TOKENS};
+use crate::config::FALLBACK_MAX_PROMPT_TOKENS;
 use crate::context::AppState;
 use crate::error::ApiError;
 use crate::metrics::InputLimit;
 use switchyard_wire::openai::{
     BodyError, BodyLimits, ChatCompletionRequest, CompletionRequest, Lenient, Limit,
 };
-
-/// The configured limits (see the module docs).
-#[derive(Clone, Copy, Debug)]
-pub struct InputLimits {
-    /// `--max-prompt-tokens` (None: the workers' `max_model_len`).
-    pub prompt_tokens: Option<usize>,
-    /// `--max-messages`.
-    pub messages: usize,
-    /// `--max-content-parts`.
-    pub content_parts: usize,
-    /// `--max-n`.
-    pub n: u32,
-    /// `--max-output-tokens` (None: the prompt token limit).
-    pub output_tokens: Option<u32>,
-}
-
-impl InputLimits {
-    /// The limits of `config`.
-    pub fn new(config: &ServerConfig) -> Self {
-        Self {
-            prompt_tokens: config.max_prompt_tokens,
-            messages: config.max_messages,
-            content_parts: config.max_content_parts,
-            n: config.max_n,
-            output_tokens: config.max_output_tokens,
-        }
-    }
-}
 
 /// The prompt token limit in force and where it comes from (for the
 /// refusal's message).
