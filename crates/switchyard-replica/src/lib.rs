@@ -5,6 +5,8 @@
 //!   by default), namespace, endpoint, queue and batch limits, expiry,
 //!   digest period, and [`NatsAuth`] (user/password, token, credentials
 //!   file, TLS).
+//! - [`args`] — [`NatsAuthArgs`]: the `--nats-*` flags of [`NatsAuth`],
+//!   flattened into `switchyard serve`'s and `switchyard sim-worker`'s.
 //! - [`transport`] — the [`Transport`] trait (publish bytes on a subject,
 //!   subscribe to one) and its in-process implementation.
 //! - [`nats`] — the NATS implementation (`async-nats`, authenticated and
@@ -32,6 +34,7 @@
 //! (`Dispatcher::apply_replica_batch`). The semantics of remote bookings (advisory, owner-only
 //! frees, silence expiry, no snapshot) live in `switchyard_core::replica`.
 
+pub mod args;
 pub mod config;
 pub mod metrics;
 pub mod nats;
@@ -44,6 +47,7 @@ pub mod worker_marks;
 #[cfg(test)]
 mod tests;
 
+pub use args::NatsAuthArgs;
 pub use config::{NatsAuth, ReplicaConfig, ReplicaConfigError, Secret};
 pub use metrics::ReplicaMetrics;
 pub use nats::{payload_limit, NatsTransport};

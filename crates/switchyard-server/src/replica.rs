@@ -18,12 +18,11 @@
 
 use crate::shared::SharedRouter;
 use clap::Args;
-use std::path::PathBuf;
 use std::sync::Arc;
 use switchyard_core::RequestId;
 use switchyard_replica::{
-    random_replica_id, BatchReport, NatsTransport, ReplicaConfig, ReplicaPlane, ReplicaSink,
-    Secret, Transport, TransportError,
+    random_replica_id, BatchReport, NatsAuthArgs, NatsTransport, ReplicaConfig, ReplicaPlane,
+    ReplicaSink, Transport, TransportError,
 };
 use switchyard_wire::replica::ReplicaBatch;
 
@@ -65,36 +64,9 @@ pub struct ReplicaArgs {
     /// How often this replica publishes a digest of its live bookings, so peers drop bookings whose free was lost, in ms [default: 2000].
     #[arg(long, env = "SWITCHYARD_REPLICA_DIGEST_MS")]
     pub replica_digest_ms: Option<f64>,
-    /// NATS user name (with --nats-password-file or SWITCHYARD_NATS_PASSWORD).
-    #[arg(long, env = "SWITCHYARD_NATS_USER")]
-    pub nats_user: Option<String>,
-    /// NATS password (prefer --nats-password-file: a flag shows in `ps`).
-    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD", hide_env_values = true)]
-    pub nats_password: Option<String>,
-    /// File holding the NATS password (trailing newline ignored).
-    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD_FILE", value_name = "PATH")]
-    pub nats_password_file: Option<PathBuf>,
-    /// NATS token (prefer --nats-token-file: a flag shows in `ps`).
-    #[arg(long, env = "SWITCHYARD_NATS_TOKEN", hide_env_values = true)]
-    pub nats_token: Option<String>,
-    /// File holding the NATS token (trailing newline ignored).
-    #[arg(long, env = "SWITCHYARD_NATS_TOKEN_FILE", value_name = "PATH")]
-    pub nats_token_file: Option<PathBuf>,
-    /// NATS credentials file (.creds: user JWT and NKey seed).
-    #[arg(long, env = "SWITCHYARD_NATS_CREDS", value_name = "PATH")]
-    pub nats_creds: Option<PathBuf>,
-    /// PEM CA file to verify the NATS server's TLS certificate.
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_CA", value_name = "PATH")]
-    pub nats_tls_ca: Option<PathBuf>,
-    /// PEM client certificate for NATS TLS (with --nats-tls-key).
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_CERT", value_name = "PATH")]
-    pub nats_tls_cert: Option<PathBuf>,
-    /// PEM private key of --nats-tls-cert.
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_KEY", value_name = "PATH")]
-    pub nats_tls_key: Option<PathBuf>,
-    /// Refuse a NATS server without TLS (implied by a tls:// URL).
-    #[arg(long, env = "SWITCHYARD_NATS_REQUIRE_TLS")]
-    pub nats_require_tls: bool,
+    /// NATS authentication and TLS (`--nats-*`).
+    #[command(flatten)]
+    pub nats: NatsAuthArgs,
 }
 
 impl ReplicaArgs {
@@ -131,43 +103,7 @@ impl ReplicaArgs {
         if let Some(v) = self.replica_digest_ms {
             config.digest_ms = v;
         }
-        let auth = &mut config.auth;
-        if let Some(v) = &self.nats_user {
-            auth.user = Some(v.clone());
-        }
-        // A secret given here replaces the file's secret of either form,
-        // so a flag never collides with the config file's other form.
-        if let Some(v) = &self.nats_password {
-            auth.password = Some(Secret(v.clone()));
-            auth.password_file = None;
-        }
-        if let Some(v) = &self.nats_password_file {
-            auth.password_file = Some(v.clone());
-            auth.password = None;
-        }
-        if let Some(v) = &self.nats_token {
-            auth.token = Some(Secret(v.clone()));
-            auth.token_file = None;
-        }
-        if let Some(v) = &self.nats_token_file {
-            auth.token_file = Some(v.clone());
-            auth.token = None;
-        }
-        if let Some(v) = &self.nats_creds {
-            auth.creds_file = Some(v.clone());
-        }
-        if let Some(v) = &self.nats_tls_ca {
-            auth.tls_ca_file = Some(v.clone());
-        }
-        if let Some(v) = &self.nats_tls_cert {
-            auth.tls_cert_file = Some(v.clone());
-        }
-        if let Some(v) = &self.nats_tls_key {
-            auth.tls_key_file = Some(v.clone());
-        }
-        if self.nats_require_tls {
-            auth.require_tls = true;
-        }
+        self.nats.apply(&mut config.auth);
     }
 }
 
@@ -231,7 +167,7 @@ mod tests {
     use std::time::Duration;
     use switchyard_core::admission::SessionKey;
     use switchyard_core::LocalHash;
-    use switchyard_replica::{InProcessBus, InProcessTransport};
+    use switchyard_replica::{InProcessBus, InProcessTransport, Secret};
 
     #[test]
     fn flags_override_only_what_they_set() {
@@ -258,8 +194,11 @@ mod tests {
         config.auth.password = Some(Secret("from-file".into()));
         ReplicaArgs {
             replica_sync: Some("tls://nats.internal:4222".into()),
-            nats_password_file: Some("/run/secrets/nats".into()),
-            nats_tls_ca: Some("/etc/ca.pem".into()),
+            nats: NatsAuthArgs {
+                nats_password_file: Some("/run/secrets/nats".into()),
+                nats_tls_ca: Some("/etc/ca.pem".into()),
+                ..NatsAuthArgs::default()
+            },
             replica_digest_ms: Some(500.0),
             ..ReplicaArgs::default()
         }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use switchyard_engine::{Engine, EngineConfig, SyncDevice, TimingConfig};
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
 use switchyard_replica::{
-    worker_id_for_name, NatsAuth, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
+    worker_id_for_name, NatsAuthArgs, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
 };
 use switchyard_tokenizer::Tokenizer;
 
@@ -123,27 +123,9 @@ pub struct SimWorkerArgs {
     /// Require this key (Authorization: Bearer) on every route but /metrics.
     #[arg(long)]
     pub api_key: Option<String>,
-    /// NATS user name for the marks (with --nats-password-file).
-    #[arg(long, env = "SWITCHYARD_NATS_USER")]
-    pub nats_user: Option<String>,
-    /// File holding the NATS password.
-    #[arg(long, env = "SWITCHYARD_NATS_PASSWORD_FILE", value_name = "PATH")]
-    pub nats_password_file: Option<PathBuf>,
-    /// File holding a NATS token.
-    #[arg(long, env = "SWITCHYARD_NATS_TOKEN_FILE", value_name = "PATH")]
-    pub nats_token_file: Option<PathBuf>,
-    /// NATS credentials file (.creds).
-    #[arg(long, env = "SWITCHYARD_NATS_CREDS", value_name = "PATH")]
-    pub nats_creds: Option<PathBuf>,
-    /// PEM CA file to verify the NATS server's TLS certificate.
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_CA", value_name = "PATH")]
-    pub nats_tls_ca: Option<PathBuf>,
-    /// PEM client certificate for NATS TLS (with --nats-tls-key).
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_CERT", value_name = "PATH")]
-    pub nats_tls_cert: Option<PathBuf>,
-    /// PEM private key of --nats-tls-cert.
-    #[arg(long, env = "SWITCHYARD_NATS_TLS_KEY", value_name = "PATH")]
-    pub nats_tls_key: Option<PathBuf>,
+    /// NATS authentication and TLS for the marks (`--nats-*`, as `serve`'s).
+    #[command(flatten)]
+    pub nats: NatsAuthArgs,
 }
 
 impl SimWorkerArgs {
@@ -152,22 +134,13 @@ impl SimWorkerArgs {
         let Some(url) = &self.replica_sync else {
             return Ok(None);
         };
-        let config = ReplicaConfig {
+        let mut config = ReplicaConfig {
             nats_url: Some(url.clone()),
             namespace: self.replica_namespace.clone(),
             endpoint: self.replica_endpoint.clone(),
-            auth: NatsAuth {
-                user: self.nats_user.clone(),
-                password_file: self.nats_password_file.clone(),
-                token_file: self.nats_token_file.clone(),
-                creds_file: self.nats_creds.clone(),
-                tls_ca_file: self.nats_tls_ca.clone(),
-                tls_cert_file: self.nats_tls_cert.clone(),
-                tls_key_file: self.nats_tls_key.clone(),
-                ..NatsAuth::default()
-            },
             ..ReplicaConfig::default()
         };
+        self.nats.apply(&mut config.auth);
         config.validate()?;
         Ok(Some(config))
     }
@@ -300,4 +273,62 @@ async fn serve(
         })
         .await
         .context("serving HTTP")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use switchyard_replica::{NatsAuth, Secret};
+
+    fn parse(flags: &[&str]) -> SimWorkerArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SimWorkerArgs,
+        }
+        Cli::try_parse_from(std::iter::once("sim-worker").chain(flags.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    /// The marks authenticate with `serve`'s `--nats-*` flags, all of them.
+    #[test]
+    fn the_marks_take_the_routers_nats_flags() {
+        assert_eq!(parse(&["--nats-user", "w"]).replica_config(), Ok(None));
+        let config = parse(&[
+            "--replica-sync",
+            "tls://nats.internal:4222",
+            "--nats-user",
+            "worker",
+            "--nats-password",
+            "p",
+            "--nats-tls-ca",
+            "/ca.pem",
+            "--nats-require-tls",
+        ])
+        .replica_config()
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            config.auth,
+            NatsAuth {
+                user: Some("worker".into()),
+                password: Some(Secret("p".into())),
+                tls_ca_file: Some("/ca.pem".into()),
+                require_tls: true,
+                ..NatsAuth::default()
+            }
+        );
+        let refused = parse(&[
+            "--replica-sync",
+            "nats://127.0.0.1:4222",
+            "--nats-token",
+            "t",
+            "--nats-creds",
+            "/w.creds",
+        ])
+        .replica_config();
+        assert!(refused.is_err(), "{refused:?}");
+    }
 }

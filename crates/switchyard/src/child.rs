@@ -5,6 +5,20 @@ use anyhow::Context as _;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+/// Child processes, killed and reaped when dropped (a benchmark or the
+/// demo that stops, by an error or Ctrl-C, leaves none running).
+#[derive(Debug, Default)]
+pub(crate) struct Children(pub(crate) Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Spawns `command` (a `switchyard` subcommand listening on port 0) and
 /// returns it with the `http://` address it prints once it has bound. Its
 /// further output is drained on a thread so it never blocks on a full pipe.

@@ -4,11 +4,11 @@
 //! Each policy gets a fresh fleet (child processes of this same binary), so
 //! neither run inherits the other's warm caches.
 
+use crate::child::Children;
 use crate::loadgen::{self, Pacing, Report};
 use crate::stats::write_json;
 use clap::Args;
 use std::path::PathBuf;
-use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
@@ -53,7 +53,7 @@ pub struct DemoArgs {
 /// Sim-worker child processes, killed on drop: their URLs and, unless
 /// approximate, their KV-event and replay endpoints.
 pub(crate) struct Fleet {
-    pub(crate) children: Vec<Child>,
+    pub(crate) children: Children,
     pub(crate) urls: Vec<String>,
     pub(crate) events: Vec<Option<(String, String)>>,
 }
@@ -63,15 +63,6 @@ pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Starts `args.workers` sim-workers (this binary) with `args`' speed-up,
@@ -96,7 +87,7 @@ pub(crate) fn start_sim_workers(
     kv_events: bool,
 ) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet {
-        children: Vec::new(),
+        children: Children::default(),
         urls: Vec::new(),
         events: Vec::new(),
     };
@@ -117,7 +108,7 @@ pub(crate) fn start_sim_workers(
         command.args(worker_args);
         fleet.events.push(events);
         let (child, url) = crate::child::spawn_printing_url(command, "a sim-worker")?;
-        fleet.children.push(child);
+        fleet.children.0.push(child);
         fleet.urls.push(url);
     }
     Ok(fleet)

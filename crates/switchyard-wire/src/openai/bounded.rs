@@ -19,6 +19,7 @@ use serde::de::{
 use serde::Deserialize;
 use std::cell::Cell;
 use std::fmt;
+use std::marker::PhantomData;
 
 /// Bounds on what one request body may hold, applied while it is parsed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,18 +191,34 @@ impl Visitor<'_> for FieldIn {
     }
 }
 
-/// Stores a field's value, refusing a second occurrence as a derived
-/// `Deserialize` does.
-fn once<T, E: de::Error>(slot: &mut Option<T>, name: &'static str) -> Result<(), E> {
-    match slot {
-        Some(_) => Err(E::duplicate_field(name)),
-        None => Ok(()),
+/// Stores a field's next value (read by `seed`) in `slot`, refusing a
+/// second occurrence as a derived `Deserialize` does.
+fn read_once_seed<'de, A: MapAccess<'de>, S: DeserializeSeed<'de>>(
+    map: &mut A,
+    slot: &mut Option<S::Value>,
+    name: &'static str,
+    seed: S,
+) -> Result<(), A::Error> {
+    if slot.is_some() {
+        return Err(de::Error::duplicate_field(name));
     }
+    *slot = Some(map.next_value_seed(seed)?);
+    Ok(())
 }
 
-const COMPLETION_FIELDS: &[&str] = &[
+/// [`read_once_seed`] of a plain `Deserialize` value.
+fn read_once<'de, A: MapAccess<'de>, T: Deserialize<'de>>(
+    map: &mut A,
+    slot: &mut Option<T>,
+    name: &'static str,
+) -> Result<(), A::Error> {
+    read_once_seed(map, slot, name, PhantomData)
+}
+
+/// The fields that completion and chat requests share ([`read_request`]
+/// matches on their indices).
+const SHARED_FIELDS: &[&str] = &[
     "model",
-    "prompt",
     "stream",
     "stream_options",
     "max_tokens",
@@ -209,6 +226,101 @@ const COMPLETION_FIELDS: &[&str] = &[
     "session_id",
     "return_token_ids",
 ];
+
+/// A request object's key: one of [`SHARED_FIELDS`], one of the
+/// request's own fields (its index in their list), or another.
+enum RequestKey {
+    Shared(usize),
+    Own(usize),
+    Other,
+}
+
+/// Reads a [`RequestKey`], given the request's own field names.
+struct RequestKeyIn(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for RequestKeyIn {
+    type Value = RequestKey;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RequestKey, D::Error> {
+        d.deserialize_identifier(self)
+    }
+}
+
+impl Visitor<'_> for RequestKeyIn {
+    type Value = RequestKey;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a field name")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<RequestKey, E> {
+        let position = |names: &[&str]| names.iter().position(|name| *name == v);
+        Ok(match (position(SHARED_FIELDS), position(self.0)) {
+            (Some(i), _) => RequestKey::Shared(i),
+            (None, Some(i)) => RequestKey::Own(i),
+            (None, None) => RequestKey::Other,
+        })
+    }
+}
+
+/// The shared fields as read, each `None` until its key is seen (so that
+/// a second occurrence, even after a `null`, is refused).
+#[derive(Default)]
+struct SharedSlots {
+    model: Option<Option<String>>,
+    stream: Option<bool>,
+    stream_options: Option<Option<Lenient<StreamOptions>>>,
+    max_tokens: Option<Option<Lenient<u32>>>,
+    n: Option<Option<Lenient<u32>>>,
+    session_id: Option<Option<String>>,
+    return_token_ids: Option<Option<Lenient<bool>>>,
+}
+
+/// The shared fields' values: absent and `null` alike are `None`
+/// (`stream`: `false`).
+struct SharedFields {
+    model: Option<String>,
+    stream: bool,
+    stream_options: Option<Lenient<StreamOptions>>,
+    max_tokens: Option<Lenient<u32>>,
+    n: Option<Lenient<u32>>,
+    session_id: Option<String>,
+    return_token_ids: Option<Lenient<bool>>,
+}
+
+/// Reads a request object: the shared fields here, each of the request's
+/// `own` fields through `read_own` (with its index in `own`), and skips
+/// every other key's value.
+fn read_request<'de, A: MapAccess<'de>>(
+    mut map: A,
+    own: &'static [&'static str],
+    mut read_own: impl FnMut(&mut A, usize) -> Result<(), A::Error>,
+) -> Result<SharedFields, A::Error> {
+    let mut s = SharedSlots::default();
+    while let Some(key) = map.next_key_seed(RequestKeyIn(own))? {
+        match key {
+            RequestKey::Shared(0) => read_once(&mut map, &mut s.model, "model")?,
+            RequestKey::Shared(1) => read_once(&mut map, &mut s.stream, "stream")?,
+            RequestKey::Shared(2) => read_once(&mut map, &mut s.stream_options, "stream_options")?,
+            RequestKey::Shared(3) => read_once(&mut map, &mut s.max_tokens, "max_tokens")?,
+            RequestKey::Shared(4) => read_once(&mut map, &mut s.n, "n")?,
+            RequestKey::Shared(5) => read_once(&mut map, &mut s.session_id, "session_id")?,
+            RequestKey::Shared(6) => {
+                read_once(&mut map, &mut s.return_token_ids, "return_token_ids")?
+            }
+            RequestKey::Own(i) => read_own(&mut map, i)?,
+            RequestKey::Shared(_) | RequestKey::Other => {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+    }
+    Ok(SharedFields {
+        model: s.model.flatten(),
+        stream: s.stream.unwrap_or(false),
+        stream_options: s.stream_options.flatten(),
+        max_tokens: s.max_tokens.flatten(),
+        n: s.n.flatten(),
+        session_id: s.session_id.flatten(),
+        return_token_ids: s.return_token_ids.flatten(),
+    })
+}
 
 struct CompletionSeed<'a>(Bounds<'a>);
 
@@ -224,48 +336,28 @@ impl<'de> Visitor<'de> for CompletionSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a completion request (a JSON object)")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<CompletionRequest, A::Error> {
-        let mut model: Option<Option<String>> = None;
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<CompletionRequest, A::Error> {
         let mut prompt: Option<Prompt> = None;
-        let mut stream: Option<bool> = None;
-        let mut stream_options: Option<Option<Lenient<StreamOptions>>> = None;
-        let mut max_tokens: Option<Option<Lenient<u32>>> = None;
-        let mut n: Option<Option<Lenient<u32>>> = None;
-        let mut session_id: Option<Option<String>> = None;
-        let mut return_token_ids: Option<Option<Lenient<bool>>> = None;
-        while let Some(key) = map.next_key_seed(FieldIn(COMPLETION_FIELDS))? {
-            macro_rules! read {
-                ($slot:ident) => {{
-                    once(&mut $slot, stringify!($slot))?;
-                    $slot = Some(map.next_value()?);
-                }};
-            }
-            match key {
-                Some(0) => read!(model),
-                Some(1) => {
-                    once(&mut prompt, "prompt")?;
-                    prompt = Some(map.next_value_seed(PromptSeed(self.0))?);
-                }
-                Some(2) => read!(stream),
-                Some(3) => read!(stream_options),
-                Some(4) => read!(max_tokens),
-                Some(5) => read!(n),
-                Some(6) => read!(session_id),
-                Some(7) => read!(return_token_ids),
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
+        let SharedFields {
+            model,
+            stream,
+            stream_options,
+            max_tokens,
+            n,
+            session_id,
+            return_token_ids,
+        } = read_request(map, &["prompt"], |map, _| {
+            read_once_seed(map, &mut prompt, "prompt", PromptSeed(self.0))
+        })?;
         Ok(CompletionRequest {
-            model: model.flatten(),
+            model,
             prompt: prompt.ok_or_else(|| de::Error::missing_field("prompt"))?,
-            stream: stream.unwrap_or(false),
-            stream_options: stream_options.flatten(),
-            max_tokens: max_tokens.flatten(),
-            n: n.flatten(),
-            session_id: session_id.flatten(),
-            return_token_ids: return_token_ids.flatten(),
+            stream,
+            stream_options,
+            max_tokens,
+            n,
+            session_id,
+            return_token_ids,
         })
     }
 }
@@ -275,18 +367,6 @@ impl<'de> Deserialize<'de> for CompletionRequest {
         unbounded(|b| CompletionSeed(b).deserialize(d))
     }
 }
-
-const CHAT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-    "session_id",
-    "return_token_ids",
-];
 
 struct ChatSeed<'a>(Bounds<'a>);
 
@@ -302,51 +382,35 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a chat completion request (a JSON object)")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ChatCompletionRequest, A::Error> {
-        let mut model: Option<Option<String>> = None;
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ChatCompletionRequest, A::Error> {
         let mut messages: Option<Vec<Message>> = None;
-        let mut stream: Option<bool> = None;
-        let mut stream_options: Option<Option<Lenient<StreamOptions>>> = None;
-        let mut max_tokens: Option<Option<Lenient<u32>>> = None;
         let mut max_completion_tokens: Option<Option<Lenient<u32>>> = None;
-        let mut n: Option<Option<Lenient<u32>>> = None;
-        let mut session_id: Option<Option<String>> = None;
-        let mut return_token_ids: Option<Option<Lenient<bool>>> = None;
-        while let Some(key) = map.next_key_seed(FieldIn(CHAT_FIELDS))? {
-            macro_rules! read {
-                ($slot:ident) => {{
-                    once(&mut $slot, stringify!($slot))?;
-                    $slot = Some(map.next_value()?);
-                }};
-            }
-            match key {
-                Some(0) => read!(model),
-                Some(1) => {
-                    once(&mut messages, "messages")?;
-                    messages = Some(map.next_value_seed(MessagesSeed(self.0))?);
-                }
-                Some(2) => read!(stream),
-                Some(3) => read!(stream_options),
-                Some(4) => read!(max_tokens),
-                Some(5) => read!(max_completion_tokens),
-                Some(6) => read!(n),
-                Some(7) => read!(session_id),
-                Some(8) => read!(return_token_ids),
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
+        let SharedFields {
+            model,
+            stream,
+            stream_options,
+            max_tokens,
+            n,
+            session_id,
+            return_token_ids,
+        } = read_request(
+            map,
+            &["messages", "max_completion_tokens"],
+            |map, own| match own {
+                0 => read_once_seed(map, &mut messages, "messages", MessagesSeed(self.0)),
+                _ => read_once(map, &mut max_completion_tokens, "max_completion_tokens"),
+            },
+        )?;
         Ok(ChatCompletionRequest {
-            model: model.flatten(),
+            model,
             messages: messages.ok_or_else(|| de::Error::missing_field("messages"))?,
-            stream: stream.unwrap_or(false),
-            stream_options: stream_options.flatten(),
-            max_tokens: max_tokens.flatten(),
+            stream,
+            stream_options,
+            max_tokens,
             max_completion_tokens: max_completion_tokens.flatten(),
-            n: n.flatten(),
-            session_id: session_id.flatten(),
-            return_token_ids: return_token_ids.flatten(),
+            n,
+            session_id,
+            return_token_ids,
         })
     }
 }
@@ -407,14 +471,13 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
         let mut content: Option<Option<MessageContent>> = None;
         while let Some(key) = map.next_key_seed(FieldIn(MESSAGE_FIELDS))? {
             match key {
-                Some(0) => {
-                    once(&mut role, "role")?;
-                    role = Some(map.next_value()?);
-                }
-                Some(1) => {
-                    once(&mut content, "content")?;
-                    content = Some(map.next_value_seed(OptionalContentSeed(self.0))?);
-                }
+                Some(0) => read_once(&mut map, &mut role, "role")?,
+                Some(1) => read_once_seed(
+                    &mut map,
+                    &mut content,
+                    "content",
+                    OptionalContentSeed(self.0),
+                )?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }

@@ -60,82 +60,88 @@ impl<'de, T: Judged> Deserialize<'de> for Lenient<T> {
     }
 }
 
-/// `Invalid` for every value but those a visitor's own methods take.
-macro_rules! otherwise_invalid {
-    () => {
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-            drain_seq(seq).map(|()| Lenient::Invalid)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-            drain_map(map).map(|()| Lenient::Invalid)
-        }
-        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-            Ok(Lenient::Invalid)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(Lenient::Invalid)
-        }
-        fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
-            Ok(Lenient::Invalid)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(Lenient::Invalid)
-        }
-        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(Lenient::Invalid)
-        }
-    };
+/// A scalar type a [`Lenient`] field can hold, by the JSON scalars it
+/// takes: `Some` for a value of the type, `None` (invalid) otherwise.
+/// Every other value (string, float, list, object, null) is invalid.
+trait Scalar: Sized {
+    fn from_u64(_: u64) -> Option<Self> {
+        None
+    }
+    fn from_i64(_: i64) -> Option<Self> {
+        None
+    }
+    fn from_bool(_: bool) -> Option<Self> {
+        None
+    }
+}
+
+impl Scalar for u32 {
+    fn from_u64(v: u64) -> Option<u32> {
+        u32::try_from(v).ok()
+    }
+    fn from_i64(v: i64) -> Option<u32> {
+        u32::try_from(v).ok()
+    }
+}
+
+impl Scalar for bool {
+    fn from_bool(v: bool) -> Option<bool> {
+        Some(v)
+    }
+}
+
+/// Judges any value as a [`Scalar`] `T`.
+struct ScalarVisitor<T>(PhantomData<T>);
+
+impl<'de, T: Scalar> Visitor<'de> for ScalarVisitor<T> {
+    type Value = Lenient<T>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Lenient<T>, E> {
+        Ok(T::from_u64(v).map_or(Lenient::Invalid, Lenient::Valid))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Lenient<T>, E> {
+        Ok(T::from_i64(v).map_or(Lenient::Invalid, Lenient::Valid))
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Lenient<T>, E> {
+        Ok(T::from_bool(v).map_or(Lenient::Invalid, Lenient::Valid))
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Lenient<T>, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Lenient<T>, A::Error> {
+        drain_seq(seq).map(|()| Lenient::Invalid)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Lenient<T>, A::Error> {
+        drain_map(map).map(|()| Lenient::Invalid)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Lenient<T>, E> {
+        Ok(Lenient::Invalid)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Lenient<T>, E> {
+        Ok(Lenient::Invalid)
+    }
+    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Lenient<T>, E> {
+        Ok(Lenient::Invalid)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Lenient<T>, E> {
+        Ok(Lenient::Invalid)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Lenient<T>, E> {
+        Ok(Lenient::Invalid)
+    }
 }
 
 impl Judged for u32 {
     fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<u32>, D::Error> {
-        struct U32Visitor;
-        impl<'de> Visitor<'de> for U32Visitor {
-            type Value = Lenient<u32>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any value")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Lenient<u32>, E> {
-                Ok(u32::try_from(v).map_or(Lenient::Invalid, Lenient::Valid))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Lenient<u32>, E> {
-                Ok(u32::try_from(v).map_or(Lenient::Invalid, Lenient::Valid))
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Lenient<u32>, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Lenient<u32>, D::Error> {
-                u32::judge(d)
-            }
-            otherwise_invalid!();
-        }
-        d.deserialize_any(U32Visitor)
+        d.deserialize_any(ScalarVisitor(PhantomData))
     }
 }
 
 impl Judged for bool {
     fn judge<'de, D: Deserializer<'de>>(d: D) -> Result<Lenient<bool>, D::Error> {
-        struct BoolVisitor;
-        impl<'de> Visitor<'de> for BoolVisitor {
-            type Value = Lenient<bool>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any value")
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Lenient<bool>, E> {
-                Ok(Lenient::Valid(v))
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Lenient<bool>, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Lenient<bool>, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Lenient<bool>, D::Error> {
-                bool::judge(d)
-            }
-            otherwise_invalid!();
-        }
-        d.deserialize_any(BoolVisitor)
+        d.deserialize_any(ScalarVisitor(PhantomData))
     }
 }
 
@@ -170,15 +176,6 @@ impl Judged for StreamOptions {
                     Some(Lenient::Invalid) => Lenient::Invalid,
                 })
             }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
             fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
                 StreamOptions::judge(d)
             }
@@ -188,18 +185,7 @@ impl Judged for StreamOptions {
             fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
                 Ok(Lenient::Invalid)
             }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Lenient::Invalid)
-            }
+            scalars_are!(Lenient::Invalid);
         }
         d.deserialize_any(OptionsVisitor)
     }

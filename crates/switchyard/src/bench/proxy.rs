@@ -9,12 +9,12 @@
 //! both ways. Prompts are token ids (no tokenization) and, separately, a
 //! 465-character chat message the router tokenizes every time.
 
+use crate::child::Children;
 use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
 use crate::stats::write_json;
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use std::process::Child;
 
 /// Options of `bench proxy`.
 #[derive(Debug, Clone, Args)]
@@ -31,17 +31,6 @@ pub struct ProxyArgs {
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn spawn(children: &mut Children, args: &[&str]) -> anyhow::Result<String> {

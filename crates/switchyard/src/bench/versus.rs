@@ -18,6 +18,7 @@
 //! counters, so both routers are measured the same way), completed
 //! requests per second. Rounds alternate which router goes first.
 
+use crate::child::Children;
 use crate::demo::{free_port, start_sim_workers, Fleet};
 use crate::loadgen::{self, Pacing, Report};
 use crate::stats::write_json;
@@ -155,17 +156,6 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 }
 
 /// The child processes of one run, killed on drop.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Finds or installs the peer; `Err` says why it cannot be run.
 fn peer_program(args: &VersusArgs) -> Result<PathBuf, String> {
     if let Some(bin) = &args.peer_bin {

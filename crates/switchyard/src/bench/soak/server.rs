@@ -9,12 +9,13 @@
 //! for the whole run rather than settling on the trace's first prefixes.
 
 use super::plateau::statm_rss_bytes;
+use crate::child::Children;
 use crate::demo::{free_port, start_fleet, DemoArgs};
 use crate::loadgen::{self, Pacing, PreparedRequest};
 use anyhow::Context as _;
 use serde::Serialize;
 use serde_json::json;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeRecord};
@@ -68,16 +69,6 @@ pub struct ServerSoakOutcome {
     pub rounds: u64,
     /// Wall seconds of load.
     pub wall_seconds: f64,
-}
-
-/// The router child, killed on drop.
-struct RouterProcess(Child);
-
-impl Drop for RouterProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Round `round`'s requests: the records with hash ids made fresh.
@@ -168,14 +159,14 @@ pub fn run_server(
         }
         command.args(["--worker", &spec]);
     }
-    let router = RouterProcess(
-        command
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the router")?,
-    );
-    let pid = router.0.id();
+    let router = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the router")?;
+    let pid = router.id();
+    // Killed on drop.
+    let router = Children(vec![router]);
     let base = format!("http://127.0.0.1:{port}");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

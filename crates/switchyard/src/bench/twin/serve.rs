@@ -7,11 +7,11 @@
 //! when their guards drop — on success, on error, on a panic, and on
 //! Ctrl-C or SIGTERM, which end the run with an error.
 
+use crate::child::Children;
 use crate::demo::{start_sim_workers, Fleet};
 use crate::loadgen::{self, Pacing, PreparedRequest, Report};
 use anyhow::Context as _;
 use serde::Serialize;
-use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
@@ -45,16 +45,6 @@ pub(super) struct ServeRun {
     pub(super) health: ServeHealth,
 }
 
-/// The router child, killed on drop.
-pub(crate) struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `switchyard serve` flags for `policy` in front of `fleet`.
 fn serve_args(policy: PolicyKind, block_size: usize, fleet: &Fleet) -> Vec<String> {
     let mut args: Vec<String> = [
@@ -82,12 +72,12 @@ fn serve_args(policy: PolicyKind, block_size: usize, fleet: &Fleet) -> Vec<Strin
 }
 
 /// Starts `switchyard serve` with `args` (which must include `--port 0`)
-/// and returns it with its base URL once it has printed it.
-pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Router, String)> {
+/// and returns it (killed on drop) with its base URL once it has printed it.
+pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Children, String)> {
     let mut command = crate::child::this_binary()?;
     command.args(args).env("RUST_LOG", "warn");
     let (child, url) = crate::child::spawn_printing_url(command, "the router")?;
-    Ok((Router(child), url))
+    Ok((Children(vec![child]), url))
 }
 
 /// Workers the router's `/metrics` lists as in selection.
@@ -283,7 +273,7 @@ mod tests {
     #[test]
     fn the_router_gets_every_worker_with_its_event_endpoints_and_the_block_size() {
         let fleet = Fleet {
-            children: Vec::new(),
+            children: Children::default(),
             urls: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
             events: vec![
                 Some(("tcp://127.0.0.1:3".into(), "tcp://127.0.0.1:4".into())),
