@@ -7,6 +7,7 @@
 
 use crate::support::{
     machine, metric, metrics_text, router, scratch_file, served_by, sim_worker_with, wait_metrics,
+    PATIENCE,
 };
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -112,13 +113,25 @@ async fn forged_replica_messages_change_nothing_beyond_the_clamps_and_the_unauth
     let forger = NatsTransport::connect_with(&url, &auth)
         .await
         .expect("an authenticated peer connects");
-    // The router's own id, from its heartbeats on the bus.
+    // The router's own id, from its heartbeats on the bus. The sim-worker
+    // publishes on the same subject (its marks' heartbeats, every second),
+    // so the router is the sender heard 8 times first: it heartbeats every
+    // 100 ms and sends a digest every 200 ms.
     let mut heard = forger.subscribe(&subject).await.unwrap();
-    let own = tokio::time::timeout(Duration::from_secs(10), heard.next())
-        .await
-        .expect("the router heartbeats")
-        .map(|payload| decode_batch(&payload).unwrap().router_id)
-        .unwrap();
+    let mut counts = std::collections::HashMap::new();
+    let own = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let payload = heard.next().await.expect("the bus stays up");
+            let sender = decode_batch(&payload).unwrap().router_id;
+            let n = counts.entry(sender).or_insert(0);
+            *n += 1;
+            if *n == 8 {
+                return sender;
+            }
+        }
+    })
+    .await
+    .expect("the router heartbeats");
     drop(heard);
     let send = async |batch: ReplicaBatch| {
         forger
