@@ -858,6 +858,29 @@ mod tests {
     }
 
     #[test]
+    fn a_named_rate_limited_key_is_read_from_its_file_and_requires_client_keys() {
+        let mut config = ServerConfig::from_toml(&format!(
+            "[[rate_limits.keys]]\nname = \"batch\"\nkey_file = {:?}\nrequests_per_second = 2\n",
+            write("batch", "# batch jobs\nsk-batch\n"),
+        ))
+        .unwrap();
+        assert!(config.requires_client_key());
+        config.load_secret_files().unwrap();
+        let key = &config.rate_limits.keys[0];
+        assert_eq!(key.key.as_deref(), Some("sk-batch"));
+        assert_eq!(key.key_file, None, "read once");
+        let mut two = ServerConfig::from_toml(&format!(
+            "[[rate_limits.keys]]\nname = \"b\"\nkey_file = {:?}\n",
+            write("two", "sk-1\nsk-2\n"),
+        ))
+        .unwrap();
+        assert!(
+            two.load_secret_files().is_err(),
+            "a named key's file holds one secret"
+        );
+    }
+
+    #[test]
     fn single_secret_files_fill_their_settings() {
         let mut config = ServerConfig::from_toml(&format!(
             "admin_token_file = {:?}\nworker_api_key_file = {:?}\nmetrics_key_file = {:?}\n",
