@@ -59,11 +59,7 @@ impl std::fmt::Debug for Secret {
 /// Whether `given` is any of `keys`: every key is compared, so the time
 /// does not tell which one (or whether an early one) matched.
 pub fn any_matches(keys: &[Secret], given: &[u8]) -> bool {
-    keys.iter()
-        .fold(subtle::Choice::from(0), |found, key| {
-            found | key.0.as_ref().ct_eq(given)
-        })
-        .into()
+    position(keys, given).is_some()
 }
 
 /// The token of an `Authorization: Bearer TOKEN` header (scheme matched
@@ -201,13 +197,12 @@ impl Credentials {
                 false => Ok(None),
             };
         };
-        let given = bearer(headers);
-        if scope == AuthScope::Client {
-            if let Some(at) = given.and_then(|g| position(secrets, g)) {
-                return self.take_request(method, ClientKey(at)).map(Some);
+        match (bearer(headers).and_then(|g| position(secrets, g)), scope) {
+            (Some(at), AuthScope::Client) => {
+                return self.take_request(method, ClientKey(at)).map(Some)
             }
-        } else if given.is_some_and(|g| any_matches(secrets, g)) {
-            return Ok(None);
+            (Some(_), _) => return Ok(None),
+            (None, _) => {}
         }
         self.metrics.count_auth_failure(scope);
         if scope == AuthScope::Client && method == Method::POST {
