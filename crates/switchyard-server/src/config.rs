@@ -242,6 +242,9 @@ pub struct ServerConfig {
     pub log_json: bool,
     /// Tokenizer directory (default: the bundled Qwen3 tokenizer).
     pub tokenizer_dir: Option<PathBuf>,
+    /// Token ids the tokenizer's segment cache holds (the ids of chat
+    /// messages already seen); 0 turns it off.
+    pub token_cache_ids: u64,
     /// Seed of the policies' random choices.
     pub seed: u64,
     /// Migrations allowed per request (0: a failed worker fails the request).
@@ -315,6 +318,7 @@ impl Default for ServerConfig {
             max_inflight: 8192,
             log_json: false,
             tokenizer_dir: None,
+            token_cache_ids: switchyard_tokenizer::segment_cache::DEFAULT_CAPACITY_IDS,
             seed: 0,
             migration_limit: 3,
             migration_max_seq_len: 32_768,

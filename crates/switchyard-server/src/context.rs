@@ -77,6 +77,9 @@ impl AppState {
         fleet.kv_metrics.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
+        registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
+            tokenizer.clone(),
+        )));
         Self {
             shared,
             fleet,

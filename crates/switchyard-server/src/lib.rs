@@ -246,6 +246,10 @@ pub struct ServeArgs {
     /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// Token ids kept for text already tokenized (a chat's earlier
+    /// messages), some 4 bytes each plus 64 per entry; 0: off [default: 4194304].
+    #[arg(long, env = "SWITCHYARD_TOKEN_CACHE_IDS")]
+    pub token_cache_ids: Option<u64>,
     /// The workers' prefill time in ms for T uncached tokens, `A,B,C` in
     /// A·T²+B·T+C per chunk [default: the simulated engine's fit].
     #[arg(long, env = "SWITCHYARD_PREFILL_CURVE", value_parser = parse_curve)]
@@ -294,7 +298,8 @@ impl ServeArgs {
             max_inflight,
             max_connections,
             header_read_timeout_ms,
-            body_read_timeout_ms
+            body_read_timeout_ms,
+            token_cache_ids
         );
         if self.max_prompt_tokens.is_some() {
             c.max_prompt_tokens = self.max_prompt_tokens;
@@ -598,7 +603,8 @@ pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
         ),
         None => Tokenizer::bundled(),
     }
-    .context("loading the tokenizer")?;
+    .context("loading the tokenizer")?
+    .with_segment_cache(config.token_cache_ids);
     start_with_tokenizer(config, Arc::new(tokenize::HfTokenizer(tokenizer))).await
 }
 

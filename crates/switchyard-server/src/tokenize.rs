@@ -9,6 +9,12 @@
 //! is long (see [`INLINE_CHARS`]); a chat's length is its estimated
 //! rendered size ([`rendered_size_estimate`]), not its contents' alone.
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use std::sync::Arc;
 use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 /// Prompts up to this many characters are tokenized on the async worker
@@ -62,6 +68,106 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
         Ok(Some(self.encode_chat(messages)?).filter(|ids| ids.len() <= max_tokens))
     }
+
+    /// What `/metrics` shows of the tokenizer; `None` shows nothing.
+    fn stats(&self) -> Option<TokenizerStats> {
+        None
+    }
+}
+
+/// The tokenizer's state for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TokenizerStats {
+    /// On the fast path (else the `tokenizers` crate).
+    pub fast_path: bool,
+    /// The segment cache's counts.
+    pub segments: switchyard_tokenizer::segment_cache::SegmentCacheStats,
+    /// Times a thread's word cache was emptied when full.
+    pub word_cache_clears: u64,
+}
+
+/// The tokenizer's series, read at scrape time.
+pub struct TokenizerCollector(pub Arc<dyn PromptTokenizer>);
+
+impl std::fmt::Debug for TokenizerCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenizerCollector").finish_non_exhaustive()
+    }
+}
+
+impl Collector for TokenizerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let Some(stats) = self.0.stats() else {
+            return Ok(());
+        };
+        let s = stats.segments;
+        ConstGauge::new(u32::from(stats.fast_path)).encode(encoder.encode_descriptor(
+            "switchyard_tokenizer_fast_path",
+            "1 when the tokenizer runs on Switchyard's fast byte-level BPE path, 0 on the tokenizers crate (see the startup log for why).",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        for (name, help, value) in [
+            (
+                "switchyard_tokenizer_segment_cache_lookups",
+                "Lookups of text segments (between special tokens, at least 64 bytes) in the token-id cache.",
+                s.lookups,
+            ),
+            (
+                "switchyard_tokenizer_segment_cache_hits",
+                "Segment lookups answered from the cache (not tokenized again).",
+                s.hits,
+            ),
+            (
+                "switchyard_tokenizer_segment_cache_evictions",
+                "Segments evicted from the cache (or refused as larger than it).",
+                s.evictions,
+            ),
+            (
+                "switchyard_tokenizer_word_cache_clears",
+                "Times a thread's word cache was emptied because it was full.",
+                stats.word_cache_clears,
+            ),
+        ] {
+            ConstCounter::new(value).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
+            )?)?;
+        }
+        let ratio = if s.lookups == 0 {
+            0.0
+        } else {
+            s.hits as f64 / s.lookups as f64
+        };
+        ConstGauge::new(ratio).encode(encoder.encode_descriptor(
+            "switchyard_tokenizer_segment_cache_hit_ratio",
+            "Segment cache hits over lookups since start.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        for (name, help, value) in [
+            (
+                "switchyard_tokenizer_segment_cache_entries",
+                "Segments held in the token-id cache.",
+                s.entries,
+            ),
+            (
+                "switchyard_tokenizer_segment_cache_ids",
+                "Token ids held in the segment cache.",
+                s.ids,
+            ),
+        ] {
+            ConstGauge::new(value as i64).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
+        Ok(())
+    }
 }
 
 /// The `switchyard-tokenizer` crate (Hugging Face `tokenizer.json` plus the
@@ -98,6 +204,14 @@ impl PromptTokenizer for HfTokenizer {
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
         let text = self.0.apply_chat_template(messages, true)?;
         self.0.encode_within(&text, max_tokens)
+    }
+
+    fn stats(&self) -> Option<TokenizerStats> {
+        Some(TokenizerStats {
+            fast_path: self.0.fast_path_unsupported().is_none(),
+            segments: self.0.segment_cache_stats(),
+            word_cache_clears: switchyard_tokenizer::fast::word_cache_clears(),
+        })
     }
 }
 

@@ -15,17 +15,23 @@
 //!   against measured TTFT and inter-token latency per speed-up;
 //! - [`twin`] — does `replay` predict `serve`: one trace slice through the
 //!   fleet simulator and through the router and sim-worker processes;
+//! - [`contention`] — routing decisions while KV events from several
+//!   workers are applied concurrently;
+//! - [`tokenize`] — the router's tokenizer (fast path, segment cache)
+//!   against the `tokenizers` crate;
 //! - [`versus`] — Switchyard against SGLang's routers (`smg`,
 //!   `sglang-router`) on the same conversations, each in front of fresh
 //!   sim-workers.
 
 pub mod admission;
+pub mod contention;
 pub mod engine;
 pub mod itl;
 pub mod micro;
 pub mod proxy;
 pub mod replica;
 pub mod soak;
+pub mod tokenize;
 pub mod trace;
 pub mod twin;
 pub mod versus;
@@ -54,6 +60,10 @@ pub enum BenchCommand {
     Twin(twin::TwinArgs),
     /// Switchyard against SGLang's routers (smg, sglang-router) on the same conversations.
     Versus(versus::VersusArgs),
+    /// The router's tokenizer against the tokenizers crate: fresh prompts and a long chat's last turn.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Routing decisions at 64 workers while KV events from 8 are applied concurrently.
+    Contention(contention::ContentionArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -78,5 +88,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Itl(args) => itl::run(args),
         BenchCommand::Twin(args) => twin::run(args),
         BenchCommand::Versus(args) => versus::run(args),
+        BenchCommand::Tokenize(args) => tokenize::run(args),
+        BenchCommand::Contention(args) => contention::run(args),
     }
 }

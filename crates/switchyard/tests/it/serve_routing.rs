@@ -313,3 +313,50 @@ fn bench_twin_runs_both_sides_and_writes_the_documented_json() {
     assert!(report["verdict"]["order_by_ttft_p90"]["replay"].is_array());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversations_earlier_messages_are_tokenized_once() {
+    let _machine = machine().await;
+    let w0 = sim_worker("20");
+    let router = router(&[w0.named("w0")], &["--policy", "kv"]);
+    let client = reqwest::Client::new();
+    let question =
+        "Which prompt prefixes does each worker hold in its KV cache, and how loaded is it?";
+    let answer =
+        "Every worker reports its KV events; the router keeps an index of the blocks they hold.";
+    let mut messages = vec![json!({"role": "user", "content": question})];
+    for turn in 0..3 {
+        let response = client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&json!({"model": "switchyard-sim", "messages": messages, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "turn {turn}");
+        messages.push(json!({"role": "assistant", "content": format!("{turn}: {answer}")}));
+        messages.push(json!({"role": "user", "content": format!("{turn}: {question}")}));
+    }
+    let text = client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric(&text, "switchyard_tokenizer_fast_path"), Some(1.0));
+    // Turns of 1, 3 and 5 messages: 9 segments looked up; the second turn
+    // finds its first message, the third its first three.
+    assert_eq!(
+        metric(&text, "switchyard_tokenizer_segment_cache_lookups_total"),
+        Some(9.0)
+    );
+    assert_eq!(
+        metric(&text, "switchyard_tokenizer_segment_cache_hits_total"),
+        Some(4.0)
+    );
+    assert_eq!(
+        metric(&text, "switchyard_tokenizer_segment_cache_hit_ratio"),
+        Some(4.0 / 9.0)
+    );
+}

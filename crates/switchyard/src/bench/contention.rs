@@ -1,0 +1,267 @@
+//! `switchyard bench contention`: routing decisions while KV events arrive
+//! from several workers at once — how long a decision waits for event
+//! application.
+//!
+//! The router's own shared state ([`switchyard_server::build_shared`], the
+//! structure `serve` routes with) holds `workers` workers. `event_workers`
+//! threads each play one worker's KV-event stream: a stored chain of
+//! `event_blocks` blocks (a quarter of it one of a few shared prefixes),
+//! and, once the worker holds `resident` chains, the removal of its oldest,
+//! paced at `event_rate` events a second per thread. The measuring thread
+//! places requests whose prompts are stored chains (so the overlap lookup
+//! walks real paths), times each placement (lookup, selection, booking and
+//! the lock around them, as `switchyard_routing_decision_seconds` times
+//! it), and frees it.
+//!
+//! Quiet rounds (no event threads) alternate with loaded rounds, so the
+//! ratio of their percentiles is the cost of contention on this machine.
+
+use crate::stats::{write_json, Latency};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use switchyard_core::index::{IndexEvent, StoredBlock};
+use switchyard_core::{EngineHash, LocalHash, WorkerId};
+use switchyard_server::booking::WaitHandle;
+use switchyard_server::shared::{Request, SharedRouter};
+use switchyard_server::ServerConfig;
+
+/// Options of `bench contention`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ContentionArgs {
+    /// Workers in the router.
+    #[arg(long, default_value_t = 64)]
+    pub workers: usize,
+    /// Workers whose KV events are applied concurrently (one thread each).
+    #[arg(long, default_value_t = 8)]
+    pub event_workers: usize,
+    /// KV events per second per event thread.
+    #[arg(long, default_value_t = 1000)]
+    pub event_rate: u32,
+    /// Blocks per stored chain.
+    #[arg(long, default_value_t = 64)]
+    pub event_blocks: usize,
+    /// Chains each worker holds before it starts removing its oldest.
+    #[arg(long, default_value_t = 256)]
+    pub resident: usize,
+    /// Timed placements per round.
+    #[arg(long, default_value_t = 20_000)]
+    pub decisions: usize,
+    /// Rounds of each kind (quiet, loaded), alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+struct Figures {
+    workers: usize,
+    event_workers: usize,
+    event_rate: u32,
+    quiet_micros: Latency,
+    loaded_micros: Latency,
+    events_applied_per_sec: f64,
+    event_apply_micros: Latency,
+}
+
+/// The local hashes of chain `n` of prefix group `group`.
+fn chain(group: u64, n: u64, blocks: usize) -> Vec<LocalHash> {
+    let shared = blocks / 4;
+    (0..blocks as u64)
+        .map(|i| {
+            if (i as usize) < shared {
+                LocalHash(0x5EED_0000_0000 | (group << 16) | i)
+            } else {
+                LocalHash((n << 20) | i | (1 << 63))
+            }
+        })
+        .collect()
+}
+
+fn stored(hashes: &[LocalHash], worker: usize) -> IndexEvent {
+    IndexEvent::Stored {
+        parent: None,
+        blocks: hashes
+            .iter()
+            .map(|h| StoredBlock {
+                engine_hash: EngineHash(h.0 ^ (worker as u64) << 48),
+                local_hash: *h,
+            })
+            .collect(),
+    }
+}
+
+/// One worker's event stream until `stop`; returns the apply times (µs).
+fn play_events(
+    shared: Arc<SharedRouter>,
+    worker: WorkerId,
+    slot: usize,
+    args: ContentionArgs,
+    stop: Arc<AtomicBool>,
+    applied: Arc<AtomicU64>,
+) -> Vec<f64> {
+    let mut rng = StdRng::seed_from_u64(slot as u64);
+    let epoch = shared.events_epoch(worker).unwrap_or(0);
+    let period = Duration::from_secs_f64(1.0 / f64::from(args.event_rate.max(1)));
+    let mut resident = std::collections::VecDeque::new();
+    let mut times = Vec::new();
+    let mut next = Instant::now();
+    let mut n = (slot as u64) << 32;
+    while !stop.load(Ordering::Relaxed) {
+        let event = if resident.len() >= args.resident && rng.gen_bool(0.5) {
+            let old: Vec<LocalHash> = resident.pop_front().unwrap_or_default();
+            IndexEvent::Removed {
+                blocks: old
+                    .iter()
+                    .map(|h| EngineHash(h.0 ^ (slot as u64) << 48))
+                    .collect(),
+            }
+        } else {
+            n += 1;
+            let hashes = chain(rng.gen_range(0..4), n, args.event_blocks);
+            let event = stored(&hashes, slot);
+            resident.push_back(hashes);
+            event
+        };
+        let start = Instant::now();
+        shared.apply_worker_event(worker, epoch, &event);
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        applied.fetch_add(1, Ordering::Relaxed);
+        next += period;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    times
+}
+
+/// Places `n` requests one after another; returns their times (µs).
+fn place(
+    shared: &Arc<SharedRouter>,
+    n: usize,
+    blocks: usize,
+    rng: &mut StdRng,
+) -> anyhow::Result<Vec<f64>> {
+    // The placement is handed over inside `submit` when a worker can take
+    // the request at once (always here); the runtime only reads it.
+    let runtime = tokio::runtime::Builder::new_current_thread().build()?;
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let hashes = chain(rng.gen_range(0..4), rng.gen_range(1..2000), blocks);
+        let request = Request {
+            blocks: hashes,
+            prompt_tokens: (blocks * 16) as u32,
+            session: None,
+            model: None,
+        };
+        let id = shared.next_request_id();
+        let start = Instant::now();
+        let handle = WaitHandle::submit(shared, id, request)
+            .map_err(|e| anyhow::anyhow!("submit refused: {e:?}"))?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        let mut booking = runtime
+            .block_on(handle.placed())
+            .map_err(|()| anyhow::anyhow!("no worker took a request"))?;
+        booking.completed(u64::from(blocks as u32 * 16 + 1));
+    }
+    Ok(times)
+}
+
+/// Runs the benchmark.
+pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
+    // Exact tracking: the index is the workers' KV events, as with
+    // `events=` on every worker.
+    let config = ServerConfig {
+        cache: switchyard_server::config::CacheMode::Events,
+        ..ServerConfig::default()
+    };
+    let metrics = Arc::new(switchyard_server::metrics::ServerMetrics::new(
+        config.policy.name(),
+    ));
+    let shared = Arc::new(switchyard_server::build_shared(&config, metrics)?);
+    let workers: Vec<WorkerId> = (0..args.workers.max(1))
+        .map(|i| {
+            let id = shared
+                .add_worker(&format!("w{i}"), &format!("http://w{i}.invalid:1"))
+                .map_err(|e| anyhow::anyhow!(e))?;
+            shared.set_in_router(id, true);
+            Ok(id)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    // Warm the index: each event worker's resident chains.
+    for (slot, &worker) in workers.iter().take(args.event_workers).enumerate() {
+        let epoch = shared.events_epoch(worker).unwrap_or(0);
+        for n in 0..args.resident as u64 {
+            let hashes = chain(n % 4, (1 << 40) | n, args.event_blocks);
+            shared.apply_worker_event(worker, epoch, &stored(&hashes, slot));
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(7);
+    let (mut quiet, mut loaded, mut applies) = (Vec::new(), Vec::new(), Vec::new());
+    let mut loaded_secs = 0.0;
+    let applied = Arc::new(AtomicU64::new(0));
+    for _ in 0..args.rounds.max(1) {
+        quiet.extend(place(&shared, args.decisions, args.event_blocks, &mut rng)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads: Vec<_> = workers
+            .iter()
+            .take(args.event_workers)
+            .enumerate()
+            .map(|(slot, &worker)| {
+                let (shared, args, stop, applied) =
+                    (shared.clone(), args.clone(), stop.clone(), applied.clone());
+                std::thread::spawn(move || play_events(shared, worker, slot, args, stop, applied))
+            })
+            .collect();
+        let started = Instant::now();
+        loaded.extend(place(&shared, args.decisions, args.event_blocks, &mut rng)?);
+        loaded_secs += started.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        for thread in threads {
+            applies.extend(
+                thread
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("an event thread panicked"))?,
+            );
+        }
+    }
+    let figures = Figures {
+        workers: args.workers,
+        event_workers: args.event_workers,
+        event_rate: args.event_rate,
+        quiet_micros: Latency::of(&mut quiet),
+        loaded_micros: Latency::of(&mut loaded),
+        events_applied_per_sec: applied.load(Ordering::Relaxed) as f64 / loaded_secs.max(1e-9),
+        event_apply_micros: Latency::of(&mut applies),
+    };
+    println!(
+        "{} workers; {} event threads at {} events/s each ({:.0} events/s applied while loaded)",
+        figures.workers, figures.event_workers, figures.event_rate, figures.events_applied_per_sec
+    );
+    println!("{:<40} {:>8} {:>8} {:>8}", "(µs)", "p50", "p90", "p99");
+    for (name, l) in [
+        ("routing decision, quiet", &figures.quiet_micros),
+        ("routing decision, under KV events", &figures.loaded_micros),
+        (
+            "KV event application (with lock wait)",
+            &figures.event_apply_micros,
+        ),
+    ] {
+        println!("{name:<40} {:>8.2} {:>8.2} {:>8.2}", l.p50, l.p90, l.p99);
+    }
+    println!(
+        "loaded / quiet: p50 {:.2}x, p99 {:.2}x",
+        figures.loaded_micros.p50 / figures.quiet_micros.p50,
+        figures.loaded_micros.p99 / figures.quiet_micros.p99
+    );
+    if let Some(path) = &args.json {
+        write_json(path, &figures)?;
+    }
+    Ok(())
+}
