@@ -10,6 +10,7 @@
 //! each worker's matched prefix depth, in time proportional to the prompt.
 
 mod approx;
+mod block_map;
 mod tree;
 
 pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};

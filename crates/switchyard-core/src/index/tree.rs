@@ -8,13 +8,17 @@
 //!   doubling, so at most an eighth of it is slack.
 //! - A node's children are encoded in one `u32`: none, one child (the common
 //!   case: most of a prompt is a chain), or an index into a side arena of
-//!   hash maps for branch points.
+//!   hash maps for branch points. A single child in the very next slot, as a
+//!   chain stored in one event gets, is its own code: a walk then computes
+//!   the next address instead of loading it, so the CPU can fetch the chain's
+//!   nodes ahead of the comparisons.
 //! - Which workers hold a node is a bitset indexed by worker slot: the first
 //!   64 slots inline in the node, further slots in a side array of
 //!   `stride − 1` words per node that exists only once a 65th worker appears.
 //! - Each worker keeps a map from the engine's block hash to the node it
-//!   named, so `Removed` events find their blocks. Keys are stored as two
-//!   `u32` halves so an entry packs into 12 bytes instead of 16.
+//!   named, so `Removed` events find their blocks: a [`BlockMap`], an
+//!   open-addressing table of 12-byte entries without tombstones (see its
+//!   docs for why not hashbrown here).
 //!
 //! Invariants, checked by the property tests in this module:
 //!
@@ -24,22 +28,17 @@
 //! - `live_pairs()` equals the number of (worker, node) pairs with the
 //!   worker's bit set; it returns to zero when everything is removed.
 
+use super::block_map::BlockMap;
 use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{EngineHash, LocalHash, WorkerId};
-use hashbrown::hash_map::Entry;
 
 const ROOT: u32 = 0;
 const NO_CHILD: u32 = u32::MAX;
+/// The single child is the node in the next arena slot.
+const NEXT_CHILD: u32 = u32::MAX - 1;
 const MANY_FLAG: u32 = 1 << 31;
 /// Largest arena index a single-child link can address.
 const MAX_NODES: usize = (MANY_FLAG - 1) as usize;
-
-/// An engine hash as two `u32` halves: a 4-byte-aligned map key, so that
-/// (key, node) entries pack into 12 bytes.
-#[inline]
-fn split(hash: u64) -> [u32; 2] {
-    [hash as u32, (hash >> 32) as u32]
-}
 
 /// One block an engine reports stored: its engine-side id and the router's own
 /// local hash of its tokens.
@@ -176,15 +175,16 @@ struct Node {
     /// Holder bits of worker slots 0..64.
     holders: u64,
     parent: u32,
-    /// `NO_CHILD`, a single child's index, or `MANY_FLAG | child map index`.
+    /// `NO_CHILD`, `NEXT_CHILD` (the single child is this node's index + 1),
+    /// a single child's index, or `MANY_FLAG | child map index`.
     children: u32,
 }
 
 #[derive(Debug)]
 struct WorkerSlot {
     id: WorkerId,
-    /// Engine hash (as [`split`] halves) → node it names.
-    blocks: FxHashMap<[u32; 2], u32>,
+    /// Engine hash → node it names.
+    blocks: BlockMap,
     /// Nodes named by more than one engine hash of this worker, with the
     /// number of extra names. Rare (e.g. multimodal prompts whose placeholder
     /// tokens match but whose engine hashes differ).
@@ -269,8 +269,8 @@ impl PrefixIndex {
         };
         let mut cur = match parent {
             None => ROOT,
-            Some(p) => match self.slot(slot).blocks.get(&split(p.0)) {
-                Some(&node) => node,
+            Some(p) => match self.slot(slot).blocks.get(p.0) {
+                Some(node) => node,
                 None => {
                     self.counters.unknown_parent += 1;
                     return ApplyOutcome::UnknownParent;
@@ -303,7 +303,7 @@ impl PrefixIndex {
         };
         let (mut changed, mut unknown) = (0, 0);
         for engine_hash in blocks {
-            match self.slot_mut(slot).blocks.remove(&split(engine_hash.0)) {
+            match self.slot_mut(slot).blocks.remove(engine_hash.0) {
                 Some(node) => changed += self.release(slot, node),
                 None => unknown += 1,
             }
@@ -451,7 +451,7 @@ impl PrefixIndex {
     pub fn holds(&self, worker: WorkerId, engine_hash: EngineHash) -> bool {
         self.worker_slots
             .get(&worker)
-            .is_some_and(|&slot| self.slot(slot).blocks.contains_key(&split(engine_hash.0)))
+            .is_some_and(|&slot| self.slot(slot).blocks.contains(engine_hash.0))
     }
 
     /// Live (block, worker) pairs.
@@ -486,7 +486,7 @@ impl PrefixIndex {
                 .slots
                 .iter()
                 .flatten()
-                .map(|s| map_bytes(&s.blocks) + map_bytes(&s.aliases))
+                .map(|s| s.blocks.bytes() + map_bytes(&s.aliases))
                 .sum::<usize>()
                 + map_bytes(&self.worker_slots)
                 + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>(),
@@ -521,7 +521,7 @@ impl PrefixIndex {
         };
         self.slots[slot] = Some(WorkerSlot {
             id: worker,
-            blocks: FxHashMap::default(),
+            blocks: BlockMap::default(),
             aliases: FxHashMap::default(),
             held: 0,
         });
@@ -545,17 +545,51 @@ impl PrefixIndex {
         self.stride = stride;
     }
 
-    #[inline]
+    /// The child of `node` whose local hash is `local`.
+    ///
+    /// The `NEXT_CHILD` case is a branch, not a select, on purpose: the next
+    /// node's address then follows from `node` alone, and a walk down a chain
+    /// does not wait for each node's link to arrive before fetching the next.
+    #[inline(always)]
     fn child(&self, node: u32, local: u64) -> Option<u32> {
         let children = self.nodes[node as usize].children;
-        if children == NO_CHILD {
-            None
+        let single = if children == NEXT_CHILD {
+            node + 1
         } else if children & MANY_FLAG == 0 {
-            (self.nodes[children as usize].local == local).then_some(children)
+            children
+        } else if children == NO_CHILD {
+            return None;
         } else {
-            self.child_maps[(children & !MANY_FLAG) as usize]
-                .get(&local)
-                .copied()
+            return self.branch_child(children, local);
+        };
+        (self.nodes[single as usize].local == local).then_some(single)
+    }
+
+    fn branch_child(&self, children: u32, local: u64) -> Option<u32> {
+        self.child_maps[(children & !MANY_FLAG) as usize]
+            .get(&local)
+            .copied()
+    }
+
+    /// The single child `children` encodes for `node`, if it encodes one.
+    #[inline]
+    fn single_child(node: u32, children: u32) -> Option<u32> {
+        if children == NEXT_CHILD {
+            Some(node + 1)
+        } else if children & MANY_FLAG == 0 {
+            Some(children)
+        } else {
+            None
+        }
+    }
+
+    /// The code for `parent`'s only child being `child`.
+    #[inline]
+    fn single_link(parent: u32, child: u32) -> u32 {
+        if child == parent + 1 {
+            NEXT_CHILD
+        } else {
+            child
         }
     }
 
@@ -589,15 +623,17 @@ impl PrefixIndex {
         self.live_nodes += 1;
         let children = self.nodes[parent as usize].children;
         self.nodes[parent as usize].children = if children == NO_CHILD {
-            child
-        } else if children & MANY_FLAG == 0 {
-            let sibling = children;
-            let mut map = self.new_child_map();
+            Self::single_link(parent, child)
+        } else if let Some(sibling) = Self::single_child(parent, children) {
+            let map = self.new_child_map();
+            debug_assert!(
+                map | MANY_FLAG < NEXT_CHILD,
+                "fewer branch nodes than nodes"
+            );
             let m = &mut self.child_maps[map as usize];
             m.insert(self.nodes[sibling as usize].local, sibling);
             m.insert(local, child);
-            map |= MANY_FLAG;
-            map
+            map | MANY_FLAG
         } else {
             self.child_maps[(children & !MANY_FLAG) as usize].insert(local, child);
             children
@@ -642,13 +678,9 @@ impl PrefixIndex {
     /// Makes `slot` hold `node` under the name `engine_hash`; returns the
     /// number of pairs added (0 or 1).
     fn hold(&mut self, slot: u32, engine_hash: u64, node: u32) -> usize {
-        let previous = match self.slot_mut(slot).blocks.entry(split(engine_hash)) {
-            Entry::Occupied(e) if *e.get() == node => return 0,
-            Entry::Occupied(mut e) => Some(e.insert(node)),
-            Entry::Vacant(e) => {
-                e.insert(node);
-                None
-            }
+        let previous = match self.slot_mut(slot).blocks.insert(engine_hash, node) {
+            Some(old) if old == node => return 0,
+            previous => previous,
         };
         let mut added = 0;
         if self.bit(node, slot) {
@@ -689,10 +721,10 @@ impl PrefixIndex {
 
     fn clear_slot(&mut self, slot: u32) -> usize {
         let worker = self.slot_mut(slot);
-        let blocks = std::mem::take(&mut worker.blocks);
+        let blocks = worker.blocks.take();
         worker.aliases.clear();
         let mut changed = 0;
-        for (_, node) in blocks {
+        for node in blocks.nodes() {
             if self.bit(node, slot) {
                 self.set_bit(node, slot, false);
                 self.live_pairs -= 1;
@@ -726,8 +758,8 @@ impl PrefixIndex {
 
     fn unlink_child(&mut self, parent: u32, local: u64, child: u32) {
         let children = self.nodes[parent as usize].children;
-        if children & MANY_FLAG == 0 {
-            debug_assert_eq!(children, child);
+        if let Some(only) = Self::single_child(parent, children) {
+            debug_assert_eq!(only, child);
             self.nodes[parent as usize].children = NO_CHILD;
             return;
         }
@@ -736,7 +768,7 @@ impl PrefixIndex {
         map.remove(&local);
         if map.len() == 1 {
             let (_, &only) = map.iter().next().expect("len is 1");
-            self.nodes[parent as usize].children = only;
+            self.nodes[parent as usize].children = Self::single_link(parent, only);
         } else {
             return;
         }
