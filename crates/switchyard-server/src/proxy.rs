@@ -43,7 +43,7 @@ use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::openai::{Api, Message, MessageContent, Prompt};
-use switchyard_wire::sse::{classify, Chunk, SseParser};
+use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
 
 /// The axum router for `state`: [`routes`] behind the credential check
 /// ([`crate::auth`]). The server adds the in-flight limit between the two
@@ -476,7 +476,7 @@ enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
-    Stream(hyper::http::response::Parts, Incoming, SseParser, String),
+    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
 }
 
 /// Reads a streaming response up to its first complete event, within the
@@ -490,7 +490,7 @@ async fn first_event(
     let mut parser = SseParser::new(MAX_EVENT_BYTES);
     let read = async {
         loop {
-            match parser.next_event() {
+            match parser.next_event_framed() {
                 Ok(Some(event)) => return Ok(event),
                 Ok(None) => {}
                 Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
@@ -526,7 +526,7 @@ async fn first_event(
             ),
         )
     })??;
-    if classify(&first) == Chunk::Error {
+    if classify_ref(first.data()) == ChunkRef::Error {
         return Err(AttemptError::Retry(
             Failure::Status5xx,
             format!("worker {worker} answered with an error event"),
