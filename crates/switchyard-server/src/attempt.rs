@@ -150,13 +150,20 @@ impl Attempts {
         body: Bytes,
         streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
+        // Sized exactly: the URI takes the string's buffer as it is.
+        let mut uri = String::with_capacity(booking.url.len() + path.len());
+        uri.push_str(&booking.url);
+        uri.push_str(path);
         let mut upstream = HttpRequest::builder()
             .method(Method::POST)
-            .uri(format!("{}{}", booking.url, path))
-            .header(header::CONTENT_TYPE, "application/json")
+            .uri(uri)
+            .header(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )
             // The attempt's own booking id: worker-origin prefill marks
             // (replica sync) name the booking, not the client's id.
-            .header("x-request-id", booking.booking_id().to_string());
+            .header(REQUEST_ID, id_header(booking.booking_id()));
         if let Some(router_id) = &self.state.router_id {
             upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }
@@ -335,9 +342,40 @@ impl Attempts {
                 parts.headers.insert(WORKER_HEADER, v);
             }
         }
-        if let Ok(v) = HeaderValue::from_str(&self.client_id.to_string()) {
-            parts.headers.insert("x-request-id", v);
-        }
+        parts.headers.insert(REQUEST_ID, id_header(self.client_id));
         parts
+    }
+}
+
+/// `x-request-id`.
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// `id` as a header value, its 32 hex digits (as `RequestId` displays)
+/// written on the stack: the value's own bytes are its one allocation.
+pub(crate) fn id_header(id: RequestId) -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [0u8; 32];
+    for (i, d) in digits.iter_mut().enumerate() {
+        *d = HEX[((id.0 >> (4 * (31 - i))) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&digits).expect("hex digits are a valid header value")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_header_is_the_ids_display() {
+        for id in [
+            0,
+            1,
+            0xabc,
+            u128::MAX,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+        ] {
+            let id = RequestId(id);
+            assert_eq!(id_header(id).to_str().unwrap(), id.to_string());
+        }
     }
 }
