@@ -26,7 +26,6 @@ use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::{rendered_size_estimate, INLINE_CHARS};
 use super::upload::{read_whole, ReadError, UploadLimits};
 use axum::body::Body;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -75,21 +74,22 @@ pub fn routes(state: Shared) -> AxumRouter {
             .route("/admin/workers", get(admin_list).post(admin_add))
             .route("/admin/workers/{name}", delete(admin_remove));
     }
+    // Every handler reads its body with `read_body` (within the same
+    // limit), so axum's `DefaultBodyLimit` (an extension inserted into
+    // every request) has nothing to limit.
     let routes = super::upload::route_layer(routes, uploads);
-    routes
-        .fallback(no_route)
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
-        .with_state(state)
+    routes.fallback(no_route).with_state(state)
 }
 
-fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::bad_request("could not read the request body", None)
-        }
-    })
+/// A handler's body, read whole within the body limit (already read by
+/// the upload layer: its one buffer, taken as it is).
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    read_whole(body, state.max_body_bytes)
+        .await
+        .map_err(|e| match e {
+            ReadError::TooLarge => ApiError::too_large(state.max_body_bytes),
+            ReadError::Broken => ApiError::bad_request("could not read the request body", None),
+        })
 }
 
 fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
@@ -206,12 +206,7 @@ async fn request_parts(
 ) -> (HeaderMap, Option<ClientKey>, Result<Bytes, ApiError>) {
     let (parts, body) = request.into_parts();
     let key = parts.extensions.get::<ClientKey>().copied();
-    let body = read_whole(body, state.max_body_bytes)
-        .await
-        .map_err(|e| match e {
-            ReadError::TooLarge => ApiError::too_large(state.max_body_bytes),
-            ReadError::Broken => ApiError::bad_request("could not read the request body", None),
-        });
+    let body = read_body(state, body).await;
     (parts.headers, key, body)
 }
 
@@ -636,11 +631,8 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
     Ok(axum::Json(serde_json::json!({ "workers": list })).into_response())
 }
 
-async fn admin_add(
-    State(state): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(body, state.max_body_bytes)?;
+async fn admin_add(State(state): State<Shared>, request: Request) -> Result<Response, ApiError> {
+    let body = read_body(&state, request.into_body()).await?;
     let spec: WorkerSpec = parse(&body)?;
     state
         .fleet
