@@ -9,8 +9,10 @@ use crate::booking::{Booking, WaitHandle};
 use crate::context::{AppState, WORKER_HEADER};
 use crate::error::ApiError;
 use crate::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
+use crate::roster::Endpoint;
 use crate::shared::{Request, SubmitError};
-use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest};
+use axum::http::uri::{self, PathAndQuery};
+use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -146,17 +148,25 @@ impl Attempts {
     pub(crate) async fn send(
         &self,
         booking: &Booking,
-        path: &str,
+        path: &'static str,
         body: Bytes,
         streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
+        let Ok(uri) = upstream_uri(&booking.endpoint, &booking.url, path) else {
+            return Err(AttemptError::Fatal(ApiError::internal(
+                "cannot build the upstream request",
+            )));
+        };
         let mut upstream = HttpRequest::builder()
             .method(Method::POST)
-            .uri(format!("{}{}", booking.url, path))
-            .header(header::CONTENT_TYPE, "application/json")
+            .uri(uri)
+            .header(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )
             // The attempt's own booking id: worker-origin prefill marks
             // (replica sync) name the booking, not the client's id.
-            .header("x-request-id", booking.booking_id().to_string());
+            .header(REQUEST_ID, id_header(booking.booking_id()));
         if let Some(router_id) = &self.state.router_id {
             upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }
@@ -331,13 +341,95 @@ impl Attempts {
             parts.headers.remove(name);
         }
         if self.state.worker_header {
-            if let Ok(v) = HeaderValue::from_str(&booking.name) {
-                parts.headers.insert(WORKER_HEADER, v);
+            if let Some(v) = &booking.endpoint.name_header {
+                parts.headers.insert(WORKER_HEADER, v.clone());
             }
         }
-        if let Ok(v) = HeaderValue::from_str(&self.client_id.to_string()) {
-            parts.headers.insert("x-request-id", v);
-        }
+        parts.headers.insert(REQUEST_ID, id_header(self.client_id));
         parts
+    }
+}
+
+/// The URI of `path` on the worker at `url`: the endpoint's scheme and
+/// authority (made once per worker) and the static path, nothing parsed or
+/// copied; a URL with a path prefix is joined and parsed.
+fn upstream_uri(
+    endpoint: &Endpoint,
+    url: &str,
+    path: &'static str,
+) -> Result<Uri, uri::InvalidUri> {
+    if let Some((scheme, authority)) = &endpoint.origin {
+        let mut parts = uri::Parts::default();
+        parts.scheme = Some(scheme.clone());
+        parts.authority = Some(authority.clone());
+        parts.path_and_query = Some(PathAndQuery::from_static(path));
+        if let Ok(uri) = Uri::from_parts(parts) {
+            return Ok(uri);
+        }
+    }
+    // Sized exactly: the URI takes the string's buffer as it is.
+    let mut joined = String::with_capacity(url.len() + path.len());
+    joined.push_str(url);
+    joined.push_str(path);
+    Uri::try_from(joined)
+}
+
+/// `x-request-id`.
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// `id` as a header value, its 32 hex digits (as `RequestId` displays)
+/// written on the stack: the value's own bytes are its one allocation.
+pub(crate) fn id_header(id: RequestId) -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [0u8; 32];
+    for (i, d) in digits.iter_mut().enumerate() {
+        *d = HEX[((id.0 >> (4 * (31 - i))) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&digits).expect("hex digits are a valid header value")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_upstream_uri_is_the_url_joined_with_the_path() {
+        for url in [
+            "http://127.0.0.1:8000",
+            "http://worker.local",
+            "https://user:pw@h:9",
+            "http://h:1/prefix",
+            "http://h:1/prefix/v2",
+        ] {
+            let endpoint = Endpoint::new("w", url);
+            for path in ["/v1/completions", "/v1/chat/completions"] {
+                let built = upstream_uri(&endpoint, url, path).unwrap();
+                let joined: Uri = format!("{url}{path}").parse().unwrap();
+                assert_eq!(built, joined, "{url} {path}");
+                assert_eq!(built.to_string(), joined.to_string());
+            }
+        }
+        assert!(Endpoint::new("w", "http://h:1").origin.is_some());
+        assert!(Endpoint::new("w", "http://h:1/prefix").origin.is_none());
+        assert!(upstream_uri(
+            &Endpoint::new("w", "not a url"),
+            "not a url",
+            "/v1/completions"
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn an_id_header_is_the_ids_display() {
+        for id in [
+            0,
+            1,
+            0xabc,
+            u128::MAX,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+        ] {
+            let id = RequestId(id);
+            assert_eq!(id_header(id).to_str().unwrap(), id.to_string());
+        }
     }
 }

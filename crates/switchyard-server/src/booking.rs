@@ -67,6 +67,7 @@ impl WaitHandle {
                 worker,
                 name,
                 url,
+                endpoint,
                 overlap_blocks,
                 waited_ms,
                 progress,
@@ -77,6 +78,7 @@ impl WaitHandle {
                 worker,
                 name,
                 url,
+                endpoint,
                 overlap_blocks,
                 waited_ms,
                 progress,
@@ -110,6 +112,8 @@ pub struct Booking {
     pub name: Arc<str>,
     /// Its base URL.
     pub url: Arc<str>,
+    /// Its name and URL as requests use them.
+    pub endpoint: Arc<crate::roster::Endpoint>,
     /// Blocks the router predicted cached.
     pub overlap_blocks: u32,
     /// Time queued before placement.

@@ -292,6 +292,12 @@ pub struct Progress {
     pub finished: bool,
 }
 
+/// Generated ids a stream first makes room for.
+const GENERATED_IDS_HINT: usize = 64;
+
+/// Bytes of generated text a stream first makes room for.
+const GENERATED_TEXT_HINT: usize = 256;
+
 impl Progress {
     /// Empty progress that keeps at most `text_cap` bytes of text.
     pub fn new(text_cap: usize) -> Self {
@@ -331,6 +337,11 @@ impl Progress {
                     if self.pending_text.len().saturating_add(text.len()) > self.text_cap {
                         self.overflow();
                     } else if !self.overflowed {
+                        if self.pending_text.capacity() == 0 {
+                            // As for ids: room for a short answer at once.
+                            let room = text.len().max(GENERATED_TEXT_HINT);
+                            self.pending_text.reserve(room.min(self.text_cap));
+                        }
                         self.pending_text.push_str(text);
                     }
                 }
@@ -354,6 +365,13 @@ impl Progress {
             .max_ids
             .is_none_or(|max| self.ids.len().saturating_add(ids.len()) <= max);
         if within {
+            if self.ids.capacity() == 0 {
+                // Room for a short answer's ids at once (256 bytes), not
+                // doublings from 4 as the stream goes.
+                let room = ids.len().max(GENERATED_IDS_HINT);
+                self.ids
+                    .reserve(self.max_ids.map_or(room, |max| room.min(max)));
+            }
             self.ids.extend_from_slice(ids);
         } else {
             self.overflow();

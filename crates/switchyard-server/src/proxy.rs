@@ -24,10 +24,9 @@ use super::metrics::RequestStatus;
 use super::migration::{Failure, Phase, Progress};
 use super::stream::{MigratingStream, StreamStart};
 use super::tokenize::{rendered_size_estimate, INLINE_CHARS};
-use super::upload::UploadLimits;
+use super::upload::{read_whole, ReadError, UploadLimits};
 use axum::body::Body;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{Extension, Path, Query, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -43,7 +42,7 @@ use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::openai::{Api, Message, MessageContent, Prompt};
-use switchyard_wire::sse::{classify, Chunk, SseParser};
+use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
 
 /// The axum router for `state`: [`routes`] behind the credential check
 /// ([`crate::auth`]). The server adds the in-flight limit between the two
@@ -75,21 +74,22 @@ pub fn routes(state: Shared) -> AxumRouter {
             .route("/admin/workers", get(admin_list).post(admin_add))
             .route("/admin/workers/{name}", delete(admin_remove));
     }
+    // Every handler reads its body with `read_body` (within the same
+    // limit), so axum's `DefaultBodyLimit` (an extension inserted into
+    // every request) has nothing to limit.
     let routes = super::upload::route_layer(routes, uploads);
-    routes
-        .fallback(no_route)
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
-        .with_state(state)
+    routes.fallback(no_route).with_state(state)
 }
 
-fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::bad_request("could not read the request body", None)
-        }
-    })
+/// A handler's body, read whole within the body limit (already read by
+/// the upload layer: its one buffer, taken as it is).
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    read_whole(body, state.max_body_bytes)
+        .await
+        .map_err(|e| match e {
+            ReadError::TooLarge => ApiError::too_large(state.max_body_bytes),
+            ReadError::Broken => ApiError::bad_request("could not read the request body", None),
+        })
 }
 
 fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
@@ -184,11 +184,11 @@ enum TokenizeJob {
 /// token limit ([`crate::ratelimit`]).
 fn charge_tokens(
     state: &AppState,
-    key: Option<Extension<ClientKey>>,
+    key: Option<ClientKey>,
     prompt: usize,
     output: u64,
 ) -> Result<(), ApiError> {
-    let key = key.map_or(0, |Extension(ClientKey(k))| k);
+    let key = key.map_or(0, |ClientKey(k)| k);
     state
         .credentials
         .rate_limits()
@@ -196,15 +196,25 @@ fn charge_tokens(
         .map_err(ApiError::from)
 }
 
-async fn chat_completions(
-    State(state): State<Shared>,
-    key: Option<Extension<ClientKey>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+/// A handler's request: its head's headers and client key, its body read
+/// whole. The headers are moved out of the request, not copied (axum's
+/// `HeaderMap` extractor clones them), and the body, already read by the
+/// upload layer, is taken as the one buffer it is.
+async fn request_parts(
+    state: &AppState,
+    request: Request,
+) -> (HeaderMap, Option<ClientKey>, Result<Bytes, ApiError>) {
+    let (parts, body) = request.into_parts();
+    let key = parts.extensions.get::<ClientKey>().copied();
+    let body = read_body(state, body).await;
+    (parts.headers, key, body)
+}
+
+async fn chat_completions(State(state): State<Shared>, request: Request) -> Response {
     let arrival = Instant::now();
+    let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body_bytes(body, state.max_body_bytes)?;
+        let body = body?;
         let parsed = limits::parse_chat(&state, &body)?;
         let output =
             limits::requested_output_tokens([&parsed.max_tokens, &parsed.max_completion_tokens]);
@@ -223,15 +233,11 @@ async fn chat_completions(
     finish(state, headers, "/v1/chat/completions", arrival, result).await
 }
 
-async fn completions(
-    State(state): State<Shared>,
-    key: Option<Extension<ClientKey>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn completions(State(state): State<Shared>, request: Request) -> Response {
     let arrival = Instant::now();
+    let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body_bytes(body, state.max_body_bytes)?;
+        let body = body?;
         let parsed = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
         // Token ids were bounded while parsing; text while tokenized (a
@@ -299,15 +305,15 @@ async fn proxy(
     let session = headers
         .get("x-session-id")
         .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .or(facts.session.clone())
+        .or(facts.session.as_deref())
         .filter(|s| !s.is_empty())
-        .map(|s| SessionKey::from_client_id(&s));
+        .map(SessionKey::from_client_id);
     let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
+    let mut facts = facts;
     let attempts = Attempts::new(
         state.clone(),
         request_id,
-        facts.model.clone(),
+        facts.model.take(),
         headers.get(header::ACCEPT).cloned(),
         deadline,
     );
@@ -476,7 +482,7 @@ enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
-    Stream(hyper::http::response::Parts, Incoming, SseParser, String),
+    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
 }
 
 /// Reads a streaming response up to its first complete event, within the
@@ -490,7 +496,7 @@ async fn first_event(
     let mut parser = SseParser::new(MAX_EVENT_BYTES);
     let read = async {
         loop {
-            match parser.next_event() {
+            match parser.next_event_framed() {
                 Ok(Some(event)) => return Ok(event),
                 Ok(None) => {}
                 Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
@@ -526,7 +532,7 @@ async fn first_event(
             ),
         )
     })??;
-    if classify(&first) == Chunk::Error {
+    if classify_ref(first.data()) == ChunkRef::Error {
         return Err(AttemptError::Retry(
             Failure::Status5xx,
             format!("worker {worker} answered with an error event"),
@@ -542,14 +548,12 @@ async fn buffered(
 ) -> Result<Answer, AttemptError> {
     let limit = attempts.state.max_response_bytes;
     let (parts, upstream) = response.into_parts();
-    match http_body_util::Limited::new(upstream, limit).collect().await {
-        Ok(body) => Ok(Answer::Buffered(parts, body.to_bytes())),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
-                "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
-            ))))
-        }
-        Err(_) => Err(AttemptError::Retry(
+    match read_whole(upstream, limit).await {
+        Ok(body) => Ok(Answer::Buffered(parts, body)),
+        Err(ReadError::TooLarge) => Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
+            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
+        )))),
+        Err(ReadError::Broken) => Err(AttemptError::Retry(
             Failure::Reset,
             "the worker's response broke before it was complete".into(),
         )),
@@ -627,11 +631,8 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
     Ok(axum::Json(serde_json::json!({ "workers": list })).into_response())
 }
 
-async fn admin_add(
-    State(state): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let body = body_bytes(body, state.max_body_bytes)?;
+async fn admin_add(State(state): State<Shared>, request: Request) -> Result<Response, ApiError> {
+    let body = read_body(&state, request.into_body()).await?;
     let spec: WorkerSpec = parse(&body)?;
     state
         .fleet

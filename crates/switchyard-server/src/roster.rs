@@ -6,6 +6,8 @@
 //! Pure data under the router's lock ([`crate::shared`]); nothing here
 //! touches the network or the dispatcher.
 
+use axum::http::uri::{Authority, Scheme};
+use axum::http::{HeaderValue, Uri};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use switchyard_core::dispatch::CircuitChange;
@@ -22,6 +24,8 @@ pub struct WorkerInfo {
     pub name: Arc<str>,
     /// Base URL, `http://host:port`.
     pub url: Arc<str>,
+    /// Its name and URL as requests use them, made once.
+    pub endpoint: Arc<Endpoint>,
     /// Models from its `/v1/models` (empty until first fetched).
     pub models: Vec<String>,
     /// In the routing core (healthy and not removed).
@@ -43,6 +47,39 @@ pub struct WorkerInfo {
     /// Circuit transitions into each state, indexed by `CircuitState as
     /// usize`; they only grow (a counter family).
     pub circuit_transitions: [u64; 3],
+}
+
+/// A worker's name and URL in the forms a request to it uses, made once
+/// when the worker is added: each request shares them (a reference
+/// count) instead of parsing or copying them again.
+#[derive(Debug)]
+pub struct Endpoint {
+    /// The name as an `x-switchyard-worker` value (`None` when a name
+    /// cannot be a header value).
+    pub name_header: Option<HeaderValue>,
+    /// The URL's scheme and authority when the URL is just those (no path
+    /// prefix): a request's URI is these and its path.
+    pub origin: Option<(Scheme, Authority)>,
+}
+
+impl Endpoint {
+    /// The endpoint of a worker named `name` at `url` (no trailing `/`).
+    pub fn new(name: &str, url: &str) -> Self {
+        let origin = url.parse::<Uri>().ok().and_then(|uri| {
+            let bare = uri
+                .path_and_query()
+                .is_none_or(|pq| pq.as_str().is_empty() || pq.as_str() == "/");
+            let parts = uri.into_parts();
+            match (parts.scheme, parts.authority) {
+                (Some(scheme), Some(authority)) if bare => Some((scheme, authority)),
+                _ => None,
+            }
+        });
+        Self {
+            name_header: HeaderValue::from_str(name).ok(),
+            origin,
+        }
+    }
 }
 
 /// Why a request cannot be routed at all.
@@ -83,6 +120,7 @@ impl Roster {
                 id,
                 name: name.into(),
                 url: url.trim_end_matches('/').into(),
+                endpoint: Arc::new(Endpoint::new(name, url.trim_end_matches('/'))),
                 models: Vec::new(),
                 in_router: false,
                 draining: false,

@@ -53,6 +53,8 @@ pub enum Assignment {
         name: Arc<str>,
         /// Its base URL.
         url: Arc<str>,
+        /// Its name and URL as requests use them.
+        endpoint: Arc<crate::roster::Endpoint>,
         /// Blocks the router expects it to have cached.
         overlap_blocks: u32,
         /// Time spent queued.
@@ -209,6 +211,7 @@ impl SharedRouter {
                             worker: sent.worker,
                             name: info.name.clone(),
                             url: info.url.clone(),
+                            endpoint: info.endpoint.clone(),
                             overlap_blocks: sent.overlap_blocks,
                             waited_ms: sent.waited_ms,
                             progress: sent.progress,

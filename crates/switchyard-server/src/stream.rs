@@ -57,7 +57,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use switchyard_wire::openai::{Api, Usage};
 use switchyard_wire::sse::{
-    classify, event_bytes, Chunk, Delta, SseParser, StreamShape, DONE_EVENT,
+    classify_ref, event_bytes, ChunkRef, Delta, Event, SseParser, StreamShape, DONE_EVENT,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -71,7 +71,7 @@ pub(crate) struct StreamStart {
     pub(crate) booking: Booking,
     pub(crate) upstream: Incoming,
     pub(crate) parser: SseParser,
-    pub(crate) first: String,
+    pub(crate) first: Event,
     pub(crate) prompt: Vec<u32>,
     pub(crate) original: Bytes,
     pub(crate) arrival: Instant,
@@ -95,8 +95,8 @@ enum State {
     First {
         /// The leg it came from.
         leg: Leg,
-        /// The event's data.
-        event: String,
+        /// The event, as it is forwarded.
+        event: Event,
     },
     /// Forwarding the leg's events.
     Streaming(Leg),
@@ -227,7 +227,7 @@ impl MigratingStream {
 
     /// The current leg's next event: the waiting first one, or one read
     /// from the worker.
-    async fn read(&mut self, idle: Duration) -> Result<String, (Failure, String)> {
+    async fn read(&mut self, idle: Duration) -> Result<Event, (Failure, String)> {
         if matches!(self.state, State::First { .. }) {
             if let State::First { leg, event } = std::mem::replace(&mut self.state, State::Ended) {
                 self.state = State::Streaming(leg);
@@ -253,8 +253,8 @@ impl MigratingStream {
     async fn next_event(&mut self) -> Option<Bytes> {
         let idle = self.attempts.state.first_token_timeout;
         loop {
-            let data = match self.read(idle).await {
-                Ok(data) => data,
+            let event = match self.read(idle).await {
+                Ok(event) => event,
                 Err((reason, detail)) => match self.recover(reason, detail).await {
                     Recovery::Resumed => continue,
                     Recovery::End(bytes) => {
@@ -268,11 +268,13 @@ impl MigratingStream {
                 },
             };
             let resumed = self.leg().is_some_and(|leg| leg.resumed);
-            match classify(&data) {
-                Chunk::Done => {
+            // The chunk borrows the event's data; a first worker's event is
+            // then forwarded as the bytes it was parsed into (no copy).
+            match classify_ref(event.data()) {
+                ChunkRef::Done => {
                     return Some(self.end_with(RequestStatus::Ok, DONE_EVENT.to_vec()));
                 }
-                Chunk::Error => {
+                ChunkRef::Error => {
                     let detail = "the worker sent an error event mid-stream".to_owned();
                     match self.recover(Failure::MidStream, detail).await {
                         Recovery::Resumed => continue,
@@ -281,12 +283,12 @@ impl MigratingStream {
                         }
                     }
                 }
-                Chunk::Unknown if resumed => continue,
-                Chunk::Unknown => {
+                ChunkRef::Unknown if resumed => continue,
+                ChunkRef::Unknown => {
                     self.observe_event();
-                    return Some(Bytes::from(event_bytes(&data)));
+                    return Some(Bytes::from(event.into_bytes()));
                 }
-                Chunk::Delta(delta) => {
+                ChunkRef::Delta(delta) => {
                     self.observe_event();
                     self.progress.observe(
                         delta.text.as_deref(),
@@ -299,10 +301,12 @@ impl MigratingStream {
                     }
                     if !resumed {
                         if self.shape.is_none() && delta.usage.is_none() {
-                            self.shape = Some(StreamShape::from_delta(self.api, &delta));
+                            self.shape =
+                                Some(StreamShape::from_delta(self.api, &delta.into_owned()));
                         }
-                        return Some(Bytes::from(event_bytes(&data)));
+                        return Some(Bytes::from(event.into_bytes()));
                     }
+                    let delta: Delta = delta.into_owned();
                     let usage = delta.usage.as_ref().map(|u| self.adjust_usage(u));
                     let shape = self.shape();
                     return Some(Bytes::from(shape.rewrite(&delta, usage)));
@@ -525,9 +529,9 @@ impl Drop for MigratingStream {
 /// Reads `leg`'s worker up to its next complete event. A break, an end
 /// without `[DONE]`, an oversized event or silence longer than `idle` is a
 /// failure.
-async fn read_event(leg: &mut Leg, idle: Duration) -> Result<String, (Failure, String)> {
+async fn read_event(leg: &mut Leg, idle: Duration) -> Result<Event, (Failure, String)> {
     loop {
-        match leg.parser.next_event() {
+        match leg.parser.next_event_framed() {
             Ok(Some(event)) => return Ok(event),
             Ok(None) => {}
             Err(e) => return Err((Failure::MidStream, e.to_string())),

@@ -11,7 +11,7 @@
 //!   (`switchyard_slow_uploads_total`), so a stalled upload holds its
 //!   connection, permit and partial body for a bounded time.
 //!
-//! Handlers then extract `Bytes` from a body that is already whole. Only
+//! Handlers then read ([`read_whole`]) a body that is already whole. Only
 //! matched routes read bodies: an unknown path gets its 404 unread.
 
 use super::error::ApiError;
@@ -21,6 +21,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt as _;
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,27 +70,80 @@ async fn read_body(
         return refuse(ApiError::too_large(limits.max_bytes));
     }
     let (parts, body) = request.into_parts();
-    let limited = http_body_util::Limited::new(body, limits.max_bytes);
-    let bytes = match tokio::time::timeout(limits.deadline, limited.collect()).await {
-        Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            limits.metrics.count_limit_refusal(InputLimit::BodyBytes);
-            return refuse(ApiError::too_large(limits.max_bytes));
-        }
-        // The client broke off or sent a malformed body.
-        Ok(Err(_)) => {
-            return refuse(ApiError::bad_request(
-                "could not read the request body",
-                None,
-            ))
-        }
-        Err(_) => {
-            limits.metrics.slow_uploads.inc();
-            return refuse(ApiError::slow_upload(limits.deadline));
-        }
-    };
+    let bytes =
+        match tokio::time::timeout(limits.deadline, read_whole(body, limits.max_bytes)).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(ReadError::TooLarge)) => {
+                limits.metrics.count_limit_refusal(InputLimit::BodyBytes);
+                return refuse(ApiError::too_large(limits.max_bytes));
+            }
+            // The client broke off or sent a malformed body.
+            Ok(Err(ReadError::Broken)) => {
+                return refuse(ApiError::bad_request(
+                    "could not read the request body",
+                    None,
+                ))
+            }
+            Err(_) => {
+                limits.metrics.slow_uploads.inc();
+                return refuse(ApiError::slow_upload(limits.deadline));
+            }
+        };
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+/// Why a body could not be read whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadError {
+    /// It is longer than the limit.
+    TooLarge,
+    /// It broke off, or a frame failed.
+    Broken,
+}
+
+/// Reads `body` whole, up to `limit` bytes (trailers ignored). A body of
+/// one data frame — a client's small request, an upload this layer has
+/// already read, most workers' answers — is returned as that frame's
+/// bytes, neither copied nor collected into a list first; several frames
+/// are joined into one buffer.
+pub(crate) async fn read_whole<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut body = http_body_util::Limited::new(body, limit);
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ReadError::TooLarge
+            } else {
+                ReadError::Broken
+            }
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        if let Some(joined) = &mut joined {
+            joined.extend_from_slice(&data);
+        } else if let Some(head) = first.take() {
+            let mut both = BytesMut::with_capacity(head.len() + data.len());
+            both.extend_from_slice(&head);
+            both.extend_from_slice(&data);
+            joined = Some(both);
+        } else {
+            first = Some(data);
+        }
+    }
+    Ok(match joined {
+        Some(joined) => joined.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 #[cfg(test)]

@@ -5,5 +5,6 @@
 mod scripted_worker;
 mod support;
 
+mod allocations;
 mod request_bodies;
 mod shutdown;

@@ -601,7 +601,7 @@ impl<'de> Visitor<'de> for PromptSeed<'_> {
         Ok(match seq.next_element_seed(FirstItemSeed(b))? {
             None => Prompt::Tokens(Vec::new()),
             Some(FirstItem::Token(id)) => {
-                let mut ids = Vec::new();
+                let mut ids = Vec::with_capacity(PROMPT_IDS_HINT.min(b.limits.prompt_tokens));
                 b.token(Some(&mut ids), 1, id)?;
                 while let Some(id) = seq.next_element::<u32>()? {
                     let count = ids.len() + 1;
@@ -658,6 +658,11 @@ impl<'de> DeserializeSeed<'de> for FirstItemSeed<'_> {
 
 const TOKEN_ID: &str = "a token id (0 to 4294967295)";
 
+/// Room for this many ids is made before a token-id prompt is read (1 KiB;
+/// JSON gives no length up front): a prompt of up to this many ids is one
+/// allocation, a longer one a few doublings from here rather than from 4.
+const PROMPT_IDS_HINT: usize = 256;
+
 impl<'de> Visitor<'de> for FirstItemSeed<'_> {
     type Value = FirstItem;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -710,7 +715,11 @@ impl<'de> Visitor<'de> for TokensSeed<'_> {
         f.write_str("a sequence of token ids")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
-        let mut ids = Vec::new();
+        let mut ids = if self.keep {
+            Vec::with_capacity(PROMPT_IDS_HINT.min(self.b.limits.prompt_tokens))
+        } else {
+            Vec::new()
+        };
         let mut count = 0;
         while let Some(id) = seq.next_element::<u32>()? {
             count += 1;

@@ -265,7 +265,7 @@ impl<'de> Deserialize<'de> for MaybeString {
 
 /// `Some(T)` from an object, `None` from a value of any other type: for
 /// fields where a wrong-typed value means "absent", not "broken".
-pub(super) fn object_or_none<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+pub(crate) fn object_or_none<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
 where
     D: Deserializer<'de>,
     T: Deserialize<'de>,

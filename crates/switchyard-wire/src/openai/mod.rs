@@ -13,7 +13,7 @@
 
 mod bounded;
 mod error;
-mod lenient;
+pub(crate) mod lenient;
 mod request;
 mod response;
 

@@ -86,23 +86,203 @@ impl From<Completion> for Delta {
 }
 
 /// Reads one event's data. Never fails: what it cannot read is
-/// [`Chunk::Unknown`].
+/// [`Chunk::Unknown`]. [`classify_ref`], with the strings copied.
 pub fn classify(data: &str) -> Chunk {
+    match classify_ref(data) {
+        ChunkRef::Done => Chunk::Done,
+        ChunkRef::Error => Chunk::Error,
+        ChunkRef::Delta(delta) => Chunk::Delta(delta.into_owned()),
+        ChunkRef::Unknown => Chunk::Unknown,
+    }
+}
+
+/// What one event's data is, its strings borrowed from the data: what a
+/// proxy reads from every event of a stream without copying them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChunkRef<'a> {
+    /// `[DONE]`: the stream is complete.
+    Done,
+    /// An object with an `error` key: the server gave up mid-stream.
+    Error,
+    /// A chunk with its first choice read.
+    Delta(DeltaRef<'a>),
+    /// Not JSON, or JSON of another shape: forwarded, not interpreted.
+    Unknown,
+}
+
+/// [`Delta`] borrowing its strings from the event's data (a string with
+/// JSON escapes is unescaped into its own copy).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeltaRef<'a> {
+    /// New text (`text` or `delta.content`).
+    pub text: Option<Cow<'a, str>>,
+    /// Token ids of the new text, when the server sends them.
+    pub token_ids: Option<Vec<u32>>,
+    /// The choice's `finish_reason`, when set.
+    pub finish_reason: Option<Cow<'a, str>>,
+    /// The usage (the `include_usage` chunk).
+    pub usage: Option<Usage>,
+    /// The chunk's `id` (`""` when absent).
+    pub id: Cow<'a, str>,
+    /// The chunk's `model` (`""` when absent).
+    pub model: Cow<'a, str>,
+    /// The chunk's `created` (0 when absent).
+    pub created: u64,
+}
+
+impl DeltaRef<'_> {
+    /// The same delta owning its strings.
+    pub fn into_owned(self) -> Delta {
+        Delta {
+            text: self.text.map(Cow::into_owned),
+            token_ids: self.token_ids,
+            finish_reason: self.finish_reason.map(Cow::into_owned),
+            usage: self.usage,
+            id: self.id.into_owned(),
+            model: self.model.into_owned(),
+            created: self.created,
+        }
+    }
+}
+
+/// [`classify`] without copying the chunk's strings. A chunk is read by
+/// the same rules as a [`Completion`] (every field of every choice
+/// type-checked; a wrong type makes it [`ChunkRef::Unknown`]), but only
+/// its first choice is kept and nothing else is copied.
+pub fn classify_ref(data: &str) -> ChunkRef<'_> {
     let trimmed = data.trim();
     if trimmed == "[DONE]" {
-        return Chunk::Done;
+        return ChunkRef::Done;
     }
     if !trimmed.starts_with('{') {
-        return Chunk::Unknown;
+        return ChunkRef::Unknown;
     }
     // A JSON string cannot hold an unescaped `"`, so a top-level `error`
     // key shows as this substring; only then is the key looked for.
     if data.contains("\"error\"") && has_error_key(data) {
-        return Chunk::Error;
+        return ChunkRef::Error;
     }
-    match serde_json::from_str::<Completion>(data) {
-        Ok(chunk) => Chunk::Delta(chunk.into()),
-        Err(_) => Chunk::Unknown,
+    match serde_json::from_str::<borrowed::Completion<'_>>(data) {
+        Ok(chunk) => ChunkRef::Delta(chunk.into()),
+        Err(_) => ChunkRef::Unknown,
+    }
+}
+
+/// [`Completion`], [`Choice`], [`ChoiceDelta`] and
+/// [`crate::openai::ChoiceMessage`] as a reader of one chunk sees them:
+/// the same fields of the same types, strings borrowed, and of `choices`
+/// only the first kept (the others read and type-checked, then dropped).
+mod borrowed {
+    use super::{DeltaRef, Usage};
+    use crate::openai::lenient::object_or_none;
+    use serde::de::{SeqAccess, Visitor};
+    use serde::{Deserialize, Deserializer};
+    use std::borrow::Cow;
+    use std::fmt;
+
+    /// A string borrowed from the input when it has no escapes. (Serde
+    /// borrows a `Cow<str>` field only when it is not inside an `Option`.)
+    #[derive(Deserialize)]
+    #[serde(transparent)]
+    pub(super) struct Text<'a>(#[serde(borrow)] pub(super) Cow<'a, str>);
+
+    fn cow<'a>(t: Option<Text<'a>>) -> Option<Cow<'a, str>> {
+        t.map(|t| t.0)
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Completion<'a> {
+        #[serde(default, borrow)]
+        pub(super) id: Cow<'a, str>,
+        #[serde(default, borrow, rename = "object")]
+        _object: Cow<'a, str>,
+        #[serde(default)]
+        pub(super) created: u64,
+        #[serde(default, borrow)]
+        pub(super) model: Cow<'a, str>,
+        #[serde(borrow)]
+        pub(super) choices: FirstChoice<'a>,
+        #[serde(default, deserialize_with = "object_or_none")]
+        pub(super) usage: Option<Usage>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Choice<'a> {
+        #[serde(default, rename = "index")]
+        _index: u32,
+        #[serde(default, borrow)]
+        text: Option<Text<'a>>,
+        #[serde(default, borrow, rename = "message")]
+        _message: Option<ChoiceMessage<'a>>,
+        #[serde(default, borrow)]
+        delta: Option<ChoiceDelta<'a>>,
+        #[serde(default, borrow)]
+        finish_reason: Option<Text<'a>>,
+        #[serde(default)]
+        token_ids: Option<Vec<u32>>,
+    }
+
+    #[derive(Deserialize)]
+    struct ChoiceMessage<'a> {
+        #[serde(default, borrow, rename = "role")]
+        _role: Cow<'a, str>,
+        #[serde(default, borrow, rename = "content")]
+        _content: Option<Text<'a>>,
+    }
+
+    #[derive(Deserialize)]
+    struct ChoiceDelta<'a> {
+        #[serde(default, borrow, rename = "role")]
+        _role: Option<Text<'a>>,
+        #[serde(default, borrow)]
+        content: Option<Text<'a>>,
+    }
+
+    /// The first element of `choices` (`None` when empty); the rest are
+    /// read as choices and dropped.
+    pub(super) struct FirstChoice<'a>(pub(super) Option<Choice<'a>>);
+
+    impl<'de: 'a, 'a> Deserialize<'de> for FirstChoice<'a> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct First<'a>(std::marker::PhantomData<&'a ()>);
+            impl<'de: 'a, 'a> Visitor<'de> for First<'a> {
+                type Value = FirstChoice<'a>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a sequence")
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                    let first = seq.next_element::<Choice<'a>>()?;
+                    while seq.next_element::<Choice<'a>>()?.is_some() {}
+                    Ok(FirstChoice(first))
+                }
+            }
+            d.deserialize_seq(First(std::marker::PhantomData))
+        }
+    }
+
+    impl<'a> From<Completion<'a>> for DeltaRef<'a> {
+        fn from(chunk: Completion<'a>) -> Self {
+            let (text, token_ids, finish_reason) = match chunk.choices.0 {
+                Some(choice) => {
+                    let text = match (choice.text, choice.delta) {
+                        (Some(t), _) => Some(t.0),
+                        (None, Some(delta)) => cow(delta.content),
+                        (None, None) => None,
+                    };
+                    (text, choice.token_ids, cow(choice.finish_reason))
+                }
+                None => (None, None, None),
+            };
+            DeltaRef {
+                text,
+                token_ids,
+                finish_reason,
+                usage: chunk.usage,
+                id: chunk.id,
+                model: chunk.model,
+                created: chunk.created,
+            }
+        }
     }
 }
 

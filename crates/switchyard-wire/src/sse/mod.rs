@@ -9,7 +9,7 @@
 
 mod chunk;
 
-pub use chunk::{classify, Chunk, Delta, StreamShape};
+pub use chunk::{classify, classify_ref, Chunk, ChunkRef, Delta, DeltaRef, StreamShape};
 
 use serde::Serialize;
 
@@ -114,6 +114,21 @@ impl SseParser {
 
     /// The next whole event's data. `Ok(None)`: more bytes are needed.
     pub fn next_event(&mut self) -> Result<Option<String>, SseError> {
+        self.next_with(event_data)
+    }
+
+    /// The next whole event as it is forwarded: [`Event`] holds
+    /// `data: <data>\n\n` ([`event_bytes`] of what [`Self::next_event`]
+    /// gives) built in one allocation of exactly its length, so a proxy
+    /// forwards it (`Bytes::from(event.into_bytes())`) without copying it
+    /// again.
+    pub fn next_event_framed(&mut self) -> Result<Option<Event>, SseError> {
+        self.next_with(event_framed)
+    }
+
+    /// The next whole event with data, read by `read` (`None`: no data,
+    /// skipped).
+    fn next_with<T>(&mut self, read: fn(&[u8]) -> Option<T>) -> Result<Option<T>, SseError> {
         loop {
             if let Some(error) = &self.failed {
                 return Err(error.clone());
@@ -133,7 +148,7 @@ impl SseParser {
             self.start = end;
             self.line_start = end;
             self.scanned = end;
-            if let Some(data) = event_data(&self.buf[start..content_end]) {
+            if let Some(data) = read(&self.buf[start..content_end]) {
                 return Ok(Some(data));
             }
         }
@@ -168,6 +183,72 @@ impl SseParser {
         self.scanned = 0;
         error
     }
+}
+
+/// One event, held as the bytes that forward it: `data: <data>\n\n`
+/// ([`SseParser::next_event_framed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event(String);
+
+impl Event {
+    /// An event of `data` (which must not contain a newline to be read
+    /// back as one data line).
+    pub fn from_data(data: &str) -> Self {
+        let mut framed = String::with_capacity(data.len() + FRAMING);
+        framed.push_str("data: ");
+        framed.push_str(data);
+        framed.push_str("\n\n");
+        Self(framed)
+    }
+
+    /// The event's data (what [`SseParser::next_event`] gives).
+    pub fn data(&self) -> &str {
+        // The framing is ASCII, so both ends are character boundaries.
+        &self.0["data: ".len()..self.0.len() - "\n\n".len()]
+    }
+
+    /// The event's bytes, `data: <data>\n\n` ([`event_bytes`] of its data).
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0.into_bytes()
+    }
+}
+
+/// Bytes of `data: ` and the ending `\n\n`.
+const FRAMING: usize = 8;
+
+/// The `data` lines' values of one event's content, each as it is
+/// written (`data: x` and `data:x` give `x`, a bare `data` gives "").
+fn data_values(event: &[u8]) -> impl Iterator<Item = &[u8]> {
+    event.split(|&b| b == b'\n').filter_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line == b"data" {
+            Some(&[][..])
+        } else {
+            let value = line.strip_prefix(b"data:")?;
+            Some(value.strip_prefix(b" ").unwrap_or(value))
+        }
+    })
+}
+
+/// [`event_data`] framed as [`Event`]: sized exactly (for valid UTF-8)
+/// before it is written, so it is one allocation whose length is its
+/// capacity.
+fn event_framed(event: &[u8]) -> Option<Event> {
+    let (lines, bytes) =
+        data_values(event).fold((0usize, 0usize), |(n, b), v| (n + 1, b + v.len()));
+    if lines == 0 {
+        return None;
+    }
+    let mut framed = String::with_capacity(FRAMING + bytes + (lines - 1));
+    framed.push_str("data: ");
+    for (i, value) in data_values(event).enumerate() {
+        if i > 0 {
+            framed.push('\n');
+        }
+        framed.push_str(&String::from_utf8_lossy(value));
+    }
+    framed.push_str("\n\n");
+    Some(Event(framed))
 }
 
 /// The joined `data` lines of one event's content (its lines without the

@@ -456,3 +456,120 @@ fn a_finish_without_text_is_rewritten_with_empty_text_or_an_empty_delta() {
         assert!(v.get("usage").is_none());
     }
 }
+
+/// What `classify` read before `classify_ref` existed: the whole chunk as
+/// a [`Completion`], then its first choice. The borrowed reader must agree
+/// with it on every input.
+fn classify_by_completion(data: &str) -> Chunk {
+    let trimmed = data.trim();
+    if trimmed == "[DONE]" {
+        return Chunk::Done;
+    }
+    if !trimmed.starts_with('{') {
+        return Chunk::Unknown;
+    }
+    if data.contains("\"error\"") && has_error_key_for_test(data) {
+        return Chunk::Error;
+    }
+    match serde_json::from_str::<Completion>(data) {
+        Ok(chunk) => Chunk::Delta(chunk.into()),
+        Err(_) => Chunk::Unknown,
+    }
+}
+
+fn has_error_key_for_test(data: &str) -> bool {
+    serde_json::from_str::<Value>(data).is_ok_and(|v| v.get("error").is_some())
+}
+
+/// A JSON value of one of the types a chunk's fields may (wrongly) have.
+fn any_value() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        Just(json!("plain")),
+        Just(json!("esc\"aped\n")),
+        Just(json!(7)),
+        Just(json!(-1)),
+        Just(json!(1.5)),
+        Just(json!(true)),
+        Just(json!([1, 2])),
+        Just(json!(["a"])),
+        Just(json!({"content": "x"})),
+        Just(json!({"role": "assistant", "content": "y"})),
+        Just(json!({"prompt_tokens": 1, "completion_tokens": 2, "extra": 3})),
+    ]
+}
+
+fn any_object(keys: &'static [&'static str]) -> impl Strategy<Value = Value> {
+    prop::collection::vec((prop::sample::select(keys), any_value()), 0..5).prop_map(|fields| {
+        Value::Object(fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+    })
+}
+
+fn any_chunk() -> impl Strategy<Value = String> {
+    let choice = any_object(&[
+        "index",
+        "text",
+        "message",
+        "delta",
+        "finish_reason",
+        "token_ids",
+        "logprobs",
+        "other",
+    ]);
+    (
+        any_object(&["id", "object", "created", "model", "usage", "other"]),
+        prop_oneof![
+            prop::collection::vec(choice, 0..3).prop_map(Value::Array),
+            any_value()
+        ],
+        any::<bool>(),
+    )
+        .prop_map(|(mut chunk, choices, with_choices)| {
+            if with_choices {
+                chunk["choices"] = choices;
+            }
+            chunk.to_string()
+        })
+}
+
+proptest! {
+    #[test]
+    fn the_borrowed_reader_agrees_with_reading_a_whole_completion(data in any_chunk()) {
+        prop_assert_eq!(classify(&data), classify_by_completion(&data));
+    }
+
+    #[test]
+    fn a_framed_event_is_the_event_bytes_of_its_data_in_one_exact_allocation(
+        events in prop::collection::vec(event(), 0..12),
+    ) {
+        let stream: Vec<u8> = events.iter().flat_map(|(b, _)| b.clone()).collect();
+        let expected: Vec<String> = events.into_iter().filter_map(|(_, d)| d).collect();
+        let mut parser = SseParser::new(1 << 20);
+        parser.push(&stream);
+        let mut framed = Vec::new();
+        while let Some(e) = parser.next_event_framed().unwrap() {
+            prop_assert_eq!(Event::from_data(e.data()), e.clone());
+            let bytes = e.into_bytes();
+            prop_assert_eq!(bytes.len(), bytes.capacity());
+            framed.push(bytes);
+        }
+        let want: Vec<Vec<u8>> = expected.iter().map(|d| event_bytes(d)).collect();
+        prop_assert_eq!(framed, want);
+    }
+}
+
+#[test]
+fn a_plain_chunks_strings_are_borrowed_not_copied() {
+    let data = r#"{"id":"cmpl-1","model":"m","choices":[{"text":" w","finish_reason":"length"},{"text":"other"}]}"#;
+    let ChunkRef::Delta(delta) = classify_ref(data) else {
+        panic!("a chunk");
+    };
+    assert!(matches!(delta.text, Some(Cow::Borrowed(" w"))));
+    assert!(matches!(delta.finish_reason, Some(Cow::Borrowed("length"))));
+    assert!(matches!(delta.id, Cow::Borrowed("cmpl-1")));
+    assert_eq!(
+        classify_ref(r#"{"choices":[{"text":"a"},{"text":5}]}"#),
+        ChunkRef::Unknown,
+        "a later choice is type-checked like the first"
+    );
+}

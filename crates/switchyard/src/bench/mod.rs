@@ -7,7 +7,8 @@
 //! - [`replica`] — replica events per second over NATS and booking →
 //!   visibility latency on a peer;
 //! - [`proxy`] — the router's added latency and request rate against one
-//!   sim-worker directly;
+//!   sim-worker directly and, with `--peer`, against SGLang's routers;
+//! - [`peer`] — SGLang's routers as peers: install, launch, readiness;
 //! - [`soak`] — bounded memory under a long load: the routing core driven
 //!   by simulated engines' KV events, or the router server under a
 //!   demo-like load; a plateau verdict on the samples;
@@ -28,6 +29,7 @@ pub mod contention;
 pub mod engine;
 pub mod itl;
 pub mod micro;
+pub mod peer;
 pub mod proxy;
 pub mod replica;
 pub mod soak;
@@ -50,7 +52,7 @@ pub enum BenchCommand {
     Admission(admission::AdmissionArgs),
     /// Replica sync over a local NATS server: events/s and visibility latency.
     Replica(replica::ReplicaArgs),
-    /// Router overhead: the same load to one sim-worker directly and through the router.
+    /// Router overhead: the same load to one sim-worker directly, through the router and through SGLang's routers.
     Proxy(proxy::ProxyArgs),
     /// Bounded memory: the core (or, with --server, the router process) under a long load.
     Soak(soak::SoakArgs),

@@ -1,64 +1,90 @@
-//! `switchyard bench proxy`: the router's added latency and its request
-//! rate, side by side with the same load sent to one sim-worker directly.
+//! `switchyard bench proxy`: the router's added latency and the requests
+//! it carries, side by side with the same load sent to one sim-worker
+//! directly and, with `--peer smg|sglang`, through SGLang's routers.
 //!
-//! One sim-worker (`--speedup 0`: every engine step instant) and one router
-//! (`serve`, policy `kv`) run as child processes of this binary; the load
-//! generator runs here. Phase 1: concurrency 1, non-streaming, direct then
-//! through the router, alternating rounds; the added latency is the
-//! difference of medians. Phase 2: high concurrency, requests per second
-//! both ways. Prompts are token ids (no tokenization) and, separately, a
-//! 465-character chat message the router tokenizes every time.
+//! One sim-worker (`--speedup 0`: every engine step instant) runs as a
+//! child process of this binary; in front of it, also children, the
+//! router (`serve`, its default policy) and each peer (installed with pip
+//! like `bench versus` does, started with `--policy cache_aware`). The load
+//! generator runs here. Two phases, each in rounds that run every target
+//! once, the order rotating from round to round so no target always goes
+//! first:
+//!
+//! - latency: concurrency 1, non-streaming, a fresh ~470-character chat
+//!   message every request (nothing is cached anywhere, every router
+//!   reads the whole message); a target's added latency in a round is its
+//!   median minus the direct median of the same round;
+//! - throughput: concurrency `--concurrency` (64), one fixed ~470-character
+//!   text completion prompt; requests carried per second, and the router
+//!   process's CPU time per request.
+//!
+//! The summary gives medians over rounds and the ratios the issue asks
+//! for: our added latency over each peer's, our requests per second over
+//! the direct rate and over each peer's.
 
+use super::peer::{cpu_seconds, launch, median, peer_program, wait_ready, Peer};
 use crate::child::Children;
 use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
 use crate::stats::write_json;
-use clap::Args;
+use anyhow::Context as _;
+use clap::{Args, ValueEnum as _};
+use serde::Serialize;
 use serde_json::json;
 use std::path::PathBuf;
 
 /// Options of `bench proxy`.
 #[derive(Debug, Clone, Args)]
 pub struct ProxyArgs {
-    /// Requests per latency round (concurrency 1).
-    #[arg(long, default_value_t = 2000)]
+    /// Requests per target per latency round (concurrency 1).
+    #[arg(long, default_value_t = 1000)]
     pub requests: usize,
     /// Requests in flight for the throughput phase.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
-    /// Requests in the throughput phase.
-    #[arg(long, default_value_t = 40_000)]
+    /// Requests per target per throughput round.
+    #[arg(long, default_value_t = 20_000)]
     pub throughput_requests: usize,
+    /// Rounds of each phase (each runs every target once).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// SGLang routers to compare with (repeat or comma-separate: smg, sglang).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub peer: Vec<Peer>,
+    /// Run this installed peer program instead of installing one:
+    /// PEER=PATH (`smg=/venv/bin/smg`; a `python3` with `sglang_router` for
+    /// sglang), or PATH when there is one `--peer`; repeat.
+    #[arg(long)]
+    pub peer_bin: Vec<String>,
+    /// Virtual environment for a peer: PEER=DIR, or DIR when there is one
+    /// `--peer`; repeat [default: TMPDIR/switchyard-versus-REQUIREMENT];
+    /// reused when it already has the peer.
+    #[arg(long)]
+    pub venv: Vec<String>,
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
-fn spawn(children: &mut Children, args: &[&str]) -> anyhow::Result<String> {
-    let mut command = crate::child::this_binary()?;
-    command.args(args).env("RUST_LOG", "warn");
-    let (child, url) = crate::child::spawn_printing_url(command, args[0])?;
-    children.0.push(child);
-    Ok(url)
-}
+/// The 459-character text every prompt is built from (a chat message is
+/// this after an 8-digit number: 468 characters).
+const TEXT: &str =
+    "Switchyard routes each request to the worker that will serve it soonest and cheapest. \
+    It knows which prompt prefixes every worker holds in its KV cache, how loaded each worker is, \
+    and which session a turn belongs to. Please summarise in one sentence why a cache-aware router \
+    lowers time to first token for multi-turn chats, and name one risk of routing by cache alone. \
+    Answer plainly, in words that a new operator of a fleet of inference servers would follow.";
 
-fn requests(n: usize, chat: bool) -> Vec<PreparedRequest> {
-    let text = "Switchyard routes each request to the worker that will serve it soonest and cheapest. \
-        It knows which prompt prefixes every worker holds in its KV cache, how loaded each worker is, \
-        and which session a turn belongs to. Please summarise in one sentence why a cache-aware router \
-        lowers time to first token for multi-turn chats, and name one risk of routing by cache alone.";
-    (0..n)
+/// `n` one-token chat requests, each message new (numbered from `first`).
+fn fresh_chats(first: usize, n: usize) -> Vec<PreparedRequest> {
+    (first..first + n)
         .map(|i| {
-            let (path, body) = if chat {
-                (
-                    "/v1/chat/completions",
-                    json!({"messages": [{"role": "user", "content": format!("{i} {text}")}], "max_tokens": 1}),
-                )
-            } else {
-                let prompt: Vec<u32> = (0..128u32).map(|t| t + (i as u32 % 64) * 7).collect();
-                ("/v1/completions", json!({"prompt": prompt, "max_tokens": 1}))
-            };
+            let body = json!({
+                "model": "switchyard-sim",
+                "messages": [{"role": "user", "content": format!("{i:08} {TEXT}")}],
+                "max_tokens": 1,
+            });
             PreparedRequest {
-                path,
+                path: "/v1/chat/completions",
                 body: serde_json::to_vec(&body).unwrap_or_default().into(),
                 session: None,
             }
@@ -66,10 +92,87 @@ fn requests(n: usize, chat: bool) -> Vec<PreparedRequest> {
         .collect()
 }
 
+/// `n` copies of one one-token text completion request.
+fn fixed_completions(n: usize) -> Vec<PreparedRequest> {
+    let body = json!({"model": "switchyard-sim", "prompt": TEXT, "max_tokens": 1});
+    let request = PreparedRequest {
+        path: "/v1/completions",
+        body: serde_json::to_vec(&body).unwrap_or_default().into(),
+        session: None,
+    };
+    vec![request; n]
+}
+
+/// Where a load goes.
+struct Target {
+    name: String,
+    url: String,
+    /// The router process (none for the worker itself).
+    pid: Option<u32>,
+}
+
+/// One target's figures in one round.
+#[derive(Debug, Clone, Serialize)]
+struct RoundFigures {
+    target: String,
+    round: usize,
+    report: Report,
+    /// The router process's CPU time per request, ms (throughput phase).
+    cpu_ms_per_request: Option<f64>,
+}
+
+/// One target's medians over the rounds.
+#[derive(Debug, Clone, Serialize)]
+struct Summary {
+    target: String,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// Median over rounds of (this p50 − the direct p50 of that round).
+    added_p50_ms: f64,
+    requests_per_s: f64,
+    /// Requests per second over the direct rate.
+    of_direct: f64,
+    cpu_ms_per_request: Option<f64>,
+    errors: usize,
+}
+
+/// The `PEER=VALUE` (or, with one peer, plain `VALUE`) entry for `peer`.
+fn for_peer(values: &[String], peer: Peer, peers: usize) -> anyhow::Result<Option<PathBuf>> {
+    for v in values {
+        match v.split_once('=') {
+            Some((name, path)) if Peer::from_str(name, true).is_ok() => {
+                if name.eq_ignore_ascii_case(peer.name()) {
+                    return Ok(Some(PathBuf::from(path)));
+                }
+            }
+            _ if peers == 1 => return Ok(Some(PathBuf::from(v))),
+            _ => anyhow::bail!("{v:?}: name the peer (PEER=PATH) when comparing several"),
+        }
+    }
+    Ok(None)
+}
+
 /// Runs `bench proxy`.
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.requests > 0
+            && args.concurrency > 0
+            && args.throughput_requests > 0
+            && args.rounds > 0,
+        "--requests, --concurrency, --throughput-requests and --rounds must be positive"
+    );
+    let mut peers = args.peer.clone();
+    peers.dedup();
     let mut children = Children(Vec::new());
-    let worker = spawn(
+    let spawn = |children: &mut Children, a: &[&str]| -> anyhow::Result<(String, u32)> {
+        let mut command = crate::child::this_binary()?;
+        command.args(a).env("RUST_LOG", "warn");
+        let (child, url) = crate::child::spawn_printing_url(command, a[0])?;
+        let pid = child.id();
+        children.0.push(child);
+        Ok((url, pid))
+    };
+    let (worker, _) = spawn(
         &mut children,
         &[
             "sim-worker",
@@ -81,7 +184,15 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
             "0",
         ],
     )?;
-    let router = spawn(
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut targets = vec![Target {
+        name: "direct (sim-worker)".into(),
+        url: worker.clone(),
+        pid: None,
+    }];
+    let (router, pid) = spawn(
         &mut children,
         &[
             "serve",
@@ -93,73 +204,262 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
             &format!("{worker},name=w0"),
         ],
     )?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let lat = |base: &str, chat: bool, n: usize| {
-        runtime.block_on(run_load(
-            base,
-            requests(n, chat),
-            Pacing::Concurrency(1),
-            false,
-            &[],
-            false,
-        ))
-    };
-    // Warm both paths (connections, caches).
-    lat(&worker, false, 200);
-    lat(&router, false, 200);
-    lat(&router, true, 200);
-    let mut rows = Vec::new();
-    for (label, chat) in [("token ids", false), ("chat text (tokenized)", true)] {
-        let mut direct = Vec::new();
-        let mut routed = Vec::new();
-        for _ in 0..2 {
-            direct.push(lat(&worker, chat, args.requests / 2));
-            routed.push(lat(&router, chat, args.requests / 2));
-        }
-        let p50 = |r: &[Report]| r.iter().map(|r| r.e2e_ms.p50).sum::<f64>() / r.len() as f64;
-        let p99 = |r: &[Report]| r.iter().map(|r| r.e2e_ms.p99).sum::<f64>() / r.len() as f64;
-        let row = json!({
-            "prompt": label,
-            "direct_p50_ms": p50(&direct),
-            "router_p50_ms": p50(&routed),
-            "added_p50_ms": p50(&routed) - p50(&direct),
-            "direct_p99_ms": p99(&direct),
-            "router_p99_ms": p99(&routed),
-        });
-        println!(
-            "concurrency 1, {label}: direct p50 {:.3} ms, through the router p50 {:.3} ms, added {:.3} ms (p99 {:.3} vs {:.3})",
-            p50(&direct), p50(&routed), p50(&routed) - p50(&direct), p99(&direct), p99(&routed)
-        );
-        rows.push(row);
+    wait_ready(&runtime, &router, &mut children, "switchyard serve")?;
+    targets.push(Target {
+        name: "switchyard (kv)".into(),
+        url: router,
+        pid: Some(pid),
+    });
+    for &peer in &peers {
+        let bin = for_peer(&args.peer_bin, peer, peers.len())?;
+        let venv = for_peer(&args.venv, peer, peers.len())?;
+        let program = match peer_program(peer, bin.as_deref(), venv.as_deref()) {
+            Ok(p) => p,
+            Err(why) => {
+                eprintln!("skipping {}: {why}", peer.requirement());
+                continue;
+            }
+        };
+        let url = launch(peer, &program, std::slice::from_ref(&worker), &mut children)?;
+        let pid = children.0.last().map(std::process::Child::id);
+        let name = format!("{} (cache_aware)", peer.requirement());
+        wait_ready(&runtime, &url, &mut children, &name)
+            .with_context(|| format!("{} ({})", name, program.display()))?;
+        targets.push(Target { name, url, pid });
     }
-    let tput = |base: &str| {
+    let load = |url: &str, requests: Vec<PreparedRequest>, concurrency: usize| {
         runtime.block_on(run_load(
-            base,
-            requests(args.throughput_requests, false),
-            Pacing::Concurrency(args.concurrency),
+            url,
+            requests,
+            Pacing::Concurrency(concurrency),
             false,
             &[],
             false,
         ))
     };
-    let direct = tput(&worker);
-    let routed = tput(&router);
-    println!(
-        "concurrency {}, token ids: direct {:.0} req/s, through the router {:.0} req/s (errors {} / {})",
-        args.concurrency, direct.throughput_rps, routed.throughput_rps, direct.errors, routed.errors
-    );
+    // Warm every path (connections, caches, the routers' first requests).
+    let mut next = 0;
+    for t in &targets {
+        load(&t.url, fresh_chats(next, 200), 1);
+        next += 200;
+        load(&t.url, fixed_completions(200), 1);
+    }
+    let order = |round: usize| {
+        let mut o: Vec<usize> = (0..targets.len()).collect();
+        o.rotate_left(round % targets.len());
+        o
+    };
+    let mut latency = Vec::new();
+    for round in 0..args.rounds {
+        for i in order(round) {
+            let t = &targets[i];
+            eprintln!("latency round {}: {}...", round + 1, t.name);
+            let report = load(&t.url, fresh_chats(next, args.requests), 1);
+            next += args.requests;
+            latency.push(RoundFigures {
+                target: t.name.clone(),
+                round: round + 1,
+                report,
+                cpu_ms_per_request: None,
+            });
+        }
+    }
+    let mut throughput = Vec::new();
+    for round in 0..args.rounds {
+        for i in order(round) {
+            let t = &targets[i];
+            eprintln!("throughput round {}: {}...", round + 1, t.name);
+            let before = t.pid.and_then(cpu_seconds);
+            let report = load(
+                &t.url,
+                fixed_completions(args.throughput_requests),
+                args.concurrency,
+            );
+            let cpu = match (before, t.pid.and_then(cpu_seconds)) {
+                (Some(b), Some(a)) if report.requests > 0 => {
+                    Some((a - b) * 1e3 / report.requests as f64)
+                }
+                _ => None,
+            };
+            throughput.push(RoundFigures {
+                target: t.name.clone(),
+                round: round + 1,
+                report,
+                cpu_ms_per_request: cpu,
+            });
+        }
+    }
+    let summaries = summarise(&targets, &latency, &throughput, args.rounds);
+    print_table(&args, &summaries);
     if let Some(path) = &args.json {
         write_json(
             path,
             &json!({
-                "latency": rows,
+                "cores": std::thread::available_parallelism().map_or(0, usize::from),
+                "requests_per_latency_round": args.requests,
                 "concurrency": args.concurrency,
-                "direct_rps": direct.throughput_rps,
-                "router_rps": routed.throughput_rps,
+                "requests_per_throughput_round": args.throughput_requests,
+                "rounds": args.rounds,
+                "latency_prompt": "fresh ~470-character chat message, max_tokens 1, non-streaming",
+                "throughput_prompt": "fixed ~470-character text completion, max_tokens 1, non-streaming",
+                "summary": summaries,
+                "ratios": ratios(&summaries),
+                "latency_rounds": latency,
+                "throughput_rounds": throughput,
             }),
         )?;
+        println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+fn summarise(
+    targets: &[Target],
+    latency: &[RoundFigures],
+    throughput: &[RoundFigures],
+    rounds: usize,
+) -> Vec<Summary> {
+    let of = |rows: &[RoundFigures], name: &str, f: &dyn Fn(&RoundFigures) -> Option<f64>| {
+        let v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.target == name)
+            .filter_map(f)
+            .collect();
+        (!v.is_empty()).then(|| median(&v))
+    };
+    let direct = &targets[0].name;
+    let direct_p50 = |round: usize| {
+        latency
+            .iter()
+            .find(|r| &r.target == direct && r.round == round)
+            .map_or(f64::NAN, |r| r.report.e2e_ms.p50)
+    };
+    let direct_rps = of(throughput, direct, &|r| Some(r.report.throughput_rps)).unwrap_or(f64::NAN);
+    targets
+        .iter()
+        .map(|t| {
+            let added: Vec<f64> = (1..=rounds)
+                .filter_map(|round| {
+                    let r = latency
+                        .iter()
+                        .find(|r| r.target == t.name && r.round == round)?;
+                    Some(r.report.e2e_ms.p50 - direct_p50(round))
+                })
+                .collect();
+            let rps =
+                of(throughput, &t.name, &|r| Some(r.report.throughput_rps)).unwrap_or(f64::NAN);
+            Summary {
+                target: t.name.clone(),
+                p50_ms: of(latency, &t.name, &|r| Some(r.report.e2e_ms.p50)).unwrap_or(f64::NAN),
+                p99_ms: of(latency, &t.name, &|r| Some(r.report.e2e_ms.p99)).unwrap_or(f64::NAN),
+                added_p50_ms: median(&added),
+                requests_per_s: rps,
+                of_direct: rps / direct_rps,
+                cpu_ms_per_request: of(throughput, &t.name, &|r| r.cpu_ms_per_request),
+                errors: latency
+                    .iter()
+                    .chain(throughput)
+                    .filter(|r| r.target == t.name)
+                    .map(|r| r.report.errors)
+                    .sum(),
+            }
+        })
+        .collect()
+}
+
+/// Ours against each peer: added latency ours/peer, requests per second
+/// ours/peer (and ours/direct, as `of_direct` in the summary).
+fn ratios(summaries: &[Summary]) -> serde_json::Value {
+    let Some(ours) = summaries.get(1) else {
+        return json!([]);
+    };
+    let mut out = vec![json!({
+        "against": summaries[0].target,
+        "requests_per_s_ours_over_theirs": ours.of_direct,
+    })];
+    for peer in summaries.iter().skip(2) {
+        out.push(json!({
+            "against": peer.target,
+            "added_p50_ours_over_theirs": ours.added_p50_ms / peer.added_p50_ms,
+            "requests_per_s_ours_over_theirs": ours.requests_per_s / peer.requests_per_s,
+        }));
+    }
+    json!(out)
+}
+
+fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
+    println!(
+        "one sim-worker (--speedup 0); latency: concurrency 1, {} fresh ~470-char chat messages per target per round; \
+         throughput: concurrency {}, {} fixed ~470-char text completions per target per round; {} rounds, medians",
+        args.requests, args.concurrency, args.throughput_requests, args.rounds
+    );
+    println!(
+        "{:<34} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>6}",
+        "target", "p50 ms", "added ms", "p99 ms", "req/s", "of direct", "cpu ms/rq", "errors"
+    );
+    for (i, s) in summaries.iter().enumerate() {
+        let added = if i == 0 {
+            "-".to_owned()
+        } else {
+            format!("{:.3}", s.added_p50_ms)
+        };
+        let cpu = s
+            .cpu_ms_per_request
+            .map_or_else(|| "-".to_owned(), |c| format!("{c:.3}"));
+        println!(
+            "{:<34} {:>9.3} {:>9} {:>9.3} {:>10.0} {:>9.2} {:>9} {:>6}",
+            s.target, s.p50_ms, added, s.p99_ms, s.requests_per_s, s.of_direct, cpu, s.errors
+        );
+    }
+    if let Some(ours) = summaries.get(1) {
+        for peer in summaries.iter().skip(2) {
+            println!(
+                "switchyard / {}: added latency {:.2}x, requests per second {:.2}x",
+                peer.target,
+                ours.added_p50_ms / peer.added_p50_ms,
+                ours.requests_per_s / peer.requests_per_s
+            );
+        }
+        println!(
+            "switchyard / direct: requests per second {:.2}x",
+            ours.of_direct
+        );
+    }
+    println!("(latency end to end at the client; added = the target's p50 minus the direct p50 of the same round; cpu ms/rq = the router process's CPU time per request in the throughput phase)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_program_is_named_by_peer_or_alone() {
+        let values = vec!["smg=/a/smg".to_owned(), "sglang=/b/python3".to_owned()];
+        assert_eq!(
+            for_peer(&values, Peer::Sglang, 2).unwrap(),
+            Some(PathBuf::from("/b/python3"))
+        );
+        assert_eq!(
+            for_peer(&["/a/smg".to_owned()], Peer::Smg, 1).unwrap(),
+            Some(PathBuf::from("/a/smg"))
+        );
+        assert!(for_peer(&["/a/smg".to_owned()], Peer::Smg, 2).is_err());
+        assert_eq!(for_peer(&[], Peer::Smg, 1).unwrap(), None);
+    }
+
+    #[test]
+    fn every_latency_prompt_is_new_and_about_470_characters() {
+        let chats = fresh_chats(5, 3);
+        let contents: Vec<String> = chats
+            .iter()
+            .map(|r| {
+                let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+                v["messages"][0]["content"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        assert!(contents[0] != contents[1] && contents[1] != contents[2]);
+        assert_eq!(contents[0].len(), 468);
+        let fixed = fixed_completions(2);
+        assert_eq!(fixed[0].body, fixed[1].body);
+    }
 }

@@ -18,65 +18,17 @@
 //! counters, so both routers are measured the same way), completed
 //! requests per second. Rounds alternate which router goes first.
 
+pub use super::peer::Peer;
+use super::peer::{cpu_seconds, launch, median, peer_program, wait_ready};
 use crate::child::Children;
-use crate::demo::{free_port, start_sim_workers, Fleet};
+use crate::demo::{start_sim_workers, Fleet};
 use crate::loadgen::{self, Pacing, Report};
 use crate::stats::write_json;
-use anyhow::Context as _;
-use clap::{Args, ValueEnum};
+use clap::Args;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Child;
 use switchyard_core::select::PolicyKind;
-
-/// How long a router may take to answer its first request.
-const READY_TIMEOUT: Duration = Duration::from_secs(90);
-
-/// SGLang's routers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Peer {
-    /// The Shepherd Model Gateway (`pip install smg==1.13.0`, `smg launch`).
-    Smg,
-    /// SGLang's Rust router (`pip install sglang-router==0.3.2`).
-    Sglang,
-}
-
-impl Peer {
-    /// The pip requirement.
-    pub fn requirement(self) -> &'static str {
-        match self {
-            Peer::Smg => "smg==1.13.0",
-            Peer::Sglang => "sglang-router==0.3.2",
-        }
-    }
-
-    /// The program in the venv's `bin/` that starts it.
-    fn program(self) -> &'static str {
-        match self {
-            Peer::Smg => "smg",
-            Peer::Sglang => "python3",
-        }
-    }
-
-    /// Its command line in front of `workers`, listening on `port`.
-    fn command(self, program: &Path, port: u16, workers: &[String]) -> Command {
-        let mut c = Command::new(program);
-        match self {
-            Peer::Smg => {
-                c.arg("launch");
-            }
-            Peer::Sglang => {
-                c.args(["-m", "sglang_router.launch_router"]);
-            }
-        }
-        c.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--policy", "cache_aware", "--worker-urls"])
-            .args(workers);
-        c
-    }
-}
 
 /// Options of `bench versus`.
 #[derive(Debug, Clone, Args)]
@@ -138,131 +90,6 @@ pub struct RunFigures {
     pub router_cpu_ms_per_request: Option<f64>,
 }
 
-/// Clock ticks per second of `/proc/PID/stat` times (`USER_HZ`, 100 on
-/// every mainstream Linux architecture).
-const USER_HZ: f64 = 100.0;
-
-/// CPU seconds (user + system) process `pid` has used so far.
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name, field 2, is in parentheses and may hold spaces.
-    let after = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line, 11 and 12
-    // after the name.
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / USER_HZ)
-}
-
-/// The child processes of one run, killed on drop.
-/// Finds or installs the peer; `Err` says why it cannot be run.
-fn peer_program(args: &VersusArgs) -> Result<PathBuf, String> {
-    if let Some(bin) = &args.peer_bin {
-        return Ok(bin.clone());
-    }
-    let venv = args.venv.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!(
-            "switchyard-versus-{}",
-            args.peer.requirement().replace("==", "-")
-        ))
-    });
-    let program = venv.join("bin").join(args.peer.program());
-    let python = venv.join("bin").join("python3");
-    let installed = || {
-        Command::new(&python)
-            .args(["-m", "pip", "show", "-q"])
-            .arg(
-                args.peer
-                    .requirement()
-                    .split("==")
-                    .next()
-                    .unwrap_or_default(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if program.exists() && installed() {
-        return Ok(program);
-    }
-    eprintln!(
-        "installing {} into {} (pip)...",
-        args.peer.requirement(),
-        venv.display()
-    );
-    let run = |c: &mut Command, what: &str| -> Result<(), String> {
-        let out = c
-            .output()
-            .map_err(|e| format!("{what} could not start: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
-            Err(format!("{what} failed: {}", last.unwrap_or("no message")))
-        }
-    };
-    run(
-        Command::new("python3").args(["-m", "venv"]).arg(&venv),
-        "python3 -m venv",
-    )?;
-    run(
-        Command::new(&python).args(["-m", "pip", "install", "-q", args.peer.requirement()]),
-        "pip install",
-    )?;
-    if program.exists() && installed() {
-        Ok(program)
-    } else {
-        Err(format!(
-            "pip installed {} but {} is missing",
-            args.peer.requirement(),
-            program.display()
-        ))
-    }
-}
-
-/// Waits until `base` answers a one-token completion (the same warm-up
-/// request for every router).
-fn wait_ready(
-    runtime: &tokio::runtime::Runtime,
-    base: &str,
-    children: &mut Children,
-    what: &str,
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let body = serde_json::json!({"model": "switchyard-sim", "prompt": "warm", "max_tokens": 1});
-    let warm = loadgen::PreparedRequest {
-        path: "/v1/completions",
-        body: serde_json::to_vec(&body)?.into(),
-        session: None,
-    };
-    loop {
-        let report = runtime.block_on(loadgen::run_load(
-            base,
-            vec![warm.clone()],
-            Pacing::Concurrency(1),
-            false,
-            &[],
-            false,
-        ));
-        if report.errors == 0 {
-            return Ok(());
-        }
-        if let Some(router) = children.0.last_mut() {
-            if let Ok(Some(status)) = router.try_wait() {
-                anyhow::bail!("{what} exited ({status}) before serving");
-            }
-        }
-        anyhow::ensure!(
-            started.elapsed() < READY_TIMEOUT,
-            "{what} did not serve a request within {READY_TIMEOUT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
 fn worker_args(args: &VersusArgs) -> Vec<String> {
     vec![
         "--speedup".into(),
@@ -312,20 +139,10 @@ fn one_run(
             children.0.push(child);
             (url, "switchyard serve".to_owned())
         }
-        Some((peer, program)) => {
-            let port = free_port()?;
-            let child = peer
-                .command(program, port, &fleet.urls)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .with_context(|| format!("starting {}", program.display()))?;
-            children.0.push(child);
-            (
-                format!("http://127.0.0.1:{port}"),
-                peer.requirement().to_owned(),
-            )
-        }
+        Some((peer, program)) => (
+            launch(peer, program, &fleet.urls, &mut children)?,
+            peer.requirement().to_owned(),
+        ),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -367,7 +184,7 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
         "switchyard ({})",
         args.policy.unwrap_or(PolicyKind::DEFAULT).name()
     );
-    let peer = match peer_program(&args) {
+    let peer = match peer_program(args.peer, args.peer_bin.as_deref(), args.venv.as_deref()) {
         Ok(p) => Some(p),
         Err(why) => {
             eprintln!(
@@ -446,17 +263,12 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         names.dedup();
         for name in names {
             let of = |f: fn(&Report) -> f64| {
-                let mut v: Vec<f64> = runs
+                let v: Vec<f64> = runs
                     .iter()
                     .filter(|r| r.router == name)
                     .map(|r| f(&r.report))
                     .collect();
-                v.sort_by(f64::total_cmp);
-                let mid = v.len() / 2;
-                match v.len() % 2 {
-                    1 => v[mid],
-                    _ => (v[mid - 1] + v[mid]) / 2.0,
-                }
+                median(&v)
             };
             println!(
                 "{:<34} {:>5} {:>10.1} {:>10.1} {:>6.3} {:>8.1}",
@@ -470,82 +282,4 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         }
     }
     println!("(TTFT in ms at the client; hit = the sim-workers' prefix hit rate over the run; cpu ms/rq = the router process's CPU time per request; med = median over rounds)");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn each_peer_is_started_with_sglangs_cache_aware_policy_on_loopback() {
-        let workers = [
-            "http://127.0.0.1:1".to_owned(),
-            "http://127.0.0.1:2".to_owned(),
-        ];
-        for (peer, head) in [
-            (Peer::Smg, vec!["launch"]),
-            (Peer::Sglang, vec!["-m", "sglang_router.launch_router"]),
-        ] {
-            let c = peer.command(Path::new("/bin/peer"), 8123, &workers);
-            let argv: Vec<_> = c
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect();
-            assert_eq!(argv[..head.len()], head[..]);
-            let rest = &argv[head.len()..];
-            assert_eq!(
-                rest,
-                [
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "8123",
-                    "--policy",
-                    "cache_aware",
-                    "--worker-urls",
-                    "http://127.0.0.1:1",
-                    "http://127.0.0.1:2"
-                ]
-            );
-        }
-    }
-
-    #[test]
-    fn this_processs_cpu_time_is_read_and_grows_with_work() {
-        let before = cpu_seconds(std::process::id()).expect("/proc/self/stat is readable");
-        let mut x = 0u64;
-        let started = Instant::now();
-        let mut after = before;
-        // Spin until a clock tick of CPU time shows (10 ms of CPU), however
-        // busy the machine; a minute of wall time is far past any load.
-        while after <= before && started.elapsed() < Duration::from_secs(60) {
-            for _ in 0..100_000 {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-            }
-            std::hint::black_box(x);
-            after = cpu_seconds(std::process::id()).unwrap();
-        }
-        assert!(after > before, "{before} -> {after}");
-    }
-
-    #[test]
-    fn a_peer_that_cannot_be_installed_is_a_reason_not_a_panic() {
-        let args = VersusArgs {
-            peer: Peer::Smg,
-            peer_bin: None,
-            venv: Some(PathBuf::from("/proc/no-such-dir/venv")),
-            policy: None,
-            config: None,
-            workers: 1,
-            speedup: 4.0,
-            num_blocks: 64,
-            requests: 1,
-            concurrency: 1,
-            rounds: 1,
-            sharegpt: None,
-            json: None,
-        };
-        let why = peer_program(&args).unwrap_err();
-        assert!(why.contains("venv"), "{why}");
-    }
 }
