@@ -15,7 +15,7 @@
 
 mod sharegpt;
 
-pub use sharegpt::{read_sharegpt, ShareGptOptions};
+pub use sharegpt::{read_conversations, read_sharegpt, ShareGptOptions};
 
 use crate::trace::{synthetic_tokens, AzureReader, MooncakeReader, TraceError};
 use rand::rngs::StdRng;

@@ -53,6 +53,46 @@ impl Default for ShareGptOptions {
     }
 }
 
+/// The chat role of a ShareGPT speaker; `None` for speakers a chat has no
+/// role for (they are skipped).
+fn chat_role(from: &str) -> Option<&'static str> {
+    match from {
+        "human" | "user" => Some("user"),
+        "gpt" | "assistant" | "chatgpt" | "bard" => Some("assistant"),
+        "system" => Some("system"),
+        _ => None,
+    }
+}
+
+/// Reads conversations as chat messages, untokenized (roles as
+/// [`read_sharegpt`] maps them); a malformed line is an error naming it.
+pub fn read_conversations<R: BufRead>(input: R) -> Result<Vec<Vec<ChatMessage>>, TraceError> {
+    let mut conversations = Vec::new();
+    for (n, line) in input.lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: Record = serde_json::from_str(&line).map_err(|e| TraceError::Malformed {
+            line: n + 1,
+            reason: format!("not a ShareGPT record: {e}"),
+        })?;
+        conversations.push(
+            record
+                .conversations
+                .into_iter()
+                .filter_map(|m| {
+                    Some(ChatMessage {
+                        role: chat_role(&m.from)?.to_owned(),
+                        content: m.value,
+                    })
+                })
+                .collect(),
+        );
+    }
+    Ok(conversations)
+}
+
 /// Reads and tokenizes conversations into sessions (materialized: the
 /// tokenization is the expensive part, done once and shared). Conversations
 /// with no user turn are skipped; a malformed line is an error naming it.
@@ -86,11 +126,8 @@ pub fn read_sharegpt<R: BufRead>(
         let mut turns = Vec::new();
         let convo = &record.conversations;
         for (i, m) in convo.iter().enumerate() {
-            let role = match m.from.as_str() {
-                "human" | "user" => "user",
-                "gpt" | "assistant" | "chatgpt" | "bard" => "assistant",
-                "system" => "system",
-                _ => continue,
+            let Some(role) = chat_role(&m.from) else {
+                continue;
             };
             messages.push(ChatMessage {
                 role: role.to_owned(),
@@ -160,6 +197,20 @@ mod tests {
         // The first user message's tokens open the second prompt too.
         let hello = t.encode("Hello there").unwrap();
         assert!(second.windows(hello.len()).any(|w| w == hello.as_slice()));
+    }
+
+    #[test]
+    fn conversations_read_as_chat_messages_with_their_roles() {
+        let text = "{\"conversations\": [{\"from\": \"system\", \"value\": \"s\"}, {\"from\": \"human\", \"value\": \"q\"}, {\"from\": \"narrator\", \"value\": \"n\"}, {\"from\": \"gpt\", \"value\": \"a\"}]}\n\n{oops\n";
+        let err = read_conversations(text.as_bytes()).unwrap_err();
+        assert!(err.to_string().starts_with("line 3:"), "{err}");
+        let first_line = text.lines().next().unwrap();
+        let conversations = read_conversations(first_line.as_bytes()).unwrap();
+        let roles: Vec<(&str, &str)> = conversations[0]
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(roles, [("system", "s"), ("user", "q"), ("assistant", "a")]);
     }
 
     #[test]

@@ -19,7 +19,6 @@
 
 use crate::stats::{write_json, Latency};
 use serde::Serialize;
-use std::io::BufRead;
 use std::path::PathBuf;
 use std::time::Instant;
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
@@ -62,22 +61,8 @@ fn fresh_prompt(i: usize) -> String {
 fn long_conversation(turns: usize) -> anyhow::Result<Vec<ChatMessage>> {
     let path = crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?;
     let file = std::fs::File::open(&path)?;
-    for line in std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines() {
-        let v: serde_json::Value = serde_json::from_str(&line?)?;
-        let messages: Vec<ChatMessage> = v["conversations"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|turn| ChatMessage {
-                role: if turn["from"] == "gpt" {
-                    "assistant"
-                } else {
-                    "user"
-                }
-                .into(),
-                content: turn["value"].as_str().unwrap_or_default().to_owned(),
-            })
-            .collect();
+    let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(file));
+    for messages in switchyard_sim::workload::read_conversations(reader)? {
         if messages.len() < turns {
             continue;
         }
@@ -90,7 +75,10 @@ fn long_conversation(turns: usize) -> anyhow::Result<Vec<ChatMessage>> {
             return Ok(cut);
         }
     }
-    anyhow::bail!("no conversation of {turns} messages in {}", path.display())
+    anyhow::bail!(
+        "no conversation of {turns} messages and 10,000 to 14,000 characters in {}",
+        path.display()
+    )
 }
 
 fn timed<T>(samples: &mut Vec<f64>, f: impl FnOnce() -> T) -> T {
