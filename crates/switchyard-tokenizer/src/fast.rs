@@ -278,16 +278,6 @@ impl FastBpe {
         })
     }
 
-    /// Appends the ids of `text` (added tokens included) to `out`.
-    pub fn encode(&self, text: &str, out: &mut Vec<u32>) {
-        for segment in self.segments(text) {
-            match segment {
-                Segment::Added(id) => out.push(id),
-                Segment::Text(text) => self.encode_text(text, out),
-            }
-        }
-    }
-
     /// Appends the ids of text holding no added token to `out`.
     pub fn encode_text(&self, text: &str, out: &mut Vec<u32>) {
         // Lead bytes from 0xCC start U+0300 and above: below, text is NFC.
@@ -342,4 +332,89 @@ fn kind(v: &Value) -> String {
     v.get("type")
         .and_then(Value::as_str)
         .map_or_else(|| v.to_string().chars().take(80).collect(), str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::OnceLock;
+
+    fn bundled_json() -> &'static Value {
+        static J: OnceLock<Value> = OnceLock::new();
+        J.get_or_init(|| {
+            let path = crate::Tokenizer::bundled_dir().join(crate::BUNDLED_TOKENIZER);
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+        })
+    }
+
+    fn bundled() -> &'static FastBpe {
+        static T: OnceLock<FastBpe> = OnceLock::new();
+        T.get_or_init(|| FastBpe::from_json(&bundled_json().to_string()).unwrap())
+    }
+
+    /// The bundled file with one change at `pointer`.
+    fn changed(pointer: &str, value: Value) -> Result<FastBpe, Unsupported> {
+        let mut json = bundled_json().clone();
+        *json.pointer_mut(pointer).expect("the pointer exists") = value;
+        FastBpe::from_json(&json.to_string())
+    }
+
+    #[test]
+    fn text_splits_at_added_tokens_leftmost_longest() {
+        let segments: Vec<Segment<'_>> = bundled()
+            .segments("a<|im_start|>user\n<think><|im_end|><|im_end")
+            .collect();
+        assert_eq!(
+            segments,
+            [
+                Segment::Text("a"),
+                Segment::Added(151_644),
+                Segment::Text("user\n"),
+                Segment::Added(151_667),
+                Segment::Added(151_645),
+                Segment::Text("<|im_end"),
+            ]
+        );
+        assert_eq!(bundled().segments("").count(), 0);
+    }
+
+    #[test]
+    fn anything_the_fast_path_does_not_reproduce_is_refused_by_name() {
+        let cases = [
+            (
+                "/pre_tokenizer/pretokenizers/0/pattern/Regex",
+                json!("\\p{N}{1,3}"),
+                "pre-tokenizer",
+            ),
+            ("/normalizer", json!({"type": "NFKC"}), "normalizer NFKC"),
+            ("/model/byte_fallback", json!(true), "byte_fallback"),
+            ("/model/dropout", json!(0.1), "dropout"),
+            ("/model/continuing_subword_prefix", json!("##"), "prefix"),
+            ("/added_tokens/0/lstrip", json!(true), "added token 151643"),
+            ("/truncation", json!({"max_length": 8}), "truncation"),
+            ("/model/type", json!("WordPiece"), "not BPE"),
+        ];
+        for (pointer, value, reason) in cases {
+            let err = changed(pointer, value).expect_err(pointer);
+            assert!(err.contains(reason), "{pointer}: {err}");
+        }
+        // Offsets only: still the fast path.
+        assert!(changed("/pre_tokenizer/pretokenizers/1/trim_offsets", json!(true)).is_ok());
+    }
+
+    #[test]
+    fn a_refused_file_still_loads_on_the_tokenizers_crate() {
+        let mut json = bundled_json().clone();
+        *json.pointer_mut("/normalizer").unwrap() = json!({"type": "NFKC"});
+        let dir = std::env::temp_dir().join(format!("switchyard-fast-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        let t = crate::Tokenizer::from_files(&path, None).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(t.fast_path_unsupported().unwrap().contains("NFKC"));
+        let text = "ﬁne ① <|im_start|>x";
+        assert_eq!(t.encode(text).unwrap(), t.encode_reference(text).unwrap());
+        assert_eq!(t.segment_cache_stats().lookups, 0);
+    }
 }
