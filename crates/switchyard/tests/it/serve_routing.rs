@@ -336,14 +336,7 @@ async fn a_conversations_earlier_messages_are_tokenized_once() {
         messages.push(json!({"role": "assistant", "content": format!("{turn}: {answer}")}));
         messages.push(json!({"role": "user", "content": format!("{turn}: {question}")}));
     }
-    let text = client
-        .get(format!("{}/metrics", router.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&client, &router.base).await;
     assert_eq!(metric(&text, "switchyard_tokenizer_fast_path"), Some(1.0));
     // Turns of 1, 3 and 5 messages: 9 segments looked up; the second turn
     // finds its first message, the third its first three.
