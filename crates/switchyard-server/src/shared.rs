@@ -9,6 +9,14 @@
 //! actor round trip through a channel is 220–560 ns plus a task wake-up
 //! (figures from `bench admission`'s notes).
 //!
+//! KV events do not take that lock while they are applied: with exact
+//! cache tracking the router's prefix index is published
+//! (`switchyard_core::index::published`) and events go through its writer,
+//! under a lock of their own; routing reads the last published copy and
+//! never waits for an event being applied (the event's liveness check
+//! takes the routing lock for a map lookup only). `bench contention`
+//! measures the difference.
+//!
 //! Every lifecycle decision is the dispatcher's; this module only drives
 //! it: each call takes the lock, calls the dispatcher with the router's
 //! clock, and carries out the effects before releasing the lock — a
@@ -32,12 +40,19 @@ use std::time::Instant;
 use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
 use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
 use switchyard_core::health::{CircuitConfig, CircuitConfigError, CircuitState};
+use switchyard_core::index::published::IndexWriter;
 use switchyard_core::index::IndexEvent;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
+
+/// The index writer's lock; a panic while it was held leaves the index as
+/// consistent as its own invariants make it.
+fn lock_writer(writer: &Mutex<IndexWriter>) -> MutexGuard<'_, IndexWriter> {
+    writer.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Where a request goes, handed from the dispatcher to its waiting handler
 /// (see [`crate::booking::WaitHandle`]).
@@ -106,6 +121,11 @@ struct Inner {
 /// The shared state; cheap to share behind an `Arc`.
 pub struct SharedRouter {
     inner: Mutex<Inner>,
+    /// The exact prefix index's writer (KV events), when the router
+    /// follows KV events: routing reads the index without waiting for it
+    /// (see `switchyard_core::index::published`). Lock order: this, then
+    /// `inner`, never the other way round.
+    index_writer: Option<Mutex<IndexWriter>>,
     epoch: Instant,
     metrics: Arc<ServerMetrics>,
 }
@@ -117,9 +137,13 @@ impl std::fmt::Debug for SharedRouter {
 }
 
 impl SharedRouter {
-    /// Wraps a dispatcher (with no workers yet).
-    pub fn new(dispatcher: Dispatcher, metrics: Arc<ServerMetrics>) -> Self {
+    /// Wraps a dispatcher (with no workers yet); an exact index is
+    /// published so that KV events never hold the routing lock while they
+    /// are applied.
+    pub fn new(mut dispatcher: Dispatcher, metrics: Arc<ServerMetrics>) -> Self {
+        let index_writer = dispatcher.publish_index().map(Mutex::new);
         Self {
+            index_writer,
             inner: Mutex::new(Inner {
                 dispatcher,
                 roster: Roster::default(),
@@ -384,6 +408,14 @@ impl SharedRouter {
                 ((), inner.dispatcher.remove_worker(id, now))
             }
         });
+        if !in_router {
+            // After the roster says so (an event checked from here on is
+            // dropped), and after any event checked before (they hold the
+            // writer's lock while they apply).
+            if let Some(writer) = &self.index_writer {
+                lock_writer(writer).remove_worker(id);
+            }
+        }
     }
 
     /// Sets every worker's circuit-breaker settings.
@@ -413,14 +445,33 @@ impl SharedRouter {
     /// subscriber's (the worker left the router since) is dropped and
     /// counted. Returns whether it was applied.
     pub fn apply_worker_event(&self, worker: WorkerId, epoch: u64, event: &IndexEvent) -> bool {
-        let mut inner = self.lock();
-        let live = inner
-            .roster
-            .get(worker)
-            .is_some_and(|w| w.in_router && w.events_epoch == epoch);
-        if live {
-            inner.dispatcher.apply_kv_event(worker, event);
-        } else {
+        let live = |inner: &Inner| {
+            inner
+                .roster
+                .get(worker)
+                .is_some_and(|w| w.in_router && w.events_epoch == epoch)
+        };
+        let live = match &self.index_writer {
+            // The routing lock only for the roster check; the event is
+            // applied under the writer's lock alone.
+            Some(writer) => {
+                let mut writer = lock_writer(writer);
+                let live = live(&self.lock());
+                if live {
+                    writer.apply(worker, event);
+                }
+                live
+            }
+            None => {
+                let mut inner = self.lock();
+                let live = live(&inner);
+                if live {
+                    inner.dispatcher.apply_kv_event(worker, event);
+                }
+                live
+            }
+        };
+        if !live {
             self.metrics.stale_kv_events.inc();
         }
         live
@@ -599,7 +650,7 @@ impl SharedRouter {
         Snapshot {
             workers,
             active_requests: router.sequences().active_requests(),
-            index_blocks: router.index().live_pairs(),
+            index_blocks: router.with_index(|index| index.live_pairs()),
             index_bytes: router.estimated_bytes(),
             queue_depth: admission.queue().len(),
             strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),

@@ -1163,7 +1163,7 @@ mod replica_tests {
                 )
             })
             .collect();
-        (loads, router.index().live_pairs())
+        (loads, router.with_index(|index| index.live_pairs()))
     }
 
     fn run(config: &FleetConfig, workload: SessionStream, check: impl FnMut(&Fleet)) -> SimOutcome {
@@ -1234,7 +1234,7 @@ mod replica_tests {
             pairs = fleet
                 .replicas
                 .iter()
-                .map(|r| r.dispatcher.router().index().live_pairs())
+                .map(|r| r.dispatcher.router().with_index(|index| index.live_pairs()))
                 .collect();
         });
         assert_eq!(out.replicas.remote_applied, 0);

@@ -562,6 +562,13 @@ impl Dispatcher {
 
     // ---- Engine KV events and peers ----------------------------------
 
+    /// Moves the router's exact index behind a wait-free reader and hands
+    /// out its writer ([`Router::publish_index`]); KV events then go
+    /// through the writer, not [`Dispatcher::apply_kv_event`].
+    pub fn publish_index(&mut self) -> Option<crate::index::published::IndexWriter> {
+        self.router.publish_index()
+    }
+
     /// Applies an engine KV event (already normalized: see
     /// `switchyard_wire::normalize`). `None` in approximate mode.
     pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {

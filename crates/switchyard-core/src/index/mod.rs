@@ -6,11 +6,15 @@
 //!   router's own decisions as if the chosen worker had cached the prompt,
 //!   with a TTL and a size cap.
 //!
+//! - [`published`] puts an exact index behind a wait-free reader: the
+//!   router reads one copy while the KV-event writer changes the other.
+//!
 //! Both answer [`PrefixIndex::overlaps`]: for a prompt's local block hashes,
 //! each worker's matched prefix depth, in time proportional to the prompt.
 
 mod approx;
 mod block_map;
+pub mod published;
 mod tree;
 
 pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};

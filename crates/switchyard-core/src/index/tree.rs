@@ -180,7 +180,7 @@ struct Node {
     children: u32,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct WorkerSlot {
     id: WorkerId,
     /// Engine hash → node it names.
@@ -194,7 +194,7 @@ struct WorkerSlot {
 }
 
 /// The exact prefix index. See the module docs for layout and invariants.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PrefixIndex {
     nodes: Vec<Node>,
     free_nodes: Vec<u32>,

@@ -15,6 +15,7 @@
 //! [`crate::replica`]).
 
 use crate::estimate::EstimatorConfig;
+use crate::index::published::{self, IndexReader, IndexWriter};
 use crate::index::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, IndexMemory,
     OverlapScores, PrefixIndex,
@@ -154,6 +155,9 @@ impl RouterMemory {
 #[derive(Debug)]
 enum CacheIndex {
     Exact(PrefixIndex),
+    /// Exact, written by the holder of the [`IndexWriter`] (see
+    /// [`Router::publish_index`]).
+    Published(IndexReader),
     Approximate(ApproxIndex),
 }
 
@@ -292,6 +296,8 @@ impl Router {
             CacheIndex::Exact(index) => {
                 index.remove_worker(worker);
             }
+            // The writer's holder forgets it.
+            CacheIndex::Published(_) => {}
             CacheIndex::Approximate(index) => index.remove_worker(worker),
         }
         self.selector.remove_worker(worker);
@@ -319,12 +325,27 @@ impl Router {
 
     /// Applies an engine KV event. Events for workers the router does not
     /// route to are still indexed (a worker may publish before it is added);
-    /// in approximate mode events are ignored and `None` is returned.
+    /// in approximate mode events are ignored and `None` is returned, and
+    /// once the index is published they go through its writer (`None`).
     pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {
         match &mut self.cache {
             CacheIndex::Exact(index) => Some(index.apply(worker, event)),
-            CacheIndex::Approximate(_) => None,
+            CacheIndex::Published(_) | CacheIndex::Approximate(_) => None,
         }
+    }
+
+    /// Moves the exact index behind a wait-free reader and hands out its
+    /// writer: from now on KV events are applied through the writer (by
+    /// its holder, without this router), and routing reads the index as
+    /// last published, never waiting for an event being applied. `None` in
+    /// approximate mode or when already published.
+    pub fn publish_index(&mut self) -> Option<IndexWriter> {
+        let CacheIndex::Exact(index) = &mut self.cache else {
+            return None;
+        };
+        let (writer, reader) = published::publish(std::mem::take(index));
+        self.cache = CacheIndex::Published(reader);
+        Some(writer)
     }
 
     /// Chooses a worker for a request among `eligible` (all workers when
@@ -351,6 +372,9 @@ impl Router {
     ) -> SelectOutcome {
         match &mut self.cache {
             CacheIndex::Exact(index) => index.overlaps(request.blocks, &mut self.overlaps),
+            CacheIndex::Published(reader) => {
+                reader.with(|index| index.overlaps(request.blocks, &mut self.overlaps))
+            }
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);
                 index.overlaps(request.blocks, &mut self.overlaps);
@@ -363,6 +387,7 @@ impl Router {
         self.active.entries.sort_unstable_by_key(|e| e.worker);
         let cached_blocks = |worker| match &self.cache {
             CacheIndex::Exact(index) => index.worker_blocks(worker),
+            CacheIndex::Published(reader) => reader.with(|index| index.worker_blocks(worker)),
             CacheIndex::Approximate(index) => index.index().worker_blocks(worker),
         };
         self.candidates.clear();
@@ -547,11 +572,13 @@ impl Router {
         &self.sequences
     }
 
-    /// The exact prefix index, when the router follows KV events.
-    pub fn index(&self) -> &PrefixIndex {
+    /// Runs `read` on the prefix index (the approximate index's own in
+    /// approximate mode; the last published copy once published).
+    pub fn with_index<R>(&self, read: impl FnOnce(&PrefixIndex) -> R) -> R {
         match &self.cache {
-            CacheIndex::Exact(index) => index,
-            CacheIndex::Approximate(index) => index.index(),
+            CacheIndex::Exact(index) => read(index),
+            CacheIndex::Published(reader) => reader.with(read),
+            CacheIndex::Approximate(index) => read(index.index()),
         }
     }
 
@@ -561,6 +588,7 @@ impl Router {
     pub fn memory(&self) -> RouterMemory {
         let (index, approx_extra) = match &self.cache {
             CacheIndex::Exact(index) => (index.memory(), 0),
+            CacheIndex::Published(reader) => (reader.with(PrefixIndex::memory), 0),
             CacheIndex::Approximate(approx) => {
                 let index = approx.index().memory();
                 (
@@ -585,6 +613,7 @@ impl Router {
     pub fn estimated_bytes(&self) -> usize {
         let index = match &self.cache {
             CacheIndex::Exact(index) => index.estimated_bytes(),
+            CacheIndex::Published(reader) => reader.with(PrefixIndex::estimated_bytes),
             CacheIndex::Approximate(index) => index.estimated_bytes(),
         };
         index + self.sequences.registry().estimated_bytes()

@@ -229,7 +229,10 @@ pub fn run_core(
     }
     run.out.wall_seconds = started.elapsed().as_secs_f64();
     run.out.virtual_seconds = run.now_ms / 1000.0;
-    run.out.index_unknown_parent = run.dispatcher.router().index().counters().unknown_parent;
+    run.out.index_unknown_parent = run
+        .dispatcher
+        .router()
+        .with_index(|index| index.counters().unknown_parent);
     Ok(run.out)
 }
 
@@ -374,7 +377,7 @@ impl Run<'_> {
             requests: self.out.requests,
             wall_seconds: started.elapsed().as_secs_f64(),
             virtual_seconds: self.now_ms / 1000.0,
-            live_pairs: router.index().live_pairs(),
+            live_pairs: router.with_index(|index| index.live_pairs()),
             active_requests: router.sequences().active_requests(),
             core_bytes: memory.total() + dispatcher_bytes,
             memory,
