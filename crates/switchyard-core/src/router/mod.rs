@@ -609,11 +609,13 @@ impl Router {
         }
     }
 
-    /// Estimate of heap bytes held by the index and the registry.
+    /// Estimate of heap bytes held by the index (both copies once
+    /// published) and the registry.
     pub fn estimated_bytes(&self) -> usize {
         let index = match &self.cache {
             CacheIndex::Exact(index) => index.estimated_bytes(),
-            CacheIndex::Published(reader) => reader.with(PrefixIndex::estimated_bytes),
+            // Two copies, one per side of the reader/writer pair.
+            CacheIndex::Published(reader) => 2 * reader.with(PrefixIndex::estimated_bytes),
             CacheIndex::Approximate(index) => index.estimated_bytes(),
         };
         index + self.sequences.registry().estimated_bytes()
@@ -670,6 +672,36 @@ mod tests {
             SelectOutcome::Selected(d) => d,
             other => panic!("expected a selection, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_published_index_routes_by_its_writers_events_and_counts_both_copies() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let event = IndexEvent::Stored {
+            parent: None,
+            blocks: blocks
+                .iter()
+                .map(|&l| StoredBlock {
+                    engine_hash: EngineHash(l.0 + 100),
+                    local_hash: l,
+                })
+                .collect(),
+        };
+        r.apply_kv_event(w(1), &event);
+        let mut writer = r.publish_index().expect("an exact index");
+        assert!(r.publish_index().is_none(), "published once");
+        // What was there before is still read; events now go through the writer.
+        assert_eq!(selected(r.route(prompt(&blocks), None, 0.0)).worker, w(1));
+        assert_eq!(r.apply_kv_event(w(3), &event), None);
+        writer.remove_worker(w(1));
+        writer.apply(w(3), &event);
+        let d = selected(r.route(prompt(&blocks), None, 0.0));
+        assert_eq!((d.worker, d.overlap_blocks), (w(3), 8));
+        assert_eq!(
+            r.estimated_bytes() - r.sequences().registry().estimated_bytes(),
+            2 * r.with_index(PrefixIndex::estimated_bytes)
+        );
     }
 
     #[test]
