@@ -59,32 +59,6 @@ impl Delta {
     }
 }
 
-impl From<Completion> for Delta {
-    fn from(chunk: Completion) -> Self {
-        let first = chunk.choices.into_iter().next();
-        let (text, token_ids, finish_reason) = match first {
-            Some(choice) => {
-                let text = match (choice.text, choice.delta) {
-                    (Some(text), _) => Some(text),
-                    (None, Some(delta)) => delta.content,
-                    (None, None) => None,
-                };
-                (text, choice.token_ids, choice.finish_reason)
-            }
-            None => (None, None, None),
-        };
-        Delta {
-            text,
-            token_ids,
-            finish_reason,
-            usage: chunk.usage,
-            id: chunk.id,
-            model: chunk.model,
-            created: chunk.created,
-        }
-    }
-}
-
 /// Reads one event's data. Never fails: what it cannot read is
 /// [`Chunk::Unknown`]. [`classify_ref`], with the strings copied.
 pub fn classify(data: &str) -> Chunk {

@@ -457,6 +457,34 @@ fn a_finish_without_text_is_rewritten_with_empty_text_or_an_empty_delta() {
     }
 }
 
+/// A whole chunk's first choice, as `classify` read it before
+/// `classify_ref` existed (the reference model below).
+impl From<Completion> for Delta {
+    fn from(chunk: Completion) -> Self {
+        let first = chunk.choices.into_iter().next();
+        let (text, token_ids, finish_reason) = match first {
+            Some(choice) => {
+                let text = match (choice.text, choice.delta) {
+                    (Some(text), _) => Some(text),
+                    (None, Some(delta)) => delta.content,
+                    (None, None) => None,
+                };
+                (text, choice.token_ids, choice.finish_reason)
+            }
+            None => (None, None, None),
+        };
+        Delta {
+            text,
+            token_ids,
+            finish_reason,
+            usage: chunk.usage,
+            id: chunk.id,
+            model: chunk.model,
+            created: chunk.created,
+        }
+    }
+}
+
 /// What `classify` read before `classify_ref` existed: the whole chunk as
 /// a [`Completion`], then its first choice. The borrowed reader must agree
 /// with it on every input.
