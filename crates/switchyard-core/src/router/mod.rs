@@ -208,6 +208,9 @@ pub struct Router {
     unselectable: FxHashMap<WorkerId, ()>,
     overlaps: OverlapScores,
     active: OverlapScores,
+    /// Each worker's cached blocks, in the registry's order of loads,
+    /// read with the overlaps in one visit to the index.
+    cached: Vec<usize>,
     candidates: Vec<Candidate>,
 }
 
@@ -261,6 +264,7 @@ impl Router {
             unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
             active: OverlapScores::new(),
+            cached: Vec::new(),
             candidates: Vec::new(),
         })
     }
@@ -370,28 +374,35 @@ impl Router {
         prefill: &dyn PrefillTime,
         now_ms: f64,
     ) -> SelectOutcome {
+        // One visit to the index (one read of a published one): the
+        // prompt's overlaps and every worker's cached blocks.
+        let (overlaps, cached, registry) = (
+            &mut self.overlaps,
+            &mut self.cached,
+            self.sequences.registry(),
+        );
+        let mut read = |index: &PrefixIndex| {
+            index.overlaps(request.blocks, overlaps);
+            cached.clear();
+            cached.extend(
+                registry
+                    .loads()
+                    .map(|load| index.worker_blocks(load.worker)),
+            );
+        };
         match &mut self.cache {
-            CacheIndex::Exact(index) => index.overlaps(request.blocks, &mut self.overlaps),
-            CacheIndex::Published(reader) => {
-                reader.with(|index| index.overlaps(request.blocks, &mut self.overlaps))
-            }
+            CacheIndex::Exact(index) => read(index),
+            CacheIndex::Published(reader) => reader.with(read),
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);
-                index.overlaps(request.blocks, &mut self.overlaps);
+                read(index.index());
             }
         }
         self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
-        self.sequences
-            .registry()
-            .active_prompt_overlaps(request.blocks, &mut self.active);
+        registry.active_prompt_overlaps(request.blocks, &mut self.active);
         self.active.entries.sort_unstable_by_key(|e| e.worker);
-        let cached_blocks = |worker| match &self.cache {
-            CacheIndex::Exact(index) => index.worker_blocks(worker),
-            CacheIndex::Published(reader) => reader.with(|index| index.worker_blocks(worker)),
-            CacheIndex::Approximate(index) => index.index().worker_blocks(worker),
-        };
         self.candidates.clear();
-        for load in self.sequences.registry().loads() {
+        for (load, &cached_blocks) in registry.loads().zip(&self.cached) {
             let worker = load.worker;
             if let Some(eligible) = eligible {
                 if !eligible.contains(&worker) {
@@ -420,7 +431,7 @@ impl Router {
             self.candidates.push(Candidate {
                 worker,
                 overlap_blocks: depth_of(&self.overlaps, worker),
-                cached_blocks: cached_blocks(worker),
+                cached_blocks,
                 active_prompt_blocks: depth_of(&self.active, worker),
                 active_prefill_tokens: prefill_tokens,
                 active_decode_blocks: load.decode_blocks,
@@ -605,6 +616,7 @@ impl Router {
             other: crate::maps::map_bytes(&self.workers)
                 + (self.overlaps.entries.capacity() + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
+                + self.cached.capacity() * std::mem::size_of::<usize>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
         }
     }
