@@ -102,6 +102,11 @@ pub struct PreparedRequest {
     pub body: Bytes,
     /// Session header, if any.
     pub session: Option<String>,
+    /// The index of this session's next turn in the same request list.
+    /// Closed-loop pacing sends it from the same slot once this one has
+    /// been answered, as a user does (reads the answer, then writes);
+    /// open-loop pacing ignores it.
+    pub next_turn: Option<usize>,
 }
 
 /// How the load is offered.
@@ -178,6 +183,7 @@ pub fn mooncake_requests(
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
+            next_turn: None,
         });
     }
     Ok(out)
@@ -212,6 +218,7 @@ pub fn session_requests(
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
+            next_turn: None,
         });
         arrivals.push(s.arrival_ms);
     }
@@ -219,7 +226,10 @@ pub fn session_requests(
 }
 
 /// ShareGPT conversations as chat turns: sessions are taken 16 at a time
-/// and their turns interleaved, so each turn follows its predecessor.
+/// and their turns interleaved, so each turn follows its predecessor in the
+/// list; each turn names its successor ([`PreparedRequest::next_turn`]), so
+/// closed-loop pacing sends a session's turns one after another, never two
+/// at once.
 pub fn sharegpt_requests(
     path: &Path,
     max: usize,
@@ -261,12 +271,18 @@ pub fn sharegpt_requests(
         planned += turns.len();
         conversations.push((id, turns));
     }
-    let mut out = Vec::new();
+    let mut out: Vec<PreparedRequest> = Vec::new();
     for window in conversations.chunks(16) {
         let longest = window.iter().map(|(_, t)| t.len()).max().unwrap_or(0);
+        // Where each session of the window put its latest turn.
+        let mut latest: Vec<Option<usize>> = vec![None; window.len()];
         for k in 0..longest {
-            for (id, turns) in window {
+            for (j, (id, turns)) in window.iter().enumerate() {
                 if let Some(messages) = turns.get(k) {
+                    if let Some(before) = latest[j] {
+                        out[before].next_turn = Some(out.len());
+                    }
+                    latest[j] = Some(out.len());
                     let mut body =
                         json!({"messages": messages, "max_tokens": max_output, "stream": true});
                     if let Some(m) = model {
@@ -276,13 +292,29 @@ pub fn sharegpt_requests(
                         path: "/v1/chat/completions",
                         body: serde_json::to_vec(&body)?.into(),
                         session: Some(id.clone()),
+                        next_turn: None,
                     });
                 }
             }
         }
     }
     out.truncate(max);
+    for r in &mut out {
+        r.next_turn = r.next_turn.filter(|&n| n < max);
+    }
     Ok(out)
+}
+
+/// The requests that are no request's [`PreparedRequest::next_turn`], in
+/// list order: where closed-loop pacing starts each session.
+fn first_turns(requests: &[PreparedRequest]) -> Vec<usize> {
+    let mut follows = vec![false; requests.len()];
+    for n in requests.iter().filter_map(|r| r.next_turn) {
+        if let Some(f) = follows.get_mut(n) {
+            *f = true;
+        }
+    }
+    (0..requests.len()).filter(|&i| !follows[i]).collect()
 }
 
 /// The load generator's pooled HTTP/1 client.
@@ -513,22 +545,26 @@ pub async fn run_load(
     let mut send_lag = Vec::new();
     match pacing {
         Pacing::Concurrency(c) => {
+            // A slot takes the next session's first turn and sends its
+            // later turns itself, each once the one before is answered.
+            let heads: Arc<Vec<usize>> = Arc::new(first_turns(&requests));
             for _ in 0..c.max(1) {
-                let (client, base, requests, next, samples) = (
+                let (client, base, requests, heads, next, samples) = (
                     client.clone(),
                     base.clone(),
                     requests.clone(),
+                    heads.clone(),
                     next.clone(),
                     samples.clone(),
                 );
                 tasks.push(tokio::spawn(async move {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(request) = requests.get(i) else {
-                            break;
-                        };
-                        let s = one(&client, &base, request, stream).await;
-                        samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                    while let Some(&head) = heads.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let mut turn = Some(head);
+                        while let Some(request) = turn.and_then(|i| requests.get(i)) {
+                            let s = one(&client, &base, request, stream).await;
+                            samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+                            turn = request.next_turn;
+                        }
                     }
                 }));
             }
@@ -851,6 +887,136 @@ mod tests {
         let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
         assert_eq!(prompt, sessions[1].turns[0].prompt.tokens());
         assert!(session_requests(&[session(5, 0.0, 2)], None).is_err());
+    }
+
+    /// Three conversations (2, 3 and 1 user turns) as a ShareGPT file in
+    /// the temporary directory, named for the test.
+    fn sharegpt_file(name: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "switchyard-loadgen-{}-{name}.jsonl",
+            std::process::id()
+        ));
+        let mut file = std::fs::File::create(&path).unwrap();
+        for (id, turns) in [("a", 2), ("b", 3), ("c", 1)] {
+            let conversations: Vec<Value> = (0..turns)
+                .flat_map(|k| {
+                    [
+                        json!({"from": "human", "value": format!("{id} asks {k}")}),
+                        json!({"from": "gpt", "value": format!("{id} answers {k}")}),
+                    ]
+                })
+                .collect();
+            let line = json!({"id": id, "conversations": conversations});
+            std::io::Write::write_all(&mut file, format!("{line}\n").as_bytes()).unwrap();
+        }
+        path
+    }
+
+    #[test]
+    fn each_sharegpt_turn_names_its_sessions_next_turn() {
+        let file = sharegpt_file("chain");
+        let requests = sharegpt_requests(&file, 100, 8, None).unwrap();
+        let order: Vec<_> = requests
+            .iter()
+            .map(|r| r.session.as_deref().unwrap())
+            .collect();
+        assert_eq!(order, ["a", "b", "c", "a", "b", "b"]);
+        let next: Vec<_> = requests.iter().map(|r| r.next_turn).collect();
+        assert_eq!(next, [Some(3), Some(4), None, None, Some(5), None]);
+        assert_eq!(first_turns(&requests), [0, 1, 2]);
+        // Cut after five turns, b's third turn is gone and nothing names it.
+        let cut = sharegpt_requests(&file, 5, 8, None).unwrap();
+        std::fs::remove_file(file).unwrap();
+        assert_eq!(cut.len(), 5);
+        assert_eq!(cut[4].next_turn, None);
+    }
+
+    /// Closed-loop pacing never has two turns of one session in flight, and
+    /// sends each session's turns in order (a user waits for the answer).
+    #[tokio::test]
+    async fn closed_loop_sends_a_sessions_next_turn_only_after_its_answer() {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        // (session, turn text) in the order answered, and whether any
+        // session ever had two requests in flight.
+        let seen = Arc::new(Mutex::new((
+            Vec::<String>::new(),
+            BTreeMap::<String, u32>::new(),
+            false,
+        )));
+        let server_seen = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (socket, _) = listener.accept().await.unwrap();
+                let seen = server_seen.clone();
+                tokio::spawn(async move {
+                    let (read, mut write) = socket.into_split();
+                    let mut read = BufReader::new(read);
+                    loop {
+                        let (mut session, mut length) = (String::new(), 0usize);
+                        loop {
+                            let mut line = String::new();
+                            if read.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let lower = line.to_ascii_lowercase();
+                            if let Some(v) = lower.strip_prefix("x-session-id:") {
+                                session = v.trim().to_owned();
+                            } else if let Some(v) = lower.strip_prefix("content-length:") {
+                                length = v.trim().parse().unwrap();
+                            } else if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        let mut body = vec![0; length];
+                        read.read_exact(&mut body).await.unwrap();
+                        {
+                            let mut s = seen.lock().unwrap();
+                            let running = s.1.entry(session.clone()).or_insert(0);
+                            *running += 1;
+                            if *running > 1 {
+                                s.2 = true;
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        let body: Value = serde_json::from_slice(&body).unwrap();
+                        {
+                            let mut s = seen.lock().unwrap();
+                            *s.1.get_mut(&session).unwrap() -= 1;
+                            let last = body["messages"].as_array().unwrap().last().unwrap().clone();
+                            s.0.push(last["content"].as_str().unwrap().to_owned());
+                        }
+                        let event = "data: [DONE]\n\n";
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                            event.len()
+                        );
+                        write.write_all(head.as_bytes()).await.unwrap();
+                        write.write_all(event.as_bytes()).await.unwrap();
+                    }
+                });
+            }
+        });
+        let file = sharegpt_file("closed-loop");
+        let requests = sharegpt_requests(&file, 100, 8, None).unwrap();
+        std::fs::remove_file(file).unwrap();
+        let report = run_load(&url, requests, Pacing::Concurrency(8), true, &[], false).await;
+        assert_eq!((report.requests, report.errors), (6, 0));
+        let (answered, _, overlapped) = std::mem::take(&mut *seen.lock().unwrap());
+        assert!(
+            !overlapped,
+            "two turns of one session were in flight at once"
+        );
+        let of = |id: &str| -> Vec<String> {
+            answered
+                .iter()
+                .filter(|t| t.starts_with(id))
+                .cloned()
+                .collect()
+        };
+        assert_eq!(of("b"), ["b asks 0", "b asks 1", "b asks 2"]);
+        assert_eq!(of("a"), ["a asks 0", "a asks 1"]);
     }
 
     /// Nothing listens on the port: every request fails at once, which is

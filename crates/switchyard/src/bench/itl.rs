@@ -106,6 +106,7 @@ fn requests(prompts: &[Vec<u32>], output_tokens: u32) -> Vec<PreparedRequest> {
                 path: "/v1/completions",
                 body: serde_json::to_vec(&body).unwrap_or_default().into(),
                 session: None,
+                next_turn: None,
             }
         })
         .collect()

@@ -186,6 +186,7 @@ pub(crate) fn wait_ready(
         path: "/v1/completions",
         body: serde_json::to_vec(&body)?.into(),
         session: None,
+        next_turn: None,
     };
     loop {
         let report = runtime.block_on(loadgen::run_load(

@@ -87,6 +87,7 @@ fn fresh_chats(first: usize, n: usize) -> Vec<PreparedRequest> {
                 path: "/v1/chat/completions",
                 body: serde_json::to_vec(&body).unwrap_or_default().into(),
                 session: None,
+                next_turn: None,
             }
         })
         .collect()
@@ -99,6 +100,7 @@ fn fixed_completions(n: usize) -> Vec<PreparedRequest> {
         path: "/v1/completions",
         body: serde_json::to_vec(&body).unwrap_or_default().into(),
         session: None,
+        next_turn: None,
     };
     vec![request; n]
 }

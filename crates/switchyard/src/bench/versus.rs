@@ -17,6 +17,11 @@
 //! client, the engines' prefix hit rate (from the sim-workers' own
 //! counters, so both routers are measured the same way), completed
 //! requests per second. Rounds alternate which router goes first.
+//!
+//! `--policy` and `--admission` may be repeated: every combination runs as
+//! its own Switchyard variant in each round, so settings are compared with
+//! each other and with the peer in the same run (e.g. `--admission none
+//! --admission session-aware`).
 
 pub use super::peer::Peer;
 use super::peer::{cpu_seconds, launch, median, peer_program, wait_ready};
@@ -29,6 +34,58 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use switchyard_core::select::PolicyKind;
+use switchyard_server::config::AdmissionMode;
+
+/// One Switchyard setting under test: a policy and an admission strategy
+/// (`None`: the config's, else the defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Variant {
+    /// `serve --policy`.
+    pub policy: Option<PolicyKind>,
+    /// `serve --admission`.
+    pub admission: Option<AdmissionMode>,
+}
+
+impl Variant {
+    /// Every combination of the given policies and admission strategies.
+    pub fn all(policies: &[PolicyKind], admissions: &[AdmissionMode]) -> Vec<Variant> {
+        let policies: Vec<Option<PolicyKind>> = if policies.is_empty() {
+            vec![None]
+        } else {
+            policies.iter().copied().map(Some).collect()
+        };
+        let admissions: Vec<Option<AdmissionMode>> = if admissions.is_empty() {
+            vec![None]
+        } else {
+            admissions.iter().copied().map(Some).collect()
+        };
+        policies
+            .iter()
+            .flat_map(|&policy| {
+                admissions
+                    .iter()
+                    .map(move |&admission| Variant { policy, admission })
+            })
+            .collect()
+    }
+
+    /// The variant's row name, e.g. `switchyard (kv, session-aware)`.
+    pub fn name(&self) -> String {
+        let policy = self.policy.unwrap_or(PolicyKind::DEFAULT).name();
+        match self.admission {
+            None => format!("switchyard ({policy})"),
+            Some(a) => format!("switchyard ({policy}, {})", admission_name(a)),
+        }
+    }
+}
+
+/// `serve --admission`'s spelling of a strategy.
+fn admission_name(a: AdmissionMode) -> &'static str {
+    match a {
+        AdmissionMode::None => "none",
+        AdmissionMode::SessionAware => "session-aware",
+    }
+}
 
 /// Options of `bench versus`.
 #[derive(Debug, Clone, Args)]
@@ -44,9 +101,14 @@ pub struct VersusArgs {
     /// reused when it already has the peer.
     #[arg(long)]
     pub venv: Option<PathBuf>,
-    /// Switchyard's policy [default: the default policy].
+    /// Switchyard's policy [default: the default policy]; repeat to run
+    /// several side by side.
     #[arg(long)]
-    pub policy: Option<PolicyKind>,
+    pub policy: Vec<PolicyKind>,
+    /// Switchyard's admission strategy [default: the config's, else none];
+    /// repeat to run several side by side.
+    #[arg(long, value_enum)]
+    pub admission: Vec<AdmissionMode>,
     /// A `serve --config` file for Switchyard (e.g. from `replay --tune`).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -99,14 +161,17 @@ fn worker_args(args: &VersusArgs) -> Vec<String> {
     ]
 }
 
-/// `serve` flags in front of `fleet`.
-fn our_args(args: &VersusArgs, fleet: &Fleet) -> Vec<String> {
+/// `serve` flags for `variant` in front of `fleet`.
+fn our_args(args: &VersusArgs, variant: Variant, fleet: &Fleet) -> Vec<String> {
     let mut a: Vec<String> = ["serve", "--host", "127.0.0.1", "--port", "0"]
         .into_iter()
         .map(str::to_owned)
         .collect();
-    if let Some(policy) = args.policy {
+    if let Some(policy) = variant.policy {
         a.extend(["--policy".into(), policy.name().into()]);
+    }
+    if let Some(admission) = variant.admission {
+        a.extend(["--admission".into(), admission_name(admission).into()]);
     }
     if let Some(config) = &args.config {
         a.extend(["--config".into(), config.display().to_string()]);
@@ -123,23 +188,34 @@ fn our_args(args: &VersusArgs, fleet: &Fleet) -> Vec<String> {
     a
 }
 
+/// The router under test in one run.
+#[derive(Debug, Clone, Copy)]
+enum Contender<'a> {
+    /// Switchyard with these settings.
+    Ours(Variant),
+    /// The peer, run by this program.
+    Peer(Peer, &'a Path),
+}
+
 /// One router's run on fresh workers.
 fn one_run(
     args: &VersusArgs,
-    peer: Option<(Peer, &Path)>,
+    contender: Contender<'_>,
     requests: Vec<loadgen::PreparedRequest>,
 ) -> anyhow::Result<(Report, Option<f64>)> {
     let fleet = start_sim_workers(args.workers, &worker_args(args), true)?;
     let mut children = Children(Vec::new());
-    let (base, what) = match peer {
-        None => {
+    let (base, what) = match contender {
+        Contender::Ours(variant) => {
             let mut command = crate::child::this_binary()?;
-            command.args(our_args(args, &fleet)).env("RUST_LOG", "warn");
+            command
+                .args(our_args(args, variant, &fleet))
+                .env("RUST_LOG", "warn");
             let (child, url) = crate::child::spawn_printing_url(command, "switchyard serve")?;
             children.0.push(child);
             (url, "switchyard serve".to_owned())
         }
-        Some((peer, program)) => (
+        Contender::Peer(peer, program) => (
             launch(peer, program, &fleet.urls, &mut children)?,
             peer.requirement().to_owned(),
         ),
@@ -180,10 +256,7 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     };
     let requests =
         loadgen::sharegpt_requests(&sharegpt, args.requests, 64, Some("switchyard-sim"))?;
-    let ours = format!(
-        "switchyard ({})",
-        args.policy.unwrap_or(PolicyKind::DEFAULT).name()
-    );
+    let variants = Variant::all(&args.policy, &args.admission);
     let peer = match peer_program(args.peer, args.peer_bin.as_deref(), args.venv.as_deref()) {
         Ok(p) => Some(p),
         Err(why) => {
@@ -197,20 +270,20 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     let peer_name = format!("{} (cache_aware)", args.peer.requirement());
     let mut runs = Vec::new();
     for round in 0..args.rounds {
-        let mut order: Vec<Option<&Path>> = vec![None];
+        let mut order: Vec<Contender<'_>> = variants.iter().map(|&v| Contender::Ours(v)).collect();
         if let Some(p) = &peer {
-            order.push(Some(p.as_path()));
+            order.push(Contender::Peer(args.peer, p.as_path()));
         }
         if round % 2 == 1 {
             order.reverse();
         }
-        for program in order {
-            let name = match program {
-                None => ours.clone(),
-                Some(_) => peer_name.clone(),
+        for contender in order {
+            let name = match contender {
+                Contender::Ours(v) => v.name(),
+                Contender::Peer(..) => peer_name.clone(),
             };
             eprintln!("round {}: {name}...", round + 1);
-            let (report, cpu) = one_run(&args, program.map(|p| (args.peer, p)), requests.clone())?;
+            let (report, cpu) = one_run(&args, contender, requests.clone())?;
             runs.push(RunFigures {
                 router: name,
                 round: round + 1,
@@ -282,4 +355,33 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         }
     }
     println!("(TTFT in ms at the client; hit = the sim-workers' prefix hit rate over the run; cpu ms/rq = the router process's CPU time per request; med = median over rounds)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_runs_with_every_admission_strategy_under_its_own_name() {
+        let none = Variant::all(&[], &[]);
+        assert_eq!(none.len(), 1);
+        assert_eq!(
+            none[0].name(),
+            format!("switchyard ({})", PolicyKind::DEFAULT.name())
+        );
+        let all = Variant::all(
+            &[PolicyKind::Kv, PolicyKind::CacheAware],
+            &[AdmissionMode::None, AdmissionMode::SessionAware],
+        );
+        let names: Vec<String> = all.iter().map(Variant::name).collect();
+        assert_eq!(
+            names,
+            [
+                "switchyard (kv, none)",
+                "switchyard (kv, session-aware)",
+                "switchyard (cache-aware, none)",
+                "switchyard (cache-aware, session-aware)",
+            ]
+        );
+    }
 }

@@ -103,6 +103,7 @@ fn round_requests(
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
+            next_turn: None,
         });
     }
     Ok(out)
