@@ -36,6 +36,14 @@ use std::collections::VecDeque;
 /// milliseconds for `T` uncached tokens in a batch (DESIGN.md, "Engine side").
 pub const DEFAULT_PREFILL_CURVE: [f64; 3] = [4.209989e-7, 1.518344e-2, 16.50142];
 
+/// The documented decode fit `[a, b, c]` of `a·u² + b·u + c` model
+/// milliseconds for one decode-only step at KV usage `u` (used / total
+/// device blocks; DESIGN.md, "Engine side").
+pub const DEFAULT_DECODE_CURVE: [f64; 3] = [-25.74, 54.01, 5.74];
+
+/// The documented lower bound of a decode step, model milliseconds.
+pub const DEFAULT_DECODE_FLOOR_MS: f64 = 1.0;
+
 /// The fitted scale is kept within this range.
 pub const SCALE_RANGE: (f64, f64) = (0.02, 50.0);
 
@@ -48,6 +56,10 @@ pub const MAX_OFFSET_MS: f64 = 5_000.0;
 pub struct EstimatorConfig {
     /// Prefill polynomial `[a, b, c]` (model ms for `T` tokens).
     pub prefill_curve: [f64; 3],
+    /// Decode-step polynomial `[a, b, c]` (model ms at KV usage `u`).
+    pub decode_curve: [f64; 3],
+    /// Lower bound of a decode step (model ms).
+    pub decode_floor_ms: f64,
     /// Most uncached tokens an engine prefills in one step (its
     /// `max_num_batched_tokens`); longer prompts take several steps.
     pub chunk_tokens: u32,
@@ -67,6 +79,8 @@ impl Default for EstimatorConfig {
     fn default() -> Self {
         Self {
             prefill_curve: DEFAULT_PREFILL_CURVE,
+            decode_curve: DEFAULT_DECODE_CURVE,
+            decode_floor_ms: DEFAULT_DECODE_FLOOR_MS,
             chunk_tokens: 8192,
             speedup: 1.0,
             online: true,
@@ -82,6 +96,10 @@ pub enum EstimatorConfigError {
     /// A coefficient that is not finite.
     #[error("prefill_curve coefficients must be finite")]
     Curve,
+    /// A decode coefficient that is not finite, or a floor that is
+    /// negative or not finite.
+    #[error("decode_curve coefficients must be finite and decode_floor_ms finite and >= 0")]
+    DecodeCurve,
     /// A chunk of zero tokens.
     #[error("chunk_tokens must be at least 1")]
     Chunk,
@@ -106,6 +124,11 @@ impl EstimatorConfig {
     pub fn validate(&self) -> Result<(), EstimatorConfigError> {
         if self.prefill_curve.iter().any(|c| !c.is_finite()) {
             return Err(EstimatorConfigError::Curve);
+        }
+        if self.decode_curve.iter().any(|c| !c.is_finite())
+            || !(self.decode_floor_ms.is_finite() && self.decode_floor_ms >= 0.0)
+        {
+            return Err(EstimatorConfigError::DecodeCurve);
         }
         if self.chunk_tokens == 0 {
             return Err(EstimatorConfigError::Chunk);
@@ -145,16 +168,49 @@ impl EstimatorConfig {
     }
 }
 
+impl EstimatorConfig {
+    /// The configured model: wall milliseconds of one decode-only step at
+    /// KV usage `usage` (clamped to 0..=1).
+    pub fn decode_model_ms(&self, usage: f64) -> f64 {
+        if self.speedup == 0.0 {
+            return 0.0;
+        }
+        let u = if usage.is_nan() {
+            0.0
+        } else {
+            usage.clamp(0.0, 1.0)
+        };
+        let [a, b, c] = self.decode_curve;
+        (a * u * u + b * u + c).max(self.decode_floor_ms) / self.speedup
+    }
+}
+
 impl PrefillTime for EstimatorConfig {
     /// The configured model, the same for every worker.
     fn prefill_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
         self.model_ms(tokens)
+    }
+
+    fn decode_step_ms(&self, _worker: WorkerId, usage: f64) -> f64 {
+        self.decode_model_ms(usage)
     }
 }
 
 impl PrefillTime for PrefillEstimator {
     fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
         self.expected_ms(worker, tokens)
+    }
+
+    /// The configured decode model, times the worker's fitted scale (a
+    /// worker whose prefills run twice the model's time decodes at half
+    /// its speed too; the offset is a per-request overhead, not a
+    /// per-step one).
+    fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64 {
+        let model = self.config.decode_model_ms(usage);
+        match self.fit(worker) {
+            Some(fit) => fit.scale * model,
+            None => model,
+        }
     }
 }
 
@@ -310,6 +366,42 @@ mod tests {
     }
 
     #[test]
+    fn a_decode_step_is_the_documented_curve_at_the_usage_over_the_speedup() {
+        let config = EstimatorConfig {
+            speedup: 4.0,
+            ..EstimatorConfig::default()
+        };
+        let at = |u: f64| (-25.74 * u * u + 54.01 * u + 5.74) / 4.0;
+        assert!((config.decode_model_ms(0.5) - at(0.5)).abs() < 1e-9);
+        // Usage is clamped to 0..=1 (NaN reads as empty).
+        assert!((config.decode_model_ms(7.0) - at(1.0)).abs() < 1e-9);
+        assert!((config.decode_model_ms(f64::NAN) - at(0.0)).abs() < 1e-9);
+        // Never below the floor; an instant engine takes no time.
+        let floor = EstimatorConfig {
+            decode_curve: [0.0, 0.0, -5.0],
+            ..EstimatorConfig::default()
+        };
+        assert_eq!(floor.decode_model_ms(0.3), DEFAULT_DECODE_FLOOR_MS);
+        let instant = EstimatorConfig {
+            speedup: 0.0,
+            ..EstimatorConfig::default()
+        };
+        assert_eq!(instant.decode_model_ms(0.9), 0.0);
+    }
+
+    #[test]
+    fn a_worker_fitted_slower_decodes_slower_by_the_same_scale() {
+        let mut e = estimator();
+        for i in 0..64u64 {
+            let tokens = 200 + i * 100;
+            e.observe(W, tokens, 3.0 * e.config().model_ms(tokens) + 7.0);
+        }
+        let model = e.config().decode_model_ms(0.5);
+        assert!((e.decode_step_ms(W, 0.5) - 3.0 * model).abs() < 1e-6);
+        assert_eq!(e.decode_step_ms(WorkerId::new(2), 0.5), model);
+    }
+
+    #[test]
     fn a_long_prompt_is_prefilled_in_chunks_of_the_batch_budget() {
         let config = EstimatorConfig {
             chunk_tokens: 1000,
@@ -413,6 +505,18 @@ mod tests {
             }),
             EstimatorConfigError::Curve
         );
+        for (decode_curve, decode_floor_ms) in [
+            ([0.0, f64::INFINITY, 0.0], 1.0),
+            (DEFAULT_DECODE_CURVE, -1.0),
+            (DEFAULT_DECODE_CURVE, f64::NAN),
+        ] {
+            let c = EstimatorConfig {
+                decode_curve,
+                decode_floor_ms,
+                ..d
+            };
+            assert_eq!(bad(c), EstimatorConfigError::DecodeCurve);
+        }
     }
 
     proptest! {

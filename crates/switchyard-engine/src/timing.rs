@@ -36,8 +36,8 @@ impl Default for TimingConfig {
     fn default() -> Self {
         Self {
             prefill: switchyard_core::estimate::DEFAULT_PREFILL_CURVE,
-            decode: [-25.74, 54.01, 5.74],
-            decode_floor_ms: 1.0,
+            decode: switchyard_core::estimate::DEFAULT_DECODE_CURVE,
+            decode_floor_ms: switchyard_core::estimate::DEFAULT_DECODE_FLOOR_MS,
             bytes_per_token: 128 * 1024,
             restore_bandwidth_bytes_per_s: 64e9,
             speedup: 1.0,

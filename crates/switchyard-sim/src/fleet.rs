@@ -116,6 +116,8 @@ impl FleetConfig {
             admission: self.admission.clone(),
             estimator: EstimatorConfig {
                 prefill_curve: timing.prefill,
+                decode_curve: timing.decode,
+                decode_floor_ms: timing.decode_floor_ms,
                 chunk_tokens: self.engine.max_num_batched_tokens.max(1) as u32,
                 speedup: timing.speedup,
                 online: self.online_prefill_fit,

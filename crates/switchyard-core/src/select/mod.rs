@@ -71,12 +71,17 @@ pub struct Candidate {
     pub busy: bool,
 }
 
-/// How long a worker takes to prefill uncached tokens: the dispatcher's
-/// [`crate::estimate::PrefillEstimator`], or the configured model alone.
+/// How long a worker takes to prefill uncached tokens and to run a decode
+/// step: the dispatcher's [`crate::estimate::PrefillEstimator`], or the
+/// configured model alone.
 pub trait PrefillTime {
     /// Expected wall milliseconds for `worker` to prefill `tokens`
     /// uncached tokens (0 tokens may still cost a fitted fixed overhead).
     fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64;
+
+    /// Expected wall milliseconds of one decode-only step on `worker` at
+    /// KV usage `usage` (used / total device blocks, 0..=1).
+    fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64;
 }
 
 /// Everything a selector may read for one decision.
@@ -349,6 +354,11 @@ pub(crate) mod test_support {
         fn prefill_ms(&self, _: WorkerId, tokens: u64) -> f64 {
             tokens as f64
         }
+
+        /// 10 ms at an empty cache, 50 ms at a full one.
+        fn decode_step_ms(&self, _: WorkerId, usage: f64) -> f64 {
+            10.0 + 40.0 * usage
+        }
     }
 
     /// An engine that takes no time (`--speedup 0`).
@@ -356,6 +366,10 @@ pub(crate) mod test_support {
 
     impl PrefillTime for InstantModel {
         fn prefill_ms(&self, _: WorkerId, _: u64) -> f64 {
+            0.0
+        }
+
+        fn decode_step_ms(&self, _: WorkerId, _: f64) -> f64 {
             0.0
         }
     }

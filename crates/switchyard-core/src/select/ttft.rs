@@ -6,12 +6,16 @@
 //! ```text
 //! new[w]      = max(0, P − overlap[w]·block_size)         uncached tokens here
 //! ahead[w]    = active_prefill_tokens[w] + active_requests[w]
-//! first[w]    = prefill_ms(w, ahead[w] + new[w])           when its first token would come
+//! held[w]     = min(1, active_decode_blocks[w] / kv_capacity_blocks[w])   (0 without a capacity)
+//! wait[w]     = ½ · decode_step_ms(w, held[w])  if the worker runs anything, else 0
+//! first[w]    = wait[w] + prefill_ms(w, ahead[w] + new[w])  when its first token would come
 //! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
 //! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
-//! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w]
+//! after[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
+//! decode[w]   = decode_weight · decode_step_ms(w, after[w])  the pace of its next tokens there
+//! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w] + decode[w]
 //! ```
 //!
 //! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
@@ -19,9 +23,12 @@
 //! milliseconds the prefill hints are. `first` is the time the worker needs
 //! to compute the uncached prefill queued before this request (chunked
 //! prefill is first come, first served) plus this request's own, with one
-//! decode token per running request riding in the batch; the decode load
-//! costs a worker only what it takes from the batch, not one block per
-//! block held (the `kv` policy's trade). `locality` is the future value of
+//! decode token per running request riding in the batch, after the step
+//! the worker is running when the request lands: on average half a
+//! decode-only step, whose length grows with the KV memory the worker's
+//! running requests hold (the engines' decode curve, `decode_step_ms`).
+//! So the decode load costs a worker what it delays this request by, not
+//! one block per block held (the `kv` policy's trade). `locality` is the future value of
 //! keeping a prefix where it lives: every token computed again here is a
 //! second copy in the fleet's KV memory, evicting something else, and the
 //! prefix's next user (a session's next turn, a shared system prompt) finds
@@ -36,7 +43,15 @@
 //! worker that was given its whole KV capacity's worth of new tokens in the
 //! last minute or so ([`crate::router::WRITES_TIME_CONSTANT_MS`]) is pushing
 //! out prefixes that are still young and likely to be asked for again; an
-//! idle worker's oldest blocks are cheap to lose.
+//! idle worker's oldest blocks are cheap to lose. `decode` is the time of
+//! `decode_weight` of the request's own decode steps on the worker, once
+//! it runs there: a worker whose running requests hold more KV memory
+//! steps slower, for this request and for every request that joins it
+//! later. Where a session's first turn lands, its later turns follow (the
+//! locality term keeps them there), so this spreads new sessions over the
+//! fleet by the decode load each worker already carries. It is off by
+//! default (`decode_weight` 0): measured end to end it moved sessions off
+//! their prefixes more than it balanced them (see [`TtftConfig`]).
 //!
 //! Ties (an instant engine's zero times, equal workers) go to fewer new
 //! tokens, then fewer running requests, then the seeded RNG.
@@ -61,6 +76,12 @@ pub struct TtftConfig {
     /// Weight of cache turnover (0: ignore how fast a worker's cache is
     /// being rewritten).
     pub turnover_weight: f64,
+    /// Decode steps of the request's own output priced at the worker's
+    /// pace (0, the default: ignore how fast a worker decodes). Off by
+    /// default: end to end on multi-turn chat it moved sessions off their
+    /// prefixes (hit rate 0.635 at 0, 0.620 at 8, 0.596 at 16; one run
+    /// each, `bench versus`, docs/simulator.md).
+    pub decode_weight: f64,
 }
 
 impl Default for TtftConfig {
@@ -69,6 +90,7 @@ impl Default for TtftConfig {
             locality_weight: 1.0,
             pressure_weight: 1.0,
             turnover_weight: 1.0,
+            decode_weight: 0.0,
         }
     }
 }
@@ -78,7 +100,8 @@ impl TtftConfig {
     pub fn validate(&self) -> Result<(), PolicyConfigError> {
         at_least("locality_weight", self.locality_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
         at_least("pressure_weight", self.pressure_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
-        at_least("turnover_weight", self.turnover_weight, 0.0).map_err(PolicyConfigError::Ttft)
+        at_least("turnover_weight", self.turnover_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
+        at_least("decode_weight", self.decode_weight, 0.0).map_err(PolicyConfigError::Ttft)
     }
 }
 
@@ -102,12 +125,18 @@ pub struct TtftCost {
     pub pressure_ms: f64,
     /// The cache-turnover term, in ms.
     pub turnover_ms: f64,
+    /// The decode-pace term, in ms.
+    pub decode_ms: f64,
 }
 
 impl TtftCost {
     /// The total the policy minimizes.
     pub fn total(&self) -> f64 {
-        self.first_token_ms + self.locality_ms + self.pressure_ms + self.turnover_ms
+        self.first_token_ms
+            + self.locality_ms
+            + self.pressure_ms
+            + self.turnover_ms
+            + self.decode_ms
     }
 }
 
@@ -126,7 +155,17 @@ impl TtftSelector {
         let cached = (u64::from(c.overlap_blocks) * u64::from(ctx.block_size)).min(prompt);
         let new_tokens = prompt - cached;
         let ahead = c.active_prefill_tokens + c.active_requests as u64;
-        let first_token_ms = ctx.prefill.prefill_ms(c.worker, ahead + new_tokens);
+        // Half the decode step the worker is in when the request lands.
+        let wait_ms = if c.active_requests == 0 {
+            0.0
+        } else {
+            let held = match c.kv_capacity_blocks {
+                Some(capacity) => (c.active_decode_blocks as f64 / capacity.max(1) as f64).min(1.0),
+                None => 0.0,
+            };
+            0.5 * ctx.prefill.decode_step_ms(c.worker, held)
+        };
+        let first_token_ms = wait_ms + ctx.prefill.prefill_ms(c.worker, ahead + new_tokens);
         // This request's own uncached prefill, priced once for the terms
         // that weigh it.
         let own_ms = if new_tokens == 0 {
@@ -135,19 +174,30 @@ impl TtftSelector {
             ctx.prefill.prefill_ms(c.worker, new_tokens)
         };
         let locality_ms = self.config.locality_weight * own_ms;
-        let pressure_ms = match c.kv_capacity_blocks {
-            Some(capacity) if self.config.pressure_weight > 0.0 => {
-                let adds = ctx
-                    .prompt_blocks()
-                    .saturating_sub(u64::from(c.active_prompt_blocks));
-                let held = c.active_decode_blocks as u64 + adds;
-                let usage = (held as f64 / capacity.max(1) as f64).min(1.0);
+        // The worker's KV usage once this request runs there.
+        let usage_after = c.kv_capacity_blocks.map(|capacity| {
+            let adds = ctx
+                .prompt_blocks()
+                .saturating_sub(u64::from(c.active_prompt_blocks));
+            let held = c.active_decode_blocks as u64 + adds;
+            (held as f64 / capacity.max(1) as f64).min(1.0)
+        });
+        let pressure_ms = match usage_after {
+            Some(usage) if self.config.pressure_weight > 0.0 => {
                 self.config.pressure_weight
                     * usage
                     * usage
                     * ctx.prefill.prefill_ms(c.worker, prompt)
             }
             _ => 0.0,
+        };
+        let decode_ms = if self.config.decode_weight > 0.0 {
+            self.config.decode_weight
+                * ctx
+                    .prefill
+                    .decode_step_ms(c.worker, usage_after.unwrap_or(0.0))
+        } else {
+            0.0
         };
         let turnover_ms = match c.kv_capacity_blocks {
             Some(capacity) if self.config.turnover_weight > 0.0 && new_tokens > 0 => {
@@ -163,6 +213,7 @@ impl TtftSelector {
             locality_ms,
             pressure_ms,
             turnover_ms,
+            decode_ms,
         }
     }
 }
@@ -210,9 +261,20 @@ mod tests {
         c.active_requests = 3;
         let cost = s.cost(&ctx(&b, 64, &[c]), &c);
         assert_eq!(cost.new_tokens, 32);
-        assert_eq!(cost.first_token_ms, 100.0 + 3.0 + 32.0);
+        // Half a decode step at an unknown (so empty) cache: 10 / 2 ms.
+        assert_eq!(cost.first_token_ms, 5.0 + 100.0 + 3.0 + 32.0);
         assert_eq!(cost.locality_ms, 32.0);
-        assert_eq!(cost.total(), 167.0);
+        assert_eq!(cost.decode_ms, 0.0, "off by default");
+        assert_eq!(cost.total(), 172.0);
+        let paced = TtftSelector::new(
+            TtftConfig {
+                decode_weight: 8.0,
+                ..TtftConfig::default()
+            },
+            0,
+        );
+        // Eight decode steps at an unknown (so empty) cache: 8 · 10 ms.
+        assert_eq!(paced.cost(&ctx(&b, 64, &[c]), &c).decode_ms, 80.0);
     }
 
     #[test]
@@ -258,6 +320,75 @@ mod tests {
         prefilling.active_requests = 1;
         let mut s = TtftSelector::new(TtftConfig::default(), 0);
         assert_eq!(chosen(s.select(&ctx(&b, 128, &[decoding, prefilling]))), 1);
+    }
+
+    #[test]
+    fn a_cold_prompt_waits_half_a_decode_step_and_fuller_workers_step_slower() {
+        // Both workers cold, nothing to prefill, 4 running requests each;
+        // capacity 64 blocks. LinearModel's decode step is 10 + 40·usage ms.
+        let b = blocks(2);
+        let only_time = TtftConfig {
+            locality_weight: 0.0,
+            pressure_weight: 0.0,
+            turnover_weight: 0.0,
+            decode_weight: 0.0,
+        };
+        let mut full = candidate(1);
+        full.active_requests = 4;
+        full.active_decode_blocks = 48; // usage 0.75: step 40 ms
+        full.kv_capacity_blocks = Some(64);
+        let mut light = full;
+        light.worker = crate::types::WorkerId::new(2);
+        light.active_decode_blocks = 16; // usage 0.25: step 20 ms
+        let mut idle = light;
+        idle.worker = crate::types::WorkerId::new(3);
+        idle.active_requests = 0;
+        idle.active_decode_blocks = 0;
+        let mut s = TtftSelector::new(only_time, 0);
+        let cands = [full, light, idle];
+        let c = ctx(&b, 32, &cands);
+        // wait + prefill of (4 decode tokens + 32 prompt tokens).
+        assert_eq!(s.cost(&c, &full).first_token_ms, 20.0 + 36.0);
+        assert_eq!(s.cost(&c, &light).first_token_ms, 10.0 + 36.0);
+        // Nothing running: no step to wait for.
+        assert_eq!(s.cost(&c, &idle).first_token_ms, 32.0);
+        assert_eq!(chosen(s.select(&ctx(&b, 32, &[full, light]))), 2);
+    }
+
+    #[test]
+    fn a_new_session_goes_where_the_decode_load_is_lighter_but_a_hot_prefix_stays() {
+        // Capacity 100 blocks each; w1's running requests hold 60, w2's 10.
+        // A cold 2-block prompt: usage after 0.62 against 0.12, so eight
+        // steps cost 8 · (10 + 40 · 0.62) = 278.4 against 8 · 14.8 = 118.4
+        // ms; everything else is equal.
+        let b = blocks(2);
+        let mut heavy = candidate(1);
+        heavy.kv_capacity_blocks = Some(100);
+        heavy.active_decode_blocks = 60;
+        heavy.active_requests = 6;
+        let mut light = heavy;
+        light.worker = crate::types::WorkerId::new(2);
+        light.active_decode_blocks = 10;
+        let only_decode = TtftConfig {
+            pressure_weight: 0.0,
+            turnover_weight: 0.0,
+            decode_weight: 8.0,
+            ..TtftConfig::default()
+        };
+        let mut s = TtftSelector::new(only_decode, 0);
+        let cands = [heavy, light];
+        let c = ctx(&b, 32, &cands);
+        assert!((s.cost(&c, &heavy).decode_ms - 278.4).abs() < 1e-9);
+        assert!((s.cost(&c, &light).decode_ms - 118.4).abs() < 1e-9);
+        assert_eq!(chosen(s.select(&c)), 2);
+        // The session's next turn, 30 blocks (480 tokens) of it cached on
+        // w1 only: moving costs 480 ms of prefill and 480 of recompute,
+        // far more than the 160 ms of decode pace it would gain.
+        let b = blocks(32);
+        heavy.overlap_blocks = 30;
+        heavy.active_prompt_blocks = 0;
+        let cands = [heavy, light];
+        assert_eq!(chosen(s.select(&ctx(&b, 512, &cands))), 1);
     }
 
     #[test]
@@ -351,6 +482,13 @@ mod tests {
             .validate()
             .unwrap_err();
             assert!(err.to_string().contains("pressure_weight"), "{err}");
+            let err = TtftConfig {
+                decode_weight: w,
+                ..TtftConfig::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(err.to_string().contains("decode_weight"), "{err}");
         }
     }
 }

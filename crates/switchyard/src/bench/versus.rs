@@ -69,9 +69,19 @@ impl Variant {
             .collect()
     }
 
-    /// The variant's row name, e.g. `switchyard (kv, session-aware)`.
-    pub fn name(&self) -> String {
-        let policy = self.policy.unwrap_or(PolicyKind::DEFAULT).name();
+    /// The variant's row name, e.g. `switchyard (kv, session-aware)`; with
+    /// a config file and no policy flag, the file names the policy.
+    pub fn name(&self, config: Option<&Path>) -> String {
+        let policy = match (self.policy, config) {
+            (Some(p), _) => p.name().to_owned(),
+            (None, Some(file)) => format!(
+                "{}",
+                file.file_name()
+                    .unwrap_or(file.as_os_str())
+                    .to_string_lossy()
+            ),
+            (None, None) => PolicyKind::DEFAULT.name().to_owned(),
+        };
         match self.admission {
             None => format!("switchyard ({policy})"),
             Some(a) => format!("switchyard ({policy}, {})", admission_name(a)),
@@ -112,6 +122,9 @@ pub struct VersusArgs {
     /// A `serve --config` file for Switchyard (e.g. from `replay --tune`).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Run Switchyard's variants only, no peer.
+    #[arg(long, conflicts_with = "peer_bin")]
+    pub no_peer: bool,
     /// Sim-workers behind each router.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -257,7 +270,13 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     let requests =
         loadgen::sharegpt_requests(&sharegpt, args.requests, 64, Some("switchyard-sim"))?;
     let variants = Variant::all(&args.policy, &args.admission);
-    let peer = match peer_program(args.peer, args.peer_bin.as_deref(), args.venv.as_deref()) {
+    let installed = if args.no_peer {
+        Err("--no-peer".to_owned())
+    } else {
+        peer_program(args.peer, args.peer_bin.as_deref(), args.venv.as_deref())
+    };
+    let peer = match installed {
+        Err(_) if args.no_peer => None,
         Ok(p) => Some(p),
         Err(why) => {
             eprintln!(
@@ -279,7 +298,7 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
         }
         for contender in order {
             let name = match contender {
-                Contender::Ours(v) => v.name(),
+                Contender::Ours(v) => v.name(args.config.as_deref()),
                 Contender::Peer(..) => peer_name.clone(),
             };
             eprintln!("round {}: {name}...", round + 1);
@@ -306,7 +325,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         args.requests, args.concurrency, args.workers, args.speedup, args.num_blocks
     );
     println!(
-        "{:<34} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6} {:>9}",
+        "{:<42} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6} {:>9}",
         "router", "round", "TTFT p50", "TTFT p90", "hit", "req/s", "errors", "cpu ms/rq"
     );
     for r in runs {
@@ -318,7 +337,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
             .router_cpu_ms_per_request
             .map_or_else(|| "n/a".to_owned(), |c| format!("{c:.2}"));
         println!(
-            "{:<34} {:>5} {:>10.1} {:>10.1} {:>6} {:>8.1} {:>6} {:>9}",
+            "{:<42} {:>5} {:>10.1} {:>10.1} {:>6} {:>8.1} {:>6} {:>9}",
             r.router,
             r.round,
             r.report.ttft_ms.p50,
@@ -344,7 +363,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
                 median(&v)
             };
             println!(
-                "{:<34} {:>5} {:>10.1} {:>10.1} {:>6.3} {:>8.1}",
+                "{:<42} {:>5} {:>10.1} {:>10.1} {:>6.3} {:>8.1}",
                 name,
                 "med",
                 of(|r| r.ttft_ms.p50),
@@ -366,14 +385,18 @@ mod tests {
         let none = Variant::all(&[], &[]);
         assert_eq!(none.len(), 1);
         assert_eq!(
-            none[0].name(),
+            none[0].name(None),
             format!("switchyard ({})", PolicyKind::DEFAULT.name())
+        );
+        assert_eq!(
+            none[0].name(Some(Path::new("/tmp/tuned.toml"))),
+            "switchyard (tuned.toml)"
         );
         let all = Variant::all(
             &[PolicyKind::Kv, PolicyKind::CacheAware],
             &[AdmissionMode::None, AdmissionMode::SessionAware],
         );
-        let names: Vec<String> = all.iter().map(Variant::name).collect();
+        let names: Vec<String> = all.iter().map(|v| v.name(None)).collect();
         assert_eq!(
             names,
             [

@@ -133,6 +133,10 @@ pub struct ReplayArgs {
     /// worker's cache is being rewritten).
     #[arg(long, default_value_t = TtftConfig::default().turnover_weight)]
     pub turnover_weight: f64,
+    /// `ttft` policy: decode steps of the request's output priced at the
+    /// worker's pace (0 = ignore how fast a worker decodes).
+    #[arg(long, default_value_t = TtftConfig::default().decode_weight)]
+    pub decode_weight: f64,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -266,6 +270,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.locality_weight = args.locality_weight;
     fleet.router.policies.ttft.pressure_weight = args.pressure_weight;
     fleet.router.policies.ttft.turnover_weight = args.turnover_weight;
+    fleet.router.policies.ttft.decode_weight = args.decode_weight;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet
         .router
