@@ -23,6 +23,11 @@
 //!   [`MAX_OFFSET_MS`]), so a worker reporting nonsense cannot push hints to
 //!   zero or to minutes.
 //!
+//! Restores from a worker's host tier are priced by the configured model
+//! alone, `tokens × restore_ms_per_token / speedup` (the engines' copy time
+//! over their host-to-device link, [`default_restore_ms_per_token`]); the
+//! online fit learns prefill times only.
+//!
 //! State is bounded: `window` samples per worker, and workers are forgotten
 //! with [`PrefillEstimator::remove_worker`].
 
@@ -43,6 +48,29 @@ pub const DEFAULT_DECODE_CURVE: [f64; 3] = [-25.74, 54.01, 5.74];
 
 /// The documented lower bound of a decode step, model milliseconds.
 pub const DEFAULT_DECODE_FLOOR_MS: f64 = 1.0;
+/// Bytes of KV cache per token the engines' timing model assumes (the
+/// simulated engine's default, shared with `switchyard-engine`).
+pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 128 * 1024;
+
+/// Host-to-device bandwidth, bytes per second, the engines' timing model
+/// assumes (shared with `switchyard-engine`).
+pub const DEFAULT_RESTORE_BANDWIDTH_BYTES_PER_S: f64 = 64e9;
+
+/// Model milliseconds to restore one token of KV from a host tier at
+/// `bytes_per_token` over `bandwidth_bytes_per_s`: the engine's
+/// `restore_ms` per token.
+pub fn restore_ms_per_token(bytes_per_token: u64, bandwidth_bytes_per_s: f64) -> f64 {
+    bytes_per_token as f64 / bandwidth_bytes_per_s * 1e3
+}
+
+/// [`restore_ms_per_token`] at the timing model's defaults (128 KiB a
+/// token over 64 GB/s: 0.002048 ms a token).
+pub fn default_restore_ms_per_token() -> f64 {
+    restore_ms_per_token(
+        DEFAULT_KV_BYTES_PER_TOKEN,
+        DEFAULT_RESTORE_BANDWIDTH_BYTES_PER_S,
+    )
+}
 
 /// The fitted scale is kept within this range.
 pub const SCALE_RANGE: (f64, f64) = (0.02, 50.0);
@@ -63,6 +91,11 @@ pub struct EstimatorConfig {
     /// Most uncached tokens an engine prefills in one step (its
     /// `max_num_batched_tokens`); longer prompts take several steps.
     pub chunk_tokens: u32,
+    /// Model milliseconds to restore one token of KV from a worker's host
+    /// tier (the engines' bytes per token over their host-to-device
+    /// bandwidth; default [`default_restore_ms_per_token`]). Priced by the
+    /// `ttft` policy for prompt blocks found in a host tier.
+    pub restore_ms_per_token: f64,
     /// Wall time = model time / `speedup` (the simulated engine's factor;
     /// 1 for a real engine, whose scale the online fit learns anyway; 0 for
     /// an instant engine, whose hints are all zero).
@@ -82,6 +115,7 @@ impl Default for EstimatorConfig {
             decode_curve: DEFAULT_DECODE_CURVE,
             decode_floor_ms: DEFAULT_DECODE_FLOOR_MS,
             chunk_tokens: 8192,
+            restore_ms_per_token: default_restore_ms_per_token(),
             speedup: 1.0,
             online: true,
             min_samples: 16,
@@ -103,6 +137,9 @@ pub enum EstimatorConfigError {
     /// A chunk of zero tokens.
     #[error("chunk_tokens must be at least 1")]
     Chunk,
+    /// A restore cost that is negative or not finite.
+    #[error("restore_ms_per_token must be a finite number >= 0, got {0}")]
+    RestoreCost(f64),
     /// A speed-up that is negative or not finite.
     #[error("speedup must be a finite number >= 0, got {0}")]
     Speedup(f64),
@@ -132,6 +169,9 @@ impl EstimatorConfig {
         }
         if self.chunk_tokens == 0 {
             return Err(EstimatorConfigError::Chunk);
+        }
+        if !(self.restore_ms_per_token.is_finite() && self.restore_ms_per_token >= 0.0) {
+            return Err(EstimatorConfigError::RestoreCost(self.restore_ms_per_token));
         }
         if !(self.speedup.is_finite() && self.speedup >= 0.0) {
             return Err(EstimatorConfigError::Speedup(self.speedup));
@@ -166,6 +206,16 @@ impl EstimatorConfig {
         }
         ms / self.speedup
     }
+
+    /// Wall milliseconds to restore `tokens` tokens of KV from a host
+    /// tier: `tokens × restore_ms_per_token / speedup` (0 for an instant
+    /// engine).
+    pub fn restore_model_ms(&self, tokens: u64) -> f64 {
+        if self.speedup == 0.0 {
+            return 0.0;
+        }
+        tokens as f64 * self.restore_ms_per_token / self.speedup
+    }
 }
 
 impl EstimatorConfig {
@@ -194,6 +244,10 @@ impl PrefillTime for EstimatorConfig {
     fn decode_step_ms(&self, _worker: WorkerId, usage: f64) -> f64 {
         self.decode_model_ms(usage)
     }
+
+    fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
+        self.restore_model_ms(tokens)
+    }
 }
 
 impl PrefillTime for PrefillEstimator {
@@ -211,6 +265,11 @@ impl PrefillTime for PrefillEstimator {
             Some(fit) => fit.scale * model,
             None => model,
         }
+    }
+
+    /// The configured model: restores are not fitted.
+    fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
+        self.config.restore_model_ms(tokens)
     }
 }
 
@@ -517,6 +576,41 @@ mod tests {
             };
             assert_eq!(bad(c), EstimatorConfigError::DecodeCurve);
         }
+        for cost in [-0.5, f64::INFINITY] {
+            assert_eq!(
+                bad(EstimatorConfig {
+                    restore_ms_per_token: cost,
+                    ..d
+                }),
+                EstimatorConfigError::RestoreCost(cost)
+            );
+        }
+        assert!(matches!(
+            bad(EstimatorConfig {
+                restore_ms_per_token: f64::NAN,
+                ..d
+            }),
+            EstimatorConfigError::RestoreCost(_)
+        ));
+    }
+
+    #[test]
+    fn a_restore_costs_the_engines_copy_time_divided_by_the_speedup() {
+        // 128 KiB a token over 64 GB/s: 131,072 / 64e9 s = 2.048 µs a token.
+        assert!((default_restore_ms_per_token() - 0.002048).abs() < 1e-12);
+        let config = EstimatorConfig {
+            speedup: 4.0,
+            ..EstimatorConfig::default()
+        };
+        // 10,000 tokens: 20.48 model ms, 5.12 wall ms at speed-up 4.
+        assert!((config.restore_model_ms(10_000) - 5.12).abs() < 1e-9);
+        let e = PrefillEstimator::new(config).unwrap();
+        assert_eq!(e.restore_ms(W, 10_000), config.restore_model_ms(10_000));
+        let instant = EstimatorConfig {
+            speedup: 0.0,
+            ..EstimatorConfig::default()
+        };
+        assert_eq!(instant.restore_model_ms(10_000), 0.0);
     }
 
     proptest! {

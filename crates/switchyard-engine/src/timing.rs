@@ -38,8 +38,9 @@ impl Default for TimingConfig {
             prefill: switchyard_core::estimate::DEFAULT_PREFILL_CURVE,
             decode: switchyard_core::estimate::DEFAULT_DECODE_CURVE,
             decode_floor_ms: switchyard_core::estimate::DEFAULT_DECODE_FLOOR_MS,
-            bytes_per_token: 128 * 1024,
-            restore_bandwidth_bytes_per_s: 64e9,
+            bytes_per_token: switchyard_core::estimate::DEFAULT_KV_BYTES_PER_TOKEN,
+            restore_bandwidth_bytes_per_s:
+                switchyard_core::estimate::DEFAULT_RESTORE_BANDWIDTH_BYTES_PER_S,
             speedup: 1.0,
         }
     }
@@ -95,6 +96,15 @@ impl TimingConfig {
         let u = usage.clamp(0.0, 1.0);
         let [a, b, c] = self.decode;
         (a * u * u + b * u + c).max(self.decode_floor_ms)
+    }
+
+    /// Model ms to copy one token of KV from host to device (what the
+    /// router's estimator calls `restore_ms_per_token`).
+    pub fn restore_ms_per_token(&self) -> f64 {
+        switchyard_core::estimate::restore_ms_per_token(
+            self.bytes_per_token,
+            self.restore_bandwidth_bytes_per_s,
+        )
     }
 
     /// Model ms to copy `tokens` tokens of KV from host to device.

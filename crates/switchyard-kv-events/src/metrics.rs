@@ -5,6 +5,7 @@
 //! | metric | labels | meaning |
 //! |---|---|---|
 //! | `switchyard_kv_events_total` | `worker`, `type` | events decoded, by wire type |
+//! | `switchyard_kv_events_applied_total` | `worker`, `tier` | events passed to the index, by cache tier (`device`, `host`) |
 //! | `switchyard_kv_events_dropped_total` | `reason` | events or messages skipped (all workers) |
 //! | `switchyard_kv_event_gaps_total` | `worker` | sequence gaps seen |
 //! | `switchyard_kv_event_batches_total` | `worker` | batches decoded |
@@ -20,6 +21,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
+use switchyard_core::index::CacheTier;
 use switchyard_wire::normalize::SkipReason;
 
 /// Event types counted by `switchyard_kv_events_total{type}`.
@@ -49,7 +51,11 @@ pub const DROP_REASONS: [&str; 17] = [
 ];
 
 /// Reasons in [`DROP_REASONS`] that are filtering, not bad input.
-const FILTER_REASONS: [&str; 3] = ["host_tier", "disk_tier", "non_full_attention_group"];
+const FILTER_REASONS: [&str; 3] = [
+    "host_tier_without_tokens",
+    "disk_tier",
+    "non_full_attention_group",
+];
 
 /// Most worker streams one registry tracks; later ones share the entry
 /// named [`OVERFLOW_WORKER`], so the label set stays bounded.
@@ -71,6 +77,12 @@ struct EventLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    worker: Arc<str>,
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -84,6 +96,8 @@ pub struct WorkerMetrics {
     name: Arc<str>,
     batches: Counter,
     events: [Counter; EVENT_TYPES.len()],
+    /// Indexed like [`CacheTier::ALL`].
+    applied: [Counter; CacheTier::ALL.len()],
     dropped: [Counter; DROP_REASONS.len()],
     gaps: Counter,
     replays: Counter,
@@ -99,6 +113,8 @@ pub struct MetricsSnapshot {
     pub batches: u64,
     /// Events decoded, indexed like [`EVENT_TYPES`].
     pub events: [u64; EVENT_TYPES.len()],
+    /// Events passed to the index, indexed like [`CacheTier::ALL`].
+    pub applied: [u64; CacheTier::ALL.len()],
     /// Drops, indexed like [`DROP_REASONS`].
     pub dropped: [u64; DROP_REASONS.len()],
     /// Sequence gaps seen.
@@ -154,6 +170,10 @@ impl WorkerMetrics {
         self.events[i].inc();
     }
 
+    pub(crate) fn applied(&self, tier: CacheTier) {
+        self.applied[tier as usize].inc();
+    }
+
     pub(crate) fn drop_for(&self, reason: &str) {
         if let Some(i) = DROP_REASONS.iter().position(|r| *r == reason) {
             self.dropped[i].inc();
@@ -178,6 +198,7 @@ impl WorkerMetrics {
 #[derive(Debug)]
 pub struct KvEventMetrics {
     events: Family<EventLabels, Counter>,
+    applied: Family<TierLabels, Counter>,
     dropped: Family<ReasonLabels, Counter>,
     gaps: Family<WorkerLabels, Counter>,
     batches: Family<WorkerLabels, Counter>,
@@ -204,6 +225,7 @@ impl KvEventMetrics {
             DROP_REASONS.map(|reason| dropped.get_or_create(&ReasonLabels { reason }).clone());
         Self {
             events: Family::default(),
+            applied: Family::default(),
             dropped,
             gaps: Family::default(),
             batches: Family::default(),
@@ -221,6 +243,11 @@ impl KvEventMetrics {
             "switchyard_kv_events",
             "KV events decoded, by worker and wire type",
             self.events.clone(),
+        );
+        registry.register(
+            "switchyard_kv_events_applied",
+            "KV events passed to the prefix index, by worker and cache tier",
+            self.applied.clone(),
         );
         registry.register(
             "switchyard_kv_events_dropped",
@@ -296,6 +323,14 @@ impl KvEventMetrics {
                     })
                     .clone()
             }),
+            applied: CacheTier::ALL.map(|tier| {
+                self.applied
+                    .get_or_create(&TierLabels {
+                        worker: name.clone(),
+                        tier: tier.as_str(),
+                    })
+                    .clone()
+            }),
             dropped: self.dropped_handles.clone(),
             gaps: handle(&self.gaps),
             replays: handle(&self.replays),
@@ -319,6 +354,9 @@ impl KvEventMetrics {
             total.replayed_batches += w.replayed_batches.get();
             total.resets += w.resets.get();
             for (t, n) in total.events.iter_mut().zip(&w.events) {
+                *t += n.get();
+            }
+            for (t, n) in total.applied.iter_mut().zip(&w.applied) {
                 *t += n.get();
             }
         }
@@ -347,7 +385,8 @@ mod tests {
         w.event("BlockStored");
         w.event("SomethingElse");
         w.drop_for("partial_block");
-        w.drop_for("host_tier");
+        w.drop_for("host_tier_without_tokens");
+        w.applied(CacheTier::Host);
         w.gap();
         let text = registry.encode_text();
         assert!(text.contains("switchyard_kv_events_total{worker=\"w7\",type=\"BlockStored\"} 1\n"));
@@ -355,7 +394,14 @@ mod tests {
         assert!(text.contains("switchyard_kv_events_dropped_total{reason=\"partial_block\"} 1\n"));
         assert!(text.contains("switchyard_kv_events_dropped_total{reason=\"bad_framing\"} 0\n"));
         assert!(text.contains("switchyard_kv_event_gaps_total{worker=\"w7\"} 1\n"));
+        assert!(
+            text.contains("switchyard_kv_events_applied_total{worker=\"w7\",tier=\"host\"} 1\n")
+        );
+        assert!(
+            text.contains("switchyard_kv_events_applied_total{worker=\"w7\",tier=\"device\"} 0\n")
+        );
         assert_eq!(registry.total().malformed(), 1);
+        assert_eq!(registry.total().applied, [0, 1]);
     }
 
     #[test]
@@ -365,6 +411,7 @@ mod tests {
         let text = registry.encode_text();
         for family in [
             "switchyard_kv_events_total",
+            "switchyard_kv_events_applied_total",
             "switchyard_kv_events_dropped_total",
             "switchyard_kv_event_gaps_total",
             "switchyard_kv_event_batches_total",
@@ -425,6 +472,7 @@ mod tests {
                 for t in EVENT_TYPES {
                     w.event(t);
                 }
+                w.applied(CacheTier::Device);
                 w.drop_for("partial_block");
                 w.gap();
                 w.replay(2);

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use switchyard_core::index::{IndexEvent, PrefixIndex};
+use switchyard_core::index::{CacheTier, IndexEvent, TieredIndex};
 use switchyard_core::WorkerId;
 use switchyard_wire::kv_events::{decode_batch_lossy, Format, END_OF_REPLAY_SEQ};
 use switchyard_wire::normalize::{Normalized, Normalizer};
@@ -34,14 +34,15 @@ use switchyard_wire::normalize::{Normalized, Normalizer};
 /// Where normalized events go. Implementations must not block for long:
 /// the subscriber thread waits on them.
 pub trait IndexSink: Send + Sync + 'static {
-    /// Applies one event for `worker`.
-    fn apply(&self, worker: WorkerId, event: &IndexEvent);
+    /// Applies one event about `worker`'s cache `tier` (a `Cleared`, which
+    /// the subscriber also sends to resync, clears every tier).
+    fn apply(&self, worker: WorkerId, tier: CacheTier, event: &IndexEvent);
 }
 
-impl IndexSink for Mutex<PrefixIndex> {
-    fn apply(&self, worker: WorkerId, event: &IndexEvent) {
+impl IndexSink for Mutex<TieredIndex> {
+    fn apply(&self, worker: WorkerId, tier: CacheTier, event: &IndexEvent) {
         let mut index = self.lock().unwrap_or_else(|p| p.into_inner());
-        index.apply(worker, event);
+        index.apply(worker, tier, event);
     }
 }
 
@@ -332,7 +333,8 @@ impl Stream {
     }
 
     fn clear(&self) {
-        self.sink.apply(self.config.worker, &IndexEvent::Cleared);
+        self.sink
+            .apply(self.config.worker, CacheTier::Device, &IndexEvent::Cleared);
     }
 
     /// Asks the replay socket for batches `from..to` (at most
@@ -398,7 +400,10 @@ impl Stream {
         for event in &batch.events {
             self.metrics.event(event.type_name());
             match self.normalizer.normalize(event) {
-                Normalized::Index(index_event) => self.sink.apply(self.config.worker, &index_event),
+                Normalized::Index(tier, index_event) => {
+                    self.metrics.applied(tier);
+                    self.sink.apply(self.config.worker, tier, &index_event);
+                }
                 Normalized::Skipped(reason) => self.metrics.drop_for(reason.as_str()),
             }
         }

@@ -738,6 +738,18 @@ mod tests {
     }
 
     #[test]
+    fn the_host_tier_restore_cost_comes_from_the_estimator_table_and_is_validated() {
+        assert_eq!(
+            ServerConfig::default().estimator.restore_ms_per_token,
+            switchyard_core::estimate::default_restore_ms_per_token()
+        );
+        let config = ServerConfig::from_toml("[estimator]\nrestore_ms_per_token = 0.01").unwrap();
+        assert_eq!(config.estimator.restore_ms_per_token, 0.01);
+        let err = ServerConfig::from_toml("[estimator]\nrestore_ms_per_token = -1.0").unwrap_err();
+        assert!(err.to_string().contains("restore_ms_per_token"), "{err}");
+    }
+
+    #[test]
     fn timeouts_must_be_positive_and_finite() {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let config = ServerConfig {

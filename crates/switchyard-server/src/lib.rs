@@ -260,6 +260,11 @@ pub struct ServeArgs {
     /// Uncached tokens the workers prefill per step (their max_num_batched_tokens) [default: 8192].
     #[arg(long, env = "SWITCHYARD_PREFILL_CHUNK_TOKENS")]
     pub prefill_chunk_tokens: Option<u32>,
+    /// Model ms to restore one token of KV from a worker's host (CPU) tier:
+    /// KV bytes per token over the host-to-device bandwidth, divided by the
+    /// speed-up like the curve [default: 0.002048, 128 KiB over 64 GB/s].
+    #[arg(long, env = "SWITCHYARD_RESTORE_MS_PER_TOKEN")]
+    pub restore_ms_per_token: Option<f64>,
     /// Keep the configured prefill model; do not fit it per worker from observed times to first token.
     #[arg(long, env = "SWITCHYARD_NO_PREFILL_FIT")]
     pub no_prefill_fit: bool,
@@ -337,6 +342,9 @@ impl ServeArgs {
         }
         if let Some(tokens) = self.prefill_chunk_tokens {
             c.estimator.chunk_tokens = tokens;
+        }
+        if let Some(ms) = self.restore_ms_per_token {
+            c.estimator.restore_ms_per_token = ms;
         }
         if self.no_prefill_fit {
             c.estimator.online = false;

@@ -10,9 +10,10 @@
 //! (figures from `bench admission`'s notes).
 //!
 //! KV events do not take that lock while they are applied: with exact
-//! cache tracking the router's prefix index is published
-//! (`switchyard_core::index::published`) and events go through its writer,
-//! under a lock of their own; routing reads the last published copy and
+//! cache tracking the router's prefix indexes (device and host tier, one
+//! `TieredIndex`) are published (`switchyard_core::index::published`) and
+//! events of both tiers go through its one writer, under a lock of their
+//! own; routing reads the last published copy and
 //! never waits for an event being applied (the event's liveness check
 //! takes the routing lock for a map lookup only). `bench contention`
 //! measures the difference.
@@ -41,7 +42,7 @@ use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
 use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
 use switchyard_core::health::{CircuitConfig, CircuitConfigError, CircuitState};
 use switchyard_core::index::published::IndexWriter;
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
@@ -121,10 +122,10 @@ struct Inner {
 /// The shared state; cheap to share behind an `Arc`.
 pub struct SharedRouter {
     inner: Mutex<Inner>,
-    /// The exact prefix index's writer (KV events), when the router
-    /// follows KV events: routing reads the index without waiting for it
-    /// (see `switchyard_core::index::published`). Lock order: this, then
-    /// `inner`, never the other way round.
+    /// The exact prefix indexes' writer (KV events of both tiers), when
+    /// the router follows KV events: routing reads the indexes without
+    /// waiting for it (see `switchyard_core::index::published`). Lock
+    /// order: this, then `inner`, never the other way round.
     index_writer: Option<Mutex<IndexWriter>>,
     epoch: Instant,
     metrics: Arc<ServerMetrics>,
@@ -441,10 +442,18 @@ impl SharedRouter {
         info.in_router.then_some(info.events_epoch)
     }
 
-    /// Applies a KV event from the subscriber of `epoch`; a stale
-    /// subscriber's (the worker left the router since) is dropped and
-    /// counted. Returns whether it was applied.
-    pub fn apply_worker_event(&self, worker: WorkerId, epoch: u64, event: &IndexEvent) -> bool {
+    /// Applies a KV event about one of `worker`'s cache tiers from the
+    /// subscriber of `epoch`; a stale subscriber's (the worker left the
+    /// router since) is dropped and counted. Returns whether it was
+    /// applied. Both tiers take the same path: the writer's lock, then the
+    /// routing lock for the liveness check alone.
+    pub fn apply_worker_event(
+        &self,
+        worker: WorkerId,
+        epoch: u64,
+        tier: CacheTier,
+        event: &IndexEvent,
+    ) -> bool {
         let live = |inner: &Inner| {
             inner
                 .roster
@@ -458,7 +467,7 @@ impl SharedRouter {
                 let mut writer = lock_writer(writer);
                 let live = live(&self.lock());
                 if live {
-                    writer.apply(worker, event);
+                    writer.apply(worker, tier, event);
                 }
                 live
             }
@@ -466,7 +475,7 @@ impl SharedRouter {
                 let mut inner = self.lock();
                 let live = live(&inner);
                 if live {
-                    inner.dispatcher.apply_kv_event(worker, event);
+                    inner.dispatcher.apply_kv_event(worker, tier, event);
                 }
                 live
             }

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 use switchyard_kv_events::metrics::KvEventMetrics;
@@ -338,10 +338,10 @@ struct WorkerEventSink {
 }
 
 impl IndexSink for WorkerEventSink {
-    fn apply(&self, worker: WorkerId, event: &IndexEvent) {
+    fn apply(&self, worker: WorkerId, tier: CacheTier, event: &IndexEvent) {
         debug_assert_eq!(worker, self.worker, "one sink per worker");
         self.shared
-            .apply_worker_event(self.worker, self.epoch, event);
+            .apply_worker_event(self.worker, self.epoch, tier, event);
     }
 }
 

@@ -4,9 +4,11 @@
 //! (`switchyard_wire::normalize`) into index events ([`EngineEventStream`],
 //! what the fleet simulator and the core soak feed the router). The
 //! simulator thus applies exactly what the server would receive from a
-//! sim-worker, by the same code.
+//! sim-worker, by the same code: device-tier events to the router's device
+//! index, host-tier events (an engine with a host tier spills evicted
+//! blocks into it) to its host index.
 
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_engine::{KvEvent, Medium};
 use switchyard_wire::kv_events::{self as wire, BlockRemoved, BlockStored};
 use switchyard_wire::normalize::{NormalizeCounters, Normalized, Normalizer};
@@ -65,16 +67,17 @@ impl EngineEventStream {
         }
     }
 
-    /// Appends the index events of `events` to `out` (skipped events are
-    /// counted, as the subscriber counts them).
+    /// Appends the index events of `events` to `out`, each with the tier
+    /// it is about (skipped events are counted, as the subscriber counts
+    /// them).
     pub fn normalize(
         &mut self,
         events: impl IntoIterator<Item = KvEvent>,
-        out: &mut Vec<IndexEvent>,
+        out: &mut Vec<(CacheTier, IndexEvent)>,
     ) {
         for event in events {
-            if let Normalized::Index(e) = self.normalizer.normalize(&event_to_wire(event)) {
-                out.push(e);
+            if let Normalized::Index(tier, e) = self.normalizer.normalize(&event_to_wire(event)) {
+                out.push((tier, e));
             }
         }
     }
@@ -91,7 +94,6 @@ mod tests {
     use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
     use switchyard_core::index::StoredBlock;
     use switchyard_core::EngineHash;
-    use switchyard_wire::normalize::SkipReason;
 
     #[test]
     fn engine_events_map_onto_vllm_shapes_with_gpu_and_cpu_media() {
@@ -124,7 +126,7 @@ mod tests {
     }
 
     #[test]
-    fn device_events_become_index_events_and_host_tier_events_are_skipped_and_counted() {
+    fn device_and_host_tier_events_become_index_events_of_their_tier() {
         let mut stream = EngineEventStream::new(16);
         let tokens: Vec<u32> = (0..32).collect();
         let mut out = Vec::new();
@@ -155,24 +157,45 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                IndexEvent::Stored {
-                    parent: None,
-                    blocks: vec![
-                        StoredBlock {
-                            engine_hash: EngineHash(1),
+                (
+                    CacheTier::Device,
+                    IndexEvent::Stored {
+                        parent: None,
+                        blocks: vec![
+                            StoredBlock {
+                                engine_hash: EngineHash(1),
+                                local_hash: locals[0]
+                            },
+                            StoredBlock {
+                                engine_hash: EngineHash(2),
+                                local_hash: locals[1]
+                            },
+                        ],
+                    }
+                ),
+                (
+                    CacheTier::Host,
+                    IndexEvent::Stored {
+                        parent: None,
+                        blocks: vec![StoredBlock {
+                            engine_hash: EngineHash(3),
                             local_hash: locals[0]
-                        },
-                        StoredBlock {
-                            engine_hash: EngineHash(2),
-                            local_hash: locals[1]
-                        },
-                    ],
-                },
-                IndexEvent::Removed {
-                    blocks: vec![EngineHash(2)]
-                },
+                        }],
+                    }
+                ),
+                (
+                    CacheTier::Device,
+                    IndexEvent::Removed {
+                        blocks: vec![EngineHash(2)]
+                    }
+                ),
             ]
         );
-        assert_eq!(stream.counters().skipped(SkipReason::HostTier), 1);
+        let counters = stream.counters();
+        assert_eq!(
+            (counters.stored, counters.removed, counters.host),
+            (2, 1, 1)
+        );
+        assert_eq!(counters.skipped.iter().sum::<u64>(), 0);
     }
 }

@@ -52,7 +52,7 @@ use switchyard_core::dispatch::{
 };
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::{RouterConfig, WorkerCapacity};
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
 use switchyard_engine::{Engine, EngineConfig, KvEvent, NewRequest, StepReport, SyncDevice};
@@ -103,7 +103,7 @@ impl FleetConfig {
     /// The dispatcher settings of replica `index`: the router with the
     /// engine's block size and the replica's seed, and prefill hints from
     /// the engines' own timing model (their prefill polynomial, batch
-    /// budget and speed-up).
+    /// budget, host-tier restore cost and speed-up).
     pub fn dispatcher(&self, index: usize) -> DispatcherConfig {
         let mut router = RouterConfig {
             seed: replica_seed(self.router.seed, index),
@@ -119,6 +119,7 @@ impl FleetConfig {
                 decode_curve: timing.decode,
                 decode_floor_ms: timing.decode_floor_ms,
                 chunk_tokens: self.engine.max_num_batched_tokens.max(1) as u32,
+                restore_ms_per_token: timing.restore_ms_per_token(),
                 speedup: timing.speedup,
                 online: self.online_prefill_fit,
                 ..EstimatorConfig::default()
@@ -192,7 +193,7 @@ enum Event {
     /// KV events reach the routers.
     KvDelivery {
         worker: usize,
-        events: Vec<IndexEvent>,
+        events: Vec<(CacheTier, IndexEvent)>,
     },
     /// A replica's dispatcher asked to be ticked.
     Tick { replica: usize },
@@ -472,8 +473,8 @@ impl Fleet {
                 Event::KvDelivery { worker, events } => {
                     let id = self.workers[worker].id;
                     for replica in &mut self.replicas {
-                        for e in &events {
-                            replica.dispatcher.apply_kv_event(id, e);
+                        for (tier, e) in &events {
+                            replica.dispatcher.apply_kv_event(id, *tier, e);
                         }
                     }
                 }
@@ -971,6 +972,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out.report.hit_rate, 0.0);
+    }
+
+    #[test]
+    fn an_engines_host_tier_reaches_the_routers_host_index() {
+        // One worker with room for 16 device blocks (256 tokens) and a host
+        // tier of 64: ten distinct 200-token prompts evict one another, and
+        // evicted blocks spill into the host tier.
+        let mut config = fleet(1, PolicyKind::Ttft);
+        config.engine.num_blocks = 16;
+        config.engine.host_blocks = 64;
+        config.kv_event_delay_ms = 0.0;
+        let turns = (0..10u32)
+            .map(|i| {
+                let prompt = (i * 1000..i * 1000 + 200).collect();
+                one_turn(u64::from(i), f64::from(i) * 1000.0, prompt, 2)
+            })
+            .collect();
+        let mut last = (0, 0, 0);
+        Fleet::new(&config, sessions(turns))
+            .unwrap()
+            .run(&mut |_| {}, |fleet: &Fleet| {
+                let router = fleet.replicas[0].dispatcher.router();
+                last = (
+                    router.with_host_index(|h| h.live_pairs()),
+                    fleet.workers[0].engine.kv().host_blocks(),
+                    router.with_host_index(|h| h.counters().unknown_parent),
+                );
+            })
+            .unwrap();
+        let (indexed, engine, dropped) = last;
+        assert!(engine > 0, "the engine spilled nothing");
+        assert_eq!(indexed, engine, "every host block is indexed");
+        assert_eq!(dropped, 0, "every spill found its parent");
     }
 
     #[test]

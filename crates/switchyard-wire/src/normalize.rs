@@ -16,9 +16,16 @@
 //!   `block_hashes.len() × block_size`, and the event's `block_size` must be
 //!   the router's. SGLang's partial last page fails this and is skipped
 //!   (a partial block is not a block).
-//! - **Device tier only.** `medium` maps to a [`Tier`]; the index tracks the
-//!   device tier, so host- and disk-tier stores *and removals* are skipped
-//!   and counted (a host-tier eviction must not remove the device copy).
+//! - **Device and host tiers.** `medium` maps to a [`Tier`]; device- and
+//!   host-tier events are kept, each tagged with its [`CacheTier`] (the
+//!   router keeps one index per tier, so a host-tier eviction never removes
+//!   the device copy). Disk-tier stores and removals, and unknown media,
+//!   are skipped and counted. `AllBlocksCleared` carries no medium: it is
+//!   tagged `Device` and clears every tier
+//!   (`switchyard_core::index::TieredIndex`). A host-tier store without
+//!   token ids (vLLM's offloading connector publishes its CPU blocks so,
+//!   with no parent either) cannot be placed in a prefix and is skipped and
+//!   counted as [`SkipReason::HostTierWithoutTokens`].
 //! - **Full attention only.** Hybrid models publish one group per cache spec
 //!   (`group_idx`, `kv_cache_spec_kind`). Groups are learned from stores;
 //!   only a full-attention group describes a prefix. An event with no group
@@ -27,7 +34,7 @@
 
 use crate::kv_events::{BlockRemoved, BlockStored, KvEvent};
 use switchyard_core::hashing::{local_block_hashes, seed_for};
-use switchyard_core::index::{IndexEvent, StoredBlock};
+use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 
 /// Most distinct groups remembered per worker; real hybrid models have a
 /// handful. Past the cap, events of new groups are skipped.
@@ -79,8 +86,10 @@ pub enum SkipReason {
     LoraWithoutName,
     /// An event type this router does not know.
     UnknownEventType,
-    /// A host-tier store or removal (filtered, not malformed).
-    HostTier,
+    /// A host-tier store without token ids, as vLLM's offloading
+    /// connector sends (filtered, not malformed): nothing places its
+    /// blocks in a prefix.
+    HostTierWithoutTokens,
     /// A disk-tier store or removal (filtered, not malformed).
     DiskTier,
     /// A `medium` string no engine is known to send.
@@ -99,7 +108,7 @@ impl SkipReason {
         SkipReason::BlockSizeMismatch,
         SkipReason::LoraWithoutName,
         SkipReason::UnknownEventType,
-        SkipReason::HostTier,
+        SkipReason::HostTierWithoutTokens,
         SkipReason::DiskTier,
         SkipReason::UnknownMedium,
         SkipReason::NonFullAttentionGroup,
@@ -114,7 +123,7 @@ impl SkipReason {
             SkipReason::BlockSizeMismatch => "block_size_mismatch",
             SkipReason::LoraWithoutName => "lora_without_name",
             SkipReason::UnknownEventType => "unknown_event_type",
-            SkipReason::HostTier => "host_tier",
+            SkipReason::HostTierWithoutTokens => "host_tier_without_tokens",
             SkipReason::DiskTier => "disk_tier",
             SkipReason::UnknownMedium => "unknown_medium",
             SkipReason::NonFullAttentionGroup => "non_full_attention_group",
@@ -126,7 +135,9 @@ impl SkipReason {
     pub fn is_malformed(self) -> bool {
         !matches!(
             self,
-            SkipReason::HostTier | SkipReason::DiskTier | SkipReason::NonFullAttentionGroup
+            SkipReason::HostTierWithoutTokens
+                | SkipReason::DiskTier
+                | SkipReason::NonFullAttentionGroup
         )
     }
 }
@@ -134,8 +145,8 @@ impl SkipReason {
 /// What became of one event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Normalized {
-    /// Apply this to the index.
-    Index(IndexEvent),
+    /// Apply this to the index of this tier.
+    Index(CacheTier, IndexEvent),
     /// Skipped, for this reason.
     Skipped(SkipReason),
 }
@@ -149,6 +160,8 @@ pub struct NormalizeCounters {
     pub removed: u64,
     /// `AllBlocksCleared` events.
     pub cleared: u64,
+    /// Of `stored` and `removed`, the host tier's.
+    pub host: u64,
     /// Skipped events, indexed like [`SkipReason::ALL`].
     pub skipped: [u64; SkipReason::ALL.len()],
 }
@@ -196,17 +209,20 @@ impl Normalizer {
         let outcome = match event {
             KvEvent::BlockStored(stored) => self.stored(stored),
             KvEvent::BlockRemoved(removed) => self.removed(removed),
-            KvEvent::AllBlocksCleared => Ok(IndexEvent::Cleared),
+            KvEvent::AllBlocksCleared => Ok((CacheTier::Device, IndexEvent::Cleared)),
             KvEvent::Unknown { .. } => Err(SkipReason::UnknownEventType),
         };
         match outcome {
-            Ok(index_event) => {
+            Ok((tier, index_event)) => {
                 match &index_event {
                     IndexEvent::Stored { .. } => self.counters.stored += 1,
                     IndexEvent::Removed { .. } => self.counters.removed += 1,
                     IndexEvent::Cleared => self.counters.cleared += 1,
                 }
-                Normalized::Index(index_event)
+                if tier == CacheTier::Host {
+                    self.counters.host += 1;
+                }
+                Normalized::Index(tier, index_event)
             }
             Err(reason) => {
                 self.counters.skipped[reason as usize] += 1;
@@ -215,8 +231,12 @@ impl Normalizer {
         }
     }
 
-    fn stored(&mut self, stored: &BlockStored) -> Result<IndexEvent, SkipReason> {
-        check_tier(stored.medium.as_deref())?;
+    fn stored(&mut self, stored: &BlockStored) -> Result<(CacheTier, IndexEvent), SkipReason> {
+        let tier = check_tier(stored.medium.as_deref())?;
+        if tier == CacheTier::Host && stored.token_ids.is_empty() && !stored.block_hashes.is_empty()
+        {
+            return Err(SkipReason::HostTierWithoutTokens);
+        }
         self.check_group(stored.group_idx, stored.kv_cache_spec_kind.as_deref())?;
         if stored.lora_id.is_some() && stored.lora_name.is_none() {
             return Err(SkipReason::LoraWithoutName);
@@ -236,7 +256,7 @@ impl Normalizer {
         }
         let seed = seed_for(stored.lora_name.as_deref(), stored.cache_salt.as_deref());
         let local = local_block_hashes(&stored.token_ids, block_size, seed);
-        Ok(IndexEvent::Stored {
+        let event = IndexEvent::Stored {
             parent: stored.parent_block_hash,
             blocks: stored
                 .block_hashes
@@ -247,15 +267,17 @@ impl Normalizer {
                     local_hash,
                 })
                 .collect(),
-        })
+        };
+        Ok((tier, event))
     }
 
-    fn removed(&mut self, removed: &BlockRemoved) -> Result<IndexEvent, SkipReason> {
-        check_tier(removed.medium.as_deref())?;
+    fn removed(&mut self, removed: &BlockRemoved) -> Result<(CacheTier, IndexEvent), SkipReason> {
+        let tier = check_tier(removed.medium.as_deref())?;
         self.check_group(removed.group_idx, None)?;
-        Ok(IndexEvent::Removed {
+        let event = IndexEvent::Removed {
             blocks: removed.block_hashes.clone(),
-        })
+        };
+        Ok((tier, event))
     }
 
     fn check_group(
@@ -293,10 +315,11 @@ fn is_full_attention(kind: &str) -> bool {
     kind.contains("full") || kind.contains("mla")
 }
 
-fn check_tier(medium: Option<&str>) -> Result<(), SkipReason> {
+/// The index tier of a `medium`, or why its events are skipped.
+fn check_tier(medium: Option<&str>) -> Result<CacheTier, SkipReason> {
     match Tier::from_medium(medium) {
-        Some(Tier::Device) => Ok(()),
-        Some(Tier::Host) => Err(SkipReason::HostTier),
+        Some(Tier::Device) => Ok(CacheTier::Device),
+        Some(Tier::Host) => Ok(CacheTier::Host),
         Some(Tier::Disk) => Err(SkipReason::DiskTier),
         None => Err(SkipReason::UnknownMedium),
     }
@@ -328,7 +351,7 @@ mod tests {
         let tokens: Vec<u32> = (0..8).collect();
         let mut event = stored(&[11, 12], tokens.clone());
         event.parent_block_hash = Some(EngineHash(10));
-        let Normalized::Index(IndexEvent::Stored { parent, blocks }) =
+        let Normalized::Index(CacheTier::Device, IndexEvent::Stored { parent, blocks }) =
             n.normalize(&store_event(event))
         else {
             panic!("not stored")
@@ -348,7 +371,8 @@ mod tests {
         let mut event = stored(&[1], tokens.clone());
         event.lora_name = Some("adapter".into());
         event.cache_salt = Some("tenant".into());
-        let Normalized::Index(IndexEvent::Stored { blocks, .. }) = n.normalize(&store_event(event))
+        let Normalized::Index(CacheTier::Device, IndexEvent::Stored { blocks, .. }) =
+            n.normalize(&store_event(event))
         else {
             panic!("not stored")
         };
@@ -379,13 +403,39 @@ mod tests {
     }
 
     #[test]
-    fn host_and_disk_tier_events_are_skipped_and_counted_not_applied() {
+    fn host_tier_events_are_kept_for_the_host_index_and_disk_tier_events_skipped() {
         let mut n = Normalizer::new(4);
-        let mut host = stored(&[1], vec![1, 2, 3, 4]);
+        let tokens = vec![1, 2, 3, 4];
+        let mut host = stored(&[1], tokens.clone());
         host.medium = Some("CPU_PINNED".into());
+        host.parent_block_hash = Some(EngineHash(7));
+        let Normalized::Index(CacheTier::Host, IndexEvent::Stored { parent, blocks }) =
+            n.normalize(&store_event(host))
+        else {
+            panic!("not a host-tier store")
+        };
+        assert_eq!(parent, Some(EngineHash(7)));
         assert_eq!(
-            n.normalize(&store_event(host)),
-            Normalized::Skipped(SkipReason::HostTier)
+            blocks[0].local_hash,
+            local_block_hashes(&tokens, 4, DEFAULT_SEED)[0]
+        );
+        let host_removal = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![EngineHash(1)],
+            medium: Some("cpu".into()),
+            ..BlockRemoved::default()
+        });
+        assert_eq!(
+            n.normalize(&host_removal),
+            Normalized::Index(
+                CacheTier::Host,
+                IndexEvent::Removed {
+                    blocks: vec![EngineHash(1)]
+                }
+            )
+        );
+        assert_eq!(
+            (n.counters().stored, n.counters().removed, n.counters().host),
+            (1, 1, 2)
         );
         let disk_removal = KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: vec![EngineHash(1)],
@@ -412,6 +462,29 @@ mod tests {
     }
 
     #[test]
+    fn a_host_tier_store_without_tokens_is_skipped_and_counted_as_filtered() {
+        // vLLM's offloading connector: CPU blocks with no token ids, no
+        // parent and (newer versions) block size 0.
+        let mut n = Normalizer::new(4);
+        let mut offloaded = stored(&[1, 2], vec![]);
+        offloaded.medium = Some("CPU".into());
+        offloaded.block_size = 0;
+        assert_eq!(
+            n.normalize(&store_event(offloaded)),
+            Normalized::Skipped(SkipReason::HostTierWithoutTokens)
+        );
+        assert_eq!(n.counters().skipped(SkipReason::HostTierWithoutTokens), 1);
+        assert!(!SkipReason::HostTierWithoutTokens.is_malformed());
+        // On the device the same shape is bad input.
+        let mut device = stored(&[1, 2], vec![]);
+        device.block_size = 4;
+        assert_eq!(
+            n.normalize(&store_event(device)),
+            Normalized::Skipped(SkipReason::TokenCountMismatch)
+        );
+    }
+
+    #[test]
     fn only_the_full_attention_group_of_a_hybrid_model_reaches_the_index() {
         let mut n = Normalizer::new(4);
         let mut full = stored(&[1], vec![1, 2, 3, 4]);
@@ -422,7 +495,7 @@ mod tests {
         window.kv_cache_spec_kind = Some("sliding_window".into());
         assert!(matches!(
             n.normalize(&store_event(full)),
-            Normalized::Index(_)
+            Normalized::Index(..)
         ));
         assert_eq!(
             n.normalize(&store_event(window)),
@@ -435,7 +508,7 @@ mod tests {
                 ..BlockRemoved::default()
             })
         };
-        assert!(matches!(n.normalize(&removal(0)), Normalized::Index(_)));
+        assert!(matches!(n.normalize(&removal(0)), Normalized::Index(..)));
         assert_eq!(
             n.normalize(&removal(1)),
             Normalized::Skipped(SkipReason::NonFullAttentionGroup)
@@ -455,10 +528,10 @@ mod tests {
             group_idx: Some(0),
             ..BlockRemoved::default()
         });
-        assert!(matches!(n.normalize(&removal), Normalized::Index(_)));
+        assert!(matches!(n.normalize(&removal), Normalized::Index(..)));
         assert!(matches!(
             n.normalize(&store_event(stored(&[1], vec![1, 2, 3, 4]))),
-            Normalized::Index(_)
+            Normalized::Index(..)
         ));
     }
 
@@ -490,7 +563,7 @@ mod tests {
         let mut n = Normalizer::new(4);
         assert_eq!(
             n.normalize(&KvEvent::AllBlocksCleared),
-            Normalized::Index(IndexEvent::Cleared)
+            Normalized::Index(CacheTier::Device, IndexEvent::Cleared)
         );
         assert_eq!(
             n.normalize(&KvEvent::Unknown { tag: "New".into() }),

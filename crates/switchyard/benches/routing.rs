@@ -8,7 +8,7 @@ use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion
 use switchyard::bench::micro::{build, generate, MicroArgs};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::{IndexEvent, OverlapScores, StoredBlock};
+use switchyard_core::index::{CacheTier, IndexEvent, OverlapScores, StoredBlock};
 use switchyard_core::router::{Router, RouterConfig, WorkerCapacity};
 use switchyard_core::select::{PolicyKind, RoutingRequest, SelectOutcome};
 use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
@@ -128,7 +128,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
         router.add_worker(w, CAPACITY);
     }
     fill_caches(&workers, |w, event| {
-        router.apply_kv_event(w, event);
+        router.apply_kv_event(w, CacheTier::Device, event);
     });
     for r in 0..256u64 {
         let locals = prompt(r % 700);
@@ -180,7 +180,7 @@ fn decision(c: &mut Criterion) {
         let _ = dispatcher.add_worker(w, CAPACITY, 0.0);
     }
     fill_caches(&workers, |w, event| {
-        dispatcher.apply_kv_event(w, event);
+        dispatcher.apply_kv_event(w, CacheTier::Device, event);
     });
     let submission = |locals: Vec<LocalHash>| Submission {
         blocks: locals,

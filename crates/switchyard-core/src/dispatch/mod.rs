@@ -52,7 +52,7 @@ use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
 use crate::health::{
     CircuitBreaker, CircuitConfig, CircuitConfigError, CircuitEvent, CircuitState,
 };
-use crate::index::{ApplyOutcome, IndexEvent};
+use crate::index::{ApplyOutcome, CacheTier, IndexEvent};
 use crate::maps::FxHashMap;
 use crate::replica::{clamp_context_tokens, DropReason, RemoteCounters};
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
@@ -569,10 +569,16 @@ impl Dispatcher {
         self.router.publish_index()
     }
 
-    /// Applies an engine KV event (already normalized: see
-    /// `switchyard_wire::normalize`). `None` in approximate mode.
-    pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {
-        self.router.apply_kv_event(worker, event)
+    /// Applies an engine KV event about one of the worker's cache tiers
+    /// (already normalized: see `switchyard_wire::normalize`). `None` in
+    /// approximate mode.
+    pub fn apply_kv_event(
+        &mut self,
+        worker: WorkerId,
+        tier: CacheTier,
+        event: &IndexEvent,
+    ) -> Option<ApplyOutcome> {
+        self.router.apply_kv_event(worker, tier, event)
     }
 
     /// Applies one batch from peer replica `sender` (a heartbeat even when

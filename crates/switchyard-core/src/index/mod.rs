@@ -6,7 +6,9 @@
 //!   router's own decisions as if the chosen worker had cached the prompt,
 //!   with a TTL and a size cap.
 //!
-//! - [`published`] puts an exact index behind a wait-free reader: the
+//! - [`TieredIndex`] pairs two exact indexes, one per cache tier (device
+//!   and host): the router's view of the fleet when it follows KV events.
+//! - [`published`] puts a tiered index behind a wait-free reader: the
 //!   router reads one copy while the KV-event writer changes the other.
 //!
 //! Both answer [`PrefixIndex::overlaps`]: for a prompt's local block hashes,
@@ -15,9 +17,11 @@
 mod approx;
 mod block_map;
 pub mod published;
+mod tiered;
 mod tree;
 
 pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};
+pub use tiered::{CacheTier, TieredIndex};
 pub use tree::{
     ApplyOutcome, IndexCounters, IndexEvent, IndexMemory, OverlapScores, PrefixIndex, StoredBlock,
     WorkerOverlap,

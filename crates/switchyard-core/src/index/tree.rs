@@ -294,6 +294,121 @@ impl PrefixIndex {
         }
     }
 
+    /// Stores a chain of blocks for `worker` under the prefix `path` (local
+    /// hashes from the root, the parent's last), whether or not the worker
+    /// holds any block of it: for a tier whose blocks arrive without their
+    /// parent, placed where another tier's index says the parent lives
+    /// ([`Self::path_of`]). Nodes of `path` no one holds are kept as
+    /// structure while the chain hangs below them. An empty chain changes
+    /// nothing.
+    pub fn store_under_path(
+        &mut self,
+        worker: WorkerId,
+        path: &[LocalHash],
+        blocks: &[StoredBlock],
+    ) -> ApplyOutcome {
+        if blocks.is_empty() {
+            return ApplyOutcome::Applied {
+                changed: 0,
+                unknown: 0,
+            };
+        }
+        if self.live_nodes + path.len() + blocks.len() >= MAX_NODES {
+            self.counters.dropped_full += 1;
+            return ApplyOutcome::Full;
+        }
+        let slot = self.slot_or_insert(worker);
+        let mut cur = ROOT;
+        for local in path {
+            cur = self.child_or_insert(cur, local.0);
+        }
+        let mut changed = 0;
+        for block in blocks {
+            let child = self.child_or_insert(cur, block.local_hash.0);
+            changed += self.hold(slot, block.engine_hash.0, child);
+            cur = child;
+        }
+        self.counters.stored_events += 1;
+        ApplyOutcome::Applied {
+            changed,
+            unknown: 0,
+        }
+    }
+
+    /// The prefix of the block `worker` calls `engine_hash`: local hashes
+    /// from the root down to that block, written into `out` (cleared
+    /// first). `false`, with `out` empty, when the worker holds no such
+    /// block.
+    pub fn path_of(
+        &self,
+        worker: WorkerId,
+        engine_hash: EngineHash,
+        out: &mut Vec<LocalHash>,
+    ) -> bool {
+        out.clear();
+        let Some(mut node) = self
+            .worker_slots
+            .get(&worker)
+            .and_then(|&slot| self.slot(slot).blocks.get(engine_hash.0))
+        else {
+            return false;
+        };
+        while node != ROOT {
+            let n = self.nodes[node as usize];
+            out.push(LocalHash(n.local));
+            node = n.parent;
+        }
+        out.reverse();
+        true
+    }
+
+    /// Each worker's run of held blocks along a prompt starting at the
+    /// block `start(worker)` (0-based): how many consecutive prompt blocks
+    /// from there the worker holds, whether or not it holds the blocks
+    /// before. Written into `out` (cleared first), one entry per worker
+    /// with a nonzero run, `depth` being the run's length. One walk down
+    /// the prompt's path plus, per worker of this index, its run: cost is
+    /// proportional to the path's depth plus the workers here plus the
+    /// runs, never to what else is cached.
+    pub fn runs_from(
+        &self,
+        hashes: &[LocalHash],
+        start: impl Fn(WorkerId) -> u32,
+        out: &mut OverlapScores,
+    ) {
+        out.entries.clear();
+        let mut path = std::mem::take(&mut out.scratch);
+        path.clear();
+        let mut cur = ROOT;
+        for hash in hashes {
+            let Some(child) = self.child(cur, hash.0) else {
+                break;
+            };
+            path.push(u64::from(child));
+            cur = child;
+        }
+        if !path.is_empty() {
+            for (slot, worker) in self.slots.iter().enumerate() {
+                let Some(worker) = worker else { continue };
+                let from = start(worker.id) as usize;
+                let run = path
+                    .get(from..)
+                    .unwrap_or_default()
+                    .iter()
+                    .take_while(|&&node| self.bit(node as u32, slot as u32))
+                    .count();
+                if run > 0 {
+                    out.entries.push(WorkerOverlap {
+                        worker: worker.id,
+                        depth: run as u32,
+                        cached_blocks: worker.held,
+                    });
+                }
+            }
+        }
+        out.scratch = path;
+    }
+
     /// Removes blocks of `worker` by engine hash. Hashes the worker does not
     /// hold are counted and skipped.
     pub fn remove(&mut self, worker: WorkerId, blocks: &[EngineHash]) -> ApplyOutcome {
@@ -440,6 +555,12 @@ impl PrefixIndex {
         self.worker_slots
             .get(&worker)
             .map_or(0, |&slot| self.slot(slot).held)
+    }
+
+    /// Whether the index knows `worker` (it stored something and was not
+    /// removed since).
+    pub fn knows(&self, worker: WorkerId) -> bool {
+        self.worker_slots.contains_key(&worker)
     }
 
     /// Workers the index knows, in slot order.
@@ -997,6 +1118,71 @@ mod tests {
         assert_eq!(index.live_nodes(), 0);
     }
 
+    #[test]
+    fn a_chain_stored_under_a_path_no_one_holds_keeps_the_path_as_structure() {
+        let mut index = PrefixIndex::new();
+        let outcome = index.store_under_path(w(1), &locals(&[1, 2]), &blocks(&[(13, 3)]));
+        assert_eq!(
+            outcome,
+            ApplyOutcome::Applied {
+                changed: 1,
+                unknown: 0
+            }
+        );
+        assert_eq!(index.live_pairs(), 1);
+        assert_eq!(index.live_nodes(), 3);
+        // Not a prefix match (blocks 1 and 2 are not held) ...
+        assert_eq!(index.find_overlaps(&locals(&[1, 2, 3])).depth(w(1)), 0);
+        // ... but a run from block 2.
+        let mut runs = OverlapScores::new();
+        index.runs_from(&locals(&[1, 2, 3, 4]), |_| 2, &mut runs);
+        assert_eq!(runs.depth(w(1)), 1);
+        index.check_invariants();
+        index.remove(w(1), &[EngineHash(13)]);
+        assert_eq!(index.live_nodes(), 0, "the path goes with its chain");
+        index.check_invariants();
+        assert_eq!(
+            index.store_under_path(w(1), &locals(&[1]), &[]),
+            ApplyOutcome::Applied {
+                changed: 0,
+                unknown: 0
+            }
+        );
+        assert_eq!(index.live_nodes(), 0, "an empty chain leaves no path");
+    }
+
+    #[test]
+    fn the_path_of_a_block_is_its_prefix_from_the_root() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1), (12, 2), (13, 3)]));
+        let mut path = vec![LocalHash(99)];
+        assert!(index.path_of(w(1), EngineHash(12), &mut path));
+        assert_eq!(path, locals(&[1, 2]));
+        assert!(!index.path_of(w(2), EngineHash(12), &mut path));
+        assert!(!index.path_of(w(1), EngineHash(14), &mut path));
+        assert!(path.is_empty());
+    }
+
+    #[test]
+    fn a_run_stops_at_the_first_block_not_held() {
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1), (12, 2), (13, 3), (14, 4)]));
+        index.remove(w(1), &[EngineHash(13)]);
+        index.store(w(2), None, &blocks(&[(21, 1)]));
+        let mut runs = OverlapScores::new();
+        let query = locals(&[1, 2, 3, 4]);
+        index.runs_from(&query, |_| 1, &mut runs);
+        assert_eq!(runs.depth(w(1)), 1, "block 2 held, block 3 not");
+        assert_eq!(runs.depth(w(2)), 0);
+        index.runs_from(&query, |_| 3, &mut runs);
+        assert_eq!(runs.depth(w(1)), 1, "block 4 alone");
+        index.runs_from(&query, |_| 9, &mut runs);
+        assert!(
+            runs.entries.is_empty(),
+            "a start past the prompt runs nowhere"
+        );
+    }
+
     // --- model-based property test ----------------------------------------
 
     /// Naive reference: per worker, engine hash → full prefix (as a vector of
@@ -1015,8 +1201,13 @@ mod tests {
         }
 
         fn depth(&self, worker: u64, query: &[u64]) -> u32 {
+            self.run_from(worker, query, 0)
+        }
+
+        /// Consecutive query blocks the worker holds from block `start` on.
+        fn run_from(&self, worker: u64, query: &[u64], start: usize) -> u32 {
             let held = self.prefixes(worker);
-            (1..=query.len())
+            (start + 1..=query.len())
                 .take_while(|&n| held.contains(&query[..n]))
                 .count() as u32
         }
@@ -1029,6 +1220,13 @@ mod tests {
         Store {
             worker: u64,
             parent: Option<usize>,
+            locals: Vec<u64>,
+            engine_base: u64,
+        },
+        /// Store a chain under an arbitrary prefix path, held or not.
+        StoreUnderPath {
+            worker: u64,
+            path: Vec<u64>,
             locals: Vec<u64>,
             engine_base: u64,
         },
@@ -1049,6 +1247,8 @@ mod tests {
         prop_oneof![
             6 => (0..5u64, proptest::option::of(0..50usize), proptest::collection::vec(0..4u64, 1..6), 0..40u64)
                 .prop_map(|(worker, parent, locals, engine_base)| Op::Store { worker, parent, locals, engine_base }),
+            2 => (0..5u64, proptest::collection::vec(0..4u64, 0..4), proptest::collection::vec(0..4u64, 1..4), 0..40u64)
+                .prop_map(|(worker, path, locals, engine_base)| Op::StoreUnderPath { worker, path, locals, engine_base }),
             3 => (0..5u64, proptest::collection::vec(0..50usize, 1..4), any::<bool>())
                 .prop_map(|(worker, picks, bogus)| Op::Remove { worker, picks, bogus }),
             1 => (0..5u64).prop_map(|worker| Op::Clear { worker }),
@@ -1101,6 +1301,23 @@ mod tests {
                         }
                         queries.push(prefix);
                     }
+                    Op::StoreUnderPath { worker, path, locals, engine_base } => {
+                        let chain: Vec<StoredBlock> = locals.iter().enumerate().map(|(i, &l)| StoredBlock {
+                            engine_hash: EngineHash(engine_base * 8 + i as u64),
+                            local_hash: LocalHash(l),
+                        }).collect();
+                        let path_hashes: Vec<LocalHash> = path.iter().map(|&l| LocalHash(l)).collect();
+                        let outcome = index.store_under_path(WorkerId::new(worker), &path_hashes, &chain);
+                        let applied = matches!(outcome, ApplyOutcome::Applied { .. });
+                        prop_assert!(applied, "store was not applied: {:?}", outcome);
+                        let entry = model.workers.entry(worker).or_default();
+                        let mut prefix = path.clone();
+                        for block in &chain {
+                            prefix.push(block.local_hash.0);
+                            entry.insert(block.engine_hash.0, prefix.clone());
+                        }
+                        queries.push(prefix);
+                    }
                     Op::Remove { worker, picks, bogus } => {
                         let mut known: Vec<u64> = model.workers.get(&worker)
                             .map(|m| m.keys().copied().collect()).unwrap_or_default();
@@ -1136,7 +1353,26 @@ mod tests {
                         prop_assert!(e.depth > 0);
                         prop_assert_eq!(e.cached_blocks, model.prefixes(e.worker.worker_id).len());
                     }
+                    // Runs from a per-worker start, as the host tier is read.
+                    let start = |w: WorkerId| (w.worker_id % 3) as u32;
+                    let mut runs = OverlapScores::new();
+                    index.runs_from(&locals(query), start, &mut runs);
+                    for worker in 0..5u64 {
+                        let run = runs.depth(WorkerId::new(worker));
+                        prop_assert_eq!(run, model.run_from(worker, query, (worker % 3) as usize),
+                            "worker {} query {:?}", worker, query);
+                    }
                 }
+                // Every block's path is the prefix the model gave it.
+                let mut path = Vec::new();
+                for (&worker, blocks) in &model.workers {
+                    for (&engine, prefix) in blocks {
+                        prop_assert!(index.path_of(WorkerId::new(worker), EngineHash(engine), &mut path));
+                        prop_assert_eq!(&path, &locals(prefix));
+                    }
+                }
+                prop_assert!(!index.path_of(WorkerId::new(0), EngineHash(888_888), &mut path));
+                prop_assert!(path.is_empty());
             }
             for worker in 0..5u64 {
                 index.remove_worker(WorkerId::new(worker));

@@ -10,15 +10,16 @@
 //! 3. [`Router::mark_prefill_completed`] at the first token;
 //! 4. [`Router::free`] at the end, on error, or on disconnect.
 //!
-//! KV events arrive independently through [`Router::apply_kv_event`]; peer
+//! KV events arrive independently through [`Router::apply_kv_event`], each
+//! about one cache tier (device or host, [`crate::index::TieredIndex`]); peer
 //! replicas' bookings through [`Router::apply_remote`] (see
 //! [`crate::replica`]).
 
 use crate::estimate::EstimatorConfig;
 use crate::index::published::{self, IndexReader, IndexWriter};
 use crate::index::{
-    ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, IndexEvent, IndexMemory,
-    OverlapScores, PrefixIndex,
+    ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, CacheTier, IndexEvent, IndexMemory,
+    OverlapScores, PrefixIndex, TieredIndex,
 };
 use crate::maps::FxHashMap;
 use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
@@ -133,8 +134,11 @@ pub struct WorkerCapacity {
 /// Heap bytes of a [`Router`] by part, from allocated capacities.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RouterMemory {
-    /// The cache index (exact, or the approximate index's tree).
+    /// The cache index (exact, or the approximate index's tree): the
+    /// device tier's.
     pub index: IndexMemory,
+    /// The host tier's exact index (empty without host-tier events).
+    pub host_index: IndexMemory,
     /// The approximate index's expiry bookkeeping (0 in exact mode).
     pub approx_extra: usize,
     /// Active sequences, the read model included.
@@ -148,13 +152,19 @@ pub struct RouterMemory {
 impl RouterMemory {
     /// All of it.
     pub fn total(&self) -> usize {
-        self.index.total() + self.approx_extra + self.sequences.total() + self.remote + self.other
+        self.index.total()
+            + self.host_index.total()
+            + self.approx_extra
+            + self.sequences.total()
+            + self.remote
+            + self.other
     }
 }
 
 #[derive(Debug)]
 enum CacheIndex {
-    Exact(PrefixIndex),
+    /// Both tiers' exact indexes.
+    Exact(TieredIndex),
     /// Exact, written by the holder of the [`IndexWriter`] (see
     /// [`Router::publish_index`]).
     Published(IndexReader),
@@ -207,6 +217,9 @@ pub struct Router {
     /// as those whose circuit is open.
     unselectable: FxHashMap<WorkerId, ()>,
     overlaps: OverlapScores,
+    /// Each worker's host-tier run right after its device prefix (empty
+    /// while no worker holds a host-tier block).
+    host_runs: OverlapScores,
     active: OverlapScores,
     /// Each worker's cached blocks, in the registry's order of loads,
     /// read with the overlaps in one visit to the index.
@@ -249,7 +262,7 @@ impl Router {
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
         config.validate()?;
         let cache = match config.cache {
-            CacheTracking::Events => CacheIndex::Exact(PrefixIndex::new()),
+            CacheTracking::Events => CacheIndex::Exact(TieredIndex::new()),
             CacheTracking::Approximate(approx) => {
                 CacheIndex::Approximate(ApproxIndex::new(approx)?)
             }
@@ -263,6 +276,7 @@ impl Router {
             workers: FxHashMap::default(),
             unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
+            host_runs: OverlapScores::new(),
             active: OverlapScores::new(),
             cached: Vec::new(),
             candidates: Vec::new(),
@@ -291,8 +305,9 @@ impl Router {
         self.sequences.add_worker(worker);
     }
 
-    /// Removes a worker: it is never selected again, its cached blocks are
-    /// forgotten, and its active requests are freed (returned).
+    /// Removes a worker: it is never selected again, its cached blocks (in
+    /// both tiers) are forgotten, and its active requests are freed
+    /// (returned).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         self.workers.remove(&worker);
         self.unselectable.remove(&worker);
@@ -327,13 +342,20 @@ impl Router {
         self.workers.contains_key(&worker) && !self.unselectable.contains_key(&worker)
     }
 
-    /// Applies an engine KV event. Events for workers the router does not
-    /// route to are still indexed (a worker may publish before it is added);
-    /// in approximate mode events are ignored and `None` is returned, and
-    /// once the index is published they go through its writer (`None`).
-    pub fn apply_kv_event(&mut self, worker: WorkerId, event: &IndexEvent) -> Option<ApplyOutcome> {
+    /// Applies an engine KV event about one of `worker`'s cache tiers
+    /// ([`TieredIndex::apply`]: `Cleared` clears both). Events for workers
+    /// the router does not route to are still indexed (a worker may publish
+    /// before it is added); in approximate mode events are ignored and
+    /// `None` is returned, and once the index is published they go through
+    /// its writer (`None`).
+    pub fn apply_kv_event(
+        &mut self,
+        worker: WorkerId,
+        tier: CacheTier,
+        event: &IndexEvent,
+    ) -> Option<ApplyOutcome> {
         match &mut self.cache {
-            CacheIndex::Exact(index) => Some(index.apply(worker, event)),
+            CacheIndex::Exact(index) => Some(index.apply(worker, tier, event)),
             CacheIndex::Published(_) | CacheIndex::Approximate(_) => None,
         }
     }
@@ -375,27 +397,41 @@ impl Router {
         now_ms: f64,
     ) -> SelectOutcome {
         // One visit to the index (one read of a published one): the
-        // prompt's overlaps and every worker's cached blocks.
-        let (overlaps, cached, registry) = (
+        // prompt's overlaps, every worker's cached blocks and, once any
+        // worker holds host-tier blocks, each worker's host-tier run right
+        // after its device prefix.
+        let (overlaps, host_runs, cached, registry) = (
             &mut self.overlaps,
+            &mut self.host_runs,
             &mut self.cached,
             self.sequences.registry(),
         );
-        let mut read = |index: &PrefixIndex| {
-            index.overlaps(request.blocks, overlaps);
+        let mut read = |device: &PrefixIndex, host: Option<&PrefixIndex>| {
+            device.overlaps(request.blocks, overlaps);
             cached.clear();
             cached.extend(
                 registry
                     .loads()
-                    .map(|load| index.worker_blocks(load.worker)),
+                    .map(|load| device.worker_blocks(load.worker)),
             );
+            match host {
+                Some(host) if host.live_pairs() > 0 => {
+                    overlaps.entries.sort_unstable_by_key(|e| e.worker);
+                    let overlaps = &*overlaps;
+                    host.runs_from(request.blocks, |w| depth_of(overlaps, w), host_runs);
+                    host_runs.entries.sort_unstable_by_key(|e| e.worker);
+                }
+                _ => host_runs.entries.clear(),
+            }
         };
         match &mut self.cache {
-            CacheIndex::Exact(index) => read(index),
-            CacheIndex::Published(reader) => reader.with(read),
+            CacheIndex::Exact(index) => read(index.device(), Some(index.host())),
+            CacheIndex::Published(reader) => {
+                reader.with(|index| read(index.device(), Some(index.host())))
+            }
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);
-                read(index.index());
+                read(index.index(), None);
             }
         }
         self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
@@ -431,6 +467,7 @@ impl Router {
             self.candidates.push(Candidate {
                 worker,
                 overlap_blocks: depth_of(&self.overlaps, worker),
+                host_overlap_blocks: depth_of(&self.host_runs, worker),
                 cached_blocks,
                 active_prompt_blocks: depth_of(&self.active, worker),
                 active_prefill_tokens: prefill_tokens,
@@ -583,13 +620,24 @@ impl Router {
         &self.sequences
     }
 
-    /// Runs `read` on the prefix index (the approximate index's own in
-    /// approximate mode; the last published copy once published).
+    /// Runs `read` on the device tier's prefix index (the approximate
+    /// index's own in approximate mode; the last published copy once
+    /// published).
     pub fn with_index<R>(&self, read: impl FnOnce(&PrefixIndex) -> R) -> R {
         match &self.cache {
-            CacheIndex::Exact(index) => read(index),
-            CacheIndex::Published(reader) => reader.with(read),
+            CacheIndex::Exact(index) => read(index.device()),
+            CacheIndex::Published(reader) => reader.with(|index| read(index.device())),
             CacheIndex::Approximate(index) => read(index.index()),
+        }
+    }
+
+    /// Runs `read` on the host tier's prefix index (an empty one in
+    /// approximate mode, which follows no events).
+    pub fn with_host_index<R>(&self, read: impl FnOnce(&PrefixIndex) -> R) -> R {
+        match &self.cache {
+            CacheIndex::Exact(index) => read(index.host()),
+            CacheIndex::Published(reader) => reader.with(|index| read(index.host())),
+            CacheIndex::Approximate(_) => read(&PrefixIndex::new()),
         }
     }
 
@@ -597,37 +645,47 @@ impl Router {
     /// selector's private state aside). Visits every active request; call
     /// it for reports, not per request.
     pub fn memory(&self) -> RouterMemory {
-        let (index, approx_extra) = match &self.cache {
-            CacheIndex::Exact(index) => (index.memory(), 0),
-            CacheIndex::Published(reader) => (reader.with(PrefixIndex::memory), 0),
+        let (index, host_index, approx_extra) = match &self.cache {
+            CacheIndex::Exact(index) => {
+                let (device, host) = index.memory();
+                (device, host, 0)
+            }
+            CacheIndex::Published(reader) => {
+                let (device, host) = reader.with(TieredIndex::memory);
+                (device, host, 0)
+            }
             CacheIndex::Approximate(approx) => {
                 let index = approx.index().memory();
                 (
                     index,
+                    IndexMemory::default(),
                     approx.estimated_bytes().saturating_sub(index.total()),
                 )
             }
         };
         RouterMemory {
             index,
+            host_index,
             approx_extra,
             sequences: self.sequences.memory(),
             remote: self.remote.estimated_bytes(),
             other: crate::maps::map_bytes(&self.workers)
-                + (self.overlaps.entries.capacity() + self.active.entries.capacity())
+                + (self.overlaps.entries.capacity()
+                    + self.host_runs.entries.capacity()
+                    + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
         }
     }
 
-    /// Estimate of heap bytes held by the index (both copies once
-    /// published) and the registry.
+    /// Estimate of heap bytes held by the index (both tiers; both copies
+    /// once published) and the registry.
     pub fn estimated_bytes(&self) -> usize {
         let index = match &self.cache {
             CacheIndex::Exact(index) => index.estimated_bytes(),
             // Two copies, one per side of the reader/writer pair.
-            CacheIndex::Published(reader) => 2 * reader.with(PrefixIndex::estimated_bytes),
+            CacheIndex::Published(reader) => 2 * reader.with(TieredIndex::estimated_bytes),
             CacheIndex::Approximate(index) => index.estimated_bytes(),
         };
         index + self.sequences.registry().estimated_bytes()
@@ -700,20 +758,164 @@ mod tests {
                 })
                 .collect(),
         };
-        r.apply_kv_event(w(1), &event);
+        r.apply_kv_event(w(1), CacheTier::Device, &event);
         let mut writer = r.publish_index().expect("an exact index");
         assert!(r.publish_index().is_none(), "published once");
         // What was there before is still read; events now go through the writer.
         assert_eq!(selected(r.route(prompt(&blocks), None, 0.0)).worker, w(1));
-        assert_eq!(r.apply_kv_event(w(3), &event), None);
+        assert_eq!(r.apply_kv_event(w(3), CacheTier::Device, &event), None);
         writer.remove_worker(w(1));
-        writer.apply(w(3), &event);
+        writer.apply(w(3), CacheTier::Device, &event);
         let d = selected(r.route(prompt(&blocks), None, 0.0));
         assert_eq!((d.worker, d.overlap_blocks), (w(3), 8));
         assert_eq!(
             r.estimated_bytes() - r.sequences().registry().estimated_bytes(),
-            2 * r.with_index(PrefixIndex::estimated_bytes)
+            2 * (r.with_index(PrefixIndex::estimated_bytes)
+                + r.with_host_index(PrefixIndex::estimated_bytes))
         );
+    }
+
+    /// A `Stored` chain of `(engine hash, local hash)` pairs under `parent`.
+    fn chain(parent: Option<u64>, pairs: &[(u64, u64)]) -> IndexEvent {
+        IndexEvent::Stored {
+            parent: parent.map(EngineHash),
+            blocks: pairs
+                .iter()
+                .map(|&(e, l)| StoredBlock {
+                    engine_hash: EngineHash(e),
+                    local_hash: LocalHash(l),
+                })
+                .collect(),
+        }
+    }
+
+    fn candidate_of(r: &Router, worker: WorkerId) -> Candidate {
+        *r.candidates
+            .iter()
+            .find(|c| c.worker == worker)
+            .expect("a candidate")
+    }
+
+    #[test]
+    fn a_host_tier_run_right_after_the_device_prefix_is_the_candidates_host_overlap() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        // w1: blocks 1-2 on the device, 3-5 spilled to the host tier under
+        // the device's block 2.
+        r.apply_kv_event(w(1), CacheTier::Device, &chain(None, &[(11, 1), (12, 2)]));
+        r.apply_kv_event(
+            w(1),
+            CacheTier::Host,
+            &chain(Some(12), &[(13, 3), (14, 4), (15, 5)]),
+        );
+        // w2: block 1 on the device; blocks 3-4 in the host tier but not
+        // block 2: the gap stops the run before it starts.
+        r.apply_kv_event(w(2), CacheTier::Device, &chain(None, &[(21, 1)]));
+        r.apply_kv_event(w(2), CacheTier::Host, &chain(None, &[(22, 9)]));
+        r.apply_kv_event(
+            w(2),
+            CacheTier::Host,
+            &chain(None, &[(31, 1), (32, 2), (33, 3), (34, 4)]),
+        );
+        r.apply_kv_event(
+            w(2),
+            CacheTier::Host,
+            &IndexEvent::Removed {
+                blocks: vec![EngineHash(32)],
+            },
+        );
+        // w3: the whole prompt on the device, nothing in a host tier.
+        r.apply_kv_event(
+            w(3),
+            CacheTier::Device,
+            &chain(None, &(1..=8).map(|l| (40 + l, l)).collect::<Vec<_>>()),
+        );
+        r.route(prompt(&blocks), None, 0.0);
+        let (c1, c2, c3) = (
+            candidate_of(&r, w(1)),
+            candidate_of(&r, w(2)),
+            candidate_of(&r, w(3)),
+        );
+        assert_eq!((c1.overlap_blocks, c1.host_overlap_blocks), (2, 3));
+        assert_eq!((c2.overlap_blocks, c2.host_overlap_blocks), (1, 0));
+        assert_eq!((c3.overlap_blocks, c3.host_overlap_blocks), (8, 0));
+        // Host blocks from the root count only past the device prefix: w2's
+        // host copy of block 1 is no credit.
+        r.apply_kv_event(w(2), CacheTier::Host, &chain(Some(31), &[(32, 2)]));
+        r.route(prompt(&blocks), None, 0.0);
+        assert_eq!(candidate_of(&r, w(2)).host_overlap_blocks, 3);
+    }
+
+    #[test]
+    fn the_ttft_policy_prefers_a_cheap_restore_to_a_recompute() {
+        let mut r = router(RouterConfig {
+            policy: PolicyKind::Ttft,
+            ..Default::default()
+        });
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        r.apply_kv_event(
+            w(1),
+            CacheTier::Device,
+            &chain(None, &[(11, 1), (12, 2), (13, 3), (14, 4)]),
+        );
+        r.apply_kv_event(w(2), CacheTier::Device, &chain(None, &[(21, 1)]));
+        r.apply_kv_event(
+            w(2),
+            CacheTier::Host,
+            &chain(Some(21), &(2..=8).map(|l| (20 + l, l)).collect::<Vec<_>>()),
+        );
+        let d = selected(r.route(prompt(&blocks), None, 0.0));
+        // The booking records the device overlap only.
+        assert_eq!((d.worker, d.overlap_blocks), (w(2), 1));
+        // Other policies weigh the device overlap alone.
+        let mut kv = router(RouterConfig::default());
+        for (worker, tier, event) in [
+            (
+                w(1),
+                CacheTier::Device,
+                chain(None, &[(11, 1), (12, 2), (13, 3), (14, 4)]),
+            ),
+            (w(2), CacheTier::Device, chain(None, &[(21, 1)])),
+            (
+                w(2),
+                CacheTier::Host,
+                chain(Some(21), &(2..=8).map(|l| (20 + l, l)).collect::<Vec<_>>()),
+            ),
+        ] {
+            kv.apply_kv_event(worker, tier, &event);
+        }
+        assert_eq!(selected(kv.route(prompt(&blocks), None, 0.0)).worker, w(1));
+    }
+
+    #[test]
+    fn a_removed_worker_leaves_both_tiers_and_host_bytes_are_counted() {
+        let mut r = router(RouterConfig::default());
+        let before = r.estimated_bytes();
+        r.apply_kv_event(w(1), CacheTier::Device, &chain(None, &[(11, 1)]));
+        r.apply_kv_event(w(1), CacheTier::Host, &chain(Some(11), &[(12, 2)]));
+        assert!(r.with_host_index(|h| h.live_pairs()) == 1);
+        assert!(r.memory().host_index.total() > 0);
+        assert!(r.estimated_bytes() > before);
+        r.remove_worker(w(1));
+        assert!(!r.with_index(|d| d.knows(w(1))));
+        assert!(!r.with_host_index(|h| h.knows(w(1))));
+        assert_eq!(r.with_host_index(|h| h.live_nodes()), 0);
+    }
+
+    #[test]
+    fn a_published_index_applies_host_events_through_its_writer() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=4).map(LocalHash).collect();
+        let mut writer = r.publish_index().expect("an exact index");
+        writer.apply(w(1), CacheTier::Device, &chain(None, &[(11, 1)]));
+        writer.apply(w(1), CacheTier::Host, &chain(Some(11), &[(12, 2), (13, 3)]));
+        r.route(prompt(&blocks), None, 0.0);
+        let c = candidate_of(&r, w(1));
+        assert_eq!((c.overlap_blocks, c.host_overlap_blocks), (1, 2));
+        writer.apply(w(1), CacheTier::Device, &IndexEvent::Cleared);
+        r.route(prompt(&blocks), None, 0.0);
+        let c = candidate_of(&r, w(1));
+        assert_eq!((c.overlap_blocks, c.host_overlap_blocks), (0, 0));
     }
 
     #[test]
@@ -729,6 +931,7 @@ mod tests {
             .collect();
         r.apply_kv_event(
             w(2),
+            CacheTier::Device,
             &IndexEvent::Stored {
                 parent: None,
                 blocks: stored,
@@ -847,6 +1050,7 @@ mod tests {
             .collect();
         r.apply_kv_event(
             w(2),
+            CacheTier::Device,
             &IndexEvent::Stored {
                 parent: None,
                 blocks: stored,
@@ -895,7 +1099,9 @@ mod tests {
                 overlap_blocks: 8
             }
         );
-        assert!(r.apply_kv_event(w(1), &IndexEvent::Cleared).is_none());
+        assert!(r
+            .apply_kv_event(w(1), CacheTier::Device, &IndexEvent::Cleared)
+            .is_none());
         // Past the TTL the prediction is gone.
         let later = selected(r.route(prompt(&a), None, 200_000.0));
         assert_eq!(later.overlap_blocks, 0);
@@ -917,6 +1123,7 @@ mod tests {
         assert_eq!(
             busy.total(),
             busy.index.total()
+                + busy.host_index.total()
                 + busy.approx_extra
                 + busy.sequences.total()
                 + busy.remote

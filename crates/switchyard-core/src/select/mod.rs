@@ -18,6 +18,11 @@
 //!
 //! Busy workers are skipped by every policy; when all are busy the outcome is
 //! [`SelectOutcome::AllBusy`] and the request waits in the policy queue.
+//!
+//! Only `ttft` reads a candidate's host tier
+//! ([`Candidate::host_overlap_blocks`], priced by restore time); every other
+//! policy weighs the device overlap alone, as if host-tier blocks were
+//! misses.
 
 mod cache_aware;
 mod kv;
@@ -52,6 +57,10 @@ pub struct Candidate {
     pub worker: WorkerId,
     /// Leading prompt blocks in the worker's KV cache (prefix index).
     pub overlap_blocks: u32,
+    /// Prompt blocks right after those that the worker holds in its host
+    /// (CPU) tier, consecutively: the engine restores them by a copy
+    /// instead of computing them. 0 without host-tier events.
+    pub host_overlap_blocks: u32,
     /// Blocks the worker holds in the prefix index (tie-break).
     pub cached_blocks: usize,
     /// Leading prompt blocks already held by the worker's active requests.
@@ -82,6 +91,10 @@ pub trait PrefillTime {
     /// Expected wall milliseconds of one decode-only step on `worker` at
     /// KV usage `usage` (used / total device blocks, 0..=1).
     fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64;
+
+    /// Expected wall milliseconds for `worker` to restore `tokens` tokens
+    /// of KV from its host tier to its device (0 tokens take no time).
+    fn restore_ms(&self, worker: WorkerId, tokens: u64) -> f64;
 }
 
 /// Everything a selector may read for one decision.
@@ -336,6 +349,7 @@ pub(crate) mod test_support {
         Candidate {
             worker: WorkerId::new(worker),
             overlap_blocks: 0,
+            host_overlap_blocks: 0,
             cached_blocks: 0,
             active_prompt_blocks: 0,
             active_prefill_tokens: 0,
@@ -347,8 +361,16 @@ pub(crate) mod test_support {
         }
     }
 
-    /// 1 ms a token, no chunking, no fixed cost: costs easy to compute by hand.
-    pub(crate) struct LinearModel;
+    /// 1 ms a token, no chunking, no fixed cost: costs easy to compute by
+    /// hand. Restores take the given ms a token.
+    pub(crate) struct LinearModel {
+        pub(crate) restore_ms_per_token: f64,
+    }
+
+    /// [`LinearModel`] with restores at 0.1 ms a token.
+    pub(crate) const LINEAR: LinearModel = LinearModel {
+        restore_ms_per_token: 0.1,
+    };
 
     impl PrefillTime for LinearModel {
         fn prefill_ms(&self, _: WorkerId, tokens: u64) -> f64 {
@@ -358,6 +380,10 @@ pub(crate) mod test_support {
         /// 10 ms at an empty cache, 50 ms at a full one.
         fn decode_step_ms(&self, _: WorkerId, usage: f64) -> f64 {
             10.0 + 40.0 * usage
+        }
+
+        fn restore_ms(&self, _: WorkerId, tokens: u64) -> f64 {
+            tokens as f64 * self.restore_ms_per_token
         }
     }
 
@@ -372,6 +398,10 @@ pub(crate) mod test_support {
         fn decode_step_ms(&self, _: WorkerId, _: f64) -> f64 {
             0.0
         }
+
+        fn restore_ms(&self, _: WorkerId, _: u64) -> f64 {
+            0.0
+        }
     }
 
     /// A context with block size 16 and [`LinearModel`].
@@ -380,7 +410,7 @@ pub(crate) mod test_support {
         prompt_tokens: u32,
         candidates: &'a [Candidate],
     ) -> RoutingContext<'a> {
-        ctx_with_model(blocks, prompt_tokens, candidates, &LinearModel)
+        ctx_with_model(blocks, prompt_tokens, candidates, &LINEAR)
     }
 
     pub(crate) fn ctx_with_model<'a>(

@@ -1,14 +1,18 @@
 //! The `ttft` policy: a cost in time, not in blocks.
 //!
 //! For a request of `P` prompt tokens and each worker `w` with `overlap[w]`
-//! leading prompt blocks cached:
+//! leading prompt blocks cached on its device and `host[w]` blocks right
+//! after those in its host tier:
 //!
 //! ```text
-//! new[w]      = max(0, P − overlap[w]·block_size)         uncached tokens here
+//! cached[w]   = min(P, overlap[w]·block_size)              device hit
+//! restored[w] = min(P − cached[w], host[w]·block_size)     host hit: copied to the device, not computed
+//! new[w]      = P − cached[w] − restored[w]                uncached tokens here
 //! ahead[w]    = active_prefill_tokens[w] + active_requests[w]
 //! held[w]     = min(1, active_decode_blocks[w] / kv_capacity_blocks[w])   (0 without a capacity)
 //! wait[w]     = ½ · decode_step_ms(w, held[w])  if the worker runs anything, else 0
 //! first[w]    = wait[w] + prefill_ms(w, ahead[w] + new[w])  when its first token would come
+//!             + restore_ms(w, restored[w])
 //! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
@@ -20,7 +24,16 @@
 //!
 //! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
 //! timing model, fitted per worker online), so the cost is in the same
-//! milliseconds the prefill hints are. `first` is the time the worker needs
+//! milliseconds the prefill hints are; `restore_ms` is its restore model
+//! (`tokens × restore_ms_per_token / speedup`, the engines' copy time over
+//! their host-to-device link). A host-tier hit is thus credited by what it
+//! costs — a copy, far cheaper than a prefill at the default bandwidth but
+//! not free — rather than counted as a miss; restored tokens are not
+//! recompute, so the locality and turnover terms leave them out. Bookings
+//! still record the device overlap alone
+//! ([`super::Decision::overlap_blocks`]), so a worker's queued prefill
+//! counts a booked request's restored tokens as work (an overestimate of
+//! the queue, never an underestimate). `first` is the time the worker needs
 //! to compute the uncached prefill queued before this request (chunked
 //! prefill is first come, first served) plus this request's own, with one
 //! decode token per running request riding in the batch, after the step
@@ -115,9 +128,15 @@ pub struct TtftSelector {
 /// One candidate's cost, in parts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TtftCost {
-    /// Uncached prompt tokens on this worker.
+    /// Uncached prompt tokens on this worker (neither on its device nor
+    /// restorable from its host tier).
     pub new_tokens: u64,
-    /// Expected wall ms until this request's first token there.
+    /// Prompt tokens restored from the worker's host tier.
+    pub restored_tokens: u64,
+    /// The restore's share of `first_token_ms`.
+    pub restore_ms: f64,
+    /// Expected wall ms until this request's first token there, the
+    /// restore included.
     pub first_token_ms: f64,
     /// The locality term, in ms.
     pub locality_ms: f64,
@@ -152,8 +171,10 @@ impl TtftSelector {
     /// The cost of routing the request in `ctx` to `c`.
     pub fn cost(&self, ctx: &RoutingContext<'_>, c: &Candidate) -> TtftCost {
         let prompt = u64::from(ctx.request.prompt_tokens);
-        let cached = (u64::from(c.overlap_blocks) * u64::from(ctx.block_size)).min(prompt);
-        let new_tokens = prompt - cached;
+        let block_size = u64::from(ctx.block_size);
+        let cached = (u64::from(c.overlap_blocks) * block_size).min(prompt);
+        let restored_tokens = (u64::from(c.host_overlap_blocks) * block_size).min(prompt - cached);
+        let new_tokens = prompt - cached - restored_tokens;
         let ahead = c.active_prefill_tokens + c.active_requests as u64;
         // Half the decode step the worker is in when the request lands.
         let wait_ms = if c.active_requests == 0 {
@@ -165,7 +186,13 @@ impl TtftSelector {
             };
             0.5 * ctx.prefill.decode_step_ms(c.worker, held)
         };
-        let first_token_ms = wait_ms + ctx.prefill.prefill_ms(c.worker, ahead + new_tokens);
+        let restore_ms = if restored_tokens == 0 {
+            0.0
+        } else {
+            ctx.prefill.restore_ms(c.worker, restored_tokens)
+        };
+        let first_token_ms =
+            wait_ms + ctx.prefill.prefill_ms(c.worker, ahead + new_tokens) + restore_ms;
         // This request's own uncached prefill, priced once for the terms
         // that weigh it.
         let own_ms = if new_tokens == 0 {
@@ -209,6 +236,8 @@ impl TtftSelector {
         };
         TtftCost {
             new_tokens,
+            restored_tokens,
+            restore_ms,
             first_token_ms,
             locality_ms,
             pressure_ms,
@@ -275,6 +304,75 @@ mod tests {
         );
         // Eight decode steps at an unknown (so empty) cache: 8 · 10 ms.
         assert_eq!(paced.cost(&ctx(&b, 64, &[c]), &c).decode_ms, 80.0);
+    }
+
+    #[test]
+    fn a_host_tier_hit_is_charged_its_restore_time_not_a_miss() {
+        // An 8-block prompt of 128 tokens (16-token blocks); both workers
+        // idle, no capacity reported (no pressure or turnover). Linear
+        // model: prefill 1 ms a token; restores r ms a token.
+        //
+        //   A: 4 device blocks.           cached 64, restored 0, new 64:
+        //      first 64, locality 64                      → 128 ms
+        //   B: 1 device block + 7 host.   cached 16, restored 112, new 0:
+        //      first 0 + 112·r, locality 0                → 112·r ms
+        //
+        // B wins while 112·r < 128, i.e. r < 8/7 ms a token.
+        let b = blocks(8);
+        let mut device = candidate(1);
+        device.overlap_blocks = 4;
+        let mut host = candidate(2);
+        host.overlap_blocks = 1;
+        host.host_overlap_blocks = 7;
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let cands = [device, host];
+
+        let cheap = LinearModel {
+            restore_ms_per_token: 0.1,
+        };
+        let cx = ctx_with_model(&b, 128, &cands, &cheap);
+        let a = s.cost(&cx, &device);
+        assert_eq!((a.new_tokens, a.restored_tokens), (64, 0));
+        assert_eq!(
+            (a.first_token_ms, a.locality_ms, a.total()),
+            (64.0, 64.0, 128.0)
+        );
+        let h = s.cost(&cx, &host);
+        assert_eq!((h.new_tokens, h.restored_tokens), (0, 112));
+        assert!((h.restore_ms - 11.2).abs() < 1e-9, "{h:?}");
+        assert!((h.first_token_ms - 11.2).abs() < 1e-9, "{h:?}");
+        assert_eq!(h.locality_ms, 0.0, "a restore is not recompute");
+        assert!((h.total() - 11.2).abs() < 1e-9, "{h:?}");
+        let mut p = TtftSelector::new(TtftConfig::default(), 0);
+        assert_eq!(chosen(p.select(&cx)), 2);
+
+        // At 2 ms a token the copy costs 224 ms against A's 128: A wins.
+        let dear = LinearModel {
+            restore_ms_per_token: 2.0,
+        };
+        let cx = ctx_with_model(&b, 128, &cands, &dear);
+        assert_eq!(s.cost(&cx, &host).total(), 224.0);
+        assert_eq!(chosen(p.select(&cx)), 1);
+
+        // Counted as a miss (no host credit), B would cost 112 + 112.
+        let mut blind = host;
+        blind.host_overlap_blocks = 0;
+        assert_eq!(s.cost(&cx, &blind).total(), 224.0);
+        assert_eq!(s.cost(&cx, &blind).restore_ms, 0.0);
+    }
+
+    #[test]
+    fn host_blocks_restore_no_more_than_the_prompt_left_after_the_device_hit() {
+        // 64-token prompt (4 blocks). 2 device blocks leave 32 tokens; a
+        // claim of 10 host blocks (160 tokens) restores only those 32.
+        let b = blocks(4);
+        let mut c = candidate(1);
+        c.overlap_blocks = 2;
+        c.host_overlap_blocks = 10;
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let cost = s.cost(&ctx(&b, 64, &[c]), &c);
+        assert_eq!((cost.new_tokens, cost.restored_tokens), (0, 32));
+        assert!((cost.first_token_ms - 3.2).abs() < 1e-9, "{cost:?}");
     }
 
     #[test]

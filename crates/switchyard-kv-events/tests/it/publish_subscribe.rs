@@ -7,7 +7,7 @@
 use crate::support::wait_for;
 use std::sync::{Arc, Mutex};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::PrefixIndex;
+use switchyard_core::index::TieredIndex;
 use switchyard_core::{EngineHash, WorkerId};
 use switchyard_kv_events::metrics::KvEventMetrics;
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
@@ -58,13 +58,13 @@ fn script() -> Vec<KvEventBatch> {
     ]
 }
 
-fn truth(worker: WorkerId, batches: &[KvEventBatch]) -> PrefixIndex {
-    let mut index = PrefixIndex::new();
+fn truth(worker: WorkerId, batches: &[KvEventBatch]) -> TieredIndex {
+    let mut index = TieredIndex::new();
     let mut normalizer = Normalizer::new(BLOCK);
     for b in batches {
         for e in &b.events {
-            if let Normalized::Index(ie) = normalizer.normalize(e) {
-                index.apply(worker, &ie);
+            if let Normalized::Index(tier, ie) = normalizer.normalize(e) {
+                index.apply(worker, tier, &ie);
             }
         }
     }
@@ -88,8 +88,13 @@ fn probes() -> Vec<Vec<u32>> {
     ]
 }
 
-fn same_index(a: &PrefixIndex, b: &PrefixIndex, worker: WorkerId) -> bool {
-    a.live_pairs() == b.live_pairs()
+fn same_index(a: &TieredIndex, b: &TieredIndex, worker: WorkerId) -> bool {
+    let (a, b, host) = (
+        a.device(),
+        b.device(),
+        a.host().live_pairs() == b.host().live_pairs(),
+    );
+    host && a.live_pairs() == b.live_pairs()
         && a.worker_blocks(worker) == b.worker_blocks(worker)
         && probes().iter().all(|tokens| {
             let hashes = local_block_hashes(tokens, BLOCK as usize, DEFAULT_SEED);
@@ -99,7 +104,7 @@ fn same_index(a: &PrefixIndex, b: &PrefixIndex, worker: WorkerId) -> bool {
 
 struct Rig {
     publisher: KvEventPublisher,
-    index: Arc<Mutex<PrefixIndex>>,
+    index: Arc<Mutex<TieredIndex>>,
     metrics: KvEventMetrics,
     subscriber: Option<KvEventSubscriber>,
     worker: WorkerId,
@@ -113,7 +118,7 @@ fn rig(replay: bool) -> Rig {
     ))
     .unwrap();
     let worker = WorkerId::new(1);
-    let index = Arc::new(Mutex::new(PrefixIndex::new()));
+    let index = Arc::new(Mutex::new(TieredIndex::new()));
     let metrics = KvEventMetrics::new();
     let mut config = SubscriberConfig::new(worker, publisher.endpoint(), BLOCK);
     config.replay_endpoint = publisher.replay_endpoint().map(str::to_owned);
@@ -140,7 +145,7 @@ impl Rig {
         });
     }
 
-    fn index_matches(&self, expected: &PrefixIndex) -> bool {
+    fn index_matches(&self, expected: &TieredIndex) -> bool {
         same_index(&self.index.lock().unwrap(), expected, self.worker)
     }
 }
@@ -164,7 +169,7 @@ fn in_order_batches_build_the_same_index_as_applying_them_directly() {
     let expected = truth(rig.worker, &batches);
     wait_for("the index to match", || rig.index_matches(&expected));
     assert_eq!(rig.metrics.total().gaps, 0);
-    assert!(expected.live_pairs() > 0);
+    assert!(expected.device().live_pairs() > 0);
 }
 
 #[test]
@@ -217,6 +222,7 @@ fn without_replay_a_gap_clears_the_worker_and_later_events_rebuild_it() {
         rig.index
             .lock()
             .unwrap()
+            .device()
             .find_overlaps(&hashes)
             .depth(rig.worker),
         0
@@ -234,7 +240,7 @@ fn garbage_on_the_wire_is_counted_and_neither_its_stream_nor_another_stalls() {
     rogue.bind("tcp://127.0.0.1:*").unwrap();
     let rogue_endpoint = rogue.get_last_endpoint().unwrap().unwrap();
     let worker = WorkerId::new(2);
-    let index = Arc::new(Mutex::new(PrefixIndex::new()));
+    let index = Arc::new(Mutex::new(TieredIndex::new()));
     let metrics = KvEventMetrics::new();
     let sub = KvEventSubscriber::spawn(
         &context,
@@ -282,7 +288,7 @@ fn garbage_on_the_wire_is_counted_and_neither_its_stream_nor_another_stalls() {
     assert!(totals.dropped("bad_sequence") > 0);
     assert!(totals.dropped("bad_framing") > 0);
     assert!(totals.dropped("invalid_msgpack") > 0);
-    assert!(index.lock().unwrap().holds(worker, EngineHash(1)));
+    assert!(index.lock().unwrap().device().holds(worker, EngineHash(1)));
     // The healthy worker is unaffected.
     let batches = script();
     for b in &batches {

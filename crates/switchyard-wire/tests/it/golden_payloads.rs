@@ -10,7 +10,7 @@
 
 use rmpv::Value;
 use std::path::PathBuf;
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::EngineHash;
 use switchyard_wire::kv_events::{decode_batch, Format, KvEvent};
 use switchyard_wire::normalize::{Normalized, Normalizer, SkipReason};
@@ -235,11 +235,11 @@ fn an_sglang_batch_with_signed_hashes_drops_only_its_partial_last_page() {
         .collect();
     assert!(matches!(
         out[0],
-        Normalized::Index(IndexEvent::Stored { .. })
+        Normalized::Index(CacheTier::Device, IndexEvent::Stored { .. })
     ));
     assert!(matches!(
         out[1],
-        Normalized::Index(IndexEvent::Stored { .. })
+        Normalized::Index(CacheTier::Device, IndexEvent::Stored { .. })
     ));
     assert_eq!(out[2], Normalized::Skipped(SkipReason::PartialBlock));
 }

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use switchyard_core::index::{IndexEvent, StoredBlock};
+use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
 use switchyard_server::booking::WaitHandle;
 use switchyard_server::shared::{Request, SharedRouter};
@@ -130,7 +130,7 @@ fn play_events(
             event
         };
         let start = Instant::now();
-        shared.apply_worker_event(worker, epoch, &event);
+        shared.apply_worker_event(worker, epoch, CacheTier::Device, &event);
         times.push(start.elapsed().as_secs_f64() * 1e6);
         applied.fetch_add(1, Ordering::Relaxed);
         next += period;
@@ -199,7 +199,7 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
         let epoch = shared.events_epoch(worker).unwrap_or(0);
         for n in 0..args.resident as u64 {
             let hashes = chain(n % 4, (1 << 40) | n, args.event_blocks);
-            shared.apply_worker_event(worker, epoch, &stored(&hashes, slot));
+            shared.apply_worker_event(worker, epoch, CacheTier::Device, &stored(&hashes, slot));
         }
     }
     let mut rng = StdRng::seed_from_u64(7);

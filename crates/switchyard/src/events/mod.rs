@@ -10,7 +10,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use switchyard_core::index::PrefixIndex;
+use switchyard_core::index::TieredIndex;
 use switchyard_core::WorkerId;
 use switchyard_wire::kv_events::{decode_batch, Format};
 
@@ -112,7 +112,7 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
         "--interval must be a positive number of seconds"
     );
     let worker = WorkerId::new(0);
-    let index = Arc::new(Mutex::new(PrefixIndex::new()));
+    let index = Arc::new(Mutex::new(TieredIndex::new()));
     let registry = switchyard_kv_events::metrics::KvEventMetrics::new();
     let mut config = switchyard_kv_events::subscriber::SubscriberConfig::new(
         worker,
@@ -155,12 +155,15 @@ fn listen(args: ListenArgs) -> anyhow::Result<()> {
 fn print_summary(
     started: Instant,
     registry: &switchyard_kv_events::metrics::KvEventMetrics,
-    index: &Mutex<PrefixIndex>,
+    index: &Mutex<TieredIndex>,
 ) {
     let t = registry.total();
-    let blocks = index.lock().map(|i| i.live_pairs()).unwrap_or(0);
+    let (blocks, host_blocks) = index
+        .lock()
+        .map(|i| (i.device().live_pairs(), i.host().live_pairs()))
+        .unwrap_or((0, 0));
     println!(
-        "t={:.1}s batches={} events={} stored={} removed={} cleared={} gaps={} replays={} resets={} malformed={} filtered={} index_blocks={}",
+        "t={:.1}s batches={} events={} stored={} removed={} cleared={} gaps={} replays={} resets={} malformed={} filtered={} index_blocks={} host_index_blocks={}",
         started.elapsed().as_secs_f64(),
         t.batches,
         t.total_events(),
@@ -173,5 +176,6 @@ fn print_summary(
         t.malformed(),
         t.dropped.iter().sum::<u64>() - t.malformed(),
         blocks,
+        host_blocks,
     );
 }

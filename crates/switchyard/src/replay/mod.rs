@@ -100,6 +100,12 @@ pub struct ReplayArgs {
     /// Device KV blocks per worker.
     #[arg(long)]
     pub num_blocks: Option<usize>,
+    /// Host-tier (CPU) KV blocks per worker that evicted device blocks
+    /// spill into and requests restore from (0: no host tier). The router
+    /// indexes them from the engines' host-tier events, and the `ttft`
+    /// policy credits a host hit by its restore time.
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: usize,
     /// Engine speed-up over the timing model.
     #[arg(long)]
     pub speedup: Option<f64>,
@@ -241,6 +247,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     let mut engine = EngineConfig {
         block_size: args.block_size.unwrap_or(block_size),
         num_blocks: args.num_blocks.unwrap_or(num_blocks),
+        host_blocks: args.host_blocks,
         // Trace prompts reach 126k tokens; the pool is the real limit.
         max_model_len: 1 << 20,
         // The router needs no events from a request it never sees cached.
@@ -660,4 +667,36 @@ fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> any
         println!("wrote {}", json.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+
+    fn parse(argv: &[&str]) -> ReplayArgs {
+        Cli::parse_from(std::iter::once("replay").chain(argv.iter().copied())).args
+    }
+
+    #[test]
+    fn the_engines_have_no_host_tier_unless_host_blocks_are_given() {
+        let fleet = fleet_config(&parse(&[])).unwrap();
+        assert_eq!(fleet.engine.host_blocks, 0);
+        let fleet = fleet_config(&parse(&["--host-blocks", "4096"])).unwrap();
+        assert_eq!(fleet.engine.host_blocks, 4096);
+        // The router prices a restore as the engines take it.
+        let estimator = fleet.dispatcher(0).estimator;
+        assert_eq!(
+            estimator.restore_ms_per_token,
+            fleet.engine.timing.restore_ms_per_token()
+        );
+        let wall = estimator.restore_model_ms(1000) * fleet.engine.timing.speedup;
+        assert!((wall - fleet.engine.timing.restore_ms(1000)).abs() < 1e-9);
+    }
 }

@@ -160,18 +160,21 @@ async fn chat_text_and_bad_input_get_openai_shaped_replies() {
 async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
     let _machine = machine().await;
     use std::sync::{Arc, Mutex};
-    use switchyard_core::index::PrefixIndex;
+    use switchyard_core::index::TieredIndex;
     use switchyard_core::{EngineHash, WorkerId};
     use switchyard_kv_events::metrics::KvEventMetrics;
     use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
 
-    // A small pool so that later prompts evict earlier ones: removals flow too.
+    // A small pool so that later prompts evict earlier ones: removals flow
+    // too, and evicted blocks spill into the host tier (medium "CPU").
     let worker = sim_worker_with(
         0,
         &[
             "--no-delay",
             "--num-blocks",
             "64",
+            "--host-blocks",
+            "48",
             "--kv-events",
             "tcp://127.0.0.1:*",
             "--kv-replay",
@@ -180,7 +183,7 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
     );
     let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
     let id = WorkerId::new(7);
-    let index = Arc::new(Mutex::new(PrefixIndex::new()));
+    let index = Arc::new(Mutex::new(TieredIndex::new()));
     let metrics = KvEventMetrics::new();
     let mut config = SubscriberConfig::new(id, pub_endpoint, 16);
     config.replay_endpoint = Some(replay_endpoint);
@@ -218,16 +221,22 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
                 .json()
                 .await
                 .unwrap();
-            let device: Vec<u64> = cache["device"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| h.as_u64().unwrap())
-                .collect();
+            let hashes = |tier: &str| -> Vec<u64> {
+                cache[tier]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|h| h.as_u64().unwrap())
+                    .collect()
+            };
+            let (device, host) = (hashes("device"), hashes("host"));
             assert!(!device.is_empty());
             let index = index.lock().unwrap();
-            index.worker_blocks(id) == device.len()
-                && device.iter().all(|&h| index.holds(id, EngineHash(h)))
+            let same = |tier: &switchyard_core::index::PrefixIndex, hashes: &[u64]| {
+                tier.worker_blocks(id) == hashes.len()
+                    && hashes.iter().all(|&h| tier.holds(id, EngineHash(h)))
+            };
+            !host.is_empty() && same(index.device(), &device) && same(index.host(), &host)
         },
     )
     .await;

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Effects, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::IndexEvent;
+use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::{RouterMemory, WorkerCapacity};
 use switchyard_core::select::PolicyKind;
 use switchyard_core::{RequestId, WorkerId};
@@ -120,7 +120,7 @@ struct Run<'a> {
     config: &'a CoreSoakConfig,
     dispatcher: Dispatcher,
     streams: Vec<EngineEventStream>,
-    index_events: Vec<IndexEvent>,
+    index_events: Vec<(CacheTier, IndexEvent)>,
     engines: Vec<Engine<SyncDevice>>,
     reports: Vec<StepReport>,
     records: &'a [MooncakeRecord],
@@ -351,7 +351,7 @@ impl Run<'_> {
             let worker = WorkerId::new(w as u64);
             self.index_events.clear();
             self.streams[w].normalize(self.kv_scratch.drain(..), &mut self.index_events);
-            for event in &self.index_events {
+            for (tier, event) in &self.index_events {
                 match event {
                     IndexEvent::Stored { blocks, .. } => {
                         self.out.stored_blocks += blocks.len() as u64;
@@ -363,7 +363,7 @@ impl Run<'_> {
                     }
                     IndexEvent::Cleared => self.out.block_events += 1,
                 }
-                self.dispatcher.apply_kv_event(worker, event);
+                self.dispatcher.apply_kv_event(worker, *tier, event);
             }
         }
     }

@@ -296,6 +296,8 @@ pub fn estimator_args(estimator: &EstimatorConfig) -> Vec<String> {
         estimator.speedup.to_string(),
         "--prefill-chunk-tokens".to_owned(),
         estimator.chunk_tokens.to_string(),
+        "--restore-ms-per-token".to_owned(),
+        format!("{:e}", estimator.restore_ms_per_token),
     ];
     if !estimator.online {
         args.push("--no-prefill-fit".to_owned());
