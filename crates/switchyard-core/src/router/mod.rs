@@ -868,7 +868,10 @@ mod tests {
         // The booking records the device overlap only.
         assert_eq!((d.worker, d.overlap_blocks), (w(2), 1));
         // Other policies weigh the device overlap alone.
-        let mut kv = router(RouterConfig::default());
+        let mut kv = router(RouterConfig {
+            policy: PolicyKind::Kv,
+            ..Default::default()
+        });
         for (worker, tier, event) in [
             (
                 w(1),

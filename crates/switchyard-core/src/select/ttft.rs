@@ -17,9 +17,9 @@
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
 //! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
-//! after[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
-//! decode[w]   = decode_weight · decode_step_ms(w, after[w])  the pace of its next tokens there
-//! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w] + decode[w]
+//! decode[w]   = decode_weight · decode_step_ms(w, usage[w])  the pace of its next tokens there
+//! stall[w]    = interference_weight · active_requests[w] · prefill_ms(w, new[w])
+//! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w] + decode[w] + stall[w]
 //! ```
 //!
 //! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
@@ -65,6 +65,15 @@
 //! fleet by the decode load each worker already carries. It is off by
 //! default (`decode_weight` 0): measured end to end it moved sessions off
 //! their prefixes more than it balanced them (see [`TtftConfig`]).
+//! `stall` is what this request's prefill costs the requests already
+//! running on the worker: the engine runs it as a step every running
+//! request waits out (a decode token rides in it, but the step takes the
+//! prefill's time), so each of them is delayed by about its own prefill
+//! time. It grows with the running requests and with the uncached tokens,
+//! so a cold prompt (a new conversation, whose later turns will follow it)
+//! goes where fewer requests run, while a session's next turn, with few
+//! new tokens on its own worker, stays. With `interference_weight` 0.25 a
+//! running request's delay counts a quarter of this request's own wait.
 //!
 //! Ties (an instant engine's zero times, equal workers) go to fewer new
 //! tokens, then fewer running requests, then the seeded RNG.
@@ -95,15 +104,21 @@ pub struct TtftConfig {
     /// prefixes (hit rate 0.635 at 0, 0.620 at 8, 0.596 at 16; one run
     /// each, `bench versus`, docs/simulator.md).
     pub decode_weight: f64,
+    /// Weight of the stall this request's prefill imposes on the requests
+    /// already running on the worker, against its own time to first token
+    /// (0: ignore; 1: every running request's delay counts as much as this
+    /// request's own wait).
+    pub interference_weight: f64,
 }
 
 impl Default for TtftConfig {
     fn default() -> Self {
         Self {
             locality_weight: 1.0,
-            pressure_weight: 1.0,
+            pressure_weight: 4.0,
             turnover_weight: 1.0,
             decode_weight: 0.0,
+            interference_weight: 0.25,
         }
     }
 }
@@ -114,7 +129,9 @@ impl TtftConfig {
         at_least("locality_weight", self.locality_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
         at_least("pressure_weight", self.pressure_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
         at_least("turnover_weight", self.turnover_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
-        at_least("decode_weight", self.decode_weight, 0.0).map_err(PolicyConfigError::Ttft)
+        at_least("decode_weight", self.decode_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
+        at_least("interference_weight", self.interference_weight, 0.0)
+            .map_err(PolicyConfigError::Ttft)
     }
 }
 
@@ -146,6 +163,8 @@ pub struct TtftCost {
     pub turnover_ms: f64,
     /// The decode-pace term, in ms.
     pub decode_ms: f64,
+    /// The interference term, in ms.
+    pub interference_ms: f64,
 }
 
 impl TtftCost {
@@ -156,6 +175,7 @@ impl TtftCost {
             + self.pressure_ms
             + self.turnover_ms
             + self.decode_ms
+            + self.interference_ms
     }
 }
 
@@ -218,6 +238,8 @@ impl TtftSelector {
             }
             _ => 0.0,
         };
+        // Every request running there waits out this one's prefill step.
+        let interference_ms = self.config.interference_weight * c.active_requests as f64 * own_ms;
         let decode_ms = if self.config.decode_weight > 0.0 {
             self.config.decode_weight
                 * ctx
@@ -243,6 +265,7 @@ impl TtftSelector {
             pressure_ms,
             turnover_ms,
             decode_ms,
+            interference_ms,
         }
     }
 }
@@ -294,7 +317,9 @@ mod tests {
         assert_eq!(cost.first_token_ms, 5.0 + 100.0 + 3.0 + 32.0);
         assert_eq!(cost.locality_ms, 32.0);
         assert_eq!(cost.decode_ms, 0.0, "off by default");
-        assert_eq!(cost.total(), 172.0);
+        // The 3 running requests wait out its 32 ms prefill: 0.25 · 3 · 32.
+        assert_eq!(cost.interference_ms, 24.0);
+        assert_eq!(cost.total(), 196.0);
         let paced = TtftSelector::new(
             TtftConfig {
                 decode_weight: 8.0,
@@ -404,11 +429,9 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_prompt_goes_where_the_least_prefill_is_queued() {
-        // No worker has any of it: only the queues differ. A worker with
-        // many running decodes but nothing to prefill beats one with a
-        // prefill queued, which the kv policy's block count gets the other
-        // way round.
+    fn a_cold_prompt_weighs_the_queue_ahead_against_the_requests_it_would_stall() {
+        // No worker has any of the 128-token prompt. w1 runs 20 decodes
+        // and has nothing to prefill; w2 runs 1 and has 200 tokens queued.
         let b = blocks(8);
         let mut decoding = candidate(1);
         decoding.active_requests = 20;
@@ -416,8 +439,21 @@ mod tests {
         let mut prefilling = candidate(2);
         prefilling.active_prefill_tokens = 200;
         prefilling.active_requests = 1;
+        let cands = [decoding, prefilling];
+        let c = ctx(&b, 128, &cands);
+        // On its own time alone w1 is sooner (5 + 148 against 5 + 329 ms:
+        // the kv policy's block count gets this the other way round)...
+        let own_time = TtftConfig {
+            interference_weight: 0.0,
+            ..TtftConfig::default()
+        };
+        assert_eq!(chosen(TtftSelector::new(own_time, 0).select(&c)), 1);
+        // ...but its 128 ms prefill would stall 20 running requests there:
+        // 0.25 · 20 · 128 = 640 ms against 0.25 · 1 · 128 = 32 on w2.
         let mut s = TtftSelector::new(TtftConfig::default(), 0);
-        assert_eq!(chosen(s.select(&ctx(&b, 128, &[decoding, prefilling]))), 1);
+        assert_eq!(s.cost(&c, &decoding).interference_ms, 640.0);
+        assert_eq!(s.cost(&c, &prefilling).interference_ms, 32.0);
+        assert_eq!(chosen(s.select(&c)), 2);
     }
 
     #[test]
@@ -430,6 +466,7 @@ mod tests {
             pressure_weight: 0.0,
             turnover_weight: 0.0,
             decode_weight: 0.0,
+            interference_weight: 0.0,
         };
         let mut full = candidate(1);
         full.active_requests = 4;
@@ -515,20 +552,27 @@ mod tests {
     #[test]
     fn kv_pressure_grows_with_the_square_of_the_workers_usage() {
         // 64-token prompt = 4 blocks; capacity 8 blocks; the prompt's 4
-        // blocks are new here. Prefill of the whole prompt: 64 ms.
+        // blocks are new here. Prefill of the whole prompt: 64 ms; the
+        // default weight is 4.
         let s = TtftSelector::new(TtftConfig::default(), 0);
         let b = blocks(4);
         let mut c = candidate(1);
         c.kv_capacity_blocks = Some(8);
-        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.25 * 64.0);
+        assert_eq!(
+            s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms,
+            4.0 * 0.25 * 64.0
+        );
         c.active_decode_blocks = 4; // 8 of 8 blocks: full
-        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 64.0);
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 4.0 * 64.0);
         c.active_decode_blocks = 100; // over capacity counts as full
-        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 64.0);
+        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 4.0 * 64.0);
         // Blocks the worker's running requests already hold are not added.
         c.active_decode_blocks = 2;
         c.active_prompt_blocks = 4;
-        assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.0625 * 64.0);
+        assert_eq!(
+            s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms,
+            4.0 * 0.0625 * 64.0
+        );
         // No reported capacity, no pressure.
         c.kv_capacity_blocks = None;
         assert_eq!(s.cost(&ctx(&b, 64, &[c]), &c).pressure_ms, 0.0);
@@ -587,6 +631,13 @@ mod tests {
             .validate()
             .unwrap_err();
             assert!(err.to_string().contains("decode_weight"), "{err}");
+            let err = TtftConfig {
+                interference_weight: w,
+                ..TtftConfig::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(err.to_string().contains("interference_weight"), "{err}");
         }
     }
 }

@@ -143,6 +143,10 @@ pub struct ReplayArgs {
     /// worker's pace (0 = ignore how fast a worker decodes).
     #[arg(long, default_value_t = TtftConfig::default().decode_weight)]
     pub decode_weight: f64,
+    /// `ttft` policy: weight of the stall a request's prefill imposes on
+    /// the requests decoding on the worker (0 = ignore).
+    #[arg(long, default_value_t = TtftConfig::default().interference_weight)]
+    pub interference_weight: f64,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -278,6 +282,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.pressure_weight = args.pressure_weight;
     fleet.router.policies.ttft.turnover_weight = args.turnover_weight;
     fleet.router.policies.ttft.decode_weight = args.decode_weight;
+    fleet.router.policies.ttft.interference_weight = args.interference_weight;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet
         .router

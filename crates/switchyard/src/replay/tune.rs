@@ -69,19 +69,22 @@ pub fn candidates(base: &PolicyConfig) -> Vec<Candidate> {
     for locality in [t.locality_weight, 0.0, 0.5, 2.0, 4.0] {
         for pressure in [t.pressure_weight, 0.0, 4.0] {
             for turnover in [t.turnover_weight, 0.0] {
-                let mut p = *base;
-                p.ttft.locality_weight = locality;
-                p.ttft.pressure_weight = pressure;
-                p.ttft.turnover_weight = turnover;
-                let c = Candidate {
-                    name: format!(
-                        "ttft locality={locality} pressure={pressure} turnover={turnover}"
-                    ),
-                    policy: PolicyKind::Ttft,
-                    policies: p,
-                };
-                if !ttft.contains(&c) {
-                    ttft.push(c);
+                for interference in [t.interference_weight, 0.0] {
+                    let mut p = *base;
+                    p.ttft.locality_weight = locality;
+                    p.ttft.pressure_weight = pressure;
+                    p.ttft.turnover_weight = turnover;
+                    p.ttft.interference_weight = interference;
+                    let c = Candidate {
+                        name: format!(
+                            "ttft locality={locality} pressure={pressure} turnover={turnover} interference={interference}"
+                        ),
+                        policy: PolicyKind::Ttft,
+                        policies: p,
+                    };
+                    if !ttft.contains(&c) {
+                        ttft.push(c);
+                    }
                 }
             }
         }

@@ -264,7 +264,7 @@ async fn a_client_that_stops_reading_a_stream_has_its_booking_freed_at_the_reque
     assert_eq!(
         metric(
             &text,
-            "switchyard_requests_total{policy=\"kv\",status=\"unavailable\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"unavailable\"}"
         ),
         Some(1.0),
         "{text}"
@@ -272,7 +272,7 @@ async fn a_client_that_stops_reading_a_stream_has_its_booking_freed_at_the_reque
     assert_eq!(
         metric(
             &text,
-            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"cancelled\"}"
         ),
         Some(0.0),
         "{text}"

@@ -255,7 +255,7 @@ async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error
     assert_eq!(
         metric(
             &metrics,
-            "switchyard_requests_total{policy=\"kv\",status=\"ok\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"ok\"}"
         )
         .unwrap_or(0.0),
         0.0,
@@ -264,7 +264,7 @@ async fn a_stream_with_several_choices_cut_after_one_finished_ends_with_an_error
     assert_eq!(
         metric(
             &metrics,
-            "switchyard_requests_total{policy=\"kv\",status=\"unavailable\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"unavailable\"}"
         ),
         Some(1.0),
         "{metrics}"
@@ -419,7 +419,7 @@ async fn a_client_that_goes_away_cancels_the_workers_request() {
     assert_eq!(
         metric(
             &text,
-            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"cancelled\"}"
         ),
         Some(2.0),
         "{text}"

@@ -177,7 +177,7 @@ async fn a_client_that_disconnects_mid_stream_frees_its_booking() {
     assert_eq!(
         metric(
             &text,
-            "switchyard_requests_total{policy=\"kv\",status=\"cancelled\"}"
+            "switchyard_requests_total{policy=\"ttft\",status=\"cancelled\"}"
         ),
         Some(1.0)
     );
