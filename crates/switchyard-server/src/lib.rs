@@ -105,7 +105,7 @@ pub struct ServeArgs {
     /// Port (0: any free port; the address is printed) [default: 8080].
     #[arg(long, env = "SWITCHYARD_PORT")]
     pub port: Option<u16>,
-    /// Routing policy: kv, ttft, cache-aware, round-robin, random, least-loaded, power-of-two [default: kv].
+    /// Routing policy: ttft, kv, cache-aware, round-robin, random, least-loaded, power-of-two [default: ttft].
     #[arg(long, env = "SWITCHYARD_POLICY")]
     pub policy: Option<PolicyKind>,
     /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]; repeat.
