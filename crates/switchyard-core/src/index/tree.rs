@@ -281,6 +281,12 @@ impl PrefixIndex {
             self.counters.dropped_full += 1;
             return ApplyOutcome::Full;
         }
+        self.hang_chain(slot, cur, blocks)
+    }
+
+    /// Hangs `blocks` below node `cur` for the worker in `slot`, each the
+    /// child of the one before (room already checked).
+    fn hang_chain(&mut self, slot: u32, mut cur: u32, blocks: &[StoredBlock]) -> ApplyOutcome {
         let mut changed = 0;
         for block in blocks {
             let child = self.child_or_insert(cur, block.local_hash.0);
@@ -322,17 +328,7 @@ impl PrefixIndex {
         for local in path {
             cur = self.child_or_insert(cur, local.0);
         }
-        let mut changed = 0;
-        for block in blocks {
-            let child = self.child_or_insert(cur, block.local_hash.0);
-            changed += self.hold(slot, block.engine_hash.0, child);
-            cur = child;
-        }
-        self.counters.stored_events += 1;
-        ApplyOutcome::Applied {
-            changed,
-            unknown: 0,
-        }
+        self.hang_chain(slot, cur, blocks)
     }
 
     /// The prefix of the block `worker` calls `engine_hash`: local hashes

@@ -163,7 +163,7 @@ pub struct TtftCost {
     pub turnover_ms: f64,
     /// The decode-pace term, in ms.
     pub decode_ms: f64,
-    /// The interference term, in ms.
+    /// The stall term (`interference_weight`), in ms.
     pub interference_ms: f64,
 }
 

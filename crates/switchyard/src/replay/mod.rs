@@ -674,26 +674,27 @@ fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> any
     Ok(())
 }
 
+/// `replay`'s flags parsed from a command line, for tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) fn parse_args(argv: &[&str]) -> ReplayArgs {
     use clap::Parser;
-
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
         args: ReplayArgs,
     }
+    Cli::parse_from(std::iter::once("replay").chain(argv.iter().copied())).args
+}
 
-    fn parse(argv: &[&str]) -> ReplayArgs {
-        Cli::parse_from(std::iter::once("replay").chain(argv.iter().copied())).args
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn the_engines_have_no_host_tier_unless_host_blocks_are_given() {
-        let fleet = fleet_config(&parse(&[])).unwrap();
+        let fleet = fleet_config(&parse_args(&[])).unwrap();
         assert_eq!(fleet.engine.host_blocks, 0);
-        let fleet = fleet_config(&parse(&["--host-blocks", "4096"])).unwrap();
+        let fleet = fleet_config(&parse_args(&["--host-blocks", "4096"])).unwrap();
         assert_eq!(fleet.engine.host_blocks, 4096);
         // The router prices a restore as the engines take it.
         let estimator = fleet.dispatcher(0).estimator;

@@ -265,18 +265,8 @@ fn print_table(report: &ReplicaReport) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::parse_args as parse;
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: ReplayArgs,
-    }
-
-    fn parse(argv: &[&str]) -> ReplayArgs {
-        Cli::parse_from(std::iter::once("replay").chain(argv.iter().copied())).args
-    }
 
     #[test]
     fn one_replica_runs_once_and_more_run_with_and_without_sync() {
