@@ -267,7 +267,7 @@ impl PrefixIndex {
                 }
             },
         };
-        let mut cur = match parent {
+        let cur = match parent {
             None => ROOT,
             Some(p) => match self.slot(slot).blocks.get(p.0) {
                 Some(node) => node,
