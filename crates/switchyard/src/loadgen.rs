@@ -560,10 +560,15 @@ pub async fn run_load(
                 tasks.push(tokio::spawn(async move {
                     while let Some(&head) = heads.get(next.fetch_add(1, Ordering::Relaxed)) {
                         let mut turn = Some(head);
-                        while let Some(request) = turn.and_then(|i| requests.get(i)) {
+                        while let Some(i) = turn {
+                            let Some(request) = requests.get(i) else {
+                                break;
+                            };
                             let s = one(&client, &base, request, stream).await;
                             samples.lock().unwrap_or_else(|p| p.into_inner()).push(s);
-                            turn = request.next_turn;
+                            // Only forward: a list naming an earlier turn
+                            // cannot loop.
+                            turn = request.next_turn.filter(|&n| n > i);
                         }
                     }
                 }));

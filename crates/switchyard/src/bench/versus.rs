@@ -74,12 +74,11 @@ impl Variant {
     pub fn name(&self, config: Option<&Path>) -> String {
         let policy = match (self.policy, config) {
             (Some(p), _) => p.name().to_owned(),
-            (None, Some(file)) => format!(
-                "{}",
-                file.file_name()
-                    .unwrap_or(file.as_os_str())
-                    .to_string_lossy()
-            ),
+            (None, Some(file)) => file
+                .file_name()
+                .unwrap_or(file.as_os_str())
+                .to_string_lossy()
+                .into_owned(),
             (None, None) => PolicyKind::DEFAULT.name().to_owned(),
         };
         match self.admission {
