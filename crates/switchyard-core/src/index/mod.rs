@@ -26,3 +26,19 @@ pub use tree::{
     ApplyOutcome, IndexCounters, IndexEvent, IndexMemory, OverlapScores, PrefixIndex, StoredBlock,
     WorkerOverlap,
 };
+
+/// Tests: a `Stored` chain of `(engine hash, local hash)` pairs under
+/// `parent` (`None`: the root).
+#[cfg(test)]
+pub(crate) fn stored_chain(parent: Option<u64>, pairs: &[(u64, u64)]) -> IndexEvent {
+    IndexEvent::Stored {
+        parent: parent.map(crate::types::EngineHash),
+        blocks: pairs
+            .iter()
+            .map(|&(e, l)| StoredBlock {
+                engine_hash: crate::types::EngineHash(e),
+                local_hash: crate::types::LocalHash(l),
+            })
+            .collect(),
+    }
+}

@@ -140,25 +140,14 @@ impl TieredIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{OverlapScores, StoredBlock};
+    use crate::index::OverlapScores;
     use crate::types::EngineHash;
 
     fn w(id: u64) -> WorkerId {
         WorkerId::new(id)
     }
 
-    fn stored(parent: Option<u64>, pairs: &[(u64, u64)]) -> IndexEvent {
-        IndexEvent::Stored {
-            parent: parent.map(EngineHash),
-            blocks: pairs
-                .iter()
-                .map(|&(e, l)| StoredBlock {
-                    engine_hash: EngineHash(e),
-                    local_hash: LocalHash(l),
-                })
-                .collect(),
-        }
-    }
+    use crate::index::stored_chain as stored;
 
     fn locals(hashes: &[u64]) -> Vec<LocalHash> {
         hashes.iter().copied().map(LocalHash).collect()

@@ -775,19 +775,7 @@ mod tests {
         );
     }
 
-    /// A `Stored` chain of `(engine hash, local hash)` pairs under `parent`.
-    fn chain(parent: Option<u64>, pairs: &[(u64, u64)]) -> IndexEvent {
-        IndexEvent::Stored {
-            parent: parent.map(EngineHash),
-            blocks: pairs
-                .iter()
-                .map(|&(e, l)| StoredBlock {
-                    engine_hash: EngineHash(e),
-                    local_hash: LocalHash(l),
-                })
-                .collect(),
-        }
-    }
+    use crate::index::stored_chain as chain;
 
     fn candidate_of(r: &Router, worker: WorkerId) -> Candidate {
         *r.candidates
