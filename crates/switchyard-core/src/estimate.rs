@@ -13,9 +13,19 @@
 //! - **An online fit per worker**, from observed times to first token. A
 //!   sample is taken only when the request was the sole local prefill on its
 //!   worker when it was placed (otherwise its time to first token measures
-//!   the queue, not its prefill). Each worker keeps the newest
-//!   [`EstimatorConfig::window`] samples; from [`EstimatorConfig::min_samples`]
-//!   on, the estimate is `scale · model(T) + offset`, fitted by least squares
+//!   the queue, not its prefill), and it is compared with the model's time
+//!   to first token *for the worker as it was* when the request was placed
+//!   ([`EstimatorConfig::first_token_model_ms`]: half the decode step under
+//!   way, then the prefill with one decode token per running request riding
+//!   in it), so a worker that runs more requests, or requests holding more
+//!   KV memory, is not taken for a slower one: the model already explains
+//!   that part of its wait, and the fit learns the worker's speed alone.
+//!   (Fitted against the bare prefill instead, the busier of two identical
+//!   workers looked up to twice as slow end to end, and the `ttft` policy
+//!   moved sessions off the worker holding their history.) Each worker
+//!   keeps the newest [`EstimatorConfig::window`] samples; from
+//!   [`EstimatorConfig::min_samples`] on, the estimate is
+//!   `scale · model(T) + offset`, fitted by least squares
 //!   over the window (the offset takes the network and framework overhead
 //!   the model leaves out); when the samples' model times are too alike to
 //!   separate scale from offset, the offset is zero and the scale is the
@@ -219,6 +229,20 @@ impl EstimatorConfig {
 }
 
 impl EstimatorConfig {
+    /// The configured model: wall milliseconds from placing a request of
+    /// `tokens` uncached tokens on a worker running `running` requests that
+    /// hold `held` of its KV memory to its first token — half the decode
+    /// step under way when it lands (none on an idle worker), then its
+    /// prefill with one decode token per running request in the batch.
+    pub fn first_token_model_ms(&self, tokens: u64, running: usize, held: f64) -> f64 {
+        let wait = if running == 0 {
+            0.0
+        } else {
+            0.5 * self.decode_model_ms(held)
+        };
+        wait + self.model_ms(tokens + running as u64)
+    }
+
     /// The configured model: wall milliseconds of one decode-only step at
     /// KV usage `usage` (clamped to 0..=1).
     pub fn decode_model_ms(&self, usage: f64) -> f64 {
@@ -335,15 +359,16 @@ impl PrefillEstimator {
         self.rejected_samples
     }
 
-    /// Records one observation: a request of `tokens` uncached tokens, the
-    /// only local prefill on `worker` when it was placed, took `observed_ms`
-    /// from placement to its first token. Ignored when the fit is off.
-    pub fn observe(&mut self, worker: WorkerId, tokens: u64, observed_ms: f64) {
+    /// Records one observation: a request, the only local prefill on
+    /// `worker` when it was placed, took `observed_ms` from placement to its
+    /// first token, where the configured model expected `model` ms for the
+    /// worker as it was then ([`EstimatorConfig::first_token_model_ms`]).
+    /// Ignored when the fit is off.
+    pub fn observe(&mut self, worker: WorkerId, model: f64, observed_ms: f64) {
         if !self.config.online {
             return;
         }
-        let model = self.config.model_ms(tokens);
-        if !(observed_ms.is_finite() && observed_ms > 0.0 && model > 0.0) {
+        if !(observed_ms.is_finite() && observed_ms > 0.0 && model.is_finite() && model > 0.0) {
             self.rejected_samples += 1;
             return;
         }
@@ -453,7 +478,11 @@ mod tests {
         let mut e = estimator();
         for i in 0..64u64 {
             let tokens = 200 + i * 100;
-            e.observe(W, tokens, 3.0 * e.config().model_ms(tokens) + 7.0);
+            e.observe(
+                W,
+                e.config().model_ms(tokens),
+                3.0 * e.config().model_ms(tokens) + 7.0,
+            );
         }
         let model = e.config().decode_model_ms(0.5);
         assert!((e.decode_step_ms(W, 0.5) - 3.0 * model).abs() < 1e-6);
@@ -475,7 +504,7 @@ mod tests {
     fn without_enough_samples_the_model_answers() {
         let mut e = estimator();
         for _ in 0..15 {
-            e.observe(W, 1000, 500.0);
+            e.observe(W, e.config().model_ms(1000), 500.0);
         }
         assert_eq!(e.fit(W), None);
         assert_eq!(e.expected_ms(W, 1000), e.config().model_ms(1000));
@@ -487,7 +516,7 @@ mod tests {
         for i in 0..64u64 {
             let tokens = 200 + i * 100;
             let observed = 3.0 * e.config().model_ms(tokens) + 7.0;
-            e.observe(W, tokens, observed);
+            e.observe(W, e.config().model_ms(tokens), observed);
         }
         let fit = e.fit(W).unwrap();
         assert!((fit.scale - 3.0).abs() < 1e-6, "{fit:?}");
@@ -506,7 +535,7 @@ mod tests {
             // Every sample the same length: the slope is undefined.
             e.observe(
                 W,
-                1000,
+                e.config().model_ms(1000),
                 e.config().model_ms(1000) * if i % 2 == 0 { 2.0 } else { 2.2 },
             );
         }
@@ -519,10 +548,56 @@ mod tests {
     fn nonsense_samples_are_counted_and_never_used() {
         let mut e = estimator();
         for bad in [f64::NAN, f64::INFINITY, -1.0, 0.0] {
-            e.observe(W, 1000, bad);
+            e.observe(W, e.config().model_ms(1000), bad);
         }
         assert_eq!(e.rejected_samples(), 4);
+        // A model time that is not a positive finite number is refused too.
+        for bad in [f64::NAN, f64::INFINITY, 0.0] {
+            e.observe(W, bad, 10.0);
+        }
+        assert_eq!(e.rejected_samples(), 7);
         assert_eq!(e.heap_bytes(), 0);
+    }
+
+    #[test]
+    fn the_model_time_to_first_token_adds_half_a_decode_step_and_the_riding_tokens() {
+        let config = EstimatorConfig {
+            speedup: 4.0,
+            ..EstimatorConfig::default()
+        };
+        // Idle: the prefill alone.
+        assert_eq!(
+            config.first_token_model_ms(1000, 0, 0.0),
+            config.model_ms(1000)
+        );
+        // Three running requests holding 40% of the memory: half of that
+        // decode step, then 1,003 tokens in the prefill step.
+        let expected = 0.5 * config.decode_model_ms(0.4) + config.model_ms(1003);
+        assert!((config.first_token_model_ms(1000, 3, 0.4) - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_busier_worker_of_the_same_speed_is_not_learned_as_slower() {
+        // Two workers of the model's speed with 20 ms of overhead; one runs
+        // nothing when its samples are taken, the other eight requests
+        // holding 60% of its memory. Each observes exactly what the model
+        // says for its state.
+        let config = EstimatorConfig::default();
+        let mut e = PrefillEstimator::new(config).unwrap();
+        let busy = WorkerId::new(2);
+        for i in 0..64u64 {
+            let tokens = 200 + i * 100;
+            let idle_ms = config.first_token_model_ms(tokens, 0, 0.0);
+            e.observe(W, idle_ms, idle_ms + 20.0);
+            let busy_ms = config.first_token_model_ms(tokens, 8, 0.6);
+            e.observe(busy, busy_ms, busy_ms + 20.0);
+        }
+        let (idle, loaded) = (e.fit(W).unwrap(), e.fit(busy).unwrap());
+        assert!((idle.scale - 1.0).abs() < 1e-6, "{idle:?}");
+        assert!((loaded.scale - 1.0).abs() < 1e-6, "{loaded:?}");
+        assert!((idle.offset_ms - 20.0).abs() < 1e-6, "{idle:?}");
+        assert!((loaded.offset_ms - 20.0).abs() < 1e-6, "{loaded:?}");
+        assert!((e.expected_ms(W, 3000) - e.expected_ms(busy, 3000)).abs() < 1e-6);
     }
 
     #[test]
@@ -533,7 +608,7 @@ mod tests {
         })
         .unwrap();
         for _ in 0..100 {
-            e.observe(W, 1000, 1.0);
+            e.observe(W, e.config().model_ms(1000), 1.0);
         }
         assert_eq!(e.fit(W), None);
     }
@@ -622,7 +697,7 @@ mod tests {
         ) {
             let mut e = estimator();
             for (tokens, observed) in samples {
-                e.observe(W, tokens, observed);
+                e.observe(W, e.config().model_ms(tokens), observed);
             }
             if let Some(fit) = e.fit(W) {
                 prop_assert!(fit.samples <= 64);

@@ -304,7 +304,9 @@ struct Booked {
     ticket: Option<ResponseTicket>,
     placed_ms: f64,
     overlap_blocks: u32,
-    uncached_tokens: u64,
+    /// The configured model's time to its first token on the worker as it
+    /// was when placed (what an estimator sample is compared with).
+    modeled_first_token_ms: f64,
     /// It was the only local prefill on its worker when placed: its time
     /// to first token measures its prefill (an estimator sample).
     sole_prefill: bool,
@@ -728,8 +730,11 @@ impl Dispatcher {
             });
         }
         if booked.sole_prefill {
-            self.estimator
-                .observe(worker, booked.uncached_tokens, now_ms - booked.placed_ms);
+            self.estimator.observe(
+                worker,
+                booked.modeled_first_token_ms,
+                now_ms - booked.placed_ms,
+            );
         }
         if !booked.verdict {
             booked.verdict = true;
@@ -1041,6 +1046,13 @@ impl Dispatcher {
             let cached = (u64::from(decision.overlap_blocks) * block_size).min(prompt);
             let uncached_tokens = prompt - cached;
             let hint = estimator.expected_ms(decision.worker, uncached_tokens);
+            let model = estimator.config();
+            let modeled_first_token_ms = match router.last_candidate(decision.worker) {
+                Some(c) => {
+                    model.first_token_model_ms(uncached_tokens, c.active_requests, c.held_share())
+                }
+                None => model.model_ms(uncached_tokens),
+            };
             let add = AddRequest::for_decision(request.booking, &routing, &decision, Some(hint));
             let booked = router.book_request(&add, now_ms);
             if *publishing && booked == LifecycleOutcome::Applied {
@@ -1070,7 +1082,7 @@ impl Dispatcher {
                 ticket: None,
                 placed_ms: now_ms,
                 overlap_blocks: decision.overlap_blocks,
-                uncached_tokens,
+                modeled_first_token_ms,
                 sole_prefill,
                 first_token: false,
                 circuit_generation: generation,

@@ -488,6 +488,12 @@ impl Router {
         self.selector.select(&ctx)
     }
 
+    /// `worker` as the last [`Router::route_with`] saw it (`None` when it
+    /// was not a candidate then).
+    pub fn last_candidate(&self, worker: WorkerId) -> Option<&Candidate> {
+        self.candidates.iter().find(|c| c.worker == worker)
+    }
+
     /// Books a routed request on its worker (`AddRequest`).
     pub fn book(
         &mut self,

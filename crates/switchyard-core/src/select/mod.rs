@@ -80,6 +80,18 @@ pub struct Candidate {
     pub busy: bool,
 }
 
+impl Candidate {
+    /// Share of the worker's KV memory its running requests hold (0..=1;
+    /// 0 without a reported capacity): what its decode steps' length
+    /// depends on.
+    pub fn held_share(&self) -> f64 {
+        match self.kv_capacity_blocks {
+            Some(capacity) => (self.active_decode_blocks as f64 / capacity.max(1) as f64).min(1.0),
+            None => 0.0,
+        }
+    }
+}
+
 /// How long a worker takes to prefill uncached tokens and to run a decode
 /// step: the dispatcher's [`crate::estimate::PrefillEstimator`], or the
 /// configured model alone.

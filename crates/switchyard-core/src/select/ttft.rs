@@ -10,7 +10,8 @@
 //! new[w]      = P − cached[w] − restored[w]                uncached tokens here
 //! ahead[w]    = active_prefill_tokens[w] + active_requests[w]
 //! held[w]     = min(1, active_decode_blocks[w] / kv_capacity_blocks[w])   (0 without a capacity)
-//! wait[w]     = ½ · decode_step_ms(w, held[w])  if the worker runs anything, else 0
+//! step[w]     = decode_step_ms(w, held[w])  if the worker runs anything, else 0
+//! wait[w]     = ½ · step[w]
 //! first[w]    = wait[w] + prefill_ms(w, ahead[w] + new[w])  when its first token would come
 //!             + restore_ms(w, restored[w])
 //! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
@@ -18,8 +19,14 @@
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
 //! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
 //! decode[w]   = decode_weight · decode_step_ms(w, usage[w])  the pace of its next tokens there
-//! stall[w]    = interference_weight · active_requests[w] · prefill_ms(w, new[w])
+//! stall[w]    = interference_weight · active_requests[w]
+//!               · max(0, prefill_ms(w, new[w] + active_requests[w]) − step[w])   (0 when new[w] = 0)
 //! cost[w]     = first[w] + locality[w] + pressure[w] + turnover[w] + decode[w] + stall[w]
+//!
+//! home        = the available worker with the longest device prefix of the
+//!               prompt (the cheapest of them on a tie), if any holds one
+//! choice      = argmin cost, unless cost[home] − cost_at_home's_pace[choice]
+//!               ≤ stickiness · step[home]: then home
 //! ```
 //!
 //! `prefill_ms` is the dispatcher's prefill-duration estimator (the engines'
@@ -68,12 +75,35 @@
 //! `stall` is what this request's prefill costs the requests already
 //! running on the worker: the engine runs it as a step every running
 //! request waits out (a decode token rides in it, but the step takes the
-//! prefill's time), so each of them is delayed by about its own prefill
-//! time. It grows with the running requests and with the uncached tokens,
+//! prefill's time), so each of them is delayed by that step's length less
+//! the decode step it would have run anyway. It grows with the running
+//! requests and with the uncached tokens,
 //! so a cold prompt (a new conversation, whose later turns will follow it)
 //! goes where fewer requests run, while a session's next turn, with few
 //! new tokens on its own worker, stays. With `interference_weight` 0.25 a
 //! running request's delay counts a quarter of this request's own wait.
+//! (Charged the whole prefill, the step's fixed part made every short
+//! prompt look as costly to its neighbours as a long one, and sessions
+//! moved off their history for it: ShareGPT conversations in the
+//! simulator kept 0.609 of their prompt tokens cached against 0.615 with
+//! the difference.)
+//!
+//! `stickiness` keeps a prompt with the worker holding its longest cached
+//! prefix — a session's history, a shared system prompt — unless another
+//! worker is cheaper by more than `stickiness` decode steps of that worker,
+//! both priced at that worker's pace (a move is for what the other
+//! worker's state saves, not for a learned difference in speed, which
+//! among alike workers is the online fit's noise).
+//! The costs are estimates: where a request lands between two steps moves
+//! its wait by up to a step, and a fit learned under noise moves a
+//! worker's prefill estimate by more, so a difference of a few steps is
+//! not a reliable saving, while the move certainly recomputes the prefix
+//! and leaves a stale copy behind. End to end on ShareGPT conversations,
+//! without it 44 of 1,163 later turns in one run moved off their
+//! session's worker, most for cost differences of 1–5 ms, and the
+//! engines' hit rate stayed 0.002–0.005 under session-sticky routing
+//! (docs/simulator.md). A real difference — a long prefill queued ahead
+//! on the holder, a full worker — still moves it.
 //!
 //! Ties (an instant engine's zero times, equal workers) go to fewer new
 //! tokens, then fewer running requests, then the seeded RNG.
@@ -109,6 +139,10 @@ pub struct TtftConfig {
     /// (0: ignore; 1: every running request's delay counts as much as this
     /// request's own wait).
     pub interference_weight: f64,
+    /// Decode steps of the worker holding the longest cached prefix of a
+    /// prompt that another worker must save to take the request from it
+    /// (0: the cheapest worker always wins).
+    pub stickiness: f64,
 }
 
 impl Default for TtftConfig {
@@ -119,6 +153,7 @@ impl Default for TtftConfig {
             turnover_weight: 1.0,
             decode_weight: 0.0,
             interference_weight: 0.25,
+            stickiness: 4.0,
         }
     }
 }
@@ -131,7 +166,8 @@ impl TtftConfig {
         at_least("turnover_weight", self.turnover_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
         at_least("decode_weight", self.decode_weight, 0.0).map_err(PolicyConfigError::Ttft)?;
         at_least("interference_weight", self.interference_weight, 0.0)
-            .map_err(PolicyConfigError::Ttft)
+            .map_err(PolicyConfigError::Ttft)?;
+        at_least("stickiness", self.stickiness, 0.0).map_err(PolicyConfigError::Ttft)
     }
 }
 
@@ -190,6 +226,17 @@ impl TtftSelector {
 
     /// The cost of routing the request in `ctx` to `c`.
     pub fn cost(&self, ctx: &RoutingContext<'_>, c: &Candidate) -> TtftCost {
+        self.cost_priced_as(ctx, c, c.worker)
+    }
+
+    /// The cost of routing the request to `c` were `c` as fast as `priced`
+    /// (its state — cache, queue, running requests — is `c`'s own).
+    fn cost_priced_as(
+        &self,
+        ctx: &RoutingContext<'_>,
+        c: &Candidate,
+        priced: crate::types::WorkerId,
+    ) -> TtftCost {
         let prompt = u64::from(ctx.request.prompt_tokens);
         let block_size = u64::from(ctx.block_size);
         let cached = (u64::from(c.overlap_blocks) * block_size).min(prompt);
@@ -197,28 +244,21 @@ impl TtftSelector {
         let new_tokens = prompt - cached - restored_tokens;
         let ahead = c.active_prefill_tokens + c.active_requests as u64;
         // Half the decode step the worker is in when the request lands.
-        let wait_ms = if c.active_requests == 0 {
-            0.0
-        } else {
-            let held = match c.kv_capacity_blocks {
-                Some(capacity) => (c.active_decode_blocks as f64 / capacity.max(1) as f64).min(1.0),
-                None => 0.0,
-            };
-            0.5 * ctx.prefill.decode_step_ms(c.worker, held)
-        };
+        let decode_step_ms = full_decode_step_ms(ctx, c, priced);
+        let wait_ms = 0.5 * decode_step_ms;
         let restore_ms = if restored_tokens == 0 {
             0.0
         } else {
-            ctx.prefill.restore_ms(c.worker, restored_tokens)
+            ctx.prefill.restore_ms(priced, restored_tokens)
         };
         let first_token_ms =
-            wait_ms + ctx.prefill.prefill_ms(c.worker, ahead + new_tokens) + restore_ms;
+            wait_ms + ctx.prefill.prefill_ms(priced, ahead + new_tokens) + restore_ms;
         // This request's own uncached prefill, priced once for the terms
         // that weigh it.
         let own_ms = if new_tokens == 0 {
             0.0
         } else {
-            ctx.prefill.prefill_ms(c.worker, new_tokens)
+            ctx.prefill.prefill_ms(priced, new_tokens)
         };
         let locality_ms = self.config.locality_weight * own_ms;
         // The worker's KV usage once this request runs there.
@@ -231,20 +271,28 @@ impl TtftSelector {
         });
         let pressure_ms = match usage_after {
             Some(usage) if self.config.pressure_weight > 0.0 => {
-                self.config.pressure_weight
-                    * usage
-                    * usage
-                    * ctx.prefill.prefill_ms(c.worker, prompt)
+                self.config.pressure_weight * usage * usage * ctx.prefill.prefill_ms(priced, prompt)
             }
             _ => 0.0,
         };
         // Every request running there waits out this one's prefill step.
-        let interference_ms = self.config.interference_weight * c.active_requests as f64 * own_ms;
+        // Each running request's step grows from a decode-only step to a
+        // step that computes this prompt with its decode token riding in.
+        let interference_ms = if new_tokens == 0 || c.active_requests == 0 {
+            0.0
+        } else {
+            let mixed_ms = ctx
+                .prefill
+                .prefill_ms(priced, new_tokens + c.active_requests as u64);
+            self.config.interference_weight
+                * c.active_requests as f64
+                * (mixed_ms - decode_step_ms).max(0.0)
+        };
         let decode_ms = if self.config.decode_weight > 0.0 {
             self.config.decode_weight
                 * ctx
                     .prefill
-                    .decode_step_ms(c.worker, usage_after.unwrap_or(0.0))
+                    .decode_step_ms(priced, usage_after.unwrap_or(0.0))
         } else {
             0.0
         };
@@ -270,6 +318,51 @@ impl TtftSelector {
     }
 }
 
+impl TtftSelector {
+    /// The worker holding the longest cached prefix of the prompt (the
+    /// cheapest of them on a tie) keeps the request unless `chosen`, priced
+    /// at the home's pace, saves more than `stickiness` of its decode steps.
+    fn stay_home<'c>(&self, ctx: &RoutingContext<'c>, chosen: &'c Candidate) -> &'c Candidate {
+        if self.config.stickiness <= 0.0 {
+            return chosen;
+        }
+        let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
+        if longest == 0 || chosen.overlap_blocks == longest {
+            return chosen;
+        }
+        let home = ctx
+            .available()
+            .filter(|c| c.overlap_blocks == longest)
+            .map(|c| (c, self.cost(ctx, c).total()))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((home, home_ms)) = home else {
+            return chosen;
+        };
+        // The saving as the home's pace prices both: a move is made for
+        // what the other worker's state saves, not for a difference in
+        // learned speed, which among alike workers is the fit's noise.
+        let saving = home_ms - self.cost_priced_as(ctx, chosen, home.worker).total();
+        if saving <= self.config.stickiness * full_decode_step_ms(ctx, home, home.worker) {
+            home
+        } else {
+            chosen
+        }
+    }
+}
+
+/// One decode-only step of `c` at the KV memory its running requests hold
+/// (0 when it runs nothing), at `priced`'s pace.
+fn full_decode_step_ms(
+    ctx: &RoutingContext<'_>,
+    c: &Candidate,
+    priced: crate::types::WorkerId,
+) -> f64 {
+    if c.active_requests == 0 {
+        return 0.0;
+    }
+    ctx.prefill.decode_step_ms(priced, c.held_share())
+}
+
 impl Selector for TtftSelector {
     fn name(&self) -> &'static str {
         "ttft"
@@ -277,11 +370,14 @@ impl Selector for TtftSelector {
 
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
         let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
-        let best = argmin_random_tie(ctx.available(), &mut rng, |c| {
+        let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
             let cost = self.cost(ctx, c);
             (cost.total(), cost.new_tokens, c.active_requests)
         });
         self.rng = rng;
+        if let Some(chosen) = best {
+            best = Some(self.stay_home(ctx, chosen));
+        }
         match best {
             Some(c) => SelectOutcome::Selected(Decision {
                 worker: c.worker,
@@ -317,9 +413,10 @@ mod tests {
         assert_eq!(cost.first_token_ms, 5.0 + 100.0 + 3.0 + 32.0);
         assert_eq!(cost.locality_ms, 32.0);
         assert_eq!(cost.decode_ms, 0.0, "off by default");
-        // The 3 running requests wait out its 32 ms prefill: 0.25 · 3 · 32.
-        assert_eq!(cost.interference_ms, 24.0);
-        assert_eq!(cost.total(), 196.0);
+        // The 3 running requests' step grows from a 10 ms decode step to
+        // the prefill of 32 + 3 tokens: 0.25 · 3 · (35 − 10).
+        assert_eq!(cost.interference_ms, 18.75);
+        assert_eq!(cost.total(), 190.75);
         let paced = TtftSelector::new(
             TtftConfig {
                 decode_weight: 8.0,
@@ -429,6 +526,108 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_stays_with_its_longest_prefix_unless_a_move_saves_four_decode_steps() {
+        // 64-token prompt. w1 holds its first block (16 tokens), runs 2
+        // requests (decode step 10 ms: no capacity reported) and has `X`
+        // tokens of prefill queued; w2 is idle and cold.
+        //   w1: wait 5 + prefill(X + 2 + 48) + locality 48
+        //       + stall 0.25 · 2 · (50 − 10)                = X + 123 ms
+        //   w2: prefill 64 + locality 64                      = 128 ms
+        let b = blocks(4);
+        let mut home = candidate(1);
+        home.overlap_blocks = 1;
+        home.active_requests = 2;
+        let cold = candidate(2);
+        let mut sticky = TtftSelector::new(TtftConfig::default(), 0);
+        let mut greedy = TtftSelector::new(
+            TtftConfig {
+                stickiness: 0.0,
+                ..TtftConfig::default()
+            },
+            0,
+        );
+        // X = 30: w2 is 25 ms cheaper, less than 4 of w1's 10 ms steps.
+        home.active_prefill_tokens = 30;
+        let c = [home, cold];
+        assert_eq!(sticky.cost(&ctx(&b, 64, &c), &home).total(), 153.0);
+        assert_eq!(chosen(greedy.select(&ctx(&b, 64, &c))), 2);
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 1);
+        // X = 60: 55 ms cheaper, more than 40: it moves.
+        home.active_prefill_tokens = 60;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+        // A busy holder is not waited for.
+        home.active_prefill_tokens = 30;
+        home.busy = true;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+        // With no prefix anywhere the cheapest wins.
+        home.busy = false;
+        home.overlap_blocks = 0;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+    }
+
+    /// [`LinearModel`] with worker 1 fitted twice as slow.
+    struct W1Slow;
+
+    impl super::super::PrefillTime for W1Slow {
+        fn prefill_ms(&self, w: crate::types::WorkerId, tokens: u64) -> f64 {
+            LINEAR.prefill_ms(w, tokens) * if w.worker_id == 1 { 2.0 } else { 1.0 }
+        }
+
+        fn decode_step_ms(&self, w: crate::types::WorkerId, usage: f64) -> f64 {
+            LINEAR.decode_step_ms(w, usage) * if w.worker_id == 1 { 2.0 } else { 1.0 }
+        }
+
+        fn restore_ms(&self, w: crate::types::WorkerId, tokens: u64) -> f64 {
+            LINEAR.restore_ms(w, tokens)
+        }
+    }
+
+    #[test]
+    fn a_prompt_does_not_leave_its_prefix_for_a_worker_only_fitted_faster() {
+        // 64-token prompt; w1 holds its first block, runs 2 requests and is
+        // fitted twice as slow (2 ms a token, 20 ms steps); w2 is idle and
+        // cold.
+        //   w1: wait 10 + 2·(2 + 48) + locality 96 + stall 0.25·2·(100 − 20) = 246
+        //   w2 at its own pace: 64 + 64 = 128; at w1's pace: 256
+        let b = blocks(4);
+        let mut home = candidate(1);
+        home.overlap_blocks = 1;
+        home.active_requests = 2;
+        let cold = candidate(2);
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        let c = [home, cold];
+        let cx = ctx_with_model(&b, 64, &c, &W1Slow);
+        assert_eq!(s.cost(&cx, &home).total(), 246.0);
+        assert_eq!(s.cost(&cx, &cold).total(), 128.0);
+        // 118 ms cheaper at its own pace (more than 4 steps of 20 ms), but
+        // nothing at w1's: it stays.
+        assert_eq!(chosen(s.select(&cx)), 1);
+        // A real difference in state still moves it: 100 tokens queued on
+        // w1 make it 446 against w2's 256 at w1's pace.
+        home.active_prefill_tokens = 100;
+        let c = [home, cold];
+        let cx = ctx_with_model(&b, 64, &c, &W1Slow);
+        assert_eq!(s.cost(&cx, &home).total(), 446.0);
+        assert_eq!(chosen(s.select(&cx)), 2);
+    }
+
+    #[test]
+    fn a_negative_or_infinite_stickiness_is_refused() {
+        for w in [-1.0, f64::INFINITY, f64::NAN] {
+            let err = TtftConfig {
+                stickiness: w,
+                ..TtftConfig::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(err.to_string().contains("stickiness"), "{err}");
+        }
+    }
+
+    #[test]
     fn a_cold_prompt_weighs_the_queue_ahead_against_the_requests_it_would_stall() {
         // No worker has any of the 128-token prompt. w1 runs 20 decodes
         // and has nothing to prefill; w2 runs 1 and has 200 tokens queued.
@@ -448,11 +647,13 @@ mod tests {
             ..TtftConfig::default()
         };
         assert_eq!(chosen(TtftSelector::new(own_time, 0).select(&c)), 1);
-        // ...but its 128 ms prefill would stall 20 running requests there:
-        // 0.25 · 20 · 128 = 640 ms against 0.25 · 1 · 128 = 32 on w2.
+        // ...but its prefill would stall 20 running requests there, each
+        // step growing from a 10 ms decode step to 128 + 20 tokens' prefill:
+        // 0.25 · 20 · (148 − 10) = 690 ms, against 0.25 · 1 · (129 − 10)
+        // = 29.75 on w2.
         let mut s = TtftSelector::new(TtftConfig::default(), 0);
-        assert_eq!(s.cost(&c, &decoding).interference_ms, 640.0);
-        assert_eq!(s.cost(&c, &prefilling).interference_ms, 32.0);
+        assert_eq!(s.cost(&c, &decoding).interference_ms, 690.0);
+        assert_eq!(s.cost(&c, &prefilling).interference_ms, 29.75);
         assert_eq!(chosen(s.select(&c)), 2);
     }
 
@@ -467,6 +668,7 @@ mod tests {
             turnover_weight: 0.0,
             decode_weight: 0.0,
             interference_weight: 0.0,
+            stickiness: 0.0,
         };
         let mut full = candidate(1);
         full.active_requests = 4;

@@ -147,6 +147,11 @@ pub struct ReplayArgs {
     /// the requests decoding on the worker (0 = ignore).
     #[arg(long, default_value_t = TtftConfig::default().interference_weight)]
     pub interference_weight: f64,
+    /// `ttft` policy: share of its cost another worker must save to take a
+    /// request from the worker holding its longest cached prefix (0 = the
+    /// cheapest always wins).
+    #[arg(long, default_value_t = TtftConfig::default().stickiness)]
+    pub stickiness: f64,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -283,6 +288,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.turnover_weight = args.turnover_weight;
     fleet.router.policies.ttft.decode_weight = args.decode_weight;
     fleet.router.policies.ttft.interference_weight = args.interference_weight;
+    fleet.router.policies.ttft.stickiness = args.stickiness;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet
         .router
