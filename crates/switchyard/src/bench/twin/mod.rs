@@ -66,7 +66,7 @@ pub struct TwinArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kv,cache-aware,round-robin"
+        default_value = "ttft,kv,cache-aware,round-robin"
     )]
     pub policies: Vec<PolicyKind>,
     /// Engine (and router) block size in tokens.
