@@ -605,11 +605,12 @@ mod tests {
     }
 
     #[test]
-    fn the_defaults_compare_three_policies_on_four_workers() {
+    fn the_defaults_compare_four_policies_on_four_workers() {
         let a = args(&[]);
         assert_eq!(
             a.policies,
             vec![
+                PolicyKind::Ttft,
                 PolicyKind::Kv,
                 PolicyKind::CacheAware,
                 PolicyKind::RoundRobin
