@@ -304,12 +304,11 @@ struct Booked {
     ticket: Option<ResponseTicket>,
     placed_ms: f64,
     overlap_blocks: u32,
-    /// The configured model's time to its first token on the worker as it
-    /// was when placed (what an estimator sample is compared with).
-    modeled_first_token_ms: f64,
-    /// It was the only local prefill on its worker when placed: its time
-    /// to first token measures its prefill (an estimator sample).
-    sole_prefill: bool,
+    /// When it was the only local prefill on its worker when placed (its
+    /// time to first token then measures its prefill: an estimator
+    /// sample), the configured model's time to its first token on the
+    /// worker as it was, which the sample is compared with.
+    sample_model_ms: Option<f64>,
     first_token: bool,
     circuit_generation: u64,
     /// A success or failure reached the breaker.
@@ -729,12 +728,9 @@ impl Dispatcher {
                 event: SequenceEvent::MarkPrefillCompleted(booking),
             });
         }
-        if booked.sole_prefill {
-            self.estimator.observe(
-                worker,
-                booked.modeled_first_token_ms,
-                now_ms - booked.placed_ms,
-            );
+        if let Some(model_ms) = booked.sample_model_ms {
+            self.estimator
+                .observe(worker, model_ms, now_ms - booked.placed_ms);
         }
         if !booked.verdict {
             booked.verdict = true;
@@ -1046,13 +1042,6 @@ impl Dispatcher {
             let cached = (u64::from(decision.overlap_blocks) * block_size).min(prompt);
             let uncached_tokens = prompt - cached;
             let hint = estimator.expected_ms(decision.worker, uncached_tokens);
-            let model = estimator.config();
-            let modeled_first_token_ms = match router.last_candidate(decision.worker) {
-                Some(c) => {
-                    model.first_token_model_ms(uncached_tokens, c.active_requests, c.held_share())
-                }
-                None => model.model_ms(uncached_tokens),
-            };
             let add = AddRequest::for_decision(request.booking, &routing, &decision, Some(hint));
             let booked = router.book_request(&add, now_ms);
             if *publishing && booked == LifecycleOutcome::Applied {
@@ -1062,9 +1051,19 @@ impl Dispatcher {
                 });
             }
             let mut generation = 0;
-            let mut sole_prefill = false;
+            let mut sample_model_ms = None;
             if let Some(slot) = workers.get_mut(&decision.worker) {
-                sole_prefill = slot.prefilling == 0;
+                if slot.prefilling == 0 {
+                    let model = estimator.config();
+                    sample_model_ms = Some(match router.last_candidate(decision.worker) {
+                        Some(c) => model.first_token_model_ms(
+                            uncached_tokens,
+                            c.active_requests,
+                            c.held_share(),
+                        ),
+                        None => model.model_ms(uncached_tokens),
+                    });
+                }
                 slot.prefilling += 1;
                 // A half-open worker takes this one probe, then no more
                 // until its verdict: decided before the next placement.
@@ -1082,8 +1081,7 @@ impl Dispatcher {
                 ticket: None,
                 placed_ms: now_ms,
                 overlap_blocks: decision.overlap_blocks,
-                modeled_first_token_ms,
-                sole_prefill,
+                sample_model_ms,
                 first_token: false,
                 circuit_generation: generation,
                 verdict: false,

@@ -275,7 +275,6 @@ impl TtftSelector {
             }
             _ => 0.0,
         };
-        // Every request running there waits out this one's prefill step.
         // Each running request's step grows from a decode-only step to a
         // step that computes this prompt with its decode token riding in.
         let interference_ms = if new_tokens == 0 || c.active_requests == 0 {
@@ -319,25 +318,18 @@ impl TtftSelector {
 }
 
 impl TtftSelector {
-    /// The worker holding the longest cached prefix of the prompt (the
-    /// cheapest of them on a tie) keeps the request unless `chosen`, priced
-    /// at the home's pace, saves more than `stickiness` of its decode steps.
-    fn stay_home<'c>(&self, ctx: &RoutingContext<'c>, chosen: &'c Candidate) -> &'c Candidate {
-        if self.config.stickiness <= 0.0 {
+    /// `home` — the cheapest holder of the longest cached prefix of the
+    /// prompt, with its cost — keeps the request unless `chosen`, priced at
+    /// the home's pace, saves more than `stickiness` of its decode steps.
+    fn stay_home<'c>(
+        &self,
+        ctx: &RoutingContext<'c>,
+        chosen: &'c Candidate,
+        (home, home_ms): (&'c Candidate, f64),
+    ) -> &'c Candidate {
+        if self.config.stickiness <= 0.0 || chosen.overlap_blocks == home.overlap_blocks {
             return chosen;
         }
-        let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
-        if longest == 0 || chosen.overlap_blocks == longest {
-            return chosen;
-        }
-        let home = ctx
-            .available()
-            .filter(|c| c.overlap_blocks == longest)
-            .map(|c| (c, self.cost(ctx, c).total()))
-            .min_by(|a, b| a.1.total_cmp(&b.1));
-        let Some((home, home_ms)) = home else {
-            return chosen;
-        };
         // The saving as the home's pace prices both: a move is made for
         // what the other worker's state saves, not for a difference in
         // learned speed, which among alike workers is the fit's noise.
@@ -370,13 +362,24 @@ impl Selector for TtftSelector {
 
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
         let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
+        let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
+        // The cheapest holder of the longest prefix, found in the same pass.
+        let mut home: Option<(crate::types::WorkerId, f64)> = None;
         let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
             let cost = self.cost(ctx, c);
-            (cost.total(), cost.new_tokens, c.active_requests)
+            let total = cost.total();
+            if longest > 0 && c.overlap_blocks == longest && home.is_none_or(|(_, ms)| total < ms) {
+                home = Some((c.worker, total));
+            }
+            (total, cost.new_tokens, c.active_requests)
         });
         self.rng = rng;
-        if let Some(chosen) = best {
-            best = Some(self.stay_home(ctx, chosen));
+        let home = home.and_then(|(worker, ms)| {
+            let c = ctx.available().find(|c| c.worker == worker)?;
+            Some((c, ms))
+        });
+        if let (Some(chosen), Some(home)) = (best, home) {
+            best = Some(self.stay_home(ctx, chosen, home));
         }
         match best {
             Some(c) => SelectOutcome::Selected(Decision {
