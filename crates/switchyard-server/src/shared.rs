@@ -9,14 +9,14 @@
 //! actor round trip through a channel is 220–560 ns plus a task wake-up
 //! (figures from `bench admission`'s notes).
 //!
-//! KV events do not take that lock while they are applied: with exact
-//! cache tracking the router's prefix indexes (device and host tier, one
-//! `TieredIndex`) are published (`switchyard_core::index::published`) and
-//! events of both tiers go through its one writer, under a lock of their
-//! own; routing reads the last published copy and
-//! never waits for an event being applied (the event's liveness check
-//! takes the routing lock for a map lookup only). `bench contention`
-//! measures the difference.
+//! KV events never take that lock: with exact cache tracking the router's
+//! prefix indexes (device and host tier, one `TieredIndex`) are published
+//! (`switchyard_core::index::published`) and events of both tiers go
+//! through its one writer, under a lock of their own that also holds the
+//! liveness table the events are checked against (which workers are in
+//! the router, under which events epoch); routing reads the last
+//! published copy and never waits for an event being applied. `bench
+//! contention` measures the difference.
 //!
 //! Every lifecycle decision is the dispatcher's; this module only drives
 //! it: each call takes the lock, calls the dispatcher with the router's
@@ -49,9 +49,22 @@ use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
 
-/// The index writer's lock; a panic while it was held leaves the index as
+/// The KV-event side of the routing state: the published indexes' writer
+/// and the liveness table events are checked against, so that applying
+/// an event never takes the routing lock.
+struct EventWriter {
+    index: IndexWriter,
+    /// The workers in the router and the events epoch of each: a
+    /// subscriber's event is applied only while its epoch is its worker's
+    /// here. Mirrors the roster's `in_router` entries (as bounded as the
+    /// roster), kept in step by [`SharedRouter::set_in_router`] under this
+    /// lock.
+    live: FxHashMap<WorkerId, u64>,
+}
+
+/// The event writer's lock; a panic while it was held leaves the index as
 /// consistent as its own invariants make it.
-fn lock_writer(writer: &Mutex<IndexWriter>) -> MutexGuard<'_, IndexWriter> {
+fn lock_writer(writer: &Mutex<EventWriter>) -> MutexGuard<'_, EventWriter> {
     writer.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -122,11 +135,12 @@ struct Inner {
 /// The shared state; cheap to share behind an `Arc`.
 pub struct SharedRouter {
     inner: Mutex<Inner>,
-    /// The exact prefix indexes' writer (KV events of both tiers), when
-    /// the router follows KV events: routing reads the indexes without
-    /// waiting for it (see `switchyard_core::index::published`). Lock
-    /// order: this, then `inner`, never the other way round.
-    index_writer: Option<Mutex<IndexWriter>>,
+    /// The exact prefix indexes' writer (KV events of both tiers) and the
+    /// workers' liveness, when the router follows KV events: routing reads
+    /// the indexes without waiting for it (see
+    /// `switchyard_core::index::published`), and events never take
+    /// `inner`. Lock order: this, then `inner`, never the other way round.
+    index_writer: Option<Mutex<EventWriter>>,
     epoch: Instant,
     metrics: Arc<ServerMetrics>,
 }
@@ -142,7 +156,12 @@ impl SharedRouter {
     /// published so that KV events never hold the routing lock while they
     /// are applied.
     pub fn new(mut dispatcher: Dispatcher, metrics: Arc<ServerMetrics>) -> Self {
-        let index_writer = dispatcher.publish_index().map(Mutex::new);
+        let index_writer = dispatcher.publish_index().map(|index| {
+            Mutex::new(EventWriter {
+                index,
+                live: FxHashMap::default(),
+            })
+        });
         Self {
             index_writer,
             inner: Mutex::new(Inner {
@@ -389,32 +408,35 @@ impl SharedRouter {
     /// its index entries and bookings; putting it back starts a fresh
     /// circuit and a new KV-event epoch.
     pub fn set_in_router(&self, id: WorkerId, in_router: bool) {
-        self.drive(|inner, now| {
+        // The event writer's lock first (the lock order), held across the
+        // roster change: an event checked after it sees the new liveness,
+        // one checked before has been applied already.
+        let mut events = self.index_writer.as_ref().map(lock_writer);
+        let epoch = self.drive(|inner, now| {
             let Some(info) = inner.roster.get_mut(id) else {
-                return ((), Effects::default());
+                return (None, Effects::default());
             };
             if info.in_router == in_router {
-                return ((), Effects::default());
+                return (None, Effects::default());
             }
             info.in_router = in_router;
             if in_router {
                 info.failures = 0;
                 info.events_epoch += 1;
-                let capacity = info.capacity;
-                let used = info.kv_usage;
+                let (capacity, used, epoch) = (info.capacity, info.kv_usage, info.events_epoch);
                 let fx = inner.dispatcher.add_worker(id, capacity, now);
                 inner.dispatcher.report_kv(id, used);
-                ((), fx)
+                (Some(epoch), fx)
             } else {
-                ((), inner.dispatcher.remove_worker(id, now))
+                (Some(0), inner.dispatcher.remove_worker(id, now))
             }
         });
-        if !in_router {
-            // After the roster says so (an event checked from here on is
-            // dropped), and after any event checked before (they hold the
-            // writer's lock while they apply).
-            if let Some(writer) = &self.index_writer {
-                lock_writer(writer).remove_worker(id);
+        if let (Some(events), Some(epoch)) = (events.as_mut(), epoch) {
+            if in_router {
+                events.live.insert(id, epoch);
+            } else {
+                events.live.remove(&id);
+                events.index.remove_worker(id);
             }
         }
     }
@@ -445,8 +467,9 @@ impl SharedRouter {
     /// Applies a KV event about one of `worker`'s cache tiers from the
     /// subscriber of `epoch`; a stale subscriber's (the worker left the
     /// router since) is dropped and counted. Returns whether it was
-    /// applied. Both tiers take the same path: the writer's lock, then the
-    /// routing lock for the liveness check alone.
+    /// applied. Both tiers take the same path: with a published index, the
+    /// writer's lock alone (the liveness check is its table's); otherwise
+    /// the routing lock.
     pub fn apply_worker_event(
         &self,
         worker: WorkerId,
@@ -454,26 +477,21 @@ impl SharedRouter {
         tier: CacheTier,
         event: &IndexEvent,
     ) -> bool {
-        let live = |inner: &Inner| {
-            inner
-                .roster
-                .get(worker)
-                .is_some_and(|w| w.in_router && w.events_epoch == epoch)
-        };
         let live = match &self.index_writer {
-            // The routing lock only for the roster check; the event is
-            // applied under the writer's lock alone.
             Some(writer) => {
                 let mut writer = lock_writer(writer);
-                let live = live(&self.lock());
+                let live = writer.live.get(&worker) == Some(&epoch);
                 if live {
-                    writer.apply(worker, tier, event);
+                    writer.index.apply(worker, tier, event);
                 }
                 live
             }
             None => {
                 let mut inner = self.lock();
-                let live = live(&inner);
+                let live = inner
+                    .roster
+                    .get(worker)
+                    .is_some_and(|w| w.in_router && w.events_epoch == epoch);
                 if live {
                     inner.dispatcher.apply_kv_event(worker, tier, event);
                 }
@@ -772,6 +790,51 @@ mod tests {
         );
         assert_eq!(shared.active_requests(ids[0]), 0);
         drop(booking);
+    }
+
+    #[tokio::test]
+    async fn kv_events_count_only_while_their_subscriber_s_epoch_is_the_worker_s() {
+        let config = ServerConfig {
+            cache: crate::config::CacheMode::Events,
+            ..ServerConfig::default()
+        };
+        let (shared, ids) = shared_with(&config, &["a"]);
+        let stored = |hashes: &[u64]| IndexEvent::Stored {
+            parent: None,
+            blocks: hashes
+                .iter()
+                .map(|&h| switchyard_core::index::StoredBlock {
+                    engine_hash: switchyard_core::EngineHash(h),
+                    local_hash: LocalHash(h),
+                })
+                .collect(),
+        };
+        let overlap = |shared: Arc<SharedRouter>| async move {
+            place(&shared, request(&[1, 2, 3], 48))
+                .await
+                .unwrap()
+                .overlap_blocks
+        };
+        let first = shared.events_epoch(ids[0]).unwrap();
+        assert!(shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2])));
+        assert_eq!(overlap(shared.clone()).await, 2, "routing sees the event");
+        // Out of the router: its index entries go, and its events are stale.
+        shared.set_in_router(ids[0], false);
+        assert_eq!(shared.events_epoch(ids[0]), None);
+        assert!(!shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1])));
+        // Back in, under a new epoch: the old subscriber's events still are.
+        shared.set_in_router(ids[0], true);
+        let second = shared.events_epoch(ids[0]).unwrap();
+        assert_ne!(second, first);
+        assert!(!shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2, 3])));
+        assert_eq!(shared.metrics().stale_kv_events.get(), 2);
+        assert_eq!(overlap(shared.clone()).await, 0, "nothing of the old epoch");
+        assert!(shared.apply_worker_event(ids[0], second, CacheTier::Device, &stored(&[1, 2, 3])));
+        assert_eq!(overlap(shared.clone()).await, 3);
+        // A worker the router never knew: dropped and counted too.
+        let unknown = WorkerId::new(9_999);
+        assert!(!shared.apply_worker_event(unknown, 1, CacheTier::Device, &stored(&[1])));
+        assert_eq!(shared.metrics().stale_kv_events.get(), 3);
     }
 
     /// Breakers that open after `threshold` failures for 1 ms (or a minute).

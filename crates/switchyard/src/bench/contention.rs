@@ -7,14 +7,19 @@
 //! threads each play one worker's KV-event stream: a stored chain of
 //! `event_blocks` blocks (a quarter of it one of a few shared prefixes),
 //! and, once the worker holds `resident` chains, the removal of its oldest,
-//! paced at `event_rate` events a second per thread. The measuring thread
-//! places requests whose prompts are stored chains (so the overlap lookup
-//! walks real paths), times each placement (lookup, selection, booking and
-//! the lock around them, as `switchyard_routing_decision_seconds` times
-//! it), and frees it.
+//! paced at `event_rate` events a second per thread. `routing_threads`
+//! measuring threads (one, by default) place requests whose prompts are
+//! stored chains (so the overlap lookup walks real paths), time each
+//! placement (lookup, selection, booking and the lock around them, as
+//! `switchyard_routing_decision_seconds` times it), and free it.
 //!
 //! Quiet rounds (no event threads) alternate with loaded rounds, so the
 //! ratio of their percentiles is the cost of contention on this machine.
+//! Where the time of a slow decision goes is read from the placing
+//! thread's own context switches around it (`/proc/thread-self/status`,
+//! Linux): a voluntary switch means it slept waiting for a lock, an
+//! involuntary one that the scheduler preempted it for another thread;
+//! decisions with neither are timed apart ("uninterrupted").
 
 use crate::stats::{write_json, Latency};
 use rand::rngs::StdRng;
@@ -51,6 +56,10 @@ pub struct ContentionArgs {
     /// Timed placements per round.
     #[arg(long, default_value_t = 20_000)]
     pub decisions: usize,
+    /// Threads placing requests at once (each books and frees its own,
+    /// so with more than one, decisions also meet each other's bookings).
+    #[arg(long, default_value_t = 1)]
+    pub routing_threads: usize,
     /// Rounds of each kind (quiet, loaded), alternating.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
@@ -64,8 +73,9 @@ struct Figures {
     workers: usize,
     event_workers: usize,
     event_rate: u32,
-    quiet_micros: Latency,
-    loaded_micros: Latency,
+    routing_threads: usize,
+    quiet: Decisions,
+    loaded: Decisions,
     events_applied_per_sec: f64,
     event_apply_micros: Latency,
 }
@@ -141,17 +151,57 @@ fn play_events(
     times
 }
 
-/// Places `n` requests one after another; returns their times (µs).
-fn place(
+/// What happened to a placing thread during one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Interruption {
+    /// Neither slept nor was preempted.
+    None,
+    /// Slept (a voluntary context switch: it waited for a lock).
+    Slept,
+    /// Preempted by the scheduler (an involuntary one), and maybe slept too.
+    Preempted,
+}
+
+/// The calling thread's context switches so far: (voluntary,
+/// involuntary), from `/proc/thread-self/status`. Zeros where there is no
+/// such file (not Linux).
+fn context_switches() -> (u64, u64) {
+    let Ok(status) = std::fs::read_to_string("/proc/thread-self/status") else {
+        return (0, 0);
+    };
+    let count = |key: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(key))
+            .and_then(|rest| rest.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (
+        count("voluntary_ctxt_switches:"),
+        count("nonvoluntary_ctxt_switches:"),
+    )
+}
+
+/// One timed placement.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    micros: f64,
+    interruption: Interruption,
+}
+
+/// Places `n` requests one after another on this thread; returns their
+/// times.
+fn place_on_thread(
     shared: &Arc<SharedRouter>,
     n: usize,
     blocks: usize,
-    rng: &mut StdRng,
-) -> anyhow::Result<Vec<f64>> {
+    seed: u64,
+) -> anyhow::Result<Vec<Sample>> {
     // The placement is handed over inside `submit` when a worker can take
     // the request at once (always here); the runtime only reads it.
     let runtime = tokio::runtime::Builder::new_current_thread().build()?;
-    let mut times = Vec::with_capacity(n);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
         let hashes = chain(rng.gen_range(0..4), rng.gen_range(1..2000), blocks);
         let request = Request {
@@ -161,16 +211,87 @@ fn place(
             model: None,
         };
         let id = shared.next_request_id();
+        let (slept, preempted) = context_switches();
         let start = Instant::now();
         let handle = WaitHandle::submit(shared, id, request)
             .map_err(|e| anyhow::anyhow!("submit refused: {e:?}"))?;
-        times.push(start.elapsed().as_secs_f64() * 1e6);
+        let micros = start.elapsed().as_secs_f64() * 1e6;
+        let (slept_after, preempted_after) = context_switches();
+        let interruption = if preempted_after > preempted {
+            Interruption::Preempted
+        } else if slept_after > slept {
+            Interruption::Slept
+        } else {
+            Interruption::None
+        };
+        samples.push(Sample {
+            micros,
+            interruption,
+        });
         let mut booking = runtime
             .block_on(handle.placed())
             .map_err(|()| anyhow::anyhow!("no worker took a request"))?;
         booking.completed(u64::from(blocks as u32 * 16 + 1));
     }
-    Ok(times)
+    Ok(samples)
+}
+
+/// Places `n` requests from `threads` threads at once (`n / threads`
+/// each); returns all their times.
+fn place(
+    shared: &Arc<SharedRouter>,
+    n: usize,
+    blocks: usize,
+    threads: usize,
+    rng: &mut StdRng,
+) -> anyhow::Result<Vec<Sample>> {
+    let threads = threads.max(1);
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (shared, seed) = (shared.clone(), rng.gen());
+            std::thread::spawn(move || place_on_thread(&shared, n / threads, blocks, seed))
+        })
+        .collect();
+    let mut samples = Vec::with_capacity(n);
+    for handle in handles {
+        samples.extend(
+            handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("a placing thread panicked"))??,
+        );
+    }
+    Ok(samples)
+}
+
+/// Decisions summarized: all of them, the uninterrupted ones, and the
+/// shares that slept or were preempted.
+#[derive(Debug, Serialize)]
+struct Decisions {
+    all_micros: Latency,
+    uninterrupted_micros: Latency,
+    slept_share: f64,
+    preempted_share: f64,
+}
+
+impl Decisions {
+    fn of(samples: &[Sample]) -> Self {
+        let share = |kind| {
+            samples.iter().filter(|s| s.interruption == kind).count() as f64
+                / samples.len().max(1) as f64
+        };
+        let mut all: Vec<f64> = samples.iter().map(|s| s.micros).collect();
+        let mut clean: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.interruption == Interruption::None)
+            .map(|s| s.micros)
+            .collect();
+        Self {
+            all_micros: Latency::of(&mut all),
+            uninterrupted_micros: Latency::of(&mut clean),
+            slept_share: share(Interruption::Slept),
+            preempted_share: share(Interruption::Preempted),
+        }
+    }
 }
 
 /// Runs the benchmark.
@@ -207,7 +328,13 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     let mut loaded_secs = 0.0;
     let applied = Arc::new(AtomicU64::new(0));
     for _ in 0..args.rounds.max(1) {
-        quiet.extend(place(&shared, args.decisions, args.event_blocks, &mut rng)?);
+        quiet.extend(place(
+            &shared,
+            args.decisions,
+            args.event_blocks,
+            args.routing_threads,
+            &mut rng,
+        )?);
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = workers
             .iter()
@@ -220,7 +347,13 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
             })
             .collect();
         let started = Instant::now();
-        loaded.extend(place(&shared, args.decisions, args.event_blocks, &mut rng)?);
+        loaded.extend(place(
+            &shared,
+            args.decisions,
+            args.event_blocks,
+            args.routing_threads,
+            &mut rng,
+        )?);
         loaded_secs += started.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
         for thread in threads {
@@ -235,30 +368,50 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
         workers: args.workers,
         event_workers: args.event_workers,
         event_rate: args.event_rate,
-        quiet_micros: Latency::of(&mut quiet),
-        loaded_micros: Latency::of(&mut loaded),
+        routing_threads: args.routing_threads.max(1),
+        quiet: Decisions::of(&quiet),
+        loaded: Decisions::of(&loaded),
         events_applied_per_sec: applied.load(Ordering::Relaxed) as f64 / loaded_secs.max(1e-9),
         event_apply_micros: Latency::of(&mut applies),
     };
     println!(
-        "{} workers; {} event threads at {} events/s each ({:.0} events/s applied while loaded)",
-        figures.workers, figures.event_workers, figures.event_rate, figures.events_applied_per_sec
+        "{} workers; {} event threads at {} events/s each ({:.0} events/s applied while loaded); {} routing thread(s)",
+        figures.workers,
+        figures.event_workers,
+        figures.event_rate,
+        figures.events_applied_per_sec,
+        figures.routing_threads
     );
-    println!("{:<40} {:>8} {:>8} {:>8}", "(µs)", "p50", "p90", "p99");
+    println!("{:<44} {:>8} {:>8} {:>8}", "(µs)", "p50", "p90", "p99");
     for (name, l) in [
-        ("routing decision, quiet", &figures.quiet_micros),
-        ("routing decision, under KV events", &figures.loaded_micros),
+        ("routing decision, quiet", &figures.quiet.all_micros),
+        ("  uninterrupted", &figures.quiet.uninterrupted_micros),
+        (
+            "routing decision, under KV events",
+            &figures.loaded.all_micros,
+        ),
+        ("  uninterrupted", &figures.loaded.uninterrupted_micros),
         (
             "KV event application (with lock wait)",
             &figures.event_apply_micros,
         ),
     ] {
-        println!("{name:<40} {:>8.2} {:>8.2} {:>8.2}", l.p50, l.p90, l.p99);
+        println!("{name:<44} {:>8.2} {:>8.2} {:>8.2}", l.p50, l.p90, l.p99);
+    }
+    for (name, d) in [
+        ("quiet", &figures.quiet),
+        ("under KV events", &figures.loaded),
+    ] {
+        println!(
+            "decisions {name}: {:.2}% slept on a lock, {:.2}% preempted",
+            d.slept_share * 100.0,
+            d.preempted_share * 100.0
+        );
     }
     println!(
         "loaded / quiet: p50 {:.2}x, p99 {:.2}x",
-        figures.loaded_micros.p50 / figures.quiet_micros.p50,
-        figures.loaded_micros.p99 / figures.quiet_micros.p99
+        figures.loaded.all_micros.p50 / figures.quiet.all_micros.p50,
+        figures.loaded.all_micros.p99 / figures.quiet.all_micros.p99
     );
     if let Some(path) = &args.json {
         write_json(path, &figures)?;
