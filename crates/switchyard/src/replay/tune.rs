@@ -67,7 +67,7 @@ pub fn candidates(base: &PolicyConfig) -> Vec<Candidate> {
     let mut ttft = Vec::new();
     let t = base.ttft;
     for locality in [t.locality_weight, 0.0, 0.5, 2.0, 4.0] {
-        for pressure in [t.pressure_weight, 0.0, 4.0] {
+        for pressure in [t.pressure_weight, 0.0, 1.0, 4.0] {
             for turnover in [t.turnover_weight, 0.0] {
                 for interference in [t.interference_weight, 0.0] {
                     let mut p = *base;
@@ -274,6 +274,20 @@ mod tests {
                 "{p:?}'s first candidate is its defaults"
             );
         }
+        // Each grid value is searched, whatever the default: the default
+        // pressure weight (4) is in the list too, and only deduplicated.
+        let pressures: std::collections::BTreeSet<u64> = list
+            .iter()
+            .filter(|c| c.policy == PolicyKind::Ttft)
+            .map(|c| c.policies.ttft.pressure_weight.to_bits())
+            .collect();
+        assert_eq!(
+            pressures,
+            [0.0f64, 1.0, 4.0, base.ttft.pressure_weight]
+                .iter()
+                .map(|w| w.to_bits())
+                .collect(),
+        );
         // No candidate twice, every one valid.
         for (i, c) in list.iter().enumerate() {
             assert!(!list[..i].contains(c), "{} twice", c.name);
