@@ -268,6 +268,27 @@ impl BlockManager {
             .map_or(&[], |t| t.as_slice())
     }
 
+    /// What `seq`'s table holds after its first `prefix` blocks, checked
+    /// against `source` (the hashes a restore was asked to install): the
+    /// restore's validation reads this, not the device's report alone.
+    pub fn installed_after(
+        &self,
+        seq: SeqId,
+        prefix: usize,
+        source: &[SequenceHash],
+    ) -> crate::restore::InstalledTable {
+        let after = self.seq_blocks(seq).get(prefix..).unwrap_or(&[]);
+        let matches_source = after.len() <= source.len()
+            && after
+                .iter()
+                .zip(source)
+                .all(|(&block, &hash)| self.blocks[block as usize].hash == Some(hash));
+        crate::restore::InstalledTable {
+            blocks: after.len(),
+            matches_source,
+        }
+    }
+
     /// Moves the buffered events into `out` (appending).
     pub fn drain_events_into(&mut self, out: &mut Vec<KvEvent>) {
         out.append(&mut self.events);

@@ -370,6 +370,8 @@ pub struct ScriptedDevice {
     pub tamper_restore: Option<RestoreTamper>,
     /// Fails the next restore with a device error.
     pub fail_next_restore: bool,
+    /// Refuses the next restore's acknowledgement.
+    pub fail_next_ack: bool,
     /// Every effect asked, in order.
     pub log: Vec<Effect>,
     /// Whether to record the log (off for long property runs).
@@ -384,6 +386,7 @@ impl ScriptedDevice {
             exhaust_next: 0,
             tamper_restore: None,
             fail_next_restore: false,
+            fail_next_ack: false,
             log: Vec::new(),
             record: true,
         }
@@ -454,6 +457,9 @@ impl DeviceLayer for ScriptedDevice {
 
     fn acknowledge_restore(&mut self, seq: SeqId) -> Result<(), DeviceError> {
         self.note(Effect::AckRestore { seq });
+        if std::mem::take(&mut self.fail_next_ack) {
+            return Err(DeviceError::Scripted("acknowledgement refused"));
+        }
         Ok(())
     }
 

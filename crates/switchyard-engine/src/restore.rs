@@ -6,12 +6,17 @@
 //! 1. [`decide`] turns lengths into a [`RestoreDecision`]. A host hit is only
 //!    a candidate.
 //! 2. `SequenceCapacityNotReady`: the request waits; a [`RestoreDeferral`]
-//!    keeps the host source pinned until it is retried or dropped.
+//!    retains the source (which blocks of the prompt, pinned on the host)
+//!    until it is retried or dropped. The retry decides on that source
+//!    alone ([`retry`]): it never re-selects from the index.
 //! 3. `Restore`: the device layer copies the blocks and returns a
 //!    [`RestoreOutput`]; [`validate`] checks it against the admitted
-//!    [`RestoreTicket`]. The scheduler installs the progress, acknowledges,
-//!    and only then observes `Restored`. A failed validation cancels the
-//!    request (the restore was already published to the device).
+//!    [`RestoreTicket`] and against the block manager's own table for the
+//!    sequence (an [`InstalledTable`]), not the device's word alone. The
+//!    scheduler installs the progress, acknowledges, and only then
+//!    observes `Restored`. A failed validation or a failed acknowledgement
+//!    cancels that request (the restore was already published to the
+//!    device) and nothing else: no fallback to recompute.
 //!
 //! Observations carry lengths, never token contents.
 
@@ -37,6 +42,10 @@ pub enum RestoreDecision {
         /// Tokens the restore brings back.
         candidate_prefix_tokens: usize,
     },
+    /// A retry found its retained source no longer following the device
+    /// prefix (device blocks before it were evicted meanwhile): the source
+    /// is dropped and the request computes what the device lacks.
+    RetainedSourceLost,
 }
 
 impl RestoreDecision {
@@ -47,6 +56,7 @@ impl RestoreDecision {
             RestoreDecision::SequenceCapacityNotReady { .. } => "sequence_capacity_not_ready",
             RestoreDecision::NativeRestoreSkipped => "native_restore_skipped",
             RestoreDecision::Restore { .. } => "restore",
+            RestoreDecision::RetainedSourceLost => "retained_source_lost",
         }
     }
 }
@@ -106,8 +116,10 @@ pub fn decide(query: &RestoreQuery, timing: &TimingConfig) -> RestoreDecision {
     }
 }
 
-/// A deferred restore. It keeps the host source pinned; dropping it (the
-/// request was cancelled, or the retry decided otherwise) unpins.
+/// A deferred restore. It retains its source — blocks `from_block ..
+/// from_block + blocks` of the prompt, pinned on the host — so the retry
+/// restores exactly that; dropping it (the request was cancelled, or the
+/// retry is done with it) unpins.
 #[derive(Debug)]
 #[must_use = "dropping a deferral unpins its host source"]
 pub struct RestoreDeferral {
@@ -115,15 +127,27 @@ pub struct RestoreDeferral {
     pub candidate_prefix_tokens: usize,
     /// Times this request has been deferred.
     pub attempts: u32,
+    /// The source's first block, as an index into the prompt's blocks.
+    pub from_block: usize,
+    /// The source's length in blocks.
+    pub blocks: usize,
     pins: HostPins,
 }
 
 impl RestoreDeferral {
-    /// A deferral holding `pins`.
-    pub fn new(candidate_prefix_tokens: usize, attempts: u32, pins: HostPins) -> Self {
+    /// A deferral of `blocks` blocks from `from_block`, holding `pins`.
+    pub fn new(
+        from_block: usize,
+        blocks: usize,
+        block_size: usize,
+        attempts: u32,
+        pins: HostPins,
+    ) -> Self {
         Self {
-            candidate_prefix_tokens,
+            candidate_prefix_tokens: blocks * block_size,
             attempts,
+            from_block,
+            blocks,
             pins,
         }
     }
@@ -131,6 +155,36 @@ impl RestoreDeferral {
     /// Host blocks held.
     pub fn pinned_blocks(&self) -> usize {
         self.pins.len()
+    }
+}
+
+/// The decision of a retry: the retained source only, from the device
+/// prefix it finds now (`device_hit_blocks`). The part of the source the
+/// device caches meanwhile is not restored again; a source whose start the
+/// device prefix no longer reaches is lost.
+pub fn retry(
+    deferral: &RestoreDeferral,
+    device_hit_blocks: usize,
+    free_device_blocks: usize,
+    block_size: usize,
+) -> RestoreDecision {
+    if device_hit_blocks < deferral.from_block {
+        return RestoreDecision::RetainedSourceLost;
+    }
+    let end = deferral.from_block + deferral.blocks;
+    let remaining = end.saturating_sub(device_hit_blocks);
+    if remaining == 0 {
+        return RestoreDecision::NoReusableEntry;
+    }
+    let tokens = remaining * block_size.max(1);
+    if free_device_blocks < remaining {
+        RestoreDecision::SequenceCapacityNotReady {
+            candidate_prefix_tokens: tokens,
+        }
+    } else {
+        RestoreDecision::Restore {
+            candidate_prefix_tokens: tokens,
+        }
     }
 }
 
@@ -160,6 +214,17 @@ pub struct RestoreOutput {
     pub blocks_installed: usize,
 }
 
+/// What the block manager's own table says a restore installed for the
+/// sequence: the blocks after the device prefix, and whether they are the
+/// source's blocks, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InstalledTable {
+    /// Blocks in the sequence's table after its device prefix.
+    pub blocks: usize,
+    /// Whether those blocks hold the source's hashes, in order.
+    pub matches_source: bool,
+}
+
 /// Why a restored output cannot be used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RestoreError {
@@ -185,6 +250,20 @@ pub enum RestoreError {
         /// Reported blocks.
         blocks_installed: usize,
     },
+    /// The device's report disagrees with the block manager's table.
+    #[error("device reports {reported} blocks installed; the block table holds {table} (matching the source: {matches_source})")]
+    TableMismatch {
+        /// Blocks the device reported.
+        reported: usize,
+        /// Blocks the table holds after the device prefix.
+        table: usize,
+        /// Whether the table's blocks are the source's.
+        matches_source: bool,
+    },
+    /// The scheduler installed the progress but the device refused the
+    /// acknowledgement: the restore cannot be trusted.
+    #[error("the device did not accept the restore's acknowledgement")]
+    AcknowledgeFailed,
 }
 
 impl RestoreError {
@@ -195,15 +274,18 @@ impl RestoreError {
             RestoreError::PromptLengthMismatch { .. } => "prompt_length_mismatch",
             RestoreError::NoSuffixLeft => "no_suffix_left",
             RestoreError::ExtentMismatch { .. } => "extent_mismatch",
+            RestoreError::TableMismatch { .. } => "table_mismatch",
+            RestoreError::AcknowledgeFailed => "acknowledge_failed",
         }
     }
 }
 
-/// Checks a restore output against its ticket. Returns the tokens now
-/// computed for the request.
+/// Checks a restore output against its ticket and against the block
+/// manager's table. Returns the tokens now computed for the request.
 pub fn validate(
     ticket: &RestoreTicket,
     output: &RestoreOutput,
+    table: &InstalledTable,
     block_size: usize,
 ) -> Result<usize, RestoreError> {
     if output.request != ticket.request {
@@ -225,6 +307,13 @@ pub fn validate(
         return Err(RestoreError::ExtentMismatch {
             restored_tokens: output.restored_tokens,
             blocks_installed: output.blocks_installed,
+        });
+    }
+    if table.blocks != output.blocks_installed || !table.matches_source {
+        return Err(RestoreError::TableMismatch {
+            reported: output.blocks_installed,
+            table: table.blocks,
+            matches_source: table.matches_source,
         });
     }
     Ok(output.restored_tokens)
@@ -338,9 +427,79 @@ mod tests {
         }
     }
 
+    /// The table as a correct restore of `output()` leaves it.
+    fn table() -> InstalledTable {
+        InstalledTable {
+            blocks: 4,
+            matches_source: true,
+        }
+    }
+
+    #[test]
+    fn an_output_the_block_table_contradicts_is_rejected() {
+        // Self-consistent (16 + 3 × 16 = 64), but the table holds 4 blocks.
+        let out = RestoreOutput {
+            restored_tokens: 64,
+            blocks_installed: 3,
+            ..output()
+        };
+        assert_eq!(
+            validate(&ticket(), &out, &table(), 16),
+            Err(RestoreError::TableMismatch {
+                reported: 3,
+                table: 4,
+                matches_source: true
+            })
+        );
+        // The right count of blocks, but not the source's.
+        let foreign = InstalledTable {
+            matches_source: false,
+            ..table()
+        };
+        assert!(matches!(
+            validate(&ticket(), &output(), &foreign, 16),
+            Err(RestoreError::TableMismatch { .. })
+        ));
+    }
+
+    fn deferral(from_block: usize, blocks: usize) -> RestoreDeferral {
+        RestoreDeferral::new(from_block, blocks, 16, 1, HostPins::default())
+    }
+
+    #[test]
+    fn a_retry_restores_its_retained_source_from_the_device_prefix_it_finds() {
+        // Deferred: blocks 2..10 of the prompt from the host.
+        let d = deferral(2, 8);
+        assert_eq!(
+            retry(&d, 2, 100, 16),
+            RestoreDecision::Restore {
+                candidate_prefix_tokens: 128
+            }
+        );
+        // The device cached three of them meanwhile: the rest only.
+        assert_eq!(
+            retry(&d, 5, 100, 16),
+            RestoreDecision::Restore {
+                candidate_prefix_tokens: 80
+            }
+        );
+        // Still no room: deferred again, the same source.
+        assert_eq!(
+            retry(&d, 2, 7, 16),
+            RestoreDecision::SequenceCapacityNotReady {
+                candidate_prefix_tokens: 128
+            }
+        );
+        // The device holds all of it now: nothing to restore.
+        assert_eq!(retry(&d, 10, 0, 16), RestoreDecision::NoReusableEntry);
+        // The device prefix no longer reaches the source: lost, not
+        // re-selected.
+        assert_eq!(retry(&d, 1, 100, 16), RestoreDecision::RetainedSourceLost);
+    }
+
     #[test]
     fn a_matching_output_validates_to_its_extent() {
-        assert_eq!(validate(&ticket(), &output(), 16), Ok(80));
+        assert_eq!(validate(&ticket(), &output(), &table(), 16), Ok(80));
     }
 
     #[test]
@@ -350,7 +509,7 @@ mod tests {
             ..output()
         };
         assert_eq!(
-            validate(&ticket(), &out, 16),
+            validate(&ticket(), &out, &table(), 16),
             Err(RestoreError::WrongRequest)
         );
     }
@@ -362,7 +521,7 @@ mod tests {
             ..output()
         };
         assert_eq!(
-            validate(&ticket(), &out, 16),
+            validate(&ticket(), &out, &table(), 16),
             Err(RestoreError::PromptLengthMismatch {
                 admitted: 100,
                 got: 99
@@ -377,7 +536,7 @@ mod tests {
             ..output()
         };
         assert_eq!(
-            validate(&ticket(), &out, 16),
+            validate(&ticket(), &out, &table(), 16),
             Err(RestoreError::NoSuffixLeft)
         );
     }
@@ -389,7 +548,7 @@ mod tests {
             ..output()
         };
         assert_eq!(
-            validate(&ticket(), &out, 16),
+            validate(&ticket(), &out, &table(), 16),
             Err(RestoreError::ExtentMismatch {
                 restored_tokens: 80,
                 blocks_installed: 3

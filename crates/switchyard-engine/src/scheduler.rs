@@ -170,7 +170,8 @@ pub enum Observation {
     RestoreFailed {
         /// The request.
         request: RequestId,
-        /// Why, when the output was invalid (`None`: the device failed).
+        /// Why, when the output was invalid or its acknowledgement refused
+        /// (`None`: the device failed the restore itself).
         error: Option<RestoreError>,
     },
     /// A running request was preempted (recompute).
@@ -189,6 +190,9 @@ pub struct RestoreCounters {
     pub sequence_capacity_not_ready: u64,
     /// `NativeRestoreSkipped` decisions.
     pub native_restore_skipped: u64,
+    /// `RetainedSourceLost` decisions (a retry's source no longer follows
+    /// the device prefix).
+    pub retained_source_lost: u64,
     /// Restores acknowledged (`Restored`).
     pub restored: u64,
     /// Restores that failed after publication.
@@ -602,20 +606,28 @@ impl<D: DeviceLayer> Engine<D> {
         let mut computed_blocks = hit;
         let mut restored = None;
 
+        // A deferred restore's source, held (pinned) until this admission
+        // is done with it.
+        let mut retained = None;
         if self.kv.has_host_tier() {
-            let host_run = self.kv.lookup_host(&seq.hashes[hit..max_hit_blocks]);
-            let mut decision = restore::decide(
-                &RestoreQuery {
-                    prompt_tokens: seq.tokens.len(),
-                    device_hit_blocks: hit,
-                    host_run_blocks: host_run,
-                    free_device_blocks: self.kv.free_blocks(),
-                    block_size: bs,
-                    min_restore_tokens: self.config.min_restore_tokens,
-                },
-                timing,
-            );
-            let attempts = seq.deferral.as_ref().map_or(0, |d| d.attempts);
+            retained = seq.deferral.take();
+            let attempts = retained.as_ref().map_or(0, |d| d.attempts);
+            let mut decision = match &retained {
+                // A retry restores the source it was deferred with; it
+                // never re-selects from the index.
+                Some(deferral) => restore::retry(deferral, hit, self.kv.free_blocks(), bs),
+                None => restore::decide(
+                    &RestoreQuery {
+                        prompt_tokens: seq.tokens.len(),
+                        device_hit_blocks: hit,
+                        host_run_blocks: self.kv.lookup_host(&seq.hashes[hit..max_hit_blocks]),
+                        free_device_blocks: self.kv.free_blocks(),
+                        block_size: bs,
+                        min_restore_tokens: self.config.min_restore_tokens,
+                    },
+                    timing,
+                ),
+            };
             if matches!(decision, RestoreDecision::SequenceCapacityNotReady { .. })
                 && attempts >= self.config.max_restore_deferrals
             {
@@ -629,6 +641,7 @@ impl<D: DeviceLayer> Engine<D> {
                 RestoreDecision::SequenceCapacityNotReady { .. } => {
                     counters.sequence_capacity_not_ready += 1
                 }
+                RestoreDecision::RetainedSourceLost => counters.retained_source_lost += 1,
                 RestoreDecision::Restore { .. } => {}
             }
             push_bounded(
@@ -641,25 +654,19 @@ impl<D: DeviceLayer> Engine<D> {
                 RestoreDecision::SequenceCapacityNotReady {
                     candidate_prefix_tokens,
                 } => {
-                    let pins = self
-                        .kv
-                        .pin_host(&seq.hashes[hit..hit + candidate_prefix_tokens / bs]);
-                    seq.deferral = Some(RestoreDeferral::new(
-                        candidate_prefix_tokens,
-                        attempts + 1,
-                        pins,
-                    ));
+                    let blocks = candidate_prefix_tokens / bs;
+                    let pins = self.kv.pin_host(&seq.hashes[hit..hit + blocks]);
+                    seq.deferral = Some(RestoreDeferral::new(hit, blocks, bs, attempts + 1, pins));
                     return Ok(Admission::Blocked);
                 }
                 RestoreDecision::Restore {
                     candidate_prefix_tokens,
                 } => {
-                    seq.deferral = None;
                     restored = Some(candidate_prefix_tokens);
                 }
-                RestoreDecision::NoReusableEntry | RestoreDecision::NativeRestoreSkipped => {
-                    seq.deferral = None;
-                }
+                RestoreDecision::NoReusableEntry
+                | RestoreDecision::NativeRestoreSkipped
+                | RestoreDecision::RetainedSourceLost => {}
             }
         }
 
@@ -677,21 +684,32 @@ impl<D: DeviceLayer> Engine<D> {
             };
             let source = &hashes[hit..hit + blocks];
             let pins = self.kv.pin_host(source);
+            drop(retained.take());
             let parent = hit.checked_sub(1).map(|p| hashes[p]);
             let outcome = self
                 .device
                 .restore(&mut self.kv, id, &ticket, parent, source);
             let checked = match outcome {
-                Ok(output) => restore::validate(&ticket, &output, bs).map_err(Some),
+                Ok(output) => {
+                    let table = self.kv.installed_after(id, hit, source);
+                    restore::validate(&ticket, &output, &table, bs).map_err(Some)
+                }
                 Err(_) => Err(None),
             };
             self.seq_mut(id).hashes = hashes;
-            match checked {
+            // Install the progress, then acknowledge; only then observe. A
+            // refused acknowledgement fails this request like an invalid
+            // output: the device published a restore it does not stand by.
+            let acknowledged = checked.and_then(|computed_tokens| {
+                self.device
+                    .acknowledge_restore(id)
+                    .map(|()| computed_tokens)
+                    .map_err(|_| Some(RestoreError::AcknowledgeFailed))
+            });
+            drop(pins);
+            match acknowledged {
                 Ok(computed_tokens) => {
-                    // Install the progress, then acknowledge; only then observe.
                     computed_blocks = computed_tokens / bs;
-                    self.device.acknowledge_restore(id)?;
-                    drop(pins);
                     *restore_tokens += computed_tokens - hit * bs;
                     self.counters.restores.restored += 1;
                     push_bounded(
@@ -704,7 +722,6 @@ impl<D: DeviceLayer> Engine<D> {
                     );
                 }
                 Err(error) => {
-                    drop(pins);
                     self.device.release_seq(&mut self.kv, id, false)?;
                     self.counters.restores.failed += 1;
                     push_bounded(
@@ -723,6 +740,7 @@ impl<D: DeviceLayer> Engine<D> {
         } else {
             self.seq_mut(id).hashes = hashes;
         }
+        drop(retained);
 
         let seq = self.slots[id.0 as usize].as_mut().expect("live");
         seq.num_computed = computed_blocks * bs;
@@ -1077,6 +1095,138 @@ mod tests {
         // Cancelling drops the deferral, which unpins the source.
         engine.cancel(RequestId(1)).unwrap();
         assert_eq!(engine.counters().restores.sequence_capacity_not_ready, 1);
+    }
+
+    #[test]
+    fn a_deferred_restore_is_retried_from_its_retained_source() {
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        engine
+            .add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 5))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        engine.device_mut().log.clear();
+        observations(&mut engine);
+        run_to_end(&mut engine);
+        let obs = observations(&mut engine);
+        let decided: Vec<_> = obs
+            .iter()
+            .filter_map(|o| match o {
+                Observation::RestoreDecided {
+                    request: RequestId(1),
+                    decision,
+                } => Some(*decision),
+                _ => None,
+            })
+            .collect();
+        // Deferred while request 2 held the device, then restored: the
+        // same 39 blocks each time (the retained source), nothing re-read.
+        let deferred = RestoreDecision::SequenceCapacityNotReady {
+            candidate_prefix_tokens: 624,
+        };
+        assert_eq!(decided[0], deferred, "{decided:?}");
+        assert_eq!(
+            decided.last(),
+            Some(&RestoreDecision::Restore {
+                candidate_prefix_tokens: 624
+            })
+        );
+        assert!(
+            decided[..decided.len() - 1].iter().all(|d| *d == deferred),
+            "{decided:?}"
+        );
+        assert!(obs.contains(&Observation::Restored {
+            request: RequestId(1),
+            candidate_prefix_tokens: 624
+        }));
+        let tickets: Vec<_> = engine
+            .device()
+            .log
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Restore { ticket, .. } => Some(*ticket),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tickets.len(), 1);
+        assert_eq!(
+            (tickets[0].device_prefix_tokens, tickets[0].blocks),
+            (0, 39)
+        );
+        assert_eq!(engine.counters().restores.retained_source_lost, 0);
+    }
+
+    #[test]
+    fn a_refused_acknowledgement_cancels_that_request_and_nothing_else() {
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        observations(&mut engine);
+        engine.device_mut().fail_next_ack = true;
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        engine
+            .add_request(request(2, (70_000..70_000 + 64).collect(), 4))
+            .unwrap();
+        let reports = run_to_end(&mut engine);
+        let finished: Vec<_> = reports.iter().flat_map(|r| r.finished.clone()).collect();
+        let reason = |id| {
+            finished
+                .iter()
+                .find(|f| f.request == RequestId(id))
+                .map(|f| f.reason)
+        };
+        assert_eq!(reason(1), Some(FinishReason::RestoreFailed));
+        assert_eq!(reason(2), Some(FinishReason::Length), "the step went on");
+        let obs = observations(&mut engine);
+        assert!(obs.contains(&Observation::RestoreFailed {
+            request: RequestId(1),
+            error: Some(RestoreError::AcknowledgeFailed)
+        }));
+        assert!(!obs
+            .iter()
+            .any(|o| matches!(o, Observation::Restored { .. })));
+        assert_eq!(engine.counters().restores.failed, 1);
+        assert_eq!(engine.kv().used_blocks(), 0, "every block came back");
+    }
+
+    #[test]
+    fn a_restore_report_the_block_table_contradicts_cancels_the_request() {
+        let mut engine =
+            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let prompt: Vec<u32> = (0..640).collect();
+        spill_prompt(&mut engine, &prompt);
+        observations(&mut engine);
+        // A report consistent with itself (one block fewer, sixteen tokens
+        // fewer) that the block manager's table does not bear out.
+        engine.device_mut().tamper_restore = Some(|out: RestoreOutput| RestoreOutput {
+            restored_tokens: out.restored_tokens - 16,
+            blocks_installed: out.blocks_installed - 1,
+            ..out
+        });
+        engine.add_request(request(1, prompt, 1)).unwrap();
+        let reports = run_to_end(&mut engine);
+        assert_eq!(reports[0].finished[0].reason, FinishReason::RestoreFailed);
+        let obs = observations(&mut engine);
+        assert!(
+            obs.iter().any(|o| matches!(
+                o,
+                Observation::RestoreFailed {
+                    error: Some(RestoreError::TableMismatch { .. }),
+                    ..
+                }
+            )),
+            "{obs:?}"
+        );
+        assert!(!engine
+            .device()
+            .log
+            .iter()
+            .any(|e| matches!(e, Effect::AckRestore { .. })));
     }
 
     #[test]

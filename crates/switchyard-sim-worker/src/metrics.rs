@@ -55,10 +55,11 @@ impl RequestOutcome {
 
 /// The `decision` labels of `switchyard_engine_restores_total`, in the
 /// order of [`Metrics::observe`]'s copy.
-const RESTORE_LABELS: [&str; 5] = [
+const RESTORE_LABELS: [&str; 6] = [
     "no_reusable_entry",
     "sequence_capacity_not_ready",
     "native_restore_skipped",
+    "retained_source_lost",
     "restored",
     "failed",
 ];
@@ -259,6 +260,7 @@ impl Metrics {
             r.no_reusable_entry,
             r.sequence_capacity_not_ready,
             r.native_restore_skipped,
+            r.retained_source_lost,
             r.restored,
             r.failed,
         ]) {
