@@ -445,6 +445,37 @@ impl BlockManager {
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
     ) -> Result<usize, NoCapacity> {
+        let tokens: Vec<Box<[u32]>> = hashes
+            .iter()
+            .map_while(|h| self.host.as_ref()?.entries.get(h).map(|e| e.tokens.clone()))
+            .collect();
+        let tokens: Vec<&[u32]> = tokens.iter().map(|t| &t[..]).collect();
+        self.install(seq, parent, &hashes[..tokens.len()], &tokens)
+    }
+
+    /// Installs blocks another engine handed over (a rendezvous: `hashes`
+    /// with `tokens`, `block_size` per block) as the next blocks of `seq`,
+    /// following `parent`. Blocks already cached here are shared instead.
+    /// Returns the blocks installed.
+    pub fn restore_from_blocks(
+        &mut self,
+        seq: SeqId,
+        parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+        tokens: &[u32],
+    ) -> Result<usize, NoCapacity> {
+        let bs = self.config.block_size;
+        let per_block: Vec<&[u32]> = tokens.chunks_exact(bs).take(hashes.len()).collect();
+        self.install(seq, parent, &hashes[..per_block.len()], &per_block)
+    }
+
+    fn install(
+        &mut self,
+        seq: SeqId,
+        parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+        tokens: &[&[u32]],
+    ) -> Result<usize, NoCapacity> {
         let fresh = hashes
             .iter()
             .filter(|h| !self.cached.contains_key(h))
@@ -456,16 +487,11 @@ impl BlockManager {
             });
         }
         let bs = self.config.block_size;
-        let mut installed = 0;
         let mut stored_hashes = Vec::new();
         let mut stored_tokens = Vec::new();
         let mut run_parent = parent;
         let mut prev = parent;
-        for &hash in hashes {
-            let host_tokens = match self.host.as_ref().and_then(|h| h.entries.get(&hash)) {
-                Some(entry) => entry.tokens.clone(),
-                None => break,
-            };
+        for (&hash, &block_tokens) in hashes.iter().zip(tokens) {
             if let Some(&existing) = self.cached.get(&hash) {
                 self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens);
                 self.take_ref(existing);
@@ -478,17 +504,45 @@ impl BlockManager {
                 b.parent = prev;
                 b.ref_count = 1;
                 let dst = block as usize * bs;
-                self.tokens[dst..dst + bs].copy_from_slice(&host_tokens);
+                self.tokens[dst..dst + bs].copy_from_slice(block_tokens);
                 self.cached.insert(hash, block);
                 self.table_mut(seq).push(block);
                 stored_hashes.push(hash);
-                stored_tokens.extend_from_slice(&host_tokens);
+                stored_tokens.extend_from_slice(block_tokens);
             }
             prev = Some(hash);
-            installed += 1;
         }
         self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens);
-        Ok(installed)
+        Ok(hashes.len().min(tokens.len()))
+    }
+
+    /// Takes a reference on each block of the leading run of `hashes` the
+    /// device caches, so none is evicted until [`Self::unpin_blocks`]
+    /// gives them back (a capture lease holds them). Returns the blocks.
+    pub fn pin_cached_prefix(&mut self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        let blocks: Vec<BlockId> = hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect();
+        for &block in &blocks {
+            self.take_ref(block);
+        }
+        blocks
+    }
+
+    /// Gives back the references [`Self::pin_cached_prefix`] took; the
+    /// blocks stay cached (onto the LRU once nothing else holds them).
+    pub fn unpin_blocks(&mut self, blocks: &[BlockId]) {
+        for &block in blocks.iter().rev() {
+            self.drop_ref(block, true);
+        }
+    }
+
+    /// The tokens of a cached block (what a transfer copies).
+    pub fn block_tokens(&self, block: BlockId) -> &[u32] {
+        let bs = self.config.block_size;
+        let start = block as usize * bs;
+        &self.tokens[start..start + bs]
     }
 
     /// Drops every cached block of both tiers, as vLLM's prefix-cache reset

@@ -27,6 +27,9 @@ pub struct EngineConfig {
     /// Times a restore may be deferred for device capacity before the
     /// request computes its prefix instead (8).
     pub max_restore_deferrals: u32,
+    /// Capture leases held at once for other engines to restore from
+    /// (1,024); a capture beyond it is refused and counted.
+    pub max_leases: usize,
     /// Whether to record KV events (the simulator may not need them).
     pub emit_kv_events: bool,
     /// KV events buffered between drains (65,536); beyond it they are dropped and counted.
@@ -47,6 +50,7 @@ impl Default for EngineConfig {
             max_model_len: 32_768,
             min_restore_tokens: 256,
             max_restore_deferrals: 8,
+            max_leases: 1_024,
             emit_kv_events: true,
             max_buffered_events: 1 << 16,
             timing: TimingConfig::default(),
@@ -81,6 +85,7 @@ impl EngineConfig {
             ("max_num_batched_tokens", self.max_num_batched_tokens),
             ("max_waiting", self.max_waiting),
             ("max_model_len", self.max_model_len),
+            ("max_leases", self.max_leases),
         ] {
             if value == 0 {
                 return Err(ConfigError::Zero(name));

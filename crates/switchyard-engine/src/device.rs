@@ -61,12 +61,15 @@ pub enum Effect {
         /// Whether cached blocks stay cached.
         cache: bool,
     },
-    /// Copy host-tier blocks into the device for `seq`.
+    /// Copy blocks into the device for `seq`: from the host tier, or
+    /// from another engine's capture lease (a rendezvous).
     Restore {
         /// The sequence.
         seq: SeqId,
         /// What the scheduler admitted.
         ticket: RestoreTicket,
+        /// Whether the source is a rendezvous (else the host tier).
+        rendezvous: bool,
     },
     /// The scheduler installed a restore's progress.
     AckRestore {
@@ -99,6 +102,19 @@ pub enum DeviceError {
     Scripted(&'static str),
 }
 
+/// Where a restore's blocks come from.
+#[derive(Clone, Copy, Debug)]
+pub enum RestoreSource<'a> {
+    /// This engine's host tier.
+    Host,
+    /// Another engine's capture lease, already transferred: the blocks'
+    /// tokens, `block_size` per block, in the order of the hashes.
+    Rendezvous {
+        /// The transferred tokens.
+        tokens: &'a [u32],
+    },
+}
+
 /// The effects a scheduler core asks of a device between steps.
 pub trait DeviceLayer {
     /// Whether reservations run ahead of the step (then finished sequences
@@ -125,8 +141,8 @@ pub trait DeviceLayer {
         cache: bool,
     ) -> Result<(), DeviceError>;
 
-    /// Copies host blocks `hashes` (following `parent`) into device blocks
-    /// of `seq` and reports what it installed.
+    /// Copies blocks `hashes` (following `parent`) from `source` into
+    /// device blocks of `seq` and reports what it installed.
     fn restore(
         &mut self,
         kv: &mut BlockManager,
@@ -134,6 +150,7 @@ pub trait DeviceLayer {
         ticket: &RestoreTicket,
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
+        source: RestoreSource<'_>,
     ) -> Result<RestoreOutput, DeviceError>;
 
     /// The scheduler has installed the restore's progress.
@@ -156,8 +173,14 @@ fn restore_on(
     ticket: &RestoreTicket,
     parent: Option<SequenceHash>,
     hashes: &[SequenceHash],
+    source: RestoreSource<'_>,
 ) -> Result<RestoreOutput, DeviceError> {
-    let installed = kv.restore_from_host(seq, parent, hashes)?;
+    let installed = match source {
+        RestoreSource::Host => kv.restore_from_host(seq, parent, hashes)?,
+        RestoreSource::Rendezvous { tokens } => {
+            kv.restore_from_blocks(seq, parent, hashes, tokens)?
+        }
+    };
     Ok(RestoreOutput {
         request: ticket.request,
         prompt_tokens: ticket.prompt_tokens,
@@ -221,8 +244,9 @@ impl DeviceLayer for SyncDevice {
         ticket: &RestoreTicket,
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
+        source: RestoreSource<'_>,
     ) -> Result<RestoreOutput, DeviceError> {
-        restore_on(kv, seq, ticket, parent, hashes)
+        restore_on(kv, seq, ticket, parent, hashes, source)
     }
 
     fn acknowledge_restore(&mut self, _seq: SeqId) -> Result<(), DeviceError> {
@@ -336,8 +360,9 @@ impl DeviceLayer for AheadDevice {
         ticket: &RestoreTicket,
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
+        source: RestoreSource<'_>,
     ) -> Result<RestoreOutput, DeviceError> {
-        restore_on(kv, seq, ticket, parent, hashes)
+        restore_on(kv, seq, ticket, parent, hashes, source)
     }
 
     fn acknowledge_restore(&mut self, _seq: SeqId) -> Result<(), DeviceError> {
@@ -440,15 +465,17 @@ impl DeviceLayer for ScriptedDevice {
         ticket: &RestoreTicket,
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
+        source: RestoreSource<'_>,
     ) -> Result<RestoreOutput, DeviceError> {
         self.note(Effect::Restore {
             seq,
             ticket: *ticket,
+            rendezvous: matches!(source, RestoreSource::Rendezvous { .. }),
         });
         if std::mem::take(&mut self.fail_next_restore) {
             return Err(DeviceError::Scripted("restore failed"));
         }
-        let out = restore_on(kv, seq, ticket, parent, hashes)?;
+        let out = restore_on(kv, seq, ticket, parent, hashes, source)?;
         Ok(match self.tamper_restore {
             Some(tamper) => tamper(out),
             None => out,

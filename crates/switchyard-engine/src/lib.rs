@@ -14,8 +14,10 @@
 //!   implementations.
 //! - [`blocks`] — [`BlockManager`]: the paged KV pool, ref counts, prefix
 //!   cache, LRU eviction, optional host tier.
-//! - [`restore`] — the host-tier restore protocol: decisions, deferral guard,
-//!   validation.
+//! - [`restore`] — the restore protocol (host tier and rendezvous):
+//!   decisions, deferral guard, validation.
+//! - [`lease`] — capture leases: a prefix's KV pinned for another engine
+//!   to restore from, authenticated by a secret, bounded, expiring.
 //! - [`timing`] — [`TimingConfig`]: step and restore durations.
 //! - [`events`] — [`KvEvent`]: the typed KV events every store, removal and
 //!   clear emits, independent of any wire format.
@@ -30,6 +32,7 @@ pub mod blocks;
 pub mod config;
 pub mod device;
 pub mod events;
+pub mod lease;
 pub mod restore;
 pub mod scheduler;
 pub mod timing;

@@ -42,6 +42,10 @@ pub enum RestoreDecision {
         /// Tokens the restore brings back.
         candidate_prefix_tokens: usize,
     },
+    /// A rendezvous source has not arrived yet (the other engine's capture
+    /// has not been transferred): the request waits, and the scheduler
+    /// admits the requests behind it meanwhile.
+    RequestStateNotReady,
     /// A retry found its retained source no longer following the device
     /// prefix (device blocks before it were evicted meanwhile): the source
     /// is dropped and the request computes what the device lacks.
@@ -57,6 +61,7 @@ impl RestoreDecision {
             RestoreDecision::NativeRestoreSkipped => "native_restore_skipped",
             RestoreDecision::Restore { .. } => "restore",
             RestoreDecision::RetainedSourceLost => "retained_source_lost",
+            RestoreDecision::RequestStateNotReady => "request_state_not_ready",
         }
     }
 }
@@ -188,6 +193,48 @@ pub fn retry(
     }
 }
 
+/// The decision for a request whose source is a rendezvous: `delivered`
+/// is the other engine's capture once transferred (`None` before), and
+/// `prompt_hashes` the prompt's block hashes that may be restored (capped
+/// so that a token is left to compute). Only the leading blocks the two
+/// share are used; a source whose first block is not the prompt's is
+/// refused ([`RestoreError::SourceMismatch`]). A retry calls this again
+/// with the same delivered source: nothing is re-selected.
+pub fn decide_rendezvous(
+    delivered: Option<&crate::lease::LeasedKv>,
+    prompt_hashes: &[switchyard_core::SequenceHash],
+    device_hit_blocks: usize,
+    free_device_blocks: usize,
+    block_size: usize,
+) -> Result<RestoreDecision, RestoreError> {
+    let Some(source) = delivered else {
+        return Ok(RestoreDecision::RequestStateNotReady);
+    };
+    let shared = source
+        .hashes
+        .iter()
+        .zip(prompt_hashes)
+        .take_while(|(a, b)| a == b)
+        .count();
+    if shared == 0 && !source.hashes.is_empty() && !prompt_hashes.is_empty() {
+        return Err(RestoreError::SourceMismatch);
+    }
+    let candidate = shared.saturating_sub(device_hit_blocks);
+    if candidate == 0 {
+        return Ok(RestoreDecision::NoReusableEntry);
+    }
+    let tokens = candidate * block_size.max(1);
+    Ok(if free_device_blocks < candidate {
+        RestoreDecision::SequenceCapacityNotReady {
+            candidate_prefix_tokens: tokens,
+        }
+    } else {
+        RestoreDecision::Restore {
+            candidate_prefix_tokens: tokens,
+        }
+    })
+}
+
 /// What the scheduler admitted for a restore: the output must match it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RestoreTicket {
@@ -260,6 +307,10 @@ pub enum RestoreError {
         /// Whether the table's blocks are the source's.
         matches_source: bool,
     },
+    /// A rendezvous source holds another prompt's blocks: its first block is
+    /// not this prompt's.
+    #[error("the rendezvous source holds another prompt's blocks")]
+    SourceMismatch,
     /// The scheduler installed the progress but the device refused the
     /// acknowledgement: the restore cannot be trusted.
     #[error("the device did not accept the restore's acknowledgement")]
@@ -276,6 +327,7 @@ impl RestoreError {
             RestoreError::ExtentMismatch { .. } => "extent_mismatch",
             RestoreError::TableMismatch { .. } => "table_mismatch",
             RestoreError::AcknowledgeFailed => "acknowledge_failed",
+            RestoreError::SourceMismatch => "source_mismatch",
         }
     }
 }
@@ -495,6 +547,49 @@ mod tests {
         // The device prefix no longer reaches the source: lost, not
         // re-selected.
         assert_eq!(retry(&d, 1, 100, 16), RestoreDecision::RetainedSourceLost);
+    }
+
+    #[test]
+    fn a_rendezvous_restores_what_it_shares_with_the_prompt_beyond_the_device_prefix() {
+        use crate::lease::LeasedKv;
+        use switchyard_core::SequenceHash;
+        let prompt: Vec<SequenceHash> = (1..=10).map(SequenceHash).collect();
+        let kv = |hashes: &[u64]| LeasedKv {
+            hashes: hashes.iter().copied().map(SequenceHash).collect(),
+            tokens: vec![0; hashes.len() * 16],
+        };
+        assert_eq!(
+            decide_rendezvous(None, &prompt, 0, 100, 16),
+            Ok(RestoreDecision::RequestStateNotReady)
+        );
+        let all = kv(&[1, 2, 3, 4, 5, 6]);
+        assert_eq!(
+            decide_rendezvous(Some(&all), &prompt, 2, 100, 16),
+            Ok(RestoreDecision::Restore {
+                candidate_prefix_tokens: 64
+            })
+        );
+        assert_eq!(
+            decide_rendezvous(Some(&all), &prompt, 2, 3, 16),
+            Ok(RestoreDecision::SequenceCapacityNotReady {
+                candidate_prefix_tokens: 64
+            })
+        );
+        assert_eq!(
+            decide_rendezvous(Some(&all), &prompt, 6, 100, 16),
+            Ok(RestoreDecision::NoReusableEntry)
+        );
+        // Diverging after three blocks: those three only.
+        assert_eq!(
+            decide_rendezvous(Some(&kv(&[1, 2, 3, 99])), &prompt, 0, 100, 16),
+            Ok(RestoreDecision::Restore {
+                candidate_prefix_tokens: 48
+            })
+        );
+        assert_eq!(
+            decide_rendezvous(Some(&kv(&[7, 8])), &prompt, 0, 100, 16),
+            Err(RestoreError::SourceMismatch)
+        );
     }
 
     #[test]

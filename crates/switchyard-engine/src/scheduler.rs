@@ -20,8 +20,9 @@
 
 use crate::blocks::{BlockManager, SeqId};
 use crate::config::{ConfigError, EngineConfig};
-use crate::device::{DeviceError, DeviceLayer, Reservation};
+use crate::device::{DeviceError, DeviceLayer, Reservation, RestoreSource};
 use crate::events::KvEvent;
+use crate::lease::{LeaseCounters, LeaseError, LeaseId, LeaseRef, LeaseTable, LeasedKv};
 use crate::restore::{
     self, RestoreDecision, RestoreDeferral, RestoreError, RestoreQuery, RestoreTicket,
 };
@@ -174,6 +175,17 @@ pub enum Observation {
         /// (`None`: the device failed the restore itself).
         error: Option<RestoreError>,
     },
+    /// A request restoring from a rendezvous no longer needs its lease
+    /// (restored, failed, recomputing instead, or gone): the driver
+    /// releases it at the source. Exactly one per rendezvous request.
+    RendezvousDone {
+        /// The request.
+        request: RequestId,
+        /// The lease it was given.
+        lease: LeaseId,
+        /// Whether its blocks were restored from the lease.
+        restored: bool,
+    },
     /// A running request was preempted (recompute).
     Preempted {
         /// The request.
@@ -193,6 +205,8 @@ pub struct RestoreCounters {
     /// `RetainedSourceLost` decisions (a retry's source no longer follows
     /// the device prefix).
     pub retained_source_lost: u64,
+    /// `RequestStateNotReady` decisions (a rendezvous not yet delivered).
+    pub request_state_not_ready: u64,
     /// Restores acknowledged (`Restored`).
     pub restored: u64,
     /// Restores that failed after publication.
@@ -241,8 +255,58 @@ struct Seq {
     committed_blocks: usize,
     phase: Phase,
     deferral: Option<RestoreDeferral>,
+    /// The rendezvous this request restores from, until it is done with it.
+    rendezvous: Option<Rendezvous>,
     prompt_counted: bool,
     cached_tokens: usize,
+}
+
+/// A request's rendezvous source: the lease it was given and, once the
+/// driver has transferred it, the captured blocks (kept across capacity
+/// deferrals: the retry uses exactly these).
+struct Rendezvous {
+    lease: LeaseRef,
+    delivered: Option<LeasedKv>,
+    deferrals: u32,
+    /// Whether `RequestStateNotReady` was decided (and counted) already.
+    waited: bool,
+}
+
+/// Why a transfer could not be handed to a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DeliverError {
+    /// The engine does not hold the request.
+    #[error("no such request")]
+    UnknownRequest,
+    /// The request restores from no rendezvous, or no longer needs it.
+    #[error("the request awaits no rendezvous")]
+    NotAwaited,
+    /// A transfer was already handed over.
+    #[error("the rendezvous was already delivered")]
+    AlreadyDelivered,
+    /// The tokens are not `block_size` per hash.
+    #[error("{tokens} tokens for {blocks} blocks of {block_size}")]
+    Malformed {
+        /// Tokens delivered.
+        tokens: usize,
+        /// Hashes delivered.
+        blocks: usize,
+        /// Tokens per block here.
+        block_size: usize,
+    },
+}
+
+/// The block hashes of `tokens`' first `blocks` full blocks.
+fn block_hashes(tokens: &[u32], seed: u64, blocks: usize, block_size: usize) -> Vec<SequenceHash> {
+    let mut hashes: Vec<SequenceHash> = Vec::with_capacity(blocks);
+    for chunk in tokens.chunks_exact(block_size).take(blocks) {
+        let local = local_block_hash(chunk, seed);
+        hashes.push(match hashes.last() {
+            None => SequenceHash(local.0),
+            Some(&prev) => chain_hash(prev, LocalHash(local.0)),
+        });
+    }
+    hashes
 }
 
 impl Seq {
@@ -268,7 +332,10 @@ impl Seq {
 
 enum Admission {
     Scheduled(usize),
+    /// Nothing fits now: admit nothing more this step.
     Blocked,
+    /// Waiting for its rendezvous: the requests behind it may go first.
+    NotReady,
     Removed,
 }
 
@@ -285,6 +352,7 @@ pub struct Engine<D> {
     counters: EngineCounters,
     observations: Vec<Observation>,
     scheduled: Vec<(SeqId, usize)>,
+    leases: LeaseTable,
 }
 
 impl<D: DeviceLayer> Engine<D> {
@@ -302,6 +370,7 @@ impl<D: DeviceLayer> Engine<D> {
             counters: EngineCounters::default(),
             observations: Vec::new(),
             scheduled: Vec::new(),
+            leases: LeaseTable::new(config.max_leases),
             config,
         })
     }
@@ -402,6 +471,7 @@ impl<D: DeviceLayer> Engine<D> {
             committed_blocks: 0,
             phase: Phase::Waiting,
             deferral: None,
+            rendezvous: None,
             prompt_counted: false,
             cached_tokens: 0,
         };
@@ -418,6 +488,98 @@ impl<D: DeviceLayer> Engine<D> {
         self.by_request.insert(request.id, id);
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Queues a request that restores its prefix from another engine's
+    /// capture `lease` (a rendezvous): it waits (`RequestStateNotReady`,
+    /// letting the requests behind it go first) until the driver hands the
+    /// transfer over with [`Self::deliver_rendezvous`].
+    pub fn add_rendezvous_request(
+        &mut self,
+        request: NewRequest,
+        lease: LeaseRef,
+    ) -> Result<(), AdmitError> {
+        let id = request.id;
+        self.add_request(request)?;
+        let seq = self.by_request[&id];
+        self.seq_mut(seq).rendezvous = Some(Rendezvous {
+            lease,
+            delivered: None,
+            deferrals: 0,
+            waited: false,
+        });
+        Ok(())
+    }
+
+    /// Hands a transferred capture to the request waiting for it. Checked
+    /// for shape here and against the prompt at admission.
+    pub fn deliver_rendezvous(
+        &mut self,
+        request: RequestId,
+        transfer: LeasedKv,
+    ) -> Result<(), DeliverError> {
+        let bs = self.config.block_size;
+        let &id = self
+            .by_request
+            .get(&request)
+            .ok_or(DeliverError::UnknownRequest)?;
+        let Some(rendezvous) = self.seq_mut(id).rendezvous.as_mut() else {
+            return Err(DeliverError::NotAwaited);
+        };
+        if rendezvous.delivered.is_some() {
+            return Err(DeliverError::AlreadyDelivered);
+        }
+        if transfer.tokens.len() != transfer.hashes.len() * bs {
+            return Err(DeliverError::Malformed {
+                tokens: transfer.tokens.len(),
+                blocks: transfer.hashes.len(),
+                block_size: bs,
+            });
+        }
+        rendezvous.delivered = Some(transfer);
+        Ok(())
+    }
+
+    /// Captures the leading blocks of `prompt` the device caches under a
+    /// lease for another engine to restore from, until `expires_at_ms`;
+    /// `token` is its secret (the driver draws it from a CSPRNG). Returns
+    /// the lease and the blocks it holds.
+    pub fn capture(
+        &mut self,
+        prompt: &[u32],
+        hash_seed: u64,
+        token: u128,
+        expires_at_ms: f64,
+    ) -> Result<(LeaseRef, usize), LeaseError> {
+        let bs = self.config.block_size;
+        let hashes = block_hashes(prompt, hash_seed, prompt.len() / bs, bs);
+        self.leases
+            .capture(&mut self.kv, &hashes, token, expires_at_ms)
+    }
+
+    /// A lease's blocks, for the transfer to the engine restoring them.
+    pub fn read_lease(&mut self, lease: LeaseRef) -> Result<LeasedKv, LeaseError> {
+        self.leases.read(&self.kv, lease)
+    }
+
+    /// Releases a lease (its blocks stay cached, evictable again).
+    pub fn release_lease(&mut self, lease: LeaseRef) -> Result<(), LeaseError> {
+        self.leases.release(&mut self.kv, lease)
+    }
+
+    /// Releases the leases past their expiry; returns how many.
+    pub fn expire_leases(&mut self, now_ms: f64) -> usize {
+        self.leases.expire(&mut self.kv, now_ms)
+    }
+
+    /// Leases held now.
+    pub fn leases_held(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Lease counters so far.
+    pub fn lease_counters(&self) -> LeaseCounters {
+        self.leases.counters()
     }
 
     /// Cancels a request wherever it is; its blocks stay cached. Returns
@@ -485,21 +647,26 @@ impl<D: DeviceLayer> Engine<D> {
         }
 
         if !preempted {
+            // In order; a request still waiting for its rendezvous is
+            // passed over (`next` moves past it), anything else that does
+            // not fit stops admission.
+            let mut next = 0;
             while budget > 0 && self.running.len() < self.config.max_num_seqs {
-                let Some(&id) = self.waiting.front() else {
+                let Some(&id) = self.waiting.get(next) else {
                     break;
                 };
                 match self.admit(id, budget, &mut restore_tokens, report)? {
                     Admission::Scheduled(n) => {
-                        self.waiting.pop_front();
+                        self.waiting.remove(next);
                         self.seq_mut(id).phase = Phase::Running;
                         self.running.push(id);
                         scheduled.push((id, n));
                         budget -= n;
                     }
+                    Admission::NotReady => next += 1,
                     Admission::Blocked => break,
                     Admission::Removed => {
-                        self.waiting.pop_front();
+                        self.waiting.remove(next);
                     }
                 }
             }
@@ -609,7 +776,75 @@ impl<D: DeviceLayer> Engine<D> {
         // A deferred restore's source, held (pinned) until this admission
         // is done with it.
         let mut retained = None;
-        if self.kv.has_host_tier() {
+        // The rendezvous, out of the sequence while this admission decides.
+        let mut rendezvous = seq.rendezvous.take();
+        if let Some(rv) = rendezvous.as_mut() {
+            let request = seq.request;
+            let decided = restore::decide_rendezvous(
+                rv.delivered.as_ref(),
+                &seq.hashes[..max_hit_blocks],
+                hit,
+                self.kv.free_blocks(),
+                bs,
+            );
+            let mut decision = match decided {
+                Ok(decision) => decision,
+                Err(error) => {
+                    // Another prompt's blocks: cancel, never fall back.
+                    let lease = rv.lease.id;
+                    self.counters.restores.failed += 1;
+                    self.observe(Observation::RestoreFailed {
+                        request,
+                        error: Some(error),
+                    });
+                    self.observe(Observation::RendezvousDone {
+                        request,
+                        lease,
+                        restored: false,
+                    });
+                    self.device.release_seq(&mut self.kv, id, false)?;
+                    let finished = self.remove(id, FinishReason::RestoreFailed);
+                    report.finished.push(finished);
+                    return Ok(Admission::Removed);
+                }
+            };
+            if matches!(decision, RestoreDecision::SequenceCapacityNotReady { .. })
+                && rv.deferrals >= self.config.max_restore_deferrals
+            {
+                decision = RestoreDecision::NativeRestoreSkipped;
+            }
+            // Waiting for the transfer is decided once, not every step.
+            let first_wait = decision == RestoreDecision::RequestStateNotReady
+                && !std::mem::replace(&mut rv.waited, true);
+            if decision != RestoreDecision::RequestStateNotReady || first_wait {
+                self.note_decision(request, decision);
+            }
+            match decision {
+                RestoreDecision::RequestStateNotReady => {
+                    self.seq_mut(id).rendezvous = rendezvous;
+                    return Ok(Admission::NotReady);
+                }
+                RestoreDecision::SequenceCapacityNotReady { .. } => {
+                    rv.deferrals += 1;
+                    self.seq_mut(id).rendezvous = rendezvous;
+                    return Ok(Admission::Blocked);
+                }
+                RestoreDecision::Restore {
+                    candidate_prefix_tokens,
+                } => restored = Some(candidate_prefix_tokens),
+                RestoreDecision::NoReusableEntry
+                | RestoreDecision::NativeRestoreSkipped
+                | RestoreDecision::RetainedSourceLost => {
+                    let lease = rv.lease.id;
+                    self.observe(Observation::RendezvousDone {
+                        request,
+                        lease,
+                        restored: false,
+                    });
+                    rendezvous = None;
+                }
+            }
+        } else if self.kv.has_host_tier() {
             retained = seq.deferral.take();
             let attempts = retained.as_ref().map_or(0, |d| d.attempts);
             let mut decision = match &retained {
@@ -634,21 +869,7 @@ impl<D: DeviceLayer> Engine<D> {
                 decision = RestoreDecision::NativeRestoreSkipped;
             }
             let request = seq.request;
-            let counters = &mut self.counters.restores;
-            match decision {
-                RestoreDecision::NoReusableEntry => counters.no_reusable_entry += 1,
-                RestoreDecision::NativeRestoreSkipped => counters.native_restore_skipped += 1,
-                RestoreDecision::SequenceCapacityNotReady { .. } => {
-                    counters.sequence_capacity_not_ready += 1
-                }
-                RestoreDecision::RetainedSourceLost => counters.retained_source_lost += 1,
-                RestoreDecision::Restore { .. } => {}
-            }
-            push_bounded(
-                &mut self.observations,
-                &mut self.counters.observations_dropped,
-                Observation::RestoreDecided { request, decision },
-            );
+            self.note_decision(request, decision);
             let seq = self.slots[id.0 as usize].as_mut().expect("live");
             match decision {
                 RestoreDecision::SequenceCapacityNotReady {
@@ -666,7 +887,8 @@ impl<D: DeviceLayer> Engine<D> {
                 }
                 RestoreDecision::NoReusableEntry
                 | RestoreDecision::NativeRestoreSkipped
-                | RestoreDecision::RetainedSourceLost => {}
+                | RestoreDecision::RetainedSourceLost
+                | RestoreDecision::RequestStateNotReady => {}
             }
         }
 
@@ -683,12 +905,27 @@ impl<D: DeviceLayer> Engine<D> {
                 blocks,
             };
             let source = &hashes[hit..hit + blocks];
-            let pins = self.kv.pin_host(source);
+            let (pins, from) = match &rendezvous {
+                Some(rv) => {
+                    let tokens = &rv
+                        .delivered
+                        .as_ref()
+                        .expect("a rendezvous restore was decided on a delivery")
+                        .tokens;
+                    (
+                        None,
+                        RestoreSource::Rendezvous {
+                            tokens: &tokens[hit * bs..(hit + blocks) * bs],
+                        },
+                    )
+                }
+                None => (Some(self.kv.pin_host(source)), RestoreSource::Host),
+            };
             drop(retained.take());
             let parent = hit.checked_sub(1).map(|p| hashes[p]);
             let outcome = self
                 .device
-                .restore(&mut self.kv, id, &ticket, parent, source);
+                .restore(&mut self.kv, id, &ticket, parent, source, from);
             let checked = match outcome {
                 Ok(output) => {
                     let table = self.kv.installed_after(id, hit, source);
@@ -707,31 +944,40 @@ impl<D: DeviceLayer> Engine<D> {
                     .map_err(|_| Some(RestoreError::AcknowledgeFailed))
             });
             drop(pins);
+            let done = |restored| {
+                rendezvous.as_ref().map(|rv| Observation::RendezvousDone {
+                    request: ticket.request,
+                    lease: rv.lease.id,
+                    restored,
+                })
+            };
             match acknowledged {
                 Ok(computed_tokens) => {
                     computed_blocks = computed_tokens / bs;
-                    *restore_tokens += computed_tokens - hit * bs;
+                    // A rendezvous is carried by the transfer, not by the
+                    // step: only a host-tier copy costs step time.
+                    if rendezvous.is_none() {
+                        *restore_tokens += computed_tokens - hit * bs;
+                    }
                     self.counters.restores.restored += 1;
-                    push_bounded(
-                        &mut self.observations,
-                        &mut self.counters.observations_dropped,
-                        Observation::Restored {
-                            request: ticket.request,
-                            candidate_prefix_tokens,
-                        },
-                    );
+                    self.observe(Observation::Restored {
+                        request: ticket.request,
+                        candidate_prefix_tokens,
+                    });
+                    if let Some(done) = done(true) {
+                        self.observe(done);
+                    }
                 }
                 Err(error) => {
                     self.device.release_seq(&mut self.kv, id, false)?;
                     self.counters.restores.failed += 1;
-                    push_bounded(
-                        &mut self.observations,
-                        &mut self.counters.observations_dropped,
-                        Observation::RestoreFailed {
-                            request: ticket.request,
-                            error,
-                        },
-                    );
+                    self.observe(Observation::RestoreFailed {
+                        request: ticket.request,
+                        error,
+                    });
+                    if let Some(done) = done(false) {
+                        self.observe(done);
+                    }
                     let finished = self.remove(id, FinishReason::RestoreFailed);
                     report.finished.push(finished);
                     return Ok(Admission::Removed);
@@ -796,6 +1042,14 @@ impl<D: DeviceLayer> Engine<D> {
         let seq = self.slots[id.0 as usize]
             .take()
             .expect("removed sequences are live");
+        if let Some(rv) = &seq.rendezvous {
+            // Gone before its rendezvous was used: the lease is not needed.
+            self.observe(Observation::RendezvousDone {
+                request: seq.request,
+                lease: rv.lease.id,
+                restored: false,
+            });
+        }
         self.by_request.remove(&seq.request);
         self.free_slots.push(id.0);
         Finished {
@@ -805,6 +1059,30 @@ impl<D: DeviceLayer> Engine<D> {
             cached_tokens: seq.cached_tokens,
             output_tokens: seq.outputs(),
         }
+    }
+
+    /// Counts a restore decision and observes it.
+    fn note_decision(&mut self, request: RequestId, decision: RestoreDecision) {
+        let counters = &mut self.counters.restores;
+        match decision {
+            RestoreDecision::NoReusableEntry => counters.no_reusable_entry += 1,
+            RestoreDecision::NativeRestoreSkipped => counters.native_restore_skipped += 1,
+            RestoreDecision::SequenceCapacityNotReady { .. } => {
+                counters.sequence_capacity_not_ready += 1
+            }
+            RestoreDecision::RetainedSourceLost => counters.retained_source_lost += 1,
+            RestoreDecision::RequestStateNotReady => counters.request_state_not_ready += 1,
+            RestoreDecision::Restore { .. } => {}
+        }
+        self.observe(Observation::RestoreDecided { request, decision });
+    }
+
+    fn observe(&mut self, observation: Observation) {
+        push_bounded(
+            &mut self.observations,
+            &mut self.counters.observations_dropped,
+            observation,
+        );
     }
 
     fn seq(&self, id: SeqId) -> &Seq {
@@ -844,6 +1122,7 @@ pub fn synthetic_token(request: RequestId, index: u32) -> u32 {
 mod tests {
     use super::*;
     use crate::device::{AheadDevice, Effect, ScriptedDevice, SyncDevice};
+    use crate::lease::{LeaseError, LeaseRef, LeasedKv};
     use crate::restore::RestoreOutput;
     use crate::timing::TimingConfig;
     use switchyard_core::hashing::DEFAULT_SEED;
@@ -1227,6 +1506,214 @@ mod tests {
             .log
             .iter()
             .any(|e| matches!(e, Effect::AckRestore { .. })));
+    }
+
+    /// A prefill engine that has computed `prompt` and captured it.
+    fn captured(prompt: &[u32]) -> (Engine<ScriptedDevice>, LeaseRef) {
+        let mut source =
+            Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        source
+            .add_request(request(900, prompt.to_vec(), 1))
+            .unwrap();
+        run_to_end(&mut source);
+        let (lease, blocks) = source
+            .capture(prompt, DEFAULT_SEED, 0xfeed, 1_000.0)
+            .unwrap();
+        assert_eq!(blocks, prompt.len() / 16);
+        (source, lease)
+    }
+
+    fn decode_engine() -> Engine<ScriptedDevice> {
+        Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap()
+    }
+
+    #[test]
+    fn a_decode_engine_restores_a_capture_then_acknowledges_then_observes() {
+        let prompt: Vec<u32> = (0..640).collect();
+        let (mut source, lease) = captured(&prompt);
+        let mut target = decode_engine();
+        target
+            .add_rendezvous_request(request(1, prompt.clone(), 2), lease)
+            .unwrap();
+        target
+            .add_request(request(2, (5_000..5_064).collect(), 1))
+            .unwrap();
+        // The transfer has not arrived: request 2, behind it, goes first.
+        let mut report = StepReport::default();
+        target.step(&mut report).unwrap();
+        assert_eq!(report.finished.len(), 1);
+        assert_eq!(report.finished[0].request, RequestId(2));
+        target.step(&mut report).unwrap();
+        assert!(report.is_idle(), "still waiting");
+        assert_eq!(target.counters().restores.request_state_not_ready, 1);
+        // The driver moves the capture over.
+        let transfer = source.read_lease(lease).unwrap();
+        target.deliver_rendezvous(RequestId(1), transfer).unwrap();
+        target.device_mut().log.clear();
+        observations(&mut target);
+        let reports = run_to_end(&mut target);
+        // 39 blocks restored, the last block computed (no logits cached),
+        // and the restore is not charged to the step: the transfer was.
+        assert_eq!(reports[0].shape.prefill_tokens, 16);
+        assert_eq!(reports[0].shape.restore_tokens, 0);
+        let obs = observations(&mut target);
+        let restored_at = obs
+            .iter()
+            .position(|o| {
+                *o == Observation::Restored {
+                    request: RequestId(1),
+                    candidate_prefix_tokens: 624,
+                }
+            })
+            .expect("restored");
+        assert_eq!(
+            obs[restored_at + 1],
+            Observation::RendezvousDone {
+                request: RequestId(1),
+                lease: lease.id,
+                restored: true
+            }
+        );
+        let log = &target.device().log;
+        let restore_at = log
+            .iter()
+            .position(|e| {
+                matches!(
+                    e,
+                    Effect::Restore {
+                        rendezvous: true,
+                        ..
+                    }
+                )
+            })
+            .unwrap();
+        let ack_at = log
+            .iter()
+            .position(|e| matches!(e, Effect::AckRestore { .. }))
+            .unwrap();
+        assert!(restore_at < ack_at);
+        // The driver releases the lease once; a second release is refused.
+        source.release_lease(lease).unwrap();
+        assert_eq!(source.release_lease(lease), Err(LeaseError::Unknown));
+        assert_eq!(source.leases_held(), 0);
+    }
+
+    #[test]
+    fn a_rendezvous_holding_another_prompt_cancels_the_request() {
+        let (mut source, lease) = captured(&(0..640).collect::<Vec<u32>>());
+        let mut target = decode_engine();
+        let other: Vec<u32> = (10_000..10_640).collect();
+        target
+            .add_rendezvous_request(request(1, other, 1), lease)
+            .unwrap();
+        target
+            .deliver_rendezvous(RequestId(1), source.read_lease(lease).unwrap())
+            .unwrap();
+        let reports = run_to_end(&mut target);
+        assert_eq!(reports[0].finished[0].reason, FinishReason::RestoreFailed);
+        let obs = observations(&mut target);
+        assert!(obs.contains(&Observation::RestoreFailed {
+            request: RequestId(1),
+            error: Some(RestoreError::SourceMismatch)
+        }));
+        assert!(obs.contains(&Observation::RendezvousDone {
+            request: RequestId(1),
+            lease: lease.id,
+            restored: false
+        }));
+        assert_eq!(target.kv().used_blocks(), 0);
+    }
+
+    #[test]
+    fn deliveries_are_checked_before_they_are_kept() {
+        let prompt: Vec<u32> = (0..64).collect();
+        let (mut source, lease) = captured(&prompt);
+        let mut target = decode_engine();
+        let transfer = source.read_lease(lease).unwrap();
+        assert_eq!(
+            target.deliver_rendezvous(RequestId(1), transfer.clone()),
+            Err(DeliverError::UnknownRequest)
+        );
+        target.add_request(request(2, prompt.clone(), 1)).unwrap();
+        assert_eq!(
+            target.deliver_rendezvous(RequestId(2), transfer.clone()),
+            Err(DeliverError::NotAwaited)
+        );
+        target
+            .add_rendezvous_request(request(1, prompt, 1), lease)
+            .unwrap();
+        let short = LeasedKv {
+            tokens: transfer.tokens[..10].to_vec(),
+            ..transfer.clone()
+        };
+        assert!(matches!(
+            target.deliver_rendezvous(RequestId(1), short),
+            Err(DeliverError::Malformed { .. })
+        ));
+        target
+            .deliver_rendezvous(RequestId(1), transfer.clone())
+            .unwrap();
+        assert_eq!(
+            target.deliver_rendezvous(RequestId(1), transfer),
+            Err(DeliverError::AlreadyDelivered)
+        );
+    }
+
+    proptest::proptest! {
+        /// Whatever happens to rendezvous requests — delivered or not,
+        /// cancelled while waiting, the device failing the restore or
+        /// refusing its acknowledgement — each ends its lease exactly once
+        /// (one `RendezvousDone`), and none that restored produces a token
+        /// before its restore was acknowledged.
+        #[test]
+        fn each_rendezvous_request_ends_its_lease_exactly_once(
+            plan in proptest::collection::vec((0u8..5, proptest::bool::ANY), 1..6),
+        ) {
+            let prompt: Vec<u32> = (0..320).collect();
+            let (mut source, lease) = captured(&prompt);
+            let transfer = source.read_lease(lease).unwrap();
+            let mut target = decode_engine();
+            for (i, &(fate, _)) in plan.iter().enumerate() {
+                let id = RequestId(i as u128 + 1);
+                target.add_rendezvous_request(request(id.0, prompt.clone(), 2), lease).unwrap();
+                if fate != 0 {
+                    target.deliver_rendezvous(id, transfer.clone()).unwrap();
+                }
+            }
+            let mut obs = Vec::new();
+            let mut report = StepReport::default();
+            for round in 0..40 {
+                if let Some(&(fate, fail_ack)) = plan.get(round) {
+                    target.device_mut().fail_next_ack = fail_ack;
+                    target.device_mut().fail_next_restore = fate == 4;
+                    if fate == 0 {
+                        target.cancel(RequestId(round as u128 + 1)).unwrap();
+                    }
+                }
+                target.step(&mut report).unwrap();
+                target.drain_observations(&mut obs);
+                // A token means the request ran: its lease was resolved
+                // first (restored and acknowledged, or given up).
+                for token in &report.tokens {
+                    let resolved = obs.iter().any(|o| matches!(o, Observation::RendezvousDone { request, .. } if *request == token.request));
+                    proptest::prop_assert!(resolved, "{:?} ran with its lease unresolved", token.request);
+                }
+            }
+            for i in 0..plan.len() {
+                let id = RequestId(i as u128 + 1);
+                let dones = obs.iter().filter(|o| matches!(o, Observation::RendezvousDone { request, .. } if *request == id)).count();
+                proptest::prop_assert_eq!(dones, 1, "{:?}", id);
+                let restored = obs.iter().any(|o| matches!(o, Observation::Restored { request, .. } if *request == id));
+                let done_restored = obs.iter().any(|o| matches!(o, Observation::RendezvousDone { request, restored: true, .. } if *request == id));
+                proptest::prop_assert_eq!(restored, done_restored);
+            }
+            // Acknowledged restores and `Restored` observations agree.
+            let acks = target.device().log.iter().filter(|e| matches!(e, Effect::AckRestore { .. })).count();
+            let refused = target.counters().restores.failed as usize;
+            let restored = obs.iter().filter(|o| matches!(o, Observation::Restored { .. })).count();
+            proptest::prop_assert!(restored <= acks && acks <= restored + refused);
+            proptest::prop_assert_eq!(target.kv().used_blocks(), 0);
+        }
     }
 
     #[test]

@@ -158,6 +158,7 @@ impl SimWorkerArgs {
             min_restore_tokens: self.min_restore_tokens,
             max_restore_deferrals: self.max_restore_deferrals,
             max_buffered_events: self.max_buffered_events,
+            max_leases: EngineConfig::default().max_leases,
             emit_kv_events: self.kv_events.is_some(),
             timing: TimingConfig {
                 speedup: if self.no_delay { 0.0 } else { self.speedup },

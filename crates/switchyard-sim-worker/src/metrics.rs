@@ -55,11 +55,12 @@ impl RequestOutcome {
 
 /// The `decision` labels of `switchyard_engine_restores_total`, in the
 /// order of [`Metrics::observe`]'s copy.
-const RESTORE_LABELS: [&str; 6] = [
+const RESTORE_LABELS: [&str; 7] = [
     "no_reusable_entry",
     "sequence_capacity_not_ready",
     "native_restore_skipped",
     "retained_source_lost",
+    "request_state_not_ready",
     "restored",
     "failed",
 ];
@@ -261,6 +262,7 @@ impl Metrics {
             r.sequence_capacity_not_ready,
             r.native_restore_skipped,
             r.retained_source_lost,
+            r.request_state_not_ready,
             r.restored,
             r.failed,
         ]) {
