@@ -29,6 +29,22 @@
 //!   reach its peers `sync_delay_ms` later, and they apply them as a
 //!   peer's batch (see [`crate::replicas`]).
 //!
+//! - **transfer** — with [`FleetConfig::disagg`], a prefill worker's
+//!   captured KV reaches the decode worker a request was placed on, a
+//!   latency plus its size over the link's bandwidth after the placement.
+//!
+//! Disaggregated fleets ([`DisaggConfig`]): the first `prefill_workers`
+//! workers compute prompts (each request with one output token, as vLLM's
+//! disaggregated proxy sends it), the rest decode. When a prefill ends, its
+//! engine captures the prompt's KV under a lease, the prefill's booking
+//! ends, and the request is submitted again, to the decode workers only;
+//! the decode engine restores the transferred blocks through the restore
+//! protocol (source `Rendezvous`) and computes the last prompt token and
+//! the output. The time to first token is the client's: from arrival to
+//! the decode worker's first token (the prefill's own token is not
+//! returned). The lease is released when the decode engine says it is done
+//! with it, or expires.
+//!
 //! A session's next turn arrives a think time after its previous turn ends.
 //! Nothing reads a clock and every random choice is seeded: a run is a pure
 //! function of its configuration and workload.
@@ -55,7 +71,99 @@ use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::{RouterConfig, WorkerCapacity};
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
-use switchyard_engine::{Engine, EngineConfig, KvEvent, NewRequest, StepReport, SyncDevice};
+use switchyard_engine::lease::{LeaseRef, LeasedKv};
+use switchyard_engine::{
+    Engine, EngineConfig, KvEvent, NewRequest, Observation, StepReport, SyncDevice,
+};
+
+/// The bit that marks a request id as the decode half of a disaggregated
+/// request (the top bit is the router's, for peers' bookings).
+const DECODE_BIT: u128 = 1 << 126;
+
+/// Prefill/decode disaggregation of a fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DisaggConfig {
+    /// Workers `0..prefill_workers` prefill; the rest decode.
+    pub prefill_workers: usize,
+    /// The link KV moves over.
+    pub transfer: TransferConfig,
+    /// How long a captured prefix is held for its decode worker
+    /// (simulated ms); a lease not released by then expires.
+    pub lease_ttl_ms: f64,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        Self {
+            prefill_workers: 1,
+            transfer: TransferConfig::default(),
+            lease_ttl_ms: 60_000.0,
+        }
+    }
+}
+
+/// The link between workers: a transfer of `b` bytes takes `latency_ms +
+/// b / bandwidth` model milliseconds (divided by the engines' speed-up in
+/// wall time, as their steps are).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransferConfig {
+    /// Bytes per second. Default 25 GB/s: the line rate of one 200 Gb/s
+    /// RDMA NIC (an assumption about the hardware, not a measurement).
+    pub bandwidth_bytes_per_s: f64,
+    /// Fixed cost per transfer, in ms. Default 1 ms: an assumption for the
+    /// handshake and the completion notice, not a measurement.
+    pub latency_ms: f64,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        Self {
+            bandwidth_bytes_per_s: 25e9,
+            latency_ms: 1.0,
+        }
+    }
+}
+
+impl TransferConfig {
+    /// Model milliseconds to move `bytes`.
+    pub fn transfer_ms(&self, bytes: u64) -> f64 {
+        self.latency_ms + bytes as f64 / self.bandwidth_bytes_per_s * 1e3
+    }
+}
+
+impl DisaggConfig {
+    /// Checks it against a fleet of `workers`.
+    pub fn validate(&self, workers: usize) -> Result<(), String> {
+        if self.prefill_workers == 0 || self.prefill_workers >= workers {
+            return Err(format!(
+                "{} prefill workers in a fleet of {workers}: at least one of each role is needed",
+                self.prefill_workers
+            ));
+        }
+        let t = &self.transfer;
+        if !(t.bandwidth_bytes_per_s.is_finite() && t.bandwidth_bytes_per_s > 0.0) {
+            return Err(format!(
+                "transfer bandwidth must be > 0 bytes/s, got {}",
+                t.bandwidth_bytes_per_s
+            ));
+        }
+        if !(t.latency_ms.is_finite() && t.latency_ms >= 0.0) {
+            return Err(format!(
+                "transfer latency must be >= 0 ms, got {}",
+                t.latency_ms
+            ));
+        }
+        if !(self.lease_ttl_ms.is_finite() && self.lease_ttl_ms > 0.0) {
+            return Err(format!(
+                "the lease ttl must be > 0 ms, got {}",
+                self.lease_ttl_ms
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// One fleet and its router replicas.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -81,6 +189,8 @@ pub struct FleetConfig {
     pub session_aware: Option<SessionAwareConfig>,
     /// Router replicas, their sync and the load balancer in front of them.
     pub replicas: ReplicasConfig,
+    /// Prefill/decode disaggregation; `None`: every worker does both.
+    pub disagg: Option<DisaggConfig>,
 }
 
 impl Default for FleetConfig {
@@ -95,6 +205,7 @@ impl Default for FleetConfig {
             admission: AdmissionConfig::default(),
             session_aware: None,
             replicas: ReplicasConfig::default(),
+            disagg: None,
         }
     }
 }
@@ -150,6 +261,9 @@ pub enum SimError {
     /// A replica setting is invalid.
     #[error("replicas: {0}")]
     Replicas(#[from] crate::replicas::ReplicasConfigError),
+    /// A disaggregation setting is invalid.
+    #[error("disaggregation: {0}")]
+    Disagg(String),
 }
 
 /// What a simulation produced.
@@ -203,6 +317,12 @@ enum Event {
         events: Vec<Published>,
         bindings: Vec<SessionBound>,
     },
+    /// A captured prefix reaches the decode worker of `request`.
+    Transfer {
+        worker: usize,
+        request: RequestId,
+        kv: LeasedKv,
+    },
 }
 
 struct Scheduled {
@@ -243,6 +363,18 @@ struct InFlight {
     worker: usize,
     replica: usize,
     progress: Option<ProgressUpdater>,
+    phase: Phase,
+}
+
+/// Which part of a request a worker is running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// All of it (an aggregated fleet).
+    Whole,
+    /// The prompt, on a prefill worker; the output follows on a decode one.
+    Prefill,
+    /// The output, on a decode worker, after a prefill elsewhere.
+    Decode,
 }
 
 /// A submitted request waiting for placement: the driver owns its payload
@@ -253,6 +385,15 @@ struct Payload {
     arrival_ms: f64,
     tokens: Vec<u32>,
     output_tokens: u32,
+}
+
+/// A disaggregated request between its halves: the prompt again (its
+/// engine consumed it) and, once captured, where its KV is held.
+struct Handoff {
+    tokens: Vec<u32>,
+    output_tokens: u32,
+    /// The prefill worker and its lease, once captured.
+    lease: Option<(usize, LeaseRef)>,
 }
 
 struct WorkerState {
@@ -305,6 +446,14 @@ struct Fleet {
     /// Effects still to carry out, with the replica that produced them.
     effects: VecDeque<(usize, Effects)>,
     kv_scratch: Vec<KvEvent>,
+    /// Disaggregated requests between or during their halves.
+    handoffs: FxHashMap<RequestId, Handoff>,
+    observations: Vec<Observation>,
+    transfers: u64,
+    transfer_bytes: u64,
+    /// Decode halves that computed their prompt instead (no capture, or
+    /// the lease gone before the transfer).
+    transfer_fallbacks: u64,
     // Figures.
     ttft: Vec<f64>,
     itl: Vec<f64>,
@@ -331,6 +480,9 @@ impl Fleet {
             return Err(SimError::NoWorkers);
         }
         config.replicas.validate()?;
+        if let Some(disagg) = &config.disagg {
+            disagg.validate(config.workers).map_err(SimError::Disagg)?;
+        }
         let config = config.clone();
         let block_size = config.engine.block_size as u32;
         let mut workers = Vec::with_capacity(config.workers);
@@ -401,6 +553,11 @@ impl Fleet {
             payloads: FxHashMap::default(),
             effects: VecDeque::new(),
             kv_scratch: Vec::new(),
+            handoffs: FxHashMap::default(),
+            observations: Vec::new(),
+            transfers: 0,
+            transfer_bytes: 0,
+            transfer_fallbacks: 0,
             ttft: Vec::new(),
             itl: Vec::new(),
             e2e: Vec::new(),
@@ -483,6 +640,21 @@ impl Fleet {
                     events,
                     bindings,
                 } => self.apply_on_peers(origin, events, bindings),
+                Event::Transfer {
+                    worker,
+                    request,
+                    kv,
+                } => {
+                    // The request may have gone meanwhile: then the lease
+                    // was already given back through its `RendezvousDone`.
+                    if self.workers[worker]
+                        .engine
+                        .deliver_rendezvous(request, kv)
+                        .is_ok()
+                    {
+                        self.kick(worker);
+                    }
+                }
             }
             self.schedule_ticks();
             after_event(&self);
@@ -524,6 +696,7 @@ impl Fleet {
             blocks,
             prompt_tokens: tokens.len() as u32,
             session: multi_turn.then_some(SessionKey(session)),
+            eligible: self.role_pool(false),
             ..Submission::default()
         };
         self.payloads.insert(
@@ -568,6 +741,7 @@ impl Fleet {
                 self.start(replica, sent);
             }
             for id in no_worker {
+                self.drop_handoff(id);
                 if let Some(p) = self.payloads.remove(&id) {
                     self.fail(p.session);
                 }
@@ -653,6 +827,7 @@ impl Fleet {
         self.excess_sum += (self.workers[worker].booked - least) as f64;
         self.decisions += 1;
         let Some(p) = self.payloads.remove(&id) else {
+            self.drop_handoff(id);
             let fx = self.replicas[replica].dispatcher.abort(id, self.now);
             self.effects.push_back((replica, fx));
             return;
@@ -660,13 +835,40 @@ impl Fleet {
         let prompt_tokens = p.tokens.len() as u32;
         let cached = (u64::from(sent.overlap_blocks) * self.config.engine.block_size as u64)
             .min(u64::from(prompt_tokens));
-        let admitted = self.workers[worker].engine.add_request(NewRequest {
-            id,
-            prompt: p.tokens,
-            max_tokens: p.output_tokens,
-            hash_seed: DEFAULT_SEED,
-        });
+        let phase = match (&self.config.disagg, id.0 & DECODE_BIT != 0) {
+            (None, _) => Phase::Whole,
+            (Some(_), false) => Phase::Prefill,
+            (Some(_), true) => Phase::Decode,
+        };
+        let admitted = match phase {
+            Phase::Whole => self.workers[worker].engine.add_request(NewRequest {
+                id,
+                prompt: p.tokens,
+                max_tokens: p.output_tokens,
+                hash_seed: DEFAULT_SEED,
+            }),
+            Phase::Prefill => {
+                // One output token, as a disaggregated proxy asks of a
+                // prefill worker; the prompt is kept for the capture.
+                self.handoffs.insert(
+                    id,
+                    Handoff {
+                        tokens: p.tokens.clone(),
+                        output_tokens: p.output_tokens,
+                        lease: None,
+                    },
+                );
+                self.workers[worker].engine.add_request(NewRequest {
+                    id,
+                    prompt: p.tokens,
+                    max_tokens: 1,
+                    hash_seed: DEFAULT_SEED,
+                })
+            }
+            Phase::Decode => self.start_decode(worker, id, p.tokens, p.output_tokens),
+        };
         if admitted.is_err() {
+            self.drop_handoff(id);
             let fx = self.replicas[replica].dispatcher.abort(id, self.now);
             self.effects.push_back((replica, fx));
             self.fail(p.session);
@@ -688,9 +890,167 @@ impl Fleet {
                 worker,
                 replica,
                 progress: sent.progress,
+                phase,
             },
         );
         self.kick(worker);
+    }
+
+    /// The workers a new request may go to: with disaggregation, the
+    /// prefill pool (or the decode pool, for `decode`); otherwise all
+    /// (empty).
+    fn role_pool(&self, decode: bool) -> Vec<WorkerId> {
+        match &self.config.disagg {
+            None => Vec::new(),
+            Some(d) => {
+                let range = if decode {
+                    d.prefill_workers..self.workers.len()
+                } else {
+                    0..d.prefill_workers
+                };
+                self.workers[range].iter().map(|w| w.id).collect()
+            }
+        }
+    }
+
+    /// Queues the decode half of `id` on `worker`: restoring from its
+    /// prefill worker's lease, whose blocks arrive after the transfer
+    /// time; computing the prompt itself when there is no lease to read.
+    fn start_decode(
+        &mut self,
+        worker: usize,
+        id: RequestId,
+        prompt: Vec<u32>,
+        output_tokens: u32,
+    ) -> Result<(), switchyard_engine::scheduler::AdmitError> {
+        let request = NewRequest {
+            id,
+            prompt,
+            max_tokens: output_tokens,
+            hash_seed: DEFAULT_SEED,
+        };
+        let lease = self.handoffs.get(&id).and_then(|h| h.lease);
+        let read =
+            lease.map(|(source, lease)| (lease, self.workers[source].engine.read_lease(lease)));
+        match read {
+            Some((lease, Ok(kv))) => {
+                self.workers[worker]
+                    .engine
+                    .add_rendezvous_request(request, lease)?;
+                let bytes = (kv.tokens.len() as u64)
+                    .saturating_mul(self.config.engine.timing.bytes_per_token);
+                let transfer = self.config.disagg.expect("a decode half").transfer;
+                let at = self.now
+                    + self
+                        .config
+                        .engine
+                        .timing
+                        .wall_ms(transfer.transfer_ms(bytes));
+                self.transfers += 1;
+                self.transfer_bytes += bytes;
+                self.schedule(
+                    at,
+                    Event::Transfer {
+                        worker,
+                        request: id,
+                        kv,
+                    },
+                );
+                Ok(())
+            }
+            _ => {
+                // Nothing captured, or the lease is gone: compute it here.
+                self.transfer_fallbacks += 1;
+                self.drop_handoff(id);
+                self.workers[worker].engine.add_request(request)
+            }
+        }
+    }
+
+    /// Forgets a handoff, releasing its lease (a decode half that will not
+    /// restore from it).
+    fn drop_handoff(&mut self, id: RequestId) {
+        if let Some(Handoff {
+            lease: Some((source, lease)),
+            ..
+        }) = self.handoffs.remove(&id)
+        {
+            let _ = self.workers[source].engine.release_lease(lease);
+        }
+    }
+
+    /// The prefill half of `id` ended on `worker`: capture its prompt's KV
+    /// and submit the decode half to the decode pool.
+    fn hand_off(
+        &mut self,
+        worker: usize,
+        id: RequestId,
+        session: u64,
+        turn: usize,
+        arrival_ms: f64,
+    ) {
+        let Some(mut handoff) = self.handoffs.remove(&id) else {
+            return;
+        };
+        let ttl = self.config.disagg.map_or(0.0, |d| d.lease_ttl_ms);
+        // The secret would come from a CSPRNG in a real driver; the
+        // simulator has no adversary and stays deterministic.
+        let token = id.0 ^ 0x5eed_5eed_5eed_5eed;
+        handoff.lease = self.workers[worker]
+            .engine
+            .capture(&handoff.tokens, DEFAULT_SEED, token, self.now + ttl)
+            .ok()
+            .map(|(lease, _)| (worker, lease));
+        let decode = RequestId(id.0 | DECODE_BIT);
+        let tokens = std::mem::take(&mut handoff.tokens);
+        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
+        let submission = Submission {
+            blocks,
+            prompt_tokens: tokens.len() as u32,
+            eligible: self.role_pool(true),
+            ..Submission::default()
+        };
+        self.payloads.insert(
+            decode,
+            Payload {
+                session,
+                turn,
+                arrival_ms,
+                tokens,
+                output_tokens: handoff.output_tokens,
+            },
+        );
+        self.handoffs.insert(decode, handoff);
+        let replica = self.pick_replica(session, false);
+        match self.replicas[replica]
+            .dispatcher
+            .submit(decode, submission, self.now)
+        {
+            Ok((_, fx)) => self.carry_out(replica, fx),
+            Err(_) => {
+                self.payloads.remove(&decode);
+                self.drop_handoff(decode);
+                self.fail(session);
+            }
+        }
+    }
+
+    /// Releases the leases the engine of `worker` is done with, and those
+    /// past their expiry on it.
+    fn settle_leases(&mut self, worker: usize) {
+        let mut observations = std::mem::take(&mut self.observations);
+        observations.clear();
+        self.workers[worker]
+            .engine
+            .drain_observations(&mut observations);
+        for o in &observations {
+            if let Observation::RendezvousDone { request, .. } = o {
+                self.drop_handoff(*request);
+            }
+        }
+        self.observations = observations;
+        let now = self.now;
+        self.workers[worker].engine.expire_leases(now);
     }
 
     fn fail(&mut self, session: u64) {
@@ -746,10 +1106,14 @@ impl Fleet {
                 progress.advance(1);
             }
             let first = r.first_token_ms.is_none();
+            // A prefill half's token is not the client's.
+            let client = r.phase != Phase::Prefill;
             if first {
                 r.first_token_ms = Some(now);
-                self.ttft.push(now - r.arrival_ms);
-            } else {
+                if client {
+                    self.ttft.push(now - r.arrival_ms);
+                }
+            } else if client {
                 self.itl.push(now - r.last_token_ms);
             }
             r.last_token_ms = now;
@@ -766,9 +1130,29 @@ impl Fleet {
                 continue;
             };
             self.workers[r.worker].booked = self.workers[r.worker].booked.saturating_sub(1);
-            self.prompt_tokens += u64::from(r.prompt_tokens);
-            self.cached_tokens += done.cached_tokens as u64;
-            self.predicted_tokens += r.predicted_tokens;
+            if r.phase == Phase::Prefill {
+                // The prompt's cache hit is the prefill worker's.
+                self.prompt_tokens += u64::from(r.prompt_tokens);
+                self.cached_tokens += done.cached_tokens as u64;
+                self.predicted_tokens += r.predicted_tokens;
+                let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
+                let fx = self.replicas[r.replica]
+                    .dispatcher
+                    .finish(done.request, context, now);
+                self.carry_out(r.replica, fx);
+                if done.reason == switchyard_engine::FinishReason::Length {
+                    self.hand_off(worker, done.request, r.session, r.turn, r.arrival_ms);
+                } else {
+                    self.drop_handoff(done.request);
+                    self.fail(r.session);
+                }
+                continue;
+            }
+            if r.phase == Phase::Whole {
+                self.prompt_tokens += u64::from(r.prompt_tokens);
+                self.cached_tokens += done.cached_tokens as u64;
+                self.predicted_tokens += r.predicted_tokens;
+            }
             self.output_tokens += done.output_tokens as u64;
             self.e2e.push(now - r.arrival_ms);
             self.completed += 1;
@@ -783,6 +1167,9 @@ impl Fleet {
             if self.completed % 256 == 0 {
                 progress(self.completed);
             }
+        }
+        if self.config.disagg.is_some() {
+            self.settle_leases(worker);
         }
         self.deliver_kv_events(worker);
         let usage = self.workers[worker].engine.kv_usage();
@@ -857,6 +1244,9 @@ impl Fleet {
             sessions_completed: self.sessions_completed,
             makespan_s: makespan_ms / 1000.0,
             engine_steps: self.workers.iter().map(|w| w.engine.counters().steps).sum(),
+            transfers: self.transfers,
+            transfer_bytes: self.transfer_bytes,
+            transfer_fallbacks: self.transfer_fallbacks,
         };
         let decisions = self.decisions.max(1) as f64;
         let replicas = ReplicaStats {
@@ -936,6 +1326,88 @@ mod tests {
         assert!((2.0 * 5.74..2.0 * 5.8).contains(&decode), "{decode}");
         assert_eq!((r.completed, r.errors), (1, 0));
         assert_eq!(r.hit_rate, 0.0);
+    }
+
+    #[test]
+    fn a_disaggregated_request_prefills_transfers_then_decodes_from_the_restored_prefix() {
+        let mut config = fleet(2, PolicyKind::Kv);
+        config.disagg = Some(DisaggConfig {
+            prefill_workers: 1,
+            ..DisaggConfig::default()
+        });
+        let prompt: Vec<u32> = (0..100).collect();
+        let out = simulate(&config, sessions(vec![one_turn(0, 0.0, prompt, 3)]), |_| {}).unwrap();
+        let r = &out.report;
+        assert_eq!((r.completed, r.errors), (1, 0));
+        // Six full blocks of 16 tokens at 128 KiB a token moved once.
+        assert_eq!((r.transfers, r.transfer_fallbacks), (1, 0));
+        assert_eq!(r.transfer_bytes, 96 * 131_072);
+        let prefill = |t: f64| 4.209989e-7 * t * t + 1.518344e-2 * t + 16.50142;
+        let transfer = 1.0 + 96.0 * 131_072.0 / 25e9 * 1e3;
+        // The client's first token: the prefill of 100 tokens, the
+        // transfer, then the decode worker computing the 4 tokens past the
+        // restored blocks; a waiting engine looks again every floor step.
+        let floor = config.engine.timing.decode_floor_ms;
+        let least = prefill(100.0) + transfer + prefill(4.0);
+        assert!(
+            (least..least + floor + 1e-9).contains(&r.ttft_ms.mean),
+            "{} not within a floor step of {least}",
+            r.ttft_ms.mean
+        );
+        // Two decode steps after it, on the decode worker.
+        let decode = r.e2e_ms.mean - r.ttft_ms.mean;
+        assert!((2.0 * 5.74..2.0 * 5.8).contains(&decode), "{decode}");
+        // Each worker ran its half: the prefill worker computed the prompt,
+        // the decode worker only the suffix and the output.
+        let served: Vec<u64> = out.timeline.tokens.iter().map(|w| w.iter().sum()).collect();
+        assert_eq!(served, vec![100, 4 + 2]);
+    }
+
+    #[test]
+    fn a_disaggregated_fleet_ends_every_lease_and_loses_no_request() {
+        let mut config = fleet(4, PolicyKind::Kv);
+        config.disagg = Some(DisaggConfig {
+            prefill_workers: 2,
+            ..DisaggConfig::default()
+        });
+        let turns: Vec<Session> = (0..40)
+            .map(|i| {
+                let prompt: Vec<u32> = (0..(64 + (i % 7) * 50))
+                    .map(|t| t + (i % 3) * 10_000)
+                    .collect();
+                one_turn(u64::from(i), f64::from(i) * 5.0, prompt, 1 + i % 5)
+            })
+            .collect();
+        let mut leases_at_end = None;
+        let fleet_run = Fleet::new(&config, sessions(turns)).unwrap();
+        let out = fleet_run
+            .run(&mut |_| {}, |f| {
+                leases_at_end = Some(
+                    f.workers
+                        .iter()
+                        .map(|w| w.engine.leases_held())
+                        .sum::<usize>(),
+                );
+            })
+            .unwrap();
+        let r = &out.report;
+        assert_eq!((r.completed, r.errors), (40, 0));
+        assert_eq!(r.transfers + r.transfer_fallbacks, 40);
+        assert_eq!(leases_at_end, Some(0), "every lease released");
+        assert!(r.hit_rate > 0.0, "prefixes shared on the prefill pool");
+    }
+
+    #[test]
+    fn a_disaggregation_needs_a_worker_of_each_role() {
+        for prefill_workers in [0, 2] {
+            let mut config = fleet(2, PolicyKind::Kv);
+            config.disagg = Some(DisaggConfig {
+                prefill_workers,
+                ..DisaggConfig::default()
+            });
+            let err = simulate(&config, sessions(vec![]), |_| {}).err().unwrap();
+            assert!(err.to_string().contains("one of each role"), "{err}");
+        }
     }
 
     #[test]

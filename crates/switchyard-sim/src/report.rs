@@ -69,6 +69,13 @@ pub struct PolicyReport {
     pub makespan_s: f64,
     /// Engine steps simulated.
     pub engine_steps: u64,
+    /// Disaggregated fleets: KV transfers from prefill to decode workers.
+    pub transfers: u64,
+    /// Disaggregated fleets: bytes those transfers moved.
+    pub transfer_bytes: u64,
+    /// Disaggregated fleets: decode halves that computed their prompt
+    /// instead (nothing captured, or the lease gone before the transfer).
+    pub transfer_fallbacks: u64,
 }
 
 /// Per-worker load over time, for plots: tokens computed per bucket.

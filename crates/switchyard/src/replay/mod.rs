@@ -24,7 +24,7 @@ use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
 use switchyard_engine::EngineConfig;
-use switchyard_sim::fleet::{simulate, FleetConfig, SimOutcome};
+use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, SimOutcome, TransferConfig};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
@@ -221,6 +221,40 @@ pub struct ReplayArgs {
     /// With `--replicas`: how the load balancer spreads requests over replicas.
     #[arg(long, value_enum, default_value_t = replicas::BalanceChoice::RoundRobin)]
     pub replica_balance: replicas::BalanceChoice,
+    /// Prefill/decode splits to compare with the aggregated fleet of the
+    /// same size, as `P:D` (comma-separated for several, e.g. `4:4,2:6`):
+    /// `P` workers prefill, `D` decode, KV moving between them over the
+    /// transfer link. Every split must add up to the same fleet size
+    /// (it replaces `--workers`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_split)]
+    pub disagg: Vec<(usize, usize)>,
+    /// With `--disagg`: the transfer link's bandwidth in GB/s (default
+    /// 25: one 200 Gb/s RDMA NIC's line rate, an assumption).
+    #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().bandwidth_bytes_per_s / 1e9)]
+    pub transfer_gbps: f64,
+    /// With `--disagg`: the fixed cost of a transfer in ms (default 1, an
+    /// assumption).
+    #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().latency_ms)]
+    pub transfer_latency_ms: f64,
+}
+
+/// Parses a `P:D` split.
+fn parse_split(text: &str) -> Result<(usize, usize), String> {
+    let (p, d) = text
+        .split_once(':')
+        .ok_or_else(|| format!("expected P:D (prefill:decode workers), got {text:?}"))?;
+    let parse = |n: &str| {
+        n.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("expected P:D with whole numbers, got {text:?}"))
+    };
+    let (p, d) = (parse(p)?, parse(d)?);
+    if p == 0 || d == 0 {
+        return Err(format!(
+            "a split needs at least one worker of each role, got {text:?}"
+        ));
+    }
+    Ok((p, d))
 }
 
 /// The JSON report.
@@ -271,8 +305,23 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     engine
         .validate()
         .map_err(|e| anyhow::anyhow!("engine: {e}"))?;
+    let workers = match args.disagg.first() {
+        Some(&(p, d)) => {
+            anyhow::ensure!(
+                args.disagg.iter().all(|&(p2, d2)| p2 + d2 == p + d),
+                "every --disagg split must have the same number of workers"
+            );
+            anyhow::ensure!(
+                args.workers.is_none_or(|w| w == p + d),
+                "--workers {} does not match --disagg {p}:{d}",
+                args.workers.unwrap_or_default()
+            );
+            p + d
+        }
+        None => args.workers.unwrap_or(workers),
+    };
     let mut fleet = FleetConfig {
-        workers: args.workers.unwrap_or(workers),
+        workers,
         engine,
         kv_event_delay_ms: args.kv_event_delay_ms,
         online_prefill_fit: args.prefill_fit,
@@ -564,6 +613,24 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             }
             (name, f)
         })
+        .flat_map(|(name, f)| {
+            // The aggregated fleet, then each split of the same workers.
+            let splits = args.disagg.iter().map(|&(p, d)| {
+                let mut split = f.clone();
+                split.disagg = Some(DisaggConfig {
+                    prefill_workers: p,
+                    transfer: TransferConfig {
+                        bandwidth_bytes_per_s: args.transfer_gbps * 1e9,
+                        latency_ms: args.transfer_latency_ms,
+                    },
+                    ..DisaggConfig::default()
+                });
+                (format!("{name} {p}P:{d}D"), split)
+            });
+            std::iter::once((name.clone(), f.clone()))
+                .chain(splits)
+                .collect::<Vec<_>>()
+        })
         .collect();
     let outcomes = run_all(&args, &source, fleets, Some(requests))?;
     let report = ReplayReport {
@@ -603,12 +670,13 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
         report.requests, report.bound_hit_rate, report.pooled_lru_hit_rate
     );
     println!(
-        "{:<16} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
+        "{:<16} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
         "policy",
         "ttft mean",
         "ttft p50",
         "ttft p90",
         "itl p50",
+        "itl p90",
         "e2e p90",
         "hit",
         "pred",
@@ -620,12 +688,13 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
     for (name, o) in outcomes {
         let r = &o.report;
         println!(
-            "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
+            "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>6.3} {:>6.3} {:>8.2} {:>8.0} {:>6.3} {:>7}",
             name,
             r.ttft_ms.mean,
             r.ttft_ms.p50,
             r.ttft_ms.p90,
             r.itl_ms.p50,
+            r.itl_ms.p90,
             r.e2e_ms.p90,
             r.hit_rate,
             r.predicted_hit_rate,
@@ -636,6 +705,17 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
         );
     }
     println!("(times in ms; hit = engine prefix hit rate; pred = router's predicted hit rate; cv = per-worker load imbalance)");
+    for (name, o) in outcomes {
+        let r = &o.report;
+        if r.transfers + r.transfer_fallbacks > 0 {
+            println!(
+                "{name}: {} KV transfers, {:.2} GB moved, {} decode halves computed their prompt instead",
+                r.transfers,
+                r.transfer_bytes as f64 / 1e9,
+                r.transfer_fallbacks
+            );
+        }
+    }
     println!("wall: {:.1} s", report.wall_seconds);
 }
 
