@@ -116,6 +116,22 @@ pub struct EstimatorConfig {
     pub min_samples: usize,
     /// Newest samples kept per worker.
     pub window: usize,
+    /// The link KV moves over between workers, when the driver can move
+    /// it (a peer restore, see [`crate::select::PeerSource`]); `None`: it
+    /// cannot, and no policy offers one. Set by the simulator only (not
+    /// read from a config file: `serve` cannot move KV between workers).
+    #[serde(skip)]
+    pub peer_transfer: Option<PeerTransferModel>,
+}
+
+/// Model time to move KV between two workers: `latency_ms + tokens ×
+/// ms_per_token` (divided by the speed-up, as every model time is).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PeerTransferModel {
+    /// Fixed cost per transfer (model ms).
+    pub latency_ms: f64,
+    /// Model ms per token moved.
+    pub ms_per_token: f64,
 }
 
 impl Default for EstimatorConfig {
@@ -130,6 +146,7 @@ impl Default for EstimatorConfig {
             online: true,
             min_samples: 16,
             window: 64,
+            peer_transfer: None,
         }
     }
 }
@@ -186,6 +203,13 @@ impl EstimatorConfig {
         if !(self.speedup.is_finite() && self.speedup >= 0.0) {
             return Err(EstimatorConfigError::Speedup(self.speedup));
         }
+        if let Some(t) = self.peer_transfer {
+            for v in [t.latency_ms, t.ms_per_token] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(EstimatorConfigError::RestoreCost(v));
+                }
+            }
+        }
         if self.min_samples < 2 || self.window < self.min_samples {
             return Err(EstimatorConfigError::Window {
                 window: self.window,
@@ -225,6 +249,16 @@ impl EstimatorConfig {
             return 0.0;
         }
         tokens as f64 * self.restore_ms_per_token / self.speedup
+    }
+
+    /// Wall milliseconds to move `tokens` tokens of KV from one worker to
+    /// another, when [`Self::peer_transfer`] says how.
+    pub fn transfer_model_ms(&self, tokens: u64) -> Option<f64> {
+        let t = self.peer_transfer?;
+        if self.speedup == 0.0 {
+            return Some(0.0);
+        }
+        Some((t.latency_ms + tokens as f64 * t.ms_per_token) / self.speedup)
     }
 }
 
@@ -272,6 +306,10 @@ impl PrefillTime for EstimatorConfig {
     fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
         self.restore_model_ms(tokens)
     }
+
+    fn transfer_ms(&self, _worker: WorkerId, tokens: u64) -> Option<f64> {
+        self.transfer_model_ms(tokens)
+    }
 }
 
 impl PrefillTime for PrefillEstimator {
@@ -294,6 +332,11 @@ impl PrefillTime for PrefillEstimator {
     /// The configured model: restores are not fitted.
     fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
         self.config.restore_model_ms(tokens)
+    }
+
+    /// The configured model: transfers are not fitted.
+    fn transfer_ms(&self, _worker: WorkerId, tokens: u64) -> Option<f64> {
+        self.config.transfer_model_ms(tokens)
     }
 }
 

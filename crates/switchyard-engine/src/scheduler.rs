@@ -557,6 +557,14 @@ impl<D: DeviceLayer> Engine<D> {
             .capture(&mut self.kv, &hashes, token, expires_at_ms)
     }
 
+    /// Leading full blocks of `prompt` this engine's device caches now (a
+    /// transfer need not move those).
+    pub fn cached_prefix_blocks(&self, prompt: &[u32], hash_seed: u64) -> usize {
+        let bs = self.config.block_size;
+        self.kv
+            .lookup_prefix(&block_hashes(prompt, hash_seed, prompt.len() / bs, bs))
+    }
+
     /// A lease's blocks, for the transfer to the engine restoring them.
     pub fn read_lease(&mut self, lease: LeaseRef) -> Result<LeasedKv, LeaseError> {
         self.leases.read(&self.kv, lease)

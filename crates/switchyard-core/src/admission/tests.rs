@@ -27,6 +27,7 @@ fn selected(worker: WorkerId) -> SelectOutcome {
     SelectOutcome::Selected(Decision {
         worker,
         overlap_blocks: 0,
+        peer: None,
     })
 }
 

@@ -184,8 +184,12 @@ pub struct Dispatch {
     pub booking: RequestId,
     /// Where it goes.
     pub worker: WorkerId,
-    /// Leading blocks the router expects the worker to have cached.
+    /// Leading blocks the router expects the worker to have cached (with
+    /// `peer`, once the restore is in).
     pub overlap_blocks: u32,
+    /// Have the worker restore the prompt's leading blocks from this peer
+    /// first (only when the dispatcher's estimator has a transfer link).
+    pub peer: Option<crate::select::PeerSource>,
     /// Time it waited in the queue.
     pub waited_ms: f64,
     /// Live progress (tokens generated so far), when a strategy tracks the
@@ -304,6 +308,7 @@ struct Booked {
     ticket: Option<ResponseTicket>,
     placed_ms: f64,
     overlap_blocks: u32,
+    peer: Option<crate::select::PeerSource>,
     /// When it was the only local prefill on its worker when placed (its
     /// time to first token then measures its prefill: an estimator
     /// sample), the configured model's time to its first token on the
@@ -1053,7 +1058,9 @@ impl Dispatcher {
             let mut generation = 0;
             let mut sample_model_ms = None;
             if let Some(slot) = workers.get_mut(&decision.worker) {
-                if slot.prefilling == 0 {
+                // A peer restore's first token waits for the transfer too:
+                // not a sample of the worker's prefill.
+                if slot.prefilling == 0 && decision.peer.is_none() {
                     let model = estimator.config();
                     sample_model_ms = Some(match router.last_candidate(decision.worker) {
                         Some(c) => model.first_token_model_ms(
@@ -1081,6 +1088,7 @@ impl Dispatcher {
                 ticket: None,
                 placed_ms: now_ms,
                 overlap_blocks: decision.overlap_blocks,
+                peer: decision.peer,
                 sample_model_ms,
                 first_token: false,
                 circuit_generation: generation,
@@ -1125,6 +1133,7 @@ impl Dispatcher {
                         booking: request.booking,
                         worker: booked.worker,
                         overlap_blocks: booked.overlap_blocks,
+                        peer: booked.peer,
                         waited_ms,
                         progress,
                     });

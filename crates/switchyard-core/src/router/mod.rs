@@ -939,7 +939,8 @@ mod tests {
             d,
             Decision {
                 worker: w(2),
-                overlap_blocks: 8
+                overlap_blocks: 8,
+                peer: None,
             }
         );
         // Only the eligible workers are considered.
@@ -981,6 +982,7 @@ mod tests {
         let decision = Decision {
             worker: w(1),
             overlap_blocks: 3,
+            peer: None,
         };
         r.book(RequestId(1), prompt(&blocks), decision, None, 0.0);
         assert_eq!(r.workers[&w(1)].writes.at(0.0), (8 - 3) as f64 * 16.0);
@@ -1023,6 +1025,7 @@ mod tests {
             Decision {
                 worker: w(2),
                 overlap_blocks: 0,
+                peer: None,
             },
             None,
             0.0,
@@ -1067,7 +1070,8 @@ mod tests {
             selected(r.route(prompt(&blocks), None, 0.0)),
             Decision {
                 worker: w(2),
-                overlap_blocks: 4
+                overlap_blocks: 4,
+                peer: None,
             }
         );
         // Unknown workers are not remembered.
@@ -1093,7 +1097,8 @@ mod tests {
             again,
             Decision {
                 worker: first.worker,
-                overlap_blocks: 8
+                overlap_blocks: 8,
+                peer: None,
             }
         );
         assert!(r

@@ -146,6 +146,7 @@ impl Selector for CacheAwareSelector {
         SelectOutcome::Selected(Decision {
             worker: c.worker,
             overlap_blocks: predicted,
+            peer: None,
         })
     }
 

@@ -98,6 +98,7 @@ impl Selector for KvSelector {
             Some(c) => SelectOutcome::Selected(Decision {
                 worker: c.worker,
                 overlap_blocks: c.overlap_blocks,
+                peer: None,
             }),
             None => ctx.unavailable(),
         }
@@ -193,7 +194,8 @@ mod tests {
             outcome,
             SelectOutcome::Selected(Decision {
                 worker: cands[1].worker,
-                overlap_blocks: 3
+                overlap_blocks: 3,
+                peer: None,
             })
         );
     }

@@ -107,6 +107,14 @@ pub trait PrefillTime {
     /// Expected wall milliseconds for `worker` to restore `tokens` tokens
     /// of KV from its host tier to its device (0 tokens take no time).
     fn restore_ms(&self, worker: WorkerId, tokens: u64) -> f64;
+
+    /// Expected wall milliseconds to move `tokens` tokens of KV from
+    /// another worker's device to `worker`'s (a peer restore), or `None`
+    /// when the driver cannot move KV between workers — then no policy
+    /// offers one.
+    fn transfer_ms(&self, _worker: WorkerId, _tokens: u64) -> Option<f64> {
+        None
+    }
 }
 
 /// Everything a selector may read for one decision.
@@ -161,8 +169,22 @@ impl<'a> RoutingContext<'a> {
 pub struct Decision {
     /// The chosen worker.
     pub worker: WorkerId,
-    /// Leading prompt blocks the router predicts it has cached.
+    /// Leading prompt blocks the router predicts it has cached (with a
+    /// peer restore, once the restore is in).
     pub overlap_blocks: u32,
+    /// Restore the prompt's leading blocks from another worker first.
+    pub peer: Option<PeerSource>,
+}
+
+/// A peer restore: the worker holding the prompt's longest cached prefix
+/// lends it to the chosen worker, which restores it instead of computing
+/// it (the restore protocol's rendezvous source).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerSource {
+    /// The worker holding the prefix.
+    pub holder: WorkerId,
+    /// Its leading prompt blocks to move.
+    pub blocks: u32,
 }
 
 /// What a selector answered.

@@ -8,6 +8,7 @@ fn selected(c: &Candidate) -> SelectOutcome {
     SelectOutcome::Selected(Decision {
         worker: c.worker,
         overlap_blocks: c.overlap_blocks,
+        peer: None,
     })
 }
 

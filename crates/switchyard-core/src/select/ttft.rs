@@ -109,9 +109,10 @@
 //! tokens, then fewer running requests, then the seeded RNG.
 
 use super::{
-    argmin_random_tie, at_least, Candidate, Decision, PolicyConfigError, RoutingContext,
-    SelectOutcome, Selector,
+    argmin_random_tie, at_least, Candidate, Decision, PeerSource, PolicyConfigError,
+    RoutingContext, SelectOutcome, Selector,
 };
+use crate::types::WorkerId;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
@@ -320,12 +321,14 @@ impl TtftSelector {
 impl TtftSelector {
     /// `home` — the cheapest holder of the longest cached prefix of the
     /// prompt, with its cost — keeps the request unless `chosen`, priced at
-    /// the home's pace, saves more than `stickiness` of its decode steps.
+    /// the home's pace (and lent the prefix, when that is what made it the
+    /// choice), saves more than `stickiness` of its decode steps.
     fn stay_home<'c>(
         &self,
         ctx: &RoutingContext<'c>,
         chosen: &'c Candidate,
         (home, home_ms): (&'c Candidate, f64),
+        lend: Option<u32>,
     ) -> &'c Candidate {
         if self.config.stickiness <= 0.0 || chosen.overlap_blocks == home.overlap_blocks {
             return chosen;
@@ -333,11 +336,48 @@ impl TtftSelector {
         // The saving as the home's pace prices both: a move is made for
         // what the other worker's state saves, not for a difference in
         // learned speed, which among alike workers is the fit's noise.
-        let saving = home_ms - self.cost_priced_as(ctx, chosen, home.worker).total();
+        let chosen_ms = self.best_cost(ctx, chosen, home.worker, lend).0.total();
+        let saving = home_ms - chosen_ms;
         if saving <= self.config.stickiness * full_decode_step_ms(ctx, home, home.worker) {
             home
         } else {
             chosen
+        }
+    }
+
+    /// `c`'s cost at `priced`'s pace, and whether it is the cost of being
+    /// lent the prompt's longest cached prefix (`lend`: its length in
+    /// blocks, when the driver can move KV between workers) by the worker
+    /// holding it rather than computing what `c` lacks: the transfer,
+    /// then `c`'s queue and the prefill of what is still uncached.
+    fn best_cost(
+        &self,
+        ctx: &RoutingContext<'_>,
+        c: &Candidate,
+        priced: crate::types::WorkerId,
+        lend: Option<u32>,
+    ) -> (TtftCost, bool) {
+        let own = self.cost_priced_as(ctx, c, priced);
+        let Some(longest) = lend.filter(|&l| l > c.overlap_blocks) else {
+            return (own, false);
+        };
+        let prompt = u64::from(ctx.request.prompt_tokens);
+        let moved = (u64::from(longest - c.overlap_blocks) * u64::from(ctx.block_size))
+            .min(prompt.saturating_sub(u64::from(c.overlap_blocks) * u64::from(ctx.block_size)));
+        let Some(transfer_ms) = ctx.prefill.transfer_ms(priced, moved) else {
+            return (own, false);
+        };
+        let lent = Candidate {
+            overlap_blocks: longest,
+            host_overlap_blocks: 0,
+            ..*c
+        };
+        let mut cost = self.cost_priced_as(ctx, &lent, priced);
+        cost.first_token_ms += transfer_ms;
+        if cost.total() < own.total() {
+            (cost, true)
+        } else {
+            (own, false)
         }
     }
 }
@@ -363,10 +403,15 @@ impl Selector for TtftSelector {
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
         let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
         let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
+        // A peer restore is on offer when some worker holds a prefix and
+        // the driver can move KV (the dispatcher's estimator has a link).
+        let lend = (longest > 0)
+            .then_some(longest)
+            .filter(|_| ctx.prefill.transfer_ms(WorkerId::new(0), 0).is_some());
         // The cheapest holder of the longest prefix, found in the same pass.
         let mut home: Option<(crate::types::WorkerId, f64)> = None;
         let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
-            let cost = self.cost(ctx, c);
+            let (cost, _) = self.best_cost(ctx, c, c.worker, lend);
             let total = cost.total();
             if longest > 0 && c.overlap_blocks == longest && home.is_none_or(|(_, ms)| total < ms) {
                 home = Some((c.worker, total));
@@ -379,13 +424,28 @@ impl Selector for TtftSelector {
             Some((c, ms))
         });
         if let (Some(chosen), Some(home)) = (best, home) {
-            best = Some(self.stay_home(ctx, chosen, home));
+            best = Some(self.stay_home(ctx, chosen, home, lend));
         }
         match best {
-            Some(c) => SelectOutcome::Selected(Decision {
-                worker: c.worker,
-                overlap_blocks: c.overlap_blocks,
-            }),
+            Some(c) => {
+                // Lent by the home when that is what its cost was.
+                let peer = home
+                    .filter(|(h, _)| h.worker != c.worker)
+                    .filter(|_| self.best_cost(ctx, c, c.worker, lend).1)
+                    .map(|(h, _)| PeerSource {
+                        holder: h.worker,
+                        blocks: longest,
+                    });
+                SelectOutcome::Selected(Decision {
+                    worker: c.worker,
+                    overlap_blocks: if peer.is_some() {
+                        longest
+                    } else {
+                        c.overlap_blocks
+                    },
+                    peer,
+                })
+            }
             None => ctx.unavailable(),
         }
     }
@@ -399,6 +459,98 @@ mod tests {
 
     fn blocks(n: u64) -> Vec<LocalHash> {
         (0..n).map(LocalHash).collect()
+    }
+
+    /// [`LINEAR`] with a link between workers: 1 ms plus 0.05 ms a token.
+    struct Linked;
+
+    impl crate::select::PrefillTime for Linked {
+        fn prefill_ms(&self, w: crate::types::WorkerId, tokens: u64) -> f64 {
+            LINEAR.prefill_ms(w, tokens)
+        }
+        fn decode_step_ms(&self, w: crate::types::WorkerId, usage: f64) -> f64 {
+            LINEAR.decode_step_ms(w, usage)
+        }
+        fn restore_ms(&self, w: crate::types::WorkerId, tokens: u64) -> f64 {
+            LINEAR.restore_ms(w, tokens)
+        }
+        fn transfer_ms(&self, _: crate::types::WorkerId, tokens: u64) -> Option<f64> {
+            Some(1.0 + 0.05 * tokens as f64)
+        }
+    }
+
+    #[test]
+    fn an_idle_worker_is_lent_the_prefix_a_busy_holder_would_make_it_wait_for() {
+        let b = blocks(64);
+        // The holder has 60 of the 64 blocks but 5,000 tokens queued.
+        let mut holder = candidate(1);
+        holder.overlap_blocks = 60;
+        holder.active_prefill_tokens = 5_000;
+        holder.active_requests = 1;
+        let idle = candidate(2);
+        let cands = [holder, idle];
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        // Without a link the idle worker computes all 1,024 tokens.
+        let plain = s.select(&ctx(&b, 1024, &cands));
+        assert_eq!(
+            plain,
+            SelectOutcome::Selected(Decision {
+                worker: idle.worker,
+                overlap_blocks: 0,
+                peer: None
+            })
+        );
+        // With one, it restores the 60 blocks from the holder (48.0 ms of
+        // transfer, then 64 tokens) rather than compute them.
+        let lent = s.select(&ctx_with_model(&b, 1024, &cands, &Linked));
+        assert_eq!(
+            lent,
+            SelectOutcome::Selected(Decision {
+                worker: idle.worker,
+                overlap_blocks: 60,
+                peer: Some(PeerSource {
+                    holder: holder.worker,
+                    blocks: 60
+                })
+            })
+        );
+        // An idle holder keeps its prompt: nothing moves.
+        let quiet = Candidate {
+            active_prefill_tokens: 0,
+            active_requests: 0,
+            ..holder
+        };
+        let kept = s.select(&ctx_with_model(&b, 1024, &[quiet, idle], &Linked));
+        assert_eq!(
+            kept,
+            SelectOutcome::Selected(Decision {
+                worker: holder.worker,
+                overlap_blocks: 60,
+                peer: None
+            })
+        );
+    }
+
+    #[test]
+    fn a_peer_restore_is_priced_transfer_then_queue_then_what_is_still_uncached() {
+        let b = blocks(64);
+        let mut holder = candidate(1);
+        holder.overlap_blocks = 60;
+        let mut c = candidate(2);
+        c.overlap_blocks = 20;
+        c.active_prefill_tokens = 100;
+        let s = TtftSelector::new(TtftConfig::default(), 0);
+        let (cost, lent) = s.best_cost(
+            &ctx_with_model(&b, 1024, &[holder, c], &Linked),
+            &c,
+            c.worker,
+            Some(60),
+        );
+        assert!(lent);
+        // 40 blocks (640 tokens) moved: 1 + 32 ms; then the 100 queued
+        // tokens and the 64 still uncached.
+        assert_eq!(cost.first_token_ms, 33.0 + 100.0 + 64.0);
+        assert_eq!(cost.new_tokens, 64);
     }
 
     #[test]

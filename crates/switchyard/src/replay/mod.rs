@@ -228,12 +228,19 @@ pub struct ReplayArgs {
     /// (it replaces `--workers`).
     #[arg(long, value_delimiter = ',', value_parser = parse_split)]
     pub disagg: Vec<(usize, usize)>,
-    /// With `--disagg`: the transfer link's bandwidth in GB/s (default
+    /// Also run each policy on the aggregated fleet with peer prefix
+    /// restore: the `ttft` policy may place a request on another worker
+    /// together with a restore of its longest cached prefix from the
+    /// worker holding it, over the transfer link (other policies ignore
+    /// it).
+    #[arg(long)]
+    pub peer_restore: bool,
+    /// With `--disagg` or `--peer-restore`: the transfer link's bandwidth in GB/s (default
     /// 25: one 200 Gb/s RDMA NIC's line rate, an assumption).
     #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().bandwidth_bytes_per_s / 1e9)]
     pub transfer_gbps: f64,
-    /// With `--disagg`: the fixed cost of a transfer in ms (default 1, an
-    /// assumption).
+    /// With `--disagg` or `--peer-restore`: the fixed cost of a transfer
+    /// in ms (default 1, an assumption).
     #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().latency_ms)]
     pub transfer_latency_ms: f64,
 }
@@ -614,20 +621,28 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             (name, f)
         })
         .flat_map(|(name, f)| {
-            // The aggregated fleet, then each split of the same workers.
+            // The aggregated fleet, with peer restore if asked, then each
+            // split of the same workers.
+            let link = TransferConfig {
+                bandwidth_bytes_per_s: args.transfer_gbps * 1e9,
+                latency_ms: args.transfer_latency_ms,
+            };
+            let peer = args.peer_restore.then(|| {
+                let mut lending = f.clone();
+                lending.peer_restore = Some(link);
+                (format!("{name}+peer"), lending)
+            });
             let splits = args.disagg.iter().map(|&(p, d)| {
                 let mut split = f.clone();
                 split.disagg = Some(DisaggConfig {
                     prefill_workers: p,
-                    transfer: TransferConfig {
-                        bandwidth_bytes_per_s: args.transfer_gbps * 1e9,
-                        latency_ms: args.transfer_latency_ms,
-                    },
+                    transfer: link,
                     ..DisaggConfig::default()
                 });
                 (format!("{name} {p}P:{d}D"), split)
             });
             std::iter::once((name.clone(), f.clone()))
+                .chain(peer)
                 .chain(splits)
                 .collect::<Vec<_>>()
         })
