@@ -105,6 +105,15 @@
 //! (docs/simulator.md). A real difference — a long prefill queued ahead
 //! on the holder, a full worker — still moves it.
 //!
+//! **Peer restore.** When the dispatcher's estimator has a link between
+//! workers ([`super::PrefillTime::transfer_ms`]; only the simulator gives
+//! it one), each worker is also priced as if lent the prompt's longest
+//! cached prefix by `home`: its cost with that prefix cached, plus the
+//! transfer of the blocks it lacks before its first token. The cheaper of
+//! the two is its cost; when the lent one wins (stickiness applies as
+//! above), the decision names `home` as the source
+//! ([`super::PeerSource`]) and books the lent blocks as cached.
+//!
 //! Ties (an instant engine's zero times, equal workers) go to fewer new
 //! tokens, then fewer running requests, then the seeded RNG.
 
