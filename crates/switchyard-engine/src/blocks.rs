@@ -136,6 +136,17 @@ impl Drop for HostPins {
     }
 }
 
+/// What the block manager's own table says a restore installed for the
+/// sequence: the blocks after the device prefix, and whether they are the
+/// source's blocks, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InstalledTable {
+    /// Blocks in the sequence's table after its device prefix.
+    pub blocks: usize,
+    /// Whether those blocks hold the source's hashes, in order.
+    pub matches_source: bool,
+}
+
 /// A restore asked for blocks the pool cannot hold now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("restore needs {needed} free device blocks, {free} are free")]
@@ -276,14 +287,14 @@ impl BlockManager {
         seq: SeqId,
         prefix: usize,
         source: &[SequenceHash],
-    ) -> crate::restore::InstalledTable {
+    ) -> InstalledTable {
         let after = self.seq_blocks(seq).get(prefix..).unwrap_or(&[]);
         let matches_source = after.len() <= source.len()
             && after
                 .iter()
                 .zip(source)
                 .all(|(&block, &hash)| self.blocks[block as usize].hash == Some(hash));
-        crate::restore::InstalledTable {
+        InstalledTable {
             blocks: after.len(),
             matches_source,
         }

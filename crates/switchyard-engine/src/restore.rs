@@ -21,6 +21,7 @@
 //! Observations carry lengths, never token contents.
 
 use crate::blocks::HostPins;
+pub use crate::blocks::InstalledTable;
 use crate::timing::TimingConfig;
 use switchyard_core::RequestId;
 
@@ -259,17 +260,6 @@ pub struct RestoreOutput {
     pub restored_tokens: usize,
     /// Blocks it installed.
     pub blocks_installed: usize,
-}
-
-/// What the block manager's own table says a restore installed for the
-/// sequence: the blocks after the device prefix, and whether they are the
-/// source's blocks, in order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InstalledTable {
-    /// Blocks in the sequence's table after its device prefix.
-    pub blocks: usize,
-    /// Whether those blocks hold the source's hashes, in order.
-    pub matches_source: bool,
 }
 
 /// Why a restored output cannot be used.
