@@ -13,6 +13,7 @@ mod support;
 #[path = "../../../switchyard-server/tests/it/scripted_worker.rs"]
 mod scripted_worker;
 
+mod deploy;
 mod events_decode;
 mod layout;
 mod openai_client;
