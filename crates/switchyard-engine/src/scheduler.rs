@@ -1357,19 +1357,27 @@ mod tests {
         assert_eq!(engine.counters().restores.restored, 1);
     }
 
-    #[test]
-    fn a_restore_without_device_capacity_is_deferred_with_its_source_pinned() {
+    /// An engine with a 640-token prompt spilled to its host tier and
+    /// request 2 holding most of its device for `outputs` tokens; request 1
+    /// (that prompt) queued behind it.
+    fn restore_behind_a_long_request(outputs: u32) -> Engine<ScriptedDevice> {
         let mut engine =
             Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
-        // A long-running request holds most of the device.
         engine
-            .add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 200))
+            .add_request(request(2, (90_000..90_000 + 40 * 16).collect(), outputs))
             .unwrap();
         let mut report = StepReport::default();
         engine.step(&mut report).unwrap();
         engine.add_request(request(1, prompt, 1)).unwrap();
+        engine
+    }
+
+    #[test]
+    fn a_restore_without_device_capacity_is_deferred_with_its_source_pinned() {
+        let mut engine = restore_behind_a_long_request(200);
+        let mut report = StepReport::default();
         engine.step(&mut report).unwrap();
         let obs = observations(&mut engine);
         assert!(obs.contains(&Observation::RestoreDecided {
@@ -1386,16 +1394,7 @@ mod tests {
 
     #[test]
     fn a_deferred_restore_is_retried_from_its_retained_source() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
-        let prompt: Vec<u32> = (0..640).collect();
-        spill_prompt(&mut engine, &prompt);
-        engine
-            .add_request(request(2, (90_000..90_000 + 40 * 16).collect(), 5))
-            .unwrap();
-        let mut report = StepReport::default();
-        engine.step(&mut report).unwrap();
-        engine.add_request(request(1, prompt, 1)).unwrap();
+        let mut engine = restore_behind_a_long_request(5);
         engine.device_mut().log.clear();
         observations(&mut engine);
         run_to_end(&mut engine);

@@ -327,14 +327,17 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     let (mut quiet, mut loaded, mut applies) = (Vec::new(), Vec::new(), Vec::new());
     let mut loaded_secs = 0.0;
     let applied = Arc::new(AtomicU64::new(0));
-    for _ in 0..args.rounds.max(1) {
-        quiet.extend(place(
+    let round = |rng: &mut StdRng| {
+        place(
             &shared,
             args.decisions,
             args.event_blocks,
             args.routing_threads,
-            &mut rng,
-        )?);
+            rng,
+        )
+    };
+    for _ in 0..args.rounds.max(1) {
+        quiet.extend(round(&mut rng)?);
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = workers
             .iter()
@@ -347,13 +350,7 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
             })
             .collect();
         let started = Instant::now();
-        loaded.extend(place(
-            &shared,
-            args.decisions,
-            args.event_blocks,
-            args.routing_threads,
-            &mut rng,
-        )?);
+        loaded.extend(round(&mut rng)?);
         loaded_secs += started.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
         for thread in threads {
