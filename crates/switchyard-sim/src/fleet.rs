@@ -29,9 +29,10 @@
 //!   reach its peers `sync_delay_ms` later, and they apply them as a
 //!   peer's batch (see [`crate::replicas`]).
 //!
-//! - **transfer** — with [`FleetConfig::disagg`], a prefill worker's
-//!   captured KV reaches the decode worker a request was placed on, a
-//!   latency plus its size over the link's bandwidth after the placement.
+//! - **transfer** — with [`FleetConfig::disagg`] (or
+//!   [`FleetConfig::peer_restore`]), a worker's captured KV reaches the
+//!   worker a request was placed on, a latency plus the size of what that
+//!   worker lacks over the link's bandwidth after the placement.
 //!
 //! Disaggregated fleets ([`DisaggConfig`]): the first `prefill_workers`
 //! workers compute prompts (each request with one output token, as vLLM's
@@ -44,6 +45,11 @@
 //! the decode worker's first token (the prefill's own token is not
 //! returned). The lease is released when the decode engine says it is done
 //! with it, or expires.
+//!
+//! Peer restore ([`FleetConfig::peer_restore`]) uses the same path in an
+//! aggregated fleet: when the `ttft` policy's decision names a holder of
+//! the prompt's prefix, the holder captures it and the chosen worker
+//! restores it after the transfer.
 //!
 //! A session's next turn arrives a think time after its previous turn ends.
 //! Nothing reads a clock and every random choice is seeded: a run is a pure
@@ -127,6 +133,23 @@ impl Default for TransferConfig {
 }
 
 impl TransferConfig {
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.bandwidth_bytes_per_s.is_finite() && self.bandwidth_bytes_per_s > 0.0) {
+            return Err(format!(
+                "transfer bandwidth must be > 0 bytes/s, got {}",
+                self.bandwidth_bytes_per_s
+            ));
+        }
+        if !(self.latency_ms.is_finite() && self.latency_ms >= 0.0) {
+            return Err(format!(
+                "transfer latency must be >= 0 ms, got {}",
+                self.latency_ms
+            ));
+        }
+        Ok(())
+    }
+
     /// Model milliseconds to move `bytes`.
     pub fn transfer_ms(&self, bytes: u64) -> f64 {
         self.latency_ms + bytes as f64 / self.bandwidth_bytes_per_s * 1e3
@@ -142,19 +165,7 @@ impl DisaggConfig {
                 self.prefill_workers
             ));
         }
-        let t = &self.transfer;
-        if !(t.bandwidth_bytes_per_s.is_finite() && t.bandwidth_bytes_per_s > 0.0) {
-            return Err(format!(
-                "transfer bandwidth must be > 0 bytes/s, got {}",
-                t.bandwidth_bytes_per_s
-            ));
-        }
-        if !(t.latency_ms.is_finite() && t.latency_ms >= 0.0) {
-            return Err(format!(
-                "transfer latency must be >= 0 ms, got {}",
-                t.latency_ms
-            ));
-        }
+        self.transfer.validate()?;
         if !(self.lease_ttl_ms.is_finite() && self.lease_ttl_ms > 0.0) {
             return Err(format!(
                 "the lease ttl must be > 0 ms, got {}",
@@ -495,12 +506,7 @@ impl Fleet {
             disagg.validate(config.workers).map_err(SimError::Disagg)?;
         }
         if let Some(link) = config.peer_restore {
-            let check = DisaggConfig {
-                prefill_workers: 1,
-                transfer: link,
-                ..DisaggConfig::default()
-            };
-            check.validate(2).map_err(SimError::Disagg)?;
+            link.validate().map_err(SimError::Disagg)?;
         }
         let config = config.clone();
         let block_size = config.engine.block_size as u32;
