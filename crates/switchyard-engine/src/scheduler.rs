@@ -7,9 +7,12 @@
 //!    budget; a dry pool preempts the newest running sequence (recompute,
 //!    LIFO), possibly the one being scheduled;
 //! 2. if nothing was preempted, waiting sequences in order while the budget
-//!    and `max_num_seqs` allow: prefix hits on the device, then the host-tier
-//!    restore protocol ([`crate::restore`]), then a reservation for the first
-//!    chunk; a dry pool leaves the request waiting;
+//!    and `max_num_seqs` allow: prefix hits on the device, then the restore
+//!    protocol ([`crate::restore`]: from the host tier, or from another
+//!    engine's capture lease for a request added with
+//!    [`Engine::add_rendezvous_request`]), then a reservation for the first
+//!    chunk; a dry pool leaves the request waiting, and so stops admission,
+//!    while a rendezvous not yet delivered is passed over;
 //! 3. launch the step on the device layer and read its result;
 //! 4. advance every scheduled sequence, cache its newly full blocks, sample a
 //!    synthetic token where a sequence caught up, finish those at `max_tokens`.
