@@ -8,10 +8,20 @@ use switchyard::bench;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// `--version`: the crate's version and the commit it was built from
+/// (`build.rs`: a short hash, `-dirty` when tracked files had changes,
+/// `unknown` outside a git checkout).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("SWITCHYARD_COMMIT"),
+    ")"
+);
+
 /// Switchyard: a KV-cache-aware, session-aware request router for LLM
 /// inference fleets.
 #[derive(Debug, Parser)]
-#[command(name = "switchyard", version, about, long_about = None)]
+#[command(name = "switchyard", version = VERSION, about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
