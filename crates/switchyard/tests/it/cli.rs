@@ -1,4 +1,5 @@
-//! The command line as an installed binary meets its user: `--version`.
+//! The command line as an installed binary meets its user: `--version`
+//! and shell completions.
 
 use crate::support::machine_blocking;
 use std::process::Command;
@@ -57,5 +58,24 @@ fn version_names_the_release_and_the_commit_it_was_built_from() {
                 "--version names {hash}, the checkout is at {head}"
             );
         }
+    }
+}
+
+#[test]
+fn completions_cover_every_shell_and_bash_names_the_subcommands() {
+    let _machine = machine_blocking();
+    let bash = switchyard(&["completions", "bash"]);
+    assert!(bash.contains("complete -F"), "not a bash completion script");
+    for subcommand in ["serve", "sim-worker", "replay", "demo", "completions"] {
+        assert!(
+            bash.contains(subcommand),
+            "the bash completions do not mention {subcommand}"
+        );
+    }
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        assert!(
+            switchyard(&["completions", shell]).contains("sim-worker"),
+            "{shell}"
+        );
     }
 }
