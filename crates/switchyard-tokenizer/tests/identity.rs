@@ -33,7 +33,7 @@ fn conversations() -> &'static [Vec<ChatMessage>] {
             env!("CARGO_MANIFEST_DIR"),
             "/../../data/traces/sharegpt_multiturn_3000.jsonl.gz"
         ));
-        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(file));
         reader
             .lines()
