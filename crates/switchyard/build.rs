@@ -9,10 +9,11 @@
 //!   differ from it, else `unknown` (a source tarball, or no `git`).
 //!
 //! The commit is read again when `HEAD`, the branch it names, the reflog or
-//! the index change (a commit, a checkout, `git add`), not on every edit: a
-//! tree edited since the last build script run can still say it is clean
-//! until one of those changes. `cargo install` builds afresh, so what it
-//! installs is exact.
+//! the index change (a commit, a checkout, `git add`), and when what the
+//! binary is built from changes (the crates' sources and manifests, the
+//! lockfile): so `-dirty` is exact for any change that reaches the binary,
+//! while an edit to docs or tests alone shows at the next build after a git
+//! command.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -61,6 +62,7 @@ fn commit(manifest: &Path) -> String {
         return "unknown".to_owned();
     };
     watch_git(manifest, &git);
+    watch_sources(&manifest.join("../.."));
     // Tracked files only: a stray untracked file does not make a build dirty.
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
         .is_none_or(|changes| !changes.is_empty());
@@ -68,6 +70,20 @@ fn commit(manifest: &Path) -> String {
         format!("{hash}-dirty")
     } else {
         hash
+    }
+}
+
+/// Asks cargo to run this script again when the workspace's manifests,
+/// lockfile or any crate's sources, manifest or build script change.
+fn watch_sources(workspace: &Path) {
+    let mut watched = vec![workspace.join("Cargo.toml"), workspace.join("Cargo.lock")];
+    if let Ok(crates) = std::fs::read_dir(workspace.join("crates")) {
+        for dir in crates.flatten().map(|entry| entry.path()) {
+            watched.extend(["src", "Cargo.toml", "build.rs"].map(|part| dir.join(part)));
+        }
+    }
+    for path in watched.iter().filter(|p| p.exists()) {
+        println!("cargo:rerun-if-changed={}", path.display());
     }
 }
 
