@@ -230,10 +230,9 @@ mod tests {
     fn reference() -> &'static tokenizers::Tokenizer {
         static T: OnceLock<tokenizers::Tokenizer> = OnceLock::new();
         T.get_or_init(|| {
-            tokenizers::Tokenizer::from_file(
-                Tokenizer::bundled_dir().join(switchyard_tokenizer::BUNDLED_TOKENIZER),
-            )
-            .expect("reference tokenizer loads")
+            Tokenizer::bundled_json()
+                .parse()
+                .expect("reference tokenizer loads")
         })
     }
 

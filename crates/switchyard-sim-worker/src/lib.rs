@@ -106,7 +106,8 @@ pub struct SimWorkerArgs {
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u32,
     /// Directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json
-    /// (default: the repository's data/tokenizers, or $SWITCHYARD_TOKENIZER_DIR).
+    /// (default: the bundled Qwen3 tokenizer, built into the binary, or the
+    /// copy in $SWITCHYARD_TOKENIZER_DIR).
     #[arg(long)]
     pub tokenizer_dir: Option<PathBuf>,
     /// Publish MarkPrefillCompleted at each routed request's first token

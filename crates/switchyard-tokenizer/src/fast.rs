@@ -341,10 +341,7 @@ mod tests {
 
     fn bundled_json() -> &'static Value {
         static J: OnceLock<Value> = OnceLock::new();
-        J.get_or_init(|| {
-            let path = crate::Tokenizer::bundled_dir().join(crate::BUNDLED_TOKENIZER);
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-        })
+        J.get_or_init(|| serde_json::from_str(&crate::Tokenizer::bundled_json()).unwrap())
     }
 
     fn bundled() -> &'static FastBpe {

@@ -16,7 +16,9 @@
 //!
 //! The router and the simulated engine share this crate so that both hash
 //! the same token ids for the same prompt. The repository bundles the Qwen3
-//! tokenizer under `data/tokenizers/` ([`Tokenizer::bundled_dir`]).
+//! tokenizer under `data/tokenizers/`; `build.rs` compiles it into this
+//! crate, so [`Tokenizer::bundled`] reads no file unless
+//! [`Tokenizer::override_dir`] names another copy.
 
 #![warn(missing_docs)]
 
@@ -35,12 +37,23 @@ use fast::{FastBpe, Segment};
 use segment_cache::{SegmentCache, SegmentCacheStats};
 
 use serde::{Deserialize, Serialize};
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
 /// File name of the bundled vocabulary.
 pub const BUNDLED_TOKENIZER: &str = "qwen3-tokenizer.json";
 /// File name of the bundled tokenizer config (chat template).
 pub const BUNDLED_CONFIG: &str = "qwen3-tokenizer_config.json";
+
+/// The bundled `tokenizer.json`, gzipped from `data/tokenizers/` by
+/// `build.rs` (2 MB in the binary instead of 11).
+static EMBEDDED_TOKENIZER_GZ: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/qwen3-tokenizer.json.gz"));
+/// The bundled tokenizer config as it is in `data/tokenizers/` (10 kB).
+static EMBEDDED_CONFIG: &str = include_str!("../../../data/tokenizers/qwen3-tokenizer_config.json");
+/// How errors and logs name the compiled-in copies.
+const EMBEDDED_TOKENIZER_NAME: &str = "(built in) qwen3-tokenizer.json";
+const EMBEDDED_CONFIG_NAME: &str = "(built in) qwen3-tokenizer_config.json";
 
 /// One chat message. Contents never leave the request path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,30 +114,42 @@ struct TokenizerConfig {
 }
 
 impl Tokenizer {
-    /// Where the bundled tokenizer lives: `$SWITCHYARD_TOKENIZER_DIR`, else
-    /// `$SWITCHYARD_DATA/tokenizers`, else `data/tokenizers` under the working
-    /// directory when it holds the files, else the source tree's.
-    pub fn bundled_dir() -> PathBuf {
+    /// The directory that replaces the bundled tokenizer:
+    /// `$SWITCHYARD_TOKENIZER_DIR`, else `$SWITCHYARD_DATA/tokenizers`;
+    /// `None` when neither is set.
+    pub fn override_dir() -> Option<PathBuf> {
         if let Some(dir) = std::env::var_os("SWITCHYARD_TOKENIZER_DIR") {
-            return PathBuf::from(dir);
+            return Some(PathBuf::from(dir));
         }
-        if let Some(data) = std::env::var_os("SWITCHYARD_DATA") {
-            return PathBuf::from(data).join("tokenizers");
-        }
-        let local = Path::new("data/tokenizers");
-        if local.join(BUNDLED_TOKENIZER).is_file() {
-            return local.to_owned();
-        }
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tokenizers")
+        std::env::var_os("SWITCHYARD_DATA").map(|data| PathBuf::from(data).join("tokenizers"))
     }
 
-    /// Loads the bundled Qwen3 tokenizer.
+    /// Loads the bundled Qwen3 tokenizer: from [`Self::override_dir`] when
+    /// one is set, else the copy compiled into this crate (so a built
+    /// binary needs no data directory at run time).
     pub fn bundled() -> Result<Self, TokenizerError> {
-        let dir = Self::bundled_dir();
-        Self::from_files(
-            &dir.join(BUNDLED_TOKENIZER),
-            Some(&dir.join(BUNDLED_CONFIG)),
-        )
+        match Self::override_dir() {
+            Some(dir) => Self::from_files(
+                &dir.join(BUNDLED_TOKENIZER),
+                Some(&dir.join(BUNDLED_CONFIG)),
+            ),
+            None => Self::from_json(
+                &Self::bundled_json(),
+                Path::new(EMBEDDED_TOKENIZER_NAME),
+                Some((EMBEDDED_CONFIG, Path::new(EMBEDDED_CONFIG_NAME))),
+            ),
+        }
+    }
+
+    /// The text of the compiled-in `tokenizer.json` (inflated on each call;
+    /// some 11 MB), e.g. to load the `tokenizers` crate on the same
+    /// vocabulary.
+    pub fn bundled_json() -> String {
+        let mut json = String::with_capacity(12 << 20);
+        flate2::read::GzDecoder::new(EMBEDDED_TOKENIZER_GZ)
+            .read_to_string(&mut json)
+            .expect("the embedded tokenizer is gzipped UTF-8 (build.rs)");
+        json
     }
 
     /// Loads `tokenizer.json` and, when given, the chat template of
@@ -133,16 +158,38 @@ impl Tokenizer {
         tokenizer_json: &Path,
         config_json: Option<&Path>,
     ) -> Result<Self, TokenizerError> {
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|e| TokenizerError::Load {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })
+        };
+        let json = read(tokenizer_json)?;
+        let config = config_json.map(|path| read(path).map(|text| (text, path)));
+        let config = config.transpose()?;
+        Self::from_json(
+            &json,
+            tokenizer_json,
+            config.as_ref().map(|(text, path)| (text.as_str(), *path)),
+        )
+    }
+
+    /// Loads a `tokenizer.json`'s text and, when given, the chat template
+    /// of a `tokenizer_config.json`'s text; the paths name them in errors
+    /// and logs.
+    fn from_json(
+        json: &str,
+        tokenizer_json: &Path,
+        config: Option<(&str, &Path)>,
+    ) -> Result<Self, TokenizerError> {
         let load_error = |reason: String| TokenizerError::Load {
             path: tokenizer_json.to_owned(),
             reason,
         };
-        let json =
-            std::fs::read_to_string(tokenizer_json).map_err(|e| load_error(e.to_string()))?;
         let inner: tokenizers::Tokenizer = json
             .parse()
             .map_err(|e: tokenizers::Error| load_error(e.to_string()))?;
-        let fast = FastBpe::from_json(&json);
+        let fast = FastBpe::from_json(json);
         match &fast {
             Ok(_) => {
                 tracing::debug!(path = %tokenizer_json.display(), "tokenizer: fast byte-level BPE path")
@@ -165,14 +212,12 @@ impl Tokenizer {
             },
         );
         let mut has_template = false;
-        if let Some(path) = config_json {
-            let load = |reason: String| TokenizerError::Load {
-                path: path.to_owned(),
-                reason,
-            };
-            let text = std::fs::read_to_string(path).map_err(|e| load(e.to_string()))?;
+        if let Some((text, path)) = config {
             let config: TokenizerConfig =
-                serde_json::from_str(&text).map_err(|e| load(e.to_string()))?;
+                serde_json::from_str(text).map_err(|e| TokenizerError::Load {
+                    path: path.to_owned(),
+                    reason: e.to_string(),
+                })?;
             let template = config.chat_template.ok_or(TokenizerError::NoChatTemplate)?;
             env.add_template_owned("chat", template)
                 .map_err(|e| TokenizerError::Template(e.to_string()))?;
@@ -376,6 +421,18 @@ mod tests {
     fn tokenizer() -> &'static Tokenizer {
         static T: OnceLock<Tokenizer> = OnceLock::new();
         T.get_or_init(|| Tokenizer::bundled().expect("bundled tokenizer loads"))
+    }
+
+    #[test]
+    fn the_built_in_tokenizer_is_the_repositorys_file() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/tokenizers/qwen3-tokenizer.json"
+        );
+        assert!(
+            Tokenizer::bundled_json() == std::fs::read_to_string(path).unwrap(),
+            "the built-in tokenizer differs from {path}"
+        );
     }
 
     #[test]

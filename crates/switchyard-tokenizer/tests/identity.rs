@@ -29,8 +29,11 @@ fn uncached() -> &'static Tokenizer {
 fn conversations() -> &'static [Vec<ChatMessage>] {
     static C: OnceLock<Vec<Vec<ChatMessage>>> = OnceLock::new();
     C.get_or_init(|| {
-        let path = Tokenizer::bundled_dir().join("../traces/sharegpt_multiturn_3000.jsonl.gz");
-        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let path = std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/traces/sharegpt_multiturn_3000.jsonl.gz"
+        ));
+        let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(file));
         reader
             .lines()

@@ -160,10 +160,7 @@ async fn one_policy(
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.workers > 0, "--workers must be positive");
     let started = Instant::now();
-    let trace = match &args.trace {
-        Some(p) => p.clone(),
-        None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
-    };
+    let trace = crate::data::Trace::or_bundled(args.trace.as_deref());
     let requests =
         loadgen::mooncake_requests(&trace, args.requests, args.max_output_tokens, 32_000, None)?;
     let tokenizer: Arc<dyn switchyard_server::tokenize::PromptTokenizer> = Arc::new(
@@ -176,7 +173,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         args.num_blocks,
         if args.approximate { "approximate cache tracking" } else { "KV events over ZMQ" },
         requests.len(),
-        trace.display(),
+        trace,
         args.concurrency
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()

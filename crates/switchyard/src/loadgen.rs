@@ -22,6 +22,7 @@
 //! (`--rate`), or open loop at the trace's own timestamps (`--timestamps`,
 //! Mooncake: [`Pacing::Arrivals`], the arrival times `replay` uses).
 
+use crate::data::Trace;
 use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
 use bytes::Bytes;
@@ -152,17 +153,16 @@ pub struct Report {
 /// Mooncake records as completion requests; records whose prompt exceeds
 /// `max_prompt_tokens` are skipped (an engine would refuse them).
 pub fn mooncake_requests(
-    path: &Path,
+    trace: &Trace,
     max: usize,
     max_output: u32,
     max_prompt_tokens: u32,
     model: Option<&str>,
 ) -> anyhow::Result<Vec<PreparedRequest>> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
     let mut tokens = Vec::new();
-    for record in MooncakeReader::new(std::io::BufReader::new(file)) {
-        let record = record?;
+    for record in MooncakeReader::new(trace.open()?) {
+        let record = record.with_context(|| trace.to_string())?;
         if out.len() >= max {
             break;
         }
@@ -706,20 +706,15 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
                 "--rate-scale must be positive, got {}",
                 args.rate_scale
             );
-            let path = match trace {
-                Some(p) => p.clone(),
-                None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
-            };
-            let file = std::fs::File::open(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
+            let trace = Trace::or_bundled(trace.as_deref());
             let slice = TraceSlice {
                 requests: args.max_requests,
                 max_prompt_tokens: args.max_prompt_tokens,
                 max_output_tokens: Some(args.max_output_tokens),
                 rate_scale: args.rate_scale,
             };
-            let sessions = mooncake_slice(std::io::BufReader::new(file), &slice)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let sessions = mooncake_slice(trace.open()?, &slice)
+                .map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
             let (requests, times) = session_requests(&sessions, args.model.as_deref())?;
             arrivals = Some(times);
             requests
@@ -730,15 +725,8 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
             args.max_output_tokens,
             args.model.as_deref(),
         )?,
-        (None, Some(path)) => mooncake_requests(
-            path,
-            args.max_requests,
-            args.max_output_tokens,
-            args.max_prompt_tokens,
-            args.model.as_deref(),
-        )?,
-        (None, None) => mooncake_requests(
-            &crate::data::data_path("traces/mooncake_conversation.jsonl")?,
+        (None, trace) => mooncake_requests(
+            &Trace::or_bundled(trace.as_deref()),
             args.max_requests,
             args.max_output_tokens,
             args.max_prompt_tokens,

@@ -5,13 +5,24 @@
 
 use switchyard::bench;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, Parser, Subcommand};
+use std::io::Write as _;
 use std::process::ExitCode;
+
+/// `--version`: the crate's version and the commit it was built from
+/// (`build.rs`: a short hash, `-dirty` when tracked files had changes,
+/// `unknown` outside a git checkout).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("SWITCHYARD_COMMIT"),
+    ")"
+);
 
 /// Switchyard: a KV-cache-aware, session-aware request router for LLM
 /// inference fleets.
 #[derive(Debug, Parser)]
-#[command(name = "switchyard", version, about, long_about = None)]
+#[command(name = "switchyard", version = VERSION, about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -37,6 +48,24 @@ enum Command {
     Serve(Box<switchyard_server::ServeArgs>),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
     SimWorker(switchyard_sim_worker::SimWorkerArgs),
+    /// Print a shell's completion script for switchyard to stdout
+    /// (e.g. `switchyard completions bash > ~/.local/share/bash-completion/completions/switchyard`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Writes `shell`'s completion script (generated whole, then written: a
+/// reader that closes the pipe early, such as `head`, is not an error).
+fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "switchyard", &mut script);
+    match std::io::stdout().write_all(&script) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 fn main() -> ExitCode {
@@ -49,6 +78,7 @@ fn main() -> ExitCode {
         Command::Loadgen(args) => switchyard::loadgen::run(args),
         Command::Serve(args) => switchyard_server::run(*args),
         Command::SimWorker(args) => switchyard_sim_worker::run(args),
+        Command::Completions { shell } => completions(shell),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

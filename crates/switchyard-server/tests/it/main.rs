@@ -6,5 +6,6 @@ mod scripted_worker;
 mod support;
 
 mod allocations;
+mod deploy;
 mod request_bodies;
 mod shutdown;

@@ -16,7 +16,7 @@
 //! started evicting (the start of the churn phase, where removals match
 //! stores) and at the end.
 
-use crate::data::data_path;
+use crate::data::Trace;
 use crate::stats::{rss_bytes, write_json, Latency};
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -105,10 +105,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         args.capacity_blocks > 0,
         "--capacity-blocks must be at least 1"
     );
-    let path = match &args.trace {
-        Some(p) => p.clone(),
-        None => data_path("traces/mooncake_conversation.jsonl")?,
-    };
+    let trace = Trace::or_bundled(args.trace.as_deref());
     let wall = Instant::now();
     let mut index = PrefixIndex::new();
     let mut lrus: Vec<BlockLru> = (0..args.workers).map(|_| BlockLru::default()).collect();
@@ -131,14 +128,12 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         rss_bytes: rss_bytes(),
     };
     for pass in 0..args.passes.max(1) {
-        let file = std::fs::File::open(&path)
-            .map_err(|e| anyhow::anyhow!("opening trace {}: {e}", path.display()))?;
-        let reader = MooncakeReader::new(std::io::BufReader::new(file));
+        let reader = MooncakeReader::new(trace.open()?);
         for (n, record) in reader.enumerate() {
             if args.max_requests.is_some_and(|max| n >= max) {
                 break;
             }
-            let record = record.map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let record = record.map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
             // Fresh ids per pass: the same shape of traffic, new content.
             let ids: Vec<u64> = record
                 .hash_ids
@@ -229,7 +224,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let query_secs: f64 = query_us.iter().sum::<f64>() / 1e6;
     let latency = Latency::of(&mut query_us);
     let report = Report {
-        trace: path.display().to_string(),
+        trace: trace.to_string(),
         requests,
         events,
         stored_blocks: stored,

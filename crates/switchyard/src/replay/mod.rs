@@ -9,14 +9,12 @@ mod plots;
 pub mod replicas;
 pub mod tune;
 
-use crate::data::data_path;
+use crate::data::Trace;
 use anyhow::Context;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -353,22 +351,19 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     Ok(fleet)
 }
 
-pub(crate) fn trace_path(args: &ReplayArgs) -> anyhow::Result<Option<PathBuf>> {
-    if args.format == TraceFormat::Synthetic {
-        return Ok(None);
-    }
-    Ok(Some(match &args.trace {
-        Some(p) => p.clone(),
-        None => data_path("traces/mooncake_conversation.jsonl")?,
-    }))
+/// The trace `args` replay; `None` for a synthetic workload.
+pub(crate) fn trace(args: &ReplayArgs) -> Option<Trace> {
+    (args.format != TraceFormat::Synthetic).then(|| Trace::or_bundled(args.trace.as_deref()))
 }
 
-fn format_of(args: &ReplayArgs, path: Option<&Path>) -> TraceFormat {
-    let name = path
-        .and_then(|p| p.file_name())
-        .map(|n| n.to_string_lossy().to_ascii_lowercase())
-        .unwrap_or_default();
-    match (args.format, path) {
+/// How `trace` names the workload in figures and messages.
+pub(crate) fn trace_name(trace: Option<&Trace>) -> String {
+    trace.map_or_else(|| "synthetic".to_owned(), Trace::to_string)
+}
+
+fn format_of(args: &ReplayArgs, trace: Option<&Trace>) -> TraceFormat {
+    let name = trace.map(Trace::file_name).unwrap_or_default();
+    match (args.format, trace) {
         (TraceFormat::Auto, Some(_)) if name.ends_with(".csv") => TraceFormat::Azure,
         (TraceFormat::Auto, Some(_)) if name.contains("sharegpt") => TraceFormat::Sharegpt,
         (TraceFormat::Auto, _) => TraceFormat::Mooncake,
@@ -390,18 +385,12 @@ pub enum WorkloadSource {
 impl WorkloadSource {
     /// Prepares the workload of `args` (tokenizing ShareGPT once).
     pub fn prepare(args: &ReplayArgs) -> anyhow::Result<Self> {
-        let path = trace_path(args)?;
-        if format_of(args, path.as_deref()) != TraceFormat::Sharegpt {
+        let trace = trace(args);
+        if format_of(args, trace.as_ref()) != TraceFormat::Sharegpt {
             return Ok(Self::Streamed);
         }
-        let path = path.expect("ShareGPT is a file format");
-        let file =
-            File::open(&path).with_context(|| format!("opening trace {}", path.display()))?;
-        let input: Box<dyn BufRead> = if path.extension().is_some_and(|e| e == "gz") {
-            Box::new(BufReader::new(flate2::read::GzDecoder::new(file)))
-        } else {
-            Box::new(BufReader::new(file))
-        };
+        let trace = trace.expect("ShareGPT is a file format");
+        let input = trace.open()?;
         let tokenizer = switchyard_tokenizer::Tokenizer::bundled()
             .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?;
         let sessions = read_sharegpt(
@@ -415,7 +404,7 @@ impl WorkloadSource {
                 ..ShareGptOptions::default()
             },
         )
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        .map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
         Ok(Self::Shared(Arc::new(sessions)))
     }
 
@@ -443,13 +432,9 @@ fn limits(args: &ReplayArgs) -> WorkloadLimits {
 
 /// Opens a streamed (file or synthetic) workload, with limits applied.
 pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
-    let path = trace_path(args)?;
-    let open = |p: &Path| -> anyhow::Result<BufReader<File>> {
-        Ok(BufReader::new(File::open(p).with_context(|| {
-            format!("opening trace {}", p.display())
-        })?))
-    };
-    let stream = match format_of(args, path.as_deref()) {
+    let trace = trace(args);
+    let open = || trace.as_ref().expect("a file format").open();
+    let stream = match format_of(args, trace.as_ref()) {
         TraceFormat::Synthetic => workload::synthetic(SyntheticConfig {
             seed: args.seed,
             sessions_per_sec: args.sessions_per_sec,
@@ -460,13 +445,10 @@ pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
             ..SyntheticConfig::default()
         }),
         TraceFormat::Sharegpt => anyhow::bail!("ShareGPT workloads are prepared, not streamed"),
-        TraceFormat::Azure => {
-            workload::azure(open(path.as_deref().expect("a file format"))?, args.seed)
+        TraceFormat::Azure => workload::azure(open()?, args.seed),
+        TraceFormat::Mooncake | TraceFormat::Auto => {
+            workload::mooncake(open()?, workload::MOONCAKE_MAX_SPREAD_MS)
         }
-        TraceFormat::Mooncake | TraceFormat::Auto => workload::mooncake(
-            open(path.as_deref().expect("a file format"))?,
-            workload::MOONCAKE_MAX_SPREAD_MS,
-        ),
     };
     Ok(workload::limited(stream, limits(args)))
 }
@@ -482,9 +464,9 @@ pub fn references(
     let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
     let mut requests = 0;
     for session in source.open(args)? {
-        let session = session.map_err(|e| match trace_path(args) {
-            Ok(Some(path)) => anyhow::anyhow!("{}: {e}", path.display()),
-            _ => anyhow::anyhow!("{e}"),
+        let session = session.map_err(|e| match trace(args) {
+            Some(trace) => anyhow::anyhow!("{trace}: {e}"),
+            None => anyhow::anyhow!("{e}"),
         })?;
         for turn in &session.turns {
             let tokens = turn.prompt.tokens();
@@ -584,8 +566,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     } else {
         args.policies.clone()
     };
-    let trace =
-        trace_path(&args)?.map_or_else(|| "synthetic".to_owned(), |p| p.display().to_string());
+    let trace = trace_name(trace(&args).as_ref());
     if !args.quiet {
         eprintln!(
             "replaying {trace} on {} workers ({} blocks of {} tokens each, speed-up {}), rate ×{}, policies: {}",

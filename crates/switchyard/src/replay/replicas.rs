@@ -162,8 +162,7 @@ fn sync_label(count: usize, sync: bool, delay: f64) -> String {
 pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> anyhow::Result<()> {
     let started = Instant::now();
     let fleets = variants(args, fleet)?;
-    let trace = super::trace_path(args)?
-        .map_or_else(|| "synthetic".to_owned(), |p| p.display().to_string());
+    let trace = super::trace_name(super::trace(args).as_ref());
     if !args.quiet {
         eprintln!(
             "replaying {trace} on {} workers, rate ×{}, {} simulations (replicas {:?}, sync delay {:?} ms)",

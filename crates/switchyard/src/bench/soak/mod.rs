@@ -14,7 +14,7 @@ pub mod plateau;
 pub mod routing;
 pub mod server;
 
-use crate::data::data_path;
+use crate::data::Trace;
 use crate::stats::write_json;
 use plateau::{plateau, Plateau, PLATEAU_TOLERANCE};
 use serde::Serialize;
@@ -93,11 +93,9 @@ struct SoakReport<T: Serialize> {
     args: SoakArgs,
 }
 
-fn load_records(path: &std::path::Path) -> anyhow::Result<Vec<MooncakeRecord>> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| anyhow::anyhow!("opening trace {}: {e}", path.display()))?;
-    MooncakeReader::new(std::io::BufReader::new(file))
-        .map(|r| r.map_err(|e| anyhow::anyhow!("{}: {e}", path.display())))
+fn load_records(trace: &Trace) -> anyhow::Result<Vec<MooncakeRecord>> {
+    MooncakeReader::new(trace.open()?)
+        .map(|r| r.map_err(|e| anyhow::anyhow!("{trace}: {e}")))
         .collect()
 }
 
@@ -178,16 +176,13 @@ pub fn judge_errors(requests: u64, errors: u64) -> Result<(), String> {
 /// Runs `switchyard bench soak`.
 pub fn run(args: SoakArgs) -> anyhow::Result<()> {
     check_args(&args)?;
-    let path = match &args.trace {
-        Some(p) => p.clone(),
-        None => data_path("traces/mooncake_conversation.jsonl")?,
-    };
-    let records = load_records(&path)?;
+    let trace = Trace::or_bundled(args.trace.as_deref());
+    let records = load_records(&trace)?;
     let rate = trace_rate(&records);
     if args.server {
-        run_server_mode(args, &records, path.display().to_string(), rate)
+        run_server_mode(args, &records, trace.to_string(), rate)
     } else {
-        run_core_mode(args, &records, path.display().to_string(), rate)
+        run_core_mode(args, &records, trace.to_string(), rate)
     }
 }
 

@@ -18,6 +18,7 @@
 
 pub(crate) mod serve;
 
+use crate::data::Trace;
 use crate::loadgen;
 use crate::replay::{fleet_config, ReplayArgs};
 use crate::stats::write_json;
@@ -365,21 +366,12 @@ fn slice(args: &TwinArgs) -> TraceSlice {
     }
 }
 
-fn load_sessions(args: &TwinArgs) -> anyhow::Result<(PathBuf, Vec<Session>)> {
-    let path = match &args.trace {
-        Some(p) => p.clone(),
-        None => crate::data::data_path("traces/mooncake_conversation.jsonl")?,
-    };
-    let file =
-        std::fs::File::open(&path).with_context(|| format!("opening trace {}", path.display()))?;
-    let sessions = mooncake_slice(std::io::BufReader::new(file), &slice(args))
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    anyhow::ensure!(
-        !sessions.is_empty(),
-        "{}: no servable requests",
-        path.display()
-    );
-    Ok((path, sessions))
+fn load_sessions(args: &TwinArgs) -> anyhow::Result<(Trace, Vec<Session>)> {
+    let trace = Trace::or_bundled(args.trace.as_deref());
+    let sessions =
+        mooncake_slice(trace.open()?, &slice(args)).map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
+    anyhow::ensure!(!sessions.is_empty(), "{trace}: no servable requests");
+    Ok((trace, sessions))
 }
 
 fn check(args: &TwinArgs) -> anyhow::Result<()> {
@@ -445,12 +437,12 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     check(&args)?;
     let started = Instant::now();
     let fleet = twin_fleet(&args)?;
-    let (path, sessions) = load_sessions(&args)?;
+    let (trace, sessions) = load_sessions(&args)?;
     let span_s = sessions.last().map_or(0.0, |s| s.arrival_ms) / 1e3;
     println!(
         "bench twin: {} requests of {} (prompts ≤ {} tokens), arrivals ×{} over {:.1} s; {} workers × {} blocks of {} tokens, speed-up {}",
         sessions.len(),
-        path.display(),
+        trace,
         args.max_prompt_tokens,
         args.rate_scale,
         span_s,
@@ -521,7 +513,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         policies: pairs,
         verdict,
         serve_runs: health,
-        trace: path.display().to_string(),
+        trace: trace.to_string(),
         requests: sessions.len(),
         arrival_span_s: span_s,
         fleet,
