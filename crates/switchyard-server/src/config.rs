@@ -269,6 +269,9 @@ pub struct ServerConfig {
     pub replica: ReplicaConfig,
     /// Per-key rate limits and named keys (`[rate_limits]`; none by default).
     pub rate_limits: RateLimitConfig,
+    /// Live worker discovery (`[discovery]`: a watched workers file, DNS
+    /// names; off by default).
+    pub discovery: DiscoveryConfig,
 }
 
 impl Default for ServerConfig {
@@ -328,6 +331,7 @@ impl Default for ServerConfig {
             max_response_bytes: 16 * 1024 * 1024,
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
+            discovery: DiscoveryConfig::default(),
         }
     }
 }
@@ -467,27 +471,8 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.rate_limits.validate().map_err(ConfigError::Invalid)?;
-        let mut names = std::collections::HashSet::new();
-        for worker in &self.workers {
-            worker.validate()?;
-            if let Some(bs) = worker.block_size {
-                if bs != self.block_size {
-                    return Err(ConfigError::Worker(format!(
-                        "{}: block-size {bs} differs from the router's {}; run the router with --block-size {bs}",
-                        worker.url, self.block_size
-                    )));
-                }
-            }
-            if !names.insert(worker.display_name()) {
-                return Err(ConfigError::Worker(format!(
-                    "two workers are named {:?}",
-                    worker.display_name()
-                )));
-            }
-        }
-        if self.cache == CacheMode::Events && self.workers.iter().any(|w| w.events.is_none()) {
-            return invalid("--cache events needs events= on every worker".into());
-        }
+        validate_workers(&self.workers, self.block_size, self.cache)?;
+        self.discovery.validate(self.cache)?;
         Ok(())
     }
 
@@ -581,6 +566,167 @@ impl ServerConfig {
             }
         }
     }
+}
+
+/// Checks a worker table (the config's `[[workers]]`, or a watched
+/// workers file's): each entry valid, its block size the router's, names
+/// unique, and KV events on every worker when the cache mode requires them.
+pub fn validate_workers(
+    workers: &[WorkerSpec],
+    block_size: u32,
+    cache: CacheMode,
+) -> Result<(), ConfigError> {
+    let mut names = std::collections::HashSet::new();
+    for worker in workers {
+        worker.validate()?;
+        if let Some(bs) = worker.block_size {
+            if bs != block_size {
+                return Err(ConfigError::Worker(format!(
+                    "{}: block-size {bs} differs from the router's {block_size}; run the router with --block-size {bs}",
+                    worker.url
+                )));
+            }
+        }
+        if !names.insert(worker.display_name()) {
+            return Err(ConfigError::Worker(format!(
+                "two workers are named {:?}",
+                worker.display_name()
+            )));
+        }
+    }
+    if cache == CacheMode::Events && workers.iter().any(|w| w.events.is_none()) {
+        return Err(ConfigError::Invalid(
+            "--cache events needs events= on every worker".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A watched workers file (`--workers-file`): `[[workers]]` tables as in
+/// the config file, and nothing else.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkersFile {
+    /// The workers the file names.
+    pub workers: Vec<WorkerSpec>,
+}
+
+impl WorkersFile {
+    /// Parses and checks a workers file's text ([`validate_workers`]).
+    /// The error names the line and the fault, never the file's values
+    /// beyond worker URLs and names.
+    pub fn parse(text: &str, block_size: u32, cache: CacheMode) -> Result<Self, ConfigError> {
+        let file: Self = toml::from_str(text).map_err(|e| ConfigError::File {
+            path: PathBuf::from("<workers file>"),
+            reason: e.to_string(),
+        })?;
+        validate_workers(&file.workers, block_size, cache)?;
+        Ok(file)
+    }
+}
+
+/// Live worker discovery (`[discovery]`): workers from a watched file and
+/// from DNS names, reconciled into the same worker table the flags and the
+/// admin API fill (`crate::discovery`). Off unless a file or a name is
+/// given.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// A TOML file of `[[workers]]` tables, re-read every
+    /// `workers_file_interval_ms` (`--workers-file`).
+    pub workers_file: Option<PathBuf>,
+    /// Milliseconds between reads of the workers file [default: 1000].
+    pub workers_file_interval_ms: u64,
+    /// `NAME:PORT` names whose A/AAAA records are workers, each
+    /// `http://IP:PORT` (`--workers-dns`, repeatable).
+    pub workers_dns: Vec<String>,
+    /// Milliseconds between resolutions of each name [default: 5000].
+    pub workers_dns_interval_ms: u64,
+    /// Nameservers (`IP:PORT`) to ask instead of the system's
+    /// (`/etc/resolv.conf`) (`--dns-server`).
+    pub dns_servers: Vec<std::net::SocketAddr>,
+    /// Most workers one source may add; entries past it (by name order)
+    /// are dropped and counted [default: 256].
+    pub max_workers_per_source: usize,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            workers_file: None,
+            workers_file_interval_ms: 1000,
+            workers_dns: Vec::new(),
+            workers_dns_interval_ms: 5000,
+            dns_servers: Vec::new(),
+            max_workers_per_source: 256,
+        }
+    }
+}
+
+/// The most workers one discovery source may be allowed to add.
+pub const MAX_WORKERS_PER_SOURCE: usize = 4096;
+
+impl DiscoveryConfig {
+    /// Whether any source is configured.
+    pub fn enabled(&self) -> bool {
+        self.workers_file.is_some() || !self.workers_dns.is_empty()
+    }
+
+    /// Checks intervals, limits and `NAME:PORT`s; DNS-discovered workers
+    /// publish no KV events the router knows of, so `cache` must not be
+    /// `events` with a DNS source.
+    pub fn validate(&self, cache: CacheMode) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(format!("discovery: {m}")));
+        if self.workers_file_interval_ms < 10 || self.workers_dns_interval_ms < 10 {
+            return invalid(
+                "workers_file_interval_ms and workers_dns_interval_ms must be at least 10".into(),
+            );
+        }
+        if !(1..=MAX_WORKERS_PER_SOURCE).contains(&self.max_workers_per_source) {
+            return invalid(format!(
+                "max_workers_per_source must be in 1..={MAX_WORKERS_PER_SOURCE}"
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for target in &self.workers_dns {
+            parse_dns_target(target)
+                .map_err(|m| ConfigError::Invalid(format!("discovery: {m}")))?;
+            if !seen.insert(target) {
+                return invalid(format!("{target:?} is given twice"));
+            }
+        }
+        if cache == CacheMode::Events && !self.workers_dns.is_empty() {
+            return invalid(
+                "workers found by DNS have no KV-event endpoints; use --cache auto or approximate"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `NAME:PORT` as its name and port: a DNS name (letters, digits, `-`,
+/// `_`, `.`; at most 253 bytes) and a port above 0.
+pub fn parse_dns_target(text: &str) -> Result<(String, u16), String> {
+    let (name, port) = text
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{text:?}: expected NAME:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| format!("{text:?}: the port must be 1..=65535"))?;
+    let valid = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(format!(
+            "{text:?}: the name must be a DNS name (letters, digits, '-', '_', '.')"
+        ));
+    }
+    Ok((name.to_owned(), port))
 }
 
 /// The secrets in `path`: one a line, trimmed, blank lines and lines
@@ -973,5 +1119,67 @@ mod tests {
             ServerConfig::from_toml("max_connections = 5\nbody_read_timeout_ms = 100\n").unwrap();
         assert_eq!(config.max_connections, 5);
         assert_eq!(config.body_read_timeout_ms, 100);
+    }
+
+    #[test]
+    fn discovery_settings_load_from_the_config_file_and_are_checked() {
+        let config = ServerConfig::from_toml(
+            "[discovery]\nworkers_file = \"/etc/switchyard/workers.toml\"\nworkers_dns = [\"workers.ns.svc.cluster.local:8000\"]\ndns_servers = [\"127.0.0.1:5353\"]\nworkers_dns_interval_ms = 2000\n",
+        )
+        .unwrap();
+        assert!(config.discovery.enabled());
+        assert_eq!(config.discovery.workers_file_interval_ms, 1000, "default");
+        assert_eq!(config.discovery.workers_dns_interval_ms, 2000);
+        assert!(!ServerConfig::default().discovery.enabled());
+        for (bad, why) in [
+            ("[discovery]\nworkers_dns = [\"workers\"]", "NAME:PORT"),
+            ("[discovery]\nworkers_dns = [\"workers:0\"]", "port"),
+            ("[discovery]\nworkers_dns = [\"a b:80\"]", "DNS name"),
+            ("[discovery]\nworkers_dns = [\"a:80\", \"a:80\"]", "twice"),
+            ("[discovery]\nworkers_file_interval_ms = 0", "at least 10"),
+            (
+                "[discovery]\nmax_workers_per_source = 0",
+                "max_workers_per_source",
+            ),
+            ("[discovery]\nwatch = true", "unknown field"),
+            (
+                "cache = \"events\"\n[discovery]\nworkers_dns = [\"a:80\"]",
+                "no KV-event endpoints",
+            ),
+        ] {
+            let error = ServerConfig::from_toml(bad).unwrap_err().to_string();
+            assert!(error.contains(why), "{bad:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn dns_targets_split_at_the_last_colon() {
+        assert_eq!(
+            parse_dns_target("workers.default.svc:8000"),
+            Ok(("workers.default.svc".to_owned(), 8000))
+        );
+        assert!(parse_dns_target(":8000").is_err());
+        assert!(parse_dns_target("workers:http").is_err());
+    }
+
+    #[test]
+    fn a_workers_file_is_worker_tables_and_nothing_else() {
+        let file = WorkersFile::parse(
+            "[[workers]]\nurl = \"http://10.0.0.1:8000\"\nevents = \"tcp://10.0.0.1:5557\"\n",
+            16,
+            CacheMode::Events,
+        )
+        .unwrap();
+        assert_eq!(file.workers.len(), 1);
+        assert_eq!(
+            WorkersFile::parse("", 16, CacheMode::Auto).unwrap().workers,
+            []
+        );
+        let error =
+            WorkersFile::parse("[[workers]]\nurl = \"http://a:1\"\n", 16, CacheMode::Events)
+                .unwrap_err()
+                .to_string();
+        assert!(error.contains("events="), "{error}");
+        assert!(WorkersFile::parse("port = 1", 16, CacheMode::Auto).is_err());
     }
 }

@@ -12,6 +12,9 @@
 //!   request is placed, then a `Booking` whose drop ends it.
 //! - [`workers`] — [`workers::Fleet`]: workers, KV-event subscribers,
 //!   health checks.
+//! - [`discovery`] — live discovery (`--workers-file`, `--workers-dns`):
+//!   a pure reconciler and one task per source, adding and draining
+//!   workers through the fleet like the admin API does.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
 //! - The front door, outermost first: [`accept`] — the accept loop
 //!   (connection cap, header-read timeout); [`auth`] — credentials checked
@@ -56,6 +59,7 @@ pub mod auth;
 pub mod booking;
 pub mod config;
 pub mod context;
+pub mod discovery;
 pub mod error;
 pub mod gauges;
 pub mod inflight;
@@ -271,6 +275,36 @@ pub struct ServeArgs {
     /// Replica sync (off unless --replica-sync is given).
     #[command(flatten)]
     pub replica: replica::ReplicaArgs,
+    /// TOML file of [[workers]] tables, watched: workers added, changed or
+    /// removed there are added or drained without a restart.
+    #[arg(long, env = "SWITCHYARD_WORKERS_FILE")]
+    pub workers_file: Option<PathBuf>,
+    /// Milliseconds between reads of --workers-file [default: 1000].
+    #[arg(long, env = "SWITCHYARD_WORKERS_FILE_INTERVAL_MS")]
+    pub workers_file_interval_ms: Option<u64>,
+    /// NAME:PORT whose A/AAAA records are workers (http://IP:PORT), re-resolved
+    /// on an interval (a Kubernetes headless Service); repeat for several.
+    #[arg(
+        long = "workers-dns",
+        env = "SWITCHYARD_WORKERS_DNS",
+        value_delimiter = ','
+    )]
+    pub workers_dns: Vec<String>,
+    /// Milliseconds between resolutions of each --workers-dns name [default: 5000].
+    #[arg(long, env = "SWITCHYARD_WORKERS_DNS_INTERVAL_MS")]
+    pub workers_dns_interval_ms: Option<u64>,
+    /// Nameserver IP:PORT for --workers-dns; repeat for several [default:
+    /// the system's, from /etc/resolv.conf].
+    #[arg(
+        long = "dns-server",
+        env = "SWITCHYARD_DNS_SERVERS",
+        value_delimiter = ','
+    )]
+    pub dns_servers: Vec<std::net::SocketAddr>,
+    /// Most workers one discovery source may add; the rest are dropped and
+    /// counted [default: 256].
+    #[arg(long, env = "SWITCHYARD_DISCOVERY_MAX_WORKERS")]
+    pub discovery_max_workers: Option<usize>,
 }
 
 impl ServeArgs {
@@ -395,6 +429,25 @@ impl ServeArgs {
             c.workers.push(WorkerSpec::parse(w)?);
         }
         self.replica.apply(&mut c.replica);
+        let discovery = &mut c.discovery;
+        if self.workers_file.is_some() {
+            discovery.workers_file = self.workers_file.clone();
+        }
+        if let Some(ms) = self.workers_file_interval_ms {
+            discovery.workers_file_interval_ms = ms;
+        }
+        if !self.workers_dns.is_empty() {
+            discovery.workers_dns = self.workers_dns.clone();
+        }
+        if let Some(ms) = self.workers_dns_interval_ms {
+            discovery.workers_dns_interval_ms = ms;
+        }
+        if !self.dns_servers.is_empty() {
+            discovery.dns_servers = self.dns_servers.clone();
+        }
+        if let Some(n) = self.discovery_max_workers {
+            discovery.max_workers_per_source = n;
+        }
         c.validate()?;
         c.load_secret_files()?;
         Ok(c)
@@ -623,6 +676,8 @@ pub async fn start_with_tokenizer(
 ) -> anyhow::Result<RunningServer> {
     config.validate()?;
     config.load_secret_files()?;
+    let sources =
+        discovery::Sources::new(&config).map_err(|e| anyhow::anyhow!("worker discovery: {e}"))?;
     let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
     let shared = Arc::new(build_shared(&config, metrics.clone())?);
     let inflight = inflight::Inflight::new(config.max_inflight, metrics);
@@ -656,14 +711,17 @@ pub async fn start_with_tokenizer(
     let router_id = replica_plane
         .as_ref()
         .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
-    let state = Arc::new(context::AppState::new(
+    let mut state = context::AppState::new(
         &config,
         shared.clone(),
         fleet.clone(),
         client,
         tokenizer,
         router_id,
-    ));
+    );
+    let discovery_metrics = Arc::new(discovery::DiscoveryMetrics::default());
+    discovery_metrics.register(&mut state.registry);
+    let state = Arc::new(state);
     let addr: SocketAddr = format!("{}:{}", config.host, config.port)
         .parse()
         .with_context(|| format!("bad host/port {}:{}", config.host, config.port))?;
@@ -687,6 +745,7 @@ pub async fn start_with_tokenizer(
         shared.metrics().clone(),
         stopped,
     ));
+    let mut background = sources.spawn(&fleet, &discovery_metrics);
     let health = tokio::spawn(fleet.clone().run_health_checks(interval));
     let ticker_state = shared.clone();
     let ticker = tokio::spawn(async move {
@@ -699,13 +758,14 @@ pub async fn start_with_tokenizer(
             ticker_state.tick();
         }
     });
-    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), events = config.uses_events(), replica = ?replica_plane.as_ref().map(|p| p.id.to_string()), "router started");
+    background.extend([health, ticker]);
+    tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), discovery = config.discovery.enabled(), events = config.uses_events(), replica = ?replica_plane.as_ref().map(|p| p.id.to_string()), "router started");
     Ok(RunningServer {
         addr,
         shared,
         stop,
         task,
-        background: vec![health, ticker],
+        background,
         grace: Duration::from_millis(config.shutdown_grace_ms),
         replica: replica_plane,
         inflight,
@@ -809,5 +869,39 @@ mod tests {
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
         assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
+    }
+
+    #[test]
+    fn discovery_flags_fill_the_discovery_settings() {
+        let c = config(&[
+            "--workers-file",
+            "/etc/switchyard/workers.toml",
+            "--workers-file-interval-ms",
+            "250",
+            "--workers-dns",
+            "a.svc:8000",
+            "--workers-dns",
+            "b.svc:9000",
+            "--dns-server",
+            "127.0.0.1:5353",
+            "--discovery-max-workers",
+            "8",
+        ])
+        .unwrap();
+        let d = &c.discovery;
+        assert_eq!(
+            d.workers_file.as_deref(),
+            Some(std::path::Path::new("/etc/switchyard/workers.toml"))
+        );
+        assert_eq!(d.workers_file_interval_ms, 250);
+        assert_eq!(d.workers_dns, ["a.svc:8000", "b.svc:9000"]);
+        assert_eq!(d.workers_dns_interval_ms, 5000, "the default");
+        assert_eq!(
+            d.dns_servers,
+            ["127.0.0.1:5353".parse::<SocketAddr>().unwrap()]
+        );
+        assert_eq!(d.max_workers_per_source, 8);
+        assert!(config(&["--workers-dns", "no-port"]).is_err());
+        assert!(config(&[]).is_ok_and(|c| !c.discovery.enabled()));
     }
 }

@@ -636,10 +636,8 @@ async fn admin_add(State(state): State<Shared>, request: Request) -> Result<Resp
     let spec: WorkerSpec = parse(&body)?;
     state
         .fleet
-        .add(&spec)
+        .join(&spec)
         .map_err(|e| ApiError::bad_request(e, None))?;
-    let fleet = state.fleet.clone();
-    tokio::spawn(async move { fleet.check_all().await });
     Ok((
         StatusCode::CREATED,
         axum::Json(serde_json::json!({"name": spec.display_name()})),

@@ -154,6 +154,29 @@ impl Fleet {
         Ok(id)
     }
 
+    /// Registers a worker ([`Fleet::add`]) and starts a round of health
+    /// checks at once ([`Fleet::check_soon`]), so it enters selection
+    /// without waiting for the next interval: how the admin API adds a
+    /// worker (discovery adds a batch, then checks once).
+    pub fn join(self: &Arc<Self>, spec: &WorkerSpec) -> Result<WorkerId, String> {
+        let id = self.add(spec)?;
+        self.check_soon();
+        Ok(id)
+    }
+
+    /// Starts a round of health checks now, beside the periodic ones: new
+    /// workers enter selection at their first good check. A batch of adds
+    /// ([`Fleet::add`] each) is followed by one call.
+    pub fn check_soon(self: &Arc<Self>) {
+        let fleet = self.clone();
+        tokio::spawn(async move { fleet.check_all().await });
+    }
+
+    /// Every registered worker, sorted by name.
+    pub fn workers(&self) -> Vec<super::roster::WorkerInfo> {
+        self.shared.workers()
+    }
+
     /// Puts a worker into the router and starts a fresh KV-event
     /// subscriber for this entry.
     fn enter(&self, id: WorkerId) {

@@ -7,5 +7,6 @@ mod support;
 
 mod allocations;
 mod deploy;
+mod discovery;
 mod request_bodies;
 mod shutdown;

@@ -32,7 +32,17 @@ pub(crate) enum Script {
 /// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
 /// answers generation requests by `script`. Returns its base URL.
 pub(crate) async fn scripted_worker(script: Script) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    scripted_worker_at(loopback, script).await.unwrap()
+}
+
+/// A scripted worker listening at `addr` (any loopback address, e.g.
+/// `127.0.0.2:P`), or the bind error. Returns its base URL.
+pub(crate) async fn scripted_worker_at(
+    addr: std::net::SocketAddr,
+    script: Script,
+) -> std::io::Result<String> {
+    let listener = TcpListener::bind(addr).await?;
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         loop {
@@ -42,7 +52,7 @@ pub(crate) async fn scripted_worker(script: Script) -> String {
             tokio::spawn(serve_one(socket, script));
         }
     });
-    base
+    Ok(base)
 }
 
 async fn serve_one(mut socket: TcpStream, script: Script) {

@@ -1,0 +1,276 @@
+//! The reconciler: what one discovery source must change in the worker
+//! table to make it hold the source's desired set. Pure: no I/O, no clock,
+//! no lock; the driver ([`super`]) reads the table, calls [`plan`], and
+//! carries the plan out through the fleet's own add and drain.
+//!
+//! Ownership is the one rule that matters: a source drains only workers it
+//! added itself (its `owned` set). A desired worker whose name another
+//! holds — a worker from the flags, the config file or the admin API,
+//! another source's, or this source's own still draining — is a conflict:
+//! skipped now, retried at the next pass, never taken over.
+
+use crate::config::WorkerSpec;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A source's workers by name (their `display_name`).
+pub type WorkerSet = BTreeMap<String, WorkerSpec>;
+
+/// What one pass must do, in this order: drain, then add.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Owned workers to add to the table.
+    pub add: Vec<WorkerSpec>,
+    /// Owned workers to drain and remove (by name): gone from the source,
+    /// or changed there (the new form is added once the old has left).
+    pub drain: Vec<String>,
+    /// Desired names another holds: left alone.
+    pub conflicts: Vec<String>,
+}
+
+impl Plan {
+    /// Whether the pass changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.add.is_empty() && self.drain.is_empty()
+    }
+}
+
+/// The plan that takes `owned` (the source's workers now in the table and
+/// not draining) to `desired`, leaving every name in `others` (the
+/// table's other workers, draining ones included) alone.
+///
+/// Guarantees: `drain ⊆ owned`; no added name is in `others` or `owned`;
+/// applying the plan leaves the source owning exactly the desired workers
+/// it can hold — those not in `others`, and not changed in place (those
+/// follow once their old form has drained).
+pub fn plan(owned: &WorkerSet, desired: &WorkerSet, others: &BTreeSet<String>) -> Plan {
+    let mut out = Plan::default();
+    for (name, spec) in owned {
+        if desired.get(name) != Some(spec) {
+            out.drain.push(name.clone());
+        }
+    }
+    for (name, spec) in desired {
+        if owned.contains_key(name) {
+            continue;
+        }
+        if others.contains(name) {
+            out.conflicts.push(name.clone());
+        } else {
+            out.add.push(spec.clone());
+        }
+    }
+    out
+}
+
+/// `specs` as a set by name, at most `limit` of them (the first by name):
+/// the set and how many were dropped. Names are unique in a validated
+/// table; a repeated name keeps its first entry and counts as dropped.
+pub fn capped(specs: impl IntoIterator<Item = WorkerSpec>, limit: usize) -> (WorkerSet, usize) {
+    let mut all = WorkerSet::new();
+    let mut dropped = 0usize;
+    for spec in specs {
+        match all.entry(spec.display_name()) {
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert(spec);
+            }
+            std::collections::btree_map::Entry::Occupied(_) => dropped += 1,
+        }
+    }
+    while all.len() > limit {
+        all.pop_last();
+        dropped += 1;
+    }
+    (all, dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn spec(name: &str, port: u16) -> WorkerSpec {
+        WorkerSpec {
+            url: format!("http://127.0.0.1:{port}"),
+            name: Some(name.to_owned()),
+            events: None,
+            replay: None,
+            block_size: None,
+        }
+    }
+
+    fn set(specs: &[WorkerSpec]) -> WorkerSet {
+        specs
+            .iter()
+            .map(|s| (s.display_name(), s.clone()))
+            .collect()
+    }
+
+    fn names(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn new_workers_are_added_and_vanished_ones_drained() {
+        let owned = set(&[spec("a", 1), spec("b", 2)]);
+        let desired = set(&[spec("b", 2), spec("c", 3)]);
+        let p = plan(&owned, &desired, &BTreeSet::new());
+        assert_eq!(p.add, vec![spec("c", 3)]);
+        assert_eq!(p.drain, vec!["a".to_owned()]);
+        assert!(p.conflicts.is_empty());
+    }
+
+    #[test]
+    fn a_source_never_touches_a_worker_it_did_not_add() {
+        let desired = set(&[spec("manual", 9)]);
+        let p = plan(&WorkerSet::new(), &desired, &names(&["manual", "other"]));
+        assert!(p.is_empty(), "{p:?}");
+        assert_eq!(p.conflicts, vec!["manual".to_owned()]);
+        // Nor drains it when it leaves the source: it was never owned.
+        let p = plan(&WorkerSet::new(), &WorkerSet::new(), &names(&["manual"]));
+        assert!(p.is_empty() && p.conflicts.is_empty());
+    }
+
+    #[test]
+    fn a_worker_changed_in_place_is_drained_then_re_added() {
+        let owned = set(&[spec("a", 1)]);
+        let desired = set(&[spec("a", 2)]);
+        let p = plan(&owned, &desired, &BTreeSet::new());
+        assert_eq!(p.drain, vec!["a".to_owned()]);
+        assert!(p.add.is_empty(), "not while the old one holds the name");
+        // Next pass: the old form is draining (someone else's name now).
+        let p = plan(&WorkerSet::new(), &desired, &names(&["a"]));
+        assert!(p.add.is_empty() && p.conflicts == vec!["a".to_owned()]);
+        // Once it has left, the new form goes in.
+        let p = plan(&WorkerSet::new(), &desired, &BTreeSet::new());
+        assert_eq!(p.add, vec![spec("a", 2)]);
+    }
+
+    #[test]
+    fn an_unchanged_source_plans_nothing() {
+        let owned = set(&[spec("a", 1), spec("b", 2)]);
+        assert_eq!(
+            plan(&owned, &owned.clone(), &names(&["x"])),
+            Plan::default()
+        );
+    }
+
+    #[test]
+    fn the_cap_keeps_the_first_names_and_counts_the_rest() {
+        let (kept, dropped) = capped(
+            vec![spec("c", 3), spec("a", 1), spec("b", 2), spec("a", 4)],
+            2,
+        );
+        assert_eq!(kept.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(kept["a"], spec("a", 1), "the first entry of a name");
+        assert_eq!(dropped, 2, "one repeat, one past the cap");
+    }
+
+    /// The naive model: the table as name → (owner, spec, draining), where
+    /// owner 0 is "by hand" and 1 is the source under test. One pass of
+    /// the source, applied the way the driver applies it.
+    #[derive(Clone, Debug, Default)]
+    struct Table(BTreeMap<String, (u8, WorkerSpec, bool)>);
+
+    impl Table {
+        fn owned(&self) -> WorkerSet {
+            self.0
+                .iter()
+                .filter(|(_, (owner, _, draining))| *owner == 1 && !draining)
+                .map(|(n, (_, s, _))| (n.clone(), s.clone()))
+                .collect()
+        }
+        fn others(&self) -> BTreeSet<String> {
+            let owned = self.owned();
+            self.0
+                .keys()
+                .filter(|n| !owned.contains_key(*n))
+                .cloned()
+                .collect()
+        }
+        fn apply(&mut self, p: &Plan) {
+            for name in &p.drain {
+                let entry = self.0.get_mut(name).expect("drained a name in the table");
+                assert_eq!(entry.0, 1, "drained a worker the source does not own");
+                entry.2 = true;
+            }
+            for s in &p.add {
+                let previous = self.0.insert(s.display_name(), (1, s.clone(), false));
+                assert!(previous.is_none(), "added over an existing name");
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// The source now lists these (name index, port).
+        Source(Vec<(u8, u16)>),
+        /// A worker added by hand.
+        Manual(u8),
+        /// Draining workers finish and leave.
+        Drained,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => proptest::collection::vec((0u8..8, 1u16..3), 0..6).prop_map(Op::Source),
+            1 => (0u8..8).prop_map(Op::Manual),
+            1 => Just(Op::Drained),
+        ]
+    }
+
+    proptest! {
+        /// Against the naive table: after every pass the source owns
+        /// exactly the desired workers whose name no one else holds, it
+        /// never drains what it did not add, and hand-added workers are
+        /// never drained.
+        #[test]
+        fn passes_converge_on_the_desired_set_without_touching_others(
+            ops in proptest::collection::vec(op(), 1..40)
+        ) {
+            let mut table = Table::default();
+            let mut desired = WorkerSet::new();
+            for op in ops {
+                match op {
+                    Op::Source(list) => {
+                        desired = list
+                            .into_iter()
+                            .map(|(i, port)| spec(&format!("w{i}"), port))
+                            .map(|s| (s.display_name(), s))
+                            .collect();
+                    }
+                    Op::Manual(i) => {
+                        let name = format!("w{i}");
+                        table.0.entry(name.clone()).or_insert((0, spec(&name, 99), false));
+                    }
+                    Op::Drained => table.0.retain(|_, (_, _, draining)| !*draining),
+                }
+                let before = table.clone();
+                let p = plan(&table.owned(), &desired, &table.others());
+                table.apply(&p);
+                // A second pass right after: drained names now held by
+                // their draining selves; nothing else moves.
+                let again = plan(&table.owned(), &desired, &table.others());
+                prop_assert!(again.drain.is_empty(), "{again:?}");
+                table.apply(&again);
+                let by_hand = |t: &Table| -> Vec<(String, WorkerSpec)> {
+                    t.0.iter().filter(|(_, e)| e.0 == 0).map(|(n, e)| (n.clone(), e.1.clone())).collect()
+                };
+                prop_assert_eq!(by_hand(&before), by_hand(&table));
+                // The model: a desired worker is owned after the pass when
+                // the source already held it unchanged, or no one held its
+                // name.
+                let expected: WorkerSet = desired
+                    .iter()
+                    .filter(|(n, s)| match before.0.get(*n) {
+                        Some((1, held, false)) => held == *s,
+                        Some(_) => false,
+                        None => true,
+                    })
+                    .map(|(n, s)| (n.clone(), s.clone()))
+                    .collect();
+                prop_assert_eq!(table.owned(), expected);
+                prop_assert!(table.owned().iter().all(|(n, s)| desired.get(n) == Some(s)));
+            }
+        }
+    }
+}
