@@ -613,12 +613,21 @@ pub struct WorkersFile {
 
 impl WorkersFile {
     /// Parses and checks a workers file's text ([`validate_workers`]).
-    /// The error names the line and the fault, never the file's values
-    /// beyond worker URLs and names.
+    /// A syntax error is one line naming the line and the fault, without
+    /// quoting the file.
     pub fn parse(text: &str, block_size: u32, cache: CacheMode) -> Result<Self, ConfigError> {
-        let file: Self = toml::from_str(text).map_err(|e| ConfigError::File {
-            path: PathBuf::from("<workers file>"),
-            reason: e.to_string(),
+        let file: Self = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+            let fault = e.message().trim_end();
+            ConfigError::File {
+                path: PathBuf::from("<workers file>"),
+                reason: match line {
+                    Some(line) => format!("line {line}: {fault}"),
+                    None => fault.to_owned(),
+                },
+            }
         })?;
         validate_workers(&file.workers, block_size, cache)?;
         Ok(file)
@@ -1181,5 +1190,13 @@ mod tests {
                 .to_string();
         assert!(error.contains("events="), "{error}");
         assert!(WorkersFile::parse("port = 1", 16, CacheMode::Auto).is_err());
+        let error = WorkersFile::parse("\n\nnot toml [", 16, CacheMode::Auto)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("line 3: "), "{error}");
+        assert!(
+            !error.contains("not toml") && !error.contains('\n'),
+            "{error}"
+        );
     }
 }

@@ -174,8 +174,8 @@ impl Source {
             .collect();
         let plan = reconcile::plan(&self.owned, &self.desired, &others);
         for name in &plan.drain {
+            tracing::info!(source = %self.label, worker = %name, "discovered worker gone from its source (or changed there): draining");
             if fleet.remove(name, true) {
-                tracing::info!(source = %self.label, worker = %name, "discovered worker gone from its source: draining");
                 metrics.change(&self.label, "drained");
             }
             self.owned.remove(name);
