@@ -141,6 +141,84 @@ async fn workers_added_to_and_removed_from_the_watched_file_come_and_go_without_
     running.shutdown().await.unwrap();
 }
 
+/// Every worker the router lists, by name, and whether it is draining.
+async fn listed(client: &reqwest::Client, base: &str) -> Vec<(String, bool)> {
+    let Ok(response) = client
+        .get(format!("{base}/admin/workers"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+    else {
+        return Vec::new();
+    };
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    body["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| Some((w["name"].as_str()?.to_owned(), w["draining"] == true)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_removed_from_the_file_drains_its_requests_in_flight_before_it_goes() {
+    let silent = scripted_worker(Script::Silent).await;
+    let path = scratch_file(
+        "discovery-drain-workers.toml",
+        table(&[("slow", &silent)]).as_bytes(),
+    );
+    let config = ServerConfig {
+        port: 0,
+        admin_token: Some(ADMIN.into()),
+        health_interval_ms: 100,
+        discovery: DiscoveryConfig {
+            workers_file: Some(path.clone()),
+            workers_file_interval_ms: 50,
+            ..DiscoveryConfig::default()
+        },
+        ..ServerConfig::default()
+    };
+    let running = switchyard_server::start(config).await.unwrap();
+    let base = format!("http://{}", running.addr);
+    let client = reqwest::Client::new();
+    wait_workers(&client, &base, &["slow"]).await;
+    // A request the silent worker holds open.
+    let request = tokio::spawn(
+        client
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({"prompt": "x", "max_tokens": 4}))
+            .send(),
+    );
+    wait_for("the request to be booked", PATIENCE, async || {
+        metric(
+            &metrics_text(&client, &base).await,
+            "switchyard_active_requests",
+        ) == Some(1.0)
+    })
+    .await;
+
+    replace(&path, "");
+    wait_for("the worker to be draining", PATIENCE, async || {
+        listed(&client, &base).await == [("slow".to_owned(), true)]
+    })
+    .await;
+    // Drained once; listed (draining) while its request is in flight.
+    let passes = r#"switchyard_discovery_changes_total{source="file",change="drained"}"#;
+    assert_eq!(
+        metric(&metrics_text(&client, &base).await, passes),
+        Some(1.0)
+    );
+    assert_eq!(listed(&client, &base).await, [("slow".to_owned(), true)]);
+
+    // The client gives up: its request ends, and the worker goes.
+    request.abort();
+    wait_for("the drained worker to be removed", PATIENCE, async || {
+        listed(&client, &base).await.is_empty()
+    })
+    .await;
+    running.shutdown().await.unwrap();
+}
+
 /// A DNS server on a loopback UDP socket answering A queries for any name
 /// with `records` (the test changes them) and AAAA queries with none. An
 /// empty `records` is "no data" (NOERROR, no answers).
