@@ -35,11 +35,14 @@ pub mod events;
 pub mod lease;
 pub mod restore;
 pub mod scheduler;
+pub mod slots;
 pub mod timing;
 
 pub use blocks::{engine_hash, BlockManager, SeqId};
-pub use config::EngineConfig;
-pub use device::{AheadDevice, DeviceLayer, ScriptedDevice, SyncDevice};
+pub use config::{EngineConfig, Preemption};
+pub use device::{
+    AheadDevice, DeviceError, DeviceLayer, DeviceState, Effect, Label, ScriptedDevice, SyncDevice,
+};
 pub use events::{KvEvent, Medium};
 pub use scheduler::{
     Engine, FinishReason, Finished, NewRequest, Observation, StepReport, TokenOutput,

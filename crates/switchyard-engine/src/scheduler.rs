@@ -2,18 +2,30 @@
 //!
 //! One [`Engine::step`]:
 //!
+//! 0. state slots left with holes (a finished, cancelled or preempted
+//!    sequence) are compacted: the highest owned slot moves down
+//!    (`CompactSlot`, `SyncSecondary`, `DetachSlot`);
 //! 1. running sequences first, in order: each gets its remaining tokens (a
 //!    decode token, or the next prefill chunk) within the step's token
-//!    budget; a dry pool preempts the newest running sequence (recompute,
-//!    LIFO), possibly the one being scheduled;
-//! 2. if nothing was preempted, waiting sequences in order while the budget
-//!    and `max_num_seqs` allow: prefix hits on the device, then the restore
+//!    budget; a reservation answered `Exhausted` keeps that sequence out of
+//!    this step (it is not launched ahead of the memory it needs) while the
+//!    others run and may free blocks; only when no running sequence can be
+//!    launched at all is the newest one preempted (LIFO) — recomputed later,
+//!    or with `preemption = "spill"` its computed KV saved to the host
+//!    (`SaveSequenceState`, `SyncSecondary`, then `ReleaseSeq`) and loaded
+//!    back on resume — and the step planned again;
+//! 2. if nothing was preempted or kept out, waiting sequences in order while
+//!    the budget, `max_num_seqs` and the state slots allow: a spilled
+//!    sequence loads its saved state (`LoadSequenceState`); others take
+//!    prefix hits on the device, then the restore
 //!    protocol ([`crate::restore`]: from the host tier, or from another
 //!    engine's capture lease for a request added with
 //!    [`Engine::add_rendezvous_request`]), then a reservation for the first
 //!    chunk; a dry pool leaves the request waiting, and so stops admission,
 //!    while a rendezvous not yet delivered is passed over;
-//! 3. launch the step on the device layer and read its result;
+//! 3. launch the step on the device layer and read its result, and with
+//!    `read_logits` copy the sampling rows' logits to the host (`ReadLogits`
+//!    → `HostLogits`, charged to the step);
 //! 4. advance every scheduled sequence, cache its newly full blocks, sample a
 //!    synthetic token where a sequence caught up, finish those at `max_tokens`.
 //!
@@ -22,13 +34,14 @@
 //! a millisecond is.
 
 use crate::blocks::{BlockManager, SeqId};
-use crate::config::{ConfigError, EngineConfig};
-use crate::device::{DeviceError, DeviceLayer, Reservation, RestoreSource};
+use crate::config::{ConfigError, EngineConfig, Preemption};
+use crate::device::{DeviceError, DeviceLayer, Label, Reservation, RestoreSource};
 use crate::events::KvEvent;
 use crate::lease::{LeaseCounters, LeaseError, LeaseId, LeaseRef, LeaseTable, LeasedKv};
 use crate::restore::{
     self, RestoreDecision, RestoreDeferral, RestoreError, RestoreQuery, RestoreTicket,
 };
+use crate::slots::{SlotError, SlotTable};
 use crate::timing::StepShape;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
@@ -84,6 +97,9 @@ pub enum EngineError {
     /// The configuration is invalid.
     #[error("config: {0}")]
     Config(#[from] ConfigError),
+    /// The state-slot table refused an operation the core asked for.
+    #[error("state slots: {0}")]
+    Slots(#[from] SlotError),
 }
 
 /// Why a request left the engine.
@@ -189,10 +205,19 @@ pub enum Observation {
         /// Whether its blocks were restored from the lease.
         restored: bool,
     },
-    /// A running request was preempted (recompute).
+    /// A running request was preempted (recompute, or spill when followed
+    /// by `Spilled`).
     Preempted {
         /// The request.
         request: RequestId,
+    },
+    /// A preempted request's computed KV was saved to the host; it is
+    /// loaded back on resume, or dropped if the request is cancelled first.
+    Spilled {
+        /// The request.
+        request: RequestId,
+        /// Tokens saved.
+        tokens: usize,
     },
 }
 
@@ -227,8 +252,23 @@ pub struct EngineCounters {
     pub prefix_hit_tokens: u64,
     /// Output tokens sampled.
     pub generated_tokens: u64,
-    /// Preemptions.
+    /// Preemptions (recompute and spill).
     pub preemptions: u64,
+    /// Running sequences kept out of a step because their reservation
+    /// answered `Exhausted` (counted once per sequence and step).
+    pub kept_out: u64,
+    /// Preemptions that saved the sequence's state to the host.
+    pub spills: u64,
+    /// Spilled states loaded back on resume.
+    pub spill_loads: u64,
+    /// Spilled states dropped (their request cancelled while spilled).
+    pub spill_drops: u64,
+    /// Spill preemptions that recomputed instead (the spill area was full).
+    pub spill_fallbacks: u64,
+    /// State-slot compactions.
+    pub slot_compactions: u64,
+    /// Logits bytes read back to the host.
+    pub logits_bytes: u64,
     /// Requests finished at their length.
     pub finished: u64,
     /// Requests cancelled.
@@ -262,6 +302,9 @@ struct Seq {
     rendezvous: Option<Rendezvous>,
     prompt_counted: bool,
     cached_tokens: usize,
+    /// Tokens whose KV a spill preemption saved to the host, until they
+    /// are loaded back or dropped.
+    spilled: Option<usize>,
 }
 
 /// A request's rendezvous source: the lease it was given and, once the
@@ -356,6 +399,9 @@ pub struct Engine<D> {
     observations: Vec<Observation>,
     scheduled: Vec<(SeqId, usize)>,
     leases: LeaseTable,
+    state_slots: SlotTable,
+    /// Spill-area blocks held by spilled sequences.
+    spill_used_blocks: usize,
 }
 
 impl<D: DeviceLayer> Engine<D> {
@@ -374,6 +420,8 @@ impl<D: DeviceLayer> Engine<D> {
             observations: Vec::new(),
             scheduled: Vec::new(),
             leases: LeaseTable::new(config.max_leases),
+            state_slots: SlotTable::new(config.state_slots),
+            spill_used_blocks: 0,
             config,
         })
     }
@@ -396,6 +444,34 @@ impl<D: DeviceLayer> Engine<D> {
     /// The device layer, for scripting.
     pub fn device_mut(&mut self) -> &mut D {
         &mut self.device
+    }
+
+    /// The state-slot table (empty when `state_slots` is 0).
+    pub fn state_slots(&self) -> &SlotTable {
+        &self.state_slots
+    }
+
+    /// Spill-area blocks held by spilled sequences now.
+    pub fn spill_used_blocks(&self) -> usize {
+        self.spill_used_blocks
+    }
+
+    /// Waits for the device's secondary (copy) stream.
+    pub fn sync_secondary(&mut self) -> Result<(), EngineError> {
+        Ok(self.device.sync_secondary()?)
+    }
+
+    /// Stops the device taking new work: a step with work to do is then
+    /// refused ([`DeviceError::Quiesced`]); cancels still release.
+    pub fn quiesce(&mut self) -> Result<(), EngineError> {
+        Ok(self.device.quiesce()?)
+    }
+
+    /// Tears the device down (quiesce first). Every later effect — a step
+    /// with work, a cancel of a running request — is refused with
+    /// [`DeviceError::ShutDown`].
+    pub fn shutdown(&mut self) -> Result<(), EngineError> {
+        Ok(self.device.ep_shutdown()?)
     }
 
     /// Counters so far.
@@ -477,6 +553,7 @@ impl<D: DeviceLayer> Engine<D> {
             rendezvous: None,
             prompt_counted: false,
             cached_tokens: 0,
+            spilled: None,
         };
         let id = match self.free_slots.pop() {
             Some(slot) => {
@@ -600,11 +677,17 @@ impl<D: DeviceLayer> Engine<D> {
             return Ok(None);
         };
         let phase = self.seq(id).phase;
+        if let Some(tokens) = self.seq(id).spilled {
+            self.device.drop_sequence_state(id)?;
+            self.seq_mut(id).spilled = None;
+            self.spill_used_blocks -= tokens.div_ceil(self.config.block_size);
+            self.counters.spill_drops += 1;
+        }
         match phase {
             Phase::Waiting => self.waiting.retain(|&s| s != id),
             Phase::Running => self.running.retain(|&s| s != id),
         }
-        self.release(id, true)?;
+        self.release(id, true, Label("cancelled"))?;
         self.counters.cancelled += 1;
         Ok(Some(self.remove(id, FinishReason::Cancelled)))
     }
@@ -624,40 +707,51 @@ impl<D: DeviceLayer> Engine<D> {
         scheduled: &mut Vec<(SeqId, usize)>,
         report: &mut StepReport,
     ) -> Result<(), EngineError> {
-        let mut budget = self.config.max_num_batched_tokens;
+        if self.state_slots.free_len() > 0 {
+            self.compact_slots()?;
+        }
+        let mut budget;
         let mut preempted = false;
+        let mut kept_out;
         let mut restore_tokens = 0usize;
+        let mut saved_tokens = 0usize;
 
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            let seq = self.seq(id);
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
-            let target = seq.num_computed + n;
-            loop {
+        loop {
+            budget = self.config.max_num_batched_tokens;
+            kept_out = false;
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let id = self.running[i];
+                let seq = self.seq(id);
+                let n = (seq.tokens.len() - seq.num_computed).min(budget);
+                let target = seq.num_computed + n;
                 match self.device.reserve_kv(&mut self.kv, id, target)? {
                     Reservation::Reserved { .. } => {
                         scheduled.push((id, n));
                         budget -= n;
-                        i += 1;
-                        break;
                     }
+                    // Not launched ahead of the memory it needs: it sits
+                    // this step out, holding what it has.
                     Reservation::Exhausted => {
-                        let victim = *self
-                            .running
-                            .last()
-                            .expect("the scheduled sequence is running");
-                        self.preempt(victim)?;
-                        preempted = true;
-                        if victim == id {
-                            break;
-                        }
+                        kept_out = true;
+                        self.counters.kept_out += 1;
                     }
                 }
+                i += 1;
             }
+            // Preempt only when nothing can run: then no step would free
+            // a block. Nothing was reserved this round, so nothing leaks.
+            if !kept_out || !scheduled.is_empty() {
+                break;
+            }
+            let Some(&victim) = self.running.last() else {
+                break;
+            };
+            saved_tokens += self.preempt(victim)?;
+            preempted = true;
         }
 
-        if !preempted {
+        if !preempted && !kept_out {
             // In order; a request still waiting for its rendezvous is
             // passed over (`next` moves past it), anything else that does
             // not fit stops admission.
@@ -666,7 +760,16 @@ impl<D: DeviceLayer> Engine<D> {
                 let Some(&id) = self.waiting.get(next) else {
                     break;
                 };
-                match self.admit(id, budget, &mut restore_tokens, report)? {
+                // A sequence with state needs a slot to start: none free,
+                // none can start.
+                if self.config.state_slots > 0 && self.state_slots.allocate(id).is_err() {
+                    break;
+                }
+                let admission = self.admit(id, budget, &mut restore_tokens, report)?;
+                if !matches!(admission, Admission::Scheduled(_)) {
+                    self.free_state_slot(id);
+                }
+                match admission {
                     Admission::Scheduled(n) => {
                         self.waiting.remove(next);
                         self.seq_mut(id).phase = Phase::Running;
@@ -689,6 +792,7 @@ impl<D: DeviceLayer> Engine<D> {
 
         let mut shape = StepShape {
             restore_tokens: restore_tokens as u64,
+            saved_tokens: saved_tokens as u64,
             kv_used_blocks: self.kv.used_blocks() as u64,
             kv_total_blocks: self.kv.num_blocks() as u64,
             ..StepShape::default()
@@ -704,6 +808,30 @@ impl<D: DeviceLayer> Engine<D> {
         self.device.launch_step(&self.kv, &shape)?;
         let result = self.device.step_result()?;
         report.model_ms = result.duration_ms;
+        if self.config.read_logits {
+            let rows = scheduled
+                .iter()
+                .filter(|&&(id, n)| {
+                    let seq = self.seq(id);
+                    seq.num_computed + n == seq.tokens.len()
+                })
+                .count();
+            if rows > 0 {
+                let expected = self.config.logits_elem_bytes;
+                let logits = self
+                    .device
+                    .read_logits(rows, self.config.vocab_size, expected)?;
+                if logits.elem_bytes != expected {
+                    return Err(DeviceError::LogitsWidth {
+                        expected,
+                        got: logits.elem_bytes,
+                    }
+                    .into());
+                }
+                report.model_ms += logits.duration_ms;
+                self.counters.logits_bytes += logits.bytes;
+            }
+        }
         report.shape = shape;
         report.scheduled = scheduled.len();
         self.counters.steps += 1;
@@ -754,7 +882,7 @@ impl<D: DeviceLayer> Engine<D> {
                             || seq.tokens.len() >= self.config.max_model_len)
                 };
                 if done {
-                    self.release(id, true)?;
+                    self.release(id, true, Label("finished"))?;
                     self.counters.finished += 1;
                     let finished = self.remove(id, FinishReason::Length);
                     report.finished.push(finished);
@@ -773,6 +901,9 @@ impl<D: DeviceLayer> Engine<D> {
         restore_tokens: &mut usize,
         report: &mut StepReport,
     ) -> Result<Admission, EngineError> {
+        if let Some(tokens) = self.seq(id).spilled {
+            return self.resume_spilled(id, tokens, budget, restore_tokens);
+        }
         let bs = self.config.block_size;
         let timing = &self.config.timing;
         let seq = self.slots[id.0 as usize]
@@ -813,7 +944,12 @@ impl<D: DeviceLayer> Engine<D> {
                         lease,
                         restored: false,
                     });
-                    self.device.release_seq(&mut self.kv, id, false)?;
+                    self.device.release_seq(
+                        &mut self.kv,
+                        id,
+                        false,
+                        Label("rendezvous_mismatch"),
+                    )?;
                     let finished = self.remove(id, FinishReason::RestoreFailed);
                     report.finished.push(finished);
                     return Ok(Admission::Removed);
@@ -980,7 +1116,8 @@ impl<D: DeviceLayer> Engine<D> {
                     }
                 }
                 Err(error) => {
-                    self.device.release_seq(&mut self.kv, id, false)?;
+                    self.device
+                        .release_seq(&mut self.kv, id, false, Label("restore_failed"))?;
                     self.counters.restores.failed += 1;
                     self.observe(Observation::RestoreFailed {
                         request: ticket.request,
@@ -1013,7 +1150,8 @@ impl<D: DeviceLayer> Engine<D> {
         match self.device.reserve_kv(&mut self.kv, id, target)? {
             Reservation::Reserved { .. } => Ok(Admission::Scheduled(n)),
             Reservation::Exhausted => {
-                self.device.release_seq(&mut self.kv, id, true)?;
+                self.device
+                    .release_seq(&mut self.kv, id, true, Label("admission_blocked"))?;
                 let seq = self.seq_mut(id);
                 seq.num_computed = 0;
                 seq.committed_blocks = 0;
@@ -1022,30 +1160,141 @@ impl<D: DeviceLayer> Engine<D> {
         }
     }
 
-    fn preempt(&mut self, id: SeqId) -> Result<(), EngineError> {
+    /// Preempts running `id` (the newest): with `preemption = "spill"` and
+    /// room in the spill area its computed KV is saved to the host first,
+    /// and the copy synchronised before its blocks are released. Returns
+    /// the tokens saved (0: it recomputes).
+    fn preempt(&mut self, id: SeqId) -> Result<usize, EngineError> {
         let popped = self.running.pop();
         debug_assert_eq!(popped, Some(id));
-        self.release(id, true)?;
+        let (request, computed) = {
+            let seq = self.seq(id);
+            (seq.request, seq.num_computed)
+        };
+        let spill_blocks = computed.div_ceil(self.config.block_size);
+        let mut saved = 0;
+        if self.config.preemption == Preemption::Spill && computed > 0 {
+            if self.spill_used_blocks + spill_blocks <= self.config.spill_blocks {
+                saved = self
+                    .device
+                    .save_sequence_state(&self.kv, id, computed)?
+                    .tokens;
+                // The copy reads the blocks: it must finish before they
+                // can be handed to anyone else.
+                self.device.sync_secondary()?;
+                self.spill_used_blocks += spill_blocks;
+                self.seq_mut(id).spilled = Some(saved);
+                self.counters.spills += 1;
+            } else {
+                self.counters.spill_fallbacks += 1;
+            }
+        }
+        let what = Label(if saved > 0 { "spilled" } else { "preempted" });
+        self.release(id, true, what)?;
+        self.free_state_slot(id);
         let seq = self.seq_mut(id);
         seq.num_computed = 0;
         seq.committed_blocks = 0;
         seq.phase = Phase::Waiting;
-        let request = seq.request;
         self.waiting.push_front(id);
         self.counters.preemptions += 1;
-        push_bounded(
-            &mut self.observations,
-            &mut self.counters.observations_dropped,
-            Observation::Preempted { request },
-        );
+        self.observe(Observation::Preempted { request });
+        if saved > 0 {
+            self.observe(Observation::Spilled {
+                request,
+                tokens: saved,
+            });
+        }
+        Ok(saved)
+    }
+
+    /// Admits a spilled sequence: its device-cached prefix is shared, the
+    /// rest of its saved state loaded back (charged as restore tokens), and
+    /// its next tokens reserved. Nothing is asked of the device unless all
+    /// of it fits now.
+    fn resume_spilled(
+        &mut self,
+        id: SeqId,
+        tokens: usize,
+        budget: usize,
+        restore_tokens: &mut usize,
+    ) -> Result<Admission, EngineError> {
+        let bs = self.config.block_size;
+        let seq = self.slots[id.0 as usize].as_mut().expect("live");
+        let full = tokens / bs;
+        seq.ensure_hashes(full, bs);
+        let hit = self.kv.lookup_prefix(&seq.hashes[..full]);
+        let n = (seq.tokens.len() - tokens).min(budget);
+        let need = (tokens + n).div_ceil(bs).saturating_sub(hit);
+        if need > self.kv.free_blocks() {
+            return Ok(Admission::Blocked);
+        }
+        let hashes = std::mem::take(&mut seq.hashes);
+        self.kv.acquire_prefix(id, &hashes[..hit]);
+        self.seq_mut(id).hashes = hashes;
+        match self
+            .device
+            .load_sequence_state(&mut self.kv, id, tokens, hit)?
+        {
+            Reservation::Reserved { .. } => {}
+            Reservation::Exhausted => {
+                self.device
+                    .release_seq(&mut self.kv, id, true, Label("resume_blocked"))?;
+                return Ok(Admission::Blocked);
+            }
+        }
+        self.spill_used_blocks -= tokens.div_ceil(bs);
+        self.counters.spill_loads += 1;
+        *restore_tokens += tokens - hit * bs;
+        let seq = self.seq_mut(id);
+        seq.spilled = None;
+        seq.num_computed = tokens;
+        seq.committed_blocks = hit;
+        match self.device.reserve_kv(&mut self.kv, id, tokens + n)? {
+            Reservation::Reserved { .. } => Ok(Admission::Scheduled(n)),
+            Reservation::Exhausted => {
+                // Loaded but unable to go on: its state is dropped with its
+                // blocks and it recomputes, like any preempted sequence.
+                self.device
+                    .release_seq(&mut self.kv, id, true, Label("resume_blocked"))?;
+                let seq = self.seq_mut(id);
+                seq.num_computed = 0;
+                seq.committed_blocks = 0;
+                Ok(Admission::Blocked)
+            }
+        }
+    }
+
+    /// Moves the highest owned state slot into the lowest free one until
+    /// the owned slots are packed at the bottom of the table: each move is
+    /// a copy (`CompactSlot`), synchronised before the old slot is disowned
+    /// (`DetachSlot`) and only then free again.
+    fn compact_slots(&mut self) -> Result<(), EngineError> {
+        while let Some((seq, _)) = self.state_slots.highest_owned() {
+            let Some(moved) = self.state_slots.compact(seq)? else {
+                break;
+            };
+            self.device.compact_slot(moved.seq, moved.from, moved.to)?;
+            self.device.sync_secondary()?;
+            self.device.detach_slot(moved.from)?;
+            self.state_slots.detach(moved.from)?;
+            self.counters.slot_compactions += 1;
+        }
         Ok(())
     }
 
-    fn release(&mut self, id: SeqId, cache: bool) -> Result<(), EngineError> {
+    /// Frees `id`'s state slot if it owns one.
+    fn free_state_slot(&mut self, id: SeqId) {
+        // `NotOwned` is the answer for a sequence that never took a slot
+        // (state_slots = 0, or not admitted yet): nothing to free.
+        let _ = self.state_slots.free(id);
+    }
+
+    fn release(&mut self, id: SeqId, cache: bool, what: Label) -> Result<(), EngineError> {
         if self.device.reserves_ahead() {
             self.device.rollback(&mut self.kv, id)?;
         }
-        self.device.release_seq(&mut self.kv, id, cache)?;
+        self.device.release_seq(&mut self.kv, id, cache, what)?;
         Ok(())
     }
 
@@ -1063,6 +1312,7 @@ impl<D: DeviceLayer> Engine<D> {
         }
         self.by_request.remove(&seq.request);
         self.free_slots.push(id.0);
+        self.free_state_slot(id);
         Finished {
             request: seq.request,
             reason,
