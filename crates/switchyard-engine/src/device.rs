@@ -1099,6 +1099,152 @@ mod tests {
     }
 
     #[test]
+    fn every_effect_has_its_own_label() {
+        let effects = [
+            Effect::ReserveKv {
+                seq: SeqId(0),
+                tokens: 1,
+            },
+            Effect::Rollback { seq: SeqId(0) },
+            Effect::ReleaseSeq {
+                seq: SeqId(0),
+                cache: true,
+                what: Label("finished"),
+            },
+            Effect::AckRestore { seq: SeqId(0) },
+            Effect::LaunchStep {
+                shape: StepShape::default(),
+            },
+            Effect::ReadStepResult,
+            Effect::ReadLogits {
+                rows: 1,
+                vocab: 8,
+                elem_bytes: 2,
+            },
+            Effect::CompactSlot {
+                seq: SeqId(0),
+                from: SlotId(1),
+                to: SlotId(0),
+            },
+            Effect::DetachSlot { slot: SlotId(1) },
+            Effect::SaveSequenceState {
+                seq: SeqId(0),
+                tokens: 4,
+            },
+            Effect::LoadSequenceState {
+                seq: SeqId(0),
+                tokens: 4,
+                device_prefix_blocks: 0,
+            },
+            Effect::DropSequenceState { seq: SeqId(0) },
+            Effect::SyncSecondary,
+            Effect::Quiesce,
+            Effect::EpShutdown,
+        ];
+        let labels: std::collections::BTreeSet<Label> = effects.iter().map(Effect::label).collect();
+        assert_eq!(labels.len(), effects.len());
+    }
+
+    #[test]
+    fn a_quiesced_device_takes_no_new_work_but_still_releases() {
+        let mut kv = kv();
+        let mut dev = ScriptedDevice::new(TimingConfig::default());
+        dev.reserve_kv(&mut kv, SeqId(0), 8).unwrap();
+        assert_eq!(dev.ep_shutdown(), Err(DeviceError::NotQuiesced));
+        dev.quiesce().unwrap();
+        dev.quiesce().unwrap();
+        assert_eq!(dev.state(), DeviceState::Quiesced);
+        assert_eq!(
+            dev.reserve_kv(&mut kv, SeqId(1), 8),
+            Err(DeviceError::Quiesced {
+                effect: Label("reserve_kv")
+            })
+        );
+        assert!(dev.launch_step(&kv, &StepShape::default()).is_err());
+        dev.release_seq(&mut kv, SeqId(0), true, Label("cancelled"))
+            .unwrap();
+        assert_eq!(kv.free_blocks(), 16);
+    }
+
+    #[test]
+    fn a_shut_down_device_refuses_every_effect_with_a_clear_error() {
+        let mut kv = kv();
+        let mut dev = SyncDevice::new(TimingConfig::default());
+        dev.quiesce().unwrap();
+        dev.ep_shutdown().unwrap();
+        assert_eq!(dev.state(), DeviceState::Shutdown);
+        let refused = [
+            dev.reserve_kv(&mut kv, SeqId(0), 1).map(|_| ()),
+            dev.release_seq(&mut kv, SeqId(0), true, Label("cancelled")),
+            dev.step_result().map(|_| ()),
+            dev.read_logits(1, 8, 2).map(|_| ()),
+            dev.detach_slot(SlotId(0)),
+            dev.save_sequence_state(&kv, SeqId(0), 4).map(|_| ()),
+            dev.drop_sequence_state(SeqId(0)).map(|_| ()),
+            dev.sync_secondary(),
+            dev.quiesce(),
+            dev.ep_shutdown(),
+        ];
+        for outcome in refused {
+            assert!(
+                matches!(outcome, Err(DeviceError::ShutDown { .. })),
+                "{outcome:?}"
+            );
+        }
+        let message = dev
+            .reserve_kv(&mut kv, SeqId(0), 1)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(message, "the device is shut down and refuses reserve_kv");
+    }
+
+    #[test]
+    fn a_saved_state_is_loaded_or_dropped_exactly_once() {
+        let mut kv = kv();
+        let mut dev = SyncDevice::new(TimingConfig::default());
+        let saved = dev.save_sequence_state(&kv, SeqId(0), 8).unwrap();
+        assert_eq!(saved.tokens, 8);
+        assert!((saved.duration_ms - TimingConfig::default().restore_ms(8)).abs() < 1e-12);
+        assert!(
+            dev.save_sequence_state(&kv, SeqId(0), 8).is_err(),
+            "saved twice"
+        );
+        assert_eq!(dev.secondary_pending(), 1);
+        dev.sync_secondary().unwrap();
+        assert_eq!(dev.secondary_pending(), 0);
+        assert!(
+            dev.load_sequence_state(&mut kv, SeqId(0), 4, 0).is_err(),
+            "another extent than was saved"
+        );
+        assert_eq!(
+            dev.load_sequence_state(&mut kv, SeqId(0), 8, 0),
+            Ok(Reservation::Reserved { blocks: 2 })
+        );
+        assert_eq!(
+            dev.drop_sequence_state(SeqId(0)),
+            Err(DeviceError::SavedState {
+                effect: Label("drop_sequence_state"),
+                seq: SeqId(0)
+            }),
+            "loaded already"
+        );
+        dev.save_sequence_state(&kv, SeqId(1), 4).unwrap();
+        assert_eq!(dev.drop_sequence_state(SeqId(1)), Ok(4));
+        assert_eq!(dev.saved_len(), 0);
+    }
+
+    #[test]
+    fn logits_come_back_at_the_asked_width_and_cost_their_bytes() {
+        let mut dev = SyncDevice::new(TimingConfig::default());
+        let logits = dev.read_logits(3, 1_000, 2).unwrap();
+        assert_eq!(
+            (logits.rows, logits.elem_bytes, logits.bytes),
+            (3, 2, 6_000)
+        );
+        assert!((logits.duration_ms - 6_000.0 / 64e9 * 1e3).abs() < 1e-12);
+    }
+
+    #[test]
     fn a_result_without_a_launch_is_a_contract_error() {
         let mut dev = SyncDevice::new(TimingConfig::default());
         assert_eq!(dev.step_result(), Err(DeviceError::NoStepLaunched));

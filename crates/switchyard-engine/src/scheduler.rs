@@ -677,17 +677,19 @@ impl<D: DeviceLayer> Engine<D> {
             return Ok(None);
         };
         let phase = self.seq(id).phase;
+        // Effects first: a device that refuses them leaves the request
+        // where it was.
         if let Some(tokens) = self.seq(id).spilled {
             self.device.drop_sequence_state(id)?;
             self.seq_mut(id).spilled = None;
             self.spill_used_blocks -= tokens.div_ceil(self.config.block_size);
             self.counters.spill_drops += 1;
         }
+        self.release(id, true, Label("cancelled"))?;
         match phase {
             Phase::Waiting => self.waiting.retain(|&s| s != id),
             Phase::Running => self.running.retain(|&s| s != id),
         }
-        self.release(id, true, Label("cancelled"))?;
         self.counters.cancelled += 1;
         Ok(Some(self.remove(id, FinishReason::Cancelled)))
     }
@@ -1385,6 +1387,7 @@ mod tests {
     use crate::device::{AheadDevice, Effect, ScriptedDevice, SyncDevice};
     use crate::lease::{LeaseError, LeaseRef, LeasedKv};
     use crate::restore::RestoreOutput;
+    use crate::slots::SlotId;
     use crate::timing::TimingConfig;
     use switchyard_core::hashing::DEFAULT_SEED;
 
@@ -2044,5 +2047,447 @@ mod tests {
         assert_eq!(engine.waiting_len(), 1);
         engine.step(&mut report).unwrap();
         assert_eq!(report.finished.len(), 1);
+    }
+
+    /// Two requests of 40 prompt tokens and `max_tokens` outputs, both
+    /// admitted and prefilled by one step.
+    fn two_running(cfg: EngineConfig, max_tokens: u32) -> Engine<ScriptedDevice> {
+        let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), max_tokens))
+            .unwrap();
+        engine
+            .add_request(request(2, (1_000..1_040).collect(), max_tokens))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(engine.running_len(), 2);
+        engine.device_mut().log.clear();
+        engine
+    }
+
+    fn finished_outputs(reports: &[StepReport]) -> Vec<(RequestId, usize)> {
+        let mut out: Vec<_> = reports
+            .iter()
+            .flat_map(|r| r.finished.iter().map(|f| (f.request, f.output_tokens)))
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn every_release_names_its_caller() {
+        let mut engine =
+            Engine::new(config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), 1))
+            .unwrap();
+        engine
+            .add_request(request(2, (100..140).collect(), 9))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.cancel(RequestId(2)).unwrap();
+        let whats: Vec<_> = engine
+            .device()
+            .log
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ReleaseSeq { seq, what, .. } => Some((*seq, what.0)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(whats, vec![(SeqId(0), "finished"), (SeqId(1), "cancelled")]);
+    }
+
+    #[test]
+    fn an_exhausted_reservation_keeps_that_sequence_out_of_the_step_and_preempts_nothing() {
+        let mut engine = two_running(config(), 5);
+        engine.device_mut().exhaust_next = 1;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.scheduled, 1, "request 1 was not launched");
+        assert_eq!(report.tokens.len(), 1);
+        assert_eq!(report.tokens[0].request, RequestId(2));
+        assert_eq!(engine.counters().preemptions, 0);
+        assert_eq!(engine.counters().kept_out, 1);
+        assert_eq!(engine.running_len(), 2, "it keeps its place and its blocks");
+        let reports = run_to_end(&mut engine);
+        assert_eq!(
+            finished_outputs(&reports),
+            vec![(RequestId(1), 5), (RequestId(2), 5)]
+        );
+    }
+
+    #[test]
+    fn only_when_nothing_can_run_is_the_newest_preempted() {
+        let mut engine = two_running(config(), 5);
+        engine.device_mut().exhaust_next = 2;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(engine.counters().preemptions, 1);
+        assert_eq!(report.scheduled, 1);
+        assert_eq!(report.tokens[0].request, RequestId(1), "the older runs");
+        let obs = observations(&mut engine);
+        assert!(obs.contains(&Observation::Preempted {
+            request: RequestId(2)
+        }));
+        assert!(engine.device().log.contains(&Effect::ReleaseSeq {
+            seq: SeqId(1),
+            cache: true,
+            what: Label("preempted")
+        }));
+        let reports = run_to_end(&mut engine);
+        assert_eq!(
+            finished_outputs(&reports),
+            vec![(RequestId(1), 5), (RequestId(2), 5)]
+        );
+    }
+
+    fn spill_config() -> EngineConfig {
+        EngineConfig {
+            preemption: Preemption::Spill,
+            spill_blocks: 64,
+            ..config()
+        }
+    }
+
+    #[test]
+    fn a_spilled_sequence_is_saved_synchronised_released_and_loaded_back_on_resume() {
+        let mut engine = two_running(spill_config(), 5);
+        engine.device_mut().exhaust_next = 2;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        // Request 2 had computed its 40 prompt tokens: they go to the host,
+        // the copy is waited for, and only then are its blocks released.
+        let log = &engine.device().log;
+        let at = |effect: &Effect| log.iter().position(|e| e == effect).unwrap();
+        let save = at(&Effect::SaveSequenceState {
+            seq: SeqId(1),
+            tokens: 40,
+        });
+        let release = at(&Effect::ReleaseSeq {
+            seq: SeqId(1),
+            cache: true,
+            what: Label("spilled"),
+        });
+        assert_eq!(log[save + 1], Effect::SyncSecondary);
+        assert_eq!(save + 2, release);
+        assert_eq!(report.shape.saved_tokens, 40, "the save is charged");
+        assert_eq!(engine.spill_used_blocks(), 3);
+        assert!(observations(&mut engine).contains(&Observation::Spilled {
+            request: RequestId(2),
+            tokens: 40
+        }));
+        // Resumed: its two full blocks are still cached on the device, the
+        // last 8 tokens come back from the host, and nothing is recomputed.
+        engine.device_mut().log.clear();
+        engine.step(&mut report).unwrap();
+        assert!(engine.device().log.contains(&Effect::LoadSequenceState {
+            seq: SeqId(1),
+            tokens: 40,
+            device_prefix_blocks: 2
+        }));
+        assert_eq!(report.shape.restore_tokens, 8);
+        assert_eq!(report.shape.prefill_tokens, 0);
+        assert_eq!(report.shape.decode_tokens, 2);
+        assert_eq!(engine.device().saved_len(), 0);
+        assert_eq!(engine.spill_used_blocks(), 0);
+        let reports = run_to_end(&mut engine);
+        assert_eq!(
+            finished_outputs(&reports),
+            vec![(RequestId(1), 5), (RequestId(2), 5)]
+        );
+        let counters = engine.counters();
+        assert_eq!((counters.spills, counters.spill_loads), (1, 1));
+        assert_eq!(engine.kv().used_blocks(), 0);
+    }
+
+    #[test]
+    fn a_request_cancelled_while_spilled_drops_its_saved_state() {
+        let mut engine = two_running(spill_config(), 5);
+        engine.device_mut().exhaust_next = 2;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(engine.device().saved_len(), 1);
+        engine.cancel(RequestId(2)).unwrap().unwrap();
+        assert!(engine
+            .device()
+            .log
+            .contains(&Effect::DropSequenceState { seq: SeqId(1) }));
+        assert_eq!(engine.device().saved_len(), 0);
+        assert_eq!(engine.counters().spill_drops, 1);
+        assert_eq!(engine.spill_used_blocks(), 0);
+    }
+
+    #[test]
+    fn a_full_spill_area_falls_back_to_recompute() {
+        let cfg = EngineConfig {
+            spill_blocks: 2,
+            ..spill_config()
+        };
+        let mut engine = two_running(cfg, 5);
+        engine.device_mut().exhaust_next = 2;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(engine.counters().spill_fallbacks, 1);
+        assert_eq!(engine.counters().spills, 0);
+        assert!(!engine
+            .device()
+            .log
+            .iter()
+            .any(|e| matches!(e, Effect::SaveSequenceState { .. })));
+    }
+
+    #[test]
+    fn sampling_rows_read_their_logits_back_at_the_models_width() {
+        let cfg = EngineConfig {
+            read_logits: true,
+            vocab_size: 1_000,
+            ..config()
+        };
+        let timing = TimingConfig::default();
+        let mut engine = Engine::new(cfg, ScriptedDevice::new(timing.clone())).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), 2))
+            .unwrap();
+        engine
+            .add_request(request(2, (100..140).collect(), 2))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert!(engine.device().log.contains(&Effect::ReadLogits {
+            rows: 2,
+            vocab: 1_000,
+            elem_bytes: 2
+        }));
+        let expected = timing.step_ms(&report.shape) + timing.host_copy_ms(4_000);
+        assert!((report.model_ms - expected).abs() < 1e-9);
+        assert_eq!(engine.counters().logits_bytes, 4_000);
+    }
+
+    #[test]
+    fn logits_of_another_width_than_the_models_are_a_device_error() {
+        let cfg = EngineConfig {
+            read_logits: true,
+            ..config()
+        };
+        let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine.device_mut().logits_width = Some(4);
+        engine
+            .add_request(request(1, (0..40).collect(), 2))
+            .unwrap();
+        let mut report = StepReport::default();
+        assert_eq!(
+            engine.step(&mut report),
+            Err(EngineError::Device(DeviceError::LogitsWidth {
+                expected: 2,
+                got: 4
+            }))
+        );
+    }
+
+    #[test]
+    fn without_read_logits_nothing_is_copied_to_the_host() {
+        let mut engine = two_running(config(), 2);
+        run_to_end(&mut engine);
+        assert!(!engine
+            .device()
+            .log
+            .iter()
+            .any(|e| matches!(e, Effect::ReadLogits { .. })));
+    }
+
+    fn slot_config(slots: u32) -> EngineConfig {
+        EngineConfig {
+            state_slots: slots,
+            ..config()
+        }
+    }
+
+    #[test]
+    fn state_slots_bound_the_running_sequences() {
+        let mut engine =
+            Engine::new(slot_config(2), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        for id in 1..=3 {
+            engine
+                .add_request(request(
+                    id,
+                    (id as u32 * 100..id as u32 * 100 + 40).collect(),
+                    3,
+                ))
+                .unwrap();
+        }
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!((engine.running_len(), engine.waiting_len()), (2, 1));
+        assert_eq!(engine.state_slots().free_len(), 0);
+        let reports = run_to_end(&mut engine);
+        assert_eq!(finished_outputs(&reports).len(), 3);
+        assert_eq!(engine.state_slots().free_len(), 2);
+    }
+
+    #[test]
+    fn a_finished_sequence_leaves_a_hole_that_compaction_closes_before_the_next_step() {
+        let mut engine =
+            Engine::new(slot_config(3), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), 2))
+            .unwrap();
+        engine
+            .add_request(request(2, (100..140).collect(), 9))
+            .unwrap();
+        engine
+            .add_request(request(3, (200..240).collect(), 9))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.finished[0].request, RequestId(1), "slot 0 is free");
+        engine.device_mut().log.clear();
+        engine.step(&mut report).unwrap();
+        let log = &engine.device().log;
+        assert_eq!(
+            log[..3],
+            [
+                Effect::CompactSlot {
+                    seq: SeqId(2),
+                    from: SlotId(2),
+                    to: SlotId(0)
+                },
+                Effect::SyncSecondary,
+                Effect::DetachSlot { slot: SlotId(2) },
+            ]
+        );
+        let slots = engine.state_slots();
+        assert_eq!(slots.slot_of(SeqId(2)), Some(SlotId(0)));
+        assert_eq!(slots.slot_of(SeqId(1)), Some(SlotId(1)));
+        assert_eq!((slots.free_len(), slots.detached_len()), (1, 0));
+        assert_eq!(engine.counters().slot_compactions, 1);
+    }
+
+    #[test]
+    fn a_quiesced_engine_refuses_steps_but_cancels_and_a_shut_down_one_refuses_all() {
+        let mut engine = two_running(config(), 5);
+        engine.quiesce().unwrap();
+        let mut report = StepReport::default();
+        assert_eq!(
+            engine.step(&mut report),
+            Err(EngineError::Device(DeviceError::Quiesced {
+                effect: Label("reserve_kv")
+            }))
+        );
+        engine.cancel(RequestId(1)).unwrap().unwrap();
+        engine.shutdown().unwrap();
+        let err = engine.cancel(RequestId(2)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "device layer: the device is shut down and refuses release_seq"
+        );
+        assert!(
+            matches!(
+                engine.step(&mut report),
+                Err(EngineError::Device(DeviceError::ShutDown { .. }))
+            ),
+            "request 2 is still held, and the device refuses to run it"
+        );
+        let log = &engine.device().log;
+        let at = |effect: &Effect| log.iter().position(|e| e == effect).unwrap();
+        assert!(at(&Effect::Quiesce) < at(&Effect::EpShutdown));
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Arrive { len: u16, max_tokens: u8 },
+        Cancel { pick: u8 },
+        Step { dry: u8 },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            2 => (1u16..200, 1u8..60).prop_map(|(len, max_tokens)| Op::Arrive { len, max_tokens }),
+            1 => any::<u8>().prop_map(|pick| Op::Cancel { pick }),
+            5 => (0u8..8).prop_map(|dry| Op::Step { dry: dry.saturating_sub(5) }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Random effect sequences — arrivals, cancels, steps with the
+        /// device answering `Exhausted` at random — over a small pool with
+        /// spill preemption and state slots: no slot is freed twice (the
+        /// device and the table would refuse it and the step would fail),
+        /// every running sequence holds exactly one slot and none stays
+        /// detached, every spilled sequence is loaded back or dropped, and
+        /// when all is done or cancelled no block, slot or saved state is
+        /// left behind.
+        #[test]
+        fn no_slot_freed_twice_no_block_leaked_every_spill_restored_or_freed(
+            ops in proptest::collection::vec(op(), 1..120),
+        ) {
+            let cfg = EngineConfig {
+                num_blocks: 24,
+                max_num_batched_tokens: 128,
+                preemption: Preemption::Spill,
+                spill_blocks: 20,
+                state_slots: 4,
+                ..config()
+            };
+            let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+            engine.device_mut().record = false;
+            let mut next_id = 1u128;
+            let mut live: Vec<RequestId> = Vec::new();
+            let mut report = StepReport::default();
+            let check = |engine: &Engine<ScriptedDevice>| -> Result<(), proptest::test_runner::TestCaseError> {
+                let slots = engine.state_slots();
+                proptest::prop_assert_eq!(slots.owned_len(), engine.running_len());
+                proptest::prop_assert_eq!(slots.detached_len(), 0);
+                let c = engine.counters();
+                proptest::prop_assert_eq!(engine.device().saved_len() as u64, c.spills - c.spill_loads - c.spill_drops);
+                proptest::prop_assert!(engine.spill_used_blocks() <= 20);
+                Ok(())
+            };
+            for op in ops {
+                match op {
+                    Op::Arrive { len, max_tokens } => {
+                        let base = (next_id as u32) * 1_000;
+                        let prompt = (base..base + u32::from(len)).collect();
+                        if engine.add_request(request(next_id, prompt, u32::from(max_tokens))).is_ok() {
+                            live.push(RequestId(next_id));
+                        }
+                        next_id += 1;
+                    }
+                    Op::Cancel { pick } => {
+                        if !live.is_empty() {
+                            let id = live.remove(pick as usize % live.len());
+                            engine.cancel(id).unwrap();
+                        }
+                    }
+                    Op::Step { dry } => {
+                        engine.device_mut().exhaust_next = u32::from(dry);
+                        engine.step(&mut report).unwrap();
+                        for f in &report.finished {
+                            live.retain(|&r| r != f.request);
+                        }
+                    }
+                }
+                check(&engine)?;
+            }
+            engine.device_mut().exhaust_next = 0;
+            for _ in 0..5_000 {
+                if !engine.has_work() {
+                    break;
+                }
+                engine.step(&mut report).unwrap();
+                check(&engine)?;
+            }
+            proptest::prop_assert!(!engine.has_work(), "the engine drained");
+            let c = engine.counters();
+            proptest::prop_assert_eq!(c.spills, c.spill_loads + c.spill_drops);
+            proptest::prop_assert_eq!(engine.device().saved_len(), 0);
+            proptest::prop_assert_eq!(engine.spill_used_blocks(), 0);
+            proptest::prop_assert_eq!(engine.kv().used_blocks(), 0);
+            proptest::prop_assert_eq!(engine.state_slots().free_len(), 4);
+        }
     }
 }
