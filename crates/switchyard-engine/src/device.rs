@@ -83,6 +83,30 @@ pub struct SavedState {
     pub duration_ms: f64,
 }
 
+/// Outcome of [`DeviceLayer::marconi_checkpoint`]: a slot's SSM state
+/// snapshot at a block boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// The slot snapshotted.
+    pub slot: SlotId,
+    /// The position (a multiple of the block size) the snapshot stands for.
+    pub tokens: usize,
+}
+
+/// Outcome of [`DeviceLayer::save_hidden_catchup`]: the sequence's
+/// catch-up ring for multi-token prediction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CatchupRing {
+    /// The newest position whose hidden state the ring holds.
+    pub newest_tokens: usize,
+    /// Entries held (at most [`CATCHUP_RING_DEPTH`]).
+    pub held: usize,
+}
+
+/// Hidden states a sequence's catch-up ring keeps: the oldest is
+/// overwritten beyond it.
+pub const CATCHUP_RING_DEPTH: usize = 4;
+
 /// Where a device is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceState {
@@ -187,6 +211,24 @@ pub enum Effect {
         /// The sequence.
         seq: SeqId,
     },
+    /// Snapshot slot `slot`'s SSM state at block boundary `tokens` (declared
+    /// for the hybrid model; the scheduler does not ask for it yet).
+    MarconiCheckpoint {
+        /// The sequence.
+        seq: SeqId,
+        /// Its state slot.
+        slot: SlotId,
+        /// The position snapshotted.
+        tokens: usize,
+    },
+    /// Keep `seq`'s hidden state at position `tokens` in its multi-token
+    /// prediction catch-up ring (declared; not asked for yet).
+    SaveHiddenCatchup {
+        /// The sequence.
+        seq: SeqId,
+        /// The position.
+        tokens: usize,
+    },
     /// Wait for the secondary (copy) stream to finish what it was given.
     SyncSecondary,
     /// Stop taking new work.
@@ -212,6 +254,8 @@ impl Effect {
             Effect::SaveSequenceState { .. } => "save_sequence_state",
             Effect::LoadSequenceState { .. } => "load_sequence_state",
             Effect::DropSequenceState { .. } => "drop_sequence_state",
+            Effect::MarconiCheckpoint { .. } => "marconi_checkpoint",
+            Effect::SaveHiddenCatchup { .. } => "save_hidden_catchup",
             Effect::SyncSecondary => "sync_secondary",
             Effect::Quiesce => "quiesce",
             Effect::EpShutdown => "ep_shutdown",
@@ -261,6 +305,24 @@ pub enum DeviceError {
         expected: u32,
         /// What the device reported.
         got: u32,
+    },
+    /// An SSM checkpoint asked off a block boundary.
+    #[error("a checkpoint at {tokens} tokens is not on a block boundary of {block_size}")]
+    UnalignedCheckpoint {
+        /// The position asked.
+        tokens: usize,
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// A catch-up entry not past the ring's newest.
+    #[error("catch-up for {seq:?} at {tokens} tokens is not past its newest ({newest})")]
+    CatchupOutOfOrder {
+        /// The sequence.
+        seq: SeqId,
+        /// The position asked.
+        tokens: usize,
+        /// The ring's newest position.
+        newest: usize,
     },
     /// A scripted failure.
     #[error("scripted failure: {0}")]
@@ -371,6 +433,24 @@ pub trait DeviceLayer {
     /// Frees a spilled `seq`'s host copy. Returns the tokens it held.
     fn drop_sequence_state(&mut self, seq: SeqId) -> Result<usize, DeviceError>;
 
+    /// Snapshots `slot`'s SSM state at `tokens`, which must be a multiple
+    /// of the block size (Marconi-style checkpoints after decode steps).
+    fn marconi_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError>;
+
+    /// Pushes `seq`'s hidden state at `tokens` (past the ring's newest)
+    /// into its catch-up ring; a released sequence's ring is gone.
+    fn save_hidden_catchup(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+    ) -> Result<CatchupRing, DeviceError>;
+
     /// Waits for the secondary (copy) stream.
     fn sync_secondary(&mut self) -> Result<(), DeviceError>;
 
@@ -429,6 +509,8 @@ pub struct SyncDevice {
     saved: FxHashMap<SeqId, usize>,
     /// Copies issued on the secondary stream since its last sync.
     secondary_pending: usize,
+    /// Catch-up rings: newest position and entries held, per sequence.
+    catchup: FxHashMap<SeqId, CatchupRing>,
 }
 
 impl SyncDevice {
@@ -440,6 +522,7 @@ impl SyncDevice {
             state: DeviceState::Running,
             saved: FxHashMap::default(),
             secondary_pending: 0,
+            catchup: FxHashMap::default(),
         }
     }
 
@@ -490,6 +573,7 @@ impl DeviceLayer for SyncDevice {
     ) -> Result<(), DeviceError> {
         admit(self.state, Label("release_seq"), false)?;
         kv.release(seq, cache);
+        self.catchup.remove(&seq);
         Ok(())
     }
 
@@ -596,6 +680,44 @@ impl DeviceLayer for SyncDevice {
         self.saved
             .remove(&seq)
             .ok_or(DeviceError::SavedState { effect, seq })
+    }
+
+    fn marconi_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        _seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        admit(self.state, Label("marconi_checkpoint"), true)?;
+        let block_size = kv.block_size();
+        if tokens == 0 || tokens % block_size != 0 {
+            return Err(DeviceError::UnalignedCheckpoint { tokens, block_size });
+        }
+        self.secondary_pending += 1;
+        Ok(Checkpoint { slot, tokens })
+    }
+
+    fn save_hidden_catchup(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+    ) -> Result<CatchupRing, DeviceError> {
+        admit(self.state, Label("save_hidden_catchup"), true)?;
+        let ring = self.catchup.entry(seq).or_insert(CatchupRing {
+            newest_tokens: 0,
+            held: 0,
+        });
+        if ring.held > 0 && tokens <= ring.newest_tokens {
+            return Err(DeviceError::CatchupOutOfOrder {
+                seq,
+                tokens,
+                newest: ring.newest_tokens,
+            });
+        }
+        ring.newest_tokens = tokens;
+        ring.held = (ring.held + 1).min(CATCHUP_RING_DEPTH);
+        Ok(*ring)
     }
 
     fn sync_secondary(&mut self) -> Result<(), DeviceError> {
@@ -783,6 +905,24 @@ impl DeviceLayer for AheadDevice {
 
     fn drop_sequence_state(&mut self, seq: SeqId) -> Result<usize, DeviceError> {
         self.inner.drop_sequence_state(seq)
+    }
+
+    fn marconi_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        self.inner.marconi_checkpoint(kv, seq, slot, tokens)
+    }
+
+    fn save_hidden_catchup(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+    ) -> Result<CatchupRing, DeviceError> {
+        self.inner.save_hidden_catchup(seq, tokens)
     }
 
     fn sync_secondary(&mut self) -> Result<(), DeviceError> {
@@ -1004,6 +1144,26 @@ impl DeviceLayer for ScriptedDevice {
         self.inner.drop_sequence_state(seq)
     }
 
+    fn marconi_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        self.note(Effect::MarconiCheckpoint { seq, slot, tokens });
+        self.inner.marconi_checkpoint(kv, seq, slot, tokens)
+    }
+
+    fn save_hidden_catchup(
+        &mut self,
+        seq: SeqId,
+        tokens: usize,
+    ) -> Result<CatchupRing, DeviceError> {
+        self.note(Effect::SaveHiddenCatchup { seq, tokens });
+        self.inner.save_hidden_catchup(seq, tokens)
+    }
+
     fn sync_secondary(&mut self) -> Result<(), DeviceError> {
         self.note(Effect::SyncSecondary);
         self.inner.sync_secondary()
@@ -1137,6 +1297,15 @@ mod tests {
                 device_prefix_blocks: 0,
             },
             Effect::DropSequenceState { seq: SeqId(0) },
+            Effect::MarconiCheckpoint {
+                seq: SeqId(0),
+                slot: SlotId(0),
+                tokens: 4,
+            },
+            Effect::SaveHiddenCatchup {
+                seq: SeqId(0),
+                tokens: 4,
+            },
             Effect::SyncSecondary,
             Effect::Quiesce,
             Effect::EpShutdown,
@@ -1242,6 +1411,61 @@ mod tests {
             (3, 2, 6_000)
         );
         assert!((logits.duration_ms - 6_000.0 / 64e9 * 1e3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_ssm_checkpoint_is_taken_only_on_a_block_boundary() {
+        let kv = kv();
+        let mut dev = ScriptedDevice::new(TimingConfig::default());
+        assert_eq!(
+            dev.marconi_checkpoint(&kv, SeqId(0), SlotId(1), 8),
+            Ok(Checkpoint {
+                slot: SlotId(1),
+                tokens: 8
+            })
+        );
+        assert_eq!(
+            dev.marconi_checkpoint(&kv, SeqId(0), SlotId(1), 9),
+            Err(DeviceError::UnalignedCheckpoint {
+                tokens: 9,
+                block_size: 4
+            })
+        );
+        assert_eq!(dev.secondary_pending(), 1, "a snapshot is a copy");
+        assert_eq!(
+            dev.log[0],
+            Effect::MarconiCheckpoint {
+                seq: SeqId(0),
+                slot: SlotId(1),
+                tokens: 8
+            }
+        );
+    }
+
+    #[test]
+    fn the_catch_up_ring_keeps_its_newest_entries_in_order_until_release() {
+        let mut kv = kv();
+        let mut dev = SyncDevice::new(TimingConfig::default());
+        for tokens in 1..=6 {
+            let ring = dev.save_hidden_catchup(SeqId(0), tokens).unwrap();
+            assert_eq!(ring.newest_tokens, tokens);
+            assert_eq!(ring.held, tokens.min(CATCHUP_RING_DEPTH));
+        }
+        assert_eq!(
+            dev.save_hidden_catchup(SeqId(0), 6),
+            Err(DeviceError::CatchupOutOfOrder {
+                seq: SeqId(0),
+                tokens: 6,
+                newest: 6
+            })
+        );
+        dev.release_seq(&mut kv, SeqId(0), true, Label("finished"))
+            .unwrap();
+        assert_eq!(
+            dev.save_hidden_catchup(SeqId(0), 1).map(|r| r.held),
+            Ok(1),
+            "a released sequence's ring starts over"
+        );
     }
 
     #[test]

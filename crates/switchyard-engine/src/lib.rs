@@ -12,8 +12,9 @@
 //!   layer for effects, applies the outcomes.
 //! - [`device`] — the [`DeviceLayer`] contract: every [`Effect`] with its
 //!   [`Label`] and outcome (reserve, roll back, release, restore, launch,
-//!   result, logits read-back, slot compaction, spill save/load/drop, stream
-//!   sync, quiesce, shutdown), the device's states, and its synchronous,
+//!   result, logits read-back, slot compaction, spill save/load/drop, SSM
+//!   checkpoint, catch-up ring, stream sync, quiesce, shutdown), the
+//!   device's states, and its synchronous,
 //!   reserve-ahead and scripted implementations.
 //! - [`slots`] — [`slots::SlotTable`]: fixed per-sequence state slots
 //!   (an SSM's), allocated, compacted, detached and freed so that no slot is
