@@ -789,6 +789,11 @@ impl<D: DeviceLayer> Engine<D> {
         }
 
         if scheduled.is_empty() {
+            // Nothing launched, but a spill may have copied state to the
+            // host: that time passes all the same.
+            if saved_tokens > 0 {
+                report.model_ms = self.config.timing.restore_ms(saved_tokens as u64);
+            }
             return Ok(());
         }
 
@@ -2218,6 +2223,24 @@ mod tests {
         assert_eq!(engine.device().saved_len(), 0);
         assert_eq!(engine.counters().spill_drops, 1);
         assert_eq!(engine.spill_used_blocks(), 0);
+    }
+
+    #[test]
+    fn a_spill_that_leaves_nothing_to_run_still_takes_its_copy_time() {
+        let timing = TimingConfig::default();
+        let mut engine = Engine::new(spill_config(), ScriptedDevice::new(timing.clone())).unwrap();
+        engine
+            .add_request(request(1, (0..40).collect(), 5))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.device_mut().exhaust_next = 1;
+        engine.step(&mut report).unwrap();
+        assert!(report.is_idle());
+        assert_eq!(engine.counters().spills, 1);
+        assert!((report.model_ms - timing.restore_ms(40)).abs() < 1e-12);
+        let reports = run_to_end(&mut engine);
+        assert_eq!(finished_outputs(&reports), vec![(RequestId(1), 5)]);
     }
 
     #[test]
