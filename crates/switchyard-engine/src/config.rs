@@ -4,6 +4,20 @@ use crate::blocks::KvConfig;
 use crate::timing::{TimingConfig, TimingConfigError};
 use serde::{Deserialize, Serialize};
 
+/// What the scheduler does with the newest running sequence when the pool
+/// stays dry and nothing else can run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preemption {
+    /// Free its blocks; it computes its tokens again on resume (vLLM's default).
+    #[default]
+    Recompute,
+    /// Save its computed KV to the host (`SaveSequenceState`), free its
+    /// blocks, and load them back on resume; falls back to recompute when
+    /// the spill area is full.
+    Spill,
+}
+
 /// Every knob of the simulated engine. Defaults follow vLLM's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -34,6 +48,21 @@ pub struct EngineConfig {
     pub emit_kv_events: bool,
     /// KV events buffered between drains (65,536); beyond it they are dropped and counted.
     pub max_buffered_events: usize,
+    /// Preemption when the pool stays dry: `recompute` (default) or `spill`.
+    pub preemption: Preemption,
+    /// Host blocks set aside for spilled sequences' state (0; `spill` needs > 0).
+    pub spill_blocks: usize,
+    /// Fixed per-sequence state slots, as an SSM keeps (0: none, a pure
+    /// attention model). When > 0 it also bounds the running sequences.
+    pub state_slots: u32,
+    /// Whether each sampling step copies its logits rows to the host
+    /// (`ReadLogits`, for a host-side sampler or logprobs); off: sampling
+    /// stays on the device and only token ids come back.
+    pub read_logits: bool,
+    /// Logits per row when `read_logits` (32,768).
+    pub vocab_size: usize,
+    /// Bytes per logit, the model's element width (2: bf16).
+    pub logits_elem_bytes: u32,
     /// The timing model.
     pub timing: TimingConfig,
 }
@@ -53,6 +82,12 @@ impl Default for EngineConfig {
             max_leases: 1_024,
             emit_kv_events: true,
             max_buffered_events: 1 << 16,
+            preemption: Preemption::Recompute,
+            spill_blocks: 0,
+            state_slots: 0,
+            read_logits: false,
+            vocab_size: 32_768,
+            logits_elem_bytes: 2,
             timing: TimingConfig::default(),
         }
     }
@@ -70,6 +105,12 @@ pub enum ConfigError {
     /// A block size beyond what anyone uses.
     #[error("block_size must be <= 1024, got {0}")]
     BlockSize(usize),
+    /// Spill preemption with no host blocks to spill into.
+    #[error("preemption = \"spill\" needs spill_blocks > 0")]
+    SpillWithoutHost,
+    /// A logits element width no model uses.
+    #[error("logits_elem_bytes must be 1, 2 or 4, got {0}")]
+    LogitsWidth(u32),
     /// Timing knobs.
     #[error(transparent)]
     Timing(#[from] TimingConfigError),
@@ -96,6 +137,15 @@ impl EngineConfig {
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks);
+        }
+        if self.preemption == Preemption::Spill && self.spill_blocks == 0 {
+            return Err(ConfigError::SpillWithoutHost);
+        }
+        if self.read_logits && self.vocab_size == 0 {
+            return Err(ConfigError::Zero("vocab_size"));
+        }
+        if ![1, 2, 4].contains(&self.logits_elem_bytes) {
+            return Err(ConfigError::LogitsWidth(self.logits_elem_bytes));
         }
         self.timing.validate()?;
         Ok(())
@@ -129,6 +179,32 @@ mod tests {
             ..EngineConfig::default()
         };
         assert_eq!(c.validate(), Err(ConfigError::Zero("block_size")));
+    }
+
+    #[test]
+    fn spill_preemption_without_spill_blocks_is_rejected() {
+        let c = EngineConfig {
+            preemption: Preemption::Spill,
+            ..EngineConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::SpillWithoutHost));
+        let c = EngineConfig {
+            spill_blocks: 64,
+            ..c
+        };
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn preemption_reads_as_a_lowercase_word_and_logits_width_is_checked() {
+        let c: EngineConfig =
+            serde_json::from_str(r#"{"preemption": "spill", "spill_blocks": 8}"#).unwrap();
+        assert_eq!(c.preemption, Preemption::Spill);
+        let c = EngineConfig {
+            logits_elem_bytes: 3,
+            ..EngineConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::LogitsWidth(3)));
     }
 
     #[test]

@@ -7,11 +7,18 @@
 //!
 //! - [`config`] — [`EngineConfig`]: every knob, documented defaults, `validate()`.
 //! - [`scheduler`] — [`Engine`]: waiting and running queues, continuous
-//!   batching, chunked prefill, recompute preemption; one [`Engine::step`]
-//!   plans a batch, asks the device layer for effects, applies the outcomes.
-//! - [`device`] — the [`DeviceLayer`] contract (reserve, roll back, release,
-//!   restore, launch, result) and its synchronous, reserve-ahead and scripted
-//!   implementations.
+//!   batching, chunked prefill, preemption (recompute or spill) only when
+//!   nothing can run; one [`Engine::step`] plans a batch, asks the device
+//!   layer for effects, applies the outcomes.
+//! - [`device`] — the [`DeviceLayer`] contract: every [`Effect`] with its
+//!   [`Label`] and outcome (reserve, roll back, release, restore, launch,
+//!   result, logits read-back, slot compaction, spill save/load/drop, SSM
+//!   checkpoint, catch-up ring, stream sync, quiesce, shutdown), the
+//!   device's states, and its synchronous,
+//!   reserve-ahead and scripted implementations.
+//! - [`slots`] — [`slots::SlotTable`]: fixed per-sequence state slots
+//!   (an SSM's), allocated, compacted, detached and freed so that no slot is
+//!   ever freed twice.
 //! - [`blocks`] — [`BlockManager`]: the paged KV pool, ref counts, prefix
 //!   cache, LRU eviction, optional host tier.
 //! - [`restore`] — the restore protocol (host tier and rendezvous):
@@ -35,11 +42,14 @@ pub mod events;
 pub mod lease;
 pub mod restore;
 pub mod scheduler;
+pub mod slots;
 pub mod timing;
 
 pub use blocks::{engine_hash, BlockManager, SeqId};
-pub use config::EngineConfig;
-pub use device::{AheadDevice, DeviceLayer, ScriptedDevice, SyncDevice};
+pub use config::{EngineConfig, Preemption};
+pub use device::{
+    AheadDevice, DeviceError, DeviceLayer, DeviceState, Effect, Label, ScriptedDevice, SyncDevice,
+};
 pub use events::{KvEvent, Medium};
 pub use scheduler::{
     Engine, FinishReason, Finished, NewRequest, Observation, StepReport, TokenOutput,

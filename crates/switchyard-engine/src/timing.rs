@@ -7,7 +7,9 @@
 //! - decode-only batch: `ms = a·u² + b·u + c` with `u` = used / total device
 //!   KV blocks, never below [`TimingConfig::decode_floor_ms`];
 //! - restore: `tokens × bytes_per_token / bandwidth`, added to the step that
-//!   carries the restore.
+//!   carries the restore; the same host link carries a spilled sequence's
+//!   state both ways (saved on preemption, loaded on resume) and logits read
+//!   back to the host (`rows × vocab × elem_bytes / bandwidth`).
 //!
 //! All of these are *model* milliseconds. [`TimingConfig::wall_ms`] divides by
 //! the speed-up factor for a real-time driver (`0` makes every step instant).
@@ -112,6 +114,11 @@ impl TimingConfig {
         tokens as f64 * self.bytes_per_token as f64 / self.restore_bandwidth_bytes_per_s * 1e3
     }
 
+    /// Model ms to copy `bytes` over the host link (either direction).
+    pub fn host_copy_ms(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.restore_bandwidth_bytes_per_s * 1e3
+    }
+
     /// Model ms of one step of the given shape.
     pub fn step_ms(&self, shape: &StepShape) -> f64 {
         let compute = if shape.prefill_tokens > 0 {
@@ -121,7 +128,7 @@ impl TimingConfig {
         } else {
             0.0
         };
-        compute + self.restore_ms(shape.restore_tokens)
+        compute + self.restore_ms(shape.restore_tokens + shape.saved_tokens)
     }
 
     /// Wall-clock ms for `model_ms` under the speed-up factor (`0`: instant).
@@ -141,8 +148,11 @@ pub struct StepShape {
     pub prefill_tokens: u64,
     /// Sequences decoding one token this step.
     pub decode_tokens: u64,
-    /// Tokens restored from the host tier this step.
+    /// Tokens restored from the host tier (or a spilled sequence's saved
+    /// state loaded back) this step.
     pub restore_tokens: u64,
+    /// Tokens of spilled sequences' state saved to the host this step.
+    pub saved_tokens: u64,
     /// Device blocks in use when the step launches.
     pub kv_used_blocks: u64,
     /// Device blocks in the pool.
@@ -186,6 +196,24 @@ mod tests {
         let t = TimingConfig::default();
         let ms = t.restore_ms(1_000_000);
         assert!((ms - 1_000_000.0 * 131_072.0 / 64e9 * 1e3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn saving_a_spilled_sequence_costs_the_host_link_like_a_restore() {
+        let t = TimingConfig::default();
+        let shape = StepShape {
+            saved_tokens: 1_000,
+            ..StepShape::default()
+        };
+        assert!((t.step_ms(&shape) - t.restore_ms(1_000)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn logits_read_back_costs_their_bytes_over_the_host_link() {
+        let t = TimingConfig::default();
+        // 256 rows of a 32k vocabulary in bf16: 16 MiB at 64 GB/s.
+        let bytes = 256 * 32_768 * 2;
+        assert!((t.host_copy_ms(bytes) - bytes as f64 / 64e9 * 1e3).abs() < 1e-12);
     }
 
     #[test]

@@ -235,9 +235,10 @@ fn run(
         }
         let timing = &driver.engine.config().timing;
         // Work that cannot be scheduled yet (a deferred restore) is looked
-        // at again after a floor-length step, as the fleet simulator does.
+        // at again after a floor-length step, as the fleet simulator does,
+        // or after the time an idle step still took (a spill's copy).
         let model_ms = if report.is_idle() {
-            timing.decode_floor_ms
+            timing.decode_floor_ms.max(report.model_ms)
         } else {
             report.model_ms
         };

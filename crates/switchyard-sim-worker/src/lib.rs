@@ -167,6 +167,7 @@ impl SimWorkerArgs {
                 restore_bandwidth_bytes_per_s: self.restore_bandwidth,
                 ..TimingConfig::default()
             },
+            ..EngineConfig::default()
         }
     }
 }

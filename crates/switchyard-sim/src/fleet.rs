@@ -1136,17 +1136,16 @@ impl Fleet {
             // an idle step so the simulation still ends.
             report = StepReport::default();
         }
-        let duration = self.config.engine.timing.wall_ms(report.model_ms);
+        let report_ms = report.model_ms;
+        let duration = self.config.engine.timing.wall_ms(report_ms);
         let idle = report.is_idle();
         w.pending = report;
         if idle {
             // Work that cannot be scheduled yet (a deferred restore): look
-            // again after a floor-length step.
-            let retry = self
-                .config
-                .engine
-                .timing
-                .wall_ms(self.config.engine.timing.decode_floor_ms);
+            // again after a floor-length step, or after the time an idle
+            // step still took (a spill's copy to the host).
+            let timing = &self.config.engine.timing;
+            let retry = timing.wall_ms(timing.decode_floor_ms.max(report_ms));
             if retry > 0.0 {
                 w.busy = true;
                 self.schedule(self.now + retry, Event::StepDone { worker });
