@@ -3,6 +3,7 @@
 use crate::blocks::KvConfig;
 use crate::timing::{TimingConfig, TimingConfigError};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Every knob of the simulated engine. Defaults follow vLLM's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,6 +37,13 @@ pub struct EngineConfig {
     pub max_buffered_events: usize,
     /// The timing model.
     pub timing: TimingConfig,
+    /// The token ids output tokens are drawn from, when they must be text
+    /// a client can re-tokenize (the sim-worker fills it with its
+    /// tokenizer's word tokens); `None`: 32,000 ids above the special
+    /// ids, as the fleet simulator uses. Not a file setting: a vocabulary
+    /// comes from a tokenizer.
+    #[serde(skip)]
+    pub output_vocabulary: Option<Arc<[u32]>>,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +62,7 @@ impl Default for EngineConfig {
             emit_kv_events: true,
             max_buffered_events: 1 << 16,
             timing: TimingConfig::default(),
+            output_vocabulary: None,
         }
     }
 }
@@ -70,6 +79,9 @@ pub enum ConfigError {
     /// A block size beyond what anyone uses.
     #[error("block_size must be <= 1024, got {0}")]
     BlockSize(usize),
+    /// An output vocabulary with nothing to draw from.
+    #[error("output_vocabulary must not be empty")]
+    EmptyOutputVocabulary,
     /// Timing knobs.
     #[error(transparent)]
     Timing(#[from] TimingConfigError),
@@ -96,6 +108,9 @@ impl EngineConfig {
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks);
+        }
+        if self.output_vocabulary.as_ref().is_some_and(|v| v.is_empty()) {
+            return Err(ConfigError::EmptyOutputVocabulary);
         }
         self.timing.validate()?;
         Ok(())
@@ -129,6 +144,15 @@ mod tests {
             ..EngineConfig::default()
         };
         assert_eq!(c.validate(), Err(ConfigError::Zero("block_size")));
+    }
+
+    #[test]
+    fn an_empty_output_vocabulary_is_rejected() {
+        let c = EngineConfig {
+            output_vocabulary: Some(Arc::from(Vec::new())),
+            ..EngineConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::EmptyOutputVocabulary));
     }
 
     #[test]
