@@ -7,8 +7,9 @@
 //! space (`" ?\p{L}+"` is one piece), so every word of a concatenation is
 //! encoded on its own and any sequence of word tokens round-trips.
 //! [`Tokenizer::word_vocabulary`] does not take that on trust: it checks
-//! the joined table in several orders, with the fast path and the
-//! `tokenizers` crate alike, and refuses a vocabulary that fails.
+//! the joined table in several orders with the fast path, and once with
+//! the `tokenizers` crate (what Python clients count with), and refuses a
+//! vocabulary that fails.
 
 use crate::{Tokenizer, TokenizerError};
 
@@ -89,11 +90,17 @@ impl Tokenizer {
             if ids.len() >= max {
                 break;
             }
-            let text = self.decode(&[id])?;
+            // An id that fails to decode or encode is no word; only the
+            // joined check below can refuse the whole table.
+            let Ok(text) = self.decode(&[id]) else {
+                continue;
+            };
             if !is_word(&text) {
                 continue;
             }
-            if self.encode(&text)? != [id] || self.encode_reference(&text)? != [id] {
+            // The fast path alone: the reference encoder (some 10 us a
+            // word) sees every word in the joined check.
+            if !self.encode(&text).is_ok_and(|ids| ids == [id]) {
                 continue;
             }
             ids.push(id);
@@ -107,8 +114,12 @@ impl Tokenizer {
 
 impl WordVocabulary {
     /// Checks that the whole table, joined in ascending, descending and a
-    /// strided order, encodes to those ids (fast path and reference) and
-    /// decodes back to the joined text.
+    /// strided order, encodes to those ids and decodes back to the joined
+    /// text. The fast path encodes all three; the reference encoder, ten
+    /// times slower, the first, which holds every word once (so every
+    /// word round-trips there too, next to others): the two split text
+    /// the same way (the crate's identity tests), so the other orders
+    /// would tell it nothing new.
     fn check_joined(&self, tokenizer: &Tokenizer) -> Result<(), WordVocabularyError> {
         let n = self.ids.len();
         if n == 0 {
@@ -119,10 +130,14 @@ impl WordVocabulary {
             ("descending", (0..n).rev().collect()),
             ("strided", strided_order(n)),
         ];
-        for (order, positions) in orders {
+        for (k, (order, positions)) in orders.into_iter().enumerate() {
             let ids: Vec<u32> = positions.iter().map(|&i| self.ids[i]).collect();
             let text: String = positions.iter().map(|&i| &*self.texts[i]).collect();
-            for encoded in [tokenizer.encode(&text)?, tokenizer.encode_reference(&text)?] {
+            let mut encodings = vec![tokenizer.encode(&text)?];
+            if k == 0 {
+                encodings.push(tokenizer.encode_reference(&text)?);
+            }
+            for encoded in encodings {
                 if encoded != ids {
                     let at = encoded
                         .iter()
@@ -165,7 +180,16 @@ mod tests {
     fn a_word_is_one_space_then_lowercase_ascii_letters() {
         assert!(is_word(" the"));
         assert!(is_word(" a"));
-        for not in ["the", " ", "  the", " The", " the.", " caf\u{e9}", " two words", "\n"] {
+        for not in [
+            "the",
+            " ",
+            "  the",
+            " The",
+            " the.",
+            " caf\u{e9}",
+            " two words",
+            "\n",
+        ] {
             assert!(!is_word(not), "{not:?}");
         }
     }
