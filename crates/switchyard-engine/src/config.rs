@@ -109,7 +109,11 @@ impl EngineConfig {
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks);
         }
-        if self.output_vocabulary.as_ref().is_some_and(|v| v.is_empty()) {
+        if self
+            .output_vocabulary
+            .as_ref()
+            .is_some_and(|v| v.is_empty())
+        {
             return Err(ConfigError::EmptyOutputVocabulary);
         }
         self.timing.validate()?;

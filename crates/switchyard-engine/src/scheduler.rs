@@ -1203,7 +1203,9 @@ mod tests {
         };
         let generate = |cfg: EngineConfig| {
             let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
-            engine.add_request(request(1, (0..40).collect(), 64)).unwrap();
+            engine
+                .add_request(request(1, (0..40).collect(), 64))
+                .unwrap();
             let tokens: Vec<u32> = run_to_end(&mut engine)
                 .iter()
                 .flat_map(|r| r.tokens.iter().map(|t| t.token))

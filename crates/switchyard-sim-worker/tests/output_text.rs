@@ -149,7 +149,11 @@ async fn re_tokenized_answers_count_usage_and_equal_the_returned_ids() {
                     let what = format!("{path} stream={stream} max_tokens={max_tokens}");
                     assert_eq!(answer.completion_tokens, max_tokens, "{what}");
                     let counted = tokenizer().encode(&answer.text).unwrap();
-                    assert_eq!(counted.len(), answer.completion_tokens, "{what}: {answer:?}");
+                    assert_eq!(
+                        counted.len(),
+                        answer.completion_tokens,
+                        "{what}: {answer:?}"
+                    );
                     assert_eq!(
                         tokenizer().encode_reference(&answer.text).unwrap(),
                         counted,
@@ -177,12 +181,10 @@ async fn a_conversations_next_turn_hits_the_blocks_of_the_previous_answer() {
     let first_turn = json!([{"role": "user", "content": "Name a few rivers, please."}]);
     let body = json!({"messages": first_turn, "max_tokens": 100, "return_token_ids": true});
     let answer = ask(&base, "/v1/chat/completions", body, false).await;
-    let messages = [
-        switchyard_tokenizer::ChatMessage {
-            role: "user".into(),
-            content: "Name a few rivers, please.".into(),
-        },
-    ];
+    let messages = [switchyard_tokenizer::ChatMessage {
+        role: "user".into(),
+        content: "Name a few rivers, please.".into(),
+    }];
     let prompt = tokenizer()
         .encode(&tokenizer().apply_chat_template(&messages, true).unwrap())
         .unwrap();
