@@ -3,6 +3,7 @@
 use crate::blocks::KvConfig;
 use crate::timing::{TimingConfig, TimingConfigError};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// What the scheduler does with the newest running sequence when the pool
 /// stays dry and nothing else can run.
@@ -65,6 +66,13 @@ pub struct EngineConfig {
     pub logits_elem_bytes: u32,
     /// The timing model.
     pub timing: TimingConfig,
+    /// The token ids output tokens are drawn from, when they must be text
+    /// a client can re-tokenize (the sim-worker fills it with its
+    /// tokenizer's word tokens); `None`: 32,000 ids above the special
+    /// ids, as the fleet simulator uses. Not a file setting: a vocabulary
+    /// comes from a tokenizer.
+    #[serde(skip)]
+    pub output_vocabulary: Option<Arc<[u32]>>,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +97,7 @@ impl Default for EngineConfig {
             vocab_size: 32_768,
             logits_elem_bytes: 2,
             timing: TimingConfig::default(),
+            output_vocabulary: None,
         }
     }
 }
@@ -111,6 +120,9 @@ pub enum ConfigError {
     /// A logits element width no model uses.
     #[error("logits_elem_bytes must be 1, 2 or 4, got {0}")]
     LogitsWidth(u32),
+    /// An output vocabulary with nothing to draw from.
+    #[error("output_vocabulary must not be empty")]
+    EmptyOutputVocabulary,
     /// Timing knobs.
     #[error(transparent)]
     Timing(#[from] TimingConfigError),
@@ -146,6 +158,13 @@ impl EngineConfig {
         }
         if ![1, 2, 4].contains(&self.logits_elem_bytes) {
             return Err(ConfigError::LogitsWidth(self.logits_elem_bytes));
+        }
+        if self
+            .output_vocabulary
+            .as_ref()
+            .is_some_and(|v| v.is_empty())
+        {
+            return Err(ConfigError::EmptyOutputVocabulary);
         }
         self.timing.validate()?;
         Ok(())
@@ -205,6 +224,15 @@ mod tests {
             ..EngineConfig::default()
         };
         assert_eq!(c.validate(), Err(ConfigError::LogitsWidth(3)));
+    }
+
+    #[test]
+    fn an_empty_output_vocabulary_is_rejected() {
+        let c = EngineConfig {
+            output_vocabulary: Some(Arc::from(Vec::new())),
+            ..EngineConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::EmptyOutputVocabulary));
     }
 
     #[test]

@@ -844,6 +844,7 @@ impl<D: DeviceLayer> Engine<D> {
         self.counters.steps += 1;
 
         let bs = self.config.block_size;
+        let vocabulary = self.config.output_vocabulary.as_deref();
         let mut any_finished = false;
         for &(id, n) in scheduled.iter() {
             let max_model_len = self.config.max_model_len;
@@ -867,7 +868,7 @@ impl<D: DeviceLayer> Engine<D> {
             }
             if seq.num_computed == seq.tokens.len() {
                 let index = seq.outputs() as u32;
-                let token = synthetic_token(seq.request, index);
+                let token = synthetic_token(seq.request, index, vocabulary);
                 seq.tokens.push(token);
                 report.tokens.push(TokenOutput {
                     request: seq.request,
@@ -1375,15 +1376,20 @@ fn push_bounded(buffer: &mut Vec<Observation>, dropped: &mut u64, observation: O
 }
 
 /// The synthetic token sampled at output position `index` of `request`:
-/// deterministic, spread over a 32k vocabulary above the special ids.
-pub fn synthetic_token(request: RequestId, index: u32) -> u32 {
+/// deterministic, drawn from `vocabulary` when given and not empty
+/// ([`EngineConfig::validate`] refuses an empty one), else spread over
+/// 32,000 ids above the special ids.
+pub fn synthetic_token(request: RequestId, index: u32, vocabulary: Option<&[u32]>) -> u32 {
     let mut x = (request.0 as u64)
         ^ ((request.0 >> 64) as u64)
         ^ (u64::from(index) << 32 | u64::from(index));
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;
-    100 + (x % 32_000) as u32
+    match vocabulary {
+        Some(ids) if !ids.is_empty() => ids[(x % ids.len() as u64) as usize],
+        _ => 100 + (x % 32_000) as u32,
+    }
 }
 
 #[cfg(test)]
@@ -1447,6 +1453,37 @@ mod tests {
         assert!((reports[0].model_ms - timing.prefill_ms(108)).abs() < 1e-9);
         assert_eq!(engine.counters().prefix_hit_tokens, 992);
         assert_eq!(engine.kv().free_blocks(), 256);
+    }
+
+    #[test]
+    fn an_output_vocabulary_supplies_every_generated_token_deterministically() {
+        let vocabulary: std::sync::Arc<[u32]> = vec![279, 3_015, 42_000].into();
+        let cfg = EngineConfig {
+            output_vocabulary: Some(vocabulary.clone()),
+            ..config()
+        };
+        let generate = |cfg: EngineConfig| {
+            let mut engine = Engine::new(cfg, SyncDevice::new(TimingConfig::default())).unwrap();
+            engine
+                .add_request(request(1, (0..40).collect(), 64))
+                .unwrap();
+            let tokens: Vec<u32> = run_to_end(&mut engine)
+                .iter()
+                .flat_map(|r| r.tokens.iter().map(|t| t.token))
+                .collect();
+            tokens
+        };
+        let drawn = generate(cfg.clone());
+        assert_eq!(drawn.len(), 64);
+        assert!(drawn.iter().all(|t| vocabulary.contains(t)), "{drawn:?}");
+        assert!(vocabulary.iter().all(|v| drawn.contains(v)), "{drawn:?}");
+        assert_eq!(generate(cfg), drawn);
+        // Without one, the ids are what they always were.
+        let default: Vec<u32> = (0..64)
+            .map(|i| synthetic_token(RequestId(1), i, None))
+            .collect();
+        assert_eq!(generate(config()), default);
+        assert!(default.iter().all(|t| (100..32_100).contains(t)));
     }
 
     #[test]

@@ -252,6 +252,10 @@ fn run(
                 std::thread::sleep(step.deadline - now);
             }
         }
+        // Counters first: a client that has its last token may read
+        // /metrics at once, and must find that token counted (a busy
+        // machine can hold this thread between the two).
+        driver.metrics.observe(&driver.engine);
         driver.dispatch(&report);
         driver.publish();
     }

@@ -30,7 +30,7 @@ use switchyard_core::{ReplicaId, RequestId};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
-use switchyard_tokenizer::{ChatMessage, Tokenizer};
+use switchyard_tokenizer::{ChatMessage, Tokenizer, WordVocabulary};
 use switchyard_wire::openai::{
     Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion, CompletionRequest,
     ErrorBody, MessageContent, Prompt, Usage,
@@ -46,6 +46,9 @@ pub struct AppState {
     pub config: Arc<EngineConfig>,
     /// The tokenizer.
     pub tokenizer: Arc<Tokenizer>,
+    /// How generated tokens are written; the engine draws from its
+    /// vocabulary ([`OutputText::vocabulary`]).
+    pub output_text: OutputText,
     /// The driver.
     pub driver: DriverHandle,
     /// Metrics.
@@ -176,8 +179,9 @@ struct Job {
     created: u64,
     stream: bool,
     include_usage: bool,
-    /// Add `token_ids` to streamed choices.
+    /// Add `token_ids` to choices.
     return_token_ids: bool,
+    output_text: OutputText,
 }
 
 impl AppState {
@@ -243,6 +247,7 @@ async fn completions(
         stream: body.stream,
         include_usage,
         return_token_ids,
+        output_text: state.output_text.clone(),
     };
     let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
     run(state, job, prompt, max_tokens).await
@@ -316,6 +321,7 @@ async fn chat_completions(
         stream: body.stream,
         include_usage,
         return_token_ids,
+        output_text: state.output_text.clone(),
     };
     run(state, job, prompt, max_tokens).await
 }
@@ -370,8 +376,38 @@ async fn run(
     }
 }
 
-/// Synthetic output text: a fixed word per token id.
-fn token_text(token: u32) -> &'static str {
+/// How the worker writes a generated token as text.
+#[derive(Clone, Debug)]
+pub enum OutputText {
+    /// The tokenizer's word tokens, which the engine draws from: any
+    /// answer re-encodes to exactly its ids.
+    Words(Arc<WordVocabulary>),
+    /// A fixed word per id, for a tokenizer without enough word tokens:
+    /// the text re-encodes to other ids, and usually another count.
+    FixedWords,
+}
+
+impl OutputText {
+    /// The ids the engine must draw output tokens from (`None`: any).
+    pub fn vocabulary(&self) -> Option<Arc<[u32]>> {
+        match self {
+            Self::Words(words) => Some(words.ids().into()),
+            Self::FixedWords => None,
+        }
+    }
+
+    /// The text of generated token `token`. An id outside the word
+    /// vocabulary (the engine never draws one) gets its fixed word.
+    pub fn of(&self, token: u32) -> &str {
+        match self {
+            Self::Words(words) => words.text(token).unwrap_or_else(|| fixed_word(token)),
+            Self::FixedWords => fixed_word(token),
+        }
+    }
+}
+
+/// A fixed word per token id, when the tokenizer has no word vocabulary.
+fn fixed_word(token: u32) -> &'static str {
     const WORDS: [&str; 32] = [
         " the",
         " switch",
@@ -443,10 +479,14 @@ async fn collect_response(
     mut rx: mpsc::Receiver<GenEvent>,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut token_ids = Vec::new();
     let mut event = Some(first);
     loop {
         match event.take() {
-            Some(GenEvent::Token { token, .. }) => text.push_str(token_text(token)),
+            Some(GenEvent::Token { token, .. }) => {
+                text.push_str(job.output_text.of(token));
+                token_ids.push(token);
+            }
             Some(GenEvent::Finished {
                 reason: FinishReason::RestoreFailed,
                 ..
@@ -463,10 +503,12 @@ async fn collect_response(
                 output_tokens,
             }) => {
                 let finish_reason = Some(finish_reason(reason).to_owned());
+                let token_ids = job.return_token_ids.then_some(token_ids);
                 let choice = match job.api {
                     Api::Completions => Choice {
                         text: Some(text),
                         finish_reason,
+                        token_ids,
                         ..Choice::default()
                     },
                     Api::Chat => Choice {
@@ -475,6 +517,7 @@ async fn collect_response(
                             content: Some(text),
                         }),
                         finish_reason,
+                        token_ids,
                         ..Choice::default()
                     },
                 };
@@ -509,7 +552,7 @@ enum StreamState {
 }
 
 fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Completion {
-    let text = token.map(|t| token_text(t).to_owned());
+    let text = token.map(|t| job.output_text.of(t).to_owned());
     let mut choice = Choice {
         finish_reason: finish.map(str::to_owned),
         token_ids: token.filter(|_| job.return_token_ids).map(|t| vec![t]),

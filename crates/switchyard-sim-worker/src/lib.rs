@@ -16,6 +16,13 @@
 //! Data flow: HTTP handler → tokenizer → driver command channel → engine
 //! step → per-request token channel → SSE or JSON reply. KV events leave the
 //! driver through a bounded sink.
+//!
+//! Output text: the engine draws its tokens from the tokenizer's word
+//! tokens ([`switchyard_tokenizer::WordVocabulary`], found at start-up by
+//! [`output_text`]) and the reply writes each one's own text, so text,
+//! `token_ids`, `usage` and the KV cache agree: a client re-tokenizing the
+//! answer counts `usage.completion_tokens`, and a conversation's next turn
+//! hits the blocks of the answer it contains.
 
 pub mod driver;
 pub mod http;
@@ -167,18 +174,28 @@ impl SimWorkerArgs {
                 restore_bandwidth_bytes_per_s: self.restore_bandwidth,
                 ..TimingConfig::default()
             },
+            // From the tokenizer, when the worker starts ([`bind`]).
+            output_vocabulary: None,
             ..EngineConfig::default()
         }
     }
 }
+
+/// Most word tokens output text is drawn from: plenty for text that reads
+/// as varied, and quick to find (the lowest ids of a BPE vocabulary).
+pub const MAX_OUTPUT_WORDS: usize = 4096;
+/// Fewest word tokens worth generating from; a tokenizer with fewer falls
+/// back to a fixed word per id ([`http::OutputText::FixedWords`]).
+pub const MIN_OUTPUT_WORDS: usize = 256;
 
 /// Runs the worker until Ctrl-C.
 pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
     if args.kv_replay.is_some() && args.kv_events.is_none() {
         anyhow::bail!("--kv-replay needs --kv-events");
     }
-    let config = args.engine_config();
-    config.validate().context("invalid engine configuration")?;
+    args.engine_config()
+        .validate()
+        .context("invalid engine configuration")?;
     args.replica_config()?;
     let tokenizer = match &args.tokenizer_dir {
         Some(dir) => Tokenizer::from_files(
@@ -192,14 +209,59 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    runtime.block_on(serve(args, config, tokenizer))
+    runtime.block_on(serve(args, tokenizer))
 }
 
-async fn serve(
-    args: SimWorkerArgs,
-    config: EngineConfig,
-    tokenizer: Tokenizer,
-) -> anyhow::Result<()> {
+/// How generated tokens become text with `tokenizer`: its word tokens when
+/// it has at least [`MIN_OUTPUT_WORDS`] that round-trip, else fixed words,
+/// said on stderr (clients will count other numbers of tokens than usage).
+pub fn output_text(tokenizer: &Tokenizer) -> http::OutputText {
+    let started = std::time::Instant::now();
+    let refused = match tokenizer.word_vocabulary(MAX_OUTPUT_WORDS) {
+        Ok(words) if words.len() >= MIN_OUTPUT_WORDS => {
+            println!(
+                "switchyard sim-worker output text: {} word tokens of the tokenizer \
+                 (found and checked in {} ms); clients re-tokenizing answers count \
+                 usage.completion_tokens",
+                words.len(),
+                started.elapsed().as_millis()
+            );
+            return http::OutputText::Words(Arc::new(words));
+        }
+        Ok(words) => format!(
+            "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed)",
+            words.len()
+        ),
+        Err(err) => err.to_string(),
+    };
+    eprintln!(
+        "switchyard sim-worker: warning: the tokenizer gives no output vocabulary ({refused}); \
+         output text is a fixed word per token id, and clients that re-tokenize it \
+         count other numbers of tokens than usage.completion_tokens"
+    );
+    http::OutputText::FixedWords
+}
+
+/// A worker listening on its address, ready to be served: the engine
+/// thread, the KV-event publisher and the replica-sync marks run; the
+/// HTTP app answers once `axum::serve` drives it (as [`run`] does until
+/// Ctrl-C, and tests do in-process).
+pub struct BoundWorker {
+    /// The bound socket.
+    pub listener: tokio::net::TcpListener,
+    /// Every route, behind the API key when there is one.
+    pub app: axum::Router,
+}
+
+/// Starts everything [`BoundWorker`] holds for `args`, with `tokenizer`
+/// for prompts and output text ([`output_text`]).
+pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<BoundWorker> {
+    let output_text = output_text(&tokenizer);
+    let config = EngineConfig {
+        output_vocabulary: output_text.vocabulary(),
+        ..args.engine_config()
+    };
+    config.validate().context("invalid engine configuration")?;
     let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
     let metrics = Arc::new(metrics::Metrics::default());
     let kv_sink = match &args.kv_events {
@@ -246,6 +308,7 @@ async fn serve(
         model: args.model.as_str().into(),
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),
+        output_text,
         driver,
         metrics,
         default_max_tokens: args.default_max_tokens,
@@ -255,8 +318,18 @@ async fn serve(
             .map_or(0, |d| d.as_nanos() as u64),
         marks,
     };
+    let app = match &args.api_key {
+        Some(key) => http::require_key(http::router(state), key),
+        None => http::router(state),
+    };
+    Ok(BoundWorker { listener, app })
+}
+
+async fn serve(args: SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<()> {
+    let BoundWorker { listener, app } = bind(&args, tokenizer).await?;
     println!(
-        "switchyard sim-worker listening on http://{local} (model {})",
+        "switchyard sim-worker listening on http://{} (model {})",
+        listener.local_addr()?,
         args.model
     );
     // Each token is one small write: without TCP_NODELAY, Nagle's algorithm
@@ -266,10 +339,6 @@ async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let app = match &args.api_key {
-        Some(key) => http::require_key(http::router(state), key),
-        None => http::router(state),
-    };
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -13,6 +13,10 @@
 //!   model's Jinja template (`minijinja` plus `minijinja-contrib`'s Python
 //!   method compatibility, which templates rely on for `.startswith`,
 //!   `.split`, `.strip` and friends).
+//! - [`Tokenizer::word_vocabulary`] ([`words`]) picks the vocabulary's word
+//!   tokens (`" the"`, `" river"`) that any sequence of re-encodes to
+//!   itself: what the simulated engine generates, so a client counting the
+//!   text's tokens counts the ids the engine reported.
 //!
 //! The router and the simulated engine share this crate so that both hash
 //! the same token ids for the same prompt. The repository bundles the Qwen3
@@ -28,13 +32,16 @@
 // - `fast`: the fast path's pipeline (added tokens, NFC, split, BPE) and
 //   what it accepts.
 // - `segment_cache`: bounded cache of segments' ids.
+// - `words`: word tokens that round-trip in any sequence.
 pub mod bpe;
 pub mod fast;
 pub mod pretokenize;
 pub mod segment_cache;
+pub mod words;
 
 use fast::{FastBpe, Segment};
 use segment_cache::{SegmentCache, SegmentCacheStats};
+pub use words::{WordVocabulary, WordVocabularyError};
 
 use serde::{Deserialize, Serialize};
 use std::io::Read as _;
