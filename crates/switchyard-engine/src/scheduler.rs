@@ -1157,14 +1157,7 @@ impl<D: DeviceLayer> Engine<D> {
         let target = seq.num_computed + n;
         match self.device.reserve_kv(&mut self.kv, id, target)? {
             Reservation::Reserved { .. } => Ok(Admission::Scheduled(n)),
-            Reservation::Exhausted => {
-                self.device
-                    .release_seq(&mut self.kv, id, true, Label("admission_blocked"))?;
-                let seq = self.seq_mut(id);
-                seq.num_computed = 0;
-                seq.committed_blocks = 0;
-                Ok(Admission::Blocked)
-            }
+            Reservation::Exhausted => self.release_blocked(id, Label("admission_blocked")),
         }
     }
 
@@ -1260,16 +1253,9 @@ impl<D: DeviceLayer> Engine<D> {
         seq.committed_blocks = hit;
         match self.device.reserve_kv(&mut self.kv, id, tokens + n)? {
             Reservation::Reserved { .. } => Ok(Admission::Scheduled(n)),
-            Reservation::Exhausted => {
-                // Loaded but unable to go on: its state is dropped with its
-                // blocks and it recomputes, like any preempted sequence.
-                self.device
-                    .release_seq(&mut self.kv, id, true, Label("resume_blocked"))?;
-                let seq = self.seq_mut(id);
-                seq.num_computed = 0;
-                seq.committed_blocks = 0;
-                Ok(Admission::Blocked)
-            }
+            // Loaded but unable to go on: its state is dropped with its
+            // blocks and it recomputes, like any preempted sequence.
+            Reservation::Exhausted => self.release_blocked(id, Label("resume_blocked")),
         }
     }
 
@@ -1296,6 +1282,17 @@ impl<D: DeviceLayer> Engine<D> {
         // `NotOwned` is the answer for a sequence that never took a slot
         // (state_slots = 0, or not admitted yet): nothing to free.
         let _ = self.state_slots.free(id);
+    }
+
+    /// Frees a sequence whose reservation came back `Exhausted` before it
+    /// ran (nothing reserved to roll back): its blocks go back, cached
+    /// ones stay cached, and it will compute its tokens again.
+    fn release_blocked(&mut self, id: SeqId, what: Label) -> Result<Admission, EngineError> {
+        self.device.release_seq(&mut self.kv, id, true, what)?;
+        let seq = self.seq_mut(id);
+        seq.num_computed = 0;
+        seq.committed_blocks = 0;
+        Ok(Admission::Blocked)
     }
 
     fn release(&mut self, id: SeqId, cache: bool, what: Label) -> Result<(), EngineError> {

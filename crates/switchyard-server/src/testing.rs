@@ -1,10 +1,13 @@
 //! Helpers the server's unit tests share (compiled for tests only).
 
 use crate::booking::{Booking, WaitHandle};
+use crate::config::WorkerSpec;
 use crate::metrics::ServerMetrics;
 use crate::shared::{Request, SharedRouter};
+use crate::workers::{upstream_client, Fleet};
 use crate::{build_shared, ServerConfig};
 use std::sync::Arc;
+use std::time::Duration;
 use switchyard_core::sequences::AddRequest;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_wire::replica::{ActiveSequenceEvent, ReplicaBatch};
@@ -28,6 +31,33 @@ pub(crate) fn shared_with(
         })
         .collect();
     (shared, ids)
+}
+
+/// A fleet over a default router with workers `names` in selection
+/// (nothing listens at their URLs; health checks give up after 100 ms).
+pub(crate) fn fleet_with(names: &[&str]) -> (Fleet, Arc<SharedRouter>, Vec<WorkerId>) {
+    let config = ServerConfig::default();
+    let (shared, ids) = shared_with(&config, names);
+    let fleet = Fleet::new(
+        shared.clone(),
+        upstream_client(Duration::from_millis(100)),
+        false,
+        config.block_size,
+        3,
+        Duration::from_millis(100),
+    );
+    (fleet, shared, ids)
+}
+
+/// A worker named `name` at `http://127.0.0.1:PORT`, without KV events.
+pub(crate) fn loopback_spec(name: &str, port: u16) -> WorkerSpec {
+    WorkerSpec {
+        url: format!("http://127.0.0.1:{port}"),
+        name: Some(name.to_owned()),
+        events: None,
+        replay: None,
+        block_size: None,
+    }
 }
 
 /// A request of `tokens` prompt tokens hashed into `blocks`.

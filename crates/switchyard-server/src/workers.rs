@@ -428,7 +428,7 @@ pub fn kv_usage_fraction(metrics: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{book_remotely, place, request, shared_with};
+    use crate::testing::{book_remotely, fleet_with, place, request, shared_with};
     use crate::ServerConfig;
 
     #[test]
@@ -461,16 +461,7 @@ mod tests {
 
     /// A fleet of one worker in selection (nothing listens at its URL).
     fn fleet() -> (Fleet, Arc<SharedRouter>, WorkerId) {
-        let config = ServerConfig::default();
-        let (shared, ids) = shared_with(&config, &["w"]);
-        let fleet = Fleet::new(
-            shared.clone(),
-            upstream_client(Duration::from_millis(100)),
-            false,
-            config.block_size,
-            3,
-            Duration::from_millis(100),
-        );
+        let (fleet, shared, ids) = fleet_with(&["w"]);
         (fleet, shared, ids[0])
     }
 

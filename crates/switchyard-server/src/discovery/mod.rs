@@ -375,32 +375,12 @@ async fn watch_dns(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{place, request, shared_with};
-    use crate::workers::upstream_client;
-
-    fn spec(name: &str, port: u16) -> WorkerSpec {
-        WorkerSpec {
-            url: format!("http://127.0.0.1:{port}"),
-            name: Some(name.to_owned()),
-            events: None,
-            replay: None,
-            block_size: None,
-        }
-    }
+    use crate::testing::{fleet_with, loopback_spec as spec, place, request};
 
     /// A fleet holding one worker added by hand, `manual` (in selection;
     /// nothing listens at its URL).
     fn fleet() -> (Arc<Fleet>, Arc<crate::shared::SharedRouter>) {
-        let config = ServerConfig::default();
-        let (shared, _) = shared_with(&config, &["manual"]);
-        let fleet = Fleet::new(
-            shared.clone(),
-            upstream_client(Duration::from_millis(100)),
-            false,
-            config.block_size,
-            3,
-            Duration::from_millis(100),
-        );
+        let (fleet, shared, _) = fleet_with(&["manual"]);
         (Arc::new(fleet), shared)
     }
 

@@ -86,17 +86,8 @@ pub fn capped(specs: impl IntoIterator<Item = WorkerSpec>, limit: usize) -> (Wor
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::loopback_spec as spec;
     use proptest::prelude::*;
-
-    fn spec(name: &str, port: u16) -> WorkerSpec {
-        WorkerSpec {
-            url: format!("http://127.0.0.1:{port}"),
-            name: Some(name.to_owned()),
-            events: None,
-            replay: None,
-            block_size: None,
-        }
-    }
 
     fn set(specs: &[WorkerSpec]) -> WorkerSet {
         specs
