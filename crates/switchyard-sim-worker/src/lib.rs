@@ -36,7 +36,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use switchyard_engine::{Engine, EngineConfig, SyncDevice, TimingConfig};
+use switchyard_engine::{Engine, EngineConfig, Preemption, SyncDevice, TimingConfig};
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
 use switchyard_replica::{
     worker_id_for_name, NatsAuthArgs, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
@@ -80,6 +80,15 @@ pub struct SimWorkerArgs {
     /// Host-tier KV blocks that evicted device blocks spill into (0: none).
     #[arg(long, default_value_t = 0)]
     pub host_blocks: usize,
+    /// What preempting a sequence does when the KV pool stays dry:
+    /// `recompute` frees its blocks and computes its tokens again on resume;
+    /// `spill` saves its KV to the host (needs --spill-blocks) and loads it
+    /// back, recomputing when the spill area is full.
+    #[arg(long, value_enum, default_value_t = PreemptionMode::Recompute)]
+    pub preemption: PreemptionMode,
+    /// Host blocks set aside for spilled sequences' KV (--preemption spill).
+    #[arg(long, default_value_t = 0)]
+    pub spill_blocks: usize,
     /// Most sequences running in one step.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -136,6 +145,15 @@ pub struct SimWorkerArgs {
     pub nats: NatsAuthArgs,
 }
 
+/// `--preemption`: the engine's [`Preemption`] as a flag value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PreemptionMode {
+    /// Free the blocks; recompute on resume (vLLM's default).
+    Recompute,
+    /// Save the KV to the host and load it back on resume.
+    Spill,
+}
+
 impl SimWorkerArgs {
     /// The replica plane the marks go to, when `--replica-sync` is given.
     pub fn replica_config(&self) -> Result<Option<ReplicaConfig>, ReplicaConfigError> {
@@ -159,6 +177,11 @@ impl SimWorkerArgs {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
             host_blocks: self.host_blocks,
+            preemption: match self.preemption {
+                PreemptionMode::Recompute => Preemption::Recompute,
+                PreemptionMode::Spill => Preemption::Spill,
+            },
+            spill_blocks: self.spill_blocks,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_waiting: self.max_waiting,
@@ -362,6 +385,38 @@ mod tests {
         Cli::try_parse_from(std::iter::once("sim-worker").chain(flags.iter().copied()))
             .unwrap()
             .args
+    }
+
+    /// `--preemption spill` reaches the engine with its spill area, and
+    /// without one the configuration is refused before the worker starts.
+    #[test]
+    fn spill_preemption_takes_its_spill_blocks_and_is_validated() {
+        let config = parse(&[]).engine_config();
+        assert_eq!(
+            (config.preemption, config.spill_blocks),
+            (Preemption::Recompute, 0)
+        );
+        let config = parse(&["--preemption", "spill", "--spill-blocks", "512"]).engine_config();
+        assert_eq!(
+            (config.preemption, config.spill_blocks),
+            (Preemption::Spill, 512)
+        );
+        assert_eq!(config.validate(), Ok(()));
+        let refused = parse(&["--preemption", "spill"]).engine_config().validate();
+        assert_eq!(
+            refused,
+            Err(switchyard_engine::config::ConfigError::SpillWithoutHost)
+        );
+        let cli = |flags: &[&str]| {
+            #[derive(Parser)]
+            struct Cli {
+                #[command(flatten)]
+                args: SimWorkerArgs,
+            }
+            Cli::try_parse_from(std::iter::once("sim-worker").chain(flags.iter().copied()))
+                .map(|_| ())
+        };
+        assert!(cli(&["--preemption", "swap"]).is_err());
     }
 
     /// The marks authenticate with `serve`'s `--nats-*` flags, all of them.

@@ -86,6 +86,13 @@ pub struct Metrics {
     prefix_hit_tokens: Counter,
     generation_tokens: Counter,
     preemptions: Counter,
+    kept_out: Counter,
+    spills: Counter,
+    spill_loads: Counter,
+    spill_drops: Counter,
+    spill_fallbacks: Counter,
+    slot_compactions: Counter,
+    logits_bytes: Counter,
     steps: Counter,
     running: CountGauge,
     waiting: CountGauge,
@@ -138,7 +145,35 @@ impl Metrics {
         );
         let preemptions = counter(
             "switchyard_engine_preemptions",
-            "Requests preempted (recompute)",
+            "Requests preempted (recompute and spill)",
+        );
+        let kept_out = counter(
+            "switchyard_engine_kept_out",
+            "Running sequences kept out of a step because their KV reservation answered Exhausted (once per sequence and step)",
+        );
+        let spills = counter(
+            "switchyard_engine_spills",
+            "Preemptions that saved the sequence's KV state to the host (--preemption spill)",
+        );
+        let spill_loads = counter(
+            "switchyard_engine_spill_loads",
+            "Spilled sequence states loaded back to the device on resume",
+        );
+        let spill_drops = counter(
+            "switchyard_engine_spill_drops",
+            "Spilled sequence states dropped because their request was cancelled while spilled",
+        );
+        let spill_fallbacks = counter(
+            "switchyard_engine_spill_fallbacks",
+            "Spill preemptions that recomputed instead because the spill area was full",
+        );
+        let slot_compactions = counter(
+            "switchyard_engine_slot_compactions",
+            "State-slot compactions (a live sequence's fixed state moved to a lower slot)",
+        );
+        let logits_bytes = counter(
+            "switchyard_engine_logits_bytes",
+            "Logits bytes read back to the host (only with read_logits)",
         );
         let steps = counter(
             "switchyard_engine_steps",
@@ -212,6 +247,13 @@ impl Metrics {
             prefix_hit_tokens,
             generation_tokens,
             preemptions,
+            kept_out,
+            spills,
+            spill_loads,
+            spill_drops,
+            spill_fallbacks,
+            slot_compactions,
+            logits_bytes,
             steps,
             running,
             waiting,
@@ -251,6 +293,13 @@ impl Metrics {
         mirror(&self.prefix_hit_tokens, c.prefix_hit_tokens);
         mirror(&self.generation_tokens, c.generated_tokens);
         mirror(&self.preemptions, c.preemptions);
+        mirror(&self.kept_out, c.kept_out);
+        mirror(&self.spills, c.spills);
+        mirror(&self.spill_loads, c.spill_loads);
+        mirror(&self.spill_drops, c.spill_drops);
+        mirror(&self.spill_fallbacks, c.spill_fallbacks);
+        mirror(&self.slot_compactions, c.slot_compactions);
+        mirror(&self.logits_bytes, c.logits_bytes);
         mirror(&self.steps, c.steps);
         self.running.set(engine.running_len() as u64);
         self.waiting.set(engine.waiting_len() as u64);
@@ -307,12 +356,20 @@ mod tests {
             "switchyard_engine_requests_total{status=\"cancelled\"} 1\n",
             "switchyard_engine_requests_total{status=\"finished\"} 0\n",
             "switchyard_engine_restores_total{decision=\"restored\"} 0\n",
+            "# TYPE switchyard_engine_kept_out_total counter\n",
+            "switchyard_engine_kept_out_total 0\n",
+            "switchyard_engine_spills_total 0\n",
+            "switchyard_engine_spill_loads_total 0\n",
+            "switchyard_engine_spill_drops_total 0\n",
+            "switchyard_engine_spill_fallbacks_total 0\n",
+            "switchyard_engine_slot_compactions_total 0\n",
+            "switchyard_engine_logits_bytes_total 0\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (18, 18), "{text}");
+        assert_eq!((typed, helped), (25, 25), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),
@@ -324,6 +381,59 @@ mod tests {
             "switchyard_engine_pacing_resyncs_total 1\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
+        }
+    }
+
+    /// `observe` mirrors the engine's spill, kept-out and logits counters:
+    /// two running sequences, a dry pool for both, so the newest is
+    /// spilled and later loaded back, with logits read back every step.
+    #[test]
+    fn the_spill_and_logits_counters_follow_the_engine() {
+        use switchyard_core::RequestId;
+        use switchyard_engine::{EngineConfig, NewRequest, Preemption, ScriptedDevice, StepReport};
+        let config = EngineConfig {
+            num_blocks: 256,
+            preemption: Preemption::Spill,
+            spill_blocks: 64,
+            read_logits: true,
+            ..EngineConfig::default()
+        };
+        let device = ScriptedDevice::new(config.timing.clone());
+        let mut engine = Engine::new(config, device).unwrap();
+        for (id, first) in [(1, 0), (2, 1_000)] {
+            engine
+                .add_request(NewRequest {
+                    id: RequestId(id),
+                    prompt: (first..first + 40).collect(),
+                    max_tokens: 5,
+                    hash_seed: 0,
+                })
+                .unwrap();
+        }
+        let m = Metrics::new();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        engine.device_mut().exhaust_next = 2;
+        while engine.has_work() {
+            engine.step(&mut report).unwrap();
+            m.observe(&engine);
+        }
+        let c = engine.counters();
+        assert_eq!((c.spills, c.spill_loads), (1, 1), "{c:?}");
+        assert!(c.kept_out > 0 && c.logits_bytes > 0, "{c:?}");
+        let text = m.encode();
+        for (name, value) in [
+            ("kept_out", c.kept_out),
+            ("spills", c.spills),
+            ("spill_loads", c.spill_loads),
+            ("spill_drops", c.spill_drops),
+            ("spill_fallbacks", c.spill_fallbacks),
+            ("slot_compactions", c.slot_compactions),
+            ("logits_bytes", c.logits_bytes),
+            ("preemptions", c.preemptions),
+        ] {
+            let line = format!("switchyard_engine_{name}_total {value}\n");
+            assert!(text.contains(&line), "{line}in:\n{text}");
         }
     }
 }

@@ -9,7 +9,19 @@ use futures_util::StreamExt;
 #[tokio::test]
 async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
     let _machine = machine().await;
-    let worker = sim_worker_with(0, &["--num-blocks", "1024", "--speedup", "50"]);
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--num-blocks",
+            "1024",
+            "--speedup",
+            "50",
+            "--preemption",
+            "spill",
+            "--spill-blocks",
+            "64",
+        ],
+    );
     let client = reqwest::Client::new();
     let prompt: Vec<u32> = (1000..1400).collect();
     let body = serde_json::json!({
@@ -69,6 +81,26 @@ async fn a_streaming_request_streams_tokens_and_moves_the_metrics() {
         Some(8.0)
     );
     assert!(metric(&metrics, "switchyard_engine_cached_blocks") >= Some(25.0));
+    // The engine's scheduling counters are exported, each a counter with
+    // its help text; one request in a large pool moves none of them.
+    for name in [
+        "preemptions",
+        "kept_out",
+        "spills",
+        "spill_loads",
+        "spill_drops",
+        "spill_fallbacks",
+        "slot_compactions",
+        "logits_bytes",
+    ] {
+        let family = format!("switchyard_engine_{name}_total");
+        assert!(
+            metrics.contains(&format!("# TYPE {family} counter\n"))
+                && metrics.contains(&format!("# HELP {family} ")),
+            "{family} in:\n{metrics}"
+        );
+        assert_eq!(metric(&metrics, &family), Some(0.0), "{family}");
+    }
 
     // The same prompt again is served from the prefix cache.
     let second = client
