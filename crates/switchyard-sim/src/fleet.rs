@@ -382,6 +382,9 @@ struct InFlight {
     predicted_tokens: u64,
     first_token_ms: Option<f64>,
     last_token_ms: f64,
+    /// This step's share of the time since the previous token, per token
+    /// (speculative decoding emits several tokens in one step).
+    itl_share_ms: f64,
     worker: usize,
     replica: usize,
     progress: Option<ProgressUpdater>,
@@ -941,6 +944,7 @@ impl Fleet {
                 predicted_tokens: cached,
                 first_token_ms: None,
                 last_token_ms: self.now,
+                itl_share_ms: 0.0,
                 worker,
                 replica,
                 progress: sent.progress,
@@ -1159,13 +1163,34 @@ impl Fleet {
     fn finish_step(&mut self, worker: usize, progress: &mut impl FnMut(u64)) {
         let now = self.now;
         let report = std::mem::take(&mut self.workers[worker].pending);
-        let computed = report.shape.prefill_tokens + report.shape.decode_tokens;
+        let computed =
+            report.shape.prefill_tokens + report.shape.decode_tokens + report.shape.draft_tokens;
         self.workers[worker].served_tokens += computed;
         self.timeline.add(worker, now, computed);
-        for token in &report.tokens {
+        // A request's tokens of one step are adjacent; with speculative
+        // decoding a step emits several, and each of them is charged an
+        // equal share of the time since the request's previous token (so
+        // the ITL samples are the time per output token, never zeros).
+        let mut run_start = 0;
+        for (i, token) in report.tokens.iter().enumerate() {
+            if i == 0 || report.tokens[i - 1].request != token.request {
+                run_start = i;
+            }
             let Some(r) = self.in_flight.get_mut(&token.request) else {
                 continue;
             };
+            if i == run_start {
+                let run = report.tokens[i..]
+                    .iter()
+                    .take_while(|t| t.request == token.request)
+                    .count();
+                let later = run - usize::from(r.first_token_ms.is_none());
+                r.itl_share_ms = if later > 0 {
+                    (now - r.last_token_ms) / later as f64
+                } else {
+                    0.0
+                };
+            }
             if let Some(progress) = r.progress.as_mut() {
                 progress.advance(1);
             }
@@ -1178,7 +1203,7 @@ impl Fleet {
                     self.ttft.push(now - r.arrival_ms);
                 }
             } else if client {
-                self.itl.push(now - r.last_token_ms);
+                self.itl.push(r.itl_share_ms);
             }
             r.last_token_ms = now;
             let replica = r.replica;
