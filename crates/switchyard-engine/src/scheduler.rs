@@ -2836,6 +2836,35 @@ mod tests {
         assert_eq!((c.spec_fallbacks, c.kept_out), (2, 1));
     }
 
+    #[test]
+    fn a_reserve_ahead_device_rolls_back_rejected_drafts_and_lookahead_without_a_leak() {
+        let cfg = EngineConfig {
+            block_size: 4,
+            num_blocks: 64,
+            ..spec_config(4, 0.5)
+        };
+        let mut engine = Engine::new(cfg, AheadDevice::new(TimingConfig::default(), 1)).unwrap();
+        for id in 1..=4u128 {
+            let base = id as u32 * 1_000;
+            engine
+                .add_request(request(id, (base..base + 10 + id as u32 * 3).collect(), 17))
+                .unwrap();
+        }
+        let reports = run_to_end(&mut engine);
+        for id in 1..=4u128 {
+            let outputs: Vec<u32> = reports
+                .iter()
+                .flat_map(|r| r.tokens.iter())
+                .filter(|t| t.request == RequestId(id))
+                .map(|t| t.token)
+                .collect();
+            assert_eq!(outputs, expected_outputs(id, 17));
+        }
+        let c = engine.counters();
+        assert!(c.spec_rollbacks > 0 && c.draft_tokens_accepted > 0);
+        assert_eq!(engine.kv().used_blocks(), 0);
+    }
+
     proptest::proptest! {
         /// Random acceptance rates, draft counts, lengths and dry
         /// reservations over a small pool: every request emits exactly its
