@@ -19,6 +19,28 @@ pub enum Preemption {
     Spill,
 }
 
+/// Speculative decoding (multi-token prediction): each decode step of a
+/// sequence verifies `draft_tokens` drafted positions after its last
+/// token and keeps the accepted prefix of them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SpecDecode {
+    /// Drafted positions per decode step (3; 1..=16).
+    pub draft_tokens: u32,
+    /// Probability each draft is accepted, given the ones before it were
+    /// (0..=1); the first rejection discards it and every later draft.
+    pub acceptance_rate: f64,
+}
+
+impl Default for SpecDecode {
+    fn default() -> Self {
+        Self {
+            draft_tokens: 3,
+            acceptance_rate: 0.7,
+        }
+    }
+}
+
 /// Every knob of the simulated engine. Defaults follow vLLM's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -66,6 +88,9 @@ pub struct EngineConfig {
     pub logits_elem_bytes: u32,
     /// The timing model.
     pub timing: TimingConfig,
+    /// Speculative decoding (`None`, the default: one token per decode
+    /// step). See [`SpecDecode`].
+    pub spec_decode: Option<SpecDecode>,
     /// The token ids output tokens are drawn from, when they must be text
     /// a client can re-tokenize (the sim-worker fills it with its
     /// tokenizer's word tokens); `None`: 32,000 ids above the special
@@ -97,6 +122,7 @@ impl Default for EngineConfig {
             vocab_size: 32_768,
             logits_elem_bytes: 2,
             timing: TimingConfig::default(),
+            spec_decode: None,
             output_vocabulary: None,
         }
     }
@@ -123,6 +149,14 @@ pub enum ConfigError {
     /// An output vocabulary with nothing to draw from.
     #[error("output_vocabulary must not be empty")]
     EmptyOutputVocabulary,
+    /// Speculative decoding out of range.
+    #[error("spec_decode: draft_tokens must be 1..=16 and acceptance_rate a finite number in 0..=1, got {draft_tokens} and {acceptance_rate}")]
+    SpecDecode {
+        /// Drafts asked.
+        draft_tokens: u32,
+        /// Acceptance rate asked.
+        acceptance_rate: f64,
+    },
     /// Timing knobs.
     #[error(transparent)]
     Timing(#[from] TimingConfigError),
@@ -165,6 +199,15 @@ impl EngineConfig {
             .is_some_and(|v| v.is_empty())
         {
             return Err(ConfigError::EmptyOutputVocabulary);
+        }
+        if let Some(spec) = self.spec_decode {
+            let rate = spec.acceptance_rate;
+            if !(1..=16).contains(&spec.draft_tokens) || !(0.0..=1.0).contains(&rate) {
+                return Err(ConfigError::SpecDecode {
+                    draft_tokens: spec.draft_tokens,
+                    acceptance_rate: rate,
+                });
+            }
         }
         self.timing.validate()?;
         Ok(())
@@ -233,6 +276,30 @@ mod tests {
             ..EngineConfig::default()
         };
         assert_eq!(c.validate(), Err(ConfigError::EmptyOutputVocabulary));
+    }
+
+    #[test]
+    fn spec_decode_is_off_by_default_and_checked_when_on() {
+        assert_eq!(EngineConfig::default().spec_decode, None);
+        let with = |draft_tokens, acceptance_rate| EngineConfig {
+            spec_decode: Some(SpecDecode {
+                draft_tokens,
+                acceptance_rate,
+            }),
+            ..EngineConfig::default()
+        };
+        assert_eq!(with(3, 0.7).validate(), Ok(()));
+        assert_eq!(with(16, 0.0).validate(), Ok(()));
+        assert_eq!(with(1, 1.0).validate(), Ok(()));
+        for (d, p) in [(0, 0.5), (17, 0.5), (3, -0.1), (3, 1.5), (3, f64::NAN)] {
+            assert!(
+                matches!(with(d, p).validate(), Err(ConfigError::SpecDecode { .. })),
+                "{d} {p}"
+            );
+        }
+        let c: EngineConfig =
+            serde_json::from_str(r#"{"spec_decode": {"acceptance_rate": 0.5}}"#).unwrap();
+        assert_eq!(c.spec_decode.map(|s| s.draft_tokens), Some(3));
     }
 
     #[test]

@@ -135,6 +135,15 @@ pub enum Effect {
         /// The sequence.
         seq: SeqId,
     },
+    /// Release `seq`'s blocks beyond those its first `keep_tokens` tokens
+    /// occupy — a discarded over-run (rejected draft positions) — while
+    /// the sequence continues.
+    RollbackOverrun {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens whose KV is kept.
+        keep_tokens: usize,
+    },
     /// Free `seq`'s blocks, offering them to the prefix cache when `cache`.
     ReleaseSeq {
         /// The sequence.
@@ -222,7 +231,7 @@ pub enum Effect {
         tokens: usize,
     },
     /// Keep `seq`'s hidden state at position `tokens` in its multi-token
-    /// prediction catch-up ring (declared; not asked for yet).
+    /// prediction catch-up ring (asked after every speculative decode step).
     SaveHiddenCatchup {
         /// The sequence.
         seq: SeqId,
@@ -243,6 +252,7 @@ impl Effect {
         Label(match self {
             Effect::ReserveKv { .. } => "reserve_kv",
             Effect::Rollback { .. } => "rollback",
+            Effect::RollbackOverrun { .. } => "rollback_overrun",
             Effect::ReleaseSeq { .. } => "release_seq",
             Effect::Restore { .. } => "restore",
             Effect::AckRestore { .. } => "ack_restore",
@@ -362,6 +372,18 @@ pub trait DeviceLayer {
     /// Releases what `seq`'s last reservation added and no computed token
     /// occupies. Returns the blocks released.
     fn rollback(&mut self, kv: &mut BlockManager, seq: SeqId) -> Result<usize, DeviceError>;
+
+    /// Releases `seq`'s blocks beyond those its first `keep_tokens` tokens
+    /// occupy: an over-run it reserved and computed but discarded (rejected
+    /// draft positions), while the sequence continues. Every device
+    /// supports it (the caller says what it keeps). A block holding a kept
+    /// token stays; returns the blocks released.
+    fn rollback_overrun(
+        &mut self,
+        kv: &mut BlockManager,
+        seq: SeqId,
+        keep_tokens: usize,
+    ) -> Result<usize, DeviceError>;
 
     /// Frees every block of `seq` (cached blocks stay cached when `cache`);
     /// `what` names the caller for failure logs.
@@ -562,6 +584,16 @@ impl DeviceLayer for SyncDevice {
     fn rollback(&mut self, _kv: &mut BlockManager, _seq: SeqId) -> Result<usize, DeviceError> {
         admit(self.state, Label("rollback"), false)?;
         Err(DeviceError::RollbackUnsupported)
+    }
+
+    fn rollback_overrun(
+        &mut self,
+        kv: &mut BlockManager,
+        seq: SeqId,
+        keep_tokens: usize,
+    ) -> Result<usize, DeviceError> {
+        admit(self.state, Label("rollback_overrun"), false)?;
+        Ok(kv.truncate(seq, blocks_for(keep_tokens, kv.block_size())))
     }
 
     fn release_seq(
@@ -826,6 +858,17 @@ impl DeviceLayer for AheadDevice {
         Ok(kv.truncate(seq, keep))
     }
 
+    fn rollback_overrun(
+        &mut self,
+        kv: &mut BlockManager,
+        seq: SeqId,
+        keep_tokens: usize,
+    ) -> Result<usize, DeviceError> {
+        // The lookahead beyond the kept tokens goes with the over-run.
+        self.last.remove(&seq);
+        self.inner.rollback_overrun(kv, seq, keep_tokens)
+    }
+
     fn release_seq(
         &mut self,
         kv: &mut BlockManager,
@@ -1028,6 +1071,16 @@ impl DeviceLayer for ScriptedDevice {
     fn rollback(&mut self, kv: &mut BlockManager, seq: SeqId) -> Result<usize, DeviceError> {
         self.note(Effect::Rollback { seq });
         self.inner.rollback(kv, seq)
+    }
+
+    fn rollback_overrun(
+        &mut self,
+        kv: &mut BlockManager,
+        seq: SeqId,
+        keep_tokens: usize,
+    ) -> Result<usize, DeviceError> {
+        self.note(Effect::RollbackOverrun { seq, keep_tokens });
+        self.inner.rollback_overrun(kv, seq, keep_tokens)
     }
 
     fn release_seq(
@@ -1259,6 +1312,47 @@ mod tests {
     }
 
     #[test]
+    fn an_overrun_rollback_keeps_the_blocks_of_kept_tokens_on_every_device() {
+        let mut kv = kv();
+        let mut dev = ScriptedDevice::new(TimingConfig::default());
+        // 5 kept tokens and a 4-position over-run: 9 tokens, 3 blocks.
+        assert_eq!(
+            dev.reserve_kv(&mut kv, SeqId(0), 9),
+            Ok(Reservation::Reserved { blocks: 3 })
+        );
+        assert_eq!(dev.rollback_overrun(&mut kv, SeqId(0), 6), Ok(1));
+        assert_eq!(kv.seq_blocks(SeqId(0)).len(), 2);
+        assert_eq!(
+            dev.rollback_overrun(&mut kv, SeqId(0), 6),
+            Ok(0),
+            "nothing beyond the kept tokens is left"
+        );
+        assert_eq!(
+            dev.log[1],
+            Effect::RollbackOverrun {
+                seq: SeqId(0),
+                keep_tokens: 6
+            }
+        );
+        let mut ahead = AheadDevice::new(TimingConfig::default(), 1);
+        ahead.reserve_kv(&mut kv, SeqId(1), 9).unwrap();
+        assert_eq!(kv.seq_blocks(SeqId(1)).len(), 3, "the lookahead fits in");
+        assert_eq!(ahead.rollback_overrun(&mut kv, SeqId(1), 4), Ok(2));
+        assert_eq!(
+            ahead.rollback(&mut kv, SeqId(1)),
+            Ok(0),
+            "nothing ahead left"
+        );
+        assert_eq!(kv.seq_blocks(SeqId(1)).len(), 1);
+        ahead.quiesce().unwrap();
+        assert_eq!(
+            ahead.rollback_overrun(&mut kv, SeqId(1), 0),
+            Ok(1),
+            "a quiesced device still rolls back"
+        );
+    }
+
+    #[test]
     fn every_effect_has_its_own_label() {
         let effects = [
             Effect::ReserveKv {
@@ -1266,6 +1360,10 @@ mod tests {
                 tokens: 1,
             },
             Effect::Rollback { seq: SeqId(0) },
+            Effect::RollbackOverrun {
+                seq: SeqId(0),
+                keep_tokens: 4,
+            },
             Effect::ReleaseSeq {
                 seq: SeqId(0),
                 cache: true,

@@ -46,7 +46,7 @@ pub mod slots;
 pub mod timing;
 
 pub use blocks::{engine_hash, BlockManager, SeqId};
-pub use config::{EngineConfig, Preemption};
+pub use config::{EngineConfig, Preemption, SpecDecode};
 pub use device::{
     AheadDevice, DeviceError, DeviceLayer, DeviceState, Effect, Label, ScriptedDevice, SyncDevice,
 };

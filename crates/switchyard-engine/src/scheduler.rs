@@ -277,6 +277,19 @@ pub struct EngineCounters {
     pub restores: RestoreCounters,
     /// Observations dropped because nobody drained them.
     pub observations_dropped: u64,
+    /// Speculative decoding: draft positions verified.
+    pub draft_tokens_proposed: u64,
+    /// Speculative decoding: drafts accepted (emitted as output tokens).
+    pub draft_tokens_accepted: u64,
+    /// Speculative decoding: over-runs rolled back (steps that rejected a
+    /// draft, `RollbackOverrun`).
+    pub spec_rollbacks: u64,
+    /// Speculative decoding: blocks those rollbacks released.
+    pub spec_rollback_blocks: u64,
+    /// Speculative decoding: decode steps that ran without drafts because
+    /// the over-run's reservation answered `Exhausted` and one position
+    /// fitted.
+    pub spec_fallbacks: u64,
 }
 
 const MAX_BUFFERED_OBSERVATIONS: usize = 4_096;
@@ -305,6 +318,9 @@ struct Seq {
     /// Tokens whose KV a spill preemption saved to the host, until they
     /// are loaded back or dropped.
     spilled: Option<usize>,
+    /// Draft positions reserved for the step being planned (speculative
+    /// decoding; 0 outside a step).
+    drafts: usize,
 }
 
 /// A request's rendezvous source: the lease it was given and, once the
@@ -554,6 +570,7 @@ impl<D: DeviceLayer> Engine<D> {
             prompt_counted: false,
             cached_tokens: 0,
             spilled: None,
+            drafts: 0,
         };
         let id = match self.free_slots.pop() {
             Some(slot) => {
@@ -727,6 +744,23 @@ impl<D: DeviceLayer> Engine<D> {
                 let seq = self.seq(id);
                 let n = (seq.tokens.len() - seq.num_computed).min(budget);
                 let target = seq.num_computed + n;
+                let drafts = self.drafts_for(seq, n, budget);
+                if drafts > 0 {
+                    // The over-run: the drafted positions are reserved
+                    // with the step's own.
+                    match self.device.reserve_kv(&mut self.kv, id, target + drafts)? {
+                        Reservation::Reserved { .. } => {
+                            self.seq_mut(id).drafts = drafts;
+                            scheduled.push((id, n));
+                            budget -= n + drafts;
+                            i += 1;
+                            continue;
+                        }
+                        // No room for the drafts: a plain one-token step
+                        // if that fits (below), else the Exhausted rule.
+                        Reservation::Exhausted => self.counters.spec_fallbacks += 1,
+                    }
+                }
                 match self.device.reserve_kv(&mut self.kv, id, target)? {
                     Reservation::Reserved { .. } => {
                         scheduled.push((id, n));
@@ -808,6 +842,7 @@ impl<D: DeviceLayer> Engine<D> {
             let seq = self.seq(id);
             if n == 1 && seq.outputs() > 0 && seq.num_computed + 1 == seq.tokens.len() {
                 shape.decode_tokens += 1;
+                shape.draft_tokens += seq.drafts as u64;
             } else {
                 shape.prefill_tokens += n as u64;
             }
@@ -816,13 +851,18 @@ impl<D: DeviceLayer> Engine<D> {
         let result = self.device.step_result()?;
         report.model_ms = result.duration_ms;
         if self.config.read_logits {
+            // A verifying sequence reads a row per drafted position too.
             let rows = scheduled
                 .iter()
-                .filter(|&&(id, n)| {
+                .map(|&(id, n)| {
                     let seq = self.seq(id);
-                    seq.num_computed + n == seq.tokens.len()
+                    if seq.num_computed + n == seq.tokens.len() {
+                        1 + seq.drafts
+                    } else {
+                        0
+                    }
                 })
-                .count();
+                .sum();
             if rows > 0 {
                 let expected = self.config.logits_elem_bytes;
                 let logits = self
@@ -845,13 +885,32 @@ impl<D: DeviceLayer> Engine<D> {
 
         let bs = self.config.block_size;
         let vocabulary = self.config.output_vocabulary.as_deref();
+        let acceptance_rate = self.config.spec_decode.map_or(0.0, |s| s.acceptance_rate);
         let mut any_finished = false;
         for &(id, n) in scheduled.iter() {
             let max_model_len = self.config.max_model_len;
             let seq = self.slots[id.0 as usize]
                 .as_mut()
                 .expect("scheduled sequences are live");
-            seq.num_computed += n;
+            let drafts = std::mem::take(&mut seq.drafts);
+            // The accepted drafts are output tokens whose KV this step
+            // computed; the token after them is sampled below as usual.
+            let accepted = if drafts > 0 {
+                accepted_drafts(seq.request, seq.outputs() as u32, drafts, acceptance_rate)
+            } else {
+                0
+            };
+            for _ in 0..accepted {
+                let index = seq.outputs() as u32;
+                let token = synthetic_token(seq.request, index, vocabulary);
+                seq.tokens.push(token);
+                report.tokens.push(TokenOutput {
+                    request: seq.request,
+                    token,
+                    index,
+                });
+            }
+            seq.num_computed += n + accepted;
             let full = seq.num_computed / bs;
             if full > seq.committed_blocks {
                 seq.ensure_hashes(full, bs);
@@ -875,10 +934,23 @@ impl<D: DeviceLayer> Engine<D> {
                     token,
                     index,
                 });
-                self.counters.generated_tokens += 1;
+                self.counters.generated_tokens += 1 + accepted as u64;
                 if seq.outputs() >= seq.max_tokens || seq.tokens.len() >= max_model_len {
                     any_finished = true;
                 }
+            }
+            if drafts > 0 {
+                self.counters.draft_tokens_proposed += drafts as u64;
+                self.counters.draft_tokens_accepted += accepted as u64;
+                let kept = seq.num_computed;
+                if accepted < drafts {
+                    // The rejected positions' KV is discarded; the
+                    // sequence goes on from its kept tokens.
+                    let released = self.device.rollback_overrun(&mut self.kv, id, kept)?;
+                    self.counters.spec_rollbacks += 1;
+                    self.counters.spec_rollback_blocks += released as u64;
+                }
+                self.device.save_hidden_catchup(id, kept)?;
             }
         }
         if any_finished {
@@ -900,6 +972,28 @@ impl<D: DeviceLayer> Engine<D> {
             self.running.retain(|s| slots[s.0 as usize].is_some());
         }
         Ok(())
+    }
+
+    /// Draft positions a decode step of `seq` computing `n` tokens within
+    /// `budget` verifies: none without speculative decoding or outside a
+    /// decode step; never more than could be emitted (its `max_tokens`,
+    /// the model length) nor than the budget leaves.
+    fn drafts_for(&self, seq: &Seq, n: usize, budget: usize) -> usize {
+        let Some(spec) = self.config.spec_decode else {
+            return 0;
+        };
+        if n != 1 || seq.outputs() == 0 || seq.num_computed + 1 != seq.tokens.len() {
+            return 0;
+        }
+        let left = seq.max_tokens.saturating_sub(seq.outputs() + 1);
+        let room = self
+            .config
+            .max_model_len
+            .saturating_sub(seq.tokens.len() + 1);
+        (spec.draft_tokens as usize)
+            .min(left)
+            .min(room)
+            .min(budget.saturating_sub(1))
     }
 
     fn admit(
@@ -1387,6 +1481,29 @@ pub fn synthetic_token(request: RequestId, index: u32, vocabulary: Option<&[u32]
         Some(ids) if !ids.is_empty() => ids[(x % ids.len() as u64) as usize],
         _ => 100 + (x % 32_000) as u32,
     }
+}
+
+/// Drafts accepted of `drafts` proposed after output position
+/// `first_index` of `request`: each with probability `rate`, stopping at
+/// the first rejection. Deterministic (a hash of the request and the
+/// position, as [`synthetic_token`]): no random state.
+pub fn accepted_drafts(request: RequestId, first_index: u32, drafts: usize, rate: f64) -> usize {
+    (0..drafts as u32)
+        .take_while(|&j| draft_draw(request, first_index.wrapping_add(j)) < rate)
+        .count()
+}
+
+/// A uniform draw in `[0, 1)` for the draft at output position `index`.
+fn draft_draw(request: RequestId, index: u32) -> f64 {
+    let mut x = (request.0 as u64)
+        ^ ((request.0 >> 64) as u64).rotate_left(29)
+        ^ u64::from(index).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x >> 11) as f64 / (1u64 << 53) as f64
 }
 
 #[cfg(test)]
@@ -2545,6 +2662,261 @@ mod tests {
             proptest::prop_assert_eq!(engine.spill_used_blocks(), 0);
             proptest::prop_assert_eq!(engine.kv().used_blocks(), 0);
             proptest::prop_assert_eq!(engine.state_slots().free_len(), 4);
+        }
+    }
+
+    fn spec_config(draft_tokens: u32, acceptance_rate: f64) -> EngineConfig {
+        EngineConfig {
+            spec_decode: Some(crate::config::SpecDecode {
+                draft_tokens,
+                acceptance_rate,
+            }),
+            ..config()
+        }
+    }
+
+    /// One request of `prompt_len` tokens, prefilled (one output token).
+    fn one_decoding(cfg: EngineConfig, prompt_len: u32, max_tokens: u32) -> Engine<ScriptedDevice> {
+        let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+        engine
+            .add_request(request(7, (0..prompt_len).collect(), max_tokens))
+            .unwrap();
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.tokens.len(), 1, "the prefill samples one token");
+        engine.device_mut().log.clear();
+        engine
+    }
+
+    fn expected_outputs(request: u128, max_tokens: u32) -> Vec<u32> {
+        (0..max_tokens)
+            .map(|i| synthetic_token(RequestId(request), i, None))
+            .collect()
+    }
+
+    #[test]
+    fn at_full_acceptance_a_decode_step_emits_one_token_plus_every_draft() {
+        let mut engine = one_decoding(spec_config(3, 1.0), 40, 9);
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.tokens.len(), 4);
+        assert_eq!(report.shape.decode_tokens, 1);
+        assert_eq!(report.shape.draft_tokens, 3);
+        let seq = SeqId(0);
+        assert_eq!(
+            engine.device().log,
+            vec![
+                // 41 tokens, the last not computed yet, plus 3 drafts.
+                Effect::ReserveKv { seq, tokens: 44 },
+                Effect::LaunchStep {
+                    shape: report.shape
+                },
+                Effect::ReadStepResult,
+                // Nothing rejected: no rollback; the ring moves to 44.
+                Effect::SaveHiddenCatchup { seq, tokens: 44 },
+            ]
+        );
+        let mut outputs = vec![synthetic_token(RequestId(7), 0, None)];
+        outputs.extend(report.tokens.iter().map(|t| t.token));
+        let reports = run_to_end(&mut engine);
+        assert_eq!(
+            reports.iter().map(|r| r.tokens.len()).collect::<Vec<_>>(),
+            vec![4],
+            "9 tokens: 1 + 4 + 4, never past max_tokens"
+        );
+        outputs.extend(
+            reports
+                .iter()
+                .flat_map(|r| r.tokens.iter().map(|t| t.token)),
+        );
+        assert_eq!(
+            outputs,
+            expected_outputs(7, 9),
+            "the same text as without drafts"
+        );
+        let c = engine.counters();
+        assert_eq!((c.draft_tokens_proposed, c.draft_tokens_accepted), (6, 6));
+        assert_eq!((c.spec_rollbacks, c.generated_tokens), (0, 9));
+        assert_eq!(engine.kv().used_blocks(), 0);
+    }
+
+    #[test]
+    fn at_zero_acceptance_a_decode_step_emits_one_token_and_rolls_back_every_draft() {
+        // 47 prompt tokens: the drafts spill into a fourth block of 16.
+        let mut engine = one_decoding(spec_config(3, 0.0), 47, 8);
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.tokens.len(), 1);
+        let seq = SeqId(0);
+        assert_eq!(
+            engine.device().log,
+            vec![
+                Effect::ReserveKv { seq, tokens: 51 },
+                Effect::LaunchStep {
+                    shape: report.shape
+                },
+                Effect::ReadStepResult,
+                Effect::RollbackOverrun {
+                    seq,
+                    keep_tokens: 48
+                },
+                Effect::SaveHiddenCatchup { seq, tokens: 48 },
+            ]
+        );
+        assert_eq!(engine.kv().used_blocks(), 3, "the drafts' block went back");
+        let c = engine.counters();
+        assert_eq!((c.spec_rollbacks, c.spec_rollback_blocks), (1, 1));
+        let reports = run_to_end(&mut engine);
+        assert!(reports.iter().all(|r| r.tokens.len() == 1));
+        let mut outputs = vec![
+            synthetic_token(RequestId(7), 0, None),
+            report.tokens[0].token,
+        ];
+        outputs.extend(
+            reports
+                .iter()
+                .flat_map(|r| r.tokens.iter().map(|t| t.token)),
+        );
+        assert_eq!(outputs, expected_outputs(7, 8));
+        let c = engine.counters();
+        // Drafts shrink as max_tokens nears: 3, 3, 3, 3, 2, 1, then none.
+        assert_eq!((c.draft_tokens_proposed, c.draft_tokens_accepted), (15, 0));
+        assert_eq!(c.spec_rollbacks, 6);
+        assert_eq!(engine.kv().used_blocks(), 0);
+    }
+
+    #[test]
+    fn acceptance_draws_are_deterministic_and_follow_the_rate() {
+        let mut accepted = 0;
+        for request in 0..2_000u128 {
+            let k = accepted_drafts(RequestId(request), 5, 1, 0.7);
+            assert_eq!(k, accepted_drafts(RequestId(request), 5, 1, 0.7));
+            assert_eq!(accepted_drafts(RequestId(request), 5, 4, 1.0), 4);
+            assert_eq!(accepted_drafts(RequestId(request), 5, 4, 0.0), 0);
+            accepted += k;
+        }
+        assert!(
+            (1_300..1_500).contains(&accepted),
+            "{accepted} of 2000 at 0.7"
+        );
+    }
+
+    #[test]
+    fn an_exhausted_over_run_falls_back_to_a_plain_step_if_one_position_fits() {
+        let mut engine = one_decoding(spec_config(3, 1.0), 40, 9);
+        engine.device_mut().exhaust_next = 1;
+        let mut report = StepReport::default();
+        engine.step(&mut report).unwrap();
+        assert_eq!(report.tokens.len(), 1);
+        let seq = SeqId(0);
+        assert_eq!(
+            engine.device().log[..2],
+            [
+                Effect::ReserveKv { seq, tokens: 44 },
+                Effect::ReserveKv { seq, tokens: 41 },
+            ]
+        );
+        assert_eq!(report.shape.draft_tokens, 0);
+        assert!(
+            !engine
+                .device()
+                .log
+                .iter()
+                .any(|e| matches!(e, Effect::SaveHiddenCatchup { .. })),
+            "a plain step keeps no catch-up entry"
+        );
+        let c = engine.counters();
+        assert_eq!((c.spec_fallbacks, c.kept_out), (1, 0));
+
+        // Neither fits: the existing Exhausted rule.
+        engine.device_mut().exhaust_next = 2;
+        engine.step(&mut report).unwrap();
+        assert!(report.tokens.is_empty());
+        let c = engine.counters();
+        assert_eq!((c.spec_fallbacks, c.kept_out), (2, 1));
+    }
+
+    #[test]
+    fn a_reserve_ahead_device_rolls_back_rejected_drafts_and_lookahead_without_a_leak() {
+        let cfg = EngineConfig {
+            block_size: 4,
+            num_blocks: 64,
+            ..spec_config(4, 0.5)
+        };
+        let mut engine = Engine::new(cfg, AheadDevice::new(TimingConfig::default(), 1)).unwrap();
+        for id in 1..=4u128 {
+            let base = id as u32 * 1_000;
+            engine
+                .add_request(request(id, (base..base + 10 + id as u32 * 3).collect(), 17))
+                .unwrap();
+        }
+        let reports = run_to_end(&mut engine);
+        for id in 1..=4u128 {
+            let outputs: Vec<u32> = reports
+                .iter()
+                .flat_map(|r| r.tokens.iter())
+                .filter(|t| t.request == RequestId(id))
+                .map(|t| t.token)
+                .collect();
+            assert_eq!(outputs, expected_outputs(id, 17));
+        }
+        let c = engine.counters();
+        assert!(c.spec_rollbacks > 0 && c.draft_tokens_accepted > 0);
+        assert_eq!(engine.kv().used_blocks(), 0);
+    }
+
+    proptest::proptest! {
+        /// Random acceptance rates, draft counts, lengths and dry
+        /// reservations over a small pool: every request emits exactly its
+        /// max_tokens, the text does not depend on the drafts, and no block
+        /// is leaked by the rollbacks once all requests are done.
+        #[test]
+        fn speculative_decoding_leaks_no_block_and_emits_exactly_max_tokens(
+            rate in 0.0f64..=1.0,
+            drafts in 1u32..=6,
+            requests in proptest::collection::vec((1u32..90, 1u32..40), 1..6),
+            dry in proptest::collection::vec(0u32..3, 0..40),
+        ) {
+            let cfg = EngineConfig {
+                block_size: 4,
+                num_blocks: 48,
+                max_num_batched_tokens: 64,
+                ..spec_config(drafts, rate)
+            };
+            let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+            engine.device_mut().record = false;
+            let start = engine.kv().used_blocks();
+            for (i, &(len, max_tokens)) in requests.iter().enumerate() {
+                let base = i as u32 * 1_000;
+                engine.add_request(request(i as u128 + 1, (base..base + len).collect(), max_tokens)).unwrap();
+            }
+            let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+            let mut report = StepReport::default();
+            let mut finished = 0;
+            for round in 0..5_000 {
+                if !engine.has_work() {
+                    break;
+                }
+                engine.device_mut().exhaust_next = dry.get(round).copied().unwrap_or(0);
+                engine.step(&mut report).unwrap();
+                for t in &report.tokens {
+                    let out = &mut outputs[t.request.0 as usize - 1];
+                    proptest::prop_assert_eq!(t.index as usize, out.len());
+                    out.push(t.token);
+                }
+                for f in &report.finished {
+                    proptest::prop_assert_eq!(f.output_tokens, requests[f.request.0 as usize - 1].1 as usize);
+                    finished += 1;
+                }
+            }
+            proptest::prop_assert!(!engine.has_work(), "the engine drained");
+            proptest::prop_assert_eq!(finished, requests.len());
+            for (i, out) in outputs.iter().enumerate() {
+                proptest::prop_assert_eq!(out, &expected_outputs(i as u128 + 1, requests[i].1));
+            }
+            proptest::prop_assert_eq!(engine.kv().used_blocks(), start);
+            let c = engine.counters();
+            proptest::prop_assert!(c.draft_tokens_accepted <= c.draft_tokens_proposed);
         }
     }
 }

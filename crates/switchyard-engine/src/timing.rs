@@ -6,6 +6,10 @@
 //!   batch (decode tokens riding along in a mixed batch count too);
 //! - decode-only batch: `ms = a·u² + b·u + c` with `u` = used / total device
 //!   KV blocks, never below [`TimingConfig::decode_floor_ms`];
+//! - speculative decoding: a step verifying drafted positions computes them
+//!   too — with prefill work they join `T`; in a decode-only batch each
+//!   costs the prefill fit's per-token slope `b` on top of the decode time
+//!   (the batch's extra compute; with no drafts nothing changes);
 //! - restore: `tokens × bytes_per_token / bandwidth`, added to the step that
 //!   carries the restore; the same host link carries a spilled sequence's
 //!   state both ways (saved on preemption, loaded on resume) and logits read
@@ -122,13 +126,23 @@ impl TimingConfig {
     /// Model ms of one step of the given shape.
     pub fn step_ms(&self, shape: &StepShape) -> f64 {
         let compute = if shape.prefill_tokens > 0 {
-            self.prefill_ms(shape.prefill_tokens + shape.decode_tokens)
+            self.prefill_ms(shape.prefill_tokens + shape.decode_tokens + shape.draft_tokens)
         } else if shape.decode_tokens > 0 {
-            self.decode_ms(shape.kv_usage())
+            self.decode_ms(shape.kv_usage()) + self.verify_ms(shape.draft_tokens)
         } else {
             0.0
         };
         compute + self.restore_ms(shape.restore_tokens + shape.saved_tokens)
+    }
+
+    /// Model ms a decode-only batch adds to verify `drafts` drafted
+    /// positions: the prefill fit's per-token slope each (0 for none).
+    pub fn verify_ms(&self, drafts: u64) -> f64 {
+        if drafts == 0 {
+            0.0
+        } else {
+            (self.prefill[1] * drafts as f64).max(0.0)
+        }
     }
 
     /// Wall-clock ms for `model_ms` under the speed-up factor (`0`: instant).
@@ -148,6 +162,9 @@ pub struct StepShape {
     pub prefill_tokens: u64,
     /// Sequences decoding one token this step.
     pub decode_tokens: u64,
+    /// Drafted positions the decoding sequences verify this step
+    /// (speculative decoding; 0 without it).
+    pub draft_tokens: u64,
     /// Tokens restored from the host tier (or a spilled sequence's saved
     /// state loaded back) this step.
     pub restore_tokens: u64,
@@ -214,6 +231,28 @@ mod tests {
         // 256 rows of a 32k vocabulary in bf16: 16 MiB at 64 GB/s.
         let bytes = 256 * 32_768 * 2;
         assert!((t.host_copy_ms(bytes) - bytes as f64 / 64e9 * 1e3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn verifying_drafts_costs_the_prefill_slope_per_draft_on_top_of_decode() {
+        let t = TimingConfig::default();
+        let plain = StepShape {
+            decode_tokens: 8,
+            kv_used_blocks: 10,
+            kv_total_blocks: 100,
+            ..StepShape::default()
+        };
+        let drafted = StepShape {
+            draft_tokens: 24,
+            ..plain
+        };
+        let extra = t.step_ms(&drafted) - t.step_ms(&plain);
+        assert!((extra - 24.0 * t.prefill[1]).abs() < 1e-12);
+        let mixed = StepShape {
+            prefill_tokens: 100,
+            ..drafted
+        };
+        assert!((t.step_ms(&mixed) - t.prefill_ms(132)).abs() < 1e-12);
     }
 
     #[test]

@@ -57,7 +57,7 @@
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{replica_seed, Balancer, ReplicaStats, ReplicasConfig};
-use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport};
+use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport, SpecFigures};
 use crate::trace::TraceError;
 use crate::workload::{Session, SessionStream};
 use rustc_hash::FxHashMap;
@@ -382,6 +382,9 @@ struct InFlight {
     predicted_tokens: u64,
     first_token_ms: Option<f64>,
     last_token_ms: f64,
+    /// This step's share of the time since the previous token, per token
+    /// (speculative decoding emits several tokens in one step).
+    itl_share_ms: f64,
     worker: usize,
     replica: usize,
     progress: Option<ProgressUpdater>,
@@ -941,6 +944,7 @@ impl Fleet {
                 predicted_tokens: cached,
                 first_token_ms: None,
                 last_token_ms: self.now,
+                itl_share_ms: 0.0,
                 worker,
                 replica,
                 progress: sent.progress,
@@ -1159,13 +1163,34 @@ impl Fleet {
     fn finish_step(&mut self, worker: usize, progress: &mut impl FnMut(u64)) {
         let now = self.now;
         let report = std::mem::take(&mut self.workers[worker].pending);
-        let computed = report.shape.prefill_tokens + report.shape.decode_tokens;
+        let computed =
+            report.shape.prefill_tokens + report.shape.decode_tokens + report.shape.draft_tokens;
         self.workers[worker].served_tokens += computed;
         self.timeline.add(worker, now, computed);
-        for token in &report.tokens {
+        // A request's tokens of one step are adjacent; with speculative
+        // decoding a step emits several, and each of them is charged an
+        // equal share of the time since the request's previous token (so
+        // the ITL samples are the time per output token, never zeros).
+        let mut run_start = 0;
+        for (i, token) in report.tokens.iter().enumerate() {
+            if i == 0 || report.tokens[i - 1].request != token.request {
+                run_start = i;
+            }
             let Some(r) = self.in_flight.get_mut(&token.request) else {
                 continue;
             };
+            if i == run_start {
+                let run = report.tokens[i..]
+                    .iter()
+                    .take_while(|t| t.request == token.request)
+                    .count();
+                let later = run - usize::from(r.first_token_ms.is_none());
+                r.itl_share_ms = if later > 0 {
+                    (now - r.last_token_ms) / later as f64
+                } else {
+                    0.0
+                };
+            }
             if let Some(progress) = r.progress.as_mut() {
                 progress.advance(1);
             }
@@ -1178,7 +1203,7 @@ impl Fleet {
                     self.ttft.push(now - r.arrival_ms);
                 }
             } else if client {
-                self.itl.push(now - r.last_token_ms);
+                self.itl.push(r.itl_share_ms);
             }
             r.last_token_ms = now;
             let replica = r.replica;
@@ -1311,6 +1336,20 @@ impl Fleet {
             transfers: self.transfers,
             transfer_bytes: self.transfer_bytes,
             transfer_fallbacks: self.transfer_fallbacks,
+            spec_decode: self.config.engine.spec_decode.map(|_| {
+                let mut f = SpecFigures::default();
+                for w in &self.workers {
+                    let c = w.engine.counters();
+                    f.draft_tokens_proposed += c.draft_tokens_proposed;
+                    f.draft_tokens_accepted += c.draft_tokens_accepted;
+                    f.rollbacks += c.spec_rollbacks;
+                    f.rollback_blocks += c.spec_rollback_blocks;
+                    f.fallbacks += c.spec_fallbacks;
+                }
+                f.acceptance =
+                    f.draft_tokens_accepted as f64 / f.draft_tokens_proposed.max(1) as f64;
+                f
+            }),
         };
         let decisions = self.decisions.max(1) as f64;
         let replicas = ReplicaStats {
@@ -1390,6 +1429,35 @@ mod tests {
         assert!((2.0 * 5.74..2.0 * 5.8).contains(&decode), "{decode}");
         assert_eq!((r.completed, r.errors), (1, 0));
         assert_eq!(r.hit_rate, 0.0);
+    }
+
+    #[test]
+    fn speculative_decoding_at_full_acceptance_decodes_in_fewer_steps_with_the_same_tokens() {
+        let run = |spec: Option<switchyard_engine::SpecDecode>| {
+            let mut config = fleet(1, PolicyKind::Kv);
+            config.engine.spec_decode = spec;
+            let prompt: Vec<u32> = (0..100).collect();
+            simulate(&config, sessions(vec![one_turn(0, 0.0, prompt, 9)]), |_| {})
+                .unwrap()
+                .report
+        };
+        let plain = run(None);
+        let spec = run(Some(switchyard_engine::SpecDecode {
+            draft_tokens: 3,
+            acceptance_rate: 1.0,
+        }));
+        assert_eq!(plain.spec_decode, None);
+        // 9 tokens: a prefill, then 8 decode steps or 2 of 1 + 3 drafts.
+        assert_eq!((plain.engine_steps, spec.engine_steps), (9, 3));
+        assert_eq!(spec.completed, 1);
+        let f = spec.spec_decode.expect("counted");
+        assert_eq!((f.draft_tokens_proposed, f.draft_tokens_accepted), (6, 6));
+        assert_eq!((f.acceptance, f.rollbacks), (1.0, 0));
+        // Each token of a step is charged its share: the mean ITL is the
+        // decode time per output token, shorter than one step.
+        assert!(spec.itl_ms.p50 > 0.0);
+        assert!(spec.itl_ms.mean < plain.itl_ms.mean);
+        assert!(spec.e2e_ms.mean < plain.e2e_ms.mean);
     }
 
     #[test]

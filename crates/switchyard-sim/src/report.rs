@@ -76,6 +76,27 @@ pub struct PolicyReport {
     /// Disaggregated fleets: decode halves that computed their prompt
     /// instead (nothing captured, or the lease gone before the transfer).
     pub transfer_fallbacks: u64,
+    /// Speculative decoding's counters across the fleet (absent when the
+    /// engines ran without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spec_decode: Option<SpecFigures>,
+}
+
+/// Speculative decoding across a fleet's engines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct SpecFigures {
+    /// Draft positions verified.
+    pub draft_tokens_proposed: u64,
+    /// Drafts accepted (emitted as output tokens).
+    pub draft_tokens_accepted: u64,
+    /// Accepted / proposed.
+    pub acceptance: f64,
+    /// Steps whose rejected drafts were rolled back (`RollbackOverrun`).
+    pub rollbacks: u64,
+    /// KV blocks those rollbacks released.
+    pub rollback_blocks: u64,
+    /// Decode steps without drafts because the over-run did not fit.
+    pub fallbacks: u64,
 }
 
 /// Per-worker load over time, for plots: tokens computed per bucket.

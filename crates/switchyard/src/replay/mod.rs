@@ -21,7 +21,7 @@ use std::time::Instant;
 use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
-use switchyard_engine::EngineConfig;
+use switchyard_engine::{EngineConfig, SpecDecode};
 use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, SimOutcome, TransferConfig};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
@@ -241,6 +241,15 @@ pub struct ReplayArgs {
     /// in ms (default 1, an assumption).
     #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().latency_ms)]
     pub transfer_latency_ms: f64,
+    /// Speculative decoding (multi-token prediction) in the simulated
+    /// engines: each decode step verifies `--spec-draft-tokens` drafts,
+    /// each accepted with this probability (0..=1) until the first
+    /// rejection. Off unless given.
+    #[arg(long, value_name = "RATE")]
+    pub spec_decode: Option<f64>,
+    /// With `--spec-decode`: drafted positions per decode step (1..=16).
+    #[arg(long, default_value_t = SpecDecode::default().draft_tokens)]
+    pub spec_draft_tokens: u32,
 }
 
 /// Parses a `P:D` split.
@@ -280,6 +289,9 @@ pub struct ReplayReport {
     pub default_policy: &'static str,
     /// Figures per policy.
     pub policies: BTreeMap<String, PolicyReport>,
+    /// The engines' speculative decoding (`null`: off); also under
+    /// `fleet.engine`.
+    pub spec_decode: Option<SpecDecode>,
     /// The fleet simulated.
     pub fleet: FleetConfig,
     /// The arguments.
@@ -303,6 +315,10 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         ..EngineConfig::default()
     };
     engine.timing.speedup = args.speedup.unwrap_or(speedup);
+    engine.spec_decode = args.spec_decode.map(|acceptance_rate| SpecDecode {
+        draft_tokens: args.spec_draft_tokens,
+        acceptance_rate,
+    });
     anyhow::ensure!(
         engine.timing.speedup > 0.0,
         "--speedup must be positive in the simulator (virtual time needs durations)"
@@ -640,6 +656,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             .iter()
             .map(|(n, o)| (n.clone(), o.report.clone()))
             .collect(),
+        spec_decode: fleet.engine.spec_decode,
         fleet,
         args: args.clone(),
     };
@@ -786,5 +803,32 @@ mod tests {
         );
         let wall = estimator.restore_model_ms(1000) * fleet.engine.timing.speedup;
         assert!((wall - fleet.engine.timing.restore_ms(1000)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn spec_decode_reaches_the_engines_only_when_asked_and_is_checked() {
+        let fleet = fleet_config(&parse_args(&[])).unwrap();
+        assert_eq!(fleet.engine.spec_decode, None);
+        let fleet = fleet_config(&parse_args(&["--spec-decode", "0.7"])).unwrap();
+        assert_eq!(
+            fleet.engine.spec_decode,
+            Some(SpecDecode {
+                draft_tokens: 3,
+                acceptance_rate: 0.7
+            })
+        );
+        let args = parse_args(&["--spec-decode", "0.5", "--spec-draft-tokens", "5"]);
+        let fleet = fleet_config(&args).unwrap();
+        assert_eq!(fleet.engine.spec_decode.map(|s| s.draft_tokens), Some(5));
+        let json = serde_json::to_value(&args).unwrap();
+        assert_eq!(json["spec_decode"], 0.5);
+        assert!(fleet_config(&parse_args(&["--spec-decode", "1.5"])).is_err());
+        assert!(fleet_config(&parse_args(&[
+            "--spec-decode",
+            "0.5",
+            "--spec-draft-tokens",
+            "0"
+        ]))
+        .is_err());
     }
 }
