@@ -224,6 +224,33 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
         KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w7")).unwrap();
 
     let client = reqwest::Client::new();
+    // A SUB socket's subscription reaches the publisher some time after
+    // `connect` (ZMQ's slow joiner), and what is published before that is
+    // never delivered; a subscriber learns the history by replay at the
+    // first event it does receive. So prompt the worker until one event
+    // has arrived: from then on nothing is lost, whatever the machine's load.
+    let completions = format!("{}/v1/completions", worker.base);
+    let mut nudge = 0u32;
+    wait_for(
+        "the subscription to deliver an event",
+        PATIENCE,
+        async || {
+            // A fresh prompt each time: a cached one stores no block.
+            nudge += 1;
+            let prompt: Vec<u32> = (0..64).map(|t| 500_000 + 64 * nudge + t).collect();
+            let reply = client
+                .post(&completions)
+                .json(&serde_json::json!({"prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(reply.status(), 200);
+            reply.bytes().await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            index.lock().unwrap().device().worker_blocks(id) > 0
+        },
+    )
+    .await;
     for round in 0..6u32 {
         // Pairs of prompts share a 320-token prefix.
         let mut prompt: Vec<u32> = (0..320).map(|t| 10_000 * (round / 2) + t).collect();
