@@ -1707,6 +1707,11 @@ mod tests {
         );
     }
 
+    /// An engine with a host tier ([`host_config`]) on the scripted device.
+    fn host_engine() -> Engine<ScriptedDevice> {
+        Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap()
+    }
+
     fn host_config() -> EngineConfig {
         EngineConfig {
             num_blocks: 64,
@@ -1736,8 +1741,7 @@ mod tests {
 
     #[test]
     fn a_host_tier_hit_is_restored_then_acknowledged_then_observed() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -1773,8 +1777,7 @@ mod tests {
     /// request 2 holding most of its device for `outputs` tokens; request 1
     /// (that prompt) queued behind it.
     fn restore_behind_a_long_request(outputs: u32) -> Engine<ScriptedDevice> {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         engine
@@ -1860,8 +1863,7 @@ mod tests {
 
     #[test]
     fn a_refused_acknowledgement_cancels_that_request_and_nothing_else() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -1894,8 +1896,7 @@ mod tests {
 
     #[test]
     fn a_restore_report_the_block_table_contradicts_cancels_the_request() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -2137,8 +2138,7 @@ mod tests {
 
     #[test]
     fn a_prompt_with_nothing_on_the_host_is_no_reusable_entry() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         engine
             .add_request(request(1, (0..64).collect(), 1))
             .unwrap();
@@ -2148,8 +2148,7 @@ mod tests {
 
     #[test]
     fn an_invalid_restore_output_cancels_the_request_instead_of_falling_back() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         observations(&mut engine);
@@ -2178,8 +2177,7 @@ mod tests {
 
     #[test]
     fn a_device_failure_during_restore_cancels_the_request() {
-        let mut engine =
-            Engine::new(host_config(), ScriptedDevice::new(TimingConfig::default())).unwrap();
+        let mut engine = host_engine();
         let prompt: Vec<u32> = (0..640).collect();
         spill_prompt(&mut engine, &prompt);
         engine.device_mut().fail_next_restore = true;

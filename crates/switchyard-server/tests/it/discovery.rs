@@ -16,21 +16,29 @@ use tokio::net::UdpSocket;
 
 const ADMIN: &str = "discovery-admin";
 
-/// The workers in selection, by name, from `GET /admin/workers`.
-async fn in_selection(client: &reqwest::Client, base: &str) -> BTreeSet<String> {
+/// Every worker the router lists (`GET /admin/workers`; none when the
+/// router does not answer).
+async fn workers(client: &reqwest::Client, base: &str) -> Vec<serde_json::Value> {
     let Ok(response) = client
         .get(format!("{base}/admin/workers"))
         .bearer_auth(ADMIN)
         .send()
         .await
     else {
-        return BTreeSet::new();
+        return Vec::new();
     };
-    let body: serde_json::Value = response.json().await.unwrap_or_default();
-    body["workers"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let mut body: serde_json::Value = response.json().await.unwrap_or_default();
+    match body["workers"].take() {
+        serde_json::Value::Array(workers) => workers,
+        _ => Vec::new(),
+    }
+}
+
+/// The workers in selection, by name, from `GET /admin/workers`.
+async fn in_selection(client: &reqwest::Client, base: &str) -> BTreeSet<String> {
+    workers(client, base)
+        .await
+        .iter()
         .filter(|w| w["in_selection"] == true && w["draining"] == false)
         .filter_map(|w| w["name"].as_str().map(str::to_owned))
         .collect()
@@ -143,19 +151,9 @@ async fn workers_added_to_and_removed_from_the_watched_file_come_and_go_without_
 
 /// Every worker the router lists, by name, and whether it is draining.
 async fn listed(client: &reqwest::Client, base: &str) -> Vec<(String, bool)> {
-    let Ok(response) = client
-        .get(format!("{base}/admin/workers"))
-        .bearer_auth(ADMIN)
-        .send()
+    workers(client, base)
         .await
-    else {
-        return Vec::new();
-    };
-    let body: serde_json::Value = response.json().await.unwrap_or_default();
-    body["workers"]
-        .as_array()
-        .into_iter()
-        .flatten()
+        .iter()
         .filter_map(|w| Some((w["name"].as_str()?.to_owned(), w["draining"] == true)))
         .collect()
 }
