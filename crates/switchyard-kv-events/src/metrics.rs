@@ -401,7 +401,7 @@ mod tests {
             text.contains("switchyard_kv_events_applied_total{worker=\"w7\",tier=\"device\"} 0\n")
         );
         assert_eq!(registry.total().malformed(), 1);
-        assert_eq!(registry.total().applied, [0, 1]);
+        assert_eq!(registry.total().applied, [0, 1, 0]);
     }
 
     #[test]

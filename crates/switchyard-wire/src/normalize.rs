@@ -26,10 +26,16 @@
 //!   token ids (vLLM's offloading connector publishes its CPU blocks so,
 //!   with no parent either) cannot be placed in a prefix and is skipped and
 //!   counted as [`SkipReason::HostTierWithoutTokens`].
-//! - **Full attention only.** Hybrid models publish one group per cache spec
-//!   (`group_idx`, `kv_cache_spec_kind`). Groups are learned from stores;
-//!   only a full-attention group describes a prefix. An event with no group
-//!   is a single-group engine's and is kept; a group never described is kept
+//! - **Full attention, and SSM checkpoints.** Hybrid models publish one
+//!   group per cache spec (`group_idx`, `kv_cache_spec_kind`). Groups are
+//!   learned from stores; a full-attention group describes a prefix (device
+//!   or host tier as its medium says). A `"mamba"` group's stores are the
+//!   block boundaries where the engine kept a sequence's SSM state: they go
+//!   to the [`CacheTier::Checkpoint`] index, which limits how much of a
+//!   hybrid worker's prefix the router credits — unless the normalizer was
+//!   made [`Normalizer::attention_only`], which skips them like every other
+//!   group (what an attention-only router sees). An event with no group is
+//!   a single-group engine's and is kept; a group never described is kept
 //!   until a full-attention group is known, then skipped.
 
 use crate::kv_events::{BlockRemoved, BlockStored, KvEvent};
@@ -151,6 +157,34 @@ pub enum Normalized {
     Skipped(SkipReason),
 }
 
+/// What a hybrid model's cache group holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GroupKind {
+    /// Full attention (MLA included): a prefix's KV.
+    FullAttention,
+    /// An SSM's (Mamba's) states at block boundaries.
+    Ssm,
+    /// Anything else (sliding windows, chunked local attention, ...).
+    Other,
+}
+
+impl GroupKind {
+    /// vLLM's `KVCacheSpecKind` values: `"full_attention"`,
+    /// `"mla_attention"`, `"sink_full_attention"` are full attention;
+    /// `"mamba"` is an SSM; `"sliding_window"`, `"sliding_window_mla"`,
+    /// `"chunked_local_attention"`, ... are neither.
+    fn of(kind: &str) -> GroupKind {
+        let kind = kind.to_ascii_lowercase();
+        if kind.contains("mamba") {
+            GroupKind::Ssm
+        } else if kind.contains("full") || kind == "mla_attention" {
+            GroupKind::FullAttention
+        } else {
+            GroupKind::Other
+        }
+    }
+}
+
 /// Counters of one normalizer; they only grow.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NormalizeCounters {
@@ -162,6 +196,8 @@ pub struct NormalizeCounters {
     pub cleared: u64,
     /// Of `stored` and `removed`, the host tier's.
     pub host: u64,
+    /// Of `stored` and `removed`, the SSM-checkpoint tier's.
+    pub checkpoint: u64,
     /// Skipped events, indexed like [`SkipReason::ALL`].
     pub skipped: [u64; SkipReason::ALL.len()],
 }
@@ -178,9 +214,11 @@ impl NormalizeCounters {
 #[derive(Clone, Debug)]
 pub struct Normalizer {
     block_size: u32,
-    /// `(group_idx, is_full_attention)`, learned from stores; at most
-    /// [`MAX_GROUPS`] entries.
-    groups: Vec<(i64, bool)>,
+    /// Whether SSM-group events reach the checkpoint tier.
+    ssm_checkpoints: bool,
+    /// Each group's kind, learned from stores; at most [`MAX_GROUPS`]
+    /// entries.
+    groups: Vec<(i64, GroupKind)>,
     counters: NormalizeCounters,
 }
 
@@ -189,8 +227,18 @@ impl Normalizer {
     pub fn new(block_size: u32) -> Self {
         Self {
             block_size,
+            ssm_checkpoints: true,
             groups: Vec::new(),
             counters: NormalizeCounters::default(),
+        }
+    }
+
+    /// A normalizer that skips SSM-checkpoint groups too: the view of a
+    /// router that credits a hybrid worker's whole attention prefix.
+    pub fn attention_only(block_size: u32) -> Self {
+        Self {
+            ssm_checkpoints: false,
+            ..Self::new(block_size)
         }
     }
 
@@ -219,8 +267,10 @@ impl Normalizer {
                     IndexEvent::Removed { .. } => self.counters.removed += 1,
                     IndexEvent::Cleared => self.counters.cleared += 1,
                 }
-                if tier == CacheTier::Host {
-                    self.counters.host += 1;
+                match tier {
+                    CacheTier::Host => self.counters.host += 1,
+                    CacheTier::Checkpoint => self.counters.checkpoint += 1,
+                    CacheTier::Device => {}
                 }
                 Normalized::Index(tier, index_event)
             }
@@ -232,12 +282,16 @@ impl Normalizer {
     }
 
     fn stored(&mut self, stored: &BlockStored) -> Result<(CacheTier, IndexEvent), SkipReason> {
-        let tier = check_tier(stored.medium.as_deref())?;
+        let mut tier = check_tier(stored.medium.as_deref())?;
         if tier == CacheTier::Host && stored.token_ids.is_empty() && !stored.block_hashes.is_empty()
         {
             return Err(SkipReason::HostTierWithoutTokens);
         }
-        self.check_group(stored.group_idx, stored.kv_cache_spec_kind.as_deref())?;
+        if self.check_group(stored.group_idx, stored.kv_cache_spec_kind.as_deref())?
+            == GroupKind::Ssm
+        {
+            tier = checkpoint_tier(tier)?;
+        }
         if stored.lora_id.is_some() && stored.lora_name.is_none() {
             return Err(SkipReason::LoraWithoutName);
         }
@@ -272,47 +326,59 @@ impl Normalizer {
     }
 
     fn removed(&mut self, removed: &BlockRemoved) -> Result<(CacheTier, IndexEvent), SkipReason> {
-        let tier = check_tier(removed.medium.as_deref())?;
-        self.check_group(removed.group_idx, None)?;
+        let mut tier = check_tier(removed.medium.as_deref())?;
+        if self.check_group(removed.group_idx, None)? == GroupKind::Ssm {
+            tier = checkpoint_tier(tier)?;
+        }
         let event = IndexEvent::Removed {
             blocks: removed.block_hashes.clone(),
         };
         Ok((tier, event))
     }
 
+    /// The kind of the group an event names (learning it from a store's
+    /// `kind`), or why its events are skipped. An event without a group is
+    /// a single-group engine's: full attention.
     fn check_group(
         &mut self,
         group_idx: Option<i64>,
         kind: Option<&str>,
-    ) -> Result<(), SkipReason> {
+    ) -> Result<GroupKind, SkipReason> {
         let Some(group) = group_idx else {
-            return Ok(());
+            return Ok(GroupKind::FullAttention);
         };
         if let Some(kind) = kind {
-            let full = is_full_attention(kind);
+            let kind = GroupKind::of(kind);
             let known = self.groups.len();
             match self.groups.iter_mut().find(|(g, _)| *g == group) {
-                Some(entry) => entry.1 = full,
+                Some(entry) => entry.1 = kind,
                 None if known >= MAX_GROUPS => return Err(SkipReason::TooManyGroups),
-                None => self.groups.push((group, full)),
+                None => self.groups.push((group, kind)),
             }
         }
         match self.groups.iter().find(|(g, _)| *g == group) {
-            Some((_, true)) => Ok(()),
-            Some((_, false)) => Err(SkipReason::NonFullAttentionGroup),
-            None if self.groups.iter().any(|(_, full)| *full) => {
+            Some((_, GroupKind::FullAttention)) => Ok(GroupKind::FullAttention),
+            Some((_, GroupKind::Ssm)) if self.ssm_checkpoints => Ok(GroupKind::Ssm),
+            Some(_) => Err(SkipReason::NonFullAttentionGroup),
+            None if self
+                .groups
+                .iter()
+                .any(|(_, kind)| *kind == GroupKind::FullAttention) =>
+            {
                 Err(SkipReason::NonFullAttentionGroup)
             }
-            None => Ok(()),
+            None => Ok(GroupKind::FullAttention),
         }
     }
 }
 
-/// vLLM's `KVCacheSpecKind.FULL_ATTENTION` is `"full_attention"`; MLA caches
-/// are full attention too.
-fn is_full_attention(kind: &str) -> bool {
-    let kind = kind.to_ascii_lowercase();
-    kind.contains("full") || kind.contains("mla")
+/// SSM checkpoints live on the device; one in another tier is not a
+/// resumable state the router can credit (skipped as another group is).
+fn checkpoint_tier(tier: CacheTier) -> Result<CacheTier, SkipReason> {
+    match tier {
+        CacheTier::Device => Ok(CacheTier::Checkpoint),
+        _ => Err(SkipReason::NonFullAttentionGroup),
+    }
 }
 
 /// The index tier of a `medium`, or why its events are skipped.
@@ -518,6 +584,56 @@ mod tests {
             n.normalize(&removal(7)),
             Normalized::Skipped(SkipReason::NonFullAttentionGroup)
         );
+    }
+
+    #[test]
+    fn a_mamba_groups_stores_and_removals_go_to_the_checkpoint_tier() {
+        let mut full = stored(&[1, 2], vec![1, 2, 3, 4, 5, 6, 7, 8]);
+        full.group_idx = Some(0);
+        full.kv_cache_spec_kind = Some("full_attention".into());
+        let mut ssm = stored(&[2], vec![5, 6, 7, 8]);
+        ssm.parent_block_hash = Some(EngineHash(1));
+        ssm.group_idx = Some(1);
+        ssm.kv_cache_spec_kind = Some("mamba".into());
+        let removal = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![EngineHash(2)],
+            group_idx: Some(1),
+            ..BlockRemoved::default()
+        });
+        let mut n = Normalizer::new(4);
+        assert!(matches!(
+            n.normalize(&store_event(full.clone())),
+            Normalized::Index(CacheTier::Device, _)
+        ));
+        let Normalized::Index(CacheTier::Checkpoint, IndexEvent::Stored { parent, blocks }) =
+            n.normalize(&store_event(ssm.clone()))
+        else {
+            panic!("a mamba store is a checkpoint");
+        };
+        assert_eq!(parent, Some(EngineHash(1)));
+        assert_eq!(blocks.len(), 1);
+        assert!(matches!(
+            n.normalize(&removal),
+            Normalized::Index(CacheTier::Checkpoint, IndexEvent::Removed { .. })
+        ));
+        assert_eq!(n.counters().checkpoint, 2);
+        // An attention-only router skips them like any other group.
+        let mut n = Normalizer::attention_only(4);
+        n.normalize(&store_event(full));
+        assert_eq!(
+            n.normalize(&store_event(ssm.clone())),
+            Normalized::Skipped(SkipReason::NonFullAttentionGroup)
+        );
+        // A checkpoint said to be off the device is no resumable state.
+        let mut n = Normalizer::new(4);
+        ssm.medium = Some("CPU".into());
+        assert_eq!(
+            n.normalize(&store_event(ssm)),
+            Normalized::Skipped(SkipReason::NonFullAttentionGroup)
+        );
+        // A windowed MLA group is not full attention.
+        assert_eq!(GroupKind::of("sliding_window_mla"), GroupKind::Other);
+        assert_eq!(GroupKind::of("mla_attention"), GroupKind::FullAttention);
     }
 
     #[test]

@@ -13,9 +13,18 @@
 //! ([`PrefixIndex::store_under_path`]). A parent neither tier holds drops
 //! the event (counted as an unknown parent in the host index).
 //!
+//! A third index holds the SSM checkpoints of hybrid (SSM + attention)
+//! models: the block boundaries at which an engine kept a sequence's SSM
+//! state (vLLM publishes them as the stores of its `"mamba"` cache group).
+//! A hybrid engine can reuse a cached prefix only up to such a boundary,
+//! so a checkpoint is placed like a host block, under its parent's device
+//! path, and read by [`PrefixIndex::deepest_within`]: a worker that has
+//! ever published a checkpoint is credited only up to its deepest one
+//! within its device prefix ([`TieredIndex::is_hybrid`]).
+//!
 //! `Cleared` is the worker's whole cache, whatever tier it names: an engine
 //! that resets its prefix cache, or a stream with a gap the router cannot
-//! fill, leaves nothing trustworthy in either tier.
+//! fill, leaves nothing trustworthy in any tier.
 
 use super::{ApplyOutcome, IndexEvent, IndexMemory, PrefixIndex};
 use crate::types::{LocalHash, WorkerId};
@@ -27,26 +36,32 @@ pub enum CacheTier {
     Device,
     /// Host (CPU) memory: blocks a request restores by a copy.
     Host,
+    /// SSM-state checkpoints of a hybrid model, at block boundaries: where
+    /// a device prefix can be resumed from.
+    Checkpoint,
 }
 
 impl CacheTier {
-    /// Both tiers, device first.
-    pub const ALL: [CacheTier; 2] = [CacheTier::Device, CacheTier::Host];
+    /// Every tier, device first.
+    pub const ALL: [CacheTier; 3] = [CacheTier::Device, CacheTier::Host, CacheTier::Checkpoint];
 
     /// Stable label for metrics.
     pub const fn as_str(self) -> &'static str {
         match self {
             CacheTier::Device => "device",
             CacheTier::Host => "host",
+            CacheTier::Checkpoint => "ssm_checkpoint",
         }
     }
 }
 
-/// The device and host prefix indexes of a fleet (see the module docs).
+/// The device, host and SSM-checkpoint prefix indexes of a fleet (see the
+/// module docs).
 #[derive(Clone, Debug, Default)]
 pub struct TieredIndex {
     device: PrefixIndex,
     host: PrefixIndex,
+    checkpoint: PrefixIndex,
     /// Scratch for a host block's parent path; empty between calls.
     path: Vec<LocalHash>,
 }
@@ -57,55 +72,75 @@ impl TieredIndex {
         Self::default()
     }
 
-    /// Applies one event of `worker`'s `tier`. `Cleared` clears both tiers;
-    /// its outcome is `UnknownWorker` only when neither tier knew the
+    /// Applies one event of `worker`'s `tier`. `Cleared` clears every
+    /// tier; its outcome is `UnknownWorker` only when no tier knew the
     /// worker.
     pub fn apply(&mut self, worker: WorkerId, tier: CacheTier, event: &IndexEvent) -> ApplyOutcome {
-        match (tier, event) {
-            (_, IndexEvent::Cleared) => self.clear(worker),
-            (CacheTier::Device, event) => self.device.apply(worker, event),
-            (CacheTier::Host, IndexEvent::Stored { parent, blocks }) => match parent {
-                Some(p)
-                    if !self.host.holds(worker, *p)
-                        && self.device.path_of(worker, *p, &mut self.path) =>
-                {
-                    let outcome = self.host.store_under_path(worker, &self.path, blocks);
-                    self.path.clear();
+        if *event == IndexEvent::Cleared {
+            return self.clear(worker);
+        }
+        let (index, device, path) = match tier {
+            CacheTier::Device => (&mut self.device, None, &mut self.path),
+            CacheTier::Host => (&mut self.host, Some(&self.device), &mut self.path),
+            CacheTier::Checkpoint => (&mut self.checkpoint, Some(&self.device), &mut self.path),
+        };
+        match (event, device) {
+            (IndexEvent::Stored { parent, blocks }, Some(device)) => match parent {
+                // A block whose parent is on the device only: placed under
+                // the parent's device path.
+                Some(p) if !index.holds(worker, *p) && device.path_of(worker, *p, path) => {
+                    let outcome = index.store_under_path(worker, path, blocks);
+                    path.clear();
                     outcome
                 }
-                _ => self.host.store(worker, *parent, blocks),
+                _ => index.store(worker, *parent, blocks),
             },
-            (CacheTier::Host, IndexEvent::Removed { blocks }) => self.host.remove(worker, blocks),
+            (event, _) => index.apply(worker, event),
         }
     }
 
-    /// Clears `worker` in both tiers.
+    /// Clears `worker` in every tier (a hybrid worker stays known as one).
     fn clear(&mut self, worker: WorkerId) -> ApplyOutcome {
-        let host = if self.host.knows(worker) {
-            self.host.clear(worker)
-        } else {
-            ApplyOutcome::UnknownWorker
-        };
-        match (self.device.clear(worker), host) {
-            (
-                ApplyOutcome::Applied { changed, .. },
-                ApplyOutcome::Applied {
-                    changed: host_changed,
-                    ..
-                },
-            ) => ApplyOutcome::Applied {
-                changed: changed + host_changed,
-                unknown: 0,
-            },
-            (ApplyOutcome::UnknownWorker, applied) | (applied, _) => applied,
+        let mut outcome = ApplyOutcome::UnknownWorker;
+        for index in [&mut self.device, &mut self.host, &mut self.checkpoint] {
+            if !index.knows(worker) {
+                continue;
+            }
+            if let ApplyOutcome::Applied { changed, .. } = index.clear(worker) {
+                let before = match outcome {
+                    ApplyOutcome::Applied { changed, .. } => changed,
+                    _ => 0,
+                };
+                outcome = ApplyOutcome::Applied {
+                    changed: before + changed,
+                    unknown: 0,
+                };
+            }
         }
+        if outcome == ApplyOutcome::UnknownWorker {
+            // Counted as the device index counts an unknown worker.
+            self.device.clear(worker);
+        }
+        outcome
     }
 
-    /// Forgets `worker` in both tiers. Returns whether either knew it.
+    /// Forgets `worker` in every tier. Returns whether any knew it.
     pub fn remove_worker(&mut self, worker: WorkerId) -> bool {
         let device = self.device.remove_worker(worker);
         let host = self.host.remove_worker(worker);
-        device || host
+        let checkpoint = self.checkpoint.remove_worker(worker);
+        device || host || checkpoint
+    }
+
+    /// The SSM-checkpoint tier's index.
+    pub fn checkpoint(&self) -> &PrefixIndex {
+        &self.checkpoint
+    }
+
+    /// Whether `worker` runs a hybrid model: it has published an SSM
+    /// checkpoint since it joined (a cleared cache keeps it hybrid).
+    pub fn is_hybrid(&self, worker: WorkerId) -> bool {
+        self.checkpoint.knows(worker)
     }
 
     /// The device tier's index.
@@ -124,15 +159,24 @@ impl TieredIndex {
         self.host.live_pairs() > 0
     }
 
-    /// Heap bytes of each tier's index.
+    /// Heap bytes of the device index and of the host and checkpoint
+    /// indexes together.
     pub fn memory(&self) -> (IndexMemory, IndexMemory) {
-        (self.device.memory(), self.host.memory())
+        let (host, checkpoint) = (self.host.memory(), self.checkpoint.memory());
+        let others = IndexMemory {
+            nodes: host.nodes + checkpoint.nodes,
+            free_lists: host.free_lists + checkpoint.free_lists,
+            child_maps: host.child_maps + checkpoint.child_maps,
+            engine_maps: host.engine_maps + checkpoint.engine_maps,
+        };
+        (self.device.memory(), others)
     }
 
-    /// Estimate of heap bytes of both tiers.
+    /// Estimate of heap bytes of every tier.
     pub fn estimated_bytes(&self) -> usize {
         self.device.estimated_bytes()
             + self.host.estimated_bytes()
+            + self.checkpoint.estimated_bytes()
             + self.path.capacity() * std::mem::size_of::<LocalHash>()
     }
 }
@@ -213,6 +257,44 @@ mod tests {
         let outcome = index.apply(w(1), CacheTier::Host, &stored(Some(77), &[(14, 4)]));
         assert_eq!(outcome, ApplyOutcome::UnknownParent);
         assert_eq!(index.host().counters().unknown_parent, 1);
+    }
+
+    #[test]
+    fn ssm_checkpoints_hang_under_their_device_path_and_mark_the_worker_hybrid() {
+        let mut index = TieredIndex::new();
+        index.apply(
+            w(1),
+            CacheTier::Device,
+            &stored(None, &[(11, 1), (12, 2), (13, 3), (14, 4)]),
+        );
+        assert!(!index.is_hybrid(w(1)));
+        // vLLM's mamba group stores the boundary blocks alone, each under
+        // its attention parent.
+        index.apply(w(1), CacheTier::Checkpoint, &stored(Some(11), &[(12, 2)]));
+        index.apply(w(1), CacheTier::Checkpoint, &stored(Some(13), &[(14, 4)]));
+        assert!(index.is_hybrid(w(1)));
+        let mut out = OverlapScores::new();
+        let query = locals(&[1, 2, 3, 4, 5]);
+        index.checkpoint().deepest_within(&query, |_| 3, &mut out);
+        assert_eq!(out.depth(w(1)), 2, "block 4's checkpoint lies past a 3-block prefix");
+        index.checkpoint().deepest_within(&query, |_| 4, &mut out);
+        assert_eq!(out.depth(w(1)), 4);
+        index.apply(
+            w(1),
+            CacheTier::Checkpoint,
+            &IndexEvent::Removed {
+                blocks: vec![EngineHash(14)],
+            },
+        );
+        index.checkpoint().deepest_within(&query, |_| 4, &mut out);
+        assert_eq!(out.depth(w(1)), 2);
+        assert_eq!(index.device().live_pairs(), 4, "the device tier is untouched");
+        // A cleared cache leaves no checkpoint, but the worker stays hybrid.
+        index.apply(w(1), CacheTier::Device, &IndexEvent::Cleared);
+        assert_eq!(index.checkpoint().live_pairs(), 0);
+        assert!(index.is_hybrid(w(1)));
+        assert!(index.remove_worker(w(1)));
+        assert!(!index.is_hybrid(w(1)));
     }
 
     #[test]

@@ -405,6 +405,49 @@ impl PrefixIndex {
         out.scratch = path;
     }
 
+    /// Each worker's deepest held block along a prompt within its first
+    /// `limit(worker)` blocks, whether or not it holds the blocks before:
+    /// for a sparse tier (SSM checkpoints of a hybrid model sit at a few
+    /// block boundaries, under another tier's path). Written into `out`
+    /// (cleared first), one entry per worker of this index with a held
+    /// block there, `depth` being that block's 1-based position. Cost is
+    /// the path's depth plus, per worker here, its limit.
+    pub fn deepest_within(
+        &self,
+        hashes: &[LocalHash],
+        limit: impl Fn(WorkerId) -> u32,
+        out: &mut OverlapScores,
+    ) {
+        out.entries.clear();
+        let mut path = std::mem::take(&mut out.scratch);
+        path.clear();
+        let mut cur = ROOT;
+        for hash in hashes {
+            let Some(child) = self.child(cur, hash.0) else {
+                break;
+            };
+            path.push(u64::from(child));
+            cur = child;
+        }
+        if !path.is_empty() {
+            for (slot, worker) in self.slots.iter().enumerate() {
+                let Some(worker) = worker else { continue };
+                let within = (limit(worker.id) as usize).min(path.len());
+                let deepest = path[..within]
+                    .iter()
+                    .rposition(|&node| self.bit(node as u32, slot as u32));
+                if let Some(at) = deepest {
+                    out.entries.push(WorkerOverlap {
+                        worker: worker.id,
+                        depth: at as u32 + 1,
+                        cached_blocks: worker.held,
+                    });
+                }
+            }
+        }
+        out.scratch = path;
+    }
+
     /// Removes blocks of `worker` by engine hash. Hashes the worker does not
     /// hold are counted and skipped.
     pub fn remove(&mut self, worker: WorkerId, blocks: &[EngineHash]) -> ApplyOutcome {
@@ -1179,6 +1222,25 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_deepest_held_block_is_found_within_each_workers_limit() {
+        // Checkpoints at blocks 1 and 3 of a path whose block 2 nobody
+        // holds in this tier (it is structure under the device path).
+        let mut index = PrefixIndex::new();
+        index.store(w(1), None, &blocks(&[(11, 1)]));
+        index.store_under_path(w(1), &locals(&[1, 2]), &blocks(&[(13, 3)]));
+        index.store(w(2), None, &blocks(&[(21, 1)]));
+        let query = locals(&[1, 2, 3, 4]);
+        let mut out = OverlapScores::new();
+        index.deepest_within(&query, |_| 4, &mut out);
+        assert_eq!(out.depth(w(1)), 3);
+        assert_eq!(out.depth(w(2)), 1);
+        index.deepest_within(&query, |_| 2, &mut out);
+        assert_eq!(out.depth(w(1)), 1, "block 3 lies past the limit");
+        index.deepest_within(&query, |_| 0, &mut out);
+        assert!(out.entries.is_empty());
+    }
+
     // --- model-based property test ----------------------------------------
 
     /// Naive reference: per worker, engine hash → full prefix (as a vector of
@@ -1206,6 +1268,16 @@ mod tests {
             (start + 1..=query.len())
                 .take_while(|&n| held.contains(&query[..n]))
                 .count() as u32
+        }
+
+        /// The deepest 1-based position within the first `limit` query
+        /// blocks whose prefix the worker holds (0: none).
+        fn deepest_within(&self, worker: u64, query: &[u64], limit: usize) -> u32 {
+            let held = self.prefixes(worker);
+            (1..=query.len().min(limit))
+                .rev()
+                .find(|&n| held.contains(&query[..n]))
+                .unwrap_or(0) as u32
         }
     }
 
@@ -1356,6 +1428,16 @@ mod tests {
                     for worker in 0..5u64 {
                         let run = runs.depth(WorkerId::new(worker));
                         prop_assert_eq!(run, model.run_from(worker, query, (worker % 3) as usize),
+                            "worker {} query {:?}", worker, query);
+                    }
+                    // The deepest held block within a per-worker limit, as
+                    // the SSM-checkpoint tier is read.
+                    let limit = |w: WorkerId| (w.worker_id % 4 + 1) as u32;
+                    let mut deepest = OverlapScores::new();
+                    index.deepest_within(&locals(query), limit, &mut deepest);
+                    for worker in 0..5u64 {
+                        prop_assert_eq!(deepest.depth(WorkerId::new(worker)),
+                            model.deepest_within(worker, query, (worker % 4 + 1) as usize),
                             "worker {} query {:?}", worker, query);
                     }
                 }

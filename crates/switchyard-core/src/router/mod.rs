@@ -137,7 +137,7 @@ pub struct RouterMemory {
     /// The cache index (exact, or the approximate index's tree): the
     /// device tier's.
     pub index: IndexMemory,
-    /// The host tier's exact index (empty without host-tier events).
+    /// The host-tier and SSM-checkpoint indexes (empty without either).
     pub host_index: IndexMemory,
     /// The approximate index's expiry bookkeeping (0 in exact mode).
     pub approx_extra: usize,
@@ -220,6 +220,9 @@ pub struct Router {
     /// Each worker's host-tier run right after its device prefix (empty
     /// while no worker holds a host-tier block).
     host_runs: OverlapScores,
+    /// Scratch: hybrid workers' deepest SSM checkpoints within their
+    /// device prefix.
+    checkpoint_depths: OverlapScores,
     active: OverlapScores,
     /// Each worker's cached blocks, in the registry's order of loads,
     /// read with the overlaps in one visit to the index.
@@ -277,6 +280,7 @@ impl Router {
             unselectable: FxHashMap::default(),
             overlaps: OverlapScores::new(),
             host_runs: OverlapScores::new(),
+            checkpoint_depths: OverlapScores::new(),
             active: OverlapScores::new(),
             cached: Vec::new(),
             candidates: Vec::new(),
@@ -397,16 +401,20 @@ impl Router {
         now_ms: f64,
     ) -> SelectOutcome {
         // One visit to the index (one read of a published one): the
-        // prompt's overlaps, every worker's cached blocks and, once any
-        // worker holds host-tier blocks, each worker's host-tier run right
-        // after its device prefix.
-        let (overlaps, host_runs, cached, registry) = (
+        // prompt's overlaps, every worker's cached blocks, once any worker
+        // runs a hybrid model each hybrid worker's prefix cut back to its
+        // deepest SSM checkpoint (the engine resumes from there, not from
+        // the end of its attention prefix), and, once any worker holds
+        // host-tier blocks, each worker's host-tier run right after its
+        // device prefix.
+        let (overlaps, host_runs, checkpoint_depths, cached, registry) = (
             &mut self.overlaps,
             &mut self.host_runs,
+            &mut self.checkpoint_depths,
             &mut self.cached,
             self.sequences.registry(),
         );
-        let mut read = |device: &PrefixIndex, host: Option<&PrefixIndex>| {
+        let mut read = |device: &PrefixIndex, tiers: Option<&TieredIndex>| {
             device.overlaps(request.blocks, overlaps);
             cached.clear();
             cached.extend(
@@ -414,21 +422,40 @@ impl Router {
                     .loads()
                     .map(|load| device.worker_blocks(load.worker)),
             );
-            match host {
-                Some(host) if host.live_pairs() > 0 => {
-                    overlaps.entries.sort_unstable_by_key(|e| e.worker);
-                    let overlaps = &*overlaps;
-                    host.runs_from(request.blocks, |w| depth_of(overlaps, w), host_runs);
-                    host_runs.entries.sort_unstable_by_key(|e| e.worker);
+            overlaps.entries.sort_unstable_by_key(|e| e.worker);
+            let Some(tiers) = tiers else {
+                host_runs.entries.clear();
+                return;
+            };
+            let checkpoints = tiers.checkpoint();
+            if checkpoints.workers().next().is_some() {
+                checkpoints.deepest_within(
+                    request.blocks,
+                    |w| depth_of(overlaps, w),
+                    checkpoint_depths,
+                );
+                checkpoint_depths
+                    .entries
+                    .sort_unstable_by_key(|e| e.worker);
+                for entry in overlaps.entries.iter_mut() {
+                    if tiers.is_hybrid(entry.worker) {
+                        entry.depth = depth_of(checkpoint_depths, entry.worker);
+                    }
                 }
-                _ => host_runs.entries.clear(),
+                overlaps.entries.retain(|e| e.depth > 0);
+            }
+            let host = tiers.host();
+            if host.live_pairs() > 0 {
+                let overlaps = &*overlaps;
+                host.runs_from(request.blocks, |w| depth_of(overlaps, w), host_runs);
+                host_runs.entries.sort_unstable_by_key(|e| e.worker);
+            } else {
+                host_runs.entries.clear();
             }
         };
         match &mut self.cache {
-            CacheIndex::Exact(index) => read(index.device(), Some(index.host())),
-            CacheIndex::Published(reader) => {
-                reader.with(|index| read(index.device(), Some(index.host())))
-            }
+            CacheIndex::Exact(index) => read(index.device(), Some(index)),
+            CacheIndex::Published(reader) => reader.with(|index| read(index.device(), Some(index))),
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);
                 read(index.index(), None);
@@ -678,6 +705,7 @@ impl Router {
             other: crate::maps::map_bytes(&self.workers)
                 + (self.overlaps.entries.capacity()
                     + self.host_runs.entries.capacity()
+                    + self.checkpoint_depths.entries.capacity()
                     + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
@@ -774,10 +802,16 @@ mod tests {
         writer.apply(w(3), CacheTier::Device, &event);
         let d = selected(r.route(prompt(&blocks), None, 0.0));
         assert_eq!((d.worker, d.overlap_blocks), (w(3), 8));
+        // Both copies of every tier (the host and checkpoint tiers are
+        // `host_index` together).
+        let memory = r.memory();
         assert_eq!(
             r.estimated_bytes() - r.sequences().registry().estimated_bytes(),
-            2 * (r.with_index(PrefixIndex::estimated_bytes)
-                + r.with_host_index(PrefixIndex::estimated_bytes))
+            2 * (memory.index.total() + memory.host_index.total())
+        );
+        assert_eq!(
+            memory.index.total(),
+            r.with_index(PrefixIndex::estimated_bytes)
         );
     }
 
@@ -788,6 +822,36 @@ mod tests {
             .iter()
             .find(|c| c.worker == worker)
             .expect("a candidate")
+    }
+
+    #[test]
+    fn a_hybrid_worker_is_credited_only_up_to_its_deepest_ssm_checkpoint() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let whole = |base: u64| (1..=8).map(|l| (base + l, l)).collect::<Vec<_>>();
+        // w1 (hybrid): the whole prompt's attention blocks, SSM states kept
+        // at blocks 3 and 8 — then the one at 8 evicted.
+        r.apply_kv_event(w(1), CacheTier::Device, &chain(None, &whole(10)));
+        r.apply_kv_event(w(1), CacheTier::Checkpoint, &chain(Some(12), &[(13, 3)]));
+        r.apply_kv_event(w(1), CacheTier::Checkpoint, &chain(Some(17), &[(18, 8)]));
+        r.apply_kv_event(
+            w(1),
+            CacheTier::Checkpoint,
+            &IndexEvent::Removed {
+                blocks: vec![EngineHash(18)],
+            },
+        );
+        // w2 (hybrid): the whole prompt, no checkpoint left at all.
+        r.apply_kv_event(w(2), CacheTier::Device, &chain(None, &whole(20)));
+        r.apply_kv_event(w(2), CacheTier::Checkpoint, &chain(Some(21), &[(22, 2)]));
+        r.apply_kv_event(w(2), CacheTier::Device, &IndexEvent::Cleared);
+        r.apply_kv_event(w(2), CacheTier::Device, &chain(None, &whole(20)));
+        // w3 (attention only): five blocks, credited as they are.
+        r.apply_kv_event(w(3), CacheTier::Device, &chain(None, &whole(30)[..5]));
+        r.route(prompt(&blocks), None, 0.0);
+        assert_eq!(candidate_of(&r, w(1)).overlap_blocks, 3);
+        assert_eq!(candidate_of(&r, w(2)).overlap_blocks, 0);
+        assert_eq!(candidate_of(&r, w(3)).overlap_blocks, 5);
     }
 
     #[test]
