@@ -756,7 +756,9 @@ impl BlockManager {
         self.push_event(event);
     }
 
-    fn push_event(&mut self, event: KvEvent) {
+    /// Buffers an event (dropped and counted when the buffer is full; not
+    /// at all when events are off).
+    pub(crate) fn push_event(&mut self, event: KvEvent) {
         if !self.config.emit_events {
             return;
         }

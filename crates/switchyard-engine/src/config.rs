@@ -1,6 +1,7 @@
 //! Engine configuration: one struct, documented defaults, `validate()`.
 
 use crate::blocks::KvConfig;
+use crate::checkpoints::CheckpointPolicy;
 use crate::timing::{TimingConfig, TimingConfigError};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -37,6 +38,37 @@ impl Default for SpecDecode {
         Self {
             draft_tokens: 3,
             acceptance_rate: 0.7,
+        }
+    }
+}
+
+/// A hybrid (SSM + attention) model's SSM checkpoints (see
+/// [`crate::checkpoints`]). The step cost of its SSM layers is the timing
+/// model's ([`crate::timing::SsmTiming`]); [`EngineConfig::hybrid`] sets
+/// both.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Hybrid {
+    /// Which states are kept (`marconi`, the default, or `every-block`).
+    pub checkpoints: CheckpointPolicy,
+    /// Most checkpoints kept (512).
+    pub max_checkpoints: usize,
+    /// Bytes of one SSM state, copied at each checkpoint and each resume
+    /// (16 MiB: an assumption of the order of a few-billion-parameter
+    /// hybrid's states over all its SSM layers, not a measured model).
+    pub state_bytes: u64,
+    /// Marconi's weight of the recompute time saved against recency in
+    /// eviction (1.0: equal weight).
+    pub flop_weight: f64,
+}
+
+impl Default for Hybrid {
+    fn default() -> Self {
+        Self {
+            checkpoints: CheckpointPolicy::Marconi,
+            max_checkpoints: 512,
+            state_bytes: 16 << 20,
+            flop_weight: 1.0,
         }
     }
 }
@@ -98,6 +130,9 @@ pub struct EngineConfig {
     /// comes from a tokenizer.
     #[serde(skip)]
     pub output_vocabulary: Option<Arc<[u32]>>,
+    /// A hybrid (SSM + attention) model (`None`, the default: attention
+    /// only). Needs a state slot per running sequence and no host tier.
+    pub hybrid: Option<Hybrid>,
 }
 
 impl Default for EngineConfig {
@@ -124,6 +159,7 @@ impl Default for EngineConfig {
             timing: TimingConfig::default(),
             spec_decode: None,
             output_vocabulary: None,
+            hybrid: None,
         }
     }
 }
@@ -157,6 +193,20 @@ pub enum ConfigError {
         /// Acceptance rate asked.
         acceptance_rate: f64,
     },
+    /// A hybrid model needs a state slot per running sequence.
+    #[error("a hybrid model needs state_slots >= max_num_seqs ({max_num_seqs}), got {state_slots}")]
+    HybridSlots {
+        /// Slots configured.
+        state_slots: u32,
+        /// Running sequences allowed.
+        max_num_seqs: usize,
+    },
+    /// A host tier for a hybrid model's checkpoints is not modelled.
+    #[error("a hybrid model with a host tier (host_blocks > 0) is not modelled")]
+    HybridHostTier,
+    /// Hybrid knobs out of range.
+    #[error("hybrid: max_checkpoints must be > 0 and flop_weight a finite number >= 0")]
+    Hybrid,
     /// Timing knobs.
     #[error(transparent)]
     Timing(#[from] TimingConfigError),
@@ -209,8 +259,37 @@ impl EngineConfig {
                 });
             }
         }
+        if let Some(hybrid) = self.hybrid {
+            if (self.state_slots as usize) < self.max_num_seqs {
+                return Err(ConfigError::HybridSlots {
+                    state_slots: self.state_slots,
+                    max_num_seqs: self.max_num_seqs,
+                });
+            }
+            if self.host_blocks > 0 {
+                return Err(ConfigError::HybridHostTier);
+            }
+            if hybrid.max_checkpoints == 0
+                || !(hybrid.flop_weight.is_finite() && hybrid.flop_weight >= 0.0)
+            {
+                return Err(ConfigError::Hybrid);
+            }
+        }
         self.timing.validate()?;
         Ok(())
+    }
+
+    /// This configuration as a hybrid model keeping checkpoints by
+    /// `policy`: a state slot per running sequence, and SSM layers costed
+    /// by [`crate::timing::SsmTiming`]'s defaults.
+    pub fn hybrid(mut self, policy: CheckpointPolicy) -> Self {
+        self.hybrid = Some(Hybrid {
+            checkpoints: policy,
+            ..Hybrid::default()
+        });
+        self.state_slots = self.state_slots.max(self.max_num_seqs.min(u32::MAX as usize) as u32);
+        self.timing.ssm = Some(crate::timing::SsmTiming::default());
+        self
     }
 
     /// The block manager's part.
@@ -232,6 +311,21 @@ mod tests {
     #[test]
     fn the_defaults_validate() {
         assert_eq!(EngineConfig::default().validate(), Ok(()));
+        let hybrid = EngineConfig::default().hybrid(CheckpointPolicy::EveryBlock);
+        assert_eq!(hybrid.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_hybrid_model_needs_its_slots_and_no_host_tier() {
+        let mut c = EngineConfig::default().hybrid(CheckpointPolicy::Marconi);
+        c.state_slots = 8;
+        assert!(matches!(c.validate(), Err(ConfigError::HybridSlots { .. })));
+        let mut c = EngineConfig::default().hybrid(CheckpointPolicy::Marconi);
+        c.host_blocks = 64;
+        assert_eq!(c.validate(), Err(ConfigError::HybridHostTier));
+        let mut c = EngineConfig::default().hybrid(CheckpointPolicy::Marconi);
+        c.hybrid.as_mut().unwrap().max_checkpoints = 0;
+        assert_eq!(c.validate(), Err(ConfigError::Hybrid));
     }
 
     #[test]

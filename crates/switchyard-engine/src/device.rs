@@ -220,14 +220,24 @@ pub enum Effect {
         /// The sequence.
         seq: SeqId,
     },
-    /// Snapshot slot `slot`'s SSM state at block boundary `tokens` (declared
-    /// for the hybrid model; the scheduler does not ask for it yet).
+    /// Snapshot slot `slot`'s SSM state at block boundary `tokens` (a
+    /// hybrid model keeping an SSM checkpoint).
     MarconiCheckpoint {
         /// The sequence.
         seq: SeqId,
         /// Its state slot.
         slot: SlotId,
         /// The position snapshotted.
+        tokens: usize,
+    },
+    /// Copy the SSM checkpoint at block boundary `tokens` into slot
+    /// `slot` (a hybrid sequence resuming from a cached prefix).
+    LoadCheckpoint {
+        /// The sequence.
+        seq: SeqId,
+        /// Its state slot.
+        slot: SlotId,
+        /// The position it resumes from.
         tokens: usize,
     },
     /// Keep `seq`'s hidden state at position `tokens` in its multi-token
@@ -265,6 +275,7 @@ impl Effect {
             Effect::LoadSequenceState { .. } => "load_sequence_state",
             Effect::DropSequenceState { .. } => "drop_sequence_state",
             Effect::MarconiCheckpoint { .. } => "marconi_checkpoint",
+            Effect::LoadCheckpoint { .. } => "load_checkpoint",
             Effect::SaveHiddenCatchup { .. } => "save_hidden_catchup",
             Effect::SyncSecondary => "sync_secondary",
             Effect::Quiesce => "quiesce",
@@ -465,6 +476,16 @@ pub trait DeviceLayer {
         tokens: usize,
     ) -> Result<Checkpoint, DeviceError>;
 
+    /// Copies the SSM checkpoint at `tokens` (a multiple of the block
+    /// size) into `slot`, the state a resuming hybrid sequence starts from.
+    fn load_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError>;
+
     /// Pushes `seq`'s hidden state at `tokens` (past the ring's newest)
     /// into its catch-up ring; a released sequence's ring is gone.
     fn save_hidden_catchup(
@@ -513,6 +534,15 @@ fn restore_on(
 
 /// Whether an effect may run in `state`: a shut-down device takes nothing,
 /// a quiesced one nothing new.
+/// An SSM checkpoint stands at a nonzero block boundary.
+fn aligned_checkpoint(kv: &BlockManager, tokens: usize) -> Result<(), DeviceError> {
+    let block_size = kv.block_size();
+    if tokens == 0 || tokens % block_size != 0 {
+        return Err(DeviceError::UnalignedCheckpoint { tokens, block_size });
+    }
+    Ok(())
+}
+
 fn admit(state: DeviceState, effect: Label, new_work: bool) -> Result<(), DeviceError> {
     match state {
         DeviceState::Shutdown => Err(DeviceError::ShutDown { effect }),
@@ -722,10 +752,20 @@ impl DeviceLayer for SyncDevice {
         tokens: usize,
     ) -> Result<Checkpoint, DeviceError> {
         admit(self.state, Label("marconi_checkpoint"), true)?;
-        let block_size = kv.block_size();
-        if tokens == 0 || tokens % block_size != 0 {
-            return Err(DeviceError::UnalignedCheckpoint { tokens, block_size });
-        }
+        aligned_checkpoint(kv, tokens)?;
+        self.secondary_pending += 1;
+        Ok(Checkpoint { slot, tokens })
+    }
+
+    fn load_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        _seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        admit(self.state, Label("load_checkpoint"), true)?;
+        aligned_checkpoint(kv, tokens)?;
         self.secondary_pending += 1;
         Ok(Checkpoint { slot, tokens })
     }
@@ -958,6 +998,16 @@ impl DeviceLayer for AheadDevice {
         tokens: usize,
     ) -> Result<Checkpoint, DeviceError> {
         self.inner.marconi_checkpoint(kv, seq, slot, tokens)
+    }
+
+    fn load_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        self.inner.load_checkpoint(kv, seq, slot, tokens)
     }
 
     fn save_hidden_catchup(
@@ -1208,6 +1258,17 @@ impl DeviceLayer for ScriptedDevice {
         self.inner.marconi_checkpoint(kv, seq, slot, tokens)
     }
 
+    fn load_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        seq: SeqId,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        self.note(Effect::LoadCheckpoint { seq, slot, tokens });
+        self.inner.load_checkpoint(kv, seq, slot, tokens)
+    }
+
     fn save_hidden_catchup(
         &mut self,
         seq: SeqId,
@@ -1396,6 +1457,11 @@ mod tests {
             },
             Effect::DropSequenceState { seq: SeqId(0) },
             Effect::MarconiCheckpoint {
+                seq: SeqId(0),
+                slot: SlotId(0),
+                tokens: 4,
+            },
+            Effect::LoadCheckpoint {
                 seq: SeqId(0),
                 slot: SlotId(0),
                 tokens: 4,

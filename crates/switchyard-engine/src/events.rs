@@ -48,6 +48,24 @@ pub enum KvEvent {
         /// The medium they left.
         medium: Medium,
     },
+    /// A hybrid model kept a sequence's SSM state at the end of a block
+    /// (an SSM checkpoint, [`crate::checkpoints`]); published as vLLM
+    /// publishes its `"mamba"` cache group's stores.
+    CheckpointStored {
+        /// Engine hash of the block the state ends.
+        block_hash: EngineHash,
+        /// Engine hash of the block before it (`None`: the first block).
+        parent_block_hash: Option<EngineHash>,
+        /// The block's tokens.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// SSM checkpoints were evicted.
+    CheckpointRemoved {
+        /// Engine hashes of the blocks whose states were dropped.
+        block_hashes: Vec<EngineHash>,
+    },
     /// Every cached block of every medium was dropped.
     AllBlocksCleared,
 }

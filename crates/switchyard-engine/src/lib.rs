@@ -36,6 +36,7 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod checkpoints;
 pub mod config;
 pub mod device;
 pub mod events;
@@ -46,7 +47,8 @@ pub mod slots;
 pub mod timing;
 
 pub use blocks::{engine_hash, BlockManager, SeqId};
-pub use config::{EngineConfig, Preemption, SpecDecode};
+pub use checkpoints::CheckpointPolicy;
+pub use config::{EngineConfig, Hybrid, Preemption, SpecDecode};
 pub use device::{
     AheadDevice, DeviceError, DeviceLayer, DeviceState, Effect, Label, ScriptedDevice, SyncDevice,
 };

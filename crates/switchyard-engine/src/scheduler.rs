@@ -33,7 +33,8 @@
 //! from the device layer as model milliseconds, and the driver decides what
 //! a millisecond is.
 
-use crate::blocks::{BlockManager, SeqId};
+use crate::blocks::{engine_hash, BlockManager, SeqId};
+use crate::checkpoints::{CheckpointCache, CheckpointPolicy};
 use crate::config::{ConfigError, EngineConfig, Preemption};
 use crate::device::{DeviceError, DeviceLayer, Label, Reservation, RestoreSource};
 use crate::events::KvEvent;
@@ -290,6 +291,16 @@ pub struct EngineCounters {
     /// the over-run's reservation answered `Exhausted` and one position
     /// fitted.
     pub spec_fallbacks: u64,
+    /// Hybrid models: SSM checkpoints saved (`MarconiCheckpoint`).
+    pub ssm_checkpoints: u64,
+    /// Hybrid models: SSM checkpoints evicted.
+    pub ssm_checkpoint_evictions: u64,
+    /// Hybrid models: admissions resumed from an SSM checkpoint
+    /// (`LoadCheckpoint`).
+    pub ssm_resumes: u64,
+    /// Hybrid models: cached attention tokens an admission could not use
+    /// because no SSM state was kept that deep (recomputed).
+    pub ssm_unusable_hit_tokens: u64,
 }
 
 const MAX_BUFFERED_OBSERVATIONS: usize = 4_096;
@@ -321,6 +332,9 @@ struct Seq {
     /// Draft positions reserved for the step being planned (speculative
     /// decoding; 0 outside a step).
     drafts: usize,
+    /// Hybrid models, Marconi: the block count at which this prompt left
+    /// a cached prefix (a branch point), to be checkpointed on the way.
+    branch_blocks: Option<usize>,
 }
 
 /// A request's rendezvous source: the lease it was given and, once the
@@ -418,6 +432,11 @@ pub struct Engine<D> {
     state_slots: SlotTable,
     /// Spill-area blocks held by spilled sequences.
     spill_used_blocks: usize,
+    /// A hybrid model's SSM checkpoints (`None`: attention only).
+    checkpoints: Option<CheckpointCache>,
+    /// SSM states copied (checkpoints saved, resumes loaded) during the
+    /// step being run: their time is the step's too.
+    state_copies: u64,
 }
 
 impl<D: DeviceLayer> Engine<D> {
@@ -438,6 +457,10 @@ impl<D: DeviceLayer> Engine<D> {
             leases: LeaseTable::new(config.max_leases),
             state_slots: SlotTable::new(config.state_slots),
             spill_used_blocks: 0,
+            checkpoints: config
+                .hybrid
+                .map(|h| CheckpointCache::new(h.checkpoints, h.max_checkpoints, h.flop_weight)),
+            state_copies: 0,
             config,
         })
     }
@@ -528,7 +551,19 @@ impl<D: DeviceLayer> Engine<D> {
     /// Drops every cached block (`AllBlocksCleared`); refused while any
     /// request holds blocks.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.kv.reset_prefix_cache()
+        let reset = self.kv.reset_prefix_cache();
+        if reset {
+            // `AllBlocksCleared` covers every group: the states go too.
+            if let Some(checkpoints) = self.checkpoints.as_mut() {
+                checkpoints.clear();
+            }
+        }
+        reset
+    }
+
+    /// A hybrid model's SSM checkpoints (`None`: attention only).
+    pub fn checkpoints(&self) -> Option<&CheckpointCache> {
+        self.checkpoints.as_ref()
     }
 
     /// Queues a request.
@@ -571,6 +606,7 @@ impl<D: DeviceLayer> Engine<D> {
             cached_tokens: 0,
             spilled: None,
             drafts: 0,
+            branch_blocks: None,
         };
         let id = match self.free_slots.pop() {
             Some(slot) => {
@@ -887,6 +923,8 @@ impl<D: DeviceLayer> Engine<D> {
         let vocabulary = self.config.output_vocabulary.as_deref();
         let acceptance_rate = self.config.spec_decode.map_or(0.0, |s| s.acceptance_rate);
         let mut any_finished = false;
+        // Hybrid models: the block boundaries each sequence passed.
+        let mut passed: Vec<(SeqId, usize, usize)> = Vec::new();
         for &(id, n) in scheduled.iter() {
             let max_model_len = self.config.max_model_len;
             let seq = self.slots[id.0 as usize]
@@ -924,6 +962,9 @@ impl<D: DeviceLayer> Engine<D> {
                     &seq.tokens[first * bs..full * bs],
                 );
                 seq.committed_blocks = full;
+                if self.checkpoints.is_some() {
+                    passed.push((id, first, full));
+                }
             }
             if seq.num_computed == seq.tokens.len() {
                 let index = seq.outputs() as u32;
@@ -953,6 +994,16 @@ impl<D: DeviceLayer> Engine<D> {
                 self.device.save_hidden_catchup(id, kept)?;
             }
         }
+        for (id, first, full) in passed {
+            self.checkpoint_blocks(id, first, full)?;
+        }
+        if let Some(hybrid) = self.config.hybrid {
+            let copies = std::mem::take(&mut self.state_copies);
+            report.model_ms += self
+                .config
+                .timing
+                .host_copy_ms(copies * hybrid.state_bytes);
+        }
         if any_finished {
             for &(id, _) in scheduled.iter() {
                 let done = {
@@ -970,6 +1021,63 @@ impl<D: DeviceLayer> Engine<D> {
             }
             let slots = &self.slots;
             self.running.retain(|s| slots[s.0 as usize].is_some());
+        }
+        Ok(())
+    }
+
+    /// A hybrid model's checkpoints at the block boundaries `first + 1 ..=
+    /// full` that sequence `id` has just computed: every one (the naive
+    /// policy), or, with Marconi's admission, the end of its prompt and
+    /// the branch point it left a cached prefix at. Each is a
+    /// `MarconiCheckpoint` of the sequence's state slot and a published
+    /// checkpoint event; what the cache evicts for it is published too.
+    fn checkpoint_blocks(&mut self, id: SeqId, first: usize, full: usize) -> Result<(), EngineError> {
+        let Some(policy) = self.checkpoints.as_ref().map(CheckpointCache::policy) else {
+            return Ok(());
+        };
+        let bs = self.config.block_size;
+        let slot = self
+            .state_slots
+            .slot_of(id)
+            .expect("a running hybrid sequence holds a state slot");
+        for blocks in first + 1..=full {
+            let seq = self.seq(id);
+            let keep = match policy {
+                CheckpointPolicy::EveryBlock => true,
+                CheckpointPolicy::Marconi => {
+                    blocks == seq.prompt_len / bs || seq.branch_blocks == Some(blocks)
+                }
+            };
+            if !keep {
+                continue;
+            }
+            let hash = seq.hashes[blocks - 1];
+            let parent = blocks.checked_sub(2).map(|p| engine_hash(seq.hashes[p]));
+            let tokens = seq.tokens[(blocks - 1) * bs..blocks * bs].to_vec();
+            let saves_ms = self.config.timing.prefill_ms((blocks * bs) as u64);
+            let checkpoints = self.checkpoints.as_mut().expect("hybrid");
+            if checkpoints.contains(hash) {
+                checkpoints.touch(hash);
+                continue;
+            }
+            self.device
+                .marconi_checkpoint(&self.kv, id, slot, blocks * bs)?;
+            let checkpoints = self.checkpoints.as_mut().expect("hybrid");
+            let inserted = checkpoints.insert(hash, blocks * bs, saves_ms);
+            self.counters.ssm_checkpoints += 1;
+            self.counters.ssm_checkpoint_evictions += inserted.evicted.len() as u64;
+            self.state_copies += 1;
+            if !inserted.evicted.is_empty() {
+                self.kv.push_event(KvEvent::CheckpointRemoved {
+                    block_hashes: inserted.evicted.into_iter().map(engine_hash).collect(),
+                });
+            }
+            self.kv.push_event(KvEvent::CheckpointStored {
+                block_hash: engine_hash(hash),
+                parent_block_hash: parent,
+                token_ids: tokens,
+                block_size: bs as u32,
+            });
         }
         Ok(())
     }
@@ -1013,7 +1121,23 @@ impl<D: DeviceLayer> Engine<D> {
             .expect("waiting sequences are live");
         let max_hit_blocks = (seq.tokens.len() - 1) / bs;
         seq.ensure_hashes(max_hit_blocks, bs);
-        let hit = self.kv.lookup_prefix(&seq.hashes[..max_hit_blocks]);
+        let mut hit = self.kv.lookup_prefix(&seq.hashes[..max_hit_blocks]);
+        if let Some(checkpoints) = self.checkpoints.as_mut() {
+            // A hybrid model resumes from its deepest SSM state within the
+            // cached attention prefix; what lies beyond is recomputed.
+            let usable = checkpoints.deepest(&seq.hashes[..hit]);
+            if checkpoints.policy() == CheckpointPolicy::Marconi && usable < hit {
+                // The prompt leaves a cached prefix here: a branch point.
+                seq.branch_blocks = Some(hit);
+            }
+            if usable > 0 {
+                checkpoints.touch(seq.hashes[usable - 1]);
+            }
+            if !seq.prompt_counted {
+                self.counters.ssm_unusable_hit_tokens += ((hit - usable) * bs) as u64;
+            }
+            hit = usable;
+        }
         let mut computed_blocks = hit;
         let mut restored = None;
 
@@ -1238,6 +1362,17 @@ impl<D: DeviceLayer> Engine<D> {
         }
         drop(retained);
 
+        if self.checkpoints.is_some() && computed_blocks > 0 {
+            // The SSM state at the resume point, into the sequence's slot.
+            let slot = self
+                .state_slots
+                .slot_of(id)
+                .expect("a hybrid sequence is admitted with a state slot");
+            self.device
+                .load_checkpoint(&self.kv, id, slot, computed_blocks * bs)?;
+            self.counters.ssm_resumes += 1;
+            self.state_copies += 1;
+        }
         let seq = self.slots[id.0 as usize].as_mut().expect("live");
         seq.num_computed = computed_blocks * bs;
         seq.committed_blocks = computed_blocks;
@@ -1544,6 +1679,79 @@ mod tests {
             reports.push(report);
         }
         panic!("engine did not drain");
+    }
+
+    /// Runs `prompts` one after the other (one output token each) on a
+    /// hybrid engine with 4-token blocks, keeping checkpoints by `policy`.
+    fn hybrid_run(policy: CheckpointPolicy, prompts: &[Vec<u32>]) -> Engine<ScriptedDevice> {
+        let cfg = EngineConfig {
+            block_size: 4,
+            max_num_seqs: 8,
+            ..config()
+        }
+        .hybrid(policy);
+        let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
+        for (i, prompt) in prompts.iter().enumerate() {
+            engine.add_request(request(i as u128 + 1, prompt.clone(), 1)).unwrap();
+            run_to_end(&mut engine);
+        }
+        engine
+    }
+
+    #[test]
+    fn a_hybrid_engine_resumes_only_from_an_ssm_checkpoint() {
+        // A: 5 blocks; B and C share A's first 4 blocks, then diverge.
+        let a: Vec<u32> = (0..20).collect();
+        let tail = |from: u32| (0..16).chain(from..from + 8).collect::<Vec<u32>>();
+        let (b, c) = (tail(100), tail(200));
+
+        // Marconi keeps A's prompt end (block 5), not block 4: B finds 4
+        // attention blocks cached and no state within them, recomputes,
+        // and keeps the branch point (block 4) and its own end (block 6).
+        // C resumes from B's branch point.
+        let engine = hybrid_run(CheckpointPolicy::Marconi, &[a.clone(), b.clone(), c.clone()]);
+        let counters = engine.counters();
+        assert_eq!(counters.ssm_checkpoints, 4, "ends of A, B and C, and B's branch point");
+        assert_eq!(counters.ssm_resumes, 1);
+        assert_eq!(counters.ssm_unusable_hit_tokens, 16, "B's 4 cached blocks, recomputed");
+        assert_eq!(counters.prefix_hit_tokens, 16, "C's resumed prefix");
+        let log = &engine.device().log;
+        let load = log
+            .iter()
+            .find(|e| matches!(e, Effect::LoadCheckpoint { .. }))
+            .expect("C loads the branch point's state");
+        assert!(matches!(load, Effect::LoadCheckpoint { tokens: 16, .. }));
+        let mut events = Vec::new();
+        let mut engine = engine;
+        engine.drain_kv_events(&mut events);
+        let stored = events
+            .iter()
+            .filter(|e| matches!(e, KvEvent::CheckpointStored { .. }))
+            .count();
+        assert_eq!(stored, 4, "every checkpoint is published");
+
+        // Every block: B resumes from A's block-4 state at once.
+        let engine = hybrid_run(CheckpointPolicy::EveryBlock, &[a, b]);
+        let counters = engine.counters();
+        assert_eq!(counters.ssm_resumes, 1);
+        assert_eq!(counters.ssm_unusable_hit_tokens, 0);
+        assert_eq!(counters.ssm_checkpoints, 5 + 2, "A's 5 blocks, B's 2 new ones");
+    }
+
+    #[test]
+    fn a_hybrid_models_prefill_costs_its_attention_share_plus_its_ssm_layers() {
+        let plain = TimingConfig::default();
+        let hybrid = TimingConfig {
+            ssm: Some(crate::timing::SsmTiming::default()),
+            ..TimingConfig::default()
+        };
+        // Long prompts: seven eighths of the quadratic term are gone.
+        let [a, _, _] = plain.prefill;
+        let saved = plain.prefill_ms(16_000) - hybrid.prefill_ms(16_000);
+        assert!((saved - 0.875 * a * 16_000f64.powi(2)).abs() < 1e-6);
+        let [_, b, c] = plain.prefill;
+        assert!((hybrid.prefill_ms(1) - (0.125 * (plain.prefill[0] + b) + c + 0.875 * b)).abs() < 1e-9);
+        assert!(hybrid.decode_ms(1.0) <= plain.decode_ms(1.0));
     }
 
     #[test]
@@ -2592,19 +2800,29 @@ mod tests {
         /// every running sequence holds exactly one slot and none stays
         /// detached, every spilled sequence is loaded back or dropped, and
         /// when all is done or cancelled no block, slot or saved state is
-        /// left behind.
+        /// left behind. Half the runs are a hybrid model (prompts sharing
+        /// prefixes, SSM checkpoints by either policy, resumes from them):
+        /// the checkpoint cache stays within its bound and every
+        /// checkpoint saved is held or was evicted.
         #[test]
         fn no_slot_freed_twice_no_block_leaked_every_spill_restored_or_freed(
             ops in proptest::collection::vec(op(), 1..120),
+            hybrid in proptest::option::of(proptest::bool::ANY),
         ) {
-            let cfg = EngineConfig {
+            let mut cfg = EngineConfig {
                 num_blocks: 24,
                 max_num_batched_tokens: 128,
+                max_num_seqs: 4,
                 preemption: Preemption::Spill,
                 spill_blocks: 20,
                 state_slots: 4,
                 ..config()
             };
+            if let Some(marconi) = hybrid {
+                let policy = if marconi { CheckpointPolicy::Marconi } else { CheckpointPolicy::EveryBlock };
+                cfg = cfg.hybrid(policy);
+                cfg.hybrid.as_mut().unwrap().max_checkpoints = 5;
+            }
             let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
             engine.device_mut().record = false;
             let mut next_id = 1u128;
@@ -2617,12 +2835,21 @@ mod tests {
                 let c = engine.counters();
                 proptest::prop_assert_eq!(engine.device().saved_len() as u64, c.spills - c.spill_loads - c.spill_drops);
                 proptest::prop_assert!(engine.spill_used_blocks() <= 20);
+                if let Some(checkpoints) = engine.checkpoints() {
+                    proptest::prop_assert!(checkpoints.len() <= 5);
+                    proptest::prop_assert_eq!(
+                        checkpoints.len() as u64,
+                        c.ssm_checkpoints - c.ssm_checkpoint_evictions
+                    );
+                }
                 Ok(())
             };
             for op in ops {
                 match op {
                     Op::Arrive { len, max_tokens } => {
-                        let base = (next_id as u32) * 1_000;
+                        // A hybrid run's prompts share one of three prefixes.
+                        let family = if hybrid.is_some() { next_id % 3 } else { next_id };
+                        let base = (family as u32) * 1_000;
                         let prompt = (base..base + u32::from(len)).collect();
                         if engine.add_request(request(next_id, prompt, u32::from(max_tokens))).is_ok() {
                             live.push(RequestId(next_id));

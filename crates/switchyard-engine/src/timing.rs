@@ -36,6 +36,34 @@ pub struct TimingConfig {
     pub restore_bandwidth_bytes_per_s: f64,
     /// Real-time speed-up: wall time = model time / speedup; `0` = instant.
     pub speedup: f64,
+    /// A hybrid model's SSM layers (`None`: attention only).
+    pub ssm: Option<SsmTiming>,
+}
+
+/// The cost of a hybrid model's layers: the attention layers are
+/// `attention_share` of the model and cost that share of the fitted
+/// curves' token- and usage-dependent parts; the SSM layers cost
+/// `ms_per_token` per computed token, independent of context (their state
+/// has a fixed size). The defaults are assumptions, not a measured model:
+/// one attention layer in eight (Jamba's published 1:7 interleave), and
+/// SSM layers as costly per token as the attention layers' linear part.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SsmTiming {
+    /// Share of the layers that are attention (0..=1; 0.125).
+    pub attention_share: f64,
+    /// Model ms per computed token in the SSM layers.
+    pub ms_per_token: f64,
+}
+
+impl Default for SsmTiming {
+    fn default() -> Self {
+        let share = 0.125;
+        Self {
+            attention_share: share,
+            ms_per_token: (1.0 - share) * switchyard_core::estimate::DEFAULT_PREFILL_CURVE[1],
+        }
+    }
 }
 
 impl Default for TimingConfig {
@@ -48,6 +76,7 @@ impl Default for TimingConfig {
             restore_bandwidth_bytes_per_s:
                 switchyard_core::estimate::DEFAULT_RESTORE_BANDWIDTH_BYTES_PER_S,
             speedup: 1.0,
+            ssm: None,
         }
     }
 }
@@ -64,6 +93,9 @@ pub enum TimingConfigError {
     /// Polynomial coefficients must be finite.
     #[error("timing coefficients must be finite")]
     Coefficients,
+    /// SSM knobs out of range.
+    #[error("ssm: attention_share must be in 0..=1 and ms_per_token a finite number >= 0")]
+    Ssm,
 }
 
 impl TimingConfig {
@@ -87,6 +119,13 @@ impl TimingConfig {
         if all.into_iter().any(|c| !c.is_finite()) {
             return Err(TimingConfigError::Coefficients);
         }
+        if let Some(ssm) = self.ssm {
+            if !(0.0..=1.0).contains(&ssm.attention_share)
+                || !(ssm.ms_per_token.is_finite() && ssm.ms_per_token >= 0.0)
+            {
+                return Err(TimingConfigError::Ssm);
+            }
+        }
         Ok(())
     }
 
@@ -94,14 +133,20 @@ impl TimingConfig {
     pub fn prefill_ms(&self, tokens: u64) -> f64 {
         let t = tokens as f64;
         let [a, b, c] = self.prefill;
-        (a * t * t + b * t + c).max(0.0)
+        match self.ssm {
+            None => (a * t * t + b * t + c).max(0.0),
+            Some(ssm) => {
+                (ssm.attention_share * (a * t * t + b * t) + c + ssm.ms_per_token * t).max(0.0)
+            }
+        }
     }
 
     /// Model ms of a decode-only batch at KV usage `usage` (clamped to 0..=1).
     pub fn decode_ms(&self, usage: f64) -> f64 {
         let u = usage.clamp(0.0, 1.0);
         let [a, b, c] = self.decode;
-        (a * u * u + b * u + c).max(self.decode_floor_ms)
+        let share = self.ssm.map_or(1.0, |ssm| ssm.attention_share);
+        (share * (a * u * u + b * u) + c).max(self.decode_floor_ms)
     }
 
     /// Model ms to copy one token of KV from host to device (what the

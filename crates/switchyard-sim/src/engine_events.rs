@@ -48,9 +48,37 @@ fn event_to_wire(event: KvEvent) -> wire::KvEvent {
             medium: medium(m),
             ..BlockRemoved::default()
         }),
+        // A hybrid model's SSM checkpoints, as vLLM publishes its mamba
+        // cache group: group 1 of kind "mamba", on the device.
+        KvEvent::CheckpointStored {
+            block_hash,
+            parent_block_hash,
+            token_ids,
+            block_size,
+        } => wire::KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: vec![block_hash],
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium: medium(Medium::Device),
+            group_idx: Some(SSM_GROUP),
+            kv_cache_spec_kind: Some("mamba".to_owned()),
+            ..BlockStored::default()
+        })),
+        KvEvent::CheckpointRemoved { block_hashes } => wire::KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes,
+            medium: medium(Medium::Device),
+            group_idx: Some(SSM_GROUP),
+            ..BlockRemoved::default()
+        }),
         KvEvent::AllBlocksCleared => wire::KvEvent::AllBlocksCleared,
     }
 }
+
+/// The cache group a hybrid engine's SSM checkpoints are published under
+/// (its attention blocks carry no group: a single-group engine's shape,
+/// which the router reads as full attention).
+pub const SSM_GROUP: i64 = 1;
 
 /// One engine's KV events into index events, through the normalizer a
 /// router's subscriber runs for that engine's stream.
@@ -64,6 +92,14 @@ impl EngineEventStream {
     pub fn new(block_size: u32) -> Self {
         Self {
             normalizer: Normalizer::new(block_size),
+        }
+    }
+
+    /// A stream for a router that ignores SSM checkpoints (credits a
+    /// hybrid worker's whole attention prefix).
+    pub fn attention_only(block_size: u32) -> Self {
+        Self {
+            normalizer: Normalizer::attention_only(block_size),
         }
     }
 
