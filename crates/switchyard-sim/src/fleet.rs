@@ -57,7 +57,7 @@
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{replica_seed, Balancer, ReplicaStats, ReplicasConfig};
-use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport, SpecFigures};
+use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport, SpecFigures, SsmFigures};
 use crate::trace::TraceError;
 use crate::workload::{Session, SessionStream};
 use rustc_hash::FxHashMap;
@@ -208,6 +208,11 @@ pub struct FleetConfig {
     /// holding it, when the transfer and the rest beat waiting (the
     /// router's estimator gets the same link). `None`: off.
     pub peer_restore: Option<TransferConfig>,
+    /// With hybrid engines: the routers skip the engines' SSM-checkpoint
+    /// events and credit each worker's whole attention prefix, as a router
+    /// that does not know hybrid models does. `false`: they credit a
+    /// hybrid worker only up to its deepest checkpoint.
+    pub attention_only_routing: bool,
 }
 
 impl Default for FleetConfig {
@@ -224,6 +229,7 @@ impl Default for FleetConfig {
             replicas: ReplicasConfig::default(),
             disagg: None,
             peer_restore: None,
+            attention_only_routing: false,
         }
     }
 }
@@ -530,7 +536,11 @@ impl Fleet {
                 pending: StepReport::default(),
                 served_tokens: 0,
                 booked: 0,
-                events: EngineEventStream::new(block_size),
+                events: if config.attention_only_routing {
+                    EngineEventStream::attention_only(block_size)
+                } else {
+                    EngineEventStream::new(block_size)
+                },
             });
         }
         let capacity = WorkerCapacity {
@@ -1348,6 +1358,19 @@ impl Fleet {
                 }
                 f.acceptance =
                     f.draft_tokens_accepted as f64 / f.draft_tokens_proposed.max(1) as f64;
+                f
+            }),
+            ssm: self.config.engine.hybrid.map(|_| {
+                let mut f = SsmFigures::default();
+                let mut unusable = 0;
+                for w in &self.workers {
+                    let c = w.engine.counters();
+                    f.checkpoints += c.ssm_checkpoints;
+                    f.evictions += c.ssm_checkpoint_evictions;
+                    f.resumes += c.ssm_resumes;
+                    unusable += c.ssm_unusable_hit_tokens;
+                }
+                f.unusable_hit_share = unusable as f64 / self.prompt_tokens.max(1) as f64;
                 f
             }),
         };

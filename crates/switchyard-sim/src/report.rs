@@ -80,6 +80,24 @@ pub struct PolicyReport {
     /// engines ran without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spec_decode: Option<SpecFigures>,
+    /// Hybrid models' SSM checkpoints across the fleet (absent for
+    /// attention-only engines).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssm: Option<SsmFigures>,
+}
+
+/// A hybrid model's SSM checkpoints across a fleet's engines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct SsmFigures {
+    /// Checkpoints saved (`MarconiCheckpoint`).
+    pub checkpoints: u64,
+    /// Checkpoints evicted.
+    pub evictions: u64,
+    /// Admissions resumed from a checkpoint.
+    pub resumes: u64,
+    /// Cached attention tokens recomputed because no SSM state was kept
+    /// that deep, as a share of all prompt tokens.
+    pub unusable_hit_share: f64,
 }
 
 /// Speculative decoding across a fleet's engines.

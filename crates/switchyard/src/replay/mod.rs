@@ -21,7 +21,7 @@ use std::time::Instant;
 use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
-use switchyard_engine::{EngineConfig, SpecDecode};
+use switchyard_engine::{CheckpointPolicy, EngineConfig, Preemption, SpecDecode};
 use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, SimOutcome, TransferConfig};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
@@ -63,6 +63,54 @@ pub enum TraceFormat {
     Sharegpt,
     /// The built-in synthetic multi-turn generator (no file).
     Synthetic,
+}
+
+/// The model the simulated engines serve.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// Attention layers only: every cached block is reusable.
+    #[default]
+    Attention,
+    /// A hybrid of SSM (Mamba) and attention layers: a cached prefix is
+    /// reusable only up to a kept SSM state (`--checkpoints`).
+    Hybrid,
+}
+
+/// Which SSM states a hybrid engine keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointChoice {
+    /// Ends of prompts and branch points, evicted by recency plus the
+    /// recompute time saved (Marconi).
+    #[default]
+    Marconi,
+    /// Every block boundary, least recently used evicted first.
+    EveryBlock,
+}
+
+/// Preemption modes (`switchyard_engine::Preemption`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PreemptionChoice {
+    /// Free the sequence's blocks; it recomputes them on resume.
+    #[default]
+    Recompute,
+    /// Save its KV to the host first and load it back on resume.
+    Spill,
+}
+
+/// What the routers know of hybrid workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HybridRouting {
+    /// Credit a hybrid worker only up to its deepest SSM checkpoint.
+    #[default]
+    Aware,
+    /// Credit its whole attention prefix (a router unaware of hybrids).
+    AttentionOnly,
+    /// Each policy twice, aware and attention-only.
+    Both,
 }
 
 /// Admission strategies to run each policy with.
@@ -250,6 +298,28 @@ pub struct ReplayArgs {
     /// With `--spec-decode`: drafted positions per decode step (1..=16).
     #[arg(long, default_value_t = SpecDecode::default().draft_tokens)]
     pub spec_draft_tokens: u32,
+    /// The model the engines serve: `attention` (the default) or `hybrid`
+    /// (SSM + attention layers; see `--checkpoints`).
+    #[arg(long, value_enum, default_value_t = ModelKind::Attention)]
+    pub model: ModelKind,
+    /// With `--model hybrid`: which SSM states the engines keep.
+    #[arg(long, value_enum, default_value_t = CheckpointChoice::Marconi)]
+    pub checkpoints: CheckpointChoice,
+    /// With `--model hybrid`: SSM checkpoints each engine keeps at most.
+    #[arg(long, default_value_t = switchyard_engine::Hybrid::default().max_checkpoints)]
+    pub max_checkpoints: usize,
+    /// What an engine does with its newest running sequence when nothing
+    /// can run: `recompute` (vLLM's default) or `spill` its KV to the host
+    /// and load it back (needs `--spill-blocks`).
+    #[arg(long, value_enum, default_value_t = PreemptionChoice::Recompute)]
+    pub preemption: PreemptionChoice,
+    /// With `--preemption spill`: host blocks each engine can spill into.
+    #[arg(long, default_value_t = 0)]
+    pub spill_blocks: usize,
+    /// With `--model hybrid`: what the routers know of hybrid workers
+    /// (`both` replays each policy with either view).
+    #[arg(long, value_enum, default_value_t = HybridRouting::Aware)]
+    pub hybrid_routing: HybridRouting,
 }
 
 /// Parses a `P:D` split.
@@ -292,6 +362,11 @@ pub struct ReplayReport {
     /// The engines' speculative decoding (`null`: off); also under
     /// `fleet.engine`.
     pub spec_decode: Option<SpecDecode>,
+    /// The model the engines served (`attention` or `hybrid`).
+    pub engine_kind: ModelKind,
+    /// A hybrid model's checkpoint policy (`null` for attention only);
+    /// also under `fleet.engine.hybrid`.
+    pub checkpoints: Option<&'static str>,
     /// The fleet simulated.
     pub fleet: FleetConfig,
     /// The arguments.
@@ -319,6 +394,21 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         draft_tokens: args.spec_draft_tokens,
         acceptance_rate,
     });
+    engine.preemption = match args.preemption {
+        PreemptionChoice::Recompute => Preemption::Recompute,
+        PreemptionChoice::Spill => Preemption::Spill,
+    };
+    engine.spill_blocks = args.spill_blocks;
+    if args.model == ModelKind::Hybrid {
+        let policy = match args.checkpoints {
+            CheckpointChoice::Marconi => CheckpointPolicy::Marconi,
+            CheckpointChoice::EveryBlock => CheckpointPolicy::EveryBlock,
+        };
+        engine = engine.hybrid(policy);
+        if let Some(hybrid) = engine.hybrid.as_mut() {
+            hybrid.max_checkpoints = args.max_checkpoints;
+        }
+    }
     anyhow::ensure!(
         engine.timing.speedup > 0.0,
         "--speedup must be positive in the simulator (virtual time needs durations)"
@@ -618,6 +708,24 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             (name, f)
         })
         .flat_map(|(name, f)| {
+            // A hybrid fleet routed by an attention-only view too, if asked.
+            let views: &[bool] = match (args.model, args.hybrid_routing) {
+                (ModelKind::Hybrid, HybridRouting::AttentionOnly) => &[true],
+                (ModelKind::Hybrid, HybridRouting::Both) => &[false, true],
+                _ => &[false],
+            };
+            views.iter().map(move |&attention_only| {
+                let mut f = f.clone();
+                f.attention_only_routing = attention_only;
+                let name = if attention_only {
+                    format!("{name}+attn-only")
+                } else {
+                    name.clone()
+                };
+                (name, f)
+            })
+        })
+        .flat_map(|(name, f)| {
             // The aggregated fleet, with peer restore if asked, then each
             // split of the same workers.
             let link = TransferConfig {
@@ -657,6 +765,8 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             .map(|(n, o)| (n.clone(), o.report.clone()))
             .collect(),
         spec_decode: fleet.engine.spec_decode,
+        engine_kind: args.model,
+        checkpoints: fleet.engine.hybrid.map(|h| h.checkpoints.as_str()),
         fleet,
         args: args.clone(),
     };
@@ -830,5 +940,38 @@ mod tests {
             "0"
         ]))
         .is_err());
+    }
+
+    #[test]
+    fn a_hybrid_model_reaches_the_engines_with_its_checkpoint_policy_and_is_reported() {
+        let fleet = fleet_config(&parse_args(&[])).unwrap();
+        assert_eq!(fleet.engine.hybrid, None);
+        assert_eq!(fleet.engine.timing.ssm, None);
+        let args = parse_args(&[
+            "--model",
+            "hybrid",
+            "--checkpoints",
+            "every-block",
+            "--max-checkpoints",
+            "64",
+        ]);
+        let fleet = fleet_config(&args).unwrap();
+        let hybrid = fleet.engine.hybrid.expect("a hybrid engine");
+        assert_eq!(hybrid.checkpoints, CheckpointPolicy::EveryBlock);
+        assert_eq!(hybrid.max_checkpoints, 64);
+        assert!(fleet.engine.timing.ssm.is_some());
+        assert!(fleet.engine.state_slots as usize >= fleet.engine.max_num_seqs);
+        let json = serde_json::to_value(&args).unwrap();
+        assert_eq!(json["model"], "hybrid");
+        assert_eq!(json["checkpoints"], "every-block");
+        // A hybrid engine with a host tier is refused, with the reason.
+        let error = fleet_config(&parse_args(&["--model", "hybrid", "--host-blocks", "64"]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("host tier"), "{error}");
+        // Spill preemption needs its area.
+        assert!(fleet_config(&parse_args(&["--preemption", "spill"])).is_err());
+        let fleet = fleet_config(&parse_args(&["--preemption", "spill", "--spill-blocks", "512"])).unwrap();
+        assert_eq!(fleet.engine.preemption, Preemption::Spill);
     }
 }
