@@ -208,9 +208,8 @@ impl CheckpointCache {
             .map(|e| e.saves_ms)
             .fold(0.0_f64, f64::max)
             .max(f64::MIN_POSITIVE);
-        let utility = |e: &Entry| {
-            (e.used - oldest) as f64 / span + self.flop_weight * (e.saves_ms / most)
-        };
+        let utility =
+            |e: &Entry| (e.used - oldest) as f64 / span + self.flop_weight * (e.saves_ms / most);
         self.by_use
             .values()
             .map(|h| (h, &self.entries[h]))
@@ -220,8 +219,7 @@ impl CheckpointCache {
 
     /// Estimate of heap bytes.
     pub fn estimated_bytes(&self) -> usize {
-        self.entries.capacity()
-            * (std::mem::size_of::<(SequenceHash, Entry)>() + 1)
+        self.entries.capacity() * (std::mem::size_of::<(SequenceHash, Entry)>() + 1)
             + self.by_use.len() * (std::mem::size_of::<(u64, SequenceHash)>() + 16)
     }
 }

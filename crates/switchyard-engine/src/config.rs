@@ -194,7 +194,9 @@ pub enum ConfigError {
         acceptance_rate: f64,
     },
     /// A hybrid model needs a state slot per running sequence.
-    #[error("a hybrid model needs state_slots >= max_num_seqs ({max_num_seqs}), got {state_slots}")]
+    #[error(
+        "a hybrid model needs state_slots >= max_num_seqs ({max_num_seqs}), got {state_slots}"
+    )]
     HybridSlots {
         /// Slots configured.
         state_slots: u32,
@@ -287,7 +289,9 @@ impl EngineConfig {
             checkpoints: policy,
             ..Hybrid::default()
         });
-        self.state_slots = self.state_slots.max(self.max_num_seqs.min(u32::MAX as usize) as u32);
+        self.state_slots = self
+            .state_slots
+            .max(self.max_num_seqs.min(u32::MAX as usize) as u32);
         self.timing.ssm = Some(crate::timing::SsmTiming::default());
         self
     }

@@ -999,10 +999,7 @@ impl<D: DeviceLayer> Engine<D> {
         }
         if let Some(hybrid) = self.config.hybrid {
             let copies = std::mem::take(&mut self.state_copies);
-            report.model_ms += self
-                .config
-                .timing
-                .host_copy_ms(copies * hybrid.state_bytes);
+            report.model_ms += self.config.timing.host_copy_ms(copies * hybrid.state_bytes);
         }
         if any_finished {
             for &(id, _) in scheduled.iter() {
@@ -1031,7 +1028,12 @@ impl<D: DeviceLayer> Engine<D> {
     /// the branch point it left a cached prefix at. Each is a
     /// `MarconiCheckpoint` of the sequence's state slot and a published
     /// checkpoint event; what the cache evicts for it is published too.
-    fn checkpoint_blocks(&mut self, id: SeqId, first: usize, full: usize) -> Result<(), EngineError> {
+    fn checkpoint_blocks(
+        &mut self,
+        id: SeqId,
+        first: usize,
+        full: usize,
+    ) -> Result<(), EngineError> {
         let Some(policy) = self.checkpoints.as_ref().map(CheckpointCache::policy) else {
             return Ok(());
         };
@@ -1692,7 +1694,9 @@ mod tests {
         .hybrid(policy);
         let mut engine = Engine::new(cfg, ScriptedDevice::new(TimingConfig::default())).unwrap();
         for (i, prompt) in prompts.iter().enumerate() {
-            engine.add_request(request(i as u128 + 1, prompt.clone(), 1)).unwrap();
+            engine
+                .add_request(request(i as u128 + 1, prompt.clone(), 1))
+                .unwrap();
             run_to_end(&mut engine);
         }
         engine
@@ -1709,11 +1713,20 @@ mod tests {
         // attention blocks cached and no state within them, recomputes,
         // and keeps the branch point (block 4) and its own end (block 6).
         // C resumes from B's branch point.
-        let engine = hybrid_run(CheckpointPolicy::Marconi, &[a.clone(), b.clone(), c.clone()]);
+        let engine = hybrid_run(
+            CheckpointPolicy::Marconi,
+            &[a.clone(), b.clone(), c.clone()],
+        );
         let counters = engine.counters();
-        assert_eq!(counters.ssm_checkpoints, 4, "ends of A, B and C, and B's branch point");
+        assert_eq!(
+            counters.ssm_checkpoints, 4,
+            "ends of A, B and C, and B's branch point"
+        );
         assert_eq!(counters.ssm_resumes, 1);
-        assert_eq!(counters.ssm_unusable_hit_tokens, 16, "B's 4 cached blocks, recomputed");
+        assert_eq!(
+            counters.ssm_unusable_hit_tokens, 16,
+            "B's 4 cached blocks, recomputed"
+        );
         assert_eq!(counters.prefix_hit_tokens, 16, "C's resumed prefix");
         let log = &engine.device().log;
         let load = log
@@ -1735,7 +1748,11 @@ mod tests {
         let counters = engine.counters();
         assert_eq!(counters.ssm_resumes, 1);
         assert_eq!(counters.ssm_unusable_hit_tokens, 0);
-        assert_eq!(counters.ssm_checkpoints, 5 + 2, "A's 5 blocks, B's 2 new ones");
+        assert_eq!(
+            counters.ssm_checkpoints,
+            5 + 2,
+            "A's 5 blocks, B's 2 new ones"
+        );
     }
 
     #[test]
@@ -1750,7 +1767,9 @@ mod tests {
         let saved = plain.prefill_ms(16_000) - hybrid.prefill_ms(16_000);
         assert!((saved - 0.875 * a * 16_000f64.powi(2)).abs() < 1e-6);
         let [_, b, c] = plain.prefill;
-        assert!((hybrid.prefill_ms(1) - (0.125 * (plain.prefill[0] + b) + c + 0.875 * b)).abs() < 1e-9);
+        assert!(
+            (hybrid.prefill_ms(1) - (0.125 * (plain.prefill[0] + b) + c + 0.875 * b)).abs() < 1e-9
+        );
         assert!(hybrid.decode_ms(1.0) <= plain.decode_ms(1.0));
     }
 

@@ -120,9 +120,9 @@ impl TimingConfig {
             return Err(TimingConfigError::Coefficients);
         }
         if let Some(ssm) = self.ssm {
-            if !(0.0..=1.0).contains(&ssm.attention_share)
-                || !(ssm.ms_per_token.is_finite() && ssm.ms_per_token >= 0.0)
-            {
+            let share = (0.0..=1.0).contains(&ssm.attention_share);
+            let cost = ssm.ms_per_token.is_finite() && ssm.ms_per_token >= 0.0;
+            if !(share && cost) {
                 return Err(TimingConfigError::Ssm);
             }
         }

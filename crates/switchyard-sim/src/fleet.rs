@@ -57,7 +57,9 @@
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{replica_seed, Balancer, ReplicaStats, ReplicasConfig};
-use crate::report::{coefficient_of_variation, Latency, LoadTimeline, PolicyReport, SpecFigures, SsmFigures};
+use crate::report::{
+    coefficient_of_variation, Latency, LoadTimeline, PolicyReport, SpecFigures, SsmFigures,
+};
 use crate::trace::TraceError;
 use crate::workload::{Session, SessionStream};
 use rustc_hash::FxHashMap;

@@ -276,7 +276,11 @@ mod tests {
         let mut out = OverlapScores::new();
         let query = locals(&[1, 2, 3, 4, 5]);
         index.checkpoint().deepest_within(&query, |_| 3, &mut out);
-        assert_eq!(out.depth(w(1)), 2, "block 4's checkpoint lies past a 3-block prefix");
+        assert_eq!(
+            out.depth(w(1)),
+            2,
+            "block 4's checkpoint lies past a 3-block prefix"
+        );
         index.checkpoint().deepest_within(&query, |_| 4, &mut out);
         assert_eq!(out.depth(w(1)), 4);
         index.apply(
@@ -288,7 +292,11 @@ mod tests {
         );
         index.checkpoint().deepest_within(&query, |_| 4, &mut out);
         assert_eq!(out.depth(w(1)), 2);
-        assert_eq!(index.device().live_pairs(), 4, "the device tier is untouched");
+        assert_eq!(
+            index.device().live_pairs(),
+            4,
+            "the device tier is untouched"
+        );
         // A cleared cache leaves no checkpoint, but the worker stays hybrid.
         index.apply(w(1), CacheTier::Device, &IndexEvent::Cleared);
         assert_eq!(index.checkpoint().live_pairs(), 0);

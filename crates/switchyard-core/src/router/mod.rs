@@ -163,12 +163,13 @@ impl RouterMemory {
 
 #[derive(Debug)]
 enum CacheIndex {
-    /// Both tiers' exact indexes.
-    Exact(TieredIndex),
+    /// Every tier's exact index.
+    Exact(Box<TieredIndex>),
     /// Exact, written by the holder of the [`IndexWriter`] (see
     /// [`Router::publish_index`]).
     Published(IndexReader),
-    Approximate(ApproxIndex),
+    /// The router's own decisions, with a TTL.
+    Approximate(Box<ApproxIndex>),
 }
 
 /// Time constant of each worker's recent-writes counter (ms): a booking's
@@ -265,9 +266,9 @@ impl Router {
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
         config.validate()?;
         let cache = match config.cache {
-            CacheTracking::Events => CacheIndex::Exact(TieredIndex::new()),
+            CacheTracking::Events => CacheIndex::Exact(Box::default()),
             CacheTracking::Approximate(approx) => {
-                CacheIndex::Approximate(ApproxIndex::new(approx)?)
+                CacheIndex::Approximate(Box::new(ApproxIndex::new(approx)?))
             }
         };
         Ok(Self {
@@ -434,9 +435,7 @@ impl Router {
                     |w| depth_of(overlaps, w),
                     checkpoint_depths,
                 );
-                checkpoint_depths
-                    .entries
-                    .sort_unstable_by_key(|e| e.worker);
+                checkpoint_depths.entries.sort_unstable_by_key(|e| e.worker);
                 for entry in overlaps.entries.iter_mut() {
                     if tiers.is_hybrid(entry.worker) {
                         entry.depth = depth_of(checkpoint_depths, entry.worker);
@@ -454,7 +453,7 @@ impl Router {
             }
         };
         match &mut self.cache {
-            CacheIndex::Exact(index) => read(index.device(), Some(index)),
+            CacheIndex::Exact(index) => read(index.device(), Some(&**index)),
             CacheIndex::Published(reader) => reader.with(|index| read(index.device(), Some(index))),
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);

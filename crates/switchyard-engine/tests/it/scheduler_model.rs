@@ -112,6 +112,10 @@ impl Replay {
                 self.model.clear();
                 self.index.apply(self.worker, &IndexEvent::Cleared);
             }
+            // An attention-only engine keeps no SSM checkpoints.
+            KvEvent::CheckpointStored { .. } | KvEvent::CheckpointRemoved { .. } => {
+                panic!("a checkpoint event from an attention-only engine")
+            }
         }
     }
 }

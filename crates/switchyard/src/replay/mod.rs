@@ -971,7 +971,13 @@ mod tests {
         assert!(error.contains("host tier"), "{error}");
         // Spill preemption needs its area.
         assert!(fleet_config(&parse_args(&["--preemption", "spill"])).is_err());
-        let fleet = fleet_config(&parse_args(&["--preemption", "spill", "--spill-blocks", "512"])).unwrap();
+        let fleet = fleet_config(&parse_args(&[
+            "--preemption",
+            "spill",
+            "--spill-blocks",
+            "512",
+        ]))
+        .unwrap();
         assert_eq!(fleet.engine.preemption, Preemption::Spill);
     }
 }
