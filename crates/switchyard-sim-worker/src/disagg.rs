@@ -1016,7 +1016,7 @@ mod tests {
             ("remote_engine_id", json!("")),
             ("remote_engine_id", json!("x".repeat(129))),
             ("remote_block_ids", json!([1, -2])),
-            ("remote_block_ids", json!([0; 9])),
+            ("remote_block_ids", json!(vec![0; 9])),
             ("remote_block_ids", json!(null)),
             (LEASE_FIELD, json!("7.abc")),
             ("do_remote_prefill", json!("yes")),

@@ -536,12 +536,16 @@ mod tests {
             "switchyard_engine_spill_fallbacks_total 0\n",
             "switchyard_engine_slot_compactions_total 0\n",
             "switchyard_engine_logits_bytes_total 0\n",
+            "switchyard_engine_leases_total{event=\"released\"} 0\n",
+            "switchyard_engine_leases_held 0\n",
+            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"} 0\n",
+            "switchyard_engine_disagg_transfer_bytes_total 0\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (25, 25), "{text}");
+        assert_eq!((typed, helped), (33, 33), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),
