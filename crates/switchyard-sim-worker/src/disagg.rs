@@ -844,6 +844,7 @@ fn internal_error(status: StatusCode, message: &str) -> Response {
 
 async fn pull(State(state): State<InternalState>, body: Bytes) -> Response {
     let request: Option<PullRequest> = serde_json::from_slice(&body).ok();
+    let is_room = matches!(&request, Some(PullRequest { room: Some(_), .. }));
     let pulled = match request {
         Some(PullRequest {
             lease: Some(lease),
@@ -873,7 +874,11 @@ async fn pull(State(state): State<InternalState>, body: Bytes) -> Response {
     match pulled {
         None => internal_error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"),
         Some(None) => {
-            state.metrics.disagg_pulls_unknown.inc();
+            // A room not held yet is the normal wait of SGLang's decode
+            // (it polls; its timeout is counted there), not a refusal.
+            if !is_room {
+                state.metrics.disagg_pulls_unknown.inc();
+            }
             internal_error(StatusCode::NOT_FOUND, "no such lease or room")
         }
         Some(Some((lease, kv))) => {

@@ -260,9 +260,24 @@ impl DriverHandle {
         rx.await.ok()
     }
 
-    /// Expires leases and rooms past their time.
-    pub async fn tick(&self) -> bool {
-        self.commands.send(Command::Tick).await.is_ok()
+    /// Starts a task asking the driver to expire leases and rooms every
+    /// `period`, also while it is idle. It holds no handle of its own
+    /// between ticks, so the driver still stops when the last
+    /// [`DriverHandle`] is gone.
+    pub fn spawn_ticker(&self, period: Duration) {
+        let weak = self.commands.downgrade();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(period);
+            loop {
+                every.tick().await;
+                let Some(commands) = weak.upgrade() else {
+                    return;
+                };
+                if commands.send(Command::Tick).await.is_err() {
+                    return;
+                }
+            }
+        });
     }
 
     /// Cancels a request (harmless when it already finished).

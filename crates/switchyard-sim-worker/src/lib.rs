@@ -403,16 +403,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
                 bootstrap = Some(bound);
             }
             // Leases and rooms expire in wall time, also while idle.
-            let ticker = driver.clone();
-            tokio::spawn(async move {
-                let mut every = tokio::time::interval(std::time::Duration::from_millis(250));
-                loop {
-                    every.tick().await;
-                    if !ticker.tick().await {
-                        return;
-                    }
-                }
-            });
+            driver.spawn_ticker(std::time::Duration::from_millis(250));
             println!(
                 "switchyard sim-worker disaggregation {:?}{} engine {engine_id}",
                 d.protocol,

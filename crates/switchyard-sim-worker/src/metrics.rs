@@ -304,7 +304,7 @@ impl Metrics {
         );
         let disagg_pulls_unknown = counter(
             "switchyard_engine_disagg_pulls_unknown",
-            "KV pulls this worker refused: no such lease or room, or a wrong token",
+            "KV pulls by lease this worker refused: no such lease (never issued, released, expired) or a wrong token",
         );
         let pacing_resyncs = counter(
             "switchyard_engine_pacing_resyncs",
