@@ -371,6 +371,19 @@ async fn sglang_decode_waits_for_the_room_and_streams_from_its_kv() {
     );
 }
 
+/// vLLM's prefill request for `client` at `base`, answered.
+async fn prefill_at(base: &str, client: &Value) -> Value {
+    let response = post(
+        format!("{base}/v1/completions"),
+        &proxy_prefill_body(client),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
 fn rand_room() -> u64 {
     // Distinct per call and below 2^63, as a router's random room.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -383,22 +396,11 @@ fn rand_room() -> u64 {
 /// counted failure, and nothing left waiting in the decode engine.
 #[tokio::test]
 async fn transfer_failures_are_answered_and_counted() {
-    let prefill = worker(&["--disagg", "vllm", "--lease-ttl-ms", "400"]).await;
+    let prefill = worker(&["--disagg", "vllm"]).await;
+    // Its leases expire while the test watches.
+    let short_lived = worker(&["--disagg", "vllm", "--lease-ttl-ms", "300"]).await;
     let decode = worker(&["--disagg", "vllm"]).await;
     let client = fixture("vllm_client_request");
-    let prefill_once = || async {
-        let answer: Value = post(
-            format!("{}/v1/completions", prefill.base),
-            &proxy_prefill_body(&client),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-        answer
-    };
     let decode_with = |answer: Value| {
         let body = proxy_decode_body(&client, &answer);
         let url = format!("{}/v1/completions", decode.base);
@@ -412,7 +414,7 @@ async fn transfer_failures_are_answered_and_counted() {
     };
 
     // A wrong token: refused like an unknown lease, the lease untouched.
-    let answer = prefill_once().await;
+    let answer = prefill_at(&prefill.base, &client).await;
     let mut forged = answer.clone();
     let lease = answer["kv_transfer_params"]["switchyard_lease"]
         .as_str()
@@ -444,14 +446,19 @@ async fn transfer_failures_are_answered_and_counted() {
         1.0
     );
 
-    // The lease expires unreleased; presenting it then is a 404.
+    // A lease expires unreleased; presenting it then is a 404.
+    let expiring = prefill_at(&short_lived.base, &client).await;
     wait_metric(
-        &prefill.base,
+        &short_lived.base,
         "switchyard_engine_leases_total{event=\"expired\"}",
         1.0,
     )
     .await;
-    let (status, _) = error_of(decode_with(answer.clone()).await).await;
+    assert_eq!(
+        metric(&short_lived.base, "switchyard_engine_leases_held").await,
+        0.0
+    );
+    let (status, _) = error_of(decode_with(expiring).await).await;
     assert_eq!(status, 404);
 
     // Malformed parameters: a 400 naming the field, before any pull.
@@ -474,7 +481,7 @@ async fn transfer_failures_are_answered_and_counted() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
     };
-    let mut gone = prefill_once().await;
+    let mut gone = prefill_at(&prefill.base, &client).await;
     gone["kv_transfer_params"]["remote_port"] = json!(closed);
     let (status, _) = error_of(decode_with(gone).await).await;
     assert_eq!(status, 502);
@@ -482,6 +489,60 @@ async fn transfer_failures_are_answered_and_counted() {
         metric(
             &decode.base,
             "switchyard_engine_disagg_failures_total{reason=\"unreachable\"}"
+        )
+        .await,
+        1.0
+    );
+
+    // A decode presenting a lease on another prompt's KV: the engine's
+    // validation cancels it (never a silent recompute), and the lease is
+    // still released.
+    let released = metric(
+        &prefill.base,
+        "switchyard_engine_leases_total{event=\"released\"}",
+    )
+    .await;
+    let mut other = proxy_decode_body(&client, &prefill_at(&prefill.base, &client).await);
+    other["prompt"] = json!(format!(
+        "Another prompt entirely. {}",
+        client["prompt"].as_str().unwrap()
+    ));
+    let response = post(format!("{}/v1/completions", decode.base), &other)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(response).await.0, 502);
+    assert_eq!(
+        metric(
+            &decode.base,
+            "switchyard_engine_restores_total{decision=\"failed\"}"
+        )
+        .await,
+        1.0
+    );
+    wait_metric(
+        &prefill.base,
+        "switchyard_engine_leases_total{event=\"released\"}",
+        released + 1.0,
+    )
+    .await;
+
+    // A prompt shorter than a block captures nothing: null parameters, and
+    // the decode worker computes the prompt itself.
+    let mut short = proxy_prefill_body(&client);
+    short["prompt"] = json!("Hi");
+    let answer: Value = post(format!("{}/v1/completions", prefill.base), &short)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["kv_transfer_params"], Value::Null, "{answer}");
+    assert_eq!(
+        metric(
+            &prefill.base,
+            "switchyard_engine_disagg_failures_total{reason=\"nothing_cached\"}"
         )
         .await,
         1.0
