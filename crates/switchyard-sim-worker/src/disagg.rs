@@ -625,9 +625,11 @@ impl Transfers {
 
     /// Pulls `source`'s KV: at once for a lease; for a room, polling until
     /// the prefill worker holds it or the bootstrap timeout. Then waits
-    /// the modeled transfer time. Counts the outcome.
-    pub async fn pull(&self, source: &Source) -> Result<Pulled, TransferError> {
-        let result = self.pull_uncounted(source).await;
+    /// the modeled transfer time of the blocks beyond the `own_blocks`
+    /// this worker caches already (as the simulator charges). Counts the
+    /// outcome.
+    pub async fn pull(&self, source: &Source, own_blocks: usize) -> Result<Pulled, TransferError> {
+        let result = self.pull_uncounted(source, own_blocks).await;
         match &result {
             Ok(pulled) => {
                 self.metrics.disagg_transfers.inc();
@@ -638,7 +640,11 @@ impl Transfers {
         result
     }
 
-    async fn pull_uncounted(&self, source: &Source) -> Result<Pulled, TransferError> {
+    async fn pull_uncounted(
+        &self,
+        source: &Source,
+        own_blocks: usize,
+    ) -> Result<Pulled, TransferError> {
         let body = match source {
             Source::Lease { lease, .. } => json!({ "lease": lease.to_wire() }),
             Source::Room { room, .. } => json!({ "room": room }),
@@ -683,7 +689,8 @@ impl Transfers {
             self.release(release).await;
             return Err(err);
         }
-        let bytes = (answer.tokens.len() as u64).saturating_mul(self.bytes_per_token);
+        let moved_tokens = answer.block_ids.len().saturating_sub(own_blocks) * self.block_size;
+        let bytes = (moved_tokens as u64).saturating_mul(self.bytes_per_token);
         let wall_ms = self.config.transfer_ms(bytes) * self.wall_per_model_ms;
         if wall_ms > 0.0 {
             tokio::time::sleep(Duration::from_secs_f64(wall_ms / 1e3)).await;

@@ -135,6 +135,10 @@ pub enum Command {
         request: NewRequest,
         /// Where its tokens go.
         events: mpsc::Sender<GenEvent>,
+        /// Whether the engine took it, and if so how many of its leading
+        /// prompt blocks this engine caches already (a transfer need not
+        /// move those).
+        admitted: oneshot::Sender<Result<usize, AdmitError>>,
     },
     /// The transfer a rendezvous request waits for.
     Deliver {
@@ -200,17 +204,24 @@ impl DriverHandle {
 
     /// Submits a request restoring from another worker's lease; deliver
     /// the transfer with [`Self::deliver`] or fail it with
-    /// [`Self::transfer_failed`].
-    pub async fn submit_rendezvous(&self, request: NewRequest) -> Option<mpsc::Receiver<GenEvent>> {
+    /// [`Self::transfer_failed`]. Returns its events and whether the engine
+    /// took it (with the prompt blocks cached here already); `None` when
+    /// the driver has stopped.
+    pub async fn submit_rendezvous(
+        &self,
+        request: NewRequest,
+    ) -> Option<(mpsc::Receiver<GenEvent>, Result<usize, AdmitError>)> {
         let (tx, rx) = mpsc::channel(request.max_tokens as usize + 3);
+        let (admitted, answer) = oneshot::channel();
         self.commands
             .send(Command::SubmitRendezvous {
                 request,
                 events: tx,
+                admitted,
             })
             .await
             .ok()?;
-        Some(rx)
+        Some((rx, answer.await.ok()?))
     }
 
     /// Hands a rendezvous request its transfer.
@@ -504,8 +515,15 @@ impl Driver {
                     }
                 }
             }
-            Command::SubmitRendezvous { request, events } => {
+            Command::SubmitRendezvous {
+                request,
+                events,
+                admitted,
+            } => {
                 let id = request.id;
+                let own = self
+                    .engine
+                    .cached_prefix_blocks(&request.prompt, request.hash_seed);
                 // The engine names the lease only in `RendezvousDone`; the
                 // remote lease is kept here, by request, once delivered.
                 let placeholder = LeaseRef {
@@ -515,10 +533,14 @@ impl Driver {
                 match self.engine.add_rendezvous_request(request, placeholder) {
                     Ok(()) => {
                         self.streams.insert(id, events);
+                        if admitted.send(Ok(own)).is_err() {
+                            // The handler is gone: nothing will deliver.
+                            self.cancel(id);
+                        }
                     }
                     Err(err) => {
                         self.metrics.count_request(RequestOutcome::Rejected);
-                        let _ = events.try_send(GenEvent::Rejected(err));
+                        let _ = admitted.send(Err(err));
                     }
                 }
             }

@@ -433,18 +433,21 @@ async fn run(
         }
         (Plan::Decode(source), Some(d)) => {
             let id = request.id;
-            let rx = state
+            let (rx, admitted) = state
                 .driver
                 .submit_rendezvous(request)
                 .await
                 .ok_or_else(stopped)?;
+            // Refused (a full queue): the lease stays at the prefill
+            // worker for a retry elsewhere.
+            let own_blocks = admitted?;
             // The transfer runs on its own: a client hanging up meanwhile
             // is noticed at its first token, and the lease is still
             // released.
             let transfers = d.transfers.clone();
             let driver = state.driver.clone();
             tokio::spawn(async move {
-                match transfers.pull(&source).await {
+                match transfers.pull(&source, own_blocks).await {
                     Ok(pulled) => driver.deliver(id, pulled.kv, pulled.release).await,
                     Err(error) => driver.transfer_failed(id, error).await,
                 }

@@ -296,7 +296,7 @@ impl Metrics {
         );
         let disagg_transfer_bytes = counter(
             "switchyard_engine_disagg_transfer_bytes",
-            "Modeled KV bytes of those transfers (tokens x --bytes-per-token)",
+            "Modeled KV bytes of those transfers: the tokens of the blocks the decode worker lacked x --bytes-per-token",
         );
         let disagg_pulls_served = counter(
             "switchyard_engine_disagg_pulls_served",

@@ -284,7 +284,40 @@ async fn vllm_prefill_then_streamed_decode_restores_the_transferred_kv() {
         1.0
     );
 
-    // Presenting the released lease again is refused: it was used once.
+    // The same prompt again: the decode worker caches it now, so the
+    // transfer moves nothing (the lease is still pulled and released).
+    let again = prefill_at(&prefill.base, &client).await;
+    let response = post(
+        format!("{}/v1/completions", decode.base),
+        &proxy_decode_body(&client, &again),
+    )
+    .send()
+    .await
+    .unwrap();
+    let (pieces, usage) = read_stream(response).await;
+    assert_eq!(
+        (pieces, usage["completion_tokens"].as_u64()),
+        (24, Some(24))
+    );
+    assert_eq!(
+        metric(d, "switchyard_engine_disagg_transfers_total").await,
+        2.0
+    );
+    assert_eq!(
+        metric(d, "switchyard_engine_disagg_transfer_bytes_total").await,
+        (blocks * 16 * 128 * 1024) as f64
+    );
+    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
+    assert_eq!(
+        metric(
+            &prefill.base,
+            "switchyard_engine_leases_total{event=\"released\"}"
+        )
+        .await,
+        2.0
+    );
+
+    // Presenting a released lease again is refused: it was used once.
     let response = post(
         format!("{}/v1/completions", decode.base),
         &proxy_decode_body(&client, &answer),
