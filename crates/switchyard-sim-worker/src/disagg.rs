@@ -676,7 +676,14 @@ impl Transfers {
             }
         };
         let answer: PullAnswer = serde_json::from_slice(&answer)
-            .map_err(|e| TransferError::Invalid(format!("unreadable answer: {e}")))?;
+            // Position only: serde's message may quote the body.
+            .map_err(|e| {
+                TransferError::Invalid(format!(
+                    "unreadable answer (line {}, column {})",
+                    e.line(),
+                    e.column()
+                ))
+            })?;
         let lease = LeaseHandle::from_wire(&answer.lease)
             .ok_or_else(|| TransferError::Invalid("malformed lease".into()))?;
         let release = RemoteLease {

@@ -595,6 +595,50 @@ async fn transfer_failures_are_answered_and_counted() {
     wait_metric(&decode.base, "switchyard_engine_running", 0.0).await;
 }
 
+/// A prefill worker holds each room once and at most `--max-rooms` of
+/// them; a refused capture is counted, and the request still answered
+/// (SGLang's router discards the prefill's answer; its decode times out).
+#[tokio::test]
+async fn sglang_rooms_are_bounded_and_held_once() {
+    let prefill = worker(&[
+        "--disagg",
+        "sglang",
+        "--disagg-role",
+        "prefill",
+        "--max-rooms",
+        "1",
+    ])
+    .await;
+    let mut body = fixture("sglang_request");
+    body["stream"] = json!(false);
+    body["bootstrap_port"] = json!(prefill.bootstrap.unwrap().port());
+    let room = rand_room();
+    for (room, reason) in [
+        (room, None),
+        (room, Some("room_conflict")),
+        (rand_room(), Some("rooms_full")),
+    ] {
+        body["bootstrap_room"] = json!(room);
+        let response = post(format!("{}/v1/chat/completions", prefill.base), &body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        if let Some(reason) = reason {
+            let series = format!("switchyard_engine_disagg_failures_total{{reason=\"{reason}\"}}");
+            assert_eq!(metric(&prefill.base, &series).await, 1.0, "{reason}");
+        }
+    }
+    assert_eq!(
+        metric(&prefill.base, "switchyard_engine_leases_held").await,
+        1.0
+    );
+    assert_eq!(
+        metric(&prefill.base, "switchyard_engine_disagg_captures_total").await,
+        1.0
+    );
+}
+
 /// An SGLang decode whose room never fills times out with a 504.
 #[tokio::test]
 async fn an_sglang_room_nobody_fills_times_out() {
