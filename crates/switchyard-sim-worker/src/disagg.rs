@@ -589,7 +589,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 impl Transfers {
     /// A client for a worker of `block_size` tokens per block and prompts
     /// of at most `max_blocks` blocks.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: Arc<DisaggConfig>,
         api_key: Option<&str>,
