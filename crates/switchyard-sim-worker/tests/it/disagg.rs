@@ -671,3 +671,44 @@ async fn an_sglang_room_nobody_fills_times_out() {
     );
     wait_metric(&decode.base, "switchyard_engine_waiting", 0.0).await;
 }
+
+/// With `--api-key`, the internal endpoints need the key like every other
+/// route, and workers sharing it pull from each other.
+#[tokio::test]
+async fn with_an_api_key_the_pull_needs_it_and_peers_send_it() {
+    let keyed = ["--disagg", "vllm", "--api-key", "fleet-key"];
+    let prefill = worker(&keyed).await;
+    let decode = worker(&keyed).await;
+    let client = fixture("vllm_client_request");
+    let answer: Value = post(
+        format!("{}/v1/completions", prefill.base),
+        &proxy_prefill_body(&client),
+    )
+    .bearer_auth("fleet-key")
+    .send()
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let lease = answer["kv_transfer_params"]["switchyard_lease"].clone();
+    let unkeyed = post(
+        format!("{}/internal/kv/pull", prefill.base),
+        &json!({ "lease": lease }),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(unkeyed.status(), 401);
+    let response = post(
+        format!("{}/v1/completions", decode.base),
+        &proxy_decode_body(&client, &answer),
+    )
+    .bearer_auth("fleet-key")
+    .send()
+    .await
+    .unwrap();
+    let (pieces, _) = read_stream(response).await;
+    assert_eq!(pieces, 24);
+    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
+}
