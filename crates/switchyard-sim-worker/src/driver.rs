@@ -23,14 +23,18 @@
 //! never waits on a client. A request whose receiver is gone (the client
 //! hung up) is cancelled at the next token.
 
-use super::metrics::{Metrics, RequestOutcome};
+use super::disagg::{LeaseHandle, TransferError};
+use super::metrics::{DisaggFailure, Metrics, RequestOutcome};
 use rustc_hash::FxHashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use switchyard_core::hashing::DEFAULT_SEED;
 use switchyard_core::{EngineHash, RequestId};
+use switchyard_engine::lease::{LeaseError, LeaseId, LeaseRef, LeasedKv};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{
-    Engine, FinishReason, KvEvent, Medium, NewRequest, StepReport, SyncDevice,
+    Engine, FinishReason, KvEvent, Medium, NewRequest, Observation, StepReport, SyncDevice,
 };
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
@@ -47,6 +51,18 @@ pub enum GenEvent {
         /// 0-based output position.
         index: u32,
     },
+    /// The prefill's prompt KV was captured under `lease` (sent before
+    /// `Finished`, for requests submitted with a [`Capture`]).
+    Captured {
+        /// The lease (its secret included).
+        lease: LeaseRef,
+        /// The captured blocks' chained hashes.
+        block_ids: Vec<u64>,
+    },
+    /// The capture was refused: why, for the answer and the metric.
+    CaptureRefused(DisaggFailure),
+    /// The rendezvous transfer failed; the request was cancelled.
+    TransferFailed(TransferError),
     /// The request left the engine.
     Finished {
         /// Why.
@@ -60,16 +76,95 @@ pub enum GenEvent {
     },
 }
 
+/// A prefill's capture of its prompt's KV when it finishes (a
+/// disaggregated prefill).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Capture {
+    /// The lease's secret (from a CSPRNG).
+    pub token: u128,
+    /// SGLang's room the lease is held under.
+    pub room: Option<u64>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("token", &"<redacted>")
+            .field("room", &self.room)
+            .finish()
+    }
+}
+
+/// A lease on another worker that a decode request restored from: released
+/// there when the engine is done with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteLease {
+    /// The worker (its HTTP or bootstrap address).
+    pub peer: SocketAddr,
+    /// The lease.
+    pub lease: LeaseHandle,
+}
+
+/// The driver's part in disaggregation (`--disagg`).
+#[derive(Debug)]
+pub struct DriverDisagg {
+    /// Captured leases live this long, wall ms.
+    pub lease_ttl_ms: f64,
+    /// Rooms held at once.
+    pub max_rooms: usize,
+    /// Where leases the engine is done with go to be released.
+    pub releases: mpsc::Sender<RemoteLease>,
+}
+
 /// A command for the driver.
 #[derive(Debug)]
 pub enum Command {
-    /// Run a request; its events go to `events` (capacity ≥ `max_tokens + 2`).
+    /// Run a request; its events go to `events` (capacity ≥ `max_tokens + 3`).
     Submit {
         /// The request.
         request: NewRequest,
         /// Where its tokens go.
         events: mpsc::Sender<GenEvent>,
+        /// Capture its prompt's KV when it finishes.
+        capture: Option<Capture>,
     },
+    /// Run a request that restores its prompt's KV from another worker's
+    /// lease, delivered later with [`Command::Deliver`].
+    SubmitRendezvous {
+        /// The request.
+        request: NewRequest,
+        /// Where its tokens go.
+        events: mpsc::Sender<GenEvent>,
+        /// Whether the engine took it, and if so how many of its leading
+        /// prompt blocks this engine caches already (a transfer need not
+        /// move those).
+        admitted: oneshot::Sender<Result<usize, AdmitError>>,
+    },
+    /// The transfer a rendezvous request waits for.
+    Deliver {
+        /// The request.
+        request: RequestId,
+        /// The KV.
+        kv: LeasedKv,
+        /// Released when the engine is done with it.
+        release: RemoteLease,
+    },
+    /// The transfer failed: cancel the request, tell its client why.
+    TransferFailed {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        error: TransferError,
+    },
+    /// Read a lease's KV (a peer's pull).
+    ReadLease(LeaseRef, oneshot::Sender<Result<LeasedKv, LeaseError>>),
+    /// Take a room's lease and read its KV (an SGLang peer's pull); a room
+    /// is taken at most once.
+    TakeRoom(u64, oneshot::Sender<Option<(LeaseRef, LeasedKv)>>),
+    /// Release a lease (a peer is done with it).
+    ReleaseLease(LeaseRef, oneshot::Sender<Result<(), LeaseError>>),
+    /// Expire leases and rooms past their time.
+    Tick,
     /// Cancel a request.
     Cancel(RequestId),
     /// Report the cached blocks of both tiers (for `/debug/kv_cache`).
@@ -86,16 +181,114 @@ impl DriverHandle {
     /// Submits `request`; returns the receiver of its events, or `None`
     /// when the driver has stopped.
     pub async fn submit(&self, request: NewRequest) -> Option<mpsc::Receiver<GenEvent>> {
-        let capacity = request.max_tokens as usize + 2;
-        let (tx, rx) = mpsc::channel(capacity);
+        self.submit_capturing(request, None).await
+    }
+
+    /// Submits `request`, capturing its prompt's KV when it finishes.
+    pub async fn submit_capturing(
+        &self,
+        request: NewRequest,
+        capture: Option<Capture>,
+    ) -> Option<mpsc::Receiver<GenEvent>> {
+        let (tx, rx) = mpsc::channel(request.max_tokens as usize + 3);
         self.commands
             .send(Command::Submit {
                 request,
                 events: tx,
+                capture,
             })
             .await
             .ok()?;
         Some(rx)
+    }
+
+    /// Submits a request restoring from another worker's lease; deliver
+    /// the transfer with [`Self::deliver`] or fail it with
+    /// [`Self::transfer_failed`]. Returns its events and whether the engine
+    /// took it (with the prompt blocks cached here already); `None` when
+    /// the driver has stopped.
+    pub async fn submit_rendezvous(
+        &self,
+        request: NewRequest,
+    ) -> Option<(mpsc::Receiver<GenEvent>, Result<usize, AdmitError>)> {
+        let (tx, rx) = mpsc::channel(request.max_tokens as usize + 3);
+        let (admitted, answer) = oneshot::channel();
+        self.commands
+            .send(Command::SubmitRendezvous {
+                request,
+                events: tx,
+                admitted,
+            })
+            .await
+            .ok()?;
+        Some((rx, answer.await.ok()?))
+    }
+
+    /// Hands a rendezvous request its transfer.
+    pub async fn deliver(&self, request: RequestId, kv: LeasedKv, release: RemoteLease) {
+        let _ = self
+            .commands
+            .send(Command::Deliver {
+                request,
+                kv,
+                release,
+            })
+            .await;
+    }
+
+    /// Cancels a rendezvous request whose transfer failed.
+    pub async fn transfer_failed(&self, request: RequestId, error: TransferError) {
+        let _ = self
+            .commands
+            .send(Command::TransferFailed { request, error })
+            .await;
+    }
+
+    /// A lease's KV; `None` when the driver stopped.
+    pub async fn read_lease(&self, lease: LeaseRef) -> Option<Result<LeasedKv, LeaseError>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::ReadLease(lease, tx))
+            .await
+            .ok()?;
+        rx.await.ok()
+    }
+
+    /// Takes a room: `Some(None)` when no lease is held under it.
+    pub async fn take_room(&self, room: u64) -> Option<Option<(LeaseRef, LeasedKv)>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::TakeRoom(room, tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// Releases a lease; `None` when the driver stopped.
+    pub async fn release_lease(&self, lease: LeaseRef) -> Option<Result<(), LeaseError>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::ReleaseLease(lease, tx))
+            .await
+            .ok()?;
+        rx.await.ok()
+    }
+
+    /// Starts a task asking the driver to expire leases and rooms every
+    /// `period`, also while it is idle. It holds no handle of its own
+    /// between ticks, so the driver still stops when the last
+    /// [`DriverHandle`] is gone.
+    pub fn spawn_ticker(&self, period: Duration) {
+        let weak = self.commands.downgrade();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(period);
+            loop {
+                every.tick().await;
+                let Some(commands) = weak.upgrade() else {
+                    return;
+                };
+                if commands.send(Command::Tick).await.is_err() {
+                    return;
+                }
+            }
+        });
     }
 
     /// Cancels a request (harmless when it already finished).
@@ -120,10 +313,20 @@ pub fn spawn(
     metrics: Arc<Metrics>,
     kv_sink: Option<mpsc::Sender<Vec<KvEvent>>>,
 ) -> std::io::Result<DriverHandle> {
+    spawn_with(engine, metrics, kv_sink, None)
+}
+
+/// [`spawn`], taking part in disaggregation when `disagg` is given.
+pub fn spawn_with(
+    engine: Engine<SyncDevice>,
+    metrics: Arc<Metrics>,
+    kv_sink: Option<mpsc::Sender<Vec<KvEvent>>>,
+    disagg: Option<DriverDisagg>,
+) -> std::io::Result<DriverHandle> {
     let (tx, rx) = mpsc::channel(1024);
     std::thread::Builder::new()
         .name("sim-worker-engine".into())
-        .spawn(move || run(engine, rx, metrics, kv_sink))?;
+        .spawn(move || run(engine, rx, metrics, kv_sink, disagg))?;
     Ok(DriverHandle { commands: tx })
 }
 
@@ -185,6 +388,10 @@ impl Pacer {
     }
 }
 
+/// How often a `--no-delay` worker whose only work waits (a rendezvous
+/// transfer on its way) looks at it again.
+const IDLE_POLL: Duration = Duration::from_micros(200);
+
 struct Driver {
     engine: Engine<SyncDevice>,
     streams: FxHashMap<RequestId, mpsc::Sender<GenEvent>>,
@@ -194,6 +401,18 @@ struct Driver {
     /// Events in `events` already counted (held back by a full sink).
     held_events: usize,
     hung_up: Vec<RequestId>,
+    observations: Vec<Observation>,
+    disagg: Option<DriverDisagg>,
+    /// Prompts to capture when their prefill finishes; one per request
+    /// the engine holds (bounded by its queues).
+    captures: FxHashMap<RequestId, (Vec<u32>, Capture)>,
+    /// SGLang's rooms: the lease held under each and its expiry (ms since
+    /// `started`); at most `max_rooms`.
+    rooms: FxHashMap<u64, (LeaseRef, f64)>,
+    /// Remote leases delivered to rendezvous requests the engine holds,
+    /// released at their `RendezvousDone` (bounded by its queues).
+    remote: FxHashMap<RequestId, RemoteLease>,
+    started: Instant,
 }
 
 fn run(
@@ -201,6 +420,7 @@ fn run(
     mut commands: mpsc::Receiver<Command>,
     metrics: Arc<Metrics>,
     kv_sink: Option<mpsc::Sender<Vec<KvEvent>>>,
+    disagg: Option<DriverDisagg>,
 ) {
     let mut driver = Driver {
         engine,
@@ -210,6 +430,12 @@ fn run(
         events: Vec::new(),
         held_events: 0,
         hung_up: Vec::new(),
+        observations: Vec::new(),
+        disagg,
+        captures: FxHashMap::default(),
+        rooms: FxHashMap::default(),
+        remote: FxHashMap::default(),
+        started: Instant::now(),
     };
     let mut report = StepReport::default();
     let mut pacer = Pacer::new(MAX_LAG);
@@ -243,6 +469,11 @@ fn run(
             report.model_ms
         };
         let wall_ms = timing.wall_ms(model_ms);
+        if wall_ms <= 0.0 && report.is_idle() {
+            // Only work that waits (a transfer on its way) and no clock to
+            // pace it (`--no-delay`): look again shortly, not in a spin.
+            std::thread::sleep(IDLE_POLL);
+        }
         if wall_ms > 0.0 {
             let duration = Duration::from_secs_f64(wall_ms / 1e3);
             let step = pacer.schedule(Instant::now(), duration);
@@ -264,11 +495,19 @@ fn run(
 impl Driver {
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { request, events } => {
+            Command::Submit {
+                request,
+                events,
+                capture,
+            } => {
                 let id = request.id;
+                let prompt = capture.map(|c| (request.prompt.clone(), c));
                 match self.engine.add_request(request) {
                     Ok(()) => {
                         self.streams.insert(id, events);
+                        if let Some(prompt) = prompt {
+                            self.captures.insert(id, prompt);
+                        }
                     }
                     Err(err) => {
                         self.metrics.count_request(RequestOutcome::Rejected);
@@ -276,6 +515,70 @@ impl Driver {
                     }
                 }
             }
+            Command::SubmitRendezvous {
+                request,
+                events,
+                admitted,
+            } => {
+                let id = request.id;
+                let own = self
+                    .engine
+                    .cached_prefix_blocks(&request.prompt, request.hash_seed);
+                // The engine names the lease only in `RendezvousDone`; the
+                // remote lease is kept here, by request, once delivered.
+                let placeholder = LeaseRef {
+                    id: LeaseId(0),
+                    token: 0,
+                };
+                match self.engine.add_rendezvous_request(request, placeholder) {
+                    Ok(()) => {
+                        self.streams.insert(id, events);
+                        if admitted.send(Ok(own)).is_err() {
+                            // The handler is gone: nothing will deliver.
+                            self.cancel(id);
+                        }
+                    }
+                    Err(err) => {
+                        self.metrics.count_request(RequestOutcome::Rejected);
+                        let _ = admitted.send(Err(err));
+                    }
+                }
+            }
+            Command::Deliver {
+                request,
+                kv,
+                release,
+            } => match self.engine.deliver_rendezvous(request, kv) {
+                Ok(()) => {
+                    self.remote.insert(request, release);
+                }
+                // The request is gone (its client hung up) or refused the
+                // transfer: the lease is not needed.
+                Err(_) => self.send_release(release),
+            },
+            Command::TransferFailed { request, error } => {
+                let events = self.streams.remove(&request);
+                if let Ok(Some(_)) = self.engine.cancel(request) {
+                    self.metrics.count_request(RequestOutcome::Cancelled);
+                }
+                if let Some(events) = events {
+                    let _ = events.try_send(GenEvent::TransferFailed(error));
+                }
+            }
+            Command::ReadLease(lease, reply) => {
+                let _ = reply.send(self.engine.read_lease(lease));
+            }
+            Command::TakeRoom(room, reply) => {
+                let taken = self
+                    .rooms
+                    .remove(&room)
+                    .and_then(|(lease, _)| Some((lease, self.engine.read_lease(lease).ok()?)));
+                let _ = reply.send(taken);
+            }
+            Command::ReleaseLease(lease, reply) => {
+                let _ = reply.send(self.engine.release_lease(lease));
+            }
+            Command::Tick => self.expire(),
             Command::Cancel(id) => self.cancel(id),
             Command::Snapshot(reply) => {
                 // Flush first so a reader that saw these events sees this state.
@@ -285,8 +588,76 @@ impl Driver {
         }
     }
 
+    fn now_ms(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// Expires the engine's leases past their time, and the rooms of the
+    /// leases gone with them.
+    fn expire(&mut self) {
+        let now = self.now_ms();
+        self.engine.expire_leases(now);
+        self.rooms.retain(|_, (_, expires)| *expires > now);
+    }
+
+    /// Queues a remote lease's release; a full queue drops and counts it
+    /// (the lease then expires at its worker).
+    fn send_release(&mut self, release: RemoteLease) {
+        let sent = self
+            .disagg
+            .as_ref()
+            .is_some_and(|d| d.releases.try_send(release).is_ok());
+        if !sent {
+            self.metrics
+                .count_disagg_failure(DisaggFailure::ReleaseDropped);
+        }
+    }
+
+    /// Captures a finished prefill's prompt KV; the result goes to its
+    /// client before `Finished`.
+    fn capture(&mut self, prompt: &[u32], capture: Capture) -> GenEvent {
+        let (ttl, max_rooms) = match &self.disagg {
+            Some(d) => (d.lease_ttl_ms, d.max_rooms),
+            None => return GenEvent::CaptureRefused(DisaggFailure::CaptureRefused),
+        };
+        if let Some(room) = capture.room {
+            if self.rooms.contains_key(&room) {
+                return self.refuse_capture(DisaggFailure::RoomConflict);
+            }
+            if self.rooms.len() >= max_rooms {
+                return self.refuse_capture(DisaggFailure::RoomsFull);
+            }
+        }
+        let expires = self.now_ms() + ttl;
+        let lease = match self
+            .engine
+            .capture(prompt, DEFAULT_SEED, capture.token, expires)
+        {
+            Ok((lease, _)) => lease,
+            Err(LeaseError::NothingCached) => {
+                return self.refuse_capture(DisaggFailure::NothingCached)
+            }
+            Err(_) => return self.refuse_capture(DisaggFailure::CaptureRefused),
+        };
+        let block_ids = match self.engine.read_lease(lease) {
+            Ok(kv) => kv.hashes.iter().map(|h| h.0).collect(),
+            Err(_) => return self.refuse_capture(DisaggFailure::CaptureRefused),
+        };
+        if let Some(room) = capture.room {
+            self.rooms.insert(room, (lease, expires));
+        }
+        self.metrics.disagg_captures.inc();
+        GenEvent::Captured { lease, block_ids }
+    }
+
+    fn refuse_capture(&self, why: DisaggFailure) -> GenEvent {
+        self.metrics.count_disagg_failure(why);
+        GenEvent::CaptureRefused(why)
+    }
+
     fn cancel(&mut self, id: RequestId) {
         self.streams.remove(&id);
+        self.captures.remove(&id);
         if let Ok(Some(_)) = self.engine.cancel(id) {
             self.metrics.count_request(RequestOutcome::Cancelled);
         }
@@ -305,6 +676,15 @@ impl Driver {
             }
         }
         for f in &report.finished {
+            let captured = match self.captures.remove(&f.request) {
+                Some((prompt, capture)) if f.reason == FinishReason::Length => {
+                    Some(self.capture(&prompt, capture))
+                }
+                _ => None,
+            };
+            if let (Some(event), Some(tx)) = (captured, self.streams.get(&f.request)) {
+                let _ = tx.try_send(event);
+            }
             let outcome = match f.reason {
                 FinishReason::Length => RequestOutcome::Finished,
                 FinishReason::Cancelled => RequestOutcome::Cancelled,
@@ -329,8 +709,16 @@ impl Driver {
 
     fn publish(&mut self) {
         self.engine.drain_kv_events(&mut self.events);
-        let mut observations = Vec::new();
+        let mut observations = std::mem::take(&mut self.observations);
         self.engine.drain_observations(&mut observations);
+        for o in observations.drain(..) {
+            if let Observation::RendezvousDone { request, .. } = o {
+                if let Some(release) = self.remote.remove(&request) {
+                    self.send_release(release);
+                }
+            }
+        }
+        self.observations = observations;
         let cap = self.engine.config().max_buffered_events;
         if self.events.len() > cap {
             let dropped = (self.events.len() - cap) as u64;

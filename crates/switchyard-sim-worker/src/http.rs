@@ -7,8 +7,9 @@
 //! same types the router reads. Prompt contents never reach logs or
 //! metrics.
 
-use super::driver::{DriverHandle, GenEvent};
-use super::metrics::Metrics;
+use super::disagg::{self, DisaggConfig, DisaggProtocol, LeaseHandle, Plan, Transfers};
+use super::driver::{Capture, DriverHandle, GenEvent};
+use super::metrics::{DisaggFailure, Metrics};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -61,6 +62,21 @@ pub struct AppState {
     pub id_salt: u64,
     /// Replica-sync marks (`--replica-sync`), when on.
     pub marks: Option<Arc<WorkerMarks>>,
+    /// Prefill/decode disaggregation (`--disagg`), when on.
+    pub disagg: Option<Arc<DisaggState>>,
+}
+
+/// What the handlers need for `--disagg`.
+#[derive(Debug)]
+pub struct DisaggState {
+    /// The configuration.
+    pub config: Arc<DisaggConfig>,
+    /// The decode side's client.
+    pub transfers: Transfers,
+    /// This worker's engine id (`remote_engine_id`).
+    pub engine_id: Arc<str>,
+    /// Where decode workers reach this one (`remote_host`, `remote_port`).
+    pub advertise: std::net::SocketAddr,
 }
 
 /// The router of every endpoint.
@@ -182,6 +198,10 @@ struct Job {
     /// Add `token_ids` to choices.
     return_token_ids: bool,
     output_text: OutputText,
+    /// The client's `X-Request-Id`.
+    client_id: Option<String>,
+    /// A vLLM prefill: the answer carries `kv_transfer_params`.
+    vllm_prefill: bool,
 }
 
 impl AppState {
@@ -214,11 +234,37 @@ fn routed(headers: &HeaderMap) -> Option<(ReplicaId, RequestId)> {
     routed_request_id(text(ROUTER_ID_HEADER), text(REQUEST_ID_HEADER))
 }
 
+/// What a request asks of this worker's disaggregation (`Plain` when off);
+/// a malformed field is a 400 and a counted failure.
+fn disagg_plan(state: &AppState, body: &Bytes) -> Result<Plan, ApiError> {
+    let Some(d) = &state.disagg else {
+        return Ok(Plan::Plain);
+    };
+    let max_blocks = state.config.max_model_len / state.config.block_size + 1;
+    disagg::plan(&d.config, body, max_blocks).map_err(|e| {
+        state
+            .metrics
+            .count_disagg_failure(DisaggFailure::InvalidParams);
+        ErrorBody::invalid_request(e.message, Some(e.param)).into()
+    })
+}
+
+/// `X-Request-Id` when it is a short printable id (vLLM's proxy sends
+/// the same one to the prefill and the decode worker).
+fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+}
+
 async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let plan = disagg_plan(&state, &body)?;
     let body: CompletionRequest = parse(&body)?;
     state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
@@ -248,9 +294,11 @@ async fn completions(
         include_usage,
         return_token_ids,
         output_text: state.output_text.clone(),
+        client_id: client_request_id(&headers),
+        vllm_prefill: false,
     };
     let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
-    run(state, job, prompt, max_tokens).await
+    run(state, job, prompt, max_tokens, plan).await
 }
 
 async fn chat_completions(
@@ -258,6 +306,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let plan = disagg_plan(&state, &body)?;
     let body: ChatCompletionRequest = parse(&body)?;
     state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
@@ -322,8 +371,10 @@ async fn chat_completions(
         include_usage,
         return_token_ids,
         output_text: state.output_text.clone(),
+        client_id: client_request_id(&headers),
+        vllm_prefill: false,
     };
-    run(state, job, prompt, max_tokens).await
+    run(state, job, prompt, max_tokens, plan).await
 }
 
 async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
@@ -336,32 +387,93 @@ async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
 
 async fn run(
     state: AppState,
-    job: Job,
+    mut job: Job,
     prompt: Vec<u32>,
     max_tokens: u32,
+    plan: Plan,
 ) -> Result<Response, ApiError> {
     if max_tokens == 0 {
         return Err(AdmitError::NoOutput.into());
     }
     let limit = state.config.max_model_len as u32;
-    let request = NewRequest {
+    let mut request = NewRequest {
         id: job.id,
         prompt,
         max_tokens: max_tokens.min(limit),
         hash_seed: DEFAULT_SEED,
     };
-    let mut rx = state
-        .driver
-        .submit(request)
-        .await
-        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
+    let stopped = || ApiError::from(ErrorBody::overloaded("the engine has stopped"));
+    let mut rx = match (plan, &state.disagg) {
+        (Plan::Prefill { room }, Some(d)) => {
+            if d.config.protocol == DisaggProtocol::Vllm {
+                if job.stream {
+                    state
+                        .metrics
+                        .count_disagg_failure(DisaggFailure::InvalidParams);
+                    return Err(ErrorBody::invalid_request(
+                        "a prefill for a remote decode (do_remote_decode) is answered whole:                          send stream false",
+                        Some("stream"),
+                    )
+                    .into());
+                }
+                job.vllm_prefill = true;
+            }
+            // The prefill computes the prompt and one token, as vLLM's and
+            // SGLang's prefill workers do; the decode worker generates.
+            request.max_tokens = 1;
+            let capture = Capture {
+                token: rand::random::<u128>(),
+                room,
+            };
+            state
+                .driver
+                .submit_capturing(request, Some(capture))
+                .await
+                .ok_or_else(stopped)?
+        }
+        (Plan::Decode(source), Some(d)) => {
+            let id = request.id;
+            let (rx, admitted) = state
+                .driver
+                .submit_rendezvous(request)
+                .await
+                .ok_or_else(stopped)?;
+            // Refused (a full queue): the lease stays at the prefill
+            // worker for a retry elsewhere.
+            let own_blocks = admitted?;
+            // The transfer runs on its own: a client hanging up meanwhile
+            // is noticed at its first token, and the lease is still
+            // released.
+            let transfers = d.transfers.clone();
+            let driver = state.driver.clone();
+            tokio::spawn(async move {
+                match transfers.pull(&source, own_blocks).await {
+                    Ok(pulled) => driver.deliver(id, pulled.kv, pulled.release).await,
+                    Err(error) => driver.transfer_failed(id, error).await,
+                }
+            });
+            rx
+        }
+        _ => state.driver.submit(request).await.ok_or_else(stopped)?,
+    };
     // The first event tells whether the engine took the request.
     let first = rx
         .recv()
         .await
         .ok_or_else(|| ApiError::from(ErrorBody::internal("the engine dropped the request")))?;
-    if let GenEvent::Rejected(err) = first {
-        return Err(err.into());
+    match first {
+        GenEvent::Rejected(err) => return Err(err.into()),
+        GenEvent::TransferFailed(err) => return Err(err.error_body().into()),
+        GenEvent::Finished {
+            reason: FinishReason::RestoreFailed,
+            ..
+        } => {
+            return Err(ErrorBody::upstream(
+                "the transferred KV does not hold this request's prompt",
+            )
+            .into())
+        }
+        _ => {}
     }
     if let (Some(marks), Some((router, id)), GenEvent::Token { .. }) =
         (&state.marks, job.routed, &first)
@@ -372,7 +484,39 @@ async fn run(
     if job.stream {
         Ok(stream_response(job, first, rx).into_response())
     } else {
-        collect_response(job, first, rx).await
+        collect_response(job, first, rx, state.disagg.as_deref()).await
+    }
+}
+
+/// The `kv_transfer_params` of a vLLM prefill's answer: naming this
+/// worker's lease, or `null` when nothing was captured (a prompt shorter
+/// than a block: the decode worker computes it all).
+fn prefill_answer(
+    job: &Job,
+    disagg: Option<&DisaggState>,
+    captured: Option<(switchyard_engine::lease::LeaseRef, Vec<u64>)>,
+    refused: Option<DisaggFailure>,
+) -> Result<Value, ApiError> {
+    match (captured, refused, disagg) {
+        (Some((lease, block_ids)), _, Some(d)) => {
+            let request_id = job
+                .client_id
+                .clone()
+                .unwrap_or_else(|| format!("{}-{}", job.api.id_prefix(), job.id));
+            Ok(disagg::prefill_params(
+                d.advertise.ip(),
+                d.advertise.port(),
+                &d.engine_id,
+                &request_id,
+                LeaseHandle(lease),
+                &block_ids,
+            ))
+        }
+        (None, Some(DisaggFailure::NothingCached), _) => Ok(Value::Null),
+        _ => Err(ErrorBody::overloaded(
+            "the prefill's KV could not be held for a remote decode (the lease table is full)",
+        )
+        .into()),
     }
 }
 
@@ -477,12 +621,18 @@ async fn collect_response(
     job: Job,
     first: GenEvent,
     mut rx: mpsc::Receiver<GenEvent>,
+    disagg: Option<&DisaggState>,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut token_ids = Vec::new();
+    let mut captured = None;
+    let mut refused = None;
     let mut event = Some(first);
     loop {
         match event.take() {
+            Some(GenEvent::Captured { lease, block_ids }) => captured = Some((lease, block_ids)),
+            Some(GenEvent::CaptureRefused(why)) => refused = Some(why),
+            Some(GenEvent::TransferFailed(err)) => return Err(err.error_body().into()),
             Some(GenEvent::Token { token, .. }) => {
                 text.push_str(job.output_text.of(token));
                 token_ids.push(token);
@@ -525,6 +675,13 @@ async fn collect_response(
                     usage: Some(usage(prompt_tokens, cached_tokens, output_tokens)),
                     ..completion(&job, job.api.object(), vec![choice])
                 };
+                if !job.vllm_prefill {
+                    return Ok(Json(body).into_response());
+                }
+                let params = prefill_answer(&job, disagg, captured, refused)?;
+                let mut body = serde_json::to_value(&body)
+                    .map_err(|_| ErrorBody::internal("answer serialization failed"))?;
+                body["kv_transfer_params"] = params;
                 return Ok(Json(body).into_response());
             }
             Some(GenEvent::Rejected(err)) => return Err(err.into()),
@@ -596,10 +753,15 @@ fn stream_response(
                 mut rx,
                 started,
             } => {
-                let event = match pending.take() {
+                let mut event = match pending.take() {
                     Some(e) => Some(e),
                     None => rx.recv().await,
                 };
+                // A streamed prefill (SGLang's, whose answer the router
+                // discards) says nothing of its capture.
+                while let Some(GenEvent::Captured { .. } | GenEvent::CaptureRefused(_)) = event {
+                    event = rx.recv().await;
+                }
                 match event {
                     Some(GenEvent::Token { token, .. }) => {
                         let data = chunk(&job, Some(token), !started && job.api == Api::Chat, None);
@@ -618,6 +780,9 @@ fn stream_response(
                         ..
                     })
                     | Some(GenEvent::Rejected(_))
+                    | Some(GenEvent::TransferFailed(_))
+                    | Some(GenEvent::Captured { .. })
+                    | Some(GenEvent::CaptureRefused(_))
                     | None => {
                         let data = ErrorBody::internal("the engine cancelled the request");
                         Some((Event::default().data(data.to_json()), StreamState::Done))
@@ -688,9 +853,9 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
                 reason: FinishReason::Length,
                 ..
             } => return Ok(StatusCode::OK),
-            GenEvent::Token { .. } => {}
+            GenEvent::Token { .. } | GenEvent::Captured { .. } | GenEvent::CaptureRefused(_) => {}
             GenEvent::Rejected(err) => return Err(err.into()),
-            GenEvent::Finished { .. } => break,
+            GenEvent::Finished { .. } | GenEvent::TransferFailed(_) => break,
         }
     }
     Err(ApiError::from(ErrorBody::overloaded(

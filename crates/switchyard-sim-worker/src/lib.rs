@@ -7,7 +7,10 @@
 //!   informational endpoints routers probe;
 //! - [`kv_publish`] — KV events in vLLM's wire format over the event
 //!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
-//! - [`metrics`] — the `prometheus-client` registry `/metrics` encodes.
+//! - [`metrics`] — the `prometheus-client` registry `/metrics` encodes;
+//! - [`disagg`] — `--disagg vllm|sglang`: prefill/decode disaggregation,
+//!   the handshake's fields, the KV pull between workers and its internal
+//!   endpoints (`/internal/kv/pull`, `/internal/kv/release`).
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight
@@ -24,6 +27,7 @@
 //! answer counts `usage.completion_tokens`, and a conversation's next turn
 //! hits the blocks of the answer it contains.
 
+pub mod disagg;
 pub mod driver;
 pub mod http;
 pub mod kv_publish;
@@ -143,6 +147,9 @@ pub struct SimWorkerArgs {
     /// NATS authentication and TLS for the marks (`--nats-*`, as `serve`'s).
     #[command(flatten)]
     pub nats: NatsAuthArgs,
+    /// Prefill/decode disaggregation (`--disagg`, `--disagg-role`, ...).
+    #[command(flatten)]
+    pub disagg: disagg::DisaggArgs,
 }
 
 /// `--preemption`: the engine's [`Preemption`] as a flag value.
@@ -220,6 +227,10 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .validate()
         .context("invalid engine configuration")?;
     args.replica_config()?;
+    args.disagg
+        .config()
+        .map_err(anyhow::Error::msg)
+        .context("invalid --disagg configuration")?;
     let tokenizer = match &args.tokenizer_dir {
         Some(dir) => Tokenizer::from_files(
             &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
@@ -274,6 +285,9 @@ pub struct BoundWorker {
     pub listener: tokio::net::TcpListener,
     /// Every route, behind the API key when there is one.
     pub app: axum::Router,
+    /// The SGLang bootstrap server's address (`--disagg sglang
+    /// --disagg-role prefill`), already serving.
+    pub bootstrap: Option<SocketAddr>,
 }
 
 /// Starts everything [`BoundWorker`] holds for `args`, with `tokenizer`
@@ -306,8 +320,12 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             Some(tx)
         }
     };
-    let driver =
-        driver::spawn(engine, metrics.clone(), kv_sink).context("starting the engine thread")?;
+    let disagg_config = args
+        .disagg
+        .config()
+        .map_err(anyhow::Error::msg)
+        .context("invalid --disagg configuration")?
+        .map(Arc::new);
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| format!("bad --host/--port {}:{}", args.host, args.port))?;
@@ -315,6 +333,31 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         .await
         .with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr()?;
+    let transfers = match &disagg_config {
+        None => None,
+        Some(d) => Some(
+            disagg::Transfers::new(
+                d.clone(),
+                args.api_key.as_deref(),
+                config.block_size,
+                config.max_model_len / config.block_size + 1,
+                config.timing.bytes_per_token,
+                config.timing.wall_ms(1.0),
+                metrics.clone(),
+            )
+            .context("starting the KV transfer client")?,
+        ),
+    };
+    let driver_disagg = match (&disagg_config, &transfers) {
+        (Some(d), Some(t)) => Some(driver::DriverDisagg {
+            lease_ttl_ms: d.lease_ttl_ms as f64,
+            max_rooms: d.max_rooms,
+            releases: t.spawn_releaser(),
+        }),
+        _ => None,
+    };
+    let driver = driver::spawn_with(engine, metrics.clone(), kv_sink, driver_disagg)
+        .context("starting the engine thread")?;
     let marks = match args.replica_config()? {
         None => None,
         Some(replica) => {
@@ -326,6 +369,57 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             let worker = worker_id_for_name(&local.to_string());
             Some(Arc::new(WorkerMarks::start(transport, &replica, worker)))
         }
+    };
+    let engine_id: Arc<str> = format!("switchyard-sim-{:016x}", rand::random::<u64>()).into();
+    let mut bootstrap = None;
+    let disagg_state = match (disagg_config, transfers) {
+        (Some(d), Some(transfers)) => {
+            let host = d.advertise_host.unwrap_or(if local.ip().is_unspecified() {
+                std::net::Ipv4Addr::LOCALHOST.into()
+            } else {
+                local.ip()
+            });
+            let internal = disagg::InternalState {
+                driver: driver.clone(),
+                metrics: metrics.clone(),
+                engine_id: engine_id.clone(),
+                block_size: config.block_size,
+            };
+            let mut advertise = SocketAddr::new(host, local.port());
+            if d.serves_bootstrap() {
+                let addr = SocketAddr::new(local.ip(), d.bootstrap_port);
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the bootstrap port {addr}"))?;
+                let bound = listener.local_addr()?;
+                println!("switchyard sim-worker bootstrap http://{bound}");
+                let app = disagg::internal_router(internal.clone());
+                let app = match &args.api_key {
+                    Some(key) => http::require_key(app, key),
+                    None => app,
+                };
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                advertise.set_port(bound.port());
+                bootstrap = Some(bound);
+            }
+            // Leases and rooms expire in wall time, also while idle.
+            driver.spawn_ticker(std::time::Duration::from_millis(250));
+            println!(
+                "switchyard sim-worker disaggregation {:?}{} engine {engine_id}",
+                d.protocol,
+                d.role.map(|r| format!(" role {r:?}")).unwrap_or_default()
+            );
+            Some((
+                Arc::new(http::DisaggState {
+                    config: d,
+                    transfers,
+                    engine_id,
+                    advertise,
+                }),
+                internal,
+            ))
+        }
+        _ => None,
     };
     let state = http::AppState {
         model: args.model.as_str().into(),
@@ -340,16 +434,25 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
         marks,
+        disagg: disagg_state.as_ref().map(|(d, _)| d.clone()),
     };
+    let mut app = http::router(state);
+    if let Some((_, internal)) = disagg_state {
+        app = app.merge(disagg::internal_router(internal));
+    }
     let app = match &args.api_key {
-        Some(key) => http::require_key(http::router(state), key),
-        None => http::router(state),
+        Some(key) => http::require_key(app, key),
+        None => app,
     };
-    Ok(BoundWorker { listener, app })
+    Ok(BoundWorker {
+        listener,
+        app,
+        bootstrap,
+    })
 }
 
 async fn serve(args: SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<()> {
-    let BoundWorker { listener, app } = bind(&args, tokenizer).await?;
+    let BoundWorker { listener, app, .. } = bind(&args, tokenizer).await?;
     println!(
         "switchyard sim-worker listening on http://{} (model {})",
         listener.local_addr()?,

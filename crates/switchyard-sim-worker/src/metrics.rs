@@ -53,6 +53,89 @@ impl RequestOutcome {
     }
 }
 
+/// Why a disaggregation step failed: the `reason` label of
+/// `switchyard_engine_disagg_failures_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisaggFailure {
+    /// A request's `kv_transfer_params` or bootstrap fields (or an
+    /// internal endpoint's body) were malformed.
+    InvalidParams,
+    /// A pull named a lease or room its worker does not hold.
+    UnknownLease,
+    /// The prefill worker could not be reached.
+    Unreachable,
+    /// The room did not become ready within `--bootstrap-timeout-ms`.
+    Timeout,
+    /// The pulled transfer did not fit (engine id, block size, blocks).
+    InvalidTransfer,
+    /// A prefill's capture was refused (the lease table is full).
+    CaptureRefused,
+    /// A prefill's prompt was shorter than one block: nothing to move.
+    NothingCached,
+    /// A room was already held.
+    RoomConflict,
+    /// `--max-rooms` rooms were held.
+    RoomsFull,
+    /// A remote lease's release failed (it expires at its worker).
+    ReleaseFailed,
+    /// A remote lease's release was dropped: the release queue was full.
+    ReleaseDropped,
+}
+
+impl DisaggFailure {
+    /// Every reason, in declaration order (an index is `as usize`).
+    pub const ALL: [DisaggFailure; 11] = [
+        DisaggFailure::InvalidParams,
+        DisaggFailure::UnknownLease,
+        DisaggFailure::Unreachable,
+        DisaggFailure::Timeout,
+        DisaggFailure::InvalidTransfer,
+        DisaggFailure::CaptureRefused,
+        DisaggFailure::NothingCached,
+        DisaggFailure::RoomConflict,
+        DisaggFailure::RoomsFull,
+        DisaggFailure::ReleaseFailed,
+        DisaggFailure::ReleaseDropped,
+    ];
+
+    /// Its `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DisaggFailure::InvalidParams => "invalid_params",
+            DisaggFailure::UnknownLease => "unknown_lease",
+            DisaggFailure::Unreachable => "unreachable",
+            DisaggFailure::Timeout => "timeout",
+            DisaggFailure::InvalidTransfer => "invalid_transfer",
+            DisaggFailure::CaptureRefused => "capture_refused",
+            DisaggFailure::NothingCached => "nothing_cached",
+            DisaggFailure::RoomConflict => "room_conflict",
+            DisaggFailure::RoomsFull => "rooms_full",
+            DisaggFailure::ReleaseFailed => "release_failed",
+            DisaggFailure::ReleaseDropped => "release_dropped",
+        }
+    }
+}
+
+/// The `event` labels of `switchyard_engine_leases_total`, in the order
+/// of [`Metrics::observe`]'s copy.
+const LEASE_LABELS: [&str; 5] = [
+    "captured",
+    "released",
+    "expired",
+    "refused_full",
+    "refused_unknown",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    event: &'static str,
+}
+
 /// The `decision` labels of `switchyard_engine_restores_total`, in the
 /// order of [`Metrics::observe`]'s copy.
 const RESTORE_LABELS: [&str; 7] = [
@@ -105,6 +188,21 @@ pub struct Metrics {
     restores: [Counter; RESTORE_LABELS.len()],
     /// Indexed by `RequestOutcome as usize`.
     requests: [Counter; RequestOutcome::ALL.len()],
+    /// Indexed like `LEASE_LABELS`.
+    leases: [Counter; LEASE_LABELS.len()],
+    leases_held: CountGauge,
+    /// Indexed by `DisaggFailure as usize`.
+    disagg_failures: [Counter; DisaggFailure::ALL.len()],
+    /// Prefill captures handed to a remote decode.
+    pub disagg_captures: Counter,
+    /// KV transfers a decode pulled and delivered.
+    pub disagg_transfers: Counter,
+    /// Modeled bytes of those transfers.
+    pub disagg_transfer_bytes: Counter,
+    /// Pulls this worker served.
+    pub disagg_pulls_served: Counter,
+    /// Pulls this worker refused (no such lease or room, or a wrong token).
+    pub disagg_pulls_unknown: Counter,
     /// KV events emitted.
     pub kv_events: Counter,
     /// KV events dropped because the publisher lagged or failed.
@@ -188,6 +286,26 @@ impl Metrics {
             "switchyard_engine_kv_batches_published",
             "KV-event batches published over ZMQ",
         );
+        let disagg_captures = counter(
+            "switchyard_engine_disagg_captures",
+            "Prefills whose prompt KV was captured under a lease for a remote decode (--disagg)",
+        );
+        let disagg_transfers = counter(
+            "switchyard_engine_disagg_transfers",
+            "KV transfers pulled from a prefill worker and handed to the engine (--disagg)",
+        );
+        let disagg_transfer_bytes = counter(
+            "switchyard_engine_disagg_transfer_bytes",
+            "Modeled KV bytes of those transfers: the tokens of the blocks the decode worker lacked x --bytes-per-token",
+        );
+        let disagg_pulls_served = counter(
+            "switchyard_engine_disagg_pulls_served",
+            "KV pulls this worker answered with a lease's blocks (--disagg)",
+        );
+        let disagg_pulls_unknown = counter(
+            "switchyard_engine_disagg_pulls_unknown",
+            "KV pulls by lease this worker refused: no such lease (never issued, released, expired) or a wrong token",
+        );
         let pacing_resyncs = counter(
             "switchyard_engine_pacing_resyncs",
             "Times the driver gave up schedule (see switchyard_engine_pacing_dropped_seconds_total)",
@@ -224,8 +342,38 @@ impl Metrics {
         });
         registry.register(
             "switchyard_engine_restores",
-            "Host-tier restore outcomes by decision",
+            "Restore outcomes by decision (host tier, and rendezvous transfers with --disagg)",
             restores_by_decision,
+        );
+        let leases_by_event = Family::<EventLabels, Counter>::default();
+        let leases = LEASE_LABELS.map(|event| {
+            leases_by_event
+                .get_or_create(&EventLabels { event })
+                .clone()
+        });
+        registry.register(
+            "switchyard_engine_leases",
+            "Capture leases by event (captured, released by their holder, expired, refused)",
+            leases_by_event,
+        );
+        let leases_held = CountGauge::default();
+        registry.register(
+            "switchyard_engine_leases_held",
+            "Capture leases held now",
+            leases_held.clone(),
+        );
+        let failures_by_reason = Family::<ReasonLabels, Counter>::default();
+        let disagg_failures = DisaggFailure::ALL.map(|reason| {
+            failures_by_reason
+                .get_or_create(&ReasonLabels {
+                    reason: reason.label(),
+                })
+                .clone()
+        });
+        registry.register(
+            "switchyard_engine_disagg_failures",
+            "Disaggregation failures by reason (--disagg)",
+            failures_by_reason,
         );
         let requests_by_status = Family::<StatusLabels, Counter>::default();
         let requests = RequestOutcome::ALL.map(|outcome| {
@@ -264,6 +412,14 @@ impl Metrics {
             pacing_resyncs,
             restores,
             requests,
+            leases,
+            leases_held,
+            disagg_failures,
+            disagg_captures,
+            disagg_transfers,
+            disagg_transfer_bytes,
+            disagg_pulls_served,
+            disagg_pulls_unknown,
             kv_events,
             kv_events_dropped,
             kv_batches_published,
@@ -273,6 +429,11 @@ impl Metrics {
     /// Counts a request leaving with `outcome`.
     pub fn count_request(&self, outcome: RequestOutcome) {
         self.requests[outcome as usize].inc();
+    }
+
+    /// Counts a disaggregation failure.
+    pub fn count_disagg_failure(&self, reason: DisaggFailure) {
+        self.disagg_failures[reason as usize].inc();
     }
 
     /// Counts one paced step: the wall time the timing model gave it and
@@ -305,6 +466,17 @@ impl Metrics {
         self.waiting.set(engine.waiting_len() as u64);
         self.cached_blocks.set(engine.kv().cached_blocks() as u64);
         self.host_blocks.set(engine.kv().host_blocks() as u64);
+        let l = engine.lease_counters();
+        for (counter, total) in self.leases.iter().zip([
+            l.captured,
+            l.released,
+            l.expired,
+            l.refused_full,
+            l.refused_unknown,
+        ]) {
+            mirror(counter, total);
+        }
+        self.leases_held.set(engine.leases_held() as u64);
         let r = c.restores;
         for (counter, total) in self.restores.iter().zip([
             r.no_reusable_entry,
@@ -364,12 +536,16 @@ mod tests {
             "switchyard_engine_spill_fallbacks_total 0\n",
             "switchyard_engine_slot_compactions_total 0\n",
             "switchyard_engine_logits_bytes_total 0\n",
+            "switchyard_engine_leases_total{event=\"released\"} 0\n",
+            "switchyard_engine_leases_held 0\n",
+            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"} 0\n",
+            "switchyard_engine_disagg_transfer_bytes_total 0\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (25, 25), "{text}");
+        assert_eq!((typed, helped), (33, 33), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),

@@ -33,7 +33,7 @@ async fn worker() -> String {
         "m",
     ])
     .args;
-    let BoundWorker { listener, app } = bind(&args, Tokenizer::bundled().unwrap())
+    let BoundWorker { listener, app, .. } = bind(&args, Tokenizer::bundled().unwrap())
         .await
         .expect("the worker starts");
     let base = format!("http://{}", listener.local_addr().unwrap());

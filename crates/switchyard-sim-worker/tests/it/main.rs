@@ -1,0 +1,5 @@
+//! The sim-worker's integration tests: workers served in-process on real
+//! loopback sockets, one module per concern.
+
+mod disagg;
+mod output_text;
