@@ -339,7 +339,7 @@ impl TtftSelector {
         (home, home_ms): (&'c Candidate, f64),
         lend: Option<u32>,
     ) -> &'c Candidate {
-        if self.config.stickiness <= 0.0 || chosen.overlap_blocks == home.overlap_blocks {
+        if self.config.stickiness <= 0.0 || held(chosen) == held(home) {
             return chosen;
         }
         // The saving as the home's pace prices both: a move is made for
@@ -391,6 +391,12 @@ impl TtftSelector {
     }
 }
 
+/// The prompt blocks `c` holds on its device, resumable or not (never
+/// fewer than those it can resume).
+fn held(c: &Candidate) -> u32 {
+    c.held_prefix_blocks.max(c.overlap_blocks)
+}
+
 /// One decode-only step of `c` at the KV memory its running requests hold
 /// (0 when it runs nothing), at `priced`'s pace.
 fn full_decode_step_ms(
@@ -417,12 +423,17 @@ impl Selector for TtftSelector {
         let lend = (longest > 0)
             .then_some(longest)
             .filter(|_| ctx.prefill.transfer_ms(WorkerId::new(0), 0).is_some());
-        // The cheapest holder of the longest prefix, found in the same pass.
+        // The cheapest holder of the longest device prefix, found in the
+        // same pass: for hybrid workers the prefix held, resumable or not
+        // (the holder keeps the branch point's SSM state for the turns
+        // after; the cost prices only what it can resume now).
+        let longest_held = ctx.available().map(held).max().unwrap_or(0);
         let mut home: Option<(crate::types::WorkerId, f64)> = None;
         let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
             let (cost, _) = self.best_cost(ctx, c, c.worker, lend);
             let total = cost.total();
-            if longest > 0 && c.overlap_blocks == longest && home.is_none_or(|(_, ms)| total < ms) {
+            if longest_held > 0 && held(c) == longest_held && home.is_none_or(|(_, ms)| total < ms)
+            {
                 home = Some((c.worker, total));
             }
             (total, cost.new_tokens, c.active_requests)
@@ -439,7 +450,7 @@ impl Selector for TtftSelector {
             Some(c) => {
                 // Lent by the home when that is what its cost was.
                 let peer = home
-                    .filter(|(h, _)| h.worker != c.worker)
+                    .filter(|(h, _)| h.worker != c.worker && h.overlap_blocks == longest)
                     .filter(|_| self.best_cost(ctx, c, c.worker, lend).1)
                     .map(|(h, _)| PeerSource {
                         holder: h.worker,
@@ -728,6 +739,36 @@ mod tests {
         // With no prefix anywhere the cheapest wins.
         home.busy = false;
         home.overlap_blocks = 0;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+    }
+
+    #[test]
+    fn a_hybrid_holder_keeps_a_prompt_it_cannot_resume_unless_a_move_saves_four_steps() {
+        // As above, but w1 is a hybrid worker holding the prompt's first
+        // block with no SSM state there: it resumes nothing (its cost is
+        // a cold worker's plus its queue), yet it holds the prefix and
+        // will keep the branch point's state for the turns after.
+        //   w1: wait 5 + prefill(X + 2 + 64) + locality 64
+        //       + stall 0.25 · 2 · (66 − 10)                = X + 163 ms
+        //   w2: prefill 64 + locality 64                      = 128 ms
+        let b = blocks(4);
+        let mut home = candidate(1);
+        home.held_prefix_blocks = 1;
+        home.active_requests = 2;
+        let cold = candidate(2);
+        let mut sticky = TtftSelector::new(TtftConfig::default(), 0);
+        // X = 0: w2 is 35 ms cheaper, less than 4 of w1's 10 ms steps.
+        let c = [home, cold];
+        assert_eq!(sticky.cost(&ctx(&b, 64, &c), &home).total(), 163.0);
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 1);
+        // X = 10: 45 ms cheaper, more than 40: it moves.
+        home.active_prefill_tokens = 10;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+        // Held by no one: the cheapest wins.
+        home.active_prefill_tokens = 0;
+        home.held_prefix_blocks = 0;
         let c = [home, cold];
         assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
     }
