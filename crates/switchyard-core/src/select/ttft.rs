@@ -14,7 +14,10 @@
 //! wait[w]     = ½ · step[w]
 //! first[w]    = wait[w] + prefill_ms(w, ahead[w] + new[w])  when its first token would come
 //!             + restore_ms(w, restored[w])
-//! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
+//! locality[w] = locality_weight · prefill_ms(w, P − max(cached[w], holds[w]·block_size) − restored[w])
+//!                                                          what scattering the prefix costs later
+//!               (holds: the device prefix blocks a hybrid worker holds,
+//!               resumable or not; overlap[w] for any other worker)
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
 //! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
@@ -270,7 +273,19 @@ impl TtftSelector {
         } else {
             ctx.prefill.prefill_ms(priced, new_tokens)
         };
-        let locality_ms = self.config.locality_weight * own_ms;
+        // A hybrid worker recomputing the part of its device prefix it
+        // holds without an SSM state adds no second copy to the fleet: the
+        // locality term counts only the tokens it does not hold.
+        let held_tokens = (u64::from(held(c)) * block_size).clamp(cached, prompt - restored_tokens);
+        let fleet_new = prompt - held_tokens - restored_tokens;
+        let locality_ms = self.config.locality_weight
+            * if fleet_new == new_tokens {
+                own_ms
+            } else if fleet_new == 0 {
+                0.0
+            } else {
+                ctx.prefill.prefill_ms(priced, fleet_new)
+            };
         // The worker's KV usage once this request runs there.
         let usage_after = c.kv_capacity_blocks.map(|capacity| {
             let adds = ctx
@@ -746,11 +761,12 @@ mod tests {
     #[test]
     fn a_hybrid_holder_keeps_a_prompt_it_cannot_resume_unless_a_move_saves_four_steps() {
         // As above, but w1 is a hybrid worker holding the prompt's first
-        // block with no SSM state there: it resumes nothing (its cost is
-        // a cold worker's plus its queue), yet it holds the prefix and
-        // will keep the branch point's state for the turns after.
-        //   w1: wait 5 + prefill(X + 2 + 64) + locality 64
-        //       + stall 0.25 · 2 · (66 − 10)                = X + 163 ms
+        // block with no SSM state there: it resumes nothing, so it
+        // computes all 64 tokens, but the 16 it holds are no second copy
+        // in the fleet (locality 48), and it will keep the branch point's
+        // state for the turns after.
+        //   w1: wait 5 + prefill(X + 2 + 64) + locality 48
+        //       + stall 0.25 · 2 · (66 − 10)                = X + 147 ms
         //   w2: prefill 64 + locality 64                      = 128 ms
         let b = blocks(4);
         let mut home = candidate(1);
@@ -758,12 +774,13 @@ mod tests {
         home.active_requests = 2;
         let cold = candidate(2);
         let mut sticky = TtftSelector::new(TtftConfig::default(), 0);
-        // X = 0: w2 is 35 ms cheaper, less than 4 of w1's 10 ms steps.
+        // X = 20: w2 is 39 ms cheaper, less than 4 of w1's 10 ms steps.
+        home.active_prefill_tokens = 20;
         let c = [home, cold];
-        assert_eq!(sticky.cost(&ctx(&b, 64, &c), &home).total(), 163.0);
+        assert_eq!(sticky.cost(&ctx(&b, 64, &c), &home).total(), 167.0);
         assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 1);
-        // X = 10: 45 ms cheaper, more than 40: it moves.
-        home.active_prefill_tokens = 10;
+        // X = 30: 49 ms cheaper, more than 40: it moves.
+        home.active_prefill_tokens = 30;
         let c = [home, cold];
         assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
         // Held by no one: the cheapest wins.
