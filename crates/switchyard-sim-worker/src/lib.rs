@@ -280,6 +280,11 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .config()
         .map_err(anyhow::Error::msg)
         .context("invalid --disagg configuration")?;
+    if args.architecture == ModelMode::Hybrid && args.disagg.disagg.is_some() {
+        anyhow::bail!(
+            "--disagg with --architecture hybrid is not modelled (a hybrid model's SSM state is not transferred)"
+        );
+    }
     let tokenizer = match &args.tokenizer_dir {
         Some(dir) => Tokenizer::from_files(
             &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
