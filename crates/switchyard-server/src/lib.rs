@@ -59,6 +59,7 @@ pub mod auth;
 pub mod booking;
 pub mod config;
 pub mod context;
+mod disagg;
 pub mod discovery;
 pub mod error;
 pub mod gauges;
@@ -272,6 +273,10 @@ pub struct ServeArgs {
     /// Keep the configured prefill model; do not fit it per worker from observed times to first token.
     #[arg(long, env = "SWITCHYARD_NO_PREFILL_FIT")]
     pub no_prefill_fit: bool,
+    /// Prefill/decode disaggregation: the engines' protocol, vllm or
+    /// sglang; workers then take role=prefill|decode|both [default: off].
+    #[arg(long, env = "SWITCHYARD_DISAGG", value_enum)]
+    pub disagg: Option<config::DisaggMode>,
     /// Replica sync (off unless --replica-sync is given).
     #[command(flatten)]
     pub replica: replica::ReplicaArgs,
@@ -379,6 +384,9 @@ impl ServeArgs {
         }
         if let Some(ms) = self.restore_ms_per_token {
             c.estimator.restore_ms_per_token = ms;
+        }
+        if self.disagg.is_some() {
+            c.disagg = self.disagg;
         }
         if self.no_prefill_fit {
             c.estimator.online = false;
@@ -700,7 +708,8 @@ pub async fn start_with_tokenizer(
             config.health_failures,
             interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
         )
-        .with_worker_auth(context::worker_authorization(&config)),
+        .with_worker_auth(context::worker_authorization(&config))
+        .with_disagg(config.disagg.is_some()),
     );
     for spec in &config.workers {
         fleet

@@ -301,6 +301,25 @@ async fn proxy(
     body: Bytes,
     facts: Parsed,
 ) -> Result<Response, ApiError> {
+    if let Some(mode) = state.disagg {
+        if state.shared.disaggregated() {
+            return super::disagg::serve(
+                mode,
+                state,
+                &headers,
+                Delivery {
+                    path,
+                    arrival,
+                    prompt: facts.tokens,
+                    original: body,
+                    stream: facts.stream,
+                },
+                facts.model,
+                facts.session,
+            )
+            .await;
+        }
+    }
     let request_id = state.shared.next_request_id();
     let session = headers
         .get("x-session-id")
@@ -366,50 +385,19 @@ async fn first_phase(
             return Err(attempts.timed_out_on(booking, fair));
         };
         match outcome {
-            Ok(Answer::Buffered(parts, bytes)) => {
-                let ok = parts.status.is_success();
-                let mut booking = booking;
-                booking.mark_first_token();
-                state
-                    .shared
-                    .metrics()
-                    .ttft
-                    .observe(arrival.elapsed().as_secs_f64());
-                if ok {
-                    // The session's context grows by what was generated.
-                    let completion = completion_tokens(&bytes);
-                    booking.progress(completion);
-                    booking.completed(prompt_tokens.saturating_add(completion));
-                }
-                state.shared.metrics().count_request(if ok {
-                    RequestStatus::Ok
-                } else {
-                    RequestStatus::WorkerError
-                });
-                let parts = attempts.client_parts(parts, &booking);
-                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
-                return Ok(Response::from_parts(parts, Body::from(bytes)));
-            }
-            Ok(Answer::Stream(parts, upstream, parser, first)) => {
-                let parts = attempts.client_parts(parts, &booking);
-                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
-                let api = if path == "/v1/chat/completions" {
-                    Api::Chat
-                } else {
-                    Api::Completions
-                };
-                let stream = MigratingStream::new(StreamStart {
+            Ok(answer) => {
+                return Ok(deliver(
                     attempts,
-                    api,
                     booking,
-                    upstream,
-                    parser,
-                    first,
-                    prompt: facts.tokens,
-                    original: body,
-                    arrival,
-                });
-                return Ok(Response::from_parts(parts, stream.into_body()));
+                    answer,
+                    Delivery {
+                        path,
+                        arrival,
+                        prompt: facts.tokens,
+                        original: body,
+                        stream: facts.stream,
+                    },
+                ))
             }
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(reason, detail)) => {
@@ -440,8 +428,87 @@ async fn first_phase(
     }
 }
 
+/// What [`deliver`] needs of the request besides its attempts.
+#[derive(Clone)]
+pub(crate) struct Delivery {
+    pub(crate) path: &'static str,
+    pub(crate) arrival: Instant,
+    /// The prompt's token ids.
+    pub(crate) prompt: Vec<u32>,
+    /// The client's body (a resumed stream's request is made from it).
+    pub(crate) original: Bytes,
+    pub(crate) stream: bool,
+}
+
+/// The client's response for a worker's successful answer: a buffered
+/// one ends the booking (finished when 2xx), a stream flows through
+/// [`MigratingStream`].
+pub(crate) fn deliver(
+    attempts: Attempts,
+    booking: Booking,
+    answer: Answer,
+    request: Delivery,
+) -> Response {
+    let state = attempts.state.clone();
+    let Delivery {
+        path,
+        arrival,
+        prompt,
+        original,
+        stream,
+    } = request;
+    let prompt_tokens = prompt.len() as u64;
+    match answer {
+        Answer::Buffered(parts, bytes) => {
+            let ok = parts.status.is_success();
+            let mut booking = booking;
+            booking.mark_first_token();
+            state
+                .shared
+                .metrics()
+                .ttft
+                .observe(arrival.elapsed().as_secs_f64());
+            if ok {
+                // The session's context grows by what was generated.
+                let completion = completion_tokens(&bytes);
+                booking.progress(completion);
+                booking.completed(prompt_tokens.saturating_add(completion));
+            }
+            state.shared.metrics().count_request(if ok {
+                RequestStatus::Ok
+            } else {
+                RequestStatus::WorkerError
+            });
+            let parts = attempts.client_parts(parts, &booking);
+            log_dispatch(&booking, &attempts, prompt_tokens, stream);
+            Response::from_parts(parts, Body::from(bytes))
+        }
+        Answer::Stream(parts, upstream, parser, first) => {
+            let parts = attempts.client_parts(parts, &booking);
+            log_dispatch(&booking, &attempts, prompt_tokens, stream);
+            let api = if path == "/v1/chat/completions" {
+                Api::Chat
+            } else {
+                Api::Completions
+            };
+            let stream = MigratingStream::new(StreamStart {
+                attempts,
+                api,
+                booking,
+                upstream,
+                parser,
+                first,
+                prompt,
+                original,
+                arrival,
+            });
+            Response::from_parts(parts, stream.into_body())
+        }
+    }
+}
+
 /// The request timeout passed while the request waited for a worker.
-fn queue_timeout(attempts: &Attempts) -> ApiError {
+pub(crate) fn queue_timeout(attempts: &Attempts) -> ApiError {
     tracing::info!(request = %attempts.client_id, "request timed out waiting for a worker");
     attempts.timed_out()
 }
@@ -461,7 +528,7 @@ fn log_dispatch(booking: &Booking, attempts: &Attempts, prompt_tokens: u64, stre
 
 /// `usage.completion_tokens` of a whole (non-streaming) answer; 0 when the
 /// worker sent none. Only that field is parsed.
-fn completion_tokens(body: &[u8]) -> u64 {
+pub(crate) fn completion_tokens(body: &[u8]) -> u64 {
     #[derive(Deserialize)]
     struct Usage {
         #[serde(default)]
@@ -478,7 +545,7 @@ fn completion_tokens(body: &[u8]) -> u64 {
 }
 
 /// A successful attempt.
-enum Answer {
+pub(crate) enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
@@ -487,7 +554,7 @@ enum Answer {
 
 /// Reads a streaming response up to its first complete event, within the
 /// first-token timeout.
-async fn first_event(
+pub(crate) async fn first_event(
     attempts: &Attempts,
     worker: &str,
     response: hyper::Response<Incoming>,
@@ -542,7 +609,7 @@ async fn first_event(
 }
 
 /// Buffers a whole response (bounded by `max_response_bytes`).
-async fn buffered(
+pub(crate) async fn buffered(
     attempts: &Attempts,
     response: hyper::Response<Incoming>,
 ) -> Result<Answer, AttemptError> {
@@ -624,6 +691,8 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
                 "models": w.models,
                 "in_selection": w.in_router,
                 "draining": w.draining,
+                "role": w.role.label(),
+                "bootstrap_port": w.bootstrap_port,
                 "active_requests": state.shared.active_requests(w.id),
             })
         })

@@ -71,6 +71,8 @@ pub struct Fleet {
     model_lens: Mutex<HashMap<WorkerId, u64>>,
     /// The largest of `model_lens` (0: none), read per request.
     max_model_len: AtomicU64,
+    /// Whether workers may have roles (`--disagg`).
+    disagg: bool,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -103,6 +105,7 @@ impl Fleet {
             worker_auth: None,
             model_lens: Mutex::new(HashMap::new()),
             max_model_len: AtomicU64::new(0),
+            disagg: false,
         }
     }
 
@@ -110,6 +113,13 @@ impl Fleet {
     /// checks and probes.
     pub fn with_worker_auth(mut self, auth: Option<HeaderValue>) -> Self {
         self.worker_auth = auth;
+        self
+    }
+
+    /// Lets workers have roles (`serve --disagg`); without it a worker
+    /// with role `prefill` or `decode` is refused.
+    pub fn with_disagg(mut self, disagg: bool) -> Self {
+        self.disagg = disagg;
         self
     }
 
@@ -144,7 +154,14 @@ impl Fleet {
             ));
         }
         let name = spec.display_name();
+        if spec.role != crate::roster::Role::Both && !self.disagg {
+            return Err(format!(
+                "role={} needs a router started with --disagg vllm|sglang",
+                spec.role.label()
+            ));
+        }
         let id = self.shared.add_worker(&name, &spec.url)?;
+        self.shared.set_role(id, spec.role, spec.bootstrap_port);
         if let (Some(events), true) = (&spec.events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
             config.replay_endpoint = spec.replay.clone();
@@ -483,6 +500,8 @@ mod tests {
             events: Some("tcp://127.0.0.1:9".into()),
             replay: None,
             block_size: None,
+            role: Default::default(),
+            bootstrap_port: None,
         };
         let id = fleet.add(&spec).unwrap();
         fleet.enter(id);
