@@ -322,14 +322,10 @@ pub(crate) fn sglang_body(
 /// [`MAX_TRANSFER_PARAMS_BYTES`] (the worker's failure). The object is
 /// forwarded whole: the decode worker validates its fields.
 pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Value>, String> {
-    #[derive(serde::Deserialize)]
-    struct Prefill {
-        #[serde(default)]
-        kv_transfer_params: Value,
-    }
-    let parsed: Prefill = serde_json::from_slice(answer)
-        .map_err(|_| "the prefill answer is not a JSON object".to_owned())?;
-    match parsed.kv_transfer_params {
+    let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(answer) else {
+        return Err("the prefill answer is not a JSON object".to_owned());
+    };
+    match answer.remove("kv_transfer_params").unwrap_or(Value::Null) {
         Value::Null => Ok(None),
         Value::Object(map) => {
             let size = serde_json::to_vec(&map).map_or(usize::MAX, |v| v.len());
