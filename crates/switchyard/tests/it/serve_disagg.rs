@@ -307,21 +307,24 @@ async fn sglang_killed_workers_lose_no_request() {
     .await;
 }
 
-/// vLLM: a prefill worker whose leases expire before any decode pulls
-/// them, beside a sound one (round-robin over the prefill pool): the
-/// decode worker answers 404 for the expired lease, and the router does
-/// the prefill again (on the other worker) instead of failing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vllm_an_expired_lease_gets_a_new_prefill() {
-    let _machine = machine().await;
-    let prefill = [
-        worker(&["--disagg", "vllm", "--lease-ttl-ms", "1"]),
-        vllm_worker(),
-    ];
-    let decode = [vllm_worker()];
+/// A prefill worker whose KV no decode worker can pull (it wants a key
+/// the decode workers do not send), beside a sound one, round-robin over
+/// the prefill pool: the decode worker answers that its transfer failed
+/// (502 naming the prefill worker), and the router does the prefill again
+/// — on the other worker — instead of failing the request or blaming the
+/// decode worker. (A 404 for an expired or unknown lease takes the same
+/// path: `disagg::tests::a_transfer_failure_is_told_from_a_worker_failure`.)
+async fn a_failed_transfer_gets_a_new_prefill(mode: &str, prefill: [Proc; 2], decode: Proc) {
     let router = router(
-        &specs(&prefill, &decode),
-        &["--disagg", "vllm", "--policy", "round-robin"],
+        &specs(&prefill, std::slice::from_ref(&decode)),
+        &[
+            "--disagg",
+            mode,
+            "--policy",
+            "round-robin",
+            "--worker-api-key",
+            "wk",
+        ],
     );
     let client = reqwest::Client::new();
     for n in 0..6 {
@@ -340,16 +343,41 @@ async fn vllm_an_expired_lease_gets_a_new_prefill() {
             "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
         ),
         Some(0.0),
-        "an expired lease is not the decode worker's failure"
+        "a failed transfer is not the decode worker's failure"
     );
-    let d = metrics_of(&client, &decode[0]).await;
+    assert_eq!(metric_sum(&r, "switchyard_disagg_failures_total"), 0.0);
+    let d = metrics_of(&client, &decode).await;
     assert!(
         metric(
             &d,
-            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"}"
+            "switchyard_engine_disagg_failures_total{reason=\"unreachable\"}"
         ) >= Some(1.0),
         "{d}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_a_failed_transfer_gets_a_new_prefill() {
+    let _machine = machine().await;
+    let locked = worker(&["--disagg", "vllm", "--api-key", "wk"]);
+    a_failed_transfer_gets_a_new_prefill("vllm", [locked, vllm_worker()], vllm_worker()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_failed_transfer_gets_a_new_prefill() {
+    let _machine = machine().await;
+    let locked = worker(&[
+        "--disagg",
+        "sglang",
+        "--disagg-role",
+        "prefill",
+        "--bootstrap-port",
+        "0",
+        "--api-key",
+        "wk",
+    ]);
+    a_failed_transfer_gets_a_new_prefill("sglang", [locked, sglang_prefill()], sglang_decode())
+        .await;
 }
 
 /// Roles need `--disagg`, and the admin API shows them.
