@@ -592,7 +592,7 @@ fn half_timed_out(
 /// client error the prefill worker answered (the client's answer).
 enum Prefilled {
     Params(Option<Value>),
-    Refused(Attempts, Booking, Answer),
+    Refused(Box<(Attempts, Booking, Answer)>),
 }
 
 /// vLLM's prefill half: placed, sent and moved until a prefill worker
@@ -632,7 +632,7 @@ async fn vllm_prefill(split: &Split<'_>, prefill_body: &Bytes) -> Result<Prefill
             }
             Ok(answer @ Answer::Buffered(..)) => {
                 metrics.half(Role::Prefill, Outcome::Refused);
-                return Ok(Prefilled::Refused(attempts, booking, answer));
+                return Ok(Prefilled::Refused(Box::new((attempts, booking, answer))));
             }
             Ok(Answer::Stream(..)) => (
                 Failure::Status5xx,
@@ -662,8 +662,9 @@ async fn vllm(
     loop {
         let params = match vllm_prefill(split, &prefill_body).await? {
             Prefilled::Params(params) => params,
-            Prefilled::Refused(attempts, booking, answer) => {
-                return Ok(deliver(attempts, booking, answer, split.request.clone()))
+            Prefilled::Refused(refused) => {
+                let (attempts, booking, answer) = *refused;
+                return Ok(deliver(attempts, booking, answer, split.request.clone()));
             }
         };
         let body = vllm_decode_body(original, params.as_ref()).map_err(|e| (Reason::Decode, e))?;
@@ -734,12 +735,14 @@ fn decode_outcome(answer: &Answer) -> Outcome {
 /// What a prefill half's task hands back.
 type PrefillRun = (Attempts, Booking, Result<Answer, HalfError>);
 
-/// How SGLang's pair of sends ended first.
+/// How SGLang's pair of sends ended first (one short-lived value per
+/// attempt: its size does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Race {
     /// The decode answered (or failed, or the request timed out).
     Decoded(Result<Result<Answer, HalfError>, tokio::time::error::Elapsed>),
     /// The prefill failed before the decode answered.
-    PrefillFailed(Attempts, Booking, Result<Answer, HalfError>),
+    PrefillFailed(Box<PrefillRun>),
 }
 
 /// SGLang: both halves at once under one room; the decode worker's answer
@@ -812,7 +815,7 @@ async fn sglang(
                         Ok(Answer::Buffered(ref parts, _)) if parts.status.is_success() => {
                             prefill_ok = Some((attempts, booking));
                         }
-                        sent => break Race::PrefillFailed(attempts, booking, sent),
+                        sent => break Race::PrefillFailed(Box::new((attempts, booking, sent))),
                     }
                 }
                 answer = &mut decode_sent => break Race::Decoded(answer),
@@ -820,7 +823,8 @@ async fn sglang(
         };
         drop(decode_sent);
         let answer = match race {
-            Race::PrefillFailed(mut attempts, booking, sent) => {
+            Race::PrefillFailed(failed) => {
+                let (mut attempts, booking, sent) = *failed;
                 // The decode was cancelled (dropped): not its worker's
                 // failure; the prefill moves on, or the client gets the
                 // prefill worker's refusal.
