@@ -104,6 +104,13 @@ impl Attempts {
         self
     }
 
+    /// Judges 5xx answers again (a stream resumed on another worker
+    /// retries on a 5xx as any request does).
+    pub(crate) fn judging_server_errors(mut self) -> Self {
+        self.pass_server_errors = false;
+        self
+    }
+
     fn blocks(&self, tokens: &[u32]) -> Vec<LocalHash> {
         switchyard_core::hashing::local_block_hashes(
             tokens,

@@ -904,6 +904,20 @@ mod tests {
     #[test]
     fn unknown_worker_options_and_bad_urls_are_refused() {
         assert!(WorkerSpec::parse("http://h:1,colour=red").is_err());
+        let w = WorkerSpec::parse("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
+        assert_eq!((w.role, w.bootstrap_port), (Role::Prefill, Some(8998)));
+        assert_eq!(WorkerSpec::parse("http://h:1").unwrap().role, Role::Both);
+        assert!(WorkerSpec::parse("http://h:1,role=primary").is_err());
+        assert!(WorkerSpec::parse("http://h:1,bootstrap-port=0").is_err());
+        assert!(WorkerSpec::parse("http://h:1,bootstrap-port=70000").is_err());
+        let toml = "disagg = \"sglang\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"decode\"\n[[workers]]\nurl = \"http://h:2\"\nrole = \"prefill\"\nbootstrap-port = 9000\n";
+        let c: ServerConfig = toml::from_str(toml).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.disagg, Some(DisaggMode::Sglang));
+        assert_eq!(c.workers[0].role, Role::Decode);
+        assert_eq!(c.workers[1].bootstrap_port, Some(9000));
+        let without = ServerConfig { disagg: None, ..c };
+        assert!(without.validate().is_err(), "roles need --disagg");
         assert!(WorkerSpec::parse("https://h:1").is_err());
         assert!(WorkerSpec::parse("http://h:1/v1").is_err());
         assert!(WorkerSpec::parse("http://h:1,replay=tcp://h:2").is_err());

@@ -690,7 +690,12 @@ async fn vllm(
             match answer {
                 Ok(answer) => {
                     metrics.half(Role::Decode, decode_outcome(&answer));
-                    return Ok(deliver(decode, current, answer, split.request.clone()));
+                    return Ok(deliver(
+                        decode.judging_server_errors(),
+                        current,
+                        answer,
+                        split.request.clone(),
+                    ));
                 }
                 Err(HalfError::Retry(failure, detail)) => {
                     current = move_half(
@@ -858,7 +863,12 @@ async fn sglang(
             Ok(answer) => {
                 metrics.half(Role::Decode, decode_outcome(&answer));
                 settle_prefill(prefill_ok, prefill_task, metrics.clone(), prompt_tokens);
-                return Ok(deliver(decode, d_booking, answer, split.request.clone()));
+                return Ok(deliver(
+                    decode.judging_server_errors(),
+                    d_booking,
+                    answer,
+                    split.request.clone(),
+                ));
             }
             Err(error) => {
                 // The pair again under a new room: the prefill worker did
