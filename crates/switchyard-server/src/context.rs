@@ -62,7 +62,7 @@ pub struct AppState {
     /// The disaggregated fleet's protocol (`--disagg`), when on.
     pub disagg: Option<crate::config::DisaggMode>,
     /// Counts of disaggregated requests' halves.
-    pub(crate) disagg_metrics: Arc<crate::disagg::DisaggMetrics>,
+    pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
 }
 
 impl AppState {
@@ -81,7 +81,7 @@ impl AppState {
         fleet.kv_metrics.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
-        let disagg_metrics = Arc::new(crate::disagg::DisaggMetrics::new());
+        let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());
         disagg_metrics.register(&mut registry);
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),

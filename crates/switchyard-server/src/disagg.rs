@@ -35,22 +35,18 @@
 //! resent; a stream broken mid-way is resumed on another decode worker as
 //! today, which computes the prompt and the tokens so far itself.
 
+use crate::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
 use crate::attempt::{AttemptError, Attempts};
 use crate::booking::Booking;
 use crate::config::DisaggMode;
 use crate::context::Shared;
 use crate::error::ApiError;
+use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
 use crate::migration::{Failure, Phase, Progress};
-use crate::proxy::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 use serde_json::{Map, Value};
 use switchyard_core::admission::SessionKey;
 use switchyard_core::RequestId;
@@ -65,184 +61,6 @@ pub(crate) const MAX_TRANSFER_PARAMS_BYTES: usize = 64 * 1024;
 /// Largest error body of a decode worker read to judge whether its
 /// transfer failed.
 const MAX_ERROR_BYTES: usize = 64 * 1024;
-
-/// How a half ended, as the `outcome` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// Answered 2xx.
-    Ok,
-    /// Failed (refused, reset, 5xx, timeout, broken answer): reported.
-    Failed,
-    /// Answered a client error, passed to the client.
-    Refused,
-    /// A decode whose transfer failed (lease or room unknown, its prefill
-    /// worker unreachable): not the decode worker's failure.
-    TransferFailed,
-}
-
-impl Outcome {
-    const ALL: [Outcome; 4] = [
-        Outcome::Ok,
-        Outcome::Failed,
-        Outcome::Refused,
-        Outcome::TransferFailed,
-    ];
-    fn label(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::Failed => "failed",
-            Outcome::Refused => "refused",
-            Outcome::TransferFailed => "transfer_failed",
-        }
-    }
-}
-
-/// Why a half was tried again, as the `reason` label of the retries, and
-/// why a request failed, of the failures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Reason {
-    /// The prefill worker failed.
-    Prefill,
-    /// The decode worker failed.
-    Decode,
-    /// The decode worker could not take the KV (lease or room unknown or
-    /// expired, prefill worker unreachable, KV not the prompt's).
-    Transfer,
-    /// The request timeout passed.
-    Timeout,
-    /// No worker of a pool could take it.
-    NoWorker,
-}
-
-impl Reason {
-    const ALL: [Reason; 5] = [
-        Reason::Prefill,
-        Reason::Decode,
-        Reason::Transfer,
-        Reason::Timeout,
-        Reason::NoWorker,
-    ];
-    fn label(self) -> &'static str {
-        match self {
-            Reason::Prefill => "prefill",
-            Reason::Decode => "decode",
-            Reason::Transfer => "transfer",
-            Reason::Timeout => "timeout",
-            Reason::NoWorker => "no_worker",
-        }
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct HalfLabels {
-    role: &'static str,
-    outcome: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
-/// The disaggregated requests' counts; every label set made up front.
-#[derive(Debug)]
-pub(crate) struct DisaggMetrics {
-    requests: Counter,
-    halves_family: Family<HalfLabels, Counter>,
-    /// `[prefill, decode] × Outcome`.
-    halves: [[Counter; Outcome::ALL.len()]; 2],
-    retries_family: Family<ReasonLabels, Counter>,
-    retries: [Counter; Reason::ALL.len()],
-    failures_family: Family<ReasonLabels, Counter>,
-    failures: [Counter; Reason::ALL.len()],
-    /// Arrival to the prefill worker's answer (vLLM).
-    prefill_seconds: Histogram,
-}
-
-fn role_index(role: Role) -> usize {
-    usize::from(role == Role::Decode)
-}
-
-impl DisaggMetrics {
-    pub(crate) fn new() -> Self {
-        let halves_family = Family::<HalfLabels, Counter>::default();
-        let halves = [Role::Prefill, Role::Decode].map(|role| {
-            Outcome::ALL.map(|outcome| {
-                halves_family
-                    .get_or_create(&HalfLabels {
-                        role: role.label(),
-                        outcome: outcome.label(),
-                    })
-                    .clone()
-            })
-        });
-        let by_reason = |family: &Family<ReasonLabels, Counter>| {
-            Reason::ALL.map(|r| {
-                family
-                    .get_or_create(&ReasonLabels { reason: r.label() })
-                    .clone()
-            })
-        };
-        let retries_family = Family::default();
-        let failures_family = Family::default();
-        Self {
-            requests: Counter::default(),
-            halves,
-            retries: by_reason(&retries_family),
-            failures: by_reason(&failures_family),
-            halves_family,
-            retries_family,
-            failures_family,
-            prefill_seconds: Histogram::new(crate::metrics::LATENCY_BUCKETS),
-        }
-    }
-
-    pub(crate) fn register(&self, registry: &mut Registry) {
-        registry.register(
-            "switchyard_disagg_requests",
-            "Requests served as a prefill and a decode half (--disagg)",
-            self.requests.clone(),
-        );
-        registry.register(
-            "switchyard_disagg_halves",
-            "Halves of disaggregated requests sent to workers, by role and how each ended",
-            self.halves_family.clone(),
-        );
-        registry.register(
-            "switchyard_disagg_retries",
-            "Halves of disaggregated requests sent again, by why",
-            self.retries_family.clone(),
-        );
-        registry.register(
-            "switchyard_disagg_failures",
-            "Disaggregated requests answered with an error, by which part failed",
-            self.failures_family.clone(),
-        );
-        registry.register(
-            "switchyard_disagg_prefill_seconds",
-            "Arrival to the prefill worker's answer, vLLM protocol",
-            self.prefill_seconds.clone(),
-        );
-    }
-
-    fn half(&self, role: Role, outcome: Outcome) {
-        self.halves[role_index(role)][outcome as usize].inc();
-    }
-
-    fn retry(&self, reason: Reason) {
-        self.retries[reason as usize].inc();
-    }
-
-    fn failure(&self, reason: Reason) {
-        self.failures[reason as usize].inc();
-    }
-
-    /// Halves counted with `role` and `outcome` (tests).
-    #[cfg(test)]
-    pub(crate) fn halves(&self, role: Role, outcome: Outcome) -> u64 {
-        self.halves[role_index(role)][outcome as usize].get()
-    }
-}
 
 // ---- Bodies ---------------------------------------------------------------
 
@@ -939,6 +757,7 @@ fn settle_prefill(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::registry::Registry;
 
     const FIXTURES: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),

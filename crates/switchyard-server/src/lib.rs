@@ -23,6 +23,12 @@
 //!   puts them together; nothing reads a body before the key is checked).
 //! - [`proxy`] — the HTTP handlers and the non-streaming path; `attempt` —
 //!   one request's attempts on workers (send, judge a failure, migrate).
+//! - `answer` — a worker's answer on its way to the client (the first
+//!   event of a stream, a whole answer, the client's response made of it).
+//! - `disagg` — prefill/decode-disaggregated requests (`--disagg
+//!   vllm|sglang`, workers with `role=prefill|decode`): two halves, each
+//!   placed by the dispatcher over its pool, and the engine family's
+//!   protocol between them (`docs/disaggregation.md`).
 //! - `stream` — the streaming response body, a small state machine that
 //!   forwards events and resumes a broken stream on another worker.
 //! - [`migration`] — the pure parts of migration: the decision, progress,
@@ -50,10 +56,12 @@
 //! → `stream::MigratingStream` (first token, latencies, mid-stream resume)
 //! → the booking's drop finishes or aborts the request.
 //!
-//! Modules import each other in one direction only: `proxy` → `attempt`
-//! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
+//! Modules import each other in one direction only: `proxy` → `disagg` →
+//! `answer` → `attempt` and `stream` → `booking` → `shared` → `roster`,
+//! `gauges`, `metrics`.
 
 pub mod accept;
+mod answer;
 mod attempt;
 pub mod auth;
 pub mod booking;
