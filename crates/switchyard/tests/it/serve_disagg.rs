@@ -4,6 +4,7 @@
 //! pool, the KV moves between the two workers, and the decode worker's
 //! answer reaches the client; workers killed mid-run cost no request.
 
+use crate::scripted_worker::{scripted_worker, Script};
 use crate::support::{
     machine, metric, metric_sum, metrics_text, router, sim_worker_with, wait_metrics, Proc,
 };
@@ -378,6 +379,55 @@ async fn sglang_a_failed_transfer_gets_a_new_prefill() {
     ]);
     a_failed_transfer_gets_a_new_prefill("sglang", [locked, sglang_prefill()], sglang_decode())
         .await;
+}
+
+/// vLLM: a prefill worker whose answers name a lease its peer never
+/// issued (a scripted worker; to the decode worker no different from an
+/// expired or released lease) beside a sound one, round-robin: the decode
+/// worker answers 404 for the lease, and the router does the prefill again
+/// instead of failing the request or blaming the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_an_unknown_or_expired_lease_gets_a_new_prefill() {
+    let _machine = machine().await;
+    let sound = vllm_worker();
+    let decode = vllm_worker();
+    let stale = scripted_worker(Script::StaleLease(sound.port())).await;
+    let router = router(
+        &[
+            format!("{stale},name=p0,role=prefill"),
+            format!("{},role=prefill", sound.named("p1")),
+            format!("{},role=decode", decode.named("d0")),
+        ],
+        &["--disagg", "vllm", "--policy", "round-robin"],
+    );
+    let client = reqwest::Client::new();
+    for n in 0..6 {
+        let (worker, pieces, _) = ask(&client, &router.base, &chat(n, n % 2 == 0)).await;
+        assert_eq!((worker.as_str(), pieces), ("d0", 16));
+    }
+    settled(&client, &router, &[&sound]).await;
+    let r = metrics_of(&client, &router).await;
+    assert!(
+        metric(&r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
+        "{r}"
+    );
+    assert_eq!(
+        metric(
+            &r,
+            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
+        ),
+        Some(0.0)
+    );
+    let d = metrics_of(&client, &decode).await;
+    assert!(
+        metric(
+            &d,
+            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"}"
+        ) >= Some(1.0),
+        "{d}"
+    );
+    let p = metrics_of(&client, &sound).await;
+    assert!(metric(&p, "switchyard_engine_disagg_pulls_unknown_total") >= Some(1.0));
 }
 
 /// Roles need `--disagg`, and the admin API shows them.
