@@ -918,6 +918,13 @@ mod tests {
         assert_eq!(c.workers[1].bootstrap_port, Some(9000));
         let without = ServerConfig { disagg: None, ..c };
         assert!(without.validate().is_err(), "roles need --disagg");
+        let file = WorkersFile::parse(
+            "[[workers]]\nurl = \"http://h:1\"\nrole = \"decode\"\n",
+            16,
+            CacheMode::Auto,
+        )
+        .unwrap();
+        assert_eq!(file.workers[0].role, Role::Decode);
         assert!(WorkerSpec::parse("https://h:1").is_err());
         assert!(WorkerSpec::parse("http://h:1/v1").is_err());
         assert!(WorkerSpec::parse("http://h:1,replay=tcp://h:2").is_err());

@@ -518,6 +518,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_role_needs_disagg_and_is_kept_in_the_roster() {
+        let config = ServerConfig::default();
+        let (shared, _) = shared_with(&config, &[]);
+        let fleet = |disagg| {
+            Fleet::new(
+                shared.clone(),
+                upstream_client(Duration::from_millis(100)),
+                false,
+                config.block_size,
+                3,
+                Duration::from_millis(100),
+            )
+            .with_disagg(disagg)
+        };
+        let spec = WorkerSpec::parse("http://127.0.0.1:9,name=p,role=prefill,bootstrap-port=8998")
+            .unwrap();
+        let err = fleet(false).add(&spec).unwrap_err();
+        assert!(err.contains("--disagg"), "{err}");
+        assert!(shared.workers().is_empty());
+        let id = fleet(true).add(&spec).unwrap();
+        assert_eq!(
+            shared.role_of(id),
+            Some((crate::roster::Role::Prefill, Some(8998)))
+        );
+    }
+
+    #[tokio::test]
     async fn draining_a_worker_with_only_peers_bookings_removes_it_at_once() {
         let (fleet, shared, id) = fleet();
         book_remotely(&shared, 1_000, id);
