@@ -121,7 +121,7 @@ pub struct ServeArgs {
     /// Routing policy: ttft, kv, cache-aware, round-robin, random, least-loaded, power-of-two [default: ttft].
     #[arg(long, env = "SWITCHYARD_POLICY")]
     pub policy: Option<PolicyKind>,
-    /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]; repeat.
+    /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N]; repeat.
     #[arg(long = "worker", env = "SWITCHYARD_WORKERS", value_delimiter = ';')]
     pub workers: Vec<String>,
     /// Tokens per KV block; must match the engines' [default: 16].
