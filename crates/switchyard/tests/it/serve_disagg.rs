@@ -430,6 +430,67 @@ async fn vllm_an_unknown_or_expired_lease_gets_a_new_prefill() {
     assert!(metric(&p, "switchyard_engine_disagg_pulls_unknown_total") >= Some(1.0));
 }
 
+/// SGLang: a prefill worker that answers but never holds the room (a
+/// scripted worker; its bootstrap port is a sound prefill worker's, which
+/// does not hold that room either) beside the sound one, round-robin: the
+/// decode worker gives up on the room (504 after its
+/// `--bootstrap-timeout-ms`), and the router sends the pair again under a
+/// new room instead of failing the request or blaming the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_room_never_held_gets_a_new_pair() {
+    let _machine = machine().await;
+    let sound = sglang_prefill();
+    let decode = worker(&[
+        "--disagg",
+        "sglang",
+        "--disagg-role",
+        "decode",
+        "--bootstrap-timeout-ms",
+        "300",
+    ]);
+    let bootstrap = sound
+        .bootstrap
+        .expect("the prefill printed its bootstrap port");
+    let stale = scripted_worker(Script::StaleLease(sound.port())).await;
+    let router = router(
+        &[
+            format!("{stale},name=p0,role=prefill,bootstrap-port={bootstrap}"),
+            format!(
+                "{},role=prefill,bootstrap-port={bootstrap}",
+                sound.named("p1")
+            ),
+            format!("{},role=decode", decode.named("d0")),
+        ],
+        &["--disagg", "sglang", "--policy", "round-robin"],
+    );
+    let client = reqwest::Client::new();
+    for n in 0..4 {
+        let (worker, pieces, _) = ask(&client, &router.base, &chat(n, n % 2 == 0)).await;
+        assert_eq!((worker.as_str(), pieces), ("d0", 16));
+    }
+    settled(&client, &router, &[&sound]).await;
+    let r = metrics_of(&client, &router).await;
+    assert!(
+        metric(&r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
+        "{r}"
+    );
+    assert_eq!(
+        metric(
+            &r,
+            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
+        ),
+        Some(0.0)
+    );
+    let d = metrics_of(&client, &decode).await;
+    assert!(
+        metric(
+            &d,
+            "switchyard_engine_disagg_failures_total{reason=\"timeout\"}"
+        ) >= Some(1.0),
+        "{d}"
+    );
+}
+
 /// Roles need `--disagg`, and the admin API shows them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn roles_are_listed_and_need_disagg() {
