@@ -182,6 +182,11 @@ impl CheckpointCache {
         self.entries.drain().map(|(hash, _)| hash).collect()
     }
 
+    /// The prefixes whose checkpoints are held, oldest use first.
+    pub fn hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
+        self.by_use.values().copied()
+    }
+
     /// The position the checkpoint at `hash` stands for.
     pub fn tokens(&self, hash: SequenceHash) -> Option<usize> {
         self.entries.get(&hash).map(|e| e.tokens)

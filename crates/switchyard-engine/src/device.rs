@@ -1596,6 +1596,16 @@ mod tests {
             })
         );
         assert_eq!(dev.secondary_pending(), 1, "a snapshot is a copy");
+        // Resuming from one: the same alignment rule, a copy too.
+        assert_eq!(
+            dev.load_checkpoint(&kv, SeqId(1), SlotId(0), 4),
+            Ok(Checkpoint {
+                slot: SlotId(0),
+                tokens: 4
+            })
+        );
+        assert!(dev.load_checkpoint(&kv, SeqId(1), SlotId(0), 0).is_err());
+        assert_eq!(dev.secondary_pending(), 2);
         assert_eq!(
             dev.log[0],
             Effect::MarconiCheckpoint {

@@ -167,8 +167,19 @@ pub enum Command {
     Tick,
     /// Cancel a request.
     Cancel(RequestId),
-    /// Report the cached blocks of both tiers (for `/debug/kv_cache`).
-    Snapshot(oneshot::Sender<Vec<(Medium, EngineHash)>>),
+    /// Report the cached blocks of both tiers and a hybrid model's SSM
+    /// checkpoints (for `/debug/kv_cache`).
+    Snapshot(oneshot::Sender<KvSnapshot>),
+}
+
+/// What an engine caches, as `/debug/kv_cache` shows it.
+#[derive(Clone, Debug, Default)]
+pub struct KvSnapshot {
+    /// Cached blocks of both tiers, by engine hash.
+    pub blocks: Vec<(Medium, EngineHash)>,
+    /// A hybrid model's SSM checkpoints, by the engine hash of the block
+    /// each ends (empty for an attention model).
+    pub ssm_checkpoints: Vec<EngineHash>,
 }
 
 /// Handle to the driver task.
@@ -296,8 +307,9 @@ impl DriverHandle {
         let _ = self.commands.send(Command::Cancel(id)).await;
     }
 
-    /// The cached blocks of both tiers, sorted; `None` when the driver stopped.
-    pub async fn snapshot(&self) -> Option<Vec<(Medium, EngineHash)>> {
+    /// The cached blocks of both tiers and the SSM checkpoints; `None`
+    /// when the driver stopped.
+    pub async fn snapshot(&self) -> Option<KvSnapshot> {
         let (tx, rx) = oneshot::channel();
         self.commands.send(Command::Snapshot(tx)).await.ok()?;
         rx.await.ok()
@@ -583,7 +595,15 @@ impl Driver {
             Command::Snapshot(reply) => {
                 // Flush first so a reader that saw these events sees this state.
                 self.publish();
-                let _ = reply.send(self.engine.kv().cached_state());
+                let ssm_checkpoints = self
+                    .engine
+                    .checkpoints()
+                    .map(|c| c.hashes().map(switchyard_engine::engine_hash).collect())
+                    .unwrap_or_default();
+                let _ = reply.send(KvSnapshot {
+                    blocks: self.engine.kv().cached_state(),
+                    ssm_checkpoints,
+                });
             }
         }
     }

@@ -911,6 +911,7 @@ async fn kv_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError
         .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
     let tier = |m: switchyard_engine::Medium| -> Vec<u64> {
         cached
+            .blocks
             .iter()
             .filter(|(medium, _)| *medium == m)
             .map(|(_, h)| h.0)
@@ -920,6 +921,7 @@ async fn kv_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError
         "block_size": state.config.block_size,
         "device": tier(switchyard_engine::Medium::Device),
         "host": tier(switchyard_engine::Medium::Host),
+        "ssm_checkpoints": cached.ssm_checkpoints.iter().map(|h| h.0).collect::<Vec<u64>>(),
     })))
 }
 

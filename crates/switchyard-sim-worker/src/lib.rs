@@ -40,7 +40,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use switchyard_engine::{Engine, EngineConfig, Preemption, SyncDevice, TimingConfig};
+use switchyard_engine::{
+    CheckpointPolicy, Engine, EngineConfig, Preemption, SyncDevice, TimingConfig,
+};
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
 use switchyard_replica::{
     worker_id_for_name, NatsAuthArgs, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
@@ -93,6 +95,19 @@ pub struct SimWorkerArgs {
     /// Host blocks set aside for spilled sequences' KV (--preemption spill).
     #[arg(long, default_value_t = 0)]
     pub spill_blocks: usize,
+    /// The architecture simulated: `attention`, or `hybrid` (SSM +
+    /// attention layers: a cached prefix resumes only from a kept SSM
+    /// state, and the states kept are published as vLLM's "mamba" cache
+    /// group).
+    #[arg(long, value_enum, default_value_t = ModelMode::Attention)]
+    pub architecture: ModelMode,
+    /// With --architecture hybrid: which SSM states are kept (`marconi`: ends of
+    /// prompts and branch points; `every-block`).
+    #[arg(long, value_enum, default_value_t = CheckpointMode::Marconi)]
+    pub checkpoints: CheckpointMode,
+    /// With --architecture hybrid: most SSM checkpoints kept.
+    #[arg(long, default_value_t = switchyard_engine::Hybrid::default().max_checkpoints)]
+    pub max_checkpoints: usize,
     /// Most sequences running in one step.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -152,6 +167,24 @@ pub struct SimWorkerArgs {
     pub disagg: disagg::DisaggArgs,
 }
 
+/// `--architecture`: the model architecture the engine simulates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelMode {
+    /// Attention layers only.
+    Attention,
+    /// SSM (Mamba) and attention layers.
+    Hybrid,
+}
+
+/// `--checkpoints`: a hybrid engine's [`CheckpointPolicy`] as a flag value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointMode {
+    /// Ends of prompts and branch points, evicted by recency plus saving.
+    Marconi,
+    /// Every block boundary, least recently used evicted.
+    EveryBlock,
+}
+
 /// `--preemption`: the engine's [`Preemption`] as a flag value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreemptionMode {
@@ -180,6 +213,22 @@ impl SimWorkerArgs {
 
     /// The engine configuration these flags describe.
     pub fn engine_config(&self) -> EngineConfig {
+        let config = self.attention_config();
+        if self.architecture == ModelMode::Attention {
+            return config;
+        }
+        let policy = match self.checkpoints {
+            CheckpointMode::Marconi => CheckpointPolicy::Marconi,
+            CheckpointMode::EveryBlock => CheckpointPolicy::EveryBlock,
+        };
+        let mut config = config.hybrid(policy);
+        if let Some(hybrid) = config.hybrid.as_mut() {
+            hybrid.max_checkpoints = self.max_checkpoints;
+        }
+        config
+    }
+
+    fn attention_config(&self) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
@@ -492,6 +541,33 @@ mod tests {
 
     /// `--preemption spill` reaches the engine with its spill area, and
     /// without one the configuration is refused before the worker starts.
+    #[test]
+    fn a_hybrid_model_takes_its_checkpoint_policy_and_state_slots() {
+        let config = parse(&[]).engine_config();
+        assert_eq!(config.hybrid, None);
+        let config = parse(&[
+            "--architecture",
+            "hybrid",
+            "--checkpoints",
+            "every-block",
+            "--max-checkpoints",
+            "32",
+        ])
+        .engine_config();
+        let hybrid = config.hybrid.expect("hybrid");
+        assert_eq!(
+            (hybrid.checkpoints, hybrid.max_checkpoints),
+            (CheckpointPolicy::EveryBlock, 32)
+        );
+        assert!(config.timing.ssm.is_some());
+        assert_eq!(config.validate(), Ok(()));
+        // A hybrid model with a host tier is refused at start-up.
+        let refused = parse(&["--architecture", "hybrid", "--host-blocks", "8"])
+            .engine_config()
+            .validate();
+        assert!(refused.is_err());
+    }
+
     #[test]
     fn spill_preemption_takes_its_spill_blocks_and_is_validated() {
         let config = parse(&[]).engine_config();

@@ -309,6 +309,134 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
 }
 
 #[tokio::test]
+async fn a_subscriber_to_a_hybrid_workers_events_holds_its_ssm_checkpoints() {
+    let _machine = machine().await;
+    use std::sync::{Arc, Mutex};
+    use switchyard_core::index::{OverlapScores, TieredIndex};
+    use switchyard_core::{EngineHash, LocalHash, WorkerId};
+    use switchyard_kv_events::metrics::KvEventMetrics;
+    use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
+
+    // Every block boundary kept, at most 24: later prompts evict earlier
+    // states, so removals of the SSM group flow too.
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--no-delay",
+            "--architecture",
+            "hybrid",
+            "--checkpoints",
+            "every-block",
+            "--max-checkpoints",
+            "24",
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+            "--kv-replay",
+            "tcp://127.0.0.1:*",
+        ],
+    );
+    let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
+    let id = WorkerId::new(9);
+    let index = Arc::new(Mutex::new(TieredIndex::new()));
+    let metrics = KvEventMetrics::new();
+    let mut config = SubscriberConfig::new(id, pub_endpoint, 16);
+    config.replay_endpoint = Some(replay_endpoint);
+    let context = zmq::Context::new();
+    let subscriber =
+        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w9")).unwrap();
+
+    let client = reqwest::Client::new();
+    let completions = format!("{}/v1/completions", worker.base);
+    // As in the attention test above: prompt until the subscription
+    // delivers, then nothing is lost.
+    let mut nudge = 0u32;
+    wait_for(
+        "the subscription to deliver an event",
+        PATIENCE,
+        async || {
+            nudge += 1;
+            let prompt: Vec<u32> = (0..64).map(|t| 500_000 + 64 * nudge + t).collect();
+            let reply = client
+                .post(&completions)
+                .json(&serde_json::json!({"prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(reply.status(), 200);
+            reply.bytes().await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            index.lock().unwrap().checkpoint().worker_blocks(id) > 0
+        },
+    )
+    .await;
+    for round in 0..4u32 {
+        let prompt: Vec<u32> = (0..160).map(|t| 10_000 * round + t).collect();
+        let reply = client
+            .post(&completions)
+            .json(&serde_json::json!({"prompt": prompt, "max_tokens": 4}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 200);
+        reply.bytes().await.unwrap();
+    }
+
+    let debug_kv_cache = format!("{}/debug/kv_cache", worker.base);
+    wait_for(
+        "the subscriber's checkpoint index to match the worker's states",
+        PATIENCE,
+        async || {
+            let cache: serde_json::Value = client
+                .get(&debug_kv_cache)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let states: Vec<u64> = cache["ssm_checkpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_u64().unwrap())
+                .collect();
+            assert!(states.len() <= 24);
+            let index = index.lock().unwrap();
+            let tier = index.checkpoint();
+            states.len() == 24
+                && tier.worker_blocks(id) == states.len()
+                && states.iter().all(|&h| tier.holds(id, EngineHash(h)))
+        },
+    )
+    .await;
+    // The last prompt's states are the newest: the router credits it up
+    // to its deepest one, the end of its last whole block.
+    {
+        let index = index.lock().unwrap();
+        assert!(index.is_hybrid(id));
+        let last: Vec<u32> = (0..160).map(|t| 30_000 + t).collect();
+        let hashes: Vec<LocalHash> = switchyard_core::hashing::local_block_hashes(
+            &last,
+            16,
+            switchyard_core::hashing::DEFAULT_SEED,
+        );
+        let mut device = OverlapScores::new();
+        index.device().overlaps(&hashes, &mut device);
+        let mut deepest = OverlapScores::new();
+        index
+            .checkpoint()
+            .deepest_within(&hashes, |w| device.depth(w), &mut deepest);
+        assert_eq!(deepest.depth(id), 10, "160 tokens: 10 blocks, all kept");
+    }
+    let text = metrics_text(&client, &worker.base).await;
+    assert_eq!(
+        metric(&text, "switchyard_engine_kv_events_dropped_total"),
+        Some(0.0)
+    );
+    subscriber.shutdown();
+}
+
+#[tokio::test]
 async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
     let _machine = machine().await;
     let worker = sim_worker_with(0, &["--speedup", "1"]);
