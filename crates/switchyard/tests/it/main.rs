@@ -21,6 +21,7 @@ mod openai_client;
 mod replay_tune;
 mod replica_security;
 mod serve_chaos;
+mod serve_disagg;
 mod serve_ending;
 mod serve_errors;
 mod serve_limits;
