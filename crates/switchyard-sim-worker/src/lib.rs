@@ -10,7 +10,10 @@
 //! - [`metrics`] — the `prometheus-client` registry `/metrics` encodes;
 //! - [`disagg`] — `--disagg vllm|sglang`: prefill/decode disaggregation,
 //!   the handshake's fields, the KV pull between workers and its internal
-//!   endpoints (`/internal/kv/pull`, `/internal/kv/release`).
+//!   endpoints (`/internal/kv/pull`, `/internal/kv/release`);
+//! - [`transfer`] — what a transfer carries and how it fails (the lease
+//!   as it travels, the transfer's errors), shared by `disagg` and the
+//!   driver.
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight
@@ -32,6 +35,7 @@ pub mod driver;
 pub mod http;
 pub mod kv_publish;
 pub mod metrics;
+pub mod transfer;
 
 use anyhow::Context;
 use axum::serve::ListenerExt as _;
