@@ -41,7 +41,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::SequenceHash;
-use switchyard_engine::lease::{LeaseId, LeaseRef, LeasedKv};
+use switchyard_engine::lease::LeasedKv;
 use tokio::sync::mpsc;
 
 /// `--disagg`: whose protocol the worker speaks.
@@ -857,6 +857,7 @@ async fn release(State(state): State<InternalState>, body: Bytes) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use switchyard_engine::lease::{LeaseId, LeaseRef};
 
     fn config(protocol: DisaggProtocol, role: Option<DisaggRole>) -> DisaggConfig {
         DisaggConfig {
