@@ -3,53 +3,19 @@
 //! SGLang's PD router drive theirs (the golden bodies in
 //! `tests/fixtures/disagg`), and the failures a router must see.
 
-use clap::Parser;
+use crate::support::{serve_worker, Worker};
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
-use switchyard_sim_worker::{bind, BoundWorker, SimWorkerArgs};
-use switchyard_tokenizer::Tokenizer;
 
-/// A worker served until the test's runtime ends.
-struct Worker {
-    base: String,
-    port: u16,
-    bootstrap: Option<SocketAddr>,
+/// A sim-worker with `flags`, its SGLang bootstrap server (when it serves
+/// one) on a free port.
+async fn worker(flags: &[&str]) -> Worker {
+    serve_worker(&[&["--bootstrap-port", "0"], flags].concat()).await
 }
 
-async fn worker(flags: &[&str]) -> Worker {
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: SimWorkerArgs,
-    }
-    let base_flags = [
-        "sim-worker",
-        "--port",
-        "0",
-        "--no-delay",
-        "--num-blocks",
-        "1024",
-        "--model",
-        "m",
-        "--bootstrap-port",
-        "0",
-    ];
-    let args = Cli::parse_from(base_flags.iter().chain(flags)).args;
-    let BoundWorker {
-        listener,
-        app,
-        bootstrap,
-    } = bind(&args, Tokenizer::bundled().unwrap())
-        .await
-        .expect("the worker starts");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Worker {
-        base: format!("http://{addr}"),
-        port: addr.port(),
-        bootstrap,
-    }
+/// An SGLang worker in `role` (`prefill` or `decode`), with `flags`.
+async fn sglang_worker(role: &str, flags: &[&str]) -> Worker {
+    worker(&[&["--disagg", "sglang", "--disagg-role", role], flags].concat()).await
 }
 
 fn fixture(name: &str) -> Value {
@@ -128,8 +94,67 @@ async fn wait_metric(base: &str, series: &str, want: f64) {
     }
 }
 
+/// Asserts that `series` at `base` reads `want`.
+async fn assert_metric(base: &str, series: &str, want: f64) {
+    assert_eq!(metric(base, series).await, want, "{series} at {base}");
+}
+
+/// Asserts that the prefill worker at `base` has captured KV once and
+/// holds that one lease.
+async fn assert_captured_once_and_held(base: &str) {
+    assert_metric(base, "switchyard_engine_leases_held", 1.0).await;
+    assert_metric(base, "switchyard_engine_disagg_captures_total", 1.0).await;
+}
+
+/// Asserts that the worker at `base` has counted `want` transfer failures
+/// for `reason`.
+async fn assert_failures(base: &str, reason: &str, want: f64) {
+    let series = format!("switchyard_engine_disagg_failures_total{{reason=\"{reason}\"}}");
+    assert_metric(base, &series, want).await;
+}
+
+/// Waits until the prefill worker at `base` holds no lease, then asserts
+/// that it has released `released` in all.
+async fn assert_every_lease_released(base: &str, released: f64) {
+    wait_metric(base, "switchyard_engine_leases_held", 0.0).await;
+    assert_metric(
+        base,
+        "switchyard_engine_leases_total{event=\"released\"}",
+        released,
+    )
+    .await;
+}
+
 fn post(url: String, body: &Value) -> reqwest::RequestBuilder {
     reqwest::Client::new().post(url).json(body)
+}
+
+/// A `/v1/completions` request of `body` to the worker at `base`.
+fn completions(base: &str, body: &Value) -> reqwest::RequestBuilder {
+    post(format!("{base}/v1/completions"), body)
+}
+
+/// A `/v1/chat/completions` request of `body` to the worker at `base`.
+fn chat_completions(base: &str, body: &Value) -> reqwest::RequestBuilder {
+    post(format!("{base}/v1/chat/completions"), body)
+}
+
+/// vLLM's toy proxy: the decode request to the worker at `base`, for the
+/// client's body and the prefill answer.
+fn proxy_decode(base: &str, client: &Value, prefill_answer: &Value) -> reqwest::RequestBuilder {
+    completions(base, &proxy_decode_body(client, prefill_answer))
+}
+
+/// Asserts that the decode worker at `base` has pulled KV `transfers`
+/// times, `bytes` bytes in all.
+async fn assert_transferred(base: &str, transfers: f64, bytes: f64) {
+    assert_metric(base, "switchyard_engine_disagg_transfers_total", transfers).await;
+    assert_metric(base, "switchyard_engine_disagg_transfer_bytes_total", bytes).await;
+}
+
+/// `request`'s answer, a JSON body.
+async fn json_answer(request: reqwest::RequestBuilder) -> Value {
+    request.send().await.unwrap().json().await.unwrap()
 }
 
 /// A streamed answer: its text pieces' count and its usage chunk.
@@ -157,6 +182,17 @@ async fn read_stream(response: reqwest::Response) -> (usize, Value) {
         }
     }
     (pieces, usage)
+}
+
+/// SGLang's request (the fixture, streamed) naming `prefill`'s bootstrap
+/// port; its room is the caller's.
+fn sglang_request_to(prefill: &Worker) -> Value {
+    let bootstrap = prefill
+        .bootstrap
+        .expect("the prefill serves a bootstrap port");
+    let mut body = fixture("sglang_request");
+    body["bootstrap_port"] = json!(bootstrap.port());
+    body
 }
 
 fn json_type(v: &Value) -> &'static str {
@@ -191,14 +227,11 @@ async fn vllm_prefill_then_streamed_decode_restores_the_transferred_kv() {
     let decode = worker(&["--disagg", "vllm"]).await;
     let client = fixture("vllm_client_request");
 
-    let response = post(
-        format!("{}/v1/completions", prefill.base),
-        &proxy_prefill_body(&client),
-    )
-    .header("X-Request-Id", "req-0001")
-    .send()
-    .await
-    .unwrap();
+    let response = completions(&prefill.base, &proxy_prefill_body(&client))
+        .header("X-Request-Id", "req-0001")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 1);
@@ -231,24 +264,15 @@ async fn vllm_prefill_then_streamed_decode_restores_the_transferred_kv() {
     assert_eq!(params["remote_request_id"], "req-0001");
     let blocks = params["remote_block_ids"].as_array().unwrap().len() as u64;
     assert_eq!(blocks, prompt_tokens / 16);
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_leases_held").await,
-        1.0
-    );
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_disagg_captures_total").await,
-        1.0
-    );
+    let transferred_bytes = (blocks * 16 * 128 * 1024) as f64;
+    assert_captured_once_and_held(&prefill.base).await;
 
     // The decode: the client's body (streamed, with usage) and the params.
-    let response = post(
-        format!("{}/v1/completions", decode.base),
-        &proxy_decode_body(&client, &answer),
-    )
-    .header("X-Request-Id", "req-0001")
-    .send()
-    .await
-    .unwrap();
+    let response = proxy_decode(&decode.base, &client, &answer)
+        .header("X-Request-Id", "req-0001")
+        .send()
+        .await
+        .unwrap();
     let (pieces, usage) = read_stream(response).await;
     assert_eq!(pieces, 24);
     assert_eq!(usage["completion_tokens"], 24);
@@ -258,73 +282,41 @@ async fn vllm_prefill_then_streamed_decode_restores_the_transferred_kv() {
         .unwrap();
     assert_eq!(cached, blocks * 16, "the prompt's blocks came by transfer");
     let d = &decode.base;
-    assert_eq!(
-        metric(d, "switchyard_engine_restores_total{decision=\"restored\"}").await,
-        1.0
-    );
-    assert_eq!(
-        metric(d, "switchyard_engine_disagg_transfers_total").await,
-        1.0
-    );
-    assert_eq!(
-        metric(d, "switchyard_engine_disagg_transfer_bytes_total").await,
-        (blocks * 16 * 128 * 1024) as f64
-    );
-    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_leases_total{event=\"released\"}"
-        )
-        .await,
-        1.0
-    );
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_disagg_pulls_served_total").await,
-        1.0
-    );
+    assert_metric(
+        d,
+        "switchyard_engine_restores_total{decision=\"restored\"}",
+        1.0,
+    )
+    .await;
+    assert_transferred(d, 1.0, transferred_bytes).await;
+    assert_every_lease_released(&prefill.base, 1.0).await;
+    assert_metric(
+        &prefill.base,
+        "switchyard_engine_disagg_pulls_served_total",
+        1.0,
+    )
+    .await;
 
     // The same prompt again: the decode worker caches it now, so the
     // transfer moves nothing (the lease is still pulled and released).
     let again = prefill_at(&prefill.base, &client).await;
-    let response = post(
-        format!("{}/v1/completions", decode.base),
-        &proxy_decode_body(&client, &again),
-    )
-    .send()
-    .await
-    .unwrap();
+    let response = proxy_decode(&decode.base, &client, &again)
+        .send()
+        .await
+        .unwrap();
     let (pieces, usage) = read_stream(response).await;
     assert_eq!(
         (pieces, usage["completion_tokens"].as_u64()),
         (24, Some(24))
     );
-    assert_eq!(
-        metric(d, "switchyard_engine_disagg_transfers_total").await,
-        2.0
-    );
-    assert_eq!(
-        metric(d, "switchyard_engine_disagg_transfer_bytes_total").await,
-        (blocks * 16 * 128 * 1024) as f64
-    );
-    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_leases_total{event=\"released\"}"
-        )
-        .await,
-        2.0
-    );
+    assert_transferred(d, 2.0, transferred_bytes).await;
+    assert_every_lease_released(&prefill.base, 2.0).await;
 
     // Presenting a released lease again is refused: it was used once.
-    let response = post(
-        format!("{}/v1/completions", decode.base),
-        &proxy_decode_body(&client, &answer),
-    )
-    .send()
-    .await
-    .unwrap();
+    let response = proxy_decode(&decode.base, &client, &answer)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 404);
 }
 
@@ -333,16 +325,12 @@ async fn vllm_prefill_then_streamed_decode_restores_the_transferred_kv() {
 /// `RequestStateNotReady`) and streams once the KV has arrived.
 #[tokio::test]
 async fn sglang_decode_waits_for_the_room_and_streams_from_its_kv() {
-    let prefill = worker(&["--disagg", "sglang", "--disagg-role", "prefill"]).await;
-    let decode = worker(&["--disagg", "sglang", "--disagg-role", "decode"]).await;
-    let bootstrap = prefill
-        .bootstrap
-        .expect("the prefill serves a bootstrap port");
-    let mut body = fixture("sglang_request");
-    body["bootstrap_port"] = json!(bootstrap.port());
+    let prefill = sglang_worker("prefill", &[]).await;
+    let decode = sglang_worker("decode", &[]).await;
+    let mut body = sglang_request_to(&prefill);
     body["bootstrap_room"] = json!(rand_room());
 
-    let decoding = tokio::spawn(post(format!("{}/v1/chat/completions", decode.base), &body).send());
+    let decoding = tokio::spawn(chat_completions(&decode.base, &body).send());
     // What the test specifies: the decode is there before the prefill.
     wait_metric(
         &decode.base,
@@ -350,10 +338,7 @@ async fn sglang_decode_waits_for_the_room_and_streams_from_its_kv() {
         1.0,
     )
     .await;
-    let prefill_answer = post(format!("{}/v1/chat/completions", prefill.base), &body)
-        .send()
-        .await
-        .unwrap();
+    let prefill_answer = chat_completions(&prefill.base, &body).send().await.unwrap();
     // The router discards it; it is a well-formed stream of one token.
     let (prefill_pieces, _) = read_stream(prefill_answer).await;
     assert_eq!(prefill_pieces, 1);
@@ -366,53 +351,32 @@ async fn sglang_decode_waits_for_the_room_and_streams_from_its_kv() {
         .as_u64()
         .unwrap();
     assert_eq!(cached, prompt_tokens / 16 * 16);
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_restores_total{decision=\"restored\"}"
-        )
-        .await,
-        1.0
-    );
-    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_leases_total{event=\"released\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_metric(
+        &decode.base,
+        "switchyard_engine_restores_total{decision=\"restored\"}",
+        1.0,
+    )
+    .await;
+    assert_every_lease_released(&prefill.base, 1.0).await;
 
     // Both at once, as the router sends them.
     body["bootstrap_room"] = json!(rand_room());
     let (p, d) = tokio::join!(
-        post(format!("{}/v1/chat/completions", prefill.base), &body).send(),
-        post(format!("{}/v1/chat/completions", decode.base), &body).send(),
+        chat_completions(&prefill.base, &body).send(),
+        chat_completions(&decode.base, &body).send(),
     );
     read_stream(p.unwrap()).await;
     let (pieces, _) = read_stream(d.unwrap()).await;
     assert_eq!(pieces, 16);
-    wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_leases_total{event=\"released\"}"
-        )
-        .await,
-        2.0
-    );
+    assert_every_lease_released(&prefill.base, 2.0).await;
 }
 
 /// vLLM's prefill request for `client` at `base`, answered.
 async fn prefill_at(base: &str, client: &Value) -> Value {
-    let response = post(
-        format!("{base}/v1/completions"),
-        &proxy_prefill_body(client),
-    )
-    .send()
-    .await
-    .unwrap();
+    let response = completions(base, &proxy_prefill_body(client))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     response.json().await.unwrap()
 }
@@ -435,9 +399,8 @@ async fn transfer_failures_are_answered_and_counted() {
     let decode = worker(&["--disagg", "vllm"]).await;
     let client = fixture("vllm_client_request");
     let decode_with = |answer: Value| {
-        let body = proxy_decode_body(&client, &answer);
-        let url = format!("{}/v1/completions", decode.base);
-        async move { post(url, &body).send().await.unwrap() }
+        let request = proxy_decode(&decode.base, &client, &answer);
+        async move { request.send().await.unwrap() }
     };
     let error_of = |response: reqwest::Response| async move {
         let status = response.status().as_u16();
@@ -458,26 +421,14 @@ async fn transfer_failures_are_answered_and_counted() {
         json!(format!("{id}.{flipped}{}", &token[1..]));
     let (status, _) = error_of(decode_with(forged).await).await;
     assert_eq!(status, 404);
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_disagg_pulls_unknown_total"
-        )
-        .await,
-        1.0
-    );
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"}"
-        )
-        .await,
-        1.0
-    );
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_leases_held").await,
-        1.0
-    );
+    assert_metric(
+        &prefill.base,
+        "switchyard_engine_disagg_pulls_unknown_total",
+        1.0,
+    )
+    .await;
+    assert_failures(&decode.base, "unknown_lease", 1.0).await;
+    assert_metric(&prefill.base, "switchyard_engine_leases_held", 1.0).await;
 
     // A lease expires unreleased; presenting it then is a 404.
     let expiring = prefill_at(&short_lived.base, &client).await;
@@ -487,10 +438,7 @@ async fn transfer_failures_are_answered_and_counted() {
         1.0,
     )
     .await;
-    assert_eq!(
-        metric(&short_lived.base, "switchyard_engine_leases_held").await,
-        0.0
-    );
+    assert_metric(&short_lived.base, "switchyard_engine_leases_held", 0.0).await;
     let (status, _) = error_of(decode_with(expiring).await).await;
     assert_eq!(status, 404);
 
@@ -500,14 +448,7 @@ async fn transfer_failures_are_answered_and_counted() {
     let (status, body) = error_of(decode_with(malformed).await).await;
     assert_eq!(status, 400);
     assert_eq!(body["error"]["param"], "kv_transfer_params");
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_disagg_failures_total{reason=\"invalid_params\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_failures(&decode.base, "invalid_params", 1.0).await;
 
     // The prefill worker gone: a port nobody listens on.
     let closed = {
@@ -518,14 +459,7 @@ async fn transfer_failures_are_answered_and_counted() {
     gone["kv_transfer_params"]["remote_port"] = json!(closed);
     let (status, _) = error_of(decode_with(gone).await).await;
     assert_eq!(status, 502);
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_disagg_failures_total{reason=\"unreachable\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_failures(&decode.base, "unreachable", 1.0).await;
 
     // A decode presenting a lease on another prompt's KV: the engine's
     // validation cancels it (never a silent recompute), and the lease is
@@ -540,19 +474,14 @@ async fn transfer_failures_are_answered_and_counted() {
         "Another prompt entirely. {}",
         client["prompt"].as_str().unwrap()
     ));
-    let response = post(format!("{}/v1/completions", decode.base), &other)
-        .send()
-        .await
-        .unwrap();
+    let response = completions(&decode.base, &other).send().await.unwrap();
     assert_eq!(error_of(response).await.0, 502);
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_restores_total{decision=\"failed\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_metric(
+        &decode.base,
+        "switchyard_engine_restores_total{decision=\"failed\"}",
+        1.0,
+    )
+    .await;
     wait_metric(
         &prefill.base,
         "switchyard_engine_leases_total{event=\"released\"}",
@@ -564,30 +493,14 @@ async fn transfer_failures_are_answered_and_counted() {
     // the decode worker computes the prompt itself.
     let mut short = proxy_prefill_body(&client);
     short["prompt"] = json!("Hi");
-    let answer: Value = post(format!("{}/v1/completions", prefill.base), &short)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let answer = json_answer(completions(&prefill.base, &short)).await;
     assert_eq!(answer["kv_transfer_params"], Value::Null, "{answer}");
-    assert_eq!(
-        metric(
-            &prefill.base,
-            "switchyard_engine_disagg_failures_total{reason=\"nothing_cached\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_failures(&prefill.base, "nothing_cached", 1.0).await;
 
     // A streamed prefill for vLLM is refused: its answer carries the params.
     let mut streamed = proxy_prefill_body(&client);
     streamed["stream"] = json!(true);
-    let response = post(format!("{}/v1/completions", prefill.base), &streamed)
-        .send()
-        .await
-        .unwrap();
+    let response = completions(&prefill.base, &streamed).send().await.unwrap();
     assert_eq!(error_of(response).await.0, 400);
 
     // Nothing waits in the decode engine for a transfer that failed.
@@ -600,18 +513,9 @@ async fn transfer_failures_are_answered_and_counted() {
 /// (SGLang's router discards the prefill's answer; its decode times out).
 #[tokio::test]
 async fn sglang_rooms_are_bounded_and_held_once() {
-    let prefill = worker(&[
-        "--disagg",
-        "sglang",
-        "--disagg-role",
-        "prefill",
-        "--max-rooms",
-        "1",
-    ])
-    .await;
-    let mut body = fixture("sglang_request");
+    let prefill = sglang_worker("prefill", &["--max-rooms", "1"]).await;
+    let mut body = sglang_request_to(&prefill);
     body["stream"] = json!(false);
-    body["bootstrap_port"] = json!(prefill.bootstrap.unwrap().port());
     let room = rand_room();
     for (room, reason) in [
         (room, None),
@@ -619,56 +523,26 @@ async fn sglang_rooms_are_bounded_and_held_once() {
         (rand_room(), Some("rooms_full")),
     ] {
         body["bootstrap_room"] = json!(room);
-        let response = post(format!("{}/v1/chat/completions", prefill.base), &body)
-            .send()
-            .await
-            .unwrap();
+        let response = chat_completions(&prefill.base, &body).send().await.unwrap();
         assert_eq!(response.status(), 200);
         if let Some(reason) = reason {
-            let series = format!("switchyard_engine_disagg_failures_total{{reason=\"{reason}\"}}");
-            assert_eq!(metric(&prefill.base, &series).await, 1.0, "{reason}");
+            assert_failures(&prefill.base, reason, 1.0).await;
         }
     }
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_leases_held").await,
-        1.0
-    );
-    assert_eq!(
-        metric(&prefill.base, "switchyard_engine_disagg_captures_total").await,
-        1.0
-    );
+    assert_captured_once_and_held(&prefill.base).await;
 }
 
 /// An SGLang decode whose room never fills times out with a 504.
 #[tokio::test]
 async fn an_sglang_room_nobody_fills_times_out() {
-    let prefill = worker(&["--disagg", "sglang", "--disagg-role", "prefill"]).await;
-    let decode = worker(&[
-        "--disagg",
-        "sglang",
-        "--disagg-role",
-        "decode",
-        "--bootstrap-timeout-ms",
-        "300",
-    ])
-    .await;
-    let mut body = fixture("sglang_request");
+    let prefill = sglang_worker("prefill", &[]).await;
+    let decode = sglang_worker("decode", &["--bootstrap-timeout-ms", "300"]).await;
+    let mut body = sglang_request_to(&prefill);
     body["stream"] = json!(false);
-    body["bootstrap_port"] = json!(prefill.bootstrap.unwrap().port());
     body["bootstrap_room"] = json!(rand_room());
-    let response = post(format!("{}/v1/chat/completions", decode.base), &body)
-        .send()
-        .await
-        .unwrap();
+    let response = chat_completions(&decode.base, &body).send().await.unwrap();
     assert_eq!(response.status(), 504);
-    assert_eq!(
-        metric(
-            &decode.base,
-            "switchyard_engine_disagg_failures_total{reason=\"timeout\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_failures(&decode.base, "timeout", 1.0).await;
     wait_metric(&decode.base, "switchyard_engine_waiting", 0.0).await;
 }
 
@@ -680,17 +554,10 @@ async fn with_an_api_key_the_pull_needs_it_and_peers_send_it() {
     let prefill = worker(&keyed).await;
     let decode = worker(&keyed).await;
     let client = fixture("vllm_client_request");
-    let answer: Value = post(
-        format!("{}/v1/completions", prefill.base),
-        &proxy_prefill_body(&client),
+    let answer = json_answer(
+        completions(&prefill.base, &proxy_prefill_body(&client)).bearer_auth("fleet-key"),
     )
-    .bearer_auth("fleet-key")
-    .send()
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    .await;
     let lease = answer["kv_transfer_params"]["switchyard_lease"].clone();
     let unkeyed = post(
         format!("{}/internal/kv/pull", prefill.base),
@@ -700,14 +567,11 @@ async fn with_an_api_key_the_pull_needs_it_and_peers_send_it() {
     .await
     .unwrap();
     assert_eq!(unkeyed.status(), 401);
-    let response = post(
-        format!("{}/v1/completions", decode.base),
-        &proxy_decode_body(&client, &answer),
-    )
-    .bearer_auth("fleet-key")
-    .send()
-    .await
-    .unwrap();
+    let response = proxy_decode(&decode.base, &client, &answer)
+        .bearer_auth("fleet-key")
+        .send()
+        .await
+        .unwrap();
     let (pieces, _) = read_stream(response).await;
     assert_eq!(pieces, 24);
     wait_metric(&prefill.base, "switchyard_engine_leases_held", 0.0).await;

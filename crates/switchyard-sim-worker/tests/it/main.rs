@@ -3,3 +3,4 @@
 
 mod disagg;
 mod output_text;
+mod support;

@@ -2,11 +2,10 @@
 //! worker reported: a worker served in-process over a real socket,
 //! completions and chat, streamed and not, with the bundled tokenizer.
 
-use clap::Parser;
+use crate::support::serve_worker;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::OnceLock;
-use switchyard_sim_worker::{bind, BoundWorker, SimWorkerArgs};
 use switchyard_tokenizer::Tokenizer;
 
 fn tokenizer() -> &'static Tokenizer {
@@ -14,31 +13,9 @@ fn tokenizer() -> &'static Tokenizer {
     T.get_or_init(|| Tokenizer::bundled().expect("bundled tokenizer loads"))
 }
 
-/// A sim-worker with the bundled tokenizer on a free loopback port,
-/// served until the test's runtime ends; its base URL.
+/// A sim-worker with no flags beyond the common ones; its base URL.
 async fn worker() -> String {
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: SimWorkerArgs,
-    }
-    let args = Cli::parse_from([
-        "sim-worker",
-        "--port",
-        "0",
-        "--no-delay",
-        "--num-blocks",
-        "1024",
-        "--model",
-        "m",
-    ])
-    .args;
-    let BoundWorker { listener, app, .. } = bind(&args, Tokenizer::bundled().unwrap())
-        .await
-        .expect("the worker starts");
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    base
+    serve_worker(&[]).await.base
 }
 
 /// One answer as a client sees it.

@@ -25,18 +25,33 @@ fn vllm_worker() -> Proc {
 }
 
 fn sglang_prefill() -> Proc {
-    worker(&[
+    sglang_prefill_with(&[])
+}
+
+/// An SGLang prefill worker (its bootstrap server on a free port) with
+/// `flags`.
+fn sglang_prefill_with(flags: &[&str]) -> Proc {
+    let mut all = vec![
         "--disagg",
         "sglang",
         "--disagg-role",
         "prefill",
         "--bootstrap-port",
         "0",
-    ])
+    ];
+    all.extend_from_slice(flags);
+    worker(&all)
 }
 
 fn sglang_decode() -> Proc {
-    worker(&["--disagg", "sglang", "--disagg-role", "decode"])
+    sglang_decode_with(&[])
+}
+
+/// An SGLang decode worker with `flags`.
+fn sglang_decode_with(flags: &[&str]) -> Proc {
+    let mut all = vec!["--disagg", "sglang", "--disagg-role", "decode"];
+    all.extend_from_slice(flags);
+    worker(&all)
 }
 
 /// `--worker` specs: prefill workers `p0, p1, ...` and decode workers
@@ -129,6 +144,55 @@ async fn settled(client: &reqwest::Client, router: &Proc, prefill: &[&Proc]) {
         })
         .await;
     }
+}
+
+/// `--worker` specs for a scripted prefill worker at `scripted` (`p0`)
+/// beside the sound prefill worker `p1` and the decode worker `d0`; both
+/// prefill workers name the sound one's bootstrap port, if it has one.
+fn specs_with_scripted_prefill(scripted: &str, sound: &Proc, decode: &Proc) -> Vec<String> {
+    let bootstrap = sound
+        .bootstrap
+        .map(|port| format!(",bootstrap-port={port}"))
+        .unwrap_or_default();
+    vec![
+        format!("{scripted},name=p0,role=prefill{bootstrap}"),
+        format!("{},role=prefill{bootstrap}", sound.named("p1")),
+        format!("{},role=decode", decode.named("d0")),
+    ]
+}
+
+/// Sends `requests` chats through the router, streamed and not in turn;
+/// asserts that the decode worker `d0` answered each in full (16 pieces).
+async fn each_answered_by_d0(client: &reqwest::Client, router: &Proc, requests: usize) {
+    for n in 0..requests {
+        let (worker, pieces, _) = ask(client, &router.base, &chat(n, n % 2 == 0)).await;
+        assert_eq!((worker.as_str(), pieces), ("d0", 16));
+    }
+}
+
+/// Asserts that the router's metrics `r` show a prefill done again for a
+/// failed transfer, and no decode half counted as failed for it.
+fn assert_prefill_redone_decode_not_blamed(r: &str) {
+    assert!(
+        metric(r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
+        "{r}"
+    );
+    assert_eq!(
+        metric(
+            r,
+            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
+        ),
+        Some(0.0),
+        "a failed transfer is not the decode worker's failure"
+    );
+}
+
+/// Asserts that the decode worker `decode` counted at least one failed
+/// transfer for `reason`.
+async fn assert_decode_counted_failure(client: &reqwest::Client, decode: &Proc, reason: &str) {
+    let d = metrics_of(client, decode).await;
+    let series = format!("switchyard_engine_disagg_failures_total{{reason=\"{reason}\"}}");
+    assert!(metric(&d, &series) >= Some(1.0), "{d}");
 }
 
 /// One request each way through one prefill and one decode worker: the
@@ -328,33 +392,12 @@ async fn a_failed_transfer_gets_a_new_prefill(mode: &str, prefill: [Proc; 2], de
         ],
     );
     let client = reqwest::Client::new();
-    for n in 0..6 {
-        let (worker, pieces, _) = ask(&client, &router.base, &chat(n, n % 2 == 0)).await;
-        assert_eq!((worker.as_str(), pieces), ("d0", 16));
-    }
+    each_answered_by_d0(&client, &router, 6).await;
     settled(&client, &router, &[&prefill[1]]).await;
     let r = metrics_of(&client, &router).await;
-    assert!(
-        metric(&r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
-        "{r}"
-    );
-    assert_eq!(
-        metric(
-            &r,
-            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
-        ),
-        Some(0.0),
-        "a failed transfer is not the decode worker's failure"
-    );
+    assert_prefill_redone_decode_not_blamed(&r);
     assert_eq!(metric_sum(&r, "switchyard_disagg_failures_total"), 0.0);
-    let d = metrics_of(&client, &decode).await;
-    assert!(
-        metric(
-            &d,
-            "switchyard_engine_disagg_failures_total{reason=\"unreachable\"}"
-        ) >= Some(1.0),
-        "{d}"
-    );
+    assert_decode_counted_failure(&client, &decode, "unreachable").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -367,16 +410,7 @@ async fn vllm_a_failed_transfer_gets_a_new_prefill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_a_failed_transfer_gets_a_new_prefill() {
     let _machine = machine().await;
-    let locked = worker(&[
-        "--disagg",
-        "sglang",
-        "--disagg-role",
-        "prefill",
-        "--bootstrap-port",
-        "0",
-        "--api-key",
-        "wk",
-    ]);
+    let locked = sglang_prefill_with(&["--api-key", "wk"]);
     a_failed_transfer_gets_a_new_prefill("sglang", [locked, sglang_prefill()], sglang_decode())
         .await;
 }
@@ -393,39 +427,15 @@ async fn vllm_an_unknown_or_expired_lease_gets_a_new_prefill() {
     let decode = vllm_worker();
     let stale = scripted_worker(Script::StaleLease(sound.port())).await;
     let router = router(
-        &[
-            format!("{stale},name=p0,role=prefill"),
-            format!("{},role=prefill", sound.named("p1")),
-            format!("{},role=decode", decode.named("d0")),
-        ],
+        &specs_with_scripted_prefill(&stale, &sound, &decode),
         &["--disagg", "vllm", "--policy", "round-robin"],
     );
     let client = reqwest::Client::new();
-    for n in 0..6 {
-        let (worker, pieces, _) = ask(&client, &router.base, &chat(n, n % 2 == 0)).await;
-        assert_eq!((worker.as_str(), pieces), ("d0", 16));
-    }
+    each_answered_by_d0(&client, &router, 6).await;
     settled(&client, &router, &[&sound]).await;
     let r = metrics_of(&client, &router).await;
-    assert!(
-        metric(&r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
-        "{r}"
-    );
-    assert_eq!(
-        metric(
-            &r,
-            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
-        ),
-        Some(0.0)
-    );
-    let d = metrics_of(&client, &decode).await;
-    assert!(
-        metric(
-            &d,
-            "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"}"
-        ) >= Some(1.0),
-        "{d}"
-    );
+    assert_prefill_redone_decode_not_blamed(&r);
+    assert_decode_counted_failure(&client, &decode, "unknown_lease").await;
     let p = metrics_of(&client, &sound).await;
     assert!(metric(&p, "switchyard_engine_disagg_pulls_unknown_total") >= Some(1.0));
 }
@@ -440,55 +450,22 @@ async fn vllm_an_unknown_or_expired_lease_gets_a_new_prefill() {
 async fn sglang_a_room_never_held_gets_a_new_pair() {
     let _machine = machine().await;
     let sound = sglang_prefill();
-    let decode = worker(&[
-        "--disagg",
-        "sglang",
-        "--disagg-role",
-        "decode",
-        "--bootstrap-timeout-ms",
-        "300",
-    ]);
-    let bootstrap = sound
-        .bootstrap
-        .expect("the prefill printed its bootstrap port");
+    let decode = sglang_decode_with(&["--bootstrap-timeout-ms", "300"]);
+    assert!(
+        sound.bootstrap.is_some(),
+        "the prefill printed its bootstrap port"
+    );
     let stale = scripted_worker(Script::StaleLease(sound.port())).await;
     let router = router(
-        &[
-            format!("{stale},name=p0,role=prefill,bootstrap-port={bootstrap}"),
-            format!(
-                "{},role=prefill,bootstrap-port={bootstrap}",
-                sound.named("p1")
-            ),
-            format!("{},role=decode", decode.named("d0")),
-        ],
+        &specs_with_scripted_prefill(&stale, &sound, &decode),
         &["--disagg", "sglang", "--policy", "round-robin"],
     );
     let client = reqwest::Client::new();
-    for n in 0..4 {
-        let (worker, pieces, _) = ask(&client, &router.base, &chat(n, n % 2 == 0)).await;
-        assert_eq!((worker.as_str(), pieces), ("d0", 16));
-    }
+    each_answered_by_d0(&client, &router, 4).await;
     settled(&client, &router, &[&sound]).await;
     let r = metrics_of(&client, &router).await;
-    assert!(
-        metric(&r, "switchyard_disagg_retries_total{reason=\"transfer\"}") >= Some(1.0),
-        "{r}"
-    );
-    assert_eq!(
-        metric(
-            &r,
-            "switchyard_disagg_halves_total{role=\"decode\",outcome=\"failed\"}"
-        ),
-        Some(0.0)
-    );
-    let d = metrics_of(&client, &decode).await;
-    assert!(
-        metric(
-            &d,
-            "switchyard_engine_disagg_failures_total{reason=\"timeout\"}"
-        ) >= Some(1.0),
-        "{d}"
-    );
+    assert_prefill_redone_decode_not_blamed(&r);
+    assert_decode_counted_failure(&client, &decode, "timeout").await;
 }
 
 /// Roles need `--disagg`, and the admin API shows them.

@@ -1,0 +1,51 @@
+//! What the tests of this binary share: a sim-worker served in-process.
+
+use clap::Parser;
+use std::net::SocketAddr;
+use switchyard_sim_worker::{bind, BoundWorker, SimWorkerArgs};
+use switchyard_tokenizer::Tokenizer;
+
+/// A worker served until the test's runtime ends.
+pub(crate) struct Worker {
+    /// Its base URL, `http://` and the bound address.
+    pub(crate) base: String,
+    pub(crate) port: u16,
+    /// The SGLang bootstrap server's address, when it serves one.
+    pub(crate) bootstrap: Option<SocketAddr>,
+}
+
+/// A sim-worker with the bundled tokenizer on a free loopback port, no
+/// simulated delay, 1024 KV blocks and model `m`, with `flags` after
+/// those; served until the test's runtime ends.
+pub(crate) async fn serve_worker(flags: &[&str]) -> Worker {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SimWorkerArgs,
+    }
+    let common = [
+        "sim-worker",
+        "--port",
+        "0",
+        "--no-delay",
+        "--num-blocks",
+        "1024",
+        "--model",
+        "m",
+    ];
+    let args = Cli::parse_from(common.iter().chain(flags)).args;
+    let BoundWorker {
+        listener,
+        app,
+        bootstrap,
+    } = bind(&args, Tokenizer::bundled().unwrap())
+        .await
+        .expect("the worker starts");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Worker {
+        base: format!("http://{addr}"),
+        port: addr.port(),
+        bootstrap,
+    }
+}
