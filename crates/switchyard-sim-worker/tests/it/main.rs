@@ -1,5 +1,6 @@
 //! The sim-worker's integration tests: workers served in-process on real
 //! loopback sockets, one module per concern.
 
+mod adapters;
 mod disagg;
 mod output_text;
