@@ -71,6 +71,7 @@ impl WaitHandle {
                 overlap_blocks,
                 waited_ms,
                 progress,
+                adapter_load,
             }) => Ok(Booking {
                 shared: self.shared.clone(),
                 id: self.id,
@@ -82,6 +83,7 @@ impl WaitHandle {
                 overlap_blocks,
                 waited_ms,
                 progress,
+                adapter_load,
                 first_token: false,
                 completed: None,
                 handed_over: false,
@@ -118,6 +120,8 @@ pub struct Booking {
     pub overlap_blocks: u32,
     /// Time queued before placement.
     pub waited_ms: f64,
+    /// Load the request's LoRA adapter on the worker first.
+    pub adapter_load: Option<switchyard_core::adapters::AdapterLoad>,
     progress: Option<ProgressUpdater>,
     first_token: bool,
     /// The response ended normally with this context length.

@@ -75,6 +75,7 @@ impl AppState {
         let mut registry = Registry::default();
         shared.register_metrics(&mut registry);
         fleet.kv_metrics.register(&mut registry);
+        shared.adapters.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(

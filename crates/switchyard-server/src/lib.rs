@@ -54,6 +54,7 @@
 //! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
 
 pub mod accept;
+pub mod adapters;
 mod attempt;
 pub mod auth;
 pub mod booking;
@@ -597,6 +598,7 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     router.remote.max_bookings_per_replica = config.replica.max_bookings_per_peer;
     router.remote.max_sessions_per_replica = config.replica.max_sessions_per_peer;
+    router.adapters.load_ms = config.adapter_load_ms;
     DispatcherConfig {
         router,
         admission: config.queue.clone(),
@@ -620,7 +622,8 @@ pub fn build_shared(
     };
     let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
         .context("invalid routing configuration")?;
-    Ok(shared::SharedRouter::new(dispatcher, metrics))
+    Ok(shared::SharedRouter::new(dispatcher, metrics)
+        .with_adapters(adapters::Adapters::new(&config.adapters)))
 }
 
 /// How long a booking may stay in the load view before the router
