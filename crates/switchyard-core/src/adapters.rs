@@ -29,6 +29,11 @@ use serde::{Deserialize, Serialize};
 /// Longest adapter name kept (bytes).
 pub const MAX_ADAPTER_NAME_BYTES: usize = 256;
 
+/// How long a planned load that the driver has neither confirmed nor
+/// failed survives refreshes that do not list it (a worker slower to load
+/// than [`AdapterConfig::load_ms`]), in ms.
+pub const UNCONFIRMED_LOAD_TTL_MS: f64 = 120_000.0;
+
 /// Settings of adapter-affinity routing.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -109,6 +114,9 @@ struct Loaded {
     ready_ms: f64,
     /// Last placement that used it (recency for unloading).
     used_ms: f64,
+    /// When a placement planned its load and the driver has not yet said
+    /// how it went (`None`: reported by the worker, or confirmed).
+    planned_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -229,9 +237,16 @@ impl AdapterTable {
                 name: name.into(),
                 ready_ms: f64::NEG_INFINITY,
                 used_ms,
+                planned_ms: None,
             });
         }
-        for pending in old.into_iter().filter(|l| l.ready_ms > now_ms) {
+        let pending = |l: &Loaded| {
+            l.ready_ms > now_ms
+                || l
+                    .planned_ms
+                    .is_some_and(|p| now_ms - p < UNCONFIRMED_LOAD_TTL_MS)
+        };
+        for pending in old.into_iter().filter(pending) {
             if entry.find(&pending.name).is_none() && entry.loaded.len() < cap {
                 entry.loaded.push(pending);
             }
@@ -250,11 +265,13 @@ impl AdapterTable {
             Some(i) => {
                 entry.loaded[i].ready_ms = ready_ms;
                 entry.loaded[i].used_ms = now_ms;
+                entry.loaded[i].planned_ms = None;
             }
             None if entry.loaded.len() < cap => entry.loaded.push(Loaded {
                 name: adapter.into(),
                 ready_ms,
                 used_ms: now_ms,
+                planned_ms: None,
             }),
             None => self.counters.dropped += 1,
         }
@@ -320,6 +337,11 @@ impl AdapterTable {
         }
         self.counters.loads_planned += 1;
         self.mark_loaded(worker, adapter, now_ms + self.config.load_ms, now_ms);
+        if let Some(entry) = self.workers.get_mut(&worker) {
+            if let Some(i) = entry.find(adapter) {
+                entry.loaded[i].planned_ms = Some(now_ms);
+            }
+        }
         Some(AdapterLoad {
             adapter: adapter.into(),
             unload,
@@ -376,9 +398,18 @@ mod tests {
         // A refresh that does not list it yet keeps the planned load.
         t.set_loaded(w(2), std::iter::empty(), 30.0);
         assert!(t.has(w(2), "a"));
-        // Once due, the worker's list is the truth.
+        // Due but not confirmed: a slow load survives a refresh ...
         t.set_loaded(w(2), std::iter::empty(), 500.0);
+        assert!(t.has(w(2), "a"));
+        // ... until the driver says it is loaded: then the worker's list
+        // is the truth.
+        t.mark_loaded(w(2), "a", 600.0, 600.0);
+        t.set_loaded(w(2), std::iter::empty(), 700.0);
         assert!(!t.has(w(2), "a"));
+        // An unconfirmed load is forgotten after its time to live.
+        t.place(w(3), "b", 0.0);
+        t.set_loaded(w(3), std::iter::empty(), UNCONFIRMED_LOAD_TTL_MS + 1.0);
+        assert!(!t.has(w(3), "b"));
     }
 
     #[test]

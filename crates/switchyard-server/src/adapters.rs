@@ -316,7 +316,7 @@ fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
 /// the adapter there when the placement says so (after unloading the
 /// coldest one when the worker is full), or wait for a load under way.
 pub(crate) async fn ensure_loaded(
-    state: &AppState,
+    state: &std::sync::Arc<AppState>,
     booking: &Booking,
     adapter: &str,
 ) -> Result<(), ApiError> {
@@ -338,23 +338,38 @@ pub(crate) async fn ensure_loaded(
         }
         return Ok(());
     };
-    let result = load_on(state, booking, load).await;
-    adapters.finish(booking.worker, &load.adapter, result.is_ok());
-    match result {
-        Ok(()) => {
-            AdapterMetrics::loaded(adapters, true);
-            tracing::info!(worker = %booking.name, adapter = %load.adapter, "LoRA adapter loaded on demand");
-            Ok(())
-        }
-        Err(message) => {
-            AdapterMetrics::loaded(adapters, false);
-            state.shared.adapter_unloaded(booking.worker, &load.adapter);
-            tracing::warn!(worker = %booking.name, adapter = %load.adapter, %message, "LoRA adapter load failed");
-            Err(ApiError::bad_gateway(format!(
-                "could not load the LoRA adapter `{}` on worker {}: {message}",
-                load.adapter, booking.name
-            )))
-        }
+    // On its own task: a client that goes away must not cancel the load
+    // half-way (the requests waiting for it, and the table, need its end).
+    let task = {
+        let state = state.clone();
+        let (worker, name, url) = (booking.worker, booking.name.clone(), booking.url.clone());
+        let load = load.clone();
+        tokio::spawn(async move {
+            let adapters = &state.shared.adapters;
+            let result = load_on(&state, &url, &name, &load).await;
+            match &result {
+                Ok(()) => {
+                    state.shared.adapter_loaded(worker, &load.adapter);
+                    AdapterMetrics::loaded(adapters, true);
+                    tracing::info!(worker = %name, adapter = %load.adapter, "LoRA adapter loaded on demand");
+                }
+                Err(message) => {
+                    state.shared.adapter_unloaded(worker, &load.adapter);
+                    AdapterMetrics::loaded(adapters, false);
+                    tracing::warn!(worker = %name, adapter = %load.adapter, %message, "LoRA adapter load failed");
+                }
+            }
+            adapters.finish(worker, &load.adapter, result.is_ok());
+            result
+        })
+    };
+    match task.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(message)) => Err(ApiError::bad_gateway(format!(
+            "could not load the LoRA adapter `{}` on worker {}: {message}",
+            load.adapter, booking.name
+        ))),
+        Err(_) => Err(ApiError::internal("the adapter load task failed")),
     }
 }
 
@@ -366,23 +381,23 @@ impl AdapterMetrics {
     }
 }
 
-async fn load_on(state: &AppState, booking: &Booking, load: &AdapterLoad) -> Result<(), String> {
+async fn load_on(state: &AppState, url: &str, worker: &str, load: &AdapterLoad) -> Result<(), String> {
     let adapters = &state.shared.adapters;
     let Some(entry) = adapters.entry(&load.adapter) else {
         return Err("no path is known for it (no [[adapters]] table, no worker lists it)".into());
     };
     if let Some(victim) = &load.unload {
         let body = serde_json::json!({ "lora_name": &**victim });
-        let (status, _) = post(state, &booking.url, "/v1/unload_lora_adapter", body).await?;
+        let (status, _) = post(state, url, "/v1/unload_lora_adapter", body).await?;
         // 404: already gone, which is what was wanted.
         let ok = status.is_success() || status == hyper::StatusCode::NOT_FOUND;
         Adapters::count(&adapters.unloads, if ok { "ok" } else { "failed" });
         if ok {
-            tracing::info!(worker = %booking.name, adapter = %victim, "coldest LoRA adapter unloaded for a slot");
+            tracing::info!(worker = %worker, adapter = %victim, "coldest LoRA adapter unloaded for a slot");
         }
     }
     let body = serde_json::json!({ "lora_name": &*load.adapter, "lora_path": &*entry.path });
-    let (status, text) = post(state, &booking.url, "/v1/load_lora_adapter", body).await?;
+    let (status, text) = post(state, url, "/v1/load_lora_adapter", body).await?;
     if status.is_success() || (status == hyper::StatusCode::BAD_REQUEST && text.contains("already")) {
         Ok(())
     } else {

@@ -206,6 +206,15 @@ impl SharedRouter {
         self.lock().dispatcher.adapters_mut().set_slots(id, slots);
     }
 
+    /// `adapter` is loaded on worker `id` now (a load the router made).
+    pub(crate) fn adapter_loaded(&self, id: WorkerId, adapter: &str) {
+        let now = self.now_ms();
+        self.lock()
+            .dispatcher
+            .adapters_mut()
+            .mark_loaded(id, adapter, now, now);
+    }
+
     /// `adapter` is not (or no longer) loaded on worker `id`.
     pub(crate) fn adapter_unloaded(&self, id: WorkerId, adapter: &str) {
         self.lock().dispatcher.adapters_mut().mark_unloaded(id, adapter);
