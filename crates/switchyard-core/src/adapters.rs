@@ -11,8 +11,11 @@
 //! itself is made by the [`crate::router::Router`]: a worker without the
 //! adapter is priced its load time ([`AdapterConfig::load_ms`]) by the
 //! `ttft` policy, in the same milliseconds as its prefill; every other
-//! policy is given only the workers that have it when any does (filter,
-//! then fall back to all). When the chosen worker lacks the adapter, the
+//! policy is given only the workers that have it when any does, plus the
+//! workers with more than [`AdapterConfig::affinity_slack_requests`] fewer
+//! active requests than the least busy holder (filter, then fall back to
+//! all; without the slack, a hot adapter piles onto its holders: measured
+//! in `replay`, docs/simulator.md). When the chosen worker lacks the adapter, the
 //! [`crate::dispatch::Dispatch`] carries an [`AdapterLoad`]: load it there
 //! first, after unloading the coldest adapter when the worker's slots are
 //! full.
@@ -47,6 +50,12 @@ pub struct AdapterConfig {
     /// adapter (loads still happen where the request lands). For
     /// comparisons only.
     pub blind: bool,
+    /// For the policies that do not price time: a worker without the
+    /// adapter stays a candidate while it has more than this many fewer
+    /// active requests than the least busy holder (a load is worth a few
+    /// requests of queue), so a hot adapter spreads instead of piling onto
+    /// its holders.
+    pub affinity_slack_requests: usize,
 }
 
 impl Default for AdapterConfig {
@@ -55,6 +64,7 @@ impl Default for AdapterConfig {
             load_ms: 500.0,
             max_per_worker: 64,
             blind: false,
+            affinity_slack_requests: 4,
         }
     }
 }
@@ -375,7 +385,7 @@ mod tests {
         AdapterTable::new(AdapterConfig {
             load_ms: 100.0,
             max_per_worker: cap,
-            blind: false,
+            ..AdapterConfig::default()
         })
     }
 

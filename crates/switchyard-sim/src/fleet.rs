@@ -782,13 +782,17 @@ impl Fleet {
         let multi_turn = s.turns.len() > 1;
         let spec = &s.turns[turn];
         let output_tokens = spec.output_tokens;
-        let tokens = spec.prompt.tokens();
+        let mut tokens = spec.prompt.tokens();
+        let adapter = self.config.adapters.map(|mix| {
+            let k = mix.adapter_of(&self.adapter_cdf, session);
+            // An adapter's KV is its own (vLLM hashes its blocks with the
+            // adapter): folded into the token ids, for router and engine.
+            crate::adapters::fold_into_tokens(k, &mut tokens);
+            crate::adapters::adapter_name(k).into()
+        });
         let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
         let id = Self::request_id(session, turn);
         let replica = self.pick_replica(session, multi_turn);
-        let adapter = self.config.adapters.map(|mix| {
-            crate::adapters::adapter_name(mix.adapter_of(&self.adapter_cdf, session)).into()
-        });
         let submission = Submission {
             blocks,
             prompt_tokens: tokens.len() as u32,

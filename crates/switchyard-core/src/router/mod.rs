@@ -519,20 +519,27 @@ impl Router {
                 busy,
             });
         }
-        // Adapter affinity for the policies that do not price time: only
-        // the workers that have the adapter, when any available one does.
+        // Adapter affinity for the policies that do not price time: the
+        // workers that have the adapter, when any available one does, and
+        // those far less busy than every holder (a hot adapter spreads).
         if let Some(adapter) = request.adapter {
             let adapters = &self.adapters;
-            let blind = adapters.config().blind;
-            if !blind
-                && self.config.policy != PolicyKind::Ttft
-                && self
-                    .candidates
-                    .iter()
-                    .any(|c| !c.busy && adapters.has(c.worker, adapter))
-            {
-                self.candidates
-                    .retain(|c| adapters.has(c.worker, adapter));
+            let config = adapters.config();
+            let least_busy_holder = self
+                .candidates
+                .iter()
+                .filter(|c| !c.busy && adapters.has(c.worker, adapter))
+                .map(|c| c.active_requests)
+                .min();
+            if let (false, false, Some(holder)) = (
+                config.blind,
+                self.config.policy == PolicyKind::Ttft,
+                least_busy_holder,
+            ) {
+                let slack = config.affinity_slack_requests;
+                self.candidates.retain(|c| {
+                    adapters.has(c.worker, adapter) || c.active_requests + slack < holder
+                });
             }
         }
         let ctx = RoutingContext {

@@ -82,8 +82,9 @@ pub struct Candidate {
     /// when it names none or the worker has it loaded, the rest of a load
     /// under way, else the adapter's load time
     /// ([`crate::adapters::AdapterTable::load_cost_ms`]). Only `ttft`
-    /// prices it; the others are given only workers where it is 0 when any
-    /// is (the router filters).
+    /// prices it; the others are given only the adapter's holders when any
+    /// is available, and workers far less busy than them (the router
+    /// filters).
     pub adapter_load_ms: f64,
     /// Over its busy threshold: not to be chosen now.
     pub busy: bool,
