@@ -252,8 +252,7 @@ impl AdapterTable {
         }
         let pending = |l: &Loaded| {
             l.ready_ms > now_ms
-                || l
-                    .planned_ms
+                || l.planned_ms
                     .is_some_and(|p| now_ms - p < UNCONFIRMED_LOAD_TTL_MS)
         };
         for pending in old.into_iter().filter(pending) {

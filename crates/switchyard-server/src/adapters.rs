@@ -324,11 +324,12 @@ pub(crate) async fn ensure_loaded(
     let Some(load) = &booking.adapter_load else {
         if let Some(mut rx) = adapters.waiter(booking.worker, adapter) {
             adapters.waits.inc();
-            let done = tokio::time::timeout(state.first_token_timeout, rx.wait_for(|v| v.is_some()))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .and_then(|v| *v);
+            let done =
+                tokio::time::timeout(state.first_token_timeout, rx.wait_for(|v| v.is_some()))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .and_then(|v| *v);
             if done == Some(false) {
                 return Err(ApiError::bad_gateway(format!(
                     "the LoRA adapter `{adapter}` could not be loaded on worker {}",
@@ -381,7 +382,12 @@ impl AdapterMetrics {
     }
 }
 
-async fn load_on(state: &AppState, url: &str, worker: &str, load: &AdapterLoad) -> Result<(), String> {
+async fn load_on(
+    state: &AppState,
+    url: &str,
+    worker: &str,
+    load: &AdapterLoad,
+) -> Result<(), String> {
     let adapters = &state.shared.adapters;
     let Some(entry) = adapters.entry(&load.adapter) else {
         return Err("no path is known for it (no [[adapters]] table, no worker lists it)".into());
@@ -398,7 +404,8 @@ async fn load_on(state: &AppState, url: &str, worker: &str, load: &AdapterLoad) 
     }
     let body = serde_json::json!({ "lora_name": &*load.adapter, "lora_path": &*entry.path });
     let (status, text) = post(state, url, "/v1/load_lora_adapter", body).await?;
-    if status.is_success() || (status == hyper::StatusCode::BAD_REQUEST && text.contains("already")) {
+    if status.is_success() || (status == hyper::StatusCode::BAD_REQUEST && text.contains("already"))
+    {
         Ok(())
     } else {
         Err(format!("the worker answered {}", status.as_u16()))
@@ -464,8 +471,16 @@ mod tests {
         // Learned from a worker's models: name, root, parent.
         let body = br#"{"data":[{"id":"base"},{"id":"chat","parent":"base","root":"/a/chat"},{"id":"","parent":"base"},{"parent":"base"}]}"#;
         assert_eq!(a.learn_models(body).unwrap(), ["chat"]);
-        assert_eq!(a.resolve(Some("chat")).eligible_model.as_deref(), Some("base"));
-        assert_eq!(a.dropped.get_or_create(&ResultLabel { result: "invalid" }).get(), 2);
+        assert_eq!(
+            a.resolve(Some("chat")).eligible_model.as_deref(),
+            Some("base")
+        );
+        assert_eq!(
+            a.dropped
+                .get_or_create(&ResultLabel { result: "invalid" })
+                .get(),
+            2
+        );
         assert_eq!(Adapters::slots_of(br#"{"max_loras": 2}"#), Some(2));
         assert_eq!(Adapters::slots_of(b"{}"), None);
         assert!(a.learn_models(b"not json").is_none());

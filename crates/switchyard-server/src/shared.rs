@@ -217,7 +217,10 @@ impl SharedRouter {
 
     /// `adapter` is not (or no longer) loaded on worker `id`.
     pub(crate) fn adapter_unloaded(&self, id: WorkerId, adapter: &str) {
-        self.lock().dispatcher.adapters_mut().mark_unloaded(id, adapter);
+        self.lock()
+            .dispatcher
+            .adapters_mut()
+            .mark_unloaded(id, adapter);
     }
 
     /// Router metrics.

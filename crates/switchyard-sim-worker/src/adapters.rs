@@ -66,7 +66,12 @@ struct Inner {
 impl Adapters {
     /// `max_loras` slots (0: LoRA off; clamped to [`MAX_LORAS_CAP`]), each
     /// load taking `load_time` of wall time, adapters of base model `base`.
-    pub fn new(max_loras: usize, load_time: Duration, base: Arc<str>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        max_loras: usize,
+        load_time: Duration,
+        base: Arc<str>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             max_loras: max_loras.min(MAX_LORAS_CAP),
             load_time,
@@ -136,9 +141,7 @@ impl Adapters {
             ))));
         }
         if name == &*self.base {
-            return Err(self.refuse(invalid_input(format!(
-                "'{name}' is the base model's name"
-            ))));
+            return Err(self.refuse(invalid_input(format!("'{name}' is the base model's name"))));
         }
         {
             let mut inner = self.lock();
@@ -167,7 +170,9 @@ impl Adapters {
             tokio::time::sleep(self.load_time).await;
         }
         self.metrics.lora_loads.inc();
-        Ok(format!("Success: LoRA adapter '{name}' added successfully."))
+        Ok(format!(
+            "Success: LoRA adapter '{name}' added successfully."
+        ))
     }
 
     /// vLLM's `/v1/unload_lora_adapter`.
@@ -191,7 +196,9 @@ impl Adapters {
         }
         self.metrics.lora_adapters.set(inner.loaded.len() as i64);
         self.metrics.lora_unloads.inc();
-        Ok(format!("Success: LoRA adapter '{name}' removed successfully."))
+        Ok(format!(
+            "Success: LoRA adapter '{name}' removed successfully."
+        ))
     }
 }
 
@@ -226,7 +233,10 @@ mod tests {
         );
         let again = a.load(Some("x"), Some("/p/x")).await.unwrap_err();
         assert_eq!(again.status().as_u16(), 400);
-        assert_eq!(a.load(Some("y"), None).await.unwrap_err().status().as_u16(), 400);
+        assert_eq!(
+            a.load(Some("y"), None).await.unwrap_err().status().as_u16(),
+            400
+        );
         a.load(Some("y"), Some("/p/y")).await.unwrap();
         assert!(a.touch("x"));
         a.load(Some("z"), Some("/p/z")).await.unwrap();
@@ -242,7 +252,15 @@ mod tests {
         assert_eq!(a.metrics.lora_unloads.get(), 1);
         assert_eq!(a.metrics.lora_load_failures.get(), 2);
         assert_eq!(a.metrics.lora_adapters.get(), 1);
-        assert_eq!(adapters(0).load(Some("x"), Some("/p")).await.unwrap_err().status().as_u16(), 400);
+        assert_eq!(
+            adapters(0)
+                .load(Some("x"), Some("/p"))
+                .await
+                .unwrap_err()
+                .status()
+                .as_u16(),
+            400
+        );
     }
 
     #[test]

@@ -63,13 +63,22 @@ impl AdapterMix {
             return Err(format!("adapters must be 1..=65536, got {}", self.count));
         }
         if !(self.skew.is_finite() && self.skew >= 0.0) {
-            return Err(format!("adapter skew must be finite and >= 0, got {}", self.skew));
+            return Err(format!(
+                "adapter skew must be finite and >= 0, got {}",
+                self.skew
+            ));
         }
         if self.max_loras == 0 || self.max_loras > 1024 {
-            return Err(format!("max_loras must be 1..=1024, got {}", self.max_loras));
+            return Err(format!(
+                "max_loras must be 1..=1024, got {}",
+                self.max_loras
+            ));
         }
         if !(self.load_ms.is_finite() && self.load_ms >= 0.0) {
-            return Err(format!("lora load ms must be finite and >= 0, got {}", self.load_ms));
+            return Err(format!(
+                "lora load ms must be finite and >= 0, got {}",
+                self.load_ms
+            ));
         }
         Ok(())
     }
@@ -92,8 +101,10 @@ impl AdapterMix {
 
     /// The adapter of `session` (its index), given [`Self::cdf`].
     pub fn adapter_of(&self, cdf: &[f64], session: u64) -> usize {
-        let u = (splitmix64(session ^ self.seed.rotate_left(17)) >> 11) as f64 / (1u64 << 53) as f64;
-        cdf.partition_point(|&c| c <= u).min(cdf.len().saturating_sub(1))
+        let u =
+            (splitmix64(session ^ self.seed.rotate_left(17)) >> 11) as f64 / (1u64 << 53) as f64;
+        cdf.partition_point(|&c| c <= u)
+            .min(cdf.len().saturating_sub(1))
     }
 }
 
@@ -187,7 +198,10 @@ mod tests {
         for s in 0..20_000 {
             counts[mix.adapter_of(&cdf, s)] += 1;
         }
-        assert!(counts[0] > 2 * counts[3] && counts[3] > counts[7], "{counts:?}");
+        assert!(
+            counts[0] > 2 * counts[3] && counts[3] > counts[7],
+            "{counts:?}"
+        );
         assert_eq!(mix.adapter_of(&cdf, 42), mix.adapter_of(&cdf, 42));
         let uniform = AdapterMix { skew: 0.0, ..mix };
         let cdf = uniform.cdf();
@@ -195,7 +209,10 @@ mod tests {
         for s in 0..20_000 {
             counts[uniform.adapter_of(&cdf, s)] += 1;
         }
-        assert!(counts.iter().all(|&c| (2_000..3_000).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (2_000..3_000).contains(&c)),
+            "{counts:?}"
+        );
     }
 
     #[test]

@@ -1052,10 +1052,7 @@ impl Fleet {
     fn adapter_ready_at(&mut self, worker: usize, session: u64, sent: &Dispatch) -> Option<f64> {
         let mix = self.config.adapters?;
         let name = crate::adapters::adapter_name(mix.adapter_of(&self.adapter_cdf, session));
-        let unload = sent
-            .adapter_load
-            .as_ref()
-            .and_then(|l| l.unload.as_deref());
+        let unload = sent.adapter_load.as_ref().and_then(|l| l.unload.as_deref());
         let load_wall_ms = self.config.engine.timing.wall_ms(mix.load_ms);
         let (at, loaded) = self.workers[worker].adapters.acquire(
             &name,
@@ -1555,7 +1552,14 @@ mod tests {
             });
             config.router.adapters.blind = blind;
             let list = (0..200)
-                .map(|i| one_turn(i, i as f64 * 20.0, (0..64).map(|t| t + i as u32 * 64).collect(), 4))
+                .map(|i| {
+                    one_turn(
+                        i,
+                        i as f64 * 20.0,
+                        (0..64).map(|t| t + i as u32 * 64).collect(),
+                        4,
+                    )
+                })
                 .collect();
             simulate(&config, sessions(list), |_| {}).unwrap().report
         };

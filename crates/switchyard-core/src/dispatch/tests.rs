@@ -731,9 +731,20 @@ fn a_full_worker_is_told_to_unload_its_coldest_adapter_and_blind_routing_ignores
     let mut d = dispatcher_with(config, false, 2);
     d.adapters_mut().set_loaded(w(2), ["a"], 0.0);
     let workers: Vec<WorkerId> = (0..4)
-        .map(|i| place(&mut d, i, for_adapter(submission(i as u64 * 100, 8), "a"), 0.0).worker)
+        .map(|i| {
+            place(
+                &mut d,
+                i,
+                for_adapter(submission(i as u64 * 100, 8), "a"),
+                0.0,
+            )
+            .worker
+        })
         .collect();
-    assert!(workers.contains(&w(1)), "blind round-robin uses both: {workers:?}");
+    assert!(
+        workers.contains(&w(1)),
+        "blind round-robin uses both: {workers:?}"
+    );
 }
 
 #[test]
@@ -744,7 +755,15 @@ fn a_load_policy_leaves_a_hot_adapters_holder_once_it_is_far_busier() {
     d.adapters_mut().set_loaded(w(1), ["a"], 0.0);
     let mut placed = Vec::new();
     for id in 0..8u128 {
-        placed.push(place(&mut d, id, for_adapter(submission(id as u64 * 100, 4), "a"), 0.0).worker);
+        placed.push(
+            place(
+                &mut d,
+                id,
+                for_adapter(submission(id as u64 * 100, 4), "a"),
+                0.0,
+            )
+            .worker,
+        );
     }
     // The holder takes requests until it has 5 more than the idle worker
     // (the slack is 4); then the adapter is loaded on the other worker.

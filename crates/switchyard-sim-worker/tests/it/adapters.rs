@@ -15,7 +15,15 @@ async fn worker(flags: &[&str]) -> String {
         #[command(flatten)]
         args: SimWorkerArgs,
     }
-    let mut argv = vec!["sim-worker", "--port", "0", "--num-blocks", "1024", "--model", "base"];
+    let mut argv = vec![
+        "sim-worker",
+        "--port",
+        "0",
+        "--num-blocks",
+        "1024",
+        "--model",
+        "base",
+    ];
     argv.extend_from_slice(flags);
     let args = Cli::parse_from(argv).args;
     let BoundWorker { listener, app, .. } = bind(&args, Tokenizer::bundled().unwrap())
@@ -90,8 +98,15 @@ async fn adapters_load_unload_list_and_serve_as_vllms_do() {
         json!({"lora_name": "a", "lora_path": "/adapters/a"}),
     )
     .await;
-    assert_eq!((status, body.as_str()), (200, "Success: LoRA adapter 'a' added successfully."));
-    assert!(started.elapsed().as_millis() >= 100, "{:?}", started.elapsed());
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "Success: LoRA adapter 'a' added successfully.")
+    );
+    assert!(
+        started.elapsed().as_millis() >= 100,
+        "{:?}",
+        started.elapsed()
+    );
     let (status, body) = post(
         &base,
         "/v1/load_lora_adapter",
@@ -117,10 +132,16 @@ async fn adapters_load_unload_list_and_serve_as_vllms_do() {
         .map(|m| m["id"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(ids, ["base", "a", "b"]);
-    assert_eq!(post(&base, "/v1/completions", completion("pre")).await.0, 404);
+    assert_eq!(
+        post(&base, "/v1/completions", completion("pre")).await.0,
+        404
+    );
 
     let (status, body) = post(&base, "/v1/unload_lora_adapter", json!({"lora_name": "a"})).await;
-    assert_eq!((status, body.as_str()), (200, "Success: LoRA adapter 'a' removed successfully."));
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "Success: LoRA adapter 'a' removed successfully.")
+    );
     let (status, body) = post(&base, "/v1/unload_lora_adapter", json!({"lora_name": "a"})).await;
     assert_eq!(status, 404);
     assert!(body.contains("cannot be found"), "{body}");
@@ -132,10 +153,18 @@ async fn adapters_load_unload_list_and_serve_as_vllms_do() {
         .await
         .unwrap();
     assert_eq!(info["max_loras"], 2);
-    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert_eq!(metric(&text, "switchyard_engine_lora_loads_total"), 3.0);
     assert_eq!(metric(&text, "switchyard_engine_lora_unloads_total"), 1.0);
-    assert_eq!(metric(&text, "switchyard_engine_lora_load_failures_total"), 2.0);
+    assert_eq!(
+        metric(&text, "switchyard_engine_lora_load_failures_total"),
+        2.0
+    );
     assert_eq!(metric(&text, "switchyard_engine_lora_evictions_total"), 1.0);
     assert_eq!(metric(&text, "switchyard_engine_lora_adapters"), 1.0);
 }

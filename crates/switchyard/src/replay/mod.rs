@@ -488,7 +488,8 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
             load_ms: args.lora_load_ms,
             seed: args.seed,
         };
-        mix.validate().map_err(|e| anyhow::anyhow!("--adapters: {e}"))?;
+        mix.validate()
+            .map_err(|e| anyhow::anyhow!("--adapters: {e}"))?;
         fleet.adapters = Some(mix);
     }
     fleet
@@ -995,7 +996,10 @@ mod tests {
         ]))
         .unwrap();
         let mix = fleet.adapters.expect("a mix");
-        assert_eq!((mix.count, mix.skew, mix.max_loras, mix.load_ms), (8, 0.5, 2, 400.0));
+        assert_eq!(
+            (mix.count, mix.skew, mix.max_loras, mix.load_ms),
+            (8, 0.5, 2, 400.0)
+        );
         // The routers price a load in wall ms: model ms over the speed-up.
         assert_eq!(fleet.dispatcher(0).router.adapters.load_ms, 400.0 / 4.0);
         assert!(fleet_config(&parse_args(&["--adapters", "8", "--max-loras", "0"])).is_err());

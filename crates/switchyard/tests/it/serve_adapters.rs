@@ -125,7 +125,16 @@ base_model = "switchyard-sim"
     );
     assert_eq!(metric_sum(&text, "switchyard_adapter_loads_total"), 1.0);
     let worker_text = metrics_text(&client, holder_base).await;
-    assert_eq!(metric(&worker_text, "switchyard_engine_lora_loads_total"), Some(2.0));
-    assert_eq!(metric(&worker_text, "switchyard_engine_lora_unloads_total"), Some(1.0));
-    assert_eq!(metric(&worker_text, "switchyard_engine_lora_adapters"), Some(1.0));
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_loads_total"),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_unloads_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_adapters"),
+        Some(1.0)
+    );
 }
