@@ -164,7 +164,7 @@ impl Attempts {
         streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
         if let Some(adapter) = &self.adapter.adapter {
-            crate::adapters::ensure_loaded(&self.state, booking, adapter)
+            crate::adapter_load::ensure_loaded(&self.state, booking, adapter)
                 .await
                 .map_err(AttemptError::Fatal)?;
         }

@@ -54,6 +54,7 @@
 //! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
 
 pub mod accept;
+pub mod adapter_load;
 pub mod adapters;
 mod attempt;
 pub mod auth;

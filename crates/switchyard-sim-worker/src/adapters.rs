@@ -27,7 +27,6 @@
 //! (`switchyard_core::hashing::seed_for`), so its cached blocks are its
 //! own, as in vLLM.
 
-use crate::http::ApiError;
 use crate::metrics::Metrics;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -113,15 +112,15 @@ impl Adapters {
             .collect()
     }
 
-    fn refuse(&self, body: ErrorBody) -> ApiError {
+    fn refuse(&self, body: ErrorBody) -> ErrorBody {
         self.metrics.lora_load_failures.inc();
-        body.into()
+        body
     }
 
     /// vLLM's `/v1/load_lora_adapter`: checks, takes a slot (evicting the
     /// least recently used adapter when full), waits the load time, and
     /// answers vLLM's success text.
-    pub async fn load(&self, name: Option<&str>, path: Option<&str>) -> Result<String, ApiError> {
+    pub async fn load(&self, name: Option<&str>, path: Option<&str>) -> Result<String, ErrorBody> {
         if self.max_loras == 0 {
             return Err(self.refuse(invalid_input(
                 "LoRA is not enabled on this worker; start it with --max-loras N",
@@ -176,12 +175,11 @@ impl Adapters {
     }
 
     /// vLLM's `/v1/unload_lora_adapter`.
-    pub fn unload(&self, name: Option<&str>) -> Result<String, ApiError> {
+    pub fn unload(&self, name: Option<&str>) -> Result<String, ErrorBody> {
         let Some(name) = name.filter(|n| !n.is_empty()) else {
             return Err(invalid_input(
                 "either 'lora_name' and 'lora_int_id' needs to be provided.",
-            )
-            .into());
+            ));
         };
         let mut inner = self.lock();
         let before = inner.loaded.len();
@@ -191,8 +189,7 @@ impl Adapters {
                 404,
                 "NotFoundError",
                 format!("The lora adapter '{name}' cannot be found."),
-            )
-            .into());
+            ));
         }
         self.metrics.lora_adapters.set(inner.loaded.len() as i64);
         self.metrics.lora_unloads.inc();
@@ -232,10 +229,10 @@ mod tests {
             "Success: LoRA adapter 'x' added successfully."
         );
         let again = a.load(Some("x"), Some("/p/x")).await.unwrap_err();
-        assert_eq!(again.status().as_u16(), 400);
+        assert_eq!(again.status(), Some(400));
         assert_eq!(
-            a.load(Some("y"), None).await.unwrap_err().status().as_u16(),
-            400
+            a.load(Some("y"), None).await.unwrap_err().status(),
+            Some(400)
         );
         a.load(Some("y"), Some("/p/y")).await.unwrap();
         assert!(a.touch("x"));
@@ -243,7 +240,7 @@ mod tests {
         let names: Vec<String> = a.list().iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(names, ["x", "z"], "y was the least recently used");
         assert_eq!(a.metrics.lora_evictions.get(), 1);
-        assert_eq!(a.unload(Some("y")).unwrap_err().status().as_u16(), 404);
+        assert_eq!(a.unload(Some("y")).unwrap_err().status(), Some(404));
         assert_eq!(
             a.unload(Some("x")).unwrap(),
             "Success: LoRA adapter 'x' removed successfully."
@@ -257,9 +254,8 @@ mod tests {
                 .load(Some("x"), Some("/p"))
                 .await
                 .unwrap_err()
-                .status()
-                .as_u16(),
-            400
+                .status(),
+            Some(400)
         );
     }
 

@@ -146,13 +146,6 @@ impl From<ErrorBody> for ApiError {
     }
 }
 
-impl ApiError {
-    /// The HTTP status.
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, Json(self.body)).into_response()
@@ -882,7 +875,8 @@ async fn load_lora_adapter(
     let text = state
         .adapters
         .load(body.lora_name.as_deref(), body.lora_path.as_deref())
-        .await?;
+        .await
+        .map_err(ApiError::from)?;
     Ok((StatusCode::OK, text).into_response())
 }
 
@@ -891,7 +885,10 @@ async fn unload_lora_adapter(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let body: LoraBody = parse(&body)?;
-    let text = state.adapters.unload(body.lora_name.as_deref())?;
+    let text = state
+        .adapters
+        .unload(body.lora_name.as_deref())
+        .map_err(ApiError::from)?;
     Ok((StatusCode::OK, text).into_response())
 }
 

@@ -510,7 +510,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
     for (name, path) in &args.lora_modules {
         lora.load(Some(name), Some(path))
             .await
-            .map_err(|e| anyhow::anyhow!("--lora-modules {name}: refused ({})", e.status()))?;
+            .map_err(|e| anyhow::anyhow!("--lora-modules {name}: refused: {}", e.to_json()))?;
     }
     let state = http::AppState {
         adapters: lora,

@@ -577,12 +577,17 @@ mod tests {
             "switchyard_engine_leases_held 0\n",
             "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"} 0\n",
             "switchyard_engine_disagg_transfer_bytes_total 0\n",
+            "switchyard_engine_lora_loads_total 0\n",
+            "switchyard_engine_lora_unloads_total 0\n",
+            "switchyard_engine_lora_load_failures_total 0\n",
+            "switchyard_engine_lora_evictions_total 0\n",
+            "switchyard_engine_lora_adapters 0\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (33, 33), "{text}");
+        assert_eq!((typed, helped), (38, 38), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),
