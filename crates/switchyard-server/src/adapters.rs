@@ -102,13 +102,16 @@ struct ResultLabel {
     result: &'static str,
 }
 
+/// A load in flight: the worker and the adapter.
+type LoadKey = (WorkerId, Box<str>);
+
 /// The catalogue, loads in flight and the counters.
 #[derive(Debug)]
 pub struct Adapters {
     configured: HashMap<Box<str>, Entry>,
     learned: RwLock<HashMap<Box<str>, Entry>>,
-    pending: Mutex<HashMap<(WorkerId, Box<str>), watch::Receiver<Option<bool>>>>,
-    senders: Mutex<HashMap<(WorkerId, Box<str>), watch::Sender<Option<bool>>>>,
+    pending: Mutex<HashMap<LoadKey, watch::Receiver<Option<bool>>>>,
+    senders: Mutex<HashMap<LoadKey, watch::Sender<Option<bool>>>>,
     loads: Family<ResultLabel, Counter>,
     unloads: Family<ResultLabel, Counter>,
     waits: Counter,

@@ -426,7 +426,7 @@ impl ServerConfig {
             ));
         }
         for (i, spec) in self.adapters.iter().enumerate() {
-            spec.validate().or_else(|e| invalid(e))?;
+            spec.validate().or_else(invalid)?;
             if self.adapters[..i].iter().any(|s| s.name == spec.name) {
                 return invalid(format!("adapters: `{}` is named twice", spec.name));
             }
