@@ -534,15 +534,6 @@ fn restore_on(
 
 /// Whether an effect may run in `state`: a shut-down device takes nothing,
 /// a quiesced one nothing new.
-/// An SSM checkpoint stands at a nonzero block boundary.
-fn aligned_checkpoint(kv: &BlockManager, tokens: usize) -> Result<(), DeviceError> {
-    let block_size = kv.block_size();
-    if tokens == 0 || tokens % block_size != 0 {
-        return Err(DeviceError::UnalignedCheckpoint { tokens, block_size });
-    }
-    Ok(())
-}
-
 fn admit(state: DeviceState, effect: Label, new_work: bool) -> Result<(), DeviceError> {
     match state {
         DeviceState::Shutdown => Err(DeviceError::ShutDown { effect }),
@@ -566,6 +557,25 @@ pub struct SyncDevice {
 }
 
 impl SyncDevice {
+    /// An SSM state copied between a slot and a checkpoint (`effect` says
+    /// which way) at `tokens`, a nonzero block boundary: new work, a copy
+    /// on the secondary stream.
+    fn copy_checkpoint(
+        &mut self,
+        kv: &BlockManager,
+        effect: Label,
+        slot: SlotId,
+        tokens: usize,
+    ) -> Result<Checkpoint, DeviceError> {
+        admit(self.state, effect, true)?;
+        let block_size = kv.block_size();
+        if tokens == 0 || tokens % block_size != 0 {
+            return Err(DeviceError::UnalignedCheckpoint { tokens, block_size });
+        }
+        self.secondary_pending += 1;
+        Ok(Checkpoint { slot, tokens })
+    }
+
     /// A device charging `timing`.
     pub fn new(timing: TimingConfig) -> Self {
         Self {
@@ -751,10 +761,7 @@ impl DeviceLayer for SyncDevice {
         slot: SlotId,
         tokens: usize,
     ) -> Result<Checkpoint, DeviceError> {
-        admit(self.state, Label("marconi_checkpoint"), true)?;
-        aligned_checkpoint(kv, tokens)?;
-        self.secondary_pending += 1;
-        Ok(Checkpoint { slot, tokens })
+        self.copy_checkpoint(kv, Label("marconi_checkpoint"), slot, tokens)
     }
 
     fn load_checkpoint(
@@ -764,10 +771,7 @@ impl DeviceLayer for SyncDevice {
         slot: SlotId,
         tokens: usize,
     ) -> Result<Checkpoint, DeviceError> {
-        admit(self.state, Label("load_checkpoint"), true)?;
-        aligned_checkpoint(kv, tokens)?;
-        self.secondary_pending += 1;
-        Ok(Checkpoint { slot, tokens })
+        self.copy_checkpoint(kv, Label("load_checkpoint"), slot, tokens)
     }
 
     fn save_hidden_catchup(
@@ -1596,6 +1600,16 @@ mod tests {
             })
         );
         assert_eq!(dev.secondary_pending(), 1, "a snapshot is a copy");
+        // Resuming from one: the same alignment rule, a copy too.
+        assert_eq!(
+            dev.load_checkpoint(&kv, SeqId(1), SlotId(0), 4),
+            Ok(Checkpoint {
+                slot: SlotId(0),
+                tokens: 4
+            })
+        );
+        assert!(dev.load_checkpoint(&kv, SeqId(1), SlotId(0), 0).is_err());
+        assert_eq!(dev.secondary_pending(), 2);
         assert_eq!(
             dev.log[0],
             Effect::MarconiCheckpoint {

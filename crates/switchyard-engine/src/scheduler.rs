@@ -87,6 +87,10 @@ pub enum AdmitError {
     /// The waiting queue is full.
     #[error("the waiting queue is full ({0} requests)")]
     QueueFull(usize),
+    /// A hybrid model's KV transfer would need its SSM state moved too,
+    /// which is not modelled.
+    #[error("a hybrid model takes no KV transfer (its SSM state is not transferred)")]
+    HybridTransfer,
 }
 
 /// An engine fault: the device layer broke.
@@ -632,6 +636,9 @@ impl<D: DeviceLayer> Engine<D> {
         request: NewRequest,
         lease: LeaseRef,
     ) -> Result<(), AdmitError> {
+        if self.checkpoints.is_some() {
+            return Err(AdmitError::HybridTransfer);
+        }
         let id = request.id;
         self.add_request(request)?;
         let seq = self.by_request[&id];
@@ -1752,6 +1759,16 @@ mod tests {
             counters.ssm_checkpoints,
             5 + 2,
             "A's 5 blocks, B's 2 new ones"
+        );
+        // A KV transfer would need the SSM state moved too: refused.
+        let mut engine = engine;
+        let lease = LeaseRef {
+            id: crate::lease::LeaseId(1),
+            token: 7,
+        };
+        assert_eq!(
+            engine.add_rendezvous_request(request(9, (0..24).collect(), 1), lease),
+            Err(AdmitError::HybridTransfer)
         );
     }
 

@@ -9,7 +9,7 @@ use crate::booking::{Booking, WaitHandle};
 use crate::context::{AppState, WORKER_HEADER};
 use crate::error::ApiError;
 use crate::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
-use crate::roster::Endpoint;
+use crate::roster::{Endpoint, Role};
 use crate::shared::{Request, SubmitError};
 use axum::http::uri::{self, PathAndQuery};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
@@ -55,6 +55,17 @@ pub(crate) struct Attempts {
     /// Workers that received the request and failed it
     /// ([`Failure::reached_worker`]), against `--max-attempt-workers`.
     failed_workers: u32,
+    /// The pool it is placed in (a disaggregated request's half), or
+    /// `Both`: any worker.
+    pool: Role,
+    /// The `x-request-id` sent upstream instead of the booking's id (the
+    /// two halves of a disaggregated request share the client's id, as
+    /// the engines' own proxies send it).
+    upstream_id: Option<RequestId>,
+    /// A 5xx answer is handed back as a response rather than judged a
+    /// worker failure (a decode worker's 5xx may name its prefill
+    /// worker's failure: the caller judges it).
+    pass_server_errors: bool,
 }
 
 impl Attempts {
@@ -78,7 +89,31 @@ impl Attempts {
             pending_migration: None,
             suspect_failures: 0,
             failed_workers: 0,
+            pool: Role::Both,
+            upstream_id: None,
+            pass_server_errors: false,
         }
+    }
+
+    /// Placed in `pool` only, telling workers `upstream_id` as the
+    /// request's id (one half of a disaggregated request).
+    pub(crate) fn half(mut self, pool: Role, upstream_id: RequestId) -> Self {
+        self.pool = pool;
+        self.upstream_id = Some(upstream_id);
+        self
+    }
+
+    /// Hands 5xx answers back to the caller (see `pass_server_errors`).
+    pub(crate) fn passing_server_errors(mut self) -> Self {
+        self.pass_server_errors = true;
+        self
+    }
+
+    /// Judges 5xx answers again (a stream resumed on another worker
+    /// retries on a 5xx as any request does).
+    pub(crate) fn judging_server_errors(mut self) -> Self {
+        self.pass_server_errors = false;
+        self
     }
 
     fn blocks(&self, tokens: &[u32]) -> Vec<LocalHash> {
@@ -100,8 +135,9 @@ impl Attempts {
         tokens: &[u32],
         session: Option<SessionKey>,
     ) -> Result<WaitHandle, ApiError> {
-        WaitHandle::submit(
+        WaitHandle::submit_in(
             &self.state.shared,
+            self.pool,
             self.client_id,
             Request {
                 blocks: self.blocks(tokens),
@@ -182,7 +218,10 @@ impl Attempts {
             )
             // The attempt's own booking id: worker-origin prefill marks
             // (replica sync) name the booking, not the client's id.
-            .header(REQUEST_ID, id_header(booking.booking_id()));
+            .header(
+                REQUEST_ID,
+                id_header(self.upstream_id.unwrap_or(booking.booking_id())),
+            );
         if let Some(router_id) = &self.state.router_id {
             upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }
@@ -220,14 +259,16 @@ impl Attempts {
                 Failure::Reset,
                 format!("the connection to worker {} broke", booking.name),
             )),
-            Ok(Ok(response)) if response.status().is_server_error() => Err(AttemptError::Retry(
-                Failure::Status5xx,
-                format!(
-                    "worker {} answered {}",
-                    booking.name,
-                    response.status().as_u16()
-                ),
-            )),
+            Ok(Ok(response)) if response.status().is_server_error() && !self.pass_server_errors => {
+                Err(AttemptError::Retry(
+                    Failure::Status5xx,
+                    format!(
+                        "worker {} answered {}",
+                        booking.name,
+                        response.status().as_u16()
+                    ),
+                ))
+            }
             Ok(Ok(response)) => Ok(response),
         }
     }

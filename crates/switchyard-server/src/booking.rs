@@ -39,6 +39,17 @@ impl WaitHandle {
         Ok(Self::new(shared.clone(), id, rx))
     }
 
+    /// [`Self::submit`] to one pool of a disaggregated fleet.
+    pub fn submit_in(
+        shared: &Arc<SharedRouter>,
+        pool: crate::roster::Role,
+        id: RequestId,
+        request: Request<'_>,
+    ) -> Result<Self, SubmitError> {
+        let rx = shared.submit_in(id, request, pool)?;
+        Ok(Self::new(shared.clone(), id, rx))
+    }
+
     fn new(shared: Arc<SharedRouter>, id: RequestId, rx: oneshot::Receiver<Assignment>) -> Self {
         Self {
             shared,

@@ -11,7 +11,7 @@ use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
 use switchyard_replica::ReplicaConfig;
 
-/// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]`
+/// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N]`
 /// or a `[[workers]]` table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,6 +31,35 @@ pub struct WorkerSpec {
     /// The engine's block size; must equal the router's.
     #[serde(default, rename = "block-size", alias = "block_size")]
     pub block_size: Option<u32>,
+    /// Its part in a prefill/decode-disaggregated fleet (`--disagg`):
+    /// `prefill`, `decode` or `both` (the default: either half, or whole
+    /// requests).
+    #[serde(default)]
+    pub role: Role,
+    /// SGLang: the port its prefill side serves KV transfers on
+    /// (`--disaggregation-bootstrap-port`; default 8998, SGLang's).
+    #[serde(
+        default,
+        rename = "bootstrap-port",
+        alias = "bootstrap_port",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub bootstrap_port: Option<u16>,
+}
+
+pub use crate::roster::Role;
+
+/// The prefill/decode protocol of a disaggregated fleet's engines
+/// (`serve --disagg`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DisaggMode {
+    /// vLLM's: a prefill request asking for a remote decode, whose
+    /// answer's `kv_transfer_params` the decode request then carries.
+    Vllm,
+    /// SGLang's: the same request with `bootstrap_host`, `bootstrap_port`
+    /// and `bootstrap_room` to a prefill and a decode worker at once.
+    Sglang,
 }
 
 impl WorkerSpec {
@@ -44,6 +73,8 @@ impl WorkerSpec {
             events: None,
             replay: None,
             block_size: None,
+            role: Role::Both,
+            bootstrap_port: None,
         };
         for part in parts {
             let (key, value) = part.split_once('=').ok_or_else(|| {
@@ -61,9 +92,21 @@ impl WorkerSpec {
                         ConfigError::Worker(format!("{text:?}: block-size must be a positive integer"))
                     })?)
                 }
+                "role" => {
+                    spec.role = value.parse().map_err(|e: String| {
+                        ConfigError::Worker(format!("{text:?}: {e}"))
+                    })?
+                }
+                "bootstrap-port" | "bootstrap_port" => {
+                    spec.bootstrap_port = Some(value.parse().map_err(|_| {
+                        ConfigError::Worker(format!(
+                            "{text:?}: bootstrap-port must be a port number 1-65535"
+                        ))
+                    })?)
+                }
                 other => {
                     return Err(ConfigError::Worker(format!(
-                        "{text:?}: unknown worker option {other:?} (expected events, replay, block-size, name)"
+                        "{text:?}: unknown worker option {other:?} (expected events, replay, block-size, name, role, bootstrap-port)"
                     )))
                 }
             }
@@ -116,6 +159,12 @@ impl WorkerSpec {
         if self.replay.is_some() && self.events.is_none() {
             return Err(ConfigError::Worker(format!(
                 "{:?}: replay= needs events=",
+                self.url
+            )));
+        }
+        if self.bootstrap_port == Some(0) {
+            return Err(ConfigError::Worker(format!(
+                "{:?}: bootstrap-port must be 1-65535",
                 self.url
             )));
         }
@@ -272,6 +321,9 @@ pub struct ServerConfig {
     /// Live worker discovery (`[discovery]`: a watched workers file, DNS
     /// names; off by default).
     pub discovery: DiscoveryConfig,
+    /// The prefill/decode protocol of a disaggregated fleet (none: every
+    /// request is served whole; worker roles then are refused).
+    pub disagg: Option<DisaggMode>,
     /// LoRA adapters requests may name (`[[adapters]]`: `name`, `path`,
     /// `base_model`); loaded on a worker on demand
     /// ([`crate::adapters`]).
@@ -335,6 +387,7 @@ impl Default for ServerConfig {
             max_attempt_workers: 2,
             first_token_timeout_secs: 60.0,
             request_timeout_secs: 600.0,
+            disagg: None,
             max_response_bytes: 16 * 1024 * 1024,
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
@@ -405,6 +458,15 @@ impl ServerConfig {
     /// Checks ranges and relations.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.disagg.is_none() {
+            if let Some(w) = self.workers.iter().find(|w| w.role != Role::Both) {
+                return invalid(format!(
+                    "worker {}: role={} needs --disagg vllm|sglang",
+                    w.url,
+                    w.role.label()
+                ));
+            }
+        }
         if self.block_size == 0 {
             return invalid("block_size must be positive".into());
         }
@@ -866,6 +928,27 @@ mod tests {
     #[test]
     fn unknown_worker_options_and_bad_urls_are_refused() {
         assert!(WorkerSpec::parse("http://h:1,colour=red").is_err());
+        let w = WorkerSpec::parse("http://h:1,role=prefill,bootstrap-port=8998").unwrap();
+        assert_eq!((w.role, w.bootstrap_port), (Role::Prefill, Some(8998)));
+        assert_eq!(WorkerSpec::parse("http://h:1").unwrap().role, Role::Both);
+        assert!(WorkerSpec::parse("http://h:1,role=primary").is_err());
+        assert!(WorkerSpec::parse("http://h:1,bootstrap-port=0").is_err());
+        assert!(WorkerSpec::parse("http://h:1,bootstrap-port=70000").is_err());
+        let toml = "disagg = \"sglang\"\n[[workers]]\nurl = \"http://h:1\"\nrole = \"decode\"\n[[workers]]\nurl = \"http://h:2\"\nrole = \"prefill\"\nbootstrap-port = 9000\n";
+        let c: ServerConfig = toml::from_str(toml).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.disagg, Some(DisaggMode::Sglang));
+        assert_eq!(c.workers[0].role, Role::Decode);
+        assert_eq!(c.workers[1].bootstrap_port, Some(9000));
+        let without = ServerConfig { disagg: None, ..c };
+        assert!(without.validate().is_err(), "roles need --disagg");
+        let file = WorkersFile::parse(
+            "[[workers]]\nurl = \"http://h:1\"\nrole = \"decode\"\n",
+            16,
+            CacheMode::Auto,
+        )
+        .unwrap();
+        assert_eq!(file.workers[0].role, Role::Decode);
         assert!(WorkerSpec::parse("https://h:1").is_err());
         assert!(WorkerSpec::parse("http://h:1/v1").is_err());
         assert!(WorkerSpec::parse("http://h:1,replay=tcp://h:2").is_err());

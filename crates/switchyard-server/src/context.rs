@@ -59,6 +59,10 @@ pub struct AppState {
     pub max_response_bytes: usize,
     /// This replica's id for upstream requests, while replica sync is on.
     pub router_id: Option<HeaderValue>,
+    /// The disaggregated fleet's protocol (`--disagg`), when on.
+    pub disagg: Option<crate::config::DisaggMode>,
+    /// Counts of disaggregated requests' halves.
+    pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
 }
 
 impl AppState {
@@ -78,6 +82,8 @@ impl AppState {
         shared.adapters.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
+        let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());
+        disagg_metrics.register(&mut registry);
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -105,6 +111,8 @@ impl AppState {
             request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
             max_response_bytes: config.max_response_bytes,
             router_id,
+            disagg: config.disagg,
+            disagg_metrics,
         }
     }
 }

@@ -23,6 +23,12 @@
 //!   puts them together; nothing reads a body before the key is checked).
 //! - [`proxy`] — the HTTP handlers and the non-streaming path; `attempt` —
 //!   one request's attempts on workers (send, judge a failure, migrate).
+//! - `answer` — a worker's answer on its way to the client (the first
+//!   event of a stream, a whole answer, the client's response made of it).
+//! - `disagg` — prefill/decode-disaggregated requests (`--disagg
+//!   vllm|sglang`, workers with `role=prefill|decode`): two halves, each
+//!   placed by the dispatcher over its pool, and the engine family's
+//!   protocol between them (`docs/disaggregation.md`).
 //! - `stream` — the streaming response body, a small state machine that
 //!   forwards events and resumes a broken stream on another worker.
 //! - [`migration`] — the pure parts of migration: the decision, progress,
@@ -50,17 +56,20 @@
 //! → `stream::MigratingStream` (first token, latencies, mid-stream resume)
 //! → the booking's drop finishes or aborts the request.
 //!
-//! Modules import each other in one direction only: `proxy` → `attempt`
-//! and `stream` → `booking` → `shared` → `roster`, `gauges`, `metrics`.
+//! Modules import each other in one direction only: `proxy` → `disagg` →
+//! `answer` → `attempt` and `stream` → `booking` → `shared` → `roster`,
+//! `gauges`, `metrics`.
 
 pub mod accept;
 pub mod adapter_load;
 pub mod adapters;
+mod answer;
 mod attempt;
 pub mod auth;
 pub mod booking;
 pub mod config;
 pub mod context;
+mod disagg;
 pub mod discovery;
 pub mod error;
 pub mod gauges;
@@ -114,7 +123,7 @@ pub struct ServeArgs {
     /// Routing policy: ttft, kv, cache-aware, round-robin, random, least-loaded, power-of-two [default: ttft].
     #[arg(long, env = "SWITCHYARD_POLICY")]
     pub policy: Option<PolicyKind>,
-    /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME]; repeat.
+    /// A worker: URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N]; repeat.
     #[arg(long = "worker", env = "SWITCHYARD_WORKERS", value_delimiter = ';')]
     pub workers: Vec<String>,
     /// Tokens per KV block; must match the engines' [default: 16].
@@ -274,6 +283,10 @@ pub struct ServeArgs {
     /// Keep the configured prefill model; do not fit it per worker from observed times to first token.
     #[arg(long, env = "SWITCHYARD_NO_PREFILL_FIT")]
     pub no_prefill_fit: bool,
+    /// Prefill/decode disaggregation: the engines' protocol, vllm or
+    /// sglang; workers then take role=prefill|decode|both [default: off].
+    #[arg(long, env = "SWITCHYARD_DISAGG", value_enum)]
+    pub disagg: Option<config::DisaggMode>,
     /// Replica sync (off unless --replica-sync is given).
     #[command(flatten)]
     pub replica: replica::ReplicaArgs,
@@ -381,6 +394,9 @@ impl ServeArgs {
         }
         if let Some(ms) = self.restore_ms_per_token {
             c.estimator.restore_ms_per_token = ms;
+        }
+        if self.disagg.is_some() {
+            c.disagg = self.disagg;
         }
         if self.no_prefill_fit {
             c.estimator.online = false;
@@ -704,7 +720,8 @@ pub async fn start_with_tokenizer(
             config.health_failures,
             interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
         )
-        .with_worker_auth(context::worker_authorization(&config)),
+        .with_worker_auth(context::worker_authorization(&config))
+        .with_disagg(config.disagg.is_some()),
     );
     for spec in &config.workers {
         fleet

@@ -532,6 +532,186 @@ impl ServerMetrics {
     }
 }
 
+// ---- Disaggregated requests (`serve --disagg`) --------------------------
+
+/// How a half ended, as the `outcome` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DisaggOutcome {
+    /// Answered 2xx.
+    Ok,
+    /// Failed (refused, reset, 5xx, timeout, broken answer): reported.
+    Failed,
+    /// Answered a client error, passed to the client.
+    Refused,
+    /// A decode whose transfer failed (lease or room unknown, its prefill
+    /// worker unreachable): not the decode worker's failure.
+    TransferFailed,
+}
+
+impl DisaggOutcome {
+    const ALL: [DisaggOutcome; 4] = [
+        DisaggOutcome::Ok,
+        DisaggOutcome::Failed,
+        DisaggOutcome::Refused,
+        DisaggOutcome::TransferFailed,
+    ];
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            DisaggOutcome::Ok => "ok",
+            DisaggOutcome::Failed => "failed",
+            DisaggOutcome::Refused => "refused",
+            DisaggOutcome::TransferFailed => "transfer_failed",
+        }
+    }
+}
+
+/// Why a half was tried again, as the `reason` label of the retries, and
+/// why a request failed, of the failures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DisaggReason {
+    /// The prefill worker failed.
+    Prefill,
+    /// The decode worker failed.
+    Decode,
+    /// The decode worker could not take the KV (lease or room unknown or
+    /// expired, prefill worker unreachable, KV not the prompt's).
+    Transfer,
+    /// The request timeout passed.
+    Timeout,
+    /// No worker of a pool could take it.
+    NoWorker,
+}
+
+impl DisaggReason {
+    const ALL: [DisaggReason; 5] = [
+        DisaggReason::Prefill,
+        DisaggReason::Decode,
+        DisaggReason::Transfer,
+        DisaggReason::Timeout,
+        DisaggReason::NoWorker,
+    ];
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            DisaggReason::Prefill => "prefill",
+            DisaggReason::Decode => "decode",
+            DisaggReason::Transfer => "transfer",
+            DisaggReason::Timeout => "timeout",
+            DisaggReason::NoWorker => "no_worker",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HalfLabels {
+    role: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DisaggReasonLabels {
+    reason: &'static str,
+}
+
+/// The disaggregated requests' counts; every label set made up front.
+#[derive(Debug)]
+pub(crate) struct DisaggMetrics {
+    pub(crate) requests: Counter,
+    halves_family: Family<HalfLabels, Counter>,
+    /// `[prefill, decode] × Outcome`.
+    halves: [[Counter; DisaggOutcome::ALL.len()]; 2],
+    retries_family: Family<DisaggReasonLabels, Counter>,
+    retries: [Counter; DisaggReason::ALL.len()],
+    failures_family: Family<DisaggReasonLabels, Counter>,
+    failures: [Counter; DisaggReason::ALL.len()],
+    /// Arrival to the prefill worker's answer (vLLM).
+    pub(crate) prefill_seconds: Histogram,
+}
+
+fn role_index(role: crate::roster::Role) -> usize {
+    usize::from(role == crate::roster::Role::Decode)
+}
+
+impl DisaggMetrics {
+    pub(crate) fn new() -> Self {
+        let halves_family = Family::<HalfLabels, Counter>::default();
+        let halves = [crate::roster::Role::Prefill, crate::roster::Role::Decode].map(|role| {
+            DisaggOutcome::ALL.map(|outcome| {
+                halves_family
+                    .get_or_create(&HalfLabels {
+                        role: role.label(),
+                        outcome: outcome.label(),
+                    })
+                    .clone()
+            })
+        });
+        let by_reason = |family: &Family<DisaggReasonLabels, Counter>| {
+            DisaggReason::ALL.map(|r| {
+                family
+                    .get_or_create(&DisaggReasonLabels { reason: r.label() })
+                    .clone()
+            })
+        };
+        let retries_family = Family::default();
+        let failures_family = Family::default();
+        Self {
+            requests: Counter::default(),
+            halves,
+            retries: by_reason(&retries_family),
+            failures: by_reason(&failures_family),
+            halves_family,
+            retries_family,
+            failures_family,
+            prefill_seconds: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
+
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_disagg_requests",
+            "Requests served as a prefill and a decode half (--disagg)",
+            self.requests.clone(),
+        );
+        registry.register(
+            "switchyard_disagg_halves",
+            "Halves of disaggregated requests sent to workers, by role and how each ended",
+            self.halves_family.clone(),
+        );
+        registry.register(
+            "switchyard_disagg_retries",
+            "Halves of disaggregated requests sent again, by why",
+            self.retries_family.clone(),
+        );
+        registry.register(
+            "switchyard_disagg_failures",
+            "Disaggregated requests answered with an error, by which part failed",
+            self.failures_family.clone(),
+        );
+        registry.register(
+            "switchyard_disagg_prefill_seconds",
+            "Arrival to the prefill worker's answer, vLLM protocol",
+            self.prefill_seconds.clone(),
+        );
+    }
+
+    pub(crate) fn half(&self, role: crate::roster::Role, outcome: DisaggOutcome) {
+        self.halves[role_index(role)][outcome as usize].inc();
+    }
+
+    pub(crate) fn retry(&self, reason: DisaggReason) {
+        self.retries[reason as usize].inc();
+    }
+
+    pub(crate) fn failure(&self, reason: DisaggReason) {
+        self.failures[reason as usize].inc();
+    }
+
+    /// Halves counted with `role` and `outcome` (tests).
+    #[cfg(test)]
+    pub(crate) fn halves(&self, role: crate::roster::Role, outcome: DisaggOutcome) -> u64 {
+        self.halves[role_index(role)][outcome as usize].get()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

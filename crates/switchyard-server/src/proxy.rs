@@ -13,16 +13,15 @@
 //! [`MigratingStream`], which resumes it on another worker if it breaks.
 //! The whole request is bounded by the request timeout (504).
 
+use super::answer::{buffered, deliver, first_event, queue_timeout, Delivery};
 use super::attempt::{AttemptError, Attempts};
 use super::auth::ClientKey;
-use super::booking::Booking;
 use super::config::WorkerSpec;
-use super::context::{AppState, Shared, MAX_EVENT_BYTES};
+use super::context::{AppState, Shared};
 use super::error::ApiError;
 use super::limits;
 use super::metrics::RequestStatus;
-use super::migration::{Failure, Phase, Progress};
-use super::stream::{MigratingStream, StreamStart};
+use super::migration::{Phase, Progress};
 use super::tokenize::{rendered_size_estimate, INLINE_CHARS};
 use super::upload::{read_whole, ReadError, UploadLimits};
 use axum::body::Body;
@@ -32,8 +31,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router as AxumRouter;
 use bytes::Bytes;
-use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
 use prometheus_client::encoding::prometheus_text;
 use serde::Deserialize;
 use serde_json::Value;
@@ -41,8 +38,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_tokenizer::ChatMessage;
-use switchyard_wire::openai::{Api, Message, MessageContent, Prompt};
-use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
+use switchyard_wire::openai::{Message, MessageContent, Prompt};
 
 /// The axum router for `state`: [`routes`] behind the credential check
 /// ([`crate::auth`]). The server adds the in-flight limit between the two
@@ -301,6 +297,25 @@ async fn proxy(
     body: Bytes,
     facts: Parsed,
 ) -> Result<Response, ApiError> {
+    if let Some(mode) = state.disagg {
+        if state.shared.disaggregated() {
+            return super::disagg::serve(
+                mode,
+                state,
+                &headers,
+                Delivery {
+                    path,
+                    arrival,
+                    prompt: facts.tokens,
+                    original: body,
+                    stream: facts.stream,
+                },
+                facts.model,
+                facts.session,
+            )
+            .await;
+        }
+    }
     let request_id = state.shared.next_request_id();
     let session = headers
         .get("x-session-id")
@@ -366,50 +381,19 @@ async fn first_phase(
             return Err(attempts.timed_out_on(booking, fair));
         };
         match outcome {
-            Ok(Answer::Buffered(parts, bytes)) => {
-                let ok = parts.status.is_success();
-                let mut booking = booking;
-                booking.mark_first_token();
-                state
-                    .shared
-                    .metrics()
-                    .ttft
-                    .observe(arrival.elapsed().as_secs_f64());
-                if ok {
-                    // The session's context grows by what was generated.
-                    let completion = completion_tokens(&bytes);
-                    booking.progress(completion);
-                    booking.completed(prompt_tokens.saturating_add(completion));
-                }
-                state.shared.metrics().count_request(if ok {
-                    RequestStatus::Ok
-                } else {
-                    RequestStatus::WorkerError
-                });
-                let parts = attempts.client_parts(parts, &booking);
-                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
-                return Ok(Response::from_parts(parts, Body::from(bytes)));
-            }
-            Ok(Answer::Stream(parts, upstream, parser, first)) => {
-                let parts = attempts.client_parts(parts, &booking);
-                log_dispatch(&booking, &attempts, prompt_tokens, facts.stream);
-                let api = if path == "/v1/chat/completions" {
-                    Api::Chat
-                } else {
-                    Api::Completions
-                };
-                let stream = MigratingStream::new(StreamStart {
+            Ok(answer) => {
+                return Ok(deliver(
                     attempts,
-                    api,
                     booking,
-                    upstream,
-                    parser,
-                    first,
-                    prompt: facts.tokens,
-                    original: body,
-                    arrival,
-                });
-                return Ok(Response::from_parts(parts, stream.into_body()));
+                    answer,
+                    Delivery {
+                        path,
+                        arrival,
+                        prompt: facts.tokens,
+                        original: body,
+                        stream: facts.stream,
+                    },
+                ))
             }
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(reason, detail)) => {
@@ -437,126 +421,6 @@ async fn first_phase(
                 }
             }
         }
-    }
-}
-
-/// The request timeout passed while the request waited for a worker.
-fn queue_timeout(attempts: &Attempts) -> ApiError {
-    tracing::info!(request = %attempts.client_id, "request timed out waiting for a worker");
-    attempts.timed_out()
-}
-
-fn log_dispatch(booking: &Booking, attempts: &Attempts, prompt_tokens: u64, stream: bool) {
-    tracing::debug!(
-        request = %attempts.client_id,
-        worker = %booking.name,
-        prompt_tokens,
-        overlap_blocks = booking.overlap_blocks,
-        waited_ms = booking.waited_ms,
-        migrations = attempts.migrations,
-        stream,
-        "dispatched"
-    );
-}
-
-/// `usage.completion_tokens` of a whole (non-streaming) answer; 0 when the
-/// worker sent none. Only that field is parsed.
-fn completion_tokens(body: &[u8]) -> u64 {
-    #[derive(Deserialize)]
-    struct Usage {
-        #[serde(default)]
-        completion_tokens: u64,
-    }
-    #[derive(Deserialize)]
-    struct Answer {
-        usage: Option<Usage>,
-    }
-    serde_json::from_slice::<Answer>(body)
-        .ok()
-        .and_then(|a| a.usage)
-        .map_or(0, |u| u.completion_tokens)
-}
-
-/// A successful attempt.
-enum Answer {
-    /// A whole response (non-streaming, or an error status passed through).
-    Buffered(hyper::http::response::Parts, Bytes),
-    /// A stream whose first event has arrived.
-    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
-}
-
-/// Reads a streaming response up to its first complete event, within the
-/// first-token timeout.
-async fn first_event(
-    attempts: &Attempts,
-    worker: &str,
-    response: hyper::Response<Incoming>,
-) -> Result<Answer, AttemptError> {
-    let (parts, mut upstream) = response.into_parts();
-    let mut parser = SseParser::new(MAX_EVENT_BYTES);
-    let read = async {
-        loop {
-            match parser.next_event_framed() {
-                Ok(Some(event)) => return Ok(event),
-                Ok(None) => {}
-                Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
-            }
-            match upstream.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        parser.push(&data);
-                    }
-                }
-                Some(Err(_)) => {
-                    return Err(AttemptError::Retry(
-                        Failure::Reset,
-                        "the worker's stream broke before its first event".into(),
-                    ))
-                }
-                None => {
-                    return Err(AttemptError::Retry(
-                        Failure::Reset,
-                        "the worker's stream ended before its first event".into(),
-                    ))
-                }
-            }
-        }
-    };
-    let timeout = attempts.state.first_token_timeout;
-    let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
-        AttemptError::Retry(
-            Failure::Timeout,
-            format!(
-                "worker {worker} sent no first event within {:.1} s",
-                timeout.as_secs_f64()
-            ),
-        )
-    })??;
-    if classify_ref(first.data()) == ChunkRef::Error {
-        return Err(AttemptError::Retry(
-            Failure::Status5xx,
-            format!("worker {worker} answered with an error event"),
-        ));
-    }
-    Ok(Answer::Stream(parts, upstream, parser, first))
-}
-
-/// Buffers a whole response (bounded by `max_response_bytes`).
-async fn buffered(
-    attempts: &Attempts,
-    response: hyper::Response<Incoming>,
-) -> Result<Answer, AttemptError> {
-    let limit = attempts.state.max_response_bytes;
-    let (parts, upstream) = response.into_parts();
-    match read_whole(upstream, limit).await {
-        Ok(body) => Ok(Answer::Buffered(parts, body)),
-        Err(ReadError::TooLarge) => Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
-            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
-        )))),
-        Err(ReadError::Broken) => Err(AttemptError::Retry(
-            Failure::Reset,
-            "the worker's response broke before it was complete".into(),
-        )),
     }
 }
 
@@ -624,6 +488,8 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
                 "models": w.models,
                 "in_selection": w.in_router,
                 "draining": w.draining,
+                "role": w.role.label(),
+                "bootstrap_port": w.bootstrap_port,
                 "active_requests": state.shared.active_requests(w.id),
             })
         })
@@ -674,6 +540,7 @@ mod tests {
     use crate::tokenize::PromptTokenizer;
     use crate::workers::{upstream_client, Fleet};
     use crate::ServerConfig;
+    use http_body_util::BodyExt as _;
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
     use switchyard_core::admission::{
@@ -886,19 +753,5 @@ mod tests {
             let response = app(state).oneshot(request).await.unwrap();
             assert_eq!(response.status(), expected, "admin token {token:?}");
         }
-    }
-
-    #[test]
-    fn completion_tokens_are_read_from_usage_and_default_to_zero() {
-        assert_eq!(
-            completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
-            9
-        );
-        assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
-        assert_eq!(completion_tokens(b"not json"), 0);
-        assert_eq!(
-            completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
-            0
-        );
     }
 }

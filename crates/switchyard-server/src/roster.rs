@@ -15,6 +15,52 @@ use switchyard_core::health::CircuitState;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 
+/// A worker's part in a prefill/decode-disaggregated fleet.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Prefill halves only.
+    Prefill,
+    /// Decode halves only.
+    Decode,
+    /// Either half, or whole requests (today's worker).
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// Its name in specs, `/admin/workers` and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+
+    /// Whether a worker of this role is in `pool` (`Prefill` or `Decode`;
+    /// `Both` is every worker).
+    pub fn in_pool(self, pool: Role) -> bool {
+        self == pool || self == Role::Both || pool == Role::Both
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            "both" => Ok(Role::Both),
+            other => Err(format!(
+                "role must be prefill, decode or both, got {other:?}"
+            )),
+        }
+    }
+}
+
 /// One worker as the server knows it.
 #[derive(Debug, Clone)]
 pub struct WorkerInfo {
@@ -47,6 +93,10 @@ pub struct WorkerInfo {
     /// Circuit transitions into each state, indexed by `CircuitState as
     /// usize`; they only grow (a counter family).
     pub circuit_transitions: [u64; 3],
+    /// Its part in a disaggregated fleet.
+    pub role: Role,
+    /// SGLang: its KV bootstrap port.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A worker's name and URL in the forms a request to it uses, made once
@@ -130,6 +180,8 @@ impl Roster {
                 events_epoch: 0,
                 circuit: CircuitState::Closed,
                 circuit_transitions: [0; 3],
+                role: Role::Both,
+                bootstrap_port: None,
             },
         );
         Ok(())
@@ -202,6 +254,45 @@ impl Roster {
     }
 }
 
+impl Roster {
+    /// Whether the fleet is disaggregated: at least one registered worker
+    /// has role `prefill` and one role `decode` (healthy or not: a pool
+    /// whose workers are all down fails its halves rather than sending
+    /// whole requests to workers set up for one half).
+    pub fn disaggregated(&self) -> bool {
+        let has = |role| self.workers.values().any(|w| w.role == role);
+        has(Role::Prefill) && has(Role::Decode)
+    }
+
+    /// [`Self::eligible_for`] restricted to the workers in `pool`
+    /// (`Prefill` or `Decode`; `Both`: no restriction).
+    pub fn eligible_in(
+        &self,
+        model: Option<&str>,
+        pool: Role,
+    ) -> Result<Vec<WorkerId>, UnknownModel> {
+        let eligible = self.eligible_for(model)?;
+        if pool == Role::Both {
+            return Ok(eligible);
+        }
+        let mut list: Vec<WorkerId> = if eligible.is_empty() {
+            self.workers
+                .values()
+                .filter(|w| w.in_router && !w.draining)
+                .map(|w| w.id)
+                .collect()
+        } else {
+            eligible
+        };
+        list.retain(|id| self.workers.get(id).is_some_and(|w| w.role.in_pool(pool)));
+        if list.is_empty() {
+            // Nothing in the pool may take it (see `eligible_for`).
+            list.push(WorkerId::new(u64::MAX));
+        }
+        Ok(list)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +328,38 @@ mod tests {
         let mut r = roster(&[("a", &["m"])]);
         r.get_mut(WorkerId::new(1)).unwrap().draining = true;
         assert_eq!(r.eligible_for(Some("m")), Ok(vec![WorkerId::new(u64::MAX)]));
+    }
+
+    #[test]
+    fn a_pool_is_its_roles_workers_and_the_both_ones() {
+        let mut r = roster(&[("p", &[]), ("d", &[]), ("b", &[])]);
+        assert!(!r.disaggregated());
+        assert_eq!(r.eligible_in(None, Role::Both), Ok(vec![]));
+        r.get_mut(WorkerId::new(1)).unwrap().role = Role::Prefill;
+        assert!(!r.disaggregated(), "a prefill worker alone is not a split");
+        r.get_mut(WorkerId::new(2)).unwrap().role = Role::Decode;
+        assert!(r.disaggregated());
+        let sorted = |mut v: Vec<WorkerId>| {
+            v.sort();
+            v
+        };
+        assert_eq!(
+            sorted(r.eligible_in(None, Role::Prefill).unwrap()),
+            vec![WorkerId::new(1), WorkerId::new(3)]
+        );
+        assert_eq!(
+            sorted(r.eligible_in(None, Role::Decode).unwrap()),
+            vec![WorkerId::new(2), WorkerId::new(3)]
+        );
+        r.get_mut(WorkerId::new(3)).unwrap().role = Role::Decode;
+        r.get_mut(WorkerId::new(1)).unwrap().in_router = false;
+        assert_eq!(
+            r.eligible_in(None, Role::Prefill),
+            Ok(vec![WorkerId::new(u64::MAX)]),
+            "no prefill worker up: nothing may take a prefill"
+        );
+        assert_eq!("decode".parse::<Role>(), Ok(Role::Decode));
+        assert!("primary".parse::<Role>().is_err());
     }
 
     #[test]

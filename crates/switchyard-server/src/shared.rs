@@ -33,7 +33,7 @@
 
 use crate::gauges::{RoutingStateCollector, Snapshot, WorkerRow};
 use crate::metrics::{AdmissionDecision, ServerMetrics};
-use crate::roster::{Roster, UnknownModel, WorkerInfo};
+use crate::roster::{Role, Roster, UnknownModel, WorkerInfo};
 use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -338,9 +338,21 @@ impl SharedRouter {
         id: RequestId,
         request: Request<'_>,
     ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
+        self.submit_in(id, request, Role::Both)
+    }
+
+    /// [`Self::submit`] to the workers of one pool of a disaggregated
+    /// fleet (`Prefill` or `Decode`; `Both`: any worker): the same
+    /// admission, policy and booking, over fewer workers.
+    pub(crate) fn submit_in(
+        &self,
+        id: RequestId,
+        request: Request<'_>,
+        pool: Role,
+    ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
         let (tx, rx) = oneshot::channel();
         let admitted = self.drive(|inner, now| {
-            let eligible = match inner.roster.eligible_for(request.model) {
+            let eligible = match inner.roster.eligible_in(request.model, pool) {
                 Ok(eligible) => eligible,
                 Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
             };
@@ -561,6 +573,28 @@ impl SharedRouter {
     pub fn remove_worker(&self, id: WorkerId) -> Option<WorkerInfo> {
         self.set_in_router(id, false);
         self.lock().roster.remove(id)
+    }
+
+    /// Sets a worker's part in a disaggregated fleet (and, for SGLang, its
+    /// bootstrap port).
+    pub fn set_role(&self, id: WorkerId, role: Role, bootstrap_port: Option<u16>) {
+        if let Some(info) = self.lock().roster.get_mut(id) {
+            info.role = role;
+            info.bootstrap_port = bootstrap_port;
+        }
+    }
+
+    /// A worker's role and bootstrap port.
+    pub fn role_of(&self, id: WorkerId) -> Option<(Role, Option<u16>)> {
+        let inner = self.lock();
+        let info = inner.roster.get(id)?;
+        Some((info.role, info.bootstrap_port))
+    }
+
+    /// Whether the fleet has a prefill and a decode worker
+    /// ([`Roster::disaggregated`]).
+    pub fn disaggregated(&self) -> bool {
+        self.lock().roster.disaggregated()
     }
 
     /// Marks a worker draining (no new requests).

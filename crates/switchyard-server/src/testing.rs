@@ -57,6 +57,8 @@ pub(crate) fn loopback_spec(name: &str, port: u16) -> WorkerSpec {
         events: None,
         replay: None,
         block_size: None,
+        role: Default::default(),
+        bootstrap_port: None,
     }
 }
 

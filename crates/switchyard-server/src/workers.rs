@@ -71,6 +71,8 @@ pub struct Fleet {
     model_lens: Mutex<HashMap<WorkerId, u64>>,
     /// The largest of `model_lens` (0: none), read per request.
     max_model_len: AtomicU64,
+    /// Whether workers may have roles (`--disagg`).
+    disagg: bool,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -103,6 +105,7 @@ impl Fleet {
             worker_auth: None,
             model_lens: Mutex::new(HashMap::new()),
             max_model_len: AtomicU64::new(0),
+            disagg: false,
         }
     }
 
@@ -110,6 +113,13 @@ impl Fleet {
     /// checks and probes.
     pub fn with_worker_auth(mut self, auth: Option<HeaderValue>) -> Self {
         self.worker_auth = auth;
+        self
+    }
+
+    /// Lets workers have roles (`serve --disagg`); without it a worker
+    /// with role `prefill` or `decode` is refused.
+    pub fn with_disagg(mut self, disagg: bool) -> Self {
+        self.disagg = disagg;
         self
     }
 
@@ -144,7 +154,14 @@ impl Fleet {
             ));
         }
         let name = spec.display_name();
+        if spec.role != crate::roster::Role::Both && !self.disagg {
+            return Err(format!(
+                "role={} needs a router started with --disagg vllm|sglang",
+                spec.role.label()
+            ));
+        }
         let id = self.shared.add_worker(&name, &spec.url)?;
+        self.shared.set_role(id, spec.role, spec.bootstrap_port);
         if let (Some(events), true) = (&spec.events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
             config.replay_endpoint = spec.replay.clone();
@@ -496,6 +513,8 @@ mod tests {
             events: Some("tcp://127.0.0.1:9".into()),
             replay: None,
             block_size: None,
+            role: Default::default(),
+            bootstrap_port: None,
         };
         let id = fleet.add(&spec).unwrap();
         fleet.enter(id);
@@ -508,6 +527,33 @@ mod tests {
         assert!(
             !text.contains(&format!("worker=\"{id}\"")),
             "never the numeric id:\n{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_role_needs_disagg_and_is_kept_in_the_roster() {
+        let config = ServerConfig::default();
+        let (shared, _) = shared_with(&config, &[]);
+        let fleet = |disagg| {
+            Fleet::new(
+                shared.clone(),
+                upstream_client(Duration::from_millis(100)),
+                false,
+                config.block_size,
+                3,
+                Duration::from_millis(100),
+            )
+            .with_disagg(disagg)
+        };
+        let spec = WorkerSpec::parse("http://127.0.0.1:9,name=p,role=prefill,bootstrap-port=8998")
+            .unwrap();
+        let err = fleet(false).add(&spec).unwrap_err();
+        assert!(err.contains("--disagg"), "{err}");
+        assert!(shared.workers().is_empty());
+        let id = fleet(true).add(&spec).unwrap();
+        assert_eq!(
+            shared.role_of(id),
+            Some((crate::roster::Role::Prefill, Some(8998)))
         );
     }
 

@@ -23,8 +23,8 @@
 //! never waits on a client. A request whose receiver is gone (the client
 //! hung up) is cancelled at the next token.
 
-use super::disagg::{LeaseHandle, TransferError};
 use super::metrics::{DisaggFailure, Metrics, RequestOutcome};
+use crate::transfer::{LeaseHandle, TransferError};
 use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;

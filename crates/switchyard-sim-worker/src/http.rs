@@ -162,6 +162,9 @@ impl From<AdmitError> for ApiError {
             AdmitError::EmptyPrompt | AdmitError::TooLong { .. } => {
                 ErrorBody::invalid_request(message, Some("prompt"))
             }
+            AdmitError::HybridTransfer => {
+                ErrorBody::invalid_request(message, Some("kv_transfer_params"))
+            }
         }
         .into()
     }

@@ -13,7 +13,10 @@
 //!   `/v1/unload_lora_adapter`;
 //! - [`disagg`] — `--disagg vllm|sglang`: prefill/decode disaggregation,
 //!   the handshake's fields, the KV pull between workers and its internal
-//!   endpoints (`/internal/kv/pull`, `/internal/kv/release`).
+//!   endpoints (`/internal/kv/pull`, `/internal/kv/release`);
+//! - [`transfer`] — what a transfer carries and how it fails (the lease
+//!   as it travels, the transfer's errors), shared by `disagg` and the
+//!   driver.
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight
@@ -36,6 +39,7 @@ pub mod driver;
 pub mod http;
 pub mod kv_publish;
 pub mod metrics;
+pub mod transfer;
 
 use anyhow::Context;
 use axum::serve::ListenerExt as _;
@@ -295,6 +299,11 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .config()
         .map_err(anyhow::Error::msg)
         .context("invalid --disagg configuration")?;
+    if args.architecture == ModelMode::Hybrid && args.disagg.disagg.is_some() {
+        anyhow::bail!(
+            "--disagg with --architecture hybrid is not modelled (a hybrid model's SSM state is not transferred)"
+        );
+    }
     let tokenizer = match &args.tokenizer_dir {
         Some(dir) => Tokenizer::from_files(
             &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),

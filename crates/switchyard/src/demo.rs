@@ -135,6 +135,8 @@ async fn one_policy(
                 events: events.as_ref().map(|e| e.0.clone()),
                 replay: events.as_ref().map(|e| e.1.clone()),
                 block_size: None,
+                role: Default::default(),
+                bootstrap_port: None,
             })
             .collect(),
         health_interval_ms: 500,

@@ -374,15 +374,7 @@ impl PrefixIndex {
     ) {
         out.entries.clear();
         let mut path = std::mem::take(&mut out.scratch);
-        path.clear();
-        let mut cur = ROOT;
-        for hash in hashes {
-            let Some(child) = self.child(cur, hash.0) else {
-                break;
-            };
-            path.push(u64::from(child));
-            cur = child;
-        }
+        self.query_path(hashes, &mut path);
         if !path.is_empty() {
             for (slot, worker) in self.slots.iter().enumerate() {
                 let Some(worker) = worker else { continue };
@@ -420,15 +412,7 @@ impl PrefixIndex {
     ) {
         out.entries.clear();
         let mut path = std::mem::take(&mut out.scratch);
-        path.clear();
-        let mut cur = ROOT;
-        for hash in hashes {
-            let Some(child) = self.child(cur, hash.0) else {
-                break;
-            };
-            path.push(u64::from(child));
-            cur = child;
-        }
+        self.query_path(hashes, &mut path);
         if !path.is_empty() {
             for (slot, worker) in self.slots.iter().enumerate() {
                 let Some(worker) = worker else { continue };
@@ -446,6 +430,20 @@ impl PrefixIndex {
             }
         }
         out.scratch = path;
+    }
+
+    /// The nodes along a prompt's path from the root, as far as the trie
+    /// has it, written into `path` (cleared first).
+    fn query_path(&self, hashes: &[LocalHash], path: &mut Vec<u64>) {
+        path.clear();
+        let mut cur = ROOT;
+        for hash in hashes {
+            let Some(child) = self.child(cur, hash.0) else {
+                break;
+            };
+            path.push(u64::from(child));
+            cur = child;
+        }
     }
 
     /// Removes blocks of `worker` by engine hash. Hashes the worker does not

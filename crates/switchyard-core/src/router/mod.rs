@@ -232,6 +232,9 @@ pub struct Router {
     /// Scratch: hybrid workers' deepest SSM checkpoints within their
     /// device prefix.
     checkpoint_depths: OverlapScores,
+    /// Scratch: every worker's device prefix before the hybrid workers'
+    /// were cut back (empty when no worker is hybrid).
+    held: OverlapScores,
     active: OverlapScores,
     /// Each worker's cached blocks, in the registry's order of loads,
     /// read with the overlaps in one visit to the index.
@@ -293,6 +296,7 @@ impl Router {
             overlaps: OverlapScores::new(),
             host_runs: OverlapScores::new(),
             checkpoint_depths: OverlapScores::new(),
+            held: OverlapScores::new(),
             active: OverlapScores::new(),
             cached: Vec::new(),
             candidates: Vec::new(),
@@ -420,10 +424,11 @@ impl Router {
         // the end of its attention prefix), and, once any worker holds
         // host-tier blocks, each worker's host-tier run right after its
         // device prefix.
-        let (overlaps, host_runs, checkpoint_depths, cached, registry) = (
+        let (overlaps, host_runs, checkpoint_depths, held, cached, registry) = (
             &mut self.overlaps,
             &mut self.host_runs,
             &mut self.checkpoint_depths,
+            &mut self.held,
             &mut self.cached,
             self.sequences.registry(),
         );
@@ -436,6 +441,7 @@ impl Router {
                     .map(|load| device.worker_blocks(load.worker)),
             );
             overlaps.entries.sort_unstable_by_key(|e| e.worker);
+            held.entries.clear();
             let Some(tiers) = tiers else {
                 host_runs.entries.clear();
                 return;
@@ -448,6 +454,7 @@ impl Router {
                     checkpoint_depths,
                 );
                 checkpoint_depths.entries.sort_unstable_by_key(|e| e.worker);
+                held.entries.extend_from_slice(&overlaps.entries);
                 for entry in overlaps.entries.iter_mut() {
                     if tiers.is_hybrid(entry.worker) {
                         entry.depth = depth_of(checkpoint_depths, entry.worker);
@@ -502,9 +509,15 @@ impl Router {
             let kv_capacity_blocks = slot
                 .and_then(|s| s.capacity.kv_tokens)
                 .map(|tokens| tokens / block_size);
+            let overlap_blocks = depth_of(&self.overlaps, worker);
             self.candidates.push(Candidate {
                 worker,
-                overlap_blocks: depth_of(&self.overlaps, worker),
+                overlap_blocks,
+                held_prefix_blocks: if self.held.entries.is_empty() {
+                    overlap_blocks
+                } else {
+                    depth_of(&self.held, worker)
+                },
                 host_overlap_blocks: depth_of(&self.host_runs, worker),
                 cached_blocks,
                 active_prompt_blocks: depth_of(&self.active, worker),
@@ -753,6 +766,7 @@ impl Router {
                 + (self.overlaps.entries.capacity()
                     + self.host_runs.entries.capacity()
                     + self.checkpoint_depths.entries.capacity()
+                    + self.held.entries.capacity()
                     + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
@@ -901,6 +915,10 @@ mod tests {
         assert_eq!(candidate_of(&r, w(1)).overlap_blocks, 3);
         assert_eq!(candidate_of(&r, w(2)).overlap_blocks, 0);
         assert_eq!(candidate_of(&r, w(3)).overlap_blocks, 5);
+        // What each holds on its device, resumable or not.
+        assert_eq!(candidate_of(&r, w(1)).held_prefix_blocks, 8);
+        assert_eq!(candidate_of(&r, w(2)).held_prefix_blocks, 8);
+        assert_eq!(candidate_of(&r, w(3)).held_prefix_blocks, 5);
     }
 
     #[test]

@@ -57,8 +57,15 @@ pub struct RoutingRequest<'a> {
 pub struct Candidate {
     /// The worker.
     pub worker: WorkerId,
-    /// Leading prompt blocks in the worker's KV cache (prefix index).
+    /// Leading prompt blocks in the worker's KV cache (prefix index) that
+    /// it can resume from: for a hybrid (SSM + attention) worker, up to its
+    /// deepest SSM checkpoint within them.
     pub overlap_blocks: u32,
+    /// Leading prompt blocks the worker holds on its device, resumable or
+    /// not: more than `overlap_blocks` for a hybrid worker whose deepest
+    /// SSM checkpoint is shallower — where it would keep the branch point's
+    /// state for the turns after. `overlap_blocks` for any other worker.
+    pub held_prefix_blocks: u32,
     /// Prompt blocks right after those that the worker holds in its host
     /// (CPU) tier, consecutively: the engine restores them by a copy
     /// instead of computing them. 0 without host-tier events.
@@ -394,6 +401,7 @@ pub(crate) mod test_support {
         Candidate {
             worker: WorkerId::new(worker),
             overlap_blocks: 0,
+            held_prefix_blocks: 0,
             host_overlap_blocks: 0,
             cached_blocks: 0,
             active_prompt_blocks: 0,

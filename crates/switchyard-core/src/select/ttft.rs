@@ -16,7 +16,10 @@
 //!             + restore_ms(w, restored[w])
 //!             + adapter_load_ms[w]   (the request's LoRA adapter is not loaded there:
 //!                                     its load time, or what is left of a load under way)
-//! locality[w] = locality_weight · prefill_ms(w, new[w])    what scattering the prefix costs later
+//! locality[w] = locality_weight · prefill_ms(w, P − max(cached[w], holds[w]·block_size) − restored[w])
+//!                                                          what scattering the prefix costs later
+//!               (holds: the device prefix blocks a hybrid worker holds,
+//!               resumable or not; overlap[w] for any other worker)
 //! usage[w]    = min(1, (active_decode_blocks[w] + prompt blocks not already active there) / kv_capacity_blocks[w])
 //! pressure[w] = pressure_weight · usage[w]² · prefill_ms(w, P)
 //! turnover[w] = turnover_weight · min(1, recent_writes[w] / kv_capacity_tokens[w]) · prefill_ms(w, new[w])
@@ -275,7 +278,19 @@ impl TtftSelector {
         } else {
             ctx.prefill.prefill_ms(priced, new_tokens)
         };
-        let locality_ms = self.config.locality_weight * own_ms;
+        // A hybrid worker recomputing the part of its device prefix it
+        // holds without an SSM state adds no second copy to the fleet: the
+        // locality term counts only the tokens it does not hold.
+        let held_tokens = (u64::from(held(c)) * block_size).clamp(cached, prompt - restored_tokens);
+        let fleet_new = prompt - held_tokens - restored_tokens;
+        let locality_ms = self.config.locality_weight
+            * if fleet_new == new_tokens {
+                own_ms
+            } else if fleet_new == 0 {
+                0.0
+            } else {
+                ctx.prefill.prefill_ms(priced, fleet_new)
+            };
         // The worker's KV usage once this request runs there.
         let usage_after = c.kv_capacity_blocks.map(|capacity| {
             let adds = ctx
@@ -344,7 +359,7 @@ impl TtftSelector {
         (home, home_ms): (&'c Candidate, f64),
         lend: Option<u32>,
     ) -> &'c Candidate {
-        if self.config.stickiness <= 0.0 || chosen.overlap_blocks == home.overlap_blocks {
+        if self.config.stickiness <= 0.0 || held(chosen) == held(home) {
             return chosen;
         }
         // The saving as the home's pace prices both: a move is made for
@@ -396,6 +411,12 @@ impl TtftSelector {
     }
 }
 
+/// The prompt blocks `c` holds on its device, resumable or not (never
+/// fewer than those it can resume).
+fn held(c: &Candidate) -> u32 {
+    c.held_prefix_blocks.max(c.overlap_blocks)
+}
+
 /// One decode-only step of `c` at the KV memory its running requests hold
 /// (0 when it runs nothing), at `priced`'s pace.
 fn full_decode_step_ms(
@@ -422,12 +443,17 @@ impl Selector for TtftSelector {
         let lend = (longest > 0)
             .then_some(longest)
             .filter(|_| ctx.prefill.transfer_ms(WorkerId::new(0), 0).is_some());
-        // The cheapest holder of the longest prefix, found in the same pass.
+        // The cheapest holder of the longest device prefix, found in the
+        // same pass: for hybrid workers the prefix held, resumable or not
+        // (the holder keeps the branch point's SSM state for the turns
+        // after; the cost prices only what it can resume now).
+        let longest_held = ctx.available().map(held).max().unwrap_or(0);
         let mut home: Option<(crate::types::WorkerId, f64)> = None;
         let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
             let (cost, _) = self.best_cost(ctx, c, c.worker, lend);
             let total = cost.total();
-            if longest > 0 && c.overlap_blocks == longest && home.is_none_or(|(_, ms)| total < ms) {
+            if longest_held > 0 && held(c) == longest_held && home.is_none_or(|(_, ms)| total < ms)
+            {
                 home = Some((c.worker, total));
             }
             (total, cost.new_tokens, c.active_requests)
@@ -444,7 +470,7 @@ impl Selector for TtftSelector {
             Some(c) => {
                 // Lent by the home when that is what its cost was.
                 let peer = home
-                    .filter(|(h, _)| h.worker != c.worker)
+                    .filter(|(h, _)| h.worker != c.worker && h.overlap_blocks == longest)
                     .filter(|_| self.best_cost(ctx, c, c.worker, lend).1)
                     .map(|(h, _)| PeerSource {
                         holder: h.worker,
@@ -733,6 +759,38 @@ mod tests {
         // With no prefix anywhere the cheapest wins.
         home.busy = false;
         home.overlap_blocks = 0;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+    }
+
+    #[test]
+    fn a_hybrid_holder_keeps_a_prompt_it_cannot_resume_unless_a_move_saves_four_steps() {
+        // As above, but w1 is a hybrid worker holding the prompt's first
+        // block with no SSM state there: it resumes nothing, so it
+        // computes all 64 tokens, but the 16 it holds are no second copy
+        // in the fleet (locality 48), and it will keep the branch point's
+        // state for the turns after.
+        //   w1: wait 5 + prefill(X + 2 + 64) + locality 48
+        //       + stall 0.25 · 2 · (66 − 10)                = X + 147 ms
+        //   w2: prefill 64 + locality 64                      = 128 ms
+        let b = blocks(4);
+        let mut home = candidate(1);
+        home.held_prefix_blocks = 1;
+        home.active_requests = 2;
+        let cold = candidate(2);
+        let mut sticky = TtftSelector::new(TtftConfig::default(), 0);
+        // X = 20: w2 is 39 ms cheaper, less than 4 of w1's 10 ms steps.
+        home.active_prefill_tokens = 20;
+        let c = [home, cold];
+        assert_eq!(sticky.cost(&ctx(&b, 64, &c), &home).total(), 167.0);
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 1);
+        // X = 30: 49 ms cheaper, more than 40: it moves.
+        home.active_prefill_tokens = 30;
+        let c = [home, cold];
+        assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
+        // Held by no one: the cheapest wins.
+        home.active_prefill_tokens = 0;
+        home.held_prefix_blocks = 0;
         let c = [home, cold];
         assert_eq!(chosen(sticky.select(&ctx(&b, 64, &c))), 2);
     }

@@ -96,6 +96,8 @@ pub fn workers_at(ips: &[IpAddr], port: u16) -> Vec<WorkerSpec> {
             events: None,
             replay: None,
             block_size: None,
+            role: Default::default(),
+            bootstrap_port: None,
         })
         .collect()
 }

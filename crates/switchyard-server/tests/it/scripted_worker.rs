@@ -27,6 +27,10 @@ pub(crate) enum Script {
     /// A completions stream with two choices: choice 0 finishes, choice 1
     /// is still generating when the connection drops.
     CutTwoChoiceStream,
+    /// A vLLM prefill answer (`--disagg vllm`) whose `kv_transfer_params`
+    /// name a lease the worker at `127.0.0.1:PORT` never issued: what a
+    /// decode worker sees of an expired or released lease.
+    StaleLease(u16),
 }
 
 /// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
@@ -104,6 +108,24 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 return;
             }
+            Script::StaleLease(port) => reply(
+                "200 OK",
+                &json!({
+                    "id": "cmpl-stale", "object": "text_completion", "created": 1,
+                    "model": "switchyard-sim",
+                    "choices": [{"index": 0, "text": " x", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    "kv_transfer_params": {
+                        "do_remote_prefill": true, "do_remote_decode": false,
+                        "remote_block_ids": [1],
+                        "remote_engine_id": "switchyard-sim-00c0ffee00c0ffee",
+                        "remote_request_id": "req-stale",
+                        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+                        "switchyard_lease": "1.000102030405060708090a0b0c0d0e0f"
+                    }
+                })
+                .to_string(),
+            ),
             Script::CutJson => String::from(
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{\"id\": \"cmpl-cut\", \"choi",
             ),

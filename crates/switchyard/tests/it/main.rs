@@ -22,6 +22,7 @@ mod replay_tune;
 mod replica_security;
 mod serve_adapters;
 mod serve_chaos;
+mod serve_disagg;
 mod serve_ending;
 mod serve_errors;
 mod serve_limits;

@@ -188,47 +188,36 @@ async fn chat_text_and_bad_input_get_openai_shaped_replies() {
     }
 }
 
-#[tokio::test]
-async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
-    let _machine = machine().await;
+/// A real subscriber to `worker`'s KV events (its ZMQ endpoints), applying
+/// them as worker `id` to an index of every tier, once the subscription
+/// delivers. A SUB socket's subscription reaches the publisher some time
+/// after `connect` (ZMQ's slow joiner), and what is published before that
+/// is never delivered; a subscriber learns the history by replay at the
+/// first event it does receive. So the worker is prompted with fresh
+/// prompts until `delivered` holds: from then on nothing is lost, whatever
+/// the machine's load.
+async fn subscribed(
+    worker: &crate::support::Proc,
+    id: switchyard_core::WorkerId,
+    delivered: impl Fn(&switchyard_core::index::TieredIndex) -> bool,
+) -> (
+    std::sync::Arc<std::sync::Mutex<switchyard_core::index::TieredIndex>>,
+    switchyard_kv_events::subscriber::KvEventSubscriber,
+) {
     use std::sync::{Arc, Mutex};
     use switchyard_core::index::TieredIndex;
-    use switchyard_core::{EngineHash, WorkerId};
     use switchyard_kv_events::metrics::KvEventMetrics;
     use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
 
-    // A small pool so that later prompts evict earlier ones: removals flow
-    // too, and evicted blocks spill into the host tier (medium "CPU").
-    let worker = sim_worker_with(
-        0,
-        &[
-            "--no-delay",
-            "--num-blocks",
-            "64",
-            "--host-blocks",
-            "48",
-            "--kv-events",
-            "tcp://127.0.0.1:*",
-            "--kv-replay",
-            "tcp://127.0.0.1:*",
-        ],
-    );
     let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
-    let id = WorkerId::new(7);
     let index = Arc::new(Mutex::new(TieredIndex::new()));
     let metrics = KvEventMetrics::new();
     let mut config = SubscriberConfig::new(id, pub_endpoint, 16);
     config.replay_endpoint = Some(replay_endpoint);
     let context = zmq::Context::new();
     let subscriber =
-        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w7")).unwrap();
-
+        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w")).unwrap();
     let client = reqwest::Client::new();
-    // A SUB socket's subscription reaches the publisher some time after
-    // `connect` (ZMQ's slow joiner), and what is published before that is
-    // never delivered; a subscriber learns the history by replay at the
-    // first event it does receive. So prompt the worker until one event
-    // has arrived: from then on nothing is lost, whatever the machine's load.
     let completions = format!("{}/v1/completions", worker.base);
     let mut nudge = 0u32;
     wait_for(
@@ -247,10 +236,72 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
             assert_eq!(reply.status(), 200);
             reply.bytes().await.unwrap();
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            index.lock().unwrap().device().worker_blocks(id) > 0
+            delivered(&index.lock().unwrap())
         },
     )
     .await;
+    (index, subscriber)
+}
+
+/// `/debug/kv_cache`'s engine hashes under `tier`.
+async fn cached_hashes(
+    client: &reqwest::Client,
+    worker: &crate::support::Proc,
+    tier: &str,
+) -> Vec<u64> {
+    let cache: serde_json::Value = client
+        .get(format!("{}/debug/kv_cache", worker.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    cache[tier]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap())
+        .collect()
+}
+
+/// Whether `index` holds exactly `hashes` for `id`.
+fn holds_exactly(
+    index: &switchyard_core::index::PrefixIndex,
+    id: switchyard_core::WorkerId,
+    hashes: &[u64],
+) -> bool {
+    index.worker_blocks(id) == hashes.len()
+        && hashes
+            .iter()
+            .all(|&h| index.holds(id, switchyard_core::EngineHash(h)))
+}
+
+#[tokio::test]
+async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
+    let _machine = machine().await;
+    use switchyard_core::WorkerId;
+
+    // A small pool so that later prompts evict earlier ones: removals flow
+    // too, and evicted blocks spill into the host tier (medium "CPU").
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--no-delay",
+            "--num-blocks",
+            "64",
+            "--host-blocks",
+            "48",
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+            "--kv-replay",
+            "tcp://127.0.0.1:*",
+        ],
+    );
+    let id = WorkerId::new(7);
+    let (index, subscriber) =
+        subscribed(&worker, id, |index| index.device().worker_blocks(id) > 0).await;
+    let client = reqwest::Client::new();
     for round in 0..6u32 {
         // Pairs of prompts share a 320-token prefix.
         let mut prompt: Vec<u32> = (0..320).map(|t| 10_000 * (round / 2) + t).collect();
@@ -267,35 +318,17 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
         reply.bytes().await.unwrap();
     }
 
-    let debug_kv_cache = format!("{}/debug/kv_cache", worker.base);
     wait_for(
         "the subscriber's index to match the worker's cache",
         PATIENCE,
         async || {
-            let cache: serde_json::Value = client
-                .get(&debug_kv_cache)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let hashes = |tier: &str| -> Vec<u64> {
-                cache[tier]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|h| h.as_u64().unwrap())
-                    .collect()
-            };
-            let (device, host) = (hashes("device"), hashes("host"));
+            let device = cached_hashes(&client, &worker, "device").await;
+            let host = cached_hashes(&client, &worker, "host").await;
             assert!(!device.is_empty());
             let index = index.lock().unwrap();
-            let same = |tier: &switchyard_core::index::PrefixIndex, hashes: &[u64]| {
-                tier.worker_blocks(id) == hashes.len()
-                    && hashes.iter().all(|&h| tier.holds(id, EngineHash(h)))
-            };
-            !host.is_empty() && same(index.device(), &device) && same(index.host(), &host)
+            !host.is_empty()
+                && holds_exactly(index.device(), id, &device)
+                && holds_exactly(index.host(), id, &host)
         },
     )
     .await;
@@ -311,11 +344,8 @@ async fn a_subscriber_to_the_workers_kv_events_ends_with_the_workers_cache() {
 #[tokio::test]
 async fn a_subscriber_to_a_hybrid_workers_events_holds_its_ssm_checkpoints() {
     let _machine = machine().await;
-    use std::sync::{Arc, Mutex};
-    use switchyard_core::index::{OverlapScores, TieredIndex};
-    use switchyard_core::{EngineHash, LocalHash, WorkerId};
-    use switchyard_kv_events::metrics::KvEventMetrics;
-    use switchyard_kv_events::subscriber::{KvEventSubscriber, SubscriberConfig};
+    use switchyard_core::index::OverlapScores;
+    use switchyard_core::{LocalHash, WorkerId};
 
     // Every block boundary kept, at most 24: later prompts evict earlier
     // states, so removals of the SSM group flow too.
@@ -335,44 +365,16 @@ async fn a_subscriber_to_a_hybrid_workers_events_holds_its_ssm_checkpoints() {
             "tcp://127.0.0.1:*",
         ],
     );
-    let (pub_endpoint, replay_endpoint) = worker.kv.clone().expect("kv endpoints printed");
     let id = WorkerId::new(9);
-    let index = Arc::new(Mutex::new(TieredIndex::new()));
-    let metrics = KvEventMetrics::new();
-    let mut config = SubscriberConfig::new(id, pub_endpoint, 16);
-    config.replay_endpoint = Some(replay_endpoint);
-    let context = zmq::Context::new();
-    let subscriber =
-        KvEventSubscriber::spawn(&context, config, index.clone(), metrics.worker("w9")).unwrap();
-
-    let client = reqwest::Client::new();
-    let completions = format!("{}/v1/completions", worker.base);
-    // As in the attention test above: prompt until the subscription
-    // delivers, then nothing is lost.
-    let mut nudge = 0u32;
-    wait_for(
-        "the subscription to deliver an event",
-        PATIENCE,
-        async || {
-            nudge += 1;
-            let prompt: Vec<u32> = (0..64).map(|t| 500_000 + 64 * nudge + t).collect();
-            let reply = client
-                .post(&completions)
-                .json(&serde_json::json!({"prompt": prompt, "max_tokens": 1}))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(reply.status(), 200);
-            reply.bytes().await.unwrap();
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            index.lock().unwrap().checkpoint().worker_blocks(id) > 0
-        },
-    )
+    let (index, subscriber) = subscribed(&worker, id, |index| {
+        index.checkpoint().worker_blocks(id) > 0
+    })
     .await;
+    let client = reqwest::Client::new();
     for round in 0..4u32 {
         let prompt: Vec<u32> = (0..160).map(|t| 10_000 * round + t).collect();
         let reply = client
-            .post(&completions)
+            .post(format!("{}/v1/completions", worker.base))
             .json(&serde_json::json!({"prompt": prompt, "max_tokens": 4}))
             .send()
             .await
@@ -381,31 +383,13 @@ async fn a_subscriber_to_a_hybrid_workers_events_holds_its_ssm_checkpoints() {
         reply.bytes().await.unwrap();
     }
 
-    let debug_kv_cache = format!("{}/debug/kv_cache", worker.base);
     wait_for(
         "the subscriber's checkpoint index to match the worker's states",
         PATIENCE,
         async || {
-            let cache: serde_json::Value = client
-                .get(&debug_kv_cache)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let states: Vec<u64> = cache["ssm_checkpoints"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| h.as_u64().unwrap())
-                .collect();
+            let states = cached_hashes(&client, &worker, "ssm_checkpoints").await;
             assert!(states.len() <= 24);
-            let index = index.lock().unwrap();
-            let tier = index.checkpoint();
-            states.len() == 24
-                && tier.worker_blocks(id) == states.len()
-                && states.iter().all(|&h| tier.holds(id, EngineHash(h)))
+            states.len() == 24 && holds_exactly(index.lock().unwrap().checkpoint(), id, &states)
         },
     )
     .await;

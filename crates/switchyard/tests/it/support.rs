@@ -43,6 +43,9 @@ pub(crate) struct Proc {
     pub(crate) base: String,
     /// `(pub, replay)` endpoints a sim-worker printed for `--kv-events`.
     pub(crate) kv: Option<(String, String)>,
+    /// The bootstrap port a `--disagg sglang --disagg-role prefill`
+    /// sim-worker printed.
+    pub(crate) bootstrap: Option<u16>,
 }
 
 impl Proc {
@@ -89,6 +92,7 @@ pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
         child,
         base: String::new(),
         kv: None,
+        bootstrap: None,
     };
     let stdout = proc.child.stdout.take().expect("stdout is piped");
     let mut reader = BufReader::new(stdout);
@@ -104,6 +108,11 @@ pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
         // `switchyard sim-worker kv-events PUB replay REPLAY`
         if let Some(i) = words.iter().position(|w| *w == "kv-events") {
             proc.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+        }
+        // `switchyard sim-worker bootstrap http://ADDR`, before its address.
+        if words.get(2) == Some(&"bootstrap") {
+            proc.bootstrap = words[3].rsplit(':').next().and_then(|p| p.parse().ok());
+            continue;
         }
         if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
             proc.base = url.trim_end_matches('/').to_owned();

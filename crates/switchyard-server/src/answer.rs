@@ -1,0 +1,246 @@
+//! A worker's successful answer on its way to the client: the first
+//! event of a stream ([`first_event`]) or a whole answer ([`buffered`]),
+//! and the client's response made of it ([`deliver`]). Shared by the
+//! handlers ([`crate::proxy`]) and the halves of a disaggregated request
+//! (`disagg`).
+
+use crate::attempt::{AttemptError, Attempts};
+use crate::booking::Booking;
+use crate::context::MAX_EVENT_BYTES;
+use crate::error::ApiError;
+use crate::metrics::RequestStatus;
+use crate::migration::Failure;
+use crate::stream::{MigratingStream, StreamStart};
+use crate::upload::{read_whole, ReadError};
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use hyper::body::Incoming;
+use serde::Deserialize;
+use std::time::Instant;
+use switchyard_wire::openai::Api;
+use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
+
+/// What [`deliver`] needs of the request besides its attempts.
+#[derive(Clone)]
+pub(crate) struct Delivery {
+    pub(crate) path: &'static str,
+    pub(crate) arrival: Instant,
+    /// The prompt's token ids.
+    pub(crate) prompt: Vec<u32>,
+    /// The client's body (a resumed stream's request is made from it).
+    pub(crate) original: Bytes,
+    pub(crate) stream: bool,
+}
+
+/// The client's response for a worker's successful answer: a buffered
+/// one ends the booking (finished when 2xx), a stream flows through
+/// [`MigratingStream`].
+pub(crate) fn deliver(
+    attempts: Attempts,
+    booking: Booking,
+    answer: Answer,
+    request: Delivery,
+) -> Response {
+    let state = attempts.state.clone();
+    let Delivery {
+        path,
+        arrival,
+        prompt,
+        original,
+        stream,
+    } = request;
+    let prompt_tokens = prompt.len() as u64;
+    match answer {
+        Answer::Buffered(parts, bytes) => {
+            let ok = parts.status.is_success();
+            let mut booking = booking;
+            booking.mark_first_token();
+            state
+                .shared
+                .metrics()
+                .ttft
+                .observe(arrival.elapsed().as_secs_f64());
+            if ok {
+                // The session's context grows by what was generated.
+                let completion = completion_tokens(&bytes);
+                booking.progress(completion);
+                booking.completed(prompt_tokens.saturating_add(completion));
+            }
+            state.shared.metrics().count_request(if ok {
+                RequestStatus::Ok
+            } else {
+                RequestStatus::WorkerError
+            });
+            let parts = attempts.client_parts(parts, &booking);
+            log_dispatch(&booking, &attempts, prompt_tokens, stream);
+            Response::from_parts(parts, Body::from(bytes))
+        }
+        Answer::Stream(parts, upstream, parser, first) => {
+            let parts = attempts.client_parts(parts, &booking);
+            log_dispatch(&booking, &attempts, prompt_tokens, stream);
+            let api = if path == "/v1/chat/completions" {
+                Api::Chat
+            } else {
+                Api::Completions
+            };
+            let stream = MigratingStream::new(StreamStart {
+                attempts,
+                api,
+                booking,
+                upstream,
+                parser,
+                first,
+                prompt,
+                original,
+                arrival,
+            });
+            Response::from_parts(parts, stream.into_body())
+        }
+    }
+}
+
+/// The request timeout passed while the request waited for a worker.
+pub(crate) fn queue_timeout(attempts: &Attempts) -> ApiError {
+    tracing::info!(request = %attempts.client_id, "request timed out waiting for a worker");
+    attempts.timed_out()
+}
+
+pub(crate) fn log_dispatch(
+    booking: &Booking,
+    attempts: &Attempts,
+    prompt_tokens: u64,
+    stream: bool,
+) {
+    tracing::debug!(
+        request = %attempts.client_id,
+        worker = %booking.name,
+        prompt_tokens,
+        overlap_blocks = booking.overlap_blocks,
+        waited_ms = booking.waited_ms,
+        migrations = attempts.migrations,
+        stream,
+        "dispatched"
+    );
+}
+
+/// `usage.completion_tokens` of a whole (non-streaming) answer; 0 when the
+/// worker sent none. Only that field is parsed.
+pub(crate) fn completion_tokens(body: &[u8]) -> u64 {
+    #[derive(Deserialize)]
+    struct Usage {
+        #[serde(default)]
+        completion_tokens: u64,
+    }
+    #[derive(Deserialize)]
+    struct Answer {
+        usage: Option<Usage>,
+    }
+    serde_json::from_slice::<Answer>(body)
+        .ok()
+        .and_then(|a| a.usage)
+        .map_or(0, |u| u.completion_tokens)
+}
+
+/// A successful attempt.
+pub(crate) enum Answer {
+    /// A whole response (non-streaming, or an error status passed through).
+    Buffered(hyper::http::response::Parts, Bytes),
+    /// A stream whose first event has arrived.
+    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
+}
+
+/// Reads a streaming response up to its first complete event, within the
+/// first-token timeout.
+pub(crate) async fn first_event(
+    attempts: &Attempts,
+    worker: &str,
+    response: hyper::Response<Incoming>,
+) -> Result<Answer, AttemptError> {
+    let (parts, mut upstream) = response.into_parts();
+    let mut parser = SseParser::new(MAX_EVENT_BYTES);
+    let read = async {
+        loop {
+            match parser.next_event_framed() {
+                Ok(Some(event)) => return Ok(event),
+                Ok(None) => {}
+                Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
+            }
+            match upstream.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        parser.push(&data);
+                    }
+                }
+                Some(Err(_)) => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream broke before its first event".into(),
+                    ))
+                }
+                None => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream ended before its first event".into(),
+                    ))
+                }
+            }
+        }
+    };
+    let timeout = attempts.state.first_token_timeout;
+    let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
+        AttemptError::Retry(
+            Failure::Timeout,
+            format!(
+                "worker {worker} sent no first event within {:.1} s",
+                timeout.as_secs_f64()
+            ),
+        )
+    })??;
+    if classify_ref(first.data()) == ChunkRef::Error {
+        return Err(AttemptError::Retry(
+            Failure::Status5xx,
+            format!("worker {worker} answered with an error event"),
+        ));
+    }
+    Ok(Answer::Stream(parts, upstream, parser, first))
+}
+
+/// Buffers a whole response (bounded by `max_response_bytes`).
+pub(crate) async fn buffered(
+    attempts: &Attempts,
+    response: hyper::Response<Incoming>,
+) -> Result<Answer, AttemptError> {
+    let limit = attempts.state.max_response_bytes;
+    let (parts, upstream) = response.into_parts();
+    match read_whole(upstream, limit).await {
+        Ok(body) => Ok(Answer::Buffered(parts, body)),
+        Err(ReadError::TooLarge) => Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
+            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
+        )))),
+        Err(ReadError::Broken) => Err(AttemptError::Retry(
+            Failure::Reset,
+            "the worker's response broke before it was complete".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_tokens_are_read_from_usage_and_default_to_zero() {
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
+            9
+        );
+        assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
+        assert_eq!(completion_tokens(b"not json"), 0);
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
+            0
+        );
+    }
+}

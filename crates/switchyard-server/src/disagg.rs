@@ -1,0 +1,870 @@
+//! Prefill/decode-disaggregated requests (`serve --disagg vllm|sglang`,
+//! workers with `role=prefill|decode|both`): each request is two halves,
+//! each placed by the dispatcher on a worker of its pool, and the engine
+//! family's protocol between them.
+//!
+//! - Placement: both halves go through the same admission, policy and
+//!   booking as any request ([`crate::shared::SharedRouter::submit_in`]),
+//!   over the workers of their pool (`prefill` or `decode`, and the `both`
+//!   ones): the prefill half by KV overlap and prefill load, the decode
+//!   half by the policy too — its overlap on a decode worker is what that
+//!   worker need not pull, and its load counts the decodes booked there.
+//!   The decode half carries the session (it is the turn whose answer the
+//!   client reads); the prefill half none.
+//! - vLLM: the prefill request (the client's body with
+//!   `kv_transfer_params {do_remote_decode: true, ...}`, `stream: false`,
+//!   `max_tokens: 1`) to the prefill worker; its answer's
+//!   `kv_transfer_params`, forwarded whole, with the client's body to the
+//!   decode worker, whose answer the client gets. Both with the client's
+//!   request id as `x-request-id`.
+//! - SGLang: the client's body plus `bootstrap_host` (the prefill
+//!   worker's host), `bootstrap_port` (its `bootstrap-port`, default
+//!   8998) and `bootstrap_room` (63 random bits) to both workers at once;
+//!   the decode worker's answer goes to the client, the prefill worker's
+//!   is read and discarded (a failure of it still counts).
+//!
+//! Failures follow the migration rules ([`crate::attempt::Attempts`]): a
+//! prefill worker that fails (refused, reset, 5xx, timeout) is reported
+//! and the prefill moves to another prefill worker; a decode worker that
+//! fails before the first token is reported and the decode moves to
+//! another decode worker (vLLM: with the same transfer parameters, the
+//! lease being still held; SGLang: the pair again under a new room); a
+//! decode worker that answers that the transfer failed (its lease or room
+//! unknown or expired, its prefill worker unreachable, the KV not the
+//! prompt's) is not reported: the prefill is done again and the decode
+//! resent; a stream broken mid-way is resumed on another decode worker as
+//! today, which computes the prompt and the tokens so far itself.
+
+use crate::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
+use crate::attempt::{AttemptError, Attempts};
+use crate::booking::Booking;
+use crate::config::DisaggMode;
+use crate::context::Shared;
+use crate::error::ApiError;
+use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
+use crate::migration::{Failure, Phase, Progress};
+use crate::roster::Role;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::{Map, Value};
+use switchyard_core::admission::SessionKey;
+use switchyard_core::RequestId;
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Largest `kv_transfer_params` object forwarded from a prefill answer,
+/// serialized; a larger one is the prefill worker's failure.
+pub(crate) const MAX_TRANSFER_PARAMS_BYTES: usize = 64 * 1024;
+
+/// Largest error body of a decode worker read to judge whether its
+/// transfer failed.
+const MAX_ERROR_BYTES: usize = 64 * 1024;
+
+// ---- Bodies ---------------------------------------------------------------
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        _ => Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+            None,
+        )),
+    }
+}
+
+fn to_bytes(map: Map<String, Value>) -> Bytes {
+    Bytes::from(serde_json::to_vec(&Value::Object(map)).unwrap_or_default())
+}
+
+/// vLLM's prefill request for the client's `body`: asks for a remote
+/// decode, one token, no stream (see the sim-worker's fixtures,
+/// `vllm_prefill_request.json`).
+pub(crate) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, ApiError> {
+    let mut map = object(body)?;
+    map.insert(
+        "kv_transfer_params".into(),
+        serde_json::json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+        }),
+    );
+    map.insert("stream".into(), Value::Bool(false));
+    map.insert("max_tokens".into(), Value::from(1));
+    if map.contains_key("max_completion_tokens") {
+        map.insert("max_completion_tokens".into(), Value::from(1));
+    }
+    map.remove("stream_options");
+    map.remove("min_tokens");
+    Ok(to_bytes(map))
+}
+
+/// vLLM's decode request: the client's `body` with the prefill answer's
+/// `kv_transfer_params` (none: the decode worker computes the prompt).
+pub(crate) fn vllm_decode_body(body: &[u8], params: Option<&Value>) -> Result<Bytes, ApiError> {
+    let mut map = object(body)?;
+    match params {
+        Some(p) => {
+            map.insert("kv_transfer_params".into(), p.clone());
+        }
+        None => {
+            map.remove("kv_transfer_params");
+        }
+    }
+    Ok(to_bytes(map))
+}
+
+/// SGLang's request to both workers: the client's `body` with the
+/// prefill worker's bootstrap address and the room.
+pub(crate) fn sglang_body(
+    body: &[u8],
+    host: &str,
+    port: u16,
+    room: u64,
+) -> Result<Bytes, ApiError> {
+    let mut map = object(body)?;
+    map.insert("bootstrap_host".into(), Value::from(host));
+    map.insert("bootstrap_port".into(), Value::from(port));
+    map.insert("bootstrap_room".into(), Value::from(room));
+    Ok(to_bytes(map))
+}
+
+/// The `kv_transfer_params` of a prefill worker's whole answer: `None`
+/// when absent or null (nothing captured: the decode computes the
+/// prompt); `Err` when it is not an object or past
+/// [`MAX_TRANSFER_PARAMS_BYTES`] (the worker's failure). The object is
+/// forwarded whole: the decode worker validates its fields.
+pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Value>, String> {
+    let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(answer) else {
+        return Err("the prefill answer is not a JSON object".to_owned());
+    };
+    match answer.remove("kv_transfer_params").unwrap_or(Value::Null) {
+        Value::Null => Ok(None),
+        Value::Object(map) => {
+            let size = serde_json::to_vec(&map).map_or(usize::MAX, |v| v.len());
+            if size > MAX_TRANSFER_PARAMS_BYTES {
+                return Err(format!(
+                    "the prefill answer's kv_transfer_params ({size} bytes) exceed {MAX_TRANSFER_PARAMS_BYTES}"
+                ));
+            }
+            Ok(Some(Value::Object(map)))
+        }
+        _ => Err("the prefill answer's kv_transfer_params is not an object".into()),
+    }
+}
+
+/// Whether a decode worker's error answer says its KV transfer failed
+/// rather than the worker itself: a 404 naming `kv_transfer_params` (the
+/// lease or room is unknown, released or expired), or a 502/504 whose
+/// message names the prefill worker or the transferred KV (unreachable,
+/// the room never held, an invalid or wrong transfer) — the sim-worker's
+/// answers (docs/disaggregation.md, "Failures").
+pub(crate) fn transfer_failed(status: StatusCode, body: &[u8]) -> bool {
+    let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
+    let Some(error) = map.get("error") else {
+        return false;
+    };
+    let param = error.get("param").and_then(Value::as_str);
+    let message = error.get("message").and_then(Value::as_str).unwrap_or("");
+    match status.as_u16() {
+        404 => param == Some("kv_transfer_params"),
+        502 | 504 => {
+            param == Some("kv_transfer_params")
+                || message.contains("prefill worker")
+                || message.contains("transferred KV")
+        }
+        _ => false,
+    }
+}
+
+/// The host of `url` (`http://HOST:PORT`), brackets of an IPv6 address
+/// removed.
+fn url_host(url: &str) -> &str {
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split(']').next().unwrap_or(v6);
+    }
+    authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+}
+
+/// A random SGLang room: 63 bits.
+fn random_room() -> u64 {
+    use rand::Rng as _;
+    rand::thread_rng().gen::<u64>() >> 1
+}
+
+// ---- Orchestration ---------------------------------------------------------
+
+/// A half's answer other than a worker's answer to hand on.
+enum HalfError {
+    /// The worker failed it: report and move it.
+    Retry(Failure, String),
+    /// The decode worker could not take the KV: do the prefill again.
+    Transfer(String),
+    /// An error for the client.
+    Fatal(ApiError),
+}
+
+impl From<AttemptError> for HalfError {
+    fn from(e: AttemptError) -> Self {
+        match e {
+            AttemptError::Retry(reason, detail) => HalfError::Retry(reason, detail),
+            AttemptError::Fatal(e) => HalfError::Fatal(e),
+        }
+    }
+}
+
+/// What one request shares across its halves.
+struct Split<'a> {
+    state: Shared,
+    /// The client's id, told to both workers and to the client.
+    id: RequestId,
+    request: &'a Delivery,
+    deadline: tokio::time::Instant,
+    model: Option<String>,
+}
+
+/// A request given up: which part failed, and the client's error.
+type Failed = (Reason, ApiError);
+
+/// Serves one request as a prefill and a decode half under `mode`.
+pub(crate) async fn serve(
+    mode: DisaggMode,
+    state: Shared,
+    headers: &HeaderMap,
+    request: Delivery,
+    model: Option<String>,
+    session: Option<String>,
+) -> Result<Response, ApiError> {
+    let metrics = state.disagg_metrics.clone();
+    metrics.requests.inc();
+    let session = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .or(session.as_deref())
+        .filter(|s| !s.is_empty())
+        .map(SessionKey::from_client_id);
+    let deadline = tokio::time::Instant::from_std(request.arrival) + state.request_timeout;
+    let split = Split {
+        id: state.shared.next_request_id(),
+        state: state.clone(),
+        request: &request,
+        deadline,
+        model,
+    };
+    let decode = Attempts::new(
+        state.clone(),
+        split.id,
+        split.model.clone(),
+        headers.get(axum::http::header::ACCEPT).cloned(),
+        deadline,
+    )
+    .half(Role::Decode, split.id)
+    .passing_server_errors();
+    let result = match mode {
+        DisaggMode::Vllm => vllm(&split, decode, session).await,
+        DisaggMode::Sglang => sglang(&split, decode, session).await,
+    };
+    result.map_err(|(reason, e)| {
+        metrics.failure(reason);
+        e
+    })
+}
+
+/// The attempts of a prefill half.
+fn prefill_attempts(split: &Split<'_>) -> Attempts {
+    Attempts::new(
+        split.state.clone(),
+        split.state.shared.next_request_id(),
+        split.model.clone(),
+        None,
+        split.deadline,
+    )
+    .half(Role::Prefill, split.id)
+}
+
+/// Places a half: a booking in its pool, or the client's error.
+async fn place(
+    split: &Split<'_>,
+    attempts: &mut Attempts,
+    session: Option<SessionKey>,
+) -> Result<Booking, Failed> {
+    let wait = attempts
+        .submit(&split.request.prompt, session)
+        .map_err(|e| (Reason::NoWorker, e))?;
+    match tokio::time::timeout_at(split.deadline, attempts.placed(wait)).await {
+        Ok(placed) => placed.map_err(|e| (Reason::NoWorker, e)),
+        Err(_) => Err((Reason::Timeout, queue_timeout(attempts))),
+    }
+}
+
+/// A half's worker failed it: reported, and the half moved to another
+/// worker of its pool (or the request given up, counted as `reason`).
+async fn move_half(
+    split: &Split<'_>,
+    attempts: &mut Attempts,
+    booking: Booking,
+    (failure, detail): (Failure, String),
+    reason: Reason,
+) -> Result<Booking, Failed> {
+    let metrics = &split.state.disagg_metrics;
+    let role = if reason == Reason::Prefill {
+        Role::Prefill
+    } else {
+        Role::Decode
+    };
+    metrics.half(role, Outcome::Failed);
+    tracing::warn!(request = %split.id, worker = %booking.name, role = role.label(), reason = failure.label(), %detail, "disaggregated half failed");
+    let prompt_tokens = split.request.prompt.len() as u64;
+    match attempts.fail(
+        booking,
+        failure,
+        Phase::BeforeFirstToken,
+        prompt_tokens,
+        &Progress::default(),
+        Ok(()),
+    ) {
+        Ok(failed) => {
+            metrics.retry(reason);
+            match tokio::time::timeout_at(split.deadline, attempts.migrate(failed, None)).await {
+                Ok(moved) => moved.map_err(|e| (reason, e)),
+                Err(_) => Err((Reason::Timeout, queue_timeout(attempts))),
+            }
+        }
+        Err(give_up) => Err((
+            reason,
+            ApiError::bad_gateway(format!("{detail}; {give_up}")),
+        )),
+    }
+}
+
+/// Sends a half and reads its answer: a stream to its first event, any
+/// other answer whole; an error answer (a decode's 5xx is handed back by
+/// [`Attempts::passing_server_errors`]) judged here: a transfer failure,
+/// a worker failure (5xx), or the client's answer (4xx, buffered).
+async fn send_half(
+    attempts: &Attempts,
+    booking: &Booking,
+    path: &'static str,
+    body: Bytes,
+    stream: bool,
+) -> Result<Answer, HalfError> {
+    let response = attempts.send(booking, path, body, stream).await?;
+    let status = response.status();
+    if status.is_success() {
+        return Ok(if stream {
+            first_event(attempts, &booking.name, response).await?
+        } else {
+            buffered(attempts, response).await?
+        });
+    }
+    let (parts, upstream) = response.into_parts();
+    let bytes = match crate::upload::read_whole(upstream, MAX_ERROR_BYTES).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return Err(HalfError::Retry(
+                Failure::Reset,
+                format!(
+                    "worker {}'s error answer broke or was too long",
+                    booking.name
+                ),
+            ))
+        }
+    };
+    if transfer_failed(status, &bytes) {
+        return Err(HalfError::Transfer(format!(
+            "worker {} answered {}: its KV transfer failed",
+            booking.name,
+            status.as_u16()
+        )));
+    }
+    if status.is_server_error() {
+        return Err(HalfError::Retry(
+            Failure::Status5xx,
+            format!("worker {} answered {}", booking.name, status.as_u16()),
+        ));
+    }
+    Ok(Answer::Buffered(parts, bytes))
+}
+
+/// The request timeout passed while `booking`'s worker had a half.
+fn half_timed_out(
+    split: &Split<'_>,
+    attempts: &Attempts,
+    booking: Booking,
+    sent_at: tokio::time::Instant,
+) -> Failed {
+    let fair = sent_at.elapsed() >= split.state.first_token_timeout;
+    (Reason::Timeout, attempts.timed_out_on(booking, fair))
+}
+
+/// How vLLM's prefill half ended well: its transfer parameters, or a
+/// client error the prefill worker answered (the client's answer).
+enum Prefilled {
+    Params(Option<Value>),
+    Refused(Box<(Attempts, Booking, Answer)>),
+}
+
+/// vLLM's prefill half: placed, sent and moved until a prefill worker
+/// answers.
+async fn vllm_prefill(split: &Split<'_>, prefill_body: &Bytes) -> Result<Prefilled, Failed> {
+    let metrics = &split.state.disagg_metrics;
+    let mut attempts = prefill_attempts(split);
+    let mut booking = place(split, &mut attempts, None).await?;
+    loop {
+        let sent_at = tokio::time::Instant::now();
+        let sent = send_half(
+            &attempts,
+            &booking,
+            split.request.path,
+            prefill_body.clone(),
+            false,
+        );
+        let answer = match tokio::time::timeout_at(split.deadline, sent).await {
+            Err(_) => return Err(half_timed_out(split, &attempts, booking, sent_at)),
+            Ok(answer) => answer,
+        };
+        let failure = match answer {
+            Ok(Answer::Buffered(parts, bytes)) if parts.status.is_success() => {
+                match transfer_params(&bytes) {
+                    Ok(params) => {
+                        booking.mark_first_token();
+                        let prompt = split.request.prompt.len() as u64;
+                        booking.completed(prompt.saturating_add(1));
+                        metrics.half(Role::Prefill, Outcome::Ok);
+                        metrics
+                            .prefill_seconds
+                            .observe(split.request.arrival.elapsed().as_secs_f64());
+                        return Ok(Prefilled::Params(params));
+                    }
+                    Err(why) => (Failure::Status5xx, why),
+                }
+            }
+            Ok(answer @ Answer::Buffered(..)) => {
+                metrics.half(Role::Prefill, Outcome::Refused);
+                return Ok(Prefilled::Refused(Box::new((attempts, booking, answer))));
+            }
+            Ok(Answer::Stream(..)) => (
+                Failure::Status5xx,
+                "the prefill worker streamed its answer".to_owned(),
+            ),
+            Err(HalfError::Retry(failure, detail)) => (failure, detail),
+            Err(HalfError::Transfer(detail)) => (Failure::Status5xx, detail),
+            Err(HalfError::Fatal(e)) => return Err((Reason::Prefill, e)),
+        };
+        booking = move_half(split, &mut attempts, booking, failure, Reason::Prefill).await?;
+    }
+}
+
+/// vLLM: the prefill half, then the decode half with its transfer
+/// parameters; a decode whose transfer failed gets a new prefill.
+async fn vllm(
+    split: &Split<'_>,
+    mut decode: Attempts,
+    session: Option<SessionKey>,
+) -> Result<Response, Failed> {
+    let state = &split.state;
+    let metrics = &state.disagg_metrics;
+    let original = &split.request.original;
+    let prefill_body = vllm_prefill_body(original).map_err(|e| (Reason::Prefill, e))?;
+    let mut booking: Option<Booking> = None;
+    let mut transfers_failed = 0u32;
+    loop {
+        let params = match vllm_prefill(split, &prefill_body).await? {
+            Prefilled::Params(params) => params,
+            Prefilled::Refused(refused) => {
+                let (attempts, booking, answer) = *refused;
+                return Ok(deliver(attempts, booking, answer, split.request.clone()));
+            }
+        };
+        let body = vllm_decode_body(original, params.as_ref()).map_err(|e| (Reason::Decode, e))?;
+        let mut current = match booking.take() {
+            Some(b) => b,
+            None => place(split, &mut decode, session).await?,
+        };
+        // The decode half, moved to other decode workers until one
+        // answers or its transfer fails.
+        loop {
+            let sent_at = tokio::time::Instant::now();
+            let sent = send_half(
+                &decode,
+                &current,
+                split.request.path,
+                body.clone(),
+                split.request.stream,
+            );
+            let answer = match tokio::time::timeout_at(split.deadline, sent).await {
+                Err(_) => return Err(half_timed_out(split, &decode, current, sent_at)),
+                Ok(answer) => answer,
+            };
+            match answer {
+                Ok(answer) => {
+                    metrics.half(Role::Decode, decode_outcome(&answer));
+                    return Ok(deliver(
+                        decode.judging_server_errors(),
+                        current,
+                        answer,
+                        split.request.clone(),
+                    ));
+                }
+                Err(HalfError::Retry(failure, detail)) => {
+                    current = move_half(
+                        split,
+                        &mut decode,
+                        current,
+                        (failure, detail),
+                        Reason::Decode,
+                    )
+                    .await?;
+                }
+                Err(HalfError::Transfer(detail)) => {
+                    metrics.half(Role::Decode, Outcome::TransferFailed);
+                    transfers_failed += 1;
+                    if transfers_failed > state.migration.limit {
+                        return Err((
+                            Reason::Transfer,
+                            ApiError::bad_gateway(format!(
+                                "{detail}; the prefill was done {transfers_failed} times"
+                            )),
+                        ));
+                    }
+                    tracing::info!(request = %split.id, worker = %current.name, %detail, "decode transfer failed: prefill again");
+                    metrics.retry(Reason::Transfer);
+                    booking = Some(current);
+                    break;
+                }
+                Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
+            }
+        }
+    }
+}
+
+/// A decode answer's outcome label: ok, or refused (a client error).
+fn decode_outcome(answer: &Answer) -> Outcome {
+    match answer {
+        Answer::Buffered(parts, _) if !parts.status.is_success() => Outcome::Refused,
+        _ => Outcome::Ok,
+    }
+}
+
+/// What a prefill half's task hands back.
+type PrefillRun = (Attempts, Booking, Result<Answer, HalfError>);
+
+/// How SGLang's pair of sends ended first (one short-lived value per
+/// attempt: its size does not matter).
+#[allow(clippy::large_enum_variant)]
+enum Race {
+    /// The decode answered (or failed, or the request timed out).
+    Decoded(Result<Result<Answer, HalfError>, tokio::time::error::Elapsed>),
+    /// The prefill failed before the decode answered.
+    PrefillFailed(Box<PrefillRun>),
+}
+
+/// SGLang: both halves at once under one room; the decode worker's answer
+/// goes to the client, the prefill worker's is read in the background and
+/// discarded (a failure of it still reported).
+async fn sglang(
+    split: &Split<'_>,
+    mut decode: Attempts,
+    session: Option<SessionKey>,
+) -> Result<Response, Failed> {
+    let state = &split.state;
+    let metrics = state.disagg_metrics.clone();
+    let original = &split.request.original;
+    let prompt_tokens = split.request.prompt.len() as u64;
+    let mut prefill: Option<(Attempts, Booking)> = None;
+    let mut decode_booking: Option<Booking> = None;
+    let mut transfers_failed = 0u32;
+    loop {
+        let (p_attempts, p_booking) = match prefill.take() {
+            Some(p) => p,
+            None => {
+                let mut attempts = prefill_attempts(split);
+                let booking = place(split, &mut attempts, None).await?;
+                (attempts, booking)
+            }
+        };
+        let d_booking = match decode_booking.take() {
+            Some(b) => b,
+            None => place(split, &mut decode, session).await?,
+        };
+        let port = state
+            .shared
+            .role_of(p_booking.worker)
+            .and_then(|(_, port)| port)
+            .unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+        let body = sglang_body(original, url_host(&p_booking.url), port, random_room())
+            .map_err(|e| (Reason::Prefill, e))?;
+        // The prefill half runs as a task of its own: it may outlive the
+        // handler (read to its end after the decode answered), bounded by
+        // the request's deadline.
+        let path = split.request.path;
+        let deadline = split.deadline;
+        let prefill_body = body.clone();
+        let mut prefill_task = tokio::spawn(async move {
+            let sent = send_half(&p_attempts, &p_booking, path, prefill_body, false);
+            let sent = match tokio::time::timeout_at(deadline, sent).await {
+                Ok(sent) => sent,
+                Err(_) => Err(HalfError::Retry(
+                    Failure::Timeout,
+                    "the prefill worker did not answer by the request's deadline".into(),
+                )),
+            };
+            (p_attempts, p_booking, sent)
+        });
+        let sent_at = tokio::time::Instant::now();
+        let mut decode_sent = Box::pin(tokio::time::timeout_at(
+            deadline,
+            send_half(&decode, &d_booking, path, body, split.request.stream),
+        ));
+        // Both at once: a prefill that fails first cancels the decode
+        // (it would wait for a room that never comes).
+        let mut prefill_ok: Option<(Attempts, Booking)> = None;
+        let race = loop {
+            tokio::select! {
+                joined = &mut prefill_task, if prefill_ok.is_none() => {
+                    let Ok((attempts, booking, sent)) = joined else {
+                        return Err((Reason::Prefill, ApiError::internal("the prefill task failed")));
+                    };
+                    match sent {
+                        Ok(Answer::Buffered(ref parts, _)) if parts.status.is_success() => {
+                            prefill_ok = Some((attempts, booking));
+                        }
+                        sent => break Race::PrefillFailed(Box::new((attempts, booking, sent))),
+                    }
+                }
+                answer = &mut decode_sent => break Race::Decoded(answer),
+            }
+        };
+        drop(decode_sent);
+        let answer = match race {
+            Race::PrefillFailed(failed) => {
+                let (mut attempts, booking, sent) = *failed;
+                // The decode was cancelled (dropped): not its worker's
+                // failure; the prefill moves on, or the client gets the
+                // prefill worker's refusal.
+                decode_booking = Some(d_booking);
+                let failure = match sent {
+                    Ok(answer @ Answer::Buffered(..)) => {
+                        metrics.half(Role::Prefill, Outcome::Refused);
+                        drop(decode_booking.take());
+                        return Ok(deliver(attempts, booking, answer, split.request.clone()));
+                    }
+                    Ok(Answer::Stream(..)) => (
+                        Failure::Status5xx,
+                        "the prefill worker streamed its answer".to_owned(),
+                    ),
+                    Err(HalfError::Retry(f, detail)) => (f, detail),
+                    Err(HalfError::Transfer(detail)) => (Failure::Status5xx, detail),
+                    Err(HalfError::Fatal(e)) => return Err((Reason::Prefill, e)),
+                };
+                let moved =
+                    move_half(split, &mut attempts, booking, failure, Reason::Prefill).await?;
+                prefill = Some((attempts, moved));
+                continue;
+            }
+            Race::Decoded(Err(_)) => {
+                prefill_task.abort();
+                return Err(half_timed_out(split, &decode, d_booking, sent_at));
+            }
+            Race::Decoded(Ok(answer)) => answer,
+        };
+        match answer {
+            Ok(answer) => {
+                metrics.half(Role::Decode, decode_outcome(&answer));
+                settle_prefill(prefill_ok, prefill_task, metrics.clone(), prompt_tokens);
+                return Ok(deliver(
+                    decode.judging_server_errors(),
+                    d_booking,
+                    answer,
+                    split.request.clone(),
+                ));
+            }
+            Err(error) => {
+                // The pair again under a new room: the prefill worker did
+                // nothing wrong; an answer of it still coming is dropped.
+                prefill_task.abort();
+                if let Some((_, mut booking)) = prefill_ok {
+                    booking.completed(prompt_tokens + 1);
+                    metrics.half(Role::Prefill, Outcome::Ok);
+                }
+                match error {
+                    HalfError::Retry(f, detail) => {
+                        decode_booking = Some(
+                            move_half(split, &mut decode, d_booking, (f, detail), Reason::Decode)
+                                .await?,
+                        );
+                    }
+                    HalfError::Transfer(detail) => {
+                        metrics.half(Role::Decode, Outcome::TransferFailed);
+                        transfers_failed += 1;
+                        if transfers_failed > state.migration.limit {
+                            return Err((Reason::Transfer, ApiError::bad_gateway(detail)));
+                        }
+                        metrics.retry(Reason::Transfer);
+                        decode_booking = Some(d_booking);
+                    }
+                    HalfError::Fatal(e) => return Err((Reason::Decode, e)),
+                }
+            }
+        }
+    }
+}
+
+/// The decode answered: the prefill half ends — at once when its answer
+/// came already, otherwise in the background, a failure of it reported
+/// to its worker's circuit breaker and counted.
+fn settle_prefill(
+    done: Option<(Attempts, Booking)>,
+    task: tokio::task::JoinHandle<PrefillRun>,
+    metrics: std::sync::Arc<DisaggMetrics>,
+    prompt_tokens: u64,
+) {
+    let finish = move |booking: &mut Booking, ok: bool| {
+        if ok {
+            booking.mark_first_token();
+            booking.completed(prompt_tokens + 1);
+            metrics.half(Role::Prefill, Outcome::Ok);
+        } else {
+            booking.worker_failed();
+            metrics.half(Role::Prefill, Outcome::Failed);
+        }
+    };
+    match done {
+        Some((_attempts, mut booking)) => finish(&mut booking, true),
+        None => {
+            tokio::spawn(async move {
+                if let Ok((_attempts, mut booking, sent)) = task.await {
+                    let ok = matches!(sent, Ok(Answer::Buffered(ref parts, _)) if parts.status.is_success());
+                    if !ok {
+                        tracing::warn!(worker = %booking.name, "the prefill half failed after its decode answered");
+                    }
+                    finish(&mut booking, ok);
+                }
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::registry::Registry;
+
+    const FIXTURES: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../switchyard-sim-worker/tests/fixtures/disagg/"
+    );
+
+    fn fixture(name: &str) -> Value {
+        let text = std::fs::read_to_string(format!("{FIXTURES}{name}")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn the_vllm_bodies_are_the_fixtures() {
+        let client = serde_json::to_vec(&fixture("vllm_client_request.json")).unwrap();
+        let prefill: Value = serde_json::from_slice(&vllm_prefill_body(&client).unwrap()).unwrap();
+        assert_eq!(prefill, fixture("vllm_prefill_request.json"));
+        let answer = serde_json::to_vec(&fixture("vllm_prefill_response.json")).unwrap();
+        let params = transfer_params(&answer).unwrap();
+        let decode: Value =
+            serde_json::from_slice(&vllm_decode_body(&client, params.as_ref()).unwrap()).unwrap();
+        assert_eq!(decode, fixture("vllm_decode_request.json"));
+        // With max_completion_tokens, both are 1.
+        let chat = br#"{"messages":[],"max_completion_tokens":9,"stream":true}"#;
+        let prefill: Value = serde_json::from_slice(&vllm_prefill_body(chat).unwrap()).unwrap();
+        assert_eq!(prefill["max_completion_tokens"], 1);
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["stream"], false);
+    }
+
+    #[test]
+    fn the_sglang_body_is_the_fixture() {
+        let mut expected = fixture("sglang_request.json");
+        let room = expected["bootstrap_room"].as_u64().unwrap();
+        let client = {
+            let map = expected.as_object_mut().unwrap();
+            let mut c = map.clone();
+            for k in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+                c.remove(k);
+            }
+            serde_json::to_vec(&c).unwrap()
+        };
+        let body: Value =
+            serde_json::from_slice(&sglang_body(&client, "127.0.0.1", 8998, room).unwrap())
+                .unwrap();
+        assert_eq!(body, expected);
+        for _ in 0..100 {
+            assert!(random_room() < 1 << 63);
+        }
+    }
+
+    #[test]
+    fn transfer_params_are_an_object_or_nothing_and_bounded() {
+        assert_eq!(transfer_params(br#"{"choices":[]}"#), Ok(None));
+        assert_eq!(transfer_params(br#"{"kv_transfer_params":null}"#), Ok(None));
+        assert!(transfer_params(br#"{"kv_transfer_params":[1]}"#).is_err());
+        assert!(transfer_params(b"[]").is_err());
+        assert!(transfer_params(b"not json").is_err());
+        let big = format!(
+            r#"{{"kv_transfer_params":{{"x":"{}"}}}}"#,
+            "a".repeat(MAX_TRANSFER_PARAMS_BYTES)
+        );
+        assert!(transfer_params(big.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_transfer_failure_is_told_from_a_worker_failure() {
+        let lease = br#"{"error":{"message":"the prefill worker holds no such KV","type":"not_found_error","param":"kv_transfer_params","code":null}}"#;
+        assert!(transfer_failed(StatusCode::NOT_FOUND, lease));
+        let model = br#"{"error":{"message":"the model `x` does not exist","param":"model"}}"#;
+        assert!(!transfer_failed(StatusCode::NOT_FOUND, model));
+        let unreachable =
+            br#"{"error":{"message":"the prefill worker is unreachable: refused","param":null}}"#;
+        assert!(transfer_failed(StatusCode::BAD_GATEWAY, unreachable));
+        assert!(transfer_failed(
+            StatusCode::GATEWAY_TIMEOUT,
+            br#"{"error":{"message":"the prefill worker did not hold the room in time"}}"#
+        ));
+        assert!(!transfer_failed(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            unreachable
+        ));
+        assert!(!transfer_failed(StatusCode::BAD_GATEWAY, b"oops"));
+    }
+
+    #[test]
+    fn a_url_host_is_its_address() {
+        assert_eq!(url_host("http://127.0.0.1:8000"), "127.0.0.1");
+        assert_eq!(url_host("http://[::1]:8000"), "::1");
+        assert_eq!(url_host("http://worker"), "worker");
+    }
+
+    #[test]
+    fn every_label_set_is_exported_from_the_start() {
+        let m = DisaggMetrics::new();
+        let mut registry = Registry::default();
+        m.register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        assert!(
+            out.contains(
+                r#"switchyard_disagg_halves_total{role="decode",outcome="transfer_failed"} 0"#
+            ),
+            "{out}"
+        );
+        assert!(out.contains(r#"switchyard_disagg_retries_total{reason="prefill"} 0"#));
+        assert!(out.contains(r#"switchyard_disagg_failures_total{reason="no_worker"} 0"#));
+        m.half(Role::Decode, Outcome::Ok);
+        assert_eq!(m.halves(Role::Decode, Outcome::Ok), 1);
+    }
+}
