@@ -215,6 +215,11 @@ pub struct ServeArgs {
     /// Consecutive failed checks that take a worker out [default: 2].
     #[arg(long, env = "SWITCHYARD_HEALTH_FAILURES")]
     pub health_failures: Option<u32>,
+    /// Expected milliseconds to load a LoRA adapter on a worker: what the
+    /// ttft policy charges a worker without a request's adapter (adapters:
+    /// `[[adapters]]` tables in --config) [default: 500].
+    #[arg(long, env = "SWITCHYARD_ADAPTER_LOAD_MS")]
+    pub adapter_load_ms: Option<f64>,
     /// Consecutive request failures that open a worker's circuit [default: 3].
     #[arg(long, env = "SWITCHYARD_CIRCUIT_FAILURES")]
     pub circuit_failures: Option<u32>,
@@ -345,6 +350,7 @@ impl ServeArgs {
             max_n,
             health_interval_ms,
             health_failures,
+            adapter_load_ms,
             migration_limit,
             migration_max_seq_len,
             max_attempt_workers,
@@ -890,6 +896,28 @@ mod tests {
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
         assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
+    }
+
+    #[test]
+    fn adapters_come_from_the_config_file_and_their_load_time_from_a_flag_too() {
+        let file = scratch(
+            "adapters.toml",
+            "adapter_load_ms = 250\n[[adapters]]\nname = \"sql\"\npath = \"/a/sql\"\nbase_model = \"base\"\n",
+        );
+        let c = config(&["--config", &file]).unwrap();
+        assert_eq!(c.adapters.len(), 1);
+        assert_eq!(c.adapters[0].base_model.as_deref(), Some("base"));
+        assert_eq!(c.adapter_load_ms, 250.0);
+        let c = config(&["--config", &file, "--adapter-load-ms", "40"]).unwrap();
+        assert_eq!(c.adapter_load_ms, 40.0);
+        assert_eq!(dispatcher_config(&c).router.adapters.load_ms, 40.0);
+        let twice = scratch(
+            "adapters-twice.toml",
+            "[[adapters]]\nname = \"a\"\npath = \"/a\"\n[[adapters]]\nname = \"a\"\npath = \"/b\"\n",
+        );
+        assert!(config(&["--config", &twice]).is_err());
+        let negative = config(&["--adapter-load-ms=-1"]).unwrap_err().to_string();
+        assert!(negative.contains("adapter_load_ms"), "{negative}");
     }
 
     #[test]
