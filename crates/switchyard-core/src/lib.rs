@@ -31,6 +31,9 @@
 //!   behind one [`admission::AdmissionController`].
 //! - [`estimate`] — prefill-duration hints: the configured timing model,
 //!   fitted online per worker from observed times to first token.
+//! - [`adapters`] — which worker has which LoRA adapter loaded; the router
+//!   prices a missing one by its load time and a placement says when to
+//!   load it.
 //! - [`dispatch`] — the request lifecycle as one value,
 //!   [`dispatch::Dispatcher`]: router, admission, the request table, the
 //!   estimator and the circuit breakers, driven by pure calls (submit,
@@ -49,6 +52,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapters;
 pub mod admission;
 pub mod dispatch;
 pub mod estimate;

@@ -38,6 +38,9 @@ pub(crate) struct Attempts {
     /// admission and session identity, and the first attempt's booking.
     pub(crate) client_id: RequestId,
     model: Option<String>,
+    /// How `model` routes: the adapter it names and the model whose
+    /// workers may serve it ([`crate::adapters`]).
+    adapter: crate::adapters::Resolved,
     accept: Option<HeaderValue>,
     /// When the request timeout cancels it.
     pub(crate) deadline: tokio::time::Instant,
@@ -74,10 +77,12 @@ impl Attempts {
         accept: Option<HeaderValue>,
         deadline: tokio::time::Instant,
     ) -> Self {
+        let adapter = state.shared.adapters.resolve(model.as_deref());
         Self {
             state,
             client_id,
             model,
+            adapter,
             accept,
             deadline,
             migrations: 0,
@@ -115,7 +120,12 @@ impl Attempts {
         switchyard_core::hashing::local_block_hashes(
             tokens,
             self.state.block_size as usize,
-            self.state.hash_seed,
+            match &self.adapter.adapter {
+                // An adapter's blocks are its own (vLLM's events carry
+                // its name as `lora_name`).
+                Some(name) => switchyard_core::hashing::seed_for(Some(name), None),
+                None => self.state.hash_seed,
+            },
         )
     }
 
@@ -133,7 +143,8 @@ impl Attempts {
                 blocks: self.blocks(tokens),
                 prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
                 session,
-                model: self.model.as_deref(),
+                model: self.adapter.eligible_model.as_deref(),
+                adapter: self.adapter.adapter.as_deref(),
             },
         )
         .map_err(|e| match e {
@@ -188,6 +199,11 @@ impl Attempts {
         body: Bytes,
         streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
+        if let Some(adapter) = &self.adapter.adapter {
+            crate::adapter_load::ensure_loaded(&self.state, booking, adapter)
+                .await
+                .map_err(AttemptError::Fatal)?;
+        }
         let Ok(uri) = upstream_uri(&booking.endpoint, &booking.url, path) else {
             return Err(AttemptError::Fatal(ApiError::internal(
                 "cannot build the upstream request",

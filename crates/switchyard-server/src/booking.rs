@@ -82,6 +82,7 @@ impl WaitHandle {
                 overlap_blocks,
                 waited_ms,
                 progress,
+                adapter_load,
             }) => Ok(Booking {
                 shared: self.shared.clone(),
                 id: self.id,
@@ -93,6 +94,7 @@ impl WaitHandle {
                 overlap_blocks,
                 waited_ms,
                 progress,
+                adapter_load,
                 first_token: false,
                 completed: None,
                 handed_over: false,
@@ -129,6 +131,8 @@ pub struct Booking {
     pub overlap_blocks: u32,
     /// Time queued before placement.
     pub waited_ms: f64,
+    /// Load the request's LoRA adapter on the worker first.
+    pub adapter_load: Option<switchyard_core::adapters::AdapterLoad>,
     progress: Option<ProgressUpdater>,
     first_token: bool,
     /// The response ended normally with this context length.

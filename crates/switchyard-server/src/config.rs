@@ -324,6 +324,13 @@ pub struct ServerConfig {
     /// The prefill/decode protocol of a disaggregated fleet (none: every
     /// request is served whole; worker roles then are refused).
     pub disagg: Option<DisaggMode>,
+    /// LoRA adapters requests may name (`[[adapters]]`: `name`, `path`,
+    /// `base_model`); loaded on a worker on demand
+    /// ([`crate::adapters`]).
+    pub adapters: Vec<crate::adapters::AdapterSpec>,
+    /// Expected milliseconds to load an adapter on a worker: what the
+    /// `ttft` policy charges a worker without the request's adapter.
+    pub adapter_load_ms: f64,
 }
 
 impl Default for ServerConfig {
@@ -385,6 +392,8 @@ impl Default for ServerConfig {
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
             discovery: DiscoveryConfig::default(),
+            adapters: Vec::new(),
+            adapter_load_ms: switchyard_core::adapters::AdapterConfig::default().load_ms,
         }
     }
 }
@@ -468,6 +477,21 @@ impl ServerConfig {
         }
         if self.max_body_bytes == 0 {
             return invalid("max_body_bytes must be positive".into());
+        }
+        if !(self.adapter_load_ms.is_finite() && self.adapter_load_ms >= 0.0) {
+            return invalid("adapter_load_ms must be finite and non-negative".into());
+        }
+        if self.adapters.len() > crate::adapters::MAX_LEARNED {
+            return invalid(format!(
+                "at most {} [[adapters]] tables",
+                crate::adapters::MAX_LEARNED
+            ));
+        }
+        for (i, spec) in self.adapters.iter().enumerate() {
+            spec.validate().or_else(invalid)?;
+            if self.adapters[..i].iter().any(|s| s.name == spec.name) {
+                return invalid(format!("adapters: `{}` is named twice", spec.name));
+            }
         }
         for (name, value) in [
             ("max_prompt_tokens", self.max_prompt_tokens.unwrap_or(1)),

@@ -79,6 +79,7 @@ impl AppState {
         let mut registry = Registry::default();
         shared.register_metrics(&mut registry);
         fleet.kv_metrics.register(&mut registry);
+        shared.adapters.register(&mut registry);
         let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
         let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());

@@ -61,6 +61,8 @@
 //! `gauges`, `metrics`.
 
 pub mod accept;
+pub mod adapter_load;
+pub mod adapters;
 mod answer;
 mod attempt;
 pub mod auth;
@@ -213,6 +215,11 @@ pub struct ServeArgs {
     /// Consecutive failed checks that take a worker out [default: 2].
     #[arg(long, env = "SWITCHYARD_HEALTH_FAILURES")]
     pub health_failures: Option<u32>,
+    /// Expected milliseconds to load a LoRA adapter on a worker: what the
+    /// ttft policy charges a worker without a request's adapter (adapters:
+    /// `[[adapters]]` tables in --config) [default: 500].
+    #[arg(long, env = "SWITCHYARD_ADAPTER_LOAD_MS")]
+    pub adapter_load_ms: Option<f64>,
     /// Consecutive request failures that open a worker's circuit [default: 3].
     #[arg(long, env = "SWITCHYARD_CIRCUIT_FAILURES")]
     pub circuit_failures: Option<u32>,
@@ -343,6 +350,7 @@ impl ServeArgs {
             max_n,
             health_interval_ms,
             health_failures,
+            adapter_load_ms,
             migration_limit,
             migration_max_seq_len,
             max_attempt_workers,
@@ -613,6 +621,7 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     router.remote.max_bookings_per_replica = config.replica.max_bookings_per_peer;
     router.remote.max_sessions_per_replica = config.replica.max_sessions_per_peer;
+    router.adapters.load_ms = config.adapter_load_ms;
     DispatcherConfig {
         router,
         admission: config.queue.clone(),
@@ -636,7 +645,8 @@ pub fn build_shared(
     };
     let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
         .context("invalid routing configuration")?;
-    Ok(shared::SharedRouter::new(dispatcher, metrics))
+    Ok(shared::SharedRouter::new(dispatcher, metrics)
+        .with_adapters(adapters::Adapters::new(&config.adapters)))
 }
 
 /// How long a booking may stay in the load view before the router
@@ -886,6 +896,28 @@ mod tests {
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
         assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
+    }
+
+    #[test]
+    fn adapters_come_from_the_config_file_and_their_load_time_from_a_flag_too() {
+        let file = scratch(
+            "adapters.toml",
+            "adapter_load_ms = 250\n[[adapters]]\nname = \"sql\"\npath = \"/a/sql\"\nbase_model = \"base\"\n",
+        );
+        let c = config(&["--config", &file]).unwrap();
+        assert_eq!(c.adapters.len(), 1);
+        assert_eq!(c.adapters[0].base_model.as_deref(), Some("base"));
+        assert_eq!(c.adapter_load_ms, 250.0);
+        let c = config(&["--config", &file, "--adapter-load-ms", "40"]).unwrap();
+        assert_eq!(c.adapter_load_ms, 40.0);
+        assert_eq!(dispatcher_config(&c).router.adapters.load_ms, 40.0);
+        let twice = scratch(
+            "adapters-twice.toml",
+            "[[adapters]]\nname = \"a\"\npath = \"/a\"\n[[adapters]]\nname = \"a\"\npath = \"/b\"\n",
+        );
+        assert!(config(&["--config", &twice]).is_err());
+        let negative = config(&["--adapter-load-ms=-1"]).unwrap_err().to_string();
+        assert!(negative.contains("adapter_load_ms"), "{negative}");
     }
 
     #[test]

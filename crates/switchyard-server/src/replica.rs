@@ -264,6 +264,7 @@ mod tests {
                 prompt_tokens: 40,
                 session: Some(SessionKey(5)),
                 model: None,
+                adapter: None,
             },
         )
         .unwrap();
@@ -310,6 +311,7 @@ mod tests {
                     prompt_tokens: 64,
                     session: Some(SessionKey(session)),
                     model: None,
+                    adapter: None,
                 },
             )
             .unwrap()

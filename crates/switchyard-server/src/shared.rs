@@ -90,6 +90,8 @@ pub enum Assignment {
         waited_ms: f64,
         /// Live progress, when an admission strategy tracks the request.
         progress: Option<ProgressUpdater>,
+        /// Load the request's adapter there first.
+        adapter_load: Option<switchyard_core::adapters::AdapterLoad>,
     },
     /// No worker can take it: the request has ended.
     NoWorkers,
@@ -104,8 +106,11 @@ pub struct Request<'a> {
     pub prompt_tokens: u32,
     /// The session, when the client named one.
     pub session: Option<SessionKey>,
-    /// The requested model.
+    /// The requested model (the base model of a request for an adapter:
+    /// the workers that may serve it).
     pub model: Option<&'a str>,
+    /// The LoRA adapter it names.
+    pub adapter: Option<&'a str>,
 }
 
 /// Why a request was not admitted.
@@ -143,6 +148,9 @@ pub struct SharedRouter {
     index_writer: Option<Mutex<EventWriter>>,
     epoch: Instant,
     metrics: Arc<ServerMetrics>,
+    /// LoRA adapters: the catalogue and loads in flight
+    /// ([`crate::adapters`]).
+    pub adapters: crate::adapters::Adapters,
 }
 
 impl std::fmt::Debug for SharedRouter {
@@ -172,7 +180,47 @@ impl SharedRouter {
             }),
             epoch: Instant::now(),
             metrics,
+            adapters: crate::adapters::Adapters::default(),
         }
+    }
+
+    /// The same router with this adapter catalogue (`[[adapters]]`).
+    pub fn with_adapters(mut self, adapters: crate::adapters::Adapters) -> Self {
+        self.adapters = adapters;
+        self
+    }
+
+    /// A worker's loaded adapters as its `/v1/models` lists them.
+    pub(crate) fn adapter_report(&self, id: WorkerId, names: &[String]) {
+        let now = self.now_ms();
+        let mut inner = self.lock();
+        let table = inner.dispatcher.adapters_mut();
+        table.set_loaded(id, names.iter().map(String::as_str), now);
+        let (total, dropped) = (table.total(), table.counters().dropped);
+        drop(inner);
+        self.adapters.observe_table(total, dropped);
+    }
+
+    /// A worker's adapter slots (`max_loras`), when it reports them.
+    pub(crate) fn adapter_slots(&self, id: WorkerId, slots: Option<usize>) {
+        self.lock().dispatcher.adapters_mut().set_slots(id, slots);
+    }
+
+    /// `adapter` is loaded on worker `id` now (a load the router made).
+    pub(crate) fn adapter_loaded(&self, id: WorkerId, adapter: &str) {
+        let now = self.now_ms();
+        self.lock()
+            .dispatcher
+            .adapters_mut()
+            .mark_loaded(id, adapter, now, now);
+    }
+
+    /// `adapter` is not (or no longer) loaded on worker `id`.
+    pub(crate) fn adapter_unloaded(&self, id: WorkerId, adapter: &str) {
+        self.lock()
+            .dispatcher
+            .adapters_mut()
+            .mark_unloaded(id, adapter);
     }
 
     /// Router metrics.
@@ -245,6 +293,9 @@ impl SharedRouter {
                 inner.roster.circuit_changed(change);
             }
             for sent in fx.dispatch {
+                if let Some(load) = &sent.adapter_load {
+                    self.adapters.begin(sent.worker, &load.adapter);
+                }
                 let handed = match (
                     inner.waiting.remove(&sent.id),
                     inner.roster.get(sent.worker),
@@ -259,6 +310,7 @@ impl SharedRouter {
                             overlap_blocks: sent.overlap_blocks,
                             waited_ms: sent.waited_ms,
                             progress: sent.progress,
+                            adapter_load: sent.adapter_load,
                         })
                         .is_ok(),
                     _ => false,
@@ -310,6 +362,7 @@ impl SharedRouter {
                 session: request.session,
                 eligible,
                 class: QueueClass::default(),
+                adapter: request.adapter.map(Into::into),
             };
             // Registered first: the submit's own effects may dispatch it.
             // An id already waiting is another handler's: left alone.

@@ -69,6 +69,7 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
         prompt_tokens: tokens,
         session: None,
         model: None,
+        adapter: None,
     }
 }
 

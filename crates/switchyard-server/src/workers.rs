@@ -281,11 +281,24 @@ impl Fleet {
                 if let Some(capacity) = self.capacity_of(&info.url).await {
                     self.shared.set_capacity(info.id, capacity);
                 }
+                // LoRA slots (`max_loras`), when the worker reports them.
+                if let Some(body) = self.get(&info.url, "/get_server_info").await {
+                    let slots = crate::adapters::Adapters::slots_of(&body);
+                    self.shared.adapter_slots(info.id, slots);
+                }
                 self.enter(info.id);
                 tracing::info!(worker = %info.name, "worker healthy: in selection");
             } else if !keep && info.in_router {
                 self.leave(info.id);
                 tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
+            }
+            // Loaded LoRA adapters, fresh every round.
+            if ok {
+                if let Some(body) = self.get(&info.url, "/v1/models").await {
+                    if let Some(names) = self.shared.adapters.learn_models(&body) {
+                        self.shared.adapter_report(info.id, &names);
+                    }
+                }
             }
             if ok && self.shared.wants_kv_usage() {
                 let usage = self

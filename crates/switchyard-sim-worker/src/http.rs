@@ -64,6 +64,8 @@ pub struct AppState {
     pub marks: Option<Arc<WorkerMarks>>,
     /// Prefill/decode disaggregation (`--disagg`), when on.
     pub disagg: Option<Arc<DisaggState>>,
+    /// LoRA adapters (`--max-loras`, [`crate::adapters`]).
+    pub adapters: Arc<crate::adapters::Adapters>,
 }
 
 /// What the handlers need for `--disagg`.
@@ -85,6 +87,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
         .route("/health_generate", get(health_generate))
         .route("/get_server_info", get(server_info))
@@ -195,6 +199,8 @@ struct Job {
     /// sent it: marked at the first token.
     routed: Option<(ReplicaId, RequestId)>,
     model: Arc<str>,
+    /// Seed of the prompt's block hashes (a LoRA adapter's own).
+    hash_seed: u64,
     created: u64,
     stream: bool,
     include_usage: bool,
@@ -208,8 +214,14 @@ struct Job {
 }
 
 impl AppState {
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The model a request names: the base (`None` too) or a loaded LoRA
+    /// adapter, as the name to answer with and the seed of its block
+    /// hashes; anything else is a 404.
+    fn check_model(&self, model: Option<&str>) -> Result<(Arc<str>, u64), ApiError> {
         match model {
+            Some(m) if m != &*self.model && self.adapters.touch(m) => {
+                Ok((m.into(), switchyard_core::hashing::seed_for(Some(m), None)))
+            }
             Some(m) if m != &*self.model => Err(ErrorBody::new(
                 404,
                 "invalid_request_error",
@@ -220,7 +232,7 @@ impl AppState {
             )
             .with_param("model")
             .into()),
-            _ => Ok(()),
+            _ => Ok((self.model.clone(), DEFAULT_SEED)),
         }
     }
 
@@ -269,7 +281,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let plan = disagg_plan(&state, &body)?;
     let body: CompletionRequest = parse(&body)?;
-    state.check_model(body.model.as_deref())?;
+    let (model, hash_seed) = state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
     let include_usage = body.include_usage()?;
     let return_token_ids = body.return_token_ids()?;
@@ -291,7 +303,8 @@ async fn completions(
         api: Api::Completions,
         id: state.request_id(),
         routed: routed(&headers),
-        model: state.model.clone(),
+        model,
+        hash_seed,
         created: unix_now(),
         stream: body.stream,
         include_usage,
@@ -311,7 +324,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let plan = disagg_plan(&state, &body)?;
     let body: ChatCompletionRequest = parse(&body)?;
-    state.check_model(body.model.as_deref())?;
+    let (model, hash_seed) = state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
     let include_usage = body.include_usage()?;
     let return_token_ids = body.return_token_ids()?;
@@ -368,7 +381,8 @@ async fn chat_completions(
         api: Api::Chat,
         id: state.request_id(),
         routed: routed(&headers),
-        model: state.model.clone(),
+        model,
+        hash_seed,
         created: unix_now(),
         stream: body.stream,
         include_usage,
@@ -403,7 +417,7 @@ async fn run(
         id: job.id,
         prompt,
         max_tokens: max_tokens.min(limit),
-        hash_seed: DEFAULT_SEED,
+        hash_seed: job.hash_seed,
     };
     let stopped = || ApiError::from(ErrorBody::overloaded("the engine has stopped"));
     let mut rx = match (plan, &state.disagg) {
@@ -821,17 +835,64 @@ fn stream_response(
 }
 
 async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": &*state.model,
+    let mut data = vec![json!({
+        "id": &*state.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "switchyard",
+        "root": &*state.model,
+        "max_model_len": state.config.max_model_len,
+    })];
+    // LoRA adapters as vLLM lists them: `parent` names the base model.
+    for (name, path) in state.adapters.list() {
+        data.push(json!({
+            "id": &*name,
             "object": "model",
             "created": 0,
             "owned_by": "switchyard",
-            "root": &*state.model,
-            "max_model_len": state.config.max_model_len,
-        }],
-    }))
+            "root": &*path,
+            "parent": &*state.model,
+        }));
+    }
+    Json(json!({ "object": "list", "data": data }))
+}
+
+/// vLLM's load/unload body (`lora_int_id` is accepted and ignored).
+#[derive(serde::Deserialize)]
+struct LoraBody {
+    lora_name: Option<String>,
+    lora_path: Option<String>,
+}
+
+fn lora_body(state: &AppState, body: &Bytes) -> Result<LoraBody, ApiError> {
+    parse::<LoraBody>(body).inspect_err(|_| {
+        state.metrics.lora_load_failures.inc();
+    })
+}
+
+async fn load_lora_adapter(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body = lora_body(&state, &body)?;
+    let text = state
+        .adapters
+        .load(body.lora_name.as_deref(), body.lora_path.as_deref())
+        .await
+        .map_err(ApiError::from)?;
+    Ok((StatusCode::OK, text).into_response())
+}
+
+async fn unload_lora_adapter(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body: LoraBody = parse(&body)?;
+    let text = state
+        .adapters
+        .unload(body.lora_name.as_deref())
+        .map_err(ApiError::from)?;
+    Ok((StatusCode::OK, text).into_response())
 }
 
 async fn health() -> StatusCode {
@@ -884,6 +945,9 @@ async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "context_length": c.max_model_len,
         "max_total_num_tokens": c.num_blocks * c.block_size,
         "speedup": c.timing.speedup,
+        // Not in vLLM's API (its --max-loras is a start-up flag): what a
+        // router reads to respect this worker's adapter slots.
+        "max_loras": state.adapters.max_loras(),
     }))
 }
 

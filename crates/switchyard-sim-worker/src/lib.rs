@@ -8,6 +8,9 @@
 //! - [`kv_publish`] — KV events in vLLM's wire format over the event
 //!   plane's ZMQ publisher (`--kv-events`, `--kv-replay`);
 //! - [`metrics`] — the `prometheus-client` registry `/metrics` encodes;
+//! - [`adapters`] — LoRA adapters (`--max-loras`, `--lora-load-ms`,
+//!   `--lora-modules`) and vLLM's `/v1/load_lora_adapter` and
+//!   `/v1/unload_lora_adapter`;
 //! - [`disagg`] — `--disagg vllm|sglang`: prefill/decode disaggregation,
 //!   the handshake's fields, the KV pull between workers and its internal
 //!   endpoints (`/internal/kv/pull`, `/internal/kv/release`);
@@ -30,6 +33,7 @@
 //! answer counts `usage.completion_tokens`, and a conversation's next turn
 //! hits the blocks of the answer it contains.
 
+pub mod adapters;
 pub mod disagg;
 pub mod driver;
 pub mod http;
@@ -169,6 +173,17 @@ pub struct SimWorkerArgs {
     /// Prefill/decode disaggregation (`--disagg`, `--disagg-role`, ...).
     #[command(flatten)]
     pub disagg: disagg::DisaggArgs,
+    /// LoRA adapter slots, as vLLM's `--max-loras` (0: LoRA off, loads
+    /// refused); a load into full slots evicts the least recently used.
+    #[arg(long, default_value_t = 0)]
+    pub max_loras: usize,
+    /// Model milliseconds one adapter load takes (divided by `--speedup`).
+    #[arg(long, default_value_t = 200.0)]
+    pub lora_load_ms: f64,
+    /// An adapter loaded at start-up, `NAME=PATH` (repeatable), as vLLM's
+    /// `--lora-modules`.
+    #[arg(long = "lora-modules", value_name = "NAME=PATH", value_parser = adapters::parse_module)]
+    pub lora_modules: Vec<(String, String)>,
 }
 
 /// `--architecture`: the model architecture the engine simulates.
@@ -479,7 +494,35 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         }
         _ => None,
     };
+    if !(args.lora_load_ms.is_finite() && args.lora_load_ms >= 0.0) {
+        anyhow::bail!("--lora-load-ms must be finite and non-negative");
+    }
+    if args.max_loras < args.lora_modules.len() {
+        anyhow::bail!(
+            "--lora-modules names {} adapters but --max-loras is {}",
+            args.lora_modules.len(),
+            args.max_loras
+        );
+    }
+    let speedup = if args.no_delay { 0.0 } else { args.speedup };
+    let load_time = if speedup > 0.0 {
+        std::time::Duration::from_secs_f64(args.lora_load_ms / speedup / 1e3)
+    } else {
+        std::time::Duration::ZERO
+    };
+    let lora = Arc::new(adapters::Adapters::new(
+        args.max_loras,
+        load_time,
+        args.model.as_str().into(),
+        metrics.clone(),
+    ));
+    for (name, path) in &args.lora_modules {
+        lora.load(Some(name), Some(path))
+            .await
+            .map_err(|e| anyhow::anyhow!("--lora-modules {name}: refused: {}", e.to_json()))?;
+    }
     let state = http::AppState {
+        adapters: lora,
         model: args.model.as_str().into(),
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),

@@ -209,6 +209,16 @@ pub struct Metrics {
     pub kv_events_dropped: Counter,
     /// KV-event batches published over ZMQ.
     pub kv_batches_published: Counter,
+    /// LoRA adapters loaded (`/v1/load_lora_adapter`, `--lora-modules`).
+    pub lora_loads: Counter,
+    /// LoRA adapters unloaded (`/v1/unload_lora_adapter`).
+    pub lora_unloads: Counter,
+    /// Loads refused (bad body, already loaded, LoRA off).
+    pub lora_load_failures: Counter,
+    /// Adapters evicted (least recently used) to make room for a load.
+    pub lora_evictions: Counter,
+    /// Adapters loaded now.
+    pub lora_adapters: Gauge,
 }
 
 impl Default for Metrics {
@@ -281,6 +291,22 @@ impl Metrics {
         let kv_events_dropped = counter(
             "switchyard_engine_kv_events_dropped",
             "KV events dropped because the publisher lagged or failed",
+        );
+        let lora_loads = counter(
+            "switchyard_engine_lora_loads",
+            "LoRA adapters loaded (/v1/load_lora_adapter and --lora-modules)",
+        );
+        let lora_unloads = counter(
+            "switchyard_engine_lora_unloads",
+            "LoRA adapters unloaded (/v1/unload_lora_adapter)",
+        );
+        let lora_load_failures = counter(
+            "switchyard_engine_lora_load_failures",
+            "LoRA adapter loads refused (bad body, already loaded, LoRA off)",
+        );
+        let lora_evictions = counter(
+            "switchyard_engine_lora_evictions",
+            "LoRA adapters evicted (least recently used) to make room for a load",
         );
         let kv_batches_published = counter(
             "switchyard_engine_kv_batches_published",
@@ -388,6 +414,12 @@ impl Metrics {
             "Requests by final status",
             requests_by_status,
         );
+        let lora_adapters = Gauge::default();
+        registry.register(
+            "switchyard_engine_lora_adapters",
+            "LoRA adapters loaded now",
+            lora_adapters.clone(),
+        );
         Self {
             registry,
             kv_usage,
@@ -423,6 +455,11 @@ impl Metrics {
             kv_events,
             kv_events_dropped,
             kv_batches_published,
+            lora_loads,
+            lora_unloads,
+            lora_load_failures,
+            lora_evictions,
+            lora_adapters,
         }
     }
 
@@ -540,12 +577,17 @@ mod tests {
             "switchyard_engine_leases_held 0\n",
             "switchyard_engine_disagg_failures_total{reason=\"unknown_lease\"} 0\n",
             "switchyard_engine_disagg_transfer_bytes_total 0\n",
+            "switchyard_engine_lora_loads_total 0\n",
+            "switchyard_engine_lora_unloads_total 0\n",
+            "switchyard_engine_lora_load_failures_total 0\n",
+            "switchyard_engine_lora_evictions_total 0\n",
+            "switchyard_engine_lora_adapters 0\n",
         ] {
             assert!(text.contains(line), "{line}in:\n{text}");
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (33, 33), "{text}");
+        assert_eq!((typed, helped), (38, 38), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),

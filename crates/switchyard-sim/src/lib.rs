@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapters;
 pub mod engine_events;
 pub mod fleet;
 pub mod reference;

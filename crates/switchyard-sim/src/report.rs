@@ -84,6 +84,10 @@ pub struct PolicyReport {
     /// attention-only engines).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssm: Option<SsmFigures>,
+    /// LoRA adapters: loads and waits across the fleet (absent without an
+    /// adapter mix).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<crate::adapters::AdapterFigures>,
 }
 
 /// A hybrid model's SSM checkpoints across a fleet's engines.

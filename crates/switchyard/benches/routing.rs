@@ -135,6 +135,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
         let req = RoutingRequest {
             prompt_tokens: 1024,
             blocks: &locals,
+            adapter: None,
         };
         if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
             router.book(
@@ -157,6 +158,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
                 let req = RoutingRequest {
                     prompt_tokens: 1024,
                     blocks: &locals,
+                    adapter: None,
                 };
                 if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
                     router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);

@@ -447,6 +447,7 @@ fn a_request_waits_while_every_worker_is_busy_and_goes_when_capacity_frees() {
             let request = RoutingRequest {
                 prompt_tokens: 640,
                 blocks: &payloads[&id],
+                adapter: None,
             };
             let exact;
             let eligible = match placement {

@@ -140,6 +140,8 @@ pub struct Submission {
     pub eligible: Vec<WorkerId>,
     /// The queue class whose limits apply.
     pub class: QueueClass,
+    /// The LoRA adapter it names (`None`: the base model).
+    pub adapter: Option<Box<str>>,
 }
 
 /// A request accepted by [`Dispatcher::submit`].
@@ -190,6 +192,10 @@ pub struct Dispatch {
     /// Have the worker restore the prompt's leading blocks from this peer
     /// first (only when the dispatcher's estimator has a transfer link).
     pub peer: Option<crate::select::PeerSource>,
+    /// Load the request's LoRA adapter on the worker first (unloading the
+    /// named one before, when the worker's slots are full). The router
+    /// already counts it as loaded there (ready after the load time).
+    pub adapter_load: Option<crate::adapters::AdapterLoad>,
     /// Time it waited in the queue.
     pub waited_ms: f64,
     /// Live progress (tokens generated so far), when a strategy tracks the
@@ -309,6 +315,7 @@ struct Booked {
     placed_ms: f64,
     overlap_blocks: u32,
     peer: Option<crate::select::PeerSource>,
+    adapter_load: Option<crate::adapters::AdapterLoad>,
     /// When it was the only local prefill on its worker when placed (its
     /// time to first token then measures its prefill: an estimator
     /// sample), the configured model's time to its first token on the
@@ -332,6 +339,7 @@ struct Request {
     /// Workers that failed it (never chosen again for it).
     excluded: Vec<WorkerId>,
     class: QueueClass,
+    adapter: Option<Box<str>>,
     booked: Option<Booked>,
 }
 
@@ -409,6 +417,12 @@ impl Dispatcher {
     /// The routing core (read-only).
     pub fn router(&self) -> &Router {
         &self.router
+    }
+
+    /// Which worker has which LoRA adapter: the driver feeds it what the
+    /// workers report (their `/v1/models`, loads and unloads it made).
+    pub fn adapters_mut(&mut self) -> &mut crate::adapters::AdapterTable {
+        self.router.adapters_mut()
     }
 
     /// Admission (read-only).
@@ -686,6 +700,7 @@ impl Dispatcher {
                 eligible: submission.eligible,
                 excluded: Vec::new(),
                 class: submission.class,
+                adapter: submission.adapter,
                 booked: None,
             },
         );
@@ -1037,6 +1052,7 @@ impl Dispatcher {
             let routing = RoutingRequest {
                 prompt_tokens: request.prompt_tokens,
                 blocks: &request.blocks,
+                adapter: request.adapter.as_deref(),
             };
             fx.counts.decisions += 1;
             let outcome = router.route_with(routing, eligible, &*estimator, now_ms);
@@ -1055,12 +1071,17 @@ impl Dispatcher {
                     event: SequenceEvent::Add(add),
                 });
             }
+            let adapter_load = request
+                .adapter
+                .as_deref()
+                .and_then(|a| router.adapters_mut().place(decision.worker, a, now_ms));
             let mut generation = 0;
             let mut sample_model_ms = None;
             if let Some(slot) = workers.get_mut(&decision.worker) {
-                // A peer restore's first token waits for the transfer too:
-                // not a sample of the worker's prefill.
-                if slot.prefilling == 0 && decision.peer.is_none() {
+                // A peer restore's or an adapter load's first token waits
+                // for the transfer or the load too: not a sample of the
+                // worker's prefill.
+                if slot.prefilling == 0 && decision.peer.is_none() && adapter_load.is_none() {
                     let model = estimator.config();
                     sample_model_ms = Some(match router.last_candidate(decision.worker) {
                         Some(c) => model.first_token_model_ms(
@@ -1089,6 +1110,7 @@ impl Dispatcher {
                 placed_ms: now_ms,
                 overlap_blocks: decision.overlap_blocks,
                 peer: decision.peer,
+                adapter_load,
                 sample_model_ms,
                 first_token: false,
                 circuit_generation: generation,
@@ -1134,6 +1156,7 @@ impl Dispatcher {
                         worker: booked.worker,
                         overlap_blocks: booked.overlap_blocks,
                         peer: booked.peer,
+                        adapter_load: booked.adapter_load.take(),
                         waited_ms,
                         progress,
                     });

@@ -663,3 +663,111 @@ proptest! {
         prop_assert!(open_adds.is_empty(), "adds never freed: {:?}", open_adds);
     }
 }
+
+fn for_adapter(mut s: Submission, adapter: &str) -> Submission {
+    s.adapter = Some(adapter.into());
+    s
+}
+
+#[test]
+fn a_request_for_an_adapter_goes_where_it_is_loaded_and_a_missing_one_is_loaded_once() {
+    for policy in [PolicyKind::Ttft, PolicyKind::Kv, PolicyKind::RoundRobin] {
+        let mut config = DispatcherConfig::default();
+        config.router.policy = policy;
+        config.router.adapters.load_ms = 400.0;
+        let mut d = dispatcher_with(config, false, 3);
+        d.adapters_mut().set_loaded(w(2), ["a"], 0.0);
+        let sent = place(&mut d, 1, for_adapter(submission(0, 8), "a"), 0.0);
+        assert_eq!(sent.worker, w(2), "{policy:?}");
+        assert_eq!(sent.adapter_load, None);
+        // Nobody has "b": one worker is told to load it, and the next
+        // request for "b", when the load is most of the way in, follows
+        // it there with nothing to load.
+        let first = place(&mut d, 2, for_adapter(submission(100, 8), "b"), 1.0);
+        let load = first.adapter_load.clone().expect("a load");
+        assert_eq!(&*load.adapter, "b");
+        assert_eq!(load.unload, None);
+        assert!(d.router().adapters().has(first.worker, "b"));
+        let second = place(&mut d, 3, for_adapter(submission(200, 8), "b"), 300.0);
+        assert_eq!(second.worker, first.worker, "{policy:?}");
+        assert_eq!(second.adapter_load, None);
+        assert_eq!(d.router().adapters().counters().loads_planned, 1);
+    }
+}
+
+#[test]
+fn a_busy_adapter_holder_is_passed_over_when_its_queue_outlasts_a_load() {
+    let mut config = DispatcherConfig::default();
+    config.router.adapters.load_ms = 50.0;
+    let mut d = dispatcher_with(config, false, 2);
+    d.adapters_mut().set_loaded(w(1), ["a"], 0.0);
+    d.adapters_mut().set_loaded(w(2), ["z"], 0.0);
+    // Worker 1 gets a long base-model prefill queue.
+    for id in 0..6u128 {
+        let s = Submission {
+            eligible: vec![w(1)],
+            ..submission(1_000 * id as u64 + 1_000, 256)
+        };
+        place(&mut d, 100 + id, s, 0.0);
+    }
+    let sent = place(&mut d, 1, for_adapter(submission(0, 8), "a"), 0.0);
+    assert_eq!(sent.worker, w(2), "a 50 ms load beats a long queue");
+    assert!(sent.adapter_load.is_some());
+}
+
+#[test]
+fn a_full_worker_is_told_to_unload_its_coldest_adapter_and_blind_routing_ignores_adapters() {
+    let mut config = DispatcherConfig::default();
+    config.router.policy = PolicyKind::RoundRobin;
+    let mut d = dispatcher_with(config.clone(), false, 1);
+    d.adapters_mut().set_slots(w(1), Some(1));
+    d.adapters_mut().set_loaded(w(1), ["a"], 0.0);
+    let sent = place(&mut d, 1, for_adapter(submission(0, 8), "b"), 0.0);
+    let load = sent.adapter_load.expect("a load");
+    assert_eq!(load.unload.as_deref(), Some("a"));
+    assert!(!d.router().adapters().has(w(1), "a"));
+
+    config.router.adapters.blind = true;
+    let mut d = dispatcher_with(config, false, 2);
+    d.adapters_mut().set_loaded(w(2), ["a"], 0.0);
+    let workers: Vec<WorkerId> = (0..4)
+        .map(|i| {
+            place(
+                &mut d,
+                i,
+                for_adapter(submission(i as u64 * 100, 8), "a"),
+                0.0,
+            )
+            .worker
+        })
+        .collect();
+    assert!(
+        workers.contains(&w(1)),
+        "blind round-robin uses both: {workers:?}"
+    );
+}
+
+#[test]
+fn a_load_policy_leaves_a_hot_adapters_holder_once_it_is_far_busier() {
+    let mut config = DispatcherConfig::default();
+    config.router.policy = PolicyKind::LeastLoaded;
+    let mut d = dispatcher_with(config, false, 2);
+    d.adapters_mut().set_loaded(w(1), ["a"], 0.0);
+    let mut placed = Vec::new();
+    for id in 0..8u128 {
+        placed.push(
+            place(
+                &mut d,
+                id,
+                for_adapter(submission(id as u64 * 100, 4), "a"),
+                0.0,
+            )
+            .worker,
+        );
+    }
+    // The holder takes requests until it has 5 more than the idle worker
+    // (the slack is 4); then the adapter is loaded on the other worker.
+    assert_eq!(&placed[..5], &[w(1); 5]);
+    assert_eq!(placed[5], w(2));
+    assert!(d.router().adapters().has(w(2), "a"));
+}

@@ -15,6 +15,7 @@
 //! replicas' bookings through [`Router::apply_remote`] (see
 //! [`crate::replica`]).
 
+use crate::adapters::{AdapterConfig, AdapterConfigError, AdapterTable};
 use crate::estimate::EstimatorConfig;
 use crate::index::published::{self, IndexReader, IndexWriter};
 use crate::index::{
@@ -64,6 +65,8 @@ pub struct RouterConfig {
     pub busy_threshold: Option<f64>,
     /// Seed of every random choice.
     pub seed: u64,
+    /// LoRA adapter affinity ([`crate::adapters`]).
+    pub adapters: AdapterConfig,
 }
 
 impl Default for RouterConfig {
@@ -76,6 +79,7 @@ impl Default for RouterConfig {
             remote: RemoteConfig::default(),
             busy_threshold: None,
             seed: 0,
+            adapters: AdapterConfig::default(),
         }
     }
 }
@@ -98,6 +102,9 @@ pub enum RouterConfigError {
     /// A busy threshold that is not positive.
     #[error("busy_threshold must be positive and finite, got {0}")]
     BusyThreshold(f64),
+    /// An adapter setting.
+    #[error(transparent)]
+    Adapters(#[from] AdapterConfigError),
 }
 
 impl RouterConfig {
@@ -106,6 +113,7 @@ impl RouterConfig {
         self.policies.validate()?;
         self.sequences.validate()?;
         self.remote.validate()?;
+        self.adapters.validate()?;
         if let CacheTracking::Approximate(approx) = self.cache {
             approx.validate()?;
         }
@@ -232,6 +240,8 @@ pub struct Router {
     /// read with the overlaps in one visit to the index.
     cached: Vec<usize>,
     candidates: Vec<Candidate>,
+    /// Which worker has which LoRA adapter loaded.
+    adapters: AdapterTable,
 }
 
 impl std::fmt::Debug for Router {
@@ -278,6 +288,7 @@ impl Router {
             selector: build_selector(config.policy, &config.policies, config.seed)?,
             sequences: ActiveSequences::new(config.sequences)?,
             remote: RemoteBookings::new(config.remote)?,
+            adapters: AdapterTable::new(config.adapters),
             config,
             cache,
             workers: FxHashMap::default(),
@@ -320,6 +331,7 @@ impl Router {
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         self.workers.remove(&worker);
         self.unselectable.remove(&worker);
+        self.adapters.remove_worker(worker);
         match &mut self.cache {
             CacheIndex::Exact(index) => {
                 index.remove_worker(worker);
@@ -514,8 +526,34 @@ impl Router {
                 active_requests: load.requests,
                 kv_capacity_blocks,
                 recent_writes_tokens: slot.map_or(0.0, |s| s.writes.at(now_ms)),
+                adapter_load_ms: request
+                    .adapter
+                    .map_or(0.0, |a| self.adapters.load_cost_ms(worker, a, now_ms)),
                 busy,
             });
+        }
+        // Adapter affinity for the policies that do not price time: the
+        // workers that have the adapter, when any available one does, and
+        // those far less busy than every holder (a hot adapter spreads).
+        if let Some(adapter) = request.adapter {
+            let adapters = &self.adapters;
+            let config = adapters.config();
+            let least_busy_holder = self
+                .candidates
+                .iter()
+                .filter(|c| !c.busy && adapters.has(c.worker, adapter))
+                .map(|c| c.active_requests)
+                .min();
+            if let (false, false, Some(holder)) = (
+                config.blind,
+                self.config.policy == PolicyKind::Ttft,
+                least_busy_holder,
+            ) {
+                let slack = config.affinity_slack_requests;
+                self.candidates.retain(|c| {
+                    adapters.has(c.worker, adapter) || c.active_requests + slack < holder
+                });
+            }
         }
         let ctx = RoutingContext {
             request,
@@ -525,6 +563,16 @@ impl Router {
             prefill,
         };
         self.selector.select(&ctx)
+    }
+
+    /// Which worker has which adapter (read).
+    pub fn adapters(&self) -> &AdapterTable {
+        &self.adapters
+    }
+
+    /// Which worker has which adapter (the drivers feed it).
+    pub fn adapters_mut(&mut self) -> &mut AdapterTable {
+        &mut self.adapters
     }
 
     /// `worker` as the last [`Router::route_with`] saw it (`None` when it
@@ -722,7 +770,8 @@ impl Router {
                     + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
-                + self.candidates.capacity() * std::mem::size_of::<Candidate>(),
+                + self.candidates.capacity() * std::mem::size_of::<Candidate>()
+                + self.adapters.estimated_bytes(),
         }
     }
 
@@ -781,6 +830,7 @@ mod tests {
         RoutingRequest {
             prompt_tokens: blocks.len() as u32 * 16,
             blocks,
+            adapter: None,
         }
     }
 

@@ -48,6 +48,8 @@ pub struct RoutingRequest<'a> {
     pub prompt_tokens: u32,
     /// Local hashes of the prompt's full blocks.
     pub blocks: &'a [LocalHash],
+    /// The LoRA adapter it names (`None`: the base model).
+    pub adapter: Option<&'a str>,
 }
 
 /// One eligible worker as a selector sees it.
@@ -83,6 +85,14 @@ pub struct Candidate {
     /// Uncached tokens this router booked on the worker lately (fading
     /// with a one-minute time constant): how fast its cache is rewritten.
     pub recent_writes_tokens: f64,
+    /// Wall ms before the request's adapter is ready on the worker: 0
+    /// when it names none or the worker has it loaded, the rest of a load
+    /// under way, else the adapter's load time
+    /// ([`crate::adapters::AdapterTable::load_cost_ms`]). Only `ttft`
+    /// prices it; the others are given only the adapter's holders when any
+    /// is available, and workers far less busy than them (the router
+    /// filters).
+    pub adapter_load_ms: f64,
     /// Over its busy threshold: not to be chosen now.
     pub busy: bool,
 }
@@ -400,6 +410,7 @@ pub(crate) mod test_support {
             active_requests: 0,
             kv_capacity_blocks: None,
             recent_writes_tokens: 0.0,
+            adapter_load_ms: 0.0,
             busy: false,
         }
     }
@@ -466,6 +477,7 @@ pub(crate) mod test_support {
             request: RoutingRequest {
                 prompt_tokens,
                 blocks,
+                adapter: None,
             },
             candidates,
             block_size: 16,

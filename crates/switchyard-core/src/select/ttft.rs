@@ -14,6 +14,8 @@
 //! wait[w]     = ½ · step[w]
 //! first[w]    = wait[w] + prefill_ms(w, ahead[w] + new[w])  when its first token would come
 //!             + restore_ms(w, restored[w])
+//!             + adapter_load_ms[w]   (the request's LoRA adapter is not loaded there:
+//!                                     its load time, or what is left of a load under way)
 //! locality[w] = locality_weight · prefill_ms(w, P − max(cached[w], holds[w]·block_size) − restored[w])
 //!                                                          what scattering the prefix costs later
 //!               (holds: the device prefix blocks a hybrid worker holds,
@@ -264,8 +266,11 @@ impl TtftSelector {
         } else {
             ctx.prefill.restore_ms(priced, restored_tokens)
         };
-        let first_token_ms =
-            wait_ms + ctx.prefill.prefill_ms(priced, ahead + new_tokens) + restore_ms;
+        // A worker without the request's adapter loads it first.
+        let first_token_ms = wait_ms
+            + ctx.prefill.prefill_ms(priced, ahead + new_tokens)
+            + restore_ms
+            + c.adapter_load_ms;
         // This request's own uncached prefill, priced once for the terms
         // that weigh it.
         let own_ms = if new_tokens == 0 {

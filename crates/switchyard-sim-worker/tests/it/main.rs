@@ -1,6 +1,7 @@
 //! The sim-worker's integration tests: workers served in-process on real
 //! loopback sockets, one module per concern.
 
+mod adapters;
 mod disagg;
 mod output_text;
 mod support;

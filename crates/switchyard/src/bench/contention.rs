@@ -209,6 +209,7 @@ fn place_on_thread(
             prompt_tokens: (blocks * 16) as u32,
             session: None,
             model: None,
+            adapter: None,
         };
         let id = shared.next_request_id();
         let (slept, preempted) = context_switches();

@@ -113,6 +113,19 @@ pub enum HybridRouting {
     Both,
 }
 
+/// How the routers treat LoRA adapters (with `--adapters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdapterRouting {
+    /// Prefer workers holding the request's adapter (the core's affinity).
+    Affinity,
+    /// Ignore adapters when choosing (loads still happen where it lands).
+    Blind,
+    /// Each policy twice: affinity, then blind (`+blind`).
+    #[default]
+    Both,
+}
+
 /// Admission strategies to run each policy with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -320,6 +333,23 @@ pub struct ReplayArgs {
     /// (`both` replays each policy with either view).
     #[arg(long, value_enum, default_value_t = HybridRouting::Aware)]
     pub hybrid_routing: HybridRouting,
+    /// LoRA adapters in the mix: each session asks for one of N adapters
+    /// (0: base model only).
+    #[arg(long, default_value_t = 0)]
+    pub adapters: usize,
+    /// With `--adapters`: Zipf exponent of adapter popularity (0: uniform).
+    #[arg(long, default_value_t = 1.0)]
+    pub adapter_skew: f64,
+    /// With `--adapters`: adapter slots per engine (vLLM's `--max-loras`).
+    #[arg(long, default_value_t = 4)]
+    pub max_loras: usize,
+    /// With `--adapters`: model milliseconds to load one adapter.
+    #[arg(long, default_value_t = 200.0)]
+    pub lora_load_ms: f64,
+    /// With `--adapters`: adapter affinity, adapter-blind routing
+    /// (`+blind`), or both.
+    #[arg(long, value_enum, default_value_t = AdapterRouting::Both)]
+    pub adapter_routing: AdapterRouting,
 }
 
 /// Parses a `P:D` split.
@@ -450,6 +480,18 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.interference_weight = args.interference_weight;
     fleet.router.policies.ttft.stickiness = args.stickiness;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
+    if args.adapters > 0 {
+        let mix = switchyard_sim::adapters::AdapterMix {
+            count: args.adapters,
+            skew: args.adapter_skew,
+            max_loras: args.max_loras,
+            load_ms: args.lora_load_ms,
+            seed: args.seed,
+        };
+        mix.validate()
+            .map_err(|e| anyhow::anyhow!("--adapters: {e}"))?;
+        fleet.adapters = Some(mix);
+    }
     fleet
         .router
         .validate()
@@ -726,6 +768,24 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             })
         })
         .flat_map(|(name, f)| {
+            // With an adapter mix: adapter affinity, blind routing, or both.
+            let blind: &[bool] = match (args.adapters, args.adapter_routing) {
+                (0, _) | (_, AdapterRouting::Affinity) => &[false],
+                (_, AdapterRouting::Blind) => &[true],
+                (_, AdapterRouting::Both) => &[false, true],
+            };
+            blind.iter().map(move |&blind| {
+                let mut f = f.clone();
+                f.router.adapters.blind = blind;
+                let name = if blind {
+                    format!("{name}+blind")
+                } else {
+                    name.clone()
+                };
+                (name, f)
+            })
+        })
+        .flat_map(|(name, f)| {
             // The aggregated fleet, with peer restore if asked, then each
             // split of the same workers.
             let link = TransferConfig {
@@ -830,6 +890,12 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
     println!("(times in ms; hit = engine prefix hit rate; pred = router's predicted hit rate; cv = per-worker load imbalance)");
     for (name, o) in outcomes {
         let r = &o.report;
+        if let Some(a) = &r.adapters {
+            println!(
+                "{name}: {} adapter loads, {} of {} adapter requests waited for one",
+                a.loads, a.waited, a.requests
+            );
+        }
         if r.transfers + r.transfer_fallbacks > 0 {
             println!(
                 "{name}: {} KV transfers, {:.2} GB moved, {} decode halves computed their prompt instead",
@@ -913,6 +979,31 @@ mod tests {
         );
         let wall = estimator.restore_model_ms(1000) * fleet.engine.timing.speedup;
         assert!((wall - fleet.engine.timing.restore_ms(1000)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_adapter_mix_reaches_the_fleet_only_when_asked_and_is_checked() {
+        assert_eq!(fleet_config(&parse_args(&[])).unwrap().adapters, None);
+        let fleet = fleet_config(&parse_args(&[
+            "--adapters",
+            "8",
+            "--adapter-skew",
+            "0.5",
+            "--max-loras",
+            "2",
+            "--lora-load-ms",
+            "400",
+        ]))
+        .unwrap();
+        let mix = fleet.adapters.expect("a mix");
+        assert_eq!(
+            (mix.count, mix.skew, mix.max_loras, mix.load_ms),
+            (8, 0.5, 2, 400.0)
+        );
+        // The routers price a load in wall ms: model ms over the speed-up.
+        assert_eq!(fleet.dispatcher(0).router.adapters.load_ms, 400.0 / 4.0);
+        assert!(fleet_config(&parse_args(&["--adapters", "8", "--max-loras", "0"])).is_err());
+        assert!(fleet_config(&parse_args(&["--adapters", "8", "--adapter-skew=-1"])).is_err());
     }
 
     #[test]

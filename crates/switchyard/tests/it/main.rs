@@ -20,6 +20,7 @@ mod layout;
 mod openai_client;
 mod replay_tune;
 mod replica_security;
+mod serve_adapters;
 mod serve_chaos;
 mod serve_disagg;
 mod serve_ending;

@@ -1,0 +1,140 @@
+//! LoRA adapters end to end: a router process in front of two sim-worker
+//! processes with one adapter slot each (`--max-loras 1`) and several
+//! adapters. Requests for an adapter go to the worker that has it; a
+//! request for an adapter no worker has is loaded on demand (the worker's
+//! only adapter unloaded first), and `/metrics` on both sides counts it.
+
+use crate::support::{
+    machine, metric, metric_sum, metrics_text, router, scratch_file, served_by, sim_worker_with,
+    wait_metrics,
+};
+use serde_json::{json, Value};
+
+async fn ask(client: &reqwest::Client, base: &str, model: &str, prompt: u32) -> (u16, String) {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": model, "prompt": (prompt..prompt + 40).collect::<Vec<u32>>(), "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .map(|_| served_by(&response))
+        .unwrap_or_default();
+    (status, worker)
+}
+
+async fn adapters_of(client: &reqwest::Client, base: &str) -> Vec<String> {
+    let models: Value = client
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m.get("parent").is_some())
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_follow_their_adapter_and_a_missing_one_is_loaded_on_demand() {
+    let _machine = machine().await;
+    let worker = |adapter: &str| {
+        let module = format!("{adapter}=/adapters/{adapter}");
+        sim_worker_with(
+            0,
+            &[
+                "--speedup",
+                "4",
+                "--num-blocks",
+                "1024",
+                "--max-loras",
+                "1",
+                "--lora-load-ms",
+                "200",
+                "--lora-modules",
+                module.as_str(),
+            ],
+        )
+    };
+    let w0 = worker("a");
+    let w1 = worker("b");
+    let config = scratch_file(
+        "adapters.toml",
+        br#"
+[[adapters]]
+name = "a"
+path = "/adapters/a"
+base_model = "switchyard-sim"
+
+[[adapters]]
+name = "b"
+path = "/adapters/b"
+base_model = "switchyard-sim"
+
+[[adapters]]
+name = "c"
+path = "/adapters/c"
+base_model = "switchyard-sim"
+"#,
+    );
+    let router = router(
+        &[w0.named("w0"), w1.named("w1")],
+        &["--config", config.to_str().unwrap()],
+    );
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+    wait_metrics(&client, &base, "both workers' adapters learned", |m| {
+        metric(m, "switchyard_adapters_loaded") == Some(2.0)
+    })
+    .await;
+
+    for i in 0..4 {
+        assert_eq!(ask(&client, &base, "a", i * 100).await, (200, "w0".into()));
+        assert_eq!(ask(&client, &base, "b", i * 100).await, (200, "w1".into()));
+    }
+    // The base model still goes anywhere; an unknown model is a 404.
+    assert_eq!(ask(&client, &base, "switchyard-sim", 7).await.0, 200);
+    assert_eq!(ask(&client, &base, "nope", 7).await.0, 404);
+
+    // Nobody has c: loaded on one worker, in place of its only adapter.
+    let (status, holder) = ask(&client, &base, "c", 5_000).await;
+    assert_eq!(status, 200);
+    let holder_base = if holder == "w0" { &w0.base } else { &w1.base };
+    assert_eq!(adapters_of(&client, holder_base).await, ["c"]);
+    // The next request for c goes there, with nothing to load.
+    assert_eq!(ask(&client, &base, "c", 6_000).await, (200, holder.clone()));
+
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric(&text, "switchyard_adapter_loads_total{result=\"ok\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "switchyard_adapter_unloads_total{result=\"ok\"}"),
+        Some(1.0)
+    );
+    assert_eq!(metric_sum(&text, "switchyard_adapter_loads_total"), 1.0);
+    let worker_text = metrics_text(&client, holder_base).await;
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_loads_total"),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_unloads_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&worker_text, "switchyard_engine_lora_adapters"),
+        Some(1.0)
+    );
+}
