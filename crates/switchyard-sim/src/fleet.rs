@@ -575,6 +575,7 @@ impl Fleet {
             max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64),
             kv_blocks: Some(config.engine.num_blocks as u64),
             kv_tokens: Some((config.engine.num_blocks * config.engine.block_size) as u64),
+            block_size: None,
         };
         let mut replicas = Vec::with_capacity(config.replicas.count);
         for r in 0..config.replicas.count {

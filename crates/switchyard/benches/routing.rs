@@ -65,6 +65,7 @@ const CAPACITY: WorkerCapacity = WorkerCapacity {
     max_num_batched_tokens: Some(8192),
     kv_blocks: Some(16_384),
     kv_tokens: Some(16_384 * 16),
+    block_size: None,
 };
 
 /// The fleet both lifecycle benches run on: 64 workers.
@@ -136,6 +137,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
             prompt_tokens: 1024,
             blocks: &locals,
             adapter: None,
+            model: Default::default(),
         };
         if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
             router.book(
@@ -159,6 +161,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
                     prompt_tokens: 1024,
                     blocks: &locals,
                     adapter: None,
+                    model: Default::default(),
                 };
                 if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
                     router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);

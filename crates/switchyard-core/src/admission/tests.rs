@@ -432,6 +432,7 @@ fn a_request_waits_while_every_worker_is_busy_and_goes_when_capacity_frees() {
             max_num_batched_tokens: Some(1000),
             kv_blocks: None,
             kv_tokens: None,
+            block_size: None,
         };
         router.add_worker(w(id), capacity);
     }
@@ -448,6 +449,7 @@ fn a_request_waits_while_every_worker_is_busy_and_goes_when_capacity_frees() {
                 prompt_tokens: 640,
                 blocks: &payloads[&id],
                 adapter: None,
+                model: Default::default(),
             };
             let exact;
             let eligible = match placement {

@@ -56,7 +56,7 @@ use crate::index::{ApplyOutcome, CacheTier, IndexEvent};
 use crate::maps::FxHashMap;
 use crate::replica::{clamp_context_tokens, DropReason, RemoteCounters};
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
-use crate::select::{RoutingRequest, SelectOutcome};
+use crate::select::{ModelSettings, RoutingRequest, SelectOutcome};
 use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
 use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
@@ -142,6 +142,9 @@ pub struct Submission {
     pub class: QueueClass,
     /// The LoRA adapter it names (`None`: the base model).
     pub adapter: Option<Box<str>>,
+    /// Its model's block size and policy, where they are not the
+    /// router's.
+    pub model: ModelSettings,
 }
 
 /// A request accepted by [`Dispatcher::submit`].
@@ -340,6 +343,7 @@ struct Request {
     excluded: Vec<WorkerId>,
     class: QueueClass,
     adapter: Option<Box<str>>,
+    model: ModelSettings,
     booked: Option<Booked>,
 }
 
@@ -566,7 +570,7 @@ impl Dispatcher {
         let Some(blocks) = self.workers.get(&worker).and_then(|w| w.capacity.kv_blocks) else {
             return;
         };
-        let block_size = u64::from(self.router.config().sequences.block_size);
+        let block_size = u64::from(self.router.block_size_of(worker));
         let capacity_tokens = blocks.saturating_mul(block_size);
         let used_tokens = used_fraction
             .filter(|f| f.is_finite())
@@ -701,6 +705,7 @@ impl Dispatcher {
                 excluded: Vec::new(),
                 class: submission.class,
                 adapter: submission.adapter,
+                model: submission.model,
                 booked: None,
             },
         );
@@ -1023,7 +1028,6 @@ impl Dispatcher {
             config,
             ..
         } = self;
-        let block_size = u64::from(router.config().sequences.block_size);
         admission.poll(now_ms, placed, |id, placement| {
             let Some(request) = requests.get_mut(&id) else {
                 return SelectOutcome::NoWorkers;
@@ -1053,6 +1057,7 @@ impl Dispatcher {
                 prompt_tokens: request.prompt_tokens,
                 blocks: &request.blocks,
                 adapter: request.adapter.as_deref(),
+                model: request.model,
             };
             fx.counts.decisions += 1;
             let outcome = router.route_with(routing, eligible, &*estimator, now_ms);
@@ -1060,6 +1065,7 @@ impl Dispatcher {
                 return outcome;
             };
             let prompt = u64::from(request.prompt_tokens);
+            let block_size = u64::from(router.block_size_of(decision.worker));
             let cached = (u64::from(decision.overlap_blocks) * block_size).min(prompt);
             let uncached_tokens = prompt - cached;
             let hint = estimator.expected_ms(decision.worker, uncached_tokens);

@@ -11,6 +11,7 @@ const CAPACITY: WorkerCapacity = WorkerCapacity {
     max_num_batched_tokens: Some(8192),
     kv_blocks: Some(1024),
     kv_tokens: Some(1024 * 16),
+    block_size: None,
 };
 
 fn dispatcher_with(config: DispatcherConfig, session_aware: bool, workers: u64) -> Dispatcher {

@@ -137,6 +137,11 @@ pub struct WorkerCapacity {
     /// KV capacity in tokens (device blocks × the engine's block size,
     /// which need not be the router's).
     pub kv_tokens: Option<u64>,
+    /// Tokens per KV block of the model it serves, when that is not the
+    /// router's (a fleet of several models); its bookings are counted in
+    /// blocks of this size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
 }
 
 /// Heap bytes of a [`Router`] by part, from allocated capacities.
@@ -220,6 +225,10 @@ pub struct Router {
     sequences: ActiveSequences,
     remote: RemoteBookings,
     selector: Box<dyn Selector>,
+    /// Selectors of the policies that requests' models name instead of
+    /// the router's (built at a model's first request; at most one per
+    /// policy).
+    model_selectors: Vec<(PolicyKind, Box<dyn Selector>)>,
     /// Per worker: what it can hold and what it was given lately.
     workers: FxHashMap<WorkerId, WorkerSlot>,
     /// Workers kept (index, bookings) but not offered new requests, such
@@ -286,6 +295,7 @@ impl Router {
         };
         Ok(Self {
             selector: build_selector(config.policy, &config.policies, config.seed)?,
+            model_selectors: Vec::new(),
             sequences: ActiveSequences::new(config.sequences)?,
             remote: RemoteBookings::new(config.remote)?,
             adapters: AdapterTable::new(config.adapters),
@@ -322,7 +332,21 @@ impl Router {
                 capacity,
                 writes: RecentWrites::default(),
             });
-        self.sequences.add_worker(worker);
+        let block_size = capacity
+            .block_size
+            .filter(|&b| b > 0)
+            .unwrap_or(self.config.sequences.block_size);
+        self.sequences
+            .add_worker_with_block_size(worker, block_size);
+    }
+
+    /// Tokens per KV block on `worker`: its model's, else the router's.
+    pub fn block_size_of(&self, worker: WorkerId) -> u32 {
+        self.workers
+            .get(&worker)
+            .and_then(|slot| slot.capacity.block_size)
+            .filter(|&b| b > 0)
+            .unwrap_or(self.config.sequences.block_size)
     }
 
     /// Removes a worker: it is never selected again, its cached blocks (in
@@ -341,6 +365,9 @@ impl Router {
             CacheIndex::Approximate(index) => index.remove_worker(worker),
         }
         self.selector.remove_worker(worker);
+        for (_, selector) in &mut self.model_selectors {
+            selector.remove_worker(worker);
+        }
         let freed = self.sequences.remove_worker(worker);
         self.remote.forget_all(&freed);
         freed
@@ -483,6 +510,13 @@ impl Router {
         registry.active_prompt_overlaps(request.blocks, &mut self.active);
         self.active.entries.sort_unstable_by_key(|e| e.worker);
         self.candidates.clear();
+        // The request's blocks were hashed at its model's block size, the
+        // size of every worker that may serve it.
+        let block_size = request
+            .model
+            .block_size
+            .filter(|&b| b > 0)
+            .unwrap_or(self.config.sequences.block_size);
         for (load, &cached_blocks) in registry.loads().zip(&self.cached) {
             let worker = load.worker;
             if let Some(eligible) = eligible {
@@ -505,7 +539,7 @@ impl Router {
                 }
                 _ => false,
             };
-            let block_size = u64::from(self.config.sequences.block_size.max(1));
+            let block_size = u64::from(block_size.max(1));
             let kv_capacity_blocks = slot
                 .and_then(|s| s.capacity.kv_tokens)
                 .map(|tokens| tokens / block_size);
@@ -558,11 +592,35 @@ impl Router {
         let ctx = RoutingContext {
             request,
             candidates: &self.candidates,
-            block_size: self.config.sequences.block_size,
+            block_size,
             now_ms,
             prefill,
         };
-        self.selector.select(&ctx)
+        match request.model.policy.filter(|&p| p != self.config.policy) {
+            None => self.selector.select(&ctx),
+            Some(policy) => Self::model_selector(&mut self.model_selectors, policy, &self.config)
+                .unwrap_or(&mut self.selector)
+                .select(&ctx),
+        }
+    }
+
+    /// The selector of `policy`, a model's own, built at its first use
+    /// (`None` if it cannot be built: the router's own is used instead;
+    /// every policy's settings were validated with the router's config).
+    fn model_selector<'s>(
+        selectors: &'s mut Vec<(PolicyKind, Box<dyn Selector>)>,
+        policy: PolicyKind,
+        config: &RouterConfig,
+    ) -> Option<&'s mut Box<dyn Selector>> {
+        let at = match selectors.iter().position(|(p, _)| *p == policy) {
+            Some(at) => at,
+            None => {
+                let selector = build_selector(policy, &config.policies, config.seed).ok()?;
+                selectors.push((policy, selector));
+                selectors.len() - 1
+            }
+        };
+        Some(&mut selectors[at].1)
     }
 
     /// Which worker has which adapter (read).
@@ -601,9 +659,9 @@ impl Router {
     pub fn book_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
+            let block_size = self.block_size_of(add.worker);
             if let Some(slot) = self.workers.get_mut(&add.worker) {
-                let cached =
-                    u64::from(add.overlap_blocks) * u64::from(self.config.sequences.block_size);
+                let cached = u64::from(add.overlap_blocks) * u64::from(block_size);
                 let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
                 slot.writes.add(uncached as f64, now_ms);
             }
@@ -805,6 +863,7 @@ mod remote_tests;
 mod tests {
     use super::*;
     use crate::index::StoredBlock;
+    use crate::select::ModelSettings;
     use crate::types::{EngineHash, LocalHash};
 
     fn w(id: u64) -> WorkerId {
@@ -820,6 +879,7 @@ mod tests {
                     max_num_batched_tokens: Some(1000),
                     kv_blocks: Some(100),
                     kv_tokens: None,
+                    block_size: None,
                 },
             );
         }
@@ -831,6 +891,7 @@ mod tests {
             prompt_tokens: blocks.len() as u32 * 16,
             blocks,
             adapter: None,
+            model: Default::default(),
         }
     }
 
@@ -838,6 +899,76 @@ mod tests {
         match outcome {
             SelectOutcome::Selected(d) => d,
             other => panic!("expected a selection, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_models_block_size_prices_its_cached_blocks_and_counts_its_bookings() {
+        // Worker 4 serves a model whose engine holds 32 tokens a block.
+        let mut r = router(RouterConfig::default());
+        r.add_worker(
+            w(4),
+            WorkerCapacity {
+                block_size: Some(32),
+                ..WorkerCapacity::default()
+            },
+        );
+        assert_eq!((r.block_size_of(w(4)), r.block_size_of(w(1))), (32, 16));
+        r.apply_kv_event(w(4), CacheTier::Device, &chain(None, &[(41, 1), (42, 2)]));
+        let blocks: Vec<LocalHash> = (1..=3).map(LocalHash).collect();
+        let request = RoutingRequest {
+            prompt_tokens: 100,
+            blocks: &blocks,
+            adapter: None,
+            model: ModelSettings {
+                block_size: Some(32),
+                policy: None,
+            },
+        };
+        let d = selected(r.route(request, Some(&[w(4)]), 0.0));
+        assert_eq!((d.worker, d.overlap_blocks), (w(4), 2));
+        r.book(RequestId(1), request, d, None, 0.0);
+        // Two cached blocks of 32 tokens: 100 − 64 left to prefill (at the
+        // router's 16 it would have been 100 − 32).
+        let load = r.sequences().registry().load(w(4)).unwrap();
+        assert_eq!(load.active_prefill_tokens(0.0), 36);
+    }
+
+    #[test]
+    fn a_model_may_route_with_its_own_policy() {
+        // The router's policy is kv (cache first); the model's is round
+        // robin, which ignores the cache.
+        let mut r = router(RouterConfig {
+            policy: PolicyKind::Kv,
+            ..Default::default()
+        });
+        let blocks: Vec<LocalHash> = (1..=4).map(LocalHash).collect();
+        r.apply_kv_event(
+            w(2),
+            CacheTier::Device,
+            &chain(None, &[(21, 1), (22, 2), (23, 3), (24, 4)]),
+        );
+        let mut own = prompt(&blocks);
+        own.model.policy = Some(PolicyKind::RoundRobin);
+        let picks: Vec<WorkerId> = (0..3)
+            .map(|_| selected(r.route(own, None, 0.0)).worker)
+            .collect();
+        let mut distinct = picks.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(
+            distinct.len(),
+            3,
+            "round robin visits every worker: {picks:?}"
+        );
+        // The router's own policy still goes where the cache is.
+        for _ in 0..3 {
+            assert_eq!(selected(r.route(prompt(&blocks), None, 0.0)).worker, w(2));
+        }
+        // A removed worker leaves the model's selector too.
+        r.remove_worker(w(3));
+        for _ in 0..4 {
+            assert_ne!(selected(r.route(own, None, 0.0)).worker, w(3));
         }
     }
 

@@ -50,6 +50,20 @@ pub struct RoutingRequest<'a> {
     pub blocks: &'a [LocalHash],
     /// The LoRA adapter it names (`None`: the base model).
     pub adapter: Option<&'a str>,
+    /// Its model's own settings, where they differ from the router's.
+    pub model: ModelSettings,
+}
+
+/// A model's routing settings where they differ from the router's (a
+/// fleet serving several models: `serve`'s `[[models]]` tables). The
+/// request's blocks were hashed at `block_size`, and every worker that
+/// may serve it runs its model at that block size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSettings {
+    /// Tokens per KV block (`None`: the router's).
+    pub block_size: Option<u32>,
+    /// The routing policy (`None`: the router's).
+    pub policy: Option<PolicyKind>,
 }
 
 /// One eligible worker as a selector sees it.
@@ -478,6 +492,7 @@ pub(crate) mod test_support {
                 prompt_tokens,
                 blocks,
                 adapter: None,
+                model: Default::default(),
             },
             candidates,
             block_size: 16,

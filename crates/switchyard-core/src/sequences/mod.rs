@@ -180,6 +180,8 @@ struct WorkerSequences {
     /// own.
     partial_blocks: usize,
     prefill: PrefillTracker,
+    /// Tokens per KV block on this worker (its model's).
+    block_size: u32,
 }
 
 impl WorkerSequences {
@@ -224,13 +226,33 @@ impl ActiveSequences {
 
     /// Adds a worker (idempotent).
     pub fn add_worker(&mut self, worker: WorkerId) {
+        self.add_worker_with_block_size(worker, self.config.block_size);
+    }
+
+    /// [`ActiveSequences::add_worker`] for a worker whose model has a
+    /// block size of its own (a fleet of several models): its bookings'
+    /// blocks are counted in `block_size` (0: the config's). A worker
+    /// added again keeps its bookings and takes the new size for later
+    /// ones.
+    pub fn add_worker_with_block_size(&mut self, worker: WorkerId, block_size: u32) {
         let slot = self.workers.insert(worker) as usize;
         if self.per_worker.len() <= slot {
             self.per_worker.resize_with(slot + 1, || None);
         }
-        if self.per_worker[slot].is_none() {
-            self.per_worker[slot] = Some(WorkerSequences::default());
-            self.registry.set_load(slot, Some(WorkerLoad::idle(worker)));
+        let block_size = if block_size == 0 {
+            self.config.block_size
+        } else {
+            block_size
+        };
+        match &mut self.per_worker[slot] {
+            Some(state) => state.block_size = block_size,
+            none => {
+                *none = Some(WorkerSequences {
+                    block_size,
+                    ..WorkerSequences::default()
+                });
+                self.registry.set_load(slot, Some(WorkerLoad::idle(worker)));
+            }
         }
     }
 
@@ -270,11 +292,11 @@ impl ActiveSequences {
             self.counters.ignored += 1;
             return LifecycleOutcome::Duplicate;
         }
-        let block_size = self.config.block_size;
         let seq = sequence_hashes(&add.blocks);
         let state = self.per_worker[slot as usize]
             .as_mut()
             .expect("a slot in the table has state");
+        let block_size = state.block_size;
         // Count every prompt block once per worker; a block seen for the first
         // time becomes visible in the registry (prefix order: parents first).
         for (i, &s) in seq.iter().enumerate() {

@@ -210,6 +210,7 @@ fn place_on_thread(
             session: None,
             model: None,
             adapter: None,
+            settings: Default::default(),
         };
         let id = shared.next_request_id();
         let (slept, preempted) = context_switches();

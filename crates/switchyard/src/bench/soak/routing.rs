@@ -170,6 +170,7 @@ pub fn run_core(
             max_num_batched_tokens: Some(engine.max_num_batched_tokens as u64),
             kv_blocks: Some(engine.num_blocks as u64),
             kv_tokens: Some((engine.num_blocks * engine.block_size) as u64),
+            block_size: None,
         };
         let _ = dispatcher.add_worker(WorkerId::new(w as u64), capacity, 0.0);
         engines.push(
