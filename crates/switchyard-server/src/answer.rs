@@ -27,8 +27,12 @@ use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
 pub(crate) struct Delivery {
     pub(crate) path: &'static str,
     pub(crate) arrival: Instant,
-    /// The prompt's token ids.
+    /// The prompt's token ids (empty when its model has no tokenizer
+    /// here).
     pub(crate) prompt: Vec<u32>,
+    /// The prompt's estimated length when its model has no tokenizer
+    /// here.
+    pub(crate) estimated_prompt_tokens: Option<u32>,
     /// The client's body (a resumed stream's request is made from it).
     pub(crate) original: Bytes,
     pub(crate) stream: bool,
@@ -48,10 +52,11 @@ pub(crate) fn deliver(
         path,
         arrival,
         prompt,
+        estimated_prompt_tokens,
         original,
         stream,
     } = request;
-    let prompt_tokens = prompt.len() as u64;
+    let prompt_tokens = estimated_prompt_tokens.map_or(prompt.len() as u64, u64::from);
     match answer {
         Answer::Buffered(parts, bytes) => {
             let ok = parts.status.is_success();

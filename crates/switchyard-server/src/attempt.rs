@@ -41,6 +41,15 @@ pub(crate) struct Attempts {
     /// How `model` routes: the adapter it names and the model whose
     /// workers may serve it ([`crate::adapters`]).
     adapter: crate::adapters::Resolved,
+    /// Its model's routing state (tokenizer, block size, policy, hit
+    /// counters: [`crate::models`]).
+    pub(crate) routing: Arc<crate::models::ModelRouting>,
+    /// The prompt's length when its model has no tokenizer here (the
+    /// request then carries no token ids: routed by load).
+    estimated_prompt_tokens: Option<u32>,
+    /// Full blocks of the prompt last submitted (for the model's hit
+    /// counters at its first placement).
+    prompt_blocks: std::sync::atomic::AtomicUsize,
     accept: Option<HeaderValue>,
     /// When the request timeout cancels it.
     pub(crate) deadline: tokio::time::Instant,
@@ -78,11 +87,15 @@ impl Attempts {
         deadline: tokio::time::Instant,
     ) -> Self {
         let adapter = state.shared.adapters.resolve(model.as_deref());
+        let routing = state.models.get(adapter.eligible_model.as_deref()).clone();
         Self {
             state,
             client_id,
             model,
             adapter,
+            routing,
+            estimated_prompt_tokens: None,
+            prompt_blocks: std::sync::atomic::AtomicUsize::new(0),
             accept,
             deadline,
             migrations: 0,
@@ -103,6 +116,19 @@ impl Attempts {
         self
     }
 
+    /// A prompt of `tokens` tokens, as estimated for a model without a
+    /// tokenizer here (its token ids are unknown).
+    pub(crate) fn estimated_prompt(mut self, tokens: Option<u32>) -> Self {
+        self.estimated_prompt_tokens = tokens;
+        self
+    }
+
+    /// Whether the prompt's token ids are known (a stream can be resumed
+    /// on another worker only then).
+    pub(crate) fn knows_prompt_ids(&self) -> bool {
+        self.estimated_prompt_tokens.is_none()
+    }
+
     /// Hands 5xx answers back to the caller (see `pass_server_errors`).
     pub(crate) fn passing_server_errors(mut self) -> Self {
         self.pass_server_errors = true;
@@ -119,7 +145,7 @@ impl Attempts {
     fn blocks(&self, tokens: &[u32]) -> Vec<LocalHash> {
         switchyard_core::hashing::local_block_hashes(
             tokens,
-            self.state.block_size as usize,
+            self.routing.block_size as usize,
             match &self.adapter.adapter {
                 // An adapter's blocks are its own (vLLM's events carry
                 // its name as `lora_name`).
@@ -135,16 +161,22 @@ impl Attempts {
         tokens: &[u32],
         session: Option<SessionKey>,
     ) -> Result<WaitHandle, ApiError> {
+        let blocks = self.blocks(tokens);
+        self.prompt_blocks
+            .store(blocks.len(), std::sync::atomic::Ordering::Relaxed);
         WaitHandle::submit_in(
             &self.state.shared,
             self.pool,
             self.client_id,
             Request {
-                blocks: self.blocks(tokens),
-                prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+                blocks,
+                prompt_tokens: self
+                    .estimated_prompt_tokens
+                    .unwrap_or_else(|| u32::try_from(tokens.len()).unwrap_or(u32::MAX)),
                 session,
                 model: self.adapter.eligible_model.as_deref(),
                 adapter: self.adapter.adapter.as_deref(),
+                settings: self.routing.settings,
             },
         )
         .map_err(|e| match e {
@@ -167,8 +199,19 @@ impl Attempts {
         let metrics = self.state.shared.metrics();
         match placed {
             Ok(booking) => {
-                if let Some(reason) = pending {
-                    metrics.count_migration(reason);
+                match pending {
+                    Some(reason) => metrics.count_migration(reason),
+                    // The request's first placement (a disaggregated
+                    // request's prefill half; its decode half brings
+                    // nothing cached to count).
+                    None if self.migrations == 0 && self.pool != Role::Decode => {
+                        self.routing.record_placement(
+                            self.prompt_blocks
+                                .load(std::sync::atomic::Ordering::Relaxed),
+                            booking.overlap_blocks,
+                        );
+                    }
+                    None => {}
                 }
                 Ok(booking)
             }

@@ -331,6 +331,16 @@ pub struct ServerConfig {
     /// Expected milliseconds to load an adapter on a worker: what the
     /// `ttft` policy charges a worker without the request's adapter.
     pub adapter_load_ms: f64,
+    /// Models with routing settings of their own (`[[models]]`: `name`,
+    /// `tokenizer_dir` or `hub_id`, `block_size`, `policy`;
+    /// [`crate::models`]); every other model routes with the router's.
+    pub models: Vec<crate::models::ModelSpec>,
+    /// Download a `[[models]]` table's `hub_id` tokenizer from the
+    /// Hugging Face hub when the hub cache lacks it (off: the cache only).
+    pub allow_hub_download: bool,
+    /// The Hugging Face hub cache (default: `HF_HUB_CACHE`, else
+    /// `HF_HOME/hub`, else `~/.cache/huggingface/hub`).
+    pub hub_cache_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -394,6 +404,9 @@ impl Default for ServerConfig {
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
             adapter_load_ms: switchyard_core::adapters::AdapterConfig::default().load_ms,
+            models: Vec::new(),
+            allow_hub_download: false,
+            hub_cache_dir: None,
         }
     }
 }
@@ -430,6 +443,18 @@ pub enum ConfigError {
 }
 
 impl ServerConfig {
+    /// The block sizes the router hashes prompts at: its own first, then
+    /// each `[[models]]` table's.
+    pub fn block_sizes(&self) -> Vec<u32> {
+        let mut sizes = vec![self.block_size];
+        for size in self.models.iter().filter_map(|m| m.block_size) {
+            if !sizes.contains(&size) {
+                sizes.push(size);
+            }
+        }
+        sizes
+    }
+
     /// Reads a TOML file.
     pub fn from_toml_file(path: &std::path::Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
@@ -486,6 +511,18 @@ impl ServerConfig {
                 "at most {} [[adapters]] tables",
                 crate::adapters::MAX_LEARNED
             ));
+        }
+        if self.models.len() > crate::models::MAX_MODELS {
+            return invalid(format!(
+                "at most {} [[models]] tables",
+                crate::models::MAX_MODELS
+            ));
+        }
+        for (i, spec) in self.models.iter().enumerate() {
+            spec.validate().or_else(invalid)?;
+            if self.models[..i].iter().any(|s| s.name == spec.name) {
+                return invalid(format!("models: `{}` is named twice", spec.name));
+            }
         }
         for (i, spec) in self.adapters.iter().enumerate() {
             spec.validate().or_else(invalid)?;
@@ -557,7 +594,7 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.rate_limits.validate().map_err(ConfigError::Invalid)?;
-        validate_workers(&self.workers, self.block_size, self.cache)?;
+        validate_workers(&self.workers, &self.block_sizes(), self.cache)?;
         self.discovery.validate(self.cache)?;
         Ok(())
     }
@@ -655,21 +692,28 @@ impl ServerConfig {
 }
 
 /// Checks a worker table (the config's `[[workers]]`, or a watched
-/// workers file's): each entry valid, its block size the router's, names
-/// unique, and KV events on every worker when the cache mode requires them.
+/// workers file's): each entry valid, its block size one the router
+/// hashes prompts at (`block_sizes`: the router's first, then the
+/// `[[models]]` tables'), names unique, and KV events on every worker when
+/// the cache mode requires them.
 pub fn validate_workers(
     workers: &[WorkerSpec],
-    block_size: u32,
+    block_sizes: &[u32],
     cache: CacheMode,
 ) -> Result<(), ConfigError> {
     let mut names = std::collections::HashSet::new();
     for worker in workers {
         worker.validate()?;
         if let Some(bs) = worker.block_size {
-            if bs != block_size {
+            if !block_sizes.contains(&bs) {
+                let router = block_sizes.first().copied().unwrap_or_default();
                 return Err(ConfigError::Worker(format!(
-                    "{}: block-size {bs} differs from the router's {block_size}; run the router with --block-size {bs}",
-                    worker.url
+                    "{}: block-size {bs} differs from the router's {router}{}; run the router with --block-size {bs}, or give the worker's model a [[models]] table with block_size = {bs}",
+                    worker.url,
+                    match block_sizes.len() {
+                        0 | 1 => String::new(),
+                        _ => format!(" and from its [[models]] tables' {:?}", &block_sizes[1..]),
+                    }
                 )));
             }
         }
@@ -701,7 +745,7 @@ impl WorkersFile {
     /// Parses and checks a workers file's text ([`validate_workers`]).
     /// A syntax error is one line naming the line and the fault, without
     /// quoting the file.
-    pub fn parse(text: &str, block_size: u32, cache: CacheMode) -> Result<Self, ConfigError> {
+    pub fn parse(text: &str, block_sizes: &[u32], cache: CacheMode) -> Result<Self, ConfigError> {
         let file: Self = toml::from_str(text).map_err(|e| {
             let line = e
                 .span()
@@ -715,7 +759,7 @@ impl WorkersFile {
                 },
             }
         })?;
-        validate_workers(&file.workers, block_size, cache)?;
+        validate_workers(&file.workers, block_sizes, cache)?;
         Ok(file)
     }
 }
@@ -944,7 +988,7 @@ mod tests {
         assert!(without.validate().is_err(), "roles need --disagg");
         let file = WorkersFile::parse(
             "[[workers]]\nurl = \"http://h:1\"\nrole = \"decode\"\n",
-            16,
+            &[16],
             CacheMode::Auto,
         )
         .unwrap();
@@ -1282,22 +1326,27 @@ mod tests {
     fn a_workers_file_is_worker_tables_and_nothing_else() {
         let file = WorkersFile::parse(
             "[[workers]]\nurl = \"http://10.0.0.1:8000\"\nevents = \"tcp://10.0.0.1:5557\"\n",
-            16,
+            &[16],
             CacheMode::Events,
         )
         .unwrap();
         assert_eq!(file.workers.len(), 1);
         assert_eq!(
-            WorkersFile::parse("", 16, CacheMode::Auto).unwrap().workers,
+            WorkersFile::parse("", &[16], CacheMode::Auto)
+                .unwrap()
+                .workers,
             []
         );
-        let error =
-            WorkersFile::parse("[[workers]]\nurl = \"http://a:1\"\n", 16, CacheMode::Events)
-                .unwrap_err()
-                .to_string();
+        let error = WorkersFile::parse(
+            "[[workers]]\nurl = \"http://a:1\"\n",
+            &[16],
+            CacheMode::Events,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(error.contains("events="), "{error}");
-        assert!(WorkersFile::parse("port = 1", 16, CacheMode::Auto).is_err());
-        let error = WorkersFile::parse("\n\nnot toml [", 16, CacheMode::Auto)
+        assert!(WorkersFile::parse("port = 1", &[16], CacheMode::Auto).is_err());
+        let error = WorkersFile::parse("\n\nnot toml [", &[16], CacheMode::Auto)
             .unwrap_err()
             .to_string();
         assert!(error.contains("line 3: "), "{error}");

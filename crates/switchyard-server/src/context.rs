@@ -3,6 +3,7 @@
 
 use crate::auth::Credentials;
 use crate::migration::MigrationPolicy;
+use crate::models::Models;
 use crate::shared::SharedRouter;
 use crate::tokenize::PromptTokenizer;
 use crate::workers::{Fleet, UpstreamClient};
@@ -25,13 +26,12 @@ pub struct AppState {
     pub fleet: Arc<Fleet>,
     /// Upstream client.
     pub client: UpstreamClient,
-    /// Tokenizer for routing.
-    pub tokenizer: Arc<dyn PromptTokenizer>,
+    /// Each model's tokenizer, block size and policy (`[[models]]`; the
+    /// router's own for every other model).
+    pub models: Arc<Models>,
     /// What `/metrics` encodes: the router's families and the routing
     /// state ([`SharedRouter::register_metrics`]) and the KV-event plane's.
     pub registry: Registry,
-    /// Router block size.
-    pub block_size: u32,
     /// Seed of block hashes (no LoRA, no salt).
     pub hash_seed: u64,
     /// Add `x-switchyard-worker`.
@@ -87,13 +87,23 @@ impl AppState {
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
+        let hub = crate::models::HubAccess {
+            allow_download: config.allow_hub_download,
+            cache_dir: config.hub_cache_dir.clone(),
+        };
+        let models = Arc::new(Models::new(
+            tokenizer,
+            config.block_size,
+            &config.models,
+            |spec| crate::models::load_tokenizer(spec, &hub, config.token_cache_ids),
+        ));
+        registry.register_collector(Box::new(crate::models::ModelsCollector(models.clone())));
         Self {
             shared,
             fleet,
             client,
-            tokenizer,
+            models,
             registry,
-            block_size: config.block_size,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
             worker_header: config.worker_header,
             credentials,

@@ -267,6 +267,7 @@ pub(crate) async fn serve(
         headers.get(axum::http::header::ACCEPT).cloned(),
         deadline,
     )
+    .estimated_prompt(request.estimated_prompt_tokens)
     .half(Role::Decode, split.id)
     .passing_server_errors();
     let result = match mode {
@@ -288,6 +289,7 @@ fn prefill_attempts(split: &Split<'_>) -> Attempts {
         None,
         split.deadline,
     )
+    .estimated_prompt(split.request.estimated_prompt_tokens)
     .half(Role::Prefill, split.id)
 }
 

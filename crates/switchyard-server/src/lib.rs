@@ -16,6 +16,8 @@
 //!   a pure reconciler and one task per source, adding and draining
 //!   workers through the fleet like the admin API does.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
+//! - [`models`] — per-model routing state (`[[models]]`): each model's
+//!   tokenizer, block size and policy, and its hit rate in `/metrics`.
 //! - The front door, outermost first: [`accept`] — the accept loop
 //!   (connection cap, header-read timeout); [`auth`] — credentials checked
 //!   from the request head; [`inflight`] — the in-flight limit; [`upload`]
@@ -77,6 +79,7 @@ pub mod inflight;
 pub mod limits;
 pub mod metrics;
 pub mod migration;
+pub mod models;
 pub mod proxy;
 pub mod ratelimit;
 pub mod replica;
@@ -220,6 +223,14 @@ pub struct ServeArgs {
     /// `[[adapters]]` tables in --config) [default: 500].
     #[arg(long, env = "SWITCHYARD_ADAPTER_LOAD_MS")]
     pub adapter_load_ms: Option<f64>,
+    /// Download a `[[models]]` table's `hub_id` tokenizer from the Hugging
+    /// Face hub when the hub cache lacks it (off: the cache only).
+    #[arg(long, env = "SWITCHYARD_ALLOW_HUB_DOWNLOAD")]
+    pub allow_hub_download: bool,
+    /// The Hugging Face hub cache [default: HF_HUB_CACHE, else HF_HOME/hub,
+    /// else ~/.cache/huggingface/hub].
+    #[arg(long, env = "SWITCHYARD_HUB_CACHE_DIR")]
+    pub hub_cache_dir: Option<PathBuf>,
     /// Consecutive request failures that open a worker's circuit [default: 3].
     #[arg(long, env = "SWITCHYARD_CIRCUIT_FAILURES")]
     pub circuit_failures: Option<u32>,
@@ -439,6 +450,12 @@ impl ServeArgs {
         }
         if self.tokenizer_dir.is_some() {
             c.tokenizer_dir = self.tokenizer_dir.clone();
+        }
+        if self.allow_hub_download {
+            c.allow_hub_download = true;
+        }
+        if self.hub_cache_dir.is_some() {
+            c.hub_cache_dir = self.hub_cache_dir.clone();
         }
         if !self.api_keys.is_empty() {
             c.api_keys = self.api_keys.clone();
@@ -727,7 +744,8 @@ pub async fn start_with_tokenizer(
             interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
         )
         .with_worker_auth(context::worker_authorization(&config))
-        .with_disagg(config.disagg.is_some()),
+        .with_disagg(config.disagg.is_some())
+        .with_models(&config.models),
     );
     for spec in &config.workers {
         fleet

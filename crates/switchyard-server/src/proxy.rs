@@ -99,6 +99,22 @@ struct Parsed {
     stream: bool,
     session: Option<String>,
     tokens: Vec<u32>,
+    /// The prompt's estimated length when its model has no tokenizer
+    /// here (`tokens` is then empty).
+    estimated_tokens: Option<u32>,
+}
+
+/// A prompt as routing knows it: its token ids, or, when its model has
+/// no tokenizer here, an estimate of its length ([`crate::models`]).
+struct PromptIds {
+    ids: Vec<u32>,
+    estimated: Option<u32>,
+}
+
+impl PromptIds {
+    fn len(&self) -> usize {
+        self.estimated.map_or(self.ids.len(), |n| n as usize)
+    }
 }
 
 /// The router's reading of chat messages: text content as is, the text
@@ -134,9 +150,16 @@ fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(messages)
 }
 
-/// The prompt's token ids, or a 400 when it is past the prompt token limit
-/// (the tokenizer stops counting soon after the limit).
-async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiError> {
+/// The prompt's token ids with the tokenizer of the request's `model`,
+/// or a 400 when it is past the prompt token limit (the tokenizer stops
+/// counting soon after the limit). A model without a tokenizer here gets
+/// an estimate of the prompt's length instead (the worker judges its
+/// limit).
+async fn tokenize(
+    state: &AppState,
+    model: Option<&str>,
+    job: TokenizeJob,
+) -> Result<PromptIds, ApiError> {
     let started = Instant::now();
     let max_tokens = limits::prompt_token_limit(state).0;
     let param = match &job {
@@ -149,7 +172,13 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
         TokenizeJob::Text(t) => t.len(),
         TokenizeJob::Chat(m) => rendered_size_estimate(m),
     };
-    let tokenizer = state.tokenizer.clone();
+    let routing = state.models.for_request(&state.shared.adapters, model);
+    let Some(tokenizer) = routing.tokenizer.clone() else {
+        return Ok(PromptIds {
+            ids: Vec::new(),
+            estimated: Some(crate::models::ModelRouting::estimated_tokens(chars)),
+        });
+    };
     let run = move || match job {
         TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
         TokenizeJob::Chat(m) => tokenizer.encode_chat_within(&m, max_tokens),
@@ -166,9 +195,13 @@ async fn tokenize(state: &AppState, job: TokenizeJob) -> Result<Vec<u32>, ApiErr
         .metrics()
         .tokenize
         .observe(started.elapsed().as_secs_f64());
-    result
+    let ids = result
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))?
-        .ok_or_else(|| limits::prompt_too_long(state, param))
+        .ok_or_else(|| limits::prompt_too_long(state, param))?;
+    Ok(PromptIds {
+        ids,
+        estimated: None,
+    })
 }
 
 enum TokenizeJob {
@@ -215,13 +248,14 @@ async fn chat_completions(State(state): State<Shared>, request: Request) -> Resp
         let output =
             limits::requested_output_tokens([&parsed.max_tokens, &parsed.max_completion_tokens]);
         let messages = chat_messages(parsed.messages)?;
-        let tokens = tokenize(&state, TokenizeJob::Chat(messages)).await?;
-        charge_tokens(&state, key, tokens.len(), output)?;
+        let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
+        charge_tokens(&state, key, prompt.len(), output)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
-            tokens,
+            tokens: prompt.ids,
+            estimated_tokens: prompt.estimated,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -238,22 +272,28 @@ async fn completions(State(state): State<Shared>, request: Request) -> Response 
         // A batch is routed by its first prompt: one worker serves it all.
         // Token ids were bounded while parsing; text while tokenized (a
         // batch's later texts are the worker's to judge).
-        let tokens = match parsed.prompt {
-            Prompt::Tokens(ids) => ids,
-            Prompt::TokenBatches(batch) => batch.into_iter().next().unwrap_or_default(),
-            Prompt::Text(text) => tokenize(&state, TokenizeJob::Text(text)).await?,
+        let model = parsed.model.as_deref();
+        let ids = |ids| PromptIds {
+            ids,
+            estimated: None,
+        };
+        let prompt = match parsed.prompt {
+            Prompt::Tokens(i) => ids(i),
+            Prompt::TokenBatches(batch) => ids(batch.into_iter().next().unwrap_or_default()),
+            Prompt::Text(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
             Prompt::Texts(texts) => match texts.into_iter().next() {
-                Some(text) => tokenize(&state, TokenizeJob::Text(text)).await?,
-                None => Vec::new(),
+                Some(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
+                None => ids(Vec::new()),
             },
         };
         let output = limits::requested_output_tokens([&parsed.max_tokens, &None]);
-        charge_tokens(&state, key, tokens.len(), output)?;
+        charge_tokens(&state, key, prompt.len(), output)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
-            tokens,
+            tokens: prompt.ids,
+            estimated_tokens: prompt.estimated,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -307,6 +347,7 @@ async fn proxy(
                     path,
                     arrival,
                     prompt: facts.tokens,
+                    estimated_prompt_tokens: facts.estimated_tokens,
                     original: body,
                     stream: facts.stream,
                 },
@@ -331,7 +372,8 @@ async fn proxy(
         facts.model.take(),
         headers.get(header::ACCEPT).cloned(),
         deadline,
-    );
+    )
+    .estimated_prompt(facts.estimated_tokens);
     first_phase(attempts, session, path, arrival, body, facts).await
 }
 
@@ -390,6 +432,7 @@ async fn first_phase(
                         path,
                         arrival,
                         prompt: facts.tokens,
+                        estimated_prompt_tokens: facts.estimated_tokens,
                         original: body,
                         stream: facts.stream,
                     },

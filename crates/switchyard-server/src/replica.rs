@@ -265,6 +265,7 @@ mod tests {
                 session: Some(SessionKey(5)),
                 model: None,
                 adapter: None,
+                settings: Default::default(),
             },
         )
         .unwrap();
@@ -312,6 +313,7 @@ mod tests {
                     session: Some(SessionKey(session)),
                     model: None,
                     adapter: None,
+                    settings: Default::default(),
                 },
             )
             .unwrap()

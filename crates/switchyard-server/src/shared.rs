@@ -111,6 +111,9 @@ pub struct Request<'a> {
     pub model: Option<&'a str>,
     /// The LoRA adapter it names.
     pub adapter: Option<&'a str>,
+    /// Its model's block size and policy (`[[models]]`), where they are
+    /// not the router's.
+    pub settings: switchyard_core::select::ModelSettings,
 }
 
 /// Why a request was not admitted.
@@ -363,6 +366,7 @@ impl SharedRouter {
                 eligible,
                 class: QueueClass::default(),
                 adapter: request.adapter.map(Into::into),
+                model: request.settings,
             };
             // Registered first: the submit's own effects may dispatch it.
             // An id already waiting is another handler's: left alone.

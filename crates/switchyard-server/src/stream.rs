@@ -325,7 +325,10 @@ impl MigratingStream {
             State::Ended => None,
         };
         let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
-        let resumable = migration::resumable(self.api, &original);
+        let resumable = match self.attempts.knows_prompt_ids() {
+            true => migration::resumable(self.api, &original),
+            false => Err("its model has no tokenizer here, so its prompt's token ids are unknown"),
+        };
         let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
         // Only the first choice of each chunk is read: a finish means the
         // whole generation is complete only for a single-choice request. A
@@ -432,14 +435,18 @@ impl MigratingStream {
         }
     }
 
-    /// Turns generated text the worker sent without ids into ids, with the
-    /// router's tokenizer (on a blocking thread when long).
+    /// Turns generated text the worker sent without ids into ids, with its
+    /// model's tokenizer (on a blocking thread when long).
     async fn tokenize_pending(&mut self) -> Result<(), ApiError> {
         let text = self.progress.take_pending_text();
         if text.is_empty() {
             return Ok(());
         }
-        let tokenizer = self.attempts.state.tokenizer.clone();
+        let Some(tokenizer) = self.attempts.routing.tokenizer.clone() else {
+            return Err(ApiError::bad_gateway(
+                "the stream cannot be resumed: its model has no tokenizer here",
+            ));
+        };
         let ids = if text.len() <= INLINE_CHARS {
             tokenizer.encode(&text)
         } else {

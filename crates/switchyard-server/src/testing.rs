@@ -70,6 +70,7 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
         session: None,
         model: None,
         adapter: None,
+        settings: Default::default(),
     }
 }
 

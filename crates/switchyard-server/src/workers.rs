@@ -62,7 +62,13 @@ pub struct Fleet {
     /// KV-event counters, labelled by worker name.
     pub kv_metrics: KvEventMetrics,
     uses_events: bool,
+    /// The router's block size.
     block_size: u32,
+    /// The block size of each `[[models]]` table that names one: a worker
+    /// serving the model runs at it (unless its spec says `block-size=`).
+    model_block_sizes: HashMap<String, u32>,
+    /// The block sizes workers' specs declare (`block-size=N`).
+    declared_block_sizes: Mutex<HashMap<WorkerId, u32>>,
     health_failures: u32,
     health_timeout: Duration,
     /// `Authorization` for health checks and probes (`--worker-api-key`).
@@ -100,6 +106,8 @@ impl Fleet {
             kv_metrics: KvEventMetrics::new(),
             uses_events,
             block_size,
+            model_block_sizes: HashMap::new(),
+            declared_block_sizes: Mutex::new(HashMap::new()),
             health_failures,
             health_timeout,
             worker_auth: None,
@@ -114,6 +122,28 @@ impl Fleet {
     pub fn with_worker_auth(mut self, auth: Option<HeaderValue>) -> Self {
         self.worker_auth = auth;
         self
+    }
+
+    /// The same fleet, knowing the `[[models]]` tables' block sizes: a
+    /// worker whose `/v1/models` names such a model runs at its block size.
+    pub fn with_models(mut self, models: &[crate::models::ModelSpec]) -> Self {
+        self.model_block_sizes = models
+            .iter()
+            .filter_map(|m| Some((m.name.clone(), m.block_size?)))
+            .collect();
+        self
+    }
+
+    /// A worker's block size: its spec's, else that of the first model it
+    /// serves with a `[[models]]` block size, else the router's.
+    fn block_size_of(&self, id: WorkerId, models: &[String]) -> u32 {
+        if let Some(&declared) = lock(&self.declared_block_sizes).get(&id) {
+            return declared;
+        }
+        models
+            .iter()
+            .find_map(|m| self.model_block_sizes.get(m).copied())
+            .unwrap_or(self.block_size)
     }
 
     /// Lets workers have roles (`serve --disagg`); without it a worker
@@ -146,12 +176,13 @@ impl Fleet {
     /// subscriber starts) at its first good health check.
     pub fn add(&self, spec: &WorkerSpec) -> Result<WorkerId, String> {
         spec.validate().map_err(|e| e.to_string())?;
-        if spec.block_size.is_some_and(|b| b != self.block_size) {
-            return Err(format!(
-                "block-size {} differs from the router's {}",
-                spec.block_size.unwrap_or_default(),
-                self.block_size
-            ));
+        if let Some(b) = spec.block_size {
+            if b != self.block_size && !self.model_block_sizes.values().any(|&m| m == b) {
+                return Err(format!(
+                    "block-size {b} differs from the router's {} and from every [[models]] table's",
+                    self.block_size
+                ));
+            }
         }
         let name = spec.display_name();
         if spec.role != crate::roster::Role::Both && !self.disagg {
@@ -162,6 +193,9 @@ impl Fleet {
         }
         let id = self.shared.add_worker(&name, &spec.url)?;
         self.shared.set_role(id, spec.role, spec.bootstrap_port);
+        if let Some(b) = spec.block_size {
+            lock(&self.declared_block_sizes).insert(id, b);
+        }
         if let (Some(events), true) = (&spec.events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
             config.replay_endpoint = spec.replay.clone();
@@ -195,15 +229,16 @@ impl Fleet {
     }
 
     /// Puts a worker into the router and starts a fresh KV-event
-    /// subscriber for this entry.
-    fn enter(&self, id: WorkerId) {
+    /// subscriber for this entry, reading its events at `block_size`.
+    fn enter(&self, id: WorkerId, block_size: u32) {
         self.shared.set_in_router(id, true);
         let Some(epoch) = self.shared.events_epoch(id) else {
             return;
         };
-        let Some((name, config)) = lock(&self.event_configs).get(&id).cloned() else {
+        let Some((name, mut config)) = lock(&self.event_configs).get(&id).cloned() else {
             return;
         };
+        config.block_size = block_size;
         let sink: Arc<dyn IndexSink> = Arc::new(WorkerEventSink {
             shared: self.shared.clone(),
             worker: id,
@@ -248,6 +283,7 @@ impl Fleet {
     fn drop_worker(&self, id: WorkerId) {
         self.leave(id);
         lock(&self.event_configs).remove(&id);
+        lock(&self.declared_block_sizes).remove(&id);
         self.set_model_len(id, None);
         let removed = self.shared.remove_worker(id);
         if let Some(info) = removed {
@@ -274,19 +310,39 @@ impl Fleet {
                 .health_result(info.id, ok, self.health_failures)
                 .unwrap_or(false);
             if ok && !info.in_router {
+                let mut served = Vec::new();
                 if let Some((models, max_model_len)) = self.models_of(&info.url).await {
+                    served.clone_from(&models);
                     self.shared.set_models(info.id, models);
                     self.set_model_len(info.id, max_model_len);
                 }
-                if let Some(capacity) = self.capacity_of(&info.url).await {
-                    self.shared.set_capacity(info.id, capacity);
+                // Its bookings are counted, and its events read, in its
+                // model's blocks.
+                let block_size = self.block_size_of(info.id, &served);
+                let own = (block_size != self.block_size).then_some(block_size);
+                match self.capacity_of(&info.url).await {
+                    Some(capacity) => self.shared.set_capacity(
+                        info.id,
+                        WorkerCapacity {
+                            block_size: own,
+                            ..capacity
+                        },
+                    ),
+                    None if own.is_some() => self.shared.set_capacity(
+                        info.id,
+                        WorkerCapacity {
+                            block_size: own,
+                            ..WorkerCapacity::default()
+                        },
+                    ),
+                    None => {}
                 }
                 // LoRA slots (`max_loras`), when the worker reports them.
                 if let Some(body) = self.get(&info.url, "/get_server_info").await {
                     let slots = crate::adapters::Adapters::slots_of(&body);
                     self.shared.adapter_slots(info.id, slots);
                 }
-                self.enter(info.id);
+                self.enter(info.id, block_size);
                 tracing::info!(worker = %info.name, "worker healthy: in selection");
             } else if !keep && info.in_router {
                 self.leave(info.id);
@@ -357,6 +413,7 @@ impl Fleet {
             max_num_batched_tokens: v["max_num_batched_tokens"].as_u64(),
             kv_blocks,
             kv_tokens,
+            block_size: None,
         })
     }
 
@@ -517,7 +574,7 @@ mod tests {
             bootstrap_port: None,
         };
         let id = fleet.add(&spec).unwrap();
-        fleet.enter(id);
+        fleet.enter(id, 16);
         let text = fleet.kv_metrics.encode_text();
         fleet.leave(id);
         assert!(

@@ -62,7 +62,9 @@ impl FileError {
 #[derive(Debug)]
 pub struct FileWatch {
     path: PathBuf,
-    block_size: u32,
+    /// The block sizes a worker may name (the router's, then its
+    /// `[[models]]` tables').
+    block_sizes: Vec<u32>,
     cache: CacheMode,
     /// Hash of the last bytes read (parsed or not); `None` before the first
     /// read and after a failed read.
@@ -72,11 +74,12 @@ pub struct FileWatch {
 }
 
 impl FileWatch {
-    /// A watch of `path` for a router of `block_size` in `cache` mode.
-    pub fn new(path: &Path, block_size: u32, cache: CacheMode) -> Self {
+    /// A watch of `path` for a router hashing at `block_sizes` (its own
+    /// first) in `cache` mode.
+    pub fn new(path: &Path, block_sizes: Vec<u32>, cache: CacheMode) -> Self {
         Self {
             path: path.to_owned(),
-            block_size,
+            block_sizes,
             cache,
             last_hash: None,
             failing: None,
@@ -113,7 +116,7 @@ impl FileWatch {
         let parsed = std::str::from_utf8(bytes)
             .map_err(|_| "not UTF-8 text".to_owned())
             .and_then(|text| {
-                WorkersFile::parse(text, self.block_size, self.cache).map_err(|e| match e {
+                WorkersFile::parse(text, &self.block_sizes, self.cache).map_err(|e| match e {
                     ConfigError::File { reason, .. } => reason,
                     other => other.to_string(),
                 })
@@ -166,7 +169,7 @@ mod tests {
     use super::*;
 
     fn watch() -> FileWatch {
-        FileWatch::new(Path::new("/workers.toml"), 16, CacheMode::Auto)
+        FileWatch::new(Path::new("/workers.toml"), vec![16], CacheMode::Auto)
     }
 
     const TWO: &str = "[[workers]]\nurl = \"http://10.0.0.1:8000\"\nname = \"a\"\n\n[[workers]]\nurl = \"http://10.0.0.2:8000\"\n";
@@ -220,7 +223,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("workers.toml");
         let _ = std::fs::remove_file(&path);
-        let mut w = FileWatch::new(&path, 16, CacheMode::Auto);
+        let mut w = FileWatch::new(&path, vec![16], CacheMode::Auto);
         assert!(matches!(w.poll(), Poll::Failed(FileError::Missing(_))));
         assert_eq!(w.poll(), Poll::Unchanged);
         std::fs::write(&path, TWO).unwrap();

@@ -251,7 +251,7 @@ impl Sources {
         let discovery = &config.discovery;
         let file = discovery.workers_file.as_ref().map(|path| {
             (
-                file::FileWatch::new(path, config.block_size, config.cache),
+                file::FileWatch::new(path, config.block_sizes(), config.cache),
                 Duration::from_millis(discovery.workers_file_interval_ms),
             )
         });

@@ -27,6 +27,7 @@ mod serve_ending;
 mod serve_errors;
 mod serve_limits;
 mod serve_migration;
+mod serve_models;
 mod serve_reliability;
 mod serve_replica_sync;
 mod serve_routing;
