@@ -16,6 +16,8 @@
 //!   a pure reconciler and one task per source, adding and draining
 //!   workers through the fleet like the admin API does.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
+//! - [`hub`] — a model's tokenizer directory by its Hugging Face `hub_id`:
+//!   the HF cache, else a download when allowed.
 //! - The front door, outermost first: [`accept`] — the accept loop
 //!   (connection cap, header-read timeout); [`auth`] — credentials checked
 //!   from the request head; [`inflight`] — the in-flight limit; [`upload`]
@@ -73,6 +75,7 @@ mod disagg;
 pub mod discovery;
 pub mod error;
 pub mod gauges;
+pub mod hub;
 pub mod inflight;
 pub mod limits;
 pub mod metrics;
