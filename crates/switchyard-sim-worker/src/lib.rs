@@ -335,7 +335,9 @@ pub fn output_text(tokenizer: &Tokenizer) -> http::OutputText {
             return http::OutputText::Words(Arc::new(words));
         }
         Ok(words) => format!(
-            "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed)",
+            "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed; a word token \
+             decodes to a space and lowercase ASCII letters, as byte-level BPE's do, and a \
+             WordPiece or SentencePiece vocabulary's decode without the space)",
             words.len()
         ),
         Err(err) => err.to_string(),
