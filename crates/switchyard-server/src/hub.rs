@@ -29,7 +29,10 @@ pub struct HubOptions {
     /// connection.
     pub allow_download: bool,
     /// The hub cache directory (the one holding `models--ORG--NAME`);
-    /// `None`: the environment's, as [`cache_dir`] finds it.
+    /// `None`: the environment's, as `huggingface_hub` (Python,
+    /// `huggingface-cli`) finds it: `$HF_HUB_CACHE`, else `$HF_HOME/hub`,
+    /// else `$XDG_CACHE_HOME/huggingface/hub`, else
+    /// `~/.cache/huggingface/hub`.
     pub cache_dir: Option<PathBuf>,
 }
 
@@ -48,8 +51,9 @@ pub enum HubError {
     },
     /// No cache directory was given and the environment names none.
     #[error(
-        "no Hugging Face cache directory for the tokenizer of {hub_id}: HF_HUB_CACHE, HF_HOME \
-         and HOME are all unset; set one of them, or give the model a tokenizer_dir"
+        "no Hugging Face cache directory for the tokenizer of {hub_id}: HF_HUB_CACHE, HF_HOME, \
+         XDG_CACHE_HOME and HOME are all unset; set one of them, or give the model a \
+         tokenizer_dir"
     )]
     NoCacheDir {
         /// The model.
@@ -133,7 +137,7 @@ pub enum HubError {
 /// and, when the model has one, `tokenizer_config.json` (its chat
 /// template), ready for [`switchyard_tokenizer::Tokenizer::from_dir`].
 ///
-/// The cache ([`HubOptions::cache_dir`], else [`cache_dir`]) is looked in
+/// The cache ([`HubOptions::cache_dir`]) is looked in
 /// first, at the commit `refs/main` names: a cached `tokenizer.json` is
 /// used without a connection (with a warning if its config is missing and
 /// may not be downloaded). Otherwise, only when
@@ -262,7 +266,7 @@ fn download(hub_id: &str, cache_dir: &Path, endpoint: Option<String>) -> Result<
 /// without a home directory; this reads the same places plus those
 /// Python reads, so a cache filled by `huggingface-cli` is found.) `None`
 /// when none of the variables is set.
-pub fn cache_dir() -> Option<PathBuf> {
+fn cache_dir() -> Option<PathBuf> {
     cache_dir_from(|name| std::env::var_os(name))
 }
 
