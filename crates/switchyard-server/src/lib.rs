@@ -16,8 +16,6 @@
 //!   a pure reconciler and one task per source, adding and draining
 //!   workers through the fleet like the admin API does.
 //! - [`tokenize`] — the [`tokenize::PromptTokenizer`] seam.
-//! - [`hub`] — a model's tokenizer directory by its Hugging Face `hub_id`:
-//!   the HF cache, else a download when allowed.
 //! - The front door, outermost first: [`accept`] — the accept loop
 //!   (connection cap, header-read timeout); [`auth`] — credentials checked
 //!   from the request head; [`inflight`] — the in-flight limit; [`upload`]
@@ -39,6 +37,8 @@
 //!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): the plane started over
 //!   NATS, peers' batches into the dispatcher.
+//! - [`hub`] — a model's tokenizer directory by its Hugging Face `hub_id`:
+//!   the HF cache, else a download when allowed.
 //! - [`limits`] — input limits: prompt tokens, messages, content parts,
 //!   `n` and output tokens, each refusal naming its limit.
 //! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
