@@ -39,6 +39,8 @@
 //!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): the plane started over
 //!   NATS, peers' batches into the dispatcher.
+//! - [`hub`] — a model's tokenizer directory by its Hugging Face `hub_id`:
+//!   the HF cache, else a download when allowed.
 //! - [`limits`] — input limits: prompt tokens, messages, content parts,
 //!   `n` and output tokens, each refusal naming its limit.
 //! - [`inflight`] — the in-flight limit (503 past `--max-inflight`) and
@@ -75,6 +77,7 @@ mod disagg;
 pub mod discovery;
 pub mod error;
 pub mod gauges;
+pub mod hub;
 pub mod inflight;
 pub mod limits;
 pub mod metrics;

@@ -148,9 +148,11 @@ pub struct SimWorkerArgs {
     /// Output tokens when a request gives no max_tokens.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u32,
-    /// Directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json
-    /// (default: the bundled Qwen3 tokenizer, built into the binary, or the
-    /// copy in $SWITCHYARD_TOKENIZER_DIR).
+    /// A model's tokenizer directory: tokenizer.json with its
+    /// tokenizer_config.json (a Hugging Face model directory; without the
+    /// config, chat requests are refused), else qwen3-tokenizer.json with
+    /// qwen3-tokenizer_config.json (default: the bundled Qwen3 tokenizer,
+    /// built into the binary, or the copy in $SWITCHYARD_TOKENIZER_DIR).
     #[arg(long)]
     pub tokenizer_dir: Option<PathBuf>,
     /// Publish MarkPrefillCompleted at each routed request's first token
@@ -305,10 +307,7 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         );
     }
     let tokenizer = match &args.tokenizer_dir {
-        Some(dir) => Tokenizer::from_files(
-            &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
-            Some(&dir.join(switchyard_tokenizer::BUNDLED_CONFIG)),
-        ),
+        Some(dir) => Tokenizer::from_dir(dir),
         None => Tokenizer::bundled(),
     }
     .context("loading the tokenizer")?;
@@ -336,7 +335,9 @@ pub fn output_text(tokenizer: &Tokenizer) -> http::OutputText {
             return http::OutputText::Words(Arc::new(words));
         }
         Ok(words) => format!(
-            "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed)",
+            "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed; a word token \
+             decodes to a space and lowercase ASCII letters, as byte-level BPE's do, and a \
+             WordPiece or SentencePiece vocabulary's decode without the space)",
             words.len()
         ),
         Err(err) => err.to_string(),

@@ -26,6 +26,10 @@
 
 #![warn(missing_docs)]
 
+// Loading: `Tokenizer::bundled` (compiled in, or `override_dir`),
+// `Tokenizer::from_dir` (a model directory, HF or bundled file names),
+// `Tokenizer::from_files`.
+//
 // Modules:
 // - `bpe`: byte-level BPE merges over one pre-tokenized piece.
 // - `pretokenize`: the Qwen2/Qwen3 split pattern, without a regex engine.
@@ -51,6 +55,11 @@ use std::path::{Path, PathBuf};
 pub const BUNDLED_TOKENIZER: &str = "qwen3-tokenizer.json";
 /// File name of the bundled tokenizer config (chat template).
 pub const BUNDLED_CONFIG: &str = "qwen3-tokenizer_config.json";
+/// File name of the vocabulary in a Hugging Face model directory.
+pub const HF_TOKENIZER: &str = "tokenizer.json";
+/// File name of the tokenizer config (chat template) in a Hugging Face
+/// model directory.
+pub const HF_CONFIG: &str = "tokenizer_config.json";
 
 /// The bundled `tokenizer.json`, gzipped from `data/tokenizers/` by
 /// `build.rs` (2 MB in the binary instead of 11).
@@ -82,8 +91,22 @@ pub enum TokenizerError {
         /// Why.
         reason: String,
     },
-    /// The config has no chat template.
-    #[error("the tokenizer config has no chat_template")]
+    /// A directory holds none of the vocabulary files
+    /// [`Tokenizer::from_dir`] looks for.
+    #[error("no tokenizer in {dir}: looked for {}", .looked_for.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(" and "))]
+    NotFound {
+        /// The directory.
+        dir: PathBuf,
+        /// Every path tried, in order.
+        looked_for: Vec<PathBuf>,
+    },
+    /// The tokenizer has no chat template: a chat request cannot be
+    /// rendered (a text prompt can).
+    #[error(
+        "this model's tokenizer has no chat template (no chat_template in its \
+         tokenizer_config.json, or no tokenizer_config.json): send a text prompt \
+         to /v1/completions instead"
+    )]
     NoChatTemplate,
     /// Encoding or decoding failed.
     #[error("tokenizer: {0}")]
@@ -117,7 +140,35 @@ impl std::fmt::Debug for Tokenizer {
 
 #[derive(Deserialize)]
 struct TokenizerConfig {
-    chat_template: Option<String>,
+    chat_template: Option<ChatTemplate>,
+}
+
+/// A config's `chat_template`: one template, or named ones (of which
+/// transformers renders `default` when no name is asked for).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ChatTemplate {
+    One(String),
+    Named(Vec<NamedChatTemplate>),
+}
+
+#[derive(Deserialize)]
+struct NamedChatTemplate {
+    name: String,
+    template: String,
+}
+
+impl ChatTemplate {
+    /// The template chat requests render.
+    fn into_default(self) -> Option<String> {
+        match self {
+            Self::One(template) => Some(template),
+            Self::Named(named) => named
+                .into_iter()
+                .find(|t| t.name == "default")
+                .map(|t| t.template),
+        }
+    }
 }
 
 impl Tokenizer {
@@ -159,8 +210,49 @@ impl Tokenizer {
         json
     }
 
+    /// Loads the tokenizer of a model directory: Hugging Face's names,
+    /// [`HF_TOKENIZER`] with [`HF_CONFIG`], else the bundled names,
+    /// [`BUNDLED_TOKENIZER`] with [`BUNDLED_CONFIG`] (a directory laid out
+    /// like `data/tokenizers/`). A config goes with the vocabulary of its
+    /// own naming, and may be missing: then there is no chat template
+    /// ([`TokenizerError::NoChatTemplate`] on chat requests, text prompts
+    /// work). No vocabulary under either name is
+    /// [`TokenizerError::NotFound`], naming the paths looked for.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let (tokenizer_json, config_json) = Self::dir_files(dir)?;
+        if config_json.is_none() {
+            tracing::info!(
+                dir = %dir.display(),
+                "tokenizer: no tokenizer config beside {}; no chat template",
+                tokenizer_json.display()
+            );
+        }
+        Self::from_files(&tokenizer_json, config_json.as_deref())
+    }
+
+    /// The files [`Self::from_dir`] loads from `dir`: the vocabulary and,
+    /// when present, its config.
+    pub fn dir_files(dir: &Path) -> Result<(PathBuf, Option<PathBuf>), TokenizerError> {
+        let pairs = [
+            (HF_TOKENIZER, HF_CONFIG),
+            (BUNDLED_TOKENIZER, BUNDLED_CONFIG),
+        ];
+        for (tokenizer, config) in pairs {
+            let tokenizer = dir.join(tokenizer);
+            if tokenizer.is_file() {
+                let config = Some(dir.join(config)).filter(|path| path.is_file());
+                return Ok((tokenizer, config));
+            }
+        }
+        Err(TokenizerError::NotFound {
+            dir: dir.to_owned(),
+            looked_for: pairs.iter().map(|(t, _)| dir.join(t)).collect(),
+        })
+    }
+
     /// Loads `tokenizer.json` and, when given, the chat template of
-    /// `tokenizer_config.json`.
+    /// `tokenizer_config.json` (a config without `chat_template` leaves
+    /// the tokenizer without one, as a missing config does).
     pub fn from_files(
         tokenizer_json: &Path,
         config_json: Option<&Path>,
@@ -193,9 +285,23 @@ impl Tokenizer {
             path: tokenizer_json.to_owned(),
             reason,
         };
-        let inner: tokenizers::Tokenizer = json
+        let mut inner: tokenizers::Tokenizer = json
             .parse()
             .map_err(|e: tokenizers::Error| load_error(e.to_string()))?;
+        // Prompts are counted and hashed as they are: a `tokenizer.json`
+        // saved with padding or truncation (an embedding model's, such as
+        // a BERT's padded to 128) would pad short prompts and cut long
+        // ones. Clients (transformers) encode without them unless asked.
+        if inner.get_padding().is_some() || inner.get_truncation().is_some() {
+            tracing::info!(
+                path = %tokenizer_json.display(),
+                "tokenizer: ignoring the padding and truncation saved in tokenizer.json"
+            );
+            inner.with_padding(None);
+            inner
+                .with_truncation(None)
+                .map_err(|e| load_error(e.to_string()))?;
+        }
         let fast = FastBpe::from_json(json);
         match &fast {
             Ok(_) => {
@@ -225,10 +331,17 @@ impl Tokenizer {
                     path: path.to_owned(),
                     reason: e.to_string(),
                 })?;
-            let template = config.chat_template.ok_or(TokenizerError::NoChatTemplate)?;
-            env.add_template_owned("chat", template)
-                .map_err(|e| TokenizerError::Template(e.to_string()))?;
-            has_template = true;
+            match config.chat_template.and_then(ChatTemplate::into_default) {
+                Some(template) => {
+                    env.add_template_owned("chat", template)
+                        .map_err(|e| TokenizerError::Template(e.to_string()))?;
+                    has_template = true;
+                }
+                None => tracing::info!(
+                    path = %path.display(),
+                    "tokenizer: the config has no (default) chat_template; chat requests will be refused"
+                ),
+            }
         }
         Ok(Self {
             inner,
@@ -562,6 +675,145 @@ mod tests {
         // two pieces of the 128 are encoded.
         assert!(encoded.len() <= 2, "{encoded:?}");
         assert!(encoded.iter().all(|&n| n <= PIECE_BYTES));
+    }
+
+    /// A fresh empty directory under the system's temp directory.
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "switchyard-tokenizer-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A WordPiece (BERT) `tokenizer.json` of seven tokens, saved with
+    /// truncation to 4 and padding to 8 as embedding models' are.
+    const WORDPIECE: &str = r###"{
+        "version": "1.0",
+        "truncation": {"max_length": 4, "strategy": "LongestFirst", "stride": 0},
+        "padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null,
+                    "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"},
+        "added_tokens": [
+            {"id": 0, "special": true, "content": "[PAD]", "single_word": false,
+             "lstrip": false, "rstrip": false, "normalized": false},
+            {"id": 1, "special": true, "content": "[UNK]", "single_word": false,
+             "lstrip": false, "rstrip": false, "normalized": false}
+        ],
+        "normalizer": {"type": "BertNormalizer", "clean_text": true,
+                       "handle_chinese_chars": true, "strip_accents": null, "lowercase": true},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                  "max_input_chars_per_word": 100,
+                  "vocab": {"[PAD]": 0, "[UNK]": 1, "the": 2, "river": 3, "run": 4, "##s": 5, ",": 6}}
+    }"###;
+
+    #[test]
+    fn a_directory_with_hugging_faces_names_loads_with_its_chat_template() {
+        let dir = temp_dir("hf-names");
+        std::fs::write(dir.join(HF_TOKENIZER), Tokenizer::bundled_json()).unwrap();
+        std::fs::write(dir.join(HF_CONFIG), EMBEDDED_CONFIG).unwrap();
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        assert_eq!(t.vocab_size(), 151_669);
+        assert!(t.fast_path_unsupported().is_none());
+        let hi = [ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        assert_eq!(
+            t.apply_chat_template(&hi, true).unwrap(),
+            tokenizer().apply_chat_template(&hi, true).unwrap()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_with_the_bundled_names_loads_when_hugging_faces_are_absent() {
+        let dir = temp_dir("bundled-names");
+        std::fs::write(dir.join(BUNDLED_TOKENIZER), Tokenizer::bundled_json()).unwrap();
+        std::fs::write(dir.join(BUNDLED_CONFIG), EMBEDDED_CONFIG).unwrap();
+        assert_eq!(
+            Tokenizer::dir_files(&dir).unwrap(),
+            (dir.join(BUNDLED_TOKENIZER), Some(dir.join(BUNDLED_CONFIG)))
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_without_a_vocabulary_names_every_path_looked_for() {
+        let dir = temp_dir("empty");
+        // A config alone is no tokenizer.
+        std::fs::write(dir.join(HF_CONFIG), EMBEDDED_CONFIG).unwrap();
+        let err = Tokenizer::from_dir(&dir).unwrap_err();
+        let message = err.to_string();
+        assert!(matches!(err, TokenizerError::NotFound { .. }), "{err:?}");
+        for name in [HF_TOKENIZER, BUNDLED_TOKENIZER] {
+            let path = dir.join(name).display().to_string();
+            assert!(message.contains(&path), "{message} lacks {path}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_wordpiece_tokenizer_without_config_encodes_prompts_unpadded_and_uncut() {
+        let dir = temp_dir("wordpiece");
+        std::fs::write(dir.join(HF_TOKENIZER), WORDPIECE).unwrap();
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        // Off the fast path (not byte-level BPE), on the tokenizers crate.
+        assert!(t.fast_path_unsupported().is_some());
+        let ids = t.encode("The river runs, the river").unwrap();
+        assert_eq!(ids, [2, 3, 4, 5, 6, 2, 3]);
+        assert_eq!(t.encode("river").unwrap(), [3]);
+        assert_eq!(t.decode(&ids).unwrap(), "the river runs, the river");
+        let hi = [ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        assert!(matches!(
+            t.apply_chat_template(&hi, true),
+            Err(TokenizerError::NoChatTemplate)
+        ));
+        // WordPiece decodes a word without its leading space: no word
+        // tokens, and the sim-worker falls back to fixed output words.
+        assert!(t.word_vocabulary(64).unwrap().is_empty());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_config_without_chat_template_loads_without_one() {
+        let dir = temp_dir("no-template");
+        std::fs::write(dir.join(HF_TOKENIZER), WORDPIECE).unwrap();
+        std::fs::write(
+            dir.join(HF_CONFIG),
+            r#"{"do_lower_case": true, "tokenizer_class": "BertTokenizer"}"#,
+        )
+        .unwrap();
+        let t = Tokenizer::from_dir(&dir).unwrap();
+        let err = t.apply_chat_template(&[], true).unwrap_err();
+        assert!(err.to_string().contains("/v1/completions"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn of_named_chat_templates_the_default_one_is_rendered() {
+        let config = r#"{"chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+        ]}"#;
+        let t = Tokenizer::from_json(
+            WORDPIECE,
+            Path::new("tokenizer.json"),
+            Some((config, Path::new("tokenizer_config.json"))),
+        )
+        .unwrap();
+        let hi = [ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        assert_eq!(t.apply_chat_template(&hi, true).unwrap(), "Hi");
     }
 
     #[test]

@@ -5,3 +5,4 @@ mod adapters;
 mod disagg;
 mod output_text;
 mod support;
+mod wordpiece;

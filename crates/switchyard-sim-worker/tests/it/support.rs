@@ -18,6 +18,11 @@ pub(crate) struct Worker {
 /// simulated delay, 1024 KV blocks and model `m`, with `flags` after
 /// those; served until the test's runtime ends.
 pub(crate) async fn serve_worker(flags: &[&str]) -> Worker {
+    serve_worker_with(flags, Tokenizer::bundled().unwrap()).await
+}
+
+/// [`serve_worker`] with `tokenizer` for prompts and output text.
+pub(crate) async fn serve_worker_with(flags: &[&str], tokenizer: Tokenizer) -> Worker {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -38,9 +43,7 @@ pub(crate) async fn serve_worker(flags: &[&str]) -> Worker {
         listener,
         app,
         bootstrap,
-    } = bind(&args, Tokenizer::bundled().unwrap())
-        .await
-        .expect("the worker starts");
+    } = bind(&args, tokenizer).await.expect("the worker starts");
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
     Worker {
