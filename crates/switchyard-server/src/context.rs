@@ -87,7 +87,7 @@ impl AppState {
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
-        let hub = crate::models::HubAccess {
+        let hub = crate::hub::HubOptions {
             allow_download: config.allow_hub_download,
             cache_dir: config.hub_cache_dir.clone(),
         };

@@ -277,7 +277,9 @@ pub struct ServeArgs {
     /// Largest non-streaming response the router buffers, in bytes [default: 16777216].
     #[arg(long, env = "SWITCHYARD_MAX_RESPONSE_BYTES")]
     pub max_response_bytes: Option<usize>,
-    /// Tokenizer directory holding qwen3-tokenizer.json and qwen3-tokenizer_config.json.
+    /// Tokenizer directory: a Hugging Face model's tokenizer.json and
+    /// tokenizer_config.json (or qwen3-tokenizer.json and
+    /// qwen3-tokenizer_config.json) [default: the bundled Qwen3 tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER_DIR")]
     pub tokenizer_dir: Option<PathBuf>,
     /// Token ids kept for text already tokenized (a chat's earlier
@@ -704,10 +706,7 @@ pub fn front_door(
 pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
     config.validate()?;
     let tokenizer = match &config.tokenizer_dir {
-        Some(dir) => Tokenizer::from_files(
-            &dir.join(switchyard_tokenizer::BUNDLED_TOKENIZER),
-            Some(&dir.join(switchyard_tokenizer::BUNDLED_CONFIG)),
-        ),
+        Some(dir) => Tokenizer::from_dir(dir),
         None => Tokenizer::bundled(),
     }
     .context("loading the tokenizer")?

@@ -31,7 +31,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use switchyard_core::select::{ModelSettings, PolicyKind};
@@ -273,31 +273,20 @@ impl Models {
 /// (downloaded when `hub` allows it).
 pub fn load_tokenizer(
     spec: &ModelSpec,
-    hub: &HubAccess,
+    hub: &crate::hub::HubOptions,
     segment_cache_ids: u64,
 ) -> Result<Arc<dyn PromptTokenizer>, String> {
     let dir: PathBuf = match (&spec.tokenizer_dir, &spec.hub_id) {
         (Some(dir), _) => dir.clone(),
-        (None, Some(id)) => MERGE_HUB(id, hub)?,
+        (None, Some(id)) => {
+            crate::hub::tokenizer_dir_from_hub(id, hub).map_err(|e| e.to_string())?
+        }
         (None, None) => return Err("no tokenizer_dir or hub_id".into()),
     };
-    let tokenizer = from_dir(&dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
+    let tokenizer = switchyard_tokenizer::Tokenizer::from_dir(&dir)
+        .map_err(|e| e.to_string())?
         .with_segment_cache(segment_cache_ids);
     Ok(Arc::new(crate::tokenize::HfTokenizer(tokenizer)))
-}
-
-#[allow(non_snake_case)]
-fn MERGE_HUB(id: &str, _: &HubAccess) -> Result<PathBuf, String> {
-    Err(format!("{id}: MERGE"))
-}
-
-fn from_dir(dir: &Path) -> Result<switchyard_tokenizer::Tokenizer, String> {
-    switchyard_tokenizer::Tokenizer::from_files(
-        &dir.join("tokenizer.json"),
-        Some(&dir.join("tokenizer_config.json")),
-    )
-    .map_err(|e| e.to_string())
 }
 
 /// Each model's series, read at scrape time.

@@ -139,7 +139,7 @@ async fn each_model_routes_with_its_own_tokenizer_block_size_and_workers() {
     );
     let m0 = worker("minilm", &["--tokenizer-dir", minilm, "--block-size", "32"]);
     let m1 = worker("minilm", &["--tokenizer-dir", minilm, "--block-size", "32"]);
-    let g0 = sim_worker_with(0, &["--speedup", "0", "--model", "ghost"]);
+    let g0 = worker("ghost", &[]);
     let config = scratch_file(
         "models.toml",
         format!(
@@ -183,9 +183,11 @@ base_model = "qwen"
             spec(&q1, "q1"),
             spec(&m0, "m0"),
             spec(&m1, "m1"),
-            g0.named("g0"),
+            spec(&g0, "g0"),
         ],
         &[
+            "--cache",
+            "events",
             "--config",
             config.to_str().unwrap(),
             "--hub-cache-dir",
