@@ -8,8 +8,8 @@
 //! the model's own tokens and blocks.
 
 use crate::support::{
-    machine, metric, metrics_text, router, scratch_file, served_by, sim_worker_with, wait_metrics,
-    Proc,
+    machine, metric, metric_sum, metrics_text, router, scratch_file, served_by, sim_worker_with,
+    wait_metrics, Proc,
 };
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -238,6 +238,7 @@ base_model = "qwen"
     // the first's worker to hold its blocks. The blocks counted are the
     // worker's own tokens over the model's block size.
     let mut blocks = [0u64; 2];
+    let mut repeated = [0u64; 2];
     for topic in 0..3 {
         for (k, (model, workers, block_size)) in
             [("qwen", ["q0", "q1"], 16), ("minilm", ["m0", "m1"], 32)]
@@ -245,7 +246,17 @@ base_model = "qwen"
                 .enumerate()
         {
             let prompt = text(topic * 10 + k as u32);
+            let before = metric_sum(
+                &metrics_text(&client, &base).await,
+                "switchyard_index_blocks",
+            );
             let (status, first, tokens) = complete(&client, &base, model, &prompt).await;
+            // Its worker's KV events reach the router's index.
+            let full = (tokens / block_size) as f64;
+            wait_metrics(&client, &base, "the prompt's blocks indexed", |m| {
+                metric_sum(m, "switchyard_index_blocks") >= before + full
+            })
+            .await;
             assert_eq!(status, 200, "{model}");
             assert!(workers.contains(&first.as_str()), "{model} went to {first}");
             assert!(tokens > 64, "a prompt of several blocks: {tokens}");
@@ -256,6 +267,7 @@ base_model = "qwen"
                 "{model}: the repeat goes where its blocks are"
             );
             blocks[k] += 2 * (tokens / block_size);
+            repeated[k] += tokens / block_size;
         }
     }
     // The two tokenizers count the same text differently.
@@ -297,14 +309,14 @@ base_model = "qwen"
         blocks[1] as f64,
         "minilm prompts hashed at 32 with its own tokenizer"
     );
-    for model in ["qwen", "minilm"] {
+    for (k, model) in ["qwen", "minilm"].into_iter().enumerate() {
         let hits = series("switchyard_model_expected_hit_blocks_total", model);
         let prompt = series("switchyard_model_prompt_blocks_total", model);
-        // Every repeat hit its whole prompt's blocks: at least a third of
-        // all blocks, never more than all.
+        // Every repeat was expected to hit its whole prompt's full blocks.
         assert!(
-            hits * 3.0 >= prompt && hits <= prompt && hits > 0.0,
-            "{model}: {hits} of {prompt}"
+            hits >= repeated[k] as f64 && hits < prompt,
+            "{model}: {hits} of {prompt}, {} repeated",
+            repeated[k]
         );
     }
     assert_eq!(series("switchyard_model_requests_total", "minilm"), 7.0);
