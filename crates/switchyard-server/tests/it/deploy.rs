@@ -66,7 +66,10 @@ fn every_example_config_loads_and_follows_its_workers_kv_events() {
         loaded.push(path.file_name().unwrap().to_string_lossy().into_owned());
     }
     loaded.sort();
-    assert_eq!(loaded, ["sglang-fleet.toml", "vllm-fleet.toml"]);
+    assert_eq!(
+        loaded,
+        ["multi-model-fleet.toml", "sglang-fleet.toml", "vllm-fleet.toml"]
+    );
 }
 
 #[test]
