@@ -289,6 +289,9 @@ pub fn load_tokenizer(
     Ok(Arc::new(crate::tokenize::HfTokenizer(tokenizer)))
 }
 
+/// A per-model series: its name, its help and how a model's value is read.
+type Series<T> = (&'static str, &'static str, fn(&ModelRouting) -> T);
+
 /// Each model's series, read at scrape time.
 pub struct ModelsCollector(pub Arc<Models>);
 
@@ -301,7 +304,7 @@ impl std::fmt::Debug for ModelsCollector {
 impl Collector for ModelsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
         let entries = self.0.entries();
-        let counters: [(&str, &str, fn(&ModelRouting) -> u64); 3] = [
+        let counters: [Series<u64>; 3] = [
             (
                 "switchyard_model_requests",
                 "Requests placed on a worker, by model (`default`: models without a [[models]] table).",
@@ -325,7 +328,7 @@ impl Collector for ModelsCollector {
                 ConstCounter::new(read(m)).encode(family.encode_family(&labels)?)?;
             }
         }
-        let gauges: [(&str, &str, fn(&ModelRouting) -> i64); 2] = [
+        let gauges: [Series<i64>; 2] = [
             (
                 "switchyard_model_tokenizer_loaded",
                 "1 when the router tokenizes the model's prompts; 0: routed by load alone (its tokenizer could not be loaded: see the start-up log).",
