@@ -259,7 +259,16 @@ mod tests {
         assert!(is_bare_word("the"));
         assert!(is_bare_word("of"));
         for not in [
-            "a", "", " the", "##s", "The", "[CLS]", "[unused0]", "don't", ",", "caf\u{e9}",
+            "a",
+            "",
+            " the",
+            "##s",
+            "The",
+            "[CLS]",
+            "[unused0]",
+            "don't",
+            ",",
+            "caf\u{e9}",
         ] {
             assert!(!is_bare_word(not), "{not:?}");
         }

@@ -92,7 +92,10 @@ fn sequence(words: &WordVocabulary, picks: &[prop::sample::Index]) -> (Vec<u32>,
 fn the_wordpiece_fixtures_words_are_its_whole_words_with_a_space_added() {
     let (tokenizer, words) = wordpiece();
     assert!(words.space_added());
-    assert!(!self::words().space_added(), "byte-level BPE tokens hold their space");
+    assert!(
+        !self::words().space_added(),
+        "byte-level BPE tokens hold their space"
+    );
     // Every entry of two or more lowercase letters: not [PAD] [UNK] [CLS]
     // [SEP] , . ##s ##ing ##ed [unused0] ' nor the single letters a i t.
     assert_eq!(words.len(), 357);
@@ -103,10 +106,7 @@ fn the_wordpiece_fixtures_words_are_its_whole_words_with_a_space_added() {
         assert!(text.len() >= 3 && text[1..].bytes().all(|b| b.is_ascii_lowercase()));
         assert_eq!(tokenizer.encode(text).unwrap(), [id]);
     }
-    let (ids, text) = (
-        [4, 5, 6, 9, 4, 10],
-        " the river run to the sea".to_owned(),
-    );
+    let (ids, text) = ([4, 5, 6, 9, 4, 10], " the river run to the sea".to_owned());
     let joined: String = ids.iter().map(|&id| words.text(id).unwrap()).collect();
     assert_eq!(joined, text);
     assert_eq!(tokenizer.encode(&text).unwrap(), ids);
