@@ -319,7 +319,10 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
 }
 
 /// How generated tokens become text with `tokenizer`: its word tokens when
-/// it has at least [`MIN_OUTPUT_WORDS`] that round-trip, else fixed words,
+/// it has at least [`MIN_OUTPUT_WORDS`] that round-trip (byte-level BPE's
+/// `" the"`, or a WordPiece vocabulary's whole words written with a space
+/// in front: every token's text starts with a space, the answer's first
+/// too, so streamed chunks concatenate to the whole answer), else fixed words,
 /// said on stderr (clients will count other numbers of tokens than usage).
 pub fn output_text(tokenizer: &Tokenizer) -> http::OutputText {
     let started = std::time::Instant::now();
@@ -336,8 +339,9 @@ pub fn output_text(tokenizer: &Tokenizer) -> http::OutputText {
         }
         Ok(words) => format!(
             "only {} word tokens round-trip (at least {MIN_OUTPUT_WORDS} needed; a word token \
-             decodes to a space and lowercase ASCII letters, as byte-level BPE's do, and a \
-             WordPiece or SentencePiece vocabulary's decode without the space)",
+             decodes to a space and lowercase ASCII letters, as byte-level BPE's do, or is a \
+             WordPiece vocabulary's whole word of two or more lowercase ASCII letters; a \
+             SentencePiece vocabulary's decode without the space)",
             words.len()
         ),
         Err(err) => err.to_string(),

@@ -14,9 +14,10 @@
 //!   method compatibility, which templates rely on for `.startswith`,
 //!   `.split`, `.strip` and friends).
 //! - [`Tokenizer::word_vocabulary`] ([`words`]) picks the vocabulary's word
-//!   tokens (`" the"`, `" river"`) that any sequence of re-encodes to
-//!   itself: what the simulated engine generates, so a client counting the
-//!   text's tokens counts the ids the engine reported.
+//!   tokens (`" the"`, `" river"`; a WordPiece vocabulary's whole words
+//!   `"the"`, `"river"`, written with a space in front) that any sequence
+//!   of re-encodes to itself: what the simulated engine generates, so a
+//!   client counting the text's tokens counts the ids the engine reported.
 //!
 //! The router and the simulated engine share this crate so that both hash
 //! the same token ids for the same prompt. The repository bundles the Qwen3
@@ -776,9 +777,16 @@ mod tests {
             t.apply_chat_template(&hi, true),
             Err(TokenizerError::NoChatTemplate)
         ));
-        // WordPiece decodes a word without its leading space: no word
-        // tokens, and the sim-worker falls back to fixed output words.
-        assert!(t.word_vocabulary(64).unwrap().is_empty());
+        // WordPiece decodes a word without its leading space: the word
+        // tokens are its whole words of two letters or more, written with
+        // a space in front, which its pre-tokenizer drops.
+        let words = t.word_vocabulary(64).unwrap();
+        assert!(words.space_added());
+        assert_eq!(words.ids(), [2, 3, 4]);
+        assert_eq!(words.text(3), Some(" river"));
+        assert_eq!(words.text(5), None, "##s is no word");
+        assert_eq!(t.encode(" river the run").unwrap(), [3, 2, 4]);
+        assert_eq!(t.decode(&[3, 2, 4]).unwrap(), "river the run");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -6,21 +6,36 @@
 //! pre-tokenizers of the GPT-2/Qwen family split text before each such
 //! space (`" ?\p{L}+"` is one piece), so every word of a concatenation is
 //! encoded on its own and any sequence of word tokens round-trips.
+//!
+//! A WordPiece vocabulary (BERT, all-MiniLM-L6-v2) has no spaces in its
+//! tokens: its whole-word tokens (`"the"`, `"river"`; not the `"##s"`
+//! continuations) decode alone without one, and its decoder puts a space
+//! between tokens. Its word text is the token with a space added in front
+//! (`" the"`): the BERT pre-tokenizer splits at whitespace and drops it,
+//! and WordPiece's longest-match-first encodes a piece that is a whole
+//! vocabulary entry as that entry, so again any concatenation encodes to
+//! its ids. Decoding the ids gives the concatenation without its first
+//! space ([`WordVocabulary::space_added`]).
+//!
 //! [`Tokenizer::word_vocabulary`] does not take that on trust: it checks
 //! the joined table in several orders with the fast path, and once with
 //! the `tokenizers` crate (what Python clients count with), and refuses a
 //! vocabulary that fails.
 
 use crate::{Tokenizer, TokenizerError};
+use tokenizers::models::ModelWrapper;
 
 /// Word tokens of one tokenizer, sorted by id, each with its text.
 ///
 /// Invariant (checked when built): any concatenation of the texts encodes
-/// to the sequence of their ids, and decoding ids gives the concatenation.
+/// (without special tokens) to the sequence of their ids, and decoding
+/// ids gives the concatenation, without its first space when
+/// [`Self::space_added`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WordVocabulary {
     ids: Vec<u32>,
     texts: Vec<Box<str>>,
+    space_added: bool,
 }
 
 /// Why a tokenizer yields no word vocabulary.
@@ -39,7 +54,7 @@ pub enum WordVocabularyError {
         at: usize,
     },
     /// The joined ids decode to other text than the joined words (a
-    /// decoder that strips or adds spaces).
+    /// decoder that strips or adds spaces other than WordPiece's).
     #[error("joined word tokens decode to other text than the words joined ({order} order)")]
     DecodesDifferently {
         /// Which order of the table failed.
@@ -68,6 +83,27 @@ impl WordVocabulary {
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
+
+    /// Whether each text's leading space is not part of its token but
+    /// added (a WordPiece vocabulary, whose whole-word tokens decode
+    /// without one): then the tokenizer decodes a sequence of ids to the
+    /// concatenation of their texts without its first space, `"the
+    /// river"` for `" the river"`. The texts encode to the ids all the
+    /// same. `false` for byte-level BPE, whose tokens hold their space.
+    pub fn space_added(&self) -> bool {
+        self.space_added
+    }
+
+    /// What the tokenizer decodes the ids of `text`, a concatenation of
+    /// word texts, to: `text`, without its first space when
+    /// [`Self::space_added`].
+    pub fn decoded<'a>(&self, text: &'a str) -> &'a str {
+        if self.space_added {
+            text.strip_prefix(' ').unwrap_or(text)
+        } else {
+            text
+        }
+    }
 }
 
 /// Whether `text` is one space and one or more ASCII lowercase letters.
@@ -76,15 +112,28 @@ fn is_word(text: &str) -> bool {
         .is_some_and(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_lowercase()))
 }
 
+/// Whether `token`, a WordPiece token decoded alone, is a whole word worth
+/// writing: two or more ASCII lowercase letters (not a `##` continuation,
+/// a special token, which decodes to nothing, punctuation or `[unused0]`;
+/// single letters, a block of their own in BERT vocabularies, read as
+/// noise).
+fn is_bare_word(token: &str) -> bool {
+    token.len() >= 2 && token.bytes().all(|b| b.is_ascii_lowercase())
+}
+
 impl Tokenizer {
     /// The first `max` word tokens by id (the lowest ids of a BPE
-    /// vocabulary are its most frequent merges), checked to round-trip
-    /// alone and joined. May hold fewer than `max`, or none; the caller
-    /// decides how few is too few. Decodes ids one by one until `max` are
-    /// found: some tens of milliseconds for the bundled tokenizer.
+    /// vocabulary are its most frequent merges; of a BERT WordPiece
+    /// vocabulary, after the special, unused and single-character ids,
+    /// its most frequent words), checked to round-trip alone and joined.
+    /// May hold fewer than `max`, or none; the caller decides how few is
+    /// too few. Decodes ids one by one until `max` are found: some tens of
+    /// milliseconds for the bundled tokenizer.
     pub fn word_vocabulary(&self, max: usize) -> Result<WordVocabulary, WordVocabularyError> {
         let mut ids = Vec::new();
         let mut texts: Vec<Box<str>> = Vec::new();
+        // WordPiece tokens hold no space: a whole word gets one in front.
+        let space_added = matches!(self.inner.get_model(), ModelWrapper::WordPiece(_));
         let vocab_size = u32::try_from(self.vocab_size()).unwrap_or(u32::MAX);
         for id in 0..vocab_size {
             if ids.len() >= max {
@@ -92,9 +141,15 @@ impl Tokenizer {
             }
             // An id that fails to decode or encode is no word; only the
             // joined check below can refuse the whole table.
-            let Ok(text) = self.decode(&[id]) else {
+            let Ok(mut text) = self.decode(&[id]) else {
                 continue;
             };
+            if space_added {
+                if !is_bare_word(&text) {
+                    continue;
+                }
+                text.insert(0, ' ');
+            }
             if !is_word(&text) {
                 continue;
             }
@@ -106,7 +161,11 @@ impl Tokenizer {
             ids.push(id);
             texts.push(text.into_boxed_str());
         }
-        let vocabulary = WordVocabulary { ids, texts };
+        let vocabulary = WordVocabulary {
+            ids,
+            texts,
+            space_added,
+        };
         vocabulary.check_joined(self)?;
         Ok(vocabulary)
     }
@@ -115,7 +174,8 @@ impl Tokenizer {
 impl WordVocabulary {
     /// Checks that the whole table, joined in ascending, descending and a
     /// strided order, encodes to those ids and decodes back to the joined
-    /// text. The fast path encodes all three; the reference encoder, ten
+    /// text (without its first space when [`Self::space_added`]). The
+    /// fast path encodes all three; the reference encoder, ten
     /// times slower, the first, which holds every word once (so every
     /// word round-trips there too, next to others): the two split text
     /// the same way (the crate's identity tests), so the other orders
@@ -147,7 +207,7 @@ impl WordVocabulary {
                     return Err(WordVocabularyError::NotSeparable { order, at });
                 }
             }
-            if tokenizer.decode(&ids)? != text {
+            if tokenizer.decode(&ids)? != self.decoded(&text) {
                 return Err(WordVocabularyError::DecodesDifferently { order });
             }
         }
@@ -191,6 +251,26 @@ mod tests {
             "\n",
         ] {
             assert!(!is_word(not), "{not:?}");
+        }
+    }
+
+    #[test]
+    fn a_bare_word_is_two_or_more_lowercase_ascii_letters() {
+        assert!(is_bare_word("the"));
+        assert!(is_bare_word("of"));
+        for not in [
+            "a",
+            "",
+            " the",
+            "##s",
+            "The",
+            "[CLS]",
+            "[unused0]",
+            "don't",
+            ",",
+            "caf\u{e9}",
+        ] {
+            assert!(!is_bare_word(not), "{not:?}");
         }
     }
 

@@ -20,12 +20,12 @@ async fn worker() -> String {
 
 /// One answer as a client sees it.
 #[derive(Debug)]
-struct Answer {
-    text: String,
+pub(crate) struct Answer {
+    pub(crate) text: String,
     /// `None` when the reply carried none.
-    token_ids: Option<Vec<u32>>,
-    completion_tokens: usize,
-    cached_tokens: usize,
+    pub(crate) token_ids: Option<Vec<u32>>,
+    pub(crate) completion_tokens: usize,
+    pub(crate) cached_tokens: usize,
 }
 
 fn ids(value: &Value) -> Option<Vec<u32>> {
@@ -34,8 +34,9 @@ fn ids(value: &Value) -> Option<Vec<u32>> {
         .map(|a| a.iter().map(|v| v.as_u64().unwrap() as u32).collect())
 }
 
-/// Posts `body` to `path`; streamed with usage when `stream`, else whole.
-async fn ask(base: &str, path: &str, mut body: Value, stream: bool) -> Answer {
+/// Posts `body` to `path`; streamed with usage when `stream`, else whole
+/// (the streamed chunks' texts concatenated).
+pub(crate) async fn ask(base: &str, path: &str, mut body: Value, stream: bool) -> Answer {
     body["stream"] = json!(stream);
     if stream {
         body["stream_options"] = json!({"include_usage": true});
