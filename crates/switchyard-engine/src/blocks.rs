@@ -475,7 +475,14 @@ impl BlockManager {
             }
             prev = Some(hash);
         }
-        self.flush_run(&mut run_start, hashes.len(), parent, hashes, tokens, &adapter);
+        self.flush_run(
+            &mut run_start,
+            hashes.len(),
+            parent,
+            hashes,
+            tokens,
+            &adapter,
+        );
     }
 
     /// Installs host-tier blocks `hashes` as the next blocks of `seq` (they
@@ -947,7 +954,11 @@ mod tests {
         kv.release(SeqId(0), true);
         // A base sequence in the same slot later names no adapter.
         kv.set_adapter(SeqId(0), None);
-        assert_eq!(kv.reserve(SeqId(0), 2), Some(2), "evicts sql's blocks to the host");
+        assert_eq!(
+            kv.reserve(SeqId(0), 2),
+            Some(2),
+            "evicts sql's blocks to the host"
+        );
         kv.release(SeqId(0), false);
         kv.set_adapter(SeqId(1), Some("sql".into()));
         assert_eq!(kv.restore_from_host(SeqId(1), None, &h), Ok(2));

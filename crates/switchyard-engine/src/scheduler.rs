@@ -1848,12 +1848,24 @@ mod tests {
             (reports[0].shape.prefill_tokens, finished.cached_tokens)
         };
         assert_eq!(serve(under(1, None)), (70, 0), "base: cold");
-        assert_eq!(serve(under(2, Some("sql"))), (70, 0), "sql: not the base's KV");
-        assert_eq!(serve(under(3, Some("sql"))), (6, 64), "sql again: its 4 blocks");
+        assert_eq!(
+            serve(under(2, Some("sql"))),
+            (70, 0),
+            "sql: not the base's KV"
+        );
+        assert_eq!(
+            serve(under(3, Some("sql"))),
+            (6, 64),
+            "sql again: its 4 blocks"
+        );
         assert_eq!(serve(under(4, Some("chat"))), (70, 0), "chat: not sql's KV");
         assert_eq!(serve(under(5, None)), (6, 64), "base again: its 4 blocks");
         assert_eq!(engine.counters().prefix_hit_tokens, 128);
-        assert_eq!(engine.kv().cached_blocks(), 12, "4 blocks each of base, sql, chat");
+        assert_eq!(
+            engine.kv().cached_blocks(),
+            12,
+            "4 blocks each of base, sql, chat"
+        );
 
         // Each computation published its blocks under its adapter's name.
         let mut events = Vec::new();

@@ -414,10 +414,9 @@ struct Driver {
     hung_up: Vec<RequestId>,
     observations: Vec<Observation>,
     disagg: Option<DriverDisagg>,
-    /// Prompts to capture when their prefill finishes; one per request
-    /// the engine holds (bounded by its queues).
-    /// Prefills to capture when they finish: the prompt, its hash seed (an
-    /// adapter's blocks are cached under the adapter's), the capture.
+    /// Prompts to capture when their prefill finishes, with their hash
+    /// seed (an adapter's blocks are cached under the adapter's); one per
+    /// request the engine holds (bounded by its queues).
     captures: FxHashMap<RequestId, (Vec<u32>, u64, Capture)>,
     /// SGLang's rooms: the lease held under each and its expiry (ms since
     /// `started`); at most `max_rooms`.

@@ -195,7 +195,10 @@ async fn a_repeated_adapter_prompt_follows_the_worker_whose_events_published_its
         .enumerate()
         .map(|(i, w)| {
             let (events, replay) = w.kv.clone().expect("the worker prints its KV endpoints");
-            format!("{},events={events},replay={replay}", w.named(&format!("w{i}")))
+            format!(
+                "{},events={events},replay={replay}",
+                w.named(&format!("w{i}"))
+            )
         })
         .collect();
     let config = scratch_file(

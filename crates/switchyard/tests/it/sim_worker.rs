@@ -464,7 +464,11 @@ async fn a_subscriber_indexes_an_adapters_blocks_under_the_hashes_the_router_com
     let depth = |seed: u64| {
         let hashes = local_block_hashes(&prompt, 16, seed);
         let mut scores = OverlapScores::new();
-        index.lock().unwrap().device().overlaps(&hashes, &mut scores);
+        index
+            .lock()
+            .unwrap()
+            .device()
+            .overlaps(&hashes, &mut scores);
         scores.depth(id)
     };
     let sql = seed_for(Some("sql"), None);
@@ -496,9 +500,12 @@ async fn a_subscriber_indexes_an_adapters_blocks_under_the_hashes_the_router_com
     );
     // The adapter's own prompt again is a hit.
     ask("sql").await;
-    wait_metrics(&client, &worker.base, "the adapter's repeat hits its blocks", |t| {
-        metric(t, "switchyard_engine_prefix_hit_tokens_total") > Some(0.0)
-    })
+    wait_metrics(
+        &client,
+        &worker.base,
+        "the adapter's repeat hits its blocks",
+        |t| metric(t, "switchyard_engine_prefix_hit_tokens_total") > Some(0.0),
+    )
     .await;
     assert_eq!(
         metric(
