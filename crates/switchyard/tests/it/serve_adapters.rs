@@ -219,13 +219,15 @@ base_model = "switchyard-sim"
     .await;
 
     // Four 160-token prompts (10 blocks each) under adapter a, each sent
-    // straight to one worker, alternately: only that worker's events
-    // tell the router it holds them.
+    // straight to one worker: only that worker's events tell the router
+    // it holds them. The holders are not an alternation (a round robin
+    // over idle workers would match one).
+    let holders = [1, 1, 0, 0];
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|p| (0..160).map(|t| 100_000 * (p + 1) + t).collect())
         .collect();
-    for (i, prompt) in prompts.iter().enumerate() {
-        let (status, _) = ask_tokens(&client, &workers[i % 2].base, "a", prompt).await;
+    for (prompt, &holder) in prompts.iter().zip(&holders) {
+        let (status, _) = ask_tokens(&client, &workers[holder].base, "a", prompt).await;
         assert_eq!(status, 200);
     }
     wait_metrics(&client, &base, "the workers' adapter blocks indexed", |m| {
@@ -236,10 +238,10 @@ base_model = "switchyard-sim"
     // The router hashes each prompt with adapter a's seed, as the workers'
     // events (lora_name "a") were hashed: each goes back to its holder.
     for _ in 0..2 {
-        for (i, prompt) in prompts.iter().enumerate() {
+        for (i, (prompt, holder)) in prompts.iter().zip(holders).enumerate() {
             assert_eq!(
                 ask_tokens(&client, &base, "a", prompt).await,
-                (200, format!("w{}", i % 2)),
+                (200, format!("w{holder}")),
                 "prompt {i} follows its blocks"
             );
         }
