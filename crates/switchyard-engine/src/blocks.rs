@@ -168,6 +168,12 @@ pub struct BlockManager {
     lru_tail: u32,
     lru_len: usize,
     tables: Vec<Vec<BlockId>>,
+    /// Each sequence's LoRA adapter (indexed like `tables`; `None`: the
+    /// base model), named on the events of the blocks it caches.
+    seq_adapters: Vec<Option<Arc<str>>>,
+    /// The adapter of each cached block (by block id), named when an
+    /// evicted block spills to the host. Meaningful only while cached.
+    block_adapters: Vec<Option<Arc<str>>>,
     host: Option<HostTier>,
     events: Vec<KvEvent>,
     counters: KvCounters,
@@ -208,6 +214,8 @@ impl BlockManager {
             lru_tail: NIL,
             lru_len: 0,
             tables: Vec::new(),
+            seq_adapters: Vec::new(),
+            block_adapters: vec![None; config.num_blocks],
             host,
             events: Vec::new(),
             counters: KvCounters::default(),
@@ -270,6 +278,27 @@ impl BlockManager {
             .collect();
         out.sort_unstable();
         out
+    }
+
+    /// Sets the LoRA adapter `seq` runs under (`None`: the base model),
+    /// named on the `BlockStored` events of the blocks it caches or
+    /// restores from now on. Set by the scheduler at admission (a slot's
+    /// next sequence overwrites it). The adapter must already be folded
+    /// into the sequence's hashes: the manager shares blocks by hash alone.
+    pub fn set_adapter(&mut self, seq: SeqId, adapter: Option<Arc<str>>) {
+        let i = seq.0 as usize;
+        if self.seq_adapters.len() <= i {
+            if adapter.is_none() {
+                return;
+            }
+            self.seq_adapters.resize(i + 1, None);
+        }
+        self.seq_adapters[i] = adapter;
+    }
+
+    /// The adapter `seq` runs under (`None`: the base model).
+    fn adapter_of(&self, seq: SeqId) -> Option<Arc<str>> {
+        self.seq_adapters.get(seq.0 as usize).cloned().flatten()
     }
 
     /// The blocks `seq` holds, in prompt order.
@@ -416,6 +445,7 @@ impl BlockManager {
     ) {
         let bs = self.config.block_size;
         debug_assert_eq!(tokens.len(), hashes.len() * bs);
+        let adapter = self.adapter_of(seq);
         let mut run_start: Option<usize> = None;
         let mut prev = parent;
         for (i, &hash) in hashes.iter().enumerate() {
@@ -423,10 +453,10 @@ impl BlockManager {
             let own = self.tables[seq.0 as usize][slot];
             match self.cached.get(&hash).copied() {
                 Some(existing) if existing == own => {
-                    self.flush_run(&mut run_start, i, parent, hashes, tokens);
+                    self.flush_run(&mut run_start, i, parent, hashes, tokens, &adapter);
                 }
                 Some(existing) => {
-                    self.flush_run(&mut run_start, i, parent, hashes, tokens);
+                    self.flush_run(&mut run_start, i, parent, hashes, tokens, &adapter);
                     self.take_ref(existing);
                     self.tables[seq.0 as usize][slot] = existing;
                     self.drop_ref(own, true);
@@ -439,12 +469,20 @@ impl BlockManager {
                     let dst = own as usize * bs;
                     self.tokens[dst..dst + bs].copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
                     self.cached.insert(hash, own);
+                    self.block_adapters[own as usize].clone_from(&adapter);
                     run_start.get_or_insert(i);
                 }
             }
             prev = Some(hash);
         }
-        self.flush_run(&mut run_start, hashes.len(), parent, hashes, tokens);
+        self.flush_run(
+            &mut run_start,
+            hashes.len(),
+            parent,
+            hashes,
+            tokens,
+            &adapter,
+        );
     }
 
     /// Installs host-tier blocks `hashes` as the next blocks of `seq` (they
@@ -498,13 +536,14 @@ impl BlockManager {
             });
         }
         let bs = self.config.block_size;
+        let adapter = self.adapter_of(seq);
         let mut stored_hashes = Vec::new();
         let mut stored_tokens = Vec::new();
         let mut run_parent = parent;
         let mut prev = parent;
         for (&hash, &block_tokens) in hashes.iter().zip(tokens) {
             if let Some(&existing) = self.cached.get(&hash) {
-                self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens);
+                self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens, &adapter);
                 self.take_ref(existing);
                 self.table_mut(seq).push(existing);
                 run_parent = Some(hash);
@@ -517,13 +556,14 @@ impl BlockManager {
                 let dst = block as usize * bs;
                 self.tokens[dst..dst + bs].copy_from_slice(block_tokens);
                 self.cached.insert(hash, block);
+                self.block_adapters[block as usize].clone_from(&adapter);
                 self.table_mut(seq).push(block);
                 stored_hashes.push(hash);
                 stored_tokens.extend_from_slice(block_tokens);
             }
             prev = Some(hash);
         }
-        self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens);
+        self.emit_stored(run_parent, &mut stored_hashes, &mut stored_tokens, &adapter);
         Ok(hashes.len().min(tokens.len()))
     }
 
@@ -568,6 +608,7 @@ impl BlockManager {
             let b = &mut self.blocks[block as usize];
             b.hash = None;
             b.parent = None;
+            self.block_adapters[block as usize] = None;
             self.empty.push(block);
         }
         self.cached.clear();
@@ -610,6 +651,7 @@ impl BlockManager {
                 b.hash = None;
                 b.parent = None;
                 self.cached.remove(&hash);
+                self.block_adapters[block as usize] = None;
                 self.push_event(KvEvent::BlockRemoved {
                     block_hashes: vec![engine_hash(hash)],
                     medium: Medium::Device,
@@ -635,6 +677,7 @@ impl BlockManager {
         let parent = b.parent.take();
         b.ref_count = 1;
         self.cached.remove(&hash);
+        let adapter = self.block_adapters[block as usize].take();
         self.counters.device_evictions += 1;
         self.push_event(KvEvent::BlockRemoved {
             block_hashes: vec![engine_hash(hash)],
@@ -644,12 +687,18 @@ impl BlockManager {
             let bs = self.config.block_size;
             let src = block as usize * bs;
             let tokens: Box<[u32]> = self.tokens[src..src + bs].into();
-            self.spill(hash, parent, tokens);
+            self.spill(hash, parent, tokens, adapter);
         }
         Some(block)
     }
 
-    fn spill(&mut self, hash: SequenceHash, parent: Option<SequenceHash>, tokens: Box<[u32]>) {
+    fn spill(
+        &mut self,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+        tokens: Box<[u32]>,
+        adapter: Option<Arc<str>>,
+    ) {
         let block_size = self.config.block_size as u32;
         let Some(host) = &mut self.host else { return };
         host.clock += 1;
@@ -703,6 +752,7 @@ impl BlockManager {
             token_ids: event_tokens,
             block_size,
             medium: Medium::Host,
+            lora_name: adapter,
         });
     }
 
@@ -713,6 +763,7 @@ impl BlockManager {
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
         tokens: &[u32],
+        adapter: &Option<Arc<str>>,
     ) {
         let Some(start) = run_start.take() else {
             return;
@@ -732,6 +783,7 @@ impl BlockManager {
             token_ids: tokens[start * bs..end * bs].to_vec(),
             block_size: bs as u32,
             medium: Medium::Device,
+            lora_name: adapter.clone(),
         };
         self.push_event(event);
     }
@@ -741,6 +793,7 @@ impl BlockManager {
         parent: Option<SequenceHash>,
         hashes: &mut Vec<SequenceHash>,
         tokens: &mut Vec<u32>,
+        adapter: &Option<Arc<str>>,
     ) {
         if hashes.is_empty() {
             return;
@@ -751,6 +804,7 @@ impl BlockManager {
             token_ids: std::mem::take(tokens),
             block_size: self.config.block_size as u32,
             medium: Medium::Device,
+            lora_name: adapter.clone(),
         };
         hashes.clear();
         self.push_event(event);
@@ -889,6 +943,48 @@ mod tests {
         kv.release(SeqId(1), true);
         assert_eq!(kv.restore_from_host(SeqId(2), None, &h), Ok(2));
         assert_eq!(kv.lookup_prefix(&h), 2);
+    }
+
+    #[test]
+    fn an_adapters_blocks_name_it_when_stored_spilled_and_restored() {
+        let mut kv = manager(2, 4);
+        let tokens: Vec<u32> = (0..8).collect();
+        kv.set_adapter(SeqId(0), Some("sql".into()));
+        let h = fill(&mut kv, SeqId(0), &tokens);
+        kv.release(SeqId(0), true);
+        // A base sequence in the same slot later names no adapter.
+        kv.set_adapter(SeqId(0), None);
+        assert_eq!(
+            kv.reserve(SeqId(0), 2),
+            Some(2),
+            "evicts sql's blocks to the host"
+        );
+        kv.release(SeqId(0), false);
+        kv.set_adapter(SeqId(1), Some("sql".into()));
+        assert_eq!(kv.restore_from_host(SeqId(1), None, &h), Ok(2));
+        let mut events = Vec::new();
+        kv.drain_events_into(&mut events);
+        let stored: Vec<(Medium, usize, Option<&str>)> = events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    lora_name,
+                    ..
+                } => Some((*medium, block_hashes.len(), lora_name.as_deref())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            stored,
+            vec![
+                (Medium::Device, 2, Some("sql")),
+                (Medium::Host, 1, Some("sql")),
+                (Medium::Host, 1, Some("sql")),
+                (Medium::Device, 2, Some("sql")),
+            ]
+        );
     }
 
     #[test]

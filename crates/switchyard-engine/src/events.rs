@@ -4,6 +4,7 @@
 //! carry, typed and independent of any wire encoding: a driver maps them onto
 //! the wire format (msgpack over ZMQ) or straight into a prefix index.
 
+use std::sync::Arc;
 use switchyard_core::EngineHash;
 
 /// Where a block lives. vLLM names these `"GPU"` and `"CPU"`.
@@ -40,6 +41,10 @@ pub enum KvEvent {
         block_size: u32,
         /// Where the blocks now live.
         medium: Medium,
+        /// The LoRA adapter whose KV the blocks hold (`None`: the base
+        /// model), as vLLM's `lora_name`: a consumer hashes the tokens
+        /// with its seed.
+        lora_name: Option<Arc<str>>,
     },
     /// Blocks left the cache of `medium`.
     BlockRemoved {
@@ -60,6 +65,8 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
+        /// The sequence's LoRA adapter (`None`: the base model).
+        lora_name: Option<Arc<str>>,
     },
     /// SSM checkpoints were evicted.
     CheckpointRemoved {

@@ -46,6 +46,7 @@ use crate::slots::{SlotError, SlotTable};
 use crate::timing::StepShape;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
+use std::sync::Arc;
 use switchyard_core::hashing::{chain_hash, local_block_hash};
 use switchyard_core::{LocalHash, RequestId, SequenceHash};
 
@@ -58,8 +59,16 @@ pub struct NewRequest {
     pub prompt: Vec<u32>,
     /// Output tokens to generate (at least 1).
     pub max_tokens: u32,
-    /// Block-hash seed (see `switchyard_core::hashing::seed_for`).
+    /// Block-hash seed (see `switchyard_core::hashing::seed_for`): the
+    /// prefix cache's keys, so requests share cached blocks only under
+    /// the same seed. A LoRA request's is its adapter's,
+    /// `seed_for(lora_name, cache_salt)`, the seed a router hashes the
+    /// prompt with and a subscriber hashes the published tokens with.
     pub hash_seed: u64,
+    /// The LoRA adapter the request runs under (`None`: the base model),
+    /// named on the KV events of the blocks it caches, as vLLM names it.
+    /// `hash_seed` must fold it in (the engine shares blocks by hash).
+    pub lora_name: Option<Arc<str>>,
 }
 
 /// Why a request was refused. Bad input, not an engine fault.
@@ -323,6 +332,8 @@ struct Seq {
     num_computed: usize,
     hashes: Vec<SequenceHash>,
     seed: u64,
+    /// The LoRA adapter (`None`: the base model), for its KV events.
+    lora_name: Option<Arc<str>>,
     committed_blocks: usize,
     phase: Phase,
     deferral: Option<RestoreDeferral>,
@@ -602,6 +613,7 @@ impl<D: DeviceLayer> Engine<D> {
             num_computed: 0,
             hashes: Vec::new(),
             seed: request.hash_seed,
+            lora_name: request.lora_name.clone(),
             committed_blocks: 0,
             phase: Phase::Waiting,
             deferral: None,
@@ -622,6 +634,7 @@ impl<D: DeviceLayer> Engine<D> {
                 SeqId(self.slots.len() as u32 - 1)
             }
         };
+        self.kv.set_adapter(id, request.lora_name);
         self.by_request.insert(request.id, id);
         self.waiting.push_back(id);
         Ok(())
@@ -1063,6 +1076,7 @@ impl<D: DeviceLayer> Engine<D> {
             let hash = seq.hashes[blocks - 1];
             let parent = blocks.checked_sub(2).map(|p| engine_hash(seq.hashes[p]));
             let tokens = seq.tokens[(blocks - 1) * bs..blocks * bs].to_vec();
+            let lora_name = seq.lora_name.clone();
             let saves_ms = self.config.timing.prefill_ms((blocks * bs) as u64);
             let checkpoints = self.checkpoints.as_mut().expect("hybrid");
             if checkpoints.contains(hash) {
@@ -1086,6 +1100,7 @@ impl<D: DeviceLayer> Engine<D> {
                 parent_block_hash: parent,
                 token_ids: tokens,
                 block_size: bs as u32,
+                lora_name,
             });
         }
         Ok(())
@@ -1674,6 +1689,7 @@ mod tests {
             prompt,
             max_tokens,
             hash_seed: DEFAULT_SEED,
+            lora_name: None,
         }
     }
 
@@ -1811,6 +1827,61 @@ mod tests {
         assert!((reports[0].model_ms - timing.prefill_ms(108)).abs() < 1e-9);
         assert_eq!(engine.counters().prefix_hit_tokens, 992);
         assert_eq!(engine.kv().free_blocks(), 256);
+    }
+
+    #[test]
+    fn an_adapters_blocks_are_its_own_and_its_events_name_it() {
+        use switchyard_core::hashing::seed_for;
+        let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
+        // 70 tokens: 4 full 16-token blocks (64 tokens) and 6 more.
+        let prompt: Vec<u32> = (0..70).collect();
+        let under = |id: u128, lora: Option<&str>| NewRequest {
+            hash_seed: seed_for(lora, None),
+            lora_name: lora.map(Arc::from),
+            ..request(id, prompt.clone(), 1)
+        };
+        // Each request alone; returns (prefill tokens, cached tokens).
+        let mut serve = |request: NewRequest| {
+            engine.add_request(request).unwrap();
+            let reports = run_to_end(&mut engine);
+            let finished = reports.iter().flat_map(|r| &r.finished).next().unwrap();
+            (reports[0].shape.prefill_tokens, finished.cached_tokens)
+        };
+        assert_eq!(serve(under(1, None)), (70, 0), "base: cold");
+        assert_eq!(
+            serve(under(2, Some("sql"))),
+            (70, 0),
+            "sql: not the base's KV"
+        );
+        assert_eq!(
+            serve(under(3, Some("sql"))),
+            (6, 64),
+            "sql again: its 4 blocks"
+        );
+        assert_eq!(serve(under(4, Some("chat"))), (70, 0), "chat: not sql's KV");
+        assert_eq!(serve(under(5, None)), (6, 64), "base again: its 4 blocks");
+        assert_eq!(engine.counters().prefix_hit_tokens, 128);
+        assert_eq!(
+            engine.kv().cached_blocks(),
+            12,
+            "4 blocks each of base, sql, chat"
+        );
+
+        // Each computation published its blocks under its adapter's name.
+        let mut events = Vec::new();
+        engine.drain_kv_events(&mut events);
+        let stored: Vec<(usize, Option<&str>)> = events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    lora_name,
+                    ..
+                } => Some((block_hashes.len(), lora_name.as_deref())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored, vec![(4, None), (4, Some("sql")), (4, Some("chat"))]);
     }
 
     #[test]

@@ -29,7 +29,6 @@ use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use switchyard_core::hashing::DEFAULT_SEED;
 use switchyard_core::{EngineHash, RequestId};
 use switchyard_engine::lease::{LeaseError, LeaseId, LeaseRef, LeasedKv};
 use switchyard_engine::scheduler::AdmitError;
@@ -415,9 +414,10 @@ struct Driver {
     hung_up: Vec<RequestId>,
     observations: Vec<Observation>,
     disagg: Option<DriverDisagg>,
-    /// Prompts to capture when their prefill finishes; one per request
-    /// the engine holds (bounded by its queues).
-    captures: FxHashMap<RequestId, (Vec<u32>, Capture)>,
+    /// Prompts to capture when their prefill finishes, with their hash
+    /// seed (an adapter's blocks are cached under the adapter's); one per
+    /// request the engine holds (bounded by its queues).
+    captures: FxHashMap<RequestId, (Vec<u32>, u64, Capture)>,
     /// SGLang's rooms: the lease held under each and its expiry (ms since
     /// `started`); at most `max_rooms`.
     rooms: FxHashMap<u64, (LeaseRef, f64)>,
@@ -513,7 +513,7 @@ impl Driver {
                 capture,
             } => {
                 let id = request.id;
-                let prompt = capture.map(|c| (request.prompt.clone(), c));
+                let prompt = capture.map(|c| (request.prompt.clone(), request.hash_seed, c));
                 match self.engine.add_request(request) {
                     Ok(()) => {
                         self.streams.insert(id, events);
@@ -635,7 +635,7 @@ impl Driver {
 
     /// Captures a finished prefill's prompt KV; the result goes to its
     /// client before `Finished`.
-    fn capture(&mut self, prompt: &[u32], capture: Capture) -> GenEvent {
+    fn capture(&mut self, prompt: &[u32], hash_seed: u64, capture: Capture) -> GenEvent {
         let (ttl, max_rooms) = match &self.disagg {
             Some(d) => (d.lease_ttl_ms, d.max_rooms),
             None => return GenEvent::CaptureRefused(DisaggFailure::CaptureRefused),
@@ -651,7 +651,7 @@ impl Driver {
         let expires = self.now_ms() + ttl;
         let lease = match self
             .engine
-            .capture(prompt, DEFAULT_SEED, capture.token, expires)
+            .capture(prompt, hash_seed, capture.token, expires)
         {
             Ok((lease, _)) => lease,
             Err(LeaseError::NothingCached) => {
@@ -697,8 +697,8 @@ impl Driver {
         }
         for f in &report.finished {
             let captured = match self.captures.remove(&f.request) {
-                Some((prompt, capture)) if f.reason == FinishReason::Length => {
-                    Some(self.capture(&prompt, capture))
+                Some((prompt, hash_seed, capture)) if f.reason == FinishReason::Length => {
+                    Some(self.capture(&prompt, hash_seed, capture))
                 }
                 _ => None,
             };

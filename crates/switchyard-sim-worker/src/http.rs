@@ -26,7 +26,7 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
-use switchyard_core::hashing::DEFAULT_SEED;
+use switchyard_core::hashing::{seed_for, DEFAULT_SEED};
 use switchyard_core::{ReplicaId, RequestId};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
@@ -199,8 +199,10 @@ struct Job {
     /// sent it: marked at the first token.
     routed: Option<(ReplicaId, RequestId)>,
     model: Arc<str>,
-    /// Seed of the prompt's block hashes (a LoRA adapter's own).
-    hash_seed: u64,
+    /// The LoRA adapter it runs under (`None`: the base model): its KV is
+    /// the adapter's own, hashed with the adapter's seed and published
+    /// under its name.
+    lora_name: Option<Arc<str>>,
     created: u64,
     stream: bool,
     include_usage: bool,
@@ -215,12 +217,13 @@ struct Job {
 
 impl AppState {
     /// The model a request names: the base (`None` too) or a loaded LoRA
-    /// adapter, as the name to answer with and the seed of its block
-    /// hashes; anything else is a 404.
-    fn check_model(&self, model: Option<&str>) -> Result<(Arc<str>, u64), ApiError> {
+    /// adapter, as the name to answer with and the adapter (`None`: the
+    /// base); anything else is a 404.
+    fn check_model(&self, model: Option<&str>) -> Result<(Arc<str>, Option<Arc<str>>), ApiError> {
         match model {
             Some(m) if m != &*self.model && self.adapters.touch(m) => {
-                Ok((m.into(), switchyard_core::hashing::seed_for(Some(m), None)))
+                let name: Arc<str> = m.into();
+                Ok((name.clone(), Some(name)))
             }
             Some(m) if m != &*self.model => Err(ErrorBody::new(
                 404,
@@ -232,7 +235,7 @@ impl AppState {
             )
             .with_param("model")
             .into()),
-            _ => Ok((self.model.clone(), DEFAULT_SEED)),
+            _ => Ok((self.model.clone(), None)),
         }
     }
 
@@ -281,7 +284,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let plan = disagg_plan(&state, &body)?;
     let body: CompletionRequest = parse(&body)?;
-    let (model, hash_seed) = state.check_model(body.model.as_deref())?;
+    let (model, lora_name) = state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
     let include_usage = body.include_usage()?;
     let return_token_ids = body.return_token_ids()?;
@@ -304,7 +307,7 @@ async fn completions(
         id: state.request_id(),
         routed: routed(&headers),
         model,
-        hash_seed,
+        lora_name,
         created: unix_now(),
         stream: body.stream,
         include_usage,
@@ -324,7 +327,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let plan = disagg_plan(&state, &body)?;
     let body: ChatCompletionRequest = parse(&body)?;
-    let (model, hash_seed) = state.check_model(body.model.as_deref())?;
+    let (model, lora_name) = state.check_model(body.model.as_deref())?;
     check_n(body.n()?)?;
     let include_usage = body.include_usage()?;
     let return_token_ids = body.return_token_ids()?;
@@ -382,7 +385,7 @@ async fn chat_completions(
         id: state.request_id(),
         routed: routed(&headers),
         model,
-        hash_seed,
+        lora_name,
         created: unix_now(),
         stream: body.stream,
         include_usage,
@@ -417,7 +420,11 @@ async fn run(
         id: job.id,
         prompt,
         max_tokens: max_tokens.min(limit),
-        hash_seed: job.hash_seed,
+        // vLLM hashes an adapter's blocks with the adapter: as the router
+        // does (`seed_for(lora_name, cache_salt)`), so that its prediction
+        // and the published blocks agree.
+        hash_seed: seed_for(job.lora_name.as_deref(), None),
+        lora_name: job.lora_name.clone(),
     };
     let stopped = || ApiError::from(ErrorBody::overloaded("the engine has stopped"));
     let mut rx = match (plan, &state.disagg) {
@@ -905,6 +912,7 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
         prompt: vec![151_644, 872, 198],
         max_tokens: 1,
         hash_seed: DEFAULT_SEED,
+        lora_name: None,
     };
     let mut rx = state
         .driver

@@ -625,6 +625,7 @@ mod tests {
                     prompt: (first..first + 40).collect(),
                     max_tokens: 5,
                     hash_seed: 0,
+                    lora_name: None,
                 })
                 .unwrap();
         }

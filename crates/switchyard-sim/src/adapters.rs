@@ -14,12 +14,14 @@
 //! loads it there (unloading the victim the router named).
 //!
 //! A request's KV is its adapter's own, as in vLLM (which hashes an
-//! adapter's blocks with the adapter): the simulator folds the adapter
-//! into the prompt's token ids ([`fold_into_tokens`]), which the routers
-//! and the engines then hash alike, so prompts of different adapters never
-//! share a cached block and prompts of the same adapter share as before.
-//! The hit-rate references (infinite cache, pooled LRU) are computed on
-//! the unfolded trace: an upper bound that ignores adapters.
+//! adapter's blocks with the adapter), by the code `serve` and the
+//! sim-worker run: the routers hash the prompt with the adapter's seed
+//! (`switchyard_core::hashing::seed_for`), the engines key their prefix
+//! caches with the same seed and name the adapter on their KV events
+//! (`lora_name`), which the routers' normalizer hashes with that seed
+//! again. So prompts of different adapters never share a cached block and
+//! prompts of the same adapter share as before. The hit-rate references
+//! (infinite cache, pooled LRU) ignore adapters: an upper bound.
 //!
 //! Not modelled: a load's cost to the engine's other requests (it only
 //! delays the requests that need the adapter), an adapter's effect on step
@@ -105,17 +107,6 @@ impl AdapterMix {
             (splitmix64(session ^ self.seed.rotate_left(17)) >> 11) as f64 / (1u64 << 53) as f64;
         cdf.partition_point(|&c| c <= u)
             .min(cdf.len().saturating_sub(1))
-    }
-}
-
-/// Makes `tokens` adapter `k`'s own: every id XORed with a mask drawn
-/// from `k` (a bijection, so the prompts of one adapter share exactly the
-/// prefixes they shared before; the simulated engines never read a
-/// token's value).
-pub fn fold_into_tokens(k: usize, tokens: &mut [u32]) {
-    let mask = (splitmix64(k as u64 + 1) as u32) | 1;
-    for t in tokens {
-        *t ^= mask;
     }
 }
 
@@ -213,17 +204,6 @@ mod tests {
             counts.iter().all(|&c| (2_000..3_000).contains(&c)),
             "{counts:?}"
         );
-    }
-
-    #[test]
-    fn folding_keeps_an_adapters_prefixes_and_parts_adapters() {
-        let prompt: Vec<u32> = (0..64).collect();
-        let (mut a, mut a2, mut b) = (prompt.clone(), prompt[..32].to_vec(), prompt.clone());
-        fold_into_tokens(0, &mut a);
-        fold_into_tokens(0, &mut a2);
-        fold_into_tokens(1, &mut b);
-        assert_eq!(&a[..32], &a2[..]);
-        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
     }
 
     #[test]

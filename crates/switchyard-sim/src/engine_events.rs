@@ -19,7 +19,9 @@ fn medium(m: Medium) -> Option<String> {
 }
 
 /// Maps engine events onto the wire's vLLM shapes (fields the engine does
-/// not have stay absent).
+/// not have stay absent). A LoRA adapter's blocks carry its name as
+/// `lora_name`, as vLLM's do; `lora_id`, vLLM's deprecated integer id of
+/// the adapter, stays absent (a simulated engine numbers no adapters).
 pub fn to_wire(events: Vec<KvEvent>) -> Vec<wire::KvEvent> {
     events.into_iter().map(event_to_wire).collect()
 }
@@ -32,12 +34,14 @@ fn event_to_wire(event: KvEvent) -> wire::KvEvent {
             token_ids,
             block_size,
             medium: m,
+            lora_name,
         } => wire::KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes,
             parent_block_hash,
             token_ids,
             block_size,
             medium: medium(m),
+            lora_name: lora_name.map(|name| name.to_string()),
             ..BlockStored::default()
         })),
         KvEvent::BlockRemoved {
@@ -55,12 +59,14 @@ fn event_to_wire(event: KvEvent) -> wire::KvEvent {
             parent_block_hash,
             token_ids,
             block_size,
+            lora_name,
         } => wire::KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: vec![block_hash],
             parent_block_hash,
             token_ids,
             block_size,
             medium: medium(Medium::Device),
+            lora_name: lora_name.map(|name| name.to_string()),
             group_idx: Some(SSM_GROUP),
             kv_cache_spec_kind: Some("mamba".to_owned()),
             ..BlockStored::default()
@@ -140,6 +146,7 @@ mod tests {
                 token_ids: (0..32).collect(),
                 block_size: 16,
                 medium: Medium::Device,
+                lora_name: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![EngineHash(1)],
@@ -162,6 +169,36 @@ mod tests {
     }
 
     #[test]
+    fn an_adapters_blocks_carry_its_name_and_index_under_its_seed() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let adapter = || KvEvent::BlockStored {
+            block_hashes: vec![EngineHash(1), EngineHash(2)],
+            parent_block_hash: None,
+            token_ids: tokens.clone(),
+            block_size: 16,
+            medium: Medium::Device,
+            lora_name: Some("sql".into()),
+        };
+        let wire = to_wire(vec![adapter()]);
+        let wire::KvEvent::BlockStored(stored) = &wire[0] else {
+            panic!("not stored")
+        };
+        assert_eq!(stored.lora_name.as_deref(), Some("sql"));
+        assert_eq!(stored.lora_id, None);
+
+        let mut stream = EngineEventStream::new(16);
+        let mut out = Vec::new();
+        stream.normalize([adapter()], &mut out);
+        let [(CacheTier::Device, IndexEvent::Stored { blocks, .. })] = &out[..] else {
+            panic!("one device store expected, got {out:?}")
+        };
+        let locals: Vec<_> = blocks.iter().map(|b| b.local_hash).collect();
+        let seed = switchyard_core::hashing::seed_for(Some("sql"), None);
+        assert_eq!(locals, local_block_hashes(&tokens, 16, seed));
+        assert_ne!(locals, local_block_hashes(&tokens, 16, DEFAULT_SEED));
+    }
+
+    #[test]
     fn device_and_host_tier_events_become_index_events_of_their_tier() {
         let mut stream = EngineEventStream::new(16);
         let tokens: Vec<u32> = (0..32).collect();
@@ -174,6 +211,7 @@ mod tests {
                     token_ids: tokens.clone(),
                     block_size: 16,
                     medium: Medium::Device,
+                    lora_name: None,
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![EngineHash(3)],
@@ -181,6 +219,7 @@ mod tests {
                     token_ids: tokens[..16].to_vec(),
                     block_size: 16,
                     medium: Medium::Host,
+                    lora_name: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![EngineHash(2)],

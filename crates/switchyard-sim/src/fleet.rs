@@ -66,6 +66,7 @@ use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
 use switchyard_core::admission::{
     AdmissionConfig, AdmissionStrategy, ProgressUpdater, SessionAwareConfig, SessionAwareStrategy,
     SessionKey,
@@ -75,7 +76,7 @@ use switchyard_core::dispatch::{
     SessionBound, Submission,
 };
 use switchyard_core::estimate::{EstimatorConfig, PeerTransferModel};
-use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
+use switchyard_core::hashing::{local_block_hashes, seed_for};
 use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::{RouterConfig, WorkerCapacity};
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
@@ -776,6 +777,14 @@ impl Fleet {
         self.balancer.pick()
     }
 
+    /// The LoRA adapter `session`'s requests run under (`None`: the base
+    /// model, always without adapters).
+    fn lora_of(&self, session: u64) -> Option<Arc<str>> {
+        let mix = self.config.adapters?;
+        let k = mix.adapter_of(&self.adapter_cdf, session);
+        Some(crate::adapters::adapter_name(k).into())
+    }
+
     fn arrive(&mut self, session: u64, turn: usize) {
         let Some(s) = self.sessions.get(&session) else {
             return;
@@ -783,15 +792,18 @@ impl Fleet {
         let multi_turn = s.turns.len() > 1;
         let spec = &s.turns[turn];
         let output_tokens = spec.output_tokens;
-        let mut tokens = spec.prompt.tokens();
-        let adapter = self.config.adapters.map(|mix| {
-            let k = mix.adapter_of(&self.adapter_cdf, session);
-            // An adapter's KV is its own (vLLM hashes its blocks with the
-            // adapter): folded into the token ids, for router and engine.
-            crate::adapters::fold_into_tokens(k, &mut tokens);
-            crate::adapters::adapter_name(k).into()
-        });
-        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
+        let tokens = spec.prompt.tokens();
+        let lora = self.lora_of(session);
+        // An adapter's KV is its own (vLLM hashes its blocks with the
+        // adapter): the router hashes the prompt with the adapter's seed,
+        // as `serve` does, and so does the engine (`NewRequest::hash_seed`),
+        // whose events name the adapter for the router's normalizer.
+        let blocks = local_block_hashes(
+            &tokens,
+            self.config.engine.block_size,
+            seed_for(lora.as_deref(), None),
+        );
+        let adapter = lora.as_deref().map(Box::from);
         let id = Self::request_id(session, turn);
         let replica = self.pick_replica(session, multi_turn);
         let submission = Submission {
@@ -943,6 +955,7 @@ impl Fleet {
             (Some(_), false) => Phase::Prefill,
             (Some(_), true) => Phase::Decode,
         };
+        let lora = self.lora_of(p.session);
         let admitted = match phase {
             Phase::Whole => match sent.peer {
                 Some(peer) => {
@@ -956,7 +969,7 @@ impl Fleet {
                         .engine
                         .capture(
                             &p.tokens[..lent],
-                            DEFAULT_SEED,
+                            seed_for(lora.as_deref(), None),
                             id.0 ^ 0x5eed_5eed,
                             self.now + ttl,
                         )
@@ -970,14 +983,15 @@ impl Fleet {
                             lease,
                         },
                     );
-                    self.start_with_lease(worker, id, p.tokens, p.output_tokens)
+                    self.start_with_lease(worker, id, p.tokens, p.output_tokens, lora)
                 }
                 None => {
                     let request = NewRequest {
                         id,
                         prompt: p.tokens,
                         max_tokens: p.output_tokens,
-                        hash_seed: DEFAULT_SEED,
+                        hash_seed: seed_for(lora.as_deref(), None),
+                        lora_name: lora,
                     };
                     match self.adapter_ready_at(worker, p.session, &sent) {
                         Some(at) if at > self.now => {
@@ -1011,10 +1025,11 @@ impl Fleet {
                     id,
                     prompt: p.tokens,
                     max_tokens: 1,
-                    hash_seed: DEFAULT_SEED,
+                    hash_seed: seed_for(lora.as_deref(), None),
+                    lora_name: lora,
                 })
             }
-            Phase::Decode => self.start_with_lease(worker, id, p.tokens, p.output_tokens),
+            Phase::Decode => self.start_with_lease(worker, id, p.tokens, p.output_tokens, lora),
         };
         if admitted.is_err() {
             self.drop_handoff(id);
@@ -1096,12 +1111,14 @@ impl Fleet {
         id: RequestId,
         prompt: Vec<u32>,
         output_tokens: u32,
+        lora: Option<Arc<str>>,
     ) -> Result<(), switchyard_engine::scheduler::AdmitError> {
         let request = NewRequest {
             id,
             prompt,
             max_tokens: output_tokens,
-            hash_seed: DEFAULT_SEED,
+            hash_seed: seed_for(lora.as_deref(), None),
+            lora_name: lora,
         };
         let lease = self.handoffs.get(&id).and_then(|h| h.lease);
         let read =
@@ -1111,7 +1128,7 @@ impl Fleet {
                 // Only the blocks this worker lacks cross the link.
                 let own = self.workers[worker]
                     .engine
-                    .cached_prefix_blocks(&request.prompt, DEFAULT_SEED);
+                    .cached_prefix_blocks(&request.prompt, request.hash_seed);
                 let moved_tokens =
                     (kv.blocks().saturating_sub(own) * self.config.engine.block_size) as u64;
                 self.workers[worker]
@@ -1180,14 +1197,15 @@ impl Fleet {
         // The secret would come from a CSPRNG in a real driver; the
         // simulator has no adversary and stays deterministic.
         let token = id.0 ^ 0x5eed_5eed_5eed_5eed;
+        let seed = seed_for(self.lora_of(session).as_deref(), None);
         handoff.lease = self.workers[worker]
             .engine
-            .capture(&handoff.tokens, DEFAULT_SEED, token, self.now + ttl)
+            .capture(&handoff.tokens, seed, token, self.now + ttl)
             .ok()
             .map(|(lease, _)| (worker, lease));
         let decode = RequestId(id.0 | DECODE_BIT);
         let tokens = std::mem::take(&mut handoff.tokens);
-        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, DEFAULT_SEED);
+        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, seed);
         let submission = Submission {
             blocks,
             prompt_tokens: tokens.len() as u32,

@@ -64,6 +64,7 @@ impl Replay {
                 token_ids,
                 block_size,
                 medium,
+                lora_name: _,
             } => {
                 for h in block_hashes {
                     assert!(
@@ -163,6 +164,7 @@ fn run<D: DeviceLayer>(ops: Vec<Op>, host_blocks: usize, device: D, run_dry: fn(
                         prompt,
                         max_tokens: u32::from(max_tokens),
                         hash_seed: DEFAULT_SEED,
+                        lora_name: None,
                     })
                     .is_ok();
                 if ok {

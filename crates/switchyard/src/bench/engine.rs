@@ -52,6 +52,7 @@ pub fn run(opts: EngineBench) -> anyhow::Result<()> {
             prompt,
             max_tokens: opts.output_tokens,
             hash_seed: DEFAULT_SEED,
+            lora_name: None,
         })
     };
     for _ in 0..opts.concurrency {

@@ -78,6 +78,7 @@ pub fn model_latencies(
                 prompt: prompt.clone(),
                 max_tokens: output_tokens,
                 hash_seed: DEFAULT_SEED,
+                lora_name: None,
             })
             .map_err(|e| anyhow::anyhow!("the model refused a request: {e}"))?;
         let (mut now, mut last) = (0.0, None);

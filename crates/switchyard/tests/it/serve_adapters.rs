@@ -138,3 +138,112 @@ base_model = "switchyard-sim"
         Some(1.0)
     );
 }
+
+/// `prompt` (token ids) for `model` on `base`: its status and the worker
+/// that served it.
+async fn ask_tokens(
+    client: &reqwest::Client,
+    base: &str,
+    model: &str,
+    prompt: &[u32],
+) -> (u16, String) {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": model, "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .map(|_| served_by(&response))
+        .unwrap_or_default();
+    response.bytes().await.unwrap();
+    (status, worker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_adapter_prompt_follows_the_worker_whose_events_published_its_blocks() {
+    let _machine = machine().await;
+    // Two workers, both holding adapter a, publishing KV events to the
+    // router.
+    let worker = || {
+        sim_worker_with(
+            0,
+            &[
+                "--speedup",
+                "4",
+                "--num-blocks",
+                "1024",
+                "--max-loras",
+                "1",
+                "--lora-load-ms",
+                "0",
+                "--lora-modules",
+                "a=/adapters/a",
+                "--kv-events",
+                "tcp://127.0.0.1:*",
+                "--kv-replay",
+                "tcp://127.0.0.1:*",
+            ],
+        )
+    };
+    let workers = [worker(), worker()];
+    let specs: Vec<String> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let (events, replay) = w.kv.clone().expect("the worker prints its KV endpoints");
+            format!(
+                "{},events={events},replay={replay}",
+                w.named(&format!("w{i}"))
+            )
+        })
+        .collect();
+    let config = scratch_file(
+        "adapters-affinity.toml",
+        br#"
+[[adapters]]
+name = "a"
+path = "/adapters/a"
+base_model = "switchyard-sim"
+"#,
+    );
+    let router = router(&specs, &["--config", config.to_str().unwrap()]);
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+    wait_metrics(&client, &base, "both workers' adapters learned", |m| {
+        metric(m, "switchyard_adapters_loaded") == Some(2.0)
+    })
+    .await;
+
+    // Four 160-token prompts (10 blocks each) under adapter a, each sent
+    // straight to one worker: only that worker's events tell the router
+    // it holds them. The holders are not an alternation (a round robin
+    // over idle workers would match one).
+    let holders = [1, 1, 0, 0];
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|p| (0..160).map(|t| 100_000 * (p + 1) + t).collect())
+        .collect();
+    for (prompt, &holder) in prompts.iter().zip(&holders) {
+        let (status, _) = ask_tokens(&client, &workers[holder].base, "a", prompt).await;
+        assert_eq!(status, 200);
+    }
+    wait_metrics(&client, &base, "the workers' adapter blocks indexed", |m| {
+        metric(m, "switchyard_index_blocks") >= Some(40.0)
+    })
+    .await;
+
+    // The router hashes each prompt with adapter a's seed, as the workers'
+    // events (lora_name "a") were hashed: each goes back to its holder.
+    for _ in 0..2 {
+        for (i, (prompt, holder)) in prompts.iter().zip(holders).enumerate() {
+            assert_eq!(
+                ask_tokens(&client, &base, "a", prompt).await,
+                (200, format!("w{holder}")),
+                "prompt {i} follows its blocks"
+            );
+        }
+    }
+}

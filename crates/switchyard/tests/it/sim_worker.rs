@@ -421,6 +421,103 @@ async fn a_subscriber_to_a_hybrid_workers_events_holds_its_ssm_checkpoints() {
 }
 
 #[tokio::test]
+async fn a_subscriber_indexes_an_adapters_blocks_under_the_hashes_the_router_computes_for_it() {
+    let _machine = machine().await;
+    use switchyard_core::hashing::{local_block_hashes, seed_for, DEFAULT_SEED};
+    use switchyard_core::index::OverlapScores;
+    use switchyard_core::WorkerId;
+
+    let worker = sim_worker_with(
+        0,
+        &[
+            "--no-delay",
+            "--max-loras",
+            "1",
+            "--lora-load-ms",
+            "0",
+            "--lora-modules",
+            "sql=/adapters/sql",
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+            "--kv-replay",
+            "tcp://127.0.0.1:*",
+        ],
+    );
+    let id = WorkerId::new(11);
+    let (index, subscriber) =
+        subscribed(&worker, id, |index| index.device().worker_blocks(id) > 0).await;
+    let client = reqwest::Client::new();
+    // 160 tokens: 10 blocks of 16.
+    let prompt: Vec<u32> = (0..160).map(|t| 70_000 + t).collect();
+    let ask = async |model: &str| {
+        let reply = client
+            .post(format!("{}/v1/completions", worker.base))
+            .json(&serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 200);
+        reply.bytes().await.unwrap();
+    };
+    // The blocks the index credits the worker with, hashed as the router
+    // hashes a request's prompt (`seed_for(adapter, None)`).
+    let depth = |seed: u64| {
+        let hashes = local_block_hashes(&prompt, 16, seed);
+        let mut scores = OverlapScores::new();
+        index
+            .lock()
+            .unwrap()
+            .device()
+            .overlaps(&hashes, &mut scores);
+        scores.depth(id)
+    };
+    let sql = seed_for(Some("sql"), None);
+
+    ask("sql").await;
+    wait_for(
+        "the adapter's blocks indexed under its seed",
+        PATIENCE,
+        async || depth(sql) == 10,
+    )
+    .await;
+    assert_eq!(depth(DEFAULT_SEED), 0, "not under the base model's");
+
+    // The base model's identical prompt shares nothing with the adapter's:
+    // computed again, indexed under its own seed.
+    ask("switchyard-sim").await;
+    wait_for(
+        "the base model's blocks indexed under its seed",
+        PATIENCE,
+        async || depth(DEFAULT_SEED) == 10,
+    )
+    .await;
+    assert_eq!(depth(sql), 10);
+    let text = metrics_text(&client, &worker.base).await;
+    assert_eq!(
+        metric(&text, "switchyard_engine_prefix_hit_tokens_total"),
+        Some(0.0),
+        "neither found the other's KV"
+    );
+    // The adapter's own prompt again is a hit.
+    ask("sql").await;
+    wait_metrics(
+        &client,
+        &worker.base,
+        "the adapter's repeat hits its blocks",
+        |t| metric(t, "switchyard_engine_prefix_hit_tokens_total") > Some(0.0),
+    )
+    .await;
+    assert_eq!(
+        metric(
+            &metrics_text(&client, &worker.base).await,
+            "switchyard_engine_kv_events_dropped_total"
+        ),
+        Some(0.0)
+    );
+    subscriber.shutdown();
+}
+
+#[tokio::test]
 async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
     let _machine = machine().await;
     let worker = sim_worker_with(0, &["--speedup", "1"]);

@@ -295,6 +295,7 @@ impl Run<'_> {
                 prompt,
                 max_tokens,
                 hash_seed: DEFAULT_SEED,
+                lora_name: None,
             });
             if admitted.is_err() {
                 let fx = self.dispatcher.abort(sent.id, self.now_ms);
