@@ -250,15 +250,6 @@ impl Models {
         self.get(adapters.resolve(model).eligible_model.as_deref())
     }
 
-    /// The block size of a worker serving `models` (its `/v1/models`):
-    /// the first listed model's, else `None` (the router's).
-    pub fn block_size_of_worker(&self, models: &[String]) -> Option<u32> {
-        models
-            .iter()
-            .find_map(|m| self.by_name.get(m.as_str()))
-            .map(|r| r.block_size)
-    }
-
     /// Every entry, the default first, then by name.
     pub fn entries(&self) -> Vec<Arc<ModelRouting>> {
         let mut listed: Vec<_> = self.by_name.values().cloned().collect();
@@ -267,6 +258,22 @@ impl Models {
             .chain(listed)
             .collect()
     }
+}
+
+/// The block size of each `[[models]]` table that names one.
+pub fn block_sizes(specs: &[ModelSpec]) -> FxHashMap<String, u32> {
+    specs
+        .iter()
+        .take(MAX_MODELS)
+        .filter_map(|m| Some((m.name.clone(), m.block_size?)))
+        .collect()
+}
+
+/// The block size of a worker serving `served` (its `/v1/models`): that
+/// of the first model with one in `sizes` ([`block_sizes`]), else `None`
+/// (the router's).
+pub fn worker_block_size(sizes: &FxHashMap<String, u32>, served: &[String]) -> Option<u32> {
+    served.iter().find_map(|m| sizes.get(m).copied())
 }
 
 /// A listed model's tokenizer: from its directory, or from the hub cache
@@ -442,12 +449,24 @@ mod tests {
 
     #[test]
     fn a_worker_takes_the_block_size_of_the_first_listed_model_it_serves() {
-        let models = models();
+        let sizes = block_sizes(&[
+            ModelSpec {
+                block_size: Some(32),
+                ..spec("a")
+            },
+            ModelSpec {
+                block_size: Some(64),
+                ..spec("b")
+            },
+            spec("c"),
+        ]);
+        let served = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            models.block_size_of_worker(&["x".into(), "a".into()]),
+            worker_block_size(&sizes, &served(&["x", "a", "b"])),
             Some(32)
         );
-        assert_eq!(models.block_size_of_worker(&["x".into()]), None);
+        assert_eq!(worker_block_size(&sizes, &served(&["c", "b"])), Some(64));
+        assert_eq!(worker_block_size(&sizes, &served(&["x", "c"])), None);
     }
 
     #[test]

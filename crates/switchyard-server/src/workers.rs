@@ -66,7 +66,7 @@ pub struct Fleet {
     block_size: u32,
     /// The block size of each `[[models]]` table that names one: a worker
     /// serving the model runs at it (unless its spec says `block-size=`).
-    model_block_sizes: HashMap<String, u32>,
+    model_block_sizes: rustc_hash::FxHashMap<String, u32>,
     /// The block sizes workers' specs declare (`block-size=N`).
     declared_block_sizes: Mutex<HashMap<WorkerId, u32>>,
     health_failures: u32,
@@ -106,7 +106,7 @@ impl Fleet {
             kv_metrics: KvEventMetrics::new(),
             uses_events,
             block_size,
-            model_block_sizes: HashMap::new(),
+            model_block_sizes: Default::default(),
             declared_block_sizes: Mutex::new(HashMap::new()),
             health_failures,
             health_timeout,
@@ -127,10 +127,7 @@ impl Fleet {
     /// The same fleet, knowing the `[[models]]` tables' block sizes: a
     /// worker whose `/v1/models` names such a model runs at its block size.
     pub fn with_models(mut self, models: &[crate::models::ModelSpec]) -> Self {
-        self.model_block_sizes = models
-            .iter()
-            .filter_map(|m| Some((m.name.clone(), m.block_size?)))
-            .collect();
+        self.model_block_sizes = crate::models::block_sizes(models);
         self
     }
 
@@ -140,10 +137,7 @@ impl Fleet {
         if let Some(&declared) = lock(&self.declared_block_sizes).get(&id) {
             return declared;
         }
-        models
-            .iter()
-            .find_map(|m| self.model_block_sizes.get(m).copied())
-            .unwrap_or(self.block_size)
+        crate::models::worker_block_size(&self.model_block_sizes, models).unwrap_or(self.block_size)
     }
 
     /// Lets workers have roles (`serve --disagg`); without it a worker

@@ -68,7 +68,11 @@ fn every_example_config_loads_and_follows_its_workers_kv_events() {
     loaded.sort();
     assert_eq!(
         loaded,
-        ["multi-model-fleet.toml", "sglang-fleet.toml", "vllm-fleet.toml"]
+        [
+            "multi-model-fleet.toml",
+            "sglang-fleet.toml",
+            "vllm-fleet.toml"
+        ]
     );
 }
 
