@@ -5,25 +5,20 @@
 //! only adapter unloaded first), and `/metrics` on both sides counts it.
 
 use crate::support::{
-    machine, metric, metric_sum, metrics_text, router, scratch_file, served_by, sim_worker_with,
+    completion, machine, metric, metric_sum, metrics_text, router, scratch_file, sim_worker_with,
     wait_metrics,
 };
 use serde_json::{json, Value};
 
+/// Forty token ids from `prompt` for `model`: the status and the worker.
 async fn ask(client: &reqwest::Client, base: &str, model: &str, prompt: u32) -> (u16, String) {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(&json!({"model": model, "prompt": (prompt..prompt + 40).collect::<Vec<u32>>(), "max_tokens": 3}))
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let worker = response
-        .headers()
-        .get("x-switchyard-worker")
-        .map(|_| served_by(&response))
-        .unwrap_or_default();
-    (status, worker)
+    ask_tokens(
+        client,
+        base,
+        model,
+        &(prompt..prompt + 40).collect::<Vec<u32>>(),
+    )
+    .await
 }
 
 async fn adapters_of(client: &reqwest::Client, base: &str) -> Vec<String> {
@@ -147,19 +142,8 @@ async fn ask_tokens(
     model: &str,
     prompt: &[u32],
 ) -> (u16, String) {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(&json!({"model": model, "prompt": prompt, "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let worker = response
-        .headers()
-        .get("x-switchyard-worker")
-        .map(|_| served_by(&response))
-        .unwrap_or_default();
-    response.bytes().await.unwrap();
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": 2});
+    let (status, worker, _) = completion(client, base, &body).await;
     (status, worker)
 }
 

@@ -8,10 +8,10 @@
 //! the model's own tokens and blocks.
 
 use crate::support::{
-    machine, metric, metric_sum, metrics_text, router, scratch_file, served_by, sim_worker_with,
+    completion, machine, metric, metric_sum, metrics_text, router, scratch_file, sim_worker_with,
     wait_metrics, Proc,
 };
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -100,24 +100,10 @@ async fn complete(
     model: &str,
     prompt: &str,
 ) -> (u16, String, u64) {
-    let response = client
-        .post(format!("{base}/v1/completions"))
-        .json(&json!({"model": model, "prompt": prompt, "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let worker = if status == 200 {
-        served_by(&response)
-    } else {
-        String::new()
-    };
-    let body: Value = response.json().await.unwrap_or_default();
-    (
-        status,
-        worker,
-        body["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
-    )
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": 2});
+    let (status, worker, answer) = completion(client, base, &body).await;
+    let tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    (status, worker, tokens)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -174,3 +174,27 @@ pub(crate) fn served_by(response: &reqwest::Response) -> String {
         .expect("the worker header is ASCII")
         .to_owned()
 }
+
+/// POSTs a completion `body` to `base`: the status, the worker that served
+/// it (`x-switchyard-worker`; empty when the router named none) and the
+/// answer's JSON (`Null` when it is not JSON).
+pub(crate) async fn completion(
+    client: &reqwest::Client,
+    base: &str,
+    body: &serde_json::Value,
+) -> (u16, String, serde_json::Value) {
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let worker = response
+        .headers()
+        .get("x-switchyard-worker")
+        .map(|_| served_by(&response))
+        .unwrap_or_default();
+    let answer = response.json().await.unwrap_or_default();
+    (status, worker, answer)
+}
