@@ -247,6 +247,10 @@ impl Models {
     /// The routing state of a request naming `model`: an adapter's is its
     /// base model's.
     pub fn for_request(&self, adapters: &Adapters, model: Option<&str>) -> &Arc<ModelRouting> {
+        // One model family (no tables): nothing to resolve per request.
+        if self.by_name.is_empty() {
+            return &self.default;
+        }
         self.get(adapters.resolve(model).eligible_model.as_deref())
     }
 

@@ -6,7 +6,7 @@
 
 use crate::support::{
     completion, machine, metric, metric_sum, metrics_text, router, scratch_file, sim_worker_with,
-    wait_metrics,
+    wait_metrics, Proc,
 };
 use serde_json::{json, Value};
 
@@ -39,27 +39,30 @@ async fn adapters_of(client: &reqwest::Client, base: &str) -> Vec<String> {
         .collect()
 }
 
+/// A sim-worker with one adapter slot holding `adapter`, loading others
+/// in `load_ms`, with `extra` flags.
+fn adapter_worker(adapter: &str, load_ms: &str, extra: &[&str]) -> Proc {
+    let module = format!("{adapter}=/adapters/{adapter}");
+    let mut flags = vec![
+        "--speedup",
+        "4",
+        "--num-blocks",
+        "1024",
+        "--max-loras",
+        "1",
+        "--lora-load-ms",
+        load_ms,
+        "--lora-modules",
+        module.as_str(),
+    ];
+    flags.extend_from_slice(extra);
+    sim_worker_with(0, &flags)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_follow_their_adapter_and_a_missing_one_is_loaded_on_demand() {
     let _machine = machine().await;
-    let worker = |adapter: &str| {
-        let module = format!("{adapter}=/adapters/{adapter}");
-        sim_worker_with(
-            0,
-            &[
-                "--speedup",
-                "4",
-                "--num-blocks",
-                "1024",
-                "--max-loras",
-                "1",
-                "--lora-load-ms",
-                "200",
-                "--lora-modules",
-                module.as_str(),
-            ],
-        )
-    };
+    let worker = |adapter: &str| adapter_worker(adapter, "200", &[]);
     let w0 = worker("a");
     let w1 = worker("b");
     let config = scratch_file(
@@ -152,38 +155,18 @@ async fn a_repeated_adapter_prompt_follows_the_worker_whose_events_published_its
     let _machine = machine().await;
     // Two workers, both holding adapter a, publishing KV events to the
     // router.
-    let worker = || {
-        sim_worker_with(
-            0,
-            &[
-                "--speedup",
-                "4",
-                "--num-blocks",
-                "1024",
-                "--max-loras",
-                "1",
-                "--lora-load-ms",
-                "0",
-                "--lora-modules",
-                "a=/adapters/a",
-                "--kv-events",
-                "tcp://127.0.0.1:*",
-                "--kv-replay",
-                "tcp://127.0.0.1:*",
-            ],
-        )
-    };
+    let events = [
+        "--kv-events",
+        "tcp://127.0.0.1:*",
+        "--kv-replay",
+        "tcp://127.0.0.1:*",
+    ];
+    let worker = || adapter_worker("a", "0", &events);
     let workers = [worker(), worker()];
     let specs: Vec<String> = workers
         .iter()
         .enumerate()
-        .map(|(i, w)| {
-            let (events, replay) = w.kv.clone().expect("the worker prints its KV endpoints");
-            format!(
-                "{},events={events},replay={replay}",
-                w.named(&format!("w{i}"))
-            )
-        })
+        .map(|(i, w)| w.named_with_events(&format!("w{i}")))
         .collect();
     let config = scratch_file(
         "adapters-affinity.toml",

@@ -74,15 +74,6 @@ fn worker(model: &str, flags: &[&str]) -> Proc {
     sim_worker_with(0, &args)
 }
 
-/// Its `--worker` spec with its KV-event endpoints.
-fn spec(proc: &Proc, name: &str) -> String {
-    let (events, replay) = proc
-        .kv
-        .clone()
-        .expect("the sim-worker printed its KV endpoints");
-    format!("{},events={events},replay={replay}", proc.named(name))
-}
-
 /// A prompt of some hundreds of tokens, its own for each `topic`.
 fn text(topic: u32) -> String {
     (0..40)
@@ -165,11 +156,11 @@ base_model = "qwen"
     std::fs::create_dir_all(&hub_cache).unwrap();
     let router = router(
         &[
-            spec(&q0, "q0"),
-            spec(&q1, "q1"),
-            spec(&m0, "m0"),
-            spec(&m1, "m1"),
-            spec(&g0, "g0"),
+            q0.named_with_events("q0"),
+            q1.named_with_events("q1"),
+            m0.named_with_events("m0"),
+            m1.named_with_events("m1"),
+            g0.named_with_events("g0"),
         ],
         &[
             "--cache",

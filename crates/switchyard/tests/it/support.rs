@@ -68,6 +68,16 @@ impl Proc {
     pub(crate) fn named(&self, name: &str) -> String {
         format!("{},name={name}", self.base)
     }
+
+    /// [`Proc::named`] with the KV-event endpoints a sim-worker started
+    /// with `--kv-events` and `--kv-replay` printed.
+    pub(crate) fn named_with_events(&self, name: &str) -> String {
+        let (events, replay) = self
+            .kv
+            .clone()
+            .expect("the sim-worker printed its KV endpoints");
+        format!("{},events={events},replay={replay}", self.named(name))
+    }
 }
 
 impl Drop for Proc {
