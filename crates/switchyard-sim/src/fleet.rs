@@ -2028,8 +2028,9 @@ mod replica_tests {
     /// requests, decode blocks, prefill tokens now and active prompt blocks;
     /// the index's live pairs.
     fn view(router: &switchyard_core::Router, now_ms: f64) -> (Loads, usize) {
-        let registry = router.sequences().registry();
-        let loads = registry
+        let sequences = router.sequences();
+        let loads = sequences
+            .registry()
             .loads()
             .map(|l| {
                 (
@@ -2037,7 +2038,7 @@ mod replica_tests {
                     l.requests,
                     l.decode_blocks,
                     l.active_prefill_tokens(now_ms),
-                    registry.active_blocks(l.worker),
+                    sequences.active_blocks(l.worker),
                 )
             })
             .collect();

@@ -507,7 +507,8 @@ impl Router {
             }
         }
         self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
-        registry.active_prompt_overlaps(request.blocks, &mut self.active);
+        self.sequences
+            .active_prompt_overlaps(request.blocks, &mut self.active);
         self.active.entries.sort_unstable_by_key(|e| e.worker);
         self.candidates.clear();
         // The request's blocks were hashed at its model's block size, the

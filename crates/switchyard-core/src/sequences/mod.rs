@@ -12,8 +12,11 @@
 //!   maps a request to the slot that owns it. With the per-worker state they
 //!   keep the invariants: a request is owned by exactly one worker, is freed
 //!   at most once, and freeing it returns every block it held.
-//! - [`PromptRegistry`] is a projection for selectors: per-worker load and
-//!   which prompt prefixes are active where. It never writes back.
+//! - [`PromptRegistry`] is a projection for selectors: per-worker load. It
+//!   never writes back. Which prompt prefixes are active where is read
+//!   from the write model's per-worker block counts
+//!   ([`ActiveSequences::active_prompt_overlaps`]), so a booking keeps no
+//!   second structure in step.
 //!
 //! Duplicate and stale events are outcomes ([`LifecycleOutcome`]), never
 //! faults. Requests older than `expiry_ms` are freed by [`ActiveSequences::expire`]
@@ -28,6 +31,7 @@ pub use registry::{PromptRegistry, WorkerLoad};
 pub use tables::{RequestIndex, WorkerTable};
 
 use crate::hashing::sequence_hashes;
+use crate::index::{OverlapScores, WorkerOverlap};
 use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
 use prefill::PrefillTracker;
@@ -269,7 +273,7 @@ impl ActiveSequences {
             self.requests.remove(*id);
         }
         self.counters.dropped_with_worker += freed.len() as u64;
-        self.registry.drop_worker(slot as usize, worker);
+        self.registry.drop_worker(slot as usize);
         freed
     }
 
@@ -297,16 +301,11 @@ impl ActiveSequences {
             .as_mut()
             .expect("a slot in the table has state");
         let block_size = state.block_size;
-        // Count every prompt block once per worker; a block seen for the first
-        // time becomes visible in the registry (prefix order: parents first).
-        for (i, &s) in seq.iter().enumerate() {
-            let refs = state.block_refs.entry(s).or_insert(0);
-            *refs += 1;
-            if *refs == 1 {
-                let parent = i.checked_sub(1).map(|p| seq[p]);
-                self.registry
-                    .activate_block(add.worker, parent, s, add.blocks[i]);
-            }
+        // Count every prompt block once per worker: what the worker holds
+        // for its active requests, and which prompt prefixes are active on
+        // it (`active_prompt_overlaps`).
+        for &s in &seq {
+            *state.block_refs.entry(s).or_insert(0) += 1;
         }
         let partial_block = add.prompt_tokens as u64 > seq.len() as u64 * block_size as u64;
         if partial_block {
@@ -366,10 +365,6 @@ impl ActiveSequences {
         let Some(slot) = self.requests.remove(id) else {
             return false;
         };
-        let worker = self
-            .workers
-            .id(slot)
-            .expect("an owner slot is in the table");
         let state = self.per_worker[slot as usize]
             .as_mut()
             .expect("an owner slot has state");
@@ -381,8 +376,7 @@ impl ActiveSequences {
         if request.partial_block {
             state.partial_blocks -= 1;
         }
-        // Deepest first, so the registry never holds a child without its parent.
-        for s in request.blocks.iter().rev() {
+        for s in request.blocks.iter() {
             let refs = state
                 .block_refs
                 .get_mut(s)
@@ -390,7 +384,6 @@ impl ActiveSequences {
             *refs -= 1;
             if *refs == 0 {
                 state.block_refs.remove(s);
-                self.registry.deactivate_block(worker, *s);
             }
         }
         if state.requests.is_empty() {
@@ -446,6 +439,53 @@ impl ActiveSequences {
     /// The derived read model.
     pub fn registry(&self) -> &PromptRegistry {
         &self.registry
+    }
+
+    /// Leading blocks of a prompt (its local block hashes) already active
+    /// on each worker, written into `out` (cleared first; workers with
+    /// none are left out).
+    ///
+    /// Answered from each worker's prompt-block reference counts: a
+    /// worker's active blocks are prefix-closed (a request holding a block
+    /// holds every block before it, and a block's chained hash names its
+    /// whole prefix), so its depth is where the prompt's chained hashes
+    /// stop being counted there — one lookup for a worker without the
+    /// prompt's first block, about log2(blocks) more with it. Keeping no
+    /// second structure for this makes a booking and a free a few
+    /// counter changes per block.
+    pub fn active_prompt_overlaps(&self, blocks: &[LocalHash], out: &mut OverlapScores) {
+        out.entries.clear();
+        let Some(first) = blocks.first() else {
+            return;
+        };
+        // A prompt's first chained hash is its first local hash.
+        let first = SequenceHash(first.0);
+        let mut chain: Option<Vec<SequenceHash>> = None;
+        for (slot, state) in self.per_worker.iter().enumerate() {
+            let Some(state) = state else { continue };
+            if !state.block_refs.contains_key(&first) {
+                continue;
+            }
+            let chain = chain.get_or_insert_with(|| sequence_hashes(blocks));
+            let depth = chain.partition_point(|h| state.block_refs.contains_key(h));
+            let worker = self
+                .workers
+                .id(slot as u32)
+                .expect("a slot with state is in the table");
+            out.entries.push(WorkerOverlap {
+                worker,
+                depth: depth as u32,
+                cached_blocks: state.block_refs.len(),
+            });
+        }
+    }
+
+    /// Distinct full prompt blocks active on `worker`.
+    pub fn active_blocks(&self, worker: WorkerId) -> usize {
+        self.workers
+            .slot(worker)
+            .and_then(|slot| self.per_worker[slot as usize].as_ref())
+            .map_or(0, |state| state.block_refs.len())
     }
 
     /// Whether `worker` is in the table.
@@ -533,7 +573,7 @@ impl ActiveSequences {
                 .expect("registry has every worker");
             assert_eq!(load.decode_blocks, recount.len() + partial);
             assert_eq!(load.requests, state.requests.len());
-            assert_eq!(self.registry.active_blocks(worker), recount.len());
+            assert_eq!(self.active_blocks(worker), recount.len());
         }
         assert_eq!(owned, self.requests.len());
     }

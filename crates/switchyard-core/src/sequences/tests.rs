@@ -33,7 +33,7 @@ fn add(id: u128, worker: u64, blocks: &[u64], prompt_tokens: u32) -> AddRequest 
 fn prompt_overlap(s: &ActiveSequences, worker: u64, blocks: &[u64]) -> u32 {
     let mut out = OverlapScores::new();
     let hashes: Vec<LocalHash> = blocks.iter().map(|&b| LocalHash(b)).collect();
-    s.registry().active_prompt_overlaps(&hashes, &mut out);
+    s.active_prompt_overlaps(&hashes, &mut out);
     out.depth(w(worker))
 }
 
@@ -310,7 +310,7 @@ proptest! {
             prop_assert_eq!(load.requests, 0);
             prop_assert_eq!(load.active_prefill_tokens(now), 0);
             prop_assert_eq!(load.prefill.count, 0);
-            prop_assert_eq!(s.registry().active_blocks(load.worker), 0);
+            prop_assert_eq!(s.active_blocks(load.worker), 0);
         }
     }
 }
