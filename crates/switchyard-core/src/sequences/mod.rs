@@ -463,7 +463,7 @@ impl ActiveSequences {
         let mut chain: Option<Vec<SequenceHash>> = None;
         for (slot, state) in self.per_worker.iter().enumerate() {
             let Some(state) = state else { continue };
-            if !state.block_refs.contains_key(&first) {
+            if state.block_refs.is_empty() || !state.block_refs.contains_key(&first) {
                 continue;
             }
             let chain = chain.get_or_insert_with(|| sequence_hashes(blocks));
