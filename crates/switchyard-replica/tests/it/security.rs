@@ -223,7 +223,14 @@ async fn with_a_token_on_the_server_a_token_file_connects_and_no_token_does_not(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_batches_change_nothing_beyond_the_clamps() {
     let server = nats();
-    let config = config(&server);
+    // a's booking below is published without being booked in a's own
+    // dispatcher, so a's digests (every 2 s by default) would free it on b
+    // a second after it arrived: on a loaded machine, before this test
+    // looks. No digest runs during the test.
+    let config = ReplicaConfig {
+        digest_ms: 3_600_000.0,
+        ..config(&server)
+    };
     let honest = ReplicaId(1);
     let a = Replica::start(&config, honest).await;
     let b = Replica::start(&config, ReplicaId(2)).await;
