@@ -79,6 +79,14 @@ pub fn chain_hash(parent: SequenceHash, local: LocalHash) -> SequenceHash {
 /// Chained sequence hashes of a run of local hashes starting at the root.
 pub fn sequence_hashes(local: &[LocalHash]) -> Vec<SequenceHash> {
     let mut out = Vec::with_capacity(local.len());
+    extend_sequence_hashes(local, &mut out);
+    out
+}
+
+/// Like [`sequence_hashes`], appending to a caller-owned buffer so the
+/// routing path can reuse its allocation.
+pub fn extend_sequence_hashes(local: &[LocalHash], out: &mut Vec<SequenceHash>) {
+    out.reserve(local.len());
     let mut iter = local.iter();
     if let Some(first) = iter.next() {
         let mut prev = SequenceHash(first.0);
@@ -88,7 +96,6 @@ pub fn sequence_hashes(local: &[LocalHash]) -> Vec<SequenceHash> {
             out.push(prev);
         }
     }
-    out
 }
 
 fn hash_tokens_le(tokens: &[u32], seed: u64) -> u64 {

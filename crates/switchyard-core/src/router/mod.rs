@@ -32,7 +32,7 @@ use crate::sequences::{
     ActiveSequences, AddRequest, LifecycleOutcome, SequenceEvent, SequencesConfig,
     SequencesConfigError, SequencesMemory,
 };
-use crate::types::{ReplicaId, RequestId, WorkerId};
+use crate::types::{ReplicaId, RequestId, SequenceHash, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// How the router learns what workers have cached.
@@ -245,6 +245,8 @@ pub struct Router {
     /// were cut back (empty when no worker is hybrid).
     held: OverlapScores,
     active: OverlapScores,
+    /// Scratch: the prompt's chained hashes, for its active-prompt depths.
+    chain: Vec<SequenceHash>,
     /// Each worker's cached blocks, in the registry's order of loads,
     /// read with the overlaps in one visit to the index.
     cached: Vec<usize>,
@@ -308,6 +310,7 @@ impl Router {
             checkpoint_depths: OverlapScores::new(),
             held: OverlapScores::new(),
             active: OverlapScores::new(),
+            chain: Vec::new(),
             cached: Vec::new(),
             candidates: Vec::new(),
         })
@@ -508,7 +511,7 @@ impl Router {
         }
         self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
         self.sequences
-            .active_prompt_overlaps(request.blocks, &mut self.active);
+            .active_prompt_overlaps(request.blocks, &mut self.chain, &mut self.active);
         self.active.entries.sort_unstable_by_key(|e| e.worker);
         self.candidates.clear();
         // The request's blocks were hashed at its model's block size, the
@@ -829,6 +832,7 @@ impl Router {
                     + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
+                + self.chain.capacity() * std::mem::size_of::<SequenceHash>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>()
                 + self.adapters.estimated_bytes(),
         }

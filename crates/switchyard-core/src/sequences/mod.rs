@@ -30,7 +30,7 @@ pub use prefill::{MissingExpectedDuration, PrefillSummary};
 pub use registry::{PromptRegistry, WorkerLoad};
 pub use tables::{RequestIndex, WorkerTable};
 
-use crate::hashing::sequence_hashes;
+use crate::hashing::{extend_sequence_hashes, sequence_hashes};
 use crate::index::{OverlapScores, WorkerOverlap};
 use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
@@ -443,7 +443,8 @@ impl ActiveSequences {
 
     /// Leading blocks of a prompt (its local block hashes) already active
     /// on each worker, written into `out` (cleared first; workers with
-    /// none are left out).
+    /// none are left out). `chain` is scratch for the prompt's chained
+    /// hashes (reuse one to avoid allocating).
     ///
     /// Answered from each worker's prompt-block reference counts: a
     /// worker's active blocks are prefix-closed (a request holding a block
@@ -453,20 +454,27 @@ impl ActiveSequences {
     /// prompt's first block, about log2(blocks) more with it. Keeping no
     /// second structure for this makes a booking and a free a few
     /// counter changes per block.
-    pub fn active_prompt_overlaps(&self, blocks: &[LocalHash], out: &mut OverlapScores) {
+    pub fn active_prompt_overlaps(
+        &self,
+        blocks: &[LocalHash],
+        chain: &mut Vec<SequenceHash>,
+        out: &mut OverlapScores,
+    ) {
         out.entries.clear();
+        chain.clear();
         let Some(first) = blocks.first() else {
             return;
         };
         // A prompt's first chained hash is its first local hash.
         let first = SequenceHash(first.0);
-        let mut chain: Option<Vec<SequenceHash>> = None;
         for (slot, state) in self.per_worker.iter().enumerate() {
             let Some(state) = state else { continue };
             if state.block_refs.is_empty() || !state.block_refs.contains_key(&first) {
                 continue;
             }
-            let chain = chain.get_or_insert_with(|| sequence_hashes(blocks));
+            if chain.is_empty() {
+                extend_sequence_hashes(blocks, chain);
+            }
             let depth = chain.partition_point(|h| state.block_refs.contains_key(h));
             let worker = self
                 .workers

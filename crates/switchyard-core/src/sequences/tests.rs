@@ -33,7 +33,7 @@ fn add(id: u128, worker: u64, blocks: &[u64], prompt_tokens: u32) -> AddRequest 
 fn prompt_overlap(s: &ActiveSequences, worker: u64, blocks: &[u64]) -> u32 {
     let mut out = OverlapScores::new();
     let hashes: Vec<LocalHash> = blocks.iter().map(|&b| LocalHash(b)).collect();
-    s.active_prompt_overlaps(&hashes, &mut out);
+    s.active_prompt_overlaps(&hashes, &mut Vec::new(), &mut out);
     out.depth(w(worker))
 }
 
