@@ -232,8 +232,13 @@ impl EstimatorConfig {
             let t = t as f64;
             (a * t * t + b * t + c).max(0.0)
         };
-        let full = tokens / chunk;
-        let rest = tokens % chunk;
+        // Most prompts fit one chunk: no division for them (it is the
+        // slowest instruction here, and routing asks this per candidate).
+        let (full, rest) = if tokens < chunk {
+            (0, tokens)
+        } else {
+            (tokens / chunk, tokens % chunk)
+        };
         let mut ms = full as f64 * curve(chunk);
         if rest > 0 {
             ms += curve(rest);

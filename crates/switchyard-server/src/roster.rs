@@ -223,33 +223,37 @@ impl Roster {
     /// worker. `UnknownModel` when workers are up but none serves `model`
     /// (and none is draining, whose model list may be the one missing).
     pub fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, UnknownModel> {
-        let mut any_draining = false;
-        let mut all = 0usize;
-        let mut eligible = Vec::new();
-        for info in self.workers.values() {
-            if !info.in_router {
-                continue;
-            }
+        let serves = |info: &WorkerInfo| match model {
+            None => true,
+            Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
+        };
+        // One pass to count, so that the common case (every worker may take
+        // it) allocates nothing: this runs under the routing lock for every
+        // request.
+        let (mut all, mut serving, mut any_draining) = (0usize, 0usize, false);
+        for info in self.workers.values().filter(|w| w.in_router) {
             all += 1;
             any_draining |= info.draining;
-            let serves = match model {
-                None => true,
-                Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
-            };
-            if serves && !info.draining {
-                eligible.push(info.id);
-            }
+            serving += usize::from(serves(info) && !info.draining);
         }
-        if eligible.is_empty() && all > 0 && model.is_some() && !any_draining {
+        if serving == 0 && all > 0 && model.is_some() && !any_draining {
             return Err(UnknownModel);
         }
-        if eligible.len() == all && !any_draining {
-            eligible.clear();
-        } else if eligible.is_empty() {
+        if serving == all && !any_draining {
+            return Ok(Vec::new());
+        }
+        if serving == 0 {
             // Nothing may take it; a nonexistent id keeps the router from
             // choosing a draining worker.
-            eligible.push(WorkerId::new(u64::MAX));
+            return Ok(vec![WorkerId::new(u64::MAX)]);
         }
+        let mut eligible = Vec::with_capacity(serving);
+        eligible.extend(
+            self.workers
+                .values()
+                .filter(|w| w.in_router && !w.draining && serves(w))
+                .map(|w| w.id),
+        );
         Ok(eligible)
     }
 }

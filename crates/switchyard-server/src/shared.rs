@@ -275,8 +275,10 @@ impl SharedRouter {
 
     /// Carries out effects (and those of the aborts they cause).
     fn carry_out(&self, inner: &mut Inner, fx: Effects, now: f64) {
-        let mut pending = vec![fx];
-        while let Some(fx) = pending.pop() {
+        // The aborts' effects wait in `pending`, allocated only when a
+        // placement found nobody waiting for it.
+        let (mut next, mut pending) = (Some(fx), Vec::new());
+        while let Some(fx) = next.take().or_else(|| pending.pop()) {
             let counts = fx.counts;
             if counts.cancelled > 0 {
                 self.metrics

@@ -200,6 +200,10 @@ struct RecentWrites {
 
 impl RecentWrites {
     fn at(&self, now_ms: f64) -> f64 {
+        if self.tokens == 0.0 {
+            // A worker never given work: no `exp` for it.
+            return 0.0;
+        }
         let age = (now_ms - self.at_ms).max(0.0);
         self.tokens * (-age / WRITES_TIME_CONSTANT_MS).exp()
     }
@@ -528,7 +532,7 @@ impl Router {
                     continue;
                 }
             }
-            if self.unselectable.contains_key(&worker) {
+            if !self.unselectable.is_empty() && self.unselectable.contains_key(&worker) {
                 continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);

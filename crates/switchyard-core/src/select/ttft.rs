@@ -246,6 +246,7 @@ impl TtftSelector {
 
     /// The cost of routing the request to `c` were `c` as fast as `priced`
     /// (its state — cache, queue, running requests — is `c`'s own).
+    #[inline(always)]
     fn cost_priced_as(
         &self,
         ctx: &RoutingContext<'_>,

@@ -162,6 +162,31 @@ fn requests_older_than_the_deadline_expire() {
 }
 
 #[test]
+fn the_expiry_queue_stays_bounded_without_a_sweep() {
+    // Requests freed as they end leave their expiry entries behind; with no
+    // `expire` call in between, 10,000 of them with one still active keep
+    // the queue within its bound (twice the live requests plus 1,024).
+    let mut s = model();
+    s.add_worker(w(1));
+    s.add_request(&add(0, 1, &[9], 4), 0.0);
+    for id in 1..=10_000u128 {
+        s.add_request(&add(id, 1, &[1, 2], 8), id as f64 * 1e-3);
+        assert_eq!(s.free(r(id), id as f64 * 1e-3), LifecycleOutcome::Applied);
+    }
+    let entry = std::mem::size_of::<(f64, RequestId)>();
+    let bound = 2 * s.active_requests() + 1024 + 1;
+    assert!(
+        s.memory().expiry_queue <= bound.next_power_of_two() * entry,
+        "{} bytes for {} live requests",
+        s.memory().expiry_queue,
+        s.active_requests()
+    );
+    // The live request still expires on time.
+    assert_eq!(s.expire(1000.0), vec![r(0)]);
+    s.check_invariants();
+}
+
+#[test]
 fn removing_a_worker_frees_its_requests() {
     let mut s = model();
     s.add_worker(w(1));

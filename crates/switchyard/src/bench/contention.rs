@@ -66,6 +66,11 @@ pub struct ContentionArgs {
     /// Write the figures as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write every timed decision here, in the order they were made, as
+    /// CSV (`round,decision,micros,interruption`): where the slow ones
+    /// fall (every n-th decision, in bursts, at random).
+    #[arg(long)]
+    pub samples: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -415,5 +420,37 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         write_json(path, &figures)?;
     }
+    if let Some(path) = &args.samples {
+        write_samples(path, &quiet, &loaded, args.decisions)?;
+    }
+    Ok(())
+}
+
+/// The raw samples as CSV; rounds are numbered in the order they ran
+/// (quiet and loaded alternate, quiet first).
+fn write_samples(
+    path: &std::path::Path,
+    quiet: &[Sample],
+    loaded: &[Sample],
+    per_round: usize,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(out, "round,decision,micros,interruption")?;
+    let per_round = per_round.max(1);
+    let rounds = quiet.chunks(per_round).zip(loaded.chunks(per_round));
+    for (n, (quiet, loaded)) in rounds.enumerate() {
+        for (round, samples) in [(2 * n, quiet), (2 * n + 1, loaded)] {
+            for (i, s) in samples.iter().enumerate() {
+                let interruption = match s.interruption {
+                    Interruption::None => "none",
+                    Interruption::Slept => "slept",
+                    Interruption::Preempted => "preempted",
+                };
+                writeln!(out, "{round},{i},{:.3},{interruption}", s.micros)?;
+            }
+        }
+    }
+    out.flush()?;
     Ok(())
 }
