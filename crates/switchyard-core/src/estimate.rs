@@ -239,7 +239,11 @@ impl EstimatorConfig {
         } else {
             (tokens / chunk, tokens % chunk)
         };
-        let mut ms = full as f64 * curve(chunk);
+        let mut ms = if full > 0 {
+            full as f64 * curve(chunk)
+        } else {
+            0.0
+        };
         if rest > 0 {
             ms += curve(rest);
         }

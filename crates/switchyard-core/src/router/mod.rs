@@ -222,6 +222,19 @@ struct WorkerSlot {
     writes: RecentWrites,
 }
 
+/// One worker's depths for the prompt being routed (in blocks).
+#[derive(Clone, Copy, Debug, Default)]
+struct SlotDepths {
+    /// Its device prefix (cut back to its deepest SSM state when hybrid).
+    overlap: u32,
+    /// Its device prefix, resumable or not.
+    held: u32,
+    /// Its host-tier run right after the device prefix.
+    host: u32,
+    /// The prompt's leading blocks already active on it.
+    active: u32,
+}
+
 /// The routing core. See the module docs for the call sequence.
 pub struct Router {
     config: RouterConfig,
@@ -251,9 +264,11 @@ pub struct Router {
     active: OverlapScores,
     /// Scratch: the prompt's chained hashes, for its active-prompt depths.
     chain: Vec<SequenceHash>,
-    /// Each worker's cached blocks, in the registry's order of loads,
-    /// read with the overlaps in one visit to the index.
+    /// Each worker's cached blocks by registry slot, read with the
+    /// overlaps in one visit to the index.
     cached: Vec<usize>,
+    /// Scratch: each worker's depths by registry slot.
+    depths: Vec<SlotDepths>,
     candidates: Vec<Candidate>,
     /// Which worker has which LoRA adapter loaded.
     adapters: AdapterTable,
@@ -316,6 +331,7 @@ impl Router {
             active: OverlapScores::new(),
             chain: Vec::new(),
             cached: Vec::new(),
+            depths: Vec::new(),
             candidates: Vec::new(),
         })
     }
@@ -469,11 +485,10 @@ impl Router {
         let mut read = |device: &PrefixIndex, tiers: Option<&TieredIndex>| {
             device.overlaps(request.blocks, overlaps);
             cached.clear();
-            cached.extend(
-                registry
-                    .loads()
-                    .map(|load| device.worker_blocks(load.worker)),
-            );
+            cached.resize(registry.slot_count(), 0);
+            for (slot, load) in registry.slots() {
+                cached[slot] = device.worker_blocks(load.worker);
+            }
             overlaps.entries.sort_unstable_by_key(|e| e.worker);
             held.entries.clear();
             let Some(tiers) = tiers else {
@@ -516,7 +531,27 @@ impl Router {
         self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
         self.sequences
             .active_prompt_overlaps(request.blocks, &mut self.chain, &mut self.active);
-        self.active.entries.sort_unstable_by_key(|e| e.worker);
+        // Every depth by registry slot: a few scattered entries, then one
+        // read per candidate instead of a search per candidate and score.
+        let sequences = &self.sequences;
+        let depths = &mut self.depths;
+        depths.clear();
+        depths.resize(registry.slot_count(), SlotDepths::default());
+        let mut scatter = |scores: &OverlapScores, set: fn(&mut SlotDepths, u32)| {
+            for e in &scores.entries {
+                if let Some(slot) = sequences.slot_of(e.worker) {
+                    set(&mut depths[slot], e.depth);
+                }
+            }
+        };
+        scatter(&self.overlaps, |d, v| d.overlap = v);
+        if self.held.entries.is_empty() {
+            scatter(&self.overlaps, |d, v| d.held = v);
+        } else {
+            scatter(&self.held, |d, v| d.held = v);
+        }
+        scatter(&self.host_runs, |d, v| d.host = v);
+        scatter(&self.active, |d, v| d.active = v);
         self.candidates.clear();
         // The request's blocks were hashed at its model's block size, the
         // size of every worker that may serve it.
@@ -525,8 +560,9 @@ impl Router {
             .block_size
             .filter(|&b| b > 0)
             .unwrap_or(self.config.sequences.block_size);
-        for (load, &cached_blocks) in registry.loads().zip(&self.cached) {
+        for (slot, load) in registry.slots() {
             let worker = load.worker;
+            let (cached_blocks, depths) = (self.cached[slot], self.depths[slot]);
             if let Some(eligible) = eligible {
                 if !eligible.contains(&worker) {
                     continue;
@@ -551,18 +587,13 @@ impl Router {
             let kv_capacity_blocks = slot
                 .and_then(|s| s.capacity.kv_tokens)
                 .map(|tokens| tokens / block_size);
-            let overlap_blocks = depth_of(&self.overlaps, worker);
             self.candidates.push(Candidate {
                 worker,
-                overlap_blocks,
-                held_prefix_blocks: if self.held.entries.is_empty() {
-                    overlap_blocks
-                } else {
-                    depth_of(&self.held, worker)
-                },
-                host_overlap_blocks: depth_of(&self.host_runs, worker),
+                overlap_blocks: depths.overlap,
+                held_prefix_blocks: depths.held,
+                host_overlap_blocks: depths.host,
                 cached_blocks,
-                active_prompt_blocks: depth_of(&self.active, worker),
+                active_prompt_blocks: depths.active,
                 active_prefill_tokens: prefill_tokens,
                 active_decode_blocks: load.decode_blocks,
                 active_requests: load.requests,
@@ -836,6 +867,7 @@ impl Router {
                     + self.active.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
+                + self.depths.capacity() * std::mem::size_of::<SlotDepths>()
                 + self.chain.capacity() * std::mem::size_of::<SequenceHash>()
                 + self.candidates.capacity() * std::mem::size_of::<Candidate>()
                 + self.adapters.estimated_bytes(),

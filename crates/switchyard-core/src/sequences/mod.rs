@@ -453,6 +453,12 @@ impl ActiveSequences {
         &self.registry
     }
 
+    /// The registry slot of a worker in the model
+    /// ([`PromptRegistry::slots`]).
+    pub fn slot_of(&self, worker: WorkerId) -> Option<usize> {
+        self.workers.slot(worker).map(|slot| slot as usize)
+    }
+
     /// Leading blocks of a prompt (its local block hashes) already active
     /// on each worker, written into `out` (cleared first; workers with
     /// none are left out). `chain` is scratch for the prompt's chained

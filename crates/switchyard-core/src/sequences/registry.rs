@@ -53,6 +53,20 @@ impl PromptRegistry {
         self.loads.iter().flatten()
     }
 
+    /// Loads of every worker with its slot ([`super::ActiveSequences::slot_of`]),
+    /// in slot order.
+    pub fn slots(&self) -> impl Iterator<Item = (usize, &WorkerLoad)> + '_ {
+        self.loads
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, load)| Some((slot, load.as_ref()?)))
+    }
+
+    /// One past the highest slot in use.
+    pub fn slot_count(&self) -> usize {
+        self.loads.len()
+    }
+
     /// The load of one worker.
     pub fn load(&self, worker: WorkerId) -> Option<&WorkerLoad> {
         self.loads().find(|l| l.worker == worker)

@@ -83,6 +83,44 @@ struct Figures {
     loaded: Decisions,
     events_applied_per_sec: f64,
     event_apply_micros: Latency,
+    /// A fixed computation as long as the median quiet decision, timed the
+    /// same way on one thread with nothing else running: the tail this
+    /// machine adds to any work of that length (timer interrupts, the
+    /// hypervisor), which no change to the router can remove.
+    floor_micros: Latency,
+}
+
+/// `iters` steps of a dependent floating-point chain: fixed work, no
+/// memory, no locks.
+fn spin(iters: u64) -> f64 {
+    let mut a = 1.0f64;
+    for _ in 0..iters {
+        a = std::hint::black_box(a * 1.000_000_1 + 0.5);
+    }
+    a
+}
+
+/// Times `n` runs of [`spin`] calibrated to take about `micros`, each
+/// between the same `/proc` reads a decision sits between.
+fn machine_floor(micros: f64, n: usize) -> Latency {
+    let time = |iters| {
+        let start = Instant::now();
+        std::hint::black_box(spin(iters));
+        start.elapsed().as_secs_f64() * 1e6
+    };
+    // Calibrate on the quickest of a few runs of a long chain.
+    let probe = 100_000;
+    let per_iter = (0..5).map(|_| time(probe)).fold(f64::INFINITY, f64::min) / probe as f64;
+    let iters = (micros / per_iter.max(1e-6)).round().max(1.0) as u64;
+    let mut samples: Vec<f64> = (0..n)
+        .map(|_| {
+            let _ = context_switches();
+            let t = time(iters);
+            let _ = context_switches();
+            t
+        })
+        .collect();
+    Latency::of(&mut samples)
 }
 
 /// The local hashes of chain `n` of prefix group `group`.
@@ -368,15 +406,18 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let quiet_figures = Decisions::of(&quiet);
+    let floor_micros = machine_floor(quiet_figures.all_micros.p50, args.decisions);
     let figures = Figures {
         workers: args.workers,
         event_workers: args.event_workers,
         event_rate: args.event_rate,
         routing_threads: args.routing_threads.max(1),
-        quiet: Decisions::of(&quiet),
+        quiet: quiet_figures,
         loaded: Decisions::of(&loaded),
         events_applied_per_sec: applied.load(Ordering::Relaxed) as f64 / loaded_secs.max(1e-9),
         event_apply_micros: Latency::of(&mut applies),
+        floor_micros,
     };
     println!(
         "{} workers; {} event threads at {} events/s each ({:.0} events/s applied while loaded); {} routing thread(s)",
@@ -395,6 +436,10 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
             &figures.loaded.all_micros,
         ),
         ("  uninterrupted", &figures.loaded.uninterrupted_micros),
+        (
+            "fixed work as long as a median decision",
+            &figures.floor_micros,
+        ),
         (
             "KV event application (with lock wait)",
             &figures.event_apply_micros,
