@@ -598,7 +598,10 @@ impl Router {
                 active_decode_blocks: load.decode_blocks,
                 active_requests: load.requests,
                 kv_capacity_blocks,
-                recent_writes_tokens: slot.map_or(0.0, |s| s.writes.at(now_ms)),
+                recent_writes_tokens: match (slot, kv_capacity_blocks) {
+                    (Some(slot), Some(_)) => slot.writes.at(now_ms),
+                    _ => 0.0,
+                },
                 adapter_load_ms: request
                     .adapter
                     .map_or(0.0, |a| self.adapters.load_cost_ms(worker, a, now_ms)),

@@ -98,6 +98,9 @@ pub struct Candidate {
     pub kv_capacity_blocks: Option<u64>,
     /// Uncached tokens this router booked on the worker lately (fading
     /// with a one-minute time constant): how fast its cache is rewritten.
+    /// 0 when the worker reported no KV capacity: what it is weighed
+    /// against (`ttft`'s turnover) is unknown then, and the fade costs an
+    /// `exp` per candidate.
     pub recent_writes_tokens: f64,
     /// Wall ms before the request's adapter is ready on the worker: 0
     /// when it names none or the worker has it loaded, the rest of a load
