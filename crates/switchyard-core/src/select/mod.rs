@@ -393,9 +393,11 @@ pub(crate) fn argmin_random_tie<'a, K: PartialOrd>(
     let mut ties = 0u32;
     for c in candidates {
         let k = key(c);
-        match &best {
-            Some((_, bk)) if k > *bk => {}
-            Some((_, bk)) if k == *bk => {
+        // One comparison per candidate; an incomparable key (NaN) replaces
+        // the best, as a smaller one does.
+        match best.as_ref().and_then(|(_, bk)| k.partial_cmp(bk)) {
+            Some(std::cmp::Ordering::Greater) => {}
+            Some(std::cmp::Ordering::Equal) => {
                 ties += 1;
                 if rng.gen_range(0..=ties) == 0 {
                     best = Some((c, k));
