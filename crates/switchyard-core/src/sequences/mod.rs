@@ -328,9 +328,10 @@ impl ActiveSequences {
         );
         self.requests.insert(add.request, slot);
         self.expiry_queue.push_back((now_ms, add.request));
-        // Bounded here, not only by the sweep: a queue that grew between
-        // sweeps touched fresh memory every 128 bookings (a page fault,
-        // some 25 µs on a VM, in the booking that met it).
+        // Bounded here, not only by the sweep: left to grow (a driver that
+        // sweeps rarely or never, as `bench contention` did), the queue
+        // touched a fresh page every 128 bookings, and the booking that
+        // met the page fault took some 25 µs more on a VM.
         self.compact_expiry_queue();
         self.counters.added += 1;
         self.publish_load(slot);

@@ -19,7 +19,10 @@
 //! thread's own context switches around it (`/proc/thread-self/status`,
 //! Linux): a voluntary switch means it slept waiting for a lock, an
 //! involuntary one that the scheduler preempted it for another thread;
-//! decisions with neither are timed apart ("uninterrupted").
+//! decisions with neither are timed apart ("uninterrupted"). Last, a fixed
+//! computation as long as the median quiet decision is timed the same way:
+//! the machine's own tail for work of that length, the floor under the
+//! decisions' p99.
 
 use crate::stats::{write_json, Latency};
 use rand::rngs::StdRng;
@@ -84,9 +87,9 @@ struct Figures {
     events_applied_per_sec: f64,
     event_apply_micros: Latency,
     /// A fixed computation as long as the median quiet decision, timed the
-    /// same way on one thread with nothing else running: the tail this
-    /// machine adds to any work of that length (timer interrupts, the
-    /// hypervisor), which no change to the router can remove.
+    /// same way on one thread with nothing else of ours running: the tail
+    /// this machine adds to any work of that length (interrupts, the
+    /// hypervisor, other tenants), which no change to the router removes.
     floor_micros: Latency,
 }
 
@@ -466,7 +469,9 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
         write_json(path, &figures)?;
     }
     if let Some(path) = &args.samples {
-        write_samples(path, &quiet, &loaded, args.decisions)?;
+        // Each placing thread makes `decisions / threads` of a round's.
+        let threads = args.routing_threads.max(1);
+        write_samples(path, &quiet, &loaded, args.decisions / threads * threads)?;
     }
     Ok(())
 }
