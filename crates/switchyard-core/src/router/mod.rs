@@ -261,7 +261,6 @@ pub struct Router {
     /// Scratch: every worker's device prefix before the hybrid workers'
     /// were cut back (empty when no worker is hybrid).
     held: OverlapScores,
-    active: OverlapScores,
     /// Scratch: the prompt's chained hashes, for its active-prompt depths.
     chain: Vec<SequenceHash>,
     /// Each worker's cached blocks by registry slot, read with the
@@ -328,7 +327,6 @@ impl Router {
             host_runs: OverlapScores::new(),
             checkpoint_depths: OverlapScores::new(),
             held: OverlapScores::new(),
-            active: OverlapScores::new(),
             chain: Vec::new(),
             cached: Vec::new(),
             depths: Vec::new(),
@@ -528,9 +526,6 @@ impl Router {
                 read(index.index(), None);
             }
         }
-        self.overlaps.entries.sort_unstable_by_key(|e| e.worker);
-        self.sequences
-            .active_prompt_overlaps(request.blocks, &mut self.chain, &mut self.active);
         // Every depth by registry slot: a few scattered entries, then one
         // read per candidate instead of a search per candidate and score.
         let sequences = &self.sequences;
@@ -539,19 +534,24 @@ impl Router {
         depths.resize(registry.slot_count(), SlotDepths::default());
         let mut scatter = |scores: &OverlapScores, set: fn(&mut SlotDepths, u32)| {
             for e in &scores.entries {
-                if let Some(slot) = sequences.slot_of(e.worker) {
-                    set(&mut depths[slot], e.depth);
+                if let Some(d) = sequences.slot_of(e.worker).and_then(|s| depths.get_mut(s)) {
+                    set(d, e.depth);
                 }
             }
         };
-        scatter(&self.overlaps, |d, v| d.overlap = v);
+        // Without hybrid workers the prefix held is the device prefix.
         if self.held.entries.is_empty() {
-            scatter(&self.overlaps, |d, v| d.held = v);
+            scatter(&self.overlaps, |d, v| (d.overlap, d.held) = (v, v));
         } else {
+            scatter(&self.overlaps, |d, v| d.overlap = v);
             scatter(&self.held, |d, v| d.held = v);
         }
         scatter(&self.host_runs, |d, v| d.host = v);
-        scatter(&self.active, |d, v| d.active = v);
+        sequences.active_prompt_depths(request.blocks, &mut self.chain, |slot, depth| {
+            if let Some(d) = depths.get_mut(slot) {
+                d.active = depth;
+            }
+        });
         self.candidates.clear();
         // The request's blocks were hashed at its model's block size, the
         // size of every worker that may serve it.
@@ -568,7 +568,7 @@ impl Router {
                     continue;
                 }
             }
-            if !self.unselectable.is_empty() && self.unselectable.contains_key(&worker) {
+            if self.unselectable.contains_key(&worker) {
                 continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);
@@ -866,8 +866,7 @@ impl Router {
                 + (self.overlaps.entries.capacity()
                     + self.host_runs.entries.capacity()
                     + self.checkpoint_depths.entries.capacity()
-                    + self.held.entries.capacity()
-                    + self.active.entries.capacity())
+                    + self.held.entries.capacity())
                     * std::mem::size_of::<crate::index::WorkerOverlap>()
                 + self.cached.capacity() * std::mem::size_of::<usize>()
                 + self.depths.capacity() * std::mem::size_of::<SlotDepths>()

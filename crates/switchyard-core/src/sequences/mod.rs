@@ -480,6 +480,30 @@ impl ActiveSequences {
         out: &mut OverlapScores,
     ) {
         out.entries.clear();
+        self.active_prompt_depths(blocks, chain, |slot, depth| {
+            let state = self.per_worker[slot]
+                .as_ref()
+                .expect("a slot with a depth has state");
+            out.entries.push(WorkerOverlap {
+                worker: self
+                    .workers
+                    .id(slot as u32)
+                    .expect("a slot with state is in the table"),
+                depth,
+                cached_blocks: state.block_refs.len(),
+            });
+        });
+    }
+
+    /// [`Self::active_prompt_overlaps`] by registry slot
+    /// ([`PromptRegistry::slots`]): `each(slot, depth)` for every worker
+    /// with a nonzero depth, in slot order.
+    pub fn active_prompt_depths(
+        &self,
+        blocks: &[LocalHash],
+        chain: &mut Vec<SequenceHash>,
+        mut each: impl FnMut(usize, u32),
+    ) {
         chain.clear();
         let Some(first) = blocks.first() else {
             return;
@@ -495,15 +519,7 @@ impl ActiveSequences {
                 extend_sequence_hashes(blocks, chain);
             }
             let depth = chain.partition_point(|h| state.block_refs.contains_key(h));
-            let worker = self
-                .workers
-                .id(slot as u32)
-                .expect("a slot with state is in the table");
-            out.entries.push(WorkerOverlap {
-                worker,
-                depth: depth as u32,
-                cached_blocks: state.block_refs.len(),
-            });
+            each(slot, depth as u32);
         }
     }
 
