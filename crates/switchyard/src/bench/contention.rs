@@ -344,6 +344,15 @@ impl Decisions {
 
 /// Runs the benchmark.
 pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    // Opened first: a path that cannot be written fails before the run.
+    let samples_file = args
+        .samples
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path).with_context(|| format!("writing {}", path.display()))
+        })
+        .transpose()?;
     // Exact tracking: the index is the workers' KV events, as with
     // `events=` on every worker.
     let config = ServerConfig {
@@ -468,10 +477,11 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         write_json(path, &figures)?;
     }
-    if let Some(path) = &args.samples {
+    if let (Some(file), Some(path)) = (samples_file, &args.samples) {
         // Each placing thread makes `decisions / threads` of a round's.
         let threads = args.routing_threads.max(1);
-        write_samples(path, &quiet, &loaded, args.decisions / threads * threads)?;
+        write_samples(file, &quiet, &loaded, args.decisions / threads * threads)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
@@ -479,13 +489,13 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
 /// The raw samples as CSV; rounds are numbered in the order they ran
 /// (quiet and loaded alternate, quiet first).
 fn write_samples(
-    path: &std::path::Path,
+    file: std::fs::File,
     quiet: &[Sample],
     loaded: &[Sample],
     per_round: usize,
-) -> anyhow::Result<()> {
+) -> std::io::Result<()> {
     use std::io::Write;
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut out = std::io::BufWriter::new(file);
     writeln!(out, "round,decision,micros,interruption")?;
     let per_round = per_round.max(1);
     let rounds = quiet.chunks(per_round).zip(loaded.chunks(per_round));
@@ -501,6 +511,5 @@ fn write_samples(
             }
         }
     }
-    out.flush()?;
-    Ok(())
+    out.flush()
 }
