@@ -22,7 +22,6 @@ use crate::index::{
     ApplyOutcome, ApproxConfig, ApproxConfigError, ApproxIndex, CacheTier, IndexEvent, IndexMemory,
     OverlapScores, PrefixIndex, TieredIndex,
 };
-use crate::maps::FxHashMap;
 use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::select::{
     build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind, PrefillTime,
@@ -220,6 +219,8 @@ impl RecentWrites {
 struct WorkerSlot {
     capacity: WorkerCapacity,
     writes: RecentWrites,
+    /// Offered new requests (false while its circuit is open, say).
+    selectable: bool,
 }
 
 /// One worker's depths for the prompt being routed (in blocks).
@@ -246,11 +247,11 @@ pub struct Router {
     /// the router's (built at a model's first request; at most one per
     /// policy).
     model_selectors: Vec<(PolicyKind, Box<dyn Selector>)>,
-    /// Per worker: what it can hold and what it was given lately.
-    workers: FxHashMap<WorkerId, WorkerSlot>,
-    /// Workers kept (index, bookings) but not offered new requests, such
-    /// as those whose circuit is open.
-    unselectable: FxHashMap<WorkerId, ()>,
+    /// Per worker, by its registry slot ([`ActiveSequences::slot_of`]):
+    /// what it can hold, what it was given lately, and whether it is
+    /// offered new requests. A route reads it once per candidate, by
+    /// index.
+    workers: Vec<Option<WorkerSlot>>,
     overlaps: OverlapScores,
     /// Each worker's host-tier run right after its device prefix (empty
     /// while no worker holds a host-tier block).
@@ -277,7 +278,7 @@ impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Router")
             .field("policy", &self.selector.name())
-            .field("workers", &self.workers.len())
+            .field("workers", &self.workers.iter().flatten().count())
             .field("active_requests", &self.sequences.active_requests())
             .finish_non_exhaustive()
     }
@@ -321,8 +322,7 @@ impl Router {
             adapters: AdapterTable::new(config.adapters),
             config,
             cache,
-            workers: FxHashMap::default(),
-            unselectable: FxHashMap::default(),
+            workers: Vec::new(),
             overlaps: OverlapScores::new(),
             host_runs: OverlapScores::new(),
             checkpoint_depths: OverlapScores::new(),
@@ -346,25 +346,45 @@ impl Router {
 
     /// Adds (or updates the capacity of) a worker.
     pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity) {
-        self.workers
-            .entry(worker)
-            .and_modify(|slot| slot.capacity = capacity)
-            .or_insert(WorkerSlot {
-                capacity,
-                writes: RecentWrites::default(),
-            });
         let block_size = capacity
             .block_size
             .filter(|&b| b > 0)
             .unwrap_or(self.config.sequences.block_size);
         self.sequences
             .add_worker_with_block_size(worker, block_size);
+        let slot = self
+            .sequences
+            .slot_of(worker)
+            .expect("a worker just added has a slot");
+        if self.workers.len() <= slot {
+            self.workers.resize_with(slot + 1, || None);
+        }
+        match &mut self.workers[slot] {
+            Some(known) => known.capacity = capacity,
+            none => {
+                *none = Some(WorkerSlot {
+                    capacity,
+                    writes: RecentWrites::default(),
+                    selectable: true,
+                })
+            }
+        }
+    }
+
+    /// The worker's own state, when it is in the router.
+    fn worker(&self, worker: WorkerId) -> Option<&WorkerSlot> {
+        let slot = self.sequences.slot_of(worker)?;
+        self.workers.get(slot)?.as_ref()
+    }
+
+    fn worker_mut(&mut self, worker: WorkerId) -> Option<&mut WorkerSlot> {
+        let slot = self.sequences.slot_of(worker)?;
+        self.workers.get_mut(slot)?.as_mut()
     }
 
     /// Tokens per KV block on `worker`: its model's, else the router's.
     pub fn block_size_of(&self, worker: WorkerId) -> u32 {
-        self.workers
-            .get(&worker)
+        self.worker(worker)
             .and_then(|slot| slot.capacity.block_size)
             .filter(|&b| b > 0)
             .unwrap_or(self.config.sequences.block_size)
@@ -374,8 +394,9 @@ impl Router {
     /// both tiers) are forgotten, and its active requests are freed
     /// (returned).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
-        self.workers.remove(&worker);
-        self.unselectable.remove(&worker);
+        if let Some(slot) = self.sequences.slot_of(worker) {
+            self.workers[slot] = None;
+        }
         self.adapters.remove_worker(worker);
         match &mut self.cache {
             CacheIndex::Exact(index) => {
@@ -399,16 +420,14 @@ impl Router {
     /// worker whose circuit is open is never selected, and needs no
     /// rebuilding when it closes. Workers are selectable when added.
     pub fn set_selectable(&mut self, worker: WorkerId, selectable: bool) {
-        if selectable {
-            self.unselectable.remove(&worker);
-        } else if self.workers.contains_key(&worker) {
-            self.unselectable.insert(worker, ());
+        if let Some(slot) = self.worker_mut(worker) {
+            slot.selectable = selectable;
         }
     }
 
     /// Whether a worker is in the router and may be selected.
     pub fn is_selectable(&self, worker: WorkerId) -> bool {
-        self.workers.contains_key(&worker) && !self.unselectable.contains_key(&worker)
+        self.worker(worker).is_some_and(|slot| slot.selectable)
     }
 
     /// Applies an engine KV event about one of `worker`'s cache tiers
@@ -568,11 +587,11 @@ impl Router {
                     continue;
                 }
             }
-            if self.unselectable.contains_key(&worker) {
+            let slot = self.workers.get(slot).and_then(Option::as_ref);
+            if slot.is_some_and(|s| !s.selectable) {
                 continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);
-            let slot = self.workers.get(&worker);
             let busy = match (self.config.busy_threshold, slot.map(|s| &s.capacity)) {
                 (Some(t), Some(cap)) => {
                     cap.max_num_batched_tokens
@@ -702,7 +721,7 @@ impl Router {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
             let block_size = self.block_size_of(add.worker);
-            if let Some(slot) = self.workers.get_mut(&add.worker) {
+            if let Some(slot) = self.worker_mut(add.worker) {
                 let cached = u64::from(add.overlap_blocks) * u64::from(block_size);
                 let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
                 slot.writes.add(uncached as f64, now_ms);
@@ -862,7 +881,7 @@ impl Router {
             approx_extra,
             sequences: self.sequences.memory(),
             remote: self.remote.estimated_bytes(),
-            other: crate::maps::map_bytes(&self.workers)
+            other: self.workers.capacity() * std::mem::size_of::<Option<WorkerSlot>>()
                 + (self.overlaps.entries.capacity()
                     + self.host_runs.entries.capacity()
                     + self.checkpoint_depths.entries.capacity()
@@ -1290,12 +1309,16 @@ mod tests {
             peer: None,
         };
         r.book(RequestId(1), prompt(&blocks), decision, None, 0.0);
-        assert_eq!(r.workers[&w(1)].writes.at(0.0), (8 - 3) as f64 * 16.0);
-        assert_eq!(r.workers[&w(2)].writes.at(0.0), 0.0);
+        let writes_of = |r: &Router, id| r.worker(id).map(|s| s.writes.at(0.0));
+        assert_eq!(writes_of(&r, w(1)), Some((8 - 3) as f64 * 16.0));
+        assert_eq!(writes_of(&r, w(2)), Some(0.0));
+        let known = r.workers.iter().flatten().count();
         r.remove_worker(w(1));
-        assert!(
-            !r.workers.contains_key(&w(1)),
-            "a removed worker is forgotten"
+        assert!(r.worker(w(1)).is_none(), "a removed worker is forgotten");
+        assert_eq!(
+            r.workers.iter().flatten().count(),
+            known - 1,
+            "and its slot is emptied"
         );
     }
 
@@ -1384,6 +1407,39 @@ mod tests {
         assert!(!r.is_selectable(w(9)));
         r.add_worker(w(9), WorkerCapacity::default());
         assert!(r.is_selectable(w(9)));
+    }
+
+    #[test]
+    fn a_worker_added_in_a_removed_workers_slot_inherits_nothing_from_it() {
+        let mut r = router(RouterConfig::default());
+        let blocks: Vec<LocalHash> = (1..=8).map(LocalHash).collect();
+        let to_2 = Decision {
+            worker: w(2),
+            overlap_blocks: 0,
+            peer: None,
+        };
+        r.book(RequestId(1), prompt(&blocks), to_2, None, 0.0);
+        r.set_selectable(w(2), false);
+        let slot = r.sequences().slot_of(w(2));
+        r.remove_worker(w(2));
+        r.add_worker(
+            w(7),
+            WorkerCapacity {
+                block_size: Some(32),
+                ..WorkerCapacity::default()
+            },
+        );
+        assert_eq!(r.sequences().slot_of(w(7)), slot, "the slot is reused");
+        assert!(r.is_selectable(w(7)));
+        assert!(!r.is_selectable(w(2)));
+        assert_eq!(r.block_size_of(w(7)), 32);
+        assert_eq!(r.worker(w(7)).map(|s| s.writes.at(0.0)), Some(0.0));
+        // Its capacity, not the removed worker's, decides when it is busy:
+        // none is known, so it is never busy and takes the request.
+        assert_eq!(
+            selected(r.route(prompt(&blocks), Some(&[w(7)]), 0.0)).worker,
+            w(7)
+        );
     }
 
     #[test]

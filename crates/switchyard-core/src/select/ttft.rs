@@ -241,9 +241,13 @@ impl TtftSelector {
 
     /// The cost of routing the request in `ctx` to `c`.
     pub fn cost(&self, ctx: &RoutingContext<'_>, c: &Candidate) -> TtftCost {
-        self.cost_priced_as(ctx, c, c.worker)
+        self.config.cost_priced_as(ctx, c, c.worker)
     }
+}
 
+/// The pricing reads only the weights: the selector's tie-breaking RNG
+/// stays free to borrow beside them.
+impl TtftConfig {
     /// The cost of routing the request to `c` were `c` as fast as `priced`
     /// (its state — cache, queue, running requests — is `c`'s own).
     #[inline(always)]
@@ -284,7 +288,7 @@ impl TtftSelector {
         // locality term counts only the tokens it does not hold.
         let held_tokens = (u64::from(held(c)) * block_size).clamp(cached, prompt - restored_tokens);
         let fleet_new = prompt - held_tokens - restored_tokens;
-        let locality_ms = self.config.locality_weight
+        let locality_ms = self.locality_weight
             * if fleet_new == new_tokens {
                 own_ms
             } else if fleet_new == 0 {
@@ -301,8 +305,8 @@ impl TtftSelector {
             (held as f64 / capacity.max(1) as f64).min(1.0)
         });
         let pressure_ms = match usage_after {
-            Some(usage) if self.config.pressure_weight > 0.0 => {
-                self.config.pressure_weight * usage * usage * ctx.prefill.prefill_ms(priced, prompt)
+            Some(usage) if self.pressure_weight > 0.0 => {
+                self.pressure_weight * usage * usage * ctx.prefill.prefill_ms(priced, prompt)
             }
             _ => 0.0,
         };
@@ -314,12 +318,12 @@ impl TtftSelector {
             let mixed_ms = ctx
                 .prefill
                 .prefill_ms(priced, new_tokens + c.active_requests as u64);
-            self.config.interference_weight
+            self.interference_weight
                 * c.active_requests as f64
                 * (mixed_ms - decode_step_ms).max(0.0)
         };
-        let decode_ms = if self.config.decode_weight > 0.0 {
-            self.config.decode_weight
+        let decode_ms = if self.decode_weight > 0.0 {
+            self.decode_weight
                 * ctx
                     .prefill
                     .decode_step_ms(priced, usage_after.unwrap_or(0.0))
@@ -327,10 +331,10 @@ impl TtftSelector {
             0.0
         };
         let turnover_ms = match c.kv_capacity_blocks {
-            Some(capacity) if self.config.turnover_weight > 0.0 && new_tokens > 0 => {
+            Some(capacity) if self.turnover_weight > 0.0 && new_tokens > 0 => {
                 let capacity_tokens = (capacity * u64::from(ctx.block_size)).max(1) as f64;
                 let rewritten = (c.recent_writes_tokens / capacity_tokens).min(1.0);
-                self.config.turnover_weight * rewritten * own_ms
+                self.turnover_weight * rewritten * own_ms
             }
             _ => 0.0,
         };
@@ -348,7 +352,7 @@ impl TtftSelector {
     }
 }
 
-impl TtftSelector {
+impl TtftConfig {
     /// `home` — the cheapest holder of the longest cached prefix of the
     /// prompt, with its cost — keeps the request unless `chosen`, priced at
     /// the home's pace (and lent the prefix, when that is what made it the
@@ -360,7 +364,7 @@ impl TtftSelector {
         (home, home_ms): (&'c Candidate, f64),
         lend: Option<u32>,
     ) -> &'c Candidate {
-        if self.config.stickiness <= 0.0 || held(chosen) == held(home) {
+        if self.stickiness <= 0.0 || held(chosen) == held(home) {
             return chosen;
         }
         // The saving as the home's pace prices both: a move is made for
@@ -368,7 +372,7 @@ impl TtftSelector {
         // learned speed, which among alike workers is the fit's noise.
         let chosen_ms = self.best_cost(ctx, chosen, home.worker, lend).0.total();
         let saving = home_ms - chosen_ms;
-        if saving <= self.config.stickiness * full_decode_step_ms(ctx, home, home.worker) {
+        if saving <= self.stickiness * full_decode_step_ms(ctx, home, home.worker) {
             home
         } else {
             chosen
@@ -437,7 +441,7 @@ impl Selector for TtftSelector {
     }
 
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
-        let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
+        let (config, rng) = (&self.config, &mut self.rng);
         let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
         // A peer restore is on offer when some worker holds a prefix and
         // the driver can move KV (the dispatcher's estimator has a link).
@@ -450,8 +454,8 @@ impl Selector for TtftSelector {
         // after; the cost prices only what it can resume now).
         let longest_held = ctx.available().map(held).max().unwrap_or(0);
         let mut home: Option<(crate::types::WorkerId, f64)> = None;
-        let mut best = argmin_random_tie(ctx.available(), &mut rng, |c| {
-            let (cost, _) = self.best_cost(ctx, c, c.worker, lend);
+        let mut best = argmin_random_tie(ctx.available(), rng, |c| {
+            let (cost, _) = config.best_cost(ctx, c, c.worker, lend);
             let total = cost.total();
             if longest_held > 0 && held(c) == longest_held && home.is_none_or(|(_, ms)| total < ms)
             {
@@ -459,20 +463,19 @@ impl Selector for TtftSelector {
             }
             (total, cost.new_tokens, c.active_requests)
         });
-        self.rng = rng;
         let home = home.and_then(|(worker, ms)| {
             let c = ctx.available().find(|c| c.worker == worker)?;
             Some((c, ms))
         });
         if let (Some(chosen), Some(home)) = (best, home) {
-            best = Some(self.stay_home(ctx, chosen, home, lend));
+            best = Some(config.stay_home(ctx, chosen, home, lend));
         }
         match best {
             Some(c) => {
                 // Lent by the home when that is what its cost was.
                 let peer = home
                     .filter(|(h, _)| h.worker != c.worker && h.overlap_blocks == longest)
-                    .filter(|_| self.best_cost(ctx, c, c.worker, lend).1)
+                    .filter(|_| config.best_cost(ctx, c, c.worker, lend).1)
                     .map(|(h, _)| PeerSource {
                         holder: h.worker,
                         blocks: longest,
@@ -581,7 +584,7 @@ mod tests {
         c.overlap_blocks = 20;
         c.active_prefill_tokens = 100;
         let s = TtftSelector::new(TtftConfig::default(), 0);
-        let (cost, lent) = s.best_cost(
+        let (cost, lent) = s.config.best_cost(
             &ctx_with_model(&b, 1024, &[holder, c], &Linked),
             &c,
             c.worker,

@@ -208,7 +208,11 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     )?;
     wait_ready(&runtime, &router, &mut children, "switchyard serve")?;
     targets.push(Target {
-        name: "switchyard (kv)".into(),
+        // `serve` runs the core's default policy: name it, not a guess.
+        name: format!(
+            "switchyard ({})",
+            switchyard_core::select::PolicyKind::DEFAULT.name()
+        ),
         url: router,
         pid: Some(pid),
     });
