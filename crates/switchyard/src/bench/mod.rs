@@ -8,6 +8,8 @@
 //!   visibility latency on a peer;
 //! - [`proxy`] — the router's added latency and request rate against one
 //!   sim-worker directly and, with `--peer`, against SGLang's routers;
+//! - [`relay`] — a TCP relay that copies bytes only: `bench proxy`'s
+//!   floor for what one extra hop adds;
 //! - [`peer`] — SGLang's routers as peers: install, launch, readiness;
 //! - [`soak`] — bounded memory under a long load: the routing core driven
 //!   by simulated engines' KV events, or the router server under a
@@ -31,6 +33,7 @@ pub mod itl;
 pub mod micro;
 pub mod peer;
 pub mod proxy;
+pub mod relay;
 pub mod replica;
 pub mod soak;
 pub mod tokenize;
@@ -52,8 +55,12 @@ pub enum BenchCommand {
     Admission(admission::AdmissionArgs),
     /// Replica sync over a local NATS server: events/s and visibility latency.
     Replica(replica::ReplicaArgs),
-    /// Router overhead: the same load to one sim-worker directly, through the router and through SGLang's routers.
+    /// Router overhead: the same load to one sim-worker directly, through the router, through a relay that only copies bytes (the floor of an extra hop) and through SGLang's routers.
     Proxy(proxy::ProxyArgs),
+    /// A TCP relay that copies bytes and parses nothing (`bench proxy`
+    /// runs it as the floor of a proxy's added latency).
+    #[command(hide = true)]
+    Relay(relay::RelayArgs),
     /// Bounded memory: the core (or, with --server, the router process) under a long load.
     Soak(soak::SoakArgs),
     /// Sim-worker timing: model against measured TTFT and inter-token latency per speed-up.
@@ -86,6 +93,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Admission(args) => admission::run(args),
         BenchCommand::Replica(args) => replica::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
+        BenchCommand::Relay(args) => relay::run(args),
         BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Itl(args) => itl::run(args),
         BenchCommand::Twin(args) => twin::run(args),

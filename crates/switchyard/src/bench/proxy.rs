@@ -4,8 +4,10 @@
 //!
 //! One sim-worker (`--speedup 0`: every engine step instant) runs as a
 //! child process of this binary; in front of it, also children, the
-//! router (`serve`, its default policy) and each peer (installed with pip
-//! like `bench versus` does, started with `--policy cache_aware`). The load
+//! router (`serve`, its default policy), a TCP relay that only copies
+//! bytes ([`super::relay`]: what one more hop costs on the machine, the
+//! floor under any proxy's added latency) and each peer (installed with
+//! pip like `bench versus` does, started with `--policy cache_aware`). The load
 //! generator runs here. Two phases, each in rounds that run every target
 //! once, the order rotating from round to round so no target always goes
 //! first:
@@ -105,9 +107,24 @@ fn fixed_completions(n: usize) -> Vec<PreparedRequest> {
     vec![request; n]
 }
 
+/// What a target is, for the ratios.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Role {
+    /// The sim-worker itself.
+    Direct,
+    /// `switchyard serve`.
+    Ours,
+    /// The byte-copying relay: the floor of an extra hop.
+    Relay,
+    /// An SGLang router.
+    Peer,
+}
+
 /// Where a load goes.
 struct Target {
     name: String,
+    role: Role,
     url: String,
     /// The router process (none for the worker itself).
     pid: Option<u32>,
@@ -127,6 +144,7 @@ struct RoundFigures {
 #[derive(Debug, Clone, Serialize)]
 struct Summary {
     target: String,
+    role: Role,
     p50_ms: f64,
     p99_ms: f64,
     /// Median over rounds of (this p50 − the direct p50 of that round).
@@ -191,6 +209,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         .build()?;
     let mut targets = vec![Target {
         name: "direct (sim-worker)".into(),
+        role: Role::Direct,
         url: worker.clone(),
         pid: None,
     }];
@@ -213,7 +232,17 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
             "switchyard ({})",
             switchyard_core::select::PolicyKind::DEFAULT.name()
         ),
+        role: Role::Ours,
         url: router,
+        pid: Some(pid),
+    });
+    let worker_address = worker.trim_start_matches("http://").trim_end_matches('/');
+    let (relay, pid) = spawn(&mut children, &["bench", "relay", "--to", worker_address])?;
+    wait_ready(&runtime, &relay, &mut children, "the TCP relay")?;
+    targets.push(Target {
+        name: "tcp relay (copies bytes)".into(),
+        role: Role::Relay,
+        url: relay,
         pid: Some(pid),
     });
     for &peer in &peers {
@@ -231,7 +260,12 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         let name = format!("{} (cache_aware)", peer.requirement());
         wait_ready(&runtime, &url, &mut children, &name)
             .with_context(|| format!("{} ({})", name, program.display()))?;
-        targets.push(Target { name, url, pid });
+        targets.push(Target {
+            name,
+            role: Role::Peer,
+            url,
+            pid,
+        });
     }
     let load = |url: &str, requests: Vec<PreparedRequest>, concurrency: usize| {
         runtime.block_on(run_load(
@@ -356,6 +390,7 @@ fn summarise(
                 of(throughput, &t.name, &|r| Some(r.report.throughput_rps)).unwrap_or(f64::NAN);
             Summary {
                 target: t.name.clone(),
+                role: t.role,
                 p50_ms: of(latency, &t.name, &|r| Some(r.report.e2e_ms.p50)).unwrap_or(f64::NAN),
                 p99_ms: of(latency, &t.name, &|r| Some(r.report.e2e_ms.p99)).unwrap_or(f64::NAN),
                 added_p50_ms: median(&added),
@@ -373,17 +408,28 @@ fn summarise(
         .collect()
 }
 
-/// Ours against each peer: added latency ours/peer, requests per second
-/// ours/peer (and ours/direct, as `of_direct` in the summary).
+/// Ours against each peer and the relay: added latency ours/theirs,
+/// requests per second ours/theirs (and ours/direct, as `of_direct` in
+/// the summary).
 fn ratios(summaries: &[Summary]) -> serde_json::Value {
-    let Some(ours) = summaries.get(1) else {
+    let Some(ours) = summaries.iter().find(|s| s.role == Role::Ours) else {
         return json!([]);
     };
     let mut out = vec![json!({
         "against": summaries[0].target,
         "requests_per_s_ours_over_theirs": ours.of_direct,
     })];
-    for peer in summaries.iter().skip(2) {
+    let others = |role| summaries.iter().filter(move |s| s.role == role);
+    // The relay adds next to nothing: a ratio of added latencies to it
+    // would be noise over noise; its difference is the figure.
+    for relay in others(Role::Relay) {
+        out.push(json!({
+            "against": relay.target,
+            "added_p50_ms_ours_minus_theirs": ours.added_p50_ms - relay.added_p50_ms,
+            "requests_per_s_ours_over_theirs": ours.requests_per_s / relay.requests_per_s,
+        }));
+    }
+    for peer in others(Role::Peer) {
         out.push(json!({
             "against": peer.target,
             "added_p50_ours_over_theirs": ours.added_p50_ms / peer.added_p50_ms,
@@ -417,8 +463,16 @@ fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
             s.target, s.p50_ms, added, s.p99_ms, s.requests_per_s, s.of_direct, cpu, s.errors
         );
     }
-    if let Some(ours) = summaries.get(1) {
-        for peer in summaries.iter().skip(2) {
+    if let Some(ours) = summaries.iter().find(|s| s.role == Role::Ours) {
+        for relay in summaries.iter().filter(|s| s.role == Role::Relay) {
+            println!(
+                "switchyard - {}: added latency {:+.3} ms, requests per second {:.2}x",
+                relay.target,
+                ours.added_p50_ms - relay.added_p50_ms,
+                ours.requests_per_s / relay.requests_per_s
+            );
+        }
+        for peer in summaries.iter().filter(|s| s.role == Role::Peer) {
             println!(
                 "switchyard / {}: added latency {:.2}x, requests per second {:.2}x",
                 peer.target,
@@ -431,7 +485,7 @@ fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
             ours.of_direct
         );
     }
-    println!("(latency end to end at the client; added = the target's p50 minus the direct p50 of the same round; cpu ms/rq = the router process's CPU time per request in the throughput phase)");
+    println!("(latency end to end at the client; added = the target's p50 minus the direct p50 of the same round; cpu ms/rq = the router process's CPU time per request in the throughput phase; the tcp relay only copies bytes: what the extra hop alone adds here)");
 }
 
 #[cfg(test)]
