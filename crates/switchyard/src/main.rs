@@ -68,6 +68,13 @@ fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
     }
 }
 
+/// mimalloc, not glibc's malloc: under `serve`'s load the request path's
+/// buffers are allocated on one tokio worker thread and freed on another,
+/// and glibc then takes the owning arena's lock (futex waits in a `perf`
+/// profile of `bench proxy`'s throughput phase).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
