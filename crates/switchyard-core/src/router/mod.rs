@@ -223,6 +223,13 @@ struct WorkerSlot {
     selectable: bool,
 }
 
+impl WorkerCapacity {
+    /// Tokens per KV block on this worker: its model's, else `default`.
+    fn block_size_or(&self, default: u32) -> u32 {
+        self.block_size.filter(|&b| b > 0).unwrap_or(default)
+    }
+}
+
 /// One worker's depths for the prompt being routed (in blocks).
 #[derive(Clone, Copy, Debug, Default)]
 struct SlotDepths {
@@ -346,10 +353,7 @@ impl Router {
 
     /// Adds (or updates the capacity of) a worker.
     pub fn add_worker(&mut self, worker: WorkerId, capacity: WorkerCapacity) {
-        let block_size = capacity
-            .block_size
-            .filter(|&b| b > 0)
-            .unwrap_or(self.config.sequences.block_size);
+        let block_size = capacity.block_size_or(self.config.sequences.block_size);
         self.sequences
             .add_worker_with_block_size(worker, block_size);
         let slot = self
@@ -384,10 +388,9 @@ impl Router {
 
     /// Tokens per KV block on `worker`: its model's, else the router's.
     pub fn block_size_of(&self, worker: WorkerId) -> u32 {
+        let default = self.config.sequences.block_size;
         self.worker(worker)
-            .and_then(|slot| slot.capacity.block_size)
-            .filter(|&b| b > 0)
-            .unwrap_or(self.config.sequences.block_size)
+            .map_or(default, |slot| slot.capacity.block_size_or(default))
     }
 
     /// Removes a worker: it is never selected again, its cached blocks (in
@@ -720,8 +723,9 @@ impl Router {
     pub fn book_request(&mut self, add: &AddRequest, now_ms: f64) -> LifecycleOutcome {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
-            let block_size = self.block_size_of(add.worker);
+            let default = self.config.sequences.block_size;
             if let Some(slot) = self.worker_mut(add.worker) {
+                let block_size = slot.capacity.block_size_or(default);
                 let cached = u64::from(add.overlap_blocks) * u64::from(block_size);
                 let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
                 slot.writes.add(uncached as f64, now_ms);

@@ -343,7 +343,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
                 "latency_prompt": "fresh ~470-character chat message, max_tokens 1, non-streaming",
                 "throughput_prompt": "fixed ~470-character text completion, max_tokens 1, non-streaming",
                 "summary": summaries,
-                "ratios": ratios(&summaries),
+                "comparisons": comparisons(&summaries),
                 "latency_rounds": latency,
                 "throughput_rounds": throughput,
             }),
@@ -408,35 +408,40 @@ fn summarise(
         .collect()
 }
 
-/// Ours against each peer and the relay: added latency ours/theirs,
-/// requests per second ours/theirs (and ours/direct, as `of_direct` in
-/// the summary).
-fn ratios(summaries: &[Summary]) -> serde_json::Value {
+/// Ours against one other target.
+#[derive(Debug, Clone, Serialize)]
+struct Comparison {
+    against: String,
+    role: Role,
+    /// Our added median over theirs (peers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    added_p50_ours_over_theirs: Option<f64>,
+    /// Our added median minus theirs (the relay, whose added median is
+    /// about zero: a ratio to it would be noise over noise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    added_p50_ms_ours_minus_theirs: Option<f64>,
+    requests_per_s_ours_over_theirs: f64,
+}
+
+/// Ours against direct (requests per second), the relay and each peer;
+/// empty without our row. The table and `--json` both print these.
+fn comparisons(summaries: &[Summary]) -> Vec<Comparison> {
     let Some(ours) = summaries.iter().find(|s| s.role == Role::Ours) else {
-        return json!([]);
+        return Vec::new();
     };
-    let mut out = vec![json!({
-        "against": summaries[0].target,
-        "requests_per_s_ours_over_theirs": ours.of_direct,
-    })];
-    let others = |role| summaries.iter().filter(move |s| s.role == role);
-    // The relay adds next to nothing: a ratio of added latencies to it
-    // would be noise over noise; its difference is the figure.
-    for relay in others(Role::Relay) {
-        out.push(json!({
-            "against": relay.target,
-            "added_p50_ms_ours_minus_theirs": ours.added_p50_ms - relay.added_p50_ms,
-            "requests_per_s_ours_over_theirs": ours.requests_per_s / relay.requests_per_s,
-        }));
-    }
-    for peer in others(Role::Peer) {
-        out.push(json!({
-            "against": peer.target,
-            "added_p50_ours_over_theirs": ours.added_p50_ms / peer.added_p50_ms,
-            "requests_per_s_ours_over_theirs": ours.requests_per_s / peer.requests_per_s,
-        }));
-    }
-    json!(out)
+    summaries
+        .iter()
+        .filter(|s| s.role != Role::Ours)
+        .map(|s| Comparison {
+            against: s.target.clone(),
+            role: s.role,
+            added_p50_ours_over_theirs: (s.role == Role::Peer)
+                .then(|| ours.added_p50_ms / s.added_p50_ms),
+            added_p50_ms_ours_minus_theirs: (s.role == Role::Relay)
+                .then_some(ours.added_p50_ms - s.added_p50_ms),
+            requests_per_s_ours_over_theirs: ours.requests_per_s / s.requests_per_s,
+        })
+        .collect()
 }
 
 fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
@@ -463,26 +468,18 @@ fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
             s.target, s.p50_ms, added, s.p99_ms, s.requests_per_s, s.of_direct, cpu, s.errors
         );
     }
-    if let Some(ours) = summaries.iter().find(|s| s.role == Role::Ours) {
-        for relay in summaries.iter().filter(|s| s.role == Role::Relay) {
-            println!(
-                "switchyard - {}: added latency {:+.3} ms, requests per second {:.2}x",
-                relay.target,
-                ours.added_p50_ms - relay.added_p50_ms,
-                ours.requests_per_s / relay.requests_per_s
-            );
-        }
-        for peer in summaries.iter().filter(|s| s.role == Role::Peer) {
-            println!(
-                "switchyard / {}: added latency {:.2}x, requests per second {:.2}x",
-                peer.target,
-                ours.added_p50_ms / peer.added_p50_ms,
-                ours.requests_per_s / peer.requests_per_s
-            );
-        }
+    for c in comparisons(summaries) {
+        let added = match (
+            c.added_p50_ours_over_theirs,
+            c.added_p50_ms_ours_minus_theirs,
+        ) {
+            (Some(ratio), _) => format!("added latency {ratio:.2}x, "),
+            (_, Some(difference)) => format!("added latency {difference:+.3} ms more, "),
+            _ => String::new(),
+        };
         println!(
-            "switchyard / direct: requests per second {:.2}x",
-            ours.of_direct
+            "switchyard against {}: {added}requests per second {:.2}x",
+            c.against, c.requests_per_s_ours_over_theirs
         );
     }
     println!("(latency end to end at the client; added = the target's p50 minus the direct p50 of the same round; cpu ms/rq = the router process's CPU time per request in the throughput phase; the tcp relay only copies bytes: what the extra hop alone adds here)");
@@ -505,6 +502,40 @@ mod tests {
         );
         assert!(for_peer(&["/a/smg".to_owned()], Peer::Smg, 2).is_err());
         assert_eq!(for_peer(&[], Peer::Smg, 1).unwrap(), None);
+    }
+
+    #[test]
+    fn ours_is_compared_by_ratio_with_peers_by_difference_with_the_relay() {
+        let row = |target: &str, role, added_p50_ms, requests_per_s| Summary {
+            target: target.into(),
+            role,
+            p50_ms: 0.0,
+            p99_ms: 0.0,
+            added_p50_ms,
+            requests_per_s,
+            of_direct: 0.0,
+            cpu_ms_per_request: None,
+            errors: 0,
+        };
+        let rows = [
+            row("direct", Role::Direct, f64::NAN, 40_000.0),
+            row("relay", Role::Relay, 0.01, 40_000.0),
+            row("ours", Role::Ours, 0.13, 20_000.0),
+            row("peer", Role::Peer, 0.26, 10_000.0),
+        ];
+        let c = comparisons(&rows);
+        let against: Vec<&str> = c.iter().map(|c| c.against.as_str()).collect();
+        assert_eq!(against, ["direct", "relay", "peer"]);
+        assert_eq!(c[0].requests_per_s_ours_over_theirs, 0.5);
+        assert_eq!(c[0].added_p50_ours_over_theirs, None);
+        assert!((c[1].added_p50_ms_ours_minus_theirs.unwrap() - 0.12).abs() < 1e-12);
+        assert_eq!(c[1].added_p50_ours_over_theirs, None);
+        assert_eq!(c[2].added_p50_ours_over_theirs, Some(0.5));
+        assert_eq!(c[2].requests_per_s_ours_over_theirs, 2.0);
+        assert!(
+            comparisons(&rows[..2]).is_empty(),
+            "nothing without our row"
+        );
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! more sockets, their system calls and wake-ups, on the same kind of
 //! tokio runtime as `serve`), with no HTTP, no tokenizing and no routing.
 //! It is the floor under any proxy's added latency there.
+//!
+//! It listens on a free loopback port only: a relay that forwards anyone's
+//! bytes anywhere is not something to expose.
 
 use anyhow::Context as _;
 use clap::Args;
@@ -18,10 +21,6 @@ pub struct RelayArgs {
     /// Where each connection is relayed to (HOST:PORT).
     #[arg(long)]
     pub to: String,
-    /// Address to listen on (port 0: any free port; the address is
-    /// printed as a URL).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: String,
 }
 
 /// Runs the relay until killed.
@@ -31,9 +30,15 @@ pub fn run(args: RelayArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {
-        let listener = TcpListener::bind(&args.listen)
+        // A bad --to is refused here, not once per connection.
+        tokio::net::lookup_host(&args.to)
             .await
-            .with_context(|| format!("listening on {}", args.listen))?;
+            .ok()
+            .and_then(|mut addresses| addresses.next())
+            .with_context(|| format!("--to {:?}: expected HOST:PORT that resolves", args.to))?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("listening on a loopback port")?;
         println!(
             "switchyard bench relay listening on http://{} (to {})",
             listener.local_addr()?,
@@ -43,15 +48,16 @@ pub fn run(args: RelayArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Relays every connection `listener` accepts to `to`.
+/// Relays every connection `listener` accepts to `to`; never returns.
 async fn accept_forever(listener: TcpListener, to: String) -> anyhow::Result<()> {
     loop {
         let (client, _) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors and the like: the next accept may
-                // succeed; nothing else is lost.
+                // succeed once a connection closes; nothing else is lost.
                 eprintln!("switchyard bench relay: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 continue;
             }
         };
