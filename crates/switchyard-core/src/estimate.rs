@@ -302,6 +302,29 @@ impl EstimatorConfig {
     }
 }
 
+impl EstimatorConfig {
+    /// Expected wall milliseconds to prefill `tokens` uncached tokens on a
+    /// worker with `fit` (the configured model without one).
+    pub fn fitted_model_ms(&self, fit: Option<Fit>, tokens: u64) -> f64 {
+        let model = self.model_ms(tokens);
+        match fit {
+            Some(fit) => fit.scale * model + fit.offset_ms,
+            None => model,
+        }
+    }
+
+    /// The configured decode model, times the fitted scale (a worker whose
+    /// prefills run twice the model's time decodes at half its speed too;
+    /// the offset is a per-request overhead, not a per-step one).
+    pub fn fitted_decode_step_ms(&self, fit: Option<Fit>, usage: f64) -> f64 {
+        let model = self.decode_model_ms(usage);
+        match fit {
+            Some(fit) => fit.scale * model,
+            None => model,
+        }
+    }
+}
+
 impl PrefillTime for EstimatorConfig {
     /// The configured model, the same for every worker.
     fn prefill_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
@@ -331,11 +354,7 @@ impl PrefillTime for PrefillEstimator {
     /// its speed too; the offset is a per-request overhead, not a
     /// per-step one).
     fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64 {
-        let model = self.config.decode_model_ms(usage);
-        match self.fit(worker) {
-            Some(fit) => fit.scale * model,
-            None => model,
-        }
+        self.config.fitted_decode_step_ms(self.fit(worker), usage)
     }
 
     /// The configured model: restores are not fitted.
@@ -394,16 +413,19 @@ impl PrefillEstimator {
     /// Expected wall milliseconds for `worker` to prefill `tokens` uncached
     /// tokens.
     pub fn expected_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
-        let model = self.config.model_ms(tokens);
-        match self.fit(worker) {
-            Some(fit) => fit.scale * model + fit.offset_ms,
-            None => model,
-        }
+        self.config.fitted_model_ms(self.fit(worker), tokens)
     }
 
     /// The fit in force for `worker`, once it has enough samples.
     pub fn fit(&self, worker: WorkerId) -> Option<Fit> {
         self.workers.get(&worker).and_then(|w| w.fit)
+    }
+
+    /// Every worker's fit in force.
+    pub fn fits(&self) -> impl Iterator<Item = (WorkerId, Fit)> + '_ {
+        self.workers
+            .iter()
+            .filter_map(|(&worker, w)| Some((worker, w.fit?)))
     }
 
     /// Samples refused as not finite or not positive (counted, never used).

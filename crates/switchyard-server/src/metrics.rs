@@ -232,6 +232,12 @@ pub struct ServerMetrics {
     pub routing_decision: Histogram,
     /// Prompt to token ids (chat template included).
     pub tokenize: Histogram,
+    /// Routes made before the lock that were the decision.
+    pub pre_routes_used: Counter,
+    /// Routes made before the lock that were set aside and made again
+    /// under it (the request waited, or its worker could no longer take
+    /// it).
+    pub pre_routes_rerouted: Counter,
     /// Worker failures reported by the proxy (`Booking::worker_failed`).
     pub upstream_failures: Counter,
     /// Requests freed by a worker's removal rather than by their own end.
@@ -334,6 +340,8 @@ impl ServerMetrics {
             ttft: latency(),
             itl: latency(),
             routing_decision: latency(),
+            pre_routes_used: Counter::default(),
+            pre_routes_rerouted: Counter::default(),
             tokenize: latency(),
             upstream_failures: Counter::default(),
             freed_by_removal: Counter::default(),
@@ -438,6 +446,16 @@ impl ServerMetrics {
             "switchyard_routing_decision_seconds",
             "Worker selection and booking, tokenization excluded",
             self.routing_decision.clone(),
+        );
+        registry.register(
+            "switchyard_pre_routes_used",
+            "Routes made on the published loads before the routing lock that were the decision",
+            self.pre_routes_used.clone(),
+        );
+        registry.register(
+            "switchyard_pre_routes_rerouted",
+            "Routes made before the routing lock that were made again under it (request queued, or its worker could no longer take it)",
+            self.pre_routes_rerouted.clone(),
         );
         registry.register(
             "switchyard_tokenize_seconds",
@@ -776,7 +794,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 23, "{out}");
+        assert_eq!(families.len(), 25, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");

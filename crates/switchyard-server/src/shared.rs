@@ -36,6 +36,7 @@ use crate::metrics::{AdmissionDecision, ServerMetrics};
 use crate::roster::{Role, Roster, UnknownModel, WorkerInfo};
 use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
@@ -43,7 +44,9 @@ use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Ref
 use switchyard_core::health::{CircuitConfig, CircuitConfigError, CircuitState};
 use switchyard_core::index::published::IndexWriter;
 use switchyard_core::index::{CacheTier, IndexEvent};
+use switchyard_core::router::board::{BoardWriter, LoadChange, PreRouter, PreRoutes, Proposal};
 use switchyard_core::router::WorkerCapacity;
+use switchyard_core::select::RoutingRequest;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
@@ -140,9 +143,110 @@ struct Inner {
     publisher: Option<ReplicaPublisher>,
 }
 
+/// Routing outside the lock (`switchyard_core::router::board`): a
+/// request is routed on the published index and load board before the
+/// lock is taken, and the dispatcher takes that route as its decision
+/// when it places the request at once.
+struct PreRouting {
+    routes: PreRoutes,
+    board: BoardPublisher,
+    /// Pre-routers not in use: a placing thread takes one for a route
+    /// and puts it back (made on demand: at most one per thread routing
+    /// at the same moment).
+    idle: Mutex<Vec<PreRouter>>,
+    /// Whether the last request submitted could go to every worker: the
+    /// next one is routed among all before the lock, and its eligibility
+    /// checked under it. Requests of a fleet whose models or roles split
+    /// the workers are routed under the lock.
+    every_worker: AtomicBool,
+}
+
+/// The board of loads that routes outside the lock read, and its writer.
+///
+/// Changes leave the dispatcher in order, under its lock, into `queue`
+/// (lock order: `inner`, then `queue`); whoever then gets `writer`
+/// applies everything queued, after letting go of `inner`, so that
+/// neither the changes' second application nor the writer's wait for
+/// routes still reading the old copy holds the routing lock. A caller
+/// that finds the writer busy leaves its changes to the holder, which
+/// looks at the queue again once it lets go.
+struct BoardPublisher {
+    queue: Mutex<Vec<LoadChange>>,
+    /// The writer and a spare buffer swapped with the queue.
+    writer: Mutex<(BoardWriter, Vec<LoadChange>)>,
+}
+
+impl BoardPublisher {
+    /// Applies every change queued, unless another thread is applying
+    /// (it will apply ours too).
+    fn flush(&self) {
+        loop {
+            {
+                let mut held = match self.writer.try_lock() {
+                    Ok(held) => held,
+                    Err(std::sync::TryLockError::WouldBlock) => return,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                };
+                let (writer, spare) = &mut *held;
+                std::mem::swap(
+                    &mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()),
+                    spare,
+                );
+                writer.apply(spare);
+            }
+            // Changes queued while this thread applied were left to it.
+            if self
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// The router's state as a call holds it; on release the changes it made
+/// to the loads are queued for the board, in order, and applied once the
+/// lock is let go.
+struct Locked<'a> {
+    guard: Option<MutexGuard<'a, Inner>>,
+    board: Option<&'a BoardPublisher>,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let (Some(mut inner), Some(board)) = (self.guard.take(), self.board) else {
+            return;
+        };
+        {
+            let mut queue = board.queue.lock().unwrap_or_else(|p| p.into_inner());
+            inner.dispatcher.take_load_changes(&mut queue);
+        }
+        drop(inner);
+        board.flush();
+    }
+}
+
 /// The shared state; cheap to share behind an `Arc`.
 pub struct SharedRouter {
     inner: Mutex<Inner>,
+    /// Routes made before the lock, when the policy and index allow.
+    pre: Option<PreRouting>,
     /// The exact prefix indexes' writer (KV events of both tiers) and the
     /// workers' liveness, when the router follows KV events: routing reads
     /// the indexes without waiting for it (see
@@ -173,8 +277,18 @@ impl SharedRouter {
                 live: FxHashMap::default(),
             })
         });
+        let pre = dispatcher.pre_routes().map(|(routes, writer)| PreRouting {
+            routes,
+            board: BoardPublisher {
+                queue: Mutex::new(Vec::new()),
+                writer: Mutex::new((writer, Vec::new())),
+            },
+            idle: Mutex::new(Vec::new()),
+            every_worker: AtomicBool::new(true),
+        });
         Self {
             index_writer,
+            pre,
             inner: Mutex::new(Inner {
                 dispatcher,
                 roster: Roster::default(),
@@ -248,18 +362,30 @@ impl SharedRouter {
         RequestId((rand::thread_rng().gen::<u128>() >> 1).max(1))
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> Locked<'_> {
         // A panic while holding the lock leaves the state as consistent as
         // the dispatcher's own invariants make it; keep serving.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        Locked {
+            guard: Some(self.inner.lock().unwrap_or_else(|p| p.into_inner())),
+            board: self.pre.as_ref().map(|pre| &pre.board),
+        }
     }
 
     /// Runs one dispatcher call with the lock held and carries out its
     /// effects; routing decisions it made are timed as the call's time
     /// shared between them.
     fn drive<R>(&self, call: impl FnOnce(&mut Inner, f64) -> (R, Effects)) -> R {
-        let started = Instant::now();
-        let now = self.now_ms();
+        self.drive_from(Instant::now(), self.now_ms(), call)
+    }
+
+    /// [`Self::drive`] for a call whose work began at `started` (a route
+    /// made before the lock), at core time `now`.
+    fn drive_from<R>(
+        &self,
+        started: Instant,
+        now: f64,
+        call: impl FnOnce(&mut Inner, f64) -> (R, Effects),
+    ) -> R {
         let mut inner = self.lock();
         let (result, fx) = call(&mut inner, now);
         let decisions = fx.counts.decisions;
@@ -280,6 +406,12 @@ impl SharedRouter {
         let (mut next, mut pending) = (Some(fx), Vec::new());
         while let Some(fx) = next.take().or_else(|| pending.pop()) {
             let counts = fx.counts;
+            self.metrics
+                .pre_routes_used
+                .inc_by(u64::from(counts.proposals_used));
+            self.metrics
+                .pre_routes_rerouted
+                .inc_by(u64::from(counts.proposals_rerouted));
             if counts.cancelled > 0 {
                 self.metrics
                     .count_admissions(AdmissionDecision::Cancelled, counts.cancelled);
@@ -356,11 +488,18 @@ impl SharedRouter {
         pool: Role,
     ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
         let (tx, rx) = oneshot::channel();
-        let admitted = self.drive(|inner, now| {
+        let started = Instant::now();
+        let now = self.now_ms();
+        let proposal = self.pre_route(&request, now);
+        let admitted = self.drive_from(started, now, |inner, now| {
             let eligible = match inner.roster.eligible_in(request.model, pool) {
                 Ok(eligible) => eligible,
                 Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
             };
+            if let Some(pre) = &self.pre {
+                pre.every_worker
+                    .store(eligible.is_empty(), Ordering::Relaxed);
+            }
             let submission = Submission {
                 blocks: request.blocks,
                 prompt_tokens: request.prompt_tokens,
@@ -380,7 +519,10 @@ impl SharedRouter {
                     slot.insert(tx);
                 }
             }
-            match inner.dispatcher.submit(id, submission, now) {
+            match inner
+                .dispatcher
+                .submit_proposed(id, submission, proposal, now)
+            {
                 Ok((admitted, fx)) => (Ok(admitted), fx),
                 Err(refused) => {
                     inner.waiting.remove(&id);
@@ -406,6 +548,31 @@ impl SharedRouter {
         }
         admitted?;
         Ok(rx)
+    }
+
+    /// The request routed on the published index and load board, before
+    /// the lock (`None` when routing outside the lock is off, the last
+    /// request could not go to every worker, or the route must be made
+    /// under the lock: see `PreRouter::route`).
+    fn pre_route(&self, request: &Request<'_>, now: f64) -> Option<Proposal> {
+        let pre = self.pre.as_ref()?;
+        if !pre.every_worker.load(Ordering::Relaxed) {
+            return None;
+        }
+        let taken = pre.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut router = taken.unwrap_or_else(|| pre.routes.router());
+        let routing = RoutingRequest {
+            prompt_tokens: request.prompt_tokens,
+            blocks: &request.blocks,
+            adapter: request.adapter,
+            model: request.settings,
+        };
+        let proposal = router.route(routing, None, now);
+        pre.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(router);
+        proposal
     }
 
     /// The request's first token arrived.
@@ -854,6 +1021,100 @@ mod tests {
             assert!(booking.migrate(None).unwrap().placed().await.is_err());
             assert_eq!(shared.total_active_requests(), 0);
         }
+    }
+
+    /// The default router following KV events (an exact, published index).
+    fn following_events() -> ServerConfig {
+        ServerConfig {
+            cache: crate::config::CacheMode::Events,
+            ..ServerConfig::default()
+        }
+    }
+
+    #[test]
+    fn without_kv_events_every_route_is_made_under_the_lock() {
+        let (shared, _) = shared_with(&ServerConfig::default(), &["a"]);
+        assert!(
+            shared.pre.is_none(),
+            "the approximate index is the router's own"
+        );
+        let (shared, _) = shared_with(
+            &ServerConfig {
+                policy: PolicyKind::CacheAware,
+                ..following_events()
+            },
+            &["a"],
+        );
+        assert!(shared.pre.is_none(), "cache-aware keeps its own tree");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_booked() {
+        let (shared, ids) = shared_with(&following_events(), &["a", "b", "c", "d"]);
+        assert!(
+            shared.pre.is_some(),
+            "the default policy routes outside the lock when it follows KV events"
+        );
+        let placing = (0..8u64).map(|t| {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let mut bookings = Vec::new();
+                for n in 0..50u64 {
+                    let blocks: Vec<u64> = (0..4).map(|b| t * 1_000 + n * 10 + b).collect();
+                    bookings.push(place(&shared, request(&blocks, 70)).await.unwrap());
+                }
+                bookings
+            })
+        });
+        let mut bookings = Vec::new();
+        for task in placing {
+            bookings.extend(task.await.unwrap());
+        }
+        assert_eq!(bookings.len(), 400);
+        assert_eq!(shared.total_active_requests(), 400);
+        let on = |id| bookings.iter().filter(|b| b.worker == id).count();
+        assert!(ids.iter().all(|&id| on(id) > 0), "load spreads");
+        let metrics = shared.metrics();
+        let (used, rerouted) = (
+            metrics.pre_routes_used.get(),
+            metrics.pre_routes_rerouted.get(),
+        );
+        assert_eq!(
+            used + rerouted,
+            400,
+            "every request was routed before the lock"
+        );
+        assert!(used > 0);
+        drop(bookings);
+        assert_eq!(shared.total_active_requests(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_fleet_whose_models_split_the_workers_routes_under_the_lock() {
+        let (shared, ids) = shared_with(&following_events(), &["a", "b"]);
+        shared.set_models(ids[0], vec!["m1".into()]);
+        shared.set_models(ids[1], vec!["m2".into()]);
+        let for_m2 = || Request {
+            model: Some("m2"),
+            ..request(&[1, 2], 40)
+        };
+        // The first request finds out that not every worker may take it.
+        let first = place(&shared, for_m2()).await.unwrap();
+        assert_eq!(first.worker, ids[1]);
+        let metrics = shared.metrics();
+        let counts = || {
+            (
+                metrics.pre_routes_used.get(),
+                metrics.pre_routes_rerouted.get(),
+            )
+        };
+        let after_first = counts();
+        assert_eq!(after_first.0 + after_first.1, 1, "{after_first:?}");
+        for _ in 0..5 {
+            let booking = place(&shared, for_m2()).await.unwrap();
+            assert_eq!(booking.worker, ids[1]);
+        }
+        assert_eq!(counts(), after_first, "none routed before the lock");
     }
 
     #[tokio::test]

@@ -55,6 +55,7 @@ use crate::health::{
 use crate::index::{ApplyOutcome, CacheTier, IndexEvent};
 use crate::maps::FxHashMap;
 use crate::replica::{clamp_context_tokens, DropReason, RemoteCounters};
+use crate::router::board::{BoardWriter, LoadChange, PreRoutes, Proposal};
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
 use crate::select::{ModelSettings, RoutingRequest, SelectOutcome};
 use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
@@ -242,6 +243,13 @@ pub struct CircuitChange {
 pub struct Counts {
     /// Routing decisions the selector made.
     pub decisions: u32,
+    /// Decisions taken from a route made outside the lock
+    /// ([`Dispatcher::submit_proposed`]); they are among `decisions`.
+    pub proposals_used: u32,
+    /// Routes made outside the lock that were set aside and made again
+    /// under it (the request waited, or its worker could no longer take
+    /// it).
+    pub proposals_rerouted: u32,
     /// Waiting requests whose client gave up.
     pub cancelled: u32,
     /// This replica's bookings freed because their worker left.
@@ -427,6 +435,22 @@ impl Dispatcher {
     /// workers report (their `/v1/models`, loads and unloads it made).
     pub fn adapters_mut(&mut self) -> &mut crate::adapters::AdapterTable {
         self.router.adapters_mut()
+    }
+
+    /// Starts the board of the loads that routes outside the lock read
+    /// and hands out its writer and what those routes need
+    /// ([`Router::pre_routes`]; `None` when the router cannot: see
+    /// there). After every call that changed the dispatcher, take its
+    /// changes ([`Self::take_load_changes`]) before letting go of it.
+    pub fn pre_routes(&mut self) -> Option<(PreRoutes, BoardWriter)> {
+        let fits: Vec<_> = self.estimator.fits().collect();
+        self.router.pre_routes(self.estimator.config(), fits)
+    }
+
+    /// The changes to the loads since the last call, for the board's
+    /// writer ([`Router::take_load_changes`]).
+    pub fn take_load_changes(&mut self, out: &mut Vec<LoadChange>) {
+        self.router.take_load_changes(out);
     }
 
     /// Admission (read-only).
@@ -674,6 +698,23 @@ impl Dispatcher {
         submission: Submission,
         now_ms: f64,
     ) -> Result<(Admitted, Effects), Refused> {
+        self.submit_proposed(id, submission, None, now_ms)
+    }
+
+    /// [`Self::submit`] with a route already made outside the lock
+    /// ([`crate::router::board::PreRouter`]): when admission places the
+    /// request at once, before any other request in the same poll, on a
+    /// worker it may go to (eligible, not excluded, still in the router,
+    /// selectable and not busy), the proposal is the decision; otherwise the
+    /// request is routed here as any other (counted in
+    /// [`Counts::proposals_rerouted`]).
+    pub fn submit_proposed(
+        &mut self,
+        id: RequestId,
+        submission: Submission,
+        proposal: Option<Proposal>,
+        now_ms: f64,
+    ) -> Result<(Admitted, Effects), Refused> {
         if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
             return Err(Refused::Duplicate);
         }
@@ -710,7 +751,11 @@ impl Dispatcher {
             },
         );
         let mut fx = Effects::default();
-        self.poll_into(now_ms, &mut fx);
+        let mut proposal = proposal.map(|p| (id, p));
+        self.poll_proposed(now_ms, &mut fx, &mut proposal);
+        if proposal.is_some() {
+            fx.counts.proposals_rerouted += 1;
+        }
         Ok((admitted, fx))
     }
 
@@ -756,6 +801,7 @@ impl Dispatcher {
         if let Some(model_ms) = booked.sample_model_ms {
             self.estimator
                 .observe(worker, model_ms, now_ms - booked.placed_ms);
+            self.router.post_fit(worker, self.estimator.fit(worker));
         }
         if !booked.verdict {
             booked.verdict = true;
@@ -1013,9 +1059,22 @@ impl Dispatcher {
     /// Places ready requests: route, book (with a prefill hint), tell the
     /// breaker, hand out the dispatch.
     fn poll_into(&mut self, now_ms: f64, fx: &mut Effects) {
+        self.poll_proposed(now_ms, fx, &mut None);
+    }
+
+    /// [`Self::poll_into`], taking `proposal`'s decision for its request
+    /// when that is placed first and may go there (then `proposal` is
+    /// emptied).
+    fn poll_proposed(
+        &mut self,
+        now_ms: f64,
+        fx: &mut Effects,
+        proposal: &mut Option<(RequestId, Proposal)>,
+    ) {
         if self.admission.queue().ready_len() == 0 {
             return;
         }
+        let mut first = true;
         let Dispatcher {
             router,
             admission,
@@ -1060,7 +1119,31 @@ impl Dispatcher {
                 model: request.model,
             };
             fx.counts.decisions += 1;
-            let outcome = router.route_with(routing, eligible, &*estimator, now_ms);
+            // A route made outside the lock is this request's decision
+            // when nothing was placed before it in this poll and its
+            // worker may still take it.
+            let proposed = match proposal {
+                Some((for_id, p))
+                    if first
+                        && *for_id == id
+                        && matches!(placement, Placement::Any)
+                        && request.excluded.is_empty()
+                        && eligible.is_none_or(|e| e.contains(&p.decision.worker))
+                        && router.may_take(p.decision.worker, now_ms) =>
+                {
+                    Some(*p)
+                }
+                _ => None,
+            };
+            first = false;
+            let outcome = match proposed {
+                Some(p) => {
+                    *proposal = None;
+                    fx.counts.proposals_used += 1;
+                    SelectOutcome::Selected(p.decision)
+                }
+                None => router.route_with(routing, eligible, &*estimator, now_ms),
+            };
             let SelectOutcome::Selected(decision) = outcome else {
                 return outcome;
             };
@@ -1089,7 +1172,11 @@ impl Dispatcher {
                 // worker's prefill.
                 if slot.prefilling == 0 && decision.peer.is_none() && adapter_load.is_none() {
                     let model = estimator.config();
-                    sample_model_ms = Some(match router.last_candidate(decision.worker) {
+                    let candidate = match &proposed {
+                        Some(p) => Some(&p.candidate),
+                        None => router.last_candidate(decision.worker),
+                    };
+                    sample_model_ms = Some(match candidate {
                         Some(c) => model.first_token_model_ms(
                             uncached_tokens,
                             c.active_requests,

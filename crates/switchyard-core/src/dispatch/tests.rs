@@ -1,6 +1,6 @@
 use super::*;
 use crate::admission::{SessionAwareConfig, SessionAwareStrategy};
-use crate::select::PolicyKind;
+use crate::select::{Candidate, PolicyKind};
 use proptest::prelude::*;
 
 fn w(id: u64) -> WorkerId {
@@ -771,4 +771,124 @@ fn a_load_policy_leaves_a_hot_adapters_holder_once_it_is_far_busier() {
     assert_eq!(&placed[..5], &[w(1); 5]);
     assert_eq!(placed[5], w(2));
     assert!(d.router().adapters().has(w(2), "a"));
+}
+
+/// A route made outside the lock that chose `worker`.
+fn proposal(worker: WorkerId, overlap_blocks: u32) -> Proposal {
+    Proposal {
+        decision: crate::select::Decision {
+            worker,
+            overlap_blocks,
+            peer: None,
+        },
+        candidate: Candidate {
+            worker,
+            overlap_blocks,
+            held_prefix_blocks: overlap_blocks,
+            host_overlap_blocks: 0,
+            cached_blocks: 0,
+            active_prompt_blocks: 0,
+            active_prefill_tokens: 0,
+            active_decode_blocks: 0,
+            active_requests: 0,
+            kv_capacity_blocks: Some(1024),
+            recent_writes_tokens: 0.0,
+            adapter_load_ms: 0.0,
+            busy: false,
+        },
+    }
+}
+
+#[test]
+fn a_proposal_is_the_decision_of_a_request_placed_at_once() {
+    let mut d = dispatcher(3);
+    // The locked route would choose any of the three idle workers; the
+    // proposal names worker 2 with 3 blocks cached, and that is booked.
+    let (_, fx) = d
+        .submit_proposed(RequestId(1), submission(0, 8), Some(proposal(w(2), 3)), 0.0)
+        .unwrap();
+    assert_eq!(fx.dispatch.len(), 1);
+    assert_eq!(
+        (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
+        (w(2), 3)
+    );
+    assert_eq!(
+        (
+            fx.counts.decisions,
+            fx.counts.proposals_used,
+            fx.counts.proposals_rerouted
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!(d.placement_of(RequestId(1)), Some(w(2)));
+    assert_eq!(d.router().sequences().owner(RequestId(1)), Some(w(2)));
+}
+
+#[test]
+fn a_proposal_for_a_worker_that_may_not_take_the_request_is_routed_again_under_the_lock() {
+    let mut d = dispatcher(2);
+    // Not among the request's eligible workers.
+    let mut only_one = submission(0, 8);
+    only_one.eligible = vec![w(1)];
+    let (_, fx) = d
+        .submit_proposed(RequestId(1), only_one, Some(proposal(w(2), 0)), 0.0)
+        .unwrap();
+    assert_eq!(fx.dispatch[0].worker, w(1));
+    assert_eq!(
+        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
+        (0, 1)
+    );
+    // No longer selectable (its circuit opened after the route was made).
+    d.router.set_selectable(w(2), false);
+    let (_, fx) = d
+        .submit_proposed(
+            RequestId(2),
+            submission(100, 8),
+            Some(proposal(w(2), 0)),
+            1.0,
+        )
+        .unwrap();
+    assert_eq!(fx.dispatch[0].worker, w(1));
+    assert_eq!(fx.counts.proposals_rerouted, 1);
+    // Removed from the router meanwhile.
+    let _ = d.remove_worker(w(2), 2.0);
+    let (_, fx) = d
+        .submit_proposed(
+            RequestId(3),
+            submission(200, 8),
+            Some(proposal(w(2), 0)),
+            3.0,
+        )
+        .unwrap();
+    assert_eq!(fx.dispatch[0].worker, w(1));
+    assert_eq!(fx.counts.proposals_rerouted, 1);
+}
+
+#[test]
+fn a_proposal_of_a_request_that_waits_is_set_aside_and_it_is_routed_when_placed() {
+    let mut config = DispatcherConfig::default();
+    config.router.busy_threshold = Some(0.5);
+    let mut d = dispatcher_with(config, false, 1);
+    // 8,192 uncached tokens fill the only worker's prefill budget.
+    let _ = place(&mut d, 1, submission(0, 512), 0.0);
+    let (admitted, fx) = d
+        .submit_proposed(
+            RequestId(2),
+            submission(1000, 8),
+            Some(proposal(w(1), 0)),
+            1.0,
+        )
+        .unwrap();
+    assert_eq!(admitted, Admitted::Queued);
+    assert!(fx.dispatch.is_empty(), "the worker is busy: {fx:?}");
+    assert_eq!(
+        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
+        (0, 1)
+    );
+    // Its first token frees the budget: the waiting request is routed
+    // afresh, under the lock.
+    let fx = d.first_token(RequestId(1), 2.0);
+    assert_eq!(fx.dispatch.len(), 1);
+    assert_eq!(fx.dispatch[0].id, RequestId(2));
+    assert_eq!((fx.counts.decisions, fx.counts.proposals_used), (1, 0));
 }

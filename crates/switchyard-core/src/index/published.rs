@@ -88,6 +88,11 @@ impl IndexWriter {
 }
 
 impl IndexReader {
+    /// Makes readers of the same index for other threads.
+    pub(crate) fn factory(&self) -> left_right::ReadHandleFactory<TieredIndex> {
+        self.0.factory()
+    }
+
     /// Runs `read` on the indexes as last published; never waits for the
     /// writer. With the writer gone, `read` sees empty indexes.
     pub fn with<R>(&self, read: impl FnOnce(&TieredIndex) -> R) -> R {

@@ -25,14 +25,18 @@ use crate::index::{
 use crate::replica::{RemoteBookings, RemoteConfig, RemoteConfigError, RemoteOutcome};
 use crate::select::{
     build_selector, Candidate, Decision, PolicyConfig, PolicyConfigError, PolicyKind, PrefillTime,
-    RoutingContext, RoutingRequest, SelectOutcome, Selector,
+    RoutingRequest, SelectOutcome, Selector,
 };
 use crate::sequences::{
     ActiveSequences, AddRequest, LifecycleOutcome, SequenceEvent, SequencesConfig,
     SequencesConfigError, SequencesMemory,
 };
-use crate::types::{ReplicaId, RequestId, SequenceHash, WorkerId};
+use crate::types::{ReplicaId, RequestId, WorkerId};
+use route::{OwnLoads, RouteScratch};
 use serde::{Deserialize, Serialize};
+
+pub mod board;
+mod route;
 
 /// How the router learns what workers have cached.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -192,7 +196,7 @@ pub const WRITES_TIME_CONSTANT_MS: f64 = 60_000.0;
 /// [`WRITES_TIME_CONSTANT_MS`]: about the tokens it was given to compute
 /// (and to write into its KV cache) in the last minute.
 #[derive(Clone, Copy, Debug, Default)]
-struct RecentWrites {
+pub(crate) struct RecentWrites {
     tokens: f64,
     at_ms: f64,
 }
@@ -216,7 +220,7 @@ impl RecentWrites {
 
 /// What the router keeps per worker besides its bookings and cache.
 #[derive(Clone, Copy, Debug)]
-struct WorkerSlot {
+pub(crate) struct WorkerSlot {
     capacity: WorkerCapacity,
     writes: RecentWrites,
     /// Offered new requests (false while its circuit is open, say).
@@ -259,24 +263,13 @@ pub struct Router {
     /// offered new requests. A route reads it once per candidate, by
     /// index.
     workers: Vec<Option<WorkerSlot>>,
-    overlaps: OverlapScores,
-    /// Each worker's host-tier run right after its device prefix (empty
-    /// while no worker holds a host-tier block).
-    host_runs: OverlapScores,
-    /// Scratch: hybrid workers' deepest SSM checkpoints within their
-    /// device prefix.
-    checkpoint_depths: OverlapScores,
-    /// Scratch: every worker's device prefix before the hybrid workers'
-    /// were cut back (empty when no worker is hybrid).
-    held: OverlapScores,
-    /// Scratch: the prompt's chained hashes, for its active-prompt depths.
-    chain: Vec<SequenceHash>,
-    /// Each worker's cached blocks by registry slot, read with the
-    /// overlaps in one visit to the index.
-    cached: Vec<usize>,
-    /// Scratch: each worker's depths by registry slot.
-    depths: Vec<SlotDepths>,
-    candidates: Vec<Candidate>,
+    scratch: RouteScratch,
+    /// Changes to the loads for the board that routes outside the
+    /// dispatcher's lock read ([`board`]), once [`Router::pre_routes`]
+    /// made one; emptied by [`Router::take_load_changes`].
+    board: Option<Vec<board::LoadChange>>,
+    /// Scratch: the write model's journal on its way to the board.
+    changes: Vec<crate::sequences::SequenceChange>,
     /// Which worker has which LoRA adapter loaded.
     adapters: AdapterTable,
 }
@@ -330,14 +323,9 @@ impl Router {
             config,
             cache,
             workers: Vec::new(),
-            overlaps: OverlapScores::new(),
-            host_runs: OverlapScores::new(),
-            checkpoint_depths: OverlapScores::new(),
-            held: OverlapScores::new(),
-            chain: Vec::new(),
-            cached: Vec::new(),
-            depths: Vec::new(),
-            candidates: Vec::new(),
+            scratch: RouteScratch::default(),
+            board: None,
+            changes: Vec::new(),
         })
     }
 
@@ -373,6 +361,96 @@ impl Router {
                 })
             }
         }
+        self.post_worker(slot);
+    }
+
+    /// Journals the write model's changes so far, then the router's state
+    /// of the worker in `slot`, for the board (when there is one), in that
+    /// order: the board sees every change in the order it was made.
+    fn post_worker(&mut self, slot: usize) {
+        let Some(journal) = &mut self.board else {
+            return;
+        };
+        self.sequences.take_changes(&mut self.changes);
+        journal.extend(
+            self.changes
+                .drain(..)
+                .map(|c| board::LoadChange(board::BoardOp::Sequences(c))),
+        );
+        if let Some(Some(state)) = self.workers.get(slot) {
+            journal.push(board::LoadChange(board::BoardOp::Worker(slot, *state)));
+        }
+    }
+
+    /// Moves every change to the loads since the last call, in order, to
+    /// the end of `out`, for the board's writer
+    /// ([`board::BoardWriter::apply`]; nothing without a board). The
+    /// driver takes them before it lets go of the router, so that changes
+    /// reach the board in the order they were made, and may apply them
+    /// after.
+    pub fn take_load_changes(&mut self, out: &mut Vec<board::LoadChange>) {
+        let Some(journal) = &mut self.board else {
+            return;
+        };
+        if self.sequences.has_changes() {
+            self.sequences.take_changes(&mut self.changes);
+            journal.extend(
+                self.changes
+                    .drain(..)
+                    .map(|c| board::LoadChange(board::BoardOp::Sequences(c))),
+            );
+        }
+        out.append(journal);
+    }
+
+    /// Journals the estimator's fit for `worker` for the board.
+    pub(crate) fn post_fit(&mut self, worker: WorkerId, fit: Option<crate::estimate::Fit>) {
+        if self.board.is_some() {
+            if let Some(slot) = self.sequences.slot_of(worker) {
+                self.post_worker(slot);
+            }
+            if let Some(journal) = &mut self.board {
+                journal.push(board::LoadChange(board::BoardOp::Fit(worker, fit)));
+            }
+        }
+    }
+
+    /// Starts a board of the loads (see [`board`]) and hands out its
+    /// writer and what routes outside the dispatcher's lock need: from
+    /// now on every change to the loads is journaled for
+    /// [`Self::take_load_changes`]. `None` unless the index is published
+    /// ([`Self::publish_index`]) and the policy keeps no state between
+    /// decisions ([`PolicyKind::keeps_no_state`]), or when already done.
+    /// `fits` are the estimator's fits so far and `estimator` its
+    /// settings, which the board's routes use.
+    pub fn pre_routes(
+        &mut self,
+        estimator: &EstimatorConfig,
+        fits: impl IntoIterator<Item = (WorkerId, crate::estimate::Fit)>,
+    ) -> Option<(board::PreRoutes, board::BoardWriter)> {
+        let CacheIndex::Published(reader) = &self.cache else {
+            return None;
+        };
+        if self.board.is_some() || !self.config.policy.keeps_no_state() {
+            return None;
+        }
+        let (mut writer, readers) = board::board();
+        let index = reader.factory();
+        self.board = Some(Vec::new());
+        self.sequences.record_changes();
+        for slot in 0..self.workers.len() {
+            self.post_worker(slot);
+        }
+        for (worker, fit) in fits {
+            self.post_fit(worker, Some(fit));
+        }
+        let mut changes = Vec::new();
+        self.take_load_changes(&mut changes);
+        writer.apply(&mut changes);
+        Some((
+            board::PreRoutes::new(index, readers, self.config, *estimator),
+            writer,
+        ))
     }
 
     /// The worker's own state, when it is in the router.
@@ -423,14 +501,40 @@ impl Router {
     /// worker whose circuit is open is never selected, and needs no
     /// rebuilding when it closes. Workers are selectable when added.
     pub fn set_selectable(&mut self, worker: WorkerId, selectable: bool) {
-        if let Some(slot) = self.worker_mut(worker) {
-            slot.selectable = selectable;
+        if let Some(state) = self.worker_mut(worker) {
+            if state.selectable != selectable {
+                state.selectable = selectable;
+                if let Some(slot) = self.sequences.slot_of(worker) {
+                    self.post_worker(slot);
+                }
+            }
         }
     }
 
     /// Whether a worker is in the router and may be selected.
     pub fn is_selectable(&self, worker: WorkerId) -> bool {
         self.worker(worker).is_some_and(|slot| slot.selectable)
+    }
+
+    /// Whether a worker in the router may take a new request at `now_ms`:
+    /// selectable and not over the busy threshold, as a route would find
+    /// it now.
+    pub fn may_take(&self, worker: WorkerId, now_ms: f64) -> bool {
+        let Some(slot) = self.sequences.slot_of(worker) else {
+            return false;
+        };
+        let (Some(Some(state)), Some(load)) =
+            (self.workers.get(slot), self.sequences.registry().slot(slot))
+        else {
+            return false;
+        };
+        state.selectable
+            && !route::is_busy(
+                &self.config,
+                Some(state),
+                load,
+                load.active_prefill_tokens(now_ms),
+            )
     }
 
     /// Applies an engine KV event about one of `worker`'s cache tiers
@@ -487,185 +591,38 @@ impl Router {
         prefill: &dyn PrefillTime,
         now_ms: f64,
     ) -> SelectOutcome {
-        // One visit to the index (one read of a published one): the
-        // prompt's overlaps, every worker's cached blocks, once any worker
-        // runs a hybrid model each hybrid worker's prefix cut back to its
-        // deepest SSM checkpoint (the engine resumes from there, not from
-        // the end of its attention prefix), and, once any worker holds
-        // host-tier blocks, each worker's host-tier run right after its
-        // device prefix.
-        let (overlaps, host_runs, checkpoint_depths, held, cached, registry) = (
-            &mut self.overlaps,
-            &mut self.host_runs,
-            &mut self.checkpoint_depths,
-            &mut self.held,
-            &mut self.cached,
-            self.sequences.registry(),
-        );
-        let mut read = |device: &PrefixIndex, tiers: Option<&TieredIndex>| {
-            device.overlaps(request.blocks, overlaps);
-            cached.clear();
-            cached.resize(registry.slot_count(), 0);
-            for (slot, load) in registry.slots() {
-                cached[slot] = device.worker_blocks(load.worker);
-            }
-            overlaps.entries.sort_unstable_by_key(|e| e.worker);
-            held.entries.clear();
-            let Some(tiers) = tiers else {
-                host_runs.entries.clear();
-                return;
-            };
-            let checkpoints = tiers.checkpoint();
-            if checkpoints.workers().next().is_some() {
-                checkpoints.deepest_within(
-                    request.blocks,
-                    |w| depth_of(overlaps, w),
-                    checkpoint_depths,
-                );
-                checkpoint_depths.entries.sort_unstable_by_key(|e| e.worker);
-                held.entries.extend_from_slice(&overlaps.entries);
-                for entry in overlaps.entries.iter_mut() {
-                    if tiers.is_hybrid(entry.worker) {
-                        entry.depth = depth_of(checkpoint_depths, entry.worker);
-                    }
-                }
-                overlaps.entries.retain(|e| e.depth > 0);
-            }
-            let host = tiers.host();
-            if host.live_pairs() > 0 {
-                let overlaps = &*overlaps;
-                host.runs_from(request.blocks, |w| depth_of(overlaps, w), host_runs);
-                host_runs.entries.sort_unstable_by_key(|e| e.worker);
-            } else {
-                host_runs.entries.clear();
-            }
+        let loads = OwnLoads {
+            sequences: &self.sequences,
+            workers: &self.workers,
         };
+        let scratch = &mut self.scratch;
         match &mut self.cache {
-            CacheIndex::Exact(index) => read(index.device(), Some(&**index)),
-            CacheIndex::Published(reader) => reader.with(|index| read(index.device(), Some(index))),
+            CacheIndex::Exact(index) => {
+                scratch.read_index(request.blocks, &loads, index.device(), Some(&**index))
+            }
+            CacheIndex::Published(reader) => reader.with(|index| {
+                scratch.read_index(request.blocks, &loads, index.device(), Some(index))
+            }),
             CacheIndex::Approximate(index) => {
                 index.expire(now_ms);
-                read(index.index(), None);
+                scratch.read_index(request.blocks, &loads, index.index(), None);
             }
         }
-        // Every depth by registry slot: a few scattered entries, then one
-        // read per candidate instead of a search per candidate and score.
-        let sequences = &self.sequences;
-        let depths = &mut self.depths;
-        depths.clear();
-        depths.resize(registry.slot_count(), SlotDepths::default());
-        let mut scatter = |scores: &OverlapScores, set: fn(&mut SlotDepths, u32)| {
-            for e in &scores.entries {
-                if let Some(d) = sequences.slot_of(e.worker).and_then(|s| depths.get_mut(s)) {
-                    set(d, e.depth);
-                }
-            }
-        };
-        // Without hybrid workers the prefix held is the device prefix.
-        if self.held.entries.is_empty() {
-            scatter(&self.overlaps, |d, v| (d.overlap, d.held) = (v, v));
-        } else {
-            scatter(&self.overlaps, |d, v| d.overlap = v);
-            scatter(&self.held, |d, v| d.held = v);
-        }
-        scatter(&self.host_runs, |d, v| d.host = v);
-        sequences.active_prompt_depths(request.blocks, &mut self.chain, |slot, depth| {
-            if let Some(d) = depths.get_mut(slot) {
-                d.active = depth;
-            }
-        });
-        self.candidates.clear();
-        // The request's blocks were hashed at its model's block size, the
-        // size of every worker that may serve it.
-        let block_size = request
-            .model
-            .block_size
-            .filter(|&b| b > 0)
-            .unwrap_or(self.config.sequences.block_size);
-        for (slot, load) in registry.slots() {
-            let worker = load.worker;
-            let (cached_blocks, depths) = (self.cached[slot], self.depths[slot]);
-            if let Some(eligible) = eligible {
-                if !eligible.contains(&worker) {
-                    continue;
-                }
-            }
-            let slot = self.workers.get(slot).and_then(Option::as_ref);
-            if slot.is_some_and(|s| !s.selectable) {
-                continue;
-            }
-            let prefill_tokens = load.active_prefill_tokens(now_ms);
-            let busy = match (self.config.busy_threshold, slot.map(|s| &s.capacity)) {
-                (Some(t), Some(cap)) => {
-                    cap.max_num_batched_tokens
-                        .is_some_and(|m| prefill_tokens as f64 > t * m as f64)
-                        || cap
-                            .kv_blocks
-                            .is_some_and(|m| load.decode_blocks as f64 > t * m as f64)
-                }
-                _ => false,
-            };
-            let block_size = u64::from(block_size.max(1));
-            let kv_capacity_blocks = slot
-                .and_then(|s| s.capacity.kv_tokens)
-                .map(|tokens| tokens / block_size);
-            self.candidates.push(Candidate {
-                worker,
-                overlap_blocks: depths.overlap,
-                held_prefix_blocks: depths.held,
-                host_overlap_blocks: depths.host,
-                cached_blocks,
-                active_prompt_blocks: depths.active,
-                active_prefill_tokens: prefill_tokens,
-                active_decode_blocks: load.decode_blocks,
-                active_requests: load.requests,
-                kv_capacity_blocks,
-                recent_writes_tokens: match (slot, kv_capacity_blocks) {
-                    (Some(slot), Some(_)) => slot.writes.at(now_ms),
-                    _ => 0.0,
-                },
-                adapter_load_ms: request
-                    .adapter
-                    .map_or(0.0, |a| self.adapters.load_cost_ms(worker, a, now_ms)),
-                busy,
-            });
-        }
-        // Adapter affinity for the policies that do not price time: the
-        // workers that have the adapter, when any available one does, and
-        // those far less busy than every holder (a hot adapter spreads).
-        if let Some(adapter) = request.adapter {
-            let adapters = &self.adapters;
-            let config = adapters.config();
-            let least_busy_holder = self
-                .candidates
-                .iter()
-                .filter(|c| !c.busy && adapters.has(c.worker, adapter))
-                .map(|c| c.active_requests)
-                .min();
-            if let (false, false, Some(holder)) = (
-                config.blind,
-                self.config.policy == PolicyKind::Ttft,
-                least_busy_holder,
-            ) {
-                let slack = config.affinity_slack_requests;
-                self.candidates.retain(|c| {
-                    adapters.has(c.worker, adapter) || c.active_requests + slack < holder
-                });
-            }
-        }
-        let ctx = RoutingContext {
-            request,
-            candidates: &self.candidates,
-            block_size,
-            now_ms,
-            prefill,
-        };
-        match request.model.policy.filter(|&p| p != self.config.policy) {
-            None => self.selector.select(&ctx),
+        let selector = match request.model.policy.filter(|&p| p != self.config.policy) {
+            None => &mut self.selector,
             Some(policy) => Self::model_selector(&mut self.model_selectors, policy, &self.config)
-                .unwrap_or(&mut self.selector)
-                .select(&ctx),
-        }
+                .unwrap_or(&mut self.selector),
+        };
+        scratch.select(
+            request,
+            eligible,
+            &loads,
+            &self.config,
+            &self.adapters,
+            &mut **selector,
+            prefill,
+            now_ms,
+        )
     }
 
     /// The selector of `policy`, a model's own, built at its first use
@@ -700,7 +657,7 @@ impl Router {
     /// `worker` as the last [`Router::route_with`] saw it (`None` when it
     /// was not a candidate then).
     pub fn last_candidate(&self, worker: WorkerId) -> Option<&Candidate> {
-        self.candidates.iter().find(|c| c.worker == worker)
+        self.scratch.candidates.iter().find(|c| c.worker == worker)
     }
 
     /// Books a routed request on its worker (`AddRequest`).
@@ -724,11 +681,14 @@ impl Router {
         let outcome = self.sequences.add_request(add, now_ms);
         if outcome == LifecycleOutcome::Applied {
             let default = self.config.sequences.block_size;
-            if let Some(slot) = self.worker_mut(add.worker) {
-                let block_size = slot.capacity.block_size_or(default);
-                let cached = u64::from(add.overlap_blocks) * u64::from(block_size);
-                let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
-                slot.writes.add(uncached as f64, now_ms);
+            if let Some(slot) = self.sequences.slot_of(add.worker) {
+                if let Some(Some(state)) = self.workers.get_mut(slot) {
+                    let block_size = state.capacity.block_size_or(default);
+                    let cached = u64::from(add.overlap_blocks) * u64::from(block_size);
+                    let uncached = u64::from(add.prompt_tokens).saturating_sub(cached);
+                    state.writes.add(uncached as f64, now_ms);
+                    self.post_worker(slot);
+                }
             }
             if let CacheIndex::Approximate(index) = &mut self.cache {
                 index.record(add.worker, &add.blocks, now_ms);
@@ -886,15 +846,7 @@ impl Router {
             sequences: self.sequences.memory(),
             remote: self.remote.estimated_bytes(),
             other: self.workers.capacity() * std::mem::size_of::<Option<WorkerSlot>>()
-                + (self.overlaps.entries.capacity()
-                    + self.host_runs.entries.capacity()
-                    + self.checkpoint_depths.entries.capacity()
-                    + self.held.entries.capacity())
-                    * std::mem::size_of::<crate::index::WorkerOverlap>()
-                + self.cached.capacity() * std::mem::size_of::<usize>()
-                + self.depths.capacity() * std::mem::size_of::<SlotDepths>()
-                + self.chain.capacity() * std::mem::size_of::<SequenceHash>()
-                + self.candidates.capacity() * std::mem::size_of::<Candidate>()
+                + self.scratch.heap_bytes()
                 + self.adapters.estimated_bytes(),
         }
     }
@@ -1078,7 +1030,8 @@ mod tests {
     use crate::index::stored_chain as chain;
 
     fn candidate_of(r: &Router, worker: WorkerId) -> Candidate {
-        *r.candidates
+        *r.scratch
+            .candidates
             .iter()
             .find(|c| c.worker == worker)
             .expect("a candidate")

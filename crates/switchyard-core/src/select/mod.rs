@@ -283,6 +283,23 @@ impl PolicyKind {
         PolicyKind::Ttft,
     ];
 
+    /// Whether the policy's selector keeps no state between decisions but
+    /// its random generator (a tie-breaker): then a selector per placing
+    /// thread decides as one shared selector would, and a route may be
+    /// made outside the dispatcher's lock ([`crate::router::board`]).
+    /// `cache-aware` keeps its own tree of past decisions and
+    /// `round-robin` a turn, so theirs stay under the lock.
+    pub fn keeps_no_state(self) -> bool {
+        match self {
+            PolicyKind::Random
+            | PolicyKind::LeastLoaded
+            | PolicyKind::PowerOfTwo
+            | PolicyKind::Kv
+            | PolicyKind::Ttft => true,
+            PolicyKind::RoundRobin | PolicyKind::CacheAware => false,
+        }
+    }
+
     /// The CLI name.
     pub fn name(self) -> &'static str {
         match self {

@@ -37,6 +37,7 @@ use crate::types::{LocalHash, RequestId, SequenceHash, WorkerId};
 use prefill::PrefillTracker;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 /// Settings of [`ActiveSequences`].
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -169,7 +170,8 @@ impl SequencesMemory {
 
 #[derive(Debug)]
 struct ActiveRequest {
-    blocks: Box<[SequenceHash]>,
+    /// Shared with the change journal's copy, when one is kept.
+    blocks: Arc<[SequenceHash]>,
     partial_block: bool,
     added_ms: f64,
 }
@@ -206,6 +208,92 @@ pub struct ActiveSequences {
     expiry_queue: VecDeque<(f64, RequestId)>,
     registry: PromptRegistry,
     counters: SequenceCounters,
+    /// What changed for the routes' read model since the last
+    /// [`ActiveSequences::take_changes`], once [`ActiveSequences::record_changes`]
+    /// turned it on (a published copy replays it).
+    journal: Option<Vec<SequenceChange>>,
+}
+
+/// A change to what a route reads of the active sequences (each worker's
+/// load and prompt-block counts), recorded for a published copy to replay
+/// ([`crate::router::board`]).
+#[derive(Clone, Debug)]
+pub enum SequenceChange {
+    /// The worker in `slot` has this load now (a new worker: idle).
+    Load {
+        /// Its registry slot.
+        slot: usize,
+        /// Its load.
+        load: WorkerLoad,
+    },
+    /// A request's prompt blocks became active in `slot`.
+    AddBlocks {
+        /// The worker's registry slot.
+        slot: usize,
+        /// The prompt's chained hashes.
+        blocks: Arc<[SequenceHash]>,
+    },
+    /// A request's prompt blocks in `slot` ended.
+    FreeBlocks {
+        /// The worker's registry slot.
+        slot: usize,
+        /// The prompt's chained hashes.
+        blocks: Arc<[SequenceHash]>,
+    },
+    /// The worker in `slot` left, with every booking on it.
+    Removed {
+        /// Its registry slot.
+        slot: usize,
+    },
+}
+
+/// The leading blocks of a prompt active in a worker's prompt-block counts
+/// `refs`, or `None` without its first block (no chain is built then).
+/// `chain` holds the prompt's chained hashes once built (reused across
+/// workers; cleared by the caller per prompt). A worker's active blocks
+/// are prefix-closed (a request holding a block holds every block before
+/// it, and a block's chained hash names its whole prefix), so the depth
+/// is where the chain stops being counted.
+pub(crate) fn active_depth(
+    refs: &FxHashMap<SequenceHash, u32>,
+    blocks: &[LocalHash],
+    chain: &mut Vec<SequenceHash>,
+) -> Option<u32> {
+    // A prompt's first chained hash is its first local hash.
+    let first = SequenceHash(blocks.first()?.0);
+    if refs.is_empty() || !refs.contains_key(&first) {
+        return None;
+    }
+    if chain.is_empty() {
+        extend_sequence_hashes(blocks, chain);
+    }
+    Some(chain.partition_point(|h| refs.contains_key(h)) as u32)
+}
+
+/// Counts `blocks` once more in `refs`.
+pub(crate) fn count_blocks(refs: &mut FxHashMap<SequenceHash, u32>, blocks: &[SequenceHash]) {
+    for &s in blocks {
+        *refs.entry(s).or_insert(0) += 1;
+    }
+}
+
+/// Counts `blocks` once less in `refs`, dropping what reaches zero;
+/// `false` if one of them was not counted (a broken invariant).
+pub(crate) fn uncount_blocks(
+    refs: &mut FxHashMap<SequenceHash, u32>,
+    blocks: &[SequenceHash],
+) -> bool {
+    let mut all_counted = true;
+    for s in blocks {
+        match refs.get_mut(s) {
+            Some(1) => {
+                refs.remove(s);
+            }
+            Some(n) => *n -= 1,
+            None => all_counted = false,
+        }
+    }
+    all_counted
 }
 
 impl ActiveSequences {
@@ -220,7 +308,46 @@ impl ActiveSequences {
             expiry_queue: VecDeque::new(),
             registry: PromptRegistry::default(),
             counters: SequenceCounters::default(),
+            journal: None,
         })
+    }
+
+    /// Starts recording [`SequenceChange`]s, beginning with every worker's
+    /// current state, for [`Self::take_changes`].
+    pub fn record_changes(&mut self) {
+        let mut journal = Vec::new();
+        for (slot, state) in self.per_worker.iter().enumerate() {
+            let Some(state) = state else { continue };
+            if let Some(load) = self.registry.slot(slot) {
+                journal.push(SequenceChange::Load { slot, load: *load });
+            }
+            for request in state.requests.values() {
+                journal.push(SequenceChange::AddBlocks {
+                    slot,
+                    blocks: Arc::clone(&request.blocks),
+                });
+            }
+        }
+        self.journal = Some(journal);
+    }
+
+    /// Moves the changes recorded since the last call into `out` (nothing
+    /// unless [`Self::record_changes`] is on).
+    pub fn take_changes(&mut self, out: &mut Vec<SequenceChange>) {
+        if let Some(journal) = &mut self.journal {
+            out.append(journal);
+        }
+    }
+
+    /// Whether changes are pending in the journal.
+    pub fn has_changes(&self) -> bool {
+        self.journal.as_ref().is_some_and(|j| !j.is_empty())
+    }
+
+    fn record(&mut self, change: impl FnOnce() -> SequenceChange) {
+        if let Some(journal) = &mut self.journal {
+            journal.push(change());
+        }
     }
 
     /// The settings in force.
@@ -256,6 +383,10 @@ impl ActiveSequences {
                     ..WorkerSequences::default()
                 });
                 self.registry.set_load(slot, Some(WorkerLoad::idle(worker)));
+                self.record(|| SequenceChange::Load {
+                    slot,
+                    load: WorkerLoad::idle(worker),
+                });
             }
         }
     }
@@ -274,6 +405,9 @@ impl ActiveSequences {
         }
         self.counters.dropped_with_worker += freed.len() as u64;
         self.registry.drop_worker(slot as usize);
+        self.record(|| SequenceChange::Removed {
+            slot: slot as usize,
+        });
         freed
     }
 
@@ -296,7 +430,7 @@ impl ActiveSequences {
             self.counters.ignored += 1;
             return LifecycleOutcome::Duplicate;
         }
-        let seq = sequence_hashes(&add.blocks);
+        let seq: Arc<[SequenceHash]> = sequence_hashes(&add.blocks).into();
         let state = self.per_worker[slot as usize]
             .as_mut()
             .expect("a slot in the table has state");
@@ -304,9 +438,7 @@ impl ActiveSequences {
         // Count every prompt block once per worker: what the worker holds
         // for its active requests, and which prompt prefixes are active on
         // it (`active_prompt_overlaps`).
-        for &s in &seq {
-            *state.block_refs.entry(s).or_insert(0) += 1;
-        }
+        count_blocks(&mut state.block_refs, &seq);
         let partial_block = add.prompt_tokens as u64 > seq.len() as u64 * block_size as u64;
         if partial_block {
             state.partial_blocks += 1;
@@ -321,7 +453,7 @@ impl ActiveSequences {
         state.requests.insert(
             add.request,
             ActiveRequest {
-                blocks: seq.into_boxed_slice(),
+                blocks: Arc::clone(&seq),
                 partial_block,
                 added_ms: now_ms,
             },
@@ -334,6 +466,10 @@ impl ActiveSequences {
         // met the page fault took some 25 µs more on a VM.
         self.compact_expiry_queue();
         self.counters.added += 1;
+        self.record(|| SequenceChange::AddBlocks {
+            slot: slot as usize,
+            blocks: seq,
+        });
         self.publish_load(slot);
         LifecycleOutcome::Applied
     }
@@ -381,21 +517,17 @@ impl ActiveSequences {
         if request.partial_block {
             state.partial_blocks -= 1;
         }
-        for s in request.blocks.iter() {
-            let refs = state
-                .block_refs
-                .get_mut(s)
-                .expect("a booked block is counted");
-            *refs -= 1;
-            if *refs == 0 {
-                state.block_refs.remove(s);
-            }
-        }
+        let counted = uncount_blocks(&mut state.block_refs, &request.blocks);
+        debug_assert!(counted, "a booked block is counted");
         if state.requests.is_empty() {
             // Give memory back after a burst.
             state.block_refs.shrink_to(64);
             state.requests.shrink_to(64);
         }
+        self.record(|| SequenceChange::FreeBlocks {
+            slot: slot as usize,
+            blocks: request.blocks,
+        });
         self.publish_load(slot);
         true
     }
@@ -505,21 +637,11 @@ impl ActiveSequences {
         mut each: impl FnMut(usize, u32),
     ) {
         chain.clear();
-        let Some(first) = blocks.first() else {
-            return;
-        };
-        // A prompt's first chained hash is its first local hash.
-        let first = SequenceHash(first.0);
         for (slot, state) in self.per_worker.iter().enumerate() {
             let Some(state) = state else { continue };
-            if state.block_refs.is_empty() || !state.block_refs.contains_key(&first) {
-                continue;
+            if let Some(depth) = active_depth(&state.block_refs, blocks, chain) {
+                each(slot, depth);
             }
-            if chain.is_empty() {
-                extend_sequence_hashes(blocks, chain);
-            }
-            let depth = chain.partition_point(|h| state.block_refs.contains_key(h));
-            each(slot, depth as u32);
         }
     }
 
@@ -575,15 +697,17 @@ impl ActiveSequences {
         let state = self.per_worker[slot as usize]
             .as_ref()
             .expect("slot has state");
-        self.registry.set_load(
-            slot as usize,
-            Some(WorkerLoad {
-                worker,
-                prefill: state.prefill.summary(),
-                decode_blocks: state.active_blocks(),
-                requests: state.requests.len(),
-            }),
-        );
+        let load = WorkerLoad {
+            worker,
+            prefill: state.prefill.summary(),
+            decode_blocks: state.active_blocks(),
+            requests: state.requests.len(),
+        };
+        self.registry.set_load(slot as usize, Some(load));
+        self.record(|| SequenceChange::Load {
+            slot: slot as usize,
+            load,
+        });
     }
 
     #[cfg(test)]

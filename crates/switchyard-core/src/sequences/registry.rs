@@ -67,6 +67,11 @@ impl PromptRegistry {
         self.loads.len()
     }
 
+    /// The load in `slot`, if a worker is there.
+    pub fn slot(&self, slot: usize) -> Option<&WorkerLoad> {
+        self.loads.get(slot)?.as_ref()
+    }
+
     /// The load of one worker.
     pub fn load(&self, worker: WorkerId) -> Option<&WorkerLoad> {
         self.loads().find(|l| l.worker == worker)
