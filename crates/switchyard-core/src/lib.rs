@@ -20,7 +20,8 @@
 //! - [`select`] — the cost function and the routing policies behind one
 //!   [`select::Selector`] trait.
 //! - [`router`] — the four above as one value ([`router::Router`]) with the
-//!   call sequence both drivers follow.
+//!   call sequence both drivers follow; [`router::board`] publishes the
+//!   loads so that the server routes outside its lock.
 //! - [`replica`] — peer replicas' bookings applied to the write model as
 //!   advisory remote bookings, expired when their origin goes silent.
 //! - [`health`] — passive failure detection: a circuit breaker per worker

@@ -3,11 +3,21 @@
 //! and the shell that carries out the dispatcher's [`Effects`].
 //!
 //! Why a `std` mutex and not tokio's, nor an actor: every critical section
-//! is short, synchronous work on in-memory structures (a route + book is a
-//! few microseconds at 64 workers) and never spans an `.await`, so a plain
+//! is short, synchronous work on in-memory structures (a booking, or a
+//! route + book, is a few microseconds at 64 workers) and never spans an `.await`, so a plain
 //! mutex is the cheapest correct choice — an uncontended lock is ~20 ns, an
 //! actor round trip through a channel is 220–560 ns plus a task wake-up
 //! (figures from `bench admission`'s notes).
+//!
+//! Routes are made before that lock when they can be: with exact cache
+//! tracking and a policy that keeps no state between decisions, each
+//! request is routed on the published index and load board
+//! (`switchyard_core::router::board`) first, and under the lock the
+//! dispatcher only admits it, checks that the chosen worker may still take
+//! it, and books it (or routes it there after all: a queued request, a
+//! worker gone or busy meanwhile). The changes a call made to the loads
+//! leave the lock in order and are applied to the board after it
+//! ([`Locked`], `BoardPublisher`).
 //!
 //! KV events never take that lock: with exact cache tracking the router's
 //! prefix indexes (device and host tier, one `TieredIndex`) are published

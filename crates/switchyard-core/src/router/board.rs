@@ -6,25 +6,32 @@
 //!
 //! - [`Board`] is that read model; the `left-right` crate keeps two copies
 //!   of it, as it does for the prefix index
-//!   ([`crate::index::published`]): the dispatcher's lock holder applies
-//!   every change to one while routes read the other, and
-//!   [`super::Router::publish_loads`] swaps them once no route is left in
-//!   the old one. A route never waits; the writer waits for routes
-//!   instead (a few microseconds at most), and every change is applied
-//!   to both copies.
+//!   ([`crate::index::published`]): the [`BoardWriter`] applies every
+//!   change to one while routes read the other, and swaps them once no
+//!   route is left in the old one. A route never waits; the writer waits
+//!   for routes instead (a few microseconds at most), and every change is
+//!   applied to both copies.
 //! - The changes are the write model's own ([`SequenceChange`], journaled
 //!   by [`ActiveSequences`](crate::sequences::ActiveSequences) in the
 //!   order they happened), the router's per-worker state and the
-//!   estimator's fits. Nothing on the board is decided here: it is a copy.
+//!   estimator's fits ([`LoadChange`]). The driver takes them from the
+//!   router before it lets go of the dispatcher's lock
+//!   ([`super::Router::take_load_changes`]), so they stay in order, and
+//!   applies them after, so that applying them never holds that lock.
+//!   Nothing on the board is decided here: it is a copy.
 //! - [`PreRouter`] routes on it: the same index read and the same
-//!   candidate building as the router's own route ([`super::route`]),
-//!   with a selector of its own. Its answer is a [`Proposal`]: the
-//!   dispatcher uses it when it places the request at once and the worker
-//!   may still take it, and routes under its lock otherwise
+//!   candidate building as the router's own route (`super::route`), with
+//!   a selector of its own. Its answer is a [`Proposal`]: the dispatcher
+//!   uses it when it places the request at once and the worker may still
+//!   take it, and routes under its lock otherwise
 //!   ([`crate::dispatch::Dispatcher::submit_proposed`]).
 //! - What a route reads may be torn (one worker's load newer than
 //!   another's) and a booking made meanwhile by another thread is not
 //!   seen: load is advisory, as it is between router replicas.
+//! - Cost: each booking's and free's prompt-block counts are changed twice
+//!   more (once per copy), about 20,000 instructions a request at 64-block
+//!   prompts (`bench contention` under callgrind). The simulator keeps no
+//!   board: one thread, nothing to wait for.
 
 use super::route::{Loads, RouteScratch};
 use super::{RouterConfig, WorkerSlot};

@@ -14,6 +14,11 @@
 //! about one cache tier (device or host, [`crate::index::TieredIndex`]); peer
 //! replicas' bookings through [`Router::apply_remote`] (see
 //! [`crate::replica`]).
+//!
+//! Submodules: `route` is the one routing decision (index read, candidates,
+//! selection) over either source of loads; [`board`] publishes the loads
+//! so that a route can be made outside the dispatcher's lock
+//! ([`Router::pre_routes`]).
 
 use crate::adapters::{AdapterConfig, AdapterConfigError, AdapterTable};
 use crate::estimate::EstimatorConfig;

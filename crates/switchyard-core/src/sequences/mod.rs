@@ -283,14 +283,16 @@ pub(crate) fn uncount_blocks(
     refs: &mut FxHashMap<SequenceHash, u32>,
     blocks: &[SequenceHash],
 ) -> bool {
+    use hashbrown::hash_map::Entry;
     let mut all_counted = true;
-    for s in blocks {
-        match refs.get_mut(s) {
-            Some(1) => {
-                refs.remove(s);
+    for &s in blocks {
+        // One probe per block, whether it is dropped or counted down.
+        match refs.entry(s) {
+            Entry::Occupied(counted) if *counted.get() <= 1 => {
+                counted.remove();
             }
-            Some(n) => *n -= 1,
-            None => all_counted = false,
+            Entry::Occupied(mut counted) => *counted.get_mut() -= 1,
+            Entry::Vacant(_) => all_counted = false,
         }
     }
     all_counted
