@@ -344,9 +344,29 @@ impl PrefillTime for EstimatorConfig {
     }
 }
 
-impl PrefillTime for PrefillEstimator {
+/// Per-worker fits with the settings they refine: priced the estimator's
+/// way ([`PrefillTime`] for every such source: the estimator itself, and
+/// the load board's copy of its fits, `crate::router::board`).
+pub(crate) trait Fits {
+    /// The settings.
+    fn settings(&self) -> &EstimatorConfig;
+    /// `worker`'s fit in force, if any.
+    fn fit_of(&self, worker: WorkerId) -> Option<Fit>;
+}
+
+impl Fits for PrefillEstimator {
+    fn settings(&self) -> &EstimatorConfig {
+        &self.config
+    }
+
+    fn fit_of(&self, worker: WorkerId) -> Option<Fit> {
+        self.fit(worker)
+    }
+}
+
+impl<T: Fits> PrefillTime for T {
     fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
-        self.expected_ms(worker, tokens)
+        self.settings().fitted_model_ms(self.fit_of(worker), tokens)
     }
 
     /// The configured decode model, times the worker's fitted scale (a
@@ -354,17 +374,18 @@ impl PrefillTime for PrefillEstimator {
     /// its speed too; the offset is a per-request overhead, not a
     /// per-step one).
     fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64 {
-        self.config.fitted_decode_step_ms(self.fit(worker), usage)
+        self.settings()
+            .fitted_decode_step_ms(self.fit_of(worker), usage)
     }
 
     /// The configured model: restores are not fitted.
     fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
-        self.config.restore_model_ms(tokens)
+        self.settings().restore_model_ms(tokens)
     }
 
     /// The configured model: transfers are not fitted.
     fn transfer_ms(&self, _worker: WorkerId, tokens: u64) -> Option<f64> {
-        self.config.transfer_model_ms(tokens)
+        self.settings().transfer_model_ms(tokens)
     }
 }
 

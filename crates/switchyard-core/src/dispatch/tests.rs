@@ -782,19 +782,10 @@ fn proposal(worker: WorkerId, overlap_blocks: u32) -> Proposal {
             peer: None,
         },
         candidate: Candidate {
-            worker,
             overlap_blocks,
             held_prefix_blocks: overlap_blocks,
-            host_overlap_blocks: 0,
-            cached_blocks: 0,
-            active_prompt_blocks: 0,
-            active_prefill_tokens: 0,
-            active_decode_blocks: 0,
-            active_requests: 0,
             kv_capacity_blocks: Some(1024),
-            recent_writes_tokens: 0.0,
-            adapter_load_ms: 0.0,
-            busy: false,
+            ..crate::select::test_support::candidate(worker.worker_id)
         },
     }
 }

@@ -36,12 +36,10 @@
 use super::route::{Loads, RouteScratch};
 use super::{RouterConfig, WorkerSlot};
 use crate::adapters::AdapterTable;
-use crate::estimate::{EstimatorConfig, Fit};
+use crate::estimate::{EstimatorConfig, Fit, Fits};
 use crate::index::TieredIndex;
 use crate::maps::FxHashMap;
-use crate::select::{
-    build_selector, Candidate, Decision, PrefillTime, RoutingRequest, SelectOutcome, Selector,
-};
+use crate::select::{build_selector, Candidate, Decision, RoutingRequest, SelectOutcome, Selector};
 use crate::sequences::{active_depth, count_blocks, uncount_blocks, SequenceChange, WorkerLoad};
 use crate::types::{LocalHash, SequenceHash, WorkerId};
 use left_right::{Absorb, ReadHandle, ReadHandleFactory, WriteHandle};
@@ -223,30 +221,16 @@ struct BoardPrefill<'a> {
     board: &'a Board,
 }
 
-impl BoardPrefill<'_> {
-    fn fit(&self, worker: WorkerId) -> Option<Fit> {
+impl Fits for BoardPrefill<'_> {
+    fn settings(&self) -> &EstimatorConfig {
+        self.config
+    }
+
+    fn fit_of(&self, worker: WorkerId) -> Option<Fit> {
         if self.board.fitted == 0 {
             return None;
         }
         self.board.slot(self.board.slot_of(worker)?)?.fit
-    }
-}
-
-impl PrefillTime for BoardPrefill<'_> {
-    fn prefill_ms(&self, worker: WorkerId, tokens: u64) -> f64 {
-        self.config.fitted_model_ms(self.fit(worker), tokens)
-    }
-
-    fn decode_step_ms(&self, worker: WorkerId, usage: f64) -> f64 {
-        self.config.fitted_decode_step_ms(self.fit(worker), usage)
-    }
-
-    fn restore_ms(&self, _worker: WorkerId, tokens: u64) -> f64 {
-        self.config.restore_model_ms(tokens)
-    }
-
-    fn transfer_ms(&self, _worker: WorkerId, tokens: u64) -> Option<f64> {
-        self.config.transfer_model_ms(tokens)
     }
 }
 
@@ -427,7 +411,7 @@ mod tests {
     use super::*;
     use crate::index::{CacheTier, IndexEvent, StoredBlock};
     use crate::router::{Router, WorkerCapacity};
-    use crate::select::ModelSettings;
+    use crate::select::{ModelSettings, PrefillTime};
     use crate::sequences::AddRequest;
     use crate::types::{EngineHash, RequestId};
     use proptest::prelude::*;
