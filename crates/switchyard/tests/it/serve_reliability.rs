@@ -73,6 +73,12 @@ async fn a_dead_worker_leaves_the_router_core_and_a_restart_on_the_same_port_is_
         metric(&text, "switchyard_worker_active_requests{worker=\"w0\"}"),
         Some(1.0)
     );
+    // Following KV events, requests were routed before the routing lock.
+    let used = metric(&text, "switchyard_pre_routes_used_total").unwrap_or(0.0);
+    assert!(
+        used >= 1.0,
+        "no route made before the lock was used:\n{text}"
+    );
 
     w0.kill();
     // The stream ends (cut), it does not hang.
