@@ -91,6 +91,10 @@ struct Figures {
     /// this machine adds to any work of that length (interrupts, the
     /// hypervisor, other tenants), which no change to the router removes.
     floor_micros: Latency,
+    /// Decisions whose route was made before the routing lock and used
+    /// (`switchyard_pre_routes_used_total`), and those made again under it.
+    pre_routes_used: u64,
+    pre_routes_rerouted: u64,
 }
 
 /// `iters` steps of a dependent floating-point chain: fixed work, no
@@ -362,7 +366,7 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     let metrics = Arc::new(switchyard_server::metrics::ServerMetrics::new(
         config.policy.name(),
     ));
-    let shared = Arc::new(switchyard_server::build_shared(&config, metrics)?);
+    let shared = Arc::new(switchyard_server::build_shared(&config, metrics.clone())?);
     let workers: Vec<WorkerId> = (0..args.workers.max(1))
         .map(|i| {
             let id = shared
@@ -430,6 +434,8 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
         events_applied_per_sec: applied.load(Ordering::Relaxed) as f64 / loaded_secs.max(1e-9),
         event_apply_micros: Latency::of(&mut applies),
         floor_micros,
+        pre_routes_used: metrics.pre_routes_used.get(),
+        pre_routes_rerouted: metrics.pre_routes_rerouted.get(),
     };
     println!(
         "{} workers; {} event threads at {} events/s each ({:.0} events/s applied while loaded); {} routing thread(s)",
@@ -469,6 +475,10 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
             d.preempted_share * 100.0
         );
     }
+    println!(
+        "routed before the routing lock: {} decisions used that route, {} were routed again under it",
+        figures.pre_routes_used, figures.pre_routes_rerouted
+    );
     println!(
         "loaded / quiet: p50 {:.2}x, p99 {:.2}x",
         figures.loaded.all_micros.p50 / figures.quiet.all_micros.p50,
