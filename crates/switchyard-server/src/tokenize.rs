@@ -17,10 +17,23 @@ use prometheus_client::metrics::MetricType;
 use std::sync::Arc;
 use switchyard_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
-/// Prompts up to this many characters are tokenized on the async worker
-/// thread (tens of microseconds, cheaper than a thread hand-off); longer
-/// ones go to `spawn_blocking`.
-pub const INLINE_CHARS: usize = 2048;
+/// Prompts up to this many characters (a chat's as rendered) are
+/// tokenized on the async worker thread; longer ones go to
+/// `spawn_blocking`. The hand-off to the blocking pool and back is two
+/// cross-thread wake-ups, which on the 2-core VM cost more than the work
+/// below this size: rendering a chat takes about 6 ns a character and
+/// tokenizing its new text about 13 (a seen message's ids come from the
+/// segment cache), so 8 KiB is at most about 150 µs uncached and about
+/// 60 µs for a chat whose earlier turns were seen. The threshold was 2
+/// KiB: the bundled ShareGPT conversations through one sim-worker
+/// (`loadgen --sharegpt … --no-stream --max-output-tokens 1`) then went
+/// through the blocking pool for most turns, and at concurrency 16 its
+/// threads crowded the two cores: 4,145–4,266 requests a second, TTFT
+/// mean 2.58–2.65 ms, tokenizing (the wait for a blocking thread
+/// included) 773–877 µs a request. At 8 KiB, same runs: 5,920–6,607
+/// requests a second, 1.46–1.59 ms, 150–161 µs (at concurrency 1 the
+/// tokenizing went from 124–140 to 111–113 µs).
+pub const INLINE_CHARS: usize = 8 * 1024;
 
 /// What a chat template adds to each message, at least as much as the
 /// bundled ChatML template does: `<|im_start|>`, the role, a newline,
