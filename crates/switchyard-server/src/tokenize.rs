@@ -294,7 +294,8 @@ mod tests {
                 rendered_size_estimate(&messages)
             );
         }
-        let empty = vec![message("user", ""); 100];
+        // Many empty messages render long: off the async thread.
+        let empty = vec![message("user", ""); 1000];
         assert!(rendered_size_estimate(&empty) > INLINE_CHARS);
     }
 
