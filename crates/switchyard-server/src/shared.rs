@@ -1068,10 +1068,15 @@ mod tests {
         let placing = (0..8u64).map(|t| {
             let shared = shared.clone();
             tokio::spawn(async move {
+                // Every other booking is freed at once: frees and
+                // bookings of all threads interleave.
                 let mut bookings = Vec::new();
-                for n in 0..50u64 {
+                for n in 0..100u64 {
                     let blocks: Vec<u64> = (0..4).map(|b| t * 1_000 + n * 10 + b).collect();
-                    bookings.push(place(&shared, request(&blocks, 70)).await.unwrap());
+                    let booking = place(&shared, request(&blocks, 70)).await.unwrap();
+                    if n % 2 == 0 {
+                        bookings.push(booking);
+                    }
                 }
                 bookings
             })
@@ -1091,12 +1096,36 @@ mod tests {
         );
         assert_eq!(
             used + rerouted,
-            400,
+            800,
             "every request was routed before the lock"
         );
         assert!(used > 0);
         drop(bookings);
         assert_eq!(shared.total_active_requests(), 0);
+        // Every change reached the board, in order: it shows no load left.
+        let pre = shared.pre.as_ref().unwrap();
+        let mut router = pre.routes.router();
+        let blocks: Vec<LocalHash> = (0..4).map(LocalHash).collect();
+        let routing = RoutingRequest {
+            prompt_tokens: 70,
+            blocks: &blocks,
+            adapter: None,
+            model: Default::default(),
+        };
+        assert!(router.route(routing, None, shared.now_ms()).is_some());
+        let seen = router.last_candidates();
+        assert_eq!(seen.len(), 4);
+        for c in seen {
+            assert_eq!(
+                (
+                    c.active_requests,
+                    c.active_decode_blocks,
+                    c.active_prefill_tokens
+                ),
+                (0, 0, 0),
+                "{c:?}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -353,6 +353,11 @@ impl std::fmt::Debug for PreRouter {
 }
 
 impl PreRouter {
+    /// The candidates of the last route, as the board showed them.
+    pub fn last_candidates(&self) -> &[Candidate] {
+        &self.scratch.candidates
+    }
+
     /// Routes `request` among `eligible` (every worker when `None`) on the
     /// published index and board, never waiting for a writer. `None` for
     /// what must be routed under the lock: a request for an adapter
