@@ -243,12 +243,17 @@ impl Drop for Locked<'_> {
         let (Some(mut inner), Some(board)) = (self.guard.take(), self.board) else {
             return;
         };
-        {
+        let queued = {
             let mut queue = board.queue.lock().unwrap_or_else(|p| p.into_inner());
             inner.dispatcher.take_load_changes(&mut queue);
-        }
+            !queue.is_empty()
+        };
         drop(inner);
-        board.flush();
+        // Nothing queued: nothing for this thread to apply (a holder of
+        // the writer applies what others queued meanwhile).
+        if queued {
+            board.flush();
+        }
     }
 }
 
@@ -416,12 +421,16 @@ impl SharedRouter {
         let (mut next, mut pending) = (Some(fx), Vec::new());
         while let Some(fx) = next.take().or_else(|| pending.pop()) {
             let counts = fx.counts;
-            self.metrics
-                .pre_routes_used
-                .inc_by(u64::from(counts.proposals_used));
-            self.metrics
-                .pre_routes_rerouted
-                .inc_by(u64::from(counts.proposals_rerouted));
+            if counts.proposals_used > 0 {
+                self.metrics
+                    .pre_routes_used
+                    .inc_by(u64::from(counts.proposals_used));
+            }
+            if counts.proposals_rerouted > 0 {
+                self.metrics
+                    .pre_routes_rerouted
+                    .inc_by(u64::from(counts.proposals_rerouted));
+            }
             if counts.cancelled > 0 {
                 self.metrics
                     .count_admissions(AdmissionDecision::Cancelled, counts.cancelled);

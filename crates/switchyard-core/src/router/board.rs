@@ -117,7 +117,9 @@ impl Board {
             BoardOp::Sequences(SequenceChange::FreeBlocks { slot, blocks }) => {
                 if let Some(known) = self.slot_mut(*slot) {
                     uncount_blocks(&mut known.refs, blocks);
-                    if known.load.requests == 0 {
+                    if known.refs.is_empty() {
+                        // Give memory back after a burst, as the write
+                        // model does.
                         known.refs.shrink_to(64);
                     }
                 }
@@ -151,23 +153,6 @@ impl Board {
 
     fn slot(&self, slot: usize) -> Option<&BoardSlot> {
         self.slots.get(slot)?.as_ref()
-    }
-
-    /// Workers on the board.
-    pub fn workers(&self) -> usize {
-        self.by_worker.len()
-    }
-
-    /// Estimate of heap bytes (one copy).
-    pub fn estimated_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Option<BoardSlot>>()
-            + crate::maps::map_bytes(&self.by_worker)
-            + self
-                .slots
-                .iter()
-                .flatten()
-                .map(|s| crate::maps::map_bytes(&s.refs))
-                .sum::<usize>()
     }
 }
 

@@ -273,8 +273,6 @@ pub struct Router {
     /// dispatcher's lock read ([`board`]), once [`Router::pre_routes`]
     /// made one; emptied by [`Router::take_load_changes`].
     board: Option<Vec<board::LoadChange>>,
-    /// Scratch: the write model's journal on its way to the board.
-    changes: Vec<crate::sequences::SequenceChange>,
     /// Which worker has which LoRA adapter loaded.
     adapters: AdapterTable,
 }
@@ -330,7 +328,6 @@ impl Router {
             workers: Vec::new(),
             scratch: RouteScratch::default(),
             board: None,
-            changes: Vec::new(),
         })
     }
 
@@ -369,22 +366,25 @@ impl Router {
         self.post_worker(slot);
     }
 
-    /// Journals the write model's changes so far, then the router's state
-    /// of the worker in `slot`, for the board (when there is one), in that
-    /// order: the board sees every change in the order it was made.
-    fn post_worker(&mut self, slot: usize) {
+    /// Journals the write model's changes so far, then `op`, for the board
+    /// (when there is one), in that order: the board sees every change in
+    /// the order it was made.
+    fn post(&mut self, op: Option<board::BoardOp>) {
         let Some(journal) = &mut self.board else {
             return;
         };
-        self.sequences.take_changes(&mut self.changes);
         journal.extend(
-            self.changes
-                .drain(..)
+            self.sequences
+                .drain_changes()
                 .map(|c| board::LoadChange(board::BoardOp::Sequences(c))),
         );
-        if let Some(Some(state)) = self.workers.get(slot) {
-            journal.push(board::LoadChange(board::BoardOp::Worker(slot, *state)));
-        }
+        journal.extend(op.map(board::LoadChange));
+    }
+
+    /// [`Self::post`] of the router's state of the worker in `slot`.
+    fn post_worker(&mut self, slot: usize) {
+        let state = self.workers.get(slot).copied().flatten();
+        self.post(state.map(|state| board::BoardOp::Worker(slot, state)));
     }
 
     /// Moves every change to the loads since the last call, in order, to
@@ -394,30 +394,15 @@ impl Router {
     /// reach the board in the order they were made, and may apply them
     /// after.
     pub fn take_load_changes(&mut self, out: &mut Vec<board::LoadChange>) {
-        let Some(journal) = &mut self.board else {
-            return;
-        };
-        if self.sequences.has_changes() {
-            self.sequences.take_changes(&mut self.changes);
-            journal.extend(
-                self.changes
-                    .drain(..)
-                    .map(|c| board::LoadChange(board::BoardOp::Sequences(c))),
-            );
+        self.post(None);
+        if let Some(journal) = &mut self.board {
+            out.append(journal);
         }
-        out.append(journal);
     }
 
     /// Journals the estimator's fit for `worker` for the board.
     pub(crate) fn post_fit(&mut self, worker: WorkerId, fit: Option<crate::estimate::Fit>) {
-        if self.board.is_some() {
-            if let Some(slot) = self.sequences.slot_of(worker) {
-                self.post_worker(slot);
-            }
-            if let Some(journal) = &mut self.board {
-                journal.push(board::LoadChange(board::BoardOp::Fit(worker, fit)));
-            }
-        }
+        self.post(Some(board::BoardOp::Fit(worker, fit)));
     }
 
     /// Starts a board of the loads (see [`board`]) and hands out its

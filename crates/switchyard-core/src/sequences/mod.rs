@@ -209,7 +209,7 @@ pub struct ActiveSequences {
     registry: PromptRegistry,
     counters: SequenceCounters,
     /// What changed for the routes' read model since the last
-    /// [`ActiveSequences::take_changes`], once [`ActiveSequences::record_changes`]
+    /// [`ActiveSequences::drain_changes`], once [`ActiveSequences::record_changes`]
     /// turned it on (a published copy replays it).
     journal: Option<Vec<SequenceChange>>,
 }
@@ -315,7 +315,7 @@ impl ActiveSequences {
     }
 
     /// Starts recording [`SequenceChange`]s, beginning with every worker's
-    /// current state, for [`Self::take_changes`].
+    /// current state, for [`Self::drain_changes`].
     pub fn record_changes(&mut self) {
         let mut journal = Vec::new();
         for (slot, state) in self.per_worker.iter().enumerate() {
@@ -333,17 +333,12 @@ impl ActiveSequences {
         self.journal = Some(journal);
     }
 
-    /// Moves the changes recorded since the last call into `out` (nothing
-    /// unless [`Self::record_changes`] is on).
-    pub fn take_changes(&mut self, out: &mut Vec<SequenceChange>) {
-        if let Some(journal) = &mut self.journal {
-            out.append(journal);
-        }
-    }
-
-    /// Whether changes are pending in the journal.
-    pub fn has_changes(&self) -> bool {
-        self.journal.as_ref().is_some_and(|j| !j.is_empty())
+    /// The changes recorded since the last call, in order (none unless
+    /// [`Self::record_changes`] is on).
+    pub fn drain_changes(&mut self) -> impl Iterator<Item = SequenceChange> + '_ {
+        self.journal
+            .iter_mut()
+            .flat_map(|journal| journal.drain(..))
     }
 
     fn record(&mut self, change: impl FnOnce() -> SequenceChange) {
