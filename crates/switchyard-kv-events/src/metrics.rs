@@ -9,7 +9,7 @@
 //! | `switchyard_kv_events_dropped_total` | `reason` | events or messages skipped (all workers) |
 //! | `switchyard_kv_event_gaps_total` | `worker` | sequence gaps seen |
 //! | `switchyard_kv_event_batches_total` | `worker` | batches decoded |
-//! | `switchyard_kv_event_replays_total` | `worker` | gaps filled from the replay socket |
+//! | `switchyard_kv_event_replays_total` | `worker` | gaps filled from the replay socket (the history before first contact included) |
 //! | `switchyard_kv_event_resets_total` | `worker` | times the worker's index entries were cleared to resync |
 //!
 //! A worker's label sets are created once, when its counters are
@@ -266,7 +266,7 @@ impl KvEventMetrics {
         );
         registry.register(
             "switchyard_kv_event_replays",
-            "Gaps filled from the worker's replay socket",
+            "Gaps filled from the worker's replay socket (the history before first contact included)",
             self.replays.clone(),
         );
         registry.register(

@@ -266,7 +266,13 @@ impl Stream {
                 self.clear();
                 if seq > 0 && self.config.replay_endpoint.is_some() {
                     if let Ok(batches) = self.replay(0, seq) {
-                        self.apply_contiguous_tail(batches, seq);
+                        // The history missed before first contact is a gap
+                        // filled too (a router restarted beside a busy
+                        // engine), and counted as one.
+                        let n = batches.len() as u64;
+                        if self.apply_contiguous_tail(batches, seq) && n > 0 {
+                            self.metrics.replay(n);
+                        }
                     }
                 }
             }

@@ -211,6 +211,13 @@ impl Tokenizer {
         json
     }
 
+    /// The text of the compiled-in `tokenizer_config.json` (the Qwen3 chat
+    /// template), e.g. to lay the bundled tokenizer out as a model
+    /// directory beside [`Self::bundled_json`].
+    pub fn bundled_config_json() -> &'static str {
+        EMBEDDED_CONFIG
+    }
+
     /// Loads the tokenizer of a model directory: Hugging Face's names,
     /// [`HF_TOKENIZER`] with [`HF_CONFIG`], else the bundled names,
     /// [`BUNDLED_TOKENIZER`] with [`BUNDLED_CONFIG`] (a directory laid out

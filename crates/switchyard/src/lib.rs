@@ -10,6 +10,9 @@
 //! - [`data`] — finding the bundled data files.
 //! - [`demo`] — `switchyard demo`: sim-workers and the router on loopback,
 //!   the default policy against `round-robin`.
+//! - [`engines`] — real engines (vLLM's CPU build) on this machine: their
+//!   pinned Python environment, tiny test models, servers as child
+//!   processes; `switchyard engines ...`.
 //! - [`events`] — `switchyard events ...`: inspect engines' KV events.
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet
@@ -21,6 +24,7 @@ pub mod bench;
 mod child;
 pub mod data;
 pub mod demo;
+pub mod engines;
 pub mod events;
 pub mod loadgen;
 pub mod replay;

@@ -42,6 +42,9 @@ enum Command {
     Events(switchyard::events::EventsCommand),
     /// Sim-workers and the router on loopback, driven by the load generator; the default policy against round-robin.
     Demo(switchyard::demo::DemoArgs),
+    /// Real engines on this machine: install vLLM's CPU build, make tiny test models.
+    #[command(subcommand)]
+    Engines(switchyard::engines::EnginesCommand),
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
     Loadgen(switchyard::loadgen::LoadgenArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => bench::run(cmd),
         Command::Events(cmd) => switchyard::events::run(cmd),
         Command::Demo(args) => switchyard::demo::run(args),
+        Command::Engines(cmd) => switchyard::engines::run(cmd),
         Command::Loadgen(args) => switchyard::loadgen::run(args),
         Command::Serve(args) => switchyard_server::run(*args),
         Command::SimWorker(args) => switchyard_sim_worker::run(args),

@@ -112,11 +112,21 @@ struct Rig {
 }
 
 fn rig(replay: bool) -> Rig {
+    rig_after(replay, &[])
+}
+
+/// [`rig`] whose publisher sent `history` before the subscriber started:
+/// batches nobody received, kept in the publisher's replay buffer (a
+/// router started beside an engine that has been serving).
+fn rig_after(replay: bool, history: &[KvEventBatch]) -> Rig {
     let publisher = KvEventPublisher::bind(PublisherConfig::new(
         "tcp://127.0.0.1:*",
         replay.then(|| "tcp://127.0.0.1:*".to_string()),
     ))
     .unwrap();
+    for b in history {
+        publisher.publish(b).unwrap();
+    }
     let worker = WorkerId::new(1);
     let index = Arc::new(Mutex::new(TieredIndex::new()));
     let metrics = KvEventMetrics::new();
@@ -176,6 +186,9 @@ fn in_order_batches_build_the_same_index_as_applying_them_directly() {
 fn a_sequence_gap_is_filled_from_the_replay_socket_and_the_index_ends_exact() {
     let rig = rig(true);
     rig.warm_up();
+    // The warm-up's first contact may itself have replayed the empty
+    // batches the subscription missed.
+    let before = rig.metrics.total();
     let batches = script();
     for (i, b) in batches.iter().enumerate() {
         // Batch 2 (a removal and a new chain) and batch 3 (which chains onto
@@ -188,16 +201,38 @@ fn a_sequence_gap_is_filled_from_the_replay_socket_and_the_index_ends_exact() {
     }
     let expected = truth(rig.worker, &batches);
     wait_for("the gap to be replayed", || {
-        rig.metrics.total().replays == 1 && rig.index_matches(&expected)
+        rig.metrics.total().replays == before.replays + 1 && rig.index_matches(&expected)
     });
     let totals = rig.metrics.total();
     assert_eq!(totals.gaps, 1);
-    assert_eq!(totals.replayed_batches, 2);
+    assert_eq!(totals.replayed_batches - before.replayed_batches, 2);
     assert_eq!(totals.resets, 0);
     assert!(rig
         .metrics
         .encode_text()
         .contains("switchyard_kv_event_gaps_total{worker=\"w1\"} 1"));
+}
+
+#[test]
+fn a_subscriber_started_after_its_engine_published_learns_the_history_from_replay() {
+    let history = script();
+    let rig = rig_after(true, &history);
+    // Its first contact is mid-stream (sequence `history.len()` or later):
+    // everything before it comes from the replay socket, counted as one
+    // filled gap, not as a sequence gap or a reset.
+    rig.warm_up();
+    let expected = truth(rig.worker, &history);
+    wait_for("the history to be replayed", || {
+        rig.index_matches(&expected)
+    });
+    let totals = rig.metrics.total();
+    assert_eq!(totals.replays, 1);
+    assert!(
+        totals.replayed_batches >= history.len() as u64,
+        "{totals:?}"
+    );
+    assert_eq!((totals.gaps, totals.resets), (0, 0));
+    assert!(expected.device().live_pairs() > 0);
 }
 
 #[test]
