@@ -318,10 +318,10 @@ fn first_turns(requests: &[PreparedRequest]) -> Vec<usize> {
 }
 
 /// The load generator's pooled HTTP/1 client.
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// A client with `TCP_NODELAY` and a pool deep enough for any concurrency.
-pub(crate) fn client() -> HttpClient {
+pub fn client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -473,7 +473,7 @@ impl StreamTally {
 
 /// Sums `prefix hit` and `prompt` token counters over the workers.
 /// GETs `url`; the body as text when the status is a success, else `None`.
-pub(crate) async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
+pub async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
     let request = hyper::Request::get(url)
         .body(Full::new(Bytes::new()))
         .ok()?;

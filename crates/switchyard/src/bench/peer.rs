@@ -151,6 +151,26 @@ pub(crate) fn peer_program(
     }
 }
 
+/// The `PEER=VALUE` (or, with one peer, plain `VALUE`) entry for `peer`.
+pub(crate) fn for_peer(
+    values: &[String],
+    peer: Peer,
+    peers: usize,
+) -> anyhow::Result<Option<PathBuf>> {
+    for v in values {
+        match v.split_once('=') {
+            Some((name, path)) if Peer::from_str(name, true).is_ok() => {
+                if name.eq_ignore_ascii_case(peer.name()) {
+                    return Ok(Some(PathBuf::from(path)));
+                }
+            }
+            _ if peers == 1 => return Ok(Some(PathBuf::from(v))),
+            _ => anyhow::bail!("{v:?}: name the peer (PEER=PATH) when comparing several"),
+        }
+    }
+    Ok(None)
+}
+
 /// Starts `peer` (`program`) in front of `workers` on a free loopback
 /// port, its output discarded; the child joins `children` (killed with
 /// them). Returns its base URL.
@@ -171,17 +191,21 @@ pub(crate) fn launch(
     Ok(format!("http://127.0.0.1:{port}"))
 }
 
-/// Waits until `base` answers a one-token completion (the same warm-up
-/// request for every router); fails early when the last of `children`
-/// (the router being waited for) has exited.
+/// The model a sim-worker serves (what requests to it name).
+pub(crate) const SIM_MODEL: &str = "switchyard-sim";
+
+/// Waits until `base` answers a one-token completion for `model` (the
+/// same warm-up request for every router); fails early when the last of
+/// `children` (the router being waited for) has exited.
 pub(crate) fn wait_ready(
     runtime: &tokio::runtime::Runtime,
     base: &str,
+    model: &str,
     children: &mut Children,
     what: &str,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
-    let body = serde_json::json!({"model": "switchyard-sim", "prompt": "warm", "max_tokens": 1});
+    let body = serde_json::json!({"model": model, "prompt": "warm", "max_tokens": 1});
     let warm = loadgen::PreparedRequest {
         path: "/v1/completions",
         body: serde_json::to_vec(&body)?.into(),
@@ -245,6 +269,21 @@ pub(crate) fn median(values: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_program_is_named_by_peer_or_alone() {
+        let values = vec!["smg=/a/smg".to_owned(), "sglang=/b/python3".to_owned()];
+        assert_eq!(
+            for_peer(&values, Peer::Sglang, 2).unwrap(),
+            Some(PathBuf::from("/b/python3"))
+        );
+        assert_eq!(
+            for_peer(&["/a/smg".to_owned()], Peer::Smg, 1).unwrap(),
+            Some(PathBuf::from("/a/smg"))
+        );
+        assert!(for_peer(&["/a/smg".to_owned()], Peer::Smg, 2).is_err());
+        assert_eq!(for_peer(&[], Peer::Smg, 1).unwrap(), None);
+    }
 
     #[test]
     fn each_peer_is_started_with_sglangs_cache_aware_policy_on_loopback() {

@@ -24,12 +24,14 @@
 //! for: our added latency over each peer's, our requests per second over
 //! the direct rate and over each peer's.
 
-use super::peer::{cpu_seconds, launch, median, peer_program, wait_ready, Peer};
+use super::peer::{
+    cpu_seconds, for_peer, launch, median, peer_program, wait_ready, Peer, SIM_MODEL,
+};
 use crate::child::Children;
 use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
 use crate::stats::write_json;
 use anyhow::Context as _;
-use clap::{Args, ValueEnum as _};
+use clap::Args;
 use serde::Serialize;
 use serde_json::json;
 use std::path::PathBuf;
@@ -156,22 +158,6 @@ struct Summary {
     errors: usize,
 }
 
-/// The `PEER=VALUE` (or, with one peer, plain `VALUE`) entry for `peer`.
-fn for_peer(values: &[String], peer: Peer, peers: usize) -> anyhow::Result<Option<PathBuf>> {
-    for v in values {
-        match v.split_once('=') {
-            Some((name, path)) if Peer::from_str(name, true).is_ok() => {
-                if name.eq_ignore_ascii_case(peer.name()) {
-                    return Ok(Some(PathBuf::from(path)));
-                }
-            }
-            _ if peers == 1 => return Ok(Some(PathBuf::from(v))),
-            _ => anyhow::bail!("{v:?}: name the peer (PEER=PATH) when comparing several"),
-        }
-    }
-    Ok(None)
-}
-
 /// Runs `bench proxy`.
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -225,7 +211,13 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
             &format!("{worker},name=w0"),
         ],
     )?;
-    wait_ready(&runtime, &router, &mut children, "switchyard serve")?;
+    wait_ready(
+        &runtime,
+        &router,
+        SIM_MODEL,
+        &mut children,
+        "switchyard serve",
+    )?;
     targets.push(Target {
         // `serve` runs the core's default policy: name it, not a guess.
         name: format!(
@@ -238,7 +230,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     });
     let worker_address = worker.trim_start_matches("http://").trim_end_matches('/');
     let (relay, pid) = spawn(&mut children, &["bench", "relay", "--to", worker_address])?;
-    wait_ready(&runtime, &relay, &mut children, "the TCP relay")?;
+    wait_ready(&runtime, &relay, SIM_MODEL, &mut children, "the TCP relay")?;
     targets.push(Target {
         name: "tcp relay (copies bytes)".into(),
         role: Role::Relay,
@@ -258,7 +250,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         let url = launch(peer, &program, std::slice::from_ref(&worker), &mut children)?;
         let pid = children.0.last().map(std::process::Child::id);
         let name = format!("{} (cache_aware)", peer.requirement());
-        wait_ready(&runtime, &url, &mut children, &name)
+        wait_ready(&runtime, &url, SIM_MODEL, &mut children, &name)
             .with_context(|| format!("{} ({})", name, program.display()))?;
         targets.push(Target {
             name,
@@ -488,21 +480,6 @@ fn print_table(args: &ProxyArgs, summaries: &[Summary]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_peer_program_is_named_by_peer_or_alone() {
-        let values = vec!["smg=/a/smg".to_owned(), "sglang=/b/python3".to_owned()];
-        assert_eq!(
-            for_peer(&values, Peer::Sglang, 2).unwrap(),
-            Some(PathBuf::from("/b/python3"))
-        );
-        assert_eq!(
-            for_peer(&["/a/smg".to_owned()], Peer::Smg, 1).unwrap(),
-            Some(PathBuf::from("/a/smg"))
-        );
-        assert!(for_peer(&["/a/smg".to_owned()], Peer::Smg, 2).is_err());
-        assert_eq!(for_peer(&[], Peer::Smg, 1).unwrap(), None);
-    }
 
     #[test]
     fn ours_is_compared_by_ratio_with_peers_by_difference_with_the_relay() {

@@ -1,35 +1,50 @@
-//! `switchyard bench versus --peer smg|sglang`: the same multi-turn load
-//! through Switchyard and through one of SGLang's routers, each in front of
-//! its own fresh sim-workers, side by side in one run.
+//! `switchyard bench versus`: the same multi-turn load through Switchyard
+//! and through SGLang's routers, each in front of its own fresh engines,
+//! side by side in one run.
 //!
-//! The peer is installed with pip into a virtual environment of its own
-//! (`smg==1.13.0`, the Shepherd Model Gateway, or `sglang-router==0.3.2`,
-//! SGLang's Rust router; both with `--policy cache_aware`, SGLang's
-//! cache-aware policy). When pip cannot install it (no network, no
-//! `python3 -m venv`), the peer is skipped with the reason and Switchyard's
-//! own figures are still printed. `--peer-bin` runs an installed peer.
+//! The peers (`--peer smg,sglang`) are installed with pip into virtual
+//! environments of their own (`smg==1.13.0`, the Shepherd Model Gateway,
+//! and `sglang-router==0.3.2`, SGLang's Rust router; both with `--policy
+//! cache_aware`, SGLang's cache-aware policy). When pip cannot install one
+//! (no network, no `python3 -m venv`), it is skipped with the reason and
+//! the others' figures are still printed. `--peer-bin` runs an installed
+//! peer.
 //!
-//! Each run: `--workers` sim-workers (`--speedup 4 --num-blocks 4096`,
-//! KV events on, as the measurements were made) as child
-//! processes, the router under test in front of them, one warm-up request,
-//! then the bundled ShareGPT conversations (1,500 turns, concurrency 16,
-//! streamed) from the load generator here. Figures: TTFT p50/p90 at the
-//! client, the engines' prefix hit rate (from the sim-workers' own
-//! counters, so both routers are measured the same way), completed
-//! requests per second. Rounds alternate which router goes first.
+//! The engines (`--engine`):
+//! - `sim` (default): sim-workers (`--speedup 4 --num-blocks 4096`, KV
+//!   events on);
+//! - `vllm`: vLLM's CPU build (the pinned environment of
+//!   [`crate::engines::env`], installed when missing), each server bound to
+//!   its own core, serving the tiny random-weight Qwen3 made by
+//!   [`crate::engines::models`] at 32 tokens a block with prefix caching and
+//!   ZMQ KV events on; Switchyard reads its events, the peers route on text
+//!   as they always do.
+//!
+//! Each run: the engines as child processes, the router under test in
+//! front of them, one warm-up request, then the bundled ShareGPT
+//! conversations (streamed, each turn the whole conversation so far) from
+//! the load generator here. Figures: TTFT p50/p90 at the client, the
+//! engines' prefix hit rate from their own counters (the sim-workers', or
+//! vLLM's `vllm:prefix_cache_hits_total` over
+//! `vllm:prefix_cache_queries_total`), so every router is measured the
+//! same way, and completed requests per second. Rounds alternate the
+//! order of the routers.
 //!
 //! `--policy` and `--admission` may be repeated: every combination runs as
 //! its own Switchyard variant in each round, so settings are compared with
-//! each other and with the peer in the same run (e.g. `--admission none
+//! each other and with the peers in the same run (e.g. `--admission none
 //! --admission session-aware`).
 
 pub use super::peer::Peer;
-use super::peer::{cpu_seconds, launch, median, peer_program, wait_ready};
+use super::peer::{cpu_seconds, for_peer, launch, median, peer_program, wait_ready, SIM_MODEL};
 use crate::child::Children;
 use crate::demo::{start_sim_workers, Fleet};
+use crate::engines::env::VllmEnv;
+use crate::engines::models::TinyModels;
+use crate::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
 use crate::loadgen::{self, Pacing, Report};
 use crate::stats::write_json;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -96,20 +111,48 @@ fn admission_name(a: AdmissionMode) -> &'static str {
     }
 }
 
+/// The engines behind every router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Engine {
+    /// Switchyard's sim-workers.
+    Sim,
+    /// vLLM's CPU build with a tiny random-weight Qwen3.
+    Vllm,
+}
+
+/// What `--engine vllm` runs with: the environment's Python and the
+/// models.
+struct VllmSetup {
+    python: PathBuf,
+    models: TinyModels,
+    logs: PathBuf,
+}
+
+/// The model the tiny Qwen3 is served as.
+const VLLM_MODEL: &str = "tiny";
+/// Tokens per KV block of the vLLM servers (a multiple of 32 on CPU).
+const VLLM_BLOCK_SIZE: u32 = 32;
+
 /// Options of `bench versus`.
 #[derive(Debug, Clone, Args)]
 pub struct VersusArgs {
-    /// The peer router.
-    #[arg(long, value_enum, default_value_t = Peer::Smg)]
-    pub peer: Peer,
-    /// Run this peer program instead of installing one (`smg`, or a
-    /// `python3` that has `sglang_router`).
+    /// The engines behind each router.
+    #[arg(long, value_enum, default_value_t = Engine::Sim)]
+    pub engine: Engine,
+    /// The peer routers (repeat or comma-separate: smg, sglang) [default: smg].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub peer: Vec<Peer>,
+    /// Run this installed peer program instead of installing one:
+    /// PEER=PATH (`smg=/venv/bin/smg`; a `python3` with `sglang_router` for
+    /// sglang), or PATH when there is one peer; repeat.
     #[arg(long)]
-    pub peer_bin: Option<PathBuf>,
-    /// Virtual environment for the peer [default: TMPDIR/switchyard-versus-PEER];
-    /// reused when it already has the peer.
+    pub peer_bin: Vec<String>,
+    /// Virtual environment for a peer: PEER=DIR, or DIR when there is one
+    /// peer; repeat [default: TMPDIR/switchyard-versus-REQUIREMENT]; reused
+    /// when it already has the peer.
     #[arg(long)]
-    pub venv: Option<PathBuf>,
+    pub venv: Vec<String>,
     /// Switchyard's policy [default: the default policy]; repeat to run
     /// several side by side.
     #[arg(long)]
@@ -124,22 +167,27 @@ pub struct VersusArgs {
     /// Run Switchyard's variants only, no peer.
     #[arg(long, conflicts_with = "peer_bin")]
     pub no_peer: bool,
-    /// Sim-workers behind each router.
-    #[arg(long, default_value_t = 4)]
-    pub workers: usize,
+    /// Engines behind each router [default: 4 sim-workers, 2 vLLM servers
+    /// (one a core)].
+    #[arg(long)]
+    pub workers: Option<usize>,
     /// Sim-worker speed-up over the timing model.
     #[arg(long, default_value_t = 4.0)]
     pub speedup: f64,
     /// KV blocks per sim-worker.
     #[arg(long, default_value_t = 4096)]
     pub num_blocks: usize,
-    /// Conversation turns sent through each router.
-    #[arg(long, default_value_t = 1500)]
-    pub requests: usize,
-    /// Requests in flight.
-    #[arg(long, default_value_t = 16)]
-    pub concurrency: usize,
-    /// Rounds (each runs both routers, alternating which goes first).
+    /// Conversation turns sent through each router [default: 1500 to
+    /// sim-workers, 400 to vLLM].
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Requests in flight [default: 16 to sim-workers, 8 to vLLM].
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Output tokens per turn at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_output_tokens: u32,
+    /// Rounds (each runs every router, alternating the order).
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
     /// ShareGPT conversations [default: the bundled sharegpt_multiturn_3000].
@@ -148,6 +196,36 @@ pub struct VersusArgs {
     /// Write every run's figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+impl VersusArgs {
+    fn workers(&self) -> usize {
+        self.workers.unwrap_or(match self.engine {
+            Engine::Sim => 4,
+            Engine::Vllm => 2,
+        })
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.unwrap_or(match self.engine {
+            Engine::Sim => 1500,
+            Engine::Vllm => 400,
+        })
+    }
+
+    fn concurrency(&self) -> usize {
+        self.concurrency.unwrap_or(match self.engine {
+            Engine::Sim => 16,
+            Engine::Vllm => 8,
+        })
+    }
+
+    fn model(&self) -> &'static str {
+        match self.engine {
+            Engine::Sim => SIM_MODEL,
+            Engine::Vllm => VLLM_MODEL,
+        }
+    }
 }
 
 /// One router's figures in one run.
@@ -173,8 +251,80 @@ fn worker_args(args: &VersusArgs) -> Vec<String> {
     ]
 }
 
-/// `serve` flags for `variant` in front of `fleet`.
-fn our_args(args: &VersusArgs, variant: Variant, fleet: &Fleet) -> Vec<String> {
+/// One router's engines, stopped when dropped.
+enum Engines {
+    Sim(Fleet),
+    Vllm(Vec<VllmWorker>),
+}
+
+impl Engines {
+    /// Fresh engines for one run.
+    fn start(
+        args: &VersusArgs,
+        vllm: Option<&VllmSetup>,
+        runtime: &tokio::runtime::Runtime,
+        run: &str,
+    ) -> anyhow::Result<Self> {
+        match vllm {
+            None => Ok(Self::Sim(start_sim_workers(
+                args.workers(),
+                &worker_args(args),
+                true,
+            )?)),
+            Some(setup) => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let mut workers = (0..args.workers())
+                    .map(|i| {
+                        let mut options = VllmOptions::new(&setup.models.qwen3(), VLLM_MODEL);
+                        options.block_size = VLLM_BLOCK_SIZE;
+                        options.max_model_len = 8192;
+                        options.cpu = Some(i % cores);
+                        let log = setup.logs.join(format!("{run}-w{i}.log"));
+                        VllmWorker::spawn(&setup.python, &options, &log)
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                for w in &mut workers {
+                    runtime.block_on(w.ready(READY_TIMEOUT))?;
+                }
+                Ok(Self::Vllm(workers))
+            }
+        }
+    }
+
+    /// The engines' base URLs.
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Self::Sim(fleet) => fleet.urls.clone(),
+            Self::Vllm(workers) => workers.iter().map(|w| w.base.clone()).collect(),
+        }
+    }
+
+    /// Their `serve --worker` specs, KV-event endpoints included.
+    fn specs(&self) -> Vec<String> {
+        match self {
+            Self::Sim(fleet) => fleet
+                .urls
+                .iter()
+                .zip(&fleet.events)
+                .enumerate()
+                .map(|(i, (url, events))| match events {
+                    Some((events, replay)) => {
+                        format!("{url},name=w{i},events={events},replay={replay}")
+                    }
+                    None => format!("{url},name=w{i}"),
+                })
+                .collect(),
+            Self::Vllm(workers) => workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| w.worker_spec(&format!("w{i}")))
+                .collect(),
+        }
+    }
+}
+
+/// `serve` flags for `variant` in front of `engines`.
+fn our_args(args: &VersusArgs, variant: Variant, engines: &Engines) -> Vec<String> {
     let mut a: Vec<String> = ["serve", "--host", "127.0.0.1", "--port", "0"]
         .into_iter()
         .map(str::to_owned)
@@ -188,13 +338,12 @@ fn our_args(args: &VersusArgs, variant: Variant, fleet: &Fleet) -> Vec<String> {
     if let Some(config) = &args.config {
         a.extend(["--config".into(), config.display().to_string()]);
     }
-    // The workers' speed, as an operator configures it for the estimator.
-    a.extend(["--prefill-speedup".into(), args.speedup.to_string()]);
-    for (i, (url, events)) in fleet.urls.iter().zip(&fleet.events).enumerate() {
-        let mut spec = format!("{url},name=w{i}");
-        if let Some((events, replay)) = events {
-            spec.push_str(&format!(",events={events},replay={replay}"));
-        }
+    match engines {
+        // The workers' speed, as an operator configures it for the estimator.
+        Engines::Sim(_) => a.extend(["--prefill-speedup".into(), args.speedup.to_string()]),
+        Engines::Vllm(_) => a.extend(["--block-size".into(), VLLM_BLOCK_SIZE.to_string()]),
+    }
+    for spec in engines.specs() {
         a.extend(["--worker".into(), spec]);
     }
     a
@@ -209,41 +358,44 @@ enum Contender<'a> {
     Peer(Peer, &'a Path),
 }
 
-/// One router's run on fresh workers.
+/// One router's run on fresh engines.
 fn one_run(
     args: &VersusArgs,
+    vllm: Option<&VllmSetup>,
     contender: Contender<'_>,
     requests: Vec<loadgen::PreparedRequest>,
+    run: &str,
 ) -> anyhow::Result<(Report, Option<f64>)> {
-    let fleet = start_sim_workers(args.workers, &worker_args(args), true)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let engines = Engines::start(args, vllm, &runtime, run)?;
+    let urls = engines.urls();
     let mut children = Children(Vec::new());
     let (base, what) = match contender {
         Contender::Ours(variant) => {
             let mut command = crate::child::this_binary()?;
             command
-                .args(our_args(args, variant, &fleet))
+                .args(our_args(args, variant, &engines))
                 .env("RUST_LOG", "warn");
             let (child, url) = crate::child::spawn_printing_url(command, "switchyard serve")?;
             children.0.push(child);
             (url, "switchyard serve".to_owned())
         }
         Contender::Peer(peer, program) => (
-            launch(peer, program, &fleet.urls, &mut children)?,
+            launch(peer, program, &urls, &mut children)?,
             peer.requirement().to_owned(),
         ),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    wait_ready(&runtime, &base, &mut children, &what)?;
+    wait_ready(&runtime, &base, args.model(), &mut children, &what)?;
     let pid = children.0.last().map(Child::id);
     let cpu_before = pid.and_then(cpu_seconds);
     let report = runtime.block_on(loadgen::run_load(
         &base,
         requests,
-        Pacing::Concurrency(args.concurrency),
+        Pacing::Concurrency(args.concurrency()),
         true,
-        &fleet.urls,
+        &urls,
         false,
     ));
     let cpu_after = pid.and_then(cpu_seconds);
@@ -252,56 +404,79 @@ fn one_run(
         _ => None,
     };
     drop(children);
-    drop(fleet);
+    drop(engines);
     Ok((report, cpu_ms_per_request))
+}
+
+/// Installs (when missing) vLLM's environment and makes the tiny models.
+fn vllm_setup() -> anyhow::Result<VllmSetup> {
+    let env = VllmEnv::setup(None)?;
+    let scratch = std::env::temp_dir().join("switchyard-versus-vllm");
+    let models = TinyModels::make(&env.python(), &scratch.join("models"))?;
+    Ok(VllmSetup {
+        python: env.python(),
+        models,
+        logs: scratch.join("logs"),
+    })
 }
 
 /// Runs `bench versus`.
 pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.workers > 0 && args.requests > 0 && args.concurrency > 0 && args.rounds > 0,
+        args.workers() > 0 && args.requests() > 0 && args.concurrency() > 0 && args.rounds > 0,
         "--workers, --requests, --concurrency and --rounds must be positive"
     );
     let sharegpt = match &args.sharegpt {
         Some(p) => p.clone(),
         None => crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?,
     };
-    let requests =
-        loadgen::sharegpt_requests(&sharegpt, args.requests, 64, Some("switchyard-sim"))?;
+    let requests = loadgen::sharegpt_requests(
+        &sharegpt,
+        args.requests(),
+        args.max_output_tokens,
+        Some(args.model()),
+    )?;
+    let vllm = match args.engine {
+        Engine::Sim => None,
+        Engine::Vllm => Some(vllm_setup()?),
+    };
     let variants = Variant::all(&args.policy, &args.admission);
-    let installed = if args.no_peer {
-        Err("--no-peer".to_owned())
+    let mut wanted = if args.peer.is_empty() {
+        vec![Peer::Smg]
     } else {
-        peer_program(args.peer, args.peer_bin.as_deref(), args.venv.as_deref())
+        args.peer.clone()
     };
-    let peer = match installed {
-        Err(_) if args.no_peer => None,
-        Ok(p) => Some(p),
-        Err(why) => {
-            eprintln!(
-                "skipping {}: {why}; running Switchyard alone",
-                args.peer.requirement()
-            );
-            None
+    wanted.dedup();
+    let mut peers: Vec<(Peer, PathBuf)> = Vec::new();
+    if !args.no_peer {
+        for &peer in &wanted {
+            let bin = for_peer(&args.peer_bin, peer, wanted.len())?;
+            let venv = for_peer(&args.venv, peer, wanted.len())?;
+            match peer_program(peer, bin.as_deref(), venv.as_deref()) {
+                Ok(program) => peers.push((peer, program)),
+                Err(why) => eprintln!("skipping {}: {why}", peer.requirement()),
+            }
         }
-    };
-    let peer_name = format!("{} (cache_aware)", args.peer.requirement());
+    }
     let mut runs = Vec::new();
     for round in 0..args.rounds {
         let mut order: Vec<Contender<'_>> = variants.iter().map(|&v| Contender::Ours(v)).collect();
-        if let Some(p) = &peer {
-            order.push(Contender::Peer(args.peer, p.as_path()));
-        }
+        order.extend(
+            peers
+                .iter()
+                .map(|(p, program)| Contender::Peer(*p, program.as_path())),
+        );
         if round % 2 == 1 {
             order.reverse();
         }
-        for contender in order {
+        for (i, contender) in order.into_iter().enumerate() {
             let name = match contender {
                 Contender::Ours(v) => v.name(args.config.as_deref()),
-                Contender::Peer(..) => peer_name.clone(),
+                Contender::Peer(peer, _) => format!("{} (cache_aware)", peer.requirement()),
             };
             eprintln!("round {}: {name}...", round + 1);
-            let (report, cpu) = one_run(&args, contender, requests.clone())?;
+            let run = format!("round{}-{i}", round + 1);
+            let (report, cpu) = one_run(&args, vllm.as_ref(), contender, requests.clone(), &run)?;
             runs.push(RunFigures {
                 router: name,
                 round: round + 1,
@@ -319,9 +494,21 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
 }
 
 fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
+    let engines = match args.engine {
+        Engine::Sim => format!(
+            "sim-workers (--speedup {} --num-blocks {})",
+            args.speedup, args.num_blocks
+        ),
+        Engine::Vllm => format!(
+            "vLLM {} CPU servers (tiny Qwen3, {VLLM_BLOCK_SIZE} tokens a block, one core each)",
+            crate::engines::env::VLLM_VERSION
+        ),
+    };
     println!(
-        "{} ShareGPT turns, concurrency {}, {} sim-workers (--speedup {} --num-blocks {}) per router",
-        args.requests, args.concurrency, args.workers, args.speedup, args.num_blocks
+        "{} ShareGPT turns, concurrency {}, {} {engines} per router",
+        args.requests(),
+        args.concurrency(),
+        args.workers(),
     );
     println!(
         "{:<42} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6} {:>9}",
@@ -372,7 +559,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
             );
         }
     }
-    println!("(TTFT in ms at the client; hit = the sim-workers' prefix hit rate over the run; cpu ms/rq = the router process's CPU time per request; med = median over rounds)");
+    println!("(TTFT in ms at the client; hit = the engines' own prefix hit rate over the run; cpu ms/rq = the router process's CPU time per request; med = median over rounds)");
 }
 
 #[cfg(test)]
