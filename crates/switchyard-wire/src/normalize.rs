@@ -83,8 +83,9 @@ impl Tier {
 pub enum SkipReason {
     /// `token_ids.len() != block_hashes.len() × block_size`.
     TokenCountMismatch,
-    /// One block's worth of hashes with fewer tokens than a block (SGLang's
-    /// last page).
+    /// One block's worth of hashes with fewer tokens than a block (a partial
+    /// last page; SGLang trims its keys to whole pages before it stores
+    /// them, so current releases do not send one).
     PartialBlock,
     /// The event's `block_size` is not the router's.
     BlockSizeMismatch,

@@ -7,7 +7,9 @@
 //! - A payload is one msgpack value: the batch `[ts, events, rank]`
 //!   (msgspec `array_like`). vLLM calls the rank `data_parallel_rank`, SGLang
 //!   `attn_dp_rank`; with `omit_defaults` a nil rank is left off, giving a
-//!   two-element array. One vLLM revision encoded the batch as a map
+//!   two-element array (older vLLM, and SGLang before `attn_dp_rank`
+//!   existed: SGLang's publisher has filled the rank since at least 0.5.5).
+//!   One vLLM revision encoded the batch as a map
 //!   (`{"ts", "events", "data_parallel_rank"}`); the decoder takes both.
 //! - Each event is a map tagged by `"type"` (current vLLM and SGLang) or an
 //!   array whose first element is the tag (older vLLM and SGLang). Array
@@ -19,8 +21,12 @@
 //!   `kv_cache_spec_sliding_window`, `locality`, `ownership`, `session_id`
 //!   (vLLM; later fields appeared over releases). SGLang's has `block_hashes`,
 //!   `parent_block_hash`, `token_ids`, `block_size`, `lora_id`, `medium`, and
-//!   in map form `cache_salt` and `session_id` (or a `metadata` map holding
-//!   `cache_salt`).
+//!   in map form (0.5.20 on) `cache_salt`, `session_id` and (0.5.22 on)
+//!   `lora_name`, each only when set; 0.5.18's arrays carry a trailing
+//!   `metadata` map holding `cache_salt`. Since 0.5.18 SGLang merges a
+//!   prompt's consecutive pages into one event with several hashes, and it
+//!   never publishes a partial page. Payloads captured from vLLM 0.32 and
+//!   SGLang 0.5.23 are tested as they are (`tests/fixtures/captured`).
 //! - `BlockRemoved`: `block_hashes`, `medium`, then `group_idx`, `locality`,
 //!   `ownership`.
 //! - A block hash is any msgpack integer (SGLang's are signed 64-bit: the

@@ -1,3 +1,4 @@
 //! The wire formats' integration tests, in one test binary (`it`).
 
+mod captured;
 mod golden_payloads;
