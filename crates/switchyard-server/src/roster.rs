@@ -80,7 +80,8 @@ pub struct WorkerInfo {
     pub draining: bool,
     /// Consecutive failed health checks.
     pub failures: u32,
-    /// What it can hold, from its `/get_server_info` (for busy thresholds).
+    /// What it can hold, from its `/get_server_info` or, for vLLM, its
+    /// `/metrics` (for busy thresholds and the `ttft` policy).
     pub capacity: WorkerCapacity,
     /// Fraction of its KV cache in use, from its `/metrics` (read only when
     /// an admission strategy needs it).

@@ -2,8 +2,10 @@
 //! checks and model lists.
 //!
 //! A worker enters selection after its first good `GET /health` (its
-//! `/v1/models` is read then), leaves it after `health_failures`
-//! consecutive bad checks (declared dead), and is put back when checks pass
+//! `/v1/models` and its KV capacity are read then: `/get_server_info`, or
+//! for vLLM, which serves none, `vllm:cache_config_info` on `/metrics`),
+//! leaves it after `health_failures` consecutive bad checks (declared
+//! dead), and is put back when checks pass
 //! again — a worker restarted on the same URL included. Leaving selection
 //! drops its index and active-sequence entries (`Router::remove_worker`)
 //! and stops its KV-event subscriber; entering starts a fresh one, whose
@@ -34,6 +36,8 @@ use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 use switchyard_kv_events::metrics::KvEventMetrics;
 use switchyard_kv_events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
+use switchyard_wire::engine_metrics::{kv_usage_fraction, KvCapacity};
+use switchyard_wire::prometheus::Scrape;
 
 /// The pooled upstream HTTP client.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -354,7 +358,7 @@ impl Fleet {
                 let usage = self
                     .get(&info.url, "/metrics")
                     .await
-                    .and_then(|body| kv_usage_fraction(std::str::from_utf8(&body).ok()?));
+                    .and_then(|body| kv_usage_fraction(&Scrape::parse_bytes(&body)));
                 if let Some(fraction) = usage {
                     self.shared.set_kv_usage(info.id, fraction);
                 }
@@ -392,9 +396,20 @@ impl Fleet {
     }
 
     /// Capacity from `/get_server_info` (SGLang's and the sim-worker's
-    /// field names); unknown parts stay unknown and never make it busy.
+    /// field names), else, for a worker that serves none (vLLM), the KV
+    /// blocks and block size of `vllm:cache_config_info` on its
+    /// `/metrics`; unknown parts stay unknown and never make it busy.
     async fn capacity_of(&self, url: &str) -> Option<WorkerCapacity> {
-        let body = self.get(url, "/get_server_info").await?;
+        let Some(body) = self.get(url, "/get_server_info").await else {
+            let body = self.get(url, "/metrics").await?;
+            let kv = KvCapacity::from_vllm(&Scrape::parse_bytes(&body))?;
+            return Some(WorkerCapacity {
+                max_num_batched_tokens: None,
+                kv_blocks: Some(kv.blocks),
+                kv_tokens: kv.tokens(),
+                block_size: None,
+            });
+        };
         let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
         let kv_blocks = v["num_gpu_blocks"].as_u64();
         // SGLang reports its KV capacity in tokens; otherwise blocks times
@@ -423,7 +438,8 @@ impl Fleet {
             if !response.status().is_success() {
                 return None;
             }
-            // Bounded: models lists and health bodies are small.
+            // Bounded: models lists, health bodies and `/metrics` pages
+            // are small (a vLLM page is about 55 KB).
             let body = http_body_util::Limited::new(response.into_body(), 1 << 20);
             body.collect().await.ok().map(|b| b.to_bytes())
         };
@@ -473,71 +489,99 @@ impl Drop for Fleet {
     }
 }
 
-/// Prometheus series giving the fraction of an engine's KV cache in use, in
-/// the order they are looked for: ours (the sim-worker), vLLM's current and
-/// older names, SGLang's.
-const KV_USAGE_SERIES: [&str; 4] = [
-    "switchyard_engine_kv_usage_ratio",
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-];
-
-/// The fraction of the KV cache in use from a worker's `/metrics` text: the
-/// first of [`KV_USAGE_SERIES`] present (any labels; with several series of
-/// one name, e.g. per model, the largest). `None` when none is there or a
-/// value is not a number in 0..=1.
-pub fn kv_usage_fraction(metrics: &str) -> Option<f64> {
-    KV_USAGE_SERIES.iter().find_map(|name| {
-        metrics
-            .lines()
-            .filter(|line| !line.starts_with('#'))
-            .filter_map(|line| {
-                let rest = line.strip_prefix(name)?;
-                let value = match rest.as_bytes().first() {
-                    Some(b'{') => rest.rsplit_once('}')?.1,
-                    Some(b' ') => rest,
-                    _ => return None,
-                };
-                let v: f64 = value.split_whitespace().next()?.parse().ok()?;
-                (0.0..=1.0).contains(&v).then_some(v)
-            })
-            .reduce(f64::max)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{book_remotely, fleet_with, place, request, shared_with};
+    use crate::testing::{book_remotely, fleet_with, loopback_spec, place, request, shared_with};
     use crate::ServerConfig;
 
-    #[test]
-    fn kv_usage_is_read_from_the_sim_worker_vllm_and_sglang_series() {
-        let ours = "# HELP switchyard_engine_kv_usage_ratio x\n# TYPE switchyard_engine_kv_usage_ratio gauge\nswitchyard_engine_kv_usage_ratio 0.25\n";
-        assert_eq!(kv_usage_fraction(ours), Some(0.25));
-        let vllm = "vllm:num_requests_running{model_name=\"m\"} 3\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\nvllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.75\n";
-        assert_eq!(kv_usage_fraction(vllm), Some(0.75), "the fullest engine");
-        let old_vllm = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.125\n";
-        assert_eq!(kv_usage_fraction(old_vllm), Some(0.125));
-        let sglang = "sglang:token_usage{model_name=\"m\"} 0.0625\n";
-        assert_eq!(kv_usage_fraction(sglang), Some(0.0625));
+    /// The lines of a real vLLM 0.32.0 (CPU build) `/metrics` page that
+    /// the poller reads.
+    const VLLM_METRICS: &str = r#"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",cache_hit_alignment_tokens="None",effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="256.0",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="1048576",kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="float32",num_cpu_blocks="None",num_gpu_blocks="32768",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="True"} 1.0
+"#;
+
+    /// A worker on loopback that answers as vLLM does: healthy, one model
+    /// card, `404` on `/get_server_info`, and `metrics` on `/metrics` (404
+    /// without). Returns its port.
+    async fn vllm_like_worker(metrics: Option<&'static str>) -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&head);
+                    let path = head.split_whitespace().nth(1).unwrap_or("/");
+                    let models = r#"{"object":"list","data":[{"id":"tiny","object":"model","max_model_len":4096}]}"#;
+                    let (status, body) = match (path, metrics) {
+                        ("/health", _) => ("200 OK", ""),
+                        ("/v1/models", _) => ("200 OK", models),
+                        ("/metrics", Some(page)) => ("200 OK", page),
+                        _ => ("404 Not Found", ""),
+                    };
+                    let reply = format!(
+                        "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        port
     }
 
-    #[test]
-    fn kv_usage_ignores_other_series_and_values_out_of_range() {
-        assert_eq!(kv_usage_fraction(""), None);
-        assert_eq!(
-            kv_usage_fraction("vllm:kv_cache_usage_perc_total 0.5\n"),
-            None
+    /// A fleet of the worker at `port`, after one round of health checks.
+    async fn checked_worker(port: u16) -> crate::roster::WorkerInfo {
+        let config = ServerConfig::default();
+        let (shared, _) = shared_with(&config, &[]);
+        let fleet = Fleet::new(
+            shared.clone(),
+            upstream_client(Duration::from_secs(2)),
+            false,
+            config.block_size,
+            3,
+            Duration::from_secs(5),
         );
-        assert_eq!(kv_usage_fraction("vllm:kv_cache_usage_perc 1.5\n"), None);
-        assert_eq!(kv_usage_fraction("vllm:kv_cache_usage_perc NaN\n"), None);
+        fleet.add(&loopback_spec("vllm", port)).unwrap();
+        fleet.check_all().await;
+        shared.workers().remove(0)
+    }
+
+    #[tokio::test]
+    async fn a_vllm_worker_gets_its_kv_capacity_from_its_metrics_cache_config() {
+        let worker = checked_worker(vllm_like_worker(Some(VLLM_METRICS)).await).await;
+        assert!(worker.in_router);
+        assert_eq!(worker.models, ["tiny"]);
         assert_eq!(
-            kv_usage_fraction("vllm:kv_cache_usage_perc{a=\"}\"} x\n"),
-            None
+            worker.capacity,
+            WorkerCapacity {
+                max_num_batched_tokens: None,
+                kv_blocks: Some(32768),
+                kv_tokens: Some(32768 * 32),
+                block_size: None,
+            }
         );
-        assert_eq!(kv_usage_fraction("# vllm:kv_cache_usage_perc 0.5\n"), None);
+    }
+
+    #[tokio::test]
+    async fn a_worker_with_neither_server_info_nor_cache_config_has_no_capacity() {
+        let bare = checked_worker(vllm_like_worker(None).await).await;
+        assert!(bare.in_router);
+        assert_eq!(bare.capacity, WorkerCapacity::default());
+        let no_info = "vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n";
+        let usage_only = checked_worker(vllm_like_worker(Some(no_info)).await).await;
+        assert_eq!(usage_only.capacity, WorkerCapacity::default());
     }
 
     /// A fleet of one worker in selection (nothing listens at its URL).

@@ -20,18 +20,29 @@
 //! - [`replica`] — replica events: one router replica's bookings
 //!   ([`replica::ActiveSequenceEvent`]) and session bindings in a
 //!   [`replica::ReplicaBatch`], MessagePack-encoded, for its peers.
+//! - [`prometheus`] — the Prometheus text format, read: one bounded,
+//!   lossy reader ([`prometheus::Scrape`]) for every `/metrics` page the
+//!   router and the tools look at, with a series' value by name and
+//!   labels, and a metric's sum over its label sets.
+//! - [`engine_metrics`] — what an engine's `/metrics` page says, in the
+//!   sim-worker's, vLLM's and SGLang's own names: prefix-cache counters
+//!   ([`engine_metrics::PrefixCacheCounters`]), KV usage, and vLLM's KV
+//!   capacity ([`engine_metrics::KvCapacity`]).
 //!
 //! Data flows: socket bytes → [`kv_events::decode_batch_lossy`] →
-//! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`; and a
+//! [`normalize::Normalizer::normalize`] → `PrefixIndex::apply`; a
 //! worker's stream → [`sse::SseParser`] → [`sse::classify`] →
-//! [`sse::StreamShape::rewrite`]. Sockets and HTTP frameworks live in the
-//! crates that serve; nothing here blocks, allocates without bound or
-//! panics on input.
+//! [`sse::StreamShape::rewrite`]; and a worker's `/metrics` body →
+//! [`prometheus::Scrape::parse_bytes`] → [`engine_metrics`]. Sockets and
+//! HTTP frameworks live in the crates that serve; nothing here blocks,
+//! allocates without bound or panics on input.
 
 #![warn(missing_docs)]
 
+pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;
 pub mod openai;
+pub mod prometheus;
 pub mod replica;
 pub mod sse;

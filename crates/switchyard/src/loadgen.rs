@@ -4,7 +4,10 @@
 //! sim-worker, a real engine — streaming every answer, and reports TTFT,
 //! inter-token latency, end-to-end latency, throughput, errors, the share
 //! of each worker (from `x-switchyard-worker`) and, given the workers'
-//! `/metrics`, the engines' prefix hit rate.
+//! `/metrics`, the engines' prefix hit rate, from each engine's own
+//! counters (the sim-worker's, vLLM's, SGLang's:
+//! [`switchyard_wire::engine_metrics::PrefixCacheCounters`]); a worker
+//! whose counters cannot be read is named in the report, with why.
 //!
 //! - Mooncake traces (`--trace`, the default is the bundled conversation
 //!   trace) become `/v1/completions` requests with token-id prompts
@@ -39,7 +42,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
+use switchyard_wire::engine_metrics::PrefixCacheCounters;
 use switchyard_wire::openai::Completion;
+use switchyard_wire::prometheus::{Scrape, MAX_INPUT_BYTES};
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// Largest streamed event read; a longer one fails the request.
@@ -86,7 +91,8 @@ pub struct LoadgenArgs {
     /// Non-streaming requests (TTFT then equals e2e).
     #[arg(long)]
     pub no_stream: bool,
-    /// A worker's base URL whose /metrics give the prefix hit rate; repeat.
+    /// A worker's base URL whose /metrics give the prefix hit rate (the
+    /// sim-worker's, vLLM's or SGLang's counters); repeat.
     #[arg(long = "worker-metrics")]
     pub worker_metrics: Vec<String>,
     /// Write the figures here as JSON.
@@ -139,8 +145,13 @@ pub struct Report {
     pub throughput_rps: f64,
     /// Streamed tokens per second.
     pub output_tokens_per_sec: f64,
-    /// Engines' prefix hit rate over the run (null without worker metrics).
+    /// Engines' prefix hit rate over the run (null without worker metrics,
+    /// or when some worker's counters could not be read).
     pub hit_rate: Option<f64>,
+    /// Why `hit_rate` is null: no `--worker-metrics`, or each worker whose
+    /// prefix-cache counters could not be read, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hit_rate_unavailable: Option<String>,
     /// Requests per `x-switchyard-worker`.
     pub worker_share: BTreeMap<String, usize>,
     /// Wall time of the run.
@@ -471,7 +482,6 @@ impl StreamTally {
     }
 }
 
-/// Sums `prefix hit` and `prompt` token counters over the workers.
 /// GETs `url`; the body as text when the status is a success, else `None`.
 pub async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
     let request = hyper::Request::get(url)
@@ -485,29 +495,124 @@ pub async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&body).into_owned())
 }
 
-async fn engine_counters(client: &HttpClient, workers: &[String]) -> Option<(f64, f64)> {
-    let mut hits = 0.0;
-    let mut prompts = 0.0;
-    for w in workers {
-        let request = hyper::Request::get(format!("{}/metrics", w.trim_end_matches('/')))
-            .body(Full::new(Bytes::new()))
-            .ok()?;
-        let response = client.request(request).await.ok()?;
-        let text = response.into_body().collect().await.ok()?.to_bytes();
-        let text = String::from_utf8_lossy(&text);
-        let value = |name: &str| {
-            text.lines().find_map(|l| {
-                l.strip_prefix(name)?
-                    .strip_prefix(' ')?
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-            })
-        };
-        hits += value("switchyard_engine_prefix_hit_tokens_total")?;
-        prompts += value("switchyard_engine_prompt_tokens_total")?;
+/// How long reading one worker's `/metrics` may take.
+const WORKER_METRICS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One `--worker-metrics` worker's prefix-cache counters (`None`: its page
+/// has none the wire crate recognises), or why its `/metrics` could not be
+/// read.
+type CounterReading = Result<Option<PrefixCacheCounters>, String>;
+
+/// Reads every worker's prefix-cache counters, in order.
+async fn engine_counters(client: &HttpClient, workers: &[String]) -> Vec<CounterReading> {
+    let mut readings = Vec::with_capacity(workers.len());
+    for worker in workers {
+        let url = format!("{}/metrics", worker.trim_end_matches('/'));
+        readings.push(
+            get_bounded(client, &url)
+                .await
+                .map(|body| PrefixCacheCounters::read(&Scrape::parse_bytes(&body))),
+        );
     }
-    Some((hits, prompts))
+    readings
+}
+
+/// GETs `url` within [`WORKER_METRICS_TIMEOUT`], at most the bytes the
+/// Prometheus reader looks at; the body of a success, or why not.
+async fn get_bounded(client: &HttpClient, url: &str) -> Result<Bytes, String> {
+    let request = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| format!("not a URL: {e}"))?;
+    let fetch = async {
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| format!("cannot read /metrics: {}", error_chain(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(format!("/metrics answered {status}"));
+        }
+        let body = http_body_util::Limited::new(response.into_body(), MAX_INPUT_BYTES);
+        body.collect()
+            .await
+            .map(|b| b.to_bytes())
+            .map_err(|e| format!("cannot read /metrics: {e}"))
+    };
+    tokio::time::timeout(WORKER_METRICS_TIMEOUT, fetch)
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "/metrics gave no answer within {WORKER_METRICS_TIMEOUT:?}"
+            ))
+        })
+}
+
+/// An error and its sources, `: `-separated (hyper's own message is only
+/// "client error (Connect)").
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The engines' prefix hit rate over a run: the growth of their hit
+/// counters over that of their queried-token counters, summed over
+/// `workers`, from readings `before` and `after` the run. `Err` says why
+/// there is none, naming every worker that could not be counted.
+fn hit_rate_over(
+    workers: &[String],
+    before: &[CounterReading],
+    after: &[CounterReading],
+) -> Result<f64, String> {
+    if workers.is_empty() {
+        return Err("no --worker-metrics".to_owned());
+    }
+    let (mut hits, mut queried) = (0.0, 0.0);
+    let mut unread = Vec::new();
+    for ((worker, before), after) in workers.iter().zip(before).zip(after) {
+        let worker = worker.trim_end_matches('/');
+        match (before, after) {
+            (Err(why), _) | (_, Err(why)) => unread.push(format!("{worker}: {why}")),
+            (Ok(_), Ok(None)) => {
+                unread.push(format!("{worker}: no prefix-cache counters in /metrics"));
+            }
+            (Ok(before), Ok(Some(after))) => {
+                let (hit0, queried0) = match before {
+                    Some(b) if b.family != after.family => {
+                        unread.push(format!(
+                            "{worker}: its counters changed from {}'s to {}'s names during the run",
+                            b.family, after.family
+                        ));
+                        continue;
+                    }
+                    Some(b) => (b.hit_tokens, b.queried_tokens),
+                    // Counters without a series before the run started at
+                    // zero (SGLang's appear at the first request counted).
+                    None => (0.0, 0.0),
+                };
+                if after.hit_tokens < hit0 || after.queried_tokens < queried0 {
+                    unread.push(format!(
+                        "{worker}: its counters went down during the run (restarted?)"
+                    ));
+                } else {
+                    hits += after.hit_tokens - hit0;
+                    queried += after.queried_tokens - queried0;
+                }
+            }
+        }
+    }
+    if !unread.is_empty() {
+        return Err(unread.join("; "));
+    }
+    if queried <= 0.0 {
+        return Err("the engines counted no prompt tokens during the run".to_owned());
+    }
+    Ok((hits / queried).clamp(0.0, 1.0))
 }
 
 /// Runs `requests` against `base` and summarizes.
@@ -521,11 +626,7 @@ pub async fn run_load(
 ) -> Report {
     let client = client();
     let base: Arc<str> = base.trim_end_matches('/').into();
-    let before = if worker_metrics.is_empty() {
-        None
-    } else {
-        engine_counters(&client, worker_metrics).await
-    };
+    let before = engine_counters(&client, worker_metrics).await;
     let total = requests.len();
     let requests = Arc::new(requests);
     let next = Arc::new(AtomicUsize::new(0));
@@ -612,11 +713,7 @@ pub async fn run_load(
         eprintln!();
     }
     let wall = started.elapsed().as_secs_f64();
-    let after = if worker_metrics.is_empty() {
-        None
-    } else {
-        engine_counters(&client, worker_metrics).await
-    };
+    let after = engine_counters(&client, worker_metrics).await;
     let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|p| p.into_inner()));
     let mut ttft = Vec::new();
     let mut itl = Vec::new();
@@ -637,10 +734,7 @@ pub async fn run_load(
         itl.extend_from_slice(&s.itl_ms);
         tokens += s.tokens;
     }
-    let hit_rate = match (before, after) {
-        (Some((h0, p0)), Some((h1, p1))) if p1 > p0 => Some((h1 - h0) / (p1 - p0)),
-        _ => None,
-    };
+    let hit_rate = hit_rate_over(worker_metrics, &before, &after);
     Report {
         requests: samples.len(),
         errors,
@@ -649,7 +743,8 @@ pub async fn run_load(
         ttft_ms: Latency::of(&mut ttft),
         itl_ms: Latency::of(&mut itl),
         e2e_ms: Latency::of(&mut e2e),
-        hit_rate,
+        hit_rate: hit_rate.as_ref().ok().copied(),
+        hit_rate_unavailable: hit_rate.err(),
         worker_share: share,
         wall_seconds: wall,
         send_lag_ms: (!send_lag.is_empty()).then(|| Latency::of(&mut send_lag)),
@@ -676,9 +771,12 @@ pub fn print_report(title: &str, r: &Report) {
         "  throughput {:.1} req/s, {:.0} output tokens/s",
         r.throughput_rps, r.output_tokens_per_sec
     );
-    match r.hit_rate {
-        Some(h) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
-        None => println!("  engine prefix hit rate: n/a (no --worker-metrics)"),
+    match (r.hit_rate, &r.hit_rate_unavailable) {
+        (Some(h), _) => println!("  engine prefix hit rate {:.1}%", h * 100.0),
+        (None, why) => println!(
+            "  engine prefix hit rate: n/a ({})",
+            why.as_deref().unwrap_or("no --worker-metrics")
+        ),
     }
     if let Some(lag) = &r.send_lag_ms {
         println!(
@@ -761,6 +859,7 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use std::borrow::Cow;
+    use switchyard_wire::engine_metrics::EngineFamily;
     use switchyard_wire::openai::{Api, Choice, Usage};
     use switchyard_wire::sse::{json_event, DONE_EVENT};
 
@@ -1047,5 +1146,167 @@ mod tests {
         )
         .await;
         assert!(closed.send_lag_ms.is_none());
+    }
+
+    /// A `/metrics` server on loopback whose n-th answer (from 0) is
+    /// `page(n)`: a `200` with that page, or a `404` for `None`. Returns
+    /// its base URL.
+    async fn metrics_server(
+        page: impl Fn(usize) -> Option<String> + Send + Sync + 'static,
+    ) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let page = Arc::new(page);
+        let served = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (page, served) = (page.clone(), served.clone());
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let (status, body) = match page(served.fetch_add(1, Ordering::SeqCst)) {
+                        Some(body) => ("200 OK", body),
+                        None => ("404 Not Found", String::new()),
+                    };
+                    let reply = format!(
+                        "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        base
+    }
+
+    /// vLLM's prefix-cache counters as its page shows them, two engines.
+    fn vllm_page(queries: u64, hits: u64) -> String {
+        format!(
+            "# TYPE vllm:prefix_cache_queries_total counter\n\
+             vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"tiny\"}} {queries}.0\n\
+             vllm:prefix_cache_queries_total{{engine=\"1\",model_name=\"tiny\"}} 0.0\n\
+             vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"tiny\"}} {hits}.0\n\
+             vllm:prefix_cache_hits_total{{engine=\"1\",model_name=\"tiny\"}} 0.0\n"
+        )
+    }
+
+    fn closed_port() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!("http://127.0.0.1:{port}")
+    }
+
+    #[tokio::test]
+    async fn the_hit_rate_comes_from_vllms_own_counters_over_the_run() {
+        // 75,303 queried and 44,416 hit before; 1,000 and 600 more after.
+        let vllm = metrics_server(|n| {
+            Some(vllm_page(
+                75_303 + 1_000 * n as u64,
+                44_416 + 600 * n as u64,
+            ))
+        })
+        .await;
+        let report = run_load(
+            &vllm,
+            Vec::new(),
+            Pacing::Concurrency(1),
+            true,
+            &[format!("{vllm}/")],
+            false,
+        )
+        .await;
+        assert_eq!(report.hit_rate, Some(0.6));
+        assert_eq!(report.hit_rate_unavailable, None);
+    }
+
+    #[tokio::test]
+    async fn workers_whose_counters_cannot_be_read_are_named_with_the_reason() {
+        let vllm = metrics_server(|n| Some(vllm_page(1_000 * (n as u64 + 1), 500))).await;
+        let foreign = metrics_server(|_| Some("process_cpu_seconds_total 1.5\n".to_owned())).await;
+        let missing = metrics_server(|_| None).await;
+        let closed = closed_port();
+        let workers = [vllm, foreign.clone(), missing.clone(), closed.clone()];
+        let report = run_load(
+            &workers[0],
+            Vec::new(),
+            Pacing::Concurrency(1),
+            true,
+            &workers,
+            false,
+        )
+        .await;
+        assert_eq!(report.hit_rate, None);
+        let why = report.hit_rate_unavailable.clone().unwrap();
+        assert!(
+            why.contains(&format!("{foreign}: no prefix-cache counters in /metrics")),
+            "{why}"
+        );
+        assert!(
+            why.contains(&format!("{missing}: /metrics answered 404 Not Found")),
+            "{why}"
+        );
+        assert!(
+            why.contains(&format!("{closed}: cannot read /metrics: ")),
+            "{why}"
+        );
+        assert!(!why.contains("--worker-metrics"), "{why}");
+        assert_eq!(
+            why.matches("; ").count(),
+            2,
+            "three workers named, the good one not: {why}"
+        );
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["hit_rate"], Value::Null);
+        assert_eq!(json["hit_rate_unavailable"], why.as_str());
+    }
+
+    fn reading(family: EngineFamily, queried: f64, hit: f64) -> CounterReading {
+        Ok(Some(PrefixCacheCounters {
+            family,
+            queried_tokens: queried,
+            hit_tokens: hit,
+        }))
+    }
+
+    #[test]
+    fn counters_that_appear_during_the_run_count_from_zero() {
+        // SGLang creates its counters' series at the first request.
+        let workers = ["http://sglang".to_owned(), "http://sim".to_owned()];
+        let before = [Ok(None), reading(EngineFamily::SimWorker, 100.0, 0.0)];
+        let after = [
+            reading(EngineFamily::Sglang, 300.0, 100.0),
+            reading(EngineFamily::SimWorker, 200.0, 100.0),
+        ];
+        assert_eq!(hit_rate_over(&workers, &before, &after), Ok(0.5));
+    }
+
+    #[test]
+    fn no_hit_rate_without_workers_prompts_or_with_counters_that_went_down() {
+        assert_eq!(
+            hit_rate_over(&[], &[], &[]),
+            Err("no --worker-metrics".to_owned())
+        );
+        let one = ["http://w".to_owned()];
+        let same = [reading(EngineFamily::Vllm, 10.0, 5.0)];
+        assert_eq!(
+            hit_rate_over(&one, &same, &same),
+            Err("the engines counted no prompt tokens during the run".to_owned())
+        );
+        let restarted = [reading(EngineFamily::Vllm, 4.0, 1.0)];
+        let why = hit_rate_over(&one, &same, &restarted).unwrap_err();
+        assert!(why.starts_with("http://w: its counters went down"), "{why}");
+        let other = [reading(EngineFamily::Sglang, 20.0, 5.0)];
+        let why = hit_rate_over(&one, &same, &other).unwrap_err();
+        assert!(why.contains("from vLLM's to SGLang's names"), "{why}");
     }
 }

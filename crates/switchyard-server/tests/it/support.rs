@@ -12,6 +12,7 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use switchyard_wire::prometheus::Scrape;
 
 /// How long a condition that a healthy run meets in a second or two may
 /// take before the test fails.
@@ -42,23 +43,15 @@ pub(crate) async fn metrics_text(client: &reqwest::Client, base: &str) -> String
     }
 }
 
-/// One sample of a Prometheus text, by its exact series name.
+/// One sample of a Prometheus text, by its series as written there
+/// (`name` or `name{label="value",...}`, exactly those labels).
 pub(crate) fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
+    Scrape::parse(text).series_value(series)
 }
 
-/// Sum of every sample of a metric family (`name{...} v` and `name v`).
+/// Sum of every sample of a metric (every label set; 0 without one).
 pub(crate) fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    Scrape::parse(text).sum(name).unwrap_or(0.0)
 }
 
 /// Polls `condition` every 10 ms until it holds, for at most `within`:

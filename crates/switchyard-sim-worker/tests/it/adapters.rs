@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use std::time::Instant;
 use switchyard_sim_worker::{bind, BoundWorker, SimWorkerArgs};
 use switchyard_tokenizer::Tokenizer;
+use switchyard_wire::prometheus::Scrape;
 
 async fn worker(flags: &[&str]) -> String {
     #[derive(Parser)]
@@ -55,10 +56,8 @@ async fn models(base: &str) -> Vec<Value> {
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    Scrape::parse(text)
+        .series_value(name)
         .unwrap_or_else(|| panic!("{name} missing"))
 }
 

@@ -6,6 +6,7 @@
 use crate::support::{serve_worker, Worker};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
+use switchyard_wire::prometheus::Scrape;
 
 /// A sim-worker with `flags`, its SGLang bootstrap server (when it serves
 /// one) on a free port.
@@ -70,11 +71,7 @@ async fn metric(base: &str, series: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .filter_map(|l| l.strip_prefix(series))
-        .filter_map(|rest| rest.strip_prefix(' '))
-        .find_map(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    Scrape::parse(&text).series_value(series).unwrap_or(0.0)
 }
 
 /// Polls until `series` reads `want` (a generous deadline for a loaded

@@ -14,7 +14,7 @@
 //! they fell too far behind to catch up on
 //! (`switchyard_engine_pacing_dropped_seconds_total`).
 
-use super::twin::serve::{counter, start_router, wait_for_workers};
+use super::twin::serve::{paced_and_dropped_seconds, start_router, wait_for_workers};
 use crate::demo::start_sim_workers;
 use crate::loadgen::{self, Pacing, PreparedRequest};
 use crate::stats::{write_json, Latency};
@@ -202,9 +202,9 @@ pub fn run(args: ItlArgs) -> anyhow::Result<()> {
             let (mut paced, mut dropped) = (0.0, 0.0);
             for url in &fleet.urls {
                 if let Some(text) = loadgen::get_text(&client, &format!("{url}/metrics")).await {
-                    paced += counter(&text, "switchyard_engine_paced_seconds_total").unwrap_or(0.0);
-                    dropped += counter(&text, "switchyard_engine_pacing_dropped_seconds_total")
-                        .unwrap_or(0.0);
+                    let (worker_paced, worker_dropped) = paced_and_dropped_seconds(&text);
+                    paced += worker_paced;
+                    dropped += worker_dropped;
                 }
             }
             anyhow::Ok((report, if paced > 0.0 { dropped / paced } else { 0.0 }))

@@ -18,6 +18,7 @@ use crate::support::{
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use switchyard_wire::prometheus::Scrape;
 
 /// Metrics the files name that no Switchyard process exports, and who does.
 const FOREIGN: [(&str, &str); 3] = [
@@ -396,32 +397,35 @@ struct Exported {
 impl Exported {
     fn parse(text: &str) -> Self {
         let mut exported = Self::default();
-        for line in text.lines() {
-            if let Some(typed) = line.strip_prefix("# TYPE ") {
-                let (name, kind) = typed.split_once(' ').expect("`# TYPE name kind`");
-                let suffixes: &[&str] = match kind {
-                    "histogram" => &["_bucket", "_sum", "_count"],
-                    "summary" => &["", "_sum", "_count"],
-                    _ => &[""],
-                };
-                for suffix in suffixes {
-                    exported
-                        .series
-                        .entry(format!("{name}{suffix}"))
-                        .or_default();
-                }
-            } else if !line.starts_with('#') && !line.trim().is_empty() {
-                let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-                let labels = exported
+        // The names `# TYPE` declares (the reader skips comments): a
+        // histogram's and a summary's series are selected by suffix.
+        for typed in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+            let (name, kind) = typed.split_once(' ').expect("`# TYPE name kind`");
+            let suffixes: &[&str] = match kind {
+                "histogram" => &["_bucket", "_sum", "_count"],
+                "summary" => &["", "_sum", "_count"],
+                _ => &[""],
+            };
+            for suffix in suffixes {
+                exported
                     .series
-                    .entry(line[..name_end].to_owned())
+                    .entry(format!("{name}{suffix}"))
                     .or_default();
-                if line[name_end..].starts_with('{') {
-                    let close = line.rfind('}').expect("a closed label set");
-                    for m in matchers(&line[name_end + 1..close]) {
-                        labels.entry(m.label).or_default().insert(m.value);
-                    }
-                }
+            }
+        }
+        let scrape = Scrape::parse(text);
+        assert_eq!(
+            scrape.malformed_lines(),
+            0,
+            "every line our exporters write reads:\n{text}"
+        );
+        for sample in scrape.samples() {
+            let labels = exported.series.entry(sample.name().to_owned()).or_default();
+            for (label, value) in sample.labels() {
+                labels
+                    .entry(label.to_owned())
+                    .or_default()
+                    .insert(value.into_owned());
             }
         }
         exported

@@ -6,6 +6,7 @@ use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::HashSet;
 use std::time::Duration;
+use switchyard_wire::prometheus::Scrape;
 
 /// Streams one request to its end; returns (status, worker, SSE events, saw [DONE]).
 async fn stream_completion(
@@ -234,17 +235,13 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
     );
     // The strategy's deferral of the second turn is exported.
     let text = metrics_text(&client, &router.base).await;
-    let deferred = text
-        .lines()
-        .find(|l| {
-            l.starts_with("switchyard_admission_strategy_events_total{")
-                && l.contains("event=\"deferred_turns\"")
-        })
+    let deferred = Scrape::parse(&text)
+        .value(
+            "switchyard_admission_strategy_events_total",
+            &[("event", "deferred_turns")],
+        )
         .unwrap_or_else(|| panic!("no deferral series in /metrics:\n{text}"));
-    assert!(
-        !deferred.ends_with(" 0"),
-        "the second turn was deferred: {deferred}"
-    );
+    assert!(deferred > 0.0, "the second turn was deferred: {text}");
     // With a strategy on, the health checks read each worker's KV usage
     // from its /metrics and feed it to the strategy; it is exported too.
     wait_metrics(

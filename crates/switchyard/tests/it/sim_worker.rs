@@ -537,10 +537,11 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_request() {
         &worker.base,
         "the request to be cancelled",
         |text| {
-            let cancelled = text
-                .lines()
-                .any(|l| l.starts_with("switchyard_engine_requests_total{status=\"cancelled\"} 1"));
-            cancelled && metric(text, "switchyard_engine_running") == Some(0.0)
+            metric(
+                text,
+                "switchyard_engine_requests_total{status=\"cancelled\"}",
+            ) == Some(1.0)
+                && metric(text, "switchyard_engine_running") == Some(0.0)
         },
     )
     .await;

@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeRecord};
+use switchyard_wire::prometheus::Scrape;
 
 /// Settings of one server soak.
 #[derive(Clone, Debug, Serialize)]
@@ -109,12 +110,12 @@ fn round_requests(
     Ok(out)
 }
 
-fn metric(text: &str, name: &str) -> Option<u64> {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<f64>().ok())
-        .map(|v| v as u64)
+/// `switchyard_index_bytes` from the router's `/metrics` text.
+fn index_bytes(metrics: &str) -> Option<u64> {
+    Scrape::parse(metrics)
+        .value("switchyard_index_bytes", &[])
+        .filter(|bytes| bytes.is_finite() && *bytes >= 0.0)
+        .map(|bytes| bytes as u64)
 }
 
 /// Runs a server soak over `records`, calling `on_sample` per sample.
@@ -202,7 +203,7 @@ pub fn run_server(
                     ticker.tick().await;
                     let index_bytes = loadgen::get_text(&client, &format!("{base}/metrics"))
                         .await
-                        .and_then(|t| metric(&t, "switchyard_index_bytes"));
+                        .and_then(|t| index_bytes(&t));
                     let sample = ServerSample {
                         seconds: started.elapsed().as_secs_f64(),
                         requests: done.load(std::sync::atomic::Ordering::Relaxed),
@@ -251,10 +252,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_prometheus_gauge_is_read_by_exact_name() {
+    fn the_index_bytes_gauge_is_read_by_exact_name() {
         let text = "# TYPE switchyard_index_bytes gauge\nswitchyard_index_bytes_total 9\nswitchyard_index_bytes 1234\n";
-        assert_eq!(metric(text, "switchyard_index_bytes"), Some(1234));
-        assert_eq!(metric(text, "switchyard_missing"), None);
+        assert_eq!(index_bytes(text), Some(1234));
+        assert_eq!(index_bytes("switchyard_index_bytes_total 9\n"), None);
+        assert_eq!(index_bytes("switchyard_index_bytes NaN\n"), None);
     }
 
     #[test]

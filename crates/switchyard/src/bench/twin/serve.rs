@@ -15,6 +15,7 @@ use serde::Serialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
+use switchyard_wire::prometheus::Scrape;
 
 /// How long the router may take to list every worker as up.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -82,21 +83,22 @@ pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Children, String)
 
 /// Workers the router's `/metrics` lists as in selection.
 fn workers_up(metrics: &str) -> usize {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("switchyard_worker_up{") && l.ends_with(" 1"))
+    Scrape::parse(metrics)
+        .series("switchyard_worker_up")
+        .filter(|s| s.value() == 1.0)
         .count()
 }
 
-/// A counter's value in Prometheus text (`name value`, no labels).
-pub(crate) fn counter(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        l.strip_prefix(name)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse::<f64>()
-            .ok()
-    })
+/// The step time a sim-worker's timing model asked for and the part of it
+/// the worker fell too far behind to keep, seconds, from its `/metrics`
+/// (0 for what it does not export).
+pub(crate) fn paced_and_dropped_seconds(metrics: &str) -> (f64, f64) {
+    let scrape = Scrape::parse(metrics);
+    let seconds = |name| scrape.value(name, &[]).unwrap_or(0.0);
+    (
+        seconds("switchyard_engine_paced_seconds_total"),
+        seconds("switchyard_engine_pacing_dropped_seconds_total"),
+    )
 }
 
 /// Ends when this process gets Ctrl-C or SIGTERM.
@@ -225,8 +227,9 @@ async fn drive(
         let text = loadgen::get_text(&client, &format!("{url}/metrics"))
             .await
             .with_context(|| format!("reading {url}/metrics"))?;
-        paced += counter(&text, "switchyard_engine_paced_seconds_total").unwrap_or(0.0);
-        dropped += counter(&text, "switchyard_engine_pacing_dropped_seconds_total").unwrap_or(0.0);
+        let (worker_paced, worker_dropped) = paced_and_dropped_seconds(&text);
+        paced += worker_paced;
+        dropped += worker_dropped;
     }
     let health = ServeHealth {
         requests: report.requests,
@@ -256,18 +259,12 @@ mod tests {
     }
 
     #[test]
-    fn a_counter_is_read_by_exact_name() {
-        let text = "switchyard_engine_paced_seconds_total 12.5\n\
+    fn paced_and_dropped_seconds_are_read_by_exact_name() {
+        let text = "switchyard_engine_paced_seconds 99\n\
+                    switchyard_engine_paced_seconds_total 12.5\n\
                     switchyard_engine_pacing_dropped_seconds_total 0.25\n";
-        assert_eq!(
-            counter(text, "switchyard_engine_paced_seconds_total"),
-            Some(12.5)
-        );
-        assert_eq!(
-            counter(text, "switchyard_engine_pacing_dropped_seconds_total"),
-            Some(0.25)
-        );
-        assert_eq!(counter(text, "switchyard_engine_paced_seconds"), None);
+        assert_eq!(paced_and_dropped_seconds(text), (12.5, 0.25));
+        assert_eq!(paced_and_dropped_seconds("other 1\n"), (0.0, 0.0));
     }
 
     #[test]
