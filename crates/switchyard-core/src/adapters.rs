@@ -207,6 +207,11 @@ impl AdapterTable {
         }
     }
 
+    /// `worker`'s adapter slots, when known.
+    pub fn slots(&self, worker: WorkerId) -> Option<usize> {
+        self.workers.get(&worker)?.slots
+    }
+
     /// Sets `worker`'s adapter slots (`None`: unknown, never full), clamped
     /// to [`AdapterConfig::max_per_worker`].
     pub fn set_slots(&mut self, worker: WorkerId, slots: Option<usize>) {

@@ -13,10 +13,12 @@
 //!   carry as `lora_name`).
 //! - **What each worker has loaded**: read from its `/v1/models` on every
 //!   health-check round (the adapters with a `parent`), and its slots from
-//!   `/get_server_info`'s `max_loras` when it reports one (the sim-worker
-//!   does; vLLM has no such endpoint, so its slots stay unknown and the
-//!   router never unloads there on its own), into the core's bounded
-//!   per-worker table.
+//!   `/get_server_info`'s `max_loras` (the sim-worker, SGLang) or, for a
+//!   worker without that endpoint (vLLM), from the `max_lora` label of
+//!   `vllm:lora_requests_info` on its `/metrics`, which vLLM exports once
+//!   it has served a request (read each round until found, while any
+//!   adapter is known), into the core's bounded per-worker table. A
+//!   worker whose slots stay unknown is never unloaded by the router.
 //! - **Loading on demand**: when the core places a request on a worker
 //!   without its adapter, the dispatch says so
 //!   ([`switchyard_core::adapters::AdapterLoad`]); before forwarding, the
@@ -196,6 +198,12 @@ impl Adapters {
 
     fn count(family: &Family<ResultLabel, Counter>, result: &'static str) {
         family.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// Whether no adapter is known, configured or learned (then no
+    /// worker's slots matter).
+    pub fn is_empty(&self) -> bool {
+        self.configured.is_empty() && read(&self.learned).is_empty()
     }
 
     /// The path `/v1/load_lora_adapter` is given for `name`.

@@ -534,6 +534,11 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
                 "role": w.role.label(),
                 "bootstrap_port": w.bootstrap_port,
                 "active_requests": state.shared.active_requests(w.id),
+                // What the router read of the worker (null: not reported).
+                "max_model_len": state.fleet.model_len_of(w.id),
+                "capacity": w.capacity,
+                "kv_usage": w.kv_usage,
+                "adapter_slots": state.shared.adapter_slots_of(w.id),
             })
         })
         .collect();

@@ -338,6 +338,11 @@ impl SharedRouter {
         self.lock().dispatcher.adapters_mut().set_slots(id, slots);
     }
 
+    /// The adapter slots the router knows of worker `id`.
+    pub(crate) fn adapter_slots_of(&self, id: WorkerId) -> Option<usize> {
+        self.lock().dispatcher.router().adapters().slots(id)
+    }
+
     /// `adapter` is loaded on worker `id` now (a load the router made).
     pub(crate) fn adapter_loaded(&self, id: WorkerId, adapter: &str) {
         let now = self.now_ms();

@@ -27,7 +27,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderValue;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,7 +36,7 @@ use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 use switchyard_kv_events::metrics::KvEventMetrics;
 use switchyard_kv_events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
-use switchyard_wire::engine_metrics::{kv_usage_fraction, KvCapacity};
+use switchyard_wire::engine_metrics::{kv_usage_fraction, vllm_lora_slots, KvCapacity};
 use switchyard_wire::prometheus::Scrape;
 
 /// The pooled upstream HTTP client.
@@ -83,6 +83,10 @@ pub struct Fleet {
     max_model_len: AtomicU64,
     /// Whether workers may have roles (`--disagg`).
     disagg: bool,
+    /// Workers that serve no `/get_server_info` (vLLM) and whose LoRA
+    /// slots are not known yet: read from their `/metrics` each round
+    /// (a subset of the workers).
+    slots_from_metrics: Mutex<HashSet<WorkerId>>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -118,6 +122,7 @@ impl Fleet {
             model_lens: Mutex::new(HashMap::new()),
             max_model_len: AtomicU64::new(0),
             disagg: false,
+            slots_from_metrics: Mutex::new(HashSet::new()),
         }
     }
 
@@ -158,6 +163,11 @@ impl Fleet {
     /// some worker of a mixed fleet is that worker's to judge.
     pub fn max_model_len(&self) -> Option<u64> {
         Some(self.max_model_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
+    /// The `max_model_len` worker `id` reported, if any.
+    pub fn model_len_of(&self, id: WorkerId) -> Option<u64> {
+        lock(&self.model_lens).get(&id).copied()
     }
 
     fn set_model_len(&self, id: WorkerId, len: Option<u64>) {
@@ -283,6 +293,7 @@ impl Fleet {
         lock(&self.event_configs).remove(&id);
         lock(&self.declared_block_sizes).remove(&id);
         self.set_model_len(id, None);
+        lock(&self.slots_from_metrics).remove(&id);
         let removed = self.shared.remove_worker(id);
         if let Some(info) = removed {
             tracing::info!(worker = %info.name, "worker removed");
@@ -335,10 +346,16 @@ impl Fleet {
                     ),
                     None => {}
                 }
-                // LoRA slots (`max_loras`), when the worker reports them.
-                if let Some(body) = self.get(&info.url, "/get_server_info").await {
-                    let slots = crate::adapters::Adapters::slots_of(&body);
-                    self.shared.adapter_slots(info.id, slots);
+                // LoRA slots (`max_loras`), when the worker reports them;
+                // vLLM's come later, from its /metrics.
+                match self.get(&info.url, "/get_server_info").await {
+                    Some(body) => {
+                        let slots = crate::adapters::Adapters::slots_of(&body);
+                        self.shared.adapter_slots(info.id, slots);
+                    }
+                    None => {
+                        lock(&self.slots_from_metrics).insert(info.id);
+                    }
                 }
                 self.enter(info.id, block_size);
                 tracing::info!(worker = %info.name, "worker healthy: in selection");
@@ -354,13 +371,24 @@ impl Fleet {
                     }
                 }
             }
-            if ok && self.shared.wants_kv_usage() {
-                let usage = self
-                    .get(&info.url, "/metrics")
-                    .await
-                    .and_then(|body| kv_usage_fraction(&Scrape::parse_bytes(&body)));
-                if let Some(fraction) = usage {
-                    self.shared.set_kv_usage(info.id, fraction);
+            let wants_usage = ok && self.shared.wants_kv_usage();
+            let wants_slots = ok
+                && !self.shared.adapters.is_empty()
+                && lock(&self.slots_from_metrics).contains(&info.id);
+            if wants_usage || wants_slots {
+                if let Some(body) = self.get(&info.url, "/metrics").await {
+                    let scrape = Scrape::parse_bytes(&body);
+                    if wants_usage {
+                        if let Some(fraction) = kv_usage_fraction(&scrape) {
+                            self.shared.set_kv_usage(info.id, fraction);
+                        }
+                    }
+                    if wants_slots {
+                        if let Some(slots) = vllm_lora_slots(&scrape) {
+                            self.shared.adapter_slots(info.id, Some(slots));
+                            lock(&self.slots_from_metrics).remove(&info.id);
+                        }
+                    }
                 }
             }
         }

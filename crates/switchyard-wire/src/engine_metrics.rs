@@ -197,6 +197,18 @@ impl KvCapacity {
     }
 }
 
+/// vLLM's LoRA slots: the `max_lora` label of `vllm:lora_requests_info`
+/// (`--max-loras`, the adapters one batch can hold). vLLM sets that gauge
+/// only with `--enable-lora`, and only once it has logged a step
+/// (`vllm/v1/metrics/loggers.py`): a server that has served nothing yet
+/// has no series. The largest over the series; `None` without a number.
+pub fn vllm_lora_slots(scrape: &Scrape<'_>) -> Option<usize> {
+    scrape
+        .series("vllm:lora_requests_info")
+        .filter_map(|s| s.label("max_lora")?.parse::<usize>().ok())
+        .max()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,5 +429,19 @@ vllm:prompt_tokens_cached_total{engine="0",model_name="tiny"} 44416.0
             block_size: 2,
         };
         assert_eq!(huge.tokens(), None);
+    }
+
+    #[test]
+    fn vllms_lora_slots_are_the_max_lora_label_once_it_has_served() {
+        // Captured from vLLM 0.32.0 (CPU) with `--enable-lora --max-loras 1`
+        // after an adapter's request.
+        let page = "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+# TYPE vllm:lora_requests_info gauge\n\
+vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"lora-a\",waiting_lora_adapters=\"lora-a\"} 1.796314671937986e+09\n\
+vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7963146719675994e+09\n";
+        assert_eq!(vllm_lora_slots(&Scrape::parse(page)), Some(1));
+        assert_eq!(vllm_lora_slots(&Scrape::parse(VLLM_PAGE)), None, "no LoRA");
+        let odd = "vllm:lora_requests_info{max_lora=\"many\"} 1\n";
+        assert_eq!(vllm_lora_slots(&Scrape::parse(odd)), None);
     }
 }

@@ -586,16 +586,19 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// Tells the admission strategy a worker's KV capacity (its device
-    /// blocks × the block size, when known) and, when measured, the
+    /// Tells the admission strategy a worker's KV capacity (its tokens, or
+    /// its device blocks × its block size, when known) and, when measured, the
     /// fraction in use (clamped to `0..=1`; a non-finite one is ignored).
     /// Without a capacity the strategy cannot pause sessions there.
     pub fn report_kv(&mut self, worker: WorkerId, used_fraction: Option<f64>) {
-        let Some(blocks) = self.workers.get(&worker).and_then(|w| w.capacity.kv_blocks) else {
+        let block_size = self.router.block_size_of(worker);
+        let Some(capacity_tokens) = self
+            .workers
+            .get(&worker)
+            .and_then(|w| w.capacity.kv_tokens_or(block_size))
+        else {
             return;
         };
-        let block_size = u64::from(self.router.block_size_of(worker));
-        let capacity_tokens = blocks.saturating_mul(block_size);
         let used_tokens = used_fraction
             .filter(|f| f.is_finite())
             .map(|f| (f.clamp(0.0, 1.0) * capacity_tokens as f64) as u64);

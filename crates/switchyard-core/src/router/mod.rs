@@ -237,6 +237,24 @@ impl WorkerCapacity {
     fn block_size_or(&self, default: u32) -> u32 {
         self.block_size.filter(|&b| b > 0).unwrap_or(default)
     }
+
+    /// Its KV capacity in blocks of `block_size` tokens, the size its
+    /// bookings are counted in: from `kv_tokens` when known (the engine's
+    /// own blocks may be of another size: vLLM's CPU build at 32 behind a
+    /// router at 16), else `kv_blocks` as reported.
+    pub fn kv_blocks_of(&self, block_size: u32) -> Option<u64> {
+        match self.kv_tokens {
+            Some(tokens) if block_size > 0 => Some(tokens / u64::from(block_size)),
+            _ => self.kv_blocks,
+        }
+    }
+
+    /// Its KV capacity in tokens: `kv_tokens`, else `kv_blocks` of
+    /// `block_size` tokens.
+    pub fn kv_tokens_or(&self, block_size: u32) -> Option<u64> {
+        self.kv_tokens
+            .or_else(|| self.kv_blocks?.checked_mul(u64::from(block_size)))
+    }
 }
 
 /// One worker's depths for the prompt being routed (in blocks).
@@ -908,6 +926,28 @@ mod tests {
             SelectOutcome::Selected(d) => d,
             other => panic!("expected a selection, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn kv_capacity_is_counted_in_the_blocks_bookings_are_counted_in() {
+        // vLLM's CPU build at 32 tokens a block behind a router at 16: 100
+        // engine blocks hold 200 of the router's.
+        let engine = WorkerCapacity {
+            max_num_batched_tokens: None,
+            kv_blocks: Some(100),
+            kv_tokens: Some(3200),
+            block_size: None,
+        };
+        assert_eq!(engine.kv_blocks_of(16), Some(200));
+        assert_eq!(engine.kv_tokens_or(16), Some(3200));
+        // Without a token count, the blocks are taken as reported.
+        let blocks_only = WorkerCapacity {
+            kv_tokens: None,
+            ..engine
+        };
+        assert_eq!(blocks_only.kv_blocks_of(16), Some(100));
+        assert_eq!(blocks_only.kv_tokens_or(16), Some(1600));
+        assert_eq!(WorkerCapacity::default().kv_tokens_or(16), None);
     }
 
     #[test]

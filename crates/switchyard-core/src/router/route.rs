@@ -48,7 +48,7 @@ pub(super) fn is_busy(
             cap.max_num_batched_tokens
                 .is_some_and(|m| prefill_tokens as f64 > t * m as f64)
                 || cap
-                    .kv_blocks
+                    .kv_blocks_of(cap.block_size_or(config.sequences.block_size))
                     .is_some_and(|m| load.decode_blocks as f64 > t * m as f64)
         }
         _ => false,

@@ -65,7 +65,10 @@ fn vllm_032_stores_a_prompts_full_blocks_in_one_event_chained_to_the_last() {
         "the longer prompt's new block chains onto the first prompt's last"
     );
     match &applied(&first, 32)[..] {
-        [IndexEvent::Stored { parent: None, blocks }] => {
+        [IndexEvent::Stored {
+            parent: None,
+            blocks,
+        }] => {
             assert_eq!(blocks.len(), a.block_hashes.len())
         }
         other => panic!("{other:?}"),
@@ -84,13 +87,21 @@ fn sglang_0523_merges_a_prompts_pages_into_one_event_with_signed_hashes() {
     let next = batch("sglang-0.5.23-cpu-2.msgpack", Format::Sglang);
     let salted = batch("sglang-0.5.23-cpu-3.msgpack", Format::Sglang);
     let cleared = batch("sglang-0.5.23-cpu-4.msgpack", Format::Sglang);
-    assert_eq!(merged.data_parallel_rank, Some(0), "SGLang always fills its rank");
+    assert_eq!(
+        merged.data_parallel_rank,
+        Some(0),
+        "SGLang always fills its rank"
+    );
     let (m, n, s) = (stored(&merged), stored(&next), stored(&salted));
     assert_eq!(m.block_hashes.len(), 9, "nine pages, one event");
     assert_eq!(n.parent_block_hash, m.block_hashes.last().copied());
     assert_eq!(s.cache_salt.as_deref(), Some("tenant-a"));
     for e in [m, n, s] {
-        assert_eq!(e.token_ids.len(), 32 * e.block_hashes.len(), "no partial page");
+        assert_eq!(
+            e.token_ids.len(),
+            32 * e.block_hashes.len(),
+            "no partial page"
+        );
     }
     let blocks = |events: Vec<IndexEvent>| match &events[..] {
         [IndexEvent::Stored { blocks, .. }] => blocks.clone(),
