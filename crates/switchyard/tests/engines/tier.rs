@@ -1,0 +1,136 @@
+//! What the tier's tests share: the engines' environment and models (found
+//! or made once per run), vLLM servers started side by side, one test at a
+//! time, a time bound per test, and reading engines' and the router's
+//! `/metrics`.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+use switchyard::engines::env::VllmEnv;
+use switchyard::engines::models::TinyModels;
+use switchyard::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
+use tokio::sync::{Mutex, MutexGuard};
+
+/// How long one test may run, start-up of its servers included.
+pub(crate) const TEST_BOUND: Duration = Duration::from_secs(900);
+
+/// The environment and the models, for the whole run.
+pub(crate) struct Tier {
+    pub(crate) python: PathBuf,
+    pub(crate) models: TinyModels,
+    logs: PathBuf,
+}
+
+static TIER: OnceLock<Result<Tier, String>> = OnceLock::new();
+static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
+
+/// Whether a missing environment fails the tests.
+fn required() -> bool {
+    std::env::var("SWITCHYARD_REQUIRE_ENGINES").is_ok_and(|v| v == "1")
+}
+
+fn prepare() -> Result<Tier, String> {
+    let env = VllmEnv::find().map_err(|e| e.to_string())?;
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let models = TinyModels::make(&env.python(), &scratch.join("engine-models"))
+        .map_err(|e| format!("making the tiny models: {e:#}"))?;
+    Ok(Tier {
+        python: env.python(),
+        models,
+        logs: scratch.join("engine-logs"),
+    })
+}
+
+/// The tier, or `None` (printed) when vLLM's environment is not installed
+/// and not required. Panics when it is required and missing, or when the
+/// models cannot be made.
+pub(crate) fn tier() -> Option<&'static Tier> {
+    match TIER.get_or_init(prepare) {
+        Ok(tier) => Some(tier),
+        Err(why) if !required() && why.contains("not installed") => {
+            println!("skipping the real-engine test: {why}");
+            None
+        }
+        Err(why) => panic!("the real-engine tier cannot run: {why}"),
+    }
+}
+
+/// Holds the machine for one test: the others wait.
+pub(crate) async fn exclusive() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().await
+}
+
+/// Runs `test` within [`TEST_BOUND`]; past it, panics (the test's servers
+/// are dropped, so stopped, as the future is).
+pub(crate) async fn bounded(test: impl Future<Output = ()>) {
+    if tokio::time::timeout(TEST_BOUND, test).await.is_err() {
+        panic!("the test ran past its bound of {TEST_BOUND:?}");
+    }
+}
+
+impl Tier {
+    /// Starts one vLLM server per `(name, options)`, side by side, each
+    /// bound to its own core, and waits until all serve. Their output is
+    /// in `target/tmp/engine-logs/TEST-NAME.log`.
+    pub(crate) async fn start(
+        &self,
+        test: &str,
+        servers: Vec<(&str, VllmOptions)>,
+    ) -> Vec<VllmWorker> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut workers: Vec<VllmWorker> = servers
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, mut options))| {
+                options.cpu.get_or_insert(i % cores);
+                let log = self.logs.join(format!("{test}-{name}.log"));
+                VllmWorker::spawn(&self.python, &options, &log)
+                    .unwrap_or_else(|e| panic!("starting vLLM {name}: {e:#}"))
+            })
+            .collect();
+        let ready =
+            futures_util::future::join_all(workers.iter_mut().map(|w| w.ready(READY_TIMEOUT)))
+                .await;
+        for outcome in ready {
+            if let Err(e) = outcome {
+                panic!("{e:#}");
+            }
+        }
+        workers
+    }
+
+    /// The Qwen3 model's options: served as `tiny`, 32 tokens a block.
+    pub(crate) fn qwen3(&self) -> VllmOptions {
+        let mut options = VllmOptions::new(&self.models.qwen3(), "tiny");
+        options.max_model_len = 8192;
+        options
+    }
+}
+
+/// The sum of every sample of `name` in an engine's or the router's
+/// Prometheus text (vLLM exports one series per engine and model).
+pub(crate) fn sum(text: &str, name: &str) -> f64 {
+    crate::support::metric_sum(text, name)
+}
+
+/// `GET url/metrics` ("" when unreachable).
+pub(crate) async fn metrics(client: &reqwest::Client, base: &str) -> String {
+    crate::support::metrics_text(client, base).await
+}
+
+/// vLLM's own prefix-cache counters over `workers`: (hit tokens, queried
+/// tokens).
+pub(crate) async fn vllm_prefix_cache(
+    client: &reqwest::Client,
+    workers: &[&VllmWorker],
+) -> (f64, f64) {
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for w in workers {
+        let text = metrics(client, &w.base).await;
+        hits += sum(&text, "vllm:prefix_cache_hits_total");
+        queries += sum(&text, "vllm:prefix_cache_queries_total");
+    }
+    (hits, queries)
+}
