@@ -281,11 +281,24 @@ impl Adapters {
         Some(names)
     }
 
-    /// A worker's slots from its `/get_server_info` (`max_loras`).
+    /// A worker's slots from its server information: `max_loras` (the
+    /// sim-worker), else, when LoRA is on (`enable_lora`), SGLang's
+    /// `max_loaded_loras` (adapters held at once, when limited) or
+    /// `max_loras_per_batch` (SGLang 0.5.23's `/server_info`).
     pub fn slots_of(body: &[u8]) -> Option<usize> {
         let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let sglang = || {
+            (value["enable_lora"] == true)
+                .then(|| {
+                    value["max_loaded_loras"]
+                        .as_u64()
+                        .or(value["max_loras_per_batch"].as_u64())
+                })
+                .flatten()
+        };
         value["max_loras"]
             .as_u64()
+            .or_else(sglang)
             .map(|n| n.min(MAX_CARDS as u64) as usize)
     }
 
@@ -374,5 +387,16 @@ mod tests {
         assert_eq!(Adapters::slots_of(br#"{"max_loras": 2}"#), Some(2));
         assert_eq!(Adapters::slots_of(b"{}"), None);
         assert!(a.learn_models(b"not json").is_none());
+    }
+
+    #[test]
+    fn sglangs_slots_are_read_only_when_its_lora_is_on() {
+        // SGLang 0.5.23's /server_info (a real one, trimmed) without LoRA.
+        let off = br#"{"enable_lora": null, "max_loaded_loras": null, "max_loras_per_batch": 8, "page_size": 32}"#;
+        assert_eq!(Adapters::slots_of(off), None);
+        let on = br#"{"enable_lora": true, "max_loaded_loras": null, "max_loras_per_batch": 8}"#;
+        assert_eq!(Adapters::slots_of(on), Some(8));
+        let limited = br#"{"enable_lora": true, "max_loaded_loras": 2, "max_loras_per_batch": 8}"#;
+        assert_eq!(Adapters::slots_of(limited), Some(2));
     }
 }

@@ -329,7 +329,8 @@ impl Fleet {
                 // model's blocks.
                 let block_size = self.block_size_of(info.id, &served);
                 let own = (block_size != self.block_size).then_some(block_size);
-                match self.capacity_of(&info.url).await {
+                let server_info = self.server_info(&info.url).await;
+                match self.capacity_of(&info.url, server_info.as_deref()).await {
                     Some(capacity) => self.shared.set_capacity(
                         info.id,
                         WorkerCapacity {
@@ -346,11 +347,11 @@ impl Fleet {
                     ),
                     None => {}
                 }
-                // LoRA slots (`max_loras`), when the worker reports them;
-                // vLLM's come later, from its /metrics.
-                match self.get(&info.url, "/get_server_info").await {
+                // LoRA slots, when the worker reports them; vLLM's come
+                // later, from its /metrics.
+                match &server_info {
                     Some(body) => {
-                        let slots = crate::adapters::Adapters::slots_of(&body);
+                        let slots = crate::adapters::Adapters::slots_of(body);
                         self.shared.adapter_slots(info.id, slots);
                     }
                     None => {
@@ -423,12 +424,23 @@ impl Fleet {
         Some((models, max_model_len))
     }
 
-    /// Capacity from `/get_server_info` (SGLang's and the sim-worker's
-    /// field names), else, for a worker that serves none (vLLM), the KV
-    /// blocks and block size of `vllm:cache_config_info` on its
-    /// `/metrics`; unknown parts stay unknown and never make it busy.
-    async fn capacity_of(&self, url: &str) -> Option<WorkerCapacity> {
-        let Some(body) = self.get(url, "/get_server_info").await else {
+    /// The engine's server information: `/server_info` (SGLang; since
+    /// 0.5.23 its `/get_server_info` is deprecated and logs a warning at
+    /// every call), else `/get_server_info` (older SGLang, the
+    /// sim-worker); `None` from a worker that serves neither (vLLM).
+    async fn server_info(&self, url: &str) -> Option<Bytes> {
+        match self.get(url, "/server_info").await {
+            Some(body) => Some(body),
+            None => self.get(url, "/get_server_info").await,
+        }
+    }
+
+    /// Capacity from the server information `server_info` (SGLang's and
+    /// the sim-worker's field names), else, for a worker that serves none
+    /// (vLLM), the KV blocks and block size of `vllm:cache_config_info` on
+    /// its `/metrics`; unknown parts stay unknown and never make it busy.
+    async fn capacity_of(&self, url: &str, server_info: Option<&[u8]>) -> Option<WorkerCapacity> {
+        let Some(body) = server_info else {
             let body = self.get(url, "/metrics").await?;
             let kv = KvCapacity::from_vllm(&Scrape::parse_bytes(&body))?;
             return Some(WorkerCapacity {
@@ -438,7 +450,7 @@ impl Fleet {
                 block_size: None,
             });
         };
-        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
         let kv_blocks = v["num_gpu_blocks"].as_u64();
         // SGLang reports its KV capacity in tokens; otherwise blocks times
         // the engine's page (block) size, when it names one.
