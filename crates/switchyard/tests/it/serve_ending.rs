@@ -81,9 +81,9 @@ impl Fake {
     }
 }
 
-/// Reads one request whole: its path and body (`None`: the connection
-/// ended first).
-async fn read_request(socket: &mut TcpStream) -> Option<(String, String)> {
+/// Reads one request whole: its method, path and body (`None`: the
+/// connection ended first).
+async fn read_request(socket: &mut TcpStream) -> Option<(String, String, String)> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let head_end = loop {
@@ -108,9 +108,17 @@ async fn read_request(socket: &mut TcpStream) -> Option<(String, String)> {
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
-    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
-    Some((path, String::from_utf8_lossy(&buf[head_end..]).into_owned()))
+    let mut words = head.split_whitespace();
+    let method = words.next().unwrap_or("get").to_owned();
+    let path = words.next().unwrap_or("/").to_owned();
+    Some((
+        method,
+        path,
+        String::from_utf8_lossy(&buf[head_end..]).into_owned(),
+    ))
 }
+
+const NOT_FOUND: &str = "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
 
 fn reply(body: &str) -> String {
     format!(
@@ -133,12 +141,16 @@ async fn serve(
     generations: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
 ) {
-    let Some((path, body)) = read_request(&mut socket).await else {
+    let Some((method, path, body)) = read_request(&mut socket).await else {
         return;
     };
-    let out = match path.as_str() {
-        "/health" | "/get_server_info" => reply("{}"),
-        "/v1/models" => reply(r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#),
+    // What the router reads of a worker (health, models, server
+    // information, metrics) is a GET; only a POST is a generation, and only
+    // a generation misbehaves.
+    let out = match (method.as_str(), path.as_str()) {
+        ("get", "/health" | "/get_server_info") => reply("{}"),
+        ("get", "/v1/models") => reply(r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#),
+        ("get", _) => NOT_FOUND.to_owned(),
         _ => {
             generations.fetch_add(1, Ordering::SeqCst);
             match behaviour {
