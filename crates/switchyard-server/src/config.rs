@@ -215,6 +215,10 @@ pub struct ServerConfig {
     pub cache: CacheMode,
     /// Busy threshold as a fraction of a worker's capacity (none: off).
     pub busy_threshold: Option<f64>,
+    /// Most blocks one worker may hold in each tier of the prefix index;
+    /// past it the worker's oldest are dropped (counted in
+    /// `switchyard_index_evicted_blocks_total`).
+    pub max_index_blocks_per_worker: usize,
     /// Admission strategy.
     pub admission: AdmissionMode,
     /// Policy-queue and record limits.
@@ -353,6 +357,7 @@ impl Default for ServerConfig {
             block_size: 16,
             cache: CacheMode::Auto,
             busy_threshold: None,
+            max_index_blocks_per_worker: switchyard_core::index::DEFAULT_MAX_BLOCKS_PER_WORKER,
             admission: AdmissionMode::None,
             queue: AdmissionConfig::default(),
             session: SessionAwareConfig::default(),
@@ -494,6 +499,9 @@ impl ServerConfig {
         }
         if self.block_size == 0 {
             return invalid("block_size must be positive".into());
+        }
+        if self.max_index_blocks_per_worker == 0 {
+            return invalid("max_index_blocks_per_worker must be at least 1".into());
         }
         if let Some(t) = self.busy_threshold {
             if !(t.is_finite() && t > 0.0) {

@@ -630,6 +630,7 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
         },
         cache,
         busy_threshold: config.busy_threshold,
+        max_index_blocks_per_worker: config.max_index_blocks_per_worker,
         // Replicas must not break cost ties in lockstep (they would all
         // pick the same worker until the sync catches up): with replica
         // sync on, each process mixes fresh entropy into its seed.
