@@ -644,6 +644,8 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     router.remote.max_bookings_per_replica = config.replica.max_bookings_per_peer;
     router.remote.max_sessions_per_replica = config.replica.max_sessions_per_peer;
+    router.remote.max_bytes_per_replica = config.replica.max_bytes_per_peer;
+    router.remote.max_total_bytes = config.replica.max_peer_bytes_total;
     router.adapters.load_ms = config.adapter_load_ms;
     DispatcherConfig {
         router,
