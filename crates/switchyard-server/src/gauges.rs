@@ -259,7 +259,7 @@ mod tests {
             active_requests: 2,
             index_blocks: 40,
             index_bytes: 4096,
-            index_evicted_blocks: 0,
+            index_evicted_blocks: 3,
             queue_depth: 1,
             strategy: Some(("session-aware", vec![("pauses", 4)])),
         }
@@ -272,7 +272,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(typed.len(), 13, "{out}");
+        assert_eq!(typed.len(), 14, "{out}");
         for t in typed {
             let (name, kind) = t.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -286,6 +286,7 @@ mod tests {
         ));
         assert!(out.contains("switchyard_worker_kv_usage_ratio{worker=\"a\"} 0.5\n"));
         assert!(out.contains("switchyard_queue_depth 1\n"));
+        assert!(out.contains("switchyard_index_evicted_blocks_total 3\n"));
         assert!(out.contains(
             "switchyard_admission_strategy_events_total{strategy=\"session-aware\",event=\"pauses\"} 4\n"
         ));
