@@ -150,11 +150,11 @@ pub(super) fn tree_cost(bytes: &[u8], budget: usize) -> Result<usize, DecodeErro
         at += 1;
         // (child values still to read, payload bytes after the header)
         let (children, payload) = match marker {
-            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            // 0xc1 is reserved; `rmpv` reads it as nil, so it costs a value.
+            0x00..=0x7f | 0xe0..=0xff | 0xc0..=0xc3 => (0, 0),
             0x80..=0x8f => (2 * u64::from(marker & 0x0f), 0),
             0x90..=0x9f => (u64::from(marker & 0x0f), 0),
             0xa0..=0xbf => (0, usize::from(marker & 0x1f)),
-            0xc1 => return Err(truncated()),
             0xc4 | 0xd9 => (0, take(&mut at, 1, length)?),
             0xc5 | 0xda => (0, take(&mut at, 2, length)?),
             0xc6 | 0xdb => (0, take(&mut at, 4, length)?),

@@ -452,6 +452,8 @@ fn a_length_past_the_end_is_truncated_msgpack_not_an_allocation() {
         decode_batch_lossy(&payload, Format::Auto),
         Err(DecodeError::Msgpack(_))
     ));
+    // The reserved marker is one value, as `rmpv` reads it (nil).
+    assert!(super::decode::tree_cost(&[0xc1], usize::MAX).is_ok());
 }
 
 proptest! {
