@@ -18,6 +18,26 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+impl Secret {
+    /// The secret itself, for the one place that uses it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A flag's or a variable's value (clap builds a `Secret` from it).
+impl From<String> for Secret {
+    fn from(text: String) -> Self {
+        Self(text)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(text: &str) -> Self {
+        Self(text.to_owned())
+    }
+}
+
 /// How this replica proves itself to the NATS server, and how it checks
 /// the server (TLS). At most one of user/password, token and credentials
 /// file; TLS combines with any.

@@ -30,10 +30,13 @@ use switchyard_wire::replica::ReplicaBatch;
 /// `SWITCHYARD_*` variable, and each set one overrides the config file.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ReplicaArgs {
-    /// Share bookings with peer replicas over NATS at this URL; off when absent.
+    /// Share bookings with peer replicas over NATS at this URL; off when
+    /// absent. (A NATS URL may carry `user:password@`: `--help` does not
+    /// show the variable's value.)
     #[arg(
         long = "replica-sync",
         env = "SWITCHYARD_REPLICA_SYNC",
+        hide_env_values = true,
         value_name = "nats://HOST:PORT"
     )]
     pub replica_sync: Option<String>,

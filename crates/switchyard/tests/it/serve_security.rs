@@ -515,3 +515,61 @@ requests_per_second = 1
     .unwrap_or_default();
     assert_eq!(requests as usize, 10 - passed, "{metrics}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_limit_charges_every_prompt_every_choice_and_an_allowance_without_max_tokens() {
+    let _machine = machine().await;
+    let worker = sim_worker("0");
+    let config = crate::support::scratch_file(
+        "token_charges.toml",
+        br#"
+[rate_limits]
+tokens_per_minute = 1000
+[[rate_limits.keys]]
+name = "k"
+key = "sk-k"
+"#,
+    );
+    let config = config.to_str().expect("a UTF-8 path");
+    let router = router(&[worker.named("w0")], &["--config", config]);
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let ids = |n: u32| (0..n).collect::<Vec<u32>>();
+    // Each of these was charged its first prompt and one choice's
+    // max_tokens (70, 110 and 10 tokens), far inside a 1000-token minute.
+    let batch: Vec<Vec<u32>> = (0..20).map(|_| ids(60)).collect();
+    for (body, needs) in [
+        // 20 prompts of 60 tokens, 10 output tokens each: 1200 + 200.
+        (json!({"prompt": batch, "max_tokens": 10}), 1400),
+        // One prompt of 10 tokens, 11 choices of 100: 10 + 1100.
+        (json!({"prompt": ids(10), "max_tokens": 100, "n": 11}), 1110),
+        // No max_tokens: the default allowance of 1024 per choice.
+        (json!({"prompt": ids(10)}), 1034),
+    ] {
+        let response = client
+            .post(format!("{}/v1/completions", router.base))
+            .bearer_auth("sk-k")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 429, "{body}");
+        assert!(response.headers().get("retry-after").is_none());
+        assert!(response.headers().get("x-switchyard-worker").is_none());
+        let error: serde_json::Value = response.json().await.unwrap();
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("this request needs {needs} tokens")),
+            "{body}: {message}"
+        );
+    }
+    // Nothing was taken by the refusals: a request within the minute passes.
+    let ok = client
+        .post(format!("{}/v1/completions", router.base))
+        .bearer_auth("sk-k")
+        .json(&json!({"prompt": ids(10), "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+}
