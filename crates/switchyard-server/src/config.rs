@@ -260,6 +260,10 @@ pub struct ServerConfig {
     /// How long a client may take to send a request's body, from its head
     /// on, in milliseconds; a slower upload gets a 408 (counted).
     pub body_read_timeout_ms: u64,
+    /// How long a connection's answer may make no progress (its client
+    /// reads nothing) before the connection is closed, in milliseconds;
+    /// never more than the request timeout ([`Self::send_timeout`]).
+    pub send_timeout_ms: u64,
     /// Most tokens in one prompt (token ids as given, or text and chats
     /// as the router tokenizes them). None: the largest `max_model_len`
     /// the workers report on `/v1/models`, else
@@ -377,6 +381,7 @@ impl Default for ServerConfig {
             // connection costs a file descriptor and its buffers.
             max_connections: 10_240,
             header_read_timeout_ms: 10_000,
+            send_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             max_prompt_tokens: None,
             max_messages: 4096,
@@ -458,6 +463,16 @@ impl ServerConfig {
             }
         }
         sizes
+    }
+
+    /// The send timeout in force: `send_timeout_ms`, but never more than
+    /// the request timeout (a request's answer is due by then anyway).
+    pub fn send_timeout(&self) -> std::time::Duration {
+        let configured = std::time::Duration::from_millis(self.send_timeout_ms);
+        // A positive finite timeout (validated); a bad one leaves the send
+        // timeout as configured.
+        std::time::Duration::try_from_secs_f64(self.request_timeout_secs)
+            .map_or(configured, |request| configured.min(request))
     }
 
     /// Reads a TOML file.
@@ -579,9 +594,13 @@ impl ServerConfig {
         if self.max_connections == 0 {
             return invalid("max_connections must be positive".into());
         }
-        if self.header_read_timeout_ms == 0 || self.body_read_timeout_ms == 0 {
+        if self.header_read_timeout_ms == 0
+            || self.body_read_timeout_ms == 0
+            || self.send_timeout_ms == 0
+        {
             return invalid(
-                "header_read_timeout_ms and body_read_timeout_ms must be positive".into(),
+                "header_read_timeout_ms, body_read_timeout_ms and send_timeout_ms must be positive"
+                    .into(),
             );
         }
         self.validate_secrets()?;
@@ -1367,11 +1386,18 @@ mod tests {
             "max_connections = 0",
             "header_read_timeout_ms = 0",
             "body_read_timeout_ms = 0",
+            "send_timeout_ms = 0",
             "api_keys = [\"\"]",
             "admin_token = \"has space\"",
         ] {
             assert!(ServerConfig::from_toml(bad).is_err(), "{bad}");
         }
+        let config = ServerConfig::from_toml("request_timeout_secs = 2.5").unwrap();
+        assert_eq!(
+            config.send_timeout(),
+            std::time::Duration::from_millis(2_500),
+            "the request timeout caps the send timeout"
+        );
         let config =
             ServerConfig::from_toml("max_connections = 5\nbody_read_timeout_ms = 100\n").unwrap();
         assert_eq!(config.max_connections, 5);

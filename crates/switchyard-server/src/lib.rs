@@ -208,6 +208,11 @@ pub struct ServeArgs {
     /// upload gets a 408 [default: 30000].
     #[arg(long, env = "SWITCHYARD_BODY_READ_TIMEOUT_MS")]
     pub body_read_timeout_ms: Option<u64>,
+    /// Time a connection's answer may make no progress (its client reads
+    /// nothing) before the connection is closed, in ms; never more than
+    /// the request timeout [default: 30000].
+    #[arg(long, env = "SWITCHYARD_SEND_TIMEOUT_MS")]
+    pub send_timeout_ms: Option<u64>,
     /// Most tokens in one prompt; past it, 400 [default: the largest
     /// max_model_len the workers report on /v1/models, else 131072].
     #[arg(long, env = "SWITCHYARD_MAX_PROMPT_TOKENS")]
@@ -384,6 +389,7 @@ impl ServeArgs {
             max_connections,
             header_read_timeout_ms,
             body_read_timeout_ms,
+            send_timeout_ms,
             token_cache_ids
         );
         if self.max_prompt_tokens.is_some() {
@@ -806,6 +812,7 @@ pub async fn start_with_tokenizer(
     let limits = accept::ConnectionLimits {
         max_connections: config.max_connections,
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+        send_timeout: config.send_timeout(),
     };
     let task = tokio::spawn(accept::serve(
         listener,
@@ -889,6 +896,8 @@ mod tests {
             "100",
             "--body-read-timeout-ms",
             "200",
+            "--send-timeout-ms",
+            "300",
         ])
         .unwrap();
         let keys: Vec<&str> = c.api_keys.iter().map(Secret::expose).collect();
@@ -900,9 +909,10 @@ mod tests {
             (
                 c.max_connections,
                 c.header_read_timeout_ms,
-                c.body_read_timeout_ms
+                c.body_read_timeout_ms,
+                c.send_timeout_ms
             ),
-            (7, 100, 200)
+            (7, 100, 200, 300)
         );
         assert!(
             config(&["--admin-token", "a", "--admin-token-file", &token]).is_err(),
@@ -1002,6 +1012,7 @@ mod tests {
         assert_eq!(c.max_connections, 10_240);
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
+        assert_eq!(c.send_timeout_ms, 30_000);
         assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
     }
 
