@@ -31,7 +31,10 @@
 //!   have are dropped. Every drop is counted by reason ([`RemoteDrops`]).
 //! - State is bounded: origins (`max_replicas`, the longest silent evicted),
 //!   bookings per origin (`max_bookings_per_replica`, further `Add`s
-//!   dropped), session bindings per origin (`max_sessions_per_replica`, the
+//!   dropped), the bytes of those bookings per origin and across origins
+//!   (`max_bytes_per_replica`, `max_total_bytes`: further `Add`s dropped as
+//!   `bytes_full`; a booking is counted at [`BOOKING_BYTES`] plus 8 bytes a
+//!   block), session bindings per origin (`max_sessions_per_replica`, the
 //!   oldest evicted), and every booking by the per-request expiry.
 //! - Every batch (and an empty heartbeat) refreshes its sender's last-heard
 //!   time. An origin silent for `silence_expiry_ms` is presumed dead and its
@@ -72,6 +75,16 @@ pub const MAX_REMOTE_PREFILL_MS: f64 = 600_000.0;
 /// A booking that arrived this recently is kept even when a digest of its
 /// origin does not list it.
 pub const DIGEST_GRACE_MS: f64 = 1_000.0;
+
+/// What one remote booking is counted at against the byte bounds, besides
+/// its blocks (8 bytes each): its entries in the write model, the owner
+/// map and its origin's map.
+pub const BOOKING_BYTES: usize = 256;
+
+/// The bytes a remote booking of `blocks` blocks is counted at.
+pub fn booking_bytes(blocks: usize) -> usize {
+    BOOKING_BYTES + 8 * blocks.min(MAX_REMOTE_BLOCKS)
+}
 
 /// Local keys of remote bookings have this bit set; local request ids
 /// never do (see [`RemoteBookings`]).
@@ -124,6 +137,12 @@ pub struct RemoteConfig {
     pub max_bookings_per_replica: usize,
     /// Session bindings remembered per origin; the oldest is evicted.
     pub max_sessions_per_replica: usize,
+    /// Bytes of bookings held per origin ([`booking_bytes`]); further
+    /// `Add`s are dropped.
+    pub max_bytes_per_replica: usize,
+    /// Bytes of bookings held across every origin; further `Add`s are
+    /// dropped.
+    pub max_total_bytes: usize,
 }
 
 impl Default for RemoteConfig {
@@ -133,6 +152,8 @@ impl Default for RemoteConfig {
             max_replicas: 1024,
             max_bookings_per_replica: 262_144,
             max_sessions_per_replica: 65_536,
+            max_bytes_per_replica: 128 << 20,
+            max_total_bytes: 512 << 20,
         }
     }
 }
@@ -146,8 +167,8 @@ pub enum RemoteConfigError {
     /// No origin could be tracked.
     #[error("max_replicas must be at least 1")]
     MaxReplicas,
-    /// A per-origin cap of zero.
-    #[error("{0} must be at least 1")]
+    /// A cap too small for one booking.
+    #[error("{0} must be at least 1 (a byte cap at least one booking's bytes)")]
     PerReplica(&'static str),
 }
 
@@ -166,6 +187,12 @@ impl RemoteConfig {
         if self.max_sessions_per_replica == 0 {
             return Err(RemoteConfigError::PerReplica("max_sessions_per_replica"));
         }
+        if self.max_bytes_per_replica < BOOKING_BYTES {
+            return Err(RemoteConfigError::PerReplica("max_bytes_per_replica"));
+        }
+        if self.max_total_bytes < BOOKING_BYTES {
+            return Err(RemoteConfigError::PerReplica("max_total_bytes"));
+        }
         Ok(())
     }
 }
@@ -183,6 +210,8 @@ pub enum DropReason {
     Duplicate,
     /// An `Add` past `max_bookings_per_replica`.
     ReplicaFull,
+    /// An `Add` past `max_bytes_per_replica` or `max_total_bytes`.
+    BytesFull,
 }
 
 /// Peers' events dropped, by reason (they only grow).
@@ -198,17 +227,20 @@ pub struct RemoteDrops {
     pub duplicate: u64,
     /// See [`DropReason::ReplicaFull`].
     pub replica_full: u64,
+    /// See [`DropReason::BytesFull`].
+    pub bytes_full: u64,
 }
 
 impl RemoteDrops {
     /// `(label, count)` for metrics, every reason.
-    pub fn by_reason(&self) -> [(&'static str, u64); 5] {
+    pub fn by_reason(&self) -> [(&'static str, u64); 6] {
         [
             ("origin_mismatch", self.origin_mismatch),
             ("unknown_worker", self.unknown_worker),
             ("unknown_booking", self.unknown_booking),
             ("duplicate", self.duplicate),
             ("replica_full", self.replica_full),
+            ("bytes_full", self.bytes_full),
         ]
     }
 
@@ -219,6 +251,7 @@ impl RemoteDrops {
             DropReason::UnknownBooking => &mut self.unknown_booking,
             DropReason::Duplicate => &mut self.duplicate,
             DropReason::ReplicaFull => &mut self.replica_full,
+            DropReason::BytesFull => &mut self.bytes_full,
         };
         *slot += 1;
     }
@@ -230,6 +263,7 @@ impl RemoteDrops {
             unknown_booking: self.unknown_booking - before.unknown_booking,
             duplicate: self.duplicate - before.duplicate,
             replica_full: self.replica_full - before.replica_full,
+            bytes_full: self.bytes_full - before.bytes_full,
         }
     }
 }
@@ -303,11 +337,15 @@ struct Held {
     key: RequestId,
     /// When it arrived here.
     added_ms: f64,
+    /// What it is counted at against the byte bounds.
+    bytes: usize,
 }
 
 #[derive(Debug, Default)]
 struct Origin {
     last_heard_ms: f64,
+    /// Bytes of its bookings ([`booking_bytes`]).
+    bytes: usize,
     /// The origin's request id → its booking here.
     bookings: FxHashMap<RequestId, Held>,
     /// Sessions this origin bound, oldest first, and the same as a set.
@@ -329,6 +367,8 @@ pub struct RemoteBookings {
     origins: FxHashMap<ReplicaId, Origin>,
     owners: FxHashMap<RequestId, (ReplicaId, RequestId, WorkerId)>,
     per_worker: FxHashMap<WorkerId, usize>,
+    /// Bytes of every origin's bookings.
+    total_bytes: usize,
     next_key: u128,
     counters: RemoteCounters,
 }
@@ -343,6 +383,7 @@ impl RemoteBookings {
             origins: FxHashMap::default(),
             owners: FxHashMap::default(),
             per_worker: FxHashMap::default(),
+            total_bytes: 0,
             next_key: 0,
             counters: RemoteCounters::default(),
         })
@@ -498,6 +539,13 @@ impl RemoteBookings {
             self.counters.drops.count(DropReason::ReplicaFull);
             return RemoteOutcome::Dropped(DropReason::ReplicaFull);
         }
+        let bytes = booking_bytes(add.blocks.len());
+        if known.bytes + bytes > self.config.max_bytes_per_replica
+            || self.total_bytes + bytes > self.config.max_total_bytes
+        {
+            self.counters.drops.count(DropReason::BytesFull);
+            return RemoteOutcome::Dropped(DropReason::BytesFull);
+        }
         if !sequences.has_worker(add.worker) {
             self.counters.drops.count(DropReason::UnknownWorker);
             return RemoteOutcome::Dropped(DropReason::UnknownWorker);
@@ -520,8 +568,11 @@ impl RemoteBookings {
                     Held {
                         key,
                         added_ms: now_ms,
+                        bytes,
                     },
                 );
+                known.bytes += bytes;
+                self.total_bytes += bytes;
             }
         }
         RemoteOutcome::Lifecycle(outcome)
@@ -708,9 +759,17 @@ impl RemoteBookings {
     fn forget(&mut self, key: RequestId) {
         if let Some((origin, id, _)) = self.remove_owner(key) {
             if let Some(known) = self.origins.get_mut(&origin) {
-                known.bookings.remove(&id);
+                if let Some(held) = known.bookings.remove(&id) {
+                    known.bytes -= held.bytes;
+                    self.total_bytes -= held.bytes;
+                }
             }
         }
+    }
+
+    /// Bytes of every origin's bookings, as the byte bounds count them.
+    pub fn held_bytes(&self) -> usize {
+        self.total_bytes
     }
 
     /// Drops a booking's owner entry and its worker's count.
@@ -734,6 +793,7 @@ impl RemoteBookings {
         let Some(known) = self.origins.remove(&origin) else {
             return Vec::new();
         };
+        self.total_bytes -= known.bytes;
         let mut freed = Vec::with_capacity(known.bookings.len());
         for held in known.bookings.values() {
             self.remove_owner(held.key);

@@ -30,7 +30,7 @@ pub const EVENT_TYPES: [&str; 4] = ["BlockStored", "BlockRemoved", "AllBlocksCle
 /// Every `reason` label of `switchyard_kv_events_dropped_total`: message
 /// framing, payload decoding, then normalization (see
 /// [`switchyard_wire::normalize::SkipReason`]).
-pub const DROP_REASONS: [&str; 17] = [
+pub const DROP_REASONS: [&str; 20] = [
     "bad_framing",
     "bad_sequence",
     "invalid_msgpack",
@@ -38,6 +38,9 @@ pub const DROP_REASONS: [&str; 17] = [
     "missing_field",
     "invalid_field",
     "invalid_event",
+    "over_decode_budget",
+    "too_many_events",
+    "replay_over_bytes",
     SkipReason::ALL[0].as_str(),
     SkipReason::ALL[1].as_str(),
     SkipReason::ALL[2].as_str(),

@@ -17,9 +17,19 @@
 //! libzmq reconnects a dropped TCP peer by itself with exponential backoff
 //! (100 ms doubling to 5 s); a socket that fails outright is rebuilt with
 //! the same backoff. Each worker has its own thread and sockets, so one
-//! worker's bad stream never stalls another's. Every buffer is bounded:
-//! message size (`ZMQ_MAXMSGSIZE`), the SUB queue (`ZMQ_RCVHWM`) and the
-//! replay collection (`max_replay_batches`).
+//! worker's bad stream never stalls another's. Every buffer is bounded, in
+//! bytes as well as in messages:
+//!
+//! - one message by `max_message_bytes` (`ZMQ_MAXMSGSIZE`);
+//! - the SUB and replay queues by `max_queue_bytes`: libzmq counts its
+//!   queues in messages only, so the high-water mark is `max_queue_bytes /
+//!   max_message_bytes` messages (at least 1, at most 100,000). A full SUB
+//!   queue stops reading the TCP stream, so the publisher's own send queue
+//!   absorbs a burst; nothing is dropped here;
+//! - the replay collection by `max_replay_batches` and `max_replay_bytes`
+//!   (past either, the replay counts as unavailable: the worker is reset);
+//! - one message's decode by [`DecodeLimits`] (a value-tree budget and an
+//!   events cap: past either, the message is dropped and counted).
 
 use super::metrics::WorkerMetrics;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +38,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use switchyard_core::index::{CacheTier, IndexEvent, TieredIndex};
 use switchyard_core::WorkerId;
-use switchyard_wire::kv_events::{decode_batch_lossy, Format, END_OF_REPLAY_SEQ};
+use switchyard_wire::kv_events::{
+    decode_batch_lossy_within, DecodeLimits, Format, END_OF_REPLAY_SEQ,
+};
 use switchyard_wire::normalize::{Normalized, Normalizer};
 
 /// Where normalized events go. Implementations must not block for long:
@@ -65,8 +77,15 @@ pub struct SubscriberConfig {
     pub replay_timeout: Duration,
     /// Largest gap replay is asked to fill; larger ones reset the worker.
     pub max_replay_batches: u64,
+    /// Most bytes the batches of one replay may hold together.
+    pub max_replay_bytes: usize,
     /// Largest message accepted, in bytes.
     pub max_message_bytes: i64,
+    /// Most bytes a receive queue (live or replay) may hold: its
+    /// high-water mark is this over `max_message_bytes` messages.
+    pub max_queue_bytes: i64,
+    /// What decoding one message may cost.
+    pub decode: DecodeLimits,
     /// Longest reconnect backoff.
     pub max_backoff: Duration,
 }
@@ -83,7 +102,10 @@ impl SubscriberConfig {
             format: Format::Auto,
             replay_timeout: Duration::from_secs(2),
             max_replay_batches: 10_000,
+            max_replay_bytes: 256 << 20,
             max_message_bytes: 64 << 20,
+            max_queue_bytes: 256 << 20,
+            decode: DecodeLimits::default(),
             max_backoff: Duration::from_secs(5),
         }
     }
@@ -103,6 +125,15 @@ pub enum SeqAction {
     },
     /// The sequence went backwards: the publisher restarted.
     Restarted,
+}
+
+impl SubscriberConfig {
+    /// The receive high-water mark, in messages, that keeps a queue within
+    /// `max_queue_bytes` (at least 1, at most 100,000).
+    pub fn receive_hwm(&self) -> i32 {
+        let per_message = self.max_message_bytes.max(1);
+        (self.max_queue_bytes / per_message).clamp(1, 100_000) as i32
+    }
 }
 
 /// Tracks one stream's sequence numbers. Pure: decides, does nothing.
@@ -243,7 +274,7 @@ impl Stream {
         let socket = self.context.socket(zmq::SUB)?;
         socket.set_linger(0)?;
         socket.set_maxmsgsize(self.config.max_message_bytes)?;
-        socket.set_rcvhwm(100_000)?;
+        socket.set_rcvhwm(self.config.receive_hwm())?;
         socket.set_reconnect_ivl(MIN_BACKOFF.as_millis() as i32)?;
         socket.set_reconnect_ivl_max(self.config.max_backoff.as_millis() as i32)?;
         socket.set_subscribe(self.config.topic.as_bytes())?;
@@ -355,12 +386,16 @@ impl Stream {
         dealer
             .set_maxmsgsize(self.config.max_message_bytes)
             .map_err(unavailable)?;
+        dealer
+            .set_rcvhwm(self.config.receive_hwm())
+            .map_err(unavailable)?;
         dealer.connect(endpoint).map_err(unavailable)?;
         let request: [&[u8]; 2] = [b"", &from.to_be_bytes()];
         dealer.send_multipart(request, 0).map_err(unavailable)?;
         let deadline = Instant::now() + self.config.replay_timeout;
         let cap = self.config.max_replay_batches.min(to - from) as usize;
         let mut batches = Vec::new();
+        let mut bytes = 0usize;
         loop {
             if self.stopped() {
                 return Err(ReplayError::Stopped);
@@ -386,13 +421,19 @@ impl Stream {
                 return Ok(batches);
             }
             if seq >= from && seq < to && batches.len() < cap {
+                bytes = bytes.saturating_add(payload.len());
+                if bytes > self.config.max_replay_bytes {
+                    self.metrics.drop_for("replay_over_bytes");
+                    return Err(ReplayError::Unavailable);
+                }
                 batches.push((seq, payload));
             }
         }
     }
 
     fn apply_payload(&mut self, payload: &[u8]) {
-        let (batch, errors) = match decode_batch_lossy(payload, self.config.format) {
+        let decoded = decode_batch_lossy_within(payload, self.config.format, &self.config.decode);
+        let (batch, errors) = match decoded {
             Ok(decoded) => decoded,
             Err(err) => {
                 self.metrics.drop_for(err.reason());
@@ -451,6 +492,22 @@ mod tests {
         t.applied(9);
         assert_eq!(t.classify(0), SeqAction::Restarted);
         assert_eq!(t.classify(3), SeqAction::Restarted);
+    }
+
+    #[test]
+    fn a_queue_holds_at_most_its_bytes_in_largest_messages() {
+        let mut config = SubscriberConfig::new(WorkerId::new(1), "tcp://127.0.0.1:1", 16);
+        assert_eq!(config.receive_hwm(), 4, "256 MiB of 64 MiB messages");
+        config.max_message_bytes = 1 << 20;
+        assert_eq!(config.receive_hwm(), 256);
+        config.max_message_bytes = 1;
+        assert_eq!(config.receive_hwm(), 100_000);
+        config.max_message_bytes = 1 << 30;
+        assert_eq!(
+            config.receive_hwm(),
+            1,
+            "never zero: 0 is unlimited in libzmq"
+        );
     }
 
     #[test]

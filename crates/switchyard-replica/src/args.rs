@@ -16,13 +16,13 @@ pub struct NatsAuthArgs {
     pub nats_user: Option<String>,
     /// NATS password (prefer --nats-password-file: a flag shows in `ps`).
     #[arg(long, env = "SWITCHYARD_NATS_PASSWORD", hide_env_values = true)]
-    pub nats_password: Option<String>,
+    pub nats_password: Option<Secret>,
     /// File holding the NATS password (trailing newline ignored).
     #[arg(long, env = "SWITCHYARD_NATS_PASSWORD_FILE", value_name = "PATH")]
     pub nats_password_file: Option<PathBuf>,
     /// NATS token (prefer --nats-token-file: a flag shows in `ps`).
     #[arg(long, env = "SWITCHYARD_NATS_TOKEN", hide_env_values = true)]
-    pub nats_token: Option<String>,
+    pub nats_token: Option<Secret>,
     /// File holding the NATS token (trailing newline ignored).
     #[arg(long, env = "SWITCHYARD_NATS_TOKEN_FILE", value_name = "PATH")]
     pub nats_token_file: Option<PathBuf>,
@@ -53,7 +53,7 @@ impl NatsAuthArgs {
         // A secret given here replaces the file's secret of either form,
         // so a flag never collides with the config file's other form.
         if let Some(v) = &self.nats_password {
-            auth.password = Some(Secret(v.clone()));
+            auth.password = Some(v.clone());
             auth.password_file = None;
         }
         if let Some(v) = &self.nats_password_file {
@@ -61,7 +61,7 @@ impl NatsAuthArgs {
             auth.password = None;
         }
         if let Some(v) = &self.nats_token {
-            auth.token = Some(Secret(v.clone()));
+            auth.token = Some(v.clone());
             auth.token_file = None;
         }
         if let Some(v) = &self.nats_token_file {
@@ -137,5 +137,21 @@ mod tests {
         assert_eq!(auth.tls_key_file.as_deref(), Some(Path::new("/k.pem")));
         assert!(auth.require_tls);
         assert_eq!(auth.validate(), Ok(()));
+    }
+
+    #[test]
+    fn debug_never_shows_a_secret_flag() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--nats-password",
+            "pw-secret-1",
+            "--nats-token",
+            "tok-secret-2",
+        ])
+        .unwrap();
+        let shown = format!("{:?}", cli.nats);
+        assert!(!shown.contains("pw-secret-1"), "{shown}");
+        assert!(!shown.contains("tok-secret-2"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
     }
 }

@@ -2,6 +2,7 @@
 //! and the flags fill (`switchyard serve`'s flags are
 //! `server::replica::ReplicaArgs`, which override the file's values).
 
+use crate::signing::BatchSigner;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -14,6 +15,26 @@ pub struct Secret(pub String);
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("\"<redacted>\"")
+    }
+}
+
+impl Secret {
+    /// The secret itself, for the one place that uses it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A flag's or a variable's value (clap builds a `Secret` from it).
+impl From<String> for Secret {
+    fn from(text: String) -> Self {
+        Self(text)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(text: &str) -> Self {
+        Self(text.to_owned())
     }
 }
 
@@ -80,6 +101,21 @@ pub struct ReplicaConfig {
     /// Session bindings remembered per peer; its oldest is forgotten. The
     /// `Router`'s `remote.max_sessions_per_replica`.
     pub max_sessions_per_peer: usize,
+    /// Bytes of bookings held per peer (256 bytes a booking plus 8 a
+    /// block); a peer's further bookings are dropped. The `Router`'s
+    /// `remote.max_bytes_per_replica`.
+    pub max_bytes_per_peer: usize,
+    /// Bytes of bookings held across every peer; further bookings are
+    /// dropped. The `Router`'s `remote.max_total_bytes`.
+    pub max_peer_bytes_total: usize,
+    /// Largest message this replica publishes or accepts, in bytes (its
+    /// signature aside); a larger one received is refused and counted.
+    pub max_batch_bytes: usize,
+    /// Key shared by the plane's replicas, signing every batch (HMAC-SHA256,
+    /// see [`crate::signing`]); at least 32 bytes. Prefer `signing_key_file`.
+    pub signing_key: Option<Secret>,
+    /// A file whose contents (trailing newline trimmed) are `signing_key`.
+    pub signing_key_file: Option<PathBuf>,
     /// Authentication and TLS towards the NATS server.
     pub auth: NatsAuth,
 }
@@ -99,10 +135,18 @@ impl Default for ReplicaConfig {
             digest_ms: 2_000.0,
             max_bookings_per_peer: 262_144,
             max_sessions_per_peer: 65_536,
+            max_bytes_per_peer: 128 << 20,
+            max_peer_bytes_total: 512 << 20,
+            max_batch_bytes: 1 << 20,
+            signing_key: None,
+            signing_key_file: None,
             auth: NatsAuth::default(),
         }
     }
 }
+
+/// The smallest `max_batch_bytes` accepted: one booking with a few blocks.
+pub const MIN_BATCH_BYTES: usize = 4096;
 
 /// Why a [`ReplicaConfig`] was refused.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -124,6 +168,9 @@ pub enum ReplicaConfigError {
     /// Zero capacity or batch size.
     #[error("replica {0} must be at least 1")]
     Zero(&'static str),
+    /// A message size limit too small for one booking.
+    #[error("replica max_batch_bytes must be at least {MIN_BATCH_BYTES}, got {0}")]
+    BatchBytes(usize),
     /// A duration that is not positive and finite.
     #[error("replica {what} must be positive and finite, got {value}")]
     Duration {
@@ -148,6 +195,48 @@ impl ReplicaConfig {
     /// Whether replica sync is on.
     pub fn enabled(&self) -> bool {
         self.nats_url.is_some()
+    }
+
+    /// How this replica signs and checks batches: from `signing_key`, or
+    /// `signing_key_file` read now. `Err` says why a configured key cannot
+    /// be used.
+    pub fn signer(&self) -> Result<BatchSigner, String> {
+        let key = secret(
+            self.signing_key.as_ref(),
+            self.signing_key_file.as_ref(),
+            "signing key",
+        )
+        .map_err(|e| e.to_string())?;
+        match key {
+            None => Ok(BatchSigner::Unsigned),
+            Some(key) => BatchSigner::with_key(key.as_bytes()),
+        }
+    }
+
+    /// What an operator should hear at start-up about this plane's trust:
+    /// empty when it is authenticated and signed.
+    pub fn security_warnings(&self) -> Vec<&'static str> {
+        if !self.enabled() {
+            return Vec::new();
+        }
+        let signed = self.signing_key.is_some() || self.signing_key_file.is_some();
+        let auth = &self.auth;
+        let authenticated = auth.user.is_some()
+            || auth.token.is_some()
+            || auth.token_file.is_some()
+            || auth.creds_file.is_some()
+            || auth.tls_cert_file.is_some();
+        let mut warnings = Vec::new();
+        if !authenticated && !signed {
+            warnings.push(
+                "the replica plane is unauthenticated: anything that reaches the NATS server can publish bookings under any replica's name (set NATS credentials and --replica-signing-key-file)",
+            );
+        } else if !signed {
+            warnings.push(
+                "replica batches are not signed: any client with the NATS credentials can publish bookings under any replica's name (set --replica-signing-key-file)",
+            );
+        }
+        warnings
     }
 
     /// The subject this replica publishes and subscribes on.
@@ -193,6 +282,19 @@ impl ReplicaConfig {
         }
         if self.max_sessions_per_peer == 0 {
             return Err(ReplicaConfigError::Zero("max_sessions_per_peer"));
+        }
+        if self.max_batch_bytes < MIN_BATCH_BYTES {
+            return Err(ReplicaConfigError::BatchBytes(self.max_batch_bytes));
+        }
+        if self.signing_key.is_some() && self.signing_key_file.is_some() {
+            return Err(ReplicaConfigError::Auth(
+                "give the signing key or a signing key file, not both",
+            ));
+        }
+        if let Some(key) = &self.signing_key {
+            BatchSigner::with_key(key.0.as_bytes()).map_err(|_| {
+                ReplicaConfigError::Auth("the replica signing key must be at least 32 bytes")
+            })?;
         }
         for (what, value) in [
             ("batch_max_delay_ms", self.batch_max_delay_ms),
@@ -291,6 +393,57 @@ fn secret(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unauthenticated_or_unsigned_plane_is_warned_about_and_a_signed_one_is_not() {
+        let mut config = ReplicaConfig {
+            nats_url: Some("nats://127.0.0.1:4222".into()),
+            ..ReplicaConfig::default()
+        };
+        assert!(config.security_warnings()[0].contains("unauthenticated"));
+        config.auth.creds_file = Some("/run/replica.creds".into());
+        assert!(config.security_warnings()[0].contains("not signed"));
+        config.signing_key_file = Some("/run/replica.key".into());
+        assert!(config.security_warnings().is_empty());
+        assert!(
+            ReplicaConfig::default().security_warnings().is_empty(),
+            "sync off"
+        );
+    }
+
+    #[test]
+    fn a_signing_key_is_read_from_its_file_and_a_short_or_doubled_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("sy-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let mut config = ReplicaConfig {
+            signing_key_file: Some(file.clone()),
+            ..ReplicaConfig::default()
+        };
+        assert_eq!(config.validate(), Ok(()));
+        assert!(config.signer().unwrap().signs());
+        config.signing_key_file = Some(dir.join("missing"));
+        assert!(config.signer().is_err());
+        config.signing_key_file = Some(file);
+        config.signing_key = Some(Secret("0123456789abcdef0123456789abcdef".into()));
+        assert!(config.validate().is_err());
+        config.signing_key_file = None;
+        config.signing_key = Some(Secret("short".into()));
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("32 bytes"));
+        assert!(!ReplicaConfig::default().signer().unwrap().signs());
+        assert!(ReplicaConfig {
+            max_batch_bytes: 100,
+            ..ReplicaConfig::default()
+        }
+        .validate()
+        .is_err());
+        let _ = std::fs::remove_dir_all(dir);
+    }
 
     #[test]
     fn the_defaults_validate_and_sync_is_off() {

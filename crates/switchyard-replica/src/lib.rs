@@ -16,7 +16,11 @@
 //!   handle onto a bounded queue, drained by one task that batches, encodes
 //!   (splitting by bytes under the payload limit) and publishes; heartbeats
 //!   when idle; digests of live bookings every `digest_ms`.
-//! - [`subscriber`] — the task that decodes peers' batches and applies them
+//! - [`signing`] — [`BatchSigner`]: batches signed with a key the
+//!   replicas share (HMAC-SHA256), so a client of the NATS server that is
+//!   not a replica cannot publish under a replica's name.
+//! - [`subscriber`] — the task that refuses oversized and badly signed
+//!   messages, decodes peers' batches and applies them
 //!   through a [`ReplicaSink`] ([`apply_batch`] is the one way a peer's
 //!   batch reaches a core `Dispatcher`; [`DispatcherSink`] is the sink over
 //!   a bare dispatcher, the server's lives in its `replica` module), and
@@ -40,6 +44,7 @@ pub mod metrics;
 pub mod nats;
 pub mod nats_server;
 pub mod publisher;
+pub mod signing;
 pub mod subscriber;
 pub mod transport;
 pub mod worker_marks;
@@ -53,6 +58,7 @@ pub use metrics::ReplicaMetrics;
 pub use nats::{payload_limit, NatsTransport};
 pub use nats_server::LocalNatsServer;
 pub use publisher::{spawn_publisher, PublishError, ReplicaPublisher};
+pub use signing::BatchSigner;
 pub use subscriber::{
     apply_batch, publish_effects, spawn_digests, spawn_subscriber, BatchReport, DispatcherSink,
     EffectsHandler, ReplicaSink,
@@ -110,6 +116,9 @@ impl ReplicaPlane {
         id: ReplicaId,
         sink: S,
     ) -> Result<Self, TransportError> {
+        // A configured key that cannot be used stops the start, rather
+        // than a plane that sends and accepts nothing.
+        config.signer().map_err(TransportError::Connect)?;
         let metrics = Arc::new(ReplicaMetrics::default());
         let cancel = CancellationToken::new();
         let subject = config.subject();

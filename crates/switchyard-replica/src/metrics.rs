@@ -10,10 +10,10 @@
 //! | | `expired` | remote bookings freed because their replica went silent |
 //! | | `digest_freed` | remote bookings freed because their replica's digest no longer listed them (a lost free) |
 //! | | `truncated` | own bookings whose block list was cut to fit one message |
-//! | `switchyard_replica_batches_total` | `direction` = `published`, `received`, `own`, `malformed`, `split` | messages (`split`: batches sent as several messages to stay under the payload limit) |
+//! | `switchyard_replica_batches_total` | `direction` = `published`, `received`, `own`, `malformed`, `split`, `oversized`, `unsigned`, `bad_signature` | messages (`split`: batches sent as several messages to stay under the payload limit; `oversized`: refused, over `max_batch_bytes`; `unsigned`, `bad_signature`: refused by a signing replica) |
 //! | `switchyard_replica_digests_total` | `direction` = `published`, `received` | digest parts |
 //! | `switchyard_replica_session_bindings_total` | `direction` = `published`, `applied`, `evicted` | session bindings (`evicted`: a peer's oldest, past its per-peer cap) |
-//! | `switchyard_replica_dropped_total` | `reason` = `origin_mismatch`, `unknown_worker`, `unknown_booking`, `duplicate`, `replica_full` | peers' events and bindings dropped by the checks of `switchyard_core::replica` |
+//! | `switchyard_replica_dropped_total` | `reason` = `origin_mismatch`, `unknown_worker`, `unknown_booking`, `duplicate`, `replica_full`, `bytes_full` | peers' events and bindings dropped by the checks of `switchyard_core::replica` |
 //! | `switchyard_replica_clamped_total` | | peers' bookings and bindings with a number clamped to its bound |
 //!
 //! Every field is a handle into its family, its label set created by
@@ -77,6 +77,12 @@ pub struct ReplicaMetrics {
     pub batches_own: Counter,
     /// Messages that did not decode.
     pub batches_malformed: Counter,
+    /// Messages refused for their size.
+    pub batches_oversized: Counter,
+    /// Messages refused for lacking a signature.
+    pub batches_unsigned: Counter,
+    /// Messages refused for a signature that does not verify.
+    pub batches_bad_signature: Counter,
     /// Session bindings published.
     pub sessions_published: Counter,
     /// Peers' session bindings applied.
@@ -104,6 +110,12 @@ pub struct ReplicaSnapshot {
     pub batches_own: u64,
     /// Malformed messages.
     pub batches_malformed: u64,
+    /// Messages refused for their size.
+    pub batches_oversized: u64,
+    /// Messages refused for lacking a signature.
+    pub batches_unsigned: u64,
+    /// Messages refused for a bad signature.
+    pub batches_bad_signature: u64,
     /// Remote bookings freed by a digest.
     pub digest_freed: u64,
     /// Batches split into several messages.
@@ -148,6 +160,9 @@ impl Default for ReplicaMetrics {
             batches_received: handle(&batches, "received"),
             batches_own: handle(&batches, "own"),
             batches_malformed: handle(&batches, "malformed"),
+            batches_oversized: handle(&batches, "oversized"),
+            batches_unsigned: handle(&batches, "unsigned"),
+            batches_bad_signature: handle(&batches, "bad_signature"),
             sessions_published: handle(&sessions, "published"),
             sessions_applied: handle(&sessions, "applied"),
             events,
@@ -172,6 +187,9 @@ impl ReplicaMetrics {
             batches_received: self.batches_received.get(),
             batches_own: self.batches_own.get(),
             batches_malformed: self.batches_malformed.get(),
+            batches_oversized: self.batches_oversized.get(),
+            batches_unsigned: self.batches_unsigned.get(),
+            batches_bad_signature: self.batches_bad_signature.get(),
             digest_freed: self.digest_freed.get(),
             batches_split: self.batches_split.get(),
             digests_published: self.digests_published.get(),
@@ -258,13 +276,18 @@ mod tests {
             )));
         }
         assert!(text.contains("switchyard_replica_events_total{direction=\"dropped\"} 3\n"));
-        assert!(text.contains("switchyard_replica_batches_total{direction=\"malformed\"} 0\n"));
+        for d in ["malformed", "oversized", "unsigned", "bad_signature"] {
+            assert!(text.contains(&format!(
+                "switchyard_replica_batches_total{{direction=\"{d}\"}} 0\n"
+            )));
+        }
         for reason in [
             "origin_mismatch",
             "unknown_worker",
             "unknown_booking",
             "duplicate",
             "replica_full",
+            "bytes_full",
         ] {
             assert!(
                 text.contains(&format!(

@@ -19,6 +19,7 @@
 
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
+use super::signing::BatchSigner;
 use super::transport::Transport;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -201,12 +202,18 @@ pub fn spawn_publisher<T: Transport>(
     } else {
         1
     };
+    let signer = config.signer().unwrap_or_else(|why| {
+        eprintln!("switchyard: replica batches will not be sent: {why}");
+        BatchSigner::Unreadable(why)
+    });
     let task = PublisherTask {
         transport,
         subject,
         id,
         rx,
         max_events,
+        max_batch_bytes: config.max_batch_bytes,
+        signer,
         max_delay: Duration::from_secs_f64(config.batch_max_delay_ms / 1e3),
         heartbeat: Duration::from_secs_f64(config.heartbeat_ms / 1e3),
         metrics: metrics.clone(),
@@ -232,6 +239,9 @@ struct PublisherTask<T> {
     id: ReplicaId,
     rx: mpsc::Receiver<Outgoing>,
     max_events: usize,
+    /// Largest message, signature aside (peers refuse larger ones).
+    max_batch_bytes: usize,
+    signer: BatchSigner,
     max_delay: Duration,
     heartbeat: Duration,
     metrics: Arc<ReplicaMetrics>,
@@ -239,6 +249,15 @@ struct PublisherTask<T> {
 }
 
 impl<T: Transport> PublisherTask<T> {
+    /// The largest encoded batch one message may carry: under the
+    /// transport's limit with the signature, and under what peers accept.
+    fn payload_limit(&self) -> usize {
+        self.transport
+            .max_payload()
+            .saturating_sub(self.signer.overhead())
+            .min(self.max_batch_bytes)
+    }
+
     async fn run(mut self) {
         let mut batch = ReplicaBatch::heartbeat(self.id);
         loop {
@@ -277,7 +296,7 @@ impl<T: Transport> PublisherTask<T> {
     /// Publishes `batch` in as many messages as the transport's payload
     /// limit needs, in order. `false` when the task must end.
     async fn send(&mut self, batch: &ReplicaBatch) -> bool {
-        let limit = self.transport.max_payload();
+        let limit = self.payload_limit();
         let split = encode_within(batch, limit);
         if split.messages.len() > 1 {
             self.metrics.batches_split.inc();
@@ -306,6 +325,10 @@ impl<T: Transport> PublisherTask<T> {
             sessions,
             digest,
         } = message;
+        let Some(payload) = self.signer.seal(&self.subject, payload) else {
+            self.metrics.dropped.inc_by(events);
+            return true;
+        };
         let sent = tokio::select! {
             biased;
             () = self.cancel.cancelled() => {
@@ -331,7 +354,7 @@ impl<T: Transport> PublisherTask<T> {
 
     /// Publishes a digest of `live` in parts that each fit one message.
     async fn send_digest(&mut self, live: Vec<RequestId>) -> bool {
-        let limit = self.transport.max_payload();
+        let limit = self.payload_limit();
         for part in DigestPart::split(live, digest_ids_per_message(limit)) {
             let batch = ReplicaBatch {
                 digest: Some(part),

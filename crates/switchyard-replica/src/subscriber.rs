@@ -1,6 +1,8 @@
 //! The subscriber: peers' batches into the local routing state.
 //!
-//! One task per replica decodes each message, ignores its own batches (a
+//! One task per replica refuses messages over `max_batch_bytes` and,
+//! when the plane signs, messages without a valid signature (each
+//! counted, see [`crate::signing`]), decodes each message, ignores its own batches (a
 //! forged batch claiming this replica's id changes nothing), and hands the
 //! rest to a [`ReplicaSink`]; every `expiry_check_ms` it asks the sink to
 //! free the bookings of silent peers. Malformed messages are counted and
@@ -12,6 +14,7 @@
 use super::config::ReplicaConfig;
 use super::metrics::ReplicaMetrics;
 use super::publisher::ReplicaPublisher;
+use super::signing::{BatchSigner, Refusal};
 use super::transport::{Transport, TransportError};
 use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
@@ -226,7 +229,10 @@ pub async fn spawn_subscriber<T: Transport, S: ReplicaSink>(
     metrics: Arc<ReplicaMetrics>,
     cancel: CancellationToken,
 ) -> Result<JoinHandle<()>, TransportError> {
-    let mut subscription = transport.subscribe(subject).await?;
+    let signer = config.signer().unwrap_or_else(BatchSigner::Unreadable);
+    let max_message = config.max_batch_bytes + signer.overhead();
+    let subject = subject.to_owned();
+    let mut subscription = transport.subscribe(&subject).await?;
     let check = Duration::from_secs_f64(config.expiry_check_ms / 1e3);
     Ok(tokio::spawn(async move {
         let mut expiry = tokio::time::interval(check);
@@ -240,7 +246,22 @@ pub async fn spawn_subscriber<T: Transport, S: ReplicaSink>(
                 }
                 payload = subscription.next() => {
                     let Some(payload) = payload else { return };
-                    let batch = match decode_batch(&payload) {
+                    if payload.len() > max_message {
+                        metrics.batches_oversized.inc();
+                        continue;
+                    }
+                    let body = match signer.open(&subject, &payload) {
+                        Ok(body) => body,
+                        Err(Refusal::Unsigned) => {
+                            metrics.batches_unsigned.inc();
+                            continue;
+                        }
+                        Err(Refusal::BadSignature) => {
+                            metrics.batches_bad_signature.inc();
+                            continue;
+                        }
+                    };
+                    let batch = match decode_batch(body) {
                         Ok(batch) => batch,
                         Err(_) => {
                             metrics.batches_malformed.inc();

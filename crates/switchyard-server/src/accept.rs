@@ -9,6 +9,16 @@
 //! - A header-read timeout (`--header-read-timeout-ms`): a request head
 //!   must arrive within it, and an idle keep-alive connection is closed
 //!   after it (`switchyard_header_read_timeouts_total`).
+//! - A send timeout (`--send-timeout-ms`): a connection whose writes make
+//!   no progress for that long — its client stopped reading, and the
+//!   socket's buffers are full — is closed
+//!   (`switchyard_send_timeouts_total`). Closing it drops the response
+//!   body it was blocked on, so the request's in-flight permit, its
+//!   buffered answer and its upstream connection go with it. This is the
+//!   rule for every client that does not read: one that streams and never
+//!   reads, and one that pipelines requests (`GET /health` or any other)
+//!   and never reads their answers. A client that reads slowly is not cut:
+//!   every write that moves a byte starts the timeout again.
 //! - `TCP_NODELAY` on every connection: streamed tokens are small writes,
 //!   and Nagle's algorithm would hold each one for the client's delayed ACK.
 //! - Graceful shutdown: once stopped, the loop accepts nothing more, idle
@@ -17,13 +27,19 @@
 //! The body-read deadline is per request, in [`crate::upload`].
 
 use super::metrics::ServerMetrics;
+use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tokio::time::{Instant, Sleep};
 
 /// Largest read buffer of one connection, so the largest request head
 /// (hyper's default is about 400 KiB). An open connection costs at most
@@ -38,6 +54,9 @@ pub struct ConnectionLimits {
     /// Time for a request head to arrive (and for an idle connection to
     /// send its next one).
     pub header_read_timeout: Duration,
+    /// Time a connection's writes may make no progress (its client does
+    /// not read) before it is closed.
+    pub send_timeout: Duration,
 }
 
 /// Serves `app` on `listener` until `stop` turns true, then waits for the
@@ -78,8 +97,8 @@ pub async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let connection =
-            http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let io = SendDeadline::new(TokioIo::new(tcp), limits.send_timeout, metrics.clone());
+        let connection = http.serve_connection(io, TowerToHyperService::new(app.clone()));
         let connection = graceful.watch(connection);
         let metrics = metrics.clone();
         tokio::spawn(async move {
@@ -97,6 +116,114 @@ pub async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// A connection's socket, failing its writes once they have made no
+/// progress for `timeout`: hyper then ends the connection, and everything
+/// its request held with it.
+///
+/// The deadline is armed when a write first finds the socket full and
+/// cleared by any write that moves a byte; it is polled with that write,
+/// so its timer wakes the connection's task, hyper flushes again, and the
+/// flush fails. A connection that is not writing is never cut here (an
+/// idle one is the header-read timeout's).
+struct SendDeadline<T> {
+    inner: T,
+    timeout: Duration,
+    /// Armed while writes are blocked; allocated at the first block.
+    blocked: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+    metrics: Arc<ServerMetrics>,
+}
+
+impl<T> SendDeadline<T> {
+    fn new(inner: T, timeout: Duration, metrics: Arc<ServerMetrics>) -> Self {
+        Self {
+            inner,
+            timeout,
+            blocked: None,
+            armed: false,
+            metrics,
+        }
+    }
+
+    /// What a write's outcome means: progress disarms the deadline; a full
+    /// socket arms it (at the first block) and fails once it has passed.
+    fn watch<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        outcome: Poll<io::Result<R>>,
+    ) -> Poll<io::Result<R>> {
+        if outcome.is_ready() {
+            self.armed = false;
+            return outcome;
+        }
+        let deadline = Instant::now() + self.timeout;
+        let sleep = self
+            .blocked
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            sleep.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        match sleep.as_mut().poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(()) => {
+                self.armed = false;
+                self.metrics.send_timeouts.inc();
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client read nothing within the send timeout",
+                )))
+            }
+        }
+    }
+}
+
+impl<T: Read + Unpin> Read for SendDeadline<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: Write + Unpin> Write for SendDeadline<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let outcome = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.watch(cx, outcome)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let outcome = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.watch(cx, outcome)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let outcome = Pin::new(&mut this.inner).poll_flush(cx);
+        this.watch(cx, outcome)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// Counts a connection in `switchyard_connections_open` while it lives.

@@ -100,6 +100,11 @@ pub struct Credentials {
     metrics: Arc<ServerMetrics>,
     /// One bucket pair per client key (or the anonymous one).
     rate_limits: RateLimits,
+    /// Output tokens charged per choice of a request that names none.
+    output_allowance: u32,
+    /// Each client key's name (its metrics label), by [`ClientKey`];
+    /// empty when no client key is configured.
+    key_names: Vec<String>,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -129,7 +134,11 @@ impl Credentials {
         let unnamed: Vec<String> = (1..=config.api_keys.len())
             .map(|i| format!("api-key-{i}"))
             .collect();
-        let mut client: Vec<Secret> = config.api_keys.iter().map(|k| Secret::new(k)).collect();
+        let mut client: Vec<Secret> = config
+            .api_keys
+            .iter()
+            .map(|k| Secret::new(k.expose()))
+            .collect();
         let mut labels: Vec<(&str, Limits)> = unnamed
             .iter()
             .map(|n| (n.as_str(), Limits::default()))
@@ -142,21 +151,45 @@ impl Credentials {
                 labels.push((named.name.as_str(), named.limits()));
             }
         }
+        let key_names = match client.is_empty() {
+            true => Vec::new(),
+            false => labels.iter().map(|(name, _)| (*name).to_owned()).collect(),
+        };
         if client.is_empty() {
             labels.push(("anonymous", Limits::default()));
         }
         Self {
             client,
-            admin: config.admin_token.as_deref().map(Secret::new),
-            metrics_key: config.metrics_key.as_deref().map(Secret::new),
+            admin: config.admin_token.as_ref().map(|t| Secret::new(t.expose())),
+            metrics_key: config.metrics_key.as_ref().map(|k| Secret::new(k.expose())),
             metrics,
             rate_limits: RateLimits::new(labels, limits.defaults()),
+            output_allowance: limits.output_allowance(),
+            key_names,
         }
     }
 
     /// The per-key rate limits (to charge a request's tokens).
     pub fn rate_limits(&self) -> &RateLimits {
         &self.rate_limits
+    }
+
+    /// Output tokens charged per choice of a request that names no output
+    /// limit (`[rate_limits] default_output_tokens`).
+    pub fn output_allowance(&self) -> u32 {
+        self.output_allowance
+    }
+
+    /// The name of the client key a request presented (`api-key-1`, …, or
+    /// a `[[rate_limits.keys]]` name); `None` when no client key is
+    /// configured (every client is one `anonymous` party).
+    pub fn key_name(&self, key: ClientKey) -> Option<&str> {
+        self.key_names.get(key.0).map(String::as_str)
+    }
+
+    /// Whether client keys are configured (`/v1/*` needs one).
+    pub fn client_keys_required(&self) -> bool {
+        !self.client.is_empty()
     }
 
     /// What a request to `path` must present, if anything: the scope and

@@ -9,7 +9,7 @@ use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
-use switchyard_replica::ReplicaConfig;
+use switchyard_replica::{ReplicaConfig, Secret};
 
 /// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N]`
 /// or a `[[workers]]` table.
@@ -215,6 +215,10 @@ pub struct ServerConfig {
     pub cache: CacheMode,
     /// Busy threshold as a fraction of a worker's capacity (none: off).
     pub busy_threshold: Option<f64>,
+    /// Most blocks one worker may hold in each tier of the prefix index;
+    /// past it the worker's oldest are dropped (counted in
+    /// `switchyard_index_evicted_blocks_total`).
+    pub max_index_blocks_per_worker: usize,
     /// Admission strategy.
     pub admission: AdmissionMode,
     /// Policy-queue and record limits.
@@ -227,22 +231,22 @@ pub struct ServerConfig {
     pub worker_header: bool,
     /// Bearer token the admin API requires (admin API off without one:
     /// its routes do not exist).
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// A file holding the admin token (its first non-comment line);
     /// read at startup ([`Self::load_secret_files`]).
     pub admin_token_file: Option<PathBuf>,
     /// Client API keys (`Authorization: Bearer`) for `/v1/*`; empty: no check.
-    pub api_keys: Vec<String>,
+    pub api_keys: Vec<Secret>,
     /// A file of client API keys, one a line (blank lines and `#` comments
     /// ignored), added to `api_keys` at startup.
     pub api_key_file: Option<PathBuf>,
     /// Bearer token `/metrics` requires (none: `/metrics` is open).
-    pub metrics_key: Option<String>,
+    pub metrics_key: Option<Secret>,
     /// A file holding the metrics key.
     pub metrics_key_file: Option<PathBuf>,
     /// Key the router sends to every worker (`Authorization: Bearer`) on
     /// proxied requests, health checks and model probes.
-    pub worker_api_key: Option<String>,
+    pub worker_api_key: Option<Secret>,
     /// A file holding the worker key.
     pub worker_api_key_file: Option<PathBuf>,
     /// Largest request body, in bytes.
@@ -256,6 +260,10 @@ pub struct ServerConfig {
     /// How long a client may take to send a request's body, from its head
     /// on, in milliseconds; a slower upload gets a 408 (counted).
     pub body_read_timeout_ms: u64,
+    /// How long a connection's answer may make no progress (its client
+    /// reads nothing) before the connection is closed, in milliseconds;
+    /// never more than the request timeout ([`Self::send_timeout`]).
+    pub send_timeout_ms: u64,
     /// Most tokens in one prompt (token ids as given, or text and chats
     /// as the router tokenizes them). None: the largest `max_model_len`
     /// the workers report on `/v1/models`, else
@@ -353,6 +361,7 @@ impl Default for ServerConfig {
             block_size: 16,
             cache: CacheMode::Auto,
             busy_threshold: None,
+            max_index_blocks_per_worker: switchyard_core::index::DEFAULT_MAX_BLOCKS_PER_WORKER,
             admission: AdmissionMode::None,
             queue: AdmissionConfig::default(),
             session: SessionAwareConfig::default(),
@@ -372,6 +381,7 @@ impl Default for ServerConfig {
             // connection costs a file descriptor and its buffers.
             max_connections: 10_240,
             header_read_timeout_ms: 10_000,
+            send_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             max_prompt_tokens: None,
             max_messages: 4096,
@@ -455,6 +465,16 @@ impl ServerConfig {
         sizes
     }
 
+    /// The send timeout in force: `send_timeout_ms`, but never more than
+    /// the request timeout (a request's answer is due by then anyway).
+    pub fn send_timeout(&self) -> std::time::Duration {
+        let configured = std::time::Duration::from_millis(self.send_timeout_ms);
+        // A positive finite timeout (validated); a bad one leaves the send
+        // timeout as configured.
+        std::time::Duration::try_from_secs_f64(self.request_timeout_secs)
+            .map_or(configured, |request| configured.min(request))
+    }
+
     /// Reads a TOML file.
     pub fn from_toml_file(path: &std::path::Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
@@ -470,11 +490,13 @@ impl ServerConfig {
         })
     }
 
-    /// Parses TOML text (and validates it).
+    /// Parses TOML text (and validates it). An error names the line and
+    /// the fault without quoting the file ([`toml_error`]): the line may
+    /// hold a secret.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let config: Self = toml::from_str(text).map_err(|e| ConfigError::File {
             path: PathBuf::from("<text>"),
-            reason: e.to_string(),
+            reason: toml_error(text, &e),
         })?;
         config.validate()?;
         Ok(config)
@@ -494,6 +516,9 @@ impl ServerConfig {
         }
         if self.block_size == 0 {
             return invalid("block_size must be positive".into());
+        }
+        if self.max_index_blocks_per_worker == 0 {
+            return invalid("max_index_blocks_per_worker must be at least 1".into());
         }
         if let Some(t) = self.busy_threshold {
             if !(t.is_finite() && t > 0.0) {
@@ -569,9 +594,13 @@ impl ServerConfig {
         if self.max_connections == 0 {
             return invalid("max_connections must be positive".into());
         }
-        if self.header_read_timeout_ms == 0 || self.body_read_timeout_ms == 0 {
+        if self.header_read_timeout_ms == 0
+            || self.body_read_timeout_ms == 0
+            || self.send_timeout_ms == 0
+        {
             return invalid(
-                "header_read_timeout_ms and body_read_timeout_ms must be positive".into(),
+                "header_read_timeout_ms, body_read_timeout_ms and send_timeout_ms must be positive"
+                    .into(),
             );
         }
         self.validate_secrets()?;
@@ -628,15 +657,19 @@ impl ServerConfig {
         let secrets = self
             .api_keys
             .iter()
-            .map(|k| ("an api key", k))
-            .chain(self.admin_token.iter().map(|t| ("admin_token", t)))
-            .chain(self.metrics_key.iter().map(|t| ("metrics_key", t)))
-            .chain(self.worker_api_key.iter().map(|t| ("worker_api_key", t)))
+            .map(|k| ("an api key", k.expose()))
+            .chain(self.admin_token.iter().map(|t| ("admin_token", t.expose())))
+            .chain(self.metrics_key.iter().map(|t| ("metrics_key", t.expose())))
+            .chain(
+                self.worker_api_key
+                    .iter()
+                    .map(|t| ("worker_api_key", t.expose())),
+            )
             .chain(
                 self.rate_limits
                     .keys
                     .iter()
-                    .filter_map(|k| k.key.as_ref())
+                    .filter_map(|k| k.key.as_deref())
                     .map(|k| ("a rate_limits key", k)),
             );
         for (name, secret) in secrets {
@@ -654,7 +687,7 @@ impl ServerConfig {
         self.validate_secrets()?;
         if let Some(path) = self.api_key_file.take() {
             let keys = read_secrets(&path)?;
-            self.api_keys.extend(keys);
+            self.api_keys.extend(keys.into_iter().map(Secret));
         }
         for (slot, file) in [
             (&mut self.admin_token, &mut self.admin_token_file),
@@ -662,7 +695,7 @@ impl ServerConfig {
             (&mut self.worker_api_key, &mut self.worker_api_key_file),
         ] {
             if let Some(path) = file.take() {
-                *slot = Some(read_one_secret(&path)?);
+                *slot = Some(Secret(read_one_secret(&path)?));
             }
         }
         for named in &mut self.rate_limits.keys {
@@ -746,18 +779,9 @@ impl WorkersFile {
     /// A syntax error is one line naming the line and the fault, without
     /// quoting the file.
     pub fn parse(text: &str, block_sizes: &[u32], cache: CacheMode) -> Result<Self, ConfigError> {
-        let file: Self = toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
-            let fault = e.message().trim_end();
-            ConfigError::File {
-                path: PathBuf::from("<workers file>"),
-                reason: match line {
-                    Some(line) => format!("line {line}: {fault}"),
-                    None => fault.to_owned(),
-                },
-            }
+        let file: Self = toml::from_str(text).map_err(|e| ConfigError::File {
+            path: PathBuf::from("<workers file>"),
+            reason: toml_error(text, &e),
         })?;
         validate_workers(&file.workers, block_sizes, cache)?;
         Ok(file)
@@ -870,6 +894,58 @@ pub fn parse_dns_target(text: &str) -> Result<(String, u16), String> {
 
 /// The secrets in `path`: one a line, trimmed, blank lines and lines
 /// starting with `#` skipped; at least one.
+/// A TOML error as one line: the line it is on and the fault, with every
+/// double-quoted value in the fault shown as `"…"`. Not the `toml` crate's
+/// own `Display`, which quotes the offending source line: a line such as
+/// `admin_token = "…` (unterminated) would be printed whole; and serde's
+/// faults quote a wrong-typed value (`invalid type: string "…"`), which
+/// may be a secret given where a list belongs.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let line = e
+        .span()
+        .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    let fault: Vec<&str> = e
+        .message()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let fault = without_quoted_values(&fault.join("; "));
+    match line {
+        Some(line) => format!("line {line}: {fault}"),
+        None => fault,
+    }
+}
+
+/// `message` with the contents of each double-quoted part replaced by `…`
+/// (a backslash escapes the next character; an unclosed quote hides the
+/// rest). A quote character named in backticks (`` `"` ``) is kept.
+fn without_quoted_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut chars = message.chars().peekable();
+    while let Some(c) = chars.next() {
+        let named = out.ends_with('`') && chars.peek() == Some(&'`');
+        out.push(c);
+        if c != '"' || named {
+            continue;
+        }
+        out.push('…');
+        while let Some(inner) = chars.next() {
+            match inner {
+                '\\' => {
+                    chars.next();
+                }
+                '"' => {
+                    out.push('"');
+                    break;
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
 fn read_secrets(path: &std::path::Path) -> Result<Vec<String>, ConfigError> {
     let file_error = |reason: String| ConfigError::SecretFile {
         path: path.to_owned(),
@@ -1165,6 +1241,45 @@ mod tests {
     }
 
     #[test]
+    fn a_config_error_names_the_line_but_never_echoes_a_secret() {
+        for (text, line, secret) in [
+            (
+                "port = 1\nadmin_token = \"adm-secret-1\n",
+                2,
+                "adm-secret-1",
+            ),
+            ("admin_token = adm-secret-2\n", 1, "adm-secret-2"),
+            ("\n\napi_keys = \"sk-secret-3\"\n", 3, "sk-secret-3"),
+            ("api_keys = [\"sk-secret-4\", 5]\n", 1, "sk-secret-4"),
+            (
+                "[[rate_limits.keys]]\nname = \"a\"\nkey = [\"nk-secret-5\"]\n",
+                3,
+                "nk-secret-5",
+            ),
+            ("worker_api_key = \"wk-secret-6\" \"x\"\n", 1, "wk-secret-6"),
+        ] {
+            let error = ServerConfig::from_toml(text).unwrap_err().to_string();
+            assert!(!error.contains(secret), "{text:?}: {error}");
+            assert!(!error.contains('\n'), "one line: {error}");
+            assert!(error.contains(&format!("line {line}")), "{text:?}: {error}");
+        }
+        // The fault itself is kept, only quoted values go.
+        let error = ServerConfig::from_toml("api_keys = \"sk-secret-7\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("invalid type: string \"…\""), "{error}");
+        let error = ServerConfig::from_toml("colour = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("unknown field `colour`"), "{error}");
+        assert_eq!(without_quoted_values(r#"a "b\"c" d "e"#), r#"a "…" d "…"#);
+        assert_eq!(
+            without_quoted_values(r#"expected `"`, got "x""#),
+            r#"expected `"`, got "…""#
+        );
+    }
+
+    #[test]
     fn a_key_file_adds_one_key_a_line_skipping_blanks_and_comments() {
         let path = write("keys", "# team a\n  sk-a  \n\n#sk-commented\nsk-b\n");
         let mut config = ServerConfig {
@@ -1173,7 +1288,8 @@ mod tests {
             ..ServerConfig::default()
         };
         config.load_secret_files().unwrap();
-        assert_eq!(config.api_keys, ["sk-inline", "sk-a", "sk-b"]);
+        let keys: Vec<&str> = config.api_keys.iter().map(Secret::expose).collect();
+        assert_eq!(keys, ["sk-inline", "sk-a", "sk-b"]);
         assert_eq!(config.api_key_file, None, "read once");
         config.load_secret_files().unwrap();
         assert_eq!(config.api_keys.len(), 3, "loading again adds nothing");
@@ -1212,9 +1328,9 @@ mod tests {
         ))
         .unwrap();
         config.load_secret_files().unwrap();
-        assert_eq!(config.admin_token.as_deref(), Some("adm-1"));
-        assert_eq!(config.worker_api_key.as_deref(), Some("wk-1"));
-        assert_eq!(config.metrics_key.as_deref(), Some("mk-1"));
+        assert_eq!(config.admin_token, Some("adm-1".into()));
+        assert_eq!(config.worker_api_key, Some("wk-1".into()));
+        assert_eq!(config.metrics_key, Some("mk-1".into()));
     }
 
     #[test]
@@ -1270,11 +1386,18 @@ mod tests {
             "max_connections = 0",
             "header_read_timeout_ms = 0",
             "body_read_timeout_ms = 0",
+            "send_timeout_ms = 0",
             "api_keys = [\"\"]",
             "admin_token = \"has space\"",
         ] {
             assert!(ServerConfig::from_toml(bad).is_err(), "{bad}");
         }
+        let config = ServerConfig::from_toml("request_timeout_secs = 2.5").unwrap();
+        assert_eq!(
+            config.send_timeout(),
+            std::time::Duration::from_millis(2_500),
+            "the request timeout caps the send timeout"
+        );
         let config =
             ServerConfig::from_toml("max_connections = 5\nbody_read_timeout_ms = 100\n").unwrap();
         assert_eq!(config.max_connections, 5);

@@ -130,7 +130,7 @@ impl AppState {
 /// The `Authorization` header value the router sends to workers, when
 /// `--worker-api-key` is set (marked sensitive: never logged by hyper).
 pub fn worker_authorization(config: &crate::config::ServerConfig) -> Option<HeaderValue> {
-    let key = config.worker_api_key.as_deref()?;
+    let key = config.worker_api_key.as_ref()?.expose();
     let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
     value.set_sensitive(true);
     Some(value)

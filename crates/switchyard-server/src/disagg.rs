@@ -242,16 +242,10 @@ pub(crate) async fn serve(
     headers: &HeaderMap,
     request: Delivery,
     model: Option<String>,
-    session: Option<String>,
+    session: Option<SessionKey>,
 ) -> Result<Response, ApiError> {
     let metrics = state.disagg_metrics.clone();
     metrics.requests.inc();
-    let session = headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
-        .or(session.as_deref())
-        .filter(|s| !s.is_empty())
-        .map(SessionKey::from_client_id);
     let deadline = tokio::time::Instant::from_std(request.arrival) + state.request_timeout;
     let split = Split {
         id: state.shared.next_request_id(),

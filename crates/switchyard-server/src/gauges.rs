@@ -50,6 +50,8 @@ pub struct Snapshot {
     pub index_blocks: usize,
     /// Estimated heap bytes of the index and the registry.
     pub index_bytes: usize,
+    /// Blocks the index dropped because their worker was past its cap.
+    pub index_evicted_blocks: u64,
     /// Requests waiting in the admission queue.
     pub queue_depth: usize,
     /// The admission strategy's name and event counters, when one is on.
@@ -150,6 +152,12 @@ impl Snapshot {
                 MetricType::Gauge,
             )?)?;
         }
+        ConstCounter::new(self.index_evicted_blocks).encode(encoder.encode_descriptor(
+            "switchyard_index_evicted_blocks",
+            "Blocks dropped from the prefix index because their worker held more than its cap (its oldest first).",
+            None,
+            MetricType::Counter,
+        )?)?;
         if let Some((strategy, counts)) = &self.strategy {
             let mut family = encoder.encode_descriptor(
                 "switchyard_admission_strategy_events",
@@ -251,6 +259,7 @@ mod tests {
             active_requests: 2,
             index_blocks: 40,
             index_bytes: 4096,
+            index_evicted_blocks: 3,
             queue_depth: 1,
             strategy: Some(("session-aware", vec![("pauses", 4)])),
         }
@@ -263,7 +272,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(typed.len(), 13, "{out}");
+        assert_eq!(typed.len(), 14, "{out}");
         for t in typed {
             let (name, kind) = t.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -277,6 +286,7 @@ mod tests {
         ));
         assert!(out.contains("switchyard_worker_kv_usage_ratio{worker=\"a\"} 0.5\n"));
         assert!(out.contains("switchyard_queue_depth 1\n"));
+        assert!(out.contains("switchyard_index_evicted_blocks_total 3\n"));
         assert!(out.contains(
             "switchyard_admission_strategy_events_total{strategy=\"session-aware\",event=\"pauses\"} 4\n"
         ));

@@ -111,6 +111,7 @@ use switchyard_core::router::CacheTracking;
 use switchyard_core::select::PolicyKind;
 use switchyard_core::sequences::SequencesConfig;
 use switchyard_core::RouterConfig;
+use switchyard_replica::Secret;
 use switchyard_tokenizer::Tokenizer;
 
 /// Options of `switchyard serve`. Each flag also reads `SWITCHYARD_<NAME>`;
@@ -151,15 +152,21 @@ pub struct ServeArgs {
     #[arg(
         long,
         env = "SWITCHYARD_ADMIN_TOKEN",
+        hide_env_values = true,
         conflicts_with = "admin_token_file"
     )]
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// File holding the admin token (first non-blank, non-# line).
     #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
     /// Client API key for /v1/* (Authorization: Bearer); repeat for several.
-    #[arg(long = "api-key", env = "SWITCHYARD_API_KEYS", value_delimiter = ',')]
-    pub api_keys: Vec<String>,
+    #[arg(
+        long = "api-key",
+        env = "SWITCHYARD_API_KEYS",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub api_keys: Vec<Secret>,
     /// File of client API keys, one a line (blank lines and # comments
     /// skipped); added to --api-key.
     #[arg(long, env = "SWITCHYARD_API_KEY_FILE")]
@@ -168,9 +175,10 @@ pub struct ServeArgs {
     #[arg(
         long,
         env = "SWITCHYARD_METRICS_KEY",
+        hide_env_values = true,
         conflicts_with = "metrics_key_file"
     )]
-    pub metrics_key: Option<String>,
+    pub metrics_key: Option<Secret>,
     /// File holding the metrics key.
     #[arg(long, env = "SWITCHYARD_METRICS_KEY_FILE")]
     pub metrics_key_file: Option<PathBuf>,
@@ -179,9 +187,10 @@ pub struct ServeArgs {
     #[arg(
         long,
         env = "SWITCHYARD_WORKER_API_KEY",
+        hide_env_values = true,
         conflicts_with = "worker_api_key_file"
     )]
-    pub worker_api_key: Option<String>,
+    pub worker_api_key: Option<Secret>,
     /// File holding the worker key.
     #[arg(long, env = "SWITCHYARD_WORKER_API_KEY_FILE")]
     pub worker_api_key_file: Option<PathBuf>,
@@ -199,6 +208,11 @@ pub struct ServeArgs {
     /// upload gets a 408 [default: 30000].
     #[arg(long, env = "SWITCHYARD_BODY_READ_TIMEOUT_MS")]
     pub body_read_timeout_ms: Option<u64>,
+    /// Time a connection's answer may make no progress (its client reads
+    /// nothing) before the connection is closed, in ms; never more than
+    /// the request timeout [default: 30000].
+    #[arg(long, env = "SWITCHYARD_SEND_TIMEOUT_MS")]
+    pub send_timeout_ms: Option<u64>,
     /// Most tokens in one prompt; past it, 400 [default: the largest
     /// max_model_len the workers report on /v1/models, else 131072].
     #[arg(long, env = "SWITCHYARD_MAX_PROMPT_TOKENS")]
@@ -375,6 +389,7 @@ impl ServeArgs {
             max_connections,
             header_read_timeout_ms,
             body_read_timeout_ms,
+            send_timeout_ms,
             token_cache_ids
         );
         if self.max_prompt_tokens.is_some() {
@@ -630,6 +645,7 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
         },
         cache,
         busy_threshold: config.busy_threshold,
+        max_index_blocks_per_worker: config.max_index_blocks_per_worker,
         // Replicas must not break cost ties in lockstep (they would all
         // pick the same worker until the sync catches up): with replica
         // sync on, each process mixes fresh entropy into its seed.
@@ -643,6 +659,8 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     router.remote.silence_expiry_ms = config.replica.silence_expiry_ms;
     router.remote.max_bookings_per_replica = config.replica.max_bookings_per_peer;
     router.remote.max_sessions_per_replica = config.replica.max_sessions_per_peer;
+    router.remote.max_bytes_per_replica = config.replica.max_bytes_per_peer;
+    router.remote.max_total_bytes = config.replica.max_peer_bytes_total;
     router.adapters.load_ms = config.adapter_load_ms;
     DispatcherConfig {
         router,
@@ -688,6 +706,13 @@ fn sequence_expiry_ms(config: &ServerConfig) -> f64 {
 /// beyond loopback and requires no client key (warned about at startup).
 fn open_beyond_loopback(addr: SocketAddr, config: &ServerConfig) -> bool {
     !addr.ip().is_loopback() && !config.requires_client_key()
+}
+
+/// Whether `/metrics` is open to anyone while `/v1/*` needs a client key
+/// (warned about at startup: the metrics name the workers and the keys and
+/// count each key's requests).
+fn metrics_open_while_keyed(config: &ServerConfig) -> bool {
+    config.requires_client_key() && config.metrics_key.is_none()
 }
 
 /// The router's app as it is served: the credential check first (from the
@@ -779,11 +804,15 @@ pub async fn start_with_tokenizer(
     if open_beyond_loopback(addr, &config) {
         tracing::warn!(%addr, "listening beyond loopback with no API key: anyone who can reach this address can use the workers (set --api-key or --api-key-file)");
     }
+    if metrics_open_while_keyed(&config) {
+        tracing::warn!(%addr, "client API keys are required but /metrics is open: anyone who can reach this address can read the workers' names, the keys' names and each key's request counts (set --metrics-key or --metrics-key-file)");
+    }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let app = front_door(&state, inflight.clone());
     let limits = accept::ConnectionLimits {
         max_connections: config.max_connections,
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+        send_timeout: config.send_timeout(),
     };
     let task = tokio::spawn(accept::serve(
         listener,
@@ -867,19 +896,23 @@ mod tests {
             "100",
             "--body-read-timeout-ms",
             "200",
+            "--send-timeout-ms",
+            "300",
         ])
         .unwrap();
-        assert_eq!(c.api_keys, ["sk-0", "sk-1", "sk-2"]);
-        assert_eq!(c.admin_token.as_deref(), Some("adm-file"));
-        assert_eq!(c.worker_api_key.as_deref(), Some("wk-toml"));
+        let keys: Vec<&str> = c.api_keys.iter().map(Secret::expose).collect();
+        assert_eq!(keys, ["sk-0", "sk-1", "sk-2"]);
+        assert_eq!(c.admin_token, Some("adm-file".into()));
+        assert_eq!(c.worker_api_key, Some("wk-toml".into()));
         assert_eq!(c.metrics_key, None);
         assert_eq!(
             (
                 c.max_connections,
                 c.header_read_timeout_ms,
-                c.body_read_timeout_ms
+                c.body_read_timeout_ms,
+                c.send_timeout_ms
             ),
-            (7, 100, 200)
+            (7, 100, 200, 300)
         );
         assert!(
             config(&["--admin-token", "a", "--admin-token-file", &token]).is_err(),
@@ -887,6 +920,51 @@ mod tests {
         );
         let err = config(&["--api-key-file", "/nonexistent/keys"]).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/keys"), "{err}");
+    }
+
+    #[test]
+    fn debug_of_the_flags_and_the_config_never_shows_a_secret() {
+        let args = [
+            "--admin-token",
+            "adm-secret-1",
+            "--api-key",
+            "sk-secret-2",
+            "--metrics-key",
+            "mk-secret-3",
+            "--worker-api-key",
+            "wk-secret-4",
+            "--nats-user",
+            "u",
+            "--nats-password",
+            "pw-secret-5",
+        ];
+        let cli = Cli::try_parse_from(std::iter::once("serve").chain(args)).unwrap();
+        let mut config = cli.serve.to_config().unwrap();
+        config.rate_limits = crate::ratelimit::RateLimitConfig {
+            keys: vec![crate::ratelimit::NamedKey {
+                name: "team".into(),
+                key: Some("nk-secret-6".into()),
+                key_file: None,
+                requests_per_second: None,
+                burst: None,
+                tokens_per_minute: None,
+            }],
+            ..Default::default()
+        };
+        let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
+        let credentials = auth::Credentials::new(&config, metrics);
+        for shown in [
+            format!("{:?}", cli.serve),
+            format!("{config:?}"),
+            format!("{credentials:?}"),
+        ] {
+            for secret in args.iter().chain(&["nk-secret-6"]) {
+                if secret.contains("secret") {
+                    assert!(!shown.contains(secret), "{secret} in {shown}");
+                }
+            }
+        }
+        assert!(format!("{config:?}").contains("<redacted>"));
     }
 
     #[test]
@@ -910,11 +988,31 @@ mod tests {
     }
 
     #[test]
+    fn open_metrics_beside_client_keys_is_flagged() {
+        let keyed = ServerConfig {
+            api_keys: vec!["sk".into()],
+            ..ServerConfig::default()
+        };
+        assert!(metrics_open_while_keyed(&keyed));
+        let both = ServerConfig {
+            metrics_key: Some("mk".into()),
+            ..keyed
+        };
+        assert!(!metrics_open_while_keyed(&both));
+        // Without client keys everything is open alike: nothing to flag.
+        assert!(!metrics_open_while_keyed(&ServerConfig::default()));
+        let named = ServerConfig::from_toml("[[rate_limits.keys]]\nname = \"a\"\nkey = \"sk-a\"\n")
+            .unwrap();
+        assert!(metrics_open_while_keyed(&named));
+    }
+
+    #[test]
     fn the_front_door_defaults_are_the_documented_ones() {
         let c = config(&[]).unwrap();
         assert_eq!(c.max_connections, 10_240);
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
+        assert_eq!(c.send_timeout_ms, 30_000);
         assert!(c.api_keys.is_empty() && c.admin_token.is_none() && c.metrics_key.is_none());
     }
 

@@ -8,8 +8,9 @@
 //! | prompt tokens (`--max-prompt-tokens`) | the largest `max_model_len` the workers report, else 131 072 | 400, `param: prompt` (chat: `messages`) |
 //! | messages (`--max-messages`) | 4096 | 400, `param: messages` |
 //! | content parts, all messages (`--max-content-parts`) | 16 384 | 400, `param: messages` |
-//! | `n` (`--max-n`) | 16 | 400, `param: n` |
+//! | `n`, `best_of` (`--max-n`) | 16 | 400, `param:` the field |
 //! | `max_tokens` / `max_completion_tokens` (`--max-output-tokens`) | the prompt token limit | 400, `param:` the field |
+//! | a count that is no integer (`1.5`, `"many"`, `-1`, a list) | — | 400, `param:` the field |
 //!
 //! Token-id prompts, messages and content parts are bounded while the body
 //! is parsed ([`BodyLimits`]): parsing stops at the first element past a
@@ -19,10 +20,19 @@
 //! prompts and chats (as rendered) are bounded while tokenized: the
 //! tokenizer encodes a long text a piece at a time and stops at the first
 //! piece past the limit, so a text far over it costs about the limit's
-//! work, not the text's. `n` and
-//! the output token limits are checked when they are integers; a value of
-//! another type is left for the worker to refuse, as before. Every refusal
-//! is counted in `switchyard_input_limit_refusals_total{limit}`.
+//! work, not the text's.
+//!
+//! Counts (`n`, `best_of`, `max_tokens`, `max_completion_tokens`) are
+//! **normalised for the check, never rewritten**: each is read as the
+//! integer vLLM and SGLang read (their request models declare the fields
+//! `int` in pydantic's lax mode, which takes `64.0`, `1e8` and `"64"` as
+//! integers and refuses `1.5`), so a limit binds whatever JSON form the
+//! count takes, and the body is forwarded as the client sent it. A value
+//! that is no integer in any form the router reads (a fraction, a
+//! negative, a string such as `"1e8"` or `"+64"`, a list, an object) is
+//! refused with a 400 naming the field rather than forwarded. Every
+//! refusal past a limit is counted in
+//! `switchyard_input_limit_refusals_total{limit}`.
 
 use crate::config::FALLBACK_MAX_PROMPT_TOKENS;
 use crate::context::AppState;
@@ -96,75 +106,106 @@ fn body_error(state: &AppState, error: BodyError) -> ApiError {
     }
 }
 
-/// `n` and the output token fields against their limits.
+/// What a request asks the workers to generate, as the token rate limit
+/// charges it ([`crate::ratelimit::token_charge`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Asked {
+    /// Sequences generated per prompt: the larger of `n` and `best_of`
+    /// (1 when neither is given).
+    pub(crate) choices: u32,
+    /// Output tokens asked per sequence: the larger of the output fields
+    /// given (`None`: neither is).
+    pub(crate) output_tokens: Option<u32>,
+}
+
+/// A count field's value: `None` when absent or `null`, a 400 naming it
+/// when it is not a count in any form the engines read as one (a JSON
+/// integer, an integral float such as `64.0`, a string such as `"64"`:
+/// [`Lenient`]'s reading).
+fn read_count(field: &Option<Lenient<u32>>, name: &'static str) -> Result<Option<u32>, ApiError> {
+    field
+        .as_ref()
+        .map(|v| v.count(name))
+        .transpose()
+        .map_err(ApiError::from)
+}
+
+/// `n`, `best_of` and the output token fields against their limits,
+/// whatever JSON form each takes: each is read as the integer the engines
+/// read (so `64.0` and `"64"` are 64 and past a limit of 16), and a value
+/// that is no count in any form is refused naming it.
 fn check_counts(
     state: &AppState,
-    n: &Option<Lenient<u32>>,
+    choices: [(&Option<Lenient<u32>>, &'static str); 2],
     outputs: [(&Option<Lenient<u32>>, &'static str); 2],
-) -> Result<(), ApiError> {
-    if let Some(Lenient::Valid(n)) = n {
-        if *n > state.limits.n {
-            let message = format!("`n` is {n}, over the limit of {} (--max-n)", state.limits.n);
-            return Err(refuse(state, InputLimit::N, message, "n"));
+) -> Result<Asked, ApiError> {
+    let mut asked = Asked {
+        choices: 1,
+        output_tokens: None,
+    };
+    for (field, name) in choices {
+        let Some(v) = read_count(field, name)? else {
+            continue;
+        };
+        if v > state.limits.n {
+            let message = format!(
+                "`{name}` is {v}, over the limit of {} (--max-n)",
+                state.limits.n
+            );
+            return Err(refuse(state, InputLimit::N, message, name));
         }
+        asked.choices = asked.choices.max(v);
     }
     let (max, source) = match state.limits.output_tokens {
         Some(max) => (max as usize, "--max-output-tokens"),
         None => prompt_token_limit(state),
     };
     for (field, name) in outputs {
-        if let Some(Lenient::Valid(v)) = field {
-            if *v as usize > max {
-                let message = format!("`{name}` is {v}, over the limit of {max} tokens ({source})");
-                return Err(refuse(state, InputLimit::OutputTokens, message, name));
-            }
+        let Some(v) = read_count(field, name)? else {
+            continue;
+        };
+        if v as usize > max {
+            let message = format!("`{name}` is {v}, over the limit of {max} tokens ({source})");
+            return Err(refuse(state, InputLimit::OutputTokens, message, name));
         }
+        asked.output_tokens = asked.output_tokens.max(Some(v));
     }
-    Ok(())
+    Ok(asked)
 }
 
-/// The completion tokens a request asks for, as the per-key token limit
-/// charges them: the larger of `max_tokens` and `max_completion_tokens`
-/// (0 when neither holds a number).
-pub(crate) fn requested_output_tokens(outputs: [&Option<Lenient<u32>>; 2]) -> u64 {
-    outputs
-        .into_iter()
-        .filter_map(|f| match f {
-            Some(Lenient::Valid(v)) => Some(u64::from(*v)),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// A `/v1/completions` body, parsed within the limits.
+/// A `/v1/completions` body, parsed within the limits, and what it asks
+/// for.
 pub(crate) fn parse_completion(
     state: &AppState,
     body: &[u8],
-) -> Result<CompletionRequest, ApiError> {
+) -> Result<(CompletionRequest, Asked), ApiError> {
     let parsed = CompletionRequest::from_json(body, &body_limits(state))
         .map_err(|e| body_error(state, e))?;
-    check_counts(
+    let asked = check_counts(
         state,
-        &parsed.n,
+        [(&parsed.n, "n"), (&parsed.best_of, "best_of")],
         [(&parsed.max_tokens, "max_tokens"), (&None, "")],
     )?;
-    Ok(parsed)
+    Ok((parsed, asked))
 }
 
-/// A `/v1/chat/completions` body, parsed within the limits.
-pub(crate) fn parse_chat(state: &AppState, body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
+/// A `/v1/chat/completions` body, parsed within the limits, and what it
+/// asks for.
+pub(crate) fn parse_chat(
+    state: &AppState,
+    body: &[u8],
+) -> Result<(ChatCompletionRequest, Asked), ApiError> {
     let parsed = ChatCompletionRequest::from_json(body, &body_limits(state))
         .map_err(|e| body_error(state, e))?;
-    check_counts(
+    let asked = check_counts(
         state,
-        &parsed.n,
+        [(&parsed.n, "n"), (&None, "")],
         [
             (&parsed.max_tokens, "max_tokens"),
             (&parsed.max_completion_tokens, "max_completion_tokens"),
         ],
     )?;
-    Ok(parsed)
+    Ok((parsed, asked))
 }
 
 /// A 400 for a text prompt or a chat (as rendered) whose tokens passed the
@@ -340,17 +381,25 @@ mod tests {
         ] {
             refused(&app, &metrics, path, body, param, limit, says).await;
         }
-        // At the limits, and with values of other types (the worker's to
-        // judge): no refusal, so no worker (503).
+        // At the limits, in every form a count takes: no refusal, so no
+        // worker (503).
         for (path, body) in [
             (
                 completions,
                 json!({"prompt": [1, 2, 3, 4], "n": 2, "max_tokens": 10}),
             ),
+            (
+                completions,
+                json!({"prompt": [1], "n": 2.0, "best_of": "2", "max_tokens": "10.0"}),
+            ),
+            (
+                chat,
+                json!({"messages": [m], "n": "2", "max_completion_tokens": 1e1}),
+            ),
             (completions, json!({"prompt": [[1, 2, 3, 4], [1, 2, 3, 4]]})),
             (
                 completions,
-                json!({"prompt": "abcd", "n": "many", "max_tokens": -1}),
+                json!({"prompt": "abcd", "n": null, "max_tokens": null}),
             ),
             (
                 chat,
@@ -359,6 +408,133 @@ mod tests {
         ] {
             let (status, answer) = post(&app, path, body.clone()).await;
             assert_eq!(status, 503, "{body}: {answer}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_count_past_its_limit_is_refused_whatever_json_form_it_takes() {
+        let (app, metrics) = router(limited());
+        let completions = "/v1/completions";
+        let chat = "/v1/chat/completions";
+        let m = json!({"role": "user", "content": "a"});
+        use InputLimit::*;
+        for (path, body, param, limit, says) in [
+            (
+                completions,
+                json!({"prompt": [1], "n": 64.0}),
+                "n",
+                N,
+                "`n` is 64, over the limit of 2 (--max-n)",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "n": "64"}),
+                "n",
+                N,
+                "`n` is 64, over the limit of 2",
+            ),
+            (
+                chat,
+                json!({"messages": [m], "n": "3.0"}),
+                "n",
+                N,
+                "`n` is 3",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "best_of": 3}),
+                "best_of",
+                N,
+                "`best_of` is 3, over the limit of 2 (--max-n)",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "best_of": "3"}),
+                "best_of",
+                N,
+                "`best_of` is 3",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "max_tokens": 1e8}),
+                "max_tokens",
+                OutputTokens,
+                "`max_tokens` is 100000000, over the limit of 10 tokens (--max-output-tokens)",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "max_tokens": "100000000"}),
+                "max_tokens",
+                OutputTokens,
+                "`max_tokens` is 100000000",
+            ),
+            (
+                chat,
+                json!({"messages": [m], "max_completion_tokens": 11.0}),
+                "max_completion_tokens",
+                OutputTokens,
+                "`max_completion_tokens` is 11",
+            ),
+            (
+                chat,
+                json!({"messages": [m], "max_tokens": "11"}),
+                "max_tokens",
+                OutputTokens,
+                "`max_tokens` is 11",
+            ),
+        ] {
+            refused(&app, &metrics, path, body, param, limit, says).await;
+        }
+        // A value that is no count in any form: refused naming it (not a
+        // limit: counted as an invalid request only).
+        for (path, body, param) in [
+            (completions, json!({"prompt": [1], "n": 1.5}), "n"),
+            (completions, json!({"prompt": [1], "n": "many"}), "n"),
+            (completions, json!({"prompt": [1], "n": [2]}), "n"),
+            (
+                completions,
+                json!({"prompt": [1], "best_of": -1}),
+                "best_of",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "max_tokens": -1}),
+                "max_tokens",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "max_tokens": "1e8"}),
+                "max_tokens",
+            ),
+            (
+                completions,
+                json!({"prompt": [1], "max_tokens": 1e20}),
+                "max_tokens",
+            ),
+            (
+                chat,
+                json!({"messages": [m], "max_completion_tokens": {}}),
+                "max_completion_tokens",
+            ),
+            (
+                chat,
+                json!({"messages": [m], "max_tokens": true}),
+                "max_tokens",
+            ),
+        ] {
+            let before = metrics.limit_refusals(N) + metrics.limit_refusals(OutputTokens);
+            let (status, answer) = post(&app, path, body.clone()).await;
+            assert_eq!(status, 400, "{body}: {answer}");
+            assert_eq!(answer["error"]["param"], param, "{answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains(&format!(
+                    "`{param}` must be an integer from 0 to 4294967295"
+                )),
+                "{body}: {message}"
+            );
+            let after = metrics.limit_refusals(N) + metrics.limit_refusals(OutputTokens);
+            assert_eq!(after, before, "{body}");
         }
     }
 

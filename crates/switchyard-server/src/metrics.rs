@@ -269,6 +269,9 @@ pub struct ServerMetrics {
     /// idle keep-alive connection) did not arrive within the header-read
     /// timeout.
     pub header_read_timeouts: Counter,
+    /// Connections closed because their writes made no progress within
+    /// the send timeout ([`crate::accept`]).
+    pub send_timeouts: Counter,
 }
 
 impl ServerMetrics {
@@ -356,6 +359,7 @@ impl ServerMetrics {
             connections_limit: CountGauge::default(),
             connections_refused: Counter::default(),
             header_read_timeouts: Counter::default(),
+            send_timeouts: Counter::default(),
         }
     }
 
@@ -541,6 +545,11 @@ impl ServerMetrics {
             "switchyard_header_read_timeouts",
             "Connections closed because a request head did not arrive within --header-read-timeout-ms (idle keep-alive connections included)",
             self.header_read_timeouts.clone(),
+        );
+        registry.register(
+            "switchyard_send_timeouts",
+            "Connections closed because their client read nothing of the answer within --send-timeout-ms (the request's in-flight place, buffered answer and upstream freed with it)",
+            self.send_timeouts.clone(),
         );
         registry.register(
             "switchyard_input_limit_refusals",
@@ -794,7 +803,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 25, "{out}");
+        assert_eq!(families.len(), 26, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");
@@ -866,6 +875,7 @@ mod tests {
                 m.connections_open.dec();
                 m.connections_refused.inc();
                 m.header_read_timeouts.inc();
+                m.send_timeouts.inc();
                 replica.published.inc_by(3);
                 replica.dropped.inc();
             }

@@ -97,7 +97,10 @@ fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
 struct Parsed {
     model: Option<String>,
     stream: bool,
+    /// The body's `session_id` (the `x-session-id` header wins).
     session: Option<String>,
+    /// The client key it came with.
+    key: Option<ClientKey>,
     tokens: Vec<u32>,
     /// The prompt's estimated length when its model has no tokenizer
     /// here (`tokens` is then empty).
@@ -209,20 +212,50 @@ enum TokenizeJob {
     Chat(Vec<ChatMessage>),
 }
 
-/// Charges a request's prompt and requested completion tokens to its key's
-/// token limit ([`crate::ratelimit`]).
+/// Charges a request to its key's token limit ([`crate::ratelimit`]):
+/// `prompt_tokens` of all its `prompts`, and what it `asked` for each.
 fn charge_tokens(
     state: &AppState,
     key: Option<ClientKey>,
-    prompt: usize,
-    output: u64,
+    prompt_tokens: u64,
+    prompts: u64,
+    asked: limits::Asked,
 ) -> Result<(), ApiError> {
+    let credentials = &state.credentials;
+    let tokens = crate::ratelimit::token_charge(
+        prompt_tokens,
+        prompts,
+        asked.choices,
+        asked.output_tokens,
+        credentials.output_allowance(),
+    );
     let key = key.map_or(0, |ClientKey(k)| k);
-    state
-        .credentials
+    credentials
         .rate_limits()
-        .check_tokens(key, prompt as u64 + output)
+        .check_tokens(key, tokens)
         .map_err(ApiError::from)
+}
+
+/// The session a request belongs to: the `x-session-id` header, else the
+/// body's `session_id` (empty: none). With client keys configured a
+/// session is the client key's own ([`SessionKey::namespaced`] by the
+/// key's name), so a client cannot hold back another's session by naming
+/// its id; without, every client shares one space of ids.
+fn session_key(
+    state: &AppState,
+    headers: &HeaderMap,
+    body_session: Option<&str>,
+    key: Option<ClientKey>,
+) -> Option<SessionKey> {
+    let id = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .or(body_session)
+        .filter(|s| !s.is_empty())?;
+    match key.and_then(|k| state.credentials.key_name(k)) {
+        Some(name) => Some(SessionKey::namespaced(name, id)),
+        None => Some(SessionKey::from_client_id(id)),
+    }
 }
 
 /// A handler's request: its head's headers and client key, its body read
@@ -244,16 +277,15 @@ async fn chat_completions(State(state): State<Shared>, request: Request) -> Resp
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
         let body = body?;
-        let parsed = limits::parse_chat(&state, &body)?;
-        let output =
-            limits::requested_output_tokens([&parsed.max_tokens, &parsed.max_completion_tokens]);
+        let (parsed, asked) = limits::parse_chat(&state, &body)?;
         let messages = chat_messages(parsed.messages)?;
         let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
-        charge_tokens(&state, key, prompt.len(), output)?;
+        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
+            key,
             tokens: prompt.ids,
             estimated_tokens: prompt.estimated,
         };
@@ -268,7 +300,7 @@ async fn completions(State(state): State<Shared>, request: Request) -> Response 
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
         let body = body?;
-        let parsed = limits::parse_completion(&state, &body)?;
+        let (parsed, asked) = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
         // Token ids were bounded while parsing; text while tokenized (a
         // batch's later texts are the worker's to judge).
@@ -286,12 +318,22 @@ async fn completions(State(state): State<Shared>, request: Request) -> Response 
                 None => ids(Vec::new()),
             },
         };
-        let output = limits::requested_output_tokens([&parsed.max_tokens, &None]);
-        charge_tokens(&state, key, prompt.len(), output)?;
+        // Every prompt of a batch is charged: token ids as counted while
+        // parsing, later texts (not tokenized here) by the estimate used
+        // for a model without a tokenizer.
+        let later = parsed.later_prompts;
+        let later_tokens = later.token_ids.saturating_add(u64::from(
+            crate::models::ModelRouting::estimated_tokens(
+                usize::try_from(later.text_bytes).unwrap_or(usize::MAX),
+            ),
+        ));
+        let prompt_tokens = (prompt.len() as u64).saturating_add(later_tokens);
+        charge_tokens(&state, key, prompt_tokens, 1 + later.count, asked)?;
         let facts = Parsed {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
+            key,
             tokens: prompt.ids,
             estimated_tokens: prompt.estimated,
         };
@@ -337,6 +379,7 @@ async fn proxy(
     body: Bytes,
     facts: Parsed,
 ) -> Result<Response, ApiError> {
+    let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
     if let Some(mode) = state.disagg {
         if state.shared.disaggregated() {
             return super::disagg::serve(
@@ -352,18 +395,12 @@ async fn proxy(
                     stream: facts.stream,
                 },
                 facts.model,
-                facts.session,
+                session,
             )
             .await;
         }
     }
     let request_id = state.shared.next_request_id();
-    let session = headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
-        .or(facts.session.as_deref())
-        .filter(|s| !s.is_empty())
-        .map(SessionKey::from_client_id);
     let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
     let mut facts = facts;
     let attempts = Attempts::new(
@@ -648,7 +685,8 @@ mod tests {
     type Heads = Arc<Mutex<Vec<String>>>;
 
     /// A worker on a real loopback socket that answers every request with
-    /// `body` (one connection at a time) and records each request's head.
+    /// `body` (one connection at a time, closed after its answer) and
+    /// records each request's head.
     async fn worker(body: &'static str) -> (String, Heads) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -682,7 +720,7 @@ mod tests {
                     }
                 }
                 let answer = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
                     body.len()
                 );
                 let _ = socket.write_all(answer.as_bytes()).await;
@@ -785,12 +823,93 @@ mod tests {
         );
     }
 
+    /// Admits everything and records the session of each request.
+    #[derive(Default)]
+    struct SessionRecorder {
+        sessions: Arc<Mutex<Vec<Option<SessionKey>>>>,
+    }
+
+    impl AdmissionStrategy for SessionRecorder {
+        fn name(&self) -> &'static str {
+            "session-recorder"
+        }
+        fn admit(&mut self, facts: &RequestFacts<'_>) -> Admission {
+            self.sessions.lock().unwrap().push(facts.session);
+            Admission::Ready(Placement::Any)
+        }
+        fn on_event(&mut self, _: &LifecycleEvent, _: f64, _: &mut Vec<MakeReady>) {}
+        fn reconcile_interval_ms(&self) -> f64 {
+            1e9
+        }
+        fn tracked_requests(&self) -> usize {
+            0
+        }
+    }
+
+    /// The session each of `requests` (a client key, the `x-session-id`
+    /// header, the body's `session_id`) is admitted under, by a router
+    /// with `config`.
+    async fn sessions_of(
+        config: ServerConfig,
+        requests: &[(&str, Option<&str>, Option<&str>)],
+    ) -> Vec<Option<SessionKey>> {
+        let (url, _) = worker(ANSWER).await;
+        let recorder = SessionRecorder::default();
+        let sessions = recorder.sessions.clone();
+        let (state, _) = state_with_worker(&config, &url, Box::new(recorder));
+        for (key, header, body_session) in requests {
+            let mut request = axum::http::Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {key}"));
+            if let Some(id) = header {
+                request = request.header("x-session-id", *id);
+            }
+            let body = match body_session {
+                Some(id) => format!(r#"{{"prompt":[1,2,3,4],"max_tokens":7,"session_id":"{id}"}}"#),
+                None => r#"{"prompt":[1,2,3,4],"max_tokens":7}"#.to_owned(),
+            };
+            let response = app(state.clone())
+                .oneshot(request.body(Body::from(body)).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+        let sessions = sessions.lock().unwrap().clone();
+        sessions
+    }
+
+    #[tokio::test]
+    async fn with_client_keys_a_session_id_names_a_session_of_its_own_key_only() {
+        let keyed = ServerConfig {
+            api_keys: vec!["sk-a".into(), "sk-b".into()],
+            ..ServerConfig::default()
+        };
+        let got = sessions_of(
+            keyed,
+            &[
+                ("sk-a", Some("chat-1"), None),
+                ("sk-b", Some("chat-1"), None),
+                ("sk-a", None, Some("chat-1")),
+                ("sk-a", Some(""), None),
+            ],
+        )
+        .await;
+        let a = SessionKey::namespaced("api-key-1", "chat-1");
+        let b = SessionKey::namespaced("api-key-2", "chat-1");
+        assert_ne!(a, b);
+        assert_eq!(got, [Some(a), Some(b), Some(a), None]);
+        // Without client keys every client shares one space of ids, as
+        // peer replicas of an older version key them.
+        let open = sessions_of(ServerConfig::default(), &[("any", Some("chat-1"), None)]).await;
+        assert_eq!(open, [Some(SessionKey::from_client_id("chat-1"))]);
+    }
+
     #[tokio::test]
     async fn without_an_admin_token_the_admin_routes_do_not_exist() {
         let (url, _) = worker(ANSWER).await;
         for (token, expected) in [(None, StatusCode::NOT_FOUND), (Some("adm"), StatusCode::OK)] {
             let config = ServerConfig {
-                admin_token: token.map(str::to_owned),
+                admin_token: token.map(Into::into),
                 ..ServerConfig::default()
             };
             let (state, _) = state_with_worker(&config, &url, Box::new(Recorder::default()));

@@ -2,9 +2,12 @@
 //! tokens per minute, each a GCRA token bucket per key (the `governor`
 //! crate). A request is checked against its key's request bucket as soon
 //! as the key is known (before the body is read) and against its token
-//! bucket once its prompt is tokenized; it is charged its prompt tokens
-//! plus the completion tokens it asks for (`max_tokens` or
-//! `max_completion_tokens`, when given), as OpenAI's own limits count.
+//! bucket once its prompt is tokenized; it is charged [`token_charge`]:
+//! the tokens of every prompt of a batch, plus, for each prompt, its
+//! choices (`n`, or `best_of` when larger) times the output tokens each
+//! may take (`max_tokens` or `max_completion_tokens`; when it gives
+//! neither, `default_output_tokens`, [`DEFAULT_OUTPUT_TOKENS`] unless
+//! set: an allowance, since the engine then decides).
 //! Over a limit the client gets a 429 with `Retry-After`; a request larger
 //! than a whole minute's budget gets a 429 that says so (no `Retry-After`:
 //! waiting cannot help). Refusals are counted per key name and limit in
@@ -26,6 +29,32 @@ use serde::{Deserialize, Serialize};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// The output tokens charged per choice of a request that names no output
+/// limit (`[rate_limits] default_output_tokens` unset). An allowance, not
+/// a bound: the engine decides how much such a request generates (vLLM's
+/// and SGLang's completion requests default `max_tokens` to 16, their
+/// chat requests to none).
+pub const DEFAULT_OUTPUT_TOKENS: u32 = 1024;
+
+/// What a request is charged against its key's token limit: `prompt_tokens`
+/// (every prompt of a batch together), plus, for each of its `prompts`,
+/// `choices` sequences (at least 1) of `output_tokens` each (`allowance`
+/// when the request names no output limit). Saturates instead of
+/// overflowing: a charge that large is refused as larger than any bucket.
+pub fn token_charge(
+    prompt_tokens: u64,
+    prompts: u64,
+    choices: u32,
+    output_tokens: Option<u32>,
+    allowance: u32,
+) -> u64 {
+    let per_choice = u64::from(output_tokens.unwrap_or(allowance));
+    let outputs = prompts
+        .saturating_mul(u64::from(choices.max(1)))
+        .saturating_mul(per_choice);
+    prompt_tokens.saturating_add(outputs)
+}
 
 /// The limits of one key, or the defaults of every key (`None`: no limit).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -111,6 +140,10 @@ pub struct RateLimitConfig {
     /// Tokens per minute of every key that does not set its own.
     #[serde(default)]
     pub tokens_per_minute: Option<NonZeroU32>,
+    /// Output tokens charged per choice of a request that names no output
+    /// limit [default: [`DEFAULT_OUTPUT_TOKENS`]].
+    #[serde(default)]
+    pub default_output_tokens: Option<u32>,
     /// Named keys.
     #[serde(default)]
     pub keys: Vec<NamedKey>,
@@ -156,6 +189,11 @@ impl RateLimitConfig {
             }
         }
         Ok(())
+    }
+
+    /// The output tokens charged per choice of a request that names none.
+    pub fn output_allowance(&self) -> u32 {
+        self.default_output_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS)
     }
 
     /// Whether any limit is set at all.
@@ -218,7 +256,7 @@ impl From<Limited> for ApiError {
             ),
             (LimitKind::Tokens, None) => ApiError::rate_limited(
                 format!(
-                    "this request needs {} tokens (prompt plus max_tokens), more than this API key's limit of {} tokens per minute",
+                    "this request needs {} tokens (its prompts, plus its output tokens for each choice), more than this API key's limit of {} tokens per minute",
                     l.requested, l.limit
                 ),
                 None,
@@ -444,6 +482,37 @@ mod tests {
         }
         // Nothing was taken by the refusals.
         assert_eq!(limits.check_tokens(1, 1000), Ok(()));
+    }
+
+    #[test]
+    fn a_charge_counts_every_prompt_and_every_choice_and_an_allowance_without_max_tokens() {
+        // One prompt of 100 tokens, one choice of up to 50.
+        assert_eq!(token_charge(100, 1, 1, Some(50), 1024), 150);
+        // n = 4: four choices of 50.
+        assert_eq!(token_charge(100, 1, 4, Some(50), 1024), 300);
+        // A batch of 3 prompts (300 tokens together), n = 2: 6 choices.
+        assert_eq!(token_charge(300, 3, 2, Some(50), 1024), 600);
+        // No max_tokens: the allowance per choice.
+        assert_eq!(token_charge(100, 1, 2, None, 1024), 2148);
+        // n = 0 is charged as one choice.
+        assert_eq!(token_charge(100, 1, 0, Some(50), 1024), 150);
+        assert_eq!(token_charge(0, 1, 1, None, 0), 0);
+        // The largest asks saturate instead of wrapping.
+        assert_eq!(
+            token_charge(u64::MAX, u64::MAX, u32::MAX, Some(u32::MAX), 0),
+            u64::MAX
+        );
+        assert_eq!(
+            token_charge(1, u64::MAX / 2, u32::MAX, Some(u32::MAX), 0),
+            u64::MAX
+        );
+    }
+
+    #[test]
+    fn the_output_allowance_is_configurable_and_defaults_to_1024() {
+        assert_eq!(RateLimitConfig::default().output_allowance(), 1024);
+        let set: RateLimitConfig = toml::from_str("default_output_tokens = 256\n").unwrap();
+        assert_eq!(set.output_allowance(), 256);
     }
 
     #[test]

@@ -30,10 +30,13 @@ use switchyard_wire::replica::ReplicaBatch;
 /// `SWITCHYARD_*` variable, and each set one overrides the config file.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ReplicaArgs {
-    /// Share bookings with peer replicas over NATS at this URL; off when absent.
+    /// Share bookings with peer replicas over NATS at this URL; off when
+    /// absent. (A NATS URL may carry `user:password@`: `--help` does not
+    /// show the variable's value.)
     #[arg(
         long = "replica-sync",
         env = "SWITCHYARD_REPLICA_SYNC",
+        hide_env_values = true,
         value_name = "nats://HOST:PORT"
     )]
     pub replica_sync: Option<String>,
@@ -64,6 +67,21 @@ pub struct ReplicaArgs {
     /// How often this replica publishes a digest of its live bookings, so peers drop bookings whose free was lost, in ms [default: 2000].
     #[arg(long, env = "SWITCHYARD_REPLICA_DIGEST_MS")]
     pub replica_digest_ms: Option<f64>,
+    /// Bytes of bookings held per peer replica; its further bookings are dropped [default: 134217728].
+    #[arg(long, env = "SWITCHYARD_REPLICA_MAX_BYTES_PER_PEER")]
+    pub replica_max_bytes_per_peer: Option<usize>,
+    /// Bytes of bookings held across every peer replica [default: 536870912].
+    #[arg(long, env = "SWITCHYARD_REPLICA_MAX_PEER_BYTES_TOTAL")]
+    pub replica_max_peer_bytes_total: Option<usize>,
+    /// Largest replica message published or accepted, signature aside [default: 1048576].
+    #[arg(long, env = "SWITCHYARD_REPLICA_MAX_BATCH_BYTES")]
+    pub replica_max_batch_bytes: Option<usize>,
+    /// Key shared by the replicas to sign batches (HMAC-SHA256, at least 32 bytes; prefer --replica-signing-key-file).
+    #[arg(long, env = "SWITCHYARD_REPLICA_SIGNING_KEY", hide_env_values = true)]
+    pub replica_signing_key: Option<String>,
+    /// File holding the replicas' signing key (trailing newline ignored).
+    #[arg(long, env = "SWITCHYARD_REPLICA_SIGNING_KEY_FILE", value_name = "PATH")]
+    pub replica_signing_key_file: Option<std::path::PathBuf>,
     /// NATS authentication and TLS (`--nats-*`).
     #[command(flatten)]
     pub nats: NatsAuthArgs,
@@ -103,6 +121,24 @@ impl ReplicaArgs {
         if let Some(v) = self.replica_digest_ms {
             config.digest_ms = v;
         }
+        if let Some(v) = self.replica_max_bytes_per_peer {
+            config.max_bytes_per_peer = v;
+        }
+        if let Some(v) = self.replica_max_peer_bytes_total {
+            config.max_peer_bytes_total = v;
+        }
+        if let Some(v) = self.replica_max_batch_bytes {
+            config.max_batch_bytes = v;
+        }
+        // Either form replaces the file's key of both forms.
+        if let Some(v) = &self.replica_signing_key {
+            config.signing_key = Some(switchyard_replica::Secret(v.clone()));
+            config.signing_key_file = None;
+        }
+        if let Some(v) = &self.replica_signing_key_file {
+            config.signing_key_file = Some(v.clone());
+            config.signing_key = None;
+        }
         self.nats.apply(&mut config.auth);
     }
 }
@@ -137,6 +173,9 @@ pub async fn start(
         .nats_url
         .as_deref()
         .ok_or_else(|| TransportError::Connect("replica sync is off".into()))?;
+    for warning in config.security_warnings() {
+        tracing::warn!("{warning}");
+    }
     let transport = Arc::new(NatsTransport::connect_with(url, &config.auth).await?);
     start_over(transport, config, shared).await
 }

@@ -963,6 +963,7 @@ impl SharedRouter {
             active_requests: router.sequences().active_requests(),
             index_blocks: router.with_index(|index| index.live_pairs()),
             index_bytes: router.estimated_bytes(),
+            index_evicted_blocks: router.index_evicted_over_cap(),
             queue_depth: admission.queue().len(),
             strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),
         }

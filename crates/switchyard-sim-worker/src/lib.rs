@@ -168,7 +168,7 @@ pub struct SimWorkerArgs {
     pub replica_endpoint: String,
     /// Require this key (Authorization: Bearer) on every route but /metrics.
     #[arg(long)]
-    pub api_key: Option<String>,
+    pub api_key: Option<switchyard_replica::Secret>,
     /// NATS authentication and TLS for the marks (`--nats-*`, as `serve`'s).
     #[command(flatten)]
     pub nats: NatsAuthArgs,
@@ -416,7 +416,9 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         Some(d) => Some(
             disagg::Transfers::new(
                 d.clone(),
-                args.api_key.as_deref(),
+                args.api_key
+                    .as_ref()
+                    .map(switchyard_replica::Secret::expose),
                 config.block_size,
                 config.max_model_len / config.block_size + 1,
                 config.timing.bytes_per_token,
@@ -473,7 +475,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
                 println!("switchyard sim-worker bootstrap http://{bound}");
                 let app = disagg::internal_router(internal.clone());
                 let app = match &args.api_key {
-                    Some(key) => http::require_key(app, key),
+                    Some(key) => http::require_key(app, key.expose()),
                     None => app,
                 };
                 tokio::spawn(async move { axum::serve(listener, app).await });
@@ -547,7 +549,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         app = app.merge(disagg::internal_router(internal));
     }
     let app = match &args.api_key {
-        Some(key) => http::require_key(app, key),
+        Some(key) => http::require_key(app, key.expose()),
         None => app,
     };
     Ok(BoundWorker {

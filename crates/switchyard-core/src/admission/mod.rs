@@ -64,6 +64,19 @@ impl SessionKey {
             Self::SEED,
         ))
     }
+
+    /// The key of session `id` within `namespace` (the name of the client
+    /// key that sent it): two clients naming the same id have two
+    /// sessions, so one cannot hold back the other's turns. The
+    /// namespace's length goes first, so no (namespace, id) pair hashes
+    /// the same input as another.
+    pub fn namespaced(namespace: &str, id: &str) -> Self {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(Self::SEED);
+        hasher.update(&(namespace.len() as u64).to_le_bytes());
+        hasher.update(namespace.as_bytes());
+        hasher.update(id.as_bytes());
+        Self(hasher.digest())
+    }
 }
 
 /// A queue class (tenant, priority band): each has its own limits.

@@ -686,3 +686,16 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_namespaced_session_is_its_clients_own() {
+    let a = SessionKey::namespaced("team-a", "chat-1");
+    assert_eq!(a, SessionKey::namespaced("team-a", "chat-1"));
+    assert_ne!(a, SessionKey::namespaced("team-b", "chat-1"));
+    assert_ne!(a, SessionKey::from_client_id("chat-1"));
+    // Where the name ends and the id begins is not ambiguous.
+    assert_ne!(
+        SessionKey::namespaced("ab", "c"),
+        SessionKey::namespaced("a", "bc")
+    );
+}

@@ -45,7 +45,6 @@ pub(super) struct BlockMap {
 
 impl BlockMap {
     /// Keys stored.
-    #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.map.len()
     }

@@ -24,7 +24,7 @@ pub use approx::{ApproxConfig, ApproxConfigError, ApproxIndex};
 pub use tiered::{CacheTier, TieredIndex};
 pub use tree::{
     ApplyOutcome, IndexCounters, IndexEvent, IndexMemory, OverlapScores, PrefixIndex, StoredBlock,
-    WorkerOverlap,
+    WorkerOverlap, DEFAULT_MAX_BLOCKS_PER_WORKER,
 };
 
 /// Tests: a `Stored` chain of `(engine hash, local hash)` pairs under

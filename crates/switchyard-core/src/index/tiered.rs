@@ -72,6 +72,25 @@ impl TieredIndex {
         Self::default()
     }
 
+    /// Empty indexes in which a worker holds at most `cap` block names per
+    /// tier ([`PrefixIndex::with_max_blocks_per_worker`]).
+    pub fn with_max_blocks_per_worker(cap: usize) -> Self {
+        Self {
+            device: PrefixIndex::with_max_blocks_per_worker(cap),
+            host: PrefixIndex::with_max_blocks_per_worker(cap),
+            checkpoint: PrefixIndex::with_max_blocks_per_worker(cap),
+            path: Vec::new(),
+        }
+    }
+
+    /// Blocks dropped in every tier because their worker was past its cap.
+    pub fn evicted_over_cap(&self) -> u64 {
+        [&self.device, &self.host, &self.checkpoint]
+            .iter()
+            .map(|index| index.counters().evicted_over_cap)
+            .sum()
+    }
+
     /// Applies one event of `worker`'s `tier`. `Cleared` clears every
     /// tier; its outcome is `UnknownWorker` only when no tier knew the
     /// worker.

@@ -20,6 +20,15 @@
 //!   open-addressing table of 12-byte entries without tombstones (see its
 //!   docs for why not hashbrown here).
 //!
+//! - What one worker may hold is capped ([`PrefixIndex::max_blocks_per_worker`],
+//!   default [`DEFAULT_MAX_BLOCKS_PER_WORKER`] engine block names): past it,
+//!   the worker's oldest names (in the order first stored) are dropped and
+//!   counted ([`IndexCounters::evicted_over_cap`]), so a worker that
+//!   publishes endless new hashes can neither exhaust memory nor claim every
+//!   prefix. The order is a queue of names per worker; a name removed by the
+//!   engine stays in the queue, counted in a small map, until it reaches the
+//!   front or the queue is compacted (when it is twice the live names).
+//!
 //! Invariants, checked by the property tests in this module:
 //!
 //! - A node is in the arena iff it is the root, or some worker holds it, or it
@@ -31,6 +40,15 @@
 use super::block_map::BlockMap;
 use crate::maps::{map_bytes, FxHashMap};
 use crate::types::{EngineHash, LocalHash, WorkerId};
+use std::collections::VecDeque;
+
+/// Most engine block names one worker may hold in one index (1 Mi: 16 Mi
+/// tokens at 16-token blocks); past it the worker's oldest are dropped.
+pub const DEFAULT_MAX_BLOCKS_PER_WORKER: usize = 1 << 20;
+
+/// A worker's queue of names is compacted once it holds this many more
+/// entries than twice its live names.
+const ORDER_SLACK: usize = 1024;
 
 const ROOT: u32 = 0;
 const NO_CHILD: u32 = u32::MAX;
@@ -106,6 +124,8 @@ pub struct IndexCounters {
     pub unknown_worker: u64,
     /// Events dropped because the arena was full.
     pub dropped_full: u64,
+    /// Blocks dropped because their worker was past its cap (its oldest).
+    pub evicted_over_cap: u64,
 }
 
 /// Heap bytes of a [`PrefixIndex`] by structure.
@@ -180,6 +200,21 @@ struct Node {
     children: u32,
 }
 
+impl WorkerSlot {
+    /// Drops the names the engine removed from the order queue.
+    fn compact_order(&mut self) {
+        let gone = &mut self.gone;
+        self.order.retain(|name| match gone.get_mut(name) {
+            Some(stale) if *stale > 0 => {
+                *stale -= 1;
+                false
+            }
+            _ => true,
+        });
+        gone.clear();
+    }
+}
+
 #[derive(Debug, Clone)]
 struct WorkerSlot {
     id: WorkerId,
@@ -191,6 +226,11 @@ struct WorkerSlot {
     aliases: FxHashMap<u32, u32>,
     /// Distinct nodes this worker holds.
     held: usize,
+    /// Names in the order first stored, oldest first, for the cap. Names
+    /// the engine removed since stay until popped or compacted: `gone`
+    /// counts them per name (they always precede the name's live entry).
+    order: VecDeque<u64>,
+    gone: FxHashMap<u64, u32>,
 }
 
 /// The exact prefix index. See the module docs for layout and invariants.
@@ -208,6 +248,7 @@ pub struct PrefixIndex {
     live_nodes: usize,
     live_pairs: usize,
     counters: IndexCounters,
+    max_blocks_per_worker: usize,
 }
 
 impl Default for PrefixIndex {
@@ -217,8 +258,15 @@ impl Default for PrefixIndex {
 }
 
 impl PrefixIndex {
-    /// An empty index.
+    /// An empty index, each worker capped at
+    /// [`DEFAULT_MAX_BLOCKS_PER_WORKER`] blocks.
     pub fn new() -> Self {
+        Self::with_max_blocks_per_worker(DEFAULT_MAX_BLOCKS_PER_WORKER)
+    }
+
+    /// An empty index in which a worker holds at most `cap` block names
+    /// (at least 1); past it, its oldest are dropped.
+    pub fn with_max_blocks_per_worker(cap: usize) -> Self {
         Self {
             nodes: vec![Node {
                 local: 0,
@@ -236,7 +284,13 @@ impl PrefixIndex {
             live_nodes: 0,
             live_pairs: 0,
             counters: IndexCounters::default(),
+            max_blocks_per_worker: cap.max(1),
         }
+    }
+
+    /// Most block names one worker may hold here.
+    pub fn max_blocks_per_worker(&self) -> usize {
+        self.max_blocks_per_worker
     }
 
     /// Applies one event for `worker`.
@@ -293,6 +347,7 @@ impl PrefixIndex {
             changed += self.hold(slot, block.engine_hash.0, child);
             cur = child;
         }
+        self.evict_over_cap(slot);
         self.counters.stored_events += 1;
         ApplyOutcome::Applied {
             changed,
@@ -455,8 +510,12 @@ impl PrefixIndex {
         };
         let (mut changed, mut unknown) = (0, 0);
         for engine_hash in blocks {
-            match self.slot_mut(slot).blocks.remove(engine_hash.0) {
-                Some(node) => changed += self.release(slot, node),
+            let worker = self.slot_mut(slot);
+            match worker.blocks.remove(engine_hash.0) {
+                Some(node) => {
+                    *worker.gone.entry(engine_hash.0).or_insert(0) += 1;
+                    changed += self.release(slot, node);
+                }
                 None => unknown += 1,
             }
         }
@@ -644,7 +703,12 @@ impl PrefixIndex {
                 .slots
                 .iter()
                 .flatten()
-                .map(|s| s.blocks.bytes() + map_bytes(&s.aliases))
+                .map(|s| {
+                    s.blocks.bytes()
+                        + map_bytes(&s.aliases)
+                        + s.order.capacity() * 8
+                        + map_bytes(&s.gone)
+                })
                 .sum::<usize>()
                 + map_bytes(&self.worker_slots)
                 + self.slots.capacity() * std::mem::size_of::<Option<WorkerSlot>>(),
@@ -682,6 +746,8 @@ impl PrefixIndex {
             blocks: BlockMap::default(),
             aliases: FxHashMap::default(),
             held: 0,
+            order: VecDeque::new(),
+            gone: FxHashMap::default(),
         });
         if slot >= self.stride * 64 {
             self.widen(slot / 64 + 1);
@@ -836,8 +902,16 @@ impl PrefixIndex {
     /// Makes `slot` hold `node` under the name `engine_hash`; returns the
     /// number of pairs added (0 or 1).
     fn hold(&mut self, slot: u32, engine_hash: u64, node: u32) -> usize {
-        let previous = match self.slot_mut(slot).blocks.insert(engine_hash, node) {
+        let worker = self.slot_mut(slot);
+        let previous = match worker.blocks.insert(engine_hash, node) {
             Some(old) if old == node => return 0,
+            None => {
+                worker.order.push_back(engine_hash);
+                if worker.order.len() > 2 * worker.blocks.len() + ORDER_SLACK {
+                    worker.compact_order();
+                }
+                None
+            }
             previous => previous,
         };
         let mut added = 0;
@@ -877,10 +951,34 @@ impl PrefixIndex {
         1
     }
 
+    /// Drops the worker's oldest names while it holds more than the cap.
+    fn evict_over_cap(&mut self, slot: u32) {
+        let cap = self.max_blocks_per_worker;
+        while self.slot(slot).blocks.len() > cap {
+            let worker = self.slot_mut(slot);
+            let Some(name) = worker.order.pop_front() else {
+                break;
+            };
+            if let Some(stale) = worker.gone.get_mut(&name) {
+                *stale -= 1;
+                if *stale == 0 {
+                    worker.gone.remove(&name);
+                }
+                continue;
+            }
+            if let Some(node) = worker.blocks.remove(name) {
+                self.release(slot, node);
+                self.counters.evicted_over_cap += 1;
+            }
+        }
+    }
+
     fn clear_slot(&mut self, slot: u32) -> usize {
         let worker = self.slot_mut(slot);
         let blocks = worker.blocks.take();
         worker.aliases.clear();
+        worker.order = VecDeque::new();
+        worker.gone = FxHashMap::default();
         let mut changed = 0;
         for node in blocks.nodes() {
             if self.bit(node, slot) {
@@ -967,6 +1065,11 @@ impl PrefixIndex {
         assert_eq!(pairs, self.live_pairs);
         let held: usize = self.slots.iter().flatten().map(|s| s.held).sum();
         assert_eq!(held, self.live_pairs);
+        for worker in self.slots.iter().flatten() {
+            let stale: usize = worker.gone.values().map(|&n| n as usize).sum();
+            assert_eq!(worker.order.len(), worker.blocks.len() + stale);
+            assert!(worker.blocks.len() <= self.max_blocks_per_worker);
+        }
     }
 }
 
@@ -1246,9 +1349,52 @@ mod tests {
     #[derive(Default)]
     struct Model {
         workers: HashMap<u64, HashMap<u64, Vec<u64>>>,
+        /// Per worker, its engine hashes in the order first stored.
+        order: HashMap<u64, Vec<u64>>,
+        /// Most engine hashes a worker holds; past it the oldest go.
+        cap: usize,
+        /// Engine hashes dropped at the cap.
+        evicted: u64,
     }
 
     impl Model {
+        fn capped(cap: usize) -> Self {
+            Self {
+                cap,
+                ..Self::default()
+            }
+        }
+
+        /// Records that `worker` holds `engine` as `prefix` (a new name
+        /// joins the back of the order; a reused one keeps its place).
+        fn store(&mut self, worker: u64, engine: u64, prefix: Vec<u64>) {
+            let entry = self.workers.entry(worker).or_default();
+            if entry.insert(engine, prefix).is_none() {
+                self.order.entry(worker).or_default().push(engine);
+            }
+        }
+
+        fn remove(&mut self, worker: u64, engine: u64) {
+            if let Some(m) = self.workers.get_mut(&worker) {
+                if m.remove(&engine).is_some() {
+                    let order = self.order.entry(worker).or_default();
+                    order.retain(|&e| e != engine);
+                }
+            }
+        }
+
+        /// Drops each worker's oldest names past the cap.
+        fn evict(&mut self) {
+            for (worker, m) in &mut self.workers {
+                let order = self.order.entry(*worker).or_default();
+                while m.len() > self.cap {
+                    let oldest = order.remove(0);
+                    m.remove(&oldest);
+                    self.evicted += 1;
+                }
+            }
+        }
+
         fn prefixes(&self, worker: u64) -> HashSet<Vec<u64>> {
             self.workers
                 .get(&worker)
@@ -1327,14 +1473,35 @@ mod tests {
 
         #[test]
         fn index_agrees_with_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
-            let mut index = PrefixIndex::new();
-            let mut model = Model::default();
+            agrees_with_the_model(ops, usize::MAX)?;
+        }
+
+        #[test]
+        fn a_capped_index_drops_each_workers_oldest_as_the_model_does(
+            ops in proptest::collection::vec(op(), 1..80),
+            cap in 1..10usize,
+        ) {
+            agrees_with_the_model(ops, cap)?;
+        }
+    }
+
+    fn agrees_with_the_model(ops: Vec<Op>, cap: usize) -> Result<(), TestCaseError> {
+        {
+            let mut index = PrefixIndex::with_max_blocks_per_worker(cap);
+            let mut model = Model::capped(cap);
             let mut queries: Vec<Vec<u64>> = vec![vec![0, 1, 2, 3, 0]];
             for op in ops {
                 match op {
-                    Op::Store { worker, parent, locals, engine_base } => {
+                    Op::Store {
+                        worker,
+                        parent,
+                        locals,
+                        engine_base,
+                    } => {
                         let known: Vec<(u64, Vec<u64>)> = {
-                            let mut v: Vec<_> = model.workers.get(&worker)
+                            let mut v: Vec<_> = model
+                                .workers
+                                .get(&worker)
                                 .map(|m| m.iter().map(|(k, p)| (*k, p.clone())).collect())
                                 .unwrap_or_default();
                             v.sort();
@@ -1349,10 +1516,14 @@ mod tests {
                             Some(_) => (Some(EngineHash(999_999)), vec![]),
                             None => (None, vec![]),
                         };
-                        let chain: Vec<StoredBlock> = locals.iter().enumerate().map(|(i, &l)| StoredBlock {
-                            engine_hash: EngineHash(engine_base * 8 + i as u64),
-                            local_hash: LocalHash(l),
-                        }).collect();
+                        let chain: Vec<StoredBlock> = locals
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &l)| StoredBlock {
+                                engine_hash: EngineHash(engine_base * 8 + i as u64),
+                                local_hash: LocalHash(l),
+                            })
+                            .collect();
                         let outcome = index.store(WorkerId::new(worker), parent_hash, &chain);
                         if parent.is_some() && known.is_empty() {
                             prop_assert_eq!(outcome, ApplyOutcome::UnknownParent);
@@ -1360,60 +1531,99 @@ mod tests {
                         }
                         let applied = matches!(outcome, ApplyOutcome::Applied { .. });
                         prop_assert!(applied, "store was not applied: {:?}", outcome);
-                        let entry = model.workers.entry(worker).or_default();
                         for block in &chain {
                             prefix.push(block.local_hash.0);
-                            entry.insert(block.engine_hash.0, prefix.clone());
+                            model.store(worker, block.engine_hash.0, prefix.clone());
                         }
                         queries.push(prefix);
                     }
-                    Op::StoreUnderPath { worker, path, locals, engine_base } => {
-                        let chain: Vec<StoredBlock> = locals.iter().enumerate().map(|(i, &l)| StoredBlock {
-                            engine_hash: EngineHash(engine_base * 8 + i as u64),
-                            local_hash: LocalHash(l),
-                        }).collect();
-                        let path_hashes: Vec<LocalHash> = path.iter().map(|&l| LocalHash(l)).collect();
-                        let outcome = index.store_under_path(WorkerId::new(worker), &path_hashes, &chain);
+                    Op::StoreUnderPath {
+                        worker,
+                        path,
+                        locals,
+                        engine_base,
+                    } => {
+                        let chain: Vec<StoredBlock> = locals
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &l)| StoredBlock {
+                                engine_hash: EngineHash(engine_base * 8 + i as u64),
+                                local_hash: LocalHash(l),
+                            })
+                            .collect();
+                        let path_hashes: Vec<LocalHash> =
+                            path.iter().map(|&l| LocalHash(l)).collect();
+                        let outcome =
+                            index.store_under_path(WorkerId::new(worker), &path_hashes, &chain);
                         let applied = matches!(outcome, ApplyOutcome::Applied { .. });
                         prop_assert!(applied, "store was not applied: {:?}", outcome);
-                        let entry = model.workers.entry(worker).or_default();
                         let mut prefix = path.clone();
                         for block in &chain {
                             prefix.push(block.local_hash.0);
-                            entry.insert(block.engine_hash.0, prefix.clone());
+                            model.store(worker, block.engine_hash.0, prefix.clone());
                         }
                         queries.push(prefix);
                     }
-                    Op::Remove { worker, picks, bogus } => {
-                        let mut known: Vec<u64> = model.workers.get(&worker)
-                            .map(|m| m.keys().copied().collect()).unwrap_or_default();
+                    Op::Remove {
+                        worker,
+                        picks,
+                        bogus,
+                    } => {
+                        let mut known: Vec<u64> = model
+                            .workers
+                            .get(&worker)
+                            .map(|m| m.keys().copied().collect())
+                            .unwrap_or_default();
                         known.sort();
-                        let mut hashes: Vec<EngineHash> = if known.is_empty() { vec![] } else {
-                            picks.iter().map(|&i| EngineHash(known[i % known.len()])).collect()
+                        let mut hashes: Vec<EngineHash> = if known.is_empty() {
+                            vec![]
+                        } else {
+                            picks
+                                .iter()
+                                .map(|&i| EngineHash(known[i % known.len()]))
+                                .collect()
                         };
-                        if bogus { hashes.push(EngineHash(777_777)); }
+                        if bogus {
+                            hashes.push(EngineHash(777_777));
+                        }
                         index.remove(WorkerId::new(worker), &hashes);
-                        if let Some(m) = model.workers.get_mut(&worker) {
-                            for h in &hashes { m.remove(&h.0); }
+                        for h in &hashes {
+                            model.remove(worker, h.0);
                         }
                     }
                     Op::Clear { worker } => {
                         index.clear(WorkerId::new(worker));
-                        if let Some(m) = model.workers.get_mut(&worker) { m.clear(); }
+                        if let Some(m) = model.workers.get_mut(&worker) {
+                            m.clear();
+                        }
+                        model.order.remove(&worker);
                     }
                     Op::RemoveWorker { worker } => {
                         index.remove_worker(WorkerId::new(worker));
                         model.workers.remove(&worker);
+                        model.order.remove(&worker);
                     }
                 }
+                model.evict();
                 index.check_invariants();
-                let model_pairs: usize = model.workers.keys().map(|&w| model.prefixes(w).len()).sum();
+                prop_assert_eq!(index.counters().evicted_over_cap, model.evicted);
+                for worker in 0..5u64 {
+                    let held = model.workers.get(&worker).map_or(0, HashMap::len);
+                    prop_assert!(held <= cap);
+                }
+                let model_pairs: usize =
+                    model.workers.keys().map(|&w| model.prefixes(w).len()).sum();
                 prop_assert_eq!(index.live_pairs(), model_pairs);
                 for query in &queries {
                     let scores = index.find_overlaps(&locals(query));
                     for worker in 0..5u64 {
-                        prop_assert_eq!(scores.depth(WorkerId::new(worker)), model.depth(worker, query),
-                            "worker {} query {:?}", worker, query);
+                        prop_assert_eq!(
+                            scores.depth(WorkerId::new(worker)),
+                            model.depth(worker, query),
+                            "worker {} query {:?}",
+                            worker,
+                            query
+                        );
                     }
                     for e in &scores.entries {
                         prop_assert!(e.depth > 0);
@@ -1425,8 +1635,13 @@ mod tests {
                     index.runs_from(&locals(query), start, &mut runs);
                     for worker in 0..5u64 {
                         let run = runs.depth(WorkerId::new(worker));
-                        prop_assert_eq!(run, model.run_from(worker, query, (worker % 3) as usize),
-                            "worker {} query {:?}", worker, query);
+                        prop_assert_eq!(
+                            run,
+                            model.run_from(worker, query, (worker % 3) as usize),
+                            "worker {} query {:?}",
+                            worker,
+                            query
+                        );
                     }
                     // The deepest held block within a per-worker limit, as
                     // the SSM-checkpoint tier is read.
@@ -1434,16 +1649,24 @@ mod tests {
                     let mut deepest = OverlapScores::new();
                     index.deepest_within(&locals(query), limit, &mut deepest);
                     for worker in 0..5u64 {
-                        prop_assert_eq!(deepest.depth(WorkerId::new(worker)),
+                        prop_assert_eq!(
+                            deepest.depth(WorkerId::new(worker)),
                             model.deepest_within(worker, query, (worker % 4 + 1) as usize),
-                            "worker {} query {:?}", worker, query);
+                            "worker {} query {:?}",
+                            worker,
+                            query
+                        );
                     }
                 }
                 // Every block's path is the prefix the model gave it.
                 let mut path = Vec::new();
                 for (&worker, blocks) in &model.workers {
                     for (&engine, prefix) in blocks {
-                        prop_assert!(index.path_of(WorkerId::new(worker), EngineHash(engine), &mut path));
+                        prop_assert!(index.path_of(
+                            WorkerId::new(worker),
+                            EngineHash(engine),
+                            &mut path
+                        ));
                         prop_assert_eq!(&path, &locals(prefix));
                     }
                 }
@@ -1457,5 +1680,42 @@ mod tests {
             prop_assert_eq!(index.live_nodes(), 0);
             index.check_invariants();
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_worker_past_its_cap_loses_its_oldest_blocks_first() {
+        let mut index = PrefixIndex::with_max_blocks_per_worker(4);
+        index.store(w(1), None, &blocks(&[(1, 10), (2, 20)]));
+        index.store(w(2), None, &blocks(&[(1, 10), (2, 20)]));
+        index.store(w(1), None, &blocks(&[(3, 30), (4, 40), (5, 50)]));
+        // Worker 1's oldest name went; worker 2, within its cap, kept its own.
+        assert_eq!(index.counters().evicted_over_cap, 1);
+        assert!(!index.holds(w(1), EngineHash(1)));
+        assert!(index.holds(w(1), EngineHash(2)));
+        assert_eq!(index.worker_blocks(w(1)), 4);
+        assert_eq!(index.find_overlaps(&locals(&[10, 20])).depth(w(1)), 0);
+        assert_eq!(index.find_overlaps(&locals(&[10, 20])).depth(w(2)), 2);
+        index.check_invariants();
+    }
+
+    #[test]
+    fn a_worker_publishing_endless_new_hashes_stays_within_its_cap() {
+        let mut index = PrefixIndex::with_max_blocks_per_worker(64);
+        index.store(w(2), None, &blocks(&[(7, 70)]));
+        for round in 0..1_000u64 {
+            let chain: Vec<(u64, u64)> = (0..8)
+                .map(|i| (round * 8 + i + 100, round * 8 + i + 100))
+                .collect();
+            index.store(w(1), None, &blocks(&chain));
+            if round % 3 == 0 {
+                // Engine removals in between leave stale names to skip.
+                index.remove(w(1), &[EngineHash(round * 8 + 100)]);
+            }
+        }
+        assert!(index.worker_blocks(w(1)) <= 64);
+        assert!(index.live_pairs() <= 65);
+        assert_eq!(index.find_overlaps(&locals(&[70])).depth(w(2)), 1);
+        index.check_invariants();
     }
 }

@@ -75,6 +75,9 @@ pub struct RouterConfig {
     pub seed: u64,
     /// LoRA adapter affinity ([`crate::adapters`]).
     pub adapters: AdapterConfig,
+    /// Most block names one worker may hold in each tier of the exact
+    /// index; past it the worker's oldest are dropped (counted).
+    pub max_index_blocks_per_worker: usize,
 }
 
 impl Default for RouterConfig {
@@ -88,6 +91,7 @@ impl Default for RouterConfig {
             busy_threshold: None,
             seed: 0,
             adapters: AdapterConfig::default(),
+            max_index_blocks_per_worker: crate::index::DEFAULT_MAX_BLOCKS_PER_WORKER,
         }
     }
 }
@@ -330,7 +334,9 @@ impl Router {
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
         config.validate()?;
         let cache = match config.cache {
-            CacheTracking::Events => CacheIndex::Exact(Box::default()),
+            CacheTracking::Events => CacheIndex::Exact(Box::new(
+                TieredIndex::with_max_blocks_per_worker(config.max_index_blocks_per_worker),
+            )),
             CacheTracking::Approximate(approx) => {
                 CacheIndex::Approximate(Box::new(ApproxIndex::new(approx)?))
             }
@@ -812,6 +818,16 @@ impl Router {
             CacheIndex::Exact(index) => read(index.device()),
             CacheIndex::Published(reader) => reader.with(|index| read(index.device())),
             CacheIndex::Approximate(index) => read(index.index()),
+        }
+    }
+
+    /// Blocks the exact index dropped, in every tier, because their worker
+    /// was past `max_index_blocks_per_worker` (0 in approximate mode).
+    pub fn index_evicted_over_cap(&self) -> u64 {
+        match &self.cache {
+            CacheIndex::Exact(index) => index.evicted_over_cap(),
+            CacheIndex::Published(reader) => reader.with(TieredIndex::evicted_over_cap),
+            CacheIndex::Approximate(_) => 0,
         }
     }
 

@@ -382,6 +382,61 @@ fn bookings_past_the_per_origin_cap_are_dropped_and_counted() {
 }
 
 #[test]
+fn bookings_past_the_byte_caps_are_dropped_and_counted_and_frees_give_the_bytes_back() {
+    let big = booking_bytes(100);
+    let mut r = Router::new(RouterConfig {
+        remote: RemoteConfig {
+            silence_expiry_ms: 1_000.0,
+            max_bytes_per_replica: 2 * big,
+            max_total_bytes: 3 * big,
+            ..RemoteConfig::default()
+        },
+        ..RouterConfig::default()
+    })
+    .unwrap();
+    r.set_replica_id(ME);
+    r.add_worker(WorkerId::new(0), WorkerCapacity::default());
+    let blocks: Vec<u64> = (0..100).collect();
+    let other = ReplicaId(8);
+    // Two big bookings fill PEER's share; a third is refused.
+    for id in 1..=3 {
+        r.apply_remote(PEER, &add(id, 0, &blocks, 1600), 0.0);
+    }
+    assert_eq!(r.remote().remote_requests(), 2);
+    assert_eq!(r.remote().counters().drops.bytes_full, 1);
+    // Another origin fills what is left of the total, then is refused.
+    for id in 1..=2 {
+        r.apply_remote(other, &add(id, 0, &blocks, 1600), 0.0);
+    }
+    assert_eq!(r.remote().counters().drops.bytes_full, 2);
+    assert_eq!(r.remote().held_bytes(), 3 * big);
+    // A free gives its bytes back to both bounds.
+    assert!(r
+        .apply_remote(PEER, &SequenceEvent::Free(RequestId(1)), 1.0)
+        .applied());
+    assert_eq!(r.remote().held_bytes(), 2 * big);
+    assert!(r
+        .apply_remote(other, &add(2, 0, &blocks, 1600), 1.0)
+        .applied());
+    // Silent origins give back everything.
+    r.expire_silent_replicas(10_000.0);
+    assert_eq!(r.remote().remote_requests(), 0);
+    assert_eq!(r.remote().held_bytes(), 0);
+}
+
+#[test]
+fn a_byte_cap_below_one_booking_is_refused() {
+    let config = RemoteConfig {
+        max_total_bytes: BOOKING_BYTES - 1,
+        ..RemoteConfig::default()
+    };
+    assert_eq!(
+        config.validate(),
+        Err(RemoteConfigError::PerReplica("max_total_bytes"))
+    );
+}
+
+#[test]
 fn a_digest_frees_the_senders_unlisted_bookings_in_its_range_past_the_grace() {
     let mut r = router(1e9);
     for id in 1..=4 {

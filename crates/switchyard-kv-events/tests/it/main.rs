@@ -3,4 +3,5 @@
 
 mod support;
 
+mod hostile_publisher;
 mod publish_subscribe;

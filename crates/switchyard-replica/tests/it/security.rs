@@ -8,7 +8,7 @@ use bytes::Bytes;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
-use switchyard_core::replica::{MAX_REMOTE_PROMPT_TOKENS, REMOTE_KEY_BIT};
+use switchyard_core::replica::{booking_bytes, MAX_REMOTE_PROMPT_TOKENS, REMOTE_KEY_BIT};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::AddRequest;
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
@@ -28,7 +28,11 @@ struct Replica {
 
 impl Replica {
     async fn start(config: &ReplicaConfig, id: ReplicaId) -> Self {
-        let mut dispatcher = Dispatcher::new(DispatcherConfig::default(), None).unwrap();
+        Self::start_with(config, id, DispatcherConfig::default()).await
+    }
+
+    async fn start_with(config: &ReplicaConfig, id: ReplicaId, core: DispatcherConfig) -> Self {
+        let mut dispatcher = Dispatcher::new(core, None).unwrap();
         for worker in WORKERS {
             let _ = dispatcher.add_worker(worker, WorkerCapacity::default(), 0.0);
         }
@@ -454,4 +458,181 @@ async fn over_tls_a_replica_that_trusts_the_servers_ca_syncs_and_one_that_does_n
         .to_string();
     assert!(err.contains("absent.pem"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The key the signing tests' replicas share.
+const KEY: &str = "a key the replicas share, 32 bytes or more";
+
+/// Publishes `batches` on `config`'s subject from a client that is not a
+/// replica (it holds no signing key), then flushes.
+async fn forge(server: &LocalNatsServer, config: &ReplicaConfig, batches: Vec<Bytes>) {
+    let raw = NatsTransport::connect(&server.url()).await.unwrap();
+    for payload in batches {
+        raw.publish(&config.subject(), payload).await.unwrap();
+    }
+    raw.flush().await.unwrap();
+}
+
+/// Heartbeats of `n` made-up origins, then a free of `victim`'s booking 1
+/// in its own name: what a client of the NATS server that is no replica
+/// sends to push a real peer out of the origin table and free its load.
+fn forged_origins(n: u64, victim: ReplicaId) -> Vec<Bytes> {
+    let mut out: Vec<Bytes> = (0..n)
+        .map(|i| {
+            Bytes::from(encode_batch(&ReplicaBatch::heartbeat(ReplicaId(
+                10_000 + i,
+            ))))
+        })
+        .collect();
+    out.push(Bytes::from(encode_batch(&ReplicaBatch {
+        events: vec![ActiveSequenceEvent::from_sequence_event(
+            victim,
+            WORKERS[0],
+            &switchyard_core::sequences::SequenceEvent::Free(RequestId(1)),
+            None,
+        )],
+        ..ReplicaBatch::heartbeat(victim)
+    })));
+    out
+}
+
+/// A core that tracks `max_replicas` origins.
+fn core_with_origins(max_replicas: usize) -> DispatcherConfig {
+    let mut core = DispatcherConfig::default();
+    core.router.remote.max_replicas = max_replicas;
+    core
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_signing_key_forged_origins_evict_a_real_peer() {
+    // The attack the key stops, shown on a plane without one: a flood of
+    // made-up origins evicts the real peer at the origin cap (and a free in
+    // its name would free its booking outright).
+    let server = nats();
+    let config = ReplicaConfig {
+        digest_ms: 3_600_000.0,
+        ..config(&server)
+    };
+    let honest = ReplicaId(1);
+    let a = Replica::start(&config, honest).await;
+    let b = Replica::start_with(&config, ReplicaId(2), core_with_origins(8)).await;
+    a.plane
+        .publisher
+        .added(&booking(1, WORKERS[0], 2, 32), None)
+        .unwrap();
+    wait_for("b holds a's booking", Duration::from_secs(30), || {
+        b.holds(honest, 1)
+    })
+    .await;
+    forge(&server, &config, forged_origins(64, ReplicaId(99))).await;
+    wait_for("a is evicted on b", Duration::from_secs(30), || {
+        !b.holds(honest, 1)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_signing_key_forged_origins_cannot_evict_or_free_a_real_peer() {
+    let server = nats();
+    let config = ReplicaConfig {
+        digest_ms: 3_600_000.0,
+        signing_key: Some(Secret(KEY.into())),
+        ..config(&server)
+    };
+    assert!(config.security_warnings().is_empty());
+    let honest = ReplicaId(1);
+    let a = Replica::start(&config, honest).await;
+    let b = Replica::start_with(&config, ReplicaId(2), core_with_origins(8)).await;
+    a.plane
+        .publisher
+        .added(&booking(1, WORKERS[0], 2, 32), None)
+        .unwrap();
+    wait_for(
+        "b holds a's signed booking",
+        Duration::from_secs(30),
+        || b.holds(honest, 1),
+    )
+    .await;
+    // Unsigned forgeries, then forgeries signed with another key.
+    let mut forged = forged_origins(64, honest);
+    let wrong =
+        switchyard_replica::BatchSigner::with_key(b"not the plane's key, but long enough").unwrap();
+    let resigned: Vec<Bytes> = forged_origins(64, honest)
+        .into_iter()
+        .map(|batch| wrong.seal(&config.subject(), batch).unwrap())
+        .collect();
+    forged.extend(resigned);
+    forge(&server, &config, forged).await;
+    wait_for(
+        "b refused and counted every forgery",
+        Duration::from_secs(30),
+        || {
+            let m = b.plane.metrics.snapshot();
+            m.batches_unsigned == 65 && m.batches_bad_signature == 65
+        },
+    )
+    .await;
+    // a's heartbeats still arrive, its booking stands, and no made-up
+    // origin was ever tracked.
+    let d = b.dispatcher.lock().unwrap();
+    assert!(d.router().remote().key_of(honest, RequestId(1)).is_some());
+    assert_eq!(d.router().remote().replicas(), 1);
+    assert_eq!(d.router().remote().counters().evicted_replicas, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn byte_heavy_batches_and_bookings_are_refused_and_counted() {
+    let server = nats();
+    let config = ReplicaConfig {
+        digest_ms: 3_600_000.0,
+        max_batch_bytes: 64 << 10,
+        ..config(&server)
+    };
+    // b holds at most three 1,000-block bookings of any one peer.
+    let mut core = DispatcherConfig::default();
+    core.router.remote.max_bytes_per_replica = 3 * booking_bytes(1_000);
+    let honest = ReplicaId(1);
+    let a = Replica::start(&config, honest).await;
+    let b = Replica::start_with(&config, ReplicaId(2), core).await;
+    let heavy = ReplicaId(66);
+    let add = |id: u128, blocks: u64| {
+        Bytes::from(encode_batch(&ReplicaBatch {
+            events: vec![ActiveSequenceEvent::add(
+                heavy,
+                &booking(id, WORKERS[1], blocks, 16_000),
+                None,
+            )],
+            ..ReplicaBatch::heartbeat(heavy)
+        }))
+    };
+    // One message over the 64 KiB limit (10,000 blocks, about 90 KB), then
+    // ten 1,000-block bookings (about 9 KB each) of which three fit.
+    let mut batches = vec![add(100, 10_000)];
+    assert!(batches[0].len() > 64 << 10);
+    batches.extend((1..=10).map(|id| add(id, 1_000)));
+    forge(&server, &config, batches).await;
+    wait_for(
+        "b refused and counted the heavy peer's excess",
+        Duration::from_secs(30),
+        || {
+            b.plane.metrics.snapshot().batches_oversized == 1
+                && b.plane.metrics.dropped_for("bytes_full") == 7
+        },
+    )
+    .await;
+    // The heavy peer's share is its own: an honest peer still books.
+    a.plane
+        .publisher
+        .added(&booking(1, WORKERS[0], 1_000, 16_000), None)
+        .unwrap();
+    wait_for(
+        "b holds the honest booking",
+        Duration::from_secs(30),
+        || b.holds(honest, 1),
+    )
+    .await;
+    let d = b.dispatcher.lock().unwrap();
+    assert!(d.router().remote().key_of(heavy, RequestId(100)).is_none());
+    assert_eq!(d.router().remote().remote_requests(), 4);
+    assert!(d.router().remote().held_bytes() <= 4 * booking_bytes(1_000));
 }

@@ -1,6 +1,11 @@
 //! Payload bytes → [`KvEventBatch`], through `rmpv` values.
+//!
+//! The value tree is built only after [`tree_cost`] has walked the bytes
+//! without allocating and found the tree within [`DecodeLimits`]: a msgpack
+//! `nil` is one byte on the wire but a whole `rmpv::Value` in the tree, so a
+//! 64 MiB payload of them would otherwise cost gigabytes.
 
-use super::{BlockRemoved, BlockStored, DecodeError, Format, KvEvent, KvEventBatch};
+use super::{BlockRemoved, BlockStored, DecodeError, DecodeLimits, Format, KvEvent, KvEventBatch};
 use rmpv::Value;
 use switchyard_core::EngineHash;
 
@@ -33,11 +38,25 @@ pub fn decode_batch(bytes: &[u8], format: Format) -> Result<KvEventBatch, Decode
 }
 
 /// Decodes one payload, keeping every event that decodes and reporting the
-/// others. Fails only when the batch envelope itself is bad.
+/// others, within [`DecodeLimits::default`]. Fails only when the batch
+/// envelope itself is bad or the payload is past the limits.
 pub fn decode_batch_lossy(
     bytes: &[u8],
     format: Format,
 ) -> Result<(KvEventBatch, Vec<EventError>), DecodeError> {
+    decode_batch_lossy_within(bytes, format, &DecodeLimits::default())
+}
+
+/// [`decode_batch_lossy`] within `limits`: a payload whose value tree would
+/// take more than `limits.max_tree_bytes` is refused before any of it is
+/// built ([`DecodeError::OverBudget`]), and one with more than
+/// `limits.max_events` events is refused whole ([`DecodeError::TooManyEvents`]).
+pub fn decode_batch_lossy_within(
+    bytes: &[u8],
+    format: Format,
+    limits: &DecodeLimits,
+) -> Result<(KvEventBatch, Vec<EventError>), DecodeError> {
+    tree_cost(bytes, limits.max_tree_bytes)?;
     let mut reader = bytes;
     let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
         .map_err(|err| DecodeError::Msgpack(err.to_string()))?;
@@ -85,6 +104,9 @@ pub fn decode_batch_lossy(
     let Value::Array(raw_events) = events else {
         return Err(DecodeError::BatchShape);
     };
+    if raw_events.len() > limits.max_events {
+        return Err(DecodeError::TooManyEvents(raw_events.len()));
+    }
     let mut decoded = Vec::with_capacity(raw_events.len());
     let mut errors = Vec::new();
     for (index, raw) in raw_events.into_iter().enumerate() {
@@ -101,6 +123,82 @@ pub fn decode_batch_lossy(
         },
         errors,
     ))
+}
+
+/// Heap bytes one decoded value takes in the tree, its own slot included.
+const VALUE_BYTES: usize = std::mem::size_of::<Value>();
+
+/// What the `rmpv` tree of the one msgpack value at the start of `bytes`
+/// would take, at most (a [`VALUE_BYTES`] slot per value, plus each value's
+/// payload bytes: a string's, a binary's, an extension's, a number's), walked without allocating and without
+/// recursion: `pending` counts the values still to read. Fails as soon as
+/// the cost passes `budget`, and on truncated or invalid msgpack. Bytes
+/// after the first value are left to the decoder to refuse.
+pub(super) fn tree_cost(bytes: &[u8], budget: usize) -> Result<usize, DecodeError> {
+    let truncated = || DecodeError::Msgpack("truncated or invalid msgpack".into());
+    let mut at = 0usize;
+    let mut pending: u64 = 1;
+    let mut cost = 0usize;
+    // The big-endian unsigned length of `n` bytes at `at`.
+    let length = |at: usize, n: usize| -> Result<usize, DecodeError> {
+        let field = bytes.get(at..at + n).ok_or_else(truncated)?;
+        Ok(field.iter().fold(0usize, |v, &b| (v << 8) | usize::from(b)))
+    };
+    while pending > 0 {
+        pending -= 1;
+        let marker = *bytes.get(at).ok_or_else(truncated)?;
+        at += 1;
+        // (child values still to read, payload bytes after the header)
+        let (children, payload) = match marker {
+            // 0xc1 is reserved; `rmpv` reads it as nil, so it costs a value.
+            0x00..=0x7f | 0xe0..=0xff | 0xc0..=0xc3 => (0, 0),
+            0x80..=0x8f => (2 * u64::from(marker & 0x0f), 0),
+            0x90..=0x9f => (u64::from(marker & 0x0f), 0),
+            0xa0..=0xbf => (0, usize::from(marker & 0x1f)),
+            0xc4 | 0xd9 => (0, take(&mut at, 1, length)?),
+            0xc5 | 0xda => (0, take(&mut at, 2, length)?),
+            0xc6 | 0xdb => (0, take(&mut at, 4, length)?),
+            0xc7 => (0, take(&mut at, 1, length)? + 1),
+            0xc8 => (0, take(&mut at, 2, length)? + 1),
+            0xc9 => (0, take(&mut at, 4, length)? + 1),
+            0xca => (0, 4),
+            0xcb => (0, 8),
+            0xcc | 0xd0 => (0, 1),
+            0xcd | 0xd1 => (0, 2),
+            0xce | 0xd2 => (0, 4),
+            0xcf | 0xd3 => (0, 8),
+            0xd4 => (0, 2),
+            0xd5 => (0, 3),
+            0xd6 => (0, 5),
+            0xd7 => (0, 9),
+            0xd8 => (0, 17),
+            0xdc => (take(&mut at, 2, length)? as u64, 0),
+            0xdd => (take(&mut at, 4, length)? as u64, 0),
+            0xde => (2 * take(&mut at, 2, length)? as u64, 0),
+            0xdf => (2 * take(&mut at, 4, length)? as u64, 0),
+        };
+        at = at.checked_add(payload).ok_or_else(truncated)?;
+        if at > bytes.len() {
+            return Err(truncated());
+        }
+        pending = pending.saturating_add(children);
+        cost = cost.saturating_add(VALUE_BYTES).saturating_add(payload);
+        if cost > budget {
+            return Err(DecodeError::OverBudget { budget });
+        }
+    }
+    Ok(cost)
+}
+
+/// Reads an `n`-byte length at `*at` and moves past it.
+fn take(
+    at: &mut usize,
+    n: usize,
+    length: impl Fn(usize, usize) -> Result<usize, DecodeError>,
+) -> Result<usize, DecodeError> {
+    let value = length(*at, n)?;
+    *at += n;
+    Ok(value)
 }
 
 fn decode_event(value: Value, format: Format) -> Result<KvEvent, DecodeError> {

@@ -43,7 +43,7 @@
 mod decode;
 mod encode;
 
-pub use decode::{decode_batch, decode_batch_lossy, EventError};
+pub use decode::{decode_batch, decode_batch_lossy, decode_batch_lossy_within, EventError};
 pub use encode::{encode_batch, encode_batch_with, HashEncoding};
 
 use switchyard_core::EngineHash;
@@ -165,6 +165,28 @@ pub enum Format {
     Sglang,
 }
 
+/// How much one payload may cost to decode. A real batch is far below both
+/// defaults: a 128 Ki-token prompt stored in one step is about 130 Ki
+/// values (about 4 MiB of tree), and an engine step's events number in the
+/// hundreds to thousands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeLimits {
+    /// Most bytes the intermediate value tree may take (one `rmpv::Value`
+    /// per msgpack value, plus string and binary bytes). Default 64 MiB.
+    pub max_tree_bytes: usize,
+    /// Most events one batch may carry. Default 65,536.
+    pub max_events: usize,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        Self {
+            max_tree_bytes: 64 << 20,
+            max_events: 65_536,
+        }
+    }
+}
+
 /// Why a payload or one of its events could not be decoded. Every variant
 /// is an outcome of bad input, never a bug; [`DecodeError::reason`] is a
 /// stable label for metrics.
@@ -201,6 +223,16 @@ pub enum DecodeError {
     /// An event is neither a tagged map nor a tagged array.
     #[error("event is neither a map with a \"type\" nor an array with a tag")]
     EventShape,
+    /// The payload's value tree would take more than the decode budget;
+    /// nothing of it was built.
+    #[error("payload would decode past the {budget}-byte budget")]
+    OverBudget {
+        /// [`DecodeLimits::max_tree_bytes`].
+        budget: usize,
+    },
+    /// More events in one batch than [`DecodeLimits::max_events`].
+    #[error("{0} events in one batch, past the cap")]
+    TooManyEvents(usize),
 }
 
 impl DecodeError {
@@ -212,6 +244,8 @@ impl DecodeError {
             DecodeError::MissingField { .. } => "missing_field",
             DecodeError::InvalidField { .. } => "invalid_field",
             DecodeError::EventShape => "invalid_event",
+            DecodeError::OverBudget { .. } => "over_decode_budget",
+            DecodeError::TooManyEvents(_) => "too_many_events",
         }
     }
 }

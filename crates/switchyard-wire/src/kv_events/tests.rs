@@ -358,3 +358,119 @@ proptest! {
         let _ = decode_batch_lossy(&bytes[..bytes.len() / 2], Format::Auto);
     }
 }
+
+/// Values in a decoded tree, each counted once (a map entry is two).
+fn values_in(value: &Value) -> usize {
+    1 + match value {
+        Value::Array(items) => items.iter().map(values_in).sum(),
+        Value::Map(entries) => entries
+            .iter()
+            .map(|(k, v)| values_in(k) + values_in(v))
+            .sum(),
+        _ => 0,
+    }
+}
+
+#[test]
+fn a_payload_of_nils_is_refused_before_its_tree_is_built() {
+    // `[0.0, [nil; 4 Mi]]`: 4 MiB on the wire, over 128 MiB as a tree.
+    let nils = 4 << 20;
+    let mut payload = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
+    payload.extend_from_slice(&(nils as u32).to_be_bytes());
+    payload.resize(payload.len() + nils, 0xc0);
+    assert_eq!(
+        decode_batch_lossy(&payload, Format::Auto),
+        Err(DecodeError::OverBudget {
+            budget: DecodeLimits::default().max_tree_bytes
+        })
+    );
+    assert_eq!(
+        DecodeError::OverBudget { budget: 0 }.reason(),
+        "over_decode_budget"
+    );
+}
+
+#[test]
+fn a_budget_is_checked_against_what_the_payload_would_build() {
+    let batch = KvEventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::AllBlocksCleared; 100],
+        data_parallel_rank: None,
+    };
+    let bytes = encode_batch(&batch);
+    let tree = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
+    let needed = values_in(&tree) * std::mem::size_of::<Value>();
+    let tight = DecodeLimits {
+        max_tree_bytes: needed - 1,
+        ..DecodeLimits::default()
+    };
+    assert!(matches!(
+        decode_batch_lossy_within(&bytes, Format::Auto, &tight),
+        Err(DecodeError::OverBudget { .. })
+    ));
+    let roomy = DecodeLimits {
+        max_tree_bytes: needed * 2,
+        ..DecodeLimits::default()
+    };
+    assert_eq!(
+        decode_batch_lossy_within(&bytes, Format::Auto, &roomy)
+            .unwrap()
+            .0,
+        batch
+    );
+}
+
+#[test]
+fn a_batch_with_more_events_than_the_cap_is_refused_whole() {
+    let batch = KvEventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::AllBlocksCleared; 6],
+        data_parallel_rank: None,
+    };
+    let limits = DecodeLimits {
+        max_events: 5,
+        ..DecodeLimits::default()
+    };
+    let bytes = encode_batch(&batch);
+    assert_eq!(
+        decode_batch_lossy_within(&bytes, Format::Auto, &limits),
+        Err(DecodeError::TooManyEvents(6))
+    );
+    assert_eq!(DecodeError::TooManyEvents(6).reason(), "too_many_events");
+    let limits = DecodeLimits {
+        max_events: 6,
+        ..limits
+    };
+    assert!(decode_batch_lossy_within(&bytes, Format::Auto, &limits).is_ok());
+}
+
+#[test]
+fn a_length_past_the_end_is_truncated_msgpack_not_an_allocation() {
+    // An array header claiming 4 Gi elements, with none behind it.
+    let payload = [0x92, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff];
+    assert!(matches!(
+        decode_batch_lossy(&payload, Format::Auto),
+        Err(DecodeError::Msgpack(_))
+    ));
+    // The reserved marker is one value, as `rmpv` reads it (nil).
+    assert!(super::decode::tree_cost(&[0xc1], usize::MAX).is_ok());
+}
+
+proptest! {
+    #[test]
+    fn the_tree_cost_covers_every_value_the_decoder_builds(batch in arb_batch()) {
+        for bytes in [encode_batch(&batch), encode_batch_with(&batch, HashEncoding::Bytes32)] {
+            let tree = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
+            let cost = super::decode::tree_cost(&bytes, usize::MAX).unwrap();
+            prop_assert!(cost >= values_in(&tree) * std::mem::size_of::<Value>());
+            prop_assert!(cost <= values_in(&tree) * std::mem::size_of::<Value>() + bytes.len());
+        }
+    }
+
+    #[test]
+    fn the_walk_accepts_whatever_msgpack_decodes(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        if rmpv::decode::read_value_with_max_depth(&mut bytes.as_slice(), 32).is_ok() {
+            prop_assert!(super::decode::tree_cost(&bytes, usize::MAX).is_ok());
+        }
+    }
+}

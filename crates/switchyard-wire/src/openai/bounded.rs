@@ -11,7 +11,7 @@
 //! and the tests use).
 
 use super::lenient::{drain_map, scalars_are};
-use super::request::{ContentPart, Message, MessageContent, Prompt};
+use super::request::{ContentPart, LaterPrompts, Message, MessageContent, Prompt};
 use super::{ChatCompletionRequest, CompletionRequest, Lenient, StreamOptions};
 use serde::de::{
     self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Unexpected, Visitor,
@@ -111,10 +111,12 @@ fn from_json<'a, T>(
 ) -> Result<T, BodyError> {
     let over = Cell::new(None);
     let parts = Cell::new(0);
+    let later = Cell::new(LaterPrompts::default());
     let bounds = Bounds {
         limits,
         over: &over,
         parts: &parts,
+        later: &later,
     };
     let mut de = serde_json::Deserializer::from_slice(body);
     let result = parse(bounds, &mut de).and_then(|value| de.end().map(|()| value));
@@ -126,13 +128,14 @@ fn from_json<'a, T>(
 }
 
 /// What the parsers share: the bounds, the first bound gone past (the
-/// serde error that stops the parse carries no type of its own), and the
-/// content parts counted so far.
+/// serde error that stops the parse carries no type of its own), the
+/// content parts counted so far, and a batch's prompts after its first.
 #[derive(Clone, Copy)]
 struct Bounds<'a> {
     limits: &'a BodyLimits,
     over: &'a Cell<Option<OverLimit>>,
     parts: &'a Cell<usize>,
+    later: &'a Cell<LaterPrompts>,
 }
 
 impl Bounds<'_> {
@@ -140,6 +143,16 @@ impl Bounds<'_> {
     fn refuse<E: de::Error>(self, limit: Limit, max: usize) -> E {
         self.over.set(Some(OverLimit { limit, max }));
         E::custom(format_args!("past the limit of {max} ({limit:?})"))
+    }
+
+    /// Counts one more prompt after a batch's first, of `token_ids` ids
+    /// and `text_bytes` bytes of text.
+    fn later_prompt(self, token_ids: usize, text_bytes: usize) {
+        let mut later = self.later.get();
+        later.count += 1;
+        later.token_ids = later.token_ids.saturating_add(token_ids as u64);
+        later.text_bytes = later.text_bytes.saturating_add(text_bytes as u64);
+        self.later.set(later);
     }
 
     /// Appends the `count`-th token id of a prompt (1-based), or refuses.
@@ -164,10 +177,12 @@ impl Bounds<'_> {
 fn unbounded<R>(f: impl FnOnce(Bounds<'_>) -> R) -> R {
     let over = Cell::new(None);
     let parts = Cell::new(0);
+    let later = Cell::new(LaterPrompts::default());
     f(Bounds {
         limits: &BodyLimits::NONE,
         over: &over,
         parts: &parts,
+        later: &later,
     })
 }
 
@@ -338,6 +353,7 @@ impl<'de> Visitor<'de> for CompletionSeed<'_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<CompletionRequest, A::Error> {
         let mut prompt: Option<Prompt> = None;
+        let mut best_of: Option<Option<Lenient<u32>>> = None;
         let SharedFields {
             model,
             stream,
@@ -346,8 +362,9 @@ impl<'de> Visitor<'de> for CompletionSeed<'_> {
             n,
             session_id,
             return_token_ids,
-        } = read_request(map, &["prompt"], |map, _| {
-            read_once_seed(map, &mut prompt, "prompt", PromptSeed(self.0))
+        } = read_request(map, &["prompt", "best_of"], |map, own| match own {
+            0 => read_once_seed(map, &mut prompt, "prompt", PromptSeed(self.0)),
+            _ => read_once(map, &mut best_of, "best_of"),
         })?;
         Ok(CompletionRequest {
             model,
@@ -356,8 +373,10 @@ impl<'de> Visitor<'de> for CompletionSeed<'_> {
             stream_options,
             max_tokens,
             n,
+            best_of: best_of.flatten(),
             session_id,
             return_token_ids,
+            later_prompts: self.0.later.get(),
         })
     }
 }
@@ -613,17 +632,21 @@ impl<'de> Visitor<'de> for PromptSeed<'_> {
                 let mut texts = vec![text];
                 if keep_rest {
                     while let Some(text) = seq.next_element::<String>()? {
+                        b.later_prompt(0, text.len());
                         texts.push(text);
                     }
                 } else {
-                    while seq.next_element::<AnyString>()?.is_some() {}
+                    while let Some(AnyString(len)) = seq.next_element()? {
+                        b.later_prompt(0, len);
+                    }
                 }
                 Prompt::Texts(texts)
             }
-            Some(FirstItem::Tokens(ids)) => {
+            Some(FirstItem::Tokens((ids, _))) => {
                 let mut batch = vec![ids];
                 let rest = TokensSeed { b, keep: keep_rest };
-                while let Some(ids) = seq.next_element_seed(rest)? {
+                while let Some((ids, count)) = seq.next_element_seed(rest)? {
+                    b.later_prompt(count, 0);
                     if keep_rest {
                         batch.push(ids);
                     }
@@ -644,7 +667,8 @@ impl<'de> Deserialize<'de> for Prompt {
 enum FirstItem {
     Token(u32),
     Text(String),
-    Tokens(Vec<u32>),
+    /// The ids and their count.
+    Tokens((Vec<u32>, usize)),
 }
 
 struct FirstItemSeed<'a>(Bounds<'a>);
@@ -694,8 +718,8 @@ impl<'de> Visitor<'de> for FirstItemSeed<'_> {
     }
 }
 
-/// One token-id prompt of a batch, at most `limits.prompt_tokens` long;
-/// its ids are stored only when `keep`.
+/// One token-id prompt of a batch, at most `limits.prompt_tokens` long:
+/// its ids (stored only when `keep`) and how many there are.
 #[derive(Clone, Copy)]
 struct TokensSeed<'a> {
     b: Bounds<'a>,
@@ -703,18 +727,18 @@ struct TokensSeed<'a> {
 }
 
 impl<'de> DeserializeSeed<'de> for TokensSeed<'_> {
-    type Value = Vec<u32>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
+    type Value = (Vec<u32>, usize);
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
 impl<'de> Visitor<'de> for TokensSeed<'_> {
-    type Value = Vec<u32>;
+    type Value = (Vec<u32>, usize);
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a sequence of token ids")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut ids = if self.keep {
             Vec::with_capacity(PROMPT_IDS_HINT.min(self.b.limits.prompt_tokens))
         } else {
@@ -725,12 +749,13 @@ impl<'de> Visitor<'de> for TokensSeed<'_> {
             count += 1;
             self.b.token(self.keep.then_some(&mut ids), count, id)?;
         }
-        Ok(ids)
+        Ok((ids, count))
     }
 }
 
-/// A string, checked and dropped (a batch's later prompts in a router).
-struct AnyString;
+/// A string, checked, measured (its length in bytes) and dropped (a
+/// batch's later prompts in a router).
+struct AnyString(usize);
 
 impl<'de> Deserialize<'de> for AnyString {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -740,8 +765,8 @@ impl<'de> Deserialize<'de> for AnyString {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a string")
             }
-            fn visit_str<E: de::Error>(self, _: &str) -> Result<AnyString, E> {
-                Ok(AnyString)
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<AnyString, E> {
+                Ok(AnyString(v.len()))
             }
         }
         d.deserialize_str(StringVisitor)

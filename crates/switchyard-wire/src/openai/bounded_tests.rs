@@ -369,6 +369,30 @@ fn untagged<T: serde::de::DeserializeOwned>(v: &Value) -> Lenient<T> {
     }
 }
 
+/// A count as the engines' lax integer parsing reads it, the naive way:
+/// an integer, an integral float or a string of digits (optionally `.`
+/// and zeros), within `u32`.
+fn count_reference(v: &Value) -> Lenient<u32> {
+    let number = match v {
+        Value::Number(n) => match (n.as_u64(), n.as_f64()) {
+            (Some(u), _) => Some(u as f64),
+            (None, Some(f)) if f.fract() == 0.0 => Some(f),
+            _ => None,
+        },
+        Value::String(s) => {
+            let re_digits = |d: &str| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit());
+            let (digits, zeros) = s.split_once('.').unwrap_or((s, ""));
+            (re_digits(digits) && zeros.chars().all(|c| c == '0'))
+                .then(|| digits.parse::<f64>().unwrap())
+        }
+        _ => None,
+    };
+    match number {
+        Some(n) if (0.0..=f64::from(u32::MAX)).contains(&n) => Lenient::Valid(n as u32),
+        _ => Lenient::Invalid,
+    }
+}
+
 fn any_value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
@@ -377,7 +401,9 @@ fn any_value() -> impl Strategy<Value = Value> {
         (0u64..5).prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
         (-1e10f64..1e10).prop_map(Value::from),
+        (0u32..10_000).prop_map(|n| Value::from(f64::from(n))),
         "[a-z_]{0,14}".prop_map(Value::from),
+        "[0-9]{0,12}(\\.[0-9]{0,2})?".prop_map(Value::from),
         Just(json!("include_usage")),
     ];
     leaf.prop_recursive(3, 16, 4, |inner| {
@@ -399,7 +425,7 @@ proptest! {
     #[test]
     fn a_lenient_field_judges_as_the_untagged_retry_did(v in any_value()) {
         let text = v.to_string();
-        prop_assert_eq!(serde_json::from_str::<Lenient<u32>>(&text).unwrap(), untagged::<u32>(&v));
+        prop_assert_eq!(serde_json::from_str::<Lenient<u32>>(&text).unwrap(), count_reference(&v));
         prop_assert_eq!(serde_json::from_str::<Lenient<bool>>(&text).unwrap(), untagged::<bool>(&v));
         // An array was read as the struct's fields in order; no client
         // sends one, and it is now invalid.
@@ -423,4 +449,117 @@ fn a_list_where_a_count_belongs_is_invalid_and_a_duplicate_option_too() {
     )
     .unwrap();
     assert_eq!(options, Lenient::Invalid, "a duplicate key");
+}
+
+#[test]
+fn a_count_in_any_form_the_engines_read_as_an_integer_is_that_integer() {
+    for (text, expected) in [
+        ("64", Lenient::Valid(64)),
+        ("64.0", Lenient::Valid(64)),
+        ("1e8", Lenient::Valid(100_000_000)),
+        ("-0.0", Lenient::Valid(0)),
+        ("4294967295.0", Lenient::Valid(u32::MAX)),
+        (r#""64""#, Lenient::Valid(64)),
+        (r#""64.00""#, Lenient::Valid(64)),
+        (r#""100000000""#, Lenient::Valid(100_000_000)),
+        (r#""\u0036\u0034""#, Lenient::Valid(64)),
+        // Fractions, out of range, and strings not plainly an integer.
+        ("1.5", Lenient::Invalid),
+        ("4294967296.0", Lenient::Invalid),
+        ("1e300", Lenient::Invalid),
+        ("-1", Lenient::Invalid),
+        ("-1.0", Lenient::Invalid),
+        (r#""1.5""#, Lenient::Invalid),
+        (r#""1e8""#, Lenient::Invalid),
+        (r#""-1""#, Lenient::Invalid),
+        (r#""+64""#, Lenient::Invalid),
+        (r#"" 64""#, Lenient::Invalid),
+        (r#""1_000""#, Lenient::Invalid),
+        (r#""""#, Lenient::Invalid),
+        (r#"".0""#, Lenient::Invalid),
+        (r#""4294967296""#, Lenient::Invalid),
+        (r#""many""#, Lenient::Invalid),
+        ("true", Lenient::Invalid),
+    ] {
+        let judged = serde_json::from_str::<Lenient<u32>>(text).unwrap();
+        assert_eq!(judged, expected, "{text}");
+    }
+    // A string of millions of digits is judged in one pass and refused.
+    let long = format!("\"{}\"", "9".repeat(1 << 20));
+    assert_eq!(
+        serde_json::from_str::<Lenient<u32>>(&long).unwrap(),
+        Lenient::Invalid
+    );
+    // Flags stay strict: only a boolean is a boolean.
+    for text in ["1", "1.0", r#""true""#] {
+        assert_eq!(
+            serde_json::from_str::<Lenient<bool>>(text).unwrap(),
+            Lenient::Invalid,
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn every_count_field_is_read_in_every_form() {
+    let body = br#"{"prompt": [1], "n": 64.0, "max_tokens": "100000000", "best_of": "3"}"#;
+    let parsed = CompletionRequest::from_json(body, &BodyLimits::NONE).unwrap();
+    assert_eq!(parsed.n, Some(Lenient::Valid(64)));
+    assert_eq!(parsed.max_tokens, Some(Lenient::Valid(100_000_000)));
+    assert_eq!(parsed.best_of, Some(Lenient::Valid(3)));
+    let body = br#"{"messages": [], "max_completion_tokens": 1e8, "max_tokens": "7", "n": "2"}"#;
+    let parsed = ChatCompletionRequest::from_json(body, &BodyLimits::NONE).unwrap();
+    assert_eq!(
+        parsed.max_completion_tokens,
+        Some(Lenient::Valid(100_000_000))
+    );
+    assert_eq!(parsed.max_tokens, Some(Lenient::Valid(7)));
+    assert_eq!(parsed.n, Some(Lenient::Valid(2)));
+    assert_eq!(parsed.max_tokens(), Ok(Some(100_000_000)));
+    let twice = br#"{"prompt": [1], "best_of": 1, "best_of": 2}"#;
+    assert!(CompletionRequest::from_json(twice, &BodyLimits::NONE).is_err());
+}
+
+#[test]
+fn a_batch_counts_the_prompts_after_its_first_whether_or_not_it_keeps_them() {
+    let first_only = BodyLimits {
+        first_prompt_only: true,
+        ..BodyLimits::NONE
+    };
+    for limits in [BodyLimits::NONE, first_only] {
+        let ids =
+            CompletionRequest::from_json(br#"{"prompt": [[1, 2], [3], [4, 5, 6], []]}"#, &limits)
+                .unwrap();
+        assert_eq!(
+            ids.later_prompts,
+            LaterPrompts {
+                count: 3,
+                token_ids: 4,
+                text_bytes: 0
+            },
+            "{limits:?}"
+        );
+        let texts = CompletionRequest::from_json(
+            r#"{"prompt": ["first", "ab", "\u00e9", ""]}"#.as_bytes(),
+            &limits,
+        )
+        .unwrap();
+        assert_eq!(
+            texts.later_prompts,
+            LaterPrompts {
+                count: 3,
+                token_ids: 0,
+                text_bytes: 4
+            },
+            "{limits:?}"
+        );
+        for single in [
+            r#"{"prompt": [1, 2]}"#,
+            r#"{"prompt": "x"}"#,
+            r#"{"prompt": [[1, 2]]}"#,
+        ] {
+            let parsed = CompletionRequest::from_json(single.as_bytes(), &limits).unwrap();
+            assert_eq!(parsed.later_prompts, LaterPrompts::default(), "{single}");
+        }
+    }
 }

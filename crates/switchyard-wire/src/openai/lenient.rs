@@ -62,7 +62,8 @@ impl<'de, T: Judged> Deserialize<'de> for Lenient<T> {
 
 /// A scalar type a [`Lenient`] field can hold, by the JSON scalars it
 /// takes: `Some` for a value of the type, `None` (invalid) otherwise.
-/// Every other value (string, float, list, object, null) is invalid.
+/// Every other value (list, object, null, and whatever a type's methods
+/// leave at `None`) is invalid.
 trait Scalar: Sized {
     fn from_u64(_: u64) -> Option<Self> {
         None
@@ -70,17 +71,50 @@ trait Scalar: Sized {
     fn from_i64(_: i64) -> Option<Self> {
         None
     }
+    fn from_f64(_: f64) -> Option<Self> {
+        None
+    }
+    fn from_str(_: &str) -> Option<Self> {
+        None
+    }
     fn from_bool(_: bool) -> Option<Self> {
         None
     }
 }
 
+/// A count (`n`, `max_tokens`, ...) is read as the engines read it, so
+/// that a limit checked on it binds whatever JSON form it takes: vLLM and
+/// SGLang declare these fields `int` in pydantic models, whose default
+/// (lax) mode takes an integral float (`64.0`, `1e8`) or a string of an
+/// integer (`"64"`, `"64.0"`) as that integer and refuses a fraction
+/// (`1.5`). Here: a JSON integer, a float with no fractional part, or a
+/// string of ASCII digits optionally followed by `.` and zeros, each from
+/// 0 to `u32::MAX`; anything else is invalid (refused by name, never read
+/// as another number). Strings pydantic also takes (signs, `_`
+/// separators, surrounding spaces) are invalid here: refused, so never
+/// read differently from the engine.
 impl Scalar for u32 {
     fn from_u64(v: u64) -> Option<u32> {
         u32::try_from(v).ok()
     }
     fn from_i64(v: i64) -> Option<u32> {
         u32::try_from(v).ok()
+    }
+    fn from_f64(v: f64) -> Option<u32> {
+        // NaN and the infinities fail the range test; -0.0 is 0.
+        let integral = v.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&v);
+        integral.then_some(v as u32)
+    }
+    fn from_str(v: &str) -> Option<u32> {
+        let digits = match v.split_once('.') {
+            Some((digits, zeros)) if zeros.bytes().all(|b| b == b'0') => digits,
+            Some(_) => return None,
+            None => v,
+        };
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse().ok()
     }
 }
 
@@ -116,11 +150,11 @@ impl<'de, T: Scalar> Visitor<'de> for ScalarVisitor<T> {
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Lenient<T>, A::Error> {
         drain_map(map).map(|()| Lenient::Invalid)
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Lenient<T>, E> {
-        Ok(Lenient::Invalid)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Lenient<T>, E> {
+        Ok(T::from_str(v).map_or(Lenient::Invalid, Lenient::Valid))
     }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Lenient<T>, E> {
-        Ok(Lenient::Invalid)
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Lenient<T>, E> {
+        Ok(T::from_f64(v).map_or(Lenient::Invalid, Lenient::Valid))
     }
     fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Lenient<T>, E> {
         Ok(Lenient::Invalid)

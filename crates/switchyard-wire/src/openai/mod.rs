@@ -21,8 +21,8 @@ pub use bounded::{BodyError, BodyLimits, Limit, OverLimit};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use lenient::Lenient;
 pub use request::{
-    ChatCompletionRequest, CompletionRequest, ContentPart, Message, MessageContent, Prompt,
-    StreamOptions,
+    ChatCompletionRequest, CompletionRequest, ContentPart, LaterPrompts, Message, MessageContent,
+    Prompt, StreamOptions,
 };
 pub use response::{Choice, ChoiceDelta, ChoiceMessage, Completion, PromptTokensDetails, Usage};
 

@@ -8,8 +8,10 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// What a count field (`max_tokens`, `n`) must be.
-const COUNT: &str = "an integer from 0 to 4294967295";
+/// What a count field (`max_tokens`, `n`, ...) must be; see
+/// [`Lenient`]'s reading of counts.
+const COUNT: &str =
+    "an integer from 0 to 4294967295 (a JSON integer, a number such as 64.0 or a string such as \"64\")";
 
 /// The body of `/v1/completions`. Parsed field by field without a JSON
 /// tree; [`CompletionRequest::from_json`] parses it within [`BodyLimits`].
@@ -27,12 +29,31 @@ pub struct CompletionRequest {
     pub max_tokens: Option<Lenient<u32>>,
     /// Choices asked for; see [`Self::n`].
     pub n: Option<Lenient<u32>>,
+    /// Candidates generated per prompt to return the best `n` of (SGLang
+    /// reads it; vLLM's current request has no such field).
+    pub best_of: Option<Lenient<u32>>,
     /// Switchyard's session id (also accepted as the `x-session-id`
     /// header).
     pub session_id: Option<String>,
     /// vLLM's flag: each streamed choice carries the `token_ids` it adds;
     /// see [`Self::return_token_ids`].
     pub return_token_ids: Option<Lenient<bool>>,
+    /// The prompts of a batch after its first, counted while parsing
+    /// (kept in `prompt` too unless the parse kept the first prompt only).
+    pub later_prompts: LaterPrompts,
+}
+
+/// The prompts of a batch after its first, as the parser counted them: a
+/// router that keeps only the first prompt ([`BodyLimits`]'s
+/// `first_prompt_only`) still knows what the rest of the batch asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaterPrompts {
+    /// How many prompts follow the first.
+    pub count: u64,
+    /// Their token ids, all together (a batch of token-id prompts).
+    pub token_ids: u64,
+    /// Their text in bytes, as decoded, all together (a batch of texts).
+    pub text_bytes: u64,
 }
 
 impl CompletionRequest {
@@ -111,11 +132,15 @@ impl ChatCompletionRequest {
     }
 }
 
+impl Lenient<u32> {
+    /// The count, or a 400 naming `field` and the forms a count may take.
+    pub fn count(&self, field: &str) -> Result<u32, ErrorBody> {
+        self.check(field, COUNT).copied()
+    }
+}
+
 fn count(field: &Option<Lenient<u32>>, name: &str) -> Result<Option<u32>, ErrorBody> {
-    field
-        .as_ref()
-        .map(|v| v.check(name, COUNT).copied())
-        .transpose()
+    field.as_ref().map(|v| v.count(name)).transpose()
 }
 
 fn flag(field: &Option<Lenient<bool>>, name: &str) -> Result<bool, ErrorBody> {

@@ -1,5 +1,5 @@
-//! The command line as an installed binary meets its user: `--version`
-//! and shell completions.
+//! The command line as an installed binary meets its user: `--version`,
+//! shell completions, and `--help` that never prints a secret.
 
 use crate::support::machine_blocking;
 use std::process::Command;
@@ -78,4 +78,53 @@ fn completions_cover_every_shell_and_bash_names_the_subcommands() {
             "{shell}"
         );
     }
+}
+
+/// `switchyard ARGS` with `vars` set: its standard output.
+fn switchyard_with_env(args: &[&str], vars: &[(&str, &str)]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args)
+        .envs(vars.iter().copied())
+        .output()
+        .expect("the switchyard binary starts");
+    assert!(
+        out.status.success(),
+        "switchyard {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
+#[test]
+fn help_names_the_secret_variables_but_never_their_values() {
+    let _machine = machine_blocking();
+    let secrets = [
+        ("SWITCHYARD_ADMIN_TOKEN", "adm-secret-0451"),
+        ("SWITCHYARD_API_KEYS", "sk-secret-0452,sk-secret-0453"),
+        ("SWITCHYARD_METRICS_KEY", "mk-secret-0454"),
+        ("SWITCHYARD_WORKER_API_KEY", "wk-secret-0455"),
+        ("SWITCHYARD_NATS_PASSWORD", "pw-secret-0456"),
+        ("SWITCHYARD_NATS_TOKEN", "tok-secret-0457"),
+        (
+            "SWITCHYARD_REPLICA_SYNC",
+            "nats://u:pw-secret-0458@nats:4222",
+        ),
+    ];
+    let serve = switchyard_with_env(&["serve", "--help"], &secrets);
+    let sim_worker = switchyard_with_env(&["sim-worker", "--help"], &secrets);
+    for (name, value) in secrets {
+        assert!(serve.contains(name), "serve --help names {name}");
+        for part in value.split([',', ':', '@']) {
+            if part.contains("secret") {
+                assert!(!serve.contains(part), "serve --help shows {name}'s value");
+                assert!(
+                    !sim_worker.contains(part),
+                    "sim-worker --help shows {name}'s value"
+                );
+            }
+        }
+    }
+    // A variable that holds no secret still shows its value.
+    let port = switchyard_with_env(&["serve", "--help"], &[("SWITCHYARD_PORT", "18080")]);
+    assert!(port.contains("SWITCHYARD_PORT=18080"), "{port}");
 }

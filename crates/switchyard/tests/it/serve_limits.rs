@@ -2,8 +2,9 @@
 //! accepted size built to cost the router memory (token ids; a million
 //! empty messages) are refused with a 400 naming the limit, and the
 //! router's peak memory grows by less than [`PEAK_GROWTH_BOUND`] times the
-//! body; `n` and `max_tokens` past their limits are refused naming them;
-//! the prompt token limit defaults to the worker's `max_model_len`.
+//! body; `n` and `max_tokens` past their limits are refused naming them,
+//! whatever JSON form they take, before any worker sees them; the prompt
+//! token limit defaults to the worker's `max_model_len`.
 
 use crate::support::{machine, metric, router, sim_worker_with, wait_for, PATIENCE};
 use serde_json::json;
@@ -154,9 +155,7 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
 
     // (c) A list of 16 million numbers where `n` belongs: judged "not a
     // count" in one pass (the router once copied such a value into a
-    // generic tree first); a router forwards such a value for the worker
-    // to refuse, so a `max_tokens` past its limit after it keeps this body
-    // in the router.
+    // generic tree first) and refused naming `n`.
     let mut n = Vec::with_capacity(MAX_BODY_BYTES);
     n.extend_from_slice(b"{\"prompt\":[1],\"n\":[");
     while n.len() + 40 < MAX_BODY_BYTES {
@@ -171,7 +170,7 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
         growth as f64 / size as f64
     );
     assert_eq!(status, 400, "{answer}");
-    assert!(answer.contains("\"param\":\"max_tokens\""), "{answer}");
+    assert!(answer.contains("\"param\":\"n\""), "{answer}");
     assert!(
         (growth as f64) < PEAK_GROWTH_BOUND * size as f64,
         "the peak grew by {growth} bytes for a body of {size}"
@@ -219,11 +218,7 @@ async fn bodies_of_the_largest_size_built_to_cost_memory_are_refused_within_a_bo
         .text()
         .await
         .unwrap();
-    for (limit, count) in [
-        ("prompt_tokens", 3.0),
-        ("messages", 1.0),
-        ("output_tokens", 1.0),
-    ] {
+    for (limit, count) in [("prompt_tokens", 3.0), ("messages", 1.0)] {
         let series = format!("switchyard_input_limit_refusals_total{{limit=\"{limit}\"}}");
         assert_eq!(metric(&metrics, &series), Some(count), "{series}");
     }
@@ -323,4 +318,125 @@ async fn n_max_tokens_and_prompt_length_are_refused_past_their_limits() {
     )
     .await;
     assert_eq!(status, 200, "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_as_floats_or_strings_are_held_to_their_limits_and_never_reach_the_worker() {
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--speedup", "0", "--num-blocks", "1024"]);
+    let router = router(
+        &[worker.named("w0")],
+        &["--max-n", "16", "--max-output-tokens", "4096"],
+    );
+    let client = reqwest::Client::new();
+    ready(&client, &router.base).await;
+    let m = json!([{"role": "user", "content": "hi"}]);
+    for (path, body, param, says) in [
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "n": 64.0}),
+            "n",
+            "`n` is 64, over the limit of 16 (--max-n)",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "n": "64"}),
+            "n",
+            "`n` is 64, over the limit of 16",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": m, "n": 64.0}),
+            "n",
+            "`n` is 64",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "best_of": "64"}),
+            "best_of",
+            "`best_of` is 64",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "max_tokens": 1e8}),
+            "max_tokens",
+            "`max_tokens` is 100000000, over the limit of 4096 tokens (--max-output-tokens)",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "max_tokens": "100000000"}),
+            "max_tokens",
+            "`max_tokens` is 100000000",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": m, "max_completion_tokens": 1e8}),
+            "max_completion_tokens",
+            "`max_completion_tokens` is 100000000",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": m, "max_tokens": "100000000"}),
+            "max_tokens",
+            "`max_tokens` is 100000000",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1], "n": 1.5}),
+            "n",
+            "`n` must be an integer",
+        ),
+    ] {
+        let response = client
+            .post(format!("{}{path}", router.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let reached = response.headers().get("x-switchyard-worker").cloned();
+        let error: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(status, 400, "{body}: {error}");
+        assert_eq!(reached, None, "{body} reached a worker");
+        assert_eq!(error["error"]["param"], param, "{error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+    // The worker never saw one of them: it admitted no prompt token yet.
+    let worker_metrics = client
+        .get(format!("{}/metrics", worker.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&worker_metrics, "switchyard_engine_prompt_tokens_total"),
+        Some(0.0)
+    );
+    let metrics = client
+        .get(format!("{}/metrics", router.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (limit, count) in [("n", 4.0), ("output_tokens", 4.0)] {
+        let series = format!("switchyard_input_limit_refusals_total{{limit=\"{limit}\"}}");
+        assert_eq!(metric(&metrics, &series), Some(count), "{series}");
+    }
+    // Within the limits, the same forms are served (the body forwarded as
+    // sent; the sim-worker reads counts as the engines do).
+    let ok = client
+        .post(format!("{}/v1/completions", router.base))
+        .json(&json!({"prompt": [1, 2, 3], "max_tokens": "2", "n": 1.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status().as_u16(), 200);
+    assert!(ok.headers().contains_key("x-switchyard-worker"));
+    let answer: serde_json::Value = ok.json().await.unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 2, "{answer}");
 }

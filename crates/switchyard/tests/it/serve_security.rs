@@ -297,6 +297,139 @@ async fn a_head_that_never_ends_is_cut_at_the_header_read_timeout() {
     .await;
 }
 
+/// A raw connection to the router whose client reads nothing: its receive
+/// buffer is as small as the kernel allows, so the router's writes to it
+/// block after a few KiB.
+async fn never_reading(base: &str) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket
+        .connect(authority(base).parse().unwrap())
+        .await
+        .expect("the router accepts")
+}
+
+/// Four keyed clients take the router's four in-flight places with
+/// streaming completions far larger than any socket buffer, and never read
+/// a byte: each holds its place, then loses it (and its connection) once
+/// its answer has made no progress for the send timeout, counted. An honest
+/// client is served afterwards, and the in-flight gauge comes back to the
+/// truth: nothing held. Without the send timeout the four would hold their
+/// places (and their buffered answers) until they disconnected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_are_never_read_lose_their_places_at_the_send_timeout() {
+    let _machine = machine().await;
+    let w0 = sim_worker_with(
+        0,
+        &[
+            "--speedup",
+            "0",
+            "--num-blocks",
+            "20000",
+            "--max-model-len",
+            "200000",
+        ],
+    );
+    let router = router(
+        &[w0.named("w0")],
+        &[
+            "--api-key",
+            "sk-good",
+            "--max-inflight",
+            "4",
+            "--send-timeout-ms",
+            "3000",
+            "--max-output-tokens",
+            "150000",
+        ],
+    );
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let body =
+        json!({"prompt": "tell me everything", "max_tokens": 150000, "stream": true}).to_string();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut stream = never_reading(&router.base).await;
+        let request = format!(
+            "{}{body}",
+            head("/v1/completions", Some("sk-good"), body.len())
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        held.push(stream);
+    }
+    wait_metrics(&client, &router.base, "the four places taken", |text| {
+        metric(text, "switchyard_inflight_requests") == Some(4.0)
+    })
+    .await;
+    wait_for("an honest client to be served", PATIENCE, async || {
+        honest_chat(&client, &router.base, "sk-good").await == 200
+    })
+    .await;
+    wait_metrics(
+        &client,
+        &router.base,
+        "the stalls counted, nothing held",
+        |text| {
+            metric(text, "switchyard_send_timeouts_total").is_some_and(|n| n >= 4.0)
+                && metric(text, "switchyard_inflight_requests") == Some(0.0)
+        },
+    )
+    .await;
+    // The router closed each stalled connection: reading now finds the
+    // answer's start and then its end, not a connection held open.
+    for mut stream in held {
+        let mut buf = vec![0u8; 64 * 1024];
+        let ended = tokio::time::timeout(PATIENCE, async {
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => continue,
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a stalled connection is still open");
+    }
+}
+
+/// A client that pipelines `GET /health` and reads none of the answers
+/// (no key needed: the probes are open) is cut by the same rule: once the
+/// router's writes to it have made no progress for the send timeout, the
+/// connection is closed and counted; it is not left to the header-read
+/// timeout, which is set far longer here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelining_client_that_never_reads_is_cut_at_the_send_timeout() {
+    let _machine = machine().await;
+    let w0 = sim_worker("0");
+    let router = router(
+        &[w0.named("w0")],
+        &[
+            "--send-timeout-ms",
+            "500",
+            "--header-read-timeout-ms",
+            "600000",
+        ],
+    );
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let stream = never_reading(&router.base).await;
+    let (_reader, mut writer) = stream.into_split();
+    let requests = "GET /health HTTP/1.1\r\nhost: router\r\n\r\n".repeat(1024);
+    let flood = tokio::spawn(async move {
+        // Until the router closes the connection.
+        while writer.write_all(requests.as_bytes()).await.is_ok() {}
+    });
+    tokio::time::timeout(PATIENCE, flood)
+        .await
+        .expect("the router closed the pipelining connection")
+        .unwrap();
+    wait_metrics(&client, &router.base, "the stall counted", |text| {
+        metric(text, "switchyard_send_timeouts_total").is_some_and(|n| n >= 1.0)
+            && metric(text, "switchyard_header_read_timeouts_total") == Some(0.0)
+    })
+    .await;
+}
+
 /// With the connection cap reached, a further connection is closed unserved
 /// and counted; once one of the open connections closes, an honest client
 /// is served again.
@@ -514,4 +647,62 @@ requests_per_second = 1
     )
     .unwrap_or_default();
     assert_eq!(requests as usize, 10 - passed, "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_limit_charges_every_prompt_every_choice_and_an_allowance_without_max_tokens() {
+    let _machine = machine().await;
+    let worker = sim_worker("0");
+    let config = crate::support::scratch_file(
+        "token_charges.toml",
+        br#"
+[rate_limits]
+tokens_per_minute = 1000
+[[rate_limits.keys]]
+name = "k"
+key = "sk-k"
+"#,
+    );
+    let config = config.to_str().expect("a UTF-8 path");
+    let router = router(&[worker.named("w0")], &["--config", config]);
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let ids = |n: u32| (0..n).collect::<Vec<u32>>();
+    // Each of these was charged its first prompt and one choice's
+    // max_tokens (70, 110 and 10 tokens), far inside a 1000-token minute.
+    let batch: Vec<Vec<u32>> = (0..20).map(|_| ids(60)).collect();
+    for (body, needs) in [
+        // 20 prompts of 60 tokens, 10 output tokens each: 1200 + 200.
+        (json!({"prompt": batch, "max_tokens": 10}), 1400),
+        // One prompt of 10 tokens, 11 choices of 100: 10 + 1100.
+        (json!({"prompt": ids(10), "max_tokens": 100, "n": 11}), 1110),
+        // No max_tokens: the default allowance of 1024 per choice.
+        (json!({"prompt": ids(10)}), 1034),
+    ] {
+        let response = client
+            .post(format!("{}/v1/completions", router.base))
+            .bearer_auth("sk-k")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 429, "{body}");
+        assert!(response.headers().get("retry-after").is_none());
+        assert!(response.headers().get("x-switchyard-worker").is_none());
+        let error: serde_json::Value = response.json().await.unwrap();
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("this request needs {needs} tokens")),
+            "{body}: {message}"
+        );
+    }
+    // Nothing was taken by the refusals: a request within the minute passes.
+    let ok = client
+        .post(format!("{}/v1/completions", router.base))
+        .bearer_auth("sk-k")
+        .json(&json!({"prompt": ids(10), "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
 }
