@@ -31,6 +31,8 @@ use serde::{Deserialize, Serialize};
 
 /// Longest adapter name kept (bytes).
 pub const MAX_ADAPTER_NAME_BYTES: usize = 256;
+/// Adapters marked holders-only ([`AdapterTable::holders_only`]), at most.
+pub const MAX_HOLDERS_ONLY: usize = 4096;
 
 /// How long a planned load that the driver has neither confirmed nor
 /// failed survives refreshes that do not list it (a worker slower to load
@@ -114,6 +116,8 @@ pub struct AdapterCounters {
     pub loads_planned: u64,
     /// Unloads planned by placements (a full worker's coldest adapter).
     pub unloads_planned: u64,
+    /// Holders-only marks refused: [`MAX_HOLDERS_ONLY`] were set.
+    pub holders_only_dropped: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -147,6 +151,8 @@ impl WorkerAdapters {
 pub struct AdapterTable {
     config: AdapterConfig,
     workers: FxHashMap<WorkerId, WorkerAdapters>,
+    /// Adapters the driver may not load: served only where loaded.
+    holders_only: crate::maps::FxHashSet<Box<str>>,
     counters: AdapterCounters,
 }
 
@@ -156,8 +162,36 @@ impl AdapterTable {
         Self {
             config,
             workers: FxHashMap::default(),
+            holders_only: Default::default(),
             counters: AdapterCounters::default(),
         }
+    }
+
+    /// Marks `adapter` as one the driver cannot load (the server knows no
+    /// path for it: a worker announced it, no operator configured it), or
+    /// clears the mark: a request for a marked adapter goes only to a
+    /// worker that has it loaded, whatever the policy, and never plans a
+    /// load. Returns whether the mark is set (at most
+    /// [`MAX_HOLDERS_ONLY`]: beyond, refused and counted).
+    pub fn set_holders_only(&mut self, adapter: &str, on: bool) -> bool {
+        if !on {
+            self.holders_only.remove(adapter);
+            return false;
+        }
+        if self.holders_only.contains(adapter) {
+            return true;
+        }
+        if self.holders_only.len() >= MAX_HOLDERS_ONLY || adapter.len() > MAX_ADAPTER_NAME_BYTES {
+            self.counters.holders_only_dropped += 1;
+            return false;
+        }
+        self.holders_only.insert(adapter.into());
+        true
+    }
+
+    /// Whether `adapter` is served only where it is loaded.
+    pub fn holders_only(&self, adapter: &str) -> bool {
+        self.holders_only.contains(adapter)
     }
 
     /// The settings.
@@ -335,6 +369,10 @@ impl AdapterTable {
                 return None;
             }
         }
+        if self.holders_only(adapter) {
+            // Nothing to load it from.
+            return None;
+        }
         let full = self.is_full(worker)
             || self
                 .workers
@@ -364,7 +402,9 @@ impl AdapterTable {
 
     /// Heap bytes, roughly.
     pub fn estimated_bytes(&self) -> usize {
-        crate::maps::map_bytes(&self.workers)
+        self.holders_only.allocation_size()
+            + self.holders_only.iter().map(|n| n.len()).sum::<usize>()
+            + crate::maps::map_bytes(&self.workers)
             + self
                 .workers
                 .values()
@@ -450,6 +490,22 @@ mod tests {
         t.set_slots(w(1), Some(1_000));
         // Clamped to the cap: full at two.
         assert!(t.is_full(w(1)));
+    }
+
+    #[test]
+    fn holders_only_marks_are_bounded_and_plan_no_load() {
+        let mut t = AdapterTable::new(AdapterConfig::default());
+        for i in 0..MAX_HOLDERS_ONLY {
+            assert!(t.set_holders_only(&format!("a{i}"), true));
+        }
+        assert!(t.set_holders_only("a0", true), "already marked");
+        assert!(!t.set_holders_only("one-more", true));
+        assert!(!t.set_holders_only(&"x".repeat(MAX_ADAPTER_NAME_BYTES + 1), true));
+        assert_eq!(t.counters().holders_only_dropped, 2);
+        assert_eq!(t.place(w(1), "a1", 0.0), None, "nothing to load it from");
+        assert!(!t.has(w(1), "a1"));
+        t.set_holders_only("a1", false);
+        assert!(t.place(w(1), "a1", 0.0).is_some());
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! exact `allocation_size`, which memory figures report.
 
 pub(crate) type FxHashMap<K, V> = hashbrown::HashMap<K, V, rustc_hash::FxBuildHasher>;
+/// The set of the same kind.
+pub(crate) type FxHashSet<K> = hashbrown::HashSet<K, rustc_hash::FxBuildHasher>;
 
 /// Heap bytes a map holds (its table, tombstones included).
 pub(crate) fn map_bytes<K: Eq + std::hash::Hash, V>(map: &FxHashMap<K, V>) -> usize {

@@ -81,7 +81,10 @@ async fn load_on(
 ) -> Result<(), String> {
     let adapters = &state.shared.adapters;
     let Some(path) = adapters.path_of(&load.adapter) else {
-        return Err("no path is known for it (no [[adapters]] table, no worker lists it)".into());
+        return Err(
+            "no [[adapters]] table gives its path (the router loads only configured adapters)"
+                .into(),
+        );
     };
     if let Some(victim) = &load.unload {
         let body = serde_json::json!({ "lora_name": &**victim });

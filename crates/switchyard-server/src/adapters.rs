@@ -5,7 +5,13 @@
 //!   (`name`, `path`, `base_model`), and adapters the workers list on
 //!   `/v1/models` (vLLM lists each loaded adapter as a model with
 //!   `"parent"`, the base model, and `"root"`, its path), learned up to
-//!   [`MAX_LEARNED`] (beyond it dropped and counted). A request whose
+//!   [`MAX_LEARNED`] (beyond it dropped and counted) when consistent with
+//!   the fleet: its parent a configured model (or, without `[[models]]`
+//!   tables, a base model on the same list), its own name no base model's
+//!   (a card never shadows a base model). A learned adapter is forgotten
+//!   [`LEARNED_TTL`] after the last worker listed it, and is served only
+//!   where it is loaded: the router loads on demand only adapters whose
+//!   path an operator configured. A request whose
 //!   `model` names an adapter is routed among the workers serving its base
 //!   model, by the core's adapter affinity
 //!   ([`switchyard_core::adapters`]), and its blocks are hashed with the
@@ -37,8 +43,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, RwLock};
+use std::time::{Duration, Instant};
 use switchyard_core::adapters::MAX_ADAPTER_NAME_BYTES;
 use switchyard_core::WorkerId;
 use tokio::sync::watch;
@@ -49,6 +56,9 @@ pub const MAX_LEARNED: usize = 1024;
 pub const MAX_CARDS: usize = 1024;
 /// Longest adapter path kept (bytes).
 pub const MAX_PATH_BYTES: usize = 4096;
+/// How long a learned adapter (or a base model name) stays known after
+/// the last worker listed it: a few health rounds.
+pub const LEARNED_TTL: Duration = Duration::from_secs(60);
 /// Loads in flight tracked at once, at most.
 pub const MAX_PENDING: usize = 4096;
 
@@ -90,6 +100,24 @@ struct Entry {
     base: Option<Box<str>>,
 }
 
+/// An adapter learned from workers' `/v1/models`.
+#[derive(Clone, Debug)]
+struct Learned {
+    /// Its base model, as the first worker that listed it said.
+    base: Box<str>,
+    /// When a worker last listed it.
+    seen: Instant,
+}
+
+/// What one worker's `/v1/models` taught ([`Adapters::learn_models`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Learnt {
+    /// The catalogue's adapters the worker has loaded.
+    pub loaded: Vec<String>,
+    /// Adapters learned from it for the first time.
+    pub new: Vec<String>,
+}
+
 /// How a request's `model` routes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Resolved {
@@ -111,7 +139,11 @@ type LoadKey = (WorkerId, Box<str>);
 #[derive(Debug)]
 pub struct Adapters {
     configured: HashMap<Box<str>, Entry>,
-    learned: RwLock<HashMap<Box<str>, Entry>>,
+    /// The `[[models]]` tables' names: the base models, when configured.
+    base_models: HashSet<Box<str>>,
+    learned: RwLock<HashMap<Box<str>, Learned>>,
+    /// Base model names workers list, and when last listed.
+    bases: RwLock<HashMap<Box<str>, Instant>>,
     pending: Mutex<HashMap<LoadKey, watch::Receiver<Option<bool>>>>,
     senders: Mutex<HashMap<LoadKey, watch::Sender<Option<bool>>>>,
     loads: Family<ResultLabel, Counter>,
@@ -144,7 +176,9 @@ impl Adapters {
             .collect();
         Self {
             configured,
+            base_models: HashSet::new(),
             learned: RwLock::default(),
+            bases: RwLock::default(),
             pending: Mutex::default(),
             senders: Mutex::default(),
             loads: Family::default(),
@@ -153,6 +187,13 @@ impl Adapters {
             dropped: Family::default(),
             loaded: Gauge::default(),
         }
+    }
+
+    /// The same catalogue, knowing the configured models (`[[models]]`
+    /// names): a learned adapter's parent must be one of them.
+    pub fn with_base_models<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.base_models = names.into_iter().map(Into::into).collect();
+        self
     }
 
     /// Registers `switchyard_adapter_*`.
@@ -174,7 +215,7 @@ impl Adapters {
         );
         registry.register(
             "switchyard_adapter_dropped",
-            "Adapters not tracked, by reason (learned: catalogue full; table: a worker's table full; pending: too many loads in flight; invalid: a bad card)",
+            "Adapters not tracked, by reason (learned: catalogue full; table: a worker's table full; pending: too many loads in flight; invalid: a bad card; shadow: a card named as a base model; unknown_base: its parent is no base model of the fleet; expired: no worker listed it for a minute; base: too many base model names)",
             self.dropped.clone(),
         );
         registry.register(
@@ -206,16 +247,19 @@ impl Adapters {
         self.configured.is_empty() && read(&self.learned).is_empty()
     }
 
-    /// The path `/v1/load_lora_adapter` is given for `name`.
+    /// The path `/v1/load_lora_adapter` is given for `name`: only a
+    /// configured adapter's (a learned one is never loaded by the router).
     pub(crate) fn path_of(&self, name: &str) -> Option<Box<str>> {
-        self.entry(name).map(|e| e.path)
+        self.configured.get(name).map(|e| e.path.clone())
     }
 
-    fn entry(&self, name: &str) -> Option<Entry> {
+    /// The base model of adapter `name` (`Some(None)`: a configured
+    /// adapter of any model); `None`: not an adapter.
+    fn base_of(&self, name: &str) -> Option<Option<Box<str>>> {
         if let Some(e) = self.configured.get(name) {
-            return Some(e.clone());
+            return Some(e.base.clone());
         }
-        read(&self.learned).get(name).cloned()
+        read(&self.learned).get(name).map(|l| Some(l.base.clone()))
     }
 
     /// How a request for `model` routes.
@@ -223,10 +267,10 @@ impl Adapters {
         let Some(model) = model else {
             return Resolved::default();
         };
-        match self.entry(model) {
-            Some(entry) => Resolved {
+        match self.base_of(model) {
+            Some(base) => Resolved {
                 adapter: Some(model.to_owned()),
-                eligible_model: entry.base.map(Into::into),
+                eligible_model: base.map(Into::into),
             },
             None => Resolved {
                 adapter: None,
@@ -235,14 +279,30 @@ impl Adapters {
         }
     }
 
-    /// Learns a worker's `/v1/models` body: its adapters' names (returned,
-    /// for the core's table) and, for adapters not configured, their path
-    /// and base model. Cards are clamped: bad or oversized ones dropped.
-    pub fn learn_models(&self, body: &[u8]) -> Option<Vec<String>> {
+    /// Learns a worker's `/v1/models` body (read at `now`): the adapters
+    /// it has loaded, for the core's table, and the adapters learned from
+    /// it for the first time. A card with a `parent` is an adapter when it
+    /// is configured, or else when it is consistent with the fleet: its
+    /// parent is a configured model (`[[models]]`), or without such tables
+    /// a base model on the same list; and it shadows no base model (its id
+    /// is no configured model and no base any worker lists). Anything
+    /// else is dropped and counted. A learned adapter is served only where
+    /// it is loaded: the router never loads it elsewhere, as no operator
+    /// gave its path.
+    pub fn learn_models(&self, body: &[u8], now: Instant) -> Option<Learnt> {
         let value: serde_json::Value = serde_json::from_slice(body).ok()?;
         let cards = value["data"].as_array()?;
-        let mut names = Vec::new();
-        for card in cards.iter().take(MAX_CARDS) {
+        let cards = &cards[..cards.len().min(MAX_CARDS)];
+        // This worker's base models: cards without a parent.
+        let own_bases: Vec<&str> = cards
+            .iter()
+            .filter(|c| c["parent"].is_null())
+            .filter_map(|c| c["id"].as_str())
+            .filter(|id| !id.is_empty() && id.len() <= MAX_ADAPTER_NAME_BYTES)
+            .collect();
+        self.saw_bases(&own_bases, now);
+        let mut learnt = Learnt::default();
+        for card in cards {
             let Some(parent) = card["parent"].as_str() else {
                 continue;
             };
@@ -254,31 +314,97 @@ impl Adapters {
                 Self::count(&self.dropped, "invalid");
                 continue;
             }
-            names.push(name.to_owned());
             if self.configured.contains_key(name) {
+                learnt.loaded.push(name.to_owned());
                 continue;
             }
-            let root = card["root"].as_str().unwrap_or_default();
-            if root.is_empty() || root.len() > MAX_PATH_BYTES || parent.len() > MAX_PATH_BYTES {
+            if self.is_base(name) {
+                Self::count(&self.dropped, "shadow");
                 continue;
             }
-            let known = read(&self.learned).contains_key(name);
-            if !known {
-                let mut learned = self.learned.write().unwrap_or_else(|p| p.into_inner());
-                if learned.len() >= MAX_LEARNED {
+            let consistent = match self.base_models.is_empty() {
+                true => own_bases.contains(&parent),
+                false => self.base_models.contains(parent),
+            };
+            if !consistent {
+                Self::count(&self.dropped, "unknown_base");
+                continue;
+            }
+            let mut learned = self.learned.write().unwrap_or_else(|p| p.into_inner());
+            let full = learned.len() >= MAX_LEARNED;
+            match learned.get_mut(name) {
+                // First writer's base; every announcement keeps it alive.
+                Some(known) => known.seen = now,
+                None if full => {
                     Self::count(&self.dropped, "learned");
-                } else {
+                    continue;
+                }
+                None => {
                     learned.insert(
                         name.into(),
-                        Entry {
-                            path: root.into(),
-                            base: Some(parent.into()),
+                        Learned {
+                            base: parent.into(),
+                            seen: now,
                         },
                     );
+                    learnt.new.push(name.to_owned());
+                }
+            }
+            learnt.loaded.push(name.to_owned());
+        }
+        Some(learnt)
+    }
+
+    /// Records base model names a worker lists; a learned adapter of the
+    /// same name is forgotten (a base model is never shadowed).
+    fn saw_bases(&self, names: &[&str], now: Instant) {
+        let mut bases = self.bases.write().unwrap_or_else(|p| p.into_inner());
+        for &name in names {
+            let full = bases.len() >= MAX_LEARNED;
+            match bases.get_mut(name) {
+                Some(seen) => *seen = now,
+                None if full => {
+                    Self::count(&self.dropped, "base");
+                }
+                None => {
+                    bases.insert(name.into(), now);
                 }
             }
         }
-        Some(names)
+        drop(bases);
+        let mut learned = self.learned.write().unwrap_or_else(|p| p.into_inner());
+        for &name in names {
+            if learned.remove(name).is_some() {
+                Self::count(&self.dropped, "shadow");
+            }
+        }
+    }
+
+    /// Whether `name` is a base model: configured, or listed by a worker.
+    fn is_base(&self, name: &str) -> bool {
+        self.base_models.contains(name) || read(&self.bases).contains_key(name)
+    }
+
+    /// Forgets learned adapters and base names no worker has listed for
+    /// [`LEARNED_TTL`] at `now`: the adapters forgotten (counted
+    /// `expired`), whose holders-only marks the caller clears.
+    pub fn sweep(&self, now: Instant) -> Vec<Box<str>> {
+        let fresh = |seen: &Instant| now.saturating_duration_since(*seen) < LEARNED_TTL;
+        self.bases
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, seen| fresh(seen));
+        let mut learned = self.learned.write().unwrap_or_else(|p| p.into_inner());
+        let expired: Vec<Box<str>> = learned
+            .iter()
+            .filter(|(_, l)| !fresh(&l.seen))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &expired {
+            learned.remove(name);
+            Self::count(&self.dropped, "expired");
+        }
+        expired
     }
 
     /// A worker's slots from its server information: `max_loras` (the
@@ -371,22 +497,87 @@ mod tests {
         );
         assert_eq!(a.resolve(Some("base")).adapter, None);
         assert_eq!(a.resolve(None), Resolved::default());
-        // Learned from a worker's models: name, root, parent.
+        // Learned from a worker's models: name and parent.
+        let now = Instant::now();
         let body = br#"{"data":[{"id":"base"},{"id":"chat","parent":"base","root":"/a/chat"},{"id":"","parent":"base"},{"parent":"base"}]}"#;
-        assert_eq!(a.learn_models(body).unwrap(), ["chat"]);
+        let learnt = a.learn_models(body, now).unwrap();
+        assert_eq!(
+            (learnt.loaded, learnt.new),
+            (vec!["chat".into()], vec!["chat".into()])
+        );
         assert_eq!(
             a.resolve(Some("chat")).eligible_model.as_deref(),
             Some("base")
         );
-        assert_eq!(
-            a.dropped
-                .get_or_create(&ResultLabel { result: "invalid" })
-                .get(),
-            2
-        );
+        assert_eq!(dropped(&a, "invalid"), 2);
+        // Known now: listed again, it is loaded there, not new.
+        let learnt = a.learn_models(body, now).unwrap();
+        assert_eq!((learnt.loaded, learnt.new), (vec!["chat".into()], vec![]));
+        // Only a configured adapter has a path the router loads.
+        assert_eq!(a.path_of("sql").as_deref(), Some("/adapters/sql"));
+        assert_eq!(a.path_of("chat"), None);
         assert_eq!(Adapters::slots_of(br#"{"max_loras": 2}"#), Some(2));
         assert_eq!(Adapters::slots_of(b"{}"), None);
-        assert!(a.learn_models(b"not json").is_none());
+        assert!(a.learn_models(b"not json", now).is_none());
+    }
+
+    fn dropped(a: &Adapters, result: &'static str) -> u64 {
+        a.dropped.get_or_create(&ResultLabel { result }).get()
+    }
+
+    #[test]
+    fn a_card_that_would_shadow_a_base_model_or_name_no_base_is_not_learned() {
+        let now = Instant::now();
+        let a = Adapters::default();
+        // Worker 1 serves "base"; worker 2 announces an "adapter" named
+        // "base" (of its own "other"): requests for "base" must not follow it.
+        a.learn_models(br#"{"data":[{"id":"base"}]}"#, now).unwrap();
+        let poison = br#"{"data":[{"id":"other"},{"id":"base","parent":"other","root":"/evil"}]}"#;
+        assert_eq!(a.learn_models(poison, now).unwrap(), Learnt::default());
+        assert_eq!(a.resolve(Some("base")).adapter, None);
+        assert_eq!(dropped(&a, "shadow"), 1);
+        // Nor a card whose parent the worker does not serve.
+        let orphan = br#"{"data":[{"id":"other"},{"id":"x","parent":"elsewhere"}]}"#;
+        assert_eq!(a.learn_models(orphan, now).unwrap(), Learnt::default());
+        assert_eq!(dropped(&a, "unknown_base"), 1);
+        // A learned adapter whose name a worker later lists as a base
+        // model is forgotten: the base wins.
+        a.learn_models(
+            br#"{"data":[{"id":"base"},{"id":"sql","parent":"base"}]}"#,
+            now,
+        )
+        .unwrap();
+        assert!(a.resolve(Some("sql")).adapter.is_some());
+        a.learn_models(br#"{"data":[{"id":"sql"}]}"#, now).unwrap();
+        assert_eq!(a.resolve(Some("sql")).adapter, None);
+        assert_eq!(dropped(&a, "shadow"), 2);
+
+        // With [[models]] tables, a parent must be one of them.
+        let a = Adapters::default().with_base_models(["qwen"]);
+        let body = br#"{"data":[{"id":"llama"},{"id":"a","parent":"llama"},{"id":"b","parent":"qwen"},{"id":"qwen","parent":"llama"}]}"#;
+        assert_eq!(a.learn_models(body, now).unwrap().loaded, ["b"]);
+        assert_eq!(dropped(&a, "unknown_base"), 1);
+        assert_eq!(dropped(&a, "shadow"), 1);
+    }
+
+    #[test]
+    fn what_no_worker_lists_any_more_is_forgotten() {
+        let start = Instant::now();
+        let a = Adapters::default();
+        let body = br#"{"data":[{"id":"base"},{"id":"chat","parent":"base"}]}"#;
+        a.learn_models(body, start).unwrap();
+        // Listed again within the expiry: kept.
+        let later = start + LEARNED_TTL / 2;
+        a.learn_models(body, later).unwrap();
+        assert!(a.sweep(start + LEARNED_TTL).is_empty());
+        assert!(a.resolve(Some("chat")).adapter.is_some());
+        // Then never again.
+        let expired = a.sweep(later + LEARNED_TTL);
+        assert_eq!(expired, vec![Box::<str>::from("chat")]);
+        assert_eq!(a.resolve(Some("chat")).adapter, None);
+        assert!(a.is_empty());
+        assert_eq!(dropped(&a, "expired"), 1);
+        assert!(!a.is_base("base"), "base names expire too");
     }
 
     #[test]

@@ -123,10 +123,14 @@ impl Attempts {
         self
     }
 
-    /// Whether the prompt's token ids are known (a stream can be resumed
-    /// on another worker only then).
-    pub(crate) fn knows_prompt_ids(&self) -> bool {
-        self.estimated_prompt_tokens.is_none()
+    /// Whether a broken stream may be resumed on another worker by its
+    /// token ids: they must be known, and known to be the engine's
+    /// ([`crate::models::ModelRouting::resume_by_ids`]); `Err` says why not.
+    pub(crate) fn resume_by_ids(&self) -> Result<(), &'static str> {
+        if self.estimated_prompt_tokens.is_some() {
+            return Err("its model has no tokenizer here, so its prompt's token ids are unknown");
+        }
+        self.routing.resume_by_ids()
     }
 
     /// Hands 5xx answers back to the caller (see `pass_server_errors`).

@@ -227,8 +227,10 @@ pub struct ServerConfig {
     pub session: SessionAwareConfig,
     /// The fleet.
     pub workers: Vec<WorkerSpec>,
-    /// Add `x-switchyard-worker` to responses.
-    pub worker_header: bool,
+    /// Add `x-switchyard-worker` (the serving worker's name) to responses;
+    /// `None`: only while no client key is required
+    /// ([`Self::names_workers`]).
+    pub worker_header: Option<bool>,
     /// Bearer token the admin API requires (admin API off without one:
     /// its routes do not exist).
     pub admin_token: Option<Secret>,
@@ -366,7 +368,7 @@ impl Default for ServerConfig {
             queue: AdmissionConfig::default(),
             session: SessionAwareConfig::default(),
             workers: Vec::new(),
-            worker_header: true,
+            worker_header: None,
             admin_token: None,
             admin_token_file: None,
             api_keys: Vec::new(),
@@ -710,6 +712,15 @@ impl ServerConfig {
     /// `[rate_limits]`.
     pub fn requires_client_key(&self) -> bool {
         !self.api_keys.is_empty() || !self.rate_limits.keys.is_empty()
+    }
+
+    /// Whether responses name their worker (`x-switchyard-worker`): as
+    /// set, else only while clients need no key. A worker's name is its
+    /// `name=` or else its URL, an internal address that a router open to
+    /// outside clients should not hand them unasked.
+    pub fn names_workers(&self) -> bool {
+        self.worker_header
+            .unwrap_or_else(|| !self.requires_client_key())
     }
 
     /// Whether the router follows KV events (else approximate).

@@ -93,11 +93,13 @@ impl AppState {
         };
         let models = Arc::new(Models::new(
             tokenizer,
+            config.tokenizer_dir.is_some(),
             config.block_size,
             &config.models,
             |spec| crate::models::load_tokenizer(spec, &hub, config.token_cache_ids),
         ));
         registry.register_collector(Box::new(crate::models::ModelsCollector(models.clone())));
+        fleet.check_tokenizers_of(models.clone());
         Self {
             shared,
             fleet,
@@ -105,7 +107,7 @@ impl AppState {
             models,
             registry,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
-            worker_header: config.worker_header,
+            worker_header: config.names_workers(),
             credentials,
             admin_api: config.admin_token.is_some(),
             worker_auth: worker_authorization(config),

@@ -37,6 +37,7 @@
 
 use crate::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
 use crate::attempt::{AttemptError, Attempts};
+use crate::body_fields::Fields;
 use crate::booking::Booking;
 use crate::config::DisaggMode;
 use crate::context::Shared;
@@ -47,7 +48,8 @@ use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
+use serde_json::Value;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::RequestId;
 
@@ -64,28 +66,26 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 
 // ---- Bodies ---------------------------------------------------------------
 
-fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => Ok(map),
-        _ => Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-            None,
-        )),
-    }
+/// The client's body by field, without a JSON tree
+/// ([`crate::body_fields`]): a 32 MiB prompt costs a slice, not a value per
+/// token id.
+fn object(body: &[u8]) -> Result<Fields<'_>, ApiError> {
+    Fields::parse(body)
+        .map_err(|_| ApiError::bad_request("the request body must be a JSON object", None))
 }
 
-fn to_bytes(map: Map<String, Value>) -> Bytes {
-    Bytes::from(serde_json::to_vec(&Value::Object(map)).unwrap_or_default())
+fn to_bytes(fields: &Fields<'_>) -> Bytes {
+    Bytes::from(fields.to_vec())
 }
 
 /// vLLM's prefill request for the client's `body`: asks for a remote
 /// decode, one token, no stream (see the sim-worker's fixtures,
 /// `vllm_prefill_request.json`).
 pub(crate) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, ApiError> {
-    let mut map = object(body)?;
-    map.insert(
-        "kv_transfer_params".into(),
-        serde_json::json!({
+    let mut fields = object(body)?;
+    fields.set(
+        "kv_transfer_params",
+        &serde_json::json!({
             "do_remote_decode": true,
             "do_remote_prefill": false,
             "remote_engine_id": null,
@@ -94,29 +94,25 @@ pub(crate) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, ApiError> {
             "remote_port": null,
         }),
     );
-    map.insert("stream".into(), Value::Bool(false));
-    map.insert("max_tokens".into(), Value::from(1));
-    if map.contains_key("max_completion_tokens") {
-        map.insert("max_completion_tokens".into(), Value::from(1));
+    fields.set("stream", &false);
+    fields.set("max_tokens", &1);
+    if fields.has("max_completion_tokens") {
+        fields.set("max_completion_tokens", &1);
     }
-    map.remove("stream_options");
-    map.remove("min_tokens");
-    Ok(to_bytes(map))
+    fields.remove("stream_options");
+    fields.remove("min_tokens");
+    Ok(to_bytes(&fields))
 }
 
 /// vLLM's decode request: the client's `body` with the prefill answer's
 /// `kv_transfer_params` (none: the decode worker computes the prompt).
-pub(crate) fn vllm_decode_body(body: &[u8], params: Option<&Value>) -> Result<Bytes, ApiError> {
-    let mut map = object(body)?;
+pub(crate) fn vllm_decode_body(body: &[u8], params: Option<&RawValue>) -> Result<Bytes, ApiError> {
+    let mut fields = object(body)?;
     match params {
-        Some(p) => {
-            map.insert("kv_transfer_params".into(), p.clone());
-        }
-        None => {
-            map.remove("kv_transfer_params");
-        }
+        Some(p) => fields.set_raw("kv_transfer_params", p.to_owned()),
+        None => fields.remove("kv_transfer_params"),
     }
-    Ok(to_bytes(map))
+    Ok(to_bytes(&fields))
 }
 
 /// SGLang's request to both workers: the client's `body` with the
@@ -127,35 +123,35 @@ pub(crate) fn sglang_body(
     port: u16,
     room: u64,
 ) -> Result<Bytes, ApiError> {
-    let mut map = object(body)?;
-    map.insert("bootstrap_host".into(), Value::from(host));
-    map.insert("bootstrap_port".into(), Value::from(port));
-    map.insert("bootstrap_room".into(), Value::from(room));
-    Ok(to_bytes(map))
+    let mut fields = object(body)?;
+    fields.set("bootstrap_host", &host);
+    fields.set("bootstrap_port", &port);
+    fields.set("bootstrap_room", &room);
+    Ok(to_bytes(&fields))
 }
 
-/// The `kv_transfer_params` of a prefill worker's whole answer: `None`
-/// when absent or null (nothing captured: the decode computes the
-/// prompt); `Err` when it is not an object or past
+/// The `kv_transfer_params` of a prefill worker's whole answer, as its
+/// JSON text: `None` when absent or null (nothing captured: the decode
+/// computes the prompt); `Err` when it is not an object or past
 /// [`MAX_TRANSFER_PARAMS_BYTES`] (the worker's failure). The object is
-/// forwarded whole: the decode worker validates its fields.
-pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Value>, String> {
-    let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(answer) else {
+/// forwarded as written: the decode worker validates its fields.
+pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Box<RawValue>>, String> {
+    let Ok(answer) = Fields::parse(answer) else {
         return Err("the prefill answer is not a JSON object".to_owned());
     };
-    match answer.remove("kv_transfer_params").unwrap_or(Value::Null) {
-        Value::Null => Ok(None),
-        Value::Object(map) => {
-            let size = serde_json::to_vec(&map).map_or(usize::MAX, |v| v.len());
-            if size > MAX_TRANSFER_PARAMS_BYTES {
-                return Err(format!(
-                    "the prefill answer's kv_transfer_params ({size} bytes) exceed {MAX_TRANSFER_PARAMS_BYTES}"
-                ));
-            }
-            Ok(Some(Value::Object(map)))
-        }
-        _ => Err("the prefill answer's kv_transfer_params is not an object".into()),
+    let Some(params) = answer.get("kv_transfer_params") else {
+        return Ok(None);
+    };
+    if !crate::body_fields::is_object(params) {
+        return Err("the prefill answer's kv_transfer_params is not an object".into());
     }
+    let size = params.get().len();
+    if size > MAX_TRANSFER_PARAMS_BYTES {
+        return Err(format!(
+            "the prefill answer's kv_transfer_params ({size} bytes) exceed {MAX_TRANSFER_PARAMS_BYTES}"
+        ));
+    }
+    Ok(Some(params.to_owned()))
 }
 
 /// Whether a decode worker's error answer says its KV transfer failed
@@ -405,7 +401,7 @@ fn half_timed_out(
 /// How vLLM's prefill half ended well: its transfer parameters, or a
 /// client error the prefill worker answered (the client's answer).
 enum Prefilled {
-    Params(Option<Value>),
+    Params(Option<Box<RawValue>>),
     Refused(Box<(Attempts, Booking, Answer)>),
 }
 
@@ -481,7 +477,8 @@ async fn vllm(
                 return Ok(deliver(attempts, booking, answer, split.request.clone()));
             }
         };
-        let body = vllm_decode_body(original, params.as_ref()).map_err(|e| (Reason::Decode, e))?;
+        let body =
+            vllm_decode_body(original, params.as_deref()).map_err(|e| (Reason::Decode, e))?;
         let mut current = match booking.take() {
             Some(b) => b,
             None => place(split, &mut decode, session).await?,
@@ -773,7 +770,7 @@ mod tests {
         let answer = serde_json::to_vec(&fixture("vllm_prefill_response.json")).unwrap();
         let params = transfer_params(&answer).unwrap();
         let decode: Value =
-            serde_json::from_slice(&vllm_decode_body(&client, params.as_ref()).unwrap()).unwrap();
+            serde_json::from_slice(&vllm_decode_body(&client, params.as_deref()).unwrap()).unwrap();
         assert_eq!(decode, fixture("vllm_decode_request.json"));
         // With max_completion_tokens, both are 1.
         let chat = br#"{"messages":[],"max_completion_tokens":9,"stream":true}"#;
@@ -806,8 +803,11 @@ mod tests {
 
     #[test]
     fn transfer_params_are_an_object_or_nothing_and_bounded() {
-        assert_eq!(transfer_params(br#"{"choices":[]}"#), Ok(None));
-        assert_eq!(transfer_params(br#"{"kv_transfer_params":null}"#), Ok(None));
+        assert!(matches!(transfer_params(br#"{"choices":[]}"#), Ok(None)));
+        assert!(matches!(
+            transfer_params(br#"{"kv_transfer_params":null}"#),
+            Ok(None)
+        ));
         assert!(transfer_params(br#"{"kv_transfer_params":[1]}"#).is_err());
         assert!(transfer_params(b"[]").is_err());
         assert!(transfer_params(b"not json").is_err());

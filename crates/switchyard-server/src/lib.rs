@@ -34,7 +34,8 @@
 //! - `stream` — the streaming response body, a small state machine that
 //!   forwards events and resumes a broken stream on another worker.
 //! - [`migration`] — the pure parts of migration: the decision, progress,
-//!   the resume request. The SSE parser, the chunk classifier and rewriter
+//!   the resume request. [`body_fields`] — a body's top-level fields
+//!   without a JSON tree, for the resume and the disaggregated halves. The SSE parser, the chunk classifier and rewriter
 //!   and the OpenAI types are the wire crate's ([`switchyard_wire::sse`],
 //!   [`switchyard_wire::openai`]).
 //! - [`replica`] — replica sync (`--replica-sync`): the plane started over
@@ -70,6 +71,7 @@ pub mod adapters;
 mod answer;
 mod attempt;
 pub mod auth;
+pub mod body_fields;
 pub mod booking;
 pub mod config;
 pub mod context;
@@ -145,9 +147,17 @@ pub struct ServeArgs {
     /// Admission strategy: none or session-aware.
     #[arg(long, env = "SWITCHYARD_ADMISSION", value_enum)]
     pub admission: Option<config::AdmissionMode>,
-    /// Omit the x-switchyard-worker response header.
-    #[arg(long, env = "SWITCHYARD_NO_WORKER_HEADER")]
+    /// Omit the x-switchyard-worker response header (default: omitted
+    /// while client keys are required, as it names internal workers).
+    #[arg(
+        long,
+        env = "SWITCHYARD_NO_WORKER_HEADER",
+        conflicts_with = "worker_header"
+    )]
     pub no_worker_header: bool,
+    /// Add the x-switchyard-worker response header even with client keys.
+    #[arg(long, env = "SWITCHYARD_WORKER_HEADER")]
+    pub worker_header: bool,
     /// Bearer token for /admin/* (without one the admin routes do not exist).
     #[arg(
         long,
@@ -481,7 +491,10 @@ impl ServeArgs {
             c.api_keys = self.api_keys.clone();
         }
         if self.no_worker_header {
-            c.worker_header = false;
+            c.worker_header = Some(false);
+        }
+        if self.worker_header {
+            c.worker_header = Some(true);
         }
         if self.log_json {
             c.log_json = true;
@@ -685,8 +698,12 @@ pub fn build_shared(
     };
     let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
         .context("invalid routing configuration")?;
-    Ok(shared::SharedRouter::new(dispatcher, metrics)
-        .with_adapters(adapters::Adapters::new(&config.adapters)))
+    Ok(
+        shared::SharedRouter::new(dispatcher, metrics).with_adapters(
+            adapters::Adapters::new(&config.adapters)
+                .with_base_models(config.models.iter().map(|m| m.name.as_str())),
+        ),
+    )
 }
 
 /// How long a booking may stay in the load view before the router
@@ -779,7 +796,6 @@ pub async fn start_with_tokenizer(
             .add(spec)
             .map_err(|e| anyhow::anyhow!("worker {}: {e}", spec.url))?;
     }
-    fleet.check_all().await;
     let router_id = replica_plane
         .as_ref()
         .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
@@ -791,6 +807,9 @@ pub async fn start_with_tokenizer(
         tokenizer,
         router_id,
     );
+    // After the state: its models are what entering workers' tokenizers
+    // are checked against.
+    fleet.check_all().await;
     let discovery_metrics = Arc::new(discovery::DiscoveryMetrics::default());
     discovery_metrics.register(&mut state.registry);
     let state = Arc::new(state);

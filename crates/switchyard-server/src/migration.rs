@@ -44,7 +44,8 @@
 //! an error event instead. Before the first token the client's own request
 //! is retried unchanged, so that limit does not apply there.
 
-use serde_json::{Map, Value};
+use crate::body_fields::{self, Fields, PromptKind};
+use serde_json::value::RawValue;
 use switchyard_wire::openai::Api;
 
 /// Why an attempt failed: the `reason` label of
@@ -419,23 +420,18 @@ impl Progress {
 /// and tool calls, several choices, logprobs, `echo`, `suffix`, ... — is
 /// an `Err` naming what cannot be reproduced (field names only, never
 /// content).
-pub fn resumable(api: Api, body: &Value) -> Result<(), &'static str> {
-    let Some(fields) = body.as_object() else {
-        return Err("its body is not a JSON object");
-    };
-    for (key, value) in fields {
-        if value.is_null() {
-            continue;
-        }
-        match key.as_str() {
+pub fn resumable(api: Api, body: &Fields<'_>) -> Result<(), &'static str> {
+    for (key, value) in body.iter() {
+        match key {
             k if CARRIED.contains(&k) => {}
             "stream" | "max_tokens" | "max_completion_tokens" => {}
-            "messages" if api == Api::Chat => plain_messages(value)?,
+            "messages" if api == Api::Chat => body_fields::messages_are_plain(value)?,
             "prompt" if api == Api::Completions => single_prompt(value)?,
-            "n" | "best_of" if value.as_u64() == Some(1) => {}
+            "n" | "best_of" if body.count(key) == Some(1) => {}
             "n" | "best_of" => return Err("it asks for several choices"),
-            "echo" | "logprobs" if value == &Value::Bool(false) => {}
-            "frequency_penalty" | "presence_penalty" if value.as_f64() == Some(0.0) => {}
+            "echo" | "logprobs" if value.get() == "false" => {}
+            "frequency_penalty" | "presence_penalty"
+                if serde_json::from_str::<f64>(value.get()).ok() == Some(0.0) => {}
             other => return Err(not_reproduced(other)),
         }
     }
@@ -468,73 +464,21 @@ fn not_reproduced(key: &str) -> &'static str {
     }
 }
 
-/// Whether every chat message is one the router's chat template renders as
-/// the engine does: a plain role and text.
-fn plain_messages(messages: &Value) -> Result<(), &'static str> {
-    let Some(messages) = messages.as_array() else {
-        return Err("its messages are not a list");
-    };
-    for message in messages {
-        let Some(fields) = message.as_object() else {
-            return Err("its messages are not objects");
-        };
-        for (key, value) in fields {
-            match key.as_str() {
-                "role" if matches!(value.as_str(), Some("system" | "user" | "assistant")) => {}
-                "role" => {
-                    return Err("it has a message whose role is not system, user or assistant (a tool result, say)")
-                }
-                "content" => plain_content(value)?,
-                _ if value.is_null() => {}
-                _ => {
-                    return Err("it has a message with more than a role and text content (a name or tool calls)")
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Text content: a string, nothing, or a list of exactly one text part
-/// (several parts are joined by the engine in ways the router does not
-/// repeat).
-fn plain_content(content: &Value) -> Result<(), &'static str> {
-    match content {
-        Value::Null | Value::String(_) => Ok(()),
-        Value::Array(parts) => {
-            let text_part = |p: &Value| {
-                p.get("type").and_then(Value::as_str) == Some("text")
-                    && p.get("text").is_some_and(Value::is_string)
-                    && p.as_object().is_some_and(|o| o.len() == 2)
-            };
-            if !parts.iter().all(text_part) {
-                Err("it has image, audio or other non-text content parts")
-            } else if parts.len() > 1 {
-                Err("it has a message made of several text parts")
-            } else {
-                Ok(())
-            }
-        }
-        _ => Err("it has message content that is not text"),
-    }
-}
-
 /// One prompt: text or token ids, not a batch.
-fn single_prompt(prompt: &Value) -> Result<(), &'static str> {
-    match prompt {
-        Value::String(_) => Ok(()),
-        Value::Array(items) if items.iter().all(Value::is_u64) => Ok(()),
-        Value::Array(_) => Err("it has a batch of prompts"),
-        _ => Err("its prompt is neither text nor token ids"),
+fn single_prompt(prompt: &RawValue) -> Result<(), &'static str> {
+    match body_fields::prompt_kind(prompt) {
+        PromptKind::Text | PromptKind::Ids => Ok(()),
+        PromptKind::Batch => Err("it has a batch of prompts"),
+        PromptKind::Other => Err("its prompt is neither text nor token ids"),
     }
 }
 
 /// The original request's `max_tokens` (`max_completion_tokens` first for
-/// chat), if it set one.
-pub fn max_tokens(body: &Value) -> Option<u64> {
-    body.get("max_completion_tokens")
-        .and_then(Value::as_u64)
-        .or_else(|| body.get("max_tokens").and_then(Value::as_u64))
+/// chat), if it set one, read as the engines read a count.
+pub fn max_tokens(body: &Fields<'_>) -> Option<u64> {
+    body.count("max_completion_tokens")
+        .or_else(|| body.count("max_tokens"))
+        .map(u64::from)
 }
 
 /// Sampling fields carried from the original request into a resumed one
@@ -561,31 +505,37 @@ const CARRIED: &[&str] = &[
 ];
 
 /// The `/v1/completions` body that resumes `original`: its sampling
-/// fields, `prompt` = `prompt_ids` (original prompt then generated ids),
-/// `max_tokens` = `remaining` (absent when the original set none),
-/// streaming, with token ids requested.
-pub fn resume_body(original: &Value, prompt_ids: &[u32], remaining: Option<u64>) -> Value {
-    let mut body = Map::new();
-    if let Some(fields) = original.as_object() {
-        for key in CARRIED {
-            if let Some(v) = fields.get(*key) {
-                body.insert((*key).to_owned(), v.clone());
-            }
+/// fields as they were written, `prompt` = `prompt_ids` (original prompt
+/// then generated ids), `max_tokens` = `remaining` (absent when the
+/// original set none), streaming, with token ids requested.
+pub fn resume_body(original: &Fields<'_>, prompt_ids: &[u32], remaining: Option<u64>) -> Vec<u8> {
+    let mut body = Fields::default();
+    for key in CARRIED {
+        if let Some(v) = original.get(key) {
+            body.set_raw(key, v.to_owned());
         }
     }
-    body.insert("prompt".into(), Value::from(prompt_ids.to_vec()));
+    body.set("prompt", &prompt_ids);
     if let Some(remaining) = remaining {
-        body.insert("max_tokens".into(), Value::from(remaining));
+        body.set("max_tokens", &remaining);
     }
-    body.insert("stream".into(), Value::Bool(true));
-    body.insert("return_token_ids".into(), Value::Bool(true));
-    Value::Object(body)
+    body.set("stream", &true);
+    body.set("return_token_ids", &true);
+    body.to_vec()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
+
+    /// [`super::resumable`] of a body written as `body` (what the stream
+    /// says of a body that is no object).
+    fn resumable(api: Api, body: &Value) -> Result<(), &'static str> {
+        let bytes = serde_json::to_vec(body).unwrap();
+        let fields = Fields::parse(&bytes).map_err(|_| "its body is not a JSON object")?;
+        super::resumable(api, &fields)
+    }
 
     const POLICY: MigrationPolicy = MigrationPolicy {
         limit: 3,
@@ -893,8 +843,11 @@ mod tests {
             "temperature": 0.5, "max_completion_tokens": 20, "tools": [], "n": 1,
             "stream": true, "stream_options": {"include_usage": true},
         });
+        let bytes = serde_json::to_vec(&original).unwrap();
+        let original = Fields::parse(&bytes).unwrap();
         assert_eq!(max_tokens(&original), Some(20));
-        let body = resume_body(&original, &[1, 2, 3], Some(12));
+        let body: Value =
+            serde_json::from_slice(&resume_body(&original, &[1, 2, 3], Some(12))).unwrap();
         assert_eq!(
             body,
             json!({
@@ -902,8 +855,12 @@ mod tests {
                 "prompt": [1, 2, 3], "max_tokens": 12, "stream": true, "return_token_ids": true,
             })
         );
-        assert!(resume_body(&json!("junk"), &[1], None)
-            .get("max_tokens")
-            .is_none());
+        let bare: Value =
+            serde_json::from_slice(&resume_body(&Fields::default(), &[1], None)).unwrap();
+        assert!(bare.get("max_tokens").is_none());
+        // A count in another form the engines read is still the count.
+        let counted =
+            Fields::parse(br#"{"max_tokens": "30", "max_completion_tokens": 40.0}"#).unwrap();
+        assert_eq!(max_tokens(&counted), Some(40));
     }
 }

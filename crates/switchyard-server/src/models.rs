@@ -18,6 +18,16 @@
 //! such a model cannot be resumed on another worker mid-way (the router
 //! does not know its prompt's ids).
 //!
+//! A stream is resumed on another worker by its token ids, so only while
+//! the model's ids, as the router computes them, are known to be the
+//! engine's ([`IdsTrust`]): its tokenizer was configured (a `[[models]]`
+//! table's source, or `--tokenizer-dir`), or a worker's engine tokenized
+//! a probe text exactly as the router does (`POST /tokenize`, checked as
+//! each worker enters selection: [`crate::workers`]). The bundled
+//! tokenizer, used for models nobody named, is otherwise a guess: a
+//! broken stream of such a model ends with an error instead of going on
+//! under a prompt the engine would read differently.
+//!
 //! `/metrics` has each model's requests, prompt blocks and the blocks the
 //! router expected its chosen worker to hold, so that each model's hit
 //! rate is its own ([`ModelsCollector`]).
@@ -32,7 +42,7 @@ use prometheus_client::metrics::MetricType;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use switchyard_core::select::{ModelSettings, PolicyKind};
 
@@ -47,6 +57,58 @@ pub const DEFAULT_LABEL: &str = "default";
 /// here (English text averages about four bytes a token with the common
 /// BPE vocabularies); only the load view reads it.
 pub const BYTES_PER_TOKEN_ESTIMATE: usize = 4;
+
+/// Text the router and each worker's engine tokenize to check that they
+/// agree ([`IdsTrust`]): words, digits, punctuation, whitespace runs,
+/// accents, CJK and an emoji, so that different vocabularies or
+/// pre-tokenizers split it differently; no special token.
+pub const TOKENIZER_PROBE: &str = "Switchyard checks its tokenizer: 0123456789, \"quoted\" (text)\n\n\tnaïve café — 東京の天気 🚀 don't stop...";
+
+/// Whether a model's token ids, as the router computes them, are the
+/// engine's (a stream is resumed by token ids only then).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdsTrust {
+    /// Its tokenizer was configured by the operator.
+    Configured,
+    /// Not configured and not checked yet (no worker of the model answered
+    /// `/tokenize`).
+    Unchecked,
+    /// A worker's engine tokenized the probe as the router does, and none
+    /// differed.
+    Agrees,
+    /// A worker's engine tokenized the probe differently (sticky: the
+    /// router's prefix hashes are not that engine's either).
+    Disagrees,
+}
+
+impl IdsTrust {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Configured,
+            1 => Self::Unchecked,
+            2 => Self::Agrees,
+            _ => Self::Disagrees,
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::Configured => 0,
+            Self::Unchecked => 1,
+            Self::Agrees => 2,
+            Self::Disagrees => 3,
+        }
+    }
+
+    /// Its `switchyard_model_tokenizer_checked` value.
+    fn gauge(self) -> i64 {
+        match self {
+            Self::Configured | Self::Agrees => 1,
+            Self::Unchecked => 0,
+            Self::Disagrees => -1,
+        }
+    }
+}
 
 /// One `[[models]]` table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +182,8 @@ pub struct ModelRouting {
     /// What the core is told (block size and policy where they are not
     /// the router's).
     pub settings: ModelSettings,
+    /// An [`IdsTrust`].
+    trust: AtomicU8,
     requests: AtomicU64,
     prompt_blocks: AtomicU64,
     expected_hit_blocks: AtomicU64,
@@ -140,14 +204,20 @@ impl ModelRouting {
     fn new(
         label: &str,
         tokenizer: Option<Arc<dyn PromptTokenizer>>,
+        configured: bool,
         block_size: u32,
         settings: ModelSettings,
     ) -> Self {
+        let trust = match configured {
+            true => IdsTrust::Configured,
+            false => IdsTrust::Unchecked,
+        };
         Self {
             label: label.into(),
             tokenizer,
             block_size,
             settings,
+            trust: AtomicU8::new(trust.to_u8()),
             requests: AtomicU64::new(0),
             prompt_blocks: AtomicU64::new(0),
             expected_hit_blocks: AtomicU64::new(0),
@@ -164,6 +234,53 @@ impl ModelRouting {
             u64::from(hit_blocks).min(prompt_blocks as u64),
             Ordering::Relaxed,
         );
+    }
+
+    /// Whether its token ids are known to be the engine's.
+    pub fn ids_trust(&self) -> IdsTrust {
+        IdsTrust::from_u8(self.trust.load(Ordering::Relaxed))
+    }
+
+    /// Whether a broken stream of this model may be resumed by token ids:
+    /// `Err` says why not.
+    pub fn resume_by_ids(&self) -> Result<(), &'static str> {
+        if self.tokenizer.is_none() {
+            return Err("its model has no tokenizer here, so its prompt's token ids are unknown");
+        }
+        match self.ids_trust() {
+            IdsTrust::Configured | IdsTrust::Agrees => Ok(()),
+            IdsTrust::Unchecked => Err("its model's tokenizer is not known to be the engine's (name it in a [[models]] table or --tokenizer-dir, or serve /tokenize on the workers)"),
+            IdsTrust::Disagrees => Err("its model's engine tokenizes differently from the router"),
+        }
+    }
+
+    /// Whether the tokenizer still needs a check against an engine.
+    pub fn wants_engine_check(&self) -> bool {
+        self.tokenizer.is_some()
+            && matches!(self.ids_trust(), IdsTrust::Unchecked | IdsTrust::Agrees)
+    }
+
+    /// A worker's engine tokenized [`TOKENIZER_PROBE`] as the router does
+    /// (`agrees`) or not; returns the trust before. A configured tokenizer
+    /// stays trusted, and a disagreement is never undone.
+    pub fn engine_checked(&self, agrees: bool) -> IdsTrust {
+        let next = if agrees {
+            IdsTrust::Agrees
+        } else {
+            IdsTrust::Disagrees
+        };
+        let before = self
+            .trust
+            .fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |v| match IdsTrust::from_u8(v) {
+                    IdsTrust::Unchecked | IdsTrust::Agrees => Some(next.to_u8()),
+                    IdsTrust::Configured | IdsTrust::Disagrees => None,
+                },
+            )
+            .unwrap_or_else(|v| v);
+        IdsTrust::from_u8(before)
     }
 
     /// The prompt's length as routing counts it when there is no
@@ -183,28 +300,32 @@ pub struct Models {
 impl Models {
     /// One model family: every request routes with `tokenizer` at
     /// `block_size` and the router's policy.
-    pub fn single(tokenizer: Arc<dyn PromptTokenizer>, block_size: u32) -> Self {
+    /// `configured`: the operator named the tokenizer ([`IdsTrust`]).
+    pub fn single(tokenizer: Arc<dyn PromptTokenizer>, configured: bool, block_size: u32) -> Self {
         Self {
             by_name: FxHashMap::default(),
             default: Arc::new(ModelRouting::new(
                 DEFAULT_LABEL,
                 Some(tokenizer),
+                configured,
                 block_size,
                 ModelSettings::default(),
             )),
         }
     }
 
-    /// The default entry (`tokenizer`, `block_size`) and one per spec,
-    /// each with its tokenizer loaded by `load` (`None` with a warning in
-    /// the log: routed by load).
+    /// The default entry (`tokenizer`, named by the operator when
+    /// `configured`, and `block_size`) and one per spec, each with its
+    /// tokenizer loaded by `load` (`None` with a warning in the log: routed
+    /// by load).
     pub fn new(
         tokenizer: Arc<dyn PromptTokenizer>,
+        configured: bool,
         block_size: u32,
         specs: &[ModelSpec],
         mut load: impl FnMut(&ModelSpec) -> Result<Arc<dyn PromptTokenizer>, String>,
     ) -> Self {
-        let mut models = Self::single(tokenizer, block_size);
+        let mut models = Self::single(tokenizer, configured, block_size);
         for spec in specs.iter().take(MAX_MODELS) {
             let own = spec.tokenizer_dir.is_some() || spec.hub_id.is_some();
             let tokenizer = match own {
@@ -225,6 +346,7 @@ impl Models {
             let routing = ModelRouting::new(
                 &spec.name,
                 tokenizer,
+                own || configured,
                 spec.block_size.unwrap_or(block_size),
                 settings,
             );
@@ -339,11 +461,16 @@ impl Collector for ModelsCollector {
                 ConstCounter::new(read(m)).encode(family.encode_family(&labels)?)?;
             }
         }
-        let gauges: [Series<i64>; 2] = [
+        let gauges: [Series<i64>; 3] = [
             (
                 "switchyard_model_tokenizer_loaded",
                 "1 when the router tokenizes the model's prompts; 0: routed by load alone (its tokenizer could not be loaded: see the start-up log).",
                 |m| i64::from(m.tokenizer.is_some()),
+            ),
+            (
+                "switchyard_model_tokenizer_checked",
+                "1 when the model's token ids, as the router computes them, are known to be the engine's (its tokenizer configured, or a worker's /tokenize agreed on a probe); 0: not checked; -1: a worker's engine tokenized the probe differently. A broken stream is resumed on another worker only at 1.",
+                |m| m.ids_trust().gauge(),
             ),
             (
                 "switchyard_model_block_size",
@@ -403,12 +530,16 @@ mod tests {
             block_size: Some(16),
             ..spec("same")
         };
-        Models::new(Arc::new(Fixed(0)), 16, &[a, missing, same], |s| {
-            match s.name.as_str() {
+        Models::new(
+            Arc::new(Fixed(0)),
+            false,
+            16,
+            &[a, missing, same],
+            |s| match s.name.as_str() {
                 "a" => Ok(Arc::new(Fixed(1)) as Arc<dyn PromptTokenizer>),
                 _ => Err("not in the cache".into()),
-            }
-        })
+            },
+        )
     }
 
     #[test]
@@ -471,6 +602,47 @@ mod tests {
         );
         assert_eq!(worker_block_size(&sizes, &served(&["c", "b"])), Some(64));
         assert_eq!(worker_block_size(&sizes, &served(&["x", "c"])), None);
+    }
+
+    #[test]
+    fn streams_resume_by_ids_only_when_the_tokenizer_is_configured_or_agreed_on() {
+        let models = models();
+        // A table with its own source is the operator's word.
+        let a = models.get(Some("a"));
+        assert_eq!(a.ids_trust(), IdsTrust::Configured);
+        assert!(a.resume_by_ids().is_ok());
+        assert_eq!(a.engine_checked(false), IdsTrust::Configured);
+        assert_eq!(a.ids_trust(), IdsTrust::Configured, "configured stays");
+        assert!(!a.wants_engine_check());
+        // The bundled default is a guess until an engine agrees.
+        let d = models.get(None);
+        assert_eq!(d.ids_trust(), IdsTrust::Unchecked);
+        assert!(d.resume_by_ids().unwrap_err().contains("not known"));
+        assert!(d.wants_engine_check());
+        assert_eq!(d.engine_checked(true), IdsTrust::Unchecked);
+        assert!(d.resume_by_ids().is_ok());
+        assert!(d.wants_engine_check(), "every entering worker is checked");
+        // One engine that disagrees ends it, whatever agrees later.
+        assert_eq!(d.engine_checked(false), IdsTrust::Agrees);
+        assert_eq!(d.engine_checked(true), IdsTrust::Disagrees);
+        assert!(d.resume_by_ids().unwrap_err().contains("differently"));
+        assert!(!d.wants_engine_check());
+        // A table without a source shares the default's tokenizer, and its
+        // trust starts as the default's did.
+        assert_eq!(models.get(Some("same")).ids_trust(), IdsTrust::Unchecked);
+        // Without a tokenizer there are no ids to resume by.
+        let m = models.get(Some("missing"));
+        assert!(m.resume_by_ids().unwrap_err().contains("no tokenizer"));
+        assert!(!m.wants_engine_check());
+        // With the router's tokenizer configured, every entry starts trusted.
+        let configured = Models::new(Arc::new(Fixed(0)), true, 16, &[spec("same")], |_| {
+            Err("unused".into())
+        });
+        assert_eq!(configured.get(None).ids_trust(), IdsTrust::Configured);
+        assert_eq!(
+            configured.get(Some("same")).ids_trust(),
+            IdsTrust::Configured
+        );
     }
 
     #[test]

@@ -333,6 +333,16 @@ impl SharedRouter {
         self.adapters.observe_table(total, dropped);
     }
 
+    /// Marks adapter `name` as one the router cannot load (learned from a
+    /// worker, not configured), or clears the mark: see
+    /// [`switchyard_core::adapters::AdapterTable::set_holders_only`].
+    pub(crate) fn adapter_holders_only(&self, name: &str, on: bool) {
+        self.lock()
+            .dispatcher
+            .adapters_mut()
+            .set_holders_only(name, on);
+    }
+
     /// A worker's adapter slots (`max_loras`), when it reports them.
     pub(crate) fn adapter_slots(&self, id: WorkerId, slots: Option<usize>) {
         self.lock().dispatcher.adapters_mut().set_slots(id, slots);

@@ -39,6 +39,7 @@
 //! the request.
 
 use crate::attempt::{AttemptError, Attempts};
+use crate::body_fields::Fields;
 use crate::booking::Booking;
 use crate::context::MAX_EVENT_BYTES;
 use crate::error::ApiError;
@@ -50,7 +51,6 @@ use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
-use serde_json::Value;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -324,11 +324,18 @@ impl MigratingStream {
             State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
             State::Ended => None,
         };
-        let original: Value = serde_json::from_slice(&self.original).unwrap_or(Value::Null);
-        let resumable = match self.attempts.knows_prompt_ids() {
-            true => migration::resumable(self.api, &original),
-            false => Err("its model has no tokenizer here, so its prompt's token ids are unknown"),
+        // Read by field, without a JSON tree ([`crate::body_fields`]).
+        let original_body = self.original.clone();
+        let (original, parsed) = match Fields::parse(&original_body) {
+            Ok(fields) => (fields, Ok(())),
+            Err(_) => (Fields::default(), Err("its body is not a JSON object")),
         };
+        // What the request asks for first (a client learns that its own
+        // request cannot be reproduced), then whether its ids are the
+        // engine's.
+        let resumable = parsed
+            .and_then(|()| migration::resumable(self.api, &original))
+            .and_then(|()| self.attempts.resume_by_ids());
         let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
         // Only the first choice of each chunk is read: a finish means the
         // whole generation is complete only for a single-choice request. A
@@ -399,12 +406,7 @@ impl MigratingStream {
             };
             let sent = self
                 .attempts
-                .send(
-                    &booking,
-                    "/v1/completions",
-                    Bytes::from(body.to_string()),
-                    true,
-                )
+                .send(&booking, "/v1/completions", Bytes::from(body), true)
                 .await;
             match sent {
                 Ok(response) if response.status().is_success() => {

@@ -87,6 +87,10 @@ pub struct Fleet {
     /// slots are not known yet: read from their `/metrics` each round
     /// (a subset of the workers).
     slots_from_metrics: Mutex<HashSet<WorkerId>>,
+    /// The models whose tokenizers each entering worker's engine is
+    /// asked to confirm ([`Self::check_tokenizers`]); set once the
+    /// handlers' state exists.
+    models: std::sync::OnceLock<Arc<crate::models::Models>>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -123,6 +127,7 @@ impl Fleet {
             max_model_len: AtomicU64::new(0),
             disagg: false,
             slots_from_metrics: Mutex::new(HashSet::new()),
+            models: std::sync::OnceLock::new(),
         }
     }
 
@@ -147,6 +152,67 @@ impl Fleet {
             return declared;
         }
         crate::models::worker_block_size(&self.model_block_sizes, models).unwrap_or(self.block_size)
+    }
+
+    /// From now on, each worker that enters selection is asked whether its
+    /// engine tokenizes as `models` do ([`Self::check_tokenizers`]).
+    pub fn check_tokenizers_of(&self, models: Arc<crate::models::Models>) {
+        let _ = self.models.set(models);
+    }
+
+    /// Asks the engine at `url`, for each model it serves (`served`, the
+    /// first [`MAX_TOKENIZER_CHECKS`] whose tokenizer still wants a
+    /// check), to tokenize [`crate::models::TOKENIZER_PROBE`] (vLLM's
+    /// `POST /tokenize`); an engine that answers with other ids than the
+    /// router's marks the model's ids as not the engine's, one that
+    /// answers with the same marks them agreed. A worker without
+    /// `/tokenize` changes nothing.
+    async fn check_tokenizers(&self, name: &str, url: &str, served: &[String]) {
+        let Some(models) = self.models.get() else {
+            return;
+        };
+        // By entry (one label each): models without a table share one.
+        let mut checked: Vec<Arc<str>> = Vec::new();
+        for model in served {
+            if checked.len() >= MAX_TOKENIZER_CHECKS {
+                break;
+            }
+            let routing = models.get(Some(model));
+            if checked.contains(&routing.label) || !routing.wants_engine_check() {
+                continue;
+            }
+            checked.push(routing.label.clone());
+            let Some(tokenizer) = &routing.tokenizer else {
+                continue;
+            };
+            let Ok(ours) = tokenizer.encode(crate::models::TOKENIZER_PROBE) else {
+                continue;
+            };
+            let probe = serde_json::json!({
+                "model": model,
+                "prompt": crate::models::TOKENIZER_PROBE,
+                "add_special_tokens": false,
+            });
+            let Some(body) = self.post_json(url, "/tokenize", &probe).await else {
+                tracing::debug!(worker = %name, model = %model, "no /tokenize: the model's tokenizer is not checked against this engine");
+                continue;
+            };
+            #[derive(serde::Deserialize)]
+            struct Tokenized {
+                tokens: Vec<u32>,
+            }
+            let Ok(theirs) = serde_json::from_slice::<Tokenized>(&body) else {
+                tracing::warn!(worker = %name, model = %model, "the worker's /tokenize answer has no token ids: the model's tokenizer is not checked against this engine");
+                continue;
+            };
+            let agrees = theirs.tokens == ours;
+            let before = routing.engine_checked(agrees);
+            if !agrees && before != crate::models::IdsTrust::Disagrees {
+                tracing::warn!(worker = %name, model = %model, ours = ours.len(), theirs = theirs.tokens.len(), "the worker's engine tokenizes differently from the router: the model's prefix hashes will not match its KV events, and its streams are not resumed on another worker (give the model's tokenizer in a [[models]] table)");
+            } else if agrees && before == crate::models::IdsTrust::Unchecked {
+                tracing::info!(worker = %name, model = %model, "the worker's engine tokenizes as the router does");
+            }
+        }
     }
 
     /// Lets workers have roles (`serve --disagg`); without it a worker
@@ -302,96 +368,119 @@ impl Fleet {
 
     /// One round of health checks over every worker, concurrently.
     pub async fn check_all(&self) {
+        use futures_util::StreamExt as _;
         let workers = self.shared.workers();
-        let checks = workers.iter().map(|info| async move {
-            let ok = self.get(&info.url, "/health").await.is_some();
-            (info, ok)
-        });
-        for (info, ok) in futures_util::future::join_all(checks).await {
-            if info.draining {
-                if self.shared.local_requests(info.id) == 0 {
-                    self.drop_worker(info.id);
-                }
-                continue;
+        let mut running = futures_util::stream::FuturesUnordered::new();
+        for info in &workers {
+            if running.len() >= MAX_CONCURRENT_CHECKS {
+                running.next().await;
             }
-            let keep = self
-                .shared
-                .health_result(info.id, ok, self.health_failures)
-                .unwrap_or(false);
-            if ok && !info.in_router {
-                let mut served = Vec::new();
-                if let Some((models, max_model_len)) = self.models_of(&info.url).await {
-                    served.clone_from(&models);
-                    self.shared.set_models(info.id, models);
-                    self.set_model_len(info.id, max_model_len);
-                }
-                // Its bookings are counted, and its events read, in its
-                // model's blocks.
-                let block_size = self.block_size_of(info.id, &served);
-                let own = (block_size != self.block_size).then_some(block_size);
-                let server_info = self.server_info(&info.url).await;
-                match self.capacity_of(&info.url, server_info.as_deref()).await {
-                    Some(capacity) => self.shared.set_capacity(
-                        info.id,
-                        WorkerCapacity {
-                            block_size: own,
-                            ..capacity
-                        },
-                    ),
-                    None if own.is_some() => self.shared.set_capacity(
-                        info.id,
-                        WorkerCapacity {
-                            block_size: own,
-                            ..WorkerCapacity::default()
-                        },
-                    ),
-                    None => {}
-                }
-                // LoRA slots, when the worker reports them; vLLM's come
-                // later, from its /metrics.
-                match &server_info {
-                    Some(body) => {
-                        let slots = crate::adapters::Adapters::slots_of(body);
-                        self.shared.adapter_slots(info.id, slots);
-                    }
-                    None => {
-                        lock(&self.slots_from_metrics).insert(info.id);
-                    }
-                }
-                self.enter(info.id, block_size);
-                tracing::info!(worker = %info.name, "worker healthy: in selection");
-            } else if !keep && info.in_router {
-                self.leave(info.id);
-                tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
+            running.push(self.check_one(info));
+        }
+        while running.next().await.is_some() {}
+        self.sweep_adapters();
+    }
+
+    /// One worker's round: its health, then what follows from it (entry
+    /// into selection with what the router reads of it, or exit), each
+    /// request within the health timeout.
+    async fn check_one(&self, info: &crate::roster::WorkerInfo) {
+        let ok = self.get(&info.url, "/health").await.is_some();
+        if info.draining {
+            if self.shared.local_requests(info.id) == 0 {
+                self.drop_worker(info.id);
             }
-            // Loaded LoRA adapters, fresh every round.
-            if ok {
-                if let Some(body) = self.get(&info.url, "/v1/models").await {
-                    if let Some(names) = self.shared.adapters.learn_models(&body) {
-                        self.shared.adapter_report(info.id, &names);
-                    }
+            return;
+        }
+        let keep = self
+            .shared
+            .health_result(info.id, ok, self.health_failures)
+            .unwrap_or(false);
+        if ok && !info.in_router {
+            let mut served = Vec::new();
+            if let Some((models, max_model_len)) = self.models_of(&info.url).await {
+                served.clone_from(&models);
+                self.shared.set_models(info.id, models);
+                self.set_model_len(info.id, max_model_len);
+            }
+            // Its bookings are counted, and its events read, in its
+            // model's blocks.
+            let block_size = self.block_size_of(info.id, &served);
+            let own = (block_size != self.block_size).then_some(block_size);
+            let server_info = self.server_info(&info.url).await;
+            match self.capacity_of(&info.url, server_info.as_deref()).await {
+                Some(capacity) => self.shared.set_capacity(
+                    info.id,
+                    WorkerCapacity {
+                        block_size: own,
+                        ..capacity
+                    },
+                ),
+                None if own.is_some() => self.shared.set_capacity(
+                    info.id,
+                    WorkerCapacity {
+                        block_size: own,
+                        ..WorkerCapacity::default()
+                    },
+                ),
+                None => {}
+            }
+            // LoRA slots, when the worker reports them; vLLM's come
+            // later, from its /metrics.
+            match &server_info {
+                Some(body) => {
+                    let slots = crate::adapters::Adapters::slots_of(body);
+                    self.shared.adapter_slots(info.id, slots);
+                }
+                None => {
+                    lock(&self.slots_from_metrics).insert(info.id);
                 }
             }
-            let wants_usage = ok && self.shared.wants_kv_usage();
-            let wants_slots = ok
-                && !self.shared.adapters.is_empty()
-                && lock(&self.slots_from_metrics).contains(&info.id);
-            if wants_usage || wants_slots {
-                if let Some(body) = self.get(&info.url, "/metrics").await {
-                    let scrape = Scrape::parse_bytes(&body);
-                    if wants_usage {
-                        if let Some(fraction) = kv_usage_fraction(&scrape) {
-                            self.shared.set_kv_usage(info.id, fraction);
-                        }
+            self.check_tokenizers(&info.name, &info.url, &served).await;
+            self.enter(info.id, block_size);
+            tracing::info!(worker = %info.name, "worker healthy: in selection");
+        } else if !keep && info.in_router {
+            self.leave(info.id);
+            tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
+        }
+        // Loaded LoRA adapters, fresh every round.
+        if ok {
+            if let Some(body) = self.get(&info.url, "/v1/models").await {
+                let now = std::time::Instant::now();
+                if let Some(learnt) = self.shared.adapters.learn_models(&body, now) {
+                    for name in &learnt.new {
+                        self.shared.adapter_holders_only(name, true);
                     }
-                    if wants_slots {
-                        if let Some(slots) = vllm_lora_slots(&scrape) {
-                            self.shared.adapter_slots(info.id, Some(slots));
-                            lock(&self.slots_from_metrics).remove(&info.id);
-                        }
+                    self.shared.adapter_report(info.id, &learnt.loaded);
+                }
+            }
+        }
+        let wants_usage = ok && self.shared.wants_kv_usage();
+        let wants_slots = ok
+            && !self.shared.adapters.is_empty()
+            && lock(&self.slots_from_metrics).contains(&info.id);
+        if wants_usage || wants_slots {
+            if let Some(body) = self.get(&info.url, "/metrics").await {
+                let scrape = Scrape::parse_bytes(&body);
+                if wants_usage {
+                    if let Some(fraction) = kv_usage_fraction(&scrape) {
+                        self.shared.set_kv_usage(info.id, fraction);
+                    }
+                }
+                if wants_slots {
+                    if let Some(slots) = vllm_lora_slots(&scrape) {
+                        self.shared.adapter_slots(info.id, Some(slots));
+                        lock(&self.slots_from_metrics).remove(&info.id);
                     }
                 }
             }
+        }
+    }
+
+    /// Learned adapters no worker lists any more are forgotten.
+    fn sweep_adapters(&self) {
+        for name in self.shared.adapters.sweep(std::time::Instant::now()) {
+            self.shared.adapter_holders_only(&name, false);
         }
     }
 
@@ -405,14 +494,17 @@ impl Fleet {
         }
     }
 
-    /// The model names on a worker's `/v1/models` and the smallest
-    /// `max_model_len` of its model cards (None when none has one).
+    /// The base model names on a worker's `/v1/models` (cards without a
+    /// `parent`: an adapter's card is the adapter catalogue's to judge,
+    /// [`crate::adapters`]) and the smallest `max_model_len` of its model
+    /// cards (None when none has one).
     async fn models_of(&self, url: &str) -> Option<(Vec<String>, Option<u64>)> {
         let body = self.get(url, "/v1/models").await?;
         let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
         let cards = value["data"].as_array()?;
         let models = cards
             .iter()
+            .filter(|m| m["parent"].is_null())
             .filter_map(|m| m["id"].as_str().map(str::to_owned))
             .take(256)
             .collect();
@@ -468,11 +560,30 @@ impl Fleet {
 
     /// GET `url` + `path`; the body when the status is 2xx within the timeout.
     async fn get(&self, url: &str, path: &str) -> Option<Bytes> {
-        let mut request = hyper::Request::get(format!("{url}{path}"));
+        self.fetch(hyper::Request::get(format!("{url}{path}")), Bytes::new())
+            .await
+    }
+
+    /// POST `body` as JSON to `url` + `path`; the answer's body when the
+    /// status is 2xx within the timeout.
+    async fn post_json(&self, url: &str, path: &str, body: &serde_json::Value) -> Option<Bytes> {
+        let request = hyper::Request::post(format!("{url}{path}"))
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        self.fetch(request, Bytes::from(serde_json::to_vec(body).ok()?))
+            .await
+    }
+
+    /// Sends `request` with `body` (and the worker key); the answer's body
+    /// when the status is 2xx within the health timeout.
+    async fn fetch(
+        &self,
+        mut request: hyper::http::request::Builder,
+        body: Bytes,
+    ) -> Option<Bytes> {
         if let Some(auth) = &self.worker_auth {
             request = request.header(hyper::header::AUTHORIZATION, auth.clone());
         }
-        let request = request.body(Full::new(Bytes::new())).ok()?;
+        let request = request.body(Full::new(body)).ok()?;
         let fetch = async {
             let response = self.client.request(request).await.ok()?;
             if !response.status().is_success() {
@@ -488,6 +599,12 @@ impl Fleet {
             .ok()?
     }
 }
+
+/// Workers checked at once in a health round (each request is bounded by
+/// the health timeout, so a slow worker delays no other).
+const MAX_CONCURRENT_CHECKS: usize = 64;
+/// Most models of one worker whose tokenizers are checked as it enters.
+const MAX_TOKENIZER_CHECKS: usize = 8;
 
 /// Applies one subscriber's events to the routing core while the entry it
 /// was started for lasts ([`SharedRouter::apply_worker_event`]).

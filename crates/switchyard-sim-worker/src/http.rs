@@ -87,6 +87,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
@@ -862,6 +863,32 @@ async fn models(State(state): State<AppState>) -> Json<Value> {
         }));
     }
     Json(json!({ "object": "list", "data": data }))
+}
+
+/// vLLM's `POST /tokenize` body for a text prompt. Its
+/// `add_special_tokens` is accepted and changes nothing: the bundled
+/// tokenizer adds no special token (Qwen3 has no BOS), so the ids are
+/// those a completion of the prompt reads.
+#[derive(serde::Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: String,
+}
+
+/// vLLM's `POST /tokenize` (text prompts only): the prompt's token ids as
+/// a completion of it would read them, `{"count", "max_model_len",
+/// "tokens"}`. The router asks it to check that it tokenizes as the
+/// engine does.
+async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body: TokenizeRequest = parse(&body)?;
+    state.check_model(body.model.as_deref())?;
+    let tokens = encode(&state, body.prompt).await?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": state.config.max_model_len,
+        "tokens": tokens,
+    })))
 }
 
 /// vLLM's load/unload body (`lora_int_id` is accepted and ignored).

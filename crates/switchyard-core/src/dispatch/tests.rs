@@ -717,6 +717,40 @@ fn a_busy_adapter_holder_is_passed_over_when_its_queue_outlasts_a_load() {
 }
 
 #[test]
+fn an_adapter_nobody_may_load_goes_only_where_it_is_loaded_however_busy() {
+    for policy in [
+        PolicyKind::Ttft,
+        PolicyKind::LeastLoaded,
+        PolicyKind::RoundRobin,
+    ] {
+        let mut config = DispatcherConfig::default();
+        config.router.policy = policy;
+        config.router.adapters.load_ms = 50.0;
+        let mut d = dispatcher_with(config, false, 2);
+        d.adapters_mut().set_loaded(w(1), ["a"], 0.0);
+        assert!(d.adapters_mut().set_holders_only("a", true));
+        // As above, a long queue on the holder would send a loadable
+        // adapter elsewhere with a load.
+        for id in 0..6u128 {
+            let s = Submission {
+                eligible: vec![w(1)],
+                ..submission(1_000 * id as u64 + 1_000, 256)
+            };
+            place(&mut d, 100 + id, s, 0.0);
+        }
+        for id in 1..4 {
+            let sent = place(&mut d, id, for_adapter(submission(0, 8), "a"), 0.0);
+            assert_eq!(sent.worker, w(1), "{policy:?}");
+            assert_eq!(sent.adapter_load, None, "{policy:?}");
+        }
+        assert_eq!(d.router().adapters().counters().loads_planned, 0);
+        // Cleared, it is loadable again.
+        assert!(!d.adapters_mut().set_holders_only("a", false));
+        assert!(!d.router().adapters().holders_only("a"));
+    }
+}
+
+#[test]
 fn a_full_worker_is_told_to_unload_its_coldest_adapter_and_blind_routing_ignores_adapters() {
     let mut config = DispatcherConfig::default();
     config.router.policy = PolicyKind::RoundRobin;

@@ -277,6 +277,10 @@ impl RouteScratch {
         // workers that have the adapter, when any available one does, and
         // those far less busy than every holder (a hot adapter spreads).
         if let Some(adapter) = request.adapter {
+            // An adapter nobody can load runs only where it is loaded.
+            if adapters.holders_only(adapter) {
+                self.candidates.retain(|c| adapters.has(c.worker, adapter));
+            }
             let adapter_config = adapters.config();
             let least_busy_holder = self
                 .candidates

@@ -31,10 +31,15 @@ pub(crate) enum Script {
     /// name a lease the worker at `127.0.0.1:PORT` never issued: what a
     /// decode worker sees of an expired or released lease.
     StaleLease(u16),
+    /// A worker whose engine tokenizes differently from the router: its
+    /// `/tokenize` answers other ids; a generation is a whole one-token
+    /// stream (chat or completions, by its path).
+    ForeignTokenizer,
 }
 
-/// A scripted worker: healthy on `/health`, serves `switchyard-sim`, and
-/// answers generation requests by `script`. Returns its base URL.
+/// A scripted worker: healthy on `/health`, serves `switchyard-sim`, has
+/// no `/tokenize` (but with [`Script::ForeignTokenizer`]), and answers
+/// generation requests (`POST`s) by `script`. Returns its base URL.
 pub(crate) async fn scripted_worker(script: Script) -> String {
     let loopback = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     scripted_worker_at(loopback, script).await.unwrap()
@@ -87,20 +92,29 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
-    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+    let mut words = head.split_whitespace();
+    let method = words.next().unwrap_or("get").to_owned();
+    let path = words.next().unwrap_or("/").to_owned();
     let reply = |status: &str, body: &str| {
         format!(
             "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
         )
     };
-    let out = match path.as_str() {
-        "/health" => reply("200 OK", "{}"),
-        "/v1/models" => reply(
+    // What the router reads of a worker is a GET (or its tokenizer check);
+    // only a generation follows the script.
+    let out = match (method.as_str(), path.as_str()) {
+        ("get", "/health") => reply("200 OK", "{}"),
+        ("get", "/v1/models") => reply(
             "200 OK",
             r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#,
         ),
-        "/get_server_info" => reply("200 OK", "{}"),
+        ("get", "/get_server_info") => reply("200 OK", "{}"),
+        ("post", "/tokenize") if matches!(script, Script::ForeignTokenizer) => reply(
+            "200 OK",
+            r#"{"count":3,"max_model_len":4096,"tokens":[101,102,103]}"#,
+        ),
+        ("get", _) | ("post", "/tokenize") => reply("404 Not Found", r#"{"detail":"Not Found"}"#),
         _ => match script {
             Script::Silent => {
                 // The script itself: an hour of silence (a fixed sleep is
@@ -129,6 +143,21 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
             Script::CutJson => String::from(
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{\"id\": \"cmpl-cut\", \"choi",
             ),
+            Script::ForeignTokenizer => {
+                let event = if path == "/v1/chat/completions" {
+                    json!({"id": "chatcmpl-foreign", "object": "chat.completion.chunk", "created": 2, "model": "switchyard-sim", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " omega"}, "finish_reason": "stop"}]})
+                } else {
+                    json!({"id": "cmpl-foreign", "object": "text_completion", "created": 2, "model": "switchyard-sim", "choices": [{"index": 0, "text": " omega", "finish_reason": "stop"}]})
+                };
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+                );
+                for data in [format!("data: {event}\n\n"), "data: [DONE]\n\n".to_owned()] {
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                out.push_str("0\r\n\r\n");
+                out
+            }
             Script::Status500 => reply(
                 "500 Internal Server Error",
                 r#"{"error":{"message":"scripted failure","type":"internal_error","code":500}}"#,

@@ -26,6 +26,13 @@ pub(crate) fn scratch_file(name: &str, contents: &[u8]) -> PathBuf {
     path
 }
 
+/// The directory of the bundled Qwen3 tokenizer (`data/tokenizers`), for
+/// `--tokenizer-dir`: a router told it is the engines' tokenizer resumes
+/// streams by token ids without asking the workers.
+pub(crate) fn bundled_tokenizer_dir() -> String {
+    format!("{}/../../data/tokenizers", env!("CARGO_MANIFEST_DIR"))
+}
+
 /// The body of an answer the router gave itself: an OpenAI-style error
 /// object with a message and a type (the status is the caller's to check).
 pub(crate) async fn openai_error(response: reqwest::Response) -> serde_json::Value {

@@ -1,6 +1,7 @@
 //! A vLLM worker killed mid-stream: the stream goes on from the other
 //! worker with the tokens generated so far as its prompt, ends whole, and
-//! the router's bookings return to zero.
+//! the router's bookings return to zero. The router's tokenizer is not
+//! named: it resumes by token ids because vLLM's `/tokenize` agreed with it.
 
 use crate::support::{metric, metric_sum, serve, wait_metrics};
 use crate::tier::{bounded, exclusive, metrics, sum, tier};
@@ -34,6 +35,18 @@ async fn a_stream_cut_by_a_killed_vllm_worker_completes_on_the_other() {
             sum(t, "switchyard_worker_up") == 2.0
         })
         .await;
+        // The router's tokenizer was not named: vLLM's own `/tokenize`
+        // agreed with it on the probe, which is what lets the stream be
+        // resumed by token ids below.
+        let text = metrics(&client, &router.base).await;
+        assert_eq!(
+            metric(
+                &text,
+                "switchyard_model_tokenizer_checked{model=\"default\"}"
+            ),
+            Some(1.0),
+            "{text}"
+        );
 
         let response = client
             .post(format!("{}/v1/chat/completions", router.base))

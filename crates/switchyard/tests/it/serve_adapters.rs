@@ -214,3 +214,61 @@ base_model = "switchyard-sim"
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_adapter_cards_neither_shadow_a_base_model_nor_get_loaded_elsewhere() {
+    let _machine = machine().await;
+    // w0 serves "other" and announces an adapter card named
+    // "switchyard-sim" (the model w1 serves) with a path of its choosing,
+    // and an adapter "sql" nobody configured; w1 serves switchyard-sim.
+    let w0 = sim_worker_with(
+        0,
+        &[
+            "--model",
+            "other",
+            "--max-loras",
+            "2",
+            "--lora-modules",
+            "switchyard-sim=/somewhere/else",
+            "--lora-modules",
+            "sql=/adapters/sql",
+        ],
+    );
+    let w1 = sim_worker_with::<&str>(0, &[]);
+    let w2 = sim_worker_with(0, &["--model", "other", "--max-loras", "2"]);
+    let router = router(
+        &[w0.named("w0"), w1.named("w1"), w2.named("w2")],
+        &["--policy", "round-robin"],
+    );
+    let base = router.base.clone();
+    let client = reqwest::Client::new();
+    wait_metrics(&client, &base, "the poisoning card refused", |m| {
+        metric(m, "switchyard_adapter_dropped_total{result=\"shadow\"}") >= Some(1.0)
+    })
+    .await;
+    // switchyard-sim stays a base model: its requests go to w1, never to
+    // the worker that named an adapter after it.
+    for i in 0..6 {
+        assert_eq!(
+            ask(&client, &base, "switchyard-sim", i * 100).await,
+            (200, "w1".into())
+        );
+    }
+    // "sql" is learned (its parent, "other", is w0's base model) and runs
+    // only where it is loaded: round-robin would otherwise send every
+    // other request to w2, and have w2 load a path w0 chose.
+    let asks = (0..8u32).map(|i| {
+        let (client, base) = (client.clone(), base.clone());
+        async move { ask(&client, &base, "sql", 1_000 + i * 100).await }
+    });
+    for answer in futures_util::future::join_all(asks).await {
+        assert_eq!(answer, (200, "w0".into()));
+    }
+    assert!(adapters_of(&client, &w2.base).await.is_empty());
+    let text = metrics_text(&client, &base).await;
+    assert_eq!(
+        metric_sum(&text, "switchyard_adapter_loads_total"),
+        0.0,
+        "{text}"
+    );
+}

@@ -145,12 +145,13 @@ async fn serve(
         return;
     };
     // What the router reads of a worker (health, models, server
-    // information, metrics) is a GET; only a POST is a generation, and only
-    // a generation misbehaves.
+    // information, metrics) is a GET, and these workers have no
+    // `/tokenize`; only another POST is a generation, and only a
+    // generation misbehaves.
     let out = match (method.as_str(), path.as_str()) {
         ("get", "/health" | "/get_server_info") => reply("{}"),
         ("get", "/v1/models") => reply(r#"{"object":"list","data":[{"id":"switchyard-sim"}]}"#),
-        ("get", _) => NOT_FOUND.to_owned(),
+        ("get", _) | ("post", "/tokenize") => NOT_FOUND.to_owned(),
         _ => {
             generations.fetch_add(1, Ordering::SeqCst);
             match behaviour {

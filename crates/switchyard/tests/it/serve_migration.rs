@@ -7,8 +7,8 @@
 
 use crate::scripted_worker::{scripted_worker, Script};
 use crate::support::{
-    machine, metric, metric_sum, metrics_text, poll, router, served_by, sim_worker, wait_metrics,
-    Proc, PATIENCE,
+    bundled_tokenizer_dir, machine, metric, metric_sum, metrics_text, poll, router, served_by,
+    sim_worker, wait_metrics, Proc, PATIENCE,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -180,6 +180,16 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
     let usage = usage.expect("the usage chunk survives the rewrite");
     assert_eq!(usage["completion_tokens"], 10, "{usage}");
     let metrics = metrics_text(&client, &router.base).await;
+    // Resumed by token ids: the sim-worker's /tokenize agreed with the
+    // router's (bundled, not configured) tokenizer.
+    assert_eq!(
+        metric(
+            &metrics,
+            "switchyard_model_tokenizer_checked{model=\"default\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
     assert_eq!(
         metric(
             &metrics,
@@ -194,11 +204,92 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
     .await;
 }
 
+/// The SSE events of the first of a few round-robin chat streams through
+/// `router` that starts on the worker named `cutting`.
+async fn a_stream_cut_mid_way(client: &reqwest::Client, router: &Proc) -> Vec<String> {
+    for _ in 0..6 {
+        let response = client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let worker = response.headers()["x-switchyard-worker"].clone();
+        let text = response.text().await.unwrap();
+        if worker == "cutting" {
+            return sse_events(&text);
+        }
+    }
+    panic!("no request started on the cutting worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_is_resumed_by_token_ids_only_when_they_are_known_to_be_the_engines() {
+    let _machine = machine().await;
+    let client = reqwest::Client::new();
+    let checked = "switchyard_model_tokenizer_checked{model=\"default\"}";
+    let midstream = "switchyard_migrations_total{reason=\"midstream\"}";
+    // A sim-worker's /tokenize agrees with the bundled tokenizer, so a cut
+    // stream is resumed on it (the resume test above). Here the other
+    // worker's engine tokenizes the probe differently: the router's ids
+    // are not that engine's, and the cut stream ends with an error that
+    // says so.
+    let cutting = scripted_worker(Script::CutChatStream).await;
+    let foreign = scripted_worker(Script::ForeignTokenizer).await;
+    let router_of = |extra: &[&str]| {
+        let mut flags = vec!["--policy", "round-robin"];
+        flags.extend_from_slice(extra);
+        router(
+            &[
+                format!("{cutting},name=cutting"),
+                format!("{foreign},name=foreign"),
+            ],
+            &flags,
+        )
+    };
+    let router = router_of(&[]);
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, checked), Some(-1.0), "{text}");
+    let events = a_stream_cut_mid_way(&client, &router).await;
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    let message = last["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("tokenizes differently"),
+        "the client learns why: {message}"
+    );
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, midstream).unwrap_or(0.0), 0.0, "{text}");
+    drop(router);
+
+    // Told the tokenizer, the router takes the operator's word over the
+    // probe: the same cut stream is resumed on the other worker.
+    let tokenizer = bundled_tokenizer_dir();
+    let router = router_of(&["--tokenizer-dir", &tokenizer]);
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, checked), Some(1.0), "{text}");
+    let events = a_stream_cut_mid_way(&client, &router).await;
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(events.iter().any(|e| e.contains(" omega")), "{events:?}");
+    let text = metrics_text(&client, &router.base).await;
+    assert_eq!(metric(&text, midstream), Some(1.0), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_another_worker_a_cut_stream_ends_with_an_error_event() {
     let _machine = machine().await;
     let cutting = scripted_worker(Script::CutChatStream).await;
-    let router = router(&[format!("{cutting},name=cutting")], &[]);
+    // The tokenizer named, so that only the missing worker stops it.
+    let tokenizer = bundled_tokenizer_dir();
+    let router = router(
+        &[format!("{cutting},name=cutting")],
+        &["--tokenizer-dir", &tokenizer],
+    );
     let client = reqwest::Client::new();
     let response = client
         .post(format!("{}/v1/chat/completions", router.base))

@@ -6,25 +6,13 @@
 //! never red.
 
 use crate::support::{
-    machine, metric, metrics_text, router, sim_worker, sim_worker_with, wait_for, wait_metrics,
-    Proc, PATIENCE,
+    machine, metric, metrics_text, resident_bytes, router, sim_worker, sim_worker_with, wait_for,
+    wait_metrics, PATIENCE,
 };
 use serde_json::json;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// The router's resident memory, from `/proc/PID/status`, in bytes.
-fn resident_bytes(proc: &Proc) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", proc.child.id()))
-        .expect("the router process is alive");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/PID/status");
-    kib * 1024
-}
 
 /// `host:port` of a `http://host:port` base.
 fn authority(base: &str) -> &str {
@@ -491,9 +479,12 @@ async fn connections_over_the_cap_are_closed_and_room_returns_when_one_closes() 
 
 /// A worker that requires a key serves through a router that has it
 /// (`--worker-api-key`): health checks, model probes and proxied requests
-/// all carry it. The worker really does refuse requests without it.
+/// all carry it. The worker really does refuse requests without it. Its
+/// keyed clients are not told which worker served them, unless the router
+/// is asked to (`--worker-header`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_router_authenticates_to_a_worker_that_requires_a_key() {
+async fn the_router_authenticates_to_a_worker_that_requires_a_key_and_names_none_to_keyed_clients()
+{
     let _machine = machine().await;
     let w0 = sim_worker_with(
         0,
@@ -541,7 +532,30 @@ async fn the_router_authenticates_to_a_worker_that_requires_a_key() {
         .await
         .unwrap();
     assert_eq!(streamed.status(), 200);
+    // With client keys, answers do not name their (internal) worker.
+    assert!(streamed.headers().get("x-switchyard-worker").is_none());
     assert!(streamed.text().await.unwrap().contains("[DONE]"));
+    let naming = crate::support::router(
+        &[w0.named("w0")],
+        &[
+            "--api-key",
+            "sk-client",
+            "--worker-api-key",
+            "wk-secret",
+            "--worker-header",
+        ],
+    );
+    wait_ready(&client, &naming.base).await;
+    let named = client
+        .post(format!("{}/v1/completions", naming.base))
+        .bearer_auth("sk-client")
+        .json(&json!({"prompt": [1, 2, 3, 4], "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(named.status(), 200);
+    assert_eq!(named.headers()["x-switchyard-worker"], "w0", "asked for");
+    drop(naming);
 
     // A router without the worker key (even one whose client key happens
     // to be the worker's) never gets the worker into selection: its health

@@ -35,6 +35,27 @@ pub(crate) async fn machine_alone() -> RwLockWriteGuard<'static, ()> {
     MACHINE.write().await
 }
 
+/// A process's resident memory, from `/proc/PID/status`, in bytes.
+pub(crate) fn resident_bytes(proc: &Proc) -> u64 {
+    status_kib(proc, "VmRSS:") * 1024
+}
+
+/// The most resident memory the process has had (its high-water mark),
+/// in bytes: what a short-lived allocation leaves behind once freed.
+pub(crate) fn peak_resident_bytes(proc: &Proc) -> u64 {
+    status_kib(proc, "VmHWM:") * 1024
+}
+
+fn status_kib(proc: &Proc, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", proc.child.id()))
+        .expect("the process is alive");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+}
+
 /// A `switchyard` process, killed and reaped when the test ends, pass or
 /// fail.
 pub(crate) struct Proc {
