@@ -21,6 +21,9 @@
 //!   every write that moves a byte starts the timeout again.
 //! - `TCP_NODELAY` on every connection: streamed tokens are small writes,
 //!   and Nagle's algorithm would hold each one for the client's delayed ACK.
+//! - TLS (`--tls-cert`, [`crate::tls`]): the handshake, once the
+//!   connection has its place, within the header-read timeout; a failed
+//!   or late one is counted (`switchyard_tls_handshake_failures_total`).
 //! - Graceful shutdown: once stopped, the loop accepts nothing more, idle
 //!   connections close, and it returns when every open request has ended.
 //!
@@ -40,6 +43,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::TlsAcceptor;
 
 /// Largest read buffer of one connection, so the largest request head
 /// (hyper's default is about 400 KiB). An open connection costs at most
@@ -65,6 +69,7 @@ pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     limits: ConnectionLimits,
+    tls: Option<TlsAcceptor>,
     metrics: Arc<ServerMetrics>,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
@@ -97,14 +102,49 @@ pub async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let io = SendDeadline::new(TokioIo::new(tcp), limits.send_timeout, metrics.clone());
-        let connection = http.serve_connection(io, TowerToHyperService::new(app.clone()));
-        let connection = graceful.watch(connection);
-        let metrics = metrics.clone();
+        let (http, app, watcher, metrics) = (
+            http.clone(),
+            app.clone(),
+            graceful.watcher(),
+            metrics.clone(),
+        );
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _slot = slot;
             let _open = OpenConnection::new(&metrics);
-            if let Err(e) = connection.await {
+            let served = match tls {
+                None => {
+                    let io =
+                        SendDeadline::new(TokioIo::new(tcp), limits.send_timeout, metrics.clone());
+                    let connection = http.serve_connection(io, TowerToHyperService::new(app));
+                    watcher.watch(connection).await
+                }
+                Some(acceptor) => {
+                    // The handshake is bounded as a request head is.
+                    let handshake =
+                        tokio::time::timeout(limits.header_read_timeout, acceptor.accept(tcp));
+                    let stream = match handshake.await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => {
+                            metrics.tls_handshake_failures.inc();
+                            tracing::debug!(error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            metrics.tls_handshake_failures.inc();
+                            return;
+                        }
+                    };
+                    let io = SendDeadline::new(
+                        TokioIo::new(stream),
+                        limits.send_timeout,
+                        metrics.clone(),
+                    );
+                    let connection = http.serve_connection(io, TowerToHyperService::new(app));
+                    watcher.watch(connection).await
+                }
+            };
+            if let Err(e) = served {
                 if e.is_timeout() {
                     metrics.header_read_timeouts.inc();
                 }

@@ -117,7 +117,7 @@ impl WorkerSpec {
 
     /// The worker's `host:port`, the default name.
     pub fn authority(&self) -> &str {
-        let rest = self.url.strip_prefix("http://").unwrap_or(&self.url);
+        let rest = strip_scheme(&self.url).unwrap_or(&self.url);
         rest.split('/').next().unwrap_or(rest)
     }
 
@@ -130,9 +130,9 @@ impl WorkerSpec {
 
     /// Checks the URL and options.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let Some(rest) = self.url.strip_prefix("http://") else {
+        let Some(rest) = strip_scheme(&self.url) else {
             return Err(ConfigError::Worker(format!(
-                "{:?}: worker URLs must start with http://",
+                "{:?}: worker URLs must start with http:// or https://",
                 self.url
             )));
         };
@@ -197,6 +197,12 @@ pub enum AdmissionMode {
     SessionAware,
 }
 
+/// `url` without its `http://` or `https://` (`None`: neither).
+pub fn strip_scheme(url: &str) -> Option<&str> {
+    url.strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+}
+
 /// Every setting of `switchyard serve`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -251,6 +257,20 @@ pub struct ServerConfig {
     pub worker_api_key: Option<Secret>,
     /// A file holding the worker key.
     pub worker_api_key_file: Option<PathBuf>,
+    /// PEM roots an `https://` worker's certificate must chain to (none:
+    /// the system's roots).
+    pub worker_ca_file: Option<PathBuf>,
+    /// A client certificate chain (PEM) presented to `https://` workers.
+    pub worker_client_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    pub worker_client_key: Option<PathBuf>,
+    /// The front door's certificate chain (PEM): with `tls_key`, the router
+    /// serves HTTPS only ([`crate::tls`]).
+    pub tls_cert: Option<PathBuf>,
+    /// The front door's private key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// Clients must present a certificate this CA (PEM) signed.
+    pub tls_client_ca_file: Option<PathBuf>,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
     /// Connections the router holds open at once; a connection accepted
@@ -377,6 +397,12 @@ impl Default for ServerConfig {
             metrics_key_file: None,
             worker_api_key: None,
             worker_api_key_file: None,
+            worker_ca_file: None,
+            worker_client_cert: None,
+            worker_client_key: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca_file: None,
             max_body_bytes: 32 * 1024 * 1024,
             // Above the in-flight limit (plus probes), so an overloaded
             // router answers 503 rather than closing connections; each
@@ -507,6 +533,17 @@ impl ServerConfig {
     /// Checks ranges and relations.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return invalid("tls_cert and tls_key go together: give both or neither".into());
+        }
+        if self.tls_client_ca_file.is_some() && self.tls_cert.is_none() {
+            return invalid("tls_client_ca_file needs tls_cert and tls_key".into());
+        }
+        if self.worker_client_cert.is_some() != self.worker_client_key.is_some() {
+            return invalid(
+                "worker_client_cert and worker_client_key go together: give both or neither".into(),
+            );
+        }
         if self.disagg.is_none() {
             if let Some(w) = self.workers.iter().find(|w| w.role != Role::Both) {
                 return invalid(format!(

@@ -180,10 +180,10 @@ pub(crate) fn transfer_failed(status: StatusCode, body: &[u8]) -> bool {
     }
 }
 
-/// The host of `url` (`http://HOST:PORT`), brackets of an IPv6 address
+/// The host of `url` (`http://HOST:PORT` or `https://`), brackets of an IPv6 address
 /// removed.
 fn url_host(url: &str) -> &str {
-    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let rest = crate::config::strip_scheme(url).unwrap_or(url);
     let authority = rest.split('/').next().unwrap_or(rest);
     if let Some(v6) = authority.strip_prefix('[') {
         return v6.split(']').next().unwrap_or(v6);

@@ -94,6 +94,7 @@ pub mod standalone;
 mod stream;
 #[cfg(test)]
 mod testing;
+pub mod tls;
 pub mod tokenize;
 pub mod upload;
 pub mod workers;
@@ -204,6 +205,32 @@ pub struct ServeArgs {
     /// File holding the worker key.
     #[arg(long, env = "SWITCHYARD_WORKER_API_KEY_FILE")]
     pub worker_api_key_file: Option<PathBuf>,
+    /// PEM roots an https:// worker's certificate must chain to [default: the system's].
+    #[arg(long, env = "SWITCHYARD_WORKER_CA_FILE")]
+    pub worker_ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM) presented to https:// workers.
+    #[arg(
+        long,
+        env = "SWITCHYARD_WORKER_CLIENT_CERT",
+        requires = "worker_client_key"
+    )]
+    pub worker_client_cert: Option<PathBuf>,
+    /// The worker client certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "SWITCHYARD_WORKER_CLIENT_KEY",
+        requires = "worker_client_cert"
+    )]
+    pub worker_client_key: Option<PathBuf>,
+    /// Serve HTTPS with this certificate chain (PEM), re-read when it changes.
+    #[arg(long, env = "SWITCHYARD_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The HTTPS certificate's private key (PEM).
+    #[arg(long, env = "SWITCHYARD_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM); needs --tls-cert.
+    #[arg(long, env = "SWITCHYARD_TLS_CLIENT_CA_FILE", requires = "tls_cert")]
+    pub tls_client_ca_file: Option<PathBuf>,
     /// Largest request body in bytes [default: 33554432].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -490,6 +517,18 @@ impl ServeArgs {
         if !self.api_keys.is_empty() {
             c.api_keys = self.api_keys.clone();
         }
+        for (flag, slot) in [
+            (&self.worker_ca_file, &mut c.worker_ca_file),
+            (&self.worker_client_cert, &mut c.worker_client_cert),
+            (&self.worker_client_key, &mut c.worker_client_key),
+            (&self.tls_cert, &mut c.tls_cert),
+            (&self.tls_key, &mut c.tls_key),
+            (&self.tls_client_ca_file, &mut c.tls_client_ca_file),
+        ] {
+            if flag.is_some() {
+                slot.clone_from(flag);
+            }
+        }
         if self.no_worker_header {
             c.worker_header = Some(false);
         }
@@ -549,9 +588,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
+    let scheme = if config.tls_cert.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     runtime.block_on(async move {
         let server = start(config).await?;
-        println!("switchyard serve listening on http://{}", server.addr);
+        println!("switchyard serve listening on {scheme}://{}", server.addr);
         shutdown_signal().await;
         tracing::info!("shutting down: draining in-flight requests");
         server.shutdown().await
@@ -776,7 +820,17 @@ pub async fn start_with_tokenizer(
                 .context("starting replica sync")?,
         ),
     };
-    let client = workers::upstream_client(Duration::from_millis(config.connect_timeout_ms));
+    let worker_tls = tls::WorkerTls {
+        ca_file: config.worker_ca_file.clone(),
+        client_cert: config
+            .worker_client_cert
+            .clone()
+            .zip(config.worker_client_key.clone()),
+    }
+    .client_config()
+    .context("TLS to workers")?;
+    let client =
+        workers::upstream_client_with(Duration::from_millis(config.connect_timeout_ms), worker_tls);
     let interval = Duration::from_millis(config.health_interval_ms);
     let fleet = Arc::new(
         workers::Fleet::new(
@@ -828,6 +882,18 @@ pub async fn start_with_tokenizer(
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let app = front_door(&state, inflight.clone());
+    let front_tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            tls::FrontTls {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: config.tls_client_ca_file.clone(),
+            }
+            .acceptor()
+            .context("TLS on the front door")?,
+        ),
+        _ => None,
+    };
     let limits = accept::ConnectionLimits {
         max_connections: config.max_connections,
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
@@ -837,6 +903,7 @@ pub async fn start_with_tokenizer(
         listener,
         app,
         limits,
+        front_tls,
         shared.metrics().clone(),
         stopped,
     ));

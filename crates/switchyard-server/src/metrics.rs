@@ -272,6 +272,10 @@ pub struct ServerMetrics {
     /// Connections closed because their writes made no progress within
     /// the send timeout ([`crate::accept`]).
     pub send_timeouts: Counter,
+    /// TLS connections closed before their handshake ended: it failed
+    /// (no common version, a certificate refused, not TLS) or took longer
+    /// than the header-read timeout.
+    pub tls_handshake_failures: Counter,
 }
 
 impl ServerMetrics {
@@ -359,6 +363,7 @@ impl ServerMetrics {
             connections_limit: CountGauge::default(),
             connections_refused: Counter::default(),
             header_read_timeouts: Counter::default(),
+            tls_handshake_failures: Counter::default(),
             send_timeouts: Counter::default(),
         }
     }
@@ -545,6 +550,11 @@ impl ServerMetrics {
             "switchyard_header_read_timeouts",
             "Connections closed because a request head did not arrive within --header-read-timeout-ms (idle keep-alive connections included)",
             self.header_read_timeouts.clone(),
+        );
+        registry.register(
+            "switchyard_tls_handshake_failures",
+            "TLS connections closed before their handshake ended (it failed, or took longer than --header-read-timeout-ms)",
+            self.tls_handshake_failures.clone(),
         );
         registry.register(
             "switchyard_send_timeouts",
@@ -803,7 +813,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 26, "{out}");
+        assert_eq!(families.len(), 27, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");

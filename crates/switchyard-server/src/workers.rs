@@ -40,13 +40,30 @@ use switchyard_wire::engine_metrics::{kv_usage_fraction, vllm_lora_slots, KvCapa
 use switchyard_wire::prometheus::Scrape;
 
 /// The pooled upstream HTTP client.
-pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-/// Builds the pooled HTTP/1 client shared by the proxy and health checks.
+/// Builds the pooled HTTP/1 client shared by the proxy and health checks,
+/// for `http://` workers (an `https://` one fails its handshake: no root
+/// is trusted).
 pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
+    upstream_client_with(connect_timeout, crate::tls::WorkerTls::no_roots())
+}
+
+/// [`upstream_client`] reaching `https://` workers as `tls` says
+/// ([`crate::tls::WorkerTls::client_config`]).
+pub fn upstream_client_with(
+    connect_timeout: Duration,
+    tls: rustls::ClientConfig,
+) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
+    connector.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
     Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(4096)

@@ -32,4 +32,5 @@ mod serve_reliability;
 mod serve_replica_sync;
 mod serve_routing;
 mod serve_security;
+mod serve_tls;
 mod sim_worker;

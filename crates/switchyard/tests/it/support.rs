@@ -145,7 +145,10 @@ pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
             proc.bootstrap = words[3].rsplit(':').next().and_then(|p| p.parse().ok());
             continue;
         }
-        if let Some(url) = words.iter().find(|w| w.starts_with("http://")) {
+        if let Some(url) = words
+            .iter()
+            .find(|w| w.starts_with("http://") || w.starts_with("https://"))
+        {
             proc.base = url.trim_end_matches('/').to_owned();
             // Keep draining stdout so the child never blocks on a full pipe.
             std::thread::spawn(move || {
