@@ -64,6 +64,11 @@ pub struct ProxyArgs {
     /// reused when it already has the peer.
     #[arg(long)]
     pub venv: Vec<String>,
+    /// Also measure another build of switchyard: NAME=PATH (its `serve`, in
+    /// front of the same worker, as one more target; `before=/tmp/old`
+    /// compares a change side by side in one run); repeat.
+    #[arg(long, value_name = "NAME=PATH")]
+    pub router_bin: Vec<String>,
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -121,6 +126,8 @@ enum Role {
     Relay,
     /// An SGLang router.
     Peer,
+    /// Another build of switchyard (`--router-bin`).
+    Build,
 }
 
 /// Where a load goes.
@@ -170,14 +177,33 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let mut peers = args.peer.clone();
     peers.dedup();
     let mut children = Children(Vec::new());
-    let spawn = |children: &mut Children, a: &[&str]| -> anyhow::Result<(String, u32)> {
-        let mut command = crate::child::this_binary()?;
+    let mut builds = Vec::new();
+    for spec in &args.router_bin {
+        let (name, path) = spec
+            .split_once('=')
+            .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+            .with_context(|| format!("--router-bin {spec:?}: give NAME=PATH"))?;
+        anyhow::ensure!(
+            std::path::Path::new(path).is_file(),
+            "--router-bin {name}: no program at {path}"
+        );
+        builds.push((name.to_owned(), PathBuf::from(path)));
+    }
+    let spawn_program = |children: &mut Children,
+                         program: Option<&std::path::Path>,
+                         a: &[&str]|
+     -> anyhow::Result<(String, u32)> {
+        let mut command = match program {
+            Some(path) => std::process::Command::new(path),
+            None => crate::child::this_binary()?,
+        };
         command.args(a).env("RUST_LOG", "warn");
         let (child, url) = crate::child::spawn_printing_url(command, a[0])?;
         let pid = child.id();
         children.0.push(child);
         Ok((url, pid))
     };
+    let spawn = |children: &mut Children, a: &[&str]| spawn_program(children, None, a);
     let (worker, _) = spawn(
         &mut children,
         &[
@@ -228,6 +254,29 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         url: router,
         pid: Some(pid),
     });
+    for (name, path) in &builds {
+        let (url, pid) = spawn_program(
+            &mut children,
+            Some(path),
+            &[
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--worker",
+                &format!("{worker},name=w0"),
+            ],
+        )?;
+        let what = format!("switchyard {name} ({})", path.display());
+        wait_ready(&runtime, &url, SIM_MODEL, &mut children, &what)?;
+        targets.push(Target {
+            name: format!("switchyard {name}"),
+            role: Role::Build,
+            url,
+            pid: Some(pid),
+        });
+    }
     let worker_address = worker.trim_start_matches("http://").trim_end_matches('/');
     let (relay, pid) = spawn(&mut children, &["bench", "relay", "--to", worker_address])?;
     wait_ready(&runtime, &relay, SIM_MODEL, &mut children, "the TCP relay")?;
@@ -427,7 +476,7 @@ fn comparisons(summaries: &[Summary]) -> Vec<Comparison> {
         .map(|s| Comparison {
             against: s.target.clone(),
             role: s.role,
-            added_p50_ours_over_theirs: (s.role == Role::Peer)
+            added_p50_ours_over_theirs: matches!(s.role, Role::Peer | Role::Build)
                 .then(|| ours.added_p50_ms / s.added_p50_ms),
             added_p50_ms_ours_minus_theirs: (s.role == Role::Relay)
                 .then_some(ours.added_p50_ms - s.added_p50_ms),
