@@ -262,6 +262,24 @@ impl Adapters {
         read(&self.learned).get(name).map(|l| Some(l.base.clone()))
     }
 
+    /// Every adapter a request may name, by name: the configured ones and
+    /// those learned, each with its base model when it has one.
+    pub fn listed(&self) -> Vec<(String, Option<String>)> {
+        let mut out: Vec<(String, Option<String>)> = self
+            .configured
+            .iter()
+            .map(|(name, e)| (name.to_string(), e.base.as_deref().map(str::to_owned)))
+            .collect();
+        out.extend(
+            read(&self.learned)
+                .iter()
+                .filter(|(name, _)| !self.configured.contains_key(&**name))
+                .map(|(name, l)| (name.to_string(), Some(l.base.to_string()))),
+        );
+        out.sort();
+        out
+    }
+
     /// How a request for `model` routes.
     pub fn resolve(&self, model: Option<&str>) -> Resolved {
         let Some(model) = model else {
@@ -513,6 +531,13 @@ mod tests {
         // Known now: listed again, it is loaded there, not new.
         let learnt = a.learn_models(body, now).unwrap();
         assert_eq!((learnt.loaded, learnt.new), (vec!["chat".into()], vec![]));
+        assert_eq!(
+            a.listed(),
+            [
+                ("chat".to_owned(), Some("base".to_owned())),
+                ("sql".to_owned(), Some("base".to_owned()))
+            ]
+        );
         // Only a configured adapter has a path the router loads.
         assert_eq!(a.path_of("sql").as_deref(), Some("/adapters/sql"));
         assert_eq!(a.path_of("chat"), None);

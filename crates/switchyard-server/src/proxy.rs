@@ -527,10 +527,16 @@ async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
         .collect();
     names.sort();
     names.dedup();
-    let data: Vec<Value> = names
+    let mut data: Vec<Value> = names
         .into_iter()
         .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"}))
         .collect();
+    // The adapters requests may name: configured ones (loaded on demand)
+    // and those learned from workers, with their base model as `parent`,
+    // as vLLM lists them.
+    for (id, parent) in state.shared.adapters.listed() {
+        data.push(serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard", "parent": parent}));
+    }
     Ok(axum::Json(serde_json::json!({"object": "list", "data": data})).into_response())
 }
 

@@ -383,31 +383,49 @@ impl Fleet {
         }
     }
 
-    /// One round of health checks over every worker, concurrently.
+    /// One round of health checks over every worker. The requests go out
+    /// concurrently ([`MAX_CONCURRENT_CHECKS`] workers at once, each
+    /// request within the health timeout), so one slow worker delays no
+    /// other's check; workers then enter selection in the roster's order,
+    /// whatever order their answers came in, and the per-round reads
+    /// follow.
     pub async fn check_all(&self) {
-        use futures_util::StreamExt as _;
+        // Futures gathered in loops, not iterator adaptors: closures there
+        // would make this future's type too general to spawn.
         let workers = self.shared.workers();
-        let mut running = futures_util::stream::FuturesUnordered::new();
+        let mut checks = Vec::with_capacity(workers.len());
         for info in &workers {
-            if running.len() >= MAX_CONCURRENT_CHECKS {
-                running.next().await;
-            }
-            running.push(self.check_one(info));
+            checks.push(self.check_one(info));
         }
-        while running.next().await.is_some() {}
+        let checked = bounded_concurrently(checks).await;
+        let mut follow_ups = Vec::with_capacity(workers.len());
+        for (info, entry) in workers.iter().zip(checked) {
+            let Some(entering) = entry else {
+                continue;
+            };
+            if let Some(block_size) = entering {
+                self.enter(info.id, block_size);
+                tracing::info!(worker = %info.name, "worker healthy: in selection");
+            }
+            follow_ups.push(self.follow_up(info));
+        }
+        bounded_concurrently(follow_ups).await;
         self.sweep_adapters();
     }
 
-    /// One worker's round: its health, then what follows from it (entry
-    /// into selection with what the router reads of it, or exit), each
-    /// request within the health timeout.
-    async fn check_one(&self, info: &crate::roster::WorkerInfo) {
+    /// One worker's health check and what follows from it: `None` when it
+    /// is not healthy (it leaves selection once it has failed enough
+    /// checks) or is draining (dropped once idle); `Some(Some(block
+    /// size))` when it is healthy and out of selection, with what the
+    /// router reads of it read (it enters in [`Self::check_all`]);
+    /// `Some(None)` when it is healthy and in selection.
+    async fn check_one(&self, info: &crate::roster::WorkerInfo) -> Option<Option<u32>> {
         let ok = self.get(&info.url, "/health").await.is_some();
         if info.draining {
             if self.shared.local_requests(info.id) == 0 {
                 self.drop_worker(info.id);
             }
-            return;
+            return None;
         }
         let keep = self
             .shared
@@ -454,28 +472,30 @@ impl Fleet {
                 }
             }
             self.check_tokenizers(&info.name, &info.url, &served).await;
-            self.enter(info.id, block_size);
-            tracing::info!(worker = %info.name, "worker healthy: in selection");
+            return Some(Some(block_size));
         } else if !keep && info.in_router {
             self.leave(info.id);
             tracing::warn!(worker = %info.name, "worker failed its health checks: declared dead, out of the router");
         }
-        // Loaded LoRA adapters, fresh every round.
-        if ok {
-            if let Some(body) = self.get(&info.url, "/v1/models").await {
-                let now = std::time::Instant::now();
-                if let Some(learnt) = self.shared.adapters.learn_models(&body, now) {
-                    for name in &learnt.new {
-                        self.shared.adapter_holders_only(name, true);
-                    }
-                    self.shared.adapter_report(info.id, &learnt.loaded);
+        ok.then_some(None)
+    }
+
+    /// What the router reads of a healthy worker every round: its loaded
+    /// LoRA adapters, and from its `/metrics` its KV usage and (vLLM) its
+    /// adapter slots, when wanted.
+    async fn follow_up(&self, info: &crate::roster::WorkerInfo) {
+        if let Some(body) = self.get(&info.url, "/v1/models").await {
+            let now = std::time::Instant::now();
+            if let Some(learnt) = self.shared.adapters.learn_models(&body, now) {
+                for name in &learnt.new {
+                    self.shared.adapter_holders_only(name, true);
                 }
+                self.shared.adapter_report(info.id, &learnt.loaded);
             }
         }
-        let wants_usage = ok && self.shared.wants_kv_usage();
-        let wants_slots = ok
-            && !self.shared.adapters.is_empty()
-            && lock(&self.slots_from_metrics).contains(&info.id);
+        let wants_usage = self.shared.wants_kv_usage();
+        let wants_slots =
+            !self.shared.adapters.is_empty() && lock(&self.slots_from_metrics).contains(&info.id);
         if wants_usage || wants_slots {
             if let Some(body) = self.get(&info.url, "/metrics").await {
                 let scrape = Scrape::parse_bytes(&body);
@@ -615,6 +635,25 @@ impl Fleet {
             .await
             .ok()?
     }
+}
+
+/// Runs `tasks` at most [`MAX_CONCURRENT_CHECKS`] at a time: their
+/// outputs, in the tasks' order.
+async fn bounded_concurrently<F: std::future::Future>(tasks: Vec<F>) -> Vec<F::Output> {
+    use futures_util::StreamExt as _;
+    let mut running = futures_util::stream::FuturesUnordered::new();
+    let mut outputs = Vec::with_capacity(tasks.len());
+    for (i, task) in tasks.into_iter().enumerate() {
+        if running.len() >= MAX_CONCURRENT_CHECKS {
+            outputs.extend(running.next().await);
+        }
+        running.push(async move { (i, task.await) });
+    }
+    while let Some(done) = running.next().await {
+        outputs.push(done);
+    }
+    outputs.sort_by_key(|(i, _)| *i);
+    outputs.into_iter().map(|(_, output)| output).collect()
 }
 
 /// Workers checked at once in a health round (each request is bounded by

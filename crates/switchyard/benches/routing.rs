@@ -8,7 +8,7 @@ use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion
 use switchyard::bench::micro::{build, generate, MicroArgs};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
-use switchyard_core::index::{CacheTier, IndexEvent, OverlapScores, StoredBlock};
+use switchyard_core::index::{CacheTier, IndexEvent, OverlapScores, PrefixIndex, StoredBlock};
 use switchyard_core::router::{Router, RouterConfig, WorkerCapacity};
 use switchyard_core::select::{PolicyKind, RoutingRequest, SelectOutcome};
 use switchyard_core::{EngineHash, LocalHash, RequestId, WorkerId};
@@ -217,5 +217,90 @@ fn decision(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, hashing, index, bare_router, decision);
+/// FxHash as the prefix index's child maps use it on a `u64` key: the key
+/// times a public constant, rotated. Its inverse, to make keys whose hashes
+/// are chosen.
+const FX_K: u64 = 0xf135_7aea_2e62_a9c5;
+
+fn fx_inverse() -> u64 {
+    // Newton's iteration for the inverse of an odd number modulo 2^64.
+    let mut x = FX_K;
+    for _ in 0..6 {
+        x = x.wrapping_mul(2u64.wrapping_sub(FX_K.wrapping_mul(x)));
+    }
+    x
+}
+
+/// `n` keys whose FxHash agrees in its low 32 bits (the bucket in any
+/// table up to 2^32 buckets) and its top 7 (hashbrown's control byte):
+/// what a client choosing its prompts could find by brute force, about
+/// 2^(log2 buckets + 7) block hashes tried for each.
+fn colliding_keys(n: usize) -> Vec<u64> {
+    use std::hash::BuildHasher as _;
+    let inverse = fx_inverse();
+    (0..n as u64)
+        .map(|i| {
+            let hash = (0x55u64 << 57) | ((i + 1) << 32) | 0x1234_5678;
+            let key = hash.rotate_right(26).wrapping_mul(inverse);
+            debug_assert_eq!(rustc_hash::FxBuildHasher.hash_one(key), hash);
+            key
+        })
+        .collect()
+}
+
+/// A node with `n` children whose local hashes are `keys` (the children a
+/// shared system prompt collects), and lookups through it: a prompt whose
+/// next block is not there (every other client's), and one whose next
+/// block is (the last child stored).
+fn siblings(c: &mut Criterion) {
+    use std::hash::BuildHasher as _;
+    let worker = WorkerId::new(1);
+    for n in [256usize, 4096] {
+        let random: Vec<u64> = (0..n as u64)
+            .map(|i| rustc_hash::FxBuildHasher.hash_one(i ^ 0x9e37_79b9_7f4a_7c15))
+            .collect();
+        for (kind, keys) in [("random", random), ("colliding", colliding_keys(n))] {
+            let mut index = PrefixIndex::new();
+            let root = StoredBlock {
+                engine_hash: EngineHash(1),
+                local_hash: LocalHash(7),
+            };
+            index.store(worker, None, &[root]);
+            for (i, &key) in keys.iter().enumerate() {
+                let child = StoredBlock {
+                    engine_hash: EngineHash(100 + i as u64),
+                    local_hash: LocalHash(key),
+                };
+                index.store(worker, Some(EngineHash(1)), &[child]);
+            }
+            let mut out = OverlapScores::new();
+            // Other clients' next blocks: 1024 random hashes in turn.
+            let absent: Vec<[LocalHash; 2]> = (0..1024u64)
+                .map(|i| {
+                    [
+                        LocalHash(7),
+                        LocalHash(rustc_hash::FxBuildHasher.hash_one(!i)),
+                    ]
+                })
+                .collect();
+            let mut turn = 0;
+            c.bench_function(
+                &format!("index/siblings_{n}_{kind}/next_block_absent"),
+                |b| {
+                    b.iter(|| {
+                        turn = (turn + 1) % absent.len();
+                        index.overlaps(black_box(&absent[turn]), &mut out)
+                    })
+                },
+            );
+            let present = [LocalHash(7), LocalHash(keys[n - 1])];
+            c.bench_function(
+                &format!("index/siblings_{n}_{kind}/next_block_present"),
+                |b| b.iter(|| index.overlaps(black_box(&present), &mut out)),
+            );
+        }
+    }
+}
+
+criterion_group!(benches, hashing, index, siblings, bare_router, decision);
 criterion_main!(benches);

@@ -225,18 +225,17 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         url: worker.clone(),
         pid: None,
     }];
-    let (router, pid) = spawn(
-        &mut children,
-        &[
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--worker",
-            &format!("{worker},name=w0"),
-        ],
-    )?;
+    let worker_spec = format!("{worker},name=w0");
+    let serve = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--worker",
+        &worker_spec,
+    ];
+    let (router, pid) = spawn(&mut children, &serve)?;
     wait_ready(
         &runtime,
         &router,
@@ -255,19 +254,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         pid: Some(pid),
     });
     for (name, path) in &builds {
-        let (url, pid) = spawn_program(
-            &mut children,
-            Some(path),
-            &[
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--worker",
-                &format!("{worker},name=w0"),
-            ],
-        )?;
+        let (url, pid) = spawn_program(&mut children, Some(path), &serve)?;
         let what = format!("switchyard {name} ({})", path.display());
         wait_ready(&runtime, &url, SIM_MODEL, &mut children, &what)?;
         targets.push(Target {

@@ -484,10 +484,19 @@ async fn a_stream_with_tools_cut_mid_way_ends_with_an_error_instead_of_resuming(
     let cutting = Fake::start(Behaviour::CutChat).await;
     let good = Fake::start(Behaviour::Good).await;
     // Round-robin, and a circuit that never opens here, so that requests
-    // keep reaching the cutting worker.
+    // keep reaching the cutting worker; the tokenizer named (these fakes
+    // have no /tokenize), so that only the tools stop a resume.
+    let tokenizer = crate::support::bundled_tokenizer_dir();
     let router = router(
         &[cutting.named("cutting"), good.named("good")],
-        &["--policy", "round-robin", "--circuit-failures", "100"],
+        &[
+            "--policy",
+            "round-robin",
+            "--circuit-failures",
+            "100",
+            "--tokenizer-dir",
+            &tokenizer,
+        ],
     );
     let client = reqwest::Client::new();
     let plain = json!({

@@ -204,13 +204,17 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
     .await;
 }
 
-/// The SSE events of the first of a few round-robin chat streams through
-/// `router` that starts on the worker named `cutting`.
-async fn a_stream_cut_mid_way(client: &reqwest::Client, router: &Proc) -> Vec<String> {
+/// The SSE events of the first of a few round-robin chat streams of
+/// `content` through `router` that starts on the worker named `cutting`.
+async fn a_stream_cut_mid_way(
+    client: &reqwest::Client,
+    router: &Proc,
+    content: &str,
+) -> Vec<String> {
     for _ in 0..6 {
         let response = client
             .post(format!("{}/v1/chat/completions", router.base))
-            .json(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "stream": true}))
+            .json(&json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "stream": true}))
             .send()
             .await
             .unwrap();
@@ -251,7 +255,7 @@ async fn a_stream_is_resumed_by_token_ids_only_when_they_are_known_to_be_the_eng
     let router = router_of(&[]);
     let text = metrics_text(&client, &router.base).await;
     assert_eq!(metric(&text, checked), Some(-1.0), "{text}");
-    let events = a_stream_cut_mid_way(&client, &router).await;
+    let events = a_stream_cut_mid_way(&client, &router, "x").await;
     assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
     let message = last["error"]["message"].as_str().unwrap_or_default();
@@ -269,7 +273,7 @@ async fn a_stream_is_resumed_by_token_ids_only_when_they_are_known_to_be_the_eng
     let router = router_of(&["--tokenizer-dir", &tokenizer]);
     let text = metrics_text(&client, &router.base).await;
     assert_eq!(metric(&text, checked), Some(1.0), "{text}");
-    let events = a_stream_cut_mid_way(&client, &router).await;
+    let events = a_stream_cut_mid_way(&client, &router, "x").await;
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),
@@ -527,26 +531,12 @@ async fn a_stream_over_the_migration_length_limit_is_not_resumed() {
     )
     .await;
     let client = reqwest::Client::new();
-    for _ in 0..6 {
-        let response = client
-            .post(format!("{}/v1/chat/completions", router.base))
-            .json(&json!({"messages": [{"role": "user", "content": "a prompt longer than eight tokens, surely"}], "max_tokens": 10, "stream": true}))
-            .send()
-            .await
-            .unwrap();
-        let worker = response.headers()["x-switchyard-worker"].clone();
-        let text = response.text().await.unwrap();
-        if worker != "cutting" {
-            continue;
-        }
-        let events = sse_events(&text);
-        assert!(!events.iter().any(|e| e == "[DONE]"), "{text}");
-        let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
-        let message = last["error"]["message"].as_str().unwrap();
-        assert!(message.contains("migration limit of 8"), "{message}");
-        return;
-    }
-    panic!("no request started on the cutting worker");
+    let content = "a prompt longer than eight tokens, surely";
+    let events = a_stream_cut_mid_way(&client, &router, content).await;
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    let message = last["error"]["message"].as_str().unwrap();
+    assert!(message.contains("migration limit of 8"), "{message}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
