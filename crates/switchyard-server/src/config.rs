@@ -1117,7 +1117,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(file.workers[0].role, Role::Decode);
-        assert!(WorkerSpec::parse("https://h:1").is_err());
+        // https:// workers are reached over TLS ([`crate::tls`]); any other
+        // scheme is refused.
+        assert_eq!(WorkerSpec::parse("https://h:1").unwrap().authority(), "h:1");
+        assert!(WorkerSpec::parse("ftp://h:1").is_err());
+        assert!(WorkerSpec::parse("h:1").is_err());
         assert!(WorkerSpec::parse("http://h:1/v1").is_err());
         assert!(WorkerSpec::parse("http://h:1,replay=tcp://h:2").is_err());
     }

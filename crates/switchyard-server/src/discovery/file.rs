@@ -197,7 +197,7 @@ mod tests {
         assert!(matches!(w.contents(TWO.as_bytes()), Poll::Changed(_)));
         for bad in [
             "[[workers]]\nurl = \"http://a:1\"\nname = \"x\"\n[[workers]]\nurl = \"http://b:1\"\nname = \"x\"\n",
-            "[[workers]]\nurl = \"https://a:1\"\n",
+            "[[workers]]\nurl = \"ftp://a:1\"\n",
             "[[workers]]\nurl = \"http://a:1\"\nblock-size = 64\n",
             "[[workers]]\nurl = \"http://a:1\"\ncolour = \"red\"\n",
             "policy = \"kv\"\n",
