@@ -2,7 +2,7 @@
 //! (`--config FILE`), then `SWITCHYARD_*` environment variables and command
 //! line flags (both through clap, flags winning), in that order.
 
-use crate::ratelimit::RateLimitConfig;
+use crate::front::ratelimit::RateLimitConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
@@ -265,7 +265,7 @@ pub struct ServerConfig {
     /// The client certificate's private key (PEM).
     pub worker_client_key: Option<PathBuf>,
     /// The front door's certificate chain (PEM): with `tls_key`, the router
-    /// serves HTTPS only ([`crate::tls`]).
+    /// serves HTTPS only ([`crate::front::tls`]).
     pub tls_cert: Option<PathBuf>,
     /// The front door's private key (PEM).
     pub tls_key: Option<PathBuf>,
@@ -1117,7 +1117,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(file.workers[0].role, Role::Decode);
-        // https:// workers are reached over TLS ([`crate::tls`]); any other
+        // https:// workers are reached over TLS ([`crate::front::tls`]); any other
         // scheme is refused.
         assert_eq!(WorkerSpec::parse("https://h:1").unwrap().authority(), "h:1");
         assert!(WorkerSpec::parse("ftp://h:1").is_err());

@@ -1,9 +1,9 @@
 //! What every handler reads: the router's settings and shared parts as one
 //! [`AppState`], built once at startup.
 
-use crate::auth::Credentials;
-use crate::migration::MigrationPolicy;
+use crate::front::auth::Credentials;
 use crate::models::Models;
+use crate::request::migration::MigrationPolicy;
 use crate::shared::SharedRouter;
 use crate::tokenize::PromptTokenizer;
 use crate::workers::{Fleet, UpstreamClient};
@@ -47,7 +47,7 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Time from a request's head to its body's last byte.
     pub body_read_timeout: Duration,
-    /// Limits on what a body holds ([`crate::limits`]).
+    /// Limits on what a body holds ([`crate::request::limits`]).
     pub limits: InputLimits,
     /// Migration limits.
     pub migration: MigrationPolicy,
@@ -140,7 +140,7 @@ pub fn worker_authorization(config: &crate::config::ServerConfig) -> Option<Head
 
 pub(crate) type Shared = Arc<AppState>;
 
-/// The configured input limits ([`crate::limits`] applies them).
+/// The configured input limits ([`crate::request::limits`] applies them).
 #[derive(Clone, Copy, Debug)]
 pub struct InputLimits {
     /// `--max-prompt-tokens` (None: the workers' `max_model_len`).

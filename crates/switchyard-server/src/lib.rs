@@ -65,38 +65,26 @@
 //! `answer` → `attempt` and `stream` → `booking` → `shared` → `roster`,
 //! `gauges`, `metrics`.
 
-pub mod accept;
 pub mod adapter_load;
 pub mod adapters;
-mod answer;
-mod attempt;
-pub mod auth;
-pub mod body_fields;
-pub mod booking;
 pub mod config;
 pub mod context;
-mod disagg;
 pub mod discovery;
 pub mod error;
+pub mod front;
 pub mod gauges;
 pub mod hub;
-pub mod inflight;
-pub mod limits;
 pub mod metrics;
-pub mod migration;
 pub mod models;
-pub mod proxy;
-pub mod ratelimit;
 pub mod replica;
+pub mod request;
 pub mod roster;
+pub mod routes;
 pub mod shared;
 pub mod standalone;
-mod stream;
 #[cfg(test)]
 mod testing;
-pub mod tls;
 pub mod tokenize;
-pub mod upload;
 pub mod workers;
 
 pub use config::{ServerConfig, WorkerSpec};
@@ -642,7 +630,7 @@ pub struct RunningServer {
     background: Vec<tokio::task::JoinHandle<()>>,
     grace: Duration,
     replica: Option<switchyard_replica::ReplicaPlane>,
-    inflight: Arc<inflight::Inflight>,
+    inflight: Arc<front::inflight::Inflight>,
 }
 
 impl RunningServer {
@@ -781,10 +769,10 @@ fn metrics_open_while_keyed(config: &ServerConfig) -> bool {
 /// then the routes, each reading its body within its limit and deadline.
 pub fn front_door(
     state: &Arc<context::AppState>,
-    inflight: Arc<inflight::Inflight>,
+    inflight: Arc<front::inflight::Inflight>,
 ) -> axum::Router {
-    let routes = inflight::layer(proxy::routes(state.clone()), inflight);
-    auth::layer(routes, state.credentials.clone())
+    let routes = front::inflight::layer(routes::routes(state.clone()), inflight);
+    front::auth::layer(routes, state.credentials.clone())
 }
 
 /// Starts the router: binds, adds the workers, starts health checks and
@@ -811,7 +799,7 @@ pub async fn start_with_tokenizer(
         discovery::Sources::new(&config).map_err(|e| anyhow::anyhow!("worker discovery: {e}"))?;
     let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
     let shared = Arc::new(build_shared(&config, metrics.clone())?);
-    let inflight = inflight::Inflight::new(config.max_inflight, metrics);
+    let inflight = front::inflight::Inflight::new(config.max_inflight, metrics);
     let replica_plane = match config.replica.enabled() {
         false => None,
         true => Some(
@@ -820,7 +808,7 @@ pub async fn start_with_tokenizer(
                 .context("starting replica sync")?,
         ),
     };
-    let worker_tls = tls::WorkerTls {
+    let worker_tls = front::tls::WorkerTls {
         ca_file: config.worker_ca_file.clone(),
         client_cert: config
             .worker_client_cert
@@ -884,7 +872,7 @@ pub async fn start_with_tokenizer(
     let app = front_door(&state, inflight.clone());
     let front_tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => Some(
-            tls::FrontTls {
+            front::tls::FrontTls {
                 cert: cert.clone(),
                 key: key.clone(),
                 client_ca: config.tls_client_ca_file.clone(),
@@ -894,12 +882,12 @@ pub async fn start_with_tokenizer(
         ),
         _ => None,
     };
-    let limits = accept::ConnectionLimits {
+    let limits = front::accept::ConnectionLimits {
         max_connections: config.max_connections,
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
         send_timeout: config.send_timeout(),
     };
-    let task = tokio::spawn(accept::serve(
+    let task = tokio::spawn(front::accept::serve(
         listener,
         app,
         limits,
@@ -1026,8 +1014,8 @@ mod tests {
         ];
         let cli = Cli::try_parse_from(std::iter::once("serve").chain(args)).unwrap();
         let mut config = cli.serve.to_config().unwrap();
-        config.rate_limits = crate::ratelimit::RateLimitConfig {
-            keys: vec![crate::ratelimit::NamedKey {
+        config.rate_limits = crate::front::ratelimit::RateLimitConfig {
+            keys: vec![crate::front::ratelimit::NamedKey {
                 name: "team".into(),
                 key: Some("nk-secret-6".into()),
                 key_file: None,
@@ -1038,7 +1026,7 @@ mod tests {
             ..Default::default()
         };
         let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
-        let credentials = auth::Credentials::new(&config, metrics);
+        let credentials = front::auth::Credentials::new(&config, metrics);
         for shown in [
             format!("{:?}", cli.serve),
             format!("{config:?}"),

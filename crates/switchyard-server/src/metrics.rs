@@ -11,7 +11,7 @@
 //! Names follow DESIGN.md "Interfaces"; counters are registered without
 //! their `_total` suffix, which the encoder appends.
 
-use super::migration::{Failure, GiveUp};
+use crate::request::migration::{Failure, GiveUp};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -251,7 +251,7 @@ pub struct ServerMetrics {
     pub stale_kv_events: Counter,
     /// Requests holding an in-flight permit (every route but the probes);
     /// the in-flight limiter counts in this gauge's atomic
-    /// ([`crate::inflight`]).
+    /// ([`crate::front::inflight`]).
     pub inflight: CountGauge,
     /// The in-flight limit (`--max-inflight`).
     pub inflight_limit: CountGauge,
@@ -259,7 +259,7 @@ pub struct ServerMetrics {
     pub inflight_rejected: Counter,
     /// Request bodies cut at the body-read deadline (408).
     pub slow_uploads: Counter,
-    /// Client connections open now ([`crate::accept`]).
+    /// Client connections open now ([`crate::front::accept`]).
     pub connections_open: CountGauge,
     /// The connection cap (`--max-connections`).
     pub connections_limit: CountGauge,
@@ -270,7 +270,7 @@ pub struct ServerMetrics {
     /// timeout.
     pub header_read_timeouts: Counter,
     /// Connections closed because their writes made no progress within
-    /// the send timeout ([`crate::accept`]).
+    /// the send timeout ([`crate::front::accept`]).
     pub send_timeouts: Counter,
     /// TLS connections closed before their handshake ended: it failed
     /// (no common version, a certificate refused, not TLS) or took longer

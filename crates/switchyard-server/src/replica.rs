@@ -199,8 +199,8 @@ pub async fn start_over<T: Transport>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::booking::WaitHandle;
     use crate::config::{AdmissionMode, ServerConfig};
+    use crate::request::booking::WaitHandle;
     use crate::shared::Request;
     use crate::testing::shared_with;
     use std::time::Duration;

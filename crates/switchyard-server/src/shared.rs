@@ -37,7 +37,7 @@
 //! transitions to the worker table and the log, counts to the metrics. A
 //! dispatch whose handler is gone is aborted at once.
 //!
-//! Handlers use the guards in [`crate::booking`], which wrap the
+//! Handlers use the guards in [`crate::request::booking`], which wrap the
 //! assignments this module hands out; nothing outside this module sees the
 //! dispatcher or the lock.
 
@@ -82,7 +82,7 @@ fn lock_writer(writer: &Mutex<EventWriter>) -> MutexGuard<'_, EventWriter> {
 }
 
 /// Where a request goes, handed from the dispatcher to its waiting handler
-/// (see [`crate::booking::WaitHandle`]).
+/// (see [`crate::request::booking::WaitHandle`]).
 #[derive(Debug)]
 pub enum Assignment {
     /// Placed and booked on a worker.
@@ -502,7 +502,7 @@ impl SharedRouter {
     // ---- Requests (through the guards in `booking`) --------------------
 
     /// Admission: queues the request and tries to place it at once; the
-    /// receiver gets its assignment (use [`crate::booking::WaitHandle`],
+    /// receiver gets its assignment (use [`crate::request::booking::WaitHandle`],
     /// whose drop ends a request nobody waits for any more).
     pub(crate) fn submit(
         &self,
@@ -998,8 +998,8 @@ impl SharedRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::booking::WaitHandle;
     use crate::config::AdmissionMode;
+    use crate::request::booking::WaitHandle;
     use crate::testing::{book_remotely, place, request, shared_with};
     use crate::ServerConfig;
     use switchyard_core::select::PolicyKind;

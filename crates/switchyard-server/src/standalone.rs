@@ -4,10 +4,10 @@
 //! leaves the process (no worker, no KV events, no health checks).
 
 use super::context::AppState;
-use super::proxy::app;
 use super::tokenize::PromptTokenizer;
 use super::workers::{upstream_client, Fleet};
 use super::{build_shared, metrics::ServerMetrics, ServerConfig};
+use crate::routes::app;
 use std::sync::Arc;
 use std::time::Duration;
 

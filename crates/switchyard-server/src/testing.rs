@@ -1,8 +1,8 @@
 //! Helpers the server's unit tests share (compiled for tests only).
 
-use crate::booking::{Booking, WaitHandle};
 use crate::config::WorkerSpec;
 use crate::metrics::ServerMetrics;
+use crate::request::booking::{Booking, WaitHandle};
 use crate::shared::{Request, SharedRouter};
 use crate::workers::{upstream_client, Fleet};
 use crate::{build_shared, ServerConfig};

@@ -46,11 +46,11 @@ pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Fu
 /// for `http://` workers (an `https://` one fails its handshake: no root
 /// is trusted).
 pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
-    upstream_client_with(connect_timeout, crate::tls::WorkerTls::no_roots())
+    upstream_client_with(connect_timeout, crate::front::tls::WorkerTls::no_roots())
 }
 
 /// [`upstream_client`] reaching `https://` workers as `tls` says
-/// ([`crate::tls::WorkerTls::client_config`]).
+/// ([`crate::front::tls::WorkerTls::client_config`]).
 pub fn upstream_client_with(
     connect_timeout: Duration,
     tls: rustls::ClientConfig,

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
-use switchyard_server::booking::WaitHandle;
+use switchyard_server::request::booking::WaitHandle;
 use switchyard_server::shared::{Request, SharedRouter};
 use switchyard_server::ServerConfig;
 

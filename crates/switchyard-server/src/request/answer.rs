@@ -1,17 +1,17 @@
 //! A worker's successful answer on its way to the client: the first
 //! event of a stream ([`first_event`]) or a whole answer ([`buffered`]),
 //! and the client's response made of it ([`deliver`]). Shared by the
-//! handlers ([`crate::proxy`]) and the halves of a disaggregated request
+//! handlers ([`crate::routes`]) and the halves of a disaggregated request
 //! (`disagg`).
 
-use crate::attempt::{AttemptError, Attempts};
-use crate::booking::Booking;
 use crate::context::MAX_EVENT_BYTES;
 use crate::error::ApiError;
+use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
-use crate::migration::Failure;
-use crate::stream::{MigratingStream, StreamStart};
-use crate::upload::{read_whole, ReadError};
+use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::booking::Booking;
+use crate::request::migration::Failure;
+use crate::request::stream::{MigratingStream, StreamStart};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;

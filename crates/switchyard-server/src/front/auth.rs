@@ -16,15 +16,15 @@
 //! (`switchyard_auth_failures_total`).
 //!
 //! A client key admitted, the same check takes one request from that key's
-//! rate limit ([`crate::ratelimit`]; 429 past it, still before the body)
+//! rate limit ([`crate::front::ratelimit`]; 429 past it, still before the body)
 //! and hands the handler a [`ClientKey`] to charge its tokens to. Client
 //! keys are `--api-key`/`--api-key-file` (labelled `api-key-1`, `api-key-2`,
 //! … in metrics) and the named keys of `[[rate_limits.keys]]`; with no key
 //! configured every client shares one `anonymous` limit.
 
-use super::error::ApiError;
-use super::metrics::{AuthScope, RequestStatus, ServerMetrics};
-use super::ratelimit::{Limited, Limits, RateLimits};
+use crate::error::ApiError;
+use crate::front::ratelimit::{Limited, Limits, RateLimits};
+use crate::metrics::{AuthScope, RequestStatus, ServerMetrics};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method};
 use axum::middleware::Next;

@@ -21,11 +21,11 @@
 //! Events of the first worker are forwarded byte for byte (only whole
 //! events: a half event at a break is dropped). After a break the request
 //! is re-issued as `/v1/completions` with the prompt plus the generated
-//! ids ([`super::migration::resume_body`]), and the new worker's chunks are
+//! ids ([`crate::request::migration::resume_body`]), and the new worker's chunks are
 //! rewritten into the original shape ([`StreamShape::rewrite`]). The client
 //! sees one stream with one `[DONE]`, or an error event and the end when
 //! the request cannot move (limit, length, no worker, a request the
-//! resume cannot reproduce — [`super::migration::resumable`] —, the
+//! resume cannot reproduce — [`crate::request::migration::resumable`] —, the
 //! request timeout).
 //!
 //! The stream is a small state machine ([`State`]): its first event
@@ -38,13 +38,13 @@
 //! the upstream connection, cancelling the worker's request, and aborts
 //! the request.
 
-use crate::attempt::{AttemptError, Attempts};
-use crate::body_fields::Fields;
-use crate::booking::Booking;
 use crate::context::MAX_EVENT_BYTES;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::migration::{self, Failure, Phase, Progress};
+use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::body_fields::Fields;
+use crate::request::booking::Booking;
+use crate::request::migration::{self, Failure, Phase, Progress};
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;
@@ -324,7 +324,7 @@ impl MigratingStream {
             State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
             State::Ended => None,
         };
-        // Read by field, without a JSON tree ([`crate::body_fields`]).
+        // Read by field, without a JSON tree ([`crate::request::body_fields`]).
         let original_body = self.original.clone();
         let (original, parsed) = match Fields::parse(&original_body) {
             Ok(fields) => (fields, Ok(())),

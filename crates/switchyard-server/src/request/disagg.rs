@@ -23,7 +23,7 @@
 //!   the decode worker's answer goes to the client, the prefill worker's
 //!   is read and discarded (a failure of it still counts).
 //!
-//! Failures follow the migration rules ([`crate::attempt::Attempts`]): a
+//! Failures follow the migration rules ([`crate::request::attempt::Attempts`]): a
 //! prefill worker that fails (refused, reset, 5xx, timeout) is reported
 //! and the prefill moves to another prefill worker; a decode worker that
 //! fails before the first token is reported and the decode moves to
@@ -35,15 +35,15 @@
 //! resent; a stream broken mid-way is resumed on another decode worker as
 //! today, which computes the prompt and the tokens so far itself.
 
-use crate::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
-use crate::attempt::{AttemptError, Attempts};
-use crate::body_fields::Fields;
-use crate::booking::Booking;
 use crate::config::DisaggMode;
 use crate::context::Shared;
 use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
-use crate::migration::{Failure, Phase, Progress};
+use crate::request::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
+use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::body_fields::Fields;
+use crate::request::booking::Booking;
+use crate::request::migration::{Failure, Phase, Progress};
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -67,7 +67,7 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 // ---- Bodies ---------------------------------------------------------------
 
 /// The client's body by field, without a JSON tree
-/// ([`crate::body_fields`]): a 32 MiB prompt costs a slice, not a value per
+/// ([`crate::request::body_fields`]): a 32 MiB prompt costs a slice, not a value per
 /// token id.
 fn object(body: &[u8]) -> Result<Fields<'_>, ApiError> {
     Fields::parse(body)
@@ -142,7 +142,7 @@ pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Box<RawValue>>, St
     let Some(params) = answer.get("kv_transfer_params") else {
         return Ok(None);
     };
-    if !crate::body_fields::is_object(params) {
+    if !crate::request::body_fields::is_object(params) {
         return Err("the prefill answer's kv_transfer_params is not an object".into());
     }
     let size = params.get().len();
@@ -359,7 +359,7 @@ async fn send_half(
         });
     }
     let (parts, upstream) = response.into_parts();
-    let bytes = match crate::upload::read_whole(upstream, MAX_ERROR_BYTES).await {
+    let bytes = match crate::front::upload::read_whole(upstream, MAX_ERROR_BYTES).await {
         Ok(bytes) => bytes,
         Err(_) => {
             return Err(HalfError::Retry(

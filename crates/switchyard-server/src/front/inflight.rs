@@ -3,8 +3,8 @@
 //! shutdown deadline passes.
 //!
 //! A middleware takes a [`Permit`] for each request — after its credential
-//! was checked ([`crate::auth`]) and before its body is read
-//! ([`crate::upload`]) — or answers 503 with `Retry-After` and an
+//! was checked ([`crate::front::auth`]) and before its body is read
+//! ([`crate::front::upload`]) — or answers 503 with `Retry-After` and an
 //! OpenAI-style error when `max_inflight` requests are already in the
 //! router (queued, waiting for the worker, streaming, or an admin call).
 //! Only `/health`, `/ready` and `/metrics` go without one: they read no
@@ -17,7 +17,7 @@
 //! routing facts (the prompt's token ids) and either a buffered answer
 //! (`max_response_bytes`) or a stream's buffers (one SSE event of
 //! [`crate::context::MAX_EVENT_BYTES`] plus 36 bytes a token of the
-//! migration sequence limit, see [`super::stream`]).
+//! migration sequence limit, see [`crate::request::stream`]).
 //!
 //! [`Inflight::cancel`] (shutdown, after the grace period) makes every
 //! guarded request end now: a request still waiting for a worker gets a
@@ -26,8 +26,8 @@
 //! which drops the upstream connection (the worker cancels the request)
 //! and frees the booking.
 
-use super::error::ApiError;
-use super::metrics::{RequestStatus, ServerMetrics};
+use crate::error::ApiError;
+use crate::metrics::{RequestStatus, ServerMetrics};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, Method};

@@ -1,5 +1,5 @@
 //! Reading a request body, once the head has passed the credential check
-//! ([`crate::auth`]) and the in-flight limit ([`crate::inflight`]): a
+//! ([`crate::front::auth`]) and the in-flight limit ([`crate::front::inflight`]): a
 //! route layer buffers every `POST` body before its handler runs, under
 //! two bounds —
 //!
@@ -14,8 +14,8 @@
 //! Handlers then read ([`read_whole`]) a body that is already whole. Only
 //! matched routes read bodies: an unknown path gets its 404 unread.
 
-use super::error::ApiError;
-use super::metrics::{InputLimit, RequestStatus, ServerMetrics};
+use crate::error::ApiError;
+use crate::metrics::{InputLimit, RequestStatus, ServerMetrics};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, Method};

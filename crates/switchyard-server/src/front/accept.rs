@@ -21,15 +21,15 @@
 //!   every write that moves a byte starts the timeout again.
 //! - `TCP_NODELAY` on every connection: streamed tokens are small writes,
 //!   and Nagle's algorithm would hold each one for the client's delayed ACK.
-//! - TLS (`--tls-cert`, [`crate::tls`]): the handshake, once the
+//! - TLS (`--tls-cert`, [`crate::front::tls`]): the handshake, once the
 //!   connection has its place, within the header-read timeout; a failed
 //!   or late one is counted (`switchyard_tls_handshake_failures_total`).
 //! - Graceful shutdown: once stopped, the loop accepts nothing more, idle
 //!   connections close, and it returns when every open request has ended.
 //!
-//! The body-read deadline is per request, in [`crate::upload`].
+//! The body-read deadline is per request, in [`crate::front::upload`].
 
-use super::metrics::ServerMetrics;
+use crate::metrics::ServerMetrics;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;

@@ -44,7 +44,7 @@
 //! an error event instead. Before the first token the client's own request
 //! is retried unchanged, so that limit does not apply there.
 
-use crate::body_fields::{self, Fields, PromptKind};
+use crate::request::body_fields::{self, Fields, PromptKind};
 use serde_json::value::RawValue;
 use switchyard_wire::openai::Api;
 

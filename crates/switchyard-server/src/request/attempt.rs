@@ -1,14 +1,14 @@
 //! One request's attempts on workers: placing it, sending it to its
 //! worker, and when that worker fails it, deciding whether it moves on
-//! ([`crate::migration::decide`]) and moving it ([`Booking::migrate`]).
+//! ([`crate::request::migration::decide`]) and moving it ([`Booking::migrate`]).
 //!
-//! The handlers ([`crate::proxy`]) and the streaming body
-//! ([`crate::stream`]) share one [`Attempts`] per request.
+//! The handlers ([`crate::routes`]) and the streaming body
+//! ([`crate::request::stream`]) share one [`Attempts`] per request.
 
-use crate::booking::{Booking, WaitHandle};
 use crate::context::{AppState, WORKER_HEADER};
 use crate::error::ApiError;
-use crate::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
+use crate::request::booking::{Booking, WaitHandle};
+use crate::request::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
 use crate::roster::{Endpoint, Role};
 use crate::shared::{Request, SubmitError};
 use axum::http::uri::{self, PathAndQuery};
@@ -326,7 +326,7 @@ impl Attempts {
     /// gives up, the booking dropped (the request aborted) and the give-up
     /// counted. A second failure the request may have caused itself (5xx,
     /// error event, first-token timeout) is the request's fault
-    /// ([`crate::migration::request_fault`]): that worker is not reported.
+    /// ([`crate::request::migration::request_fault`]): that worker is not reported.
     /// A request that failed on `--max-attempt-workers` workers (2) is not
     /// sent to another.
     pub(crate) fn fail(

@@ -107,7 +107,7 @@ fn body_error(state: &AppState, error: BodyError) -> ApiError {
 }
 
 /// What a request asks the workers to generate, as the token rate limit
-/// charges it ([`crate::ratelimit::token_charge`]).
+/// charges it ([`crate::front::ratelimit::token_charge`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Asked {
     /// Sequences generated per prompt: the larger of `n` and `best_of`
@@ -221,7 +221,7 @@ mod tests {
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
     use crate::workers::{upstream_client, Fleet};
-    use crate::{build_shared, context::AppState, proxy::app, ServerConfig};
+    use crate::{build_shared, context::AppState, routes::app, ServerConfig};
     use axum::body::Body;
     use http_body_util::BodyExt as _;
     use serde_json::{json, Value};

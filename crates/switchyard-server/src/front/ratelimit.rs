@@ -281,7 +281,7 @@ struct RefusalLabels {
 }
 
 /// The buckets of every key the router accepts, indexed by the key's
-/// position (its `KeyId`, [`crate::auth`]).
+/// position (its `KeyId`, [`crate::front::auth`]).
 pub struct RateLimits<C: Clock = DefaultClock> {
     keys: Vec<KeyBuckets<C>>,
     clock: C,

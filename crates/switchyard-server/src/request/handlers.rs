@@ -1,0 +1,267 @@
+//! The OpenAI endpoints: `/v1/chat/completions` and `/v1/completions`.
+//!
+//! One request: the key was checked from its head ([`crate::front::auth`])
+//! and its body read whole within its limit and deadline
+//! ([`crate::front::upload`]) before a handler runs → parse only the
+//! fields routing needs → tokenize (chat template for chat) → charge the
+//! key → hand over: [`Attempts`] places it (admission and selection in
+//! the dispatcher), forwards the client's bytes unchanged to the worker
+//! and waits for its first event (streaming) or its whole answer
+//! (non-streaming, buffered up to `max_response_bytes`). A worker that
+//! fails before that point (refused, reset, 5xx, first-token timeout) is
+//! reported, its booking freed, and the request moved elsewhere; a stream
+//! then flows through [`crate::request::stream`], which resumes it on
+//! another worker if it breaks. The whole request is bounded by the
+//! request timeout (504). A disaggregated request goes the same way, as
+//! two halves ([`crate::request::disagg`]).
+
+use crate::context::Shared;
+use crate::error::ApiError;
+use crate::metrics::RequestStatus;
+use crate::request::answer::{buffered, deliver, first_event, queue_timeout, Delivery};
+use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::limits;
+use crate::request::migration::{Phase, Progress};
+use crate::request::prompt::{
+    charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
+    TokenizeJob,
+};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use std::time::Instant;
+use switchyard_core::admission::SessionKey;
+use switchyard_wire::openai::Prompt;
+
+pub(crate) async fn chat_completions(State(state): State<Shared>, request: Request) -> Response {
+    let arrival = Instant::now();
+    let (headers, key, body) = request_parts(&state, request).await;
+    let result = async {
+        let body = body?;
+        let (parsed, asked) = limits::parse_chat(&state, &body)?;
+        let messages = chat_messages(parsed.messages)?;
+        let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
+        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
+        let facts = Parsed {
+            model: parsed.model,
+            stream: parsed.stream,
+            session: parsed.session_id,
+            key,
+            tokens: prompt.ids,
+            estimated_tokens: prompt.estimated,
+        };
+        Ok::<_, ApiError>((body, facts))
+    }
+    .await;
+    finish(state, headers, "/v1/chat/completions", arrival, result).await
+}
+
+pub(crate) async fn completions(State(state): State<Shared>, request: Request) -> Response {
+    let arrival = Instant::now();
+    let (headers, key, body) = request_parts(&state, request).await;
+    let result = async {
+        let body = body?;
+        let (parsed, asked) = limits::parse_completion(&state, &body)?;
+        // A batch is routed by its first prompt: one worker serves it all.
+        // Token ids were bounded while parsing; text while tokenized (a
+        // batch's later texts are the worker's to judge).
+        let model = parsed.model.as_deref();
+        let ids = |ids| PromptIds {
+            ids,
+            estimated: None,
+        };
+        let prompt = match parsed.prompt {
+            Prompt::Tokens(i) => ids(i),
+            Prompt::TokenBatches(batch) => ids(batch.into_iter().next().unwrap_or_default()),
+            Prompt::Text(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
+            Prompt::Texts(texts) => match texts.into_iter().next() {
+                Some(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
+                None => ids(Vec::new()),
+            },
+        };
+        // Every prompt of a batch is charged: token ids as counted while
+        // parsing, later texts (not tokenized here) by the estimate used
+        // for a model without a tokenizer.
+        let later = parsed.later_prompts;
+        let later_tokens = later.token_ids.saturating_add(u64::from(
+            crate::models::ModelRouting::estimated_tokens(
+                usize::try_from(later.text_bytes).unwrap_or(usize::MAX),
+            ),
+        ));
+        let prompt_tokens = (prompt.len() as u64).saturating_add(later_tokens);
+        charge_tokens(&state, key, prompt_tokens, 1 + later.count, asked)?;
+        let facts = Parsed {
+            model: parsed.model,
+            stream: parsed.stream,
+            session: parsed.session_id,
+            key,
+            tokens: prompt.ids,
+            estimated_tokens: prompt.estimated,
+        };
+        Ok::<_, ApiError>((body, facts))
+    }
+    .await;
+    finish(state, headers, "/v1/completions", arrival, result).await
+}
+
+async fn finish(
+    state: Shared,
+    headers: HeaderMap,
+    path: &'static str,
+    arrival: Instant,
+    parsed: Result<(Bytes, Parsed), ApiError>,
+) -> Response {
+    let metrics = state.shared.metrics().clone();
+    // A request dropped before its response head (the client went away,
+    // or shutdown) is counted `Cancelled` once, by the in-flight
+    // middleware ([`crate::front::inflight`]), not here.
+    let response = match parsed {
+        Ok((body, facts)) => proxy(state, headers, path, arrival, body, facts).await,
+        Err(e) => Err(e),
+    };
+    match response {
+        Ok(response) => response,
+        Err(e) => {
+            metrics.count_request(match e.status {
+                StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
+                s if s.is_server_error() => RequestStatus::Unavailable,
+                _ => RequestStatus::Invalid,
+            });
+            e.into_response()
+        }
+    }
+}
+
+async fn proxy(
+    state: Shared,
+    headers: HeaderMap,
+    path: &'static str,
+    arrival: Instant,
+    body: Bytes,
+    facts: Parsed,
+) -> Result<Response, ApiError> {
+    let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
+    if let Some(mode) = state.disagg {
+        if state.shared.disaggregated() {
+            return crate::request::disagg::serve(
+                mode,
+                state,
+                &headers,
+                Delivery {
+                    path,
+                    arrival,
+                    prompt: facts.tokens,
+                    estimated_prompt_tokens: facts.estimated_tokens,
+                    original: body,
+                    stream: facts.stream,
+                },
+                facts.model,
+                session,
+            )
+            .await;
+        }
+    }
+    let request_id = state.shared.next_request_id();
+    let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
+    let mut facts = facts;
+    let attempts = Attempts::new(
+        state.clone(),
+        request_id,
+        facts.model.take(),
+        headers.get(header::ACCEPT).cloned(),
+        deadline,
+    )
+    .estimated_prompt(facts.estimated_tokens);
+    first_phase(attempts, session, path, arrival, body, facts).await
+}
+
+/// Attempts until one worker produces a first event (streaming) or a whole
+/// response (non-streaming); each failure reports the worker and moves the
+/// request elsewhere (still its session's turn), up to the migration limit.
+/// The request timeout bounds every wait: for placement (a 504, no worker
+/// to blame) and for the worker's answer (a 504, and the worker reported
+/// when it had the request for at least the first-token timeout: a worker
+/// that accepts requests and never answers them must not stay
+/// selectable).
+async fn first_phase(
+    mut attempts: Attempts,
+    session: Option<SessionKey>,
+    path: &'static str,
+    arrival: Instant,
+    body: Bytes,
+    facts: Parsed,
+) -> Result<Response, ApiError> {
+    let state = attempts.state.clone();
+    let prompt_tokens = facts.tokens.len() as u64;
+    let deadline = attempts.deadline;
+    let wait = attempts.submit(&facts.tokens, session)?;
+    let placed = tokio::time::timeout_at(deadline, attempts.placed(wait)).await;
+    let mut booking = match placed {
+        Ok(placed) => placed?,
+        Err(_) => return Err(queue_timeout(&attempts)),
+    };
+    loop {
+        let sent_at = tokio::time::Instant::now();
+        let attempt = async {
+            let sent = attempts
+                .send(&booking, path, body.clone(), facts.stream)
+                .await;
+            match sent {
+                Ok(response) if facts.stream && response.status().is_success() => {
+                    first_event(&attempts, &booking.name, response).await
+                }
+                Ok(response) => buffered(&attempts, response).await,
+                Err(e) => Err(e),
+            }
+        };
+        let answered = tokio::time::timeout_at(deadline, attempt).await;
+        let Ok(outcome) = answered else {
+            // The upstream request is dropped with the booking.
+            let fair = sent_at.elapsed() >= state.first_token_timeout;
+            return Err(attempts.timed_out_on(booking, fair));
+        };
+        match outcome {
+            Ok(answer) => {
+                return Ok(deliver(
+                    attempts,
+                    booking,
+                    answer,
+                    Delivery {
+                        path,
+                        arrival,
+                        prompt: facts.tokens,
+                        estimated_prompt_tokens: facts.estimated_tokens,
+                        original: body,
+                        stream: facts.stream,
+                    },
+                ))
+            }
+            Err(AttemptError::Fatal(e)) => return Err(e),
+            Err(AttemptError::Retry(reason, detail)) => {
+                tracing::warn!(request = %attempts.client_id, worker = %booking.name, reason = reason.label(), %detail, "attempt failed before the first token");
+                let progress = Progress::default();
+                match attempts.fail(
+                    booking,
+                    reason,
+                    Phase::BeforeFirstToken,
+                    prompt_tokens,
+                    &progress,
+                    Ok(()),
+                ) {
+                    Ok(failed) => {
+                        let moved =
+                            tokio::time::timeout_at(deadline, attempts.migrate(failed, None)).await;
+                        booking = match moved {
+                            Ok(moved) => moved?,
+                            Err(_) => return Err(queue_timeout(&attempts)),
+                        };
+                    }
+                    Err(give_up) => {
+                        return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")))
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! One request, from the handler to the last byte, read top to bottom.
+//!
+//! - [`handlers`] — `/v1/chat/completions` and `/v1/completions`: parse
+//!   only the fields routing needs, tokenize, charge the key, hand over.
+//! - [`prompt`] — what the handlers share: the prompt's token ids (or an
+//!   estimate), the key's token charge, the session.
+//! - [`limits`] — input limits, each refusal naming its limit.
+//! - [`attempt`] — one request's attempts on workers: the placement loop
+//!   (submit, placed, failed, moved before the deadline) that plain and
+//!   disaggregated requests share.
+//! - [`booking`] — the guards a handler holds: a `WaitHandle` until its
+//!   request is placed, then a `Booking` whose drop ends it.
+//! - [`disagg`] — prefill/decode-disaggregated requests: two halves, each
+//!   placed through the same loop, and the engine family's protocol.
+//! - [`answer`] — a worker's answer on its way to the client.
+//! - [`stream`] — the streaming body: forwards events and resumes a broken
+//!   stream on another worker.
+//! - [`migration`] — the pure parts of migration: the decision, progress,
+//!   the resume request; [`body_fields`] — a body's top-level fields
+//!   without a JSON tree, for the resume and the disaggregated halves.
+
+pub(crate) mod answer;
+pub(crate) mod attempt;
+pub mod body_fields;
+pub mod booking;
+pub(crate) mod disagg;
+pub(crate) mod handlers;
+pub mod limits;
+pub mod migration;
+pub(crate) mod prompt;
+pub(crate) mod stream;

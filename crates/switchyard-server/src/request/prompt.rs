@@ -1,0 +1,213 @@
+//! What the handlers share before a request is handed over: its body and
+//! head, the prompt's token ids (or, for a model without a tokenizer here,
+//! an estimate of its length), the key's token charge and the session.
+
+use crate::context::AppState;
+use crate::error::ApiError;
+use crate::front::auth::ClientKey;
+use crate::front::upload::{read_whole, ReadError};
+use crate::request::limits;
+use crate::tokenize::{rendered_size_estimate, INLINE_CHARS};
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::HeaderMap;
+use bytes::Bytes;
+use serde::Deserialize;
+use std::time::Instant;
+use switchyard_core::admission::SessionKey;
+use switchyard_tokenizer::ChatMessage;
+use switchyard_wire::openai::{Message, MessageContent};
+
+/// the upload layer: its one buffer, taken as it is).
+pub(crate) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    read_whole(body, state.max_body_bytes)
+        .await
+        .map_err(|e| match e {
+            ReadError::TooLarge => ApiError::too_large(state.max_body_bytes),
+            ReadError::Broken => ApiError::bad_request("could not read the request body", None),
+        })
+}
+
+pub(crate) fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))
+}
+
+/// The routing facts of one request.
+pub(crate) struct Parsed {
+    pub(crate) model: Option<String>,
+    pub(crate) stream: bool,
+    /// The body's `session_id` (the `x-session-id` header wins).
+    pub(crate) session: Option<String>,
+    /// The client key it came with.
+    pub(crate) key: Option<ClientKey>,
+    pub(crate) tokens: Vec<u32>,
+    /// The prompt's estimated length when its model has no tokenizer
+    /// here (`tokens` is then empty).
+    pub(crate) estimated_tokens: Option<u32>,
+}
+
+/// A prompt as routing knows it: its token ids, or, when its model has
+/// no tokenizer here, an estimate of its length ([`crate::models`]).
+pub(crate) struct PromptIds {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) estimated: Option<u32>,
+}
+
+impl PromptIds {
+    pub(crate) fn len(&self) -> usize {
+        self.estimated.map_or(self.ids.len(), |n| n as usize)
+    }
+}
+
+/// The router's reading of chat messages: text content as is, the text
+/// of every content part that has one (images and other parts do not
+/// change the text prefix), no content as empty.
+pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::bad_request(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    let mut messages = Vec::with_capacity(body.len());
+    for m in body {
+        let content = match m.content {
+            None => String::new(),
+            Some(MessageContent::Text(s)) => s,
+            Some(MessageContent::Parts(parts)) => {
+                parts.into_iter().filter_map(|p| p.text).collect()
+            }
+            Some(MessageContent::Invalid) => {
+                return Err(ApiError::bad_request(
+                    "message content must be a string or a list of content parts",
+                    Some("messages"),
+                ))
+            }
+        };
+        messages.push(ChatMessage {
+            role: m.role,
+            content,
+        });
+    }
+    Ok(messages)
+}
+
+/// The prompt's token ids with the tokenizer of the request's `model`,
+/// or a 400 when it is past the prompt token limit (the tokenizer stops
+/// counting soon after the limit). A model without a tokenizer here gets
+/// an estimate of the prompt's length instead (the worker judges its
+/// limit).
+pub(crate) async fn tokenize(
+    state: &AppState,
+    model: Option<&str>,
+    job: TokenizeJob,
+) -> Result<PromptIds, ApiError> {
+    let started = Instant::now();
+    let max_tokens = limits::prompt_token_limit(state).0;
+    let param = match &job {
+        TokenizeJob::Text(_) => "prompt",
+        TokenizeJob::Chat(_) => "messages",
+    };
+    // The size of the text the tokenizer reads: a chat's estimated as
+    // rendered (its template adds to every message, empty ones included).
+    let chars = match &job {
+        TokenizeJob::Text(t) => t.len(),
+        TokenizeJob::Chat(m) => rendered_size_estimate(m),
+    };
+    let routing = state.models.for_request(&state.shared.adapters, model);
+    let Some(tokenizer) = routing.tokenizer.clone() else {
+        return Ok(PromptIds {
+            ids: Vec::new(),
+            estimated: Some(crate::models::ModelRouting::estimated_tokens(chars)),
+        });
+    };
+    let run = move || match job {
+        TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
+        TokenizeJob::Chat(m) => tokenizer.encode_chat_within(&m, max_tokens),
+    };
+    let result = if chars <= INLINE_CHARS {
+        run()
+    } else {
+        tokio::task::spawn_blocking(run)
+            .await
+            .map_err(|_| ApiError::internal("the tokenizer task failed"))?
+    };
+    state
+        .shared
+        .metrics()
+        .tokenize
+        .observe(started.elapsed().as_secs_f64());
+    let ids = result
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))?
+        .ok_or_else(|| limits::prompt_too_long(state, param))?;
+    Ok(PromptIds {
+        ids,
+        estimated: None,
+    })
+}
+
+pub(crate) enum TokenizeJob {
+    Text(String),
+    Chat(Vec<ChatMessage>),
+}
+
+/// Charges a request to its key's token limit ([`crate::front::ratelimit`]):
+/// `prompt_tokens` of all its `prompts`, and what it `asked` for each.
+pub(crate) fn charge_tokens(
+    state: &AppState,
+    key: Option<ClientKey>,
+    prompt_tokens: u64,
+    prompts: u64,
+    asked: limits::Asked,
+) -> Result<(), ApiError> {
+    let credentials = &state.credentials;
+    let tokens = crate::front::ratelimit::token_charge(
+        prompt_tokens,
+        prompts,
+        asked.choices,
+        asked.output_tokens,
+        credentials.output_allowance(),
+    );
+    let key = key.map_or(0, |ClientKey(k)| k);
+    credentials
+        .rate_limits()
+        .check_tokens(key, tokens)
+        .map_err(ApiError::from)
+}
+
+/// The session a request belongs to: the `x-session-id` header, else the
+/// body's `session_id` (empty: none). With client keys configured a
+/// session is the client key's own ([`SessionKey::namespaced`] by the
+/// key's name), so a client cannot hold back another's session by naming
+/// its id; without, every client shares one space of ids.
+pub(crate) fn session_key(
+    state: &AppState,
+    headers: &HeaderMap,
+    body_session: Option<&str>,
+    key: Option<ClientKey>,
+) -> Option<SessionKey> {
+    let id = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .or(body_session)
+        .filter(|s| !s.is_empty())?;
+    match key.and_then(|k| state.credentials.key_name(k)) {
+        Some(name) => Some(SessionKey::namespaced(name, id)),
+        None => Some(SessionKey::from_client_id(id)),
+    }
+}
+
+/// A handler's request: its head's headers and client key, its body read
+/// whole. The headers are moved out of the request, not copied (axum's
+/// `HeaderMap` extractor clones them), and the body, already read by the
+/// upload layer, is taken as the one buffer it is.
+pub(crate) async fn request_parts(
+    state: &AppState,
+    request: Request,
+) -> (HeaderMap, Option<ClientKey>, Result<Bytes, ApiError>) {
+    let (parts, body) = request.into_parts();
+    let key = parts.extensions.get::<ClientKey>().copied();
+    let body = read_body(state, body).await;
+    (parts.headers, key, body)
+}
