@@ -4,7 +4,7 @@
 use crate::front::auth::Credentials;
 use crate::models::Models;
 use crate::request::migration::MigrationPolicy;
-use crate::shared::SharedRouter;
+use crate::shell::SharedRouter;
 use crate::tokenize::PromptTokenizer;
 use crate::workers::{Fleet, UpstreamClient};
 use axum::http::HeaderValue;

@@ -1,5 +1,5 @@
 //! What `/metrics` shows of the routing state: a [`Snapshot`] read under the
-//! router's lock in one go ([`crate::shared::SharedRouter::snapshot`]) at
+//! router's lock in one go ([`crate::shell::SharedRouter::snapshot`]) at
 //! scrape time, so the request path never updates these gauges. A
 //! [`RoutingStateCollector`] takes one per scrape and encodes it through
 //! `prometheus-client` (a `Snapshot` is itself a collector of the state it
@@ -203,7 +203,7 @@ pub struct RoutingStateCollector {
 
 impl RoutingStateCollector {
     /// A collector that snapshots with `take` (the router's
-    /// [`crate::shared::SharedRouter::snapshot`]).
+    /// [`crate::shell::SharedRouter::snapshot`]).
     pub fn new(take: impl Fn() -> Snapshot + Send + Sync + 'static) -> Self {
         Self {
             take: Box::new(take),

@@ -3,7 +3,7 @@
 //!
 //! - [`config`] — [`ServerConfig`]: TOML file, `SWITCHYARD_*` environment
 //!   and flags fill one validated struct.
-//! - [`shared`] — [`shared::SharedRouter`]: the core's `Dispatcher` (every
+//! - [`shared`] — [`shell::SharedRouter`]: the core's `Dispatcher` (every
 //!   lifecycle decision: admission, routing, booking, freeing, migration,
 //!   replica events, circuit breakers), the worker table ([`roster`]) and
 //!   the requests waiting for placement, behind one short-held mutex; it
@@ -50,7 +50,7 @@
 //!   (`prometheus-client`, updated by the request path without allocating);
 //!   [`gauges`] — the routing state, snapshotted at scrape time. `/metrics`
 //!   encodes one registry of these, the KV-event plane's and the replica
-//!   plane's families ([`shared::SharedRouter::register_metrics`]).
+//!   plane's families ([`shell::SharedRouter::register_metrics`]).
 //! - [`error`] — OpenAI-style errors.
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
@@ -80,7 +80,7 @@ pub mod replica;
 pub mod request;
 pub mod roster;
 pub mod routes;
-pub mod shared;
+pub mod shell;
 pub mod standalone;
 #[cfg(test)]
 mod testing;
@@ -624,7 +624,7 @@ pub struct RunningServer {
     /// The bound address.
     pub addr: SocketAddr,
     /// Routing state (for in-process inspection).
-    pub shared: Arc<shared::SharedRouter>,
+    pub shared: Arc<shell::SharedRouter>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -721,7 +721,7 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
 pub fn build_shared(
     config: &ServerConfig,
     metrics: Arc<metrics::ServerMetrics>,
-) -> anyhow::Result<shared::SharedRouter> {
+) -> anyhow::Result<shell::SharedRouter> {
     let strategy: Option<Box<dyn AdmissionStrategy + Send>> = match config.admission {
         config::AdmissionMode::None => None,
         config::AdmissionMode::SessionAware => Some(Box::new(
@@ -730,12 +730,10 @@ pub fn build_shared(
     };
     let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
         .context("invalid routing configuration")?;
-    Ok(
-        shared::SharedRouter::new(dispatcher, metrics).with_adapters(
-            adapters::Adapters::new(&config.adapters)
-                .with_base_models(config.models.iter().map(|m| m.name.as_str())),
-        ),
-    )
+    Ok(shell::SharedRouter::new(dispatcher, metrics).with_adapters(
+        adapters::Adapters::new(&config.adapters)
+            .with_base_models(config.models.iter().map(|m| m.name.as_str())),
+    ))
 }
 
 /// How long a booking may stay in the load view before the router

@@ -2,7 +2,7 @@
 //!
 //! - [`ReplicaArgs`] — the `serve` flags (and `SWITCHYARD_REPLICA_*`
 //!   variables) that override the config file's `[replica]` table.
-//! - The request path's side lives in [`crate::shared`]: the dispatcher
+//! - The request path's side lives in [`crate::shell`]: the dispatcher
 //!   returns this replica's lifecycle events and session bindings with each
 //!   call, and they are enqueued on the plane's publisher with the router's
 //!   lock held, so the queue sees one request's events in the order they
@@ -16,7 +16,7 @@
 //! id from its name ([`switchyard_replica::worker_id_for_name`]), so replicas
 //! configured with the same worker names agree on ids.
 
-use crate::shared::SharedRouter;
+use crate::shell::SharedRouter;
 use clap::Args;
 use std::sync::Arc;
 use switchyard_core::RequestId;
@@ -201,7 +201,7 @@ mod tests {
     use super::*;
     use crate::config::{AdmissionMode, ServerConfig};
     use crate::request::booking::WaitHandle;
-    use crate::shared::Request;
+    use crate::shell::Request;
     use crate::testing::shared_with;
     use std::time::Duration;
     use switchyard_core::admission::SessionKey;

@@ -180,7 +180,7 @@ mod tests {
     use super::*;
     use crate::context::AppState;
     use crate::metrics::ServerMetrics;
-    use crate::shared::SharedRouter;
+    use crate::shell::SharedRouter;
     use crate::tokenize::PromptTokenizer;
     use crate::workers::{upstream_client, Fleet};
     use crate::ServerConfig;

@@ -3,7 +3,7 @@
 use crate::config::WorkerSpec;
 use crate::metrics::ServerMetrics;
 use crate::request::booking::{Booking, WaitHandle};
-use crate::shared::{Request, SharedRouter};
+use crate::shell::{Request, SharedRouter};
 use crate::workers::{upstream_client, Fleet};
 use crate::{build_shared, ServerConfig};
 use std::sync::Arc;

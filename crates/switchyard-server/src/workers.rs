@@ -21,7 +21,7 @@
 //! token limit ([`Fleet::max_model_len`]).
 
 use super::config::WorkerSpec;
-use super::shared::SharedRouter;
+use crate::shell::SharedRouter;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderValue;

@@ -379,7 +379,7 @@ mod tests {
 
     /// A fleet holding one worker added by hand, `manual` (in selection;
     /// nothing listens at its URL).
-    fn fleet() -> (Arc<Fleet>, Arc<crate::shared::SharedRouter>) {
+    fn fleet() -> (Arc<Fleet>, Arc<crate::shell::SharedRouter>) {
         let (fleet, shared, _) = fleet_with(&["manual"]);
         (Arc::new(fleet), shared)
     }

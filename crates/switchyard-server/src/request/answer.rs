@@ -106,12 +106,6 @@ pub(crate) fn deliver(
     }
 }
 
-/// The request timeout passed while the request waited for a worker.
-pub(crate) fn queue_timeout(attempts: &Attempts) -> ApiError {
-    tracing::info!(request = %attempts.client_id, "request timed out waiting for a worker");
-    attempts.timed_out()
-}
-
 pub(crate) fn log_dispatch(
     booking: &Booking,
     attempts: &Attempts,

@@ -2,7 +2,13 @@
 //! worker, and when that worker fails it, deciding whether it moves on
 //! ([`crate::request::migration::decide`]) and moving it ([`Booking::migrate`]).
 //!
-//! The handlers ([`crate::routes`]) and the streaming body
+//! The placement loop plain and disaggregated requests share is
+//! [`Attempts::place`], [`Attempts::send`], and on a failure before the
+//! first token [`Attempts::move_on`], each bounded by the request's
+//! deadline.
+//!
+//! The handlers ([`crate::request::handlers`]), the disaggregated halves
+//! ([`crate::request::disagg`]) and the streaming body
 //! ([`crate::request::stream`]) share one [`Attempts`] per request.
 
 use crate::context::{AppState, WORKER_HEADER};
@@ -10,7 +16,7 @@ use crate::error::ApiError;
 use crate::request::booking::{Booking, WaitHandle};
 use crate::request::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
 use crate::roster::{Endpoint, Role};
-use crate::shared::{Request, SubmitError};
+use crate::shell::{Request, SubmitError};
 use axum::http::uri::{self, PathAndQuery};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
 use bytes::Bytes;
@@ -20,6 +26,26 @@ use std::sync::Arc;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::dispatch::MigrateError;
 use switchyard_core::{LocalHash, RequestId};
+
+/// Why placing a request (or moving it) ended it; each carries the
+/// client's error.
+pub(crate) enum PlaceError {
+    /// No worker can take it: refused at admission, its model unknown,
+    /// the queue full, or no worker left to move to.
+    NoWorker(ApiError),
+    /// The request timeout passed while it waited for a worker (counted).
+    Timeout(ApiError),
+    /// Its worker failed it and it is not moved on (counted, logged).
+    GaveUp(ApiError),
+}
+
+impl From<PlaceError> for ApiError {
+    fn from(e: PlaceError) -> Self {
+        match e {
+            PlaceError::NoWorker(e) | PlaceError::Timeout(e) | PlaceError::GaveUp(e) => e,
+        }
+    }
+}
 
 /// A failed attempt.
 pub(crate) enum AttemptError {
@@ -389,7 +415,7 @@ impl Attempts {
     /// suspect failure makes it the request's fault. The booking is
     /// dropped (the request aborted, the upstream request cancelled); the
     /// timeout is counted and the client's error returned.
-    pub(crate) fn timed_out_on(&self, booking: Booking, fair: bool) -> ApiError {
+    fn timed_out_on(&self, booking: Booking, fair: bool) -> ApiError {
         let reported = fair && !request_fault(Failure::Timeout, self.suspect_failures);
         if reported {
             booking.worker_failed();
@@ -428,6 +454,65 @@ impl Attempts {
                 ))
             }
         }
+    }
+
+    /// Places the request's prompt `tokens`: admitted, routed and booked
+    /// before the request's deadline (the first step of the placement
+    /// loop plain and disaggregated requests share).
+    pub(crate) async fn place(
+        &mut self,
+        tokens: &[u32],
+        session: Option<SessionKey>,
+    ) -> Result<Booking, PlaceError> {
+        let wait = self.submit(tokens, session).map_err(PlaceError::NoWorker)?;
+        match tokio::time::timeout_at(self.deadline, self.placed(wait)).await {
+            Ok(placed) => placed.map_err(PlaceError::NoWorker),
+            Err(_) => Err(PlaceError::Timeout(self.queue_timeout())),
+        }
+    }
+
+    /// `booking`'s worker failed the request before its first token
+    /// (`failure`, `detail`): reported ([`Self::fail`]) and the request
+    /// moved to another worker before its deadline, or given up.
+    pub(crate) async fn move_on(
+        &mut self,
+        booking: Booking,
+        failure: Failure,
+        detail: &str,
+        prompt_tokens: u64,
+    ) -> Result<Booking, PlaceError> {
+        let failed = self
+            .fail(
+                booking,
+                failure,
+                Phase::BeforeFirstToken,
+                prompt_tokens,
+                &Progress::default(),
+                Ok(()),
+            )
+            .map_err(|why| PlaceError::GaveUp(ApiError::bad_gateway(format!("{detail}; {why}"))))?;
+        match tokio::time::timeout_at(self.deadline, self.migrate(failed, None)).await {
+            Ok(moved) => moved.map_err(PlaceError::NoWorker),
+            Err(_) => Err(PlaceError::Timeout(self.queue_timeout())),
+        }
+    }
+
+    /// The request timeout passed while it waited for a worker.
+    fn queue_timeout(&self) -> ApiError {
+        tracing::info!(request = %self.client_id, "request timed out waiting for a worker");
+        self.timed_out()
+    }
+
+    /// The request timeout passed while `booking`'s worker had the request,
+    /// sent to it at `sent_at` ([`Self::timed_out_on`]: reported when it
+    /// had it for at least the first-token timeout).
+    pub(crate) fn timed_out_since(
+        &self,
+        booking: Booking,
+        sent_at: tokio::time::Instant,
+    ) -> ApiError {
+        let fair = sent_at.elapsed() >= self.state.first_token_timeout;
+        self.timed_out_on(booking, fair)
     }
 
     /// The worker's response head as the client gets it.

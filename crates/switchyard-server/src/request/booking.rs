@@ -12,7 +12,7 @@
 //!   instead: the dispatcher keeps it (and its session's turn) while it
 //!   moves to another worker.
 
-use crate::shared::{Assignment, Request, SharedRouter, SubmitError};
+use crate::shell::{Assignment, Request, SharedRouter, SubmitError};
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
 use switchyard_core::dispatch::MigrateError;

@@ -4,7 +4,7 @@
 //! family's protocol between them.
 //!
 //! - Placement: both halves go through the same admission, policy and
-//!   booking as any request ([`crate::shared::SharedRouter::submit_in`]),
+//!   booking as any request ([`crate::shell::SharedRouter::submit_in`]),
 //!   over the workers of their pool (`prefill` or `decode`, and the `both`
 //!   ones): the prefill half by KV overlap and prefill load, the decode
 //!   half by the policy too — its overlap on a decode worker is what that
@@ -39,11 +39,11 @@ use crate::config::DisaggMode;
 use crate::context::Shared;
 use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
-use crate::request::answer::{buffered, deliver, first_event, queue_timeout, Answer, Delivery};
-use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
+use crate::request::attempt::{AttemptError, Attempts, PlaceError};
 use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
-use crate::request::migration::{Failure, Phase, Progress};
+use crate::request::migration::Failure;
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -289,12 +289,18 @@ async fn place(
     attempts: &mut Attempts,
     session: Option<SessionKey>,
 ) -> Result<Booking, Failed> {
-    let wait = attempts
-        .submit(&split.request.prompt, session)
-        .map_err(|e| (Reason::NoWorker, e))?;
-    match tokio::time::timeout_at(split.deadline, attempts.placed(wait)).await {
-        Ok(placed) => placed.map_err(|e| (Reason::NoWorker, e)),
-        Err(_) => Err((Reason::Timeout, queue_timeout(attempts))),
+    attempts
+        .place(&split.request.prompt, session)
+        .await
+        .map_err(|e| failed(e, Reason::NoWorker))
+}
+
+/// A placement that ended the request, counted as `reason` unless the
+/// request timed out.
+fn failed(e: PlaceError, reason: Reason) -> Failed {
+    match e {
+        PlaceError::Timeout(e) => (Reason::Timeout, e),
+        PlaceError::NoWorker(e) | PlaceError::GaveUp(e) => (reason, e),
     }
 }
 
@@ -316,26 +322,13 @@ async fn move_half(
     metrics.half(role, Outcome::Failed);
     tracing::warn!(request = %split.id, worker = %booking.name, role = role.label(), reason = failure.label(), %detail, "disaggregated half failed");
     let prompt_tokens = split.request.prompt.len() as u64;
-    match attempts.fail(
-        booking,
-        failure,
-        Phase::BeforeFirstToken,
-        prompt_tokens,
-        &Progress::default(),
-        Ok(()),
-    ) {
-        Ok(failed) => {
-            metrics.retry(reason);
-            match tokio::time::timeout_at(split.deadline, attempts.migrate(failed, None)).await {
-                Ok(moved) => moved.map_err(|e| (reason, e)),
-                Err(_) => Err((Reason::Timeout, queue_timeout(attempts))),
-            }
-        }
-        Err(give_up) => Err((
-            reason,
-            ApiError::bad_gateway(format!("{detail}; {give_up}")),
-        )),
+    let moved = attempts
+        .move_on(booking, failure, &detail, prompt_tokens)
+        .await;
+    if !matches!(moved, Err(PlaceError::GaveUp(_))) {
+        metrics.retry(reason);
     }
+    moved.map_err(|e| failed(e, reason))
 }
 
 /// Sends a half and reads its answer: a stream to its first event, any
@@ -388,14 +381,8 @@ async fn send_half(
 }
 
 /// The request timeout passed while `booking`'s worker had a half.
-fn half_timed_out(
-    split: &Split<'_>,
-    attempts: &Attempts,
-    booking: Booking,
-    sent_at: tokio::time::Instant,
-) -> Failed {
-    let fair = sent_at.elapsed() >= split.state.first_token_timeout;
-    (Reason::Timeout, attempts.timed_out_on(booking, fair))
+fn half_timed_out(attempts: &Attempts, booking: Booking, sent_at: tokio::time::Instant) -> Failed {
+    (Reason::Timeout, attempts.timed_out_since(booking, sent_at))
 }
 
 /// How vLLM's prefill half ended well: its transfer parameters, or a
@@ -421,7 +408,7 @@ async fn vllm_prefill(split: &Split<'_>, prefill_body: &Bytes) -> Result<Prefill
             false,
         );
         let answer = match tokio::time::timeout_at(split.deadline, sent).await {
-            Err(_) => return Err(half_timed_out(split, &attempts, booking, sent_at)),
+            Err(_) => return Err(half_timed_out(&attempts, booking, sent_at)),
             Ok(answer) => answer,
         };
         let failure = match answer {
@@ -495,7 +482,7 @@ async fn vllm(
                 split.request.stream,
             );
             let answer = match tokio::time::timeout_at(split.deadline, sent).await {
-                Err(_) => return Err(half_timed_out(split, &decode, current, sent_at)),
+                Err(_) => return Err(half_timed_out(&decode, current, sent_at)),
                 Ok(answer) => answer,
             };
             match answer {
@@ -666,7 +653,7 @@ async fn sglang(
             }
             Race::Decoded(Err(_)) => {
                 prefill_task.abort();
-                return Err(half_timed_out(split, &decode, d_booking, sent_at));
+                return Err(half_timed_out(&decode, d_booking, sent_at));
             }
             Race::Decoded(Ok(answer)) => answer,
         };

@@ -18,10 +18,9 @@
 use crate::context::Shared;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::request::answer::{buffered, deliver, first_event, queue_timeout, Delivery};
+use crate::request::answer::{buffered, deliver, first_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::limits;
-use crate::request::migration::{Phase, Progress};
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
     TokenizeJob,
@@ -176,14 +175,14 @@ async fn proxy(
     first_phase(attempts, session, path, arrival, body, facts).await
 }
 
-/// Attempts until one worker produces a first event (streaming) or a whole
-/// response (non-streaming); each failure reports the worker and moves the
-/// request elsewhere (still its session's turn), up to the migration limit.
-/// The request timeout bounds every wait: for placement (a 504, no worker
-/// to blame) and for the worker's answer (a 504, and the worker reported
-/// when it had the request for at least the first-token timeout: a worker
-/// that accepts requests and never answers them must not stay
-/// selectable).
+/// The placement loop ([`Attempts`]) until one worker produces a first
+/// event (streaming) or a whole response (non-streaming); each failure
+/// reports the worker and moves the request elsewhere (still its
+/// session's turn), up to the migration limit. The request timeout bounds
+/// every wait: for placement (a 504, no worker to blame) and for the
+/// worker's answer (a 504, and the worker reported when it had the
+/// request for at least the first-token timeout: a worker that accepts
+/// requests and never answers them must not stay selectable).
 async fn first_phase(
     mut attempts: Attempts,
     session: Option<SessionKey>,
@@ -192,15 +191,9 @@ async fn first_phase(
     body: Bytes,
     facts: Parsed,
 ) -> Result<Response, ApiError> {
-    let state = attempts.state.clone();
     let prompt_tokens = facts.tokens.len() as u64;
     let deadline = attempts.deadline;
-    let wait = attempts.submit(&facts.tokens, session)?;
-    let placed = tokio::time::timeout_at(deadline, attempts.placed(wait)).await;
-    let mut booking = match placed {
-        Ok(placed) => placed?,
-        Err(_) => return Err(queue_timeout(&attempts)),
-    };
+    let mut booking = attempts.place(&facts.tokens, session).await?;
     loop {
         let sent_at = tokio::time::Instant::now();
         let attempt = async {
@@ -218,8 +211,7 @@ async fn first_phase(
         let answered = tokio::time::timeout_at(deadline, attempt).await;
         let Ok(outcome) = answered else {
             // The upstream request is dropped with the booking.
-            let fair = sent_at.elapsed() >= state.first_token_timeout;
-            return Err(attempts.timed_out_on(booking, fair));
+            return Err(attempts.timed_out_since(booking, sent_at));
         };
         match outcome {
             Ok(answer) => {
@@ -240,27 +232,9 @@ async fn first_phase(
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(reason, detail)) => {
                 tracing::warn!(request = %attempts.client_id, worker = %booking.name, reason = reason.label(), %detail, "attempt failed before the first token");
-                let progress = Progress::default();
-                match attempts.fail(
-                    booking,
-                    reason,
-                    Phase::BeforeFirstToken,
-                    prompt_tokens,
-                    &progress,
-                    Ok(()),
-                ) {
-                    Ok(failed) => {
-                        let moved =
-                            tokio::time::timeout_at(deadline, attempts.migrate(failed, None)).await;
-                        booking = match moved {
-                            Ok(moved) => moved?,
-                            Err(_) => return Err(queue_timeout(&attempts)),
-                        };
-                    }
-                    Err(give_up) => {
-                        return Err(ApiError::bad_gateway(format!("{detail}; {give_up}")))
-                    }
-                }
+                booking = attempts
+                    .move_on(booking, reason, &detail, prompt_tokens)
+                    .await?;
             }
         }
     }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
 use switchyard_server::request::booking::WaitHandle;
-use switchyard_server::shared::{Request, SharedRouter};
+use switchyard_server::shell::{Request, SharedRouter};
 use switchyard_server::ServerConfig;
 
 /// Options of `bench contention`.

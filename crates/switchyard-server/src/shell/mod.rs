@@ -1,0 +1,567 @@
+//! The router's shared state: the core's [`Dispatcher`], the worker table
+//! and the requests waiting for placement, behind one `std::sync::Mutex`,
+//! and the shell that carries out the dispatcher's [`Effects`].
+//!
+//! Why a `std` mutex and not tokio's, nor an actor: every critical section
+//! is short, synchronous work on in-memory structures (a booking, or a
+//! route + book, is a few microseconds at 64 workers) and never spans an `.await`, so a plain
+//! mutex is the cheapest correct choice — an uncontended lock is ~20 ns, an
+//! actor round trip through a channel is 220–560 ns plus a task wake-up
+//! (figures from `bench admission`'s notes).
+//!
+//! Routes are made before that lock when they can be: with exact cache
+//! tracking and a policy that keeps no state between decisions, each
+//! request is routed on the published index and load board
+//! (`switchyard_core::router::board`) first, and under the lock the
+//! dispatcher only admits it, checks that the chosen worker may still take
+//! it, and books it (or routes it there after all: a queued request, a
+//! worker gone or busy meanwhile). The changes a call made to the loads
+//! leave the lock in order and are applied to the board after it
+//! ([`Locked`], `BoardPublisher`).
+//!
+//! KV events never take that lock: with exact cache tracking the router's
+//! prefix indexes (device and host tier, one `TieredIndex`) are published
+//! (`switchyard_core::index::published`) and events of both tiers go
+//! through its one writer, under a lock of their own that also holds the
+//! liveness table the events are checked against (which workers are in
+//! the router, under which events epoch); routing reads the last
+//! published copy and never waits for an event being applied. `bench
+//! contention` measures the difference.
+//!
+//! Every lifecycle decision is the dispatcher's; this module only drives
+//! it: each call takes the lock, calls the dispatcher with the router's
+//! clock, and carries out the effects before releasing the lock — a
+//! dispatch goes to the handler waiting for it (a oneshot send, which
+//! never blocks), replica events and session bindings to the publisher's
+//! bounded queue (never blocks; a full queue drops and counts), circuit
+//! transitions to the worker table and the log, counts to the metrics. A
+//! dispatch whose handler is gone is aborted at once.
+//!
+//! - [`board`] — routes made before the lock: the published load board
+//!   and its publisher, and the lock guard that queues load changes.
+//! - [`worker_table`] — the worker table's front end: workers joining,
+//!   leaving, in or out of selection, their health, capacity, roles,
+//!   models and adapters; KV events checked against their liveness.
+//!
+//! Handlers use the guards in [`crate::request::booking`], which wrap the
+//! assignments this module hands out; nothing outside this module sees the
+//! dispatcher or the lock.
+
+mod board;
+mod worker_table;
+
+use crate::gauges::{RoutingStateCollector, Snapshot, WorkerRow};
+use crate::metrics::{AdmissionDecision, ServerMetrics};
+use crate::roster::{Role, Roster, UnknownModel};
+use prometheus_client::registry::Registry;
+use rustc_hash::FxHashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
+use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
+use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
+use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
+use switchyard_wire::replica::ReplicaBatch;
+use tokio::sync::oneshot;
+
+use board::{Locked, PreRouting};
+use worker_table::EventWriter;
+
+/// Where a request goes, handed from the dispatcher to its waiting handler
+/// (see [`crate::request::booking::WaitHandle`]).
+#[derive(Debug)]
+pub enum Assignment {
+    /// Placed and booked on a worker.
+    Dispatched {
+        /// The booking's id: what the worker is told (`x-request-id`).
+        booking: RequestId,
+        /// The worker.
+        worker: WorkerId,
+        /// Its name.
+        name: Arc<str>,
+        /// Its base URL.
+        url: Arc<str>,
+        /// Its name and URL as requests use them.
+        endpoint: Arc<crate::roster::Endpoint>,
+        /// Blocks the router expects it to have cached.
+        overlap_blocks: u32,
+        /// Time spent queued.
+        waited_ms: f64,
+        /// Live progress, when an admission strategy tracks the request.
+        progress: Option<ProgressUpdater>,
+        /// Load the request's adapter there first.
+        adapter_load: Option<switchyard_core::adapters::AdapterLoad>,
+    },
+    /// No worker can take it: the request has ended.
+    NoWorkers,
+}
+
+/// What a request brings to admission.
+#[derive(Debug)]
+pub struct Request<'a> {
+    /// Local block hashes of its prompt.
+    pub blocks: Vec<LocalHash>,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// The session, when the client named one.
+    pub session: Option<SessionKey>,
+    /// The requested model (the base model of a request for an adapter:
+    /// the workers that may serve it).
+    pub model: Option<&'a str>,
+    /// The LoRA adapter it names.
+    pub adapter: Option<&'a str>,
+    /// Its model's block size and policy (`[[models]]`), where they are
+    /// not the router's.
+    pub settings: switchyard_core::select::ModelSettings,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// 429 with this retry-after.
+    QueueFull {
+        /// Suggested wait.
+        retry_after_ms: u64,
+    },
+    /// No worker serves the model.
+    UnknownModel,
+    /// The request id is already in use here (ids are fresh per request and
+    /// migration: a bug, never the client's doing).
+    Duplicate,
+}
+
+struct Inner {
+    dispatcher: Dispatcher,
+    roster: Roster,
+    /// Handlers waiting for their request's placement.
+    waiting: FxHashMap<RequestId, oneshot::Sender<Assignment>>,
+    /// Replica sync, when on.
+    publisher: Option<ReplicaPublisher>,
+}
+
+/// The shared state; cheap to share behind an `Arc`.
+pub struct SharedRouter {
+    inner: Mutex<Inner>,
+    /// Routes made before the lock, when the policy and index allow.
+    pre: Option<PreRouting>,
+    /// The exact prefix indexes' writer (KV events of both tiers) and the
+    /// workers' liveness, when the router follows KV events: routing reads
+    /// the indexes without waiting for it (see
+    /// `switchyard_core::index::published`), and events never take
+    /// `inner`. Lock order: this, then `inner`, never the other way round.
+    index_writer: Option<Mutex<EventWriter>>,
+    epoch: Instant,
+    metrics: Arc<ServerMetrics>,
+    /// LoRA adapters: the catalogue and loads in flight
+    /// ([`crate::adapters`]).
+    pub adapters: crate::adapters::Adapters,
+}
+
+impl std::fmt::Debug for SharedRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRouter").finish_non_exhaustive()
+    }
+}
+
+impl SharedRouter {
+    /// Wraps a dispatcher (with no workers yet); an exact index is
+    /// published so that KV events never hold the routing lock while they
+    /// are applied.
+    pub fn new(mut dispatcher: Dispatcher, metrics: Arc<ServerMetrics>) -> Self {
+        let index_writer = dispatcher.publish_index().map(|index| {
+            Mutex::new(EventWriter {
+                index,
+                live: FxHashMap::default(),
+            })
+        });
+        let pre = dispatcher
+            .pre_routes()
+            .map(|(routes, writer)| PreRouting::new(routes, writer));
+        Self {
+            index_writer,
+            pre,
+            inner: Mutex::new(Inner {
+                dispatcher,
+                roster: Roster::default(),
+                waiting: FxHashMap::default(),
+                publisher: None,
+            }),
+            epoch: Instant::now(),
+            metrics,
+            adapters: crate::adapters::Adapters::default(),
+        }
+    }
+
+    /// The same router with this adapter catalogue (`[[adapters]]`).
+    pub fn with_adapters(mut self, adapters: crate::adapters::Adapters) -> Self {
+        self.adapters = adapters;
+        self
+    }
+
+    /// Router metrics.
+    pub fn metrics(&self) -> &Arc<ServerMetrics> {
+        &self.metrics
+    }
+
+    /// Milliseconds since the router started: the core's clock.
+    pub fn now_ms(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// A fresh request id: 127 bits from the thread's CSPRNG (ChaCha,
+    /// seeded from the OS and reseeded by `rand`), so ids are unique across
+    /// router processes with overwhelming probability and unpredictable:
+    /// clients see them in `x-request-id`, and no one can guess the next
+    /// one. The top bit is clear (the core keeps peers' bookings under
+    /// keys with it set, `switchyard_core::replica::REMOTE_KEY_BIT`).
+    /// Never zero.
+    pub fn next_request_id(&self) -> RequestId {
+        use rand::Rng as _;
+        RequestId((rand::thread_rng().gen::<u128>() >> 1).max(1))
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        // A panic while holding the lock leaves the state as consistent as
+        // the dispatcher's own invariants make it; keep serving.
+        Locked {
+            guard: Some(self.inner.lock().unwrap_or_else(|p| p.into_inner())),
+            board: self.pre.as_ref().map(|pre| &pre.board),
+        }
+    }
+
+    /// Runs one dispatcher call with the lock held and carries out its
+    /// effects; routing decisions it made are timed as the call's time
+    /// shared between them.
+    fn drive<R>(&self, call: impl FnOnce(&mut Inner, f64) -> (R, Effects)) -> R {
+        self.drive_from(Instant::now(), self.now_ms(), call)
+    }
+
+    /// [`Self::drive`] for a call whose work began at `started` (a route
+    /// made before the lock), at core time `now`.
+    fn drive_from<R>(
+        &self,
+        started: Instant,
+        now: f64,
+        call: impl FnOnce(&mut Inner, f64) -> (R, Effects),
+    ) -> R {
+        let mut inner = self.lock();
+        let (result, fx) = call(&mut inner, now);
+        let decisions = fx.counts.decisions;
+        self.carry_out(&mut inner, fx, now);
+        if decisions > 0 {
+            let each = started.elapsed().as_secs_f64() / f64::from(decisions);
+            for _ in 0..decisions {
+                self.metrics.routing_decision.observe(each);
+            }
+        }
+        result
+    }
+
+    /// Carries out effects (and those of the aborts they cause).
+    fn carry_out(&self, inner: &mut Inner, fx: Effects, now: f64) {
+        // The aborts' effects wait in `pending`, allocated only when a
+        // placement found nobody waiting for it.
+        let (mut next, mut pending) = (Some(fx), Vec::new());
+        while let Some(fx) = next.take().or_else(|| pending.pop()) {
+            let counts = fx.counts;
+            if counts.proposals_used > 0 {
+                self.metrics
+                    .pre_routes_used
+                    .inc_by(u64::from(counts.proposals_used));
+            }
+            if counts.proposals_rerouted > 0 {
+                self.metrics
+                    .pre_routes_rerouted
+                    .inc_by(u64::from(counts.proposals_rerouted));
+            }
+            if counts.cancelled > 0 {
+                self.metrics
+                    .count_admissions(AdmissionDecision::Cancelled, counts.cancelled);
+            }
+            self.metrics
+                .freed_by_removal
+                .inc_by(u64::from(counts.freed_by_removal));
+            if let Some(publisher) = &inner.publisher {
+                publisher
+                    .metrics()
+                    .expired
+                    .inc_by(u64::from(counts.expired_remote));
+                switchyard_replica::publish_effects(publisher, &fx.publish, &fx.bindings);
+            }
+            for change in &fx.circuits {
+                inner.roster.circuit_changed(change);
+            }
+            for sent in fx.dispatch {
+                if let Some(load) = &sent.adapter_load {
+                    self.adapters.begin(sent.worker, &load.adapter);
+                }
+                let handed = match (
+                    inner.waiting.remove(&sent.id),
+                    inner.roster.get(sent.worker),
+                ) {
+                    (Some(tx), Some(info)) => tx
+                        .send(Assignment::Dispatched {
+                            booking: sent.booking,
+                            worker: sent.worker,
+                            name: info.name.clone(),
+                            url: info.url.clone(),
+                            endpoint: info.endpoint.clone(),
+                            overlap_blocks: sent.overlap_blocks,
+                            waited_ms: sent.waited_ms,
+                            progress: sent.progress,
+                            adapter_load: sent.adapter_load,
+                        })
+                        .is_ok(),
+                    _ => false,
+                };
+                if !handed {
+                    // Nobody waits for it any more (the client went away).
+                    pending.push(inner.dispatcher.abort(sent.id, now));
+                }
+            }
+            for id in fx.no_worker {
+                if let Some(tx) = inner.waiting.remove(&id) {
+                    let _ = tx.send(Assignment::NoWorkers);
+                }
+            }
+        }
+    }
+
+    // ---- Requests (through the guards in `booking`) --------------------
+
+    /// Admission: queues the request and tries to place it at once; the
+    /// receiver gets its assignment (use [`crate::request::booking::WaitHandle`],
+    /// whose drop ends a request nobody waits for any more).
+    pub(crate) fn submit(
+        &self,
+        id: RequestId,
+        request: Request<'_>,
+    ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
+        self.submit_in(id, request, Role::Both)
+    }
+
+    /// [`Self::submit`] to the workers of one pool of a disaggregated
+    /// fleet (`Prefill` or `Decode`; `Both`: any worker): the same
+    /// admission, policy and booking, over fewer workers.
+    pub(crate) fn submit_in(
+        &self,
+        id: RequestId,
+        request: Request<'_>,
+        pool: Role,
+    ) -> Result<oneshot::Receiver<Assignment>, SubmitError> {
+        let (tx, rx) = oneshot::channel();
+        let started = Instant::now();
+        let now = self.now_ms();
+        let proposal = self.pre_route(&request, now);
+        let admitted = self.drive_from(started, now, |inner, now| {
+            let eligible = match inner.roster.eligible_in(request.model, pool) {
+                Ok(eligible) => eligible,
+                Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
+            };
+            if let Some(pre) = &self.pre {
+                pre.every_worker
+                    .store(eligible.is_empty(), Ordering::Relaxed);
+            }
+            let submission = Submission {
+                blocks: request.blocks,
+                prompt_tokens: request.prompt_tokens,
+                session: request.session,
+                eligible,
+                class: QueueClass::default(),
+                adapter: request.adapter.map(Into::into),
+                model: request.settings,
+            };
+            // Registered first: the submit's own effects may dispatch it.
+            // An id already waiting is another handler's: left alone.
+            match inner.waiting.entry(id) {
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    return (Err(SubmitError::Duplicate), Effects::default());
+                }
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(tx);
+                }
+            }
+            match inner
+                .dispatcher
+                .submit_proposed(id, submission, proposal, now)
+            {
+                Ok((admitted, fx)) => (Ok(admitted), fx),
+                Err(refused) => {
+                    inner.waiting.remove(&id);
+                    let error = match refused {
+                        Refused::Full { retry_after_ms } => {
+                            SubmitError::QueueFull { retry_after_ms }
+                        }
+                        Refused::Duplicate => SubmitError::Duplicate,
+                    };
+                    (Err(error), Effects::default())
+                }
+            }
+        });
+        match admitted {
+            Ok(Admitted::Queued) => self.metrics.count_admissions(AdmissionDecision::Queued, 1),
+            Ok(Admitted::Deferred) => self
+                .metrics
+                .count_admissions(AdmissionDecision::Deferred, 1),
+            Err(SubmitError::QueueFull { .. }) => self
+                .metrics
+                .count_admissions(AdmissionDecision::Rejected, 1),
+            Err(SubmitError::UnknownModel | SubmitError::Duplicate) => {}
+        }
+        admitted?;
+        Ok(rx)
+    }
+
+    /// The request's first token arrived.
+    pub(crate) fn first_token(&self, id: RequestId) {
+        self.drive(|inner, now| ((), inner.dispatcher.first_token(id, now)));
+    }
+
+    /// Its worker failed it (the circuit breaker hears it once per booking).
+    pub(crate) fn worker_failed(&self, id: RequestId) {
+        self.drive(|inner, now| ((), inner.dispatcher.worker_failed(id, now)));
+    }
+
+    /// It finished with `context_tokens` (prompt plus generated).
+    pub(crate) fn finish(&self, id: RequestId, context_tokens: u64) {
+        self.drive(|inner, now| ((), inner.dispatcher.finish(id, context_tokens, now)));
+    }
+
+    /// It ended without a result, wherever it was.
+    pub(crate) fn abort(&self, id: RequestId) {
+        self.drive(|inner, now| {
+            inner.waiting.remove(&id);
+            ((), inner.dispatcher.abort(id, now))
+        });
+    }
+
+    /// Moves a placed request off its worker under the new `booking` id
+    /// (with `prompt`, when it changes); the receiver gets its next
+    /// assignment.
+    pub(crate) fn migrate(
+        &self,
+        id: RequestId,
+        booking: RequestId,
+        prompt: Option<(Vec<LocalHash>, u32)>,
+    ) -> Result<oneshot::Receiver<Assignment>, MigrateError> {
+        let (tx, rx) = oneshot::channel();
+        self.drive(|inner, now| {
+            inner.waiting.insert(id, tx);
+            match inner.dispatcher.migrate(id, booking, prompt, now) {
+                Ok(fx) => (Ok(()), fx),
+                Err(e) => {
+                    inner.waiting.remove(&id);
+                    (Err(e), Effects::default())
+                }
+            }
+        })?;
+        Ok(rx)
+    }
+
+    /// Periodic work: admission reconcile and rechecks, expiry, silent
+    /// peers, circuit cooldowns.
+    pub fn tick(&self) {
+        self.drive(|inner, now| ((), inner.dispatcher.tick(now)));
+    }
+
+    /// When `tick` is next due, on [`Self::now_ms`]'s clock.
+    pub fn next_wakeup_ms(&self) -> f64 {
+        self.lock().dispatcher.next_wakeup_ms()
+    }
+
+    // ---- Replica sync -------------------------------------------------
+
+    /// Turns replica sync on as replica `id`, publishing through
+    /// `publisher`.
+    pub fn attach_replica(&self, id: ReplicaId, publisher: ReplicaPublisher) {
+        let mut inner = self.lock();
+        inner.dispatcher.set_replica(id);
+        inner.publisher = Some(publisher);
+    }
+
+    /// The replica plane's counters, with sync on.
+    pub fn replica_metrics(&self) -> Option<Arc<ReplicaMetrics>> {
+        self.lock().publisher.as_ref().map(|p| p.metrics().clone())
+    }
+
+    /// The booking ids of this replica's live bookings (its digest).
+    pub fn local_booking_ids(&self) -> Vec<RequestId> {
+        self.lock().dispatcher.local_booking_ids()
+    }
+
+    /// Applies one of a peer's batches.
+    pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
+    }
+
+    /// Frees the bookings of peers silent past their expiry; returns how
+    /// many (the plane's subscriber, which asks, counts them).
+    pub fn expire_silent_replicas(&self) -> u64 {
+        self.drive(|inner, now| {
+            let mut fx = inner.dispatcher.tick(now);
+            let expired = std::mem::take(&mut fx.counts.expired_remote);
+            (u64::from(expired), fx)
+        })
+    }
+
+    // ---- Metrics ------------------------------------------------------
+
+    /// What `/metrics` shows of the routing state, read under one lock.
+    pub fn snapshot(&self) -> Snapshot {
+        let now = self.now_ms();
+        let inner = self.lock();
+        let router = inner.dispatcher.router();
+        let registry = router.sequences().registry();
+        let workers = inner
+            .roster
+            .sorted()
+            .into_iter()
+            .map(|info| {
+                let load = registry.load(info.id);
+                let requests = load.map_or(0, |l| l.requests);
+                let remote = router.remote().remote_requests_on(info.id);
+                WorkerRow {
+                    name: info.name.clone(),
+                    prefill_tokens: load.map_or(0, |l| l.active_prefill_tokens(now)),
+                    decode_blocks: load.map_or(0, |l| l.decode_blocks),
+                    requests,
+                    local_requests: requests.saturating_sub(remote),
+                    remote_requests: remote,
+                    up: info.in_router && !info.draining,
+                    kv_usage: info.kv_usage,
+                    circuit: info.circuit,
+                    circuit_transitions: info.circuit_transitions,
+                }
+            })
+            .collect();
+        let admission = inner.dispatcher.admission();
+        Snapshot {
+            workers,
+            active_requests: router.sequences().active_requests(),
+            index_blocks: router.with_index(|index| index.live_pairs()),
+            index_bytes: router.estimated_bytes(),
+            index_evicted_blocks: router.index_evicted_over_cap(),
+            queue_depth: admission.queue().len(),
+            strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),
+        }
+    }
+
+    /// Registers what `/metrics` shows of this router into `registry`: its
+    /// own counters and histograms, the routing state (a [`Snapshot`] per
+    /// scrape) and, with replica sync attached (call after
+    /// [`Self::attach_replica`]), the replica plane's counters.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        self.metrics.register(registry);
+        let shared = self.clone();
+        registry.register_collector(Box::new(RoutingStateCollector::new(move || {
+            shared.snapshot()
+        })));
+        if let Some(replica) = self.replica_metrics() {
+            replica.register(registry);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
