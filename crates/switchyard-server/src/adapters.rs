@@ -51,16 +51,16 @@ use switchyard_core::WorkerId;
 use tokio::sync::watch;
 
 /// Adapters learned from workers' `/v1/models`, at most.
-pub const MAX_LEARNED: usize = 1024;
+pub(crate) const MAX_LEARNED: usize = 1024;
 /// Adapter cards read from one `/v1/models`, at most.
-pub const MAX_CARDS: usize = 1024;
+pub(crate) const MAX_CARDS: usize = 1024;
 /// Longest adapter path kept (bytes).
-pub const MAX_PATH_BYTES: usize = 4096;
+pub(crate) const MAX_PATH_BYTES: usize = 4096;
 /// How long a learned adapter (or a base model name) stays known after
 /// the last worker listed it: a few health rounds.
-pub const LEARNED_TTL: Duration = Duration::from_secs(60);
+pub(crate) const LEARNED_TTL: Duration = Duration::from_secs(60);
 /// Loads in flight tracked at once, at most.
-pub const MAX_PENDING: usize = 4096;
+pub(crate) const MAX_PENDING: usize = 4096;
 
 /// One `[[adapters]]` table.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

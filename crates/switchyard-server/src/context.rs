@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Largest single SSE event the router accepts from a worker.
-pub const MAX_EVENT_BYTES: usize = 256 * 1024;
+pub(crate) const MAX_EVENT_BYTES: usize = 256 * 1024;
 
 /// Header naming the worker that served a response.
-pub const WORKER_HEADER: &str = "x-switchyard-worker";
+pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";
 
 /// Everything a handler reads.
 pub struct AppState {
@@ -131,7 +131,7 @@ impl AppState {
 
 /// The `Authorization` header value the router sends to workers, when
 /// `--worker-api-key` is set (marked sensitive: never logged by hyper).
-pub fn worker_authorization(config: &crate::config::ServerConfig) -> Option<HeaderValue> {
+pub(crate) fn worker_authorization(config: &crate::config::ServerConfig) -> Option<HeaderValue> {
     let key = config.worker_api_key.as_ref()?.expose();
     let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
     value.set_sensitive(true);

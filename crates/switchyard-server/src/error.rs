@@ -9,7 +9,7 @@ use switchyard_wire::openai::ErrorBody;
 /// An error answered by the router itself (never one passed through from a
 /// worker, whose bodies go back unchanged).
 #[derive(Debug)]
-pub struct ApiError {
+pub(crate) struct ApiError {
     /// HTTP status (also the body's `code`).
     pub status: StatusCode,
     /// Its message never contains prompt text.
@@ -41,27 +41,27 @@ impl ApiError {
     }
 
     /// 400: malformed JSON or an invalid field.
-    pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+    pub(crate) fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ErrorBody::invalid_request(message, param).into()
     }
 
     /// 401: missing or wrong key.
-    pub fn unauthorized() -> Self {
+    pub(crate) fn unauthorized() -> Self {
         ErrorBody::authentication("invalid or missing API key (Authorization: Bearer ...)").into()
     }
 
     /// 404: unknown route or model.
-    pub fn not_found(message: impl Into<String>, param: Option<&'static str>) -> Self {
+    pub(crate) fn not_found(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ErrorBody::not_found(message, param).into()
     }
 
     /// 413: body over the limit.
-    pub fn too_large(limit: usize) -> Self {
+    pub(crate) fn too_large(limit: usize) -> Self {
         ErrorBody::too_large(limit).into()
     }
 
     /// 408: the request body did not arrive within `after`.
-    pub fn slow_upload(after: std::time::Duration) -> Self {
+    pub(crate) fn slow_upload(after: std::time::Duration) -> Self {
         ErrorBody::new(
             408,
             "timeout",
@@ -74,7 +74,7 @@ impl ApiError {
     }
 
     /// 429: the admission queue is full.
-    pub fn queue_full(retry_after_ms: u64) -> Self {
+    pub(crate) fn queue_full(retry_after_ms: u64) -> Self {
         Self::from(ErrorBody::rate_limited(
             "the router's admission queue is full; retry later",
         ))
@@ -83,7 +83,7 @@ impl ApiError {
 
     /// 429: a rate limit of the client's key; `Retry-After` rounded up to
     /// whole seconds when waiting helps.
-    pub fn rate_limited(
+    pub(crate) fn rate_limited(
         message: impl Into<String>,
         retry_after: Option<std::time::Duration>,
     ) -> Self {
@@ -95,12 +95,12 @@ impl ApiError {
     }
 
     /// 503: no worker can take the request.
-    pub fn no_workers(message: impl Into<String>) -> Self {
+    pub(crate) fn no_workers(message: impl Into<String>) -> Self {
         Self::from(ErrorBody::unavailable(message)).retry_after(1)
     }
 
     /// 503: the router already holds `limit` requests (`--max-inflight`).
-    pub fn overloaded(limit: u64) -> Self {
+    pub(crate) fn overloaded(limit: u64) -> Self {
         Self::from(ErrorBody::unavailable(format!(
             "the router is at its limit of {limit} requests in flight; retry later"
         )))
@@ -108,7 +108,7 @@ impl ApiError {
     }
 
     /// 503: the router is shutting down.
-    pub fn shutting_down() -> Self {
+    pub(crate) fn shutting_down() -> Self {
         Self::from(ErrorBody::unavailable(
             "the router is shutting down; retry on another replica",
         ))
@@ -116,12 +116,12 @@ impl ApiError {
     }
 
     /// 502: the chosen worker failed before answering.
-    pub fn bad_gateway(message: impl Into<String>) -> Self {
+    pub(crate) fn bad_gateway(message: impl Into<String>) -> Self {
         ErrorBody::upstream(message).into()
     }
 
     /// 504: the request timeout passed; the upstream work was cancelled.
-    pub fn timeout(after: std::time::Duration) -> Self {
+    pub(crate) fn timeout(after: std::time::Duration) -> Self {
         ErrorBody::timeout(format!(
             "the request did not complete within the router's request timeout of {:.1} s",
             after.as_secs_f64()
@@ -130,12 +130,12 @@ impl ApiError {
     }
 
     /// 500: a bug or an internal failure.
-    pub fn internal(message: impl Into<String>) -> Self {
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
         ErrorBody::internal(message).into()
     }
 
     /// The body (as JSON: [`ErrorBody::to_json`]).
-    pub fn body(&self) -> &ErrorBody {
+    pub(crate) fn body(&self) -> &ErrorBody {
         &self.body
     }
 }

@@ -197,14 +197,14 @@ impl Collector for Snapshot {
 
 /// The routing state's series for a registry: a fresh [`Snapshot`] from
 /// `take` at every scrape.
-pub struct RoutingStateCollector {
+pub(crate) struct RoutingStateCollector {
     take: Box<dyn Fn() -> Snapshot + Send + Sync>,
 }
 
 impl RoutingStateCollector {
     /// A collector that snapshots with `take` (the router's
     /// [`crate::shell::SharedRouter::snapshot`]).
-    pub fn new(take: impl Fn() -> Snapshot + Send + Sync + 'static) -> Self {
+    pub(crate) fn new(take: impl Fn() -> Snapshot + Send + Sync + 'static) -> Self {
         Self {
             take: Box::new(take),
         }

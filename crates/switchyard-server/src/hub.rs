@@ -23,7 +23,7 @@ use switchyard_tokenizer::{HF_CONFIG, HF_TOKENIZER};
 
 /// Where and whether [`tokenizer_dir_from_hub`] may fetch a tokenizer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HubOptions {
+pub(crate) struct HubOptions {
     /// Download files missing from the cache (`--allow-hub-download`);
     /// `false` (the default) reads the cache only and never opens a
     /// connection.
@@ -39,7 +39,7 @@ pub struct HubOptions {
 /// Why no tokenizer directory could be had for a hub id. Each message
 /// names the hub id, the files and the cache directory, and how to fix it.
 #[derive(Debug, thiserror::Error)]
-pub enum HubError {
+pub(crate) enum HubError {
     /// The hub id is not `NAME` or `ORG/NAME`.
     #[error(
         "{hub_id:?} is not a Hugging Face Hub model id (ORG/NAME, such as Qwen/Qwen3-8B): \
@@ -149,7 +149,10 @@ pub enum HubError {
 ///
 /// Tested on caches laid out by hand in hf-hub's layout; the download
 /// itself is not tested here (the tests run without network access).
-pub fn tokenizer_dir_from_hub(hub_id: &str, options: &HubOptions) -> Result<PathBuf, HubError> {
+pub(crate) fn tokenizer_dir_from_hub(
+    hub_id: &str,
+    options: &HubOptions,
+) -> Result<PathBuf, HubError> {
     if !is_valid_hub_id(hub_id) {
         return Err(HubError::InvalidId {
             hub_id: hub_id.to_owned(),

@@ -48,21 +48,21 @@ use switchyard_core::select::{ModelSettings, PolicyKind};
 
 /// Most `[[models]]` tables (each is a label value of the per-model
 /// series, and a tokenizer in memory).
-pub const MAX_MODELS: usize = 64;
+pub(crate) const MAX_MODELS: usize = 64;
 /// Longest model name.
-pub const MAX_MODEL_NAME_BYTES: usize = 256;
+pub(crate) const MAX_MODEL_NAME_BYTES: usize = 256;
 /// The label of the default entry (models not listed).
-pub const DEFAULT_LABEL: &str = "default";
+pub(crate) const DEFAULT_LABEL: &str = "default";
 /// Bytes per token assumed for a prompt whose model has no tokenizer
 /// here (English text averages about four bytes a token with the common
 /// BPE vocabularies); only the load view reads it.
-pub const BYTES_PER_TOKEN_ESTIMATE: usize = 4;
+pub(crate) const BYTES_PER_TOKEN_ESTIMATE: usize = 4;
 
 /// Text the router and each worker's engine tokenize to check that they
 /// agree ([`IdsTrust`]): words, digits, punctuation, whitespace runs,
 /// accents, CJK and an emoji, so that different vocabularies or
 /// pre-tokenizers split it differently; no special token.
-pub const TOKENIZER_PROBE: &str = "Switchyard checks its tokenizer: 0123456789, \"quoted\" (text)\n\n\tnaïve café — 東京の天気 🚀 don't stop...";
+pub(crate) const TOKENIZER_PROBE: &str = "Switchyard checks its tokenizer: 0123456789, \"quoted\" (text)\n\n\tnaïve café — 東京の天気 🚀 don't stop...";
 
 /// Whether a model's token ids, as the router computes them, are the
 /// engine's (a stream is resumed by token ids only then).
@@ -160,15 +160,6 @@ impl ModelSpec {
         }
         Ok(())
     }
-}
-
-/// How the router may fetch tokenizers from the Hugging Face hub.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HubAccess {
-    /// Download what the cache lacks (off: the cache only).
-    pub allow_download: bool,
-    /// The hub cache (default: hf-hub's, from `HF_HOME`/`HF_HUB_CACHE`).
-    pub cache_dir: Option<PathBuf>,
 }
 
 /// One model's routing settings and counters.
@@ -387,7 +378,7 @@ impl Models {
 }
 
 /// The block size of each `[[models]]` table that names one.
-pub fn block_sizes(specs: &[ModelSpec]) -> FxHashMap<String, u32> {
+pub(crate) fn block_sizes(specs: &[ModelSpec]) -> FxHashMap<String, u32> {
     specs
         .iter()
         .take(MAX_MODELS)
@@ -398,13 +389,13 @@ pub fn block_sizes(specs: &[ModelSpec]) -> FxHashMap<String, u32> {
 /// The block size of a worker serving `served` (its `/v1/models`): that
 /// of the first model with one in `sizes` ([`block_sizes`]), else `None`
 /// (the router's).
-pub fn worker_block_size(sizes: &FxHashMap<String, u32>, served: &[String]) -> Option<u32> {
+pub(crate) fn worker_block_size(sizes: &FxHashMap<String, u32>, served: &[String]) -> Option<u32> {
     served.iter().find_map(|m| sizes.get(m).copied())
 }
 
 /// A listed model's tokenizer: from its directory, or from the hub cache
 /// (downloaded when `hub` allows it).
-pub fn load_tokenizer(
+pub(crate) fn load_tokenizer(
     spec: &ModelSpec,
     hub: &crate::hub::HubOptions,
     segment_cache_ids: u64,
@@ -426,7 +417,7 @@ pub fn load_tokenizer(
 type Series<T> = (&'static str, &'static str, fn(&ModelRouting) -> T);
 
 /// Each model's series, read at scrape time.
-pub struct ModelsCollector(pub Arc<Models>);
+pub(crate) struct ModelsCollector(pub Arc<Models>);
 
 impl std::fmt::Debug for ModelsCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

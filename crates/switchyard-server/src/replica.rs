@@ -145,7 +145,7 @@ impl ReplicaArgs {
 
 /// Peers' events into the server's routing state.
 #[derive(Debug)]
-pub struct ServerSink {
+pub(crate) struct ServerSink {
     shared: Arc<SharedRouter>,
 }
 
@@ -165,7 +165,7 @@ impl ReplicaSink for ServerSink {
 
 /// Connects to NATS, starts the plane of a fresh replica id over `shared`
 /// and attaches its [`ReplicaLink`] to the core. Call before serving.
-pub async fn start(
+pub(crate) async fn start(
     config: &ReplicaConfig,
     shared: &Arc<SharedRouter>,
 ) -> Result<ReplicaPlane, TransportError> {
@@ -182,7 +182,7 @@ pub async fn start(
 
 /// [`start`] over any transport (in-process replicas share an
 /// [`switchyard_replica::InProcessBus`]).
-pub async fn start_over<T: Transport>(
+pub(crate) async fn start_over<T: Transport>(
     transport: Arc<T>,
     config: &ReplicaConfig,
     shared: &Arc<SharedRouter>,

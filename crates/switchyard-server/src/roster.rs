@@ -135,28 +135,28 @@ impl Endpoint {
 
 /// Why a request cannot be routed at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct UnknownModel;
+pub(crate) struct UnknownModel;
 
 /// Every worker, by id.
 #[derive(Debug, Default)]
-pub struct Roster {
+pub(crate) struct Roster {
     workers: FxHashMap<WorkerId, WorkerInfo>,
 }
 
 impl Roster {
     /// A worker by id.
-    pub fn get(&self, id: WorkerId) -> Option<&WorkerInfo> {
+    pub(crate) fn get(&self, id: WorkerId) -> Option<&WorkerInfo> {
         self.workers.get(&id)
     }
 
     /// A worker by id, mutably.
-    pub fn get_mut(&mut self, id: WorkerId) -> Option<&mut WorkerInfo> {
+    pub(crate) fn get_mut(&mut self, id: WorkerId) -> Option<&mut WorkerInfo> {
         self.workers.get_mut(&id)
     }
 
     /// Registers a worker named `name` with id `id`; refused when the name
     /// or the id is taken.
-    pub fn insert(&mut self, id: WorkerId, name: &str, url: &str) -> Result<(), String> {
+    pub(crate) fn insert(&mut self, id: WorkerId, name: &str, url: &str) -> Result<(), String> {
         if self.workers.values().any(|w| &*w.name == name) {
             return Err(format!("a worker named {name:?} exists"));
         }
@@ -189,19 +189,19 @@ impl Roster {
     }
 
     /// Forgets a worker.
-    pub fn remove(&mut self, id: WorkerId) -> Option<WorkerInfo> {
+    pub(crate) fn remove(&mut self, id: WorkerId) -> Option<WorkerInfo> {
         self.workers.remove(&id)
     }
 
     /// Every worker, sorted by name.
-    pub fn sorted(&self) -> Vec<&WorkerInfo> {
+    pub(crate) fn sorted(&self) -> Vec<&WorkerInfo> {
         let mut list: Vec<&WorkerInfo> = self.workers.values().collect();
         list.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         list
     }
 
     /// Counts and logs circuit transitions.
-    pub fn circuit_changed(&mut self, change: &CircuitChange) {
+    pub(crate) fn circuit_changed(&mut self, change: &CircuitChange) {
         let Some(info) = self.workers.get_mut(&change.worker) else {
             return;
         };
@@ -223,7 +223,7 @@ impl Roster {
     /// Workers that may take new requests for `model`: empty means every
     /// worker. `UnknownModel` when workers are up but none serves `model`
     /// (and none is draining, whose model list may be the one missing).
-    pub fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, UnknownModel> {
+    pub(crate) fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, UnknownModel> {
         let serves = |info: &WorkerInfo| match model {
             None => true,
             Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
@@ -264,14 +264,14 @@ impl Roster {
     /// has role `prefill` and one role `decode` (healthy or not: a pool
     /// whose workers are all down fails its halves rather than sending
     /// whole requests to workers set up for one half).
-    pub fn disaggregated(&self) -> bool {
+    pub(crate) fn disaggregated(&self) -> bool {
         let has = |role| self.workers.values().any(|w| w.role == role);
         has(Role::Prefill) && has(Role::Decode)
     }
 
     /// [`Self::eligible_for`] restricted to the workers in `pool`
     /// (`Prefill` or `Decode`; `Both`: no restriction).
-    pub fn eligible_in(
+    pub(crate) fn eligible_in(
         &self,
         model: Option<&str>,
         pool: Role,

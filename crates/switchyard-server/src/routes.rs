@@ -21,7 +21,7 @@ use std::sync::Arc;
 /// The axum router for `state`: [`routes`] behind the credential check
 /// ([`crate::front::auth`]). The server adds the in-flight limit between the two
 /// ([`crate::front_door`]).
-pub fn app(state: Shared) -> AxumRouter {
+pub(crate) fn app(state: Shared) -> AxumRouter {
     let credentials = state.credentials.clone();
     crate::front::auth::layer(routes(state), credentials)
 }
@@ -29,7 +29,7 @@ pub fn app(state: Shared) -> AxumRouter {
 /// The routes, each `POST` body read whole within its limit and deadline
 /// ([`crate::front::upload`]) before its handler runs. The admin routes exist only
 /// while an admin token is configured.
-pub fn routes(state: Shared) -> AxumRouter {
+pub(crate) fn routes(state: Shared) -> AxumRouter {
     let limit = state.max_body_bytes;
     let uploads = Arc::new(UploadLimits {
         max_bytes: limit,

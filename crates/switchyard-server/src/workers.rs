@@ -40,18 +40,18 @@ use switchyard_wire::engine_metrics::{kv_usage_fraction, vllm_lora_slots, KvCapa
 use switchyard_wire::prometheus::Scrape;
 
 /// The pooled upstream HTTP client.
-pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub(crate) type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// Builds the pooled HTTP/1 client shared by the proxy and health checks,
 /// for `http://` workers (an `https://` one fails its handshake: no root
 /// is trusted).
-pub fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
+pub(crate) fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
     upstream_client_with(connect_timeout, crate::front::tls::WorkerTls::no_roots())
 }
 
 /// [`upstream_client`] reaching `https://` workers as `tls` says
 /// ([`crate::front::tls::WorkerTls::client_config`]).
-pub fn upstream_client_with(
+pub(crate) fn upstream_client_with(
     connect_timeout: Duration,
     tls: rustls::ClientConfig,
 ) -> UpstreamClient {

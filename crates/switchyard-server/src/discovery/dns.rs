@@ -20,7 +20,7 @@ use std::time::Duration;
 /// Why a resolution gave no workers; the `reason` label of
 /// `switchyard_discovery_errors_total`.
 #[derive(Debug, thiserror::Error)]
-pub enum DnsError {
+pub(crate) enum DnsError {
     /// The name has no A or AAAA records (NXDOMAIN or no data). Treated as
     /// a failure, not as "no workers": a name that vanishes for a moment
     /// must not drain the fleet. A fleet scaled to zero is left to the
@@ -34,7 +34,7 @@ pub enum DnsError {
 
 impl DnsError {
     /// Its metric label.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             DnsError::Empty(_) => "empty",
             DnsError::Resolve(..) => "resolve",
@@ -44,7 +44,7 @@ impl DnsError {
 
 /// A resolver for the discovery sources: the system's configuration, or
 /// `servers` (UDP, then TCP on a truncated or failed answer) when given.
-pub fn resolver(servers: &[SocketAddr], timeout: Duration) -> Result<TokioResolver, String> {
+pub(crate) fn resolver(servers: &[SocketAddr], timeout: Duration) -> Result<TokioResolver, String> {
     let mut builder = if servers.is_empty() {
         TokioResolver::builder_tokio()
             .map_err(|e| format!("reading the system's DNS configuration: {e}"))?
@@ -67,7 +67,7 @@ pub fn resolver(servers: &[SocketAddr], timeout: Duration) -> Result<TokioResolv
 }
 
 /// The addresses `name` resolves to now.
-pub async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, DnsError> {
+pub(crate) async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, DnsError> {
     match resolver.lookup_ip(name).await {
         Ok(found) => {
             let ips: Vec<IpAddr> = found.iter().collect();
@@ -84,7 +84,7 @@ pub async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>,
 
 /// The workers at `ips` on `port`: `http://IP:PORT` named `IP:PORT`
 /// (IPv6 in brackets), in address order, each address once.
-pub fn workers_at(ips: &[IpAddr], port: u16) -> Vec<WorkerSpec> {
+pub(crate) fn workers_at(ips: &[IpAddr], port: u16) -> Vec<WorkerSpec> {
     let mut addrs: Vec<SocketAddr> = ips.iter().map(|ip| SocketAddr::new(*ip, port)).collect();
     addrs.sort_unstable();
     addrs.dedup();

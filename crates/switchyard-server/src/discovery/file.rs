@@ -17,11 +17,11 @@ use std::path::{Path, PathBuf};
 
 /// The largest workers file read; a larger one is an error (the last good
 /// set stays).
-pub const MAX_FILE_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_FILE_BYTES: u64 = 1 << 20;
 
 /// What one poll of the file found.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Poll {
+pub(crate) enum Poll {
     /// The same bytes as last time (or the same failure): nothing to do.
     Unchanged,
     /// New contents that parsed: the file's workers.
@@ -33,7 +33,7 @@ pub enum Poll {
 /// Why the file's workers could not be read; the `reason` label of
 /// `switchyard_discovery_errors_total`.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum FileError {
+pub(crate) enum FileError {
     /// The file is not there.
     #[error("{}: not found; keeping the last set of workers", .0.display())]
     Missing(PathBuf),
@@ -47,7 +47,7 @@ pub enum FileError {
 
 impl FileError {
     /// Its metric label.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             FileError::Missing(_) => "missing",
             FileError::Read(..) => "read",
@@ -60,7 +60,7 @@ impl FileError {
 /// whether the last poll failed; the driver calls [`FileWatch::poll`]
 /// (blocking file I/O: off the async threads).
 #[derive(Debug)]
-pub struct FileWatch {
+pub(crate) struct FileWatch {
     path: PathBuf,
     /// The block sizes a worker may name (the router's, then its
     /// `[[models]]` tables').
@@ -76,7 +76,7 @@ pub struct FileWatch {
 impl FileWatch {
     /// A watch of `path` for a router hashing at `block_sizes` (its own
     /// first) in `cache` mode.
-    pub fn new(path: &Path, block_sizes: Vec<u32>, cache: CacheMode) -> Self {
+    pub(crate) fn new(path: &Path, block_sizes: Vec<u32>, cache: CacheMode) -> Self {
         Self {
             path: path.to_owned(),
             block_sizes,
@@ -86,13 +86,8 @@ impl FileWatch {
         }
     }
 
-    /// The watched path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Reads the file and says what changed.
-    pub fn poll(&mut self) -> Poll {
+    pub(crate) fn poll(&mut self) -> Poll {
         match read_bounded(&self.path) {
             Ok(bytes) => self.contents(&bytes),
             Err(error) => {
@@ -107,7 +102,7 @@ impl FileWatch {
     }
 
     /// A poll's outcome for the file's bytes.
-    pub fn contents(&mut self, bytes: &[u8]) -> Poll {
+    pub(crate) fn contents(&mut self, bytes: &[u8]) -> Poll {
         let hash = content_hash(bytes);
         if self.last_hash == Some(hash) {
             return Poll::Unchanged;

@@ -18,9 +18,9 @@
 //! drain, then add. Every pass reconciles, changed or not: an add refused
 //! once (its name still draining, say) is retried at the next.
 
-pub mod dns;
-pub mod file;
-pub mod reconcile;
+pub(crate) mod dns;
+pub(crate) mod file;
+pub(crate) mod reconcile;
 
 use crate::config::{parse_dns_target, ServerConfig, WorkerSpec};
 use crate::workers::Fleet;
@@ -38,7 +38,7 @@ use tokio::task::JoinHandle;
 /// The discovery sources' metrics, labelled by source (`file`, or
 /// `dns:NAME:PORT`: as many as configured, so the label set is bounded).
 #[derive(Debug, Default)]
-pub struct DiscoveryMetrics {
+pub(crate) struct DiscoveryMetrics {
     workers: Family<SourceLabels, Gauge>,
     errors: Family<ErrorLabels, Counter>,
     dropped: Family<SourceLabels, Counter>,
@@ -64,7 +64,7 @@ struct ChangeLabels {
 
 impl DiscoveryMetrics {
     /// Puts the families into the `/metrics` registry.
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         registry.register(
             "switchyard_discovery_workers",
             "Workers a discovery source has in the worker table",
@@ -219,7 +219,7 @@ impl Source {
 /// The configured sources, ready to start: built before the router binds,
 /// so that a resolver that cannot be built fails the start cleanly.
 #[derive(Debug)]
-pub struct Sources {
+pub(crate) struct Sources {
     file: Option<(file::FileWatch, Duration)>,
     dns: Vec<DnsTarget>,
     limit: usize,
@@ -247,7 +247,7 @@ impl Sources {
     /// The sources of `config` (none when discovery is off). Fails only on
     /// a resolver that cannot be built (an unreadable system DNS
     /// configuration); a source's later failures keep its last set.
-    pub fn new(config: &ServerConfig) -> Result<Self, String> {
+    pub(crate) fn new(config: &ServerConfig) -> Result<Self, String> {
         let discovery = &config.discovery;
         let file = discovery.workers_file.as_ref().map(|path| {
             (
@@ -279,7 +279,11 @@ impl Sources {
     }
 
     /// Starts one task per source, adding to and draining from `fleet`.
-    pub fn spawn(self, fleet: &Arc<Fleet>, metrics: &Arc<DiscoveryMetrics>) -> Vec<JoinHandle<()>> {
+    pub(crate) fn spawn(
+        self,
+        fleet: &Arc<Fleet>,
+        metrics: &Arc<DiscoveryMetrics>,
+    ) -> Vec<JoinHandle<()>> {
         let mut tasks = Vec::new();
         if let Some((watch, interval)) = self.file {
             tasks.push(tokio::spawn(watch_file(

@@ -13,11 +13,11 @@ use crate::config::WorkerSpec;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A source's workers by name (their `display_name`).
-pub type WorkerSet = BTreeMap<String, WorkerSpec>;
+pub(crate) type WorkerSet = BTreeMap<String, WorkerSpec>;
 
 /// What one pass must do, in this order: drain, then add.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Owned workers to add to the table.
     pub add: Vec<WorkerSpec>,
     /// Owned workers to drain and remove (by name): gone from the source,
@@ -25,13 +25,6 @@ pub struct Plan {
     pub drain: Vec<String>,
     /// Desired names another holds: left alone.
     pub conflicts: Vec<String>,
-}
-
-impl Plan {
-    /// Whether the pass changes nothing.
-    pub fn is_empty(&self) -> bool {
-        self.add.is_empty() && self.drain.is_empty()
-    }
 }
 
 /// The plan that takes `owned` (the source's workers now in the table and
@@ -42,7 +35,7 @@ impl Plan {
 /// applying the plan leaves the source owning exactly the desired workers
 /// it can hold — those not in `others`, and not changed in place (those
 /// follow once their old form has drained).
-pub fn plan(owned: &WorkerSet, desired: &WorkerSet, others: &BTreeSet<String>) -> Plan {
+pub(crate) fn plan(owned: &WorkerSet, desired: &WorkerSet, others: &BTreeSet<String>) -> Plan {
     let mut out = Plan::default();
     for (name, spec) in owned {
         if desired.get(name) != Some(spec) {
@@ -65,7 +58,10 @@ pub fn plan(owned: &WorkerSet, desired: &WorkerSet, others: &BTreeSet<String>) -
 /// `specs` as a set by name, at most `limit` of them (the first by name):
 /// the set and how many were dropped. Names are unique in a validated
 /// table; a repeated name keeps its first entry and counts as dropped.
-pub fn capped(specs: impl IntoIterator<Item = WorkerSpec>, limit: usize) -> (WorkerSet, usize) {
+pub(crate) fn capped(
+    specs: impl IntoIterator<Item = WorkerSpec>,
+    limit: usize,
+) -> (WorkerSet, usize) {
     let mut all = WorkerSet::new();
     let mut dropped = 0usize;
     for spec in specs {
@@ -114,11 +110,11 @@ mod tests {
     fn a_source_never_touches_a_worker_it_did_not_add() {
         let desired = set(&[spec("manual", 9)]);
         let p = plan(&WorkerSet::new(), &desired, &names(&["manual", "other"]));
-        assert!(p.is_empty(), "{p:?}");
+        assert!(p.add.is_empty() && p.drain.is_empty(), "{p:?}");
         assert_eq!(p.conflicts, vec!["manual".to_owned()]);
         // Nor drains it when it leaves the source: it was never owned.
         let p = plan(&WorkerSet::new(), &WorkerSet::new(), &names(&["manual"]));
-        assert!(p.is_empty() && p.conflicts.is_empty());
+        assert!(p.add.is_empty() && p.drain.is_empty() && p.conflicts.is_empty());
     }
 
     #[test]

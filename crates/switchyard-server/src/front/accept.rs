@@ -48,11 +48,11 @@ use tokio_rustls::TlsAcceptor;
 /// Largest read buffer of one connection, so the largest request head
 /// (hyper's default is about 400 KiB). An open connection costs at most
 /// this much for reading, whatever its client sends.
-pub const READ_BUFFER_BYTES: usize = 64 * 1024;
+pub(crate) const READ_BUFFER_BYTES: usize = 64 * 1024;
 
 /// The per-connection bounds.
 #[derive(Clone, Copy, Debug)]
-pub struct ConnectionLimits {
+pub(crate) struct ConnectionLimits {
     /// Connections open at once.
     pub max_connections: usize,
     /// Time for a request head to arrive (and for an idle connection to
@@ -65,7 +65,7 @@ pub struct ConnectionLimits {
 
 /// Serves `app` on `listener` until `stop` turns true, then waits for the
 /// open requests to end (the caller bounds that wait).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     app: axum::Router,
     limits: ConnectionLimits,

@@ -35,18 +35,12 @@ use switchyard_wire::openai::ErrorBody;
 
 /// A bearer secret. Its `Debug` never shows it.
 #[derive(Clone)]
-pub struct Secret(Box<[u8]>);
+pub(crate) struct Secret(Box<[u8]>);
 
 impl Secret {
     /// The secret `text`.
-    pub fn new(text: &str) -> Self {
+    pub(crate) fn new(text: &str) -> Self {
         Self(text.as_bytes().into())
-    }
-
-    /// Whether `given` is this secret, in time that depends on the lengths
-    /// only.
-    pub fn matches(&self, given: &[u8]) -> bool {
-        self.0.as_ref().ct_eq(given).into()
     }
 }
 
@@ -56,15 +50,9 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Whether `given` is any of `keys`: every key is compared, so the time
-/// does not tell which one (or whether an early one) matched.
-pub fn any_matches(keys: &[Secret], given: &[u8]) -> bool {
-    position(keys, given).is_some()
-}
-
 /// The token of an `Authorization: Bearer TOKEN` header (scheme matched
 /// without case, surrounding spaces trimmed).
-pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
     let value = headers.get(header::AUTHORIZATION)?.as_bytes();
     let (scheme, token) = value.split_at_checked(7)?;
     if !scheme.eq_ignore_ascii_case(b"bearer ") {
@@ -261,7 +249,7 @@ impl Credentials {
 
 /// Wraps `app` so that every request is checked by [`Credentials::admits`]
 /// before anything else of `app` runs; apply it last (outermost).
-pub fn layer(app: axum::Router, credentials: Arc<Credentials>) -> axum::Router {
+pub(crate) fn layer(app: axum::Router, credentials: Arc<Credentials>) -> axum::Router {
     app.layer(axum::middleware::from_fn_with_state(credentials, check))
 }
 
@@ -318,11 +306,12 @@ mod tests {
     #[test]
     fn a_secret_matches_itself_only() {
         let s = Secret::new("sk-good");
-        assert!(s.matches(b"sk-good"));
-        assert!(!s.matches(b"sk-goo"));
-        assert!(!s.matches(b"sk-good!"));
-        assert!(!s.matches(b"sk-bad!"));
-        assert!(!s.matches(b""));
+        let matches = |given: &[u8]| position(std::slice::from_ref(&s), given) == Some(0);
+        assert!(matches(b"sk-good"));
+        assert!(!matches(b"sk-goo"));
+        assert!(!matches(b"sk-good!"));
+        assert!(!matches(b"sk-bad!"));
+        assert!(!matches(b""));
         assert_eq!(format!("{s:?}"), "Secret(..)", "Debug hides the secret");
     }
 
@@ -333,11 +322,11 @@ mod tests {
             Secret::new("b-22"),
             Secret::new("c-333"),
         ];
-        for given in ["a-1", "b-22", "c-333"] {
-            assert!(any_matches(&keys, given.as_bytes()), "{given}");
+        for (i, given) in ["a-1", "b-22", "c-333"].iter().enumerate() {
+            assert_eq!(position(&keys, given.as_bytes()), Some(i), "{given}");
         }
-        assert!(!any_matches(&keys, b"d-4444"));
-        assert!(!any_matches(&[], b"a-1"));
+        assert_eq!(position(&keys, b"d-4444"), None);
+        assert_eq!(position(&[], b"a-1"), None);
     }
 
     #[test]

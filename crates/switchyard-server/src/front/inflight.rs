@@ -115,7 +115,7 @@ impl Drop for Permit {
 /// Wraps `app` so that every request but the probes (`/health`, `/ready`,
 /// `/metrics`) is counted, limited and cancellable. `switchyard_requests_total`
 /// counts OpenAI requests (`POST /v1/...`) only.
-pub fn layer(app: axum::Router, inflight: Arc<Inflight>) -> axum::Router {
+pub(crate) fn layer(app: axum::Router, inflight: Arc<Inflight>) -> axum::Router {
     app.layer(axum::middleware::from_fn_with_state(inflight, guard))
 }
 

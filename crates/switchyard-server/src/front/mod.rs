@@ -14,9 +14,9 @@
 //!
 //! [`crate::front_door`] puts them together around [`crate::routes`].
 
-pub mod accept;
-pub mod auth;
-pub mod inflight;
-pub mod ratelimit;
-pub mod tls;
-pub mod upload;
+pub(crate) mod accept;
+pub(crate) mod auth;
+pub(crate) mod inflight;
+pub(crate) mod ratelimit;
+pub(crate) mod tls;
+pub(crate) mod upload;

@@ -35,14 +35,14 @@ use std::time::Duration;
 /// a bound: the engine decides how much such a request generates (vLLM's
 /// and SGLang's completion requests default `max_tokens` to 16, their
 /// chat requests to none).
-pub const DEFAULT_OUTPUT_TOKENS: u32 = 1024;
+pub(crate) const DEFAULT_OUTPUT_TOKENS: u32 = 1024;
 
 /// What a request is charged against its key's token limit: `prompt_tokens`
 /// (every prompt of a batch together), plus, for each of its `prompts`,
 /// `choices` sequences (at least 1) of `output_tokens` each (`allowance`
 /// when the request names no output limit). Saturates instead of
 /// overflowing: a charge that large is refused as larger than any bucket.
-pub fn token_charge(
+pub(crate) fn token_charge(
     prompt_tokens: u64,
     prompts: u64,
     choices: u32,

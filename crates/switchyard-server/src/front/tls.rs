@@ -23,12 +23,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 /// How often, at most, the front door looks at its certificate files.
-pub const RELOAD_CHECK: Duration = Duration::from_secs(1);
+pub(crate) const RELOAD_CHECK: Duration = Duration::from_secs(1);
 
 /// A TLS setting that cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct TlsError(String);
+pub(crate) struct TlsError(String);
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -64,7 +64,7 @@ fn roots(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
 
 /// How the router reaches `https://` workers.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WorkerTls {
+pub(crate) struct WorkerTls {
     /// PEM roots a worker's certificate must chain to (`None`: the
     /// system's).
     pub ca_file: Option<PathBuf>,
@@ -75,7 +75,7 @@ pub struct WorkerTls {
 impl WorkerTls {
     /// A client configuration that trusts no root: for a router whose
     /// workers are all `http://`.
-    pub fn no_roots() -> rustls::ClientConfig {
+    pub(crate) fn no_roots() -> rustls::ClientConfig {
         rustls::ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .expect("ring supports the default protocol versions")
@@ -84,7 +84,7 @@ impl WorkerTls {
     }
 
     /// The upstream client's TLS configuration.
-    pub fn client_config(&self) -> Result<rustls::ClientConfig, TlsError> {
+    pub(crate) fn client_config(&self) -> Result<rustls::ClientConfig, TlsError> {
         let roots = match &self.ca_file {
             Some(path) => roots(path)?,
             None => {
@@ -119,7 +119,7 @@ impl WorkerTls {
 
 /// The front door's TLS settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FrontTls {
+pub(crate) struct FrontTls {
     /// The certificate chain (PEM).
     pub cert: PathBuf,
     /// Its private key (PEM).
@@ -130,7 +130,7 @@ pub struct FrontTls {
 
 impl FrontTls {
     /// The acceptor: fails when the files do not load now.
-    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+    pub(crate) fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
         let resolver = ReloadingCert::load(self.cert.clone(), self.key.clone())?;
         let builder = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()

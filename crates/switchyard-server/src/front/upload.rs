@@ -28,7 +28,7 @@ use std::time::Duration;
 
 /// The bounds on reading one body.
 #[derive(Debug)]
-pub struct UploadLimits {
+pub(crate) struct UploadLimits {
     /// Largest body, in bytes.
     pub max_bytes: usize,
     /// Time from the head to the body's last byte.
@@ -39,7 +39,7 @@ pub struct UploadLimits {
 
 /// Wraps the routes of `app` (not its fallback) so that a `POST` body is
 /// read whole, within `limits`, before the handler runs.
-pub fn route_layer<S>(app: axum::Router<S>, limits: Arc<UploadLimits>) -> axum::Router<S>
+pub(crate) fn route_layer<S>(app: axum::Router<S>, limits: Arc<UploadLimits>) -> axum::Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
