@@ -31,11 +31,13 @@
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
 //!   size, policy, hit rate; `hub` — a model's tokenizer by its Hugging
 //!   Face id; [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
-//!   `adapters` and `adapter_load` — LoRA adapters and their loads.
+//!   `adapters` — LoRA adapters (a request's load: `request::adapter_load`).
 //! - `replica` — replica sync (`--replica-sync`) over NATS.
 //! - [`metrics`] — the router's counters and histograms, updated without
 //!   allocating; `gauges` — the routing state, snapshotted at scrape time.
-//! - `error` — OpenAI-style errors; `context` — what every handler shares.
+//! - `error` — OpenAI-style errors; `failure` — why an attempt failed and
+//!   why a request is not moved on (the request path's and the metrics'
+//!   labels).
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: accept → credential check → in-flight permit → body read →
@@ -49,13 +51,12 @@
 //! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream` →
 //! `booking`) → `shell` → `roster`, `gauges`, `metrics`.
 
-mod adapter_load;
 mod adapters;
 mod cli;
 pub mod config;
-mod context;
 mod discovery;
 mod error;
+mod failure;
 mod front;
 mod gauges;
 mod hub;

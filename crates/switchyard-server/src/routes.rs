@@ -3,9 +3,9 @@
 //! `/health`, `/ready`, `/metrics`) and the admin API.
 
 use crate::config::WorkerSpec;
-use crate::context::Shared;
 use crate::error::ApiError;
 use crate::front::upload::UploadLimits;
+use crate::request::context::Shared;
 use crate::request::handlers::{chat_completions, completions};
 use crate::request::prompt::{parse, read_body};
 use axum::extract::{Path, Query, Request, State};
@@ -178,8 +178,8 @@ async fn admin_remove(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::context::AppState;
     use crate::metrics::ServerMetrics;
+    use crate::request::context::AppState;
     use crate::shell::SharedRouter;
     use crate::tokenize::PromptTokenizer;
     use crate::workers::{upstream_client, Fleet};

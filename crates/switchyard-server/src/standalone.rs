@@ -3,10 +3,10 @@
 //! app can parse ends in 503 (no worker); every other one in a 4xx. Nothing
 //! leaves the process (no worker, no KV events, no health checks).
 
-use super::context::AppState;
 use super::tokenize::PromptTokenizer;
 use super::workers::{upstream_client, Fleet};
 use super::{build_shared, metrics::ServerMetrics, ServerConfig};
+use crate::request::context::AppState;
 use crate::routes::app;
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,8 +4,8 @@
 //! and the listener served until shutdown drains it.
 
 use crate::{
-    adapters, config, context, discovery, front, metrics, replica, routes, shell, tokenize,
-    workers, ServeArgs, ServerConfig,
+    adapters, config, discovery, front, metrics, replica, request::context, routes, shell,
+    tokenize, workers, ServeArgs, ServerConfig,
 };
 use anyhow::Context as _;
 use std::net::SocketAddr;

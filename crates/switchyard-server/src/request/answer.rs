@@ -4,12 +4,12 @@
 //! handlers ([`crate::routes`]) and the halves of a disaggregated request
 //! (`disagg`).
 
-use crate::context::MAX_EVENT_BYTES;
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::booking::Booking;
+use crate::request::context::MAX_EVENT_BYTES;
 use crate::request::migration::Failure;
 use crate::request::stream::{MigratingStream, StreamStart};
 use axum::body::Body;

@@ -11,9 +11,9 @@
 //! ([`crate::request::disagg`]) and the streaming body
 //! ([`crate::request::stream`]) share one [`Attempts`] per request.
 
-use crate::context::{AppState, WORKER_HEADER};
 use crate::error::ApiError;
 use crate::request::booking::{Booking, WaitHandle};
+use crate::request::context::{AppState, WORKER_HEADER};
 use crate::request::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
 use crate::roster::{Endpoint, Role};
 use crate::shell::{Request, SubmitError};
@@ -273,7 +273,7 @@ impl Attempts {
         streaming: bool,
     ) -> Result<hyper::Response<Incoming>, AttemptError> {
         if let Some(adapter) = &self.adapter.adapter {
-            crate::adapter_load::ensure_loaded(&self.state, booking, adapter)
+            crate::request::adapter_load::ensure_loaded(&self.state, booking, adapter)
                 .await
                 .map_err(AttemptError::Fatal)?;
         }

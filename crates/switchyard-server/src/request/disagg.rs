@@ -36,13 +36,13 @@
 //! today, which computes the prompt and the tokens so far itself.
 
 use crate::config::DisaggMode;
-use crate::context::Shared;
 use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
 use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
 use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
+use crate::request::context::Shared;
 use crate::request::migration::Failure;
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};

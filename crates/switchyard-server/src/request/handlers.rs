@@ -15,11 +15,11 @@
 //! request timeout (504). A disaggregated request goes the same way, as
 //! two halves ([`crate::request::disagg`]).
 
-use crate::context::Shared;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::answer::{buffered, deliver, first_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::context::Shared;
 use crate::request::limits;
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
@@ -47,8 +47,7 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
             stream: parsed.stream,
             session: parsed.session_id,
             key,
-            tokens: prompt.ids,
-            estimated_tokens: prompt.estimated,
+            prompt,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -95,8 +94,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
             stream: parsed.stream,
             session: parsed.session_id,
             key,
-            tokens: prompt.ids,
-            estimated_tokens: prompt.estimated,
+            prompt,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -141,20 +139,21 @@ async fn proxy(
     facts: Parsed,
 ) -> Result<Response, ApiError> {
     let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
+    let request = Delivery {
+        path,
+        arrival,
+        prompt: facts.prompt.ids,
+        estimated_prompt_tokens: facts.prompt.estimated,
+        original: body,
+        stream: facts.stream,
+    };
     if let Some(mode) = state.disagg {
         if state.shared.disaggregated() {
             return crate::request::disagg::serve(
                 mode,
                 state,
                 &headers,
-                Delivery {
-                    path,
-                    arrival,
-                    prompt: facts.tokens,
-                    estimated_prompt_tokens: facts.estimated_tokens,
-                    original: body,
-                    stream: facts.stream,
-                },
+                request,
                 facts.model,
                 session,
             )
@@ -163,16 +162,15 @@ async fn proxy(
     }
     let request_id = state.shared.next_request_id();
     let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
-    let mut facts = facts;
     let attempts = Attempts::new(
         state.clone(),
         request_id,
-        facts.model.take(),
+        facts.model,
         headers.get(header::ACCEPT).cloned(),
         deadline,
     )
-    .estimated_prompt(facts.estimated_tokens);
-    first_phase(attempts, session, path, arrival, body, facts).await
+    .estimated_prompt(request.estimated_prompt_tokens);
+    first_phase(attempts, session, request).await
 }
 
 /// The placement loop ([`Attempts`]) until one worker produces a first
@@ -186,22 +184,24 @@ async fn proxy(
 async fn first_phase(
     mut attempts: Attempts,
     session: Option<SessionKey>,
-    path: &'static str,
-    arrival: Instant,
-    body: Bytes,
-    facts: Parsed,
+    request: Delivery,
 ) -> Result<Response, ApiError> {
-    let prompt_tokens = facts.tokens.len() as u64;
+    let prompt_tokens = request.prompt.len() as u64;
     let deadline = attempts.deadline;
-    let mut booking = attempts.place(&facts.tokens, session).await?;
+    let mut booking = attempts.place(&request.prompt, session).await?;
     loop {
         let sent_at = tokio::time::Instant::now();
         let attempt = async {
             let sent = attempts
-                .send(&booking, path, body.clone(), facts.stream)
+                .send(
+                    &booking,
+                    request.path,
+                    request.original.clone(),
+                    request.stream,
+                )
                 .await;
             match sent {
-                Ok(response) if facts.stream && response.status().is_success() => {
+                Ok(response) if request.stream && response.status().is_success() => {
                     first_event(&attempts, &booking.name, response).await
                 }
                 Ok(response) => buffered(&attempts, response).await,
@@ -214,21 +214,7 @@ async fn first_phase(
             return Err(attempts.timed_out_since(booking, sent_at));
         };
         match outcome {
-            Ok(answer) => {
-                return Ok(deliver(
-                    attempts,
-                    booking,
-                    answer,
-                    Delivery {
-                        path,
-                        arrival,
-                        prompt: facts.tokens,
-                        estimated_prompt_tokens: facts.estimated_tokens,
-                        original: body,
-                        stream: facts.stream,
-                    },
-                ))
-            }
+            Ok(answer) => return Ok(deliver(attempts, booking, answer, request)),
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(reason, detail)) => {
                 tracing::warn!(request = %attempts.client_id, worker = %booking.name, reason = reason.label(), %detail, "attempt failed before the first token");

@@ -35,9 +35,9 @@
 //! `switchyard_input_limit_refusals_total{limit}`.
 
 use crate::config::FALLBACK_MAX_PROMPT_TOKENS;
-use crate::context::AppState;
 use crate::error::ApiError;
 use crate::metrics::InputLimit;
+use crate::request::context::AppState;
 use switchyard_wire::openai::{
     BodyError, BodyLimits, ChatCompletionRequest, CompletionRequest, Lenient, Limit,
 };
@@ -221,7 +221,7 @@ mod tests {
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
     use crate::workers::{upstream_client, Fleet};
-    use crate::{build_shared, context::AppState, routes::app, ServerConfig};
+    use crate::{build_shared, request::context::AppState, routes::app, ServerConfig};
     use axum::body::Body;
     use http_body_util::BodyExt as _;
     use serde_json::{json, Value};

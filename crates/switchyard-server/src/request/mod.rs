@@ -1,5 +1,6 @@
 //! One request, from the handler to the last byte, read top to bottom.
 //!
+//! - [`context`] — what every handler shares ([`context::AppState`]).
 //! - [`handlers`] — `/v1/chat/completions` and `/v1/completions`: parse
 //!   only the fields routing needs, tokenize, charge the key, hand over.
 //! - [`prompt`] — what the handlers share: the prompt's token ids (or an
@@ -8,6 +9,7 @@
 //! - [`attempt`] — one request's attempts on workers: the placement loop
 //!   (submit, placed, failed, moved before the deadline) that plain and
 //!   disaggregated requests share.
+//! - [`adapter_load`] — the request's adapter loaded on its worker first.
 //! - [`booking`] — the guards a handler holds: a `WaitHandle` until its
 //!   request is placed, then a `Booking` whose drop ends it.
 //! - [`disagg`] — prefill/decode-disaggregated requests: two halves, each
@@ -19,10 +21,12 @@
 //!   the resume request; [`body_fields`] — a body's top-level fields
 //!   without a JSON tree, for the resume and the disaggregated halves.
 
+pub(crate) mod adapter_load;
 pub(crate) mod answer;
 pub(crate) mod attempt;
 pub mod body_fields;
 pub mod booking;
+pub(crate) mod context;
 pub(crate) mod disagg;
 pub(crate) mod handlers;
 pub mod limits;

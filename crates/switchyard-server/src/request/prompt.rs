@@ -2,10 +2,10 @@
 //! head, the prompt's token ids (or, for a model without a tokenizer here,
 //! an estimate of its length), the key's token charge and the session.
 
-use crate::context::AppState;
 use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
+use crate::request::context::AppState;
 use crate::request::limits;
 use crate::tokenize::{rendered_size_estimate, INLINE_CHARS};
 use axum::body::Body;
@@ -41,14 +41,13 @@ pub(crate) struct Parsed {
     pub(crate) session: Option<String>,
     /// The client key it came with.
     pub(crate) key: Option<ClientKey>,
-    pub(crate) tokens: Vec<u32>,
-    /// The prompt's estimated length when its model has no tokenizer
-    /// here (`tokens` is then empty).
-    pub(crate) estimated_tokens: Option<u32>,
+    /// The prompt routing reads (of a batch, its first).
+    pub(crate) prompt: PromptIds,
 }
 
 /// A prompt as routing knows it: its token ids, or, when its model has
-/// no tokenizer here, an estimate of its length ([`crate::models`]).
+/// no tokenizer here, an estimate of its length ([`crate::models`]; `ids`
+/// is then empty).
 pub(crate) struct PromptIds {
     pub(crate) ids: Vec<u32>,
     pub(crate) estimated: Option<u32>,
