@@ -14,8 +14,8 @@
 //!   [`Label`] and outcome (reserve, roll back, release, restore, launch,
 //!   result, logits read-back, slot compaction, spill save/load/drop, SSM
 //!   checkpoint, catch-up ring, stream sync, quiesce, shutdown), the
-//!   device's states, and its synchronous,
-//!   reserve-ahead and scripted implementations.
+//!   device's states, and its synchronous (`sync`), reserve-ahead
+//!   (`ahead`) and scripted (`scripted`) implementations, a file each.
 //! - [`slots`] — [`slots::SlotTable`]: fixed per-sequence state slots
 //!   (an SSM's), allocated, compacted, detached and freed so that no slot is
 //!   ever freed twice.
