@@ -9,13 +9,18 @@
 //! - [`scheduler`] — [`Engine`]: waiting and running queues, continuous
 //!   batching, chunked prefill, preemption (recompute or spill) only when
 //!   nothing can run; one [`Engine::step`] plans a batch, asks the device
-//!   layer for effects, applies the outcomes.
+//!   layer for effects, applies the outcomes. A file a role: `step` (plan,
+//!   launch, advance), `admit` (waiting sequences in, through the restore
+//!   protocol), `preempt` (preemption, spill and resume, slot compaction),
+//!   `rendezvous` (capture leases and transfers), `request`, `report` and
+//!   `counters` (what goes in and comes out), `tokens` (synthetic tokens
+//!   and draft draws).
 //! - [`device`] — the [`DeviceLayer`] contract: every [`Effect`] with its
 //!   [`Label`] and outcome (reserve, roll back, release, restore, launch,
 //!   result, logits read-back, slot compaction, spill save/load/drop, SSM
 //!   checkpoint, catch-up ring, stream sync, quiesce, shutdown), the
-//!   device's states, and its synchronous,
-//!   reserve-ahead and scripted implementations.
+//!   device's states, and its synchronous (`sync`), reserve-ahead
+//!   (`ahead`) and scripted (`scripted`) implementations, a file each.
 //! - [`slots`] — [`slots::SlotTable`]: fixed per-sequence state slots
 //!   (an SSM's), allocated, compacted, detached and freed so that no slot is
 //!   ever freed twice.

@@ -7,7 +7,13 @@
 //!   compact prompts expanded only at dispatch; ShareGPT conversations as
 //!   sessions; the synthetic multi-turn generator.
 //! - [`fleet`] — the simulator: the real request lifecycle (the core's
-//!   dispatcher) against simulated engine cores in virtual time.
+//!   dispatcher) against simulated engine cores in virtual time. A file a
+//!   role: the event loop in `fleet` itself, `config` (fleet,
+//!   disaggregation and link settings), `event` (the event queue's
+//!   entries), `arrival` (a turn's way onto an engine), `steps` (engine
+//!   steps and what they carry back), `disagg` (prefill and decode halves,
+//!   lent prefixes, their transfers and leases), `replica_sync` (what the
+//!   replicas publish reaching their peers), `outcome` (the figures).
 //! - [`engine_events`] — the simulated engine's KV events in vLLM's wire
 //!   shapes and, through the router's normalizer, as index events.
 //! - [`replicas`] — several router replicas in front of one fleet: their

@@ -1,0 +1,93 @@
+//! The figures a run ends with.
+
+use super::{Fleet, SimOutcome};
+use crate::replicas::ReplicaStats;
+use crate::report::{coefficient_of_variation, Latency, PolicyReport, SpecFigures, SsmFigures};
+
+impl Fleet {
+    pub(super) fn outcome(mut self) -> SimOutcome {
+        let makespan_ms = (self.last_completion - self.first_arrival.unwrap_or(0.0)).max(1e-9);
+        let served: Vec<f64> = self
+            .workers
+            .iter()
+            .map(|w| w.served_tokens as f64)
+            .collect();
+        let report = PolicyReport {
+            ttft_ms: Latency::of(&mut self.ttft),
+            itl_ms: Latency::of(&mut self.itl),
+            e2e_ms: Latency::of(&mut self.e2e),
+            queue_ms: Latency::of(&mut self.queue),
+            hit_rate: self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64,
+            predicted_hit_rate: self.predicted_tokens as f64 / self.prompt_tokens.max(1) as f64,
+            throughput_rps: self.completed as f64 / (makespan_ms / 1000.0),
+            output_tokens_per_sec: self.output_tokens as f64 / (makespan_ms / 1000.0),
+            load_cv: coefficient_of_variation(&served),
+            preemptions: self
+                .workers
+                .iter()
+                .map(|w| w.engine.counters().preemptions)
+                .sum(),
+            completed: self.completed,
+            errors: self.errors,
+            sessions_completed: self.sessions_completed,
+            makespan_s: makespan_ms / 1000.0,
+            engine_steps: self.workers.iter().map(|w| w.engine.counters().steps).sum(),
+            transfers: self.transfers,
+            transfer_bytes: self.transfer_bytes,
+            transfer_fallbacks: self.transfer_fallbacks,
+            spec_decode: self.config.engine.spec_decode.map(|_| {
+                let mut f = SpecFigures::default();
+                for w in &self.workers {
+                    let c = w.engine.counters();
+                    f.draft_tokens_proposed += c.draft_tokens_proposed;
+                    f.draft_tokens_accepted += c.draft_tokens_accepted;
+                    f.rollbacks += c.spec_rollbacks;
+                    f.rollback_blocks += c.spec_rollback_blocks;
+                    f.fallbacks += c.spec_fallbacks;
+                }
+                f.acceptance =
+                    f.draft_tokens_accepted as f64 / f.draft_tokens_proposed.max(1) as f64;
+                f
+            }),
+            adapters: self.config.adapters.map(|_| self.adapter_figures),
+            ssm: self.config.engine.hybrid.map(|_| {
+                let mut f = SsmFigures::default();
+                let mut unusable = 0;
+                for w in &self.workers {
+                    let c = w.engine.counters();
+                    f.checkpoints += c.ssm_checkpoints;
+                    f.evictions += c.ssm_checkpoint_evictions;
+                    f.resumes += c.ssm_resumes;
+                    unusable += c.ssm_unusable_hit_tokens;
+                }
+                f.unusable_hit_share = unusable as f64 / self.prompt_tokens.max(1) as f64;
+                f
+            }),
+        };
+        let decisions = self.decisions.max(1) as f64;
+        let replicas = ReplicaStats {
+            replicas: self.replicas.len(),
+            sync: self.config.replicas.sync,
+            sync_delay_ms: self.config.replicas.sync_delay_ms,
+            routed_per_replica: self.replicas.iter().map(|r| r.routed).collect(),
+            remote_applied: self
+                .replicas
+                .iter()
+                .map(|r| r.dispatcher.router().remote().counters().applied)
+                .sum(),
+            remote_ignored: self
+                .replicas
+                .iter()
+                .map(|r| r.dispatcher.router().remote().counters().ignored)
+                .sum(),
+            view_error_requests: self.view_error_sum / decisions,
+            excess_requests: self.excess_sum / decisions,
+        };
+        SimOutcome {
+            report,
+            timeline: self.timeline,
+            ttft_samples_ms: self.ttft,
+            replicas,
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The workers' engines: a step launched on an idle worker, and what it
+//! carries back when it ends (tokens to the clients and first and last
+//! tokens to the routing replica, finished requests, KV events and usage
+//! for the routers, the session's next turn).
+
+use super::event::Event;
+use super::{Fleet, Phase};
+use switchyard_engine::StepReport;
+
+impl Fleet {
+    /// Launches a step on an idle worker that has work.
+    pub(super) fn kick(&mut self, worker: usize) {
+        let w = &mut self.workers[worker];
+        if w.busy || !w.engine.has_work() {
+            return;
+        }
+        let mut report = std::mem::take(&mut w.pending);
+        if w.engine.step(&mut report).is_err() {
+            // The synchronous device layer does not fail; treat a failure as
+            // an idle step so the simulation still ends.
+            report = StepReport::default();
+        }
+        let report_ms = report.model_ms;
+        let duration = self.config.engine.timing.wall_ms(report_ms);
+        let idle = report.is_idle();
+        w.pending = report;
+        if idle {
+            // Work that cannot be scheduled yet (a deferred restore): look
+            // again after a floor-length step, or after the time an idle
+            // step still took (a spill's copy to the host).
+            let timing = &self.config.engine.timing;
+            let retry = timing.wall_ms(timing.decode_floor_ms.max(report_ms));
+            if retry > 0.0 {
+                w.busy = true;
+                self.schedule(self.now + retry, Event::StepDone { worker });
+            }
+            return;
+        }
+        w.busy = true;
+        self.schedule(self.now + duration, Event::StepDone { worker });
+    }
+
+    pub(super) fn finish_step(&mut self, worker: usize, progress: &mut impl FnMut(u64)) {
+        let now = self.now;
+        let report = std::mem::take(&mut self.workers[worker].pending);
+        let computed =
+            report.shape.prefill_tokens + report.shape.decode_tokens + report.shape.draft_tokens;
+        self.workers[worker].served_tokens += computed;
+        self.timeline.add(worker, now, computed);
+        // A request's tokens of one step are adjacent; with speculative
+        // decoding a step emits several, and each of them is charged an
+        // equal share of the time since the request's previous token (so
+        // the ITL samples are the time per output token, never zeros).
+        let mut run_start = 0;
+        for (i, token) in report.tokens.iter().enumerate() {
+            if i == 0 || report.tokens[i - 1].request != token.request {
+                run_start = i;
+            }
+            let Some(r) = self.in_flight.get_mut(&token.request) else {
+                continue;
+            };
+            if i == run_start {
+                let run = report.tokens[i..]
+                    .iter()
+                    .take_while(|t| t.request == token.request)
+                    .count();
+                let later = run - usize::from(r.first_token_ms.is_none());
+                r.itl_share_ms = if later > 0 {
+                    (now - r.last_token_ms) / later as f64
+                } else {
+                    0.0
+                };
+            }
+            if let Some(progress) = r.progress.as_mut() {
+                progress.advance(1);
+            }
+            let first = r.first_token_ms.is_none();
+            // A prefill half's token is not the client's.
+            let client = r.phase != Phase::Prefill;
+            if first {
+                r.first_token_ms = Some(now);
+                if client {
+                    self.ttft.push(now - r.arrival_ms);
+                }
+            } else if client {
+                self.itl.push(r.itl_share_ms);
+            }
+            r.last_token_ms = now;
+            let replica = r.replica;
+            if first {
+                let fx = self.replicas[replica]
+                    .dispatcher
+                    .first_token(token.request, now);
+                self.carry_out(replica, fx);
+            }
+        }
+        for done in &report.finished {
+            let Some(r) = self.in_flight.remove(&done.request) else {
+                continue;
+            };
+            self.workers[r.worker].booked = self.workers[r.worker].booked.saturating_sub(1);
+            if r.phase == Phase::Prefill {
+                // The prompt's cache hit is the prefill worker's.
+                self.prompt_tokens += u64::from(r.prompt_tokens);
+                self.cached_tokens += done.cached_tokens as u64;
+                self.predicted_tokens += r.predicted_tokens;
+                let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
+                let fx = self.replicas[r.replica]
+                    .dispatcher
+                    .finish(done.request, context, now);
+                self.carry_out(r.replica, fx);
+                if done.reason == switchyard_engine::FinishReason::Length {
+                    self.hand_off(worker, done.request, r.session, r.turn, r.arrival_ms);
+                } else {
+                    self.drop_handoff(done.request);
+                    self.fail(r.session);
+                }
+                continue;
+            }
+            if r.phase == Phase::Whole {
+                self.prompt_tokens += u64::from(r.prompt_tokens);
+                self.cached_tokens += done.cached_tokens as u64;
+                self.predicted_tokens += r.predicted_tokens;
+            }
+            self.output_tokens += done.output_tokens as u64;
+            self.e2e.push(now - r.arrival_ms);
+            self.completed += 1;
+            let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
+            let fx = self.replicas[r.replica]
+                .dispatcher
+                .finish(done.request, context, now);
+            self.carry_out(r.replica, fx);
+            self.last_completion = now;
+            debug_assert_eq!(r.worker, worker);
+            self.next_turn(r.session, r.turn);
+            if self.completed % 256 == 0 {
+                progress(self.completed);
+            }
+        }
+        if self.config.disagg.is_some() || self.config.peer_restore.is_some() {
+            self.settle_leases(worker);
+        }
+        self.deliver_kv_events(worker);
+        let usage = self.workers[worker].engine.kv_usage();
+        let id = self.workers[worker].id;
+        for replica in &mut self.replicas {
+            replica.dispatcher.report_kv(id, Some(usage));
+        }
+        self.workers[worker].pending = report;
+        self.workers[worker].busy = false;
+        self.kick(worker);
+    }
+
+    fn next_turn(&mut self, session: u64, turn: usize) {
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        if turn + 1 < s.turns.len() {
+            let at = self.now + s.think_time_ms;
+            self.schedule(
+                at,
+                Event::Turn {
+                    session,
+                    turn: turn + 1,
+                },
+            );
+        } else {
+            self.sessions.remove(&session);
+            self.session_replica.remove(&session);
+            self.sessions_completed += 1;
+        }
+    }
+
+    fn deliver_kv_events(&mut self, worker: usize) {
+        let mut raw = std::mem::take(&mut self.kv_scratch);
+        raw.clear();
+        self.workers[worker].engine.drain_kv_events(&mut raw);
+        let mut events = Vec::new();
+        self.workers[worker]
+            .events
+            .normalize(raw.drain(..), &mut events);
+        self.kv_scratch = raw;
+        if !events.is_empty() {
+            let at = self.now + self.config.kv_event_delay_ms;
+            self.schedule(at, Event::KvDelivery { worker, events });
+        }
+    }
+}
