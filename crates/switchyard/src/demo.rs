@@ -52,7 +52,7 @@ pub struct DemoArgs {
 
 /// Sim-worker child processes, killed on drop: their URLs and, unless
 /// approximate, their KV-event and replay endpoints.
-pub(crate) struct Fleet {
+pub(crate) struct SimWorkers {
     pub(crate) children: Children,
     pub(crate) urls: Vec<String>,
     pub(crate) events: Vec<Option<(String, String)>>,
@@ -67,7 +67,7 @@ pub(crate) fn free_port() -> anyhow::Result<u16> {
 
 /// Starts `args.workers` sim-workers (this binary) with `args`' speed-up,
 /// pool size and KV-event choice.
-pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<Fleet> {
+pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<SimWorkers> {
     let worker_args = [
         "--speedup".to_owned(),
         args.speedup.to_string(),
@@ -85,8 +85,8 @@ pub(crate) fn start_sim_workers(
     count: usize,
     worker_args: &[String],
     kv_events: bool,
-) -> anyhow::Result<Fleet> {
-    let mut fleet = Fleet {
+) -> anyhow::Result<SimWorkers> {
+    let mut fleet = SimWorkers {
         children: Children::default(),
         urls: Vec::new(),
         events: Vec::new(),

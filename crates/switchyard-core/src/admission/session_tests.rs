@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::admission::progress_pair;
 

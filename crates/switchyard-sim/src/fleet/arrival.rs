@@ -5,7 +5,7 @@
 use super::config::DisaggConfig;
 use super::disagg::{Handoff, DECODE_BIT};
 use super::event::Event;
-use super::{Fleet, InFlight, Payload, Phase};
+use super::{InFlight, Payload, Phase, Simulation};
 use std::sync::Arc;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::dispatch::{Dispatch, Effects, Submission};
@@ -13,7 +13,7 @@ use switchyard_core::hashing::{local_block_hashes, seed_for};
 use switchyard_core::RequestId;
 use switchyard_engine::NewRequest;
 
-impl Fleet {
+impl Simulation {
     fn request_id(session: u64, turn: usize) -> RequestId {
         RequestId(u128::from(session) << 32 | turn as u128)
     }

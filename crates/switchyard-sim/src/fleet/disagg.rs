@@ -3,7 +3,7 @@
 //! was placed on, the transfer between them, and their leases' ends.
 
 use super::event::Event;
-use super::{Fleet, Payload};
+use super::{Payload, Simulation};
 use std::sync::Arc;
 use switchyard_core::dispatch::Submission;
 use switchyard_core::hashing::{local_block_hashes, seed_for};
@@ -24,7 +24,7 @@ pub(super) struct Handoff {
     pub(super) lease: Option<(usize, LeaseRef)>,
 }
 
-impl Fleet {
+impl Simulation {
     /// The workers a new request may go to: with disaggregation, the
     /// prefill pool (or the decode pool, for `decode`); otherwise all
     /// (empty).

@@ -202,10 +202,10 @@ pub fn simulate(
     workload: SessionStream,
     mut progress: impl FnMut(u64),
 ) -> Result<SimOutcome, SimError> {
-    Fleet::new(config, workload)?.run(&mut progress, |_| {})
+    Simulation::new(config, workload)?.run(&mut progress, |_| {})
 }
 
-struct Fleet {
+struct Simulation {
     config: FleetConfig,
     replicas: Vec<Replica>,
     balancer: Balancer,
@@ -255,7 +255,7 @@ struct Fleet {
     decisions: u64,
 }
 
-impl Fleet {
+impl Simulation {
     fn new(config: &FleetConfig, workload: SessionStream) -> Result<Self, SimError> {
         if config.workers == 0 {
             return Err(SimError::NoWorkers);
@@ -406,7 +406,7 @@ impl Fleet {
     fn run(
         mut self,
         progress: &mut impl FnMut(u64),
-        mut after_event: impl FnMut(&Fleet),
+        mut after_event: impl FnMut(&Simulation),
     ) -> Result<SimOutcome, SimError> {
         self.pull_next_session()?;
         while let Some(Scheduled { at, event, .. }) = self.heap.pop() {

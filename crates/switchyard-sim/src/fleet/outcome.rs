@@ -1,10 +1,10 @@
 //! The figures a run ends with.
 
-use super::{Fleet, SimOutcome};
+use super::{SimOutcome, Simulation};
 use crate::replicas::ReplicaStats;
 use crate::report::{coefficient_of_variation, Latency, PolicyReport, SpecFigures, SsmFigures};
 
-impl Fleet {
+impl Simulation {
     pub(super) fn outcome(mut self) -> SimOutcome {
         let makespan_ms = (self.last_completion - self.first_arrival.unwrap_or(0.0)).max(1e-9);
         let served: Vec<f64> = self

@@ -2,10 +2,10 @@
 //! delay zero, otherwise as a scheduled delivery (see [`crate::replicas`]).
 
 use super::event::Event;
-use super::Fleet;
+use super::Simulation;
 use switchyard_core::dispatch::{Published, SessionBound};
 
-impl Fleet {
+impl Simulation {
     /// Sends `origin`'s published events to its peers: at once when the
     /// delay is zero, otherwise as one scheduled delivery.
     pub(super) fn publish(

@@ -56,8 +56,12 @@ fn view(router: &switchyard_core::Router, now_ms: f64) -> (Loads, usize) {
     (loads, router.with_index(|index| index.live_pairs()))
 }
 
-fn run(config: &FleetConfig, workload: SessionStream, check: impl FnMut(&Fleet)) -> SimOutcome {
-    Fleet::new(config, workload)
+fn run(
+    config: &FleetConfig,
+    workload: SessionStream,
+    check: impl FnMut(&Simulation),
+) -> SimOutcome {
+    Simulation::new(config, workload)
         .unwrap()
         .run(&mut |_| {}, check)
         .unwrap()

@@ -4,10 +4,10 @@
 //! for the routers, the session's next turn).
 
 use super::event::Event;
-use super::{Fleet, Phase};
+use super::{Phase, Simulation};
 use switchyard_engine::StepReport;
 
-impl Fleet {
+impl Simulation {
     /// Launches a step on an idle worker that has work.
     pub(super) fn kick(&mut self, worker: usize) {
         let w = &mut self.workers[worker];

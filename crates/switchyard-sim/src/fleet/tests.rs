@@ -173,7 +173,7 @@ fn a_disaggregated_fleet_ends_every_lease_and_loses_no_request() {
         })
         .collect();
     let mut leases_at_end = None;
-    let fleet_run = Fleet::new(&config, sessions(turns)).unwrap();
+    let fleet_run = Simulation::new(&config, sessions(turns)).unwrap();
     let out = fleet_run
         .run(&mut |_| {}, |f| {
             leases_at_end = Some(
@@ -206,7 +206,7 @@ fn with_peer_restore_a_busy_holder_lends_its_prefix_and_every_lease_ends() {
         let mut config = fleet(4, PolicyKind::Ttft);
         config.peer_restore = peer.then(TransferConfig::default);
         let mut leases = None;
-        let out = Fleet::new(&config, sessions(turns.clone()))
+        let out = Simulation::new(&config, sessions(turns.clone()))
             .unwrap()
             .run(&mut |_| {}, |f| {
                 leases = Some(
@@ -306,9 +306,9 @@ fn an_engines_host_tier_reaches_the_routers_host_index() {
         })
         .collect();
     let mut last = (0, 0, 0);
-    Fleet::new(&config, sessions(turns))
+    Simulation::new(&config, sessions(turns))
         .unwrap()
-        .run(&mut |_| {}, |fleet: &Fleet| {
+        .run(&mut |_| {}, |fleet: &Simulation| {
             let router = fleet.replicas[0].dispatcher.router();
             last = (
                 router.with_host_index(|h| h.live_pairs()),

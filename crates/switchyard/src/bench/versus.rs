@@ -38,7 +38,7 @@
 pub use super::peer::Peer;
 use super::peer::{cpu_seconds, for_peer, launch, median, peer_program, wait_ready, SIM_MODEL};
 use crate::child::Children;
-use crate::demo::{start_sim_workers, Fleet};
+use crate::demo::{start_sim_workers, SimWorkers};
 use crate::engines::env::VllmEnv;
 use crate::engines::models::TinyModels;
 use crate::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
@@ -253,7 +253,7 @@ fn worker_args(args: &VersusArgs) -> Vec<String> {
 
 /// One router's engines, stopped when dropped.
 enum Engines {
-    Sim(Fleet),
+    Sim(SimWorkers),
     Vllm(Vec<VllmWorker>),
 }
 

@@ -8,7 +8,7 @@
 //! Ctrl-C or SIGTERM, which end the run with an error.
 
 use crate::child::Children;
-use crate::demo::{start_sim_workers, Fleet};
+use crate::demo::{start_sim_workers, SimWorkers};
 use crate::loadgen::{self, Pacing, PreparedRequest, Report};
 use anyhow::Context as _;
 use serde::Serialize;
@@ -47,7 +47,7 @@ pub(super) struct ServeRun {
 }
 
 /// `switchyard serve` flags for `policy` in front of `fleet`.
-fn serve_args(policy: PolicyKind, block_size: usize, fleet: &Fleet) -> Vec<String> {
+fn serve_args(policy: PolicyKind, block_size: usize, fleet: &SimWorkers) -> Vec<String> {
     let mut args: Vec<String> = [
         "serve",
         "--host",
@@ -207,7 +207,7 @@ pub(crate) async fn wait_for_workers(base: &str, workers: usize) -> anyhow::Resu
 
 async fn drive(
     base: &str,
-    fleet: &Fleet,
+    fleet: &SimWorkers,
     requests: Vec<PreparedRequest>,
     arrivals: Arc<[f64]>,
 ) -> anyhow::Result<ServeRun> {
@@ -269,7 +269,7 @@ mod tests {
 
     #[test]
     fn the_router_gets_every_worker_with_its_event_endpoints_and_the_block_size() {
-        let fleet = Fleet {
+        let fleet = SimWorkers {
             children: Children::default(),
             urls: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
             events: vec![
