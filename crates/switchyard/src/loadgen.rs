@@ -408,7 +408,7 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         sample.ok = status_ok && !broken && tally.done && !tally.failed;
     } else {
         sample.ttft_ms = sample.e2e_ms;
-        sample.tokens = serde_json::from_slice::<Completion>(&whole)
+        sample.tokens = serde_json::from_slice::<Completion<'_>>(&whole)
             .ok()
             .and_then(|answer| answer.usage)
             .map_or(0, |usage| usage.completion_tokens);
@@ -873,7 +873,7 @@ mod tests {
             choices: vec![Choice {
                 text: Some(text.into()),
                 token_ids: ids,
-                finish_reason: finish.map(str::to_owned),
+                finish_reason: finish.map(Cow::Borrowed),
                 ..Choice::default()
             }],
             usage: None,
@@ -882,7 +882,7 @@ mod tests {
 
     fn usage_chunk() -> Vec<u8> {
         json_event(&Completion {
-            choices: Vec::new(),
+            choices: Vec::<Choice<'_>>::new(),
             usage: Some(Usage::new(4, 0, 3)),
             ..Completion::default()
         })
