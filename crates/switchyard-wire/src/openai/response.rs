@@ -194,6 +194,26 @@ impl Usage {
     }
 }
 
+/// `usage.completion_tokens` of a whole (not streamed) answer's JSON text;
+/// 0 when it has no usage or cannot be read (not JSON, or `usage` or the
+/// count of another type). Only that count is read: the rest of the
+/// answer is skipped, nothing copied.
+pub fn completion_tokens(answer: &[u8]) -> u64 {
+    #[derive(Deserialize)]
+    struct Counts {
+        #[serde(default)]
+        completion_tokens: u64,
+    }
+    #[derive(Deserialize)]
+    struct Answer {
+        usage: Option<Counts>,
+    }
+    serde_json::from_slice::<Answer>(answer)
+        .ok()
+        .and_then(|answer| answer.usage)
+        .map_or(0, |usage| usage.completion_tokens)
+}
+
 /// `usage.prompt_tokens_details`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PromptTokensDetails {

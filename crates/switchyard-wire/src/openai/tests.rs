@@ -315,3 +315,23 @@ fn a_whole_chat_answer_has_a_message_and_usage() {
     let message = back.choices[0].message.as_ref().unwrap();
     assert!(matches!(message.content, Some(Cow::Borrowed("hi"))));
 }
+
+#[test]
+fn a_whole_answers_completion_tokens_are_read_from_usage_and_default_to_zero() {
+    assert_eq!(
+        completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
+        9
+    );
+    assert_eq!(
+        completion_tokens(br#"{"choices":"not read","usage":{"completion_tokens":9,"x":[1]}}"#),
+        9
+    );
+    assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
+    assert_eq!(completion_tokens(br#"{"usage":null}"#), 0);
+    assert_eq!(completion_tokens(br#"{"usage":"9"}"#), 0);
+    assert_eq!(completion_tokens(b"not json"), 0);
+    assert_eq!(
+        completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
+        0
+    );
+}
