@@ -631,12 +631,12 @@ fn usage(prompt_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Us
 }
 
 /// An answer or chunk of `job` with `choices`.
-fn completion(job: &Job, object: &'static str, choices: Vec<Choice>) -> Completion {
+fn completion<'a>(job: &'a Job, object: &'static str, choices: Vec<Choice<'a>>) -> Completion<'a> {
     Completion {
-        id: format!("{}-{}", job.api.id_prefix(), job.id),
+        id: Cow::Owned(format!("{}-{}", job.api.id_prefix(), job.id)),
         object: Cow::Borrowed(object),
         created: job.created,
-        model: job.model.to_string(),
+        model: Cow::Borrowed(&job.model),
         choices,
         usage: None,
     }
@@ -677,19 +677,19 @@ async fn collect_response(
                 cached_tokens,
                 output_tokens,
             }) => {
-                let finish_reason = Some(finish_reason(reason).to_owned());
+                let finish_reason = Some(Cow::Borrowed(finish_reason(reason)));
                 let token_ids = job.return_token_ids.then_some(token_ids);
                 let choice = match job.api {
                     Api::Completions => Choice {
-                        text: Some(text),
+                        text: Some(Cow::Owned(text)),
                         finish_reason,
                         token_ids,
                         ..Choice::default()
                     },
                     Api::Chat => Choice {
                         message: Some(ChoiceMessage {
-                            role: "assistant".into(),
-                            content: Some(text),
+                            role: Cow::Borrowed("assistant"),
+                            content: Some(Cow::Owned(text)),
                         }),
                         finish_reason,
                         token_ids,
@@ -733,10 +733,15 @@ enum StreamState {
     Closed,
 }
 
-fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Completion {
-    let text = token.map(|t| job.output_text.of(t).to_owned());
+fn chunk<'a>(
+    job: &'a Job,
+    token: Option<u32>,
+    role: bool,
+    finish: Option<&'static str>,
+) -> Completion<'a> {
+    let text = token.map(|t| Cow::Borrowed(job.output_text.of(t)));
     let mut choice = Choice {
-        finish_reason: finish.map(str::to_owned),
+        finish_reason: finish.map(Cow::Borrowed),
         token_ids: token.filter(|_| job.return_token_ids).map(|t| vec![t]),
         ..Choice::default()
     };
@@ -744,7 +749,7 @@ fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Com
         Api::Completions => choice.text = Some(text.unwrap_or_default()),
         Api::Chat => {
             choice.delta = Some(ChoiceDelta {
-                role: role.then(|| "assistant".to_owned()),
+                role: role.then_some(Cow::Borrowed("assistant")),
                 content: text,
             })
         }
@@ -752,7 +757,7 @@ fn chunk(job: &Job, token: Option<u32>, role: bool, finish: Option<&str>) -> Com
     completion(job, job.api.chunk_object(), vec![choice])
 }
 
-fn usage_chunk(job: &Job, usage: Usage) -> Completion {
+fn usage_chunk(job: &Job, usage: Usage) -> Completion<'_> {
     Completion {
         usage: Some(usage),
         ..completion(job, job.api.chunk_object(), Vec::new())
@@ -818,7 +823,7 @@ fn stream_response(
                         cached_tokens,
                         output_tokens,
                     }) => {
-                        let data = chunk(&job, None, false, Some(finish_reason(reason)));
+                        let data = chunk(&job, None, false, Some(finish_reason(reason))).to_json();
                         let next = if job.include_usage {
                             StreamState::Usage {
                                 usage: usage(prompt_tokens, cached_tokens, output_tokens),
@@ -827,7 +832,7 @@ fn stream_response(
                         } else {
                             StreamState::Done
                         };
-                        Some((Event::default().data(data.to_json()), next))
+                        Some((Event::default().data(data), next))
                     }
                 }
             }

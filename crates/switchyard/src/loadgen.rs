@@ -43,7 +43,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeReader};
 use switchyard_wire::engine_metrics::PrefixCacheCounters;
-use switchyard_wire::openai::Completion;
+use switchyard_wire::openai::completion_tokens;
 use switchyard_wire::prometheus::{Scrape, MAX_INPUT_BYTES};
 use switchyard_wire::sse::{classify, Chunk, SseParser};
 
@@ -408,10 +408,7 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         sample.ok = status_ok && !broken && tally.done && !tally.failed;
     } else {
         sample.ttft_ms = sample.e2e_ms;
-        sample.tokens = serde_json::from_slice::<Completion>(&whole)
-            .ok()
-            .and_then(|answer| answer.usage)
-            .map_or(0, |usage| usage.completion_tokens);
+        sample.tokens = completion_tokens(&whole);
         sample.ok = status_ok && !broken;
     }
     sample
@@ -860,7 +857,7 @@ mod tests {
     use super::*;
     use std::borrow::Cow;
     use switchyard_wire::engine_metrics::EngineFamily;
-    use switchyard_wire::openai::{Api, Choice, Usage};
+    use switchyard_wire::openai::{Api, Choice, Completion, Usage};
     use switchyard_wire::sse::{json_event, DONE_EVENT};
 
     /// A completions chunk adding `text` (and `ids`, when given).
@@ -873,7 +870,7 @@ mod tests {
             choices: vec![Choice {
                 text: Some(text.into()),
                 token_ids: ids,
-                finish_reason: finish.map(str::to_owned),
+                finish_reason: finish.map(Cow::Borrowed),
                 ..Choice::default()
             }],
             usage: None,
@@ -882,7 +879,7 @@ mod tests {
 
     fn usage_chunk() -> Vec<u8> {
         json_event(&Completion {
-            choices: Vec::new(),
+            choices: Vec::<Choice<'_>>::new(),
             usage: Some(Usage::new(4, 0, 3)),
             ..Completion::default()
         })

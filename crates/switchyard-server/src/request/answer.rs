@@ -17,9 +17,8 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
-use serde::Deserialize;
 use std::time::Instant;
-use switchyard_wire::openai::Api;
+use switchyard_wire::openai::{completion_tokens, Api};
 use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
 
 /// What [`deliver`] needs of the request besides its attempts.
@@ -124,24 +123,6 @@ pub(crate) fn log_dispatch(
     );
 }
 
-/// `usage.completion_tokens` of a whole (non-streaming) answer; 0 when the
-/// worker sent none. Only that field is parsed.
-pub(crate) fn completion_tokens(body: &[u8]) -> u64 {
-    #[derive(Deserialize)]
-    struct Usage {
-        #[serde(default)]
-        completion_tokens: u64,
-    }
-    #[derive(Deserialize)]
-    struct Answer {
-        usage: Option<Usage>,
-    }
-    serde_json::from_slice::<Answer>(body)
-        .ok()
-        .and_then(|a| a.usage)
-        .map_or(0, |u| u.completion_tokens)
-}
-
 /// A successful attempt.
 pub(crate) enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
@@ -222,24 +203,5 @@ pub(crate) async fn buffered(
             Failure::Reset,
             "the worker's response broke before it was complete".into(),
         )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn completion_tokens_are_read_from_usage_and_default_to_zero() {
-        assert_eq!(
-            completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
-            9
-        );
-        assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
-        assert_eq!(completion_tokens(b"not json"), 0);
-        assert_eq!(
-            completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
-            0
-        );
     }
 }

@@ -24,7 +24,9 @@ pub use request::{
     ChatCompletionRequest, CompletionRequest, ContentPart, LaterPrompts, Message, MessageContent,
     Prompt, StreamOptions,
 };
-pub use response::{Choice, ChoiceDelta, ChoiceMessage, Completion, PromptTokensDetails, Usage};
+pub use response::{
+    completion_tokens, Choice, ChoiceDelta, ChoiceMessage, Completion, PromptTokensDetails, Usage,
+};
 
 /// Which OpenAI endpoint a request came through: it decides the shape of
 /// the answer.

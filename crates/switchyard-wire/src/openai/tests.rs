@@ -1,5 +1,6 @@
 use super::*;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 
 fn prompt(s: &str) -> Result<Prompt, String> {
     serde_json::from_str::<Prompt>(s).map_err(|e| e.to_string())
@@ -307,7 +308,30 @@ fn a_whole_chat_answer_has_a_message_and_usage() {
                       "prompt_tokens_details": {"cached_tokens": 0}},
         })
     );
-    let back: Completion = serde_json::from_value(v).unwrap();
+    let text = v.to_string();
+    let back: Completion<'_> = serde_json::from_str(&text).unwrap();
     assert_eq!(back, answer);
     assert_eq!(back.choices[0].content(), Some("hi"));
+    let message = back.choices[0].message.as_ref().unwrap();
+    assert!(matches!(message.content, Some(Cow::Borrowed("hi"))));
+}
+
+#[test]
+fn a_whole_answers_completion_tokens_are_read_from_usage_and_default_to_zero() {
+    assert_eq!(
+        completion_tokens(br#"{"usage":{"completion_tokens":9}}"#),
+        9
+    );
+    assert_eq!(
+        completion_tokens(br#"{"choices":"not read","usage":{"completion_tokens":9,"x":[1]}}"#),
+        9
+    );
+    assert_eq!(completion_tokens(br#"{"choices":[]}"#), 0);
+    assert_eq!(completion_tokens(br#"{"usage":null}"#), 0);
+    assert_eq!(completion_tokens(br#"{"usage":"9"}"#), 0);
+    assert_eq!(completion_tokens(b"not json"), 0);
+    assert_eq!(
+        completion_tokens(br#"{"usage":{"completion_tokens":-1}}"#),
+        0
+    );
 }

@@ -5,9 +5,11 @@
 
 use super::json_event;
 use crate::openai::{Api, Choice, ChoiceDelta, Completion, Usage};
-use serde::de::IgnoredAny;
-use serde::Deserialize;
+use serde::de::{IgnoredAny, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use std::borrow::Cow;
+use std::fmt;
+use std::marker::PhantomData;
 
 /// What one event's data is.
 #[derive(Debug, Clone, PartialEq)]
@@ -119,10 +121,10 @@ impl DeltaRef<'_> {
     }
 }
 
-/// [`classify`] without copying the chunk's strings. A chunk is read by
-/// the same rules as a [`Completion`] (every field of every choice
-/// type-checked; a wrong type makes it [`ChunkRef::Unknown`]), but only
-/// its first choice is kept and nothing else is copied.
+/// [`classify`] without copying the chunk's strings. A chunk is read as a
+/// [`Completion`] (every field of every choice type-checked; a wrong type
+/// makes it [`ChunkRef::Unknown`]) that keeps only its first choice and
+/// borrows its strings (only one with escapes is copied, unescaped).
 pub fn classify_ref(data: &str) -> ChunkRef<'_> {
     let trimmed = data.trim();
     if trimmed == "[DONE]" {
@@ -136,126 +138,54 @@ pub fn classify_ref(data: &str) -> ChunkRef<'_> {
     if data.contains("\"error\"") && has_error_key(data) {
         return ChunkRef::Error;
     }
-    match serde_json::from_str::<borrowed::Completion<'_>>(data) {
+    match serde_json::from_str::<Completion<'_, FirstChoice<'_>>>(data) {
         Ok(chunk) => ChunkRef::Delta(chunk.into()),
         Err(_) => ChunkRef::Unknown,
     }
 }
 
-/// [`Completion`], [`Choice`], [`ChoiceDelta`] and
-/// [`crate::openai::ChoiceMessage`] as a reader of one chunk sees them:
-/// the same fields of the same types, strings borrowed, and of `choices`
-/// only the first kept (the others read and type-checked, then dropped).
-mod borrowed {
-    use super::{DeltaRef, Usage};
-    use crate::openai::lenient::object_or_none;
-    use serde::de::{SeqAccess, Visitor};
-    use serde::{Deserialize, Deserializer};
-    use std::borrow::Cow;
-    use std::fmt;
+/// `choices` as [`classify_ref`] holds it: the first choice (`None` when
+/// empty). The others are read as [`Choice`]s too, so that a wrong type
+/// anywhere fails the chunk as it fails a whole [`Completion`], and
+/// dropped.
+struct FirstChoice<'a>(Option<Choice<'a>>);
 
-    /// A string borrowed from the input when it has no escapes. (Serde
-    /// borrows a `Cow<str>` field only when it is not inside an `Option`.)
-    #[derive(Deserialize)]
-    #[serde(transparent)]
-    pub(super) struct Text<'a>(#[serde(borrow)] pub(super) Cow<'a, str>);
-
-    fn cow<'a>(t: Option<Text<'a>>) -> Option<Cow<'a, str>> {
-        t.map(|t| t.0)
-    }
-
-    #[derive(Deserialize)]
-    pub(super) struct Completion<'a> {
-        #[serde(default, borrow)]
-        pub(super) id: Cow<'a, str>,
-        #[serde(default, borrow, rename = "object")]
-        _object: Cow<'a, str>,
-        #[serde(default)]
-        pub(super) created: u64,
-        #[serde(default, borrow)]
-        pub(super) model: Cow<'a, str>,
-        #[serde(borrow)]
-        pub(super) choices: FirstChoice<'a>,
-        #[serde(default, deserialize_with = "object_or_none")]
-        pub(super) usage: Option<Usage>,
-    }
-
-    #[derive(Deserialize)]
-    pub(super) struct Choice<'a> {
-        #[serde(default, rename = "index")]
-        _index: u32,
-        #[serde(default, borrow)]
-        text: Option<Text<'a>>,
-        #[serde(default, borrow, rename = "message")]
-        _message: Option<ChoiceMessage<'a>>,
-        #[serde(default, borrow)]
-        delta: Option<ChoiceDelta<'a>>,
-        #[serde(default, borrow)]
-        finish_reason: Option<Text<'a>>,
-        #[serde(default)]
-        token_ids: Option<Vec<u32>>,
-    }
-
-    #[derive(Deserialize)]
-    struct ChoiceMessage<'a> {
-        #[serde(default, borrow, rename = "role")]
-        _role: Cow<'a, str>,
-        #[serde(default, borrow, rename = "content")]
-        _content: Option<Text<'a>>,
-    }
-
-    #[derive(Deserialize)]
-    struct ChoiceDelta<'a> {
-        #[serde(default, borrow, rename = "role")]
-        _role: Option<Text<'a>>,
-        #[serde(default, borrow)]
-        content: Option<Text<'a>>,
-    }
-
-    /// The first element of `choices` (`None` when empty); the rest are
-    /// read as choices and dropped.
-    pub(super) struct FirstChoice<'a>(pub(super) Option<Choice<'a>>);
-
-    impl<'de: 'a, 'a> Deserialize<'de> for FirstChoice<'a> {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct First<'a>(std::marker::PhantomData<&'a ()>);
-            impl<'de: 'a, 'a> Visitor<'de> for First<'a> {
-                type Value = FirstChoice<'a>;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a sequence")
-                }
-                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                    let first = seq.next_element::<Choice<'a>>()?;
-                    while seq.next_element::<Choice<'a>>()?.is_some() {}
-                    Ok(FirstChoice(first))
-                }
+impl<'de: 'a, 'a> Deserialize<'de> for FirstChoice<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct First<'a>(PhantomData<Choice<'a>>);
+        impl<'de: 'a, 'a> Visitor<'de> for First<'a> {
+            type Value = FirstChoice<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a sequence")
             }
-            d.deserialize_seq(First(std::marker::PhantomData))
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let first = seq.next_element::<Choice<'a>>()?;
+                while seq.next_element::<Choice<'a>>()?.is_some() {}
+                Ok(FirstChoice(first))
+            }
         }
+        deserializer.deserialize_seq(First(PhantomData))
     }
+}
 
-    impl<'a> From<Completion<'a>> for DeltaRef<'a> {
-        fn from(chunk: Completion<'a>) -> Self {
-            let (text, token_ids, finish_reason) = match chunk.choices.0 {
-                Some(choice) => {
-                    let text = match (choice.text, choice.delta) {
-                        (Some(t), _) => Some(t.0),
-                        (None, Some(delta)) => cow(delta.content),
-                        (None, None) => None,
-                    };
-                    (text, choice.token_ids, cow(choice.finish_reason))
-                }
-                None => (None, None, None),
-            };
-            DeltaRef {
-                text,
-                token_ids,
-                finish_reason,
-                usage: chunk.usage,
-                id: chunk.id,
-                model: chunk.model,
-                created: chunk.created,
-            }
+impl<'a> From<Completion<'a, FirstChoice<'a>>> for DeltaRef<'a> {
+    fn from(chunk: Completion<'a, FirstChoice<'a>>) -> Self {
+        let (text, token_ids, finish_reason) = match chunk.choices.0 {
+            Some(choice) => (
+                choice.text.or_else(|| choice.delta?.content),
+                choice.token_ids,
+                choice.finish_reason,
+            ),
+            None => (None, None, None),
+        };
+        DeltaRef {
+            text,
+            token_ids,
+            finish_reason,
+            usage: chunk.usage,
+            id: chunk.id,
+            model: chunk.model,
+            created: chunk.created,
         }
     }
 }
@@ -307,26 +237,27 @@ impl StreamShape {
         let choices = if usage.is_some() && delta.text.is_none() && delta.finish_reason.is_none() {
             Vec::new()
         } else {
+            let text = delta.text.as_deref().map(Cow::Borrowed);
             let mut choice = Choice {
-                finish_reason: delta.finish_reason.clone(),
+                finish_reason: delta.finish_reason.as_deref().map(Cow::Borrowed),
                 ..Choice::default()
             };
             match self.api {
                 Api::Chat => {
                     choice.delta = Some(ChoiceDelta {
                         role: None,
-                        content: delta.text.clone(),
+                        content: text,
                     })
                 }
-                Api::Completions => choice.text = Some(delta.text.clone().unwrap_or_default()),
+                Api::Completions => choice.text = Some(text.unwrap_or_default()),
             }
             vec![choice]
         };
         json_event(&Completion {
-            id: self.id.clone(),
+            id: Cow::Borrowed(&self.id),
             object: Cow::Borrowed(self.api.chunk_object()),
             created: self.created,
-            model: self.model.clone(),
+            model: Cow::Borrowed(&self.model),
             choices,
             usage,
         })

@@ -459,8 +459,8 @@ fn a_finish_without_text_is_rewritten_with_empty_text_or_an_empty_delta() {
 
 /// A whole chunk's first choice, as `classify` read it before
 /// `classify_ref` existed (the reference model below).
-impl From<Completion> for Delta {
-    fn from(chunk: Completion) -> Self {
+impl From<Completion<'_>> for Delta {
+    fn from(chunk: Completion<'_>) -> Self {
         let first = chunk.choices.into_iter().next();
         let (text, token_ids, finish_reason) = match first {
             Some(choice) => {
@@ -474,12 +474,12 @@ impl From<Completion> for Delta {
             None => (None, None, None),
         };
         Delta {
-            text,
+            text: text.map(Cow::into_owned),
             token_ids,
-            finish_reason,
+            finish_reason: finish_reason.map(Cow::into_owned),
             usage: chunk.usage,
-            id: chunk.id,
-            model: chunk.model,
+            id: chunk.id.into_owned(),
+            model: chunk.model.into_owned(),
             created: chunk.created,
         }
     }
@@ -499,7 +499,7 @@ fn classify_by_completion(data: &str) -> Chunk {
     if data.contains("\"error\"") && has_error_key_for_test(data) {
         return Chunk::Error;
     }
-    match serde_json::from_str::<Completion>(data) {
+    match serde_json::from_str::<Completion<'_>>(data) {
         Ok(chunk) => Chunk::Delta(chunk.into()),
         Err(_) => Chunk::Unknown,
     }
@@ -595,6 +595,17 @@ fn a_plain_chunks_strings_are_borrowed_not_copied() {
     assert!(matches!(delta.text, Some(Cow::Borrowed(" w"))));
     assert!(matches!(delta.finish_reason, Some(Cow::Borrowed("length"))));
     assert!(matches!(delta.id, Cow::Borrowed("cmpl-1")));
+    let ChunkRef::Delta(chat) = classify_ref(r#"{"choices":[{"delta":{"content":" w"}}]}"#) else {
+        panic!("a chunk");
+    };
+    assert!(matches!(chat.text, Some(Cow::Borrowed(" w"))));
+    let ChunkRef::Delta(escaped) = classify_ref(r#"{"choices":[{"text":"a\nb"}]}"#) else {
+        panic!("a chunk");
+    };
+    assert!(
+        matches!(escaped.text, Some(Cow::Owned(ref text)) if text == "a\nb"),
+        "a string with escapes is unescaped into a copy"
+    );
     assert_eq!(
         classify_ref(r#"{"choices":[{"text":"a"},{"text":5}]}"#),
         ChunkRef::Unknown,
