@@ -1,0 +1,451 @@
+
+use super::*;
+use std::borrow::Cow;
+use switchyard_wire::engine_metrics::EngineFamily;
+use switchyard_wire::openai::{Api, Choice, Completion, Usage};
+use switchyard_wire::sse::{json_event, DONE_EVENT};
+
+/// A completions chunk adding `text` (and `ids`, when given).
+fn chunk(text: &str, ids: Option<Vec<u32>>, finish: Option<&str>) -> Vec<u8> {
+    json_event(&Completion {
+        id: "cmpl-1".into(),
+        object: Cow::Borrowed(Api::Completions.chunk_object()),
+        created: 1,
+        model: "m".into(),
+        choices: vec![Choice {
+            text: Some(text.into()),
+            token_ids: ids,
+            finish_reason: finish.map(Cow::Borrowed),
+            ..Choice::default()
+        }],
+        usage: None,
+    })
+}
+
+fn usage_chunk() -> Vec<u8> {
+    json_event(&Completion {
+        choices: Vec::<Choice<'_>>::new(),
+        usage: Some(Usage::new(4, 0, 3)),
+        ..Completion::default()
+    })
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[test]
+fn a_frame_split_mid_event_is_counted_when_the_event_completes() {
+    let t0 = Instant::now();
+    let mut tally = StreamTally::new(t0);
+    let second = chunk(" b", None, None);
+    let (head, tail) = second.split_at(second.len() / 2);
+    let mut frame = chunk(" a", None, None);
+    frame.extend_from_slice(head);
+    tally.frame(&frame, t0 + ms(10));
+    assert_eq!(tally.tokens, 1, "half an event is not a token yet");
+    assert_eq!(tally.ttft_ms, Some(10.0));
+    tally.frame(tail, t0 + ms(30));
+    assert_eq!(tally.tokens, 2);
+    assert_eq!(tally.itl_ms, vec![20.0]);
+    let mut rest = chunk("", None, Some("length"));
+    rest.extend_from_slice(&usage_chunk());
+    rest.extend_from_slice(DONE_EVENT);
+    tally.frame(&rest, t0 + ms(40));
+    assert_eq!(tally.tokens, 2, "finish and usage chunks add no token");
+    assert_eq!(tally.itl_ms, vec![20.0]);
+    assert!(tally.done && !tally.failed);
+}
+
+#[test]
+fn the_counts_do_not_depend_on_the_framing() {
+    let mut stream = Vec::new();
+    for word in [" a", " b", " c"] {
+        stream.extend_from_slice(&chunk(word, None, None));
+    }
+    stream.extend_from_slice(&chunk(" d e", Some(vec![7, 8]), None));
+    stream.extend_from_slice(&chunk("", None, Some("length")));
+    stream.extend_from_slice(DONE_EVENT);
+    let t0 = Instant::now();
+    for size in [1, 7, 64, stream.len()] {
+        let mut tally = StreamTally::new(t0);
+        for (i, frame) in stream.chunks(size).enumerate() {
+            tally.frame(frame, t0 + ms(i as u64 + 1));
+        }
+        assert_eq!(tally.tokens, 5, "frames of {size} bytes");
+        assert!(tally.done && !tally.failed, "frames of {size} bytes");
+    }
+}
+
+#[test]
+fn an_error_event_or_an_oversized_event_fails_the_stream() {
+    let t0 = Instant::now();
+    let mut tally = StreamTally::new(t0);
+    tally.frame(&chunk(" a", None, None), t0);
+    tally.frame(b"data: {\"error\": {\"message\": \"gone\"}}\n\n", t0);
+    assert!(tally.failed);
+    let mut tally = StreamTally::new(t0);
+    tally.frame(&vec![b'x'; MAX_EVENT_BYTES + 1], t0);
+    assert!(tally.failed && !tally.done);
+}
+
+use switchyard_sim::workload::{PromptSpec, Turn};
+
+fn session(id: u64, arrival_ms: f64, turns: usize) -> Session {
+    Session {
+        id,
+        arrival_ms,
+        think_time_ms: 0.0,
+        turns: (0..turns)
+            .map(|_| Turn {
+                prompt: PromptSpec::Mooncake {
+                    hash_ids: vec![id].into(),
+                    tokens: 20,
+                },
+                output_tokens: 7,
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn sessions_become_token_id_completions_with_their_arrival_times() {
+    let sessions = [session(3, 0.0, 1), session(4, 250.5, 1)];
+    let (requests, arrivals) = session_requests(&sessions, Some("m")).unwrap();
+    assert_eq!(arrivals, vec![0.0, 250.5]);
+    let body: Value = serde_json::from_slice(&requests[1].body).unwrap();
+    assert_eq!(requests[1].path, "/v1/completions");
+    assert_eq!(body["max_tokens"], 7);
+    assert_eq!(body["stream"], true);
+    assert_eq!(body["model"], "m");
+    let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+    assert_eq!(prompt, sessions[1].turns[0].prompt.tokens());
+    assert!(session_requests(&[session(5, 0.0, 2)], None).is_err());
+}
+
+/// Three conversations (2, 3 and 1 user turns) as a ShareGPT file in
+/// the temporary directory, named for the test.
+fn sharegpt_file(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "switchyard-loadgen-{}-{name}.jsonl",
+        std::process::id()
+    ));
+    let mut file = std::fs::File::create(&path).unwrap();
+    for (id, turns) in [("a", 2), ("b", 3), ("c", 1)] {
+        let conversations: Vec<Value> = (0..turns)
+            .flat_map(|k| {
+                [
+                    json!({"from": "human", "value": format!("{id} asks {k}")}),
+                    json!({"from": "gpt", "value": format!("{id} answers {k}")}),
+                ]
+            })
+            .collect();
+        let line = json!({"id": id, "conversations": conversations});
+        std::io::Write::write_all(&mut file, format!("{line}\n").as_bytes()).unwrap();
+    }
+    path
+}
+
+#[test]
+fn each_sharegpt_turn_names_its_sessions_next_turn() {
+    let file = sharegpt_file("chain");
+    let requests = sharegpt_requests(&file, 100, 8, None).unwrap();
+    let order: Vec<_> = requests
+        .iter()
+        .map(|r| r.session.as_deref().unwrap())
+        .collect();
+    assert_eq!(order, ["a", "b", "c", "a", "b", "b"]);
+    let next: Vec<_> = requests.iter().map(|r| r.next_turn).collect();
+    assert_eq!(next, [Some(3), Some(4), None, None, Some(5), None]);
+    assert_eq!(first_turns(&requests), [0, 1, 2]);
+    // Cut after five turns, b's third turn is gone and nothing names it.
+    let cut = sharegpt_requests(&file, 5, 8, None).unwrap();
+    std::fs::remove_file(file).unwrap();
+    assert_eq!(cut.len(), 5);
+    assert_eq!(cut[4].next_turn, None);
+}
+
+/// Closed-loop pacing never has two turns of one session in flight, and
+/// sends each session's turns in order (a user waits for the answer).
+#[tokio::test]
+async fn closed_loop_sends_a_sessions_next_turn_only_after_its_answer() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    // (session, turn text) in the order answered, and whether any
+    // session ever had two requests in flight.
+    let seen = Arc::new(Mutex::new((
+        Vec::<String>::new(),
+        BTreeMap::<String, u32>::new(),
+        false,
+    )));
+    let server_seen = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let (socket, _) = listener.accept().await.unwrap();
+            let seen = server_seen.clone();
+            tokio::spawn(async move {
+                let (read, mut write) = socket.into_split();
+                let mut read = BufReader::new(read);
+                loop {
+                    let (mut session, mut length) = (String::new(), 0usize);
+                    loop {
+                        let mut line = String::new();
+                        if read.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("x-session-id:") {
+                            session = v.trim().to_owned();
+                        } else if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        } else if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    read.read_exact(&mut body).await.unwrap();
+                    {
+                        let mut s = seen.lock().unwrap();
+                        let running = s.1.entry(session.clone()).or_insert(0);
+                        *running += 1;
+                        if *running > 1 {
+                            s.2 = true;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let body: Value = serde_json::from_slice(&body).unwrap();
+                    {
+                        let mut s = seen.lock().unwrap();
+                        *s.1.get_mut(&session).unwrap() -= 1;
+                        let last = body["messages"].as_array().unwrap().last().unwrap().clone();
+                        s.0.push(last["content"].as_str().unwrap().to_owned());
+                    }
+                    let event = "data: [DONE]\n\n";
+                    let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                            event.len()
+                        );
+                    write.write_all(head.as_bytes()).await.unwrap();
+                    write.write_all(event.as_bytes()).await.unwrap();
+                }
+            });
+        }
+    });
+    let file = sharegpt_file("closed-loop");
+    let requests = sharegpt_requests(&file, 100, 8, None).unwrap();
+    std::fs::remove_file(file).unwrap();
+    let report = run_load(&url, requests, Pacing::Concurrency(8), true, &[], false).await;
+    assert_eq!((report.requests, report.errors), (6, 0));
+    let (answered, _, overlapped) = std::mem::take(&mut *seen.lock().unwrap());
+    assert!(
+        !overlapped,
+        "two turns of one session were in flight at once"
+    );
+    let of = |id: &str| -> Vec<String> {
+        answered
+            .iter()
+            .filter(|t| t.starts_with(id))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(of("b"), ["b asks 0", "b asks 1", "b asks 2"]);
+    assert_eq!(of("a"), ["a asks 0", "a asks 1"]);
+}
+
+/// Nothing listens on the port: every request fails at once, which is
+/// enough to see which requests the schedule sent.
+#[tokio::test]
+async fn arrivals_pacing_sends_only_the_scheduled_requests_and_records_lateness() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (requests, _) = session_requests(
+        &[session(1, 0.0, 1), session(2, 0.0, 1), session(3, 0.0, 1)],
+        None,
+    )
+    .unwrap();
+    let report = run_load(
+        &format!("http://127.0.0.1:{port}"),
+        requests,
+        Pacing::Arrivals(vec![0.0, 1.0].into()),
+        true,
+        &[],
+        false,
+    )
+    .await;
+    assert_eq!((report.requests, report.errors), (2, 2));
+    assert!(report.send_lag_ms.is_some());
+    let closed = run_load(
+        &format!("http://127.0.0.1:{port}"),
+        Vec::new(),
+        Pacing::Concurrency(1),
+        true,
+        &[],
+        false,
+    )
+    .await;
+    assert!(closed.send_lag_ms.is_none());
+}
+
+/// A `/metrics` server on loopback whose n-th answer (from 0) is
+/// `page(n)`: a `200` with that page, or a `404` for `None`. Returns
+/// its base URL.
+async fn metrics_server(page: impl Fn(usize) -> Option<String> + Send + Sync + 'static) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let page = Arc::new(page);
+    let served = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let (page, served) = (page.clone(), served.clone());
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let (status, body) = match page(served.fetch_add(1, Ordering::SeqCst)) {
+                    Some(body) => ("200 OK", body),
+                    None => ("404 Not Found", String::new()),
+                };
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    base
+}
+
+/// vLLM's prefix-cache counters as its page shows them, two engines.
+fn vllm_page(queries: u64, hits: u64) -> String {
+    format!(
+        "# TYPE vllm:prefix_cache_queries_total counter\n\
+             vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"tiny\"}} {queries}.0\n\
+             vllm:prefix_cache_queries_total{{engine=\"1\",model_name=\"tiny\"}} 0.0\n\
+             vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"tiny\"}} {hits}.0\n\
+             vllm:prefix_cache_hits_total{{engine=\"1\",model_name=\"tiny\"}} 0.0\n"
+    )
+}
+
+fn closed_port() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("http://127.0.0.1:{port}")
+}
+
+#[tokio::test]
+async fn the_hit_rate_comes_from_vllms_own_counters_over_the_run() {
+    // 75,303 queried and 44,416 hit before; 1,000 and 600 more after.
+    let vllm = metrics_server(|n| {
+        Some(vllm_page(
+            75_303 + 1_000 * n as u64,
+            44_416 + 600 * n as u64,
+        ))
+    })
+    .await;
+    let report = run_load(
+        &vllm,
+        Vec::new(),
+        Pacing::Concurrency(1),
+        true,
+        &[format!("{vllm}/")],
+        false,
+    )
+    .await;
+    assert_eq!(report.hit_rate, Some(0.6));
+    assert_eq!(report.hit_rate_unavailable, None);
+}
+
+#[tokio::test]
+async fn workers_whose_counters_cannot_be_read_are_named_with_the_reason() {
+    let vllm = metrics_server(|n| Some(vllm_page(1_000 * (n as u64 + 1), 500))).await;
+    let foreign = metrics_server(|_| Some("process_cpu_seconds_total 1.5\n".to_owned())).await;
+    let missing = metrics_server(|_| None).await;
+    let closed = closed_port();
+    let workers = [vllm, foreign.clone(), missing.clone(), closed.clone()];
+    let report = run_load(
+        &workers[0],
+        Vec::new(),
+        Pacing::Concurrency(1),
+        true,
+        &workers,
+        false,
+    )
+    .await;
+    assert_eq!(report.hit_rate, None);
+    let why = report.hit_rate_unavailable.clone().unwrap();
+    assert!(
+        why.contains(&format!("{foreign}: no prefix-cache counters in /metrics")),
+        "{why}"
+    );
+    assert!(
+        why.contains(&format!("{missing}: /metrics answered 404 Not Found")),
+        "{why}"
+    );
+    assert!(
+        why.contains(&format!("{closed}: cannot read /metrics: ")),
+        "{why}"
+    );
+    assert!(!why.contains("--worker-metrics"), "{why}");
+    assert_eq!(
+        why.matches("; ").count(),
+        2,
+        "three workers named, the good one not: {why}"
+    );
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["hit_rate"], Value::Null);
+    assert_eq!(json["hit_rate_unavailable"], why.as_str());
+}
+
+fn reading(family: EngineFamily, queried: f64, hit: f64) -> CounterReading {
+    Ok(Some(PrefixCacheCounters {
+        family,
+        queried_tokens: queried,
+        hit_tokens: hit,
+    }))
+}
+
+#[test]
+fn counters_that_appear_during_the_run_count_from_zero() {
+    // SGLang creates its counters' series at the first request.
+    let workers = ["http://sglang".to_owned(), "http://sim".to_owned()];
+    let before = [Ok(None), reading(EngineFamily::SimWorker, 100.0, 0.0)];
+    let after = [
+        reading(EngineFamily::Sglang, 300.0, 100.0),
+        reading(EngineFamily::SimWorker, 200.0, 100.0),
+    ];
+    assert_eq!(hit_rate_over(&workers, &before, &after), Ok(0.5));
+}
+
+#[test]
+fn no_hit_rate_without_workers_prompts_or_with_counters_that_went_down() {
+    assert_eq!(
+        hit_rate_over(&[], &[], &[]),
+        Err("no --worker-metrics".to_owned())
+    );
+    let one = ["http://w".to_owned()];
+    let same = [reading(EngineFamily::Vllm, 10.0, 5.0)];
+    assert_eq!(
+        hit_rate_over(&one, &same, &same),
+        Err("the engines counted no prompt tokens during the run".to_owned())
+    );
+    let restarted = [reading(EngineFamily::Vllm, 4.0, 1.0)];
+    let why = hit_rate_over(&one, &same, &restarted).unwrap_err();
+    assert!(why.starts_with("http://w: its counters went down"), "{why}");
+    let other = [reading(EngineFamily::Sglang, 20.0, 5.0)];
+    let why = hit_rate_over(&one, &same, &other).unwrap_err();
+    assert!(why.contains("from vLLM's to SGLang's names"), "{why}");
+}
