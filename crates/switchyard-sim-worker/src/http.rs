@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 
 /// Everything a handler needs.
 #[derive(Clone)]
-pub struct AppState {
+pub struct WorkerState {
     /// Served model name.
     pub model: Arc<str>,
     /// The engine's configuration (for info endpoints and limits).
@@ -82,7 +82,7 @@ pub struct DisaggState {
 }
 
 /// The router of every endpoint.
-pub fn router(state: AppState) -> Router {
+pub fn router(state: WorkerState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -119,7 +119,7 @@ pub fn require_key(app: Router, key: &str) -> Router {
                 if ok || request.uri().path() == "/metrics" {
                     next.run(request).await
                 } else {
-                    ApiError::from(ErrorBody::authentication(
+                    ErrorReply::from(ErrorBody::authentication(
                         "invalid or missing API key (Authorization: Bearer ...)",
                     ))
                     .into_response()
@@ -132,12 +132,12 @@ pub fn require_key(app: Router, key: &str) -> Router {
 /// An OpenAI-style error reply: the wire body and the status its `code`
 /// names.
 #[derive(Debug)]
-pub struct ApiError {
+pub struct ErrorReply {
     status: StatusCode,
     body: ErrorBody,
 }
 
-impl From<ErrorBody> for ApiError {
+impl From<ErrorBody> for ErrorReply {
     fn from(body: ErrorBody) -> Self {
         let status = body
             .status()
@@ -147,13 +147,13 @@ impl From<ErrorBody> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
+impl IntoResponse for ErrorReply {
     fn into_response(self) -> Response {
         (self.status, Json(self.body)).into_response()
     }
 }
 
-impl From<AdmitError> for ApiError {
+impl From<AdmitError> for ErrorReply {
     fn from(err: AdmitError) -> Self {
         let message = err.to_string();
         match err {
@@ -171,17 +171,17 @@ impl From<AdmitError> for ApiError {
     }
 }
 
-async fn not_found() -> ApiError {
+async fn not_found() -> ErrorReply {
     ErrorBody::not_found("no such endpoint", None).into()
 }
 
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ErrorReply> {
     serde_json::from_slice(body)
         .map_err(|e| ErrorBody::invalid_request(format!("invalid request body: {e}"), None).into())
 }
 
 /// This worker generates one choice per request.
-fn check_n(n: u32) -> Result<(), ApiError> {
+fn check_n(n: u32) -> Result<(), ErrorReply> {
     if n == 1 {
         Ok(())
     } else {
@@ -216,11 +216,11 @@ struct Job {
     vllm_prefill: bool,
 }
 
-impl AppState {
+impl WorkerState {
     /// The model a request names: the base (`None` too) or a loaded LoRA
     /// adapter, as the name to answer with and the adapter (`None`: the
     /// base); anything else is a 404.
-    fn check_model(&self, model: Option<&str>) -> Result<(Arc<str>, Option<Arc<str>>), ApiError> {
+    fn check_model(&self, model: Option<&str>) -> Result<(Arc<str>, Option<Arc<str>>), ErrorReply> {
         match model {
             Some(m) if m != &*self.model && self.adapters.touch(m) => {
                 let name: Arc<str> = m.into();
@@ -255,7 +255,7 @@ fn routed(headers: &HeaderMap) -> Option<(ReplicaId, RequestId)> {
 
 /// What a request asks of this worker's disaggregation (`Plain` when off);
 /// a malformed field is a 400 and a counted failure.
-fn disagg_plan(state: &AppState, body: &Bytes) -> Result<Plan, ApiError> {
+fn disagg_plan(state: &WorkerState, body: &Bytes) -> Result<Plan, ErrorReply> {
     let Some(d) = &state.disagg else {
         return Ok(Plan::Plain);
     };
@@ -279,10 +279,10 @@ fn client_request_id(headers: &HeaderMap) -> Option<String> {
 }
 
 async fn completions(
-    State(state): State<AppState>,
+    State(state): State<WorkerState>,
     headers: HeaderMap,
     body: Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     let plan = disagg_plan(&state, &body)?;
     let body: CompletionRequest = parse(&body)?;
     let (model, lora_name) = state.check_model(body.model.as_deref())?;
@@ -322,10 +322,10 @@ async fn completions(
 }
 
 async fn chat_completions(
-    State(state): State<AppState>,
+    State(state): State<WorkerState>,
     headers: HeaderMap,
     body: Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     let plan = disagg_plan(&state, &body)?;
     let body: ChatCompletionRequest = parse(&body)?;
     let (model, lora_name) = state.check_model(body.model.as_deref())?;
@@ -398,7 +398,7 @@ async fn chat_completions(
     run(state, job, prompt, max_tokens, plan).await
 }
 
-async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
+async fn encode(state: &WorkerState, text: String) -> Result<Vec<u32>, ErrorReply> {
     let tokenizer = state.tokenizer.clone();
     tokio::task::spawn_blocking(move || tokenizer.encode(&text))
         .await
@@ -407,12 +407,12 @@ async fn encode(state: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
 }
 
 async fn run(
-    state: AppState,
+    state: WorkerState,
     mut job: Job,
     prompt: Vec<u32>,
     max_tokens: u32,
     plan: Plan,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     if max_tokens == 0 {
         return Err(AdmitError::NoOutput.into());
     }
@@ -427,7 +427,7 @@ async fn run(
         hash_seed: seed_for(job.lora_name.as_deref(), None),
         lora_name: job.lora_name.clone(),
     };
-    let stopped = || ApiError::from(ErrorBody::overloaded("the engine has stopped"));
+    let stopped = || ErrorReply::from(ErrorBody::overloaded("the engine has stopped"));
     let mut rx = match (plan, &state.disagg) {
         (Plan::Prefill { room }, Some(d)) => {
             if d.config.protocol == DisaggProtocol::Vllm {
@@ -485,7 +485,7 @@ async fn run(
     let first = rx
         .recv()
         .await
-        .ok_or_else(|| ApiError::from(ErrorBody::internal("the engine dropped the request")))?;
+        .ok_or_else(|| ErrorReply::from(ErrorBody::internal("the engine dropped the request")))?;
     match first {
         GenEvent::Rejected(err) => return Err(err.into()),
         GenEvent::TransferFailed(err) => return Err(err.error_body().into()),
@@ -521,7 +521,7 @@ fn prefill_answer(
     disagg: Option<&DisaggState>,
     captured: Option<(switchyard_engine::lease::LeaseRef, Vec<u64>)>,
     refused: Option<DisaggFailure>,
-) -> Result<Value, ApiError> {
+) -> Result<Value, ErrorReply> {
     match (captured, refused, disagg) {
         (Some((lease, block_ids)), _, Some(d)) => {
             let request_id = job
@@ -647,7 +647,7 @@ async fn collect_response(
     first: GenEvent,
     mut rx: mpsc::Receiver<GenEvent>,
     disagg: Option<&DisaggState>,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     let mut text = String::new();
     let mut token_ids = Vec::new();
     let mut captured = None;
@@ -713,7 +713,7 @@ async fn collect_response(
             None => {}
         }
         event = Some(rx.recv().await.ok_or_else(|| {
-            ApiError::from(ErrorBody::internal("the engine dropped the request"))
+            ErrorReply::from(ErrorBody::internal("the engine dropped the request"))
         })?);
     }
 }
@@ -847,7 +847,7 @@ fn stream_response(
     Sse::new(events.map(Ok::<Event, Infallible>)).keep_alive(KeepAlive::default())
 }
 
-async fn models(State(state): State<AppState>) -> Json<Value> {
+async fn models(State(state): State<WorkerState>) -> Json<Value> {
     let mut data = vec![json!({
         "id": &*state.model,
         "object": "model",
@@ -885,7 +885,10 @@ struct TokenizeRequest {
 /// a completion of it would read them, `{"count", "max_model_len",
 /// "tokens"}`. The router asks it to check that it tokenizes as the
 /// engine does.
-async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(
+    State(state): State<WorkerState>,
+    body: Bytes,
+) -> Result<Json<Value>, ErrorReply> {
     let body: TokenizeRequest = parse(&body)?;
     state.check_model(body.model.as_deref())?;
     let tokens = encode(&state, body.prompt).await?;
@@ -903,34 +906,34 @@ struct LoraBody {
     lora_path: Option<String>,
 }
 
-fn lora_body(state: &AppState, body: &Bytes) -> Result<LoraBody, ApiError> {
+fn lora_body(state: &WorkerState, body: &Bytes) -> Result<LoraBody, ErrorReply> {
     parse::<LoraBody>(body).inspect_err(|_| {
         state.metrics.lora_load_failures.inc();
     })
 }
 
 async fn load_lora_adapter(
-    State(state): State<AppState>,
+    State(state): State<WorkerState>,
     body: Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     let body = lora_body(&state, &body)?;
     let text = state
         .adapters
         .load(body.lora_name.as_deref(), body.lora_path.as_deref())
         .await
-        .map_err(ApiError::from)?;
+        .map_err(ErrorReply::from)?;
     Ok((StatusCode::OK, text).into_response())
 }
 
 async fn unload_lora_adapter(
-    State(state): State<AppState>,
+    State(state): State<WorkerState>,
     body: Bytes,
-) -> Result<Response, ApiError> {
+) -> Result<Response, ErrorReply> {
     let body: LoraBody = parse(&body)?;
     let text = state
         .adapters
         .unload(body.lora_name.as_deref())
-        .map_err(ApiError::from)?;
+        .map_err(ErrorReply::from)?;
     Ok((StatusCode::OK, text).into_response())
 }
 
@@ -938,7 +941,7 @@ async fn health() -> StatusCode {
     StatusCode::OK
 }
 
-async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
+async fn health_generate(State(state): State<WorkerState>) -> Result<StatusCode, ErrorReply> {
     let request = NewRequest {
         id: state.request_id(),
         prompt: vec![151_644, 872, 198],
@@ -950,7 +953,7 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
         .driver
         .submit(request)
         .await
-        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
+        .ok_or_else(|| ErrorReply::from(ErrorBody::overloaded("the engine has stopped")))?;
     while let Some(event) = rx.recv().await {
         match event {
             GenEvent::Finished {
@@ -962,12 +965,12 @@ async fn health_generate(State(state): State<AppState>) -> Result<StatusCode, Ap
             GenEvent::Finished { .. } | GenEvent::TransferFailed(_) => break,
         }
     }
-    Err(ApiError::from(ErrorBody::overloaded(
+    Err(ErrorReply::from(ErrorBody::overloaded(
         "the engine did not generate",
     )))
 }
 
-async fn server_info(State(state): State<AppState>) -> Json<Value> {
+async fn server_info(State(state): State<WorkerState>) -> Json<Value> {
     let c = &state.config;
     Json(json!({
         "model_path": &*state.model,
@@ -991,7 +994,7 @@ async fn server_info(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-async fn model_info(State(state): State<AppState>) -> Json<Value> {
+async fn model_info(State(state): State<WorkerState>) -> Json<Value> {
     Json(json!({
         "model_path": &*state.model,
         "tokenizer_path": &*state.model,
@@ -1000,7 +1003,7 @@ async fn model_info(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
+async fn metrics(State(state): State<WorkerState>) -> Response {
     (
         [(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)],
         state.metrics.encode(),
@@ -1010,12 +1013,12 @@ async fn metrics(State(state): State<AppState>) -> Response {
 
 /// The worker's cached blocks by engine hash, per tier: what a subscriber's
 /// index should hold once it has applied every published event.
-async fn kv_cache(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+async fn kv_cache(State(state): State<WorkerState>) -> Result<Json<Value>, ErrorReply> {
     let cached = state
         .driver
         .snapshot()
         .await
-        .ok_or_else(|| ApiError::from(ErrorBody::overloaded("the engine has stopped")))?;
+        .ok_or_else(|| ErrorReply::from(ErrorBody::overloaded("the engine has stopped")))?;
     let tier = |m: switchyard_engine::Medium| -> Vec<u64> {
         cached
             .blocks

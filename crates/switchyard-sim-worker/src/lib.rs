@@ -528,7 +528,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             .await
             .map_err(|e| anyhow::anyhow!("--lora-modules {name}: refused: {}", e.to_json()))?;
     }
-    let state = http::AppState {
+    let state = http::WorkerState {
         adapters: lora,
         model: args.model.as_str().into(),
         config: Arc::new(config),

@@ -1,4 +1,3 @@
-
 use super::*;
 use std::borrow::Cow;
 use switchyard_wire::engine_metrics::EngineFamily;
