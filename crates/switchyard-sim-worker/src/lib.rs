@@ -16,7 +16,10 @@
 //!   endpoints (`/internal/kv/pull`, `/internal/kv/release`);
 //! - [`transfer`] — what a transfer carries and how it fails (the lease
 //!   as it travels, the transfer's errors), shared by `disagg` and the
-//!   driver.
+//!   driver;
+//! - [`engine_flags`] — [`EngineFlags`]: the engine's flags and their one
+//!   mapping to an `EngineConfig`, flattened into `sim-worker` and
+//!   `replay` alike.
 //!
 //! With `--replica-sync nats://HOST:PORT` the worker also publishes
 //! `MarkPrefillCompleted` at each routed request's first token straight
@@ -36,6 +39,7 @@
 pub mod adapters;
 pub mod disagg;
 pub mod driver;
+pub mod engine_flags;
 pub mod http;
 pub mod kv_publish;
 pub mod metrics;
@@ -48,14 +52,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use switchyard_engine::{
-    CheckpointPolicy, Engine, EngineConfig, Preemption, SyncDevice, TimingConfig,
-};
+use switchyard_engine::{Engine, EngineConfig, SyncDevice};
 use switchyard_kv_events::publisher::{KvEventPublisher, PublisherConfig};
 use switchyard_replica::{
     worker_id_for_name, NatsAuthArgs, NatsTransport, ReplicaConfig, ReplicaConfigError, WorkerMarks,
 };
 use switchyard_tokenizer::Tokenizer;
+
+pub use engine_flags::{
+    ArchitectureChoice, CheckpointChoice, EngineDefaults, EngineFlags, PreemptionChoice,
+};
 
 /// Options of `switchyard sim-worker`.
 #[derive(Debug, Clone, Args)]
@@ -79,72 +85,9 @@ pub struct SimWorkerArgs {
     /// KV-event batches kept for replay.
     #[arg(long, default_value_t = 10_000)]
     pub kv_replay_buffer: usize,
-    /// Real-time speed-up: wall time = model time / F; 0 makes every step instant.
-    #[arg(long, default_value_t = 1.0)]
-    pub speedup: f64,
     /// Same as --speedup 0.
     #[arg(long)]
     pub no_delay: bool,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Device KV blocks.
-    #[arg(long, default_value_t = 16_384)]
-    pub num_blocks: usize,
-    /// Host-tier KV blocks that evicted device blocks spill into (0: none).
-    #[arg(long, default_value_t = 0)]
-    pub host_blocks: usize,
-    /// What preempting a sequence does when the KV pool stays dry:
-    /// `recompute` frees its blocks and computes its tokens again on resume;
-    /// `spill` saves its KV to the host (needs --spill-blocks) and loads it
-    /// back, recomputing when the spill area is full.
-    #[arg(long, value_enum, default_value_t = PreemptionMode::Recompute)]
-    pub preemption: PreemptionMode,
-    /// Host blocks set aside for spilled sequences' KV (--preemption spill).
-    #[arg(long, default_value_t = 0)]
-    pub spill_blocks: usize,
-    /// The architecture simulated: `attention`, or `hybrid` (SSM +
-    /// attention layers: a cached prefix resumes only from a kept SSM
-    /// state, and the states kept are published as vLLM's "mamba" cache
-    /// group).
-    #[arg(long, value_enum, default_value_t = ModelMode::Attention)]
-    pub architecture: ModelMode,
-    /// With --architecture hybrid: which SSM states are kept (`marconi`: ends of
-    /// prompts and branch points; `every-block`).
-    #[arg(long, value_enum, default_value_t = CheckpointMode::Marconi)]
-    pub checkpoints: CheckpointMode,
-    /// With --architecture hybrid: most SSM checkpoints kept.
-    #[arg(long, default_value_t = switchyard_engine::Hybrid::default().max_checkpoints)]
-    pub max_checkpoints: usize,
-    /// Most sequences running in one step.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Most tokens computed in one step (longer prompts are chunked).
-    #[arg(long, default_value_t = 8_192)]
-    pub max_num_batched_tokens: usize,
-    /// Most requests waiting before new ones get 503.
-    #[arg(long, default_value_t = 4_096)]
-    pub max_waiting: usize,
-    /// Longest prompt plus output a request may have.
-    #[arg(long, default_value_t = 32_768)]
-    pub max_model_len: usize,
-    /// Host-tier restores shorter than this many tokens are skipped.
-    #[arg(long, default_value_t = 256)]
-    pub min_restore_tokens: usize,
-    /// Times a host-tier restore may wait for device capacity before the
-    /// prefix is recomputed instead.
-    #[arg(long, default_value_t = 8)]
-    pub max_restore_deferrals: u32,
-    /// KV events buffered while the publisher lags; beyond it the newest are
-    /// dropped and counted.
-    #[arg(long, default_value_t = 1 << 16)]
-    pub max_buffered_events: usize,
-    /// KV bytes per token, for host-tier restore time.
-    #[arg(long, default_value_t = 128 * 1024)]
-    pub bytes_per_token: u64,
-    /// Host-to-device bandwidth in bytes per second, for restore time.
-    #[arg(long, default_value_t = 64e9)]
-    pub restore_bandwidth: f64,
     /// Output tokens when a request gives no max_tokens.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u32,
@@ -186,33 +129,11 @@ pub struct SimWorkerArgs {
     /// `--lora-modules`.
     #[arg(long = "lora-modules", value_name = "NAME=PATH", value_parser = adapters::parse_module)]
     pub lora_modules: Vec<(String, String)>,
-}
-
-/// `--architecture`: the model architecture the engine simulates.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ModelMode {
-    /// Attention layers only.
-    Attention,
-    /// SSM (Mamba) and attention layers.
-    Hybrid,
-}
-
-/// `--checkpoints`: a hybrid engine's [`CheckpointPolicy`] as a flag value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum CheckpointMode {
-    /// Ends of prompts and branch points, evicted by recency plus saving.
-    Marconi,
-    /// Every block boundary, least recently used evicted.
-    EveryBlock,
-}
-
-/// `--preemption`: the engine's [`Preemption`] as a flag value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PreemptionMode {
-    /// Free the blocks; recompute on resume (vLLM's default).
-    Recompute,
-    /// Save the KV to the host and load it back on resume.
-    Spill,
+    /// The engine's flags (`--block-size`, `--num-blocks`, `--speedup`,
+    /// `--architecture`, ...), shared with `replay`; last, as its help
+    /// heading holds for the flags after it.
+    #[command(flatten)]
+    pub engine: EngineFlags,
 }
 
 impl SimWorkerArgs {
@@ -232,52 +153,17 @@ impl SimWorkerArgs {
         Ok(Some(config))
     }
 
-    /// The engine configuration these flags describe.
+    /// The engine configuration these flags describe: [`EngineFlags`] with
+    /// the sim-worker's defaults, instant with `--no-delay`, KV events
+    /// recorded when there is a publisher for them. The output vocabulary
+    /// comes from the tokenizer when the worker starts ([`bind`]).
     pub fn engine_config(&self) -> EngineConfig {
-        let config = self.attention_config();
-        if self.architecture == ModelMode::Attention {
-            return config;
+        let mut config = self.engine.engine_config(EngineDefaults::sim_worker());
+        if self.no_delay {
+            config.timing.speedup = 0.0;
         }
-        let policy = match self.checkpoints {
-            CheckpointMode::Marconi => CheckpointPolicy::Marconi,
-            CheckpointMode::EveryBlock => CheckpointPolicy::EveryBlock,
-        };
-        let mut config = config.hybrid(policy);
-        if let Some(hybrid) = config.hybrid.as_mut() {
-            hybrid.max_checkpoints = self.max_checkpoints;
-        }
+        config.emit_kv_events = self.kv_events.is_some();
         config
-    }
-
-    fn attention_config(&self) -> EngineConfig {
-        EngineConfig {
-            block_size: self.block_size,
-            num_blocks: self.num_blocks,
-            host_blocks: self.host_blocks,
-            preemption: match self.preemption {
-                PreemptionMode::Recompute => Preemption::Recompute,
-                PreemptionMode::Spill => Preemption::Spill,
-            },
-            spill_blocks: self.spill_blocks,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_waiting: self.max_waiting,
-            max_model_len: self.max_model_len,
-            min_restore_tokens: self.min_restore_tokens,
-            max_restore_deferrals: self.max_restore_deferrals,
-            max_buffered_events: self.max_buffered_events,
-            max_leases: EngineConfig::default().max_leases,
-            emit_kv_events: self.kv_events.is_some(),
-            timing: TimingConfig {
-                speedup: if self.no_delay { 0.0 } else { self.speedup },
-                bytes_per_token: self.bytes_per_token,
-                restore_bandwidth_bytes_per_s: self.restore_bandwidth,
-                ..TimingConfig::default()
-            },
-            // From the tokenizer, when the worker starts ([`bind`]).
-            output_vocabulary: None,
-            ..EngineConfig::default()
-        }
     }
 }
 
@@ -301,7 +187,7 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .config()
         .map_err(anyhow::Error::msg)
         .context("invalid --disagg configuration")?;
-    if args.architecture == ModelMode::Hybrid && args.disagg.disagg.is_some() {
+    if args.engine.architecture == ArchitectureChoice::Hybrid && args.disagg.disagg.is_some() {
         anyhow::bail!(
             "--disagg with --architecture hybrid is not modelled (a hybrid model's SSM state is not transferred)"
         );
@@ -511,7 +397,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             args.max_loras
         );
     }
-    let speedup = if args.no_delay { 0.0 } else { args.speedup };
+    let speedup = config.timing.speedup;
     let load_time = if speedup > 0.0 {
         std::time::Duration::from_secs_f64(args.lora_load_ms / speedup / 1e3)
     } else {
@@ -598,63 +484,45 @@ mod tests {
             .args
     }
 
-    /// `--preemption spill` reaches the engine with its spill area, and
-    /// without one the configuration is refused before the worker starts.
+    /// The shared engine flags with the sim-worker's defaults, next to its
+    /// own `--model` (a name here, not an architecture).
     #[test]
-    fn a_hybrid_model_takes_its_checkpoint_policy_and_state_slots() {
-        let config = parse(&[]).engine_config();
-        assert_eq!(config.hybrid, None);
-        let config = parse(&[
+    fn the_engine_flags_take_the_sim_workers_defaults() {
+        let args = parse(&[]);
+        assert_eq!(
+            args.engine_config(),
+            EngineConfig {
+                emit_kv_events: false,
+                ..EngineConfig::default()
+            }
+        );
+        let args = parse(&[
+            "--model",
+            "m",
             "--architecture",
             "hybrid",
-            "--checkpoints",
-            "every-block",
-            "--max-checkpoints",
+            "--block-size",
             "32",
-        ])
-        .engine_config();
-        let hybrid = config.hybrid.expect("hybrid");
-        assert_eq!(
-            (hybrid.checkpoints, hybrid.max_checkpoints),
-            (CheckpointPolicy::EveryBlock, 32)
-        );
-        assert!(config.timing.ssm.is_some());
-        assert_eq!(config.validate(), Ok(()));
-        // A hybrid model with a host tier is refused at start-up.
-        let refused = parse(&["--architecture", "hybrid", "--host-blocks", "8"])
-            .engine_config()
-            .validate();
-        assert!(refused.is_err());
+            "--kv-events",
+            "tcp://127.0.0.1:*",
+        ]);
+        assert_eq!(args.model, "m");
+        let config = args.engine_config();
+        assert!(config.hybrid.is_some());
+        assert_eq!(config.block_size, 32);
+        assert!(config.emit_kv_events);
     }
 
     #[test]
-    fn spill_preemption_takes_its_spill_blocks_and_is_validated() {
-        let config = parse(&[]).engine_config();
+    fn no_delay_makes_every_step_instant_whatever_the_speedup() {
+        assert_eq!(parse(&[]).engine_config().timing.speedup, 1.0);
         assert_eq!(
-            (config.preemption, config.spill_blocks),
-            (Preemption::Recompute, 0)
+            parse(&["--speedup", "4"]).engine_config().timing.speedup,
+            4.0
         );
-        let config = parse(&["--preemption", "spill", "--spill-blocks", "512"]).engine_config();
-        assert_eq!(
-            (config.preemption, config.spill_blocks),
-            (Preemption::Spill, 512)
-        );
-        assert_eq!(config.validate(), Ok(()));
-        let refused = parse(&["--preemption", "spill"]).engine_config().validate();
-        assert_eq!(
-            refused,
-            Err(switchyard_engine::config::ConfigError::SpillWithoutHost)
-        );
-        let cli = |flags: &[&str]| {
-            #[derive(Parser)]
-            struct Cli {
-                #[command(flatten)]
-                args: SimWorkerArgs,
-            }
-            Cli::try_parse_from(std::iter::once("sim-worker").chain(flags.iter().copied()))
-                .map(|_| ())
-        };
-        assert!(cli(&["--preemption", "swap"]).is_err());
+        let instant = parse(&["--speedup", "4", "--no-delay"]).engine_config();
+        assert_eq!(instant.timing.speedup, 0.0);
+        assert_eq!(instant.validate(), Ok(()));
     }
 
     /// The marks authenticate with `serve`'s `--nats-*` flags, all of them.

@@ -3,10 +3,9 @@
 //! SGLang's PD router drive theirs (the golden bodies in
 //! `tests/fixtures/disagg`), and the failures a router must see.
 
-use crate::support::{serve_worker, Worker};
+use crate::support::{metric, serve_worker, Worker};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use switchyard_wire::prometheus::Scrape;
 
 /// A sim-worker with `flags`, its SGLang bootstrap server (when it serves
 /// one) on a free port.
@@ -60,18 +59,6 @@ fn proxy_decode_body(client: &Value, prefill_answer: &Value) -> Value {
         body["kv_transfer_params"] = params.clone();
     }
     body
-}
-
-/// The value of the `/metrics` series named `series` (with its labels),
-/// 0 when absent.
-async fn metric(base: &str, series: &str) -> f64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    Scrape::parse(&text).series_value(series).unwrap_or(0.0)
 }
 
 /// Polls until `series` reads `want` (a generous deadline for a loaded

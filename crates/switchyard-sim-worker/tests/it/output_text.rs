@@ -2,7 +2,7 @@
 //! worker reported: a worker served in-process over a real socket,
 //! completions and chat, streamed and not, with the bundled tokenizer.
 
-use crate::support::serve_worker;
+use crate::support::{metric, serve_worker};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::OnceLock;
@@ -181,4 +181,30 @@ async fn a_conversations_next_turn_hits_the_blocks_of_the_previous_answer() {
     let body = json!({"messages": second_turn, "max_tokens": 4});
     let next = ask(&base, "/v1/chat/completions", body, false).await;
     assert_eq!(next.cached_tokens, computed / block * block, "{answer:?}");
+}
+
+/// With `--spec-decode` a decode step emits a request's accepted drafts
+/// too: every draft accepted, four a step, a 100-token answer takes about
+/// a fifth of the steps, and still has exactly `max_tokens` that read back
+/// as its ids, streamed or not.
+#[tokio::test]
+async fn speculative_decoding_takes_fewer_steps_for_the_same_answer() {
+    let base = serve_worker(&["--spec-decode", "1.0", "--spec-draft-tokens", "4"])
+        .await
+        .base;
+    let steps = "switchyard_engine_steps_total";
+    for stream in [false, true] {
+        let before = metric(&base, steps).await;
+        let body = json!({"prompt": "The river", "max_tokens": 100, "return_token_ids": true});
+        let answer = ask(&base, "/v1/completions", body, stream).await;
+        let taken = metric(&base, steps).await - before;
+        assert_eq!(answer.completion_tokens, 100, "stream={stream}");
+        let counted = tokenizer().encode(&answer.text).unwrap();
+        assert_eq!(answer.token_ids.as_ref(), Some(&counted), "stream={stream}");
+        // One prefill step, then 99 tokens five a step.
+        assert!(
+            (1.0..=25.0).contains(&taken),
+            "stream={stream}: {taken} steps"
+        );
+    }
 }

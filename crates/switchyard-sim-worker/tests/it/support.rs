@@ -4,6 +4,7 @@ use clap::Parser;
 use std::net::SocketAddr;
 use switchyard_sim_worker::{bind, BoundWorker, SimWorkerArgs};
 use switchyard_tokenizer::Tokenizer;
+use switchyard_wire::prometheus::Scrape;
 
 /// A worker served until the test's runtime ends.
 pub(crate) struct Worker {
@@ -51,4 +52,16 @@ pub(crate) async fn serve_worker_with(flags: &[&str], tokenizer: Tokenizer) -> W
         port: addr.port(),
         bootstrap,
     }
+}
+
+/// The value of the `/metrics` series named `series` (with its labels) of
+/// the worker at `base`, 0 when absent.
+pub(crate) async fn metric(base: &str, series: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    Scrape::parse(&text).series_value(series).unwrap_or(0.0)
 }

@@ -21,12 +21,13 @@ use std::time::Instant;
 use switchyard_core::admission::SessionAwareConfig;
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
-use switchyard_engine::{CheckpointPolicy, EngineConfig, Preemption, SpecDecode};
+use switchyard_engine::SpecDecode;
 use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, SimOutcome, TransferConfig};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
 use switchyard_sim::workload::{read_sharegpt, ShareGptOptions};
+use switchyard_sim_worker::{ArchitectureChoice, EngineDefaults, EngineFlags};
 
 /// Default arrival-rate multiplier for the bundled trace. At 1× the default
 /// fleet idles (TTFT p90 about 0.1 s for every policy); at 28× round-robin's
@@ -63,41 +64,6 @@ pub enum TraceFormat {
     Sharegpt,
     /// The built-in synthetic multi-turn generator (no file).
     Synthetic,
-}
-
-/// The model the simulated engines serve.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ModelKind {
-    /// Attention layers only: every cached block is reusable.
-    #[default]
-    Attention,
-    /// A hybrid of SSM (Mamba) and attention layers: a cached prefix is
-    /// reusable only up to a kept SSM state (`--checkpoints`).
-    Hybrid,
-}
-
-/// Which SSM states a hybrid engine keeps.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum CheckpointChoice {
-    /// Ends of prompts and branch points, evicted by recency plus the
-    /// recompute time saved (Marconi).
-    #[default]
-    Marconi,
-    /// Every block boundary, least recently used evicted first.
-    EveryBlock,
-}
-
-/// Preemption modes (`switchyard_engine::Preemption`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PreemptionChoice {
-    /// Free the sequence's blocks; it recomputes them on resume.
-    #[default]
-    Recompute,
-    /// Save its KV to the host first and load it back on resume.
-    Spill,
 }
 
 /// What the routers know of hybrid workers.
@@ -138,8 +104,11 @@ pub enum AdmissionChoice {
     Both,
 }
 
-/// `switchyard replay` arguments.
+/// `switchyard replay` arguments. `--model` is replay's own name for
+/// `--architecture`, kept as an alias here: the shared engine flags cannot
+/// hold it, as a sim-worker's `--model` is its served model's name.
 #[derive(Clone, Debug, clap::Args, Serialize)]
+#[command(mut_arg("architecture", |arg| arg.visible_alias("model")))]
 pub struct ReplayArgs {
     /// Trace file (default: the bundled Mooncake conversation trace).
     #[arg(long)]
@@ -153,21 +122,6 @@ pub struct ReplayArgs {
     /// Workers in the fleet.
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Engine (and router) block size in tokens.
-    #[arg(long)]
-    pub block_size: Option<usize>,
-    /// Device KV blocks per worker.
-    #[arg(long)]
-    pub num_blocks: Option<usize>,
-    /// Host-tier (CPU) KV blocks per worker that evicted device blocks
-    /// spill into and requests restore from (0: no host tier). The router
-    /// indexes them from the engines' host-tier events, and the `ttft`
-    /// policy credits a host hit by its restore time.
-    #[arg(long, default_value_t = 0)]
-    pub host_blocks: usize,
-    /// Engine speed-up over the timing model.
-    #[arg(long)]
-    pub speedup: Option<f64>,
     /// Arrival-rate multiplier (2 = twice as fast as the trace).
     #[arg(long, default_value_t = DEFAULT_RATE_SCALE)]
     pub rate_scale: f64,
@@ -302,34 +256,7 @@ pub struct ReplayArgs {
     /// in ms (default 1, an assumption).
     #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().latency_ms)]
     pub transfer_latency_ms: f64,
-    /// Speculative decoding (multi-token prediction) in the simulated
-    /// engines: each decode step verifies `--spec-draft-tokens` drafts,
-    /// each accepted with this probability (0..=1) until the first
-    /// rejection. Off unless given.
-    #[arg(long, value_name = "RATE")]
-    pub spec_decode: Option<f64>,
-    /// With `--spec-decode`: drafted positions per decode step (1..=16).
-    #[arg(long, default_value_t = SpecDecode::default().draft_tokens)]
-    pub spec_draft_tokens: u32,
-    /// The model the engines serve: `attention` (the default) or `hybrid`
-    /// (SSM + attention layers; see `--checkpoints`).
-    #[arg(long, value_enum, default_value_t = ModelKind::Attention)]
-    pub model: ModelKind,
-    /// With `--model hybrid`: which SSM states the engines keep.
-    #[arg(long, value_enum, default_value_t = CheckpointChoice::Marconi)]
-    pub checkpoints: CheckpointChoice,
-    /// With `--model hybrid`: SSM checkpoints each engine keeps at most.
-    #[arg(long, default_value_t = switchyard_engine::Hybrid::default().max_checkpoints)]
-    pub max_checkpoints: usize,
-    /// What an engine does with its newest running sequence when nothing
-    /// can run: `recompute` (vLLM's default) or `spill` its KV to the host
-    /// and load it back (needs `--spill-blocks`).
-    #[arg(long, value_enum, default_value_t = PreemptionChoice::Recompute)]
-    pub preemption: PreemptionChoice,
-    /// With `--preemption spill`: host blocks each engine can spill into.
-    #[arg(long, default_value_t = 0)]
-    pub spill_blocks: usize,
-    /// With `--model hybrid`: what the routers know of hybrid workers
+    /// With `--architecture hybrid`: what the routers know of hybrid workers
     /// (`both` replays each policy with either view).
     #[arg(long, value_enum, default_value_t = HybridRouting::Aware)]
     pub hybrid_routing: HybridRouting,
@@ -350,6 +277,12 @@ pub struct ReplayArgs {
     /// (`+blind`), or both.
     #[arg(long, value_enum, default_value_t = AdapterRouting::Both)]
     pub adapter_routing: AdapterRouting,
+    /// The engines' flags, as `sim-worker`'s (`--block-size`, `--speedup`,
+    /// `--architecture`, ...); the ones the profile sizes default to it.
+    /// Last, as its help heading holds for the flags after it.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub engine: EngineFlags,
 }
 
 /// Parses a `P:D` split.
@@ -393,7 +326,7 @@ pub struct ReplayReport {
     /// `fleet.engine`.
     pub spec_decode: Option<SpecDecode>,
     /// The model the engines served (`attention` or `hybrid`).
-    pub engine_kind: ModelKind,
+    pub engine_kind: ArchitectureChoice,
     /// A hybrid model's checkpoint policy (`null` for attention only);
     /// also under `fleet.engine.hybrid`.
     pub checkpoints: Option<&'static str>,
@@ -409,36 +342,16 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         Profile::Default => (8, 64, 16_384, 4.0),
         Profile::DynamoMocker => (16, 64, 16_384, 4.0),
     };
-    let mut engine = EngineConfig {
-        block_size: args.block_size.unwrap_or(block_size),
-        num_blocks: args.num_blocks.unwrap_or(num_blocks),
-        host_blocks: args.host_blocks,
+    let defaults = EngineDefaults {
+        block_size,
+        num_blocks,
+        speedup,
         // Trace prompts reach 126k tokens; the pool is the real limit.
         max_model_len: 1 << 20,
-        // The router needs no events from a request it never sees cached.
-        emit_kv_events: true,
-        ..EngineConfig::default()
     };
-    engine.timing.speedup = args.speedup.unwrap_or(speedup);
-    engine.spec_decode = args.spec_decode.map(|acceptance_rate| SpecDecode {
-        draft_tokens: args.spec_draft_tokens,
-        acceptance_rate,
-    });
-    engine.preemption = match args.preemption {
-        PreemptionChoice::Recompute => Preemption::Recompute,
-        PreemptionChoice::Spill => Preemption::Spill,
-    };
-    engine.spill_blocks = args.spill_blocks;
-    if args.model == ModelKind::Hybrid {
-        let policy = match args.checkpoints {
-            CheckpointChoice::Marconi => CheckpointPolicy::Marconi,
-            CheckpointChoice::EveryBlock => CheckpointPolicy::EveryBlock,
-        };
-        engine = engine.hybrid(policy);
-        if let Some(hybrid) = engine.hybrid.as_mut() {
-            hybrid.max_checkpoints = args.max_checkpoints;
-        }
-    }
+    let mut engine = args.engine.engine_config(defaults);
+    // The router needs no events from a request it never sees cached.
+    engine.emit_kv_events = true;
     anyhow::ensure!(
         engine.timing.speedup > 0.0,
         "--speedup must be positive in the simulator (virtual time needs durations)"
@@ -751,9 +664,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         })
         .flat_map(|(name, f)| {
             // A hybrid fleet routed by an attention-only view too, if asked.
-            let views: &[bool] = match (args.model, args.hybrid_routing) {
-                (ModelKind::Hybrid, HybridRouting::AttentionOnly) => &[true],
-                (ModelKind::Hybrid, HybridRouting::Both) => &[false, true],
+            let views: &[bool] = match (args.engine.architecture, args.hybrid_routing) {
+                (ArchitectureChoice::Hybrid, HybridRouting::AttentionOnly) => &[true],
+                (ArchitectureChoice::Hybrid, HybridRouting::Both) => &[false, true],
                 _ => &[false],
             };
             views.iter().map(move |&attention_only| {
@@ -825,7 +738,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             .map(|(n, o)| (n.clone(), o.report.clone()))
             .collect(),
         spec_decode: fleet.engine.spec_decode,
-        engine_kind: args.model,
+        engine_kind: args.engine.architecture,
         checkpoints: fleet.engine.hybrid.map(|h| h.checkpoints.as_str()),
         fleet,
         args: args.clone(),
@@ -964,6 +877,7 @@ pub(crate) fn parse_args(argv: &[&str]) -> ReplayArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use switchyard_engine::{CheckpointPolicy, EngineConfig, Preemption, TimingConfig};
 
     #[test]
     fn the_engines_have_no_host_tier_unless_host_blocks_are_given() {
@@ -1053,8 +967,11 @@ mod tests {
         assert!(fleet.engine.timing.ssm.is_some());
         assert!(fleet.engine.state_slots as usize >= fleet.engine.max_num_seqs);
         let json = serde_json::to_value(&args).unwrap();
-        assert_eq!(json["model"], "hybrid");
+        assert_eq!(json["architecture"], "hybrid");
         assert_eq!(json["checkpoints"], "every-block");
+        // `--architecture`, as the sim-worker's, names the same.
+        let same = parse_args(&["--architecture", "hybrid", "--checkpoints", "every-block"]);
+        assert_eq!(same.engine.architecture, ArchitectureChoice::Hybrid);
         // A hybrid engine with a host tier is refused, with the reason.
         let error = fleet_config(&parse_args(&["--model", "hybrid", "--host-blocks", "64"]))
             .unwrap_err()
@@ -1070,5 +987,56 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(fleet.engine.preemption, Preemption::Spill);
+    }
+
+    /// The engine flags are the sim-worker's, with the profile's fleet
+    /// sizes and trace-length prompts where no flag is given.
+    #[test]
+    fn the_engines_take_the_profiles_sizes_unless_flags_are_given() {
+        let engine = fleet_config(&parse_args(&[])).unwrap().engine;
+        assert_eq!(
+            (
+                engine.block_size,
+                engine.num_blocks,
+                engine.timing.speedup,
+                engine.max_model_len
+            ),
+            (64, 16_384, 4.0, 1 << 20)
+        );
+        assert!(engine.emit_kv_events);
+        assert_eq!(
+            engine,
+            EngineConfig {
+                block_size: 64,
+                max_model_len: 1 << 20,
+                timing: TimingConfig {
+                    speedup: 4.0,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }
+        );
+        let engine = fleet_config(&parse_args(&[
+            "--block-size",
+            "16",
+            "--speedup",
+            "8",
+            "--max-model-len",
+            "32768",
+            "--max-num-seqs",
+            "64",
+        ]))
+        .unwrap()
+        .engine;
+        assert_eq!(
+            (
+                engine.block_size,
+                engine.timing.speedup,
+                engine.max_model_len,
+                engine.max_num_seqs
+            ),
+            (16, 8.0, 32_768, 64)
+        );
+        assert!(fleet_config(&parse_args(&["--speedup", "0"])).is_err());
     }
 }

@@ -1,0 +1,402 @@
+//! [`EngineFlags`]: the simulated engine's command-line flags and the one
+//! mapping from them to an [`EngineConfig`], flattened into both
+//! `switchyard sim-worker` (one engine in real time) and `switchyard replay`
+//! (a fleet of them in virtual time).
+//!
+//! Why here: the flags are the command line's face of the engine, so they
+//! sit in the lowest crate that already has a command line and the engine
+//! below it. `switchyard-engine` stays a pure core with no `clap` (not even
+//! behind a feature, which Cargo would switch on for the whole workspace),
+//! and `switchyard` (home of `replay`) already depends on this crate for
+//! `sim-worker`, so sharing the flags adds no dependency anywhere.
+//!
+//! A few defaults differ by command on purpose: a sim-worker is one engine
+//! with vLLM's defaults, a replay fleet is sized by its `--profile` and takes
+//! trace prompts of any length. Those flags are `Option`s here, and each
+//! command passes its own [`EngineDefaults`] to
+//! [`EngineFlags::engine_config`]; every other default is
+//! [`EngineConfig::default`]'s, read from it rather than written again.
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use switchyard_engine::{
+    CheckpointPolicy, EngineConfig, Hybrid, Preemption, SpecDecode, TimingConfig,
+};
+
+/// The simulated engine's flags. Flattened last into a command's flags
+/// (its help heading holds for every flag declared after it).
+#[derive(Clone, Debug, PartialEq, Args, Serialize)]
+#[command(next_help_heading = "Engine")]
+pub struct EngineFlags {
+    /// Tokens per KV block (the router's too) [default: sim-worker 16;
+    /// replay: its --profile's, 64].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Device KV blocks per engine [default: sim-worker 16384; replay: its
+    /// --profile's, 16384].
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Host-tier (CPU) KV blocks per engine that evicted device blocks
+    /// spill into and requests restore from (0: no host tier). A router
+    /// indexes them from the engines' host-tier events (and replay's `ttft`
+    /// policy credits a host hit by its restore time).
+    #[arg(long, default_value_t = EngineConfig::default().host_blocks)]
+    pub host_blocks: usize,
+    /// Speed-up over the timing model: wall time = model time / F
+    /// [default: sim-worker 1 (0 makes every step instant); replay: its
+    /// --profile's, 4 (must be positive)].
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    /// What preempting a sequence does when the KV pool stays dry:
+    /// `recompute` frees its blocks and computes its tokens again on resume;
+    /// `spill` saves its KV to the host (needs --spill-blocks) and loads it
+    /// back, recomputing when the spill area is full.
+    #[arg(long, value_enum, default_value_t = PreemptionChoice::Recompute)]
+    pub preemption: PreemptionChoice,
+    /// Host blocks set aside for spilled sequences' KV (--preemption spill).
+    #[arg(long, default_value_t = EngineConfig::default().spill_blocks)]
+    pub spill_blocks: usize,
+    /// The architecture simulated: `attention`, or `hybrid` (SSM +
+    /// attention layers: a cached prefix resumes only from a kept SSM state,
+    /// see --checkpoints; a sim-worker publishes the states kept as vLLM's
+    /// "mamba" cache group).
+    #[arg(long, value_enum, default_value_t = ArchitectureChoice::Attention)]
+    pub architecture: ArchitectureChoice,
+    /// With --architecture hybrid: which SSM states are kept (`marconi`:
+    /// ends of prompts and branch points; `every-block`).
+    #[arg(long, value_enum, default_value_t = CheckpointChoice::Marconi)]
+    pub checkpoints: CheckpointChoice,
+    /// With --architecture hybrid: most SSM checkpoints kept per engine.
+    #[arg(long, default_value_t = Hybrid::default().max_checkpoints)]
+    pub max_checkpoints: usize,
+    /// Speculative decoding (multi-token prediction): each decode step
+    /// verifies --spec-draft-tokens drafts, each accepted with this
+    /// probability (0..=1) until the first rejection. Off unless given.
+    #[arg(long, value_name = "RATE")]
+    pub spec_decode: Option<f64>,
+    /// With --spec-decode: drafted positions per decode step (1..=16).
+    #[arg(long, default_value_t = SpecDecode::default().draft_tokens)]
+    pub spec_draft_tokens: u32,
+    /// Most sequences running in one step.
+    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (longer prompts are chunked).
+    #[arg(long, default_value_t = EngineConfig::default().max_num_batched_tokens)]
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting before new ones are refused (a sim-worker
+    /// answers 503).
+    #[arg(long, default_value_t = EngineConfig::default().max_waiting)]
+    pub max_waiting: usize,
+    /// Longest prompt plus output a request may have [default: sim-worker
+    /// 32768; replay: 1048576, as trace prompts reach 126k tokens and the
+    /// KV pool is the real limit].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Host-tier restores shorter than this many tokens are skipped.
+    #[arg(long, default_value_t = EngineConfig::default().min_restore_tokens)]
+    pub min_restore_tokens: usize,
+    /// Times a host-tier restore may wait for device capacity before the
+    /// prefix is recomputed instead.
+    #[arg(long, default_value_t = EngineConfig::default().max_restore_deferrals)]
+    pub max_restore_deferrals: u32,
+    /// KV events buffered while their reader lags; beyond it the newest are
+    /// dropped and counted.
+    #[arg(long, default_value_t = EngineConfig::default().max_buffered_events)]
+    pub max_buffered_events: usize,
+    /// KV bytes per token, for host-tier restore time.
+    #[arg(long, default_value_t = TimingConfig::default().bytes_per_token)]
+    pub bytes_per_token: u64,
+    /// Host-to-device bandwidth in bytes per second, for restore time.
+    #[arg(long, default_value_t = TimingConfig::default().restore_bandwidth_bytes_per_s)]
+    pub restore_bandwidth: f64,
+}
+
+/// The defaults of the flags that differ by command (the `Option` fields
+/// of [`EngineFlags`]); a flag given on the command line wins.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineDefaults {
+    /// `--block-size`.
+    pub block_size: usize,
+    /// `--num-blocks`.
+    pub num_blocks: usize,
+    /// `--speedup`.
+    pub speedup: f64,
+    /// `--max-model-len`.
+    pub max_model_len: usize,
+}
+
+impl EngineDefaults {
+    /// `sim-worker`'s: one engine of [`EngineConfig::default`] (vLLM's
+    /// figures), in real time.
+    pub fn sim_worker() -> Self {
+        let engine = EngineConfig::default();
+        Self {
+            block_size: engine.block_size,
+            num_blocks: engine.num_blocks,
+            speedup: engine.timing.speedup,
+            max_model_len: engine.max_model_len,
+        }
+    }
+}
+
+/// `--architecture`: the model architecture the engine simulates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArchitectureChoice {
+    /// Attention layers only: every cached block is reusable.
+    #[default]
+    Attention,
+    /// SSM (Mamba) and attention layers: a cached prefix is reusable only
+    /// up to a kept SSM state (`--checkpoints`).
+    Hybrid,
+}
+
+/// `--checkpoints`: a hybrid engine's [`CheckpointPolicy`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointChoice {
+    /// Ends of prompts and branch points, evicted by recency plus the
+    /// recompute time saved (Marconi).
+    #[default]
+    Marconi,
+    /// Every block boundary, least recently used evicted first.
+    EveryBlock,
+}
+
+/// `--preemption`: the engine's [`Preemption`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PreemptionChoice {
+    /// Free the sequence's blocks; it recomputes them on resume (vLLM's
+    /// default).
+    #[default]
+    Recompute,
+    /// Save its KV to the host and load it back on resume.
+    Spill,
+}
+
+impl From<CheckpointChoice> for CheckpointPolicy {
+    fn from(choice: CheckpointChoice) -> Self {
+        match choice {
+            CheckpointChoice::Marconi => CheckpointPolicy::Marconi,
+            CheckpointChoice::EveryBlock => CheckpointPolicy::EveryBlock,
+        }
+    }
+}
+
+impl From<PreemptionChoice> for Preemption {
+    fn from(choice: PreemptionChoice) -> Self {
+        match choice {
+            PreemptionChoice::Recompute => Preemption::Recompute,
+            PreemptionChoice::Spill => Preemption::Spill,
+        }
+    }
+}
+
+impl EngineFlags {
+    /// The engine these flags describe, with `defaults` for the flags not
+    /// given that have no default of their own; everything without a flag
+    /// is [`EngineConfig::default`]'s. Not validated: the caller adds what
+    /// its command sets (KV events, an output vocabulary) and calls
+    /// [`EngineConfig::validate`].
+    pub fn engine_config(&self, defaults: EngineDefaults) -> EngineConfig {
+        let config = EngineConfig {
+            block_size: self.block_size.unwrap_or(defaults.block_size),
+            num_blocks: self.num_blocks.unwrap_or(defaults.num_blocks),
+            host_blocks: self.host_blocks,
+            preemption: self.preemption.into(),
+            spill_blocks: self.spill_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_waiting: self.max_waiting,
+            max_model_len: self.max_model_len.unwrap_or(defaults.max_model_len),
+            min_restore_tokens: self.min_restore_tokens,
+            max_restore_deferrals: self.max_restore_deferrals,
+            max_buffered_events: self.max_buffered_events,
+            timing: TimingConfig {
+                speedup: self.speedup.unwrap_or(defaults.speedup),
+                bytes_per_token: self.bytes_per_token,
+                restore_bandwidth_bytes_per_s: self.restore_bandwidth,
+                ..TimingConfig::default()
+            },
+            spec_decode: self.spec_decode.map(|acceptance_rate| SpecDecode {
+                draft_tokens: self.spec_draft_tokens,
+                acceptance_rate,
+            }),
+            ..EngineConfig::default()
+        };
+        match self.architecture {
+            ArchitectureChoice::Attention => config,
+            ArchitectureChoice::Hybrid => {
+                let mut config = config.hybrid(self.checkpoints.into());
+                if let Some(hybrid) = config.hybrid.as_mut() {
+                    hybrid.max_checkpoints = self.max_checkpoints;
+                }
+                config
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use switchyard_engine::config::ConfigError;
+
+    fn parse(flags: &[&str]) -> Result<EngineFlags, clap::Error> {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineFlags,
+        }
+        Cli::try_parse_from(std::iter::once("engine").chain(flags.iter().copied()))
+            .map(|cli| cli.engine)
+    }
+
+    fn config(flags: &[&str]) -> EngineConfig {
+        parse(flags)
+            .unwrap()
+            .engine_config(EngineDefaults::sim_worker())
+    }
+
+    #[test]
+    fn no_flags_with_the_sim_workers_defaults_is_the_engines_default() {
+        assert_eq!(config(&[]), EngineConfig::default());
+    }
+
+    #[test]
+    fn a_commands_defaults_fill_only_the_flags_not_given() {
+        let defaults = EngineDefaults {
+            block_size: 64,
+            num_blocks: 1000,
+            speedup: 4.0,
+            max_model_len: 1 << 20,
+        };
+        let config = parse(&[]).unwrap().engine_config(defaults);
+        assert_eq!(
+            (
+                config.block_size,
+                config.num_blocks,
+                config.timing.speedup,
+                config.max_model_len
+            ),
+            (64, 1000, 4.0, 1 << 20)
+        );
+        let flags = parse(&[
+            "--block-size",
+            "32",
+            "--num-blocks",
+            "77",
+            "--speedup",
+            "2",
+            "--max-model-len",
+            "4096",
+        ])
+        .unwrap();
+        let config = flags.engine_config(defaults);
+        assert_eq!(
+            (
+                config.block_size,
+                config.num_blocks,
+                config.timing.speedup,
+                config.max_model_len
+            ),
+            (32, 77, 2.0, 4096)
+        );
+    }
+
+    #[test]
+    fn every_other_flag_reaches_its_field() {
+        let config = config(&[
+            "--host-blocks",
+            "8",
+            "--max-num-seqs",
+            "9",
+            "--max-num-batched-tokens",
+            "10",
+            "--max-waiting",
+            "11",
+            "--min-restore-tokens",
+            "12",
+            "--max-restore-deferrals",
+            "13",
+            "--max-buffered-events",
+            "14",
+            "--bytes-per-token",
+            "15",
+            "--restore-bandwidth",
+            "16e9",
+        ]);
+        assert_eq!(
+            (
+                config.host_blocks,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.max_waiting,
+                config.min_restore_tokens,
+                config.max_restore_deferrals,
+                config.max_buffered_events,
+                config.timing.bytes_per_token,
+                config.timing.restore_bandwidth_bytes_per_s,
+            ),
+            (8, 9, 10, 11, 12, 13, 14, 15, 16e9)
+        );
+    }
+
+    #[test]
+    fn a_hybrid_model_takes_its_checkpoint_policy_and_state_slots() {
+        assert_eq!(config(&[]).hybrid, None);
+        let config = config(&[
+            "--architecture",
+            "hybrid",
+            "--checkpoints",
+            "every-block",
+            "--max-checkpoints",
+            "32",
+        ]);
+        let hybrid = config.hybrid.expect("hybrid");
+        assert_eq!(
+            (hybrid.checkpoints, hybrid.max_checkpoints),
+            (CheckpointPolicy::EveryBlock, 32)
+        );
+        assert!(config.timing.ssm.is_some());
+        assert!(config.state_slots as usize >= config.max_num_seqs);
+        assert_eq!(config.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_hybrid_model_with_a_host_tier_is_refused() {
+        let refused = self::config(&["--architecture", "hybrid", "--host-blocks", "8"]).validate();
+        assert_eq!(refused, Err(ConfigError::HybridHostTier));
+    }
+
+    #[test]
+    fn spill_preemption_takes_its_spill_blocks_and_is_validated() {
+        let config = self::config(&["--preemption", "spill", "--spill-blocks", "512"]);
+        assert_eq!(
+            (config.preemption, config.spill_blocks),
+            (Preemption::Spill, 512)
+        );
+        assert_eq!(config.validate(), Ok(()));
+        let refused = self::config(&["--preemption", "spill"]).validate();
+        assert_eq!(refused, Err(ConfigError::SpillWithoutHost));
+        assert!(parse(&["--preemption", "swap"]).is_err());
+    }
+
+    #[test]
+    fn spec_decode_is_off_unless_given_and_is_validated() {
+        assert_eq!(config(&[]).spec_decode, None);
+        let config = self::config(&["--spec-decode", "0.5", "--spec-draft-tokens", "5"]);
+        assert_eq!(
+            config.spec_decode,
+            Some(SpecDecode {
+                draft_tokens: 5,
+                acceptance_rate: 0.5
+            })
+        );
+        assert!(self::config(&["--spec-decode", "1.5"]).validate().is_err());
+        let refused = self::config(&["--spec-decode", "0.5", "--spec-draft-tokens", "0"]);
+        assert!(refused.validate().is_err());
+    }
+}
