@@ -219,15 +219,28 @@ async fn same_session_turns_are_serialized_on_one_worker_with_session_aware_admi
             (std::time::Instant::now(), served_by(&response))
         }
     });
-    // Read the first turn to its end.
-    let _ = first.bytes().await.unwrap();
-    let first_ended = std::time::Instant::now();
+    // Read the first turn to its end, noting when its last token (the
+    // chunk with its finish reason) arrived: the router frees the turn
+    // only after that, when the worker's stream ends, so a second turn
+    // placed while the first was running would answer before it. (The
+    // end of the client's read is no bound: the router may free the turn
+    // and place the next one while the last bytes are still on their way.)
+    let mut first = first;
+    let (mut seen, mut first_finished) = (Vec::new(), None);
+    while let Some(chunk) = first.chunk().await.unwrap() {
+        seen.extend_from_slice(&chunk);
+        let finished = String::from_utf8_lossy(&seen).contains("\"finish_reason\":\"");
+        if first_finished.is_none() && finished {
+            first_finished = Some(std::time::Instant::now());
+        }
+    }
+    let first_finished = first_finished.expect("the first turn ends with a finish reason");
     let (second_started, second_worker) = second.await.unwrap();
     assert!(
-        second_started >= first_ended,
-        "the second turn started {:?} after the first began, before the first ended ({:?})",
+        second_started >= first_finished,
+        "the second turn answered {:?} after the first began, before the first's last token ({:?})",
         second_started - started,
-        first_ended - started
+        first_finished - started
     );
     assert_eq!(
         second_worker, first_worker,
