@@ -62,8 +62,16 @@ use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
 use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
+mod split;
+#[cfg(test)]
+mod split_tests;
 #[cfg(test)]
 mod tests;
+
+pub use split::{
+    prefill_half, recovery, request_of, Half, HalfFailure, Pairing, Recovery, SplitError,
+    SplitPlan, PREFILL_HALF_BIT,
+};
 
 /// Settings of a [`Dispatcher`]: one struct per part.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -205,6 +213,9 @@ pub struct Dispatch {
     /// Live progress (tokens generated so far), when a strategy tracks the
     /// request: the response path sets it without calling back here.
     pub progress: Option<ProgressUpdater>,
+    /// Which half of a disaggregated request this is
+    /// ([`Dispatcher::submit_split`]); `None`: a whole request.
+    pub half: Option<Half>,
 }
 
 /// A lifecycle event of one of this replica's bookings, for its peers.
@@ -373,6 +384,9 @@ pub struct Dispatcher {
     requests: FxHashMap<RequestId, Request>,
     /// Booking id → request id, for every placed request.
     bookings: FxHashMap<RequestId, RequestId>,
+    /// Disaggregated requests while either half lives (bounded by
+    /// `requests`: one is forgotten once neither half is known).
+    splits: FxHashMap<RequestId, split::Split>,
     /// Replica sync is on: emit lifecycle events for peers.
     publishing: bool,
     last_sweep_ms: f64,
@@ -405,6 +419,7 @@ impl Dispatcher {
             workers: FxHashMap::default(),
             requests: FxHashMap::default(),
             bookings: FxHashMap::default(),
+            splits: FxHashMap::default(),
             publishing: false,
             last_sweep_ms: 0.0,
             placed: Vec::new(),
@@ -506,6 +521,8 @@ impl Dispatcher {
         crate::maps::map_bytes(&self.requests)
             + crate::maps::map_bytes(&self.bookings)
             + crate::maps::map_bytes(&self.workers)
+            + crate::maps::map_bytes(&self.splits)
+            + self.splits.values().map(split::Split::heap_bytes).sum::<usize>()
             + self
                 .requests
                 .values()
@@ -718,41 +735,7 @@ impl Dispatcher {
         proposal: Option<Proposal>,
         now_ms: f64,
     ) -> Result<(Admitted, Effects), Refused> {
-        if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
-            return Err(Refused::Duplicate);
-        }
-        let facts = RequestFacts {
-            id,
-            session: submission.session,
-            context_tokens: submission.prompt_tokens,
-            uncached_tokens: submission.prompt_tokens,
-            class: submission.class,
-            eligible: &submission.eligible,
-            now_ms,
-        };
-        let admitted = match self.admission.submit(&facts) {
-            SubmitOutcome::Queued => Admitted::Queued,
-            SubmitOutcome::Deferred => Admitted::Deferred,
-            SubmitOutcome::Rejected { retry_after_ms, .. } => {
-                return Err(Refused::Full { retry_after_ms })
-            }
-            SubmitOutcome::Duplicate => return Err(Refused::Duplicate),
-        };
-        self.requests.insert(
-            id,
-            Request {
-                booking: id,
-                blocks: submission.blocks,
-                prompt_tokens: submission.prompt_tokens,
-                session: submission.session,
-                eligible: submission.eligible,
-                excluded: Vec::new(),
-                class: submission.class,
-                adapter: submission.adapter,
-                model: submission.model,
-                booked: None,
-            },
-        );
+        let admitted = self.admit(id, submission, now_ms)?;
         let mut fx = Effects::default();
         let mut proposal = proposal.map(|p| (id, p));
         self.poll_proposed(now_ms, &mut fx, &mut proposal);
@@ -839,14 +822,18 @@ impl Dispatcher {
     /// authoritative for its session. A request that never got a worker
     /// ends as aborted.
     pub fn finish(&mut self, id: RequestId, context_tokens: u64, now_ms: f64) -> Effects {
-        self.end(id, Some(context_tokens), now_ms)
+        let fx = self.end(id, Some(context_tokens), now_ms);
+        self.forget_split_if_over(id);
+        fx
     }
 
     /// The request ended without a result (client gone, failure, timeout),
     /// wherever it was: waiting, it leaves the queue; placed, its booking
     /// is freed. It commits nothing to its session.
     pub fn abort(&mut self, id: RequestId, now_ms: f64) -> Effects {
-        self.end(id, None, now_ms)
+        let fx = self.end(id, None, now_ms);
+        self.forget_split_if_over(id);
+        fx
     }
 
     /// The request's worker failed it and it moves: its booking there is
@@ -895,6 +882,7 @@ impl Dispatcher {
                 let _ = self.admission.abort(invalid.ticket, now_ms);
                 self.requests.remove(&id);
                 fx.no_worker.push(id);
+                self.half_found_no_worker(id, now_ms, &mut fx);
             }
         }
         self.poll_into(now_ms, &mut fx);
@@ -922,6 +910,7 @@ impl Dispatcher {
                     }
                 }
             }
+            self.forget_split_if_over(id);
         }
         fx.counts.expired_remote += self.router.expire_silent_replicas(now_ms).len() as u32;
         let due: Vec<WorkerId> = self
@@ -956,6 +945,52 @@ impl Dispatcher {
     }
 
     // ---- Internals ---------------------------------------------------
+
+    /// Admission of request `id` without offering it to a worker yet (the
+    /// caller polls).
+    fn admit(
+        &mut self,
+        id: RequestId,
+        submission: Submission,
+        now_ms: f64,
+    ) -> Result<Admitted, Refused> {
+        if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
+            return Err(Refused::Duplicate);
+        }
+        let facts = RequestFacts {
+            id,
+            session: submission.session,
+            context_tokens: submission.prompt_tokens,
+            uncached_tokens: submission.prompt_tokens,
+            class: submission.class,
+            eligible: &submission.eligible,
+            now_ms,
+        };
+        let admitted = match self.admission.submit(&facts) {
+            SubmitOutcome::Queued => Admitted::Queued,
+            SubmitOutcome::Deferred => Admitted::Deferred,
+            SubmitOutcome::Rejected { retry_after_ms, .. } => {
+                return Err(Refused::Full { retry_after_ms })
+            }
+            SubmitOutcome::Duplicate => return Err(Refused::Duplicate),
+        };
+        self.requests.insert(
+            id,
+            Request {
+                booking: id,
+                blocks: submission.blocks,
+                prompt_tokens: submission.prompt_tokens,
+                session: submission.session,
+                eligible: submission.eligible,
+                excluded: Vec::new(),
+                class: submission.class,
+                adapter: submission.adapter,
+                model: submission.model,
+                booked: None,
+            },
+        );
+        Ok(admitted)
+    }
 
     /// Ends a request wherever it is.
     fn end(&mut self, id: RequestId, context_tokens: Option<u64>, now_ms: f64) -> Effects {
@@ -1224,6 +1259,7 @@ impl Dispatcher {
                     waited_ms,
                 } => {
                     let id = ticket.id();
+                    let half = self.half_of(id);
                     let Some(request) = self.requests.get_mut(&id) else {
                         // The poll closure saw it a moment ago.
                         let _ = self.admission.abort(ticket, now_ms);
@@ -1255,6 +1291,7 @@ impl Dispatcher {
                         adapter_load: booked.adapter_load.take(),
                         waited_ms,
                         progress,
+                        half,
                     });
                 }
                 Placed::NoWorkers { id } => {
@@ -1264,5 +1301,13 @@ impl Dispatcher {
             }
         }
         self.placed = placed;
+        if !self.splits.is_empty() {
+            // A half no worker can take ends its request (both halves).
+            let ended = fx.no_worker.len();
+            for i in 0..ended {
+                let id = fx.no_worker[i];
+                self.half_found_no_worker(id, now_ms, fx);
+            }
+        }
     }
 }
