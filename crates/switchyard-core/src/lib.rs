@@ -39,7 +39,9 @@
 //!   [`dispatch::Dispatcher`]: router, admission, the request table, the
 //!   estimator and the circuit breakers, driven by pure calls (submit,
 //!   first token, finish, abort, migrate, tick, KV events, peers' batches)
-//!   that return the driver's [`dispatch::Effects`]. The server and the
+//!   that return the driver's [`dispatch::Effects`]; a disaggregated
+//!   request's two halves too (`submit_split`, `handed_over`,
+//!   `redo_prefill`, [`dispatch::recovery`]). The server and the
 //!   simulator are its two drivers.
 //!
 //! Data flow for one request: the driver hashes the prompt (`hashing`) and

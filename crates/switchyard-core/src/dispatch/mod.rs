@@ -34,6 +34,8 @@
 //!   the call that made room.
 //! - Booking hints: each booking carries the estimator's expected prefill
 //!   duration for its uncached tokens on the chosen worker.
+//! - A disaggregated request is two requests here, its prefill half and
+//!   its decode half, sequenced by `split` ([`Dispatcher::submit_split`]).
 //! - Replica events are emitted only once replica sync is on
 //!   ([`Dispatcher::set_replica`]), and only for what this replica changed:
 //!   an `Add` that was applied, a mark of a booking it holds, a `Free` that
@@ -302,6 +304,24 @@ impl Effects {
             && self.circuits.is_empty()
             && self.counts == Counts::default()
     }
+
+    /// Appends what a later call asked for.
+    pub fn append(&mut self, mut other: Effects) {
+        self.dispatch.append(&mut other.dispatch);
+        self.no_worker.append(&mut other.no_worker);
+        self.publish.append(&mut other.publish);
+        self.bindings.append(&mut other.bindings);
+        self.circuits.append(&mut other.circuits);
+        let c = &mut self.counts;
+        let o = other.counts;
+        c.decisions += o.decisions;
+        c.proposals_used += o.proposals_used;
+        c.proposals_rerouted += o.proposals_rerouted;
+        c.cancelled += o.cancelled;
+        c.freed_by_removal += o.freed_by_removal;
+        c.expired += o.expired;
+        c.expired_remote += o.expired_remote;
+    }
 }
 
 /// What [`Dispatcher::apply_replica_batch`] applied.
@@ -483,6 +503,11 @@ impl Dispatcher {
         self.requests.len()
     }
 
+    /// Whether a request is known here (waiting or placed).
+    pub fn is_known(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
+    }
+
     /// The worker a request is placed on, if it is.
     pub fn placement_of(&self, id: RequestId) -> Option<WorkerId> {
         self.requests.get(&id)?.booked.as_ref().map(|b| b.worker)
@@ -522,7 +547,11 @@ impl Dispatcher {
             + crate::maps::map_bytes(&self.bookings)
             + crate::maps::map_bytes(&self.workers)
             + crate::maps::map_bytes(&self.splits)
-            + self.splits.values().map(split::Split::heap_bytes).sum::<usize>()
+            + self
+                .splits
+                .values()
+                .map(split::Split::heap_bytes)
+                .sum::<usize>()
             + self
                 .requests
                 .values()

@@ -341,23 +341,3 @@ impl Dispatcher {
         }
     }
 }
-
-impl Effects {
-    /// Appends what a later call asked for.
-    pub fn append(&mut self, mut other: Effects) {
-        self.dispatch.append(&mut other.dispatch);
-        self.no_worker.append(&mut other.no_worker);
-        self.publish.append(&mut other.publish);
-        self.bindings.append(&mut other.bindings);
-        self.circuits.append(&mut other.circuits);
-        let c = &mut self.counts;
-        let o = other.counts;
-        c.decisions += o.decisions;
-        c.proposals_used += o.proposals_used;
-        c.proposals_rerouted += o.proposals_rerouted;
-        c.cancelled += o.cancelled;
-        c.freed_by_removal += o.freed_by_removal;
-        c.expired += o.expired;
-        c.expired_remote += o.expired_remote;
-    }
-}

@@ -24,7 +24,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use switchyard_core::admission::SessionKey;
-use switchyard_core::dispatch::MigrateError;
+use switchyard_core::dispatch::{MigrateError, Pairing};
 use switchyard_core::{LocalHash, RequestId};
 
 /// Why placing a request (or moving it) ended it; each carries the
@@ -149,6 +149,20 @@ impl Attempts {
         self
     }
 
+    /// The full blocks of the prompt last submitted.
+    pub(crate) fn prompt_blocks(&self) -> usize {
+        self.prompt_blocks
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The attempts of a prompt of `blocks` full blocks submitted by
+    /// another (a prefill done again: counted as its first was).
+    pub(crate) fn with_prompt_blocks(self, blocks: usize) -> Self {
+        self.prompt_blocks
+            .store(blocks, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
     /// Whether a broken stream may be resumed on another worker by its
     /// token ids: they must be known, and known to be the engine's
     /// ([`crate::models::ModelRouting::resume_by_ids`]); `Err` says why not.
@@ -185,31 +199,26 @@ impl Attempts {
         )
     }
 
-    /// Admission for the request's prompt `tokens`.
-    pub(crate) fn submit(
-        &self,
-        tokens: &[u32],
-        session: Option<SessionKey>,
-    ) -> Result<WaitHandle, ApiError> {
+    /// What admission is given for the request's prompt `tokens`.
+    fn request(&self, tokens: &[u32], session: Option<SessionKey>) -> Request<'_> {
         let blocks = self.blocks(tokens);
         self.prompt_blocks
             .store(blocks.len(), std::sync::atomic::Ordering::Relaxed);
-        WaitHandle::submit_in(
-            &self.state.shared,
-            self.pool,
-            self.client_id,
-            Request {
-                blocks,
-                prompt_tokens: self
-                    .estimated_prompt_tokens
-                    .unwrap_or_else(|| u32::try_from(tokens.len()).unwrap_or(u32::MAX)),
-                session,
-                model: self.adapter.eligible_model.as_deref(),
-                adapter: self.adapter.adapter.as_deref(),
-                settings: self.routing.settings,
-            },
-        )
-        .map_err(|e| match e {
+        Request {
+            blocks,
+            prompt_tokens: self
+                .estimated_prompt_tokens
+                .unwrap_or_else(|| u32::try_from(tokens.len()).unwrap_or(u32::MAX)),
+            session,
+            model: self.adapter.eligible_model.as_deref(),
+            adapter: self.adapter.adapter.as_deref(),
+            settings: self.routing.settings,
+        }
+    }
+
+    /// The client's error for a refused submission.
+    fn refused(&self, e: SubmitError) -> ApiError {
+        match e {
             SubmitError::QueueFull { retry_after_ms } => ApiError::queue_full(retry_after_ms),
             SubmitError::Duplicate => ApiError::internal("the request id is already in use"),
             SubmitError::UnknownModel => ApiError::not_found(
@@ -219,7 +228,43 @@ impl Attempts {
                 ),
                 Some("model"),
             ),
-        })
+        }
+    }
+
+    /// Admission for the request's prompt `tokens`.
+    pub(crate) fn submit(
+        &self,
+        tokens: &[u32],
+        session: Option<SessionKey>,
+    ) -> Result<WaitHandle, ApiError> {
+        WaitHandle::submit_in(
+            &self.state.shared,
+            self.pool,
+            self.client_id,
+            self.request(tokens, session),
+        )
+        .map_err(|e| self.refused(e))
+    }
+
+    /// Admission of this request as a disaggregated one, its halves paired
+    /// as `pairing` ([`WaitHandle::submit_split`]): the prefill half's
+    /// handle, and the decode half's when paired together. Called on the
+    /// prefill half's attempts (whose first placement is the request's,
+    /// for the model's hit counters).
+    pub(crate) fn submit_split(
+        &self,
+        tokens: &[u32],
+        session: Option<SessionKey>,
+        pairing: Pairing,
+    ) -> Result<(WaitHandle, Option<WaitHandle>), ApiError> {
+        WaitHandle::submit_split(
+            &self.state.shared,
+            switchyard_core::dispatch::request_of(self.client_id),
+            self.request(tokens, session),
+            pairing,
+            self.state.migration.limit,
+        )
+        .map_err(|e| self.refused(e))
     }
 
     /// Waits for the request's placement on a worker not yet tried.
@@ -465,6 +510,11 @@ impl Attempts {
         session: Option<SessionKey>,
     ) -> Result<Booking, PlaceError> {
         let wait = self.submit(tokens, session).map_err(PlaceError::NoWorker)?;
+        self.place_from(wait).await
+    }
+
+    /// Waits for an admitted request's placement before its deadline.
+    pub(crate) async fn place_from(&mut self, wait: WaitHandle) -> Result<Booking, PlaceError> {
         match tokio::time::timeout_at(self.deadline, self.placed(wait)).await {
             Ok(placed) => placed.map_err(PlaceError::NoWorker),
             Err(_) => Err(PlaceError::Timeout(self.queue_timeout())),

@@ -15,7 +15,7 @@
 use crate::shell::{Assignment, Request, SharedRouter, SubmitError};
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
-use switchyard_core::dispatch::MigrateError;
+use switchyard_core::dispatch::{prefill_half, request_of, MigrateError, Pairing, SplitError};
 use switchyard_core::{LocalHash, RequestId, WorkerId};
 use tokio::sync::oneshot;
 
@@ -48,6 +48,35 @@ impl WaitHandle {
     ) -> Result<Self, SubmitError> {
         let rx = shared.submit_in(id, request, pool)?;
         Ok(Self::new(shared.clone(), id, rx))
+    }
+
+    /// Admission of a disaggregated request `id`
+    /// ([`SharedRouter::submit_split`]): the handle of its prefill half,
+    /// and with [`Pairing::Together`] of its decode half.
+    pub fn submit_split(
+        shared: &Arc<SharedRouter>,
+        id: RequestId,
+        request: Request<'_>,
+        pairing: Pairing,
+        transfer_limit: u32,
+    ) -> Result<(Self, Option<Self>), SubmitError> {
+        let (prefill, decode) = shared.submit_split(id, request, pairing, transfer_limit)?;
+        Ok((
+            Self::new(shared.clone(), prefill_half(id), prefill),
+            decode.map(|rx| Self::new(shared.clone(), id, rx)),
+        ))
+    }
+
+    /// The prefill of disaggregated request `id` done again
+    /// ([`SharedRouter::redo_prefill`]): the new prefill half's handle.
+    /// Every guard of the old prefill half must be dropped first.
+    pub fn redo_prefill(
+        shared: &Arc<SharedRouter>,
+        id: RequestId,
+        transfer_failed: bool,
+    ) -> Result<Self, SplitError> {
+        let rx = shared.redo_prefill(id, transfer_failed)?;
+        Ok(Self::new(shared.clone(), prefill_half(id), rx))
     }
 
     fn new(shared: Arc<SharedRouter>, id: RequestId, rx: oneshot::Receiver<Assignment>) -> Self {
@@ -185,6 +214,18 @@ impl Booking {
     pub fn worker_failed(&self) {
         self.shared.metrics().upstream_failures.inc();
         self.shared.worker_failed(self.id);
+    }
+
+    /// This booking is a disaggregated request's prefill half, which
+    /// answered and holds its KV for the decode
+    /// ([`SharedRouter::handed_over`]): the dispatcher ends it, and the
+    /// handle of the decode half comes back when the dispatcher places
+    /// that now (`None`: it is placed or waited for already).
+    pub fn hand_over(mut self) -> Option<WaitHandle> {
+        self.handed_over = true;
+        let id = request_of(self.id);
+        let rx = self.shared.handed_over(id)?;
+        Some(WaitHandle::new(self.shared.clone(), id, rx))
     }
 
     /// Moves the request off this worker (report its failure first): its

@@ -3,13 +3,14 @@
 //! each placed by the dispatcher on a worker of its pool, and the engine
 //! family's protocol between them.
 //!
-//! - Placement: both halves go through the same admission, policy and
-//!   booking as any request ([`crate::shell::SharedRouter::submit_in`]),
-//!   over the workers of their pool (`prefill` or `decode`, and the `both`
-//!   ones): the prefill half by KV overlap and prefill load, the decode
-//!   half by the policy too — its overlap on a decode worker is what that
-//!   worker need not pull, and its load counts the decodes booked there.
-//!   The decode half carries the session (it is the turn whose answer the
+//! - Placement and sequencing are the dispatcher's
+//!   (`switchyard_core::dispatch::split`): one admission
+//!   ([`crate::shell::SharedRouter::submit_split`]), each half over the
+//!   workers of its pool (`prefill` or `decode`, and the `both` ones) by
+//!   the same policy and booking as any request; vLLM's decode half is
+//!   placed when its prefill half hands over
+//!   ([`Booking::hand_over`]), SGLang's with its prefill half. The
+//!   decode half carries the session (it is the turn whose answer the
 //!   client reads); the prefill half none.
 //! - vLLM: the prefill request (the client's body with
 //!   `kv_transfer_params {do_remote_decode: true, ...}`, `stream: false`,
@@ -23,17 +24,20 @@
 //!   the decode worker's answer goes to the client, the prefill worker's
 //!   is read and discarded (a failure of it still counts).
 //!
-//! Failures follow the migration rules ([`crate::request::attempt::Attempts`]): a
-//! prefill worker that fails (refused, reset, 5xx, timeout) is reported
-//! and the prefill moves to another prefill worker; a decode worker that
-//! fails before the first token is reported and the decode moves to
-//! another decode worker (vLLM: with the same transfer parameters, the
-//! lease being still held; SGLang: the pair again under a new room); a
-//! decode worker that answers that the transfer failed (its lease or room
-//! unknown or expired, its prefill worker unreachable, the KV not the
-//! prompt's) is not reported: the prefill is done again and the decode
-//! resent; a stream broken mid-way is resumed on another decode worker as
-//! today, which computes the prompt and the tokens so far itself.
+//! Failures follow the migration rules ([`crate::request::attempt::Attempts`]),
+//! and which half a failure retries follows the dispatcher's table
+//! (`switchyard_core::dispatch::recovery`): a prefill worker that fails
+//! (refused, reset, 5xx, timeout) is reported and the prefill moves to
+//! another prefill worker; a decode worker that fails before the first
+//! token is reported and the decode moves to another decode worker (vLLM:
+//! with the same transfer parameters, the lease being still held; SGLang:
+//! the pair again under a new room); a decode worker that answers that the
+//! transfer failed (its lease or room unknown or expired, its prefill
+//! worker unreachable, the KV not the prompt's) is not reported: the
+//! prefill is done again (`redo_prefill`, at most `--migration-limit`
+//! times) and the decode resent; a stream broken mid-way is resumed on
+//! another decode worker as today, which computes the prompt and the
+//! tokens so far itself.
 
 use crate::config::DisaggMode;
 use crate::error::ApiError;
@@ -41,7 +45,7 @@ use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Re
 use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
 use crate::request::body_fields::Fields;
-use crate::request::booking::Booking;
+use crate::request::booking::{Booking, WaitHandle};
 use crate::request::context::Shared;
 use crate::request::migration::Failure;
 use crate::roster::Role;
@@ -51,6 +55,7 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use switchyard_core::admission::SessionKey;
+use switchyard_core::dispatch::{prefill_half, recovery, Half, HalfFailure, Pairing, SplitError};
 use switchyard_core::RequestId;
 
 /// SGLang's default `--disaggregation-bootstrap-port`.
@@ -221,7 +226,8 @@ impl From<AttemptError> for HalfError {
 /// What one request shares across its halves.
 struct Split<'a> {
     state: Shared,
-    /// The client's id, told to both workers and to the client.
+    /// The client's id, told to both workers and to the client; its
+    /// decode half's id in the dispatcher.
     id: RequestId,
     request: &'a Delivery,
     deadline: tokio::time::Instant,
@@ -231,7 +237,10 @@ struct Split<'a> {
 /// A request given up: which part failed, and the client's error.
 type Failed = (Reason, ApiError);
 
-/// Serves one request as a prefill and a decode half under `mode`.
+/// Serves one request as a prefill and a decode half under `mode`: the
+/// dispatcher places the halves and says which failure retries which
+/// ([`switchyard_core::dispatch::recovery`]); this module sends them and
+/// reads their answers.
 pub(crate) async fn serve(
     mode: DisaggMode,
     state: Shared,
@@ -260,9 +269,20 @@ pub(crate) async fn serve(
     .estimated_prompt(request.estimated_prompt_tokens)
     .half(Role::Decode, split.id)
     .passing_server_errors();
-    let result = match mode {
-        DisaggMode::Vllm => vllm(&split, decode, session).await,
-        DisaggMode::Sglang => sglang(&split, decode, session).await,
+    let pairing = match mode {
+        DisaggMode::Vllm => Pairing::AfterPrefill,
+        DisaggMode::Sglang => Pairing::Together,
+    };
+    let prefill = prefill_attempts(&split);
+    let result = match prefill.submit_split(&request.prompt, session, pairing) {
+        Err(e) => Err((Reason::NoWorker, e)),
+        Ok((prefill_wait, decode_wait)) => match mode {
+            DisaggMode::Vllm => vllm(&split, prefill, prefill_wait, decode).await,
+            DisaggMode::Sglang => {
+                let decode_wait = decode_wait.expect("paired together, both halves wait");
+                sglang(&split, (prefill, prefill_wait), (decode, decode_wait)).await
+            }
+        },
     };
     result.map_err(|(reason, e)| {
         metrics.failure(reason);
@@ -270,11 +290,12 @@ pub(crate) async fn serve(
     })
 }
 
-/// The attempts of a prefill half.
+/// The attempts of a prefill half (its id in the dispatcher is
+/// [`prefill_half`] of the request's).
 fn prefill_attempts(split: &Split<'_>) -> Attempts {
     Attempts::new(
         split.state.clone(),
-        split.state.shared.next_request_id(),
+        prefill_half(split.id),
         split.model.clone(),
         None,
         split.deadline,
@@ -283,14 +304,38 @@ fn prefill_attempts(split: &Split<'_>) -> Attempts {
     .half(Role::Prefill, split.id)
 }
 
-/// Places a half: a booking in its pool, or the client's error.
-async fn place(
+/// The prefill done again ([`WaitHandle::redo_prefill`]; counted when its
+/// transfer failed): fresh attempts for it and their handle, or why the
+/// request is given up ([`not_redone`]).
+fn redo_prefill(
     split: &Split<'_>,
-    attempts: &mut Attempts,
-    session: Option<SessionKey>,
-) -> Result<Booking, Failed> {
+    blocks: usize,
+    transfer_failed: bool,
+) -> Result<(Attempts, WaitHandle), SplitError> {
+    let wait = WaitHandle::redo_prefill(&split.state.shared, split.id, transfer_failed)?;
+    Ok((prefill_attempts(split).with_prompt_blocks(blocks), wait))
+}
+
+/// The request given up because its prefill cannot be done again (after
+/// the failure `detail`).
+fn not_redone(e: SplitError, detail: &str) -> Failed {
+    match e {
+        SplitError::Transfers(n) => (
+            Reason::Transfer,
+            ApiError::bad_gateway(format!("{detail}; the prefill was done {n} times")),
+        ),
+        SplitError::Unknown => (
+            Reason::NoWorker,
+            ApiError::no_workers("the request ended while its prefill was to be done again"),
+        ),
+    }
+}
+
+/// Waits for a half's placement: a booking in its pool, or the client's
+/// error.
+async fn placed(attempts: &mut Attempts, wait: WaitHandle) -> Result<Booking, Failed> {
     attempts
-        .place(&split.request.prompt, session)
+        .place_from(wait)
         .await
         .map_err(|e| failed(e, Reason::NoWorker))
 }
@@ -311,13 +356,12 @@ async fn move_half(
     attempts: &mut Attempts,
     booking: Booking,
     (failure, detail): (Failure, String),
-    reason: Reason,
+    half: Half,
 ) -> Result<Booking, Failed> {
     let metrics = &split.state.disagg_metrics;
-    let role = if reason == Reason::Prefill {
-        Role::Prefill
-    } else {
-        Role::Decode
+    let (role, reason) = match half {
+        Half::Prefill => (Role::Prefill, Reason::Prefill),
+        Half::Decode => (Role::Decode, Reason::Decode),
     };
     metrics.half(role, Outcome::Failed);
     tracing::warn!(request = %split.id, worker = %booking.name, role = role.label(), reason = failure.label(), %detail, "disaggregated half failed");
@@ -385,19 +429,45 @@ fn half_timed_out(attempts: &Attempts, booking: Booking, sent_at: tokio::time::I
     (Reason::Timeout, attempts.timed_out_since(booking, sent_at))
 }
 
-/// How vLLM's prefill half ended well: its transfer parameters, or a
-/// client error the prefill worker answered (the client's answer).
+/// How a prefill worker's answer other than a success ends its half.
+enum PrefillEnd {
+    /// The worker failed it: move it.
+    Move(Failure, String),
+    /// The worker refused the request: the client's answer.
+    Refused(Answer),
+    /// An error for the client.
+    Fatal(ApiError),
+}
+
+fn prefill_end(sent: Result<Answer, HalfError>) -> PrefillEnd {
+    match sent {
+        Ok(answer @ Answer::Buffered(..)) => PrefillEnd::Refused(answer),
+        Ok(Answer::Stream(..)) => PrefillEnd::Move(
+            Failure::Status5xx,
+            "the prefill worker streamed its answer".to_owned(),
+        ),
+        Err(HalfError::Retry(failure, detail)) => PrefillEnd::Move(failure, detail),
+        Err(HalfError::Transfer(detail)) => PrefillEnd::Move(Failure::Status5xx, detail),
+        Err(HalfError::Fatal(e)) => PrefillEnd::Fatal(e),
+    }
+}
+
+/// How vLLM's prefill half ended well: its booking (to hand over) and its
+/// transfer parameters, or a client error the prefill worker answered
+/// (the client's answer).
 enum Prefilled {
-    Params(Option<Box<RawValue>>),
+    Params(Booking, Option<Box<RawValue>>),
     Refused(Box<(Attempts, Booking, Answer)>),
 }
 
-/// vLLM's prefill half: placed, sent and moved until a prefill worker
-/// answers.
-async fn vllm_prefill(split: &Split<'_>, prefill_body: &Bytes) -> Result<Prefilled, Failed> {
+/// vLLM's prefill half: sent and moved until a prefill worker answers.
+async fn vllm_prefill(
+    split: &Split<'_>,
+    mut attempts: Attempts,
+    mut booking: Booking,
+    prefill_body: &Bytes,
+) -> Result<Prefilled, Failed> {
     let metrics = &split.state.disagg_metrics;
-    let mut attempts = prefill_attempts(split);
-    let mut booking = place(split, &mut attempts, None).await?;
     loop {
         let sent_at = tokio::time::Instant::now();
         let sent = send_half(
@@ -415,60 +485,71 @@ async fn vllm_prefill(split: &Split<'_>, prefill_body: &Bytes) -> Result<Prefill
             Ok(Answer::Buffered(parts, bytes)) if parts.status.is_success() => {
                 match transfer_params(&bytes) {
                     Ok(params) => {
-                        booking.mark_first_token();
-                        let prompt = split.request.prompt.len() as u64;
-                        booking.completed(prompt.saturating_add(1));
                         metrics.half(Role::Prefill, Outcome::Ok);
                         metrics
                             .prefill_seconds
                             .observe(split.request.arrival.elapsed().as_secs_f64());
-                        return Ok(Prefilled::Params(params));
+                        return Ok(Prefilled::Params(booking, params));
                     }
                     Err(why) => (Failure::Status5xx, why),
                 }
             }
-            Ok(answer @ Answer::Buffered(..)) => {
-                metrics.half(Role::Prefill, Outcome::Refused);
-                return Ok(Prefilled::Refused(Box::new((attempts, booking, answer))));
-            }
-            Ok(Answer::Stream(..)) => (
-                Failure::Status5xx,
-                "the prefill worker streamed its answer".to_owned(),
-            ),
-            Err(HalfError::Retry(failure, detail)) => (failure, detail),
-            Err(HalfError::Transfer(detail)) => (Failure::Status5xx, detail),
-            Err(HalfError::Fatal(e)) => return Err((Reason::Prefill, e)),
+            answer => match prefill_end(answer) {
+                PrefillEnd::Move(failure, detail) => (failure, detail),
+                PrefillEnd::Fatal(e) => return Err((Reason::Prefill, e)),
+                PrefillEnd::Refused(answer) => {
+                    metrics.half(Role::Prefill, Outcome::Refused);
+                    return Ok(Prefilled::Refused(Box::new((attempts, booking, answer))));
+                }
+            },
         };
-        booking = move_half(split, &mut attempts, booking, failure, Reason::Prefill).await?;
+        // A prefill half moves on its own (`recovery`'s first row).
+        booking = move_half(split, &mut attempts, booking, failure, Half::Prefill).await?;
     }
 }
 
-/// vLLM: the prefill half, then the decode half with its transfer
-/// parameters; a decode whose transfer failed gets a new prefill.
+/// vLLM: the prefill half, then (handed over) the decode half with its
+/// transfer parameters; a decode whose transfer failed gets a new prefill
+/// and keeps its worker.
 async fn vllm(
     split: &Split<'_>,
+    mut prefill: Attempts,
+    prefill_wait: WaitHandle,
     mut decode: Attempts,
-    session: Option<SessionKey>,
 ) -> Result<Response, Failed> {
-    let state = &split.state;
-    let metrics = &state.disagg_metrics;
+    let metrics = &split.state.disagg_metrics;
     let original = &split.request.original;
+    let blocks = prefill.prompt_blocks();
     let prefill_body = vllm_prefill_body(original).map_err(|e| (Reason::Prefill, e))?;
     let mut booking: Option<Booking> = None;
-    let mut transfers_failed = 0u32;
+    let mut next_prefill = Some(prefill_wait);
     loop {
-        let params = match vllm_prefill(split, &prefill_body).await? {
-            Prefilled::Params(params) => params,
-            Prefilled::Refused(refused) => {
-                let (attempts, booking, answer) = *refused;
-                return Ok(deliver(attempts, booking, answer, split.request.clone()));
-            }
-        };
+        let wait = next_prefill
+            .take()
+            .expect("a prefill half waits each round");
+        let prefill_booking = placed(&mut prefill, wait).await?;
+        let (prefill_booking, params) =
+            match vllm_prefill(split, prefill, prefill_booking, &prefill_body).await? {
+                Prefilled::Params(booking, params) => (booking, params),
+                Prefilled::Refused(refused) => {
+                    let (attempts, booking, answer) = *refused;
+                    return Ok(deliver(attempts, booking, answer, split.request.clone()));
+                }
+            };
         let body =
             vllm_decode_body(original, params.as_deref()).map_err(|e| (Reason::Decode, e))?;
-        let mut current = match booking.take() {
-            Some(b) => b,
-            None => place(split, &mut decode, session).await?,
+        // Handed over: the dispatcher ends the prefill half and places the
+        // decode half, unless it kept its worker.
+        let handed = prefill_booking.hand_over();
+        let mut current = match (booking.take(), handed) {
+            (Some(kept), _) => kept,
+            (None, Some(wait)) => placed(&mut decode, wait).await?,
+            (None, None) => {
+                return Err((
+                    Reason::NoWorker,
+                    ApiError::no_workers("the request ended before its decode half was placed"),
+                ))
+            }
         };
         // The decode half, moved to other decode workers until one
         // answers or its transfer fails.
@@ -485,7 +566,7 @@ async fn vllm(
                 Err(_) => return Err(half_timed_out(&decode, current, sent_at)),
                 Ok(answer) => answer,
             };
-            match answer {
+            let (failure, detail) = match answer {
                 Ok(answer) => {
                     metrics.half(Role::Decode, decode_outcome(&answer));
                     return Ok(deliver(
@@ -495,33 +576,28 @@ async fn vllm(
                         split.request.clone(),
                     ));
                 }
-                Err(HalfError::Retry(failure, detail)) => {
-                    current = move_half(
-                        split,
-                        &mut decode,
-                        current,
-                        (failure, detail),
-                        Reason::Decode,
-                    )
-                    .await?;
-                }
+                Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
+                Err(HalfError::Retry(failure, detail)) => (HalfFailure::Worker, (failure, detail)),
                 Err(HalfError::Transfer(detail)) => {
                     metrics.half(Role::Decode, Outcome::TransferFailed);
-                    transfers_failed += 1;
-                    if transfers_failed > state.migration.limit {
-                        return Err((
-                            Reason::Transfer,
-                            ApiError::bad_gateway(format!(
-                                "{detail}; the prefill was done {transfers_failed} times"
-                            )),
-                        ));
-                    }
-                    tracing::info!(request = %split.id, worker = %current.name, %detail, "decode transfer failed: prefill again");
-                    metrics.retry(Reason::Transfer);
-                    booking = Some(current);
-                    break;
+                    (HalfFailure::Transfer, (Failure::Status5xx, detail))
                 }
-                Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
+            };
+            let next = recovery(Pairing::AfterPrefill, Half::Decode, failure);
+            if next.move_half {
+                current =
+                    move_half(split, &mut decode, current, detail.clone(), Half::Decode).await?;
+            }
+            if next.redo_prefill {
+                let (attempts, wait) =
+                    redo_prefill(split, blocks, failure == HalfFailure::Transfer)
+                        .map_err(|e| not_redone(e, &detail.1))?;
+                tracing::info!(request = %split.id, worker = %current.name, detail = %detail.1, "decode transfer failed: prefill again");
+                metrics.retry(Reason::Transfer);
+                prefill = attempts;
+                next_prefill = Some(wait);
+                booking = Some(current);
+                break;
             }
         }
     }
@@ -548,34 +624,35 @@ enum Race {
     PrefillFailed(Box<PrefillRun>),
 }
 
-/// SGLang: both halves at once under one room; the decode worker's answer
-/// goes to the client, the prefill worker's is read in the background and
-/// discarded (a failure of it still reported).
+/// SGLang: both halves placed and sent at once under one room; the decode
+/// worker's answer goes to the client, the prefill worker's is read in
+/// the background and discarded (a failure of it still reported).
 async fn sglang(
     split: &Split<'_>,
-    mut decode: Attempts,
-    session: Option<SessionKey>,
+    (first_prefill, prefill_wait): (Attempts, WaitHandle),
+    (mut decode, decode_wait): (Attempts, WaitHandle),
 ) -> Result<Response, Failed> {
     let state = &split.state;
     let metrics = state.disagg_metrics.clone();
     let original = &split.request.original;
-    let prompt_tokens = split.request.prompt.len() as u64;
+    let blocks = first_prefill.prompt_blocks();
+    let mut next_prefill = Some((first_prefill, prefill_wait));
     let mut prefill: Option<(Attempts, Booking)> = None;
-    let mut decode_booking: Option<Booking> = None;
-    let mut transfers_failed = 0u32;
+    let mut decode_booking = Some(placed(&mut decode, decode_wait).await?);
     loop {
         let (p_attempts, p_booking) = match prefill.take() {
             Some(p) => p,
             None => {
-                let mut attempts = prefill_attempts(split);
-                let booking = place(split, &mut attempts, None).await?;
+                let (mut attempts, wait) = next_prefill
+                    .take()
+                    .expect("a prefill half waits each round");
+                let booking = placed(&mut attempts, wait).await?;
                 (attempts, booking)
             }
         };
-        let d_booking = match decode_booking.take() {
-            Some(b) => b,
-            None => place(split, &mut decode, session).await?,
-        };
+        let d_booking = decode_booking
+            .take()
+            .expect("the decode half is placed each round");
         let port = state
             .shared
             .role_of(p_booking.worker)
@@ -632,22 +709,17 @@ async fn sglang(
                 // failure; the prefill moves on, or the client gets the
                 // prefill worker's refusal.
                 decode_booking = Some(d_booking);
-                let failure = match sent {
-                    Ok(answer @ Answer::Buffered(..)) => {
+                let failure = match prefill_end(sent) {
+                    PrefillEnd::Move(failure, detail) => (failure, detail),
+                    PrefillEnd::Fatal(e) => return Err((Reason::Prefill, e)),
+                    PrefillEnd::Refused(answer) => {
                         metrics.half(Role::Prefill, Outcome::Refused);
                         drop(decode_booking.take());
                         return Ok(deliver(attempts, booking, answer, split.request.clone()));
                     }
-                    Ok(Answer::Stream(..)) => (
-                        Failure::Status5xx,
-                        "the prefill worker streamed its answer".to_owned(),
-                    ),
-                    Err(HalfError::Retry(f, detail)) => (f, detail),
-                    Err(HalfError::Transfer(detail)) => (Failure::Status5xx, detail),
-                    Err(HalfError::Fatal(e)) => return Err((Reason::Prefill, e)),
                 };
                 let moved =
-                    move_half(split, &mut attempts, booking, failure, Reason::Prefill).await?;
+                    move_half(split, &mut attempts, booking, failure, Half::Prefill).await?;
                 prefill = Some((attempts, moved));
                 continue;
             }
@@ -657,10 +729,10 @@ async fn sglang(
             }
             Race::Decoded(Ok(answer)) => answer,
         };
-        match answer {
+        let (failure, detail) = match answer {
             Ok(answer) => {
                 metrics.half(Role::Decode, decode_outcome(&answer));
-                settle_prefill(prefill_ok, prefill_task, metrics.clone(), prompt_tokens);
+                settle_prefill(prefill_ok, prefill_task, metrics.clone());
                 return Ok(deliver(
                     decode.judging_server_errors(),
                     d_booking,
@@ -668,34 +740,43 @@ async fn sglang(
                     split.request.clone(),
                 ));
             }
-            Err(error) => {
-                // The pair again under a new room: the prefill worker did
-                // nothing wrong; an answer of it still coming is dropped.
+            Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
+            Err(HalfError::Retry(failure, detail)) => (HalfFailure::Worker, (failure, detail)),
+            Err(HalfError::Transfer(detail)) => {
+                metrics.half(Role::Decode, Outcome::TransferFailed);
+                (HalfFailure::Transfer, (Failure::Status5xx, detail))
+            }
+        };
+        // The pair again under a new room: the prefill worker did
+        // nothing wrong; an answer of it still coming is dropped, and its
+        // guard is gone before the prefill is done again.
+        match prefill_ok {
+            Some((_, booking)) => {
+                metrics.half(Role::Prefill, Outcome::Ok);
+                drop(booking.hand_over());
+            }
+            None => {
                 prefill_task.abort();
-                if let Some((_, mut booking)) = prefill_ok {
-                    booking.completed(prompt_tokens + 1);
-                    metrics.half(Role::Prefill, Outcome::Ok);
-                }
-                match error {
-                    HalfError::Retry(f, detail) => {
-                        decode_booking = Some(
-                            move_half(split, &mut decode, d_booking, (f, detail), Reason::Decode)
-                                .await?,
-                        );
-                    }
-                    HalfError::Transfer(detail) => {
-                        metrics.half(Role::Decode, Outcome::TransferFailed);
-                        transfers_failed += 1;
-                        if transfers_failed > state.migration.limit {
-                            return Err((Reason::Transfer, ApiError::bad_gateway(detail)));
-                        }
-                        metrics.retry(Reason::Transfer);
-                        decode_booking = Some(d_booking);
-                    }
-                    HalfError::Fatal(e) => return Err((Reason::Decode, e)),
-                }
+                // Its guard dropped with it (a join, never a second one).
+                let _ = prefill_task.await;
             }
         }
+        let next = recovery(Pairing::Together, Half::Decode, failure);
+        let mut d_booking = d_booking;
+        if next.move_half {
+            d_booking =
+                move_half(split, &mut decode, d_booking, detail.clone(), Half::Decode).await?;
+        }
+        if next.redo_prefill {
+            if failure == HalfFailure::Transfer {
+                metrics.retry(Reason::Transfer);
+            }
+            next_prefill = Some(
+                redo_prefill(split, blocks, failure == HalfFailure::Transfer)
+                    .map_err(|e| not_redone(e, &detail.1))?,
+            );
+        }
+        decode_booking = Some(d_booking);
     }
 }
 
@@ -706,28 +787,27 @@ fn settle_prefill(
     done: Option<(Attempts, Booking)>,
     task: tokio::task::JoinHandle<PrefillRun>,
     metrics: std::sync::Arc<DisaggMetrics>,
-    prompt_tokens: u64,
 ) {
-    let finish = move |booking: &mut Booking, ok: bool| {
+    let finish = move |booking: Booking, ok: bool| {
         if ok {
-            booking.mark_first_token();
-            booking.completed(prompt_tokens + 1);
             metrics.half(Role::Prefill, Outcome::Ok);
+            // Paired together, nothing waits for this hand-over.
+            drop(booking.hand_over());
         } else {
             booking.worker_failed();
             metrics.half(Role::Prefill, Outcome::Failed);
         }
     };
     match done {
-        Some((_attempts, mut booking)) => finish(&mut booking, true),
+        Some((_attempts, booking)) => finish(booking, true),
         None => {
             tokio::spawn(async move {
-                if let Ok((_attempts, mut booking, sent)) = task.await {
+                if let Ok((_attempts, booking, sent)) = task.await {
                     let ok = matches!(sent, Ok(Answer::Buffered(ref parts, _)) if parts.status.is_success());
                     if !ok {
                         tracing::warn!(worker = %booking.name, "the prefill half failed after its decode answered");
                     }
-                    finish(&mut booking, ok);
+                    finish(booking, ok);
                 }
             });
         }

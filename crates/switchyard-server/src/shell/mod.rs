@@ -59,7 +59,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use switchyard_core::admission::{ProgressUpdater, QueueClass, SessionKey};
-use switchyard_core::dispatch::{Admitted, Dispatcher, Effects, MigrateError, Refused, Submission};
+use switchyard_core::dispatch::{
+    prefill_half, Admitted, Dispatcher, Effects, MigrateError, Pairing, Refused, SplitError,
+    SplitPlan, Submission,
+};
 use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
@@ -140,6 +143,59 @@ struct Inner {
     publisher: Option<ReplicaPublisher>,
 }
 
+impl Inner {
+    /// Registers the handler waiting for `id`'s placement, before the call
+    /// whose effects may dispatch it; `false` when another handler waits
+    /// for that id already (left alone).
+    fn wait_for(&mut self, id: RequestId, tx: oneshot::Sender<Assignment>) -> bool {
+        match self.waiting.entry(id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(tx);
+                true
+            }
+        }
+    }
+
+    /// A submission's outcome: its effects, or the refusal (the handlers
+    /// registered for `ids` removed).
+    fn admitted(
+        &mut self,
+        submitted: Result<(Admitted, Effects), Refused>,
+        ids: &[RequestId],
+    ) -> (Result<Admitted, SubmitError>, Effects) {
+        match submitted {
+            Ok((admitted, fx)) => (Ok(admitted), fx),
+            Err(refused) => {
+                for id in ids {
+                    self.waiting.remove(id);
+                }
+                let error = match refused {
+                    Refused::Full { retry_after_ms } => SubmitError::QueueFull { retry_after_ms },
+                    Refused::Duplicate => SubmitError::Duplicate,
+                };
+                (Err(error), Effects::default())
+            }
+        }
+    }
+}
+
+impl Request<'_> {
+    /// What the dispatcher is given, placed among `eligible` (empty: any
+    /// worker).
+    fn into_submission(self, eligible: Vec<WorkerId>) -> Submission {
+        Submission {
+            blocks: self.blocks,
+            prompt_tokens: self.prompt_tokens,
+            session: self.session,
+            eligible,
+            class: QueueClass::default(),
+            adapter: self.adapter.map(Into::into),
+            model: self.settings,
+        }
+    }
+}
+
 /// The shared state; cheap to share behind an `Arc`.
 pub struct SharedRouter {
     inner: Mutex<Inner>,
@@ -209,16 +265,18 @@ impl SharedRouter {
         self.epoch.elapsed().as_secs_f64() * 1e3
     }
 
-    /// A fresh request id: 127 bits from the thread's CSPRNG (ChaCha,
+    /// A fresh request id: 126 bits from the thread's CSPRNG (ChaCha,
     /// seeded from the OS and reseeded by `rand`), so ids are unique across
     /// router processes with overwhelming probability and unpredictable:
     /// clients see them in `x-request-id`, and no one can guess the next
-    /// one. The top bit is clear (the core keeps peers' bookings under
-    /// keys with it set, `switchyard_core::replica::REMOTE_KEY_BIT`).
-    /// Never zero.
+    /// one. The top two bits are clear (the core keeps peers' bookings
+    /// under keys with the top one set,
+    /// `switchyard_core::replica::REMOTE_KEY_BIT`, and names a
+    /// disaggregated request's prefill half with the next,
+    /// `switchyard_core::dispatch::PREFILL_HALF_BIT`). Never zero.
     pub fn next_request_id(&self) -> RequestId {
         use rand::Rng as _;
-        RequestId((rand::thread_rng().gen::<u128>() >> 1).max(1))
+        RequestId((rand::thread_rng().gen::<u128>() >> 2).max(1))
     }
 
     fn lock(&self) -> Locked<'_> {
@@ -363,42 +421,124 @@ impl SharedRouter {
                 pre.every_worker
                     .store(eligible.is_empty(), Ordering::Relaxed);
             }
-            let submission = Submission {
-                blocks: request.blocks,
-                prompt_tokens: request.prompt_tokens,
-                session: request.session,
-                eligible,
-                class: QueueClass::default(),
-                adapter: request.adapter.map(Into::into),
-                model: request.settings,
-            };
+            let submission = request.into_submission(eligible);
             // Registered first: the submit's own effects may dispatch it.
             // An id already waiting is another handler's: left alone.
-            match inner.waiting.entry(id) {
-                std::collections::hash_map::Entry::Occupied(_) => {
-                    return (Err(SubmitError::Duplicate), Effects::default());
-                }
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(tx);
-                }
+            if !inner.wait_for(id, tx) {
+                return (Err(SubmitError::Duplicate), Effects::default());
             }
-            match inner
+            let submitted = inner
                 .dispatcher
-                .submit_proposed(id, submission, proposal, now)
+                .submit_proposed(id, submission, proposal, now);
+            inner.admitted(submitted, &[id])
+        });
+        self.count_admission(&admitted);
+        admitted?;
+        Ok(rx)
+    }
+
+    /// Admission of a disaggregated request `id`
+    /// ([`Dispatcher::submit_split`]): its prefill half (id
+    /// [`prefill_half`]) in the prefill pool, and with
+    /// [`Pairing::Together`] its decode half (id `id`) in the decode pool;
+    /// the receivers get their halves' assignments. A decode half placed
+    /// after the prefill is waited for with [`Self::handed_over`].
+    pub(crate) fn submit_split(
+        &self,
+        id: RequestId,
+        request: Request<'_>,
+        pairing: Pairing,
+        transfer_limit: u32,
+    ) -> Result<
+        (
+            oneshot::Receiver<Assignment>,
+            Option<oneshot::Receiver<Assignment>>,
+        ),
+        SubmitError,
+    > {
+        let (prefill_tx, prefill_rx) = oneshot::channel();
+        let (decode_tx, decode_rx) = oneshot::channel();
+        let together = pairing == Pairing::Together;
+        let admitted = self.drive(|inner, now| {
+            let pools = inner
+                .roster
+                .eligible_in(request.model, Role::Prefill)
+                .and_then(|p| Ok((p, inner.roster.eligible_in(request.model, Role::Decode)?)));
+            let Ok((prefill_pool, decode_pool)) = pools else {
+                return (Err(SubmitError::UnknownModel), Effects::default());
+            };
+            let plan = SplitPlan {
+                pairing,
+                prefill_pool,
+                decode_pool,
+                transfer_limit,
+            };
+            let halves = [prefill_half(id), id];
+            let halves = if together { &halves[..] } else { &halves[..1] };
+            if !inner.wait_for(halves[0], prefill_tx)
+                || (together && !inner.wait_for(id, decode_tx))
             {
-                Ok((admitted, fx)) => (Ok(admitted), fx),
-                Err(refused) => {
-                    inner.waiting.remove(&id);
-                    let error = match refused {
-                        Refused::Full { retry_after_ms } => {
-                            SubmitError::QueueFull { retry_after_ms }
-                        }
-                        Refused::Duplicate => SubmitError::Duplicate,
-                    };
-                    (Err(error), Effects::default())
+                inner.waiting.remove(&halves[0]);
+                return (Err(SubmitError::Duplicate), Effects::default());
+            }
+            let submitted =
+                inner
+                    .dispatcher
+                    .submit_split(id, request.into_submission(Vec::new()), plan, now);
+            inner.admitted(submitted, halves)
+        });
+        self.count_admission(&admitted);
+        admitted?;
+        Ok((prefill_rx, together.then_some(decode_rx)))
+    }
+
+    /// The prefill half of disaggregated request `id` answered and its KV
+    /// is held for the decode ([`Dispatcher::handed_over`]): the receiver
+    /// of its decode half's assignment when the dispatcher places it now
+    /// (`None`: the decode half is already placed or waited for, or the
+    /// request is gone).
+    pub(crate) fn handed_over(&self, id: RequestId) -> Option<oneshot::Receiver<Assignment>> {
+        let (tx, rx) = oneshot::channel();
+        self.drive(|inner, now| {
+            let waits = inner.dispatcher.placement_of(id).is_none() && inner.wait_for(id, tx);
+            let fx = inner.dispatcher.handed_over(id, now);
+            if waits && !inner.dispatcher.is_known(id) && !fx.no_worker.contains(&id) {
+                // Nothing was submitted for it (paired together, its
+                // decode half ended first; or the request is gone).
+                inner.waiting.remove(&id);
+                return (false, fx);
+            }
+            (waits, fx)
+        })
+        .then_some(rx)
+    }
+
+    /// The prefill of disaggregated request `id` is done again
+    /// ([`Dispatcher::redo_prefill`]); the receiver gets the new prefill
+    /// half's assignment. A guard of the old prefill half must be gone
+    /// first: its drop would end the new one.
+    pub(crate) fn redo_prefill(
+        &self,
+        id: RequestId,
+        transfer_failed: bool,
+    ) -> Result<oneshot::Receiver<Assignment>, SplitError> {
+        let (tx, rx) = oneshot::channel();
+        let half = prefill_half(id);
+        self.drive(|inner, now| {
+            inner.waiting.remove(&half);
+            inner.waiting.insert(half, tx);
+            match inner.dispatcher.redo_prefill(id, transfer_failed, now) {
+                Ok(fx) => (Ok(()), fx),
+                Err(e) => {
+                    inner.waiting.remove(&half);
+                    (Err(e), Effects::default())
                 }
             }
-        });
+        })?;
+        Ok(rx)
+    }
+
+    fn count_admission(&self, admitted: &Result<Admitted, SubmitError>) {
         match admitted {
             Ok(Admitted::Queued) => self.metrics.count_admissions(AdmissionDecision::Queued, 1),
             Ok(Admitted::Deferred) => self
@@ -409,8 +549,6 @@ impl SharedRouter {
                 .count_admissions(AdmissionDecision::Rejected, 1),
             Err(SubmitError::UnknownModel | SubmitError::Duplicate) => {}
         }
-        admitted?;
-        Ok(rx)
     }
 
     /// The request's first token arrived.

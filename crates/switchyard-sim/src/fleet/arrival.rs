@@ -3,12 +3,12 @@
 //! started on its engine (once its adapter is loaded).
 
 use super::config::DisaggConfig;
-use super::disagg::{Handoff, DECODE_BIT};
+use super::disagg::Handoff;
 use super::event::Event;
 use super::{InFlight, Payload, Phase, Simulation};
 use std::sync::Arc;
 use switchyard_core::admission::SessionKey;
-use switchyard_core::dispatch::{Dispatch, Effects, Submission};
+use switchyard_core::dispatch::{request_of, Dispatch, Effects, Half, Submission};
 use switchyard_core::hashing::{local_block_hashes, seed_for};
 use switchyard_core::RequestId;
 use switchyard_engine::NewRequest;
@@ -66,7 +66,6 @@ impl Simulation {
             blocks,
             prompt_tokens: tokens.len() as u32,
             session: multi_turn.then_some(SessionKey(session)),
-            eligible: self.role_pool(false),
             adapter,
             ..Submission::default()
         };
@@ -80,10 +79,13 @@ impl Simulation {
                 output_tokens,
             },
         );
-        match self.replicas[replica]
-            .dispatcher
-            .submit(id, submission, self.now)
-        {
+        let plan = self.split_plan();
+        let dispatcher = &mut self.replicas[replica].dispatcher;
+        let submitted = match plan {
+            None => dispatcher.submit(id, submission, self.now),
+            Some(plan) => dispatcher.submit_split(id, submission, plan, self.now),
+        };
+        match submitted {
             Ok((_, fx)) => self.carry_out(replica, fx),
             Err(_) => {
                 self.payloads.remove(&id);
@@ -112,6 +114,8 @@ impl Simulation {
                 self.start(replica, sent);
             }
             for id in no_worker {
+                // A half no worker can take ends its request.
+                let id = request_of(id);
                 self.drop_handoff(id);
                 if let Some(p) = self.payloads.remove(&id) {
                     self.fail(p.session);
@@ -135,8 +139,18 @@ impl Simulation {
         let least = self.workers.iter().map(|w| w.booked).min().unwrap_or(0);
         self.excess_sum += (self.workers[worker].booked - least) as f64;
         self.decisions += 1;
-        let Some(p) = self.payloads.remove(&id) else {
-            self.drop_handoff(id);
+        let phase = match sent.half {
+            None => Phase::Whole,
+            Some(Half::Prefill) => Phase::Prefill,
+            Some(Half::Decode) => Phase::Decode,
+        };
+        // A prefill half leaves its request's prompt for the decode half.
+        let payload = match phase {
+            Phase::Prefill => self.payloads.get(&request_of(id)).cloned(),
+            Phase::Whole | Phase::Decode => self.payloads.remove(&id),
+        };
+        let Some(p) = payload else {
+            self.drop_handoff(request_of(id));
             let fx = self.replicas[replica].dispatcher.abort(id, self.now);
             self.effects.push_back((replica, fx));
             return;
@@ -144,11 +158,6 @@ impl Simulation {
         let prompt_tokens = p.tokens.len() as u32;
         let cached = (u64::from(sent.overlap_blocks) * self.config.engine.block_size as u64)
             .min(u64::from(prompt_tokens));
-        let phase = match (&self.config.disagg, id.0 & DECODE_BIT != 0) {
-            (None, _) => Phase::Whole,
-            (Some(_), false) => Phase::Prefill,
-            (Some(_), true) => Phase::Decode,
-        };
         let lora = self.lora_of(p.session);
         let admitted = match phase {
             Phase::Whole => match sent.peer {
@@ -169,14 +178,7 @@ impl Simulation {
                         )
                         .ok()
                         .map(|(lease, _)| (holder, lease));
-                    self.handoffs.insert(
-                        id,
-                        Handoff {
-                            tokens: Vec::new(),
-                            output_tokens: p.output_tokens,
-                            lease,
-                        },
-                    );
+                    self.handoffs.insert(id, Handoff { lease });
                     self.start_with_lease(worker, id, p.tokens, p.output_tokens, lora)
                 }
                 None => {
@@ -206,15 +208,7 @@ impl Simulation {
             },
             Phase::Prefill => {
                 // One output token, as a disaggregated proxy asks of a
-                // prefill worker; the prompt is kept for the capture.
-                self.handoffs.insert(
-                    id,
-                    Handoff {
-                        tokens: p.tokens.clone(),
-                        output_tokens: p.output_tokens,
-                        lease: None,
-                    },
-                );
+                // prefill worker.
                 self.workers[worker].engine.add_request(NewRequest {
                     id,
                     prompt: p.tokens,
@@ -226,8 +220,12 @@ impl Simulation {
             Phase::Decode => self.start_with_lease(worker, id, p.tokens, p.output_tokens, lora),
         };
         if admitted.is_err() {
-            self.drop_handoff(id);
-            let fx = self.replicas[replica].dispatcher.abort(id, self.now);
+            // The engine refused it: the request ends (both halves).
+            self.drop_handoff(request_of(id));
+            self.payloads.remove(&request_of(id));
+            let dispatcher = &mut self.replicas[replica].dispatcher;
+            let mut fx = dispatcher.abort(id, self.now);
+            fx.append(dispatcher.abort(request_of(id), self.now));
             self.effects.push_back((replica, fx));
             self.fail(p.session);
             return;

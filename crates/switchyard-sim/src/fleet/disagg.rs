@@ -3,43 +3,36 @@
 //! was placed on, the transfer between them, and their leases' ends.
 
 use super::event::Event;
-use super::{Payload, Simulation};
+use super::Simulation;
 use std::sync::Arc;
-use switchyard_core::dispatch::Submission;
-use switchyard_core::hashing::{local_block_hashes, seed_for};
+use switchyard_core::dispatch::{request_of, Pairing, SplitPlan};
+use switchyard_core::hashing::seed_for;
 use switchyard_core::{RequestId, WorkerId};
 use switchyard_engine::lease::LeaseRef;
 use switchyard_engine::{NewRequest, Observation};
 
-/// The bit that marks a request id as the decode half of a disaggregated
-/// request (the top bit is the router's, for peers' bookings).
-pub(super) const DECODE_BIT: u128 = 1 << 126;
-
-/// A disaggregated request between its halves: the prompt again (its
-/// engine consumed it) and, once captured, where its KV is held.
+/// Where a request's prompt KV is held for it to restore: its prefill
+/// half's worker and lease (a disaggregated request), or the peer lending
+/// it a prefix; `None` once the capture failed.
 pub(super) struct Handoff {
-    pub(super) tokens: Vec<u32>,
-    pub(super) output_tokens: u32,
-    /// The prefill worker and its lease, once captured.
     pub(super) lease: Option<(usize, LeaseRef)>,
 }
 
 impl Simulation {
-    /// The workers a new request may go to: with disaggregation, the
-    /// prefill pool (or the decode pool, for `decode`); otherwise all
-    /// (empty).
-    pub(super) fn role_pool(&self, decode: bool) -> Vec<WorkerId> {
-        match &self.config.disagg {
-            None => Vec::new(),
-            Some(d) => {
-                let range = if decode {
-                    d.prefill_workers..self.workers.len()
-                } else {
-                    0..d.prefill_workers
-                };
-                self.workers[range].iter().map(|w| w.id).collect()
-            }
-        }
+    /// With disaggregation, how a request's halves are placed: the
+    /// prefill pool, then (once the prefill handed its KV over) the decode
+    /// pool. The simulated link never loses a transfer.
+    pub(super) fn split_plan(&self) -> Option<SplitPlan> {
+        let d = self.config.disagg.as_ref()?;
+        let ids = |range: std::ops::Range<usize>| -> Vec<WorkerId> {
+            self.workers[range].iter().map(|w| w.id).collect()
+        };
+        Some(SplitPlan {
+            pairing: Pairing::AfterPrefill,
+            prefill_pool: ids(0..d.prefill_workers),
+            decode_pool: ids(d.prefill_workers..self.workers.len()),
+            transfer_limit: 0,
+        })
     }
 
     /// Queues `id` on `worker` restoring from the lease its handoff holds
@@ -121,61 +114,27 @@ impl Simulation {
         }
     }
 
-    /// The prefill half of `id` ended on `worker`: capture its prompt's KV
-    /// and submit the decode half to the decode pool.
-    pub(super) fn hand_off(
-        &mut self,
-        worker: usize,
-        id: RequestId,
-        session: u64,
-        turn: usize,
-        arrival_ms: f64,
-    ) {
-        let Some(mut handoff) = self.handoffs.remove(&id) else {
+    /// The prefill half `prefill` ended on `worker` (routed by `replica`):
+    /// its prompt's KV is captured there, and the dispatcher ends the half
+    /// and places the decode half.
+    pub(super) fn hand_off(&mut self, worker: usize, replica: usize, prefill: RequestId) {
+        let id = request_of(prefill);
+        let Some(p) = self.payloads.get(&id) else {
             return;
         };
         let ttl = self.config.disagg.map_or(0.0, |d| d.lease_ttl_ms);
         // The secret would come from a CSPRNG in a real driver; the
         // simulator has no adversary and stays deterministic.
         let token = id.0 ^ 0x5eed_5eed_5eed_5eed;
-        let seed = seed_for(self.lora_of(session).as_deref(), None);
-        handoff.lease = self.workers[worker]
+        let seed = seed_for(self.lora_of(p.session).as_deref(), None);
+        let lease = self.workers[worker]
             .engine
-            .capture(&handoff.tokens, seed, token, self.now + ttl)
+            .capture(&p.tokens, seed, token, self.now + ttl)
             .ok()
             .map(|(lease, _)| (worker, lease));
-        let decode = RequestId(id.0 | DECODE_BIT);
-        let tokens = std::mem::take(&mut handoff.tokens);
-        let blocks = local_block_hashes(&tokens, self.config.engine.block_size, seed);
-        let submission = Submission {
-            blocks,
-            prompt_tokens: tokens.len() as u32,
-            eligible: self.role_pool(true),
-            ..Submission::default()
-        };
-        self.payloads.insert(
-            decode,
-            Payload {
-                session,
-                turn,
-                arrival_ms,
-                tokens,
-                output_tokens: handoff.output_tokens,
-            },
-        );
-        self.handoffs.insert(decode, handoff);
-        let replica = self.pick_replica(session, false);
-        match self.replicas[replica]
-            .dispatcher
-            .submit(decode, submission, self.now)
-        {
-            Ok((_, fx)) => self.carry_out(replica, fx),
-            Err(_) => {
-                self.payloads.remove(&decode);
-                self.drop_handoff(decode);
-                self.fail(session);
-            }
-        }
+        self.handoffs.insert(id, Handoff { lease });
+        let fx = self.replicas[replica].dispatcher.handed_over(id, self.now);
+        self.carry_out(replica, fx);
     }
 
     /// Releases the leases the engine of `worker` is done with, and those

@@ -36,10 +36,12 @@
 //!
 //! Disaggregated fleets ([`DisaggConfig`]): the first `prefill_workers`
 //! workers compute prompts (each request with one output token, as vLLM's
-//! disaggregated proxy sends it), the rest decode. When a prefill ends, its
-//! engine captures the prompt's KV under a lease, the prefill's booking
-//! ends, and the request is submitted again, to the decode workers only;
-//! the decode engine restores the transferred blocks through the restore
+//! disaggregated proxy sends it), the rest decode. The dispatcher
+//! sequences the halves, as for `serve --disagg vllm`
+//! (`Dispatcher::submit_split` with `Pairing::AfterPrefill`): when a
+//! prefill ends, its engine captures the prompt's KV under a lease and the
+//! dispatcher, told the prefill handed over, ends the prefill's booking and
+//! places the decode half on a decode worker; the decode engine restores the transferred blocks through the restore
 //! protocol (source `Rendezvous`) and computes the last prompt token and
 //! the output. The time to first token is the client's: from arrival to
 //! the decode worker's first token (the prefill's own token is not
@@ -164,6 +166,7 @@ enum Phase {
 
 /// A submitted request waiting for placement: the driver owns its payload
 /// (the dispatcher holds only hashes and lengths).
+#[derive(Clone)]
 struct Payload {
     session: u64,
     turn: usize,

@@ -104,15 +104,15 @@ impl Simulation {
                 self.prompt_tokens += u64::from(r.prompt_tokens);
                 self.cached_tokens += done.cached_tokens as u64;
                 self.predicted_tokens += r.predicted_tokens;
-                let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
-                let fx = self.replicas[r.replica]
-                    .dispatcher
-                    .finish(done.request, context, now);
-                self.carry_out(r.replica, fx);
                 if done.reason == switchyard_engine::FinishReason::Length {
-                    self.hand_off(worker, done.request, r.session, r.turn, r.arrival_ms);
+                    self.hand_off(worker, r.replica, done.request);
                 } else {
-                    self.drop_handoff(done.request);
+                    // The prefill did not run to its one token: the
+                    // request ends.
+                    let id = switchyard_core::dispatch::request_of(done.request);
+                    self.payloads.remove(&id);
+                    let fx = self.replicas[r.replica].dispatcher.abort(done.request, now);
+                    self.carry_out(r.replica, fx);
                     self.fail(r.session);
                 }
                 continue;
