@@ -576,12 +576,7 @@ async fn vllm(
                         split.request.clone(),
                     ));
                 }
-                Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
-                Err(HalfError::Retry(failure, detail)) => (HalfFailure::Worker, (failure, detail)),
-                Err(HalfError::Transfer(detail)) => {
-                    metrics.half(Role::Decode, Outcome::TransferFailed);
-                    (HalfFailure::Transfer, (Failure::Status5xx, detail))
-                }
+                Err(e) => decode_failure(e, metrics).map_err(|e| (Reason::Decode, e))?,
             };
             let next = recovery(Pairing::AfterPrefill, Half::Decode, failure);
             if next.move_half {
@@ -599,6 +594,22 @@ async fn vllm(
                 booking = Some(current);
                 break;
             }
+        }
+    }
+}
+
+/// A decode half's failure as the dispatcher's table reads it, with what
+/// its worker did (a failed transfer counted); `Err`: the client's error.
+fn decode_failure(
+    e: HalfError,
+    metrics: &DisaggMetrics,
+) -> Result<(HalfFailure, (Failure, String)), ApiError> {
+    match e {
+        HalfError::Fatal(e) => Err(e),
+        HalfError::Retry(failure, detail) => Ok((HalfFailure::Worker, (failure, detail))),
+        HalfError::Transfer(detail) => {
+            metrics.half(Role::Decode, Outcome::TransferFailed);
+            Ok((HalfFailure::Transfer, (Failure::Status5xx, detail)))
         }
     }
 }
@@ -740,12 +751,7 @@ async fn sglang(
                     split.request.clone(),
                 ));
             }
-            Err(HalfError::Fatal(e)) => return Err((Reason::Decode, e)),
-            Err(HalfError::Retry(failure, detail)) => (HalfFailure::Worker, (failure, detail)),
-            Err(HalfError::Transfer(detail)) => {
-                metrics.half(Role::Decode, Outcome::TransferFailed);
-                (HalfFailure::Transfer, (Failure::Status5xx, detail))
-            }
+            Err(e) => decode_failure(e, &metrics).map_err(|e| (Reason::Decode, e))?,
         };
         // The pair again under a new room: the prefill worker did
         // nothing wrong; an answer of it still coming is dropped, and its
