@@ -475,9 +475,12 @@ impl SharedRouter {
             };
             let halves = [prefill_half(id), id];
             let halves = if together { &halves[..] } else { &halves[..1] };
-            if !inner.wait_for(halves[0], prefill_tx)
-                || (together && !inner.wait_for(id, decode_tx))
-            {
+            // Registered first, as in `submit_in`; an id already waited
+            // for is another handler's and stays.
+            if !inner.wait_for(halves[0], prefill_tx) {
+                return (Err(SubmitError::Duplicate), Effects::default());
+            }
+            if together && !inner.wait_for(id, decode_tx) {
                 inner.waiting.remove(&halves[0]);
                 return (Err(SubmitError::Duplicate), Effects::default());
             }

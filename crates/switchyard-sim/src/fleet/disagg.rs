@@ -120,6 +120,9 @@ impl Simulation {
     pub(super) fn hand_off(&mut self, worker: usize, replica: usize, prefill: RequestId) {
         let id = request_of(prefill);
         let Some(p) = self.payloads.get(&id) else {
+            // The request ended meanwhile: so does its prefill half.
+            let fx = self.replicas[replica].dispatcher.abort(prefill, self.now);
+            self.carry_out(replica, fx);
             return;
         };
         let ttl = self.config.disagg.map_or(0.0, |d| d.lease_ttl_ms);

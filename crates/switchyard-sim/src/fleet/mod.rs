@@ -41,9 +41,9 @@
 //! (`Dispatcher::submit_split` with `Pairing::AfterPrefill`): when a
 //! prefill ends, its engine captures the prompt's KV under a lease and the
 //! dispatcher, told the prefill handed over, ends the prefill's booking and
-//! places the decode half on a decode worker; the decode engine restores the transferred blocks through the restore
-//! protocol (source `Rendezvous`) and computes the last prompt token and
-//! the output. The time to first token is the client's: from arrival to
+//! places the decode half on a decode worker; the decode engine restores
+//! the transferred blocks through the restore protocol (source
+//! `Rendezvous`) and computes the last prompt token and the output. The time to first token is the client's: from arrival to
 //! the decode worker's first token (the prefill's own token is not
 //! returned). The lease is released when the decode engine says it is done
 //! with it, or expires.
