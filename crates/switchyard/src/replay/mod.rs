@@ -286,7 +286,7 @@ pub struct ReplayArgs {
 }
 
 /// Parses a `P:D` split.
-fn parse_split(text: &str) -> Result<(usize, usize), String> {
+pub(crate) fn parse_split(text: &str) -> Result<(usize, usize), String> {
     let (p, d) = text
         .split_once(':')
         .ok_or_else(|| format!("expected P:D (prefill:decode workers), got {text:?}"))?;
@@ -410,6 +410,25 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         .validate()
         .map_err(|e| anyhow::anyhow!("router: {e}"))?;
     Ok(fleet)
+}
+
+/// The link KV moves over with `--disagg` and `--peer-restore`
+/// (`--transfer-gbps`, `--transfer-latency-ms`).
+pub fn transfer_link(args: &ReplayArgs) -> TransferConfig {
+    TransferConfig {
+        bandwidth_bytes_per_s: args.transfer_gbps * 1e9,
+        latency_ms: args.transfer_latency_ms,
+    }
+}
+
+/// A split of `--disagg` with `prefill_workers` prefill workers, as
+/// `replay` runs it (`bench twin --disagg` runs the same).
+pub fn disagg_config(args: &ReplayArgs, prefill_workers: usize) -> DisaggConfig {
+    DisaggConfig {
+        prefill_workers,
+        transfer: transfer_link(args),
+        ..DisaggConfig::default()
+    }
 }
 
 /// The trace `args` replay; `None` for a synthetic workload.
@@ -701,10 +720,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         .flat_map(|(name, f)| {
             // The aggregated fleet, with peer restore if asked, then each
             // split of the same workers.
-            let link = TransferConfig {
-                bandwidth_bytes_per_s: args.transfer_gbps * 1e9,
-                latency_ms: args.transfer_latency_ms,
-            };
+            let link = transfer_link(&args);
             let peer = args.peer_restore.then(|| {
                 let mut lending = f.clone();
                 lending.peer_restore = Some(link);
@@ -712,11 +728,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             });
             let splits = args.disagg.iter().map(|&(p, d)| {
                 let mut split = f.clone();
-                split.disagg = Some(DisaggConfig {
-                    prefill_workers: p,
-                    transfer: link,
-                    ..DisaggConfig::default()
-                });
+                split.disagg = Some(disagg_config(&args, p));
                 (format!("{name} {p}P:{d}D"), split)
             });
             std::iter::once((name.clone(), f.clone()))

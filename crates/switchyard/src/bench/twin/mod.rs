@@ -15,12 +15,20 @@
 //! Both sides get the same sessions; the serve side's requests are made
 //! from them by [`loadgen::session_requests`]. Neither side is tuned: the
 //! figures say how far the real router is from its simulation today.
+//!
+//! The disaggregated case (`--disagg P:D`): the simulator runs the split
+//! `replay --disagg P:D` runs ([`disagg_config`]); the router runs `serve
+//! --disagg vllm` with the first P workers `role=prefill` and the rest
+//! `role=decode`, as the simulator numbers them; every sim-worker speaks
+//! vLLM's protocol over the same transfer link ([`sim_worker_disagg_args`]).
+//! The hit rate compared is the prefill workers' on both sides (the
+//! simulator counts a split prompt's hit on its prefill half).
 
 pub(crate) mod serve;
 
 use crate::data::Trace;
 use crate::loadgen;
-use crate::replay::{fleet_config, ReplayArgs};
+use crate::replay::{disagg_config, fleet_config, parse_split, ReplayArgs};
 use crate::stats::write_json;
 use anyhow::Context as _;
 use clap::{Args, Parser};
@@ -31,7 +39,7 @@ use std::time::Instant;
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::select::PolicyKind;
 use switchyard_engine::{EngineConfig, TimingConfig};
-use switchyard_sim::fleet::{simulate, FleetConfig};
+use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, TransferConfig};
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
 
@@ -95,6 +103,20 @@ pub struct TwinArgs {
     /// Mooncake trace [default: the bundled conversation trace].
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// The disaggregated case: `P:D`, P prefill and D decode workers
+    /// (P + D = --workers). The simulator runs `replay --disagg P:D`, the
+    /// router `serve --disagg vllm` with worker roles, the sim-workers
+    /// `--disagg vllm`; the hit rate compared is the prefill workers'.
+    #[arg(long, value_parser = parse_split)]
+    pub disagg: Option<(usize, usize)>,
+    /// With `--disagg`: the transfer link's bandwidth in GB/s, on both sides
+    /// (`replay`'s default).
+    #[arg(long, default_value_t = TransferConfig::default().bandwidth_bytes_per_s / 1e9)]
+    pub transfer_gbps: f64,
+    /// With `--disagg`: the fixed cost of a transfer in model ms, on both
+    /// sides (`replay`'s default).
+    #[arg(long, default_value_t = TransferConfig::default().latency_ms)]
+    pub transfer_latency_ms: f64,
     /// Run the simulator side only (seconds, no processes).
     #[arg(long)]
     pub replay_only: bool,
@@ -106,7 +128,8 @@ pub struct TwinArgs {
 /// One side's figures for one policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Side {
-    /// Engine prefix hit rate: cached / prompt tokens over the run.
+    /// Engine prefix hit rate: cached / prompt tokens over the run (in the
+    /// disaggregated case, the prefill workers').
     pub hit_rate: f64,
     /// TTFT median, ms.
     pub ttft_p50_ms: f64,
@@ -122,6 +145,11 @@ pub struct Side {
     pub completed: u64,
     /// Requests that failed.
     pub errors: u64,
+    /// Disaggregated case: KV transfers from prefill to decode workers.
+    pub transfers: u64,
+    /// Disaggregated case: the bytes they moved (modeled: the tokens of
+    /// the blocks a decode worker lacked × bytes per token).
+    pub transfer_bytes: u64,
 }
 
 impl Side {
@@ -135,10 +163,12 @@ impl Side {
             e2e_p50_ms: r.e2e_ms.p50,
             completed: r.completed,
             errors: r.errors,
+            transfers: r.transfers,
+            transfer_bytes: r.transfer_bytes,
         }
     }
 
-    fn of_serve(r: &loadgen::Report) -> Self {
+    fn of_serve(r: &loadgen::Report, transfers: serve::Transfers) -> Self {
         Self {
             hit_rate: r.hit_rate.unwrap_or(f64::NAN),
             ttft_p50_ms: r.ttft_ms.p50,
@@ -148,6 +178,8 @@ impl Side {
             e2e_p50_ms: r.e2e_ms.p50,
             completed: (r.requests - r.errors) as u64,
             errors: r.errors as u64,
+            transfers: transfers.count,
+            transfer_bytes: transfers.bytes,
         }
     }
 }
@@ -266,6 +298,16 @@ pub fn twin_fleet(args: &TwinArgs) -> anyhow::Result<FleetConfig> {
         .context("building replay's arguments")?;
     let mut fleet = fleet_config(&replay.args)?;
     fleet.online_prefill_fit = !args.no_prefill_fit;
+    fleet.disagg = replay
+        .args
+        .disagg
+        .first()
+        .map(|&(prefill, _)| disagg_config(&replay.args, prefill));
+    if let Some(disagg) = &fleet.disagg {
+        disagg
+            .validate(fleet.workers)
+            .map_err(|e| anyhow::anyhow!("--disagg: {e}"))?;
+    }
     Ok(fleet)
 }
 
@@ -280,8 +322,49 @@ fn replay_flags(args: &TwinArgs) -> Vec<String> {
         ("--kv-event-delay-ms", args.kv_event_delay_ms.to_string()),
     ]
     .into_iter()
+    .chain(args.disagg.into_iter().flat_map(|(p, d)| {
+        [
+            ("--disagg", format!("{p}:{d}")),
+            ("--transfer-gbps", args.transfer_gbps.to_string()),
+            (
+                "--transfer-latency-ms",
+                args.transfer_latency_ms.to_string(),
+            ),
+        ]
+    }))
     .flat_map(|(k, v)| [k.to_owned(), v])
     .collect()
+}
+
+/// `switchyard sim-worker` flags that make a worker take part in the
+/// simulator's disaggregation `disagg`: vLLM's protocol (each request says
+/// which half it is, so prefill and decode workers get the same flags; the
+/// router assigns the roles) over the same link — a transfer waits the
+/// same latency plus bytes over bandwidth, in model ms divided by the
+/// speed-up, on both sides — and leases held as long (the simulator's
+/// virtual ms are the server's wall ms).
+pub fn sim_worker_disagg_args(disagg: &DisaggConfig) -> anyhow::Result<Vec<String>> {
+    let ttl = disagg.lease_ttl_ms;
+    anyhow::ensure!(
+        ttl.is_finite() && ttl >= 1.0 && ttl.fract() == 0.0,
+        "the sim-worker holds leases for whole milliseconds, not {ttl}"
+    );
+    let flags = [
+        ("--disagg", "vllm".to_owned()),
+        (
+            "--kv-transfer-bandwidth",
+            disagg.transfer.bandwidth_bytes_per_s.to_string(),
+        ),
+        (
+            "--kv-transfer-latency-ms",
+            disagg.transfer.latency_ms.to_string(),
+        ),
+        ("--lease-ttl-ms", (ttl as u64).to_string()),
+    ];
+    Ok(flags
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect())
 }
 
 /// `switchyard serve` flags that give the router the simulator's prefill
@@ -386,6 +469,15 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
         "--rate-scale must be positive"
     );
     anyhow::ensure!(!args.policies.is_empty(), "--policies names none");
+    if let Some((p, d)) = args.disagg {
+        anyhow::ensure!(
+            p + d == args.workers,
+            "--disagg {p}:{d} splits {} workers but --workers is {}: give --workers {}",
+            p + d,
+            args.workers,
+            p + d
+        );
+    }
     for (i, p) in args.policies.iter().enumerate() {
         anyhow::ensure!(
             !args.policies[..i].contains(p),
@@ -439,8 +531,18 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     let fleet = twin_fleet(&args)?;
     let (trace, sessions) = load_sessions(&args)?;
     let span_s = sessions.last().map_or(0.0, |s| s.arrival_ms) / 1e3;
+    let case = match &fleet.disagg {
+        Some(d) => format!(
+            "disaggregated case, {}P:{}D (vLLM protocol on the serve side; link {} GB/s + {} ms; hit rate: the prefill workers')",
+            d.prefill_workers,
+            fleet.workers - d.prefill_workers,
+            d.transfer.bandwidth_bytes_per_s / 1e9,
+            d.transfer.latency_ms
+        ),
+        None => "aggregated case".to_owned(),
+    };
     println!(
-        "bench twin: {} requests of {} (prompts ≤ {} tokens), arrivals ×{} over {:.1} s; {} workers × {} blocks of {} tokens, speed-up {}",
+        "bench twin, {case}: {} requests of {} (prompts ≤ {} tokens), arrivals ×{} over {:.1} s; {} workers × {} blocks of {} tokens, speed-up {}",
         sessions.len(),
         trace,
         args.max_prompt_tokens,
@@ -464,11 +566,12 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     for &policy in &args.policies {
         let side = replay_side(&fleet, policy, &sessions)?;
         println!(
-            "  replay {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms",
+            "  replay {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}",
             policy.name(),
             side.hit_rate,
             side.ttft_p50_ms,
-            side.ttft_p90_ms
+            side.ttft_p90_ms,
+            transfers_note(&fleet, &side)
         );
         pairs.insert(
             policy.name().to_owned(),
@@ -481,22 +584,31 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     let mut health = BTreeMap::new();
     if !args.replay_only {
         let (requests, arrivals) = loadgen::session_requests(&sessions, None)?;
+        let mut worker_args = sim_worker_args(&fleet.engine)?;
+        if let Some(disagg) = &fleet.disagg {
+            worker_args.extend(sim_worker_disagg_args(disagg)?);
+        }
         let setup = serve::ServeSetup {
             workers: fleet.workers,
+            prefill_workers: fleet.disagg.as_ref().map(|d| d.prefill_workers),
             block_size: fleet.engine.block_size,
-            worker_args: sim_worker_args(&fleet.engine)?,
+            worker_args,
             router_args: estimator_args(&fleet.dispatcher(0).estimator),
             requests,
             arrivals: arrivals.into(),
         };
         serve::run_all(&setup, &args.policies, |policy, run| {
-            let side = Side::of_serve(&run.report);
+            let side = Side::of_serve(&run.report, run.transfers);
+            if let Some(why) = &run.report.hit_rate_unavailable {
+                eprintln!("  serve {}: no hit rate: {why}", policy.name());
+            }
             println!(
-                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
+                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
                 policy.name(),
                 side.hit_rate,
                 side.ttft_p50_ms,
                 side.ttft_p90_ms,
+                transfers_note(&fleet, &side),
                 side.errors,
                 run.health.dropped_fraction * 100.0,
                 run.health.send_lag_p99_ms,
@@ -508,6 +620,9 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         })?;
     }
     let verdict = verdict(&pairs);
+    if fleet.disagg.is_some() {
+        println!("\n{case}: hit rates are the prefill workers'");
+    }
     print_table(&pairs, &verdict);
     let report = TwinReport {
         policies: pairs,
@@ -525,6 +640,18 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// In the disaggregated case, a side's transfers for its progress line.
+fn transfers_note(fleet: &FleetConfig, side: &Side) -> String {
+    if fleet.disagg.is_none() {
+        return String::new();
+    }
+    format!(
+        "  {} transfers, {:.2} GB",
+        side.transfers,
+        side.transfer_bytes as f64 / 1e9
+    )
 }
 
 fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
@@ -689,6 +816,136 @@ mod tests {
         let mut engine = twin_fleet(&args(&[])).unwrap().engine;
         engine.timing.decode = [0.0, 0.0, 2.0];
         assert!(sim_worker_args(&engine).is_err());
+    }
+
+    #[test]
+    fn a_split_must_add_up_to_the_workers() {
+        check(&args(&["--disagg", "2:2"])).unwrap();
+        check(&args(&["--disagg", "1:2", "--workers", "3"])).unwrap();
+        let why = check(&args(&["--disagg", "1:2"])).unwrap_err().to_string();
+        assert!(why.contains("--workers 3"), "{why}");
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: TwinArgs,
+        }
+        for bad in ["0:4", "4", "2:x"] {
+            assert!(
+                Cli::try_parse_from(["twin", "--disagg", bad]).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    /// One truth for the split: the twin's simulator side runs exactly the
+    /// `DisaggConfig` that `replay --disagg P:D` builds for the same flags,
+    /// link included.
+    #[test]
+    fn the_disaggregated_fleet_is_replays_own_split() {
+        #[derive(Parser)]
+        struct Replay {
+            #[command(flatten)]
+            args: ReplayArgs,
+        }
+        let flags = [
+            "--disagg",
+            "3:1",
+            "--transfer-gbps",
+            "50",
+            "--transfer-latency-ms",
+            "2.5",
+        ];
+        let fleet = twin_fleet(&args(&flags)).unwrap();
+        let replay = Replay::try_parse_from(
+            ["replay", "--workers", "4"]
+                .into_iter()
+                .chain(flags.iter().copied()),
+        )
+        .unwrap();
+        let expected = disagg_config(&replay.args, 3);
+        assert_eq!(fleet.disagg, Some(expected));
+        assert_eq!(expected.prefill_workers, 3);
+        assert_eq!(expected.transfer.bandwidth_bytes_per_s, 50e9);
+        assert_eq!(expected.transfer.latency_ms, 2.5);
+        assert_eq!(fleet.workers, 4);
+        // replay's defaults when no link is named; none without --disagg.
+        let fleet = twin_fleet(&args(&["--disagg", "2:2"])).unwrap();
+        let disagg = fleet.disagg.unwrap();
+        assert_eq!(disagg.transfer, TransferConfig::default());
+        assert_eq!(disagg.lease_ttl_ms, DisaggConfig::default().lease_ttl_ms);
+        assert_eq!(twin_fleet(&args(&[])).unwrap().disagg, None);
+    }
+
+    /// The sim-workers' disaggregation flags parse back, through the
+    /// sim-worker's own options, into vLLM's protocol with the simulator's
+    /// link and lease lifetime, beside the unchanged engine configuration.
+    #[test]
+    fn sim_workers_get_the_simulators_disaggregation() {
+        use switchyard_sim_worker::disagg::DisaggProtocol;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SimWorkerArgs,
+        }
+        for flags in [
+            &["--disagg", "2:2"][..],
+            &[
+                "--disagg",
+                "1:3",
+                "--transfer-gbps",
+                "3.2",
+                "--transfer-latency-ms",
+                "0.25",
+            ][..],
+        ] {
+            let fleet = twin_fleet(&args(flags)).unwrap();
+            let disagg = fleet.disagg.unwrap();
+            let mut argv = vec!["sim-worker".to_owned()];
+            argv.extend(sim_worker_args(&fleet.engine).unwrap());
+            argv.extend(sim_worker_disagg_args(&disagg).unwrap());
+            argv.extend(["--kv-events".to_owned(), "tcp://127.0.0.1:*".to_owned()]);
+            let parsed = Cli::try_parse_from(argv).unwrap().args;
+            assert_eq!(parsed.engine_config(), fleet.engine);
+            let worker = parsed.disagg.config().unwrap().expect("disaggregation on");
+            assert_eq!(worker.protocol, DisaggProtocol::Vllm);
+            assert_eq!(worker.role, None, "vLLM workers take the role per request");
+            assert_eq!(
+                worker.bandwidth_bytes_per_s,
+                disagg.transfer.bandwidth_bytes_per_s
+            );
+            assert_eq!(worker.latency_ms, disagg.transfer.latency_ms);
+            assert_eq!(worker.lease_ttl_ms as f64, disagg.lease_ttl_ms);
+            for bytes in [0, 4096, 1 << 30] {
+                assert_eq!(
+                    worker.transfer_ms(bytes),
+                    disagg.transfer.transfer_ms(bytes)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_lease_of_a_fraction_of_a_millisecond_is_refused_rather_than_rounded() {
+        let disagg = DisaggConfig {
+            lease_ttl_ms: 1500.5,
+            ..DisaggConfig::default()
+        };
+        assert!(sim_worker_disagg_args(&disagg).is_err());
+    }
+
+    #[test]
+    fn a_replay_only_disaggregated_run_transfers_every_prompt() {
+        let a = args(&["--requests", "20", "--workers", "2", "--disagg", "1:1"]);
+        check(&a).unwrap();
+        let fleet = twin_fleet(&a).unwrap();
+        let (_, sessions) = load_sessions(&a).unwrap();
+        let s = replay_side(&fleet, PolicyKind::Kv, &sessions).unwrap();
+        assert_eq!((s.completed, s.errors), (20, 0));
+        assert!(s.transfers > 0 && s.transfer_bytes > 0, "{s:?}");
+        assert!((0.0..=1.0).contains(&s.hit_rate));
+        let aggregated = twin_fleet(&args(&["--requests", "20", "--workers", "2"])).unwrap();
+        let s = replay_side(&aggregated, PolicyKind::Kv, &sessions).unwrap();
+        assert_eq!((s.transfers, s.transfer_bytes), (0, 0));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use serde::Serialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
+use switchyard_server::config::Role;
 use switchyard_wire::prometheus::Scrape;
 
 /// How long the router may take to list every worker as up.
@@ -40,14 +41,57 @@ pub struct ServeHealth {
     pub send_lag_p99_ms: f64,
 }
 
-/// What one policy's real-time run measured.
-pub(super) struct ServeRun {
-    pub(super) report: Report,
-    pub(super) health: ServeHealth,
+/// The KV transfers the decode workers made (disaggregated case).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct Transfers {
+    /// Transfers received.
+    pub(super) count: u64,
+    /// Modeled bytes moved.
+    pub(super) bytes: u64,
 }
 
-/// `switchyard serve` flags for `policy` in front of `fleet`.
-fn serve_args(policy: PolicyKind, block_size: usize, fleet: &SimWorkers) -> Vec<String> {
+/// What one policy's real-time run measured.
+pub(super) struct ServeRun {
+    /// The load generator's figures; its hit rate is over the workers
+    /// [`hit_rate_workers`] names.
+    pub(super) report: Report,
+    pub(super) health: ServeHealth,
+    pub(super) transfers: Transfers,
+}
+
+/// Worker `index`'s role in a fleet whose first `prefill_workers` prefill
+/// (the simulator's numbering, `DisaggConfig::prefill_workers`); `None`
+/// when the fleet is aggregated.
+pub(super) fn role_of(index: usize, prefill_workers: Option<usize>) -> Option<Role> {
+    prefill_workers.map(|p| {
+        if index < p {
+            Role::Prefill
+        } else {
+            Role::Decode
+        }
+    })
+}
+
+/// The workers whose prompt-cache counters make the hit rate: every one,
+/// or in the disaggregated case the prefill workers (the simulator counts
+/// a split prompt's hit on its prefill half; a decode worker's "hits" are
+/// the blocks it restored from the transfer).
+pub(super) fn hit_rate_workers(urls: &[String], prefill_workers: Option<usize>) -> Vec<String> {
+    urls.iter()
+        .enumerate()
+        .filter(|&(i, _)| role_of(i, prefill_workers) != Some(Role::Decode))
+        .map(|(_, url)| url.clone())
+        .collect()
+}
+
+/// `switchyard serve` flags for `policy` in front of `fleet`; with
+/// `prefill_workers`, `--disagg vllm` and each worker's role.
+fn serve_args(
+    policy: PolicyKind,
+    block_size: usize,
+    fleet: &SimWorkers,
+    prefill_workers: Option<usize>,
+) -> Vec<String> {
     let mut args: Vec<String> = [
         "serve",
         "--host",
@@ -62,10 +106,16 @@ fn serve_args(policy: PolicyKind, block_size: usize, fleet: &SimWorkers) -> Vec<
     .into_iter()
     .map(str::to_owned)
     .collect();
+    if prefill_workers.is_some() {
+        args.extend(["--disagg".to_owned(), "vllm".to_owned()]);
+    }
     for (i, (url, events)) in fleet.urls.iter().zip(&fleet.events).enumerate() {
         let mut spec = format!("{url},name=worker-{i}");
         if let Some((events, replay)) = events {
             spec.push_str(&format!(",events={events},replay={replay}"));
+        }
+        if let Some(role) = role_of(i, prefill_workers) {
+            spec.push_str(&format!(",role={}", role.label()));
         }
         args.extend(["--worker".to_owned(), spec]);
     }
@@ -101,6 +151,17 @@ pub(crate) fn paced_and_dropped_seconds(metrics: &str) -> (f64, f64) {
     )
 }
 
+/// The KV transfers a sim-worker received, from its `/metrics` (none for
+/// what it does not export).
+fn transfers_received(metrics: &str) -> Transfers {
+    let scrape = Scrape::parse(metrics);
+    let count = |name| scrape.value(name, &[]).unwrap_or(0.0) as u64;
+    Transfers {
+        count: count("switchyard_engine_disagg_transfers_total"),
+        bytes: count("switchyard_engine_disagg_transfer_bytes_total"),
+    }
+}
+
 /// Ends when this process gets Ctrl-C or SIGTERM.
 async fn interrupted() {
     #[cfg(unix)]
@@ -125,6 +186,9 @@ async fn interrupted() {
 /// The serve side's fixed inputs: the fleet's shape and the load.
 pub(super) struct ServeSetup {
     pub(super) workers: usize,
+    /// The disaggregated case: the first this many workers prefill, the
+    /// rest decode (`None`: every worker serves whole requests).
+    pub(super) prefill_workers: Option<usize>,
     pub(super) block_size: usize,
     pub(super) worker_args: Vec<String>,
     /// Extra `serve` flags (the prefill estimator's settings).
@@ -172,12 +236,13 @@ async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun>
         setup.arrivals.last().copied().unwrap_or(0.0) / 1e3
     );
     let fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
-    let mut args = serve_args(policy, setup.block_size, &fleet);
+    let mut args = serve_args(policy, setup.block_size, &fleet, setup.prefill_workers);
     args.extend(setup.router_args.iter().cloned());
     let (router, base) = start_router(&args)?;
     let run = drive(
         &base,
         &fleet,
+        &hit_rate_workers(&fleet.urls, setup.prefill_workers),
         setup.requests.clone(),
         setup.arrivals.clone(),
     )
@@ -208,6 +273,7 @@ pub(crate) async fn wait_for_workers(base: &str, workers: usize) -> anyhow::Resu
 async fn drive(
     base: &str,
     fleet: &SimWorkers,
+    hit_rate_workers: &[String],
     requests: Vec<PreparedRequest>,
     arrivals: Arc<[f64]>,
 ) -> anyhow::Result<ServeRun> {
@@ -218,11 +284,12 @@ async fn drive(
         requests,
         Pacing::Arrivals(arrivals),
         true,
-        &fleet.urls,
+        hit_rate_workers,
         true,
     )
     .await;
     let (mut paced, mut dropped) = (0.0, 0.0);
+    let mut transfers = Transfers::default();
     for url in &fleet.urls {
         let text = loadgen::get_text(&client, &format!("{url}/metrics"))
             .await
@@ -230,6 +297,9 @@ async fn drive(
         let (worker_paced, worker_dropped) = paced_and_dropped_seconds(&text);
         paced += worker_paced;
         dropped += worker_dropped;
+        let received = transfers_received(&text);
+        transfers.count += received.count;
+        transfers.bytes += received.bytes;
     }
     let health = ServeHealth {
         requests: report.requests,
@@ -240,7 +310,11 @@ async fn drive(
         dropped_fraction: if paced > 0.0 { dropped / paced } else { 0.0 },
         send_lag_p99_ms: report.send_lag_ms.map_or(0.0, |l| l.p99),
     };
-    Ok(ServeRun { report, health })
+    Ok(ServeRun {
+        report,
+        health,
+        transfers,
+    })
 }
 
 #[cfg(test)]
@@ -277,12 +351,99 @@ mod tests {
                 Some(("tcp://127.0.0.1:5".into(), "tcp://127.0.0.1:6".into())),
             ],
         };
-        let args = serve_args(PolicyKind::CacheAware, 64, &fleet);
+        let args = serve_args(PolicyKind::CacheAware, 64, &fleet, None);
         let joined = args.join(" ");
         assert!(joined
             .starts_with("serve --host 127.0.0.1 --port 0 --policy cache-aware --block-size 64"));
         assert!(joined.contains(
             "--worker http://127.0.0.1:2,name=worker-1,events=tcp://127.0.0.1:5,replay=tcp://127.0.0.1:6"
         ));
+        let config = serve_config(&args);
+        assert_eq!(config.disagg, None);
+        assert!(config.workers.iter().all(|w| w.role == Role::Both));
+    }
+
+    fn fake_fleet(workers: u16) -> SimWorkers {
+        SimWorkers {
+            children: Children::default(),
+            urls: (0..workers)
+                .map(|i| format!("http://127.0.0.1:{}", 100 + i))
+                .collect(),
+            events: (0..workers)
+                .map(|i| {
+                    Some((
+                        format!("tcp://127.0.0.1:{}", 200 + i),
+                        format!("tcp://127.0.0.1:{}", 300 + i),
+                    ))
+                })
+                .collect(),
+        }
+    }
+
+    /// `args` (as `serve_args` makes them) through `serve`'s own options.
+    fn serve_config(args: &[String]) -> switchyard_server::ServerConfig {
+        #[derive(clap::Parser)]
+        struct Serve {
+            #[command(flatten)]
+            args: switchyard_server::ServeArgs,
+        }
+        let serve = <Serve as clap::Parser>::try_parse_from(args).unwrap();
+        serve.args.to_config().unwrap()
+    }
+
+    /// The router of the disaggregated case speaks vLLM's protocol and
+    /// knows the first P workers as prefill and the rest as decode — the
+    /// simulator's numbering — and the hit rate is read from exactly the
+    /// workers it knows as prefill.
+    #[test]
+    fn the_disaggregated_router_gets_vllms_protocol_and_the_simulators_roles() {
+        use switchyard_server::config::DisaggMode;
+        let fleet = fake_fleet(4);
+        for prefill in [1, 2, 3] {
+            let args = serve_args(PolicyKind::Kv, 64, &fleet, Some(prefill));
+            let config = serve_config(&args);
+            assert_eq!(config.disagg, Some(DisaggMode::Vllm));
+            config.validate().unwrap();
+            let roles: Vec<Role> = config.workers.iter().map(|w| w.role).collect();
+            let expected: Vec<Role> = (0..4)
+                .map(|i| {
+                    if i < prefill {
+                        Role::Prefill
+                    } else {
+                        Role::Decode
+                    }
+                })
+                .collect();
+            assert_eq!(roles, expected);
+            let urls: Vec<&str> = config.workers.iter().map(|w| w.url.as_str()).collect();
+            assert_eq!(urls, fleet.urls);
+            assert!(config
+                .workers
+                .iter()
+                .all(|w| w.events.is_some() && w.replay.is_some()));
+            let prefill_urls: Vec<String> = config
+                .workers
+                .iter()
+                .filter(|w| w.role == Role::Prefill)
+                .map(|w| w.url.clone())
+                .collect();
+            assert_eq!(hit_rate_workers(&fleet.urls, Some(prefill)), prefill_urls);
+        }
+        assert_eq!(hit_rate_workers(&fleet.urls, None), fleet.urls);
+    }
+
+    #[test]
+    fn transfers_are_read_from_a_decode_workers_counters() {
+        let text = "switchyard_engine_disagg_transfers_total 12\n\
+                    switchyard_engine_disagg_transfer_bytes_total 3.5e9\n\
+                    switchyard_engine_disagg_transfers 99\n";
+        assert_eq!(
+            transfers_received(text),
+            Transfers {
+                count: 12,
+                bytes: 3_500_000_000
+            }
+        );
+        assert_eq!(transfers_received("other 1\n"), Transfers::default());
     }
 }
