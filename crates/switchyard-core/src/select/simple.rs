@@ -1,6 +1,8 @@
 //! Load-only policies: round-robin, random, least-loaded, power-of-two.
 
 use super::{argmin_random_tie, Candidate, Decision, RoutingContext, SelectOutcome, Selector};
+use crate::maps::FxHashMap;
+use crate::types::WorkerId;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -18,10 +20,18 @@ fn load(c: &Candidate) -> (usize, u64) {
     (c.active_requests, c.active_prefill_tokens)
 }
 
-/// Each available worker in turn.
+/// Each available worker in turn: the one chosen least recently among
+/// the candidates (ties in candidate order). Within any one set of
+/// candidates that is a rotation, however placements among other sets
+/// interleave with it — the two pools of a disaggregated fleet each rotate
+/// on their own.
 #[derive(Debug, Default)]
 pub struct RoundRobinSelector {
-    next: usize,
+    /// Placements made so far.
+    turn: u64,
+    /// The turn each worker was last chosen at (bounded by the workers:
+    /// [`Selector::remove_worker`] forgets one).
+    last: FxHashMap<WorkerId, u64>,
 }
 
 impl Selector for RoundRobinSelector {
@@ -30,15 +40,21 @@ impl Selector for RoundRobinSelector {
     }
 
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
-        let n = ctx.candidates.len();
-        for step in 0..n {
-            let i = (self.next + step) % n;
-            if !ctx.candidates[i].busy {
-                self.next = (i + 1) % n;
-                return selected(&ctx.candidates[i]);
-            }
-        }
-        ctx.unavailable()
+        let chosen = ctx
+            .candidates
+            .iter()
+            .filter(|c| !c.busy)
+            .min_by_key(|c| self.last.get(&c.worker).copied().unwrap_or(0));
+        let Some(c) = chosen else {
+            return ctx.unavailable();
+        };
+        self.turn += 1;
+        self.last.insert(c.worker, self.turn);
+        selected(c)
+    }
+
+    fn remove_worker(&mut self, worker: WorkerId) {
+        self.last.remove(&worker);
     }
 }
 
@@ -157,6 +173,44 @@ mod tests {
             .map(|_| chosen(s.select(&ctx(&[], 1, &cands))))
             .collect();
         assert_eq!(picks, vec![1, 2, 3, 1, 2, 3]);
+    }
+
+    #[test]
+    fn round_robin_rotates_within_each_set_of_candidates_however_they_interleave() {
+        let prefill = [candidate(1), candidate(2)];
+        let decode = [candidate(3), candidate(4)];
+        let mut s = RoundRobinSelector::default();
+        let mut picks = Vec::new();
+        // Two prefills for each decode, then the other way round.
+        for round in 0..6 {
+            let pattern: &[&[Candidate]] = if round < 3 {
+                &[&prefill, &prefill, &decode]
+            } else {
+                &[&decode, &decode, &prefill]
+            };
+            for cands in pattern {
+                picks.push(chosen(s.select(&ctx(&[], 1, cands))));
+            }
+        }
+        let of = |pool: &[u64]| -> Vec<u64> {
+            picks.iter().copied().filter(|w| pool.contains(w)).collect()
+        };
+        assert_eq!(of(&[1, 2]), vec![1, 2, 1, 2, 1, 2, 1, 2, 1]);
+        assert_eq!(of(&[3, 4]), vec![3, 4, 3, 4, 3, 4, 3, 4, 3]);
+    }
+
+    #[test]
+    fn round_robin_skips_a_busy_worker_and_forgets_a_removed_one() {
+        let mut cands = [candidate(1), candidate(2), candidate(3)];
+        let mut s = RoundRobinSelector::default();
+        cands[0].busy = true;
+        assert_eq!(chosen(s.select(&ctx(&[], 1, &cands))), 2);
+        cands[0].busy = false;
+        // Never chosen yet: its turn comes first.
+        assert_eq!(chosen(s.select(&ctx(&[], 1, &cands))), 1);
+        assert_eq!(chosen(s.select(&ctx(&[], 1, &cands))), 3);
+        s.remove_worker(WorkerId::new(2));
+        assert_eq!(s.last.len(), 2);
     }
 
     #[test]
