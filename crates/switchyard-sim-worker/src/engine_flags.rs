@@ -238,6 +238,136 @@ impl EngineFlags {
     }
 }
 
+impl EngineFlags {
+    /// The flags that describe `engine`, every flag given (so no command's
+    /// defaults apply): the inverse of [`Self::engine_config`], for a
+    /// driver that starts sim-workers from an engine configuration (`bench
+    /// twin`). `Err` names the settings no flag carries (other timing
+    /// polynomials, a lease cap, logits reading, ...), found by mapping the
+    /// flags back and comparing — nothing is dropped silently. What a
+    /// command sets beside its flags (KV events, an output vocabulary) is
+    /// the command's and is not compared.
+    pub fn describing(engine: &EngineConfig) -> Result<Self, String> {
+        let default = Self::defaults();
+        let (architecture, checkpoints, max_checkpoints) = match &engine.hybrid {
+            None => (
+                ArchitectureChoice::Attention,
+                default.checkpoints,
+                default.max_checkpoints,
+            ),
+            Some(hybrid) => (
+                ArchitectureChoice::Hybrid,
+                match hybrid.checkpoints {
+                    CheckpointPolicy::Marconi => CheckpointChoice::Marconi,
+                    CheckpointPolicy::EveryBlock => CheckpointChoice::EveryBlock,
+                },
+                hybrid.max_checkpoints,
+            ),
+        };
+        let flags = Self {
+            block_size: Some(engine.block_size),
+            num_blocks: Some(engine.num_blocks),
+            host_blocks: engine.host_blocks,
+            speedup: Some(engine.timing.speedup),
+            preemption: match engine.preemption {
+                Preemption::Recompute => PreemptionChoice::Recompute,
+                Preemption::Spill => PreemptionChoice::Spill,
+            },
+            spill_blocks: engine.spill_blocks,
+            architecture,
+            checkpoints,
+            max_checkpoints,
+            spec_decode: engine.spec_decode.map(|s| s.acceptance_rate),
+            spec_draft_tokens: engine
+                .spec_decode
+                .map_or(default.spec_draft_tokens, |s| s.draft_tokens),
+            max_num_seqs: engine.max_num_seqs,
+            max_num_batched_tokens: engine.max_num_batched_tokens,
+            max_waiting: engine.max_waiting,
+            max_model_len: Some(engine.max_model_len),
+            min_restore_tokens: engine.min_restore_tokens,
+            max_restore_deferrals: engine.max_restore_deferrals,
+            max_buffered_events: engine.max_buffered_events,
+            bytes_per_token: engine.timing.bytes_per_token,
+            restore_bandwidth: engine.timing.restore_bandwidth_bytes_per_s,
+        };
+        let mut back = flags.engine_config(EngineDefaults::sim_worker());
+        back.emit_kv_events = engine.emit_kv_events;
+        back.output_vocabulary = engine.output_vocabulary.clone();
+        if back != *engine {
+            return Err(format!(
+                "the engine configuration has settings no engine flag carries: it is {engine:?}, \
+                 its flags give {back:?}"
+            ));
+        }
+        Ok(flags)
+    }
+
+    /// The command line of these flags (each given explicitly), which
+    /// parses back into them.
+    pub fn to_args(&self) -> Vec<String> {
+        fn name(choice: impl ValueEnum) -> String {
+            choice
+                .to_possible_value()
+                .expect("every choice has a name")
+                .get_name()
+                .to_owned()
+        }
+        let mut args: Vec<(&str, String)> = Vec::new();
+        let mut opt = |flag, value: Option<String>| {
+            if let Some(value) = value {
+                args.push((flag, value));
+            }
+        };
+        opt("--block-size", self.block_size.map(|v| v.to_string()));
+        opt("--num-blocks", self.num_blocks.map(|v| v.to_string()));
+        opt("--speedup", self.speedup.map(|v| v.to_string()));
+        opt("--max-model-len", self.max_model_len.map(|v| v.to_string()));
+        opt("--spec-decode", self.spec_decode.map(|v| v.to_string()));
+        args.extend([
+            ("--host-blocks", self.host_blocks.to_string()),
+            ("--preemption", name(self.preemption)),
+            ("--spill-blocks", self.spill_blocks.to_string()),
+            ("--architecture", name(self.architecture)),
+            ("--checkpoints", name(self.checkpoints)),
+            ("--max-checkpoints", self.max_checkpoints.to_string()),
+            ("--spec-draft-tokens", self.spec_draft_tokens.to_string()),
+            ("--max-num-seqs", self.max_num_seqs.to_string()),
+            (
+                "--max-num-batched-tokens",
+                self.max_num_batched_tokens.to_string(),
+            ),
+            ("--max-waiting", self.max_waiting.to_string()),
+            ("--min-restore-tokens", self.min_restore_tokens.to_string()),
+            (
+                "--max-restore-deferrals",
+                self.max_restore_deferrals.to_string(),
+            ),
+            (
+                "--max-buffered-events",
+                self.max_buffered_events.to_string(),
+            ),
+            ("--bytes-per-token", self.bytes_per_token.to_string()),
+            ("--restore-bandwidth", self.restore_bandwidth.to_string()),
+        ]);
+        args.into_iter()
+            .flat_map(|(flag, value)| [flag.to_owned(), value])
+            .collect()
+    }
+
+    /// The flags as parsed from an empty command line.
+    fn defaults() -> Self {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineFlags,
+        }
+        <Cli as clap::Parser>::try_parse_from(["engine"])
+            .expect("every engine flag has a default or is optional")
+            .engine
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +388,77 @@ mod tests {
         parse(flags)
             .unwrap()
             .engine_config(EngineDefaults::sim_worker())
+    }
+
+    /// `describing` and `to_args` are the inverse of the parse and
+    /// `engine_config`: every configuration the flags can make comes back
+    /// whole through a command line, whatever the command's defaults.
+    #[test]
+    fn an_engine_configuration_round_trips_through_its_command_line() {
+        let other = EngineDefaults {
+            block_size: 64,
+            num_blocks: 1,
+            speedup: 9.0,
+            max_model_len: 7,
+        };
+        for flags in [
+            &[][..],
+            &[
+                "--block-size",
+                "64",
+                "--num-blocks",
+                "1000",
+                "--speedup",
+                "0.25",
+            ][..],
+            &[
+                "--architecture",
+                "hybrid",
+                "--checkpoints",
+                "every-block",
+                "--max-checkpoints",
+                "32",
+            ][..],
+            &[
+                "--preemption",
+                "spill",
+                "--spill-blocks",
+                "512",
+                "--host-blocks",
+                "1024",
+            ][..],
+            &[
+                "--spec-decode",
+                "0.7",
+                "--spec-draft-tokens",
+                "3",
+                "--restore-bandwidth",
+                "1.5e10",
+            ][..],
+        ] {
+            let engine = config(flags);
+            let described = EngineFlags::describing(&engine).unwrap();
+            let args = described.to_args();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let parsed = parse(&args).unwrap();
+            assert_eq!(parsed, described, "{flags:?}");
+            assert_eq!(parsed.engine_config(other), engine, "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn a_setting_no_flag_carries_is_refused_rather_than_dropped() {
+        let mut engine = EngineConfig::default();
+        engine.timing.decode = [0.0, 0.0, 2.0];
+        let why = EngineFlags::describing(&engine).unwrap_err();
+        assert!(why.contains("no engine flag carries"), "{why}");
+        let mut engine = EngineConfig::default();
+        engine.max_leases += 1;
+        assert!(EngineFlags::describing(&engine).is_err());
+        // What a command sets itself is not the flags' to carry.
+        let mut engine = EngineConfig::default();
+        engine.emit_kv_events = !engine.emit_kv_events;
+        assert!(EngineFlags::describing(&engine).is_ok());
     }
 
     #[test]

@@ -38,7 +38,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::select::PolicyKind;
-use switchyard_engine::{EngineConfig, TimingConfig};
+use switchyard_engine::EngineConfig;
 use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, TransferConfig};
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
@@ -390,53 +390,17 @@ pub fn estimator_args(estimator: &EstimatorConfig) -> Vec<String> {
 }
 
 /// `switchyard sim-worker` flags that give an engine configured as
-/// `engine` (KV events on; endpoints are added by the caller). Refuses
-/// settings the sim-worker has no flag for (timing polynomials).
+/// `engine` (KV events on; endpoints are added by the caller): the engine
+/// flags' own inverse (`EngineFlags::describing`), which refuses settings
+/// the sim-worker has no flag for (timing polynomials, ...).
 pub fn sim_worker_args(engine: &EngineConfig) -> anyhow::Result<Vec<String>> {
-    let t = &engine.timing;
-    let d = TimingConfig::default();
-    anyhow::ensure!(
-        t.prefill == d.prefill && t.decode == d.decode && t.decode_floor_ms == d.decode_floor_ms,
-        "the sim-worker runs the default timing polynomials only"
-    );
     anyhow::ensure!(
         engine.emit_kv_events,
         "the twin's engines publish KV events"
     );
-    let flags = [
-        ("--block-size", engine.block_size.to_string()),
-        ("--num-blocks", engine.num_blocks.to_string()),
-        ("--host-blocks", engine.host_blocks.to_string()),
-        ("--max-num-seqs", engine.max_num_seqs.to_string()),
-        (
-            "--max-num-batched-tokens",
-            engine.max_num_batched_tokens.to_string(),
-        ),
-        ("--max-waiting", engine.max_waiting.to_string()),
-        ("--max-model-len", engine.max_model_len.to_string()),
-        (
-            "--min-restore-tokens",
-            engine.min_restore_tokens.to_string(),
-        ),
-        (
-            "--max-restore-deferrals",
-            engine.max_restore_deferrals.to_string(),
-        ),
-        (
-            "--max-buffered-events",
-            engine.max_buffered_events.to_string(),
-        ),
-        ("--bytes-per-token", t.bytes_per_token.to_string()),
-        (
-            "--restore-bandwidth",
-            t.restore_bandwidth_bytes_per_s.to_string(),
-        ),
-        ("--speedup", t.speedup.to_string()),
-    ];
-    Ok(flags
-        .into_iter()
-        .flat_map(|(k, v)| [k.to_owned(), v])
-        .collect())
+    let flags = switchyard_sim_worker::EngineFlags::describing(engine)
+        .map_err(|why| anyhow::anyhow!("a sim-worker cannot run this engine: {why}"))?;
+    Ok(flags.to_args())
 }
 
 /// The slice both sides replay.
