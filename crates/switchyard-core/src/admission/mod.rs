@@ -19,6 +19,8 @@
 //! - [`progress`] — live progress: one unique updater, many readers, over one
 //!   atomic.
 //! - [`session`] — the session-aware strategy.
+//! - [`tenants`] — tenants and priority bands: the flow-control
+//!   configuration and how a request's tenant, band and deadline resolve.
 //! - [`controller`] — the [`AdmissionController`] tying them together.
 //!
 //! Without a strategy the controller creates no lifecycle records and no
@@ -29,6 +31,7 @@ pub mod lifecycle;
 pub mod progress;
 pub mod queue;
 pub mod session;
+pub mod tenants;
 
 #[cfg(test)]
 mod tests;
@@ -43,6 +46,10 @@ pub use queue::{
     ClassLimits, PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, QueueOrder,
 };
 pub use session::{Affinity, SessionAwareConfig, SessionAwareStrategy, SessionConfigError};
+pub use tenants::{
+    Band, BandConfig, Flow, FlowConfig, FlowConfigError, FlowError, FlowPolicy, TenantConfig,
+    TenantId,
+};
 
 use crate::types::{RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
