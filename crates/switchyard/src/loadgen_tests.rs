@@ -104,6 +104,7 @@ fn session(id: u64, arrival_ms: f64, turns: usize) -> Session {
                 output_tokens: 7,
             })
             .collect(),
+        flow: switchyard_sim::workload::SessionFlow::default(),
     }
 }
 

@@ -153,6 +153,7 @@ fn pairs(rounds: u64) -> SessionStream {
                 },
                 output_tokens: 64,
             }],
+            flow: crate::workload::SessionFlow::default(),
         })
         .collect();
     Box::new(sessions.into_iter().map(Ok))

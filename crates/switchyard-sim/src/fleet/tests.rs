@@ -19,6 +19,7 @@ fn one_turn(id: u64, arrival_ms: f64, prompt: Vec<u32>, output_tokens: u32) -> S
             prompt: PromptSpec::Tokens(prompt.into()),
             output_tokens,
         }],
+        flow: crate::workload::SessionFlow::default(),
     }
 }
 
@@ -343,6 +344,7 @@ fn a_sessions_next_turn_waits_for_the_previous_one_and_its_think_time() {
                 output_tokens: 2,
             },
         ],
+        flow: crate::workload::SessionFlow::default(),
     };
     let out = simulate(&config, sessions(vec![session]), |_| {}).unwrap();
     assert_eq!(out.report.completed, 2);

@@ -14,8 +14,10 @@
 //! the real tokenizer and chat template).
 
 mod sharegpt;
+pub mod tenants;
 
 pub use sharegpt::{read_conversations, read_sharegpt, ShareGptOptions};
+pub use tenants::SessionFlow;
 
 use crate::trace::{synthetic_tokens, AzureReader, MooncakeReader, TraceError};
 use rand::rngs::StdRng;
@@ -100,6 +102,8 @@ pub struct Session {
     pub think_time_ms: f64,
     /// The turns, in order (at least one).
     pub turns: Vec<Turn>,
+    /// Who sends it and how urgent it is (flow control).
+    pub flow: SessionFlow,
 }
 
 /// Time and length controls applied to any workload.
@@ -242,6 +246,7 @@ pub fn azure<R: BufRead + Send + 'static>(input: R, seed: u64) -> SessionStream 
                     },
                     output_tokens: r.generated_tokens.max(1),
                 }],
+                flow: SessionFlow::default(),
             }
         })
     }))
@@ -306,6 +311,7 @@ impl<I: Iterator<Item = Result<(f64, Turn), TraceError>>> Spread<I> {
                 arrival_ms: t + span * i as f64 / n,
                 think_time_ms: 0.0,
                 turns: vec![turn],
+                flow: SessionFlow::default(),
             });
             self.next_id += 1;
         }
@@ -401,6 +407,7 @@ pub fn synthetic(config: SyntheticConfig) -> SessionStream {
             arrival_ms: clock,
             think_time_ms: config.think_time_ms,
             turns,
+            flow: SessionFlow::default(),
         })
     }))
 }

@@ -166,6 +166,7 @@ pub fn read_sharegpt<R: BufRead>(
             arrival_ms: clock,
             think_time_ms: options.think_time_ms,
             turns,
+            flow: crate::workload::SessionFlow::default(),
         });
     }
     Ok(sessions)
