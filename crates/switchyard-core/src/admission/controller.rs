@@ -30,6 +30,7 @@
 use super::lifecycle::{InvalidTransition, ResponseTicket, Stage, TransitionOutcome};
 use super::progress::{progress_pair, ProgressReader};
 use super::queue::{PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, WaitState};
+use super::tenants::{FlowConfig, FlowConfigError, FlowPolicy};
 use super::{
     Admission, AdmissionStrategy, Fallback, KvUsage, LifecycleEvent, MakeReady, Placement,
     RequestFacts, Unavailable,
@@ -48,6 +49,8 @@ pub struct AdmissionConfig {
     /// Most tracked requests (lifecycle records) at once; beyond it new
     /// requests are refused with a retry-after.
     pub max_tracked: usize,
+    /// Tenants and priority bands.
+    pub flow: FlowConfig,
 }
 
 impl Default for AdmissionConfig {
@@ -55,6 +58,7 @@ impl Default for AdmissionConfig {
         Self {
             queue: QueueConfig::default(),
             max_tracked: 65_536,
+            flow: FlowConfig::default(),
         }
     }
 }
@@ -68,6 +72,9 @@ pub enum AdmissionConfigError {
     /// A record cap of zero.
     #[error("max_tracked must be at least 1")]
     MaxTracked,
+    /// A tenant or band setting.
+    #[error("flow control: {0}")]
+    Flow(#[from] FlowConfigError),
 }
 
 impl AdmissionConfig {
@@ -77,6 +84,7 @@ impl AdmissionConfig {
         if self.max_tracked == 0 {
             return Err(AdmissionConfigError::MaxTracked);
         }
+        FlowPolicy::new(self.flow.clone())?;
         Ok(())
     }
 }
