@@ -88,6 +88,67 @@ pub struct PolicyReport {
     /// adapter mix).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adapters: Option<crate::adapters::AdapterFigures>,
+    /// Figures per tenant, by name (absent unless the run names tenants).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub tenants: std::collections::BTreeMap<String, TenantFigures>,
+}
+
+/// What one tenant's requests got.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TenantFigures {
+    /// Median time to first token, ms.
+    pub ttft_p50_ms: f64,
+    /// 90th percentile time to first token, ms.
+    pub ttft_p90_ms: f64,
+    /// Median wait in the router's queue, ms.
+    pub wait_p50_ms: f64,
+    /// 90th percentile wait in the router's queue, ms.
+    pub wait_p90_ms: f64,
+    /// Requests that completed.
+    pub completed: u64,
+    /// Requests refused at once by flow control (sheddable under
+    /// overload, or a deadline that could not be met).
+    pub shed: u64,
+    /// Requests refused or lost otherwise.
+    pub errors: u64,
+    /// Tokens served: prompt tokens computed (not cached) plus output
+    /// tokens, of completed requests (the fair share's measure).
+    pub tokens_served: u64,
+}
+
+/// One tenant's samples while a simulation runs.
+#[derive(Clone, Debug, Default)]
+pub struct TenantTally {
+    /// Times to first token.
+    pub ttft: Vec<f64>,
+    /// Waits in the router's queue.
+    pub wait: Vec<f64>,
+    /// See [`TenantFigures::completed`].
+    pub completed: u64,
+    /// See [`TenantFigures::shed`].
+    pub shed: u64,
+    /// See [`TenantFigures::errors`].
+    pub errors: u64,
+    /// See [`TenantFigures::tokens_served`].
+    pub tokens_served: u64,
+}
+
+impl TenantTally {
+    /// The figures of the samples.
+    pub fn figures(&mut self) -> TenantFigures {
+        let ttft = Latency::of(&mut self.ttft);
+        let wait = Latency::of(&mut self.wait);
+        TenantFigures {
+            ttft_p50_ms: ttft.p50,
+            ttft_p90_ms: ttft.p90,
+            wait_p50_ms: wait.p50,
+            wait_p90_ms: wait.p90,
+            completed: self.completed,
+            shed: self.shed,
+            errors: self.errors,
+            tokens_served: self.tokens_served,
+        }
+    }
 }
 
 /// A hybrid model's SSM checkpoints across a fleet's engines.

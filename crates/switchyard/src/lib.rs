@@ -17,6 +17,8 @@
 //! - [`loadgen`] — `switchyard loadgen`: the OpenAI-API load generator.
 //! - [`replay`] — `switchyard replay`: policies compared in the fleet
 //!   simulator, with a table, JSON and SVG plots.
+//! - [`tenants`] — tenant mixes: the scenario file `replay --tenants` and
+//!   `loadgen --tenants` share.
 //! - [`stats`] — what every reporting command shares: latency summaries,
 //!   JSON output, resident memory.
 
@@ -29,3 +31,4 @@ pub mod events;
 pub mod loadgen;
 pub mod replay;
 pub mod stats;
+pub mod tenants;

@@ -126,6 +126,10 @@ pub struct FlowConfig {
     /// Refuse at once a request whose TTFT deadline the prefill estimate
     /// says cannot be met, rather than serve it late.
     pub refuse_late: bool,
+    /// Share each band between its tenants by weight. Off, a band is
+    /// served first come, first served whoever sent the request (the
+    /// tenants are then only labels of the figures and caps).
+    pub fair_share: bool,
 }
 
 impl Default for FlowConfig {
@@ -149,6 +153,7 @@ impl Default for FlowConfig {
             tenants: Vec::new(),
             reserve_for_top_band: 0.0,
             refuse_late: false,
+            fair_share: true,
         }
     }
 }

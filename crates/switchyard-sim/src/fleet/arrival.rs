@@ -233,6 +233,7 @@ impl Simulation {
         self.workers[worker].booked += 1;
         self.replicas[replica].routed += 1;
         self.queue.push(sent.waited_ms);
+        self.tally(p.session).wait.push(sent.waited_ms);
         self.in_flight.insert(
             id,
             InFlight {

@@ -256,6 +256,8 @@ struct Simulation {
     view_error_sum: f64,
     excess_sum: f64,
     decisions: u64,
+    /// Samples per tenant, by tenant index (the flow policy bounds them).
+    tenants: Vec<crate::report::TenantTally>,
 }
 
 impl Simulation {
@@ -378,6 +380,7 @@ impl Simulation {
             timeline,
             view_error_sum: 0.0,
             excess_sum: 0.0,
+            tenants: Vec::new(),
             decisions: 0,
         })
     }
@@ -508,7 +511,21 @@ impl Simulation {
         }
     }
 
+    /// The samples of `session`'s tenant (the default tenant's once the
+    /// session is gone).
+    fn tally(&mut self, session: u64) -> &mut crate::report::TenantTally {
+        let tenant = self
+            .sessions
+            .get(&session)
+            .map_or(0, |s| usize::from(s.flow.tenant.0));
+        if self.tenants.len() <= tenant {
+            self.tenants.resize_with(tenant + 1, Default::default);
+        }
+        &mut self.tenants[tenant]
+    }
+
     fn fail(&mut self, session: u64) {
+        self.tally(session).errors += 1;
         self.errors += 1;
         self.sessions.remove(&session);
         self.session_replica.remove(&session);

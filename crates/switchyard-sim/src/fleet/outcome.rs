@@ -2,9 +2,44 @@
 
 use super::{SimOutcome, Simulation};
 use crate::replicas::ReplicaStats;
-use crate::report::{coefficient_of_variation, Latency, PolicyReport, SpecFigures, SsmFigures};
+use crate::report::{
+    coefficient_of_variation, Latency, PolicyReport, SpecFigures, SsmFigures, TenantFigures,
+};
+use std::collections::BTreeMap;
+use switchyard_core::admission::{FlowPolicy, TenantId};
 
 impl Simulation {
+    /// Figures per named tenant (and the default one, when it sent
+    /// anything); none when the run names no tenant.
+    fn tenant_figures(&mut self) -> BTreeMap<String, TenantFigures> {
+        if self.config.admission.flow.tenants.is_empty() {
+            return BTreeMap::new();
+        }
+        let Ok(policy) = FlowPolicy::new(self.config.admission.flow.clone()) else {
+            return BTreeMap::new();
+        };
+        let mut out = BTreeMap::new();
+        for i in 0..policy.tenant_count() {
+            let mut tally = self
+                .tenants
+                .get_mut(i)
+                .map(std::mem::take)
+                .unwrap_or_default();
+            let named = self
+                .config
+                .admission
+                .flow
+                .tenants
+                .iter()
+                .any(|t| t.name == policy.tenant_name(TenantId(i as u16)));
+            if named || tally.completed + tally.errors + tally.shed > 0 {
+                let name = policy.tenant_name(TenantId(i as u16)).to_owned();
+                out.insert(name, tally.figures());
+            }
+        }
+        out
+    }
+
     pub(super) fn outcome(mut self) -> SimOutcome {
         let makespan_ms = (self.last_completion - self.first_arrival.unwrap_or(0.0)).max(1e-9);
         let served: Vec<f64> = self
@@ -50,6 +85,7 @@ impl Simulation {
                 f
             }),
             adapters: self.config.adapters.map(|_| self.adapter_figures),
+            tenants: self.tenant_figures(),
             ssm: self.config.engine.hybrid.map(|_| {
                 let mut f = SsmFigures::default();
                 let mut unusable = 0;

@@ -52,6 +52,7 @@ impl Simulation {
         // equal share of the time since the request's previous token (so
         // the ITL samples are the time per output token, never zeros).
         let mut run_start = 0;
+        let mut first_client_token = None;
         for (i, token) in report.tokens.iter().enumerate() {
             if i == 0 || report.tokens[i - 1].request != token.request {
                 run_start = i;
@@ -81,12 +82,16 @@ impl Simulation {
                 r.first_token_ms = Some(now);
                 if client {
                     self.ttft.push(now - r.arrival_ms);
+                    first_client_token = Some((r.session, now - r.arrival_ms));
                 }
             } else if client {
                 self.itl.push(r.itl_share_ms);
             }
             r.last_token_ms = now;
             let replica = r.replica;
+            if let Some((session, ttft)) = first_client_token.take() {
+                self.tally(session).ttft.push(ttft);
+            }
             if first {
                 let fx = self.replicas[replica]
                     .dispatcher
@@ -125,6 +130,10 @@ impl Simulation {
             self.output_tokens += done.output_tokens as u64;
             self.e2e.push(now - r.arrival_ms);
             self.completed += 1;
+            let computed = u64::from(r.prompt_tokens).saturating_sub(done.cached_tokens as u64);
+            let tally = self.tally(r.session);
+            tally.completed += 1;
+            tally.tokens_served += computed + done.output_tokens as u64;
             let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
             let fx = self.replicas[r.replica]
                 .dispatcher

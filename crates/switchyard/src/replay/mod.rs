@@ -10,6 +10,7 @@ pub mod replicas;
 pub mod tune;
 
 use crate::data::Trace;
+use crate::tenants::TenantMix;
 use anyhow::Context;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
@@ -18,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
-use switchyard_core::admission::SessionAwareConfig;
+use switchyard_core::admission::{FlowPolicy, SessionAwareConfig};
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
 use switchyard_engine::SpecDecode;
@@ -89,6 +90,20 @@ pub enum AdapterRouting {
     Blind,
     /// Each policy twice: affinity, then blind (`+blind`).
     #[default]
+    Both,
+}
+
+/// Flow control's fair share between tenants (with `--tenants`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fairness {
+    /// Bands by strict priority, tenants by weight within a band.
+    #[default]
+    On,
+    /// Every request first come, first served (the tenants only label
+    /// the figures): the router before flow control.
+    Off,
+    /// Each policy twice: fair, then first come, first served (`+fifo`).
     Both,
 }
 
@@ -165,6 +180,22 @@ pub struct ReplayArgs {
     /// cheapest always wins).
     #[arg(long, default_value_t = TtftConfig::default().stickiness)]
     pub stickiness: f64,
+    /// A tenant mix (TOML `[[tenants]]`: name, weight, band, rate_scale,
+    /// optional trace and slo_ttft_ms): each tenant replays its trace (or
+    /// the run's) at its own rate, and the figures are reported per
+    /// tenant. Flow control only orders requests the router holds back,
+    /// so give the fleet a `--busy-threshold`.
+    #[arg(long)]
+    pub tenants: Option<PathBuf>,
+    /// With `--tenants`: fair sharing on, off (first come, first served),
+    /// or both.
+    #[arg(long, value_enum, default_value_t = Fairness::On, requires = "tenants")]
+    pub fairness: Fairness,
+    /// The routers hold a request back while every worker is over this
+    /// share of its batch budget (prompt tokens still to prefill) or of
+    /// its KV blocks (decoding); none by default, so the engines queue.
+    #[arg(long)]
+    pub busy_threshold: Option<f64>,
     /// Admission strategy (`both` runs each policy without and with it).
     #[arg(long, value_enum, default_value_t = AdmissionChoice::None)]
     pub admission: AdmissionChoice,
@@ -393,6 +424,10 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.interference_weight = args.interference_weight;
     fleet.router.policies.ttft.stickiness = args.stickiness;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
+    fleet.router.busy_threshold = args.busy_threshold;
+    if let Some(path) = &args.tenants {
+        fleet.admission.flow = TenantMix::load(path)?.flow_config(true);
+    }
     if args.adapters > 0 {
         let mix = switchyard_sim::adapters::AdapterMix {
             count: args.adapters,
@@ -488,8 +523,32 @@ impl WorkloadSource {
         Ok(Self::Shared(Arc::new(sessions)))
     }
 
-    /// A fresh stream of the workload with the limits of `args` applied.
+    /// A fresh stream of the workload with the limits of `args` applied;
+    /// with `--tenants`, every tenant's stream at its own rate, merged.
     pub fn open(&self, args: &ReplayArgs) -> anyhow::Result<SessionStream> {
+        let Some(path) = &args.tenants else {
+            return self.open_one(args);
+        };
+        let mix = TenantMix::load(path)?;
+        let policy = FlowPolicy::new(mix.flow_config(true)).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut streams = Vec::with_capacity(mix.tenants.len());
+        for (i, tenant) in mix.tenants.iter().enumerate() {
+            let mut own = args.clone();
+            own.tenants = None;
+            own.rate_scale = tenant.rate_scale;
+            if tenant.trace.is_some() {
+                own.trace = tenant.trace.clone();
+            }
+            let stream = self
+                .open_one(&own)
+                .with_context(|| format!("tenant {:?}'s workload", tenant.name))?;
+            let flow = mix.session_flow(&policy, i);
+            streams.push(workload::tenants::for_tenant(stream, flow, i as u64 + 1));
+        }
+        Ok(workload::tenants::merge(streams))
+    }
+
+    fn open_one(&self, args: &ReplayArgs) -> anyhow::Result<SessionStream> {
         match self {
             Self::Streamed => open_workload(args),
             Self::Shared(sessions) => {
@@ -659,6 +718,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     let (requests, refs) = references(&args, &source, &fleet)?;
+    let mix = args.tenants.as_deref().map(TenantMix::load).transpose()?;
     let variants: &[bool] = match args.admission {
         AdmissionChoice::None => &[false],
         AdmissionChoice::SessionAware => &[true],
@@ -680,6 +740,26 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 name.push_str("+session");
             }
             (name, f)
+        })
+        .flat_map(|(name, f)| {
+            // With a tenant mix: fair sharing, first come first served, or both.
+            let fair: &[bool] = match (&mix, args.fairness) {
+                (None, _) | (Some(_), Fairness::On) => &[true],
+                (Some(_), Fairness::Off) => &[false],
+                (Some(_), Fairness::Both) => &[true, false],
+            };
+            let mix = mix.clone();
+            fair.iter().map(move |&fair| {
+                let mut f = f.clone();
+                let mut name = name.clone();
+                if let Some(mix) = &mix {
+                    f.admission.flow = mix.flow_config(fair);
+                    if !fair {
+                        name.push_str("+fifo");
+                    }
+                }
+                (name, f)
+            })
         })
         .flat_map(|(name, f)| {
             // A hybrid fleet routed by an attention-only view too, if asked.
@@ -828,6 +908,36 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                 r.transfer_bytes as f64 / 1e9,
                 r.transfer_fallbacks
             );
+        }
+    }
+    if outcomes.iter().any(|(_, o)| !o.report.tenants.is_empty()) {
+        println!(
+            "{:<24} {:<12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>12}",
+            "policy",
+            "tenant",
+            "ttft p50",
+            "ttft p90",
+            "wait p50",
+            "wait p90",
+            "completed",
+            "shed",
+            "tokens"
+        );
+        for (name, o) in outcomes {
+            for (tenant, t) in &o.report.tenants {
+                println!(
+                    "{:<24} {:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9} {:>6} {:>12}",
+                    name,
+                    tenant,
+                    t.ttft_p50_ms,
+                    t.ttft_p90_ms,
+                    t.wait_p50_ms,
+                    t.wait_p90_ms,
+                    t.completed,
+                    t.shed,
+                    t.tokens_served
+                );
+            }
         }
     }
     println!("wall: {:.1} s", report.wall_seconds);
