@@ -5,7 +5,7 @@
 use crate::front::ratelimit::RateLimitConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
+use switchyard_core::admission::{AdmissionConfig, FlowConfig, FlowPolicy, SessionAwareConfig};
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
@@ -348,6 +348,14 @@ pub struct ServerConfig {
     pub replica: ReplicaConfig,
     /// Per-key rate limits and named keys (`[rate_limits]`; none by default).
     pub rate_limits: RateLimitConfig,
+    /// Flow control (`[flow]`, `[[flow.tenants]]`): priority bands, the
+    /// tenants (named keys' names) with their weights, bands, ceilings
+    /// and caps.
+    pub flow: FlowConfig,
+    /// With client keys off, the header naming a request's tenant (e.g.
+    /// `x-tenant`); with keys on the key's name is the tenant and this is
+    /// ignored. None: every request is the default tenant's.
+    pub tenant_header: Option<String>,
     /// Live worker discovery (`[discovery]`: a watched workers file, DNS
     /// names; off by default).
     pub discovery: DiscoveryConfig,
@@ -439,6 +447,8 @@ impl Default for ServerConfig {
             max_response_bytes: 16 * 1024 * 1024,
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
+            flow: FlowConfig::default(),
+            tenant_header: None,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
             adapter_load_ms: switchyard_core::adapters::AdapterConfig::default().load_ms,
@@ -662,6 +672,18 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         self.rate_limits.validate().map_err(ConfigError::Invalid)?;
+        FlowPolicy::new(self.flow.clone())
+            .map_err(|e| ConfigError::Invalid(format!("flow: {e}")))?;
+        if self.flow.reserve_for_top_band > 0.0 && self.busy_threshold.is_none() {
+            return invalid(
+                "flow.reserve_for_top_band holds capacity back below the busy threshold: set busy_threshold too".into(),
+            );
+        }
+        if let Some(h) = &self.tenant_header {
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                return invalid(format!("tenant_header {h:?} is not a header name"));
+            }
+        }
         validate_workers(&self.workers, &self.block_sizes(), self.cache)?;
         self.discovery.validate(self.cache)?;
         Ok(())

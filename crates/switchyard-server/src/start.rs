@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use switchyard_core::admission::{AdmissionStrategy, SessionAwareStrategy};
+use switchyard_core::admission::{AdmissionConfig, AdmissionStrategy, SessionAwareStrategy};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
 use switchyard_core::index::ApproxConfig;
 use switchyard_core::router::CacheTracking;
@@ -160,7 +160,10 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     router.adapters.load_ms = config.adapter_load_ms;
     DispatcherConfig {
         router,
-        admission: config.queue.clone(),
+        admission: AdmissionConfig {
+            flow: config.flow.clone(),
+            ..config.queue.clone()
+        },
         estimator: config.estimator,
         circuit: config.circuit,
         ..DispatcherConfig::default()

@@ -49,7 +49,10 @@ pub struct AdmissionConfig {
     /// Most tracked requests (lifecycle records) at once; beyond it new
     /// requests are refused with a retry-after.
     pub max_tracked: usize,
-    /// Tenants and priority bands.
+    /// Tenants and priority bands. Not read from a configuration file
+    /// with the queue's settings: `serve` takes them from its `[flow]`,
+    /// `replay` from its `--tenants` mix.
+    #[serde(skip)]
     pub flow: FlowConfig,
 }
 

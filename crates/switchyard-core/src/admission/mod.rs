@@ -48,7 +48,7 @@ pub use queue::{
 pub use session::{Affinity, SessionAwareConfig, SessionAwareStrategy, SessionConfigError};
 pub use tenants::{
     Band, BandConfig, Flow, FlowConfig, FlowConfigError, FlowError, FlowPolicy, TenantConfig,
-    TenantId, MAX_BANDS, MAX_DEADLINE_MS, MAX_TENANTS,
+    TenantId, MAX_BANDS, MAX_DEADLINE_MS, MAX_NAME_BYTES, MAX_TENANTS,
 };
 
 use crate::types::{RequestId, WorkerId};

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use std::sync::Arc;
-use switchyard_core::admission::SessionKey;
+use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_core::dispatch::{MigrateError, Pairing};
 use switchyard_core::{LocalHash, RequestId};
 
@@ -97,6 +97,8 @@ pub(crate) struct Attempts {
     /// two halves of a disaggregated request share the client's id, as
     /// the engines' own proxies send it).
     upstream_id: Option<RequestId>,
+    /// Its tenant, band and deadline.
+    flow: Flow,
     /// A 5xx answer is handed back as a response rather than judged a
     /// worker failure (a decode worker's 5xx may name its prefill
     /// worker's failure: the caller judges it).
@@ -131,6 +133,7 @@ impl Attempts {
             pool: Role::Both,
             upstream_id: None,
             pass_server_errors: false,
+            flow: Flow::default(),
         }
     }
 
@@ -146,6 +149,12 @@ impl Attempts {
     /// tokenizer here (its token ids are unknown).
     pub(crate) fn estimated_prompt(mut self, tokens: Option<u32>) -> Self {
         self.estimated_prompt_tokens = tokens;
+        self
+    }
+
+    /// The request's tenant, band and deadline ([`crate::request::flow`]).
+    pub(crate) fn flow(mut self, flow: Flow) -> Self {
+        self.flow = flow;
         self
     }
 
@@ -213,6 +222,7 @@ impl Attempts {
             model: self.adapter.eligible_model.as_deref(),
             adapter: self.adapter.adapter.as_deref(),
             settings: self.routing.settings,
+            flow: self.flow,
         }
     }
 

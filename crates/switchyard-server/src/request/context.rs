@@ -63,6 +63,10 @@ pub struct AppState {
     pub disagg: Option<crate::config::DisaggMode>,
     /// Counts of disaggregated requests' halves.
     pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
+    /// Tenants and bands ([`crate::request::flow`]).
+    pub flows: Arc<switchyard_core::admission::FlowPolicy>,
+    /// With keys off, the header naming a request's tenant.
+    pub tenant_header: Option<axum::http::HeaderName>,
 }
 
 impl AppState {
@@ -125,6 +129,15 @@ impl AppState {
             router_id,
             disagg: config.disagg,
             disagg_metrics,
+            flows: Arc::new(
+                // `ServerConfig::validate` refused an invalid `[flow]`.
+                switchyard_core::admission::FlowPolicy::new(config.flow.clone())
+                    .unwrap_or_default(),
+            ),
+            tenant_header: config
+                .tenant_header
+                .as_deref()
+                .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
         }
     }
 }

@@ -20,11 +20,11 @@ use crate::metrics::RequestStatus;
 use crate::request::answer::{buffered, deliver, first_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::Shared;
-use crate::request::limits;
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
     TokenizeJob,
 };
+use crate::request::{flow, limits};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -48,6 +48,7 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
             session: parsed.session_id,
             key,
             prompt,
+            asked,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -95,6 +96,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
             session: parsed.session_id,
             key,
             prompt,
+            asked,
         };
         Ok::<_, ApiError>((body, facts))
     }
@@ -139,6 +141,14 @@ async fn proxy(
     facts: Parsed,
 ) -> Result<Response, ApiError> {
     let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
+    let arrival_ms = state.shared.now_ms() - arrival.elapsed().as_secs_f64() * 1e3;
+    let flow = flow::resolve(
+        &state,
+        &headers,
+        facts.key,
+        facts.asked.expected_output_tokens(),
+        arrival_ms,
+    )?;
     let request = Delivery {
         path,
         arrival,
@@ -169,7 +179,8 @@ async fn proxy(
         headers.get(header::ACCEPT).cloned(),
         deadline,
     )
-    .estimated_prompt(request.estimated_prompt_tokens);
+    .estimated_prompt(request.estimated_prompt_tokens)
+    .flow(flow);
     first_phase(attempts, session, request).await
 }
 

@@ -118,6 +118,21 @@ pub(crate) struct Asked {
     pub(crate) output_tokens: Option<u32>,
 }
 
+impl Asked {
+    /// Output tokens assumed when a request names no limit, for flow
+    /// control's cost of a request.
+    pub(crate) const UNSTATED_OUTPUT_TOKENS: u32 = 256;
+
+    /// Output tokens the request is expected to generate in all, as flow
+    /// control charges it: every sequence's limit, or
+    /// [`Self::UNSTATED_OUTPUT_TOKENS`] each when none is given.
+    pub(crate) fn expected_output_tokens(&self) -> u32 {
+        self.choices
+            .max(1)
+            .saturating_mul(self.output_tokens.unwrap_or(Self::UNSTATED_OUTPUT_TOKENS))
+    }
+}
+
 /// A count field's value: `None` when absent or `null`, a 400 naming it
 /// when it is not a count in any form the engines read as one (a JSON
 /// integer, an integral float such as `64.0`, a string such as `"64"`:

@@ -28,6 +28,7 @@ pub mod body_fields;
 pub mod booking;
 pub(crate) mod context;
 pub(crate) mod disagg;
+pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;
 pub mod migration;

@@ -43,6 +43,8 @@ pub(crate) struct Parsed {
     pub(crate) key: Option<ClientKey>,
     /// The prompt routing reads (of a batch, its first).
     pub(crate) prompt: PromptIds,
+    /// What it asks the workers to generate.
+    pub(crate) asked: super::limits::Asked,
 }
 
 /// A prompt as routing knows it: its token ids, or, when its model has
@@ -207,6 +209,10 @@ pub(crate) async fn request_parts(
 ) -> (HeaderMap, Option<ClientKey>, Result<Bytes, ApiError>) {
     let (parts, body) = request.into_parts();
     let key = parts.extensions.get::<ClientKey>().copied();
-    let body = read_body(state, body).await;
+    // Flow headers are checked before the body is read or parsed.
+    let body = match super::flow::check(state, &parts.headers, key) {
+        Ok(()) => read_body(state, body).await,
+        Err(e) => Err(e),
+    };
     (parts.headers, key, body)
 }

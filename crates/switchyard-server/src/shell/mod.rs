@@ -117,6 +117,8 @@ pub struct Request<'a> {
     /// Its model's block size and policy (`[[models]]`), where they are
     /// not the router's.
     pub settings: switchyard_core::select::ModelSettings,
+    /// Its tenant, band and deadline.
+    pub flow: switchyard_core::admission::Flow,
 }
 
 /// Why a request was not admitted.
