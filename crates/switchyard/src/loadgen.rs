@@ -98,6 +98,15 @@ pub struct LoadgenArgs {
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// A tenant mix (`replay --tenants`'s file): each tenant replays its
+    /// Mooncake trace (or `--trace`) at its own rate for `--duration`,
+    /// with its own key (`key_env`), band (`x-priority`), TTFT budget
+    /// (`x-slo-ttft-ms`) and `x-tenant`; figures per tenant.
+    #[arg(long, conflicts_with_all = ["sharegpt", "rate", "concurrency", "timestamps"])]
+    pub tenants: Option<PathBuf>,
+    /// With `--tenants`: seconds of arrivals to send.
+    #[arg(long, default_value_t = 60.0, requires = "tenants")]
+    pub duration: f64,
 }
 
 /// One prepared request.
@@ -114,6 +123,19 @@ pub struct PreparedRequest {
     /// been answered, as a user does (reads the answer, then writes);
     /// open-loop pacing ignores it.
     pub next_turn: Option<usize>,
+    /// The tenant that sends it (`--tenants`) and its headers.
+    pub tenant: Option<Arc<TenantSend>>,
+}
+
+/// How one tenant of a mix sends: its name (for the figures) and the
+/// headers each of its requests carries (its key, band, TTFT budget and
+/// `x-tenant`).
+#[derive(Debug)]
+pub struct TenantSend {
+    /// The tenant's name.
+    pub name: String,
+    /// Headers added to each request.
+    pub headers: Vec<(hyper::header::HeaderName, hyper::header::HeaderValue)>,
 }
 
 /// How the load is offered.
@@ -159,6 +181,51 @@ pub struct Report {
     /// Open loop: how late each request was sent against its schedule
     /// (null in closed loop).
     pub send_lag_ms: Option<Latency>,
+    /// Figures per tenant (`--tenants`; absent otherwise).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenants: BTreeMap<String, TenantReport>,
+}
+
+/// What one tenant's requests got.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TenantReport {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests refused with 429 (shed, or over a limit), answered at once.
+    pub shed: usize,
+    /// Other failures.
+    pub errors: usize,
+    /// Time to first token of the completed requests, ms.
+    pub ttft_ms: Latency,
+    /// Streamed tokens of the completed requests.
+    pub output_tokens: u64,
+}
+
+/// The samples' figures per tenant.
+fn tenant_reports(samples: &[Sample]) -> BTreeMap<String, TenantReport> {
+    let mut ttfts: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut out: BTreeMap<String, TenantReport> = BTreeMap::new();
+    for s in samples {
+        let Some(t) = &s.tenant else {
+            continue;
+        };
+        let r = out.entry(t.name.clone()).or_default();
+        r.requests += 1;
+        if s.ok {
+            ttfts.entry(t.name.clone()).or_default().push(s.ttft_ms);
+            r.output_tokens += s.tokens;
+        } else if s.status == 429 {
+            r.shed += 1;
+        } else {
+            r.errors += 1;
+        }
+    }
+    for (name, mut samples) in ttfts {
+        if let Some(r) = out.get_mut(&name) {
+            r.ttft_ms = Latency::of(&mut samples);
+        }
+    }
+    out
 }
 
 /// Mooncake records as completion requests; records whose prompt exceeds
@@ -191,6 +258,7 @@ pub fn mooncake_requests(
             body["model"] = json!(m);
         }
         out.push(PreparedRequest {
+            tenant: None,
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
@@ -226,12 +294,103 @@ pub fn session_requests(
             body["model"] = json!(m);
         }
         requests.push(PreparedRequest {
+            tenant: None,
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
             next_turn: None,
         });
         arrivals.push(s.arrival_ms);
+    }
+    Ok((requests, arrivals))
+}
+
+/// A tenant mix's requests in arrival order, with their arrival times in
+/// ms: each tenant's trace sliced at its rate for `args.duration`
+/// (prompts salted apart per tenant, as `replay --tenants` does), sent
+/// with the tenant's headers.
+pub fn tenant_requests(
+    args: &LoadgenArgs,
+    path: &Path,
+    trace: Option<&Path>,
+) -> anyhow::Result<(Vec<PreparedRequest>, Vec<f64>)> {
+    use hyper::header::{HeaderName, HeaderValue};
+    anyhow::ensure!(
+        args.duration.is_finite() && args.duration > 0.0,
+        "--duration must be positive, got {}",
+        args.duration
+    );
+    let mix = crate::tenants::TenantMix::load(path)?;
+    let policy = switchyard_core::admission::FlowPolicy::new(mix.flow_config(true))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let duration_ms = args.duration * 1e3;
+    let mut streams = Vec::with_capacity(mix.tenants.len());
+    let mut sends = Vec::with_capacity(mix.tenants.len());
+    for (i, tenant) in mix.tenants.iter().enumerate() {
+        let trace = Trace::or_bundled(tenant.trace.as_deref().or(trace));
+        let slice = TraceSlice {
+            requests: args.max_requests,
+            max_prompt_tokens: args.max_prompt_tokens,
+            max_output_tokens: Some(args.max_output_tokens),
+            rate_scale: tenant.rate_scale,
+        };
+        let sessions =
+            mooncake_slice(trace.open()?, &slice).map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
+        let sessions: Vec<_> = sessions
+            .into_iter()
+            .filter(|s| s.arrival_ms <= duration_ms)
+            .map(Ok)
+            .collect();
+        let flow = mix.session_flow(&policy, i);
+        streams.push(switchyard_sim::workload::tenants::for_tenant(
+            Box::new(sessions.into_iter()),
+            flow,
+            i as u64 + 1,
+        ));
+        let mut headers = vec![(
+            HeaderName::from_static("x-tenant"),
+            HeaderValue::from_str(&tenant.name)
+                .with_context(|| format!("tenant name {:?} as a header", tenant.name))?,
+        )];
+        if let Some(var) = &tenant.key_env {
+            let key = std::env::var(var).with_context(|| {
+                format!("tenant {:?}: reading its key from ${var}", tenant.name)
+            })?;
+            let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                .with_context(|| format!("tenant {:?}: its key as a header", tenant.name))?;
+            value.set_sensitive(true);
+            headers.push((hyper::header::AUTHORIZATION, value));
+        }
+        if let Some(band) = &tenant.band {
+            headers.push((
+                HeaderName::from_static(switchyard_server::request::flow::BAND_HEADER),
+                HeaderValue::from_str(band)?,
+            ));
+        }
+        if let Some(ms) = tenant.slo_ttft_ms {
+            headers.push((
+                HeaderName::from_static(switchyard_server::request::flow::DEADLINE_HEADER),
+                HeaderValue::from(ms),
+            ));
+        }
+        sends.push(Arc::new(TenantSend {
+            name: tenant.name.clone(),
+            headers,
+        }));
+    }
+    let mut requests = Vec::new();
+    let mut arrivals = Vec::new();
+    for session in switchyard_sim::workload::tenants::merge(streams) {
+        let session = session.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (mut one, times) =
+            session_requests(std::slice::from_ref(&session), args.model.as_deref())?;
+        let tenant = policy.tenant_name(session.flow.tenant);
+        let send = sends.iter().find(|s| s.name == tenant).cloned();
+        for r in &mut one {
+            r.tenant = send.clone();
+        }
+        requests.append(&mut one);
+        arrivals.extend(times);
     }
     Ok((requests, arrivals))
 }
@@ -300,6 +459,7 @@ pub fn sharegpt_requests(
                         body["model"] = json!(m);
                     }
                     out.push(PreparedRequest {
+                        tenant: None,
                         path: "/v1/chat/completions",
                         body: serde_json::to_vec(&body)?.into(),
                         session: Some(id.clone()),
@@ -348,6 +508,9 @@ struct Sample {
     itl_ms: Vec<f64>,
     tokens: u64,
     worker: Option<String>,
+    /// The answer's status (0: none came).
+    status: u16,
+    tenant: Option<Arc<TenantSend>>,
 }
 
 async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream: bool) -> Sample {
@@ -370,6 +533,12 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
     if let Some(s) = &request.session {
         builder = builder.header("x-session-id", s);
     }
+    if let Some(t) = &request.tenant {
+        sample.tenant = Some(t.clone());
+        for (name, value) in &t.headers {
+            builder = builder.header(name, value);
+        }
+    }
     let Ok(http_request) = builder.body(Full::new(body)) else {
         return sample;
     };
@@ -381,6 +550,7 @@ async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream:
         .get("x-switchyard-worker")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    sample.status = response.status().as_u16();
     let status_ok = response.status().is_success();
     let mut body = response.into_body();
     let mut tally = StreamTally::new(started);
@@ -745,6 +915,7 @@ pub async fn run_load(
         worker_share: share,
         wall_seconds: wall,
         send_lag_ms: (!send_lag.is_empty()).then(|| Latency::of(&mut send_lag)),
+        tenants: tenant_reports(&samples),
     }
 }
 
@@ -789,12 +960,24 @@ pub fn print_report(title: &str, r: &Report) {
             .collect();
         println!("  per-worker share {}", share.join(" "));
     }
+    for (name, t) in &r.tenants {
+        println!(
+            "  tenant {name}: {} requests, {} shed (429), {} errors; TTFT p50 {:.1} p90 {:.1} ms; {} tokens",
+            t.requests, t.shed, t.errors, t.ttft_ms.p50, t.ttft_ms.p90, t.output_tokens
+        );
+    }
 }
 
 /// Runs `switchyard loadgen`.
 pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
     let mut arrivals = None;
     let requests = match (&args.sharegpt, &args.trace) {
+        (None, trace) if args.tenants.is_some() => {
+            let path = args.tenants.as_deref().expect("matched");
+            let (requests, times) = tenant_requests(&args, path, trace.as_deref())?;
+            arrivals = Some(times);
+            requests
+        }
         (None, trace) if args.timestamps => {
             anyhow::ensure!(
                 args.rate_scale.is_finite() && args.rate_scale > 0.0,

@@ -449,3 +449,78 @@ fn no_hit_rate_without_workers_prompts_or_with_counters_that_went_down() {
     let why = hit_rate_over(&one, &same, &other).unwrap_err();
     assert!(why.contains("from vLLM's to SGLang's names"), "{why}");
 }
+
+/// `loadgen`'s arguments as the command line gives them.
+fn loadgen_args(extra: &[&str]) -> LoadgenArgs {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: LoadgenArgs,
+    }
+    let mut argv = vec!["loadgen", "--url", "http://127.0.0.1:1"];
+    argv.extend_from_slice(extra);
+    <Cli as clap::Parser>::try_parse_from(argv).unwrap().args
+}
+
+#[test]
+fn a_tenant_mix_sends_each_tenant_at_its_rate_with_its_headers() {
+    let dir = std::env::temp_dir().join(format!("switchyard-loadgen-mix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mix = dir.join("mix.toml");
+    std::fs::write(
+        &mix,
+        "[[tenants]]\nname = \"chat\"\nrate_scale = 1\nslo_ttft_ms = 800\nkey_env = \"SWITCHYARD_TEST_CHAT_KEY\"\n\
+         [[tenants]]\nname = \"batch\"\nband = \"sheddable\"\nrate_scale = 4\n",
+    )
+    .unwrap();
+    std::env::set_var("SWITCHYARD_TEST_CHAT_KEY", "sk-chat");
+    let args = loadgen_args(&[
+        "--tenants",
+        mix.to_str().unwrap(),
+        "--duration",
+        "120",
+        "--max-requests",
+        "100000",
+    ]);
+    let (requests, arrivals) = tenant_requests(&args, &mix, None).unwrap();
+    assert_eq!(requests.len(), arrivals.len());
+    assert!(arrivals.windows(2).all(|w| w[0] <= w[1]), "arrival order");
+    assert!(arrivals.iter().all(|&t| t <= 120_000.0));
+    let of = |name: &str| {
+        requests
+            .iter()
+            .filter(|r| r.tenant.as_ref().is_some_and(|t| t.name == name))
+            .collect::<Vec<_>>()
+    };
+    let (chat, batch) = (of("chat"), of("batch"));
+    assert_eq!(chat.len() + batch.len(), requests.len());
+    // The same trace at four times the rate: four times the requests
+    // within the same window (up to the records sharing a timestamp).
+    let ratio = batch.len() as f64 / chat.len() as f64;
+    assert!(
+        (3.5..=4.5).contains(&ratio),
+        "{} vs {}",
+        batch.len(),
+        chat.len()
+    );
+    let header = |r: &PreparedRequest, name: &str| {
+        r.tenant
+            .as_ref()
+            .unwrap()
+            .headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(
+        header(chat[0], "authorization").as_deref(),
+        Some("Bearer sk-chat")
+    );
+    assert_eq!(header(chat[0], "x-slo-ttft-ms").as_deref(), Some("800"));
+    assert_eq!(header(chat[0], "x-priority"), None);
+    assert_eq!(header(batch[0], "x-priority").as_deref(), Some("sheddable"));
+    assert_eq!(header(batch[0], "authorization"), None);
+    assert_eq!(header(batch[0], "x-tenant").as_deref(), Some("batch"));
+    // Tenants' prompts differ even though they replay one trace.
+    assert_ne!(chat[0].body, batch[0].body);
+}

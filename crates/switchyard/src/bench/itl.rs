@@ -104,6 +104,7 @@ fn requests(prompts: &[Vec<u32>], output_tokens: u32) -> Vec<PreparedRequest> {
         .map(|p| {
             let body = json!({"prompt": p, "max_tokens": output_tokens, "stream": true});
             PreparedRequest {
+                tenant: None,
                 path: "/v1/completions",
                 body: serde_json::to_vec(&body).unwrap_or_default().into(),
                 session: None,

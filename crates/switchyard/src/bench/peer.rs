@@ -207,6 +207,7 @@ pub(crate) fn wait_ready(
     let started = Instant::now();
     let body = serde_json::json!({"model": model, "prompt": "warm", "max_tokens": 1});
     let warm = loadgen::PreparedRequest {
+        tenant: None,
         path: "/v1/completions",
         body: serde_json::to_vec(&body)?.into(),
         session: None,

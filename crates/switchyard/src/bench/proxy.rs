@@ -93,6 +93,7 @@ fn fresh_chats(first: usize, n: usize) -> Vec<PreparedRequest> {
                 "max_tokens": 1,
             });
             PreparedRequest {
+                tenant: None,
                 path: "/v1/chat/completions",
                 body: serde_json::to_vec(&body).unwrap_or_default().into(),
                 session: None,
@@ -106,6 +107,7 @@ fn fresh_chats(first: usize, n: usize) -> Vec<PreparedRequest> {
 fn fixed_completions(n: usize) -> Vec<PreparedRequest> {
     let body = json!({"model": "switchyard-sim", "prompt": TEXT, "max_tokens": 1});
     let request = PreparedRequest {
+        tenant: None,
         path: "/v1/completions",
         body: serde_json::to_vec(&body).unwrap_or_default().into(),
         session: None,

@@ -101,6 +101,7 @@ fn round_requests(
             "stream": true,
         });
         out.push(PreparedRequest {
+            tenant: None,
             path: "/v1/completions",
             body: serde_json::to_vec(&body)?.into(),
             session: None,
