@@ -305,6 +305,7 @@ mod tests {
                 model: None,
                 adapter: None,
                 settings: Default::default(),
+                flow: Default::default(),
             },
         )
         .unwrap();
@@ -353,6 +354,7 @@ mod tests {
                     model: None,
                     adapter: None,
                     settings: Default::default(),
+                    flow: Default::default(),
                 },
             )
             .unwrap()

@@ -47,8 +47,8 @@
 
 use crate::admission::{
     AdmissionConfig, AdmissionConfigError, AdmissionController, AdmissionStrategy, CancelOutcome,
-    KvUsage, Placed, Placement, QueueClass, RequestFacts, ResponseTicket, SessionKey,
-    SubmitOutcome,
+    Flow, FlowPolicy, FlowStats, KvUsage, Placed, Placement, QueueClass, RequestFacts,
+    ResponseTicket, SessionKey, SubmitOutcome,
 };
 use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
 use crate::health::{
@@ -160,6 +160,10 @@ pub struct Submission {
     /// Its model's block size and policy, where they are not the
     /// router's.
     pub model: ModelSettings,
+    /// Its tenant, band, TTFT deadline and expected output, resolved with
+    /// [`Dispatcher::flows`] (the default: the default tenant in the top
+    /// band, no deadline).
+    pub flow: Flow,
 }
 
 /// A request accepted by [`Dispatcher::submit`].
@@ -230,6 +234,7 @@ struct Request {
     class: QueueClass,
     adapter: Option<Box<str>>,
     model: ModelSettings,
+    flow: Flow,
     booked: Option<Booked>,
 }
 
@@ -338,6 +343,20 @@ impl Dispatcher {
     /// Admission (read-only).
     pub fn admission(&self) -> &AdmissionController {
         &self.admission
+    }
+
+    /// The tenants and priority bands in force: drivers resolve each
+    /// request's [`Flow`] with it ([`FlowPolicy::resolve`]), so the server
+    /// and the simulator resolve alike.
+    pub fn flows(&self) -> &FlowPolicy {
+        self.admission.flows()
+    }
+
+    /// Every (tenant, band)'s queue figures (waiting now, virtual time,
+    /// counters), for metrics; label them with [`FlowPolicy::tenant_name`]
+    /// and [`FlowPolicy::band_name`].
+    pub fn flow_counters(&self) -> Vec<FlowStats> {
+        self.admission.queue().flow_stats()
     }
 
     /// The prefill estimator (read-only).
@@ -739,6 +758,8 @@ impl Dispatcher {
         let facts_tokens = request.prompt_tokens;
         let class = request.class;
         let session = request.session;
+        let flow = request.flow;
+        self.admission.release_flow(flow.tenant);
         let ticket = booked.ticket.take();
         self.bookings.remove(&old);
         self.release(old, &booked, now_ms, &mut fx);
@@ -751,6 +772,7 @@ impl Dispatcher {
                 class,
                 eligible: &[],
                 now_ms,
+                flow,
             };
             if let Err(invalid) = self.admission.requeue(ticket, &facts) {
                 // Not dispatched (cannot happen: placements are dispatched
@@ -778,6 +800,7 @@ impl Dispatcher {
             fx.counts.expired += 1;
             if let Some(mut request) = self.requests.remove(&id) {
                 if let Some(mut booked) = request.booked.take() {
+                    self.admission.release_flow(request.flow.tenant);
                     // Already out of the write model; peers expire it on
                     // the same deadline, so nothing is published.
                     self.settle_booking(&booked, now_ms, &mut fx);
@@ -841,6 +864,7 @@ impl Dispatcher {
             class: submission.class,
             eligible: &submission.eligible,
             now_ms,
+            flow: submission.flow,
         };
         let admitted = match self.admission.submit(&facts) {
             SubmitOutcome::Queued => Admitted::Queued,
@@ -862,6 +886,7 @@ impl Dispatcher {
                 class: submission.class,
                 adapter: submission.adapter,
                 model: submission.model,
+                flow: self.admission.queue().normalize(submission.flow),
                 booked: None,
             },
         );
@@ -882,6 +907,7 @@ impl Dispatcher {
             }
             Some(mut booked) => {
                 self.bookings.remove(&request.booking);
+                self.admission.release_flow(request.flow.tenant);
                 self.release(request.booking, &booked, now_ms, &mut fx);
                 if let Some(ticket) = booked.ticket.take() {
                     match context_tokens {
@@ -1001,9 +1027,9 @@ impl Dispatcher {
             config,
             ..
         } = self;
-        admission.poll(now_ms, placed, |id, placement| {
+        admission.poll_charging(now_ms, placed, |id, placement| {
             let Some(request) = requests.get_mut(&id) else {
-                return SelectOutcome::NoWorkers;
+                return (SelectOutcome::NoWorkers, None);
             };
             let exact;
             let eligible: Option<&[WorkerId]> = match placement {
@@ -1059,7 +1085,7 @@ impl Dispatcher {
                 None => router.route_with(routing, eligible, &*estimator, now_ms),
             };
             let SelectOutcome::Selected(decision) = outcome else {
-                return outcome;
+                return (outcome, None);
             };
             let prompt = u64::from(request.prompt_tokens);
             let block_size = u64::from(router.block_size_of(decision.worker));
@@ -1124,7 +1150,10 @@ impl Dispatcher {
                 verdict: false,
                 failed: false,
             });
-            outcome
+            (
+                outcome,
+                Some(uncached_tokens.min(u64::from(u32::MAX)) as u32),
+            )
         });
         let mut placed = std::mem::take(&mut self.placed);
         for p in placed.drain(..) {

@@ -213,6 +213,7 @@ impl Attempts {
             model: self.adapter.eligible_model.as_deref(),
             adapter: self.adapter.adapter.as_deref(),
             settings: self.routing.settings,
+            flow: Default::default(),
         }
     }
 
