@@ -34,6 +34,8 @@ pub mod session;
 pub mod tenants;
 
 #[cfg(test)]
+mod fair_tests;
+#[cfg(test)]
 mod tests;
 
 pub use controller::{
