@@ -44,6 +44,7 @@ fn admit_event(c: &mut Criterion) {
                 class: QueueClass(0),
                 eligible: &[],
                 now_ms: 1.0,
+                flow: Default::default(),
             };
             black_box(strategy.admit(&facts));
             let dispatched = LifecycleEvent::Dispatched {

@@ -29,8 +29,10 @@
 
 use super::lifecycle::{InvalidTransition, ResponseTicket, Stage, TransitionOutcome};
 use super::progress::{progress_pair, ProgressReader};
-use super::queue::{PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, WaitState};
-use super::tenants::{FlowConfig, FlowConfigError, FlowPolicy};
+use super::queue::{
+    PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, ShedReason, WaitState,
+};
+use super::tenants::{FlowConfig, FlowConfigError, FlowPolicy, TenantId};
 use super::{
     Admission, AdmissionStrategy, Fallback, KvUsage, LifecycleEvent, MakeReady, Placement,
     RequestFacts, Unavailable,
@@ -223,7 +225,7 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
         config.validate()?;
         Ok(Self {
             max_tracked: config.max_tracked,
-            queue: PolicyQueue::new(config.queue)?,
+            queue: PolicyQueue::with_flows(config.queue, FlowPolicy::new(config.flow)?)?,
             strategy,
             records: FxHashMap::default(),
             actions: Vec::new(),
@@ -247,6 +249,11 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
     /// The policy queue (read-only).
     pub fn queue(&self) -> &PolicyQueue {
         &self.queue
+    }
+
+    /// The tenants and bands the queue shares by.
+    pub fn flows(&self) -> &FlowPolicy {
+        self.queue.flows()
     }
 
     /// Queue counters.
@@ -279,7 +286,7 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
             return SubmitOutcome::Duplicate;
         }
         if !self.queue.has_room(facts.class, facts.uncached_tokens) {
-            self.queue.count_rejection();
+            self.queue.count_rejection_of(facts.flow);
             return SubmitOutcome::Rejected {
                 reason: RejectReason::QueueFull,
                 retry_after_ms: self.queue.retry_after_ms(),
@@ -321,10 +328,11 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
                 },
             );
         }
-        self.queue.push(
+        self.queue.push_flow(
             facts.id,
             facts.class,
             facts.uncached_tokens,
+            facts.flow,
             state,
             facts.now_ms,
         );
@@ -343,6 +351,19 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
     where
         F: FnMut(RequestId, Placement) -> SelectOutcome,
     {
+        self.poll_charging(now_ms, out, |id, placement| {
+            (try_place(id, placement), None)
+        });
+    }
+
+    /// [`Self::poll`] whose `try_place` also says, for a selected
+    /// request, its prompt tokens the chosen worker has not cached: what
+    /// its tenant is charged (with its expected output) in the fair
+    /// share; `None` charges its prompt tokens as submitted.
+    pub fn poll_charging<F>(&mut self, now_ms: f64, out: &mut Vec<Placed>, mut try_place: F)
+    where
+        F: FnMut(RequestId, Placement) -> (SelectOutcome, Option<u32>),
+    {
         self.last_poll_ms = now_ms;
         let mut busy_streak = 0;
         while busy_streak < self.queue.config().busy_probe_limit {
@@ -352,11 +373,11 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
             let id = popped.id;
             let mut placement = popped.placement;
             loop {
-                let outcome = try_place(id, placement);
+                let (outcome, uncached) = try_place(id, placement);
                 let why = match outcome {
                     SelectOutcome::Selected(decision) => {
                         busy_streak = 0;
-                        self.queue.dispatch(id, now_ms);
+                        self.queue.dispatch_charged(id, now_ms, uncached);
                         let ticket = self.select(id, decision.worker);
                         out.push(Placed::Selected {
                             ticket,
@@ -513,10 +534,11 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
             record.reader = None;
         }
         self.counters.requeued += 1;
-        self.queue.push(
+        self.queue.push_flow(
             facts.id,
             facts.class,
             facts.uncached_tokens,
+            facts.flow,
             WaitState::Ready(Placement::Any),
             facts.now_ms,
         );
@@ -544,6 +566,29 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
         } else {
             CancelOutcome::Unknown
         }
+    }
+
+    /// A dispatched request of `tenant` ended, or waits again: its tenant
+    /// has one fewer in flight (its concurrency cap). The driver calls it
+    /// once per placement that ended.
+    pub fn release_flow(&mut self, tenant: TenantId) {
+        self.queue.release(tenant);
+    }
+
+    /// Sheds a waiting request: it leaves the queue at once, counted for
+    /// its flow, and ends (aborted, for its strategy). `false` when it
+    /// was not waiting.
+    pub fn shed(&mut self, id: RequestId, reason: ShedReason, now_ms: f64) -> bool {
+        if !self.queue.shed(id, reason) {
+            return false;
+        }
+        self.end(id, Stage::Aborted, None, now_ms);
+        true
+    }
+
+    /// Counts a request shed before it was queued.
+    pub fn count_shed(&mut self, flow: super::Flow, reason: ShedReason) {
+        self.queue.count_shed(flow, reason);
     }
 
     /// Ends a tracked request (terminal event to the strategy); untracked

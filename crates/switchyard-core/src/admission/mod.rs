@@ -34,6 +34,8 @@ pub mod session;
 pub mod tenants;
 
 #[cfg(test)]
+mod fair_tests;
+#[cfg(test)]
 mod tests;
 
 pub use controller::{
@@ -43,7 +45,8 @@ pub use controller::{
 pub use lifecycle::{InvalidTransition, ResponseTicket, Stage, TransitionOutcome};
 pub use progress::{progress_pair, ProgressReader, ProgressUpdater};
 pub use queue::{
-    ClassLimits, PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, QueueOrder,
+    ClassLimits, FlowCounters, FlowStats, PolicyQueue, QueueConfig, QueueConfigError,
+    QueueCounters, QueueOrder, ShedReason,
 };
 pub use session::{Affinity, SessionAwareConfig, SessionAwareStrategy, SessionConfigError};
 pub use tenants::{
@@ -108,6 +111,9 @@ pub struct RequestFacts<'a> {
     pub eligible: &'a [WorkerId],
     /// The driver's clock at arrival.
     pub now_ms: f64,
+    /// Its tenant, band, deadline and expected output: its place in the
+    /// fair queue (the default: the default tenant in the top band).
+    pub flow: Flow,
 }
 
 impl RequestFacts<'_> {

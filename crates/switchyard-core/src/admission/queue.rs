@@ -1,12 +1,16 @@
 //! The policy queue: requests waiting for a worker (ready) or for their
 //! strategy (deferred), in a configured order, under per-class limits.
 //!
-//! Storage is one map from request id to its entry (the truth) plus a binary
-//! heap of ready ids ordered by `(key, arrival seq)`. Removing a request —
-//! dispatch, or a client that gave up — is one map removal; its heap entry
-//! goes stale and is skipped when popped (O(1) + amortized O(log n)), and
-//! the heap is compacted when stale entries outnumber live ones.
+//! Storage is one map from request id to its entry (the truth) plus, per
+//! (priority band, tenant), a binary heap of ready ids ordered by
+//! `(deadline, key, arrival seq)`; [`PolicyQueue::pop`] chooses the band
+//! (strict priority) and the tenant (lowest virtual time: a weighted fair
+//! share in tokens) before the heap. Removing a request — dispatch, or a
+//! client that gave up — is one map removal; its heap entry goes stale and
+//! is skipped when popped (O(1) + amortized O(log n)), and the heaps are
+//! compacted when stale entries outnumber live ones.
 
+use super::tenants::{Band, Flow, FlowPolicy, TenantId};
 use super::{Placement, QueueClass};
 use crate::maps::FxHashMap;
 use crate::types::RequestId;
@@ -148,12 +152,15 @@ pub struct QueueCounters {
     pub removed: u64,
     /// Ready requests put back because every worker was busy.
     pub busy_requeues: u64,
+    /// Requests shed (sheddable band under overload, or late); also
+    /// counted per flow.
+    pub shed: u64,
 }
 
 /// Whether a waiting request may be routed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WaitState {
-    /// In the ready heap with this placement.
+    /// In the ready queue with this placement.
     Ready(Placement),
     /// Held for its strategy.
     Deferred,
@@ -168,6 +175,8 @@ struct Entry {
     state: WaitState,
     /// Popped and not yet put back or removed.
     out: bool,
+    /// Its tenant and band, within the policy's range.
+    flow: Flow,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -187,12 +196,119 @@ pub struct Popped {
     pub enqueued_ms: f64,
 }
 
+/// Why a request was shed: ended at once rather than left to wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ShedReason {
+    /// Its band is sheddable and no worker took it at once.
+    Overload,
+    /// Its TTFT deadline cannot be met (with `refuse_late`).
+    Late,
+}
+
+/// Counters of one (tenant, band); they only grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FlowCounters {
+    /// Requests accepted into the queue.
+    pub enqueued: u64,
+    /// Requests that left for a worker.
+    pub dispatched: u64,
+    /// Tokens charged at dispatch (uncached prompt plus expected output).
+    pub tokens_dispatched: u64,
+    /// Requests shed under overload (sheddable band).
+    pub shed: u64,
+    /// Requests shed because their deadline could not be met.
+    pub late: u64,
+    /// Requests refused because their queue class was full.
+    pub refused: u64,
+    /// Requests dispatched after their deadline had passed.
+    pub missed_deadline: u64,
+}
+
+/// One (tenant, band)'s queue figures, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct FlowStats {
+    /// The tenant.
+    #[serde(skip)]
+    pub tenant: TenantId,
+    /// The band.
+    #[serde(skip)]
+    pub band: Band,
+    /// Requests of it waiting now (ready and deferred).
+    pub waiting: usize,
+    /// Its virtual time in the band: tokens charged per unit of weight,
+    /// lifted when it becomes backlogged.
+    pub virtual_time: f64,
+    /// Its counters.
+    pub counters: FlowCounters,
+}
+
+/// A heap item: (deadline key, order key, arrival seq, id), smallest first.
+type Item = Reverse<(u64, u64, u64, RequestId)>;
+
+/// One (band, tenant): its ready requests and its place in the fair share.
+#[derive(Debug, Default)]
+struct Lane {
+    heap: BinaryHeap<Item>,
+    /// Ready entries, including popped ones.
+    ready: usize,
+    /// Popped ready entries (not in `heap`).
+    out: usize,
+    /// Ready and deferred entries.
+    waiting: usize,
+    /// Tokens charged per unit of weight (lifted on becoming backlogged).
+    vtime: f64,
+    counters: FlowCounters,
+}
+
+impl Lane {
+    fn available(&self) -> bool {
+        self.ready > self.out
+    }
+}
+
+/// A deadline as a key that sorts like the time (none: last).
+fn deadline_key(deadline_ms: Option<f64>) -> u64 {
+    match deadline_ms {
+        Some(d) if d.is_finite() => {
+            let bits = d.to_bits();
+            if bits >> 63 == 1 {
+                !bits
+            } else {
+                bits | (1 << 63)
+            }
+        }
+        _ => u64::MAX,
+    }
+}
+
 /// Ready and deferred requests. It stores ids and lengths only.
+///
+/// Ready requests are kept per (band, tenant) "lane". [`Self::pop`]
+/// offers the highest band with an available request (strict priority);
+/// within it, the tenant with the lowest virtual time (tokens charged at
+/// dispatch divided by its weight; ties to the lower tenant id) among
+/// those below their concurrency cap; within the tenant, the earliest
+/// deadline (none last), then the configured order, then arrival. A
+/// tenant that becomes backlogged in a band is lifted to the smallest
+/// virtual time of that band's backlogged tenants (or to the band's last
+/// served virtual time when none is), so idle time banks no credit. With
+/// one tenant and one band this is the configured order alone.
 #[derive(Debug)]
 pub struct PolicyQueue {
     config: QueueConfig,
+    flows: FlowPolicy,
     entries: FxHashMap<RequestId, Entry>,
-    heap: BinaryHeap<Reverse<(u64, u64, RequestId)>>,
+    /// `band * tenants + tenant`.
+    lanes: Vec<Lane>,
+    /// Per band: tenants with ready requests (in any order).
+    backlogged: Vec<Vec<u16>>,
+    /// Per band: the virtual time last served (the floor for a tenant
+    /// that becomes backlogged while no other is).
+    band_floor: Vec<f64>,
+    /// Per tenant: requests dispatched and not yet released.
+    in_flight: Vec<u32>,
+    /// Heap items over every lane, live and stale.
+    heap_items: usize,
     ready: usize,
     usage: Vec<ClassUsage>,
     next_seq: u64,
@@ -202,14 +318,26 @@ pub struct PolicyQueue {
 }
 
 impl PolicyQueue {
-    /// An empty queue; `config` must validate.
+    /// An empty queue with the default flow policy (one tenant); `config`
+    /// must validate.
     pub fn new(config: QueueConfig) -> Result<Self, QueueConfigError> {
+        Self::with_flows(config, FlowPolicy::default())
+    }
+
+    /// An empty queue sharing by `flows`' tenants and bands.
+    pub fn with_flows(config: QueueConfig, flows: FlowPolicy) -> Result<Self, QueueConfigError> {
         config.validate()?;
+        let (bands, tenants) = (flows.band_count(), flows.tenant_count());
         Ok(Self {
             usage: vec![ClassUsage::default(); config.class_limits.len() + 1],
             config,
             entries: FxHashMap::default(),
-            heap: BinaryHeap::new(),
+            lanes: (0..bands * tenants).map(|_| Lane::default()).collect(),
+            backlogged: vec![Vec::new(); bands],
+            band_floor: vec![0.0; bands],
+            in_flight: vec![0; tenants],
+            flows,
+            heap_items: 0,
             ready: 0,
             next_seq: 0,
             wait_ewma_ms: None,
@@ -220,6 +348,11 @@ impl PolicyQueue {
     /// The settings in force.
     pub fn config(&self) -> &QueueConfig {
         &self.config
+    }
+
+    /// The tenants and bands it shares by.
+    pub fn flows(&self) -> &FlowPolicy {
+        &self.flows
     }
 
     /// Waiting requests (ready and deferred).
@@ -252,19 +385,75 @@ impl PolicyQueue {
         self.entries.get(&id).map(|e| e.state)
     }
 
+    /// The flow a waiting request was queued with (tenant and band
+    /// brought within the policy's range).
+    pub fn flow_of(&self, id: RequestId) -> Option<Flow> {
+        self.entries.get(&id).map(|e| e.flow)
+    }
+
     /// Counters.
     pub fn counters(&self) -> &QueueCounters {
         &self.counters
     }
 
-    /// Heap bytes held (map table and heap buffer).
+    /// Requests of `tenant` dispatched and not yet released.
+    pub fn in_flight(&self, tenant: TenantId) -> u32 {
+        self.in_flight.get(tenant.0 as usize).copied().unwrap_or(0)
+    }
+
+    /// Every (tenant, band)'s figures, tenants first then bands.
+    pub fn flow_stats(&self) -> Vec<FlowStats> {
+        let tenants = self.flows.tenant_count();
+        let mut out = Vec::with_capacity(self.lanes.len());
+        for t in 0..tenants {
+            for b in 0..self.flows.band_count() {
+                let lane = &self.lanes[b * tenants + t];
+                out.push(FlowStats {
+                    tenant: TenantId(t as u16),
+                    band: Band(b as u8),
+                    waiting: lane.waiting,
+                    virtual_time: lane.vtime,
+                    counters: lane.counters,
+                });
+            }
+        }
+        out
+    }
+
+    /// Heap bytes held (map table, lanes and their heaps).
     pub fn heap_bytes(&self) -> usize {
         crate::maps::map_bytes(&self.entries)
-            + self.heap.capacity() * std::mem::size_of::<Reverse<(u64, u64, RequestId)>>()
+            + self.lanes.capacity() * std::mem::size_of::<Lane>()
+            + self
+                .lanes
+                .iter()
+                .map(|l| l.heap.capacity() * std::mem::size_of::<Item>())
+                .sum::<usize>()
+            + self
+                .backlogged
+                .iter()
+                .map(|b| b.capacity() * 2)
+                .sum::<usize>()
     }
 
     fn usage_slot(&self, class: QueueClass) -> usize {
         (class.0 as usize).min(self.usage.len() - 1)
+    }
+
+    /// `flow` with its tenant and band within the policy's range: an
+    /// unknown tenant is the default one, an unknown band the lowest.
+    pub fn normalize(&self, mut flow: Flow) -> Flow {
+        if flow.tenant.0 as usize >= self.flows.tenant_count() {
+            flow.tenant = TenantId(0);
+        }
+        if flow.band.0 as usize >= self.flows.band_count() {
+            flow.band = Band((self.flows.band_count() - 1) as u8);
+        }
+        flow
+    }
+
+    fn lane_of(&self, flow: &Flow) -> usize {
+        flow.band.0 as usize * self.flows.tenant_count() + flow.tenant.0 as usize
     }
 
     /// Whether a request of `class` with `uncached_tokens` fits its class
@@ -291,13 +480,44 @@ impl PolicyQueue {
         self.counters.rejected_full += 1;
     }
 
-    /// Adds a request; the caller checked room and that `id` is absent.
-    /// Returns `false` (and changes nothing) when `id` already waits.
+    /// Counts a refusal of a request of `flow`.
+    pub fn count_rejection_of(&mut self, flow: Flow) {
+        self.counters.rejected_full += 1;
+        let lane = self.lane_of(&self.normalize(flow));
+        self.lanes[lane].counters.refused += 1;
+    }
+
+    /// Counts a request of `flow` shed before it was queued.
+    pub fn count_shed(&mut self, flow: Flow, reason: ShedReason) {
+        self.counters.shed += 1;
+        let lane = self.lane_of(&self.normalize(flow));
+        let c = &mut self.lanes[lane].counters;
+        match reason {
+            ShedReason::Overload => c.shed += 1,
+            ShedReason::Late => c.late += 1,
+        }
+    }
+
+    /// Adds a request of the default flow (see [`Self::push_flow`]).
     pub fn push(
         &mut self,
         id: RequestId,
         class: QueueClass,
         uncached_tokens: u32,
+        state: WaitState,
+        now_ms: f64,
+    ) -> bool {
+        self.push_flow(id, class, uncached_tokens, Flow::default(), state, now_ms)
+    }
+
+    /// Adds a request; the caller checked room and that `id` is absent.
+    /// Returns `false` (and changes nothing) when `id` already waits.
+    pub fn push_flow(
+        &mut self,
+        id: RequestId,
+        class: QueueClass,
+        uncached_tokens: u32,
+        flow: Flow,
         state: WaitState,
         now_ms: f64,
     ) -> bool {
@@ -313,20 +533,44 @@ impl PolicyQueue {
             enqueued_ms: now_ms,
             state,
             out: false,
+            flow: self.normalize(flow),
         };
         self.entries.insert(id, entry);
         let slot = self.usage_slot(class);
         self.usage[slot].requests += 1;
         self.usage[slot].uncached_tokens += uncached_tokens as u64;
         self.counters.enqueued += 1;
+        let lane = self.lane_of(&entry.flow);
+        self.lanes[lane].waiting += 1;
+        self.lanes[lane].counters.enqueued += 1;
         match state {
             WaitState::Ready(_) => {
-                self.ready += 1;
+                self.become_ready(&entry);
                 self.push_heap(id, &entry);
             }
             WaitState::Deferred => self.counters.deferrals += 1,
         }
         true
+    }
+
+    /// One more ready entry in its lane; a lane that becomes backlogged
+    /// is lifted to its band's smallest backlogged virtual time.
+    fn become_ready(&mut self, entry: &Entry) {
+        self.ready += 1;
+        let lane = self.lane_of(&entry.flow);
+        self.lanes[lane].ready += 1;
+        if self.lanes[lane].ready == 1 {
+            let band = entry.flow.band.0 as usize;
+            let tenants = self.flows.tenant_count();
+            let floor = self.backlogged[band]
+                .iter()
+                .map(|&t| self.lanes[band * tenants + t as usize].vtime)
+                .reduce(f64::min)
+                .unwrap_or(self.band_floor[band]);
+            let lane = &mut self.lanes[lane];
+            lane.vtime = lane.vtime.max(floor);
+            self.backlogged[band].push(entry.flow.tenant.0);
+        }
     }
 
     fn push_heap(&mut self, id: RequestId, entry: &Entry) {
@@ -335,7 +579,14 @@ impl PolicyQueue {
             QueueOrder::Lcfs => u64::MAX - entry.seq,
             QueueOrder::Wspt => entry.uncached_tokens as u64,
         };
-        self.heap.push(Reverse((key, entry.seq, id)));
+        let lane = self.lane_of(&entry.flow);
+        self.lanes[lane].heap.push(Reverse((
+            deadline_key(entry.flow.deadline_ms),
+            key,
+            entry.seq,
+            id,
+        )));
+        self.heap_items += 1;
     }
 
     /// Moves a deferred request to the ready queue. `false` when `id` is not
@@ -349,8 +600,8 @@ impl PolicyQueue {
         }
         entry.state = WaitState::Ready(placement);
         let entry = *entry;
-        self.ready += 1;
         self.counters.made_ready += 1;
+        self.become_ready(&entry);
         self.push_heap(id, &entry);
         true
     }
@@ -364,25 +615,55 @@ impl PolicyQueue {
         }
     }
 
-    /// Takes the head of the ready queue. It stays counted as waiting until
-    /// [`Self::put_back`] or [`Self::remove`].
+    fn capped(&self, tenant: u16) -> bool {
+        self.flows
+            .max_concurrency(TenantId(tenant))
+            .is_some_and(|cap| self.in_flight[tenant as usize] >= cap)
+    }
+
+    /// Takes the next ready request (see the type's docs for the order).
+    /// It stays counted as waiting until [`Self::put_back`] or
+    /// [`Self::remove`]; the next pop offers the next candidate.
     pub fn pop(&mut self) -> Option<Popped> {
-        while let Some(Reverse((_, seq, id))) = self.heap.pop() {
-            let Some(entry) = self.entries.get_mut(&id) else {
-                continue;
-            };
-            let WaitState::Ready(placement) = entry.state else {
-                continue;
-            };
-            if entry.seq != seq || entry.out {
-                continue;
+        let tenants = self.flows.tenant_count();
+        for band in 0..self.backlogged.len() {
+            let mut best: Option<(f64, u16)> = None;
+            for &t in &self.backlogged[band] {
+                let lane = &self.lanes[band * tenants + t as usize];
+                if !lane.available() || self.capped(t) {
+                    continue;
+                }
+                if best.is_none_or(|(v, bt)| lane.vtime < v || (lane.vtime == v && t < bt)) {
+                    best = Some((lane.vtime, t));
+                }
             }
-            entry.out = true;
-            return Some(Popped {
-                id,
-                placement,
-                enqueued_ms: entry.enqueued_ms,
-            });
+            let Some((vtime, t)) = best else {
+                continue;
+            };
+            let lane = band * tenants + t as usize;
+            while let Some(Reverse((_, _, seq, id))) = self.lanes[lane].heap.pop() {
+                self.heap_items -= 1;
+                let Some(entry) = self.entries.get_mut(&id) else {
+                    continue;
+                };
+                let WaitState::Ready(placement) = entry.state else {
+                    continue;
+                };
+                if entry.seq != seq || entry.out {
+                    continue;
+                }
+                entry.out = true;
+                self.lanes[lane].out += 1;
+                self.band_floor[band] = self.band_floor[band].max(vtime);
+                return Some(Popped {
+                    id,
+                    placement,
+                    enqueued_ms: entry.enqueued_ms,
+                });
+            }
+            // Unreachable while the counts hold (an available lane has a
+            // live item); never loop on it.
+            debug_assert!(false, "lane {lane} counted available with no live item");
         }
         None
     }
@@ -393,6 +674,8 @@ impl PolicyQueue {
             if entry.out {
                 entry.out = false;
                 let entry = *entry;
+                let lane = self.lane_of(&entry.flow);
+                self.lanes[lane].out -= 1;
                 self.counters.busy_requeues += 1;
                 self.push_heap(id, &entry);
             }
@@ -404,23 +687,57 @@ impl PolicyQueue {
         let slot = self.usage_slot(entry.class);
         self.usage[slot].requests -= 1;
         self.usage[slot].uncached_tokens -= entry.uncached_tokens as u64;
+        let lane = self.lane_of(&entry.flow);
+        self.lanes[lane].waiting -= 1;
         if let WaitState::Ready(_) = entry.state {
             self.ready -= 1;
+            let l = &mut self.lanes[lane];
+            l.ready -= 1;
+            if entry.out {
+                l.out -= 1;
+            }
+            if l.ready == 0 {
+                let band = &mut self.backlogged[entry.flow.band.0 as usize];
+                if let Some(i) = band.iter().position(|&t| t == entry.flow.tenant.0) {
+                    band.swap_remove(i);
+                }
+            }
         }
-        let stale = self.heap.len().saturating_sub(self.ready);
+        let stale = self.heap_items.saturating_sub(self.ready);
         if stale > self.ready + 1024 {
             let entries = &self.entries;
-            self.heap.retain(|Reverse((_, seq, id))| {
-                entries
-                    .get(id)
-                    .is_some_and(|e| e.seq == *seq && matches!(e.state, WaitState::Ready(_)))
-            });
+            let mut items = 0;
+            for lane in &mut self.lanes {
+                lane.heap.retain(|Reverse((_, _, seq, id))| {
+                    entries.get(id).is_some_and(|e| {
+                        e.seq == *seq && !e.out && matches!(e.state, WaitState::Ready(_))
+                    })
+                });
+                items += lane.heap.len();
+            }
+            self.heap_items = items;
         }
         Some(entry)
     }
 
-    /// A request left for a worker: removes it and learns its wait.
+    /// A request left for a worker: removes it, learns its wait and
+    /// charges its tenant its prompt tokens as queued (see
+    /// [`Self::dispatch_charged`]).
     pub fn dispatch(&mut self, id: RequestId, now_ms: f64) -> bool {
+        self.dispatch_charged(id, now_ms, None)
+    }
+
+    /// A request left for a worker: removes it, learns its wait, counts
+    /// it in flight for its tenant (until [`Self::release`]) and charges
+    /// the tenant's virtual time `uncached_tokens` (the prompt tokens it
+    /// was queued with when `None`) plus its expected output, divided by
+    /// the tenant's weight.
+    pub fn dispatch_charged(
+        &mut self,
+        id: RequestId,
+        now_ms: f64,
+        uncached_tokens: Option<u32>,
+    ) -> bool {
         let Some(entry) = self.take(id) else {
             return false;
         };
@@ -430,7 +747,28 @@ impl PolicyQueue {
             Some(avg) => 0.9 * avg + 0.1 * wait,
         });
         self.counters.dispatched += 1;
+        let cost = u64::from(uncached_tokens.unwrap_or(entry.uncached_tokens))
+            + u64::from(entry.flow.expected_output_tokens);
+        let weight = self.flows.weight(entry.flow.tenant);
+        let lane = self.lane_of(&entry.flow);
+        let l = &mut self.lanes[lane];
+        l.vtime += cost as f64 / weight;
+        l.counters.dispatched += 1;
+        l.counters.tokens_dispatched += cost;
+        if entry.flow.deadline_ms.is_some_and(|d| now_ms > d) {
+            l.counters.missed_deadline += 1;
+        }
+        let t = entry.flow.tenant.0 as usize;
+        self.in_flight[t] = self.in_flight[t].saturating_add(1);
         true
+    }
+
+    /// A dispatched request of `tenant` ended (completed, aborted,
+    /// expired, or waits again): one fewer in flight.
+    pub fn release(&mut self, tenant: TenantId) {
+        if let Some(n) = self.in_flight.get_mut(tenant.0 as usize) {
+            *n = n.saturating_sub(1);
+        }
     }
 
     /// The client gave up on a waiting request: it leaves at once.
@@ -449,6 +787,50 @@ impl PolicyQueue {
             self.counters.removed += 1;
         }
         found
+    }
+
+    /// Sheds a waiting request: it leaves at once, counted for its flow.
+    pub fn shed(&mut self, id: RequestId, reason: ShedReason) -> bool {
+        let Some(entry) = self.take(id) else {
+            return false;
+        };
+        self.count_shed(entry.flow, reason);
+        true
+    }
+
+    /// Ready requests of sheddable bands (none are popped between polls).
+    pub fn sheddable_ready(&self) -> usize {
+        let tenants = self.flows.tenant_count();
+        (0..self.backlogged.len())
+            .filter(|&b| self.flows.is_sheddable(Band(b as u8)))
+            .flat_map(|b| {
+                self.backlogged[b]
+                    .iter()
+                    .map(move |&t| b * tenants + t as usize)
+            })
+            .map(|lane| self.lanes[lane].ready - self.lanes[lane].out)
+            .sum()
+    }
+
+    /// The ids of the ready, not popped requests of sheddable bands, in
+    /// no particular order (the caller sheds them).
+    pub fn sheddable_ids(&self, out: &mut Vec<RequestId>) {
+        let tenants = self.flows.tenant_count();
+        for b in 0..self.backlogged.len() {
+            if !self.flows.is_sheddable(Band(b as u8)) {
+                continue;
+            }
+            for &t in &self.backlogged[b] {
+                let lane = &self.lanes[b * tenants + t as usize];
+                for Reverse((_, _, seq, id)) in lane.heap.iter() {
+                    if self.entries.get(id).is_some_and(|e| {
+                        e.seq == *seq && !e.out && matches!(e.state, WaitState::Ready(_))
+                    }) {
+                        out.push(*id);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -580,7 +962,11 @@ mod tests {
         for i in 0..2990 {
             q.abandon(RequestId(i));
         }
-        assert!(q.heap.len() < 2000);
+        assert!(q.heap_items < 2000);
+        assert_eq!(
+            q.heap_items,
+            q.lanes.iter().map(|l| l.heap.len()).sum::<usize>()
+        );
         assert_eq!(q.ready_len(), 10);
     }
 

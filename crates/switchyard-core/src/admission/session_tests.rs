@@ -14,6 +14,7 @@ fn facts(id: u128, session: Option<u64>, tokens: u32, now_ms: f64) -> RequestFac
         class: Default::default(),
         eligible: &[],
         now_ms,
+        flow: Default::default(),
     }
 }
 

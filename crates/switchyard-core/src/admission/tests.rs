@@ -20,6 +20,7 @@ fn facts(id: u128, session: Option<u64>, now_ms: f64) -> RequestFacts<'static> {
         class: QueueClass(0),
         eligible: &[],
         now_ms,
+        flow: Default::default(),
     }
 }
 

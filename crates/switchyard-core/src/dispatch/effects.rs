@@ -4,7 +4,7 @@
 //! a peer's batch applied.
 
 use super::split::Half;
-use crate::admission::{ProgressUpdater, SessionKey};
+use crate::admission::{ProgressUpdater, SessionKey, ShedReason};
 use crate::health::CircuitState;
 use crate::replica::RemoteCounters;
 use crate::sequences::SequenceEvent;
@@ -37,6 +37,23 @@ pub struct Dispatch {
     /// Which half of a disaggregated request this is
     /// ([`Dispatcher::submit_split`]); `None`: a whole request.
     pub half: Option<Half>,
+}
+
+/// A request shed: it has ended without waiting in the router's queue.
+///
+/// The driver answers HTTP 429 with `Retry-After: retry_after_ms`
+/// (rounded up to whole seconds). 429 rather than the 529 Dynamo uses for
+/// overload, because the official OpenAI clients retry a 429 on their
+/// own (with backoff, honouring `Retry-After`), so a shed request comes
+/// back later without the caller writing any retry logic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shed {
+    /// The request.
+    pub id: RequestId,
+    /// Why it was shed.
+    pub reason: ShedReason,
+    /// Suggested `Retry-After`.
+    pub retry_after_ms: u64,
 }
 
 /// A lifecycle event of one of this replica's bookings, for its peers.
@@ -103,6 +120,9 @@ pub struct Effects {
     pub dispatch: Vec<Dispatch>,
     /// Requests that no worker can take: they have ended (HTTP 503).
     pub no_worker: Vec<RequestId>,
+    /// Requests shed (a sheddable band under overload, or a deadline that
+    /// cannot be met): they have ended (HTTP 429 with `Retry-After`).
+    pub shed: Vec<Shed>,
     /// Lifecycle events for peer replicas (empty unless replica sync is on).
     pub publish: Vec<Published>,
     /// Session bindings for peer replicas (replica sync with a strategy).
@@ -118,6 +138,7 @@ impl Effects {
     pub fn is_empty(&self) -> bool {
         self.dispatch.is_empty()
             && self.no_worker.is_empty()
+            && self.shed.is_empty()
             && self.publish.is_empty()
             && self.bindings.is_empty()
             && self.circuits.is_empty()
@@ -128,6 +149,7 @@ impl Effects {
     pub fn append(&mut self, mut other: Effects) {
         self.dispatch.append(&mut other.dispatch);
         self.no_worker.append(&mut other.no_worker);
+        self.shed.append(&mut other.shed);
         self.publish.append(&mut other.publish);
         self.bindings.append(&mut other.bindings);
         self.circuits.append(&mut other.circuits);

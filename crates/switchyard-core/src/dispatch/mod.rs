@@ -47,8 +47,8 @@
 
 use crate::admission::{
     AdmissionConfig, AdmissionConfigError, AdmissionController, AdmissionStrategy, CancelOutcome,
-    KvUsage, Placed, Placement, QueueClass, RequestFacts, ResponseTicket, SessionKey,
-    SubmitOutcome,
+    Flow, FlowPolicy, FlowStats, KvUsage, Placed, Placement, QueueClass, RequestFacts,
+    ResponseTicket, SessionKey, ShedReason, SubmitOutcome,
 };
 use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
 use crate::health::{
@@ -65,6 +65,8 @@ use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod effects;
+#[cfg(test)]
+mod flow_tests;
 mod split;
 #[cfg(test)]
 mod split_tests;
@@ -73,6 +75,7 @@ mod tests;
 
 pub use effects::{
     BatchApplied, CircuitChange, Counts, DigestPart, Dispatch, Effects, Published, SessionBound,
+    Shed,
 };
 pub use split::{
     prefill_half, recovery, request_of, Half, HalfFailure, Pairing, Recovery, SplitError,
@@ -160,6 +163,10 @@ pub struct Submission {
     /// Its model's block size and policy, where they are not the
     /// router's.
     pub model: ModelSettings,
+    /// Its tenant, band, TTFT deadline and expected output, resolved with
+    /// [`Dispatcher::flows`] (the default: the default tenant in the top
+    /// band, no deadline).
+    pub flow: Flow,
 }
 
 /// A request accepted by [`Dispatcher::submit`].
@@ -230,6 +237,7 @@ struct Request {
     class: QueueClass,
     adapter: Option<Box<str>>,
     model: ModelSettings,
+    flow: Flow,
     booked: Option<Booked>,
 }
 
@@ -259,6 +267,33 @@ pub struct Dispatcher {
     last_sweep_ms: f64,
     placed: Vec<Placed>,
     scratch: Vec<WorkerId>,
+    /// With `refuse_late`: waiting requests with a deadline, by the time
+    /// after which their prefill estimate misses it (stale entries are
+    /// skipped, and compacted beyond twice the requests known).
+    late: std::collections::BinaryHeap<std::cmp::Reverse<(u64, RequestId)>>,
+    shed_scratch: Vec<RequestId>,
+}
+
+/// The time of a [`time_key`].
+fn key_time(key: u64) -> f64 {
+    if key >> 63 == 1 {
+        f64::from_bits(key & !(1 << 63))
+    } else {
+        f64::from_bits(!key)
+    }
+}
+
+/// A time as a key that sorts like it (NaN last).
+fn time_key(ms: f64) -> u64 {
+    if ms.is_nan() {
+        return u64::MAX;
+    }
+    let bits = ms.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | (1 << 63)
+    }
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -291,6 +326,8 @@ impl Dispatcher {
             last_sweep_ms: 0.0,
             placed: Vec::new(),
             scratch: Vec::new(),
+            late: std::collections::BinaryHeap::new(),
+            shed_scratch: Vec::new(),
             config,
         })
     }
@@ -338,6 +375,20 @@ impl Dispatcher {
     /// Admission (read-only).
     pub fn admission(&self) -> &AdmissionController {
         &self.admission
+    }
+
+    /// The tenants and priority bands in force: drivers resolve each
+    /// request's [`Flow`] with it ([`FlowPolicy::resolve`]), so the server
+    /// and the simulator resolve alike.
+    pub fn flows(&self) -> &FlowPolicy {
+        self.admission.flows()
+    }
+
+    /// Every (tenant, band)'s queue figures (waiting now, virtual time,
+    /// counters), for metrics; label them with [`FlowPolicy::tenant_name`]
+    /// and [`FlowPolicy::band_name`].
+    pub fn flow_counters(&self) -> Vec<FlowStats> {
+        self.admission.queue().flow_stats()
     }
 
     /// The prefill estimator (read-only).
@@ -587,7 +638,10 @@ impl Dispatcher {
     // ---- The lifecycle -----------------------------------------------
 
     /// A request arrives: admission (the strategy may defer it), then a
-    /// poll that may dispatch it at once.
+    /// poll that may dispatch it at once. A request of a sheddable band
+    /// that would wait, or (with `refuse_late`) whose deadline its
+    /// prefill estimate says cannot be met, has ended when this returns:
+    /// it is in [`Effects::shed`] (and the answer is still `Queued`).
     pub fn submit(
         &mut self,
         id: RequestId,
@@ -611,8 +665,17 @@ impl Dispatcher {
         proposal: Option<Proposal>,
         now_ms: f64,
     ) -> Result<(Admitted, Effects), Refused> {
-        let admitted = self.admit(id, submission, now_ms)?;
         let mut fx = Effects::default();
+        if let Some(reason) = self.shed_at_arrival(id, &submission, now_ms)? {
+            self.admission.count_shed(submission.flow, reason);
+            fx.shed.push(Shed {
+                id,
+                reason,
+                retry_after_ms: self.admission.queue().retry_after_ms(),
+            });
+            return Ok((Admitted::Queued, fx));
+        }
+        let admitted = self.admit(id, submission, now_ms)?;
         let mut proposal = proposal.map(|p| (id, p));
         self.poll_proposed(now_ms, &mut fx, &mut proposal);
         if proposal.is_some() {
@@ -739,6 +802,8 @@ impl Dispatcher {
         let facts_tokens = request.prompt_tokens;
         let class = request.class;
         let session = request.session;
+        let flow = request.flow;
+        self.admission.release_flow(flow.tenant);
         let ticket = booked.ticket.take();
         self.bookings.remove(&old);
         self.release(old, &booked, now_ms, &mut fx);
@@ -751,6 +816,7 @@ impl Dispatcher {
                 class,
                 eligible: &[],
                 now_ms,
+                flow,
             };
             if let Err(invalid) = self.admission.requeue(ticket, &facts) {
                 // Not dispatched (cannot happen: placements are dispatched
@@ -778,6 +844,7 @@ impl Dispatcher {
             fx.counts.expired += 1;
             if let Some(mut request) = self.requests.remove(&id) {
                 if let Some(mut booked) = request.booked.take() {
+                    self.admission.release_flow(request.flow.tenant);
                     // Already out of the write model; peers expire it on
                     // the same deadline, so nothing is published.
                     self.settle_booking(&booked, now_ms, &mut fx);
@@ -817,10 +884,136 @@ impl Dispatcher {
             .filter_map(|w| w.breaker.open_until_ms())
             .fold(f64::INFINITY, f64::min);
         let admission = self.admission.next_wakeup_ms().unwrap_or(f64::INFINITY);
-        sweep.min(cooldown).min(admission)
+        // With `refuse_late`: when the first waiting request becomes late.
+        let late = self
+            .late
+            .peek()
+            .map_or(f64::INFINITY, |std::cmp::Reverse((key, _))| key_time(*key));
+        sweep.min(cooldown).min(admission).min(late)
     }
 
     // ---- Internals ---------------------------------------------------
+
+    /// Whether a request is shed on arrival, before it is queued: a
+    /// sheddable band's request when others already wait (it would wait
+    /// behind them), or, with `refuse_late`, one whose deadline is closer
+    /// than the best worker's expected prefill of its uncached tokens.
+    fn shed_at_arrival(
+        &self,
+        id: RequestId,
+        submission: &Submission,
+        now_ms: f64,
+    ) -> Result<Option<ShedReason>, Refused> {
+        if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
+            return Err(Refused::Duplicate);
+        }
+        let flows = self.admission.flows();
+        let flow = self.admission.queue().normalize(submission.flow);
+        if flows.is_sheddable(flow.band) && self.admission.queue().ready_len() > 0 {
+            return Ok(Some(ShedReason::Overload));
+        }
+        if let (true, Some(deadline)) = (flows.config().refuse_late, flow.deadline_ms) {
+            let best = self.best_prefill_ms(
+                &submission.blocks,
+                submission.prompt_tokens,
+                &submission.eligible,
+            );
+            if let Some(best) = best {
+                if deadline - now_ms < best {
+                    return Ok(Some(ShedReason::Late));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The estimator's prefill time of the request's uncached tokens on
+    /// the worker that would prefill it soonest (its cached prefix
+    /// counted); `None` when no worker may take it.
+    fn best_prefill_ms(
+        &self,
+        blocks: &[LocalHash],
+        prompt_tokens: u32,
+        eligible: &[WorkerId],
+    ) -> Option<f64> {
+        let mut scores = crate::index::OverlapScores::default();
+        self.router
+            .with_index(|index| index.overlaps(blocks, &mut scores));
+        let prompt = u64::from(prompt_tokens);
+        self.router
+            .sequences()
+            .workers()
+            .filter(|w| eligible.is_empty() || eligible.contains(w))
+            .map(|w| {
+                let depth = scores
+                    .entries
+                    .iter()
+                    .find(|e| e.worker == w)
+                    .map_or(0, |e| u64::from(e.depth));
+                let block_size = u64::from(self.router.block_size_of(w));
+                let uncached = prompt - (depth * block_size).min(prompt);
+                self.estimator.expected_ms(w, uncached)
+            })
+            .reduce(f64::min)
+    }
+
+    /// Sheds the waiting requests whose deadline can no longer be met
+    /// (with `refuse_late`), then, after a poll, the ready requests of
+    /// sheddable bands that no worker took.
+    fn shed_waiting(&mut self, now_ms: f64, after_poll: bool, fx: &mut Effects) {
+        let mut ids = std::mem::take(&mut self.shed_scratch);
+        while let Some(&std::cmp::Reverse((key, id))) = self.late.peek() {
+            if key > time_key(now_ms) {
+                break;
+            }
+            self.late.pop();
+            if self.requests.get(&id).is_some_and(|r| r.booked.is_none()) {
+                ids.push(id);
+            }
+        }
+        for id in ids.drain(..) {
+            self.shed_one(id, ShedReason::Late, now_ms, fx);
+        }
+        if after_poll && self.admission.queue().sheddable_ready() > 0 {
+            self.admission.queue().sheddable_ids(&mut ids);
+            for id in ids.drain(..) {
+                self.shed_one(id, ShedReason::Overload, now_ms, fx);
+            }
+        }
+        self.shed_scratch = ids;
+        if self.late.len() > 2 * self.requests.len() + 64 {
+            let requests = &self.requests;
+            self.late.retain(|std::cmp::Reverse((_, id))| {
+                requests.get(id).is_some_and(|r| r.booked.is_none())
+            });
+        }
+    }
+
+    /// Sheds one waiting request (and the other half of a split one).
+    fn shed_one(&mut self, id: RequestId, reason: ShedReason, now_ms: f64, fx: &mut Effects) {
+        if !self.admission.shed(id, reason, now_ms) {
+            return;
+        }
+        self.requests.remove(&id);
+        let retry_after_ms = self.admission.queue().retry_after_ms();
+        fx.shed.push(Shed {
+            id,
+            reason,
+            retry_after_ms,
+        });
+        if !self.splits.is_empty() {
+            let before = fx.no_worker.len();
+            self.half_found_no_worker(id, now_ms, fx);
+            // The other half ends with it, for the same reason.
+            for other in fx.no_worker.drain(before..).collect::<Vec<_>>() {
+                fx.shed.push(Shed {
+                    id: other,
+                    reason,
+                    retry_after_ms,
+                });
+            }
+        }
+    }
 
     /// Admission of request `id` without offering it to a worker yet (the
     /// caller polls).
@@ -841,6 +1034,7 @@ impl Dispatcher {
             class: submission.class,
             eligible: &submission.eligible,
             now_ms,
+            flow: submission.flow,
         };
         let admitted = match self.admission.submit(&facts) {
             SubmitOutcome::Queued => Admitted::Queued,
@@ -862,9 +1056,22 @@ impl Dispatcher {
                 class: submission.class,
                 adapter: submission.adapter,
                 model: submission.model,
+                flow: self.admission.queue().normalize(submission.flow),
                 booked: None,
             },
         );
+        if let (true, Some(deadline)) = (
+            self.admission.flows().config().refuse_late,
+            submission.flow.deadline_ms,
+        ) {
+            let request = &self.requests[&id];
+            let best =
+                self.best_prefill_ms(&request.blocks, request.prompt_tokens, &request.eligible);
+            if let Some(best) = best {
+                self.late
+                    .push(std::cmp::Reverse((time_key(deadline - best), id)));
+            }
+        }
         Ok(admitted)
     }
 
@@ -882,6 +1089,7 @@ impl Dispatcher {
             }
             Some(mut booked) => {
                 self.bookings.remove(&request.booking);
+                self.admission.release_flow(request.flow.tenant);
                 self.release(request.booking, &booked, now_ms, &mut fx);
                 if let Some(ticket) = booked.ticket.take() {
                     match context_tokens {
@@ -985,6 +1193,9 @@ impl Dispatcher {
         fx: &mut Effects,
         proposal: &mut Option<(RequestId, Proposal)>,
     ) {
+        if !self.late.is_empty() {
+            self.shed_waiting(now_ms, false, fx);
+        }
         if self.admission.queue().ready_len() == 0 {
             return;
         }
@@ -1001,9 +1212,9 @@ impl Dispatcher {
             config,
             ..
         } = self;
-        admission.poll(now_ms, placed, |id, placement| {
+        admission.poll_charging(now_ms, placed, |id, placement| {
             let Some(request) = requests.get_mut(&id) else {
-                return SelectOutcome::NoWorkers;
+                return (SelectOutcome::NoWorkers, None);
             };
             let exact;
             let eligible: Option<&[WorkerId]> = match placement {
@@ -1059,7 +1270,7 @@ impl Dispatcher {
                 None => router.route_with(routing, eligible, &*estimator, now_ms),
             };
             let SelectOutcome::Selected(decision) = outcome else {
-                return outcome;
+                return (outcome, None);
             };
             let prompt = u64::from(request.prompt_tokens);
             let block_size = u64::from(router.block_size_of(decision.worker));
@@ -1124,7 +1335,10 @@ impl Dispatcher {
                 verdict: false,
                 failed: false,
             });
-            outcome
+            (
+                outcome,
+                Some(uncached_tokens.min(u64::from(u32::MAX)) as u32),
+            )
         });
         let mut placed = std::mem::take(&mut self.placed);
         for p in placed.drain(..) {
@@ -1177,6 +1391,7 @@ impl Dispatcher {
             }
         }
         self.placed = placed;
+        self.shed_waiting(now_ms, true, fx);
         if !self.splits.is_empty() {
             // A half no worker can take ends its request (both halves).
             let ended = fx.no_worker.len();

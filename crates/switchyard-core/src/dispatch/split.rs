@@ -173,6 +173,7 @@ impl Split {
             class: self.submission.class,
             adapter: self.submission.adapter.clone(),
             model: self.submission.model,
+            flow: self.submission.flow,
         }
     }
 

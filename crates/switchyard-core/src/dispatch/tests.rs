@@ -14,7 +14,11 @@ const CAPACITY: WorkerCapacity = WorkerCapacity {
     block_size: None,
 };
 
-fn dispatcher_with(config: DispatcherConfig, session_aware: bool, workers: u64) -> Dispatcher {
+pub(super) fn dispatcher_with(
+    config: DispatcherConfig,
+    session_aware: bool,
+    workers: u64,
+) -> Dispatcher {
     let strategy = session_aware.then(|| {
         Box::new(SessionAwareStrategy::new(SessionAwareConfig::default()).unwrap())
             as Box<dyn AdmissionStrategy + Send>
@@ -37,7 +41,7 @@ fn round_robin() -> DispatcherConfig {
     config
 }
 
-fn submission(first_block: u64, blocks: u64) -> Submission {
+pub(super) fn submission(first_block: u64, blocks: u64) -> Submission {
     Submission {
         blocks: (first_block..first_block + blocks).map(LocalHash).collect(),
         prompt_tokens: blocks as u32 * 16,
@@ -56,7 +60,7 @@ fn events(fx: &Effects) -> Vec<SequenceEvent> {
 }
 
 /// Submits and expects an immediate dispatch.
-fn place(d: &mut Dispatcher, id: u128, s: Submission, now: f64) -> Dispatch {
+pub(super) fn place(d: &mut Dispatcher, id: u128, s: Submission, now: f64) -> Dispatch {
     let (admitted, mut fx) = d.submit(RequestId(id), s, now).unwrap();
     assert_eq!(admitted, Admitted::Queued);
     assert_eq!(fx.dispatch.len(), 1, "{fx:?}");

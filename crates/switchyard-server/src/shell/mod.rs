@@ -117,7 +117,9 @@ pub struct Request<'a> {
     /// Its model's block size and policy (`[[models]]`), where they are
     /// not the router's.
     pub settings: switchyard_core::select::ModelSettings,
-    /// Its tenant, band and deadline.
+    /// Its tenant, band and deadline, resolved with the dispatcher's
+    /// [`FlowPolicy`](switchyard_core::admission::FlowPolicy) (the
+    /// default: no tenant, the top band, no deadline).
     pub flow: switchyard_core::admission::Flow,
 }
 
@@ -194,6 +196,7 @@ impl Request<'_> {
             class: QueueClass::default(),
             adapter: self.adapter.map(Into::into),
             model: self.settings,
+            flow: self.flow,
         }
     }
 }

@@ -80,6 +80,7 @@ fn facts(id: u128, session: u64, tokens: u32, now_ms: f64) -> RequestFacts<'stat
         class: QueueClass(0),
         eligible: &[],
         now_ms,
+        flow: Default::default(),
     }
 }
 

@@ -1,0 +1,242 @@
+//! Tenants and bands through the dispatcher: strict priority, concurrency
+//! caps released when requests end, shedding, deadlines.
+
+use super::tests::{dispatcher_with, place, submission};
+use super::*;
+use crate::admission::{Band, FlowConfig, TenantConfig, TenantId};
+
+/// One worker; 5,000 prompt tokens make it busy (half of 8,192).
+fn busy_fleet(flow: FlowConfig) -> Dispatcher {
+    let mut config = DispatcherConfig::default();
+    config.router.busy_threshold = Some(0.5);
+    config.admission.flow = flow;
+    dispatcher_with(config, false, 1)
+}
+
+fn big(d: &Dispatcher, tenant: Option<&str>, band: Option<&str>, now: f64) -> Submission {
+    Submission {
+        prompt_tokens: 5_000,
+        flow: d.flows().resolve(tenant, band, None, 0, now).unwrap(),
+        ..Submission::default()
+    }
+}
+
+fn stats(d: &Dispatcher, tenant: u16, band: u8) -> crate::admission::FlowStats {
+    d.flow_counters()
+        .into_iter()
+        .find(|s| s.tenant.0 == tenant && s.band.0 == band)
+        .unwrap()
+}
+
+#[test]
+fn a_waiting_request_of_a_higher_band_is_placed_first() {
+    let mut d = busy_fleet(FlowConfig::default());
+    let first = big(&d, None, Some("standard"), 0.0);
+    let _ = place(&mut d, 1, first, 0.0);
+    // The default tenant's ceiling is its own band: set the flows as a
+    // tenant allowed the critical band would resolve them.
+    let low = big(&d, None, Some("standard"), 0.0);
+    let mut high = big(&d, None, None, 1.0);
+    high.flow.band = Band(0);
+    assert!(d
+        .submit(RequestId(2), low, 0.0)
+        .unwrap()
+        .1
+        .dispatch
+        .is_empty());
+    assert!(d
+        .submit(RequestId(3), high, 1.0)
+        .unwrap()
+        .1
+        .dispatch
+        .is_empty());
+    let fx = d.finish(RequestId(1), 5_010, 100.0);
+    let sent: Vec<_> = fx.dispatch.iter().map(|s| s.id).collect();
+    assert_eq!(sent, vec![RequestId(3)]);
+    let fx = d.finish(RequestId(3), 5_010, 200.0);
+    assert_eq!(fx.dispatch[0].id, RequestId(2));
+}
+
+#[test]
+fn a_tenant_at_its_cap_waits_until_one_of_its_requests_ends() {
+    let mut capped = TenantConfig::named("capped");
+    capped.max_concurrency = Some(1);
+    let mut d = dispatcher_with(
+        DispatcherConfig {
+            admission: crate::admission::AdmissionConfig {
+                flow: FlowConfig {
+                    tenants: vec![capped],
+                    ..FlowConfig::default()
+                },
+                ..Default::default()
+            },
+            ..DispatcherConfig::default()
+        },
+        false,
+        2,
+    );
+    let s = |d: &Dispatcher, first| Submission {
+        flow: d
+            .flows()
+            .resolve(Some("capped"), None, None, 0, 0.0)
+            .unwrap(),
+        ..submission(first, 4)
+    };
+    let one = s(&d, 0);
+    let _ = place(&mut d, 1, one, 0.0);
+    let (_, fx) = d.submit(RequestId(2), s(&d, 100), 0.0).unwrap();
+    assert!(
+        fx.dispatch.is_empty(),
+        "idle workers, but the tenant is at its cap"
+    );
+    // Another tenant is not held back.
+    let _ = place(&mut d, 3, submission(200, 4), 0.0);
+    let fx = d.abort(RequestId(1), 10.0);
+    assert_eq!(fx.dispatch.len(), 1);
+    assert_eq!(fx.dispatch[0].id, RequestId(2));
+    assert_eq!(d.admission().queue().in_flight(TenantId(1)), 1);
+    let _ = d.finish(RequestId(2), 100, 20.0);
+    assert_eq!(d.admission().queue().in_flight(TenantId(1)), 0);
+}
+
+#[test]
+fn a_sheddable_request_no_worker_takes_is_shed_at_once_with_a_retry_after() {
+    let mut d = busy_fleet(FlowConfig::default());
+    let first = big(&d, None, None, 0.0);
+    let _ = place(&mut d, 1, first, 0.0);
+    let shed = big(&d, None, Some("sheddable"), 1.0);
+    let (_, fx) = d.submit(RequestId(2), shed, 1.0).unwrap();
+    assert!(fx.dispatch.is_empty());
+    assert_eq!(
+        fx.shed,
+        vec![Shed {
+            id: RequestId(2),
+            reason: ShedReason::Overload,
+            retry_after_ms: 1_000,
+        }]
+    );
+    assert!(!d.is_known(RequestId(2)));
+    assert!(d.admission().queue().is_empty(), "it never waits");
+    assert_eq!(stats(&d, 0, 2).counters.shed, 1);
+}
+
+#[test]
+fn a_sheddable_request_behind_waiting_requests_is_shed_without_a_route() {
+    let mut d = busy_fleet(FlowConfig::default());
+    let first = big(&d, None, None, 0.0);
+    let _ = place(&mut d, 1, first, 0.0);
+    let waits = big(&d, None, None, 0.0);
+    let _ = d.submit(RequestId(2), waits, 0.0).unwrap();
+    let small = Submission {
+        flow: d
+            .flows()
+            .resolve(None, Some("sheddable"), None, 0, 0.0)
+            .unwrap(),
+        ..submission(50, 1)
+    };
+    let (_, fx) = d.submit(RequestId(3), small, 1.0).unwrap();
+    assert_eq!(fx.shed.len(), 1);
+    assert_eq!(fx.counts.decisions, 0, "shed before any routing");
+    assert_eq!(d.admission().queue().len(), 1);
+}
+
+#[test]
+fn a_sheddable_request_a_worker_takes_is_placed() {
+    let mut d = busy_fleet(FlowConfig::default());
+    let s = Submission {
+        flow: d
+            .flows()
+            .resolve(None, Some("sheddable"), None, 0, 0.0)
+            .unwrap(),
+        ..submission(0, 4)
+    };
+    let sent = place(&mut d, 1, s, 0.0);
+    assert_eq!(sent.id, RequestId(1));
+    assert_eq!(stats(&d, 0, 2).counters.dispatched, 1);
+}
+
+fn with_deadline(d: &Dispatcher, prompt_tokens: u32, budget_ms: &str, now: f64) -> Submission {
+    Submission {
+        prompt_tokens,
+        flow: d
+            .flows()
+            .resolve(None, None, Some(budget_ms), 0, now)
+            .unwrap(),
+        ..Submission::default()
+    }
+}
+
+#[test]
+fn with_refuse_late_a_deadline_the_estimate_cannot_meet_is_shed_at_submit() {
+    let flow = FlowConfig {
+        refuse_late: true,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    let estimate = d.estimator().config().model_ms(5_000);
+    assert!(estimate > 2.0, "the model needs time for 5,000 tokens");
+    let (_, fx) = d
+        .submit(RequestId(1), with_deadline(&d, 5_000, "1", 0.0), 0.0)
+        .unwrap();
+    assert_eq!(fx.shed.len(), 1);
+    assert_eq!(fx.shed[0].reason, ShedReason::Late);
+    assert_eq!(stats(&d, 0, 1).counters.late, 1);
+    // A deadline it can meet is placed.
+    let budget = format!("{}", estimate.ceil() as u64 + 10);
+    let two = with_deadline(&d, 5_000, &budget, 0.0);
+    let sent = place(&mut d, 2, two, 0.0);
+    assert_eq!(sent.id, RequestId(2));
+}
+
+#[test]
+fn without_refuse_late_a_deadline_only_orders() {
+    let mut d = busy_fleet(FlowConfig::default());
+    let first = big(&d, None, None, 0.0);
+    let _ = place(&mut d, 1, first, 0.0);
+    let _ = d
+        .submit(RequestId(2), with_deadline(&d, 5_000, "5000", 0.0), 0.0)
+        .unwrap();
+    let (_, fx) = d
+        .submit(RequestId(3), with_deadline(&d, 5_000, "1", 0.0), 0.0)
+        .unwrap();
+    assert!(fx.shed.is_empty(), "not refused");
+    let fx = d.finish(RequestId(1), 5_000, 100.0);
+    assert_eq!(
+        fx.dispatch[0].id,
+        RequestId(3),
+        "the earlier deadline first"
+    );
+    let s = stats(&d, 0, 1);
+    assert_eq!(s.counters.missed_deadline, 1);
+}
+
+#[test]
+fn with_refuse_late_a_waiting_request_is_shed_once_its_deadline_cannot_be_met() {
+    let flow = FlowConfig {
+        refuse_late: true,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    // A long prefill keeps the worker busy (its load decays over its
+    // expected prefill time, much longer than this test's clock).
+    let first = Submission {
+        prompt_tokens: 200_000,
+        ..big(&d, None, None, 0.0)
+    };
+    let _ = place(&mut d, 1, first, 0.0);
+    let estimate = d.estimator().config().model_ms(5_000);
+    assert!(d.estimator().config().model_ms(200_000) > 10.0 * estimate);
+    let budget = estimate.ceil() + 500.0;
+    let s = with_deadline(&d, 5_000, &format!("{budget}"), 0.0);
+    let (_, fx) = d.submit(RequestId(2), s, 0.0).unwrap();
+    assert!(fx.shed.is_empty() && fx.dispatch.is_empty(), "it waits");
+    // The driver is woken when it becomes late.
+    let wake = d.next_wakeup_ms();
+    assert!(wake <= budget - estimate + 1e-6, "{wake}");
+    assert!(d.tick(wake.min(budget - estimate - 1.0)).shed.is_empty());
+    let fx = d.tick(budget - estimate + 1.0);
+    assert_eq!(fx.shed.len(), 1);
+    assert_eq!(fx.shed[0].reason, ShedReason::Late);
+    assert!(!d.is_known(RequestId(2)));
+    assert_eq!(d.admission().queue().len(), 0);
+}
