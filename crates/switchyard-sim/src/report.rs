@@ -63,6 +63,10 @@ pub struct PolicyReport {
     pub completed: u64,
     /// Requests refused (by an engine's limits) or lost.
     pub errors: u64,
+    /// Requests shed by flow control: refused at once with a 429 (a
+    /// sheddable band under overload, or a deadline that cannot be met).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub shed: u64,
     /// Multi-turn sessions whose every turn completed.
     pub sessions_completed: u64,
     /// Simulated seconds from the first arrival to the last completion.
@@ -91,6 +95,10 @@ pub struct PolicyReport {
     /// Figures per tenant, by name (absent unless the run names tenants).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tenants: std::collections::BTreeMap<String, TenantFigures>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What one tenant's requests got.

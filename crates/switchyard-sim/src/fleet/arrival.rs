@@ -7,7 +7,7 @@ use super::disagg::Handoff;
 use super::event::Event;
 use super::{InFlight, Payload, Phase, Simulation};
 use std::sync::Arc;
-use switchyard_core::admission::SessionKey;
+use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_core::dispatch::{request_of, Dispatch, Effects, Half, Submission};
 use switchyard_core::hashing::{local_block_hashes, seed_for};
 use switchyard_core::RequestId;
@@ -60,13 +60,26 @@ impl Simulation {
             seed_for(lora.as_deref(), None),
         );
         let adapter = lora.as_deref().map(Box::from);
+        let asked = s.flow;
         let id = Self::request_id(session, turn);
         let replica = self.pick_replica(session, multi_turn);
+        // The session's tenant, its band (or the tenant's own) and its
+        // TTFT budget from now, as `serve` resolves a request's headers.
+        let flows = self.replicas[replica].dispatcher.flows();
+        let flow = Flow {
+            tenant: asked.tenant,
+            band: asked
+                .band
+                .unwrap_or_else(|| flows.resolve_band(asked.tenant, None).unwrap_or_default()),
+            deadline_ms: asked.ttft_budget_ms.map(|ms| self.now + f64::from(ms)),
+            expected_output_tokens: output_tokens,
+        };
         let submission = Submission {
             blocks,
             prompt_tokens: tokens.len() as u32,
             session: multi_turn.then_some(SessionKey(session)),
             adapter,
+            flow,
             ..Submission::default()
         };
         self.payloads.insert(
@@ -103,6 +116,7 @@ impl Simulation {
             let Effects {
                 dispatch,
                 no_worker,
+                shed,
                 publish,
                 bindings,
                 ..
@@ -112,6 +126,17 @@ impl Simulation {
             }
             for sent in dispatch {
                 self.start(replica, sent);
+            }
+            for s in shed {
+                // Refused at once by flow control: the client got its
+                // 429 and the session ends here.
+                let id = request_of(s.id);
+                self.drop_handoff(id);
+                if let Some(p) = self.payloads.remove(&id) {
+                    self.tally(p.session).shed += 1;
+                    self.shed += 1;
+                    self.end_session(p.session);
+                }
             }
             for id in no_worker {
                 // A half no worker can take ends its request.

@@ -256,6 +256,8 @@ struct Simulation {
     view_error_sum: f64,
     excess_sum: f64,
     decisions: u64,
+    /// Requests shed by flow control (answered at once with a 429).
+    shed: u64,
     /// Samples per tenant, by tenant index (the flow policy bounds them).
     tenants: Vec<crate::report::TenantTally>,
 }
@@ -380,6 +382,7 @@ impl Simulation {
             timeline,
             view_error_sum: 0.0,
             excess_sum: 0.0,
+            shed: 0,
             tenants: Vec::new(),
             decisions: 0,
         })
@@ -527,6 +530,11 @@ impl Simulation {
     fn fail(&mut self, session: u64) {
         self.tally(session).errors += 1;
         self.errors += 1;
+        self.end_session(session);
+    }
+
+    /// Forgets a session that will send no further turn.
+    fn end_session(&mut self, session: u64) {
         self.sessions.remove(&session);
         self.session_replica.remove(&session);
     }

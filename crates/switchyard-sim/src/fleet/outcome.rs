@@ -64,6 +64,7 @@ impl Simulation {
                 .sum(),
             completed: self.completed,
             errors: self.errors,
+            shed: self.shed,
             sessions_completed: self.sessions_completed,
             makespan_s: makespan_ms / 1000.0,
             engine_steps: self.workers.iter().map(|w| w.engine.counters().steps).sum(),
