@@ -56,6 +56,22 @@ pub struct Snapshot {
     pub queue_depth: usize,
     /// The admission strategy's name and event counters, when one is on.
     pub strategy: Option<(&'static str, Vec<(&'static str, u64)>)>,
+    /// Flow control per (tenant, band) that saw any request, labelled by
+    /// name (a bounded set: the configured tenants and bands).
+    pub flows: Vec<FlowRow>,
+}
+
+/// One (tenant, band)'s queue figures.
+#[derive(Debug, Clone)]
+pub struct FlowRow {
+    /// The tenant's name.
+    pub tenant: String,
+    /// The band's name.
+    pub band: String,
+    /// Requests waiting now.
+    pub waiting: usize,
+    /// Its counters.
+    pub counters: switchyard_core::admission::FlowCounters,
 }
 
 impl Snapshot {
@@ -158,6 +174,49 @@ impl Snapshot {
             None,
             MetricType::Counter,
         )?)?;
+        let mut family = encoder.encode_descriptor(
+            "switchyard_flow_waiting_requests",
+            "Requests waiting in the admission queue, by tenant and priority band.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for f in &self.flows {
+            let labels = [("tenant", &*f.tenant), ("band", &*f.band)];
+            ConstGauge::new(f.waiting).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "switchyard_flow_requests",
+            "Requests by tenant, priority band and what admission did: dispatched to a worker, shed (429: a sheddable band under overload), late (429: a deadline the prefill estimate could not meet), refused (429: its queue full).",
+            None,
+            MetricType::Counter,
+        )?;
+        for f in &self.flows {
+            let c = &f.counters;
+            for (outcome, n) in [
+                ("dispatched", c.dispatched),
+                ("shed", c.shed),
+                ("late", c.late),
+                ("refused", c.refused),
+            ] {
+                let labels = [
+                    ("tenant", &*f.tenant),
+                    ("band", &*f.band),
+                    ("outcome", outcome),
+                ];
+                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "switchyard_flow_tokens_dispatched",
+            "Tokens charged to the fair share at dispatch (uncached prompt plus expected output), by tenant and priority band.",
+            None,
+            MetricType::Counter,
+        )?;
+        for f in &self.flows {
+            let labels = [("tenant", &*f.tenant), ("band", &*f.band)];
+            ConstCounter::new(f.counters.tokens_dispatched)
+                .encode(family.encode_family(&labels)?)?;
+        }
         if let Some((strategy, counts)) = &self.strategy {
             let mut family = encoder.encode_descriptor(
                 "switchyard_admission_strategy_events",
@@ -262,6 +321,7 @@ mod tests {
             index_evicted_blocks: 3,
             queue_depth: 1,
             strategy: Some(("session-aware", vec![("pauses", 4)])),
+            flows: Vec::new(),
         }
     }
 

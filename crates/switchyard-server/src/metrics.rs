@@ -901,3 +901,74 @@ mod tests {
         assert_eq!(m.requests(RequestStatus::Ok), 10_000);
     }
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FlowLabels {
+    tenant: String,
+    band: String,
+}
+
+/// Flow control's wait histograms, one per (tenant, band) of the
+/// configuration: a bounded label set, made at startup so the request
+/// path only indexes and observes. The per-(tenant, band) counters are
+/// the core's, read at scrape time ([`crate::gauges::Snapshot`]).
+#[derive(Debug)]
+pub struct FlowMetrics {
+    family: Family<FlowLabels, Histogram, fn() -> Histogram>,
+    /// Handles, at `tenant * bands + band`.
+    waits: Vec<Histogram>,
+    bands: usize,
+}
+
+/// Buckets of the admission-queue wait, seconds: from no wait at all to
+/// a minute.
+const WAIT_BUCKETS: [f64; 12] = [
+    0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
+
+fn wait_histogram() -> Histogram {
+    Histogram::new(WAIT_BUCKETS)
+}
+
+impl FlowMetrics {
+    /// A histogram per (tenant, band) of `flows`.
+    pub fn new(flows: &switchyard_core::admission::FlowPolicy) -> Self {
+        use switchyard_core::admission::{Band, TenantId};
+        let family = Family::<FlowLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            wait_histogram,
+        );
+        let bands = flows.band_count();
+        let mut waits = Vec::with_capacity(flows.tenant_count() * bands);
+        for t in 0..flows.tenant_count() {
+            for b in 0..bands {
+                let labels = FlowLabels {
+                    tenant: flows.tenant_name(TenantId(t as u16)).to_owned(),
+                    band: flows.band_name(Band(b as u8)).to_owned(),
+                };
+                waits.push(family.get_or_create(&labels).clone());
+            }
+        }
+        Self {
+            family,
+            waits,
+            bands,
+        }
+    }
+
+    /// Registers the wait histograms.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_flow_wait_seconds",
+            "Time requests waited in the admission queue before a worker took them, by tenant and priority band",
+            self.family.clone(),
+        );
+    }
+
+    /// A request of `flow` waited `waited_ms` before it was placed.
+    pub fn observe_wait(&self, flow: &switchyard_core::admission::Flow, waited_ms: f64) {
+        let at = usize::from(flow.tenant.0) * self.bands + usize::from(flow.band.0);
+        if let Some(h) = self.waits.get(at) {
+            h.observe(waited_ms.max(0.0) / 1e3);
+        }
+    }
+}

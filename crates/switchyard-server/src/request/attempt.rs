@@ -526,7 +526,13 @@ impl Attempts {
     /// Waits for an admitted request's placement before its deadline.
     pub(crate) async fn place_from(&mut self, wait: WaitHandle) -> Result<Booking, PlaceError> {
         match tokio::time::timeout_at(self.deadline, self.placed(wait)).await {
-            Ok(placed) => placed.map_err(PlaceError::NoWorker),
+            Ok(placed) => {
+                let booking = placed.map_err(PlaceError::NoWorker)?;
+                self.state
+                    .flow_metrics
+                    .observe_wait(&self.flow, booking.waited_ms);
+                Ok(booking)
+            }
             Err(_) => Err(PlaceError::Timeout(self.queue_timeout())),
         }
     }

@@ -65,6 +65,8 @@ pub struct AppState {
     pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
     /// Tenants and bands ([`crate::request::flow`]).
     pub flows: Arc<switchyard_core::admission::FlowPolicy>,
+    /// Waits per tenant and band.
+    pub flow_metrics: Arc<crate::metrics::FlowMetrics>,
     /// With keys off, the header naming a request's tenant.
     pub tenant_header: Option<axum::http::HeaderName>,
 }
@@ -88,6 +90,12 @@ impl AppState {
         credentials.rate_limits().register(&mut registry);
         let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());
         disagg_metrics.register(&mut registry);
+        // `ServerConfig::validate` refused an invalid `[flow]`.
+        let flows = Arc::new(
+            switchyard_core::admission::FlowPolicy::new(config.flow.clone()).unwrap_or_default(),
+        );
+        let flow_metrics = Arc::new(crate::metrics::FlowMetrics::new(&flows));
+        flow_metrics.register(&mut registry);
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -129,11 +137,8 @@ impl AppState {
             router_id,
             disagg: config.disagg,
             disagg_metrics,
-            flows: Arc::new(
-                // `ServerConfig::validate` refused an invalid `[flow]`.
-                switchyard_core::admission::FlowPolicy::new(config.flow.clone())
-                    .unwrap_or_default(),
-            ),
+            flow_metrics,
+            flows,
             tenant_header: config
                 .tenant_header
                 .as_deref()

@@ -690,6 +690,20 @@ impl SharedRouter {
             index_evicted_blocks: router.index_evicted_over_cap(),
             queue_depth: admission.queue().len(),
             strategy: admission.strategy().map(|s| (s.name(), s.event_counts())),
+            flows: {
+                let flows = inner.dispatcher.flows();
+                inner
+                    .dispatcher
+                    .flow_counters()
+                    .into_iter()
+                    .map(|s| crate::gauges::FlowRow {
+                        tenant: flows.tenant_name(s.tenant).to_owned(),
+                        band: flows.band_name(s.band).to_owned(),
+                        waiting: s.waiting,
+                        counters: s.counters,
+                    })
+                    .collect()
+            },
         }
     }
 
