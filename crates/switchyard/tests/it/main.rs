@@ -32,5 +32,6 @@ mod serve_reliability;
 mod serve_replica_sync;
 mod serve_routing;
 mod serve_security;
+mod serve_tenants;
 mod serve_tls;
 mod sim_worker;
