@@ -240,3 +240,61 @@ fn with_refuse_late_a_waiting_request_is_shed_once_its_deadline_cannot_be_met() 
     assert!(!d.is_known(RequestId(2)));
     assert_eq!(d.admission().queue().len(), 0);
 }
+
+#[test]
+fn reserved_capacity_places_a_top_band_request_where_a_lower_band_one_waits() {
+    let flow = FlowConfig {
+        reserve_for_top_band: 0.5,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    // 3,000 of 8,192 batched tokens: under the busy threshold (4,096),
+    // over the lower bands' half of it (2,048).
+    let load = Submission {
+        prompt_tokens: 3_000,
+        flow: Flow {
+            band: Band(0),
+            ..Flow::default()
+        },
+        ..Submission::default()
+    };
+    let _ = place(&mut d, 1, load, 0.0);
+    let standard = Submission {
+        prompt_tokens: 10,
+        flow: d.flows().resolve(None, None, None, 0, 0.0).unwrap(),
+        ..Submission::default()
+    };
+    assert_eq!(standard.flow.band, Band(1));
+    let (_, fx) = d.submit(RequestId(2), standard, 0.0).unwrap();
+    assert!(
+        fx.dispatch.is_empty(),
+        "the standard band finds the worker busy"
+    );
+    let critical = Submission {
+        prompt_tokens: 10,
+        flow: Flow {
+            band: Band(0),
+            ..Flow::default()
+        },
+        ..Submission::default()
+    };
+    let sent = place(&mut d, 3, critical, 0.0);
+    assert_eq!(sent.id, RequestId(3));
+    assert_eq!(
+        d.admission().queue().len(),
+        1,
+        "the standard request still waits"
+    );
+}
+
+#[test]
+fn a_reserve_without_a_busy_threshold_is_refused() {
+    let mut config = DispatcherConfig::default();
+    config.admission.flow.reserve_for_top_band = 0.2;
+    assert!(matches!(
+        Dispatcher::new(config.clone(), None),
+        Err(DispatcherConfigError::ReserveWithoutBusyThreshold(_))
+    ));
+    config.router.busy_threshold = Some(0.8);
+    assert!(Dispatcher::new(config, None).is_ok());
+}

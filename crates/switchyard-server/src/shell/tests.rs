@@ -141,6 +141,7 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
         blocks: &blocks,
         adapter: None,
         model: Default::default(),
+        headroom: 0.0,
     };
     assert!(router.route(routing, None, shared.now_ms()).is_some());
     let seen = router.last_candidates();
