@@ -88,6 +88,7 @@ impl Simulation {
             timeline: self.timeline,
             ttft_samples_ms: self.ttft,
             replicas,
+            shed: self.shed,
         }
     }
 }
