@@ -298,3 +298,39 @@ fn a_reserve_without_a_busy_threshold_is_refused() {
     config.router.busy_threshold = Some(0.8);
     assert!(Dispatcher::new(config, None).is_ok());
 }
+
+#[test]
+fn a_capped_tenants_waiting_request_does_not_get_a_sheddable_one_shed() {
+    let mut capped = TenantConfig::named("capped");
+    capped.max_concurrency = Some(1);
+    let mut d = busy_fleet(FlowConfig {
+        tenants: vec![capped],
+        ..FlowConfig::default()
+    });
+    let s = |d: &Dispatcher, first| Submission {
+        flow: d
+            .flows()
+            .resolve(Some("capped"), None, None, 0, 0.0)
+            .unwrap(),
+        ..submission(first, 4)
+    };
+    let one = s(&d, 0);
+    let _ = place(&mut d, 1, one, 0.0);
+    let two = s(&d, 100);
+    assert!(d
+        .submit(RequestId(2), two, 0.0)
+        .unwrap()
+        .1
+        .dispatch
+        .is_empty());
+    // The worker has room; only the cap holds request 2 back.
+    let shed = Submission {
+        flow: d
+            .flows()
+            .resolve(None, Some("sheddable"), None, 0, 0.0)
+            .unwrap(),
+        ..submission(200, 4)
+    };
+    let sent = place(&mut d, 3, shed, 0.0);
+    assert_eq!(sent.id, RequestId(3));
+}

@@ -907,8 +907,8 @@ impl Dispatcher {
     // ---- Internals ---------------------------------------------------
 
     /// Whether a request is shed on arrival, before it is queued: a
-    /// sheddable band's request when others already wait (it would wait
-    /// behind them), or, with `refuse_late`, one whose deadline is closer
+    /// sheddable band's request when others already wait to be offered (it
+    /// would wait behind them), or, with `refuse_late`, one whose deadline is closer
     /// than the best worker's expected prefill of its uncached tokens.
     fn shed_at_arrival(
         &self,
@@ -921,7 +921,9 @@ impl Dispatcher {
         }
         let flows = self.admission.flows();
         let flow = self.admission.queue().normalize(submission.flow);
-        if flows.is_sheddable(flow.band) && self.admission.queue().ready_len() > 0 {
+        // Requests that would be offered before it wait (a capped
+        // tenant's do not count: they are not ahead of it).
+        if flows.is_sheddable(flow.band) && self.admission.queue().offerable() {
             return Ok(Some(ShedReason::Overload));
         }
         if let (true, Some(deadline)) = (flows.config().refuse_late, flow.deadline_ms) {
