@@ -81,6 +81,20 @@ impl ApiError {
         .retry_after(retry_after_ms.div_ceil(1000).max(1))
     }
 
+    /// 429: admission shed the request (its band is sheddable and the
+    /// fleet is busy, or its TTFT deadline cannot be met). 429 rather
+    /// than 529: the official OpenAI clients retry a 429 on their own,
+    /// honouring `Retry-After`.
+    pub(crate) fn shed(retry_after_ms: u64, late: bool) -> Self {
+        let message = if late {
+            "the request's time-to-first-token deadline cannot be met; retry later"
+        } else {
+            "the router is shedding this priority band under load; retry later"
+        };
+        Self::from(ErrorBody::rate_limited(message))
+            .retry_after(retry_after_ms.div_ceil(1000).max(1))
+    }
+
     /// 429: a rate limit of the client's key; `Retry-After` rounded up to
     /// whole seconds when waiting helps.
     pub(crate) fn rate_limited(
@@ -167,5 +181,8 @@ mod tests {
         assert_eq!(bad.body().error.param.as_deref(), Some("messages"));
         assert_eq!(bad.retry_after_secs, None);
         assert_eq!(ApiError::no_workers("x").retry_after_secs, Some(1));
+        let shed = ApiError::shed(2_500, false);
+        assert_eq!(shed.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(shed.retry_after_secs, Some(3));
     }
 }

@@ -138,6 +138,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
             blocks: &locals,
             adapter: None,
             model: Default::default(),
+            headroom: 0.0,
         };
         if let SelectOutcome::Selected(d) = router.route(req, None, 0.0) {
             router.book(
@@ -162,6 +163,7 @@ fn bare_router_with(c: &mut Criterion, policy: PolicyKind, name: &str) {
                     blocks: &locals,
                     adapter: None,
                     model: Default::default(),
+                    headroom: 0.0,
                 };
                 if let SelectOutcome::Selected(d) = router.route(req, None, 1.0) {
                     router.book(RequestId(u128::from(id)), req, d, Some(50.0), 1.0);

@@ -190,9 +190,12 @@ fn a_tenant_at_its_concurrency_cap_is_skipped_until_one_ends() {
     assert_eq!(serve(&mut q, 1), vec![1]);
     assert_eq!(q.in_flight(TenantId(1)), 1);
     // Tenant 1 is capped: the lower band's request goes, then nothing.
+    assert!(q.offerable());
     assert_eq!(serve(&mut q, 5), vec![3]);
     assert_eq!(q.pop(), None);
+    assert!(!q.offerable(), "only a capped tenant's request waits");
     q.release(TenantId(1));
+    assert!(q.offerable());
     assert_eq!(serve(&mut q, 5), vec![2]);
 }
 
@@ -502,6 +505,7 @@ proptest! {
                     // Work conservation and strict priority, from the
                     // model's state before the pop.
                     let expect_band = m.poppable().map(|e| e.flow.band.0).min();
+                    prop_assert_eq!(q.offerable(), expect_band.is_some());
                     let got = q.pop().map(|p| p.id);
                     prop_assert_eq!(got.is_some(), expect_band.is_some());
                     if let Some(id) = got {

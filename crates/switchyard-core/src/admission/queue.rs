@@ -798,6 +798,17 @@ impl PolicyQueue {
         true
     }
 
+    /// Whether [`Self::pop`] would offer a request now: one is ready, not
+    /// popped, and its tenant is under its concurrency cap.
+    pub fn offerable(&self) -> bool {
+        let tenants = self.flows.tenant_count();
+        self.backlogged.iter().enumerate().any(|(b, lanes)| {
+            lanes
+                .iter()
+                .any(|&t| self.lanes[b * tenants + t as usize].available() && !self.capped(t))
+        })
+    }
+
     /// Ready requests of sheddable bands (none are popped between polls).
     pub fn sheddable_ready(&self) -> usize {
         let tenants = self.flows.tenant_count();

@@ -451,6 +451,7 @@ fn a_request_waits_while_every_worker_is_busy_and_goes_when_capacity_frees() {
                 blocks: &payloads[&id],
                 adapter: None,
                 model: Default::default(),
+                headroom: 0.0,
             };
             let exact;
             let eligible = match placement {

@@ -240,3 +240,97 @@ fn with_refuse_late_a_waiting_request_is_shed_once_its_deadline_cannot_be_met() 
     assert!(!d.is_known(RequestId(2)));
     assert_eq!(d.admission().queue().len(), 0);
 }
+
+#[test]
+fn reserved_capacity_places_a_top_band_request_where_a_lower_band_one_waits() {
+    let flow = FlowConfig {
+        reserve_for_top_band: 0.5,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    // 3,000 of 8,192 batched tokens: under the busy threshold (4,096),
+    // over the lower bands' half of it (2,048).
+    let load = Submission {
+        prompt_tokens: 3_000,
+        flow: Flow {
+            band: Band(0),
+            ..Flow::default()
+        },
+        ..Submission::default()
+    };
+    let _ = place(&mut d, 1, load, 0.0);
+    let standard = Submission {
+        prompt_tokens: 10,
+        flow: d.flows().resolve(None, None, None, 0, 0.0).unwrap(),
+        ..Submission::default()
+    };
+    assert_eq!(standard.flow.band, Band(1));
+    let (_, fx) = d.submit(RequestId(2), standard, 0.0).unwrap();
+    assert!(
+        fx.dispatch.is_empty(),
+        "the standard band finds the worker busy"
+    );
+    let critical = Submission {
+        prompt_tokens: 10,
+        flow: Flow {
+            band: Band(0),
+            ..Flow::default()
+        },
+        ..Submission::default()
+    };
+    let sent = place(&mut d, 3, critical, 0.0);
+    assert_eq!(sent.id, RequestId(3));
+    assert_eq!(
+        d.admission().queue().len(),
+        1,
+        "the standard request still waits"
+    );
+}
+
+#[test]
+fn a_reserve_without_a_busy_threshold_is_refused() {
+    let mut config = DispatcherConfig::default();
+    config.admission.flow.reserve_for_top_band = 0.2;
+    assert!(matches!(
+        Dispatcher::new(config.clone(), None),
+        Err(DispatcherConfigError::ReserveWithoutBusyThreshold(_))
+    ));
+    config.router.busy_threshold = Some(0.8);
+    assert!(Dispatcher::new(config, None).is_ok());
+}
+
+#[test]
+fn a_capped_tenants_waiting_request_does_not_get_a_sheddable_one_shed() {
+    let mut capped = TenantConfig::named("capped");
+    capped.max_concurrency = Some(1);
+    let mut d = busy_fleet(FlowConfig {
+        tenants: vec![capped],
+        ..FlowConfig::default()
+    });
+    let s = |d: &Dispatcher, first| Submission {
+        flow: d
+            .flows()
+            .resolve(Some("capped"), None, None, 0, 0.0)
+            .unwrap(),
+        ..submission(first, 4)
+    };
+    let one = s(&d, 0);
+    let _ = place(&mut d, 1, one, 0.0);
+    let two = s(&d, 100);
+    assert!(d
+        .submit(RequestId(2), two, 0.0)
+        .unwrap()
+        .1
+        .dispatch
+        .is_empty());
+    // The worker has room; only the cap holds request 2 back.
+    let shed = Submission {
+        flow: d
+            .flows()
+            .resolve(None, Some("sheddable"), None, 0, 0.0)
+            .unwrap(),
+        ..submission(200, 4)
+    };
+    let sent = place(&mut d, 3, shed, 0.0);
+    assert_eq!(sent.id, RequestId(3));
+}

@@ -129,6 +129,14 @@ pub enum DispatcherConfigError {
     /// A sweep interval that is not positive.
     #[error("sweep_interval_ms must be positive and finite, got {0}")]
     SweepInterval(f64),
+    /// Capacity reserved for the top band without a busy threshold to
+    /// reserve it from.
+    #[error(
+        "admission.flow.reserve_for_top_band ({0}) needs router.busy_threshold: \
+         the reserve is a share of the busy threshold, and without one no \
+         worker is ever busy"
+    )]
+    ReserveWithoutBusyThreshold(f64),
 }
 
 impl DispatcherConfig {
@@ -140,6 +148,10 @@ impl DispatcherConfig {
         self.circuit.validate()?;
         if !(self.sweep_interval_ms.is_finite() && self.sweep_interval_ms > 0.0) {
             return Err(DispatcherConfigError::SweepInterval(self.sweep_interval_ms));
+        }
+        let reserve = self.admission.flow.reserve_for_top_band;
+        if reserve > 0.0 && self.router.busy_threshold.is_none() {
+            return Err(DispatcherConfigError::ReserveWithoutBusyThreshold(reserve));
         }
         Ok(())
     }
@@ -895,8 +907,8 @@ impl Dispatcher {
     // ---- Internals ---------------------------------------------------
 
     /// Whether a request is shed on arrival, before it is queued: a
-    /// sheddable band's request when others already wait (it would wait
-    /// behind them), or, with `refuse_late`, one whose deadline is closer
+    /// sheddable band's request when others already wait to be offered (it
+    /// would wait behind them), or, with `refuse_late`, one whose deadline is closer
     /// than the best worker's expected prefill of its uncached tokens.
     fn shed_at_arrival(
         &self,
@@ -909,7 +921,9 @@ impl Dispatcher {
         }
         let flows = self.admission.flows();
         let flow = self.admission.queue().normalize(submission.flow);
-        if flows.is_sheddable(flow.band) && self.admission.queue().ready_len() > 0 {
+        // Requests that would be offered before it wait (a capped
+        // tenant's do not count: they are not ahead of it).
+        if flows.is_sheddable(flow.band) && self.admission.queue().offerable() {
             return Ok(Some(ShedReason::Overload));
         }
         if let (true, Some(deadline)) = (flows.config().refuse_late, flow.deadline_ms) {
@@ -1237,11 +1251,18 @@ impl Dispatcher {
                     Some(&scratch[..])
                 }
             };
+            // Capacity held back for the top band.
+            let headroom = if request.flow.band.0 > 0 {
+                config.admission.flow.reserve_for_top_band
+            } else {
+                0.0
+            };
             let routing = RoutingRequest {
                 prompt_tokens: request.prompt_tokens,
                 blocks: &request.blocks,
                 adapter: request.adapter.as_deref(),
                 model: request.model,
+                headroom,
             };
             fx.counts.decisions += 1;
             // A route made outside the lock is this request's decision
@@ -1254,7 +1275,7 @@ impl Dispatcher {
                         && matches!(placement, Placement::Any)
                         && request.excluded.is_empty()
                         && eligible.is_none_or(|e| e.contains(&p.decision.worker))
-                        && router.may_take(p.decision.worker, now_ms) =>
+                        && router.may_take_with(p.decision.worker, now_ms, headroom) =>
                 {
                     Some(*p)
                 }

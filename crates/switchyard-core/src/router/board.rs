@@ -462,6 +462,7 @@ mod tests {
             blocks,
             adapter: None,
             model: ModelSettings::default(),
+            headroom: 0.0,
         }
     }
 

@@ -534,6 +534,12 @@ impl Router {
     /// selectable and not over the busy threshold, as a route would find
     /// it now.
     pub fn may_take(&self, worker: WorkerId, now_ms: f64) -> bool {
+        self.may_take_with(worker, now_ms, 0.0)
+    }
+
+    /// [`Self::may_take`] for a request with `headroom` held back from it
+    /// ([`RoutingRequest::headroom`]).
+    pub fn may_take_with(&self, worker: WorkerId, now_ms: f64, headroom: f64) -> bool {
         let Some(slot) = self.sequences.slot_of(worker) else {
             return false;
         };
@@ -548,6 +554,7 @@ impl Router {
                 Some(state),
                 load,
                 load.active_prefill_tokens(now_ms),
+                headroom,
             )
     }
 

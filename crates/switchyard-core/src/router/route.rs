@@ -36,15 +36,22 @@ pub(crate) trait Loads {
 }
 
 /// Whether a worker with `load` and `slot`'s capacity, `prefill_tokens`
-/// still to prefill, is over the busy threshold (never without one).
+/// still to prefill, is over the busy threshold (never without one), less
+/// the `headroom` held back from the request.
 pub(super) fn is_busy(
     config: &RouterConfig,
     slot: Option<&WorkerSlot>,
     load: &WorkerLoad,
     prefill_tokens: u64,
+    headroom: f64,
 ) -> bool {
     match (config.busy_threshold, slot.map(|s| &s.capacity)) {
         (Some(t), Some(cap)) => {
+            let t = if headroom > 0.0 {
+                t * (1.0 - headroom.min(1.0))
+            } else {
+                t
+            };
             cap.max_num_batched_tokens
                 .is_some_and(|m| prefill_tokens as f64 > t * m as f64)
                 || cap
@@ -247,7 +254,7 @@ impl RouteScratch {
                 continue;
             }
             let prefill_tokens = load.active_prefill_tokens(now_ms);
-            let busy = is_busy(config, slot, load, prefill_tokens);
+            let busy = is_busy(config, slot, load, prefill_tokens, request.headroom);
             let block_size = u64::from(block_size.max(1));
             let kv_capacity_blocks = slot
                 .and_then(|s| s.capacity.kv_tokens)

@@ -29,6 +29,7 @@ fn prompt(blocks: &[LocalHash]) -> RoutingRequest<'_> {
         blocks,
         adapter: None,
         model: Default::default(),
+        headroom: 0.0,
     }
 }
 
@@ -83,6 +84,7 @@ fn a_models_block_size_prices_its_cached_blocks_and_counts_its_bookings() {
             block_size: Some(32),
             policy: None,
         },
+        headroom: 0.0,
     };
     let d = selected(r.route(request, Some(&[w(4)]), 0.0));
     assert_eq!((d.worker, d.overlap_blocks), (w(4), 2));

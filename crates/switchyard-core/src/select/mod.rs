@@ -52,6 +52,11 @@ pub struct RoutingRequest<'a> {
     pub adapter: Option<&'a str>,
     /// Its model's own settings, where they differ from the router's.
     pub model: ModelSettings,
+    /// Share of the busy threshold held back from it: it finds a worker
+    /// busy at `(1 - headroom) ×` the threshold (a request below the top
+    /// priority band when the flow configuration reserves capacity for
+    /// it). 0: the threshold itself.
+    pub headroom: f64,
 }
 
 /// A model's routing settings where they differ from the router's (a
@@ -515,6 +520,7 @@ pub(crate) mod test_support {
                 blocks,
                 adapter: None,
                 model: Default::default(),
+                headroom: 0.0,
             },
             candidates,
             block_size: 16,

@@ -300,10 +300,14 @@ impl Attempts {
                 }
                 Ok(booking)
             }
-            Err(()) if self.migrations == 0 => {
+            Err(super::booking::Unplaced::Shed {
+                retry_after_ms,
+                late,
+            }) => Err(ApiError::shed(retry_after_ms, late)),
+            Err(super::booking::Unplaced::NoWorkers) if self.migrations == 0 => {
                 Err(ApiError::no_workers("no worker can take the request"))
             }
-            Err(()) => {
+            Err(super::booking::Unplaced::NoWorkers) => {
                 metrics.migrations_exhausted.inc();
                 Err(ApiError::no_workers(format!(
                     "{} worker(s) failed the request and no other worker can take it",

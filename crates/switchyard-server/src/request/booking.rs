@@ -93,8 +93,8 @@ impl WaitHandle {
     }
 
     /// Waits for placement; the booking is owned by the returned guard.
-    /// `Err` when no worker can take the request (it has ended).
-    pub async fn placed(mut self) -> Result<Booking, ()> {
+    /// `Err` when the request was not placed (it has ended).
+    pub async fn placed(mut self) -> Result<Booking, Unplaced> {
         let rx = self
             .rx
             .as_mut()
@@ -128,9 +128,30 @@ impl WaitHandle {
                 completed: None,
                 handed_over: false,
             }),
-            Ok(Assignment::NoWorkers) | Err(_) => Err(()),
+            Ok(Assignment::Shed {
+                retry_after_ms,
+                late,
+            }) => Err(Unplaced::Shed {
+                retry_after_ms,
+                late,
+            }),
+            Ok(Assignment::NoWorkers) | Err(_) => Err(Unplaced::NoWorkers),
         }
     }
+}
+
+/// Why a waiting request was not placed; it has ended either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unplaced {
+    /// No worker can take it (HTTP 503).
+    NoWorkers,
+    /// Admission shed it (HTTP 429 with `Retry-After`).
+    Shed {
+        /// Suggested `Retry-After`.
+        retry_after_ms: u64,
+        /// Its TTFT deadline could not be met.
+        late: bool,
+    },
 }
 
 impl Drop for WaitHandle {

@@ -144,6 +144,7 @@ impl SharedRouter {
             blocks: &request.blocks,
             adapter: request.adapter,
             model: request.settings,
+            headroom: 0.0,
         };
         let proposal = router.route(routing, None, now);
         pre.idle

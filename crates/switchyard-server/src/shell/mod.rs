@@ -98,6 +98,15 @@ pub enum Assignment {
     },
     /// No worker can take it: the request has ended.
     NoWorkers,
+    /// Shed by admission (a sheddable band under overload, or a TTFT
+    /// deadline that cannot be met): the request has ended; answer 429
+    /// with `Retry-After`.
+    Shed {
+        /// Suggested `Retry-After`.
+        retry_after_ms: u64,
+        /// Shed because its deadline could not be met.
+        late: bool,
+    },
 }
 
 /// What a request brings to admission.
@@ -388,6 +397,14 @@ impl SharedRouter {
                     let _ = tx.send(Assignment::NoWorkers);
                 }
             }
+            for shed in fx.shed {
+                if let Some(tx) = inner.waiting.remove(&shed.id) {
+                    let _ = tx.send(Assignment::Shed {
+                        retry_after_ms: shed.retry_after_ms,
+                        late: shed.reason == switchyard_core::admission::ShedReason::Late,
+                    });
+                }
+            }
         }
     }
 
@@ -510,7 +527,11 @@ impl SharedRouter {
         self.drive(|inner, now| {
             let waits = inner.dispatcher.placement_of(id).is_none() && inner.wait_for(id, tx);
             let fx = inner.dispatcher.handed_over(id, now);
-            if waits && !inner.dispatcher.is_known(id) && !fx.no_worker.contains(&id) {
+            if waits
+                && !inner.dispatcher.is_known(id)
+                && !fx.no_worker.contains(&id)
+                && !fx.shed.iter().any(|s| s.id == id)
+            {
                 // Nothing was submitted for it (paired together, its
                 // decode half ended first; or the request is gone).
                 inner.waiting.remove(&id);

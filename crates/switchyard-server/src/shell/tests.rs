@@ -141,6 +141,7 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
         blocks: &blocks,
         adapter: None,
         model: Default::default(),
+        headroom: 0.0,
     };
     assert!(router.route(routing, None, shared.now_ms()).is_some());
     let seen = router.last_candidates();
@@ -473,4 +474,26 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
     assert_eq!(next.worker, worker, "the session re-pinned");
     let counts = shared.snapshot().strategy.unwrap().1;
     assert!(counts.contains(&("migrated_turns", 1)), "{counts:?}");
+}
+
+#[tokio::test]
+async fn a_shed_request_is_answered_like_a_full_queue_with_its_retry_after() {
+    let mut config = ServerConfig::default();
+    config.queue.flow.refuse_late = true;
+    let (shared, _) = shared_with(&config, &["a"]);
+    // A deadline already passed: no prefill estimate can meet it.
+    let mut late = request(&[1, 2, 3], 4_000);
+    late.flow.deadline_ms = Some(0.0);
+    let id = shared.next_request_id();
+    let wait = WaitHandle::submit(&shared, id, late).unwrap();
+    let unplaced = wait.placed().await.unwrap_err();
+    assert_eq!(
+        unplaced,
+        crate::request::booking::Unplaced::Shed {
+            retry_after_ms: 1_000,
+            late: true,
+        }
+    );
+    // Without a deadline the same request is placed.
+    assert!(place(&shared, request(&[1, 2, 3], 4_000)).await.is_some());
 }

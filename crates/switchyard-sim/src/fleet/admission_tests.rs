@@ -54,3 +54,46 @@ fn sticking_sessions_to_their_worker_keeps_their_prefix_cached() {
         without.hit_rate
     );
 }
+
+fn in_band(stream: SessionStream, band: u8) -> SessionStream {
+    Box::new(stream.map(move |s| {
+        s.map(|mut s| {
+            s.flow.band = Some(switchyard_core::admission::Band(band));
+            s
+        })
+    }))
+}
+
+/// One worker that is busy early: requests wait unless they are shed.
+fn flooded() -> (FleetConfig, SessionStream) {
+    let mut config = FleetConfig {
+        workers: 1,
+        ..FleetConfig::default()
+    };
+    config.router.busy_threshold = Some(0.05);
+    let stream = synthetic(SyntheticConfig {
+        sessions: 40,
+        sessions_per_sec: 200.0,
+        think_time_ms: 10.0,
+        ..Default::default()
+    });
+    (config, stream)
+}
+
+#[test]
+fn a_sheddable_band_on_a_busy_fleet_is_shed_and_recorded_not_failed() {
+    let (config, stream) = flooded();
+    let out = simulate(&config, in_band(stream, 2), |_| {}).unwrap();
+    assert!(!out.shed.is_empty(), "a flooded fleet sheds");
+    assert_eq!(out.report.errors, 0, "a shed request is not an error");
+    for s in &out.shed {
+        assert_eq!(s.band, switchyard_core::admission::Band(2));
+        assert_eq!(s.reason, switchyard_core::admission::ShedReason::Overload);
+    }
+    assert!(out.report.completed > 0, "what a worker took completes");
+    // The same load in the standard band waits instead: nothing is shed.
+    let (config, stream) = flooded();
+    let out = simulate(&config, in_band(stream, 1), |_| {}).unwrap();
+    assert!(out.shed.is_empty());
+    assert_eq!(out.report.sessions_completed, 40);
+}

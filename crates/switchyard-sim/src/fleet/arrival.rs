@@ -6,8 +6,9 @@ use super::config::DisaggConfig;
 use super::disagg::Handoff;
 use super::event::Event;
 use super::{InFlight, Payload, Phase, Simulation};
+use crate::workload::SessionFlow;
 use std::sync::Arc;
-use switchyard_core::admission::{Flow, SessionKey};
+use switchyard_core::admission::{Flow, FlowPolicy, SessionKey};
 use switchyard_core::dispatch::{request_of, Dispatch, Effects, Half, Submission};
 use switchyard_core::hashing::{local_block_hashes, seed_for};
 use switchyard_core::RequestId;
@@ -60,20 +61,15 @@ impl Simulation {
             seed_for(lora.as_deref(), None),
         );
         let adapter = lora.as_deref().map(Box::from);
-        let asked = s.flow;
+        let session_flow = s.flow;
         let id = Self::request_id(session, turn);
         let replica = self.pick_replica(session, multi_turn);
-        // The session's tenant, its band (or the tenant's own) and its
-        // TTFT budget from now, as `serve` resolves a request's headers.
-        let flows = self.replicas[replica].dispatcher.flows();
-        let flow = Flow {
-            tenant: asked.tenant,
-            band: asked
-                .band
-                .unwrap_or_else(|| flows.resolve_band(asked.tenant, None).unwrap_or_default()),
-            deadline_ms: asked.ttft_budget_ms.map(|ms| self.now + f64::from(ms)),
-            expected_output_tokens: output_tokens,
-        };
+        let flow = Self::flow_of(
+            self.replicas[replica].dispatcher.flows(),
+            session_flow,
+            output_tokens,
+            self.now,
+        );
         let submission = Submission {
             blocks,
             prompt_tokens: tokens.len() as u32,
@@ -90,6 +86,7 @@ impl Simulation {
                 arrival_ms: self.now,
                 tokens,
                 output_tokens,
+                flow,
             },
         );
         let plan = self.split_plan();
@@ -104,6 +101,25 @@ impl Simulation {
                 self.payloads.remove(&id);
                 self.fail(session);
             }
+        }
+    }
+
+    /// A turn's flow as `serve` would resolve it: the session's tenant,
+    /// the band it asks for capped by the tenant's ceiling (its own band
+    /// when it asks for none), its TTFT budget from now, and its output
+    /// length as the expected output.
+    fn flow_of(flows: &FlowPolicy, session: SessionFlow, output_tokens: u32, now_ms: f64) -> Flow {
+        let asked = session.band.map(|b| b.0.to_string());
+        let band = flows
+            .resolve_band(session.tenant, asked.as_deref())
+            // A band the policy does not have: the tenant's own.
+            .or_else(|_| flows.resolve_band(session.tenant, None))
+            .unwrap_or_default();
+        Flow {
+            tenant: session.tenant,
+            band,
+            deadline_ms: session.ttft_budget_ms.map(|b| now_ms + f64::from(b)),
+            expected_output_tokens: output_tokens,
         }
     }
 
@@ -127,17 +143,6 @@ impl Simulation {
             for sent in dispatch {
                 self.start(replica, sent);
             }
-            for s in shed {
-                // Refused at once by flow control: the client got its
-                // 429 and the session ends here.
-                let id = request_of(s.id);
-                self.drop_handoff(id);
-                if let Some(p) = self.payloads.remove(&id) {
-                    self.tally(p.session).shed += 1;
-                    self.shed += 1;
-                    self.end_session(p.session);
-                }
-            }
             for id in no_worker {
                 // A half no worker can take ends its request.
                 let id = request_of(id);
@@ -145,6 +150,12 @@ impl Simulation {
                 if let Some(p) = self.payloads.remove(&id) {
                     self.fail(p.session);
                 }
+            }
+            for s in shed {
+                // A shed half ends its request (both halves are shed).
+                let id = request_of(s.id);
+                self.drop_handoff(id);
+                self.shed(id, s.reason);
             }
         }
     }

@@ -134,6 +134,12 @@ pub struct SimOutcome {
     pub ttft_samples_ms: Vec<f64>,
     /// What the router replicas did and what their views cost.
     pub replicas: ReplicaStats,
+    /// Every request admission shed, in the order it was shed (empty
+    /// unless a band is sheddable or deadlines are refused). A shed turn
+    /// ends its session, as a refused one does, but is not an error.
+    /// Not serialized: reports count it per tenant as they need.
+    #[serde(skip)]
+    pub shed: Vec<ShedRequest>,
 }
 
 struct InFlight {
@@ -173,6 +179,26 @@ struct Payload {
     arrival_ms: f64,
     tokens: Vec<u32>,
     output_tokens: u32,
+    /// Its tenant and band as the dispatcher resolved them.
+    flow: switchyard_core::admission::Flow,
+}
+
+/// A request admission shed (it ended without a worker): what a report
+/// counts per tenant and band.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShedRequest {
+    /// Its session.
+    pub session: u64,
+    /// Its turn within the session.
+    pub turn: usize,
+    /// Its tenant.
+    pub tenant: switchyard_core::admission::TenantId,
+    /// Its band.
+    pub band: switchyard_core::admission::Band,
+    /// Why it was shed.
+    pub reason: switchyard_core::admission::ShedReason,
+    /// When it arrived (ms).
+    pub arrival_ms: f64,
 }
 
 struct WorkerState {
@@ -249,6 +275,7 @@ struct Simulation {
     output_tokens: u64,
     completed: u64,
     errors: u64,
+    shed: Vec<ShedRequest>,
     sessions_completed: u64,
     first_arrival: Option<f64>,
     last_completion: f64,
@@ -256,8 +283,6 @@ struct Simulation {
     view_error_sum: f64,
     excess_sum: f64,
     decisions: u64,
-    /// Requests shed by flow control (answered at once with a 429).
-    shed: u64,
     /// Samples per tenant, by tenant index (the flow policy bounds them).
     tenants: Vec<crate::report::TenantTally>,
 }
@@ -376,13 +401,13 @@ impl Simulation {
             output_tokens: 0,
             completed: 0,
             errors: 0,
+            shed: Vec::new(),
             sessions_completed: 0,
             first_arrival: None,
             last_completion: 0.0,
             timeline,
             view_error_sum: 0.0,
             excess_sum: 0.0,
-            shed: 0,
             tenants: Vec::new(),
             decisions: 0,
         })
@@ -537,5 +562,27 @@ impl Simulation {
     fn end_session(&mut self, session: u64) {
         self.sessions.remove(&session);
         self.session_replica.remove(&session);
+    }
+
+    /// A request admission shed: recorded, and its session ends (the
+    /// simulated client does not retry).
+    fn shed(
+        &mut self,
+        id: switchyard_core::RequestId,
+        reason: switchyard_core::admission::ShedReason,
+    ) {
+        let Some(p) = self.payloads.remove(&id) else {
+            return;
+        };
+        self.shed.push(ShedRequest {
+            session: p.session,
+            turn: p.turn,
+            tenant: p.flow.tenant,
+            band: p.flow.band,
+            reason,
+            arrival_ms: p.arrival_ms,
+        });
+        self.tally(p.session).shed += 1;
+        self.end_session(p.session);
     }
 }

@@ -64,7 +64,7 @@ impl Simulation {
                 .sum(),
             completed: self.completed,
             errors: self.errors,
-            shed: self.shed,
+            shed: self.shed.len() as u64,
             sessions_completed: self.sessions_completed,
             makespan_s: makespan_ms / 1000.0,
             engine_steps: self.workers.iter().map(|w| w.engine.counters().steps).sum(),
@@ -125,6 +125,7 @@ impl Simulation {
             timeline: self.timeline,
             ttft_samples_ms: self.ttft,
             replicas,
+            shed: self.shed,
         }
     }
 }

@@ -283,7 +283,7 @@ fn place_on_thread(
         });
         let mut booking = runtime
             .block_on(handle.placed())
-            .map_err(|()| anyhow::anyhow!("no worker took a request"))?;
+            .map_err(|_| anyhow::anyhow!("no worker took a request"))?;
         booking.completed(u64::from(blocks as u32 * 16 + 1));
     }
     Ok(samples)

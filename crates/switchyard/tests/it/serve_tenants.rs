@@ -69,7 +69,10 @@ async fn bad_flow_headers_get_a_clear_400() {
     let _machine = machine().await;
     let worker = sim_worker_with(0, &["--speedup", "0", "--num-blocks", "1024"]);
     let config = scratch_file("tenants_headers.toml", CONFIG);
-    let router = router(&[worker.named("w0")], &["--config", config.to_str().unwrap()]);
+    let router = router(
+        &[worker.named("w0")],
+        &["--config", config.to_str().unwrap()],
+    );
     let client = reqwest::Client::new();
     ready(&client, &router.base).await;
     let long = "x".repeat(10_000);
@@ -80,10 +83,17 @@ async fn bad_flow_headers_get_a_clear_400() {
         ("x-slo-ttft-ms", "1.5", "TTFT deadline"),
         ("x-priority", long.as_str(), "over the limit"),
     ] {
-        let response = send(&client, &router.base, "sk-checkout", &[(header, value)], 8, 2)
-            .send()
-            .await
-            .unwrap();
+        let response = send(
+            &client,
+            &router.base,
+            "sk-checkout",
+            &[(header, value)],
+            8,
+            2,
+        )
+        .send()
+        .await
+        .unwrap();
         assert_eq!(response.status(), 400, "{header}: {value:.20}");
         let error = openai_error(response).await;
         let message = error["error"]["message"].as_str().unwrap();
@@ -93,7 +103,10 @@ async fn bad_flow_headers_get_a_clear_400() {
     // Within limits: served. `batch` asking for `critical` is capped to
     // its own band (sheddable), not refused; an idle worker takes it.
     for (key, headers) in [
-        ("sk-checkout", vec![("x-priority", "critical"), ("x-slo-ttft-ms", "5000")]),
+        (
+            "sk-checkout",
+            vec![("x-priority", "critical"), ("x-slo-ttft-ms", "5000")],
+        ),
         ("sk-checkout", vec![("x-priority", "1")]),
         ("sk-batch", vec![("x-priority", "critical")]),
     ] {
@@ -114,7 +127,11 @@ async fn bad_flow_headers_get_a_clear_400() {
     };
     assert_eq!(dispatched("checkout", "critical"), Some(1.0), "{text}");
     assert_eq!(dispatched("checkout", "standard"), Some(1.0), "{text}");
-    assert_eq!(dispatched("batch", "sheddable"), Some(1.0), "capped: {text}");
+    assert_eq!(
+        dispatched("batch", "sheddable"),
+        Some(1.0),
+        "capped: {text}"
+    );
     assert_eq!(dispatched("batch", "critical"), Some(0.0), "{text}");
 }
 
@@ -171,7 +188,10 @@ async fn sheddable_requests_are_refused_at_once_while_critical_ones_wait() {
             );
         }
     }
-    assert_eq!(shed, 5, "every sheddable request is shed while the worker is busy");
+    assert_eq!(
+        shed, 5,
+        "every sheddable request is shed while the worker is busy"
+    );
     // A critical request waits (it is not shed) and is served once the
     // long one ends.
     let second = send(&client, &router.base, "sk-checkout", &critical, 600, 10)
@@ -190,8 +210,16 @@ async fn sheddable_requests_are_refused_at_once_while_critical_ones_wait() {
         )
     };
     assert_eq!(count("batch", "sheddable", "shed"), Some(5.0), "{text}");
-    assert_eq!(count("batch", "sheddable", "dispatched"), Some(0.0), "{text}");
-    assert_eq!(count("checkout", "critical", "dispatched"), Some(2.0), "{text}");
+    assert_eq!(
+        count("batch", "sheddable", "dispatched"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        count("checkout", "critical", "dispatched"),
+        Some(2.0),
+        "{text}"
+    );
     assert_eq!(count("checkout", "critical", "shed"), Some(0.0), "{text}");
     // The second critical request waited in the queue: its wait was
     // observed under its tenant and band.
