@@ -332,7 +332,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(typed.len(), 14, "{out}");
+        assert_eq!(typed.len(), 17, "{out}");
         for t in typed {
             let (name, kind) = t.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");

@@ -479,7 +479,7 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
 #[tokio::test]
 async fn a_shed_request_is_answered_like_a_full_queue_with_its_retry_after() {
     let mut config = ServerConfig::default();
-    config.queue.flow.refuse_late = true;
+    config.flow.refuse_late = true;
     let (shared, _) = shared_with(&config, &["a"]);
     // A deadline already passed: no prefill estimate can meet it.
     let mut late = request(&[1, 2, 3], 4_000);
