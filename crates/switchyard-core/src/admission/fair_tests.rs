@@ -119,6 +119,33 @@ fn tenants_of_a_band_share_tokens_by_weight() {
 }
 
 #[test]
+fn without_fair_sharing_a_band_is_first_come_first_served_whoever_sent() {
+    let flows = FlowPolicy::new(FlowConfig {
+        tenants: vec![TenantConfig::named("t1"), TenantConfig::named("t2")],
+        fair_share: false,
+        ..FlowConfig::default()
+    })
+    .unwrap();
+    let mut q = PolicyQueue::with_flows(QueueConfig::default(), flows).unwrap();
+    // Tenant 1 floods first; tenant 2's one request arrives last.
+    for id in 0..6 {
+        push(&mut q, id, flow(1, 1), 100);
+    }
+    push(&mut q, 6, flow(2, 1), 100);
+    push(&mut q, 7, flow(2, 0), 100);
+    // Bands stay strict; within the standard band, arrival order: tenant
+    // 2 waits behind the whole flood (with fair sharing it would go
+    // second).
+    assert_eq!(serve(&mut q, 10), vec![7, 0, 1, 2, 3, 4, 5, 6]);
+    let mut fair_q = fair(QueueOrder::Fcfs, &[(1.0, None), (1.0, None)]);
+    for id in 0..6 {
+        push(&mut fair_q, id, flow(1, 1), 100);
+    }
+    push(&mut fair_q, 6, flow(2, 1), 100);
+    assert_eq!(serve(&mut fair_q, 2), vec![0, 6]);
+}
+
+#[test]
 fn the_share_is_in_tokens_uncached_prompt_plus_expected_output() {
     let mut q = fair(QueueOrder::Fcfs, &[(1.0, None), (1.0, None)]);
     let mut next = 0;

@@ -626,17 +626,38 @@ impl PolicyQueue {
     /// [`Self::remove`]; the next pop offers the next candidate.
     pub fn pop(&mut self) -> Option<Popped> {
         let tenants = self.flows.tenant_count();
+        let fair = self.flows.config().fair_share;
         for band in 0..self.backlogged.len() {
             let mut best: Option<(f64, u16)> = None;
-            for &t in &self.backlogged[band] {
-                let lane = &self.lanes[band * tenants + t as usize];
-                if !lane.available() || self.capped(t) {
+            for i in 0..self.backlogged[band].len() {
+                let t = self.backlogged[band][i];
+                let lane = band * tenants + t as usize;
+                if !self.lanes[lane].available() || self.capped(t) {
                     continue;
                 }
-                if best.is_none_or(|(v, bt)| lane.vtime < v || (lane.vtime == v && t < bt)) {
-                    best = Some((lane.vtime, t));
+                // Fair: the lowest virtual time. Without fair sharing:
+                // the lane whose next request comes first in the order
+                // (deadline, order key, arrival), whoever sent it.
+                let key = if fair {
+                    self.lanes[lane].vtime
+                } else {
+                    match self.live_head(lane) {
+                        Some(seq) => seq as f64,
+                        None => continue,
+                    }
+                };
+                if best.is_none_or(|(v, bt)| key < v || (key == v && t < bt)) {
+                    best = Some((key, t));
                 }
             }
+            let best = best.map(|(key, t)| {
+                let vtime = if fair {
+                    key
+                } else {
+                    self.lanes[band * tenants + t as usize].vtime
+                };
+                (vtime, t)
+            });
             let Some((vtime, t)) = best else {
                 continue;
             };
@@ -664,6 +685,24 @@ impl PolicyQueue {
             // Unreachable while the counts hold (an available lane has a
             // live item); never loop on it.
             debug_assert!(false, "lane {lane} counted available with no live item");
+        }
+        None
+    }
+
+    /// The arrival rank of `lane`'s next live request (the head of its own
+    /// order), dropping stale items on top: without fair sharing a band
+    /// serves the lane whose head came first, whoever sent it.
+    fn live_head(&mut self, lane: usize) -> Option<u64> {
+        while let Some(&Reverse((_, _, seq, id))) = self.lanes[lane].heap.peek() {
+            let live = self
+                .entries
+                .get(&id)
+                .is_some_and(|e| matches!(e.state, WaitState::Ready(_)) && e.seq == seq && !e.out);
+            if live {
+                return Some(seq);
+            }
+            self.lanes[lane].heap.pop();
+            self.heap_items -= 1;
         }
         None
     }
