@@ -57,7 +57,9 @@ impl Default for ClassLimits {
 pub struct QueueConfig {
     /// Order of the ready queue.
     pub order: QueueOrder,
-    /// Limits of classes without an entry in `class_limits`.
+    /// Limits of classes without an entry in `class_limits`. A request
+    /// whose driver names no class is in its tenant's, so these hold per
+    /// tenant: one tenant's backlog cannot fill the queue for the others.
     pub default_limits: ClassLimits,
     /// Limits of class `i` at index `i`.
     pub class_limits: Vec<ClassLimits>,
@@ -329,7 +331,9 @@ impl PolicyQueue {
         config.validate()?;
         let (bands, tenants) = (flows.band_count(), flows.tenant_count());
         Ok(Self {
-            usage: vec![ClassUsage::default(); config.class_limits.len() + 1],
+            // A slot per listed class and per tenant (a request's class
+            // is its tenant's unless the driver names one).
+            usage: vec![ClassUsage::default(); (config.class_limits.len() + 1).max(tenants)],
             config,
             entries: FxHashMap::default(),
             lanes: (0..bands * tenants).map(|_| Lane::default()).collect(),

@@ -334,3 +334,38 @@ fn a_capped_tenants_waiting_request_does_not_get_a_sheddable_one_shed() {
     let sent = place(&mut d, 3, shed, 0.0);
     assert_eq!(sent.id, RequestId(3));
 }
+
+#[test]
+fn one_tenants_backlog_cannot_fill_the_queue_for_another() {
+    let mut config = DispatcherConfig::default();
+    config.router.busy_threshold = Some(0.5);
+    config.admission.queue.default_limits.max_requests = 3;
+    config.admission.flow = FlowConfig {
+        tenants: vec![TenantConfig::named("noisy"), TenantConfig::named("quiet")],
+        ..FlowConfig::default()
+    };
+    let mut d = dispatcher_with(config, false, 1);
+    let first = big(&d, Some("noisy"), None, 0.0);
+    let _ = place(&mut d, 1, first, 0.0);
+    // The worker is busy: noisy's next three wait, its fourth is refused.
+    for id in 2..=4 {
+        let s = big(&d, Some("noisy"), None, 0.0);
+        assert!(d.submit(RequestId(id), s, 0.0).is_ok(), "{id}");
+    }
+    let s = big(&d, Some("noisy"), None, 0.0);
+    assert!(matches!(
+        d.submit(RequestId(5), s, 0.0),
+        Err(Refused::Full { .. })
+    ));
+    // The quiet tenant still has its own room. It joins at noisy's
+    // virtual time (no banked credit), so it goes second: after noisy's
+    // head (a tie goes to the lower tenant id), before noisy's others.
+    let s = big(&d, Some("quiet"), None, 1.0);
+    assert!(d.submit(RequestId(6), s, 1.0).is_ok());
+    let fx = d.finish(RequestId(1), 5_010, 100.0);
+    assert_eq!(fx.dispatch[0].id, RequestId(2));
+    let fx = d.finish(RequestId(2), 5_010, 200.0);
+    assert_eq!(fx.dispatch[0].id, RequestId(6));
+    let noisy = d.flows().tenant(Some("noisy")).0;
+    assert_eq!(stats(&d, noisy, 1).counters.refused, 1);
+}

@@ -1040,6 +1040,14 @@ impl Dispatcher {
         if self.requests.contains_key(&id) || self.bookings.contains_key(&id) {
             return Err(Refused::Duplicate);
         }
+        // Without a class of its own a request is in its tenant's: the
+        // queue's limits then hold per tenant, so one tenant's backlog
+        // cannot fill the queue for the others.
+        let mut submission = submission;
+        if submission.class == QueueClass::default() {
+            let tenant = self.admission.queue().normalize(submission.flow).tenant;
+            submission.class = QueueClass(tenant.0);
+        }
         let facts = RequestFacts {
             id,
             session: submission.session,
