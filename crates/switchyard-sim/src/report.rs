@@ -88,6 +88,13 @@ pub struct PolicyReport {
     /// adapter mix).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adapters: Option<crate::adapters::AdapterFigures>,
+    /// With data-parallel ranks: `aware` or `blind`, what the routers saw
+    /// of the ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_routing: Option<&'static str>,
+    /// With data-parallel ranks: what the ranks did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp: Option<crate::fleet::DpFigures>,
 }
 
 /// A hybrid model's SSM checkpoints across a fleet's engines.
