@@ -78,7 +78,7 @@ const WAITING_WEIGHT: u64 = 4;
 /// (every [`STATS_INTERVAL_MS`]) plus one waiting request per request it
 /// sent since.
 #[derive(Clone, Debug)]
-pub(super) struct RankBalancer {
+pub struct RankBalancer {
     /// (waiting, running) per rank, as the balancer believes.
     view: Vec<(u64, u64)>,
     /// When the view is next refreshed.
@@ -86,7 +86,8 @@ pub(super) struct RankBalancer {
 }
 
 impl RankBalancer {
-    pub(super) fn new(ranks: usize) -> Self {
+    /// A balancer over `ranks` ranks, its view due a refresh.
+    pub fn new(ranks: usize) -> Self {
         Self {
             view: vec![(0, 0); ranks],
             next_refresh_ms: 0.0,
@@ -95,7 +96,7 @@ impl RankBalancer {
 
     /// The rank for the next request at `now_ms`; `counts(rank)` reads a
     /// rank's true (waiting, running) when the view is due a refresh.
-    pub(super) fn pick(&mut self, now_ms: f64, counts: impl Fn(usize) -> (u64, u64)) -> usize {
+    pub fn pick(&mut self, now_ms: f64, counts: impl Fn(usize) -> (u64, u64)) -> usize {
         if now_ms >= self.next_refresh_ms {
             for (rank, v) in self.view.iter_mut().enumerate() {
                 *v = counts(rank);

@@ -83,7 +83,7 @@ mod steps;
 mod tests;
 
 pub use config::{DisaggConfig, FleetConfig, TransferConfig};
-pub use dp::{DpConfig, DpFigures, DpRouting, MAX_DP_SIZE, STATS_INTERVAL_MS};
+pub use dp::{DpConfig, DpFigures, DpRouting, RankBalancer, MAX_DP_SIZE, STATS_INTERVAL_MS};
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{Balancer, ReplicaStats};
