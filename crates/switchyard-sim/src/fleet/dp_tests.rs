@@ -106,8 +106,7 @@ fn a_fleet_without_ranks_reports_no_rank_figures() {
 fn a_bad_size_or_ranks_with_disaggregation_are_refused() {
     let err = |config: FleetConfig| {
         simulate(&config, shared_prefixes(1, 1, 64, 0.0), |_| {})
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string()
     };
     assert!(err(fleet(2, dp(0, DpRouting::Aware))).contains("data-parallel size must be"));
