@@ -94,7 +94,7 @@ pub struct PolicyReport {
     pub dp_routing: Option<&'static str>,
     /// With data-parallel ranks: what the ranks did.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub dp: Option<crate::fleet::DpFigures>,
+    pub dp: Option<DpFigures>,
 }
 
 /// A hybrid model's SSM checkpoints across a fleet's engines.
@@ -126,6 +126,20 @@ pub struct SpecFigures {
     pub rollback_blocks: u64,
     /// Decode steps without drafts because the over-run did not fit.
     pub fallbacks: u64,
+}
+
+/// With data-parallel ranks (`replay --dp-size`): what the
+/// ranks did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DpFigures {
+    /// Ranks per worker.
+    pub size: usize,
+    /// Requests started per (worker, rank), worker-major.
+    pub requests_per_rank: Vec<u64>,
+    /// Share of the run (first arrival to last completion) during which
+    /// some rank had nothing to run while another rank of the same worker
+    /// had requests waiting in its queue.
+    pub idle_while_queued_share: f64,
 }
 
 /// Per-worker load over time, for plots: tokens computed per bucket.

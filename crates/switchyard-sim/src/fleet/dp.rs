@@ -121,19 +121,6 @@ impl RankBalancer {
     }
 }
 
-/// What the ranks did, per run.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct DpFigures {
-    /// Ranks per worker.
-    pub size: usize,
-    /// Requests started per (worker, rank), worker-major.
-    pub requests_per_rank: Vec<u64>,
-    /// Share of the run (first arrival to last completion) during which
-    /// some rank had nothing to run while another rank of the same worker
-    /// had requests waiting in its queue.
-    pub idle_while_queued_share: f64,
-}
-
 /// The fleet's ranks at run time.
 pub(super) struct DpState {
     pub(super) config: DpConfig,

@@ -82,8 +82,9 @@ mod steps;
 #[cfg(test)]
 mod tests;
 
+pub use crate::report::DpFigures;
 pub use config::{DisaggConfig, FleetConfig, TransferConfig};
-pub use dp::{DpConfig, DpFigures, DpRouting, RankBalancer, MAX_DP_SIZE, STATS_INTERVAL_MS};
+pub use dp::{DpConfig, DpRouting, RankBalancer, MAX_DP_SIZE, STATS_INTERVAL_MS};
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{Balancer, ReplicaStats};
