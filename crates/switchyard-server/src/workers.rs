@@ -408,16 +408,11 @@ impl Fleet {
     /// A worker declared with `dp-size` is removed by its name, all its
     /// ranks (`NAME/r`) with it, or one rank by the rank's name.
     pub fn remove(&self, name: &str, drain: bool) -> bool {
-        let rank_of = |w: &str| {
-            w.strip_prefix(name)
-                .and_then(|rest| rest.strip_prefix('/'))
-                .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
-        };
         let targets: Vec<_> = self
             .shared
             .workers()
             .into_iter()
-            .filter(|w| &*w.name == name || rank_of(&w.name))
+            .filter(|w| is_target_of(&w.name, name))
             .collect();
         for info in &targets {
             if drain && self.shared.local_requests(info.id) > 0 {
@@ -720,6 +715,16 @@ async fn bounded_concurrently<F: std::future::Future>(tasks: Vec<F>) -> Vec<F::O
 const MAX_CONCURRENT_CHECKS: usize = 64;
 /// Most models of one worker whose tokenizers are checked as it enters.
 const MAX_TOKENIZER_CHECKS: usize = 8;
+
+/// Whether the target named `target` is the worker declared as `name`: the
+/// worker itself, or one of its data-parallel ranks (`NAME/r`).
+pub(crate) fn is_target_of(target: &str, name: &str) -> bool {
+    target == name
+        || target
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix('/'))
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+}
 
 /// Applies one subscriber's events to the routing core while the entry it
 /// was started for lasts ([`SharedRouter::apply_worker_event`]).
