@@ -61,9 +61,13 @@
 //! the event queue's entries; this file the fleet's state and the event
 //! loop; `arrival.rs` a turn's way onto an engine; `steps.rs` the engines'
 //! steps and what they carry back; `disagg.rs` disaggregated requests and
-//! lent prefixes, their transfers and leases; `replica_sync.rs` what the
+//! lent prefixes, their transfers and leases; `dp.rs` workers of several
+//! data-parallel ranks (each rank an engine; rank-aware targets, or one
+//! rank-blind target per worker and the worker's own balancer);
+//! `replica_sync.rs` what the
 //! router replicas publish to each other; `outcome.rs` the figures; the
-//! tests in `tests.rs`, `admission_tests.rs` and `replica_tests.rs`.
+//! tests in `tests.rs`, `admission_tests.rs`, `replica_tests.rs` and
+//! `dp_tests.rs`.
 
 #[cfg(test)]
 mod admission_tests;
