@@ -497,6 +497,11 @@ impl Fleet {
             let block_size = self.block_size_of(info.id, &served);
             let own = (block_size != self.block_size).then_some(block_size);
             let server_info = self.server_info(&info.url).await;
+            if let Some(ranks) = server_info.as_deref().and_then(reported_dp_size) {
+                if ranks > 1 && info.endpoint.dp_rank.is_none() {
+                    tracing::warn!(worker = %info.name, ranks, "the worker reports data-parallel ranks (dp_size) but was declared without dp-size: the router sees one target where there are that many caches; declare dp-size to route each rank");
+                }
+            }
             match self.capacity_of(&info.url, server_info.as_deref()).await {
                 Some(capacity) => self.shared.set_capacity(
                     info.id,
@@ -715,6 +720,13 @@ async fn bounded_concurrently<F: std::future::Future>(tasks: Vec<F>) -> Vec<F::O
 const MAX_CONCURRENT_CHECKS: usize = 64;
 /// Most models of one worker whose tokenizers are checked as it enters.
 const MAX_TOKENIZER_CHECKS: usize = 8;
+
+/// The data-parallel ranks a worker's `/get_server_info` reports (SGLang's
+/// `dp_size`; the sim-worker's too), when it reports them.
+pub(crate) fn reported_dp_size(body: &[u8]) -> Option<u64> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value["dp_size"].as_u64().filter(|&n| n >= 1)
+}
 
 /// Whether the target named `target` is the worker declared as `name`: the
 /// worker itself, or one of its data-parallel ranks (`NAME/r`).
@@ -949,6 +961,29 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         assert_eq!(fleet.workers().len(), 4);
         assert!(fleet.remove("moe", false));
         assert_eq!(fleet.workers().len(), 1);
+    }
+
+    #[test]
+    fn the_ranks_a_worker_reports_are_read_from_its_server_info() {
+        assert_eq!(
+            reported_dp_size(br#"{"dp_size": 8, "page_size": 16}"#),
+            Some(8)
+        );
+        assert_eq!(reported_dp_size(br#"{"dp_size": 1}"#), Some(1));
+        for none in [
+            &br#"{"page_size": 16}"#[..],
+            br#"{"dp_size": 0}"#,
+            br#"{"dp_size": -2}"#,
+            b"nope",
+        ] {
+            assert_eq!(reported_dp_size(none), None);
+        }
+        assert!(is_target_of("moe/3", "moe") && is_target_of("moe", "moe"));
+        assert!(
+            !is_target_of("moe/x", "moe")
+                && !is_target_of("moe/", "moe")
+                && !is_target_of("moe2/0", "moe")
+        );
     }
 
     #[tokio::test]

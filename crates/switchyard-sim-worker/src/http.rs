@@ -1012,6 +1012,9 @@ async fn server_info(State(state): State<WorkerState>) -> Json<Value> {
         // Not in vLLM's API (its --max-loras is a start-up flag): what a
         // router reads to respect this worker's adapter slots.
         "max_loras": state.adapters.max_loras(),
+        // SGLang's name: its data-parallel ranks (each with the blocks
+        // above).
+        "dp_size": state.ranks.as_ref().map_or(1, |r| r.len()),
     }))
 }
 

@@ -34,6 +34,13 @@ async fn a_request_runs_on_the_rank_its_header_names() {
             .await
         }
     };
+    let info: Value = reqwest::get(format!("{}/get_server_info", w.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["dp_size"], 3);
     let (status, body) = complete(&w.base, Some("2"), prompt(40)).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
