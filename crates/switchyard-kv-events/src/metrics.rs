@@ -30,7 +30,7 @@ pub const EVENT_TYPES: [&str; 4] = ["BlockStored", "BlockRemoved", "AllBlocksCle
 /// Every `reason` label of `switchyard_kv_events_dropped_total`: message
 /// framing, payload decoding, then normalization (see
 /// [`switchyard_wire::normalize::SkipReason`]).
-pub const DROP_REASONS: [&str; 20] = [
+pub const DROP_REASONS: [&str; 22] = [
     "bad_framing",
     "bad_sequence",
     "invalid_msgpack",
@@ -41,6 +41,10 @@ pub const DROP_REASONS: [&str; 20] = [
     "over_decode_budget",
     "too_many_events",
     "replay_over_bytes",
+    // A batch naming a data-parallel rank the worker did not declare, or
+    // another rank than the stream's (each rank publishes on its own port).
+    "dp_rank_out_of_range",
+    "dp_rank_mismatch",
     SkipReason::ALL[0].as_str(),
     SkipReason::ALL[1].as_str(),
     SkipReason::ALL[2].as_str(),

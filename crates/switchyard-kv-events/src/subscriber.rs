@@ -88,6 +88,11 @@ pub struct SubscriberConfig {
     pub decode: DecodeLimits,
     /// Longest reconnect backoff.
     pub max_backoff: Duration,
+    /// Data-parallel ranks the worker declared: this stream carries rank
+    /// `worker.dp_rank`'s events; a batch naming a rank `>= dp_size` is
+    /// dropped as `dp_rank_out_of_range`, one naming another rank as
+    /// `dp_rank_mismatch`. A batch naming none is the stream's rank.
+    pub dp_size: u32,
 }
 
 impl SubscriberConfig {
@@ -107,6 +112,7 @@ impl SubscriberConfig {
             max_queue_bytes: 256 << 20,
             decode: DecodeLimits::default(),
             max_backoff: Duration::from_secs(5),
+            dp_size: 1,
         }
     }
 }
@@ -441,6 +447,12 @@ impl Stream {
             }
         };
         self.metrics.batch();
+        if let Some(rank) = batch.data_parallel_rank {
+            if let Err(reason) = rank_check(rank, self.config.worker.dp_rank, self.config.dp_size) {
+                self.metrics.drop_for(reason);
+                return;
+            }
+        }
         for error in &errors {
             self.metrics.drop_for(error.error.reason());
         }
@@ -454,6 +466,22 @@ impl Stream {
                 Normalized::Skipped(reason) => self.metrics.drop_for(reason.as_str()),
             }
         }
+    }
+}
+
+/// Whether a batch naming data-parallel rank `rank` belongs to the stream
+/// of rank `stream` of a worker of `dp_size` ranks; the drop reason if
+/// not.
+pub fn rank_check(rank: i64, stream: u32, dp_size: u32) -> Result<(), &'static str> {
+    match u32::try_from(rank) {
+        Ok(r) if r < dp_size.max(1) => {
+            if r == stream {
+                Ok(())
+            } else {
+                Err("dp_rank_mismatch")
+            }
+        }
+        _ => Err("dp_rank_out_of_range"),
     }
 }
 
@@ -481,6 +509,25 @@ pub fn parse_replay_reply(mut frames: Vec<Vec<u8>>) -> Option<(u64, Vec<u8>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_its_streams_only_when_it_names_the_streams_rank() {
+        // Rank 2 of a worker of 4: its own rank passes.
+        assert_eq!(rank_check(2, 2, 4), Ok(()));
+        // Another declared rank's batch on this stream is a misconfiguration.
+        assert_eq!(rank_check(1, 2, 4), Err("dp_rank_mismatch"));
+        // Ranks the worker did not declare, or that are no rank at all.
+        assert_eq!(rank_check(4, 2, 4), Err("dp_rank_out_of_range"));
+        assert_eq!(rank_check(-1, 0, 4), Err("dp_rank_out_of_range"));
+        assert_eq!(rank_check(i64::MAX, 0, 4), Err("dp_rank_out_of_range"));
+        // A worker that declared no ranks takes rank 0's batches only.
+        assert_eq!(rank_check(0, 0, 1), Ok(()));
+        assert_eq!(rank_check(1, 0, 1), Err("dp_rank_out_of_range"));
+        // Both reasons are counted.
+        for reason in ["dp_rank_mismatch", "dp_rank_out_of_range"] {
+            assert!(crate::metrics::DROP_REASONS.contains(&reason));
+        }
+    }
 
     #[test]
     fn the_tracker_classifies_order_gaps_and_restarts() {

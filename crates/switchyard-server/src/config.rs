@@ -11,7 +11,7 @@ use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
 use switchyard_replica::{ReplicaConfig, Secret};
 
-/// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N]`
+/// One worker, as `--worker URL[,events=tcp://H:P][,replay=tcp://H:P][,block-size=N][,name=NAME][,role=prefill|decode|both][,bootstrap-port=N][,dp-size=N]`
 /// or a `[[workers]]` table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -45,7 +45,24 @@ pub struct WorkerSpec {
         skip_serializing_if = "Option::is_none"
     )]
     pub bootstrap_port: Option<u16>,
+    /// Attention data-parallel ranks behind the URL (vLLM's
+    /// `--data-parallel-size`): each rank is a routing target of its own,
+    /// named `NAME/r`, its requests carrying `X-data-parallel-rank: r`,
+    /// its KV events read from the `events=` port plus `r` (as vLLM
+    /// publishes them). `None` or 1: one rank.
+    #[serde(
+        default,
+        rename = "dp-size",
+        alias = "dp_size",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub dp_size: Option<u32>,
 }
+
+/// Most data-parallel ranks one worker may declare (vLLM deployments use
+/// up to a few dozen; the bound keeps the targets of a mistyped size
+/// few).
+pub const MAX_DP_SIZE: u32 = 256;
 
 pub use crate::roster::Role;
 
@@ -75,6 +92,7 @@ impl WorkerSpec {
             block_size: None,
             role: Role::Both,
             bootstrap_port: None,
+            dp_size: None,
         };
         for part in parts {
             let (key, value) = part.split_once('=').ok_or_else(|| {
@@ -104,9 +122,16 @@ impl WorkerSpec {
                         ))
                     })?)
                 }
+                "dp-size" | "dp_size" => {
+                    spec.dp_size = Some(value.parse().map_err(|_| {
+                        ConfigError::Worker(format!(
+                            "{text:?}: dp-size must be a whole number 1-{MAX_DP_SIZE}"
+                        ))
+                    })?)
+                }
                 other => {
                     return Err(ConfigError::Worker(format!(
-                        "{text:?}: unknown worker option {other:?} (expected events, replay, block-size, name, role, bootstrap-port)"
+                        "{text:?}: unknown worker option {other:?} (expected events, replay, block-size, name, role, bootstrap-port, dp-size)"
                     )))
                 }
             }
@@ -119,6 +144,11 @@ impl WorkerSpec {
     pub fn authority(&self) -> &str {
         let rest = strip_scheme(&self.url).unwrap_or(&self.url);
         rest.split('/').next().unwrap_or(rest)
+    }
+
+    /// Its data-parallel ranks (1 when it declares none).
+    pub fn ranks(&self) -> u32 {
+        self.dp_size.unwrap_or(1).max(1)
     }
 
     /// The name used everywhere.
@@ -162,6 +192,23 @@ impl WorkerSpec {
                 self.url
             )));
         }
+        if let Some(n) = self.dp_size {
+            if n == 0 || n > MAX_DP_SIZE {
+                return Err(ConfigError::Worker(format!(
+                    "{:?}: dp-size must be 1-{MAX_DP_SIZE}, got {n}",
+                    self.url
+                )));
+            }
+            if n > 1 {
+                for endpoint in self.events.iter().chain(&self.replay) {
+                    if rank_endpoint(endpoint, n - 1).is_none() {
+                        return Err(ConfigError::Worker(format!(
+                            "{endpoint:?}: with dp-size={n} an event endpoint is tcp://HOST:PORT with room for a port per rank (rank r publishes on PORT+r)"
+                        )));
+                    }
+                }
+            }
+        }
         if self.bootstrap_port == Some(0) {
             return Err(ConfigError::Worker(format!(
                 "{:?}: bootstrap-port must be 1-65535",
@@ -195,6 +242,17 @@ pub enum AdmissionMode {
     None,
     /// Session-aware admission (sessions from `x-session-id` or `session_id`).
     SessionAware,
+}
+
+/// The event endpoint of data-parallel rank `rank` of an engine whose
+/// rank 0 publishes on `endpoint`: vLLM offsets the port by the rank.
+/// `None` when `endpoint` is not `tcp://HOST:PORT` or the port overflows.
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Option<String> {
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let port = port.checked_add(u16::try_from(rank).ok()?)?;
+    Some(format!("tcp://{host}:{port}"))
 }
 
 /// `url` without its `http://` or `https://` (`None`: neither).

@@ -480,3 +480,31 @@ fn a_workers_file_is_worker_tables_and_nothing_else() {
         "{error}"
     );
 }
+
+#[test]
+fn a_worker_declares_its_data_parallel_ranks_on_the_command_line_or_in_the_file() {
+    let w = WorkerSpec::parse("http://h:1,dp-size=8,events=tcp://h:5557").unwrap();
+    assert_eq!((w.dp_size, w.ranks()), (Some(8), 8));
+    assert_eq!(WorkerSpec::parse("http://h:1").unwrap().ranks(), 1);
+    let c: ServerConfig =
+        toml::from_str("[[workers]]\nurl = \"http://h:1\"\ndp-size = 4\n").unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.workers[0].dp_size, Some(4));
+    // Sizes out of range, and endpoints that cannot give a port per rank.
+    for bad in [
+        "http://h:1,dp-size=0",
+        "http://h:1,dp-size=257",
+        "http://h:1,dp-size=two",
+        "http://h:1,dp-size=2,events=ipc:///tmp/kv",
+        "http://h:1,dp-size=4,events=tcp://h:65534",
+    ] {
+        let err = WorkerSpec::parse(bad).unwrap_err().to_string();
+        assert!(err.contains("dp-size"), "{bad}: {err}");
+    }
+    // Rank r's events are on the port plus r, as vLLM publishes them.
+    assert_eq!(
+        crate::config::rank_endpoint("tcp://10.0.0.5:5557", 3).as_deref(),
+        Some("tcp://10.0.0.5:5560")
+    );
+    assert_eq!(crate::config::rank_endpoint("tcp://h:65535", 1), None);
+}

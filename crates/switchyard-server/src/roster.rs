@@ -111,7 +111,13 @@ pub struct Endpoint {
     /// The URL's scheme and authority when the URL is just those (no path
     /// prefix): a request's URI is these and its path.
     pub origin: Option<(Scheme, Authority)>,
+    /// A data-parallel rank's number as an [`DP_RANK_HEADER`] value
+    /// (`None`: the worker has one rank and requests name none).
+    pub dp_rank: Option<HeaderValue>,
 }
+
+/// The header vLLM takes a request's data-parallel rank from.
+pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 impl Endpoint {
     /// The endpoint of a worker named `name` at `url` (no trailing `/`).
@@ -129,6 +135,15 @@ impl Endpoint {
         Self {
             name_header: HeaderValue::from_str(name).ok(),
             origin,
+            dp_rank: None,
+        }
+    }
+
+    /// The endpoint of data-parallel rank `rank` of the worker at `url`.
+    pub fn of_rank(name: &str, url: &str, rank: u32) -> Self {
+        Self {
+            dp_rank: Some(HeaderValue::from(rank)),
+            ..Self::new(name, url)
         }
     }
 }
@@ -186,6 +201,14 @@ impl Roster {
             },
         );
         Ok(())
+    }
+
+    /// Makes a worker data-parallel rank `rank` of its URL: its requests
+    /// name the rank.
+    pub(crate) fn set_dp_rank(&mut self, id: WorkerId, rank: u32) {
+        if let Some(info) = self.workers.get_mut(&id) {
+            info.endpoint = Arc::new(Endpoint::of_rank(&info.name, &info.url, rank));
+        }
     }
 
     /// Forgets a worker.

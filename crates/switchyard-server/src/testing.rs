@@ -59,6 +59,7 @@ pub(crate) fn loopback_spec(name: &str, port: u16) -> WorkerSpec {
         block_size: None,
         role: Default::default(),
         bootstrap_port: None,
+        dp_size: None,
     }
 }
 

@@ -282,18 +282,65 @@ impl Fleet {
                 spec.role.label()
             ));
         }
+        let ranks = spec.ranks();
+        if ranks > 1 {
+            return self.add_ranks(spec, &name, ranks);
+        }
         let id = self.shared.add_worker(&name, &spec.url)?;
+        self.register(spec, id, &name, spec.events.clone(), spec.replay.clone());
+        tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
+        Ok(id)
+    }
+
+    /// What follows a target's registration: its role, declared block
+    /// size and KV-event stream.
+    fn register(
+        &self,
+        spec: &WorkerSpec,
+        id: WorkerId,
+        name: &str,
+        events: Option<String>,
+        replay: Option<String>,
+    ) {
         self.shared.set_role(id, spec.role, spec.bootstrap_port);
         if let Some(b) = spec.block_size {
             lock(&self.declared_block_sizes).insert(id, b);
         }
-        if let (Some(events), true) = (&spec.events, self.uses_events) {
+        if let (Some(events), true) = (events, self.uses_events) {
             let mut config = SubscriberConfig::new(id, events, self.block_size);
-            config.replay_endpoint = spec.replay.clone();
-            lock(&self.event_configs).insert(id, (name.clone(), config));
+            config.replay_endpoint = replay;
+            config.dp_size = spec.ranks();
+            lock(&self.event_configs).insert(id, (name.to_owned(), config));
         }
-        tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
-        Ok(id)
+    }
+
+    /// Registers each data-parallel rank of a worker as a target of its
+    /// own: `NAME/r`, id the worker's with rank `r`, its requests naming
+    /// the rank, its events read from the `events=` port plus `r`. All or
+    /// none: a rank refused takes the ones before it out again.
+    fn add_ranks(&self, spec: &WorkerSpec, name: &str, ranks: u32) -> Result<WorkerId, String> {
+        let base = switchyard_replica::worker_id_for_name(name).worker_id;
+        let mut added = Vec::with_capacity(ranks as usize);
+        for rank in 0..ranks {
+            let rank_name = format!("{name}/{rank}");
+            let id = WorkerId::with_rank(base, rank);
+            if let Err(e) = self.shared.add_worker_rank(&rank_name, &spec.url, id, rank) {
+                for id in added {
+                    self.drop_worker(id);
+                }
+                return Err(e);
+            }
+            // The spec was validated: every rank's port fits.
+            let at = |endpoint: &Option<String>| {
+                endpoint
+                    .as_deref()
+                    .and_then(|e| crate::config::rank_endpoint(e, rank))
+            };
+            self.register(spec, id, &rank_name, at(&spec.events), at(&spec.replay));
+            added.push(id);
+        }
+        tracing::info!(worker = %name, url = %spec.url, ranks, events = spec.events.is_some(), "worker added with its data-parallel ranks");
+        Ok(WorkerId::with_rank(base, 0))
     }
 
     /// Registers a worker ([`Fleet::add`]) and starts a round of health
@@ -358,17 +405,24 @@ impl Fleet {
     }
 
     /// Removes a worker now, or drains it first.
+    /// A worker declared with `dp-size` is removed by its name, all its
+    /// ranks (`NAME/r`) with it, or one rank by the rank's name.
     pub fn remove(&self, name: &str, drain: bool) -> bool {
-        let Some(info) = self.shared.workers().into_iter().find(|w| &*w.name == name) else {
-            return false;
-        };
-        if drain && self.shared.local_requests(info.id) > 0 {
-            self.shared.set_draining(info.id);
-            tracing::info!(worker = %name, "worker draining");
-        } else {
-            self.drop_worker(info.id);
+        let targets: Vec<_> = self
+            .shared
+            .workers()
+            .into_iter()
+            .filter(|w| is_target_of(&w.name, name))
+            .collect();
+        for info in &targets {
+            if drain && self.shared.local_requests(info.id) > 0 {
+                self.shared.set_draining(info.id);
+                tracing::info!(worker = %info.name, "worker draining");
+            } else {
+                self.drop_worker(info.id);
+            }
         }
-        true
+        !targets.is_empty()
     }
 
     fn drop_worker(&self, id: WorkerId) {
@@ -443,6 +497,11 @@ impl Fleet {
             let block_size = self.block_size_of(info.id, &served);
             let own = (block_size != self.block_size).then_some(block_size);
             let server_info = self.server_info(&info.url).await;
+            if let Some(ranks) = server_info.as_deref().and_then(reported_dp_size) {
+                if ranks > 1 && info.endpoint.dp_rank.is_none() {
+                    tracing::warn!(worker = %info.name, ranks, "the worker reports data-parallel ranks (dp_size) but was declared without dp-size: the router sees one target where there are that many caches; declare dp-size to route each rank");
+                }
+            }
             match self.capacity_of(&info.url, server_info.as_deref()).await {
                 Some(capacity) => self.shared.set_capacity(
                     info.id,
@@ -662,6 +721,23 @@ const MAX_CONCURRENT_CHECKS: usize = 64;
 /// Most models of one worker whose tokenizers are checked as it enters.
 const MAX_TOKENIZER_CHECKS: usize = 8;
 
+/// The data-parallel ranks a worker's `/get_server_info` reports (SGLang's
+/// `dp_size`; the sim-worker's too), when it reports them.
+pub(crate) fn reported_dp_size(body: &[u8]) -> Option<u64> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value["dp_size"].as_u64().filter(|&n| n >= 1)
+}
+
+/// Whether the target named `target` is the worker declared as `name`: the
+/// worker itself, or one of its data-parallel ranks (`NAME/r`).
+pub(crate) fn is_target_of(target: &str, name: &str) -> bool {
+    target == name
+        || target
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix('/'))
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Applies one subscriber's events to the routing core while the entry it
 /// was started for lasts ([`SharedRouter::apply_worker_event`]).
 struct WorkerEventSink {
@@ -823,6 +899,7 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
             block_size: None,
             role: Default::default(),
             bootstrap_port: None,
+            dp_size: None,
         };
         let id = fleet.add(&spec).unwrap();
         fleet.enter(id, 16);
@@ -835,6 +912,77 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         assert!(
             !text.contains(&format!("worker=\"{id}\"")),
             "never the numeric id:\n{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_worker_with_data_parallel_ranks_is_one_target_per_rank_each_naming_its_rank() {
+        let config = ServerConfig::default();
+        let (shared, _) = shared_with(&config, &[]);
+        let fleet = Fleet::new(
+            shared.clone(),
+            upstream_client(Duration::from_millis(100)),
+            true,
+            config.block_size,
+            3,
+            Duration::from_millis(100),
+        );
+        let spec =
+            WorkerSpec::parse("http://127.0.0.1:9,name=moe,dp-size=3,events=tcp://127.0.0.1:5557")
+                .unwrap();
+        let first = fleet.add(&spec).unwrap();
+        let workers = fleet.workers();
+        let names: Vec<&str> = workers.iter().map(|w| &*w.name).collect();
+        assert_eq!(names, ["moe/0", "moe/1", "moe/2"]);
+        for (rank, w) in workers.iter().enumerate() {
+            // One worker id, the rank beside it; the requests name the rank.
+            assert_eq!(w.id, WorkerId::with_rank(first.worker_id, rank as u32));
+            assert_eq!(&*w.url, "http://127.0.0.1:9");
+            let header = w.endpoint.dp_rank.as_ref().unwrap();
+            assert_eq!(header.to_str().unwrap(), rank.to_string());
+            // Each rank's events from its own port.
+            let configs = lock(&fleet.event_configs);
+            let (name, sub) = &configs[&w.id];
+            assert_eq!(name, &*w.name);
+            assert_eq!(sub.endpoint, format!("tcp://127.0.0.1:{}", 5557 + rank));
+            assert_eq!((sub.worker, sub.dp_size), (w.id, 3));
+        }
+        // A worker of one rank names none.
+        let single = fleet
+            .add(&WorkerSpec::parse("http://127.0.0.1:10").unwrap())
+            .unwrap();
+        assert!(shared
+            .workers()
+            .iter()
+            .any(|w| w.id == single && w.endpoint.dp_rank.is_none()));
+        // The worker's name removes every rank; a second declaration of the
+        // same name is refused whole.
+        assert!(fleet.add(&spec).is_err());
+        assert_eq!(fleet.workers().len(), 4);
+        assert!(fleet.remove("moe", false));
+        assert_eq!(fleet.workers().len(), 1);
+    }
+
+    #[test]
+    fn the_ranks_a_worker_reports_are_read_from_its_server_info() {
+        assert_eq!(
+            reported_dp_size(br#"{"dp_size": 8, "page_size": 16}"#),
+            Some(8)
+        );
+        assert_eq!(reported_dp_size(br#"{"dp_size": 1}"#), Some(1));
+        for none in [
+            &br#"{"page_size": 16}"#[..],
+            br#"{"dp_size": 0}"#,
+            br#"{"dp_size": -2}"#,
+            b"nope",
+        ] {
+            assert_eq!(reported_dp_size(none), None);
+        }
+        assert!(is_target_of("moe/3", "moe") && is_target_of("moe", "moe"));
+        assert!(
+            !is_target_of("moe/x", "moe")
+                && !is_target_of("moe/", "moe")
+                && !is_target_of("moe2/0", "moe")
         );
     }
 

@@ -66,6 +66,9 @@ pub struct WorkerState {
     pub disagg: Option<Arc<DisaggState>>,
     /// LoRA adapters (`--max-loras`, [`crate::adapters`]).
     pub adapters: Arc<crate::adapters::Adapters>,
+    /// Data-parallel ranks (`--dp-size` > 1); `None`: one engine, the
+    /// `driver` and `metrics` above.
+    pub ranks: Option<Arc<crate::ranks::Ranks>>,
 }
 
 /// What the handlers need for `--disagg`.
@@ -240,6 +243,22 @@ impl WorkerState {
         }
     }
 
+    /// The state a generation request runs with: with data-parallel
+    /// ranks, the rank its `X-data-parallel-rank` names or the worker's
+    /// balancer picks; a 400 for a header naming no rank of this worker.
+    fn on_rank(self, headers: &HeaderMap) -> Result<Self, ErrorReply> {
+        let Some(ranks) = &self.ranks else {
+            crate::ranks::requested_rank(headers, 1)?;
+            return Ok(self);
+        };
+        let rank = ranks.choose(headers)?.clone();
+        Ok(Self {
+            driver: rank.driver,
+            metrics: rank.metrics,
+            ..self
+        })
+    }
+
     fn request_id(&self) -> RequestId {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         RequestId((u128::from(self.id_salt) << 64) | u128::from(n))
@@ -283,6 +302,7 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ErrorReply> {
+    let state = state.on_rank(&headers)?;
     let plan = disagg_plan(&state, &body)?;
     let body: CompletionRequest = parse(&body)?;
     let (model, lora_name) = state.check_model(body.model.as_deref())?;
@@ -326,6 +346,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ErrorReply> {
+    let state = state.on_rank(&headers)?;
     let plan = disagg_plan(&state, &body)?;
     let body: ChatCompletionRequest = parse(&body)?;
     let (model, lora_name) = state.check_model(body.model.as_deref())?;
@@ -991,6 +1012,9 @@ async fn server_info(State(state): State<WorkerState>) -> Json<Value> {
         // Not in vLLM's API (its --max-loras is a start-up flag): what a
         // router reads to respect this worker's adapter slots.
         "max_loras": state.adapters.max_loras(),
+        // SGLang's name: its data-parallel ranks (each with the blocks
+        // above).
+        "dp_size": state.ranks.as_ref().map_or(1, |r| r.len()),
     }))
 }
 
@@ -1006,7 +1030,10 @@ async fn model_info(State(state): State<WorkerState>) -> Json<Value> {
 async fn metrics(State(state): State<WorkerState>) -> Response {
     (
         [(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)],
-        state.metrics.encode(),
+        match &state.ranks {
+            Some(ranks) => ranks.encode_metrics(),
+            None => state.metrics.encode(),
+        },
     )
         .into_response()
 }

@@ -3,6 +3,9 @@
 //! the fleet simulator also applies), published by the event plane's ZMQ
 //! publisher (PUB with sequence numbers, ROUTER replay of a bounded ring).
 //!
+//! Each data-parallel rank has its own publisher; its batches name the
+//! rank (`data_parallel_rank`, 0 for a worker of one rank).
+//!
 //! The publisher does blocking socket calls, so it runs on a thread of its
 //! own fed by the driver through a bounded channel.
 
@@ -20,6 +23,7 @@ pub fn spawn(
     publisher: KvEventPublisher,
     mut batches: mpsc::Receiver<Vec<KvEvent>>,
     metrics: Arc<Metrics>,
+    rank: u32,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("kv-publish".into())
@@ -31,7 +35,7 @@ pub fn spawn(
                         .duration_since(UNIX_EPOCH)
                         .map_or(0.0, |d| d.as_secs_f64()),
                     events: to_wire(events),
-                    data_parallel_rank: Some(0),
+                    data_parallel_rank: Some(i64::from(rank)),
                 };
                 match publisher.publish(&batch) {
                     Ok(_) => {

@@ -17,6 +17,9 @@
 //! - [`transfer`] — what a transfer carries and how it fails (the lease
 //!   as it travels, the transfer's errors), shared by `disagg` and the
 //!   driver;
+//! - [`ranks`] — `--dp-size N`: N data-parallel ranks behind one port,
+//!   each its own engine, chosen by `X-data-parallel-rank` or the
+//!   worker's own balancer;
 //! - [`engine_flags`] — [`EngineFlags`]: the engine's flags and their one
 //!   mapping to an `EngineConfig`, flattened into `sim-worker` and
 //!   `replay` alike.
@@ -43,6 +46,7 @@ pub mod engine_flags;
 pub mod http;
 pub mod kv_publish;
 pub mod metrics;
+pub mod ranks;
 pub mod transfer;
 
 use anyhow::Context;
@@ -129,6 +133,14 @@ pub struct SimWorkerArgs {
     /// `--lora-modules`.
     #[arg(long = "lora-modules", value_name = "NAME=PATH", value_parser = adapters::parse_module)]
     pub lora_modules: Vec<(String, String)>,
+    /// Attention data-parallel ranks behind the one port, each its own
+    /// engine (KV cache and scheduler), as vLLM's `--data-parallel-size`:
+    /// a request names its rank with `X-data-parallel-rank` (else the
+    /// worker's balancer picks one); rank r publishes its KV events on the
+    /// `--kv-events` port plus r (and replays on the `--kv-replay` port
+    /// plus r).
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: usize,
     /// The engine's flags (`--block-size`, `--num-blocks`, `--speedup`,
     /// `--architecture`, ...), shared with `replay`; last, as its help
     /// heading holds for the flags after it.
@@ -187,6 +199,7 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .config()
         .map_err(anyhow::Error::msg)
         .context("invalid --disagg configuration")?;
+    check_dp(&args)?;
     if args.engine.architecture == ArchitectureChoice::Hybrid && args.disagg.disagg.is_some() {
         anyhow::bail!(
             "--disagg with --architecture hybrid is not modelled (a hybrid model's SSM state is not transferred)"
@@ -202,6 +215,87 @@ pub fn run(args: SimWorkerArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(serve(args, tokenizer))
+}
+
+/// Checks `--dp-size` against the other flags.
+fn check_dp(args: &SimWorkerArgs) -> anyhow::Result<()> {
+    if !(1..=ranks::MAX_DP_SIZE).contains(&args.dp_size) {
+        anyhow::bail!(
+            "--dp-size must be 1 to {}, got {}",
+            ranks::MAX_DP_SIZE,
+            args.dp_size
+        );
+    }
+    if args.dp_size > 1 && args.disagg.disagg.is_some() {
+        anyhow::bail!("--dp-size with --disagg is not modelled");
+    }
+    Ok(())
+}
+
+/// Rank `rank`'s endpoint: `endpoint`'s port plus the rank, or `endpoint`
+/// itself for rank 0.
+fn rank_endpoint(endpoint: &str, rank: usize) -> anyhow::Result<String> {
+    if rank == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    let port = endpoint
+        .rsplit_once(':')
+        .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
+        .and_then(|(host, port)| {
+            let port = port.checked_add(u16::try_from(rank).ok()?)?;
+            Some(format!("{host}:{port}"))
+        });
+    port.with_context(|| {
+        format!("rank {rank} publishes on the port of {endpoint} plus {rank}: give a tcp://HOST:PORT with room for it")
+    })
+}
+
+/// Binds rank `rank`'s KV-event publisher and starts its thread (`None`
+/// without `--kv-events`). `bound` is rank 0's publisher's endpoints once
+/// bound (a `*` port resolved), from which the other ranks' follow.
+fn rank_publisher(
+    args: &SimWorkerArgs,
+    rank: usize,
+    bound: &mut Option<(String, Option<String>)>,
+    metrics: &Arc<metrics::Metrics>,
+) -> anyhow::Result<Option<tokio::sync::mpsc::Sender<Vec<switchyard_engine::KvEvent>>>> {
+    let Some(endpoint) = &args.kv_events else {
+        return Ok(None);
+    };
+    let (events, replay) = match bound {
+        None => (endpoint.clone(), args.kv_replay.clone()),
+        Some((events, replay)) => (
+            rank_endpoint(events, rank)?,
+            replay
+                .as_deref()
+                .map(|r| rank_endpoint(r, rank))
+                .transpose()?,
+        ),
+    };
+    let mut publisher_config = PublisherConfig::new(events.clone(), replay);
+    publisher_config.replay_buffer = args.kv_replay_buffer;
+    let publisher = KvEventPublisher::bind(publisher_config)
+        .with_context(|| format!("binding rank {rank}'s KV-event publisher on {events}"))?;
+    let rank_label = if args.dp_size > 1 {
+        format!(" rank {rank}")
+    } else {
+        String::new()
+    };
+    println!(
+        "switchyard sim-worker kv-events {} replay {}{rank_label}",
+        publisher.endpoint(),
+        publisher.replay_endpoint().unwrap_or("-")
+    );
+    if bound.is_none() {
+        *bound = Some((
+            publisher.endpoint().to_owned(),
+            publisher.replay_endpoint().map(str::to_owned),
+        ));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    kv_publish::spawn(publisher, rx, metrics.clone(), rank as u32)
+        .context("starting the KV-event publisher")?;
+    Ok(Some(tx))
 }
 
 /// How generated tokens become text with `tokenizer`: its word tokens when
@@ -263,27 +357,11 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         ..args.engine_config()
     };
     config.validate().context("invalid engine configuration")?;
+    check_dp(args)?;
     let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
     let metrics = Arc::new(metrics::Metrics::default());
-    let kv_sink = match &args.kv_events {
-        None => None,
-        Some(endpoint) => {
-            let mut publisher_config =
-                PublisherConfig::new(endpoint.clone(), args.kv_replay.clone());
-            publisher_config.replay_buffer = args.kv_replay_buffer;
-            let publisher = KvEventPublisher::bind(publisher_config)
-                .with_context(|| format!("binding the KV-event publisher on {endpoint}"))?;
-            println!(
-                "switchyard sim-worker kv-events {} replay {}",
-                publisher.endpoint(),
-                publisher.replay_endpoint().unwrap_or("-")
-            );
-            let (tx, rx) = tokio::sync::mpsc::channel(1024);
-            kv_publish::spawn(publisher, rx, metrics.clone())
-                .context("starting the KV-event publisher")?;
-            Some(tx)
-        }
-    };
+    let mut bound_events = None;
+    let kv_sink = rank_publisher(args, 0, &mut bound_events, &metrics)?;
     let disagg_config = args
         .disagg
         .config()
@@ -324,6 +402,29 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
     };
     let driver = driver::spawn_with(engine, metrics.clone(), kv_sink, driver_disagg)
         .context("starting the engine thread")?;
+    // Ranks 1.. (rank 0 is the engine above): each its own engine, thread,
+    // metrics and publisher.
+    let ranks = if args.dp_size > 1 {
+        let mut list = vec![ranks::Rank {
+            driver: driver.clone(),
+            metrics: metrics.clone(),
+        }];
+        for rank in 1..args.dp_size {
+            let engine = Engine::new(config.clone(), SyncDevice::new(config.timing.clone()))?;
+            let metrics = Arc::new(metrics::Metrics::default());
+            let kv_sink = rank_publisher(args, rank, &mut bound_events, &metrics)?;
+            let driver = driver::spawn_with(engine, metrics.clone(), kv_sink, None)
+                .with_context(|| format!("starting rank {rank}'s engine thread"))?;
+            list.push(ranks::Rank { driver, metrics });
+        }
+        println!(
+            "switchyard sim-worker data-parallel ranks {} (X-data-parallel-rank)",
+            args.dp_size
+        );
+        Some(Arc::new(ranks::Ranks::new(list)))
+    } else {
+        None
+    };
     let marks = match args.replica_config()? {
         None => None,
         Some(replica) => {
@@ -429,6 +530,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
             .map_or(0, |d| d.as_nanos() as u64),
         marks,
         disagg: disagg_state.as_ref().map(|(d, _)| d.clone()),
+        ranks,
     };
     let mut app = http::router(state);
     if let Some((_, internal)) = disagg_state {

@@ -528,6 +528,11 @@ impl Metrics {
         }
     }
 
+    /// The engine's (waiting, running) requests as last observed.
+    pub fn queue(&self) -> (u64, u64) {
+        (self.waiting.get(), self.running.get())
+    }
+
     /// Prometheus text exposition of every series.
     pub fn encode(&self) -> String {
         let mut out = String::with_capacity(4096);

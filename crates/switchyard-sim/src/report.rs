@@ -92,6 +92,13 @@ pub struct PolicyReport {
     /// adapter mix).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adapters: Option<crate::adapters::AdapterFigures>,
+    /// With data-parallel ranks: `aware` or `blind`, what the routers saw
+    /// of the ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_routing: Option<&'static str>,
+    /// With data-parallel ranks: what the ranks did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp: Option<DpFigures>,
     /// Figures per tenant, by name (absent unless the run names tenants).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tenants: std::collections::BTreeMap<String, TenantFigures>,
@@ -188,6 +195,20 @@ pub struct SpecFigures {
     pub rollback_blocks: u64,
     /// Decode steps without drafts because the over-run did not fit.
     pub fallbacks: u64,
+}
+
+/// With data-parallel ranks (`replay --dp-size`): what the
+/// ranks did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DpFigures {
+    /// Ranks per worker.
+    pub size: usize,
+    /// Requests started per (worker, rank), worker-major.
+    pub requests_per_rank: Vec<u64>,
+    /// Share of the run (first arrival to last completion) during which
+    /// some rank had nothing to run while another rank of the same worker
+    /// had requests waiting in its queue.
+    pub idle_while_queued_share: f64,
 }
 
 /// Per-worker load over time, for plots: tokens computed per bucket.

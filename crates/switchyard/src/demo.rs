@@ -137,6 +137,7 @@ async fn one_policy(
                 block_size: None,
                 role: Default::default(),
                 bootstrap_port: None,
+                dp_size: None,
             })
             .collect(),
         health_interval_ms: 500,

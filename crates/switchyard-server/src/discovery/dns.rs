@@ -98,6 +98,7 @@ pub(crate) fn workers_at(ips: &[IpAddr], port: u16) -> Vec<WorkerSpec> {
             block_size: None,
             role: Default::default(),
             bootstrap_port: None,
+            dp_size: None,
         })
         .collect()
 }

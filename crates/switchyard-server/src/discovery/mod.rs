@@ -162,15 +162,20 @@ impl Source {
         let table = fleet.workers();
         // What we added and is still there as we added it (not removed or
         // drained by hand, not replaced under the same name).
+        // A worker with data-parallel ranks is in the table as its ranks
+        // (`NAME/r`).
+        let is_target_of = crate::workers::is_target_of;
         self.owned.retain(|name, spec| {
             table.iter().any(|w| {
-                &*w.name == name && &*w.url == spec.url.trim_end_matches('/') && !w.draining
+                is_target_of(&w.name, name)
+                    && &*w.url == spec.url.trim_end_matches('/')
+                    && !w.draining
             })
         });
         let others: BTreeSet<String> = table
             .iter()
             .map(|w| w.name.to_string())
-            .filter(|n| !self.owned.contains_key(n))
+            .filter(|n| !self.owned.keys().any(|owned| is_target_of(n, owned)))
             .collect();
         let plan = reconcile::plan(&self.owned, &self.desired, &others);
         for name in &plan.drain {
@@ -408,6 +413,24 @@ mod tests {
         source.set_desired(vec![], &metrics);
         source.pass(&fleet, &metrics);
         assert_eq!(names(&fleet), ["manual"], "only what the source added goes");
+    }
+
+    #[tokio::test]
+    async fn a_discovered_worker_with_data_parallel_ranks_is_kept_across_passes_and_removed_whole()
+    {
+        let (fleet, _) = fleet();
+        let metrics = DiscoveryMetrics::default();
+        let mut source = Source::new("file".into(), 8);
+        let mut moe = spec("moe", 1);
+        moe.dp_size = Some(2);
+        source.set_desired(vec![moe], &metrics);
+        for _ in 0..2 {
+            source.pass(&fleet, &metrics);
+            assert_eq!(names(&fleet), ["manual", "moe/0", "moe/1"]);
+        }
+        source.set_desired(vec![], &metrics);
+        source.pass(&fleet, &metrics);
+        assert_eq!(names(&fleet), ["manual"]);
     }
 
     #[tokio::test]

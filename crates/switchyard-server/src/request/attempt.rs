@@ -354,6 +354,10 @@ impl Attempts {
                 REQUEST_ID,
                 id_header(self.upstream_id.unwrap_or(booking.booking_id())),
             );
+        // A data-parallel rank's requests name it, as vLLM reads it.
+        if let Some(rank) = &booking.endpoint.dp_rank {
+            upstream = upstream.header(crate::roster::DP_RANK_HEADER, rank.clone());
+        }
         if let Some(router_id) = &self.state.router_id {
             upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }

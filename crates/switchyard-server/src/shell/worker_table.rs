@@ -94,6 +94,22 @@ impl SharedRouter {
         Ok(id)
     }
 
+    /// Registers data-parallel rank `rank` of the worker at `url` as a
+    /// target of its own, named `name` (its id is the worker's name's with
+    /// the rank, so replicas agree on it).
+    pub fn add_worker_rank(
+        &self,
+        name: &str,
+        url: &str,
+        id: WorkerId,
+        rank: u32,
+    ) -> Result<WorkerId, String> {
+        let mut inner = self.lock();
+        inner.roster.insert(id, name, url)?;
+        inner.roster.set_dp_rank(id, rank);
+        Ok(id)
+    }
+
     /// Puts a worker into selection or takes it out. Taking it out drops
     /// its index entries and bookings; putting it back starts a fresh
     /// circuit and a new KV-event epoch.

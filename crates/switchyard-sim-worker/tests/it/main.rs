@@ -3,6 +3,7 @@
 
 mod adapters;
 mod disagg;
+mod dp;
 mod output_text;
 mod support;
 mod wordpiece;

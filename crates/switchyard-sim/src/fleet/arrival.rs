@@ -163,7 +163,16 @@ impl Simulation {
     /// Hands a dispatched (and booked) request to its engine.
     fn start(&mut self, replica: usize, sent: Dispatch) {
         let id = sent.id;
-        let worker = self.by_worker_id[&sent.worker];
+        let Some(worker) = self.engine_for(sent.worker) else {
+            // Not a target of this fleet: nothing can run it.
+            self.drop_handoff(request_of(id));
+            let fx = self.replicas[replica].dispatcher.abort(id, self.now);
+            self.effects.push_back((replica, fx));
+            if let Some(p) = self.payloads.remove(&request_of(id)) {
+                self.fail(p.session);
+            }
+            return;
+        };
         // What the routing replica saw against the truth, at this decision.
         let seen = self.replicas[replica]
             .dispatcher

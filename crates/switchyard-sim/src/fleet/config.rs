@@ -142,6 +142,11 @@ pub struct FleetConfig {
     /// routers' adapter affinity is `router.adapters` (`blind` for
     /// adapter-blind routing).
     pub adapters: Option<crate::adapters::AdapterMix>,
+    /// Attention data parallelism: every worker holds this many ranks,
+    /// each its own engine, routed rank-aware or rank-blind
+    /// ([`super::DpConfig`]); `None`: one engine per worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp: Option<super::DpConfig>,
 }
 
 impl Default for FleetConfig {
@@ -160,6 +165,7 @@ impl Default for FleetConfig {
             peer_restore: None,
             attention_only_routing: false,
             adapters: None,
+            dp: None,
         }
     }
 }

@@ -61,15 +61,22 @@
 //! the event queue's entries; this file the fleet's state and the event
 //! loop; `arrival.rs` a turn's way onto an engine; `steps.rs` the engines'
 //! steps and what they carry back; `disagg.rs` disaggregated requests and
-//! lent prefixes, their transfers and leases; `replica_sync.rs` what the
+//! lent prefixes, their transfers and leases; `dp.rs` workers of several
+//! data-parallel ranks (each rank an engine; rank-aware targets, or one
+//! rank-blind target per worker and the worker's own balancer);
+//! `replica_sync.rs` what the
 //! router replicas publish to each other; `outcome.rs` the figures; the
-//! tests in `tests.rs`, `admission_tests.rs` and `replica_tests.rs`.
+//! tests in `tests.rs`, `admission_tests.rs`, `replica_tests.rs` and
+//! `dp_tests.rs`.
 
 #[cfg(test)]
 mod admission_tests;
 mod arrival;
 mod config;
 mod disagg;
+mod dp;
+#[cfg(test)]
+mod dp_tests;
 mod event;
 mod outcome;
 mod replica_sync;
@@ -79,7 +86,9 @@ mod steps;
 #[cfg(test)]
 mod tests;
 
+pub use crate::report::DpFigures;
 pub use config::{DisaggConfig, FleetConfig, TransferConfig};
+pub use dp::{DpConfig, DpRouting, RankBalancer, MAX_DP_SIZE, STATS_INTERVAL_MS};
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{Balancer, ReplicaStats};
@@ -121,6 +130,9 @@ pub enum SimError {
     /// A disaggregation setting is invalid.
     #[error("disaggregation: {0}")]
     Disagg(String),
+    /// A data-parallel setting is invalid.
+    #[error("data-parallel ranks: {0}")]
+    Dp(String),
 }
 
 /// What a simulation produced.
@@ -240,8 +252,13 @@ struct Simulation {
     balancer: Balancer,
     /// The replica of each multi-turn session, with session-aware admission.
     session_replica: FxHashMap<u64, usize>,
+    /// One per engine: one per worker, or with data-parallel ranks one per
+    /// (worker, rank), worker-major.
     workers: Vec<WorkerState>,
+    /// The engine of each router target (a rank-blind worker's first rank).
     by_worker_id: FxHashMap<WorkerId, usize>,
+    /// Data-parallel ranks (`None`: one engine per worker).
+    dp: Option<dp::DpState>,
     heap: BinaryHeap<Scheduled>,
     seq: u64,
     now: f64,
@@ -302,18 +319,29 @@ impl Simulation {
         if let Some(mix) = &config.adapters {
             mix.validate().map_err(SimError::Disagg)?;
         }
+        if let Some(dp) = &config.dp {
+            dp.validate().map_err(SimError::Dp)?;
+            if config.disagg.is_some() || config.peer_restore.is_some() {
+                return Err(SimError::Dp(
+                    "data-parallel ranks are not modelled with disaggregation or peer restore"
+                        .to_owned(),
+                ));
+            }
+        }
         let config = config.clone();
+        let ranks = config.dp.map_or(1, |dp| dp.size);
+        let engines = config.workers * ranks;
         let block_size = config.engine.block_size as u32;
-        let mut workers = Vec::with_capacity(config.workers);
+        let mut workers = Vec::with_capacity(engines);
         let mut by_worker_id = FxHashMap::default();
-        for i in 0..config.workers {
-            let id = WorkerId::new(i as u64);
+        for i in 0..engines {
+            let id = dp::router_id(i, config.dp);
             let engine = Engine::new(
                 config.engine.clone(),
                 SyncDevice::new(config.engine.timing.clone()),
             )
             .map_err(|e| SimError::Engine(e.to_string()))?;
-            by_worker_id.insert(id, i);
+            by_worker_id.entry(id).or_insert(i);
             workers.push(WorkerState {
                 id,
                 engine,
@@ -329,10 +357,19 @@ impl Simulation {
                 adapters: Default::default(),
             });
         }
+        // A rank-blind router sees a worker's ranks as one engine of their
+        // pooled capacity.
+        let pooled = match config.dp {
+            Some(DpConfig {
+                size,
+                routing: DpRouting::Blind,
+            }) => size as u64,
+            _ => 1,
+        };
         let capacity = WorkerCapacity {
-            max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64),
-            kv_blocks: Some(config.engine.num_blocks as u64),
-            kv_tokens: Some((config.engine.num_blocks * config.engine.block_size) as u64),
+            max_num_batched_tokens: Some(config.engine.max_num_batched_tokens as u64 * pooled),
+            kv_blocks: Some(config.engine.num_blocks as u64 * pooled),
+            kv_tokens: Some((config.engine.num_blocks * config.engine.block_size) as u64 * pooled),
             block_size: None,
         };
         let mut replicas = Vec::with_capacity(config.replicas.count);
@@ -349,7 +386,13 @@ impl Simulation {
             if config.replicas.shares_bookings() {
                 dispatcher.set_replica(id);
             }
-            for w in &workers {
+            // One target per rank, or per rank-blind worker.
+            let targets = workers
+                .iter()
+                .enumerate()
+                .filter(|&(i, w)| by_worker_id[&w.id] == i)
+                .map(|(_, w)| w);
+            for w in targets {
                 // Nothing waits yet: adding a worker places nothing.
                 let _ = dispatcher.add_worker(w.id, capacity, 0.0);
                 if let Some(mix) = &config.adapters {
@@ -365,7 +408,8 @@ impl Simulation {
                 routed: 0,
             });
         }
-        let timeline = LoadTimeline::new(config.workers, config.timeline_bucket_ms.max(1.0));
+        let timeline = LoadTimeline::new(engines, config.timeline_bucket_ms.max(1.0));
+        let dp = config.dp.map(|c| dp::DpState::new(c, config.workers));
         let adapter_cdf = config.adapters.map(|m| m.cdf()).unwrap_or_default();
         Ok(Self {
             balancer: Balancer::new(&config.replicas, config.router.seed),
@@ -374,6 +418,7 @@ impl Simulation {
             config,
             workers,
             by_worker_id,
+            dp,
             heap: BinaryHeap::new(),
             seq: 0,
             now: 0.0,
@@ -512,6 +557,7 @@ impl Simulation {
                 }
             }
             self.schedule_ticks();
+            self.track_rank_idleness();
             after_event(&self);
         }
         Ok(self.outcome())

@@ -86,6 +86,12 @@ impl Simulation {
                 f
             }),
             adapters: self.config.adapters.map(|_| self.adapter_figures),
+            dp_routing: self.config.dp.map(|dp| dp.routing.name()),
+            dp: self.dp.as_ref().map(|dp| super::DpFigures {
+                size: dp.config.size,
+                requests_per_rank: dp.requests_per_rank.clone(),
+                idle_while_queued_share: dp.idle_ms() / makespan_ms,
+            }),
             tenants: self.tenant_figures(),
             ssm: self.config.engine.hybrid.map(|_| {
                 let mut f = SsmFigures::default();

@@ -150,7 +150,7 @@ impl Simulation {
             self.settle_leases(worker);
         }
         self.deliver_kv_events(worker);
-        let usage = self.workers[worker].engine.kv_usage();
+        let usage = self.reported_usage(worker);
         let id = self.workers[worker].id;
         for replica in &mut self.replicas {
             replica.dispatcher.report_kv(id, Some(usage));

@@ -23,7 +23,10 @@ use switchyard_core::admission::{FlowPolicy, SessionAwareConfig};
 use switchyard_core::hashing::{local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::select::{PolicyKind, TtftConfig};
 use switchyard_engine::SpecDecode;
-use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, SimOutcome, TransferConfig};
+use switchyard_sim::fleet::{
+    simulate, DisaggConfig, DpConfig, DpRouting, FleetConfig, SimOutcome, TransferConfig,
+    MAX_DP_SIZE,
+};
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
@@ -105,6 +108,24 @@ pub enum Fairness {
     Off,
     /// Each policy twice: fair, then first come, first served (`+fifo`).
     Both,
+}
+
+/// What the routers see of data-parallel ranks (with `--dp-size` > 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpRoutingChoice {
+    /// Every (worker, rank) is a target; the router names the rank.
+    Aware,
+    /// One target per worker; the worker's own balancer picks the rank
+    /// (a router that does not know the ranks).
+    Blind,
+    /// Each policy twice: rank-aware (`+dp-aware`), then rank-blind
+    /// (`+dp-blind`).
+    Both,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// Admission strategies to run each policy with.
@@ -308,6 +329,16 @@ pub struct ReplayArgs {
     /// (`+blind`), or both.
     #[arg(long, value_enum, default_value_t = AdapterRouting::Both)]
     pub adapter_routing: AdapterRouting,
+    /// Attention data-parallel ranks per worker, each its own engine (its
+    /// own KV cache and scheduler) behind the worker (1: none).
+    #[arg(long, default_value_t = 1)]
+    #[serde(skip_serializing_if = "is_one")]
+    pub dp_size: usize,
+    /// With `--dp-size` > 1: rank-aware routing, rank-blind routing (the
+    /// worker's own balancer picks the rank), or both (the default).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_routing: Option<DpRoutingChoice>,
     /// The engines' flags, as `sim-worker`'s (`--block-size`, `--speedup`,
     /// `--architecture`, ...); the ones the profile sizes default to it.
     /// Last, as its help heading holds for the flags after it.
@@ -439,6 +470,29 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         mix.validate()
             .map_err(|e| anyhow::anyhow!("--adapters: {e}"))?;
         fleet.adapters = Some(mix);
+    }
+    anyhow::ensure!(
+        (1..=MAX_DP_SIZE).contains(&args.dp_size),
+        "--dp-size must be 1..={MAX_DP_SIZE}, got {}",
+        args.dp_size
+    );
+    if args.dp_size > 1 {
+        anyhow::ensure!(
+            args.disagg.is_empty() && !args.peer_restore,
+            "--dp-size is not modelled with --disagg or --peer-restore"
+        );
+        fleet.dp = Some(DpConfig {
+            size: args.dp_size,
+            routing: match args.dp_routing {
+                Some(DpRoutingChoice::Blind) => DpRouting::Blind,
+                _ => DpRouting::Aware,
+            },
+        });
+    } else {
+        anyhow::ensure!(
+            args.dp_routing.is_none(),
+            "--dp-routing needs --dp-size greater than 1"
+        );
     }
     fleet
         .router
@@ -600,7 +654,10 @@ pub fn references(
     fleet: &FleetConfig,
 ) -> anyhow::Result<(u64, References)> {
     let block_size = fleet.engine.block_size;
-    let mut refs = References::new(block_size, fleet.workers * fleet.engine.num_blocks);
+    // Every engine's blocks: a worker's data-parallel ranks each hold a
+    // pool.
+    let engines = fleet.workers * fleet.dp.map_or(1, |dp| dp.size);
+    let mut refs = References::new(block_size, engines * fleet.engine.num_blocks);
     let mut requests = 0;
     for session in source.open(args)? {
         let session = session.map_err(|e| match trace(args) {
@@ -707,6 +764,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     };
     let trace = trace_name(trace(&args).as_ref());
     if !args.quiet {
+        if let Some(dp) = fleet.dp {
+            eprintln!("each worker holds {} data-parallel ranks", dp.size);
+        }
         eprintln!(
             "replaying {trace} on {} workers ({} blocks of {} tokens each, speed-up {}), rate ×{}, policies: {}",
             fleet.workers,
@@ -793,6 +853,29 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                     format!("{name}+blind")
                 } else {
                     name.clone()
+                };
+                (name, f)
+            })
+        })
+        .flat_map(|(name, f)| {
+            // With data-parallel ranks: rank-aware routing, rank-blind, or
+            // both.
+            let routings: &[Option<DpRouting>] = match (f.dp, args.dp_routing) {
+                (None, _) => &[None],
+                (Some(_), Some(DpRoutingChoice::Aware)) => &[Some(DpRouting::Aware)],
+                (Some(_), Some(DpRoutingChoice::Blind)) => &[Some(DpRouting::Blind)],
+                (Some(_), Some(DpRoutingChoice::Both) | None) => {
+                    &[Some(DpRouting::Aware), Some(DpRouting::Blind)]
+                }
+            };
+            routings.iter().map(move |routing| {
+                let mut f = f.clone();
+                let name = match (f.dp.as_mut(), routing) {
+                    (Some(dp), Some(routing)) => {
+                        dp.routing = *routing;
+                        format!("{name}+dp-{}", routing.name())
+                    }
+                    _ => name.clone(),
                 };
                 (name, f)
             })
@@ -901,6 +984,15 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                 a.loads, a.waited, a.requests
             );
         }
+        if let Some(dp) = &r.dp {
+            let busiest = dp.requests_per_rank.iter().max().copied().unwrap_or(0);
+            let idlest = dp.requests_per_rank.iter().min().copied().unwrap_or(0);
+            println!(
+                "{name}: {} ranks per worker; requests per rank {idlest}..{busiest}; a rank idle while another of its worker queued {:.1}% of the run",
+                dp.size,
+                dp.idle_while_queued_share * 100.0
+            );
+        }
         if r.transfers + r.transfer_fallbacks > 0 {
             println!(
                 "{name}: {} KV transfers, {:.2} GB moved, {} decode halves computed their prompt instead",
@@ -1000,6 +1092,28 @@ pub(crate) fn parse_args(argv: &[&str]) -> ReplayArgs {
 mod tests {
     use super::*;
     use switchyard_engine::{CheckpointPolicy, EngineConfig, Preemption, TimingConfig};
+
+    #[test]
+    fn data_parallel_ranks_reach_the_fleet_only_when_asked_and_are_checked() {
+        let fleet = fleet_config(&parse_args(&[])).unwrap();
+        assert_eq!(fleet.dp, None);
+        // Nothing about ranks in the default figures' echo of the fleet and
+        // the arguments.
+        let json = serde_json::to_string(&(fleet, parse_args(&[]))).unwrap();
+        assert!(!json.contains("dp"), "{json}");
+        let fleet = fleet_config(&parse_args(&["--dp-size", "4"])).unwrap();
+        assert_eq!(
+            fleet.dp,
+            Some(DpConfig {
+                size: 4,
+                routing: DpRouting::Aware
+            })
+        );
+        let err = |argv: &[&str]| fleet_config(&parse_args(argv)).unwrap_err().to_string();
+        assert!(err(&["--dp-routing", "blind"]).contains("needs --dp-size"));
+        assert!(err(&["--dp-size", "0"]).contains("--dp-size must be"));
+        assert!(err(&["--dp-size", "2", "--peer-restore"]).contains("not modelled"));
+    }
 
     #[test]
     fn the_engines_have_no_host_tier_unless_host_blocks_are_given() {

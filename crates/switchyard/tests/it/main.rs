@@ -23,6 +23,7 @@ mod replica_security;
 mod serve_adapters;
 mod serve_chaos;
 mod serve_disagg;
+mod serve_dp;
 mod serve_ending;
 mod serve_errors;
 mod serve_limits;

@@ -56,3 +56,60 @@ async fn the_config_replay_tune_writes_starts_a_router_running_the_chosen_policy
     })
     .await;
 }
+
+/// `replay --dp-size N`: each policy once rank-aware and once rank-blind,
+/// each row of `replay.json` saying which, with what its ranks did.
+#[tokio::test]
+async fn replay_with_data_parallel_ranks_runs_each_policy_aware_and_blind() {
+    let _machine = machine().await;
+    let out_dir = scratch_file("dp-replay.marker", b"").with_file_name("dp-replay-out");
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["replay", "--format", "synthetic", "--max-requests", "30"])
+        .args([
+            "--workers",
+            "2",
+            "--dp-size",
+            "3",
+            "--policies",
+            "kv,round-robin",
+        ])
+        .args(["--threads", "1", "--quiet", "--no-plots", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("switchyard replay runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("replay.json")).unwrap()).unwrap();
+    let rows = report["policies"].as_object().unwrap();
+    let mut names: Vec<&str> = rows.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "kv+dp-aware",
+            "kv+dp-blind",
+            "round-robin+dp-aware",
+            "round-robin+dp-blind"
+        ]
+    );
+    for (name, row) in rows {
+        let routing = name.rsplit("+dp-").next().unwrap();
+        assert_eq!(row["dp_routing"], routing, "{name}");
+        assert_eq!(row["dp"]["size"], 3, "{name}");
+        let per_rank = row["dp"]["requests_per_rank"].as_array().unwrap();
+        assert_eq!(per_rank.len(), 6, "{name}");
+        let started: u64 = per_rank.iter().map(|n| n.as_u64().unwrap()).sum();
+        assert_eq!(started, row["completed"].as_u64().unwrap(), "{name}");
+    }
+    // `--dp-routing` without ranks is refused.
+    let refused = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["replay", "--format", "synthetic", "--dp-routing", "aware"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--dp-routing needs --dp-size"));
+}

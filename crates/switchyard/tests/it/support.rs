@@ -137,8 +137,12 @@ pub(crate) fn spawn<S: AsRef<str>>(args: &[S]) -> Proc {
         );
         let words: Vec<&str> = line.split_whitespace().collect();
         // `switchyard sim-worker kv-events PUB replay REPLAY`
+        // (the first: with `--dp-size`, rank 0's; the other ranks' follow
+        // on the next ports).
         if let Some(i) = words.iter().position(|w| *w == "kv-events") {
-            proc.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+            if proc.kv.is_none() {
+                proc.kv = Some((words[i + 1].to_owned(), words[i + 3].to_owned()));
+            }
         }
         // `switchyard sim-worker bootstrap http://ADDR`, before its address.
         if words.get(2) == Some(&"bootstrap") {
