@@ -37,6 +37,7 @@ fn shared_prefixes(groups: u32, repeats: u32, prefix: u32, gap_ms: f64) -> Sessi
                     prompt: PromptSpec::Tokens(prompt.into()),
                     output_tokens: 8,
                 }],
+                flow: crate::workload::SessionFlow::default(),
             }
         })
         .collect();
