@@ -129,6 +129,11 @@ pub struct TenantFigures {
     /// Tokens served: prompt tokens computed (not cached) plus output
     /// tokens, of completed requests (the fair share's measure).
     pub tokens_served: u64,
+    /// [`Self::tokens_served`] by requests that completed within the
+    /// arrivals' window (`replay --duration`), while every tenant still
+    /// sends: the share a saturating tenant got (absent without a window).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_served_in_window: Option<u64>,
 }
 
 /// One tenant's samples while a simulation runs.
@@ -146,11 +151,13 @@ pub struct TenantTally {
     pub errors: u64,
     /// See [`TenantFigures::tokens_served`].
     pub tokens_served: u64,
+    /// See [`TenantFigures::tokens_served_in_window`].
+    pub tokens_served_in_window: u64,
 }
 
 impl TenantTally {
-    /// The figures of the samples.
-    pub fn figures(&mut self) -> TenantFigures {
+    /// The figures of the samples (`windowed`: the run had a window).
+    pub fn figures(&mut self, windowed: bool) -> TenantFigures {
         let ttft = Latency::of(&mut self.ttft);
         let wait = Latency::of(&mut self.wait);
         TenantFigures {
@@ -162,6 +169,7 @@ impl TenantTally {
             shed: self.shed,
             errors: self.errors,
             tokens_served: self.tokens_served,
+            tokens_served_in_window: windowed.then_some(self.tokens_served_in_window),
         }
     }
 }

@@ -118,6 +118,10 @@ pub struct FleetConfig {
     pub online_prefill_fit: bool,
     /// Width of the per-worker load timeline buckets.
     pub timeline_bucket_ms: f64,
+    /// Per-tenant figures also count the tokens served up to this time
+    /// (the end of the arrivals, while every tenant still sends); `None`:
+    /// no window.
+    pub tenant_window_ms: Option<f64>,
     /// The policy queue.
     pub admission: AdmissionConfig,
     /// Session-aware admission (multi-turn sessions); `None`: no strategy.
@@ -158,6 +162,7 @@ impl Default for FleetConfig {
             kv_event_delay_ms: 10.0,
             online_prefill_fit: false,
             timeline_bucket_ms: 10_000.0,
+            tenant_window_ms: None,
             admission: AdmissionConfig::default(),
             session_aware: None,
             replicas: ReplicasConfig::default(),

@@ -34,7 +34,7 @@ impl Simulation {
                 .any(|t| t.name == policy.tenant_name(TenantId(i as u16)));
             if named || tally.completed + tally.errors + tally.shed > 0 {
                 let name = policy.tenant_name(TenantId(i as u16)).to_owned();
-                out.insert(name, tally.figures());
+                out.insert(name, tally.figures(self.config.tenant_window_ms.is_some()));
             }
         }
         out

@@ -134,6 +134,10 @@ impl Simulation {
             let tally = self.tally(r.session);
             tally.completed += 1;
             tally.tokens_served += computed + done.output_tokens as u64;
+            if self.config.tenant_window_ms.is_some_and(|w| now <= w) {
+                let tally = self.tally(r.session);
+                tally.tokens_served_in_window += computed + done.output_tokens as u64;
+            }
             let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
             let fx = self.replicas[r.replica]
                 .dispatcher

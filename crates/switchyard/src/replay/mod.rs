@@ -458,6 +458,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.busy_threshold = args.busy_threshold;
     if let Some(path) = &args.tenants {
         fleet.admission.flow = TenantMix::load(path)?.flow_config(true);
+        fleet.tenant_window_ms = args.duration.map(|s| s * 1e3);
     }
     if args.adapters > 0 {
         let mix = switchyard_sim::adapters::AdapterMix {
