@@ -1005,7 +1005,7 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
     }
     if outcomes.iter().any(|(_, o)| !o.report.tenants.is_empty()) {
         println!(
-            "{:<24} {:<12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>12}",
+            "{:<24} {:<12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>12} {:>12}",
             "policy",
             "tenant",
             "ttft p50",
@@ -1014,12 +1014,13 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
             "wait p90",
             "completed",
             "shed",
-            "tokens"
+            "tokens",
+            "in window"
         );
         for (name, o) in outcomes {
             for (tenant, t) in &o.report.tenants {
                 println!(
-                    "{:<24} {:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9} {:>6} {:>12}",
+                    "{:<24} {:<12} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9} {:>6} {:>12} {:>12}",
                     name,
                     tenant,
                     t.ttft_p50_ms,
@@ -1028,7 +1029,9 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                     t.wait_p90_ms,
                     t.completed,
                     t.shed,
-                    t.tokens_served
+                    t.tokens_served,
+                    t.tokens_served_in_window
+                        .map_or_else(|| "-".to_owned(), |n| n.to_string())
                 );
             }
         }
