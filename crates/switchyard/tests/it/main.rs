@@ -34,3 +34,4 @@ mod serve_routing;
 mod serve_security;
 mod serve_tls;
 mod sim_worker;
+mod sim_worker_apis;
