@@ -120,6 +120,20 @@ impl ApiError {
         ErrorBody::upstream(message).into()
     }
 
+    /// 410: what the request names existed and is gone for good.
+    pub(crate) fn gone(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        let mut body = ErrorBody::new(410, "invalid_request_error", message);
+        if let Some(param) = param {
+            body = body.with_param(param);
+        }
+        body.into()
+    }
+
+    /// 501: a feature the router does not offer in this configuration.
+    pub(crate) fn not_implemented(message: impl Into<String>) -> Self {
+        ErrorBody::new(501, "invalid_request_error", message).into()
+    }
+
     /// 504: the request timeout passed; the upstream work was cancelled.
     pub(crate) fn timeout(after: std::time::Duration) -> Self {
         ErrorBody::timeout(format!(
@@ -140,9 +154,60 @@ impl ApiError {
     }
 }
 
+/// Marks a response as an error the router answered itself (not a
+/// worker's), with its message: [`anthropic_layer`] rewrites it.
+#[derive(Clone, Debug)]
+struct RouterError(String);
+
+/// Anthropic's error body for an error of `status` with `message`:
+/// `{"type":"error","error":{"type","message"}}`.
+pub(crate) fn anthropic_body(status: StatusCode, message: &str) -> serde_json::Value {
+    let kind = match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 | 410 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    };
+    serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
+}
+
+/// Wraps `app` so that every error the router answers itself on
+/// Anthropic's paths (`/v1/messages...`) has Anthropic's body, with the
+/// same status and headers (`Retry-After`, `WWW-Authenticate`); a
+/// worker's answers pass unchanged. Apply it outermost.
+pub(crate) fn anthropic_layer(app: axum::Router) -> axum::Router {
+    app.layer(axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let anthropic = request.uri().path().starts_with("/v1/messages");
+            let response = next.run(request).await;
+            if !anthropic {
+                return response;
+            }
+            let Some(RouterError(message)) = response.extensions().get::<RouterError>().cloned()
+            else {
+                return response;
+            };
+            let (mut parts, _) = response.into_parts();
+            parts.headers.remove(header::CONTENT_LENGTH);
+            let body = anthropic_body(parts.status, &message).to_string();
+            parts.headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Response::from_parts(parts, axum::body::Body::from(body))
+        },
+    ))
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let marker = RouterError(self.body.error.message.clone());
         let mut response = (self.status, axum::Json(self.body)).into_response();
+        response.extensions_mut().insert(marker);
         if let Some(secs) = self.retry_after_secs {
             response
                 .headers_mut()

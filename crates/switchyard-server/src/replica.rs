@@ -305,6 +305,7 @@ mod tests {
                 model: None,
                 adapter: None,
                 settings: Default::default(),
+                pinned: None,
             },
         )
         .unwrap();
@@ -353,6 +354,7 @@ mod tests {
                     model: None,
                     adapter: None,
                     settings: Default::default(),
+                    pinned: None,
                 },
             )
             .unwrap()

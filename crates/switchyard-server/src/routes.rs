@@ -23,7 +23,9 @@ use std::sync::Arc;
 /// ([`crate::front_door`]).
 pub(crate) fn app(state: Shared) -> AxumRouter {
     let credentials = state.credentials.clone();
-    crate::front::auth::layer(routes(state), credentials)
+    // Outermost: the router's own errors on Anthropic's paths, credential
+    // refusals included, in Anthropic's shape.
+    crate::error::anthropic_layer(crate::front::auth::layer(routes(state), credentials))
 }
 
 /// The routes, each `POST` body read whole within its limit and deadline
@@ -39,6 +41,20 @@ pub(crate) fn routes(state: Shared) -> AxumRouter {
     let mut routes = AxumRouter::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::request::responses::responses))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::request::responses::get_response),
+        )
+        .route(
+            "/v1/responses/{id}/cancel",
+            post(crate::request::responses::cancel_response),
+        )
+        .route("/v1/messages", post(crate::request::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::request::messages::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))

@@ -71,6 +71,7 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
         model: None,
         adapter: None,
         settings: Default::default(),
+        pinned: None,
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! | path | credential | when none is configured |
 //! |---|---|---|
-//! | `/v1/*` | a client API key (`--api-key`, `--api-key-file`) | open |
+//! | `/v1/*` | a client API key (`--api-key`, `--api-key-file`), as `Authorization: Bearer` or Anthropic's `x-api-key` | open |
 //! | `/admin/*` | the admin token (`--admin-token`, `--admin-token-file`) | the routes do not exist (404) |
 //! | `/metrics` | the metrics key (`--metrics-key`, `--metrics-key-file`) | open |
 //! | `/health`, `/ready` | none | open |
@@ -59,6 +59,13 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
         return None;
     }
     Some(token.trim_ascii())
+}
+
+/// The key of an `x-api-key: KEY` header (Anthropic's clients send their
+/// key so), surrounding spaces trimmed; a client key only.
+pub(crate) fn x_api_key(headers: &HeaderMap) -> Option<&[u8]> {
+    let key = headers.get("x-api-key")?.as_bytes().trim_ascii();
+    (!key.is_empty()).then_some(key)
 }
 
 /// Which client key a request presented: its position among the router's
@@ -218,7 +225,12 @@ impl Credentials {
                 false => Ok(None),
             };
         };
-        match (bearer(headers).and_then(|g| position(secrets, g)), scope) {
+        // A client key may also come as Anthropic's `x-api-key` header.
+        let given = match scope {
+            AuthScope::Client => bearer(headers).or_else(|| x_api_key(headers)),
+            _ => bearer(headers),
+        };
+        match (given.and_then(|g| position(secrets, g)), scope) {
             (Some(at), AuthScope::Client) => {
                 return self.take_request(method, ClientKey(at)).map(Some)
             }

@@ -63,6 +63,9 @@ pub struct AppState {
     pub disagg: Option<crate::config::DisaggMode>,
     /// Counts of disaggregated requests' halves.
     pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
+    /// The Responses and Messages APIs' state: where stored responses
+    /// live, requests by API.
+    pub(crate) agentic: Arc<crate::request::agentic::AgenticState>,
 }
 
 impl AppState {
@@ -84,6 +87,13 @@ impl AppState {
         credentials.rate_limits().register(&mut registry);
         let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());
         disagg_metrics.register(&mut registry);
+        let agentic = Arc::new(crate::request::agentic::AgenticState::new(
+            crate::response_map::ResponseMap::new(
+                config.max_stored_responses,
+                Duration::from_secs(config.stored_response_ttl_secs),
+            ),
+        ));
+        agentic.register(&mut registry);
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -125,6 +135,7 @@ impl AppState {
             router_id,
             disagg: config.disagg,
             disagg_metrics,
+            agentic,
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::request::answer::{buffered, deliver, first_event, Delivery};
+use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::Shared;
 use crate::request::limits;
@@ -102,7 +102,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
     finish(state, headers, "/v1/completions", arrival, result).await
 }
 
-async fn finish(
+pub(crate) async fn finish(
     state: Shared,
     headers: HeaderMap,
     path: &'static str,
@@ -120,11 +120,34 @@ async fn finish(
     match response {
         Ok(response) => response,
         Err(e) => {
-            metrics.count_request(match e.status {
-                StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
-                s if s.is_server_error() => RequestStatus::Unavailable,
-                _ => RequestStatus::Invalid,
-            });
+            metrics.count_request(error_status(&e));
+            e.into_response()
+        }
+    }
+}
+
+/// How a request the router answered with `e` ended.
+fn error_status(e: &ApiError) -> RequestStatus {
+    match e.status {
+        StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
+        s if s.is_server_error() => RequestStatus::Unavailable,
+        _ => RequestStatus::Invalid,
+    }
+}
+
+/// [`finish`] of a Responses or Messages request: an error the router
+/// answers itself is counted as chat's are, and by its `api`.
+pub(crate) async fn finish_as(
+    state: Shared,
+    api: crate::request::agentic::AgenticApi,
+    response: impl std::future::Future<Output = Result<Response, ApiError>>,
+) -> Response {
+    match response.await {
+        Ok(response) => response,
+        Err(e) => {
+            let status = error_status(&e);
+            state.shared.metrics().count_request(status);
+            state.agentic.count(api, status);
             e.into_response()
         }
     }
@@ -139,6 +162,34 @@ async fn proxy(
     facts: Parsed,
 ) -> Result<Response, ApiError> {
     let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
+    proxy_as(state, headers, path, arrival, body, facts, session, None).await
+}
+
+/// A Responses or Messages request's routing beyond chat's: what its
+/// delivery reads ([`crate::request::agentic`]) and the one worker it may
+/// go to (a turn continuing a response that worker stores).
+pub(crate) struct AgenticRoute {
+    pub(crate) delivery: std::sync::Arc<crate::request::agentic::AgenticDelivery>,
+    pub(crate) pinned: Option<switchyard_core::WorkerId>,
+}
+
+/// Places and forwards a parsed request as `session`'s; `agentic` for
+/// the Responses and Messages APIs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn proxy_as(
+    state: Shared,
+    headers: HeaderMap,
+    path: &'static str,
+    arrival: Instant,
+    body: Bytes,
+    facts: Parsed,
+    session: Option<SessionKey>,
+    agentic: Option<AgenticRoute>,
+) -> Result<Response, ApiError> {
+    let (agentic, pinned) = match agentic {
+        Some(route) => (Some(route.delivery), route.pinned),
+        None => (None, None),
+    };
     let request = Delivery {
         path,
         arrival,
@@ -146,9 +197,15 @@ async fn proxy(
         estimated_prompt_tokens: facts.prompt.estimated,
         original: body,
         stream: facts.stream,
+        agentic,
     };
     if let Some(mode) = state.disagg {
         if state.shared.disaggregated() {
+            if request.agentic.is_some() {
+                return Err(ApiError::not_implemented(
+                    "the Responses and Messages APIs are not served through a disaggregated fleet; use /v1/chat/completions",
+                ));
+            }
             return crate::request::disagg::serve(
                 mode,
                 state,
@@ -169,7 +226,8 @@ async fn proxy(
         headers.get(header::ACCEPT).cloned(),
         deadline,
     )
-    .estimated_prompt(request.estimated_prompt_tokens);
+    .estimated_prompt(request.estimated_prompt_tokens)
+    .pinned_to(pinned);
     first_phase(attempts, session, request).await
 }
 
@@ -202,7 +260,12 @@ async fn first_phase(
                 .await;
             match sent {
                 Ok(response) if request.stream && response.status().is_success() => {
-                    first_event(&attempts, &booking.name, response).await
+                    match &request.agentic {
+                        None => first_event(&attempts, &booking.name, response).await,
+                        Some(agentic) => {
+                            first_named_event(&attempts, &booking.name, response, agentic).await
+                        }
+                    }
                 }
                 Ok(response) => buffered(&attempts, response).await,
                 Err(e) => Err(e),

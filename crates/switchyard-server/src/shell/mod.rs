@@ -117,6 +117,9 @@ pub struct Request<'a> {
     /// Its model's block size and policy (`[[models]]`), where they are
     /// not the router's.
     pub settings: switchyard_core::select::ModelSettings,
+    /// The one worker it may go to (a Responses turn continuing a
+    /// response that worker stores); `None`: any eligible worker.
+    pub pinned: Option<WorkerId>,
 }
 
 /// Why a request was not admitted.
@@ -414,7 +417,14 @@ impl SharedRouter {
         let proposal = self.pre_route(&request, now);
         let admitted = self.drive_from(started, now, |inner, now| {
             let eligible = match inner.roster.eligible_in(request.model, pool) {
-                Ok(eligible) => eligible,
+                // Pinned: that worker only, if it may serve the model at
+                // all (else no worker: the request is never placed
+                // elsewhere).
+                Ok(eligible) => match request.pinned {
+                    Some(w) if eligible.is_empty() || eligible.contains(&w) => vec![w],
+                    Some(_) => vec![WorkerId::new(u64::MAX)],
+                    None => eligible,
+                },
                 Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
             };
             if let Some(pre) = &self.pre {

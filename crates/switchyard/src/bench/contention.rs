@@ -261,6 +261,7 @@ fn place_on_thread(
             model: None,
             adapter: None,
             settings: Default::default(),
+            pinned: None,
         };
         let id = shared.next_request_id();
         let (slept, preempted) = context_switches();
