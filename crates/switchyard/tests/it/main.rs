@@ -13,6 +13,7 @@ mod support;
 #[path = "../../../switchyard-server/tests/it/scripted_worker.rs"]
 mod scripted_worker;
 
+mod agentic_clients;
 mod cli;
 mod deploy;
 mod events_decode;
