@@ -155,7 +155,7 @@ impl ApiError {
 }
 
 /// Marks a response as an error the router answered itself (not a
-/// worker's), with its message: [`anthropic_layer`] rewrites it.
+/// worker's), with its message: [`anthropic_shaped`] rewrites it.
 #[derive(Clone, Debug)]
 struct RouterError(String);
 
@@ -175,32 +175,33 @@ pub(crate) fn anthropic_body(status: StatusCode, message: &str) -> serde_json::V
     serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
 }
 
-/// Wraps `app` so that every error the router answers itself on
-/// Anthropic's paths (`/v1/messages...`) has Anthropic's body, with the
-/// same status and headers (`Retry-After`, `WWW-Authenticate`); a
-/// worker's answers pass unchanged. Apply it outermost.
-pub(crate) fn anthropic_layer(app: axum::Router) -> axum::Router {
-    app.layer(axum::middleware::from_fn(
-        |request: axum::extract::Request, next: axum::middleware::Next| async move {
-            let anthropic = request.uri().path().starts_with("/v1/messages");
-            let response = next.run(request).await;
-            if !anthropic {
-                return response;
-            }
-            let Some(RouterError(message)) = response.extensions().get::<RouterError>().cloned()
-            else {
-                return response;
-            };
-            let (mut parts, _) = response.into_parts();
-            parts.headers.remove(header::CONTENT_LENGTH);
-            let body = anthropic_body(parts.status, &message).to_string();
-            parts.headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            Response::from_parts(parts, axum::body::Body::from(body))
-        },
-    ))
+/// Whether `path` is one of Anthropic's (`/v1/messages...`), whose
+/// router-made errors are Anthropic's ([`anthropic_shaped`]).
+pub(crate) fn anthropic_path(path: &str) -> bool {
+    path.starts_with("/v1/messages")
+}
+
+/// `response` with Anthropic's error body when it is an error the router
+/// answered itself (never a worker's answer) on one of Anthropic's paths
+/// (`anthropic`), with the same status and headers (`Retry-After`,
+/// `WWW-Authenticate`). Applied by the credential check, the outermost
+/// layer ([`crate::front::auth`]), so that every error of every inner
+/// layer is shaped and no other path pays for it.
+pub(crate) fn anthropic_shaped(response: Response, anthropic: bool) -> Response {
+    if !anthropic {
+        return response;
+    }
+    let Some(RouterError(message)) = response.extensions().get::<RouterError>().cloned() else {
+        return response;
+    };
+    let (mut parts, _) = response.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = anthropic_body(parts.status, &message).to_string();
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 impl IntoResponse for ApiError {

@@ -23,9 +23,7 @@ use std::sync::Arc;
 /// ([`crate::front_door`]).
 pub(crate) fn app(state: Shared) -> AxumRouter {
     let credentials = state.credentials.clone();
-    // Outermost: the router's own errors on Anthropic's paths, credential
-    // refusals included, in Anthropic's shape.
-    crate::error::anthropic_layer(crate::front::auth::layer(routes(state), credentials))
+    crate::front::auth::layer(routes(state), credentials)
 }
 
 /// The routes, each `POST` body read whole within its limit and deadline

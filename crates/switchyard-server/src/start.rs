@@ -215,15 +215,15 @@ pub(crate) fn metrics_open_while_keyed(config: &ServerConfig) -> bool {
 
 /// The router's app as it is served: the credential check first (from the
 /// head: a refused request costs nothing more), then the in-flight limit,
-/// then the routes, each reading its body within its limit and deadline;
-/// outermost, the router's own errors on Anthropic's paths put in
-/// Anthropic's shape ([`crate::error::anthropic_layer`]).
+/// then the routes, each reading its body within its limit and deadline
+/// (the check also puts the router's own errors on Anthropic's paths in
+/// Anthropic's shape: [`crate::error::anthropic_shaped`]).
 pub fn front_door(
     state: &Arc<context::AppState>,
     inflight: Arc<front::inflight::Inflight>,
 ) -> axum::Router {
     let routes = front::inflight::layer(routes::routes(state.clone()), inflight);
-    crate::error::anthropic_layer(front::auth::layer(routes, state.credentials.clone()))
+    front::auth::layer(routes, state.credentials.clone())
 }
 
 /// Starts the router: binds, adds the workers, starts health checks and

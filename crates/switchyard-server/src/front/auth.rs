@@ -10,6 +10,11 @@
 //! | `/metrics` | the metrics key (`--metrics-key`, `--metrics-key-file`) | open |
 //! | `/health`, `/ready` | none | open |
 //!
+//! The same check puts the router's own errors on Anthropic's paths
+//! (`/v1/messages...`) in Anthropic's shape
+//! ([`crate::error::anthropic_shaped`]): being outermost, it sees every
+//! inner layer's errors, and no other path pays for it.
+//!
 //! Secrets are compared in constant time ([`subtle`]); a comparison
 //! reveals at most a secret's length. Every refusal is a 401 with
 //! `WWW-Authenticate: Bearer` and is counted by scope
@@ -270,17 +275,20 @@ async fn check(
     mut request: Request,
     next: Next,
 ) -> Response {
+    let anthropic = crate::error::anthropic_path(request.uri().path());
     let scope = match credentials.admits(request.method(), request.uri().path(), request.headers())
     {
         Ok(key) => {
             if let Some(key) = key {
                 request.extensions_mut().insert(key);
             }
-            return next.run(request).await;
+            let response = next.run(request).await;
+            return crate::error::anthropic_shaped(response, anthropic);
         }
         Err(Refusal::RateLimited(limited)) => {
             drop(request);
-            return ApiError::from(limited).into_response();
+            let response = ApiError::from(limited).into_response();
+            return crate::error::anthropic_shaped(response, anthropic);
         }
         Err(Refusal::Credential(scope)) => scope,
     };
@@ -300,7 +308,7 @@ async fn check(
     response
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    response
+    crate::error::anthropic_shaped(response, anthropic)
 }
 
 #[cfg(test)]

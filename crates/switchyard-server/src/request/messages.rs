@@ -10,7 +10,7 @@
 //! is a chat request: charged, placed, forwarded unchanged (the worker
 //! answers in Anthropic's shape), its stream's named events passed
 //! through. The router's own errors on these paths are Anthropic's
-//! (`{"type":"error","error":{...}}`, [`crate::error::anthropic_layer`]);
+//! (`{"type":"error","error":{...}}`, [`crate::error::anthropic_shaped`]);
 //! Anthropic's `x-api-key` header is a client key like a bearer token
 //! ([`crate::front::auth`]).
 //!
