@@ -102,6 +102,7 @@ pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
         events: vec![ActiveSequenceEvent::add(peer, &add, None)],
         sessions: Vec::new(),
         digest: None,
+        responses: Vec::new(),
     };
     assert_eq!(shared.apply_replica_batch(&batch).applied, 1);
 }

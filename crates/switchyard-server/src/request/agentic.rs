@@ -122,6 +122,8 @@ impl AgenticState {
 #[derive(Debug)]
 pub(crate) struct Remember {
     pub(crate) map: Arc<ResponseMap>,
+    /// Peers are told (with replica sync on).
+    pub(crate) shared: Option<Arc<crate::shell::SharedRouter>>,
     /// The chain's session, carried to its next turn.
     pub(crate) session: Option<SessionKey>,
 }
@@ -133,6 +135,9 @@ impl Remember {
             session: self.session,
         };
         self.map.insert(id, holder, Instant::now());
+        if let Some(shared) = &self.shared {
+            shared.publish_stored_response(id, holder);
+        }
     }
 }
 
@@ -343,6 +348,7 @@ mod tests {
             not_resumable: "",
             remember: Some(Remember {
                 map: Arc::new(ResponseMap::new(8, DEFAULT_TTL)),
+                shared: None,
                 session: None,
             }),
             state: Arc::new(AgenticState::new(ResponseMap::new(8, DEFAULT_TTL))),

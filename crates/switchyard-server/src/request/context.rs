@@ -94,6 +94,9 @@ impl AppState {
             ),
         ));
         agentic.register(&mut registry);
+        // Peers' stored responses go in this map (the first state made
+        // over a router keeps it).
+        let _ = shared.stored_responses.set(agentic.responses.clone());
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));

@@ -93,6 +93,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
             ),
             remember: parsed.store.then(|| Remember {
                 map: state.agentic.responses.clone(),
+                shared: Some(state.shared.clone()),
                 session,
             }),
             state: state.agentic.clone(),

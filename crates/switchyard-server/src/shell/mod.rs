@@ -215,6 +215,9 @@ pub struct SharedRouter {
     /// LoRA adapters: the catalogue and loads in flight
     /// ([`crate::adapters`]).
     pub adapters: crate::adapters::Adapters,
+    /// Which worker stores which response (`/v1/responses`), once the
+    /// server's state made the map: peers' stored responses go in it.
+    pub(crate) stored_responses: std::sync::OnceLock<Arc<crate::response_map::ResponseMap>>,
 }
 
 impl std::fmt::Debug for SharedRouter {
@@ -249,6 +252,7 @@ impl SharedRouter {
             epoch: Instant::now(),
             metrics,
             adapters: crate::adapters::Adapters::default(),
+            stored_responses: std::sync::OnceLock::new(),
         }
     }
 
@@ -643,7 +647,31 @@ impl SharedRouter {
 
     /// Applies one of a peer's batches.
     pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        if !batch.responses.is_empty() {
+            if let Some(map) = self.stored_responses.get() {
+                let now = std::time::Instant::now();
+                for stored in &batch.responses {
+                    let holder = crate::response_map::Holder {
+                        worker: stored.worker,
+                        session: stored.session,
+                    };
+                    map.insert(&stored.id, holder, now);
+                }
+            }
+        }
         self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
+    }
+
+    /// Tells peer replicas (with sync on) that `worker` stores response
+    /// `id`; never blocks (a full queue drops and counts).
+    pub(crate) fn publish_stored_response(&self, id: &str, holder: crate::response_map::Holder) {
+        if let Some(publisher) = &self.lock().publisher {
+            let _ = publisher.response_stored(switchyard_wire::replica::StoredResponse {
+                id: id.to_owned(),
+                worker: holder.worker,
+                session: holder.session,
+            });
+        }
     }
 
     /// Frees the bookings of peers silent past their expiry; returns how
