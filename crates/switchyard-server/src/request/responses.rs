@@ -59,7 +59,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
         let named = session_key(&state, &headers, parsed.session_id.as_deref(), key);
         let (pinned, session) = match &parsed.previous_response_id {
             Some(previous) => {
-                let holder = locate(&state, previous, "previous_response_id")?;
+                let holder = locate_waiting(&state, previous, "previous_response_id").await?;
                 let namespace = key.and_then(|k| state.credentials.key_name(k));
                 let chain = session_of(previous, &holder, namespace);
                 (Some(holder.worker), Some(named.unwrap_or(chain)))
@@ -157,7 +157,7 @@ async fn stored(state: Shared, id: String, method: Method, suffix: &str) -> Resp
                 None,
             ));
         }
-        let holder = locate(&state, &id, "response_id")?;
+        let holder = locate_waiting(&state, &id, "response_id").await?;
         let worker = in_fleet(&state, &holder, &id, "response_id")?;
         direct(
             &state,
@@ -179,6 +179,31 @@ fn valid_id(id: &str) -> bool {
         && id
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// How long a replica with replica sync on waits for a peer's word of a
+/// response it does not know before answering 404: a client may send a
+/// chain's next turn to another replica before the previous turn's entry
+/// has crossed the plane (a millisecond or two on one network).
+const PEER_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// [`locate`], waiting up to [`PEER_GRACE`] for an unknown id when peers
+/// may be about to tell (replica sync on).
+async fn locate_waiting(
+    state: &AppState,
+    id: &str,
+    param: &'static str,
+) -> Result<Holder, ApiError> {
+    if state.router_id.is_some() && state.agentic.responses.get(id, Instant::now()).is_none() {
+        let until = tokio::time::Instant::now() + PEER_GRACE;
+        while tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            if state.agentic.responses.get(id, Instant::now()).is_some() {
+                break;
+            }
+        }
+    }
+    locate(state, id, param)
 }
 
 /// Where response `id` is stored: a 404 when the router does not know it,

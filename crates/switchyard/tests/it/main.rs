@@ -31,6 +31,7 @@ mod serve_migration;
 mod serve_models;
 mod serve_reliability;
 mod serve_replica_sync;
+mod serve_response_chain;
 mod serve_routing;
 mod serve_security;
 mod serve_tls;
