@@ -94,9 +94,14 @@ async fn worker(name: &'static str, seen: Seen) -> String {
 
 use axum::response::IntoResponse as _;
 
-/// Admits everything and records each request's session.
+/// Admits everything and records each request's session; places each
+/// on the worker in `.1` when set (as a strategy whose session is bound
+/// there would).
 #[derive(Default)]
-struct Sessions(Arc<Mutex<Vec<Option<SessionKey>>>>);
+struct Sessions(
+    Arc<Mutex<Vec<Option<SessionKey>>>>,
+    Arc<Mutex<Option<WorkerId>>>,
+);
 
 impl AdmissionStrategy for Sessions {
     fn name(&self) -> &'static str {
@@ -104,7 +109,10 @@ impl AdmissionStrategy for Sessions {
     }
     fn admit(&mut self, facts: &RequestFacts<'_>) -> Admission {
         self.0.lock().unwrap().push(facts.session);
-        Admission::Ready(Placement::Any)
+        match *self.1.lock().unwrap() {
+            Some(w) => Admission::Ready(Placement::Exact(w)),
+            None => Admission::Ready(Placement::Any),
+        }
     }
     fn on_event(&mut self, _: &LifecycleEvent, _: f64, _: &mut Vec<MakeReady>) {}
     fn reconcile_interval_ms(&self) -> f64 {
@@ -120,6 +128,8 @@ struct Router {
     shared: Arc<SharedRouter>,
     ids: Vec<WorkerId>,
     sessions: Arc<Mutex<Vec<Option<SessionKey>>>>,
+    /// Where the strategy places every request (`None`: anywhere).
+    exact: Arc<Mutex<Option<WorkerId>>>,
 }
 
 /// A router configured by `config`, with the bundled tokenizer, in front
@@ -127,6 +137,7 @@ struct Router {
 fn router(config: &ServerConfig, urls: &[String]) -> Router {
     let sessions = Sessions::default();
     let recorded = sessions.0.clone();
+    let exact = sessions.1.clone();
     let dispatcher =
         Dispatcher::new(crate::dispatcher_config(config), Some(Box::new(sessions))).unwrap();
     let shared = Arc::new(SharedRouter::new(
@@ -162,6 +173,7 @@ fn router(config: &ServerConfig, urls: &[String]) -> Router {
         shared,
         ids,
         sessions: recorded,
+        exact,
     }
 }
 
@@ -371,6 +383,20 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
     let (_, worker, first) = call(&r.state, "/v1/responses", json!({"input": "x"}), &[]).await;
     let id = first["id"].as_str().unwrap().to_owned();
     let holder = r.ids[if worker == "w0" { 0 } else { 1 }];
+    // A strategy placing the turn elsewhere (its session bound to the
+    // other worker) does not move it off the worker that stores it.
+    let other = r.ids[if worker == "w0" { 1 } else { 0 }];
+    *r.exact.lock().unwrap() = Some(other);
+    let (status, pinned_to, body) = call(
+        &r.state,
+        "/v1/responses",
+        json!({"input": "z", "previous_response_id": id}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(pinned_to, worker);
+    *r.exact.lock().unwrap() = None;
     // Out of selection (unhealthy): a 503 to retry, not another worker.
     r.shared.set_in_router(holder, false);
     let (status, _, body) = call(
