@@ -153,16 +153,19 @@ pub(crate) async fn finish_as(
     }
 }
 
-async fn proxy(
+/// A chat or completions request's [`proxy_as`]: not an `async fn` of its
+/// own, so the handler's future holds one layer of these arguments, not
+/// two (each request's future is boxed).
+fn proxy(
     state: Shared,
     headers: HeaderMap,
     path: &'static str,
     arrival: Instant,
     body: Bytes,
     facts: Parsed,
-) -> Result<Response, ApiError> {
+) -> impl std::future::Future<Output = Result<Response, ApiError>> {
     let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
-    proxy_as(state, headers, path, arrival, body, facts, session, None).await
+    proxy_as(state, headers, path, arrival, body, facts, session, None)
 }
 
 /// A Responses or Messages request's routing beyond chat's: what its
