@@ -29,7 +29,7 @@ use switchyard_core::sequences::{AddRequest, SequenceEvent};
 use switchyard_core::{ReplicaId, RequestId, WorkerId};
 use switchyard_wire::replica::{
     encode_batch_into, ActiveSequenceData, ActiveSequenceEvent, DigestPart, ReplicaBatch,
-    SessionBinding,
+    SessionBinding, StoredResponse,
 };
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio::task::JoinHandle;
@@ -64,6 +64,7 @@ pub enum PublishError {
 enum Outgoing {
     Event(ActiveSequenceEvent),
     Session(SessionBinding),
+    Response(StoredResponse),
     /// The request ids of every live local booking, at one instant.
     Digest(Vec<RequestId>),
 }
@@ -127,6 +128,11 @@ impl ReplicaPublisher {
     /// Enqueues a session binding (a session's turn was dispatched).
     pub fn session_bound(&self, binding: SessionBinding) -> Result<(), PublishError> {
         self.enqueue(Outgoing::Session(binding), RequestId(0))
+    }
+
+    /// Enqueues a stored response's worker (a `/v1/responses` answer).
+    pub fn response_stored(&self, stored: StoredResponse) -> Result<(), PublishError> {
+        self.enqueue(Outgoing::Response(stored), RequestId(0))
     }
 
     /// Enqueues a digest of this replica's live bookings (their request
@@ -285,6 +291,7 @@ impl<T: Transport> PublisherTask<T> {
             }
             batch.events.clear();
             batch.sessions.clear();
+            batch.responses.clear();
             if let Some(live) = digest {
                 if !self.send_digest(live).await {
                     return;
@@ -297,6 +304,44 @@ impl<T: Transport> PublisherTask<T> {
     /// limit needs, in order. `false` when the task must end.
     async fn send(&mut self, batch: &ReplicaBatch) -> bool {
         let limit = self.payload_limit();
+        if !batch.responses.is_empty() {
+            // Stored responses go in messages of their own, each a few
+            // hundred bytes at most an entry (ids are at most 128 bytes).
+            for chunk in batch.responses.chunks((limit / 256).max(1)) {
+                let only = ReplicaBatch {
+                    responses: chunk.to_vec(),
+                    ..ReplicaBatch::heartbeat(self.id)
+                };
+                let mut buf = Vec::new();
+                encode_batch_into(&only, &mut buf);
+                if buf.len() > limit {
+                    self.metrics.dropped.inc_by(chunk.len() as u64);
+                    continue;
+                }
+                let message = Encoded {
+                    payload: Bytes::from(buf),
+                    events: 0,
+                    sessions: 0,
+                    digest: false,
+                };
+                if !self.publish(message).await {
+                    return false;
+                }
+            }
+            if batch.events.is_empty() && batch.sessions.is_empty() {
+                return true;
+            }
+            let rest = ReplicaBatch {
+                responses: Vec::new(),
+                ..batch.clone()
+            };
+            return self.send_events(&rest, limit).await;
+        }
+        self.send_events(batch, limit).await
+    }
+
+    /// [`Self::send`] of a batch without stored responses.
+    async fn send_events(&mut self, batch: &ReplicaBatch, limit: usize) -> bool {
         let split = encode_within(batch, limit);
         if split.messages.len() > 1 {
             self.metrics.batches_split.inc();
@@ -465,6 +510,7 @@ fn encode_into(batch: &ReplicaBatch, limit: usize, split: &mut Split) {
         events: events.to_vec(),
         sessions: sessions.to_vec(),
         digest: None,
+        responses: Vec::new(),
     };
     if events + sessions <= 1 {
         if let [event] = batch.events.as_slice() {
@@ -511,6 +557,7 @@ fn trim_to_fit(batch: &ReplicaBatch, event: &ActiveSequenceEvent, limit: usize) 
         events: vec![trimmed],
         sessions: Vec::new(),
         digest: None,
+        responses: Vec::new(),
     };
     let mut buf = Vec::new();
     encode_batch_into(&one, &mut buf);
@@ -529,13 +576,14 @@ fn digest_ids_per_message(limit: usize) -> usize {
 }
 
 fn len(batch: &ReplicaBatch) -> usize {
-    batch.events.len() + batch.sessions.len()
+    batch.events.len() + batch.sessions.len() + batch.responses.len()
 }
 
 fn push(batch: &mut ReplicaBatch, item: Outgoing) {
     match item {
         Outgoing::Event(event) => batch.events.push(event),
         Outgoing::Session(binding) => batch.sessions.push(binding),
+        Outgoing::Response(stored) => batch.responses.push(stored),
         // Digests never reach a batch (see `fill`); nothing to add.
         Outgoing::Digest(_) => {}
     }

@@ -219,6 +219,12 @@ pub struct ServeArgs {
     /// Largest non-streaming response the router buffers, in bytes [default: 16777216].
     #[arg(long, env = "SWITCHYARD_MAX_RESPONSE_BYTES")]
     pub max_response_bytes: Option<usize>,
+    /// Most stored responses (`/v1/responses`) whose worker the router remembers; the oldest is forgotten first [default: 100000].
+    #[arg(long, env = "SWITCHYARD_MAX_STORED_RESPONSES")]
+    pub max_stored_responses: Option<usize>,
+    /// Seconds the router remembers which worker stores a response [default: 86400].
+    #[arg(long, env = "SWITCHYARD_STORED_RESPONSE_TTL_SECS")]
+    pub stored_response_ttl_secs: Option<u64>,
     /// Tokenizer directory: a Hugging Face model's tokenizer.json and
     /// tokenizer_config.json (or qwen3-tokenizer.json and
     /// qwen3-tokenizer_config.json) [default: the bundled Qwen3 tokenizer].
@@ -313,6 +319,8 @@ impl ServeArgs {
             migration_max_seq_len,
             max_attempt_workers,
             max_response_bytes,
+            max_stored_responses,
+            stored_response_ttl_secs,
             max_inflight,
             max_connections,
             header_read_timeout_ms,

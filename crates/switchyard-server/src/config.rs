@@ -402,6 +402,11 @@ pub struct ServerConfig {
     pub request_timeout_secs: f64,
     /// Largest non-streaming response the router buffers, in bytes.
     pub max_response_bytes: usize,
+    /// Most stored responses whose worker the router remembers
+    /// (`/v1/responses`; [`crate::response_map`]).
+    pub max_stored_responses: usize,
+    /// Seconds the router remembers a stored response's worker.
+    pub stored_response_ttl_secs: u64,
     /// Replica sync (`[replica]`; off unless `nats_url` is set).
     pub replica: ReplicaConfig,
     /// Per-key rate limits and named keys (`[rate_limits]`; none by default).
@@ -503,6 +508,8 @@ impl Default for ServerConfig {
             request_timeout_secs: 600.0,
             disagg: None,
             max_response_bytes: 16 * 1024 * 1024,
+            max_stored_responses: crate::response_map::DEFAULT_CAPACITY,
+            stored_response_ttl_secs: crate::response_map::DEFAULT_TTL.as_secs(),
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
             flow: FlowConfig::default(),
@@ -688,6 +695,11 @@ impl ServerConfig {
                     "{name} must be a positive number of seconds (at most 1e6), got {secs}"
                 ));
             }
+        }
+        if self.max_stored_responses == 0 || self.stored_response_ttl_secs == 0 {
+            return invalid(
+                "max_stored_responses and stored_response_ttl_secs must be positive".into(),
+            );
         }
         if self.max_response_bytes == 0 {
             return invalid("max_response_bytes must be positive".into());

@@ -134,6 +134,20 @@ impl ApiError {
         ErrorBody::upstream(message).into()
     }
 
+    /// 410: what the request names existed and is gone for good.
+    pub(crate) fn gone(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        let mut body = ErrorBody::new(410, "invalid_request_error", message);
+        if let Some(param) = param {
+            body = body.with_param(param);
+        }
+        body.into()
+    }
+
+    /// 501: a feature the router does not offer in this configuration.
+    pub(crate) fn not_implemented(message: impl Into<String>) -> Self {
+        ErrorBody::new(501, "invalid_request_error", message).into()
+    }
+
     /// 504: the request timeout passed; the upstream work was cancelled.
     pub(crate) fn timeout(after: std::time::Duration) -> Self {
         ErrorBody::timeout(format!(
@@ -154,9 +168,61 @@ impl ApiError {
     }
 }
 
+/// Marks a response as an error the router answered itself (not a
+/// worker's), with its message: [`anthropic_shaped`] rewrites it.
+#[derive(Clone, Debug)]
+struct RouterError(String);
+
+/// Anthropic's error body for an error of `status` with `message`:
+/// `{"type":"error","error":{"type","message"}}`.
+pub(crate) fn anthropic_body(status: StatusCode, message: &str) -> serde_json::Value {
+    let kind = match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 | 410 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    };
+    serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
+}
+
+/// Whether `path` is one of Anthropic's (`/v1/messages...`), whose
+/// router-made errors are Anthropic's ([`anthropic_shaped`]).
+pub(crate) fn anthropic_path(path: &str) -> bool {
+    path.starts_with("/v1/messages")
+}
+
+/// `response` with Anthropic's error body when it is an error the router
+/// answered itself (never a worker's answer) on one of Anthropic's paths
+/// (`anthropic`), with the same status and headers (`Retry-After`,
+/// `WWW-Authenticate`). Applied by the credential check, the outermost
+/// layer ([`crate::front::auth`]), so that every error of every inner
+/// layer is shaped and no other path pays for it.
+pub(crate) fn anthropic_shaped(response: Response, anthropic: bool) -> Response {
+    if !anthropic {
+        return response;
+    }
+    let Some(RouterError(message)) = response.extensions().get::<RouterError>().cloned() else {
+        return response;
+    };
+    let (mut parts, _) = response.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = anthropic_body(parts.status, &message).to_string();
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Response::from_parts(parts, axum::body::Body::from(body))
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let marker = RouterError(self.body.error.message.clone());
         let mut response = (self.status, axum::Json(self.body)).into_response();
+        response.extensions_mut().insert(marker);
         if let Some(secs) = self.retry_after_secs {
             response
                 .headers_mut()

@@ -64,6 +64,7 @@ pub mod metrics;
 mod models;
 mod replica;
 pub mod request;
+pub mod response_map;
 mod roster;
 mod routes;
 pub mod shell;

@@ -306,6 +306,7 @@ mod tests {
                 adapter: None,
                 settings: Default::default(),
                 flow: Default::default(),
+                pinned: None,
             },
         )
         .unwrap();
@@ -355,6 +356,7 @@ mod tests {
                     adapter: None,
                     settings: Default::default(),
                     flow: Default::default(),
+                    pinned: None,
                 },
             )
             .unwrap()
@@ -384,5 +386,48 @@ mod tests {
         drop((six_again, five_again));
         plane_a.shutdown().await;
         plane_b.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_stored_response_answered_through_one_replica_is_found_by_its_peers() {
+        use crate::response_map::{Holder, ResponseMap};
+        use switchyard_core::WorkerId;
+        let bus = InProcessBus::new();
+        let (a, plane_a) = replica(&bus).await;
+        let (b, plane_b) = replica(&bus).await;
+        let (c, plane_c) = replica(&bus).await;
+        let maps: Vec<Arc<ResponseMap>> = [&a, &b, &c]
+            .iter()
+            .map(|shared| {
+                let map = Arc::new(ResponseMap::new(4, std::time::Duration::from_secs(60)));
+                shared.stored_responses.set(map.clone()).unwrap();
+                map
+            })
+            .collect();
+        let holder = Holder {
+            worker: WorkerId::new(11),
+            session: Some(SessionKey(3)),
+        };
+        maps[0].insert("resp_chain_1", holder, std::time::Instant::now());
+        a.publish_stored_response("resp_chain_1", holder);
+        eventually("both peers know the response's worker", || {
+            let now = std::time::Instant::now();
+            maps[1].get("resp_chain_1", now) == Some(holder)
+                && maps[2].get("resp_chain_1", now) == Some(holder)
+        })
+        .await;
+        // A peer's entries are bounded like local ones.
+        for i in 0..10 {
+            b.publish_stored_response(&format!("resp_{i}"), holder);
+        }
+        eventually("the flood reached C", || {
+            maps[2].get("resp_9", std::time::Instant::now()).is_some()
+        })
+        .await;
+        assert_eq!(maps[2].len(), 4);
+        assert!(maps[2].drops(crate::response_map::Drop::Capacity) >= 7);
+        plane_a.shutdown().await;
+        plane_b.shutdown().await;
+        plane_c.shutdown().await;
     }
 }

@@ -39,6 +39,20 @@ pub(crate) fn routes(state: Shared) -> AxumRouter {
     let mut routes = AxumRouter::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::request::responses::responses))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::request::responses::get_response),
+        )
+        .route(
+            "/v1/responses/{id}/cancel",
+            post(crate::request::responses::cancel_response),
+        )
+        .route("/v1/messages", post(crate::request::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::request::messages::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))

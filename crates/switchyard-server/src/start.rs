@@ -218,7 +218,9 @@ pub(crate) fn metrics_open_while_keyed(config: &ServerConfig) -> bool {
 
 /// The router's app as it is served: the credential check first (from the
 /// head: a refused request costs nothing more), then the in-flight limit,
-/// then the routes, each reading its body within its limit and deadline.
+/// then the routes, each reading its body within its limit and deadline
+/// (the check also puts the router's own errors on Anthropic's paths in
+/// Anthropic's shape: [`crate::error::anthropic_shaped`]).
 pub fn front_door(
     state: &Arc<context::AppState>,
     inflight: Arc<front::inflight::Inflight>,

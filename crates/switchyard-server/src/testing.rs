@@ -73,6 +73,7 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
         adapter: None,
         settings: Default::default(),
         flow: Default::default(),
+        pinned: None,
     }
 }
 
@@ -103,6 +104,7 @@ pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
         events: vec![ActiveSequenceEvent::add(peer, &add, None)],
         sessions: Vec::new(),
         digest: None,
+        responses: Vec::new(),
     };
     assert_eq!(shared.apply_replica_batch(&batch).applied, 1);
 }

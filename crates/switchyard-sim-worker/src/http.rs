@@ -69,6 +69,8 @@ pub struct WorkerState {
     /// Data-parallel ranks (`--dp-size` > 1); `None`: one engine, the
     /// `driver` and `metrics` above.
     pub ranks: Option<Arc<crate::ranks::Ranks>>,
+    /// Stored responses (`/v1/responses`, [`crate::agentic`]).
+    pub responses: Arc<crate::agentic::ResponseStore>,
 }
 
 /// What the handlers need for `--disagg`.
@@ -89,6 +91,17 @@ pub fn router(state: WorkerState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(crate::agentic::responses))
+        .route("/v1/responses/{id}", get(crate::agentic::get_response))
+        .route(
+            "/v1/responses/{id}/cancel",
+            post(crate::agentic::cancel_response),
+        )
+        .route("/v1/messages", post(crate::agentic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::agentic::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
@@ -147,6 +160,13 @@ impl From<ErrorBody> for ErrorReply {
             .and_then(|s| StatusCode::from_u16(s).ok())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         Self { status, body }
+    }
+}
+
+impl ErrorReply {
+    /// The error's body.
+    pub fn into_body(self) -> ErrorBody {
+        self.body
     }
 }
 
@@ -259,7 +279,7 @@ impl WorkerState {
         })
     }
 
-    fn request_id(&self) -> RequestId {
+    pub(crate) fn request_id(&self) -> RequestId {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         RequestId((u128::from(self.id_salt) << 64) | u128::from(n))
     }

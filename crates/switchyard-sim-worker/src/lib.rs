@@ -40,6 +40,7 @@
 //! hits the blocks of the answer it contains.
 
 pub mod adapters;
+pub mod agentic;
 pub mod disagg;
 pub mod driver;
 pub mod engine_flags;
@@ -517,6 +518,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
     }
     let state = http::WorkerState {
         adapters: lora,
+        responses: Arc::default(),
         model: args.model.as_str().into(),
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),

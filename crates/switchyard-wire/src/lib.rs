@@ -11,6 +11,8 @@
 //!   `token_ids`, partial blocks, storage tiers and hybrid-model groups
 //!   filtered, every skip counted by reason.
 //!
+//! - [`agentic`] — the Responses and Anthropic Messages request bodies,
+//!   read as their equivalent chat conversation.
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -39,6 +41,7 @@
 
 #![warn(missing_docs)]
 
+pub mod agentic;
 pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;

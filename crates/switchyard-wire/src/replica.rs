@@ -186,8 +186,21 @@ impl DigestPart {
     }
 }
 
+/// A stored response (`/v1/responses`) answered by a worker through this
+/// replica: peers send a later `previous_response_id`, `GET` or cancel of
+/// it to the same worker. An id, never content.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredResponse {
+    /// The response's id (at most 128 bytes; longer ones are not kept).
+    pub id: String,
+    /// The worker that stores it.
+    pub worker: WorkerId,
+    /// Its chain's session, carried to the chain's next turn.
+    pub session: Option<SessionKey>,
+}
+
 /// One message of the replica plane.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct ReplicaBatch {
     /// The sender; peers ignore batches carrying their own id.
     pub router_id: ReplicaId,
@@ -200,8 +213,39 @@ pub struct ReplicaBatch {
     /// of its own (no events, no sessions). Left out of the encoding when
     /// absent, so replicas older than digests still decode every other
     /// message.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub digest: Option<DigestPart>,
+    /// Stored responses answered since the sender's previous batch. The
+    /// last field, written only when there are some (then `digest` is
+    /// written too, as nil when absent, to keep the positions); a replica
+    /// older than this field fails to decode such a message and counts it
+    /// as malformed, and decodes every other.
+    #[serde(default)]
+    pub responses: Vec<StoredResponse>,
+}
+
+impl Serialize for ReplicaBatch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let responses = !self.responses.is_empty();
+        let digest = self.digest.is_some() || responses;
+        let fields = 3 + usize::from(digest) + usize::from(responses);
+        let mut st = s.serialize_struct("ReplicaBatch", fields)?;
+        st.serialize_field("router_id", &self.router_id)?;
+        st.serialize_field("events", &self.events)?;
+        st.serialize_field("sessions", &self.sessions)?;
+        if digest {
+            st.serialize_field("digest", &self.digest)?;
+        } else {
+            st.skip_field("digest")?;
+        }
+        if responses {
+            st.serialize_field("responses", &self.responses)?;
+        } else {
+            st.skip_field("responses")?;
+        }
+        st.end()
+    }
 }
 
 impl ReplicaBatch {
@@ -212,12 +256,16 @@ impl ReplicaBatch {
             events: Vec::new(),
             sessions: Vec::new(),
             digest: None,
+            responses: Vec::new(),
         }
     }
 
     /// Whether the batch carries nothing but its sender's liveness.
     pub fn is_heartbeat(&self) -> bool {
-        self.events.is_empty() && self.sessions.is_empty() && self.digest.is_none()
+        self.events.is_empty()
+            && self.sessions.is_empty()
+            && self.digest.is_none()
+            && self.responses.is_empty()
     }
 }
 
@@ -319,6 +367,7 @@ mod tests {
                 events,
                 sessions,
                 digest: None,
+                responses: Vec::new(),
             })
     }
 
@@ -420,6 +469,30 @@ mod tests {
     }
 
     #[test]
+    fn stored_responses_round_trip_with_or_without_a_digest_and_keep_older_shapes_decoding() {
+        let stored = StoredResponse {
+            id: "resp_1".into(),
+            worker: WorkerId::new(7),
+            session: Some(SessionKey(9)),
+        };
+        let mut batch = ReplicaBatch::heartbeat(ReplicaId(3));
+        batch.responses.push(stored.clone());
+        assert!(!batch.is_heartbeat());
+        assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+        batch.digest = DigestPart::split(vec![RequestId(4)], 8).pop();
+        assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+        // Without responses the encoding is what it was before them.
+        let plain = ReplicaBatch::heartbeat(ReplicaId(3));
+        let before = rmp_serde::to_vec(&(
+            ReplicaId(3),
+            Vec::<ActiveSequenceEvent>::new(),
+            Vec::<SessionBinding>::new(),
+        ))
+        .unwrap();
+        assert_eq!(encode_batch(&plain), before);
+    }
+
+    #[test]
     fn a_batch_written_before_sessions_existed_still_decodes() {
         // `[router_id, events]`, the two-field shape.
         let bytes = rmp_serde::to_vec(&(ReplicaId(5), Vec::<ActiveSequenceEvent>::new())).unwrap();
@@ -443,6 +516,7 @@ mod tests {
             events: vec![ActiveSequenceEvent::add(ReplicaId(u64::MAX), &add, None)],
             sessions: Vec::new(),
             digest: None,
+            responses: Vec::new(),
         };
         let len = encode_batch(&batch).len();
         // 16 × 9 bytes of hashes dominate; the envelope is about 80 bytes.

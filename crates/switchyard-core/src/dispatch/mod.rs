@@ -1241,6 +1241,19 @@ impl Dispatcher {
             let exact;
             let eligible: Option<&[WorkerId]> = match placement {
                 Placement::Exact(worker) if request.excluded.contains(&worker) => Some(&[]),
+                // A strategy's worker outside the request's eligible set
+                // (a session bound to a worker that cannot serve this
+                // request: another model's, or not the one a stored
+                // response pins it to) is no place for it: the request
+                // goes where it may.
+                Placement::Exact(worker)
+                    if !request.eligible.is_empty() && !request.eligible.contains(&worker) =>
+                {
+                    scratch.clear();
+                    scratch.extend_from_slice(&request.eligible);
+                    scratch.retain(|w| !request.excluded.contains(w));
+                    Some(&scratch[..])
+                }
                 Placement::Exact(worker) => {
                     exact = [worker];
                     Some(&exact)

@@ -5,10 +5,15 @@
 //!
 //! | path | credential | when none is configured |
 //! |---|---|---|
-//! | `/v1/*` | a client API key (`--api-key`, `--api-key-file`) | open |
+//! | `/v1/*` | a client API key (`--api-key`, `--api-key-file`), as `Authorization: Bearer` or Anthropic's `x-api-key` | open |
 //! | `/admin/*` | the admin token (`--admin-token`, `--admin-token-file`) | the routes do not exist (404) |
 //! | `/metrics` | the metrics key (`--metrics-key`, `--metrics-key-file`) | open |
 //! | `/health`, `/ready` | none | open |
+//!
+//! The same check puts the router's own errors on Anthropic's paths
+//! (`/v1/messages...`) in Anthropic's shape
+//! ([`crate::error::anthropic_shaped`]): being outermost, it sees every
+//! inner layer's errors, and no other path pays for it.
 //!
 //! Secrets are compared in constant time ([`subtle`]); a comparison
 //! reveals at most a secret's length. Every refusal is a 401 with
@@ -59,6 +64,13 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
         return None;
     }
     Some(token.trim_ascii())
+}
+
+/// The key of an `x-api-key: KEY` header (Anthropic's clients send their
+/// key so), surrounding spaces trimmed; a client key only.
+pub(crate) fn x_api_key(headers: &HeaderMap) -> Option<&[u8]> {
+    let key = headers.get("x-api-key")?.as_bytes().trim_ascii();
+    (!key.is_empty()).then_some(key)
 }
 
 /// Which client key a request presented: its position among the router's
@@ -218,7 +230,12 @@ impl Credentials {
                 false => Ok(None),
             };
         };
-        match (bearer(headers).and_then(|g| position(secrets, g)), scope) {
+        // A client key may also come as Anthropic's `x-api-key` header.
+        let given = match scope {
+            AuthScope::Client => bearer(headers).or_else(|| x_api_key(headers)),
+            _ => bearer(headers),
+        };
+        match (given.and_then(|g| position(secrets, g)), scope) {
             (Some(at), AuthScope::Client) => {
                 return self.take_request(method, ClientKey(at)).map(Some)
             }
@@ -258,17 +275,20 @@ async fn check(
     mut request: Request,
     next: Next,
 ) -> Response {
+    let anthropic = crate::error::anthropic_path(request.uri().path());
     let scope = match credentials.admits(request.method(), request.uri().path(), request.headers())
     {
         Ok(key) => {
             if let Some(key) = key {
                 request.extensions_mut().insert(key);
             }
-            return next.run(request).await;
+            let response = next.run(request).await;
+            return crate::error::anthropic_shaped(response, anthropic);
         }
         Err(Refusal::RateLimited(limited)) => {
             drop(request);
-            return ApiError::from(limited).into_response();
+            let response = ApiError::from(limited).into_response();
+            return crate::error::anthropic_shaped(response, anthropic);
         }
         Err(Refusal::Credential(scope)) => scope,
     };
@@ -288,7 +308,7 @@ async fn check(
     response
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    response
+    crate::error::anthropic_shaped(response, anthropic)
 }
 
 #[cfg(test)]

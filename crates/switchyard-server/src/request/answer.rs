@@ -7,19 +7,23 @@
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
+use crate::request::agentic::{AgenticDelivery, EventKind};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::booking::Booking;
 use crate::request::context::MAX_EVENT_BYTES;
 use crate::request::migration::Failure;
+use crate::request::named_stream::NamedStart;
 use crate::request::stream::{MigratingStream, StreamStart};
 use axum::body::Body;
+use axum::response::IntoResponse;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
+use std::sync::Arc;
 use std::time::Instant;
 use switchyard_wire::openai::{completion_tokens, Api};
-use switchyard_wire::sse::{classify_ref, ChunkRef, Event, SseParser};
+use switchyard_wire::sse::{classify_ref, ChunkRef, Event, NamedEvent, SseError, SseParser};
 
 /// What [`deliver`] needs of the request besides its attempts.
 #[derive(Clone)]
@@ -35,6 +39,10 @@ pub(crate) struct Delivery {
     /// The client's body (a resumed stream's request is made from it).
     pub(crate) original: Bytes,
     pub(crate) stream: bool,
+    /// A Responses or Messages request ([`crate::request::agentic`]):
+    /// its events are named and forwarded as they come, its usage read
+    /// in its API's shape. `None`: chat or completions.
+    pub(crate) agentic: Option<Arc<AgenticDelivery>>,
 }
 
 /// The client's response for a worker's successful answer: a buffered
@@ -54,6 +62,7 @@ pub(crate) fn deliver(
         estimated_prompt_tokens,
         original,
         stream,
+        agentic,
     } = request;
     let prompt_tokens = estimated_prompt_tokens.map_or(prompt.len() as u64, u64::from);
     match answer {
@@ -66,9 +75,23 @@ pub(crate) fn deliver(
                 .metrics()
                 .ttft
                 .observe(arrival.elapsed().as_secs_f64());
+            if let Some(agentic) = &agentic {
+                if ok {
+                    agentic.answered(&bytes, booking.worker);
+                }
+                let status = if ok {
+                    RequestStatus::Ok
+                } else {
+                    RequestStatus::WorkerError
+                };
+                agentic.state.count(agentic.api, status);
+            }
             if ok {
                 // The session's context grows by what was generated.
-                let completion = completion_tokens(&bytes);
+                let completion = match &agentic {
+                    Some(_) => AgenticDelivery::output_tokens(&bytes),
+                    None => completion_tokens(&bytes),
+                };
                 booking.progress(completion);
                 booking.completed(prompt_tokens.saturating_add(completion));
             }
@@ -80,6 +103,26 @@ pub(crate) fn deliver(
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
             Response::from_parts(parts, Body::from(bytes))
+        }
+        Answer::Named(parts, upstream, parser, first) => {
+            let parts = attempts.client_parts(parts, &booking);
+            log_dispatch(&booking, &attempts, prompt_tokens, stream);
+            let Some(agentic) = agentic else {
+                // Named events are read for agentic requests only.
+                drop(booking);
+                return ApiError::internal("a named stream without its API").into_response();
+            };
+            let body = crate::request::named_stream::into_body(NamedStart {
+                attempts,
+                booking,
+                upstream,
+                parser,
+                first,
+                agentic,
+                prompt_tokens,
+                arrival,
+            });
+            Response::from_parts(parts, body)
         }
         Answer::Stream(parts, upstream, parser, first) => {
             let parts = attempts.client_parts(parts, &booking);
@@ -129,6 +172,14 @@ pub(crate) enum Answer {
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
     Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
+    /// A stream of named events (Responses, Messages) whose first event
+    /// has arrived.
+    Named(
+        hyper::http::response::Parts,
+        Incoming,
+        SseParser,
+        NamedEvent,
+    ),
 }
 
 /// Reads a streaming response up to its first complete event, within the
@@ -138,11 +189,53 @@ pub(crate) async fn first_event(
     worker: &str,
     response: hyper::Response<Incoming>,
 ) -> Result<Answer, AttemptError> {
+    let (parts, upstream, parser, first) =
+        first_with(attempts, worker, response, SseParser::next_event_framed).await?;
+    if classify_ref(first.data()) == ChunkRef::Error {
+        return Err(error_event(worker));
+    }
+    Ok(Answer::Stream(parts, upstream, parser, first))
+}
+
+/// [`first_event`] of a stream of named events (Responses, Messages),
+/// every line of the event kept; an error event first is the worker's
+/// failure, as for chat.
+pub(crate) async fn first_named_event(
+    attempts: &Attempts,
+    worker: &str,
+    response: hyper::Response<Incoming>,
+    agentic: &AgenticDelivery,
+) -> Result<Answer, AttemptError> {
+    let (parts, upstream, parser, first) =
+        first_with(attempts, worker, response, SseParser::next_event_named).await?;
+    if agentic.classify(first.data()) == EventKind::Error {
+        return Err(error_event(worker));
+    }
+    Ok(Answer::Named(parts, upstream, parser, first))
+}
+
+fn error_event(worker: &str) -> AttemptError {
+    AttemptError::Retry(
+        Failure::Status5xx,
+        format!("worker {worker} answered with an error event"),
+    )
+}
+
+type FirstEvent<E> = (hyper::http::response::Parts, Incoming, SseParser, E);
+
+/// A streaming response read up to its first complete event (as `next`
+/// takes events), within the first-token timeout.
+async fn first_with<E>(
+    attempts: &Attempts,
+    worker: &str,
+    response: hyper::Response<Incoming>,
+    next: fn(&mut SseParser) -> Result<Option<E>, SseError>,
+) -> Result<FirstEvent<E>, AttemptError> {
     let (parts, mut upstream) = response.into_parts();
     let mut parser = SseParser::new(MAX_EVENT_BYTES);
     let read = async {
         loop {
-            match parser.next_event_framed() {
+            match next(&mut parser) {
                 Ok(Some(event)) => return Ok(event),
                 Ok(None) => {}
                 Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
@@ -178,13 +271,7 @@ pub(crate) async fn first_event(
             ),
         )
     })??;
-    if classify_ref(first.data()) == ChunkRef::Error {
-        return Err(AttemptError::Retry(
-            Failure::Status5xx,
-            format!("worker {worker} answered with an error event"),
-        ));
-    }
-    Ok(Answer::Stream(parts, upstream, parser, first))
+    Ok((parts, upstream, parser, first))
 }
 
 /// Buffers a whole response (bounded by `max_response_bytes`).

@@ -25,7 +25,7 @@ use hyper::body::Incoming;
 use std::sync::Arc;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_core::dispatch::{MigrateError, Pairing};
-use switchyard_core::{LocalHash, RequestId};
+use switchyard_core::{LocalHash, RequestId, WorkerId};
 
 /// Why placing a request (or moving it) ended it; each carries the
 /// client's error.
@@ -103,6 +103,8 @@ pub(crate) struct Attempts {
     /// worker failure (a decode worker's 5xx may name its prefill
     /// worker's failure: the caller judges it).
     pass_server_errors: bool,
+    /// The one worker the request may go to ([`Self::pinned_to`]).
+    pinned: Option<WorkerId>,
 }
 
 impl Attempts {
@@ -134,7 +136,15 @@ impl Attempts {
             upstream_id: None,
             pass_server_errors: false,
             flow: Flow::default(),
+            pinned: None,
         }
+    }
+
+    /// Placed on `worker` only (a Responses turn continuing a response
+    /// that worker stores): never moved to another.
+    pub(crate) fn pinned_to(mut self, worker: Option<WorkerId>) -> Self {
+        self.pinned = worker;
+        self
     }
 
     /// Placed in `pool` only, telling workers `upstream_id` as the
@@ -223,6 +233,7 @@ impl Attempts {
             adapter: self.adapter.adapter.as_deref(),
             settings: self.routing.settings,
             flow: self.flow,
+            pinned: self.pinned,
         }
     }
 

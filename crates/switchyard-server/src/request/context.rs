@@ -69,6 +69,9 @@ pub struct AppState {
     pub flow_metrics: Arc<crate::metrics::FlowMetrics>,
     /// With keys off, the header naming a request's tenant.
     pub tenant_header: Option<axum::http::HeaderName>,
+    /// The Responses and Messages APIs' state: where stored responses
+    /// live, requests by API.
+    pub(crate) agentic: Arc<crate::request::agentic::AgenticState>,
 }
 
 impl AppState {
@@ -96,6 +99,16 @@ impl AppState {
         );
         let flow_metrics = Arc::new(crate::metrics::FlowMetrics::new(&flows));
         flow_metrics.register(&mut registry);
+        let agentic = Arc::new(crate::request::agentic::AgenticState::new(
+            crate::response_map::ResponseMap::new(
+                config.max_stored_responses,
+                Duration::from_secs(config.stored_response_ttl_secs),
+            ),
+        ));
+        agentic.register(&mut registry);
+        // Peers' stored responses go in this map (the first state made
+        // over a router keeps it).
+        let _ = shared.stored_responses.set(agentic.responses.clone());
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -143,6 +156,7 @@ impl AppState {
                 .tenant_header
                 .as_deref()
                 .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
+            agentic,
         }
     }
 }

@@ -442,7 +442,7 @@ enum PrefillEnd {
 fn prefill_end(sent: Result<Answer, HalfError>) -> PrefillEnd {
     match sent {
         Ok(answer @ Answer::Buffered(..)) => PrefillEnd::Refused(answer),
-        Ok(Answer::Stream(..)) => PrefillEnd::Move(
+        Ok(Answer::Stream(..) | Answer::Named(..)) => PrefillEnd::Move(
             Failure::Status5xx,
             "the prefill worker streamed its answer".to_owned(),
         ),

@@ -17,7 +17,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::request::answer::{buffered, deliver, first_event, Delivery};
+use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::Shared;
 use crate::request::prompt::{
@@ -104,7 +104,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
     finish(state, headers, "/v1/completions", arrival, result).await
 }
 
-async fn finish(
+pub(crate) async fn finish(
     state: Shared,
     headers: HeaderMap,
     path: &'static str,
@@ -122,25 +122,79 @@ async fn finish(
     match response {
         Ok(response) => response,
         Err(e) => {
-            metrics.count_request(match e.status {
-                StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
-                s if s.is_server_error() => RequestStatus::Unavailable,
-                _ => RequestStatus::Invalid,
-            });
+            metrics.count_request(error_status(&e));
             e.into_response()
         }
     }
 }
 
-async fn proxy(
+/// How a request the router answered with `e` ended.
+fn error_status(e: &ApiError) -> RequestStatus {
+    match e.status {
+        StatusCode::TOO_MANY_REQUESTS => RequestStatus::Rejected,
+        s if s.is_server_error() => RequestStatus::Unavailable,
+        _ => RequestStatus::Invalid,
+    }
+}
+
+/// [`finish`] of a Responses or Messages request: an error the router
+/// answers itself is counted as chat's are, and by its `api`.
+pub(crate) async fn finish_as(
+    state: Shared,
+    api: crate::request::agentic::AgenticApi,
+    response: impl std::future::Future<Output = Result<Response, ApiError>>,
+) -> Response {
+    match response.await {
+        Ok(response) => response,
+        Err(e) => {
+            let status = error_status(&e);
+            state.shared.metrics().count_request(status);
+            state.agentic.count(api, status);
+            e.into_response()
+        }
+    }
+}
+
+/// A chat or completions request's [`proxy_as`]: not an `async fn` of its
+/// own, so the handler's future holds one layer of these arguments, not
+/// two (each request's future is boxed).
+fn proxy(
     state: Shared,
     headers: HeaderMap,
     path: &'static str,
     arrival: Instant,
     body: Bytes,
     facts: Parsed,
-) -> Result<Response, ApiError> {
+) -> impl std::future::Future<Output = Result<Response, ApiError>> {
     let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
+    proxy_as(state, headers, path, arrival, body, facts, session, None)
+}
+
+/// A Responses or Messages request's routing beyond chat's: what its
+/// delivery reads ([`crate::request::agentic`]) and the one worker it may
+/// go to (a turn continuing a response that worker stores).
+pub(crate) struct AgenticRoute {
+    pub(crate) delivery: std::sync::Arc<crate::request::agentic::AgenticDelivery>,
+    pub(crate) pinned: Option<switchyard_core::WorkerId>,
+}
+
+/// Places and forwards a parsed request as `session`'s; `agentic` for
+/// the Responses and Messages APIs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn proxy_as(
+    state: Shared,
+    headers: HeaderMap,
+    path: &'static str,
+    arrival: Instant,
+    body: Bytes,
+    facts: Parsed,
+    session: Option<SessionKey>,
+    agentic: Option<AgenticRoute>,
+) -> Result<Response, ApiError> {
+    let (agentic, pinned) = match agentic {
+        Some(route) => (Some(route.delivery), route.pinned),
+        None => (None, None),
+    };
     let arrival_ms = state.shared.now_ms() - arrival.elapsed().as_secs_f64() * 1e3;
     let flow = flow::resolve(
         &state,
@@ -156,9 +210,15 @@ async fn proxy(
         estimated_prompt_tokens: facts.prompt.estimated,
         original: body,
         stream: facts.stream,
+        agentic,
     };
     if let Some(mode) = state.disagg {
         if state.shared.disaggregated() {
+            if request.agentic.is_some() {
+                return Err(ApiError::not_implemented(
+                    "the Responses and Messages APIs are not served through a disaggregated fleet; use /v1/chat/completions",
+                ));
+            }
             return crate::request::disagg::serve(
                 mode,
                 state,
@@ -180,7 +240,8 @@ async fn proxy(
         deadline,
     )
     .estimated_prompt(request.estimated_prompt_tokens)
-    .flow(flow);
+    .flow(flow)
+    .pinned_to(pinned);
     first_phase(attempts, session, request).await
 }
 
@@ -213,7 +274,12 @@ async fn first_phase(
                 .await;
             match sent {
                 Ok(response) if request.stream && response.status().is_success() => {
-                    first_event(&attempts, &booking.name, response).await
+                    match &request.agentic {
+                        None => first_event(&attempts, &booking.name, response).await,
+                        Some(agentic) => {
+                            first_named_event(&attempts, &booking.name, response, agentic).await
+                        }
+                    }
                 }
                 Ok(response) => buffered(&attempts, response).await,
                 Err(e) => Err(e),

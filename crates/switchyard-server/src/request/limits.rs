@@ -60,7 +60,7 @@ pub(crate) fn prompt_token_limit(state: &AppState) -> (usize, &'static str) {
     }
 }
 
-fn body_limits(state: &AppState) -> BodyLimits {
+pub(crate) fn body_limits(state: &AppState) -> BodyLimits {
     BodyLimits {
         prompt_tokens: prompt_token_limit(state).0,
         messages: state.limits.messages,
@@ -69,7 +69,12 @@ fn body_limits(state: &AppState) -> BodyLimits {
     }
 }
 
-fn refuse(state: &AppState, limit: InputLimit, message: String, param: &'static str) -> ApiError {
+pub(crate) fn refuse(
+    state: &AppState,
+    limit: InputLimit,
+    message: String,
+    param: &'static str,
+) -> ApiError {
     state.shared.metrics().count_limit_refusal(limit);
     ApiError::bad_request(message, Some(param))
 }
@@ -149,7 +154,7 @@ fn read_count(field: &Option<Lenient<u32>>, name: &'static str) -> Result<Option
 /// whatever JSON form each takes: each is read as the integer the engines
 /// read (so `64.0` and `"64"` are 64 and past a limit of 16), and a value
 /// that is no count in any form is refused naming it.
-fn check_counts(
+pub(crate) fn check_counts(
     state: &AppState,
     choices: [(&Option<Lenient<u32>>, &'static str); 2],
     outputs: [(&Option<Lenient<u32>>, &'static str); 2],

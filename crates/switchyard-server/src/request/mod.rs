@@ -3,6 +3,10 @@
 //! - [`context`] — what every handler shares ([`context::AppState`]).
 //! - [`handlers`] — `/v1/chat/completions` and `/v1/completions`: parse
 //!   only the fields routing needs, tokenize, charge the key, hand over.
+//! - [`responses`], [`messages`] — `/v1/responses` (with stored
+//!   responses' affinity) and Anthropic's `/v1/messages`: read as their
+//!   equivalent chat, then the chat path; [`agentic`] — what the two
+//!   share; [`named_stream`] — their streams, forwarded unchanged.
 //! - [`prompt`] — what the handlers share: the prompt's token ids (or an
 //!   estimate), the key's token charge, the session.
 //! - [`limits`] — input limits, each refusal naming its limit.
@@ -22,6 +26,7 @@
 //!   without a JSON tree, for the resume and the disaggregated halves.
 
 pub(crate) mod adapter_load;
+pub(crate) mod agentic;
 pub(crate) mod answer;
 pub(crate) mod attempt;
 pub mod body_fields;
@@ -31,6 +36,9 @@ pub(crate) mod disagg;
 pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;
+pub(crate) mod messages;
 pub mod migration;
+pub(crate) mod named_stream;
 pub(crate) mod prompt;
+pub(crate) mod responses;
 pub(crate) mod stream;

@@ -171,10 +171,9 @@ impl MigratingStream {
     /// holding the booking and the worker's request for as long as the
     /// client keeps the connection open.
     pub(crate) fn into_body(self) -> Body {
-        let (tx, rx) = mpsc::channel(1);
-        let (alive, gone) = oneshot::channel();
+        let (tx, gone, body) = events_body();
         tokio::spawn(self.run(tx, gone));
-        Body::new(Events { rx, _alive: alive })
+        body
     }
 
     /// Forwards events to `tx` until the response ends, the client goes
@@ -568,6 +567,16 @@ async fn read_event(leg: &mut Leg, idle: Duration) -> Result<Event, (Failure, St
             }
         }
     }
+}
+
+/// A streaming body fed by a task: the sender the task forwards events
+/// to, the signal that the body was dropped (the client went away), and
+/// the body (shared by [`MigratingStream`] and
+/// [`crate::request::named_stream`]).
+pub(crate) fn events_body() -> (mpsc::Sender<Bytes>, oneshot::Receiver<()>, Body) {
+    let (tx, rx) = mpsc::channel(1);
+    let (alive, gone) = oneshot::channel();
+    (tx, gone, Body::new(Events { rx, _alive: alive }))
 }
 
 /// The client's side of a stream: the events its task forwards

@@ -130,6 +130,9 @@ pub struct Request<'a> {
     /// [`FlowPolicy`](switchyard_core::admission::FlowPolicy) (the
     /// default: no tenant, the top band, no deadline).
     pub flow: switchyard_core::admission::Flow,
+    /// The one worker it may go to (a Responses turn continuing a
+    /// response that worker stores); `None`: any eligible worker.
+    pub pinned: Option<WorkerId>,
 }
 
 /// Why a request was not admitted.
@@ -226,6 +229,9 @@ pub struct SharedRouter {
     /// LoRA adapters: the catalogue and loads in flight
     /// ([`crate::adapters`]).
     pub adapters: crate::adapters::Adapters,
+    /// Which worker stores which response (`/v1/responses`), once the
+    /// server's state made the map: peers' stored responses go in it.
+    pub(crate) stored_responses: std::sync::OnceLock<Arc<crate::response_map::ResponseMap>>,
 }
 
 impl std::fmt::Debug for SharedRouter {
@@ -260,6 +266,7 @@ impl SharedRouter {
             epoch: Instant::now(),
             metrics,
             adapters: crate::adapters::Adapters::default(),
+            stored_responses: std::sync::OnceLock::new(),
         }
     }
 
@@ -436,7 +443,14 @@ impl SharedRouter {
         let proposal = self.pre_route(&request, now);
         let admitted = self.drive_from(started, now, |inner, now| {
             let eligible = match inner.roster.eligible_in(request.model, pool) {
-                Ok(eligible) => eligible,
+                // Pinned: that worker only, if it may serve the model at
+                // all (else no worker: the request is never placed
+                // elsewhere).
+                Ok(eligible) => match request.pinned {
+                    Some(w) if eligible.is_empty() || eligible.contains(&w) => vec![w],
+                    Some(_) => vec![WorkerId::new(u64::MAX)],
+                    None => eligible,
+                },
                 Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
             };
             if let Some(pre) = &self.pre {
@@ -659,7 +673,31 @@ impl SharedRouter {
 
     /// Applies one of a peer's batches.
     pub fn apply_replica_batch(&self, batch: &ReplicaBatch) -> BatchReport {
+        if !batch.responses.is_empty() {
+            if let Some(map) = self.stored_responses.get() {
+                let now = std::time::Instant::now();
+                for stored in &batch.responses {
+                    let holder = crate::response_map::Holder {
+                        worker: stored.worker,
+                        session: stored.session,
+                    };
+                    map.insert(&stored.id, holder, now);
+                }
+            }
+        }
         self.drive(|inner, now| switchyard_replica::apply_batch(&mut inner.dispatcher, batch, now))
+    }
+
+    /// Tells peer replicas (with sync on) that `worker` stores response
+    /// `id`; never blocks (a full queue drops and counts).
+    pub(crate) fn publish_stored_response(&self, id: &str, holder: crate::response_map::Holder) {
+        if let Some(publisher) = &self.lock().publisher {
+            let _ = publisher.response_stored(switchyard_wire::replica::StoredResponse {
+                id: id.to_owned(),
+                worker: holder.worker,
+                session: holder.session,
+            });
+        }
     }
 
     /// Frees the bookings of peers silent past their expiry; returns how

@@ -126,6 +126,13 @@ impl SseParser {
         self.next_with(event_framed)
     }
 
+    /// The next whole event with every line kept (`event:`, `id:`,
+    /// `data:`), as [`NamedEvent`]: what a proxy forwards of a stream
+    /// whose events are named (the Responses API's, Anthropic's).
+    pub fn next_event_named(&mut self) -> Result<Option<NamedEvent>, SseError> {
+        self.next_with(event_named)
+    }
+
     /// The next whole event with data, read by `read` (`None`: no data,
     /// skipped).
     fn next_with<T>(&mut self, read: fn(&[u8]) -> Option<T>) -> Result<Option<T>, SseError> {
@@ -211,6 +218,67 @@ impl Event {
     pub fn into_bytes(self) -> Vec<u8> {
         self.0.into_bytes()
     }
+}
+
+/// One event with all its lines, as it came (its line ends made `\n`):
+/// `event: <name>` and `data: <data>` lines are both forwarded
+/// ([`SseParser::next_event_named`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedEvent {
+    text: String,
+    /// The joined `data` lines.
+    data: String,
+}
+
+impl NamedEvent {
+    /// An event named `name` (when given) of `data` (no newline in it).
+    pub fn new(name: Option<&str>, data: &str) -> Self {
+        let mut text = String::with_capacity(data.len() + 32);
+        if let Some(name) = name {
+            text.push_str("event: ");
+            text.push_str(name);
+            text.push('\n');
+        }
+        text.push_str("data: ");
+        text.push_str(data);
+        text.push_str("\n\n");
+        Self {
+            text,
+            data: data.to_owned(),
+        }
+    }
+
+    /// Its `event:` name, if it has one.
+    pub fn name(&self) -> Option<&str> {
+        self.text.lines().find_map(|l| {
+            l.strip_prefix("event:")
+                .map(|n| n.strip_prefix(' ').unwrap_or(n))
+        })
+    }
+
+    /// Its data (the `data` lines joined by `\n`).
+    pub fn data(&self) -> &str {
+        &self.data
+    }
+
+    /// The event's bytes, every line as it came, ending in an empty line.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.text.into_bytes()
+    }
+}
+
+fn event_named(event: &[u8]) -> Option<NamedEvent> {
+    let data = event_data(event)?;
+    let mut text = String::with_capacity(event.len() + 2);
+    // The content ends with its last line's `\n`: no empty line after it.
+    let content = event.strip_suffix(b"\n").unwrap_or(event);
+    for line in content.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        text.push_str(&String::from_utf8_lossy(line));
+        text.push('\n');
+    }
+    text.push('\n');
+    Some(NamedEvent { text, data })
 }
 
 /// Bytes of `data: ` and the ending `\n\n`.

@@ -612,3 +612,23 @@ fn a_plain_chunks_strings_are_borrowed_not_copied() {
         "a later choice is type-checked like the first"
     );
 }
+
+#[test]
+fn a_named_event_keeps_its_event_line_and_reads_its_data() {
+    let mut parser = SseParser::new(1024);
+    parser.push(b"event: message_start\r\ndata: {\"type\":\"message_start\"}\r\n\r\n: ping\n\nevent: message_st");
+    let first = parser.next_event_named().unwrap().unwrap();
+    assert_eq!(first.name(), Some("message_start"));
+    assert_eq!(first.data(), "{\"type\":\"message_start\"}");
+    assert_eq!(
+        first.into_bytes(),
+        b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n"
+    );
+    // A comment-only event has no data: skipped; a half event waits.
+    assert_eq!(parser.next_event_named().unwrap(), None);
+    parser.push(b"op\ndata: {}\n\n");
+    let second = parser.next_event_named().unwrap().unwrap();
+    assert_eq!(second.name(), Some("message_stop"));
+    let built = NamedEvent::new(Some("error"), "{}");
+    assert_eq!(built.into_bytes(), b"event: error\ndata: {}\n\n");
+}

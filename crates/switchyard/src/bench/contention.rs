@@ -262,6 +262,7 @@ fn place_on_thread(
             adapter: None,
             settings: Default::default(),
             flow: Default::default(),
+            pinned: None,
         };
         let id = shared.next_request_id();
         let (slept, preempted) = context_switches();

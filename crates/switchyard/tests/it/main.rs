@@ -13,6 +13,7 @@ mod support;
 #[path = "../../../switchyard-server/tests/it/scripted_worker.rs"]
 mod scripted_worker;
 
+mod agentic_clients;
 mod cli;
 mod deploy;
 mod events_decode;
@@ -31,8 +32,10 @@ mod serve_migration;
 mod serve_models;
 mod serve_reliability;
 mod serve_replica_sync;
+mod serve_response_chain;
 mod serve_routing;
 mod serve_security;
 mod serve_tenants;
 mod serve_tls;
 mod sim_worker;
+mod sim_worker_apis;

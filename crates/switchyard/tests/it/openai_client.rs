@@ -34,17 +34,19 @@ except Exception as e:
 print("OPENAI-CLIENT-OK")
 "#;
 
-/// A venv with `openai`, cached under the target directory.
-fn venv() -> Result<PathBuf, String> {
+/// A venv with `openai` and `anthropic`, cached under the target
+/// directory.
+pub(crate) fn venv() -> Result<PathBuf, String> {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = dir.join("bin/python");
     let ready = Command::new(&python)
-        .args(["-c", "import openai"])
+        .args(["-c", "import openai, anthropic"])
         .status()
         .is_ok_and(|s| s.success());
     if ready {
         return Ok(python);
     }
+    let _ = std::fs::remove_dir_all(&dir);
     let made = Command::new("python3")
         .args(["-m", "venv"])
         .arg(&dir)
@@ -54,11 +56,11 @@ fn venv() -> Result<PathBuf, String> {
         return Err("python3 -m venv failed".into());
     }
     let pip = Command::new(dir.join("bin/pip"))
-        .args(["install", "-q", "openai"])
+        .args(["install", "-q", "openai", "anthropic"])
         .status()
         .map_err(|e| format!("pip not available: {e}"))?;
     if !pip.success() {
-        return Err("pip install openai failed (no registry?)".into());
+        return Err("pip install openai anthropic failed (no registry?)".into());
     }
     Ok(python)
 }

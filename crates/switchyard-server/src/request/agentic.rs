@@ -1,0 +1,420 @@
+//! What the Responses API (`/v1/responses`) and Anthropic's Messages API
+//! (`/v1/messages`) share on their way through the router, beside the
+//! chat path they reuse: the request is read as its equivalent chat
+//! conversation ([`switchyard_wire::agentic`], bounded while parsed),
+//! tokenized with the model's chat template by the chat path's own
+//! [`tokenize`](crate::request::prompt::tokenize), charged, and placed and
+//! forwarded by the chat path's placement loop
+//! ([`crate::request::handlers`]); this module adds what differs:
+//!
+//! - the answer's usage (`output_tokens`) and, for a stored response, its
+//!   id, remembered with its worker ([`crate::response_map`]);
+//! - named events (`event: ...` lines kept) forwarded unchanged
+//!   ([`crate::request::named_stream`]);
+//! - what a broken stream says: neither API's streams are resumed on
+//!   another worker ([`AgenticDelivery::not_resumable`]).
+//!
+//! Before the first event any request of either API is retried on another
+//! worker as chat requests are, except a Responses turn that continues a
+//! stored response: it may go only to the worker that stores it.
+
+use crate::error::ApiError;
+use crate::metrics::{InputLimit, RequestStatus};
+use crate::request::context::AppState;
+use crate::request::limits;
+use crate::response_map::{Holder, ResponseMap};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::Instant;
+use switchyard_core::admission::SessionKey;
+use switchyard_core::WorkerId;
+use switchyard_wire::agentic::{MessagesRequest, ResponsesRequest};
+use switchyard_wire::openai::{BodyError, Limit};
+
+/// Which of the agentic APIs a request came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum AgenticApi {
+    /// OpenAI's Responses API.
+    Responses,
+    /// Anthropic's Messages API.
+    Messages,
+}
+
+impl AgenticApi {
+    /// Its `api` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            AgenticApi::Responses => "responses",
+            AgenticApi::Messages => "messages",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApiLabels {
+    api: &'static str,
+    status: &'static str,
+}
+
+/// The agentic APIs' router state: where stored responses live, and the
+/// requests counted by API.
+#[derive(Debug)]
+pub(crate) struct AgenticState {
+    /// Response id → the worker that stores it.
+    pub(crate) responses: Arc<ResponseMap>,
+    requests: Family<ApiLabels, Counter>,
+}
+
+impl AgenticState {
+    pub(crate) fn new(responses: ResponseMap) -> Self {
+        let requests = Family::<ApiLabels, Counter>::default();
+        for api in [AgenticApi::Responses, AgenticApi::Messages] {
+            for status in RequestStatus::ALL {
+                drop(requests.get_or_create(&ApiLabels {
+                    api: api.label(),
+                    status: status.label(),
+                }));
+            }
+        }
+        Self {
+            responses: Arc::new(responses),
+            requests,
+        }
+    }
+
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_api_requests",
+            "Requests of the Responses and Messages APIs by API and how they ended (also counted in switchyard_requests_total)",
+            self.requests.clone(),
+        );
+        self.responses.register(registry);
+    }
+
+    /// Counts a request of `api` that ended with `status` (besides
+    /// `switchyard_requests_total`, counted by the shared path).
+    pub(crate) fn count(&self, api: AgenticApi, status: RequestStatus) {
+        self.requests
+            .get_or_create(&ApiLabels {
+                api: api.label(),
+                status: status.label(),
+            })
+            .inc();
+    }
+
+    /// Requests of `api` counted with `status`.
+    #[cfg(test)]
+    pub(crate) fn counted(&self, api: AgenticApi, status: RequestStatus) -> u64 {
+        self.requests
+            .get_or_create(&ApiLabels {
+                api: api.label(),
+                status: status.label(),
+            })
+            .get()
+    }
+}
+
+/// Where a stored response's id is remembered once it is known.
+#[derive(Debug)]
+pub(crate) struct Remember {
+    pub(crate) map: Arc<ResponseMap>,
+    /// Peers are told (with replica sync on).
+    pub(crate) shared: Option<Arc<crate::shell::SharedRouter>>,
+    /// The chain's session, carried to its next turn.
+    pub(crate) session: Option<SessionKey>,
+}
+
+impl Remember {
+    pub(crate) fn record(&self, id: &str, worker: WorkerId) {
+        let holder = Holder {
+            worker,
+            session: self.session,
+        };
+        self.map.insert(id, holder, Instant::now());
+        if let Some(shared) = &self.shared {
+            shared.publish_stored_response(id, holder);
+        }
+    }
+}
+
+/// What the shared delivery needs to know of an agentic request.
+#[derive(Debug)]
+pub(crate) struct AgenticDelivery {
+    pub(crate) api: AgenticApi,
+    /// Why its stream, once begun, is not resumed on another worker (said
+    /// in the error event that ends a broken stream).
+    pub(crate) not_resumable: &'static str,
+    /// A Responses request whose answer the worker stores: its id is
+    /// remembered with the worker.
+    pub(crate) remember: Option<Remember>,
+    pub(crate) state: Arc<AgenticState>,
+}
+
+/// What one streamed event means to the router.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum EventKind {
+    /// `response.created`: the response's id.
+    Created(String),
+    /// Generated text.
+    Delta,
+    /// The last event of a complete answer.
+    End,
+    /// An error event (the stream ends after it).
+    Error,
+    /// Anything else (forwarded, nothing to note).
+    Other,
+}
+
+#[derive(Deserialize)]
+struct Typed<'a> {
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Created {
+    response: Identified,
+}
+
+#[derive(Deserialize)]
+struct Identified {
+    #[serde(default)]
+    id: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    usage: Option<OutputTokens>,
+}
+
+#[derive(Deserialize)]
+struct OutputTokens {
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+impl AgenticDelivery {
+    /// The event's meaning, from its data's `type`.
+    pub(crate) fn classify(&self, data: &str) -> EventKind {
+        let Ok(Typed { kind: Some(kind) }) = serde_json::from_str::<Typed<'_>>(data) else {
+            return EventKind::Other;
+        };
+        match (self.api, kind.as_ref()) {
+            (_, "error") => EventKind::Error,
+            (AgenticApi::Responses, "response.created") => {
+                match serde_json::from_str::<Created>(data) {
+                    Ok(Created {
+                        response: Identified { id: Some(id) },
+                    }) => EventKind::Created(id),
+                    _ => EventKind::Other,
+                }
+            }
+            (AgenticApi::Responses, "response.output_text.delta")
+            | (AgenticApi::Messages, "content_block_delta") => EventKind::Delta,
+            (AgenticApi::Responses, "response.completed" | "response.incomplete")
+            | (AgenticApi::Messages, "message_stop") => EventKind::End,
+            (AgenticApi::Responses, "response.failed") => EventKind::Error,
+            _ => EventKind::Other,
+        }
+    }
+
+    /// A whole answer's output tokens (`usage.output_tokens` in both
+    /// APIs; 0 when absent).
+    pub(crate) fn output_tokens(bytes: &[u8]) -> u64 {
+        serde_json::from_slice::<Usage>(bytes)
+            .ok()
+            .and_then(|u| u.usage)
+            .and_then(|u| u.output_tokens)
+            .unwrap_or(0)
+    }
+
+    /// A whole answer from `worker`: a stored response's id is remembered.
+    pub(crate) fn answered(&self, bytes: &[u8], worker: WorkerId) {
+        if let Some(remember) = &self.remember {
+            if let Ok(Identified { id: Some(id) }) = serde_json::from_slice::<Identified>(bytes) {
+                remember.record(&id, worker);
+            }
+        }
+    }
+
+    /// The event that ends a broken stream, in the API's own shape;
+    /// `sequence` numbers a Responses event.
+    pub(crate) fn error_event(&self, message: &str, sequence: u64) -> Vec<u8> {
+        let (name, data) = match self.api {
+            AgenticApi::Messages => (
+                "error",
+                serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+            ),
+            AgenticApi::Responses => (
+                "error",
+                serde_json::json!({"type": "error", "code": "server_error", "message": message, "param": null, "sequence_number": sequence}),
+            ),
+        };
+        switchyard_wire::sse::NamedEvent::new(Some(name), &data.to_string()).into_bytes()
+    }
+}
+
+/// Why a stream of this request is not resumed (field names only).
+pub(crate) fn not_resumable(api: AgenticApi, tools: bool, constrained: bool) -> &'static str {
+    match (tools, constrained, api) {
+        (true, _, _) => {
+            "it uses tools, which a resumed request cannot reproduce"
+        }
+        (_, true, _) => {
+            "it constrains the output (`text.format`), which a resumed request cannot reproduce"
+        }
+        (_, _, AgenticApi::Responses) => {
+            "a Responses stream is stored under its id by the worker that began it, so it is not resumed on another"
+        }
+        (_, _, AgenticApi::Messages) => {
+            "a Messages stream is not resumed on another worker (the router resumes chat and completions streams only)"
+        }
+    }
+}
+
+/// A body error of an agentic request: limits named as for chat, with the
+/// field that holds the list (`input` for Responses).
+fn body_error(state: &AppState, e: BodyError, list: &'static str) -> ApiError {
+    match e {
+        BodyError::Json(e) => ApiError::bad_request(format!("invalid request body: {e}"), None),
+        BodyError::Over(over) => {
+            let (limit, message) = match over.limit {
+                Limit::ContentParts => (
+                    InputLimit::ContentParts,
+                    format!(
+                        "the request's messages have more content blocks than the limit of {} (--max-content-parts)",
+                        over.max
+                    ),
+                ),
+                _ => (
+                    InputLimit::Messages,
+                    format!(
+                        "the request has more messages than the limit of {} (--max-messages)",
+                        over.max
+                    ),
+                ),
+            };
+            limits::refuse(state, limit, message, list)
+        }
+    }
+}
+
+/// A `/v1/responses` body parsed within the limits, and what it asks for.
+pub(crate) fn parse_responses(
+    state: &AppState,
+    body: &[u8],
+) -> Result<(ResponsesRequest, limits::Asked), ApiError> {
+    let parsed = ResponsesRequest::from_json(body, &limits::body_limits(state))
+        .map_err(|e| body_error(state, e, "input"))?;
+    let asked = limits::check_counts(
+        state,
+        [(&None, ""), (&None, "")],
+        [
+            (&parsed.max_output_tokens, "max_output_tokens"),
+            (&None, ""),
+        ],
+    )?;
+    Ok((parsed, asked))
+}
+
+/// A `/v1/messages` body parsed within the limits, and what it asks for.
+pub(crate) fn parse_messages(
+    state: &AppState,
+    body: &[u8],
+) -> Result<(MessagesRequest, limits::Asked), ApiError> {
+    let parsed = MessagesRequest::from_json(body, &limits::body_limits(state))
+        .map_err(|e| body_error(state, e, "messages"))?;
+    let asked = limits::check_counts(
+        state,
+        [(&None, ""), (&None, "")],
+        [(&parsed.max_tokens, "max_tokens"), (&None, "")],
+    )?;
+    Ok((parsed, asked))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::response_map::DEFAULT_TTL;
+
+    fn delivery(api: AgenticApi) -> AgenticDelivery {
+        AgenticDelivery {
+            api,
+            not_resumable: "",
+            remember: Some(Remember {
+                map: Arc::new(ResponseMap::new(8, DEFAULT_TTL)),
+                shared: None,
+                session: None,
+            }),
+            state: Arc::new(AgenticState::new(ResponseMap::new(8, DEFAULT_TTL))),
+        }
+    }
+
+    #[test]
+    fn events_are_read_by_their_type() {
+        let r = delivery(AgenticApi::Responses);
+        assert_eq!(
+            r.classify(r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_1","output":[]}}"#),
+            EventKind::Created("resp_1".into())
+        );
+        assert_eq!(
+            r.classify(r#"{"type":"response.output_text.delta","delta":"x"}"#),
+            EventKind::Delta
+        );
+        assert_eq!(
+            r.classify(r#"{"type":"response.completed","response":{}}"#),
+            EventKind::End
+        );
+        assert_eq!(
+            r.classify(r#"{"type":"response.failed","response":{}}"#),
+            EventKind::Error
+        );
+        assert_eq!(r.classify("not json"), EventKind::Other);
+        let m = delivery(AgenticApi::Messages);
+        assert_eq!(
+            m.classify(r#"{"type":"content_block_delta","index":0,"delta":{}}"#),
+            EventKind::Delta
+        );
+        assert_eq!(m.classify(r#"{"type":"message_stop"}"#), EventKind::End);
+        assert_eq!(
+            m.classify(r#"{"type":"error","error":{}}"#),
+            EventKind::Error
+        );
+        assert_eq!(m.classify(r#"{"type":"ping"}"#), EventKind::Other);
+    }
+
+    #[test]
+    fn a_whole_answer_gives_its_output_tokens_and_its_id_is_remembered() {
+        let r = delivery(AgenticApi::Responses);
+        let body =
+            br#"{"id":"resp_9","object":"response","usage":{"input_tokens":5,"output_tokens":7}}"#;
+        assert_eq!(AgenticDelivery::output_tokens(body), 7);
+        assert_eq!(AgenticDelivery::output_tokens(b"garbage"), 0);
+        r.answered(body, WorkerId::new(3));
+        let map = &r.remember.as_ref().unwrap().map;
+        assert_eq!(
+            map.get("resp_9", Instant::now()).map(|h| h.worker),
+            Some(WorkerId::new(3))
+        );
+    }
+
+    #[test]
+    fn a_broken_stream_ends_with_an_error_event_of_its_api() {
+        let m = String::from_utf8(delivery(AgenticApi::Messages).error_event("gone", 0)).unwrap();
+        assert!(m.starts_with("event: error\ndata: {"), "{m}");
+        assert!(m.contains(r#""type":"error""#) && m.contains(r#""message":"gone""#));
+        let r = String::from_utf8(delivery(AgenticApi::Responses).error_event("gone", 4)).unwrap();
+        assert!(r.contains(r#""sequence_number":4"#), "{r}");
+        assert!(not_resumable(AgenticApi::Messages, true, false).contains("tools"));
+        assert!(not_resumable(AgenticApi::Responses, false, true).contains("text.format"));
+    }
+}
+
+#[cfg(test)]
+#[path = "agentic_tests.rs"]
+mod router_tests;

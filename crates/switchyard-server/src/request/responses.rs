@@ -1,0 +1,333 @@
+//! OpenAI's Responses API: `POST /v1/responses`,
+//! `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
+//!
+//! A request is read as its equivalent chat conversation (`instructions`
+//! as the system message, then `input`: a string as a user message,
+//! message items as messages, function calls and their outputs as an
+//! assistant's tool calls and `tool` messages: [`switchyard_wire::agentic`]),
+//! bounded while parsed, rendered with the model's chat template by the
+//! chat path's tokenizer (the same prefix as the equivalent chat request),
+//! charged, placed and forwarded unchanged; its stream's named events are
+//! passed through.
+//!
+//! Stored responses live on the worker that answered them (vLLM keeps
+//! them in its memory). The router remembers which worker that is
+//! ([`crate::response_map`], bounded and expiring) from the answer's id
+//! (a whole answer's `id`, a stream's `response.created`), and sends to
+//! that worker, and no other:
+//!
+//! - a request whose `previous_response_id` names it (pinned: never
+//!   moved to another worker, even before its first token; its prompt is
+//!   only the new input, the rest being on that worker);
+//! - `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
+//!
+//! A response the router does not know (never answered through it, or
+//! forgotten: capacity or TTL) is a 404; one whose worker has left the
+//! fleet is a 410; one whose worker is unhealthy for now is a 503. A
+//! chain is one session from its second turn on (the session the client
+//! named for it, else one named after the response the chain continues:
+//! [`crate::response_map::session_of`]).
+
+use crate::error::ApiError;
+use crate::front::upload::{read_whole, ReadError};
+use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
+use crate::request::context::{AppState, Shared};
+use crate::request::handlers::{finish_as, proxy_as, AgenticRoute};
+use crate::request::prompt::{
+    charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
+    TokenizeJob,
+};
+use crate::response_map::{session_of, Holder};
+use crate::roster::WorkerInfo;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::Full;
+use std::sync::Arc;
+use std::time::Instant;
+use switchyard_wire::agentic::MAX_RESPONSE_ID_BYTES;
+
+pub(crate) const PATH: &str = "/v1/responses";
+
+pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> Response {
+    let arrival = Instant::now();
+    let (headers, key, body) = request_parts(&state, request).await;
+    let result = async {
+        let body = body?;
+        let (parsed, asked) = agentic::parse_responses(&state, &body)?;
+        let named = session_key(&state, &headers, parsed.session_id.as_deref(), key);
+        let (pinned, session) = match &parsed.previous_response_id {
+            Some(previous) => {
+                let holder = locate_waiting(&state, previous, "previous_response_id").await?;
+                let namespace = key.and_then(|k| state.credentials.key_name(k));
+                let chain = session_of(previous, &holder, namespace);
+                (Some(holder.worker), Some(named.unwrap_or(chain)))
+            }
+            None => (None, named),
+        };
+        let prompt = if parsed.messages.is_empty() {
+            // Only items without text (a continued chain's reasoning, say):
+            // the prompt routing reads is empty.
+            if pinned.is_none() {
+                return Err(ApiError::bad_request(
+                    "`input` has no message or text",
+                    Some("input"),
+                ));
+            }
+            PromptIds {
+                ids: Vec::new(),
+                estimated: None,
+            }
+        } else {
+            let messages = chat_messages(parsed.messages)?;
+            tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?
+        };
+        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
+        let delivery = AgenticDelivery {
+            api: AgenticApi::Responses,
+            not_resumable: agentic::not_resumable(
+                AgenticApi::Responses,
+                parsed.tools,
+                parsed.constrained,
+            ),
+            remember: parsed.store.then(|| Remember {
+                map: state.agentic.responses.clone(),
+                shared: Some(state.shared.clone()),
+                session,
+            }),
+            state: state.agentic.clone(),
+        };
+        let facts = Parsed {
+            model: parsed.model,
+            stream: parsed.stream,
+            session: None,
+            key,
+            prompt,
+            asked,
+        };
+        let route = AgenticRoute {
+            delivery: Arc::new(delivery),
+            pinned,
+        };
+        Ok::<_, ApiError>((body, facts, session, route))
+    }
+    .await;
+    let state2 = state.clone();
+    finish_as(state, AgenticApi::Responses, async move {
+        let (body, facts, session, route) = result?;
+        proxy_as(
+            state2,
+            headers,
+            PATH,
+            arrival,
+            body,
+            facts,
+            session,
+            Some(route),
+        )
+        .await
+    })
+    .await
+}
+
+/// `GET /v1/responses/{id}`: the stored response, from its worker.
+pub(crate) async fn get_response(State(state): State<Shared>, Path(id): Path<String>) -> Response {
+    stored(state, id, Method::GET, "").await
+}
+
+/// `POST /v1/responses/{id}/cancel`: passed to the worker that has it.
+pub(crate) async fn cancel_response(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    request: Request,
+) -> Response {
+    // The body (none is expected) is read within the limit and dropped.
+    let (_, _, body) = request_parts(&state, request).await;
+    if let Err(e) = body {
+        return e.into_response();
+    }
+    stored(state, id, Method::POST, "/cancel").await
+}
+
+async fn stored(state: Shared, id: String, method: Method, suffix: &str) -> Response {
+    let result = async {
+        if !valid_id(&id) {
+            return Err(ApiError::not_found(
+                "no such response: an id is at most 128 letters, digits, `_` or `-`",
+                None,
+            ));
+        }
+        let holder = locate_waiting(&state, &id, "response_id").await?;
+        let worker = in_fleet(&state, &holder, &id, "response_id")?;
+        direct(
+            &state,
+            &worker,
+            method,
+            format!("{PATH}/{id}{suffix}"),
+            Bytes::new(),
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// An id that may be put in a path as it is.
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_RESPONSE_ID_BYTES
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// How long a replica with replica sync on waits for a peer's word of a
+/// response it does not know before answering 404: a client may send a
+/// chain's next turn to another replica before the previous turn's entry
+/// has crossed the plane (a millisecond or two on one network).
+const PEER_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// [`locate`], waiting up to [`PEER_GRACE`] for an unknown id when peers
+/// may be about to tell (replica sync on).
+async fn locate_waiting(
+    state: &AppState,
+    id: &str,
+    param: &'static str,
+) -> Result<Holder, ApiError> {
+    if state.router_id.is_some() && state.agentic.responses.get(id, Instant::now()).is_none() {
+        let until = tokio::time::Instant::now() + PEER_GRACE;
+        while tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            if state.agentic.responses.get(id, Instant::now()).is_some() {
+                break;
+            }
+        }
+    }
+    locate(state, id, param)
+}
+
+/// Where response `id` is stored: a 404 when the router does not know it,
+/// a 410 when its worker has left the fleet, a 503 while its worker is out
+/// of selection (unhealthy).
+fn locate(state: &AppState, id: &str, param: &'static str) -> Result<Holder, ApiError> {
+    let holder = state
+        .agentic
+        .responses
+        .get(id, Instant::now())
+        .ok_or_else(|| {
+            ApiError::not_found(
+                format!(
+                    "response {id:?} is not known to the router: it was not answered through it, or it was forgotten (--max-stored-responses, --stored-response-ttl-secs)"
+                ),
+                Some(param),
+            )
+        })?;
+    in_fleet(state, &holder, id, param)?;
+    Ok(holder)
+}
+
+fn in_fleet(
+    state: &AppState,
+    holder: &Holder,
+    id: &str,
+    param: &'static str,
+) -> Result<WorkerInfo, ApiError> {
+    let worker = state
+        .shared
+        .workers()
+        .into_iter()
+        .find(|w| w.id == holder.worker)
+        .ok_or_else(|| {
+            ApiError::gone(
+                format!("response {id:?} was stored by a worker that has left the fleet"),
+                Some(param),
+            )
+        })?;
+    if !worker.in_router {
+        return Err(ApiError::no_workers(format!(
+            "response {id:?} is stored by worker {}, which is out of selection (unhealthy); retry later",
+            worker.name
+        )));
+    }
+    Ok(worker)
+}
+
+/// A worker in selection that serves `model` (for a request that books
+/// nothing: `count_tokens` without a tokenizer here).
+pub(crate) fn any_worker_for(
+    state: &AppState,
+    model: Option<&str>,
+) -> Result<WorkerInfo, ApiError> {
+    state
+        .shared
+        .workers()
+        .into_iter()
+        .find(|w| {
+            w.in_router
+                && !w.draining
+                && model.is_none_or(|m| w.models.is_empty() || w.models.iter().any(|n| n == m))
+        })
+        .ok_or_else(|| ApiError::no_workers("no worker serves the model"))
+}
+
+/// Sends `method path` with `body` to `worker` (no booking: nothing is
+/// generated) with the router's worker credential, and answers with the
+/// worker's status and body (bounded by `--max-response-bytes`).
+pub(crate) async fn direct(
+    state: &AppState,
+    worker: &WorkerInfo,
+    method: Method,
+    path: String,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let uri = hyper::Uri::try_from(format!("{}{path}", worker.url))
+        .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
+    let mut request = hyper::Request::builder().method(method).uri(uri);
+    if !body.is_empty() {
+        request = request.header(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+    }
+    if let Some(auth) = &state.worker_auth {
+        request = request.header(header::AUTHORIZATION, auth.clone());
+    }
+    let request = request
+        .body(Full::new(body))
+        .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
+    let sent = tokio::time::timeout(state.request_timeout, state.client.request(request)).await;
+    let response = match sent {
+        Err(_) => return Err(ApiError::timeout(state.request_timeout)),
+        Ok(Err(_)) => {
+            return Err(ApiError::bad_gateway(format!(
+                "worker {} did not answer",
+                worker.name
+            )))
+        }
+        Ok(Ok(response)) => response,
+    };
+    let (parts, upstream) = response.into_parts();
+    let limit = state.max_response_bytes;
+    let bytes = read_whole(upstream, limit).await.map_err(|e| match e {
+        ReadError::TooLarge => ApiError::bad_gateway(format!(
+            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
+        )),
+        ReadError::Broken => ApiError::bad_gateway("the worker's response broke"),
+    })?;
+    let mut out = (
+        StatusCode::from_u16(parts.status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY),
+        bytes,
+    )
+        .into_response();
+    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+        out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    }
+    if state.worker_header {
+        if let Some(v) = &worker.endpoint.name_header {
+            out.headers_mut()
+                .insert(crate::request::context::WORKER_HEADER, v.clone());
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,604 @@
+//! The request bodies of the agentic APIs vLLM serves beside chat:
+//! OpenAI's Responses API (`/v1/responses`, [`ResponsesRequest`]) and
+//! Anthropic's Messages API (`/v1/messages` and
+//! `/v1/messages/count_tokens`, [`MessagesRequest`]).
+//!
+//! Both are read as the chat conversation they are equivalent to
+//! ([`ResponsesRequest::chat`], [`MessagesRequest::chat`]): a list of
+//! [`Message`]s with text content, in the chat API's roles, so that a
+//! router renders them with the model's chat template exactly as it
+//! renders the equivalent `/v1/chat/completions` request (the same
+//! prompt, the same block hashes). The mapping, one rule per item:
+//!
+//! | item | chat equivalent |
+//! |---|---|
+//! | Responses `instructions`, Anthropic `system` | a first `system` message |
+//! | Responses `input` as a string | one `user` message |
+//! | a message item / message (`role`, text or text parts) | that message, its text parts joined |
+//! | Responses `function_call`, Anthropic `tool_use` block | an `assistant` message with tool calls: no text |
+//! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text |
+//! | images, documents, reasoning, other items | no text (as image parts add no text to a chat) |
+//!
+//! Parsed within [`BodyLimits`] before any other work: items (messages)
+//! against `messages`, content blocks of all messages together against
+//! `content_parts`; a list is read an element at a time and parsing stops
+//! at the first element past its bound. Every other field is ignored
+//! (a router forwards the client's bytes unchanged).
+
+use crate::openai::{BodyError, BodyLimits, Lenient, Limit, Message, MessageContent, OverLimit};
+use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// Longest `previous_response_id` (and response id in a path) read, in
+/// bytes: vLLM's ids are `resp_` and 32 hex digits.
+pub const MAX_RESPONSE_ID_BYTES: usize = 128;
+
+/// The body of `/v1/responses`, as far as routing reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResponsesRequest {
+    /// The model asked for.
+    pub model: Option<String>,
+    /// Stream the answer as Responses events.
+    pub stream: bool,
+    /// Output token limit.
+    pub max_output_tokens: Option<Lenient<u32>>,
+    /// The response this one continues (stored on the worker that
+    /// answered it).
+    pub previous_response_id: Option<String>,
+    /// `store` (default true): whether the worker keeps the response for
+    /// a later `previous_response_id` or `GET`.
+    pub store: bool,
+    /// Switchyard's session id (also the `x-session-id` header).
+    pub session_id: Option<String>,
+    /// The conversation as chat messages (instructions first).
+    pub messages: Vec<Message>,
+    /// Whether it declares tools.
+    pub tools: bool,
+    /// Whether it constrains the output (`text.format` other than text).
+    pub constrained: bool,
+}
+
+/// The body of `/v1/messages` (and `/v1/messages/count_tokens`), as far
+/// as routing reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MessagesRequest {
+    /// The model asked for.
+    pub model: Option<String>,
+    /// Stream the answer as Anthropic events.
+    pub stream: bool,
+    /// Output token limit (required by Anthropic; the worker judges its
+    /// absence).
+    pub max_tokens: Option<Lenient<u32>>,
+    /// The conversation as chat messages (`system` first).
+    pub messages: Vec<Message>,
+    /// Whether it declares tools.
+    pub tools: bool,
+}
+
+/// Why an item cannot be read (the refusal's message; never content).
+fn invalid(what: &str) -> BodyError {
+    BodyError::Json(de::Error::custom(what))
+}
+
+#[derive(Deserialize)]
+struct ResponsesTop<'a> {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    max_output_tokens: Option<Lenient<u32>>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+    #[serde(default)]
+    store: Option<bool>,
+    #[serde(default)]
+    session_id: Option<String>,
+    #[serde(default, borrow)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    text: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct MessagesTop<'a> {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    max_tokens: Option<Lenient<u32>>,
+    #[serde(default, borrow)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    tools: Option<&'a RawValue>,
+}
+
+/// One Responses input item or Anthropic message: its kind, role and
+/// the raw parts that carry text.
+#[derive(Deserialize)]
+struct Item<'a> {
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default, borrow)]
+    content: Option<&'a RawValue>,
+    /// A `function_call_output`'s output.
+    #[serde(default, borrow)]
+    output: Option<&'a RawValue>,
+}
+
+/// One content block or part: its type, its text, a `tool_result`'s
+/// content.
+#[derive(Deserialize)]
+struct Block<'a> {
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default, borrow)]
+    content: Option<&'a RawValue>,
+}
+
+/// Reads a JSON list of `T` an element at a time, stopping at the first
+/// element past `max` (then `over` names `limit`).
+struct BoundedList<'c, T> {
+    max: usize,
+    limit: Limit,
+    over: &'c Cell<Option<OverLimit>>,
+    _t: PhantomData<T>,
+}
+
+impl<'de, T: Deserialize<'de>> DeserializeSeed<'de> for BoundedList<'_, T> {
+    type Value = Vec<T>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<T>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for BoundedList<'_, T> {
+    type Value = Vec<T>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+        let mut out = Vec::new();
+        while let Some(item) = seq.next_element::<T>()? {
+            if out.len() >= self.max {
+                self.over.set(Some(OverLimit {
+                    limit: self.limit,
+                    max: self.max,
+                }));
+                return Err(de::Error::custom("over a bound"));
+            }
+            out.push(item);
+        }
+        Ok(out)
+    }
+}
+
+/// `raw` as a list of at most `max` elements.
+fn bounded_list<'a, T: Deserialize<'a>>(
+    raw: &'a RawValue,
+    max: usize,
+    limit: Limit,
+) -> Result<Vec<T>, BodyError> {
+    let over = Cell::new(None);
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    let seed = BoundedList {
+        max,
+        limit,
+        over: &over,
+        _t: PhantomData,
+    };
+    match seed.deserialize(&mut de) {
+        Ok(list) => Ok(list),
+        Err(e) => Err(match over.get() {
+            Some(over) => BodyError::Over(over),
+            None => BodyError::Json(e),
+        }),
+    }
+}
+
+fn parse_top<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BodyError> {
+    serde_json::from_slice(body).map_err(BodyError::Json)
+}
+
+fn is_null(raw: Option<&RawValue>) -> bool {
+    raw.is_none_or(|r| r.get() == "null")
+}
+
+fn as_string(raw: &RawValue) -> Option<String> {
+    if raw.get().starts_with('"') {
+        serde_json::from_str(raw.get()).ok()
+    } else {
+        None
+    }
+}
+
+/// What is left of the content-parts bound across a request's messages.
+struct Parts {
+    left: usize,
+    max: usize,
+}
+
+impl Parts {
+    fn new(limits: &BodyLimits) -> Self {
+        Self {
+            left: limits.content_parts,
+            max: limits.content_parts,
+        }
+    }
+
+    /// `raw` (a string or a list of blocks) as its blocks, within what is
+    /// left of the bound.
+    fn blocks<'a>(&mut self, raw: &'a RawValue) -> Result<Vec<Block<'a>>, BodyError> {
+        let blocks: Vec<Block<'a>> =
+            bounded_list(raw, self.left, Limit::ContentParts).map_err(|e| match e {
+                BodyError::Over(_) => BodyError::Over(OverLimit {
+                    limit: Limit::ContentParts,
+                    max: self.max,
+                }),
+                e => e,
+            })?;
+        self.left -= blocks.len();
+        Ok(blocks)
+    }
+
+    /// The text of `raw`: a string as it is, a list's text blocks joined
+    /// (other blocks add no text), `null` as empty.
+    fn text(&mut self, raw: Option<&RawValue>, what: &str) -> Result<String, BodyError> {
+        let Some(raw) = raw.filter(|r| r.get() != "null") else {
+            return Ok(String::new());
+        };
+        if let Some(s) = as_string(raw) {
+            return Ok(s);
+        }
+        if !raw.get().starts_with('[') {
+            return Err(invalid(what));
+        }
+        Ok(self
+            .blocks(raw)?
+            .into_iter()
+            .filter(|b| is_text_kind(b.kind.as_deref()))
+            .filter_map(|b| b.text)
+            .collect())
+    }
+}
+
+/// The block and part types whose `text` is prompt text.
+fn is_text_kind(kind: Option<&str>) -> bool {
+    matches!(kind, Some("text" | "input_text" | "output_text") | None)
+}
+
+fn message(role: &str, content: String) -> Message {
+    Message {
+        role: role.to_owned(),
+        content: Some(MessageContent::Text(content)),
+    }
+}
+
+impl ResponsesRequest {
+    /// Parses a `/v1/responses` body within `limits`.
+    pub fn from_json(body: &[u8], limits: &BodyLimits) -> Result<Self, BodyError> {
+        let top: ResponsesTop<'_> = parse_top(body)?;
+        let mut parts = Parts::new(limits);
+        let mut messages = Vec::new();
+        if !is_null(top.instructions) {
+            let text = top
+                .instructions
+                .and_then(as_string)
+                .ok_or_else(|| invalid("`instructions` must be a string"))?;
+            messages.push(message("system", text));
+        }
+        let Some(input) = top.input.filter(|r| r.get() != "null") else {
+            return Err(invalid("`input` is required"));
+        };
+        if let Some(text) = as_string(input) {
+            messages.push(message("user", text));
+        } else if input.get().starts_with('[') {
+            let budget = limits.messages.saturating_sub(messages.len());
+            let items: Vec<Item<'_>> =
+                bounded_list(input, budget, Limit::Messages).map_err(|e| match e {
+                    BodyError::Over(_) => BodyError::Over(OverLimit {
+                        limit: Limit::Messages,
+                        max: limits.messages,
+                    }),
+                    e => e,
+                })?;
+            for item in items {
+                match (item.kind.as_deref(), item.role.as_deref()) {
+                    (Some("message") | None, Some(role)) => {
+                        let text = parts.text(
+                            item.content,
+                            "a message's content must be a string or a list of content parts",
+                        )?;
+                        messages.push(message(role, text));
+                    }
+                    (Some("function_call"), _) => {
+                        messages.push(message("assistant", String::new()))
+                    }
+                    (Some("function_call_output"), _) => {
+                        let text = parts.text(item.output, "a function_call_output's output must be a string or a list of content parts")?;
+                        messages.push(message("tool", text));
+                    }
+                    (None | Some("message"), None) => {
+                        return Err(invalid("an input message needs a `role`"))
+                    }
+                    // Reasoning and other items add no text.
+                    _ => {}
+                }
+            }
+        } else {
+            return Err(invalid("`input` must be a string or a list of input items"));
+        }
+        if let Some(id) = &top.previous_response_id {
+            if id.len() > MAX_RESPONSE_ID_BYTES {
+                return Err(invalid("`previous_response_id` is longer than 128 bytes"));
+            }
+        }
+        let constrained = top.text.is_some_and(|t| {
+            #[derive(Deserialize)]
+            struct Text<'a> {
+                #[serde(default, borrow)]
+                format: Option<&'a RawValue>,
+            }
+            #[derive(Deserialize)]
+            struct Format {
+                #[serde(default, rename = "type")]
+                kind: Option<String>,
+            }
+            serde_json::from_str::<Text<'_>>(t.get())
+                .ok()
+                .and_then(|t| t.format)
+                .and_then(|f| serde_json::from_str::<Format>(f.get()).ok())
+                .and_then(|f| f.kind)
+                .is_some_and(|k| k != "text")
+        });
+        Ok(Self {
+            model: top.model,
+            stream: top.stream.unwrap_or(false),
+            max_output_tokens: top.max_output_tokens,
+            previous_response_id: top.previous_response_id.filter(|s| !s.is_empty()),
+            store: top.store.unwrap_or(true),
+            session_id: top.session_id,
+            messages,
+            tools: !is_null(top.tools) && top.tools.is_some_and(|t| t.get() != "[]"),
+            constrained,
+        })
+    }
+
+    /// The conversation as the equivalent chat request's messages.
+    pub fn chat(&self) -> &[Message] {
+        &self.messages
+    }
+}
+
+impl MessagesRequest {
+    /// Parses a `/v1/messages` (or `/v1/messages/count_tokens`) body
+    /// within `limits`.
+    pub fn from_json(body: &[u8], limits: &BodyLimits) -> Result<Self, BodyError> {
+        let top: MessagesTop<'_> = parse_top(body)?;
+        let mut parts = Parts::new(limits);
+        let mut messages = Vec::new();
+        if !is_null(top.system) {
+            let text = parts.text(
+                top.system,
+                "`system` must be a string or a list of text blocks",
+            )?;
+            messages.push(message("system", text));
+        }
+        let Some(list) = top.messages.filter(|r| r.get().starts_with('[')) else {
+            return Err(invalid("`messages` must be a list of messages"));
+        };
+        let budget = limits.messages.saturating_sub(messages.len());
+        let items: Vec<Item<'_>> =
+            bounded_list(list, budget, Limit::Messages).map_err(|e| match e {
+                BodyError::Over(_) => BodyError::Over(OverLimit {
+                    limit: Limit::Messages,
+                    max: limits.messages,
+                }),
+                e => e,
+            })?;
+        if items.is_empty() {
+            return Err(invalid("`messages` must not be empty"));
+        }
+        for item in items {
+            let role = item
+                .role
+                .ok_or_else(|| invalid("a message needs a `role`"))?;
+            let Some(content) = item.content.filter(|r| r.get() != "null") else {
+                return Err(invalid("a message needs `content`"));
+            };
+            if let Some(text) = as_string(content) {
+                messages.push(message(&role, text));
+                continue;
+            }
+            if !content.get().starts_with('[') {
+                return Err(invalid(
+                    "a message's content must be a string or a list of content blocks",
+                ));
+            }
+            // Tool results become `tool` messages (before the message's
+            // own text, as the chat equivalent orders them); tool uses are
+            // an assistant's tool calls, which carry no text.
+            let mut text = String::new();
+            let mut tool_only = true;
+            for block in parts.blocks(content)? {
+                match block.kind.as_deref() {
+                    Some("tool_result") => {
+                        let output = parts.text(
+                            block.content,
+                            "a tool_result's content must be a string or a list of content blocks",
+                        )?;
+                        messages.push(message("tool", output));
+                    }
+                    Some("tool_use") => {}
+                    kind if is_text_kind(kind) => {
+                        tool_only = false;
+                        text.push_str(block.text.as_deref().unwrap_or_default());
+                    }
+                    _ => tool_only = false,
+                }
+            }
+            if !tool_only || role == "assistant" {
+                messages.push(message(&role, text));
+            }
+        }
+        Ok(Self {
+            model: top.model,
+            stream: top.stream.unwrap_or(false),
+            max_tokens: top.max_tokens,
+            messages,
+            tools: !is_null(top.tools) && top.tools.is_some_and(|t| t.get() != "[]"),
+        })
+    }
+
+    /// The conversation as the equivalent chat request's messages.
+    pub fn chat(&self) -> &[Message] {
+        &self.messages
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roles_and_text(messages: &[Message]) -> Vec<(String, String)> {
+        messages
+            .iter()
+            .map(|m| {
+                let text = match &m.content {
+                    Some(MessageContent::Text(t)) => t.clone(),
+                    _ => panic!("not text"),
+                };
+                (m.role.clone(), text)
+            })
+            .collect()
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(r, t)| ((*r).to_owned(), (*t).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn a_responses_request_reads_as_its_chat_conversation() {
+        let body = br#"{"model":"m","instructions":"Be brief.","input":[
+            {"role":"user","content":"Hi"},
+            {"type":"message","role":"assistant","content":[{"type":"output_text","text":"Hello"},{"type":"output_text","text":"!"}]},
+            {"type":"function_call","call_id":"c1","name":"f","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c1","output":"42"},
+            {"type":"reasoning","summary":[]},
+            {"role":"user","content":[{"type":"input_text","text":"More"},{"type":"input_image","image_url":"x"}]}
+        ],"previous_response_id":"resp_1","stream":true,"tools":[{"type":"function"}]}"#;
+        let r = ResponsesRequest::from_json(body, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            roles_and_text(r.chat()),
+            pairs(&[
+                ("system", "Be brief."),
+                ("user", "Hi"),
+                ("assistant", "Hello!"),
+                ("assistant", ""),
+                ("tool", "42"),
+                ("user", "More"),
+            ])
+        );
+        assert!(r.stream && r.tools && r.store && !r.constrained);
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        let text = ResponsesRequest::from_json(
+            br#"{"input":"Hi","text":{"format":{"type":"json_schema"}}}"#,
+            &BodyLimits::NONE,
+        )
+        .unwrap();
+        assert_eq!(roles_and_text(text.chat()), pairs(&[("user", "Hi")]));
+        assert!(text.constrained);
+    }
+
+    #[test]
+    fn a_messages_request_reads_as_its_chat_conversation() {
+        let body = br#"{"model":"m","max_tokens":16,"system":[{"type":"text","text":"Be brief."}],"messages":[
+            {"role":"user","content":"Hi"},
+            {"role":"assistant","content":[{"type":"text","text":"Hello"},{"type":"tool_use","id":"t","name":"f","input":{}}]},
+            {"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"42"}]}]},
+            {"role":"assistant","content":[{"type":"tool_use","id":"u","name":"f","input":{}}]},
+            {"role":"user","content":[{"type":"tool_result","tool_use_id":"u","content":"7"},{"type":"text","text":"More"}]}
+        ]}"#;
+        let r = MessagesRequest::from_json(body, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            roles_and_text(r.chat()),
+            pairs(&[
+                ("system", "Be brief."),
+                ("user", "Hi"),
+                ("assistant", "Hello"),
+                ("tool", "42"),
+                ("assistant", ""),
+                ("tool", "7"),
+                ("user", "More"),
+            ])
+        );
+        assert!(!r.stream && !r.tools);
+    }
+
+    #[test]
+    fn lists_past_their_bounds_are_refused_naming_the_bound() {
+        let limits = BodyLimits {
+            messages: 2,
+            content_parts: 2,
+            ..BodyLimits::NONE
+        };
+        let three = br#"{"input":[{"role":"user","content":"a"},{"role":"user","content":"b"},{"role":"user","content":"c"}]}"#;
+        match ResponsesRequest::from_json(three, &limits) {
+            Err(BodyError::Over(o)) => assert_eq!((o.limit, o.max), (Limit::Messages, 2)),
+            other => panic!("{other:?}"),
+        }
+        let parts = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"user","content":[{"type":"text","text":"c"}]}]}"#;
+        match MessagesRequest::from_json(parts, &limits) {
+            Err(BodyError::Over(o)) => assert_eq!((o.limit, o.max), (Limit::ContentParts, 2)),
+            other => panic!("{other:?}"),
+        }
+        let long = format!(
+            r#"{{"input":"x","previous_response_id":"{}"}}"#,
+            "a".repeat(200)
+        );
+        assert!(matches!(
+            ResponsesRequest::from_json(long.as_bytes(), &BodyLimits::NONE),
+            Err(BodyError::Json(_))
+        ));
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors_not_panics() {
+        for body in [
+            &b"{}"[..],
+            b"[]",
+            br#"{"input":5}"#,
+            br#"{"input":[{"content":"no role"}]}"#,
+            br#"{"input":"x","instructions":[1]}"#,
+            br#"{"messages":[]}"#,
+            br#"{"messages":[{"role":"user"}]}"#,
+            br#"{"messages":[{"role":"user","content":7}]}"#,
+            br#"{"messages":"x"}"#,
+        ] {
+            let r = ResponsesRequest::from_json(body, &BodyLimits::NONE).map(|_| ());
+            let m = MessagesRequest::from_json(body, &BodyLimits::NONE).map(|_| ());
+            assert!(
+                r.is_err() || m.is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+}
