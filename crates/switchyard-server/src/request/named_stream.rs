@@ -28,7 +28,6 @@ use crate::request::booking::Booking;
 use crate::request::migration::{Failure, Phase, Progress};
 use axum::body::Body;
 use bytes::Bytes;
-use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,28 +122,13 @@ impl NamedStream {
                 Ok(None) => {}
                 Err(e) => return Err((Failure::MidStream, e.to_string())),
             }
-            match tokio::time::timeout(idle, self.upstream.frame()).await {
-                Err(_) => {
-                    return Err((
-                        Failure::Timeout,
-                        format!("the worker sent nothing for {:.1} s", idle.as_secs_f64()),
-                    ))
-                }
-                Ok(None) => {
-                    return Err((
-                        Failure::MidStream,
-                        "the worker's stream ended before its last event".into(),
-                    ))
-                }
-                Ok(Some(Err(_))) => {
-                    return Err((Failure::MidStream, "the worker's stream broke".into()))
-                }
-                Ok(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.parser.push(&data);
-                    }
-                }
-            }
+            super::stream::pull_frame(
+                &mut self.upstream,
+                &mut self.parser,
+                idle,
+                "the worker's stream ended before its last event",
+            )
+            .await?;
         }
     }
 

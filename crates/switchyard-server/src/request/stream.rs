@@ -544,27 +544,37 @@ async fn read_event(leg: &mut Leg, idle: Duration) -> Result<Event, (Failure, St
             Ok(None) => {}
             Err(e) => return Err((Failure::MidStream, e.to_string())),
         }
-        match tokio::time::timeout(idle, leg.upstream.frame()).await {
-            Err(_) => {
-                return Err((
-                    Failure::Timeout,
-                    format!("the worker sent nothing for {:.1} s", idle.as_secs_f64()),
-                ))
+        pull_frame(
+            &mut leg.upstream,
+            &mut leg.parser,
+            idle,
+            "the worker's stream ended without [DONE]",
+        )
+        .await?;
+    }
+}
+
+/// Reads the worker's next frame into `parser`. Silence longer than
+/// `idle`, the stream's end (`ended` says why that is a failure) or a
+/// break is a failure.
+pub(crate) async fn pull_frame(
+    upstream: &mut Incoming,
+    parser: &mut SseParser,
+    idle: Duration,
+    ended: &str,
+) -> Result<(), (Failure, String)> {
+    match tokio::time::timeout(idle, upstream.frame()).await {
+        Err(_) => Err((
+            Failure::Timeout,
+            format!("the worker sent nothing for {:.1} s", idle.as_secs_f64()),
+        )),
+        Ok(None) => Err((Failure::MidStream, ended.to_owned())),
+        Ok(Some(Err(_))) => Err((Failure::MidStream, "the worker's stream broke".into())),
+        Ok(Some(Ok(frame))) => {
+            if let Ok(data) = frame.into_data() {
+                parser.push(&data);
             }
-            Ok(None) => {
-                return Err((
-                    Failure::MidStream,
-                    "the worker's stream ended without [DONE]".into(),
-                ))
-            }
-            Ok(Some(Err(_))) => {
-                return Err((Failure::MidStream, "the worker's stream broke".into()))
-            }
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    leg.parser.push(&data);
-                }
-            }
+            Ok(())
         }
     }
 }
