@@ -172,17 +172,19 @@ pub(crate) fn for_peer(
 }
 
 /// Starts `peer` (`program`) in front of `workers` on a free loopback
-/// port, its output discarded; the child joins `children` (killed with
-/// them). Returns its base URL.
+/// port, with `extra` flags after the usual ones, its output discarded;
+/// the child joins `children` (killed with them). Returns its base URL.
 pub(crate) fn launch(
     peer: Peer,
     program: &Path,
     workers: &[String],
+    extra: &[String],
     children: &mut Children,
 ) -> anyhow::Result<String> {
     let port = free_port()?;
     let child = peer
         .command(program, port, free_port()?, workers)
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

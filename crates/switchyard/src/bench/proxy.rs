@@ -285,7 +285,13 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let url = launch(peer, &program, std::slice::from_ref(&worker), &mut children)?;
+        let url = launch(
+            peer,
+            &program,
+            std::slice::from_ref(&worker),
+            &[],
+            &mut children,
+        )?;
         let pid = children.0.last().map(std::process::Child::id);
         let name = format!("{} (cache_aware)", peer.requirement());
         wait_ready(&runtime, &url, SIM_MODEL, &mut children, &name)

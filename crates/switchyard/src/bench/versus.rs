@@ -34,6 +34,10 @@
 //! its own Switchyard variant in each round, so settings are compared with
 //! each other and with the peers in the same run (e.g. `--admission none
 //! --admission session-aware`).
+//!
+//! `--tenants FILE` runs a tenant mix instead (see [`tenants`]): each
+//! router gets the mix's arrivals, Switchyard with flow control configured
+//! from the file and SGLang's gateway with its priority scheduler.
 
 pub use super::peer::Peer;
 use super::peer::{cpu_seconds, for_peer, launch, median, peer_program, wait_ready, SIM_MODEL};
@@ -50,6 +54,9 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use switchyard_core::select::PolicyKind;
 use switchyard_server::config::AdmissionMode;
+
+#[path = "versus_tenants.rs"]
+mod tenants;
 
 /// One Switchyard setting under test: a policy and an admission strategy
 /// (`None`: the config's, else the defaults).
@@ -196,6 +203,23 @@ pub struct VersusArgs {
     /// Write every run's figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// A tenant mix (`loadgen --tenants`'s file) to send through every
+    /// router instead of ShareGPT conversations: Switchyard with the mix's
+    /// tenants, bands and weights; smg with its priority scheduler and each
+    /// tenant's band as `x-smg-priority`.
+    #[arg(long, conflicts_with_all = ["config", "requests", "concurrency", "sharegpt"])]
+    pub tenants: Option<PathBuf>,
+    /// With `--tenants`: the protected tenant(s) on their own, run the same
+    /// way, for the ratio of each one's TTFT p90 in the mix to alone.
+    #[arg(long, requires = "tenants")]
+    pub tenants_alone: Option<PathBuf>,
+    /// With `--tenants`: seconds of arrivals to send.
+    #[arg(long, default_value_t = 60.0, requires = "tenants")]
+    pub duration: f64,
+    /// With `--tenants`: Switchyard's busy threshold (flow control orders
+    /// only what the router holds back).
+    #[arg(long, default_value_t = 0.6, requires = "tenants")]
+    pub busy_threshold: f64,
 }
 
 impl VersusArgs {
@@ -324,7 +348,12 @@ impl Engines {
 }
 
 /// `serve` flags for `variant` in front of `engines`.
-fn our_args(args: &VersusArgs, variant: Variant, engines: &Engines) -> Vec<String> {
+fn our_args(
+    args: &VersusArgs,
+    variant: Variant,
+    engines: &Engines,
+    extra: &[String],
+) -> Vec<String> {
     let mut a: Vec<String> = ["serve", "--host", "127.0.0.1", "--port", "0"]
         .into_iter()
         .map(str::to_owned)
@@ -346,6 +375,7 @@ fn our_args(args: &VersusArgs, variant: Variant, engines: &Engines) -> Vec<Strin
     for spec in engines.specs() {
         a.extend(["--worker".into(), spec]);
     }
+    a.extend(extra.iter().cloned());
     a
 }
 
@@ -358,6 +388,17 @@ enum Contender<'a> {
     Peer(Peer, &'a Path),
 }
 
+/// How one run offers its load and what the routers are started with
+/// beyond the comparison's settings.
+struct RunLoad {
+    /// Closed loop or the arrivals of a tenant mix.
+    pacing: Pacing,
+    /// More `serve` flags.
+    ours: Vec<String>,
+    /// More flags for the peer.
+    peer: Vec<String>,
+}
+
 /// One router's run on fresh engines.
 fn one_run(
     args: &VersusArgs,
@@ -365,6 +406,7 @@ fn one_run(
     contender: Contender<'_>,
     requests: Vec<loadgen::PreparedRequest>,
     run: &str,
+    load: RunLoad,
 ) -> anyhow::Result<(Report, Option<f64>)> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -376,14 +418,14 @@ fn one_run(
         Contender::Ours(variant) => {
             let mut command = crate::child::this_binary()?;
             command
-                .args(our_args(args, variant, &engines))
+                .args(our_args(args, variant, &engines, &load.ours))
                 .env("RUST_LOG", "warn");
             let (child, url) = crate::child::spawn_printing_url(command, "switchyard serve")?;
             children.0.push(child);
             (url, "switchyard serve".to_owned())
         }
         Contender::Peer(peer, program) => (
-            launch(peer, program, &urls, &mut children)?,
+            launch(peer, program, &urls, &load.peer, &mut children)?,
             peer.requirement().to_owned(),
         ),
     };
@@ -393,7 +435,7 @@ fn one_run(
     let report = runtime.block_on(loadgen::run_load(
         &base,
         requests,
-        Pacing::Concurrency(args.concurrency()),
+        load.pacing,
         true,
         &urls,
         false,
@@ -426,6 +468,9 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
         args.workers() > 0 && args.requests() > 0 && args.concurrency() > 0 && args.rounds > 0,
         "--workers, --requests, --concurrency and --rounds must be positive"
     );
+    if args.tenants.is_some() {
+        return tenants::run(&args);
+    }
     let sharegpt = match &args.sharegpt {
         Some(p) => p.clone(),
         None => crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?,
@@ -441,6 +486,47 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
         Engine::Vllm => Some(vllm_setup()?),
     };
     let variants = Variant::all(&args.policy, &args.admission);
+    let peers = find_peers(&args)?;
+    let mut runs = Vec::new();
+    for round in 0..args.rounds {
+        for (i, (name, contender)) in contenders(&args, &variants, &peers, round)
+            .into_iter()
+            .enumerate()
+        {
+            eprintln!("round {}: {name}...", round + 1);
+            let run = format!("round{}-{i}", round + 1);
+            let load = RunLoad {
+                pacing: Pacing::Concurrency(args.concurrency()),
+                ours: Vec::new(),
+                peer: Vec::new(),
+            };
+            let (report, cpu) = one_run(
+                &args,
+                vllm.as_ref(),
+                contender,
+                requests.clone(),
+                &run,
+                load,
+            )?;
+            runs.push(RunFigures {
+                router: name,
+                round: round + 1,
+                report,
+                router_cpu_ms_per_request: cpu,
+            });
+        }
+    }
+    print_table(&args, &runs);
+    if let Some(path) = &args.json {
+        write_json(path, &runs)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// The peers to compare with, found or installed (those that cannot be
+/// are skipped with the reason).
+fn find_peers(args: &VersusArgs) -> anyhow::Result<Vec<(Peer, PathBuf)>> {
     let mut wanted = if args.peer.is_empty() {
         vec![Peer::Smg]
     } else {
@@ -458,39 +544,31 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let mut runs = Vec::new();
-    for round in 0..args.rounds {
-        let mut order: Vec<Contender<'_>> = variants.iter().map(|&v| Contender::Ours(v)).collect();
-        order.extend(
-            peers
-                .iter()
-                .map(|(p, program)| Contender::Peer(*p, program.as_path())),
-        );
-        if round % 2 == 1 {
-            order.reverse();
-        }
-        for (i, contender) in order.into_iter().enumerate() {
-            let name = match contender {
-                Contender::Ours(v) => v.name(args.config.as_deref()),
-                Contender::Peer(peer, _) => format!("{} (cache_aware)", peer.requirement()),
-            };
-            eprintln!("round {}: {name}...", round + 1);
-            let run = format!("round{}-{i}", round + 1);
-            let (report, cpu) = one_run(&args, vllm.as_ref(), contender, requests.clone(), &run)?;
-            runs.push(RunFigures {
-                router: name,
-                round: round + 1,
-                report,
-                router_cpu_ms_per_request: cpu,
-            });
-        }
+    Ok(peers)
+}
+
+/// Every router of round `round` (0-based) with its row name: Switchyard's
+/// variants, then the peers; odd rounds in reverse order.
+fn contenders<'a>(
+    args: &VersusArgs,
+    variants: &[Variant],
+    peers: &'a [(Peer, PathBuf)],
+    round: usize,
+) -> Vec<(String, Contender<'a>)> {
+    let mut order: Vec<(String, Contender<'a>)> = variants
+        .iter()
+        .map(|&v| (v.name(args.config.as_deref()), Contender::Ours(v)))
+        .collect();
+    order.extend(peers.iter().map(|(p, program)| {
+        (
+            format!("{} (cache_aware)", p.requirement()),
+            Contender::Peer(*p, program.as_path()),
+        )
+    }));
+    if round % 2 == 1 {
+        order.reverse();
     }
-    print_table(&args, &runs);
-    if let Some(path) = &args.json {
-        write_json(path, &runs)?;
-        println!("wrote {}", path.display());
-    }
-    Ok(())
+    order
 }
 
 fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
