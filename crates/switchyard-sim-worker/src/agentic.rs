@@ -16,11 +16,13 @@
 //! turn's `instructions` apply to it alone (OpenAI's rule), so they are
 //! not rendered into a continued conversation.
 //!
-//! Stored responses live in memory, at most [`MAX_STORED`]; the oldest is
+//! Stored responses live in memory ([`crate::response_store`]), at most
+//! [`crate::response_store::MAX_STORED`]; the oldest is
 //! forgotten first (a later `previous_response_id` naming it gets a 404).
 
 use crate::driver::GenEvent;
 use crate::http::{ErrorReply, WorkerState};
+use crate::response_store::Stored;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
@@ -29,9 +31,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Mutex;
 use switchyard_core::hashing::seed_for;
 use switchyard_engine::{FinishReason, NewRequest};
 use switchyard_tokenizer::ChatMessage;
@@ -39,69 +40,17 @@ use switchyard_wire::agentic::{MessagesRequest, ResponsesRequest, MAX_RESPONSE_I
 use switchyard_wire::openai::{BodyError, BodyLimits, ErrorBody, Message, MessageContent};
 use tokio::sync::mpsc;
 
-/// Most responses a worker keeps for `previous_response_id` and `GET`.
-pub const MAX_STORED: usize = 4096;
-
-/// One stored response: the conversation it ends (its answer included)
-/// and the response object `GET` returns.
-struct Stored {
-    conversation: Vec<ChatMessage>,
-    object: Value,
-}
-
-/// The responses a worker stores, bounded: the oldest goes first.
-#[derive(Default)]
-pub struct ResponseStore {
-    inner: Mutex<StoreInner>,
-}
-
-#[derive(Default)]
-struct StoreInner {
-    by_id: HashMap<String, Stored>,
-    order: VecDeque<String>,
-    /// Responses forgotten to make room.
-    evicted: u64,
-}
-
-impl ResponseStore {
-    fn lock(&self) -> std::sync::MutexGuard<'_, StoreInner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn put(&self, id: String, stored: Stored) {
-        let mut inner = self.lock();
-        while inner.order.len() >= MAX_STORED {
-            if let Some(old) = inner.order.pop_front() {
-                inner.by_id.remove(&old);
-                inner.evicted += 1;
-            }
-        }
-        inner.order.push_back(id.clone());
-        inner.by_id.insert(id, stored);
-    }
-
-    fn conversation(&self, id: &str) -> Option<Vec<ChatMessage>> {
-        self.lock().by_id.get(id).map(|s| s.conversation.clone())
-    }
-
-    fn object(&self, id: &str) -> Option<Value> {
-        self.lock().by_id.get(id).map(|s| s.object.clone())
-    }
-
-    /// How many responses are stored.
-    pub fn len(&self) -> usize {
-        self.lock().by_id.len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Responses forgotten to make room.
-    pub fn evicted(&self) -> u64 {
-        self.lock().evicted
-    }
+/// The agentic APIs' routes, over the worker's state (merged beside
+/// [`crate::http::router`]).
+pub fn router(state: WorkerState) -> axum::Router {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route("/v1/responses", post(responses))
+        .route("/v1/responses/{id}", get(get_response))
+        .route("/v1/responses/{id}/cancel", post(cancel_response))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .with_state(state)
 }
 
 /// Which API an answer is written in.

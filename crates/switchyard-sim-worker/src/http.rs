@@ -70,7 +70,7 @@ pub struct WorkerState {
     /// `driver` and `metrics` above.
     pub ranks: Option<Arc<crate::ranks::Ranks>>,
     /// Stored responses (`/v1/responses`, [`crate::agentic`]).
-    pub responses: Arc<crate::agentic::ResponseStore>,
+    pub responses: Arc<crate::response_store::ResponseStore>,
 }
 
 /// What the handlers need for `--disagg`.
@@ -86,22 +86,12 @@ pub struct DisaggState {
     pub advertise: std::net::SocketAddr,
 }
 
-/// The router of every endpoint.
+/// The router of every endpoint but the agentic APIs'
+/// ([`crate::agentic::router`], merged beside it by the caller).
 pub fn router(state: WorkerState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/responses", post(crate::agentic::responses))
-        .route("/v1/responses/{id}", get(crate::agentic::get_response))
-        .route(
-            "/v1/responses/{id}/cancel",
-            post(crate::agentic::cancel_response),
-        )
-        .route("/v1/messages", post(crate::agentic::messages))
-        .route(
-            "/v1/messages/count_tokens",
-            post(crate::agentic::count_tokens),
-        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))

@@ -17,6 +17,8 @@
 //! - [`transfer`] — what a transfer carries and how it fails (the lease
 //!   as it travels, the transfer's errors), shared by `disagg` and the
 //!   driver;
+//! - [`agentic`] — the Responses and Messages APIs, routed beside
+//!   [`http`]'s; [`response_store`] — the responses it stores, bounded;
 //! - [`ranks`] — `--dp-size N`: N data-parallel ranks behind one port,
 //!   each its own engine, chosen by `X-data-parallel-rank` or the
 //!   worker's own balancer;
@@ -48,6 +50,7 @@ pub mod http;
 pub mod kv_publish;
 pub mod metrics;
 pub mod ranks;
+pub mod response_store;
 pub mod transfer;
 
 use anyhow::Context;
@@ -534,7 +537,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         disagg: disagg_state.as_ref().map(|(d, _)| d.clone()),
         ranks,
     };
-    let mut app = http::router(state);
+    let mut app = http::router(state.clone()).merge(agentic::router(state));
     if let Some((_, internal)) = disagg_state {
         app = app.merge(disagg::internal_router(internal));
     }
