@@ -744,10 +744,12 @@ impl ServerConfig {
         self.rate_limits.validate().map_err(ConfigError::Invalid)?;
         FlowPolicy::new(self.flow.clone())
             .map_err(|e| ConfigError::Invalid(format!("flow: {e}")))?;
-        if self.flow.reserve_for_top_band > 0.0 && self.busy_threshold.is_none() {
-            return invalid(
-                "flow.reserve_for_top_band holds capacity back below the busy threshold: set busy_threshold too".into(),
-            );
+        if let (Some((what, _)), None) =
+            (self.flow.reserve_needing_threshold(), self.busy_threshold)
+        {
+            return invalid(format!(
+                "flow.{what} holds capacity back below the busy threshold: set busy_threshold too"
+            ));
         }
         if let Some(h) = &self.tenant_header {
             if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {

@@ -2,7 +2,8 @@
 //! simulator and `loadgen --tenants` sends through `serve`.
 //!
 //! ```toml
-//! # Optional: the bands and switches, as `serve`'s `[flow]`.
+//! # Optional: the bands and switches, as `serve`'s `[flow]` (its
+//! # tenants are listed below instead).
 //! [flow]
 //! reserve_for_top_band = 0.2
 //!
@@ -30,27 +31,12 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use switchyard_core::admission::{
-    BandConfig, FlowConfig, FlowPolicy, TenantConfig, MAX_DEADLINE_MS, MAX_TENANTS,
+    FlowConfig, FlowPolicy, TenantConfig, MAX_DEADLINE_MS, MAX_TENANTS,
 };
 use switchyard_sim::workload::SessionFlow;
 
 /// Largest scenario file read.
 const MAX_FILE_BYTES: u64 = 1 << 20;
-
-/// The bands and switches of a mix (`serve`'s `[flow]` without the
-/// tenants, which the mix lists itself).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MixFlow {
-    /// The bands, highest first (default: critical, standard, sheddable).
-    pub bands: Option<Vec<BandConfig>>,
-    /// The band of requests that name none.
-    pub default_band: Option<String>,
-    /// See [`FlowConfig::reserve_for_top_band`].
-    pub reserve_for_top_band: f64,
-    /// See [`FlowConfig::refuse_late`].
-    pub refuse_late: bool,
-}
 
 /// One tenant of a mix.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -92,9 +78,10 @@ fn one() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantMix {
-    /// Bands and switches.
+    /// Bands and switches, as `serve`'s `[flow]`; its `tenants` stay
+    /// empty (the mix's own are listed below).
     #[serde(default)]
-    pub flow: MixFlow,
+    pub flow: FlowConfig,
     /// The tenants (at least one).
     pub tenants: Vec<MixTenant>,
 }
@@ -133,6 +120,10 @@ impl TenantMix {
     pub fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(!self.tenants.is_empty(), "a tenant mix needs tenants");
         anyhow::ensure!(
+            self.flow.tenants.is_empty(),
+            "a tenant mix lists its tenants as [[tenants]], not [[flow.tenants]]"
+        );
+        anyhow::ensure!(
             self.tenants.len() < MAX_TENANTS,
             "at most {} tenants in a mix",
             MAX_TENANTS - 1
@@ -161,32 +152,30 @@ impl TenantMix {
     /// flow control (first come, first served); the mix's tenants are then
     /// only labels of the figures.
     pub fn flow_config(&self, fair: bool) -> FlowConfig {
-        let defaults = FlowConfig::default();
+        let tenants = self
+            .tenants
+            .iter()
+            .map(|t| TenantConfig {
+                name: t.name.clone(),
+                weight: t.weight,
+                band: t.band.clone(),
+                max_band: t.max_band.clone(),
+                max_concurrency: t.max_concurrency,
+            })
+            .collect();
+        let flow = FlowConfig {
+            tenants,
+            ..self.flow.clone()
+        };
+        if fair {
+            return flow;
+        }
         FlowConfig {
-            bands: self.flow.bands.clone().unwrap_or(defaults.bands),
-            default_band: self
-                .flow
-                .default_band
-                .clone()
-                .unwrap_or(defaults.default_band),
-            tenants: self
-                .tenants
-                .iter()
-                .map(|t| TenantConfig {
-                    name: t.name.clone(),
-                    weight: t.weight,
-                    band: t.band.clone(),
-                    max_band: t.max_band.clone(),
-                    max_concurrency: t.max_concurrency,
-                })
-                .collect(),
-            reserve_for_top_band: if fair {
-                self.flow.reserve_for_top_band
-            } else {
-                0.0
-            },
-            refuse_late: fair && self.flow.refuse_late,
-            fair_share: fair,
+            reserve_for_top_band: 0.0,
+            reserve_for_light_tenants: 0.0,
+            refuse_late: false,
+            fair_share: false,
+            ..flow
         }
     }
 
@@ -225,7 +214,7 @@ mod tests {
     #[test]
     fn a_mix_reads_its_tenants_and_makes_their_flow_configuration() {
         let (_dir, path) = write(
-            "[flow]\nreserve_for_top_band = 0.25\n\
+            "[flow]\nreserve_for_top_band = 0.25\nreserve_for_light_tenants = 0.3\n\
              [[tenants]]\nname = \"chat\"\nrate_scale = 4\nslo_ttft_ms = 900\n\
              [[tenants]]\nname = \"batch\"\nweight = 3\nband = \"sheddable\"\nrate_scale = 40\ntrace = \"b.jsonl\"\n",
         );
@@ -244,7 +233,9 @@ mod tests {
         assert_eq!(policy.config().reserve_for_top_band, 0.25);
         let unfair = mix.flow_config(false);
         assert!(!unfair.fair_share);
+        assert_eq!(policy.config().reserve_for_light_tenants, 0.3);
         assert_eq!(unfair.reserve_for_top_band, 0.0);
+        assert_eq!(unfair.reserve_for_light_tenants, 0.0);
     }
 
     #[test]
@@ -263,6 +254,10 @@ mod tests {
             (
                 "[[tenants]]\nname = \"a\"\nrate_scale = 1\ncolour = 1\n",
                 "colour",
+            ),
+            (
+                "[[flow.tenants]]\nname = \"b\"\n[[tenants]]\nname = \"a\"\nrate_scale = 1\n",
+                "[[flow.tenants]]",
             ),
         ] {
             let (_dir, path) = write(text);

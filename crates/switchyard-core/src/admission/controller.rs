@@ -30,7 +30,7 @@
 use super::lifecycle::{InvalidTransition, ResponseTicket, Stage, TransitionOutcome};
 use super::progress::{progress_pair, ProgressReader};
 use super::queue::{
-    PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, ShedReason, WaitState,
+    Demand, PolicyQueue, QueueConfig, QueueConfigError, QueueCounters, ShedReason, WaitState,
 };
 use super::tenants::{FlowConfig, FlowConfigError, FlowPolicy, TenantId};
 use super::{
@@ -351,7 +351,7 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
     where
         F: FnMut(RequestId, Placement) -> SelectOutcome,
     {
-        self.poll_charging(now_ms, out, |id, placement| {
+        self.poll_charging(now_ms, out, |id, placement, _| {
             (try_place(id, placement), None)
         });
     }
@@ -359,11 +359,14 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
     /// [`Self::poll`] whose `try_place` also says, for a selected
     /// request, its prompt tokens the chosen worker has not cached: what
     /// its tenant is charged (with its expected output) in the fair
-    /// share; `None` charges its prompt tokens as submitted.
+    /// share; `None` charges its prompt tokens as submitted. It is told
+    /// the request's tenant's [`Demand`] (always within its share unless
+    /// `reserve_for_light_tenants` is set).
     pub fn poll_charging<F>(&mut self, now_ms: f64, out: &mut Vec<Placed>, mut try_place: F)
     where
-        F: FnMut(RequestId, Placement) -> (SelectOutcome, Option<u32>),
+        F: FnMut(RequestId, Placement, Demand) -> (SelectOutcome, Option<u32>),
     {
+        let weigh_demand = self.queue.flows().config().reserve_for_light_tenants > 0.0;
         self.last_poll_ms = now_ms;
         let mut busy_streak = 0;
         while busy_streak < self.queue.config().busy_probe_limit {
@@ -372,8 +375,13 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
             };
             let id = popped.id;
             let mut placement = popped.placement;
+            let demand = if weigh_demand {
+                self.queue.demand(popped.tenant, now_ms)
+            } else {
+                Demand::WithinShare
+            };
             loop {
-                let (outcome, uncached) = try_place(id, placement);
+                let (outcome, uncached) = try_place(id, placement, demand);
                 let why = match outcome {
                     SelectOutcome::Selected(decision) => {
                         busy_streak = 0;

@@ -2,8 +2,10 @@
 //! [`PolicyQueue::pop`], then a property test against a naive reference
 //! model (a vector scanned linearly) over random operation sequences.
 
-use super::queue::{PolicyQueue, QueueConfig, QueueOrder, ShedReason, WaitState};
-use super::tenants::{Band, Flow, FlowConfig, FlowPolicy, TenantConfig, TenantId};
+use super::queue::{Demand, PolicyQueue, QueueConfig, QueueOrder, ShedReason, WaitState};
+use super::tenants::{
+    Band, Flow, FlowConfig, FlowPolicy, TenantConfig, TenantId, ACTIVE_WINDOW_MS,
+};
 use super::{Placement, QueueClass};
 use crate::types::RequestId;
 use proptest::prelude::*;
@@ -487,6 +489,40 @@ impl Model {
         self.vtime[e.flow.band.0 as usize][t] += cost as f64 / self.weights[t];
         self.in_flight[t] += 1;
     }
+}
+
+#[test]
+fn a_tenant_served_more_than_its_weighted_share_of_recent_tokens_is_over_its_share() {
+    // t1 of weight 1 and t2 of weight 3; every request charges 100 tokens.
+    let mut q = fair(QueueOrder::Fcfs, &[(1.0, None), (3.0, None)]);
+    let (t1, t2) = (TenantId(1), TenantId(2));
+    let mut next = 0;
+    let mut send = |q: &mut PolicyQueue, tenant: u16, n: usize, now: f64| {
+        for _ in 0..n {
+            next += 1;
+            push(q, next, flow(tenant, 1), 100);
+            let p = q.pop().unwrap();
+            assert!(q.dispatch(p.id, now));
+        }
+    };
+    assert_eq!(q.demand(t2, 0.0), Demand::WithinShare, "nothing served");
+    send(&mut q, 2, 4, 0.0);
+    assert_eq!(q.demand(t2, 0.0), Demand::WithinShare, "no other tenant is active");
+    // 400 of 500 tokens is over t2's 3/4 of them; t1's 100 is within.
+    send(&mut q, 1, 1, 0.0);
+    assert_eq!(q.demand(t2, 0.0), Demand::OverShare);
+    assert_eq!(q.demand(t1, 0.0), Demand::WithinShare);
+    // 3:1 is t2's share exactly: not over it.
+    send(&mut q, 2, 2, 0.0);
+    send(&mut q, 1, 1, 0.0);
+    assert_eq!(q.demand(t2, 0.0), Demand::WithinShare);
+    // Once t1's requests end and the window passes, t2 is alone.
+    send(&mut q, 2, 1, 0.0);
+    assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS), Demand::OverShare, "t1 in flight");
+    q.release(t1);
+    q.release(t1);
+    assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS), Demand::OverShare, "t1 recent");
+    assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS + 1.0), Demand::WithinShare);
 }
 
 proptest! {

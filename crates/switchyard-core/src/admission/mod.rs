@@ -45,13 +45,13 @@ pub use controller::{
 pub use lifecycle::{InvalidTransition, ResponseTicket, Stage, TransitionOutcome};
 pub use progress::{progress_pair, ProgressReader, ProgressUpdater};
 pub use queue::{
-    ClassLimits, FlowCounters, FlowStats, PolicyQueue, QueueConfig, QueueConfigError,
+    ClassLimits, Demand, FlowCounters, FlowStats, PolicyQueue, QueueConfig, QueueConfigError,
     QueueCounters, QueueOrder, ShedReason,
 };
 pub use session::{Affinity, SessionAwareConfig, SessionAwareStrategy, SessionConfigError};
 pub use tenants::{
     Band, BandConfig, Flow, FlowConfig, FlowConfigError, FlowError, FlowPolicy, TenantConfig,
-    TenantId, MAX_BANDS, MAX_DEADLINE_MS, MAX_NAME_BYTES, MAX_TENANTS,
+    TenantId, ACTIVE_WINDOW_MS, MAX_BANDS, MAX_DEADLINE_MS, MAX_NAME_BYTES, MAX_TENANTS,
 };
 
 use crate::types::{RequestId, WorkerId};

@@ -10,7 +10,7 @@
 //! is skipped when popped (O(1) + amortized O(log n)), and the heaps are
 //! compacted when stale entries outnumber live ones.
 
-use super::tenants::{Band, Flow, FlowPolicy, TenantId};
+use super::tenants::{Band, Flow, FlowPolicy, TenantId, ACTIVE_WINDOW_MS};
 use super::{Placement, QueueClass};
 use crate::maps::FxHashMap;
 use crate::types::RequestId;
@@ -196,6 +196,20 @@ pub struct Popped {
     pub placement: Placement,
     /// When it entered the queue.
     pub enqueued_ms: f64,
+    /// Its tenant.
+    pub tenant: TenantId,
+}
+
+/// How much a popped request's tenant asks of the fleet, for
+/// [`super::FlowConfig::reserve_for_light_tenants`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Demand {
+    /// It holds no more than its share, or no other tenant is active: it
+    /// may fill a worker to the busy threshold.
+    WithinShare,
+    /// It holds more than its share while another tenant is active: it
+    /// leaves the light tenants' reserve free.
+    OverShare,
 }
 
 /// Why a request was shed: ended at once rather than left to wait.
@@ -268,6 +282,15 @@ impl Lane {
     }
 }
 
+/// `tokens` charged `elapsed_ms` ago, decayed with a time constant of
+/// [`ACTIVE_WINDOW_MS`].
+fn decayed(tokens: f64, elapsed_ms: f64) -> f64 {
+    if tokens == 0.0 {
+        return 0.0;
+    }
+    tokens * (-elapsed_ms.max(0.0) / ACTIVE_WINDOW_MS).exp()
+}
+
 /// A deadline as a key that sorts like the time (none: last).
 fn deadline_key(deadline_ms: Option<f64>) -> u64 {
     match deadline_ms {
@@ -316,6 +339,10 @@ pub struct PolicyQueue {
     next_seq: u64,
     /// Moving average of the wait of dispatched requests.
     wait_ewma_ms: Option<f64>,
+    /// Per tenant: tokens charged at dispatch, decaying with a time
+    /// constant of [`ACTIVE_WINDOW_MS`], and when they were last updated
+    /// (`-inf`: never dispatched to).
+    recent: Vec<(f64, f64)>,
     counters: QueueCounters,
 }
 
@@ -345,6 +372,7 @@ impl PolicyQueue {
             ready: 0,
             next_seq: 0,
             wait_ewma_ms: None,
+            recent: vec![(0.0, f64::NEG_INFINITY); tenants],
             counters: QueueCounters::default(),
         })
     }
@@ -678,12 +706,14 @@ impl PolicyQueue {
                     continue;
                 }
                 entry.out = true;
+                let enqueued_ms = entry.enqueued_ms;
                 self.lanes[lane].out += 1;
                 self.band_floor[band] = self.band_floor[band].max(vtime);
                 return Some(Popped {
                     id,
                     placement,
-                    enqueued_ms: entry.enqueued_ms,
+                    enqueued_ms,
+                    tenant: TenantId(t),
                 });
             }
             // Unreachable while the counts hold (an available lane has a
@@ -803,7 +833,38 @@ impl PolicyQueue {
         }
         let t = entry.flow.tenant.0 as usize;
         self.in_flight[t] = self.in_flight[t].saturating_add(1);
+        let (tokens, at) = self.recent[t];
+        self.recent[t] = (decayed(tokens, now_ms - at) + cost as f64, now_ms);
         true
+    }
+
+    /// How much `tenant` asks of the fleet at `now_ms`: over its share
+    /// when another tenant is active (in flight, or dispatched to within
+    /// [`ACTIVE_WINDOW_MS`]) and `tenant` was recently served more tokens
+    /// (charged as in the fair share, decaying over the window) than its
+    /// weight's share of the active tenants'.
+    pub fn demand(&self, tenant: TenantId, now_ms: f64) -> Demand {
+        let t = tenant.0 as usize;
+        let Some(&(own, at)) = self.recent.get(t) else {
+            return Demand::WithinShare;
+        };
+        let own = decayed(own, now_ms - at);
+        let mut others = false;
+        let mut total = own;
+        let mut weights = self.flows.weight(tenant);
+        for (u, &(tokens, at)) in self.recent.iter().enumerate() {
+            if u == t || (self.in_flight[u] == 0 && now_ms - at > ACTIVE_WINDOW_MS) {
+                continue;
+            }
+            others = true;
+            total += decayed(tokens, now_ms - at);
+            weights += self.flows.weight(TenantId(u as u16));
+        }
+        if others && own > self.flows.weight(tenant) / weights * total {
+            Demand::OverShare
+        } else {
+            Demand::WithinShare
+        }
     }
 
     /// A dispatched request of `tenant` ended (completed, aborted,

@@ -28,6 +28,10 @@ pub const MAX_NAME_BYTES: usize = 64;
 pub const MAX_DEADLINE_MS: u64 = 3_600_000;
 /// Largest weight (the smallest is anything above zero).
 pub const MAX_WEIGHT: f64 = 1e6;
+/// How long after its last dispatch a tenant still counts as active, for
+/// [`FlowConfig::reserve_for_light_tenants`]: a tenant seen within it may
+/// be sending again, so a saturating one leaves it room.
+pub const ACTIVE_WINDOW_MS: f64 = 10_000.0;
 
 /// A tenant: an index into [`FlowPolicy`]'s tenants; 0 is the default.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -123,6 +127,16 @@ pub struct FlowConfig {
     /// request of any other band finds a worker busy at `1 - share` of
     /// the busy threshold. Needs a busy threshold; 0 holds nothing back.
     pub reserve_for_top_band: f64,
+    /// Share of each worker's capacity held back for light tenants: a
+    /// request whose tenant was recently served more tokens than its
+    /// weight's share, while another tenant is active (in flight, or
+    /// served within [`ACTIVE_WINDOW_MS`]), finds a worker busy at
+    /// `1 - share` of the busy threshold. A tenant within its share then
+    /// starts at once beside a saturating one, whose requests wait in the
+    /// router's fair queue rather than in the engines' batches. A tenant
+    /// alone is never held back. Needs a busy threshold; 0 holds nothing
+    /// back.
+    pub reserve_for_light_tenants: f64,
     /// Refuse at once a request whose TTFT deadline the prefill estimate
     /// says cannot be met, rather than serve it late.
     pub refuse_late: bool,
@@ -152,9 +166,26 @@ impl Default for FlowConfig {
             default_band: "standard".into(),
             tenants: Vec::new(),
             reserve_for_top_band: 0.0,
+            reserve_for_light_tenants: 0.0,
             refuse_late: false,
             fair_share: true,
         }
+    }
+}
+
+impl FlowConfig {
+    /// The capacity reserves, named as in the configuration.
+    pub fn reserves(&self) -> [(&'static str, f64); 2] {
+        [
+            ("reserve_for_top_band", self.reserve_for_top_band),
+            ("reserve_for_light_tenants", self.reserve_for_light_tenants),
+        ]
+    }
+
+    /// The first reserve that is set: it holds back a share of the busy
+    /// threshold, so it needs one.
+    pub fn reserve_needing_threshold(&self) -> Option<(&'static str, f64)> {
+        self.reserves().into_iter().find(|&(_, share)| share > 0.0)
     }
 }
 
@@ -213,8 +244,13 @@ pub enum FlowConfigError {
     #[error("tenant {0:?}: max_concurrency must be at least 1")]
     Concurrency(String),
     /// A reserve outside `[0, 1)`.
-    #[error("reserve_for_top_band must be in [0, 1), got {0}")]
-    Reserve(f64),
+    #[error("{what} must be in [0, 1), got {share}")]
+    Reserve {
+        /// `reserve_for_top_band` or `reserve_for_light_tenants`.
+        what: &'static str,
+        /// The share.
+        share: f64,
+    },
 }
 
 /// Why a request's flow could not be resolved (the driver answers 400).
@@ -290,8 +326,10 @@ impl FlowPolicy {
                 })
         };
         let default_band = band_of("default_band".into(), &config.default_band)?;
-        if !(0.0..1.0).contains(&config.reserve_for_top_band) {
-            return Err(FlowConfigError::Reserve(config.reserve_for_top_band));
+        for (what, share) in config.reserves() {
+            if !(0.0..1.0).contains(&share) {
+                return Err(FlowConfigError::Reserve { what, share });
+            }
         }
         let has_default = config.tenants.iter().any(|t| t.name == "default");
         let count = config.tenants.len() + usize::from(!has_default);
@@ -572,7 +610,14 @@ mod tests {
         ));
         assert!(matches!(
             bad(&|c| c.reserve_for_top_band = 1.0),
-            FlowConfigError::Reserve(_)
+            FlowConfigError::Reserve { .. }
+        ));
+        assert!(matches!(
+            bad(&|c| c.reserve_for_light_tenants = -0.1),
+            FlowConfigError::Reserve {
+                what: "reserve_for_light_tenants",
+                ..
+            }
         ));
         assert!(matches!(
             bad(&|c| c.tenants = vec![TenantConfig::named("a"), TenantConfig::named("a")]),

@@ -287,16 +287,88 @@ fn reserved_capacity_places_a_top_band_request_where_a_lower_band_one_waits() {
     );
 }
 
+/// One worker, busy at 4,096 prompt tokens; `reserve` of it held back
+/// for light tenants. A "noisy" tenant fills it with a 5,000-token request
+/// and queues three of 2,500 behind (a light tenant was served just
+/// before when `light_first`); then the big one ends. Returns the
+/// dispatcher and how many of the three were placed.
+fn noisy_backlog(reserve: f64, light_first: bool) -> (Dispatcher, usize) {
+    let flow = FlowConfig {
+        tenants: vec![TenantConfig::named("light"), TenantConfig::named("noisy")],
+        reserve_for_light_tenants: reserve,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    let of = |d: &Dispatcher, tenant, tokens| Submission {
+        prompt_tokens: tokens,
+        flow: d.flows().resolve(Some(tenant), None, None, 0, 0.0).unwrap(),
+        ..Submission::default()
+    };
+    if light_first {
+        let light = of(&d, "light", 10);
+        let _ = place(&mut d, 100, light, 0.0);
+        let _ = d.finish(RequestId(100), 20, 1.0);
+    }
+    let first = of(&d, "noisy", 5_000);
+    let _ = place(&mut d, 1, first, 1.0);
+    for id in 2..=4 {
+        let s = of(&d, "noisy", 2_500);
+        let (_, fx) = d.submit(RequestId(id), s, 1.0).unwrap();
+        assert!(fx.dispatch.is_empty(), "the worker is busy");
+    }
+    let fx = d.finish(RequestId(1), 5_010, 2.0);
+    (d, fx.dispatch.len())
+}
+
+#[test]
+fn a_tenant_over_its_share_leaves_the_light_tenants_reserve_free() {
+    // Without a reserve the backlog fills the worker to the threshold: two
+    // of 2,500 tokens fit under 4,096.
+    let (_, placed) = noisy_backlog(0.0, true);
+    assert_eq!(placed, 2);
+    // With half held back, a backlogged tenant stops at 2,048: one fits.
+    let (mut d, placed) = noisy_backlog(0.5, true);
+    assert_eq!(placed, 1);
+    // A light tenant's request (nothing else of it waiting) may use the
+    // reserve at once, while the noisy tenant's two still wait.
+    let light = Submission {
+        prompt_tokens: 10,
+        flow: d.flows().resolve(Some("light"), None, None, 0, 3.0).unwrap(),
+        ..Submission::default()
+    };
+    let sent = place(&mut d, 101, light, 3.0);
+    assert_eq!(sent.id, RequestId(101));
+    assert_eq!(d.admission().queue().len(), 2);
+}
+
+#[test]
+fn a_tenant_alone_is_not_held_back_by_the_light_tenants_reserve() {
+    // No other tenant was served within the active window: the reserve
+    // keeps nothing idle.
+    let (_, placed) = noisy_backlog(0.5, false);
+    assert_eq!(placed, 2);
+}
+
 #[test]
 fn a_reserve_without_a_busy_threshold_is_refused() {
     let mut config = DispatcherConfig::default();
     config.admission.flow.reserve_for_top_band = 0.2;
     assert!(matches!(
         Dispatcher::new(config.clone(), None),
-        Err(DispatcherConfigError::ReserveWithoutBusyThreshold(_))
+        Err(DispatcherConfigError::ReserveWithoutBusyThreshold { .. })
     ));
     config.router.busy_threshold = Some(0.8);
-    assert!(Dispatcher::new(config, None).is_ok());
+    assert!(Dispatcher::new(config.clone(), None).is_ok());
+    config.router.busy_threshold = None;
+    config.admission.flow.reserve_for_top_band = 0.0;
+    config.admission.flow.reserve_for_light_tenants = 0.3;
+    assert!(matches!(
+        Dispatcher::new(config, None),
+        Err(DispatcherConfigError::ReserveWithoutBusyThreshold {
+            what: "reserve_for_light_tenants",
+            ..
+        })
+    ));
 }
 
 #[test]

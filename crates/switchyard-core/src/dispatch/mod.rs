@@ -47,7 +47,7 @@
 
 use crate::admission::{
     AdmissionConfig, AdmissionConfigError, AdmissionController, AdmissionStrategy, CancelOutcome,
-    Flow, FlowPolicy, FlowStats, KvUsage, Placed, Placement, QueueClass, RequestFacts,
+    Demand, Flow, FlowPolicy, FlowStats, KvUsage, Placed, Placement, QueueClass, RequestFacts,
     ResponseTicket, SessionKey, ShedReason, SubmitOutcome,
 };
 use crate::estimate::{EstimatorConfig, EstimatorConfigError, PrefillEstimator};
@@ -132,11 +132,16 @@ pub enum DispatcherConfigError {
     /// Capacity reserved for the top band without a busy threshold to
     /// reserve it from.
     #[error(
-        "admission.flow.reserve_for_top_band ({0}) needs router.busy_threshold: \
+        "admission.flow.{what} ({share}) needs router.busy_threshold: \
          the reserve is a share of the busy threshold, and without one no \
          worker is ever busy"
     )]
-    ReserveWithoutBusyThreshold(f64),
+    ReserveWithoutBusyThreshold {
+        /// `reserve_for_top_band` or `reserve_for_light_tenants`.
+        what: &'static str,
+        /// The share.
+        share: f64,
+    },
 }
 
 impl DispatcherConfig {
@@ -149,9 +154,11 @@ impl DispatcherConfig {
         if !(self.sweep_interval_ms.is_finite() && self.sweep_interval_ms > 0.0) {
             return Err(DispatcherConfigError::SweepInterval(self.sweep_interval_ms));
         }
-        let reserve = self.admission.flow.reserve_for_top_band;
-        if reserve > 0.0 && self.router.busy_threshold.is_none() {
-            return Err(DispatcherConfigError::ReserveWithoutBusyThreshold(reserve));
+        if let (Some((what, share)), None) = (
+            self.admission.flow.reserve_needing_threshold(),
+            self.router.busy_threshold,
+        ) {
+            return Err(DispatcherConfigError::ReserveWithoutBusyThreshold { what, share });
         }
         Ok(())
     }
@@ -1234,7 +1241,7 @@ impl Dispatcher {
             config,
             ..
         } = self;
-        admission.poll_charging(now_ms, placed, |id, placement| {
+        admission.poll_charging(now_ms, placed, |id, placement, demand| {
             let Some(request) = requests.get_mut(&id) else {
                 return (SelectOutcome::NoWorkers, None);
             };
@@ -1272,12 +1279,16 @@ impl Dispatcher {
                     Some(&scratch[..])
                 }
             };
-            // Capacity held back for the top band.
-            let headroom = if request.flow.band.0 > 0 {
-                config.admission.flow.reserve_for_top_band
-            } else {
-                0.0
-            };
+            // Capacity held back for the top band, and for light tenants
+            // from one that asks more than its share: the larger applies.
+            let flow = &config.admission.flow;
+            let mut headroom = 0.0_f64;
+            if request.flow.band.0 > 0 {
+                headroom = flow.reserve_for_top_band;
+            }
+            if demand == Demand::OverShare {
+                headroom = headroom.max(flow.reserve_for_light_tenants);
+            }
             let routing = RoutingRequest {
                 prompt_tokens: request.prompt_tokens,
                 blocks: &request.blocks,

@@ -46,14 +46,13 @@ fn header<'a>(
         .map_err(|_| ApiError::bad_request(format!("the {name} header is not visible ASCII"), None))
 }
 
-/// The request's flow, arriving at `now_ms` on the dispatcher's clock and
-/// expecting `expected_output_tokens`; a 400 for a band that does not
-/// exist, a deadline out of range or an oversized header.
+/// The request's flow, arriving at `now_ms` on the dispatcher's clock; a
+/// 400 for a band that does not exist, a deadline out of range or an
+/// oversized header. Its expected output is left 0: the body says it.
 pub(crate) fn resolve(
     state: &AppState,
     headers: &HeaderMap,
     key: Option<ClientKey>,
-    expected_output_tokens: u32,
     now_ms: f64,
 ) -> Result<Flow, ApiError> {
     let band = header(headers, BAND_HEADER, MAX_NAME_BYTES)?;
@@ -72,7 +71,7 @@ pub(crate) fn resolve(
     };
     state
         .flows
-        .resolve(tenant, band, budget, expected_output_tokens, now_ms)
+        .resolve(tenant, band, budget, 0, now_ms)
         .map_err(|e| {
             let message = e.to_string();
             match e {
@@ -81,13 +80,4 @@ pub(crate) fn resolve(
                 }
             }
         })
-}
-
-/// Checks the flow headers before any work is done for the request.
-pub(crate) fn check(
-    state: &AppState,
-    headers: &HeaderMap,
-    key: Option<ClientKey>,
-) -> Result<(), ApiError> {
-    resolve(state, headers, key, 0, 0.0).map(drop)
 }

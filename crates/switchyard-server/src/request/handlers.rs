@@ -24,20 +24,20 @@ use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
     TokenizeJob,
 };
-use crate::request::{flow, limits};
+use crate::request::limits;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use std::time::Instant;
-use switchyard_core::admission::SessionKey;
+use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_wire::openai::Prompt;
 
 pub(crate) async fn chat_completions(State(state): State<Shared>, request: Request) -> Response {
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body?;
+        let (body, flow) = body?;
         let (parsed, asked) = limits::parse_chat(&state, &body)?;
         let messages = chat_messages(parsed.messages)?;
         let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
@@ -47,6 +47,7 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
             stream: parsed.stream,
             session: parsed.session_id,
             key,
+            flow,
             prompt,
             asked,
         };
@@ -60,7 +61,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body?;
+        let (body, flow) = body?;
         let (parsed, asked) = limits::parse_completion(&state, &body)?;
         // A batch is routed by its first prompt: one worker serves it all.
         // Token ids were bounded while parsing; text while tokenized (a
@@ -95,6 +96,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
             stream: parsed.stream,
             session: parsed.session_id,
             key,
+            flow,
             prompt,
             asked,
         };
@@ -195,14 +197,10 @@ pub(crate) async fn proxy_as(
         Some(route) => (Some(route.delivery), route.pinned),
         None => (None, None),
     };
-    let arrival_ms = state.shared.now_ms() - arrival.elapsed().as_secs_f64() * 1e3;
-    let flow = flow::resolve(
-        &state,
-        &headers,
-        facts.key,
-        facts.asked.expected_output_tokens(),
-        arrival_ms,
-    )?;
+    let flow = Flow {
+        expected_output_tokens: facts.asked.expected_output_tokens(),
+        ..facts.flow
+    };
     let request = Delivery {
         path,
         arrival,

@@ -38,7 +38,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body?;
+        let (body, flow) = body?;
         let (parsed, asked) = agentic::parse_messages(&state, &body)?;
         let messages = chat_messages(parsed.messages)?;
         let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
@@ -55,6 +55,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
             stream: parsed.stream,
             session: None,
             key,
+            flow,
             prompt,
             asked,
         };
@@ -86,7 +87,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
 pub(crate) async fn count_tokens(State(state): State<Shared>, request: Request) -> Response {
     let (_, _, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body?;
+        let (body, _) = body?;
         let (parsed, _) = agentic::parse_messages(&state, &body)?;
         let model = parsed.model.clone();
         let routing = state

@@ -14,7 +14,7 @@ use axum::http::HeaderMap;
 use bytes::Bytes;
 use serde::Deserialize;
 use std::time::Instant;
-use switchyard_core::admission::SessionKey;
+use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::openai::{Message, MessageContent};
 
@@ -41,6 +41,9 @@ pub(crate) struct Parsed {
     pub(crate) session: Option<String>,
     /// The client key it came with.
     pub(crate) key: Option<ClientKey>,
+    /// Its tenant, band and deadline, from the key and headers (its
+    /// expected output is set when it is placed, from `asked`).
+    pub(crate) flow: Flow,
     /// The prompt routing reads (of a batch, its first).
     pub(crate) prompt: PromptIds,
     /// What it asks the workers to generate.
@@ -199,20 +202,22 @@ pub(crate) fn session_key(
     }
 }
 
-/// A handler's request: its head's headers and client key, its body read
-/// whole. The headers are moved out of the request, not copied (axum's
-/// `HeaderMap` extractor clones them), and the body, already read by the
-/// upload layer, is taken as the one buffer it is.
+/// A handler's request: its head's headers and client key, then its flow
+/// (tenant, band, deadline: [`super::flow`]) and its body read whole.
+/// The flow headers are resolved before the body is read, so a bad one
+/// costs no read. The headers are moved out of the request, not copied
+/// (axum's `HeaderMap` extractor clones them), and the body, already read
+/// by the upload layer, is taken as the one buffer it is.
 pub(crate) async fn request_parts(
     state: &AppState,
     request: Request,
-) -> (HeaderMap, Option<ClientKey>, Result<Bytes, ApiError>) {
+) -> (HeaderMap, Option<ClientKey>, Result<(Bytes, Flow), ApiError>) {
     let (parts, body) = request.into_parts();
     let key = parts.extensions.get::<ClientKey>().copied();
-    // Flow headers are checked before the body is read or parsed.
-    let body = match super::flow::check(state, &parts.headers, key) {
-        Ok(()) => read_body(state, body).await,
+    let arrival_ms = state.shared.now_ms();
+    let read = match super::flow::resolve(state, &parts.headers, key, arrival_ms) {
+        Ok(flow) => read_body(state, body).await.map(|body| (body, flow)),
         Err(e) => Err(e),
     };
-    (parts.headers, key, body)
+    (parts.headers, key, read)
 }

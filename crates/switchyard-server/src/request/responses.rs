@@ -54,7 +54,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
-        let body = body?;
+        let (body, flow) = body?;
         let (parsed, asked) = agentic::parse_responses(&state, &body)?;
         let named = session_key(&state, &headers, parsed.session_id.as_deref(), key);
         let (pinned, session) = match &parsed.previous_response_id {
@@ -103,6 +103,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
             stream: parsed.stream,
             session: None,
             key,
+            flow,
             prompt,
             asked,
         };
