@@ -394,7 +394,15 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
                         });
                         break;
                     }
-                    SelectOutcome::AllBusy => Unavailable::Busy,
+                    SelectOutcome::AllBusy => {
+                        // Held back by the light tenants' reserve: so
+                        // would the rest of its tenant's requests be, and
+                        // a lighter tenant's next may still fit.
+                        if demand == Demand::OverShare {
+                            self.queue.hold(popped.tenant);
+                        }
+                        Unavailable::Busy
+                    }
                     SelectOutcome::NoWorkers => Unavailable::Invalid,
                 };
                 let fallback = match (placement, &mut self.strategy) {
@@ -431,6 +439,7 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
         for id in self.parked.drain(..) {
             self.queue.put_back(id);
         }
+        self.queue.clear_holds();
     }
 
     /// Pending → selected: the ticket (with a progress updater when tracked).

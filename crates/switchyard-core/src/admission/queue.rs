@@ -343,6 +343,8 @@ pub struct PolicyQueue {
     /// constant of [`ACTIVE_WINDOW_MS`], and when they were last updated
     /// (`-inf`: never dispatched to).
     recent: Vec<(f64, f64)>,
+    /// Tenants [`Self::pop`] skips for the rest of a poll.
+    held: Vec<u16>,
     counters: QueueCounters,
 }
 
@@ -373,6 +375,7 @@ impl PolicyQueue {
             next_seq: 0,
             wait_ewma_ms: None,
             recent: vec![(0.0, f64::NEG_INFINITY); tenants],
+            held: Vec::new(),
             counters: QueueCounters::default(),
         })
     }
@@ -651,6 +654,21 @@ impl PolicyQueue {
         self.flows
             .max_concurrency(TenantId(tenant))
             .is_some_and(|cap| self.in_flight[tenant as usize] >= cap)
+            || self.held.contains(&tenant)
+    }
+
+    /// Skips `tenant` in [`Self::pop`] until [`Self::clear_holds`]: its
+    /// request found every worker busy at its reserve, and so would the
+    /// rest of its requests in this poll.
+    pub fn hold(&mut self, tenant: TenantId) {
+        if !self.held.contains(&tenant.0) {
+            self.held.push(tenant.0);
+        }
+    }
+
+    /// Ends every [`Self::hold`].
+    pub fn clear_holds(&mut self) {
+        self.held.clear();
     }
 
     /// Takes the next ready request (see the type's docs for the order).

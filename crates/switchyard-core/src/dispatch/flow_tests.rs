@@ -342,6 +342,45 @@ fn a_tenant_over_its_share_leaves_the_light_tenants_reserve_free() {
 }
 
 #[test]
+fn a_light_request_behind_a_held_back_tenant_in_the_fair_order_is_still_placed() {
+    // "noisy" comes first among equals (listed first) and, of weight 100,
+    // keeps the lower virtual time; it was still served nearly all the
+    // recent tokens, over its 100/101 share.
+    let mut noisy = TenantConfig::named("noisy");
+    noisy.weight = 100.0;
+    let flow = FlowConfig {
+        tenants: vec![noisy, TenantConfig::named("light")],
+        reserve_for_light_tenants: 0.5,
+        ..FlowConfig::default()
+    };
+    let mut d = busy_fleet(flow);
+    let of = |d: &Dispatcher, tenant, tokens, now| Submission {
+        prompt_tokens: tokens,
+        flow: d.flows().resolve(Some(tenant), None, None, 0, now).unwrap(),
+        ..Submission::default()
+    };
+    let light = of(&d, "light", 10, 0.0);
+    let _ = place(&mut d, 100, light, 0.0);
+    let _ = d.finish(RequestId(100), 20, 1.0);
+    let first = of(&d, "noisy", 5_000, 1.0);
+    let _ = place(&mut d, 1, first, 1.0);
+    // More waiting than one poll probes busy workers for.
+    let waiting = d.config().admission.queue.busy_probe_limit as u128 + 2;
+    for id in 2..2 + waiting {
+        let s = of(&d, "noisy", 2_500, 1.0);
+        assert!(d.submit(RequestId(id), s, 1.0).unwrap().1.dispatch.is_empty());
+    }
+    assert_eq!(d.finish(RequestId(1), 5_010, 2.0).dispatch.len(), 1);
+    // The noisy tenant is offered first and held back at the reserve; the
+    // rest of its requests are skipped in this poll, not probed one by
+    // one until the light request's turn never comes.
+    let light = of(&d, "light", 10, 3.0);
+    let sent = place(&mut d, 101, light, 3.0);
+    assert_eq!(sent.id, RequestId(101));
+    assert_eq!(d.admission().queue().len(), waiting as usize - 1);
+}
+
+#[test]
 fn a_tenant_alone_is_not_held_back_by_the_light_tenants_reserve() {
     // No other tenant was served within the active window: the reserve
     // keeps nothing idle.
