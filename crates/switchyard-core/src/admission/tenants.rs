@@ -467,12 +467,8 @@ impl FlowPolicy {
     /// tenant's own band when it asked for none, capped by the tenant's
     /// ceiling.
     pub fn resolve_band(&self, tenant: TenantId, asked: Option<&str>) -> Result<Band, FlowError> {
-        let t = self
-            .tenants
-            .get(tenant.0 as usize)
-            .unwrap_or(&self.tenants[0]);
         let Some(asked) = asked else {
-            return Ok(t.band);
+            return Ok(self.cap_band(tenant, None));
         };
         let band = self.band_named(asked.trim()).ok_or_else(|| {
             let names: Vec<&str> = self.bands.iter().map(|(n, _)| &**n).collect();
@@ -481,7 +477,21 @@ impl FlowPolicy {
                 names.join(", "),
             )
         })?;
-        Ok(band.max(t.ceiling))
+        Ok(self.cap_band(tenant, Some(band)))
+    }
+
+    /// The band of a request of `tenant` that asked for `asked`: capped
+    /// by the tenant's ceiling; the tenant's own band when it asked for
+    /// none or for a band the policy does not have.
+    pub fn cap_band(&self, tenant: TenantId, asked: Option<Band>) -> Band {
+        let t = self
+            .tenants
+            .get(tenant.0 as usize)
+            .unwrap_or(&self.tenants[0]);
+        match asked {
+            Some(band) if (band.0 as usize) < self.bands.len() => band.max(t.ceiling),
+            _ => t.band,
+        }
     }
 
     /// The deadline of a request that arrived at `now_ms` with a TTFT
@@ -561,6 +571,12 @@ mod tests {
         assert_eq!(p.resolve_band(chat, Some("critical")), Ok(Band(0)));
         assert_eq!(p.resolve_band(chat, Some("0")), Ok(Band(0)));
         assert_eq!(p.resolve_band(chat, Some("sheddable")), Ok(Band(2)));
+        // A band already as an index (the simulator's sessions): the same
+        // ceiling; a band the policy lacks is the tenant's own.
+        assert_eq!(p.cap_band(batch, Some(Band(0))), Band(2));
+        assert_eq!(p.cap_band(chat, Some(Band(0))), Band(0));
+        assert_eq!(p.cap_band(chat, Some(Band(7))), Band(1));
+        assert_eq!(p.cap_band(chat, None), Band(1));
         assert!(matches!(
             p.resolve_band(chat, Some("urgent")),
             Err(FlowError::UnknownBand(..))

@@ -109,15 +109,9 @@ impl Simulation {
     /// when it asks for none), its TTFT budget from now, and its output
     /// length as the expected output.
     fn flow_of(flows: &FlowPolicy, session: SessionFlow, output_tokens: u32, now_ms: f64) -> Flow {
-        let asked = session.band.map(|b| b.0.to_string());
-        let band = flows
-            .resolve_band(session.tenant, asked.as_deref())
-            // A band the policy does not have: the tenant's own.
-            .or_else(|_| flows.resolve_band(session.tenant, None))
-            .unwrap_or_default();
         Flow {
             tenant: session.tenant,
-            band,
+            band: flows.cap_band(session.tenant, session.band),
             deadline_ms: session.ttft_budget_ms.map(|b| now_ms + f64::from(b)),
             expected_output_tokens: output_tokens,
         }
