@@ -333,7 +333,10 @@ fn a_tenant_over_its_share_leaves_the_light_tenants_reserve_free() {
     // reserve at once, while the noisy tenant's two still wait.
     let light = Submission {
         prompt_tokens: 10,
-        flow: d.flows().resolve(Some("light"), None, None, 0, 3.0).unwrap(),
+        flow: d
+            .flows()
+            .resolve(Some("light"), None, None, 0, 3.0)
+            .unwrap(),
         ..Submission::default()
     };
     let sent = place(&mut d, 101, light, 3.0);
@@ -368,7 +371,12 @@ fn a_light_request_behind_a_held_back_tenant_in_the_fair_order_is_still_placed()
     let waiting = d.config().admission.queue.busy_probe_limit as u128 + 2;
     for id in 2..2 + waiting {
         let s = of(&d, "noisy", 2_500, 1.0);
-        assert!(d.submit(RequestId(id), s, 1.0).unwrap().1.dispatch.is_empty());
+        assert!(d
+            .submit(RequestId(id), s, 1.0)
+            .unwrap()
+            .1
+            .dispatch
+            .is_empty());
     }
     assert_eq!(d.finish(RequestId(1), 5_010, 2.0).dispatch.len(), 1);
     // The noisy tenant is offered first and held back at the reserve; the

@@ -20,11 +20,11 @@ use crate::metrics::RequestStatus;
 use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::Shared;
+use crate::request::limits;
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
     TokenizeJob,
 };
-use crate::request::limits;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};

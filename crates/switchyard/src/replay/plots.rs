@@ -1,5 +1,6 @@
 //! SVG plots of a replay: TTFT CDF per policy, hit rate per policy against
-//! the references, and per-worker load over time.
+//! the references, per-worker load over time, and with `--tenants` each
+//! tenant's TTFT, queue wait and shed requests per policy.
 
 use super::ReplayReport;
 use plotters::prelude::*;
@@ -39,7 +40,9 @@ pub(super) fn write_all(
         ("worker_load.svg", worker_load),
     ];
     let mut written = Vec::new();
-    for (name, plot) in plots {
+    let with_tenants = outcomes.iter().any(|(_, o)| !o.report.tenants.is_empty());
+    let tenant_plot: Option<(&str, PlotFn)> = with_tenants.then_some(("tenants.svg", tenants));
+    for (name, plot) in plots.into_iter().chain(tenant_plot) {
         let path = dir.join(name);
         plot(&path, report, outcomes)
             .map_err(|e| anyhow::anyhow!("plotting {}: {e}", path.display()))?;
@@ -200,4 +203,163 @@ fn worker_load(path: &Path, _: &ReplayReport, outcomes: &[(String, SimOutcome)])
     }
     root.present()?;
     Ok(())
+}
+
+/// Per tenant (a group of bars) and policy (a bar): TTFT p90 as the bar,
+/// p50 as a black tick on it, and above it the queue wait p90 and the
+/// requests shed. Log-scaled: one tenant's milliseconds and another's
+/// minutes share the axis.
+fn tenants(path: &Path, _: &ReplayReport, outcomes: &[(String, SimOutcome)]) -> PlotResult<()> {
+    draw_tenants(path, outcomes)
+}
+
+fn draw_tenants(path: &Path, outcomes: &[(String, SimOutcome)]) -> PlotResult<()> {
+    let names: Vec<&String> = {
+        let mut all: Vec<&String> = outcomes
+            .iter()
+            .flat_map(|(_, o)| o.report.tenants.keys())
+            .collect();
+        all.sort();
+        all.dedup();
+        all
+    };
+    let policies = outcomes.len().max(1);
+    let root = SVGBackend::new(
+        path,
+        (160 + 180 * names.len() as u32 * policies.min(4) as u32, 560),
+    )
+    .into_drawing_area();
+    root.fill(&WHITE)?;
+    // Per tenant, per policy: its figures (a policy may lack a tenant).
+    let table: Vec<Vec<Option<&switchyard_sim::report::TenantFigures>>> = names
+        .iter()
+        .map(|t| {
+            outcomes
+                .iter()
+                .map(|(_, o)| o.report.tenants.get(*t))
+                .collect()
+        })
+        .collect();
+    let figures = |g: usize| table[g].iter().copied().enumerate();
+    let top = outcomes
+        .iter()
+        .flat_map(|(_, o)| o.report.tenants.values())
+        .map(|f| f.ttft_p90_ms)
+        .fold(1.0f64, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "TTFT p90 per tenant and policy (bar; tick: p50; above: queue wait p90, shed)",
+            ("sans-serif", 16),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..names.len() as f64, (0.5..top * 20.0).log_scale())?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_desc("time to first token (ms, log scale)")
+        .draw()?;
+    let width = 0.8 / policies as f64;
+    let bar = |g: usize, i: usize| g as f64 + 0.1 + i as f64 * width;
+    for (g, t) in names.iter().enumerate() {
+        chart.draw_series(figures(g).filter_map(|(i, f)| {
+            let f = f?;
+            let x = bar(g, i);
+            Some(Rectangle::new(
+                [(x, 0.5), (x + width * 0.9, f.ttft_p90_ms.max(0.5))],
+                color(i).filled(),
+            ))
+        }))?;
+        chart.draw_series(figures(g).filter_map(|(i, f)| {
+            let f = f?;
+            let x = bar(g, i);
+            let y = f.ttft_p50_ms.max(0.5);
+            Some(PathElement::new(
+                vec![(x, y), (x + width * 0.9, y)],
+                BLACK.stroke_width(2),
+            ))
+        }))?;
+        let small = ("sans-serif", 11)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Bottom));
+        chart.draw_series(figures(g).filter_map(|(i, f)| {
+            let f = f?;
+            Some(Text::new(
+                format!("wait {:.0} ms, shed {}", f.wait_p90_ms, f.shed),
+                (bar(g, i) + width * 0.45, f.ttft_p90_ms.max(0.5) * 1.3),
+                small.clone(),
+            ))
+        }))?;
+        let label = ("sans-serif", 14)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Top));
+        chart.draw_series(std::iter::once(Text::new(
+            t.to_string(),
+            (g as f64 + 0.5, 0.5),
+            label,
+        )))?;
+    }
+    for (i, (name, _)) in outcomes.iter().enumerate() {
+        chart
+            .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())?
+            .label(name.as_str())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color(i).filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_sim::report::TenantFigures;
+
+    #[test]
+    fn the_tenant_plot_draws_every_tenant_of_every_policy_with_its_wait_and_shed() {
+        let figures = |p90, wait, shed| TenantFigures {
+            ttft_p50_ms: p90 / 3.0,
+            ttft_p90_ms: p90,
+            wait_p90_ms: wait,
+            shed,
+            ..TenantFigures::default()
+        };
+        let mut fair = SimOutcome::default();
+        fair.report
+            .tenants
+            .insert("chat".into(), figures(150.0, 0.0, 0));
+        fair.report
+            .tenants
+            .insert("batch".into(), figures(9_000.0, 8_800.0, 12));
+        // A policy without one of the tenants still draws the others.
+        let mut fifo = SimOutcome::default();
+        fifo.report
+            .tenants
+            .insert("chat".into(), figures(18_000.0, 17_500.0, 0));
+        let dir = std::env::temp_dir().join(format!("switchyard-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tenants.svg");
+        draw_tenants(&path, &[("ttft".into(), fair), ("ttft+fifo".into(), fifo)]).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        for text in [
+            "chat",
+            "batch",
+            "ttft+fifo",
+            "wait 0 ms, shed 0",
+            "wait 8800 ms, shed 12",
+            "wait 17500 ms, shed 0",
+        ] {
+            assert!(svg.contains(text), "{text:?} is not drawn");
+        }
+    }
 }
