@@ -394,15 +394,7 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
                         });
                         break;
                     }
-                    SelectOutcome::AllBusy => {
-                        // Held back by the light tenants' reserve: so
-                        // would the rest of its tenant's requests be, and
-                        // a lighter tenant's next may still fit.
-                        if demand == Demand::OverShare {
-                            self.queue.hold(popped.tenant);
-                        }
-                        Unavailable::Busy
-                    }
+                    SelectOutcome::AllBusy => Unavailable::Busy,
                     SelectOutcome::NoWorkers => Unavailable::Invalid,
                 };
                 let fallback = match (placement, &mut self.strategy) {
@@ -422,6 +414,16 @@ impl<S: AdmissionStrategy> AdmissionController<S> {
                         self.queue.set_placement(id, placement);
                     }
                     Fallback::Wait | Fallback::Any => {
+                        // Held back by the light tenants' reserve with
+                        // every worker open to it: so would the rest of
+                        // its tenant's requests be in this poll, while a
+                        // lighter tenant's may still fit.
+                        if demand == Demand::OverShare
+                            && why == Unavailable::Busy
+                            && placement == Placement::Any
+                        {
+                            self.queue.hold(popped.tenant);
+                        }
                         busy_streak += 1;
                         self.parked.push(id);
                         break;

@@ -204,11 +204,11 @@ pub struct Popped {
 /// [`super::FlowConfig::reserve_for_light_tenants`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Demand {
-    /// It holds no more than its share, or no other tenant is active: it
-    /// may fill a worker to the busy threshold.
+    /// It was served no more than its share of the recent tokens, or no
+    /// other tenant is active: it may fill a worker to the busy threshold.
     WithinShare,
-    /// It holds more than its share while another tenant is active: it
-    /// leaves the light tenants' reserve free.
+    /// It was served more than its share while another tenant is active:
+    /// it leaves the light tenants' reserve free.
     OverShare,
 }
 
@@ -657,9 +657,9 @@ impl PolicyQueue {
             || self.held.contains(&tenant)
     }
 
-    /// Skips `tenant` in [`Self::pop`] until [`Self::clear_holds`]: its
-    /// request found every worker busy at its reserve, and so would the
-    /// rest of its requests in this poll.
+    /// Skips `tenant` in [`Self::pop`] until [`Self::clear_holds`] (the
+    /// poll's end): its request found every worker busy at the light
+    /// tenants' reserve, and so would the rest of its requests.
     pub fn hold(&mut self, tenant: TenantId) {
         if !self.held.contains(&tenant.0) {
             self.held.push(tenant.0);
