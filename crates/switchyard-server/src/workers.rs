@@ -502,7 +502,7 @@ impl Fleet {
                     tracing::warn!(worker = %info.name, ranks, "the worker reports data-parallel ranks (dp_size) but was declared without dp-size: the router sees one target where there are that many caches; declare dp-size to route each rank");
                 }
             }
-            match self.capacity_of(&info.url, server_info.as_deref()).await {
+            match self.capacity_of(info, server_info.as_deref()).await {
                 Some(capacity) => self.shared.set_capacity(
                     info.id,
                     WorkerCapacity {
@@ -626,11 +626,24 @@ impl Fleet {
     /// Capacity from the server information `server_info` (SGLang's and
     /// the sim-worker's field names), else, for a worker that serves none
     /// (vLLM), the KV blocks and block size of `vllm:cache_config_info` on
-    /// its `/metrics`; unknown parts stay unknown and never make it busy.
-    async fn capacity_of(&self, url: &str, server_info: Option<&[u8]>) -> Option<WorkerCapacity> {
+    /// its `/metrics` (one engine's for a data-parallel rank); unknown parts
+    /// stay unknown and never make it busy. The sim-worker reports one
+    /// rank's cache in its server information.
+    async fn capacity_of(
+        &self,
+        info: &crate::roster::WorkerInfo,
+        server_info: Option<&[u8]>,
+    ) -> Option<WorkerCapacity> {
         let Some(body) = server_info else {
-            let body = self.get(url, "/metrics").await?;
-            let kv = KvCapacity::from_vllm(&Scrape::parse_bytes(&body))?;
+            let body = self.get(&info.url, "/metrics").await?;
+            let mut kv = KvCapacity::from_vllm(&Scrape::parse_bytes(&body))?;
+            // vLLM's page has a cache per data-parallel engine: a rank
+            // routed as a target of its own holds one of them.
+            if info.endpoint.dp_rank.is_some() {
+                kv = kv.per_engine();
+            } else if kv.engines > 1 {
+                tracing::warn!(worker = %info.name, ranks = kv.engines, "the worker's /metrics reports data-parallel engines but it was declared without dp-size: the router sees one target where there are that many caches; declare dp-size to route each rank");
+            }
             return Some(WorkerCapacity {
                 max_num_batched_tokens: None,
                 kv_blocks: Some(kv.blocks),

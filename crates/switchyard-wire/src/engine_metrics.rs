@@ -162,12 +162,24 @@ pub struct KvCapacity {
     pub blocks: u64,
     /// Tokens per block (the engine's, which need not be the router's).
     pub block_size: u32,
+    /// The engines the blocks were summed over: a data-parallel worker's
+    /// ranks, each with a cache of its own.
+    pub engines: u32,
 }
 
 impl KvCapacity {
     /// Capacity in tokens (`None` on overflow).
     pub fn tokens(&self) -> Option<u64> {
         self.blocks.checked_mul(u64::from(self.block_size))
+    }
+
+    /// One engine's share: the capacity of one data-parallel rank.
+    pub fn per_engine(&self) -> Self {
+        Self {
+            blocks: self.blocks / u64::from(self.engines.max(1)),
+            engines: 1,
+            ..*self
+        }
     }
 
     /// vLLM's, from the labels of `vllm:cache_config_info`
@@ -185,10 +197,15 @@ impl KvCapacity {
                 return None;
             }
             capacity = Some(match capacity {
-                None => Self { blocks, block_size },
+                None => Self {
+                    blocks,
+                    block_size,
+                    engines: 1,
+                },
                 Some(sum) if sum.block_size == block_size => Self {
                     blocks: sum.blocks.checked_add(blocks)?,
                     block_size,
+                    engines: sum.engines.saturating_add(1),
                 },
                 Some(_) => return None,
             });
@@ -387,7 +404,8 @@ vllm:prompt_tokens_cached_total{engine="0",model_name="tiny"} 44416.0
             capacity,
             KvCapacity {
                 blocks: 32768,
-                block_size: 32
+                block_size: 32,
+                engines: 1,
             }
         );
         // The page's own `kv_cache_size_tokens` label agrees.
@@ -401,12 +419,23 @@ vllm:prompt_tokens_cached_total{engine="0",model_name="tiny"} 44416.0
             format!("vllm:cache_config_info{{block_size=\"{block_size}\",engine=\"{engine}\",num_gpu_blocks=\"{blocks}\"}} 1.0\n")
         };
         let two = info(0, "1000", 16) + &info(1, "1000", 16);
+        let both = vllm_capacity(&two).unwrap();
         assert_eq!(
-            vllm_capacity(&two),
-            Some(KvCapacity {
+            both,
+            KvCapacity {
                 blocks: 2000,
-                block_size: 16
-            })
+                block_size: 16,
+                engines: 2,
+            }
+        );
+        // A rank routed as a target of its own has its own engine's cache.
+        assert_eq!(
+            both.per_engine(),
+            KvCapacity {
+                blocks: 1000,
+                block_size: 16,
+                engines: 1,
+            }
         );
         let mixed = info(0, "1000", 16) + &info(1, "1000", 32);
         assert_eq!(vllm_capacity(&mixed), None);
@@ -427,6 +456,7 @@ vllm:prompt_tokens_cached_total{engine="0",model_name="tiny"} 44416.0
         let huge = KvCapacity {
             blocks: u64::MAX,
             block_size: 2,
+            engines: 1,
         };
         assert_eq!(huge.tokens(), None);
     }
