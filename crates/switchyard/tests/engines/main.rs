@@ -28,6 +28,7 @@ mod support;
 mod tier;
 
 mod adapters;
+mod agentic;
 mod disagg;
 mod kv_events;
 mod migration;
