@@ -19,10 +19,12 @@
 //!   specifies), then the previous output, then the new input: a chain that
 //!   sends `instructions` only on its first turn shares no prefix with that
 //!   turn in the engine's cache. The chain below sends them on every turn,
-//!   and then every turn hits the previous one's blocks;
+//!   and then every turn hits the previous one's blocks; its last turn,
+//!   without them, hits none (on the right worker all the same);
 //! - a Messages answer's `usage.input_tokens` is the whole prompt, cached
-//!   tokens included, and `cache_read_input_tokens` stays unset even when
-//!   vLLM's prefix cache hit (Anthropic's own API counts cache reads apart);
+//!   tokens included, and `cache_read_input_tokens` is absent even when
+//!   vLLM's prefix cache hit (Anthropic's own API counts cache reads apart;
+//!   vLLM does only with `--enable-prompt-tokens-details`, not set here);
 //! - cancelling a response that was not made in the background is vLLM's
 //!   400 ("Cannot cancel a synchronous response").
 
@@ -92,6 +94,16 @@ for turn in range(4):
 assert all(w == holder for w in workers), (holder, workers)
 assert min(cached) > 0, cached
 
+# vLLM drops the system message of a chained turn's history: without
+# `instructions` again, the turn's prompt starts with the first user message
+# and shares no block with the chain's cached prompts, on the right worker.
+raw = client.responses.with_raw_response.create(
+    model="tiny", input="And without instructions?", previous_response_id=previous,
+    max_output_tokens=4)
+assert worker(raw) == holder, (holder, worker(raw))
+bare = raw.parse()
+assert bare.usage.input_tokens_details.cached_tokens == 0, bare.usage
+
 got = client.responses.retrieve(previous)
 assert got.id == previous and got.output_text == last.output_text, got.id
 assert client.responses.retrieve(first.id).id == first.id
@@ -116,7 +128,8 @@ for call in (lambda: client.responses.retrieve("resp_missing"),
         raise SystemExit("expected NotFoundError")
     except openai.NotFoundError as e:
         assert e.status_code == 404
-print("RESPONSES-OK holder", holder, "turns", len(workers), "streamed", streamed, "cached", cached)
+print("RESPONSES-OK holder", holder, "turns", len(workers), "streamed", streamed, "cached", cached,
+      "without instructions", bare.usage.input_tokens_details.cached_tokens)
 "#;
 
 /// The official `anthropic` client's Messages API through the router:
@@ -381,6 +394,13 @@ async fn responses_and_messages_through_serve_on_vllm_with_the_official_clients(
                 "vLLM hit every full block of the chat's prompt for {api}"
             );
             assert_eq!(predicted, hits, "the router predicted vLLM's hits for {api}");
+            if api == "messages" {
+                assert!(
+                    answer["usage"].get("cache_read_input_tokens").is_none(),
+                    "vLLM leaves Anthropic's cache fields out without --enable-prompt-tokens-details: {}",
+                    answer["usage"]
+                );
+            }
             if api == "responses" {
                 assert_eq!(
                     answer["usage"]["input_tokens_details"]["cached_tokens"].as_u64(),
