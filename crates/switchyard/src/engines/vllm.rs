@@ -160,7 +160,8 @@ impl VllmOptions {
     }
 
     /// The environment the server runs with (besides the inherited one),
-    /// [`Self::extra_env`] last.
+    /// [`Self::extra_env`] last (a variable named twice takes its last
+    /// value).
     pub fn env(&self) -> Vec<(String, String)> {
         let mut e = vec![
             ("VLLM_CPU_KVCACHE_SPACE", self.kv_cache_gib.to_string()),

@@ -29,6 +29,7 @@ mod tier;
 
 mod adapters;
 mod agentic;
+mod data_parallel;
 mod disagg;
 mod kv_events;
 mod migration;
