@@ -65,6 +65,10 @@ pub struct VllmOptions {
     pub lora: Option<LoraOptions>,
     /// More flags, as they are.
     pub extra_args: Vec<String>,
+    /// More environment variables, as they are (e.g.
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`, without which vLLM keeps no
+    /// Responses API response: no `previous_response_id`, no retrieve).
+    pub extra_env: Vec<(String, String)>,
 }
 
 /// LoRA settings of a vLLM server.
@@ -103,6 +107,7 @@ impl VllmOptions {
             kv_events: true,
             lora: None,
             extra_args: Vec::new(),
+            extra_env: Vec::new(),
         }
     }
 
@@ -154,8 +159,10 @@ impl VllmOptions {
         a
     }
 
-    /// The environment the server runs with (besides the inherited one).
-    pub fn env(&self) -> Vec<(&'static str, String)> {
+    /// The environment the server runs with (besides the inherited one),
+    /// [`Self::extra_env`] last (a variable named twice takes its last
+    /// value).
+    pub fn env(&self) -> Vec<(String, String)> {
         let mut e = vec![
             ("VLLM_CPU_KVCACHE_SPACE", self.kv_cache_gib.to_string()),
             ("HF_HUB_OFFLINE", "1".to_owned()),
@@ -169,7 +176,10 @@ impl VllmOptions {
         if self.lora.is_some() {
             e.push(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True".to_owned()));
         }
-        e
+        e.into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .chain(self.extra_env.iter().cloned())
+            .collect()
     }
 }
 
@@ -341,9 +351,14 @@ mod tests {
             ),
             "{args}"
         );
+        options
+            .extra_env
+            .push(("VLLM_ENABLE_RESPONSES_API_STORE".into(), "1".into()));
         let env = options.env();
-        assert!(env.contains(&("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True".to_owned())));
-        assert!(env.contains(&("VLLM_CPU_KVCACHE_SPACE", "1".to_owned())));
+        let has = |k: &str, v: &str| env.contains(&(k.to_owned(), v.to_owned()));
+        assert!(has("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"));
+        assert!(has("VLLM_CPU_KVCACHE_SPACE", "1"));
+        assert!(has("VLLM_ENABLE_RESPONSES_API_STORE", "1"));
     }
 
     #[test]

@@ -28,6 +28,8 @@ mod support;
 mod tier;
 
 mod adapters;
+mod agentic;
+mod data_parallel;
 mod disagg;
 mod kv_events;
 mod migration;
