@@ -43,6 +43,19 @@ print(json.dumps(ranks))
 /// Distinct prompts, each sent twice.
 const PROMPTS: usize = 4;
 
+const ADMIN: &str = "engines-admin-token";
+
+/// A label's value on the sample of `name` labelled `engine="RANK"`.
+fn engine_label(text: &str, name: &str, rank: usize, key: &str) -> Option<String> {
+    let engine = format!("engine=\"{rank}\"");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(&engine))?;
+    let start = line.find(&format!("{key}=\""))? + key.len() + 2;
+    let end = line[start..].find('"')? + start;
+    Some(line[start..end].to_owned())
+}
+
 /// The sum of `name`'s samples labelled `engine="RANK"` in vLLM's text.
 fn engine_sum(text: &str, name: &str, rank: usize) -> f64 {
     let label = format!("engine=\"{rank}\"");
@@ -75,12 +88,43 @@ async fn a_dp_size_2_vllm_runs_each_request_on_the_routers_rank_and_its_events_n
             format!("{},dp-size=2", vllm.worker_spec("d")),
             "--health-interval-ms".to_owned(),
             "500".to_owned(),
+            "--admin-token".to_owned(),
+            ADMIN.to_owned(),
         ]);
         let client = reqwest::Client::new();
         wait_metrics(&client, &router.base, "both ranks in selection", |t| {
             sum(t, "switchyard_worker_up") == 2.0
         })
         .await;
+
+        // Each rank holds one engine's KV cache: vLLM's page has a
+        // `cache_config_info` series per engine, and a rank's capacity is
+        // its engine's `num_gpu_blocks`, not the sum over both.
+        let engines = metrics(&client, &vllm.base).await;
+        let list: Value = client
+            .get(format!("{}/admin/workers", router.base))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .expect("the admin API answers")
+            .json()
+            .await
+            .expect("JSON");
+        for rank in 0..2 {
+            let blocks = engine_label(&engines, "vllm:cache_config_info", rank, "num_gpu_blocks")
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("engine {rank}'s KV blocks:\n{engines}"));
+            let name = format!("d/{rank}");
+            let worker = list["workers"]
+                .as_array()
+                .and_then(|ws| ws.iter().find(|w| w["name"] == name.as_str()))
+                .unwrap_or_else(|| panic!("{name} listed: {list}"));
+            assert_eq!(
+                worker["capacity"]["kv_blocks"].as_u64(),
+                Some(blocks),
+                "{name}'s capacity is engine {rank}'s num_gpu_blocks: {list}"
+            );
+        }
 
         // Each prompt twice: a new prompt goes to the rank holding fewer
         // blocks, so they alternate once the index has heard each one's
