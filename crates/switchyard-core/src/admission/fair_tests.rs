@@ -507,7 +507,11 @@ fn a_tenant_served_more_than_its_weighted_share_of_recent_tokens_is_over_its_sha
     };
     assert_eq!(q.demand(t2, 0.0), Demand::WithinShare, "nothing served");
     send(&mut q, 2, 4, 0.0);
-    assert_eq!(q.demand(t2, 0.0), Demand::WithinShare, "no other tenant is active");
+    assert_eq!(
+        q.demand(t2, 0.0),
+        Demand::WithinShare,
+        "no other tenant is active"
+    );
     // 400 of 500 tokens is over t2's 3/4 of them; t1's 100 is within.
     send(&mut q, 1, 1, 0.0);
     assert_eq!(q.demand(t2, 0.0), Demand::OverShare);
@@ -518,10 +522,18 @@ fn a_tenant_served_more_than_its_weighted_share_of_recent_tokens_is_over_its_sha
     assert_eq!(q.demand(t2, 0.0), Demand::WithinShare);
     // Once t1's requests end and the window passes, t2 is alone.
     send(&mut q, 2, 1, 0.0);
-    assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS), Demand::OverShare, "t1 in flight");
+    assert_eq!(
+        q.demand(t2, ACTIVE_WINDOW_MS),
+        Demand::OverShare,
+        "t1 in flight"
+    );
     q.release(t1);
     q.release(t1);
-    assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS), Demand::OverShare, "t1 recent");
+    assert_eq!(
+        q.demand(t2, ACTIVE_WINDOW_MS),
+        Demand::OverShare,
+        "t1 recent"
+    );
     assert_eq!(q.demand(t2, ACTIVE_WINDOW_MS + 1.0), Demand::WithinShare);
 }
 

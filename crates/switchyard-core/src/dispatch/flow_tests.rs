@@ -333,7 +333,10 @@ fn a_tenant_over_its_share_leaves_the_light_tenants_reserve_free() {
     // reserve at once, while the noisy tenant's two still wait.
     let light = Submission {
         prompt_tokens: 10,
-        flow: d.flows().resolve(Some("light"), None, None, 0, 3.0).unwrap(),
+        flow: d
+            .flows()
+            .resolve(Some("light"), None, None, 0, 3.0)
+            .unwrap(),
         ..Submission::default()
     };
     let sent = place(&mut d, 101, light, 3.0);

@@ -211,7 +211,11 @@ pub(crate) fn session_key(
 pub(crate) async fn request_parts(
     state: &AppState,
     request: Request,
-) -> (HeaderMap, Option<ClientKey>, Result<(Bytes, Flow), ApiError>) {
+) -> (
+    HeaderMap,
+    Option<ClientKey>,
+    Result<(Bytes, Flow), ApiError>,
+) {
     let (parts, body) = request.into_parts();
     let key = parts.extensions.get::<ClientKey>().copied();
     let arrival_ms = state.shared.now_ms();
