@@ -27,6 +27,7 @@
 
 pub(crate) mod adapter_load;
 pub(crate) mod agentic;
+pub(crate) mod agentic_resume;
 pub(crate) mod answer;
 pub(crate) mod attempt;
 pub mod body_fields;
