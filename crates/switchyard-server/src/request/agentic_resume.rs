@@ -74,7 +74,8 @@ const RESPONSES_FIELDS: &[&str] = &[
     "truncation",
 ];
 
-const TOOLS: &str = "it uses tools (`tools` or `tool_choice`), which a resumed request cannot reproduce";
+const TOOLS: &str =
+    "it uses tools (`tools` or `tool_choice`), which a resumed request cannot reproduce";
 
 /// Whether a broken stream of this request may be resumed on another
 /// worker: `Ok` only when every field is one the resume reproduces. The
@@ -150,8 +151,10 @@ fn text_is_plain(text: &RawValue) -> bool {
     }
     match serde_json::from_str::<Text<'_>>(text.get()) {
         Ok(Text { format: None }) => true,
-        Ok(Text { format: Some(f) }) => f.get().trim() == "null"
-            || serde_json::from_str::<Format<'_>>(f.get()).is_ok_and(|f| f.kind == "text"),
+        Ok(Text { format: Some(f) }) => {
+            f.get().trim() == "null"
+                || serde_json::from_str::<Format<'_>>(f.get()).is_ok_and(|f| f.kind == "text")
+        }
         Err(_) => false,
     }
 }
@@ -162,6 +165,8 @@ fn responses_input_is_plain(input: &RawValue) -> Result<(), &'static str> {
     if body_fields::is_string(input) {
         return Ok(());
     }
+    // Fields read only to be allowed (`deny_unknown_fields`).
+    #[allow(dead_code)]
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Item<'a> {
@@ -176,6 +181,7 @@ fn responses_input_is_plain(input: &RawValue) -> Result<(), &'static str> {
         #[serde(default, borrow)]
         id: Option<&'a RawValue>,
     }
+    #[allow(dead_code)]
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Part<'a> {
@@ -191,7 +197,9 @@ fn responses_input_is_plain(input: &RawValue) -> Result<(), &'static str> {
     };
     for item in items {
         if item.kind.as_deref().is_some_and(|k| k != "message") {
-            return Err("its input has items other than text messages (function calls, images, ...)");
+            return Err(
+                "its input has items other than text messages (function calls, images, ...)",
+            );
         }
         if !matches!(item.role.as_ref(), "system" | "user" | "assistant") {
             return Err("its input has a message whose role is not system, user or assistant");
@@ -202,7 +210,10 @@ fn responses_input_is_plain(input: &RawValue) -> Result<(), &'static str> {
         match serde_json::from_str::<Vec<Part<'_>>>(item.content.get()) {
             Ok(parts)
                 if parts.len() == 1
-                    && matches!(parts[0].kind.as_ref(), "input_text" | "output_text" | "text") => {}
+                    && matches!(
+                        parts[0].kind.as_ref(),
+                        "input_text" | "output_text" | "text"
+                    ) => {}
             Ok(parts) if parts.len() > 1 => {
                 return Err("it has a message made of several text parts")
             }
@@ -341,6 +352,11 @@ impl Resume {
             ended: false,
             fallback_id: format!("msg_{client}"),
         }
+    }
+
+    /// The next Responses `sequence_number`.
+    pub(crate) fn sequence(&self) -> u64 {
+        self.sequence
     }
 
     /// Whether the kept text outgrew its bound (not resumable).

@@ -46,7 +46,6 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
         let session = session_key(&state, &headers, None, key);
         let delivery = AgenticDelivery {
             api: AgenticApi::Messages,
-            not_resumable: agentic::not_resumable(AgenticApi::Messages, parsed.tools, false),
             remember: None,
             state: state.agentic.clone(),
         };

@@ -86,11 +86,6 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let delivery = AgenticDelivery {
             api: AgenticApi::Responses,
-            not_resumable: agentic::not_resumable(
-                AgenticApi::Responses,
-                parsed.tools,
-                parsed.constrained,
-            ),
             remember: parsed.store.then(|| Remember {
                 map: state.agentic.responses.clone(),
                 shared: Some(state.shared.clone()),

@@ -130,17 +130,7 @@ enum Recovery {
 impl MigratingStream {
     /// Takes over a stream whose first event has arrived.
     pub(crate) fn new(start: StreamStart) -> Self {
-        let limits = start.attempts.state.migration;
-        let text_cap = limits
-            .max_seq_len
-            .saturating_mul(TEXT_BYTES_PER_TOKEN)
-            .min(usize::MAX as u64) as usize;
-        // Once prompt plus generated tokens pass the sequence limit the
-        // stream cannot resume, so no more ids than that are worth keeping.
-        let max_ids = limits
-            .max_seq_len
-            .saturating_sub(start.prompt.len() as u64)
-            .min(usize::MAX as u64) as usize;
+        let progress = bounded_progress(&start.attempts, start.prompt.len());
         Self {
             attempts: start.attempts,
             api: start.api,
@@ -154,7 +144,7 @@ impl MigratingStream {
                 event: start.first,
             },
             shape: None,
-            progress: Progress::bounded(text_cap, max_ids),
+            progress,
             generated_at_resume: 0,
             prompt: start.prompt,
             original: start.original,
@@ -455,6 +445,23 @@ impl Drop for MigratingStream {
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
         }
     }
+}
+
+/// The progress of a stream whose prompt has `prompt_len` tokens, bounded
+/// by the migration sequence limit: what any resumable stream keeps.
+pub(crate) fn bounded_progress(attempts: &Attempts, prompt_len: usize) -> Progress {
+    let limits = attempts.state.migration;
+    let text_cap = limits
+        .max_seq_len
+        .saturating_mul(TEXT_BYTES_PER_TOKEN)
+        .min(usize::MAX as u64) as usize;
+    // Once prompt plus generated tokens pass the sequence limit the
+    // stream cannot resume, so no more ids than that are worth keeping.
+    let max_ids = limits
+        .max_seq_len
+        .saturating_sub(prompt_len as u64)
+        .min(usize::MAX as u64) as usize;
+    Progress::bounded(text_cap, max_ids)
 }
 
 /// How [`move_stream`] ended.
