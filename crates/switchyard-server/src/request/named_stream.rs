@@ -303,7 +303,7 @@ impl NamedStream {
         let moved = move_stream(
             &mut self.attempts,
             Some(failed),
-            (reason, format!("the worker's stream broke ({detail})")),
+            (reason, detail),
             &mut self.progress,
             &self.prompt,
             resumable,

@@ -661,3 +661,164 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
         "the next turn was not sent to the failed worker first"
     );
 }
+
+/// The named events (name, data) of an SSE body.
+fn named_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let mut name = String::new();
+            let mut data = String::new();
+            for line in e.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_owned();
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data.push_str(d);
+                }
+            }
+            let data = serde_json::from_str(&data).unwrap_or_else(|_| panic!("not JSON: {e}"));
+            (name, data)
+        })
+        .collect()
+}
+
+/// The named events of the first of a few round-robin streams of `body`
+/// at `path` through `router` that starts on the worker named `cutting`.
+async fn an_agentic_stream_cut_mid_way(
+    client: &reqwest::Client,
+    router: &Proc,
+    path: &str,
+    body: &Value,
+) -> Vec<(String, Value)> {
+    for _ in 0..6 {
+        let response = client
+            .post(format!("{}{path}", router.base))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let worker = response.headers()["x-switchyard-worker"].clone();
+        let text = response.text().await.unwrap();
+        if worker == "cutting" {
+            return named_events(&text);
+        }
+    }
+    panic!("no request started on the cutting worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_stream_cut_mid_way_resumes_as_one_message_and_a_tools_one_ends_with_the_error()
+{
+    let _machine = machine().await;
+    let (_good, router) = beside_a_good_worker(Script::CutAgenticStream, "cutting", &[]).await;
+    let client = reqwest::Client::new();
+    let body = json!({
+        "model": "switchyard-sim", "max_tokens": 10, "stream": true,
+        "messages": [{"role": "user", "content": "tell me about yards"}],
+    });
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/messages", &body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let count = |name: &str| names.iter().filter(|n| **n == name).count();
+    assert_eq!(count("message_start"), 1, "{names:?}");
+    assert_eq!(count("content_block_start"), 1, "{names:?}");
+    assert_eq!(
+        count("content_block_delta"),
+        10,
+        "3 before the cut, 7 after: {names:?}"
+    );
+    assert_eq!(count("content_block_stop"), 1, "{names:?}");
+    assert_eq!(count("error"), 0, "{events:?}");
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str(), "{data}");
+        if name == "content_block_delta" {
+            assert_eq!(data["index"], 0, "{data}");
+            assert_eq!(data["delta"]["type"], "text_delta", "{data}");
+        }
+    }
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{delta}");
+    assert_eq!(delta["usage"]["output_tokens"], 10, "{delta}");
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "switchyard_migrations_total{reason=\"midstream\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    // With tools the stream is not resumed: the error event says why.
+    let mut tools = body.clone();
+    tools["tools"] = json!([{"name": "lookup", "input_schema": {"type": "object"}}]);
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/messages", &tools).await;
+    let (name, last) = events.last().unwrap();
+    assert_eq!(name, "error", "{events:?}");
+    let message = last["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("tools"), "{message}");
+    wait_metrics(&client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstored_responses_stream_cut_mid_way_resumes_as_one_response_and_a_stored_one_ends_with_the_error(
+) {
+    let _machine = machine().await;
+    let (_good, router) = beside_a_good_worker(Script::CutAgenticStream, "cutting", &[]).await;
+    let client = reqwest::Client::new();
+    let body = json!({
+        "model": "switchyard-sim", "max_output_tokens": 10, "stream": true, "store": false,
+        "input": "tell me about yards",
+    });
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/responses", &body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let count = |name: &str| names.iter().filter(|n| **n == name).count();
+    assert_eq!(count("response.created"), 1, "{names:?}");
+    assert_eq!(count("response.output_text.delta"), 10, "{names:?}");
+    assert_eq!(count("error"), 0, "{events:?}");
+    assert_eq!(
+        &names[names.len() - 4..],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete"
+        ],
+        "at max_output_tokens the response is incomplete, as the worker says it"
+    );
+    let mut text = String::new();
+    for (i, (name, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str(), "{data}");
+        assert_eq!(data["sequence_number"], i, "{data}");
+        if name == "response.output_text.delta" {
+            assert_eq!(data["item_id"], "msg_scripted", "{data}");
+            text.push_str(data["delta"].as_str().unwrap());
+        }
+    }
+    let response = &events.last().unwrap().1["response"];
+    assert_eq!(response["id"], "resp_scripted", "{response}");
+    assert_eq!(response["output"][0]["content"][0]["text"], text.as_str());
+    assert_eq!(response["usage"]["output_tokens"], 10, "{response}");
+    // A stored response is not resumed elsewhere: the error says why.
+    let mut stored = body.clone();
+    stored["store"] = json!(true);
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/responses", &stored).await;
+    let (name, last) = events.last().unwrap();
+    assert_eq!(name, "error", "{events:?}");
+    let message = last["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("stored") && message.contains("store: false"),
+        "{message}"
+    );
+    assert_eq!(last["sequence_number"], events.len() - 1, "{last}");
+    wait_metrics(&client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+    })
+    .await;
+}
