@@ -58,7 +58,9 @@ const MESSAGES_FIELDS: &[&str] = &[
 ];
 
 /// Fields of a Responses request the resume carries or rebuilds (`store`,
-/// `text` and the tools' fields are judged apart).
+/// `text` and the tools' fields are judged apart; `truncation` is not
+/// here: a worker that truncated the input generated from another prompt
+/// than the routed one).
 const RESPONSES_FIELDS: &[&str] = &[
     "model",
     "input",
@@ -71,7 +73,6 @@ const RESPONSES_FIELDS: &[&str] = &[
     "metadata",
     "session_id",
     "service_tier",
-    "truncation",
 ];
 
 const TOOLS: &str =
