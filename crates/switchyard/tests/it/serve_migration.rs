@@ -6,6 +6,7 @@
 //! socket, a scripted reply); the healthy ones are sim-worker processes.
 
 use crate::scripted_worker::{scripted_worker, Script};
+use crate::sim_worker_apis::events as named_events;
 use crate::support::{
     bundled_tokenizer_dir, machine, metric, metric_sum, metrics_text, poll, router, served_by,
     sim_worker, wait_metrics, Proc, PATIENCE,
@@ -211,10 +212,22 @@ async fn a_stream_cut_mid_way(
     router: &Proc,
     content: &str,
 ) -> Vec<String> {
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "stream": true});
+    sse_events(&cut_on_the_cutting_worker(client, router, "/v1/chat/completions", &body).await)
+}
+
+/// The body of the first of a few round-robin streams of `body` at
+/// `path` through `router` that starts on the worker named `cutting`.
+async fn cut_on_the_cutting_worker(
+    client: &reqwest::Client,
+    router: &Proc,
+    path: &str,
+    body: &Value,
+) -> String {
     for _ in 0..6 {
         let response = client
-            .post(format!("{}/v1/chat/completions", router.base))
-            .json(&json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "stream": true}))
+            .post(format!("{}{path}", router.base))
+            .json(body)
             .send()
             .await
             .unwrap();
@@ -222,7 +235,7 @@ async fn a_stream_cut_mid_way(
         let worker = response.headers()["x-switchyard-worker"].clone();
         let text = response.text().await.unwrap();
         if worker == "cutting" {
-            return sse_events(&text);
+            return text;
         }
     }
     panic!("no request started on the cutting worker");
@@ -662,26 +675,6 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
     );
 }
 
-/// The named events (name, data) of an SSE body.
-fn named_events(text: &str) -> Vec<(String, Value)> {
-    text.split("\n\n")
-        .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            let mut name = String::new();
-            let mut data = String::new();
-            for line in e.lines() {
-                if let Some(n) = line.strip_prefix("event: ") {
-                    name = n.to_owned();
-                } else if let Some(d) = line.strip_prefix("data: ") {
-                    data.push_str(d);
-                }
-            }
-            let data = serde_json::from_str(&data).unwrap_or_else(|_| panic!("not JSON: {e}"));
-            (name, data)
-        })
-        .collect()
-}
-
 /// The named events of the first of a few round-robin streams of `body`
 /// at `path` through `router` that starts on the worker named `cutting`.
 async fn an_agentic_stream_cut_mid_way(
@@ -690,21 +683,7 @@ async fn an_agentic_stream_cut_mid_way(
     path: &str,
     body: &Value,
 ) -> Vec<(String, Value)> {
-    for _ in 0..6 {
-        let response = client
-            .post(format!("{}{path}", router.base))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let worker = response.headers()["x-switchyard-worker"].clone();
-        let text = response.text().await.unwrap();
-        if worker == "cutting" {
-            return named_events(&text);
-        }
-    }
-    panic!("no request started on the cutting worker");
+    named_events(&cut_on_the_cutting_worker(client, router, path, body).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
