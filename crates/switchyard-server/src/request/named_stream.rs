@@ -63,11 +63,12 @@ pub(crate) struct NamedStart {
 pub(crate) fn into_body(start: NamedStart) -> Body {
     let (tx, gone, body) = crate::request::stream::events_body();
     let progress = crate::request::stream::bounded_progress(&start.attempts, start.prompt.len());
-    let resume = Resume::new(
-        start.agentic.api,
-        progress.text_cap(),
-        start.attempts.client_id,
-    );
+    // A stored response is never resumed: its text is not kept.
+    let text_cap = match start.agentic.remember {
+        Some(_) => 0,
+        None => progress.text_cap(),
+    };
+    let resume = Resume::new(start.agentic.api, text_cap, start.attempts.client_id);
     tokio::spawn(run(
         NamedStream {
             attempts: start.attempts,

@@ -28,6 +28,10 @@
 //! resume cannot reproduce — [`crate::request::migration::resumable`] —, the
 //! request timeout).
 //!
+//! The migration loop itself ([`move_stream`]) is shared with the
+//! Responses and Messages streams ([`crate::request::named_stream`]),
+//! which rewrite the resumed chunks into their own events.
+//!
 //! The stream is a small state machine ([`State`]): its first event
 //! waiting to be forwarded, then forwarding one worker's *leg* (its
 //! booking, its response body and parser), then ended. A migration
