@@ -199,10 +199,7 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         Some(1.0),
         "{metrics}"
     );
-    wait_metrics(&client, &router.base, "the router to be idle", |text| {
-        metric(text, "switchyard_active_requests") == Some(0.0)
-    })
-    .await;
+    wait_idle(&client, &router).await;
 }
 
 /// The SSE events of the first of a few round-robin chat streams of
@@ -675,6 +672,14 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
     );
 }
 
+/// Waits until `router` has no request under way.
+async fn wait_idle(client: &reqwest::Client, router: &Proc) {
+    wait_metrics(client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+    })
+    .await;
+}
+
 /// The named events of the first of a few round-robin streams of `body`
 /// at `path` through `router` that starts on the worker named `cutting`.
 async fn an_agentic_stream_cut_mid_way(
@@ -739,10 +744,7 @@ async fn a_messages_stream_cut_mid_way_resumes_as_one_message_and_a_tools_one_en
     assert_eq!(name, "error", "{events:?}");
     let message = last["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("tools"), "{message}");
-    wait_metrics(&client, &router.base, "the router to be idle", |text| {
-        metric(text, "switchyard_active_requests") == Some(0.0)
-    })
-    .await;
+    wait_idle(&client, &router).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -796,8 +798,5 @@ async fn an_unstored_responses_stream_cut_mid_way_resumes_as_one_response_and_a_
         "{message}"
     );
     assert_eq!(last["sequence_number"], events.len() - 1, "{last}");
-    wait_metrics(&client, &router.base, "the router to be idle", |text| {
-        metric(text, "switchyard_active_requests") == Some(0.0)
-    })
-    .await;
+    wait_idle(&client, &router).await;
 }
