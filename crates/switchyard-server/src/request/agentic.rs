@@ -11,8 +11,10 @@
 //!   id, remembered with its worker ([`crate::response_map`]);
 //! - named events (`event: ...` lines kept) forwarded unchanged
 //!   ([`crate::request::named_stream`]);
-//! - what a broken stream says: neither API's streams are resumed on
-//!   another worker ([`AgenticDelivery::not_resumable`]).
+//! - a broken stream of plain text resumed on another worker, its
+//!   completion chunks rewritten into the API's events, and anything else
+//!   ended with the API's error event saying why
+//!   ([`crate::request::agentic_resume`]).
 //!
 //! Before the first event any request of either API is retried on another
 //! worker as chat requests are, except a Responses turn that continues a
@@ -145,9 +147,6 @@ impl Remember {
 #[derive(Debug)]
 pub(crate) struct AgenticDelivery {
     pub(crate) api: AgenticApi,
-    /// Why its stream, once begun, is not resumed on another worker (said
-    /// in the error event that ends a broken stream).
-    pub(crate) not_resumable: &'static str,
     /// A Responses request whose answer the worker stores: its id is
     /// remembered with the worker.
     pub(crate) remember: Option<Remember>,
@@ -259,24 +258,6 @@ impl AgenticDelivery {
     }
 }
 
-/// Why a stream of this request is not resumed (field names only).
-pub(crate) fn not_resumable(api: AgenticApi, tools: bool, constrained: bool) -> &'static str {
-    match (tools, constrained, api) {
-        (true, _, _) => {
-            "it uses tools, which a resumed request cannot reproduce"
-        }
-        (_, true, _) => {
-            "it constrains the output (`text.format`), which a resumed request cannot reproduce"
-        }
-        (_, _, AgenticApi::Responses) => {
-            "a Responses stream is stored under its id by the worker that began it, so it is not resumed on another"
-        }
-        (_, _, AgenticApi::Messages) => {
-            "a Messages stream is not resumed on another worker (the router resumes chat and completions streams only)"
-        }
-    }
-}
-
 /// A body error of an agentic request: limits named as for chat, with the
 /// field that holds the list (`input` for Responses).
 fn body_error(state: &AppState, e: BodyError, list: &'static str) -> ApiError {
@@ -345,7 +326,6 @@ mod tests {
     fn delivery(api: AgenticApi) -> AgenticDelivery {
         AgenticDelivery {
             api,
-            not_resumable: "",
             remember: Some(Remember {
                 map: Arc::new(ResponseMap::new(8, DEFAULT_TTL)),
                 shared: None,
@@ -410,8 +390,6 @@ mod tests {
         assert!(m.contains(r#""type":"error""#) && m.contains(r#""message":"gone""#));
         let r = String::from_utf8(delivery(AgenticApi::Responses).error_event("gone", 4)).unwrap();
         assert!(r.contains(r#""sequence_number":4"#), "{r}");
-        assert!(not_resumable(AgenticApi::Messages, true, false).contains("tools"));
-        assert!(not_resumable(AgenticApi::Responses, false, true).contains("text.format"));
     }
 }
 

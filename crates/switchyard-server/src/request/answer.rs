@@ -120,6 +120,8 @@ pub(crate) fn deliver(
                 first,
                 agentic,
                 prompt_tokens,
+                prompt,
+                original,
                 arrival,
             });
             Response::from_parts(parts, body)

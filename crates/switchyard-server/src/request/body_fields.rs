@@ -254,7 +254,7 @@ pub fn messages_are_plain(raw: &RawValue) -> Result<(), &'static str> {
 /// Text content: a string, nothing, or a list of exactly one text part
 /// (several parts are joined by the engine in ways the router does not
 /// repeat).
-fn plain_content(content: &RawValue) -> Result<(), &'static str> {
+pub fn plain_content(content: &RawValue) -> Result<(), &'static str> {
     let text = content.get().trim_start();
     if text == "null" || is_string(content) {
         return Ok(());

@@ -141,7 +141,7 @@ fn error_status(e: &ApiError) -> RequestStatus {
 
 /// [`finish`] of a Responses or Messages request: an error the router
 /// answers itself is counted as chat's are, and by its `api`.
-pub(crate) async fn finish_as(
+async fn finish_as(
     state: Shared,
     api: crate::request::agentic::AgenticApi,
     response: impl std::future::Future<Output = Result<Response, ApiError>>,
@@ -155,6 +155,39 @@ pub(crate) async fn finish_as(
             e.into_response()
         }
     }
+}
+
+/// What a Responses or Messages handler has made of its request: the
+/// body, what it asks for, its session and its route.
+pub(crate) type AgenticParsed = (Bytes, Parsed, Option<SessionKey>, AgenticRoute);
+
+/// The tail both agentic handlers share: a parsed request placed and
+/// forwarded at `path`, an error answered and counted by `api`
+/// ([`finish_as`]).
+pub(crate) async fn finish_agentic(
+    state: Shared,
+    headers: HeaderMap,
+    api: crate::request::agentic::AgenticApi,
+    path: &'static str,
+    arrival: Instant,
+    parsed: Result<AgenticParsed, ApiError>,
+) -> Response {
+    let state2 = state.clone();
+    finish_as(state, api, async move {
+        let (body, facts, session, route) = parsed?;
+        proxy_as(
+            state2,
+            headers,
+            path,
+            arrival,
+            body,
+            facts,
+            session,
+            Some(route),
+        )
+        .await
+    })
+    .await
 }
 
 /// A chat or completions request's [`proxy_as`]: not an `async fn` of its
@@ -183,7 +216,7 @@ pub(crate) struct AgenticRoute {
 /// Places and forwards a parsed request as `session`'s; `agentic` for
 /// the Responses and Messages APIs.
 #[allow(clippy::too_many_arguments)]
-pub(crate) async fn proxy_as(
+async fn proxy_as(
     state: Shared,
     headers: HeaderMap,
     path: &'static str,

@@ -21,7 +21,7 @@
 use crate::error::ApiError;
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery};
 use crate::request::context::Shared;
-use crate::request::handlers::{finish_as, proxy_as, AgenticRoute};
+use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, TokenizeJob,
 };
@@ -46,7 +46,6 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
         let session = session_key(&state, &headers, None, key);
         let delivery = AgenticDelivery {
             api: AgenticApi::Messages,
-            not_resumable: agentic::not_resumable(AgenticApi::Messages, parsed.tools, false),
             remember: None,
             state: state.agentic.clone(),
         };
@@ -66,22 +65,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
         Ok::<_, ApiError>((body, facts, session, route))
     }
     .await;
-    let state2 = state.clone();
-    finish_as(state, AgenticApi::Messages, async move {
-        let (body, facts, session, route) = result?;
-        proxy_as(
-            state2,
-            headers,
-            PATH,
-            arrival,
-            body,
-            facts,
-            session,
-            Some(route),
-        )
-        .await
-    })
-    .await
+    finish_agentic(state, headers, AgenticApi::Messages, PATH, arrival, result).await
 }
 
 pub(crate) async fn count_tokens(State(state): State<Shared>, request: Request) -> Response {

@@ -6,7 +6,9 @@
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
 //!   equivalent chat, then the chat path; [`agentic`] — what the two
-//!   share; [`named_stream`] — their streams, forwarded unchanged.
+//!   share; [`named_stream`] — their streams, forwarded unchanged and a
+//!   broken plain-text one resumed; [`agentic_resume`] — which of their
+//!   streams are resumed, and the rewrite into their events.
 //! - [`prompt`] — what the handlers share: the prompt's token ids (or an
 //!   estimate), the key's token charge, the session.
 //! - [`limits`] — input limits, each refusal naming its limit.
@@ -27,6 +29,7 @@
 
 pub(crate) mod adapter_load;
 pub(crate) mod agentic;
+pub(crate) mod agentic_resume;
 pub(crate) mod answer;
 pub(crate) mod attempt;
 pub mod body_fields;

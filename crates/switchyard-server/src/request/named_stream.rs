@@ -11,27 +11,36 @@
 //! worker), and the end (`response.completed` / `response.incomplete`,
 //! `message_stop`: the booking finished with its context length).
 //!
-//! Not resumed: a stream that breaks (the worker resets, goes silent past
-//! the first-token timeout, sends an error event or ends before its last
-//! event) is reported against the worker and ends with an error event in
-//! the API's own shape saying why it could not move
-//! ([`crate::request::agentic::not_resumable`]). Per stream the router
-//! holds one incomplete event (at most
-//! [`crate::request::context::MAX_EVENT_BYTES`] plus one frame) and the
-//! event being forwarded.
+//! A stream that breaks (the worker resets, goes silent past the
+//! first-token timeout, sends an error event or ends before its last
+//! event) is reported against the worker; a plain text stream is then
+//! resumed on another worker as chat streams are
+//! ([`crate::request::stream::move_stream`]), its completion chunks
+//! rewritten into the API's events ([`crate::request::agentic_resume`]),
+//! and any other ends with an error event in the API's own shape saying
+//! why it could not move ([`crate::request::agentic_resume::resumable`]).
+//! Per stream the router holds one incomplete event (at most
+//! [`crate::request::context::MAX_EVENT_BYTES`] plus one frame), the
+//! event being forwarded, the generated tokens as a chat stream does
+//! ([`Progress::bounded`]) and, for Responses, the generated text (bounded
+//! alike).
 
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::agentic::{AgenticDelivery, EventKind};
+use crate::request::agentic_resume::{self, Resume};
 use crate::request::attempt::Attempts;
+use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
-use crate::request::migration::{Failure, Phase, Progress};
+use crate::request::context::MAX_EVENT_BYTES;
+use crate::request::migration::{Failure, Progress};
+use crate::request::stream::{move_stream, Moved};
 use axum::body::Body;
 use bytes::Bytes;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use switchyard_wire::sse::{NamedEvent, SseParser};
+use switchyard_wire::sse::{classify_ref, ChunkRef, NamedEvent, SseParser};
 use tokio::sync::{mpsc, oneshot};
 
 /// What the proxy hands over once the first event has arrived.
@@ -43,12 +52,23 @@ pub(crate) struct NamedStart {
     pub(crate) first: NamedEvent,
     pub(crate) agentic: Arc<AgenticDelivery>,
     pub(crate) prompt_tokens: u64,
+    /// The prompt's token ids as routed (the resumed prompt's start).
+    pub(crate) prompt: Vec<u32>,
+    /// The client's body (read again when the stream breaks).
+    pub(crate) original: Bytes,
     pub(crate) arrival: Instant,
 }
 
 /// The response body of a stream whose first event has arrived.
 pub(crate) fn into_body(start: NamedStart) -> Body {
     let (tx, gone, body) = crate::request::stream::events_body();
+    let progress = crate::request::stream::bounded_progress(&start.attempts, start.prompt.len());
+    // A stored response is never resumed: its text is not kept.
+    let text_cap = match start.agentic.remember {
+        Some(_) => 0,
+        None => progress.text_cap(),
+    };
+    let resume = Resume::new(start.agentic.api, text_cap, start.attempts.client_id);
     tokio::spawn(run(
         NamedStream {
             attempts: start.attempts,
@@ -58,8 +78,12 @@ pub(crate) fn into_body(start: NamedStart) -> Body {
             first: Some(start.first),
             agentic: start.agentic,
             prompt_tokens: start.prompt_tokens,
+            prompt: start.prompt,
+            original: start.original,
             arrival: start.arrival,
-            generated: 0,
+            progress,
+            resume,
+            resumed: false,
             forwarded: 0,
             last_event: None,
         },
@@ -78,8 +102,16 @@ struct NamedStream {
     first: Option<NamedEvent>,
     agentic: Arc<AgenticDelivery>,
     prompt_tokens: u64,
+    prompt: Vec<u32>,
+    original: Bytes,
     arrival: Instant,
-    generated: u64,
+    /// What has been generated (what a resumed request needs).
+    progress: Progress,
+    /// What the client has seen, and the rewrite of a resumed worker's
+    /// chunks.
+    resume: Resume,
+    /// The worker read now answers a resumed `/v1/completions` request.
+    resumed: bool,
     /// Events forwarded (the next Responses `sequence_number`).
     forwarded: u64,
     last_event: Option<Instant>,
@@ -105,7 +137,7 @@ impl NamedStream {
     fn end(&mut self, status: RequestStatus) {
         if let Some(mut booking) = self.booking.take() {
             if status == RequestStatus::Ok {
-                booking.completed(self.prompt_tokens.saturating_add(self.generated));
+                booking.completed(self.prompt_tokens.saturating_add(self.progress.generated));
             }
         }
         self.count(status);
@@ -135,74 +167,178 @@ impl NamedStream {
     /// The bytes to send next, and whether they end the response.
     async fn next(&mut self) -> (Bytes, bool) {
         let idle = self.attempts.state.first_token_timeout;
-        match self.read(idle).await {
-            Ok(event) => {
-                self.observe();
-                let kind = self.agentic.classify(event.data());
-                let ended = match kind {
-                    EventKind::Created(id) => {
-                        if let (Some(remember), Some(booking)) =
-                            (&self.agentic.remember, &self.booking)
-                        {
-                            remember.record(&id, booking.worker);
-                        }
-                        false
-                    }
-                    EventKind::Delta => {
-                        self.generated += 1;
-                        let generated = self.generated;
-                        if let Some(booking) = self.booking.as_mut() {
-                            booking.progress(generated);
-                        }
-                        false
-                    }
-                    EventKind::End => {
-                        self.end(RequestStatus::Ok);
-                        true
-                    }
-                    EventKind::Error => {
-                        // The worker's own error, passed on as it sent it.
-                        self.end(RequestStatus::WorkerError);
-                        true
-                    }
-                    EventKind::Other => false,
-                };
-                self.forwarded += 1;
-                (Bytes::from(event.into_bytes()), ended)
+        loop {
+            let event = match self.read(idle).await {
+                Ok(event) => event,
+                Err((reason, detail)) => match self.broken(reason, detail).await {
+                    Some(bytes) => return (Bytes::from(bytes), true),
+                    None => continue,
+                },
+            };
+            if self.resumed {
+                match self.rewrite(event).await {
+                    Some(next) => return next,
+                    None => continue,
+                }
             }
-            Err((reason, detail)) => (Bytes::from(self.broken(reason, &detail)), true),
+            self.observe();
+            let text = self.resume.observe(event.data());
+            let kind = self.agentic.classify(event.data());
+            let ended = match kind {
+                EventKind::Created(id) => {
+                    if let (Some(remember), Some(booking)) = (&self.agentic.remember, &self.booking)
+                    {
+                        remember.record(&id, booking.worker);
+                    }
+                    false
+                }
+                EventKind::Delta => {
+                    // One token an event, as the engines stream them; a
+                    // delta without text (another block's) counts none.
+                    self.progress.observe(text.as_deref(), None, false);
+                    let generated = self.progress.generated;
+                    if let Some(booking) = self.booking.as_mut() {
+                        booking.progress(generated);
+                    }
+                    false
+                }
+                EventKind::End => {
+                    self.end(RequestStatus::Ok);
+                    true
+                }
+                EventKind::Error => {
+                    // The worker's own error, passed on as it sent it.
+                    self.end(RequestStatus::WorkerError);
+                    true
+                }
+                EventKind::Other => false,
+            };
+            self.forwarded += 1;
+            return (Bytes::from(event.into_bytes()), ended);
         }
     }
 
-    /// The stream broke: the worker is reported, the request not moved,
-    /// and the client told why in the API's error event.
-    fn broken(&mut self, reason: Failure, detail: &str) -> Vec<u8> {
-        let why = self.agentic.not_resumable;
-        let message = match self.booking.take() {
-            Some(booking) => {
-                let worker = booking.name.clone();
-                let progress = Progress::default();
-                let gave_up = self
-                    .attempts
-                    .fail(
-                        booking,
-                        reason,
-                        Phase::MidStream,
-                        self.prompt_tokens,
-                        &progress,
-                        Err(why),
-                    )
-                    .err();
-                tracing::warn!(request = %self.attempts.client_id, %worker, reason = reason.label(), %detail, "stream broke; not resumed");
-                match gave_up {
-                    Some(give_up) => format!("the worker's stream broke ({detail}); {give_up}"),
-                    None => format!("the worker's stream broke ({detail}); {why}"),
-                }
+    /// A resumed worker's event as the client's: `None` when it shows the
+    /// client nothing (read on).
+    async fn rewrite(&mut self, event: NamedEvent) -> Option<(Bytes, bool)> {
+        let prompt_tokens = self.prompt_tokens;
+        match classify_ref(event.data()) {
+            ChunkRef::Done => {
+                let bytes = self
+                    .resume
+                    .finish("stop", self.progress.generated, prompt_tokens);
+                self.end(RequestStatus::Ok);
+                Some((Bytes::from(bytes), true))
             }
-            None => detail.to_owned(),
+            ChunkRef::Error => {
+                let detail = "the worker sent an error event mid-stream".to_owned();
+                self.broken(Failure::MidStream, detail)
+                    .await
+                    .map(|bytes| (Bytes::from(bytes), true))
+            }
+            ChunkRef::Unknown => None,
+            ChunkRef::Delta(delta) => {
+                self.observe();
+                self.progress.observe(
+                    delta.text.as_deref(),
+                    delta.token_ids.as_deref(),
+                    delta.finish_reason.is_some(),
+                );
+                let generated = self.progress.generated;
+                if let Some(booking) = self.booking.as_mut() {
+                    booking.progress(generated);
+                }
+                let finished = delta.finish_reason.is_some();
+                let bytes = self
+                    .resume
+                    .rewrite(&delta.into_owned(), generated, prompt_tokens);
+                if finished {
+                    // The rest of the worker's stream (usage, `[DONE]`)
+                    // adds nothing the client is shown.
+                    self.end(RequestStatus::Ok);
+                    return Some((Bytes::from(bytes), true));
+                }
+                (!bytes.is_empty()).then(|| {
+                    self.forwarded += 1;
+                    (Bytes::from(bytes), false)
+                })
+            }
+        }
+    }
+
+    /// The stream broke: the worker is reported and the request resumed
+    /// on another worker (`None`: read on) when it may be; otherwise the
+    /// client is told why in the API's error event, or given the closing
+    /// events when every token had arrived.
+    async fn broken(&mut self, reason: Failure, detail: String) -> Option<Vec<u8>> {
+        let Some(failed) = self.booking.take() else {
+            self.count(RequestStatus::Unavailable);
+            return Some(self.agentic.error_event(&detail, self.resume_sequence()));
         };
-        self.count(RequestStatus::Unavailable);
-        self.agentic.error_event(&message, self.forwarded)
+        let api = self.agentic.api;
+        // Read by field, without a JSON tree, as chat's resume does.
+        let original_body = self.original.clone();
+        let (original, parsed) = match Fields::parse(&original_body) {
+            Ok(fields) => (fields, Ok(())),
+            Err(_) => (Fields::default(), Err("its body is not a JSON object")),
+        };
+        let resumable = parsed
+            .and_then(|()| agentic_resume::resumable(api, &original))
+            .and_then(|()| self.attempts.resume_by_ids())
+            .and_then(|()| match self.resume.overflowed() {
+                true => Err("the generated text outgrew what the router keeps"),
+                false => Ok(()),
+            });
+        let prompt_tokens = self.prompt_tokens;
+        if self.resume.closed() && resumable.is_ok() {
+            // Every token arrived; only the closing events were lost.
+            let mut booking = failed;
+            booking.completed(prompt_tokens.saturating_add(self.progress.generated));
+            let bytes = self
+                .resume
+                .finish("stop", self.progress.generated, prompt_tokens);
+            self.count(RequestStatus::Ok);
+            return Some(bytes);
+        }
+        let worker = failed.name.clone();
+        let moved = move_stream(
+            &mut self.attempts,
+            Some(failed),
+            (reason, detail),
+            &mut self.progress,
+            &self.prompt,
+            resumable,
+            agentic_resume::max_tokens(api, &original),
+            |prompt, remaining| agentic_resume::resume_body(api, &original, prompt, remaining),
+        )
+        .await;
+        match moved {
+            Moved::Resumed(booking, upstream) => {
+                self.booking = Some(booking);
+                self.upstream = upstream;
+                self.parser = SseParser::new(MAX_EVENT_BYTES);
+                self.resumed = true;
+                None
+            }
+            Moved::AllArrived => {
+                let bytes = self
+                    .resume
+                    .finish("length", self.progress.generated, prompt_tokens);
+                self.count(RequestStatus::Ok);
+                Some(bytes)
+            }
+            Moved::Failed(e) => {
+                tracing::warn!(request = %self.attempts.client_id, %worker, reason = reason.label(), "stream broke; not resumed");
+                self.count(RequestStatus::Unavailable);
+                let message = e.body().error.message.clone();
+                Some(self.agentic.error_event(&message, self.resume_sequence()))
+            }
+        }
+    }
+
+    /// The next Responses `sequence_number`.
+    fn resume_sequence(&self) -> u64 {
+        self.resume.sequence().max(self.forwarded)
     }
 
     /// Latency metrics and the booking's first token.
@@ -254,7 +390,7 @@ async fn run(mut s: NamedStream, tx: mpsc::Sender<Bytes>, mut gone: oneshot::Rec
     let error = ApiError::timeout(s.attempts.state.request_timeout);
     let bytes = s
         .agentic
-        .error_event(&error.body().error.message, s.forwarded);
+        .error_event(&error.body().error.message, s.resume_sequence());
     s.booking = None;
     s.count(RequestStatus::Unavailable);
     drop(s);

@@ -32,7 +32,7 @@ use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
 use crate::request::context::{AppState, Shared};
-use crate::request::handlers::{finish_as, proxy_as, AgenticRoute};
+use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
     charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
     TokenizeJob,
@@ -86,11 +86,6 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let delivery = AgenticDelivery {
             api: AgenticApi::Responses,
-            not_resumable: agentic::not_resumable(
-                AgenticApi::Responses,
-                parsed.tools,
-                parsed.constrained,
-            ),
             remember: parsed.store.then(|| Remember {
                 map: state.agentic.responses.clone(),
                 shared: Some(state.shared.clone()),
@@ -114,22 +109,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
         Ok::<_, ApiError>((body, facts, session, route))
     }
     .await;
-    let state2 = state.clone();
-    finish_as(state, AgenticApi::Responses, async move {
-        let (body, facts, session, route) = result?;
-        proxy_as(
-            state2,
-            headers,
-            PATH,
-            arrival,
-            body,
-            facts,
-            session,
-            Some(route),
-        )
-        .await
-    })
-    .await
+    finish_agentic(state, headers, AgenticApi::Responses, PATH, arrival, result).await
 }
 
 /// `GET /v1/responses/{id}`: the stored response, from its worker.

@@ -28,6 +28,10 @@
 //! resume cannot reproduce — [`crate::request::migration::resumable`] —, the
 //! request timeout).
 //!
+//! The migration loop itself ([`move_stream`]) is shared with the
+//! Responses and Messages streams ([`crate::request::named_stream`]),
+//! which rewrite the resumed chunks into their own events.
+//!
 //! The stream is a small state machine ([`State`]): its first event
 //! waiting to be forwarded, then forwarding one worker's *leg* (its
 //! booking, its response body and parser), then ended. A migration
@@ -130,17 +134,7 @@ enum Recovery {
 impl MigratingStream {
     /// Takes over a stream whose first event has arrived.
     pub(crate) fn new(start: StreamStart) -> Self {
-        let limits = start.attempts.state.migration;
-        let text_cap = limits
-            .max_seq_len
-            .saturating_mul(TEXT_BYTES_PER_TOKEN)
-            .min(usize::MAX as u64) as usize;
-        // Once prompt plus generated tokens pass the sequence limit the
-        // stream cannot resume, so no more ids than that are worth keeping.
-        let max_ids = limits
-            .max_seq_len
-            .saturating_sub(start.prompt.len() as u64)
-            .min(usize::MAX as u64) as usize;
+        let progress = bounded_progress(&start.attempts, start.prompt.len());
         Self {
             attempts: start.attempts,
             api: start.api,
@@ -154,7 +148,7 @@ impl MigratingStream {
                 event: start.first,
             },
             shape: None,
-            progress: Progress::bounded(text_cap, max_ids),
+            progress,
             generated_at_resume: 0,
             prompt: start.prompt,
             original: start.original,
@@ -316,10 +310,10 @@ impl MigratingStream {
 
     /// Moves the request to another worker after `reason`, until one
     /// accepts it or it cannot move.
-    async fn recover(&mut self, mut reason: Failure, mut detail: String) -> Recovery {
+    async fn recover(&mut self, reason: Failure, detail: String) -> Recovery {
         // The failed leg's body is dropped here (the worker's request is
         // cancelled); its booking goes on with the request.
-        let mut failed = match std::mem::replace(&mut self.state, State::Ended) {
+        let failed = match std::mem::replace(&mut self.state, State::Ended) {
             State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
             State::Ended => None,
         };
@@ -347,117 +341,40 @@ impl MigratingStream {
             }
             return Recovery::End(DONE_EVENT.to_vec());
         }
-        let prompt_tokens = self.prompt.len() as u64;
-        loop {
-            let client = self.attempts.client_id;
-            let worker = failed.as_ref().map(|b| b.name.clone());
-            tracing::warn!(request = %client, worker = worker.as_deref().unwrap_or("-"), reason = reason.label(), %detail, generated = self.progress.generated, "stream failed");
-            let Some(booking) = failed.take() else {
-                return Recovery::End(error_event(&ApiError::bad_gateway(detail)));
-            };
-            let mut moving = match self.attempts.fail(
-                booking,
-                reason,
-                Phase::MidStream,
-                prompt_tokens,
-                &self.progress,
-                resumable,
-            ) {
-                Ok(moving) => moving,
-                Err(why) => {
-                    return Recovery::End(error_event(&ApiError::bad_gateway(format!(
-                        "{detail}; {why}"
-                    ))))
-                }
-            };
-            if let Err(e) = self.tokenize_pending().await {
-                return Recovery::End(error_event(&e));
+        let max_tokens = migration::max_tokens(&original);
+        let moved = move_stream(
+            &mut self.attempts,
+            failed,
+            (reason, detail),
+            &mut self.progress,
+            &self.prompt,
+            resumable,
+            max_tokens,
+            |prompt, remaining| migration::resume_body(&original, prompt, remaining),
+        )
+        .await;
+        match moved {
+            Moved::Resumed(booking, upstream) => {
+                self.state = State::Streaming(Leg {
+                    booking,
+                    upstream,
+                    parser: SseParser::new(MAX_EVENT_BYTES),
+                    resumed: true,
+                });
+                self.generated_at_resume = self.progress.generated;
+                Recovery::Resumed
             }
-            if self.progress.overflowed() {
-                // Re-tokenized text passed the bound on kept ids: what
-                // was generated is no longer known, so it cannot resume.
-                return Recovery::End(error_event(&ApiError::bad_gateway(format!(
-                    "{detail}; the stream cannot be resumed: the generated text outgrew what the router keeps"
-                ))));
-            }
-            let remaining =
-                migration::max_tokens(&original).map(|m| m.saturating_sub(self.progress.generated));
-            if remaining == Some(0) {
-                // Every token the client asked for has arrived.
-                moving
-                    .completed((self.prompt.len() as u64).saturating_add(self.progress.generated));
+            Moved::AllArrived => {
                 let finish = Delta {
                     finish_reason: Some("length".into()),
                     ..Delta::default()
                 };
                 let mut bytes = self.shape().rewrite(&finish, None);
                 bytes.extend_from_slice(DONE_EVENT);
-                return Recovery::End(bytes);
+                Recovery::End(bytes)
             }
-            let mut prompt =
-                Vec::with_capacity(self.prompt.len().saturating_add(self.progress.ids().len()));
-            prompt.extend_from_slice(&self.prompt);
-            prompt.extend_from_slice(self.progress.ids());
-            let body = migration::resume_body(&original, &prompt, remaining);
-            let booking = match self.attempts.migrate(moving, Some(&prompt)).await {
-                Ok(b) => b,
-                Err(e) => return Recovery::End(error_event(&e)),
-            };
-            let sent = self
-                .attempts
-                .send(&booking, "/v1/completions", Bytes::from(body), true)
-                .await;
-            match sent {
-                Ok(response) if response.status().is_success() => {
-                    tracing::info!(request = %client, worker = %booking.name, resumed_at = self.progress.generated, "stream resumed on another worker");
-                    self.state = State::Streaming(Leg {
-                        booking,
-                        upstream: response.into_body(),
-                        parser: SseParser::new(MAX_EVENT_BYTES),
-                        resumed: true,
-                    });
-                    self.generated_at_resume = self.progress.generated;
-                    return Recovery::Resumed;
-                }
-                Ok(response) => {
-                    return Recovery::End(error_event(&ApiError::bad_gateway(format!(
-                        "worker {} refused the resumed request with status {}",
-                        booking.name,
-                        response.status().as_u16()
-                    ))))
-                }
-                Err(AttemptError::Fatal(e)) => return Recovery::End(error_event(&e)),
-                Err(AttemptError::Retry(r, d)) => {
-                    reason = r;
-                    detail = d;
-                    failed = Some(booking);
-                }
-            }
+            Moved::Failed(e) => Recovery::End(error_event(&e)),
         }
-    }
-
-    /// Turns generated text the worker sent without ids into ids, with its
-    /// model's tokenizer (on a blocking thread when long).
-    async fn tokenize_pending(&mut self) -> Result<(), ApiError> {
-        let text = self.progress.take_pending_text();
-        if text.is_empty() {
-            return Ok(());
-        }
-        let Some(tokenizer) = self.attempts.routing.tokenizer.clone() else {
-            return Err(ApiError::bad_gateway(
-                "the stream cannot be resumed: its model has no tokenizer here",
-            ));
-        };
-        let ids = if text.len() <= INLINE_CHARS {
-            tokenizer.encode(&text)
-        } else {
-            tokio::task::spawn_blocking(move || tokenizer.encode(&text))
-                .await
-                .map_err(|_| ApiError::internal("the tokenizer task failed"))?
-        }
-        .map_err(|e| ApiError::internal(format!("cannot tokenize the generated text: {e}")))?;
-        self.progress.extend_ids(&ids);
-        Ok(())
     }
 
     /// The original response's identity (a made-up one if the first worker
@@ -532,6 +449,147 @@ impl Drop for MigratingStream {
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
         }
     }
+}
+
+/// The progress of a stream whose prompt has `prompt_len` tokens, bounded
+/// by the migration sequence limit: what any resumable stream keeps.
+pub(crate) fn bounded_progress(attempts: &Attempts, prompt_len: usize) -> Progress {
+    let limits = attempts.state.migration;
+    let text_cap = limits
+        .max_seq_len
+        .saturating_mul(TEXT_BYTES_PER_TOKEN)
+        .min(usize::MAX as u64) as usize;
+    // Once prompt plus generated tokens pass the sequence limit the
+    // stream cannot resume, so no more ids than that are worth keeping.
+    let max_ids = limits
+        .max_seq_len
+        .saturating_sub(prompt_len as u64)
+        .min(usize::MAX as u64) as usize;
+    Progress::bounded(text_cap, max_ids)
+}
+
+/// How [`move_stream`] ended.
+pub(crate) enum Moved {
+    /// Another worker continues the stream: its booking and body (a
+    /// `/v1/completions` stream of token ids, to be rewritten).
+    Resumed(Booking, Incoming),
+    /// Every token the client asked for had arrived (the booking is
+    /// completed): the caller closes the stream at the output limit.
+    AllArrived,
+    /// The stream cannot move: the client's error.
+    Failed(ApiError),
+}
+
+/// Moves a broken stream to another worker, until one accepts it or it
+/// cannot move: the one migration loop of every resumed stream (chat,
+/// completions, Responses, Messages). `failed` is the broken leg's
+/// booking, `why` the failure and its detail, `resumable` whether the
+/// request may be resumed at all, `max_tokens` its output limit and
+/// `body` builds the `/v1/completions` body from the prompt (original
+/// prompt then generated ids) and the remaining tokens. The decision is
+/// [`Attempts::fail`]'s ([`migration::decide`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn move_stream(
+    attempts: &mut Attempts,
+    mut failed: Option<Booking>,
+    why: (Failure, String),
+    progress: &mut Progress,
+    prompt: &[u32],
+    resumable: Result<(), &'static str>,
+    max_tokens: Option<u64>,
+    body: impl Fn(&[u32], Option<u64>) -> Vec<u8>,
+) -> Moved {
+    let (mut reason, mut detail) = why;
+    let prompt_tokens = prompt.len() as u64;
+    loop {
+        let client = attempts.client_id;
+        let worker = failed.as_ref().map(|b| b.name.clone());
+        tracing::warn!(request = %client, worker = worker.as_deref().unwrap_or("-"), reason = reason.label(), %detail, generated = progress.generated, "stream failed");
+        let Some(booking) = failed.take() else {
+            return Moved::Failed(ApiError::bad_gateway(detail));
+        };
+        let mut moving = match attempts.fail(
+            booking,
+            reason,
+            Phase::MidStream,
+            prompt_tokens,
+            progress,
+            resumable,
+        ) {
+            Ok(moving) => moving,
+            Err(why) => return Moved::Failed(ApiError::bad_gateway(format!("{detail}; {why}"))),
+        };
+        if let Err(e) = tokenize_pending(attempts, progress).await {
+            return Moved::Failed(e);
+        }
+        if progress.overflowed() {
+            // Re-tokenized text passed the bound on kept ids: what
+            // was generated is no longer known, so it cannot resume.
+            return Moved::Failed(ApiError::bad_gateway(format!(
+                "{detail}; the stream cannot be resumed: the generated text outgrew what the router keeps"
+            )));
+        }
+        let remaining = max_tokens.map(|m| m.saturating_sub(progress.generated));
+        if remaining == Some(0) {
+            // Every token the client asked for has arrived.
+            moving.completed(prompt_tokens.saturating_add(progress.generated));
+            return Moved::AllArrived;
+        }
+        let mut ids = Vec::with_capacity(prompt.len().saturating_add(progress.ids().len()));
+        ids.extend_from_slice(prompt);
+        ids.extend_from_slice(progress.ids());
+        let request = body(&ids, remaining);
+        let booking = match attempts.migrate(moving, Some(&ids)).await {
+            Ok(b) => b,
+            Err(e) => return Moved::Failed(e),
+        };
+        let sent = attempts
+            .send(&booking, "/v1/completions", Bytes::from(request), true)
+            .await;
+        match sent {
+            Ok(response) if response.status().is_success() => {
+                tracing::info!(request = %client, worker = %booking.name, resumed_at = progress.generated, "stream resumed on another worker");
+                return Moved::Resumed(booking, response.into_body());
+            }
+            Ok(response) => {
+                return Moved::Failed(ApiError::bad_gateway(format!(
+                    "worker {} refused the resumed request with status {}",
+                    booking.name,
+                    response.status().as_u16()
+                )))
+            }
+            Err(AttemptError::Fatal(e)) => return Moved::Failed(e),
+            Err(AttemptError::Retry(r, d)) => {
+                reason = r;
+                detail = d;
+                failed = Some(booking);
+            }
+        }
+    }
+}
+
+/// Turns generated text the worker sent without ids into ids, with its
+/// model's tokenizer (on a blocking thread when long).
+async fn tokenize_pending(attempts: &Attempts, progress: &mut Progress) -> Result<(), ApiError> {
+    let text = progress.take_pending_text();
+    if text.is_empty() {
+        return Ok(());
+    }
+    let Some(tokenizer) = attempts.routing.tokenizer.clone() else {
+        return Err(ApiError::bad_gateway(
+            "the stream cannot be resumed: its model has no tokenizer here",
+        ));
+    };
+    let ids = if text.len() <= INLINE_CHARS {
+        tokenizer.encode(&text)
+    } else {
+        tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+            .await
+            .map_err(|_| ApiError::internal("the tokenizer task failed"))?
+    }
+    .map_err(|e| ApiError::internal(format!("cannot tokenize the generated text: {e}")))?;
+    progress.extend_ids(&ids);
+    Ok(())
 }
 
 /// Reads `leg`'s worker up to its next complete event. A break, an end

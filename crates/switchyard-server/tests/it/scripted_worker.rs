@@ -20,6 +20,9 @@ pub(crate) enum Script {
     Status500,
     /// A chat stream of three content chunks, then the connection drops.
     CutChatStream,
+    /// A Messages (`/v1/messages`) or Responses (`/v1/responses`, by the
+    /// path) stream of three text deltas, then the connection drops.
+    CutAgenticStream,
     /// Nothing: the connection stays open and silent.
     Silent,
     /// A JSON answer cut before its announced length.
@@ -179,6 +182,36 @@ async fn serve_one(mut socket: TcpStream, script: Script) {
                     out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
                 }
                 // The connection drops with choice 1 unfinished.
+                out
+            }
+            Script::CutAgenticStream => {
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                let words = [" alpha", " beta", " gamma"];
+                let mut events = Vec::new();
+                if path == "/v1/messages" {
+                    events.push(("message_start", json!({"type": "message_start", "message": {"id": "msg_scripted", "type": "message", "role": "assistant", "model": "switchyard-sim", "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 5, "output_tokens": 0}}})));
+                    events.push(("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+                    for word in words {
+                        events.push(("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}})));
+                    }
+                } else {
+                    let response = json!({"id": "resp_scripted", "object": "response", "created_at": 1234, "model": "switchyard-sim", "status": "in_progress", "output": [], "usage": null, "error": null, "incomplete_details": null, "instructions": null, "metadata": {}, "parallel_tool_calls": true, "tool_choice": "auto", "tools": [], "temperature": 1.0, "top_p": 1.0});
+                    events.push(("response.created", json!({"type": "response.created", "sequence_number": 0, "response": response})));
+                    events.push(("response.in_progress", json!({"type": "response.in_progress", "sequence_number": 1, "response": response})));
+                    events.push(("response.output_item.added", json!({"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": {"type": "message", "id": "msg_scripted", "status": "in_progress", "role": "assistant", "content": []}})));
+                    events.push(("response.content_part.added", json!({"type": "response.content_part.added", "sequence_number": 3, "item_id": "msg_scripted", "output_index": 0, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})));
+                    for (i, word) in words.into_iter().enumerate() {
+                        events.push(("response.output_text.delta", json!({"type": "response.output_text.delta", "sequence_number": 4 + i, "item_id": "msg_scripted", "output_index": 0, "content_index": 0, "delta": word, "logprobs": []})));
+                    }
+                }
+                for (name, e) in events {
+                    let data = format!("event: {name}\ndata: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{data}\r\n", data.len()));
+                }
+                // A half event, then the connection drops (no final chunk).
+                out.push_str("10\r\nevent: content_\r\n");
                 out
             }
             Script::CutChatStream => {

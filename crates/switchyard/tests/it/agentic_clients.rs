@@ -5,7 +5,8 @@
 //! python3 or pip cannot install the clients.
 
 use crate::openai_client::venv;
-use crate::support::{machine_blocking, router, sim_worker_with, Proc};
+use crate::scripted_worker::{scripted_worker, Script};
+use crate::support::{machine, machine_blocking, router, sim_worker, sim_worker_with, Proc};
 use std::process::Command;
 
 const RESPONSES: &str = r#"
@@ -83,6 +84,68 @@ except anthropic.BadRequestError as e:
 print("MESSAGES-OK")
 "#;
 
+/// Streams cut mid-way on the scripted worker named `cutting`: a plain
+/// Messages stream and a `store: false` Responses stream reach the client
+/// as one coherent answer of the full length asked; a tools request and a
+/// stored response end with the error event saying why.
+const RESUMED: &str = r#"
+import sys
+import anthropic
+from openai import OpenAI
+base = sys.argv[1]
+claude = anthropic.Anthropic(base_url=base, api_key="sk-test", max_retries=0)
+def on_cutting(start):
+    for _ in range(6):
+        result = start()
+        if result is not None:
+            return result
+    raise SystemExit("no stream started on the cutting worker")
+def message(**extra):
+    def start():
+        with claude.messages.stream(model="switchyard-sim", max_tokens=10,
+                messages=[{"role": "user", "content": "tell me about yards"}], **extra) as stream:
+            if stream.response.headers.get("x-switchyard-worker") != "cutting":
+                stream.get_final_message()
+                return None
+            try:
+                kinds = [e.type for e in stream]
+                return kinds, stream.get_final_message(), None
+            except anthropic.APIStatusError as e:
+                return None, None, e
+    return on_cutting(start)
+kinds, final, error = message()
+assert error is None, error
+assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
+assert len(final.content) == 1 and final.content[0].type == "text", final
+assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens", final
+assert final.content[0].text.startswith(" alpha beta gamma"), final
+_, _, error = message(tools=[{"name": "lookup", "input_schema": {"type": "object"}}])
+assert error is not None and "tools" in str(error), error
+openai = OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
+def response(**extra):
+    def start():
+        stream = openai.responses.create(model="switchyard-sim", input="tell me about yards",
+            max_output_tokens=10, stream=True, **extra)
+        events = list(stream)
+        if stream.response.headers.get("x-switchyard-worker") != "cutting":
+            return None
+        return events
+    return on_cutting(start)
+events = response(store=False)
+kinds = [e.type for e in events]
+assert "error" not in kinds, events[-1]
+assert [e.sequence_number for e in events] == list(range(len(events))), kinds
+deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+assert kinds.count("response.output_text.delta") == 10, kinds
+last = events[-1]
+assert last.type in ("response.completed", "response.incomplete"), kinds
+assert last.response.output_text == deltas and deltas.startswith(" alpha beta gamma"), last
+assert last.response.usage.output_tokens == 10, last.response.usage
+events = response(store=True)
+assert events[-1].type == "error" and "store: false" in events[-1].message, events[-1]
+print("RESUMED-OK")
+"#;
+
 fn run(script: &str, router: &Proc, marker: &str) {
     let python = match venv() {
         Ok(p) => p,
@@ -134,4 +197,18 @@ fn the_official_anthropic_client_creates_and_streams_messages_through_the_router
         .collect();
     let router = router(&specs, &[]);
     run(MESSAGES, &router, "MESSAGES-OK");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_clients_see_one_whole_answer_when_a_plain_stream_is_resumed_mid_way() {
+    let _machine = machine().await;
+    let cutting = scripted_worker(Script::CutAgenticStream).await;
+    let good = sim_worker("0");
+    let router = router(
+        &[format!("{cutting},name=cutting"), good.named("good")],
+        &["--policy", "round-robin"],
+    );
+    tokio::task::spawn_blocking(move || run(RESUMED, &router, "RESUMED-OK"))
+        .await
+        .unwrap();
 }

@@ -6,6 +6,7 @@
 //! socket, a scripted reply); the healthy ones are sim-worker processes.
 
 use crate::scripted_worker::{scripted_worker, Script};
+use crate::sim_worker_apis::events as named_events;
 use crate::support::{
     bundled_tokenizer_dir, machine, metric, metric_sum, metrics_text, poll, router, served_by,
     sim_worker, wait_metrics, Proc, PATIENCE,
@@ -198,10 +199,7 @@ async fn a_chat_stream_cut_mid_way_resumes_on_another_worker_in_its_own_shape() 
         Some(1.0),
         "{metrics}"
     );
-    wait_metrics(&client, &router.base, "the router to be idle", |text| {
-        metric(text, "switchyard_active_requests") == Some(0.0)
-    })
-    .await;
+    wait_idle(&client, &router).await;
 }
 
 /// The SSE events of the first of a few round-robin chat streams of
@@ -211,10 +209,22 @@ async fn a_stream_cut_mid_way(
     router: &Proc,
     content: &str,
 ) -> Vec<String> {
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "stream": true});
+    sse_events(&cut_on_the_cutting_worker(client, router, "/v1/chat/completions", &body).await)
+}
+
+/// The body of the first of a few round-robin streams of `body` at
+/// `path` through `router` that starts on the worker named `cutting`.
+async fn cut_on_the_cutting_worker(
+    client: &reqwest::Client,
+    router: &Proc,
+    path: &str,
+    body: &Value,
+) -> String {
     for _ in 0..6 {
         let response = client
-            .post(format!("{}/v1/chat/completions", router.base))
-            .json(&json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "stream": true}))
+            .post(format!("{}{path}", router.base))
+            .json(body)
             .send()
             .await
             .unwrap();
@@ -222,7 +232,7 @@ async fn a_stream_cut_mid_way(
         let worker = response.headers()["x-switchyard-worker"].clone();
         let text = response.text().await.unwrap();
         if worker == "cutting" {
-            return sse_events(&text);
+            return text;
         }
     }
     panic!("no request started on the cutting worker");
@@ -660,4 +670,133 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
         after_first,
         "the next turn was not sent to the failed worker first"
     );
+}
+
+/// Waits until `router` has no request under way.
+async fn wait_idle(client: &reqwest::Client, router: &Proc) {
+    wait_metrics(client, &router.base, "the router to be idle", |text| {
+        metric(text, "switchyard_active_requests") == Some(0.0)
+    })
+    .await;
+}
+
+/// The named events of the first of a few round-robin streams of `body`
+/// at `path` through `router` that starts on the worker named `cutting`.
+async fn an_agentic_stream_cut_mid_way(
+    client: &reqwest::Client,
+    router: &Proc,
+    path: &str,
+    body: &Value,
+) -> Vec<(String, Value)> {
+    named_events(&cut_on_the_cutting_worker(client, router, path, body).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_stream_cut_mid_way_resumes_as_one_message_and_a_tools_one_ends_with_the_error()
+{
+    let _machine = machine().await;
+    let (_good, router) = beside_a_good_worker(Script::CutAgenticStream, "cutting", &[]).await;
+    let client = reqwest::Client::new();
+    let body = json!({
+        "model": "switchyard-sim", "max_tokens": 10, "stream": true,
+        "messages": [{"role": "user", "content": "tell me about yards"}],
+    });
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/messages", &body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let count = |name: &str| names.iter().filter(|n| **n == name).count();
+    assert_eq!(count("message_start"), 1, "{names:?}");
+    assert_eq!(count("content_block_start"), 1, "{names:?}");
+    assert_eq!(
+        count("content_block_delta"),
+        10,
+        "3 before the cut, 7 after: {names:?}"
+    );
+    assert_eq!(count("content_block_stop"), 1, "{names:?}");
+    assert_eq!(count("error"), 0, "{events:?}");
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str(), "{data}");
+        if name == "content_block_delta" {
+            assert_eq!(data["index"], 0, "{data}");
+            assert_eq!(data["delta"]["type"], "text_delta", "{data}");
+        }
+    }
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{delta}");
+    assert_eq!(delta["usage"]["output_tokens"], 10, "{delta}");
+    let metrics = metrics_text(&client, &router.base).await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "switchyard_migrations_total{reason=\"midstream\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    // With tools the stream is not resumed: the error event says why.
+    let mut tools = body.clone();
+    tools["tools"] = json!([{"name": "lookup", "input_schema": {"type": "object"}}]);
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/messages", &tools).await;
+    let (name, last) = events.last().unwrap();
+    assert_eq!(name, "error", "{events:?}");
+    let message = last["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("tools"), "{message}");
+    wait_idle(&client, &router).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstored_responses_stream_cut_mid_way_resumes_as_one_response_and_a_stored_one_ends_with_the_error(
+) {
+    let _machine = machine().await;
+    let (_good, router) = beside_a_good_worker(Script::CutAgenticStream, "cutting", &[]).await;
+    let client = reqwest::Client::new();
+    let body = json!({
+        "model": "switchyard-sim", "max_output_tokens": 10, "stream": true, "store": false,
+        "input": "tell me about yards",
+    });
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/responses", &body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let count = |name: &str| names.iter().filter(|n| **n == name).count();
+    assert_eq!(count("response.created"), 1, "{names:?}");
+    assert_eq!(count("response.output_text.delta"), 10, "{names:?}");
+    assert_eq!(count("error"), 0, "{events:?}");
+    assert_eq!(
+        &names[names.len() - 4..],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete"
+        ],
+        "at max_output_tokens the response is incomplete, as the worker says it"
+    );
+    let mut text = String::new();
+    for (i, (name, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str(), "{data}");
+        assert_eq!(data["sequence_number"], i, "{data}");
+        if name == "response.output_text.delta" {
+            assert_eq!(data["item_id"], "msg_scripted", "{data}");
+            text.push_str(data["delta"].as_str().unwrap());
+        }
+    }
+    let response = &events.last().unwrap().1["response"];
+    assert_eq!(response["id"], "resp_scripted", "{response}");
+    assert_eq!(response["output"][0]["content"][0]["text"], text.as_str());
+    assert_eq!(response["usage"]["output_tokens"], 10, "{response}");
+    // A stored response is not resumed elsewhere: the error says why.
+    let mut stored = body.clone();
+    stored["store"] = json!(true);
+    let events = an_agentic_stream_cut_mid_way(&client, &router, "/v1/responses", &stored).await;
+    let (name, last) = events.last().unwrap();
+    assert_eq!(name, "error", "{events:?}");
+    let message = last["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("stored") && message.contains("store: false"),
+        "{message}"
+    );
+    assert_eq!(last["sequence_number"], events.len() - 1, "{last}");
+    wait_idle(&client, &router).await;
 }
