@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use switchyard_core::admission::FlowConfig;
+use switchyard_tokenizer::Tokenizer;
 
 /// smg's request header naming a priority class.
 pub(crate) const SMG_PRIORITY_HEADER: &str = "x-smg-priority";
@@ -139,7 +140,13 @@ struct Scenario {
     arrivals: Arc<[f64]>,
 }
 
-fn scenario(args: &VersusArgs, label: &'static str, file: &Path) -> anyhow::Result<Scenario> {
+fn scenario(
+    args: &VersusArgs,
+    prompts: &WordPrompts,
+    tokenizer: &Tokenizer,
+    label: &'static str,
+    file: &Path,
+) -> anyhow::Result<Scenario> {
     let mix = TenantMix::load(file)?;
     for t in &mix.tenants {
         if let Some(var) = &t.key_env {
@@ -165,9 +172,15 @@ fn scenario(args: &VersusArgs, label: &'static str, file: &Path) -> anyhow::Resu
         args.model().to_owned(),
     ])?;
     let (requests, arrivals) = loadgen::tenant_requests(&cli.args, file, None)?;
+    let (n, ids, tokens) = token_ratio(prompts, tokenizer, &requests, 50)?;
+    eprintln!(
+        "{label}: prompts as text, one of {} words per id; {n} sampled prompts: {ids} ids, {tokens} tokens encoded again ({:.4} tokens per id)",
+        prompts.len(),
+        tokens as f64 / ids.max(1) as f64
+    );
     let requests = requests
         .into_iter()
-        .map(text_prompt)
+        .map(|r| prompts.request(r))
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Scenario {
         label,
@@ -178,18 +191,111 @@ fn scenario(args: &VersusArgs, label: &'static str, file: &Path) -> anyhow::Resu
     })
 }
 
-/// `request` with a token-id prompt written as text (the ids separated
-/// by spaces): smg 1.13 refuses a prompt of token ids (400, "data did not
-/// match any variant of untagged enum StringOrArray"), so both routers get
-/// the same text prompts; equal id prefixes stay equal text prefixes.
-fn text_prompt(mut request: PreparedRequest) -> anyhow::Result<PreparedRequest> {
-    let mut body: serde_json::Value = serde_json::from_slice(&request.body)?;
-    if let Some(ids) = body.get("prompt").and_then(|p| p.as_array()) {
-        let text: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
-        body["prompt"] = serde_json::Value::String(text.join(" "));
-        request.body = serde_json::to_vec(&body)?.into();
+/// Token-id prompts written as text that the sim-workers' tokenizer
+/// reads back as one token per id: smg 1.13 refuses a prompt of token ids
+/// (400, "data did not match any variant of untagged enum
+/// StringOrArray"), so both routers get the same text prompts.
+///
+/// Each id becomes one word of the bundled tokenizer's vocabulary (the
+/// tokenizer the sim-workers load): a token that decodes to a space and
+/// ASCII letters only, and that encodes back to itself alone. The
+/// pre-tokenizer cuts text at each such word (a space then letters), so
+/// the text of `n` ids encodes to those `n` words' ids. Id `i` is word
+/// `i % words`, a function of the id alone, so equal id prefixes give
+/// equal text prefixes; ids that differ may share a word (there are fewer
+/// words than ids), which only makes different prompts alike at a
+/// position, never shorter or longer.
+pub(crate) struct WordPrompts {
+    words: Vec<String>,
+}
+
+impl WordPrompts {
+    /// The words of `tokenizer`'s vocabulary, in id order.
+    pub(crate) fn new(tokenizer: &Tokenizer) -> anyhow::Result<Self> {
+        let mut words = Vec::new();
+        for id in 0..tokenizer.vocab_size() as u32 {
+            let Ok(text) = tokenizer.decode(&[id]) else {
+                continue;
+            };
+            let Some(letters) = text.strip_prefix(' ') else {
+                continue;
+            };
+            if letters.is_empty() || !letters.bytes().all(|b| b.is_ascii_alphabetic()) {
+                continue;
+            }
+            if tokenizer.encode(&text)? == [id] {
+                words.push(text);
+            }
+        }
+        anyhow::ensure!(
+            !words.is_empty(),
+            "the tokenizer has no word tokens (a space then letters)"
+        );
+        Ok(Self { words })
     }
-    Ok(request)
+
+    /// How many words the ids are written with.
+    pub(crate) fn len(&self) -> usize {
+        self.words.len()
+    }
+
+    /// The text of `ids`: one word each.
+    pub(crate) fn text(&self, ids: impl IntoIterator<Item = u64>) -> String {
+        let mut out = String::new();
+        for id in ids {
+            out.push_str(&self.words[(id % self.words.len() as u64) as usize]);
+        }
+        out
+    }
+
+    /// `request` with a token-id prompt written as text; any other body
+    /// stays as it is.
+    fn request(&self, mut request: PreparedRequest) -> anyhow::Result<PreparedRequest> {
+        let mut body: serde_json::Value = serde_json::from_slice(&request.body)?;
+        if let Some(ids) = body.get("prompt").and_then(|p| p.as_array()) {
+            let ids = ids
+                .iter()
+                .map(|id| {
+                    id.as_u64()
+                        .ok_or_else(|| anyhow::anyhow!("a prompt token id is not a number: {id}"))
+                })
+                .collect::<anyhow::Result<Vec<u64>>>()?;
+            body["prompt"] = serde_json::Value::String(self.text(ids));
+            request.body = serde_json::to_vec(&body)?.into();
+        }
+        Ok(request)
+    }
+}
+
+/// The ids of `request`'s token-id prompt (the body's `prompt` array),
+/// if it has one.
+fn prompt_ids(request: &PreparedRequest) -> Option<Vec<u64>> {
+    let body: serde_json::Value = serde_json::from_slice(&request.body).ok()?;
+    body.get("prompt")?
+        .as_array()?
+        .iter()
+        .map(serde_json::Value::as_u64)
+        .collect()
+}
+
+/// Tokens over ids when the text prompts of up to `sample` of `requests`
+/// (evenly spread) are encoded again by `tokenizer`, with the ids and the
+/// tokens counted.
+fn token_ratio(
+    prompts: &WordPrompts,
+    tokenizer: &Tokenizer,
+    requests: &[PreparedRequest],
+    sample: usize,
+) -> anyhow::Result<(usize, u64, u64)> {
+    let with_ids: Vec<Vec<u64>> = requests.iter().filter_map(prompt_ids).collect();
+    let step = (with_ids.len() / sample.max(1)).max(1);
+    let (mut n, mut ids, mut tokens) = (0, 0u64, 0u64);
+    for p in with_ids.iter().step_by(step).take(sample) {
+        n += 1;
+        ids += p.len() as u64;
+        tokens += tokenizer.encode(&prompts.text(p.iter().copied()))?.len() as u64;
+    }
+    Ok((n, ids, tokens))
 }
 
 /// One router's figures for one scenario.
@@ -217,12 +323,15 @@ pub(super) fn run(args: &VersusArgs) -> anyhow::Result<()> {
         args.busy_threshold > 0.0 && args.busy_threshold.is_finite(),
         "--busy-threshold must be positive"
     );
+    // The sim-workers' tokenizer (`sim-worker` without `--tokenizer-dir`).
+    let tokenizer = Tokenizer::bundled()?;
+    let prompts = WordPrompts::new(&tokenizer)?;
     let mut scenarios = Vec::new();
     if let Some(file) = &args.tenants {
-        scenarios.push(scenario(args, "mixed", file)?);
+        scenarios.push(scenario(args, &prompts, &tokenizer, "mixed", file)?);
     }
     if let Some(file) = &args.tenants_alone {
-        scenarios.push(scenario(args, "alone", file)?);
+        scenarios.push(scenario(args, &prompts, &tokenizer, "alone", file)?);
     }
     let variants = Variant::all(&args.policy, &args.admission);
     let peers: Vec<(Peer, PathBuf)> = find_peers(args)?
@@ -390,7 +499,21 @@ rate_scale = 1
 "#;
 
     #[test]
-    fn token_id_prompts_become_text_and_the_rest_of_the_body_stays() {
+    fn token_id_prompts_become_text_of_one_token_per_id_and_prefixes_stay_prefixes() {
+        let tokenizer = Tokenizer::bundled().unwrap();
+        let prompts = WordPrompts::new(&tokenizer).unwrap();
+        assert!(prompts.len() > 10_000, "{} words", prompts.len());
+        // Ids spread over the synthetic vocabulary, as Mooncake's prompts.
+        let ids: Vec<u64> = (0..2_000u64)
+            .map(|i| i.wrapping_mul(2_654_435_761) % 151_643)
+            .collect();
+        let text = prompts.text(ids.iter().copied());
+        assert_eq!(tokenizer.encode(&text).unwrap().len(), ids.len());
+        for cut in [1, 17, 512, 1_999] {
+            let prefix = prompts.text(ids[..cut].iter().copied());
+            assert!(text.starts_with(&prefix));
+            assert_eq!(tokenizer.encode(&prefix).unwrap().len(), cut);
+        }
         let request = PreparedRequest {
             path: "/v1/completions",
             body: serde_json::to_vec(&serde_json::json!({"prompt": [7, 8, 9], "max_tokens": 4}))
@@ -400,11 +523,22 @@ rate_scale = 1
             next_turn: None,
             tenant: None,
         };
-        let out = text_prompt(request).unwrap();
+        let out = prompts.request(request).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&out.body).unwrap();
         assert_eq!(
             body,
-            serde_json::json!({"prompt": "7 8 9", "max_tokens": 4})
+            serde_json::json!({"prompt": prompts.text([7, 8, 9]), "max_tokens": 4})
+        );
+        let chat = PreparedRequest {
+            path: "/v1/chat/completions",
+            body: bytes::Bytes::from_static(b"{\"messages\":[]}"),
+            session: None,
+            next_turn: None,
+            tenant: None,
+        };
+        assert_eq!(
+            &prompts.request(chat).unwrap().body[..],
+            b"{\"messages\":[]}"
         );
     }
 
