@@ -116,6 +116,11 @@ pub struct WorkloadLimits {
     pub max_sessions: Option<usize>,
     /// Stop at the first session arriving after this (ms, after scaling).
     pub duration_ms: Option<f64>,
+    /// Skip sessions with a longer prompt in any turn (an engine would
+    /// refuse them); a skipped session leaves its arrival gap.
+    pub max_prompt_tokens: Option<u32>,
+    /// Cap on each turn's output tokens (at least 1).
+    pub max_output_tokens: Option<u32>,
 }
 
 impl Default for WorkloadLimits {
@@ -124,6 +129,8 @@ impl Default for WorkloadLimits {
             rate_scale: 1.0,
             max_sessions: None,
             duration_ms: None,
+            max_prompt_tokens: None,
+            max_output_tokens: None,
         }
     }
 }
@@ -139,9 +146,18 @@ pub fn limited(stream: SessionStream, limits: WorkloadLimits) -> SessionStream {
         1.0
     };
     let stream = stream
+        .filter(move |s| match (s, limits.max_prompt_tokens) {
+            (Ok(s), Some(max)) => s.turns.iter().all(|t| t.prompt.len() <= max),
+            _ => true,
+        })
         .map(move |s| {
             s.map(|mut s| {
                 s.arrival_ms /= scale;
+                if let Some(cap) = limits.max_output_tokens {
+                    for t in &mut s.turns {
+                        t.output_tokens = t.output_tokens.min(cap.max(1));
+                    }
+                }
                 s
             })
         })
@@ -203,30 +219,14 @@ pub fn mooncake_slice<R: BufRead + Send + 'static>(
     input: R,
     slice: &TraceSlice,
 ) -> Result<Vec<Session>, TraceError> {
-    let max_prompt = slice.max_prompt_tokens;
-    let servable: SessionStream = Box::new(mooncake(input, MOONCAKE_MAX_SPREAD_MS).filter(
-        move |s| match s {
-            Ok(s) => s.turns.iter().all(|t| t.prompt.len() <= max_prompt),
-            Err(_) => true,
-        },
-    ));
     let limits = WorkloadLimits {
         rate_scale: slice.rate_scale,
         max_sessions: Some(slice.requests),
         duration_ms: None,
+        max_prompt_tokens: Some(slice.max_prompt_tokens),
+        max_output_tokens: slice.max_output_tokens,
     };
-    limited(servable, limits)
-        .map(|s| {
-            s.map(|mut s| {
-                if let Some(cap) = slice.max_output_tokens {
-                    for t in &mut s.turns {
-                        t.output_tokens = t.output_tokens.min(cap.max(1));
-                    }
-                }
-                s
-            })
-        })
-        .collect()
+    limited(mooncake(input, MOONCAKE_MAX_SPREAD_MS), limits).collect()
 }
 
 /// Azure rows as one-turn sessions with random prompts (seeded by `seed`).
@@ -456,8 +456,8 @@ mod tests {
                     {\"timestamp\": 8000, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [2]}\n";
         let limits = WorkloadLimits {
             rate_scale: 2.0,
-            max_sessions: None,
             duration_ms: Some(2500.0),
+            ..Default::default()
         };
         let s = collect(limited(mooncake(text.as_bytes(), 3000.0), limits));
         assert_eq!(

@@ -28,7 +28,7 @@ fn mooncake(requests: usize) -> SessionStream {
         WorkloadLimits {
             rate_scale: 28.0,
             max_sessions: Some(requests),
-            duration_ms: None,
+            ..WorkloadLimits::default()
         },
     )
 }

@@ -52,6 +52,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::Child;
+use std::time::Duration;
 use switchyard_core::select::PolicyKind;
 use switchyard_server::config::AdmissionMode;
 
@@ -220,6 +221,23 @@ pub struct VersusArgs {
     /// only what the router holds back).
     #[arg(long, default_value_t = 0.6, requires = "tenants")]
     pub busy_threshold: f64,
+    /// With `--tenants`: send the prompts as token ids, as `loadgen
+    /// --tenants` does, instead of as text: neither the router nor the
+    /// sim-workers tokenize, so the run measures routing and flow control
+    /// without the tokenizing CPU that text prompts cost on the benchmark's
+    /// own machine. Switchyard only (smg refuses token-id prompts): needs
+    /// `--no-peer`.
+    #[arg(long, requires = "tenants")]
+    pub prompt_ids: bool,
+    /// Save each run's `/metrics` pages here when its load is done: the
+    /// router's (`RUN-router.prom`, Switchyard only: a peer's page is not
+    /// on its serving port) and each engine's (`RUN-wI.prom`), to see where
+    /// a run's time went (flow waits, tokenizing, engines behind their
+    /// timing model). With `--tenants`, the router's page also when the
+    /// arrivals end (`RUN-window-router.prom`): the tokens each tenant was
+    /// dispatched within the window.
+    #[arg(long)]
+    pub keep_metrics: Option<PathBuf>,
 }
 
 impl VersusArgs {
@@ -432,6 +450,22 @@ fn one_run(
     wait_ready(&runtime, &base, args.model(), &mut children, &what)?;
     let pid = children.0.last().map(Child::id);
     let cpu_before = pid.and_then(cpu_seconds);
+    // A tenant mix's window: the router's page once the arrivals end, while
+    // every tenant still has requests waiting (the tokens each was served
+    // by then are its share under saturation).
+    if let (Some(dir), Contender::Ours(_), Pacing::Arrivals(_)) =
+        (&args.keep_metrics, contender, &load.pacing)
+    {
+        let (dir, run, base) = (dir.clone(), run.to_owned(), base.clone());
+        let window = Duration::from_secs_f64(args.duration);
+        runtime.spawn(async move {
+            tokio::time::sleep(window).await;
+            let window_run = format!("{run}-window");
+            if let Err(e) = keep_metrics(&dir, &window_run, Some(&base), &[]).await {
+                eprintln!("--keep-metrics: {e:#}");
+            }
+        });
+    }
     let report = runtime.block_on(loadgen::run_load(
         &base,
         requests,
@@ -441,6 +475,10 @@ fn one_run(
         false,
     ));
     let cpu_after = pid.and_then(cpu_seconds);
+    if let Some(dir) = &args.keep_metrics {
+        let router = matches!(contender, Contender::Ours(_)).then_some(base.as_str());
+        runtime.block_on(keep_metrics(dir, run, router, &urls))?;
+    }
     let cpu_ms_per_request = match (cpu_before, cpu_after) {
         (Some(b), Some(a)) if report.requests > 0 => Some((a - b) * 1e3 / report.requests as f64),
         _ => None,
@@ -448,6 +486,36 @@ fn one_run(
     drop(children);
     drop(engines);
     Ok((report, cpu_ms_per_request))
+}
+
+/// Writes the `/metrics` pages of `router` (when given) and of each of
+/// `engines` into `dir` as `RUN-router.prom` and `RUN-wI.prom`; a page
+/// that cannot be read is reported and skipped.
+async fn keep_metrics(
+    dir: &Path,
+    run: &str,
+    router: Option<&str>,
+    engines: &[String],
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let client = loadgen::client();
+    let pages = router
+        .map(|url| ("router".to_owned(), url))
+        .into_iter()
+        .chain(
+            engines
+                .iter()
+                .enumerate()
+                .map(|(i, url)| (format!("w{i}"), url.as_str())),
+        );
+    for (name, url) in pages {
+        let url = format!("{}/metrics", url.trim_end_matches('/'));
+        match loadgen::get_text(&client, &url).await {
+            Some(page) => std::fs::write(dir.join(format!("{run}-{name}.prom")), page)?,
+            None => eprintln!("--keep-metrics: could not read {url}"),
+        }
+    }
+    Ok(())
 }
 
 /// Installs (when missing) vLLM's environment and makes the tiny models.

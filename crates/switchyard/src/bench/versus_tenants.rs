@@ -172,6 +172,16 @@ fn scenario(
         args.model().to_owned(),
     ])?;
     let (requests, arrivals) = loadgen::tenant_requests(&cli.args, file, None)?;
+    if args.prompt_ids {
+        eprintln!("{label}: prompts as token ids (--prompt-ids)");
+        return Ok(Scenario {
+            label,
+            file: file.to_owned(),
+            mix,
+            requests,
+            arrivals: arrivals.into(),
+        });
+    }
     let (n, ids, tokens) = token_ratio(prompts, tokenizer, &requests, 50)?;
     eprintln!(
         "{label}: prompts as text, one of {} words per id; {n} sampled prompts: {ids} ids, {tokens} tokens encoded again ({:.4} tokens per id)",
@@ -323,6 +333,10 @@ pub(super) fn run(args: &VersusArgs) -> anyhow::Result<()> {
         args.busy_threshold > 0.0 && args.busy_threshold.is_finite(),
         "--busy-threshold must be positive"
     );
+    anyhow::ensure!(
+        !args.prompt_ids || args.no_peer,
+        "--prompt-ids needs --no-peer: smg refuses a prompt of token ids"
+    );
     // The sim-workers' tokenizer (`sim-worker` without `--tokenizer-dir`).
     let tokenizer = Tokenizer::bundled()?;
     let prompts = WordPrompts::new(&tokenizer)?;
@@ -405,7 +419,7 @@ pub(super) fn run(args: &VersusArgs) -> anyhow::Result<()> {
 
 fn print_table(args: &VersusArgs, runs: &[TenantRun]) {
     println!(
-        "tenant mix {}{}, {} s of arrivals, {} sim-workers (--speedup {} --num-blocks {}) per router, Switchyard --busy-threshold {}",
+        "tenant mix {}{}, {} s of arrivals, {} sim-workers (--speedup {} --num-blocks {}) per router, Switchyard --busy-threshold {}, prompts as {}",
         args.tenants.as_deref().map(Path::display).map(|d| d.to_string()).unwrap_or_default(),
         args.tenants_alone
             .as_deref()
@@ -416,6 +430,7 @@ fn print_table(args: &VersusArgs, runs: &[TenantRun]) {
         args.speedup,
         args.num_blocks,
         args.busy_threshold,
+        if args.prompt_ids { "token ids" } else { "text" },
     );
     println!(
         "{:<32} {:>5} {:<6} {:<12} {:>6} {:>5} {:>6} {:>10} {:>10}",
@@ -497,6 +512,47 @@ name = "chat"
 weight = 3
 rate_scale = 1
 "#;
+
+    fn versus(argv: &[&str]) -> VersusArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: VersusArgs,
+        }
+        Cli::try_parse_from(std::iter::once("versus").chain(argv.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    #[test]
+    fn prompt_ids_are_sent_as_ids_and_only_without_a_peer() {
+        let file = std::env::temp_dir().join(format!("versus-ids-{}.toml", std::process::id()));
+        std::fs::write(&file, PRIORITY).unwrap();
+        let file_arg = file.display().to_string();
+        let err = run(&versus(&["--tenants", &file_arg, "--prompt-ids"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--prompt-ids needs --no-peer"), "{err}");
+        let tokenizer = Tokenizer::bundled().unwrap();
+        let prompts = WordPrompts::new(&tokenizer).unwrap();
+        let as_ids = versus(&[
+            "--tenants",
+            &file_arg,
+            "--prompt-ids",
+            "--no-peer",
+            "--duration",
+            "5",
+        ]);
+        let as_text = versus(&["--tenants", &file_arg, "--no-peer", "--duration", "5"]);
+        let ids = scenario(&as_ids, &prompts, &tokenizer, "mixed", &file).unwrap();
+        let text = scenario(&as_text, &prompts, &tokenizer, "mixed", &file).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        assert!(!ids.requests.is_empty());
+        assert_eq!(ids.requests.len(), text.requests.len());
+        assert_eq!(ids.arrivals, text.arrivals);
+        assert!(ids.requests.iter().all(|r| prompt_ids(r).is_some()));
+        assert!(text.requests.iter().all(|r| prompt_ids(r).is_none()));
+    }
 
     #[test]
     fn token_id_prompts_become_text_of_one_token_per_id_and_prefixes_stay_prefixes() {

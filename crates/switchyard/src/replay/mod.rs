@@ -167,6 +167,18 @@ pub struct ReplayArgs {
     /// Stop at the first arrival after this many seconds (after scaling).
     #[arg(long)]
     pub duration: Option<f64>,
+    /// Skip requests whose prompt is longer than this many tokens (their
+    /// arrival gaps stay), as `loadgen --max-prompt-tokens` does [default:
+    /// none skipped].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_tokens: Option<u32>,
+    /// Cap each request's output tokens, as `loadgen --max-output-tokens`
+    /// does [default: the trace's]. With both caps, `replay` runs the very
+    /// requests `loadgen` sends from the same trace.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_output_tokens: Option<u32>,
     /// Policies to compare (comma-separated; default: all).
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<PolicyKind>,
@@ -621,6 +633,8 @@ fn limits(args: &ReplayArgs) -> WorkloadLimits {
         rate_scale: args.rate_scale,
         max_sessions: args.max_requests,
         duration_ms: args.duration.map(|s| s * 1000.0),
+        max_prompt_tokens: args.max_prompt_tokens,
+        max_output_tokens: args.max_output_tokens,
     }
 }
 
@@ -1096,6 +1110,60 @@ pub(crate) fn parse_args(argv: &[&str]) -> ReplayArgs {
 mod tests {
     use super::*;
     use switchyard_engine::{CheckpointPolicy, EngineConfig, Preemption, TimingConfig};
+
+    #[test]
+    fn with_loadgens_caps_replay_runs_the_very_requests_loadgen_sends() {
+        use switchyard_sim::workload::{mooncake_slice, TraceSlice};
+        let args = parse_args(&[
+            "--rate-scale",
+            "28",
+            "--max-requests",
+            "300",
+            "--max-prompt-tokens",
+            "8000",
+            "--max-output-tokens",
+            "64",
+        ]);
+        let replayed: Vec<_> = open_workload(&args)
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let trace = Trace::or_bundled(None);
+        let sent = mooncake_slice(
+            trace.open().unwrap(),
+            &TraceSlice {
+                requests: 300,
+                max_prompt_tokens: 8000,
+                max_output_tokens: Some(64),
+                rate_scale: 28.0,
+            },
+        )
+        .unwrap();
+        assert_eq!(replayed.len(), 300);
+        assert_eq!(replayed, sent);
+        // The caps did something: the bundled trace has longer prompts and
+        // outputs than these.
+        assert!(replayed
+            .iter()
+            .all(|s| s.turns[0].prompt.len() <= 8000 && s.turns[0].output_tokens <= 64));
+        let uncapped: Vec<_> = open_workload(&parse_args(&[
+            "--rate-scale",
+            "28",
+            "--max-requests",
+            "300",
+        ]))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+        assert!(uncapped.iter().any(|s| s.turns[0].prompt.len() > 8000));
+        assert!(uncapped.iter().any(|s| s.turns[0].output_tokens > 64));
+        // Unset, neither appears in replay.json's echo of the arguments.
+        let json = serde_json::to_string(&parse_args(&[])).unwrap();
+        assert!(
+            !json.contains("max_prompt") && !json.contains("max_output"),
+            "{json}"
+        );
+    }
 
     #[test]
     fn data_parallel_ranks_reach_the_fleet_only_when_asked_and_are_checked() {
