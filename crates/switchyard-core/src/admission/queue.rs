@@ -650,7 +650,9 @@ impl PolicyQueue {
         }
     }
 
-    fn capped(&self, tenant: u16) -> bool {
+    /// Whether [`Self::pop`] passes `tenant` by: at its concurrency cap, or
+    /// held for the rest of the poll ([`Self::hold`]).
+    fn skipped(&self, tenant: u16) -> bool {
         self.flows
             .max_concurrency(TenantId(tenant))
             .is_some_and(|cap| self.in_flight[tenant as usize] >= cap)
@@ -682,7 +684,7 @@ impl PolicyQueue {
             for i in 0..self.backlogged[band].len() {
                 let t = self.backlogged[band][i];
                 let lane = band * tenants + t as usize;
-                if !self.lanes[lane].available() || self.capped(t) {
+                if !self.lanes[lane].available() || self.skipped(t) {
                     continue;
                 }
                 // Fair: the lowest virtual time. Without fair sharing:
@@ -927,7 +929,7 @@ impl PolicyQueue {
         self.backlogged.iter().enumerate().any(|(b, lanes)| {
             lanes
                 .iter()
-                .any(|&t| self.lanes[b * tenants + t as usize].available() && !self.capped(t))
+                .any(|&t| self.lanes[b * tenants + t as usize].available() && !self.skipped(t))
         })
     }
 

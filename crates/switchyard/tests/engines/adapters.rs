@@ -6,11 +6,9 @@
 //! taken.
 
 use crate::support::{metric, scratch_file, serve, wait_for, wait_metrics, PATIENCE};
-use crate::tier::{bounded, exclusive, metrics, sum, tier};
+use crate::tier::{admin_workers, bounded, exclusive, metrics, sum, tier, ADMIN};
 use serde_json::{json, Value};
 use switchyard::engines::vllm::{LoraOptions, VllmWorker};
-
-const ADMIN: &str = "engines-admin-token";
 
 /// The model ids a server lists on `/v1/models`.
 async fn listed(client: &reqwest::Client, base: &str) -> Vec<String> {
@@ -136,15 +134,7 @@ async fn adapters_go_to_their_holder_and_are_loaded_and_unloaded_through_vllm() 
             "both workers' LoRA slots read from vLLM",
             PATIENCE,
             async || {
-                let list: Value = client
-                    .get(format!("{}/admin/workers", router.base))
-                    .bearer_auth(ADMIN)
-                    .send()
-                    .await
-                    .expect("the admin API answers")
-                    .json()
-                    .await
-                    .expect("JSON");
+                let list: Value = admin_workers(&client, &router.base).await;
                 list["workers"]
                     .as_array()
                     .is_some_and(|ws| ws.iter().all(|w| w["adapter_slots"] == 1))

@@ -11,7 +11,7 @@
 //! (`data_parallel_rank`, read from vLLM's replay sockets).
 
 use crate::support::{serve, served_by, wait_metrics};
-use crate::tier::{bounded, exclusive, metrics, sum, tier};
+use crate::tier::{admin_workers, bounded, exclusive, metrics, sum, tier, ADMIN};
 use serde_json::{json, Value};
 
 /// Reads every buffered batch from each replay port given, from sequence
@@ -42,8 +42,6 @@ print(json.dumps(ranks))
 
 /// Distinct prompts, each sent twice.
 const PROMPTS: usize = 4;
-
-const ADMIN: &str = "engines-admin-token";
 
 /// A label's value on the sample of `name` labelled `engine="RANK"`.
 fn engine_label(text: &str, name: &str, rank: usize, key: &str) -> Option<String> {
@@ -101,15 +99,7 @@ async fn a_dp_size_2_vllm_runs_each_request_on_the_routers_rank_and_its_events_n
         // `cache_config_info` series per engine, and a rank's capacity is
         // its engine's `num_gpu_blocks`, not the sum over both.
         let engines = metrics(&client, &vllm.base).await;
-        let list: Value = client
-            .get(format!("{}/admin/workers", router.base))
-            .bearer_auth(ADMIN)
-            .send()
-            .await
-            .expect("the admin API answers")
-            .json()
-            .await
-            .expect("JSON");
+        let list: Value = admin_workers(&client, &router.base).await;
         for rank in 0..2 {
             let blocks = engine_label(&engines, "vllm:cache_config_info", rank, "num_gpu_blocks")
                 .and_then(|v| v.parse::<u64>().ok())

@@ -114,6 +114,22 @@ pub(crate) fn sum(text: &str, name: &str) -> f64 {
     crate::support::metric_sum(text, name)
 }
 
+/// The admin token the tier's routers are started with.
+pub(crate) const ADMIN: &str = "engines-admin-token";
+
+/// `GET base/admin/workers` with [`ADMIN`]: the router's worker list.
+pub(crate) async fn admin_workers(client: &reqwest::Client, base: &str) -> serde_json::Value {
+    client
+        .get(format!("{base}/admin/workers"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .expect("the admin API answers")
+        .json()
+        .await
+        .expect("JSON")
+}
+
 /// `GET url/metrics` ("" when unreachable).
 pub(crate) async fn metrics(client: &reqwest::Client, base: &str) -> String {
     crate::support::metrics_text(client, base).await

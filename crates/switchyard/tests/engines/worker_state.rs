@@ -4,10 +4,8 @@
 //! `/get_server_info`) and its KV usage (`vllm:kv_cache_usage_perc`).
 
 use crate::support::{metric, serve, wait_metrics};
-use crate::tier::{bounded, exclusive, metrics, sum, tier};
+use crate::tier::{admin_workers, bounded, exclusive, metrics, sum, tier, ADMIN};
 use serde_json::{json, Value};
-
-const ADMIN: &str = "engines-admin-token";
 
 /// A label's value on the first sample of `name` in a Prometheus text.
 fn label(text: &str, name: &str, key: &str) -> Option<String> {
@@ -51,15 +49,7 @@ async fn the_router_reads_vllms_health_models_capacity_and_usage_as_vllm_reports
         })
         .await;
 
-        let list: Value = client
-            .get(format!("{}/admin/workers", router.base))
-            .bearer_auth(ADMIN)
-            .send()
-            .await
-            .expect("the admin API answers")
-            .json()
-            .await
-            .expect("JSON");
+        let list: Value = admin_workers(&client, &router.base).await;
         let w = &list["workers"][0];
         assert_eq!(w["name"], "v0", "{list}");
         assert_eq!(w["in_selection"], true, "{list}");
