@@ -15,23 +15,14 @@ fn with(base: &Value, extra: Value) -> Value {
     body
 }
 
-/// The events in `bytes` as (name, data).
+/// The events in `bytes` as (name, data), read by the wire crate's parser.
 fn events(bytes: &[u8]) -> Vec<(String, Value)> {
-    String::from_utf8(bytes.to_vec())
-        .unwrap()
-        .split("\n\n")
-        .filter(|e| !e.trim().is_empty())
+    let mut parser = switchyard_wire::sse::SseParser::new(usize::MAX);
+    parser.push(bytes);
+    std::iter::from_fn(|| parser.next_event_named().unwrap())
         .map(|e| {
-            let mut name = String::new();
-            let mut data = String::new();
-            for line in e.lines() {
-                if let Some(n) = line.strip_prefix("event: ") {
-                    name = n.to_owned();
-                } else if let Some(d) = line.strip_prefix("data: ") {
-                    data.push_str(d);
-                }
-            }
-            (name, serde_json::from_str(&data).unwrap())
+            let name = e.name().unwrap_or_default().to_owned();
+            (name, serde_json::from_str(e.data()).unwrap())
         })
         .collect()
 }

@@ -5,8 +5,8 @@
 //! worker's adapter through `/v1/unload_lora_adapter` when its one slot is
 //! taken.
 
-use crate::support::{metric, scratch_file, serve, wait_for, wait_metrics, PATIENCE};
-use crate::tier::{admin_workers, bounded, exclusive, metrics, sum, tier, ADMIN};
+use crate::support::{metric, scratch_file, wait_for, PATIENCE};
+use crate::tier::{admin_workers, bounded, exclusive, metrics, serve_in_front, tier, ADMIN};
 use serde_json::{json, Value};
 use switchyard::engines::vllm::{LoraOptions, VllmWorker};
 
@@ -83,7 +83,7 @@ async fn adapters_go_to_their_holder_and_are_loaded_and_unloaded_through_vllm() 
             )
             .as_bytes(),
         );
-        let mut flags = vec![
+        let flags = vec![
             "--block-size".to_owned(),
             "32".to_owned(),
             "--config".to_owned(),
@@ -93,18 +93,8 @@ async fn adapters_go_to_their_holder_and_are_loaded_and_unloaded_through_vllm() 
             "--admin-token".to_owned(),
             ADMIN.to_owned(),
         ];
-        for (i, w) in workers.iter().enumerate() {
-            flags.extend(["--worker".to_owned(), w.worker_spec(&format!("v{i}"))]);
-        }
-        let router = serve(&flags);
         let client = reqwest::Client::new();
-        wait_metrics(
-            &client,
-            &router.base,
-            "both vLLM workers in selection",
-            |t| sum(t, "switchyard_worker_up") == 2.0,
-        )
-        .await;
+        let router = serve_in_front(&client, &workers, flags).await;
 
         // vLLM's /v1/models card for lora-a (parent: tiny) is learned.
         let models = listed(&client, &router.base).await;

@@ -28,8 +28,8 @@
 //! - cancelling a response that was not made in the background is vLLM's
 //!   400 ("Cannot cancel a synchronous response").
 
-use crate::support::{metric, serve, served_by, wait_metrics};
-use crate::tier::{bounded, exclusive, metrics, sum, tier, vllm_prefix_cache};
+use crate::support::{metric, served_by, wait_metrics};
+use crate::tier::{bounded, exclusive, metrics, serve_in_front, sum, tier, vllm_prefix_cache};
 use serde_json::{json, Value};
 use std::path::Path;
 use switchyard::engines::vllm::VllmWorker;
@@ -261,17 +261,10 @@ async fn responses_and_messages_through_serve_on_vllm_with_the_official_clients(
         let workers = tier
             .start("agentic", vec![("v0", options()), ("v1", options())])
             .await;
-        let mut flags = vec!["--block-size".to_owned(), BLOCK.to_string()];
-        for (i, w) in workers.iter().enumerate() {
-            flags.extend(["--worker".to_owned(), w.worker_spec(&format!("v{i}"))]);
-        }
-        flags.extend(["--health-interval-ms".into(), "500".into()]);
-        let router = serve(&flags);
         let client = reqwest::Client::new();
-        wait_metrics(&client, &router.base, "both vLLM workers in selection", |t| {
-            sum(t, "switchyard_worker_up") == 2.0
-        })
-        .await;
+        let flags = ["--block-size", &BLOCK.to_string(), "--health-interval-ms", "500"];
+        let router =
+            serve_in_front(&client, &workers, flags.map(str::to_owned).to_vec()).await;
         let all: Vec<&VllmWorker> = workers.iter().collect();
 
         // 1. Responses, with the official openai client.

@@ -3,8 +3,8 @@
 //! the router's bookings return to zero. The router's tokenizer is not
 //! named: it resumes by token ids because vLLM's `/tokenize` agreed with it.
 
-use crate::support::{metric, metric_sum, serve, wait_metrics};
-use crate::tier::{bounded, exclusive, metrics, sum, tier};
+use crate::support::{metric, metric_sum, wait_metrics};
+use crate::tier::{bounded, exclusive, metrics, serve_in_front, sum, tier};
 use futures_util::StreamExt as _;
 use serde_json::{json, Value};
 
@@ -24,17 +24,10 @@ async fn a_stream_cut_by_a_killed_vllm_worker_completes_on_the_other() {
                 vec![("v0", tier.qwen3()), ("v1", tier.qwen3())],
             )
             .await;
-        let mut flags = vec!["--block-size".to_owned(), "32".to_owned()];
-        for (i, w) in workers.iter().enumerate() {
-            flags.extend(["--worker".to_owned(), w.worker_spec(&format!("v{i}"))]);
-        }
-        flags.extend(["--health-interval-ms".into(), "500".into()]);
-        let router = serve(&flags);
         let client = reqwest::Client::new();
-        wait_metrics(&client, &router.base, "both vLLM workers in selection", |t| {
-            sum(t, "switchyard_worker_up") == 2.0
-        })
-        .await;
+        let flags = ["--block-size", "32", "--health-interval-ms", "500"];
+        let router =
+            serve_in_front(&client, &workers, flags.map(str::to_owned).to_vec()).await;
         // The router's tokenizer was not named: vLLM's own `/tokenize`
         // agreed with it on the probe, which is what lets the stream be
         // resumed by token ids below.

@@ -114,6 +114,28 @@ pub(crate) fn sum(text: &str, name: &str) -> f64 {
     crate::support::metric_sum(text, name)
 }
 
+/// `serve` with `flags` in front of `workers` (named `v0`, `v1`, … in
+/// order), once every one of them is in selection.
+pub(crate) async fn serve_in_front(
+    client: &reqwest::Client,
+    workers: &[VllmWorker],
+    mut flags: Vec<String>,
+) -> crate::support::Proc {
+    for (i, w) in workers.iter().enumerate() {
+        flags.extend(["--worker".to_owned(), w.worker_spec(&format!("v{i}"))]);
+    }
+    let router = crate::support::serve(&flags);
+    let n = workers.len() as f64;
+    crate::support::wait_metrics(
+        client,
+        &router.base,
+        "every vLLM worker in selection",
+        |t| sum(t, "switchyard_worker_up") == n,
+    )
+    .await;
+    router
+}
+
 /// The admin token the tier's routers are started with.
 pub(crate) const ADMIN: &str = "engines-admin-token";
 

@@ -14,23 +14,17 @@ async fn post(client: &reqwest::Client, url: String, body: &Value) -> (u16, Valu
     (status, response.json().await.unwrap_or_default())
 }
 
-/// The `event:` names and data of a server-sent event stream.
+/// The `event:` names and data of a server-sent event stream (events
+/// whose data is not JSON, such as `[DONE]`, left out), read by the wire
+/// crate's parser.
 pub(crate) fn events(text: &str) -> Vec<(String, Value)> {
-    text.split("\n\n")
-        .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            let mut name = String::new();
-            let mut data = String::new();
-            for line in e.lines() {
-                if let Some(n) = line.strip_prefix("event: ") {
-                    name = n.to_owned();
-                } else if let Some(d) = line.strip_prefix("data: ") {
-                    data.push_str(d);
-                }
-            }
-            (name, serde_json::from_str(&data).unwrap_or(Value::Null))
+    let mut parser = switchyard_wire::sse::SseParser::new(usize::MAX);
+    parser.push(text.as_bytes());
+    std::iter::from_fn(|| parser.next_event_named().unwrap())
+        .filter_map(|e| {
+            let data = serde_json::from_str(e.data()).ok()?;
+            Some((e.name().unwrap_or_default().to_owned(), data))
         })
-        .filter(|(_, data)| !data.is_null())
         .collect()
 }
 
