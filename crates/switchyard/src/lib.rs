@@ -3,6 +3,8 @@
 //! `main.rs` only parses the command line and dispatches to these modules;
 //! integration tests in `tests/` drive the same modules and the built binary.
 //!
+//! - [`agentic`] — the agent workload's file (`--agentic-config`) and
+//!   vocabulary, which `replay` and `loadgen` share.
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
 //! - `child` — this binary's subcommands started as child processes
@@ -22,6 +24,7 @@
 //! - [`stats`] — what every reporting command shares: latency summaries,
 //!   JSON output, resident memory.
 
+pub mod agentic;
 pub mod bench;
 mod child;
 pub mod data;

@@ -15,6 +15,11 @@
 //! - ShareGPT (`--sharegpt`, `.jsonl` or `.jsonl.gz`) becomes
 //!   `/v1/chat/completions` turns with real text, each turn's prompt being
 //!   the conversation so far, sent with `x-session-id`.
+//! - The agent workload (`--workload agentic`, the generator `replay
+//!   --workload agentic` replays: [`agentic_requests`]) becomes
+//!   `/v1/chat/completions` calls whose messages tokenize to the very
+//!   prompts `replay` simulates, paced as the simulator paces them
+//!   ([`Pacing::Sessions`]).
 //!
 //! Answers are read with the wire crate's SSE parser and OpenAI types
 //! ([`StreamTally`]): tokens are counted per event (a chunk's token ids, or
@@ -22,8 +27,9 @@
 //! stream counts as an error unless it ends with `[DONE]` and no error
 //! event.
 //! Pacing: closed loop (`--concurrency`), open loop at a fixed rate
-//! (`--rate`), or open loop at the trace's own timestamps (`--timestamps`,
-//! Mooncake: [`Pacing::Arrivals`], the arrival times `replay` uses).
+//! (`--rate`), open loop at the trace's own timestamps (`--timestamps`,
+//! Mooncake: [`Pacing::Arrivals`], the arrival times `replay` uses), or
+//! sessions of dependent calls (`--workload agentic`).
 
 use crate::data::Trace;
 use crate::stats::{write_json, Latency};
@@ -49,7 +55,18 @@ use switchyard_wire::sse::{classify, Chunk, SseParser};
 
 /// Largest streamed event read; a longer one fails the request.
 const MAX_EVENT_BYTES: usize = 1 << 20;
-use switchyard_sim::workload::{mooncake_slice, Session, TraceSlice};
+use switchyard_sim::workload::agentic::{agent_sessions, AgentSession};
+use switchyard_sim::workload::{
+    mooncake_slice, AgentVocabulary, AgenticConfig, Session, TraceSlice,
+};
+
+/// Built-in workloads `loadgen` can send instead of a trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadWorkload {
+    /// Agent sessions (`replay --workload agentic`'s): tool calls,
+    /// heavy-tailed tool outputs, tool gaps and sub-agents, as chat.
+    Agentic,
+}
 
 /// Options of `switchyard loadgen`.
 #[derive(Debug, Clone, Args)]
@@ -60,6 +77,21 @@ pub struct LoadgenArgs {
     /// Mooncake trace (JSONL) [default: the bundled conversation trace].
     #[arg(long, conflicts_with = "sharegpt")]
     pub trace: Option<PathBuf>,
+    /// A built-in workload instead of a trace. `agentic`: each session's
+    /// first call at its arrival, each later call after the previous
+    /// answer and its tool gap, sub-agents started together and waited
+    /// for, a failed call ending its session (as `replay` does); sent as
+    /// chat messages with `x-session-id`. `--max-requests` takes whole
+    /// sessions until it is reached.
+    #[arg(long, value_enum, conflicts_with_all = ["trace", "sharegpt", "rate", "concurrency", "timestamps", "tenants"])]
+    pub workload: Option<LoadWorkload>,
+    /// With `--workload agentic`: its parameters (TOML), as `replay
+    /// --agentic-config` takes them.
+    #[arg(long, requires = "workload")]
+    pub agentic_config: Option<PathBuf>,
+    /// With `--workload agentic`: its seed, as `replay --seed`.
+    #[arg(long, default_value_t = 0, requires = "workload")]
+    pub seed: u64,
     /// ShareGPT conversations (JSONL, optionally gzipped): real prompts, turn by turn.
     #[arg(long)]
     pub sharegpt: Option<PathBuf>,
@@ -70,8 +102,9 @@ pub struct LoadgenArgs {
     /// sharing a timestamp are spread over its ~3 s step, as `replay` does).
     #[arg(long, conflicts_with_all = ["rate", "concurrency", "sharegpt"])]
     pub timestamps: bool,
-    /// With --timestamps: arrival-rate multiplier (2 = twice as fast).
-    #[arg(long, default_value_t = 1.0, requires = "timestamps")]
+    /// With --timestamps or --workload agentic: arrival-rate multiplier (2
+    /// = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
     pub rate_scale: f64,
     /// Closed loop: requests in flight [default: 8].
     #[arg(long)]
@@ -148,6 +181,29 @@ pub enum Pacing {
     /// Open loop: request `i` is sent `arrivals[i]` ms after the start (a
     /// trace's timestamps; requests beyond the list are not sent).
     Arrivals(Arc<[f64]>),
+    /// Sessions of dependent calls ([`SessionPlan`]): each session opens
+    /// at its arrival (open loop), then sends its calls one after another
+    /// ([`PreparedRequest::next_turn`]), each after the previous answer
+    /// and its pause; a call's sub-sessions start together when its answer
+    /// ends and the next call waits for them all. A failed call ends its
+    /// session, as in the simulator.
+    Sessions(Arc<SessionPlan>),
+}
+
+/// When [`Pacing::Sessions`] sends what: the simulator's schedule
+/// (`switchyard_sim::fleet`) for requests that form sessions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SessionPlan {
+    /// Each session's first request and its arrival, ms from the start,
+    /// in arrival order (sub-sessions are not here: their parents start
+    /// them).
+    pub starts: Vec<(usize, f64)>,
+    /// Per request: the pause after its answer (after its sub-sessions,
+    /// when it has some) before its session's next call, ms.
+    pub pause_ms: Vec<f64>,
+    /// Per request: the first requests of the sub-sessions its answer
+    /// starts.
+    pub spawns: Vec<Vec<usize>>,
 }
 
 /// The figures (keys per DESIGN.md "Interfaces").
@@ -474,6 +530,88 @@ pub fn sharegpt_requests(
         r.next_turn = r.next_turn.filter(|&n| n < max);
     }
     Ok(out)
+}
+
+/// Agent sessions — [`agent_sessions`], the generator `replay --workload
+/// agentic` renders as token ids — as chat calls, each call's messages
+/// [`AgentVocabulary::messages`] (which tokenize to the ids `replay`
+/// simulates), with `max_tokens` its answer's length capped at
+/// `max_output`, and when to send each ([`SessionPlan`]: arrivals divided
+/// by `rate_scale`). Sessions are taken whole, in arrival order, until
+/// `max_requests` calls are reached (a session's sub-agents with it);
+/// each session's calls follow each other in the list, its sub-agents'
+/// after the call that starts them.
+pub fn agentic_requests(
+    config: AgenticConfig,
+    vocabulary: &AgentVocabulary,
+    max_requests: usize,
+    max_output: u32,
+    rate_scale: f64,
+    model: Option<&str>,
+) -> anyhow::Result<(Vec<PreparedRequest>, SessionPlan)> {
+    anyhow::ensure!(
+        rate_scale.is_finite() && rate_scale > 0.0,
+        "--rate-scale must be positive, got {rate_scale}"
+    );
+    let mut out = Vec::new();
+    let mut plan = SessionPlan::default();
+    for session in agent_sessions(config, vocabulary) {
+        if out.len() >= max_requests {
+            break;
+        }
+        let head =
+            push_agent_session(&session, vocabulary, max_output, model, &mut out, &mut plan)?;
+        plan.starts.push((head, session.arrival_ms / rate_scale));
+    }
+    Ok((out, plan))
+}
+
+/// Appends `session`'s calls (and its sub-agents', after the call that
+/// starts them) to `out` and `plan`; returns its first call's index.
+fn push_agent_session(
+    session: &AgentSession,
+    vocabulary: &AgentVocabulary,
+    max_output: u32,
+    model: Option<&str>,
+    out: &mut Vec<PreparedRequest>,
+    plan: &mut SessionPlan,
+) -> anyhow::Result<usize> {
+    let head = out.len();
+    let id = format!("agent-{}", session.id);
+    let mut previous: Option<usize> = None;
+    for (i, call) in session.calls.iter().enumerate() {
+        let messages: Vec<Value> = vocabulary
+            .messages(session, i)
+            .into_iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect();
+        let mut body = json!({
+            "messages": messages,
+            "max_tokens": call.output_tokens.clamp(1, max_output.max(1)),
+            "stream": true,
+        });
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        let at = out.len();
+        if let Some(before) = previous.replace(at) {
+            out[before].next_turn = Some(at);
+        }
+        out.push(PreparedRequest {
+            tenant: None,
+            path: "/v1/chat/completions",
+            body: serde_json::to_vec(&body)?.into(),
+            session: Some(id.clone()),
+            next_turn: None,
+        });
+        plan.pause_ms.push(call.pause_ms);
+        plan.spawns.push(Vec::new());
+        for child in &call.spawn {
+            let first = push_agent_session(child, vocabulary, max_output, model, out, plan)?;
+            plan.spawns[at].push(first);
+        }
+    }
+    Ok(head)
 }
 
 /// The requests that are no request's [`PreparedRequest::next_turn`], in
@@ -842,6 +980,22 @@ pub async fn run_load(
                 }));
             }
         }
+        Pacing::Sessions(plan) => {
+            let run = Arc::new(SessionRun {
+                client: client.clone(),
+                base: base.clone(),
+                requests: requests.clone(),
+                plan: plan.clone(),
+                samples: samples.clone(),
+                stream,
+            });
+            for &(head, ms) in &plan.starts {
+                let at = started + Duration::from_secs_f64(ms.max(0.0) / 1e3);
+                tokio::time::sleep_until(at.into()).await;
+                send_lag.push(at.elapsed().as_secs_f64() * 1e3);
+                tasks.push(tokio::spawn(send_session(run.clone(), head)));
+            }
+        }
         Pacing::Rate(_) | Pacing::Arrivals(_) => {
             // When request `i` is due (`None`: not at all).
             let due = |i: usize| match &pacing {
@@ -851,7 +1005,7 @@ pub async fn run_load(
                 Pacing::Arrivals(arrivals) => arrivals
                     .get(i)
                     .map(|&ms| started + Duration::from_secs_f64(ms.max(0.0) / 1e3)),
-                Pacing::Concurrency(_) => None,
+                Pacing::Concurrency(_) | Pacing::Sessions(_) => None,
             };
             for i in 0..total {
                 let Some(at) = due(i) else {
@@ -919,6 +1073,56 @@ pub async fn run_load(
     }
 }
 
+/// What every session of a [`Pacing::Sessions`] run shares.
+struct SessionRun {
+    client: HttpClient,
+    base: Arc<str>,
+    requests: Arc<Vec<PreparedRequest>>,
+    plan: Arc<SessionPlan>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    stream: bool,
+}
+
+/// Sends the session that opens with request `head`: each call once the
+/// previous one is answered, its sub-sessions, and its pause, are over.
+fn send_session(
+    run: Arc<SessionRun>,
+    head: usize,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        let mut turn = Some(head);
+        while let Some(i) = turn {
+            let Some(request) = run.requests.get(i) else {
+                break;
+            };
+            let sample = one(&run.client, &run.base, request, run.stream).await;
+            let ok = sample.ok;
+            run.samples
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(sample);
+            if !ok {
+                break;
+            }
+            let children: Vec<_> = run
+                .plan
+                .spawns
+                .get(i)
+                .into_iter()
+                .flatten()
+                .map(|&child| tokio::spawn(send_session(run.clone(), child)))
+                .collect();
+            for child in children {
+                let _ = child.await;
+            }
+            let pause = run.plan.pause_ms.get(i).copied().unwrap_or(0.0);
+            tokio::time::sleep(Duration::from_secs_f64(pause.max(0.0) / 1e3)).await;
+            // Only forward: a list naming an earlier call cannot loop.
+            turn = request.next_turn.filter(|&n| n > i);
+        }
+    })
+}
+
 /// Prints a report as a few lines.
 pub fn print_report(title: &str, r: &Report) {
     let lat = |l: &Latency| {
@@ -970,8 +1174,27 @@ pub fn print_report(title: &str, r: &Report) {
 
 /// Runs `switchyard loadgen`.
 pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.rate_scale == 1.0 || args.timestamps || args.workload.is_some(),
+        "--rate-scale needs --timestamps or --workload"
+    );
     let mut arrivals = None;
+    let mut sessions = None;
     let requests = match (&args.sharegpt, &args.trace) {
+        _ if args.workload == Some(LoadWorkload::Agentic) => {
+            let config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
+            let vocabulary = crate::agentic::vocabulary()?;
+            let (requests, plan) = agentic_requests(
+                config,
+                &vocabulary,
+                args.max_requests,
+                args.max_output_tokens,
+                args.rate_scale,
+                args.model.as_deref(),
+            )?;
+            sessions = Some(Arc::new(plan));
+            requests
+        }
         (None, trace) if args.tenants.is_some() => {
             let path = args.tenants.as_deref().expect("matched");
             let (requests, times) = tenant_requests(&args, path, trace.as_deref())?;
@@ -1011,11 +1234,12 @@ pub fn run(args: LoadgenArgs) -> anyhow::Result<()> {
             args.model.as_deref(),
         )?,
     };
-    let pacing = match (arrivals, args.rate, args.concurrency) {
-        (Some(times), _, _) => Pacing::Arrivals(times.into()),
-        (None, Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
-        (None, Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
-        (None, None, c) => Pacing::Concurrency(c.unwrap_or(8)),
+    let pacing = match (sessions, arrivals, args.rate, args.concurrency) {
+        (Some(plan), ..) => Pacing::Sessions(plan),
+        (None, Some(times), _, _) => Pacing::Arrivals(times.into()),
+        (None, None, Some(r), _) if r.is_finite() && r > 0.0 => Pacing::Rate(r),
+        (None, None, Some(r), _) => anyhow::bail!("--rate must be positive, got {r}"),
+        (None, None, None, c) => Pacing::Concurrency(c.unwrap_or(8)),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -102,6 +102,8 @@ fn session(id: u64, arrival_ms: f64, turns: usize) -> Session {
                     tokens: 20,
                 },
                 output_tokens: 7,
+                pause_ms: None,
+                spawn: Vec::new(),
             })
             .collect(),
         flow: switchyard_sim::workload::SessionFlow::default(),
@@ -251,6 +253,213 @@ async fn closed_loop_sends_a_sessions_next_turn_only_after_its_answer() {
     };
     assert_eq!(of("b"), ["b asks 0", "b asks 1", "b asks 2"]);
     assert_eq!(of("a"), ["a asks 0", "a asks 1"]);
+}
+
+/// Agent sessions small enough to read: every call's answer, tool output
+/// and fan-out fixed, half the calls fanning out into two sub-agents.
+fn small_agents() -> AgenticConfig {
+    use switchyard_sim::workload::agentic::{AgentKind, FanOut, LogNormal};
+    AgenticConfig {
+        sessions: 12,
+        seed: 1,
+        kinds: vec![AgentKind {
+            prefix_tokens: 50,
+            weight: 1.0,
+        }],
+        task_tokens: LogNormal::fixed(10.0),
+        calls: LogNormal::fixed(4.0),
+        assistant_tokens: LogNormal::fixed(6.0),
+        tool_output_tokens: LogNormal::fixed(8.0),
+        tool_gap_s: LogNormal::fixed(0.2),
+        fan_out: FanOut {
+            probability: 0.5,
+            min_agents: 2,
+            max_agents: 2,
+            calls: LogNormal::fixed(2.0),
+            task_tokens: LogNormal::fixed(3.0),
+        },
+        ..AgenticConfig::default()
+    }
+}
+
+fn messages_of(request: &PreparedRequest) -> Vec<Value> {
+    let body: Value = serde_json::from_slice(&request.body).unwrap();
+    body["messages"].as_array().unwrap().clone()
+}
+
+#[test]
+fn agent_sessions_become_chat_calls_with_their_pauses_and_sub_agents() {
+    let vocabulary = crate::agentic::vocabulary().unwrap();
+    let plans: Vec<AgentSession> = agent_sessions(small_agents(), &vocabulary).collect();
+    let (requests, plan) =
+        agentic_requests(small_agents(), &vocabulary, usize::MAX, 5, 2.0, Some("m")).unwrap();
+    let calls = |s: &AgentSession| -> usize {
+        fn count(s: &AgentSession) -> usize {
+            s.calls.len()
+                + s.calls
+                    .iter()
+                    .flat_map(|c| &c.spawn)
+                    .map(count)
+                    .sum::<usize>()
+        }
+        count(s)
+    };
+    assert_eq!(requests.len(), plans.iter().map(calls).sum::<usize>());
+    assert_eq!(plan.pause_ms.len(), requests.len());
+    // Each session opens at its arrival, divided by the rate scale.
+    let starts: Vec<f64> = plan.starts.iter().map(|s| s.1).collect();
+    let arrivals: Vec<f64> = plans.iter().map(|p| p.arrival_ms / 2.0).collect();
+    assert_eq!(starts, arrivals);
+    let mut fan_outs = 0;
+    for (session, &(head, _)) in plans.iter().zip(&plan.starts) {
+        // The session's calls, in order along `next_turn`.
+        let mut at = Some(head);
+        for (k, call) in session.calls.iter().enumerate() {
+            let i = at.expect("a request for every call");
+            let request = &requests[i];
+            assert_eq!(request.path, "/v1/chat/completions");
+            let id = format!("agent-{}", session.id);
+            assert_eq!(request.session.as_deref(), Some(id.as_str()));
+            let body: Value = serde_json::from_slice(&request.body).unwrap();
+            assert_eq!(
+                (body["max_tokens"].as_u64(), &body["model"]),
+                (Some(5), &json!("m"))
+            );
+            let expected: Vec<Value> = vocabulary
+                .messages(session, k)
+                .into_iter()
+                .map(|m| json!({"role": m.role, "content": m.content}))
+                .collect();
+            assert_eq!(messages_of(request), expected);
+            assert_eq!(plan.pause_ms[i], call.pause_ms);
+            // Sub-agents open with this call's messages and its answer.
+            assert_eq!(plan.spawns[i].len(), call.spawn.len());
+            for &child in &plan.spawns[i] {
+                fan_outs += 1;
+                let child = messages_of(&requests[child]);
+                assert_eq!(child[..expected.len()], expected[..]);
+                let answer = vocabulary.content_text(&session.messages[call.prompt_messages]);
+                assert_eq!(
+                    child[expected.len()],
+                    json!({"role": "assistant", "content": answer})
+                );
+                assert_eq!(child[expected.len() + 1]["role"], "user");
+            }
+            at = request.next_turn;
+        }
+        assert_eq!(at, None);
+    }
+    assert!(fan_outs >= 4, "{fan_outs}");
+    // A budget takes whole sessions, sub-agents included.
+    let (one, plan) = agentic_requests(small_agents(), &vocabulary, 1, 5, 1.0, None).unwrap();
+    assert_eq!((one.len(), plan.starts.len()), (calls(&plans[0]), 1));
+}
+
+/// A chat server on loopback that answers each request with `[DONE]`
+/// after `delay`, and logs each request's last message's content when it
+/// arrives and when it is answered. Returns its base URL and the log.
+async fn logging_chat_server(
+    delay: Duration,
+) -> (String, Arc<Mutex<Vec<(String, Instant, Instant)>>>) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let server_log = log.clone();
+    tokio::spawn(async move {
+        loop {
+            let (socket, _) = listener.accept().await.unwrap();
+            let log = server_log.clone();
+            tokio::spawn(async move {
+                let (read, mut write) = socket.into_split();
+                let mut read = BufReader::new(read);
+                loop {
+                    let mut length = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if read.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        } else if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    read.read_exact(&mut body).await.unwrap();
+                    let arrived = Instant::now();
+                    tokio::time::sleep(delay).await;
+                    let body: Value = serde_json::from_slice(&body).unwrap();
+                    let last = body["messages"].as_array().unwrap().last().unwrap().clone();
+                    let text = last["content"].as_str().unwrap().to_owned();
+                    log.lock().unwrap().push((text, arrived, Instant::now()));
+                    let event = "data: [DONE]\n\n";
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                        event.len()
+                    );
+                    write.write_all(head.as_bytes()).await.unwrap();
+                    write.write_all(event.as_bytes()).await.unwrap();
+                }
+            });
+        }
+    });
+    (url, log)
+}
+
+/// Session pacing sends a call's sub-sessions together once it is
+/// answered, and the session's next call only after they have all ended
+/// and its pause has passed.
+#[tokio::test]
+async fn session_pacing_starts_sub_sessions_together_and_waits_for_them() {
+    let (url, log) = logging_chat_server(Duration::from_millis(20)).await;
+    let call = |text: &str, session: &str, next_turn: Option<usize>| PreparedRequest {
+        tenant: None,
+        path: "/v1/chat/completions",
+        body: serde_json::to_vec(&json!({
+            "messages": [{"role": "user", "content": text}],
+            "stream": true,
+        }))
+        .unwrap()
+        .into(),
+        session: Some(session.to_owned()),
+        next_turn,
+    };
+    // p0 starts a (a0, a1) and b (b0); p1 follows them all, 100 ms on.
+    let requests = vec![
+        call("p0", "p", Some(4)),
+        call("a0", "a", Some(2)),
+        call("a1", "a", None),
+        call("b0", "b", None),
+        call("p1", "p", None),
+    ];
+    let plan = SessionPlan {
+        starts: vec![(0, 0.0)],
+        pause_ms: vec![100.0, 10.0, 10.0, 10.0, 0.0],
+        spawns: vec![vec![1, 3], vec![], vec![], vec![], vec![]],
+    };
+    let report = run_load(
+        &url,
+        requests,
+        Pacing::Sessions(Arc::new(plan)),
+        true,
+        &[],
+        false,
+    )
+    .await;
+    assert_eq!((report.requests, report.errors), (5, 0));
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    let at = |text: &str| log.iter().find(|l| l.0 == text).expect(text).clone();
+    let (p0, a0, a1, b0, p1) = (at("p0"), at("a0"), at("a1"), at("b0"), at("p1"));
+    // Together, once p0 is answered.
+    assert!(a0.1 >= p0.2 && b0.1 >= p0.2);
+    assert!(a0.1.max(b0.1) - a0.1.min(b0.1) < Duration::from_millis(15));
+    // a's second call after a's first answer and its pause.
+    assert!(a1.1 >= a0.2 + Duration::from_millis(10));
+    // p1 after the last sub-session ended and p0's pause.
+    assert!(p1.1 >= a1.2 + Duration::from_millis(100), "{log:?}");
 }
 
 /// Nothing listens on the port: every request fails at once, which is

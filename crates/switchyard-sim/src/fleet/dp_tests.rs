@@ -36,6 +36,8 @@ fn shared_prefixes(groups: u32, repeats: u32, prefix: u32, gap_ms: f64) -> Sessi
                 turns: vec![Turn {
                     prompt: PromptSpec::Tokens(prompt.into()),
                     output_tokens: 8,
+                    pause_ms: None,
+                    spawn: Vec::new(),
                 }],
                 flow: crate::workload::SessionFlow::default(),
             }

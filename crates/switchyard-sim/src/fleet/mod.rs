@@ -53,7 +53,11 @@
 //! the prompt's prefix, the holder captures it and the chosen worker
 //! restores it after the transfer.
 //!
-//! A session's next turn arrives a think time after its previous turn ends.
+//! A session's next turn arrives a think time (or the turn's own pause)
+//! after its previous turn ends. A turn may spawn sessions (an agent's
+//! sub-agents): they arrive when its answer ends, and the session's next
+//! turn waits until every one of them has ended (completed, failed or
+//! shed), then its pause.
 //! Nothing reads a clock and every random choice is seeded: a run is a pure
 //! function of its configuration and workload.
 //!
@@ -171,6 +175,16 @@ struct InFlight {
     phase: Phase,
 }
 
+/// A session waiting for the sessions one of its turns spawned.
+struct Waiting {
+    /// Spawned sessions not yet ended.
+    children: usize,
+    /// The turn that follows them.
+    next_turn: usize,
+    /// The pause between the last of them ending and that turn.
+    pause_ms: f64,
+}
+
 /// Which part of a request a worker is running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -265,6 +279,10 @@ struct Simulation {
     workload: SessionStream,
     lookahead: Option<Session>,
     sessions: FxHashMap<u64, Session>,
+    /// Sessions whose next turn waits for the sessions a turn spawned.
+    waiting: FxHashMap<u64, Waiting>,
+    /// The session that spawned each running spawned session.
+    parent_of: FxHashMap<u64, u64>,
     in_flight: FxHashMap<RequestId, InFlight>,
     payloads: FxHashMap<RequestId, Payload>,
     /// Effects still to carry out, with the replica that produced them.
@@ -425,6 +443,8 @@ impl Simulation {
             workload,
             lookahead: None,
             sessions: FxHashMap::default(),
+            waiting: FxHashMap::default(),
+            parent_of: FxHashMap::default(),
             in_flight: FxHashMap::default(),
             payloads: FxHashMap::default(),
             effects: VecDeque::new(),
@@ -604,10 +624,30 @@ impl Simulation {
         self.end_session(session);
     }
 
-    /// Forgets a session that will send no further turn.
+    /// Forgets a session that will send no further turn; a parent waiting
+    /// for it as its last spawned session sends its next turn after its
+    /// pause (unless it ended meanwhile).
     fn end_session(&mut self, session: u64) {
         self.sessions.remove(&session);
         self.session_replica.remove(&session);
+        self.waiting.remove(&session);
+        let Some(parent) = self.parent_of.remove(&session) else {
+            return;
+        };
+        let Some(wait) = self.waiting.get_mut(&parent) else {
+            return;
+        };
+        wait.children -= 1;
+        if wait.children == 0 {
+            let wait = self.waiting.remove(&parent).expect("just seen");
+            self.schedule(
+                self.now + wait.pause_ms,
+                Event::Turn {
+                    session: parent,
+                    turn: wait.next_turn,
+                },
+            );
+        }
     }
 
     /// A request admission shed: recorded, and its session ends (the

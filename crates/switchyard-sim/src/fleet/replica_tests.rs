@@ -152,6 +152,8 @@ fn pairs(rounds: u64) -> SessionStream {
                     tokens: 2048,
                 },
                 output_tokens: 64,
+                pause_ms: None,
+                spawn: Vec::new(),
             }],
             flow: crate::workload::SessionFlow::default(),
         })

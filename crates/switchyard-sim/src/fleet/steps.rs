@@ -1,7 +1,8 @@
 //! The workers' engines: a step launched on an idle worker, and what it
 //! carries back when it ends (tokens to the clients and first and last
 //! tokens to the routing replica, finished requests, KV events and usage
-//! for the routers, the session's next turn).
+//! for the routers, the session's next turn and the sessions a turn
+//! spawns).
 
 use super::event::Event;
 use super::{Phase, Simulation};
@@ -164,23 +165,53 @@ impl Simulation {
         self.kick(worker);
     }
 
+    /// After turn `turn` of `session` ended: the sessions it spawns arrive,
+    /// and the session's next turn follows its pause (after the spawned
+    /// sessions have all ended, when it spawned any), or the session ends.
     fn next_turn(&mut self, session: u64, turn: usize) {
         let Some(s) = self.sessions.get(&session) else {
             return;
         };
-        if turn + 1 < s.turns.len() {
-            let at = self.now + s.think_time_ms;
+        let spec = &s.turns[turn];
+        let pause = spec.pause_ms.unwrap_or(s.think_time_ms);
+        let spawn = spec.spawn.clone();
+        let next = (turn + 1 < s.turns.len()).then_some(turn + 1);
+        let children = spawn.len();
+        for child in spawn {
+            let id = child.id;
+            let at = self.now + child.arrival_ms.max(0.0);
+            self.sessions.insert(id, child);
+            self.parent_of.insert(id, session);
             self.schedule(
                 at,
                 Event::Turn {
-                    session,
-                    turn: turn + 1,
+                    session: id,
+                    turn: 0,
                 },
             );
-        } else {
-            self.sessions.remove(&session);
-            self.session_replica.remove(&session);
-            self.sessions_completed += 1;
+        }
+        match next {
+            Some(next) if children > 0 => {
+                self.waiting.insert(
+                    session,
+                    super::Waiting {
+                        children,
+                        next_turn: next,
+                        pause_ms: pause,
+                    },
+                );
+            }
+            Some(next) => self.schedule(
+                self.now + pause,
+                Event::Turn {
+                    session,
+                    turn: next,
+                },
+            ),
+            None => {
+                self.sessions_completed += 1;
+                self.end_session(session);
+            }
         }
     }
 

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::workload::{PromptSpec, Turn};
+use std::collections::BTreeMap;
 use switchyard_core::select::PolicyKind;
 
 fn sessions(list: Vec<Session>) -> SessionStream {
@@ -18,6 +19,8 @@ fn one_turn(id: u64, arrival_ms: f64, prompt: Vec<u32>, output_tokens: u32) -> S
         turns: vec![Turn {
             prompt: PromptSpec::Tokens(prompt.into()),
             output_tokens,
+            pause_ms: None,
+            spawn: Vec::new(),
         }],
         flow: crate::workload::SessionFlow::default(),
     }
@@ -338,10 +341,14 @@ fn a_sessions_next_turn_waits_for_the_previous_one_and_its_think_time() {
             Turn {
                 prompt: PromptSpec::Tokens(first.into()),
                 output_tokens: 2,
+                pause_ms: None,
+                spawn: Vec::new(),
             },
             Turn {
                 prompt: PromptSpec::Tokens(second.into()),
                 output_tokens: 2,
+                pause_ms: None,
+                spawn: Vec::new(),
             },
         ],
         flow: crate::workload::SessionFlow::default(),
@@ -360,6 +367,76 @@ fn a_sessions_next_turn_waits_for_the_previous_one_and_its_think_time() {
         (out.report.hit_rate - 64.0 / 192.0).abs() < 1e-12,
         "{}",
         out.report.hit_rate
+    );
+}
+
+/// A session of `turns` turns on one prompt of `len` tokens opened by
+/// `first`, each turn `pause_ms` before the next.
+fn chain(id: u64, first: u32, len: u32, turns: usize, pause_ms: f64) -> Session {
+    Session {
+        id,
+        arrival_ms: 0.0,
+        think_time_ms: 0.0,
+        turns: (0..turns as u32)
+            .map(|k| Turn {
+                pause_ms: Some(pause_ms),
+                ..Turn::new(
+                    PromptSpec::Tokens((first..first + len + 16 * k).collect()),
+                    2,
+                )
+            })
+            .collect(),
+        flow: crate::workload::SessionFlow::default(),
+    }
+}
+
+/// When each (session, turn) arrived, over a whole run.
+fn arrivals(config: &FleetConfig, list: Vec<Session>) -> (SimOutcome, BTreeMap<(u64, usize), f64>) {
+    let mut seen = BTreeMap::new();
+    let outcome = Simulation::new(config, sessions(list))
+        .unwrap()
+        .run(&mut |_| {}, |f: &Simulation| {
+            for p in f.payloads.values() {
+                seen.entry((p.session, p.turn)).or_insert(p.arrival_ms);
+            }
+            for r in f.in_flight.values() {
+                seen.entry((r.session, r.turn)).or_insert(r.arrival_ms);
+            }
+        })
+        .unwrap();
+    (outcome, seen)
+}
+
+#[test]
+fn spawned_sessions_arrive_together_and_their_parent_waits_for_them_all() {
+    let config = fleet(2, PolicyKind::Ttft);
+    let mut parent = chain(0, 0, 64, 2, 500.0);
+    parent.turns[0].spawn = vec![chain(1, 5000, 64, 2, 100.0), chain(2, 9000, 64, 3, 100.0)];
+    let (out, at) = arrivals(&config, vec![parent]);
+    assert_eq!(out.report.completed, 2 + 2 + 3);
+    assert_eq!(out.report.sessions_completed, 3);
+    // The siblings arrive at one instant, after the parent's first turn.
+    assert_eq!(at[&(1, 0)], at[&(2, 0)]);
+    assert!(at[&(1, 0)] > at[&(0, 0)]);
+    // The parent's next turn waits for the longer sibling's last turn and
+    // then its own pause.
+    assert!(at[&(0, 1)] > at[&(2, 2)] + 500.0, "{at:?}");
+    assert!(at[&(0, 1)] > at[&(1, 1)] + 500.0, "{at:?}");
+}
+
+#[test]
+fn a_failed_spawned_session_still_releases_its_parent() {
+    let mut config = fleet(1, PolicyKind::Ttft);
+    config.engine.num_blocks = 8;
+    let mut parent = chain(0, 0, 32, 2, 10.0);
+    // Longer than the engine's whole pool: refused.
+    parent.turns[0].spawn = vec![chain(1, 5000, 4000, 2, 10.0)];
+    let (out, at) = arrivals(&config, vec![parent]);
+    assert_eq!(out.report.errors, 1);
+    assert_eq!(out.report.completed, 2);
+    assert!(
+        at.contains_key(&(0, 1)) && !at.contains_key(&(1, 1)),
+        "{at:?}"
     );
 }
 

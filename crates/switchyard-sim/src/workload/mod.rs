@@ -11,11 +11,16 @@
 //! flight, not by the trace.
 //!
 //! ShareGPT conversations become sessions in `sharegpt` (tokenized with
-//! the real tokenizer and chat template).
+//! the real tokenizer and chat template); agent sessions — tool outputs,
+//! tool gaps, sub-agents fanned out from the parent's context — are
+//! generated in `agentic`, the one generator both the simulator and the
+//! load generator read.
 
+pub mod agentic;
 mod sharegpt;
 pub mod tenants;
 
+pub use agentic::{agentic, AgentVocabulary, AgenticConfig};
 pub use sharegpt::{read_conversations, read_sharegpt, ShareGptOptions};
 pub use tenants::SessionFlow;
 
@@ -50,13 +55,23 @@ pub enum PromptSpec {
     },
     /// Literal token ids.
     Tokens(Arc<[u32]>),
+    /// The concatenation of shared pieces: the turns of an agent session
+    /// (and the sessions of one agent kind) hold their common prefix once.
+    Pieces {
+        /// The pieces, in order.
+        pieces: Arc<[Arc<[u32]>]>,
+        /// Their total length.
+        tokens: u32,
+    },
 }
 
 impl PromptSpec {
     /// Prompt length in tokens.
     pub fn len(&self) -> u32 {
         match self {
-            PromptSpec::Mooncake { tokens, .. } | PromptSpec::Random { tokens, .. } => *tokens,
+            PromptSpec::Mooncake { tokens, .. }
+            | PromptSpec::Random { tokens, .. }
+            | PromptSpec::Pieces { tokens, .. } => *tokens,
             PromptSpec::Tokens(t) => t.len() as u32,
         }
     }
@@ -78,6 +93,13 @@ impl PromptSpec {
                 .map(|i| (xxh3_64_with_seed(&i.to_le_bytes(), *seed) % VOCAB) as u32)
                 .collect(),
             PromptSpec::Tokens(t) => t.to_vec(),
+            PromptSpec::Pieces { pieces, tokens } => {
+                let mut out = Vec::with_capacity(*tokens as usize);
+                for piece in pieces.iter() {
+                    out.extend_from_slice(piece);
+                }
+                out
+            }
         }
     }
 }
@@ -89,14 +111,35 @@ pub struct Turn {
     pub prompt: PromptSpec,
     /// Tokens the answer has.
     pub output_tokens: u32,
+    /// The pause between this turn's answer and the session's next turn,
+    /// ms (`None`: the session's [`Session::think_time_ms`]). After a turn
+    /// that spawns sessions, the pause starts when the last of them ends.
+    pub pause_ms: Option<f64>,
+    /// Sessions (sub-agents) this turn starts when its answer ends, each
+    /// its own [`Session::arrival_ms`] later; the session's next turn
+    /// waits until every one of them has ended.
+    pub spawn: Vec<Session>,
+}
+
+impl Turn {
+    /// A turn followed by the session's think time, spawning nothing.
+    pub fn new(prompt: PromptSpec, output_tokens: u32) -> Self {
+        Self {
+            prompt,
+            output_tokens,
+            pause_ms: None,
+            spawn: Vec::new(),
+        }
+    }
 }
 
 /// A client's sequence of turns.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Session {
-    /// Unique within the workload.
+    /// Unique within the workload, spawned sessions included.
     pub id: u64,
-    /// When the first turn arrives (ms from the start).
+    /// When the first turn arrives: ms from the start, or for a spawned
+    /// session ms after the answer of the turn that spawns it.
     pub arrival_ms: f64,
     /// Pause between one turn's end and the next turn's arrival.
     pub think_time_ms: f64,
@@ -104,6 +147,50 @@ pub struct Session {
     pub turns: Vec<Turn>,
     /// Who sends it and how urgent it is (flow control).
     pub flow: SessionFlow,
+}
+
+impl Session {
+    /// Every turn of this session and of the sessions it spawns, depth
+    /// first: a turn, then the sessions it spawns, then the next turn (the
+    /// order they arrive in when spawned sessions run one at a time).
+    pub fn all_turns(&self) -> Vec<&Turn> {
+        let mut out = Vec::with_capacity(self.turns.len());
+        self.collect_turns(&mut out);
+        out
+    }
+
+    fn collect_turns<'a>(&'a self, out: &mut Vec<&'a Turn>) {
+        for turn in &self.turns {
+            out.push(turn);
+            for child in &turn.spawn {
+                child.collect_turns(out);
+            }
+        }
+    }
+
+    /// Calls `f` on every turn of this session and of the sessions it
+    /// spawns.
+    pub fn for_each_turn_mut(&mut self, f: &mut impl FnMut(&mut Turn)) {
+        for turn in &mut self.turns {
+            f(turn);
+            for child in &mut turn.spawn {
+                child.for_each_turn_mut(f);
+            }
+        }
+    }
+
+    /// Numbers this session `*next` and the sessions it spawns after it,
+    /// depth first, advancing `next` past them all (ids stay unique when
+    /// streams are merged).
+    pub fn renumber(&mut self, next: &mut u64) {
+        self.id = *next;
+        *next += 1;
+        for turn in &mut self.turns {
+            for child in &mut turn.spawn {
+                child.renumber(next);
+            }
+        }
+    }
 }
 
 /// Time and length controls applied to any workload.
@@ -147,16 +234,18 @@ pub fn limited(stream: SessionStream, limits: WorkloadLimits) -> SessionStream {
     };
     let stream = stream
         .filter(move |s| match (s, limits.max_prompt_tokens) {
-            (Ok(s), Some(max)) => s.turns.iter().all(|t| t.prompt.len() <= max),
+            (Ok(s), Some(max)) => s.all_turns().iter().all(|t| t.prompt.len() <= max),
             _ => true,
         })
         .map(move |s| {
             s.map(|mut s| {
+                // Spawned sessions arrive relative to their parent's turn:
+                // only the session's own arrival scales.
                 s.arrival_ms /= scale;
                 if let Some(cap) = limits.max_output_tokens {
-                    for t in &mut s.turns {
+                    s.for_each_turn_mut(&mut |t| {
                         t.output_tokens = t.output_tokens.min(cap.max(1));
-                    }
+                    });
                 }
                 s
             })
@@ -183,13 +272,13 @@ pub fn mooncake<R: BufRead + Send + 'static>(input: R, max_spread_ms: f64) -> Se
         r.map(|r| {
             (
                 r.timestamp,
-                Turn {
-                    prompt: PromptSpec::Mooncake {
+                Turn::new(
+                    PromptSpec::Mooncake {
                         hash_ids: r.hash_ids.into_boxed_slice(),
                         tokens: r.input_length,
                     },
-                    output_tokens: r.output_length.max(1),
-                },
+                    r.output_length.max(1),
+                ),
             )
         })
     });
@@ -239,13 +328,13 @@ pub fn azure<R: BufRead + Send + 'static>(input: R, seed: u64) -> SessionStream 
                 id: n - 1,
                 arrival_ms: r.arrival_ms,
                 think_time_ms: 0.0,
-                turns: vec![Turn {
-                    prompt: PromptSpec::Random {
+                turns: vec![Turn::new(
+                    PromptSpec::Random {
                         seed: seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                         tokens: r.context_tokens.max(1),
                     },
-                    output_tokens: r.generated_tokens.max(1),
-                }],
+                    r.generated_tokens.max(1),
+                )],
                 flow: SessionFlow::default(),
             }
         })
@@ -396,10 +485,10 @@ pub fn synthetic(config: SyntheticConfig) -> SessionStream {
         let mut turns = Vec::with_capacity(turns_n as usize);
         for k in 0..u64::from(turns_n) {
             context.extend(tokens(id << 20 ^ k << 1, config.user_tokens));
-            turns.push(Turn {
-                prompt: PromptSpec::Tokens(context.clone().into()),
-                output_tokens: config.output_tokens.max(1),
-            });
+            turns.push(Turn::new(
+                PromptSpec::Tokens(context.clone().into()),
+                config.output_tokens.max(1),
+            ));
             context.extend(tokens(id << 20 ^ k << 1 ^ 1, config.output_tokens));
         }
         Ok(Session {

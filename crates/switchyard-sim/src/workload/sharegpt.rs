@@ -85,6 +85,7 @@ pub fn read_conversations<R: BufRead>(input: R) -> Result<Vec<Vec<ChatMessage>>,
                     Some(ChatMessage {
                         role: chat_role(&m.from)?.to_owned(),
                         content: m.value,
+                        tool_calls: Vec::new(),
                     })
                 })
                 .collect(),
@@ -132,6 +133,7 @@ pub fn read_sharegpt<R: BufRead>(
             messages.push(ChatMessage {
                 role: role.to_owned(),
                 content: m.value.clone(),
+                tool_calls: Vec::new(),
             });
             if role != "user" {
                 continue;
@@ -152,10 +154,10 @@ pub fn read_sharegpt<R: BufRead>(
                 .transpose()
                 .map_err(|e| malformed(e.to_string()))?
                 .unwrap_or(256);
-            turns.push(Turn {
-                prompt: PromptSpec::Tokens(prompt.into()),
-                output_tokens: answer.clamp(1, 4096) as u32,
-            });
+            turns.push(Turn::new(
+                PromptSpec::Tokens(prompt.into()),
+                answer.clamp(1, 4096) as u32,
+            ));
         }
         if turns.is_empty() {
             continue;

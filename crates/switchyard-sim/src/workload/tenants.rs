@@ -22,19 +22,27 @@ pub struct SessionFlow {
 /// with a `salt` other than 0 its prompts are made distinct from every
 /// other salt's (tenants do not share system prompts or documents). A
 /// Mooncake prompt's hash ids and a random prompt's seed are salted;
-/// literal token prompts (ShareGPT, synthetic) are kept as they are.
+/// literal token prompts (ShareGPT, synthetic, agentic) are kept as they
+/// are. Spawned sessions carry the flow too.
 pub fn for_tenant(stream: SessionStream, flow: SessionFlow, salt: u64) -> SessionStream {
     Box::new(stream.map(move |s| {
         s.map(|mut s| {
-            s.flow = flow;
+            set_flow(&mut s, flow);
             if salt != 0 {
-                for turn in &mut s.turns {
-                    salt_prompt(&mut turn.prompt, salt);
-                }
+                s.for_each_turn_mut(&mut |turn| salt_prompt(&mut turn.prompt, salt));
             }
             s
         })
     }))
+}
+
+fn set_flow(session: &mut Session, flow: SessionFlow) {
+    session.flow = flow;
+    for turn in &mut session.turns {
+        for child in &mut turn.spawn {
+            set_flow(child, flow);
+        }
+    }
 }
 
 fn salt_prompt(prompt: &mut PromptSpec, salt: u64) {
@@ -47,13 +55,13 @@ fn salt_prompt(prompt: &mut PromptSpec, salt: u64) {
             *hash_ids = salted;
         }
         PromptSpec::Random { seed, .. } => *seed ^= offset,
-        PromptSpec::Tokens(_) => {}
+        PromptSpec::Tokens(_) | PromptSpec::Pieces { .. } => {}
     }
 }
 
 /// The sessions of every stream in one stream, in first-arrival order
-/// (ties: the earlier stream first), renumbered `0, 1, ...` so that ids
-/// stay unique. The first error of any stream ends the merged stream with
+/// (ties: the earlier stream first), renumbered `0, 1, ...` (spawned
+/// sessions numbered after their parent) so that ids stay unique. The first error of any stream ends the merged stream with
 /// that error.
 pub fn merge(streams: Vec<SessionStream>) -> SessionStream {
     let mut heads: Vec<(SessionStream, Option<Session>)> =
@@ -84,8 +92,7 @@ pub fn merge(streams: Vec<SessionStream>) -> SessionStream {
                 a.arrival_ms.total_cmp(&b.arrival_ms)
             })?;
         let mut session = head.take()?;
-        session.id = next_id;
-        next_id += 1;
+        session.renumber(&mut next_id);
         Some(Ok(session))
     }))
 }
@@ -100,13 +107,13 @@ mod tests {
             id,
             arrival_ms: at,
             think_time_ms: 0.0,
-            turns: vec![Turn {
-                prompt: PromptSpec::Mooncake {
+            turns: vec![Turn::new(
+                PromptSpec::Mooncake {
                     hash_ids: vec![hash].into(),
                     tokens: 16,
                 },
-                output_tokens: 1,
-            }],
+                1,
+            )],
             flow: SessionFlow::default(),
         }
     }
@@ -126,6 +133,26 @@ mod tests {
         assert_eq!(ids, vec![0, 1, 2, 3, 4]);
         // A tie goes to the earlier stream.
         assert_eq!(merged[2].turns[0].prompt, one(0, 0.0, 2).turns[0].prompt);
+    }
+
+    #[test]
+    fn merged_ids_number_spawned_sessions_after_their_parent() {
+        let mut parent = one(0, 0.0, 1);
+        parent.turns[0].spawn = vec![one(1, 0.0, 2), one(2, 0.0, 3)];
+        let a = stream(vec![parent]);
+        let b = stream(vec![one(0, 5.0, 4)]);
+        let merged: Vec<Session> = merge(vec![a, b]).map(Result::unwrap).collect();
+        let spawned: Vec<u64> = merged[0].turns[0].spawn.iter().map(|s| s.id).collect();
+        assert_eq!((merged[0].id, spawned, merged[1].id), (0, vec![1, 2], 3));
+        // A tenant's flow reaches its spawned sessions.
+        let flow = SessionFlow {
+            tenant: TenantId(2),
+            ..SessionFlow::default()
+        };
+        let tagged: Vec<Session> = for_tenant(stream(merged), flow, 0)
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(tagged[0].turns[0].spawn[1].flow, flow);
     }
 
     #[test]

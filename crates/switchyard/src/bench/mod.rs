@@ -68,7 +68,7 @@ pub enum BenchCommand {
     /// Does replay predict serve: one trace slice through the simulator and through real processes.
     Twin(twin::TwinArgs),
     /// Switchyard against SGLang's routers (smg, sglang-router) on the same conversations.
-    Versus(versus::VersusArgs),
+    Versus(Box<versus::VersusArgs>),
     /// The router's tokenizer against the tokenizers crate: fresh prompts and a long chat's last turn.
     Tokenize(tokenize::TokenizeArgs),
     /// Routing decisions at 64 workers while KV events from 8 are applied concurrently.
@@ -97,7 +97,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Soak(args) => soak::run(args),
         BenchCommand::Itl(args) => itl::run(args),
         BenchCommand::Twin(args) => twin::run(args),
-        BenchCommand::Versus(args) => versus::run(args),
+        BenchCommand::Versus(args) => versus::run(*args),
         BenchCommand::Tokenize(args) => tokenize::run(args),
         BenchCommand::Contention(args) => contention::run(args),
     }

@@ -107,6 +107,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         let message = [ChatMessage {
             role: "user".into(),
             content: text,
+            tool_calls: Vec::new(),
         }];
         timed(&mut chat, || {
             cached

@@ -23,7 +23,8 @@
 //! Each run: the engines as child processes, the router under test in
 //! front of them, one warm-up request, then the bundled ShareGPT
 //! conversations (streamed, each turn the whole conversation so far) from
-//! the load generator here. Figures: TTFT p50/p90 at the client, the
+//! the load generator here — or, with `--workload agentic`, agent sessions
+//! paced as `loadgen --workload agentic` paces them. Figures: TTFT p50/p90 at the client, the
 //! engines' prefix hit rate from their own counters (the sim-workers', or
 //! vLLM's `vllm:prefix_cache_hits_total` over
 //! `vllm:prefix_cache_queries_total`), so every router is measured the
@@ -46,7 +47,7 @@ use crate::demo::{start_sim_workers, SimWorkers};
 use crate::engines::env::VllmEnv;
 use crate::engines::models::TinyModels;
 use crate::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
-use crate::loadgen::{self, Pacing, Report};
+use crate::loadgen::{self, LoadWorkload, Pacing, Report};
 use crate::stats::write_json;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -201,6 +202,21 @@ pub struct VersusArgs {
     /// ShareGPT conversations [default: the bundled sharegpt_multiturn_3000].
     #[arg(long)]
     pub sharegpt: Option<PathBuf>,
+    /// A built-in workload instead of the ShareGPT conversations:
+    /// `agentic`, sent as `loadgen --workload agentic` sends it (sessions
+    /// open at their arrivals; `--requests` takes whole sessions until it
+    /// is reached). The engines' limits hold: give an `--agentic-config`
+    /// whose `context_cap_tokens` fits them (a sim-worker's
+    /// `--max-model-len` is 32,768 by default; the default cap is 200,000).
+    #[arg(long, value_enum, conflicts_with_all = ["sharegpt", "tenants", "concurrency"])]
+    pub workload: Option<LoadWorkload>,
+    /// With `--workload agentic`: its parameters (TOML), as `replay
+    /// --agentic-config` takes them.
+    #[arg(long, requires = "workload")]
+    pub agentic_config: Option<PathBuf>,
+    /// With `--workload agentic`: its seed, as `replay --seed`.
+    #[arg(long, default_value_t = 0, requires = "workload")]
+    pub seed: u64,
     /// Write every run's figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -409,7 +425,7 @@ enum Contender<'a> {
 /// How one run offers its load and what the routers are started with
 /// beyond the comparison's settings.
 struct RunLoad {
-    /// Closed loop or the arrivals of a tenant mix.
+    /// Closed loop, agent sessions, or the arrivals of a tenant mix.
     pacing: Pacing,
     /// More `serve` flags.
     ours: Vec<String>,
@@ -539,16 +555,34 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     if args.tenants.is_some() {
         return tenants::run(&args);
     }
-    let sharegpt = match &args.sharegpt {
-        Some(p) => p.clone(),
-        None => crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?,
+    let (requests, pacing) = match args.workload {
+        Some(LoadWorkload::Agentic) => {
+            let config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
+            let vocabulary = crate::agentic::vocabulary()?;
+            let (requests, plan) = loadgen::agentic_requests(
+                config,
+                &vocabulary,
+                args.requests(),
+                args.max_output_tokens,
+                1.0,
+                Some(args.model()),
+            )?;
+            (requests, Pacing::Sessions(std::sync::Arc::new(plan)))
+        }
+        None => {
+            let sharegpt = match &args.sharegpt {
+                Some(p) => p.clone(),
+                None => crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?,
+            };
+            let requests = loadgen::sharegpt_requests(
+                &sharegpt,
+                args.requests(),
+                args.max_output_tokens,
+                Some(args.model()),
+            )?;
+            (requests, Pacing::Concurrency(args.concurrency()))
+        }
     };
-    let requests = loadgen::sharegpt_requests(
-        &sharegpt,
-        args.requests(),
-        args.max_output_tokens,
-        Some(args.model()),
-    )?;
     let vllm = match args.engine {
         Engine::Sim => None,
         Engine::Vllm => Some(vllm_setup()?),
@@ -564,7 +598,7 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
             eprintln!("round {}: {name}...", round + 1);
             let run = format!("round{}-{i}", round + 1);
             let load = RunLoad {
-                pacing: Pacing::Concurrency(args.concurrency()),
+                pacing: pacing.clone(),
                 ours: Vec::new(),
                 peer: Vec::new(),
             };
@@ -650,12 +684,23 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
             crate::engines::env::VLLM_VERSION
         ),
     };
-    println!(
-        "{} ShareGPT turns, concurrency {}, {} {engines} per router",
-        args.requests(),
-        args.concurrency(),
-        args.workers(),
-    );
+    let load = match args.workload {
+        Some(LoadWorkload::Agentic) => format!(
+            "agent sessions up to {} calls (seed {}{})",
+            args.requests(),
+            args.seed,
+            args.agentic_config
+                .as_ref()
+                .map(|p| format!(", {}", p.display()))
+                .unwrap_or_default()
+        ),
+        None => format!(
+            "{} ShareGPT turns, concurrency {}",
+            args.requests(),
+            args.concurrency()
+        ),
+    };
+    println!("{load}, {} {engines} per router", args.workers());
     println!(
         "{:<42} {:>5} {:>10} {:>10} {:>6} {:>8} {:>6} {:>9}",
         "router", "round", "TTFT p50", "TTFT p90", "hit", "req/s", "errors", "cpu ms/rq"

@@ -30,10 +30,12 @@ use switchyard_sim::fleet::{
 use switchyard_sim::reference::References;
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{self, Session, SessionStream, SyntheticConfig, WorkloadLimits};
-use switchyard_sim::workload::{read_sharegpt, ShareGptOptions};
+use switchyard_sim::workload::{read_sharegpt, AgentVocabulary, AgenticConfig, ShareGptOptions};
 use switchyard_sim_worker::{ArchitectureChoice, EngineDefaults, EngineFlags};
 
-/// Default arrival-rate multiplier for the bundled trace. At 1× the default
+/// Default arrival-rate multiplier for the traces and the synthetic
+/// workload (the agent workload's is 1: its rate is its config's). For the
+/// bundled trace: at 1× the default
 /// fleet idles (TTFT p90 about 0.1 s for every policy); at 28× round-robin's
 /// TTFT p90 passes 2 s while the fleet still keeps up, which is where the
 /// choice of policy decides how the fleet holds up.
@@ -68,6 +70,10 @@ pub enum TraceFormat {
     Sharegpt,
     /// The built-in synthetic multi-turn generator (no file).
     Synthetic,
+    /// The built-in agent workload generator (no file; its parameters
+    /// from `--agentic-config`): sessions of tool calls and heavy-tailed
+    /// tool outputs on shared per-kind prefixes, with sub-agents.
+    Agentic,
 }
 
 /// What the routers know of hybrid workers.
@@ -149,18 +155,25 @@ pub struct ReplayArgs {
     /// Trace file (default: the bundled Mooncake conversation trace).
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Trace format.
-    #[arg(long, value_enum, default_value_t = TraceFormat::Auto)]
+    /// Trace format, or a built-in workload (`synthetic`, `agentic`).
+    #[arg(long, visible_alias = "workload", value_enum, default_value_t = TraceFormat::Auto)]
     pub format: TraceFormat,
+    /// With `--workload agentic`: its parameters (TOML; every field
+    /// optional, see `switchyard::agentic`) [default: the documented
+    /// defaults]. `--seed` seeds it, `--max-requests` counts its sessions.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agentic_config: Option<PathBuf>,
     /// Fleet profile; the flags below override its parts.
     #[arg(long, value_enum, default_value_t = Profile::Default)]
     pub profile: Profile,
     /// Workers in the fleet.
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Arrival-rate multiplier (2 = twice as fast as the trace).
-    #[arg(long, default_value_t = DEFAULT_RATE_SCALE)]
-    pub rate_scale: f64,
+    /// Arrival-rate multiplier (2 = twice as fast as the trace) [default:
+    /// 28 (`DEFAULT_RATE_SCALE`), 1 for the agent workload].
+    #[arg(long)]
+    pub rate_scale: Option<f64>,
     /// Stop after this many sessions (requests, for single-turn traces).
     #[arg(long)]
     pub max_requests: Option<usize>,
@@ -243,10 +256,12 @@ pub struct ReplayArgs {
     /// Seed of every random choice.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Multi-turn workloads: new sessions per second.
+    /// ShareGPT and synthetic workloads: new sessions per second (the
+    /// agent workload's is its config's).
     #[arg(long, default_value_t = 2.0)]
     pub sessions_per_sec: f64,
-    /// Multi-turn workloads: think time between an answer and the next turn, ms.
+    /// ShareGPT and synthetic workloads: think time between an answer and
+    /// the next turn, ms (the agent workload draws its tool gaps).
     #[arg(long, default_value_t = 5000.0)]
     pub think_time_ms: f64,
     /// Simulations run at once (default: the machine's cores).
@@ -359,6 +374,17 @@ pub struct ReplayArgs {
     pub engine: EngineFlags,
 }
 
+impl ReplayArgs {
+    /// The arrival-rate multiplier: `--rate-scale`, else 1 for the agent
+    /// workload and [`DEFAULT_RATE_SCALE`] for the others.
+    pub fn rate_scale(&self) -> f64 {
+        self.rate_scale.unwrap_or(match self.format {
+            TraceFormat::Agentic => 1.0,
+            _ => DEFAULT_RATE_SCALE,
+        })
+    }
+}
+
 /// Parses a `P:D` split.
 pub(crate) fn parse_split(text: &str) -> Result<(usize, usize), String> {
     let (p, d) = text
@@ -456,7 +482,10 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
         ..FleetConfig::default()
     };
     anyhow::ensure!(fleet.workers > 0, "--workers must be at least 1");
-    anyhow::ensure!(args.rate_scale > 0.0, "--rate-scale must be positive");
+    anyhow::ensure!(
+        args.rate_scale() > 0.0 && args.rate_scale().is_finite(),
+        "--rate-scale must be positive"
+    );
     fleet.router.seed = args.seed;
     fleet.router.policies.kv.overlap_weight = args.overlap_weight;
     fleet.router.policies.kv.temperature = args.temperature;
@@ -533,14 +562,22 @@ pub fn disagg_config(args: &ReplayArgs, prefill_workers: usize) -> DisaggConfig 
     }
 }
 
-/// The trace `args` replay; `None` for a synthetic workload.
+/// The trace `args` replay; `None` for a built-in workload.
 pub(crate) fn trace(args: &ReplayArgs) -> Option<Trace> {
-    (args.format != TraceFormat::Synthetic).then(|| Trace::or_bundled(args.trace.as_deref()))
+    (!matches!(args.format, TraceFormat::Synthetic | TraceFormat::Agentic))
+        .then(|| Trace::or_bundled(args.trace.as_deref()))
 }
 
-/// How `trace` names the workload in figures and messages.
-pub(crate) fn trace_name(trace: Option<&Trace>) -> String {
-    trace.map_or_else(|| "synthetic".to_owned(), Trace::to_string)
+/// How figures and messages name the workload `args` replay.
+pub(crate) fn workload_name(args: &ReplayArgs) -> String {
+    match (args.format, trace(args)) {
+        (TraceFormat::Agentic, _) => match &args.agentic_config {
+            Some(path) => format!("agentic ({})", path.display()),
+            None => "agentic".to_owned(),
+        },
+        (_, Some(trace)) => trace.to_string(),
+        (_, None) => "synthetic".to_owned(),
+    }
 }
 
 fn format_of(args: &ReplayArgs, trace: Option<&Trace>) -> TraceFormat {
@@ -555,18 +592,41 @@ fn format_of(args: &ReplayArgs, trace: Option<&Trace>) -> TraceFormat {
 
 /// A workload each simulation can open: traces are re-read per
 /// simulation (streaming, bounded memory); tokenized ShareGPT sessions are
-/// built once and shared.
+/// built once and shared; agent sessions are generated afresh each time
+/// from a config and a vocabulary made once.
 #[derive(Clone)]
 pub enum WorkloadSource {
     /// Re-read from the trace file each time.
     Streamed,
     /// Built once.
     Shared(Arc<Vec<Session>>),
+    /// Generated each time.
+    Agentic {
+        /// The parameters, seeded.
+        config: Box<AgenticConfig>,
+        /// The bundled tokenizer's words and template.
+        vocabulary: Arc<AgentVocabulary>,
+    },
 }
 
 impl WorkloadSource {
-    /// Prepares the workload of `args` (tokenizing ShareGPT once).
+    /// Prepares the workload of `args` (tokenizing ShareGPT once; the
+    /// agent workload's config and vocabulary).
     pub fn prepare(args: &ReplayArgs) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            args.agentic_config.is_none() || args.format == TraceFormat::Agentic,
+            "--agentic-config needs --workload agentic"
+        );
+        if args.format == TraceFormat::Agentic {
+            let mut config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
+            if let Some(sessions) = args.max_requests {
+                config.sessions = sessions;
+            }
+            return Ok(Self::Agentic {
+                config: Box::new(config),
+                vocabulary: crate::agentic::vocabulary()?,
+            });
+        }
         let trace = trace(args);
         if format_of(args, trace.as_ref()) != TraceFormat::Sharegpt {
             return Ok(Self::Streamed);
@@ -602,7 +662,7 @@ impl WorkloadSource {
         for (i, tenant) in mix.tenants.iter().enumerate() {
             let mut own = args.clone();
             own.tenants = None;
-            own.rate_scale = tenant.rate_scale;
+            own.rate_scale = Some(tenant.rate_scale);
             if tenant.trace.is_some() {
                 own.trace = tenant.trace.clone();
             }
@@ -624,13 +684,17 @@ impl WorkloadSource {
                     Box::new((0..sessions.len()).map(move |i| Ok(sessions[i].clone())));
                 Ok(workload::limited(stream, limits(args)))
             }
+            Self::Agentic { config, vocabulary } => {
+                let stream = workload::agentic((**config).clone(), Arc::clone(vocabulary));
+                Ok(workload::limited(stream, limits(args)))
+            }
         }
     }
 }
 
 fn limits(args: &ReplayArgs) -> WorkloadLimits {
     WorkloadLimits {
-        rate_scale: args.rate_scale,
+        rate_scale: args.rate_scale(),
         max_sessions: args.max_requests,
         duration_ms: args.duration.map(|s| s * 1000.0),
         max_prompt_tokens: args.max_prompt_tokens,
@@ -652,7 +716,9 @@ pub fn open_workload(args: &ReplayArgs) -> anyhow::Result<SessionStream> {
                 .unwrap_or(SyntheticConfig::default().sessions),
             ..SyntheticConfig::default()
         }),
-        TraceFormat::Sharegpt => anyhow::bail!("ShareGPT workloads are prepared, not streamed"),
+        TraceFormat::Sharegpt | TraceFormat::Agentic => {
+            anyhow::bail!("ShareGPT and agent workloads are prepared, not streamed")
+        }
         TraceFormat::Azure => workload::azure(open()?, args.seed),
         TraceFormat::Mooncake | TraceFormat::Auto => {
             workload::mooncake(open()?, workload::MOONCAKE_MAX_SPREAD_MS)
@@ -679,7 +745,8 @@ pub fn references(
             Some(trace) => anyhow::anyhow!("{trace}: {e}"),
             None => anyhow::anyhow!("{e}"),
         })?;
-        for turn in &session.turns {
+        // Spawned sessions' turns after the turn that spawns them.
+        for turn in session.all_turns() {
             let tokens = turn.prompt.tokens();
             let seq = sequence_hashes(&local_block_hashes(&tokens, block_size, DEFAULT_SEED));
             refs.observe(tokens.len() as u64, &seq);
@@ -759,8 +826,10 @@ pub fn run_all(
 }
 
 /// Runs `switchyard replay`.
-pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+pub fn run(mut args: ReplayArgs) -> anyhow::Result<()> {
     let started = Instant::now();
+    // The report echoes the rate replayed, chosen or defaulted.
+    args.rate_scale = Some(args.rate_scale());
     let fleet = fleet_config(&args)?;
     let source = WorkloadSource::prepare(&args)?;
     if args.sweep {
@@ -777,7 +846,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     } else {
         args.policies.clone()
     };
-    let trace = trace_name(trace(&args).as_ref());
+    let trace = workload_name(&args);
     if !args.quiet {
         if let Some(dp) = fleet.dp {
             eprintln!("each worker holds {} data-parallel ranks", dp.size);
@@ -788,7 +857,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             fleet.engine.num_blocks,
             fleet.engine.block_size,
             fleet.engine.timing.speedup,
-            args.rate_scale,
+            args.rate_scale(),
             policies.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
         );
     }
@@ -1163,6 +1232,47 @@ mod tests {
             !json.contains("max_prompt") && !json.contains("max_output"),
             "{json}"
         );
+    }
+
+    #[test]
+    fn the_agent_workload_replays_the_generators_sessions_at_its_own_rate() {
+        let argv = [
+            "--workload",
+            "agentic",
+            "--max-requests",
+            "3",
+            "--seed",
+            "5",
+        ];
+        let args = parse_args(&argv);
+        assert_eq!(args.rate_scale(), 1.0);
+        assert_eq!(workload_name(&args), "agentic");
+        let source = WorkloadSource::prepare(&args).unwrap();
+        let replayed: Vec<Session> = source
+            .open(&args)
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        // `--seed` seeds it and `--max-requests` counts its sessions.
+        let mut config = crate::agentic::config(None, 5).unwrap();
+        config.sessions = 3;
+        let vocabulary = crate::agentic::vocabulary().unwrap();
+        let generated: Vec<Session> = workload::agentic(config, vocabulary)
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(replayed, generated);
+        // `--rate-scale` scales its arrivals as any workload's.
+        let faster = parse_args(&[&argv[..], &["--rate-scale", "2"]].concat());
+        let first = source.open(&faster).unwrap().next().unwrap().unwrap();
+        assert_eq!(first.arrival_ms, generated[0].arrival_ms / 2.0);
+        // The references count every call, sub-agents' included.
+        let fleet = fleet_config(&args).unwrap();
+        let (requests, _) = references(&args, &source, &fleet).unwrap();
+        let calls: usize = generated.iter().map(|s| s.all_turns().len()).sum();
+        assert_eq!(requests as usize, calls);
+        // A config file belongs to the agent workload.
+        let stray = parse_args(&["--agentic-config", "agents.toml"]);
+        assert!(WorkloadSource::prepare(&stray).is_err());
     }
 
     #[test]

@@ -162,12 +162,12 @@ fn sync_label(count: usize, sync: bool, delay: f64) -> String {
 pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> anyhow::Result<()> {
     let started = Instant::now();
     let fleets = variants(args, fleet)?;
-    let trace = super::trace_name(super::trace(args).as_ref());
+    let trace = super::workload_name(args);
     if !args.quiet {
         eprintln!(
             "replaying {trace} on {} workers, rate ×{}, {} simulations (replicas {:?}, sync delay {:?} ms)",
             fleet.workers,
-            args.rate_scale,
+            args.rate_scale(),
             fleets.len(),
             args.replicas,
             args.sync_delay_ms

@@ -15,7 +15,7 @@
 //! whose engine hit rate reaches [`HIT_SHARE_TARGET`] of the pooled-LRU
 //! reference, the lowest TTFT p90; when none does, the highest hit rate.
 
-use super::{references, run_all, trace, trace_name, ReplayArgs, WorkloadSource};
+use super::{references, run_all, workload_name, ReplayArgs, WorkloadSource};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::path::Path;
@@ -169,7 +169,7 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    let trace = trace_name(trace(args).as_ref());
+    let trace = workload_name(args);
     eprintln!(
         "tuning on {trace} ({requests} requests, {} workers): up to {total} candidates, budget {} s, {threads} at a time",
         fleet.workers, args.budget_secs
