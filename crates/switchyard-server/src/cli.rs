@@ -125,6 +125,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes [default: 33554432].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Bytes of request bodies held at once, all requests together; a body
+    /// that does not fit gets a 503 with Retry-After, never a wait; at
+    /// least --max-body-bytes [default: 4 × --max-body-bytes].
+    #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES_TOTAL")]
+    pub max_body_bytes_total: Option<usize>,
     /// Client connections open at once; more are closed at accept [default: 10240].
     #[arg(long, env = "SWITCHYARD_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
@@ -222,6 +227,9 @@ pub struct ServeArgs {
     /// Most stored responses (`/v1/responses`) whose worker the router remembers; the oldest is forgotten first [default: 100000].
     #[arg(long, env = "SWITCHYARD_MAX_STORED_RESPONSES")]
     pub max_stored_responses: Option<usize>,
+    /// Most stored responses the router remembers for one client key; a key at it forgets its own oldest, never another's [default: 10000].
+    #[arg(long, env = "SWITCHYARD_MAX_STORED_RESPONSES_PER_KEY")]
+    pub max_stored_responses_per_key: Option<usize>,
     /// Seconds the router remembers which worker stores a response [default: 86400].
     #[arg(long, env = "SWITCHYARD_STORED_RESPONSE_TTL_SECS")]
     pub stored_response_ttl_secs: Option<u64>,
@@ -320,6 +328,7 @@ impl ServeArgs {
             max_attempt_workers,
             max_response_bytes,
             max_stored_responses,
+            max_stored_responses_per_key,
             stored_response_ttl_secs,
             max_inflight,
             max_connections,
@@ -330,6 +339,9 @@ impl ServeArgs {
         );
         if self.max_prompt_tokens.is_some() {
             c.max_prompt_tokens = self.max_prompt_tokens;
+        }
+        if self.max_body_bytes_total.is_some() {
+            c.max_body_bytes_total = self.max_body_bytes_total;
         }
         if self.max_output_tokens.is_some() {
             c.max_output_tokens = self.max_output_tokens;
@@ -642,9 +654,20 @@ mod tests {
     }
 
     #[test]
+    fn the_body_budget_flag_sets_it_and_is_checked_against_the_body_limit() {
+        let c = config(&["--max-body-bytes", "1000", "--max-body-bytes-total", "5000"]).unwrap();
+        assert_eq!(c.body_bytes_total(), 5000);
+        let err = config(&["--max-body-bytes", "1000", "--max-body-bytes-total", "10"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_body_bytes_total"), "{err}");
+    }
+
+    #[test]
     fn the_front_door_defaults_are_the_documented_ones() {
         let c = config(&[]).unwrap();
         assert_eq!(c.max_connections, 10_240);
+        assert_eq!(c.body_bytes_total(), 128 * 1024 * 1024);
         assert_eq!(c.header_read_timeout_ms, 10_000);
         assert_eq!(c.body_read_timeout_ms, 30_000);
         assert_eq!(c.send_timeout_ms, 30_000);

@@ -331,6 +331,11 @@ pub struct ServerConfig {
     pub tls_client_ca_file: Option<PathBuf>,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// Bytes of request bodies the router holds at once, every request's
+    /// together ([`crate::front::upload`]); past it, 503 with
+    /// `Retry-After`. None: [`DEFAULT_BODY_BUDGET_BODIES`] ×
+    /// `max_body_bytes` ([`Self::body_bytes_total`]).
+    pub max_body_bytes_total: Option<usize>,
     /// Connections the router holds open at once; a connection accepted
     /// beyond it is closed at once (counted).
     pub max_connections: usize,
@@ -405,6 +410,9 @@ pub struct ServerConfig {
     /// Most stored responses whose worker the router remembers
     /// (`/v1/responses`; [`crate::response_map`]).
     pub max_stored_responses: usize,
+    /// Most stored responses remembered for one client key: a key at it
+    /// forgets its own oldest (without keys, only the global cap binds).
+    pub max_stored_responses_per_key: usize,
     /// Seconds the router remembers a stored response's worker.
     pub stored_response_ttl_secs: u64,
     /// Replica sync (`[replica]`; off unless `nats_url` is set).
@@ -475,6 +483,7 @@ impl Default for ServerConfig {
             tls_key: None,
             tls_client_ca_file: None,
             max_body_bytes: 32 * 1024 * 1024,
+            max_body_bytes_total: None,
             // Above the in-flight limit (plus probes), so an overloaded
             // router answers 503 rather than closing connections; each
             // connection costs a file descriptor and its buffers.
@@ -509,6 +518,7 @@ impl Default for ServerConfig {
             disagg: None,
             max_response_bytes: 16 * 1024 * 1024,
             max_stored_responses: crate::response_map::DEFAULT_CAPACITY,
+            max_stored_responses_per_key: crate::response_map::DEFAULT_PER_KEY,
             stored_response_ttl_secs: crate::response_map::DEFAULT_TTL.as_secs(),
             replica: ReplicaConfig::default(),
             rate_limits: RateLimitConfig::default(),
@@ -527,6 +537,13 @@ impl Default for ServerConfig {
 /// The prompt token limit when none is configured and no worker reports
 /// its `max_model_len`.
 pub const FALLBACK_MAX_PROMPT_TOKENS: usize = 131_072;
+
+/// Bodies of the largest size (`max_body_bytes`) the router holds at once
+/// when `max_body_bytes_total` is not set: 128 MiB at the default 32 MiB.
+/// Real prompts are kilobytes, so this bounds only the outsized uploads,
+/// which hold memory several times their size while they are parsed and
+/// tokenized.
+pub const DEFAULT_BODY_BUDGET_BODIES: usize = 4;
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -642,6 +659,14 @@ impl ServerConfig {
         if self.max_body_bytes == 0 {
             return invalid("max_body_bytes must be positive".into());
         }
+        if let Some(total) = self.max_body_bytes_total {
+            if total < self.max_body_bytes {
+                return invalid(format!(
+                    "max_body_bytes_total ({total}) must be at least max_body_bytes ({}): a body the size limit admits must fit the budget",
+                    self.max_body_bytes
+                ));
+            }
+        }
         if !(self.adapter_load_ms.is_finite() && self.adapter_load_ms >= 0.0) {
             return invalid("adapter_load_ms must be finite and non-negative".into());
         }
@@ -696,9 +721,12 @@ impl ServerConfig {
                 ));
             }
         }
-        if self.max_stored_responses == 0 || self.stored_response_ttl_secs == 0 {
+        if self.max_stored_responses == 0
+            || self.max_stored_responses_per_key == 0
+            || self.stored_response_ttl_secs == 0
+        {
             return invalid(
-                "max_stored_responses and stored_response_ttl_secs must be positive".into(),
+                "max_stored_responses, max_stored_responses_per_key and stored_response_ttl_secs must be positive".into(),
             );
         }
         if self.max_response_bytes == 0 {
@@ -837,6 +865,15 @@ impl ServerConfig {
             }
         }
         self.validate_secrets()
+    }
+
+    /// The bytes of request bodies held at once: `max_body_bytes_total`,
+    /// else [`DEFAULT_BODY_BUDGET_BODIES`] bodies of the largest size.
+    pub fn body_bytes_total(&self) -> usize {
+        self.max_body_bytes_total.unwrap_or_else(|| {
+            self.max_body_bytes
+                .saturating_mul(DEFAULT_BODY_BUDGET_BODIES)
+        })
     }
 
     /// Whether clients must present a key: `api_keys` or a named key of

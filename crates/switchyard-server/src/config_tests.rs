@@ -407,6 +407,22 @@ fn front_door_limits_must_be_positive() {
 }
 
 #[test]
+fn the_body_budget_is_four_bodies_unless_set_and_never_below_one_body() {
+    let config = ServerConfig::default();
+    assert_eq!(config.body_bytes_total(), 4 * 32 * 1024 * 1024);
+    let scaled = ServerConfig::from_toml("max_body_bytes = 1000").unwrap();
+    assert_eq!(scaled.body_bytes_total(), 4000, "it follows the size limit");
+    let set =
+        ServerConfig::from_toml("max_body_bytes = 1000\nmax_body_bytes_total = 1000").unwrap();
+    assert_eq!(set.body_bytes_total(), 1000, "one body at a time");
+    let err = ServerConfig::from_toml("max_body_bytes = 1000\nmax_body_bytes_total = 999")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max_body_bytes_total"), "{err}");
+    assert!(err.contains("at least max_body_bytes"), "{err}");
+}
+
+#[test]
 fn discovery_settings_load_from_the_config_file_and_are_checked() {
     let config = ServerConfig::from_toml(
             "[discovery]\nworkers_file = \"/etc/switchyard/workers.toml\"\nworkers_dns = [\"workers.ns.svc.cluster.local:8000\"]\ndns_servers = [\"127.0.0.1:5353\"]\nworkers_dns_interval_ms = 2000\n",

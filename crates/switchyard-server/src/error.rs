@@ -121,6 +121,15 @@ impl ApiError {
         .retry_after(1)
     }
 
+    /// 503: the bodies the router holds fill its budget of `total` bytes
+    /// (`--max-body-bytes-total`).
+    pub(crate) fn body_budget_full(total: usize) -> Self {
+        Self::from(ErrorBody::unavailable(format!(
+            "the router holds as many request bodies as its budget of {total} bytes allows (--max-body-bytes-total); retry later"
+        )))
+        .retry_after(1)
+    }
+
     /// 503: the router is shutting down.
     pub(crate) fn shutting_down() -> Self {
         Self::from(ErrorBody::unavailable(

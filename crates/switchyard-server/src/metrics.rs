@@ -259,6 +259,13 @@ pub struct ServerMetrics {
     pub inflight_rejected: Counter,
     /// Request bodies cut at the body-read deadline (408).
     pub slow_uploads: Counter,
+    /// Bytes of request bodies held now, against the body budget
+    /// ([`crate::front::upload::BodyBudget`]).
+    pub body_budget_held: CountGauge,
+    /// The body budget (`--max-body-bytes-total`), in bytes.
+    pub body_budget_limit: CountGauge,
+    /// Requests refused (503) because their body did not fit the budget.
+    pub body_budget_refusals: Counter,
     /// Client connections open now ([`crate::front::accept`]).
     pub connections_open: CountGauge,
     /// The connection cap (`--max-connections`).
@@ -359,6 +366,9 @@ impl ServerMetrics {
             inflight_limit: CountGauge::default(),
             inflight_rejected: Counter::default(),
             slow_uploads: Counter::default(),
+            body_budget_held: CountGauge::default(),
+            body_budget_limit: CountGauge::default(),
+            body_budget_refusals: Counter::default(),
             connections_open: CountGauge::default(),
             connections_limit: CountGauge::default(),
             connections_refused: Counter::default(),
@@ -530,6 +540,21 @@ impl ServerMetrics {
             "switchyard_slow_uploads",
             "Request bodies cut with 408 at the body-read deadline (--body-read-timeout-ms)",
             self.slow_uploads.clone(),
+        );
+        registry.register(
+            "switchyard_body_budget_held_bytes",
+            "Bytes of request bodies the router holds now (read, or declared and being read), against --max-body-bytes-total",
+            self.body_budget_held.clone(),
+        );
+        registry.register(
+            "switchyard_body_budget_bytes",
+            "The body budget: bytes of request bodies held at once (--max-body-bytes-total)",
+            self.body_budget_limit.clone(),
+        );
+        registry.register(
+            "switchyard_body_budget_refusals",
+            "Requests refused with 503 because their body did not fit the body budget (--max-body-bytes-total)",
+            self.body_budget_refusals.clone(),
         );
         registry.register(
             "switchyard_connections_open",
@@ -813,7 +838,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 27, "{out}");
+        assert_eq!(families.len(), 30, "{out}");
         for typed in families {
             let (name, kind) = typed.split_once(' ').unwrap();
             assert!(out.contains(&format!("# HELP {name} ")), "{name}");

@@ -399,33 +399,44 @@ mod tests {
         let maps: Vec<Arc<ResponseMap>> = [&a, &b, &c]
             .iter()
             .map(|shared| {
-                let map = Arc::new(ResponseMap::new(4, std::time::Duration::from_secs(60)));
+                let map = Arc::new(ResponseMap::new(4, 4, std::time::Duration::from_secs(60)));
                 shared.stored_responses.set(map.clone()).unwrap();
                 map
             })
             .collect();
+        let owner = Some(crate::response_map::Owner::of_key("tenant-a"));
         let holder = Holder {
             worker: WorkerId::new(11),
             session: Some(SessionKey(3)),
+            owner,
         };
         maps[0].insert("resp_chain_1", holder, std::time::Instant::now());
         a.publish_stored_response("resp_chain_1", holder);
         eventually("both peers know the response's worker", || {
             let now = std::time::Instant::now();
-            maps[1].get("resp_chain_1", now) == Some(holder)
-                && maps[2].get("resp_chain_1", now) == Some(holder)
+            maps[1].get("resp_chain_1", owner, now) == Some(holder)
+                && maps[2].get("resp_chain_1", owner, now) == Some(holder)
         })
         .await;
+        // The owner crossed with it: no other caller finds it on a peer.
+        let now = std::time::Instant::now();
+        assert_eq!(maps[1].get("resp_chain_1", None, now), None);
+        let other = Some(crate::response_map::Owner::of_key("tenant-b"));
+        assert_eq!(maps[2].get("resp_chain_1", other, now), None);
         // A peer's entries are bounded like local ones.
         for i in 0..10 {
             b.publish_stored_response(&format!("resp_{i}"), holder);
         }
         eventually("the flood reached C", || {
-            maps[2].get("resp_9", std::time::Instant::now()).is_some()
+            maps[2]
+                .get("resp_9", owner, std::time::Instant::now())
+                .is_some()
         })
         .await;
         assert_eq!(maps[2].len(), 4);
-        assert!(maps[2].drops(crate::response_map::Drop::Capacity) >= 7);
+        let dropped = maps[2].drops(crate::response_map::Drop::Capacity)
+            + maps[2].drops(crate::response_map::Drop::KeyCapacity);
+        assert!(dropped >= 7, "{dropped}");
         plane_a.shutdown().await;
         plane_b.shutdown().await;
         plane_c.shutdown().await;

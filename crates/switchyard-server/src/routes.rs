@@ -34,6 +34,7 @@ pub(crate) fn routes(state: Shared) -> AxumRouter {
     let uploads = Arc::new(UploadLimits {
         max_bytes: limit,
         deadline: state.body_read_timeout,
+        budget: state.body_budget.clone(),
         metrics: state.shared.metrics().clone(),
     });
     let mut routes = AxumRouter::new()

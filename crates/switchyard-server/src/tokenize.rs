@@ -50,6 +50,17 @@ pub fn rendered_size_estimate(messages: &[ChatMessage]) -> usize {
         size.saturating_add(m.content.len())
             .saturating_add(m.role.len())
             .saturating_add(TEMPLATE_BYTES_PER_MESSAGE)
+            .saturating_add(tool_calls_size(m))
+    })
+}
+
+/// The size of a message's tool calls as rendered, about: their names and
+/// arguments, and a template's framing of each.
+pub fn tool_calls_size(message: &ChatMessage) -> usize {
+    message.tool_calls.iter().fold(0usize, |size, c| {
+        size.saturating_add(c.function.name.len())
+            .saturating_add(c.function.arguments.len())
+            .saturating_add(TEMPLATE_BYTES_PER_MESSAGE)
     })
 }
 
@@ -80,6 +91,30 @@ pub trait PromptTokenizer: Send + Sync + 'static {
         max_tokens: usize,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
         Ok(Some(self.encode_chat(messages)?).filter(|ids| ids.len() <= max_tokens))
+    }
+
+    /// [`Self::encode_chat_within`] of a chat that declares `tools` (the
+    /// chat API's list), rendered as the engine renders them where the
+    /// template does ([`Self::renders_tools`]); this default leaves them
+    /// out (the caller counts what is not rendered).
+    fn encode_chat_with_tools_within(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        let _ = tools;
+        self.encode_chat_within(messages, max_tokens)
+    }
+
+    /// Whether [`Self::encode_chat_with_tools_within`] renders the tools.
+    fn renders_tools(&self) -> bool {
+        false
+    }
+
+    /// Whether a chat's tool calls are rendered into its ids.
+    fn renders_tool_calls(&self) -> bool {
+        false
     }
 
     /// What `/metrics` shows of the tokenizer; `None` shows nothing.
@@ -215,8 +250,27 @@ impl PromptTokenizer for HfTokenizer {
         messages: &[ChatMessage],
         max_tokens: usize,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
-        let text = self.0.apply_chat_template(messages, true)?;
+        self.encode_chat_with_tools_within(messages, None, max_tokens)
+    }
+
+    fn encode_chat_with_tools_within(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        let text = self
+            .0
+            .apply_chat_template_with_tools(messages, tools, true)?;
         self.0.encode_within(&text, max_tokens)
+    }
+
+    fn renders_tools(&self) -> bool {
+        self.0.renders_tools()
+    }
+
+    fn renders_tool_calls(&self) -> bool {
+        self.0.renders_tool_calls()
     }
 
     fn stats(&self) -> Option<TokenizerStats> {
@@ -273,6 +327,7 @@ mod tests {
         let message = |role: &str, content: &str| ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
         };
         for messages in [
             vec![message("user", "")],
@@ -347,6 +402,7 @@ mod tests {
             .map(|(i, t)| ChatMessage {
                 role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
                 content: t.clone(),
+                tool_calls: Vec::new(),
             })
             .collect();
         let ours = bundled().encode_chat(&messages[..5]).unwrap();

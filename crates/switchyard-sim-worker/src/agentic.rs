@@ -105,7 +105,7 @@ fn body_error(e: BodyError) -> ErrorBody {
     }
 }
 
-/// The worker's reading of chat messages (text only).
+/// The worker's reading of chat messages (text and tool calls).
 fn chat(messages: &[Message]) -> Vec<ChatMessage> {
     messages
         .iter()
@@ -115,6 +115,11 @@ fn chat(messages: &[Message]) -> Vec<ChatMessage> {
                 Some(MessageContent::Text(t)) => t.clone(),
                 _ => String::new(),
             },
+            tool_calls: m
+                .tool_calls
+                .iter()
+                .map(|c| switchyard_tokenizer::ToolCall::function(&c.name, &c.arguments))
+                .collect(),
         })
         .collect()
 }
@@ -296,7 +301,9 @@ async fn responses_inner(state: WorkerState, body: Bytes) -> Result<Response, Er
     }
     let prompt = render(&state, conversation.clone()).await?;
     let generation = generate(&state, prompt, max_tokens).await?;
-    let id = format!("resp_{:032x}", state.request_id().0);
+    // Random, as vLLM's are: an id is no counter another client could
+    // guess from its own.
+    let id = format!("resp_{:032x}", rand::random::<u128>());
     let model = state.model.to_string();
     let previous = request.previous_response_id.clone();
     let store = request.store;
@@ -319,6 +326,7 @@ async fn responses_inner(state: WorkerState, body: Bytes) -> Result<Response, Er
             conversation.push(ChatMessage {
                 role: "assistant".into(),
                 content: out.text,
+                tool_calls: Vec::new(),
             });
             state.responses.put(
                 id,
@@ -475,6 +483,7 @@ fn responses_stream(
                             conversation.push(ChatMessage {
                                 role: "assistant".into(),
                                 content: text,
+                                tool_calls: Vec::new(),
                             });
                             s.state.responses.put(
                                 s.id.clone(),

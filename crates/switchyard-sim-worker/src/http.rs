@@ -106,6 +106,20 @@ pub fn router(state: WorkerState) -> Router {
         .with_state(state)
 }
 
+/// `app` answering with `server: uvicorn` on every response, as vLLM's
+/// and SGLang's API servers (uvicorn) do: a header of the engine's own,
+/// which a router facing outside clients does not pass on.
+pub fn engine_server_header(app: Router) -> Router {
+    app.layer(axum::middleware::map_response(
+        |mut response: Response| async move {
+            response
+                .headers_mut()
+                .insert(header::SERVER, header::HeaderValue::from_static("uvicorn"));
+            response
+        },
+    ))
+}
+
 /// `app` requiring `Authorization: Bearer KEY` (`--api-key`) on every
 /// route but `/metrics`, as an engine started with an API key does: a
 /// missing or wrong key gets a 401 before the body is read.
@@ -402,6 +416,7 @@ async fn chat_completions(
         messages.push(ChatMessage {
             role: m.role,
             content,
+            tool_calls: Vec::new(),
         });
     }
     let tokenizer = state.tokenizer.clone();

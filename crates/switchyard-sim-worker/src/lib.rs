@@ -545,6 +545,7 @@ pub async fn bind(args: &SimWorkerArgs, tokenizer: Tokenizer) -> anyhow::Result<
         Some(key) => http::require_key(app, key.expose()),
         None => app,
     };
+    let app = http::engine_server_header(app);
     Ok(BoundWorker {
         listener,
         app,

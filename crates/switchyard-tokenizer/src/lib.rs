@@ -73,12 +73,61 @@ const EMBEDDED_TOKENIZER_NAME: &str = "(built in) qwen3-tokenizer.json";
 const EMBEDDED_CONFIG_NAME: &str = "(built in) qwen3-tokenizer_config.json";
 
 /// One chat message. Contents never leave the request path.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text.
     pub content: String,
+    /// An assistant's tool calls (rendered by templates that read
+    /// `message.tool_calls`); left out of the template's view when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+impl ChatMessage {
+    /// A message of text alone.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+        }
+    }
+}
+
+/// One tool call of an assistant message, in the chat API's shape
+/// (`{"type": "function", "function": {"name", "arguments"}}`), the
+/// shape chat templates read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function called.
+    pub function: FunctionCall,
+}
+
+impl ToolCall {
+    /// A call of function `name` with `arguments` (JSON text).
+    pub fn function(name: impl Into<String>, arguments: impl Into<String>) -> Self {
+        Self {
+            kind: "function".into(),
+            function: FunctionCall {
+                name: name.into(),
+                arguments: arguments.into(),
+            },
+        }
+    }
+}
+
+/// A tool call's function.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, as JSON text (rendered as they are).
+    pub arguments: String,
 }
 
 /// Loading or using the tokenizer failed.
@@ -126,6 +175,10 @@ pub struct Tokenizer {
     cache: SegmentCache,
     env: minijinja::Environment<'static>,
     has_template: bool,
+    /// The template reads `tools` / `message.tool_calls` (else a caller
+    /// must count what it would not render some other way).
+    renders_tools: bool,
+    renders_tool_calls: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -333,6 +386,7 @@ impl Tokenizer {
             },
         );
         let mut has_template = false;
+        let (mut renders_tools, mut renders_tool_calls) = (false, false);
         if let Some((text, path)) = config {
             let config: TokenizerConfig =
                 serde_json::from_str(text).map_err(|e| TokenizerError::Load {
@@ -341,6 +395,8 @@ impl Tokenizer {
                 })?;
             match config.chat_template.and_then(ChatTemplate::into_default) {
                 Some(template) => {
+                    renders_tools = template.contains("tools");
+                    renders_tool_calls = template.contains("tool_calls");
                     env.add_template_owned("chat", template)
                         .map_err(|e| TokenizerError::Template(e.to_string()))?;
                     has_template = true;
@@ -357,6 +413,8 @@ impl Tokenizer {
             cache: SegmentCache::new(segment_cache::DEFAULT_CAPACITY_IDS),
             env,
             has_template,
+            renders_tools,
+            renders_tool_calls,
         })
     }
 
@@ -440,6 +498,30 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the chat template renders a request's tool definitions
+    /// (it reads `tools`).
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
+    /// Whether the chat template renders an assistant's tool calls (it
+    /// reads `tool_calls`).
+    pub fn renders_tool_calls(&self) -> bool {
+        self.renders_tool_calls
+    }
+
+    /// [`Self::apply_chat_template`] with the request's tool definitions
+    /// (a list in the chat API's shape, `{"type": "function", "function":
+    /// {...}}`), as engines render a chat request that declares tools.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
         if !self.has_template {
             return Err(TokenizerError::NoChatTemplate);
         }
@@ -451,7 +533,7 @@ impl Tokenizer {
             .render(minijinja::context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
-                tools => minijinja::Value::from(()),
+                tools => tools.map_or(minijinja::Value::from(()), minijinja::Value::from_serialize),
             })
             .map_err(|e| TokenizerError::Template(e.to_string()))
     }
@@ -593,10 +675,12 @@ mod tests {
             ChatMessage {
                 role: "system".into(),
                 content: "Be brief.".into(),
+                tool_calls: Vec::new(),
             },
             ChatMessage {
                 role: "user".into(),
                 content: "Hi".into(),
+                tool_calls: Vec::new(),
             },
         ];
         let text = tokenizer().apply_chat_template(&messages, true).unwrap();
@@ -607,19 +691,57 @@ mod tests {
     }
 
     #[test]
+    fn tools_and_tool_calls_render_as_the_template_spells_them() {
+        let t = tokenizer();
+        assert!(t.renders_tools() && t.renders_tool_calls());
+        let messages = vec![
+            ChatMessage::text("system", "Be brief."),
+            ChatMessage::text("user", "Weather?"),
+            ChatMessage {
+                tool_calls: vec![ToolCall::function("weather", r#"{"city": "Oslo"}"#)],
+                ..ChatMessage::text("assistant", "")
+            },
+            ChatMessage::text("tool", "rain"),
+        ];
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "weather"}}]);
+        let text = t
+            .apply_chat_template_with_tools(&messages, Some(&tools), true)
+            .unwrap();
+        assert!(
+            text.starts_with("<|im_start|>system\nBe brief.\n\n# Tools\n"),
+            "{text}"
+        );
+        assert!(text.contains(r#""name":"weather""#), "{text}");
+        assert!(
+            text.contains("<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"),
+            "{text}"
+        );
+        assert!(
+            text.contains("<tool_response>\nrain\n</tool_response>"),
+            "{text}"
+        );
+        // Without tools the system turn is as before.
+        let plain = t.apply_chat_template(&messages, true).unwrap();
+        assert!(plain.starts_with("<|im_start|>system\nBe brief.<|im_end|>"));
+    }
+
+    #[test]
     fn assistant_turns_with_thinking_use_python_string_methods() {
         let messages = vec![
             ChatMessage {
                 role: "user".into(),
                 content: "Q".into(),
+                tool_calls: Vec::new(),
             },
             ChatMessage {
                 role: "assistant".into(),
                 content: "<think>\nhmm\n</think>\n\nA".into(),
+                tool_calls: Vec::new(),
             },
             ChatMessage {
                 role: "user".into(),
                 content: "Q2".into(),
+                tool_calls: Vec::new(),
             },
         ];
         let text = tokenizer().apply_chat_template(&messages, false).unwrap();
@@ -730,6 +852,7 @@ mod tests {
         let hi = [ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
+            tool_calls: Vec::new(),
         }];
         assert_eq!(
             t.apply_chat_template(&hi, true).unwrap(),
@@ -779,6 +902,7 @@ mod tests {
         let hi = [ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
+            tool_calls: Vec::new(),
         }];
         assert!(matches!(
             t.apply_chat_template(&hi, true),
@@ -827,6 +951,7 @@ mod tests {
         let hi = [ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
+            tool_calls: Vec::new(),
         }];
         assert_eq!(t.apply_chat_template(&hi, true).unwrap(), "Hi");
     }

@@ -51,6 +51,7 @@ fn conversations() -> &'static [Vec<ChatMessage>] {
                         }
                         .into(),
                         content: turn["value"].as_str().unwrap().to_owned(),
+                        tool_calls: Vec::new(),
                     })
                     .collect()
             })

@@ -15,9 +15,17 @@
 //! | Responses `instructions`, Anthropic `system` | a first `system` message |
 //! | Responses `input` as a string | one `user` message |
 //! | a message item / message (`role`, text or text parts) | that message, its text parts joined |
-//! | Responses `function_call`, Anthropic `tool_use` block | an `assistant` message with tool calls: no text |
+//! | Responses `function_call`, Anthropic `tool_use` block | an `assistant` message with that tool call (its name and arguments) |
 //! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text |
-//! | images, documents, reasoning, other items | no text (as image parts add no text to a chat) |
+//! | Responses `tools`, Anthropic `tools` | the chat API's tool list (`{"type": "function", "function": {name, description, parameters}}`; other tools as they are) |
+//! | images, files, audio | no text (the engine's encoder gives them their tokens) |
+//! | reasoning items, thinking blocks, any other item or block | no text; their JSON bytes are counted in [`ResponsesRequest::unrendered_bytes`] |
+//!
+//! Everything an engine renders into the prompt is thus either rendered
+//! by the router's chat template (text, tools, tool calls) or counted as
+//! bytes for an estimate (reasoning and other items the template does not
+//! see), so a client's prompt size, quota charge and fair share include
+//! its tools ([`crate::openai::tools`]).
 //!
 //! Parsed within [`BodyLimits`] before any other work: items (messages)
 //! against `messages`, content blocks of all messages together against
@@ -25,7 +33,8 @@
 //! at the first element past its bound. Every other field is ignored
 //! (a router forwards the client's bytes unchanged).
 
-use crate::openai::{BodyError, BodyLimits, Lenient, Limit, Message, MessageContent, OverLimit};
+use crate::openai::tools::json_text;
+use crate::openai::{BodyError, BodyLimits, Lenient, Limit, Message, OverLimit, ToolCall};
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -56,8 +65,11 @@ pub struct ResponsesRequest {
     pub session_id: Option<String>,
     /// The conversation as chat messages (instructions first).
     pub messages: Vec<Message>,
-    /// Whether it declares tools.
-    pub tools: bool,
+    /// The tools it declares, as the chat API's list; `None` for none.
+    pub tools: Option<serde_json::Value>,
+    /// Bytes of items the engine renders that the chat conversation does
+    /// not carry (reasoning, other tool items): counted by estimate.
+    pub unrendered_bytes: usize,
     /// Whether it constrains the output (`text.format` other than text).
     pub constrained: bool,
 }
@@ -75,8 +87,11 @@ pub struct MessagesRequest {
     pub max_tokens: Option<Lenient<u32>>,
     /// The conversation as chat messages (`system` first).
     pub messages: Vec<Message>,
-    /// Whether it declares tools.
-    pub tools: bool,
+    /// The tools it declares, as the chat API's list; `None` for none.
+    pub tools: Option<serde_json::Value>,
+    /// Bytes of blocks the engine renders that the chat conversation does
+    /// not carry (thinking, other blocks): counted by estimate.
+    pub unrendered_bytes: usize,
 }
 
 /// Why an item cannot be read (the refusal's message; never content).
@@ -137,6 +152,12 @@ struct Item<'a> {
     /// A `function_call_output`'s output.
     #[serde(default, borrow)]
     output: Option<&'a RawValue>,
+    /// A `function_call`'s function.
+    #[serde(default)]
+    name: Option<String>,
+    /// A `function_call`'s arguments (JSON text in a string).
+    #[serde(default, borrow)]
+    arguments: Option<&'a RawValue>,
 }
 
 /// One content block or part: its type, its text, a `tool_result`'s
@@ -149,6 +170,15 @@ struct Block<'a> {
     text: Option<String>,
     #[serde(default, borrow)]
     content: Option<&'a RawValue>,
+    /// A `tool_use` block's tool.
+    #[serde(default)]
+    name: Option<String>,
+    /// A `tool_use` block's input.
+    #[serde(default, borrow)]
+    input: Option<&'a RawValue>,
+    /// The block's JSON length (set after parsing).
+    #[serde(skip)]
+    bytes: usize,
 }
 
 /// Reads a JSON list of `T` an element at a time, stopping at the first
@@ -227,10 +257,12 @@ fn as_string(raw: &RawValue) -> Option<String> {
     }
 }
 
-/// What is left of the content-parts bound across a request's messages.
+/// What is left of the content-parts bound across a request's messages,
+/// and the bytes of blocks read that no message carries.
 struct Parts {
     left: usize,
     max: usize,
+    unrendered: usize,
 }
 
 impl Parts {
@@ -238,13 +270,14 @@ impl Parts {
         Self {
             left: limits.content_parts,
             max: limits.content_parts,
+            unrendered: 0,
         }
     }
 
     /// `raw` (a string or a list of blocks) as its blocks, within what is
     /// left of the bound.
     fn blocks<'a>(&mut self, raw: &'a RawValue) -> Result<Vec<Block<'a>>, BodyError> {
-        let blocks: Vec<Block<'a>> =
+        let raws: Vec<&'a RawValue> =
             bounded_list(raw, self.left, Limit::ContentParts).map_err(|e| match e {
                 BodyError::Over(_) => BodyError::Over(OverLimit {
                     limit: Limit::ContentParts,
@@ -252,8 +285,23 @@ impl Parts {
                 }),
                 e => e,
             })?;
-        self.left -= blocks.len();
-        Ok(blocks)
+        self.left -= raws.len();
+        raws.into_iter()
+            .map(|raw| {
+                let mut block: Block<'a> =
+                    serde_json::from_str(raw.get()).map_err(BodyError::Json)?;
+                block.bytes = raw.get().len();
+                Ok(block)
+            })
+            .collect()
+    }
+
+    /// Counts `block` as rendered by the engine but carried by no message
+    /// (media excepted: the engine's encoder gives them their tokens).
+    fn unrendered(&mut self, block: &Block<'_>) {
+        if !is_media_kind(block.kind.as_deref()) {
+            self.unrendered = self.unrendered.saturating_add(block.bytes);
+        }
     }
 
     /// The text of `raw`: a string as it is, a list's text blocks joined
@@ -268,12 +316,15 @@ impl Parts {
         if !raw.get().starts_with('[') {
             return Err(invalid(what));
         }
-        Ok(self
-            .blocks(raw)?
-            .into_iter()
-            .filter(|b| is_text_kind(b.kind.as_deref()))
-            .filter_map(|b| b.text)
-            .collect())
+        let mut text = String::new();
+        for block in self.blocks(raw)? {
+            if is_text_kind(block.kind.as_deref()) {
+                text.push_str(block.text.as_deref().unwrap_or_default());
+            } else {
+                self.unrendered(&block);
+            }
+        }
+        Ok(text)
     }
 }
 
@@ -282,11 +333,79 @@ fn is_text_kind(kind: Option<&str>) -> bool {
     matches!(kind, Some("text" | "input_text" | "output_text") | None)
 }
 
+/// The block and part types of media (images, files, audio).
+fn is_media_kind(kind: Option<&str>) -> bool {
+    matches!(
+        kind,
+        Some(
+            "image"
+                | "document"
+                | "input_image"
+                | "input_file"
+                | "input_audio"
+                | "image_url"
+                | "file"
+        )
+    )
+}
+
+/// Which API's tool list [`chat_tools`] reads.
+#[derive(Clone, Copy)]
+enum ToolShape {
+    /// `{"type": "function", "name", "description", "parameters"}`.
+    Responses,
+    /// `{"name", "description", "input_schema"}`.
+    Messages,
+}
+
+/// A request's `tools` as the chat API's list, as engines hand them to
+/// the chat template; bounded before parsing
+/// ([`crate::openai::tools::tools_within`]).
+fn chat_tools(
+    raw: Option<&RawValue>,
+    limits: &BodyLimits,
+    shape: ToolShape,
+) -> Result<Option<serde_json::Value>, BodyError> {
+    use crate::openai::tools::{tools_within, ToolsError};
+    use serde_json::{json, Value};
+    let list = match tools_within(raw, limits.prompt_tokens) {
+        Ok(Some(Value::Array(list))) => list,
+        Ok(_) => return Ok(None),
+        Err(ToolsError::TooLong) => {
+            return Err(BodyError::Over(OverLimit {
+                limit: Limit::PromptTokens,
+                max: limits.prompt_tokens,
+            }))
+        }
+        Err(ToolsError::NotAList) => return Err(invalid("`tools` must be a list of tools")),
+    };
+    let function = |tool: &Value, parameters: &str| {
+        json!({"type": "function", "function": {
+            "name": tool.get("name").cloned().unwrap_or(Value::Null),
+            "description": tool.get("description").cloned().unwrap_or(Value::Null),
+            "parameters": tool.get(parameters).cloned().unwrap_or(Value::Null),
+        }})
+    };
+    let chat = list
+        .into_iter()
+        .map(|tool| match shape {
+            ToolShape::Responses
+                if tool.get("type").and_then(Value::as_str) == Some("function")
+                    && tool.get("function").is_none() =>
+            {
+                function(&tool, "parameters")
+            }
+            ToolShape::Messages if tool.get("input_schema").is_some() => {
+                function(&tool, "input_schema")
+            }
+            _ => tool,
+        })
+        .collect();
+    Ok(Some(Value::Array(chat)))
+}
+
 fn message(role: &str, content: String) -> Message {
-    Message {
-        role: role.to_owned(),
-        content: Some(MessageContent::Text(content)),
-    }
+    Message::text(role, content)
 }
 
 impl ResponsesRequest {
@@ -309,7 +428,7 @@ impl ResponsesRequest {
             messages.push(message("user", text));
         } else if input.get().starts_with('[') {
             let budget = limits.messages.saturating_sub(messages.len());
-            let items: Vec<Item<'_>> =
+            let items: Vec<&RawValue> =
                 bounded_list(input, budget, Limit::Messages).map_err(|e| match e {
                     BodyError::Over(_) => BodyError::Over(OverLimit {
                         limit: Limit::Messages,
@@ -317,7 +436,8 @@ impl ResponsesRequest {
                     }),
                     e => e,
                 })?;
-            for item in items {
+            for raw in items {
+                let item: Item<'_> = serde_json::from_str(raw.get()).map_err(BodyError::Json)?;
                 match (item.kind.as_deref(), item.role.as_deref()) {
                     (Some("message") | None, Some(role)) => {
                         let text = parts.text(
@@ -327,7 +447,14 @@ impl ResponsesRequest {
                         messages.push(message(role, text));
                     }
                     (Some("function_call"), _) => {
-                        messages.push(message("assistant", String::new()))
+                        let call = ToolCall {
+                            name: item.name.unwrap_or_default(),
+                            arguments: item.arguments.map(json_text).unwrap_or_default(),
+                        };
+                        messages.push(Message {
+                            tool_calls: vec![call],
+                            ..message("assistant", String::new())
+                        });
                     }
                     (Some("function_call_output"), _) => {
                         let text = parts.text(item.output, "a function_call_output's output must be a string or a list of content parts")?;
@@ -336,7 +463,10 @@ impl ResponsesRequest {
                     (None | Some("message"), None) => {
                         return Err(invalid("an input message needs a `role`"))
                     }
-                    // Reasoning and other items add no text.
+                    // Reasoning and other items add no message: counted.
+                    (kind, _) if !is_media_kind(kind) => {
+                        parts.unrendered = parts.unrendered.saturating_add(raw.get().len());
+                    }
                     _ => {}
                 }
             }
@@ -374,7 +504,8 @@ impl ResponsesRequest {
             store: top.store.unwrap_or(true),
             session_id: top.session_id,
             messages,
-            tools: !is_null(top.tools) && top.tools.is_some_and(|t| t.get() != "[]"),
+            tools: chat_tools(top.tools, limits, ToolShape::Responses)?,
+            unrendered_bytes: parts.unrendered,
             constrained,
         })
     }
@@ -432,8 +563,9 @@ impl MessagesRequest {
             }
             // Tool results become `tool` messages (before the message's
             // own text, as the chat equivalent orders them); tool uses are
-            // an assistant's tool calls, which carry no text.
+            // the assistant message's tool calls.
             let mut text = String::new();
+            let mut calls = Vec::new();
             let mut tool_only = true;
             for block in parts.blocks(content)? {
                 match block.kind.as_deref() {
@@ -444,16 +576,25 @@ impl MessagesRequest {
                         )?;
                         messages.push(message("tool", output));
                     }
-                    Some("tool_use") => {}
+                    Some("tool_use") => calls.push(ToolCall {
+                        name: block.name.unwrap_or_default(),
+                        arguments: block.input.map(|i| i.get().to_owned()).unwrap_or_default(),
+                    }),
                     kind if is_text_kind(kind) => {
                         tool_only = false;
                         text.push_str(block.text.as_deref().unwrap_or_default());
                     }
-                    _ => tool_only = false,
+                    _ => {
+                        tool_only = false;
+                        parts.unrendered(&block);
+                    }
                 }
             }
             if !tool_only || role == "assistant" {
-                messages.push(message(&role, text));
+                messages.push(Message {
+                    tool_calls: calls,
+                    ..message(&role, text)
+                });
             }
         }
         Ok(Self {
@@ -461,7 +602,8 @@ impl MessagesRequest {
             stream: top.stream.unwrap_or(false),
             max_tokens: top.max_tokens,
             messages,
-            tools: !is_null(top.tools) && top.tools.is_some_and(|t| t.get() != "[]"),
+            tools: chat_tools(top.tools, limits, ToolShape::Messages)?,
+            unrendered_bytes: parts.unrendered,
         })
     }
 
@@ -474,6 +616,7 @@ impl MessagesRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::MessageContent;
 
     fn roles_and_text(messages: &[Message]) -> Vec<(String, String)> {
         messages
@@ -516,7 +659,20 @@ mod tests {
                 ("user", "More"),
             ])
         );
-        assert!(r.stream && r.tools && r.store && !r.constrained);
+        assert!(r.stream && r.tools.is_some() && r.store && !r.constrained);
+        assert_eq!(
+            r.chat()[3].tool_calls,
+            vec![ToolCall {
+                name: "f".into(),
+                arguments: "{}".into()
+            }]
+        );
+        let reasoning = r#"{"type":"reasoning","summary":[]}"#;
+        assert_eq!(
+            r.unrendered_bytes,
+            reasoning.len(),
+            "the reasoning item, not the image"
+        );
         assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
         let text = ResponsesRequest::from_json(
             br#"{"input":"Hi","text":{"format":{"type":"json_schema"}}}"#,
@@ -549,7 +705,62 @@ mod tests {
                 ("user", "More"),
             ])
         );
-        assert!(!r.stream && !r.tools);
+        assert!(!r.stream && r.tools.is_none());
+        assert_eq!(
+            r.chat()[2].tool_calls,
+            vec![ToolCall {
+                name: "f".into(),
+                arguments: "{}".into()
+            }]
+        );
+        assert_eq!(r.unrendered_bytes, 0);
+    }
+
+    #[test]
+    fn tools_read_as_the_chat_apis_list_and_thinking_is_counted() {
+        let body = br#"{"max_tokens":8,"tools":[{"name":"grep","description":"search","input_schema":{"type":"object"}},{"type":"web_search_20250305","name":"web"}],
+            "messages":[{"role":"user","content":"Hi"},
+            {"role":"assistant","content":[{"type":"thinking","thinking":"hmm","signature":"s"},{"type":"tool_use","id":"t","name":"grep","input":{"q":"x"}}]},
+            {"role":"user","content":[{"type":"image","source":{"type":"base64","data":"AAAA"}},{"type":"text","text":"this"}]}]}"#;
+        let r = MessagesRequest::from_json(body, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            r.tools,
+            Some(serde_json::json!([
+                {"type": "function", "function": {"name": "grep", "description": "search", "parameters": {"type": "object"}}},
+                {"type": "web_search_20250305", "name": "web"}
+            ]))
+        );
+        assert_eq!(r.chat()[1].tool_calls[0].arguments, r#"{"q":"x"}"#);
+        let thinking = r#"{"type":"thinking","thinking":"hmm","signature":"s"}"#;
+        assert_eq!(
+            r.unrendered_bytes,
+            thinking.len(),
+            "thinking counted, the image not"
+        );
+        let responses = br#"{"input":"Hi","tools":[{"type":"function","name":"f","description":"d","parameters":{"type":"object"},"strict":true}]}"#;
+        let r = ResponsesRequest::from_json(responses, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            r.tools,
+            Some(serde_json::json!([
+                {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+            ]))
+        );
+    }
+
+    #[test]
+    fn tools_past_the_prompt_limit_are_refused_unparsed() {
+        let limits = BodyLimits {
+            prompt_tokens: 4,
+            ..BodyLimits::NONE
+        };
+        let body = format!(
+            r#"{{"input":"x","tools":[{{"type":"function","name":"{}"}}]}}"#,
+            "n".repeat(100)
+        );
+        match ResponsesRequest::from_json(body.as_bytes(), &limits) {
+            Err(BodyError::Over(o)) => assert_eq!((o.limit, o.max), (Limit::PromptTokens, 4)),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -197,6 +197,13 @@ pub struct StoredResponse {
     pub worker: WorkerId,
     /// Its chain's session, carried to the chain's next turn.
     pub session: Option<SessionKey>,
+    /// The digest of the client key that created it (`None` when the
+    /// router requires no keys): peers answer it to that key only. The
+    /// last field, absent from what replicas before owners sent (read as
+    /// `None`); a replica before owners counts a batch carrying it as
+    /// malformed, so replicas of one fleet are upgraded together.
+    #[serde(default)]
+    pub owner: Option<u64>,
 }
 
 /// One message of the replica plane.
@@ -474,6 +481,7 @@ mod tests {
             id: "resp_1".into(),
             worker: WorkerId::new(7),
             session: Some(SessionKey(9)),
+            owner: Some(11),
         };
         let mut batch = ReplicaBatch::heartbeat(ReplicaId(3));
         batch.responses.push(stored.clone());

@@ -22,6 +22,11 @@
 //!   longer than `resume_timeout_ms` is forced back.
 //! - State is bounded: at `max_sessions` the least recently active quiet
 //!   session is evicted; quiet sessions expire after `session_expiry_ms`.
+//!   A tenant other than the default one holds at most
+//!   `max_sessions_per_tenant`: at its cap its own least recently active
+//!   quiet session is evicted (never another tenant's), and with none
+//!   quiet its new session bypasses, so one key cannot crowd out the
+//!   others' sessions.
 //!
 //! No operation scans all retained sessions: admission and events touch one
 //! session and ordered indexes (`BTreeSet`s keyed by footprint, a queue
@@ -31,7 +36,7 @@
 use super::progress::ProgressReader;
 use super::{
     Admission, AdmissionStrategy, Fallback, KvUsage, LifecycleEvent, MakeReady, Placement,
-    RequestFacts, SessionKey, Unavailable,
+    RequestFacts, SessionKey, TenantId, Unavailable,
 };
 use crate::maps::FxHashMap;
 use crate::types::{RequestId, WorkerId};
@@ -71,6 +76,10 @@ pub struct SessionAwareConfig {
     pub session_expiry_ms: f64,
     /// Most sessions retained.
     pub max_sessions: usize,
+    /// Most sessions retained for one tenant (the default tenant, which
+    /// requests of no configured tenant share, is bounded by
+    /// `max_sessions` alone).
+    pub max_sessions_per_tenant: usize,
     /// How often `Reconcile` is wanted.
     pub reconcile_interval_ms: f64,
 }
@@ -86,6 +95,7 @@ impl Default for SessionAwareConfig {
             resume_timeout_ms: 1_800_000.0,
             session_expiry_ms: 1_800_000.0,
             max_sessions: 1_000_000,
+            max_sessions_per_tenant: 100_000,
             reconcile_interval_ms: 1_000.0,
         }
     }
@@ -122,7 +132,7 @@ pub enum SessionConfigError {
         value: f64,
     },
     /// A session cap of zero.
-    #[error("max_sessions must be at least 1")]
+    #[error("max_sessions and max_sessions_per_tenant must be at least 1")]
     MaxSessions,
 }
 
@@ -155,7 +165,7 @@ impl SessionAwareConfig {
                 return Err(SessionConfigError::Duration { name, value });
             }
         }
-        if self.max_sessions == 0 {
+        if self.max_sessions == 0 || self.max_sessions_per_tenant == 0 {
             return Err(SessionConfigError::MaxSessions);
         }
         Ok(())
@@ -184,6 +194,11 @@ pub struct SessionCounters {
     pub expired: u64,
     /// Sessions evicted at the cap.
     pub evicted: u64,
+    /// Sessions evicted at their tenant's cap (for one of its own).
+    pub evicted_tenant: u64,
+    /// Requests bypassed because their tenant was at its cap with no
+    /// quiet session of its own to evict.
+    pub bypassed_tenant_full: u64,
     /// Duplicate, stale or unknown events ignored.
     pub stale_events: u64,
     /// Running turns whose worker failed them, waiting to be placed again.
@@ -220,6 +235,8 @@ struct Session {
     paused_since: Option<f64>,
     pause_after_turn: bool,
     last_active_ms: f64,
+    /// Whose it is (the default tenant for a peer's binding).
+    tenant: TenantId,
     /// Footprint counted in its worker's `resident` (0 when not counted).
     counted: u64,
     /// Whether `(counted, key)` is in its worker's idle index (saves a
@@ -279,8 +296,20 @@ pub struct SessionAwareStrategy {
     /// `(last_active_ms, session)` of quiet sessions in activity order;
     /// stale entries (the session has been active since) are skipped.
     expiry: VecDeque<(f64, SessionKey)>,
+    /// Each tenant's sessions (tenants with any), for its own cap.
+    tenants: FxHashMap<TenantId, TenantSessions>,
     now_ms: f64,
     counters: SessionCounters,
+}
+
+/// One tenant's share of the sessions.
+#[derive(Debug, Default)]
+struct TenantSessions {
+    /// Sessions retained.
+    count: usize,
+    /// `(last_active_ms, session)` of its quiet sessions in activity
+    /// order, as [`SessionAwareStrategy::expiry`] (stale entries skipped).
+    expiry: VecDeque<(f64, SessionKey)>,
 }
 
 impl SessionAwareStrategy {
@@ -295,6 +324,7 @@ impl SessionAwareStrategy {
             paused: BTreeSet::new(),
             pause_order: VecDeque::new(),
             expiry: VecDeque::new(),
+            tenants: FxHashMap::default(),
             now_ms: 0.0,
             counters: SessionCounters::default(),
         })
@@ -414,8 +444,45 @@ impl SessionAwareStrategy {
             session.last_active_ms = now;
             if session.is_quiet() {
                 self.expiry.push_back((now, key));
+                if let Some(t) = self.tenants.get_mut(&session.tenant) {
+                    t.expiry.push_back((now, key));
+                }
             }
         }
+    }
+
+    /// Makes room for a new session of `tenant`: its own least recently
+    /// active quiet session goes when it is at its cap (the default tenant
+    /// has none); `false` when it is at its cap with none quiet.
+    fn room_for(&mut self, tenant: TenantId) -> bool {
+        if tenant == TenantId::default() {
+            return true;
+        }
+        let Some(t) = self.tenants.get_mut(&tenant) else {
+            return true;
+        };
+        if t.count < self.config.max_sessions_per_tenant {
+            return true;
+        }
+        while let Some((at, key)) = self
+            .tenants
+            .get_mut(&tenant)
+            .and_then(|t| t.expiry.pop_front())
+        {
+            if self.quiet_since(key) == Some(at) {
+                self.forget(key);
+                self.counters.evicted_tenant += 1;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Retains a new session of `tenant`.
+    fn insert(&mut self, key: SessionKey, session: Session) {
+        let t = self.tenants.entry(session.tenant).or_default();
+        t.count += 1;
+        self.sessions.insert(key, session);
     }
 
     /// Evicts the least recently active quiet session.
@@ -440,6 +507,12 @@ impl SessionAwareStrategy {
     fn forget(&mut self, key: SessionKey) {
         self.unpin(key);
         if let Some(session) = self.sessions.remove(&key) {
+            if let Some(t) = self.tenants.get_mut(&session.tenant) {
+                t.count = t.count.saturating_sub(1);
+                if t.count == 0 {
+                    self.tenants.remove(&session.tenant);
+                }
+            }
             if session.paused_since.is_some() {
                 let footprint = self.footprint(&session);
                 self.paused.remove(&(footprint, key));
@@ -531,13 +604,19 @@ impl SessionAwareStrategy {
             }
         }
         // Compact stale activity entries if they dominate.
+        let sessions = &self.sessions;
+        let live = |&(at, key): &(f64, SessionKey)| {
+            sessions
+                .get(&key)
+                .is_some_and(|s| s.is_quiet() && s.last_active_ms == at)
+        };
         if self.expiry.len() > 2 * self.sessions.len() + 1024 {
-            let sessions = &self.sessions;
-            self.expiry.retain(|&(at, key)| {
-                sessions
-                    .get(&key)
-                    .is_some_and(|s| s.is_quiet() && s.last_active_ms == at)
-            });
+            self.expiry.retain(live);
+        }
+        for t in self.tenants.values_mut() {
+            if t.expiry.len() > 2 * t.count + 64 {
+                t.expiry.retain(live);
+            }
         }
         // Forced resumes.
         while let Some(&(since, key)) = self.pause_order.front() {
@@ -645,11 +724,15 @@ impl AdmissionStrategy for SessionAwareStrategy {
         };
         self.now_ms = self.now_ms.max(facts.now_ms);
         if !self.sessions.contains_key(&key) {
+            if !self.room_for(facts.flow.tenant) {
+                self.counters.bypassed_tenant_full += 1;
+                return Admission::Bypass;
+            }
             if self.sessions.len() >= self.config.max_sessions && !self.evict_one() {
                 self.counters.bypassed_full += 1;
                 return Admission::Bypass;
             }
-            self.sessions.insert(
+            self.insert(
                 key,
                 Session {
                     worker: None,
@@ -659,6 +742,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
                     paused_since: None,
                     pause_after_turn: false,
                     last_active_ms: facts.now_ms,
+                    tenant: facts.flow.tenant,
                     counted: 0,
                     in_idle: false,
                 },
@@ -754,7 +838,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
                     self.counters.remote_bindings_ignored += 1;
                     return;
                 }
-                self.sessions.insert(
+                self.insert(
                     session,
                     Session {
                         worker: None,
@@ -764,6 +848,7 @@ impl AdmissionStrategy for SessionAwareStrategy {
                         paused_since: None,
                         pause_after_turn: false,
                         last_active_ms: self.now_ms,
+                        tenant: TenantId::default(),
                         counted: 0,
                         in_idle: false,
                     },
@@ -815,6 +900,8 @@ impl AdmissionStrategy for SessionAwareStrategy {
             ("forced_resumes", c.forced_resumes),
             ("expired", c.expired),
             ("evicted", c.evicted),
+            ("evicted_tenant", c.evicted_tenant),
+            ("bypassed_tenant_full", c.bypassed_tenant_full),
             ("stale_events", c.stale_events),
             ("migrated_turns", c.migrated_turns),
             ("remote_bindings", c.remote_bindings),

@@ -379,3 +379,51 @@ fn the_config_rejects_unknown_keys_and_fills_defaults() {
     assert_eq!(parsed.pause_threshold, 0.95);
     assert!(serde_json::from_str::<SessionAwareConfig>(r#"{"pause_treshold":0.9}"#).is_err());
 }
+
+fn of_tenant(mut f: RequestFacts<'static>, tenant: u16) -> RequestFacts<'static> {
+    f.flow.tenant = TenantId(tenant);
+    f
+}
+
+/// A completed turn of `session` for `tenant` at `now`.
+fn tenant_turn(s: &mut SessionAwareStrategy, id: u128, session: u64, tenant: u16, now: f64) {
+    let admitted = s.admit(&of_tenant(facts(id, Some(session), 10, now), tenant));
+    assert!(matches!(admitted, Admission::Ready(_)), "{admitted:?}");
+    dispatch(s, id, w(1), now);
+    assert!(complete(s, id, 10, now).is_empty());
+}
+
+#[test]
+fn a_tenant_at_its_cap_evicts_its_own_oldest_session_never_anothers() {
+    let mut s = strategy(SessionAwareConfig {
+        max_sessions: 100,
+        max_sessions_per_tenant: 2,
+        ..Default::default()
+    });
+    tenant_turn(&mut s, 1, 1, 1, 0.0);
+    // Tenant 2 floods: each new session past its cap evicts its own.
+    for i in 0..20u64 {
+        tenant_turn(&mut s, 100 + u128::from(i), 100 + i, 2, 1.0 + i as f64);
+    }
+    assert_eq!(s.sessions(), 3);
+    assert_eq!(
+        s.session_worker(SessionKey(1)),
+        Some(w(1)),
+        "tenant 1's kept"
+    );
+    assert_eq!(s.session_worker(SessionKey(119)), Some(w(1)));
+    assert_eq!(s.session_worker(SessionKey(117)), None);
+    assert_eq!(s.counters().evicted_tenant, 18);
+    assert_eq!(s.counters().evicted, 0);
+    // With both of its sessions busy, its next new session bypasses.
+    let busy = |id: u128, session: u64| of_tenant(facts(id, Some(session), 10, 30.0), 2);
+    assert!(matches!(s.admit(&busy(200, 118)), Admission::Ready(_)));
+    assert!(matches!(s.admit(&busy(201, 119)), Admission::Ready(_)));
+    assert_eq!(s.admit(&busy(202, 300)), Admission::Bypass);
+    assert_eq!(s.counters().bypassed_tenant_full, 1);
+    // The default tenant is bounded by max_sessions alone.
+    for i in 0..5u64 {
+        tenant_turn(&mut s, 400 + u128::from(i), 400 + i, 0, 40.0);
+    }
+    assert_eq!(s.sessions(), 8);
+}

@@ -68,6 +68,13 @@ pub struct BandConfig {
     /// of another band waits.
     #[serde(default)]
     pub sheddable: bool,
+    /// The engine-side scheduling priority its requests are sent with
+    /// (the body's `priority`, which vLLM and SGLang read with
+    /// `--scheduling-policy priority`: lower runs first). A client's own
+    /// `priority` never reaches an engine: it is replaced by this, or
+    /// removed when unset.
+    #[serde(default)]
+    pub engine_priority: Option<i64>,
 }
 
 /// One tenant.
@@ -153,14 +160,17 @@ impl Default for FlowConfig {
                 BandConfig {
                     name: "critical".into(),
                     sheddable: false,
+                    engine_priority: None,
                 },
                 BandConfig {
                     name: "standard".into(),
                     sheddable: false,
+                    engine_priority: None,
                 },
                 BandConfig {
                     name: "sheddable".into(),
                     sheddable: true,
+                    engine_priority: None,
                 },
             ],
             default_band: "standard".into(),
@@ -430,6 +440,15 @@ impl FlowPolicy {
         self.bands
             .get(band.0 as usize)
             .map_or("unknown", |(n, _)| n)
+    }
+
+    /// The engine-side priority a band's requests are sent with, when
+    /// its configuration maps one ([`BandConfig::engine_priority`]).
+    pub fn engine_priority(&self, band: Band) -> Option<i64> {
+        self.config
+            .bands
+            .get(band.0 as usize)
+            .and_then(|b| b.engine_priority)
     }
 
     /// A tenant's weight (1 for an unknown id).

@@ -31,8 +31,8 @@ pub(crate) async fn ensure_loaded(
                     .and_then(|v| *v);
             if done == Some(false) {
                 return Err(ApiError::bad_gateway(format!(
-                    "the LoRA adapter `{adapter}` could not be loaded on worker {}",
-                    booking.name
+                    "the LoRA adapter `{adapter}` could not be loaded on {}",
+                    state.disclosure().worker(&booking.name)
                 )));
             }
         }
@@ -66,8 +66,9 @@ pub(crate) async fn ensure_loaded(
     match task.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(message)) => Err(ApiError::bad_gateway(format!(
-            "could not load the LoRA adapter `{}` on worker {}: {message}",
-            load.adapter, booking.name
+            "could not load the LoRA adapter `{}` on {}: {message}",
+            load.adapter,
+            state.disclosure().worker(&booking.name)
         ))),
         Err(_) => Err(ApiError::internal("the adapter load task failed")),
     }

@@ -24,7 +24,7 @@ use crate::error::ApiError;
 use crate::metrics::{InputLimit, RequestStatus};
 use crate::request::context::AppState;
 use crate::request::limits;
-use crate::response_map::{Holder, ResponseMap};
+use crate::response_map::{Holder, Inserted, Owner, ResponseMap};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -128,15 +128,27 @@ pub(crate) struct Remember {
     pub(crate) shared: Option<Arc<crate::shell::SharedRouter>>,
     /// The chain's session, carried to its next turn.
     pub(crate) session: Option<SessionKey>,
+    /// The key that asked: the only one the response is found for.
+    pub(crate) owner: Option<Owner>,
 }
 
 impl Remember {
+    /// Records that `worker` stores response `id`, unless another key
+    /// holds that id (then nothing moves: counted by the map), and tells
+    /// the peers.
     pub(crate) fn record(&self, id: &str, worker: WorkerId) {
         let holder = Holder {
             worker,
             session: self.session,
+            owner: self.owner,
         };
-        self.map.insert(id, holder, Instant::now());
+        if self.map.insert(id, holder, Instant::now()) != Inserted::Stored {
+            tracing::warn!(
+                worker = %worker,
+                "a worker answered with a response id another key holds (or an invalid one): not recorded"
+            );
+            return;
+        }
         if let Some(shared) = &self.shared {
             shared.publish_stored_response(id, holder);
         }
@@ -327,11 +339,12 @@ mod tests {
         AgenticDelivery {
             api,
             remember: Some(Remember {
-                map: Arc::new(ResponseMap::new(8, DEFAULT_TTL)),
+                map: Arc::new(ResponseMap::new(8, 8, DEFAULT_TTL)),
                 shared: None,
                 session: None,
+                owner: None,
             }),
-            state: Arc::new(AgenticState::new(ResponseMap::new(8, DEFAULT_TTL))),
+            state: Arc::new(AgenticState::new(ResponseMap::new(8, 8, DEFAULT_TTL))),
         }
     }
 
@@ -378,7 +391,7 @@ mod tests {
         r.answered(body, WorkerId::new(3));
         let map = &r.remember.as_ref().unwrap().map;
         assert_eq!(
-            map.get("resp_9", Instant::now()).map(|h| h.worker),
+            map.get("resp_9", None, Instant::now()).map(|h| h.worker),
             Some(WorkerId::new(3))
         );
     }

@@ -7,7 +7,7 @@ use crate::metrics::{RequestStatus, ServerMetrics};
 use crate::request::agentic::{parse_messages, parse_responses, AgenticApi};
 use crate::request::context::{AppState, Shared};
 use crate::request::limits::parse_chat;
-use crate::request::prompt::{chat_messages, tokenize, TokenizeJob};
+use crate::request::prompt::{tokenize, TokenizeJob};
 use crate::routes::app;
 use crate::shell::SharedRouter;
 use crate::tokenize::HfTokenizer;
@@ -226,15 +226,22 @@ async fn call(
 /// exactly as the handlers do.
 async fn routing_blocks(state: &AppState, api: &str, body: &Value) -> Vec<u64> {
     let bytes = body.to_string().into_bytes();
-    let messages = match api {
-        "chat" => parse_chat(state, &bytes).unwrap().0.messages,
-        "messages" => parse_messages(state, &bytes).unwrap().0.messages,
-        _ => parse_responses(state, &bytes).unwrap().0.messages,
+    let job = match api {
+        "chat" => {
+            let chat = parse_chat(state, &bytes).unwrap().0;
+            TokenizeJob::chat(chat.messages, chat.tools, 0)
+        }
+        "messages" => {
+            let m = parse_messages(state, &bytes).unwrap().0;
+            TokenizeJob::chat(m.messages, m.tools, m.unrendered_bytes)
+        }
+        _ => {
+            let r = parse_responses(state, &bytes).unwrap().0;
+            TokenizeJob::chat(r.messages, r.tools, r.unrendered_bytes)
+        }
     };
-    let messages = chat_messages(messages).unwrap();
-    let prompt = tokenize(state, None, TokenizeJob::Chat(messages))
-        .await
-        .unwrap();
+    let prompt = tokenize(state, None, job.unwrap()).await.unwrap();
+    assert_eq!(prompt.unrendered, 0, "everything rendered");
     switchyard_core::hashing::local_block_hashes(&prompt.ids, 16, state.hash_seed)
         .into_iter()
         .map(|h| h.0)
@@ -271,6 +278,39 @@ async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blo
     ]});
     let by_chat = routing_blocks(&r.state, "chat", &chat).await;
     assert!(by_chat.len() >= 8, "a prompt of {} blocks", by_chat.len());
+    // Tools, declared the way each API declares them, render alike (into
+    // the system turn, after its text and before every other message).
+    let with_tools = |mut body: Value, tools: Value| {
+        body["tools"] = tools;
+        body
+    };
+    let schema = json!({"type": "object", "properties": {"q": {"type": "string"}}});
+    let chat_tools = with_tools(
+        chat.clone(),
+        json!([{"type": "function", "function": {"name": "lookup", "description": "Finds a worker.", "parameters": schema}}]),
+    );
+    let tooled = routing_blocks(&r.state, "chat", &chat_tools).await;
+    assert!(
+        tooled.len() > by_chat.len(),
+        "the tools take {} blocks",
+        tooled.len() - by_chat.len()
+    );
+    let messages_tools = with_tools(
+        messages.clone(),
+        json!([{"name": "lookup", "description": "Finds a worker.", "input_schema": schema}]),
+    );
+    assert_eq!(
+        routing_blocks(&r.state, "messages", &messages_tools).await,
+        tooled
+    );
+    let responses_tools = with_tools(
+        responses.clone(),
+        json!([{"type": "function", "name": "lookup", "description": "Finds a worker.", "parameters": schema, "strict": true}]),
+    );
+    assert_eq!(
+        routing_blocks(&r.state, "responses", &responses_tools).await,
+        tooled
+    );
     assert_eq!(
         routing_blocks(&r.state, "messages", &messages).await,
         by_chat

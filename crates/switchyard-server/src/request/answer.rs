@@ -194,7 +194,7 @@ pub(crate) async fn first_event(
     let (parts, upstream, parser, first) =
         first_with(attempts, worker, response, SseParser::next_event_framed).await?;
     if classify_ref(first.data()) == ChunkRef::Error {
-        return Err(error_event(worker));
+        return Err(error_event(attempts, worker));
     }
     Ok(Answer::Stream(parts, upstream, parser, first))
 }
@@ -211,15 +211,18 @@ pub(crate) async fn first_named_event(
     let (parts, upstream, parser, first) =
         first_with(attempts, worker, response, SseParser::next_event_named).await?;
     if agentic.classify(first.data()) == EventKind::Error {
-        return Err(error_event(worker));
+        return Err(error_event(attempts, worker));
     }
     Ok(Answer::Named(parts, upstream, parser, first))
 }
 
-fn error_event(worker: &str) -> AttemptError {
+fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
     AttemptError::Retry(
         Failure::Status5xx,
-        format!("worker {worker} answered with an error event"),
+        format!(
+            "{} answered with an error event",
+            attempts.state.disclosure().worker(worker)
+        ),
     )
 }
 
@@ -268,7 +271,8 @@ async fn first_with<E>(
         AttemptError::Retry(
             Failure::Timeout,
             format!(
-                "worker {worker} sent no first event within {:.1} s",
+                "{} sent no first event within {:.1} s",
+                attempts.state.disclosure().worker(worker),
                 timeout.as_secs_f64()
             ),
         )

@@ -73,6 +73,10 @@ pub(crate) struct Attempts {
     /// The prompt's length when its model has no tokenizer here (the
     /// request then carries no token ids: routed by load).
     estimated_prompt_tokens: Option<u32>,
+    /// Tokens the engine renders beyond the prompt's ids (estimated:
+    /// [`crate::request::prompt::PromptIds::unrendered`]), counted in the
+    /// prompt's size as the load view and the fair share see it.
+    unrendered_prompt_tokens: u32,
     /// Full blocks of the prompt last submitted (for the model's hit
     /// counters at its first placement).
     prompt_blocks: std::sync::atomic::AtomicUsize,
@@ -125,6 +129,7 @@ impl Attempts {
             adapter,
             routing,
             estimated_prompt_tokens: None,
+            unrendered_prompt_tokens: 0,
             prompt_blocks: std::sync::atomic::AtomicUsize::new(0),
             accept,
             deadline,
@@ -159,6 +164,12 @@ impl Attempts {
     /// tokenizer here (its token ids are unknown).
     pub(crate) fn estimated_prompt(mut self, tokens: Option<u32>) -> Self {
         self.estimated_prompt_tokens = tokens;
+        self
+    }
+
+    /// `tokens` more the engine renders than the prompt's ids carry.
+    pub(crate) fn unrendered_prompt(mut self, tokens: u32) -> Self {
+        self.unrendered_prompt_tokens = tokens;
         self
     }
 
@@ -227,7 +238,8 @@ impl Attempts {
             blocks,
             prompt_tokens: self
                 .estimated_prompt_tokens
-                .unwrap_or_else(|| u32::try_from(tokens.len()).unwrap_or(u32::MAX)),
+                .unwrap_or_else(|| u32::try_from(tokens.len()).unwrap_or(u32::MAX))
+                .saturating_add(self.unrendered_prompt_tokens),
             session,
             model: self.adapter.eligible_model.as_deref(),
             adapter: self.adapter.adapter.as_deref(),
@@ -389,31 +401,28 @@ impl Attempts {
         } else {
             Ok(request.await)
         };
+        // The detail reaches the client: the worker as clients may know it.
+        let worker = self.state.disclosure().worker(&booking.name);
         match answered {
             Err(_) => Err(AttemptError::Retry(
                 Failure::Timeout,
                 format!(
-                    "worker {} sent no response headers within {:.1} s",
-                    booking.name,
+                    "{worker} sent no response headers within {:.1} s",
                     timeout.as_secs_f64()
                 ),
             )),
             Ok(Err(e)) if e.is_connect() => Err(AttemptError::Retry(
                 Failure::Connect,
-                format!("worker {} refused the connection", booking.name),
+                format!("{worker} refused the connection"),
             )),
             Ok(Err(_)) => Err(AttemptError::Retry(
                 Failure::Reset,
-                format!("the connection to worker {} broke", booking.name),
+                format!("the connection to {worker} broke"),
             )),
             Ok(Ok(response)) if response.status().is_server_error() && !self.pass_server_errors => {
                 Err(AttemptError::Retry(
                     Failure::Status5xx,
-                    format!(
-                        "worker {} answered {}",
-                        booking.name,
-                        response.status().as_u16()
-                    ),
+                    format!("{worker} answered {}", response.status().as_u16()),
                 ))
             }
             Ok(Ok(response)) => Ok(response),
@@ -600,7 +609,9 @@ impl Attempts {
         self.timed_out_on(booking, fair)
     }
 
-    /// The worker's response head as the client gets it.
+    /// The worker's response head as the client gets it: hop-by-hop
+    /// headers dropped, and with client keys required only the headers a
+    /// client needs ([`crate::request::disclosure`]); then the router's own.
     pub(crate) fn client_parts(
         &self,
         mut parts: hyper::http::response::Parts,
@@ -614,6 +625,7 @@ impl Attempts {
         ] {
             parts.headers.remove(name);
         }
+        self.state.disclosure().filter_headers(&mut parts.headers);
         if self.state.worker_header {
             if let Some(v) = &booking.endpoint.name_header {
                 parts.headers.insert(WORKER_HEADER, v.clone());

@@ -45,6 +45,9 @@ pub struct AppState {
     pub worker_auth: Option<HeaderValue>,
     /// Body limit.
     pub max_body_bytes: usize,
+    /// The bytes of bodies held at once, every request's together
+    /// (`--max-body-bytes-total`; [`crate::front::upload`]).
+    pub(crate) body_budget: Arc<crate::front::upload::BodyBudget>,
     /// Time from a request's head to its body's last byte.
     pub body_read_timeout: Duration,
     /// Limits on what a body holds ([`crate::request::limits`]).
@@ -102,6 +105,7 @@ impl AppState {
         let agentic = Arc::new(crate::request::agentic::AgenticState::new(
             crate::response_map::ResponseMap::new(
                 config.max_stored_responses,
+                config.max_stored_responses_per_key,
                 Duration::from_secs(config.stored_response_ttl_secs),
             ),
         ));
@@ -125,6 +129,10 @@ impl AppState {
         ));
         registry.register_collector(Box::new(crate::models::ModelsCollector(models.clone())));
         fleet.check_tokenizers_of(models.clone());
+        let body_budget = crate::front::upload::BodyBudget::new(
+            config.body_bytes_total(),
+            shared.metrics().clone(),
+        );
         Self {
             shared,
             fleet,
@@ -137,6 +145,7 @@ impl AppState {
             admin_api: config.admin_token.is_some(),
             worker_auth: worker_authorization(config),
             max_body_bytes: config.max_body_bytes,
+            body_budget,
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
             limits: InputLimits::new(config),
             migration: MigrationPolicy {
@@ -158,6 +167,16 @@ impl AppState {
                 .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
             agentic,
         }
+    }
+}
+
+impl AppState {
+    /// How the router speaks of workers to clients: guarded while client
+    /// keys are required ([`crate::request::disclosure`]).
+    pub(crate) fn disclosure(&self) -> crate::request::disclosure::Disclosure {
+        crate::request::disclosure::Disclosure::when_keys_required(
+            self.credentials.client_keys_required(),
+        )
     }
 }
 

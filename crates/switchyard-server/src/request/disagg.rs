@@ -396,29 +396,26 @@ async fn send_half(
         });
     }
     let (parts, upstream) = response.into_parts();
+    let worker = attempts.state.disclosure().worker(&booking.name);
     let bytes = match crate::front::upload::read_whole(upstream, MAX_ERROR_BYTES).await {
         Ok(bytes) => bytes,
         Err(_) => {
             return Err(HalfError::Retry(
                 Failure::Reset,
-                format!(
-                    "worker {}'s error answer broke or was too long",
-                    booking.name
-                ),
+                format!("{worker}'s error answer broke or was too long"),
             ))
         }
     };
     if transfer_failed(status, &bytes) {
         return Err(HalfError::Transfer(format!(
-            "worker {} answered {}: its KV transfer failed",
-            booking.name,
+            "{worker} answered {}: its KV transfer failed",
             status.as_u16()
         )));
     }
     if status.is_server_error() {
         return Err(HalfError::Retry(
             Failure::Status5xx,
-            format!("worker {} answered {}", booking.name, status.as_u16()),
+            format!("{worker} answered {}", status.as_u16()),
         ));
     }
     Ok(Answer::Buffered(parts, bytes))

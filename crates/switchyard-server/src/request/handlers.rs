@@ -22,8 +22,7 @@ use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::Shared;
 use crate::request::limits;
 use crate::request::prompt::{
-    charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
-    TokenizeJob,
+    charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
 };
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -39,8 +38,8 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
     let result = async {
         let (body, flow) = body?;
         let (parsed, asked) = limits::parse_chat(&state, &body)?;
-        let messages = chat_messages(parsed.messages)?;
-        let prompt = tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?;
+        let job = TokenizeJob::chat(parsed.messages, parsed.tools, 0)?;
+        let prompt = tokenize(&state, parsed.model.as_deref(), job).await?;
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let facts = Parsed {
             model: parsed.model,
@@ -67,10 +66,7 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
         // Token ids were bounded while parsing; text while tokenized (a
         // batch's later texts are the worker's to judge).
         let model = parsed.model.as_deref();
-        let ids = |ids| PromptIds {
-            ids,
-            estimated: None,
-        };
+        let ids = PromptIds::of_ids;
         let prompt = match parsed.prompt {
             Prompt::Tokens(i) => ids(i),
             Prompt::TokenBatches(batch) => ids(batch.into_iter().next().unwrap_or_default()),
@@ -234,6 +230,11 @@ async fn proxy_as(
         expected_output_tokens: facts.asked.expected_output_tokens(),
         ..facts.flow
     };
+    // The band speaks for the request's priority at the engine too, and
+    // a client's `request_id` stays with the router.
+    let body =
+        crate::request::engine_body::engine_body(body, state.flows.engine_priority(flow.band))?;
+    let unrendered = facts.prompt.unrendered;
     let request = Delivery {
         path,
         arrival,
@@ -271,6 +272,7 @@ async fn proxy_as(
         deadline,
     )
     .estimated_prompt(request.estimated_prompt_tokens)
+    .unrendered_prompt(unrendered)
     .flow(flow)
     .pinned_to(pinned);
     first_phase(attempts, session, request).await

@@ -12,6 +12,8 @@
 //! - [`prompt`] — what the handlers share: the prompt's token ids (or an
 //!   estimate), the key's token charge, the session.
 //! - [`limits`] — input limits, each refusal naming its limit.
+//! - [`engine_body`] — what of a body the engine is not told: a client's
+//!   `priority` (its band's instead) and `request_id`.
 //! - [`attempt`] — one request's attempts on workers: the placement loop
 //!   (submit, placed, failed, moved before the deadline) that plain and
 //!   disaggregated requests share.
@@ -20,7 +22,9 @@
 //!   request is placed, then a `Booking` whose drop ends it.
 //! - [`disagg`] — prefill/decode-disaggregated requests: two halves, each
 //!   placed through the same loop, and the engine family's protocol.
-//! - [`answer`] — a worker's answer on its way to the client.
+//! - [`answer`] — a worker's answer on its way to the client;
+//!   [`disclosure`] — what of a worker a client learns (its name in
+//!   errors, its headers).
 //! - [`stream`] — the streaming body: forwards events and resumes a broken
 //!   stream on another worker.
 //! - [`migration`] — the pure parts of migration: the decision, progress,
@@ -36,6 +40,8 @@ pub mod body_fields;
 pub mod booking;
 pub(crate) mod context;
 pub(crate) mod disagg;
+pub(crate) mod disclosure;
+pub(crate) mod engine_body;
 pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;

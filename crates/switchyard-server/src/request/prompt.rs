@@ -1,13 +1,23 @@
 //! What the handlers share before a request is handed over: its body and
 //! head, the prompt's token ids (or, for a model without a tokenizer here,
 //! an estimate of its length), the key's token charge and the session.
+//!
+//! A prompt's size is everything the engine renders into it, whatever
+//! API it came through: message text, the tools a request declares and an
+//! assistant's tool calls (rendered by the model's chat template, as the
+//! engine renders them, so their tokens are in the ids routing hashes),
+//! and what the template does not see — reasoning items, thinking blocks,
+//! other non-text items, and tools or tool calls a template does not read
+//! — estimated at [`crate::models::BYTES_PER_TOKEN_ESTIMATE`] bytes a
+//! token ([`PromptIds::unrendered`]). The prompt limit, the key's token
+//! quota, the fair share and the load view all count the whole.
 
 use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::context::AppState;
 use crate::request::limits;
-use crate::tokenize::{rendered_size_estimate, INLINE_CHARS};
+use crate::tokenize::{rendered_size_estimate, tool_calls_size, INLINE_CHARS};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::HeaderMap;
@@ -15,7 +25,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
-use switchyard_tokenizer::ChatMessage;
+use switchyard_tokenizer::{ChatMessage, ToolCall};
 use switchyard_wire::openai::{Message, MessageContent};
 
 /// the upload layer: its one buffer, taken as it is).
@@ -52,15 +62,32 @@ pub(crate) struct Parsed {
 
 /// A prompt as routing knows it: its token ids, or, when its model has
 /// no tokenizer here, an estimate of its length ([`crate::models`]; `ids`
-/// is then empty).
+/// is then empty); and the estimated tokens of what the engine renders
+/// that the ids do not carry.
 pub(crate) struct PromptIds {
     pub(crate) ids: Vec<u32>,
     pub(crate) estimated: Option<u32>,
+    /// Tokens the engine renders beyond `ids` (reasoning, other items,
+    /// tools a template does not read), estimated from their bytes.
+    pub(crate) unrendered: u32,
 }
 
 impl PromptIds {
+    /// Token ids alone (nothing estimated).
+    pub(crate) fn of_ids(ids: Vec<u32>) -> Self {
+        Self {
+            ids,
+            estimated: None,
+            unrendered: 0,
+        }
+    }
+
+    /// The prompt's whole size in tokens, as limits, charges and the load
+    /// view count it.
     pub(crate) fn len(&self) -> usize {
-        self.estimated.map_or(self.ids.len(), |n| n as usize)
+        self.estimated
+            .map_or(self.ids.len(), |n| n as usize)
+            .saturating_add(self.unrendered as usize)
     }
 }
 
@@ -89,9 +116,15 @@ pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
                 ))
             }
         };
+        let tool_calls = m
+            .tool_calls
+            .into_iter()
+            .map(|c| ToolCall::function(c.name, c.arguments))
+            .collect();
         messages.push(ChatMessage {
             role: m.role,
             content,
+            tool_calls,
         });
     }
     Ok(messages)
@@ -108,7 +141,7 @@ pub(crate) async fn tokenize(
     job: TokenizeJob,
 ) -> Result<PromptIds, ApiError> {
     let started = Instant::now();
-    let max_tokens = limits::prompt_token_limit(state).0;
+    let limit = limits::prompt_token_limit(state).0;
     let param = match &job {
         TokenizeJob::Text(_) => "prompt",
         TokenizeJob::Chat(_) => "messages",
@@ -117,18 +150,37 @@ pub(crate) async fn tokenize(
     // rendered (its template adds to every message, empty ones included).
     let chars = match &job {
         TokenizeJob::Text(t) => t.len(),
-        TokenizeJob::Chat(m) => rendered_size_estimate(m),
+        TokenizeJob::Chat(c) => c.rendered_size(),
     };
     let routing = state.models.for_request(&state.shared.adapters, model);
     let Some(tokenizer) = routing.tokenizer.clone() else {
-        return Ok(PromptIds {
+        let unrendered = match &job {
+            TokenizeJob::Chat(c) => c.unrendered_bytes,
+            TokenizeJob::Text(_) => 0,
+        };
+        let prompt = PromptIds {
             ids: Vec::new(),
             estimated: Some(crate::models::ModelRouting::estimated_tokens(chars)),
-        });
+            unrendered: crate::models::ModelRouting::estimated_tokens(unrendered),
+        };
+        return Ok(prompt);
+    };
+    // What the template will not render is counted by its bytes, and the
+    // ids get what the limit leaves.
+    let unrendered = match &job {
+        TokenizeJob::Chat(c) => {
+            crate::models::ModelRouting::estimated_tokens(c.unrendered_by(tokenizer.as_ref()))
+        }
+        TokenizeJob::Text(_) => 0,
+    };
+    let Some(max_tokens) = limit.checked_sub(unrendered as usize) else {
+        return Err(limits::prompt_too_long(state, param));
     };
     let run = move || match job {
         TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
-        TokenizeJob::Chat(m) => tokenizer.encode_chat_within(&m, max_tokens),
+        TokenizeJob::Chat(c) => {
+            tokenizer.encode_chat_with_tools_within(&c.messages, c.tools.as_ref(), max_tokens)
+        }
     };
     let result = if chars <= INLINE_CHARS {
         run()
@@ -146,14 +198,71 @@ pub(crate) async fn tokenize(
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"), None))?
         .ok_or_else(|| limits::prompt_too_long(state, param))?;
     Ok(PromptIds {
-        ids,
-        estimated: None,
+        unrendered,
+        ..PromptIds::of_ids(ids)
     })
 }
 
 pub(crate) enum TokenizeJob {
     Text(String),
-    Chat(Vec<ChatMessage>),
+    Chat(ChatJob),
+}
+
+/// A chat prompt as the engine renders it: its messages (with their tool
+/// calls), the tools it declares, and the bytes of what it carries that
+/// no message does (reasoning, other items).
+pub(crate) struct ChatJob {
+    pub(crate) messages: Vec<ChatMessage>,
+    pub(crate) tools: Option<serde_json::Value>,
+    pub(crate) unrendered_bytes: usize,
+}
+
+impl TokenizeJob {
+    /// The chat of `messages` declaring `tools`, with `unrendered_bytes`
+    /// the template will not see; a 400 for messages the router cannot
+    /// read ([`chat_messages`]).
+    pub(crate) fn chat(
+        messages: Vec<Message>,
+        tools: Option<serde_json::Value>,
+        unrendered_bytes: usize,
+    ) -> Result<Self, ApiError> {
+        Ok(Self::Chat(ChatJob {
+            messages: chat_messages(messages)?,
+            tools,
+            unrendered_bytes,
+        }))
+    }
+}
+
+impl ChatJob {
+    /// The tools' JSON size (0 for none).
+    fn tools_size(&self) -> usize {
+        self.tools
+            .as_ref()
+            .and_then(|t| serde_json::to_vec(t).ok())
+            .map_or(0, |t| t.len())
+    }
+
+    /// Its size as rendered, estimated (messages, tool calls and tools):
+    /// what decides where it is tokenized, and a model without a
+    /// tokenizer's estimate.
+    fn rendered_size(&self) -> usize {
+        rendered_size_estimate(&self.messages).saturating_add(self.tools_size())
+    }
+
+    /// The bytes `tokenizer` will not render into ids: what no message
+    /// carries, and the tools and tool calls its template does not read.
+    fn unrendered_by(&self, tokenizer: &dyn crate::tokenize::PromptTokenizer) -> usize {
+        let mut bytes = self.unrendered_bytes;
+        if !tokenizer.renders_tools() {
+            bytes = bytes.saturating_add(self.tools_size());
+        }
+        if !tokenizer.renders_tool_calls() {
+            let calls = self.messages.iter().map(tool_calls_size);
+            bytes = calls.fold(bytes, usize::saturating_add);
+        }
+        bytes
+    }
 }
 
 /// Charges a request to its key's token limit ([`crate::front::ratelimit`]):

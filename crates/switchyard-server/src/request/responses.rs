@@ -21,23 +21,33 @@
 //!   only the new input, the rest being on that worker);
 //! - `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
 //!
-//! A response the router does not know (never answered through it, or
+//! A stored response is its creator's: with client keys required, only
+//! the key that created it finds it, and for any other key it does not
+//! exist — `GET`, cancel and `previous_response_id` answer the same 404
+//! as for an id never seen, before anything else is looked at or sent
+//! ([`crate::response_map::Owner`]). A response the router does not know
+//! for the caller (another key's, never answered through it, or
 //! forgotten: capacity or TTL) is a 404; one whose worker has left the
 //! fleet is a 410; one whose worker is unhealthy for now is a 503. A
 //! chain is one session from its second turn on (the session the client
-//! named for it, else one named after the response the chain continues:
-//! [`crate::response_map::session_of`]).
+//! named for it, else one named after the response the chain continues,
+//! in the caller's own namespace: [`crate::response_map::session_of`]).
+//!
+//! A client's `request_id` (which vLLM takes as the response's id) never
+//! reaches a worker ([`crate::request::engine_body`]), and a worker's
+//! answer with an id another key holds is not recorded: a key cannot
+//! plant its conversation under another's id.
 
 use crate::error::ApiError;
+use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
 use crate::request::context::{AppState, Shared};
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
-    charge_tokens, chat_messages, request_parts, session_key, tokenize, Parsed, PromptIds,
-    TokenizeJob,
+    charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
 };
-use crate::response_map::{session_of, Holder};
+use crate::response_map::{session_of, Holder, Owner};
 use crate::roster::WorkerInfo;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
@@ -57,9 +67,11 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
         let (body, flow) = body?;
         let (parsed, asked) = agentic::parse_responses(&state, &body)?;
         let named = session_key(&state, &headers, parsed.session_id.as_deref(), key);
+        let owner = caller(&state, key);
         let (pinned, session) = match &parsed.previous_response_id {
             Some(previous) => {
-                let holder = locate_waiting(&state, previous, "previous_response_id").await?;
+                let holder =
+                    locate_waiting(&state, previous, owner, "previous_response_id").await?;
                 let namespace = key.and_then(|k| state.credentials.key_name(k));
                 let chain = session_of(previous, &holder, namespace);
                 (Some(holder.worker), Some(named.unwrap_or(chain)))
@@ -75,13 +87,18 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
                     Some("input"),
                 ));
             }
+            let tools = parsed
+                .tools
+                .as_ref()
+                .and_then(|t| serde_json::to_vec(t).ok());
+            let bytes = parsed.unrendered_bytes + tools.map_or(0, |t| t.len());
             PromptIds {
-                ids: Vec::new(),
-                estimated: None,
+                unrendered: crate::models::ModelRouting::estimated_tokens(bytes),
+                ..PromptIds::of_ids(Vec::new())
             }
         } else {
-            let messages = chat_messages(parsed.messages)?;
-            tokenize(&state, parsed.model.as_deref(), TokenizeJob::Chat(messages)).await?
+            let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
+            tokenize(&state, parsed.model.as_deref(), job).await?
         };
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let delivery = AgenticDelivery {
@@ -90,6 +107,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
                 map: state.agentic.responses.clone(),
                 shared: Some(state.shared.clone()),
                 session,
+                owner,
             }),
             state: state.agentic.clone(),
         };
@@ -112,9 +130,21 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
     finish_agentic(state, headers, AgenticApi::Responses, PATH, arrival, result).await
 }
 
+/// The owner a caller with `key` may see stored responses of: its key's
+/// (none when the router requires no keys).
+pub(crate) fn caller(state: &AppState, key: Option<ClientKey>) -> Option<Owner> {
+    key.and_then(|k| state.credentials.key_name(k))
+        .map(Owner::of_key)
+}
+
 /// `GET /v1/responses/{id}`: the stored response, from its worker.
-pub(crate) async fn get_response(State(state): State<Shared>, Path(id): Path<String>) -> Response {
-    stored(state, id, Method::GET, "").await
+pub(crate) async fn get_response(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    request: Request,
+) -> Response {
+    let owner = caller(&state, request.extensions().get::<ClientKey>().copied());
+    stored(state, id, owner, Method::GET, "").await
 }
 
 /// `POST /v1/responses/{id}/cancel`: passed to the worker that has it.
@@ -124,14 +154,21 @@ pub(crate) async fn cancel_response(
     request: Request,
 ) -> Response {
     // The body (none is expected) is read within the limit and dropped.
-    let (_, _, body) = request_parts(&state, request).await;
+    let (_, key, body) = request_parts(&state, request).await;
     if let Err(e) = body {
         return e.into_response();
     }
-    stored(state, id, Method::POST, "/cancel").await
+    let owner = caller(&state, key);
+    stored(state, id, owner, Method::POST, "/cancel").await
 }
 
-async fn stored(state: Shared, id: String, method: Method, suffix: &str) -> Response {
+async fn stored(
+    state: Shared,
+    id: String,
+    owner: Option<Owner>,
+    method: Method,
+    suffix: &str,
+) -> Response {
     let result = async {
         if !valid_id(&id) {
             return Err(ApiError::not_found(
@@ -139,7 +176,7 @@ async fn stored(state: Shared, id: String, method: Method, suffix: &str) -> Resp
                 None,
             ));
         }
-        let holder = locate_waiting(&state, &id, "response_id").await?;
+        let holder = locate_waiting(&state, &id, owner, "response_id").await?;
         let worker = in_fleet(&state, &holder, &id, "response_id")?;
         direct(
             &state,
@@ -174,28 +211,42 @@ const PEER_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 async fn locate_waiting(
     state: &AppState,
     id: &str,
+    owner: Option<Owner>,
     param: &'static str,
 ) -> Result<Holder, ApiError> {
-    if state.router_id.is_some() && state.agentic.responses.get(id, Instant::now()).is_none() {
+    let known = || {
+        state
+            .agentic
+            .responses
+            .get(id, owner, Instant::now())
+            .is_some()
+    };
+    if state.router_id.is_some() && !known() {
         let until = tokio::time::Instant::now() + PEER_GRACE;
         while tokio::time::Instant::now() < until {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            if state.agentic.responses.get(id, Instant::now()).is_some() {
+            if known() {
                 break;
             }
         }
     }
-    locate(state, id, param)
+    locate(state, id, owner, param)
 }
 
-/// Where response `id` is stored: a 404 when the router does not know it,
-/// a 410 when its worker has left the fleet, a 503 while its worker is out
-/// of selection (unhealthy).
-fn locate(state: &AppState, id: &str, param: &'static str) -> Result<Holder, ApiError> {
+/// Where response `id` of `owner` is stored: a 404 when the router does
+/// not know it for that owner (another's is not there for it), a 410 when
+/// its worker has left the fleet, a 503 while its worker is out of
+/// selection (unhealthy).
+fn locate(
+    state: &AppState,
+    id: &str,
+    owner: Option<Owner>,
+    param: &'static str,
+) -> Result<Holder, ApiError> {
     let holder = state
         .agentic
         .responses
-        .get(id, Instant::now())
+        .get(id, owner, Instant::now())
         .ok_or_else(|| {
             ApiError::not_found(
                 format!(
@@ -227,8 +278,8 @@ fn in_fleet(
         })?;
     if !worker.in_router {
         return Err(ApiError::no_workers(format!(
-            "response {id:?} is stored by worker {}, which is out of selection (unhealthy); retry later",
-            worker.name
+            "response {id:?} is stored by {}, which is out of selection (unhealthy); retry later",
+            state.disclosure().worker(&worker.name)
         )));
     }
     Ok(worker)
@@ -282,8 +333,8 @@ pub(crate) async fn direct(
         Err(_) => return Err(ApiError::timeout(state.request_timeout)),
         Ok(Err(_)) => {
             return Err(ApiError::bad_gateway(format!(
-                "worker {} did not answer",
-                worker.name
+                "{} did not answer",
+                state.disclosure().worker(&worker.name)
             )))
         }
         Ok(Ok(response)) => response,

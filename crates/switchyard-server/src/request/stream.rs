@@ -553,8 +553,8 @@ pub(crate) async fn move_stream(
             }
             Ok(response) => {
                 return Moved::Failed(ApiError::bad_gateway(format!(
-                    "worker {} refused the resumed request with status {}",
-                    booking.name,
+                    "{} refused the resumed request with status {}",
+                    attempts.state.disclosure().worker(&booking.name),
                     response.status().as_u16()
                 )))
             }

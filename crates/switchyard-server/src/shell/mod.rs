@@ -680,7 +680,9 @@ impl SharedRouter {
                     let holder = crate::response_map::Holder {
                         worker: stored.worker,
                         session: stored.session,
+                        owner: stored.owner.map(crate::response_map::Owner),
                     };
+                    // An id another key holds is not moved (counted).
                     map.insert(&stored.id, holder, now);
                 }
             }
@@ -696,6 +698,7 @@ impl SharedRouter {
                 id: id.to_owned(),
                 worker: holder.worker,
                 session: holder.session,
+                owner: holder.owner.map(|o| o.0),
             });
         }
     }

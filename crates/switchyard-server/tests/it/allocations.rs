@@ -235,6 +235,7 @@ fn allocations_per_request_on_the_request_path() {
                     vec![ChatMessage {
                         role: "user".into(),
                         content: message(i),
+                        tool_calls: Vec::new(),
                     }]
                 })
                 .collect();

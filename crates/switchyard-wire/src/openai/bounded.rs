@@ -404,6 +404,7 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ChatCompletionRequest, A::Error> {
         let mut messages: Option<Vec<Message>> = None;
         let mut max_completion_tokens: Option<Option<Lenient<u32>>> = None;
+        let mut tools: Option<Option<Box<serde_json::value::RawValue>>> = None;
         let SharedFields {
             model,
             stream,
@@ -414,12 +415,23 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
             return_token_ids,
         } = read_request(
             map,
-            &["messages", "max_completion_tokens"],
+            &["messages", "max_completion_tokens", "tools"],
             |map, own| match own {
                 0 => read_once_seed(map, &mut messages, "messages", MessagesSeed(self.0)),
-                _ => read_once(map, &mut max_completion_tokens, "max_completion_tokens"),
+                1 => read_once(map, &mut max_completion_tokens, "max_completion_tokens"),
+                _ => read_once(map, &mut tools, "tools"),
             },
         )?;
+        let max = self.0.limits.prompt_tokens;
+        let tools = match super::tools::tools_within(tools.flatten().as_deref(), max) {
+            Ok(tools) => tools,
+            Err(super::tools::ToolsError::TooLong) => {
+                return Err(self.0.refuse(Limit::PromptTokens, max))
+            }
+            Err(super::tools::ToolsError::NotAList) => {
+                return Err(de::Error::custom("`tools` must be a list of tools"))
+            }
+        };
         Ok(ChatCompletionRequest {
             model,
             messages: messages.ok_or_else(|| de::Error::missing_field("messages"))?,
@@ -430,6 +442,7 @@ impl<'de> Visitor<'de> for ChatSeed<'_> {
             n,
             session_id,
             return_token_ids,
+            tools,
         })
     }
 }
@@ -468,7 +481,7 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
     }
 }
 
-const MESSAGE_FIELDS: &[&str] = &["role", "content"];
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "tool_calls"];
 
 /// One message; its content parts count towards `limits.content_parts`.
 struct MessageSeed<'a>(Bounds<'a>);
@@ -488,6 +501,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message, A::Error> {
         let mut role: Option<String> = None;
         let mut content: Option<Option<MessageContent>> = None;
+        let mut tool_calls: Option<Option<Vec<super::ToolCall>>> = None;
         while let Some(key) = map.next_key_seed(FieldIn(MESSAGE_FIELDS))? {
             match key {
                 Some(0) => read_once(&mut map, &mut role, "role")?,
@@ -497,6 +511,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
                     "content",
                     OptionalContentSeed(self.0),
                 )?,
+                Some(2) => read_once(&mut map, &mut tool_calls, "tool_calls")?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -505,6 +520,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
         Ok(Message {
             role: role.ok_or_else(|| de::Error::missing_field("role"))?,
             content: content.flatten(),
+            tool_calls: tool_calls.flatten().unwrap_or_default(),
         })
     }
 }

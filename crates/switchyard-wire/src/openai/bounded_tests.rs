@@ -117,6 +117,7 @@ fn reference_messages(v: &Value, limits: &BodyLimits) -> Outcome<Vec<Message>> {
         messages.push(Message {
             role: role.clone(),
             content,
+            tool_calls: Vec::new(),
         });
     }
     Outcome::Ok(messages)

@@ -16,6 +16,7 @@ mod error;
 pub(crate) mod lenient;
 mod request;
 mod response;
+pub mod tools;
 
 pub use bounded::{BodyError, BodyLimits, Limit, OverLimit};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
@@ -27,6 +28,7 @@ pub use request::{
 pub use response::{
     completion_tokens, Choice, ChoiceDelta, ChoiceMessage, Completion, PromptTokensDetails, Usage,
 };
+pub use tools::ToolCall;
 
 /// Which OpenAI endpoint a request came through: it decides the shape of
 /// the answer.

@@ -104,6 +104,9 @@ pub struct ChatCompletionRequest {
     /// vLLM's flag: each streamed choice carries the `token_ids` it adds;
     /// see [`Self::return_token_ids`].
     pub return_token_ids: Option<Lenient<bool>>,
+    /// The tools it declares (the chat API's list, as a JSON tree for the
+    /// chat template: [`super::tools`]); `None` for none.
+    pub tools: Option<serde_json::Value>,
 }
 
 impl ChatCompletionRequest {
@@ -179,6 +182,19 @@ pub struct Message {
     pub role: String,
     /// `None` when absent or `null`.
     pub content: Option<MessageContent>,
+    /// An assistant's tool calls (empty when it made none).
+    pub tool_calls: Vec<super::ToolCall>,
+}
+
+impl Message {
+    /// A message of `role` with text `content`.
+    pub fn text(role: &str, content: String) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: Some(MessageContent::Text(content)),
+            tool_calls: Vec::new(),
+        }
+    }
 }
 
 /// A message's `content`: a string or a list of content parts. Parsed

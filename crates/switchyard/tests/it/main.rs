@@ -22,6 +22,8 @@ mod openai_client;
 mod replay_tune;
 mod replica_security;
 mod serve_adapters;
+mod serve_boundaries;
+mod serve_boundaries_budget;
 mod serve_chaos;
 mod serve_disagg;
 mod serve_dp;

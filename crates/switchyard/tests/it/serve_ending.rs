@@ -11,7 +11,8 @@
 //! connections the router dropped).
 
 use crate::support::{
-    machine, metric, metric_sum, metrics_text, router, wait_for, wait_metrics, PATIENCE,
+    machine, metric, metric_sum, metrics_text, read_request, reply, router, wait_for, wait_metrics,
+    NOT_FOUND, PATIENCE,
 };
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -79,52 +80,6 @@ impl Fake {
     fn dropped(&self) -> usize {
         self.dropped.load(Ordering::SeqCst)
     }
-}
-
-/// Reads one request whole: its method, path and body (`None`: the
-/// connection ended first).
-async fn read_request(socket: &mut TcpStream) -> Option<(String, String, String)> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        let n = socket.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    while buf.len() < head_end + length {
-        match socket.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    let mut words = head.split_whitespace();
-    let method = words.next().unwrap_or("get").to_owned();
-    let path = words.next().unwrap_or("/").to_owned();
-    Some((
-        method,
-        path,
-        String::from_utf8_lossy(&buf[head_end..]).into_owned(),
-    ))
-}
-
-const NOT_FOUND: &str = "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
-
-fn reply(body: &str) -> String {
-    format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
 }
 
 /// One SSE event as an HTTP chunk.

@@ -7,7 +7,7 @@
 
 use crate::support::{
     machine, metric, metrics_text, resident_bytes, router, sim_worker, sim_worker_with, wait_for,
-    wait_metrics, PATIENCE,
+    wait_metrics, wait_ready, PATIENCE,
 };
 use serde_json::json;
 use std::time::Duration;
@@ -116,17 +116,6 @@ async fn honest_chat(client: &reqwest::Client, base: &str, key: &str) -> u16 {
     status
 }
 
-async fn wait_ready(client: &reqwest::Client, base: &str) {
-    wait_for("the router to have a worker", PATIENCE, async || {
-        client
-            .get(format!("{base}/ready"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-    })
-    .await;
-}
-
 const MIB: usize = 1024 * 1024;
 
 /// Uploads without a credential: to `/admin/workers` with the admin API off
@@ -197,7 +186,10 @@ async fn uploads_without_a_credential_are_refused_unread_and_hold_no_memory() {
 /// `switchyard_slow_uploads_total`; an honest client is served while they
 /// stall. Their bodies are the router's to hold until the deadline, at most
 /// `--max-body-bytes` (1 MiB here) each: 40 uploads of 512 KiB stay under
-/// 64 MiB of resident memory over the baseline.
+/// 64 MiB of resident memory over the baseline. The body budget (64 MiB
+/// here) holds all 40 declared bodies and the honest client's (past it
+/// they would get a 503 from their heads instead:
+/// `serve_boundaries_budget`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_uploads_slower_than_the_body_read_deadline_are_cut_with_408_and_counted() {
     let _machine = machine().await;
@@ -213,6 +205,8 @@ async fn keyed_uploads_slower_than_the_body_read_deadline_are_cut_with_408_and_c
             "adm-good",
             "--max-body-bytes",
             "1048576",
+            "--max-body-bytes-total",
+            "67108864",
             "--body-read-timeout-ms",
             "1000",
         ],

@@ -5,7 +5,7 @@
 
 use crate::support::{
     machine, metric, metrics_text, openai_error, router, scratch_file, sim_worker_with, wait_for,
-    PATIENCE,
+    wait_ready, PATIENCE,
 };
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -30,17 +30,6 @@ max_band = "critical"
 name = "batch"
 band = "sheddable"
 "#;
-
-async fn ready(client: &reqwest::Client, base: &str) {
-    wait_for("the router to have a worker", PATIENCE, async || {
-        client
-            .get(format!("{base}/ready"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-    })
-    .await;
-}
 
 fn send(
     client: &reqwest::Client,
@@ -74,7 +63,7 @@ async fn bad_flow_headers_get_a_clear_400() {
         &["--config", config.to_str().unwrap()],
     );
     let client = reqwest::Client::new();
-    ready(&client, &router.base).await;
+    wait_ready(&client, &router.base).await;
     let long = "x".repeat(10_000);
     for (header, value, says) in [
         ("x-priority", "gold", "unknown priority band"),
@@ -156,7 +145,7 @@ async fn sheddable_requests_are_refused_at_once_while_critical_ones_wait() {
         &["--config", config.to_str().unwrap(), "--block-size", "16"],
     );
     let client = reqwest::Client::new();
-    ready(&client, &router.base).await;
+    wait_ready(&client, &router.base).await;
     let critical = [("x-priority", "critical")];
     let long = send(&client, &router.base, "sk-checkout", &critical, 600, 400).send();
     let long = tokio::spawn(long);

@@ -6,6 +6,8 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use tokio::io::AsyncReadExt as _;
+use tokio::net::TcpStream;
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 #[path = "../../../switchyard-server/tests/it/support.rs"]
@@ -235,4 +237,67 @@ pub(crate) async fn completion(
         .unwrap_or_default();
     let answer = response.json().await.unwrap_or_default();
     (status, worker, answer)
+}
+
+// ---- Fake workers: loopback HTTP/1.1 servers a test writes by hand ----
+
+/// Reads one request whole: its method, path and body (`None`: the
+/// connection ended first).
+pub(crate) async fn read_request(socket: &mut TcpStream) -> Option<(String, String, String)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let n = socket.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + length {
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let mut words = head.split_whitespace();
+    let method = words.next().unwrap_or("get").to_owned();
+    let path = words.next().unwrap_or("/").to_owned();
+    Some((
+        method,
+        path,
+        String::from_utf8_lossy(&buf[head_end..]).into_owned(),
+    ))
+}
+
+/// A 404 without a body; the connection closes.
+pub(crate) const NOT_FOUND: &str =
+    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+
+/// A 200 with JSON `body`; the connection closes.
+pub(crate) fn reply(body: &str) -> String {
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Waits until the router at `base` is ready (a worker in selection).
+pub(crate) async fn wait_ready(client: &reqwest::Client, base: &str) {
+    wait_for("the router to have a worker", PATIENCE, async || {
+        client
+            .get(format!("{base}/ready"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
 }

@@ -1,0 +1,106 @@
+//! What of a client's body the engine is not told: the fields an engine
+//! reads that would let one client act outside its tenant.
+//!
+//! | field | engine's meaning | forwarded as |
+//! |---|---|---|
+//! | `priority` | vLLM's and SGLang's scheduling priority (lower first, with `--scheduling-policy priority`) | the value the request's band maps to (`engine_priority` of its `[[flow.bands]]`), else removed |
+//! | `request_id` | vLLM's request id, and a Responses request's response id | removed: the engine makes its own |
+//!
+//! A client's band is decided by the router (its key's tenant, capped by
+//! the tenant's ceiling: [`super::flow`]); an engine-side priority in the
+//! body would let a sheddable tenant jump every queue the router keeps,
+//! so the band alone speaks for it. A client-chosen `request_id` would let
+//! a key answer under another key's response id; the engine's own ids
+//! are random.
+//!
+//! Cost when unused: a body that names neither field, with no band
+//! mapped, is forwarded as the same buffer (one `memchr` scan for each
+//! name); only a body that names one (anywhere: a top-level check needs
+//! a parse) is read into its top-level fields and written again
+//! ([`super::body_fields::Fields`], no JSON tree).
+
+use crate::error::ApiError;
+use crate::request::body_fields::Fields;
+use bytes::Bytes;
+use memchr::memmem;
+
+/// The body's `priority` field.
+const PRIORITY: &str = "priority";
+/// The body's `request_id` field.
+const REQUEST_ID: &str = "request_id";
+
+/// `body` as the engine gets it: `request_id` removed, `priority` set to
+/// `priority` (the request's band's mapping) or removed when none. The
+/// same buffer when there is nothing to change.
+pub(crate) fn engine_body(body: Bytes, priority: Option<i64>) -> Result<Bytes, ApiError> {
+    let names = |quoted: &[u8]| memmem::find(&body, quoted).is_some();
+    if priority.is_none() && !names(b"\"priority\"") && !names(b"\"request_id\"") {
+        return Ok(body);
+    }
+    let mut fields = Fields::parse(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))?;
+    let had = fields.has(PRIORITY) || fields.has(REQUEST_ID);
+    fields.remove(REQUEST_ID);
+    match priority {
+        Some(p) => fields.set(PRIORITY, &p),
+        None if had => fields.remove(PRIORITY),
+        None => return Ok(body),
+    }
+    Ok(Bytes::from(fields.to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn rewritten(body: &Value, priority: Option<i64>) -> Value {
+        let bytes = Bytes::from(serde_json::to_vec(body).unwrap());
+        serde_json::from_slice(&engine_body(bytes, priority).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_clients_priority_is_replaced_by_its_bands_or_removed() {
+        let body = json!({"model": "m", "prompt": "x", "priority": -100});
+        assert_eq!(
+            rewritten(&body, Some(5)),
+            json!({"model": "m", "prompt": "x", "priority": 5})
+        );
+        assert_eq!(rewritten(&body, None), json!({"model": "m", "prompt": "x"}));
+        // A band's mapping is set even when the client named none.
+        assert_eq!(
+            rewritten(&json!({"prompt": "x"}), Some(-1)),
+            json!({"prompt": "x", "priority": -1})
+        );
+    }
+
+    #[test]
+    fn a_clients_request_id_never_reaches_the_engine() {
+        let body = json!({"input": "hi", "request_id": "resp_of_another_key"});
+        assert_eq!(rewritten(&body, None), json!({"input": "hi"}));
+        assert_eq!(
+            rewritten(&body, Some(0)),
+            json!({"input": "hi", "priority": 0})
+        );
+    }
+
+    #[test]
+    fn a_body_naming_neither_is_the_same_buffer() {
+        let body = Bytes::from_static(br#"{"model":"m","messages":[]}"#);
+        let out = engine_body(body.clone(), None).unwrap();
+        assert_eq!(out.as_ptr(), body.as_ptr(), "not copied");
+        // Named only inside content: parsed, nothing to change, unchanged.
+        let inner =
+            Bytes::from_static(br#"{"messages":[{"role":"user","content":"\"priority\""}]}"#);
+        assert_eq!(engine_body(inner.clone(), None).unwrap(), inner);
+    }
+
+    #[test]
+    fn the_last_of_duplicated_fields_is_the_one_removed_with_the_rest() {
+        // An engine's JSON reader keeps the last of duplicated names; the
+        // rewrite drops every one.
+        let body = Bytes::from_static(br#"{"priority": 1, "prompt": "x", "priority": -9}"#);
+        let out: Value = serde_json::from_slice(&engine_body(body, None).unwrap()).unwrap();
+        assert_eq!(out, json!({"prompt": "x"}));
+    }
+}
