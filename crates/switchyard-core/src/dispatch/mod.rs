@@ -674,7 +674,10 @@ impl Dispatcher {
     /// ([`crate::router::board::PreRouter`]): when admission places the
     /// request at once, before any other request in the same poll, on a
     /// worker it may go to (eligible, not excluded, still in the router,
-    /// selectable and not busy), the proposal is the decision; otherwise the
+    /// selectable and not busy), and no booking since put more of its
+    /// prompt in flight on another worker
+    /// ([`crate::router::Router::missed_active_prefix`]), the proposal is
+    /// the decision; otherwise the
     /// request is routed here as any other (counted in
     /// [`Counts::proposals_rerouted`]).
     pub fn submit_proposed(
@@ -1298,8 +1301,10 @@ impl Dispatcher {
             };
             fx.counts.decisions += 1;
             // A route made outside the lock is this request's decision
-            // when nothing was placed before it in this poll and its
-            // worker may still take it.
+            // when nothing was placed before it in this poll, its worker
+            // may still take it, and no booking it could not see put more
+            // of its prompt in flight on another worker (a fan-out's
+            // siblings, routed at once).
             let proposed = match proposal {
                 Some((for_id, p))
                     if first
@@ -1307,7 +1312,12 @@ impl Dispatcher {
                         && matches!(placement, Placement::Any)
                         && request.excluded.is_empty()
                         && eligible.is_none_or(|e| e.contains(&p.decision.worker))
-                        && router.may_take_with(p.decision.worker, now_ms, headroom) =>
+                        && router.may_take_with(p.decision.worker, now_ms, headroom)
+                        && !router.missed_active_prefix(
+                            p.decision.worker,
+                            p.decision.overlap_blocks,
+                            &request.blocks,
+                        ) =>
                 {
                     Some(*p)
                 }

@@ -921,3 +921,79 @@ fn a_proposal_of_a_request_that_waits_is_set_aside_and_it_is_routed_when_placed(
     assert_eq!(fx.dispatch[0].id, RequestId(2));
     assert_eq!((fx.counts.decisions, fx.counts.proposals_used), (1, 0));
 }
+
+/// A fan-out: `n` requests sharing `shared` fresh prompt blocks (no worker
+/// has cached them), each with two blocks of its own.
+fn fan_out(n: u64, shared: u64) -> Vec<Submission> {
+    (0..n)
+        .map(|i| {
+            let mut s = submission(0, shared);
+            s.blocks
+                .extend([LocalHash(1_000_000 + 2 * i), LocalHash(1_000_001 + 2 * i)]);
+            s.prompt_tokens += 32;
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn a_burst_sharing_a_fresh_prefix_is_placed_where_its_first_request_is_prefilled() {
+    // Eight requests sharing ~6,000 tokens, sent at once to three idle
+    // workers before any KV event: the first is placed anywhere, the rest
+    // follow it, booked with the prefix as cached, so the worker's prefill
+    // backlog counts the prefix once.
+    let mut d = dispatcher(3);
+    let placed: Vec<Dispatch> = fan_out(8, 375)
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| place(&mut d, i as u128 + 1, s, 0.0))
+        .collect();
+    let first = placed[0].worker;
+    assert!(placed.iter().all(|p| p.worker == first), "{placed:?}");
+    assert_eq!(placed[0].overlap_blocks, 0);
+    assert!(placed[1..].iter().all(|p| p.overlap_blocks == 375));
+    let load = d.router().sequences().registry().load(first).unwrap();
+    assert_eq!(load.active_prefill_tokens(0.0), 375 * 16 + 8 * 32);
+}
+
+#[test]
+fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
+    // The first of a burst is booked; the second's route, made outside the
+    // lock before that booking was on the board, chose another idle worker.
+    let mut d = dispatcher(3);
+    let mut burst = fan_out(2, 64).into_iter();
+    let first = place(&mut d, 1, burst.next().unwrap(), 0.0).worker;
+    let elsewhere = [w(1), w(2), w(3)]
+        .into_iter()
+        .find(|&x| x != first)
+        .unwrap();
+    let (_, fx) = d
+        .submit_proposed(
+            RequestId(2),
+            burst.next().unwrap(),
+            Some(proposal(elsewhere, 0)),
+            0.0,
+        )
+        .unwrap();
+    assert_eq!(
+        (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
+        (first, 64)
+    );
+    assert_eq!(
+        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
+        (0, 1)
+    );
+    // A proposal for the worker already prefilling the prefix stands.
+    let (_, fx) = d
+        .submit_proposed(
+            RequestId(3),
+            fan_out(3, 64).pop().unwrap(),
+            Some(proposal(first, 64)),
+            0.0,
+        )
+        .unwrap();
+    assert_eq!(
+        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
+        (1, 0)
+    );
+}

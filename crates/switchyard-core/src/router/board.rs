@@ -612,7 +612,7 @@ mod tests {
             (0, 0)
         );
         p.publish();
-        let proposal = p.pre.route(routing(&blocks(0, 4)), None, 0.0).unwrap();
+        let _ = p.pre.route(routing(&blocks(0, 4)), None, 0.0).unwrap();
         assert_eq!(
             (
                 one(&p.pre).active_requests,
@@ -620,9 +620,11 @@ mod tests {
             ),
             (1, 4)
         );
-        // The fresh booking's prefill makes worker 1 the slower choice.
-        assert_eq!(proposal.decision.worker, w(2));
-        assert_eq!(proposal.candidate.worker, w(2));
+        // The fresh booking's prefill makes worker 1 the slower choice for
+        // another prompt.
+        let other = p.pre.route(routing(&blocks(100, 4)), None, 0.0).unwrap();
+        assert_eq!(other.decision.worker, w(2));
+        assert_eq!(other.candidate.worker, w(2));
     }
 
     #[test]

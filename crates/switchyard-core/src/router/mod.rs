@@ -558,6 +558,32 @@ impl Router {
             )
     }
 
+    /// Whether a route made outside the lock for a prompt of `blocks`
+    /// missed a booking made since: another worker now has more of the
+    /// prompt's leading blocks active than the chosen one had, cached or
+    /// active, when the route read the board (`seen`: the proposal's
+    /// [`Decision::overlap_blocks`]). A burst of requests sharing a fresh
+    /// prefix arrives at once, so its routes read the board before the
+    /// first of them is booked; each is routed again under the lock, where
+    /// the bookings are current (the `ttft` policy's fan-out). One lookup
+    /// per worker unless some worker holds the prompt's first block.
+    pub fn missed_active_prefix(
+        &mut self,
+        worker: WorkerId,
+        seen: u32,
+        blocks: &[crate::types::LocalHash],
+    ) -> bool {
+        let own = self.sequences.slot_of(worker);
+        let mut missed = false;
+        self.scratch.chain_for_depths(|chain| {
+            self.sequences
+                .active_prompt_depths(blocks, chain, |slot, depth| {
+                    missed |= Some(slot) != own && depth > seen;
+                });
+        });
+        missed
+    }
+
     /// Applies an engine KV event about one of `worker`'s cache tiers
     /// ([`TieredIndex::apply`]: `Cleared` clears both). Events for workers
     /// the router does not route to are still indexed (a worker may publish

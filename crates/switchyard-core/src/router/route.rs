@@ -120,6 +120,12 @@ pub(crate) struct RouteScratch {
 }
 
 impl RouteScratch {
+    /// Lends the prompt-chain buffer, cleared, to `f`.
+    pub(super) fn chain_for_depths(&mut self, f: impl FnOnce(&mut Vec<SequenceHash>)) {
+        self.chain.clear();
+        f(&mut self.chain);
+    }
+
     /// Heap bytes of the buffers.
     pub(super) fn heap_bytes(&self) -> usize {
         (self.overlaps.entries.capacity()

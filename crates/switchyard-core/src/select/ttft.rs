@@ -5,7 +5,9 @@
 //! after those in its host tier:
 //!
 //! ```text
-//! cached[w]   = min(P, overlap[w]·block_size)              device hit
+//! cached[w]   = min(P, max(overlap[w], active[w])·block_size)
+//!                                                          device hit, now or by the time
+//!                                                          this prefill runs (fan-out)
 //! restored[w] = min(P − cached[w], host[w]·block_size)     host hit: copied to the device, not computed
 //! new[w]      = P − cached[w] − restored[w]                uncached tokens here
 //! ahead[w]    = active_prefill_tokens[w] + active_requests[w]
@@ -109,6 +111,23 @@
 //! engines' hit rate stayed 0.002–0.005 under session-sticky routing
 //! (docs/simulator.md). A real difference — a long prefill queued ahead
 //! on the holder, a full worker — still moves it.
+//!
+//! **Fan-out.** `active[w]` is the prompt's leading blocks held by requests
+//! already booked on `w` ([`Candidate::active_prompt_blocks`]). A burst of
+//! requests sharing a prefix no worker has cached yet (sub-agents started
+//! at once from their parent's context, best-of-N siblings) reaches the
+//! router before any KV event says where the prefix went; the first of
+//! them is booked, and the rest see its prompt blocks active on its
+//! worker. The engine computes them before a later request's prefill (its
+//! prefill queue is first come, first served, and `ahead[w]` already
+//! counts the first one's tokens) and shares them, so for the rest that
+//! worker's cost is the wait for the first one's prefill plus their own
+//! suffix, while any other worker computes the whole prefix again and
+//! pays `locality` for the second copy. The burst stays together until
+//! the queue on the first worker costs more than that second prefill
+//! would: the duplicated work is counted, not only this request's wait.
+//! The booking records the active blocks as cached, so the worker's
+//! prefill backlog counts the prefix once.
 //!
 //! **Peer restore.** When the dispatcher's estimator has a link between
 //! workers ([`super::PrefillTime::transfer_ms`]; only the simulator gives
@@ -241,7 +260,8 @@ impl TtftSelector {
 
     /// The cost of routing the request in `ctx` to `c`.
     pub fn cost(&self, ctx: &RoutingContext<'_>, c: &Candidate) -> TtftCost {
-        self.config.cost_priced_as(ctx, c, c.worker)
+        self.config
+            .cost_priced_as(ctx, c, c.worker, lend_on_offer(ctx))
     }
 }
 
@@ -256,10 +276,11 @@ impl TtftConfig {
         ctx: &RoutingContext<'_>,
         c: &Candidate,
         priced: crate::types::WorkerId,
+        lend: Option<u32>,
     ) -> TtftCost {
         let prompt = u64::from(ctx.request.prompt_tokens);
         let block_size = u64::from(ctx.block_size);
-        let cached = (u64::from(c.overlap_blocks) * block_size).min(prompt);
+        let cached = (u64::from(pending(c, lend)) * block_size).min(prompt);
         let restored_tokens = (u64::from(c.host_overlap_blocks) * block_size).min(prompt - cached);
         let new_tokens = prompt - cached - restored_tokens;
         let ahead = c.active_prefill_tokens + c.active_requests as u64;
@@ -286,7 +307,8 @@ impl TtftConfig {
         // A hybrid worker recomputing the part of its device prefix it
         // holds without an SSM state adds no second copy to the fleet: the
         // locality term counts only the tokens it does not hold.
-        let held_tokens = (u64::from(held(c)) * block_size).clamp(cached, prompt - restored_tokens);
+        let held_tokens = (u64::from(held(c).max(pending(c, lend))) * block_size)
+            .clamp(cached, prompt - restored_tokens);
         let fleet_new = prompt - held_tokens - restored_tokens;
         let locality_ms = self.locality_weight
             * if fleet_new == new_tokens {
@@ -391,7 +413,7 @@ impl TtftConfig {
         priced: crate::types::WorkerId,
         lend: Option<u32>,
     ) -> (TtftCost, bool) {
-        let own = self.cost_priced_as(ctx, c, priced);
+        let own = self.cost_priced_as(ctx, c, priced, lend);
         let Some(longest) = lend.filter(|&l| l > c.overlap_blocks) else {
             return (own, false);
         };
@@ -406,7 +428,7 @@ impl TtftConfig {
             host_overlap_blocks: 0,
             ..*c
         };
-        let mut cost = self.cost_priced_as(ctx, &lent, priced);
+        let mut cost = self.cost_priced_as(ctx, &lent, priced, lend);
         cost.first_token_ms += transfer_ms;
         if cost.total() < own.total() {
             (cost, true)
@@ -416,10 +438,41 @@ impl TtftConfig {
     }
 }
 
+/// The prompt's leading blocks `c` will have cached when this request's
+/// prefill runs there: those cached on its device, or, when longer, those
+/// an active request ahead of it holds — a sibling of a fan-out being
+/// prefilled now, whose blocks the engine computes before this request's
+/// turn comes (chunked prefill is first come, first served) and shares.
+///
+/// Not while a peer restore is on offer (`lend`): a holder lends its
+/// cached prefix instead, and blocks on their way to a worker by a
+/// transfer are not shared before they land.
+fn pending(c: &Candidate, lend: Option<u32>) -> u32 {
+    if lend.is_some() {
+        c.overlap_blocks
+    } else {
+        c.overlap_blocks.max(c.active_prompt_blocks)
+    }
+}
+
 /// The prompt blocks `c` holds on its device, resumable or not (never
-/// fewer than those it can resume).
+/// fewer than those it can resume). Blocks only active there do not make
+/// a worker the prompt's home: its cost counts them ([`pending`]), and
+/// measured on the Mooncake trace, letting them also pick the worker that
+/// stickiness keeps a prompt on made TTFT worse (p90 166.5 ms against
+/// 162.6, `replay`, 2026-12-06).
 fn held(c: &Candidate) -> u32 {
     c.held_prefix_blocks.max(c.overlap_blocks)
+}
+
+/// The prompt's longest device prefix, when some worker holds one and the
+/// driver can move KV between workers (the dispatcher's estimator has a
+/// link): a peer restore is on offer.
+fn lend_on_offer(ctx: &RoutingContext<'_>) -> Option<u32> {
+    let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
+    (longest > 0)
+        .then_some(longest)
+        .filter(|_| ctx.prefill.transfer_ms(WorkerId::new(0), 0).is_some())
 }
 
 /// One decode-only step of `c` at the KV memory its running requests hold
@@ -443,11 +496,7 @@ impl Selector for TtftSelector {
     fn select(&mut self, ctx: &RoutingContext<'_>) -> SelectOutcome {
         let (config, rng) = (&self.config, &mut self.rng);
         let longest = ctx.available().map(|c| c.overlap_blocks).max().unwrap_or(0);
-        // A peer restore is on offer when some worker holds a prefix and
-        // the driver can move KV (the dispatcher's estimator has a link).
-        let lend = (longest > 0)
-            .then_some(longest)
-            .filter(|_| ctx.prefill.transfer_ms(WorkerId::new(0), 0).is_some());
+        let lend = lend_on_offer(ctx);
         // The cheapest holder of the longest device prefix, found in the
         // same pass: for hybrid workers the prefix held, resumable or not
         // (the holder keeps the branch point's SSM state for the turns
@@ -485,7 +534,7 @@ impl Selector for TtftSelector {
                     overlap_blocks: if peer.is_some() {
                         longest
                     } else {
-                        c.overlap_blocks
+                        pending(c, lend)
                     },
                     peer,
                 })
@@ -722,6 +771,48 @@ mod tests {
         // 3,068 + 64 against 1,024 + 1,024 ms.
         hot.active_prefill_tokens = 3000;
         assert_eq!(chosen(s.select(&ctx(&b, 1024, &[hot, cold]))), 2);
+    }
+
+    #[test]
+    fn a_fan_out_sibling_joins_the_worker_prefilling_its_prefix_while_the_wait_is_worth_it() {
+        // 1,024-token prompt, nothing cached anywhere. w1 is prefilling a
+        // sibling that shares the first 60 blocks (960 tokens): they are
+        // active there, 1,000 tokens of prefill queued, one request.
+        let b = blocks(64);
+        let mut sibling = candidate(1);
+        sibling.active_prompt_blocks = 60;
+        sibling.active_prefill_tokens = 1000;
+        sibling.active_requests = 1;
+        let idle = [candidate(2), candidate(3)];
+        let cands = [sibling, idle[0], idle[1]];
+        let mut s = TtftSelector::new(TtftConfig::default(), 0);
+        // w1: 5 ms of a step + 1,000 + 1 + 64 = 1,070 ms, 64 of locality,
+        // a quarter of the sibling's stall; an idle worker: 1,024 ms and
+        // 1,024 more for the prefix's second copy.
+        let cost = s.cost(&ctx(&b, 1024, &cands), &sibling);
+        assert_eq!(cost.new_tokens, 64);
+        assert_eq!(
+            s.select(&ctx(&b, 1024, &cands)),
+            SelectOutcome::Selected(Decision {
+                worker: sibling.worker,
+                // Booked as cached: the worker's backlog counts the prefix once.
+                overlap_blocks: 60,
+                peer: None,
+            })
+        );
+        // Blind to the active prefix, the idle workers are cheaper (1,024
+        // + 1,024 against 1,069 + 1,024): the burst would be prefilled on
+        // every worker.
+        let mut blind = sibling;
+        blind.active_prompt_blocks = 0;
+        let cands_blind = [blind, idle[0], idle[1]];
+        assert_ne!(chosen(s.select(&ctx(&b, 1024, &cands_blind))), 1);
+        // Once the queue there costs more than a second prefill of the
+        // prefix (2,100 tokens ahead: 2,170 + 64 and the stall against
+        // 1,024 + 1,024), the request goes elsewhere.
+        sibling.active_prefill_tokens = 2_100;
+        let cands = [sibling, idle[0], idle[1]];
+        assert_ne!(chosen(s.select(&ctx(&b, 1024, &cands))), 1);
     }
 
     #[test]

@@ -77,6 +77,10 @@ impl<D: DeviceLayer> Engine<D> {
         if let Some(tokens) = self.seq(id).spilled {
             return self.resume_spilled(id, tokens, budget, restore_tokens);
         }
+        if self.seq(id).rendezvous.is_none() && self.prefix_in_flight(id) {
+            self.counters.prefix_in_flight_waits += 1;
+            return Ok(Admission::NotReady);
+        }
         let bs = self.config.block_size;
         let (hit, max_hit_blocks) = self.device_hit(id);
 
@@ -122,6 +126,32 @@ impl<D: DeviceLayer> Engine<D> {
         }
         drop(retained);
         self.start_admitted(id, computed_blocks, budget)
+    }
+
+    /// Whether the first block of `id`'s prompt past its device hit is
+    /// being computed now by a running sequence still in its prefill (a
+    /// sibling with the same prefix, admitted before it). vLLM caches a
+    /// block from the step that schedules it, so a request behind another
+    /// with the same prefix computes that prefix once; here the block is
+    /// cached when its step ends, so `id` waits for it rather than compute
+    /// it a second time.
+    fn prefix_in_flight(&mut self, id: SeqId) -> bool {
+        let bs = self.config.block_size;
+        let seq = self.slots[id.0 as usize].as_mut().expect("live");
+        let max_hit_blocks = (seq.tokens.len() - 1) / bs;
+        seq.ensure_hashes(max_hit_blocks, bs);
+        let hashes = &self.slots[id.0 as usize].as_ref().expect("live").hashes;
+        let hit = self.kv.lookup_prefix(&hashes[..max_hit_blocks]);
+        let Some(&next) = hashes[..max_hit_blocks].get(hit) else {
+            return false;
+        };
+        self.running.iter().any(|&r| {
+            self.slots[r.0 as usize].as_ref().is_some_and(|r| {
+                r.num_computed < r.prompt_len
+                    && r.num_computed / bs <= hit
+                    && r.hashes.get(hit) == Some(&next)
+            })
+        })
     }
 
     /// `id`'s prefix hit on the device, in blocks, and the most it could

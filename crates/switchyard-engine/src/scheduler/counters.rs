@@ -44,6 +44,11 @@ pub struct EngineCounters {
     pub spill_drops: u64,
     /// Spill preemptions that recomputed instead (the spill area was full).
     pub spill_fallbacks: u64,
+    /// Waiting sequences passed over for a step because the next block of
+    /// their prompt was being computed by a running sequence: they take it
+    /// from the cache once it is computed, as vLLM shares a block from the
+    /// step that schedules it (counted once per sequence and step).
+    pub prefix_in_flight_waits: u64,
     /// State-slot compactions.
     pub slot_compactions: u64,
     /// Logits bytes read back to the host.

@@ -1,7 +1,9 @@
 //! The router as a real process in front of real sim-worker processes,
 //! driven over loopback by a real HTTP client.
 
-use crate::support::{machine, metric, metrics_text, router, served_by, sim_worker, wait_metrics};
+use crate::support::{
+    machine, metric, metrics_text, router, served_by, sim_worker, sim_worker_with, wait_metrics,
+};
 use futures_util::StreamExt;
 use serde_json::json;
 use std::collections::HashSet;
@@ -364,4 +366,60 @@ async fn a_conversations_earlier_messages_are_tokenized_once() {
         metric(&text, "switchyard_tokenizer_segment_cache_hit_ratio"),
         Some(4.0 / 10.0)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_sub_agents_sharing_a_fresh_prompt_lands_on_one_worker() {
+    let _machine = machine().await;
+    // Three sim-workers publishing KV events, the router on its defaults.
+    let events = [
+        "--speedup",
+        "1",
+        "--num-blocks",
+        "4096",
+        "--kv-events",
+        "tcp://127.0.0.1:*",
+        "--kv-replay",
+        "tcp://127.0.0.1:*",
+    ];
+    let workers: Vec<_> = (0..3).map(|_| sim_worker_with(0, &events)).collect();
+    let specs: Vec<String> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| w.named_with_events(&format!("w{i}")))
+        .collect();
+    let router = router(&specs, &[]);
+    let client = reqwest::Client::new();
+    // Four bursts of eight chat requests sent at once; each burst shares a
+    // fresh system prompt of about 6,000 tokens (its words numbered by the
+    // burst) and differs only in a short user message: sub-agents started
+    // from their parent's context before any KV event names a worker.
+    for burst in 0..4 {
+        let system: String = (0..3000)
+            .map(|i| format!("b{burst}w{i} "))
+            .collect::<String>();
+        let sends = (0..8).map(|agent| {
+            let (client, base, system) = (client.clone(), router.base.clone(), system.clone());
+            async move {
+                let response = client
+                    .post(format!("{base}/v1/chat/completions"))
+                    .json(&json!({
+                        "model": "switchyard-sim",
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": format!("sub-agent {agent}: check part {agent}")},
+                        ],
+                        "max_tokens": 4,
+                    }))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 200, "burst {burst}, agent {agent}");
+                served_by(&response)
+            }
+        });
+        let placed: Vec<String> = futures_util::future::join_all(sends).await;
+        let distinct: HashSet<&String> = placed.iter().collect();
+        assert_eq!(distinct.len(), 1, "burst {burst} was spread: {placed:?}");
+    }
 }

@@ -126,6 +126,40 @@ fn the_second_of_two_requests_sharing_a_prefix_computes_only_its_suffix() {
 }
 
 #[test]
+fn a_request_behind_one_computing_its_prefix_waits_for_it_instead_of_computing_it_again() {
+    // Two requests sharing 1,000 tokens arrive together (a fan-out): the
+    // first is prefilled, and the budget left in that step would let the
+    // second start too, computing the same prefix a second time.
+    let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
+    let shared: Vec<u32> = (0..1000).collect();
+    let mut first = shared.clone();
+    first.extend(5000..5100);
+    let mut second = shared;
+    second.extend(7000..7100);
+    engine.add_request(request(1, first, 2)).unwrap();
+    engine.add_request(request(2, second, 2)).unwrap();
+    let reports = run_to_end(&mut engine);
+    // The first step computes the first request alone; the second waits
+    // one step and computes only its suffix.
+    assert_eq!(reports[0].shape.prefill_tokens, 1100);
+    assert_eq!(reports[1].shape.prefill_tokens, 1100 - 992);
+    let counters = engine.counters();
+    assert_eq!(counters.prefix_hit_tokens, 992);
+    assert_eq!(counters.prefix_in_flight_waits, 1);
+    // A request with another prefix is not held back.
+    engine
+        .add_request(request(3, (0..1100).collect(), 2))
+        .unwrap();
+    engine
+        .add_request(request(4, (20_000..21_100).collect(), 2))
+        .unwrap();
+    let reports = run_to_end(&mut engine);
+    // Request 3 finds the 992 shared tokens cached; 4 starts beside it.
+    assert_eq!(reports[0].shape.prefill_tokens, 1100 - 992 + 1100);
+    assert_eq!(engine.counters().prefix_in_flight_waits, 1);
+}
+
+#[test]
 fn an_adapters_blocks_are_its_own_and_its_events_name_it() {
     use switchyard_core::hashing::seed_for;
     let mut engine = Engine::new(config(), SyncDevice::new(TimingConfig::default())).unwrap();
