@@ -170,6 +170,7 @@ pub struct Metrics {
     generation_tokens: Counter,
     preemptions: Counter,
     kept_out: Counter,
+    prefix_in_flight_waits: Counter,
     spills: Counter,
     spill_loads: Counter,
     spill_drops: Counter,
@@ -258,6 +259,10 @@ impl Metrics {
         let kept_out = counter(
             "switchyard_engine_kept_out",
             "Running sequences kept out of a step because their KV reservation answered Exhausted (once per sequence and step)",
+        );
+        let prefix_in_flight_waits = counter(
+            "switchyard_engine_prefix_in_flight_waits",
+            "Waiting sequences passed over for a step because the next block of their prompt was being computed by a running sequence (once per sequence and step)",
         );
         let spills = counter(
             "switchyard_engine_spills",
@@ -428,6 +433,7 @@ impl Metrics {
             generation_tokens,
             preemptions,
             kept_out,
+            prefix_in_flight_waits,
             spills,
             spill_loads,
             spill_drops,
@@ -492,6 +498,7 @@ impl Metrics {
         mirror(&self.generation_tokens, c.generated_tokens);
         mirror(&self.preemptions, c.preemptions);
         mirror(&self.kept_out, c.kept_out);
+        mirror(&self.prefix_in_flight_waits, c.prefix_in_flight_waits);
         mirror(&self.spills, c.spills);
         mirror(&self.spill_loads, c.spill_loads);
         mirror(&self.spill_drops, c.spill_drops);
@@ -572,6 +579,7 @@ mod tests {
             "switchyard_engine_restores_total{decision=\"restored\"} 0\n",
             "# TYPE switchyard_engine_kept_out_total counter\n",
             "switchyard_engine_kept_out_total 0\n",
+            "switchyard_engine_prefix_in_flight_waits_total 0\n",
             "switchyard_engine_spills_total 0\n",
             "switchyard_engine_spill_loads_total 0\n",
             "switchyard_engine_spill_drops_total 0\n",
@@ -592,7 +600,7 @@ mod tests {
         }
         let typed = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         let helped = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!((typed, helped), (38, 38), "{text}");
+        assert_eq!((typed, helped), (39, 39), "{text}");
         m.record_pacing(
             std::time::Duration::from_millis(1500),
             std::time::Duration::from_millis(250),
