@@ -240,8 +240,9 @@ impl VllmWorker {
         loop {
             if let Some(status) = self.child.try_wait()? {
                 anyhow::bail!(
-                    "vLLM at {} exited ({status}) before serving; the end of {}:\n{}",
+                    "vLLM at {} exited ({status}) before serving; the errors it logged:\n{}\nthe end of {}:\n{}",
                     self.base,
+                    self.log_errors(12),
                     self.log.display(),
                     self.log_tail(30)
                 );
@@ -281,6 +282,19 @@ impl VllmWorker {
             .unwrap_or_default()
     }
 
+    /// The first `lines` distinct lines of its output that name an error
+    /// (a failed start's root cause is logged long before its last lines).
+    pub fn log_errors(&self, lines: usize) -> String {
+        std::fs::read_to_string(&self.log)
+            .map(|text| error_lines(&text, lines))
+            .unwrap_or_default()
+    }
+
+    /// Whether its server process has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
     /// Kills it at once, every process of its group (a worker dying).
     pub fn kill(&mut self) {
         self.signal(Signal::KILL);
@@ -311,6 +325,21 @@ impl VllmWorker {
     }
 }
 
+/// The first `max` distinct lines of `text` that name an error.
+fn error_lines(text: &str, max: usize) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if seen.len() == max {
+            break;
+        }
+        let names_error = ["Error", "ERROR", "error:"].iter().any(|e| line.contains(e));
+        if names_error && !seen.contains(&line) {
+            seen.push(line);
+        }
+    }
+    seen.join("\n")
+}
+
 impl Drop for VllmWorker {
     fn drop(&mut self) {
         self.stop();
@@ -320,6 +349,17 @@ impl Drop for VllmWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_starts_errors_are_read_from_anywhere_in_its_log_once_each() {
+        let log = "INFO starting\nERROR 12-06 EngineCore failed to start.\nTraceback (most recent call last):\n  ...\nOSError: [Errno 98] Address already in use\nINFO more\nRuntimeError: Engine core initialization failed.\nRuntimeError: Engine core initialization failed.\n";
+        assert_eq!(
+            error_lines(log, 12),
+            "ERROR 12-06 EngineCore failed to start.\nOSError: [Errno 98] Address already in use\nRuntimeError: Engine core initialization failed."
+        );
+        assert_eq!(error_lines(log, 1), "ERROR 12-06 EngineCore failed to start.");
+        assert_eq!(error_lines("INFO all well\n", 12), "");
+    }
 
     #[test]
     fn the_command_line_binds_events_on_a_wildcard_and_names_block_size_and_adapters() {

@@ -35,8 +35,21 @@ print("OPENAI-CLIENT-OK")
 "#;
 
 /// A venv with `openai` and `anthropic`, cached under the target
-/// directory.
+/// directory and made once per run (tests ask for it concurrently: two
+/// makers would remove each other's half-made venv). `Err` says why it
+/// cannot be made; with `SWITCHYARD_REQUIRE_CLIENTS=1` (what `scripts/test`
+/// sets) that is a failure, not a skip.
 pub(crate) fn venv() -> Result<PathBuf, String> {
+    static VENV: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    let made = VENV.get_or_init(make_venv).clone();
+    if let Err(why) = &made {
+        let required = std::env::var("SWITCHYARD_REQUIRE_CLIENTS").is_ok_and(|v| v == "1");
+        assert!(!required, "the official Python clients are required: {why}");
+    }
+    made
+}
+
+fn make_venv() -> Result<PathBuf, String> {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = dir.join("bin/python");
     let ready = Command::new(&python)
