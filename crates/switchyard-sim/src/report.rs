@@ -99,6 +99,10 @@ pub struct PolicyReport {
     /// With data-parallel ranks: what the ranks did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp: Option<DpFigures>,
+    /// Fan-out bursts: whether each computed its shared prefix once
+    /// (absent when the workload spawns no burst).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bursts: Option<BurstFigures>,
     /// Figures per tenant, by name (absent unless the run names tenants).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tenants: std::collections::BTreeMap<String, TenantFigures>,
@@ -106,6 +110,25 @@ pub struct PolicyReport {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+/// Fan-out bursts (sessions one turn spawned together, sharing its
+/// context) whose every member's first call ended; see the fleet's
+/// `bursts` module for the definitions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct BurstFigures {
+    /// Bursts counted.
+    pub bursts: u64,
+    /// Of them, those whose shared prefix at most one member computed.
+    pub once: u64,
+    /// Bursts that started while no engine had a request waiting.
+    pub quiet: u64,
+    /// Quiet bursts that computed their shared prefix once.
+    pub quiet_once: u64,
+    /// Shared-prefix tokens over the bursts counted.
+    pub shared_tokens: u64,
+    /// Shared-prefix tokens computed, over every member that computed it.
+    pub computed_tokens: u64,
 }
 
 /// What one tenant's requests got.

@@ -69,13 +69,15 @@
 //! data-parallel ranks (each rank an engine; rank-aware targets, or one
 //! rank-blind target per worker and the worker's own balancer);
 //! `replica_sync.rs` what the
-//! router replicas publish to each other; `outcome.rs` the figures; the
+//! router replicas publish to each other; `bursts.rs` whether each burst
+//! of spawned sessions computed its shared prefix once; `outcome.rs` the figures; the
 //! tests in `tests.rs`, `admission_tests.rs`, `replica_tests.rs` and
 //! `dp_tests.rs`.
 
 #[cfg(test)]
 mod admission_tests;
 mod arrival;
+mod bursts;
 mod config;
 mod disagg;
 mod dp;
@@ -283,6 +285,8 @@ struct Simulation {
     waiting: FxHashMap<u64, Waiting>,
     /// The session that spawned each running spawned session.
     parent_of: FxHashMap<u64, u64>,
+    /// Fan-out bursts and what their first calls found cached.
+    bursts: bursts::Bursts,
     in_flight: FxHashMap<RequestId, InFlight>,
     payloads: FxHashMap<RequestId, Payload>,
     /// Effects still to carry out, with the replica that produced them.
@@ -445,6 +449,7 @@ impl Simulation {
             sessions: FxHashMap::default(),
             waiting: FxHashMap::default(),
             parent_of: FxHashMap::default(),
+            bursts: bursts::Bursts::default(),
             in_flight: FxHashMap::default(),
             payloads: FxHashMap::default(),
             effects: VecDeque::new(),
@@ -629,6 +634,7 @@ impl Simulation {
     /// pause (unless it ended meanwhile).
     fn end_session(&mut self, session: u64) {
         self.sessions.remove(&session);
+        self.bursts.forget(session);
         self.session_replica.remove(&session);
         self.waiting.remove(&session);
         let Some(parent) = self.parent_of.remove(&session) else {

@@ -92,6 +92,7 @@ impl Simulation {
                 requests_per_rank: dp.requests_per_rank.clone(),
                 idle_while_queued_share: dp.idle_ms() / makespan_ms,
             }),
+            bursts: self.bursts.figures(),
             tenants: self.tenant_figures(),
             ssm: self.config.engine.hybrid.map(|_| {
                 let mut f = SsmFigures::default();

@@ -109,6 +109,10 @@ impl Simulation {
                 // The prompt's cache hit is the prefill worker's.
                 self.prompt_tokens += u64::from(r.prompt_tokens);
                 self.cached_tokens += done.cached_tokens as u64;
+                if r.turn == 0 {
+                    self.bursts
+                        .first_call_ended(r.session, done.cached_tokens as u64);
+                }
                 self.predicted_tokens += r.predicted_tokens;
                 if done.reason == switchyard_engine::FinishReason::Length {
                     self.hand_off(worker, r.replica, done.request);
@@ -126,6 +130,10 @@ impl Simulation {
             if r.phase == Phase::Whole {
                 self.prompt_tokens += u64::from(r.prompt_tokens);
                 self.cached_tokens += done.cached_tokens as u64;
+                if r.turn == 0 {
+                    self.bursts
+                        .first_call_ended(r.session, done.cached_tokens as u64);
+                }
                 self.predicted_tokens += r.predicted_tokens;
             }
             self.output_tokens += done.output_tokens as u64;
@@ -177,6 +185,11 @@ impl Simulation {
         let spawn = spec.spawn.clone();
         let next = (turn + 1 < s.turns.len()).then_some(turn + 1);
         let children = spawn.len();
+        if children > 1 {
+            let quiet = self.workers.iter().all(|w| w.engine.waiting_len() == 0);
+            let block_size = self.config.engine.block_size as u32;
+            self.bursts.open(&spawn, block_size, quiet);
+        }
         for child in spawn {
             let id = child.id;
             let at = self.now + child.arrival_ms.max(0.0);

@@ -424,6 +424,62 @@ fn spawned_sessions_arrive_together_and_their_parent_waits_for_them_all() {
     assert!(at[&(0, 1)] > at[&(1, 1)] + 500.0, "{at:?}");
 }
 
+/// Eight sub-agents spawned by one turn, their first prompts sharing a
+/// fresh 6,016-token prefix the parent never sent. (With a 1,024-token
+/// prefix `ttft` computes it on two workers: a second prefill that short
+/// costs less than the queue behind the first.)
+fn burst_of_eight() -> Session {
+    let mut parent = chain(0, 0, 64, 2, 10.0);
+    parent.turns[0].spawn = (1..=8u32)
+        .map(|k| {
+            let mut prompt: Vec<u32> = (20_000..26_016).collect();
+            prompt.extend(30_000 + 100 * k..30_040 + 100 * k);
+            Session {
+                id: u64::from(k),
+                arrival_ms: 0.0,
+                think_time_ms: 0.0,
+                turns: vec![Turn::new(PromptSpec::Tokens(prompt.into()), 2)],
+                flow: crate::workload::SessionFlow::default(),
+            }
+        })
+        .collect();
+    parent
+}
+
+#[test]
+fn a_burst_placed_on_one_worker_computes_its_shared_prefix_once_and_one_spread_does_not() {
+    let figures = |policy| {
+        let out = simulate(&fleet(4, policy), sessions(vec![burst_of_eight()]), |_| {}).unwrap();
+        assert_eq!(out.report.sessions_completed, 9);
+        out.report.bursts.expect("one burst")
+    };
+    let placed = figures(PolicyKind::Ttft);
+    assert_eq!(placed.bursts, 1);
+    assert_eq!(
+        placed.shared_tokens, 6016,
+        "the shared prefix, in whole blocks"
+    );
+    assert_eq!((placed.once, placed.quiet, placed.quiet_once), (1, 1, 1));
+    assert_eq!(placed.computed_tokens, 6016, "one member computed it");
+
+    let spread = figures(PolicyKind::RoundRobin);
+    assert_eq!((spread.bursts, spread.once, spread.quiet_once), (1, 0, 0));
+    // Two members on each of four workers: each worker computes it once,
+    // its second member waiting for the first's blocks.
+    assert_eq!(spread.computed_tokens, 4 * 6016);
+}
+
+#[test]
+fn a_workload_without_fan_out_reports_no_bursts() {
+    let out = simulate(
+        &fleet(2, PolicyKind::Ttft),
+        sessions(vec![chain(0, 0, 64, 3, 10.0)]),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(out.report.bursts, None);
+}
+
 #[test]
 fn a_failed_spawned_session_still_releases_its_parent() {
     let mut config = fleet(1, PolicyKind::Ttft);

@@ -332,7 +332,9 @@ fn error_lines(text: &str, max: usize) -> String {
         if seen.len() == max {
             break;
         }
-        let names_error = ["Error", "ERROR", "error:"].iter().any(|e| line.contains(e));
+        let names_error = ["Error", "ERROR", "error:"]
+            .iter()
+            .any(|e| line.contains(e));
         if names_error && !seen.contains(&line) {
             seen.push(line);
         }
@@ -357,7 +359,10 @@ mod tests {
             error_lines(log, 12),
             "ERROR 12-06 EngineCore failed to start.\nOSError: [Errno 98] Address already in use\nRuntimeError: Engine core initialization failed."
         );
-        assert_eq!(error_lines(log, 1), "ERROR 12-06 EngineCore failed to start.");
+        assert_eq!(
+            error_lines(log, 1),
+            "ERROR 12-06 EngineCore failed to start."
+        );
         assert_eq!(error_lines("INFO all well\n", 12), "");
     }
 

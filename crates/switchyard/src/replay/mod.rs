@@ -1068,6 +1068,16 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                 a.loads, a.waited, a.requests
             );
         }
+        if let Some(b) = &r.bursts {
+            println!(
+                "{name}: {} fan-out bursts, {:.1}% computed their shared prefix once, each shared token computed {:.2} times; quiet bursts: {} of {} once",
+                b.bursts,
+                b.once as f64 * 100.0 / b.bursts.max(1) as f64,
+                b.computed_tokens as f64 / b.shared_tokens.max(1) as f64,
+                b.quiet_once,
+                b.quiet
+            );
+        }
         if let Some(dp) = &r.dp {
             let busiest = dp.requests_per_rank.iter().max().copied().unwrap_or(0);
             let idlest = dp.requests_per_rank.iter().min().copied().unwrap_or(0);

@@ -96,8 +96,7 @@ impl Tier {
             VllmWorker::spawn(&self.python, options, &log)
                 .unwrap_or_else(|e| panic!("starting vLLM {name}: {e:#}"))
         };
-        let mut workers: Vec<VllmWorker> =
-            servers.iter().map(|(name, o)| spawn(name, o)).collect();
+        let mut workers: Vec<VllmWorker> = servers.iter().map(|(name, o)| spawn(name, o)).collect();
         let ready =
             futures_util::future::join_all(workers.iter_mut().map(|w| w.ready(READY_TIMEOUT)))
                 .await;
