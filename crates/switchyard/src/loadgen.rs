@@ -61,7 +61,8 @@ use switchyard_sim::workload::{
 };
 
 /// Built-in workloads `loadgen` can send instead of a trace.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum LoadWorkload {
     /// Agent sessions (`replay --workload agentic`'s): tool calls,
     /// heavy-tailed tool outputs, tool gaps and sub-agents, as chat.
@@ -649,6 +650,12 @@ struct Sample {
     /// The answer's status (0: none came).
     status: u16,
     tenant: Option<Arc<TenantSend>>,
+}
+
+/// Sends `request` to `base` and reads its answer whole; whether it
+/// succeeded (a background load's request, not measured).
+pub async fn send(client: &HttpClient, base: &str, request: &PreparedRequest) -> bool {
+    one(client, base, request, true).await.ok
 }
 
 async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream: bool) -> Sample {

@@ -12,7 +12,6 @@ use crate::demo::{start_sim_workers, SimWorkers};
 use crate::loadgen::{self, Pacing, PreparedRequest, Report};
 use anyhow::Context as _;
 use serde::Serialize;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::select::PolicyKind;
 use switchyard_server::config::Role;
@@ -194,7 +193,10 @@ pub(super) struct ServeSetup {
     /// Extra `serve` flags (the prefill estimator's settings).
     pub(super) router_args: Vec<String>,
     pub(super) requests: Vec<PreparedRequest>,
-    pub(super) arrivals: Arc<[f64]>,
+    /// When each request is sent.
+    pub(super) pacing: Pacing,
+    /// The last arrival, seconds after the first.
+    pub(super) span_s: f64,
 }
 
 /// Runs every policy, one fresh fleet each, calling `on_run` after each.
@@ -233,7 +235,7 @@ async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun>
         "serve {}: {} requests over {:.0} s",
         policy.name(),
         setup.requests.len(),
-        setup.arrivals.last().copied().unwrap_or(0.0) / 1e3
+        setup.span_s
     );
     let fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
     let mut args = serve_args(policy, setup.block_size, &fleet, setup.prefill_workers);
@@ -244,7 +246,7 @@ async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun>
         &fleet,
         &hit_rate_workers(&fleet.urls, setup.prefill_workers),
         setup.requests.clone(),
-        setup.arrivals.clone(),
+        setup.pacing.clone(),
     )
     .await;
     drop(router);
@@ -275,19 +277,11 @@ async fn drive(
     fleet: &SimWorkers,
     hit_rate_workers: &[String],
     requests: Vec<PreparedRequest>,
-    arrivals: Arc<[f64]>,
+    pacing: Pacing,
 ) -> anyhow::Result<ServeRun> {
     let client = loadgen::client();
     wait_for_workers(base, fleet.urls.len()).await?;
-    let report = loadgen::run_load(
-        base,
-        requests,
-        Pacing::Arrivals(arrivals),
-        true,
-        hit_rate_workers,
-        true,
-    )
-    .await;
+    let report = loadgen::run_load(base, requests, pacing, true, hit_rate_workers, true).await;
     let (mut paced, mut dropped) = (0.0, 0.0);
     let mut transfers = Transfers::default();
     for url in &fleet.urls {
