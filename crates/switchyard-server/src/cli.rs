@@ -242,6 +242,11 @@ pub struct ServeArgs {
     /// messages), some 4 bytes each plus 64 per entry; 0: off [default: 4194304].
     #[arg(long, env = "SWITCHYARD_TOKEN_CACHE_IDS")]
     pub token_cache_ids: Option<u64>,
+    /// Long prompts (over 8 KiB) tokenized at once; more wait their turn
+    /// by priority band, then tenant fair share (1 to 512) [default: one
+    /// per core].
+    #[arg(long, env = "SWITCHYARD_TOKENIZE_SLOTS")]
+    pub tokenize_slots: Option<usize>,
     /// The workers' prefill time in ms for T uncached tokens, `A,B,C` in
     /// A·T²+B·T+C per chunk [default: the simulated engine's fit].
     #[arg(long, env = "SWITCHYARD_PREFILL_CURVE", value_parser = parse_curve)]
@@ -339,6 +344,9 @@ impl ServeArgs {
         );
         if self.max_prompt_tokens.is_some() {
             c.max_prompt_tokens = self.max_prompt_tokens;
+        }
+        if self.tokenize_slots.is_some() {
+            c.tokenize_slots = self.tokenize_slots;
         }
         if self.max_body_bytes_total.is_some() {
             c.max_body_bytes_total = self.max_body_bytes_total;

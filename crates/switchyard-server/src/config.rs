@@ -387,6 +387,10 @@ pub struct ServerConfig {
     /// Token ids the tokenizer's segment cache holds (the ids of chat
     /// messages already seen); 0 turns it off.
     pub token_cache_ids: u64,
+    /// Long prompts tokenized at once ([`crate::tokenize_gate`]; more
+    /// wait, by band and tenant fair share), 1 to
+    /// [`MAX_TOKENIZE_SLOTS`]. None: one per core.
+    pub tokenize_slots: Option<usize>,
     /// Seed of the policies' random choices.
     pub seed: u64,
     /// Migrations allowed per request (0: a failed worker fails the request).
@@ -509,6 +513,7 @@ impl Default for ServerConfig {
             log_json: false,
             tokenizer_dir: None,
             token_cache_ids: switchyard_tokenizer::segment_cache::DEFAULT_CAPACITY_IDS,
+            tokenize_slots: None,
             seed: 0,
             migration_limit: 3,
             migration_max_seq_len: 32_768,
@@ -732,6 +737,13 @@ impl ServerConfig {
         if self.max_response_bytes == 0 {
             return invalid("max_response_bytes must be positive".into());
         }
+        if let Some(slots) = self.tokenize_slots {
+            if !(1..=MAX_TOKENIZE_SLOTS).contains(&slots) {
+                return invalid(format!(
+                    "tokenize_slots must be between 1 and {MAX_TOKENIZE_SLOTS}, got {slots}"
+                ));
+            }
+        }
         if self.max_attempt_workers == 0 {
             return invalid("max_attempt_workers must be positive".into());
         }
@@ -902,6 +914,9 @@ impl ServerConfig {
         }
     }
 }
+
+/// Most `tokenize_slots`: the blocking threads tokio keeps by default.
+pub const MAX_TOKENIZE_SLOTS: usize = 512;
 
 /// Checks a worker table (the config's `[[workers]]`, or a watched
 /// workers file's): each entry valid, its block size one the router

@@ -130,6 +130,14 @@ impl ApiError {
         .retry_after(1)
     }
 
+    /// 503: `waiting` long prompts already wait to be tokenized.
+    pub(crate) fn tokenize_gate_full(waiting: usize) -> Self {
+        Self::from(ErrorBody::unavailable(format!(
+            "the router has {waiting} long prompts waiting to be tokenized; retry later"
+        )))
+        .retry_after(1)
+    }
+
     /// 503: the router is shutting down.
     pub(crate) fn shutting_down() -> Self {
         Self::from(ErrorBody::unavailable(

@@ -31,6 +31,8 @@
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
 //!   size, policy, hit rate; `hub` — a model's tokenizer by its Hugging
 //!   Face id; [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
+//!   [`tokenize_gate`] — slots for tokenizing long prompts, handed out by
+//!   band, then tenant fair share;
 //!   `adapters` — LoRA adapters (a request's load: `request::adapter_load`).
 //! - `replica` — replica sync (`--replica-sync`) over NATS.
 //! - [`metrics`] — the router's counters and histograms, updated without
@@ -73,6 +75,7 @@ mod start;
 #[cfg(test)]
 mod testing;
 pub mod tokenize;
+pub mod tokenize_gate;
 mod workers;
 
 pub use cli::ServeArgs;

@@ -22,11 +22,14 @@
 //! - [`tenants`] — tenants and priority bands: the flow-control
 //!   configuration and how a request's tenant, band and deadline resolve.
 //! - [`controller`] — the [`AdmissionController`] tying them together.
+//! - [`gate`] — the fair gate: a few slots of the router's own work
+//!   (tokenizing long prompts) handed out by band, then fair share.
 //!
 //! Without a strategy the controller creates no lifecycle records and no
 //! progress handles: admission is the policy queue alone.
 
 pub mod controller;
+pub mod gate;
 pub mod lifecycle;
 pub mod progress;
 pub mod queue;

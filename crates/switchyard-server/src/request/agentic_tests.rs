@@ -240,7 +240,14 @@ async fn routing_blocks(state: &AppState, api: &str, body: &Value) -> Vec<u64> {
             TokenizeJob::chat(r.messages, r.tools, r.unrendered_bytes)
         }
     };
-    let prompt = tokenize(state, None, job.unwrap()).await.unwrap();
+    let prompt = tokenize(
+        state,
+        None,
+        job.unwrap(),
+        &switchyard_core::admission::Flow::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(prompt.unrendered, 0, "everything rendered");
     switchyard_core::hashing::local_block_hashes(&prompt.ids, 16, state.hash_seed)
         .into_iter()

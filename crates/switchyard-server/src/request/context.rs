@@ -75,6 +75,8 @@ pub struct AppState {
     /// The Responses and Messages APIs' state: where stored responses
     /// live, requests by API.
     pub(crate) agentic: Arc<crate::request::agentic::AgenticState>,
+    /// Slots for tokenizing long prompts, by band and fair share.
+    pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
 }
 
 impl AppState {
@@ -115,6 +117,13 @@ impl AppState {
         let _ = shared.stored_responses.set(agentic.responses.clone());
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
+        )));
+        let tokenize_gate = match config.tokenize_slots {
+            Some(slots) => crate::tokenize_gate::TokenizeGate::new(slots),
+            None => crate::tokenize_gate::TokenizeGate::per_core(),
+        };
+        registry.register_collector(Box::new(crate::tokenize_gate::TokenizeGateCollector(
+            tokenize_gate.clone(),
         )));
         let hub = crate::hub::HubOptions {
             allow_download: config.allow_hub_download,
@@ -166,6 +175,7 @@ impl AppState {
                 .as_deref()
                 .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
             agentic,
+            tokenize_gate,
         }
     }
 }

@@ -39,7 +39,7 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
         let (body, flow) = body?;
         let (parsed, asked) = limits::parse_chat(&state, &body)?;
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, 0)?;
-        let prompt = tokenize(&state, parsed.model.as_deref(), job).await?;
+        let prompt = tokenize(&state, parsed.model.as_deref(), job, &flow).await?;
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let facts = Parsed {
             model: parsed.model,
@@ -70,9 +70,9 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
         let prompt = match parsed.prompt {
             Prompt::Tokens(i) => ids(i),
             Prompt::TokenBatches(batch) => ids(batch.into_iter().next().unwrap_or_default()),
-            Prompt::Text(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
+            Prompt::Text(text) => tokenize(&state, model, TokenizeJob::Text(text), &flow).await?,
             Prompt::Texts(texts) => match texts.into_iter().next() {
-                Some(text) => tokenize(&state, model, TokenizeJob::Text(text)).await?,
+                Some(text) => tokenize(&state, model, TokenizeJob::Text(text), &flow).await?,
                 None => ids(Vec::new()),
             },
         };

@@ -44,7 +44,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
         let (body, flow) = body?;
         let (parsed, asked) = agentic::parse_messages(&state, &body)?;
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-        let prompt = tokenize(&state, parsed.model.as_deref(), job).await?;
+        let prompt = tokenize(&state, parsed.model.as_deref(), job, &flow).await?;
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let session = session_key(&state, &headers, None, key);
         let delivery = AgenticDelivery {
@@ -79,11 +79,11 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
 pub(crate) async fn count_tokens(State(state): State<Shared>, request: Request) -> Response {
     let (_, key, body) = request_parts(&state, request).await;
     let result = async {
-        let (body, _) = body?;
+        let (body, flow) = body?;
         let (parsed, _) = agentic::parse_messages(&state, &body)?;
         let model = parsed.model.clone();
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-        let prompt = tokenize(&state, model.as_deref(), job).await?;
+        let prompt = tokenize(&state, model.as_deref(), job, &flow).await?;
         charge_tokens(&state, key, prompt.len() as u64, 1, NO_OUTPUT)?;
         if prompt.estimated.is_none() {
             return Ok(

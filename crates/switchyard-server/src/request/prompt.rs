@@ -134,11 +134,13 @@ pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
 /// or a 400 when it is past the prompt token limit (the tokenizer stops
 /// counting soon after the limit). A model without a tokenizer here gets
 /// an estimate of the prompt's length instead (the worker judges its
-/// limit).
+/// limit). A long prompt waits for a slot of the tokenizing gate, in
+/// `flow`'s band and its tenant's fair share ([`crate::tokenize_gate`]).
 pub(crate) async fn tokenize(
     state: &AppState,
     model: Option<&str>,
     job: TokenizeJob,
+    flow: &Flow,
 ) -> Result<PromptIds, ApiError> {
     let started = Instant::now();
     let limit = limits::prompt_token_limit(state).0;
@@ -185,6 +187,12 @@ pub(crate) async fn tokenize(
     let result = if chars <= INLINE_CHARS {
         run()
     } else {
+        let weight = state.flows.weight(flow.tenant);
+        let _slot = state
+            .tokenize_gate
+            .enter(flow, chars, weight)
+            .await
+            .map_err(|_| ApiError::tokenize_gate_full(crate::tokenize_gate::MAX_WAITING))?;
         tokio::task::spawn_blocking(run)
             .await
             .map_err(|_| ApiError::internal("the tokenizer task failed"))?

@@ -98,7 +98,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
             }
         } else {
             let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-            tokenize(&state, parsed.model.as_deref(), job).await?
+            tokenize(&state, parsed.model.as_deref(), job, &flow).await?
         };
         charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
         let delivery = AgenticDelivery {

@@ -22,6 +22,8 @@
 //!   workers are applied concurrently;
 //! - [`tokenize`] — the router's tokenizer (fast path, segment cache)
 //!   against the `tokenizers` crate;
+//! - [`tokenize_gate`] — a light tenant's latency beside a noisy tenant's
+//!   long prompts, with the router's tokenizing gate and without;
 //! - [`versus`] — Switchyard against SGLang's routers (`smg`,
 //!   `sglang-router`) on the same conversations, each in front of fresh
 //!   sim-workers.
@@ -37,6 +39,7 @@ pub mod relay;
 pub mod replica;
 pub mod soak;
 pub mod tokenize;
+pub mod tokenize_gate;
 pub mod trace;
 pub mod twin;
 pub mod versus;
@@ -73,6 +76,8 @@ pub enum BenchCommand {
     Tokenize(tokenize::TokenizeArgs),
     /// Routing decisions at 64 workers while KV events from 8 are applied concurrently.
     Contention(contention::ContentionArgs),
+    /// A light tenant's TTFT beside a noisy tenant's long prompts: the tokenizing gate against none.
+    TokenizeGate(tokenize_gate::TokenizeGateArgs),
 }
 
 /// Prefix-index benchmarks.
@@ -100,5 +105,6 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Versus(args) => versus::run(*args),
         BenchCommand::Tokenize(args) => tokenize::run(args),
         BenchCommand::Contention(args) => contention::run(args),
+        BenchCommand::TokenizeGate(args) => tokenize_gate::run(args),
     }
 }
