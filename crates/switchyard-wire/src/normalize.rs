@@ -19,8 +19,9 @@
 //! - **Device and host tiers.** `medium` maps to a [`Tier`]; device- and
 //!   host-tier events are kept, each tagged with its [`CacheTier`] (the
 //!   router keeps one index per tier, so a host-tier eviction never removes
-//!   the device copy). Disk-tier stores and removals, and unknown media,
-//!   are skipped and counted. `AllBlocksCleared` carries no medium: it is
+//!   the device copy). Disk-tier stores and removals, those of a tier
+//!   whose `locality` is `"REMOTE"` (not the worker's own), and unknown
+//!   media, are skipped and counted. `AllBlocksCleared` carries no medium: it is
 //!   tagged `Device` and clears every tier
 //!   (`switchyard_core::index::TieredIndex`). A host-tier store without
 //!   token ids (vLLM's offloading connector publishes its CPU blocks so,
@@ -283,7 +284,7 @@ impl Normalizer {
     }
 
     fn stored(&mut self, stored: &BlockStored) -> Result<(CacheTier, IndexEvent), SkipReason> {
-        let mut tier = check_tier(stored.medium.as_deref())?;
+        let mut tier = check_tier(stored.medium.as_deref(), stored.locality.as_deref())?;
         if tier == CacheTier::Host && stored.token_ids.is_empty() && !stored.block_hashes.is_empty()
         {
             return Err(SkipReason::HostTierWithoutTokens);
@@ -327,7 +328,7 @@ impl Normalizer {
     }
 
     fn removed(&mut self, removed: &BlockRemoved) -> Result<(CacheTier, IndexEvent), SkipReason> {
-        let mut tier = check_tier(removed.medium.as_deref())?;
+        let mut tier = check_tier(removed.medium.as_deref(), removed.locality.as_deref())?;
         if self.check_group(removed.group_idx, None)? == GroupKind::Ssm {
             tier = checkpoint_tier(tier)?;
         }
@@ -382,8 +383,14 @@ fn checkpoint_tier(tier: CacheTier) -> Result<CacheTier, SkipReason> {
     }
 }
 
-/// The index tier of a `medium`, or why its events are skipped.
-fn check_tier(medium: Option<&str>) -> Result<CacheTier, SkipReason> {
+/// The index tier of a `medium` at a `locality`, or why its events are
+/// skipped. A `"REMOTE"` locality (vLLM 0.32: a tier held away from the
+/// publishing engine, such as a shared pool) is not this worker's to
+/// restore at its host tier's cost: skipped as a disk tier is.
+fn check_tier(medium: Option<&str>, locality: Option<&str>) -> Result<CacheTier, SkipReason> {
+    if locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")) {
+        return Err(SkipReason::DiskTier);
+    }
     match Tier::from_medium(medium) {
         Some(Tier::Device) => Ok(CacheTier::Device),
         Some(Tier::Host) => Ok(CacheTier::Host),

@@ -583,8 +583,9 @@ fn push_agent_session(
     for (i, call) in session.calls.iter().enumerate() {
         let messages: Vec<Value> = vocabulary
             .messages(session, i)
-            .into_iter()
-            .map(|m| json!({"role": m.role, "content": m.content}))
+            .iter()
+            .enumerate()
+            .map(|(at, m)| agent_message(at, m))
             .collect();
         let mut body = json!({
             "messages": messages,
@@ -613,6 +614,20 @@ fn push_agent_session(
         }
     }
     Ok(head)
+}
+
+/// An agent session's message `at` (its place in the conversation) as a
+/// chat API message: its role and text, and for a tool output the
+/// `tool_call_id` the API requires (`call_AT`; SGLang's gateway refuses a
+/// tool message without one). Chat templates do not render the id (the
+/// bundled Qwen3 one does not), so the prompt's tokens stay the ones the
+/// simulator replays.
+pub fn agent_message(at: usize, message: &switchyard_tokenizer::ChatMessage) -> Value {
+    let mut m = json!({"role": message.role, "content": message.content});
+    if message.role == "tool" {
+        m["tool_call_id"] = json!(format!("call_{at}"));
+    }
+    m
 }
 
 /// The requests that are no request's [`PreparedRequest::next_turn`], in

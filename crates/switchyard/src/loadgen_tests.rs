@@ -327,10 +327,15 @@ fn agent_sessions_become_chat_calls_with_their_pauses_and_sub_agents() {
             );
             let expected: Vec<Value> = vocabulary
                 .messages(session, k)
-                .into_iter()
-                .map(|m| json!({"role": m.role, "content": m.content}))
+                .iter()
+                .enumerate()
+                .map(|(at, m)| agent_message(at, m))
                 .collect();
             assert_eq!(messages_of(request), expected);
+            // Every tool output names a call, as the chat API requires.
+            for m in &expected {
+                assert_eq!(m["role"] == "tool", m.get("tool_call_id").is_some(), "{m}");
+            }
             assert_eq!(plan.pause_ms[i], call.pause_ms);
             // Sub-agents open with this call's messages and its answer.
             assert_eq!(plan.spawns[i].len(), call.spawn.len());

@@ -2,3 +2,4 @@
 
 mod captured;
 mod golden_payloads;
+mod made;
