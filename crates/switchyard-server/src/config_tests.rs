@@ -524,3 +524,22 @@ fn a_worker_declares_its_data_parallel_ranks_on_the_command_line_or_in_the_file(
     );
     assert_eq!(crate::config::rank_endpoint("tcp://h:65535", 1), None);
 }
+
+#[test]
+fn tokenize_slots_are_one_to_the_blocking_pools_size_or_one_per_core_when_unset() {
+    assert_eq!(ServerConfig::default().tokenize_slots, None);
+    for (slots, ok) in [
+        (0, false),
+        (1, true),
+        (MAX_TOKENIZE_SLOTS, true),
+        (MAX_TOKENIZE_SLOTS + 1, false),
+    ] {
+        let config = ServerConfig {
+            tokenize_slots: Some(slots),
+            ..ServerConfig::default()
+        };
+        assert_eq!(config.validate().is_ok(), ok, "{slots}");
+    }
+    let config = ServerConfig::from_toml("tokenize_slots = 3\n").unwrap();
+    assert_eq!(config.tokenize_slots, Some(3));
+}

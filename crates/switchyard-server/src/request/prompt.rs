@@ -188,14 +188,19 @@ pub(crate) async fn tokenize(
         run()
     } else {
         let weight = state.flows.weight(flow.tenant);
-        let _slot = state
+        let slot = state
             .tokenize_gate
             .enter(flow, chars, weight)
             .await
             .map_err(|_| ApiError::tokenize_gate_full(crate::tokenize_gate::MAX_WAITING))?;
-        tokio::task::spawn_blocking(run)
-            .await
-            .map_err(|_| ApiError::internal("the tokenizer task failed"))?
+        // The slot goes with the work: freed when the tokenizing ends, not
+        // when a client that went away drops this future.
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            run()
+        })
+        .await
+        .map_err(|_| ApiError::internal("the tokenizer task failed"))?
     };
     state
         .shared

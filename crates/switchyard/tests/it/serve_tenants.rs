@@ -218,3 +218,50 @@ async fn sheddable_requests_are_refused_at_once_while_critical_ones_wait() {
     );
     assert_eq!(waits, Some(2.0), "{text}");
 }
+
+/// A chat longer than 8 KiB is tokenized through the gate: with one slot
+/// (`--tokenize-slots 1`) the router says so on `/metrics`, each long
+/// prompt is counted as let through at once or after a wait, and short
+/// ones never enter it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_tokenized_through_the_gate_and_counted() {
+    let _machine = machine().await;
+    let worker = sim_worker_with(0, &["--speedup", "0", "--num-blocks", "4096"]);
+    let router = router(&[worker.named("w0")], &["--tokenize-slots", "1"]);
+    let client = reqwest::Client::new();
+    wait_ready(&client, &router.base).await;
+    let chat = |words: usize| {
+        let content: String = (0..words).map(|i| format!("w{i} ")).collect();
+        json!({"model": "switchyard-sim", "max_tokens": 1,
+               "messages": [{"role": "user", "content": content}]})
+    };
+    // Three long chats at once (about 20 KB each), then a short one.
+    let sends = (0..3).map(|_| {
+        client
+            .post(format!("{}/v1/chat/completions", router.base))
+            .json(&chat(4_000))
+            .send()
+    });
+    for response in futures_util::future::join_all(sends).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let short = client
+        .post(format!("{}/v1/chat/completions", router.base))
+        .json(&chat(10))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(short.status(), 200);
+    let text = metrics_text(&client, &router.base).await;
+    let value = |series: &str| metric(&text, series).unwrap_or_else(|| panic!("{series}"));
+    assert_eq!(value("switchyard_tokenize_gate_slots"), 1.0);
+    assert_eq!(
+        value("switchyard_tokenize_gate_immediate_total")
+            + value("switchyard_tokenize_gate_waited_total"),
+        3.0,
+        "each long prompt once; the short one not at all"
+    );
+    assert_eq!(value("switchyard_tokenize_gate_busy"), 0.0);
+    assert_eq!(value("switchyard_tokenize_gate_waiting"), 0.0);
+    assert_eq!(value("switchyard_tokenize_gate_refused_total"), 0.0);
+}
