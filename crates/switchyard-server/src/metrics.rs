@@ -774,6 +774,44 @@ impl DisaggMetrics {
     }
 }
 
+/// Writes `(name, help, value)` counters read at scrape time (a
+/// collector's fixed, unlabelled series).
+pub(crate) fn encode_const_counters(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    series: &[(&str, &str, u64)],
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    for &(name, help, value) in series {
+        let metric = prometheus_client::metrics::counter::ConstCounter::new(value);
+        metric.encode(encoder.encode_descriptor(
+            name,
+            help,
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?)?;
+    }
+    Ok(())
+}
+
+/// Writes `(name, help, value)` gauges read at scrape time, as
+/// [`encode_const_counters`] writes counters.
+pub(crate) fn encode_const_gauges(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    series: &[(&str, &str, i64)],
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    for &(name, help, value) in series {
+        let metric = prometheus_client::metrics::gauge::ConstGauge::new(value);
+        metric.encode(encoder.encode_descriptor(
+            name,
+            help,
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

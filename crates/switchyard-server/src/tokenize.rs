@@ -9,9 +9,9 @@
 //! is long (see [`INLINE_CHARS`]); a chat's length is its estimated
 //! rendered size ([`rendered_size_estimate`]), not its contents' alone.
 
+use crate::metrics::{encode_const_counters, encode_const_gauges};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use std::sync::Arc;
@@ -149,41 +149,51 @@ impl Collector for TokenizerCollector {
             return Ok(());
         };
         let s = stats.segments;
-        ConstGauge::new(u32::from(stats.fast_path)).encode(encoder.encode_descriptor(
-            "switchyard_tokenizer_fast_path",
-            "1 when the tokenizer runs on Switchyard's fast byte-level BPE path, 0 on the tokenizers crate (see the startup log for why).",
-            None,
-            MetricType::Gauge,
-        )?)?;
-        for (name, help, value) in [
-            (
-                "switchyard_tokenizer_segment_cache_lookups",
-                "Lookups of text segments (between special tokens, at least 64 bytes) in the token-id cache.",
-                s.lookups,
-            ),
-            (
-                "switchyard_tokenizer_segment_cache_hits",
-                "Segment lookups answered from the cache (not tokenized again).",
-                s.hits,
-            ),
-            (
-                "switchyard_tokenizer_segment_cache_evictions",
-                "Segments evicted from the cache (or refused as larger than it).",
-                s.evictions,
-            ),
-            (
-                "switchyard_tokenizer_word_cache_clears",
-                "Times a thread's word cache was emptied because it was full.",
-                stats.word_cache_clears,
-            ),
-        ] {
-            ConstCounter::new(value).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Counter,
-            )?)?;
-        }
+        encode_const_counters(
+            &mut encoder,
+            &[
+                (
+                    "switchyard_tokenizer_segment_cache_lookups",
+                    "Lookups of text segments (between special tokens, at least 64 bytes) in the token-id cache.",
+                    s.lookups,
+                ),
+                (
+                    "switchyard_tokenizer_segment_cache_hits",
+                    "Segment lookups answered from the cache (not tokenized again).",
+                    s.hits,
+                ),
+                (
+                    "switchyard_tokenizer_segment_cache_evictions",
+                    "Segments evicted from the cache (or refused as larger than it).",
+                    s.evictions,
+                ),
+                (
+                    "switchyard_tokenizer_word_cache_clears",
+                    "Times a thread's word cache was emptied because it was full.",
+                    stats.word_cache_clears,
+                ),
+            ],
+        )?;
+        encode_const_gauges(
+            &mut encoder,
+            &[
+                (
+                    "switchyard_tokenizer_fast_path",
+                    "1 when the tokenizer runs on Switchyard's fast byte-level BPE path, 0 on the tokenizers crate (see the startup log for why).",
+                    i64::from(stats.fast_path),
+                ),
+                (
+                    "switchyard_tokenizer_segment_cache_entries",
+                    "Segments held in the token-id cache.",
+                    s.entries as i64,
+                ),
+                (
+                    "switchyard_tokenizer_segment_cache_ids",
+                    "Token ids held in the segment cache.",
+                    s.ids as i64,
+                ),
+            ],
+        )?;
         let ratio = if s.lookups == 0 {
             0.0
         } else {
@@ -194,27 +204,7 @@ impl Collector for TokenizerCollector {
             "Segment cache hits over lookups since start.",
             None,
             MetricType::Gauge,
-        )?)?;
-        for (name, help, value) in [
-            (
-                "switchyard_tokenizer_segment_cache_entries",
-                "Segments held in the token-id cache.",
-                s.entries,
-            ),
-            (
-                "switchyard_tokenizer_segment_cache_ids",
-                "Token ids held in the segment cache.",
-                s.ids,
-            ),
-        ] {
-            ConstGauge::new(value as i64).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Gauge,
-            )?)?;
-        }
-        Ok(())
+        )?)
     }
 }
 

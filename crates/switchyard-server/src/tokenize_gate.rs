@@ -11,12 +11,9 @@
 //! whose holder is dropped is handed to the next waiter. Beyond
 //! [`MAX_WAITING`] waiters a request gets a 503 (counted).
 
+use crate::metrics::{encode_const_counters, encode_const_gauges};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
-use std::collections::HashMap;
+use prometheus_client::encoding::DescriptorEncoder;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use switchyard_core::admission::gate::{Entry, FairGate, GateTicket};
 use switchyard_core::admission::Flow;
@@ -28,16 +25,11 @@ pub const MAX_WAITING: usize = 4096;
 /// See the module documentation.
 #[derive(Debug)]
 pub struct TokenizeGate {
-    inner: Mutex<Inner>,
-    slots: usize,
+    /// Each waiter holds its wake-up.
+    gate: Mutex<FairGate<oneshot::Sender<()>>>,
 }
 
-#[derive(Debug)]
-struct Inner {
-    gate: FairGate,
-    /// The waiters' wake-ups, one per waiting ticket.
-    wakers: HashMap<GateTicket, oneshot::Sender<()>>,
-}
+type Gate = FairGate<oneshot::Sender<()>>;
 
 /// The gate was full: too many prompts waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +44,7 @@ pub struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.gate.pass_on(&mut self.gate.lock());
+        pass_on(&mut self.gate.lock());
     }
 }
 
@@ -69,12 +61,10 @@ impl Drop for Waiter {
         if self.done {
             return;
         }
-        let mut inner = self.gate.lock();
-        if inner.gate.cancel(self.ticket) {
-            inner.wakers.remove(&self.ticket);
-        } else {
+        let mut gate = self.gate.lock();
+        if gate.cancel(self.ticket).is_none() {
             // Let through while going away: the slot is ours to pass on.
-            self.gate.pass_on(&mut inner);
+            pass_on(&mut gate);
         }
     }
 }
@@ -82,13 +72,8 @@ impl Drop for Waiter {
 impl TokenizeGate {
     /// A gate of `slots` slots (at least 1).
     pub fn new(slots: usize) -> Arc<Self> {
-        let slots = slots.max(1);
         Arc::new(Self {
-            inner: Mutex::new(Inner {
-                gate: FairGate::new(slots, MAX_WAITING),
-                wakers: HashMap::new(),
-            }),
-            slots,
+            gate: Mutex::new(FairGate::new(slots, MAX_WAITING)),
         })
     }
 
@@ -99,11 +84,11 @@ impl TokenizeGate {
 
     /// Its slots.
     pub fn slots(&self) -> usize {
-        self.slots
+        self.lock().slots()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Waits for a slot for a prompt of `flow` of `bytes` bytes, its
@@ -114,17 +99,11 @@ impl TokenizeGate {
         bytes: usize,
         weight: f64,
     ) -> Result<Slot, GateFull> {
-        let (ticket, woken) = {
-            let mut inner = self.lock();
-            match inner.gate.enter(flow, bytes as u64, weight) {
-                Entry::Run => return Ok(Slot { gate: self.clone() }),
-                Entry::Full => return Err(GateFull),
-                Entry::Wait(ticket) => {
-                    let (tx, rx) = oneshot::channel();
-                    inner.wakers.insert(ticket, tx);
-                    (ticket, rx)
-                }
-            }
+        let (wake, woken) = oneshot::channel();
+        let ticket = match self.lock().enter(flow, bytes as u64, weight, wake) {
+            Entry::Run => return Ok(Slot { gate: self.clone() }),
+            Entry::Full => return Err(GateFull),
+            Entry::Wait(ticket) => ticket,
         };
         let mut waiter = Waiter {
             gate: self.clone(),
@@ -138,15 +117,14 @@ impl TokenizeGate {
         waiter.done = true;
         Ok(Slot { gate: self.clone() })
     }
+}
 
-    /// A slot is free: wakes the next waiter with it, or leaves it free.
-    fn pass_on(&self, inner: &mut Inner) {
-        while let Some(ticket) = inner.gate.release() {
-            if let Some(tx) = inner.wakers.remove(&ticket) {
-                if tx.send(()).is_ok() {
-                    return;
-                }
-            }
+/// A slot is free: wakes the next waiter with it (past any that went
+/// away), or leaves it free.
+fn pass_on(gate: &mut Gate) {
+    while let Some((_, wake)) = gate.release() {
+        if wake.send(()).is_ok() {
+            return;
         }
     }
 }
@@ -157,68 +135,55 @@ pub struct TokenizeGateCollector(pub Arc<TokenizeGate>);
 
 impl Collector for TokenizeGateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
-        let (counters, busy, waiting) = {
-            let inner = self.0.lock();
-            (
-                inner.gate.counters(),
-                inner.gate.busy(),
-                inner.gate.waiting(),
-            )
+        let (c, slots, busy, waiting) = {
+            let gate = self.0.lock();
+            (gate.counters(), gate.slots(), gate.busy(), gate.waiting())
         };
-        for (name, help, value) in [
-            (
-                "switchyard_tokenize_gate_immediate",
-                "Long prompts tokenized at once (a slot was free).",
-                counters.immediate,
-            ),
-            (
-                "switchyard_tokenize_gate_waited",
-                "Long prompts that waited for a tokenizing slot (by band, then tenant fair share).",
-                counters.waited,
-            ),
-            (
-                "switchyard_tokenize_gate_cancelled",
-                "Long prompts whose client went away while waiting for a tokenizing slot.",
-                counters.cancelled,
-            ),
-            (
-                "switchyard_tokenize_gate_refused",
-                "Requests refused with 503 because too many prompts waited for a tokenizing slot.",
-                counters.refused,
-            ),
-        ] {
-            ConstCounter::new(value).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Counter,
-            )?)?;
-        }
-        for (name, help, value) in [
-            (
-                "switchyard_tokenize_gate_slots",
-                "Tokenizing slots for long prompts (one per core).",
-                self.0.slots,
-            ),
-            (
-                "switchyard_tokenize_gate_busy",
-                "Tokenizing slots in use.",
-                busy,
-            ),
-            (
-                "switchyard_tokenize_gate_waiting",
-                "Long prompts waiting for a tokenizing slot.",
-                waiting,
-            ),
-        ] {
-            ConstGauge::new(value as i64).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Gauge,
-            )?)?;
-        }
-        Ok(())
+        encode_const_counters(
+            &mut encoder,
+            &[
+                (
+                    "switchyard_tokenize_gate_immediate",
+                    "Long prompts tokenized at once (a slot was free).",
+                    c.immediate,
+                ),
+                (
+                    "switchyard_tokenize_gate_waited",
+                    "Long prompts that waited for a tokenizing slot (by band, then tenant fair share).",
+                    c.waited,
+                ),
+                (
+                    "switchyard_tokenize_gate_cancelled",
+                    "Long prompts whose client went away while waiting for a tokenizing slot.",
+                    c.cancelled,
+                ),
+                (
+                    "switchyard_tokenize_gate_refused",
+                    "Requests refused with 503 because too many prompts waited for a tokenizing slot.",
+                    c.refused,
+                ),
+            ],
+        )?;
+        encode_const_gauges(
+            &mut encoder,
+            &[
+                (
+                    "switchyard_tokenize_gate_slots",
+                    "Tokenizing slots for long prompts (one per core by default).",
+                    slots as i64,
+                ),
+                (
+                    "switchyard_tokenize_gate_busy",
+                    "Tokenizing slots in use.",
+                    busy as i64,
+                ),
+                (
+                    "switchyard_tokenize_gate_waiting",
+                    "Long prompts waiting for a tokenizing slot.",
+                    waiting as i64,
+                ),
+            ],
+        )
     }
 }
 
@@ -252,7 +217,7 @@ mod tests {
                 order.lock().unwrap().push(name);
             }));
             // Each is in line before the next asks.
-            while gate.lock().gate.waiting() < tasks.len() {
+            while gate.lock().waiting() < tasks.len() {
                 tokio::task::yield_now().await;
             }
         }
@@ -262,8 +227,7 @@ mod tests {
         }
         assert_eq!(*order.lock().unwrap(), ["light", "noisy", "noisy"]);
         let inner = gate.lock();
-        assert_eq!((inner.gate.busy(), inner.gate.waiting()), (0, 0));
-        assert!(inner.wakers.is_empty());
+        assert_eq!((inner.busy(), inner.waiting()), (0, 0));
     }
 
     #[tokio::test]
@@ -273,13 +237,13 @@ mod tests {
         let gave_up =
             tokio::time::timeout(Duration::from_millis(20), gate.enter(&flow(2), 10, 1.0)).await;
         assert!(gave_up.is_err(), "no slot while one is held");
-        assert_eq!(gate.lock().gate.counters().cancelled, 1);
+        assert_eq!(gate.lock().counters().cancelled, 1);
         drop(held);
         // The slot came back: the next prompt runs at once.
         let again = gate.enter(&flow(3), 10, 1.0).await.unwrap();
-        assert_eq!(gate.lock().gate.busy(), 1);
+        assert_eq!(gate.lock().busy(), 1);
         drop(again);
-        assert_eq!(gate.lock().gate.busy(), 0);
+        assert_eq!(gate.lock().busy(), 0);
     }
 
     #[tokio::test]
@@ -298,13 +262,13 @@ mod tests {
             let gate = gate.clone();
             async move { gate.enter(&flow(3), 10, 1.0).await.map(drop) }
         });
-        while gate.lock().gate.waiting() < 2 {
+        while gate.lock().waiting() < 2 {
             tokio::task::yield_now().await;
         }
         // The slot goes to `first`, which is dropped without taking it.
         drop(held);
         drop(first);
         second.await.unwrap().unwrap();
-        assert_eq!(gate.lock().gate.busy(), 0);
+        assert_eq!(gate.lock().busy(), 0);
     }
 }

@@ -13,10 +13,12 @@
 //! tag of the job last let through. A tenant idle for a while comes back
 //! at the current virtual time: it banks no credit.
 //!
-//! Sans-I/O: the driver holds the gate behind its lock, wakes the ticket
-//! [`FairGate::release`] returns and calls [`FairGate::cancel`] for a
-//! waiter that gave up. The state is bounded: one finish tag per tenant
-//! id (a `u16`), and at most `max_waiting` waiters (beyond: refused).
+//! Sans-I/O: each waiter carries the driver's `W` (the server's: how to
+//! wake it), which the gate hands back with the slot
+//! ([`FairGate::release`]) or when the waiter gives up
+//! ([`FairGate::cancel`]); the driver holds the gate behind its lock. The
+//! state is bounded: one finish tag per tenant id (a `u16`), and at most
+//! `max_waiting` waiters (beyond: refused).
 
 use super::tenants::Flow;
 use crate::maps::FxHashMap;
@@ -58,20 +60,21 @@ type Key = Reverse<(u8, u64, u64)>;
 
 /// See the module documentation.
 #[derive(Debug)]
-pub struct FairGate {
+pub struct FairGate<W> {
     slots: usize,
     busy: usize,
     max_waiting: usize,
     waiting: BinaryHeap<Key>,
-    /// Live waiters (a cancelled one's heap key goes stale).
-    live: FxHashMap<u64, ()>,
+    /// Live waiters and what the driver left with each (a cancelled
+    /// one's heap key goes stale).
+    live: FxHashMap<u64, W>,
     finish: FxHashMap<u16, f64>,
     virtual_time: f64,
     next: u64,
     counters: GateCounters,
 }
 
-impl FairGate {
+impl<W> FairGate<W> {
     /// A gate of `slots` slots (at least 1) holding at most `max_waiting`
     /// waiters.
     pub fn new(slots: usize, max_waiting: usize) -> Self {
@@ -90,8 +93,9 @@ impl FairGate {
 
     /// A job of `flow` costing `cost` (weighted by its tenant's `weight`,
     /// at least a small positive value) asks for a slot. It runs at once
-    /// only when a slot is free and nobody waits.
-    pub fn enter(&mut self, flow: &Flow, cost: u64, weight: f64) -> Entry {
+    /// only when a slot is free and nobody waits; else it waits, holding
+    /// `waiter` (dropped when it runs at once or is refused).
+    pub fn enter(&mut self, flow: &Flow, cost: u64, weight: f64, waiter: W) -> Entry {
         let weight = if weight.is_finite() && weight > 1e-6 {
             weight
         } else {
@@ -117,18 +121,18 @@ impl FairGate {
         self.next += 1;
         self.waiting
             .push(Reverse((flow.band.0, start.to_bits(), ticket)));
-        self.live.insert(ticket, ());
+        self.live.insert(ticket, waiter);
         self.counters.waited += 1;
         Entry::Wait(GateTicket(ticket))
     }
 
-    /// A job's slot is free: the next waiter's ticket, whose job now holds
-    /// the slot, or `None` (the slot stays free).
-    pub fn release(&mut self) -> Option<GateTicket> {
+    /// A job's slot is free: the next waiter's ticket and what it holds
+    /// (its job now holds the slot), or `None` (the slot stays free).
+    pub fn release(&mut self) -> Option<(GateTicket, W)> {
         while let Some(Reverse((_, start, ticket))) = self.waiting.pop() {
-            if self.live.remove(&ticket).is_some() {
+            if let Some(waiter) = self.live.remove(&ticket) {
                 self.virtual_time = self.virtual_time.max(f64::from_bits(start));
-                return Some(GateTicket(ticket));
+                return Some((GateTicket(ticket), waiter));
             }
         }
         self.busy = self.busy.saturating_sub(1);
@@ -138,11 +142,11 @@ impl FairGate {
         None
     }
 
-    /// A waiter gave up before its turn; false when `ticket` was not
-    /// waiting (already let through, or unknown).
-    pub fn cancel(&mut self, ticket: GateTicket) -> bool {
-        let was = self.live.remove(&ticket.0).is_some();
-        if was {
+    /// A waiter gave up before its turn: what it held, or `None` when
+    /// `ticket` was not waiting (already let through, or unknown).
+    pub fn cancel(&mut self, ticket: GateTicket) -> Option<W> {
+        let was = self.live.remove(&ticket.0);
+        if was.is_some() {
             self.counters.cancelled += 1;
             if self.live.is_empty() {
                 self.waiting.clear();
@@ -153,6 +157,11 @@ impl FairGate {
             }
         }
         was
+    }
+
+    /// Its slots.
+    pub fn slots(&self) -> usize {
+        self.slots
     }
 
     /// Jobs holding a slot.
