@@ -556,15 +556,31 @@ pub fn agentic_requests(
     );
     let mut out = Vec::new();
     let mut plan = SessionPlan::default();
-    for session in agent_sessions(config, vocabulary) {
-        if out.len() >= max_requests {
-            break;
-        }
+    let taken = agent_sessions_taken(config.clone(), vocabulary, max_requests);
+    for session in agent_sessions(config, vocabulary).take(taken) {
         let head =
             push_agent_session(&session, vocabulary, max_output, model, &mut out, &mut plan)?;
         plan.starts.push((head, session.arrival_ms / rate_scale));
     }
     Ok((out, plan))
+}
+
+/// How many of the agent workload's sessions [`agentic_requests`] takes
+/// for `max_requests` calls: whole sessions, in arrival order, until the
+/// calls reach it (the last one may pass it).
+pub fn agent_sessions_taken(
+    config: AgenticConfig,
+    vocabulary: &AgentVocabulary,
+    max_requests: usize,
+) -> usize {
+    let mut calls = 0;
+    agent_sessions(config, vocabulary)
+        .take_while(|s| {
+            let take = calls < max_requests;
+            calls += s.total_calls();
+            take
+        })
+        .count()
 }
 
 /// Appends `session`'s calls (and its sub-agents', after the call that

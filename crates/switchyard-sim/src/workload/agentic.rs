@@ -483,6 +483,19 @@ pub struct AgentSession {
     pub calls: Vec<AgentCall>,
 }
 
+impl AgentSession {
+    /// Its calls and its sub-agents', all of them.
+    pub fn total_calls(&self) -> usize {
+        self.calls.len()
+            + self
+                .calls
+                .iter()
+                .flat_map(|c| &c.spawn)
+                .map(AgentSession::total_calls)
+                .sum::<usize>()
+    }
+}
+
 /// One planned LLM call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgentCall {

@@ -33,6 +33,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use switchyard_tokenizer::WordVocabulary;
 
 /// Options of `bench tokenize-gate`.
 #[derive(Debug, Clone, clap::Args, Serialize)]
@@ -66,6 +67,9 @@ pub struct TokenizeGateArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
+
+/// Distinct words the prompts are drawn from.
+const WORDS: usize = 20_000;
 
 /// The header the generated configuration names tenants by.
 const TENANT_HEADER: &str = "x-tenant";
@@ -115,13 +119,30 @@ pub fn run(args: TokenizeGateArgs) -> anyhow::Result<()> {
         args.speedup.is_finite() && args.speedup > 0.0,
         "--speedup must be positive"
     );
-    let words = Words::bundled()?;
+    let words = switchyard_tokenizer::Tokenizer::bundled()
+        .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?
+        .word_vocabulary(WORDS)
+        .map_err(|e| anyhow::anyhow!("the bundled tokenizer's words: {e}"))?;
+    anyhow::ensure!(
+        !words.is_empty(),
+        "the bundled tokenizer has no word tokens"
+    );
     let mut rng = StdRng::seed_from_u64(7);
     let light: Vec<PreparedRequest> = (0..args.light_requests)
-        .map(|_| request("light", &words.text(&mut rng, args.light_kb * 1000)))
+        .map(|_| {
+            request(
+                "light",
+                &random_text(&words, &mut rng, args.light_kb * 1000),
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     let noisy_texts: Vec<PreparedRequest> = (0..args.noisy_distinct)
-        .map(|_| request("noisy", &words.text(&mut rng, args.noisy_kb * 1000)))
+        .map(|_| {
+            request(
+                "noisy",
+                &random_text(&words, &mut rng, args.noisy_kb * 1000),
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     let config = std::env::temp_dir().join(format!(
         "switchyard-tokenize-gate-{}.toml",
@@ -290,27 +311,15 @@ fn request(tenant: &str, text: &str) -> anyhow::Result<PreparedRequest> {
     })
 }
 
-/// The bundled tokenizer's word tokens (a space then letters).
-struct Words(Vec<String>);
-
-impl Words {
-    fn bundled() -> anyhow::Result<Self> {
-        let tokenizer = switchyard_tokenizer::Tokenizer::bundled()
-            .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?;
-        let words = crate::bench::versus::tenants::WordPrompts::new(&tokenizer)?;
-        Ok(Self(
-            (0..words.len() as u64).map(|i| words.text([i])).collect(),
-        ))
+/// Words of the bundled tokenizer that are one token each, drawn at
+/// random until the text is `bytes` long (or a word more).
+fn random_text(words: &WordVocabulary, rng: &mut StdRng, bytes: usize) -> String {
+    let ids = words.ids();
+    let mut out = String::with_capacity(bytes + 32);
+    while out.len() < bytes {
+        out.push_str(words.text(ids[rng.gen_range(0..ids.len())]).unwrap_or(" x"));
     }
-
-    /// Random words, `bytes` long or a word more.
-    fn text(&self, rng: &mut StdRng, bytes: usize) -> String {
-        let mut out = String::with_capacity(bytes + 32);
-        while out.len() < bytes {
-            out.push_str(&self.0[rng.gen_range(0..self.0.len())]);
-        }
-        out
-    }
+    out
 }
 
 fn print_table(args: &TokenizeGateArgs, runs: &[GateRun]) {

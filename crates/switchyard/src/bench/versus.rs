@@ -58,7 +58,7 @@ use switchyard_core::select::PolicyKind;
 use switchyard_server::config::AdmissionMode;
 
 #[path = "versus_tenants.rs"]
-pub(crate) mod tenants;
+mod tenants;
 
 /// One Switchyard setting under test: a policy and an admission strategy
 /// (`None`: the config's, else the defaults).

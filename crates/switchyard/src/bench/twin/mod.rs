@@ -473,9 +473,17 @@ fn slice(args: &TwinArgs) -> TraceSlice {
     }
 }
 
-/// What both sides replay: its name and its sessions as the simulator
-/// takes them.
-fn load_sessions(args: &TwinArgs) -> anyhow::Result<(String, Vec<Session>)> {
+/// What both sides replay.
+struct TwinLoad {
+    /// The trace's name, or the built-in workload's.
+    name: String,
+    /// The sessions as the simulator takes them.
+    sessions: Vec<Session>,
+    /// The agent workload they were made from (`None`: a trace).
+    agents: Option<(AgenticConfig, Arc<AgentVocabulary>)>,
+}
+
+fn load_sessions(args: &TwinArgs) -> anyhow::Result<TwinLoad> {
     if args.workload == Some(LoadWorkload::Agentic) {
         let (config, vocabulary) = agent_workload(args)?;
         let limits = WorkloadLimits {
@@ -483,20 +491,29 @@ fn load_sessions(args: &TwinArgs) -> anyhow::Result<(String, Vec<Session>)> {
             max_output_tokens: args.max_output_tokens,
             ..WorkloadLimits::default()
         };
-        let sessions = workload::limited(workload::agentic(config, vocabulary), limits)
+        let stream = workload::agentic(config.clone(), Arc::clone(&vocabulary));
+        let sessions = workload::limited(stream, limits)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| anyhow::anyhow!("the agent workload: {e}"))?;
         let name = match &args.agentic_config {
             Some(path) => format!("agentic ({})", path.display()),
             None => "agentic".to_owned(),
         };
-        return Ok((name, sessions));
+        return Ok(TwinLoad {
+            name,
+            sessions,
+            agents: Some((config, vocabulary)),
+        });
     }
     let trace = Trace::or_bundled(args.trace.as_deref());
     let sessions =
         mooncake_slice(trace.open()?, &slice(args)).map_err(|e| anyhow::anyhow!("{trace}: {e}"))?;
     anyhow::ensure!(!sessions.is_empty(), "{trace}: no servable requests");
-    Ok((trace.to_string(), sessions))
+    Ok(TwinLoad {
+        name: trace.to_string(),
+        sessions,
+        agents: None,
+    })
 }
 
 /// The agent workload's parameters for the twin: the seeded config with
@@ -509,30 +526,22 @@ fn agent_workload(args: &TwinArgs) -> anyhow::Result<(AgenticConfig, Arc<AgentVo
         .validate()
         .map_err(|e| anyhow::anyhow!("the agent workload with --max-prompt-tokens: {e}"))?;
     let vocabulary = crate::agentic::vocabulary()?;
-    let (_, plan) = loadgen::agentic_requests(
-        config.clone(),
-        &vocabulary,
-        args.requests,
-        u32::MAX,
-        1.0,
-        None,
-    )?;
-    config.sessions = plan.starts.len();
+    config.sessions = loadgen::agent_sessions_taken(config.clone(), &vocabulary, args.requests);
     Ok((config, vocabulary))
 }
 
-/// The serve side's requests and pacing for the sessions [`load_sessions`]
-/// gave: a trace's at their arrival times, the agent workload's as
-/// sessions of dependent calls.
+/// The serve side's requests and pacing for what [`load_sessions`] gave:
+/// a trace's at their arrival times, the agent workload's as sessions of
+/// dependent calls.
 fn serve_load(
     args: &TwinArgs,
-    sessions: &[Session],
+    load: &TwinLoad,
 ) -> anyhow::Result<(Vec<loadgen::PreparedRequest>, Pacing)> {
-    if args.workload == Some(LoadWorkload::Agentic) {
-        let (config, vocabulary) = agent_workload(args)?;
+    let sessions = &load.sessions;
+    if let Some((config, vocabulary)) = &load.agents {
         let (requests, plan) = loadgen::agentic_requests(
-            config,
-            &vocabulary,
+            config.clone(),
+            vocabulary,
             usize::MAX,
             args.max_output_tokens.unwrap_or(u32::MAX),
             args.rate_scale(),
@@ -622,7 +631,8 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     check(&args)?;
     let started = Instant::now();
     let fleet = twin_fleet(&args)?;
-    let (trace, sessions) = load_sessions(&args)?;
+    let load = load_sessions(&args)?;
+    let (trace, sessions) = (load.name.clone(), &load.sessions);
     let calls: usize = sessions.iter().map(|s| s.all_turns().len()).sum();
     let span_s = sessions.last().map_or(0.0, |s| s.arrival_ms) / 1e3;
     let case = match &fleet.disagg {
@@ -658,7 +668,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     );
     let mut pairs = BTreeMap::new();
     for &policy in &args.policies {
-        let side = replay_side(&fleet, policy, &sessions)?;
+        let side = replay_side(&fleet, policy, sessions)?;
         println!(
             "  replay {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}",
             policy.name(),
@@ -677,7 +687,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     }
     let mut health = BTreeMap::new();
     if !args.replay_only {
-        let (requests, pacing) = serve_load(&args, &sessions)?;
+        let (requests, pacing) = serve_load(&args, &load)?;
         let mut worker_args = sim_worker_args(&fleet.engine)?;
         if let Some(disagg) = &fleet.disagg {
             worker_args.extend(sim_worker_disagg_args(disagg)?);
@@ -1035,7 +1045,7 @@ mod tests {
         let a = args(&["--requests", "20", "--workers", "2", "--disagg", "1:1"]);
         check(&a).unwrap();
         let fleet = twin_fleet(&a).unwrap();
-        let (_, sessions) = load_sessions(&a).unwrap();
+        let sessions = load_sessions(&a).unwrap().sessions;
         let s = replay_side(&fleet, PolicyKind::Kv, &sessions).unwrap();
         assert_eq!((s.completed, s.errors), (20, 0));
         assert!(s.transfers > 0 && s.transfer_bytes > 0, "{s:?}");
@@ -1136,7 +1146,8 @@ mod tests {
         ]);
         check(&a).unwrap();
         assert_eq!(a.rate_scale(), 1.0, "the workload's own arrival rate");
-        let (name, sessions) = load_sessions(&a).unwrap();
+        let load = load_sessions(&a).unwrap();
+        let (name, sessions) = (load.name.as_str(), &load.sessions);
         assert_eq!(name, "agentic");
         let turns: Vec<_> = sessions.iter().flat_map(|s| s.all_turns()).collect();
         assert!(
@@ -1147,13 +1158,13 @@ mod tests {
         assert!(turns
             .iter()
             .all(|t| t.prompt.len() + t.output_tokens <= 20000));
-        let (requests, pacing) = serve_load(&a, &sessions).unwrap();
+        let (requests, pacing) = serve_load(&a, &load).unwrap();
         assert_eq!(requests.len(), turns.len(), "one call per simulated turn");
         let Pacing::Sessions(plan) = pacing else {
             panic!("agent calls are paced as sessions");
         };
         assert_eq!(plan.starts.len(), sessions.len());
-        for (&(_, at), session) in plan.starts.iter().zip(&sessions) {
+        for (&(_, at), session) in plan.starts.iter().zip(sessions) {
             assert_eq!(at, session.arrival_ms);
         }
         // The trace keeps its own pacing and rate.
@@ -1167,7 +1178,7 @@ mod tests {
     fn a_replay_only_run_on_a_tiny_slice_simulates_every_policy() {
         let a = args(&["--requests", "20", "--workers", "2"]);
         let fleet = twin_fleet(&a).unwrap();
-        let (_, sessions) = load_sessions(&a).unwrap();
+        let sessions = load_sessions(&a).unwrap().sessions;
         assert_eq!(sessions.len(), 20);
         for policy in a.policies {
             let s = replay_side(&fleet, policy, &sessions).unwrap();
