@@ -16,12 +16,17 @@ use crate::report::BurstFigures;
 use crate::workload::Session;
 use rustc_hash::FxHashMap;
 
-/// What each burst's first calls found cached.
+/// What each burst's first calls found cached. Only bursts with a member
+/// still to report are held; a complete one is folded into the figures.
 #[derive(Default)]
 pub(super) struct Bursts {
-    tallies: Vec<Tally>,
+    /// Open bursts, by a number of their own.
+    open: FxHashMap<u64, Tally>,
     /// The burst of each member whose first call has not ended yet.
-    of: FxHashMap<u64, usize>,
+    of: FxHashMap<u64, u64>,
+    next: u64,
+    /// Complete bursts' figures; `None` until a burst opens.
+    done: Option<BurstFigures>,
 }
 
 struct Tally {
@@ -44,55 +49,63 @@ impl Bursts {
         if shared_tokens == 0 {
             return;
         }
-        let index = self.tallies.len();
-        self.tallies.push(Tally {
-            shared_tokens,
-            quiet,
-            members: members.len() as u32,
-            reported: 0,
-            computing: 0,
-        });
+        let burst = self.next;
+        self.next += 1;
+        self.open.insert(
+            burst,
+            Tally {
+                shared_tokens,
+                quiet,
+                members: members.len() as u32,
+                reported: 0,
+                computing: 0,
+            },
+        );
+        self.done.get_or_insert_with(BurstFigures::default);
         for m in members {
-            self.of.insert(m.id, index);
+            self.of.insert(m.id, burst);
         }
     }
 
     /// `session`'s first call ended with `cached_tokens` of its prompt
     /// found cached (nothing when `session` is not a burst's member).
     pub(super) fn first_call_ended(&mut self, session: u64, cached_tokens: u64) {
-        let Some(index) = self.of.remove(&session) else {
+        let Some(burst) = self.of.remove(&session) else {
             return;
         };
-        let tally = &mut self.tallies[index];
-        tally.reported += 1;
-        if cached_tokens < tally.shared_tokens {
-            tally.computing += 1;
+        let Some(t) = self.open.get_mut(&burst) else {
+            return;
+        };
+        t.reported += 1;
+        if cached_tokens < t.shared_tokens {
+            t.computing += 1;
         }
+        if t.reported < t.members {
+            return;
+        }
+        let t = self.open.remove(&burst).expect("just read");
+        let f = self.done.get_or_insert_with(BurstFigures::default);
+        let once = t.computing <= 1;
+        f.bursts += 1;
+        f.once += u64::from(once);
+        f.quiet += u64::from(t.quiet);
+        f.quiet_once += u64::from(t.quiet && once);
+        f.shared_tokens += t.shared_tokens;
+        f.computed_tokens += t.shared_tokens * u64::from(t.computing);
     }
 
     /// `session` ended; a member whose first call never ended (shed or
-    /// failed) is not counted.
+    /// failed) leaves its burst uncounted.
     pub(super) fn forget(&mut self, session: u64) {
-        self.of.remove(&session);
+        if let Some(burst) = self.of.remove(&session) {
+            self.open.remove(&burst);
+        }
     }
 
     /// The figures, over bursts whose every member's first call ended;
     /// `None` when the run had no burst.
     pub(super) fn figures(&self) -> Option<BurstFigures> {
-        if self.tallies.is_empty() {
-            return None;
-        }
-        let mut f = BurstFigures::default();
-        for t in self.tallies.iter().filter(|t| t.reported == t.members) {
-            let once = t.computing <= 1;
-            f.bursts += 1;
-            f.once += u64::from(once);
-            f.quiet += u64::from(t.quiet);
-            f.quiet_once += u64::from(t.quiet && once);
-            f.shared_tokens += t.shared_tokens;
-            f.computed_tokens += t.shared_tokens * u64::from(t.computing);
-        }
-        Some(f)
+        self.done.clone()
     }
 }
 
@@ -147,11 +160,11 @@ mod tests {
     fn the_shared_prefix_is_counted_in_whole_blocks_and_a_burst_needs_two_members_and_one_block() {
         let mut b = Bursts::default();
         b.open(&burst_of_three(), 16, true);
-        assert_eq!(b.tallies[0].shared_tokens, 32);
+        assert_eq!(b.open.values().next().unwrap().shared_tokens, 32);
         b.open(&burst_of_three()[..1], 16, true);
         b.open(&burst_of_three(), 64, true);
         assert_eq!(
-            b.tallies.len(),
+            b.open.len(),
             1,
             "one member, or less than a block shared: no burst"
         );
@@ -188,6 +201,7 @@ mod tests {
         b.first_call_ended(7, 0);
         assert_eq!(b.figures().expect("a burst opened").bursts, 0);
         assert!(b.of.is_empty(), "nothing is kept for ended members");
+        assert!(b.open.is_empty(), "nor for a burst that cannot complete");
         assert_eq!(Bursts::default().figures(), None);
     }
 }
