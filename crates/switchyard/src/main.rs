@@ -75,6 +75,16 @@ fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
 /// buffers are allocated on one tokio worker thread and freed on another,
 /// and glibc then takes the owning arena's lock (futex waits in a `perf`
 /// profile of `bench proxy`'s throughput phase).
+///
+/// Built without transparent huge pages (the crate's `no_thp`: mimalloc
+/// does not `madvise` its arenas for them): with them, a page of the heap
+/// that mimalloc had returned to the kernel came back, on its first touch,
+/// as a whole 2 MiB page zeroed by the kernel, and on agent sessions'
+/// 200 KB prompts that zeroing took 3.7–5.2% of the router's CPU
+/// (`clear_page_erms` under `do_huge_pmd_anonymous_page` in `perf`;
+/// docs/benchmarks.md, "Agent sessions"). A host whose THP mode is
+/// `always` gives huge pages without the `madvise`; there,
+/// `MIMALLOC_ALLOW_THP=0` in the environment turns them off for the process.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
