@@ -1,4 +1,5 @@
-//! Payload bytes → [`KvEventBatch`], through `rmpv` values.
+//! Payload bytes → [`KvEventBatch`]: the shapes engines send read
+//! directly ([`super::direct`]), any other through `rmpv` values.
 //!
 //! The value tree is built only after [`tree_cost`] has walked the bytes
 //! without allocating and found the tree within [`DecodeLimits`]: a msgpack
@@ -14,8 +15,8 @@ use switchyard_core::EngineHash;
 /// hostile input from recursing deep.
 const MAX_DEPTH: usize = 32;
 
-const STORED: &str = "BlockStored";
-const REMOVED: &str = "BlockRemoved";
+pub(super) const STORED: &str = "BlockStored";
+pub(super) const REMOVED: &str = "BlockRemoved";
 
 /// One event of a batch that could not be decoded; the batch's other events
 /// are still usable.
@@ -57,6 +58,19 @@ pub fn decode_batch_lossy_within(
     limits: &DecodeLimits,
 ) -> Result<(KvEventBatch, Vec<EventError>), DecodeError> {
     tree_cost(bytes, limits.max_tree_bytes)?;
+    if let Some(batch) = super::direct::decode(bytes, format, limits.max_events) {
+        return Ok((batch, Vec::new()));
+    }
+    decode_tree(bytes, format, limits)
+}
+
+/// [`decode_batch_lossy_within`] through the `rmpv` value tree, for any
+/// shape (the direct reader's fallback), the limits already checked.
+pub(super) fn decode_tree(
+    bytes: &[u8],
+    format: Format,
+    limits: &DecodeLimits,
+) -> Result<(KvEventBatch, Vec<EventError>), DecodeError> {
     let mut reader = bytes;
     let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
         .map_err(|err| DecodeError::Msgpack(err.to_string()))?;

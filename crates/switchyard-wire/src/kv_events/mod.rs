@@ -41,6 +41,7 @@
 //! type is an error, never a guess).
 
 mod decode;
+mod direct;
 mod encode;
 
 pub use decode::{decode_batch, decode_batch_lossy, decode_batch_lossy_within, EventError};

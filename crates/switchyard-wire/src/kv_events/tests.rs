@@ -474,3 +474,140 @@ proptest! {
         }
     }
 }
+
+/// The direct reader against the tree decoder on the same bytes: where the
+/// reader answers, the tree gives the same batch and no event error.
+fn direct_agrees_with_the_tree(bytes: &[u8], format: Format) -> Result<bool, TestCaseError> {
+    let limits = DecodeLimits::default();
+    let Some(direct) = direct::decode(bytes, format, limits.max_events) else {
+        return Ok(false);
+    };
+    let tree = decode::decode_tree(bytes, format, &limits);
+    prop_assert_eq!(tree, Ok((direct, Vec::new())));
+    Ok(true)
+}
+
+/// `event` in the array form: the tag, then its fields in declaration
+/// order (all of them, nil where unset; a cache salt, which this form
+/// carries in a `metadata` map, left out).
+fn array_event_value(event: &KvEvent) -> Value {
+    let s = |v: &Option<String>| v.clone().map_or(Value::Nil, Value::from);
+    let i = |v: Option<i64>| v.map_or(Value::Nil, Value::from);
+    match event {
+        KvEvent::BlockStored(b) => Value::Array(vec![
+            Value::from("BlockStored"),
+            Value::Array(b.block_hashes.iter().map(|h| Value::from(h.0)).collect()),
+            b.parent_block_hash.map_or(Value::Nil, |h| Value::from(h.0)),
+            Value::Array(match &b.token_pair_next_ids {
+                None => b.token_ids.iter().map(|&t| Value::from(t)).collect(),
+                Some(next) => b
+                    .token_ids
+                    .iter()
+                    .zip(next)
+                    .map(|(&t, &n)| Value::Array(vec![Value::from(t), Value::from(n)]))
+                    .collect(),
+            }),
+            Value::from(b.block_size),
+            i(b.lora_id),
+            s(&b.medium),
+            s(&b.lora_name),
+            b.extra_keys.clone().unwrap_or(Value::Nil),
+            i(b.group_idx),
+            s(&b.kv_cache_spec_kind),
+            i(b.kv_cache_spec_sliding_window),
+            s(&b.locality),
+            s(&b.ownership),
+            s(&b.session_id),
+        ]),
+        KvEvent::BlockRemoved(r) => Value::Array(vec![
+            Value::from("BlockRemoved"),
+            Value::Array(r.block_hashes.iter().map(|h| Value::from(h.0)).collect()),
+            s(&r.medium),
+            i(r.group_idx),
+            s(&r.locality),
+            s(&r.ownership),
+        ]),
+        KvEvent::AllBlocksCleared => Value::Array(vec![Value::from("AllBlocksCleared")]),
+        KvEvent::Unknown { tag } => Value::Array(vec![Value::from(tag.as_str())]),
+    }
+}
+
+/// Whether the direct reader is meant to take `batch` whole: no opaque
+/// `extra_keys` and no token pairs (those are the tree decoder's).
+fn direct_takes(batch: &KvEventBatch) -> bool {
+    batch.events.iter().all(|event| match event {
+        KvEvent::BlockStored(b) => b.extra_keys.is_none() && b.token_pair_next_ids.is_none(),
+        _ => true,
+    })
+}
+
+proptest! {
+    #[test]
+    fn the_direct_reader_reads_map_events_as_the_tree_does(batch in arb_batch()) {
+        for (bytes, format) in [
+            (encode_batch(&batch), Format::Auto),
+            (encode_batch(&batch), Format::Sglang),
+            (encode_batch_with(&batch, HashEncoding::Bytes32), Format::Vllm),
+        ] {
+            let taken = direct_agrees_with_the_tree(&bytes, format)?;
+            // SGLang never sends byte hashes; otherwise the plain shapes are
+            // the reader's to take.
+            prop_assert_eq!(taken, direct_takes(&batch));
+        }
+    }
+
+    #[test]
+    fn the_direct_reader_reads_array_events_as_the_tree_does(batch in arb_batch()) {
+        let mut fields = vec![
+            Value::F64(batch.ts),
+            Value::Array(batch.events.iter().map(array_event_value).collect()),
+        ];
+        if let Some(rank) = batch.data_parallel_rank {
+            fields.push(Value::from(rank));
+        }
+        let bytes = write(&Value::Array(fields));
+        let taken = direct_agrees_with_the_tree(&bytes, Format::Auto)?;
+        prop_assert_eq!(taken, direct_takes(&batch));
+    }
+
+    #[test]
+    fn on_mutated_bytes_the_direct_reader_answers_only_as_the_tree_does(
+        batch in arb_batch(),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = encode_batch(&batch);
+        for (at, byte) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = byte;
+        }
+        for format in [Format::Auto, Format::Vllm, Format::Sglang] {
+            direct_agrees_with_the_tree(&bytes, format)?;
+            direct_agrees_with_the_tree(&bytes[..cut.index(bytes.len() + 1)], format)?;
+        }
+    }
+}
+
+#[test]
+fn the_direct_reader_takes_the_engines_own_payloads_as_the_tree_does() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut taken = 0;
+    for sub in ["", "captured", "made"] {
+        for entry in std::fs::read_dir(dir.join(sub)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "msgpack") {
+                continue;
+            }
+            let bytes = std::fs::read(&path).unwrap();
+            let format = if path.to_string_lossy().contains("sglang") {
+                Format::Sglang
+            } else {
+                Format::Vllm
+            };
+            let result: Result<bool, TestCaseError> = direct_agrees_with_the_tree(&bytes, format);
+            taken += usize::from(result.unwrap_or_else(|e| panic!("{}: {e}", path.display())));
+        }
+    }
+    // Every vLLM 0.32 and SGLang 0.5.23 capture is a plain shape.
+    assert!(taken >= 10, "the direct reader took {taken} fixtures");
+}
