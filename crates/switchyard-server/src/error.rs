@@ -190,20 +190,10 @@ impl ApiError {
 #[derive(Clone, Debug)]
 struct RouterError(String);
 
-/// Anthropic's error body for an error of `status` with `message`:
-/// `{"type":"error","error":{"type","message"}}`.
+/// Anthropic's error body for an error of `status` with `message`
+/// ([`switchyard_wire::agentic::anthropic_error`]).
 pub(crate) fn anthropic_body(status: StatusCode, message: &str) -> serde_json::Value {
-    let kind = match status.as_u16() {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 | 410 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        400..=499 => "invalid_request_error",
-        _ => "api_error",
-    };
-    serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
+    switchyard_wire::agentic::anthropic_error(status.as_u16(), message)
 }
 
 /// Whether `path` is one of Anthropic's (`/v1/messages...`), whose

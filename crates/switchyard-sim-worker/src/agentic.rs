@@ -36,7 +36,9 @@ use std::convert::Infallible;
 use switchyard_core::hashing::seed_for;
 use switchyard_engine::{FinishReason, NewRequest};
 use switchyard_tokenizer::ChatMessage;
-use switchyard_wire::agentic::{MessagesRequest, ResponsesRequest, MAX_RESPONSE_ID_BYTES};
+use switchyard_wire::agentic::{
+    anthropic_error, MessagesRequest, ResponsesRequest, MAX_RESPONSE_ID_BYTES,
+};
 use switchyard_wire::openai::{BodyError, BodyLimits, ErrorBody, Message, MessageContent};
 use tokio::sync::mpsc;
 
@@ -79,19 +81,6 @@ fn error(api: Api, body: ErrorBody) -> Response {
     }
 }
 
-/// Anthropic's error body for `status`.
-pub fn anthropic_error(status: u16, message: &str) -> Value {
-    let kind = match status {
-        400 | 413 | 422 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        _ => "api_error",
-    };
-    json!({"type": "error", "error": {"type": kind, "message": message}})
-}
 
 fn body_error(e: BodyError) -> ErrorBody {
     match e {

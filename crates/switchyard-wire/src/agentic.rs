@@ -613,8 +613,60 @@ impl MessagesRequest {
     }
 }
 
+/// Anthropic's error `type` for an HTTP status, as its API documents them
+/// (400 `invalid_request_error`, also for a 4XX it does not list; 401
+/// `authentication_error`; 403 `permission_error`; 404 `not_found_error`;
+/// 413 `request_too_large`; 429 `rate_limit_error`; 500 `api_error`; 529
+/// `overloaded_error`). Ours beside those: 410 (a stored response that
+/// has expired) is `not_found_error`, 503 (no worker can take it now)
+/// `overloaded_error`, any other status `api_error`. The one map of the
+/// router and the sim-worker.
+pub fn anthropic_error_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 | 410 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+/// Anthropic's error body for an error of `status` with `message`:
+/// `{"type": "error", "error": {"type", "message"}}` (also the `data` of
+/// a Messages stream's `error` event).
+pub fn anthropic_error(status: u16, message: &str) -> serde_json::Value {
+    serde_json::json!({
+        "type": "error",
+        "error": {"type": anthropic_error_type(status), "message": message},
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn anthropic_error_types_follow_the_documented_table() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (403, "permission_error"),
+            (404, "not_found_error"),
+            (413, "request_too_large"),
+            (422, "invalid_request_error"),
+            (429, "rate_limit_error"),
+            (500, "api_error"),
+            (529, "overloaded_error"),
+        ] {
+            assert_eq!(super::anthropic_error_type(status), kind, "{status}");
+        }
+        let body = super::anthropic_error(413, "too big");
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "request_too_large");
+        assert_eq!(body["error"]["message"], "too big");
+    }
+
     use super::*;
     use crate::openai::MessageContent;
 
