@@ -81,7 +81,6 @@ fn error(api: Api, body: ErrorBody) -> Response {
     }
 }
 
-
 fn body_error(e: BodyError) -> ErrorBody {
     match e {
         BodyError::Json(e) => {
