@@ -539,9 +539,9 @@ impl Tokenizer {
             .get_template("chat")
             .map_err(|e| TokenizerError::Template(e.to_string()))?;
         // Rendered into a buffer sized for the whole text up front: grown
-        // by doubling, a 200 KB prompt's buffer is copied about five times
-        // into fresh pages the kernel zeroes first (5% of the router's CPU
-        // on agent sessions, in a `perf` profile of `serve`).
+        // by doubling, a 200 KB prompt's buffer was copied about five times
+        // into fresh pages the kernel zeroes first (about 3% of the
+        // router's CPU on agent sessions, in a `perf` profile of `serve`).
         let mut out = Vec::with_capacity(rendered_size_hint(messages, tools));
         template
             .render_captured_to(
@@ -563,9 +563,9 @@ impl Tokenizer {
 }
 
 /// About how many bytes a chat template renders `messages` and `tools`
-/// to: their texts plus a little markup for each message and call (a
-/// tool definition's JSON is guessed from its field count, not written
-/// out to measure it). A hint for a buffer's capacity, nothing more.
+/// to: their texts plus a little markup for each message and call, and
+/// 512 bytes a tool definition (guessed, not serialized to measure it).
+/// A hint for a buffer's capacity, nothing more.
 fn rendered_size_hint(messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> usize {
     const MARKUP: usize = 64;
     let texts: usize = messages
