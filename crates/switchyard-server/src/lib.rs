@@ -80,7 +80,7 @@ mod workers;
 
 pub use cli::ServeArgs;
 pub use config::{ServerConfig, WorkerSpec};
+pub use routes::front_door;
 pub use start::{
-    build_shared, dispatcher_config, front_door, init_logging, run, start, start_with_tokenizer,
-    RunningServer,
+    build_shared, dispatcher_config, init_logging, run, start, start_with_tokenizer, RunningServer,
 };

@@ -4,6 +4,7 @@
 
 use crate::config::WorkerSpec;
 use crate::error::ApiError;
+use crate::front::inflight::Inflight;
 use crate::front::upload::UploadLimits;
 use crate::request::context::Shared;
 use crate::request::handlers::{chat_completions, completions};
@@ -18,12 +19,25 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::sync::Arc;
 
-/// The axum router for `state`: [`routes`] behind the credential check
-/// ([`crate::front::auth`]). The server adds the in-flight limit between the two
-/// ([`crate::front_door`]).
+/// The router's app as it is served, and the one assembly `serve`, the
+/// tests and the fuzz target drive: the credential check first (from the
+/// head: a refused request costs nothing more), then the in-flight limit
+/// ([`crate::front::inflight`]), then the [`routes`], each reading its
+/// body within its limit and deadline (the check also puts the router's
+/// own errors on Anthropic's paths in Anthropic's shape:
+/// [`crate::error::anthropic_shaped`]).
+pub fn front_door(state: &Shared, inflight: Arc<Inflight>) -> AxumRouter {
+    let routes = crate::front::inflight::layer(routes(state.clone()), inflight);
+    crate::front::auth::layer(routes, state.credentials.clone())
+}
+
+/// [`front_door`] with an in-flight limit of the default's size, for
+/// tests that drive the app without starting a server.
+#[cfg(test)]
 pub(crate) fn app(state: Shared) -> AxumRouter {
-    let credentials = state.credentials.clone();
-    crate::front::auth::layer(routes(state), credentials)
+    let limit = crate::ServerConfig::default().max_inflight;
+    let inflight = Inflight::new(limit, state.shared.metrics().clone());
+    front_door(&state, inflight)
 }
 
 /// The routes, each `POST` body read whole within its limit and deadline

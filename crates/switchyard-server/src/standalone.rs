@@ -1,13 +1,15 @@
-//! The router's HTTP app with no workers, in-process: what the request-body
-//! property tests and the `http_body` fuzz target drive. Every request the
-//! app can parse ends in 503 (no worker); every other one in a 4xx. Nothing
-//! leaves the process (no worker, no KV events, no health checks).
+//! The router's HTTP app ([`crate::front_door`], as `serve` runs it) with no
+//! workers, in-process: what the request-body property tests and the
+//! `http_body` fuzz target drive. Every request the app can parse ends in
+//! 503 (no worker); every other one in a 4xx. Nothing leaves the process
+//! (no worker, no KV events, no health checks).
 
 use super::tokenize::PromptTokenizer;
 use super::workers::{upstream_client, Fleet};
 use super::{build_shared, metrics::ServerMetrics, ServerConfig};
+use crate::front::inflight::Inflight;
 use crate::request::context::AppState;
-use crate::routes::app;
+use crate::routes::front_door;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,9 +36,11 @@ pub fn app_without_workers(
         config.health_failures,
         Duration::from_millis(100),
     ));
-    Ok(app(Arc::new(AppState::new(
+    let inflight = Inflight::new(config.max_inflight, shared.metrics().clone());
+    let state = Arc::new(AppState::new(
         &config, shared, fleet, client, tokenizer, None,
-    ))))
+    ));
+    Ok(front_door(&state, inflight))
 }
 
 /// Checks one answer to a body the router cannot serve: 4xx, or 503 for a

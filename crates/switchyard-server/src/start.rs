@@ -216,19 +216,6 @@ pub(crate) fn metrics_open_while_keyed(config: &ServerConfig) -> bool {
     config.requires_client_key() && config.metrics_key.is_none()
 }
 
-/// The router's app as it is served: the credential check first (from the
-/// head: a refused request costs nothing more), then the in-flight limit,
-/// then the routes, each reading its body within its limit and deadline
-/// (the check also puts the router's own errors on Anthropic's paths in
-/// Anthropic's shape: [`crate::error::anthropic_shaped`]).
-pub fn front_door(
-    state: &Arc<context::AppState>,
-    inflight: Arc<front::inflight::Inflight>,
-) -> axum::Router {
-    let routes = front::inflight::layer(routes::routes(state.clone()), inflight);
-    front::auth::layer(routes, state.credentials.clone())
-}
-
 /// Starts the router: binds, adds the workers, starts health checks and
 /// the admission ticker.
 pub async fn start(config: ServerConfig) -> anyhow::Result<RunningServer> {
@@ -323,7 +310,7 @@ pub async fn start_with_tokenizer(
         tracing::warn!(%addr, "client API keys are required but /metrics is open: anyone who can reach this address can read the workers' names, the keys' names and each key's request counts (set --metrics-key or --metrics-key-file)");
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let app = front_door(&state, inflight.clone());
+    let app = routes::front_door(&state, inflight.clone());
     let front_tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => Some(
             front::tls::FrontTls {
