@@ -1,9 +1,9 @@
 //! The streaming body of a Responses or Messages request: the worker's
 //! named events (`event: <name>` and `data:` lines) forwarded unchanged,
-//! one whole event at a time, paced by the client as chat streams are
-//! (a task of its own hands each event to the body through a one-event
-//! channel, and keeps the request timeout whether or not the client
-//! reads: [`crate::request::stream::events_body`]).
+//! one whole event at a time, paced by the client by the same loop as
+//! chat streams ([`crate::request::stream::paced_body`]: a task of its own
+//! hands each event to the body and keeps the request timeout whether or
+//! not the client reads).
 //!
 //! Read on the way: the first event (first-token time, the booking's
 //! prefill done), text deltas (the booking's progress), a Responses
@@ -34,14 +34,13 @@ use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
 use crate::request::context::MAX_EVENT_BYTES;
 use crate::request::migration::{Failure, Progress};
-use crate::request::stream::{move_stream, Moved};
+use crate::request::stream::{move_stream, Moved, PacedStream};
 use axum::body::Body;
 use bytes::Bytes;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_wire::sse::{classify_ref, ChunkRef, NamedEvent, SseParser};
-use tokio::sync::{mpsc, oneshot};
 
 /// What the proxy hands over once the first event has arrived.
 pub(crate) struct NamedStart {
@@ -61,7 +60,6 @@ pub(crate) struct NamedStart {
 
 /// The response body of a stream whose first event has arrived.
 pub(crate) fn into_body(start: NamedStart) -> Body {
-    let (tx, gone, body) = crate::request::stream::events_body();
     let progress = crate::request::stream::bounded_progress(&start.attempts, start.prompt.len());
     // A stored response is never resumed: its text is not kept.
     let text_cap = match start.agentic.remember {
@@ -69,28 +67,23 @@ pub(crate) fn into_body(start: NamedStart) -> Body {
         None => progress.text_cap(),
     };
     let resume = Resume::new(start.agentic.api, text_cap, start.attempts.client_id);
-    tokio::spawn(run(
-        NamedStream {
-            attempts: start.attempts,
-            booking: Some(start.booking),
-            upstream: start.upstream,
-            parser: start.parser,
-            first: Some(start.first),
-            agentic: start.agentic,
-            prompt_tokens: start.prompt_tokens,
-            prompt: start.prompt,
-            original: start.original,
-            arrival: start.arrival,
-            progress,
-            resume,
-            resumed: false,
-            forwarded: 0,
-            last_event: None,
-        },
-        tx,
-        gone,
-    ));
-    body
+    crate::request::stream::paced_body(NamedStream {
+        attempts: start.attempts,
+        booking: Some(start.booking),
+        upstream: start.upstream,
+        parser: start.parser,
+        first: Some(start.first),
+        agentic: start.agentic,
+        prompt_tokens: start.prompt_tokens,
+        prompt: start.prompt,
+        original: start.original,
+        arrival: start.arrival,
+        progress,
+        resume,
+        resumed: false,
+        forwarded: 0,
+        last_event: None,
+    })
 }
 
 struct NamedStream {
@@ -165,7 +158,7 @@ impl NamedStream {
     }
 
     /// The bytes to send next, and whether they end the response.
-    async fn next(&mut self) -> (Bytes, bool) {
+    async fn next_bytes(&mut self) -> (Bytes, bool) {
         let idle = self.attempts.state.first_token_timeout;
         loop {
             let event = match self.read(idle).await {
@@ -356,43 +349,24 @@ impl NamedStream {
     }
 }
 
-/// Forwards events to `tx` until the response ends, the client goes away
-/// or the request timeout passes (then the worker's request is cancelled,
-/// the booking dropped, and the client gets an error event when it reads
-/// on).
-async fn run(mut s: NamedStream, tx: mpsc::Sender<Bytes>, mut gone: oneshot::Receiver<()>) {
-    let deadline = tokio::time::sleep_until(s.attempts.deadline);
-    tokio::pin!(deadline);
-    loop {
-        let (bytes, ended) = tokio::select! {
-            biased;
-            () = &mut deadline => break,
-            _ = &mut gone => return,
-            next = s.next() => next,
-        };
-        if ended {
-            drop(s);
-            let _ = tx.send(bytes).await;
-            return;
-        }
-        tokio::select! {
-            biased;
-            () = &mut deadline => break,
-            sent = tx.send(bytes) => {
-                if sent.is_err() {
-                    return;
-                }
-            }
-        }
+impl PacedStream for NamedStream {
+    fn attempts(&self) -> &Attempts {
+        &self.attempts
     }
-    s.attempts.state.shared.metrics().request_timeouts.inc();
-    tracing::info!(request = %s.attempts.client_id, "stream timed out: upstream cancelled");
-    let error = ApiError::timeout(s.attempts.state.request_timeout);
-    let bytes = s
-        .agentic
-        .error_event(&error.body().error.message, s.resume_sequence());
-    s.booking = None;
-    s.count(RequestStatus::Unavailable);
-    drop(s);
-    let _ = tx.send(Bytes::from(bytes)).await;
+
+    async fn next(&mut self) -> Option<(Bytes, bool)> {
+        Some(self.next_bytes().await)
+    }
+
+    /// The API's error event; the worker's request is cancelled and the
+    /// booking dropped with the stream.
+    fn time_out(mut self) -> Bytes {
+        let error = ApiError::timeout(self.attempts.state.request_timeout);
+        let bytes = self
+            .agentic
+            .error_event(&error.body().error.message, self.resume_sequence());
+        self.booking = None;
+        self.count(RequestStatus::Unavailable);
+        Bytes::from(bytes)
+    }
 }

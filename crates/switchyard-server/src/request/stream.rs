@@ -157,65 +157,11 @@ impl MigratingStream {
         }
     }
 
-    /// The response body. The stream runs in a task of its own
-    /// ([`Self::run`]) that hands events to the body through a one-event
-    /// channel, so its request timeout fires whether or not the client
-    /// reads: a client that stops reading stops polling the body, and a
-    /// deadline checked only when the body is polled would never fire,
-    /// holding the booking and the worker's request for as long as the
-    /// client keeps the connection open.
+    /// The response body ([`paced_body`]: the stream runs in a task of
+    /// its own, so its request timeout fires whether or not the client
+    /// reads).
     pub(crate) fn into_body(self) -> Body {
-        let (tx, gone, body) = events_body();
-        tokio::spawn(self.run(tx, gone));
-        body
-    }
-
-    /// Forwards events to `tx` until the response ends, the client goes
-    /// away (`gone` resolves when the body is dropped) or the request
-    /// timeout passes, whichever comes first. At the timeout the leg is
-    /// dropped at once — the worker's request cancelled, the booking freed
-    /// — and the client gets an error event once it reads again. A
-    /// response that has ended (its booking finished) waits for the
-    /// client to take its last bytes, with no deadline left to count.
-    async fn run(mut self, tx: mpsc::Sender<Bytes>, mut gone: oneshot::Receiver<()>) {
-        let deadline = tokio::time::sleep_until(self.attempts.deadline);
-        tokio::pin!(deadline);
-        loop {
-            let next = tokio::select! {
-                biased;
-                () = &mut deadline => break,
-                // The client went away (counted by the drop).
-                _ = &mut gone => return,
-                next = self.next_event() => next,
-            };
-            let Some(bytes) = next else {
-                return;
-            };
-            if matches!(self.state, State::Ended) {
-                drop(self);
-                let _ = tx.send(bytes).await;
-                return;
-            }
-            tokio::select! {
-                biased;
-                () = &mut deadline => break,
-                sent = tx.send(bytes) => {
-                    if sent.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-        let metrics = self.attempts.state.shared.metrics();
-        metrics.request_timeouts.inc();
-        tracing::info!(request = %self.attempts.client_id, "stream timed out: upstream cancelled");
-        let error = ApiError::timeout(self.attempts.state.request_timeout);
-        // Ending drops the leg: the worker's request is cancelled and the
-        // booking freed, now, whether or not the client reads.
-        let last = self.end_with(RequestStatus::Unavailable, error_event(&error));
-        drop(self);
-        // Delivered when the client reads on; fails once it is gone.
-        let _ = tx.send(last).await;
+        paced_body(self)
     }
 
     /// The current leg's next event: the waiting first one, or one read
@@ -438,6 +384,24 @@ impl MigratingStream {
     }
 }
 
+impl PacedStream for MigratingStream {
+    fn attempts(&self) -> &Attempts {
+        &self.attempts
+    }
+
+    async fn next(&mut self) -> Option<(Bytes, bool)> {
+        let bytes = self.next_event().await?;
+        Some((bytes, matches!(self.state, State::Ended)))
+    }
+
+    fn time_out(mut self) -> Bytes {
+        let error = ApiError::timeout(self.attempts.state.request_timeout);
+        // Ending drops the leg: the worker's request is cancelled and the
+        // booking freed, now, whether or not the client reads.
+        self.end_with(RequestStatus::Unavailable, error_event(&error))
+    }
+}
+
 impl Drop for MigratingStream {
     fn drop(&mut self) {
         if !matches!(self.state, State::Ended) {
@@ -637,11 +601,86 @@ pub(crate) async fn pull_frame(
     }
 }
 
+/// A response stream the client reads at its own pace: chat and
+/// completions ([`MigratingStream`]) and the Responses and Messages APIs
+/// ([`crate::request::named_stream`]), run by one loop ([`paced_body`]).
+pub(crate) trait PacedStream: Send + Sized + 'static {
+    /// The request's attempts (its deadline, id and state).
+    fn attempts(&self) -> &Attempts;
+
+    /// The client's next bytes and whether the response ended with them;
+    /// `None`: nothing more to send.
+    fn next(&mut self) -> impl std::future::Future<Output = Option<(Bytes, bool)>> + Send;
+
+    /// Ends the stream at the request timeout — the worker's request
+    /// cancelled, the booking freed, the end counted — and gives the
+    /// client's last bytes (the API's error event).
+    fn time_out(self) -> Bytes;
+}
+
+/// The response body of `stream`. The stream runs in a task of its own
+/// that hands events to the body through a one-event channel, so its
+/// request timeout fires whether or not the client reads: a client that
+/// stops reading stops polling the body, and a deadline checked only when
+/// the body is polled would never fire, holding the booking and the
+/// worker's request for as long as the client keeps the connection open.
+pub(crate) fn paced_body<S: PacedStream>(stream: S) -> Body {
+    let (tx, gone, body) = events_body();
+    tokio::spawn(run_paced(stream, tx, gone));
+    body
+}
+
+/// Forwards events to `tx` until the response ends, the client goes away
+/// (`gone` resolves when the body is dropped) or the request timeout
+/// passes, whichever comes first. At the timeout the stream is ended at
+/// once and the client gets its error event once it reads again. A
+/// response that has ended waits for the client to take its last bytes,
+/// with no deadline left to count.
+async fn run_paced<S: PacedStream>(
+    mut stream: S,
+    tx: mpsc::Sender<Bytes>,
+    mut gone: oneshot::Receiver<()>,
+) {
+    let deadline = tokio::time::sleep_until(stream.attempts().deadline);
+    tokio::pin!(deadline);
+    loop {
+        let next = tokio::select! {
+            biased;
+            () = &mut deadline => break,
+            // The client went away (counted by the stream's drop).
+            _ = &mut gone => return,
+            next = stream.next() => next,
+        };
+        let Some((bytes, ended)) = next else {
+            return;
+        };
+        if ended {
+            drop(stream);
+            let _ = tx.send(bytes).await;
+            return;
+        }
+        tokio::select! {
+            biased;
+            () = &mut deadline => break,
+            sent = tx.send(bytes) => {
+                if sent.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let attempts = stream.attempts();
+    attempts.state.shared.metrics().request_timeouts.inc();
+    tracing::info!(request = %attempts.client_id, "stream timed out: upstream cancelled");
+    let last = stream.time_out();
+    // Delivered when the client reads on; fails once it is gone.
+    let _ = tx.send(last).await;
+}
+
 /// A streaming body fed by a task: the sender the task forwards events
 /// to, the signal that the body was dropped (the client went away), and
-/// the body (shared by [`MigratingStream`] and
-/// [`crate::request::named_stream`]).
-pub(crate) fn events_body() -> (mpsc::Sender<Bytes>, oneshot::Receiver<()>, Body) {
+/// the body ([`paced_body`]).
+fn events_body() -> (mpsc::Sender<Bytes>, oneshot::Receiver<()>, Body) {
     let (tx, rx) = mpsc::channel(1);
     let (alive, gone) = oneshot::channel();
     (tx, gone, Body::new(Events { rx, _alive: alive }))
