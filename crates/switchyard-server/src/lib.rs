@@ -9,7 +9,9 @@
 //!   limit and deadline ([`front_door`] puts them together; nothing reads a
 //!   body before the key is checked).
 //! - `routes` — the route table: the OpenAI endpoints, `/v1/models`,
-//!   `/health`, `/ready`, `/metrics` and the admin API.
+//!   `/health`, `/ready`, `/metrics` and the admin API, and
+//!   [`front_door`], the one assembly of the app (`serve`, the tests and
+//!   the fuzz target drive the same layers).
 //! - [`request`] — one request from its handler to its last byte: parse,
 //!   tokenize, charge, the placement loop (submit, placed, failed, moved
 //!   before the deadline) shared by plain and disaggregated requests, the
