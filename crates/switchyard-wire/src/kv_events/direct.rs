@@ -21,18 +21,16 @@ use switchyard_core::EngineHash;
 /// knows; `None` sends the caller to the tree decoder.
 pub(super) fn decode(bytes: &[u8], format: Format, max_events: usize) -> Option<KvEventBatch> {
     let mut rd = bytes;
-    let m = marker(&mut rd)?;
-    let len = array_len(&mut rd, m)?;
+    let len = array_len(marker(&mut rd)?, &mut rd)?;
     if !(2..=3).contains(&len) {
         return None;
     }
     let ts = match marker(&mut rd)? {
         Marker::F64 => f64::from_be_bytes(be(&mut rd)?),
         Marker::F32 => f64::from(f32::from_be_bytes(be(&mut rd)?)),
-        other => int(&mut rd, other)?.as_f64(),
+        other => int(other, &mut rd)?.as_f64(),
     };
-    let m = marker(&mut rd)?;
-    let count = array_len(&mut rd, m)?;
+    let count = array_len(marker(&mut rd)?, &mut rd)?;
     if count > max_events {
         return None;
     }
@@ -41,8 +39,7 @@ pub(super) fn decode(bytes: &[u8], format: Format, max_events: usize) -> Option<
         events.push(event(&mut rd, format)?);
     }
     let data_parallel_rank = if len == 3 {
-        let m = marker(&mut rd)?;
-        opt_i64(&mut rd, m)?
+        opt_i64(marker(&mut rd)?, &mut rd)?
     } else {
         None
     };
@@ -56,11 +53,11 @@ pub(super) fn decode(bytes: &[u8], format: Format, max_events: usize) -> Option<
 fn event(rd: &mut &[u8], format: Format) -> Option<KvEvent> {
     match marker(rd)? {
         m @ (Marker::FixMap(_) | Marker::Map16 | Marker::Map32) => {
-            let len = map_len(rd, m)?;
+            let len = map_len(m, rd)?;
             map_event(rd, len, format)
         }
         m => {
-            let len = array_len(rd, m)?;
+            let len = array_len(m, rd)?;
             array_event(rd, len, format)
         }
     }
@@ -103,8 +100,7 @@ fn map_event(rd: &mut &[u8], len: usize, format: Format) -> Option<KvEvent> {
     let mut fields = Fields::default();
     let mut seen = 0u32;
     for _ in 0..len {
-        let m = marker(rd)?;
-        let key = string(rd, m)?;
+        let key = string(marker(rd)?, rd)?;
         let index = KEYS.iter().position(|k| *k == key)?;
         if seen & (1 << index) != 0 {
             return None;
@@ -113,21 +109,21 @@ fn map_event(rd: &mut &[u8], len: usize, format: Format) -> Option<KvEvent> {
         let m = marker(rd)?;
         let s = &mut fields.stored;
         match key {
-            "type" => fields.tag = Some(string(rd, m)?.to_owned()),
-            "block_hashes" => fields.block_hashes = Some(hashes(rd, m, format)?),
-            "parent_block_hash" => s.parent_block_hash = opt_hash(rd, m, format)?,
-            "token_ids" => fields.token_ids = Some(tokens(rd, m)?),
-            "block_size" => fields.block_size = Some(token(rd, m)?),
-            "lora_id" => s.lora_id = opt_i64(rd, m)?,
-            "medium" => s.medium = opt_string(rd, m)?,
-            "lora_name" => s.lora_name = opt_string(rd, m)?,
-            "group_idx" => s.group_idx = opt_i64(rd, m)?,
-            "kv_cache_spec_kind" => s.kv_cache_spec_kind = opt_string(rd, m)?,
-            "kv_cache_spec_sliding_window" => s.kv_cache_spec_sliding_window = opt_i64(rd, m)?,
-            "locality" => s.locality = opt_string(rd, m)?,
-            "ownership" => s.ownership = opt_string(rd, m)?,
-            "session_id" => s.session_id = opt_string(rd, m)?,
-            "cache_salt" => s.cache_salt = opt_string(rd, m)?,
+            "type" => fields.tag = Some(string(m, rd)?.to_owned()),
+            "block_hashes" => fields.block_hashes = Some(hashes(m, rd, format)?),
+            "parent_block_hash" => s.parent_block_hash = opt_hash(m, rd, format)?,
+            "token_ids" => fields.token_ids = Some(tokens(m, rd)?),
+            "block_size" => fields.block_size = Some(token(m, rd)?),
+            "lora_id" => s.lora_id = opt_i64(m, rd)?,
+            "medium" => s.medium = opt_string(m, rd)?,
+            "lora_name" => s.lora_name = opt_string(m, rd)?,
+            "group_idx" => s.group_idx = opt_i64(m, rd)?,
+            "kv_cache_spec_kind" => s.kv_cache_spec_kind = opt_string(m, rd)?,
+            "kv_cache_spec_sliding_window" => s.kv_cache_spec_sliding_window = opt_i64(m, rd)?,
+            "locality" => s.locality = opt_string(m, rd)?,
+            "ownership" => s.ownership = opt_string(m, rd)?,
+            "session_id" => s.session_id = opt_string(m, rd)?,
+            "cache_salt" => s.cache_salt = opt_string(m, rd)?,
             // Opaque or nested: only their absence is read here.
             _ => nil(m)?,
         }
@@ -137,8 +133,7 @@ fn map_event(rd: &mut &[u8], len: usize, format: Format) -> Option<KvEvent> {
 }
 
 fn array_event(rd: &mut &[u8], len: usize, format: Format) -> Option<KvEvent> {
-    let m = marker(rd)?;
-    let tag = string(rd, m)?;
+    let tag = string(marker(rd)?, rd)?;
     let mut left = len.checked_sub(1)?;
     // Positional fields in declaration order; a missing tail reads as nil.
     let mut next = |rd: &mut &[u8]| -> Option<Marker> {
@@ -151,47 +146,29 @@ fn array_event(rd: &mut &[u8], len: usize, format: Format) -> Option<KvEvent> {
     let mut fields = Fields::default();
     match tag {
         STORED if len <= 15 => {
-            let m = next(rd)?;
-            fields.block_hashes = Some(hashes(rd, m, format)?);
-            let m = next(rd)?;
-            fields.stored.parent_block_hash = opt_hash(rd, m, format)?;
-            let m = next(rd)?;
-            fields.token_ids = Some(tokens(rd, m)?);
-            let m = next(rd)?;
-            fields.block_size = Some(token(rd, m)?);
+            fields.block_hashes = Some(hashes(next(rd)?, rd, format)?);
+            fields.stored.parent_block_hash = opt_hash(next(rd)?, rd, format)?;
+            fields.token_ids = Some(tokens(next(rd)?, rd)?);
+            fields.block_size = Some(token(next(rd)?, rd)?);
             let s = &mut fields.stored;
-            let m = next(rd)?;
-            s.lora_id = opt_i64(rd, m)?;
-            let m = next(rd)?;
-            s.medium = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.lora_name = opt_string(rd, m)?;
+            s.lora_id = opt_i64(next(rd)?, rd)?;
+            s.medium = opt_string(next(rd)?, rd)?;
+            s.lora_name = opt_string(next(rd)?, rd)?;
             nil(next(rd)?)?; // extra_keys
-            let m = next(rd)?;
-            s.group_idx = opt_i64(rd, m)?;
-            let m = next(rd)?;
-            s.kv_cache_spec_kind = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.kv_cache_spec_sliding_window = opt_i64(rd, m)?;
-            let m = next(rd)?;
-            s.locality = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.ownership = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.session_id = opt_string(rd, m)?;
+            s.group_idx = opt_i64(next(rd)?, rd)?;
+            s.kv_cache_spec_kind = opt_string(next(rd)?, rd)?;
+            s.kv_cache_spec_sliding_window = opt_i64(next(rd)?, rd)?;
+            s.locality = opt_string(next(rd)?, rd)?;
+            s.ownership = opt_string(next(rd)?, rd)?;
+            s.session_id = opt_string(next(rd)?, rd)?;
         }
         REMOVED if len <= 6 => {
-            let m = next(rd)?;
-            fields.block_hashes = Some(hashes(rd, m, format)?);
+            fields.block_hashes = Some(hashes(next(rd)?, rd, format)?);
             let s = &mut fields.stored;
-            let m = next(rd)?;
-            s.medium = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.group_idx = opt_i64(rd, m)?;
-            let m = next(rd)?;
-            s.locality = opt_string(rd, m)?;
-            let m = next(rd)?;
-            s.ownership = opt_string(rd, m)?;
+            s.medium = opt_string(next(rd)?, rd)?;
+            s.group_idx = opt_i64(next(rd)?, rd)?;
+            s.locality = opt_string(next(rd)?, rd)?;
+            s.ownership = opt_string(next(rd)?, rd)?;
         }
         "AllBlocksCleared" if len == 1 => {}
         _ => return None,
@@ -255,7 +232,7 @@ fn len_of<const N: usize>(rd: &mut &[u8]) -> Option<usize> {
     usize::try_from(u64::from_be_bytes(wide)).ok()
 }
 
-fn array_len(rd: &mut &[u8], m: Marker) -> Option<usize> {
+fn array_len(m: Marker, rd: &mut &[u8]) -> Option<usize> {
     match m {
         Marker::FixArray(n) => Some(usize::from(n)),
         Marker::Array16 => len_of::<2>(rd),
@@ -264,7 +241,7 @@ fn array_len(rd: &mut &[u8], m: Marker) -> Option<usize> {
     }
 }
 
-fn map_len(rd: &mut &[u8], m: Marker) -> Option<usize> {
+fn map_len(m: Marker, rd: &mut &[u8]) -> Option<usize> {
     match m {
         Marker::FixMap(n) => Some(usize::from(n)),
         Marker::Map16 => len_of::<2>(rd),
@@ -308,7 +285,7 @@ impl Int {
     }
 }
 
-fn int(rd: &mut &[u8], m: Marker) -> Option<Int> {
+fn int(m: Marker, rd: &mut &[u8]) -> Option<Int> {
     Some(match m {
         Marker::FixPos(n) => Int::Unsigned(u64::from(n)),
         Marker::U8 => Int::Unsigned(u64::from(u8::from_be_bytes(be(rd)?))),
@@ -324,7 +301,7 @@ fn int(rd: &mut &[u8], m: Marker) -> Option<Int> {
     })
 }
 
-fn string<'a>(rd: &mut &'a [u8], m: Marker) -> Option<&'a str> {
+fn string<'a>(m: Marker, rd: &mut &'a [u8]) -> Option<&'a str> {
     let len = match m {
         Marker::FixStr(n) => usize::from(n),
         Marker::Str8 => len_of::<1>(rd)?,
@@ -339,34 +316,33 @@ fn nil(m: Marker) -> Option<()> {
     (m == Marker::Null).then_some(())
 }
 
-fn opt_string(rd: &mut &[u8], m: Marker) -> Option<Option<String>> {
+fn opt_string(m: Marker, rd: &mut &[u8]) -> Option<Option<String>> {
     match m {
         Marker::Null => Some(None),
-        m => Some(Some(string(rd, m)?.to_owned())),
+        m => Some(Some(string(m, rd)?.to_owned())),
     }
 }
 
-fn opt_i64(rd: &mut &[u8], m: Marker) -> Option<Option<i64>> {
+fn opt_i64(m: Marker, rd: &mut &[u8]) -> Option<Option<i64>> {
     match m {
         Marker::Null => Some(None),
-        m => Some(Some(int(rd, m)?.as_i64()?)),
+        m => Some(Some(int(m, rd)?.as_i64()?)),
     }
 }
 
 /// A token id (or a block size): an unsigned integer that fits `u32`.
-fn token(rd: &mut &[u8], m: Marker) -> Option<u32> {
-    u32::try_from(int(rd, m)?.as_u64()?).ok()
+fn token(m: Marker, rd: &mut &[u8]) -> Option<u32> {
+    u32::try_from(int(m, rd)?.as_u64()?).ok()
 }
 
 /// Flat token ids; pairs are left to the tree decoder.
-fn tokens(rd: &mut &[u8], m: Marker) -> Option<Vec<u32>> {
-    let len = array_len(rd, m)?;
+fn tokens(m: Marker, rd: &mut &[u8]) -> Option<Vec<u32>> {
+    let len = array_len(m, rd)?;
     // Each id takes at least one byte: a length past the bytes left is a
     // truncated payload, not a reason to reserve.
     let mut ids = Vec::with_capacity(len.min(rd.len()));
     for _ in 0..len {
-        let m = marker(rd)?;
-        ids.push(token(rd, m)?);
+        ids.push(token(marker(rd)?, rd)?);
     }
     Some(ids)
 }
@@ -374,13 +350,13 @@ fn tokens(rd: &mut &[u8], m: Marker) -> Option<Vec<u32>> {
 /// A block hash, as the tree decoder reads one: any integer (a negative
 /// one as its two's complement) or, outside SGLang, bytes whose last 8
 /// are the big-endian `u64`.
-fn hash(rd: &mut &[u8], m: Marker, format: Format) -> Option<EngineHash> {
+fn hash(m: Marker, rd: &mut &[u8], format: Format) -> Option<EngineHash> {
     let len = match m {
         Marker::Bin8 => len_of::<1>(rd)?,
         Marker::Bin16 => len_of::<2>(rd)?,
         Marker::Bin32 => len_of::<4>(rd)?,
         m => {
-            return Some(EngineHash(match int(rd, m)? {
+            return Some(EngineHash(match int(m, rd)? {
                 Int::Unsigned(n) => n,
                 Int::Negative(n) => n as u64,
             }))
@@ -395,19 +371,18 @@ fn hash(rd: &mut &[u8], m: Marker, format: Format) -> Option<EngineHash> {
     )))
 }
 
-fn opt_hash(rd: &mut &[u8], m: Marker, format: Format) -> Option<Option<EngineHash>> {
+fn opt_hash(m: Marker, rd: &mut &[u8], format: Format) -> Option<Option<EngineHash>> {
     match m {
         Marker::Null => Some(None),
-        m => Some(Some(hash(rd, m, format)?)),
+        m => Some(Some(hash(m, rd, format)?)),
     }
 }
 
-fn hashes(rd: &mut &[u8], m: Marker, format: Format) -> Option<Vec<EngineHash>> {
-    let len = array_len(rd, m)?;
+fn hashes(m: Marker, rd: &mut &[u8], format: Format) -> Option<Vec<EngineHash>> {
+    let len = array_len(m, rd)?;
     let mut out = Vec::with_capacity(len.min(rd.len()));
     for _ in 0..len {
-        let m = marker(rd)?;
-        out.push(hash(rd, m, format)?);
+        out.push(hash(marker(rd)?, rd, format)?);
     }
     Some(out)
 }
