@@ -780,17 +780,11 @@ pub(crate) fn encode_const_counters(
     encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
     series: &[(&str, &str, u64)],
 ) -> std::fmt::Result {
-    use prometheus_client::encoding::EncodeMetric;
-    for &(name, help, value) in series {
-        let metric = prometheus_client::metrics::counter::ConstCounter::new(value);
-        metric.encode(encoder.encode_descriptor(
-            name,
-            help,
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?)?;
-    }
-    Ok(())
+    use prometheus_client::metrics::counter::ConstCounter;
+    encode_const(
+        encoder,
+        series.iter().map(|&(n, h, v)| (n, h, ConstCounter::new(v))),
+    )
 }
 
 /// Writes `(name, help, value)` gauges read at scrape time, as
@@ -799,15 +793,20 @@ pub(crate) fn encode_const_gauges(
     encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
     series: &[(&str, &str, i64)],
 ) -> std::fmt::Result {
-    use prometheus_client::encoding::EncodeMetric;
-    for &(name, help, value) in series {
-        let metric = prometheus_client::metrics::gauge::ConstGauge::new(value);
-        metric.encode(encoder.encode_descriptor(
-            name,
-            help,
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
-        )?)?;
+    use prometheus_client::metrics::gauge::ConstGauge;
+    encode_const(
+        encoder,
+        series.iter().map(|&(n, h, v)| (n, h, ConstGauge::new(v))),
+    )
+}
+
+/// Writes each `(name, help, metric)`, unlabelled, as the metric's type.
+fn encode_const<'a, M: prometheus_client::encoding::EncodeMetric>(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    series: impl Iterator<Item = (&'a str, &'a str, M)>,
+) -> std::fmt::Result {
+    for (name, help, metric) in series {
+        metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
     }
     Ok(())
 }
