@@ -564,10 +564,13 @@ impl Tokenizer {
 
 /// About how many bytes a chat template renders `messages` and `tools`
 /// to: their texts plus a little markup for each message and call, and
-/// 512 bytes a tool definition (guessed, not serialized to measure it).
-/// A hint for a buffer's capacity, nothing more.
+/// 512 bytes a tool definition (guessed, not serialized to measure it;
+/// at most `TOOLS_HINT_MAX` in all, so that a list of many empty tools
+/// cannot reserve far more than its bytes). A hint for a buffer's
+/// capacity, nothing more.
 fn rendered_size_hint(messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> usize {
     const MARKUP: usize = 64;
+    const TOOLS_HINT_MAX: usize = 256 * 1024;
     let texts: usize = messages
         .iter()
         .map(|m| {
@@ -581,7 +584,7 @@ fn rendered_size_hint(messages: &[ChatMessage], tools: Option<&serde_json::Value
         .sum();
     let tools = tools
         .and_then(serde_json::Value::as_array)
-        .map_or(0, |list| list.len() * 512);
+        .map_or(0, |list| list.len().saturating_mul(512).min(TOOLS_HINT_MAX));
     texts + tools + 1024
 }
 
