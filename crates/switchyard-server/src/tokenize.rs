@@ -64,6 +64,9 @@ pub fn tool_calls_size(message: &ChatMessage) -> usize {
     })
 }
 
+/// Called between pieces of a long prompt with the bytes tokenized so far.
+pub type Pause<'a> = &'a mut dyn FnMut(usize);
+
 /// Text to token ids, with the model's chat template.
 pub trait PromptTokenizer: Send + Sync + 'static {
     /// Token ids of `text` (special tokens in the text map to their ids).
@@ -75,12 +78,17 @@ pub trait PromptTokenizer: Send + Sync + 'static {
 
     /// [`Self::encode`] when the text is at most `max_tokens` long, `None`
     /// when longer; an implementation stops counting soon after the
-    /// budget is passed (this default does not).
+    /// budget is passed (this default does not). It may call `pause`
+    /// between pieces of a long text with the bytes done (the tokenizing
+    /// gate's chance to let another prompt go first); this default does
+    /// not.
     fn encode_within(
         &self,
         text: &str,
         max_tokens: usize,
+        pause: Pause<'_>,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
+        let _ = pause;
         Ok(Some(self.encode(text)?).filter(|ids| ids.len() <= max_tokens))
     }
 
@@ -96,14 +104,16 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     /// [`Self::encode_chat_within`] of a chat that declares `tools` (the
     /// chat API's list), rendered as the engine renders them where the
     /// template does ([`Self::renders_tools`]); this default leaves them
-    /// out (the caller counts what is not rendered).
+    /// out (the caller counts what is not rendered). `pause` as in
+    /// [`Self::encode_within`].
     fn encode_chat_with_tools_within(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
         max_tokens: usize,
+        pause: Pause<'_>,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
-        let _ = tools;
+        let _ = (tools, pause);
         self.encode_chat_within(messages, max_tokens)
     }
 
@@ -229,8 +239,9 @@ impl PromptTokenizer for HfTokenizer {
         &self,
         text: &str,
         max_tokens: usize,
+        pause: Pause<'_>,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
-        self.0.encode_within(text, max_tokens)
+        self.0.encode_within_pausing(text, max_tokens, pause)
     }
 
     /// The rendered chat, piece by piece (rendering costs about the
@@ -240,7 +251,7 @@ impl PromptTokenizer for HfTokenizer {
         messages: &[ChatMessage],
         max_tokens: usize,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
-        self.encode_chat_with_tools_within(messages, None, max_tokens)
+        self.encode_chat_with_tools_within(messages, None, max_tokens, &mut |_| {})
     }
 
     fn encode_chat_with_tools_within(
@@ -248,11 +259,12 @@ impl PromptTokenizer for HfTokenizer {
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
         max_tokens: usize,
+        pause: Pause<'_>,
     ) -> Result<Option<Vec<u32>>, TokenizerError> {
         let text = self
             .0
             .apply_chat_template_with_tools(messages, tools, true)?;
-        self.0.encode_within(&text, max_tokens)
+        self.0.encode_within_pausing(&text, max_tokens, pause)
     }
 
     fn renders_tools(&self) -> bool {
@@ -376,7 +388,7 @@ mod tests {
             }
             assert_eq!(ids, whole, "a ShareGPT turn in {} pieces", pieces.len());
             compared += usize::from(pieces.len() > 1);
-            let within = bundled().encode_within(text, whole.len()).unwrap();
+            let within = bundled().encode_within(text, whole.len(), &mut |_| {}).unwrap();
             assert_eq!(within.as_ref(), Some(&whole));
         }
         assert!(compared >= 10, "only {compared} texts were cut");

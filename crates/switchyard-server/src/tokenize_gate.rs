@@ -7,6 +7,13 @@
 //! whose CPU is saturated a light tenant's prompt is not tokenized behind
 //! a noisy tenant's 200 KB prompts.
 //!
+//! Between pieces of a long prompt ([`Slot::pause_point`], on the
+//! blocking thread that tokenizes it) the holder asks the gate whether a
+//! waiter is owed the slot first — a light tenant's prompt that arrived
+//! while a noisy tenant's 200 KB one is under way — and if so hands it
+//! on and waits to resume ([`FairGate::should_pause`]): a slot, once
+//! taken, no longer runs a 200 KB prompt to its end before a light one.
+//!
 //! A waiter that gives up (its client went away) leaves the line; a slot
 //! whose holder is dropped is handed to the next waiter. Beyond
 //! [`MAX_WAITING`] waiters a request gets a 503 (counted).
@@ -15,7 +22,7 @@ use crate::metrics::{encode_const_counters, encode_const_gauges};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use switchyard_core::admission::gate::{Entry, FairGate, GateTicket};
+use switchyard_core::admission::gate::{Entry, FairGate, GateTicket, Turn};
 use switchyard_core::admission::Flow;
 use tokio::sync::oneshot;
 
@@ -25,11 +32,11 @@ pub const MAX_WAITING: usize = 4096;
 /// See the module documentation.
 #[derive(Debug)]
 pub struct TokenizeGate {
-    /// Each waiter holds its wake-up.
-    gate: Mutex<FairGate<oneshot::Sender<()>>>,
+    /// Each waiter holds its wake-up, which hands it its turn.
+    gate: Mutex<Gate>,
 }
 
-type Gate = FairGate<oneshot::Sender<()>>;
+type Gate = FairGate<oneshot::Sender<Turn>>;
 
 /// The gate was full: too many prompts waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +47,26 @@ pub struct GateFull;
 #[derive(Debug)]
 pub struct Slot {
     gate: Arc<TokenizeGate>,
+    turn: Turn,
+}
+
+impl Slot {
+    /// Between pieces of the prompt, `done` bytes of it tokenized: hands
+    /// the slot on and blocks until it comes back when a waiter is owed
+    /// it first. Called on a blocking thread (it parks the thread).
+    pub fn pause_point(&self, done: usize) {
+        let mut gate = self.gate.lock();
+        if !gate.should_pause(&self.turn, done as u64) {
+            return;
+        }
+        let (wake, woken) = oneshot::channel();
+        gate.requeue(&self.turn, done as u64, wake);
+        pass_on(&mut gate);
+        drop(gate);
+        // The gate keeps a paused job's wake-up until it lets it through
+        // (it cannot be cancelled), so this returns with the slot ours.
+        let _ = woken.blocking_recv();
+    }
 }
 
 impl Drop for Slot {
@@ -101,7 +128,12 @@ impl TokenizeGate {
     ) -> Result<Slot, GateFull> {
         let (wake, woken) = oneshot::channel();
         let ticket = match self.lock().enter(flow, bytes as u64, weight, wake) {
-            Entry::Run => return Ok(Slot { gate: self.clone() }),
+            Entry::Run(turn) => {
+                return Ok(Slot {
+                    gate: self.clone(),
+                    turn,
+                })
+            }
             Entry::Full => return Err(GateFull),
             Entry::Wait(ticket) => ticket,
         };
@@ -113,17 +145,25 @@ impl TokenizeGate {
         // The sender is only dropped when the ticket is let through (sent)
         // or cancelled (by this waiter's drop), so this cannot fail while
         // the waiter lives; if it ever did, the slot is still handed on.
-        let _ = woken.await;
+        let turn = woken.await;
         waiter.done = true;
-        Ok(Slot { gate: self.clone() })
+        match turn {
+            Ok(turn) => Ok(Slot {
+                gate: self.clone(),
+                turn,
+            }),
+            // Unreachable while the waiter lives (above): a wake-up dropped
+            // unsent was taken out of line without a slot.
+            Err(_) => Err(GateFull),
+        }
     }
 }
 
 /// A slot is free: wakes the next waiter with it (past any that went
 /// away), or leaves it free.
 fn pass_on(gate: &mut Gate) {
-    while let Some((_, wake)) = gate.release() {
-        if wake.send(()).is_ok() {
+    while let Some(next) = gate.release() {
+        if next.waiter.send(next.turn).is_ok() {
             return;
         }
     }
@@ -161,6 +201,11 @@ impl Collector for TokenizeGateCollector {
                     "switchyard_tokenize_gate_refused",
                     "Requests refused with 503 because too many prompts waited for a tokenizing slot.",
                     c.refused,
+                ),
+                (
+                    "switchyard_tokenize_gate_paused",
+                    "Times a long prompt being tokenized handed its slot to a waiter owed it first (a higher band, or a tenant under its share), to resume after it.",
+                    c.paused,
                 ),
             ],
         )?;
@@ -227,6 +272,39 @@ mod tests {
         }
         assert_eq!(*order.lock().unwrap(), ["light", "noisy", "noisy"]);
         let inner = gate.lock();
+        assert_eq!((inner.busy(), inner.waiting()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_prompt_under_way_hands_its_slot_to_a_light_one_and_resumes_after_it() {
+        let gate = TokenizeGate::new(1);
+        let noisy = gate.enter(&flow(1), 200_000, 1.0).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let light = tokio::spawn({
+            let (gate, order) = (gate.clone(), order.clone());
+            async move {
+                let _slot = gate.enter(&flow(2), 20_000, 1.0).await.unwrap();
+                order.lock().unwrap().push("light");
+            }
+        });
+        while gate.lock().waiting() < 1 {
+            tokio::task::yield_now().await;
+        }
+        let o = order.clone();
+        tokio::task::spawn_blocking(move || {
+            o.lock().unwrap().push("noisy, first piece");
+            noisy.pause_point(16_384);
+            o.lock().unwrap().push("noisy, the rest");
+        })
+        .await
+        .unwrap();
+        light.await.unwrap();
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["noisy, first piece", "light", "noisy, the rest"]
+        );
+        let inner = gate.lock();
+        assert_eq!(inner.counters().paused, 1);
         assert_eq!((inner.busy(), inner.waiting()), (0, 0));
     }
 

@@ -17,7 +17,7 @@ use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::context::AppState;
 use crate::request::limits;
-use crate::tokenize::{rendered_size_estimate, tool_calls_size, INLINE_CHARS};
+use crate::tokenize::{rendered_size_estimate, tool_calls_size, Pause, INLINE_CHARS};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::HeaderMap;
@@ -178,14 +178,17 @@ pub(crate) async fn tokenize(
     let Some(max_tokens) = limit.checked_sub(unrendered as usize) else {
         return Err(limits::prompt_too_long(state, param));
     };
-    let run = move || match job {
-        TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens),
-        TokenizeJob::Chat(c) => {
-            tokenizer.encode_chat_with_tools_within(&c.messages, c.tools.as_ref(), max_tokens)
-        }
+    let run = move |pause: Pause<'_>| match job {
+        TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens, pause),
+        TokenizeJob::Chat(c) => tokenizer.encode_chat_with_tools_within(
+            &c.messages,
+            c.tools.as_ref(),
+            max_tokens,
+            pause,
+        ),
     };
     let result = if chars <= INLINE_CHARS {
-        run()
+        run(&mut |_| {})
     } else {
         let weight = state.flows.weight(flow.tenant);
         let slot = state
@@ -195,10 +198,8 @@ pub(crate) async fn tokenize(
             .map_err(|_| ApiError::tokenize_gate_full(crate::tokenize_gate::MAX_WAITING))?;
         // The slot goes with the work: freed when the tokenizing ends, not
         // when a client that went away drops this future.
-        tokio::task::spawn_blocking(move || {
-            let _slot = slot;
-            run()
-        })
+        // Between pieces, the slot goes to a prompt owed it first.
+        tokio::task::spawn_blocking(move || run(&mut |done| slot.pause_point(done)))
         .await
         .map_err(|_| ApiError::internal("the tokenizer task failed"))?
     };
