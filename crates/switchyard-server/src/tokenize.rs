@@ -388,7 +388,9 @@ mod tests {
             }
             assert_eq!(ids, whole, "a ShareGPT turn in {} pieces", pieces.len());
             compared += usize::from(pieces.len() > 1);
-            let within = bundled().encode_within(text, whole.len(), &mut |_| {}).unwrap();
+            let within = bundled()
+                .encode_within(text, whole.len(), &mut |_| {})
+                .unwrap();
             assert_eq!(within.as_ref(), Some(&whole));
         }
         assert!(compared >= 10, "only {compared} texts were cut");

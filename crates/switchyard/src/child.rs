@@ -2,6 +2,7 @@
 //! the benchmarks start on loopback.
 
 use anyhow::Context as _;
+use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
@@ -64,4 +65,58 @@ pub(crate) fn spawn_printing_url(
 pub(crate) fn this_binary() -> anyhow::Result<Command> {
     let exe = std::env::current_exe().context("locating the switchyard binary")?;
     Ok(Command::new(exe))
+}
+
+/// The cores a benchmark splits between the router and the rest (its
+/// client and the sim-workers) when it gives the router a core of its
+/// own, as a deployment does: the router runs on another machine than
+/// the engines and the clients.
+#[derive(Debug, Clone)]
+pub(crate) struct CoreSplit {
+    /// The router's: the first core this process may use.
+    pub(crate) router: CpuSet,
+    /// Every other core this process may use.
+    pub(crate) rest: CpuSet,
+}
+
+impl CoreSplit {
+    /// The split of the cores this thread may use; an error with fewer
+    /// than two.
+    pub(crate) fn of_this_thread() -> anyhow::Result<Self> {
+        let mine = sched_getaffinity(None).context("reading this thread's cores")?;
+        let cores: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| mine.is_set(c)).collect();
+        anyhow::ensure!(
+            cores.len() >= 2,
+            "giving the router a core of its own needs two cores at least; this process may use {}",
+            cores.len()
+        );
+        let (mut router, mut rest) = (CpuSet::new(), CpuSet::new());
+        router.set(cores[0]);
+        for &c in &cores[1..] {
+            rest.set(c);
+        }
+        Ok(Self { router, rest })
+    }
+}
+
+/// Pins the calling thread to `cores`: the threads and processes it
+/// starts afterwards inherit them.
+pub(crate) fn pin_this_thread(cores: &CpuSet) -> anyhow::Result<()> {
+    sched_setaffinity(None, cores).context("pinning a thread to its cores")
+}
+
+/// Runs `start` (which spawns a child) on a thread pinned to `cores`, so
+/// that the child starts on them, every thread of it included.
+pub(crate) fn start_on<T: Send>(
+    cores: &CpuSet,
+    start: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_this_thread(cores)?;
+            start()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread starting a child panicked"))?
+    })
 }

@@ -185,7 +185,13 @@ struct Model {
 type ModelTurn = (u8, f64, f64);
 
 impl Model {
-    fn enter(&mut self, tenant: u16, band: u8, cost: u64, weight: f64) -> (Shape, Option<ModelTurn>) {
+    fn enter(
+        &mut self,
+        tenant: u16,
+        band: u8,
+        cost: u64,
+        weight: f64,
+    ) -> (Shape, Option<ModelTurn>) {
         let start = self
             .virtual_time
             .max(self.finish.get(&tenant).copied().unwrap_or(0.0));

@@ -200,8 +200,8 @@ pub(crate) async fn tokenize(
         // when a client that went away drops this future.
         // Between pieces, the slot goes to a prompt owed it first.
         tokio::task::spawn_blocking(move || run(&mut |done| slot.pause_point(done)))
-        .await
-        .map_err(|_| ApiError::internal("the tokenizer task failed"))?
+            .await
+            .map_err(|_| ApiError::internal("the tokenizer task failed"))?
     };
     state
         .shared

@@ -19,8 +19,16 @@
 //! sim-worker runs at `--speedup` (100: its engine time is small beside
 //! tokenizing). Figures: the light tenant's TTFT p50/p90 per run and over
 //! alone, and the noisy tenant's requests per second.
+//!
+//! With `--pin-router` the router runs on a core of its own (the first
+//! this process may use; its tokenizing gate then has one slot) and the
+//! client and the sim-worker on the others, as on a deployment, where
+//! engines and clients are other machines: what is measured is then the
+//! router's own order of work, not the sim-worker's tokenizing and the
+//! client's writing on the router's cores.
 
 use crate::bench::twin::serve::{start_router, wait_for_workers};
+use crate::child::{pin_this_thread, start_on, CoreSplit};
 use crate::demo::start_sim_workers;
 use crate::loadgen::{self, Pacing, PreparedRequest, Report, TenantSend};
 use crate::stats::write_json;
@@ -60,6 +68,10 @@ pub struct TokenizeGateArgs {
     /// The sim-worker's speed-up over its timing model.
     #[arg(long, default_value_t = 100.0)]
     pub speedup: f64,
+    /// Run the router on a core of its own, the client and the sim-worker
+    /// on the others (two cores at least).
+    #[arg(long)]
+    pub pin_router: bool,
     /// Rounds of the three runs.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
@@ -119,6 +131,15 @@ pub fn run(args: TokenizeGateArgs) -> anyhow::Result<()> {
         args.speedup.is_finite() && args.speedup > 0.0,
         "--speedup must be positive"
     );
+    // Pinned before the runtime starts, so that its threads and the
+    // sim-workers inherit the cores left to them.
+    let split = if args.pin_router {
+        let split = CoreSplit::of_this_thread()?;
+        pin_this_thread(&split.rest)?;
+        Some(split)
+    } else {
+        None
+    };
     let words = switchyard_tokenizer::Tokenizer::bundled()
         .map_err(|e| anyhow::anyhow!("loading the bundled tokenizer: {e}"))?
         .word_vocabulary(WORDS)
@@ -163,6 +184,7 @@ pub fn run(args: TokenizeGateArgs) -> anyhow::Result<()> {
             let run = runtime.block_on(one_run(
                 &args,
                 &config,
+                split.as_ref(),
                 slots,
                 light.clone(),
                 noisy.then_some(&noisy_texts),
@@ -188,6 +210,7 @@ pub fn run(args: TokenizeGateArgs) -> anyhow::Result<()> {
 async fn one_run(
     args: &TokenizeGateArgs,
     config: &std::path::Path,
+    split: Option<&CoreSplit>,
     slots: Option<usize>,
     light: Vec<PreparedRequest>,
     noisy: Option<&Vec<PreparedRequest>>,
@@ -225,7 +248,10 @@ async fn one_run(
     if let Some(slots) = slots {
         serve.extend(["--tokenize-slots".to_owned(), slots.to_string()]);
     }
-    let (router, base) = start_router(&serve)?;
+    let (router, base) = match split {
+        Some(split) => start_on(&split.router, || start_router(&serve))?,
+        None => start_router(&serve)?,
+    };
     wait_for_workers(&base, 1).await?;
     // The noisy tenant, open loop at its rate until the light load ends.
     let stop = Arc::new(AtomicBool::new(false));
@@ -351,5 +377,12 @@ fn print_table(args: &TokenizeGateArgs, runs: &[GateRun]) {
             r.light.errors + r.noisy_errors
         );
     }
-    println!("(TTFT of the light tenant, ms, at the client)");
+    println!(
+        "(TTFT of the light tenant, ms, at the client{})",
+        if args.pin_router {
+            "; the router on a core of its own"
+        } else {
+            ""
+        }
+    );
 }
