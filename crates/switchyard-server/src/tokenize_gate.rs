@@ -144,7 +144,7 @@ impl TokenizeGate {
         };
         // The sender is only dropped when the ticket is let through (sent)
         // or cancelled (by this waiter's drop), so this cannot fail while
-        // the waiter lives; if it ever did, the slot is still handed on.
+        // the waiter lives.
         let turn = woken.await;
         waiter.done = true;
         match turn {
