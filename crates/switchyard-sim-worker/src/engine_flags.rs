@@ -20,7 +20,7 @@
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use switchyard_engine::{
-    CheckpointPolicy, EngineConfig, Hybrid, Preemption, SpecDecode, TimingConfig,
+    CheckpointPolicy, EngineConfig, EngineProfile, Hybrid, Preemption, SpecDecode, TimingConfig,
 };
 
 /// The simulated engine's flags. Flattened last into a command's flags
@@ -109,6 +109,34 @@ pub struct EngineFlags {
     /// Host-to-device bandwidth in bytes per second, for restore time.
     #[arg(long, default_value_t = TimingConfig::default().restore_bandwidth_bytes_per_s)]
     pub restore_bandwidth: f64,
+    /// An engine profile (TOML, as `switchyard calibrate` writes it): its
+    /// prefill and decode curves replace the default timing model, and
+    /// the KV capacity it reports is the default of --num-blocks and
+    /// --block-size.
+    #[arg(long, value_name = "FILE", value_parser = ProfileArg::read)]
+    pub engine_profile: Option<ProfileArg>,
+}
+
+/// `--engine-profile`: the file named and the profile read from it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProfileArg {
+    /// The file.
+    pub path: std::path::PathBuf,
+    /// Its profile.
+    pub profile: EngineProfile,
+}
+
+impl ProfileArg {
+    /// Reads and checks the profile at `path`.
+    pub fn read(path: &str) -> Result<Self, String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
+        let profile = EngineProfile::from_toml(&text).map_err(|e| format!("{path}: {e}"))?;
+        Ok(Self {
+            path: path.into(),
+            profile,
+        })
+    }
 }
 
 /// The defaults of the flags that differ by command (the `Option` fields
@@ -200,9 +228,22 @@ impl EngineFlags {
     /// its command sets (KV events, an output vocabulary) and calls
     /// [`EngineConfig::validate`].
     pub fn engine_config(&self, defaults: EngineDefaults) -> EngineConfig {
+        let profile = self.engine_profile.as_ref().map(|p| &p.profile);
+        let timing = TimingConfig {
+            speedup: self.speedup.unwrap_or(defaults.speedup),
+            bytes_per_token: self.bytes_per_token,
+            restore_bandwidth_bytes_per_s: self.restore_bandwidth,
+            ..TimingConfig::default()
+        };
         let config = EngineConfig {
-            block_size: self.block_size.unwrap_or(defaults.block_size),
-            num_blocks: self.num_blocks.unwrap_or(defaults.num_blocks),
+            block_size: self
+                .block_size
+                .or(profile.and_then(|p| p.block_size))
+                .unwrap_or(defaults.block_size),
+            num_blocks: self
+                .num_blocks
+                .or(profile.and_then(|p| p.num_blocks))
+                .unwrap_or(defaults.num_blocks),
             host_blocks: self.host_blocks,
             preemption: self.preemption.into(),
             spill_blocks: self.spill_blocks,
@@ -213,11 +254,9 @@ impl EngineFlags {
             min_restore_tokens: self.min_restore_tokens,
             max_restore_deferrals: self.max_restore_deferrals,
             max_buffered_events: self.max_buffered_events,
-            timing: TimingConfig {
-                speedup: self.speedup.unwrap_or(defaults.speedup),
-                bytes_per_token: self.bytes_per_token,
-                restore_bandwidth_bytes_per_s: self.restore_bandwidth,
-                ..TimingConfig::default()
+            timing: match profile {
+                Some(p) => p.apply(timing),
+                None => timing,
             },
             spec_decode: self.spec_decode.map(|acceptance_rate| SpecDecode {
                 draft_tokens: self.spec_draft_tokens,
@@ -290,6 +329,7 @@ impl EngineFlags {
             max_buffered_events: engine.max_buffered_events,
             bytes_per_token: engine.timing.bytes_per_token,
             restore_bandwidth: engine.timing.restore_bandwidth_bytes_per_s,
+            engine_profile: None,
         };
         let mut back = flags.engine_config(EngineDefaults::sim_worker());
         back.emit_kv_events = engine.emit_kv_events;
@@ -324,6 +364,12 @@ impl EngineFlags {
         opt("--speedup", self.speedup.map(|v| v.to_string()));
         opt("--max-model-len", self.max_model_len.map(|v| v.to_string()));
         opt("--spec-decode", self.spec_decode.map(|v| v.to_string()));
+        opt(
+            "--engine-profile",
+            self.engine_profile
+                .as_ref()
+                .map(|p| p.path.display().to_string()),
+        );
         args.extend([
             ("--host-blocks", self.host_blocks.to_string()),
             ("--preemption", name(self.preemption)),
@@ -388,6 +434,37 @@ mod tests {
         parse(flags)
             .unwrap()
             .engine_config(EngineDefaults::sim_worker())
+    }
+
+    #[test]
+    fn an_engine_profile_sets_the_curves_and_the_default_capacity() {
+        let dir = std::env::temp_dir().join(format!("switchyard-profile-flag-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("engine.toml");
+        std::fs::write(
+            &path,
+            "prefill = [2e-6, 0.03, 40.0]\ndecode = [-5.0, 20.0, 9.0]\ndecode_floor_ms = 2.0\nblock_size = 32\nnum_blocks = 777\n",
+        )
+        .unwrap();
+        let file = path.display().to_string();
+        let engine = config(&["--engine-profile", &file, "--speedup", "3"]);
+        assert_eq!(engine.timing.prefill, [2e-6, 0.03, 40.0]);
+        assert_eq!(engine.timing.decode, [-5.0, 20.0, 9.0]);
+        assert_eq!(engine.timing.decode_floor_ms, 2.0);
+        assert_eq!(engine.timing.speedup, 3.0, "the speed-up stays the flag's");
+        assert_eq!((engine.block_size, engine.num_blocks), (32, 777));
+        let flagged = config(&["--engine-profile", &file, "--num-blocks", "100"]);
+        assert_eq!(flagged.num_blocks, 100, "a flag wins over the profile");
+        let back = parse(&["--engine-profile", &file]).unwrap().to_args();
+        assert!(back.windows(2).any(|w| w[0] == "--engine-profile" && w[1] == file));
+
+        std::fs::write(&path, "prefill = [1.0]\n").unwrap();
+        let err = parse(&["--engine-profile", &file]).unwrap_err().to_string();
+        assert!(err.contains(&file) && err.contains("not an engine profile"), "{err}");
+        let missing = dir.join("none.toml").display().to_string();
+        let err = parse(&["--engine-profile", &missing]).unwrap_err().to_string();
+        assert!(err.contains("reading"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// `describing` and `to_args` are the inverse of the parse and
