@@ -30,6 +30,9 @@
 //!   when every worker is busy), the admission-strategy API, request
 //!   lifecycle records and live progress, and the session-aware strategy,
 //!   behind one [`admission::AdmissionController`].
+//! - [`engine_profile`] — an engine's measured timing curves and capacity
+//!   (TOML, `switchyard calibrate`'s output) and the least-squares fit that
+//!   makes them; read by the simulated engine and the router's estimator.
 //! - [`estimate`] — prefill-duration hints: the configured timing model,
 //!   fitted online per worker from observed times to first token.
 //! - [`adapters`] — which worker has which LoRA adapter loaded; the router
@@ -58,6 +61,7 @@
 pub mod adapters;
 pub mod admission;
 pub mod dispatch;
+pub mod engine_profile;
 pub mod estimate;
 pub mod hashing;
 pub mod health;

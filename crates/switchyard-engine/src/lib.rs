@@ -31,8 +31,6 @@
 //! - [`lease`] — capture leases: a prefix's KV pinned for another engine
 //!   to restore from, authenticated by a secret, bounded, expiring.
 //! - [`timing`] — [`TimingConfig`]: step and restore durations.
-//! - [`profile`] — [`EngineProfile`]: an engine's measured timing curves
-//!   and capacity (TOML), and the least-squares fit that makes them.
 //! - [`events`] — [`KvEvent`]: the typed KV events every store, removal and
 //!   clear emits, independent of any wire format.
 //!
@@ -48,7 +46,6 @@ pub mod config;
 pub mod device;
 pub mod events;
 pub mod lease;
-pub mod profile;
 pub mod restore;
 pub mod scheduler;
 pub mod slots;
@@ -64,5 +61,4 @@ pub use events::{KvEvent, Medium};
 pub use scheduler::{
     Engine, FinishReason, Finished, NewRequest, Observation, StepReport, TokenOutput,
 };
-pub use profile::EngineProfile;
 pub use timing::TimingConfig;

@@ -19,6 +19,7 @@
 //! the speed-up factor for a real-time driver (`0` makes every step instant).
 
 use serde::{Deserialize, Serialize};
+use switchyard_core::engine_profile::EngineProfile;
 
 /// Timing-model knobs. Defaults are the documented fit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -99,6 +100,17 @@ pub enum TimingConfigError {
 }
 
 impl TimingConfig {
+    /// This timing with `profile`'s curves (speed-up, restore bandwidth
+    /// and the rest unchanged).
+    pub fn with_profile(self, profile: &EngineProfile) -> Self {
+        Self {
+            prefill: profile.prefill,
+            decode: profile.decode,
+            decode_floor_ms: profile.decode_floor_ms,
+            ..self
+        }
+    }
+
     /// Checks ranges.
     pub fn validate(&self) -> Result<(), TimingConfigError> {
         if !self.speedup.is_finite() || self.speedup < 0.0 {

@@ -5,6 +5,7 @@
 use crate::{config, replica, ServerConfig, WorkerSpec};
 use clap::Args;
 use std::path::PathBuf;
+use switchyard_core::engine_profile::EngineProfile;
 use switchyard_core::select::PolicyKind;
 use switchyard_replica::Secret;
 
@@ -247,6 +248,12 @@ pub struct ServeArgs {
     /// per core].
     #[arg(long, env = "SWITCHYARD_TOKENIZE_SLOTS")]
     pub tokenize_slots: Option<usize>,
+    /// The workers' engine profile (TOML, as `switchyard calibrate` writes
+    /// it): the prefill and decode curves the router estimates with,
+    /// measured on the engine (--prefill-curve, if given, wins for the
+    /// prefill curve).
+    #[arg(long, value_name = "FILE", env = "SWITCHYARD_ENGINE_PROFILE", value_parser = read_engine_profile)]
+    pub engine_profile: Option<EngineProfile>,
     /// The workers' prefill time in ms for T uncached tokens, `A,B,C` in
     /// A·T²+B·T+C per chunk [default: the simulated engine's fit].
     #[arg(long, env = "SWITCHYARD_PREFILL_CURVE", value_parser = parse_curve)]
@@ -376,6 +383,11 @@ impl ServeArgs {
         if self.busy_threshold.is_some() {
             c.busy_threshold = self.busy_threshold;
         }
+        if let Some(profile) = &self.engine_profile {
+            c.estimator.prefill_curve = profile.prefill;
+            c.estimator.decode_curve = profile.decode;
+            c.estimator.decode_floor_ms = profile.decode_floor_ms;
+        }
         if let Some(curve) = self.prefill_curve {
             c.estimator.prefill_curve = curve;
         }
@@ -487,6 +499,12 @@ impl ServeArgs {
 }
 
 /// `A,B,C` as three finite numbers.
+/// `--engine-profile`: the profile in the file at `path`, checked.
+fn read_engine_profile(path: &str) -> Result<EngineProfile, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
+    EngineProfile::from_toml(&text).map_err(|e| format!("{path}: {e}"))
+}
+
 fn parse_curve(text: &str) -> Result<[f64; 3], String> {
     let parts: Vec<f64> = text
         .split(',')
@@ -526,6 +544,32 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         path.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn an_engine_profile_sets_the_estimators_curves_and_the_curve_flag_wins() {
+        let profile = scratch(
+            "engine.toml",
+            "prefill = [2e-6, 0.03, 40.0]\ndecode = [-5.0, 20.0, 9.0]\ndecode_floor_ms = 2.0\n",
+        );
+        let c = config(&["--engine-profile", &profile, "--worker", "http://127.0.0.1:1"]).unwrap();
+        assert_eq!(c.estimator.prefill_curve, [2e-6, 0.03, 40.0]);
+        assert_eq!(c.estimator.decode_curve, [-5.0, 20.0, 9.0]);
+        assert_eq!(c.estimator.decode_floor_ms, 2.0);
+        let c = config(&[
+            "--engine-profile",
+            &profile,
+            "--prefill-curve",
+            "0,1,2",
+            "--worker",
+            "http://127.0.0.1:1",
+        ])
+        .unwrap();
+        assert_eq!(c.estimator.prefill_curve, [0.0, 1.0, 2.0]);
+        assert_eq!(c.estimator.decode_curve, [-5.0, 20.0, 9.0]);
+        let bad = scratch("bad-engine.toml", "prefill = \"fast\"\n");
+        let err = config(&["--engine-profile", &bad]).unwrap_err().to_string();
+        assert!(err.contains("not an engine profile"), "{err}");
     }
 
     #[test]

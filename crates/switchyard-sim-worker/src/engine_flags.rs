@@ -19,8 +19,9 @@
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+use switchyard_core::engine_profile::EngineProfile;
 use switchyard_engine::{
-    CheckpointPolicy, EngineConfig, EngineProfile, Hybrid, Preemption, SpecDecode, TimingConfig,
+    CheckpointPolicy, EngineConfig, Hybrid, Preemption, SpecDecode, TimingConfig,
 };
 
 /// The simulated engine's flags. Flattened last into a command's flags
@@ -255,7 +256,7 @@ impl EngineFlags {
             max_restore_deferrals: self.max_restore_deferrals,
             max_buffered_events: self.max_buffered_events,
             timing: match profile {
-                Some(p) => p.apply(timing),
+                Some(p) => timing.with_profile(p),
                 None => timing,
             },
             spec_decode: self.spec_decode.map(|acceptance_rate| SpecDecode {

@@ -1,15 +1,16 @@
 //! [`EngineProfile`]: an engine's timing as measured on it — the
-//! coefficients of [`TimingConfig`]'s prefill and decode curves, the KV
-//! capacity, and how well each curve fits what was measured — in one file
-//! format (TOML) that `switchyard calibrate` writes and `sim-worker
-//! --engine-profile` and `replay --engine-profile` read.
+//! coefficients of the timing model's prefill and decode curves (the
+//! simulated engine's `TimingConfig`, the router's
+//! [`crate::estimate::EstimatorConfig`]), the KV capacity, and how well
+//! each curve fits what was measured — in one file format (TOML) that
+//! `switchyard calibrate` writes and `sim-worker`, `replay` and `serve`
+//! read (`--engine-profile`).
 //!
 //! The fit is least squares of a quadratic ([`fit_quadratic`]), the form
 //! both curves take: prefill model ms against the uncached tokens of a
 //! step, decode model ms against the KV usage (0..=1) of a decode-only
 //! step.
 
-use crate::timing::TimingConfig;
 use serde::{Deserialize, Serialize};
 
 /// See the module documentation.
@@ -112,17 +113,6 @@ impl EngineProfile {
         }
         Ok(())
     }
-
-    /// `timing` with this profile's curves (speed-up, restore bandwidth and
-    /// the rest unchanged).
-    pub fn apply(&self, timing: TimingConfig) -> TimingConfig {
-        TimingConfig {
-            prefill: self.prefill,
-            decode: self.decode,
-            decode_floor_ms: self.decode_floor_ms,
-            ..timing
-        }
-    }
 }
 
 /// The least-squares quadratic `[a, b, c]` (`a·x² + b·x + c`) through
@@ -205,13 +195,16 @@ mod tests {
 
     #[test]
     fn the_default_curves_are_recovered_from_their_own_samples() {
-        let timing = TimingConfig::default();
+        let curve = crate::estimate::DEFAULT_PREFILL_CURVE;
         let prefill: Vec<(f64, f64)> = [64u64, 256, 1024, 2048, 4096, 8192]
             .iter()
-            .map(|&t| (t as f64, timing.prefill_ms(t)))
+            .map(|&t| {
+                let t = t as f64;
+                (t, curve[0] * t * t + curve[1] * t + curve[2])
+            })
             .collect();
         let (p, fit) = fit_quadratic(&prefill).unwrap();
-        for (got, want) in p.iter().zip(timing.prefill) {
+        for (got, want) in p.iter().zip(curve) {
             assert!((got - want).abs() <= want.abs() * 1e-6, "{p:?}");
         }
         assert!(fit.rms_error_ms < 1e-6 && fit.samples == 6);
@@ -226,7 +219,7 @@ mod tests {
     }
 
     #[test]
-    fn a_profile_round_trips_through_toml_and_applies_its_curves_only() {
+    fn a_profile_round_trips_through_toml() {
         let profile = EngineProfile {
             model: Some("tiny".into()),
             prefill: [1e-6, 0.02, 30.0],
@@ -254,14 +247,6 @@ mod tests {
         };
         let text = profile.to_toml();
         assert_eq!(EngineProfile::from_toml(&text).unwrap(), profile);
-        let timing = profile.apply(TimingConfig {
-            speedup: 4.0,
-            ..TimingConfig::default()
-        });
-        assert_eq!(timing.prefill, profile.prefill);
-        assert_eq!(timing.decode, profile.decode);
-        assert_eq!(timing.decode_floor_ms, 2.0);
-        assert_eq!(timing.speedup, 4.0);
     }
 
     #[test]
