@@ -255,7 +255,10 @@ mod tests {
         assert!(EngineProfile::from_toml(ok).is_ok());
         for (bad, why) in [
             (ok.replace("30.0", "nan"), "finite"),
-            (ok.replace("decode_floor_ms = 1.0", "decode_floor_ms = -1.0"), ">= 0"),
+            (
+                ok.replace("decode_floor_ms = 1.0", "decode_floor_ms = -1.0"),
+                ">= 0",
+            ),
             (format!("{ok}num_blocks = 0\n"), "positive"),
             (format!("{ok}colour = 1\n"), "unknown field"),
             ("prefill = [1.0]".to_owned(), "not an engine profile"),

@@ -552,7 +552,13 @@ mod tests {
             "engine.toml",
             "prefill = [2e-6, 0.03, 40.0]\ndecode = [-5.0, 20.0, 9.0]\ndecode_floor_ms = 2.0\n",
         );
-        let c = config(&["--engine-profile", &profile, "--worker", "http://127.0.0.1:1"]).unwrap();
+        let c = config(&[
+            "--engine-profile",
+            &profile,
+            "--worker",
+            "http://127.0.0.1:1",
+        ])
+        .unwrap();
         assert_eq!(c.estimator.prefill_curve, [2e-6, 0.03, 40.0]);
         assert_eq!(c.estimator.decode_curve, [-5.0, 20.0, 9.0]);
         assert_eq!(c.estimator.decode_floor_ms, 2.0);

@@ -130,8 +130,7 @@ pub struct ProfileArg {
 impl ProfileArg {
     /// Reads and checks the profile at `path`.
     pub fn read(path: &str) -> Result<Self, String> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
+        let text = std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
         let profile = EngineProfile::from_toml(&text).map_err(|e| format!("{path}: {e}"))?;
         Ok(Self {
             path: path.into(),
@@ -439,7 +438,8 @@ mod tests {
 
     #[test]
     fn an_engine_profile_sets_the_curves_and_the_default_capacity() {
-        let dir = std::env::temp_dir().join(format!("switchyard-profile-flag-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("switchyard-profile-flag-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("engine.toml");
         std::fs::write(
@@ -457,13 +457,20 @@ mod tests {
         let flagged = config(&["--engine-profile", &file, "--num-blocks", "100"]);
         assert_eq!(flagged.num_blocks, 100, "a flag wins over the profile");
         let back = parse(&["--engine-profile", &file]).unwrap().to_args();
-        assert!(back.windows(2).any(|w| w[0] == "--engine-profile" && w[1] == file));
+        assert!(back
+            .windows(2)
+            .any(|w| w[0] == "--engine-profile" && w[1] == file));
 
         std::fs::write(&path, "prefill = [1.0]\n").unwrap();
         let err = parse(&["--engine-profile", &file]).unwrap_err().to_string();
-        assert!(err.contains(&file) && err.contains("not an engine profile"), "{err}");
+        assert!(
+            err.contains(&file) && err.contains("not an engine profile"),
+            "{err}"
+        );
         let missing = dir.join("none.toml").display().to_string();
-        let err = parse(&["--engine-profile", &missing]).unwrap_err().to_string();
+        let err = parse(&["--engine-profile", &missing])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("reading"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

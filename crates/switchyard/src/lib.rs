@@ -7,8 +7,11 @@
 //!   vocabulary, which `replay` and `loadgen` share.
 //! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
 //!   write JSON.
+//! - [`calibrate`] — `switchyard calibrate`: a live engine's prefill and
+//!   decode times fitted into an engine profile (`--engine-profile`).
 //! - `child` — this binary's subcommands started as child processes
-//!   (sim-workers, routers) and the address each prints.
+//!   (sim-workers, routers) and the address each prints, and the cores a
+//!   benchmark gives each.
 //! - [`data`] — finding the bundled data files.
 //! - [`demo`] — `switchyard demo`: sim-workers and the router on loopback,
 //!   the default policy against `round-robin`.
@@ -26,6 +29,7 @@
 
 pub mod agentic;
 pub mod bench;
+pub mod calibrate;
 mod child;
 pub mod data;
 pub mod demo;

@@ -689,6 +689,17 @@ pub async fn send(client: &HttpClient, base: &str, request: &PreparedRequest) ->
     one(client, base, request, true).await.ok
 }
 
+/// One streamed answer's timing: time to first token and each later
+/// frame's gap over its tokens, ms; `None` when it failed.
+pub(crate) async fn timed(
+    client: &HttpClient,
+    base: &str,
+    request: &PreparedRequest,
+) -> Option<(f64, Vec<f64>)> {
+    let sample = one(client, base, request, true).await;
+    sample.ok.then_some((sample.ttft_ms, sample.itl_ms))
+}
+
 async fn one(client: &HttpClient, base: &str, request: &PreparedRequest, stream: bool) -> Sample {
     let started = Instant::now();
     let mut sample = Sample::default();

@@ -47,6 +47,8 @@ enum Command {
     Engines(switchyard::engines::EnginesCommand),
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
     Loadgen(switchyard::loadgen::LoadgenArgs),
+    /// Profile a live engine's prefill and decode times and write an engine profile (TOML) for --engine-profile.
+    Calibrate(switchyard::calibrate::CalibrateArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
     Serve(Box<switchyard_server::ServeArgs>),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
@@ -97,6 +99,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => switchyard::demo::run(args),
         Command::Engines(cmd) => switchyard::engines::run(cmd),
         Command::Loadgen(args) => switchyard::loadgen::run(args),
+        Command::Calibrate(args) => switchyard::calibrate::run(args),
         Command::Serve(args) => switchyard_server::run(*args),
         Command::SimWorker(args) => switchyard_sim_worker::run(args),
         Command::Completions { shell } => completions(shell),

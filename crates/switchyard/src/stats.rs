@@ -19,3 +19,15 @@ pub fn write_json(path: &std::path::Path, value: &impl Serialize) -> anyhow::Res
     std::fs::write(path, text + "\n")
         .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
 }
+
+/// The median of `values` (NaN when empty).
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[mid],
+        _ => (v[mid - 1] + v[mid]) / 2.0,
+    }
+}

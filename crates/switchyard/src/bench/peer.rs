@@ -257,17 +257,7 @@ pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     Some((utime + stime) / USER_HZ)
 }
 
-/// The median of `values` (NaN when empty).
-pub(crate) fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[mid],
-        _ => (v[mid - 1] + v[mid]) / 2.0,
-    }
-}
+pub(crate) use crate::stats::median;
 
 #[cfg(test)]
 mod tests {

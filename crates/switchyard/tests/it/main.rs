@@ -14,6 +14,7 @@ mod support;
 mod scripted_worker;
 
 mod agentic_clients;
+mod calibrate;
 mod cli;
 mod deploy;
 mod events_decode;
