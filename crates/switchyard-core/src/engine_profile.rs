@@ -176,11 +176,12 @@ fn solve3(mut m: [[f64; 4]; 3]) -> Option<[f64; 3]> {
             return None;
         }
         m.swap(col, pivot);
-        for row in 0..3 {
-            if row != col {
-                let f = m[row][col] / m[col][col];
-                for k in col..4 {
-                    m[row][k] -= f * m[col][k];
+        let pivot_row = m[col];
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot_row[col];
+                for (v, p) in row.iter_mut().zip(pivot_row).skip(col) {
+                    *v -= f * p;
                 }
             }
         }

@@ -111,9 +111,10 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = TimingConfig::default().restore_bandwidth_bytes_per_s)]
     pub restore_bandwidth: f64,
     /// An engine profile (TOML, as `switchyard calibrate` writes it): its
-    /// prefill and decode curves replace the default timing model, and
-    /// the KV capacity it reports is the default of --num-blocks and
-    /// --block-size.
+    /// prefill and decode curves replace the default timing model, the KV
+    /// capacity it reports is the default of --num-blocks and
+    /// --block-size, and the default speed-up is 1 (the profile is the
+    /// engine's own time).
     #[arg(long, value_name = "FILE", value_parser = ProfileArg::read)]
     pub engine_profile: Option<ProfileArg>,
 }
@@ -230,7 +231,12 @@ impl EngineFlags {
     pub fn engine_config(&self, defaults: EngineDefaults) -> EngineConfig {
         let profile = self.engine_profile.as_ref().map(|p| &p.profile);
         let timing = TimingConfig {
-            speedup: self.speedup.unwrap_or(defaults.speedup),
+            // A profile is the engine's own wall-clock time: speed-up 1
+            // unless the flag says otherwise.
+            speedup: self
+                .speedup
+                .or(profile.map(|_| 1.0))
+                .unwrap_or(defaults.speedup),
             bytes_per_token: self.bytes_per_token,
             restore_bandwidth_bytes_per_s: self.restore_bandwidth,
             ..TimingConfig::default()
@@ -454,6 +460,17 @@ mod tests {
         assert_eq!(engine.timing.decode_floor_ms, 2.0);
         assert_eq!(engine.timing.speedup, 3.0, "the speed-up stays the flag's");
         assert_eq!((engine.block_size, engine.num_blocks), (32, 777));
+        let replay_like = EngineDefaults {
+            speedup: 4.0,
+            ..EngineDefaults::sim_worker()
+        };
+        let engine = parse(&["--engine-profile", &file])
+            .unwrap()
+            .engine_config(replay_like);
+        assert_eq!(
+            engine.timing.speedup, 1.0,
+            "a profile runs in the engine's own time"
+        );
         let flagged = config(&["--engine-profile", &file, "--num-blocks", "100"]);
         assert_eq!(flagged.num_blocks, 100, "a flag wins over the profile");
         let back = parse(&["--engine-profile", &file]).unwrap().to_args();
