@@ -5,6 +5,7 @@
 //! per policy, spread over the machine's cores. The output is a table on
 //! stdout, a JSON file with every figure, and SVG plots.
 
+pub mod plan;
 mod plots;
 pub mod replicas;
 pub mod tune;
@@ -295,6 +296,17 @@ pub struct ReplayArgs {
     /// With `--tune`: write the best settings as a `serve --config` file.
     #[arg(long)]
     pub write_config: Option<PathBuf>,
+    /// Find the smallest fleet that meets --slo on this workload at its
+    /// rate (the first of --policies, else the default policy), instead of
+    /// comparing policies; writes plan.json and plan.svg.
+    #[arg(long, requires = "slo", conflicts_with_all = ["tune", "sweep"])]
+    pub plan: bool,
+    /// With `--plan`: the targets, `ttft_p90=MS[,itl_p90=MS]`.
+    #[arg(long, value_parser = plan::parse_slo)]
+    pub slo: Option<plan::Slo>,
+    /// With `--plan`: the largest fleet tried.
+    #[arg(long, default_value_t = 64)]
+    pub max_workers: usize,
     /// No progress output on stderr.
     #[arg(long)]
     pub quiet: bool,
@@ -837,6 +849,9 @@ pub fn run(mut args: ReplayArgs) -> anyhow::Result<()> {
     }
     if args.tune {
         return tune::run(&args, &source, &fleet);
+    }
+    if args.plan {
+        return plan::run(&args, &source, &fleet);
     }
     if !args.replicas.is_empty() {
         return replicas::run(&args, &source, &fleet);

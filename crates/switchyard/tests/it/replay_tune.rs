@@ -113,3 +113,62 @@ async fn replay_with_data_parallel_ranks_runs_each_policy_aware_and_blind() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--dp-routing needs --dp-size"));
 }
+
+/// `replay --plan`: the smallest fleet that met the target is named in
+/// `plan.json`, it met it, the size below it (simulated) missed it, and
+/// the plot is written.
+#[tokio::test]
+async fn replay_plan_names_the_smallest_fleet_that_meets_the_slo() {
+    let _machine = machine().await;
+    let out_dir = std::env::temp_dir().join(format!("switchyard-plan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "replay",
+            "--max-requests",
+            "400",
+            "--quiet",
+            "--threads",
+            "2",
+        ])
+        .args(["--plan", "--slo", "ttft_p90=500", "--max-workers", "16"])
+        .arg("--out")
+        .arg(&out_dir)
+        .output()
+        .expect("switchyard replay runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "replay --plan failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("plan.json")).unwrap()).unwrap();
+    let rows = plan["rows"].as_array().expect("rows");
+    let met = |n: u64| {
+        rows.iter()
+            .find(|r| r["workers"] == n)
+            .map(|r| r["met"].as_bool().unwrap())
+    };
+    let n = plan["workers"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no fleet met the target:\n{stdout}"));
+    assert_eq!(met(n), Some(true), "{stdout}");
+    if n > 1 {
+        assert_eq!(
+            met(n - 1),
+            Some(false),
+            "the size below was simulated and missed:\n{stdout}"
+        );
+    }
+    assert!(
+        rows.iter()
+            .filter(|r| r["met"] == true)
+            .all(|r| r["workers"].as_u64().unwrap() >= n),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!("smallest fleet that meets it: {n} workers")));
+    let svg = std::fs::read_to_string(out_dir.join("plan.svg")).unwrap();
+    assert!(svg.contains("SLO attainment against fleet size"));
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
