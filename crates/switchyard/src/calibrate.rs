@@ -28,9 +28,12 @@
 //!   (`/server_info`, `/get_server_info`: the sim-worker's, SGLang's) or vLLM's `vllm:cache_config_info`, else
 //!   `--num-blocks` and `--block-size`.
 //!
+//! Besides the profile it draws the fit against the samples (the same
+//! path with `.svg`).
+//!
 //! Not measured yet: what a cached prefix saves (the model credits a hit
-//! as no prefill work), decode's dependence on the batch size apart from
-//! the usage, and an SVG of the fit.
+//! as no prefill work) and decode's dependence on the batch size apart
+//! from the usage.
 
 use crate::loadgen::{self, HttpClient, PreparedRequest};
 use crate::stats::median;
@@ -99,13 +102,81 @@ const PROMPT_IDS: std::ops::Range<u32> = 1_000..30_000;
 /// Runs `switchyard calibrate`.
 pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     check(&args)?;
+    // The output's directory made first: a measurement is not lost to a
+    // path that cannot be written.
+    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let profile = runtime.block_on(calibrate(&args))?;
-    std::fs::write(&args.out, profile.to_toml())
+    let calibration = runtime.block_on(calibrate(&args))?;
+    std::fs::write(&args.out, calibration.profile.to_toml())
         .with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
+    let svg = args.out.with_extension("svg");
+    draw(&svg, &calibration).map_err(|e| anyhow::anyhow!("plotting {}: {e}", svg.display()))?;
+    println!("wrote {}", svg.display());
+    Ok(())
+}
+
+/// The fit against the samples: prefill (time to first token against
+/// prompt tokens) and decode (inter-token latency against KV usage), a
+/// panel each, every repeat a point and the fitted curve a line.
+fn draw(
+    path: &std::path::Path,
+    calibration: &Calibration,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (1100, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((1, 2));
+    let profile = &calibration.profile;
+    let curves = [
+        (
+            "prefill: time to first token",
+            "prompt tokens",
+            &calibration.prefill_samples,
+            profile.prefill,
+        ),
+        (
+            "decode: inter-token latency",
+            "KV usage",
+            &calibration.decode_samples,
+            profile.decode,
+        ),
+    ];
+    for ((title, x_desc, samples, [a, b, c]), panel) in curves.into_iter().zip(panels.iter()) {
+        let x_max = samples.iter().map(|p| p.0).fold(0.0, f64::max) * 1.05;
+        let y_max = samples.iter().map(|p| p.1).fold(1.0, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(title, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(34)
+            .y_label_area_size(52)
+            .build_cartesian_2d(0.0..x_max.max(1e-9), 0.0..y_max)?;
+        chart.configure_mesh().x_desc(x_desc).y_desc("ms").draw()?;
+        let blue = RGBColor(31, 119, 180);
+        chart
+            .draw_series(samples.iter().map(|&p| Circle::new(p, 3, blue.filled())))?
+            .label("measured")
+            .legend(move |(x, y)| Circle::new((x + 8, y), 3, blue.filled()));
+        let orange = RGBColor(255, 127, 14);
+        let line = (0..=100).map(|i| {
+            let x = x_max * f64::from(i) / 100.0;
+            (x, a * x * x + b * x + c)
+        });
+        chart
+            .draw_series(LineSeries::new(line, orange.stroke_width(2)))?
+            .label("fitted")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], orange));
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
     Ok(())
 }
 
@@ -144,9 +215,21 @@ fn prompt_sizes(min: usize, max: usize, n: usize) -> Vec<usize> {
     sizes
 }
 
+/// A calibration: the profile fitted and every sample it was fitted to
+/// (each repeat's), as `(x, ms)`.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    /// The profile.
+    pub profile: EngineProfile,
+    /// Prompt tokens against time to first token.
+    pub prefill_samples: Vec<(f64, f64)>,
+    /// KV usage against inter-token latency.
+    pub decode_samples: Vec<(f64, f64)>,
+}
+
 /// Measures the engine `args` name and fits its profile (what [`run`]
 /// writes).
-pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
+pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
     let client = loadgen::client();
     let base = args.worker.trim_end_matches('/').to_owned();
     let model = match &args.model {
@@ -175,7 +258,7 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
         args.max_prompt_tokens,
         args.prompt_sizes,
     );
-    let mut prefill = Vec::new();
+    let (mut prefill, mut prefill_samples) = (Vec::new(), Vec::new());
     println!("prefill: time to first token, fresh prompts, one at a time");
     for &tokens in &sizes {
         let mut ttfts = Vec::new();
@@ -185,6 +268,7 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
                 .await
                 .with_context(|| format!("a {tokens}-token prompt to {base} failed"))?;
             ttfts.push(ttft);
+            prefill_samples.push((tokens as f64, ttft));
         }
         println!("  {tokens:>7} tokens: {}", list_ms(&ttfts));
         prefill.push((tokens as f64, median(&ttfts)));
@@ -196,7 +280,7 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
         "decode: inter-token latency of {} requests decoding together",
         args.decode_batch
     );
-    let mut decode = Vec::new();
+    let (mut decode, mut decode_samples) = (Vec::new(), Vec::new());
     let mut fastest = f64::INFINITY;
     for &target in &args.usages {
         // Prompts sized so that the batch holds `target` of the KV cache
@@ -215,6 +299,7 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
             );
             fastest = fastest.min(itl);
             usages.push(usage);
+            decode_samples.push((usage, itl));
             itls.push(itl);
         }
         decode.push((median(&usages), median(&itls)));
@@ -252,7 +337,11 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<EngineProfile> {
         decode_fit.max_relative_error * 100.0,
         profile.decode_floor_ms
     );
-    Ok(profile)
+    Ok(Calibration {
+        profile,
+        prefill_samples,
+        decode_samples,
+    })
 }
 
 /// One decode point: the batch's requests at once; the KV usage while

@@ -44,7 +44,14 @@ async fn a_sim_worker_of_known_timing_is_calibrated_to_its_coefficients_within_5
         block_size: None,
         seed: 1,
     };
-    let fitted = calibrate(&args).await.unwrap();
+    let calibration = calibrate(&args).await.unwrap();
+    assert_eq!(
+        calibration.prefill_samples.len(),
+        6 * 3,
+        "each repeat a sample"
+    );
+    assert_eq!(calibration.decode_samples.len(), 5 * 3);
+    let fitted = calibration.profile;
     assert_eq!(fitted.model.as_deref(), Some("switchyard-sim"));
     assert_eq!(
         (fitted.num_blocks, fitted.block_size),
