@@ -36,7 +36,9 @@ use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 use switchyard_kv_events::metrics::KvEventMetrics;
 use switchyard_kv_events::subscriber::{IndexSink, KvEventSubscriber, SubscriberConfig};
-use switchyard_wire::engine_metrics::{kv_usage_fraction, vllm_lora_slots, KvCapacity};
+use switchyard_wire::engine_metrics::{
+    kv_usage_fraction, vllm_lora_slots, KvCapacity, ServerInfoCache,
+};
 use switchyard_wire::prometheus::Scrape;
 
 /// The pooled upstream HTTP client.
@@ -652,17 +654,13 @@ impl Fleet {
             });
         };
         let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-        let kv_blocks = v["num_gpu_blocks"].as_u64();
         // SGLang reports its KV capacity in tokens; otherwise blocks times
         // the engine's page (block) size, when it names one.
-        let page = v["page_size"].as_u64().or(v["block_size"].as_u64());
-        let kv_tokens = v["max_total_num_tokens"]
-            .as_u64()
-            .or_else(|| kv_blocks?.checked_mul(page?));
+        let cache = ServerInfoCache::read(&v);
         Some(WorkerCapacity {
             max_num_batched_tokens: v["max_num_batched_tokens"].as_u64(),
-            kv_blocks,
-            kv_tokens,
+            kv_blocks: cache.blocks,
+            kv_tokens: cache.tokens(),
             block_size: None,
         })
     }

@@ -155,6 +155,36 @@ pub fn kv_usage_fraction(scrape: &Scrape<'_>) -> Option<f64> {
     })
 }
 
+/// The KV cache an engine's server information names (`/server_info`,
+/// `/get_server_info`: SGLang's and the sim-worker's field names).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerInfoCache {
+    /// `num_gpu_blocks`.
+    pub blocks: Option<u64>,
+    /// `page_size`, else `block_size`: tokens per block.
+    pub page_size: Option<u64>,
+    /// `max_total_num_tokens` (SGLang's capacity in tokens).
+    pub max_tokens: Option<u64>,
+}
+
+impl ServerInfoCache {
+    /// Reads the fields from a server-information body (absent or not a
+    /// number: `None`).
+    pub fn read(info: &serde_json::Value) -> Self {
+        Self {
+            blocks: info["num_gpu_blocks"].as_u64(),
+            page_size: info["page_size"].as_u64().or(info["block_size"].as_u64()),
+            max_tokens: info["max_total_num_tokens"].as_u64(),
+        }
+    }
+
+    /// Capacity in tokens: SGLang's own count, else blocks times the page.
+    pub fn tokens(&self) -> Option<u64> {
+        self.max_tokens
+            .or_else(|| self.blocks?.checked_mul(self.page_size?))
+    }
+}
+
 /// An engine's KV cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCapacity {
@@ -229,6 +259,23 @@ pub fn vllm_lora_slots(scrape: &Scrape<'_>) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_information_names_blocks_pages_and_sglangs_token_count() {
+        let sim =
+            ServerInfoCache::read(&serde_json::json!({"num_gpu_blocks": 1024, "block_size": 16}));
+        assert_eq!(
+            (sim.blocks, sim.page_size, sim.tokens()),
+            (Some(1024), Some(16), Some(16_384))
+        );
+        let sglang = ServerInfoCache::read(
+            &serde_json::json!({"page_size": 64, "block_size": 16, "max_total_num_tokens": 5000}),
+        );
+        assert_eq!((sglang.page_size, sglang.tokens()), (Some(64), Some(5000)));
+        let none = ServerInfoCache::read(&serde_json::json!({"num_gpu_blocks": "many"}));
+        assert_eq!(none, ServerInfoCache::default());
+        assert_eq!(none.tokens(), None);
+    }
 
     /// The excerpt of a real vLLM 0.32.0 (CPU build) `/metrics` page the
     /// issue quotes.

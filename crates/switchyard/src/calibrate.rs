@@ -20,8 +20,9 @@
 //! - **Decode**: inter-token latency of `--decode-batch` requests decoding
 //!   together, at KV usages spread over `--usages` (prompt lengths chosen
 //!   from the engine's KV capacity), the usage read from the engine's own
-//!   gauge while they decode (`switchyard_engine_kv_usage_ratio`,
-//!   `vllm:kv_cache_usage_perc`) when it has one; the middle half of each
+//!   gauge while they decode (`switchyard_wire::engine_metrics::
+//!   kv_usage_fraction`: the sim-worker's, vLLM's, SGLang's) when it has
+//!   one; the middle half of each
 //!   stream's gaps (all requests decoding) averaged, and the median of the
 //!   repeats fitted as `a·u² + b·u + c` ms. The floor is half the fastest step measured.
 //! - **Capacity**: blocks and block size from the server information
@@ -42,7 +43,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
 use switchyard_core::engine_profile::{fit_quadratic, EngineProfile, ProfileFit};
-use switchyard_wire::engine_metrics::KvCapacity;
+use switchyard_wire::engine_metrics::{kv_usage_fraction, KvCapacity, ServerInfoCache};
 use switchyard_wire::prometheus::Scrape;
 
 /// Options of `switchyard calibrate`.
@@ -368,7 +369,7 @@ async fn decode_point(
             while !done.load(std::sync::atomic::Ordering::Relaxed) {
                 if let Some(usage) = loadgen::get_text(&client, &url)
                     .await
-                    .and_then(|text| kv_usage(&text))
+                    .and_then(|text| kv_usage_fraction(&Scrape::parse(&text)))
                 {
                     seen.push((std::time::Instant::now(), usage));
                 }
@@ -429,22 +430,6 @@ async fn futures_join(
     answers
 }
 
-/// The engine's KV usage (0..=1) on its `/metrics` page: the sim-worker's
-/// gauge or vLLM's (summed over data-parallel engines as their mean).
-fn kv_usage(metrics: &str) -> Option<f64> {
-    let scrape = Scrape::parse(metrics);
-    for name in [
-        "switchyard_engine_kv_usage_ratio",
-        "vllm:kv_cache_usage_perc",
-    ] {
-        let values: Vec<f64> = scrape.series(name).map(|s| s.value()).collect();
-        if !values.is_empty() {
-            return Some(values.iter().sum::<f64>() / values.len() as f64);
-        }
-    }
-    None
-}
-
 /// A streamed completion of a fresh random prompt of `tokens` token ids,
 /// generating exactly `max_tokens` (end of sequence ignored).
 fn completion(
@@ -499,11 +484,9 @@ async fn capacity(
         };
         if let Some(text) = info {
             let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-            blocks = blocks.or(v["num_gpu_blocks"].as_u64().map(|b| b as usize));
-            block_size = block_size.or(v["block_size"]
-                .as_u64()
-                .or(v["page_size"].as_u64())
-                .map(|b| b as usize));
+            let cache = ServerInfoCache::read(&v);
+            blocks = blocks.or(cache.blocks.map(|b| b as usize));
+            block_size = block_size.or(cache.page_size.map(|b| b as usize));
         }
     }
     if blocks.is_none() || block_size.is_none() {
@@ -548,6 +531,7 @@ mod tests {
 
     #[test]
     fn the_kv_usage_is_read_from_the_sim_workers_or_vllms_gauge() {
+        let kv_usage = |text: &str| kv_usage_fraction(&Scrape::parse(text));
         assert_eq!(
             kv_usage("switchyard_engine_kv_usage_ratio 0.25\n"),
             Some(0.25)
@@ -556,7 +540,8 @@ mod tests {
             kv_usage(
                 "vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.25\n"
             ),
-            Some(0.375)
+            Some(0.5),
+            "the fullest engine's"
         );
         assert_eq!(kv_usage("other 1\n"), None);
     }
