@@ -500,7 +500,7 @@ async fn capacity(
     match (blocks, block_size) {
         (Some(b), Some(s)) if b > 0 && s > 0 => Ok((b, s)),
         _ => anyhow::bail!(
-            "{base} reports no KV capacity (neither /server_info nor vllm:cache_config_info): give --num-blocks and --block-size"
+            "no KV capacity from {base} (no /server_info, /get_server_info or vllm:cache_config_info answered; is it up?): give --num-blocks and --block-size"
         ),
     }
 }
