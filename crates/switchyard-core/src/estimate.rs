@@ -98,6 +98,9 @@ pub struct EstimatorConfig {
     pub decode_curve: [f64; 3],
     /// Lower bound of a decode step (model ms).
     pub decode_floor_ms: f64,
+    /// Model ms each running sequence adds to a step (the engine
+    /// profile's `decode_per_sequence_ms`; 0 by default).
+    pub decode_per_sequence_ms: f64,
     /// Most uncached tokens an engine prefills in one step (its
     /// `max_num_batched_tokens`); longer prompts take several steps.
     pub chunk_tokens: u32,
@@ -140,6 +143,7 @@ impl Default for EstimatorConfig {
             prefill_curve: DEFAULT_PREFILL_CURVE,
             decode_curve: DEFAULT_DECODE_CURVE,
             decode_floor_ms: DEFAULT_DECODE_FLOOR_MS,
+            decode_per_sequence_ms: 0.0,
             chunk_tokens: 8192,
             restore_ms_per_token: default_restore_ms_per_token(),
             speedup: 1.0,
@@ -159,7 +163,7 @@ pub enum EstimatorConfigError {
     Curve,
     /// A decode coefficient that is not finite, or a floor that is
     /// negative or not finite.
-    #[error("decode_curve coefficients must be finite and decode_floor_ms finite and >= 0")]
+    #[error("decode_curve coefficients must be finite, decode_floor_ms and decode_per_sequence_ms finite and >= 0")]
     DecodeCurve,
     /// A chunk of zero tokens.
     #[error("chunk_tokens must be at least 1")]
@@ -191,6 +195,7 @@ impl EstimatorConfig {
         }
         if self.decode_curve.iter().any(|c| !c.is_finite())
             || !(self.decode_floor_ms.is_finite() && self.decode_floor_ms >= 0.0)
+            || !(self.decode_per_sequence_ms.is_finite() && self.decode_per_sequence_ms >= 0.0)
         {
             return Err(EstimatorConfigError::DecodeCurve);
         }
@@ -276,14 +281,24 @@ impl EstimatorConfig {
     /// `tokens` uncached tokens on a worker running `running` requests that
     /// hold `held` of its KV memory to its first token — half the decode
     /// step under way when it lands (none on an idle worker), then its
-    /// prefill with one decode token per running request in the batch.
+    /// prefill with one decode token per running request in the batch;
+    /// both steps carry each running sequence's cost.
     pub fn first_token_model_ms(&self, tokens: u64, running: usize, held: f64) -> f64 {
+        let sequences = self.sequences_model_ms(running);
         let wait = if running == 0 {
             0.0
         } else {
-            0.5 * self.decode_model_ms(held)
+            0.5 * (self.decode_model_ms(held) + sequences)
         };
-        wait + self.model_ms(tokens + running as u64)
+        wait + self.model_ms(tokens + running as u64) + sequences
+    }
+
+    /// Wall milliseconds `running` sequences add to a step.
+    pub fn sequences_model_ms(&self, running: usize) -> f64 {
+        if self.speedup == 0.0 {
+            return 0.0;
+        }
+        self.decode_per_sequence_ms * running as f64 / self.speedup
     }
 
     /// The configured model: wall milliseconds of one decode-only step at

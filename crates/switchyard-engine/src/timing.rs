@@ -31,6 +31,10 @@ pub struct TimingConfig {
     pub decode: [f64; 3],
     /// Lower bound of a decode step (ms).
     pub decode_floor_ms: f64,
+    /// Model ms each sequence decoding in a step adds to it, decode-only or
+    /// beside a prefill (per-sequence work: sampling, streaming; 0 by
+    /// default, as in the fit the defaults come from).
+    pub decode_per_sequence_ms: f64,
     /// Bytes of KV cache per token, for restore time (default 128 KiB).
     pub bytes_per_token: u64,
     /// Host-to-device bandwidth in bytes per second (default 64 GB/s).
@@ -73,6 +77,7 @@ impl Default for TimingConfig {
             prefill: switchyard_core::estimate::DEFAULT_PREFILL_CURVE,
             decode: switchyard_core::estimate::DEFAULT_DECODE_CURVE,
             decode_floor_ms: switchyard_core::estimate::DEFAULT_DECODE_FLOOR_MS,
+            decode_per_sequence_ms: 0.0,
             bytes_per_token: switchyard_core::estimate::DEFAULT_KV_BYTES_PER_TOKEN,
             restore_bandwidth_bytes_per_s:
                 switchyard_core::estimate::DEFAULT_RESTORE_BANDWIDTH_BYTES_PER_S,
@@ -107,6 +112,7 @@ impl TimingConfig {
             prefill: profile.prefill,
             decode: profile.decode,
             decode_floor_ms: profile.decode_floor_ms,
+            decode_per_sequence_ms: profile.decode_per_sequence_ms,
             ..self
         }
     }
@@ -128,7 +134,9 @@ impl TimingConfig {
             .iter()
             .chain(&self.decode)
             .chain(std::iter::once(&self.decode_floor_ms));
-        if all.into_iter().any(|c| !c.is_finite()) {
+        if all.into_iter().any(|c| !c.is_finite())
+            || !(self.decode_per_sequence_ms.is_finite() && self.decode_per_sequence_ms >= 0.0)
+        {
             return Err(TimingConfigError::Coefficients);
         }
         if let Some(ssm) = self.ssm {
@@ -189,7 +197,8 @@ impl TimingConfig {
         } else {
             0.0
         };
-        compute + self.restore_ms(shape.restore_tokens + shape.saved_tokens)
+        let sequences = self.decode_per_sequence_ms * shape.decode_tokens as f64;
+        compute + sequences + self.restore_ms(shape.restore_tokens + shape.saved_tokens)
     }
 
     /// Model ms a decode-only batch adds to verify `drafts` drafted

@@ -387,6 +387,7 @@ impl ServeArgs {
             c.estimator.prefill_curve = profile.prefill;
             c.estimator.decode_curve = profile.decode;
             c.estimator.decode_floor_ms = profile.decode_floor_ms;
+            c.estimator.decode_per_sequence_ms = profile.decode_per_sequence_ms;
         }
         if let Some(curve) = self.prefill_curve {
             c.estimator.prefill_curve = curve;

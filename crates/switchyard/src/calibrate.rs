@@ -1,10 +1,15 @@
-//! `switchyard calibrate`: profiles one live OpenAI-compatible engine (a
+//! `switchyard calibrate`: profiles live OpenAI-compatible engines (a
 //! sim-worker, vLLM, SGLang) and writes an [`EngineProfile`] — the
-//! simulator's timing model fitted to what the engine did — for
+//! simulator's timing model fitted to what the engines did — for
 //! `replay`, `sim-worker` and `serve` (`--engine-profile`).
 //!
-//! What is measured, one request or one batch at a time, on an idle
-//! engine:
+//! What is measured, one request or one batch at a time on each engine,
+//! from idle. Given several `--worker`s (one configuration: the same KV
+//! capacity), every one is measured at once, each sample of each worker
+//! a point of the one fit: engines that share a host's cores and memory
+//! bandwidth (CPU engines, several per machine) run slower side by side
+//! than alone, and a fleet's profile should say how they run in the fleet.
+//!
 //!
 //! - **Prefill**: time to first token of fresh prompts (`/v1/completions`
 //!   with token-id prompts drawn at random, so nothing is cached and the
@@ -27,7 +32,10 @@
 //!   repeats fitted as `a·u² + b·u + c` ms. The floor is half the fastest step measured.
 //! - **Capacity**: blocks and block size from the server information
 //!   (`/server_info`, `/get_server_info`: the sim-worker's, SGLang's) or vLLM's `vllm:cache_config_info`, else
-//!   `--num-blocks` and `--block-size`.
+//!   `--num-blocks` and `--block-size`. A decode batch's prompts are kept
+//!   within the model's length (`max_model_len` at `/v1/models`, vLLM's and
+//!   SGLang's); a usage they cannot reach with `--decode-batch` requests is
+//!   reached with more (up to [`MAX_DECODE_BATCH`]), else left out.
 //!
 //! Besides the profile it draws the fit against the samples (the same
 //! path with `.svg`).
@@ -42,16 +50,17 @@ use anyhow::Context as _;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
-use switchyard_core::engine_profile::{fit_quadratic, EngineProfile, ProfileFit};
+use switchyard_core::engine_profile::{fit_decode, fit_quadratic, EngineProfile, ProfileFit};
 use switchyard_wire::engine_metrics::{kv_usage_fraction, KvCapacity, ServerInfoCache};
 use switchyard_wire::prometheus::Scrape;
 
 /// Options of `switchyard calibrate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CalibrateArgs {
-    /// The engine's base URL (e.g. http://127.0.0.1:8000).
-    #[arg(long)]
-    pub worker: String,
+    /// The engine's base URL (e.g. http://127.0.0.1:8000); repeat for
+    /// several engines of one configuration, measured side by side.
+    #[arg(long = "worker", required = true)]
+    pub workers: Vec<String>,
     /// The model to send requests for [default: the first the engine
     /// lists at /v1/models].
     #[arg(long)]
@@ -78,6 +87,10 @@ pub struct CalibrateArgs {
     /// Tokens each of them generates.
     #[arg(long, default_value_t = 64)]
     pub decode_tokens: usize,
+    /// Sequences decoding together in the batch sweep (short prompts; the
+    /// slope of the step against them is the per-sequence cost).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,32")]
+    pub batch_sizes: Vec<usize>,
     /// KV usages the decode sweep aims at (0..1, comma-separated).
     #[arg(
         long,
@@ -95,6 +108,10 @@ pub struct CalibrateArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
+
+/// The most requests one decode batch sends (to reach a KV usage whose
+/// prompts would not fit the model's length with `--decode-batch`).
+pub const MAX_DECODE_BATCH: usize = 64;
 
 /// Token ids the random prompts are drawn from: past the usual special
 /// and byte tokens, within any vocabulary of 32k or more.
@@ -129,9 +146,9 @@ fn draw(
     calibration: &Calibration,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
-    let root = SVGBackend::new(path, (1100, 480)).into_drawing_area();
+    let root = SVGBackend::new(path, (1500, 480)).into_drawing_area();
     root.fill(&WHITE)?;
-    let panels = root.split_evenly((1, 2));
+    let panels = root.split_evenly((1, 3));
     let profile = &calibration.profile;
     let curves = [
         (
@@ -141,10 +158,23 @@ fn draw(
             profile.prefill,
         ),
         (
-            "decode: inter-token latency",
+            "decode: inter-token latency, less the sequences' cost",
             "KV usage",
             &calibration.decode_samples,
             profile.decode,
+        ),
+        (
+            "decode: inter-token latency by sequences",
+            "sequences decoding",
+            &calibration.sequence_samples,
+            [
+                0.0,
+                profile.decode_per_sequence_ms,
+                line_intercept(
+                    &calibration.sequence_samples,
+                    profile.decode_per_sequence_ms,
+                ),
+            ],
         ),
     ];
     for ((title, x_desc, samples, [a, b, c]), panel) in curves.into_iter().zip(panels.iter()) {
@@ -181,6 +211,16 @@ fn draw(
     Ok(())
 }
 
+/// The intercept of the line of slope `slope` through the middle of
+/// `samples` (what the per-sequence panel draws).
+fn line_intercept(samples: &[(f64, f64)], slope: f64) -> f64 {
+    let n = samples.len().max(1) as f64;
+    let (sx, sy) = samples
+        .iter()
+        .fold((0.0, 0.0), |(sx, sy), p| (sx + p.0, sy + p.1));
+    sy / n - slope * sx / n
+}
+
 fn check(args: &CalibrateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.repeats > 0 && args.decode_batch > 0 && args.decode_tokens >= 8,
@@ -193,6 +233,13 @@ fn check(args: &CalibrateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.max_prompt_tokens >= 2 * args.min_prompt_tokens,
         "--max-prompt-tokens must be at least twice --min-prompt-tokens"
+    );
+    let mut sizes = args.batch_sizes.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    anyhow::ensure!(
+        sizes.len() >= 2 && sizes.iter().all(|&n| (1..=MAX_DECODE_BATCH).contains(&n)),
+        "--batch-sizes needs two distinct sizes in 1..={MAX_DECODE_BATCH}"
     );
     let mut usages = args.usages.clone();
     usages.sort_by(f64::total_cmp);
@@ -224,34 +271,60 @@ pub struct Calibration {
     pub profile: EngineProfile,
     /// Prompt tokens against time to first token.
     pub prefill_samples: Vec<(f64, f64)>,
-    /// KV usage against inter-token latency.
+    /// KV usage against inter-token latency, the per-sequence cost taken
+    /// out.
     pub decode_samples: Vec<(f64, f64)>,
+    /// Sequences decoding against inter-token latency.
+    pub sequence_samples: Vec<(f64, f64)>,
 }
 
-/// Measures the engine `args` name and fits its profile (what [`run`]
+/// Measures the engines `args` names and fits their profile (what [`run`]
 /// writes).
 pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
     let client = loadgen::client();
-    let base = args.worker.trim_end_matches('/').to_owned();
-    let model = match &args.model {
-        Some(m) => Some(m.clone()),
-        None => first_model(&client, &base).await,
-    };
-    let (num_blocks, block_size) = capacity(&client, &base, args).await?;
+    let bases: Vec<String> = args
+        .workers
+        .iter()
+        .map(|w| w.trim_end_matches('/').to_owned())
+        .collect();
+    let first = &bases[0];
+    let listed = listed_model(&client, first).await;
+    let model = args
+        .model
+        .clone()
+        .or_else(|| listed.as_ref().map(|(name, _)| name.clone()));
+    let max_model_len = listed.and_then(|(_, len)| len);
+    let (num_blocks, block_size) = capacity(&client, first, args).await?;
+    for other in &bases[1..] {
+        let theirs = capacity(&client, other, args).await?;
+        anyhow::ensure!(
+            theirs == (num_blocks, block_size),
+            "{other} has {} KV blocks of {} tokens and {first} {num_blocks} of {block_size}: calibrate engines of one configuration together",
+            theirs.0,
+            theirs.1
+        );
+    }
     let capacity = num_blocks * block_size;
     println!(
-        "calibrating {base}{}: {num_blocks} KV blocks of {block_size} tokens",
+        "calibrating {}{}: {num_blocks} KV blocks of {block_size} tokens{}",
+        bases.join(", "),
         model
             .as_deref()
-            .map_or(String::new(), |m| format!(" ({m})"))
+            .map_or(String::new(), |m| format!(" ({m})")),
+        max_model_len.map_or(String::new(), |l| format!(", {l} tokens a sequence"))
     );
+    if bases.len() > 1 {
+        println!("  the {} engines measured side by side", bases.len());
+    }
     let mut rng = StdRng::seed_from_u64(args.seed);
     // Warm-up: the first requests of a fresh engine are slower.
     for _ in 0..2 {
-        let request = completion(&model, &mut rng, args.min_prompt_tokens, 2);
-        loadgen::timed(&client, &base, &request)
-            .await
-            .with_context(|| format!("a warm-up request to {base} failed"))?;
+        let requests = each(&bases, || {
+            completion(&model, &mut rng, args.min_prompt_tokens, 2)
+        });
+        for (base, answer) in at_once(&client, &requests).await {
+            answer.with_context(|| format!("a warm-up request to {base} failed"))?;
+        }
     }
 
     let sizes = prompt_sizes(
@@ -264,12 +337,13 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
     for &tokens in &sizes {
         let mut ttfts = Vec::new();
         for _ in 0..args.repeats {
-            let request = completion(&model, &mut rng, tokens, 1);
-            let (ttft, _) = loadgen::timed(&client, &base, &request)
-                .await
-                .with_context(|| format!("a {tokens}-token prompt to {base} failed"))?;
-            ttfts.push(ttft);
-            prefill_samples.push((tokens as f64, ttft));
+            let requests = each(&bases, || completion(&model, &mut rng, tokens, 1));
+            for (base, answer) in at_once(&client, &requests).await {
+                let (ttft, _) =
+                    answer.with_context(|| format!("a {tokens}-token prompt to {base} failed"))?;
+                ttfts.push(ttft);
+                prefill_samples.push((tokens as f64, ttft));
+            }
         }
         println!("  {tokens:>7} tokens: {}", list_ms(&ttfts));
         prefill.push((tokens as f64, median(&ttfts)));
@@ -278,46 +352,109 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
         fit_quadratic(&prefill).context("the prefill samples do not determine a curve")?;
 
     println!(
-        "decode: inter-token latency of {} requests decoding together",
-        args.decode_batch
+        "decode: inter-token latency of {}-token prompts decoding together, by their number",
+        args.min_prompt_tokens
     );
-    let (mut decode, mut decode_samples) = (Vec::new(), Vec::new());
+    // Each sweep point's medians: (KV usage, sequences, inter-token ms).
+    let mut points = Vec::new();
+    let mut sequence_samples = Vec::new();
     let mut fastest = f64::INFINITY;
-    for &target in &args.usages {
-        // Prompts sized so that the batch holds `target` of the KV cache
-        // half way through its decoding.
-        let per_request = (target * capacity as f64 / args.decode_batch as f64) as usize;
-        let prompt = per_request.saturating_sub(args.decode_tokens / 2).max(16);
+    for &n in &args.batch_sizes {
         let (mut usages, mut itls) = (Vec::new(), Vec::new());
         for _ in 0..args.repeats {
-            let (usage, itl) =
-                decode_point(&client, &base, &model, &mut rng, args, prompt, capacity)
-                    .await
-                    .with_context(|| format!("the decode batch at usage {target} failed"))?;
-            println!(
-                "  usage {usage:.3} ({} × {prompt} prompt tokens): {itl:.2} ms",
-                args.decode_batch
-            );
-            fastest = fastest.min(itl);
-            usages.push(usage);
-            decode_samples.push((usage, itl));
-            itls.push(itl);
+            let batch = futures_util::future::join_all(bases.iter().map(|base| {
+                let requests: Vec<PreparedRequest> = (0..n)
+                    .map(|_| {
+                        completion(&model, &mut rng, args.min_prompt_tokens, args.decode_tokens)
+                    })
+                    .collect();
+                decode_point(
+                    &client,
+                    base,
+                    requests,
+                    args.min_prompt_tokens,
+                    args,
+                    capacity,
+                )
+            }))
+            .await;
+            for (base, point) in bases.iter().zip(batch) {
+                let (usage, itl) =
+                    point.with_context(|| format!("the decode batch of {n} on {base} failed"))?;
+                fastest = fastest.min(itl);
+                usages.push(usage);
+                itls.push(itl);
+                sequence_samples.push((n as f64, itl));
+            }
         }
-        decode.push((median(&usages), median(&itls)));
+        println!("  {n:>3} sequences: {}", list_ms(&itls));
+        points.push((median(&usages), n as f64, median(&itls)));
     }
-    let (decode_curve, decode_fit) = fit_quadratic(&decode)
-        .context("the decode samples do not determine a curve (are the usages distinct?)")?;
+    println!(
+        "decode: inter-token latency of {} requests decoding together, by KV usage",
+        args.decode_batch
+    );
+    let mut usage_samples = Vec::new();
+    let mut usage_points = 0;
+    for &target in &args.usages {
+        let Some(batch) = decode_batch(args, target, capacity, max_model_len) else {
+            println!(
+                "  usage {target}: left out (its prompts do not fit {} tokens a sequence in {MAX_DECODE_BATCH} requests)",
+                max_model_len.unwrap_or(0)
+            );
+            continue;
+        };
+        let (mut usages, mut itls) = (Vec::new(), Vec::new());
+        for _ in 0..args.repeats {
+            let points = futures_util::future::join_all(bases.iter().map(|base| {
+                let requests: Vec<PreparedRequest> = (0..batch.requests)
+                    .map(|_| completion(&model, &mut rng, batch.prompt, args.decode_tokens))
+                    .collect();
+                decode_point(&client, base, requests, batch.prompt, args, capacity)
+            }))
+            .await;
+            for (base, point) in bases.iter().zip(points) {
+                let (usage, itl) = point.with_context(|| {
+                    format!("the decode batch at usage {target} on {base} failed")
+                })?;
+                println!(
+                    "  usage {usage:.3} ({} × {} prompt tokens): {itl:.2} ms",
+                    batch.requests, batch.prompt
+                );
+                fastest = fastest.min(itl);
+                usages.push(usage);
+                usage_samples.push((usage, batch.requests as f64, itl));
+                itls.push(itl);
+            }
+        }
+        points.push((median(&usages), batch.requests as f64, median(&itls)));
+        usage_points += 1;
+    }
+    anyhow::ensure!(
+        usage_points >= 3,
+        "only {usage_points} of the --usages can be reached within the model's length ({} tokens a sequence, {MAX_DECODE_BATCH} requests): give lower --usages",
+        max_model_len.unwrap_or(0)
+    );
+    let decode_fit = fit_decode(&points)
+        .context("the decode samples do not determine a step (are the usages distinct?)")?;
+    let (decode_curve, per_sequence) = (decode_fit.curve, decode_fit.per_sequence_ms);
+    let decode_samples: Vec<(f64, f64)> = usage_samples
+        .iter()
+        .map(|&(u, n, itl)| (u, itl - per_sequence * n))
+        .collect();
     let profile = EngineProfile {
         model,
         prefill: prefill_curve,
         decode: decode_curve,
         decode_floor_ms: fastest / 2.0,
+        decode_per_sequence_ms: per_sequence,
         block_size: Some(block_size),
         num_blocks: Some(num_blocks),
         fit: Some(ProfileFit {
-            worker: base,
+            worker: bases.join(","),
             prefill: prefill_fit,
-            decode: decode_fit,
+            decode: decode_fit.usage,
+            sequences: Some(decode_fit.sequences),
         }),
     };
     profile.validate()?;
@@ -330,18 +467,76 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
         prefill_fit.max_relative_error * 100.0
     );
     println!(
-        "decode ms = {:.3}·u² + {:.3}·u + {:.3} (rms error {:.2} ms, worst {:.1}%), floor {:.2} ms",
+        "decode ms = {:.3}·u² + {:.3}·u + {:.3} + {per_sequence:.3}·n (rms error {:.2} ms, worst {:.1}%), floor {:.2} ms",
         decode_curve[0],
         decode_curve[1],
         decode_curve[2],
-        decode_fit.rms_error_ms,
-        decode_fit.max_relative_error * 100.0,
+        decode_fit.usage.rms_error_ms,
+        decode_fit.usage.max_relative_error * 100.0,
         profile.decode_floor_ms
     );
     Ok(Calibration {
         profile,
         prefill_samples,
         decode_samples,
+        sequence_samples,
+    })
+}
+
+/// One request per engine: `make()` for each of `bases`.
+fn each(
+    bases: &[String],
+    mut make: impl FnMut() -> PreparedRequest,
+) -> Vec<(String, PreparedRequest)> {
+    bases.iter().map(|b| (b.clone(), make())).collect()
+}
+
+/// Sends each request to its engine at once; the answers (time to first
+/// token and the gaps, ms) in the same order.
+async fn at_once(
+    client: &HttpClient,
+    requests: &[(String, PreparedRequest)],
+) -> Vec<(String, Option<(f64, Vec<f64>)>)> {
+    let answers = futures_util::future::join_all(
+        requests
+            .iter()
+            .map(|(base, request)| loadgen::timed(client, base, request)),
+    )
+    .await;
+    requests
+        .iter()
+        .map(|(base, _)| base.clone())
+        .zip(answers)
+        .collect()
+}
+
+/// A decode batch's shape: how many requests, each with a prompt of how
+/// many tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DecodeBatch {
+    requests: usize,
+    prompt: usize,
+}
+
+/// The batch that holds `target` of the KV capacity half way through its
+/// decoding: `--decode-batch` requests when their prompts fit the model's
+/// length, else as many more as they need to (`None` past
+/// [`MAX_DECODE_BATCH`]).
+fn decode_batch(
+    args: &CalibrateArgs,
+    target: f64,
+    capacity: usize,
+    max_model_len: Option<usize>,
+) -> Option<DecodeBatch> {
+    let held = (target * capacity as f64) as usize;
+    let half = args.decode_tokens / 2;
+    let longest = max_model_len.map_or(usize::MAX, |len| len.saturating_sub(args.decode_tokens));
+    let per_request = |n: usize| (held / n).saturating_sub(half).max(16);
+    let requests = (args.decode_batch..=MAX_DECODE_BATCH.max(args.decode_batch))
+        .find(|&n| per_request(n) <= longest)?;
+    Some(DecodeBatch {
+        requests,
+        prompt: per_request(requests),
     })
 }
 
@@ -352,15 +547,11 @@ pub async fn calibrate(args: &CalibrateArgs) -> anyhow::Result<Calibration> {
 async fn decode_point(
     client: &HttpClient,
     base: &str,
-    model: &Option<String>,
-    rng: &mut StdRng,
-    args: &CalibrateArgs,
+    requests: Vec<PreparedRequest>,
     prompt: usize,
+    args: &CalibrateArgs,
     capacity: usize,
 ) -> anyhow::Result<(f64, f64)> {
-    let requests: Vec<PreparedRequest> = (0..args.decode_batch)
-        .map(|_| completion(model, rng, prompt, args.decode_tokens))
-        .collect();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sampler = tokio::spawn({
         let (client, url, done) = (client.clone(), format!("{base}/metrics"), done.clone());
@@ -403,7 +594,7 @@ async fn decode_point(
         .map(|(_, u)| u)
         .collect();
     let usage = if held.is_empty() {
-        (args.decode_batch * (prompt + args.decode_tokens / 2)) as f64 / capacity as f64
+        (requests.len() * (prompt + args.decode_tokens / 2)) as f64 / capacity as f64
     } else {
         median(&held)
     };
@@ -461,11 +652,16 @@ fn completion(
     }
 }
 
-/// The first model the engine lists at `/v1/models`.
-async fn first_model(client: &HttpClient, base: &str) -> Option<String> {
+/// The first model the engine lists at `/v1/models`, with its length
+/// (`max_model_len`) when the engine says it (vLLM and SGLang do).
+async fn listed_model(client: &HttpClient, base: &str) -> Option<(String, Option<usize>)> {
     let text = loadgen::get_text(client, &format!("{base}/v1/models")).await?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    v["data"][0]["id"].as_str().map(str::to_owned)
+    let model = &v["data"][0];
+    let len = model["max_model_len"]
+        .as_u64()
+        .and_then(|l| usize::try_from(l).ok());
+    Some((model["id"].as_str()?.to_owned(), len))
 }
 
 /// The engine's KV blocks and block size: the flags, else its server

@@ -198,6 +198,7 @@ impl FleetConfig {
                 prefill_curve: timing.prefill,
                 decode_curve: timing.decode,
                 decode_floor_ms: timing.decode_floor_ms,
+                decode_per_sequence_ms: timing.decode_per_sequence_ms,
                 chunk_tokens: self.engine.max_num_batched_tokens.max(1) as u32,
                 restore_ms_per_token: timing.restore_ms_per_token(),
                 speedup: timing.speedup,

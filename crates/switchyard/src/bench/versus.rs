@@ -131,17 +131,48 @@ pub enum Engine {
 }
 
 /// What `--engine vllm` runs with: the environment's Python and the
-/// models.
-struct VllmSetup {
+/// models (`bench versus` and `bench twin`).
+pub(crate) struct VllmSetup {
     python: PathBuf,
     models: TinyModels,
     logs: PathBuf,
 }
 
+impl VllmSetup {
+    /// `n` servers of the tiny Qwen3 (served as [`VLLM_MODEL`], 32 tokens
+    /// a block, 8,192 a sequence), server `i` on core `i` modulo the
+    /// cores, each's options changed by `tweak`; logs `run-wI.log`. Waits
+    /// until every one serves.
+    pub(crate) fn start_workers(
+        &self,
+        n: usize,
+        run: &str,
+        runtime: &tokio::runtime::Runtime,
+        tweak: impl Fn(&mut VllmOptions),
+    ) -> anyhow::Result<Vec<VllmWorker>> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut workers = (0..n)
+            .map(|i| {
+                let mut options = VllmOptions::new(&self.models.qwen3(), VLLM_MODEL);
+                options.block_size = VLLM_BLOCK_SIZE;
+                options.max_model_len = 8192;
+                options.cpu = Some(i % cores);
+                tweak(&mut options);
+                let log = self.logs.join(format!("{run}-w{i}.log"));
+                VllmWorker::spawn(&self.python, &options, &log)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for w in &mut workers {
+            runtime.block_on(w.ready(READY_TIMEOUT))?;
+        }
+        Ok(workers)
+    }
+}
+
 /// The model the tiny Qwen3 is served as.
-const VLLM_MODEL: &str = "tiny";
+pub(crate) const VLLM_MODEL: &str = "tiny";
 /// Tokens per KV block of the vLLM servers (a multiple of 32 on CPU).
-const VLLM_BLOCK_SIZE: u32 = 32;
+pub(crate) const VLLM_BLOCK_SIZE: u32 = 32;
 
 /// Options of `bench versus`.
 #[derive(Debug, Clone, Args)]
@@ -329,23 +360,12 @@ impl Engines {
                 &worker_args(args),
                 true,
             )?)),
-            Some(setup) => {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let mut workers = (0..args.workers())
-                    .map(|i| {
-                        let mut options = VllmOptions::new(&setup.models.qwen3(), VLLM_MODEL);
-                        options.block_size = VLLM_BLOCK_SIZE;
-                        options.max_model_len = 8192;
-                        options.cpu = Some(i % cores);
-                        let log = setup.logs.join(format!("{run}-w{i}.log"));
-                        VllmWorker::spawn(&setup.python, &options, &log)
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                for w in &mut workers {
-                    runtime.block_on(w.ready(READY_TIMEOUT))?;
-                }
-                Ok(Self::Vllm(workers))
-            }
+            Some(setup) => Ok(Self::Vllm(setup.start_workers(
+                args.workers(),
+                run,
+                runtime,
+                |_| {},
+            )?)),
         }
     }
 
@@ -535,7 +555,7 @@ async fn keep_metrics(
 }
 
 /// Installs (when missing) vLLM's environment and makes the tiny models.
-fn vllm_setup() -> anyhow::Result<VllmSetup> {
+pub(crate) fn vllm_setup() -> anyhow::Result<VllmSetup> {
     let env = VllmEnv::setup(None)?;
     let scratch = std::env::temp_dir().join("switchyard-versus-vllm");
     let models = TinyModels::make(&env.python(), &scratch.join("models"))?;

@@ -33,5 +33,6 @@ mod data_parallel;
 mod disagg;
 mod kv_events;
 mod migration;
+mod twin;
 mod two_models;
 mod worker_state;

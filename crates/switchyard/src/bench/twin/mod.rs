@@ -25,7 +25,9 @@
 //! simulator counts a split prompt's hit on its prefill half).
 
 pub(crate) mod serve;
+pub mod vllm;
 
+pub use crate::bench::versus::Engine;
 use crate::data::Trace;
 use crate::loadgen::{self, LoadWorkload, Pacing};
 use crate::replay::{disagg_config, fleet_config, parse_split, ReplayArgs};
@@ -62,12 +64,18 @@ pub const HIT_RATE_TOLERANCE: f64 = 0.10;
 /// Options of `switchyard bench twin`.
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct TwinArgs {
-    /// Requests: the first N servable records of the trace.
-    #[arg(long, default_value_t = 1000)]
-    pub requests: usize,
-    /// Workers on both sides.
-    #[arg(long, default_value_t = 4)]
-    pub workers: usize,
+    /// The engines of the serve side: `sim` (sim-workers with the
+    /// simulator's timing) or `vllm` (vLLM's CPU build, calibrated first;
+    /// see [`vllm`]).
+    #[arg(long, value_enum, default_value_t = Engine::Sim)]
+    pub engine: Engine,
+    /// Requests: the first N servable records of the trace [default: 1000;
+    /// 100 with `--engine vllm`].
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Workers on both sides [default: 4; 2 with `--engine vllm`].
+    #[arg(long)]
+    pub workers: Option<usize>,
     /// Engine speed-up over the timing model, on both sides.
     #[arg(long, default_value_t = DEFAULT_SPEEDUP)]
     pub speedup: f64,
@@ -82,16 +90,18 @@ pub struct TwinArgs {
         default_value = "ttft,kv,cache-aware,round-robin"
     )]
     pub policies: Vec<PolicyKind>,
-    /// Engine (and router) block size in tokens.
-    #[arg(long, default_value_t = 64)]
-    pub block_size: usize,
-    /// Device KV blocks per worker.
-    #[arg(long, default_value_t = 16_384)]
-    pub num_blocks: usize,
-    /// Records with longer prompts are skipped (the same as `loadgen`'s
-    /// default: the slice `demo` and `loadgen` serve).
-    #[arg(long, default_value_t = 32_000)]
-    pub max_prompt_tokens: u32,
+    /// Engine (and router) block size in tokens [default: 64; 32 with
+    /// `--engine vllm`].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Device KV blocks per worker [default: 16,384; 1,024 with `--engine
+    /// vllm`, given to vLLM as `--num-gpu-blocks-override`].
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Records with longer prompts are skipped [default: 32,000, as
+    /// `loadgen`; 4,096 with `--engine vllm`].
+    #[arg(long)]
+    pub max_prompt_tokens: Option<u32>,
     /// Cap on each request's output tokens (default: the trace's).
     #[arg(long)]
     pub max_output_tokens: Option<u32>,
@@ -136,6 +146,19 @@ pub struct TwinArgs {
     /// sides (`replay`'s default).
     #[arg(long, default_value_t = TransferConfig::default().latency_ms)]
     pub transfer_latency_ms: f64,
+    /// With `--engine vllm`: the profile to simulate the engines with,
+    /// instead of calibrating them side by side first.
+    #[arg(long, value_name = "FILE")]
+    pub engine_profile: Option<PathBuf>,
+    /// With `--engine vllm`: the loads, as arrival-rate multipliers of the
+    /// trace (comma-separated) [default: 2,4: light, and near saturation
+    /// of two CPU workers].
+    #[arg(long, value_delimiter = ',', conflicts_with = "rate_scale")]
+    pub loads: Vec<f64>,
+    /// With `--engine vllm`: real-time runs per policy and load; the
+    /// figures are their medians, with their spread.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Run the simulator side only (seconds, no processes).
     #[arg(long)]
     pub replay_only: bool,
@@ -158,8 +181,12 @@ pub struct Side {
     pub ttft_mean_ms: f64,
     /// Inter-token latency mean, ms.
     pub itl_mean_ms: f64,
+    /// Inter-token latency median, ms.
+    pub itl_p50_ms: f64,
     /// End-to-end latency median, ms.
     pub e2e_p50_ms: f64,
+    /// End-to-end latency 90th percentile, ms.
+    pub e2e_p90_ms: f64,
     /// Requests completed.
     pub completed: u64,
     /// Requests that failed.
@@ -179,7 +206,9 @@ impl Side {
             ttft_p90_ms: r.ttft_ms.p90,
             ttft_mean_ms: r.ttft_ms.mean,
             itl_mean_ms: r.itl_ms.mean,
+            itl_p50_ms: r.itl_ms.p50,
             e2e_p50_ms: r.e2e_ms.p50,
+            e2e_p90_ms: r.e2e_ms.p90,
             completed: r.completed,
             errors: r.errors,
             transfers: r.transfers,
@@ -194,7 +223,9 @@ impl Side {
             ttft_p90_ms: r.ttft_ms.p90,
             ttft_mean_ms: r.ttft_ms.mean,
             itl_mean_ms: r.itl_ms.mean,
+            itl_p50_ms: r.itl_ms.p50,
             e2e_p50_ms: r.e2e_ms.p50,
+            e2e_p90_ms: r.e2e_ms.p90,
             completed: (r.requests - r.errors) as u64,
             errors: r.errors as u64,
             transfers: transfers.count,
@@ -335,6 +366,46 @@ pub fn verdict(pairs: &BTreeMap<String, Pair>) -> Verdict {
 }
 
 impl TwinArgs {
+    /// `--requests` or its default for the engine.
+    pub fn requests(&self) -> usize {
+        self.requests.unwrap_or(match self.engine {
+            Engine::Sim => 1000,
+            Engine::Vllm => 100,
+        })
+    }
+
+    /// `--workers` or its default for the engine.
+    pub fn workers(&self) -> usize {
+        self.workers.unwrap_or(match self.engine {
+            Engine::Sim => 4,
+            Engine::Vllm => 2,
+        })
+    }
+
+    /// `--block-size` or its default for the engine.
+    pub fn block_size(&self) -> usize {
+        self.block_size.unwrap_or(match self.engine {
+            Engine::Sim => 64,
+            Engine::Vllm => vllm::BLOCK_SIZE,
+        })
+    }
+
+    /// `--num-blocks` or its default for the engine.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks.unwrap_or(match self.engine {
+            Engine::Sim => 16_384,
+            Engine::Vllm => vllm::NUM_BLOCKS,
+        })
+    }
+
+    /// `--max-prompt-tokens` or its default for the engine.
+    pub fn max_prompt_tokens(&self) -> u32 {
+        self.max_prompt_tokens.unwrap_or(match self.engine {
+            Engine::Sim => 32_000,
+            Engine::Vllm => vllm::MAX_PROMPT_TOKENS,
+        })
+    }
+
     /// `--rate-scale`, else [`DEFAULT_RATE_SCALE`] for the trace and 1
     /// for the agent workload (its sessions already arrive at the rate
     /// its parameters give).
@@ -374,9 +445,9 @@ pub fn twin_fleet(args: &TwinArgs) -> anyhow::Result<FleetConfig> {
 /// The `switchyard replay` flags that give the twin's fleet.
 fn replay_flags(args: &TwinArgs) -> Vec<String> {
     [
-        ("--workers", args.workers.to_string()),
-        ("--block-size", args.block_size.to_string()),
-        ("--num-blocks", args.num_blocks.to_string()),
+        ("--workers", args.workers().to_string()),
+        ("--block-size", args.block_size().to_string()),
+        ("--num-blocks", args.num_blocks().to_string()),
         ("--speedup", args.speedup.to_string()),
         ("--rate-scale", args.rate_scale().to_string()),
         ("--kv-event-delay-ms", args.kv_event_delay_ms.to_string()),
@@ -466,8 +537,8 @@ pub fn sim_worker_args(engine: &EngineConfig) -> anyhow::Result<Vec<String>> {
 /// The slice both sides replay.
 fn slice(args: &TwinArgs) -> TraceSlice {
     TraceSlice {
-        requests: args.requests,
-        max_prompt_tokens: args.max_prompt_tokens,
+        requests: args.requests(),
+        max_prompt_tokens: args.max_prompt_tokens(),
         max_output_tokens: args.max_output_tokens,
         rate_scale: args.rate_scale(),
     }
@@ -521,12 +592,12 @@ fn load_sessions(args: &TwinArgs) -> anyhow::Result<TwinLoad> {
 /// as `loadgen` takes whole for `--requests` calls.
 fn agent_workload(args: &TwinArgs) -> anyhow::Result<(AgenticConfig, Arc<AgentVocabulary>)> {
     let mut config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
-    config.context_cap_tokens = config.context_cap_tokens.min(args.max_prompt_tokens);
+    config.context_cap_tokens = config.context_cap_tokens.min(args.max_prompt_tokens());
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("the agent workload with --max-prompt-tokens: {e}"))?;
     let vocabulary = crate::agentic::vocabulary()?;
-    config.sessions = loadgen::agent_sessions_taken(config.clone(), &vocabulary, args.requests);
+    config.sessions = loadgen::agent_sessions_taken(config.clone(), &vocabulary, args.requests());
     Ok((config, vocabulary))
 }
 
@@ -560,8 +631,15 @@ fn serve_load(
 }
 
 fn check(args: &TwinArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.requests > 0, "--requests must be at least 1");
-    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(args.requests() > 0, "--requests must be at least 1");
+    anyhow::ensure!(args.workers() > 0, "--workers must be at least 1");
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    if args.engine == Engine::Sim {
+        anyhow::ensure!(
+            args.engine_profile.is_none() && args.loads.is_empty(),
+            "--engine-profile and --loads go with --engine vllm"
+        );
+    }
     anyhow::ensure!(
         args.speedup.is_finite() && args.speedup > 0.0,
         "--speedup must be positive (the simulator needs durations)"
@@ -573,10 +651,10 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.policies.is_empty(), "--policies names none");
     if let Some((p, d)) = args.disagg {
         anyhow::ensure!(
-            p + d == args.workers,
+            p + d == args.workers(),
             "--disagg {p}:{d} splits {} workers but --workers is {}: give --workers {}",
             p + d,
-            args.workers,
+            args.workers(),
             p + d
         );
     }
@@ -629,6 +707,9 @@ pub struct TwinReport {
 /// Runs `switchyard bench twin`.
 pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     check(&args)?;
+    if args.engine == Engine::Vllm {
+        return vllm::run(&args);
+    }
     let started = Instant::now();
     let fleet = twin_fleet(&args)?;
     let load = load_sessions(&args)?;
@@ -649,7 +730,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         "bench twin, {case}: {calls} requests in {} sessions of {} (prompts ≤ {} tokens), arrivals ×{} over {:.1} s; {} workers × {} blocks of {} tokens, speed-up {}",
         sessions.len(),
         trace,
-        args.max_prompt_tokens,
+        args.max_prompt_tokens(),
         args.rate_scale(),
         span_s,
         fleet.workers,
@@ -842,7 +923,7 @@ mod tests {
                 PolicyKind::RoundRobin
             ]
         );
-        assert_eq!((a.requests, a.workers), (1000, 4));
+        assert_eq!((a.requests(), a.workers()), (1000, 4));
         check(&a).unwrap();
         assert!(check(&args(&["--speedup", "0"])).is_err());
         assert!(check(&args(&["--rate-scale=-1"])).is_err());

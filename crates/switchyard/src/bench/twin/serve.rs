@@ -91,6 +91,32 @@ fn serve_args(
     fleet: &SimWorkers,
     prefill_workers: Option<usize>,
 ) -> Vec<String> {
+    let specs = fleet
+        .urls
+        .iter()
+        .zip(&fleet.events)
+        .enumerate()
+        .map(|(i, (url, events))| {
+            let mut spec = format!("{url},name=worker-{i}");
+            if let Some((events, replay)) = events {
+                spec.push_str(&format!(",events={events},replay={replay}"));
+            }
+            if let Some(role) = role_of(i, prefill_workers) {
+                spec.push_str(&format!(",role={}", role.label()));
+            }
+            spec
+        });
+    router_args(policy, block_size, specs, prefill_workers.is_some())
+}
+
+/// `switchyard serve` flags for `policy` in front of the workers `specs`
+/// (`--worker` values); with `disagg`, `--disagg vllm`.
+pub(super) fn router_args(
+    policy: PolicyKind,
+    block_size: usize,
+    specs: impl IntoIterator<Item = String>,
+    disagg: bool,
+) -> Vec<String> {
     let mut args: Vec<String> = [
         "serve",
         "--host",
@@ -105,17 +131,10 @@ fn serve_args(
     .into_iter()
     .map(str::to_owned)
     .collect();
-    if prefill_workers.is_some() {
+    if disagg {
         args.extend(["--disagg".to_owned(), "vllm".to_owned()]);
     }
-    for (i, (url, events)) in fleet.urls.iter().zip(&fleet.events).enumerate() {
-        let mut spec = format!("{url},name=worker-{i}");
-        if let Some((events, replay)) = events {
-            spec.push_str(&format!(",events={events},replay={replay}"));
-        }
-        if let Some(role) = role_of(i, prefill_workers) {
-            spec.push_str(&format!(",role={}", role.label()));
-        }
+    for spec in specs {
         args.extend(["--worker".to_owned(), spec]);
     }
     args
@@ -162,7 +181,7 @@ fn transfers_received(metrics: &str) -> Transfers {
 }
 
 /// Ends when this process gets Ctrl-C or SIGTERM.
-async fn interrupted() {
+pub(super) async fn interrupted() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -243,7 +262,7 @@ async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun>
     let (router, base) = start_router(&args)?;
     let run = drive(
         &base,
-        &fleet,
+        &fleet.urls,
         &hit_rate_workers(&fleet.urls, setup.prefill_workers),
         setup.requests.clone(),
         setup.pacing.clone(),
@@ -272,19 +291,22 @@ pub(crate) async fn wait_for_workers(base: &str, workers: usize) -> anyhow::Resu
     }
 }
 
-async fn drive(
+/// Sends `requests` to the router at `base` once it lists every one of
+/// `urls` in selection, and reads the workers' pacing and transfer
+/// counters after (zero for what a worker does not export: vLLM).
+pub(super) async fn drive(
     base: &str,
-    fleet: &SimWorkers,
+    urls: &[String],
     hit_rate_workers: &[String],
     requests: Vec<PreparedRequest>,
     pacing: Pacing,
 ) -> anyhow::Result<ServeRun> {
     let client = loadgen::client();
-    wait_for_workers(base, fleet.urls.len()).await?;
+    wait_for_workers(base, urls.len()).await?;
     let report = loadgen::run_load(base, requests, pacing, true, hit_rate_workers, true).await;
     let (mut paced, mut dropped) = (0.0, 0.0);
     let mut transfers = Transfers::default();
-    for url in &fleet.urls {
+    for url in urls {
         let text = loadgen::get_text(&client, &format!("{url}/metrics"))
             .await
             .with_context(|| format!("reading {url}/metrics"))?;

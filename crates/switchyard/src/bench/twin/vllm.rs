@@ -1,0 +1,449 @@
+//! `bench twin --engine vllm`: given a profile measured on real engines,
+//! does the simulator predict `serve` in front of them?
+//!
+//! - **The engines**: `--workers` vLLM servers (the CPU build, the tiny
+//!   Qwen3 `bench versus` serves), started once, each on its own core, with
+//!   [`NUM_BLOCKS`] KV blocks (`--num-gpu-blocks-override`, so that the
+//!   trace's prompts fill the cache as a production engine's fill its
+//!   own), and vLLM's CPU API-server defaults for the step budget and the
+//!   running sequences ([`CHUNK_TOKENS`], [`MAX_SEQS`]) given explicitly,
+//!   so that the simulator is told the same.
+//! - **The profile**: `calibrate` measures every server side by side (they
+//!   share the machine's cores and memory bandwidth as they do under the
+//!   load), unless `--engine-profile` names one.
+//! - **Each load** (`--loads`, arrival-rate multipliers of the trace
+//!   slice): `replay` with the profile, once per policy (it is
+//!   deterministic); `serve` in front of the servers, `--rounds` times per
+//!   policy, each round on emptied prefix caches (vLLM's
+//!   `/reset_prefix_cache`, which its development mode serves) behind a
+//!   fresh router given the same profile, the requests sent open loop at
+//!   their arrival times; the hit rate from vLLM's own counters.
+//!
+//! The measured figures are the rounds' medians, shown with their spread;
+//! the targets ([`TTFT_P50_TOLERANCE`], [`TTFT_P90_TOLERANCE`],
+//! [`HIT_RATE_MARGIN`], policies in the same order by TTFT p90) are
+//! reported per load, met or not.
+
+use super::serve::{drive, interrupted, router_args, start_router};
+use super::{estimator_args, load_sessions, orders_agree, replay_side, twin_fleet};
+use super::{Figure, Side, TwinArgs};
+use crate::bench::versus::vllm_setup;
+use crate::calibrate::{calibrate, CalibrateArgs};
+use crate::engines::vllm::VllmWorker;
+use crate::loadgen::{self, Pacing};
+use crate::stats::{median, write_json};
+use anyhow::Context as _;
+use clap::Parser;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use switchyard_core::engine_profile::EngineProfile;
+use switchyard_core::select::PolicyKind;
+use switchyard_sim::fleet::FleetConfig;
+
+/// Tokens per KV block (vLLM's CPU backend takes multiples of 32).
+pub const BLOCK_SIZE: usize = 32;
+/// KV blocks per server: 32,768 tokens, eight of the slice's longest
+/// prompts.
+pub const NUM_BLOCKS: usize = 1024;
+/// The slice's longest prompt: two of vLLM's steps.
+pub const MAX_PROMPT_TOKENS: u32 = 4096;
+/// vLLM's step budget (`--max-num-batched-tokens`; its CPU API server's
+/// default), and the calibration's longest prompt.
+pub const CHUNK_TOKENS: usize = 2048;
+/// vLLM's running sequences (`--max-num-seqs`; its CPU API server's
+/// default).
+pub const MAX_SEQS: usize = 128;
+/// The default loads: light, and near the saturation of two CPU servers.
+pub const DEFAULT_LOADS: [f64; 2] = [2.0, 4.0];
+
+/// The target: predicted TTFT p50 within this relative error.
+pub const TTFT_P50_TOLERANCE: f64 = 0.15;
+/// The target: predicted TTFT p90 within this relative error.
+pub const TTFT_P90_TOLERANCE: f64 = 0.20;
+/// The target: predicted engine hit rate within this (absolute).
+pub const HIT_RATE_MARGIN: f64 = 0.03;
+
+/// One policy at one load: the prediction and every round measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Compared {
+    /// The simulator's figures.
+    pub predicted: Side,
+    /// Each round's figures.
+    pub rounds: Vec<Side>,
+    /// Each figure's median over the rounds.
+    pub measured: Side,
+    /// `(predicted − measured) / measured`, TTFT p50.
+    pub ttft_p50_error: f64,
+    /// The same, TTFT p90.
+    pub ttft_p90_error: f64,
+    /// `predicted − measured`, engine hit rate.
+    pub hit_rate_difference: f64,
+}
+
+/// Every policy at one load, and whether it met the targets.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoadReport {
+    /// The arrival-rate multiplier.
+    pub rate_scale: f64,
+    /// Requests sent.
+    pub requests: usize,
+    /// The last arrival, seconds after the first.
+    pub span_s: f64,
+    /// Per policy.
+    pub policies: BTreeMap<String, Compared>,
+    /// Policies by TTFT p90 in the same order on both sides (two within
+    /// `ORDER_TIE` a tie).
+    pub same_order_by_ttft_p90: bool,
+    /// Every policy within every tolerance, and the same order.
+    pub target_met: bool,
+}
+
+/// What `bench twin --engine vllm` writes to `--json`.
+#[derive(Debug, Serialize)]
+pub struct VllmTwinReport {
+    /// The profile the simulator ran with.
+    pub profile: EngineProfile,
+    /// Where it came from: calibrated side by side, or the file given.
+    pub profile_source: String,
+    /// The profile's file (what `replay --engine-profile` takes).
+    pub profile_path: PathBuf,
+    /// Per load.
+    pub loads: Vec<LoadReport>,
+    /// The fleet the simulator ran.
+    pub fleet: FleetConfig,
+    /// The arguments.
+    pub args: TwinArgs,
+    /// Wall-clock seconds of the whole benchmark.
+    pub wall_seconds: f64,
+}
+
+/// `(predicted − measured) / measured` (NaN when nothing was measured).
+pub fn relative_error(predicted: f64, measured: f64) -> f64 {
+    if measured == 0.0 {
+        f64::NAN
+    } else {
+        (predicted - measured) / measured
+    }
+}
+
+/// Each figure of `rounds` at its median (the counts summed).
+pub fn median_side(rounds: &[Side]) -> Side {
+    let of = |f: fn(&Side) -> f64| median(&rounds.iter().map(f).collect::<Vec<_>>());
+    Side {
+        hit_rate: of(|s| s.hit_rate),
+        ttft_p50_ms: of(|s| s.ttft_p50_ms),
+        ttft_p90_ms: of(|s| s.ttft_p90_ms),
+        ttft_mean_ms: of(|s| s.ttft_mean_ms),
+        itl_mean_ms: of(|s| s.itl_mean_ms),
+        itl_p50_ms: of(|s| s.itl_p50_ms),
+        e2e_p50_ms: of(|s| s.e2e_p50_ms),
+        e2e_p90_ms: of(|s| s.e2e_p90_ms),
+        completed: rounds.iter().map(|s| s.completed).sum(),
+        errors: rounds.iter().map(|s| s.errors).sum(),
+        transfers: 0,
+        transfer_bytes: 0,
+    }
+}
+
+/// Compares one policy's prediction with its rounds.
+pub fn compare(predicted: Side, rounds: Vec<Side>) -> Compared {
+    let measured = median_side(&rounds);
+    Compared {
+        ttft_p50_error: relative_error(predicted.ttft_p50_ms, measured.ttft_p50_ms),
+        ttft_p90_error: relative_error(predicted.ttft_p90_ms, measured.ttft_p90_ms),
+        hit_rate_difference: predicted.hit_rate - measured.hit_rate,
+        predicted,
+        rounds,
+        measured,
+    }
+}
+
+/// Whether `policies` met the targets: every one within each tolerance,
+/// and the same order by TTFT p90 on both sides; the order's agreement
+/// apart.
+pub fn targets(policies: &BTreeMap<String, Compared>) -> (bool, bool) {
+    let pairs: Vec<(&str, Side, Side)> = policies
+        .iter()
+        .map(|(n, c)| (n.as_str(), c.predicted, c.measured))
+        .collect();
+    let same_order = orders_agree(&pairs, Figure::TtftP90);
+    let within = !policies.is_empty()
+        && policies.values().all(|c| {
+            c.ttft_p50_error.abs() <= TTFT_P50_TOLERANCE
+                && c.ttft_p90_error.abs() <= TTFT_P90_TOLERANCE
+                && c.hit_rate_difference.abs() <= HIT_RATE_MARGIN
+        });
+    (within && same_order, same_order)
+}
+
+/// Checks what only the real-engine case needs.
+fn check(args: &TwinArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.workload.is_none() && args.disagg.is_none() && args.trace.is_none(),
+        "--engine vllm replays the bundled conversation trace, aggregated (no --workload, --disagg or --trace yet)"
+    );
+    anyhow::ensure!(
+        !args.replay_only,
+        "--replay-only has nothing to do with --engine vllm: run `replay --engine-profile`"
+    );
+    anyhow::ensure!(
+        args.loads().iter().all(|l| l.is_finite() && *l > 0.0),
+        "--loads must be positive"
+    );
+    anyhow::ensure!(
+        args.max_prompt_tokens() as usize + 1 < 8192,
+        "--max-prompt-tokens must leave room for an answer within the servers' 8,192 tokens"
+    );
+    Ok(())
+}
+
+impl TwinArgs {
+    /// `--loads`, else [`DEFAULT_LOADS`].
+    pub fn loads(&self) -> Vec<f64> {
+        if self.loads.is_empty() {
+            DEFAULT_LOADS.to_vec()
+        } else {
+            self.loads.clone()
+        }
+    }
+}
+
+/// The vLLM servers' flags besides the harness's own, for `num_blocks`
+/// KV blocks (what the tier's plan check starts its servers with too).
+pub fn server_flags(num_blocks: usize) -> Vec<String> {
+    [
+        ("--num-gpu-blocks-override", num_blocks.to_string()),
+        ("--max-num-batched-tokens", CHUNK_TOKENS.to_string()),
+        ("--max-num-seqs", MAX_SEQS.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(k, v)| [k.to_owned(), v])
+    .collect()
+}
+
+/// `calibrate`'s options for `urls`: its defaults, prompts up to one step.
+fn calibrate_args(urls: &[String], out: PathBuf) -> anyhow::Result<CalibrateArgs> {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: CalibrateArgs,
+    }
+    let mut argv = vec!["calibrate".to_owned()];
+    for url in urls {
+        argv.extend(["--worker".to_owned(), url.clone()]);
+    }
+    argv.extend([
+        "--max-prompt-tokens".to_owned(),
+        CHUNK_TOKENS.to_string(),
+        "--out".to_owned(),
+        out.display().to_string(),
+    ]);
+    Ok(Cli::try_parse_from(argv)?.args)
+}
+
+/// The simulator's fleet: the twin's, with the profile's timing and
+/// vLLM's step budget and sequence cap.
+fn fleet_with(args: &TwinArgs, profile: &EngineProfile) -> anyhow::Result<FleetConfig> {
+    let mut fleet = twin_fleet(args)?;
+    fleet.engine.timing = fleet.engine.timing.clone().with_profile(profile);
+    fleet.engine.max_num_batched_tokens = CHUNK_TOKENS;
+    fleet.engine.max_num_seqs = MAX_SEQS;
+    Ok(fleet)
+}
+
+/// Empties every server's prefix cache (vLLM's `/reset_prefix_cache`,
+/// served in its development mode: `VLLM_SERVER_DEV_MODE=1`).
+pub async fn reset_prefix_caches(urls: &[String]) -> anyhow::Result<()> {
+    use http_body_util::Full;
+    let client = loadgen::client();
+    for url in urls {
+        let request = hyper::Request::post(format!("{url}/reset_prefix_cache"))
+            .body(Full::new(bytes::Bytes::new()))?;
+        let response = client
+            .request(request)
+            .await
+            .with_context(|| format!("resetting {url}'s prefix cache"))?;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{url}/reset_prefix_cache answered {} (is vLLM in development mode?)",
+            response.status()
+        );
+    }
+    Ok(())
+}
+
+/// Runs `bench twin --engine vllm`.
+pub fn run(args: &TwinArgs) -> anyhow::Result<()> {
+    check(args)?;
+    let started = Instant::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let setup = vllm_setup()?;
+    let workers = args.workers();
+    eprintln!("starting {workers} vLLM servers (about a minute)");
+    let block_size = u32::try_from(args.block_size()).context("--block-size")?;
+    let servers: Vec<VllmWorker> = setup.start_workers(workers, "twin", &runtime, |o| {
+        o.block_size = block_size;
+        o.extra_args.extend(server_flags(args.num_blocks()));
+        o.extra_env
+            .push(("VLLM_SERVER_DEV_MODE".to_owned(), "1".to_owned()));
+    })?;
+    let urls: Vec<String> = servers.iter().map(|w| w.base.clone()).collect();
+    let specs: Vec<String> = servers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| w.worker_spec(&format!("v{i}")))
+        .collect();
+    let scratch = std::env::temp_dir().join("switchyard-twin-vllm");
+    std::fs::create_dir_all(&scratch)?;
+    let (profile_path, profile_source) = match &args.engine_profile {
+        Some(path) => (path.clone(), path.display().to_string()),
+        None => {
+            let path = scratch.join("engine.toml");
+            let calibration = runtime.block_on(calibrate(&calibrate_args(&urls, path.clone())?))?;
+            std::fs::write(&path, calibration.profile.to_toml())?;
+            println!("wrote {}", path.display());
+            (path, "calibrated side by side".to_owned())
+        }
+    };
+    let text = std::fs::read_to_string(&profile_path)
+        .with_context(|| format!("reading {}", profile_path.display()))?;
+    let profile =
+        EngineProfile::from_toml(&text).with_context(|| profile_path.display().to_string())?;
+    let fleet = fleet_with(args, &profile)?;
+    println!(
+        "bench twin --engine vllm: {workers} servers × {} blocks of {} tokens, step budget {CHUNK_TOKENS}, profile {profile_source}",
+        args.num_blocks(),
+        args.block_size()
+    );
+    let mut router_extra = vec![
+        "--engine-profile".to_owned(),
+        profile_path.display().to_string(),
+    ];
+    router_extra.extend(estimator_args(&fleet.dispatcher(0).estimator));
+    let mut loads = Vec::new();
+    for rate_scale in args.loads() {
+        let at = TwinArgs {
+            rate_scale: Some(rate_scale),
+            ..args.clone()
+        };
+        let sessions = load_sessions(&at)?.sessions;
+        let span_s = sessions.last().map_or(0.0, |s| s.arrival_ms) / 1e3;
+        println!(
+            "\nload ×{rate_scale}: {} requests over {span_s:.0} s",
+            sessions.len()
+        );
+        let mut policies = BTreeMap::new();
+        for &policy in &args.policies {
+            let predicted = replay_side(&fleet, policy, &sessions)?;
+            let (requests, arrivals) = loadgen::session_requests(&sessions, None)?;
+            let mut rounds = Vec::new();
+            for round in 0..args.rounds {
+                let side = runtime.block_on(async {
+                    tokio::select! {
+                        side = measure(policy, &at, &urls, &specs, &router_extra, requests.clone(), Pacing::Arrivals(arrivals.clone().into())) => side,
+                        () = interrupted() => Err(anyhow::anyhow!("interrupted: stopped the router and the vLLM servers")),
+                    }
+                })?;
+                println!(
+                    "  {:<12} round {}: hit {:.3}  TTFT p50 {:.1} p90 {:.1}  ITL p50 {:.1} ms  ({} errors)",
+                    policy.name(),
+                    round + 1,
+                    side.hit_rate,
+                    side.ttft_p50_ms,
+                    side.ttft_p90_ms,
+                    side.itl_p50_ms,
+                    side.errors
+                );
+                rounds.push(side);
+            }
+            let compared = compare(predicted, rounds);
+            print_compared(policy, &compared);
+            policies.insert(policy.name().to_owned(), compared);
+        }
+        let (target_met, same_order) = targets(&policies);
+        println!(
+            "  target at ×{rate_scale} (TTFT p50 within {:.0}%, p90 within {:.0}%, hit rate within {HIT_RATE_MARGIN}, the same order by TTFT p90): {}{}",
+            TTFT_P50_TOLERANCE * 100.0,
+            TTFT_P90_TOLERANCE * 100.0,
+            if target_met { "met" } else { "not met" },
+            if same_order { "" } else { " (the orders differ)" }
+        );
+        loads.push(LoadReport {
+            rate_scale,
+            requests: sessions.len(),
+            span_s,
+            policies,
+            same_order_by_ttft_p90: same_order,
+            target_met,
+        });
+    }
+    drop(servers);
+    let report = VllmTwinReport {
+        profile,
+        profile_source,
+        profile_path,
+        loads,
+        fleet,
+        args: args.clone(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// One round of one policy: emptied caches, a fresh router in front of the
+/// servers (`specs`: their `--worker` values, KV events included), the
+/// requests at their arrival times.
+async fn measure(
+    policy: PolicyKind,
+    args: &TwinArgs,
+    urls: &[String],
+    specs: &[String],
+    router_extra: &[String],
+    requests: Vec<loadgen::PreparedRequest>,
+    pacing: Pacing,
+) -> anyhow::Result<Side> {
+    reset_prefix_caches(urls).await?;
+    let mut flags = router_args(policy, args.block_size(), specs.iter().cloned(), false);
+    flags.extend(router_extra.iter().cloned());
+    let (router, base) = start_router(&flags)?;
+    let run = drive(&base, urls, urls, requests, pacing).await;
+    drop(router);
+    let run = run?;
+    Ok(Side::of_serve(&run.report, run.transfers))
+}
+
+fn print_compared(policy: PolicyKind, c: &Compared) {
+    let spread = |f: fn(&Side) -> f64| {
+        let values: Vec<f64> = c.rounds.iter().map(f).collect();
+        let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{lo:.1}–{hi:.1}")
+    };
+    println!(
+        "  {:<12} predicted/measured: TTFT p50 {:.1}/{:.1} ms ({:+.0}%, rounds {}), p90 {:.1}/{:.1} ms ({:+.0}%, rounds {}), ITL p50 {:.1}/{:.1} ms, e2e p90 {:.0}/{:.0} ms, hit {:.3}/{:.3} ({:+.3})",
+        policy.name(),
+        c.predicted.ttft_p50_ms,
+        c.measured.ttft_p50_ms,
+        c.ttft_p50_error * 100.0,
+        spread(|s| s.ttft_p50_ms),
+        c.predicted.ttft_p90_ms,
+        c.measured.ttft_p90_ms,
+        c.ttft_p90_error * 100.0,
+        spread(|s| s.ttft_p90_ms),
+        c.predicted.itl_p50_ms,
+        c.measured.itl_p50_ms,
+        c.predicted.e2e_p90_ms,
+        c.measured.e2e_p90_ms,
+        c.predicted.hit_rate,
+        c.measured.hit_rate,
+        c.hit_rate_difference
+    );
+}
