@@ -10,7 +10,6 @@
 //! bandwidth (CPU engines, several per machine) run slower side by side
 //! than alone, and a fleet's profile should say how they run in the fleet.
 //!
-//!
 //! - **Prefill**: time to first token of fresh prompts (`/v1/completions`
 //!   with token-id prompts drawn at random, so nothing is cached and the
 //!   count is exact on any tokenizer) at `--prompt-sizes` sizes spread
@@ -22,14 +21,18 @@
 //!   engine's scheduling). Keep the largest size within the engine's
 //!   chunk (its `max_num_batched_tokens`): a longer prompt is prefilled in
 //!   several steps, which the curve does not describe.
-//! - **Decode**: inter-token latency of `--decode-batch` requests decoding
-//!   together, at KV usages spread over `--usages` (prompt lengths chosen
-//!   from the engine's KV capacity), the usage read from the engine's own
-//!   gauge while they decode (`switchyard_wire::engine_metrics::
+//! - **Decode**: inter-token latency of requests decoding together, in
+//!   two sweeps: `--batch-sizes` requests of short prompts (the step
+//!   against the sequences it runs), and `--decode-batch` requests at KV
+//!   usages spread over `--usages` (prompt lengths chosen from the
+//!   engine's KV capacity). The usage is read from the engine's own gauge
+//!   while they decode (`switchyard_wire::engine_metrics::
 //!   kv_usage_fraction`: the sim-worker's, vLLM's, SGLang's) when it has
-//!   one; the middle half of each
-//!   stream's gaps (all requests decoding) averaged, and the median of the
-//!   repeats fitted as `a·u² + b·u + c` ms. The floor is half the fastest step measured.
+//!   one; the middle half of each stream's gaps (all requests decoding)
+//!   averaged; each point's medians over the repeats fitted together as
+//!   `a·u² + b·u + c + s·n` ms (`s`: the profile's
+//!   `decode_per_sequence_ms`), since a bigger batch holds more of the
+//!   cache too. The floor is half the fastest step measured.
 //! - **Capacity**: blocks and block size from the server information
 //!   (`/server_info`, `/get_server_info`: the sim-worker's, SGLang's) or vLLM's `vllm:cache_config_info`, else
 //!   `--num-blocks` and `--block-size`. A decode batch's prompts are kept
@@ -41,8 +44,7 @@
 //! path with `.svg`).
 //!
 //! Not measured yet: what a cached prefix saves (the model credits a hit
-//! as no prefill work) and decode's dependence on the batch size apart
-//! from the usage.
+//! as no prefill work).
 
 use crate::loadgen::{self, HttpClient, PreparedRequest};
 use crate::stats::median;

@@ -447,3 +447,157 @@ fn print_compared(policy: PolicyKind, c: &Compared) {
         c.hit_rate_difference
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> TwinArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: TwinArgs,
+        }
+        Cli::try_parse_from(std::iter::once(&"twin").chain(flags))
+            .unwrap()
+            .args
+    }
+
+    fn twin(flags: &[&str]) -> TwinArgs {
+        let mut all = vec!["--engine", "vllm"];
+        all.extend_from_slice(flags);
+        parse(&all)
+    }
+
+    fn side(ttft_p50_ms: f64, ttft_p90_ms: f64, hit_rate: f64) -> Side {
+        Side {
+            ttft_p50_ms,
+            ttft_p90_ms,
+            hit_rate,
+            completed: 100,
+            ..Side::default()
+        }
+    }
+
+    #[test]
+    fn the_real_engine_case_has_its_own_defaults() {
+        let a = twin(&[]);
+        assert_eq!((a.workers(), a.requests(), a.block_size()), (2, 100, 32));
+        assert_eq!(
+            (a.num_blocks(), a.max_prompt_tokens()),
+            (NUM_BLOCKS, MAX_PROMPT_TOKENS)
+        );
+        assert_eq!(a.loads(), DEFAULT_LOADS);
+        assert_eq!(a.rounds, 3);
+        check(&a).unwrap();
+        let given = twin(&["--workers", "3", "--loads", "1.5"]);
+        assert_eq!((given.workers(), given.loads()), (3, vec![1.5]));
+    }
+
+    #[test]
+    fn what_the_real_engine_case_does_not_run_is_refused() {
+        for flags in [
+            &["--workload", "agentic"][..],
+            &["--disagg", "1:1"],
+            &["--replay-only"],
+            &["--loads", "0"],
+            &["--max-prompt-tokens", "8192"],
+        ] {
+            assert!(check(&twin(flags)).is_err(), "{flags:?}");
+        }
+        // And the sim-worker case refuses the real engine's flags.
+        for flags in [&["--loads", "2"][..], &["--engine-profile", "p.toml"]] {
+            assert!(super::super::check(&parse(flags)).is_err(), "{flags:?}");
+        }
+    }
+
+    /// The simulator is told what the servers are started with: the
+    /// profile's curves, the KV blocks, vLLM's step budget and sequences.
+    #[test]
+    fn the_simulated_fleet_runs_the_servers_settings_on_the_profiles_clock() {
+        let profile = EngineProfile::from_toml(
+            "prefill = [4e-6, 0.014, 19.0]\ndecode = [18.0, -13.0, 23.0]\ndecode_floor_ms = 6.5\ndecode_per_sequence_ms = 0.5\n",
+        )
+        .unwrap();
+        let a = twin(&[]);
+        let fleet = fleet_with(&a, &profile).unwrap();
+        assert_eq!(fleet.workers, 2);
+        assert_eq!(fleet.engine.block_size, BLOCK_SIZE);
+        assert_eq!(fleet.engine.num_blocks, NUM_BLOCKS);
+        assert_eq!(fleet.engine.max_num_batched_tokens, CHUNK_TOKENS);
+        assert_eq!(fleet.engine.max_num_seqs, MAX_SEQS);
+        assert_eq!(fleet.engine.timing.prefill, profile.prefill);
+        assert_eq!(fleet.engine.timing.decode_per_sequence_ms, 0.5);
+        assert_eq!(fleet.engine.timing.speedup, 1.0, "the engines' own clock");
+        let estimator = fleet.dispatcher(0).estimator;
+        assert_eq!(estimator.chunk_tokens as usize, CHUNK_TOKENS);
+        assert_eq!(estimator.decode_per_sequence_ms, 0.5);
+        let flags = server_flags(NUM_BLOCKS).join(" ");
+        assert_eq!(
+            flags,
+            "--num-gpu-blocks-override 1024 --max-num-batched-tokens 2048 --max-num-seqs 128"
+        );
+    }
+
+    #[test]
+    fn the_calibration_measures_every_server_up_to_one_step() {
+        let urls = ["http://127.0.0.1:1".to_owned(), "http://127.0.0.1:2".to_owned()];
+        let c = calibrate_args(&urls, "p.toml".into()).unwrap();
+        assert_eq!(c.workers, urls);
+        assert_eq!(c.max_prompt_tokens, CHUNK_TOKENS);
+        assert_eq!(c.out, PathBuf::from("p.toml"));
+    }
+
+    #[test]
+    fn the_measured_figures_are_the_rounds_medians() {
+        let rounds = vec![
+            side(90.0, 180.0, 0.30),
+            side(80.0, 400.0, 0.32),
+            side(100.0, 170.0, 0.31),
+        ];
+        let c = compare(side(72.0, 150.0, 0.33), rounds);
+        assert_eq!(
+            (c.measured.ttft_p50_ms, c.measured.ttft_p90_ms),
+            (90.0, 180.0)
+        );
+        assert!((c.measured.hit_rate - 0.31).abs() < 1e-12);
+        assert_eq!(c.measured.completed, 300);
+        assert!((c.ttft_p50_error + 0.2).abs() < 1e-12);
+        assert!((c.ttft_p90_error + 1.0 / 6.0).abs() < 1e-12);
+        assert!((c.hit_rate_difference - 0.02).abs() < 1e-12);
+        assert!(relative_error(1.0, 0.0).is_nan());
+    }
+
+    #[test]
+    fn the_targets_need_every_tolerance_and_the_same_order() {
+        let mut policies = BTreeMap::new();
+        policies.insert(
+            "ttft".to_owned(),
+            compare(side(90.0, 170.0, 0.32), vec![side(100.0, 200.0, 0.31)]),
+        );
+        policies.insert(
+            "round-robin".to_owned(),
+            compare(side(95.0, 190.0, 0.30), vec![side(100.0, 220.0, 0.30)]),
+        );
+        assert_eq!(targets(&policies), (true, true));
+        // p50 16% under: missed, the order still the same.
+        policies.insert(
+            "ttft".to_owned(),
+            compare(side(84.0, 170.0, 0.32), vec![side(100.0, 200.0, 0.31)]),
+        );
+        assert_eq!(targets(&policies), (false, true));
+        // Within every tolerance but in the other order by p90.
+        policies.insert(
+            "ttft".to_owned(),
+            compare(side(90.0, 200.0, 0.32), vec![side(100.0, 180.0, 0.31)]),
+        );
+        assert_eq!(targets(&policies), (false, false));
+        // A hit rate off by more than 0.03.
+        policies.insert(
+            "ttft".to_owned(),
+            compare(side(90.0, 170.0, 0.36), vec![side(100.0, 200.0, 0.31)]),
+        );
+        assert!(!targets(&policies).0);
+        assert!(!targets(&BTreeMap::new()).0, "nothing measured, no claim");
+    }
+}
