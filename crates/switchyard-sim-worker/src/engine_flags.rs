@@ -293,6 +293,15 @@ impl EngineFlags {
     /// command sets beside its flags (KV events, an output vocabulary) is
     /// the command's and is not compared.
     pub fn describing(engine: &EngineConfig) -> Result<Self, String> {
+        Self::describing_profiled(engine, None)
+    }
+
+    /// [`Self::describing`] for an engine stepping on `profile`'s timing
+    /// (`--engine-profile`, whose curves no other flag carries).
+    pub fn describing_profiled(
+        engine: &EngineConfig,
+        profile: Option<ProfileArg>,
+    ) -> Result<Self, String> {
         let default = Self::defaults();
         let (architecture, checkpoints, max_checkpoints) = match &engine.hybrid {
             None => (
@@ -335,7 +344,7 @@ impl EngineFlags {
             max_buffered_events: engine.max_buffered_events,
             bytes_per_token: engine.timing.bytes_per_token,
             restore_bandwidth: engine.timing.restore_bandwidth_bytes_per_s,
-            engine_profile: None,
+            engine_profile: profile,
         };
         let mut back = flags.engine_config(EngineDefaults::sim_worker());
         back.emit_kv_events = engine.emit_kv_events;

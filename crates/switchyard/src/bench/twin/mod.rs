@@ -47,6 +47,7 @@ use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{
     self, mooncake_slice, AgentVocabulary, AgenticConfig, Session, TraceSlice, WorkloadLimits,
 };
+use switchyard_sim_worker::engine_flags::ProfileArg;
 
 /// Engine speed-up of the twin's fleet. With the default arrivals on 4
 /// workers, 1 (model time is wall time) is where the policies part: in the
@@ -146,8 +147,9 @@ pub struct TwinArgs {
     /// sides (`replay`'s default).
     #[arg(long, default_value_t = TransferConfig::default().latency_ms)]
     pub transfer_latency_ms: f64,
-    /// With `--engine vllm`: the profile to simulate the engines with,
-    /// instead of calibrating them side by side first.
+    /// The engines' timing (a profile `calibrate` wrote): with the
+    /// sim-workers, both sides step on it; with `--engine vllm`, the
+    /// simulator does, instead of calibrating the servers first.
     #[arg(long, value_name = "FILE")]
     pub engine_profile: Option<PathBuf>,
     /// With `--engine vllm`: the loads, as arrival-rate multipliers of the
@@ -453,6 +455,11 @@ fn replay_flags(args: &TwinArgs) -> Vec<String> {
         ("--kv-event-delay-ms", args.kv_event_delay_ms.to_string()),
     ]
     .into_iter()
+    .chain(
+        args.engine_profile
+            .iter()
+            .map(|path| ("--engine-profile", path.display().to_string())),
+    )
     .chain(args.disagg.into_iter().flat_map(|(p, d)| {
         [
             ("--disagg", format!("{p}:{d}")),
@@ -521,17 +528,41 @@ pub fn estimator_args(estimator: &EstimatorConfig) -> Vec<String> {
 }
 
 /// `switchyard sim-worker` flags that give an engine configured as
-/// `engine` (KV events on; endpoints are added by the caller): the engine
-/// flags' own inverse (`EngineFlags::describing`), which refuses settings
-/// the sim-worker has no flag for (timing polynomials, ...).
-pub fn sim_worker_args(engine: &EngineConfig) -> anyhow::Result<Vec<String>> {
+/// `engine` (KV events on; endpoints are added by the caller), stepping on
+/// `profile`'s timing when given: the engine flags' own inverse
+/// (`EngineFlags::describing_profiled`), which refuses settings the
+/// sim-worker has no flag for (timing polynomials outside a profile, ...).
+pub fn sim_worker_args(
+    engine: &EngineConfig,
+    profile: Option<&ProfileArg>,
+) -> anyhow::Result<Vec<String>> {
     anyhow::ensure!(
         engine.emit_kv_events,
         "the twin's engines publish KV events"
     );
-    let flags = switchyard_sim_worker::EngineFlags::describing(engine)
+    let flags = switchyard_sim_worker::EngineFlags::describing_profiled(engine, profile.cloned())
         .map_err(|why| anyhow::anyhow!("a sim-worker cannot run this engine: {why}"))?;
     Ok(flags.to_args())
+}
+
+/// `serve` flags that give the router the simulator's estimator: the
+/// profile (for the decode step and its per-sequence cost, which no
+/// other flag carries), then [`estimator_args`].
+fn router_estimator_args(fleet: &FleetConfig, profile: Option<&ProfileArg>) -> Vec<String> {
+    let mut args = Vec::new();
+    if let Some(p) = profile {
+        args.extend(["--engine-profile".to_owned(), p.path.display().to_string()]);
+    }
+    args.extend(estimator_args(&fleet.dispatcher(0).estimator));
+    args
+}
+
+/// `--engine-profile` read, for the sim-workers' case.
+fn sim_profile(args: &TwinArgs) -> anyhow::Result<Option<ProfileArg>> {
+    args.engine_profile
+        .as_deref()
+        .map(|path| ProfileArg::read(&path.display().to_string()).map_err(anyhow::Error::msg))
+        .transpose()
 }
 
 /// The slice both sides replay.
@@ -635,10 +666,7 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.workers() > 0, "--workers must be at least 1");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     if args.engine == Engine::Sim {
-        anyhow::ensure!(
-            args.engine_profile.is_none() && args.loads.is_empty(),
-            "--engine-profile and --loads go with --engine vllm"
-        );
+        anyhow::ensure!(args.loads.is_empty(), "--loads goes with --engine vllm");
     }
     anyhow::ensure!(
         args.speedup.is_finite() && args.speedup > 0.0,
@@ -711,6 +739,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         return vllm::run(&args);
     }
     let started = Instant::now();
+    let profile = sim_profile(&args)?;
     let fleet = twin_fleet(&args)?;
     let load = load_sessions(&args)?;
     let (trace, sessions) = (load.name.clone(), &load.sessions);
@@ -769,7 +798,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     let mut health = BTreeMap::new();
     if !args.replay_only {
         let (requests, pacing) = serve_load(&args, &load)?;
-        let mut worker_args = sim_worker_args(&fleet.engine)?;
+        let mut worker_args = sim_worker_args(&fleet.engine, profile.as_ref())?;
         if let Some(disagg) = &fleet.disagg {
             worker_args.extend(sim_worker_disagg_args(disagg)?);
         }
@@ -778,7 +807,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             prefill_workers: fleet.disagg.as_ref().map(|d| d.prefill_workers),
             block_size: fleet.engine.block_size,
             worker_args,
-            router_args: estimator_args(&fleet.dispatcher(0).estimator),
+            router_args: router_estimator_args(&fleet, profile.as_ref()),
             requests,
             pacing,
             span_s,
@@ -903,6 +932,21 @@ mod tests {
             .args
     }
 
+    /// A profile of non-default timing, per-sequence cost included, in a
+    /// file (its path).
+    fn profile_file() -> String {
+        let path = std::env::temp_dir().join(format!(
+            "switchyard-twin-profile-{}.toml",
+            std::process::id()
+        ));
+        std::fs::write(
+            &path,
+            "prefill = [2e-6, 0.03, 40.0]\ndecode = [-5.0, 20.0, 9.0]\ndecode_floor_ms = 2.0\ndecode_per_sequence_ms = 0.4\nblock_size = 16\nnum_blocks = 512\n",
+        )
+        .unwrap();
+        path.display().to_string()
+    }
+
     fn side(hit_rate: f64, ttft_p90_ms: f64) -> Side {
         Side {
             hit_rate,
@@ -957,10 +1001,17 @@ mod tests {
             #[command(flatten)]
             args: switchyard_server::ServeArgs,
         }
-        for extra in [&[][..], &["--no-prefill-fit"][..]] {
-            let fleet = twin_fleet(&args(extra)).unwrap();
+        let profile = profile_file();
+        for extra in [
+            &[][..],
+            &["--no-prefill-fit"][..],
+            &["--engine-profile", &profile][..],
+        ] {
+            let a = args(extra);
+            let profile = sim_profile(&a).unwrap();
+            let fleet = twin_fleet(&a).unwrap();
             let expected = fleet.dispatcher(0).estimator;
-            let flags = estimator_args(&expected);
+            let flags = router_estimator_args(&fleet, profile.as_ref());
             let serve =
                 Serve::try_parse_from(std::iter::once("serve".to_owned()).chain(flags)).unwrap();
             assert_eq!(serve.args.to_config().unwrap().estimator, expected);
@@ -977,10 +1028,17 @@ mod tests {
             #[command(flatten)]
             args: SimWorkerArgs,
         }
-        for flags in [&[][..], &["--block-size", "16", "--num-blocks", "4096"][..]] {
-            let fleet = twin_fleet(&args(flags)).unwrap();
+        let profile = profile_file();
+        for flags in [
+            &[][..],
+            &["--block-size", "16", "--num-blocks", "4096"][..],
+            &["--engine-profile", &profile, "--num-blocks", "2048"][..],
+        ] {
+            let a = args(flags);
+            let profile = sim_profile(&a).unwrap();
+            let fleet = twin_fleet(&a).unwrap();
             let mut argv = vec!["sim-worker".to_owned()];
-            argv.extend(sim_worker_args(&fleet.engine).unwrap());
+            argv.extend(sim_worker_args(&fleet.engine, profile.as_ref()).unwrap());
             argv.extend(["--kv-events".to_owned(), "tcp://127.0.0.1:*".to_owned()]);
             let parsed = Cli::try_parse_from(argv).unwrap().args;
             assert_eq!(parsed.engine_config(), fleet.engine);
@@ -1003,7 +1061,7 @@ mod tests {
     fn a_custom_timing_polynomial_is_refused_rather_than_silently_dropped() {
         let mut engine = twin_fleet(&args(&[])).unwrap().engine;
         engine.timing.decode = [0.0, 0.0, 2.0];
-        assert!(sim_worker_args(&engine).is_err());
+        assert!(sim_worker_args(&engine, None).is_err());
     }
 
     #[test]
@@ -1089,7 +1147,7 @@ mod tests {
             let fleet = twin_fleet(&args(flags)).unwrap();
             let disagg = fleet.disagg.unwrap();
             let mut argv = vec!["sim-worker".to_owned()];
-            argv.extend(sim_worker_args(&fleet.engine).unwrap());
+            argv.extend(sim_worker_args(&fleet.engine, None).unwrap());
             argv.extend(sim_worker_disagg_args(&disagg).unwrap());
             argv.extend(["--kv-events".to_owned(), "tcp://127.0.0.1:*".to_owned()]);
             let parsed = Cli::try_parse_from(argv).unwrap().args;
