@@ -687,6 +687,35 @@ mod tests {
     }
 
     #[test]
+    fn each_running_sequence_adds_its_cost_to_both_steps_before_the_first_token() {
+        let config = EstimatorConfig {
+            speedup: 2.0,
+            decode_per_sequence_ms: 0.5,
+            ..EstimatorConfig::default()
+        };
+        let without = EstimatorConfig {
+            decode_per_sequence_ms: 0.0,
+            ..config
+        };
+        // Eight sequences: 4 model ms a step, 2 wall ms; half of it in
+        // the step under way, all of it in the prefill's step.
+        assert_eq!(config.sequences_model_ms(8), 2.0);
+        let added =
+            config.first_token_model_ms(1000, 8, 0.3) - without.first_token_model_ms(1000, 8, 0.3);
+        assert!((added - 3.0).abs() < 1e-12, "{added}");
+        assert_eq!(
+            config.first_token_model_ms(1000, 0, 0.0),
+            without.first_token_model_ms(1000, 0, 0.0),
+            "an idle worker runs none"
+        );
+        let bad = EstimatorConfig {
+            decode_per_sequence_ms: -1.0,
+            ..config
+        };
+        assert_eq!(bad.validate(), Err(EstimatorConfigError::DecodeCurve));
+    }
+
+    #[test]
     fn a_busier_worker_of_the_same_speed_is_not_learned_as_slower() {
         // Two workers of the model's speed with 20 ms of overhead; one runs
         // nothing when its samples are taken, the other eight requests

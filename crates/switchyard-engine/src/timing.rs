@@ -275,6 +275,37 @@ mod tests {
     }
 
     #[test]
+    fn each_decoding_sequence_adds_its_cost_to_a_step_with_or_without_a_prefill() {
+        let t = TimingConfig {
+            decode_per_sequence_ms: 0.5,
+            ..TimingConfig::default()
+        };
+        let plain = TimingConfig::default();
+        let decode = StepShape {
+            decode_tokens: 10,
+            kv_used_blocks: 30,
+            kv_total_blocks: 100,
+            ..StepShape::default()
+        };
+        assert!((t.step_ms(&decode) - plain.step_ms(&decode) - 5.0).abs() < 1e-12);
+        let mixed = StepShape {
+            prefill_tokens: 512,
+            ..decode
+        };
+        assert!((t.step_ms(&mixed) - plain.step_ms(&mixed) - 5.0).abs() < 1e-12);
+        let prefill = StepShape {
+            prefill_tokens: 512,
+            ..StepShape::default()
+        };
+        assert_eq!(t.step_ms(&prefill), plain.step_ms(&prefill));
+        let bad = TimingConfig {
+            decode_per_sequence_ms: f64::NAN,
+            ..TimingConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
     fn restore_of_a_million_tokens_at_defaults_takes_about_two_seconds() {
         let t = TimingConfig::default();
         let ms = t.restore_ms(1_000_000);
