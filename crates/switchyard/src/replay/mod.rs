@@ -307,6 +307,12 @@ pub struct ReplayArgs {
     /// With `--plan`: the largest fleet tried.
     #[arg(long, default_value_t = 64)]
     pub max_workers: usize,
+    /// With `--plan`: plan again at these multiples of the rate
+    /// (comma-separated, e.g. 1,2,4: today's traffic, twice it, four
+    /// times); one table each, and the fleet needed against the rate in
+    /// plan-rates.svg.
+    #[arg(long, value_delimiter = ',', requires = "plan")]
+    pub plan_rates: Vec<f64>,
     /// No progress output on stderr.
     #[arg(long)]
     pub quiet: bool,

@@ -8,7 +8,10 @@
 //! then tries the sizes between the last miss and that one from the
 //! smallest up, `--threads` simulations at a time, and stops at the first
 //! that meets them. Every size simulated is in the table, `plan.json` and
-//! `plan.svg` (each target's figure against the fleet size).
+//! `plan.svg` (each target's figure against the fleet size). With
+//! `--plan-rates`, the search runs again at each multiple of the rate:
+//! a table each, `plan.json`'s `rates`, and `plan-rates.svg` (the fleet
+//! needed against the rate).
 
 use super::{run_all, workload_name, ReplayArgs, WorkloadSource};
 use plotters::prelude::*;
@@ -72,7 +75,23 @@ pub struct PlanRow {
     pub met: bool,
 }
 
-/// What `plan.json` holds.
+/// One rate's search.
+#[derive(Clone, Debug, Serialize)]
+pub struct RatePlan {
+    /// The multiple of `--rate-scale` (1: the rate itself).
+    pub multiple: f64,
+    /// The arrival-rate multiplier simulated.
+    pub rate_scale: f64,
+    /// The smallest fleet that met the targets (`None`: none up to the cap).
+    pub workers: Option<usize>,
+    /// Every size simulated, smallest first.
+    pub rows: Vec<PlanRow>,
+    /// Seconds of search.
+    pub seconds: f64,
+}
+
+/// What `plan.json` holds: the first rate's plan at the top (as without
+/// `--plan-rates`), every rate's in `rates`.
 #[derive(Debug, Serialize)]
 struct Plan<'a> {
     workload: String,
@@ -83,6 +102,7 @@ struct Plan<'a> {
     workers: Option<usize>,
     rows: &'a [PlanRow],
     seconds: f64,
+    rates: &'a [RatePlan],
 }
 
 /// Runs the search and writes its figures.
@@ -95,12 +115,68 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
         "--plan sizes aggregated fleets behind one router: not with --disagg or --replicas"
     );
     anyhow::ensure!(args.max_workers >= 1, "--max-workers must be positive");
-    let started = Instant::now();
+    anyhow::ensure!(
+        args.plan_rates.iter().all(|m| m.is_finite() && *m > 0.0),
+        "--plan-rates must be positive multiples"
+    );
     let policy = args
         .policies
         .first()
         .copied()
         .unwrap_or(PolicyKind::DEFAULT);
+    let multiples = if args.plan_rates.is_empty() {
+        vec![1.0]
+    } else {
+        args.plan_rates.clone()
+    };
+    let mut plans = Vec::with_capacity(multiples.len());
+    for multiple in multiples {
+        let mut at = args.clone();
+        at.rate_scale = Some(args.rate_scale() * multiple);
+        let plan = search(&at, source, fleet, policy, &slo, multiple)?;
+        print_plan(&at, policy, &slo, &plan);
+        plans.push(plan);
+    }
+    let first = &plans[0];
+    std::fs::create_dir_all(&args.out)?;
+    let json = args.out.join("plan.json");
+    crate::stats::write_json(
+        &json,
+        &Plan {
+            workload: workload_name(args),
+            rate_scale: first.rate_scale,
+            policy,
+            slo,
+            workers: first.workers,
+            rows: &first.rows,
+            seconds: first.seconds,
+            rates: &plans,
+        },
+    )?;
+    println!("wrote {}", json.display());
+    let svg = args.out.join("plan.svg");
+    draw(&svg, &slo, &first.rows)
+        .map_err(|e| anyhow::anyhow!("plotting {}: {e}", svg.display()))?;
+    println!("wrote {}", svg.display());
+    if plans.len() > 1 {
+        let svg = args.out.join("plan-rates.svg");
+        draw_rates(&svg, args.max_workers, &plans)
+            .map_err(|e| anyhow::anyhow!("plotting {}: {e}", svg.display()))?;
+        println!("wrote {}", svg.display());
+    }
+    Ok(())
+}
+
+/// The search at `args`'s rate (see the module documentation).
+fn search(
+    args: &ReplayArgs,
+    source: &WorkloadSource,
+    fleet: &FleetConfig,
+    policy: PolicyKind,
+    slo: &Slo,
+    multiple: f64,
+) -> anyhow::Result<RatePlan> {
+    let started = Instant::now();
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -165,38 +241,17 @@ pub fn run(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> a
         }
     }
     let rows: Vec<PlanRow> = rows.into_values().collect();
-    let workers = rows.iter().find(|r| r.met).map(|r| r.workers);
-    let seconds = started.elapsed().as_secs_f64();
-    print_plan(args, policy, &slo, &rows, workers, seconds);
-    std::fs::create_dir_all(&args.out)?;
-    let json = args.out.join("plan.json");
-    crate::stats::write_json(
-        &json,
-        &Plan {
-            workload: workload_name(args),
-            rate_scale: args.rate_scale(),
-            policy,
-            slo,
-            workers,
-            rows: &rows,
-            seconds,
-        },
-    )?;
-    println!("wrote {}", json.display());
-    let svg = args.out.join("plan.svg");
-    draw(&svg, &slo, &rows).map_err(|e| anyhow::anyhow!("plotting {}: {e}", svg.display()))?;
-    println!("wrote {}", svg.display());
-    Ok(())
+    Ok(RatePlan {
+        multiple,
+        rate_scale: args.rate_scale(),
+        workers: rows.iter().find(|r| r.met).map(|r| r.workers),
+        rows,
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }
 
-fn print_plan(
-    args: &ReplayArgs,
-    policy: PolicyKind,
-    slo: &Slo,
-    rows: &[PlanRow],
-    workers: Option<usize>,
-    seconds: f64,
-) {
+fn print_plan(args: &ReplayArgs, policy: PolicyKind, slo: &Slo, plan: &RatePlan) {
+    let (rows, workers, seconds) = (&plan.rows, plan.workers, plan.seconds);
     println!(
         "plan for {} at rate ×{}, policy {}: TTFT p90 ≤ {} ms{}",
         workload_name(args),
@@ -228,6 +283,53 @@ fn print_plan(
             args.max_workers
         ),
     }
+}
+
+/// The fleet needed against the rate: one point per multiple; a rate no
+/// fleet up to the cap met is drawn at the cap, hollow.
+fn draw_rates(
+    path: &std::path::Path,
+    max_workers: usize,
+    plans: &[RatePlan],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max_x = plans.iter().map(|p| p.rate_scale).fold(0.0, f64::max) * 1.1;
+    let max_y = plans
+        .iter()
+        .map(|p| p.workers.unwrap_or(max_workers))
+        .max()
+        .unwrap_or(1) as f64
+        + 1.0;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "workers needed against the arrival rate",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_x.max(1e-9), 0.0..max_y)?;
+    chart
+        .configure_mesh()
+        .x_desc("arrival-rate multiplier")
+        .y_desc("smallest fleet that meets the targets")
+        .draw()?;
+    let blue = RGBColor(31, 119, 180);
+    let met: Vec<(f64, f64)> = plans
+        .iter()
+        .filter_map(|p| p.workers.map(|n| (p.rate_scale, n as f64)))
+        .collect();
+    chart.draw_series(LineSeries::new(met.clone(), blue.stroke_width(2)))?;
+    chart.draw_series(met.into_iter().map(|p| Circle::new(p, 4, blue.filled())))?;
+    chart.draw_series(
+        plans
+            .iter()
+            .filter(|p| p.workers.is_none())
+            .map(|p| Circle::new((p.rate_scale, max_workers as f64), 4, blue.stroke_width(2))),
+    )?;
+    root.present()?;
+    Ok(())
 }
 
 /// A line of the plot: its name, its points and its colour.

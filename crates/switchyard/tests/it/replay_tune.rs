@@ -117,10 +117,11 @@ async fn replay_with_data_parallel_ranks_runs_each_policy_aware_and_blind() {
 /// `replay --plan`: the smallest fleet that met the target is named in
 /// `plan.json`, it met it, the size below it (simulated) missed it, and
 /// the plot is written.
-#[tokio::test]
-async fn replay_plan_names_the_smallest_fleet_that_meets_the_slo() {
-    let _machine = machine().await;
-    let out_dir = std::env::temp_dir().join(format!("switchyard-plan-{}", std::process::id()));
+/// `replay --plan --slo ttft_p90=500` on the bundled trace's first 400
+/// requests with `extra` flags, into a fresh directory named after `name`:
+/// the directory, what it printed, and `plan.json`.
+fn plan_run(name: &str, extra: &[&str]) -> (std::path::PathBuf, String, serde_json::Value) {
+    let out_dir = std::env::temp_dir().join(format!("switchyard-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out_dir);
     let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args([
@@ -131,19 +132,26 @@ async fn replay_plan_names_the_smallest_fleet_that_meets_the_slo() {
             "--threads",
             "2",
         ])
-        .args(["--plan", "--slo", "ttft_p90=500", "--max-workers", "16"])
+        .args(["--plan", "--slo", "ttft_p90=500"])
+        .args(extra)
         .arg("--out")
         .arg(&out_dir)
         .output()
         .expect("switchyard replay runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "replay --plan failed: {stdout}\n{}",
+        "replay --plan {extra:?} failed: {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let plan: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out_dir.join("plan.json")).unwrap()).unwrap();
+    let plan = serde_json::from_slice(&std::fs::read(out_dir.join("plan.json")).unwrap()).unwrap();
+    (out_dir, stdout, plan)
+}
+
+#[tokio::test]
+async fn replay_plan_names_the_smallest_fleet_that_meets_the_slo() {
+    let _machine = machine().await;
+    let (out_dir, stdout, plan) = plan_run("plan", &["--max-workers", "16"]);
     let rows = plan["rows"].as_array().expect("rows");
     let met = |n: u64| {
         rows.iter()
@@ -170,5 +178,43 @@ async fn replay_plan_names_the_smallest_fleet_that_meets_the_slo() {
     assert!(stdout.contains(&format!("smallest fleet that meets it: {n} workers")));
     let svg = std::fs::read_to_string(out_dir.join("plan.svg")).unwrap();
     assert!(svg.contains("SLO attainment against fleet size"));
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
+
+/// `replay --plan --plan-rates`: a search per multiple of the rate, the
+/// first at the top of `plan.json` as without the flag, each in `rates`;
+/// more traffic never needs fewer workers; and the fleet needed against
+/// the rate is drawn.
+#[tokio::test]
+async fn replay_plan_at_several_rates_needs_no_fewer_workers_for_more_traffic() {
+    let _machine = machine().await;
+    let (out_dir, stdout, plan) = plan_run("plan-rates", &["--plan-rates", "0.5,1,2"]);
+    let rates = plan["rates"].as_array().expect("rates");
+    let multiples: Vec<f64> = rates
+        .iter()
+        .map(|r| r["multiple"].as_f64().unwrap())
+        .collect();
+    assert_eq!(multiples, [0.5, 1.0, 2.0]);
+    let base = plan["rate_scale"].as_f64().unwrap();
+    for r in rates {
+        let expected = base * r["multiple"].as_f64().unwrap() / 0.5;
+        assert!(
+            (r["rate_scale"].as_f64().unwrap() - expected).abs() < 1e-9,
+            "{r}"
+        );
+    }
+    assert_eq!(plan["workers"], rates[0]["workers"], "the first at the top");
+    let needed: Vec<u64> = rates
+        .iter()
+        .map(|r| r["workers"].as_u64().expect("each rate met by some fleet"))
+        .collect();
+    assert!(needed.windows(2).all(|w| w[0] <= w[1]), "{needed:?}");
+    assert!(
+        needed[2] > needed[0],
+        "four times the traffic needs more: {needed:?}"
+    );
+    assert_eq!(stdout.matches("smallest fleet that meets it").count(), 3);
+    let svg = std::fs::read_to_string(out_dir.join("plan-rates.svg")).unwrap();
+    assert!(svg.contains("workers needed against the arrival rate"));
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
