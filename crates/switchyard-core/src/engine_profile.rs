@@ -161,19 +161,25 @@ pub fn fit_quadratic(points: &[(f64, f64)]) -> Option<([f64; 3], CurveFit)> {
 
 /// How well `eval` describes `points` (x within `range`).
 fn curve_fit(points: &[(f64, f64)], range: (f64, f64), eval: impl Fn(f64) -> f64) -> CurveFit {
+    let residuals: Vec<(f64, f64)> = points.iter().map(|&(x, y)| (eval(x) - y, y)).collect();
+    residual_fit(&residuals, range)
+}
+
+/// The fit of `residuals` (`(modeled − measured, measured)` per sample),
+/// x within `range`.
+fn residual_fit(residuals: &[(f64, f64)], range: (f64, f64)) -> CurveFit {
     let (mut squares, mut worst) = (0.0, 0.0f64);
-    for &(x, y) in points {
-        let r = eval(x) - y;
+    for &(r, y) in residuals {
         squares += r * r;
         if y != 0.0 {
             worst = worst.max((r / y).abs());
         }
     }
     CurveFit {
-        samples: points.len(),
+        samples: residuals.len(),
         x_min: range.0,
         x_max: range.1,
-        rms_error_ms: (squares / points.len() as f64).sqrt(),
+        rms_error_ms: (squares / residuals.len() as f64).sqrt(),
         max_relative_error: worst,
     }
 }
@@ -272,22 +278,7 @@ pub fn fit_decode(samples: &[(f64, f64, f64)]) -> Option<DecodeFit> {
         .iter()
         .map(|&(u, n, y)| (eval(u, n) - y, y))
         .collect();
-    let fit_over = |range: (f64, f64)| {
-        let (mut squares, mut worst) = (0.0, 0.0f64);
-        for &(r, y) in &residuals {
-            squares += r * r;
-            if y != 0.0 {
-                worst = worst.max((r / y).abs());
-            }
-        }
-        CurveFit {
-            samples: samples.len(),
-            x_min: range.0,
-            x_max: range.1,
-            rms_error_ms: (squares / samples.len() as f64).sqrt(),
-            max_relative_error: worst,
-        }
-    };
+    let fit_over = |range: (f64, f64)| residual_fit(&residuals, range);
     Some(DecodeFit {
         curve,
         per_sequence_ms,

@@ -493,23 +493,30 @@ fn each(
     bases.iter().map(|b| (b.clone(), make())).collect()
 }
 
+/// One engine's answer: its base URL and the request's timing (time to
+/// first token and the gaps, ms), `None` when it failed.
+type Answer = (String, Option<(f64, Vec<f64>)>);
+
 /// Sends each request to its engine at once; the answers (time to first
 /// token and the gaps, ms) in the same order.
-async fn at_once(
-    client: &HttpClient,
-    requests: &[(String, PreparedRequest)],
-) -> Vec<(String, Option<(f64, Vec<f64>)>)> {
-    let answers = futures_util::future::join_all(
-        requests
-            .iter()
-            .map(|(base, request)| loadgen::timed(client, base, request)),
-    )
-    .await;
-    requests
+async fn at_once(client: &HttpClient, requests: &[(String, PreparedRequest)]) -> Vec<Answer> {
+    // Each on a task of its own, so that a batch's streams are read in
+    // parallel (their gaps are what is measured).
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, (base, request)) in requests.iter().enumerate() {
+        let (client, base, request) = (client.clone(), base.clone(), request.clone());
+        tasks.spawn(async move { (i, loadgen::timed(&client, &base, &request).await) });
+    }
+    let mut answers: Vec<Answer> = requests
         .iter()
-        .map(|(base, _)| base.clone())
-        .zip(answers)
-        .collect()
+        .map(|(base, _)| (base.clone(), None))
+        .collect();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((i, answer)) = joined {
+            answers[i].1 = answer;
+        }
+    }
+    answers
 }
 
 /// A decode batch's shape: how many requests, each with a prompt of how
@@ -572,11 +579,13 @@ async fn decode_point(
         }
     });
     let started = std::time::Instant::now();
-    let answers = futures_join(client, base, &requests).await;
+    let batch: Vec<(String, PreparedRequest)> =
+        requests.into_iter().map(|r| (base.to_owned(), r)).collect();
+    let answers = at_once(client, &batch).await;
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let seen = sampler.await.unwrap_or_default();
     let (mut gaps, mut last_first_token_ms) = (Vec::new(), 0.0f64);
-    for answer in answers {
+    for (_, answer) in answers {
         let (ttft, itl) = answer.context("a request failed")?;
         last_first_token_ms = last_first_token_ms.max(ttft);
         let quarter = itl.len() / 4;
@@ -596,31 +605,11 @@ async fn decode_point(
         .map(|(_, u)| u)
         .collect();
     let usage = if held.is_empty() {
-        (requests.len() * (prompt + args.decode_tokens / 2)) as f64 / capacity as f64
+        (batch.len() * (prompt + args.decode_tokens / 2)) as f64 / capacity as f64
     } else {
         median(&held)
     };
     Ok((usage, itl))
-}
-
-/// Sends `requests` at once and waits for every answer.
-async fn futures_join(
-    client: &HttpClient,
-    base: &str,
-    requests: &[PreparedRequest],
-) -> Vec<Option<(f64, Vec<f64>)>> {
-    let mut tasks = tokio::task::JoinSet::new();
-    for (i, request) in requests.iter().enumerate() {
-        let (client, base, request) = (client.clone(), base.to_owned(), request.clone());
-        tasks.spawn(async move { (i, loadgen::timed(&client, &base, &request).await) });
-    }
-    let mut answers = vec![None; requests.len()];
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok((i, answer)) = joined {
-            answers[i] = answer;
-        }
-    }
-    answers
 }
 
 /// A streamed completion of a fresh random prompt of `tokens` token ids,

@@ -548,10 +548,10 @@ pub fn sim_worker_args(
 /// `serve` flags that give the router the simulator's estimator: the
 /// profile (for the decode step and its per-sequence cost, which no
 /// other flag carries), then [`estimator_args`].
-fn router_estimator_args(fleet: &FleetConfig, profile: Option<&ProfileArg>) -> Vec<String> {
+fn router_estimator_args(fleet: &FleetConfig, profile: Option<&std::path::Path>) -> Vec<String> {
     let mut args = Vec::new();
-    if let Some(p) = profile {
-        args.extend(["--engine-profile".to_owned(), p.path.display().to_string()]);
+    if let Some(path) = profile {
+        args.extend(["--engine-profile".to_owned(), path.display().to_string()]);
     }
     args.extend(estimator_args(&fleet.dispatcher(0).estimator));
     args
@@ -807,7 +807,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             prefill_workers: fleet.disagg.as_ref().map(|d| d.prefill_workers),
             block_size: fleet.engine.block_size,
             worker_args,
-            router_args: router_estimator_args(&fleet, profile.as_ref()),
+            router_args: router_estimator_args(&fleet, profile.as_ref().map(|p| p.path.as_path())),
             requests,
             pacing,
             span_s,
@@ -1011,7 +1011,7 @@ mod tests {
             let profile = sim_profile(&a).unwrap();
             let fleet = twin_fleet(&a).unwrap();
             let expected = fleet.dispatcher(0).estimator;
-            let flags = router_estimator_args(&fleet, profile.as_ref());
+            let flags = router_estimator_args(&fleet, profile.as_ref().map(|p| p.path.as_path()));
             let serve =
                 Serve::try_parse_from(std::iter::once("serve".to_owned()).chain(flags)).unwrap();
             assert_eq!(serve.args.to_config().unwrap().estimator, expected);

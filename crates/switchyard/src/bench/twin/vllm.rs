@@ -25,7 +25,10 @@
 //! reported per load, met or not.
 
 use super::serve::{drive, interrupted, router_args, start_router};
-use super::{estimator_args, load_sessions, orders_agree, replay_side, twin_fleet};
+use super::{
+    load_sessions, orders_agree, relative_difference, replay_side, router_estimator_args,
+    twin_fleet,
+};
 use super::{Figure, Side, TwinArgs};
 use crate::bench::versus::vllm_setup;
 use crate::calibrate::{calibrate, CalibrateArgs};
@@ -119,15 +122,6 @@ pub struct VllmTwinReport {
     pub wall_seconds: f64,
 }
 
-/// `(predicted − measured) / measured` (NaN when nothing was measured).
-pub fn relative_error(predicted: f64, measured: f64) -> f64 {
-    if measured == 0.0 {
-        f64::NAN
-    } else {
-        (predicted - measured) / measured
-    }
-}
-
 /// Each figure of `rounds` at its median (the counts summed).
 pub fn median_side(rounds: &[Side]) -> Side {
     let of = |f: fn(&Side) -> f64| median(&rounds.iter().map(f).collect::<Vec<_>>());
@@ -151,8 +145,10 @@ pub fn median_side(rounds: &[Side]) -> Side {
 pub fn compare(predicted: Side, rounds: Vec<Side>) -> Compared {
     let measured = median_side(&rounds);
     Compared {
-        ttft_p50_error: relative_error(predicted.ttft_p50_ms, measured.ttft_p50_ms),
-        ttft_p90_error: relative_error(predicted.ttft_p90_ms, measured.ttft_p90_ms),
+        // `(predicted − measured) / measured`: the measured side is the
+        // reference here.
+        ttft_p50_error: relative_difference(measured.ttft_p50_ms, predicted.ttft_p50_ms),
+        ttft_p90_error: relative_difference(measured.ttft_p90_ms, predicted.ttft_p90_ms),
         hit_rate_difference: predicted.hit_rate - measured.hit_rate,
         predicted,
         rounds,
@@ -319,11 +315,7 @@ pub fn run(args: &TwinArgs) -> anyhow::Result<()> {
         args.num_blocks(),
         args.block_size()
     );
-    let mut router_extra = vec![
-        "--engine-profile".to_owned(),
-        profile_path.display().to_string(),
-    ];
-    router_extra.extend(estimator_args(&fleet.dispatcher(0).estimator));
+    let router_extra = router_estimator_args(&fleet, Some(&profile_path));
     let mut loads = Vec::new();
     for rate_scale in args.loads() {
         let at = TwinArgs {
@@ -566,7 +558,7 @@ mod tests {
         assert!((c.ttft_p50_error + 0.2).abs() < 1e-12);
         assert!((c.ttft_p90_error + 1.0 / 6.0).abs() < 1e-12);
         assert!((c.hit_rate_difference - 0.02).abs() < 1e-12);
-        assert!(relative_error(1.0, 0.0).is_nan());
+        assert!(relative_difference(0.0, 1.0).is_nan(), "nothing measured");
     }
 
     #[test]
