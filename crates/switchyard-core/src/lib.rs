@@ -44,7 +44,8 @@
 //!   first token, finish, abort, migrate, tick, KV events, peers' batches)
 //!   that return the driver's [`dispatch::Effects`]; a disaggregated
 //!   request's two halves too (`submit_split`, `handed_over`,
-//!   `redo_prefill`, [`dispatch::recovery`]). The server and the
+//!   `redo_prefill`, [`dispatch::recovery`]) and what a failed attempt
+//!   becomes ([`dispatch::failure`]: moved, resumed or given up). The server and the
 //!   simulator are its two drivers.
 //!
 //! Data flow for one request: the driver hashes the prompt (`hashing`) and

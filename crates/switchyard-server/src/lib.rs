@@ -39,9 +39,8 @@
 //! - `replica` — replica sync (`--replica-sync`) over NATS.
 //! - [`metrics`] — the router's counters and histograms, updated without
 //!   allocating; `gauges` — the routing state, snapshotted at scrape time.
-//! - `error` — OpenAI-style errors; `failure` — why an attempt failed and
-//!   why a request is not moved on (the request path's and the metrics'
-//!   labels).
+//! - `error` — OpenAI-style errors (why an attempt failed and why a
+//!   request is not moved on are the core's `dispatch::failure`).
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: accept → credential check → in-flight permit → body read →
@@ -60,7 +59,6 @@ mod cli;
 pub mod config;
 mod discovery;
 mod error;
-mod failure;
 mod front;
 mod gauges;
 mod hub;

@@ -11,7 +11,7 @@
 //! Names follow DESIGN.md "Interfaces"; counters are registered without
 //! their `_total` suffix, which the encoder appends.
 
-use crate::failure::{Failure, GiveUp};
+use switchyard_core::dispatch::failure::{Failure, GiveUp};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -65,6 +65,7 @@ use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod effects;
+pub mod failure;
 #[cfg(test)]
 mod flow_tests;
 mod split;

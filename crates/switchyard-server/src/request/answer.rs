@@ -162,7 +162,7 @@ pub(crate) fn log_dispatch(
         prompt_tokens,
         overlap_blocks = booking.overlap_blocks,
         waited_ms = booking.waited_ms,
-        migrations = attempts.migrations,
+        migrations = attempts.failures.migrations(),
         stream,
         "dispatched"
     );

@@ -1,6 +1,6 @@
 //! One request's attempts on workers: placing it, sending it to its
 //! worker, and when that worker fails it, deciding whether it moves on
-//! ([`crate::request::migration::decide`]) and moving it ([`Booking::migrate`]).
+//! ([`FailureHistory::fail`], the core's) and moving it ([`Booking::migrate`]).
 //!
 //! The placement loop plain and disaggregated requests share is
 //! [`Attempts::place`], [`Attempts::send`], and on a failure before the
@@ -14,7 +14,6 @@
 use crate::error::ApiError;
 use crate::request::booking::{Booking, WaitHandle};
 use crate::request::context::{AppState, WORKER_HEADER};
-use crate::request::migration::{decide, request_fault, Failure, GiveUp, Phase, Progress, Verdict};
 use crate::roster::{Endpoint, Role};
 use crate::shell::{Request, SubmitError};
 use axum::http::uri::{self, PathAndQuery};
@@ -24,6 +23,9 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use switchyard_core::admission::{Flow, SessionKey};
+use switchyard_core::dispatch::failure::{
+    AttemptFailure, Failure, FailureHistory, GiveUp, Phase, Progress, Verdict,
+};
 use switchyard_core::dispatch::{MigrateError, Pairing};
 use switchyard_core::{LocalHash, RequestId, WorkerId};
 
@@ -83,17 +85,10 @@ pub(crate) struct Attempts {
     accept: Option<HeaderValue>,
     /// When the request timeout cancels it.
     pub(crate) deadline: tokio::time::Instant,
-    /// Migrations made so far.
-    pub(crate) migrations: u32,
-    /// A migration decided but not yet placed: counted in
-    /// `migrations_total{reason}` once a worker takes the request.
-    pending_migration: Option<Failure>,
-    /// Failures so far that the request itself may have caused
-    /// ([`Failure::request_may_cause`]).
-    suspect_failures: u32,
-    /// Workers that received the request and failed it
-    /// ([`Failure::reached_worker`]), against `--max-attempt-workers`.
-    failed_workers: u32,
+    /// Its failures so far and the decision on the next (a migration
+    /// decided is counted in `migrations_total{reason}` once a worker
+    /// takes the request).
+    pub(crate) failures: FailureHistory,
     /// The pool it is placed in (a disaggregated request's half), or
     /// `Both`: any worker.
     pool: Role,
@@ -133,10 +128,7 @@ impl Attempts {
             prompt_blocks: std::sync::atomic::AtomicUsize::new(0),
             accept,
             deadline,
-            migrations: 0,
-            pending_migration: None,
-            suspect_failures: 0,
-            failed_workers: 0,
+            failures: FailureHistory::default(),
             pool: Role::Both,
             upstream_id: None,
             pass_server_errors: false,
@@ -303,7 +295,7 @@ impl Attempts {
     /// Waits for the request's placement on a worker not yet tried.
     pub(crate) async fn placed(&mut self, wait: WaitHandle) -> Result<Booking, ApiError> {
         let placed = wait.placed().await;
-        let pending = self.pending_migration.take();
+        let pending = self.failures.take_pending();
         let metrics = self.state.shared.metrics();
         match placed {
             Ok(booking) => {
@@ -312,7 +304,7 @@ impl Attempts {
                     // The request's first placement (a disaggregated
                     // request's prefill half; its decode half brings
                     // nothing cached to count).
-                    None if self.migrations == 0 && self.pool != Role::Decode => {
+                    None if self.failures.migrations() == 0 && self.pool != Role::Decode => {
                         self.routing.record_placement(
                             self.prompt_blocks
                                 .load(std::sync::atomic::Ordering::Relaxed),
@@ -327,14 +319,14 @@ impl Attempts {
                 retry_after_ms,
                 late,
             }) => Err(ApiError::shed(retry_after_ms, late)),
-            Err(super::booking::Unplaced::NoWorkers) if self.migrations == 0 => {
+            Err(super::booking::Unplaced::NoWorkers) if self.failures.migrations() == 0 => {
                 Err(ApiError::no_workers("no worker can take the request"))
             }
             Err(super::booking::Unplaced::NoWorkers) => {
                 metrics.migrations_exhausted.inc();
                 Err(ApiError::no_workers(format!(
                     "{} worker(s) failed the request and no other worker can take it",
-                    self.migrations
+                    self.failures.migrations()
                 )))
             }
         }
@@ -429,15 +421,12 @@ impl Attempts {
         }
     }
 
-    /// A worker failed this request: report it and decide whether the
-    /// request may move on. `Ok` hands back the booking to
+    /// A worker failed this request: the core decides
+    /// ([`FailureHistory::fail`]) whether its worker is reported and
+    /// whether it may move on. `Ok` hands back the booking to
     /// [`Self::migrate`] (the migration is counted once placed); `Err`
     /// gives up, the booking dropped (the request aborted) and the give-up
-    /// counted. A second failure the request may have caused itself (5xx,
-    /// error event, first-token timeout) is the request's fault
-    /// ([`crate::request::migration::request_fault`]): that worker is not reported.
-    /// A request that failed on `--max-attempt-workers` workers (2) is not
-    /// sent to another.
+    /// counted.
     pub(crate) fn fail(
         &mut self,
         booking: Booking,
@@ -447,32 +436,21 @@ impl Attempts {
         progress: &Progress,
         resumable: Result<(), &'static str>,
     ) -> Result<Booking, GiveUp> {
-        if request_fault(reason, self.suspect_failures) {
-            // Aborted, not reported: the worker's circuit stays closed.
-            drop(booking);
-            return Err(self.give_up(reason, GiveUp::RequestFault));
-        }
-        if reason.request_may_cause() {
-            self.suspect_failures += 1;
-        }
-        if reason.reached_worker() {
-            self.failed_workers = self.failed_workers.saturating_add(1);
-        }
-        booking.worker_failed();
-        match decide(
+        let failed = self.failures.fail(
             self.state.migration,
-            self.migrations,
-            self.failed_workers,
-            phase,
-            prompt_tokens,
-            progress,
-            resumable,
-        ) {
-            Verdict::Migrate => {
-                self.migrations += 1;
-                self.pending_migration = Some(reason);
-                Ok(booking)
-            }
+            AttemptFailure {
+                reason,
+                phase,
+                prompt_tokens,
+                progress,
+                resumable,
+            },
+        );
+        if failed.report_worker {
+            booking.worker_failed();
+        }
+        match failed.verdict {
+            Verdict::Migrate => Ok(booking),
             Verdict::GiveUp(why) => {
                 drop(booking);
                 Err(self.give_up(reason, why))
@@ -499,7 +477,7 @@ impl Attempts {
     /// dropped (the request aborted, the upstream request cancelled); the
     /// timeout is counted and the client's error returned.
     fn timed_out_on(&self, booking: Booking, fair: bool) -> ApiError {
-        let reported = fair && !request_fault(Failure::Timeout, self.suspect_failures);
+        let reported = self.failures.timeout_reported(fair);
         if reported {
             booking.worker_failed();
         }

@@ -451,7 +451,7 @@ pub(crate) enum Moved {
 /// request may be resumed at all, `max_tokens` its output limit and
 /// `body` builds the `/v1/completions` body from the prompt (original
 /// prompt then generated ids) and the remaining tokens. The decision is
-/// [`Attempts::fail`]'s ([`migration::decide`]).
+/// the core's ([`Attempts::fail`]: `FailureHistory::fail`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn move_stream(
     attempts: &mut Attempts,
