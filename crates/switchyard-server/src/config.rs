@@ -6,6 +6,7 @@ use crate::front::ratelimit::RateLimitConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use switchyard_core::admission::{AdmissionConfig, FlowConfig, FlowPolicy, SessionAwareConfig};
+use switchyard_core::dispatch::failure::MigrationPolicy;
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::health::CircuitConfig;
 use switchyard_core::select::{PolicyConfig, PolicyKind};
@@ -515,9 +516,9 @@ impl Default for ServerConfig {
             token_cache_ids: switchyard_tokenizer::segment_cache::DEFAULT_CAPACITY_IDS,
             tokenize_slots: None,
             seed: 0,
-            migration_limit: 3,
-            migration_max_seq_len: 32_768,
-            max_attempt_workers: 2,
+            migration_limit: MigrationPolicy::default().limit,
+            migration_max_seq_len: MigrationPolicy::default().max_seq_len,
+            max_attempt_workers: MigrationPolicy::default().max_workers,
             first_token_timeout_secs: 60.0,
             request_timeout_secs: 600.0,
             disagg: None,

@@ -11,7 +11,6 @@
 //! Names follow DESIGN.md "Interfaces"; counters are registered without
 //! their `_total` suffix, which the encoder appends.
 
-use switchyard_core::dispatch::failure::{Failure, GiveUp};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -19,6 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use switchyard_core::dispatch::failure::{Failure, GiveUp};
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
 pub const LATENCY_BUCKETS: [f64; 20] = [

@@ -106,6 +106,26 @@ pub struct PolicyReport {
     /// Figures per tenant, by name (absent unless the run names tenants).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tenants: std::collections::BTreeMap<String, TenantFigures>,
+    /// Worker failures: what became of the requests they hit (absent
+    /// unless the run fails workers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failures: Option<FailureFigures>,
+}
+
+/// What worker failures did to the requests they hit, as the core's
+/// failure decision placed them (`serve` counts the same outcomes in
+/// `switchyard_migrations_total` and `switchyard_migrations_refused_total`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FailureFigures {
+    /// Attempts that failed: requests on a worker when it died, and
+    /// requests placed on a worker that was down.
+    pub failed_attempts: u64,
+    /// Requests moved before their first token: retried as they came.
+    pub retried: u64,
+    /// Streams moved after tokens reached the client: resumed from them.
+    pub resumed: u64,
+    /// Requests not moved on (a limit reached): they ended in an error.
+    pub gave_up: u64,
 }
 
 fn is_zero(n: &u64) -> bool {

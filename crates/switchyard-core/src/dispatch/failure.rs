@@ -32,6 +32,8 @@
 //! [`Progress::text_cap`] bytes of text not yet tokenized; past either
 //! bound it stops recording and the stream is no longer resumable.
 
+use serde::{Deserialize, Serialize};
+
 /// Why an attempt failed: the `reason` label of
 /// `switchyard_migrations_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,9 +173,11 @@ impl std::fmt::Display for GiveUp {
     }
 }
 
-/// Migration limits (`--migration-limit`, `--migration-max-seq-len`,
-/// `--max-attempt-workers`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Migration limits (`serve`'s `--migration-limit`,
+/// `--migration-max-seq-len` and `--max-attempt-workers`; the simulator's
+/// `migration`). The defaults are both drivers'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MigrationPolicy {
     /// Migrations allowed per request (0: none).
     pub limit: u32,
@@ -182,6 +186,25 @@ pub struct MigrationPolicy {
     /// Workers a request may fail on (after they received it) before it
     /// ends: the request is not sent to another one.
     pub max_workers: u32,
+}
+
+impl Default for MigrationPolicy {
+    /// Three migrations, resumed streams up to 32,768 tokens, two workers
+    /// that received the prompt.
+    fn default() -> Self {
+        Self {
+            limit: 3,
+            max_seq_len: 32_768,
+            max_workers: 2,
+        }
+    }
+}
+
+impl MigrationPolicy {
+    /// Whether these are the defaults (left out of a serialized config).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// What to do after a failure.

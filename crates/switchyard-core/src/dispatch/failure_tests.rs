@@ -24,7 +24,10 @@ fn attempt(reason: Failure, phase: Phase, progress: &Progress) -> AttemptFailure
 fn a_reset_before_the_first_token_moves_the_request_and_reports_the_worker() {
     let mut history = FailureHistory::default();
     let none = Progress::default();
-    let failed = history.fail(POLICY, attempt(Failure::Reset, Phase::BeforeFirstToken, &none));
+    let failed = history.fail(
+        POLICY,
+        attempt(Failure::Reset, Phase::BeforeFirstToken, &none),
+    );
     assert_eq!(
         failed,
         Failed {
@@ -81,13 +84,19 @@ fn refused_connections_do_not_count_against_the_worker_limit() {
     };
     assert_eq!(
         history
-            .fail(policy, attempt(Failure::Reset, Phase::BeforeFirstToken, &none))
+            .fail(
+                policy,
+                attempt(Failure::Reset, Phase::BeforeFirstToken, &none)
+            )
             .verdict,
         Verdict::Migrate
     );
     assert_eq!(
         history
-            .fail(policy, attempt(Failure::Reset, Phase::BeforeFirstToken, &none))
+            .fail(
+                policy,
+                attempt(Failure::Reset, Phase::BeforeFirstToken, &none)
+            )
             .verdict,
         Verdict::GiveUp(GiveUp::WorkerLimit { workers: 2 })
     );
@@ -96,10 +105,7 @@ fn refused_connections_do_not_count_against_the_worker_limit() {
 #[test]
 fn the_migration_limit_ends_a_request_and_zero_means_none() {
     let none = Progress::default();
-    let off = MigrationPolicy {
-        limit: 0,
-        ..POLICY
-    };
+    let off = MigrationPolicy { limit: 0, ..POLICY };
     let failed = FailureHistory::default().fail(
         off,
         attempt(Failure::Connect, Phase::BeforeFirstToken, &none),
@@ -123,7 +129,10 @@ fn a_broken_stream_resumes_only_within_the_length_limit_and_when_reproducible() 
     // 100 prompt + 950 generated > 1,000.
     assert_eq!(
         history
-            .fail(POLICY, attempt(Failure::MidStream, Phase::MidStream, &progress))
+            .fail(
+                POLICY,
+                attempt(Failure::MidStream, Phase::MidStream, &progress)
+            )
             .verdict,
         Verdict::GiveUp(GiveUp::TooLong {
             len: 1_050,
@@ -158,7 +167,10 @@ fn an_overflowed_progress_is_not_resumable() {
     assert!(progress.overflowed());
     assert_eq!(
         FailureHistory::default()
-            .fail(POLICY, attempt(Failure::MidStream, Phase::MidStream, &progress))
+            .fail(
+                POLICY,
+                attempt(Failure::MidStream, Phase::MidStream, &progress)
+            )
             .verdict,
         Verdict::GiveUp(GiveUp::NotResumable(
             "the generated text outgrew what the router keeps"

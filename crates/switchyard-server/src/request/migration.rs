@@ -167,7 +167,6 @@ mod tests {
         super::resumable(api, &fields)
     }
 
-
     #[test]
     fn plain_text_requests_with_sampling_fields_are_resumable() {
         let chat = json!({

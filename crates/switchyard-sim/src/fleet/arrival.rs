@@ -87,6 +87,7 @@ impl Simulation {
                 tokens,
                 output_tokens,
                 flow,
+                resumed: None,
             },
         );
         let plan = self.split_plan();
@@ -167,6 +168,10 @@ impl Simulation {
             }
             return;
         };
+        if self.workers[worker].down {
+            self.refused_by_down_worker(replica, &sent);
+            return;
+        }
         // What the routing replica saw against the truth, at this decision.
         let seen = self.replicas[replica]
             .dispatcher
@@ -273,6 +278,7 @@ impl Simulation {
         self.replicas[replica].routed += 1;
         self.queue.push(sent.waited_ms);
         self.tally(p.session).wait.push(sent.waited_ms);
+        let before = p.resumed.map_or(0, |r| r.generated);
         self.in_flight.insert(
             id,
             InFlight {
@@ -281,13 +287,17 @@ impl Simulation {
                 arrival_ms: p.arrival_ms,
                 prompt_tokens,
                 predicted_tokens: cached,
-                first_token_ms: None,
-                last_token_ms: self.now,
+                first_token_ms: p.resumed.map(|r| r.first_token_ms),
+                last_token_ms: p.resumed.map_or(self.now, |r| r.last_token_ms),
                 itl_share_ms: 0.0,
                 worker,
                 replica,
                 progress: sent.progress,
                 phase,
+                flow: p.flow,
+                generated: before,
+                generated_before: before,
+                placement_started: false,
             },
         );
         self.kick(worker);

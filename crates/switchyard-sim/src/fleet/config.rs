@@ -5,6 +5,7 @@
 use crate::replicas::{replica_seed, ReplicasConfig};
 use serde::{Deserialize, Serialize};
 use switchyard_core::admission::{AdmissionConfig, SessionAwareConfig};
+use switchyard_core::dispatch::failure::MigrationPolicy;
 use switchyard_core::dispatch::DispatcherConfig;
 use switchyard_core::estimate::{EstimatorConfig, PeerTransferModel};
 use switchyard_core::router::RouterConfig;
@@ -151,6 +152,14 @@ pub struct FleetConfig {
     /// ([`super::DpConfig`]); `None`: one engine per worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp: Option<super::DpConfig>,
+    /// Workers that fail during the run ([`super::WorkerFailure`]); empty:
+    /// none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<super::WorkerFailure>,
+    /// What a failed request may become (moved, resumed, given up): the
+    /// same limits as `serve`'s, and its defaults.
+    #[serde(skip_serializing_if = "MigrationPolicy::is_default")]
+    pub migration: MigrationPolicy,
 }
 
 impl Default for FleetConfig {
@@ -171,6 +180,8 @@ impl Default for FleetConfig {
             attention_only_routing: false,
             adapters: None,
             dp: None,
+            failures: Vec::new(),
+            migration: MigrationPolicy::default(),
         }
     }
 }

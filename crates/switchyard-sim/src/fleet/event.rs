@@ -31,8 +31,12 @@ pub(super) enum Event {
     NextSession,
     /// Turn `turn` of an active session arrives.
     Turn { session: u64, turn: usize },
-    /// A worker's running step completes.
-    StepDone { worker: usize },
+    /// A worker's running step completes (of its engine `epoch`).
+    StepDone { worker: usize, epoch: u64 },
+    /// A worker fails ([`super::WorkerFailure`]).
+    WorkerDown { worker: usize },
+    /// A failed worker is back, empty.
+    WorkerUp { worker: usize },
     /// KV events reach the routers.
     KvDelivery {
         worker: usize,

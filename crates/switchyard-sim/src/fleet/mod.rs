@@ -84,6 +84,9 @@ mod dp;
 #[cfg(test)]
 mod dp_tests;
 mod event;
+#[cfg(test)]
+mod failure_tests;
+mod failures;
 mod outcome;
 mod replica_sync;
 #[cfg(test)]
@@ -95,6 +98,7 @@ mod tests;
 pub use crate::report::DpFigures;
 pub use config::{DisaggConfig, FleetConfig, TransferConfig};
 pub use dp::{DpConfig, DpRouting, RankBalancer, MAX_DP_SIZE, STATS_INTERVAL_MS};
+pub use failures::WorkerFailure;
 
 use crate::engine_events::EngineEventStream;
 use crate::replicas::{Balancer, ReplicaStats};
@@ -139,6 +143,9 @@ pub enum SimError {
     /// A data-parallel setting is invalid.
     #[error("data-parallel ranks: {0}")]
     Dp(String),
+    /// A worker failure cannot be simulated as configured.
+    #[error("worker failures: {0}")]
+    Failures(String),
 }
 
 /// What a simulation produced.
@@ -175,6 +182,23 @@ struct InFlight {
     replica: usize,
     progress: Option<ProgressUpdater>,
     phase: Phase,
+    /// Its tenant and band.
+    flow: switchyard_core::admission::Flow,
+    /// Tokens streamed to the client, over all its placements.
+    generated: u32,
+    /// Of them, those streamed before this placement (a resumed stream's).
+    generated_before: u32,
+    /// This placement's first token reached its replica (a resumed
+    /// stream's first token was the client's long before).
+    placement_started: bool,
+}
+
+/// A stream resumed after its worker failed: what the client had.
+#[derive(Clone, Copy, Debug)]
+struct Resumed {
+    first_token_ms: f64,
+    last_token_ms: f64,
+    generated: u32,
 }
 
 /// A session waiting for the sessions one of its turns spawned.
@@ -209,6 +233,9 @@ struct Payload {
     output_tokens: u32,
     /// Its tenant and band as the dispatcher resolved them.
     flow: switchyard_core::admission::Flow,
+    /// A stream resumed after a worker failure (`None`: a request as it
+    /// came).
+    resumed: Option<Resumed>,
 }
 
 /// A request admission shed (it ended without a worker): what a report
@@ -242,6 +269,11 @@ struct WorkerState {
     events: EngineEventStream,
     /// Its LoRA adapters.
     adapters: crate::adapters::EngineAdapters,
+    /// Failed and not back ([`FleetConfig::failures`]).
+    down: bool,
+    /// Engines this worker has had before its current one: a step of an
+    /// earlier one never ends.
+    epoch: u64,
 }
 
 /// One router replica: one dispatcher, as one `switchyard serve` process
@@ -260,6 +292,25 @@ pub fn simulate(
     mut progress: impl FnMut(u64),
 ) -> Result<SimOutcome, SimError> {
     Simulation::new(config, workload)?.run(&mut progress, |_| {})
+}
+
+/// A worker's engine.
+fn new_engine(config: &FleetConfig) -> Result<Engine<SyncDevice>, SimError> {
+    Engine::new(
+        config.engine.clone(),
+        SyncDevice::new(config.engine.timing.clone()),
+    )
+    .map_err(|e| SimError::Engine(e.to_string()))
+}
+
+/// The router's normalizer for an engine's event stream.
+fn event_stream(config: &FleetConfig) -> EngineEventStream {
+    let block_size = config.engine.block_size as u32;
+    if config.attention_only_routing {
+        EngineEventStream::attention_only(block_size)
+    } else {
+        EngineEventStream::new(block_size)
+    }
 }
 
 struct Simulation {
@@ -324,6 +375,12 @@ struct Simulation {
     decisions: u64,
     /// Samples per tenant, by tenant index (the flow policy bounds them).
     tenants: Vec<crate::report::TenantTally>,
+    /// The failures of requests that failed and are not over (bounded by
+    /// the requests in flight and waiting).
+    failure_histories: FxHashMap<RequestId, switchyard_core::dispatch::failure::FailureHistory>,
+    failure_figures: crate::report::FailureFigures,
+    /// Booking ids handed out to migrations.
+    next_booking: u128,
 }
 
 impl Simulation {
@@ -350,19 +407,15 @@ impl Simulation {
                 ));
             }
         }
+        failures::check(config)?;
         let config = config.clone();
         let ranks = config.dp.map_or(1, |dp| dp.size);
         let engines = config.workers * ranks;
-        let block_size = config.engine.block_size as u32;
         let mut workers = Vec::with_capacity(engines);
         let mut by_worker_id = FxHashMap::default();
         for i in 0..engines {
             let id = dp::router_id(i, config.dp);
-            let engine = Engine::new(
-                config.engine.clone(),
-                SyncDevice::new(config.engine.timing.clone()),
-            )
-            .map_err(|e| SimError::Engine(e.to_string()))?;
+            let engine = new_engine(&config)?;
             by_worker_id.entry(id).or_insert(i);
             workers.push(WorkerState {
                 id,
@@ -371,12 +424,10 @@ impl Simulation {
                 pending: StepReport::default(),
                 served_tokens: 0,
                 booked: 0,
-                events: if config.attention_only_routing {
-                    EngineEventStream::attention_only(block_size)
-                } else {
-                    EngineEventStream::new(block_size)
-                },
+                events: event_stream(&config),
                 adapters: Default::default(),
+                down: false,
+                epoch: 0,
             });
         }
         // A rank-blind router sees a worker's ranks as one engine of their
@@ -480,7 +531,20 @@ impl Simulation {
             excess_sum: 0.0,
             tenants: Vec::new(),
             decisions: 0,
+            failure_histories: FxHashMap::default(),
+            failure_figures: Default::default(),
+            next_booking: 0,
         })
+    }
+
+    /// A new engine as every worker's.
+    fn fresh_engine(&self) -> Result<Engine<SyncDevice>, SimError> {
+        new_engine(&self.config)
+    }
+
+    /// The router's normalizer for a new engine's events.
+    fn event_stream(&self) -> EngineEventStream {
+        event_stream(&self.config)
     }
 
     fn schedule(&mut self, at: f64, event: Event) {
@@ -512,6 +576,7 @@ impl Simulation {
         progress: &mut impl FnMut(u64),
         mut after_event: impl FnMut(&Simulation),
     ) -> Result<SimOutcome, SimError> {
+        self.schedule_failures();
         self.pull_next_session()?;
         while let Some(Scheduled { at, event, .. }) = self.heap.pop() {
             self.now = at.0;
@@ -526,7 +591,14 @@ impl Simulation {
                     self.pull_next_session()?;
                 }
                 Event::Turn { session, turn } => self.arrive(session, turn),
-                Event::StepDone { worker } => self.finish_step(worker, progress),
+                Event::StepDone { worker, epoch } => {
+                    // A step of an engine that died never ends.
+                    if epoch == self.workers[worker].epoch {
+                        self.finish_step(worker, progress);
+                    }
+                }
+                Event::WorkerDown { worker } => self.worker_down(worker)?,
+                Event::WorkerUp { worker } => self.worker_up(worker),
                 Event::Tick { replica } => {
                     self.replicas[replica].tick_at = None;
                     let fx = self.replicas[replica].dispatcher.tick(self.now);
@@ -552,7 +624,8 @@ impl Simulation {
                     request,
                 } => {
                     let id = request.id;
-                    if self.in_flight.contains_key(&id) {
+                    // Still there (its worker may have failed meanwhile).
+                    if self.in_flight.get(&id).is_some_and(|r| r.worker == worker) {
                         if self.workers[worker].engine.add_request(request).is_ok() {
                             self.kick(worker);
                         } else {

@@ -93,6 +93,7 @@ impl Simulation {
                 idle_while_queued_share: dp.idle_ms() / makespan_ms,
             }),
             bursts: self.bursts.figures(),
+            failures: self.failure_figures(),
             tenants: self.tenant_figures(),
             ssm: self.config.engine.hybrid.map(|_| {
                 let mut f = SsmFigures::default();

@@ -33,12 +33,14 @@ impl Simulation {
             let retry = timing.wall_ms(timing.decode_floor_ms.max(report_ms));
             if retry > 0.0 {
                 w.busy = true;
-                self.schedule(self.now + retry, Event::StepDone { worker });
+                let epoch = w.epoch;
+                self.schedule(self.now + retry, Event::StepDone { worker, epoch });
             }
             return;
         }
         w.busy = true;
-        self.schedule(self.now + duration, Event::StepDone { worker });
+        let epoch = w.epoch;
+        self.schedule(self.now + duration, Event::StepDone { worker, epoch });
     }
 
     pub(super) fn finish_step(&mut self, worker: usize, progress: &mut impl FnMut(u64)) {
@@ -76,9 +78,11 @@ impl Simulation {
             if let Some(progress) = r.progress.as_mut() {
                 progress.advance(1);
             }
+            let client = r.phase != Phase::Prefill;
+            r.generated = r.generated.saturating_add(u32::from(client));
+            let placement_first = !std::mem::replace(&mut r.placement_started, true);
             let first = r.first_token_ms.is_none();
             // A prefill half's token is not the client's.
-            let client = r.phase != Phase::Prefill;
             if first {
                 r.first_token_ms = Some(now);
                 if client {
@@ -93,7 +97,7 @@ impl Simulation {
             if let Some((session, ttft)) = first_client_token.take() {
                 self.tally(session).ttft.push(ttft);
             }
-            if first {
+            if placement_first {
                 let fx = self.replicas[replica]
                     .dispatcher
                     .first_token(token.request, now);
@@ -104,6 +108,7 @@ impl Simulation {
             let Some(r) = self.in_flight.remove(&done.request) else {
                 continue;
             };
+            self.failure_histories.remove(&done.request);
             self.workers[r.worker].booked = self.workers[r.worker].booked.saturating_sub(1);
             if r.phase == Phase::Prefill {
                 // The prompt's cache hit is the prefill worker's.
@@ -136,7 +141,7 @@ impl Simulation {
                 }
                 self.predicted_tokens += r.predicted_tokens;
             }
-            self.output_tokens += done.output_tokens as u64;
+            self.output_tokens += done.output_tokens as u64 + u64::from(r.generated_before);
             self.e2e.push(now - r.arrival_ms);
             self.completed += 1;
             let computed = u64::from(r.prompt_tokens).saturating_sub(done.cached_tokens as u64);
