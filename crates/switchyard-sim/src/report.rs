@@ -115,7 +115,7 @@ pub struct PolicyReport {
 /// What worker failures did to the requests they hit, as the core's
 /// failure decision placed them (`serve` counts the same outcomes in
 /// `switchyard_migrations_total` and `switchyard_migrations_refused_total`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct FailureFigures {
     /// Attempts that failed: requests on a worker when it died, and
     /// requests placed on a worker that was down.
@@ -126,6 +126,10 @@ pub struct FailureFigures {
     pub resumed: u64,
     /// Requests not moved on (a limit reached): they ended in an error.
     pub gave_up: u64,
+    /// The given-up requests by why, under `serve`'s labels of
+    /// `switchyard_migrations_refused_total{reason}`.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub gave_up_by_reason: std::collections::BTreeMap<&'static str, u64>,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -82,9 +82,9 @@ fn a_resumed_stream_keeps_its_first_token_and_its_client_sees_the_gap() {
     let (hit, missed): (Vec<_>, Vec<_>) = [0, 1]
         .map(|w| run(&fleet(2, vec![down(100.0, w, None)]), request()))
         .into_iter()
-        .partition(|r| r.failures.is_some_and(|f| f.resumed == 1));
+        .partition(|r| r.failures.as_ref().is_some_and(|f| f.resumed == 1));
     let (hit, missed) = (&hit[0], &missed[0]);
-    assert_eq!(missed.failures.map(|f| f.failed_attempts), Some(0));
+    assert_eq!(missed.failures.as_ref().map(|f| f.failed_attempts), Some(0));
     assert_eq!(
         (missed.ttft_ms.mean, missed.e2e_ms.mean),
         (calm.ttft_ms.mean, calm.e2e_ms.mean)
@@ -136,6 +136,10 @@ fn with_migration_off_every_request_a_failure_hits_ends_in_an_error() {
     let r = run(&config, steady(40, 10.0));
     let f = r.failures.expect("counted");
     assert!(f.gave_up > 0);
+    assert_eq!(
+        f.gave_up_by_reason.into_iter().collect::<Vec<_>>(),
+        [("limit", f.gave_up)]
+    );
     assert_eq!((f.retried, f.resumed), (0, 0));
     assert_eq!(f.gave_up, f.failed_attempts);
     assert_eq!(r.errors, f.gave_up);

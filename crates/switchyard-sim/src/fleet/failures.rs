@@ -254,7 +254,12 @@ impl Simulation {
             let fx = dispatcher.worker_failed(id, self.now);
             self.effects.push_back((replica, fx));
         }
-        if let Verdict::GiveUp(_) = decided.verdict {
+        if let Verdict::GiveUp(why) = decided.verdict {
+            *self
+                .failure_figures
+                .gave_up_by_reason
+                .entry(why.label())
+                .or_default() += 1;
             self.give_up(id, replica, payload.session);
             return;
         }
@@ -281,6 +286,7 @@ impl Simulation {
                 self.effects.push_back((replica, fx));
             }
             Err(_) => {
+                // Ended meanwhile (cannot happen: it was just placed).
                 self.payloads.remove(&id);
                 self.give_up(id, replica, session);
             }
@@ -355,7 +361,7 @@ impl Simulation {
 
     /// What the failures did, when the run had any.
     pub(super) fn failure_figures(&self) -> Option<FailureFigures> {
-        (!self.config.failures.is_empty()).then_some(self.failure_figures)
+        (!self.config.failures.is_empty()).then(|| self.failure_figures.clone())
     }
 }
 

@@ -345,6 +345,18 @@ pub struct ReplayArgs {
     /// it).
     #[arg(long)]
     pub peer_restore: bool,
+    /// A worker fails during the run, as `AT_S:WORKER[:DOWN_S]`: at `AT_S`
+    /// simulated seconds worker `WORKER` (from 0) dies with everything it
+    /// held, and comes back empty `DOWN_S` seconds later (never, without
+    /// it). Repeat it for several. Its requests fail as `serve`'s do: the
+    /// core retries, resumes or gives them up (counted per policy).
+    #[arg(long = "fail-worker", value_name = "AT_S:WORKER[:DOWN_S]", value_parser = switchyard_sim::fleet::WorkerFailure::parse)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fail_worker: Vec<switchyard_sim::fleet::WorkerFailure>,
+    /// With `--fail-worker`: migrations allowed per request, as `serve`'s
+    /// `--migration-limit` (0: a failed request ends in an error).
+    #[arg(long, default_value_t = switchyard_core::dispatch::failure::MigrationPolicy::default().limit)]
+    pub migration_limit: u32,
     /// With `--disagg` or `--peer-restore`: the transfer link's bandwidth in GB/s (default
     /// 25: one 200 Gb/s RDMA NIC's line rate, an assumption).
     #[arg(long, default_value_t = switchyard_sim::fleet::TransferConfig::default().bandwidth_bytes_per_s / 1e9)]
@@ -515,6 +527,8 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.policies.ttft.stickiness = args.stickiness;
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet.router.busy_threshold = args.busy_threshold;
+    fleet.failures = args.fail_worker.clone();
+    fleet.migration.limit = args.migration_limit;
     if let Some(path) = &args.tenants {
         fleet.admission.flow = TenantMix::load(path)?.flow_config(true);
         fleet.tenant_window_ms = args.duration.map(|s| s * 1e3);
@@ -1106,6 +1120,25 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                 "{name}: {} ranks per worker; requests per rank {idlest}..{busiest}; a rank idle while another of its worker queued {:.1}% of the run",
                 dp.size,
                 dp.idle_while_queued_share * 100.0
+            );
+        }
+        if let Some(f) = &r.failures {
+            println!(
+                "{name}: worker failures: {} attempts failed; {} requests retried, {} streams resumed, {} given up{}",
+                f.failed_attempts,
+                f.retried,
+                f.resumed,
+                f.gave_up,
+                if f.gave_up_by_reason.is_empty() {
+                    String::new()
+                } else {
+                    let why: Vec<String> = f
+                        .gave_up_by_reason
+                        .iter()
+                        .map(|(label, n)| format!("{label} {n}"))
+                        .collect();
+                    format!(" ({})", why.join(", "))
+                }
             );
         }
         if r.transfers + r.transfer_fallbacks > 0 {

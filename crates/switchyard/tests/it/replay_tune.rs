@@ -114,6 +114,55 @@ async fn replay_with_data_parallel_ranks_runs_each_policy_aware_and_blind() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--dp-routing needs --dp-size"));
 }
 
+/// `replay --fail-worker`: every policy's row counts what the failures
+/// did, and every request either completed or ended in an error.
+#[tokio::test]
+async fn replay_with_a_failed_worker_counts_retries_resumes_and_give_ups_per_policy() {
+    let _machine = machine().await;
+    let out_dir = scratch_file("fail-replay.marker", b"").with_file_name("fail-replay-out");
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["replay", "--max-requests", "600", "--workers", "4"])
+        .args(["--policies", "ttft,round-robin", "--fail-worker", "5:1:10"])
+        .args(["--threads", "1", "--quiet", "--no-plots", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("switchyard replay runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("worker failures:"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("replay.json")).unwrap()).unwrap();
+    for (name, row) in report["policies"].as_object().unwrap() {
+        let f = &row["failures"];
+        let n = |k: &str| f[k].as_u64().unwrap_or_else(|| panic!("{name}: {k} in {f}"));
+        assert!(n("failed_attempts") > 0, "{name}: {f}");
+        assert!(
+            n("retried") + n("resumed") + n("gave_up") <= n("failed_attempts"),
+            "{name}: {f}"
+        );
+        let ended = row["completed"].as_u64().unwrap() + row["errors"].as_u64().unwrap();
+        assert_eq!(ended, 600, "{name}: nothing lost");
+        assert!(row["errors"].as_u64().unwrap() >= n("gave_up"), "{name}");
+    }
+    // A worker the fleet does not have is refused with why.
+    let refused = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["replay", "--max-requests", "10", "--workers", "2"])
+        .args(["--fail-worker", "1:2", "--no-plots", "--quiet", "--out"])
+        .arg(out_dir.with_file_name("fail-replay-refused"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("the fleet has 2"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
+
 /// `replay --plan`: the smallest fleet that met the target is named in
 /// `plan.json`, it met it, the size below it (simulated) missed it, and
 /// the plot is written.
