@@ -42,7 +42,7 @@ use std::time::Instant;
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::select::PolicyKind;
 use switchyard_engine::EngineConfig;
-use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, TransferConfig};
+use switchyard_sim::fleet::{simulate, DisaggConfig, FleetConfig, TransferConfig, WorkerFailure};
 use switchyard_sim::report::PolicyReport;
 use switchyard_sim::workload::{
     self, mooncake_slice, AgentVocabulary, AgenticConfig, Session, TraceSlice, WorkloadLimits,
@@ -61,6 +61,28 @@ pub const DEFAULT_RATE_SCALE: f64 = 6.0;
 
 /// The target: each policy's hit rate within this relative difference.
 pub const HIT_RATE_TOLERANCE: f64 = 0.10;
+
+/// The failure case's target: completed, migrated and failed requests
+/// within this relative difference of each other on both sides (or
+/// within [`FAILURE_COUNT_SLACK`] requests, for counts too small for a
+/// share to mean anything).
+pub const FAILURE_COUNT_TOLERANCE: f64 = 0.05;
+
+/// Counts this close are equal whatever their ratio (a failure that hits
+/// 3 requests on one side and 4 on the other agrees).
+pub const FAILURE_COUNT_SLACK: u64 = 2;
+
+/// `--fail-worker` as the twin takes it: `AT_S:WORKER`, for good (a
+/// sim-worker killed is not restarted on the serve side).
+fn parse_twin_failure(spec: &str) -> Result<WorkerFailure, String> {
+    let failure = WorkerFailure::parse(spec)?;
+    if failure.down_ms.is_some() {
+        return Err(
+            "the twin fails a worker for good: give AT_S:WORKER, without a time down".to_owned(),
+        );
+    }
+    Ok(failure)
+}
 
 /// Options of `switchyard bench twin`.
 #[derive(Debug, Clone, Args, Serialize)]
@@ -161,6 +183,13 @@ pub struct TwinArgs {
     /// figures are their medians, with their spread.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// The failure case: worker `WORKER` (from 0) dies `AT_S` seconds
+    /// into the load, for good — on the serve side its sim-worker process
+    /// is killed, on the replay side `replay --fail-worker AT_S:WORKER`
+    /// kills its engine — and the sides' completed, migrated and failed
+    /// counts are compared (within [`FAILURE_COUNT_TOLERANCE`]).
+    #[arg(long, value_name = "AT_S:WORKER", value_parser = parse_twin_failure)]
+    pub fail_worker: Option<WorkerFailure>,
     /// Run the simulator side only (seconds, no processes).
     #[arg(long)]
     pub replay_only: bool,
@@ -193,6 +222,13 @@ pub struct Side {
     pub completed: u64,
     /// Requests that failed.
     pub errors: u64,
+    /// The failure case: requests moved to another worker before their
+    /// first token after theirs failed (`serve`'s
+    /// `switchyard_migrations_total` but `midstream`).
+    pub retried: u64,
+    /// The failure case: streams resumed on another worker after theirs
+    /// failed (`switchyard_migrations_total{reason="midstream"}`).
+    pub resumed: u64,
     /// Disaggregated case: KV transfers from prefill to decode workers.
     pub transfers: u64,
     /// Disaggregated case: the bytes they moved (modeled: the tokens of
@@ -201,6 +237,11 @@ pub struct Side {
 }
 
 impl Side {
+    /// Requests moved to another worker, retried or resumed.
+    pub fn migrated(&self) -> u64 {
+        self.retried + self.resumed
+    }
+
     fn of_replay(r: &PolicyReport) -> Self {
         Self {
             hit_rate: r.hit_rate,
@@ -213,12 +254,14 @@ impl Side {
             e2e_p90_ms: r.e2e_ms.p90,
             completed: r.completed,
             errors: r.errors,
+            retried: r.failures.as_ref().map_or(0, |f| f.retried),
+            resumed: r.failures.as_ref().map_or(0, |f| f.resumed),
             transfers: r.transfers,
             transfer_bytes: r.transfer_bytes,
         }
     }
 
-    fn of_serve(r: &loadgen::Report, transfers: serve::Transfers) -> Self {
+    fn of_serve(r: &loadgen::Report, transfers: serve::Transfers, moved: serve::Moved) -> Self {
         Self {
             hit_rate: r.hit_rate.unwrap_or(f64::NAN),
             ttft_p50_ms: r.ttft_ms.p50,
@@ -230,6 +273,8 @@ impl Side {
             e2e_p90_ms: r.e2e_ms.p90,
             completed: (r.requests - r.errors) as u64,
             errors: r.errors as u64,
+            retried: moved.retried,
+            resumed: moved.resumed,
             transfers: transfers.count,
             transfer_bytes: transfers.bytes,
         }
@@ -334,12 +379,33 @@ pub struct Verdict {
     pub order_by_ttft_p90: Orders,
     /// Policies by hit rate on both sides.
     pub order_by_hit_rate: Orders,
+    /// The failure case (`--fail-worker`): every policy's completed,
+    /// migrated and failed counts agree ([`counts_agree`]); `None`
+    /// without a failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_counts_agree: Option<bool>,
     /// All of the above.
     pub target_met: bool,
 }
 
-/// Compares the sides of `pairs` (policies with no serve side are left out).
-pub fn verdict(pairs: &BTreeMap<String, Pair>) -> Verdict {
+/// Whether two counts of the same thing agree: within
+/// [`FAILURE_COUNT_TOLERANCE`] of the larger, or within
+/// [`FAILURE_COUNT_SLACK`] requests.
+pub fn counts_agree(replay: u64, serve: u64) -> bool {
+    let gap = replay.abs_diff(serve);
+    gap <= FAILURE_COUNT_SLACK || gap as f64 <= FAILURE_COUNT_TOLERANCE * replay.max(serve) as f64
+}
+
+/// A policy's completed, migrated and failed counts agree on both sides.
+fn failure_counts_agree(replay: &Side, serve: &Side) -> bool {
+    counts_agree(replay.completed, serve.completed)
+        && counts_agree(replay.migrated(), serve.migrated())
+        && counts_agree(replay.errors, serve.errors)
+}
+
+/// Compares the sides of `pairs` (policies with no serve side are left
+/// out); `failing`: the failure case, whose counts are compared too.
+pub fn verdict(pairs: &BTreeMap<String, Pair>, failing: bool) -> Verdict {
     let both: Vec<(&str, Side, Side)> = pairs
         .iter()
         .filter_map(|(n, p)| p.serve.map(|s| (n.as_str(), p.replay, s)))
@@ -358,8 +424,11 @@ pub fn verdict(pairs: &BTreeMap<String, Pair>) -> Verdict {
     let within =
         !differences.is_empty() && differences.values().all(|d| d.abs() <= HIT_RATE_TOLERANCE);
     let (by_ttft, by_hit) = (orders(Figure::TtftP90), orders(Figure::HitRate));
+    let counts = (failing && !both.is_empty())
+        .then(|| both.iter().all(|(_, r, s)| failure_counts_agree(r, s)));
     Verdict {
-        target_met: within && by_ttft.same && by_hit.same,
+        target_met: within && by_ttft.same && by_hit.same && counts != Some(false),
+        failure_counts_agree: counts,
         hit_rate_relative_difference: differences,
         hit_rates_within_tolerance: within,
         order_by_ttft_p90: by_ttft,
@@ -459,6 +528,11 @@ fn replay_flags(args: &TwinArgs) -> Vec<String> {
         args.engine_profile
             .iter()
             .map(|path| ("--engine-profile", path.display().to_string())),
+    )
+    .chain(
+        args.fail_worker
+            .iter()
+            .map(|f| ("--fail-worker", format!("{}:{}", f.at_ms / 1e3, f.worker))),
     )
     .chain(args.disagg.into_iter().flat_map(|(p, d)| {
         [
@@ -692,6 +766,19 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
             "--policies names {p} twice"
         );
     }
+    if let Some(f) = &args.fail_worker {
+        anyhow::ensure!(
+            args.engine == Engine::Sim && args.disagg.is_none(),
+            "--fail-worker goes with the sim-workers' aggregated case"
+        );
+        anyhow::ensure!(
+            f.worker < args.workers(),
+            "--fail-worker names worker {} of {} (0..{})",
+            f.worker,
+            args.workers(),
+            args.workers() - 1
+        );
+    }
     Ok(())
 }
 
@@ -811,9 +898,12 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             requests,
             pacing,
             span_s,
+            fail: args
+                .fail_worker
+                .map(|f| (std::time::Duration::from_secs_f64(f.at_ms / 1e3), f.worker)),
         };
         serve::run_all(&setup, &args.policies, |policy, run| {
-            let side = Side::of_serve(&run.report, run.transfers);
+            let side = Side::of_serve(&run.report, run.transfers, run.moved);
             if let Some(why) = &run.report.hit_rate_unavailable {
                 eprintln!("  serve {}: no hit rate: {why}", policy.name());
             }
@@ -834,7 +924,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             health.insert(policy.name().to_owned(), run.health);
         })?;
     }
-    let verdict = verdict(&pairs);
+    let verdict = verdict(&pairs, args.fail_worker.is_some());
     if fleet.disagg.is_some() {
         println!("\n{case}: hit rates are the prefill workers'");
     }
@@ -907,6 +997,32 @@ fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
     };
     line("TTFT p90 (best first)", &verdict.order_by_ttft_p90);
     line("hit rate (best first)", &verdict.order_by_hit_rate);
+    if let Some(agree) = verdict.failure_counts_agree {
+        for (name, p) in pairs {
+            if let Some(s) = &p.serve {
+                let r = &p.replay;
+                println!(
+                    "{name}: completed {}/{}, migrated {}/{} (retried {}/{}, resumed {}/{}), failed {}/{} (replay/serve)",
+                    r.completed,
+                    s.completed,
+                    r.migrated(),
+                    s.migrated(),
+                    r.retried,
+                    s.retried,
+                    r.resumed,
+                    s.resumed,
+                    r.errors,
+                    s.errors
+                );
+            }
+        }
+        println!(
+            "failure case: completed, migrated and failed within {:.0}% (or {} requests) on every policy: {}",
+            FAILURE_COUNT_TOLERANCE * 100.0,
+            FAILURE_COUNT_SLACK,
+            if agree { "agree" } else { "DISAGREE" }
+        );
+    }
     println!(
         "target (each hit rate within {:.0}%, no two policies in opposite orders; figures within {:.0}% a tie): {}",
         HIT_RATE_TOLERANCE * 100.0,
@@ -1223,17 +1339,17 @@ mod tests {
             "round-robin".to_owned(),
             pair(side(0.10, 500.0), side(0.105, 700.0)),
         );
-        let v = verdict(&pairs);
+        let v = verdict(&pairs, false);
         assert!(v.target_met, "{v:?}");
         assert!((v.hit_rate_relative_difference["kv"] + 0.05).abs() < 1e-12);
         // 15% lower on one policy misses the target though orders agree.
         pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.17, 150.0)));
-        let v = verdict(&pairs);
+        let v = verdict(&pairs, false);
         assert!(!v.hit_rates_within_tolerance && v.order_by_ttft_p90.same);
         assert!(!v.target_met);
         // Swapped TTFT order misses it too.
         pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.20, 800.0)));
-        let v = verdict(&pairs);
+        let v = verdict(&pairs, false);
         assert!(v.hit_rates_within_tolerance && !v.order_by_ttft_p90.same);
         assert!(!v.target_met);
         // A tie on one side (within 2%) agrees with either order on the
@@ -1247,7 +1363,7 @@ mod tests {
             "round-robin".to_owned(),
             pair(side(0.10, 500.0), side(0.105, 700.0)),
         );
-        let v = verdict(&pairs);
+        let v = verdict(&pairs, false);
         assert!(
             !v.order_by_ttft_p90.same,
             "cache-aware beats kv only on serve"
@@ -1256,7 +1372,7 @@ mod tests {
             "cache-aware".to_owned(),
             pair(side(0.10, 100.0), side(0.105, 140.0)),
         );
-        let v = verdict(&pairs);
+        let v = verdict(&pairs, false);
         assert!(
             v.order_by_ttft_p90.same && v.order_by_hit_rate.same,
             "{v:?}"
@@ -1270,7 +1386,58 @@ mod tests {
         // Replay only: nothing to compare, no claim.
         let mut replay_only = BTreeMap::new();
         replay_only.insert("kv".to_owned(), Pair::default());
-        assert!(!verdict(&replay_only).target_met);
+        assert!(!verdict(&replay_only, false).target_met);
+    }
+
+    #[test]
+    fn the_failure_case_compares_completed_migrated_and_failed_counts() {
+        assert!(counts_agree(100, 104) && counts_agree(104, 100));
+        assert!(!counts_agree(100, 106));
+        assert!(counts_agree(1, 3), "a gap of two requests is noise");
+        assert!(!counts_agree(1, 4));
+        let counted = |completed, resumed, errors| Side {
+            completed,
+            retried: 2,
+            resumed,
+            errors,
+            ..side(0.2, 100.0)
+        };
+        let mut pairs = BTreeMap::new();
+        pairs.insert(
+            "kv".to_owned(),
+            Pair {
+                replay: counted(290, 40, 10),
+                serve: Some(counted(292, 41, 8)),
+            },
+        );
+        let v = verdict(&pairs, true);
+        assert_eq!(v.failure_counts_agree, Some(true));
+        assert!(v.target_met, "{v:?}");
+        assert_eq!(verdict(&pairs, false).failure_counts_agree, None);
+        pairs.get_mut("kv").unwrap().serve = Some(counted(290, 20, 10));
+        let v = verdict(&pairs, true);
+        assert_eq!(v.failure_counts_agree, Some(false));
+        assert!(!v.target_met, "half the migrations is a miss");
+    }
+
+    #[test]
+    fn a_twin_failure_is_for_good_and_reaches_the_replay_side() {
+        assert!(parse_twin_failure("20:1").is_ok());
+        assert!(parse_twin_failure("20:1:5")
+            .unwrap_err()
+            .contains("for good"));
+        let a = args(&["--fail-worker", "12.5:1", "--workers", "3"]);
+        let fleet = twin_fleet(&a).unwrap();
+        assert_eq!(
+            fleet.failures,
+            [WorkerFailure {
+                at_ms: 12_500.0,
+                worker: 1,
+                down_ms: None
+            }]
+        );
+        assert!(check(&args(&["--fail-worker", "1:3", "--workers", "3"])).is_err());
+        assert!(check(&args(&["--fail-worker", "1:0", "--engine", "vllm"])).is_err());
     }
 
     #[test]

@@ -56,6 +56,32 @@ pub(super) struct ServeRun {
     pub(super) report: Report,
     pub(super) health: ServeHealth,
     pub(super) transfers: Transfers,
+    /// Requests the router moved to another worker.
+    pub(super) moved: Moved,
+}
+
+/// Requests the router moved to another worker, from its
+/// `switchyard_migrations_total{reason}`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Moved {
+    /// Before their first token (every reason but `midstream`).
+    pub(super) retried: u64,
+    /// Streams resumed (`midstream`).
+    pub(super) resumed: u64,
+}
+
+impl Moved {
+    fn of(metrics: &str) -> Self {
+        let scrape = Scrape::parse(metrics);
+        let all = scrape.sum("switchyard_migrations_total").unwrap_or(0.0) as u64;
+        let resumed = scrape
+            .value("switchyard_migrations_total", &[("reason", "midstream")])
+            .unwrap_or(0.0) as u64;
+        Self {
+            retried: all.saturating_sub(resumed),
+            resumed,
+        }
+    }
 }
 
 /// Worker `index`'s role in a fleet whose first `prefill_workers` prefill
@@ -216,6 +242,8 @@ pub(super) struct ServeSetup {
     pub(super) pacing: Pacing,
     /// The last arrival, seconds after the first.
     pub(super) span_s: f64,
+    /// The failure case: this long into the load, kill this worker.
+    pub(super) fail: Option<(Duration, usize)>,
 }
 
 /// Runs every policy, one fresh fleet each, calling `on_run` after each.
@@ -256,16 +284,35 @@ async fn run(policy: PolicyKind, setup: &ServeSetup) -> anyhow::Result<ServeRun>
         setup.requests.len(),
         setup.span_s
     );
-    let fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
+    let mut fleet = start_sim_workers(setup.workers, &setup.worker_args, true)?;
     let mut args = serve_args(policy, setup.block_size, &fleet, setup.prefill_workers);
     args.extend(setup.router_args.iter().cloned());
     let (router, base) = start_router(&args)?;
-    let run = drive(
+    let kill = match setup.fail {
+        // Out of the fleet's guard: the timer kills it (and its drop
+        // reaps it, whenever the run ends).
+        Some((after, worker)) => Some(Kill {
+            after,
+            worker: Children(vec![fleet.children.0.remove(worker)]),
+        }),
+        None => None,
+    };
+    // What the surviving workers' counters say: the killed one's are gone.
+    let counted: Vec<String> = fleet
+        .urls
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| setup.fail.is_none_or(|(_, dead)| dead != i))
+        .map(|(_, url)| url.clone())
+        .collect();
+    let run = drive_failing(
         &base,
         &fleet.urls,
-        &hit_rate_workers(&fleet.urls, setup.prefill_workers),
+        &counted,
+        &hit_rate_workers(&counted, setup.prefill_workers),
         setup.requests.clone(),
         setup.pacing.clone(),
+        kill,
     )
     .await;
     drop(router);
@@ -291,6 +338,12 @@ pub(crate) async fn wait_for_workers(base: &str, workers: usize) -> anyhow::Resu
     }
 }
 
+/// A worker process to kill this long into the load.
+pub(super) struct Kill {
+    after: Duration,
+    worker: Children,
+}
+
 /// Sends `requests` to the router at `base` once it lists every one of
 /// `urls` in selection, and reads the workers' pacing and transfer
 /// counters after (zero for what a worker does not export: vLLM).
@@ -301,12 +354,42 @@ pub(super) async fn drive(
     requests: Vec<PreparedRequest>,
     pacing: Pacing,
 ) -> anyhow::Result<ServeRun> {
+    drive_failing(base, urls, urls, hit_rate_workers, requests, pacing, None).await
+}
+
+/// [`drive`], with `kill` done that long into the load; the counters are
+/// read from the workers `counted` (the survivors).
+async fn drive_failing(
+    base: &str,
+    urls: &[String],
+    counted: &[String],
+    hit_rate_workers: &[String],
+    requests: Vec<PreparedRequest>,
+    pacing: Pacing,
+    kill: Option<Kill>,
+) -> anyhow::Result<ServeRun> {
     let client = loadgen::client();
     wait_for_workers(base, urls.len()).await?;
+    let timer = kill.map(|mut kill| {
+        tokio::spawn(async move {
+            tokio::time::sleep(kill.after).await;
+            for child in &mut kill.worker.0 {
+                let _ = child.kill();
+            }
+            kill.worker
+        })
+    });
     let report = loadgen::run_load(base, requests, pacing, true, hit_rate_workers, true).await;
+    if let Some(timer) = timer {
+        // Killed before the load ended, or now.
+        timer.abort();
+    }
+    let moved = loadgen::get_text(&client, &format!("{base}/metrics"))
+        .await
+        .map_or_else(Moved::default, |text| Moved::of(&text));
     let (mut paced, mut dropped) = (0.0, 0.0);
     let mut transfers = Transfers::default();
-    for url in urls {
+    for url in counted {
         let text = loadgen::get_text(&client, &format!("{url}/metrics"))
             .await
             .with_context(|| format!("reading {url}/metrics"))?;
@@ -330,6 +413,7 @@ pub(super) async fn drive(
         report,
         health,
         transfers,
+        moved,
     })
 }
 
@@ -446,6 +530,22 @@ mod tests {
             assert_eq!(hit_rate_workers(&fleet.urls, Some(prefill)), prefill_urls);
         }
         assert_eq!(hit_rate_workers(&fleet.urls, None), fleet.urls);
+    }
+
+    #[test]
+    fn moved_requests_are_read_by_reason_from_the_routers_metrics() {
+        let text = "switchyard_migrations_total{reason=\"connect\"} 3\n\
+                    switchyard_migrations_total{reason=\"reset\"} 2\n\
+                    switchyard_migrations_total{reason=\"midstream\"} 7\n\
+                    switchyard_migrations_exhausted_total 1\n";
+        assert_eq!(
+            Moved::of(text),
+            Moved {
+                retried: 5,
+                resumed: 7
+            }
+        );
+        assert_eq!(Moved::of(""), Moved::default());
     }
 
     #[test]

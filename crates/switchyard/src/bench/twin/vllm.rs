@@ -136,6 +136,8 @@ pub fn median_side(rounds: &[Side]) -> Side {
         e2e_p90_ms: of(|s| s.e2e_p90_ms),
         completed: rounds.iter().map(|s| s.completed).sum(),
         errors: rounds.iter().map(|s| s.errors).sum(),
+        retried: rounds.iter().map(|s| s.retried).sum(),
+        resumed: rounds.iter().map(|s| s.resumed).sum(),
         transfers: 0,
         transfer_bytes: 0,
     }
@@ -409,7 +411,7 @@ async fn measure(
     let run = drive(&base, urls, urls, requests, pacing).await;
     drop(router);
     let run = run?;
-    Ok(Side::of_serve(&run.report, run.transfers))
+    Ok(Side::of_serve(&run.report, run.transfers, run.moved))
 }
 
 fn print_compared(policy: PolicyKind, c: &Compared) {
