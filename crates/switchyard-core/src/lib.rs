@@ -75,4 +75,4 @@ pub mod sequences;
 pub mod types;
 
 pub use router::{Router, RouterConfig};
-pub use types::{EngineHash, LocalHash, ReplicaId, RequestId, SequenceHash, WorkerId};
+pub use types::{Eligible, EngineHash, LocalHash, ReplicaId, RequestId, SequenceHash, WorkerId};

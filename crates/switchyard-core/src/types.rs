@@ -74,3 +74,78 @@ impl fmt::Display for ReplicaId {
         write!(f, "{:016x}", self.0)
     }
 }
+
+/// Which workers may serve a request: every worker the router knows, or
+/// only those listed — one (a response's worker), several (a model's), or
+/// none (nothing can take it now: the request waits or ends, it is never
+/// placed elsewhere).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Eligible {
+    /// Any worker.
+    #[default]
+    Every,
+    /// These workers only (none when empty).
+    Only(Vec<WorkerId>),
+}
+
+impl Eligible {
+    /// No worker.
+    pub fn none() -> Self {
+        Self::Only(Vec::new())
+    }
+
+    /// `worker` only.
+    pub fn one(worker: WorkerId) -> Self {
+        Self::Only(vec![worker])
+    }
+
+    /// Whether `worker` may serve the request.
+    pub fn allows(&self, worker: WorkerId) -> bool {
+        match self {
+            Self::Every => true,
+            Self::Only(list) => list.contains(&worker),
+        }
+    }
+
+    /// The workers listed (`None`: every worker).
+    pub fn listed(&self) -> Option<&[WorkerId]> {
+        match self {
+            Self::Every => None,
+            Self::Only(list) => Some(list),
+        }
+    }
+
+    /// Whether every worker may serve it.
+    pub fn is_every(&self) -> bool {
+        matches!(self, Self::Every)
+    }
+
+    /// Whether no worker may.
+    pub fn is_none(&self) -> bool {
+        matches!(self, Self::Only(list) if list.is_empty())
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            Self::Every => 0,
+            Self::Only(list) => list.capacity() * std::mem::size_of::<WorkerId>(),
+        }
+    }
+
+    /// These workers but `excluded`, into `out` (every worker of
+    /// `all` when [`Eligible::Every`]).
+    pub fn without(
+        &self,
+        all: impl Iterator<Item = WorkerId>,
+        excluded: &[WorkerId],
+        out: &mut Vec<WorkerId>,
+    ) {
+        out.clear();
+        match self {
+            Self::Every => out.extend(all),
+            Self::Only(list) => out.extend_from_slice(list),
+        }
+        out.retain(|w| !excluded.contains(w));
+    }
+}

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use switchyard_core::dispatch::CircuitChange;
 use switchyard_core::health::CircuitState;
 use switchyard_core::router::WorkerCapacity;
-use switchyard_core::WorkerId;
+use switchyard_core::{Eligible, WorkerId};
 
 /// A worker's part in a prefill/decode-disaggregated fleet.
 #[derive(
@@ -243,10 +243,10 @@ impl Roster {
         }
     }
 
-    /// Workers that may take new requests for `model`: empty means every
-    /// worker. `UnknownModel` when workers are up but none serves `model`
-    /// (and none is draining, whose model list may be the one missing).
-    pub(crate) fn eligible_for(&self, model: Option<&str>) -> Result<Vec<WorkerId>, UnknownModel> {
+    /// Workers that may take new requests for `model`. `UnknownModel`
+    /// when workers are up but none serves `model` (and none is draining,
+    /// whose model list may be the one missing).
+    pub(crate) fn eligible_for(&self, model: Option<&str>) -> Result<Eligible, UnknownModel> {
         let serves = |info: &WorkerInfo| match model {
             None => true,
             Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
@@ -264,13 +264,9 @@ impl Roster {
             return Err(UnknownModel);
         }
         if serving == all && !any_draining {
-            return Ok(Vec::new());
+            return Ok(Eligible::Every);
         }
-        if serving == 0 {
-            // Nothing may take it; a nonexistent id keeps the router from
-            // choosing a draining worker.
-            return Ok(vec![WorkerId::new(u64::MAX)]);
-        }
+        // None when only draining workers serve it: they take nothing new.
         let mut eligible = Vec::with_capacity(serving);
         eligible.extend(
             self.workers
@@ -278,7 +274,7 @@ impl Roster {
                 .filter(|w| w.in_router && !w.draining && serves(w))
                 .map(|w| w.id),
         );
-        Ok(eligible)
+        Ok(Eligible::Only(eligible))
     }
 }
 
@@ -298,26 +294,23 @@ impl Roster {
         &self,
         model: Option<&str>,
         pool: Role,
-    ) -> Result<Vec<WorkerId>, UnknownModel> {
+    ) -> Result<Eligible, UnknownModel> {
         let eligible = self.eligible_for(model)?;
         if pool == Role::Both {
             return Ok(eligible);
         }
-        let mut list: Vec<WorkerId> = if eligible.is_empty() {
-            self.workers
+        let mut list: Vec<WorkerId> = match eligible {
+            Eligible::Every => self
+                .workers
                 .values()
                 .filter(|w| w.in_router && !w.draining)
                 .map(|w| w.id)
-                .collect()
-        } else {
-            eligible
+                .collect(),
+            Eligible::Only(list) => list,
         };
+        // None when nothing in the pool may take it.
         list.retain(|id| self.workers.get(id).is_some_and(|w| w.role.in_pool(pool)));
-        if list.is_empty() {
-            // Nothing in the pool may take it (see `eligible_for`).
-            list.push(WorkerId::new(u64::MAX));
-        }
-        Ok(list)
+        Ok(Eligible::Only(list))
     }
 }
 
@@ -340,14 +333,17 @@ mod tests {
     #[test]
     fn every_worker_serving_the_model_means_any_worker() {
         let r = roster(&[("a", &["m"]), ("b", &["m"])]);
-        assert_eq!(r.eligible_for(Some("m")), Ok(vec![]));
-        assert_eq!(r.eligible_for(None), Ok(vec![]));
+        assert_eq!(r.eligible_for(Some("m")), Ok(Eligible::Every));
+        assert_eq!(r.eligible_for(None), Ok(Eligible::Every));
     }
 
     #[test]
     fn only_workers_serving_the_model_are_eligible() {
         let r = roster(&[("a", &["m"]), ("b", &["n"])]);
-        assert_eq!(r.eligible_for(Some("n")), Ok(vec![WorkerId::new(2)]));
+        assert_eq!(
+            r.eligible_for(Some("n")),
+            Ok(Eligible::one(WorkerId::new(2)))
+        );
         assert_eq!(r.eligible_for(Some("x")), Err(UnknownModel));
     }
 
@@ -355,19 +351,20 @@ mod tests {
     fn a_draining_worker_takes_nothing_new() {
         let mut r = roster(&[("a", &["m"])]);
         r.get_mut(WorkerId::new(1)).unwrap().draining = true;
-        assert_eq!(r.eligible_for(Some("m")), Ok(vec![WorkerId::new(u64::MAX)]));
+        assert_eq!(r.eligible_for(Some("m")), Ok(Eligible::none()));
     }
 
     #[test]
     fn a_pool_is_its_roles_workers_and_the_both_ones() {
         let mut r = roster(&[("p", &[]), ("d", &[]), ("b", &[])]);
         assert!(!r.disaggregated());
-        assert_eq!(r.eligible_in(None, Role::Both), Ok(vec![]));
+        assert_eq!(r.eligible_in(None, Role::Both), Ok(Eligible::Every));
         r.get_mut(WorkerId::new(1)).unwrap().role = Role::Prefill;
         assert!(!r.disaggregated(), "a prefill worker alone is not a split");
         r.get_mut(WorkerId::new(2)).unwrap().role = Role::Decode;
         assert!(r.disaggregated());
-        let sorted = |mut v: Vec<WorkerId>| {
+        let sorted = |e: Eligible| {
+            let mut v = e.listed().expect("a pool is a list").to_vec();
             v.sort();
             v
         };
@@ -383,7 +380,7 @@ mod tests {
         r.get_mut(WorkerId::new(1)).unwrap().in_router = false;
         assert_eq!(
             r.eligible_in(None, Role::Prefill),
-            Ok(vec![WorkerId::new(u64::MAX)]),
+            Ok(Eligible::none()),
             "no prefill worker up: nothing may take a prefill"
         );
         assert_eq!("decode".parse::<Role>(), Ok(Role::Decode));

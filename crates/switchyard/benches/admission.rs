@@ -42,7 +42,7 @@ fn admit_event(c: &mut Criterion) {
                 context_tokens: 1300,
                 uncached_tokens: 1300,
                 class: QueueClass(0),
-                eligible: &[],
+                eligible: &switchyard_core::Eligible::Every,
                 now_ms: 1.0,
                 flow: Default::default(),
             };

@@ -57,7 +57,7 @@ pub use tenants::{
     TenantId, ACTIVE_WINDOW_MS, MAX_BANDS, MAX_DEADLINE_MS, MAX_NAME_BYTES, MAX_TENANTS,
 };
 
-use crate::types::{RequestId, WorkerId};
+use crate::types::{Eligible, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 /// A session, as a hash of the client's session id: the text itself never
@@ -110,8 +110,8 @@ pub struct RequestFacts<'a> {
     pub uncached_tokens: u32,
     /// The queue class whose limits apply.
     pub class: QueueClass,
-    /// Workers allowed to serve it; empty means every worker.
-    pub eligible: &'a [WorkerId],
+    /// Workers allowed to serve it.
+    pub eligible: &'a Eligible,
     /// The driver's clock at arrival.
     pub now_ms: f64,
     /// Its tenant, band, deadline and expected output: its place in the
@@ -122,7 +122,7 @@ pub struct RequestFacts<'a> {
 impl RequestFacts<'_> {
     /// Whether `worker` may serve the request.
     pub fn allows(&self, worker: WorkerId) -> bool {
-        self.eligible.is_empty() || self.eligible.contains(&worker)
+        self.eligible.allows(worker)
     }
 }
 

@@ -12,7 +12,7 @@ fn facts(id: u128, session: Option<u64>, tokens: u32, now_ms: f64) -> RequestFac
         context_tokens: tokens,
         uncached_tokens: tokens,
         class: Default::default(),
-        eligible: &[],
+        eligible: &crate::types::Eligible::Every,
         now_ms,
         flow: Default::default(),
     }
@@ -170,7 +170,7 @@ fn strict_affinity_waits_for_a_busy_worker_and_soft_goes_elsewhere() {
 fn a_pinned_worker_that_is_not_eligible_is_not_asked_for() {
     let mut s = strategy(Default::default());
     turn(&mut s, 1, 7, 100, w(1));
-    let eligible = [w(2)];
+    let eligible = crate::types::Eligible::Only(vec![w(2)]);
     let f = RequestFacts {
         eligible: &eligible,
         ..facts(2, Some(7), 100, 0.0)

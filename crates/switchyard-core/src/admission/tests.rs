@@ -18,7 +18,7 @@ fn facts(id: u128, session: Option<u64>, now_ms: f64) -> RequestFacts<'static> {
         context_tokens: 100,
         uncached_tokens: 100,
         class: QueueClass(0),
-        eligible: &[],
+        eligible: &crate::types::Eligible::Every,
         now_ms,
         flow: Default::default(),
     }

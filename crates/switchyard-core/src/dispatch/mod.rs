@@ -61,7 +61,7 @@ use crate::router::board::{BoardWriter, LoadChange, PreRoutes, Proposal};
 use crate::router::{Router, RouterConfig, RouterConfigError, WorkerCapacity};
 use crate::select::{ModelSettings, RoutingRequest, SelectOutcome};
 use crate::sequences::{AddRequest, LifecycleOutcome, SequenceEvent};
-use crate::types::{LocalHash, ReplicaId, RequestId, WorkerId};
+use crate::types::{Eligible, LocalHash, ReplicaId, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 mod effects;
@@ -174,8 +174,8 @@ pub struct Submission {
     pub prompt_tokens: u32,
     /// The session, when the client named one.
     pub session: Option<SessionKey>,
-    /// Workers allowed to serve it; empty: every worker.
-    pub eligible: Vec<WorkerId>,
+    /// Workers allowed to serve it.
+    pub eligible: Eligible,
     /// The queue class whose limits apply.
     pub class: QueueClass,
     /// The LoRA adapter it names (`None`: the base model).
@@ -251,7 +251,7 @@ struct Request {
     blocks: Vec<LocalHash>,
     prompt_tokens: u32,
     session: Option<SessionKey>,
-    eligible: Vec<WorkerId>,
+    eligible: Eligible,
     /// Workers that failed it (never chosen again for it).
     excluded: Vec<WorkerId>,
     class: QueueClass,
@@ -475,8 +475,8 @@ impl Dispatcher {
                 .values()
                 .map(|r| {
                     (r.blocks.capacity()) * std::mem::size_of::<LocalHash>()
-                        + (r.eligible.capacity() + r.excluded.capacity())
-                            * std::mem::size_of::<WorkerId>()
+                        + r.eligible.heap_bytes()
+                        + r.excluded.capacity() * std::mem::size_of::<WorkerId>()
                 })
                 .sum::<usize>()
             + self.admission.heap_bytes()
@@ -837,7 +837,7 @@ impl Dispatcher {
                 context_tokens: facts_tokens,
                 uncached_tokens: facts_tokens,
                 class,
-                eligible: &[],
+                eligible: &Eligible::Every,
                 now_ms,
                 flow,
             };
@@ -959,7 +959,7 @@ impl Dispatcher {
         &self,
         blocks: &[LocalHash],
         prompt_tokens: u32,
-        eligible: &[WorkerId],
+        eligible: &Eligible,
     ) -> Option<f64> {
         let mut scores = crate::index::OverlapScores::default();
         self.router
@@ -968,7 +968,7 @@ impl Dispatcher {
         self.router
             .sequences()
             .workers()
-            .filter(|w| eligible.is_empty() || eligible.contains(w))
+            .filter(|w| eligible.allows(*w))
             .map(|w| {
                 let depth = scores
                     .entries
@@ -1257,29 +1257,25 @@ impl Dispatcher {
                 // request: another model's, or not the one a stored
                 // response pins it to) is no place for it: the request
                 // goes where it may.
-                Placement::Exact(worker)
-                    if !request.eligible.is_empty() && !request.eligible.contains(&worker) =>
-                {
-                    scratch.clear();
-                    scratch.extend_from_slice(&request.eligible);
-                    scratch.retain(|w| !request.excluded.contains(w));
+                Placement::Exact(worker) if !request.eligible.allows(worker) => {
+                    request.eligible.without(
+                        router.sequences().workers(),
+                        &request.excluded,
+                        scratch,
+                    );
                     Some(&scratch[..])
                 }
                 Placement::Exact(worker) => {
                     exact = [worker];
                     Some(&exact)
                 }
-                Placement::Any if request.excluded.is_empty() => {
-                    (!request.eligible.is_empty()).then_some(&request.eligible[..])
-                }
+                Placement::Any if request.excluded.is_empty() => request.eligible.listed(),
                 Placement::Any => {
-                    scratch.clear();
-                    if request.eligible.is_empty() {
-                        scratch.extend(router.sequences().workers());
-                    } else {
-                        scratch.extend_from_slice(&request.eligible);
-                    }
-                    scratch.retain(|w| !request.excluded.contains(w));
+                    request.eligible.without(
+                        router.sequences().workers(),
+                        &request.excluded,
+                        scratch,
+                    );
                     Some(&scratch[..])
                 }
             };

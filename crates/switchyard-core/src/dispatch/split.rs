@@ -32,7 +32,7 @@
 //!   the request table.
 
 use super::{Admitted, Dispatcher, Effects, Refused, Submission};
-use crate::types::{RequestId, WorkerId};
+use crate::types::{Eligible, RequestId};
 
 /// The bit that marks a request id as a prefill half.
 pub const PREFILL_HALF_BIT: u128 = 1 << 126;
@@ -83,10 +83,10 @@ pub enum Pairing {
 pub struct SplitPlan {
     /// How its halves meet.
     pub pairing: Pairing,
-    /// Workers that may run its prefill half (empty: every worker).
-    pub prefill_pool: Vec<WorkerId>,
-    /// Workers that may run its decode half (empty: every worker).
-    pub decode_pool: Vec<WorkerId>,
+    /// Workers that may run its prefill half.
+    pub prefill_pool: Eligible,
+    /// Workers that may run its decode half.
+    pub decode_pool: Eligible,
     /// Failed KV transfers after which the request is given up: the
     /// prefill is done at most `transfer_limit + 1` times.
     pub transfer_limit: u32,
@@ -179,8 +179,8 @@ impl Split {
 
     pub(super) fn heap_bytes(&self) -> usize {
         self.submission.blocks.capacity() * std::mem::size_of::<crate::types::LocalHash>()
-            + (self.plan.prefill_pool.capacity() + self.plan.decode_pool.capacity())
-                * std::mem::size_of::<WorkerId>()
+            + self.plan.prefill_pool.heap_bytes()
+            + self.plan.decode_pool.heap_bytes()
     }
 }
 

@@ -33,8 +33,8 @@ fn fleet(session_aware: bool) -> Dispatcher {
 fn plan(pairing: Pairing) -> SplitPlan {
     SplitPlan {
         pairing,
-        prefill_pool: vec![w(1), w(2)],
-        decode_pool: vec![w(3), w(4)],
+        prefill_pool: crate::types::Eligible::Only(vec![w(1), w(2)]),
+        decode_pool: crate::types::Eligible::Only(vec![w(3), w(4)]),
         transfer_limit: 2,
     }
 }
@@ -206,7 +206,7 @@ fn a_failed_transfer_prefills_again_keeping_the_decode_until_the_limit() {
 fn a_half_no_worker_can_take_ends_both_halves() {
     let mut d = fleet(false);
     let mut nowhere = plan(Pairing::Together);
-    nowhere.prefill_pool = vec![w(99)];
+    nowhere.prefill_pool = crate::types::Eligible::Only(vec![w(99)]);
     let (_, fx) = d.submit_split(ID, prompt(None), nowhere, 0.0).unwrap();
     assert!(fx.dispatch.is_empty(), "the decode is never sent: {fx:?}");
     let mut ended = fx.no_worker.clone();
@@ -226,8 +226,8 @@ fn a_refused_split_retains_nothing() {
     let _ = d.add_worker(w(1), CAPACITY, 0.0);
     let one = SplitPlan {
         pairing: Pairing::Together,
-        prefill_pool: vec![w(1)],
-        decode_pool: vec![w(1)],
+        prefill_pool: crate::types::Eligible::Only(vec![w(1)]),
+        decode_pool: crate::types::Eligible::Only(vec![w(1)]),
         transfer_limit: 0,
     };
     let big = Submission {

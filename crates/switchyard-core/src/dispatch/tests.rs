@@ -710,7 +710,7 @@ fn a_busy_adapter_holder_is_passed_over_when_its_queue_outlasts_a_load() {
     // Worker 1 gets a long base-model prefill queue.
     for id in 0..6u128 {
         let s = Submission {
-            eligible: vec![w(1)],
+            eligible: crate::types::Eligible::Only(vec![w(1)]),
             ..submission(1_000 * id as u64 + 1_000, 256)
         };
         place(&mut d, 100 + id, s, 0.0);
@@ -737,7 +737,7 @@ fn an_adapter_nobody_may_load_goes_only_where_it_is_loaded_however_busy() {
         // adapter elsewhere with a load.
         for id in 0..6u128 {
             let s = Submission {
-                eligible: vec![w(1)],
+                eligible: crate::types::Eligible::Only(vec![w(1)]),
                 ..submission(1_000 * id as u64 + 1_000, 256)
             };
             place(&mut d, 100 + id, s, 0.0);
@@ -858,7 +858,7 @@ fn a_proposal_for_a_worker_that_may_not_take_the_request_is_routed_again_under_t
     let mut d = dispatcher(2);
     // Not among the request's eligible workers.
     let mut only_one = submission(0, 8);
-    only_one.eligible = vec![w(1)];
+    only_one.eligible = crate::types::Eligible::Only(vec![w(1)]);
     let (_, fx) = d
         .submit_proposed(RequestId(1), only_one, Some(proposal(w(2), 0)), 0.0)
         .unwrap();
@@ -996,4 +996,27 @@ fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
         (fx.counts.proposals_used, fx.counts.proposals_rerouted),
         (1, 0)
     );
+}
+
+#[test]
+fn a_request_goes_to_any_worker_to_those_listed_or_to_none() {
+    use crate::types::Eligible;
+    let mut d = dispatcher_with(round_robin(), false, 2);
+    let mut nowhere = submission(0, 8);
+    nowhere.eligible = Eligible::none();
+    let (_, fx) = d.submit(RequestId(1), nowhere, 0.0).unwrap();
+    assert!(fx.dispatch.is_empty(), "nothing may take it");
+    assert_eq!(fx.no_worker, [RequestId(1)], "it ends, placed nowhere");
+    for round in 0..2 {
+        let mut second = submission(100 * (round + 1), 8);
+        second.eligible = Eligible::one(w(2));
+        let id = RequestId(10 + u128::from(round));
+        let (_, fx) = d.submit(id, second, 1.0).unwrap();
+        assert_eq!(fx.dispatch[0].worker, w(2), "only the one listed");
+    }
+    let (_, fx) = d.submit(RequestId(20), submission(500, 8), 2.0).unwrap();
+    assert_eq!(fx.dispatch.len(), 1, "every worker: placed");
+    assert!(Eligible::Every.allows(w(7)) && !Eligible::none().allows(w(7)));
+    assert_eq!(Eligible::one(w(7)).listed(), Some(&[w(7)][..]));
+    assert_eq!(Eligible::Every.listed(), None);
 }

@@ -137,7 +137,7 @@ fn booking(worker: WorkerId, rng: &mut impl Rng) -> Submission {
     Submission {
         prompt_tokens: blocks.len() as u32 * 16 + rng.gen_range(0..16),
         blocks,
-        eligible: vec![worker],
+        eligible: switchyard_core::Eligible::one(worker),
         ..Submission::default()
     }
 }

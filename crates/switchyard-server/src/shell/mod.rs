@@ -63,7 +63,7 @@ use switchyard_core::dispatch::{
     prefill_half, Admitted, Dispatcher, Effects, MigrateError, Pairing, Refused, SplitError,
     SplitPlan, Submission,
 };
-use switchyard_core::{LocalHash, ReplicaId, RequestId, WorkerId};
+use switchyard_core::{Eligible, LocalHash, ReplicaId, RequestId, WorkerId};
 use switchyard_replica::{BatchReport, ReplicaMetrics, ReplicaPublisher};
 use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
@@ -197,9 +197,8 @@ impl Inner {
 }
 
 impl Request<'_> {
-    /// What the dispatcher is given, placed among `eligible` (empty: any
-    /// worker).
-    fn into_submission(self, eligible: Vec<WorkerId>) -> Submission {
+    /// What the dispatcher is given, placed among `eligible`.
+    fn into_submission(self, eligible: Eligible) -> Submission {
         Submission {
             blocks: self.blocks,
             prompt_tokens: self.prompt_tokens,
@@ -447,15 +446,15 @@ impl SharedRouter {
                 // all (else no worker: the request is never placed
                 // elsewhere).
                 Ok(eligible) => match request.pinned {
-                    Some(w) if eligible.is_empty() || eligible.contains(&w) => vec![w],
-                    Some(_) => vec![WorkerId::new(u64::MAX)],
+                    Some(w) if eligible.allows(w) => Eligible::one(w),
+                    Some(_) => Eligible::none(),
                     None => eligible,
                 },
                 Err(UnknownModel) => return (Err(SubmitError::UnknownModel), Effects::default()),
             };
             if let Some(pre) = &self.pre {
                 pre.every_worker
-                    .store(eligible.is_empty(), Ordering::Relaxed);
+                    .store(eligible.is_every(), Ordering::Relaxed);
             }
             let submission = request.into_submission(eligible);
             // Registered first: the submit's own effects may dispatch it.
@@ -520,10 +519,12 @@ impl SharedRouter {
                 inner.waiting.remove(&halves[0]);
                 return (Err(SubmitError::Duplicate), Effects::default());
             }
-            let submitted =
-                inner
-                    .dispatcher
-                    .submit_split(id, request.into_submission(Vec::new()), plan, now);
+            let submitted = inner.dispatcher.submit_split(
+                id,
+                request.into_submission(Eligible::Every),
+                plan,
+                now,
+            );
             inner.admitted(submitted, halves)
         });
         self.count_admission(&admitted);

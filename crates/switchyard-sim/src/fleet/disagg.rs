@@ -7,7 +7,7 @@ use super::Simulation;
 use std::sync::Arc;
 use switchyard_core::dispatch::{request_of, Pairing, SplitPlan};
 use switchyard_core::hashing::seed_for;
-use switchyard_core::{RequestId, WorkerId};
+use switchyard_core::{Eligible, RequestId};
 use switchyard_engine::lease::LeaseRef;
 use switchyard_engine::{NewRequest, Observation};
 
@@ -24,8 +24,8 @@ impl Simulation {
     /// pool. The simulated link never loses a transfer.
     pub(super) fn split_plan(&self) -> Option<SplitPlan> {
         let d = self.config.disagg.as_ref()?;
-        let ids = |range: std::ops::Range<usize>| -> Vec<WorkerId> {
-            self.workers[range].iter().map(|w| w.id).collect()
+        let ids = |range: std::ops::Range<usize>| -> Eligible {
+            Eligible::Only(self.workers[range].iter().map(|w| w.id).collect())
         };
         Some(SplitPlan {
             pairing: Pairing::AfterPrefill,

@@ -78,7 +78,7 @@ fn facts(id: u128, session: u64, tokens: u32, now_ms: f64) -> RequestFacts<'stat
         context_tokens: tokens,
         uncached_tokens: tokens,
         class: QueueClass(0),
-        eligible: &[],
+        eligible: &switchyard_core::Eligible::Every,
         now_ms,
         flow: Default::default(),
     }

@@ -138,7 +138,10 @@ async fn replay_with_a_failed_worker_counts_retries_resumes_and_give_ups_per_pol
         serde_json::from_slice(&std::fs::read(out_dir.join("replay.json")).unwrap()).unwrap();
     for (name, row) in report["policies"].as_object().unwrap() {
         let f = &row["failures"];
-        let n = |k: &str| f[k].as_u64().unwrap_or_else(|| panic!("{name}: {k} in {f}"));
+        let n = |k: &str| {
+            f[k].as_u64()
+                .unwrap_or_else(|| panic!("{name}: {k} in {f}"))
+        };
         assert!(n("failed_attempts") > 0, "{name}: {f}");
         assert!(
             n("retried") + n("resumed") + n("gave_up") <= n("failed_attempts"),
