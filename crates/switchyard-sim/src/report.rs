@@ -106,6 +106,11 @@ pub struct PolicyReport {
     /// Figures per tenant, by name (absent unless the run names tenants).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tenants: std::collections::BTreeMap<String, TenantFigures>,
+    /// Responses chains: turns that continued a response no worker holds
+    /// any more (its worker failed, or it was forgotten); they ended in
+    /// an error.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub responses_unknown: u64,
     /// Worker failures: what became of the requests they hit (absent
     /// unless the run fails workers).
     #[serde(skip_serializing_if = "Option::is_none")]

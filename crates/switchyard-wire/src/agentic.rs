@@ -43,8 +43,9 @@ use std::fmt;
 use std::marker::PhantomData;
 
 /// Longest `previous_response_id` (and response id in a path) read, in
-/// bytes: vLLM's ids are `resp_` and 32 hex digits.
-pub const MAX_RESPONSE_ID_BYTES: usize = 128;
+/// bytes: the core's response affinity's bound (vLLM's ids are `resp_` and
+/// 32 hex digits).
+pub use switchyard_core::admission::responses::MAX_RESPONSE_ID_BYTES;
 
 /// The body of `/v1/responses`, as far as routing reads it.
 #[derive(Clone, Debug, PartialEq)]

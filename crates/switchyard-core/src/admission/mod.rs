@@ -19,6 +19,9 @@
 //! - [`progress`] — live progress: one unique updater, many readers, over one
 //!   atomic.
 //! - [`session`] — the session-aware strategy.
+//! - [`responses`] — response affinity: which worker holds a stored
+//!   response, for whom; a chain's later turns go there (bounded,
+//!   expiring, owned per key).
 //! - [`tenants`] — tenants and priority bands: the flow-control
 //!   configuration and how a request's tenant, band and deadline resolve.
 //! - [`controller`] — the [`AdmissionController`] tying them together.
@@ -33,6 +36,7 @@ pub mod gate;
 pub mod lifecycle;
 pub mod progress;
 pub mod queue;
+pub mod responses;
 pub mod session;
 pub mod tenants;
 

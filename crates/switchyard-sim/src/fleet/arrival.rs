@@ -70,12 +70,19 @@ impl Simulation {
             output_tokens,
             self.now,
         );
+        let Some(eligible) = self.chain_eligible(replica, session, turn) else {
+            // Its previous response is known nowhere: the turn ends.
+            self.chain_broken += 1;
+            self.fail(session);
+            return;
+        };
         let submission = Submission {
             blocks,
             prompt_tokens: tokens.len() as u32,
             session: multi_turn.then_some(SessionKey(session)),
             adapter,
             flow,
+            eligible,
             ..Submission::default()
         };
         self.payloads.insert(

@@ -160,6 +160,14 @@ pub struct FleetConfig {
     /// same limits as `serve`'s, and its defaults.
     #[serde(skip_serializing_if = "MigrationPolicy::is_default")]
     pub migration: MigrationPolicy,
+    /// Every multi-turn session is a Responses API chain: each later turn
+    /// continues the response its previous turn stored, which only the
+    /// worker that answered it holds, so the turn may go there and nowhere
+    /// else (the core's response affinity, as `serve` routes a
+    /// `previous_response_id`); a turn whose previous response is not
+    /// known (forgotten, or its worker's) ends in an error.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub responses_chain: bool,
 }
 
 impl Default for FleetConfig {
@@ -182,6 +190,7 @@ impl Default for FleetConfig {
             dp: None,
             failures: Vec::new(),
             migration: MigrationPolicy::default(),
+            responses_chain: false,
         }
     }
 }

@@ -70,14 +70,20 @@
 //! rank-blind target per worker and the worker's own balancer);
 //! `replica_sync.rs` what the
 //! router replicas publish to each other; `bursts.rs` whether each burst
-//! of spawned sessions computed its shared prefix once; `outcome.rs` the figures; the
-//! tests in `tests.rs`, `admission_tests.rs`, `replica_tests.rs` and
-//! `dp_tests.rs`.
+//! of spawned sessions computed its shared prefix once; `failures.rs`
+//! workers going down and up, and what becomes of their requests;
+//! `chain.rs` Responses chains (a turn goes where its previous response is
+//! stored); `outcome.rs` the figures; the tests in `tests.rs`,
+//! `admission_tests.rs`, `replica_tests.rs`, `dp_tests.rs`,
+//! `failure_tests.rs` and `chain_tests.rs`.
 
 #[cfg(test)]
 mod admission_tests;
 mod arrival;
 mod bursts;
+mod chain;
+#[cfg(test)]
+mod chain_tests;
 mod config;
 mod disagg;
 mod dp;
@@ -146,6 +152,9 @@ pub enum SimError {
     /// A worker failure cannot be simulated as configured.
     #[error("worker failures: {0}")]
     Failures(String),
+    /// Responses chains cannot be simulated as configured.
+    #[error("responses chains: {0}")]
+    Chains(String),
 }
 
 /// What a simulation produced.
@@ -281,6 +290,9 @@ struct WorkerState {
 struct Replica {
     id: ReplicaId,
     dispatcher: Dispatcher,
+    /// Which worker holds each stored response this replica routed
+    /// ([`FleetConfig::responses_chain`]).
+    responses: switchyard_core::admission::responses::ResponseAffinity,
     tick_at: Option<f64>,
     routed: u64,
 }
@@ -381,6 +393,11 @@ struct Simulation {
     failure_figures: crate::report::FailureFigures,
     /// Booking ids handed out to migrations.
     next_booking: u128,
+    /// Responses chains: turns whose previous response no worker holds.
+    chain_broken: u64,
+    /// Responses chains: the engine (its worker's epoch) that stored each
+    /// session's latest response; a worker that failed since lost it.
+    chain_epochs: FxHashMap<u64, u64>,
 }
 
 impl Simulation {
@@ -408,6 +425,7 @@ impl Simulation {
             }
         }
         failures::check(config)?;
+        chain::check(config)?;
         let config = config.clone();
         let ranks = config.dp.map_or(1, |dp| dp.size);
         let engines = config.workers * ranks;
@@ -477,6 +495,7 @@ impl Simulation {
             replicas.push(Replica {
                 id,
                 dispatcher,
+                responses: chain::table(),
                 tick_at: None,
                 routed: 0,
             });
@@ -534,6 +553,8 @@ impl Simulation {
             failure_histories: FxHashMap::default(),
             failure_figures: Default::default(),
             next_booking: 0,
+            chain_broken: 0,
+            chain_epochs: FxHashMap::default(),
         })
     }
 
@@ -707,6 +728,7 @@ impl Simulation {
     /// pause (unless it ended meanwhile).
     fn end_session(&mut self, session: u64) {
         self.sessions.remove(&session);
+        self.chain_epochs.remove(&session);
         self.bursts.forget(session);
         self.session_replica.remove(&session);
         self.waiting.remove(&session);

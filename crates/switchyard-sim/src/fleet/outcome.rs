@@ -94,6 +94,7 @@ impl Simulation {
             }),
             bursts: self.bursts.figures(),
             failures: self.failure_figures(),
+            responses_unknown: self.chain_broken,
             tenants: self.tenant_figures(),
             ssm: self.config.engine.hybrid.map(|_| {
                 let mut f = SsmFigures::default();

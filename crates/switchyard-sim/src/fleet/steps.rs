@@ -152,6 +152,7 @@ impl Simulation {
                 let tally = self.tally(r.session);
                 tally.tokens_served_in_window += computed + done.output_tokens as u64;
             }
+            self.store_response(r.replica, r.worker, r.session, r.turn);
             let context = u64::from(r.prompt_tokens) + done.output_tokens as u64;
             let fx = self.replicas[r.replica]
                 .dispatcher

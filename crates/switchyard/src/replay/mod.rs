@@ -353,6 +353,14 @@ pub struct ReplayArgs {
     #[arg(long = "fail-worker", value_name = "AT_S:WORKER[:DOWN_S]", value_parser = switchyard_sim::fleet::WorkerFailure::parse)]
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub fail_worker: Vec<switchyard_sim::fleet::WorkerFailure>,
+    /// Every multi-turn session is a Responses API chain: each later turn
+    /// continues its previous turn's stored response, so it may only go
+    /// to the worker that answered it (as `serve` routes a
+    /// `previous_response_id`); a turn whose response was lost with its
+    /// worker ends in an error (counted).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub responses_chain: bool,
     /// With `--fail-worker`: migrations allowed per request, as `serve`'s
     /// `--migration-limit` (0: a failed request ends in an error).
     #[arg(long, default_value_t = switchyard_core::dispatch::failure::MigrationPolicy::default().limit)]
@@ -528,6 +536,7 @@ pub fn fleet_config(args: &ReplayArgs) -> anyhow::Result<FleetConfig> {
     fleet.router.sequences.block_size = fleet.engine.block_size as u32;
     fleet.router.busy_threshold = args.busy_threshold;
     fleet.failures = args.fail_worker.clone();
+    fleet.responses_chain = args.responses_chain;
     fleet.migration.limit = args.migration_limit;
     if let Some(path) = &args.tenants {
         fleet.admission.flow = TenantMix::load(path)?.flow_config(true);
@@ -1120,6 +1129,12 @@ fn print_table(report: &ReplayReport, outcomes: &[(String, SimOutcome)]) {
                 "{name}: {} ranks per worker; requests per rank {idlest}..{busiest}; a rank idle while another of its worker queued {:.1}% of the run",
                 dp.size,
                 dp.idle_while_queued_share * 100.0
+            );
+        }
+        if r.responses_unknown > 0 {
+            println!(
+                "{name}: {} turns continued a response their worker had lost (errors)",
+                r.responses_unknown
             );
         }
         if let Some(f) = &r.failures {

@@ -1,5 +1,5 @@
-//! The stored-response map as a specification: owners, both caps, expiry,
-//! and a property test against a naive model (a list in insertion order).
+//! Response affinity as a specification: owners, both caps, expiry, and a
+//! property test against a naive model (a list in insertion order).
 
 use super::*;
 use proptest::prelude::*;
@@ -15,14 +15,14 @@ fn holder(w: u64, owner: Option<Owner>) -> Holder {
     }
 }
 
-fn map(capacity: usize, per_key: usize) -> ResponseMap {
-    ResponseMap::new(capacity, per_key, Duration::from_secs(60))
+fn map(capacity: usize, per_key: usize) -> ResponseAffinity {
+    ResponseAffinity::new(capacity, per_key, 60_000.0)
 }
 
 #[test]
 fn an_entry_is_found_by_its_owner_only_and_looks_unknown_to_others() {
-    let map = map(10, 10);
-    let t = Instant::now();
+    let mut map = map(10, 10);
+    let t = 0.0;
     assert_eq!(map.insert("resp_a", holder(1, A), t), Inserted::Stored);
     assert_eq!(map.get("resp_a", A, t), Some(holder(1, A)));
     assert_eq!(map.get("resp_a", B, t), None);
@@ -33,8 +33,8 @@ fn an_entry_is_found_by_its_owner_only_and_looks_unknown_to_others() {
 
 #[test]
 fn an_answer_never_moves_an_id_another_key_holds() {
-    let map = map(10, 10);
-    let t = Instant::now();
+    let mut map = map(10, 10);
+    let t = 0.0;
     map.insert("resp_a", holder(1, A), t);
     assert_eq!(map.insert("resp_a", holder(2, B), t), Inserted::Taken);
     assert_eq!(map.get("resp_a", A, t), Some(holder(1, A)));
@@ -44,15 +44,15 @@ fn an_answer_never_moves_an_id_another_key_holds() {
     assert_eq!(map.insert("resp_a", holder(3, A), t), Inserted::Stored);
     assert_eq!(map.get("resp_a", A, t), Some(holder(3, A)));
     // Once expired, the id is free again.
-    let later = t + Duration::from_secs(61);
+    let later = t + 61000.0;
     assert_eq!(map.insert("resp_a", holder(2, B), later), Inserted::Stored);
     assert_eq!(map.get("resp_a", B, later), Some(holder(2, B)));
 }
 
 #[test]
 fn a_key_at_its_cap_forgets_its_own_oldest_never_anothers() {
-    let map = map(100, 3);
-    let t = Instant::now();
+    let mut map = map(100, 3);
+    let t = 0.0;
     map.insert("a1", holder(1, A), t);
     map.insert("a2", holder(1, A), t);
     for i in 0..60 {
@@ -64,21 +64,21 @@ fn a_key_at_its_cap_forgets_its_own_oldest_never_anothers() {
     assert_eq!(map.get("a2", A, t), Some(holder(1, A)));
     assert_eq!(map.get("b59", B, t), Some(holder(2, B)));
     assert_eq!(map.get("b56", B, t), None);
-    assert_eq!(map.drops(Drop::KeyCapacity), 57);
-    assert_eq!(map.drops(Drop::Capacity), 0);
+    assert_eq!(map.drops(Forgotten::KeyCapacity), 57);
+    assert_eq!(map.drops(Forgotten::Capacity), 0);
 }
 
 #[test]
 fn a_full_map_forgets_its_oldest_entry_and_counts_it() {
-    let map = map(2, 10);
-    let t = Instant::now();
+    let mut map = map(2, 10);
+    let t = 0.0;
     map.insert("resp_a", holder(1, None), t);
     map.insert("resp_b", holder(2, None), t);
     map.insert("resp_c", holder(3, None), t);
     assert_eq!(map.len(), 2);
     assert_eq!(map.get("resp_a", None, t), None);
     assert_eq!(map.get("resp_c", None, t), Some(holder(3, None)));
-    assert_eq!(map.drops(Drop::Capacity), 1);
+    assert_eq!(map.drops(Forgotten::Capacity), 1);
     // Re-inserting a held id does not evict another.
     map.insert("resp_c", holder(4, None), t);
     assert_eq!(map.get("resp_b", None, t), Some(holder(2, None)));
@@ -87,32 +87,32 @@ fn a_full_map_forgets_its_oldest_entry_and_counts_it() {
 
 #[test]
 fn an_entry_expires_after_the_ttl_and_is_counted() {
-    let map = map(10, 10);
-    let t = Instant::now();
+    let mut map = map(10, 10);
+    let t = 0.0;
     map.insert("resp_a", holder(1, None), t);
     assert_eq!(
-        map.get("resp_a", None, t + Duration::from_secs(59)),
+        map.get("resp_a", None, t + 59000.0),
         Some(holder(1, None))
     );
-    assert_eq!(map.get("resp_a", None, t + Duration::from_secs(60)), None);
-    assert_eq!(map.drops(Drop::Expired), 1);
+    assert_eq!(map.get("resp_a", None, t + 60000.0), None);
+    assert_eq!(map.drops(Forgotten::Expired), 1);
     // Swept at an insert, too.
     map.insert("resp_b", holder(1, None), t);
-    map.insert("resp_c", holder(1, None), t + Duration::from_secs(61));
+    map.insert("resp_c", holder(1, None), t + 61000.0);
     assert_eq!(map.len(), 1);
-    assert_eq!(map.drops(Drop::Expired), 2);
+    assert_eq!(map.drops(Forgotten::Expired), 2);
 }
 
 #[test]
 fn ids_past_the_bound_are_neither_stored_nor_looked_up() {
-    let map = map(10, 10);
+    let mut map = map(10, 10);
     let long = "r".repeat(MAX_RESPONSE_ID_BYTES + 1);
     assert_eq!(
-        map.insert(&long, holder(1, None), Instant::now()),
+        map.insert(&long, holder(1, None), 0.0),
         Inserted::Ignored
     );
     assert!(map.is_empty());
-    assert_eq!(map.get(&long, None, Instant::now()), None);
+    assert_eq!(map.get(&long, None, 0.0), None);
 }
 
 #[test]
@@ -156,7 +156,7 @@ impl Model {
             let (_, held_by, _, at) = self.entries[i];
             if now - at >= self.ttl {
                 self.entries.remove(i);
-                self.drops[Drop::Expired as usize] += 1;
+                self.drops[Forgotten::Expired as usize] += 1;
             } else if held_by != owner {
                 self.taken += 1;
                 return Inserted::Taken;
@@ -169,15 +169,15 @@ impl Model {
         let before = self.entries.len();
         let ttl = self.ttl;
         self.entries.retain(|e| now - e.3 < ttl);
-        self.drops[Drop::Expired as usize] += (before - self.entries.len()) as u64;
+        self.drops[Forgotten::Expired as usize] += (before - self.entries.len()) as u64;
         if owner.is_some() && self.entries.iter().filter(|e| e.1 == owner).count() >= self.per_key {
             let i = self.entries.iter().position(|e| e.1 == owner).unwrap();
             self.entries.remove(i);
-            self.drops[Drop::KeyCapacity as usize] += 1;
+            self.drops[Forgotten::KeyCapacity as usize] += 1;
         }
         while self.entries.len() >= self.capacity {
             self.entries.remove(0);
-            self.drops[Drop::Capacity as usize] += 1;
+            self.drops[Forgotten::Capacity as usize] += 1;
         }
         self.entries.push((id, owner, worker, now));
         Inserted::Stored
@@ -191,7 +191,7 @@ impl Model {
         }
         if now - at >= self.ttl {
             self.entries.remove(i);
-            self.drops[Drop::Expired as usize] += 1;
+            self.drops[Forgotten::Expired as usize] += 1;
             return None;
         }
         Some(worker)
@@ -225,12 +225,11 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         let ttl = 40;
-        let real = ResponseMap::new(capacity, per_key, Duration::from_secs(ttl));
+        let mut real = ResponseAffinity::new(capacity, per_key, ttl as f64 * 1e3);
         let mut model = Model { capacity, per_key, ttl, ..Model::default() };
-        let start = Instant::now();
         let mut now = 0u64;
         for op in ops {
-            let t = start + Duration::from_secs(now);
+            let t = now as f64 * 1e3;
             match op {
                 Op::Insert { id, owner: o, worker } => {
                     let got = real.insert(&format!("r{id}"), holder(worker, owner(o)), t);
@@ -248,7 +247,7 @@ proptest! {
                 let want = model.entries.iter().filter(|e| e.1 == owner(o)).count();
                 prop_assert_eq!(real.len_of(owner(o)), want);
             }
-            for why in Drop::ALL {
+            for why in Forgotten::ALL {
                 prop_assert_eq!(real.drops(why), model.drops[why as usize], "{:?}", why);
             }
             prop_assert_eq!(real.taken(), model.taken);
