@@ -182,7 +182,10 @@ mod tests {
         assert_eq!(map.insert("resp_a", holder(a), t), Inserted::Stored);
         assert_eq!(map.insert("resp_a", holder(b), t), Inserted::Taken);
         assert_eq!(map.taken(), 1);
-        assert_eq!(map.get("resp_a", a, t + Duration::from_secs(59)), Some(holder(a)));
+        assert_eq!(
+            map.get("resp_a", a, t + Duration::from_secs(59)),
+            Some(holder(a))
+        );
         assert_eq!(map.get("resp_a", a, t + Duration::from_secs(61)), None);
         assert_eq!(map.drops(Drop::Expired), 1);
         assert!(map.is_empty());

@@ -90,10 +90,7 @@ fn an_entry_expires_after_the_ttl_and_is_counted() {
     let mut map = map(10, 10);
     let t = 0.0;
     map.insert("resp_a", holder(1, None), t);
-    assert_eq!(
-        map.get("resp_a", None, t + 59000.0),
-        Some(holder(1, None))
-    );
+    assert_eq!(map.get("resp_a", None, t + 59000.0), Some(holder(1, None)));
     assert_eq!(map.get("resp_a", None, t + 60000.0), None);
     assert_eq!(map.drops(Forgotten::Expired), 1);
     // Swept at an insert, too.
@@ -107,10 +104,7 @@ fn an_entry_expires_after_the_ttl_and_is_counted() {
 fn ids_past_the_bound_are_neither_stored_nor_looked_up() {
     let mut map = map(10, 10);
     let long = "r".repeat(MAX_RESPONSE_ID_BYTES + 1);
-    assert_eq!(
-        map.insert(&long, holder(1, None), 0.0),
-        Inserted::Ignored
-    );
+    assert_eq!(map.insert(&long, holder(1, None), 0.0), Inserted::Ignored);
     assert!(map.is_empty());
     assert_eq!(map.get(&long, None, 0.0), None);
 }

@@ -74,7 +74,7 @@ pub struct AppState {
     pub tenant_header: Option<axum::http::HeaderName>,
     /// The Responses and Messages APIs' state: where stored responses
     /// live, requests by API.
-    pub(crate) agentic: Arc<crate::request::agentic::AgenticState>,
+    pub(crate) agentic: Arc<crate::request::agentic_state::AgenticState>,
     /// Slots for tokenizing long prompts, by band and fair share.
     pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
 }
@@ -104,7 +104,7 @@ impl AppState {
         );
         let flow_metrics = Arc::new(crate::metrics::FlowMetrics::new(&flows));
         flow_metrics.register(&mut registry);
-        let agentic = Arc::new(crate::request::agentic::AgenticState::new(
+        let agentic = Arc::new(crate::request::agentic_state::AgenticState::new(
             crate::response_map::ResponseMap::new(
                 config.max_stored_responses,
                 config.max_stored_responses_per_key,

@@ -6,7 +6,7 @@
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
 //!   equivalent chat, then the chat path; [`agentic`] — what the two
-//!   share; [`named_stream`] — their streams, forwarded unchanged and a
+//!   share; [`agentic_state`] — their state in [`context::AppState`]; [`named_stream`] — their streams, forwarded unchanged and a
 //!   broken plain-text one resumed; [`agentic_resume`] — which of their
 //!   streams are resumed, and the rewrite into their events.
 //! - [`prompt`] — what the handlers share: the prompt's token ids (or an
@@ -27,13 +27,15 @@
 //!   errors, its headers).
 //! - [`stream`] — the streaming body: forwards events and resumes a broken
 //!   stream on another worker.
-//! - [`migration`] — the pure parts of migration: the decision, progress,
-//!   the resume request; [`body_fields`] — a body's top-level fields
+//! - [`migration`] — a failed request's body judged for migration: can it
+//!   resume, and the resume request (the decision itself is the core's
+//!   `dispatch::failure`); [`body_fields`] — a body's top-level fields
 //!   without a JSON tree, for the resume and the disaggregated halves.
 
 pub(crate) mod adapter_load;
 pub(crate) mod agentic;
 pub(crate) mod agentic_resume;
+pub(crate) mod agentic_state;
 pub(crate) mod answer;
 pub(crate) mod attempt;
 pub mod body_fields;

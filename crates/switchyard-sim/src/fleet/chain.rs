@@ -53,9 +53,7 @@ impl Simulation {
         }
         let previous = response_id(session, turn - 1);
         let now = self.now;
-        let holder = self.replicas[replica]
-            .responses
-            .get(&previous, None, now)?;
+        let holder = self.replicas[replica].responses.get(&previous, None, now)?;
         // A worker that failed since lost what it stored: the turn ends at
         // once, as a restarted engine answers an unknown response id.
         let engine = *self.by_worker_id.get(&holder.worker)?;
@@ -65,7 +63,13 @@ impl Simulation {
 
     /// Turn `turn` of `session` answered on engine `worker` through
     /// `replica`: its response is stored there.
-    pub(super) fn store_response(&mut self, replica: usize, worker: usize, session: u64, turn: usize) {
+    pub(super) fn store_response(
+        &mut self,
+        replica: usize,
+        worker: usize,
+        session: u64,
+        turn: usize,
+    ) {
         if !self.config.responses_chain {
             return;
         }

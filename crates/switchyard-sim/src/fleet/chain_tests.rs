@@ -68,7 +68,11 @@ fn a_chains_turns_stay_where_their_responses_are_even_under_round_robin() {
         "{} against {stays}",
         chained.hit_rate
     );
-    assert!(scattered.hit_rate < chained.hit_rate / 2.0, "{}", scattered.hit_rate);
+    assert!(
+        scattered.hit_rate < chained.hit_rate / 2.0,
+        "{}",
+        scattered.hit_rate
+    );
 }
 
 #[test]
@@ -92,7 +96,10 @@ fn a_chain_whose_worker_failed_ends_at_its_next_turn() {
     // Without the failures every turn completes.
     config.failures.clear();
     let calm = run(&config, chats(8, 3));
-    assert_eq!((calm.completed, calm.errors, calm.responses_unknown), (24, 0, 0));
+    assert_eq!(
+        (calm.completed, calm.errors, calm.responses_unknown),
+        (24, 0, 0)
+    );
 }
 
 #[test]

@@ -6,7 +6,10 @@
 //! `nil` is one byte on the wire but a whole `rmpv::Value` in the tree, so a
 //! 64 MiB payload of them would otherwise cost gigabytes.
 
-use super::{BlockRemoved, BlockStored, DecodeError, DecodeLimits, Format, KvEvent, KvEventBatch};
+use super::{
+    BlockRemoved, BlockStored, DecodeError, DecodeLimits, Format, KvEvent, KvEventBatch, REMOVED,
+    STORED,
+};
 use rmpv::Value;
 use switchyard_core::EngineHash;
 
@@ -14,9 +17,6 @@ use switchyard_core::EngineHash;
 /// (batch, events, event, token pair or `extra_keys` tuple); the cap keeps
 /// hostile input from recursing deep.
 const MAX_DEPTH: usize = 32;
-
-pub(super) const STORED: &str = "BlockStored";
-pub(super) const REMOVED: &str = "BlockRemoved";
 
 /// One event of a batch that could not be decoded; the batch's other events
 /// are still usable.

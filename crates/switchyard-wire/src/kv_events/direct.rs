@@ -12,8 +12,7 @@
 //! the two cannot disagree (property-tested against each other). The
 //! caller checks the payload against its limits first, as for the tree.
 
-use super::decode::{REMOVED, STORED};
-use super::{BlockRemoved, BlockStored, Format, KvEvent, KvEventBatch};
+use super::{BlockRemoved, BlockStored, Format, KvEvent, KvEventBatch, REMOVED, STORED};
 use rmp::Marker;
 use switchyard_core::EngineHash;
 

@@ -85,12 +85,16 @@ pub enum KvEvent {
     },
 }
 
+/// The tags of the block events on the wire.
+const STORED: &str = "BlockStored";
+const REMOVED: &str = "BlockRemoved";
+
 impl KvEvent {
     /// The event's tag on the wire.
     pub fn type_name(&self) -> &str {
         match self {
-            KvEvent::BlockStored(_) => "BlockStored",
-            KvEvent::BlockRemoved(_) => "BlockRemoved",
+            KvEvent::BlockStored(_) => STORED,
+            KvEvent::BlockRemoved(_) => REMOVED,
             KvEvent::AllBlocksCleared => "AllBlocksCleared",
             KvEvent::Unknown { tag } => tag,
         }
