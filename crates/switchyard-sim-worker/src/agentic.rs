@@ -39,6 +39,9 @@ use switchyard_tokenizer::ChatMessage;
 use switchyard_wire::agentic::{
     anthropic_error, MessagesRequest, ResponsesRequest, MAX_RESPONSE_ID_BYTES,
 };
+use switchyard_wire::agentic_events::{
+    messages, response_message, response_usage, AgenticEvent, ResponsesEvents, TextItem,
+};
 use switchyard_wire::openai::{BodyError, BodyLimits, ErrorBody, Message, MessageContent};
 use tokio::sync::mpsc;
 
@@ -222,21 +225,15 @@ fn response_object(
     usage: Option<&Output>,
 ) -> Value {
     let output = match text {
-        Some(text) => json!([{
-            "type": "message", "id": format!("msg_{}", &id[5..]), "status": "completed",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }]),
+        Some(text) => json!([response_message(&format!("msg_{}", &id[5..]), Some(text))]),
         None => json!([]),
     };
     let usage = usage.map(|o| {
-        json!({
-            "input_tokens": o.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": o.cached_tokens},
-            "output_tokens": o.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": o.prompt_tokens + o.output_tokens,
-        })
+        response_usage(
+            o.prompt_tokens as u64,
+            o.cached_tokens as u64,
+            o.output_tokens as u64,
+        )
     });
     json!({
         "id": id, "object": "response", "created_at": unix_now(), "model": model,
@@ -357,9 +354,14 @@ fn responses_stream(
         previous: Option<String>,
         conversation: Option<Vec<ChatMessage>>,
         text: String,
-        seq: u64,
+        events: ResponsesEvents,
         step: u8,
         queued: VecDeque<Event>,
+    }
+    impl S {
+        fn push(&mut self, events: impl IntoIterator<Item = AgenticEvent>) {
+            self.queued.extend(events.into_iter().map(sse));
+        }
     }
     let s = S {
         state,
@@ -369,7 +371,7 @@ fn responses_stream(
         previous,
         conversation,
         text: String::new(),
-        seq: 0,
+        events: ResponsesEvents::default(),
         step: 0,
         queued: VecDeque::new(),
     };
@@ -378,14 +380,7 @@ fn responses_stream(
             if let Some(e) = s.queued.pop_front() {
                 return Some((e, s));
             }
-            let item_id = format!("msg_{}", &s.id[5..]);
-            let push = |s: &mut S, kind: &str, mut data: Value| {
-                data["type"] = json!(kind);
-                data["sequence_number"] = json!(s.seq);
-                s.seq += 1;
-                s.queued
-                    .push_back(Event::default().event(kind).data(data.to_string()));
-            };
+            let item = TextItem::first(format!("msg_{}", &s.id[5..]));
             match s.step {
                 0 => {
                     let r = response_object(
@@ -396,31 +391,18 @@ fn responses_stream(
                         None,
                         None,
                     );
-                    push(&mut s, "response.created", json!({"response": r.clone()}));
-                    push(&mut s, "response.in_progress", json!({"response": r}));
-                    let item = json!({"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []});
-                    push(
-                        &mut s,
-                        "response.output_item.added",
-                        json!({"output_index": 0, "item": item}),
-                    );
-                    let part = json!({"type": "output_text", "text": "", "annotations": []});
-                    push(
-                        &mut s,
-                        "response.content_part.added",
-                        json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
-                    );
+                    let begun = [s.events.created(&r), s.events.in_progress(&r)];
+                    s.push(begun);
+                    let item = s.events.text_begins(&item);
+                    s.push(item);
                     s.step = 1;
                 }
                 1 => match s.generation.next().await {
                     Some(GenEvent::Token { token, .. }) => {
                         let delta = s.state.output_text.of(token).to_owned();
                         s.text.push_str(&delta);
-                        push(
-                            &mut s,
-                            "response.output_text.delta",
-                            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []}),
-                        );
+                        let e = s.events.text_delta(&item, &delta);
+                        s.push([e]);
                     }
                     Some(GenEvent::Captured { .. } | GenEvent::CaptureRefused(_)) => {}
                     Some(GenEvent::Finished {
@@ -437,23 +419,10 @@ fn responses_stream(
                             length: reason == FinishReason::Length,
                         };
                         let text = out.text.clone();
-                        push(
-                            &mut s,
-                            "response.output_text.done",
-                            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
-                        );
-                        let part = json!({"type": "output_text", "text": text, "annotations": []});
-                        push(
-                            &mut s,
-                            "response.content_part.done",
-                            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
-                        );
-                        let item = json!({"type": "message", "id": item_id, "status": "completed", "role": "assistant", "content": [part]});
-                        push(
-                            &mut s,
-                            "response.output_item.done",
-                            json!({"output_index": 0, "item": item}),
-                        );
+                        let done = s.events.text_done(&item, &text);
+                        s.push(done);
+                        let done = s.events.item_done(&item, &text);
+                        s.push([done]);
                         let status = if out.length {
                             "incomplete"
                         } else {
@@ -481,20 +450,13 @@ fn responses_stream(
                                 },
                             );
                         }
-                        let kind = if out.length {
-                            "response.incomplete"
-                        } else {
-                            "response.completed"
-                        };
-                        push(&mut s, kind, json!({"response": r}));
+                        let ended = s.events.ended(&r, out.length);
+                        s.push([ended]);
                         s.step = 2;
                     }
                     _ => {
-                        push(
-                            &mut s,
-                            "error",
-                            json!({"code": "server_error", "message": "the engine cancelled the request", "param": null}),
-                        );
+                        let e = s.events.error("the engine cancelled the request");
+                        s.push([e]);
                         s.step = 2;
                     }
                 },
@@ -502,6 +464,11 @@ fn responses_stream(
             }
         }
     })
+}
+
+/// An event on the SSE stream.
+fn sse(e: AgenticEvent) -> Event {
+    Event::default().event(e.name).data(e.data_text())
 }
 
 /// `GET /v1/responses/{id}`.
@@ -593,7 +560,7 @@ async fn messages_inner(state: WorkerState, body: Bytes) -> Result<Response, Err
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": out.text}],
-            "stop_reason": if out.length { "max_tokens" } else { "end_turn" },
+            "stop_reason": messages::stop_reason(out.length),
             "stop_sequence": null,
             "usage": anthropic_usage(&out),
         }))
@@ -620,7 +587,6 @@ fn messages_stream(
     id: String,
     model: String,
 ) -> impl futures_util::Stream<Item = Event> {
-    let event = |kind: &str, data: Value| Event::default().event(kind).data(data.to_string());
     stream::unfold((state, generation, 0u8), move |(state, mut generation, step)| {
         let id = id.clone();
         let model = model.clone();
@@ -628,16 +594,14 @@ fn messages_stream(
             match step {
                 0 => {
                     let message = json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}});
-                    Some((vec![
-                        event("message_start", json!({"type": "message_start", "message": message})),
-                        event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})),
-                    ], (state, generation, 1)))
+                    let begun = [messages::start(&message), messages::text_block_start(0)];
+                    Some((begun.map(sse).to_vec(), (state, generation, 1)))
                 }
                 1 => loop {
                     match generation.next().await {
                         Some(GenEvent::Token { token, .. }) => {
-                            let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": state.output_text.of(token)}});
-                            return Some((vec![event("content_block_delta", delta)], (state, generation, 1)));
+                            let delta = messages::text_delta(0, state.output_text.of(token));
+                            return Some((vec![sse(delta)], (state, generation, 1)));
                         }
                         Some(GenEvent::Captured { .. } | GenEvent::CaptureRefused(_)) => {}
                         Some(GenEvent::Finished {
@@ -653,15 +617,16 @@ fn messages_stream(
                                 output_tokens,
                                 length: reason == FinishReason::Length,
                             };
-                            let stop = if out.length { "max_tokens" } else { "end_turn" };
-                            return Some((vec![
-                                event("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
-                                event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}, "usage": anthropic_usage(&out)})),
-                                event("message_stop", json!({"type": "message_stop"})),
-                            ], (state, generation, 2)));
+                            let ended = [
+                                messages::block_stop(0),
+                                messages::delta(out.length, anthropic_usage(&out)),
+                                messages::stop(),
+                            ];
+                            return Some((ended.map(sse).to_vec(), (state, generation, 2)));
                         }
                         _ => {
-                            return Some((vec![event("error", anthropic_error(500, "the engine cancelled the request"))], (state, generation, 2)));
+                            let error = messages::error("the engine cancelled the request");
+                            return Some((vec![sse(error)], (state, generation, 2)));
                         }
                     }
                 },

@@ -12,7 +12,9 @@
 //!   filtered, every skip counted by reason.
 //!
 //! - [`agentic`] — the Responses and Anthropic Messages request bodies,
-//!   read as their equivalent chat conversation.
+//!   read as their equivalent chat conversation, and their error bodies;
+//!   [`agentic_events`] — their stream events, written (by the simulated
+//!   worker and by the router's resumed streams alike).
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -42,6 +44,7 @@
 #![warn(missing_docs)]
 
 pub mod agentic;
+pub mod agentic_events;
 pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;

@@ -170,17 +170,12 @@ impl AgenticDelivery {
     /// The event that ends a broken stream, in the API's own shape;
     /// `sequence` numbers a Responses event.
     pub(crate) fn error_event(&self, message: &str, sequence: u64) -> Vec<u8> {
-        let (name, data) = match self.api {
-            AgenticApi::Messages => (
-                "error",
-                serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}}),
-            ),
-            AgenticApi::Responses => (
-                "error",
-                serde_json::json!({"type": "error", "code": "server_error", "message": message, "param": null, "sequence_number": sequence}),
-            ),
+        use switchyard_wire::agentic_events::{messages, ResponsesEvents};
+        let e = match self.api {
+            AgenticApi::Messages => messages::error(message),
+            AgenticApi::Responses => ResponsesEvents::from_sequence(sequence).error(message),
         };
-        switchyard_wire::sse::NamedEvent::new(Some(name), &data.to_string()).into_bytes()
+        switchyard_wire::sse::NamedEvent::new(Some(e.name), &e.data_text()).into_bytes()
     }
 }
 

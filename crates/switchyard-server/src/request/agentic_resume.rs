@@ -39,6 +39,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::borrow::Cow;
+use switchyard_wire::agentic_events::{
+    messages, response_usage, AgenticEvent, ResponsesEvents, TextItem,
+};
 use switchyard_wire::sse::{Delta, NamedEvent};
 
 /// Fields of a Messages request the resume carries or rebuilds
@@ -267,14 +270,6 @@ pub(crate) fn resume_body(
     migration::resume_body(&carried, prompt_ids, remaining)
 }
 
-/// The text item a Responses stream writes into.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct TextItem {
-    item_id: String,
-    output_index: u64,
-    content_index: u64,
-}
-
 /// What the client's stream has shown so far, and the rewrite of a
 /// resumed worker's completion chunks into its continuation.
 #[derive(Debug)]
@@ -286,11 +281,11 @@ pub(crate) struct Resume {
     next_block: u64,
     /// Responses: the text item, part and output index.
     item: Option<TextItem>,
+    /// Responses: the event writer (its next `sequence_number`).
+    events: ResponsesEvents,
     /// Responses: the response object of `response.created` (bounded by
     /// the event size limit).
     response: Option<Value>,
-    /// Responses: the next `sequence_number`.
-    sequence: u64,
     /// Responses: the text so far (for the closing events).
     text: String,
     text_cap: usize,
@@ -344,8 +339,8 @@ impl Resume {
             block: None,
             next_block: 0,
             item: None,
+            events: ResponsesEvents::default(),
             response: None,
-            sequence: 0,
             text: String::new(),
             text_cap,
             overflowed: false,
@@ -357,7 +352,7 @@ impl Resume {
 
     /// The next Responses `sequence_number`.
     pub(crate) fn sequence(&self) -> u64 {
-        self.sequence
+        self.events.sequence()
     }
 
     /// Whether the kept text outgrew its bound (not resumable).
@@ -375,7 +370,7 @@ impl Resume {
     pub(crate) fn observe(&mut self, data: &str) -> Option<String> {
         let seen = serde_json::from_str::<Seen<'_>>(data).ok()?;
         if let Some(n) = seen.sequence_number {
-            self.sequence = self.sequence.max(n.saturating_add(1));
+            self.events.seen(n);
         }
         match (self.api, seen.kind.as_ref()) {
             (AgenticApi::Messages, "content_block_start") => {
@@ -449,13 +444,11 @@ impl Resume {
         }
     }
 
-    fn event(&mut self, name: &str, mut data: Value) -> Vec<u8> {
-        data["type"] = json!(name);
-        if self.api == AgenticApi::Responses {
-            data["sequence_number"] = json!(self.sequence);
-            self.sequence = self.sequence.saturating_add(1);
+    /// Events as the bytes of the client's stream.
+    fn write(out: &mut Vec<u8>, events: impl IntoIterator<Item = AgenticEvent>) {
+        for e in events {
+            out.extend(NamedEvent::new(Some(e.name), &e.data_text()).into_bytes());
         }
-        NamedEvent::new(Some(name), &data.to_string()).into_bytes()
     }
 
     /// The text item, begun by the router when the first worker never
@@ -464,21 +457,8 @@ impl Resume {
         if let Some(item) = &self.item {
             return item.clone();
         }
-        let item = TextItem {
-            item_id: self.fallback_id.clone(),
-            output_index: 0,
-            content_index: 0,
-        };
-        let added = json!({"type": "message", "id": item.item_id, "status": "in_progress", "role": "assistant", "content": []});
-        out.extend(self.event(
-            "response.output_item.added",
-            json!({"output_index": 0, "item": added}),
-        ));
-        let part = json!({"type": "output_text", "text": "", "annotations": []});
-        out.extend(self.event(
-            "response.content_part.added",
-            json!({"item_id": item.item_id, "output_index": 0, "content_index": 0, "part": part}),
-        ));
+        let item = TextItem::first(self.fallback_id.clone());
+        Self::write(out, self.events.text_begins(&item));
         self.item = Some(item.clone());
         item
     }
@@ -500,25 +480,16 @@ impl Resume {
                             let index = self.next_block;
                             self.next_block = index.saturating_add(1);
                             self.block = Some(index);
-                            out.extend(self.event(
-                                "content_block_start",
-                                json!({"index": index, "content_block": {"type": "text", "text": ""}}),
-                            ));
+                            Self::write(&mut out, [messages::text_block_start(index)]);
                             index
                         }
                     };
-                    out.extend(self.event(
-                        "content_block_delta",
-                        json!({"index": index, "delta": {"type": "text_delta", "text": text}}),
-                    ));
+                    Self::write(&mut out, [messages::text_delta(index, text)]);
                 }
                 AgenticApi::Responses => {
                     let item = self.text_item(&mut out);
                     self.keep(text);
-                    out.extend(self.event(
-                        "response.output_text.delta",
-                        json!({"item_id": item.item_id, "output_index": item.output_index, "content_index": item.content_index, "delta": text, "logprobs": []}),
-                    ));
+                    Self::write(&mut out, [self.events.text_delta(&item, text)]);
                 }
             }
         }
@@ -540,56 +511,29 @@ impl Resume {
         match self.api {
             AgenticApi::Messages => {
                 if let Some(index) = self.block.filter(|_| !self.closed) {
-                    out.extend(self.event("content_block_stop", json!({"index": index})));
+                    Self::write(&mut out, [messages::block_stop(index)]);
                 }
-                let stop = if length { "max_tokens" } else { "end_turn" };
-                out.extend(self.event(
-                    "message_delta",
-                    json!({"delta": {"stop_reason": stop, "stop_sequence": null}, "usage": {"output_tokens": generated}}),
-                ));
-                out.extend(self.event("message_stop", json!({})));
+                let usage = json!({"output_tokens": generated});
+                Self::write(&mut out, [messages::delta(length, usage), messages::stop()]);
             }
             AgenticApi::Responses => {
                 let item = self.text_item(&mut out);
                 let text = std::mem::take(&mut self.text);
-                let part = json!({"type": "output_text", "text": text, "annotations": []});
                 if !self.closed {
-                    out.extend(self.event(
-                        "response.output_text.done",
-                        json!({"item_id": item.item_id, "output_index": item.output_index, "content_index": item.content_index, "text": text, "logprobs": []}),
-                    ));
-                    out.extend(self.event(
-                        "response.content_part.done",
-                        json!({"item_id": item.item_id, "output_index": item.output_index, "content_index": item.content_index, "part": part}),
-                    ));
+                    Self::write(&mut out, self.events.text_done(&item, &text));
                 }
-                let message = json!({"type": "message", "id": item.item_id, "status": "completed", "role": "assistant", "content": [part]});
-                out.extend(self.event(
-                    "response.output_item.done",
-                    json!({"output_index": item.output_index, "item": message}),
-                ));
+                let done = self.events.item_done(&item, &text);
                 let mut response = self.response.take().unwrap_or_else(|| json!({}));
-                let status = if length { "incomplete" } else { "completed" };
-                response["status"] = json!(status);
-                response["output"] = json!([message]);
+                response["status"] = json!(if length { "incomplete" } else { "completed" });
+                response["output"] = json!([done.data["item"]]);
                 response["incomplete_details"] = if length {
                     json!({"reason": "max_output_tokens"})
                 } else {
                     Value::Null
                 };
-                response["usage"] = json!({
-                    "input_tokens": prompt_tokens,
-                    "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens": generated,
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": prompt_tokens.saturating_add(generated),
-                });
-                let name = if length {
-                    "response.incomplete"
-                } else {
-                    "response.completed"
-                };
-                out.extend(self.event(name, json!({"response": response})));
+                response["usage"] = response_usage(prompt_tokens, 0, generated);
+                let ended = self.events.ended(&response, length);
+                Self::write(&mut out, [done, ended]);
             }
         }
         out
