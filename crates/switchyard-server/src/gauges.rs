@@ -1,5 +1,5 @@
 //! What `/metrics` shows of the routing state: a [`Snapshot`] read under the
-//! router's lock in one go ([`crate::shell::SharedRouter::snapshot`]) at
+//! router's lock in one go ([`crate::driver::Driver::snapshot`]) at
 //! scrape time, so the request path never updates these gauges. A
 //! [`RoutingStateCollector`] takes one per scrape and encodes it through
 //! `prometheus-client` (a `Snapshot` is itself a collector of the state it
@@ -262,7 +262,7 @@ pub(crate) struct RoutingStateCollector {
 
 impl RoutingStateCollector {
     /// A collector that snapshots with `take` (the router's
-    /// [`crate::shell::SharedRouter::snapshot`]).
+    /// [`crate::driver::Driver::snapshot`]).
     pub(crate) fn new(take: impl Fn() -> Snapshot + Send + Sync + 'static) -> Self {
         Self {
             take: Box::new(take),

@@ -16,7 +16,7 @@
 //!   tokenize, charge, the placement loop (submit, placed, failed, moved
 //!   before the deadline) shared by plain and disaggregated requests, the
 //!   answer, the stream that resumes on another worker when it breaks.
-//! - [`shell`] — [`shell::SharedRouter`]: the core's `Dispatcher` (every
+//! - [`driver`] — [`driver::Driver`]: the core's `Dispatcher` (every
 //!   lifecycle decision: admission, routing, booking, freeing, migration,
 //!   replica events, circuit breakers) behind one short-held mutex, driven
 //!   with the router's clock, its effects carried out; routes made before
@@ -27,7 +27,7 @@
 //! - [`config`] — [`ServerConfig`]: TOML file, `SWITCHYARD_*` environment
 //!   and flags ([`ServeArgs`], `cli`) fill one validated struct; `start` —
 //!   start-up and shutdown ([`start`], [`run`], [`RunningServer`]).
-//! - `workers` — the fleet: workers joining and leaving, KV-event
+//! - `fleet` — the fleet: workers joining and leaving, KV-event
 //!   subscribers, health rounds; `roster` — the worker table itself;
 //!   `discovery` — live discovery (`--workers-file`, `--workers-dns`).
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
@@ -39,6 +39,8 @@
 //! - `replica` — replica sync (`--replica-sync`) over NATS.
 //! - [`metrics`] — the router's counters and histograms, updated without
 //!   allocating; `gauges` — the routing state, snapshotted at scrape time.
+//! - [`response_map`] — stored responses' workers (the core's response
+//!   affinity behind a lock, with its metrics).
 //! - `error` — OpenAI-style errors (why an attempt failed and why a
 //!   request is not moved on are the core's `dispatch::failure`).
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
@@ -52,13 +54,15 @@
 //!
 //! Modules import each other in one direction only: `routes` →
 //! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream` →
-//! `booking`) → `shell` → `roster`, `gauges`, `metrics`.
+//! `booking`) → `driver` → `roster`, `gauges`, `metrics`.
 
 mod adapters;
 mod cli;
 pub mod config;
 mod discovery;
+pub mod driver;
 mod error;
+mod fleet;
 mod front;
 mod gauges;
 mod hub;
@@ -69,18 +73,16 @@ pub mod request;
 pub mod response_map;
 mod roster;
 mod routes;
-pub mod shell;
 pub mod standalone;
 mod start;
 #[cfg(test)]
 mod testing;
 pub mod tokenize;
 pub mod tokenize_gate;
-mod workers;
 
 pub use cli::ServeArgs;
 pub use config::{ServerConfig, WorkerSpec};
 pub use routes::front_door;
 pub use start::{
-    build_shared, dispatcher_config, init_logging, run, start, start_with_tokenizer, RunningServer,
+    build_driver, dispatcher_config, init_logging, run, start, start_with_tokenizer, RunningServer,
 };

@@ -23,7 +23,7 @@
 //! engine's ([`IdsTrust`]): its tokenizer was configured (a `[[models]]`
 //! table's source, or `--tokenizer-dir`), or a worker's engine tokenized
 //! a probe text exactly as the router does (`POST /tokenize`, checked as
-//! each worker enters selection: [`crate::workers`]). The bundled
+//! each worker enters selection: [`crate::fleet`]). The bundled
 //! tokenizer, used for models nobody named, is otherwise a guess: a
 //! broken stream of such a model ends with an error instead of going on
 //! under a prompt the engine would read differently.

@@ -2,13 +2,13 @@
 //!
 //! - [`ReplicaArgs`] — the `serve` flags (and `SWITCHYARD_REPLICA_*`
 //!   variables) that override the config file's `[replica]` table.
-//! - The request path's side lives in [`crate::shell`]: the dispatcher
+//! - The request path's side lives in [`crate::driver`]: the dispatcher
 //!   returns this replica's lifecycle events and session bindings with each
 //!   call, and they are enqueued on the plane's publisher with the router's
 //!   lock held, so the queue sees one request's events in the order they
 //!   happened. Enqueueing never awaits; a full queue drops and counts.
 //! - [`ServerSink`] — the subscriber's side: peers' batches go into the
-//!   same dispatcher ([`SharedRouter::apply_replica_batch`]: remote
+//!   same dispatcher ([`Driver::apply_replica_batch`]: remote
 //!   bookings, session bindings into the admission strategy, then queued
 //!   requests get another chance).
 //!
@@ -16,7 +16,7 @@
 //! id from its name ([`switchyard_replica::worker_id_for_name`]), so replicas
 //! configured with the same worker names agree on ids.
 
-use crate::shell::SharedRouter;
+use crate::driver::Driver;
 use clap::Args;
 use std::sync::Arc;
 use switchyard_core::RequestId;
@@ -146,20 +146,20 @@ impl ReplicaArgs {
 /// Peers' events into the server's routing state.
 #[derive(Debug)]
 pub(crate) struct ServerSink {
-    shared: Arc<SharedRouter>,
+    driver: Arc<Driver>,
 }
 
 impl ReplicaSink for ServerSink {
     fn apply_batch(&self, batch: &ReplicaBatch) -> BatchReport {
-        self.shared.apply_replica_batch(batch)
+        self.driver.apply_replica_batch(batch)
     }
 
     fn expire_silent(&self) -> u64 {
-        self.shared.expire_silent_replicas()
+        self.driver.expire_silent_replicas()
     }
 
     fn local_bookings(&self) -> Vec<RequestId> {
-        self.shared.local_booking_ids()
+        self.driver.local_booking_ids()
     }
 }
 
@@ -167,7 +167,7 @@ impl ReplicaSink for ServerSink {
 /// and attaches its [`ReplicaLink`] to the core. Call before serving.
 pub(crate) async fn start(
     config: &ReplicaConfig,
-    shared: &Arc<SharedRouter>,
+    driver: &Arc<Driver>,
 ) -> Result<ReplicaPlane, TransportError> {
     let url = config
         .nats_url
@@ -177,7 +177,7 @@ pub(crate) async fn start(
         tracing::warn!("{warning}");
     }
     let transport = Arc::new(NatsTransport::connect_with(url, &config.auth).await?);
-    start_over(transport, config, shared).await
+    start_over(transport, config, driver).await
 }
 
 /// [`start`] over any transport (in-process replicas share an
@@ -185,14 +185,14 @@ pub(crate) async fn start(
 pub(crate) async fn start_over<T: Transport>(
     transport: Arc<T>,
     config: &ReplicaConfig,
-    shared: &Arc<SharedRouter>,
+    driver: &Arc<Driver>,
 ) -> Result<ReplicaPlane, TransportError> {
     let id = random_replica_id();
     let sink = ServerSink {
-        shared: shared.clone(),
+        driver: driver.clone(),
     };
     let plane = ReplicaPlane::start(transport, config, id, sink).await?;
-    shared.attach_replica(id, plane.publisher.clone());
+    driver.attach_replica(id, plane.publisher.clone());
     Ok(plane)
 }
 
@@ -200,8 +200,8 @@ pub(crate) async fn start_over<T: Transport>(
 mod tests {
     use super::*;
     use crate::config::{AdmissionMode, ServerConfig};
+    use crate::driver::Request;
     use crate::request::booking::WaitHandle;
-    use crate::shell::Request;
     use crate::testing::shared_with;
     use std::time::Duration;
     use switchyard_core::admission::SessionKey;
@@ -258,23 +258,23 @@ mod tests {
 
     /// A server's routing state with session-aware admission and two
     /// workers, on the plane of `bus`.
-    async fn replica(bus: &Arc<InProcessBus>) -> (Arc<SharedRouter>, ReplicaPlane) {
+    async fn replica(bus: &Arc<InProcessBus>) -> (Arc<Driver>, ReplicaPlane) {
         let config = ServerConfig {
             admission: AdmissionMode::SessionAware,
             ..ServerConfig::default()
         };
-        let (shared, _) = shared_with(&config, &["w0", "w1"]);
+        let (driver, _) = shared_with(&config, &["w0", "w1"]);
         let transport = Arc::new(InProcessTransport::new(bus.clone(), true, 1024));
-        let plane = start_over(transport, &config.replica, &shared)
+        let plane = start_over(transport, &config.replica, &driver)
             .await
             .unwrap();
-        (shared, plane)
+        (driver, plane)
     }
 
     /// What the router's `/metrics` would show of `shared`.
-    fn rendered(shared: &Arc<SharedRouter>) -> String {
+    fn rendered(driver: &Arc<Driver>) -> String {
         let mut registry = prometheus_client::registry::Registry::default();
-        shared.register_metrics(&mut registry);
+        driver.register_metrics(&mut registry);
         let mut out = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
         out
@@ -344,7 +344,7 @@ mod tests {
         let bus = InProcessBus::new();
         let (a, plane_a) = replica(&bus).await;
         let (b, plane_b) = replica(&bus).await;
-        let submit = |r: &Arc<SharedRouter>, session: u64, first_block: u64| {
+        let submit = |r: &Arc<Driver>, session: u64, first_block: u64| {
             WaitHandle::submit(
                 r,
                 r.next_request_id(),
@@ -398,9 +398,9 @@ mod tests {
         let (c, plane_c) = replica(&bus).await;
         let maps: Vec<Arc<ResponseMap>> = [&a, &b, &c]
             .iter()
-            .map(|shared| {
+            .map(|driver| {
                 let map = Arc::new(ResponseMap::new(4, 4, std::time::Duration::from_secs(60)));
-                shared.stored_responses.set(map.clone()).unwrap();
+                driver.stored_responses.set(map.clone()).unwrap();
                 map
             })
             .collect();

@@ -3,7 +3,7 @@
 //! the router or draining, its health-check streak, its measured KV usage,
 //! the epoch of its KV-event subscriber and its circuit transitions.
 //!
-//! Pure data under the router's lock ([`crate::shell`]); nothing here
+//! Pure data under the router's lock ([`crate::driver`]); nothing here
 //! touches the network or the dispatcher.
 
 use axum::http::uri::{Authority, Scheme};

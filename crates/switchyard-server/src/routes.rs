@@ -6,7 +6,7 @@ use crate::config::WorkerSpec;
 use crate::error::ApiError;
 use crate::front::inflight::Inflight;
 use crate::front::upload::UploadLimits;
-use crate::request::context::Shared;
+use crate::request::context::App;
 use crate::request::handlers::{chat_completions, completions};
 use crate::request::prompt::{parse, read_body};
 use axum::extract::{Path, Query, Request, State};
@@ -26,7 +26,7 @@ use std::sync::Arc;
 /// body within its limit and deadline (the check also puts the router's
 /// own errors on Anthropic's paths in Anthropic's shape:
 /// [`crate::error::anthropic_shaped`]).
-pub fn front_door(state: &Shared, inflight: Arc<Inflight>) -> AxumRouter {
+pub fn front_door(state: &App, inflight: Arc<Inflight>) -> AxumRouter {
     let routes = crate::front::inflight::layer(routes(state.clone()), inflight);
     crate::front::auth::layer(routes, state.credentials.clone())
 }
@@ -34,22 +34,22 @@ pub fn front_door(state: &Shared, inflight: Arc<Inflight>) -> AxumRouter {
 /// [`front_door`] with an in-flight limit of the default's size, for
 /// tests that drive the app without starting a server.
 #[cfg(test)]
-pub(crate) fn app(state: Shared) -> AxumRouter {
+pub(crate) fn app(state: App) -> AxumRouter {
     let limit = crate::ServerConfig::default().max_inflight;
-    let inflight = Inflight::new(limit, state.shared.metrics().clone());
+    let inflight = Inflight::new(limit, state.driver.metrics().clone());
     front_door(&state, inflight)
 }
 
 /// The routes, each `POST` body read whole within its limit and deadline
 /// ([`crate::front::upload`]) before its handler runs. The admin routes exist only
 /// while an admin token is configured.
-pub(crate) fn routes(state: Shared) -> AxumRouter {
+pub(crate) fn routes(state: App) -> AxumRouter {
     let limit = state.max_body_bytes;
     let uploads = Arc::new(UploadLimits {
         max_bytes: limit,
         deadline: state.body_read_timeout,
         budget: state.body_budget.clone(),
-        metrics: state.shared.metrics().clone(),
+        metrics: state.driver.metrics().clone(),
     });
     let mut routes = AxumRouter::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -86,7 +86,7 @@ pub(crate) fn routes(state: Shared) -> AxumRouter {
 
 /// A handler's body, read whole within the body limit (already read by
 /// 404 for a path no route matches (its body is never read).
-async fn no_route(State(state): State<Shared>, uri: axum::http::Uri) -> ApiError {
+async fn no_route(State(state): State<App>, uri: axum::http::Uri) -> ApiError {
     let admin = uri.path() == "/admin" || uri.path().starts_with("/admin/");
     if admin && !state.admin_api {
         ApiError::not_found(
@@ -98,9 +98,9 @@ async fn no_route(State(state): State<Shared>, uri: axum::http::Uri) -> ApiError
     }
 }
 
-async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
+async fn models(State(state): State<App>) -> Result<Response, ApiError> {
     let mut names: Vec<String> = state
-        .shared
+        .driver
         .workers()
         .into_iter()
         .filter(|w| w.in_router)
@@ -115,15 +115,15 @@ async fn models(State(state): State<Shared>) -> Result<Response, ApiError> {
     // The adapters requests may name: configured ones (loaded on demand)
     // and those learned from workers, with their base model as `parent`,
     // as vLLM lists them.
-    for (id, parent) in state.shared.adapters.listed() {
+    for (id, parent) in state.driver.adapters.listed() {
         data.push(serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard", "parent": parent}));
     }
     Ok(axum::Json(serde_json::json!({"object": "list", "data": data})).into_response())
 }
 
-async fn ready(State(state): State<Shared>) -> Response {
+async fn ready(State(state): State<App>) -> Response {
     let up = state
-        .shared
+        .driver
         .workers()
         .iter()
         .filter(|w| w.in_router && !w.draining)
@@ -135,7 +135,7 @@ async fn ready(State(state): State<Shared>) -> Response {
     }
 }
 
-async fn metrics(State(state): State<Shared>) -> Response {
+async fn metrics(State(state): State<App>) -> Response {
     let mut out = String::with_capacity(16 * 1024);
     match prometheus_text::encode(&mut out, &state.registry) {
         Ok(()) => ([(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)], out).into_response(),
@@ -143,9 +143,9 @@ async fn metrics(State(state): State<Shared>) -> Response {
     }
 }
 
-async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
+async fn admin_list(State(state): State<App>) -> Result<Response, ApiError> {
     let list: Vec<Value> = state
-        .shared
+        .driver
         .workers()
         .into_iter()
         .map(|w| {
@@ -157,19 +157,19 @@ async fn admin_list(State(state): State<Shared>) -> Result<Response, ApiError> {
                 "draining": w.draining,
                 "role": w.role.label(),
                 "bootstrap_port": w.bootstrap_port,
-                "active_requests": state.shared.active_requests(w.id),
+                "active_requests": state.driver.active_requests(w.id),
                 // What the router read of the worker (null: not reported).
                 "max_model_len": state.fleet.model_len_of(w.id),
                 "capacity": w.capacity,
                 "kv_usage": w.kv_usage,
-                "adapter_slots": state.shared.adapter_slots_of(w.id),
+                "adapter_slots": state.driver.adapter_slots_of(w.id),
             })
         })
         .collect();
     Ok(axum::Json(serde_json::json!({ "workers": list })).into_response())
 }
 
-async fn admin_add(State(state): State<Shared>, request: Request) -> Result<Response, ApiError> {
+async fn admin_add(State(state): State<App>, request: Request) -> Result<Response, ApiError> {
     let body = read_body(&state, request.into_body()).await?;
     let spec: WorkerSpec = parse(&body)?;
     state
@@ -190,7 +190,7 @@ struct RemoveQuery {
 }
 
 async fn admin_remove(
-    State(state): State<Shared>,
+    State(state): State<App>,
     Path(name): Path<String>,
     Query(query): Query<RemoveQuery>,
 ) -> Result<Response, ApiError> {
@@ -207,11 +207,11 @@ async fn admin_remove(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::Driver;
+    use crate::fleet::{upstream_client, Fleet};
     use crate::metrics::ServerMetrics;
     use crate::request::context::AppState;
-    use crate::shell::SharedRouter;
     use crate::tokenize::PromptTokenizer;
-    use crate::workers::{upstream_client, Fleet};
     use crate::ServerConfig;
     use axum::body::Body;
     use http_body_util::BodyExt as _;
@@ -326,17 +326,17 @@ mod tests {
         config: &ServerConfig,
         url: &str,
         strategy: Box<dyn AdmissionStrategy + Send>,
-    ) -> (Shared, Arc<SharedRouter>) {
+    ) -> (App, Arc<Driver>) {
         let dispatcher = Dispatcher::new(crate::dispatcher_config(config), Some(strategy)).unwrap();
-        let shared = Arc::new(SharedRouter::new(
+        let driver = Arc::new(Driver::new(
             dispatcher,
             Arc::new(ServerMetrics::new(config.policy.name())),
         ));
-        let id = shared.add_worker("w", url).unwrap();
-        shared.set_in_router(id, true);
+        let id = driver.add_worker("w", url).unwrap();
+        driver.set_in_router(id, true);
         let client = upstream_client(Duration::from_secs(1));
         let fleet = Arc::new(Fleet::new(
-            shared.clone(),
+            driver.clone(),
             client.clone(),
             false,
             config.block_size,
@@ -345,13 +345,13 @@ mod tests {
         ));
         let state = Arc::new(AppState::new(
             config,
-            shared.clone(),
+            driver.clone(),
             fleet,
             client,
             Arc::new(NoText),
             None,
         ));
-        (state, shared)
+        (state, driver)
     }
 
     const ANSWER: &str = r#"{"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":"abcdefg","finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}"#;
@@ -364,7 +364,7 @@ mod tests {
         let strategy = Recorder {
             events: events.clone(),
         };
-        let (state, shared) = state_with_worker(&config, &url, Box::new(strategy));
+        let (state, driver) = state_with_worker(&config, &url, Box::new(strategy));
         let request = axum::http::Request::post("/v1/completions")
             .header("content-type", "application/json")
             .body(Body::from(
@@ -380,7 +380,7 @@ mod tests {
             vec!["dispatched".to_owned(), "completed 11".to_owned()],
             "the session's context grows by the answer's completion tokens"
         );
-        assert_eq!(shared.total_active_requests(), 0);
+        assert_eq!(driver.total_active_requests(), 0);
     }
 
     #[tokio::test]

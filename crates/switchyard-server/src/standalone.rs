@@ -4,9 +4,9 @@
 //! 503 (no worker); every other one in a 4xx. Nothing leaves the process
 //! (no worker, no KV events, no health checks).
 
+use super::fleet::{upstream_client, Fleet};
 use super::tokenize::PromptTokenizer;
-use super::workers::{upstream_client, Fleet};
-use super::{build_shared, metrics::ServerMetrics, ServerConfig};
+use super::{build_driver, metrics::ServerMetrics, ServerConfig};
 use crate::front::inflight::Inflight;
 use crate::request::context::AppState;
 use crate::routes::front_door;
@@ -23,22 +23,22 @@ pub fn app_without_workers(
         max_body_bytes,
         ..ServerConfig::default()
     };
-    let shared = Arc::new(build_shared(
+    let driver = Arc::new(build_driver(
         &config,
         Arc::new(ServerMetrics::new(config.policy.name())),
     )?);
     let client = upstream_client(Duration::from_millis(100));
     let fleet = Arc::new(Fleet::new(
-        shared.clone(),
+        driver.clone(),
         client.clone(),
         false,
         config.block_size,
         config.health_failures,
         Duration::from_millis(100),
     ));
-    let inflight = Inflight::new(config.max_inflight, shared.metrics().clone());
+    let inflight = Inflight::new(config.max_inflight, driver.metrics().clone());
     let state = Arc::new(AppState::new(
-        &config, shared, fleet, client, tokenizer, None,
+        &config, driver, fleet, client, tokenizer, None,
     ));
     Ok(front_door(&state, inflight))
 }

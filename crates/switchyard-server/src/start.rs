@@ -4,8 +4,8 @@
 //! and the listener served until shutdown drains it.
 
 use crate::{
-    adapters, config, discovery, front, metrics, replica, request::context, routes, shell,
-    tokenize, workers, ServeArgs, ServerConfig,
+    adapters, config, discovery, driver, fleet, front, metrics, replica, request::context, routes,
+    tokenize, ServeArgs, ServerConfig,
 };
 use anyhow::Context as _;
 use std::net::SocketAddr;
@@ -75,7 +75,7 @@ pub struct RunningServer {
     /// The bound address.
     pub addr: SocketAddr,
     /// Routing state (for in-process inspection).
-    pub shared: Arc<shell::SharedRouter>,
+    pub driver: Arc<driver::Driver>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -170,12 +170,12 @@ pub fn dispatcher_config(config: &ServerConfig) -> DispatcherConfig {
     }
 }
 
-/// The router's shared state for `config`: its dispatcher (with the
+/// The router's driver for `config`: its dispatcher (with the
 /// configured admission strategy) and no workers yet.
-pub fn build_shared(
+pub fn build_driver(
     config: &ServerConfig,
     metrics: Arc<metrics::ServerMetrics>,
-) -> anyhow::Result<shell::SharedRouter> {
+) -> anyhow::Result<driver::Driver> {
     let strategy: Option<Box<dyn AdmissionStrategy + Send>> = match config.admission {
         config::AdmissionMode::None => None,
         config::AdmissionMode::SessionAware => Some(Box::new(
@@ -184,7 +184,7 @@ pub fn build_shared(
     };
     let dispatcher = Dispatcher::new(dispatcher_config(config), strategy)
         .context("invalid routing configuration")?;
-    Ok(shell::SharedRouter::new(dispatcher, metrics).with_adapters(
+    Ok(driver::Driver::new(dispatcher, metrics).with_adapters(
         adapters::Adapters::new(&config.adapters)
             .with_base_models(config.models.iter().map(|m| m.name.as_str())),
     ))
@@ -239,12 +239,12 @@ pub async fn start_with_tokenizer(
     let sources =
         discovery::Sources::new(&config).map_err(|e| anyhow::anyhow!("worker discovery: {e}"))?;
     let metrics = Arc::new(metrics::ServerMetrics::new(config.policy.name()));
-    let shared = Arc::new(build_shared(&config, metrics.clone())?);
+    let driver = Arc::new(build_driver(&config, metrics.clone())?);
     let inflight = front::inflight::Inflight::new(config.max_inflight, metrics);
     let replica_plane = match config.replica.enabled() {
         false => None,
         true => Some(
-            replica::start(&config.replica, &shared)
+            replica::start(&config.replica, &driver)
                 .await
                 .context("starting replica sync")?,
         ),
@@ -259,11 +259,11 @@ pub async fn start_with_tokenizer(
     .client_config()
     .context("TLS to workers")?;
     let client =
-        workers::upstream_client_with(Duration::from_millis(config.connect_timeout_ms), worker_tls);
+        fleet::upstream_client_with(Duration::from_millis(config.connect_timeout_ms), worker_tls);
     let interval = Duration::from_millis(config.health_interval_ms);
     let fleet = Arc::new(
-        workers::Fleet::new(
-            shared.clone(),
+        fleet::Fleet::new(
+            driver.clone(),
             client.clone(),
             config.uses_events(),
             config.block_size,
@@ -284,7 +284,7 @@ pub async fn start_with_tokenizer(
         .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
     let mut state = context::AppState::new(
         &config,
-        shared.clone(),
+        driver.clone(),
         fleet.clone(),
         client,
         tokenizer,
@@ -333,12 +333,12 @@ pub async fn start_with_tokenizer(
         app,
         limits,
         front_tls,
-        shared.metrics().clone(),
+        driver.metrics().clone(),
         stopped,
     ));
     let mut background = sources.spawn(&fleet, &discovery_metrics);
     let health = tokio::spawn(fleet.clone().run_health_checks(interval));
-    let ticker_state = shared.clone();
+    let ticker_state = driver.clone();
     let ticker = tokio::spawn(async move {
         loop {
             let now = ticker_state.now_ms();
@@ -353,7 +353,7 @@ pub async fn start_with_tokenizer(
     tracing::info!(%addr, policy = config.policy.name(), workers = config.workers.len(), discovery = config.discovery.enabled(), events = config.uses_events(), replica = ?replica_plane.as_ref().map(|p| p.id.to_string()), "router started");
     Ok(RunningServer {
         addr,
-        shared,
+        driver,
         stop,
         task,
         background,

@@ -1,11 +1,11 @@
 //! Helpers the server's unit tests share (compiled for tests only).
 
 use crate::config::WorkerSpec;
+use crate::driver::{Driver, Request};
+use crate::fleet::{upstream_client, Fleet};
 use crate::metrics::ServerMetrics;
 use crate::request::booking::{Booking, WaitHandle};
-use crate::shell::{Request, SharedRouter};
-use crate::workers::{upstream_client, Fleet};
-use crate::{build_shared, ServerConfig};
+use crate::{build_driver, ServerConfig};
 use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::sequences::AddRequest;
@@ -14,39 +14,36 @@ use switchyard_wire::replica::{ActiveSequenceEvent, ReplicaBatch};
 
 /// The routing state of a router configured by `config`, with workers
 /// `names` in selection (nothing listens at their URLs).
-pub(crate) fn shared_with(
-    config: &ServerConfig,
-    names: &[&str],
-) -> (Arc<SharedRouter>, Vec<WorkerId>) {
-    let shared =
-        Arc::new(build_shared(config, Arc::new(ServerMetrics::new(config.policy.name()))).unwrap());
+pub(crate) fn shared_with(config: &ServerConfig, names: &[&str]) -> (Arc<Driver>, Vec<WorkerId>) {
+    let driver =
+        Arc::new(build_driver(config, Arc::new(ServerMetrics::new(config.policy.name()))).unwrap());
     let ids = names
         .iter()
         .map(|name| {
-            let id = shared
+            let id = driver
                 .add_worker(name, &format!("http://{name}.invalid:1"))
                 .unwrap();
-            shared.set_in_router(id, true);
+            driver.set_in_router(id, true);
             id
         })
         .collect();
-    (shared, ids)
+    (driver, ids)
 }
 
 /// A fleet over a default router with workers `names` in selection
 /// (nothing listens at their URLs; health checks give up after 100 ms).
-pub(crate) fn fleet_with(names: &[&str]) -> (Fleet, Arc<SharedRouter>, Vec<WorkerId>) {
+pub(crate) fn fleet_with(names: &[&str]) -> (Fleet, Arc<Driver>, Vec<WorkerId>) {
     let config = ServerConfig::default();
-    let (shared, ids) = shared_with(&config, names);
+    let (driver, ids) = shared_with(&config, names);
     let fleet = Fleet::new(
-        shared.clone(),
+        driver.clone(),
         upstream_client(Duration::from_millis(100)),
         false,
         config.block_size,
         3,
         Duration::from_millis(100),
     );
-    (fleet, shared, ids)
+    (fleet, driver, ids)
 }
 
 /// A worker named `name` at `http://127.0.0.1:PORT`, without KV events.
@@ -78,9 +75,9 @@ pub(crate) fn request(blocks: &[u64], tokens: u32) -> Request<'static> {
 }
 
 /// Submits `request` under a fresh id and waits for its placement.
-pub(crate) async fn place(shared: &Arc<SharedRouter>, request: Request<'_>) -> Option<Booking> {
-    let id = shared.next_request_id();
-    WaitHandle::submit(shared, id, request)
+pub(crate) async fn place(driver: &Arc<Driver>, request: Request<'_>) -> Option<Booking> {
+    let id = driver.next_request_id();
+    WaitHandle::submit(driver, id, request)
         .ok()?
         .placed()
         .await
@@ -89,7 +86,7 @@ pub(crate) async fn place(shared: &Arc<SharedRouter>, request: Request<'_>) -> O
 
 /// A peer replica's booking of request `id` on `worker`, applied the way
 /// replica sync applies it (a wire batch).
-pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
+pub(crate) fn book_remotely(driver: &Driver, id: u128, worker: WorkerId) {
     let add = AddRequest {
         request: RequestId(id),
         worker,
@@ -106,5 +103,5 @@ pub(crate) fn book_remotely(shared: &SharedRouter, id: u128, worker: WorkerId) {
         digest: None,
         responses: Vec::new(),
     };
-    assert_eq!(shared.apply_replica_batch(&batch).applied, 1);
+    assert_eq!(driver.apply_replica_batch(&batch).applied, 1);
 }

@@ -23,7 +23,7 @@ pub(crate) mod file;
 pub(crate) mod reconcile;
 
 use crate::config::{parse_dns_target, ServerConfig, WorkerSpec};
-use crate::workers::Fleet;
+use crate::fleet::Fleet;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -164,7 +164,7 @@ impl Source {
         // drained by hand, not replaced under the same name).
         // A worker with data-parallel ranks is in the table as its ranks
         // (`NAME/r`).
-        let is_target_of = crate::workers::is_target_of;
+        let is_target_of = crate::fleet::is_target_of;
         self.owned.retain(|name, spec| {
             table.iter().any(|w| {
                 is_target_of(&w.name, name)
@@ -388,9 +388,9 @@ mod tests {
 
     /// A fleet holding one worker added by hand, `manual` (in selection;
     /// nothing listens at its URL).
-    fn fleet() -> (Arc<Fleet>, Arc<crate::shell::SharedRouter>) {
-        let (fleet, shared, _) = fleet_with(&["manual"]);
-        (Arc::new(fleet), shared)
+    fn fleet() -> (Arc<Fleet>, Arc<crate::driver::Driver>) {
+        let (fleet, driver, _) = fleet_with(&["manual"]);
+        (Arc::new(fleet), driver)
     }
 
     fn names(fleet: &Fleet) -> Vec<String> {
@@ -435,15 +435,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_worker_gone_from_its_source_drains_its_requests_first() {
-        let (fleet, shared) = fleet();
+        let (fleet, driver) = fleet();
         let metrics = DiscoveryMetrics::default();
         let mut source = Source::new("file".into(), 8);
         fleet.remove("manual", false);
         source.set_desired(vec![spec("a", 1)], &metrics);
         source.pass(&fleet, &metrics);
         let id = fleet.workers()[0].id;
-        shared.set_in_router(id, true);
-        let booking = place(&shared, request(&[], 4)).await.unwrap();
+        driver.set_in_router(id, true);
+        let booking = place(&driver, request(&[], 4)).await.unwrap();
         source.set_desired(vec![], &metrics);
         source.pass(&fleet, &metrics);
         assert!(fleet.workers()[0].draining, "in flight: draining, not gone");

@@ -19,7 +19,7 @@ pub(crate) async fn ensure_loaded(
     booking: &Booking,
     adapter: &str,
 ) -> Result<(), ApiError> {
-    let adapters = &state.shared.adapters;
+    let adapters = &state.driver.adapters;
     let Some(load) = &booking.adapter_load else {
         if let Some(mut rx) = adapters.waiter(booking.worker, adapter) {
             adapters.count_wait();
@@ -45,16 +45,16 @@ pub(crate) async fn ensure_loaded(
         let (worker, name, url) = (booking.worker, booking.name.clone(), booking.url.clone());
         let load = load.clone();
         tokio::spawn(async move {
-            let adapters = &state.shared.adapters;
+            let adapters = &state.driver.adapters;
             let result = load_on(&state, &url, &name, &load).await;
             match &result {
                 Ok(()) => {
-                    state.shared.adapter_loaded(worker, &load.adapter);
+                    state.driver.adapter_loaded(worker, &load.adapter);
                     adapters.count_load(true);
                     tracing::info!(worker = %name, adapter = %load.adapter, "LoRA adapter loaded on demand");
                 }
                 Err(message) => {
-                    state.shared.adapter_unloaded(worker, &load.adapter);
+                    state.driver.adapter_unloaded(worker, &load.adapter);
                     adapters.count_load(false);
                     tracing::warn!(worker = %name, adapter = %load.adapter, %message, "LoRA adapter load failed");
                 }
@@ -80,7 +80,7 @@ async fn load_on(
     worker: &str,
     load: &AdapterLoad,
 ) -> Result<(), String> {
-    let adapters = &state.shared.adapters;
+    let adapters = &state.driver.adapters;
     let Some(path) = adapters.path_of(&load.adapter) else {
         return Err(
             "no [[adapters]] table gives its path (the router loads only configured adapters)"

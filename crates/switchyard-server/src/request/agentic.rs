@@ -39,7 +39,7 @@ use switchyard_wire::openai::{BodyError, Limit};
 pub(crate) struct Remember {
     pub(crate) map: Arc<ResponseMap>,
     /// Peers are told (with replica sync on).
-    pub(crate) shared: Option<Arc<crate::shell::SharedRouter>>,
+    pub(crate) driver: Option<Arc<crate::driver::Driver>>,
     /// The chain's session, carried to its next turn.
     pub(crate) session: Option<SessionKey>,
     /// The key that asked: the only one the response is found for.
@@ -63,8 +63,8 @@ impl Remember {
             );
             return;
         }
-        if let Some(shared) = &self.shared {
-            shared.publish_stored_response(id, holder);
+        if let Some(driver) = &self.driver {
+            driver.publish_stored_response(id, holder);
         }
     }
 }
@@ -249,7 +249,7 @@ mod tests {
             api,
             remember: Some(Remember {
                 map: Arc::new(ResponseMap::new(8, 8, DEFAULT_TTL)),
-                shared: None,
+                driver: None,
                 session: None,
                 owner: None,
             }),

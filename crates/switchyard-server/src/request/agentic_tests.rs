@@ -3,15 +3,15 @@
 //! credentials and errors, sessions and metrics. Workers are axum servers
 //! on real loopback sockets.
 
+use crate::driver::Driver;
+use crate::fleet::{upstream_client, Fleet};
 use crate::metrics::{RequestStatus, ServerMetrics};
 use crate::request::agentic::{parse_messages, parse_responses, AgenticApi};
-use crate::request::context::{AppState, Shared};
+use crate::request::context::{App, AppState};
 use crate::request::limits::parse_chat;
 use crate::request::prompt::{tokenize, TokenizeJob};
 use crate::routes::app;
-use crate::shell::SharedRouter;
 use crate::tokenize::HfTokenizer;
-use crate::workers::{upstream_client, Fleet};
 use crate::ServerConfig;
 use axum::body::Body;
 use axum::extract::Path;
@@ -124,8 +124,8 @@ impl AdmissionStrategy for Sessions {
 }
 
 struct Router {
-    state: Shared,
-    shared: Arc<SharedRouter>,
+    state: App,
+    driver: Arc<Driver>,
     ids: Vec<WorkerId>,
     sessions: Arc<Mutex<Vec<Option<SessionKey>>>>,
     /// Where the strategy places every request (`None`: anywhere).
@@ -140,19 +140,19 @@ fn router(config: &ServerConfig, urls: &[String]) -> Router {
     let exact = sessions.1.clone();
     let dispatcher =
         Dispatcher::new(crate::dispatcher_config(config), Some(Box::new(sessions))).unwrap();
-    let shared = Arc::new(SharedRouter::new(
+    let driver = Arc::new(Driver::new(
         dispatcher,
         Arc::new(ServerMetrics::new(config.policy.name())),
     ));
     let mut ids = Vec::new();
     for (i, url) in urls.iter().enumerate() {
-        let id = shared.add_worker(&format!("w{i}"), url).unwrap();
-        shared.set_in_router(id, true);
+        let id = driver.add_worker(&format!("w{i}"), url).unwrap();
+        driver.set_in_router(id, true);
         ids.push(id);
     }
     let client = upstream_client(Duration::from_secs(2));
     let fleet = Arc::new(Fleet::new(
-        shared.clone(),
+        driver.clone(),
         client.clone(),
         false,
         config.block_size,
@@ -162,7 +162,7 @@ fn router(config: &ServerConfig, urls: &[String]) -> Router {
     let tokenizer = HfTokenizer(Tokenizer::bundled().unwrap());
     let state = Arc::new(AppState::new(
         config,
-        shared.clone(),
+        driver.clone(),
         fleet,
         client,
         Arc::new(tokenizer),
@@ -170,7 +170,7 @@ fn router(config: &ServerConfig, urls: &[String]) -> Router {
     ));
     Router {
         state,
-        shared,
+        driver,
         ids,
         sessions: recorded,
         exact,
@@ -187,7 +187,7 @@ fn named() -> ServerConfig {
 /// POSTs (or GETs, when `body` is null) `path` through the router: status,
 /// the worker header, the body as JSON (or text as a JSON string).
 async fn call(
-    state: &Shared,
+    state: &App,
     path: &str,
     body: Value,
     headers: &[(&str, &str)],
@@ -445,7 +445,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
     assert_eq!(pinned_to, worker);
     *r.exact.lock().unwrap() = None;
     // Out of selection (unhealthy): a 503 to retry, not another worker.
-    r.shared.set_in_router(holder, false);
+    r.driver.set_in_router(holder, false);
     let (status, _, body) = call(
         &r.state,
         "/v1/responses",
@@ -455,7 +455,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     // Gone from the fleet: a 410.
-    r.shared.remove_worker(holder);
+    r.driver.remove_worker(holder);
     let before = seen.lock().unwrap().len();
     let (status, _, body) = call(
         &r.state,

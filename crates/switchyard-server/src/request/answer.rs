@@ -71,7 +71,7 @@ pub(crate) fn deliver(
             let mut booking = booking;
             booking.mark_first_token();
             state
-                .shared
+                .driver
                 .metrics()
                 .ttft
                 .observe(arrival.elapsed().as_secs_f64());
@@ -95,7 +95,7 @@ pub(crate) fn deliver(
                 booking.progress(completion);
                 booking.completed(prompt_tokens.saturating_add(completion));
             }
-            state.shared.metrics().count_request(if ok {
+            state.driver.metrics().count_request(if ok {
                 RequestStatus::Ok
             } else {
                 RequestStatus::WorkerError

@@ -11,11 +11,11 @@
 //! ([`crate::request::disagg`]) and the streaming body
 //! ([`crate::request::stream`]) share one [`Attempts`] per request.
 
+use crate::driver::{Request, SubmitError};
 use crate::error::ApiError;
 use crate::request::booking::{Booking, WaitHandle};
 use crate::request::context::{AppState, WORKER_HEADER};
 use crate::roster::{Endpoint, Role};
-use crate::shell::{Request, SubmitError};
 use axum::http::uri::{self, PathAndQuery};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
 use bytes::Bytes;
@@ -115,7 +115,7 @@ impl Attempts {
         accept: Option<HeaderValue>,
         deadline: tokio::time::Instant,
     ) -> Self {
-        let adapter = state.shared.adapters.resolve(model.as_deref());
+        let adapter = state.driver.adapters.resolve(model.as_deref());
         let routing = state.models.get(adapter.eligible_model.as_deref()).clone();
         Self {
             state,
@@ -263,7 +263,7 @@ impl Attempts {
         session: Option<SessionKey>,
     ) -> Result<WaitHandle, ApiError> {
         WaitHandle::submit_in(
-            &self.state.shared,
+            &self.state.driver,
             self.pool,
             self.client_id,
             self.request(tokens, session),
@@ -283,7 +283,7 @@ impl Attempts {
         pairing: Pairing,
     ) -> Result<(WaitHandle, Option<WaitHandle>), ApiError> {
         WaitHandle::submit_split(
-            &self.state.shared,
+            &self.state.driver,
             switchyard_core::dispatch::request_of(self.client_id),
             self.request(tokens, session),
             pairing,
@@ -296,7 +296,7 @@ impl Attempts {
     pub(crate) async fn placed(&mut self, wait: WaitHandle) -> Result<Booking, ApiError> {
         let placed = wait.placed().await;
         let pending = self.failures.take_pending();
-        let metrics = self.state.shared.metrics();
+        let metrics = self.state.driver.metrics();
         match placed {
             Ok(booking) => {
                 match pending {
@@ -460,7 +460,7 @@ impl Attempts {
 
     /// Counts and logs a request that is not moved on after `reason`.
     fn give_up(&self, reason: Failure, why: GiveUp) -> GiveUp {
-        let metrics = self.state.shared.metrics();
+        let metrics = self.state.driver.metrics();
         metrics.migrations_exhausted.inc();
         metrics.count_refused(&why);
         tracing::warn!(request = %self.client_id, reason = reason.label(), "request not migrated: {why}");
@@ -488,7 +488,7 @@ impl Attempts {
 
     /// The request timeout passed: counted, and the client's error.
     pub(crate) fn timed_out(&self) -> ApiError {
-        self.state.shared.metrics().request_timeouts.inc();
+        self.state.driver.metrics().request_timeouts.inc();
         ApiError::timeout(self.state.request_timeout)
     }
 
@@ -509,7 +509,7 @@ impl Attempts {
         match failed.migrate(prompt) {
             Ok(wait) => self.placed(wait).await,
             Err(MigrateError::Unknown | MigrateError::NotPlaced) => {
-                self.state.shared.metrics().migrations_exhausted.inc();
+                self.state.driver.metrics().migrations_exhausted.inc();
                 Err(ApiError::no_workers(
                     "the request ended while it was moving to another worker",
                 ))

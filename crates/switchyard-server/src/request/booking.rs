@@ -12,7 +12,7 @@
 //!   instead: the dispatcher keeps it (and its session's turn) while it
 //!   moves to another worker.
 
-use crate::shell::{Assignment, Request, SharedRouter, SubmitError};
+use crate::driver::{Assignment, Driver, Request, SubmitError};
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
 use switchyard_core::dispatch::{prefill_half, request_of, MigrateError, Pairing, SplitError};
@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 /// A request waiting for placement (see the module docs).
 #[derive(Debug)]
 pub struct WaitHandle {
-    shared: Arc<SharedRouter>,
+    driver: Arc<Driver>,
     id: RequestId,
     rx: Option<oneshot::Receiver<Assignment>>,
 }
@@ -31,57 +31,57 @@ impl WaitHandle {
     /// Admission for request `id`: queued, and placed at once when a worker
     /// can take it.
     pub fn submit(
-        shared: &Arc<SharedRouter>,
+        driver: &Arc<Driver>,
         id: RequestId,
         request: Request<'_>,
     ) -> Result<Self, SubmitError> {
-        let rx = shared.submit(id, request)?;
-        Ok(Self::new(shared.clone(), id, rx))
+        let rx = driver.submit(id, request)?;
+        Ok(Self::new(driver.clone(), id, rx))
     }
 
     /// [`Self::submit`] to one pool of a disaggregated fleet.
     pub fn submit_in(
-        shared: &Arc<SharedRouter>,
+        driver: &Arc<Driver>,
         pool: crate::roster::Role,
         id: RequestId,
         request: Request<'_>,
     ) -> Result<Self, SubmitError> {
-        let rx = shared.submit_in(id, request, pool)?;
-        Ok(Self::new(shared.clone(), id, rx))
+        let rx = driver.submit_in(id, request, pool)?;
+        Ok(Self::new(driver.clone(), id, rx))
     }
 
     /// Admission of a disaggregated request `id`
-    /// ([`SharedRouter::submit_split`]): the handle of its prefill half,
+    /// ([`Driver::submit_split`]): the handle of its prefill half,
     /// and with [`Pairing::Together`] of its decode half.
     pub fn submit_split(
-        shared: &Arc<SharedRouter>,
+        driver: &Arc<Driver>,
         id: RequestId,
         request: Request<'_>,
         pairing: Pairing,
         transfer_limit: u32,
     ) -> Result<(Self, Option<Self>), SubmitError> {
-        let (prefill, decode) = shared.submit_split(id, request, pairing, transfer_limit)?;
+        let (prefill, decode) = driver.submit_split(id, request, pairing, transfer_limit)?;
         Ok((
-            Self::new(shared.clone(), prefill_half(id), prefill),
-            decode.map(|rx| Self::new(shared.clone(), id, rx)),
+            Self::new(driver.clone(), prefill_half(id), prefill),
+            decode.map(|rx| Self::new(driver.clone(), id, rx)),
         ))
     }
 
     /// The prefill of disaggregated request `id` done again
-    /// ([`SharedRouter::redo_prefill`]): the new prefill half's handle.
+    /// ([`Driver::redo_prefill`]): the new prefill half's handle.
     /// Every guard of the old prefill half must be dropped first.
     pub fn redo_prefill(
-        shared: &Arc<SharedRouter>,
+        driver: &Arc<Driver>,
         id: RequestId,
         transfer_failed: bool,
     ) -> Result<Self, SplitError> {
-        let rx = shared.redo_prefill(id, transfer_failed)?;
-        Ok(Self::new(shared.clone(), prefill_half(id), rx))
+        let rx = driver.redo_prefill(id, transfer_failed)?;
+        Ok(Self::new(driver.clone(), prefill_half(id), rx))
     }
 
-    fn new(shared: Arc<SharedRouter>, id: RequestId, rx: oneshot::Receiver<Assignment>) -> Self {
+    fn new(driver: Arc<Driver>, id: RequestId, rx: oneshot::Receiver<Assignment>) -> Self {
         Self {
-            shared,
+            driver,
             id,
             rx: Some(rx),
         }
@@ -113,7 +113,7 @@ impl WaitHandle {
                 progress,
                 adapter_load,
             }) => Ok(Booking {
-                shared: self.shared.clone(),
+                driver: self.driver.clone(),
                 id: self.id,
                 booking,
                 worker,
@@ -158,7 +158,7 @@ impl Drop for WaitHandle {
     fn drop(&mut self) {
         if self.rx.take().is_some() {
             // Out of the queue, or freed if it was placed meanwhile.
-            self.shared.abort(self.id);
+            self.driver.abort(self.id);
         }
     }
 }
@@ -166,7 +166,7 @@ impl Drop for WaitHandle {
 /// A request booked on a worker (see the module docs).
 #[derive(Debug)]
 pub struct Booking {
-    shared: Arc<SharedRouter>,
+    driver: Arc<Driver>,
     id: RequestId,
     booking: RequestId,
     /// The worker.
@@ -208,7 +208,7 @@ impl Booking {
         if std::mem::replace(&mut self.first_token, true) {
             return;
         }
-        self.shared.first_token(self.id);
+        self.driver.first_token(self.id);
     }
 
     /// Live progress: `generated` tokens so far (no lock, no allocation).
@@ -233,20 +233,20 @@ impl Booking {
     /// since a worker killed mid-stream is a failing worker. A failure of a
     /// request dispatched before the circuit last opened changes nothing.
     pub fn worker_failed(&self) {
-        self.shared.metrics().upstream_failures.inc();
-        self.shared.worker_failed(self.id);
+        self.driver.metrics().upstream_failures.inc();
+        self.driver.worker_failed(self.id);
     }
 
     /// This booking is a disaggregated request's prefill half, which
     /// answered and holds its KV for the decode
-    /// ([`SharedRouter::handed_over`]): the dispatcher ends it, and the
+    /// ([`Driver::handed_over`]): the dispatcher ends it, and the
     /// handle of the decode half comes back when the dispatcher places
     /// that now (`None`: it is placed or waited for already).
     pub fn hand_over(mut self) -> Option<WaitHandle> {
         self.handed_over = true;
         let id = request_of(self.id);
-        let rx = self.shared.handed_over(id)?;
-        Some(WaitHandle::new(self.shared.clone(), id, rx))
+        let rx = self.driver.handed_over(id)?;
+        Some(WaitHandle::new(self.driver.clone(), id, rx))
     }
 
     /// Moves the request off this worker (report its failure first): its
@@ -259,11 +259,11 @@ impl Booking {
         mut self,
         prompt: Option<(Vec<LocalHash>, u32)>,
     ) -> Result<WaitHandle, MigrateError> {
-        let booking = self.shared.next_request_id();
+        let booking = self.driver.next_request_id();
         self.handed_over = true;
-        let shared = self.shared.clone();
-        match shared.migrate(self.id, booking, prompt) {
-            Ok(rx) => Ok(WaitHandle::new(shared, self.id, rx)),
+        let driver = self.driver.clone();
+        match driver.migrate(self.id, booking, prompt) {
+            Ok(rx) => Ok(WaitHandle::new(driver, self.id, rx)),
             Err(e) => {
                 // Ended meanwhile (expired, or its worker left and it was
                 // aborted): nothing to hand over.
@@ -280,8 +280,8 @@ impl Drop for Booking {
             return;
         }
         match self.completed {
-            Some(context_tokens) => self.shared.finish(self.id, context_tokens),
-            None => self.shared.abort(self.id),
+            Some(context_tokens) => self.driver.finish(self.id, context_tokens),
+            None => self.driver.abort(self.id),
         }
     }
 }

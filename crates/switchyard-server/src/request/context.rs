@@ -1,12 +1,12 @@
 //! What every handler reads: the router's settings and shared parts as one
 //! [`AppState`], built once at startup.
 
+use crate::driver::Driver;
+use crate::fleet::{Fleet, UpstreamClient};
 use crate::front::auth::Credentials;
 use crate::models::Models;
 use crate::request::migration::MigrationPolicy;
-use crate::shell::SharedRouter;
 use crate::tokenize::PromptTokenizer;
-use crate::workers::{Fleet, UpstreamClient};
 use axum::http::HeaderValue;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";
 /// Everything a handler reads.
 pub struct AppState {
     /// Routing state.
-    pub shared: Arc<SharedRouter>,
+    pub driver: Arc<Driver>,
     /// Workers.
     pub fleet: Arc<Fleet>,
     /// Upstream client.
@@ -30,7 +30,7 @@ pub struct AppState {
     /// router's own for every other model).
     pub models: Arc<Models>,
     /// What `/metrics` encodes: the router's families and the routing
-    /// state ([`SharedRouter::register_metrics`]) and the KV-event plane's.
+    /// state ([`Driver::register_metrics`]) and the KV-event plane's.
     pub registry: Registry,
     /// Seed of block hashes (no LoRA, no salt).
     pub hash_seed: u64,
@@ -84,17 +84,17 @@ impl AppState {
     /// `router_id` is this replica's id while replica sync is on.
     pub fn new(
         config: &crate::config::ServerConfig,
-        shared: Arc<SharedRouter>,
+        driver: Arc<Driver>,
         fleet: Arc<Fleet>,
         client: UpstreamClient,
         tokenizer: Arc<dyn PromptTokenizer>,
         router_id: Option<HeaderValue>,
     ) -> Self {
         let mut registry = Registry::default();
-        shared.register_metrics(&mut registry);
+        driver.register_metrics(&mut registry);
         fleet.kv_metrics.register(&mut registry);
-        shared.adapters.register(&mut registry);
-        let credentials = Arc::new(Credentials::new(config, shared.metrics().clone()));
+        driver.adapters.register(&mut registry);
+        let credentials = Arc::new(Credentials::new(config, driver.metrics().clone()));
         credentials.rate_limits().register(&mut registry);
         let disagg_metrics = Arc::new(crate::metrics::DisaggMetrics::new());
         disagg_metrics.register(&mut registry);
@@ -114,7 +114,7 @@ impl AppState {
         agentic.register(&mut registry);
         // Peers' stored responses go in this map (the first state made
         // over a router keeps it).
-        let _ = shared.stored_responses.set(agentic.responses.clone());
+        let _ = driver.stored_responses.set(agentic.responses.clone());
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -140,10 +140,10 @@ impl AppState {
         fleet.check_tokenizers_of(models.clone());
         let body_budget = crate::front::upload::BodyBudget::new(
             config.body_bytes_total(),
-            shared.metrics().clone(),
+            driver.metrics().clone(),
         );
         Self {
-            shared,
+            driver,
             fleet,
             client,
             models,
@@ -199,7 +199,7 @@ pub(crate) fn worker_authorization(config: &crate::config::ServerConfig) -> Opti
     Some(value)
 }
 
-pub(crate) type Shared = Arc<AppState>;
+pub(crate) type App = Arc<AppState>;
 
 /// The configured input limits ([`crate::request::limits`] applies them).
 #[derive(Clone, Copy, Debug)]

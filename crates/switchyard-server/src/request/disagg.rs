@@ -5,7 +5,7 @@
 //!
 //! - Placement and sequencing are the dispatcher's
 //!   (`switchyard_core::dispatch::split`): one admission
-//!   ([`crate::shell::SharedRouter::submit_split`]), each half over the
+//!   ([`crate::driver::Driver::submit_split`]), each half over the
 //!   workers of its pool (`prefill` or `decode`, and the `both` ones) by
 //!   the same policy and booking as any request; vLLM's decode half is
 //!   placed when its prefill half hands over
@@ -46,7 +46,7 @@ use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
 use crate::request::body_fields::Fields;
 use crate::request::booking::{Booking, WaitHandle};
-use crate::request::context::Shared;
+use crate::request::context::App;
 use crate::request::migration::Failure;
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
@@ -225,7 +225,7 @@ impl From<AttemptError> for HalfError {
 
 /// What one request shares across its halves.
 struct Split<'a> {
-    state: Shared,
+    state: App,
     /// The client's id, told to both workers and to the client; its
     /// decode half's id in the dispatcher.
     id: RequestId,
@@ -243,7 +243,7 @@ type Failed = (Reason, ApiError);
 /// reads their answers.
 pub(crate) async fn serve(
     mode: DisaggMode,
-    state: Shared,
+    state: App,
     headers: &HeaderMap,
     request: Delivery,
     model: Option<String>,
@@ -253,7 +253,7 @@ pub(crate) async fn serve(
     metrics.requests.inc();
     let deadline = tokio::time::Instant::from_std(request.arrival) + state.request_timeout;
     let split = Split {
-        id: state.shared.next_request_id(),
+        id: state.driver.next_request_id(),
         state: state.clone(),
         request: &request,
         deadline,
@@ -312,7 +312,7 @@ fn redo_prefill(
     blocks: usize,
     transfer_failed: bool,
 ) -> Result<(Attempts, WaitHandle), SplitError> {
-    let wait = WaitHandle::redo_prefill(&split.state.shared, split.id, transfer_failed)?;
+    let wait = WaitHandle::redo_prefill(&split.state.driver, split.id, transfer_failed)?;
     Ok((prefill_attempts(split).with_prompt_blocks(blocks), wait))
 }
 
@@ -662,7 +662,7 @@ async fn sglang(
             .take()
             .expect("the decode half is placed each round");
         let port = state
-            .shared
+            .driver
             .role_of(p_booking.worker)
             .and_then(|(_, port)| port)
             .unwrap_or(DEFAULT_BOOTSTRAP_PORT);

@@ -19,7 +19,7 @@ use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::context::Shared;
+use crate::request::context::App;
 use crate::request::limits;
 use crate::request::prompt::{
     charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
@@ -32,7 +32,7 @@ use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_wire::openai::Prompt;
 
-pub(crate) async fn chat_completions(State(state): State<Shared>, request: Request) -> Response {
+pub(crate) async fn chat_completions(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
@@ -56,7 +56,7 @@ pub(crate) async fn chat_completions(State(state): State<Shared>, request: Reque
     finish(state, headers, "/v1/chat/completions", arrival, result).await
 }
 
-pub(crate) async fn completions(State(state): State<Shared>, request: Request) -> Response {
+pub(crate) async fn completions(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
@@ -103,13 +103,13 @@ pub(crate) async fn completions(State(state): State<Shared>, request: Request) -
 }
 
 pub(crate) async fn finish(
-    state: Shared,
+    state: App,
     headers: HeaderMap,
     path: &'static str,
     arrival: Instant,
     parsed: Result<(Bytes, Parsed), ApiError>,
 ) -> Response {
-    let metrics = state.shared.metrics().clone();
+    let metrics = state.driver.metrics().clone();
     // A request dropped before its response head (the client went away,
     // or shutdown) is counted `Cancelled` once, by the in-flight
     // middleware ([`crate::front::inflight`]), not here.
@@ -138,7 +138,7 @@ fn error_status(e: &ApiError) -> RequestStatus {
 /// [`finish`] of a Responses or Messages request: an error the router
 /// answers itself is counted as chat's are, and by its `api`.
 async fn finish_as(
-    state: Shared,
+    state: App,
     api: crate::request::agentic::AgenticApi,
     response: impl std::future::Future<Output = Result<Response, ApiError>>,
 ) -> Response {
@@ -146,7 +146,7 @@ async fn finish_as(
         Ok(response) => response,
         Err(e) => {
             let status = error_status(&e);
-            state.shared.metrics().count_request(status);
+            state.driver.metrics().count_request(status);
             state.agentic.count(api, status);
             e.into_response()
         }
@@ -161,7 +161,7 @@ pub(crate) type AgenticParsed = (Bytes, Parsed, Option<SessionKey>, AgenticRoute
 /// forwarded at `path`, an error answered and counted by `api`
 /// ([`finish_as`]).
 pub(crate) async fn finish_agentic(
-    state: Shared,
+    state: App,
     headers: HeaderMap,
     api: crate::request::agentic::AgenticApi,
     path: &'static str,
@@ -190,7 +190,7 @@ pub(crate) async fn finish_agentic(
 /// own, so the handler's future holds one layer of these arguments, not
 /// two (each request's future is boxed).
 fn proxy(
-    state: Shared,
+    state: App,
     headers: HeaderMap,
     path: &'static str,
     arrival: Instant,
@@ -213,7 +213,7 @@ pub(crate) struct AgenticRoute {
 /// the Responses and Messages APIs.
 #[allow(clippy::too_many_arguments)]
 async fn proxy_as(
-    state: Shared,
+    state: App,
     headers: HeaderMap,
     path: &'static str,
     arrival: Instant,
@@ -245,7 +245,7 @@ async fn proxy_as(
         agentic,
     };
     if let Some(mode) = state.disagg {
-        if state.shared.disaggregated() {
+        if state.driver.disaggregated() {
             if request.agentic.is_some() {
                 return Err(ApiError::not_implemented(
                     "the Responses and Messages APIs are not served through a disaggregated fleet; use /v1/chat/completions",
@@ -262,7 +262,7 @@ async fn proxy_as(
             .await;
         }
     }
-    let request_id = state.shared.next_request_id();
+    let request_id = state.driver.next_request_id();
     let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
     let attempts = Attempts::new(
         state.clone(),

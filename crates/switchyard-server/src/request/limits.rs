@@ -75,7 +75,7 @@ pub(crate) fn refuse(
     message: String,
     param: &'static str,
 ) -> ApiError {
-    state.shared.metrics().count_limit_refusal(limit);
+    state.driver.metrics().count_limit_refusal(limit);
     ApiError::bad_request(message, Some(param))
 }
 
@@ -238,10 +238,10 @@ pub(crate) fn prompt_too_long(state: &AppState, param: &'static str) -> ApiError
 
 #[cfg(test)]
 mod tests {
+    use crate::fleet::{upstream_client, Fleet};
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
-    use crate::workers::{upstream_client, Fleet};
-    use crate::{build_shared, request::context::AppState, routes::app, ServerConfig};
+    use crate::{build_driver, request::context::AppState, routes::app, ServerConfig};
     use axum::body::Body;
     use http_body_util::BodyExt as _;
     use serde_json::{json, Value};
@@ -269,17 +269,17 @@ mod tests {
     /// a request within the limits ends in 503 (no worker).
     fn router(config: ServerConfig) -> (axum::Router, Arc<ServerMetrics>) {
         let metrics = Arc::new(ServerMetrics::new(config.policy.name()));
-        let shared = Arc::new(build_shared(&config, metrics.clone()).unwrap());
+        let driver = Arc::new(build_driver(&config, metrics.clone()).unwrap());
         let client = upstream_client(Duration::from_millis(100));
         let fleet = Arc::new(Fleet::new(
-            shared.clone(),
+            driver.clone(),
             client.clone(),
             false,
             config.block_size,
             config.health_failures,
             Duration::from_millis(100),
         ));
-        let state = AppState::new(&config, shared, fleet, client, Arc::new(ByteTokens), None);
+        let state = AppState::new(&config, driver, fleet, client, Arc::new(ByteTokens), None);
         (app(Arc::new(state)), metrics)
     }
 

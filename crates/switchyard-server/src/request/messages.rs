@@ -22,7 +22,7 @@
 
 use crate::error::ApiError;
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery};
-use crate::request::context::Shared;
+use crate::request::context::App;
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::limits::Asked;
 use crate::request::prompt::{
@@ -37,7 +37,7 @@ use std::time::Instant;
 
 pub(crate) const PATH: &str = "/v1/messages";
 
-pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> Response {
+pub(crate) async fn messages(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
@@ -76,7 +76,7 @@ pub(crate) async fn messages(State(state): State<Shared>, request: Request) -> R
 /// limit like a request's prompt with no output — counting costs the
 /// router a tokenization, as a message does, so a key over its quota
 /// gets the same 429 — then answered here or by a worker.
-pub(crate) async fn count_tokens(State(state): State<Shared>, request: Request) -> Response {
+pub(crate) async fn count_tokens(State(state): State<App>, request: Request) -> Response {
     let (_, key, body) = request_parts(&state, request).await;
     let result = async {
         let (body, flow) = body?;
@@ -112,10 +112,10 @@ const NO_OUTPUT: Asked = Asked {
 
 #[cfg(test)]
 mod tests {
+    use crate::fleet::{upstream_client, Fleet};
     use crate::metrics::ServerMetrics;
     use crate::request::context::AppState;
     use crate::tokenize::HfTokenizer;
-    use crate::workers::{upstream_client, Fleet};
     use crate::ServerConfig;
     use axum::body::Body;
     use axum::http::StatusCode;
@@ -131,10 +131,10 @@ mod tests {
     fn app(toml: &str) -> axum::Router {
         let config = ServerConfig::from_toml(toml).unwrap();
         let metrics = Arc::new(ServerMetrics::new(config.policy.name()));
-        let shared = Arc::new(crate::build_shared(&config, metrics).unwrap());
+        let driver = Arc::new(crate::build_driver(&config, metrics).unwrap());
         let client = upstream_client(Duration::from_secs(1));
         let fleet = Arc::new(Fleet::new(
-            shared.clone(),
+            driver.clone(),
             client.clone(),
             false,
             config.block_size,
@@ -142,7 +142,7 @@ mod tests {
             Duration::from_secs(1),
         ));
         let tokenizer = Arc::new(HfTokenizer(Tokenizer::bundled().unwrap()));
-        let state = AppState::new(&config, shared, fleet, client, tokenizer, None);
+        let state = AppState::new(&config, driver, fleet, client, tokenizer, None);
         crate::routes::app(Arc::new(state))
     }
 

@@ -121,7 +121,7 @@ impl Drop for NamedStream {
 
 impl NamedStream {
     fn count(&self, status: RequestStatus) {
-        self.attempts.state.shared.metrics().count_request(status);
+        self.attempts.state.driver.metrics().count_request(status);
         self.agentic.state.count(self.agentic.api, status);
     }
 
@@ -337,7 +337,7 @@ impl NamedStream {
     /// Latency metrics and the booking's first token.
     fn observe(&mut self) {
         let now = Instant::now();
-        let metrics = self.attempts.state.shared.metrics();
+        let metrics = self.attempts.state.driver.metrics();
         match self.last_event {
             None => metrics.ttft.observe((now - self.arrival).as_secs_f64()),
             Some(last) => metrics.itl.observe((now - last).as_secs_f64()),

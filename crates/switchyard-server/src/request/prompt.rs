@@ -154,7 +154,7 @@ pub(crate) async fn tokenize(
         TokenizeJob::Text(t) => t.len(),
         TokenizeJob::Chat(c) => c.rendered_size(),
     };
-    let routing = state.models.for_request(&state.shared.adapters, model);
+    let routing = state.models.for_request(&state.driver.adapters, model);
     let Some(tokenizer) = routing.tokenizer.clone() else {
         let unrendered = match &job {
             TokenizeJob::Chat(c) => c.unrendered_bytes,
@@ -204,7 +204,7 @@ pub(crate) async fn tokenize(
             .map_err(|_| ApiError::internal("the tokenizer task failed"))?
     };
     state
-        .shared
+        .driver
         .metrics()
         .tokenize
         .observe(started.elapsed().as_secs_f64());
@@ -341,7 +341,7 @@ pub(crate) async fn request_parts(
 ) {
     let (parts, body) = request.into_parts();
     let key = parts.extensions.get::<ClientKey>().copied();
-    let arrival_ms = state.shared.now_ms();
+    let arrival_ms = state.driver.now_ms();
     let read = match super::flow::resolve(state, &parts.headers, key, arrival_ms) {
         Ok(flow) => read_body(state, body).await.map(|body| (body, flow)),
         Err(e) => Err(e),

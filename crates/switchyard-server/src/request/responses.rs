@@ -42,7 +42,7 @@ use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
-use crate::request::context::{AppState, Shared};
+use crate::request::context::{App, AppState};
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
     charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
@@ -60,7 +60,7 @@ use switchyard_wire::agentic::MAX_RESPONSE_ID_BYTES;
 
 pub(crate) const PATH: &str = "/v1/responses";
 
-pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> Response {
+pub(crate) async fn responses(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
     let (headers, key, body) = request_parts(&state, request).await;
     let result = async {
@@ -105,7 +105,7 @@ pub(crate) async fn responses(State(state): State<Shared>, request: Request) -> 
             api: AgenticApi::Responses,
             remember: parsed.store.then(|| Remember {
                 map: state.agentic.responses.clone(),
-                shared: Some(state.shared.clone()),
+                driver: Some(state.driver.clone()),
                 session,
                 owner,
             }),
@@ -139,7 +139,7 @@ pub(crate) fn caller(state: &AppState, key: Option<ClientKey>) -> Option<Owner> 
 
 /// `GET /v1/responses/{id}`: the stored response, from its worker.
 pub(crate) async fn get_response(
-    State(state): State<Shared>,
+    State(state): State<App>,
     Path(id): Path<String>,
     request: Request,
 ) -> Response {
@@ -149,7 +149,7 @@ pub(crate) async fn get_response(
 
 /// `POST /v1/responses/{id}/cancel`: passed to the worker that has it.
 pub(crate) async fn cancel_response(
-    State(state): State<Shared>,
+    State(state): State<App>,
     Path(id): Path<String>,
     request: Request,
 ) -> Response {
@@ -163,7 +163,7 @@ pub(crate) async fn cancel_response(
 }
 
 async fn stored(
-    state: Shared,
+    state: App,
     id: String,
     owner: Option<Owner>,
     method: Method,
@@ -266,7 +266,7 @@ fn in_fleet(
     param: &'static str,
 ) -> Result<WorkerInfo, ApiError> {
     let worker = state
-        .shared
+        .driver
         .workers()
         .into_iter()
         .find(|w| w.id == holder.worker)
@@ -292,7 +292,7 @@ pub(crate) fn any_worker_for(
     model: Option<&str>,
 ) -> Result<WorkerInfo, ApiError> {
     state
-        .shared
+        .driver
         .workers()
         .into_iter()
         .find(|w| {

@@ -356,7 +356,7 @@ impl MigratingStream {
     /// Latency metrics and the booking's first token.
     fn observe_event(&mut self) {
         let now = Instant::now();
-        let metrics = self.attempts.state.shared.metrics();
+        let metrics = self.attempts.state.driver.metrics();
         match self.last_event {
             None => metrics.ttft.observe((now - self.arrival).as_secs_f64()),
             Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
@@ -379,7 +379,7 @@ impl MigratingStream {
                 leg.booking.completed(context);
             }
         }
-        self.attempts.state.shared.metrics().count_request(status);
+        self.attempts.state.driver.metrics().count_request(status);
         Bytes::from(bytes)
     }
 }
@@ -407,7 +407,7 @@ impl Drop for MigratingStream {
         if !matches!(self.state, State::Ended) {
             self.attempts
                 .state
-                .shared
+                .driver
                 .metrics()
                 .count_request(RequestStatus::Cancelled);
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
@@ -670,7 +670,7 @@ async fn run_paced<S: PacedStream>(
         }
     }
     let attempts = stream.attempts();
-    attempts.state.shared.metrics().request_timeouts.inc();
+    attempts.state.driver.metrics().request_timeouts.inc();
     tracing::info!(request = %attempts.client_id, "stream timed out: upstream cancelled");
     let last = stream.time_out();
     // Delivered when the client reads on; fails once it is gone.

@@ -42,7 +42,7 @@ async fn a_request_cancelled_at_shutdown_counts_once_as_cancelled() {
         ) == Some(1.0)
     })
     .await;
-    let metrics = running.shared.metrics().clone();
+    let metrics = running.driver.metrics().clone();
     running.shutdown().await.unwrap();
     let response = request.await.unwrap().unwrap();
     assert_eq!(response.status(), 503);

@@ -2,7 +2,7 @@
 //! from several workers at once — how long a decision waits for event
 //! application.
 //!
-//! The router's own shared state ([`switchyard_server::build_shared`], the
+//! The router's own shared state ([`switchyard_server::build_driver`], the
 //! structure `serve` routes with) holds `workers` workers. `event_workers`
 //! threads each play one worker's KV-event stream: a stored chain of
 //! `event_blocks` blocks (a quarter of it one of a few shared prefixes),
@@ -34,8 +34,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
+use switchyard_server::driver::{Driver, Request};
 use switchyard_server::request::booking::WaitHandle;
-use switchyard_server::shell::{Request, SharedRouter};
 use switchyard_server::ServerConfig;
 
 /// Options of `bench contention`.
@@ -159,7 +159,7 @@ fn stored(hashes: &[LocalHash], worker: usize) -> IndexEvent {
 
 /// One worker's event stream until `stop`; returns the apply times (µs).
 fn play_events(
-    shared: Arc<SharedRouter>,
+    shared: Arc<Driver>,
     worker: WorkerId,
     slot: usize,
     args: ContentionArgs,
@@ -242,7 +242,7 @@ struct Sample {
 /// Places `n` requests one after another on this thread; returns their
 /// times.
 fn place_on_thread(
-    shared: &Arc<SharedRouter>,
+    shared: &Arc<Driver>,
     n: usize,
     blocks: usize,
     seed: u64,
@@ -293,7 +293,7 @@ fn place_on_thread(
 /// Places `n` requests from `threads` threads at once (`n / threads`
 /// each); returns all their times.
 fn place(
-    shared: &Arc<SharedRouter>,
+    shared: &Arc<Driver>,
     n: usize,
     blocks: usize,
     threads: usize,
@@ -368,7 +368,7 @@ pub fn run(args: ContentionArgs) -> anyhow::Result<()> {
     let metrics = Arc::new(switchyard_server::metrics::ServerMetrics::new(
         config.policy.name(),
     ));
-    let shared = Arc::new(switchyard_server::build_shared(&config, metrics.clone())?);
+    let shared = Arc::new(switchyard_server::build_driver(&config, metrics.clone())?);
     let workers: Vec<WorkerId> = (0..args.workers.max(1))
         .map(|i| {
             let id = shared

@@ -14,7 +14,7 @@ use switchyard_core::index::{CacheTier, IndexEvent};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::WorkerId;
 
-use super::SharedRouter;
+use super::Driver;
 
 /// The KV-event side of the routing state: the published indexes' writer
 /// and the liveness table events are checked against, so that applying
@@ -24,7 +24,7 @@ pub(super) struct EventWriter {
     /// The workers in the router and the events epoch of each: a
     /// subscriber's event is applied only while its epoch is its worker's
     /// here. Mirrors the roster's `in_router` entries (as bounded as the
-    /// roster), kept in step by [`SharedRouter::set_in_router`] under this
+    /// roster), kept in step by [`Driver::set_in_router`] under this
     /// lock.
     pub(super) live: FxHashMap<WorkerId, u64>,
 }
@@ -35,7 +35,7 @@ pub(super) fn lock_writer(writer: &Mutex<EventWriter>) -> MutexGuard<'_, EventWr
     writer.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl SharedRouter {
+impl Driver {
     /// A worker's loaded adapters as its `/v1/models` lists them.
     pub(crate) fn adapter_report(&self, id: WorkerId, names: &[String]) {
         let now = self.now_ms();

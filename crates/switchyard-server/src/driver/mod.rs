@@ -39,7 +39,7 @@
 //!
 //! - [`board`] — routes made before the lock: the published load board
 //!   and its publisher, and the lock guard that queues load changes.
-//! - [`worker_table`] — the worker table's front end: workers joining,
+//! - [`roster`] — the worker table's front end: workers joining,
 //!   leaving, in or out of selection, their health, capacity, roles,
 //!   models and adapters; KV events checked against their liveness.
 //!
@@ -48,7 +48,7 @@
 //! dispatcher or the lock.
 
 mod board;
-mod worker_table;
+mod roster;
 
 use crate::gauges::{RoutingStateCollector, Snapshot, WorkerRow};
 use crate::metrics::{AdmissionDecision, ServerMetrics};
@@ -69,7 +69,7 @@ use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
 
 use board::{Locked, PreRouting};
-use worker_table::EventWriter;
+use roster::EventWriter;
 
 /// Where a request goes, handed from the dispatcher to its waiting handler
 /// (see [`crate::request::booking::WaitHandle`]).
@@ -212,8 +212,9 @@ impl Request<'_> {
     }
 }
 
-/// The shared state; cheap to share behind an `Arc`.
-pub struct SharedRouter {
+/// The dispatcher's driver: the core's `Dispatcher` behind one lock, its
+/// effects carried out; every handler holds it behind an `Arc`.
+pub struct Driver {
     inner: Mutex<Inner>,
     /// Routes made before the lock, when the policy and index allow.
     pre: Option<PreRouting>,
@@ -233,13 +234,13 @@ pub struct SharedRouter {
     pub(crate) stored_responses: std::sync::OnceLock<Arc<crate::response_map::ResponseMap>>,
 }
 
-impl std::fmt::Debug for SharedRouter {
+impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedRouter").finish_non_exhaustive()
+        f.debug_struct("Driver").finish_non_exhaustive()
     }
 }
 
-impl SharedRouter {
+impl Driver {
     /// Wraps a dispatcher (with no workers yet); an exact index is
     /// published so that KV events never hold the routing lock while they
     /// are applied.
@@ -776,9 +777,9 @@ impl SharedRouter {
     /// [`Self::attach_replica`]), the replica plane's counters.
     pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
         self.metrics.register(registry);
-        let shared = self.clone();
+        let driver = self.clone();
         registry.register_collector(Box::new(RoutingStateCollector::new(move || {
-            shared.snapshot()
+            driver.snapshot()
         })));
         if let Some(replica) = self.replica_metrics() {
             replica.register(registry);

@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use switchyard_core::router::board::{BoardWriter, LoadChange, PreRouter, PreRoutes, Proposal};
 use switchyard_core::select::RoutingRequest;
 
-use super::{Inner, Request, SharedRouter};
+use super::{Driver, Inner, Request};
 
 /// Routing outside the lock (`switchyard_core::router::board`): a
 /// request is routed on the published index and load board before the
@@ -127,7 +127,7 @@ impl Drop for Locked<'_> {
     }
 }
 
-impl SharedRouter {
+impl Driver {
     /// The request routed on the published index and load board, before
     /// the lock (`None` when routing outside the lock is off, the last
     /// request could not go to every worker, or the route must be made

@@ -19,8 +19,8 @@ fn round_robin() -> ServerConfig {
 
 #[test]
 fn request_ids_are_distinct_and_share_no_predictable_part() {
-    let (shared, _) = shared_with(&ServerConfig::default(), &["a"]);
-    let ids: Vec<u128> = (0..2_000).map(|_| shared.next_request_id().0).collect();
+    let (driver, _) = shared_with(&ServerConfig::default(), &["a"]);
+    let ids: Vec<u128> = (0..2_000).map(|_| driver.next_request_id().0).collect();
     let distinct: std::collections::HashSet<u128> = ids.iter().copied().collect();
     assert_eq!(distinct.len(), ids.len());
     assert!(ids
@@ -43,11 +43,11 @@ fn request_ids_are_distinct_and_share_no_predictable_part() {
 
 #[tokio::test]
 async fn a_migrated_request_never_goes_back_to_a_worker_that_failed_it() {
-    let (shared, _) = shared_with(&round_robin(), &["a", "b", "c"]);
+    let (driver, _) = shared_with(&round_robin(), &["a", "b", "c"]);
     // Failing every worker in turn must not open their circuits.
-    with_circuit(&shared, 100, 60_000);
+    with_circuit(&driver, 100, 60_000);
     for _ in 0..4 {
-        let mut booking = place(&shared, request(&[], 4)).await.unwrap();
+        let mut booking = place(&driver, request(&[], 4)).await.unwrap();
         let mut failed = Vec::new();
         for _ in 0..2 {
             booking.worker_failed();
@@ -59,7 +59,7 @@ async fn a_migrated_request_never_goes_back_to_a_worker_that_failed_it() {
         // The last worker fails it too: no worker can take it.
         booking.worker_failed();
         assert!(booking.migrate(None).unwrap().placed().await.is_err());
-        assert_eq!(shared.total_active_requests(), 0);
+        assert_eq!(driver.total_active_requests(), 0);
     }
 }
 
@@ -73,37 +73,37 @@ fn following_events() -> ServerConfig {
 
 #[test]
 fn without_kv_events_every_route_is_made_under_the_lock() {
-    let (shared, _) = shared_with(&ServerConfig::default(), &["a"]);
+    let (driver, _) = shared_with(&ServerConfig::default(), &["a"]);
     assert!(
-        shared.pre.is_none(),
+        driver.pre.is_none(),
         "the approximate index is the router's own"
     );
-    let (shared, _) = shared_with(
+    let (driver, _) = shared_with(
         &ServerConfig {
             policy: PolicyKind::CacheAware,
             ..following_events()
         },
         &["a"],
     );
-    assert!(shared.pre.is_none(), "cache-aware keeps its own tree");
+    assert!(driver.pre.is_none(), "cache-aware keeps its own tree");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_booked() {
-    let (shared, ids) = shared_with(&following_events(), &["a", "b", "c", "d"]);
+    let (driver, ids) = shared_with(&following_events(), &["a", "b", "c", "d"]);
     assert!(
-        shared.pre.is_some(),
+        driver.pre.is_some(),
         "the default policy routes outside the lock when it follows KV events"
     );
     let placing = (0..8u64).map(|t| {
-        let shared = shared.clone();
+        let driver = driver.clone();
         tokio::spawn(async move {
             // Every other booking is freed at once: frees and
             // bookings of all threads interleave.
             let mut bookings = Vec::new();
             for n in 0..100u64 {
                 let blocks: Vec<u64> = (0..4).map(|b| t * 1_000 + n * 10 + b).collect();
-                let booking = place(&shared, request(&blocks, 70)).await.unwrap();
+                let booking = place(&driver, request(&blocks, 70)).await.unwrap();
                 if n % 2 == 0 {
                     bookings.push(booking);
                 }
@@ -116,10 +116,10 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
         bookings.extend(task.await.unwrap());
     }
     assert_eq!(bookings.len(), 400);
-    assert_eq!(shared.total_active_requests(), 400);
+    assert_eq!(driver.total_active_requests(), 400);
     let on = |id| bookings.iter().filter(|b| b.worker == id).count();
     assert!(ids.iter().all(|&id| on(id) > 0), "load spreads");
-    let metrics = shared.metrics();
+    let metrics = driver.metrics();
     let (used, rerouted) = (
         metrics.pre_routes_used.get(),
         metrics.pre_routes_rerouted.get(),
@@ -131,9 +131,9 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
     );
     assert!(used > 0);
     drop(bookings);
-    assert_eq!(shared.total_active_requests(), 0);
+    assert_eq!(driver.total_active_requests(), 0);
     // Every change reached the board, in order: it shows no load left.
-    let pre = shared.pre.as_ref().unwrap();
+    let pre = driver.pre.as_ref().unwrap();
     let mut router = pre.routes.router();
     let blocks: Vec<LocalHash> = (0..4).map(LocalHash).collect();
     let routing = RoutingRequest {
@@ -143,7 +143,7 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
         model: Default::default(),
         headroom: 0.0,
     };
-    assert!(router.route(routing, None, shared.now_ms()).is_some());
+    assert!(router.route(routing, None, driver.now_ms()).is_some());
     let seen = router.last_candidates();
     assert_eq!(seen.len(), 4);
     for c in seen {
@@ -161,17 +161,17 @@ async fn requests_placed_from_many_threads_are_routed_before_the_lock_and_all_bo
 
 #[tokio::test]
 async fn a_fleet_whose_models_split_the_workers_routes_under_the_lock() {
-    let (shared, ids) = shared_with(&following_events(), &["a", "b"]);
-    shared.set_models(ids[0], vec!["m1".into()]);
-    shared.set_models(ids[1], vec!["m2".into()]);
+    let (driver, ids) = shared_with(&following_events(), &["a", "b"]);
+    driver.set_models(ids[0], vec!["m1".into()]);
+    driver.set_models(ids[1], vec!["m2".into()]);
     let for_m2 = || Request {
         model: Some("m2"),
         ..request(&[1, 2], 40)
     };
     // The first request finds out that not every worker may take it.
-    let first = place(&shared, for_m2()).await.unwrap();
+    let first = place(&driver, for_m2()).await.unwrap();
     assert_eq!(first.worker, ids[1]);
-    let metrics = shared.metrics();
+    let metrics = driver.metrics();
     let counts = || {
         (
             metrics.pre_routes_used.get(),
@@ -181,7 +181,7 @@ async fn a_fleet_whose_models_split_the_workers_routes_under_the_lock() {
     let after_first = counts();
     assert_eq!(after_first.0 + after_first.1, 1, "{after_first:?}");
     for _ in 0..5 {
-        let booking = place(&shared, for_m2()).await.unwrap();
+        let booking = place(&driver, for_m2()).await.unwrap();
         assert_eq!(booking.worker, ids[1]);
     }
     assert_eq!(counts(), after_first, "none routed before the lock");
@@ -189,30 +189,30 @@ async fn a_fleet_whose_models_split_the_workers_routes_under_the_lock() {
 
 #[tokio::test]
 async fn local_requests_leave_out_peers_bookings_on_the_worker() {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
-    book_remotely(&shared, 1_000, ids[0]);
-    book_remotely(&shared, 1_001, ids[0]);
-    assert_eq!(shared.active_requests(ids[0]), 2, "the load counts them");
-    assert_eq!(shared.local_requests(ids[0]), 0);
-    let booking = place(&shared, request(&[], 4)).await.unwrap();
-    assert_eq!(shared.active_requests(ids[0]), 3);
-    assert_eq!(shared.local_requests(ids[0]), 1);
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["a"]);
+    book_remotely(&driver, 1_000, ids[0]);
+    book_remotely(&driver, 1_001, ids[0]);
+    assert_eq!(driver.active_requests(ids[0]), 2, "the load counts them");
+    assert_eq!(driver.local_requests(ids[0]), 0);
+    let booking = place(&driver, request(&[], 4)).await.unwrap();
+    assert_eq!(driver.active_requests(ids[0]), 3);
+    assert_eq!(driver.local_requests(ids[0]), 1);
     drop(booking);
-    assert_eq!(shared.local_requests(ids[0]), 0);
+    assert_eq!(driver.local_requests(ids[0]), 0);
 }
 
 #[tokio::test]
 async fn removing_a_worker_counts_only_this_replicas_bookings_as_freed() {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
-    book_remotely(&shared, 1_000, ids[0]);
-    let booking = place(&shared, request(&[], 4)).await.unwrap();
-    shared.set_in_router(ids[0], false);
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["a"]);
+    book_remotely(&driver, 1_000, ids[0]);
+    let booking = place(&driver, request(&[], 4)).await.unwrap();
+    driver.set_in_router(ids[0], false);
     assert_eq!(
-        shared.metrics().freed_by_removal.get(),
+        driver.metrics().freed_by_removal.get(),
         1,
         "the peer's booking is the peer's to free"
     );
-    assert_eq!(shared.active_requests(ids[0]), 0);
+    assert_eq!(driver.active_requests(ids[0]), 0);
     drop(booking);
 }
 
@@ -222,7 +222,7 @@ async fn kv_events_count_only_while_their_subscriber_s_epoch_is_the_worker_s() {
         cache: crate::config::CacheMode::Events,
         ..ServerConfig::default()
     };
-    let (shared, ids) = shared_with(&config, &["a"]);
+    let (driver, ids) = shared_with(&config, &["a"]);
     let stored = |hashes: &[u64]| IndexEvent::Stored {
         parent: None,
         blocks: hashes
@@ -233,37 +233,37 @@ async fn kv_events_count_only_while_their_subscriber_s_epoch_is_the_worker_s() {
             })
             .collect(),
     };
-    let overlap = |shared: Arc<SharedRouter>| async move {
-        place(&shared, request(&[1, 2, 3], 48))
+    let overlap = |driver: Arc<Driver>| async move {
+        place(&driver, request(&[1, 2, 3], 48))
             .await
             .unwrap()
             .overlap_blocks
     };
-    let first = shared.events_epoch(ids[0]).unwrap();
-    assert!(shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2])));
-    assert_eq!(overlap(shared.clone()).await, 2, "routing sees the event");
+    let first = driver.events_epoch(ids[0]).unwrap();
+    assert!(driver.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2])));
+    assert_eq!(overlap(driver.clone()).await, 2, "routing sees the event");
     // Out of the router: its index entries go, and its events are stale.
-    shared.set_in_router(ids[0], false);
-    assert_eq!(shared.events_epoch(ids[0]), None);
-    assert!(!shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1])));
+    driver.set_in_router(ids[0], false);
+    assert_eq!(driver.events_epoch(ids[0]), None);
+    assert!(!driver.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1])));
     // Back in, under a new epoch: the old subscriber's events still are.
-    shared.set_in_router(ids[0], true);
-    let second = shared.events_epoch(ids[0]).unwrap();
+    driver.set_in_router(ids[0], true);
+    let second = driver.events_epoch(ids[0]).unwrap();
     assert_ne!(second, first);
-    assert!(!shared.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2, 3])));
-    assert_eq!(shared.metrics().stale_kv_events.get(), 2);
-    assert_eq!(overlap(shared.clone()).await, 0, "nothing of the old epoch");
-    assert!(shared.apply_worker_event(ids[0], second, CacheTier::Device, &stored(&[1, 2, 3])));
-    assert_eq!(overlap(shared.clone()).await, 3);
+    assert!(!driver.apply_worker_event(ids[0], first, CacheTier::Device, &stored(&[1, 2, 3])));
+    assert_eq!(driver.metrics().stale_kv_events.get(), 2);
+    assert_eq!(overlap(driver.clone()).await, 0, "nothing of the old epoch");
+    assert!(driver.apply_worker_event(ids[0], second, CacheTier::Device, &stored(&[1, 2, 3])));
+    assert_eq!(overlap(driver.clone()).await, 3);
     // A worker the router never knew: dropped and counted too.
     let unknown = WorkerId::new(9_999);
-    assert!(!shared.apply_worker_event(unknown, 1, CacheTier::Device, &stored(&[1])));
-    assert_eq!(shared.metrics().stale_kv_events.get(), 3);
+    assert!(!driver.apply_worker_event(unknown, 1, CacheTier::Device, &stored(&[1])));
+    assert_eq!(driver.metrics().stale_kv_events.get(), 3);
 }
 
 /// Breakers that open after `threshold` failures for 1 ms (or a minute).
-fn with_circuit(shared: &SharedRouter, threshold: u32, cooldown_ms: u64) {
-    shared
+fn with_circuit(driver: &Driver, threshold: u32, cooldown_ms: u64) {
+    driver
         .set_circuit_config(CircuitConfig {
             failure_threshold: threshold,
             cooldown_ms,
@@ -274,34 +274,34 @@ fn with_circuit(shared: &SharedRouter, threshold: u32, cooldown_ms: u64) {
 
 /// One worker whose circuit is half-open (its one failure opened it,
 /// and the 1 ms cooldown is over).
-async fn half_open_worker() -> (Arc<SharedRouter>, WorkerId) {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
-    with_circuit(&shared, 1, 1);
-    let booking = place(&shared, request(&[], 4)).await.unwrap();
+async fn half_open_worker() -> (Arc<Driver>, WorkerId) {
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["a"]);
+    with_circuit(&driver, 1, 1);
+    let booking = place(&driver, request(&[], 4)).await.unwrap();
     booking.worker_failed();
     drop(booking);
     // Sleeping is a lower bound: any machine gets past the cooldown.
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    shared.tick();
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
-    (shared, ids[0])
+    driver.tick();
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
+    (driver, ids[0])
 }
 
 #[tokio::test]
 async fn a_probe_placed_but_dropped_before_its_handler_took_it_frees_the_probe_slot() {
-    let (shared, worker) = half_open_worker().await;
+    let (driver, worker) = half_open_worker().await;
     // Placed at once (the probe is dispatched), then the client goes
     // away before the handler reads the placement.
-    let wait = WaitHandle::submit(&shared, RequestId(2), request(&[], 4)).unwrap();
-    assert_eq!(shared.circuit_admits(worker), Some(false));
+    let wait = WaitHandle::submit(&driver, RequestId(2), request(&[], 4)).unwrap();
+    assert_eq!(driver.circuit_admits(worker), Some(false));
     drop(wait);
-    assert_eq!(shared.total_active_requests(), 0);
+    assert_eq!(driver.total_active_requests(), 0);
     assert_eq!(
-        shared.circuit_admits(worker),
+        driver.circuit_admits(worker),
         Some(true),
         "the circuit may probe again"
     );
-    let probe = place(&shared, request(&[], 4))
+    let probe = place(&driver, request(&[], 4))
         .await
         .expect("the next request is the probe");
     assert_eq!(probe.worker, worker);
@@ -309,30 +309,30 @@ async fn a_probe_placed_but_dropped_before_its_handler_took_it_frees_the_probe_s
 
 #[tokio::test]
 async fn a_late_result_of_a_request_dispatched_before_the_opening_is_ignored() {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["a"]);
-    with_circuit(&shared, 1, 1);
-    let mut early = place(&shared, request(&[], 4)).await.unwrap();
-    let failing = place(&shared, request(&[], 4)).await.unwrap();
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["a"]);
+    with_circuit(&driver, 1, 1);
+    let mut early = place(&driver, request(&[], 4)).await.unwrap();
+    let failing = place(&driver, request(&[], 4)).await.unwrap();
     failing.worker_failed();
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    shared.tick();
-    let probe = place(&shared, request(&[], 4)).await.unwrap();
+    driver.tick();
+    let probe = place(&driver, request(&[], 4)).await.unwrap();
     // The early request's first token is not the probe's success.
     early.mark_first_token();
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::HalfOpen));
     // Nor does its end free the probe slot.
     drop(early);
-    assert_eq!(shared.circuit_admits(ids[0]), Some(false));
+    assert_eq!(driver.circuit_admits(ids[0]), Some(false));
     drop((failing, probe));
 }
 
 #[tokio::test]
 async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_again() {
-    let (shared, ids) = shared_with(&round_robin(), &["w0", "w1"]);
-    with_circuit(&shared, 2, 60_000);
+    let (driver, ids) = shared_with(&round_robin(), &["w0", "w1"]);
+    with_circuit(&driver, 2, 60_000);
     let mut failures = 0;
     while failures < 2 {
-        let booking = place(&shared, request(&[], 1))
+        let booking = place(&driver, request(&[], 1))
             .await
             .expect("a worker is free");
         if booking.worker == ids[0] {
@@ -342,13 +342,13 @@ async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_aga
             failures += 1;
         }
     }
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
     for _ in 0..10 {
-        let booking = place(&shared, request(&[], 1)).await.unwrap();
+        let booking = place(&driver, request(&[], 1)).await.unwrap();
         assert_eq!(booking.worker, ids[1]);
     }
     // The worker is still in the router: only selection skips it.
-    let info = shared
+    let info = driver
         .workers()
         .into_iter()
         .find(|w| w.id == ids[0])
@@ -360,59 +360,59 @@ async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_aga
 
 #[tokio::test]
 async fn a_first_token_is_a_success_that_resets_the_failure_streak() {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["w0"]);
-    with_circuit(&shared, 2, 60_000);
-    place(&shared, request(&[], 1))
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["w0"]);
+    with_circuit(&driver, 2, 60_000);
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .worker_failed();
-    place(&shared, request(&[], 1))
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .mark_first_token();
-    place(&shared, request(&[], 1))
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .worker_failed();
     assert_eq!(
-        shared.circuit_state(ids[0]),
+        driver.circuit_state(ids[0]),
         Some(CircuitState::Closed),
         "the streak was broken"
     );
-    place(&shared, request(&[], 1))
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .worker_failed();
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
     assert!(
-        place(&shared, request(&[], 1)).await.is_none(),
+        place(&driver, request(&[], 1)).await.is_none(),
         "no worker can take it"
     );
 }
 
 #[tokio::test]
 async fn a_worker_that_leaves_and_reenters_the_router_starts_with_a_closed_circuit() {
-    let (shared, ids) = shared_with(&ServerConfig::default(), &["w0"]);
-    with_circuit(&shared, 2, 60_000);
-    place(&shared, request(&[], 1))
+    let (driver, ids) = shared_with(&ServerConfig::default(), &["w0"]);
+    with_circuit(&driver, 2, 60_000);
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .worker_failed();
-    place(&shared, request(&[], 1))
+    place(&driver, request(&[], 1))
         .await
         .unwrap()
         .worker_failed();
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Open));
-    shared.set_in_router(ids[0], false);
-    shared.set_in_router(ids[0], true);
-    assert_eq!(shared.circuit_state(ids[0]), Some(CircuitState::Closed));
-    let info = shared.workers().remove(0);
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
+    driver.set_in_router(ids[0], false);
+    driver.set_in_router(ids[0], true);
+    assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Closed));
+    let info = driver.workers().remove(0);
     assert_eq!(
         info.circuit_transitions[CircuitState::Closed as usize],
         1,
         "the reset out of open counts as a close"
     );
-    assert!(place(&shared, request(&[], 1)).await.is_some());
+    assert!(place(&driver, request(&[], 1)).await.is_some());
 }
 
 #[test]
@@ -431,7 +431,7 @@ fn a_booking_still_running_at_the_request_timeout_stays_in_the_load_view() {
 }
 
 /// Session-aware routing state over two workers.
-fn sessions() -> (Arc<SharedRouter>, Vec<WorkerId>) {
+fn sessions() -> (Arc<Driver>, Vec<WorkerId>) {
     let config = ServerConfig {
         admission: AdmissionMode::SessionAware,
         policy: PolicyKind::RoundRobin,
@@ -449,11 +449,11 @@ fn turn(session: u64, blocks: &[u64]) -> Request<'static> {
 
 #[tokio::test]
 async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
-    let (shared, _) = sessions();
-    let mut first = place(&shared, turn(9, &[1, 2])).await.unwrap();
+    let (driver, _) = sessions();
+    let mut first = place(&driver, turn(9, &[1, 2])).await.unwrap();
     first.mark_first_token();
     // The next turn arrives while the first runs: it waits.
-    let next = WaitHandle::submit(&shared, shared.next_request_id(), turn(9, &[1, 2, 3])).unwrap();
+    let next = WaitHandle::submit(&driver, driver.next_request_id(), turn(9, &[1, 2, 3])).unwrap();
     // The first turn's worker fails it mid-stream; it moves.
     first.worker_failed();
     let failed = first.worker;
@@ -461,7 +461,7 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
     assert_ne!(moved.worker, failed);
     tokio::task::yield_now().await;
     assert_eq!(
-        shared.snapshot().queue_depth,
+        driver.snapshot().queue_depth,
         1,
         "the next turn still waits for the migrated one"
     );
@@ -472,7 +472,7 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
     drop(moved);
     let next = next.placed().await.unwrap();
     assert_eq!(next.worker, worker, "the session re-pinned");
-    let counts = shared.snapshot().strategy.unwrap().1;
+    let counts = driver.snapshot().strategy.unwrap().1;
     assert!(counts.contains(&("migrated_turns", 1)), "{counts:?}");
 }
 
@@ -480,12 +480,12 @@ async fn a_migrated_turn_stays_its_sessions_turn_and_the_session_follows_it() {
 async fn a_shed_request_is_answered_like_a_full_queue_with_its_retry_after() {
     let mut config = ServerConfig::default();
     config.flow.refuse_late = true;
-    let (shared, _) = shared_with(&config, &["a"]);
+    let (driver, _) = shared_with(&config, &["a"]);
     // A deadline already passed: no prefill estimate can meet it.
     let mut late = request(&[1, 2, 3], 4_000);
     late.flow.deadline_ms = Some(0.0);
-    let id = shared.next_request_id();
-    let wait = WaitHandle::submit(&shared, id, late).unwrap();
+    let id = driver.next_request_id();
+    let wait = WaitHandle::submit(&driver, id, late).unwrap();
     let unplaced = wait.placed().await.unwrap_err();
     assert_eq!(
         unplaced,
@@ -495,5 +495,5 @@ async fn a_shed_request_is_answered_like_a_full_queue_with_its_retry_after() {
         }
     );
     // Without a deadline the same request is placed.
-    assert!(place(&shared, request(&[1, 2, 3], 4_000)).await.is_some());
+    assert!(place(&driver, request(&[1, 2, 3], 4_000)).await.is_some());
 }

@@ -21,7 +21,7 @@
 //! token limit ([`Fleet::max_model_len`]).
 
 use super::config::WorkerSpec;
-use crate::shell::SharedRouter;
+use crate::driver::Driver;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderValue;
@@ -74,7 +74,7 @@ pub(crate) fn upstream_client_with(
 
 /// Adds, removes and watches workers.
 pub struct Fleet {
-    shared: Arc<SharedRouter>,
+    driver: Arc<Driver>,
     client: UpstreamClient,
     zmq: zmq::Context,
     subscribers: Mutex<HashMap<WorkerId, KvEventSubscriber>>,
@@ -121,7 +121,7 @@ impl std::fmt::Debug for Fleet {
 impl Fleet {
     /// A fleet with no workers yet.
     pub fn new(
-        shared: Arc<SharedRouter>,
+        driver: Arc<Driver>,
         client: UpstreamClient,
         uses_events: bool,
         block_size: u32,
@@ -129,7 +129,7 @@ impl Fleet {
         health_timeout: Duration,
     ) -> Self {
         Self {
-            shared,
+            driver,
             client,
             zmq: zmq::Context::new(),
             subscribers: Mutex::new(HashMap::new()),
@@ -288,7 +288,7 @@ impl Fleet {
         if ranks > 1 {
             return self.add_ranks(spec, &name, ranks);
         }
-        let id = self.shared.add_worker(&name, &spec.url)?;
+        let id = self.driver.add_worker(&name, &spec.url)?;
         self.register(spec, id, &name, spec.events.clone(), spec.replay.clone());
         tracing::info!(worker = %name, url = %spec.url, events = spec.events.is_some(), "worker added");
         Ok(id)
@@ -304,7 +304,7 @@ impl Fleet {
         events: Option<String>,
         replay: Option<String>,
     ) {
-        self.shared.set_role(id, spec.role, spec.bootstrap_port);
+        self.driver.set_role(id, spec.role, spec.bootstrap_port);
         if let Some(b) = spec.block_size {
             lock(&self.declared_block_sizes).insert(id, b);
         }
@@ -326,7 +326,7 @@ impl Fleet {
         for rank in 0..ranks {
             let rank_name = format!("{name}/{rank}");
             let id = WorkerId::with_rank(base, rank);
-            if let Err(e) = self.shared.add_worker_rank(&rank_name, &spec.url, id, rank) {
+            if let Err(e) = self.driver.add_worker_rank(&rank_name, &spec.url, id, rank) {
                 for id in added {
                     self.drop_worker(id);
                 }
@@ -365,14 +365,14 @@ impl Fleet {
 
     /// Every registered worker, sorted by name.
     pub fn workers(&self) -> Vec<super::roster::WorkerInfo> {
-        self.shared.workers()
+        self.driver.workers()
     }
 
     /// Puts a worker into the router and starts a fresh KV-event
     /// subscriber for this entry, reading its events at `block_size`.
     fn enter(&self, id: WorkerId, block_size: u32) {
-        self.shared.set_in_router(id, true);
-        let Some(epoch) = self.shared.events_epoch(id) else {
+        self.driver.set_in_router(id, true);
+        let Some(epoch) = self.driver.events_epoch(id) else {
             return;
         };
         let Some((name, mut config)) = lock(&self.event_configs).get(&id).cloned() else {
@@ -380,7 +380,7 @@ impl Fleet {
         };
         config.block_size = block_size;
         let sink: Arc<dyn IndexSink> = Arc::new(WorkerEventSink {
-            shared: self.shared.clone(),
+            driver: self.driver.clone(),
             worker: id,
             epoch,
         });
@@ -392,7 +392,7 @@ impl Fleet {
             }
             Err(e) => {
                 tracing::error!(worker = %id, error = %e, "cannot start the KV-event subscriber: out of selection");
-                self.shared.set_in_router(id, false);
+                self.driver.set_in_router(id, false);
             }
         }
     }
@@ -400,7 +400,7 @@ impl Fleet {
     /// Takes a worker out of the router (index and bookings dropped) and
     /// stops its subscriber.
     fn leave(&self, id: WorkerId) {
-        self.shared.set_in_router(id, false);
+        self.driver.set_in_router(id, false);
         if let Some(sub) = lock(&self.subscribers).remove(&id) {
             stop_off_thread(sub);
         }
@@ -411,14 +411,14 @@ impl Fleet {
     /// ranks (`NAME/r`) with it, or one rank by the rank's name.
     pub fn remove(&self, name: &str, drain: bool) -> bool {
         let targets: Vec<_> = self
-            .shared
+            .driver
             .workers()
             .into_iter()
             .filter(|w| is_target_of(&w.name, name))
             .collect();
         for info in &targets {
-            if drain && self.shared.local_requests(info.id) > 0 {
-                self.shared.set_draining(info.id);
+            if drain && self.driver.local_requests(info.id) > 0 {
+                self.driver.set_draining(info.id);
                 tracing::info!(worker = %info.name, "worker draining");
             } else {
                 self.drop_worker(info.id);
@@ -433,7 +433,7 @@ impl Fleet {
         lock(&self.declared_block_sizes).remove(&id);
         self.set_model_len(id, None);
         lock(&self.slots_from_metrics).remove(&id);
-        let removed = self.shared.remove_worker(id);
+        let removed = self.driver.remove_worker(id);
         if let Some(info) = removed {
             tracing::info!(worker = %info.name, "worker removed");
         }
@@ -448,7 +448,7 @@ impl Fleet {
     pub async fn check_all(&self) {
         // Futures gathered in loops, not iterator adaptors: closures there
         // would make this future's type too general to spawn.
-        let workers = self.shared.workers();
+        let workers = self.driver.workers();
         let mut checks = Vec::with_capacity(workers.len());
         for info in &workers {
             checks.push(self.check_one(info));
@@ -478,20 +478,20 @@ impl Fleet {
     async fn check_one(&self, info: &crate::roster::WorkerInfo) -> Option<Option<u32>> {
         let ok = self.get(&info.url, "/health").await.is_some();
         if info.draining {
-            if self.shared.local_requests(info.id) == 0 {
+            if self.driver.local_requests(info.id) == 0 {
                 self.drop_worker(info.id);
             }
             return None;
         }
         let keep = self
-            .shared
+            .driver
             .health_result(info.id, ok, self.health_failures)
             .unwrap_or(false);
         if ok && !info.in_router {
             let mut served = Vec::new();
             if let Some((models, max_model_len)) = self.models_of(&info.url).await {
                 served.clone_from(&models);
-                self.shared.set_models(info.id, models);
+                self.driver.set_models(info.id, models);
                 self.set_model_len(info.id, max_model_len);
             }
             // Its bookings are counted, and its events read, in its
@@ -505,14 +505,14 @@ impl Fleet {
                 }
             }
             match self.capacity_of(info, server_info.as_deref()).await {
-                Some(capacity) => self.shared.set_capacity(
+                Some(capacity) => self.driver.set_capacity(
                     info.id,
                     WorkerCapacity {
                         block_size: own,
                         ..capacity
                     },
                 ),
-                None if own.is_some() => self.shared.set_capacity(
+                None if own.is_some() => self.driver.set_capacity(
                     info.id,
                     WorkerCapacity {
                         block_size: own,
@@ -526,7 +526,7 @@ impl Fleet {
             match &server_info {
                 Some(body) => {
                     let slots = crate::adapters::Adapters::slots_of(body);
-                    self.shared.adapter_slots(info.id, slots);
+                    self.driver.adapter_slots(info.id, slots);
                 }
                 None => {
                     lock(&self.slots_from_metrics).insert(info.id);
@@ -547,27 +547,27 @@ impl Fleet {
     async fn follow_up(&self, info: &crate::roster::WorkerInfo) {
         if let Some(body) = self.get(&info.url, "/v1/models").await {
             let now = std::time::Instant::now();
-            if let Some(learnt) = self.shared.adapters.learn_models(&body, now) {
+            if let Some(learnt) = self.driver.adapters.learn_models(&body, now) {
                 for name in &learnt.new {
-                    self.shared.adapter_holders_only(name, true);
+                    self.driver.adapter_holders_only(name, true);
                 }
-                self.shared.adapter_report(info.id, &learnt.loaded);
+                self.driver.adapter_report(info.id, &learnt.loaded);
             }
         }
-        let wants_usage = self.shared.wants_kv_usage();
+        let wants_usage = self.driver.wants_kv_usage();
         let wants_slots =
-            !self.shared.adapters.is_empty() && lock(&self.slots_from_metrics).contains(&info.id);
+            !self.driver.adapters.is_empty() && lock(&self.slots_from_metrics).contains(&info.id);
         if wants_usage || wants_slots {
             if let Some(body) = self.get(&info.url, "/metrics").await {
                 let scrape = Scrape::parse_bytes(&body);
                 if wants_usage {
                     if let Some(fraction) = kv_usage_fraction(&scrape) {
-                        self.shared.set_kv_usage(info.id, fraction);
+                        self.driver.set_kv_usage(info.id, fraction);
                     }
                 }
                 if wants_slots {
                     if let Some(slots) = vllm_lora_slots(&scrape) {
-                        self.shared.adapter_slots(info.id, Some(slots));
+                        self.driver.adapter_slots(info.id, Some(slots));
                         lock(&self.slots_from_metrics).remove(&info.id);
                     }
                 }
@@ -577,8 +577,8 @@ impl Fleet {
 
     /// Learned adapters no worker lists any more are forgotten.
     fn sweep_adapters(&self) {
-        for name in self.shared.adapters.sweep(std::time::Instant::now()) {
-            self.shared.adapter_holders_only(&name, false);
+        for name in self.driver.adapters.sweep(std::time::Instant::now()) {
+            self.driver.adapter_holders_only(&name, false);
         }
     }
 
@@ -750,9 +750,9 @@ pub(crate) fn is_target_of(target: &str, name: &str) -> bool {
 }
 
 /// Applies one subscriber's events to the routing core while the entry it
-/// was started for lasts ([`SharedRouter::apply_worker_event`]).
+/// was started for lasts ([`Driver::apply_worker_event`]).
 struct WorkerEventSink {
-    shared: Arc<SharedRouter>,
+    driver: Arc<Driver>,
     worker: WorkerId,
     epoch: u64,
 }
@@ -760,7 +760,7 @@ struct WorkerEventSink {
 impl IndexSink for WorkerEventSink {
     fn apply(&self, worker: WorkerId, tier: CacheTier, event: &IndexEvent) {
         debug_assert_eq!(worker, self.worker, "one sink per worker");
-        self.shared
+        self.driver
             .apply_worker_event(self.worker, self.epoch, tier, event);
     }
 }
@@ -844,9 +844,9 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
     /// A fleet of the worker at `port`, after one round of health checks.
     async fn checked_worker(port: u16) -> crate::roster::WorkerInfo {
         let config = ServerConfig::default();
-        let (shared, _) = shared_with(&config, &[]);
+        let (driver, _) = shared_with(&config, &[]);
         let fleet = Fleet::new(
-            shared.clone(),
+            driver.clone(),
             upstream_client(Duration::from_secs(2)),
             false,
             config.block_size,
@@ -855,7 +855,7 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         );
         fleet.add(&loopback_spec("vllm", port)).unwrap();
         fleet.check_all().await;
-        shared.workers().remove(0)
+        driver.workers().remove(0)
     }
 
     #[tokio::test]
@@ -885,17 +885,17 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
     }
 
     /// A fleet of one worker in selection (nothing listens at its URL).
-    fn fleet() -> (Fleet, Arc<SharedRouter>, WorkerId) {
-        let (fleet, shared, ids) = fleet_with(&["w"]);
-        (fleet, shared, ids[0])
+    fn fleet() -> (Fleet, Arc<Driver>, WorkerId) {
+        let (fleet, driver, ids) = fleet_with(&["w"]);
+        (fleet, driver, ids[0])
     }
 
     #[tokio::test]
     async fn kv_event_metrics_are_labelled_by_the_workers_name() {
         let config = ServerConfig::default();
-        let (shared, _) = shared_with(&config, &[]);
+        let (driver, _) = shared_with(&config, &[]);
         let fleet = Fleet::new(
-            shared.clone(),
+            driver.clone(),
             upstream_client(Duration::from_millis(100)),
             true,
             config.block_size,
@@ -929,9 +929,9 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
     #[tokio::test]
     async fn a_worker_with_data_parallel_ranks_is_one_target_per_rank_each_naming_its_rank() {
         let config = ServerConfig::default();
-        let (shared, _) = shared_with(&config, &[]);
+        let (driver, _) = shared_with(&config, &[]);
         let fleet = Fleet::new(
-            shared.clone(),
+            driver.clone(),
             upstream_client(Duration::from_millis(100)),
             true,
             config.block_size,
@@ -962,7 +962,7 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         let single = fleet
             .add(&WorkerSpec::parse("http://127.0.0.1:10").unwrap())
             .unwrap();
-        assert!(shared
+        assert!(driver
             .workers()
             .iter()
             .any(|w| w.id == single && w.endpoint.dp_rank.is_none()));
@@ -1000,10 +1000,10 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
     #[tokio::test]
     async fn a_role_needs_disagg_and_is_kept_in_the_roster() {
         let config = ServerConfig::default();
-        let (shared, _) = shared_with(&config, &[]);
+        let (driver, _) = shared_with(&config, &[]);
         let fleet = |disagg| {
             Fleet::new(
-                shared.clone(),
+                driver.clone(),
                 upstream_client(Duration::from_millis(100)),
                 false,
                 config.block_size,
@@ -1016,35 +1016,35 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
             .unwrap();
         let err = fleet(false).add(&spec).unwrap_err();
         assert!(err.contains("--disagg"), "{err}");
-        assert!(shared.workers().is_empty());
+        assert!(driver.workers().is_empty());
         let id = fleet(true).add(&spec).unwrap();
         assert_eq!(
-            shared.role_of(id),
+            driver.role_of(id),
             Some((crate::roster::Role::Prefill, Some(8998)))
         );
     }
 
     #[tokio::test]
     async fn draining_a_worker_with_only_peers_bookings_removes_it_at_once() {
-        let (fleet, shared, id) = fleet();
-        book_remotely(&shared, 1_000, id);
+        let (fleet, driver, id) = fleet();
+        book_remotely(&driver, 1_000, id);
         assert!(fleet.remove("w", true));
-        assert!(shared.workers().is_empty(), "nothing of ours to wait for");
+        assert!(driver.workers().is_empty(), "nothing of ours to wait for");
     }
 
     #[tokio::test]
     async fn a_draining_worker_is_removed_once_this_replicas_requests_end_whatever_peers_hold() {
-        let (fleet, shared, id) = fleet();
-        let booking = place(&shared, request(&[], 4)).await.unwrap();
-        book_remotely(&shared, 1_000, id);
+        let (fleet, driver, id) = fleet();
+        let booking = place(&driver, request(&[], 4)).await.unwrap();
+        book_remotely(&driver, 1_000, id);
         assert!(fleet.remove("w", true));
-        assert!(shared.workers()[0].draining);
+        assert!(driver.workers()[0].draining);
         fleet.check_all().await;
-        assert_eq!(shared.workers().len(), 1, "our request is still in flight");
+        assert_eq!(driver.workers().len(), 1, "our request is still in flight");
         drop(booking);
         fleet.check_all().await;
         assert!(
-            shared.workers().is_empty(),
+            driver.workers().is_empty(),
             "the peer's booking does not hold the drain"
         );
     }
