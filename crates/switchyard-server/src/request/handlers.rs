@@ -22,7 +22,7 @@ use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::context::App;
 use crate::request::limits;
 use crate::request::prompt::{
-    charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
+    preamble, request_parts, session_key, Head, Later, Parsed, PromptIds, PromptSource, TokenizeJob,
 };
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -39,17 +39,15 @@ pub(crate) async fn chat_completions(State(state): State<App>, request: Request)
         let (body, flow) = body?;
         let (parsed, asked) = limits::parse_chat(&state, &body)?;
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, 0)?;
-        let prompt = tokenize(&state, parsed.model.as_deref(), job, &flow).await?;
-        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
-        let facts = Parsed {
+        let head = Head {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
             key,
             flow,
-            prompt,
             asked,
         };
+        let facts = preamble(&state, head, PromptSource::Tokenize(job), Later::default()).await?;
         Ok::<_, ApiError>((body, facts))
     }
     .await;
@@ -65,37 +63,38 @@ pub(crate) async fn completions(State(state): State<App>, request: Request) -> R
         // A batch is routed by its first prompt: one worker serves it all.
         // Token ids were bounded while parsing; text while tokenized (a
         // batch's later texts are the worker's to judge).
-        let model = parsed.model.as_deref();
-        let ids = PromptIds::of_ids;
+        let known = |ids| PromptSource::Known(PromptIds::of_ids(ids));
+        let text = |text| PromptSource::Tokenize(TokenizeJob::Text(text));
         let prompt = match parsed.prompt {
-            Prompt::Tokens(i) => ids(i),
-            Prompt::TokenBatches(batch) => ids(batch.into_iter().next().unwrap_or_default()),
-            Prompt::Text(text) => tokenize(&state, model, TokenizeJob::Text(text), &flow).await?,
-            Prompt::Texts(texts) => match texts.into_iter().next() {
-                Some(text) => tokenize(&state, model, TokenizeJob::Text(text), &flow).await?,
-                None => ids(Vec::new()),
-            },
+            Prompt::Tokens(ids) => known(ids),
+            Prompt::TokenBatches(batch) => known(batch.into_iter().next().unwrap_or_default()),
+            Prompt::Text(t) => text(t),
+            Prompt::Texts(texts) => texts
+                .into_iter()
+                .next()
+                .map_or_else(|| known(Vec::new()), text),
         };
         // Every prompt of a batch is charged: token ids as counted while
         // parsing, later texts (not tokenized here) by the estimate used
         // for a model without a tokenizer.
-        let later = parsed.later_prompts;
-        let later_tokens = later.token_ids.saturating_add(u64::from(
-            crate::models::ModelRouting::estimated_tokens(
-                usize::try_from(later.text_bytes).unwrap_or(usize::MAX),
-            ),
-        ));
-        let prompt_tokens = (prompt.len() as u64).saturating_add(later_tokens);
-        charge_tokens(&state, key, prompt_tokens, 1 + later.count, asked)?;
-        let facts = Parsed {
+        let others = parsed.later_prompts;
+        let later = Later {
+            prompts: others.count,
+            tokens: others.token_ids.saturating_add(u64::from(
+                crate::models::ModelRouting::estimated_tokens(
+                    usize::try_from(others.text_bytes).unwrap_or(usize::MAX),
+                ),
+            )),
+        };
+        let head = Head {
             model: parsed.model,
             stream: parsed.stream,
             session: parsed.session_id,
             key,
             flow,
-            prompt,
             asked,
         };
+        let facts = preamble(&state, head, prompt, later).await?;
         Ok::<_, ApiError>((body, facts))
     }
     .await;

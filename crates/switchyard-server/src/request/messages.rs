@@ -26,7 +26,7 @@ use crate::request::context::App;
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::limits::Asked;
 use crate::request::prompt::{
-    charge_tokens, request_parts, session_key, tokenize, Parsed, TokenizeJob,
+    preamble, request_parts, session_key, Head, Later, PromptSource, TokenizeJob,
 };
 use crate::request::responses::{any_worker_for, direct};
 use axum::extract::{Request, State};
@@ -44,22 +44,20 @@ pub(crate) async fn messages(State(state): State<App>, request: Request) -> Resp
         let (body, flow) = body?;
         let (parsed, asked) = agentic::parse_messages(&state, &body)?;
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-        let prompt = tokenize(&state, parsed.model.as_deref(), job, &flow).await?;
-        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
-        let session = session_key(&state, &headers, None, key);
-        let delivery = AgenticDelivery {
-            api: AgenticApi::Messages,
-            remember: None,
-            state: state.agentic.clone(),
-        };
-        let facts = Parsed {
+        let head = Head {
             model: parsed.model,
             stream: parsed.stream,
             session: None,
             key,
             flow,
-            prompt,
             asked,
+        };
+        let facts = preamble(&state, head, PromptSource::Tokenize(job), Later::default()).await?;
+        let session = session_key(&state, &headers, None, key);
+        let delivery = AgenticDelivery {
+            api: AgenticApi::Messages,
+            remember: None,
+            state: state.agentic.clone(),
         };
         let route = AgenticRoute {
             delivery: Arc::new(delivery),
@@ -83,8 +81,17 @@ pub(crate) async fn count_tokens(State(state): State<App>, request: Request) -> 
         let (parsed, _) = agentic::parse_messages(&state, &body)?;
         let model = parsed.model.clone();
         let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-        let prompt = tokenize(&state, model.as_deref(), job, &flow).await?;
-        charge_tokens(&state, key, prompt.len() as u64, 1, NO_OUTPUT)?;
+        let head = Head {
+            model: parsed.model,
+            stream: false,
+            session: None,
+            key,
+            flow,
+            asked: NO_OUTPUT,
+        };
+        let prompt = preamble(&state, head, PromptSource::Tokenize(job), Later::default())
+            .await?
+            .prompt;
         if prompt.estimated.is_none() {
             return Ok(
                 axum::Json(serde_json::json!({"input_tokens": prompt.len()})).into_response(),

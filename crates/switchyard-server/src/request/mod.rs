@@ -9,8 +9,9 @@
 //!   share; [`agentic_state`] — their state in [`context::AppState`]; [`named_stream`] — their streams, forwarded unchanged and a
 //!   broken plain-text one resumed; [`agentic_resume`] — which of their
 //!   streams are resumed, and the rewrite into their events.
-//! - [`prompt`] — what the handlers share: the prompt's token ids (or an
-//!   estimate), the key's token charge, the session.
+//! - [`prompt`] — what the handlers share: the one preamble after parsing
+//!   (`preamble`: the prompt's token ids, or an estimate, and the key's
+//!   token charge), the session.
 //! - [`limits`] — input limits, each refusal naming its limit.
 //! - [`engine_body`] — what of a body the engine is not told: a client's
 //!   `priority` (its band's instead) and `request_id`.

@@ -279,6 +279,62 @@ impl ChatJob {
     }
 }
 
+/// What a handler has read of a request before its prompt is known: the
+/// model, whether it streams, the body's session, the key, the flow and
+/// what it asks to generate.
+pub(crate) struct Head {
+    pub(crate) model: Option<String>,
+    pub(crate) stream: bool,
+    pub(crate) session: Option<String>,
+    pub(crate) key: Option<ClientKey>,
+    pub(crate) flow: Flow,
+    pub(crate) asked: limits::Asked,
+}
+
+/// Where a request's routing prompt comes from: text or a chat to
+/// tokenize, or ids (or an estimate) the body already gave.
+pub(crate) enum PromptSource {
+    Tokenize(TokenizeJob),
+    Known(PromptIds),
+}
+
+/// A batch's prompts after its first, charged but not routed on: how many,
+/// and their tokens (counted or estimated).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Later {
+    pub(crate) prompts: u64,
+    pub(crate) tokens: u64,
+}
+
+/// The one preamble every handler shares once it has parsed its body: the
+/// prompt tokenized (within the prompt limit, in the tokenizing gate's
+/// turn), its tokens and `later` prompts' charged to the key, and the facts
+/// the placement loop reads.
+pub(crate) async fn preamble(
+    state: &AppState,
+    head: Head,
+    prompt: PromptSource,
+    later: Later,
+) -> Result<Parsed, ApiError> {
+    let prompt = match prompt {
+        PromptSource::Tokenize(job) => {
+            tokenize(state, head.model.as_deref(), job, &head.flow).await?
+        }
+        PromptSource::Known(ids) => ids,
+    };
+    let tokens = (prompt.len() as u64).saturating_add(later.tokens);
+    charge_tokens(state, head.key, tokens, 1 + later.prompts, head.asked)?;
+    Ok(Parsed {
+        model: head.model,
+        stream: head.stream,
+        session: head.session,
+        key: head.key,
+        flow: head.flow,
+        prompt,
+        asked: head.asked,
+    })
+}
+
 /// Charges a request to its key's token limit ([`crate::front::ratelimit`]):
 /// `prompt_tokens` of all its `prompts`, and what it `asked` for each.
 pub(crate) fn charge_tokens(

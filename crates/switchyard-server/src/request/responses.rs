@@ -45,7 +45,7 @@ use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
 use crate::request::context::{App, AppState};
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
-    charge_tokens, request_parts, session_key, tokenize, Parsed, PromptIds, TokenizeJob,
+    preamble, request_parts, session_key, Head, Later, PromptIds, PromptSource, TokenizeJob,
 };
 use crate::response_map::{session_of, Holder, Owner};
 use crate::roster::WorkerInfo;
@@ -92,15 +92,23 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
                 .as_ref()
                 .and_then(|t| serde_json::to_vec(t).ok());
             let bytes = parsed.unrendered_bytes + tools.map_or(0, |t| t.len());
-            PromptIds {
+            PromptSource::Known(PromptIds {
                 unrendered: crate::models::ModelRouting::estimated_tokens(bytes),
                 ..PromptIds::of_ids(Vec::new())
-            }
+            })
         } else {
             let job = TokenizeJob::chat(parsed.messages, parsed.tools, parsed.unrendered_bytes)?;
-            tokenize(&state, parsed.model.as_deref(), job, &flow).await?
+            PromptSource::Tokenize(job)
         };
-        charge_tokens(&state, key, prompt.len() as u64, 1, asked)?;
+        let head = Head {
+            model: parsed.model,
+            stream: parsed.stream,
+            session: None,
+            key,
+            flow,
+            asked,
+        };
+        let facts = preamble(&state, head, prompt, Later::default()).await?;
         let delivery = AgenticDelivery {
             api: AgenticApi::Responses,
             remember: parsed.store.then(|| Remember {
@@ -110,15 +118,6 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
                 owner,
             }),
             state: state.agentic.clone(),
-        };
-        let facts = Parsed {
-            model: parsed.model,
-            stream: parsed.stream,
-            session: None,
-            key,
-            flow,
-            prompt,
-            asked,
         };
         let route = AgenticRoute {
             delivery: Arc::new(delivery),
