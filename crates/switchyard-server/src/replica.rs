@@ -434,8 +434,8 @@ mod tests {
         })
         .await;
         assert_eq!(maps[2].len(), 4);
-        let dropped = maps[2].drops(crate::response_map::Drop::Capacity)
-            + maps[2].drops(crate::response_map::Drop::KeyCapacity);
+        let dropped = maps[2].drops(crate::response_map::Forgotten::Capacity)
+            + maps[2].drops(crate::response_map::Forgotten::KeyCapacity);
         assert!(dropped >= 7, "{dropped}");
         plane_a.shutdown().await;
         plane_b.shutdown().await;

@@ -22,9 +22,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use switchyard_core::admission::responses::ResponseAffinity;
 
-pub use switchyard_core::admission::responses::{
-    session_of, Forgotten as Drop, Holder, Inserted, Owner,
-};
+pub use switchyard_core::admission::responses::{session_of, Forgotten, Holder, Inserted, Owner};
 
 /// Default `--max-stored-responses`.
 pub const DEFAULT_CAPACITY: usize = 100_000;
@@ -65,7 +63,7 @@ impl ResponseMap {
     pub fn new(capacity: usize, per_key: usize, ttl: Duration) -> Self {
         let drops = Family::<DropLabels, Counter>::default();
         // One statement each: a family's guard lives to the statement's end.
-        let dropped = Drop::ALL.map(|why| {
+        let dropped = Forgotten::ALL.map(|why| {
             drops
                 .get_or_create(&DropLabels {
                     reason: why.label(),
@@ -109,7 +107,7 @@ impl ResponseMap {
     fn with<T>(&self, f: impl FnOnce(&mut ResponseAffinity) -> T) -> T {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let out = f(&mut inner.table);
-        for why in Drop::ALL {
+        for why in Forgotten::ALL {
             let now = inner.table.drops(why);
             self.dropped[why as usize].inc_by(now - inner.counted[why as usize]);
             inner.counted[why as usize] = now;
@@ -122,7 +120,7 @@ impl ResponseMap {
     }
 
     /// Entries forgotten for `why`.
-    pub fn drops(&self, why: Drop) -> u64 {
+    pub fn drops(&self, why: Forgotten) -> u64 {
         self.dropped[why as usize].get()
     }
 
@@ -187,7 +185,7 @@ mod tests {
             Some(holder(a))
         );
         assert_eq!(map.get("resp_a", a, t + Duration::from_secs(61)), None);
-        assert_eq!(map.drops(Drop::Expired), 1);
+        assert_eq!(map.drops(Forgotten::Expired), 1);
         assert!(map.is_empty());
         assert_eq!(map.entries.get(), 0);
         let mut text = String::new();
