@@ -31,14 +31,14 @@
 //!   subscribers, health rounds; `roster` — the worker table itself;
 //!   `discovery` — live discovery (`--workers-file`, `--workers-dns`).
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
-//!   size, policy, hit rate; `hub` — a model's tokenizer by its Hugging
+//!   size, policy, hit rate; `hf_tokenizer` — a model's tokenizer by its Hugging
 //!   Face id; [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
 //!   [`tokenize_gate`] — slots for tokenizing long prompts, handed out by
 //!   band, then tenant fair share;
 //!   `adapters` — LoRA adapters (a request's load: `request::adapter_load`).
 //! - `replica` — replica sync (`--replica-sync`) over NATS.
 //! - [`metrics`] — the router's counters and histograms, updated without
-//!   allocating; `gauges` — the routing state, snapshotted at scrape time.
+//!   allocating; `metrics_state` — the routing state, snapshotted at scrape time.
 //! - [`response_map`] — stored responses' workers (the core's response
 //!   affinity behind a lock, with its metrics).
 //! - `error` — OpenAI-style errors (why an attempt failed and why a
@@ -54,7 +54,7 @@
 //!
 //! Modules import each other in one direction only: `routes` →
 //! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream` →
-//! `booking`) → `driver` → `roster`, `gauges`, `metrics`.
+//! `booking`) → `driver` → `roster`, `metrics_state`, `metrics`.
 
 mod adapters;
 mod cli;
@@ -64,9 +64,9 @@ pub mod driver;
 mod error;
 mod fleet;
 mod front;
-mod gauges;
-mod hub;
+mod hf_tokenizer;
 pub mod metrics;
+mod metrics_state;
 mod models;
 mod replica;
 pub mod request;

@@ -7,7 +7,7 @@
 //!
 //! [`ServerMetrics::register`] puts the families into the `/metrics`
 //! registry, beside the routing state's gauges (read at scrape time,
-//! [`crate::gauges`]) and the KV-event and replica planes' families.
+//! [`crate::metrics_state`]) and the KV-event and replica planes' families.
 //! Names follow DESIGN.md "Interfaces"; counters are registered without
 //! their `_total` suffix, which the encoder appends.
 
@@ -973,7 +973,7 @@ struct FlowLabels {
 /// Flow control's wait histograms, one per (tenant, band) of the
 /// configuration: a bounded label set, made at startup so the request
 /// path only indexes and observes. The per-(tenant, band) counters are
-/// the core's, read at scrape time ([`crate::gauges::Snapshot`]).
+/// the core's, read at scrape time ([`crate::metrics_state::Snapshot`]).
 #[derive(Debug)]
 pub struct FlowMetrics {
     family: Family<FlowLabels, Histogram, fn() -> Histogram>,

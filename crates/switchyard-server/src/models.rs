@@ -394,16 +394,16 @@ pub(crate) fn worker_block_size(sizes: &FxHashMap<String, u32>, served: &[String
 }
 
 /// A listed model's tokenizer: from its directory, or from the hub cache
-/// (downloaded when `hub` allows it).
+/// (downloaded when `hf_tokenizer` allows it).
 pub(crate) fn load_tokenizer(
     spec: &ModelSpec,
-    hub: &crate::hub::HubOptions,
+    hub: &crate::hf_tokenizer::HubOptions,
     segment_cache_ids: u64,
 ) -> Result<Arc<dyn PromptTokenizer>, String> {
     let dir: PathBuf = match (&spec.tokenizer_dir, &spec.hub_id) {
         (Some(dir), _) => dir.clone(),
         (None, Some(id)) => {
-            crate::hub::tokenizer_dir_from_hub(id, hub).map_err(|e| e.to_string())?
+            crate::hf_tokenizer::tokenizer_dir_from_hub(id, hub).map_err(|e| e.to_string())?
         }
         (None, None) => return Err("no tokenizer_dir or hub_id".into()),
     };

@@ -50,8 +50,8 @@
 mod board;
 mod roster;
 
-use crate::gauges::{RoutingStateCollector, Snapshot, WorkerRow};
 use crate::metrics::{AdmissionDecision, ServerMetrics};
+use crate::metrics_state::{RoutingStateCollector, Snapshot, WorkerRow};
 use crate::roster::{Role, Roster, UnknownModel};
 use prometheus_client::registry::Registry;
 use rustc_hash::FxHashMap;
@@ -760,7 +760,7 @@ impl Driver {
                     .dispatcher
                     .flow_counters()
                     .into_iter()
-                    .map(|s| crate::gauges::FlowRow {
+                    .map(|s| crate::metrics_state::FlowRow {
                         tenant: flows.tenant_name(s.tenant).to_owned(),
                         band: flows.band_name(s.band).to_owned(),
                         waiting: s.waiting,

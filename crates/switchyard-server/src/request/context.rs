@@ -125,7 +125,7 @@ impl AppState {
         registry.register_collector(Box::new(crate::tokenize_gate::TokenizeGateCollector(
             tokenize_gate.clone(),
         )));
-        let hub = crate::hub::HubOptions {
+        let hub = crate::hf_tokenizer::HubOptions {
             allow_download: config.allow_hub_download,
             cache_dir: config.hub_cache_dir.clone(),
         };
