@@ -23,12 +23,14 @@ pub(crate) async fn ensure_loaded(
     let Some(load) = &booking.adapter_load else {
         if let Some(mut rx) = adapters.waiter(booking.worker, adapter) {
             adapters.count_wait();
-            let done =
-                tokio::time::timeout(state.first_token_timeout, rx.wait_for(|v| v.is_some()))
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .and_then(|v| *v);
+            let done = tokio::time::timeout(
+                state.upstream.first_token_timeout,
+                rx.wait_for(|v| v.is_some()),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .and_then(|v| *v);
             if done == Some(false) {
                 return Err(ApiError::bad_gateway(format!(
                     "the LoRA adapter `{adapter}` could not be loaded on {}",
@@ -116,7 +118,7 @@ async fn post(
 ) -> Result<(hyper::StatusCode, String), String> {
     let mut request = hyper::Request::post(format!("{url}{path}"))
         .header(hyper::header::CONTENT_TYPE, "application/json");
-    if let Some(auth) = &state.worker_auth {
+    if let Some(auth) = &state.upstream.worker_auth {
         request = request.header(hyper::header::AUTHORIZATION, auth.clone());
     }
     let request = request
@@ -124,6 +126,7 @@ async fn post(
         .map_err(|_| "cannot build the request".to_owned())?;
     let call = async {
         let response = state
+            .upstream
             .client
             .request(request)
             .await
@@ -138,7 +141,13 @@ async fn post(
     };
     // A load waits for the weights; bounded by the first-token timeout
     // (the request waits for it before its first token).
-    tokio::time::timeout(state.first_token_timeout.max(Duration::from_secs(1)), call)
-        .await
-        .map_err(|_| "no answer in time".to_owned())?
+    tokio::time::timeout(
+        state
+            .upstream
+            .first_token_timeout
+            .max(Duration::from_secs(1)),
+        call,
+    )
+    .await
+    .map_err(|_| "no answer in time".to_owned())?
 }

@@ -266,7 +266,7 @@ async fn first_with<E>(
             }
         }
     };
-    let timeout = attempts.state.first_token_timeout;
+    let timeout = attempts.state.upstream.first_token_timeout;
     let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
         AttemptError::Retry(
             Failure::Timeout,
@@ -285,7 +285,7 @@ pub(crate) async fn buffered(
     attempts: &Attempts,
     response: hyper::Response<Incoming>,
 ) -> Result<Answer, AttemptError> {
-    let limit = attempts.state.max_response_bytes;
+    let limit = attempts.state.upstream.max_response_bytes;
     let (parts, upstream) = response.into_parts();
     match read_whole(upstream, limit).await {
         Ok(body) => Ok(Answer::Buffered(parts, body)),

@@ -287,7 +287,7 @@ impl Attempts {
             switchyard_core::dispatch::request_of(self.client_id),
             self.request(tokens, session),
             pairing,
-            self.state.migration.limit,
+            self.state.upstream.migration.limit,
         )
         .map_err(|e| self.refused(e))
     }
@@ -373,21 +373,21 @@ impl Attempts {
         if let Some(rank) = &booking.endpoint.dp_rank {
             upstream = upstream.header(crate::roster::DP_RANK_HEADER, rank.clone());
         }
-        if let Some(router_id) = &self.state.router_id {
+        if let Some(router_id) = &self.state.upstream.router_id {
             upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
         }
         if let Some(accept) = &self.accept {
             upstream = upstream.header(header::ACCEPT, accept);
         }
         // The router's own credential; the client's is never forwarded.
-        if let Some(auth) = &self.state.worker_auth {
+        if let Some(auth) = &self.state.upstream.worker_auth {
             upstream = upstream.header(header::AUTHORIZATION, auth.clone());
         }
         let upstream = upstream.body(Full::new(body)).map_err(|_| {
             AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
         })?;
-        let timeout = self.state.first_token_timeout;
-        let request = self.state.client.request(upstream);
+        let timeout = self.state.upstream.first_token_timeout;
+        let request = self.state.upstream.client.request(upstream);
         let answered = if streaming {
             tokio::time::timeout(timeout, request).await
         } else {
@@ -437,7 +437,7 @@ impl Attempts {
         resumable: Result<(), &'static str>,
     ) -> Result<Booking, GiveUp> {
         let failed = self.failures.fail(
-            self.state.migration,
+            self.state.upstream.migration,
             AttemptFailure {
                 reason,
                 phase,
@@ -489,7 +489,7 @@ impl Attempts {
     /// The request timeout passed: counted, and the client's error.
     pub(crate) fn timed_out(&self) -> ApiError {
         self.state.driver.metrics().request_timeouts.inc();
-        ApiError::timeout(self.state.request_timeout)
+        ApiError::timeout(self.state.upstream.request_timeout)
     }
 
     /// Moves the request off `failed`'s worker (see [`Booking::migrate`])
@@ -583,7 +583,7 @@ impl Attempts {
         booking: Booking,
         sent_at: tokio::time::Instant,
     ) -> ApiError {
-        let fair = sent_at.elapsed() >= self.state.first_token_timeout;
+        let fair = sent_at.elapsed() >= self.state.upstream.first_token_timeout;
         self.timed_out_on(booking, fair)
     }
 
@@ -604,7 +604,7 @@ impl Attempts {
             parts.headers.remove(name);
         }
         self.state.disclosure().filter_headers(&mut parts.headers);
-        if self.state.worker_header {
+        if self.state.upstream.worker_header {
             if let Some(v) = &booking.endpoint.name_header {
                 parts.headers.insert(WORKER_HEADER, v.clone());
             }

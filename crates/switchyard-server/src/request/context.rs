@@ -24,8 +24,8 @@ pub struct AppState {
     pub driver: Arc<Driver>,
     /// Workers.
     pub fleet: Arc<Fleet>,
-    /// Upstream client.
-    pub client: UpstreamClient,
+    /// How requests go to workers, and their limits there.
+    pub upstream: Upstream,
     /// Each model's tokenizer, block size and policy (`[[models]]`; the
     /// router's own for every other model).
     pub models: Arc<Models>,
@@ -34,15 +34,10 @@ pub struct AppState {
     pub registry: Registry,
     /// Seed of block hashes (no LoRA, no salt).
     pub hash_seed: u64,
-    /// Add `x-switchyard-worker`.
-    pub worker_header: bool,
     /// The credentials checked from request heads.
     pub credentials: Arc<Credentials>,
     /// Whether the admin routes exist (an admin token is configured).
     pub admin_api: bool,
-    /// `Authorization` sent to workers (`--worker-api-key`), marked
-    /// sensitive; the client's own is never forwarded.
-    pub worker_auth: Option<HeaderValue>,
     /// Body limit.
     pub max_body_bytes: usize,
     /// The bytes of bodies held at once, every request's together
@@ -52,16 +47,6 @@ pub struct AppState {
     pub body_read_timeout: Duration,
     /// Limits on what a body holds ([`crate::request::limits`]).
     pub limits: InputLimits,
-    /// Migration limits.
-    pub migration: MigrationPolicy,
-    /// Wait for a worker's headers and first event (and each next event).
-    pub first_token_timeout: Duration,
-    /// A request's total time.
-    pub request_timeout: Duration,
-    /// Largest buffered (non-streaming) response.
-    pub max_response_bytes: usize,
-    /// This replica's id for upstream requests, while replica sync is on.
-    pub router_id: Option<HeaderValue>,
     /// The disaggregated fleet's protocol (`--disagg`), when on.
     pub disagg: Option<crate::config::DisaggMode>,
     /// Counts of disaggregated requests' halves.
@@ -77,6 +62,28 @@ pub struct AppState {
     pub(crate) agentic: Arc<crate::request::agentic_state::AgenticState>,
     /// Slots for tokenizing long prompts, by band and fair share.
     pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
+}
+
+/// What the placement loop and the answer read to send a request to a
+/// worker and bound it there.
+pub struct Upstream {
+    /// The HTTP client to workers.
+    pub client: UpstreamClient,
+    /// `Authorization` sent to workers (`--worker-api-key`), marked
+    /// sensitive; the client's own is never forwarded.
+    pub worker_auth: Option<HeaderValue>,
+    /// This replica's id for upstream requests, while replica sync is on.
+    pub router_id: Option<HeaderValue>,
+    /// Add `x-switchyard-worker` to answers.
+    pub worker_header: bool,
+    /// Wait for a worker's headers and first event (and each next event).
+    pub first_token_timeout: Duration,
+    /// A request's total time.
+    pub request_timeout: Duration,
+    /// Largest buffered (non-streaming) response.
+    pub max_response_bytes: usize,
+    /// Migration limits.
+    pub migration: MigrationPolicy,
 }
 
 impl AppState {
@@ -145,27 +152,29 @@ impl AppState {
         Self {
             driver,
             fleet,
-            client,
+            upstream: Upstream {
+                client,
+                worker_auth: worker_authorization(config),
+                router_id,
+                worker_header: config.names_workers(),
+                first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
+                request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
+                max_response_bytes: config.max_response_bytes,
+                migration: MigrationPolicy {
+                    limit: config.migration_limit,
+                    max_seq_len: config.migration_max_seq_len,
+                    max_workers: config.max_attempt_workers,
+                },
+            },
             models,
             registry,
             hash_seed: switchyard_core::hashing::seed_for(None, None),
-            worker_header: config.names_workers(),
             credentials,
             admin_api: config.admin_token.is_some(),
-            worker_auth: worker_authorization(config),
             max_body_bytes: config.max_body_bytes,
             body_budget,
             body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
             limits: InputLimits::new(config),
-            migration: MigrationPolicy {
-                limit: config.migration_limit,
-                max_seq_len: config.migration_max_seq_len,
-                max_workers: config.max_attempt_workers,
-            },
-            first_token_timeout: Duration::from_secs_f64(config.first_token_timeout_secs),
-            request_timeout: Duration::from_secs_f64(config.request_timeout_secs),
-            max_response_bytes: config.max_response_bytes,
-            router_id,
             disagg: config.disagg,
             disagg_metrics,
             flow_metrics,

@@ -251,7 +251,7 @@ pub(crate) async fn serve(
 ) -> Result<Response, ApiError> {
     let metrics = state.disagg_metrics.clone();
     metrics.requests.inc();
-    let deadline = tokio::time::Instant::from_std(request.arrival) + state.request_timeout;
+    let deadline = tokio::time::Instant::from_std(request.arrival) + state.upstream.request_timeout;
     let split = Split {
         id: state.driver.next_request_id(),
         state: state.clone(),

@@ -262,7 +262,7 @@ async fn proxy_as(
         }
     }
     let request_id = state.driver.next_request_id();
-    let deadline = tokio::time::Instant::from_std(arrival) + state.request_timeout;
+    let deadline = tokio::time::Instant::from_std(arrival) + state.upstream.request_timeout;
     let attempts = Attempts::new(
         state.clone(),
         request_id,

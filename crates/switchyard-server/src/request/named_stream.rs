@@ -159,7 +159,7 @@ impl NamedStream {
 
     /// The bytes to send next, and whether they end the response.
     async fn next_bytes(&mut self) -> (Bytes, bool) {
-        let idle = self.attempts.state.first_token_timeout;
+        let idle = self.attempts.state.upstream.first_token_timeout;
         loop {
             let event = match self.read(idle).await {
                 Ok(event) => event,
@@ -361,7 +361,7 @@ impl PacedStream for NamedStream {
     /// The API's error event; the worker's request is cancelled and the
     /// booking dropped with the stream.
     fn time_out(mut self) -> Bytes {
-        let error = ApiError::timeout(self.attempts.state.request_timeout);
+        let error = ApiError::timeout(self.attempts.state.upstream.request_timeout);
         let bytes = self
             .agentic
             .error_event(&error.body().error.message, self.resume_sequence());

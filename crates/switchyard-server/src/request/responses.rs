@@ -220,7 +220,7 @@ async fn locate_waiting(
             .get(id, owner, Instant::now())
             .is_some()
     };
-    if state.router_id.is_some() && !known() {
+    if state.upstream.router_id.is_some() && !known() {
         let until = tokio::time::Instant::now() + PEER_GRACE;
         while tokio::time::Instant::now() < until {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
@@ -321,15 +321,19 @@ pub(crate) async fn direct(
             HeaderValue::from_static("application/json"),
         );
     }
-    if let Some(auth) = &state.worker_auth {
+    if let Some(auth) = &state.upstream.worker_auth {
         request = request.header(header::AUTHORIZATION, auth.clone());
     }
     let request = request
         .body(Full::new(body))
         .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
-    let sent = tokio::time::timeout(state.request_timeout, state.client.request(request)).await;
+    let sent = tokio::time::timeout(
+        state.upstream.request_timeout,
+        state.upstream.client.request(request),
+    )
+    .await;
     let response = match sent {
-        Err(_) => return Err(ApiError::timeout(state.request_timeout)),
+        Err(_) => return Err(ApiError::timeout(state.upstream.request_timeout)),
         Ok(Err(_)) => {
             return Err(ApiError::bad_gateway(format!(
                 "{} did not answer",
@@ -339,7 +343,7 @@ pub(crate) async fn direct(
         Ok(Ok(response)) => response,
     };
     let (parts, upstream) = response.into_parts();
-    let limit = state.max_response_bytes;
+    let limit = state.upstream.max_response_bytes;
     let bytes = read_whole(upstream, limit).await.map_err(|e| match e {
         ReadError::TooLarge => ApiError::bad_gateway(format!(
             "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
@@ -354,7 +358,7 @@ pub(crate) async fn direct(
     if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
         out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
     }
-    if state.worker_header {
+    if state.upstream.worker_header {
         if let Some(v) = &worker.endpoint.name_header {
             out.headers_mut()
                 .insert(crate::request::context::WORKER_HEADER, v.clone());

@@ -190,7 +190,7 @@ impl MigratingStream {
     }
 
     async fn next_event(&mut self) -> Option<Bytes> {
-        let idle = self.attempts.state.first_token_timeout;
+        let idle = self.attempts.state.upstream.first_token_timeout;
         loop {
             let event = match self.read(idle).await {
                 Ok(event) => event,
@@ -395,7 +395,7 @@ impl PacedStream for MigratingStream {
     }
 
     fn time_out(mut self) -> Bytes {
-        let error = ApiError::timeout(self.attempts.state.request_timeout);
+        let error = ApiError::timeout(self.attempts.state.upstream.request_timeout);
         // Ending drops the leg: the worker's request is cancelled and the
         // booking freed, now, whether or not the client reads.
         self.end_with(RequestStatus::Unavailable, error_event(&error))
@@ -418,7 +418,7 @@ impl Drop for MigratingStream {
 /// The progress of a stream whose prompt has `prompt_len` tokens, bounded
 /// by the migration sequence limit: what any resumable stream keeps.
 pub(crate) fn bounded_progress(attempts: &Attempts, prompt_len: usize) -> Progress {
-    let limits = attempts.state.migration;
+    let limits = attempts.state.upstream.migration;
     let text_cap = limits
         .max_seq_len
         .saturating_mul(TEXT_BYTES_PER_TOKEN)
