@@ -585,15 +585,16 @@ pub fn sim_worker_disagg_args(disagg: &DisaggConfig) -> anyhow::Result<Vec<Strin
 /// way.
 pub fn estimator_args(estimator: &EstimatorConfig) -> Vec<String> {
     let [a, b, c] = estimator.prefill_curve;
+    // `FLAG=VALUE`: a calibrated curve may open with a negative
+    // coefficient, which as a separate argument would read as a flag.
     let mut args = vec![
-        "--prefill-curve".to_owned(),
-        format!("{a:e},{b:e},{c:e}"),
-        "--prefill-speedup".to_owned(),
-        estimator.speedup.to_string(),
-        "--prefill-chunk-tokens".to_owned(),
-        estimator.chunk_tokens.to_string(),
-        "--restore-ms-per-token".to_owned(),
-        format!("{:e}", estimator.restore_ms_per_token),
+        format!("--prefill-curve={a:e},{b:e},{c:e}"),
+        format!("--prefill-speedup={}", estimator.speedup),
+        format!("--prefill-chunk-tokens={}", estimator.chunk_tokens),
+        format!(
+            "--restore-ms-per-token={:e}",
+            estimator.restore_ms_per_token
+        ),
     ];
     if !estimator.online {
         args.push("--no-prefill-fit".to_owned());
@@ -1132,6 +1133,14 @@ mod tests {
                 Serve::try_parse_from(std::iter::once("serve".to_owned()).chain(flags)).unwrap();
             assert_eq!(serve.args.to_config().unwrap().estimator, expected);
         }
+        // A calibrated curve can bend down (vLLM's CPU build gave
+        // -1.3e-6·T² + 2.9e-2·T + 19.0): its flags parse all the same.
+        let mut bent = twin_fleet(&args(&[])).unwrap().dispatcher(0).estimator;
+        bent.prefill_curve = [-1.3061e-6, 2.879e-2, 19.027];
+        let serve =
+            Serve::try_parse_from(std::iter::once("serve".to_owned()).chain(estimator_args(&bent)))
+                .unwrap();
+        assert_eq!(serve.args.to_config().unwrap().estimator, bent);
     }
 
     /// One truth for the engine settings: the flags handed to each
