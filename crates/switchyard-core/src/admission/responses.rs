@@ -356,6 +356,61 @@ impl ResponseAffinity {
     }
 }
 
+/// Where the worker holding a stored response stands in the fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// In selection: it may take the request.
+    InSelection,
+    /// In the fleet but out of selection (unhealthy, or down).
+    OutOfSelection,
+    /// No longer in the fleet.
+    Gone,
+}
+
+/// Where a request that continues (or reads) stored response `id` may go:
+/// the one decision `serve` answers with (a 404, 410 or 503 for the last
+/// three) and the simulator's Responses chains replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Located {
+    /// To the holder's worker, and no other.
+    At(Holder),
+    /// Not known for this caller (never seen, forgotten, or another
+    /// owner's).
+    Unknown,
+    /// Its worker has left the fleet.
+    WorkerGone(Holder),
+    /// Its worker is out of selection for now.
+    WorkerOutOfSelection(Holder),
+}
+
+impl ResponseAffinity {
+    /// [`ResponseAffinity::get`], then where the holder's worker stands
+    /// (`standing`, asked only of a known holder).
+    pub fn locate(
+        &mut self,
+        id: &str,
+        caller: Option<Owner>,
+        now_ms: f64,
+        standing: impl FnOnce(WorkerId) -> Standing,
+    ) -> Located {
+        located(self.get(id, caller, now_ms), standing)
+    }
+}
+
+/// The decision of [`ResponseAffinity::locate`] for a holder already
+/// looked up (a driver that must not ask about workers while it holds the
+/// table's lock).
+pub fn located(holder: Option<Holder>, standing: impl FnOnce(WorkerId) -> Standing) -> Located {
+    let Some(holder) = holder else {
+        return Located::Unknown;
+    };
+    match standing(holder.worker) {
+        Standing::InSelection => Located::At(holder),
+        Standing::OutOfSelection => Located::WorkerOutOfSelection(holder),
+        Standing::Gone => Located::WorkerGone(holder),
+    }
+}
+
 /// The session of the turn that continues response `previous` held as
 /// `holder` (the caller's own: [`ResponseAffinity::get`] gives no other): the
 /// chain's session, or (a chain begun without one) a session named after

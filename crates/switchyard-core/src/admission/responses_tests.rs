@@ -248,3 +248,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_continued_response_goes_to_its_worker_unless_it_is_unknown_gone_or_out_of_selection() {
+    let mut map = map(10, 10);
+    map.insert("resp_a", holder(1, A), 0.0);
+    let at = |standing| {
+        move |w: WorkerId| {
+            assert_eq!(w, WorkerId::new(1), "asked of the holder's worker");
+            standing
+        }
+    };
+    let h = holder(1, A);
+    assert_eq!(
+        map.locate("resp_a", A, 0.0, at(Standing::InSelection)),
+        Located::At(h)
+    );
+    assert_eq!(
+        map.locate("resp_a", A, 0.0, at(Standing::OutOfSelection)),
+        Located::WorkerOutOfSelection(h)
+    );
+    assert_eq!(
+        map.locate("resp_a", A, 0.0, at(Standing::Gone)),
+        Located::WorkerGone(h)
+    );
+    // Another owner's is unknown, and its worker is never asked about.
+    let never = |_| -> Standing { panic!("asked about an unknown response's worker") };
+    assert_eq!(map.locate("resp_a", B, 0.0, never), Located::Unknown);
+    assert_eq!(map.locate("resp_b", A, 0.0, never), Located::Unknown);
+}

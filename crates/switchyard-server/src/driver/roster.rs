@@ -259,6 +259,11 @@ impl Driver {
         }
     }
 
+    /// One worker's row, if it is in the fleet.
+    pub fn worker(&self, id: WorkerId) -> Option<WorkerInfo> {
+        self.lock().roster.get(id).cloned()
+    }
+
     /// Snapshot of the worker table, sorted by name.
     pub fn workers(&self) -> Vec<WorkerInfo> {
         self.lock().roster.sorted().into_iter().cloned().collect()

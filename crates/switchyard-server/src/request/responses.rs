@@ -56,6 +56,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use std::sync::Arc;
 use std::time::Instant;
+use switchyard_core::admission::responses::{located, Located, Standing};
 use switchyard_wire::agentic::MAX_RESPONSE_ID_BYTES;
 
 pub(crate) const PATH: &str = "/v1/responses";
@@ -70,7 +71,7 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
         let owner = caller(&state, key);
         let (pinned, session) = match &parsed.previous_response_id {
             Some(previous) => {
-                let holder =
+                let (holder, _) =
                     locate_waiting(&state, previous, owner, "previous_response_id").await?;
                 let namespace = key.and_then(|k| state.credentials.key_name(k));
                 let chain = session_of(previous, &holder, namespace);
@@ -175,8 +176,7 @@ async fn stored(
                 None,
             ));
         }
-        let holder = locate_waiting(&state, &id, owner, "response_id").await?;
-        let worker = in_fleet(&state, &holder, &id, "response_id")?;
+        let (_, worker) = locate_waiting(&state, &id, owner, "response_id").await?;
         direct(
             &state,
             &worker,
@@ -212,7 +212,7 @@ async fn locate_waiting(
     id: &str,
     owner: Option<Owner>,
     param: &'static str,
-) -> Result<Holder, ApiError> {
+) -> Result<(Holder, WorkerInfo), ApiError> {
     let known = || {
         state
             .agentic
@@ -232,56 +232,54 @@ async fn locate_waiting(
     locate(state, id, owner, param)
 }
 
-/// Where response `id` of `owner` is stored: a 404 when the router does
-/// not know it for that owner (another's is not there for it), a 410 when
-/// its worker has left the fleet, a 503 while its worker is out of
-/// selection (unhealthy).
+/// Where response `id` of `owner` is stored, and its worker: the core's
+/// decision ([`located`]) answered as a 404 when the router does not know
+/// it for that owner (another's is not there for it), a 410 when its
+/// worker has left the fleet, a 503 while its worker is out of selection
+/// (unhealthy).
 fn locate(
     state: &AppState,
     id: &str,
     owner: Option<Owner>,
     param: &'static str,
-) -> Result<Holder, ApiError> {
-    let holder = state
-        .agentic
-        .responses
-        .get(id, owner, Instant::now())
-        .ok_or_else(|| {
-            ApiError::not_found(
-                format!(
-                    "response {id:?} is not known to the router: it was not answered through it, or it was forgotten (--max-stored-responses, --stored-response-ttl-secs)"
-                ),
-                Some(param),
-            )
-        })?;
-    in_fleet(state, &holder, id, param)?;
-    Ok(holder)
-}
-
-fn in_fleet(
-    state: &AppState,
-    holder: &Holder,
-    id: &str,
-    param: &'static str,
-) -> Result<WorkerInfo, ApiError> {
-    let worker = state
-        .driver
-        .workers()
-        .into_iter()
-        .find(|w| w.id == holder.worker)
-        .ok_or_else(|| {
-            ApiError::gone(
-                format!("response {id:?} was stored by a worker that has left the fleet"),
-                Some(param),
-            )
-        })?;
-    if !worker.in_router {
-        return Err(ApiError::no_workers(format!(
-            "response {id:?} is stored by {}, which is out of selection (unhealthy); retry later",
-            state.disclosure().worker(&worker.name)
-        )));
+) -> Result<(Holder, WorkerInfo), ApiError> {
+    let holder = state.agentic.responses.get(id, owner, Instant::now());
+    let mut row = None;
+    let decision = located(holder, |w| match state.driver.worker(w) {
+        None => Standing::Gone,
+        Some(info) => {
+            let in_selection = info.in_router;
+            row = Some(info);
+            if in_selection {
+                Standing::InSelection
+            } else {
+                Standing::OutOfSelection
+            }
+        }
+    });
+    let gone = || {
+        ApiError::gone(
+            format!("response {id:?} was stored by a worker that has left the fleet"),
+            Some(param),
+        )
+    };
+    match decision {
+        Located::At(holder) => row.map(|worker| (holder, worker)).ok_or_else(gone),
+        Located::Unknown => Err(ApiError::not_found(
+            format!(
+                "response {id:?} is not known to the router: it was not answered through it, or it was forgotten (--max-stored-responses, --stored-response-ttl-secs)"
+            ),
+            Some(param),
+        )),
+        Located::WorkerGone(_) => Err(gone()),
+        Located::WorkerOutOfSelection(_) => {
+            let name = row.map(|w| w.name).unwrap_or_default();
+            Err(ApiError::no_workers(format!(
+                "response {id:?} is stored by {}, which is out of selection (unhealthy); retry later",
+                state.disclosure().worker(&name)
+            )))
+        }
     }
-    Ok(worker)
 }
 
 /// A worker in selection that serves `model` (for a request that books

@@ -6,7 +6,7 @@
 //! with replica sync so do its peers.
 
 use super::Simulation;
-use switchyard_core::admission::responses::{Holder, ResponseAffinity};
+use switchyard_core::admission::responses::{Holder, Located, ResponseAffinity, Standing};
 use switchyard_core::admission::SessionKey;
 use switchyard_core::Eligible;
 
@@ -53,10 +53,24 @@ impl Simulation {
         }
         let previous = response_id(session, turn - 1);
         let now = self.now;
-        let holder = self.replicas[replica].responses.get(&previous, None, now)?;
-        // A worker that failed since lost what it stored: the turn ends at
-        // once, as a restarted engine answers an unknown response id.
-        let engine = *self.by_worker_id.get(&holder.worker)?;
+        let (workers, by_worker_id) = (&self.workers, &self.by_worker_id);
+        let standing = |w| match by_worker_id.get(&w) {
+            None => Standing::Gone,
+            Some(&engine) if workers[engine].down => Standing::OutOfSelection,
+            Some(_) => Standing::InSelection,
+        };
+        // The router's decision, as `serve` takes it (its 404, 410 and 503
+        // end the turn here too).
+        let Located::At(holder) = self.replicas[replica]
+            .responses
+            .locate(&previous, None, now, standing)
+        else {
+            return None;
+        };
+        // A worker that failed and restarted since lost what it stored: the
+        // turn ends at once, as a restarted engine answers an unknown
+        // response id.
+        let engine = self.by_worker_id[&holder.worker];
         let stored_epoch = self.chain_epochs.get(&session).copied();
         (stored_epoch == Some(self.workers[engine].epoch)).then(|| Eligible::one(holder.worker))
     }
