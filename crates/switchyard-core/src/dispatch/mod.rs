@@ -676,7 +676,7 @@ impl Dispatcher {
     /// request at once, before any other request in the same poll, on a
     /// worker it may go to (eligible, not excluded, still in the router,
     /// selectable and not busy), and no booking since put more of its
-    /// prompt in flight on another worker
+    /// prompt in flight on any worker
     /// ([`crate::router::Router::missed_active_prefix`]), the proposal is
     /// the decision; otherwise the
     /// request is routed here as any other (counted in
@@ -1300,8 +1300,8 @@ impl Dispatcher {
             // A route made outside the lock is this request's decision
             // when nothing was placed before it in this poll, its worker
             // may still take it, and no booking it could not see put more
-            // of its prompt in flight on another worker (a fan-out's
-            // siblings, routed at once).
+            // of its prompt in flight on any worker (a fan-out's siblings,
+            // routed at once).
             let proposed = match proposal {
                 Some((for_id, p))
                     if first
@@ -1310,11 +1310,8 @@ impl Dispatcher {
                         && request.excluded.is_empty()
                         && eligible.is_none_or(|e| e.contains(&p.decision.worker))
                         && router.may_take_with(p.decision.worker, now_ms, headroom)
-                        && !router.missed_active_prefix(
-                            p.decision.worker,
-                            p.decision.overlap_blocks,
-                            &request.blocks,
-                        ) =>
+                        && !router
+                            .missed_active_prefix(p.decision.overlap_blocks, &request.blocks) =>
                 {
                     Some(*p)
                 }

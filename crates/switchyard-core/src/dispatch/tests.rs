@@ -987,7 +987,7 @@ fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
     let (_, fx) = d
         .submit_proposed(
             RequestId(3),
-            fan_out(3, 64).pop().unwrap(),
+            fan_out(4, 64).pop().unwrap(),
             Some(proposal(first, 64)),
             0.0,
         )
@@ -996,6 +996,31 @@ fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
         (fx.counts.proposals_used, fx.counts.proposals_rerouted),
         (1, 0)
     );
+    // One for that worker made before the prefix was in flight there
+    // (seen: nothing) is routed again: booked with the prefix uncached, it
+    // would count the prefix's prefill twice in that worker's queue.
+    let backlog = |d: &Dispatcher| {
+        let load = d.router().sequences().registry().load(first).unwrap();
+        load.active_prefill_tokens(0.0)
+    };
+    let before = backlog(&d);
+    let (_, fx) = d
+        .submit_proposed(
+            RequestId(4),
+            fan_out(5, 64).pop().unwrap(),
+            Some(proposal(first, 0)),
+            0.0,
+        )
+        .unwrap();
+    assert_eq!(
+        (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
+        (first, 64)
+    );
+    assert_eq!(
+        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
+        (0, 1)
+    );
+    assert_eq!(backlog(&d) - before, 32, "only its own suffix is new");
 }
 
 #[test]

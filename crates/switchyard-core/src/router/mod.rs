@@ -559,26 +559,25 @@ impl Router {
     }
 
     /// Whether a route made outside the lock for a prompt of `blocks`
-    /// missed a booking made since: another worker now has more of the
-    /// prompt's leading blocks active than the chosen one had, cached or
-    /// active, when the route read the board (`seen`: the proposal's
-    /// [`Decision::overlap_blocks`]). A burst of requests sharing a fresh
-    /// prefix arrives at once, so its routes read the board before the
-    /// first of them is booked; each is routed again under the lock, where
-    /// the bookings are current (the `ttft` policy's fan-out). One lookup
-    /// per worker unless some worker holds the prompt's first block.
-    pub fn missed_active_prefix(
-        &mut self,
-        worker: WorkerId,
-        seen: u32,
-        blocks: &[crate::types::LocalHash],
-    ) -> bool {
-        let own = self.sequences.slot_of(worker);
+    /// missed a booking made since: some worker now has more of the
+    /// prompt's leading blocks active than the route counted on the one it
+    /// chose, cached or active, when it read the board (`seen`: the
+    /// proposal's [`Decision::overlap_blocks`]). A burst of requests
+    /// sharing a fresh prefix arrives at once, so its routes read the
+    /// board before the first of them is booked; each is routed again
+    /// under the lock, where the bookings are current (the `ttft` policy's
+    /// fan-out). The chosen worker counts too: a sibling booked there with
+    /// the prefix it did not see would count the prefix's prefill twice in
+    /// that worker's queue, and the burst's later siblings would find the
+    /// worker that computes the prefix dearer than one that has nothing.
+    /// One lookup per worker unless some worker holds the prompt's first
+    /// block.
+    pub fn missed_active_prefix(&mut self, seen: u32, blocks: &[crate::types::LocalHash]) -> bool {
         let mut missed = false;
         self.scratch.chain_for_depths(|chain| {
             self.sequences
-                .active_prompt_depths(blocks, chain, |slot, depth| {
-                    missed |= Some(slot) != own && depth > seen;
+                .active_prompt_depths(blocks, chain, |_, depth| {
+                    missed |= depth > seen;
                 });
         });
         missed
