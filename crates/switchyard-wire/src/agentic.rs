@@ -47,6 +47,25 @@ use std::marker::PhantomData;
 /// 32 hex digits).
 pub use switchyard_core::admission::responses::MAX_RESPONSE_ID_BYTES;
 
+/// Which of the agentic APIs a request came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AgenticApi {
+    /// OpenAI's Responses API.
+    Responses,
+    /// Anthropic's Messages API.
+    Messages,
+}
+
+impl AgenticApi {
+    /// Its name in metric labels and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            AgenticApi::Responses => "responses",
+            AgenticApi::Messages => "messages",
+        }
+    }
+}
+
 /// The body of `/v1/responses`, as far as routing reads it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResponsesRequest {

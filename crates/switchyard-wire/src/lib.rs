@@ -15,6 +15,11 @@
 //!   read as their equivalent chat conversation, and their error bodies;
 //!   [`agentic_events`] — their stream events, written (by the simulated
 //!   worker and by the router's resumed streams alike).
+//! - [`body_fields`] — a request body's top-level fields without a JSON
+//!   tree, for rewriting a few of them; [`resume`] — the bodies of a
+//!   stream resumed on another worker: which requests may be resumed, the
+//!   token-id completion that resumes them, and (Responses, Messages) the
+//!   resumed chunks rewritten into the API's events.
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -45,10 +50,12 @@
 
 pub mod agentic;
 pub mod agentic_events;
+pub mod body_fields;
 pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;
 pub mod openai;
 pub mod prometheus;
 pub mod replica;
+pub mod resume;
 pub mod sse;

@@ -14,7 +14,7 @@
 //! - a broken stream of plain text resumed on another worker, its
 //!   completion chunks rewritten into the API's events, and anything else
 //!   ended with the API's error event saying why
-//!   ([`crate::request::agentic_resume`]).
+//!   ([`switchyard_wire::resume::agentic`]).
 //!
 //! Before the first event any request of either API is retried on another
 //! worker as chat requests are, except a Responses turn that continues a

@@ -11,25 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
-
-/// Which of the agentic APIs a request came through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum AgenticApi {
-    /// OpenAI's Responses API.
-    Responses,
-    /// Anthropic's Messages API.
-    Messages,
-}
-
-impl AgenticApi {
-    /// Its `api` label.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            AgenticApi::Responses => "responses",
-            AgenticApi::Messages => "messages",
-        }
-    }
-}
+pub(crate) use switchyard_wire::agentic::AgenticApi;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ApiLabels {

@@ -11,7 +11,6 @@ use crate::request::agentic::{AgenticDelivery, EventKind};
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::booking::Booking;
 use crate::request::context::MAX_EVENT_BYTES;
-use crate::request::migration::Failure;
 use crate::request::named_stream::NamedStart;
 use crate::request::stream::{MigratingStream, StreamStart};
 use axum::body::Body;
@@ -22,6 +21,7 @@ use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Instant;
+use switchyard_core::dispatch::failure::Failure;
 use switchyard_wire::openai::{completion_tokens, Api};
 use switchyard_wire::sse::{classify_ref, ChunkRef, Event, NamedEvent, SseError, SseParser};
 

@@ -5,12 +5,12 @@ use crate::driver::Driver;
 use crate::fleet::{Fleet, UpstreamClient};
 use crate::front::auth::Credentials;
 use crate::models::Models;
-use crate::request::migration::MigrationPolicy;
 use crate::tokenize::PromptTokenizer;
 use axum::http::HeaderValue;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
+use switchyard_core::dispatch::failure::MigrationPolicy;
 
 /// Largest single SSE event the router accepts from a worker.
 pub(crate) const MAX_EVENT_BYTES: usize = 256 * 1024;

@@ -44,10 +44,8 @@ use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
 use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
-use crate::request::body_fields::Fields;
 use crate::request::booking::{Booking, WaitHandle};
 use crate::request::context::App;
-use crate::request::migration::Failure;
 use crate::roster::Role;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -55,8 +53,10 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use switchyard_core::admission::SessionKey;
+use switchyard_core::dispatch::failure::Failure;
 use switchyard_core::dispatch::{prefill_half, recovery, Half, HalfFailure, Pairing, SplitError};
 use switchyard_core::RequestId;
+use switchyard_wire::body_fields::Fields;
 
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
@@ -72,7 +72,7 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 // ---- Bodies ---------------------------------------------------------------
 
 /// The client's body by field, without a JSON tree
-/// ([`crate::request::body_fields`]): a 32 MiB prompt costs a slice, not a value per
+/// ([`switchyard_wire::body_fields`]): a 32 MiB prompt costs a slice, not a value per
 /// token id.
 fn object(body: &[u8]) -> Result<Fields<'_>, ApiError> {
     Fields::parse(body)
@@ -147,7 +147,7 @@ pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Box<RawValue>>, St
     let Some(params) = answer.get("kv_transfer_params") else {
         return Ok(None);
     };
-    if !crate::request::body_fields::is_object(params) {
+    if !switchyard_wire::body_fields::is_object(params) {
         return Err("the prefill answer's kv_transfer_params is not an object".into());
     }
     let size = params.get().len();

@@ -17,12 +17,12 @@
 //! mapped, is forwarded as the same buffer (one `memchr` scan for each
 //! name); only a body that names one (anywhere: a top-level check needs
 //! a parse) is read into its top-level fields and written again
-//! ([`super::body_fields::Fields`], no JSON tree).
+//! ([`switchyard_wire::body_fields::Fields`], no JSON tree).
 
 use crate::error::ApiError;
-use crate::request::body_fields::Fields;
 use bytes::Bytes;
 use memchr::memmem;
+use switchyard_wire::body_fields::Fields;
 
 /// The body's `priority` field.
 const PRIORITY: &str = "priority";

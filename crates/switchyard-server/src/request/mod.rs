@@ -6,9 +6,10 @@
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
 //!   equivalent chat, then the chat path; [`agentic`] — what the two
-//!   share; [`agentic_state`] — their state in [`context::AppState`]; [`named_stream`] — their streams, forwarded unchanged and a
-//!   broken plain-text one resumed; [`agentic_resume`] — which of their
-//!   streams are resumed, and the rewrite into their events.
+//!   share; [`agentic_state`] — their state in [`context::AppState`];
+//!   [`named_stream`] — their streams, forwarded unchanged and a broken
+//!   plain-text one resumed (which of them, and the rewrite into their
+//!   events: `switchyard_wire::resume::agentic`).
 //! - [`prompt`] — what the handlers share: the one preamble after parsing
 //!   (`preamble`: the prompt's token ids, or an estimate, and the key's
 //!   token charge), the session.
@@ -27,19 +28,16 @@
 //!   [`disclosure`] — what of a worker a client learns (its name in
 //!   errors, its headers).
 //! - [`stream`] — the streaming body: forwards events and resumes a broken
-//!   stream on another worker.
-//! - [`migration`] — a failed request's body judged for migration: can it
-//!   resume, and the resume request (the decision itself is the core's
-//!   `dispatch::failure`); [`body_fields`] — a body's top-level fields
-//!   without a JSON tree, for the resume and the disaggregated halves.
+//!   stream on another worker (what a failure becomes is the core's
+//!   `dispatch::failure`; the bodies — can it resume, the resume request,
+//!   a body's fields without a JSON tree — are the wire crate's
+//!   `resume` and `body_fields`).
 
 pub(crate) mod adapter_load;
 pub(crate) mod agentic;
-pub(crate) mod agentic_resume;
 pub(crate) mod agentic_state;
 pub(crate) mod answer;
 pub(crate) mod attempt;
-pub mod body_fields;
 pub mod booking;
 pub(crate) mod context;
 pub(crate) mod disagg;
@@ -49,7 +47,6 @@ pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;
 pub(crate) mod messages;
-pub mod migration;
 pub(crate) mod named_stream;
 pub(crate) mod prompt;
 pub(crate) mod responses;

@@ -16,9 +16,9 @@
 //! event) is reported against the worker; a plain text stream is then
 //! resumed on another worker as chat streams are
 //! ([`crate::request::stream::move_stream`]), its completion chunks
-//! rewritten into the API's events ([`crate::request::agentic_resume`]),
+//! rewritten into the API's events ([`switchyard_wire::resume::agentic`]),
 //! and any other ends with an error event in the API's own shape saying
-//! why it could not move ([`crate::request::agentic_resume::resumable`]).
+//! why it could not move ([`switchyard_wire::resume::agentic::resumable`]).
 //! Per stream the router holds one incomplete event (at most
 //! [`crate::request::context::MAX_EVENT_BYTES`] plus one frame), the
 //! event being forwarded, the generated tokens as a chat stream does
@@ -28,18 +28,18 @@
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::agentic::{AgenticDelivery, EventKind};
-use crate::request::agentic_resume::{self, Resume};
 use crate::request::attempt::Attempts;
-use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
 use crate::request::context::MAX_EVENT_BYTES;
-use crate::request::migration::{Failure, Progress};
 use crate::request::stream::{move_stream, Moved, PacedStream};
 use axum::body::Body;
 use bytes::Bytes;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use switchyard_core::dispatch::failure::{Failure, Progress};
+use switchyard_wire::body_fields::Fields;
+use switchyard_wire::resume::agentic::{self as agentic_resume, Resume};
 use switchyard_wire::sse::{classify_ref, ChunkRef, NamedEvent, SseParser};
 
 /// What the proxy hands over once the first event has arrived.

@@ -21,11 +21,11 @@
 //! Events of the first worker are forwarded byte for byte (only whole
 //! events: a half event at a break is dropped). After a break the request
 //! is re-issued as `/v1/completions` with the prompt plus the generated
-//! ids ([`crate::request::migration::resume_body`]), and the new worker's chunks are
+//! ids ([`switchyard_wire::resume::resume_body`]), and the new worker's chunks are
 //! rewritten into the original shape ([`StreamShape::rewrite`]). The client
 //! sees one stream with one `[DONE]`, or an error event and the end when
 //! the request cannot move (limit, length, no worker, a request the
-//! resume cannot reproduce — [`crate::request::migration::resumable`] —, the
+//! resume cannot reproduce — [`switchyard_wire::resume::resumable`] —, the
 //! request timeout).
 //!
 //! The migration loop itself ([`move_stream`]) is shared with the
@@ -45,10 +45,8 @@
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::body_fields::Fields;
 use crate::request::booking::Booking;
 use crate::request::context::MAX_EVENT_BYTES;
-use crate::request::migration::{self, Failure, Phase, Progress};
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;
@@ -59,7 +57,10 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use switchyard_core::dispatch::failure::{Failure, Phase, Progress};
+use switchyard_wire::body_fields::Fields;
 use switchyard_wire::openai::{Api, Usage};
+use switchyard_wire::resume as migration;
 use switchyard_wire::sse::{
     classify_ref, event_bytes, ChunkRef, Delta, Event, SseParser, StreamShape, DONE_EVENT,
 };
@@ -263,7 +264,7 @@ impl MigratingStream {
             State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
             State::Ended => None,
         };
-        // Read by field, without a JSON tree ([`crate::request::body_fields`]).
+        // Read by field, without a JSON tree ([`switchyard_wire::body_fields`]).
         let original_body = self.original.clone();
         let (original, parsed) = match Fields::parse(&original_body) {
             Ok(fields) => (fields, Ok(())),

@@ -1,16 +1,19 @@
-//! The request bodies of a migration, sans I/O: whether a broken stream
-//! may be resumed ([`resumable`], an allow-list of the fields a resume
-//! reproduces), the original's output limit ([`max_tokens`]) and the
-//! `/v1/completions` body that resumes it ([`resume_body`]). What a failed
-//! attempt becomes — moved, resumed or given up — is the core's
-//! ([`switchyard_core::dispatch::failure`]); the streaming body rewrites
-//! the resumed worker's chunks into the original response's shape.
+//! The request bodies of a mid-stream resume, sans I/O: whether a broken
+//! chat or completions stream may be resumed ([`resumable`], an
+//! allow-list of the fields a resume reproduces), the original's output
+//! limit ([`max_tokens`]) and the `/v1/completions` body that resumes it
+//! ([`resume_body`]); [`agentic`] — the same for the Responses and
+//! Messages APIs, with the rewrite of the resumed worker's chunks into
+//! their events. What a failed attempt becomes — moved, resumed or given
+//! up — is the core's ([`switchyard_core::dispatch::failure`]); the
+//! router's streaming body rewrites a resumed chat stream's chunks into
+//! the original response's shape ([`crate::sse::StreamShape::rewrite`]).
 //!
 //! Generated tokens are recovered from the chunks' `token_ids` when the
 //! worker sends them (vLLM's and the sim-worker's `return_token_ids`,
 //! which the router asks of every worker it resumes on), otherwise from the
 //! streamed text, re-tokenized with the router's tokenizer at migration
-//! time ([`Progress`]).
+//! time (the core's `Progress`).
 //!
 //! A resumed request is a different request (a token-id prompt on
 //! `/v1/completions`), so it is sent only when it reproduces the original:
@@ -21,11 +24,11 @@
 //! an error event instead. Before the first token the client's own request
 //! is retried unchanged, so that limit does not apply there.
 
-use crate::request::body_fields::{self, Fields, PromptKind};
+use crate::body_fields::{self, Fields, PromptKind};
+use crate::openai::Api;
 use serde_json::value::RawValue;
-use switchyard_wire::openai::Api;
 
-pub use switchyard_core::dispatch::failure::{Failure, MigrationPolicy, Phase, Progress};
+pub mod agentic;
 
 /// Why a request cannot be resumed mid-stream, judged from its body: `Ok`
 /// only when every field is one the resume reproduces. An allow-list, not

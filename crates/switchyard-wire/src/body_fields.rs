@@ -12,12 +12,12 @@
 //! read in one pass by [`messages_are_plain`] and [`prompt_kind`], which
 //! keep nothing of a message's text or a prompt's ids.
 
+use crate::openai::Lenient;
 use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use switchyard_wire::openai::Lenient;
 
 /// A JSON object's top-level fields, each its JSON text (a duplicated
 /// name keeps its last value, as a JSON tree does).

@@ -4,9 +4,9 @@
 //! ([`resume_body`]), and the rewrite of the resumed worker's completion
 //! chunks into events that continue the client's stream ([`Resume`]).
 //!
-//! The migration itself is chat's ([`crate::request::migration`]: the same
-//! decision, progress bounds and limits; [`crate::request::stream::move_stream`]):
-//! the prompt's token ids as the router rendered them, followed by the
+//! The migration itself is chat's ([`crate::resume`], and in the router
+//! the same decision, progress bounds, limits and stream mover): the
+//! prompt's token ids as the router rendered them, followed by the
 //! generated tokens' ids (the streamed text, re-tokenized at migration),
 //! sent as `/v1/completions` with the output limit reduced.
 //!
@@ -32,17 +32,15 @@
 //! generated text (for the closing events), bounded by the migration's
 //! text cap; past it the stream is no longer resumable.
 
-use crate::request::agentic::AgenticApi;
-use crate::request::body_fields::{self, Fields};
-use crate::request::migration;
+use crate::agentic::AgenticApi;
+use crate::agentic_events::{messages, response_usage, AgenticEvent, ResponsesEvents, TextItem};
+use crate::body_fields::{self, Fields};
+use crate::resume as migration;
+use crate::sse::{Delta, NamedEvent};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::borrow::Cow;
-use switchyard_wire::agentic_events::{
-    messages, response_usage, AgenticEvent, ResponsesEvents, TextItem,
-};
-use switchyard_wire::sse::{Delta, NamedEvent};
 
 /// Fields of a Messages request the resume carries or rebuilds
 /// (`metadata` and `service_tier` change nothing generated).
@@ -84,7 +82,7 @@ const TOOLS: &str =
 /// Whether a broken stream of this request may be resumed on another
 /// worker: `Ok` only when every field is one the resume reproduces. The
 /// one place that says so per API; `Err` names fields, never content.
-pub(crate) fn resumable(api: AgenticApi, body: &Fields<'_>) -> Result<(), &'static str> {
+pub fn resumable(api: AgenticApi, body: &Fields<'_>) -> Result<(), &'static str> {
     match api {
         AgenticApi::Messages => messages_resumable(body),
         AgenticApi::Responses => responses_resumable(body),
@@ -228,7 +226,7 @@ fn responses_input_is_plain(input: &RawValue) -> Result<(), &'static str> {
 }
 
 /// The request's output limit (`max_tokens`, `max_output_tokens`).
-pub(crate) fn max_tokens(api: AgenticApi, body: &Fields<'_>) -> Option<u64> {
+pub fn max_tokens(api: AgenticApi, body: &Fields<'_>) -> Option<u64> {
     let name = match api {
         AgenticApi::Messages => "max_tokens",
         AgenticApi::Responses => "max_output_tokens",
@@ -239,7 +237,7 @@ pub(crate) fn max_tokens(api: AgenticApi, body: &Fields<'_>) -> Option<u64> {
 /// The `/v1/completions` body that resumes `original` (a resumable
 /// request of `api`): its sampling fields under their completion names,
 /// then chat's [`migration::resume_body`].
-pub(crate) fn resume_body(
+pub fn resume_body(
     api: AgenticApi,
     original: &Fields<'_>,
     prompt_ids: &[u32],
@@ -273,7 +271,7 @@ pub(crate) fn resume_body(
 /// What the client's stream has shown so far, and the rewrite of a
 /// resumed worker's completion chunks into its continuation.
 #[derive(Debug)]
-pub(crate) struct Resume {
+pub struct Resume {
     api: AgenticApi,
     /// Messages: the open text block's index.
     block: Option<u64>,
@@ -333,7 +331,7 @@ struct Typed<'a> {
 impl Resume {
     /// A stream of `api` not yet begun; `text_cap` bounds kept text,
     /// `client` names an item the router has to begin.
-    pub(crate) fn new(api: AgenticApi, text_cap: usize, client: impl std::fmt::Display) -> Self {
+    pub fn new(api: AgenticApi, text_cap: usize, client: impl std::fmt::Display) -> Self {
         Self {
             api,
             block: None,
@@ -351,23 +349,23 @@ impl Resume {
     }
 
     /// The next Responses `sequence_number`.
-    pub(crate) fn sequence(&self) -> u64 {
+    pub fn sequence(&self) -> u64 {
         self.events.sequence()
     }
 
     /// Whether the kept text outgrew its bound (not resumable).
-    pub(crate) fn overflowed(&self) -> bool {
+    pub fn overflowed(&self) -> bool {
         self.overflowed
     }
 
     /// Whether the answer's text was closed by the first worker (every
     /// token arrived; only the last events were lost).
-    pub(crate) fn closed(&self) -> bool {
+    pub fn closed(&self) -> bool {
         self.closed
     }
 
     /// Records one event forwarded to the client; returns its text delta.
-    pub(crate) fn observe(&mut self, data: &str) -> Option<String> {
+    pub fn observe(&mut self, data: &str) -> Option<String> {
         let seen = serde_json::from_str::<Seen<'_>>(data).ok()?;
         if let Some(n) = seen.sequence_number {
             self.events.seen(n);
@@ -466,7 +464,7 @@ impl Resume {
     /// A resumed worker's chunk as the client's events. `generated` is
     /// the whole answer's output tokens so far (this chunk's included),
     /// `prompt_tokens` its prompt's.
-    pub(crate) fn rewrite(&mut self, delta: &Delta, generated: u64, prompt_tokens: u64) -> Vec<u8> {
+    pub fn rewrite(&mut self, delta: &Delta, generated: u64, prompt_tokens: u64) -> Vec<u8> {
         let mut out = Vec::new();
         if self.ended {
             return out;
@@ -501,7 +499,7 @@ impl Resume {
 
     /// The closing events: `reason` is the completion's `finish_reason`
     /// (`length`: the output limit was reached).
-    pub(crate) fn finish(&mut self, reason: &str, generated: u64, prompt_tokens: u64) -> Vec<u8> {
+    pub fn finish(&mut self, reason: &str, generated: u64, prompt_tokens: u64) -> Vec<u8> {
         let mut out = Vec::new();
         if self.ended {
             return out;
@@ -541,5 +539,5 @@ impl Resume {
 }
 
 #[cfg(test)]
-#[path = "agentic_resume_tests.rs"]
+#[path = "agentic_tests.rs"]
 mod tests;

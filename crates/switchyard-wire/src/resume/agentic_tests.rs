@@ -17,7 +17,7 @@ fn with(base: &Value, extra: Value) -> Value {
 
 /// The events in `bytes` as (name, data), read by the wire crate's parser.
 fn events(bytes: &[u8]) -> Vec<(String, Value)> {
-    let mut parser = switchyard_wire::sse::SseParser::new(usize::MAX);
+    let mut parser = crate::sse::SseParser::new(usize::MAX);
     parser.push(bytes);
     std::iter::from_fn(|| parser.next_event_named().unwrap())
         .map(|e| {
