@@ -19,7 +19,9 @@
 //!   tree, for rewriting a few of them; [`resume`] — the bodies of a
 //!   stream resumed on another worker: which requests may be resumed, the
 //!   token-id completion that resumes them, and (Responses, Messages) the
-//!   resumed chunks rewritten into the API's events.
+//!   resumed chunks rewritten into the API's events; [`disagg`] — what a
+//!   disaggregated request's halves are sent and what is read of their
+//!   answers (vLLM's transfer parameters, SGLang's bootstrap fields).
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -51,6 +53,7 @@
 pub mod agentic;
 pub mod agentic_events;
 pub mod body_fields;
+pub mod disagg;
 pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;

@@ -24,6 +24,10 @@
 //!   the decode worker's answer goes to the client, the prefill worker's
 //!   is read and discarded (a failure of it still counts).
 //!
+//! The bodies of both families, and whether a decode worker's error says
+//! its transfer failed, are a wire format (`switchyard_wire::disagg`);
+//! this module sends them.
+//!
 //! Failures follow the migration rules ([`crate::request::attempt::Attempts`]),
 //! and which half a failure retries follows the dispatcher's table
 //! (`switchyard_core::dispatch::recovery`): a prefill worker that fails
@@ -47,142 +51,28 @@ use crate::request::attempt::{AttemptError, Attempts, PlaceError};
 use crate::request::booking::{Booking, WaitHandle};
 use crate::request::context::App;
 use crate::roster::Role;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use serde_json::value::RawValue;
-use serde_json::Value;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::dispatch::failure::Failure;
 use switchyard_core::dispatch::{prefill_half, recovery, Half, HalfFailure, Pairing, SplitError};
 use switchyard_core::RequestId;
-use switchyard_wire::body_fields::Fields;
-
-/// SGLang's default `--disaggregation-bootstrap-port`.
-pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
-
-/// Largest `kv_transfer_params` object forwarded from a prefill answer,
-/// serialized; a larger one is the prefill worker's failure.
-pub(crate) const MAX_TRANSFER_PARAMS_BYTES: usize = 64 * 1024;
+use switchyard_wire::disagg::{
+    sglang_body, transfer_failed, transfer_params, vllm_decode_body, vllm_prefill_body,
+    NotAnObject, DEFAULT_BOOTSTRAP_PORT,
+};
 
 /// Largest error body of a decode worker read to judge whether its
 /// transfer failed.
 const MAX_ERROR_BYTES: usize = 64 * 1024;
 
-// ---- Bodies ---------------------------------------------------------------
-
-/// The client's body by field, without a JSON tree
-/// ([`switchyard_wire::body_fields`]): a 32 MiB prompt costs a slice, not a value per
-/// token id.
-fn object(body: &[u8]) -> Result<Fields<'_>, ApiError> {
-    Fields::parse(body)
+/// The client's body with the engine family's fields
+/// ([`switchyard_wire::disagg`]), or a 400 when it is no JSON object.
+fn rewritten(body: Result<Vec<u8>, NotAnObject>) -> Result<Bytes, ApiError> {
+    body.map(Bytes::from)
         .map_err(|_| ApiError::bad_request("the request body must be a JSON object", None))
-}
-
-fn to_bytes(fields: &Fields<'_>) -> Bytes {
-    Bytes::from(fields.to_vec())
-}
-
-/// vLLM's prefill request for the client's `body`: asks for a remote
-/// decode, one token, no stream (see the sim-worker's fixtures,
-/// `vllm_prefill_request.json`).
-pub(crate) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, ApiError> {
-    let mut fields = object(body)?;
-    fields.set(
-        "kv_transfer_params",
-        &serde_json::json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    fields.set("stream", &false);
-    fields.set("max_tokens", &1);
-    if fields.has("max_completion_tokens") {
-        fields.set("max_completion_tokens", &1);
-    }
-    fields.remove("stream_options");
-    fields.remove("min_tokens");
-    Ok(to_bytes(&fields))
-}
-
-/// vLLM's decode request: the client's `body` with the prefill answer's
-/// `kv_transfer_params` (none: the decode worker computes the prompt).
-pub(crate) fn vllm_decode_body(body: &[u8], params: Option<&RawValue>) -> Result<Bytes, ApiError> {
-    let mut fields = object(body)?;
-    match params {
-        Some(p) => fields.set_raw("kv_transfer_params", p.to_owned()),
-        None => fields.remove("kv_transfer_params"),
-    }
-    Ok(to_bytes(&fields))
-}
-
-/// SGLang's request to both workers: the client's `body` with the
-/// prefill worker's bootstrap address and the room.
-pub(crate) fn sglang_body(
-    body: &[u8],
-    host: &str,
-    port: u16,
-    room: u64,
-) -> Result<Bytes, ApiError> {
-    let mut fields = object(body)?;
-    fields.set("bootstrap_host", &host);
-    fields.set("bootstrap_port", &port);
-    fields.set("bootstrap_room", &room);
-    Ok(to_bytes(&fields))
-}
-
-/// The `kv_transfer_params` of a prefill worker's whole answer, as its
-/// JSON text: `None` when absent or null (nothing captured: the decode
-/// computes the prompt); `Err` when it is not an object or past
-/// [`MAX_TRANSFER_PARAMS_BYTES`] (the worker's failure). The object is
-/// forwarded as written: the decode worker validates its fields.
-pub(crate) fn transfer_params(answer: &[u8]) -> Result<Option<Box<RawValue>>, String> {
-    let Ok(answer) = Fields::parse(answer) else {
-        return Err("the prefill answer is not a JSON object".to_owned());
-    };
-    let Some(params) = answer.get("kv_transfer_params") else {
-        return Ok(None);
-    };
-    if !switchyard_wire::body_fields::is_object(params) {
-        return Err("the prefill answer's kv_transfer_params is not an object".into());
-    }
-    let size = params.get().len();
-    if size > MAX_TRANSFER_PARAMS_BYTES {
-        return Err(format!(
-            "the prefill answer's kv_transfer_params ({size} bytes) exceed {MAX_TRANSFER_PARAMS_BYTES}"
-        ));
-    }
-    Ok(Some(params.to_owned()))
-}
-
-/// Whether a decode worker's error answer says its KV transfer failed
-/// rather than the worker itself: a 404 naming `kv_transfer_params` (the
-/// lease or room is unknown, released or expired), or a 502/504 whose
-/// message names the prefill worker or the transferred KV (unreachable,
-/// the room never held, an invalid or wrong transfer) — the sim-worker's
-/// answers (docs/disaggregation.md, "Failures").
-pub(crate) fn transfer_failed(status: StatusCode, body: &[u8]) -> bool {
-    let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(body) else {
-        return false;
-    };
-    let Some(error) = map.get("error") else {
-        return false;
-    };
-    let param = error.get("param").and_then(Value::as_str);
-    let message = error.get("message").and_then(Value::as_str).unwrap_or("");
-    match status.as_u16() {
-        404 => param == Some("kv_transfer_params"),
-        502 | 504 => {
-            param == Some("kv_transfer_params")
-                || message.contains("prefill worker")
-                || message.contains("transferred KV")
-        }
-        _ => false,
-    }
 }
 
 /// The host of `url` (`http://HOST:PORT` or `https://`), brackets of an IPv6 address
@@ -406,7 +296,7 @@ async fn send_half(
             ))
         }
     };
-    if transfer_failed(status, &bytes) {
+    if transfer_failed(status.as_u16(), &bytes) {
         return Err(HalfError::Transfer(format!(
             "{worker} answered {}: its KV transfer failed",
             status.as_u16()
@@ -517,7 +407,7 @@ async fn vllm(
     let metrics = &split.state.disagg_metrics;
     let original = &split.request.original;
     let blocks = prefill.prompt_blocks();
-    let prefill_body = vllm_prefill_body(original).map_err(|e| (Reason::Prefill, e))?;
+    let prefill_body = rewritten(vllm_prefill_body(original)).map_err(|e| (Reason::Prefill, e))?;
     let mut booking: Option<Booking> = None;
     let mut next_prefill = Some(prefill_wait);
     loop {
@@ -533,8 +423,8 @@ async fn vllm(
                     return Ok(deliver(attempts, booking, answer, split.request.clone()));
                 }
             };
-        let body =
-            vllm_decode_body(original, params.as_deref()).map_err(|e| (Reason::Decode, e))?;
+        let body = rewritten(vllm_decode_body(original, params.as_deref()))
+            .map_err(|e| (Reason::Decode, e))?;
         // Handed over: the dispatcher ends the prefill half and places the
         // decode half, unless it kept its worker.
         let handed = prefill_booking.hand_over();
@@ -666,8 +556,13 @@ async fn sglang(
             .role_of(p_booking.worker)
             .and_then(|(_, port)| port)
             .unwrap_or(DEFAULT_BOOTSTRAP_PORT);
-        let body = sglang_body(original, url_host(&p_booking.url), port, random_room())
-            .map_err(|e| (Reason::Prefill, e))?;
+        let body = rewritten(sglang_body(
+            original,
+            url_host(&p_booking.url),
+            port,
+            random_room(),
+        ))
+        .map_err(|e| (Reason::Prefill, e))?;
         // The prefill half runs as a task of its own: it may outlive the
         // handler (read to its end after the decode answered), bounded by
         // the request's deadline.
@@ -822,90 +717,11 @@ mod tests {
     use super::*;
     use prometheus_client::registry::Registry;
 
-    const FIXTURES: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../switchyard-sim-worker/tests/fixtures/disagg/"
-    );
-
-    fn fixture(name: &str) -> Value {
-        let text = std::fs::read_to_string(format!("{FIXTURES}{name}")).unwrap();
-        serde_json::from_str(&text).unwrap()
-    }
-
     #[test]
-    fn the_vllm_bodies_are_the_fixtures() {
-        let client = serde_json::to_vec(&fixture("vllm_client_request.json")).unwrap();
-        let prefill: Value = serde_json::from_slice(&vllm_prefill_body(&client).unwrap()).unwrap();
-        assert_eq!(prefill, fixture("vllm_prefill_request.json"));
-        let answer = serde_json::to_vec(&fixture("vllm_prefill_response.json")).unwrap();
-        let params = transfer_params(&answer).unwrap();
-        let decode: Value =
-            serde_json::from_slice(&vllm_decode_body(&client, params.as_deref()).unwrap()).unwrap();
-        assert_eq!(decode, fixture("vllm_decode_request.json"));
-        // With max_completion_tokens, both are 1.
-        let chat = br#"{"messages":[],"max_completion_tokens":9,"stream":true}"#;
-        let prefill: Value = serde_json::from_slice(&vllm_prefill_body(chat).unwrap()).unwrap();
-        assert_eq!(prefill["max_completion_tokens"], 1);
-        assert_eq!(prefill["max_tokens"], 1);
-        assert_eq!(prefill["stream"], false);
-    }
-
-    #[test]
-    fn the_sglang_body_is_the_fixture() {
-        let mut expected = fixture("sglang_request.json");
-        let room = expected["bootstrap_room"].as_u64().unwrap();
-        let client = {
-            let map = expected.as_object_mut().unwrap();
-            let mut c = map.clone();
-            for k in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
-                c.remove(k);
-            }
-            serde_json::to_vec(&c).unwrap()
-        };
-        let body: Value =
-            serde_json::from_slice(&sglang_body(&client, "127.0.0.1", 8998, room).unwrap())
-                .unwrap();
-        assert_eq!(body, expected);
+    fn a_room_is_63_random_bits() {
         for _ in 0..100 {
             assert!(random_room() < 1 << 63);
         }
-    }
-
-    #[test]
-    fn transfer_params_are_an_object_or_nothing_and_bounded() {
-        assert!(matches!(transfer_params(br#"{"choices":[]}"#), Ok(None)));
-        assert!(matches!(
-            transfer_params(br#"{"kv_transfer_params":null}"#),
-            Ok(None)
-        ));
-        assert!(transfer_params(br#"{"kv_transfer_params":[1]}"#).is_err());
-        assert!(transfer_params(b"[]").is_err());
-        assert!(transfer_params(b"not json").is_err());
-        let big = format!(
-            r#"{{"kv_transfer_params":{{"x":"{}"}}}}"#,
-            "a".repeat(MAX_TRANSFER_PARAMS_BYTES)
-        );
-        assert!(transfer_params(big.as_bytes()).is_err());
-    }
-
-    #[test]
-    fn a_transfer_failure_is_told_from_a_worker_failure() {
-        let lease = br#"{"error":{"message":"the prefill worker holds no such KV","type":"not_found_error","param":"kv_transfer_params","code":null}}"#;
-        assert!(transfer_failed(StatusCode::NOT_FOUND, lease));
-        let model = br#"{"error":{"message":"the model `x` does not exist","param":"model"}}"#;
-        assert!(!transfer_failed(StatusCode::NOT_FOUND, model));
-        let unreachable =
-            br#"{"error":{"message":"the prefill worker is unreachable: refused","param":null}}"#;
-        assert!(transfer_failed(StatusCode::BAD_GATEWAY, unreachable));
-        assert!(transfer_failed(
-            StatusCode::GATEWAY_TIMEOUT,
-            br#"{"error":{"message":"the prefill worker did not hold the room in time"}}"#
-        ));
-        assert!(!transfer_failed(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            unreachable
-        ));
-        assert!(!transfer_failed(StatusCode::BAD_GATEWAY, b"oops"));
     }
 
     #[test]

@@ -379,7 +379,7 @@ async fn sglang_killed_workers_lose_no_request() {
 /// (502 naming the prefill worker), and the router does the prefill again
 /// — on the other worker — instead of failing the request or blaming the
 /// decode worker. (A 404 for an expired or unknown lease takes the same
-/// path: `disagg::tests::a_transfer_failure_is_told_from_a_worker_failure`.)
+/// path: `switchyard_wire::disagg::tests::a_transfer_failure_is_told_from_a_worker_failure`.)
 async fn a_failed_transfer_gets_a_new_prefill(mode: &str, prefill: [Proc; 2], decode: Proc) {
     let router = router(
         &specs(&prefill, std::slice::from_ref(&decode)),
