@@ -15,7 +15,15 @@
 //! `content_block_stop`, `message_delta` (the stop reason and usage),
 //! `message_stop` ([`messages`]). Names and shapes follow vLLM's
 //! `/v1/responses` and Anthropic's streaming documentation.
+//!
+//! Read, for a router relaying them: what an event means ([`classify`]:
+//! a stored response's id, generated text, the end, an error), a whole
+//! answer's output tokens and response id ([`output_tokens`],
+//! [`response_id`]), and the event that ends a broken stream in the API's
+//! own shape ([`error_event`]).
 
+use crate::agentic::AgenticApi;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// One event: its name (the SSE `event:` line) and its data, whose `type`
@@ -260,6 +268,99 @@ pub mod messages {
     }
 }
 
+/// What one streamed event of either API means to a router relaying it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// `response.created`: the response's id.
+    Created(String),
+    /// Generated text.
+    Delta,
+    /// The last event of a complete answer.
+    End,
+    /// An error event (the stream ends after it).
+    Error,
+    /// Anything else (forwarded, nothing to note).
+    Other,
+}
+
+#[derive(Deserialize)]
+struct Typed<'a> {
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Created {
+    response: Identified,
+}
+
+#[derive(Deserialize)]
+struct Identified {
+    #[serde(default)]
+    id: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    usage: Option<OutputTokens>,
+}
+
+#[derive(Deserialize)]
+struct OutputTokens {
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+/// An event's meaning in `api`'s stream, from its data's `type`.
+pub fn classify(api: AgenticApi, data: &str) -> EventKind {
+    let Ok(Typed { kind: Some(kind) }) = serde_json::from_str::<Typed<'_>>(data) else {
+        return EventKind::Other;
+    };
+    match (api, kind.as_ref()) {
+        (_, "error") => EventKind::Error,
+        (AgenticApi::Responses, "response.created") => {
+            match serde_json::from_str::<Created>(data) {
+                Ok(Created {
+                    response: Identified { id: Some(id) },
+                }) => EventKind::Created(id),
+                _ => EventKind::Other,
+            }
+        }
+        (AgenticApi::Responses, "response.output_text.delta")
+        | (AgenticApi::Messages, "content_block_delta") => EventKind::Delta,
+        (AgenticApi::Responses, "response.completed" | "response.incomplete")
+        | (AgenticApi::Messages, "message_stop") => EventKind::End,
+        (AgenticApi::Responses, "response.failed") => EventKind::Error,
+        _ => EventKind::Other,
+    }
+}
+
+/// A whole answer's output tokens (`usage.output_tokens` in both APIs; 0
+/// when absent or unreadable).
+pub fn output_tokens(answer: &[u8]) -> u64 {
+    serde_json::from_slice::<Usage>(answer)
+        .ok()
+        .and_then(|u| u.usage)
+        .and_then(|u| u.output_tokens)
+        .unwrap_or(0)
+}
+
+/// A whole answer's top-level `id` (a Responses answer's response id).
+pub fn response_id(answer: &[u8]) -> Option<String> {
+    serde_json::from_slice::<Identified>(answer).ok()?.id
+}
+
+/// The event that ends a broken stream of `api`, in its own shape, as SSE
+/// bytes; `sequence` numbers a Responses event.
+pub fn error_event(api: AgenticApi, message: &str, sequence: u64) -> Vec<u8> {
+    let e = match api {
+        AgenticApi::Messages => messages::error(message),
+        AgenticApi::Responses => ResponsesEvents::from_sequence(sequence).error(message),
+    };
+    crate::sse::NamedEvent::new(Some(e.name), &e.data_text()).into_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +441,65 @@ mod tests {
         let u = response_usage(10, 4, 3);
         assert_eq!(u["total_tokens"], 13);
         assert_eq!(u["input_tokens_details"]["cached_tokens"], 4);
+    }
+
+    #[test]
+    fn relayed_events_are_read_by_their_type() {
+        let r = AgenticApi::Responses;
+        assert_eq!(
+            classify(
+                r,
+                r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_1","output":[]}}"#
+            ),
+            EventKind::Created("resp_1".into())
+        );
+        assert_eq!(
+            classify(r, r#"{"type":"response.output_text.delta","delta":"x"}"#),
+            EventKind::Delta
+        );
+        assert_eq!(
+            classify(r, r#"{"type":"response.completed","response":{}}"#),
+            EventKind::End
+        );
+        assert_eq!(
+            classify(r, r#"{"type":"response.failed","response":{}}"#),
+            EventKind::Error
+        );
+        assert_eq!(classify(r, "not json"), EventKind::Other);
+        let m = AgenticApi::Messages;
+        assert_eq!(
+            classify(m, r#"{"type":"content_block_delta","index":0,"delta":{}}"#),
+            EventKind::Delta
+        );
+        assert_eq!(classify(m, r#"{"type":"message_stop"}"#), EventKind::End);
+        assert_eq!(
+            classify(m, r#"{"type":"error","error":{}}"#),
+            EventKind::Error
+        );
+        assert_eq!(classify(m, r#"{"type":"ping"}"#), EventKind::Other);
+        // The writer's own events read as what they are.
+        let mut events = ResponsesEvents::default();
+        let delta = events.text_delta(&TextItem::first("msg_1"), "hi");
+        assert_eq!(classify(r, &delta.data_text()), EventKind::Delta);
+        assert_eq!(classify(m, &messages::stop().data_text()), EventKind::End);
+    }
+
+    #[test]
+    fn a_whole_answer_gives_its_output_tokens_and_its_id() {
+        let body =
+            br#"{"id":"resp_9","object":"response","usage":{"input_tokens":5,"output_tokens":7}}"#;
+        assert_eq!(output_tokens(body), 7);
+        assert_eq!(output_tokens(b"garbage"), 0);
+        assert_eq!(response_id(body).as_deref(), Some("resp_9"));
+        assert_eq!(response_id(br#"{"object":"response"}"#), None);
+    }
+
+    #[test]
+    fn a_broken_stream_ends_with_an_error_event_of_its_api() {
+        let m = String::from_utf8(error_event(AgenticApi::Messages, "gone", 0)).unwrap();
+        assert!(m.starts_with("event: error\ndata: {"), "{m}");
+        assert!(m.contains(r#""type":"error""#) && m.contains(r#""message":"gone""#));
+        let r = String::from_utf8(error_event(AgenticApi::Responses, "gone", 4)).unwrap();
+        assert!(r.contains(r#""sequence_number":4"#), "{r}");
     }
 }

@@ -26,12 +26,12 @@ pub(crate) use crate::request::agentic_state::{AgenticApi, AgenticState};
 use crate::request::context::AppState;
 use crate::request::limits;
 use crate::response_map::{Holder, Inserted, Owner, ResponseMap};
-use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::WorkerId;
 use switchyard_wire::agentic::{MessagesRequest, ResponsesRequest};
+use switchyard_wire::agentic_events;
 use switchyard_wire::openai::{BodyError, Limit};
 
 /// Where a stored response's id is remembered once it is known.
@@ -79,89 +79,24 @@ pub(crate) struct AgenticDelivery {
     pub(crate) state: Arc<AgenticState>,
 }
 
-/// What one streamed event means to the router.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum EventKind {
-    /// `response.created`: the response's id.
-    Created(String),
-    /// Generated text.
-    Delta,
-    /// The last event of a complete answer.
-    End,
-    /// An error event (the stream ends after it).
-    Error,
-    /// Anything else (forwarded, nothing to note).
-    Other,
-}
-
-#[derive(Deserialize)]
-struct Typed<'a> {
-    #[serde(default, borrow, rename = "type")]
-    kind: Option<std::borrow::Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct Created {
-    response: Identified,
-}
-
-#[derive(Deserialize)]
-struct Identified {
-    #[serde(default)]
-    id: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Usage {
-    #[serde(default)]
-    usage: Option<OutputTokens>,
-}
-
-#[derive(Deserialize)]
-struct OutputTokens {
-    #[serde(default)]
-    output_tokens: Option<u64>,
-}
+pub(crate) use switchyard_wire::agentic_events::EventKind;
 
 impl AgenticDelivery {
     /// The event's meaning, from its data's `type`.
     pub(crate) fn classify(&self, data: &str) -> EventKind {
-        let Ok(Typed { kind: Some(kind) }) = serde_json::from_str::<Typed<'_>>(data) else {
-            return EventKind::Other;
-        };
-        match (self.api, kind.as_ref()) {
-            (_, "error") => EventKind::Error,
-            (AgenticApi::Responses, "response.created") => {
-                match serde_json::from_str::<Created>(data) {
-                    Ok(Created {
-                        response: Identified { id: Some(id) },
-                    }) => EventKind::Created(id),
-                    _ => EventKind::Other,
-                }
-            }
-            (AgenticApi::Responses, "response.output_text.delta")
-            | (AgenticApi::Messages, "content_block_delta") => EventKind::Delta,
-            (AgenticApi::Responses, "response.completed" | "response.incomplete")
-            | (AgenticApi::Messages, "message_stop") => EventKind::End,
-            (AgenticApi::Responses, "response.failed") => EventKind::Error,
-            _ => EventKind::Other,
-        }
+        agentic_events::classify(self.api, data)
     }
 
     /// A whole answer's output tokens (`usage.output_tokens` in both
     /// APIs; 0 when absent).
     pub(crate) fn output_tokens(bytes: &[u8]) -> u64 {
-        serde_json::from_slice::<Usage>(bytes)
-            .ok()
-            .and_then(|u| u.usage)
-            .and_then(|u| u.output_tokens)
-            .unwrap_or(0)
+        agentic_events::output_tokens(bytes)
     }
 
     /// A whole answer from `worker`: a stored response's id is remembered.
     pub(crate) fn answered(&self, bytes: &[u8], worker: WorkerId) {
         if let Some(remember) = &self.remember {
-            if let Ok(Identified { id: Some(id) }) = serde_json::from_slice::<Identified>(bytes) {
+            if let Some(id) = agentic_events::response_id(bytes) {
                 remember.record(&id, worker);
             }
         }
@@ -170,12 +105,7 @@ impl AgenticDelivery {
     /// The event that ends a broken stream, in the API's own shape;
     /// `sequence` numbers a Responses event.
     pub(crate) fn error_event(&self, message: &str, sequence: u64) -> Vec<u8> {
-        use switchyard_wire::agentic_events::{messages, ResponsesEvents};
-        let e = match self.api {
-            AgenticApi::Messages => messages::error(message),
-            AgenticApi::Responses => ResponsesEvents::from_sequence(sequence).error(message),
-        };
-        switchyard_wire::sse::NamedEvent::new(Some(e.name), &e.data_text()).into_bytes()
+        agentic_events::error_event(self.api, message, sequence)
     }
 }
 
@@ -258,60 +188,16 @@ mod tests {
     }
 
     #[test]
-    fn events_are_read_by_their_type() {
-        let r = delivery(AgenticApi::Responses);
-        assert_eq!(
-            r.classify(r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_1","output":[]}}"#),
-            EventKind::Created("resp_1".into())
-        );
-        assert_eq!(
-            r.classify(r#"{"type":"response.output_text.delta","delta":"x"}"#),
-            EventKind::Delta
-        );
-        assert_eq!(
-            r.classify(r#"{"type":"response.completed","response":{}}"#),
-            EventKind::End
-        );
-        assert_eq!(
-            r.classify(r#"{"type":"response.failed","response":{}}"#),
-            EventKind::Error
-        );
-        assert_eq!(r.classify("not json"), EventKind::Other);
-        let m = delivery(AgenticApi::Messages);
-        assert_eq!(
-            m.classify(r#"{"type":"content_block_delta","index":0,"delta":{}}"#),
-            EventKind::Delta
-        );
-        assert_eq!(m.classify(r#"{"type":"message_stop"}"#), EventKind::End);
-        assert_eq!(
-            m.classify(r#"{"type":"error","error":{}}"#),
-            EventKind::Error
-        );
-        assert_eq!(m.classify(r#"{"type":"ping"}"#), EventKind::Other);
-    }
-
-    #[test]
-    fn a_whole_answer_gives_its_output_tokens_and_its_id_is_remembered() {
+    fn a_stored_answers_id_is_remembered_with_its_worker() {
         let r = delivery(AgenticApi::Responses);
         let body =
             br#"{"id":"resp_9","object":"response","usage":{"input_tokens":5,"output_tokens":7}}"#;
-        assert_eq!(AgenticDelivery::output_tokens(body), 7);
-        assert_eq!(AgenticDelivery::output_tokens(b"garbage"), 0);
         r.answered(body, WorkerId::new(3));
         let map = &r.remember.as_ref().unwrap().map;
         assert_eq!(
             map.get("resp_9", None, Instant::now()).map(|h| h.worker),
             Some(WorkerId::new(3))
         );
-    }
-
-    #[test]
-    fn a_broken_stream_ends_with_an_error_event_of_its_api() {
-        let m = String::from_utf8(delivery(AgenticApi::Messages).error_event("gone", 0)).unwrap();
-        assert!(m.starts_with("event: error\ndata: {"), "{m}");
-        assert!(m.contains(r#""type":"error""#) && m.contains(r#""message":"gone""#));
-        let r = String::from_utf8(delivery(AgenticApi::Responses).error_event("gone", 4)).unwrap();
-        assert!(r.contains(r#""sequence_number":4"#), "{r}");
     }
 }
 
