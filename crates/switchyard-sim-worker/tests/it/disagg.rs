@@ -26,26 +26,13 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
-/// vLLM's toy proxy: the prefill request for a client's body.
+/// vLLM's toy proxy: the prefill request for a client's body (the
+/// router's, `switchyard_wire::disagg`; its own test checks it against
+/// the fixture written from vLLM's proxy).
 fn proxy_prefill_body(client: &Value) -> Value {
-    let mut body = client.clone();
-    body["kv_transfer_params"] = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": null,
-        "remote_block_ids": null,
-        "remote_host": null,
-        "remote_port": null,
-    });
-    body["stream"] = json!(false);
-    body["max_tokens"] = json!(1);
-    let map = body.as_object_mut().unwrap();
-    if map.contains_key("max_completion_tokens") {
-        map.insert("max_completion_tokens".into(), json!(1));
-    }
-    map.remove("stream_options");
-    map.remove("min_tokens");
-    body
+    let client = serde_json::to_vec(client).unwrap();
+    let body = switchyard_wire::disagg::vllm_prefill_body(&client).unwrap();
+    serde_json::from_slice(&body).unwrap()
 }
 
 /// vLLM's toy proxy: the decode request, from the client's body and the
