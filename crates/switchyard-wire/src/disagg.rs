@@ -15,7 +15,7 @@
 //! (`switchyard_core::dispatch::split`, `recovery`); the sockets are the
 //! router's. The fixtures the tests compare against are the sim-worker's
 //! (`crates/switchyard-sim-worker/tests/fixtures/disagg/`), written from
-//! the engines' own requests.
+//! the engines' public code (its README says where).
 
 use crate::body_fields::Fields;
 use serde_json::value::RawValue;
