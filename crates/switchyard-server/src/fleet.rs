@@ -792,7 +792,9 @@ impl Drop for Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{book_remotely, fleet_with, loopback_spec, place, request, shared_with};
+    use crate::testing::{
+        book_remotely, fleet_over, fleet_with, loopback_spec, place, request, shared_with,
+    };
     use crate::ServerConfig;
 
     /// The lines of a real vLLM 0.32.0 (CPU build) `/metrics` page that
@@ -892,16 +894,8 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
 
     #[tokio::test]
     async fn kv_event_metrics_are_labelled_by_the_workers_name() {
-        let config = ServerConfig::default();
-        let (driver, _) = shared_with(&config, &[]);
-        let fleet = Fleet::new(
-            driver.clone(),
-            upstream_client(Duration::from_millis(100)),
-            true,
-            config.block_size,
-            3,
-            Duration::from_millis(100),
-        );
+        let (driver, _) = shared_with(&ServerConfig::default(), &[]);
+        let fleet = fleet_over(&driver, true);
         let spec = WorkerSpec {
             url: "http://127.0.0.1:9".into(),
             name: Some("gpu \"0\"".into()),
@@ -928,16 +922,8 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
 
     #[tokio::test]
     async fn a_worker_with_data_parallel_ranks_is_one_target_per_rank_each_naming_its_rank() {
-        let config = ServerConfig::default();
-        let (driver, _) = shared_with(&config, &[]);
-        let fleet = Fleet::new(
-            driver.clone(),
-            upstream_client(Duration::from_millis(100)),
-            true,
-            config.block_size,
-            3,
-            Duration::from_millis(100),
-        );
+        let (driver, _) = shared_with(&ServerConfig::default(), &[]);
+        let fleet = fleet_over(&driver, true);
         let spec =
             WorkerSpec::parse("http://127.0.0.1:9,name=moe,dp-size=3,events=tcp://127.0.0.1:5557")
                 .unwrap();
@@ -999,19 +985,8 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
 
     #[tokio::test]
     async fn a_role_needs_disagg_and_is_kept_in_the_roster() {
-        let config = ServerConfig::default();
-        let (driver, _) = shared_with(&config, &[]);
-        let fleet = |disagg| {
-            Fleet::new(
-                driver.clone(),
-                upstream_client(Duration::from_millis(100)),
-                false,
-                config.block_size,
-                3,
-                Duration::from_millis(100),
-            )
-            .with_disagg(disagg)
-        };
+        let (driver, _) = shared_with(&ServerConfig::default(), &[]);
+        let fleet = |disagg| fleet_over(&driver, false).with_disagg(disagg);
         let spec = WorkerSpec::parse("http://127.0.0.1:9,name=p,role=prefill,bootstrap-port=8998")
             .unwrap();
         let err = fleet(false).add(&spec).unwrap_err();

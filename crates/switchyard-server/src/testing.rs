@@ -33,17 +33,22 @@ pub(crate) fn shared_with(config: &ServerConfig, names: &[&str]) -> (Arc<Driver>
 /// A fleet over a default router with workers `names` in selection
 /// (nothing listens at their URLs; health checks give up after 100 ms).
 pub(crate) fn fleet_with(names: &[&str]) -> (Fleet, Arc<Driver>, Vec<WorkerId>) {
-    let config = ServerConfig::default();
-    let (driver, ids) = shared_with(&config, names);
-    let fleet = Fleet::new(
+    let (driver, ids) = shared_with(&ServerConfig::default(), names);
+    (fleet_over(&driver, false), driver, ids)
+}
+
+/// A fleet driving `driver` with the default block size, following KV
+/// events when `uses_events`; health checks give up after 100 ms and
+/// declare a worker dead after 3 failures.
+pub(crate) fn fleet_over(driver: &Arc<Driver>, uses_events: bool) -> Fleet {
+    Fleet::new(
         driver.clone(),
         upstream_client(Duration::from_millis(100)),
-        false,
-        config.block_size,
+        uses_events,
+        ServerConfig::default().block_size,
         3,
         Duration::from_millis(100),
-    );
-    (fleet, driver, ids)
+    )
 }
 
 /// A worker named `name` at `http://127.0.0.1:PORT`, without KV events.

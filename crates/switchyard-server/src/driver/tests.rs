@@ -1,6 +1,6 @@
 use super::*;
 use crate::config::AdmissionMode;
-use crate::request::booking::WaitHandle;
+use crate::request::booking::{Booking, WaitHandle};
 use crate::testing::{book_remotely, place, request, shared_with};
 use crate::ServerConfig;
 use std::sync::Arc;
@@ -15,6 +15,13 @@ fn round_robin() -> ServerConfig {
         policy: PolicyKind::RoundRobin,
         ..ServerConfig::default()
     }
+}
+
+/// A one-block request placed on whichever worker takes it.
+async fn booked(driver: &Arc<Driver>) -> Booking {
+    place(driver, request(&[], 1))
+        .await
+        .expect("a worker takes it")
 }
 
 #[test]
@@ -344,7 +351,7 @@ async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_aga
     }
     assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
     for _ in 0..10 {
-        let booking = place(&driver, request(&[], 1)).await.unwrap();
+        let booking = booked(&driver).await;
         assert_eq!(booking.worker, ids[1]);
     }
     // The worker is still in the router: only selection skips it.
@@ -362,27 +369,15 @@ async fn failed_bookings_open_the_circuit_and_no_request_reaches_that_worker_aga
 async fn a_first_token_is_a_success_that_resets_the_failure_streak() {
     let (driver, ids) = shared_with(&ServerConfig::default(), &["w0"]);
     with_circuit(&driver, 2, 60_000);
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .worker_failed();
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .mark_first_token();
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .worker_failed();
+    booked(&driver).await.worker_failed();
+    booked(&driver).await.mark_first_token();
+    booked(&driver).await.worker_failed();
     assert_eq!(
         driver.circuit_state(ids[0]),
         Some(CircuitState::Closed),
         "the streak was broken"
     );
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .worker_failed();
+    booked(&driver).await.worker_failed();
     assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
     assert!(
         place(&driver, request(&[], 1)).await.is_none(),
@@ -394,14 +389,8 @@ async fn a_first_token_is_a_success_that_resets_the_failure_streak() {
 async fn a_worker_that_leaves_and_reenters_the_router_starts_with_a_closed_circuit() {
     let (driver, ids) = shared_with(&ServerConfig::default(), &["w0"]);
     with_circuit(&driver, 2, 60_000);
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .worker_failed();
-    place(&driver, request(&[], 1))
-        .await
-        .unwrap()
-        .worker_failed();
+    booked(&driver).await.worker_failed();
+    booked(&driver).await.worker_failed();
     assert_eq!(driver.circuit_state(ids[0]), Some(CircuitState::Open));
     driver.set_in_router(ids[0], false);
     driver.set_in_router(ids[0], true);
