@@ -828,14 +828,36 @@ fn proposal(worker: WorkerId, overlap_blocks: u32) -> Proposal {
     }
 }
 
+/// Submits `submission` as request `id` with a route made outside the
+/// lock to `worker`, counting `seen` prompt blocks there.
+fn propose(
+    d: &mut Dispatcher,
+    id: u128,
+    submission: Submission,
+    worker: WorkerId,
+    seen: u32,
+    now_ms: f64,
+) -> (Admitted, Effects) {
+    d.submit_proposed(
+        RequestId(id),
+        submission,
+        Some(proposal(worker, seen)),
+        now_ms,
+    )
+    .unwrap()
+}
+
+/// Proposals used as the decision, and routed again under the lock.
+fn proposals(fx: &Effects) -> (u32, u32) {
+    (fx.counts.proposals_used, fx.counts.proposals_rerouted)
+}
+
 #[test]
 fn a_proposal_is_the_decision_of_a_request_placed_at_once() {
     let mut d = dispatcher(3);
     // The locked route would choose any of the three idle workers; the
     // proposal names worker 2 with 3 blocks cached, and that is booked.
-    let (_, fx) = d
-        .submit_proposed(RequestId(1), submission(0, 8), Some(proposal(w(2), 3)), 0.0)
-        .unwrap();
+    let (_, fx) = propose(&mut d, 1, submission(0, 8), w(2), 3, 0.0);
     assert_eq!(fx.dispatch.len(), 1);
     assert_eq!(
         (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
@@ -859,36 +881,17 @@ fn a_proposal_for_a_worker_that_may_not_take_the_request_is_routed_again_under_t
     // Not among the request's eligible workers.
     let mut only_one = submission(0, 8);
     only_one.eligible = crate::types::Eligible::Only(vec![w(1)]);
-    let (_, fx) = d
-        .submit_proposed(RequestId(1), only_one, Some(proposal(w(2), 0)), 0.0)
-        .unwrap();
+    let (_, fx) = propose(&mut d, 1, only_one, w(2), 0, 0.0);
     assert_eq!(fx.dispatch[0].worker, w(1));
-    assert_eq!(
-        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
-        (0, 1)
-    );
+    assert_eq!(proposals(&fx), (0, 1));
     // No longer selectable (its circuit opened after the route was made).
     d.router.set_selectable(w(2), false);
-    let (_, fx) = d
-        .submit_proposed(
-            RequestId(2),
-            submission(100, 8),
-            Some(proposal(w(2), 0)),
-            1.0,
-        )
-        .unwrap();
+    let (_, fx) = propose(&mut d, 2, submission(100, 8), w(2), 0, 1.0);
     assert_eq!(fx.dispatch[0].worker, w(1));
     assert_eq!(fx.counts.proposals_rerouted, 1);
     // Removed from the router meanwhile.
     let _ = d.remove_worker(w(2), 2.0);
-    let (_, fx) = d
-        .submit_proposed(
-            RequestId(3),
-            submission(200, 8),
-            Some(proposal(w(2), 0)),
-            3.0,
-        )
-        .unwrap();
+    let (_, fx) = propose(&mut d, 3, submission(200, 8), w(2), 0, 3.0);
     assert_eq!(fx.dispatch[0].worker, w(1));
     assert_eq!(fx.counts.proposals_rerouted, 1);
 }
@@ -900,20 +903,10 @@ fn a_proposal_of_a_request_that_waits_is_set_aside_and_it_is_routed_when_placed(
     let mut d = dispatcher_with(config, false, 1);
     // 8,192 uncached tokens fill the only worker's prefill budget.
     let _ = place(&mut d, 1, submission(0, 512), 0.0);
-    let (admitted, fx) = d
-        .submit_proposed(
-            RequestId(2),
-            submission(1000, 8),
-            Some(proposal(w(1), 0)),
-            1.0,
-        )
-        .unwrap();
+    let (admitted, fx) = propose(&mut d, 2, submission(1000, 8), w(1), 0, 1.0);
     assert_eq!(admitted, Admitted::Queued);
     assert!(fx.dispatch.is_empty(), "the worker is busy: {fx:?}");
-    assert_eq!(
-        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
-        (0, 1)
-    );
+    assert_eq!(proposals(&fx), (0, 1));
     // Its first token frees the budget: the waiting request is routed
     // afresh, under the lock.
     let fx = d.first_token(RequestId(1), 2.0);
@@ -967,35 +960,15 @@ fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
         .into_iter()
         .find(|&x| x != first)
         .unwrap();
-    let (_, fx) = d
-        .submit_proposed(
-            RequestId(2),
-            burst.next().unwrap(),
-            Some(proposal(elsewhere, 0)),
-            0.0,
-        )
-        .unwrap();
+    let (_, fx) = propose(&mut d, 2, burst.next().unwrap(), elsewhere, 0, 0.0);
     assert_eq!(
         (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
         (first, 64)
     );
-    assert_eq!(
-        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
-        (0, 1)
-    );
+    assert_eq!(proposals(&fx), (0, 1));
     // A proposal for the worker already prefilling the prefix stands.
-    let (_, fx) = d
-        .submit_proposed(
-            RequestId(3),
-            fan_out(4, 64).pop().unwrap(),
-            Some(proposal(first, 64)),
-            0.0,
-        )
-        .unwrap();
-    assert_eq!(
-        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
-        (1, 0)
-    );
+    let (_, fx) = propose(&mut d, 3, fan_out(4, 64).pop().unwrap(), first, 64, 0.0);
+    assert_eq!(proposals(&fx), (1, 0));
     // One for that worker made before the prefix was in flight there
     // (seen: nothing) is routed again: booked with the prefix uncached, it
     // would count the prefix's prefill twice in that worker's queue.
@@ -1004,22 +977,12 @@ fn a_proposal_that_missed_a_siblings_booking_is_routed_again_under_the_lock() {
         load.active_prefill_tokens(0.0)
     };
     let before = backlog(&d);
-    let (_, fx) = d
-        .submit_proposed(
-            RequestId(4),
-            fan_out(5, 64).pop().unwrap(),
-            Some(proposal(first, 0)),
-            0.0,
-        )
-        .unwrap();
+    let (_, fx) = propose(&mut d, 4, fan_out(5, 64).pop().unwrap(), first, 0, 0.0);
     assert_eq!(
         (fx.dispatch[0].worker, fx.dispatch[0].overlap_blocks),
         (first, 64)
     );
-    assert_eq!(
-        (fx.counts.proposals_used, fx.counts.proposals_rerouted),
-        (0, 1)
-    );
+    assert_eq!(proposals(&fx), (0, 1));
     assert_eq!(backlog(&d) - before, 32, "only its own suffix is new");
 }
 
