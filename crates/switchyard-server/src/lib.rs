@@ -31,8 +31,8 @@
 //!   subscribers, health rounds; `roster` — the worker table itself;
 //!   `discovery` — live discovery (`--workers-file`, `--workers-dns`).
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
-//!   size, policy, hit rate; `hf_tokenizer` — a model's tokenizer by its Hugging
-//!   Face id; [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
+//!   size, policy, hit rate (a model's tokenizer by its Hugging Face id:
+//!   `switchyard_tokenizer::hub`); [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
 //!   [`tokenize_gate`] — slots for tokenizing long prompts, handed out by
 //!   band, then tenant fair share;
 //!   `adapters` — LoRA adapters (a request's load: `request::adapter_load`).
@@ -64,7 +64,6 @@ pub mod driver;
 mod error;
 mod fleet;
 mod front;
-mod hf_tokenizer;
 pub mod metrics;
 mod metrics_state;
 mod models;

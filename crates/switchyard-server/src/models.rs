@@ -394,16 +394,16 @@ pub(crate) fn worker_block_size(sizes: &FxHashMap<String, u32>, served: &[String
 }
 
 /// A listed model's tokenizer: from its directory, or from the hub cache
-/// (downloaded when `hf_tokenizer` allows it).
+/// (downloaded when `switchyard_tokenizer::hub` allows it).
 pub(crate) fn load_tokenizer(
     spec: &ModelSpec,
-    hub: &crate::hf_tokenizer::HubOptions,
+    hub: &switchyard_tokenizer::hub::HubOptions,
     segment_cache_ids: u64,
 ) -> Result<Arc<dyn PromptTokenizer>, String> {
     let dir: PathBuf = match (&spec.tokenizer_dir, &spec.hub_id) {
         (Some(dir), _) => dir.clone(),
         (None, Some(id)) => {
-            crate::hf_tokenizer::tokenizer_dir_from_hub(id, hub).map_err(|e| e.to_string())?
+            switchyard_tokenizer::hub::tokenizer_dir_from_hub(id, hub).map_err(|e| e.to_string())?
         }
         (None, None) => return Err("no tokenizer_dir or hub_id".into()),
     };

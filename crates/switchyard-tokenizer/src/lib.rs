@@ -38,8 +38,12 @@
 //   what it accepts.
 // - `segment_cache`: bounded cache of segments' ids.
 // - `words`: word tokens that round-trip in any sequence.
+// - `hub` (feature `hub`): a tokenizer's directory from the Hugging Face
+//   Hub cache, downloaded into it when allowed.
 pub mod bpe;
 pub mod fast;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod pretokenize;
 pub mod segment_cache;
 pub mod words;

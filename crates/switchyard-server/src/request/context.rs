@@ -132,7 +132,7 @@ impl AppState {
         registry.register_collector(Box::new(crate::tokenize_gate::TokenizeGateCollector(
             tokenize_gate.clone(),
         )));
-        let hub = crate::hf_tokenizer::HubOptions {
+        let hub = switchyard_tokenizer::hub::HubOptions {
             allow_download: config.allow_hub_download,
             cache_dir: config.hub_cache_dir.clone(),
         };

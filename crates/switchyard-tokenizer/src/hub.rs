@@ -3,7 +3,7 @@
 //! and `tokenizer_config.json` in the Hugging Face cache, or, when
 //! allowed, downloads them into it (the `hf-hub` crate: its cache layout
 //! and its blocking `ureq` client over rustls), and returns the directory
-//! that holds them, for [`switchyard_tokenizer::Tokenizer::from_dir`].
+//! that holds them, for [`crate::Tokenizer::from_dir`].
 //!
 //! The cache is the one `huggingface-cli download` and Python's
 //! `huggingface_hub` fill: `<cache>/models--ORG--NAME/refs/main` holds the
@@ -19,11 +19,11 @@ use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::Cache;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use switchyard_tokenizer::{HF_CONFIG, HF_TOKENIZER};
+use crate::{HF_CONFIG, HF_TOKENIZER};
 
 /// Where and whether [`tokenizer_dir_from_hub`] may fetch a tokenizer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct HubOptions {
+pub struct HubOptions {
     /// Download files missing from the cache (`--allow-hub-download`);
     /// `false` (the default) reads the cache only and never opens a
     /// connection.
@@ -39,7 +39,7 @@ pub(crate) struct HubOptions {
 /// Why no tokenizer directory could be had for a hub id. Each message
 /// names the hub id, the files and the cache directory, and how to fix it.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum HubError {
+pub enum HubError {
     /// The hub id is not `NAME` or `ORG/NAME`.
     #[error(
         "{hub_id:?} is not a Hugging Face Hub model id (ORG/NAME, such as Qwen/Qwen3-8B): \
@@ -135,7 +135,7 @@ pub(crate) enum HubError {
 /// The directory holding the tokenizer of Hub model `hub_id`:
 /// `<cache>/models--ORG--NAME/snapshots/<commit>/`, with `tokenizer.json`
 /// and, when the model has one, `tokenizer_config.json` (its chat
-/// template), ready for [`switchyard_tokenizer::Tokenizer::from_dir`].
+/// template), ready for [`crate::Tokenizer::from_dir`].
 ///
 /// The cache ([`HubOptions::cache_dir`]) is looked in
 /// first, at the commit `refs/main` names: a cached `tokenizer.json` is
@@ -149,7 +149,7 @@ pub(crate) enum HubError {
 ///
 /// Tested on caches laid out by hand in hf-hub's layout; the download
 /// itself is not tested here (the tests run without network access).
-pub(crate) fn tokenizer_dir_from_hub(
+pub fn tokenizer_dir_from_hub(
     hub_id: &str,
     options: &HubOptions,
 ) -> Result<PathBuf, HubError> {
@@ -476,11 +476,11 @@ mod tests {
             "Qwen/Qwen3-0.6B",
             &[(
                 HF_TOKENIZER,
-                &switchyard_tokenizer::Tokenizer::bundled_json(),
+                &crate::Tokenizer::bundled_json(),
             )],
         );
         let dir = tokenizer_dir_from_hub("Qwen/Qwen3-0.6B", &offline(&cache)).unwrap();
-        let tokenizer = switchyard_tokenizer::Tokenizer::from_dir(&dir).unwrap();
+        let tokenizer = crate::Tokenizer::from_dir(&dir).unwrap();
         assert_eq!(tokenizer.vocab_size(), 151_669);
         std::fs::remove_dir_all(cache).unwrap();
     }
