@@ -43,6 +43,8 @@
 //!   affinity behind a lock, with its metrics).
 //! - `error` — OpenAI-style errors (why an attempt failed and why a
 //!   request is not moved on are the core's `dispatch::failure`).
+//! - `state` — [`state::AppState`], what every handler reads, built once
+//!   at start-up (it depends on no handler).
 //! - [`standalone`] — the app with no workers, for property tests and fuzzing.
 //!
 //! Data flow: accept → credential check → in-flight permit → body read →
@@ -53,8 +55,9 @@
 //! booking's drop finishes or aborts the request.
 //!
 //! Modules import each other in one direction only: `routes` →
-//! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream` →
-//! `booking`) → `driver` → `roster`, `metrics_state`, `metrics`.
+//! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream`)
+//! → `state` → `driver` (its guards: `driver::booking`) → `roster`,
+//! `metrics_state`, `metrics`.
 
 mod adapters;
 mod cli;
@@ -74,6 +77,7 @@ mod roster;
 mod routes;
 pub mod standalone;
 mod start;
+pub mod state;
 #[cfg(test)]
 mod testing;
 pub mod tokenize;

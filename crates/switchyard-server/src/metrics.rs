@@ -594,6 +594,69 @@ impl ServerMetrics {
     }
 }
 
+// ---- The Responses and Messages APIs ------------------------------------
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApiLabels {
+    api: &'static str,
+    status: &'static str,
+}
+
+/// Requests of the Responses and Messages APIs by API and how they ended
+/// (`switchyard_api_requests_total`; each is counted in
+/// `switchyard_requests_total` too); every label set made up front.
+#[derive(Debug)]
+pub(crate) struct ApiMetrics {
+    family: Family<ApiLabels, Counter>,
+    /// `[Responses, Messages] × RequestStatus`.
+    counts: [[Counter; RequestStatus::ALL.len()]; 2],
+}
+
+fn api_index(api: switchyard_wire::agentic::AgenticApi) -> usize {
+    usize::from(api == switchyard_wire::agentic::AgenticApi::Messages)
+}
+
+impl ApiMetrics {
+    pub(crate) fn new() -> Self {
+        use switchyard_wire::agentic::AgenticApi;
+        let family = Family::<ApiLabels, Counter>::default();
+        let counts = [AgenticApi::Responses, AgenticApi::Messages].map(|api| {
+            RequestStatus::ALL.map(|status| {
+                family
+                    .get_or_create(&ApiLabels {
+                        api: api.label(),
+                        status: status.label(),
+                    })
+                    .clone()
+            })
+        });
+        Self { family, counts }
+    }
+
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "switchyard_api_requests",
+            "Requests of the Responses and Messages APIs by API and how they ended (also counted in switchyard_requests_total)",
+            self.family.clone(),
+        );
+    }
+
+    /// Counts a request of `api` that ended with `status`.
+    pub(crate) fn count(&self, api: switchyard_wire::agentic::AgenticApi, status: RequestStatus) {
+        self.counts[api_index(api)][status as usize].inc();
+    }
+
+    /// Requests of `api` counted with `status` (tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn counted(
+        &self,
+        api: switchyard_wire::agentic::AgenticApi,
+        status: RequestStatus,
+    ) -> u64 {
+        self.counts[api_index(api)][status as usize].get()
+    }
+}
+
 // ---- Disaggregated requests (`serve --disagg`) --------------------------
 
 /// How a half ended, as the `outcome` label.

@@ -200,8 +200,8 @@ pub(crate) async fn start_over<T: Transport>(
 mod tests {
     use super::*;
     use crate::config::{AdmissionMode, ServerConfig};
+    use crate::driver::booking::WaitHandle;
     use crate::driver::Request;
-    use crate::request::booking::WaitHandle;
     use crate::testing::shared_with;
     use std::time::Duration;
     use switchyard_core::admission::SessionKey;

@@ -8,8 +8,8 @@ use super::fleet::{upstream_client, Fleet};
 use super::tokenize::PromptTokenizer;
 use super::{build_driver, metrics::ServerMetrics, ServerConfig};
 use crate::front::inflight::Inflight;
-use crate::request::context::AppState;
 use crate::routes::front_door;
+use crate::state::AppState;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -4,8 +4,8 @@
 //! and the listener served until shutdown drains it.
 
 use crate::{
-    adapters, config, discovery, driver, fleet, front, metrics, replica, request::context, routes,
-    tokenize, ServeArgs, ServerConfig,
+    adapters, config, discovery, driver, fleet, front, metrics, replica, routes, tokenize,
+    ServeArgs, ServerConfig,
 };
 use anyhow::Context as _;
 use std::net::SocketAddr;
@@ -270,7 +270,7 @@ pub async fn start_with_tokenizer(
             config.health_failures,
             interval.clamp(Duration::from_millis(100), Duration::from_secs(2)),
         )
-        .with_worker_auth(context::worker_authorization(&config))
+        .with_worker_auth(crate::state::worker_authorization(&config))
         .with_disagg(config.disagg.is_some())
         .with_models(&config.models),
     );
@@ -282,7 +282,7 @@ pub async fn start_with_tokenizer(
     let router_id = replica_plane
         .as_ref()
         .and_then(|p| axum::http::HeaderValue::from_str(&p.id.to_string()).ok());
-    let mut state = context::AppState::new(
+    let mut state = crate::state::AppState::new(
         &config,
         driver.clone(),
         fleet.clone(),

@@ -1,10 +1,10 @@
 //! Helpers the server's unit tests share (compiled for tests only).
 
 use crate::config::WorkerSpec;
+use crate::driver::booking::{Booking, WaitHandle};
 use crate::driver::{Driver, Request};
 use crate::fleet::{upstream_client, Fleet};
 use crate::metrics::ServerMetrics;
-use crate::request::booking::{Booking, WaitHandle};
 use crate::{build_driver, ServerConfig};
 use std::sync::Arc;
 use std::time::Duration;

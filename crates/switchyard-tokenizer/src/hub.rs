@@ -15,11 +15,11 @@
 //! it starts (a download blocks the calling thread; call it from
 //! `spawn_blocking` inside a runtime).
 
+use crate::{HF_CONFIG, HF_TOKENIZER};
 use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::Cache;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use crate::{HF_CONFIG, HF_TOKENIZER};
 
 /// Where and whether [`tokenizer_dir_from_hub`] may fetch a tokenizer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -149,10 +149,7 @@ pub enum HubError {
 ///
 /// Tested on caches laid out by hand in hf-hub's layout; the download
 /// itself is not tested here (the tests run without network access).
-pub fn tokenizer_dir_from_hub(
-    hub_id: &str,
-    options: &HubOptions,
-) -> Result<PathBuf, HubError> {
+pub fn tokenizer_dir_from_hub(hub_id: &str, options: &HubOptions) -> Result<PathBuf, HubError> {
     if !is_valid_hub_id(hub_id) {
         return Err(HubError::InvalidId {
             hub_id: hub_id.to_owned(),
@@ -474,10 +471,7 @@ mod tests {
         cache_files(
             &cache,
             "Qwen/Qwen3-0.6B",
-            &[(
-                HF_TOKENIZER,
-                &crate::Tokenizer::bundled_json(),
-            )],
+            &[(HF_TOKENIZER, &crate::Tokenizer::bundled_json())],
         );
         let dir = tokenizer_dir_from_hub("Qwen/Qwen3-0.6B", &offline(&cache)).unwrap();
         let tokenizer = crate::Tokenizer::from_dir(&dir).unwrap();

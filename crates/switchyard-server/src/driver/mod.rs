@@ -43,11 +43,14 @@
 //!   leaving, in or out of selection, their health, capacity, roles,
 //!   models and adapters; KV events checked against their liveness.
 //!
-//! Handlers use the guards in [`crate::request::booking`], which wrap the
-//! assignments this module hands out; nothing outside this module sees the
-//! dispatcher or the lock.
+//! - [`booking`] — the guards a handler holds: a `WaitHandle` until its
+//!   request is placed, then a `Booking` whose drop ends it (finished,
+//!   aborted, or handed to a migration). They wrap the assignments this
+//!   module hands out; nothing outside this module sees the dispatcher or
+//!   the lock.
 
 mod board;
+pub mod booking;
 mod roster;
 
 use crate::metrics::{AdmissionDecision, ServerMetrics};
@@ -72,7 +75,7 @@ use board::{Locked, PreRouting};
 use roster::EventWriter;
 
 /// Where a request goes, handed from the dispatcher to its waiting handler
-/// (see [`crate::request::booking::WaitHandle`]).
+/// (see [`crate::driver::booking::WaitHandle`]).
 #[derive(Debug)]
 pub enum Assignment {
     /// Placed and booked on a worker.
@@ -418,7 +421,7 @@ impl Driver {
     // ---- Requests (through the guards in `booking`) --------------------
 
     /// Admission: queues the request and tries to place it at once; the
-    /// receiver gets its assignment (use [`crate::request::booking::WaitHandle`],
+    /// receiver gets its assignment (use [`crate::driver::booking::WaitHandle`],
     /// whose drop ends a request nobody waits for any more).
     pub(crate) fn submit(
         &self,

@@ -1,6 +1,6 @@
 use super::*;
 use crate::config::AdmissionMode;
-use crate::request::booking::{Booking, WaitHandle};
+use crate::driver::booking::{Booking, WaitHandle};
 use crate::testing::{book_remotely, place, request, shared_with};
 use crate::ServerConfig;
 use std::sync::Arc;
@@ -478,7 +478,7 @@ async fn a_shed_request_is_answered_like_a_full_queue_with_its_retry_after() {
     let unplaced = wait.placed().await.unwrap_err();
     assert_eq!(
         unplaced,
-        crate::request::booking::Unplaced::Shed {
+        crate::driver::booking::Unplaced::Shed {
             retry_after_ms: 1_000,
             late: true,
         }

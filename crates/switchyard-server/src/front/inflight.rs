@@ -16,7 +16,7 @@
 //! its body (`max_body_bytes`, read within the body-read deadline), its
 //! routing facts (the prompt's token ids) and either a buffered answer
 //! (`max_response_bytes`) or a stream's buffers (one SSE event of
-//! [`crate::request::context::MAX_EVENT_BYTES`] plus 36 bytes a token of the
+//! [`crate::request::MAX_EVENT_BYTES`] plus 36 bytes a token of the
 //! migration sequence limit, see [`crate::request::stream`]).
 //!
 //! [`Inflight::cancel`] (shutdown, after the grace period) makes every

@@ -3,9 +3,9 @@
 //! load the core's placement asked for, on its own task, or a wait for a
 //! load already under way.
 
+use crate::driver::booking::Booking;
 use crate::error::ApiError;
-use crate::request::booking::Booking;
-use crate::request::context::AppState;
+use crate::state::AppState;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use std::time::Duration;

@@ -22,14 +22,14 @@
 
 use crate::error::ApiError;
 use crate::metrics::InputLimit;
-pub(crate) use crate::request::agentic_state::{AgenticApi, AgenticState};
-use crate::request::context::AppState;
 use crate::request::limits;
 use crate::response_map::{Holder, Inserted, Owner, ResponseMap};
+use crate::state::AppState;
 use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::SessionKey;
 use switchyard_core::WorkerId;
+pub(crate) use switchyard_wire::agentic::AgenticApi;
 use switchyard_wire::agentic::{MessagesRequest, ResponsesRequest};
 use switchyard_wire::agentic_events;
 use switchyard_wire::openai::{BodyError, Limit};
@@ -76,7 +76,8 @@ pub(crate) struct AgenticDelivery {
     /// A Responses request whose answer the worker stores: its id is
     /// remembered with the worker.
     pub(crate) remember: Option<Remember>,
-    pub(crate) state: Arc<AgenticState>,
+    /// Where the request is counted by API.
+    pub(crate) metrics: Arc<crate::metrics::ApiMetrics>,
 }
 
 pub(crate) use switchyard_wire::agentic_events::EventKind;
@@ -183,7 +184,7 @@ mod tests {
                 session: None,
                 owner: None,
             }),
-            state: Arc::new(AgenticState::new(ResponseMap::new(8, 8, DEFAULT_TTL))),
+            metrics: Arc::new(crate::metrics::ApiMetrics::new()),
         }
     }
 

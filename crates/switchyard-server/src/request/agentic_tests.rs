@@ -7,10 +7,10 @@ use crate::driver::Driver;
 use crate::fleet::{upstream_client, Fleet};
 use crate::metrics::{RequestStatus, ServerMetrics};
 use crate::request::agentic::{parse_messages, parse_responses, AgenticApi};
-use crate::request::context::{App, AppState};
 use crate::request::limits::parse_chat;
 use crate::request::prompt::{tokenize, TokenizeJob};
 use crate::routes::app;
+use crate::state::{App, AppState};
 use crate::tokenize::HfTokenizer;
 use crate::ServerConfig;
 use axum::body::Body;
@@ -396,10 +396,10 @@ async fn every_turn_of_a_response_chain_goes_to_the_worker_that_stores_its_previ
         sessions[1..].iter().all(|s| *s == sessions[1]),
         "{sessions:?}"
     );
-    assert_eq!(r.state.agentic.responses.len(), 13);
+    assert_eq!(r.state.stored_responses.len(), 13);
     assert_eq!(
         r.state
-            .agentic
+            .api_metrics
             .counted(AgenticApi::Responses, RequestStatus::Ok),
         13
     );
@@ -473,7 +473,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
         "no other worker was asked"
     );
     // A request with store=false is not remembered.
-    let stored = r.state.agentic.responses.len();
+    let stored = r.state.stored_responses.len();
     let (status, _, _) = call(
         &r.state,
         "/v1/responses",
@@ -482,7 +482,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(r.state.agentic.responses.len(), stored);
+    assert_eq!(r.state.stored_responses.len(), stored);
 }
 
 #[tokio::test]
@@ -543,13 +543,13 @@ async fn anthropic_clients_present_x_api_key_and_get_anthropic_errors_from_the_r
     );
     assert_eq!(
         r.state
-            .agentic
+            .api_metrics
             .counted(AgenticApi::Messages, RequestStatus::Ok),
         1
     );
     assert_eq!(
         r.state
-            .agentic
+            .api_metrics
             .counted(AgenticApi::Messages, RequestStatus::Invalid),
         1
     );

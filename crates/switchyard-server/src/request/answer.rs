@@ -4,15 +4,15 @@
 //! handlers ([`crate::routes`]) and the halves of a disaggregated request
 //! (`disagg`).
 
+use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
 use crate::request::agentic::{AgenticDelivery, EventKind};
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::booking::Booking;
-use crate::request::context::MAX_EVENT_BYTES;
 use crate::request::named_stream::NamedStart;
 use crate::request::stream::{MigratingStream, StreamStart};
+use crate::request::MAX_EVENT_BYTES;
 use axum::body::Body;
 use axum::response::IntoResponse;
 use axum::response::Response;
@@ -84,7 +84,7 @@ pub(crate) fn deliver(
                 } else {
                     RequestStatus::WorkerError
                 };
-                agentic.state.count(agentic.api, status);
+                agentic.metrics.count(agentic.api, status);
             }
             if ok {
                 // The session's context grows by what was generated.

@@ -11,11 +11,12 @@
 //! ([`crate::request::disagg`]) and the streaming body
 //! ([`crate::request::stream`]) share one [`Attempts`] per request.
 
+use crate::driver::booking::{Booking, WaitHandle};
 use crate::driver::{Request, SubmitError};
 use crate::error::ApiError;
-use crate::request::booking::{Booking, WaitHandle};
-use crate::request::context::{AppState, WORKER_HEADER};
+use crate::request::WORKER_HEADER;
 use crate::roster::{Endpoint, Role};
+use crate::state::AppState;
 use axum::http::uri::{self, PathAndQuery};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
 use bytes::Bytes;
@@ -315,14 +316,14 @@ impl Attempts {
                 }
                 Ok(booking)
             }
-            Err(super::booking::Unplaced::Shed {
+            Err(crate::driver::booking::Unplaced::Shed {
                 retry_after_ms,
                 late,
             }) => Err(ApiError::shed(retry_after_ms, late)),
-            Err(super::booking::Unplaced::NoWorkers) if self.failures.migrations() == 0 => {
+            Err(crate::driver::booking::Unplaced::NoWorkers) if self.failures.migrations() == 0 => {
                 Err(ApiError::no_workers("no worker can take the request"))
             }
-            Err(super::booking::Unplaced::NoWorkers) => {
+            Err(crate::driver::booking::Unplaced::NoWorkers) => {
                 metrics.migrations_exhausted.inc();
                 Err(ApiError::no_workers(format!(
                     "{} worker(s) failed the request and no other worker can take it",

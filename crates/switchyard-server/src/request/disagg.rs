@@ -44,13 +44,13 @@
 //! tokens so far itself.
 
 use crate::config::DisaggMode;
+use crate::driver::booking::{Booking, WaitHandle};
 use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
 use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
-use crate::request::booking::{Booking, WaitHandle};
-use crate::request::context::App;
 use crate::roster::Role;
+use crate::state::App;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;

@@ -23,7 +23,7 @@
 use axum::http::{header, HeaderMap, HeaderName};
 
 /// How the router speaks of workers to clients
-/// ([`crate::request::context::AppState::disclosure`]).
+/// ([`crate::state::AppState::disclosure`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Disclosure {
     /// No client key is required: workers are named, their headers pass.

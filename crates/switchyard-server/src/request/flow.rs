@@ -10,9 +10,9 @@
 //!
 //! A band above the tenant's ceiling is capped to it, not refused.
 
-use super::context::AppState;
 use crate::error::ApiError;
 use crate::front::auth::ClientKey;
+use crate::state::AppState;
 use axum::http::HeaderMap;
 use switchyard_core::admission::{Flow, FlowError, MAX_NAME_BYTES};
 

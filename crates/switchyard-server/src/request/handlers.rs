@@ -19,11 +19,11 @@ use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::context::App;
 use crate::request::limits;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, Parsed, PromptIds, PromptSource, TokenizeJob,
 };
+use crate::state::App;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -146,7 +146,7 @@ async fn finish_as(
         Err(e) => {
             let status = error_status(&e);
             state.driver.metrics().count_request(status);
-            state.agentic.count(api, status);
+            state.api_metrics.count(api, status);
             e.into_response()
         }
     }

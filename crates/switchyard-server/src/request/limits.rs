@@ -37,7 +37,7 @@
 use crate::config::FALLBACK_MAX_PROMPT_TOKENS;
 use crate::error::ApiError;
 use crate::metrics::InputLimit;
-use crate::request::context::AppState;
+use crate::state::AppState;
 use switchyard_wire::openai::{
     BodyError, BodyLimits, ChatCompletionRequest, CompletionRequest, Lenient, Limit,
 };
@@ -241,7 +241,7 @@ mod tests {
     use crate::fleet::{upstream_client, Fleet};
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
-    use crate::{build_driver, request::context::AppState, routes::app, ServerConfig};
+    use crate::{build_driver, routes::app, state::AppState, ServerConfig};
     use axum::body::Body;
     use http_body_util::BodyExt as _;
     use serde_json::{json, Value};

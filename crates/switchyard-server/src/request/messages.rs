@@ -22,13 +22,13 @@
 
 use crate::error::ApiError;
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery};
-use crate::request::context::App;
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::limits::Asked;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, PromptSource, TokenizeJob,
 };
 use crate::request::responses::{any_worker_for, direct};
+use crate::state::App;
 use axum::extract::{Request, State};
 use axum::http::Method;
 use axum::response::{IntoResponse, Response};
@@ -57,7 +57,7 @@ pub(crate) async fn messages(State(state): State<App>, request: Request) -> Resp
         let delivery = AgenticDelivery {
             api: AgenticApi::Messages,
             remember: None,
-            state: state.agentic.clone(),
+            metrics: state.api_metrics.clone(),
         };
         let route = AgenticRoute {
             delivery: Arc::new(delivery),
@@ -121,7 +121,7 @@ const NO_OUTPUT: Asked = Asked {
 mod tests {
     use crate::fleet::{upstream_client, Fleet};
     use crate::metrics::ServerMetrics;
-    use crate::request::context::AppState;
+    use crate::state::AppState;
     use crate::tokenize::HfTokenizer;
     use crate::ServerConfig;
     use axum::body::Body;

@@ -1,12 +1,13 @@
 //! One request, from the handler to the last byte, read top to bottom.
 //!
-//! - [`context`] — what every handler shares ([`context::AppState`]).
+//! What every handler shares is [`crate::state::AppState`].
+//!
 //! - [`handlers`] — `/v1/chat/completions` and `/v1/completions`: parse
 //!   only the fields routing needs, tokenize, charge the key, hand over.
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
 //!   equivalent chat, then the chat path; [`agentic`] — what the two
-//!   share; [`agentic_state`] — their state in [`context::AppState`];
+//!   share;
 //!   [`named_stream`] — their streams, forwarded unchanged and a broken
 //!   plain-text one resumed (which of them, and the rewrite into their
 //!   events: `switchyard_wire::resume::agentic`).
@@ -20,8 +21,6 @@
 //!   (submit, placed, failed, moved before the deadline) that plain and
 //!   disaggregated requests share.
 //! - [`adapter_load`] — the request's adapter loaded on its worker first.
-//! - [`booking`] — the guards a handler holds: a `WaitHandle` until its
-//!   request is placed, then a `Booking` whose drop ends it.
 //! - [`disagg`] — prefill/decode-disaggregated requests: two halves, each
 //!   placed through the same loop, and the engine family's protocol.
 //! - [`answer`] — a worker's answer on its way to the client;
@@ -35,11 +34,8 @@
 
 pub(crate) mod adapter_load;
 pub(crate) mod agentic;
-pub(crate) mod agentic_state;
 pub(crate) mod answer;
 pub(crate) mod attempt;
-pub mod booking;
-pub(crate) mod context;
 pub(crate) mod disagg;
 pub(crate) mod disclosure;
 pub(crate) mod engine_body;
@@ -51,3 +47,9 @@ pub(crate) mod named_stream;
 pub(crate) mod prompt;
 pub(crate) mod responses;
 pub(crate) mod stream;
+
+/// Largest single SSE event the router accepts from a worker.
+pub(crate) const MAX_EVENT_BYTES: usize = 256 * 1024;
+
+/// Header naming the worker that served a response.
+pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";

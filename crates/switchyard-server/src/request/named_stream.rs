@@ -20,18 +20,18 @@
 //! and any other ends with an error event in the API's own shape saying
 //! why it could not move ([`switchyard_wire::resume::agentic::resumable`]).
 //! Per stream the router holds one incomplete event (at most
-//! [`crate::request::context::MAX_EVENT_BYTES`] plus one frame), the
+//! [`crate::request::MAX_EVENT_BYTES`] plus one frame), the
 //! event being forwarded, the generated tokens as a chat stream does
 //! ([`Progress::bounded`]) and, for Responses, the generated text (bounded
 //! alike).
 
+use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::agentic::{AgenticDelivery, EventKind};
 use crate::request::attempt::Attempts;
-use crate::request::booking::Booking;
-use crate::request::context::MAX_EVENT_BYTES;
 use crate::request::stream::{move_stream, Moved, PacedStream};
+use crate::request::MAX_EVENT_BYTES;
 use axum::body::Body;
 use bytes::Bytes;
 use hyper::body::Incoming;
@@ -122,7 +122,7 @@ impl Drop for NamedStream {
 impl NamedStream {
     fn count(&self, status: RequestStatus) {
         self.attempts.state.driver.metrics().count_request(status);
-        self.agentic.state.count(self.agentic.api, status);
+        self.agentic.metrics.count(self.agentic.api, status);
     }
 
     /// Ends the response: a normal end finishes the booking with its

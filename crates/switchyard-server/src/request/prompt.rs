@@ -15,8 +15,8 @@
 use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
-use crate::request::context::AppState;
 use crate::request::limits;
+use crate::state::AppState;
 use crate::tokenize::{rendered_size_estimate, tool_calls_size, Pause, INLINE_CHARS};
 use axum::body::Body;
 use axum::extract::Request;

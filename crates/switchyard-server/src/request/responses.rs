@@ -42,13 +42,13 @@ use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
-use crate::request::context::{App, AppState};
 use crate::request::handlers::{finish_agentic, AgenticRoute};
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, PromptIds, PromptSource, TokenizeJob,
 };
 use crate::response_map::{session_of, Holder, Owner};
 use crate::roster::WorkerInfo;
+use crate::state::{App, AppState};
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -113,12 +113,12 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
         let delivery = AgenticDelivery {
             api: AgenticApi::Responses,
             remember: parsed.store.then(|| Remember {
-                map: state.agentic.responses.clone(),
+                map: state.stored_responses.clone(),
                 driver: Some(state.driver.clone()),
                 session,
                 owner,
             }),
-            state: state.agentic.clone(),
+            metrics: state.api_metrics.clone(),
         };
         let route = AgenticRoute {
             delivery: Arc::new(delivery),
@@ -215,8 +215,7 @@ async fn locate_waiting(
 ) -> Result<(Holder, WorkerInfo), ApiError> {
     let known = || {
         state
-            .agentic
-            .responses
+            .stored_responses
             .get(id, owner, Instant::now())
             .is_some()
     };
@@ -243,7 +242,7 @@ fn locate(
     owner: Option<Owner>,
     param: &'static str,
 ) -> Result<(Holder, WorkerInfo), ApiError> {
-    let holder = state.agentic.responses.get(id, owner, Instant::now());
+    let holder = state.stored_responses.get(id, owner, Instant::now());
     let mut row = None;
     let decision = located(holder, |w| match state.driver.worker(w) {
         None => Standing::Gone,
@@ -359,7 +358,7 @@ pub(crate) async fn direct(
     if state.upstream.worker_header {
         if let Some(v) = &worker.endpoint.name_header {
             out.headers_mut()
-                .insert(crate::request::context::WORKER_HEADER, v.clone());
+                .insert(crate::request::WORKER_HEADER, v.clone());
         }
     }
     Ok(out)

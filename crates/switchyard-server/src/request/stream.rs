@@ -10,7 +10,7 @@
 //! reading still has its worker's request cancelled and its booking
 //! freed at the timeout. Per stream the router holds: one incomplete
 //! event (at most
-//! [`crate::request::context::MAX_EVENT_BYTES`] plus one frame), the event being
+//! [`crate::request::MAX_EVENT_BYTES`] plus one frame), the event being
 //! forwarded, the prompt's token ids and the client's body (both already
 //! in memory for routing), and the generated tokens ([`Progress`]: 4 bytes
 //! a token id, at most the migration sequence limit less the prompt, plus
@@ -42,11 +42,11 @@
 //! the upstream connection, cancelling the worker's request, and aborts
 //! the request.
 
+use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::booking::Booking;
-use crate::request::context::MAX_EVENT_BYTES;
+use crate::request::MAX_EVENT_BYTES;
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
 use bytes::Bytes;

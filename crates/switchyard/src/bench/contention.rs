@@ -34,8 +34,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
+use switchyard_server::driver::booking::WaitHandle;
 use switchyard_server::driver::{Driver, Request};
-use switchyard_server::request::booking::WaitHandle;
 use switchyard_server::ServerConfig;
 
 /// Options of `bench contention`.

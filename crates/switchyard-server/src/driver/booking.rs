@@ -12,7 +12,7 @@
 //!   instead: the dispatcher keeps it (and its session's turn) while it
 //!   moves to another worker.
 
-use crate::driver::{Assignment, Driver, Request, SubmitError};
+use super::{Assignment, Driver, Request, SubmitError};
 use std::sync::Arc;
 use switchyard_core::admission::ProgressUpdater;
 use switchyard_core::dispatch::{prefill_half, request_of, MigrateError, Pairing, SplitError};

@@ -1,5 +1,6 @@
 //! What every handler reads: the router's settings and shared parts as one
-//! [`AppState`], built once at startup.
+//! [`AppState`], built once at startup (the front door, the routes and
+//! the request path read it; it depends on none of them).
 
 use crate::driver::Driver;
 use crate::fleet::{Fleet, UpstreamClient};
@@ -11,12 +12,6 @@ use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::dispatch::failure::MigrationPolicy;
-
-/// Largest single SSE event the router accepts from a worker.
-pub(crate) const MAX_EVENT_BYTES: usize = 256 * 1024;
-
-/// Header naming the worker that served a response.
-pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";
 
 /// Everything a handler reads.
 pub struct AppState {
@@ -57,9 +52,11 @@ pub struct AppState {
     pub flow_metrics: Arc<crate::metrics::FlowMetrics>,
     /// With keys off, the header naming a request's tenant.
     pub tenant_header: Option<axum::http::HeaderName>,
-    /// The Responses and Messages APIs' state: where stored responses
-    /// live, requests by API.
-    pub(crate) agentic: Arc<crate::request::agentic_state::AgenticState>,
+    /// Which worker stores which response, for whom (the Responses API's
+    /// `previous_response_id`, `GET` and `cancel`).
+    pub(crate) stored_responses: Arc<crate::response_map::ResponseMap>,
+    /// The Responses and Messages APIs' requests by how they ended.
+    pub(crate) api_metrics: Arc<crate::metrics::ApiMetrics>,
     /// Slots for tokenizing long prompts, by band and fair share.
     pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
 }
@@ -111,17 +108,17 @@ impl AppState {
         );
         let flow_metrics = Arc::new(crate::metrics::FlowMetrics::new(&flows));
         flow_metrics.register(&mut registry);
-        let agentic = Arc::new(crate::request::agentic_state::AgenticState::new(
-            crate::response_map::ResponseMap::new(
-                config.max_stored_responses,
-                config.max_stored_responses_per_key,
-                Duration::from_secs(config.stored_response_ttl_secs),
-            ),
+        let api_metrics = Arc::new(crate::metrics::ApiMetrics::new());
+        api_metrics.register(&mut registry);
+        let stored_responses = Arc::new(crate::response_map::ResponseMap::new(
+            config.max_stored_responses,
+            config.max_stored_responses_per_key,
+            Duration::from_secs(config.stored_response_ttl_secs),
         ));
-        agentic.register(&mut registry);
+        stored_responses.register(&mut registry);
         // Peers' stored responses go in this map (the first state made
         // over a router keeps it).
-        let _ = driver.stored_responses.set(agentic.responses.clone());
+        let _ = driver.stored_responses.set(stored_responses.clone());
         registry.register_collector(Box::new(crate::tokenize::TokenizerCollector(
             tokenizer.clone(),
         )));
@@ -183,7 +180,8 @@ impl AppState {
                 .tenant_header
                 .as_deref()
                 .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
-            agentic,
+            stored_responses,
+            api_metrics,
             tokenize_gate,
         }
     }
