@@ -64,6 +64,14 @@ impl AgenticApi {
             AgenticApi::Messages => "messages",
         }
     }
+
+    /// The endpoint's path.
+    pub fn path(self) -> &'static str {
+        match self {
+            AgenticApi::Responses => "/v1/responses",
+            AgenticApi::Messages => "/v1/messages",
+        }
+    }
 }
 
 /// The body of `/v1/responses`, as far as routing reads it.

@@ -88,12 +88,6 @@ impl AgenticDelivery {
         agentic_events::classify(self.api, data)
     }
 
-    /// A whole answer's output tokens (`usage.output_tokens` in both
-    /// APIs; 0 when absent).
-    pub(crate) fn output_tokens(bytes: &[u8]) -> u64 {
-        agentic_events::output_tokens(bytes)
-    }
-
     /// A whole answer from `worker`: a stored response's id is remembered.
     pub(crate) fn answered(&self, bytes: &[u8], worker: WorkerId) {
         if let Some(remember) = &self.remember {

@@ -8,8 +8,8 @@ use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
-use crate::request::agentic::{AgenticDelivery, EventKind};
 use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::codec::Codec;
 use crate::request::named_stream::NamedStart;
 use crate::request::stream::{MigratingStream, StreamStart};
 use crate::request::MAX_EVENT_BYTES;
@@ -19,16 +19,15 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
-use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::dispatch::failure::Failure;
-use switchyard_wire::openai::{completion_tokens, Api};
-use switchyard_wire::sse::{classify_ref, ChunkRef, Event, NamedEvent, SseError, SseParser};
+use switchyard_wire::sse::{Event, NamedEvent, SseError, SseParser};
 
 /// What [`deliver`] needs of the request besides its attempts.
 #[derive(Clone)]
 pub(crate) struct Delivery {
-    pub(crate) path: &'static str,
+    /// How its answer is read: the API it came through.
+    pub(crate) codec: Codec,
     pub(crate) arrival: Instant,
     /// The prompt's token ids (empty when its model has no tokenizer
     /// here).
@@ -39,10 +38,6 @@ pub(crate) struct Delivery {
     /// The client's body (a resumed stream's request is made from it).
     pub(crate) original: Bytes,
     pub(crate) stream: bool,
-    /// A Responses or Messages request ([`crate::request::agentic`]):
-    /// its events are named and forwarded as they come, its usage read
-    /// in its API's shape. `None`: chat or completions.
-    pub(crate) agentic: Option<Arc<AgenticDelivery>>,
 }
 
 /// The client's response for a worker's successful answer: a buffered
@@ -56,13 +51,12 @@ pub(crate) fn deliver(
 ) -> Response {
     let state = attempts.state.clone();
     let Delivery {
-        path,
+        codec,
         arrival,
         prompt,
         estimated_prompt_tokens,
         original,
         stream,
-        agentic,
     } = request;
     let prompt_tokens = estimated_prompt_tokens.map_or(prompt.len() as u64, u64::from);
     match answer {
@@ -75,31 +69,20 @@ pub(crate) fn deliver(
                 .metrics()
                 .ttft
                 .observe(arrival.elapsed().as_secs_f64());
-            if let Some(agentic) = &agentic {
-                if ok {
-                    agentic.answered(&bytes, booking.worker);
-                }
-                let status = if ok {
-                    RequestStatus::Ok
-                } else {
-                    RequestStatus::WorkerError
-                };
-                agentic.metrics.count(agentic.api, status);
-            }
+            // The session's context grows by what was generated.
+            let completion = codec.answered(ok, &bytes, booking.worker);
             if ok {
-                // The session's context grows by what was generated.
-                let completion = match &agentic {
-                    Some(_) => AgenticDelivery::output_tokens(&bytes),
-                    None => completion_tokens(&bytes),
-                };
                 booking.progress(completion);
                 booking.completed(prompt_tokens.saturating_add(completion));
             }
-            state.driver.metrics().count_request(if ok {
-                RequestStatus::Ok
-            } else {
-                RequestStatus::WorkerError
-            });
+            codec.api().count(
+                &state,
+                if ok {
+                    RequestStatus::Ok
+                } else {
+                    RequestStatus::WorkerError
+                },
+            );
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
             Response::from_parts(parts, Body::from(bytes))
@@ -107,8 +90,8 @@ pub(crate) fn deliver(
         Answer::Named(parts, upstream, parser, first) => {
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
-            let Some(agentic) = agentic else {
-                // Named events are read for agentic requests only.
+            let Codec::Named(agentic) = codec else {
+                // Named events are read for the agentic APIs only.
                 drop(booking);
                 return ApiError::internal("a named stream without its API").into_response();
             };
@@ -129,10 +112,10 @@ pub(crate) fn deliver(
         Answer::Stream(parts, upstream, parser, first) => {
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
-            let api = if path == "/v1/chat/completions" {
-                Api::Chat
-            } else {
-                Api::Completions
+            let Codec::Chunks(api) = codec else {
+                // Chunks are read for the chat API only.
+                drop(booking);
+                return ApiError::internal("a chat stream without its API").into_response();
             };
             let stream = MigratingStream::new(StreamStart {
                 attempts,
@@ -184,39 +167,7 @@ pub(crate) enum Answer {
     ),
 }
 
-/// Reads a streaming response up to its first complete event, within the
-/// first-token timeout.
-pub(crate) async fn first_event(
-    attempts: &Attempts,
-    worker: &str,
-    response: hyper::Response<Incoming>,
-) -> Result<Answer, AttemptError> {
-    let (parts, upstream, parser, first) =
-        first_with(attempts, worker, response, SseParser::next_event_framed).await?;
-    if classify_ref(first.data()) == ChunkRef::Error {
-        return Err(error_event(attempts, worker));
-    }
-    Ok(Answer::Stream(parts, upstream, parser, first))
-}
-
-/// [`first_event`] of a stream of named events (Responses, Messages),
-/// every line of the event kept; an error event first is the worker's
-/// failure, as for chat.
-pub(crate) async fn first_named_event(
-    attempts: &Attempts,
-    worker: &str,
-    response: hyper::Response<Incoming>,
-    agentic: &AgenticDelivery,
-) -> Result<Answer, AttemptError> {
-    let (parts, upstream, parser, first) =
-        first_with(attempts, worker, response, SseParser::next_event_named).await?;
-    if agentic.classify(first.data()) == EventKind::Error {
-        return Err(error_event(attempts, worker));
-    }
-    Ok(Answer::Named(parts, upstream, parser, first))
-}
-
-fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
+pub(crate) fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
     AttemptError::Retry(
         Failure::Status5xx,
         format!(
@@ -226,11 +177,11 @@ fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
     )
 }
 
-type FirstEvent<E> = (hyper::http::response::Parts, Incoming, SseParser, E);
+pub(crate) type FirstEvent<E> = (hyper::http::response::Parts, Incoming, SseParser, E);
 
 /// A streaming response read up to its first complete event (as `next`
 /// takes events), within the first-token timeout.
-async fn first_with<E>(
+pub(crate) async fn first_with<E>(
     attempts: &Attempts,
     worker: &str,
     response: hyper::Response<Incoming>,

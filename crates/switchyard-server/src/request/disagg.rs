@@ -47,8 +47,9 @@ use crate::config::DisaggMode;
 use crate::driver::booking::{Booking, WaitHandle};
 use crate::error::ApiError;
 use crate::metrics::{DisaggMetrics, DisaggOutcome as Outcome, DisaggReason as Reason};
-use crate::request::answer::{buffered, deliver, first_event, Answer, Delivery};
+use crate::request::answer::{buffered, deliver, Answer, Delivery};
 use crate::request::attempt::{AttemptError, Attempts, PlaceError};
+use crate::request::codec::Codec;
 use crate::roster::Role;
 use crate::state::App;
 use axum::http::HeaderMap;
@@ -272,15 +273,17 @@ async fn move_half(
 async fn send_half(
     attempts: &Attempts,
     booking: &Booking,
-    path: &'static str,
+    codec: &Codec,
     body: Bytes,
     stream: bool,
 ) -> Result<Answer, HalfError> {
-    let response = attempts.send(booking, path, body, stream).await?;
+    let response = attempts
+        .send(booking, codec.api().path(), body, stream)
+        .await?;
     let status = response.status();
     if status.is_success() {
         return Ok(if stream {
-            first_event(attempts, &booking.name, response).await?
+            codec.first_event(attempts, &booking.name, response).await?
         } else {
             buffered(attempts, response).await?
         });
@@ -360,7 +363,7 @@ async fn vllm_prefill(
         let sent = send_half(
             &attempts,
             &booking,
-            split.request.path,
+            &split.request.codec,
             prefill_body.clone(),
             false,
         );
@@ -445,7 +448,7 @@ async fn vllm(
             let sent = send_half(
                 &decode,
                 &current,
-                split.request.path,
+                &split.request.codec,
                 body.clone(),
                 split.request.stream,
             );
@@ -566,11 +569,11 @@ async fn sglang(
         // The prefill half runs as a task of its own: it may outlive the
         // handler (read to its end after the decode answered), bounded by
         // the request's deadline.
-        let path = split.request.path;
+        let codec = split.request.codec.clone();
         let deadline = split.deadline;
         let prefill_body = body.clone();
         let mut prefill_task = tokio::spawn(async move {
-            let sent = send_half(&p_attempts, &p_booking, path, prefill_body, false);
+            let sent = send_half(&p_attempts, &p_booking, &codec, prefill_body, false);
             let sent = match tokio::time::timeout_at(deadline, sent).await {
                 Ok(sent) => sent,
                 Err(_) => Err(HalfError::Retry(
@@ -583,7 +586,13 @@ async fn sglang(
         let sent_at = tokio::time::Instant::now();
         let mut decode_sent = Box::pin(tokio::time::timeout_at(
             deadline,
-            send_half(&decode, &d_booking, path, body, split.request.stream),
+            send_half(
+                &decode,
+                &d_booking,
+                &split.request.codec,
+                body,
+                split.request.stream,
+            ),
         ));
         // Both at once: a prefill that fails first cancels the decode
         // (it would wait for a room that never comes).

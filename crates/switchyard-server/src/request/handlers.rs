@@ -17,20 +17,22 @@
 
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::request::answer::{buffered, deliver, first_event, first_named_event, Delivery};
+use crate::request::answer::{buffered, deliver, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::codec::{ApiKind, Codec};
 use crate::request::limits;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, Parsed, PromptIds, PromptSource, TokenizeJob,
 };
-use crate::state::App;
+use crate::state::{App, AppState};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
-use switchyard_wire::openai::Prompt;
+use switchyard_core::WorkerId;
+use switchyard_wire::openai::{Api, Prompt};
 
 pub(crate) async fn chat_completions(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
@@ -48,10 +50,10 @@ pub(crate) async fn chat_completions(State(state): State<App>, request: Request)
             asked,
         };
         let facts = preamble(&state, head, PromptSource::Tokenize(job), Later::default()).await?;
-        Ok::<_, ApiError>((body, facts))
+        Ok::<_, ApiError>(ready(&state, &headers, body, facts, Api::Chat))
     }
     .await;
-    finish(state, headers, "/v1/chat/completions", arrival, result).await
+    finish(state, headers, ApiKind::OpenAi(Api::Chat), arrival, result).await
 }
 
 pub(crate) async fn completions(State(state): State<App>, request: Request) -> Response {
@@ -95,31 +97,63 @@ pub(crate) async fn completions(State(state): State<App>, request: Request) -> R
             asked,
         };
         let facts = preamble(&state, head, prompt, later).await?;
-        Ok::<_, ApiError>((body, facts))
+        Ok::<_, ApiError>(ready(&state, &headers, body, facts, Api::Completions))
     }
     .await;
-    finish(state, headers, "/v1/completions", arrival, result).await
+    finish(
+        state,
+        headers,
+        ApiKind::OpenAi(Api::Completions),
+        arrival,
+        result,
+    )
+    .await
 }
 
+/// A chat or completions request [`Ready`]: its session from the
+/// `x-session-id` header or the body's `session_id`.
+fn ready(state: &AppState, headers: &HeaderMap, body: Bytes, facts: Parsed, api: Api) -> Ready {
+    let session = session_key(state, headers, facts.session.as_deref(), facts.key);
+    Ready {
+        body,
+        facts,
+        session,
+        codec: Codec::Chunks(api),
+        pinned: None,
+    }
+}
+
+/// What a handler has made of its request: the body, its routing facts,
+/// its session, how its answer is read, and the one worker it may go to
+/// (a Responses turn continuing a response that worker stores).
+pub(crate) struct Ready {
+    pub(crate) body: Bytes,
+    pub(crate) facts: Parsed,
+    pub(crate) session: Option<SessionKey>,
+    pub(crate) codec: Codec,
+    pub(crate) pinned: Option<WorkerId>,
+}
+
+/// Every handler's tail: a request made [`Ready`] placed and forwarded;
+/// an error the router answers itself counted as `api`'s.
 pub(crate) async fn finish(
     state: App,
     headers: HeaderMap,
-    path: &'static str,
+    api: ApiKind,
     arrival: Instant,
-    parsed: Result<(Bytes, Parsed), ApiError>,
+    ready: Result<Ready, ApiError>,
 ) -> Response {
-    let metrics = state.driver.metrics().clone();
     // A request dropped before its response head (the client went away,
     // or shutdown) is counted `Cancelled` once, by the in-flight
     // middleware ([`crate::front::inflight`]), not here.
-    let response = match parsed {
-        Ok((body, facts)) => proxy(state, headers, path, arrival, body, facts).await,
+    let response = match ready {
+        Ok(ready) => proxy(state.clone(), headers, arrival, ready).await,
         Err(e) => Err(e),
     };
     match response {
         Ok(response) => response,
         Err(e) => {
-            metrics.count_request(error_status(&e));
+            api.count(&state, error_status(&e));
             e.into_response()
         }
     }
@@ -134,97 +168,20 @@ fn error_status(e: &ApiError) -> RequestStatus {
     }
 }
 
-/// [`finish`] of a Responses or Messages request: an error the router
-/// answers itself is counted as chat's are, and by its `api`.
-async fn finish_as(
-    state: App,
-    api: crate::request::agentic::AgenticApi,
-    response: impl std::future::Future<Output = Result<Response, ApiError>>,
-) -> Response {
-    match response.await {
-        Ok(response) => response,
-        Err(e) => {
-            let status = error_status(&e);
-            state.driver.metrics().count_request(status);
-            state.api_metrics.count(api, status);
-            e.into_response()
-        }
-    }
-}
-
-/// What a Responses or Messages handler has made of its request: the
-/// body, what it asks for, its session and its route.
-pub(crate) type AgenticParsed = (Bytes, Parsed, Option<SessionKey>, AgenticRoute);
-
-/// The tail both agentic handlers share: a parsed request placed and
-/// forwarded at `path`, an error answered and counted by `api`
-/// ([`finish_as`]).
-pub(crate) async fn finish_agentic(
+/// Places and forwards a request made [`Ready`].
+async fn proxy(
     state: App,
     headers: HeaderMap,
-    api: crate::request::agentic::AgenticApi,
-    path: &'static str,
     arrival: Instant,
-    parsed: Result<AgenticParsed, ApiError>,
-) -> Response {
-    let state2 = state.clone();
-    finish_as(state, api, async move {
-        let (body, facts, session, route) = parsed?;
-        proxy_as(
-            state2,
-            headers,
-            path,
-            arrival,
-            body,
-            facts,
-            session,
-            Some(route),
-        )
-        .await
-    })
-    .await
-}
-
-/// A chat or completions request's [`proxy_as`]: not an `async fn` of its
-/// own, so the handler's future holds one layer of these arguments, not
-/// two (each request's future is boxed).
-fn proxy(
-    state: App,
-    headers: HeaderMap,
-    path: &'static str,
-    arrival: Instant,
-    body: Bytes,
-    facts: Parsed,
-) -> impl std::future::Future<Output = Result<Response, ApiError>> {
-    let session = session_key(&state, &headers, facts.session.as_deref(), facts.key);
-    proxy_as(state, headers, path, arrival, body, facts, session, None)
-}
-
-/// A Responses or Messages request's routing beyond chat's: what its
-/// delivery reads ([`crate::request::agentic`]) and the one worker it may
-/// go to (a turn continuing a response that worker stores).
-pub(crate) struct AgenticRoute {
-    pub(crate) delivery: std::sync::Arc<crate::request::agentic::AgenticDelivery>,
-    pub(crate) pinned: Option<switchyard_core::WorkerId>,
-}
-
-/// Places and forwards a parsed request as `session`'s; `agentic` for
-/// the Responses and Messages APIs.
-#[allow(clippy::too_many_arguments)]
-async fn proxy_as(
-    state: App,
-    headers: HeaderMap,
-    path: &'static str,
-    arrival: Instant,
-    body: Bytes,
-    facts: Parsed,
-    session: Option<SessionKey>,
-    agentic: Option<AgenticRoute>,
+    ready: Ready,
 ) -> Result<Response, ApiError> {
-    let (agentic, pinned) = match agentic {
-        Some(route) => (Some(route.delivery), route.pinned),
-        None => (None, None),
-    };
+    let Ready {
+        body,
+        facts,
+        session,
+        codec,
+        pinned,
+    } = ready;
     let flow = Flow {
         expected_output_tokens: facts.asked.expected_output_tokens(),
         ..facts.flow
@@ -235,17 +192,16 @@ async fn proxy_as(
         crate::request::engine_body::engine_body(body, state.flows.engine_priority(flow.band))?;
     let unrendered = facts.prompt.unrendered;
     let request = Delivery {
-        path,
+        codec,
         arrival,
         prompt: facts.prompt.ids,
         estimated_prompt_tokens: facts.prompt.estimated,
         original: body,
         stream: facts.stream,
-        agentic,
     };
     if let Some(mode) = state.disagg {
         if state.driver.disaggregated() {
-            if request.agentic.is_some() {
+            if let Codec::Named(_) = request.codec {
                 return Err(ApiError::not_implemented(
                     "the Responses and Messages APIs are not served through a disaggregated fleet; use /v1/chat/completions",
                 ));
@@ -299,19 +255,17 @@ async fn first_phase(
             let sent = attempts
                 .send(
                     &booking,
-                    request.path,
+                    request.codec.api().path(),
                     request.original.clone(),
                     request.stream,
                 )
                 .await;
             match sent {
                 Ok(response) if request.stream && response.status().is_success() => {
-                    match &request.agentic {
-                        None => first_event(&attempts, &booking.name, response).await,
-                        Some(agentic) => {
-                            first_named_event(&attempts, &booking.name, response, agentic).await
-                        }
-                    }
+                    request
+                        .codec
+                        .first_event(&attempts, &booking.name, response)
+                        .await
                 }
                 Ok(response) => buffered(&attempts, response).await,
                 Err(e) => Err(e),

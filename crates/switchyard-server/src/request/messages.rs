@@ -22,7 +22,8 @@
 
 use crate::error::ApiError;
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery};
-use crate::request::handlers::{finish_agentic, AgenticRoute};
+use crate::request::codec::{ApiKind, Codec};
+use crate::request::handlers::{finish, Ready};
 use crate::request::limits::Asked;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, PromptSource, TokenizeJob,
@@ -34,8 +35,6 @@ use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::Instant;
-
-pub(crate) const PATH: &str = "/v1/messages";
 
 pub(crate) async fn messages(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
@@ -59,14 +58,23 @@ pub(crate) async fn messages(State(state): State<App>, request: Request) -> Resp
             remember: None,
             metrics: state.api_metrics.clone(),
         };
-        let route = AgenticRoute {
-            delivery: Arc::new(delivery),
+        Ok::<_, ApiError>(Ready {
+            body,
+            facts,
+            session,
+            codec: Codec::Named(Arc::new(delivery)),
             pinned: None,
-        };
-        Ok::<_, ApiError>((body, facts, session, route))
+        })
     }
     .await;
-    finish_agentic(state, headers, AgenticApi::Messages, PATH, arrival, result).await
+    finish(
+        state,
+        headers,
+        ApiKind::Agentic(AgenticApi::Messages),
+        arrival,
+        result,
+    )
+    .await
 }
 
 /// `count_tokens`: the prompt is tokenized (or, for a model without a

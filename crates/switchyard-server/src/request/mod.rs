@@ -6,11 +6,13 @@
 //!   only the fields routing needs, tokenize, charge the key, hand over.
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
-//!   equivalent chat, then the chat path; [`agentic`] — what the two
-//!   share;
-//!   [`named_stream`] — their streams, forwarded unchanged and a broken
+//!   equivalent chat, then the placement loop every request takes;
+//!   [`agentic`] — what the two share; [`named_stream`] — their streams, forwarded unchanged and a broken
 //!   plain-text one resumed (which of them, and the rewrite into their
 //!   events: `switchyard_wire::resume::agentic`).
+//! - [`codec`] — which API a request came through and so how its answer
+//!   is read (the chat API's chunks, or the Responses and Messages APIs'
+//!   named events): the shared path asks it and names no API.
 //! - [`prompt`] — what the handlers share: the one preamble after parsing
 //!   (`preamble`: the prompt's token ids, or an estimate, and the key's
 //!   token charge), the session.
@@ -36,6 +38,7 @@ pub(crate) mod adapter_load;
 pub(crate) mod agentic;
 pub(crate) mod answer;
 pub(crate) mod attempt;
+pub(crate) mod codec;
 pub(crate) mod disagg;
 pub(crate) mod disclosure;
 pub(crate) mod engine_body;

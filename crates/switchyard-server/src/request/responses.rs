@@ -42,7 +42,8 @@ use crate::error::ApiError;
 use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
-use crate::request::handlers::{finish_agentic, AgenticRoute};
+use crate::request::codec::{ApiKind, Codec};
+use crate::request::handlers::{finish, Ready};
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, PromptIds, PromptSource, TokenizeJob,
 };
@@ -59,7 +60,7 @@ use std::time::Instant;
 use switchyard_core::admission::responses::{located, Located, Standing};
 use switchyard_wire::agentic::MAX_RESPONSE_ID_BYTES;
 
-pub(crate) const PATH: &str = "/v1/responses";
+const PATH: &str = "/v1/responses";
 
 pub(crate) async fn responses(State(state): State<App>, request: Request) -> Response {
     let arrival = Instant::now();
@@ -120,14 +121,23 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
             }),
             metrics: state.api_metrics.clone(),
         };
-        let route = AgenticRoute {
-            delivery: Arc::new(delivery),
+        Ok::<_, ApiError>(Ready {
+            body,
+            facts,
+            session,
+            codec: Codec::Named(Arc::new(delivery)),
             pinned,
-        };
-        Ok::<_, ApiError>((body, facts, session, route))
+        })
     }
     .await;
-    finish_agentic(state, headers, AgenticApi::Responses, PATH, arrival, result).await
+    finish(
+        state,
+        headers,
+        ApiKind::Agentic(AgenticApi::Responses),
+        arrival,
+        result,
+    )
+    .await
 }
 
 /// The owner a caller with `key` may see stored responses of: its key's
