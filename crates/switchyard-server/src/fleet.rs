@@ -546,7 +546,7 @@ impl Fleet {
     /// adapter slots, when wanted.
     async fn follow_up(&self, info: &crate::roster::WorkerInfo) {
         if let Some(body) = self.get(&info.url, "/v1/models").await {
-            let now = std::time::Instant::now();
+            let now = self.driver.now_ms();
             if let Some(learnt) = self.driver.adapters.learn_models(&body, now) {
                 for name in &learnt.new {
                     self.driver.adapter_holders_only(name, true);
@@ -577,7 +577,7 @@ impl Fleet {
 
     /// Learned adapters no worker lists any more are forgotten.
     fn sweep_adapters(&self) {
-        for name in self.driver.adapters.sweep(std::time::Instant::now()) {
+        for name in self.driver.adapters.sweep(self.driver.now_ms()) {
             self.driver.adapter_holders_only(&name, false);
         }
     }

@@ -24,6 +24,11 @@
 //! (what a worker reports beyond it is dropped and counted), names of at
 //! most [`MAX_ADAPTER_NAME_BYTES`] bytes (longer ones are refused and
 //! counted), and a worker's slots clamped to the same cap.
+//!
+//! Which adapters a request may name at all, and the base model whose
+//! workers may serve each, is the [`catalogue`]'s.
+
+pub mod catalogue;
 
 use crate::maps::FxHashMap;
 use crate::types::WorkerId;
