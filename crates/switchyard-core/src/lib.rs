@@ -37,7 +37,9 @@
 //!   fitted online per worker from observed times to first token.
 //! - [`adapters`] — which worker has which LoRA adapter loaded; the router
 //!   prices a missing one by its load time and a placement says when to
-//!   load it.
+//!   load it; which adapters a request may name (`adapters::catalogue`).
+//! - [`eligibility`] — which workers may take a request: by its model,
+//!   draining, and a disaggregated fleet's pools ([`eligibility::Role`]).
 //! - [`dispatch`] — the request lifecycle as one value,
 //!   [`dispatch::Dispatcher`]: router, admission, the request table, the
 //!   estimator and the circuit breakers, driven by pure calls (submit,
@@ -62,6 +64,7 @@
 pub mod adapters;
 pub mod admission;
 pub mod dispatch;
+pub mod eligibility;
 pub mod engine_profile;
 pub mod estimate;
 pub mod hashing;

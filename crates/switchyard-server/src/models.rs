@@ -5,7 +5,7 @@
 //! and chat template, its block size and, optionally, its own policy. The
 //! rest of the state is per worker and so per model already: the prefix
 //! index holds each worker's blocks (a request only ever looks at the
-//! workers that serve its model: [`crate::roster::Roster::eligible_for`]),
+//! workers that serve its model: [`switchyard_core::eligibility`]),
 //! and the load view is each worker's. One table entry is the *default*:
 //! the router's own tokenizer (`--tokenizer-dir` or the bundled one),
 //! `--block-size` and `--policy`, for every model not listed.

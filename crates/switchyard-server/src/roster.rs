@@ -4,7 +4,8 @@
 //! the epoch of its KV-event subscriber and its circuit transitions.
 //!
 //! Pure data under the router's lock ([`crate::driver`]); nothing here
-//! touches the network or the dispatcher.
+//! touches the network or the dispatcher. Which workers may take a request
+//! is the core's ([`switchyard_core::eligibility`]), asked of this table.
 
 use axum::http::uri::{Authority, Scheme};
 use axum::http::{HeaderValue, Uri};
@@ -15,51 +16,9 @@ use switchyard_core::health::CircuitState;
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::{Eligible, WorkerId};
 
-/// A worker's part in a prefill/decode-disaggregated fleet.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum Role {
-    /// Prefill halves only.
-    Prefill,
-    /// Decode halves only.
-    Decode,
-    /// Either half, or whole requests (today's worker).
-    #[default]
-    Both,
-}
-
-impl Role {
-    /// Its name in specs, `/admin/workers` and metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "both",
-        }
-    }
-
-    /// Whether a worker of this role is in `pool` (`Prefill` or `Decode`;
-    /// `Both` is every worker).
-    pub fn in_pool(self, pool: Role) -> bool {
-        self == pool || self == Role::Both || pool == Role::Both
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            "both" => Ok(Role::Both),
-            other => Err(format!(
-                "role must be prefill, decode or both, got {other:?}"
-            )),
-        }
-    }
-}
+pub use switchyard_core::eligibility::Role;
+pub(crate) use switchyard_core::eligibility::UnknownModel;
+use switchyard_core::eligibility::{self, Candidate};
 
 /// One worker as the server knows it.
 #[derive(Debug, Clone)]
@@ -147,10 +106,6 @@ impl Endpoint {
         }
     }
 }
-
-/// Why a request cannot be routed at all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct UnknownModel;
 
 /// Every worker, by id.
 #[derive(Debug, Default)]
@@ -243,74 +198,32 @@ impl Roster {
         }
     }
 
-    /// Workers that may take new requests for `model`. `UnknownModel`
-    /// when workers are up but none serves `model` (and none is draining,
-    /// whose model list may be the one missing).
-    pub(crate) fn eligible_for(&self, model: Option<&str>) -> Result<Eligible, UnknownModel> {
-        let serves = |info: &WorkerInfo| match model {
-            None => true,
-            Some(m) => info.models.is_empty() || info.models.iter().any(|x| x == m),
-        };
-        // One pass to count, so that the common case (every worker may take
-        // it) allocates nothing: this runs under the routing lock for every
-        // request.
-        let (mut all, mut serving, mut any_draining) = (0usize, 0usize, false);
-        for info in self.workers.values().filter(|w| w.in_router) {
-            all += 1;
-            any_draining |= info.draining;
-            serving += usize::from(serves(info) && !info.draining);
-        }
-        if serving == 0 && all > 0 && model.is_some() && !any_draining {
-            return Err(UnknownModel);
-        }
-        if serving == all && !any_draining {
-            return Ok(Eligible::Every);
-        }
-        // None when only draining workers serve it: they take nothing new.
-        let mut eligible = Vec::with_capacity(serving);
-        eligible.extend(
-            self.workers
-                .values()
-                .filter(|w| w.in_router && !w.draining && serves(w))
-                .map(|w| w.id),
-        );
-        Ok(Eligible::Only(eligible))
+    /// The workers as the core's eligibility reads them.
+    fn candidates(&self) -> impl Iterator<Item = Candidate<'_>> + Clone {
+        self.workers.values().map(|w| Candidate {
+            id: w.id,
+            models: &w.models,
+            in_router: w.in_router,
+            draining: w.draining,
+            role: w.role,
+        })
     }
-}
 
-impl Roster {
-    /// Whether the fleet is disaggregated: at least one registered worker
-    /// has role `prefill` and one role `decode` (healthy or not: a pool
-    /// whose workers are all down fails its halves rather than sending
-    /// whole requests to workers set up for one half).
+    /// Whether the fleet is disaggregated (the core's
+    /// [`eligibility::disaggregated`]).
     pub(crate) fn disaggregated(&self) -> bool {
-        let has = |role| self.workers.values().any(|w| w.role == role);
-        has(Role::Prefill) && has(Role::Decode)
+        eligibility::disaggregated(self.candidates())
     }
 
-    /// [`Self::eligible_for`] restricted to the workers in `pool`
-    /// (`Prefill` or `Decode`; `Both`: no restriction).
+    /// The workers that may take a new request for `model` in `pool`
+    /// (`Both`: any), by the core's [`eligibility::eligible_in`];
+    /// `UnknownModel` when workers are up but none serves `model`.
     pub(crate) fn eligible_in(
         &self,
         model: Option<&str>,
         pool: Role,
     ) -> Result<Eligible, UnknownModel> {
-        let eligible = self.eligible_for(model)?;
-        if pool == Role::Both {
-            return Ok(eligible);
-        }
-        let mut list: Vec<WorkerId> = match eligible {
-            Eligible::Every => self
-                .workers
-                .values()
-                .filter(|w| w.in_router && !w.draining)
-                .map(|w| w.id)
-                .collect(),
-            Eligible::Only(list) => list,
-        };
-        // None when nothing in the pool may take it.
-        list.retain(|id| self.workers.get(id).is_some_and(|w| w.role.in_pool(pool)));
-        Ok(Eligible::Only(list))
+        eligibility::eligible_in(self.candidates(), model, pool)
     }
 }
 
@@ -328,63 +241,6 @@ mod tests {
             info.models = models.iter().map(|m| m.to_string()).collect();
         }
         r
-    }
-
-    #[test]
-    fn every_worker_serving_the_model_means_any_worker() {
-        let r = roster(&[("a", &["m"]), ("b", &["m"])]);
-        assert_eq!(r.eligible_for(Some("m")), Ok(Eligible::Every));
-        assert_eq!(r.eligible_for(None), Ok(Eligible::Every));
-    }
-
-    #[test]
-    fn only_workers_serving_the_model_are_eligible() {
-        let r = roster(&[("a", &["m"]), ("b", &["n"])]);
-        assert_eq!(
-            r.eligible_for(Some("n")),
-            Ok(Eligible::one(WorkerId::new(2)))
-        );
-        assert_eq!(r.eligible_for(Some("x")), Err(UnknownModel));
-    }
-
-    #[test]
-    fn a_draining_worker_takes_nothing_new() {
-        let mut r = roster(&[("a", &["m"])]);
-        r.get_mut(WorkerId::new(1)).unwrap().draining = true;
-        assert_eq!(r.eligible_for(Some("m")), Ok(Eligible::none()));
-    }
-
-    #[test]
-    fn a_pool_is_its_roles_workers_and_the_both_ones() {
-        let mut r = roster(&[("p", &[]), ("d", &[]), ("b", &[])]);
-        assert!(!r.disaggregated());
-        assert_eq!(r.eligible_in(None, Role::Both), Ok(Eligible::Every));
-        r.get_mut(WorkerId::new(1)).unwrap().role = Role::Prefill;
-        assert!(!r.disaggregated(), "a prefill worker alone is not a split");
-        r.get_mut(WorkerId::new(2)).unwrap().role = Role::Decode;
-        assert!(r.disaggregated());
-        let sorted = |e: Eligible| {
-            let mut v = e.listed().expect("a pool is a list").to_vec();
-            v.sort();
-            v
-        };
-        assert_eq!(
-            sorted(r.eligible_in(None, Role::Prefill).unwrap()),
-            vec![WorkerId::new(1), WorkerId::new(3)]
-        );
-        assert_eq!(
-            sorted(r.eligible_in(None, Role::Decode).unwrap()),
-            vec![WorkerId::new(2), WorkerId::new(3)]
-        );
-        r.get_mut(WorkerId::new(3)).unwrap().role = Role::Decode;
-        r.get_mut(WorkerId::new(1)).unwrap().in_router = false;
-        assert_eq!(
-            r.eligible_in(None, Role::Prefill),
-            Ok(Eligible::none()),
-            "no prefill worker up: nothing may take a prefill"
-        );
-        assert_eq!("decode".parse::<Role>(), Ok(Role::Decode));
-        assert!("primary".parse::<Role>().is_err());
     }
 
     #[test]
