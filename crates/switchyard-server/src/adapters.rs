@@ -179,6 +179,9 @@ impl Adapters {
             .as_array()?
             .iter()
             .take(MAX_CARDS)
+            // A `parent` that is no string makes a card neither a base
+            // model nor an adapter: it is skipped.
+            .filter(|c| c["parent"].is_null() || c["parent"].is_string())
             .map(|c| Card {
                 id: c["id"].as_str(),
                 parent: c["parent"].as_str(),
@@ -321,6 +324,17 @@ mod tests {
         assert_eq!(expired, vec![Box::<str>::from("chat")]);
         assert_eq!(dropped(&a, "expired"), 1);
         assert_eq!(a.listed(), [("sql".to_owned(), Some("base".to_owned()))]);
+    }
+
+    #[test]
+    fn a_card_whose_parent_is_no_string_is_neither_a_base_nor_an_adapter() {
+        let a = Adapters::default();
+        let odd = br#"{"data":[{"id":"base"},{"id":"odd","parent":5}]}"#;
+        assert_eq!(a.learn_models(odd, 0.0).unwrap(), Learnt::default());
+        // Not taken for a base name: an adapter of that name is learned.
+        let listed = br#"{"data":[{"id":"base"},{"id":"odd","parent":"base"}]}"#;
+        assert_eq!(a.learn_models(listed, 0.0).unwrap().new, ["odd"]);
+        assert_eq!(dropped(&a, "shadow"), 0);
     }
 
     #[test]

@@ -180,7 +180,9 @@ pub struct TwinArgs {
     #[arg(long, value_delimiter = ',', conflicts_with = "rate_scale")]
     pub loads: Vec<f64>,
     /// With `--engine vllm`: real-time runs per policy and load; the
-    /// figures are their medians, with their spread.
+    /// figures are their medians, with their spread. With `--fail-worker`:
+    /// serve runs per policy; the figures are their medians and the counts
+    /// compared the median run's (by migrated requests), every run's shown.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// The failure case: worker `WORKER` (from 0) dies `AT_S` seconds
@@ -282,12 +284,40 @@ impl Side {
 }
 
 /// Both sides of one policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Pair {
     /// The simulator, virtual time.
     pub replay: Side,
-    /// The router and sim-worker processes, real time (`None`: `--replay-only`).
+    /// The router and sim-worker processes, real time (`None`: `--replay-only`);
+    /// over several rounds, [`median_rounds`].
     pub serve: Option<Side>,
+    /// The failure case over `--rounds` rounds: every round's serve side,
+    /// in the order run (empty for one round).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub serve_rounds: Vec<Side>,
+}
+
+/// Several serve rounds of the failure case as one side: each figure at
+/// its median over the rounds (as `--engine vllm` reports them), and the
+/// counts of the run whose migrated count is the median (the lower of the
+/// two middle ones for an even count), so completed, migrated and failed
+/// are one real run's. The simulator's counts are deterministic; a real
+/// run's depend on the queue on the failed worker at the instant it dies,
+/// which varies from run to run, so the simulator is compared with the
+/// median run.
+pub fn median_rounds(rounds: &[Side]) -> Option<Side> {
+    let mut sorted: Vec<&Side> = rounds.iter().collect();
+    sorted.sort_by_key(|s| s.migrated());
+    let run = **sorted.get(sorted.len().saturating_sub(1) / 2)?;
+    Some(Side {
+        completed: run.completed,
+        errors: run.errors,
+        retried: run.retried,
+        resumed: run.resumed,
+        transfers: run.transfers,
+        transfer_bytes: run.transfer_bytes,
+        ..vllm::median_side(rounds)
+    })
 }
 
 /// Policies in order of one figure on one side.
@@ -879,7 +909,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             policy.name().to_owned(),
             Pair {
                 replay: side,
-                serve: None,
+                ..Pair::default()
             },
         );
     }
@@ -903,27 +933,46 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
                 .fail_worker
                 .map(|f| (std::time::Duration::from_secs_f64(f.at_ms / 1e3), f.worker)),
         };
-        serve::run_all(&setup, &args.policies, |policy, run| {
-            let side = Side::of_serve(&run.report, run.transfers, run.moved);
-            if let Some(why) = &run.report.hit_rate_unavailable {
-                eprintln!("  serve {}: no hit rate: {why}", policy.name());
+        // The failure case's count depends on the instant's queues: it
+        // runs `--rounds` times and compares the median run.
+        let rounds = if args.fail_worker.is_some() {
+            args.rounds
+        } else {
+            1
+        };
+        let mut runs: BTreeMap<String, Vec<Side>> = BTreeMap::new();
+        for round in 1..=rounds {
+            if rounds > 1 {
+                println!("  serve round {round} of {rounds}");
             }
-            println!(
-                "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
-                policy.name(),
-                side.hit_rate,
-                side.ttft_p50_ms,
-                side.ttft_p90_ms,
-                transfers_note(&fleet, &side),
-                side.errors,
-                run.health.dropped_fraction * 100.0,
-                run.health.send_lag_p99_ms,
-            );
-            if let Some(pair) = pairs.get_mut(policy.name()) {
-                pair.serve = Some(side);
+            serve::run_all(&setup, &args.policies, |policy, run| {
+                let side = Side::of_serve(&run.report, run.transfers, run.moved);
+                if let Some(why) = &run.report.hit_rate_unavailable {
+                    eprintln!("  serve {}: no hit rate: {why}", policy.name());
+                }
+                println!(
+                    "  serve  {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}  ({} errors; sim-workers gave up {:.2}% of their schedule; sends late by p99 {:.1} ms)",
+                    policy.name(),
+                    side.hit_rate,
+                    side.ttft_p50_ms,
+                    side.ttft_p90_ms,
+                    transfers_note(&fleet, &side),
+                    side.errors,
+                    run.health.dropped_fraction * 100.0,
+                    run.health.send_lag_p99_ms,
+                );
+                runs.entry(policy.name().to_owned()).or_default().push(side);
+                health.insert(policy.name().to_owned(), run.health);
+            })?;
+        }
+        for (name, sides) in runs {
+            if let Some(pair) = pairs.get_mut(&name) {
+                pair.serve = median_rounds(&sides);
+                if sides.len() > 1 {
+                    pair.serve_rounds = sides;
+                }
             }
-            health.insert(policy.name().to_owned(), run.health);
-        })?;
+        }
     }
     let verdict = verdict(&pairs, args.fail_worker.is_some());
     if fleet.disagg.is_some() {
@@ -1015,6 +1064,17 @@ fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
                     r.errors,
                     s.errors
                 );
+                if !p.serve_rounds.is_empty() {
+                    let each: Vec<String> = p
+                        .serve_rounds
+                        .iter()
+                        .map(|s| s.migrated().to_string())
+                        .collect();
+                    println!(
+                        "  serve's runs migrated {} (the median run's counts above)",
+                        each.join(", ")
+                    );
+                }
             }
         }
         println!(
@@ -1070,6 +1130,29 @@ mod tests {
             ttft_p90_ms,
             ..Side::default()
         }
+    }
+
+    #[test]
+    fn several_failure_rounds_are_their_medians_with_the_median_runs_counts() {
+        let run = |resumed, ttft_p90_ms, completed| Side {
+            resumed,
+            completed,
+            ..side(0.2, ttft_p90_ms)
+        };
+        // Runs in the order run: migrated 84, 68, 98.
+        let rounds = [
+            run(84, 300.0, 1000),
+            run(68, 100.0, 999),
+            run(98, 200.0, 998),
+        ];
+        let one = median_rounds(&rounds).unwrap();
+        assert_eq!(one.migrated(), 84, "the median run's migrated count");
+        assert_eq!(one.completed, 1000, "and that run's other counts");
+        assert_eq!(one.ttft_p90_ms, 200.0, "each figure its own median");
+        // An even count takes the lower middle run; none, nothing.
+        let two = median_rounds(&rounds[..2]).unwrap();
+        assert_eq!(two.migrated(), 68);
+        assert_eq!(median_rounds(&[]), None);
     }
 
     #[test]
@@ -1341,6 +1424,7 @@ mod tests {
         let pair = |r: Side, s: Side| Pair {
             replay: r,
             serve: Some(s),
+            ..Pair::default()
         };
         let mut pairs = BTreeMap::new();
         pairs.insert("kv".to_owned(), pair(side(0.20, 100.0), side(0.19, 150.0)));
@@ -1417,6 +1501,7 @@ mod tests {
             Pair {
                 replay: counted(290, 40, 10),
                 serve: Some(counted(292, 41, 8)),
+                ..Pair::default()
             },
         );
         let v = verdict(&pairs, true);
