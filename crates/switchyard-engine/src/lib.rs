@@ -33,6 +33,8 @@
 //! - [`timing`] — [`TimingConfig`]: step and restore durations.
 //! - [`events`] — [`KvEvent`]: the typed KV events every store, removal and
 //!   clear emits, independent of any wire format.
+//! - [`adapters`] — [`adapters::AdapterSlots`]: the LoRA adapters loaded,
+//!   bounded, the least recently used evicted.
 //!
 //! Data flow: requests enter [`Engine::add_request`]; each step emits sampled
 //! tokens and finished requests in a [`StepReport`]; the block manager's
@@ -40,6 +42,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapters;
 pub mod blocks;
 pub mod checkpoints;
 pub mod config;

@@ -19,7 +19,8 @@
 //! `--lora-load-ms` of model time (divided by `--speedup`, like the
 //! engine's steps; instant at speed-up 0) and counts as loaded from its
 //! start (a second load of the same name is refused); a load into a full
-//! table evicts the least recently used adapter, counted — vLLM keeps
+//! table evicts the least recently used adapter (the simulated engine's
+//! slots, [`switchyard_engine::adapters`]), counted — vLLM keeps
 //! evicted adapters registered and reloads them from disk on the next
 //! request, while the sim-worker forgets them, so its `/v1/models` is
 //! always what it holds. Adapters do not change the simulated compute; a
@@ -30,6 +31,7 @@
 use crate::metrics::Metrics;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use switchyard_engine::adapters::AdapterSlots;
 use switchyard_wire::openai::ErrorBody;
 
 /// Longest adapter name or path accepted (bytes).
@@ -37,14 +39,6 @@ pub const MAX_FIELD_BYTES: usize = 4096;
 
 /// Most adapters any sim-worker holds, whatever `--max-loras` says.
 pub const MAX_LORAS_CAP: usize = 1024;
-
-#[derive(Clone, Debug)]
-struct Adapter {
-    name: Arc<str>,
-    path: Arc<str>,
-    /// Recency stamp (a counter, bumped by each use).
-    used: u64,
-}
 
 /// The worker's adapters.
 #[derive(Debug)]
@@ -56,10 +50,20 @@ pub struct Adapters {
     inner: Mutex<Inner>,
 }
 
-#[derive(Debug, Default)]
+/// The loaded adapters (the simulated engine's slots, each with its path)
+/// and the recency clock (a counter, bumped by each use).
+#[derive(Debug)]
 struct Inner {
-    loaded: Vec<Adapter>,
+    loaded: AdapterSlots<Arc<str>>,
     clock: u64,
+}
+
+impl Inner {
+    /// The next recency stamp.
+    fn tick(&mut self) -> f64 {
+        self.clock += 1;
+        self.clock as f64
+    }
 }
 
 impl Adapters {
@@ -76,7 +80,10 @@ impl Adapters {
             load_time,
             base,
             metrics,
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Inner {
+                loaded: AdapterSlots::new(max_loras.min(MAX_LORAS_CAP)),
+                clock: 0,
+            }),
         }
     }
 
@@ -92,15 +99,8 @@ impl Adapters {
     /// Whether `name` is loaded; a use refreshes its recency.
     pub fn touch(&self, name: &str) -> bool {
         let mut inner = self.lock();
-        inner.clock += 1;
-        let clock = inner.clock;
-        match inner.loaded.iter_mut().find(|a| &*a.name == name) {
-            Some(a) => {
-                a.used = clock;
-                true
-            }
-            None => false,
-        }
+        let now = inner.tick();
+        inner.loaded.touch(name, now).is_some()
     }
 
     /// `(name, path)` of every loaded adapter, in load order.
@@ -108,7 +108,7 @@ impl Adapters {
         self.lock()
             .loaded
             .iter()
-            .map(|a| (a.name.clone(), a.path.clone()))
+            .map(|(name, path)| (Arc::from(name), path.clone()))
             .collect()
     }
 
@@ -144,25 +144,15 @@ impl Adapters {
         }
         {
             let mut inner = self.lock();
-            if inner.loaded.iter().any(|a| &*a.name == name) {
+            if inner.loaded.contains(name) {
                 drop(inner);
                 return Err(self.refuse(invalid_input(format!(
                     "The lora adapter '{name}' has already been loaded."
                 ))));
             }
-            if inner.loaded.len() >= self.max_loras {
-                if let Some(i) = (0..inner.loaded.len()).min_by_key(|&i| inner.loaded[i].used) {
-                    inner.loaded.remove(i);
-                    self.metrics.lora_evictions.inc();
-                }
-            }
-            inner.clock += 1;
-            let used = inner.clock;
-            inner.loaded.push(Adapter {
-                name: name.into(),
-                path: path.into(),
-                used,
-            });
+            let now = inner.tick();
+            let evicted = inner.loaded.load(name, Arc::from(path), now);
+            self.metrics.lora_evictions.inc_by(evicted.len() as u64);
             self.metrics.lora_adapters.set(inner.loaded.len() as i64);
         }
         if !self.load_time.is_zero() {
@@ -182,9 +172,7 @@ impl Adapters {
             ));
         };
         let mut inner = self.lock();
-        let before = inner.loaded.len();
-        inner.loaded.retain(|a| &*a.name != name);
-        if inner.loaded.len() == before {
+        if inner.loaded.unload(name).is_none() {
             return Err(ErrorBody::new(
                 404,
                 "NotFoundError",

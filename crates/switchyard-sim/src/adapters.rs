@@ -29,6 +29,7 @@
 //! load them).
 
 use serde::{Deserialize, Serialize};
+use switchyard_engine::adapters::AdapterSlots;
 
 /// The adapter mix and the engines' adapter slots.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -122,41 +123,46 @@ fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// An engine's loaded adapters (the truth the routers' tables track).
-#[derive(Clone, Debug, Default)]
+/// An engine's loaded adapters (the truth the routers' tables track): the
+/// simulated engine's slots ([`AdapterSlots`]), each adapter with the
+/// wall time its load ends.
+#[derive(Clone, Debug)]
 pub(crate) struct EngineAdapters {
-    /// (name, ready at wall ms, last use).
-    loaded: Vec<(Box<str>, f64, f64)>,
+    loaded: AdapterSlots<f64>,
 }
 
 impl EngineAdapters {
+    /// An engine of `slots` adapter slots (at least one).
+    pub(crate) fn new(slots: usize) -> Self {
+        Self {
+            loaded: AdapterSlots::new(slots.max(1)),
+        }
+    }
+
+    /// The same engine with nothing loaded (a restart).
+    pub(crate) fn emptied(&self) -> Self {
+        Self::new(self.loaded.slots())
+    }
+
     /// A request for `adapter` starts here at `now`: when it can run (a
     /// load under way or made now), and whether this made a load.
     /// `unload` is the router's named victim; a full engine evicts its
-    /// least recently used otherwise. At most `slots` stay loaded.
+    /// least recently used otherwise.
     pub(crate) fn acquire(
         &mut self,
         adapter: &str,
         unload: Option<&str>,
-        slots: usize,
         load_wall_ms: f64,
         now: f64,
     ) -> (f64, bool) {
-        if let Some(entry) = self.loaded.iter_mut().find(|e| &*e.0 == adapter) {
-            entry.2 = now;
-            return (entry.1.max(now), false);
+        if let Some(ready) = self.loaded.touch(adapter, now) {
+            return (ready.max(now), false);
         }
         if let Some(victim) = unload {
-            self.loaded.retain(|e| &*e.0 != victim);
-        }
-        while self.loaded.len() >= slots.max(1) {
-            let coldest = (0..self.loaded.len())
-                .min_by(|&a, &b| self.loaded[a].2.total_cmp(&self.loaded[b].2))
-                .expect("not empty");
-            self.loaded.remove(coldest);
+            self.loaded.unload(victim);
         }
         let ready = now + load_wall_ms;
-        self.loaded.push((adapter.into(), ready, now));
+        self.loaded.load(adapter, ready, now);
         (ready, true)
     }
 }
@@ -208,16 +214,16 @@ mod tests {
 
     #[test]
     fn an_engine_keeps_its_slots_and_a_load_under_way_is_shared() {
-        let mut e = EngineAdapters::default();
-        assert_eq!(e.acquire("a", None, 2, 50.0, 0.0), (50.0, true));
-        assert_eq!(e.acquire("a", None, 2, 50.0, 10.0), (50.0, false));
-        e.acquire("b", None, 2, 50.0, 20.0);
+        let mut e = EngineAdapters::new(2);
+        assert_eq!(e.acquire("a", None, 50.0, 0.0), (50.0, true));
+        assert_eq!(e.acquire("a", None, 50.0, 10.0), (50.0, false));
+        e.acquire("b", None, 50.0, 20.0);
         // Full: c evicts a (used at 10) rather than b (20).
-        e.acquire("c", None, 2, 50.0, 30.0);
+        e.acquire("c", None, 50.0, 30.0);
         assert_eq!(e.loaded.len(), 2);
-        assert!(e.loaded.iter().all(|x| &*x.0 != "a"));
+        assert!(!e.loaded.contains("a"));
         // The router's victim goes first.
-        e.acquire("d", Some("c"), 2, 50.0, 40.0);
-        assert!(e.loaded.iter().any(|x| &*x.0 == "b"));
+        e.acquire("d", Some("c"), 50.0, 40.0);
+        assert!(e.loaded.contains("b"));
     }
 }

@@ -319,13 +319,10 @@ impl Simulation {
         let name = crate::adapters::adapter_name(mix.adapter_of(&self.adapter_cdf, session));
         let unload = sent.adapter_load.as_ref().and_then(|l| l.unload.as_deref());
         let load_wall_ms = self.config.engine.timing.wall_ms(mix.load_ms);
-        let (at, loaded) = self.workers[worker].adapters.acquire(
-            &name,
-            unload,
-            mix.max_loras,
-            load_wall_ms,
-            self.now,
-        );
+        let (at, loaded) =
+            self.workers[worker]
+                .adapters
+                .acquire(&name, unload, load_wall_ms, self.now);
         let figures = &mut self.adapter_figures;
         figures.requests += 1;
         figures.loads += u64::from(loaded);

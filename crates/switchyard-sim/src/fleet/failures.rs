@@ -159,7 +159,7 @@ impl Simulation {
         w.busy = false;
         w.pending = Default::default();
         w.booked = 0;
-        w.adapters = Default::default();
+        w.adapters = w.adapters.emptied();
         w.events = events;
         let mut lost: Vec<RequestId> = self
             .in_flight

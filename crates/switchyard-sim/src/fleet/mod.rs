@@ -443,7 +443,9 @@ impl Simulation {
                 served_tokens: 0,
                 booked: 0,
                 events: event_stream(&config),
-                adapters: Default::default(),
+                adapters: crate::adapters::EngineAdapters::new(
+                    config.adapters.map_or(1, |mix| mix.max_loras),
+                ),
                 down: false,
                 epoch: 0,
             });
