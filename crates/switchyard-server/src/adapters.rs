@@ -78,12 +78,8 @@ impl Default for Adapters {
 impl Adapters {
     /// A catalogue of the configured adapters (already validated).
     pub fn new(specs: &[AdapterSpec]) -> Self {
-        Self::over(Catalogue::new(specs))
-    }
-
-    fn over(catalogue: Catalogue) -> Self {
         Self {
-            catalogue: RwLock::new(catalogue),
+            catalogue: RwLock::new(Catalogue::new(specs)),
             pending: Mutex::default(),
             senders: Mutex::default(),
             loads: Family::default(),
@@ -96,12 +92,10 @@ impl Adapters {
 
     /// The same catalogue, knowing the configured models (`[[models]]`
     /// names): a learned adapter's parent must be one of them.
-    pub fn with_base_models<'a>(self, names: impl IntoIterator<Item = &'a str>) -> Self {
-        let catalogue = self
-            .catalogue
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner());
-        Self::over(catalogue.with_base_models(names))
+    pub fn with_base_models<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        let catalogue = self.catalogue.get_mut().unwrap_or_else(|p| p.into_inner());
+        *catalogue = std::mem::take(catalogue).with_base_models(names);
+        self
     }
 
     /// Registers `switchyard_adapter_*`.
