@@ -187,16 +187,6 @@ impl AppState {
     }
 }
 
-impl AppState {
-    /// How the router speaks of workers to clients: guarded while client
-    /// keys are required ([`crate::request::disclosure`]).
-    pub(crate) fn disclosure(&self) -> crate::request::disclosure::Disclosure {
-        crate::request::disclosure::Disclosure::when_keys_required(
-            self.credentials.client_keys_required(),
-        )
-    }
-}
-
 /// The `Authorization` header value the router sends to workers, when
 /// `--worker-api-key` is set (marked sensitive: never logged by hyper).
 pub(crate) fn worker_authorization(config: &crate::config::ServerConfig) -> Option<HeaderValue> {

@@ -1,27 +1,21 @@
-//! A worker's successful answer on its way to the client: the first
-//! event of a stream ([`first_event`]) or a whole answer ([`buffered`]),
-//! and the client's response made of it ([`deliver`]). Shared by the
+//! A worker's successful answer on its way to the client: the client's
+//! response made of it ([`deliver`]) — a whole answer, or a stream whose
+//! first event the request's codec read ([`crate::request::codec`]). Shared by the
 //! handlers ([`crate::routes`]) and the halves of a disaggregated request
 //! (`disagg`).
 
 use crate::driver::booking::Booking;
 use crate::error::ApiError;
-use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
-use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::codec::Codec;
+use crate::request::attempt::Attempts;
+use crate::request::codec::{Answer, Codec};
 use crate::request::named_stream::NamedStart;
 use crate::request::stream::{MigratingStream, StreamStart};
-use crate::request::MAX_EVENT_BYTES;
 use axum::body::Body;
 use axum::response::IntoResponse;
 use axum::response::Response;
 use bytes::Bytes;
-use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
 use std::time::Instant;
-use switchyard_core::dispatch::failure::Failure;
-use switchyard_wire::sse::{Event, NamedEvent, SseError, SseParser};
 
 /// What [`deliver`] needs of the request besides its attempts.
 #[derive(Clone)]
@@ -149,103 +143,4 @@ pub(crate) fn log_dispatch(
         stream,
         "dispatched"
     );
-}
-
-/// A successful attempt.
-pub(crate) enum Answer {
-    /// A whole response (non-streaming, or an error status passed through).
-    Buffered(hyper::http::response::Parts, Bytes),
-    /// A stream whose first event has arrived.
-    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
-    /// A stream of named events (Responses, Messages) whose first event
-    /// has arrived.
-    Named(
-        hyper::http::response::Parts,
-        Incoming,
-        SseParser,
-        NamedEvent,
-    ),
-}
-
-pub(crate) fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
-    AttemptError::Retry(
-        Failure::Status5xx,
-        format!(
-            "{} answered with an error event",
-            attempts.state.disclosure().worker(worker)
-        ),
-    )
-}
-
-pub(crate) type FirstEvent<E> = (hyper::http::response::Parts, Incoming, SseParser, E);
-
-/// A streaming response read up to its first complete event (as `next`
-/// takes events), within the first-token timeout.
-pub(crate) async fn first_with<E>(
-    attempts: &Attempts,
-    worker: &str,
-    response: hyper::Response<Incoming>,
-    next: fn(&mut SseParser) -> Result<Option<E>, SseError>,
-) -> Result<FirstEvent<E>, AttemptError> {
-    let (parts, mut upstream) = response.into_parts();
-    let mut parser = SseParser::new(MAX_EVENT_BYTES);
-    let read = async {
-        loop {
-            match next(&mut parser) {
-                Ok(Some(event)) => return Ok(event),
-                Ok(None) => {}
-                Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
-            }
-            match upstream.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        parser.push(&data);
-                    }
-                }
-                Some(Err(_)) => {
-                    return Err(AttemptError::Retry(
-                        Failure::Reset,
-                        "the worker's stream broke before its first event".into(),
-                    ))
-                }
-                None => {
-                    return Err(AttemptError::Retry(
-                        Failure::Reset,
-                        "the worker's stream ended before its first event".into(),
-                    ))
-                }
-            }
-        }
-    };
-    let timeout = attempts.state.upstream.first_token_timeout;
-    let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
-        AttemptError::Retry(
-            Failure::Timeout,
-            format!(
-                "{} sent no first event within {:.1} s",
-                attempts.state.disclosure().worker(worker),
-                timeout.as_secs_f64()
-            ),
-        )
-    })??;
-    Ok((parts, upstream, parser, first))
-}
-
-/// Buffers a whole response (bounded by `max_response_bytes`).
-pub(crate) async fn buffered(
-    attempts: &Attempts,
-    response: hyper::Response<Incoming>,
-) -> Result<Answer, AttemptError> {
-    let limit = attempts.state.upstream.max_response_bytes;
-    let (parts, upstream) = response.into_parts();
-    match read_whole(upstream, limit).await {
-        Ok(body) => Ok(Answer::Buffered(parts, body)),
-        Err(ReadError::TooLarge) => Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
-            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
-        )))),
-        Err(ReadError::Broken) => Err(AttemptError::Retry(
-            Failure::Reset,
-            "the worker's response broke before it was complete".into(),
-        )),
-    }
 }

@@ -1,5 +1,5 @@
 //! Which API a request came through, and so how the shared path reads its
-//! worker's answer: the chat API's chunks (`/v1/chat/completions`,
+//! worker's answer ([`Answer`]: whole, or a stream up to its first event): the chat API's chunks (`/v1/chat/completions`,
 //! `/v1/completions`) or the named events of the Responses and Messages
 //! APIs (`/v1/responses`, `/v1/messages`). A handler makes its request's
 //! [`Codec`]; the placement loop ([`crate::request::handlers`]), the
@@ -7,18 +7,23 @@
 //! ([`crate::request::stream`], [`crate::request::named_stream`]) ask it,
 //! and none of them names an API.
 
+use crate::error::ApiError;
+use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
 use crate::request::agentic::{AgenticDelivery, EventKind};
-use crate::request::answer::{error_event, first_with, Answer};
 use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::MAX_EVENT_BYTES;
 use crate::state::AppState;
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use std::sync::Arc;
+use switchyard_core::dispatch::failure::Failure;
 use switchyard_core::WorkerId;
 use switchyard_wire::agentic::AgenticApi;
 use switchyard_wire::agentic_events;
 use switchyard_wire::openai::{completion_tokens, Api};
-use switchyard_wire::sse::{classify_ref, ChunkRef, SseParser};
+use switchyard_wire::sse::{classify_ref, ChunkRef, Event, NamedEvent, SseError, SseParser};
 
 /// Which API a request came through: what it is counted as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,5 +119,105 @@ impl Codec {
                 agentic_events::output_tokens(bytes)
             }
         }
+    }
+}
+
+/// A successful attempt.
+pub(crate) enum Answer {
+    /// A whole response (non-streaming, or an error status passed through).
+    Buffered(hyper::http::response::Parts, Bytes),
+    /// A stream whose first event has arrived.
+    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
+    /// A stream of named events (Responses, Messages) whose first event
+    /// has arrived.
+    Named(
+        hyper::http::response::Parts,
+        Incoming,
+        SseParser,
+        NamedEvent,
+    ),
+}
+
+/// An error event first: the worker's failure.
+fn error_event(attempts: &Attempts, worker: &str) -> AttemptError {
+    AttemptError::Retry(
+        Failure::Status5xx,
+        format!(
+            "{} answered with an error event",
+            attempts.state.disclosure().worker(worker)
+        ),
+    )
+}
+
+type FirstEvent<E> = (hyper::http::response::Parts, Incoming, SseParser, E);
+
+/// A streaming response read up to its first complete event (as `next`
+/// takes events), within the first-token timeout.
+async fn first_with<E>(
+    attempts: &Attempts,
+    worker: &str,
+    response: hyper::Response<Incoming>,
+    next: fn(&mut SseParser) -> Result<Option<E>, SseError>,
+) -> Result<FirstEvent<E>, AttemptError> {
+    let (parts, mut upstream) = response.into_parts();
+    let mut parser = SseParser::new(MAX_EVENT_BYTES);
+    let read = async {
+        loop {
+            match next(&mut parser) {
+                Ok(Some(event)) => return Ok(event),
+                Ok(None) => {}
+                Err(e) => return Err(AttemptError::Retry(Failure::Reset, e.to_string())),
+            }
+            match upstream.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        parser.push(&data);
+                    }
+                }
+                Some(Err(_)) => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream broke before its first event".into(),
+                    ))
+                }
+                None => {
+                    return Err(AttemptError::Retry(
+                        Failure::Reset,
+                        "the worker's stream ended before its first event".into(),
+                    ))
+                }
+            }
+        }
+    };
+    let timeout = attempts.state.upstream.first_token_timeout;
+    let first = tokio::time::timeout(timeout, read).await.map_err(|_| {
+        AttemptError::Retry(
+            Failure::Timeout,
+            format!(
+                "{} sent no first event within {:.1} s",
+                attempts.state.disclosure().worker(worker),
+                timeout.as_secs_f64()
+            ),
+        )
+    })??;
+    Ok((parts, upstream, parser, first))
+}
+
+/// Buffers a whole response (bounded by `max_response_bytes`).
+pub(crate) async fn buffered(
+    attempts: &Attempts,
+    response: hyper::Response<Incoming>,
+) -> Result<Answer, AttemptError> {
+    let limit = attempts.state.upstream.max_response_bytes;
+    let (parts, upstream) = response.into_parts();
+    match read_whole(upstream, limit).await {
+        Ok(body) => Ok(Answer::Buffered(parts, body)),
+        Err(ReadError::TooLarge) => Err(AttemptError::Fatal(ApiError::bad_gateway(format!(
+            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
+        )))),
+        Err(ReadError::Broken) => Err(AttemptError::Retry(
+            Failure::Reset,
+            "the worker's response broke before it was complete".into(),
+        )),
     }
 }

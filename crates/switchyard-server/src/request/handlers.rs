@@ -17,9 +17,9 @@
 
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
-use crate::request::answer::{buffered, deliver, Delivery};
+use crate::request::answer::{deliver, Delivery};
 use crate::request::attempt::{AttemptError, Attempts};
-use crate::request::codec::{ApiKind, Codec};
+use crate::request::codec::{buffered, ApiKind, Codec};
 use crate::request::limits;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, Parsed, PromptIds, PromptSource, TokenizeJob,

@@ -133,13 +133,27 @@ fn code(file: &Path) -> String {
         .join("\n")
 }
 
-/// Edges between a crate's top-level modules: `a → b` when code in `a`
-/// (or below it) names `crate::b...` or reaches `b` through `super::`.
-fn top_level_edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
-    let modules = modules(src);
-    let top = |m: &str| m.split("::").next().unwrap_or_default().to_owned();
+/// Edges between the modules directly under `parent` (`""`: the crate's
+/// top level): `a → b` when code in `a` (or below it) names `crate::…b…`
+/// or reaches `b` (or below it) through `super::`.
+fn edges_under(
+    modules: &BTreeMap<String, PathBuf>,
+    parent: &str,
+) -> BTreeMap<String, BTreeSet<String>> {
+    let depth = if parent.is_empty() {
+        0
+    } else {
+        parent.split("::").count()
+    };
+    // The child of `parent` that `m` is or lies under.
+    let child = |m: &str| -> Option<String> {
+        let parts: Vec<&str> = m.split("::").filter(|s| !s.is_empty()).collect();
+        let under = parent.is_empty() || m.starts_with(&format!("{parent}::"));
+        (under && parts.len() > depth).then(|| parts[depth].to_owned())
+    };
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (module, file) in &modules {
+    for (module, file) in modules {
+        let Some(from) = child(module) else { continue };
         let text = code(file);
         for (kind, rest) in [("crate::", 0usize), ("super::", 1)]
             .iter()
@@ -170,14 +184,27 @@ fn top_level_edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
                 .rev()
                 .map(|n| path[..n].join("::"))
                 .find(|p| modules.contains_key(p));
-            let Some(target) = target else { continue };
-            let (from, to) = (top(module), top(&target));
-            if !from.is_empty() && !to.is_empty() && from != to {
-                edges.entry(from).or_default().insert(to);
+            let Some(to) = target.as_deref().and_then(child) else {
+                continue;
+            };
+            if from != to {
+                edges.entry(from.clone()).or_default().insert(to);
             }
         }
     }
     edges
+}
+
+/// Every module that has modules under it (`""`: the crate root).
+fn parents(modules: &BTreeMap<String, PathBuf>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for module in modules.keys().filter(|m| !m.is_empty()) {
+        let parts: Vec<&str> = module.split("::").collect();
+        for n in 0..parts.len() {
+            out.insert(parts[..n].join("::"));
+        }
+    }
+    out
 }
 
 /// A cycle in `edges`, if there is one.
@@ -214,18 +241,25 @@ fn cycle(edges: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
 
 #[test]
 fn no_module_of_any_crate_imports_another_in_a_circle() {
-    let mut checked = 0;
+    let (mut checked, mut nested) = (0, 0);
     for dir in crates() {
-        let edges = top_level_edges(&dir.join("src"));
-        checked += edges.len();
-        assert_eq!(
-            cycle(&edges),
-            None,
-            "{}: modules import each other in a circle",
-            dir.display()
-        );
+        let modules = modules(&dir.join("src"));
+        // The top level, and the modules side by side in every folder
+        // module (`request::answer` and `request::codec`, say).
+        for parent in parents(&modules) {
+            let edges = edges_under(&modules, &parent);
+            checked += edges.len();
+            nested += usize::from(!parent.is_empty() && !edges.is_empty());
+            assert_eq!(
+                cycle(&edges),
+                None,
+                "{}: modules under `{parent}` import each other in a circle",
+                dir.display()
+            );
+        }
     }
     assert!(checked > 10, "the scan found the crates' modules");
+    assert!(nested > 5, "and modules inside folder modules");
 }
 
 #[test]
@@ -243,4 +277,34 @@ fn the_cycle_check_finds_a_circle() {
         cycle(&edges),
         Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
     );
+}
+
+#[test]
+fn a_circle_between_modules_of_one_folder_is_found() {
+    let src = std::env::temp_dir().join(format!("switchyard-layout-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&src);
+    std::fs::create_dir_all(src.join("request")).unwrap();
+    let write = |file: &str, text: &str| std::fs::write(src.join(file), text).unwrap();
+    write("lib.rs", "mod request;\nmod state;\n");
+    write("state.rs", "pub struct AppState;\n");
+    write(
+        "request/mod.rs",
+        "mod answer;\nmod codec;\nuse crate::state::AppState;\n",
+    );
+    write("request/answer.rs", "use crate::request::codec::Codec;\n");
+    write(
+        "request/codec.rs",
+        "// crate::request::answer in a comment\nuse super::answer::Answer;\n",
+    );
+    let modules = modules(&src);
+    assert_eq!(cycle(&edges_under(&modules, "")), None);
+    assert_eq!(
+        cycle(&edges_under(&modules, "request")),
+        Some(vec!["answer".into(), "codec".into(), "answer".into()])
+    );
+    assert_eq!(
+        parents(&modules),
+        ["".to_owned(), "request".to_owned()].into_iter().collect()
+    );
+    let _ = std::fs::remove_dir_all(&src);
 }
