@@ -115,13 +115,16 @@ fn chat(messages: &[Message]) -> Vec<ChatMessage> {
         .collect()
 }
 
+/// The conversation's prompt ids, with the request's `tools` where the
+/// template renders them (as the router renders it).
 async fn render(
     state: &WorkerState,
     conversation: Vec<ChatMessage>,
+    tools: Option<serde_json::Value>,
 ) -> Result<Vec<u32>, ErrorBody> {
     let tokenizer = state.tokenizer.clone();
     tokio::task::spawn_blocking(move || {
-        let text = tokenizer.apply_chat_template(&conversation, true)?;
+        let text = tokenizer.apply_chat_template_with_tools(&conversation, tools.as_ref(), true)?;
         tokenizer.encode(&text)
     })
     .await
@@ -284,7 +287,7 @@ async fn responses_inner(state: WorkerState, body: Bytes) -> Result<Response, Er
     } else {
         conversation.extend(new.into_iter().filter(|m| m.role != "system"));
     }
-    let prompt = render(&state, conversation.clone()).await?;
+    let prompt = render(&state, conversation.clone(), request.tools.clone()).await?;
     let generation = generate(&state, prompt, max_tokens).await?;
     // Random, as vLLM's are: an id is no counter another client could
     // guess from its own.
@@ -551,7 +554,7 @@ async fn messages_inner(state: WorkerState, body: Bytes) -> Result<Response, Err
             ))
         }
     };
-    let prompt = render(&state, chat(request.chat())).await?;
+    let prompt = render(&state, chat(request.chat()), request.tools.clone()).await?;
     let generation = generate(&state, prompt, max_tokens).await?;
     let id = format!("msg_{:032x}", state.request_id().0);
     let model = state.model.to_string();
@@ -642,7 +645,7 @@ pub(crate) async fn count_tokens(State(state): State<WorkerState>, body: Bytes) 
     let result = async {
         let request = MessagesRequest::from_json(&body, &BodyLimits::NONE).map_err(body_error)?;
         check_model(&state, request.model.as_deref())?;
-        let prompt = render(&state, chat(request.chat())).await?;
+        let prompt = render(&state, chat(request.chat()), request.tools.clone()).await?;
         Ok::<_, ErrorBody>(Json(json!({"input_tokens": prompt.len()})).into_response())
     }
     .await;

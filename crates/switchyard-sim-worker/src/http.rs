@@ -413,15 +413,24 @@ async fn chat_completions(
                 .into())
             }
         };
+        // An assistant turn's tool calls are rendered, as vLLM (and the
+        // router, which must hash the same ids) renders them.
+        let tool_calls = m
+            .tool_calls
+            .into_iter()
+            .map(|c| switchyard_tokenizer::ToolCall::function(c.name, c.arguments))
+            .collect();
         messages.push(ChatMessage {
             role: m.role,
             content,
-            tool_calls: Vec::new(),
+            tool_calls,
         });
     }
+    let tools = body.tools;
     let tokenizer = state.tokenizer.clone();
     let prompt = tokio::task::spawn_blocking(move || {
-        let text = tokenizer.apply_chat_template(&messages, true)?;
+        // With the declared tools, where the template renders them.
+        let text = tokenizer.apply_chat_template_with_tools(&messages, tools.as_ref(), true)?;
         tokenizer.encode(&text)
     })
     .await

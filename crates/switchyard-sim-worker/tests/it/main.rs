@@ -2,6 +2,7 @@
 //! loopback sockets, one module per concern.
 
 mod adapters;
+mod chat_template;
 mod disagg;
 mod dp;
 mod output_text;
