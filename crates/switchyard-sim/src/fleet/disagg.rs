@@ -6,6 +6,7 @@ use super::event::Event;
 use super::Simulation;
 use std::sync::Arc;
 use switchyard_core::dispatch::{request_of, Pairing, SplitPlan};
+use switchyard_core::eligibility::{eligible_in, Candidate, Role};
 use switchyard_core::hashing::seed_for;
 use switchyard_core::{Eligible, RequestId};
 use switchyard_engine::lease::LeaseRef;
@@ -22,15 +23,27 @@ impl Simulation {
     /// With disaggregation, how a request's halves are placed: the
     /// prefill pool, then (once the prefill handed its KV over) the decode
     /// pool. The simulated link never loses a transfer.
+    /// The pools are the core's eligibility (`serve`'s too): the first
+    /// `prefill_workers` engines have role prefill, the rest decode.
     pub(super) fn split_plan(&self) -> Option<SplitPlan> {
         let d = self.config.disagg.as_ref()?;
-        let ids = |range: std::ops::Range<usize>| -> Eligible {
-            Eligible::Only(self.workers[range].iter().map(|w| w.id).collect())
-        };
+        let candidates = self.workers.iter().enumerate().map(|(i, w)| Candidate {
+            id: w.id,
+            models: &[],
+            in_router: !w.down,
+            draining: false,
+            role: if i < d.prefill_workers {
+                Role::Prefill
+            } else {
+                Role::Decode
+            },
+        });
+        let pool =
+            |role| eligible_in(candidates.clone(), None, role).unwrap_or_else(|_| Eligible::none());
         Some(SplitPlan {
             pairing: Pairing::AfterPrefill,
-            prefill_pool: ids(0..d.prefill_workers),
-            decode_pool: ids(d.prefill_workers..self.workers.len()),
+            prefill_pool: pool(Role::Prefill),
+            decode_pool: pool(Role::Decode),
             transfer_limit: 0,
         })
     }
