@@ -1,8 +1,8 @@
 //! A worker's successful answer on its way to the client: the client's
 //! response made of it ([`deliver`]) — a whole answer, or a stream whose
-//! first event the request's codec read ([`crate::request::codec`]). Shared by the
-//! handlers ([`crate::routes`]) and the halves of a disaggregated request
-//! (`disagg`).
+//! first event the request's codec read ([`crate::request::codec`]).
+//! Shared by the handlers ([`crate::routes`]) and the halves of a
+//! disaggregated request (`disagg`).
 
 use crate::driver::booking::Booking;
 use crate::error::ApiError;

@@ -1,7 +1,8 @@
 //! Which API a request came through, and so how the shared path reads its
-//! worker's answer ([`Answer`]: whole, or a stream up to its first event): the chat API's chunks (`/v1/chat/completions`,
-//! `/v1/completions`) or the named events of the Responses and Messages
-//! APIs (`/v1/responses`, `/v1/messages`). A handler makes its request's
+//! worker's answer ([`Answer`]: whole, or a stream up to its first event):
+//! the chat API's chunks (`/v1/chat/completions`, `/v1/completions`) or
+//! the named events of the Responses and Messages APIs (`/v1/responses`,
+//! `/v1/messages`). A handler makes its request's
 //! [`Codec`]; the placement loop ([`crate::request::handlers`]), the
 //! answer ([`crate::request::answer`]) and the streams
 //! ([`crate::request::stream`], [`crate::request::named_stream`]) ask it,
