@@ -33,8 +33,8 @@ use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use switchyard_tokenizer::{ChatMessage, Tokenizer, WordVocabulary};
 use switchyard_wire::openai::{
-    Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion, CompletionRequest,
-    ErrorBody, MessageContent, Prompt, Usage,
+    joined_text, Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion,
+    CompletionRequest, ErrorBody, MessageContent, Prompt, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -390,20 +390,14 @@ async fn chat_completions(
             None => String::new(),
             Some(MessageContent::Text(s)) => s,
             Some(MessageContent::Parts(parts)) => {
-                let mut text = String::new();
-                for part in parts {
-                    match part.text {
-                        Some(t) if part.kind.as_deref() == Some("text") => text.push_str(&t),
-                        _ => {
-                            return Err(ErrorBody::invalid_request(
-                                "only text content parts are supported",
-                                Some("messages"),
-                            )
-                            .into())
-                        }
-                    }
+                if !parts.iter().all(|p| p.is_text()) {
+                    return Err(ErrorBody::invalid_request(
+                        "only text content parts are supported",
+                        Some("messages"),
+                    )
+                    .into());
                 }
-                text
+                joined_text(parts.iter().filter_map(|p| p.text.as_deref()))
             }
             Some(MessageContent::Invalid) => {
                 return Err(ErrorBody::invalid_request(

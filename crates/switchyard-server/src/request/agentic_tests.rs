@@ -256,6 +256,30 @@ async fn routing_blocks(state: &AppState, api: &str, body: &Value) -> Vec<u64> {
 }
 
 #[tokio::test]
+async fn a_chat_messages_text_parts_route_as_their_texts_joined_by_a_newline() {
+    let r = router(&named(), &[]);
+    // The parts come first, so that what follows them fills whole blocks.
+    let answer = "The one that served its previous turn, since its cache holds it. ".repeat(8);
+    let chat = |first: Value| {
+        json!({"model": "m", "messages": [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Why?"},
+        ]})
+    };
+    let parts = json!([{"type": "text", "text": "Thanks."}, {"type": "text", "text": "And next?"}]);
+    let by_parts = routing_blocks(&r.state, "chat", &chat(parts)).await;
+    let joined = routing_blocks(&r.state, "chat", &chat(json!("Thanks.\nAnd next?"))).await;
+    let glued = routing_blocks(&r.state, "chat", &chat(json!("Thanks.And next?"))).await;
+    assert!(by_parts.len() >= 2, "a prompt of {} blocks", by_parts.len());
+    assert_eq!(
+        by_parts, joined,
+        "vLLM joins a message's text parts with a newline"
+    );
+    assert_ne!(by_parts, glued);
+}
+
+#[tokio::test]
 async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blocks() {
     let r = router(&named(), &[]);
     let system = "You are a careful assistant who answers in full sentences. ".repeat(4);
@@ -268,7 +292,7 @@ async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blo
         {"role": "assistant", "content": answer},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": result},
-        {"role": "user", "content": [{"type": "text", "text": "Thanks. "}, {"type": "text", "text": "And next?"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks. And next?"}]},
     ]});
     let messages = json!({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": system}], "messages": [
         {"role": "user", "content": question},

@@ -26,7 +26,7 @@ use serde::Deserialize;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_tokenizer::{ChatMessage, ToolCall};
-use switchyard_wire::openai::{Message, MessageContent};
+use switchyard_wire::openai::{joined_text, Message, MessageContent};
 
 /// the upload layer: its one buffer, taken as it is).
 pub(crate) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
@@ -91,9 +91,10 @@ impl PromptIds {
     }
 }
 
-/// The router's reading of chat messages: text content as is, the text
-/// of every content part that has one (images and other parts do not
-/// change the text prefix), no content as empty.
+/// The router's reading of chat messages: text content as is, the texts
+/// of the content parts that have one joined by a newline as vLLM joins
+/// them ([`joined_text`]; images and other parts do not change the text
+/// prefix), no content as empty.
 pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request(
@@ -107,7 +108,7 @@ pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
             None => String::new(),
             Some(MessageContent::Text(s)) => s,
             Some(MessageContent::Parts(parts)) => {
-                parts.into_iter().filter_map(|p| p.text).collect()
+                joined_text(parts.iter().filter_map(|p| p.text.as_deref()))
             }
             Some(MessageContent::Invalid) => {
                 return Err(ApiError::bad_request(

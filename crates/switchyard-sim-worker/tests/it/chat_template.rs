@@ -136,3 +136,23 @@ async fn a_messages_requests_tools_are_in_its_prompt_as_the_router_renders_them(
         .unwrap();
     assert_eq!(counted["input_tokens"].as_u64(), Some(expected));
 }
+
+#[tokio::test]
+async fn a_messages_text_parts_are_joined_by_a_newline_as_vllm_joins_them() {
+    let worker = serve_worker(&[]).await;
+    let body = |content: Value| json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
+    let parts = json!([{"type": "text", "text": "Thanks."}, {"type": "text", "text": "And next?"}]);
+    let by_parts = prompt_tokens(&worker.base, &body(parts)).await;
+    let tokenizer = Tokenizer::bundled().unwrap();
+    let rendered = |content: &str| {
+        let message = ChatMessage {
+            role: "user".into(),
+            content: content.into(),
+            tool_calls: vec![],
+        };
+        let text = tokenizer.apply_chat_template(&[message], true).unwrap();
+        tokenizer.encode(&text).unwrap().len() as u64
+    };
+    assert_eq!(by_parts, rendered("Thanks.\nAnd next?"));
+    assert_ne!(rendered("Thanks.\nAnd next?"), rendered("Thanks.And next?"));
+}

@@ -22,8 +22,8 @@ pub use bounded::{BodyError, BodyLimits, Limit, OverLimit};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use lenient::Lenient;
 pub use request::{
-    ChatCompletionRequest, CompletionRequest, ContentPart, LaterPrompts, Message, MessageContent,
-    Prompt, StreamOptions,
+    joined_text, ChatCompletionRequest, CompletionRequest, ContentPart, LaterPrompts, Message,
+    MessageContent, Prompt, StreamOptions,
 };
 pub use response::{
     completion_tokens, Choice, ChoiceDelta, ChoiceMessage, Completion, PromptTokensDetails, Usage,

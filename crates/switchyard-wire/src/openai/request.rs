@@ -229,6 +229,21 @@ impl ContentPart {
     }
 }
 
+/// The text a chat message's content parts render as: their texts joined
+/// by a newline, as vLLM joins a message's text parts for a chat template
+/// that reads `content` as a string (its `chat_utils`, for the chat API).
+/// The router and the sim-worker both read a chat message's parts so.
+pub fn joined_text<'a>(texts: impl IntoIterator<Item = &'a str>) -> String {
+    let mut joined = String::new();
+    for (i, text) in texts.into_iter().enumerate() {
+        if i > 0 {
+            joined.push('\n');
+        }
+        joined.push_str(text);
+    }
+    joined
+}
+
 impl<'de> Deserialize<'de> for ContentPart {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         enum Key {

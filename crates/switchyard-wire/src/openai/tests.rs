@@ -193,6 +193,10 @@ fn message_content_is_a_string_parts_nothing_or_invalid() {
     assert!(text(Some("text"), Some("a")).is_text());
     assert!(!text(None, Some("b")).is_text());
     assert!(!text(Some("text"), None).is_text());
+    // A message's text parts render joined by a newline, as vLLM joins them.
+    assert_eq!(joined_text(["Thanks.", "And next?"]), "Thanks.\nAnd next?");
+    assert_eq!(joined_text(["one"]), "one");
+    assert_eq!(joined_text([]), "");
 }
 
 #[test]
