@@ -24,6 +24,8 @@
 //!   expiring, owned per key).
 //! - [`tenants`] — tenants and priority bands: the flow-control
 //!   configuration and how a request's tenant, band and deadline resolve.
+//! - [`ask`] — what a request asks to generate and what that costs it
+//!   (flow control's expected output, a rate limit's token charge).
 //! - [`controller`] — the [`AdmissionController`] tying them together.
 //! - [`gate`] — the fair gate: a few slots of the router's own work
 //!   (tokenizing long prompts) handed out by band, then fair share.
@@ -31,6 +33,7 @@
 //! Without a strategy the controller creates no lifecycle records and no
 //! progress handles: admission is the policy queue alone.
 
+pub mod ask;
 pub mod controller;
 pub mod gate;
 pub mod lifecycle;

@@ -2,7 +2,8 @@
 //! tokens per minute, each a GCRA token bucket per key (the `governor`
 //! crate). A request is checked against its key's request bucket as soon
 //! as the key is known (before the body is read) and against its token
-//! bucket once its prompt is tokenized; it is charged [`token_charge`]:
+//! bucket once its prompt is tokenized; it is charged the core's
+//! `switchyard_core::admission::ask::Asked::token_charge`:
 //! the tokens of every prompt of a batch, plus, for each prompt, its
 //! choices (`n`, or `best_of` when larger) times the output tokens each
 //! may take (`max_tokens` or `max_completion_tokens`; when it gives
@@ -36,25 +37,6 @@ use std::time::Duration;
 /// and SGLang's completion requests default `max_tokens` to 16, their
 /// chat requests to none).
 pub(crate) const DEFAULT_OUTPUT_TOKENS: u32 = 1024;
-
-/// What a request is charged against its key's token limit: `prompt_tokens`
-/// (every prompt of a batch together), plus, for each of its `prompts`,
-/// `choices` sequences (at least 1) of `output_tokens` each (`allowance`
-/// when the request names no output limit). Saturates instead of
-/// overflowing: a charge that large is refused as larger than any bucket.
-pub(crate) fn token_charge(
-    prompt_tokens: u64,
-    prompts: u64,
-    choices: u32,
-    output_tokens: Option<u32>,
-    allowance: u32,
-) -> u64 {
-    let per_choice = u64::from(output_tokens.unwrap_or(allowance));
-    let outputs = prompts
-        .saturating_mul(u64::from(choices.max(1)))
-        .saturating_mul(per_choice);
-    prompt_tokens.saturating_add(outputs)
-}
 
 /// The limits of one key, or the defaults of every key (`None`: no limit).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -482,30 +464,6 @@ mod tests {
         }
         // Nothing was taken by the refusals.
         assert_eq!(limits.check_tokens(1, 1000), Ok(()));
-    }
-
-    #[test]
-    fn a_charge_counts_every_prompt_and_every_choice_and_an_allowance_without_max_tokens() {
-        // One prompt of 100 tokens, one choice of up to 50.
-        assert_eq!(token_charge(100, 1, 1, Some(50), 1024), 150);
-        // n = 4: four choices of 50.
-        assert_eq!(token_charge(100, 1, 4, Some(50), 1024), 300);
-        // A batch of 3 prompts (300 tokens together), n = 2: 6 choices.
-        assert_eq!(token_charge(300, 3, 2, Some(50), 1024), 600);
-        // No max_tokens: the allowance per choice.
-        assert_eq!(token_charge(100, 1, 2, None, 1024), 2148);
-        // n = 0 is charged as one choice.
-        assert_eq!(token_charge(100, 1, 0, Some(50), 1024), 150);
-        assert_eq!(token_charge(0, 1, 1, None, 0), 0);
-        // The largest asks saturate instead of wrapping.
-        assert_eq!(
-            token_charge(u64::MAX, u64::MAX, u32::MAX, Some(u32::MAX), 0),
-            u64::MAX
-        );
-        assert_eq!(
-            token_charge(1, u64::MAX / 2, u32::MAX, Some(u32::MAX), 0),
-            u64::MAX
-        );
     }
 
     #[test]

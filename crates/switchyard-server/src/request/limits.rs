@@ -111,32 +111,7 @@ fn body_error(state: &AppState, error: BodyError) -> ApiError {
     }
 }
 
-/// What a request asks the workers to generate, as the token rate limit
-/// charges it ([`crate::front::ratelimit::token_charge`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Asked {
-    /// Sequences generated per prompt: the larger of `n` and `best_of`
-    /// (1 when neither is given).
-    pub(crate) choices: u32,
-    /// Output tokens asked per sequence: the larger of the output fields
-    /// given (`None`: neither is).
-    pub(crate) output_tokens: Option<u32>,
-}
-
-impl Asked {
-    /// Output tokens assumed when a request names no limit, for flow
-    /// control's cost of a request.
-    pub(crate) const UNSTATED_OUTPUT_TOKENS: u32 = 256;
-
-    /// Output tokens the request is expected to generate in all, as flow
-    /// control charges it: every sequence's limit, or
-    /// [`Self::UNSTATED_OUTPUT_TOKENS`] each when none is given.
-    pub(crate) fn expected_output_tokens(&self) -> u32 {
-        self.choices
-            .max(1)
-            .saturating_mul(self.output_tokens.unwrap_or(Self::UNSTATED_OUTPUT_TOKENS))
-    }
-}
+pub(crate) use switchyard_core::admission::ask::Asked;
 
 /// A count field's value: `None` when absent or `null`, a 400 naming it
 /// when it is not a count in any form the engines read as one (a JSON
@@ -159,10 +134,7 @@ pub(crate) fn check_counts(
     choices: [(&Option<Lenient<u32>>, &'static str); 2],
     outputs: [(&Option<Lenient<u32>>, &'static str); 2],
 ) -> Result<Asked, ApiError> {
-    let mut asked = Asked {
-        choices: 1,
-        output_tokens: None,
-    };
+    let mut asked = Asked::default();
     for (field, name) in choices {
         let Some(v) = read_count(field, name)? else {
             continue;

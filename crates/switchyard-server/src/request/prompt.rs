@@ -346,13 +346,7 @@ pub(crate) fn charge_tokens(
     asked: limits::Asked,
 ) -> Result<(), ApiError> {
     let credentials = &state.credentials;
-    let tokens = crate::front::ratelimit::token_charge(
-        prompt_tokens,
-        prompts,
-        asked.choices,
-        asked.output_tokens,
-        credentials.output_allowance(),
-    );
+    let tokens = asked.token_charge(prompt_tokens, prompts, credentials.output_allowance());
     let key = key.map_or(0, |ClientKey(k)| k);
     credentials
         .rate_limits()

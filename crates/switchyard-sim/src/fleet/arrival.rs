@@ -8,6 +8,7 @@ use super::event::Event;
 use super::{InFlight, Payload, Phase, Simulation};
 use crate::workload::SessionFlow;
 use std::sync::Arc;
+use switchyard_core::admission::ask::Asked;
 use switchyard_core::admission::{Flow, FlowPolicy, SessionKey};
 use switchyard_core::dispatch::{request_of, Dispatch, Effects, Half, Submission};
 use switchyard_core::hashing::{local_block_hashes, seed_for};
@@ -115,13 +116,18 @@ impl Simulation {
     /// A turn's flow as `serve` would resolve it: the session's tenant,
     /// the band it asks for capped by the tenant's ceiling (its own band
     /// when it asks for none), its TTFT budget from now, and its output
-    /// length as the expected output.
+    /// length as the expected output (a request that asks for exactly
+    /// that much, priced by the core's [`Asked`]).
     fn flow_of(flows: &FlowPolicy, session: SessionFlow, output_tokens: u32, now_ms: f64) -> Flow {
         Flow {
             tenant: session.tenant,
             band: flows.cap_band(session.tenant, session.band),
             deadline_ms: session.ttft_budget_ms.map(|b| now_ms + f64::from(b)),
-            expected_output_tokens: output_tokens,
+            expected_output_tokens: Asked {
+                choices: 1,
+                output_tokens: Some(output_tokens),
+            }
+            .expected_output_tokens(),
         }
     }
 
