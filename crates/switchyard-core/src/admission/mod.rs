@@ -97,6 +97,22 @@ impl SessionKey {
         hasher.update(id.as_bytes());
         Self(hasher.digest())
     }
+
+    /// The session a request names: the `x-session-id` header's id, else
+    /// the body's `session_id` (an empty id is none), within the sending
+    /// client key's `namespace` when client keys are on (its name), in
+    /// one shared space of ids when they are off.
+    pub fn of_request(
+        header: Option<&str>,
+        body: Option<&str>,
+        namespace: Option<&str>,
+    ) -> Option<Self> {
+        let id = header.or(body).filter(|s| !s.is_empty())?;
+        Some(match namespace {
+            Some(name) => Self::namespaced(name, id),
+            None => Self::from_client_id(id),
+        })
+    }
 }
 
 /// A queue class (tenant, priority band): each has its own limits.

@@ -701,3 +701,24 @@ fn a_namespaced_session_is_its_clients_own() {
         SessionKey::namespaced("a", "bc")
     );
 }
+
+#[test]
+fn a_requests_session_is_its_headers_else_its_bodys_within_its_keys_namespace() {
+    let of = SessionKey::of_request;
+    assert_eq!(
+        of(Some("h"), Some("b"), None),
+        Some(SessionKey::from_client_id("h"))
+    );
+    assert_eq!(
+        of(None, Some("b"), None),
+        Some(SessionKey::from_client_id("b"))
+    );
+    assert_eq!(
+        of(None, Some("b"), Some("team-a")),
+        Some(SessionKey::namespaced("team-a", "b"))
+    );
+    // An empty id is none (an empty header does not fall back to the body).
+    assert_eq!(of(Some(""), Some("b"), None), None);
+    assert_eq!(of(None, Some(""), None), None);
+    assert_eq!(of(None, None, Some("team-a")), None);
+}

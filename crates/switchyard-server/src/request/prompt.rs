@@ -354,26 +354,21 @@ pub(crate) fn charge_tokens(
         .map_err(ApiError::from)
 }
 
-/// The session a request belongs to: the `x-session-id` header, else the
-/// body's `session_id` (empty: none). With client keys configured a
-/// session is the client key's own ([`SessionKey::namespaced`] by the
-/// key's name), so a client cannot hold back another's session by naming
-/// its id; without, every client shares one space of ids.
+/// The session a request belongs to (the core's
+/// [`SessionKey::of_request`]): the `x-session-id` header, else the body's
+/// `session_id`; with client keys configured, the client key's own, so a
+/// client cannot hold back another's session by naming its id.
 pub(crate) fn session_key(
     state: &AppState,
     headers: &HeaderMap,
     body_session: Option<&str>,
     key: Option<ClientKey>,
 ) -> Option<SessionKey> {
-    let id = headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
-        .or(body_session)
-        .filter(|s| !s.is_empty())?;
-    match key.and_then(|k| state.credentials.key_name(k)) {
-        Some(name) => Some(SessionKey::namespaced(name, id)),
-        None => Some(SessionKey::from_client_id(id)),
-    }
+    SessionKey::of_request(
+        headers.get("x-session-id").and_then(|v| v.to_str().ok()),
+        body_session,
+        key.and_then(|k| state.credentials.key_name(k)),
+    )
 }
 
 /// A handler's request: its head's headers and client key, then its flow
