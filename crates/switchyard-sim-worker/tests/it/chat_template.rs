@@ -23,6 +23,16 @@ async fn prompt_tokens(base: &str, body: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no usage in {reply}"))
 }
 
+/// The token count of `messages` as the router renders them: the bundled
+/// template, with `tools`, then the tokenizer.
+fn rendered(messages: &[ChatMessage], tools: Option<&Value>) -> u64 {
+    let tokenizer = Tokenizer::bundled().unwrap();
+    let text = tokenizer
+        .apply_chat_template_with_tools(messages, tools, true)
+        .unwrap();
+    tokenizer.encode(&text).unwrap().len() as u64
+}
+
 #[tokio::test]
 async fn tools_and_tool_calls_are_in_the_prompt_as_the_router_renders_them() {
     let worker = serve_worker(&[]).await;
@@ -64,13 +74,7 @@ async fn tools_and_tool_calls_are_in_the_prompt_as_the_router_renders_them() {
         ),
         message("tool", "# Switchyard", vec![]),
     ];
-    let rendered = |tools: Option<&Value>, messages: &[ChatMessage]| {
-        let text = tokenizer
-            .apply_chat_template_with_tools(messages, tools, true)
-            .unwrap();
-        tokenizer.encode(&text).unwrap().len() as u64
-    };
-    let expected = rendered(Some(&tools), &messages);
+    let expected = rendered(&messages, Some(&tools));
     assert_eq!(prompt_tokens(&worker.base, &body).await, expected);
     // Both parts count: the template renders the tools and the call.
     assert!(tokenizer.renders_tools() && tokenizer.renders_tool_calls());
@@ -81,8 +85,8 @@ async fn tools_and_tool_calls_are_in_the_prompt_as_the_router_renders_them() {
             ..m.clone()
         })
         .collect();
-    assert!(rendered(None, &messages) < expected);
-    assert!(rendered(Some(&tools), &bare) < expected);
+    assert!(rendered(&messages, None) < expected);
+    assert!(rendered(&bare, Some(&tools)) < expected);
 }
 
 #[tokio::test]
@@ -116,15 +120,11 @@ async fn a_messages_requests_tools_are_in_its_prompt_as_the_router_renders_them(
             tool_calls: vec![],
         })
         .collect();
-    let tokenizer = Tokenizer::bundled().unwrap();
-    let rendered = |tools: Option<&Value>| {
-        let text = tokenizer
-            .apply_chat_template_with_tools(&messages, tools, true)
-            .unwrap();
-        tokenizer.encode(&text).unwrap().len() as u64
-    };
-    let expected = rendered(request.tools.as_ref());
-    assert!(rendered(None) < expected, "the tools are rendered");
+    let expected = rendered(&messages, request.tools.as_ref());
+    assert!(
+        rendered(&messages, None) < expected,
+        "the tools are rendered"
+    );
     let counted: Value = reqwest::Client::new()
         .post(format!("{}/v1/messages/count_tokens", worker.base))
         .json(&body)
@@ -143,16 +143,14 @@ async fn a_messages_text_parts_are_joined_by_a_newline_as_vllm_joins_them() {
     let body = |content: Value| json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
     let parts = json!([{"type": "text", "text": "Thanks."}, {"type": "text", "text": "And next?"}]);
     let by_parts = prompt_tokens(&worker.base, &body(parts)).await;
-    let tokenizer = Tokenizer::bundled().unwrap();
-    let rendered = |content: &str| {
+    let user = |content: &str| {
         let message = ChatMessage {
             role: "user".into(),
             content: content.into(),
             tool_calls: vec![],
         };
-        let text = tokenizer.apply_chat_template(&[message], true).unwrap();
-        tokenizer.encode(&text).unwrap().len() as u64
+        rendered(&[message], None)
     };
-    assert_eq!(by_parts, rendered("Thanks.\nAnd next?"));
-    assert_ne!(rendered("Thanks.\nAnd next?"), rendered("Thanks.And next?"));
+    assert_eq!(by_parts, user("Thanks.\nAnd next?"));
+    assert_ne!(user("Thanks.\nAnd next?"), user("Thanks.And next?"));
 }
