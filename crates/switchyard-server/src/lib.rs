@@ -32,7 +32,9 @@
 //!   `discovery` — live discovery (`--workers-file`, `--workers-dns`).
 //! - `models` — per-model routing state (`[[models]]`): tokenizer, block
 //!   size, policy, hit rate (a model's tokenizer by its Hugging Face id:
-//!   `switchyard_tokenizer::hub`); [`tokenize`] — the [`tokenize::PromptTokenizer`] seam;
+//!   `switchyard_tokenizer::hub`); [`tokenize`] — where a prompt is
+//!   tokenized and the tokenizer's series (the seam,
+//!   [`tokenize::PromptTokenizer`], is `switchyard_tokenizer::prompt`'s);
 //!   [`tokenize_gate`] — slots for tokenizing long prompts, handed out by
 //!   band, then tenant fair share;
 //!   `adapters` — LoRA adapters (a request's load: `request::adapter_load`).

@@ -38,6 +38,9 @@
 //   what it accepts.
 // - `segment_cache`: bounded cache of segments' ids.
 // - `words`: word tokens that round-trip in any sequence.
+// - `prompt`: the router's seam (`PromptTokenizer`: ids within a budget,
+//   pausing between pieces) on this crate's `Tokenizer`, and a chat
+//   prompt's rendered size, estimated (`ChatPrompt`).
 // - `hub` (feature `hub`): a tokenizer's directory from the Hugging Face
 //   Hub cache, downloaded into it when allowed.
 pub mod bpe;
@@ -45,6 +48,7 @@ pub mod fast;
 #[cfg(feature = "hub")]
 pub mod hub;
 pub mod pretokenize;
+pub mod prompt;
 pub mod segment_cache;
 pub mod words;
 

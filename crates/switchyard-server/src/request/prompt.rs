@@ -17,7 +17,7 @@ use crate::front::auth::ClientKey;
 use crate::front::upload::{read_whole, ReadError};
 use crate::request::limits;
 use crate::state::AppState;
-use crate::tokenize::{rendered_size_estimate, tool_calls_size, Pause, INLINE_CHARS};
+use crate::tokenize::{Pause, INLINE_CHARS};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::HeaderMap;
@@ -25,6 +25,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
+use switchyard_tokenizer::prompt::ChatPrompt;
 use switchyard_tokenizer::{ChatMessage, ToolCall};
 use switchyard_wire::openai::{joined_text, Message, MessageContent};
 
@@ -181,12 +182,7 @@ pub(crate) async fn tokenize(
     };
     let run = move |pause: Pause<'_>| match job {
         TokenizeJob::Text(t) => tokenizer.encode_within(&t, max_tokens, pause),
-        TokenizeJob::Chat(c) => tokenizer.encode_chat_with_tools_within(
-            &c.messages,
-            c.tools.as_ref(),
-            max_tokens,
-            pause,
-        ),
+        TokenizeJob::Chat(c) => c.encode_within(tokenizer.as_ref(), max_tokens, pause),
     };
     let result = if chars <= INLINE_CHARS {
         run(&mut |_| {})
@@ -220,16 +216,7 @@ pub(crate) async fn tokenize(
 
 pub(crate) enum TokenizeJob {
     Text(String),
-    Chat(ChatJob),
-}
-
-/// A chat prompt as the engine renders it: its messages (with their tool
-/// calls), the tools it declares, and the bytes of what it carries that
-/// no message does (reasoning, other items).
-pub(crate) struct ChatJob {
-    pub(crate) messages: Vec<ChatMessage>,
-    pub(crate) tools: Option<serde_json::Value>,
-    pub(crate) unrendered_bytes: usize,
+    Chat(ChatPrompt),
 }
 
 impl TokenizeJob {
@@ -241,42 +228,11 @@ impl TokenizeJob {
         tools: Option<serde_json::Value>,
         unrendered_bytes: usize,
     ) -> Result<Self, ApiError> {
-        Ok(Self::Chat(ChatJob {
+        Ok(Self::Chat(ChatPrompt {
             messages: chat_messages(messages)?,
             tools,
             unrendered_bytes,
         }))
-    }
-}
-
-impl ChatJob {
-    /// The tools' JSON size (0 for none).
-    fn tools_size(&self) -> usize {
-        self.tools
-            .as_ref()
-            .and_then(|t| serde_json::to_vec(t).ok())
-            .map_or(0, |t| t.len())
-    }
-
-    /// Its size as rendered, estimated (messages, tool calls and tools):
-    /// what decides where it is tokenized, and a model without a
-    /// tokenizer's estimate.
-    fn rendered_size(&self) -> usize {
-        rendered_size_estimate(&self.messages).saturating_add(self.tools_size())
-    }
-
-    /// The bytes `tokenizer` will not render into ids: what no message
-    /// carries, and the tools and tool calls its template does not read.
-    fn unrendered_by(&self, tokenizer: &dyn crate::tokenize::PromptTokenizer) -> usize {
-        let mut bytes = self.unrendered_bytes;
-        if !tokenizer.renders_tools() {
-            bytes = bytes.saturating_add(self.tools_size());
-        }
-        if !tokenizer.renders_tool_calls() {
-            let calls = self.messages.iter().map(tool_calls_size);
-            bytes = calls.fold(bytes, usize::saturating_add);
-        }
-        bytes
     }
 }
 
