@@ -38,6 +38,9 @@
 //   what it accepts.
 // - `segment_cache`: bounded cache of segments' ids.
 // - `words`: word tokens that round-trip in any sequence.
+// - `render`: a conversation as vLLM hands it to the template (tool-call
+//   arguments parsed, Claude Code's billing-header line dropped);
+//   `pyjson`: the template's `tojson` as Python's `json.dumps` writes it.
 // - `prompt`: the router's seam (`PromptTokenizer`: ids within a budget,
 //   pausing between pieces) on this crate's `Tokenizer`, and a chat
 //   prompt's rendered size, estimated (`ChatPrompt`).
@@ -49,6 +52,8 @@ pub mod fast;
 pub mod hub;
 pub mod pretokenize;
 pub mod prompt;
+pub mod pyjson;
+pub mod render;
 pub mod segment_cache;
 pub mod words;
 
@@ -384,6 +389,8 @@ impl Tokenizer {
         }
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // `tojson` as transformers (and so vLLM) defines it.
+        env.add_filter("tojson", pyjson::tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -568,7 +575,7 @@ impl Tokenizer {
         template
             .render_captured_to(
                 minijinja::context! {
-                    messages => messages,
+                    messages => render::TemplateMessages(messages),
                     add_generation_prompt => add_generation_prompt,
                     tools => tools.map_or(minijinja::Value::from(()), minijinja::Value::from_serialize),
                 },
@@ -781,7 +788,9 @@ mod tests {
             ChatMessage::text("system", "Be brief."),
             ChatMessage::text("user", "Weather?"),
             ChatMessage {
-                tool_calls: vec![ToolCall::function("weather", r#"{"city": "Oslo"}"#)],
+                // Compact, as a JavaScript client writes it: the template
+                // writes the object as Python does, as vLLM renders it.
+                tool_calls: vec![ToolCall::function("weather", r#"{"city":"Oslo"}"#)],
                 ..ChatMessage::text("assistant", "")
             },
             ChatMessage::text("tool", "rain"),
@@ -794,7 +803,10 @@ mod tests {
             text.starts_with("<|im_start|>system\nBe brief.\n\n# Tools\n"),
             "{text}"
         );
-        assert!(text.contains(r#""name":"weather""#), "{text}");
+        assert!(
+            text.contains(r#"{"type": "function", "function": {"name": "weather"}}"#),
+            "{text}"
+        );
         assert!(
             text.contains("<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"),
             "{text}"

@@ -12,14 +12,23 @@
 //!
 //! | item | chat equivalent |
 //! |---|---|
-//! | Responses `instructions`, Anthropic `system` | a first `system` message |
+//! | Responses `instructions`, Anthropic `system` | a first `system` message (Anthropic: its text blocks glued, Claude Code's `x-anthropic-billing-header` block dropped; none when empty) |
 //! | Responses `input` as a string | one `user` message |
-//! | a message item / message (`role`, text or text parts) | that message, its text parts joined |
-//! | Responses `function_call`, Anthropic `tool_use` block | an `assistant` message with that tool call (its name and arguments) |
-//! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text |
+//! | a message item / message (`role`, text or text parts) | that message, its non-empty text parts one a line; a Responses assistant item: its first part's text only |
+//! | Responses `function_call`, Anthropic `tool_use` block | a tool call (its name and arguments) of the assistant message before it (Responses: a new one when the last message is not an assistant's) |
+//! | Responses `reasoning` item | the assistant message before it (or one of its own, without text); its bytes counted |
+//! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text (Anthropic: its text items one a line), before the user message's own text |
+//! | an Anthropic user message with no text or media left (tool results only) | none |
 //! | Responses `tools`, Anthropic `tools` | the chat API's tool list (`{"type": "function", "function": {name, description, parameters}}`; other tools as they are) |
 //! | images, files, audio | no text (the engine's encoder gives them their tokens) |
 //! | reasoning items, thinking blocks, any other item or block | no text; their JSON bytes are counted in [`ResponsesRequest::unrendered_bytes`] |
+//!
+//! The rules are vLLM 0.32's, read in its source: the Responses items in
+//! `entrypoints/openai/responses/utils.py`, the Anthropic conversion in
+//! `entrypoints/anthropic/serving.py` and content parts in
+//! `renderers/chat_utils.py`; a message the router builds differently
+//! from the engine renders another prompt, and its blocks miss the
+//! engine's cache in the index.
 //!
 //! Everything an engine renders into the prompt is thus either rendered
 //! by the router's chat template (text, tools, tool calls) or counted as
@@ -34,7 +43,9 @@
 //! (a router forwards the client's bytes unchanged).
 
 use crate::openai::tools::json_text;
-use crate::openai::{BodyError, BodyLimits, Lenient, Limit, Message, OverLimit, ToolCall};
+use crate::openai::{
+    BodyError, BodyLimits, Lenient, Limit, Message, MessageContent, OverLimit, ToolCall,
+};
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -333,8 +344,13 @@ impl Parts {
     }
 
     /// The text of `raw`: a string as it is, a list's text blocks joined
-    /// (other blocks add no text), `null` as empty.
-    fn text(&mut self, raw: Option<&RawValue>, what: &str) -> Result<String, BodyError> {
+    /// by `join`'s rule (other blocks add no text), `null` as empty.
+    fn text(
+        &mut self,
+        raw: Option<&RawValue>,
+        what: &str,
+        join: Join,
+    ) -> Result<String, BodyError> {
         let Some(raw) = raw.filter(|r| r.get() != "null") else {
             return Ok(String::new());
         };
@@ -344,15 +360,148 @@ impl Parts {
         if !raw.get().starts_with('[') {
             return Err(invalid(what));
         }
-        let mut text = String::new();
+        let mut texts = Vec::new();
         for block in self.blocks(raw)? {
             if is_text_kind(block.kind.as_deref()) {
-                text.push_str(block.text.as_deref().unwrap_or_default());
+                texts.push(block.text.unwrap_or_default());
             } else {
                 self.unrendered(&block);
             }
         }
-        Ok(text)
+        Ok(join.joined(texts))
+    }
+}
+
+impl Parts {
+    /// An assistant message item's text as vLLM reads it: a string as it
+    /// is, a list's first part's text (vLLM keeps no other part of an
+    /// assistant's output), or, when that part has none, every text part
+    /// joined; `None` for no content.
+    fn assistant_text(&mut self, raw: Option<&RawValue>) -> Result<Option<String>, BodyError> {
+        let Some(raw) = raw.filter(|r| r.get() != "null") else {
+            return Ok(None);
+        };
+        if let Some(s) = as_string(raw) {
+            return Ok(Some(s));
+        }
+        if !raw.get().starts_with('[') {
+            return Err(invalid(
+                "a message's content must be a string or a list of content parts",
+            ));
+        }
+        let blocks = self.blocks(raw)?;
+        for block in blocks.iter().skip(1) {
+            if !is_text_kind(block.kind.as_deref()) {
+                self.unrendered(block);
+            }
+        }
+        let mut blocks = blocks.into_iter();
+        let first = blocks.next();
+        if let Some(text) = first.as_ref().and_then(|b| b.text.clone()) {
+            return Ok(Some(text));
+        }
+        if let Some(first) = &first {
+            self.unrendered(first);
+        }
+        let texts = blocks.filter(|b| is_text_kind(b.kind.as_deref()));
+        Ok(Some(
+            Join::Parts.joined(texts.filter_map(|b| b.text).collect()),
+        ))
+    }
+}
+
+/// A Responses conversation as vLLM 0.32 builds it from input items
+/// (`entrypoints/openai/responses/utils.py`): an assistant's turn spans
+/// items, its reasoning, tool calls and text merging into the assistant
+/// message before them, so the template renders one assistant message
+/// where the items are several.
+#[derive(Default)]
+struct Turns {
+    messages: Vec<Message>,
+    /// The last message is an assistant's that has its reasoning.
+    reasoned: bool,
+}
+
+impl Turns {
+    fn push(&mut self, message: Message) {
+        self.messages.push(message);
+        self.reasoned = false;
+    }
+
+    fn last_assistant(&mut self) -> Option<&mut Message> {
+        self.messages.last_mut().filter(|m| m.role == "assistant")
+    }
+
+    fn empty_assistant() -> Message {
+        Message {
+            role: "assistant".to_owned(),
+            content: None,
+            tool_calls: Vec::new(),
+        }
+    }
+
+    /// A `function_call`: the last assistant message's next tool call.
+    fn tool_call(&mut self, call: ToolCall) {
+        match self.last_assistant() {
+            Some(last) => last.tool_calls.push(call),
+            None => self.push(Message {
+                tool_calls: vec![call],
+                ..Self::empty_assistant()
+            }),
+        }
+    }
+
+    /// An assistant message item: the last assistant message's text when
+    /// it has none yet.
+    fn assistant_text(&mut self, text: Option<String>) {
+        let Some(text) = text else {
+            return self.push(Self::empty_assistant());
+        };
+        match self.last_assistant().filter(|m| m.content.is_none()) {
+            Some(last) => last.content = Some(MessageContent::Text(text)),
+            None => self.push(message("assistant", text)),
+        }
+    }
+
+    /// A reasoning item: the last assistant message's reasoning when it
+    /// has none yet, else an assistant message of its own.
+    fn reasoning(&mut self) {
+        if self.reasoned || self.last_assistant().is_none() {
+            self.push(Self::empty_assistant());
+        }
+        self.reasoned = true;
+    }
+}
+
+/// How an engine joins a list's text blocks into one message's text
+/// (vLLM 0.32: its chat messages' content parts in
+/// `renderers/chat_utils.py`, its Anthropic conversion in
+/// `entrypoints/anthropic/serving.py`).
+#[derive(Clone, Copy)]
+enum Join {
+    /// A message's content parts: the non-empty ones, one a line.
+    Parts,
+    /// An Anthropic `tool_result`'s text items: every one, one a line.
+    Lines,
+    /// Anthropic's `system` blocks: the non-empty ones glued together,
+    /// without Claude Code's `x-anthropic-billing-header` block (a
+    /// per-request hash vLLM drops so the prefix can be cached).
+    System,
+}
+
+/// The text block vLLM drops from an Anthropic `system`.
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+impl Join {
+    fn joined(self, texts: Vec<String>) -> String {
+        match self {
+            Join::Parts => crate::openai::joined_text(texts.iter().map(String::as_str)),
+            Join::Lines => texts.join("\n"),
+            Join::System => texts
+                .into_iter()
+                .filter(|t| !t.is_empty() && !t.starts_with(BILLING_HEADER))
+                .collect(),
+        }
     }
 }
 
@@ -394,8 +543,8 @@ fn chat_tools(
     limits: &BodyLimits,
     shape: ToolShape,
 ) -> Result<Option<serde_json::Value>, BodyError> {
-    use crate::openai::tools::{tools_within, ToolsError};
-    use serde_json::{json, Value};
+    use crate::openai::tools::{chat_tool, engine_function, tools_within, ToolsError};
+    use serde_json::Value;
     let list = match tools_within(raw, limits.prompt_tokens) {
         Ok(Some(Value::Array(list))) => list,
         Ok(_) => return Ok(None),
@@ -407,29 +556,36 @@ fn chat_tools(
         }
         Err(ToolsError::NotAList) => return Err(invalid("`tools` must be a list of tools")),
     };
-    let function = |tool: &Value, parameters: &str| {
-        json!({"type": "function", "function": {
-            "name": tool.get("name").cloned().unwrap_or(Value::Null),
-            "description": tool.get("description").cloned().unwrap_or(Value::Null),
-            "parameters": tool.get(parameters).cloned().unwrap_or(Value::Null),
-        }})
-    };
-    let chat = list
+    // vLLM 0.32 hands a Responses request's function tools to the
+    // template (the others it drops) and makes every Anthropic tool a
+    // function; both as the chat API's, dumped ([`engine_function`]).
+    let chat: Vec<Value> = list
         .into_iter()
-        .map(|tool| match shape {
-            ToolShape::Responses
-                if tool.get("type").and_then(Value::as_str) == Some("function")
-                    && tool.get("function").is_none() =>
+        .filter_map(|tool| match (shape, &tool) {
+            (ToolShape::Responses, Value::Object(fields))
+                if tool.get("type").and_then(Value::as_str) == Some("function") =>
             {
-                function(&tool, "parameters")
+                Some(match tool.get("function") {
+                    Some(_) => chat_tool(tool),
+                    None => engine_function(fields, "parameters", None),
+                })
             }
-            ToolShape::Messages if tool.get("input_schema").is_some() => {
-                function(&tool, "input_schema")
+            (ToolShape::Responses, _) => None,
+            (ToolShape::Messages, Value::Object(fields)) => {
+                // A schema without a `type` is an object's (vLLM adds it,
+                // last). A tool without a schema vLLM refuses.
+                let mut fields = fields.clone();
+                if let Some(Value::Object(schema)) = fields.get_mut("input_schema") {
+                    if !schema.contains_key("type") {
+                        schema.insert("type".into(), Value::from("object"));
+                    }
+                }
+                Some(engine_function(&fields, "input_schema", None))
             }
-            _ => tool,
+            (ToolShape::Messages, _) => Some(tool),
         })
         .collect();
-    Ok(Some(Value::Array(chat)))
+    Ok((!chat.is_empty()).then_some(Value::Array(chat)))
 }
 
 fn message(role: &str, content: String) -> Message {
@@ -441,21 +597,21 @@ impl ResponsesRequest {
     pub fn from_json(body: &[u8], limits: &BodyLimits) -> Result<Self, BodyError> {
         let top: ResponsesTop<'_> = parse_top(body)?;
         let mut parts = Parts::new(limits);
-        let mut messages = Vec::new();
+        let mut turns = Turns::default();
         if !is_null(top.instructions) {
             let text = top
                 .instructions
                 .and_then(as_string)
                 .ok_or_else(|| invalid("`instructions` must be a string"))?;
-            messages.push(message("system", text));
+            turns.push(message("system", text));
         }
         let Some(input) = top.input.filter(|r| r.get() != "null") else {
             return Err(invalid("`input` is required"));
         };
         if let Some(text) = as_string(input) {
-            messages.push(message("user", text));
+            turns.push(message("user", text));
         } else if input.get().starts_with('[') {
-            let budget = limits.messages.saturating_sub(messages.len());
+            let budget = limits.messages.saturating_sub(turns.messages.len());
             let items: Vec<&RawValue> =
                 bounded_list(input, budget, Limit::Messages).map_err(|e| match e {
                     BodyError::Over(_) => BodyError::Over(OverLimit {
@@ -467,31 +623,35 @@ impl ResponsesRequest {
             for raw in items {
                 let item: Item<'_> = serde_json::from_str(raw.get()).map_err(BodyError::Json)?;
                 match (item.kind.as_deref(), item.role.as_deref()) {
+                    (Some("message") | None, Some("assistant")) => {
+                        let text = parts.assistant_text(item.content)?;
+                        turns.assistant_text(text);
+                    }
                     (Some("message") | None, Some(role)) => {
                         let text = parts.text(
                             item.content,
                             "a message's content must be a string or a list of content parts",
+                            Join::Parts,
                         )?;
-                        messages.push(message(role, text));
+                        turns.push(message(role, text));
                     }
-                    (Some("function_call"), _) => {
-                        let call = ToolCall {
-                            name: item.name.unwrap_or_default(),
-                            arguments: item.arguments.map(json_text).unwrap_or_default(),
-                        };
-                        messages.push(Message {
-                            tool_calls: vec![call],
-                            ..message("assistant", String::new())
-                        });
-                    }
+                    (Some("function_call"), _) => turns.tool_call(ToolCall {
+                        name: item.name.unwrap_or_default(),
+                        arguments: item.arguments.map(json_text).unwrap_or_default(),
+                    }),
                     (Some("function_call_output"), _) => {
-                        let text = parts.text(item.output, "a function_call_output's output must be a string or a list of content parts")?;
-                        messages.push(message("tool", text));
+                        let text = parts.text(item.output, "a function_call_output's output must be a string or a list of content parts", Join::Parts)?;
+                        turns.push(message("tool", text));
                     }
                     (None | Some("message"), None) => {
                         return Err(invalid("an input message needs a `role`"))
                     }
-                    // Reasoning and other items add no message: counted.
+                    // Reasoning is an assistant turn's (its text counted).
+                    (Some("reasoning"), _) => {
+                        parts.unrendered = parts.unrendered.saturating_add(raw.get().len());
+                        turns.reasoning();
+                    }
+                    // Other items add no message: counted.
                     (kind, _) if !is_media_kind(kind) => {
                         parts.unrendered = parts.unrendered.saturating_add(raw.get().len());
                     }
@@ -531,7 +691,7 @@ impl ResponsesRequest {
             previous_response_id: top.previous_response_id.filter(|s| !s.is_empty()),
             store: top.store.unwrap_or(true),
             session_id: top.session_id,
-            messages,
+            messages: turns.messages,
             tools: chat_tools(top.tools, limits, ToolShape::Responses)?,
             unrendered_bytes: parts.unrendered,
             constrained,
@@ -555,8 +715,12 @@ impl MessagesRequest {
             let text = parts.text(
                 top.system,
                 "`system` must be a string or a list of text blocks",
+                Join::System,
             )?;
-            messages.push(message("system", text));
+            // An empty system is none (vLLM adds no system message).
+            if !text.is_empty() {
+                messages.push(message("system", text));
+            }
         }
         let Some(list) = top.messages.filter(|r| r.get().starts_with('[')) else {
             return Err(invalid("`messages` must be a list of messages"));
@@ -591,16 +755,19 @@ impl MessagesRequest {
             }
             // Tool results become `tool` messages (before the message's
             // own text, as the chat equivalent orders them); tool uses are
-            // the assistant message's tool calls.
-            let mut text = String::new();
+            // the assistant message's tool calls. A user message with no
+            // text or media left (tool results only) is none, as vLLM
+            // converts it; an assistant's stays, without content.
+            let mut texts = Vec::new();
             let mut calls = Vec::new();
-            let mut tool_only = true;
+            let mut media = false;
             for block in parts.blocks(content)? {
                 match block.kind.as_deref() {
                     Some("tool_result") => {
                         let output = parts.text(
                             block.content,
                             "a tool_result's content must be a string or a list of content blocks",
+                            Join::Lines,
                         )?;
                         messages.push(message("tool", output));
                     }
@@ -608,20 +775,24 @@ impl MessagesRequest {
                         name: block.name.unwrap_or_default(),
                         arguments: block.input.map(|i| i.get().to_owned()).unwrap_or_default(),
                     }),
-                    kind if is_text_kind(kind) => {
-                        tool_only = false;
-                        text.push_str(block.text.as_deref().unwrap_or_default());
-                    }
-                    _ => {
-                        tool_only = false;
+                    kind if is_text_kind(kind) => texts.extend(block.text),
+                    kind => {
+                        media |= is_media_kind(kind);
                         parts.unrendered(&block);
                     }
                 }
             }
-            if !tool_only || role == "assistant" {
+            let has_text = texts.iter().any(|t| !t.is_empty());
+            if has_text || media {
                 messages.push(Message {
                     tool_calls: calls,
-                    ..message(&role, text)
+                    ..message(&role, Join::Parts.joined(texts))
+                });
+            } else if role == "assistant" {
+                messages.push(Message {
+                    role,
+                    content: None,
+                    tool_calls: calls,
                 });
             }
         }
@@ -704,6 +875,7 @@ mod tests {
             .map(|m| {
                 let text = match &m.content {
                     Some(MessageContent::Text(t)) => t.clone(),
+                    None => "(none)".to_owned(),
                     _ => panic!("not text"),
                 };
                 (m.role.clone(), text)
@@ -733,15 +905,19 @@ mod tests {
             pairs(&[
                 ("system", "Be brief."),
                 ("user", "Hi"),
-                ("assistant", "Hello!"),
-                ("assistant", ""),
+                // vLLM reads an assistant item's first part only, and the
+                // function call that follows is that message's.
+                ("assistant", "Hello"),
                 ("tool", "42"),
+                // A reasoning item after a tool's output: an assistant
+                // turn of its own, without text.
+                ("assistant", "(none)"),
                 ("user", "More"),
             ])
         );
         assert!(r.stream && r.tools.is_some() && r.store && !r.constrained);
         assert_eq!(
-            r.chat()[3].tool_calls,
+            r.chat()[2].tool_calls,
             vec![ToolCall {
                 name: "f".into(),
                 arguments: "{}".into()
@@ -780,7 +956,7 @@ mod tests {
                 ("user", "Hi"),
                 ("assistant", "Hello"),
                 ("tool", "42"),
-                ("assistant", ""),
+                ("assistant", "(none)"),
                 ("tool", "7"),
                 ("user", "More"),
             ])
@@ -796,9 +972,94 @@ mod tests {
         assert_eq!(r.unrendered_bytes, 0);
     }
 
+    /// The prompt vLLM renders: a message's text parts one a line (empty
+    /// ones skipped), a `tool_result`'s items one a line, `system` blocks
+    /// glued without Claude Code's billing header, no user message left
+    /// by tool results alone, no system message for an empty one.
+    #[test]
+    fn anthropic_blocks_join_as_vllm_joins_them() {
+        let body = br#"{"max_tokens":8,"system":[
+            {"type":"text","text":"x-anthropic-billing-header: cc_version=2.1; cch=0f3a;"},
+            {"type":"text","text":"You are a coding agent."},
+            {"type":"text","text":" Be careful."}],
+            "messages":[
+            {"role":"user","content":[{"type":"text","text":"<reminder>"},{"type":"text","text":""},{"type":"text","text":"Fix the bug."}]},
+            {"role":"assistant","content":[{"type":"text","text":""},{"type":"tool_use","id":"t","name":"read","input":{"path":"a.rs"}}]},
+            {"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"fn a() {}"},{"type":"text","text":""},{"type":"text","text":"fn b() {}"}]},{"type":"text","text":""}]}
+        ]}"#;
+        let r = MessagesRequest::from_json(body, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            roles_and_text(r.chat()),
+            pairs(&[
+                ("system", "You are a coding agent. Be careful."),
+                ("user", "<reminder>\nFix the bug."),
+                ("assistant", "(none)"),
+                ("tool", "fn a() {}\n\nfn b() {}"),
+            ])
+        );
+        assert_eq!(r.chat()[2].tool_calls[0].name, "read");
+        for system in [
+            r#""""#,
+            r#"[{"type":"text","text":"x-anthropic-billing-header: a"}]"#,
+        ] {
+            let body = format!(
+                r#"{{"max_tokens":8,"system":{system},"messages":[{{"role":"user","content":"Hi"}}]}}"#
+            );
+            let r = MessagesRequest::from_json(body.as_bytes(), &BodyLimits::NONE).unwrap();
+            assert_eq!(
+                roles_and_text(r.chat()),
+                pairs(&[("user", "Hi")]),
+                "{system}"
+            );
+        }
+    }
+
+    /// An assistant's turn spans Responses items; vLLM merges them into one
+    /// assistant message (text, reasoning, every tool call), and a user
+    /// message's parts are one a line.
+    #[test]
+    fn responses_items_of_one_assistant_turn_are_one_message() {
+        let body = br#"{"input":[
+            {"role":"user","content":[{"type":"input_text","text":"Plan"},{"type":"input_text","text":""},{"type":"input_text","text":"then act."}]},
+            {"type":"reasoning","summary":[]},
+            {"type":"function_call","call_id":"a","name":"ls","arguments":"{}"},
+            {"type":"function_call","call_id":"b","name":"cat","arguments":"{\"f\":1}"},
+            {"type":"function_call_output","call_id":"a","output":"x"},
+            {"type":"function_call_output","call_id":"b","output":"y"},
+            {"type":"function_call","call_id":"c","name":"ls","arguments":"{}"},
+            {"type":"message","role":"assistant","content":[{"type":"output_text","text":"Done."}]},
+            {"type":"reasoning","summary":[]},
+            {"type":"reasoning","summary":[]}
+        ]}"#;
+        let r = ResponsesRequest::from_json(body, &BodyLimits::NONE).unwrap();
+        assert_eq!(
+            roles_and_text(r.chat()),
+            pairs(&[
+                ("user", "Plan\nthen act."),
+                ("assistant", "(none)"),
+                ("tool", "x"),
+                ("tool", "y"),
+                // The text after a tool call-only turn is that turn's.
+                ("assistant", "Done."),
+                // A second reasoning item is a turn of its own.
+                ("assistant", "(none)"),
+            ])
+        );
+        let names = |i: usize| -> Vec<String> {
+            r.chat()[i]
+                .tool_calls
+                .iter()
+                .map(|c| c.name.clone())
+                .collect()
+        };
+        assert_eq!(names(1), ["ls", "cat"]);
+        assert_eq!(names(4), ["ls"]);
+        assert!(r.chat()[5].tool_calls.is_empty());
+    }
+
     #[test]
     fn tools_read_as_the_chat_apis_list_and_thinking_is_counted() {
-        let body = br#"{"max_tokens":8,"tools":[{"name":"grep","description":"search","input_schema":{"type":"object"}},{"type":"web_search_20250305","name":"web"}],
+        let body = br#"{"max_tokens":8,"tools":[{"name":"grep","description":"search","input_schema":{"type":"object"}},{"name":"ls","input_schema":{"properties":{}},"strict":true},{"type":"web_search_20250305","name":"web"}],
             "messages":[{"role":"user","content":"Hi"},
             {"role":"assistant","content":[{"type":"thinking","thinking":"hmm","signature":"s"},{"type":"tool_use","id":"t","name":"grep","input":{"q":"x"}}]},
             {"role":"user","content":[{"type":"image","source":{"type":"base64","data":"AAAA"}},{"type":"text","text":"this"}]}]}"#;
@@ -807,7 +1068,9 @@ mod tests {
             r.tools,
             Some(serde_json::json!([
                 {"type": "function", "function": {"name": "grep", "description": "search", "parameters": {"type": "object"}}},
-                {"type": "web_search_20250305", "name": "web"}
+                {"type": "function", "function": {"name": "ls", "description": null, "parameters": {"properties": {}, "type": "object"}, "strict": true}},
+                // vLLM refuses a tool without a schema; read as it reads it.
+                {"type": "function", "function": {"name": "web", "description": null, "parameters": null}}
             ]))
         );
         assert_eq!(r.chat()[1].tool_calls[0].arguments, r#"{"q":"x"}"#);
@@ -822,7 +1085,7 @@ mod tests {
         assert_eq!(
             r.tools,
             Some(serde_json::json!([
-                {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+                {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": true}}
             ]))
         );
     }

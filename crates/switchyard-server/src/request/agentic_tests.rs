@@ -289,15 +289,15 @@ async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blo
     let chat = json!({"model": "m", "messages": [
         {"role": "system", "content": system},
         {"role": "user", "content": question},
-        {"role": "assistant", "content": answer},
-        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        // One assistant turn: its text and its tool call (vLLM merges a
+        // Responses message item and the function call after it so).
+        {"role": "assistant", "content": answer, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": result},
         {"role": "user", "content": [{"type": "text", "text": "Thanks. And next?"}]},
     ]});
     let messages = json!({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": system}], "messages": [
         {"role": "user", "content": question},
-        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "lookup", "input": {}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}, {"type": "tool_use", "id": "c1", "name": "lookup", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": result}, {"type": "text", "text": "Thanks. And next?"}]},
     ]});
     let responses = json!({"model": "m", "instructions": system, "input": [
@@ -318,7 +318,7 @@ async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blo
     let schema = json!({"type": "object", "properties": {"q": {"type": "string"}}});
     let chat_tools = with_tools(
         chat.clone(),
-        json!([{"type": "function", "function": {"name": "lookup", "description": "Finds a worker.", "parameters": schema}}]),
+        json!([{"type": "function", "function": {"name": "lookup", "description": "Finds a worker.", "parameters": schema, "strict": true}}]),
     );
     let tooled = routing_blocks(&r.state, "chat", &chat_tools).await;
     assert!(
@@ -328,7 +328,7 @@ async fn chat_messages_and_responses_route_the_same_conversation_by_the_same_blo
     );
     let messages_tools = with_tools(
         messages.clone(),
-        json!([{"name": "lookup", "description": "Finds a worker.", "input_schema": schema}]),
+        json!([{"name": "lookup", "description": "Finds a worker.", "input_schema": schema, "strict": true}]),
     );
     assert_eq!(
         routing_blocks(&r.state, "messages", &messages_tools).await,

@@ -350,3 +350,7 @@ pub(crate) async fn request_parts(
     };
     (parts.headers, key, read)
 }
+
+#[cfg(test)]
+#[path = "prompt_tests.rs"]
+mod tests;

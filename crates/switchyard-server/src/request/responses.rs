@@ -81,8 +81,8 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
             None => (None, named),
         };
         let prompt = if parsed.messages.is_empty() {
-            // Only items without text (a continued chain's reasoning, say):
-            // the prompt routing reads is empty.
+            // Only items that make no message (a continued chain's image,
+            // say): the prompt routing reads is empty.
             if pinned.is_none() {
                 return Err(ApiError::bad_request(
                     "`input` has no message or text",

@@ -229,14 +229,15 @@ impl ContentPart {
     }
 }
 
-/// The text a chat message's content parts render as: their texts joined
-/// by a newline, as vLLM joins a message's text parts for a chat template
-/// that reads `content` as a string (its `chat_utils`, for the chat API).
-/// The router and the sim-worker both read a chat message's parts so.
+/// The text a chat message's content parts render as: their non-empty
+/// texts joined by a newline, as vLLM joins a message's text parts for a
+/// chat template that reads `content` as a string (its `chat_utils`, for
+/// every API; an empty part it skips). The router and the sim-worker both
+/// read a message's parts so.
 pub fn joined_text<'a>(texts: impl IntoIterator<Item = &'a str>) -> String {
     let mut joined = String::new();
-    for (i, text) in texts.into_iter().enumerate() {
-        if i > 0 {
+    for text in texts.into_iter().filter(|t| !t.is_empty()) {
+        if !joined.is_empty() {
             joined.push('\n');
         }
         joined.push_str(text);

@@ -196,6 +196,11 @@ fn message_content_is_a_string_parts_nothing_or_invalid() {
     // A message's text parts render joined by a newline, as vLLM joins them.
     assert_eq!(joined_text(["Thanks.", "And next?"]), "Thanks.\nAnd next?");
     assert_eq!(joined_text(["one"]), "one");
+    assert_eq!(
+        joined_text(["a", "", "b"]),
+        "a\nb",
+        "an empty part is skipped"
+    );
     assert_eq!(joined_text([]), "");
 }
 

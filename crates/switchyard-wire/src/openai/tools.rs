@@ -8,17 +8,19 @@
 //! spells them:
 //!
 //! - `tools`: `[{"type": "function", "function": {"name", "description",
-//!   "parameters"}}]`, kept as a JSON tree for the template. Before the
-//!   tree is built the list's JSON text is bounded by
-//!   [`MAX_BYTES_PER_TOKEN`] × the prompt token limit: a tool list longer
-//!   than that cannot fit the limit (JSON takes 3 to 4 bytes a token), so
-//!   it is refused as a prompt past the limit without being parsed;
+//!   "parameters"}}]`, kept as a JSON tree for the template, each function
+//!   tool as vLLM hands it over ([`engine_function`]). Before the tree is
+//!   built the list's JSON text is bounded by [`MAX_BYTES_PER_TOKEN`] ×
+//!   the prompt token limit: a tool list longer than that cannot fit the
+//!   limit (JSON takes 3 to 4 bytes a token), so it is refused as a
+//!   prompt past the limit without being parsed;
 //! - a message's `tool_calls`: `[{"function": {"name", "arguments"}}]`,
 //!   each kept as its name and its arguments' JSON text (a string as it
 //!   is, any other value as its JSON).
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use serde_json::{Map, Value};
 
 /// The most bytes of tool definitions read per token of the prompt token
 /// limit.
@@ -102,9 +104,65 @@ pub fn max_tools_bytes(prompt_tokens: usize) -> usize {
     prompt_tokens.saturating_mul(MAX_BYTES_PER_TOKEN)
 }
 
-/// The tool list `raw` as a JSON tree, when it has any tool: `None` for
-/// `null` or `[]`; refused when it is past [`max_tools_bytes`] or is not
-/// a list.
+/// A function tool as vLLM 0.32 hands it to the chat template: its
+/// `ChatCompletionToolsParam`, dumped (`model_dump`), which every API's
+/// tools become. `fields` are the function's (`parameters_key` names its
+/// schema: `parameters`, or Anthropic's `input_schema`) and `defer_loading`
+/// the tool's own. What the template then renders, in this order:
+/// `type`, `function` with `name`, `description` and `parameters` (`null`
+/// when absent) and `strict` and `defer_loading` when set, and the tool's
+/// `defer_loading` when set; nothing else of the tool's.
+pub fn engine_function(
+    fields: &Map<String, Value>,
+    parameters_key: &str,
+    defer_loading: Option<&Value>,
+) -> Value {
+    let field = |key: &str| fields.get(key).filter(|v| !v.is_null()).cloned();
+    let defer_loading = defer_loading.filter(|v| !v.is_null());
+    let mut function = Map::new();
+    function.insert("name".into(), field("name").unwrap_or(Value::Null));
+    function.insert(
+        "description".into(),
+        field("description").unwrap_or(Value::Null),
+    );
+    function.insert(
+        "parameters".into(),
+        field(parameters_key).unwrap_or(Value::Null),
+    );
+    if let Some(strict) = field("strict") {
+        function.insert("strict".into(), strict);
+    }
+    // The tool's own `defer_loading` is its function's too, unless set there.
+    if let Some(defer) = field("defer_loading").or_else(|| defer_loading.cloned()) {
+        function.insert("defer_loading".into(), defer);
+    }
+    let mut tool = Map::new();
+    tool.insert("type".into(), Value::from("function"));
+    tool.insert("function".into(), Value::Object(function));
+    if let Some(defer) = defer_loading {
+        tool.insert("defer_loading".into(), defer.clone());
+    }
+    Value::Object(tool)
+}
+
+/// A chat API tool as the engine renders it: a function tool
+/// ([`engine_function`] of its `function`), anything else as it is (vLLM
+/// refuses other types).
+pub fn chat_tool(tool: Value) -> Value {
+    let is_function = tool
+        .get("type")
+        .is_none_or(|t| t.as_str() == Some("function"));
+    match tool.get("function") {
+        Some(Value::Object(function)) if is_function => {
+            engine_function(function, "parameters", tool.get("defer_loading"))
+        }
+        _ => tool,
+    }
+}
+
+/// The tool list `raw` as a JSON tree of tools as the engine renders
+/// them ([`chat_tool`]), when it has any tool: `None` for `null` or `[]`;
+/// refused when it is past [`max_tools_bytes`] or is not a list.
 pub fn tools_within(
     raw: Option<&RawValue>,
     prompt_tokens: usize,
@@ -115,9 +173,11 @@ pub fn tools_within(
     if raw.get().len() > max_tools_bytes(prompt_tokens) {
         return Err(ToolsError::TooLong);
     }
-    match serde_json::from_str::<serde_json::Value>(raw.get()) {
-        Ok(serde_json::Value::Array(list)) if list.is_empty() => Ok(None),
-        Ok(list @ serde_json::Value::Array(_)) => Ok(Some(list)),
+    match serde_json::from_str::<Value>(raw.get()) {
+        Ok(Value::Array(list)) if list.is_empty() => Ok(None),
+        Ok(Value::Array(list)) => Ok(Some(Value::Array(
+            list.into_iter().map(chat_tool).collect(),
+        ))),
         _ => Err(ToolsError::NotAList),
     }
 }
@@ -143,6 +203,27 @@ mod tests {
         assert_eq!(object.arguments, r#"{"b":[1,2]}"#);
         let bare: ToolCall = serde_json::from_str(r#"{"id":"x"}"#).unwrap();
         assert!(bare.is_empty());
+    }
+
+    /// vLLM 0.32's dump of each tool (printed by its own
+    /// `ChatCompletionToolsParam(...).model_dump()`): fields in its order,
+    /// absent ones `null`, unknown ones gone, `strict` and `defer_loading`
+    /// only when set.
+    #[test]
+    fn a_chat_tool_is_what_vllm_hands_the_template() {
+        let tool = serde_json::json!({"type": "function", "extra": 1, "function": {
+            "parameters": {"z": 1, "a": 2}, "x": 2, "strict": true, "name": "f"}});
+        assert_eq!(
+            serde_json::to_string(&chat_tool(tool)).unwrap(),
+            r#"{"type":"function","function":{"name":"f","description":null,"parameters":{"z":1,"a":2},"strict":true}}"#
+        );
+        let deferred = serde_json::json!({"type": "function", "defer_loading": true, "function": {"name": "g"}});
+        assert_eq!(
+            serde_json::to_string(&chat_tool(deferred)).unwrap(),
+            r#"{"type":"function","function":{"name":"g","description":null,"parameters":null,"defer_loading":true},"defer_loading":true}"#
+        );
+        let other = serde_json::json!({"type": "web_search"});
+        assert_eq!(chat_tool(other.clone()), other);
     }
 
     #[test]

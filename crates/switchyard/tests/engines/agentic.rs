@@ -137,7 +137,9 @@ print("RESPONSES-OK holder", holder, "turns", len(workers), "streamed", streamed
 /// is the final message's), `messages.count_tokens` (the router's own
 /// count equals vLLM's, argv[2]), a request the router refuses itself
 /// (`messages` empty: no worker named) and one vLLM refuses, both
-/// Anthropic-shaped errors. Prints only counts.
+/// Anthropic-shaped errors; and an agent's turn (billing header, several
+/// text blocks, tool use and result) counted by the router as vLLM counts
+/// it. Prints only counts.
 const MESSAGES: &str = r#"
 import sys
 import anthropic
@@ -165,6 +167,30 @@ counted = client.messages.count_tokens(model="tiny", system=SYSTEM, messages=MES
 by_engine = engine.messages.count_tokens(model="tiny", system=SYSTEM, messages=MESSAGES)
 assert counted.input_tokens == by_engine.input_tokens == msg.usage.input_tokens, (
     counted.input_tokens, by_engine.input_tokens, msg.usage.input_tokens)
+
+# An agent's turn as Claude Code sends it: a system list led by its
+# billing header, several text blocks in a message, a tool call and a tool
+# result of several text items. The router's count is vLLM's, so it reads
+# the conversation as vLLM renders it (joins, dropped header, no user
+# message left by a tool result alone).
+AGENT_SYSTEM = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cch=5e1f;"},
+    {"type": "text", "text": "You are the yard's agent."},
+    {"type": "text", "text": " Use the tools."}]
+AGENT = [
+    {"role": "user", "content": [
+        {"type": "text", "text": "<reminder>track 4 is closed</reminder>"},
+        {"type": "text", "text": "Which cars wait on track 7?"}]},
+    {"role": "assistant", "content": [
+        {"type": "text", "text": "Reading the ledger."},
+        {"type": "tool_use", "id": "toolu_1", "name": "ledger", "input": {"track": 7}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "car 1101: grain"}, {"type": "text", "text": "car 1102: coal"}]}]},
+]
+counted = client.messages.count_tokens(model="tiny", system=AGENT_SYSTEM, messages=AGENT)
+by_engine = engine.messages.count_tokens(model="tiny", system=AGENT_SYSTEM, messages=AGENT)
+assert counted.input_tokens == by_engine.input_tokens, (counted.input_tokens, by_engine.input_tokens)
 
 try:
     client.messages.create(model="tiny", max_tokens=4, messages=[])
