@@ -14,6 +14,12 @@
 //!   plus encode, the fast path without the cache, and the `tokenizers`
 //!   crate.
 //!
+//! - agent turn: the same conversation with eight tools declared and a
+//!   tool call in every assistant turn, rendered only (tools and
+//!   arguments written by the template's `tojson`, arguments parsed, as
+//!   vLLM renders them), beside the plain conversation rendered only: what
+//!   tools add to a render.
+//!
 //! Calls of the cases alternate, so the machine's noise falls on all of
 //! them alike; each call is timed alone (one `Instant` pair each).
 
@@ -81,6 +87,25 @@ fn long_conversation(turns: usize) -> anyhow::Result<Vec<ChatMessage>> {
     )
 }
 
+/// Eight tools of a coding agent, in the chat API's shape.
+fn agent_tools() -> serde_json::Value {
+    let tools: Vec<serde_json::Value> = ["read", "write", "grep", "glob", "bash", "edit", "test", "fetch"]
+        .iter()
+        .map(|name| {
+            serde_json::json!({"type": "function", "function": {
+                "name": name,
+                "description": format!("The agent's {name} tool: runs it in the workspace and returns its output."),
+                "parameters": {"type": "object", "properties": {
+                    "path": {"type": "string", "description": "A file or folder of the workspace."},
+                    "pattern": {"type": "string"},
+                    "context": {"type": "integer", "minimum": 0},
+                    "timeout": {"type": "number"}},
+                    "required": ["path"]}}})
+        })
+        .collect();
+    serde_json::Value::Array(tools)
+}
+
 fn timed<T>(samples: &mut Vec<f64>, f: impl FnOnce() -> T) -> T {
     let start = Instant::now();
     let out = f();
@@ -144,6 +169,31 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         }
     }
 
+    // The agent turn: tools and a call an assistant turn, rendered only.
+    let tools = agent_tools();
+    let mut agent = messages.clone();
+    for (i, m) in agent
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, m)| m.role == "assistant")
+    {
+        m.tool_calls = vec![switchyard_tokenizer::ToolCall::function(
+            "grep",
+            format!(
+                r#"{{"path":"src/module_{i}.rs","pattern":"fn route","context":3,"timeout":1.5}}"#
+            ),
+        )];
+    }
+    let (mut agent_render, mut plain_render) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        timed(&mut agent_render, || {
+            cached.apply_chat_template_with_tools(&agent, Some(&tools), true)
+        })?;
+        timed(&mut plain_render, || {
+            cached.apply_chat_template(&messages, true)
+        })?;
+    }
+
     let cases = [
         Case {
             name: "fresh 465-char prompt, fast path",
@@ -173,6 +223,14 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             name: "last turn, tokenizers crate (1 call in 10)",
             micros: Latency::of(&mut last_reference),
         },
+        Case {
+            name: "agent turn (8 tools, a call a turn), render only",
+            micros: Latency::of(&mut agent_render),
+        },
+        Case {
+            name: "last turn, render only",
+            micros: Latency::of(&mut plain_render),
+        },
     ];
     println!(
         "conversation: {} messages, {chars} characters of content, the last {}; {n} calls per case",
@@ -186,6 +244,10 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             case.name, case.micros.p50, case.micros.p90, case.micros.p99
         );
     }
+    println!(
+        "agent turn / plain turn, render only: {:.2}x",
+        cases[7].micros.p50 / cases[8].micros.p50
+    );
     let stats = cached.segment_cache_stats();
     println!(
         "tokenizers crate / fast path, fresh prompt: {:.1}x; last turn with cache: {:.1}x; segment cache hit ratio {:.3}",
