@@ -33,8 +33,8 @@ use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
 use switchyard_tokenizer::{ChatMessage, Tokenizer, WordVocabulary};
 use switchyard_wire::openai::{
-    joined_text, Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion,
-    CompletionRequest, ErrorBody, MessageContent, Prompt, Usage,
+    Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion, CompletionRequest,
+    ErrorBody, MessageContent, Prompt, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -385,28 +385,23 @@ async fn chat_completions(
     }
     let mut messages = Vec::with_capacity(body.messages.len());
     for m in body.messages {
-        // The worker's reading: text, or text parts only.
-        let content = match m.content {
-            None => String::new(),
-            Some(MessageContent::Text(s)) => s,
-            Some(MessageContent::Parts(parts)) => {
-                if !parts.iter().all(|p| p.is_text()) {
-                    return Err(ErrorBody::invalid_request(
-                        "only text content parts are supported",
-                        Some("messages"),
-                    )
-                    .into());
-                }
-                joined_text(parts.iter().filter_map(|p| p.text.as_deref()))
-            }
-            Some(MessageContent::Invalid) => {
+        // The worker's reading: text, or text parts only (it has no
+        // encoder for anything else), read as the router reads them.
+        if let Some(MessageContent::Parts(parts)) = &m.content {
+            if !parts.iter().all(|p| p.is_text()) {
                 return Err(ErrorBody::invalid_request(
-                    "message content must be a string or a list of text parts",
+                    "only text content parts are supported",
                     Some("messages"),
                 )
-                .into())
+                .into());
             }
-        };
+        }
+        let content = MessageContent::template_text(m.content).ok_or_else(|| {
+            ErrorBody::invalid_request(
+                "message content must be a string or a list of text parts",
+                Some("messages"),
+            )
+        })?;
         // An assistant turn's tool calls are rendered, as vLLM (and the
         // router, which must hash the same ids) renders them.
         let tool_calls = m

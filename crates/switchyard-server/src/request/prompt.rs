@@ -27,7 +27,7 @@ use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_tokenizer::prompt::ChatPrompt;
 use switchyard_tokenizer::{ChatMessage, ToolCall};
-use switchyard_wire::openai::{joined_text, Message, MessageContent};
+use switchyard_wire::openai::{Message, MessageContent};
 
 /// the upload layer: its one buffer, taken as it is).
 pub(crate) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
@@ -92,10 +92,9 @@ impl PromptIds {
     }
 }
 
-/// The router's reading of chat messages: text content as is, the texts
-/// of the content parts that have one joined by a newline as vLLM joins
-/// them ([`joined_text`]; images and other parts do not change the text
-/// prefix), no content as empty.
+/// The router's reading of chat messages: their content as a template
+/// renders it ([`MessageContent::template_text`], as vLLM reads it; images
+/// and other parts do not change the text prefix) and their tool calls.
 pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     if body.is_empty() {
         return Err(ApiError::bad_request(
@@ -105,19 +104,12 @@ pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
     }
     let mut messages = Vec::with_capacity(body.len());
     for m in body {
-        let content = match m.content {
-            None => String::new(),
-            Some(MessageContent::Text(s)) => s,
-            Some(MessageContent::Parts(parts)) => {
-                joined_text(parts.iter().filter_map(|p| p.text.as_deref()))
-            }
-            Some(MessageContent::Invalid) => {
-                return Err(ApiError::bad_request(
-                    "message content must be a string or a list of content parts",
-                    Some("messages"),
-                ))
-            }
-        };
+        let content = MessageContent::template_text(m.content).ok_or_else(|| {
+            ApiError::bad_request(
+                "message content must be a string or a list of content parts",
+                Some("messages"),
+            )
+        })?;
         let tool_calls = m
             .tool_calls
             .into_iter()

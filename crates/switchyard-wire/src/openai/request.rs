@@ -211,6 +211,24 @@ pub enum MessageContent {
     Invalid,
 }
 
+impl MessageContent {
+    /// The text a chat template renders of a message's `content`, as vLLM
+    /// reads it: none as empty, a string as it is, parts as their
+    /// non-empty texts one a line ([`joined_text`]; other parts add no
+    /// text); `None` for [`MessageContent::Invalid`]. The router and the
+    /// sim-worker both read a message so.
+    pub fn template_text(content: Option<Self>) -> Option<String> {
+        match content {
+            None => Some(String::new()),
+            Some(Self::Text(text)) => Some(text),
+            Some(Self::Parts(parts)) => {
+                Some(joined_text(parts.iter().filter_map(|p| p.text.as_deref())))
+            }
+            Some(Self::Invalid) => None,
+        }
+    }
+}
+
 /// One content part, as far as text goes: its `type` and its `text`, each
 /// `None` when absent or not a string. Other keys (`image_url`, ...) and
 /// parts that are not objects read as an empty part.
