@@ -19,7 +19,7 @@
 //! | Responses `reasoning` item | the assistant message before it (or one of its own, without text); its bytes counted |
 //! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text (Anthropic: its text items one a line), before the user message's own text |
 //! | an Anthropic user message with no text or media left (tool results only) | none |
-//! | Responses `tools`, Anthropic `tools` | the chat API's tool list (`{"type": "function", "function": {name, description, parameters}}`; other tools as they are) |
+//! | Responses `tools`, Anthropic `tools` | the chat API's tool list as vLLM dumps it (`{"type": "function", "function": {name, description, parameters, strict?}}`: [`crate::openai::tools::engine_function`]); Responses tools of other types dropped, every Anthropic tool a function |
 //! | images, files, audio | no text (the engine's encoder gives them their tokens) |
 //! | reasoning items, thinking blocks, any other item or block | no text; their JSON bytes are counted in [`ResponsesRequest::unrendered_bytes`] |
 //!
