@@ -337,15 +337,27 @@ async fn responses_and_messages_through_serve_on_vllm_with_the_official_clients(
         // then as Responses. The router renders the latter two as the chat
         // request, so it routes them to the chat's worker expecting its
         // cached blocks; vLLM renders them as chat too, so it hits them.
+        // With a tool declared as each API declares it: vLLM renders the
+        // three alike (its tool model, dumped; Python's `json.dumps`),
+        // and so must the router, or it hashes another prompt from the
+        // system turn on. `tool_choice` none: the workers run without a
+        // tool-call parser (vLLM refuses `auto` then), and vLLM renders
+        // the tools all the same.
         let system = "You keep the yard's ledger of arrivals and departures.";
         let user = "Log the arrival of the night freight from the coast, forty cars, two locomotives. "
             .repeat(9);
+        let schema = json!({"type": "object", "properties": {
+            "train": {"type": "string", "description": "The train's name, e.g. <coast freight>."},
+            "cars": {"type": "integer"}}, "required": ["train"]});
+        let description = "Writes one line in the ledger.";
         let (_, counted) = post(
             &client,
             &router.base,
             "/v1/messages/count_tokens",
             &json!({"model": "tiny", "system": system,
-                    "messages": [{"role": "user", "content": user}]}),
+                    "messages": [{"role": "user", "content": user}],
+                    "tools": [{"name": "ledger", "description": description, "input_schema": schema}],
+                    "tool_choice": {"type": "none"}}),
         )
         .await;
         let n = counted["input_tokens"].as_u64().expect("a count");
@@ -358,7 +370,10 @@ async fn responses_and_messages_through_serve_on_vllm_with_the_official_clients(
             &router.base,
             "/v1/chat/completions",
             &json!({"model": "tiny", "max_tokens": 1, "messages": [
-                {"role": "system", "content": system}, {"role": "user", "content": user}]}),
+                {"role": "system", "content": system}, {"role": "user", "content": user}],
+                "tools": [{"type": "function", "function": {
+                    "name": "ledger", "description": description, "parameters": schema}}],
+                "tool_choice": "none"}),
         )
         .await;
         assert_eq!(
@@ -377,13 +392,18 @@ async fn responses_and_messages_through_serve_on_vllm_with_the_official_clients(
                 "messages",
                 "/v1/messages",
                 json!({"model": "tiny", "max_tokens": 1, "system": system,
-                       "messages": [{"role": "user", "content": user}]}),
+                       "messages": [{"role": "user", "content": user}],
+                       "tools": [{"name": "ledger", "description": description, "input_schema": schema}],
+                       "tool_choice": {"type": "none"}}),
             ),
             (
                 "responses",
                 "/v1/responses",
                 json!({"model": "tiny", "max_output_tokens": 1, "store": false,
-                       "instructions": system, "input": user}),
+                       "instructions": system, "input": user,
+                       "tools": [{"type": "function", "name": "ledger",
+                                  "description": description, "parameters": schema}],
+                       "tool_choice": "none"}),
             ),
         ];
         for (api, path, body) in agentic {
