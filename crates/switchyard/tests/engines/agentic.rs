@@ -3,10 +3,13 @@
 //! `/v1/messages/count_tokens`) through `serve` in front of two real vLLM
 //! workers, driven by the official `openai` and `anthropic` Python clients
 //! (vLLM's environment pins both), and the routing truth behind them: the
-//! same conversation sent as chat, as Responses and as Messages is one
-//! prompt to vLLM too — it hits the blocks the chat request left in vLLM's
-//! prefix cache, on the worker the router sends it to, exactly as many
-//! tokens as the router predicted.
+//! same conversation sent as chat, as Responses and as Messages, a tool
+//! declared as each API declares it, is one prompt to vLLM too — it hits
+//! the blocks the chat request left in vLLM's prefix cache, on the worker
+//! the router sends it to, exactly as many tokens as the router predicted;
+//! and a Claude Code-shaped Messages turn (billing header, several text
+//! blocks, a tool call and its result) is counted by the router as vLLM
+//! counts it.
 //!
 //! What vLLM 0.32 does, found here (and asserted as it is):
 //!
