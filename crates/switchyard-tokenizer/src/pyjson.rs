@@ -277,6 +277,8 @@ mod tests {
             (1.2345678901234568e17, "1.2345678901234568e+17"),
             (9999999999999998.0, "9999999999999998.0"),
             (-2.5e-300, "-2.5e-300"),
+            (4.3754999232668e-310, "4.3754999232668e-310"),
+            (5e-324, "5e-324"),
             (f64::INFINITY, "Infinity"),
         ] {
             assert_eq!(py_float(x), python, "{x:e}");
@@ -304,8 +306,11 @@ mod tests {
             Just(serde_json::Value::Null),
             any::<bool>().prop_map(serde_json::Value::from),
             any::<i64>().prop_map(serde_json::Value::from),
+            // Normal floats: serde_json's reader (the check's, not the
+            // writer's) is inexact on subnormals; their digits are checked
+            // in `floats_read_as_pythons_repr`.
             any::<f64>()
-                .prop_filter("finite", |x| x.is_finite())
+                .prop_filter("finite and normal", |x| x.is_normal() || *x == 0.0)
                 .prop_map(serde_json::Value::from),
             any::<String>().prop_map(serde_json::Value::from),
         ];
@@ -329,15 +334,17 @@ mod tests {
         }
     }
 
-    /// The same tree, keys in the same order; floats within an ulp
+    /// The same tree, keys in the same order; floats within a few ulps
     /// (serde_json's reader, without `float_roundtrip`, may miss the last
-    /// digit of the shortest form written).
+    /// digits of the shortest form written: by two ulps at 1.86e146; the
+    /// written digits themselves are checked exactly in
+    /// `floats_read_as_pythons_repr`).
     fn same(a: &serde_json::Value, b: &serde_json::Value) -> bool {
         use serde_json::Value as J;
         match (a, b) {
             (J::Number(x), J::Number(y)) if x.is_f64() || y.is_f64() => {
                 let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-                (x - y).abs() <= f64::EPSILON * x.abs().max(y.abs())
+                (x - y).abs() <= 8.0 * f64::EPSILON * x.abs().max(y.abs())
             }
             (J::Array(x), J::Array(y)) => {
                 x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same(x, y))
