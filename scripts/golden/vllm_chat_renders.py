@@ -136,6 +136,52 @@ CASES = [
             {"type": "web_search"},
         ],
     }),
+    # An agent loop after its user query: Qwen3's template renders each
+    # assistant turn's reasoning there (vLLM hands it over as
+    # `reasoning_content`).
+    ("chat-reasoning-loop", "chat", {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "Fix the failing test."},
+            {"role": "assistant", "content": "", "reasoning": "Read the test first.",
+             "tool_calls": [{"id": "a", "type": "function", "function": {
+                 "name": "read", "arguments": "{\"path\":\"tests/a.rs\"}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "assert_eq!(f(), 2);"},
+        ],
+    }),
+    ("messages-thinking-loop", "messages", {
+        "model": "m", "max_tokens": 8,
+        "messages": [
+            {"role": "user", "content": "Fix the failing test."},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Read the test ", "signature": "s"},
+                {"type": "thinking", "thinking": "first.", "signature": "t"},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "tests/a.rs"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "assert_eq!(f(), 2);"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "f returns 1.", "signature": "u"},
+                {"type": "text", "text": "Found it."},
+                {"type": "tool_use", "id": "toolu_2", "name": "edit", "input": {"path": "src/f.rs"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "ok"}]},
+        ],
+    }),
+    ("responses-reasoning-loop", "responses", {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "Fix the failing test."},
+            {"type": "reasoning", "id": "rs_1", "summary": [
+                {"type": "summary_text", "text": "Read the test first."}]},
+            {"type": "function_call", "call_id": "c1", "name": "read",
+             "arguments": "{\"path\": \"tests/a.rs\"}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "assert_eq!(f(), 2);"},
+            {"type": "reasoning", "id": "rs_2", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "f returns 1."}]},
+            {"type": "function_call", "call_id": "c2", "name": "edit", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c2", "output": "ok"},
+        ],
+    }),
 ]
 
 

@@ -125,6 +125,7 @@ mod tests {
             role: "user".into(),
             content: String::new(),
             tool_calls: Vec::new(),
+            reasoning: None,
         };
         assert!(rendered_size_estimate(&vec![empty; 1000]) > INLINE_CHARS);
     }

@@ -111,6 +111,7 @@ fn chat(messages: &[Message]) -> Vec<ChatMessage> {
                 .iter()
                 .map(|c| switchyard_tokenizer::ToolCall::function(&c.name, &c.arguments))
                 .collect(),
+            reasoning: m.reasoning.clone(),
         })
         .collect()
 }
@@ -315,6 +316,7 @@ async fn responses_inner(state: WorkerState, body: Bytes) -> Result<Response, Er
                 role: "assistant".into(),
                 content: out.text,
                 tool_calls: Vec::new(),
+                reasoning: None,
             });
             state.responses.put(
                 id,
@@ -444,6 +446,7 @@ fn responses_stream(
                                 role: "assistant".into(),
                                 content: text,
                                 tool_calls: Vec::new(),
+                                reasoning: None,
                             });
                             s.state.responses.put(
                                 s.id.clone(),

@@ -413,6 +413,7 @@ async fn chat_completions(
             role: m.role,
             content,
             tool_calls,
+            reasoning: m.reasoning,
         });
     }
     let tools = body.tools;

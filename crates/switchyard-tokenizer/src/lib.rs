@@ -96,6 +96,10 @@ pub struct ChatMessage {
     /// `message.tool_calls`); left out of the template's view when empty.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
+    /// An assistant's reasoning, handed to the template as
+    /// `reasoning_content` (and `reasoning`), as vLLM hands it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
@@ -105,6 +109,7 @@ impl ChatMessage {
             role: role.into(),
             content: content.into(),
             tool_calls: Vec::new(),
+            reasoning: None,
         }
     }
 }
@@ -766,11 +771,13 @@ mod tests {
                 role: "system".into(),
                 content: "Be brief.".into(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             },
             ChatMessage {
                 role: "user".into(),
                 content: "Hi".into(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             },
         ];
         let text = tokenizer().apply_chat_template(&messages, true).unwrap();
@@ -827,16 +834,19 @@ mod tests {
                 role: "user".into(),
                 content: "Q".into(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             },
             ChatMessage {
                 role: "assistant".into(),
                 content: "<think>\nhmm\n</think>\n\nA".into(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             },
             ChatMessage {
                 role: "user".into(),
                 content: "Q2".into(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             },
         ];
         let text = tokenizer().apply_chat_template(&messages, false).unwrap();
@@ -970,6 +980,7 @@ mod tests {
             role: "user".into(),
             content: "Hi".into(),
             tool_calls: Vec::new(),
+            reasoning: None,
         }];
         assert_eq!(
             t.apply_chat_template(&hi, true).unwrap(),
@@ -1020,6 +1031,7 @@ mod tests {
             role: "user".into(),
             content: "Hi".into(),
             tool_calls: Vec::new(),
+            reasoning: None,
         }];
         assert!(matches!(
             t.apply_chat_template(&hi, true),
@@ -1069,6 +1081,7 @@ mod tests {
             role: "user".into(),
             content: "Hi".into(),
             tool_calls: Vec::new(),
+            reasoning: None,
         }];
         assert_eq!(t.apply_chat_template(&hi, true).unwrap(), "Hi");
     }

@@ -27,6 +27,7 @@ pub const TEMPLATE_BYTES_PER_MESSAGE: usize = 32;
 pub fn rendered_size_estimate(messages: &[ChatMessage]) -> usize {
     messages.iter().fold(0usize, |size, m| {
         size.saturating_add(m.content.len())
+            .saturating_add(m.reasoning.as_ref().map_or(0, String::len))
             .saturating_add(m.role.len())
             .saturating_add(TEMPLATE_BYTES_PER_MESSAGE)
             .saturating_add(tool_calls_size(m))

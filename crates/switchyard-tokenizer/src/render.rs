@@ -9,6 +9,8 @@
 //! - an assistant's tool-call `arguments` are parsed into an object (JSON
 //!   text that is not an object, or no text, is `{}`), which templates
 //!   then write with `tojson`: `{"a":1}` and `{"a": 1}` render alike;
+//! - an assistant's reasoning is `reasoning_content` (and `reasoning`):
+//!   Qwen3's template renders it in the turns after the last user query;
 //! - a system message's leading Claude Code attribution line
 //!   (`x-anthropic-billing-header: ...`, whose hash changes every request)
 //!   is dropped, with the rest of its text kept.
@@ -57,7 +59,8 @@ impl Serialize for TemplateMessage<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let m = self.0;
         let calls = !m.tool_calls.is_empty();
-        let mut map = serializer.serialize_map(Some(2 + usize::from(calls)))?;
+        let fields = 2 + usize::from(calls) + 2 * usize::from(m.reasoning.is_some());
+        let mut map = serializer.serialize_map(Some(fields))?;
         map.serialize_entry("role", &m.role)?;
         let content = match m.role.as_str() {
             "system" => without_billing_header(&m.content),
@@ -67,6 +70,10 @@ impl Serialize for TemplateMessage<'_> {
         if calls {
             let calls: Vec<TemplateCall<'_>> = m.tool_calls.iter().map(TemplateCall).collect();
             map.serialize_entry("tool_calls", &calls)?;
+        }
+        if let Some(reasoning) = &m.reasoning {
+            map.serialize_entry("reasoning", reasoning)?;
+            map.serialize_entry("reasoning_content", reasoning)?;
         }
         map.end()
     }

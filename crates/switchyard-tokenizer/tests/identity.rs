@@ -52,6 +52,7 @@ fn conversations() -> &'static [Vec<ChatMessage>] {
                         .into(),
                         content: turn["value"].as_str().unwrap().to_owned(),
                         tool_calls: Vec::new(),
+                        reasoning: None,
                     })
                     .collect()
             })

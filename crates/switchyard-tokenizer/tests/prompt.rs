@@ -48,6 +48,7 @@ fn the_rendered_size_estimate_covers_the_bundled_template() {
         role: role.into(),
         content: content.into(),
         tool_calls: Vec::new(),
+        reasoning: None,
     };
     for messages in [
         vec![message("user", "")],
@@ -122,6 +123,7 @@ fn chat_ids_equal_the_tokenizers_crate_on_the_rendered_template() {
             role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
             content: t.clone(),
             tool_calls: Vec::new(),
+            reasoning: None,
         })
         .collect();
     let ours = bundled().encode_chat(&messages[..5]).unwrap();

@@ -16,12 +16,12 @@
 //! | Responses `input` as a string | one `user` message |
 //! | a message item / message (`role`, text or text parts) | that message, its non-empty text parts one a line; a Responses assistant item: its first part's text only |
 //! | Responses `function_call`, Anthropic `tool_use` block | a tool call (its name and arguments) of the assistant message before it (Responses: a new one when the last message is not an assistant's) |
-//! | Responses `reasoning` item | the assistant message before it (or one of its own, without text); its bytes counted |
+//! | Responses `reasoning` item, Anthropic `thinking` blocks | the assistant message's reasoning (a Responses item: of the assistant message before it, or of one of its own; its first content part's text, else its first summary's), which the template renders after the last user query; their bytes counted as well |
 //! | Responses `function_call_output`, Anthropic `tool_result` block | a `tool` message with its output's text (Anthropic: its text items one a line), before the user message's own text |
 //! | an Anthropic user message with no text or media left (tool results only) | none |
 //! | Responses `tools`, Anthropic `tools` | the chat API's tool list as vLLM dumps it (`{"type": "function", "function": {name, description, parameters, strict?}}`: [`crate::openai::tools::engine_function`]); Responses tools of other types dropped, every Anthropic tool a function |
 //! | images, files, audio | no text (the engine's encoder gives them their tokens) |
-//! | reasoning items, thinking blocks, any other item or block | no text; their JSON bytes are counted in [`ResponsesRequest::unrendered_bytes`] |
+//! | any other item or block | no text; their JSON bytes are counted in [`ResponsesRequest::unrendered_bytes`] |
 //!
 //! The rules are vLLM 0.32's, read in its source: the Responses items in
 //! `entrypoints/openai/responses/utils.py`, the Anthropic conversion in
@@ -197,6 +197,9 @@ struct Item<'a> {
     /// A `function_call`'s arguments (JSON text in a string).
     #[serde(default, borrow)]
     arguments: Option<&'a RawValue>,
+    /// A `reasoning` item's summary parts.
+    #[serde(default, borrow)]
+    summary: Option<&'a RawValue>,
 }
 
 /// One content block or part: its type, its text, a `tool_result`'s
@@ -207,6 +210,9 @@ struct Block<'a> {
     kind: Option<String>,
     #[serde(default)]
     text: Option<String>,
+    /// A `thinking` block's thinking.
+    #[serde(default)]
+    thinking: Option<String>,
     #[serde(default, borrow)]
     content: Option<&'a RawValue>,
     /// A `tool_use` block's tool.
@@ -418,14 +424,11 @@ impl Parts {
 #[derive(Default)]
 struct Turns {
     messages: Vec<Message>,
-    /// The last message is an assistant's that has its reasoning.
-    reasoned: bool,
 }
 
 impl Turns {
     fn push(&mut self, message: Message) {
         self.messages.push(message);
-        self.reasoned = false;
     }
 
     fn last_assistant(&mut self) -> Option<&mut Message> {
@@ -437,6 +440,7 @@ impl Turns {
             role: "assistant".to_owned(),
             content: None,
             tool_calls: Vec::new(),
+            reasoning: None,
         }
     }
 
@@ -463,13 +467,16 @@ impl Turns {
         }
     }
 
-    /// A reasoning item: the last assistant message's reasoning when it
-    /// has none yet, else an assistant message of its own.
-    fn reasoning(&mut self) {
-        if self.reasoned || self.last_assistant().is_none() {
-            self.push(Self::empty_assistant());
+    /// A reasoning item's `text`: the last assistant message's reasoning
+    /// when it has none yet, else an assistant message of its own.
+    fn reasoning(&mut self, text: String) {
+        match self.last_assistant().filter(|m| m.reasoning.is_none()) {
+            Some(last) => last.reasoning = Some(text),
+            None => self.push(Message {
+                reasoning: Some(text),
+                ..Self::empty_assistant()
+            }),
         }
-        self.reasoned = true;
     }
 }
 
@@ -588,6 +595,31 @@ fn chat_tools(
     Ok((!chat.is_empty()).then_some(Value::Array(chat)))
 }
 
+/// The text of a list's first part (a reasoning item's first content or
+/// summary part), when it has one.
+fn first_text(raw: Option<&RawValue>) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Part {
+        #[serde(default)]
+        text: Option<String>,
+    }
+    /// The first element, the rest skipped unread into memory.
+    struct First;
+    impl<'de> Visitor<'de> for First {
+        type Value = Option<Part>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a list of parts")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let first = seq.next_element::<Part>()?;
+            while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+            Ok(first)
+        }
+    }
+    let mut reader = serde_json::Deserializer::from_str(raw?.get());
+    reader.deserialize_seq(First).ok()??.text
+}
+
 fn message(role: &str, content: String) -> Message {
     Message::text(role, content)
 }
@@ -646,10 +678,17 @@ impl ResponsesRequest {
                     (None | Some("message"), None) => {
                         return Err(invalid("an input message needs a `role`"))
                     }
-                    // Reasoning is an assistant turn's (its text counted).
+                    // Reasoning is an assistant turn's: its first content
+                    // part's text, else its first summary's, as vLLM reads
+                    // it. Its bytes are counted as well: the template
+                    // renders it only after the last user query.
                     (Some("reasoning"), _) => {
                         parts.unrendered = parts.unrendered.saturating_add(raw.get().len());
-                        turns.reasoning();
+                        turns.reasoning(
+                            first_text(item.content)
+                                .or_else(|| first_text(item.summary))
+                                .unwrap_or_default(),
+                        );
                     }
                     // Other items add no message: counted.
                     (kind, _) if !is_media_kind(kind) => {
@@ -761,6 +800,7 @@ impl MessagesRequest {
             let mut texts = Vec::new();
             let mut calls = Vec::new();
             let mut media = false;
+            let mut thinking: Option<String> = None;
             for block in parts.blocks(content)? {
                 match block.kind.as_deref() {
                     Some("tool_result") => {
@@ -776,6 +816,13 @@ impl MessagesRequest {
                         arguments: block.input.map(|i| i.get().to_owned()).unwrap_or_default(),
                     }),
                     kind if is_text_kind(kind) => texts.extend(block.text),
+                    // Its thinking is the message's reasoning (its bytes
+                    // counted as well: rendered only after the last query).
+                    Some("thinking") if block.thinking.is_some() => {
+                        parts.unrendered(&block);
+                        let reasoning = thinking.get_or_insert_with(String::new);
+                        reasoning.push_str(block.thinking.as_deref().unwrap_or_default());
+                    }
                     kind => {
                         media |= is_media_kind(kind);
                         parts.unrendered(&block);
@@ -786,6 +833,7 @@ impl MessagesRequest {
             if has_text || media {
                 messages.push(Message {
                     tool_calls: calls,
+                    reasoning: thinking,
                     ..message(&role, Join::Parts.joined(texts))
                 });
             } else if role == "assistant" {
@@ -793,6 +841,7 @@ impl MessagesRequest {
                     role,
                     content: None,
                     tool_calls: calls,
+                    reasoning: thinking,
                 });
             }
         }

@@ -119,6 +119,7 @@ pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiE
             role: m.role,
             content,
             tool_calls,
+            reasoning: m.reasoning,
         });
     }
     Ok(messages)

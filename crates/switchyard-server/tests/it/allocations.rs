@@ -236,6 +236,7 @@ fn allocations_per_request_on_the_request_path() {
                         role: "user".into(),
                         content: message(i),
                         tool_calls: Vec::new(),
+                        reasoning: None,
                     }]
                 })
                 .collect();

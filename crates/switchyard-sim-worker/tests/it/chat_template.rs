@@ -64,6 +64,7 @@ async fn tools_and_tool_calls_are_in_the_prompt_as_the_router_renders_them() {
         role: role.into(),
         content: content.into(),
         tool_calls: calls,
+        reasoning: None,
     };
     let messages = [
         message("user", "What does the README say?", vec![]),
@@ -118,6 +119,7 @@ async fn a_messages_requests_tools_are_in_its_prompt_as_the_router_renders_them(
                 _ => String::new(),
             },
             tool_calls: vec![],
+            reasoning: None,
         })
         .collect();
     let expected = rendered(&messages, request.tools.as_ref());
@@ -148,6 +150,7 @@ async fn a_messages_text_parts_are_joined_by_a_newline_as_vllm_joins_them() {
             role: "user".into(),
             content: content.into(),
             tool_calls: vec![],
+            reasoning: None,
         };
         rendered(&[message], None)
     };

@@ -163,6 +163,7 @@ async fn a_conversations_next_turn_hits_the_blocks_of_the_previous_answer() {
         role: "user".into(),
         content: "Name a few rivers, please.".into(),
         tool_calls: Vec::new(),
+        reasoning: None,
     }];
     let prompt = tokenizer()
         .encode(&tokenizer().apply_chat_template(&messages, true).unwrap())

@@ -86,6 +86,7 @@ pub fn read_conversations<R: BufRead>(input: R) -> Result<Vec<Vec<ChatMessage>>,
                         role: chat_role(&m.from)?.to_owned(),
                         content: m.value,
                         tool_calls: Vec::new(),
+                        reasoning: None,
                     })
                 })
                 .collect(),
@@ -134,6 +135,7 @@ pub fn read_sharegpt<R: BufRead>(
                 role: role.to_owned(),
                 content: m.value.clone(),
                 tool_calls: Vec::new(),
+                reasoning: None,
             });
             if role != "user" {
                 continue;

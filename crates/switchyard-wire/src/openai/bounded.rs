@@ -481,7 +481,7 @@ impl<'de> Visitor<'de> for MessagesSeed<'_> {
     }
 }
 
-const MESSAGE_FIELDS: &[&str] = &["role", "content", "tool_calls"];
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "tool_calls", "reasoning"];
 
 /// One message; its content parts count towards `limits.content_parts`.
 struct MessageSeed<'a>(Bounds<'a>);
@@ -502,6 +502,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
         let mut role: Option<String> = None;
         let mut content: Option<Option<MessageContent>> = None;
         let mut tool_calls: Option<Option<Vec<super::ToolCall>>> = None;
+        let mut reasoning: Option<Option<String>> = None;
         while let Some(key) = map.next_key_seed(FieldIn(MESSAGE_FIELDS))? {
             match key {
                 Some(0) => read_once(&mut map, &mut role, "role")?,
@@ -512,6 +513,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
                     OptionalContentSeed(self.0),
                 )?,
                 Some(2) => read_once(&mut map, &mut tool_calls, "tool_calls")?,
+                Some(3) => read_once(&mut map, &mut reasoning, "reasoning")?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -521,6 +523,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
             role: role.ok_or_else(|| de::Error::missing_field("role"))?,
             content: content.flatten(),
             tool_calls: tool_calls.flatten().unwrap_or_default(),
+            reasoning: reasoning.flatten(),
         })
     }
 }

@@ -118,6 +118,7 @@ fn reference_messages(v: &Value, limits: &BodyLimits) -> Outcome<Vec<Message>> {
             role: role.clone(),
             content,
             tool_calls: Vec::new(),
+            reasoning: None,
         });
     }
     Outcome::Ok(messages)

@@ -184,6 +184,11 @@ pub struct Message {
     pub content: Option<MessageContent>,
     /// An assistant's tool calls (empty when it made none).
     pub tool_calls: Vec<super::ToolCall>,
+    /// An assistant's reasoning (the chat API's `reasoning`, an Anthropic
+    /// message's thinking, a Responses reasoning item), which vLLM hands
+    /// the template as `reasoning_content`: Qwen3's renders it in the
+    /// turns after the last user query.
+    pub reasoning: Option<String>,
 }
 
 impl Message {
@@ -193,6 +198,7 @@ impl Message {
             role: role.to_owned(),
             content: Some(MessageContent::Text(content)),
             tool_calls: Vec::new(),
+            reasoning: None,
         }
     }
 }

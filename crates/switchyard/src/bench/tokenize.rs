@@ -133,6 +133,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             role: "user".into(),
             content: text,
             tool_calls: Vec::new(),
+            reasoning: None,
         }];
         timed(&mut chat, || {
             cached
