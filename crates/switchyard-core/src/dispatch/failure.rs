@@ -306,6 +306,10 @@ const GENERATED_IDS_HINT: usize = 64;
 /// Bytes of generated text a stream first makes room for.
 const GENERATED_TEXT_HINT: usize = 256;
 
+/// Bytes of not-yet-tokenized generated text kept per token of the
+/// migration sequence limit.
+pub const TEXT_BYTES_PER_TOKEN: u64 = 32;
+
 impl Progress {
     /// Empty progress that keeps at most `text_cap` bytes of text.
     pub fn new(text_cap: usize) -> Self {
@@ -325,6 +329,20 @@ impl Progress {
             max_ids: Some(max_ids),
             ..Self::default()
         }
+    }
+
+    /// What a resumable stream keeps when its prompt has `prompt_len`
+    /// tokens and the migration sequence limit is `max_seq_len`: text up
+    /// to [`TEXT_BYTES_PER_TOKEN`] a token of the limit, and ids up to the
+    /// limit less the prompt (past it the stream cannot resume, so no
+    /// more are worth keeping).
+    pub fn within_sequence(max_seq_len: u64, prompt_len: usize) -> Self {
+        let text_cap = max_seq_len.saturating_mul(TEXT_BYTES_PER_TOKEN);
+        let max_ids = max_seq_len.saturating_sub(prompt_len as u64);
+        Self::bounded(
+            usize::try_from(text_cap).unwrap_or(usize::MAX),
+            usize::try_from(max_ids).unwrap_or(usize::MAX),
+        )
     }
 
     /// The bound on kept text, in bytes.

@@ -449,4 +449,21 @@ mod decide_specs {
             assert!(!request_fault(reason, 5), "{reason:?}");
         }
     }
+
+    #[test]
+    fn a_stream_keeps_what_its_sequence_limit_leaves_room_for() {
+        let p = Progress::within_sequence(1_000, 600);
+        assert_eq!(p.text_cap(), 32_000, "32 bytes a token of the limit");
+        let mut p = p;
+        p.extend_ids(&vec![7; 400]);
+        assert!(!p.overflowed(), "the limit less the prompt fits");
+        p.extend_ids(&[7]);
+        assert!(p.overflowed(), "one more id cannot resume");
+        // A prompt past the limit keeps no ids; nothing overflows a count.
+        assert!(Progress::within_sequence(10, 20).text_cap() == 320);
+        assert_eq!(
+            Progress::within_sequence(u64::MAX, 0).text_cap(),
+            usize::MAX
+        );
+    }
 }

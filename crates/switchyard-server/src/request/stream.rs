@@ -66,9 +66,6 @@ use switchyard_wire::sse::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-/// Bytes of generated text kept per token of the migration sequence limit.
-const TEXT_BYTES_PER_TOKEN: u64 = 32;
-
 /// What the proxy hands over once the first event has arrived.
 pub(crate) struct StreamStart {
     pub(crate) attempts: Attempts,
@@ -417,20 +414,10 @@ impl Drop for MigratingStream {
 }
 
 /// The progress of a stream whose prompt has `prompt_len` tokens, bounded
-/// by the migration sequence limit: what any resumable stream keeps.
+/// by the migration sequence limit (the core's
+/// [`Progress::within_sequence`]): what any resumable stream keeps.
 pub(crate) fn bounded_progress(attempts: &Attempts, prompt_len: usize) -> Progress {
-    let limits = attempts.state.upstream.migration;
-    let text_cap = limits
-        .max_seq_len
-        .saturating_mul(TEXT_BYTES_PER_TOKEN)
-        .min(usize::MAX as u64) as usize;
-    // Once prompt plus generated tokens pass the sequence limit the
-    // stream cannot resume, so no more ids than that are worth keeping.
-    let max_ids = limits
-        .max_seq_len
-        .saturating_sub(prompt_len as u64)
-        .min(usize::MAX as u64) as usize;
-    Progress::bounded(text_cap, max_ids)
+    Progress::within_sequence(attempts.state.upstream.migration.max_seq_len, prompt_len)
 }
 
 /// How [`move_stream`] ended.
