@@ -376,9 +376,7 @@ impl Parts {
         }
         Ok(join.joined(texts))
     }
-}
 
-impl Parts {
     /// An assistant message item's text as vLLM reads it: a string as it
     /// is, a list's first part's text (vLLM keeps no other part of an
     /// assistant's output), or, when that part has none, every text part
@@ -427,10 +425,6 @@ struct Turns {
 }
 
 impl Turns {
-    fn push(&mut self, message: Message) {
-        self.messages.push(message);
-    }
-
     fn last_assistant(&mut self) -> Option<&mut Message> {
         self.messages.last_mut().filter(|m| m.role == "assistant")
     }
@@ -448,7 +442,7 @@ impl Turns {
     fn tool_call(&mut self, call: ToolCall) {
         match self.last_assistant() {
             Some(last) => last.tool_calls.push(call),
-            None => self.push(Message {
+            None => self.messages.push(Message {
                 tool_calls: vec![call],
                 ..Self::empty_assistant()
             }),
@@ -459,11 +453,11 @@ impl Turns {
     /// it has none yet.
     fn assistant_text(&mut self, text: Option<String>) {
         let Some(text) = text else {
-            return self.push(Self::empty_assistant());
+            return self.messages.push(Self::empty_assistant());
         };
         match self.last_assistant().filter(|m| m.content.is_none()) {
             Some(last) => last.content = Some(MessageContent::Text(text)),
-            None => self.push(message("assistant", text)),
+            None => self.messages.push(message("assistant", text)),
         }
     }
 
@@ -472,7 +466,7 @@ impl Turns {
     fn reasoning(&mut self, text: String) {
         match self.last_assistant().filter(|m| m.reasoning.is_none()) {
             Some(last) => last.reasoning = Some(text),
-            None => self.push(Message {
+            None => self.messages.push(Message {
                 reasoning: Some(text),
                 ..Self::empty_assistant()
             }),
@@ -568,28 +562,27 @@ fn chat_tools(
     // function; both as the chat API's, dumped ([`engine_function`]).
     let chat: Vec<Value> = list
         .into_iter()
-        .filter_map(|tool| match (shape, &tool) {
+        .filter_map(|tool| match (shape, tool) {
             (ToolShape::Responses, Value::Object(fields))
-                if tool.get("type").and_then(Value::as_str) == Some("function") =>
+                if fields.get("type").and_then(Value::as_str) == Some("function") =>
             {
-                Some(match tool.get("function") {
-                    Some(_) => chat_tool(tool),
-                    None => engine_function(fields, "parameters", None),
+                Some(match fields.contains_key("function") {
+                    true => chat_tool(Value::Object(fields)),
+                    false => engine_function(fields, "parameters", None),
                 })
             }
             (ToolShape::Responses, _) => None,
-            (ToolShape::Messages, Value::Object(fields)) => {
+            (ToolShape::Messages, Value::Object(mut fields)) => {
                 // A schema without a `type` is an object's (vLLM adds it,
                 // last). A tool without a schema vLLM refuses.
-                let mut fields = fields.clone();
                 if let Some(Value::Object(schema)) = fields.get_mut("input_schema") {
                     if !schema.contains_key("type") {
                         schema.insert("type".into(), Value::from("object"));
                     }
                 }
-                Some(engine_function(&fields, "input_schema", None))
+                Some(engine_function(fields, "input_schema", None))
             }
-            (ToolShape::Messages, _) => Some(tool),
+            (ToolShape::Messages, tool) => Some(tool),
         })
         .collect();
     Ok((!chat.is_empty()).then_some(Value::Array(chat)))
@@ -635,13 +628,13 @@ impl ResponsesRequest {
                 .instructions
                 .and_then(as_string)
                 .ok_or_else(|| invalid("`instructions` must be a string"))?;
-            turns.push(message("system", text));
+            turns.messages.push(message("system", text));
         }
         let Some(input) = top.input.filter(|r| r.get() != "null") else {
             return Err(invalid("`input` is required"));
         };
         if let Some(text) = as_string(input) {
-            turns.push(message("user", text));
+            turns.messages.push(message("user", text));
         } else if input.get().starts_with('[') {
             let budget = limits.messages.saturating_sub(turns.messages.len());
             let items: Vec<&RawValue> =
@@ -665,7 +658,7 @@ impl ResponsesRequest {
                             "a message's content must be a string or a list of content parts",
                             Join::Parts,
                         )?;
-                        turns.push(message(role, text));
+                        turns.messages.push(message(role, text));
                     }
                     (Some("function_call"), _) => turns.tool_call(ToolCall {
                         name: item.name.unwrap_or_default(),
@@ -673,7 +666,7 @@ impl ResponsesRequest {
                     }),
                     (Some("function_call_output"), _) => {
                         let text = parts.text(item.output, "a function_call_output's output must be a string or a list of content parts", Join::Parts)?;
-                        turns.push(message("tool", text));
+                        turns.messages.push(message("tool", text));
                     }
                     (None | Some("message"), None) => {
                         return Err(invalid("an input message needs a `role`"))

@@ -7,17 +7,22 @@ use crate::support::serve_worker;
 use serde_json::{json, Value};
 use switchyard_tokenizer::{ChatMessage, Tokenizer, ToolCall};
 
-/// The prompt's token count the worker reports for `body`.
-async fn prompt_tokens(base: &str, body: &Value) -> u64 {
-    let reply: Value = reqwest::Client::new()
-        .post(format!("{base}/v1/chat/completions"))
+/// The worker's JSON answer to `body` POSTed to `path`.
+async fn post(base: &str, path: &str, body: &Value) -> Value {
+    reqwest::Client::new()
+        .post(format!("{base}{path}"))
         .json(body)
         .send()
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The prompt's token count the worker reports for `body`.
+async fn prompt_tokens(base: &str, body: &Value) -> u64 {
+    let reply = post(base, "/v1/chat/completions", body).await;
     reply["usage"]["prompt_tokens"]
         .as_u64()
         .unwrap_or_else(|| panic!("no usage in {reply}"))
@@ -127,15 +132,7 @@ async fn a_messages_requests_tools_are_in_its_prompt_as_the_router_renders_them(
         rendered(&messages, None) < expected,
         "the tools are rendered"
     );
-    let counted: Value = reqwest::Client::new()
-        .post(format!("{}/v1/messages/count_tokens", worker.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let counted = post(&worker.base, "/v1/messages/count_tokens", &body).await;
     assert_eq!(counted["input_tokens"].as_u64(), Some(expected));
 }
 

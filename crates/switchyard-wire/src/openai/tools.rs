@@ -112,12 +112,13 @@ pub fn max_tools_bytes(prompt_tokens: usize) -> usize {
 /// `type`, `function` with `name`, `description` and `parameters` (`null`
 /// when absent) and `strict` and `defer_loading` when set, and the tool's
 /// `defer_loading` when set; nothing else of the tool's.
+/// `fields` are moved, not copied (a tool's schema can be long).
 pub fn engine_function(
-    fields: &Map<String, Value>,
+    mut fields: Map<String, Value>,
     parameters_key: &str,
-    defer_loading: Option<&Value>,
+    defer_loading: Option<Value>,
 ) -> Value {
-    let field = |key: &str| fields.get(key).filter(|v| !v.is_null()).cloned();
+    let mut field = |key: &str| fields.remove(key).filter(|v| !v.is_null());
     let defer_loading = defer_loading.filter(|v| !v.is_null());
     let mut function = Map::new();
     function.insert("name".into(), field("name").unwrap_or(Value::Null));
@@ -133,14 +134,14 @@ pub fn engine_function(
         function.insert("strict".into(), strict);
     }
     // The tool's own `defer_loading` is its function's too, unless set there.
-    if let Some(defer) = field("defer_loading").or_else(|| defer_loading.cloned()) {
+    if let Some(defer) = field("defer_loading").or_else(|| defer_loading.clone()) {
         function.insert("defer_loading".into(), defer);
     }
     let mut tool = Map::new();
     tool.insert("type".into(), Value::from("function"));
     tool.insert("function".into(), Value::Object(function));
     if let Some(defer) = defer_loading {
-        tool.insert("defer_loading".into(), defer.clone());
+        tool.insert("defer_loading".into(), defer);
     }
     Value::Object(tool)
 }
@@ -152,11 +153,20 @@ pub fn chat_tool(tool: Value) -> Value {
     let is_function = tool
         .get("type")
         .is_none_or(|t| t.as_str() == Some("function"));
-    match tool.get("function") {
-        Some(Value::Object(function)) if is_function => {
-            engine_function(function, "parameters", tool.get("defer_loading"))
-        }
-        _ => tool,
+    match tool {
+        Value::Object(mut tool) if is_function => match tool.remove("function") {
+            Some(Value::Object(function)) => {
+                engine_function(function, "parameters", tool.remove("defer_loading"))
+            }
+            // Not a function's shape (vLLM refuses it): as it was.
+            other => {
+                if let Some(other) = other {
+                    tool.insert("function".into(), other);
+                }
+                Value::Object(tool)
+            }
+        },
+        tool => tool,
     }
 }
 
