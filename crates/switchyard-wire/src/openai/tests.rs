@@ -344,3 +344,20 @@ fn a_whole_answers_completion_tokens_are_read_from_usage_and_default_to_zero() {
         0
     );
 }
+
+/// An assistant's `reasoning` is read (vLLM renders it); one that is not
+/// text is refused, saying so, not dropped.
+#[test]
+fn a_messages_reasoning_is_read_and_must_be_text() {
+    let body = br#"{"messages":[{"role":"assistant","content":"","reasoning":"Read first."},{"role":"user","content":"Go"}]}"#;
+    let chat = ChatCompletionRequest::from_json(body, &BodyLimits::NONE).unwrap();
+    assert_eq!(chat.messages[0].reasoning.as_deref(), Some("Read first."));
+    assert_eq!(chat.messages[1].reasoning, None);
+    let bad = br#"{"messages":[{"role":"assistant","content":"","reasoning":5}]}"#;
+    let error = ChatCompletionRequest::from_json(bad, &BodyLimits::NONE).unwrap_err();
+    let text = match error {
+        BodyError::Json(e) => e.to_string(),
+        other => panic!("{other:?}"),
+    };
+    assert!(text.contains("expected a string"), "{text}");
+}
