@@ -8,9 +8,10 @@ use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::Attempts;
+use crate::request::chat_stream::Chunks;
 use crate::request::codec::{Answer, Codec};
-use crate::request::named_stream::NamedStart;
-use crate::request::stream::{MigratingStream, StreamStart};
+use crate::request::named_stream::Named;
+use crate::request::stream::{bounded_progress, Relay, RelayStart};
 use axum::body::Body;
 use axum::response::IntoResponse;
 use axum::response::Response;
@@ -35,8 +36,8 @@ pub(crate) struct Delivery {
 }
 
 /// The client's response for a worker's successful answer: a buffered
-/// one ends the booking (finished when 2xx), a stream flows through
-/// [`MigratingStream`].
+/// one ends the booking (finished when 2xx), a stream flows through the
+/// relay ([`Relay`]).
 pub(crate) fn deliver(
     attempts: Attempts,
     booking: Booking,
@@ -89,18 +90,22 @@ pub(crate) fn deliver(
                 drop(booking);
                 return ApiError::internal("a named stream without its API").into_response();
             };
-            let body = crate::request::named_stream::into_body(NamedStart {
-                attempts,
-                booking,
-                upstream,
-                parser,
-                first,
-                agentic,
-                prompt_tokens,
-                prompt,
-                original,
-                arrival,
-            });
+            let progress = bounded_progress(&attempts, prompt.len());
+            let api = Named::new(agentic, &progress, attempts.client_id);
+            let body = Relay::body(
+                api,
+                RelayStart {
+                    attempts,
+                    booking,
+                    upstream,
+                    parser,
+                    first,
+                    prompt,
+                    prompt_tokens,
+                    original,
+                    arrival,
+                },
+            );
             Response::from_parts(parts, body)
         }
         Answer::Stream(parts, upstream, parser, first) => {
@@ -111,18 +116,21 @@ pub(crate) fn deliver(
                 drop(booking);
                 return ApiError::internal("a chat stream without its API").into_response();
             };
-            let stream = MigratingStream::new(StreamStart {
-                attempts,
-                api,
-                booking,
-                upstream,
-                parser,
-                first,
-                prompt,
-                original,
-                arrival,
-            });
-            Response::from_parts(parts, stream.into_body())
+            let body = Relay::body(
+                Chunks::new(api, attempts.client_id),
+                RelayStart {
+                    attempts,
+                    booking,
+                    upstream,
+                    parser,
+                    first,
+                    prompt,
+                    prompt_tokens,
+                    original,
+                    arrival,
+                },
+            );
+            Response::from_parts(parts, body)
         }
     }
 }

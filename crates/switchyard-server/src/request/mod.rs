@@ -38,6 +38,7 @@ pub(crate) mod adapter_load;
 pub(crate) mod agentic;
 pub(crate) mod answer;
 pub(crate) mod attempt;
+pub(crate) mod chat_stream;
 pub(crate) mod codec;
 pub(crate) mod disagg;
 pub(crate) mod disclosure;

@@ -1,5 +1,11 @@
-//! The streaming response body: the worker's SSE events on their way to the
-//! client, resumed on another worker when the stream breaks.
+//! The streaming response body of every API: the worker's SSE events on
+//! their way to the client, resumed on another worker when the stream
+//! breaks. One relay ([`Relay`]) runs every stream; what differs by API
+//! (how its events are read and what they mean, how a resumed worker's
+//! chunks are shown, how it closes or says it failed) is a [`StreamApi`]:
+//! the chat API's chunks ([`crate::request::chat_stream`]) and the
+//! Responses and Messages APIs' named events
+//! ([`crate::request::named_stream`]).
 //!
 //! Paced by the client: the stream runs in a task of its own that reads
 //! the worker one event at a time and hands each to the client's body
@@ -9,38 +15,31 @@
 //! client's polling, keeps the request timeout: a client that stops
 //! reading still has its worker's request cancelled and its booking
 //! freed at the timeout. Per stream the router holds: one incomplete
-//! event (at most
-//! [`crate::request::MAX_EVENT_BYTES`] plus one frame), the event being
-//! forwarded, the prompt's token ids and the client's body (both already
-//! in memory for routing), and the generated tokens ([`Progress`]: 4 bytes
-//! a token id, at most the migration sequence limit less the prompt, plus
-//! not-yet-tokenized text capped at 32 bytes a token of the migration
-//! sequence limit). Past those bounds the stream stops recording and can
-//! no longer be resumed.
+//! event (at most [`crate::request::MAX_EVENT_BYTES`] plus one frame), the
+//! event being forwarded, the prompt's token ids and the client's body
+//! (both already in memory for routing), and the generated tokens
+//! ([`Progress`]: 4 bytes a token id, at most the migration sequence limit
+//! less the prompt, plus not-yet-tokenized text capped at 32 bytes a token
+//! of the migration sequence limit). Past those bounds the stream stops
+//! recording and can no longer be resumed.
 //!
 //! Events of the first worker are forwarded byte for byte (only whole
-//! events: a half event at a break is dropped). After a break the request
-//! is re-issued as `/v1/completions` with the prompt plus the generated
-//! ids ([`switchyard_wire::resume::resume_body`]), and the new worker's chunks are
-//! rewritten into the original shape ([`StreamShape::rewrite`]). The client
-//! sees one stream with one `[DONE]`, or an error event and the end when
-//! the request cannot move (limit, length, no worker, a request the
-//! resume cannot reproduce — [`switchyard_wire::resume::resumable`] —, the
-//! request timeout).
+//! events: a half event at a break is dropped). After a break (the worker
+//! resets, goes silent past the first-token timeout, sends an error
+//! chunk, or ends before its last event) the worker is reported and the
+//! request re-issued as `/v1/completions` with the prompt plus the
+//! generated ids ([`move_stream`]), and the new worker's chunks are
+//! rewritten into the API's own shape. The client sees one stream, or an
+//! error event in its API's shape and the end when the request cannot
+//! move (limit, length, no worker, a request the resume cannot reproduce,
+//! the request timeout).
 //!
-//! The migration loop itself ([`move_stream`]) is shared with the
-//! Responses and Messages streams ([`crate::request::named_stream`]),
-//! which rewrite the resumed chunks into their own events.
-//!
-//! The stream is a small state machine ([`State`]): its first event
-//! waiting to be forwarded, then forwarding one worker's *leg* (its
-//! booking, its response body and parser), then ended. A migration
-//! replaces the leg: the failed leg's booking moves on with the request
-//! (still its session's turn) and a resumed leg's chunks are rewritten.
-//!
-//! Dropping the body (the client went away) stops the task, which drops
-//! the upstream connection, cancelling the worker's request, and aborts
-//! the request.
+//! A stream is one worker's *leg* at a time (its booking, its response
+//! body and parser). A migration replaces the leg: the failed leg's
+//! booking moves on with the request (still its session's turn). Dropping
+//! the body (the client went away) stops the task, which drops the
+//! upstream connection, cancelling the worker's request, and aborts the
+//! request.
 
 use crate::driver::booking::Booking;
 use crate::error::ApiError;
@@ -58,23 +57,96 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use switchyard_core::dispatch::failure::{Failure, Phase, Progress};
+use switchyard_core::WorkerId;
 use switchyard_wire::body_fields::Fields;
-use switchyard_wire::openai::{Api, Usage};
-use switchyard_wire::resume as migration;
-use switchyard_wire::sse::{
-    classify_ref, event_bytes, ChunkRef, Delta, Event, SseParser, StreamShape, DONE_EVENT,
-};
+use switchyard_wire::sse::{classify_ref, ChunkRef, Delta, SseError, SseParser};
 use tokio::sync::{mpsc, oneshot};
 
+/// What one API makes of a relayed stream.
+pub(crate) trait StreamApi: Send + Sync + Sized + 'static {
+    /// One whole event as this API's streams are read.
+    type Event: Send + 'static;
+    /// Why a worker's stream that ends before its last event failed.
+    const ENDED_EARLY: &'static str;
+
+    /// The parser's next whole event (`Ok(None)`: more bytes needed).
+    fn read(parser: &mut SseParser) -> Result<Option<Self::Event>, SseError>;
+
+    /// The event's data.
+    fn data(event: &Self::Event) -> &str;
+
+    /// What the relay does with an event of the first worker. Sets
+    /// `seen.output` when the client is shown output (timing observed,
+    /// the booking's progress told) and records tokens in `seen.progress`.
+    fn first_worker(&mut self, event: Self::Event, seen: &mut Seen<'_>) -> Step;
+
+    /// A resumed worker's delta (its tokens already in `progress`) as the
+    /// client's bytes.
+    fn resumed(&mut self, delta: &Delta, progress: &Progress, at: &Prompt) -> Step;
+
+    /// The closing bytes of a stream whose tokens have all arrived,
+    /// finished for `reason` (`stop`, `length`).
+    fn close(&mut self, reason: &str, progress: &Progress, at: &Prompt) -> Vec<u8>;
+
+    /// The event telling the client the stream failed with `error`.
+    fn error_event(&self, error: &ApiError) -> Vec<u8>;
+
+    /// Whether the request may be resumed at all, and its output limit
+    /// and resumed body ([`move_stream`]), from the client's body.
+    fn resumable(&self, body: &Fields<'_>) -> Result<(), &'static str>;
+    fn max_tokens(&self, body: &Fields<'_>) -> Option<u64>;
+    fn resume_body(&self, body: &Fields<'_>, prompt: &[u32], remaining: Option<u64>) -> Vec<u8>;
+
+    /// Every token had arrived when the stream broke (only its closing
+    /// events were lost).
+    fn all_arrived(&self, progress: &Progress) -> bool;
+
+    /// The response ended with `status` (counted by the relay too).
+    fn ended(&self, _status: RequestStatus) {}
+}
+
+/// An event of the first worker, as the API reads it.
+pub(crate) struct Seen<'a> {
+    pub(crate) progress: &'a mut Progress,
+    /// The worker answering.
+    pub(crate) worker: WorkerId,
+    /// The client is shown output.
+    pub(crate) output: bool,
+}
+
+/// The prompt of a relayed request, as counts: its token ids (what a
+/// resumed prompt starts with), and its tokens (counted or estimated).
+pub(crate) struct Prompt {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) tokens: u64,
+    /// `progress.generated` when the current leg started.
+    pub(crate) generated_at_resume: u64,
+}
+
+/// What the relay does next.
+pub(crate) enum Step {
+    /// Forward these bytes.
+    Send(Vec<u8>),
+    /// Forward these bytes, the response's last: it ended with `status`.
+    End(RequestStatus, Vec<u8>),
+    /// The worker failed the stream (an error chunk): resume it.
+    Broken(String),
+    /// Nothing for the client: read on.
+    Skip,
+}
+
 /// What the proxy hands over once the first event has arrived.
-pub(crate) struct StreamStart {
+pub(crate) struct RelayStart<E> {
     pub(crate) attempts: Attempts,
-    pub(crate) api: Api,
     pub(crate) booking: Booking,
     pub(crate) upstream: Incoming,
     pub(crate) parser: SseParser,
-    pub(crate) first: Event,
+    pub(crate) first: E,
+    /// The prompt's token ids as routed (a resumed prompt's start).
     pub(crate) prompt: Vec<u32>,
+    /// The prompt's tokens, counted or estimated.
+    pub(crate) prompt_tokens: u64,
+    /// The client's body (read again when the stream breaks).
     pub(crate) original: Bytes,
     pub(crate) arrival: Instant,
 }
@@ -87,180 +159,147 @@ struct Leg {
     /// The worker's response body (its drop cancels the worker's request).
     upstream: Incoming,
     parser: SseParser,
-    /// A resumed request: its chunks are rewritten into the original shape.
-    resumed: bool,
-}
-
-/// Where the stream is.
-enum State {
-    /// The first worker's first event, not yet forwarded.
-    First {
-        /// The leg it came from.
-        leg: Leg,
-        /// The event, as it is forwarded.
-        event: Event,
-    },
-    /// Forwarding the leg's events.
-    Streaming(Leg),
-    /// The response has ended (counted); nothing more is sent.
-    Ended,
 }
 
 /// One client stream across its workers.
-pub(crate) struct MigratingStream {
+pub(crate) struct Relay<A: StreamApi> {
+    api: A,
     attempts: Attempts,
-    api: Api,
-    state: State,
-    shape: Option<StreamShape>,
+    /// `None` once the response has ended (counted).
+    leg: Option<Leg>,
+    /// The first worker's first event, not yet forwarded.
+    first: Option<A::Event>,
+    /// The worker read now answers a resumed `/v1/completions` request.
+    resumed: bool,
     progress: Progress,
-    /// `progress.generated` when the current leg started.
-    generated_at_resume: u64,
-    prompt: Vec<u32>,
+    prompt: Prompt,
     original: Bytes,
     arrival: Instant,
     last_event: Option<Instant>,
 }
 
-/// How a failure was handled.
-enum Recovery {
-    /// Another worker continues the stream.
-    Resumed,
-    /// Send these bytes, then end.
-    End(Vec<u8>),
-}
-
-impl MigratingStream {
-    /// Takes over a stream whose first event has arrived.
-    pub(crate) fn new(start: StreamStart) -> Self {
+impl<A: StreamApi> Relay<A> {
+    /// The response body of a stream whose first event has arrived
+    /// ([`paced_body`]: the stream runs in a task of its own, so its
+    /// request timeout fires whether or not the client reads).
+    pub(crate) fn body(api: A, start: RelayStart<A::Event>) -> Body {
         let progress = bounded_progress(&start.attempts, start.prompt.len());
-        Self {
+        paced_body(Self {
+            api,
             attempts: start.attempts,
-            api: start.api,
-            state: State::First {
-                leg: Leg {
-                    booking: start.booking,
-                    upstream: start.upstream,
-                    parser: start.parser,
-                    resumed: false,
-                },
-                event: start.first,
-            },
-            shape: None,
+            leg: Some(Leg {
+                booking: start.booking,
+                upstream: start.upstream,
+                parser: start.parser,
+            }),
+            first: Some(start.first),
+            resumed: false,
             progress,
-            generated_at_resume: 0,
-            prompt: start.prompt,
+            prompt: Prompt {
+                ids: start.prompt,
+                tokens: start.prompt_tokens,
+                generated_at_resume: 0,
+            },
             original: start.original,
             arrival: start.arrival,
             last_event: None,
+        })
+    }
+
+    /// The next event: the waiting first one, or one read from the
+    /// current leg's worker. A break, an end before the last event, an
+    /// oversized event or silence longer than `idle` is a failure.
+    async fn read(&mut self, idle: Duration) -> Result<A::Event, (Failure, String)> {
+        if let Some(first) = self.first.take() {
+            return Ok(first);
         }
-    }
-
-    /// The response body ([`paced_body`]: the stream runs in a task of
-    /// its own, so its request timeout fires whether or not the client
-    /// reads).
-    pub(crate) fn into_body(self) -> Body {
-        paced_body(self)
-    }
-
-    /// The current leg's next event: the waiting first one, or one read
-    /// from the worker.
-    async fn read(&mut self, idle: Duration) -> Result<Event, (Failure, String)> {
-        if matches!(self.state, State::First { .. }) {
-            if let State::First { leg, event } = std::mem::replace(&mut self.state, State::Ended) {
-                self.state = State::Streaming(leg);
-                return Ok(event);
+        let Some(leg) = self.leg.as_mut() else {
+            return Err((Failure::MidStream, "the stream has no worker".into()));
+        };
+        loop {
+            match A::read(&mut leg.parser) {
+                Ok(Some(event)) => return Ok(event),
+                Ok(None) => {}
+                Err(e) => return Err((Failure::MidStream, e.to_string())),
             }
-        }
-        match &mut self.state {
-            State::Streaming(leg) => read_event(leg, idle).await,
-            State::First { .. } | State::Ended => {
-                Err((Failure::MidStream, "the stream has no worker".into()))
-            }
+            pull_frame(&mut leg.upstream, &mut leg.parser, idle, A::ENDED_EARLY).await?;
         }
     }
 
-    /// The current leg, while there is one.
-    fn leg(&mut self) -> Option<&mut Leg> {
-        match &mut self.state {
-            State::First { leg, .. } | State::Streaming(leg) => Some(leg),
-            State::Ended => None,
-        }
-    }
-
-    async fn next_event(&mut self) -> Option<Bytes> {
+    /// The client's next bytes and whether the response ended with them.
+    async fn next(&mut self) -> (Bytes, bool) {
         let idle = self.attempts.state.upstream.first_token_timeout;
         loop {
-            let event = match self.read(idle).await {
-                Ok(event) => event,
-                Err((reason, detail)) => match self.recover(reason, detail).await {
-                    Recovery::Resumed => continue,
-                    Recovery::End(bytes) => {
-                        let status = if bytes.ends_with(DONE_EVENT) {
-                            RequestStatus::Ok
-                        } else {
-                            RequestStatus::Unavailable
-                        };
-                        return Some(self.end_with(status, bytes));
-                    }
-                },
+            let (step, reason) = match self.read(idle).await {
+                Err((reason, detail)) => (Step::Broken(detail), reason),
+                Ok(event) if self.resumed => (self.resumed_event(event), Failure::MidStream),
+                Ok(event) => (self.first_worker_event(event), Failure::MidStream),
             };
-            let resumed = self.leg().is_some_and(|leg| leg.resumed);
-            // The chunk borrows the event's data; a first worker's event is
-            // then forwarded as the bytes it was parsed into (no copy).
-            match classify_ref(event.data()) {
-                ChunkRef::Done => {
-                    return Some(self.end_with(RequestStatus::Ok, DONE_EVENT.to_vec()));
-                }
-                ChunkRef::Error => {
-                    let detail = "the worker sent an error event mid-stream".to_owned();
-                    match self.recover(Failure::MidStream, detail).await {
-                        Recovery::Resumed => continue,
-                        Recovery::End(bytes) => {
-                            return Some(self.end_with(RequestStatus::Unavailable, bytes))
-                        }
+            match step {
+                Step::Send(bytes) => return (Bytes::from(bytes), false),
+                Step::End(status, bytes) => return (self.end(status, bytes), true),
+                Step::Skip => {}
+                Step::Broken(detail) => {
+                    if let Some((status, bytes)) = self.recover(reason, detail).await {
+                        return (self.end(status, bytes), true);
                     }
                 }
-                ChunkRef::Unknown if resumed => continue,
-                ChunkRef::Unknown => {
-                    self.observe_event();
-                    return Some(Bytes::from(event.into_bytes()));
-                }
-                ChunkRef::Delta(delta) => {
-                    self.observe_event();
-                    self.progress.observe(
-                        delta.text.as_deref(),
-                        delta.token_ids.as_deref(),
-                        delta.finish_reason.is_some(),
-                    );
-                    let generated = self.progress.generated;
-                    if let Some(leg) = self.leg() {
-                        leg.booking.progress(generated);
-                    }
-                    if !resumed {
-                        if self.shape.is_none() && delta.usage.is_none() {
-                            self.shape =
-                                Some(StreamShape::from_delta(self.api, &delta.into_owned()));
-                        }
-                        return Some(Bytes::from(event.into_bytes()));
-                    }
-                    let delta: Delta = delta.into_owned();
-                    let usage = delta.usage.as_ref().map(|u| self.adjust_usage(u));
-                    let shape = self.shape();
-                    return Some(Bytes::from(shape.rewrite(&delta, usage)));
-                }
+            }
+        }
+    }
+
+    /// An event of the first worker, as its API reads it.
+    fn first_worker_event(&mut self, event: A::Event) -> Step {
+        let Some(worker) = self.leg.as_ref().map(|leg| leg.booking.worker) else {
+            return Step::Skip;
+        };
+        let mut seen = Seen {
+            progress: &mut self.progress,
+            worker,
+            output: false,
+        };
+        let step = self.api.first_worker(event, &mut seen);
+        if seen.output {
+            self.observe();
+        }
+        step
+    }
+
+    /// A resumed worker's event (a `/v1/completions` chunk) as the
+    /// client's.
+    fn resumed_event(&mut self, event: A::Event) -> Step {
+        match classify_ref(A::data(&event)) {
+            ChunkRef::Done => Step::End(
+                RequestStatus::Ok,
+                self.api.close("stop", &self.progress, &self.prompt),
+            ),
+            ChunkRef::Error => Step::Broken("the worker sent an error event mid-stream".into()),
+            ChunkRef::Unknown => Step::Skip,
+            ChunkRef::Delta(delta) => {
+                self.progress.observe(
+                    delta.text.as_deref(),
+                    delta.token_ids.as_deref(),
+                    delta.finish_reason.is_some(),
+                );
+                self.observe();
+                self.api
+                    .resumed(&delta.into_owned(), &self.progress, &self.prompt)
             }
         }
     }
 
     /// Moves the request to another worker after `reason`, until one
-    /// accepts it or it cannot move.
-    async fn recover(&mut self, reason: Failure, detail: String) -> Recovery {
+    /// accepts it (`None`: read on) or it cannot move: then the response's
+    /// last bytes and how it ended (the closing events when every token
+    /// had arrived, else the API's error event).
+    async fn recover(
+        &mut self,
+        reason: Failure,
+        detail: String,
+    ) -> Option<(RequestStatus, Vec<u8>)> {
         // The failed leg's body is dropped here (the worker's request is
         // cancelled); its booking goes on with the request.
-        let failed = match std::mem::replace(&mut self.state, State::Ended) {
-            State::First { leg, .. } | State::Streaming(leg) => Some(leg.booking),
-            State::Ended => None,
-        };
+        let failed = self.leg.take().map(|leg| leg.booking);
         // Read by field, without a JSON tree ([`switchyard_wire::body_fields`]).
         let original_body = self.original.clone();
         let (original, parsed) = match Fields::parse(&original_body) {
@@ -271,88 +310,54 @@ impl MigratingStream {
         // request cannot be reproduced), then whether its ids are the
         // engine's.
         let resumable = parsed
-            .and_then(|()| migration::resumable(self.api, &original))
+            .and_then(|()| self.api.resumable(&original))
             .and_then(|()| self.attempts.resume_by_ids());
-        let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
-        // Only the first choice of each chunk is read: a finish means the
-        // whole generation is complete only for a single-choice request. A
-        // request with several choices (or prompts) falls through to an
-        // error event, as it cannot be resumed.
-        if self.progress.finished && resumable.is_ok() {
-            // Every token arrived; only the terminator was lost.
+        if self.api.all_arrived(&self.progress) && resumable.is_ok() {
+            // Every token arrived; only the closing events were lost.
             if let Some(mut booking) = failed {
-                booking.completed(context);
+                booking.completed(self.context());
             }
-            return Recovery::End(DONE_EVENT.to_vec());
+            let bytes = self.api.close("stop", &self.progress, &self.prompt);
+            return Some((RequestStatus::Ok, bytes));
         }
-        let max_tokens = migration::max_tokens(&original);
+        let api = &self.api;
         let moved = move_stream(
             &mut self.attempts,
             failed,
             (reason, detail),
             &mut self.progress,
-            &self.prompt,
+            &self.prompt.ids,
             resumable,
-            max_tokens,
-            |prompt, remaining| migration::resume_body(&original, prompt, remaining),
+            api.max_tokens(&original),
+            |prompt, remaining| api.resume_body(&original, prompt, remaining),
         )
         .await;
         match moved {
             Moved::Resumed(booking, upstream) => {
-                self.state = State::Streaming(Leg {
+                self.leg = Some(Leg {
                     booking,
                     upstream,
                     parser: SseParser::new(MAX_EVENT_BYTES),
-                    resumed: true,
                 });
-                self.generated_at_resume = self.progress.generated;
-                Recovery::Resumed
+                self.resumed = true;
+                self.prompt.generated_at_resume = self.progress.generated;
+                None
             }
             Moved::AllArrived => {
-                let finish = Delta {
-                    finish_reason: Some("length".into()),
-                    ..Delta::default()
-                };
-                let mut bytes = self.shape().rewrite(&finish, None);
-                bytes.extend_from_slice(DONE_EVENT);
-                Recovery::End(bytes)
+                let bytes = self.api.close("length", &self.progress, &self.prompt);
+                Some((RequestStatus::Ok, bytes))
             }
-            Moved::Failed(e) => Recovery::End(error_event(&e)),
+            Moved::Failed(e) => Some((RequestStatus::Unavailable, self.api.error_event(&e))),
         }
     }
 
-    /// The original response's identity (a made-up one if the first worker
-    /// never sent a chunk with it).
-    fn shape(&mut self) -> StreamShape {
-        let api = self.api;
-        let client = self.attempts.client_id;
-        self.shape
-            .get_or_insert_with(|| {
-                let prefix = match api {
-                    Api::Chat => "chatcmpl",
-                    Api::Completions => "cmpl",
-                };
-                StreamShape {
-                    api,
-                    id: format!("{prefix}-{client}"),
-                    model: String::new(),
-                    created: 0,
-                }
-            })
-            .clone()
+    /// The request's context: its prompt and what was generated.
+    fn context(&self) -> u64 {
+        self.prompt.tokens.saturating_add(self.progress.generated)
     }
 
-    /// A resumed worker's usage, as the whole request's: the original
-    /// prompt, and the tokens generated by every worker.
-    fn adjust_usage(&self, usage: &Usage) -> Usage {
-        let completion = usage
-            .completion_tokens
-            .saturating_add(self.generated_at_resume);
-        usage.with_counts(self.prompt.len() as u64, completion)
-    }
-
-    /// Latency metrics and the booking's first token.
-    fn observe_event(&mut self) {
+    /// Latency metrics, the booking's first token and its progress.
+    fn observe(&mut self) {
         let now = Instant::now();
         let metrics = self.attempts.state.driver.metrics();
         match self.last_event {
@@ -360,54 +365,46 @@ impl MigratingStream {
             Some(last) => metrics.itl.observe((now - last).as_secs_f64()),
         }
         self.last_event = Some(now);
-        if let Some(leg) = self.leg() {
+        let generated = self.progress.generated;
+        if let Some(leg) = self.leg.as_mut() {
             leg.booking.mark_first_token();
+            leg.booking.progress(generated);
         }
     }
 
-    /// Ends the response with `bytes` as its last chunk: a normal end
-    /// finishes the request with its context length, any other aborts it;
-    /// the worker's body is dropped either way.
-    fn end_with(&mut self, status: RequestStatus, bytes: Vec<u8>) -> Bytes {
-        let context = (self.prompt.len() as u64).saturating_add(self.progress.generated);
-        if let State::First { mut leg, .. } | State::Streaming(mut leg) =
-            std::mem::replace(&mut self.state, State::Ended)
-        {
+    /// Ends the response with `bytes` as its last: a normal end finishes
+    /// the request with its context length, any other aborts it; the
+    /// worker's body is dropped either way.
+    fn end(&mut self, status: RequestStatus, bytes: Vec<u8>) -> Bytes {
+        let context = self.context();
+        if let Some(mut leg) = self.leg.take() {
             if status == RequestStatus::Ok {
                 leg.booking.completed(context);
             }
         }
-        self.attempts.state.driver.metrics().count_request(status);
+        self.count(status);
         Bytes::from(bytes)
     }
-}
 
-impl PacedStream for MigratingStream {
-    fn attempts(&self) -> &Attempts {
-        &self.attempts
+    fn count(&self, status: RequestStatus) {
+        self.attempts.state.driver.metrics().count_request(status);
+        self.api.ended(status);
     }
 
-    async fn next(&mut self) -> Option<(Bytes, bool)> {
-        let bytes = self.next_event().await?;
-        Some((bytes, matches!(self.state, State::Ended)))
-    }
-
+    /// Ends the stream at the request timeout: the worker's request
+    /// cancelled and the booking freed now, whether or not the client
+    /// reads; the client's last bytes are the API's error event.
     fn time_out(mut self) -> Bytes {
         let error = ApiError::timeout(self.attempts.state.upstream.request_timeout);
-        // Ending drops the leg: the worker's request is cancelled and the
-        // booking freed, now, whether or not the client reads.
-        self.end_with(RequestStatus::Unavailable, error_event(&error))
+        let bytes = self.api.error_event(&error);
+        self.end(RequestStatus::Unavailable, bytes)
     }
 }
 
-impl Drop for MigratingStream {
+impl<A: StreamApi> Drop for Relay<A> {
     fn drop(&mut self) {
-        if !matches!(self.state, State::Ended) {
-            self.attempts
-                .state
-                .driver
-                .metrics()
-                .count_request(RequestStatus::Cancelled);
+        if self.leg.is_some() {
+            self.count(RequestStatus::Cancelled);
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
         }
     }
@@ -544,26 +541,6 @@ async fn tokenize_pending(attempts: &Attempts, progress: &mut Progress) -> Resul
     Ok(())
 }
 
-/// Reads `leg`'s worker up to its next complete event. A break, an end
-/// without `[DONE]`, an oversized event or silence longer than `idle` is a
-/// failure.
-async fn read_event(leg: &mut Leg, idle: Duration) -> Result<Event, (Failure, String)> {
-    loop {
-        match leg.parser.next_event_framed() {
-            Ok(Some(event)) => return Ok(event),
-            Ok(None) => {}
-            Err(e) => return Err((Failure::MidStream, e.to_string())),
-        }
-        pull_frame(
-            &mut leg.upstream,
-            &mut leg.parser,
-            idle,
-            "the worker's stream ended without [DONE]",
-        )
-        .await?;
-    }
-}
-
 /// Reads the worker's next frame into `parser`. Silence longer than
 /// `idle`, the stream's end (`ended` says why that is a failure) or a
 /// break is a failure.
@@ -589,30 +566,13 @@ pub(crate) async fn pull_frame(
     }
 }
 
-/// A response stream the client reads at its own pace: chat and
-/// completions ([`MigratingStream`]) and the Responses and Messages APIs
-/// ([`crate::request::named_stream`]), run by one loop ([`paced_body`]).
-pub(crate) trait PacedStream: Send + Sized + 'static {
-    /// The request's attempts (its deadline, id and state).
-    fn attempts(&self) -> &Attempts;
-
-    /// The client's next bytes and whether the response ended with them;
-    /// `None`: nothing more to send.
-    fn next(&mut self) -> impl std::future::Future<Output = Option<(Bytes, bool)>> + Send;
-
-    /// Ends the stream at the request timeout — the worker's request
-    /// cancelled, the booking freed, the end counted — and gives the
-    /// client's last bytes (the API's error event).
-    fn time_out(self) -> Bytes;
-}
-
 /// The response body of `stream`. The stream runs in a task of its own
 /// that hands events to the body through a one-event channel, so its
 /// request timeout fires whether or not the client reads: a client that
 /// stops reading stops polling the body, and a deadline checked only when
 /// the body is polled would never fire, holding the booking and the
 /// worker's request for as long as the client keeps the connection open.
-pub(crate) fn paced_body<S: PacedStream>(stream: S) -> Body {
+fn paced_body<A: StreamApi>(stream: Relay<A>) -> Body {
     let (tx, gone, body) = events_body();
     tokio::spawn(run_paced(stream, tx, gone));
     body
@@ -624,12 +584,12 @@ pub(crate) fn paced_body<S: PacedStream>(stream: S) -> Body {
 /// once and the client gets its error event once it reads again. A
 /// response that has ended waits for the client to take its last bytes,
 /// with no deadline left to count.
-async fn run_paced<S: PacedStream>(
-    mut stream: S,
+async fn run_paced<A: StreamApi>(
+    mut stream: Relay<A>,
     tx: mpsc::Sender<Bytes>,
     mut gone: oneshot::Receiver<()>,
 ) {
-    let deadline = tokio::time::sleep_until(stream.attempts().deadline);
+    let deadline = tokio::time::sleep_until(stream.attempts.deadline);
     tokio::pin!(deadline);
     loop {
         let next = tokio::select! {
@@ -639,9 +599,7 @@ async fn run_paced<S: PacedStream>(
             _ = &mut gone => return,
             next = stream.next() => next,
         };
-        let Some((bytes, ended)) = next else {
-            return;
-        };
+        let (bytes, ended) = next;
         if ended {
             drop(stream);
             let _ = tx.send(bytes).await;
@@ -657,7 +615,7 @@ async fn run_paced<S: PacedStream>(
             }
         }
     }
-    let attempts = stream.attempts();
+    let attempts = &stream.attempts;
     attempts.state.driver.metrics().request_timeouts.inc();
     tracing::info!(request = %attempts.client_id, "stream timed out: upstream cancelled");
     let last = stream.time_out();
@@ -675,7 +633,7 @@ fn events_body() -> (mpsc::Sender<Bytes>, oneshot::Receiver<()>, Body) {
 }
 
 /// The client's side of a stream: the events its task forwards
-/// ([`MigratingStream::into_body`]).
+/// ([`paced_body`]).
 struct Events {
     rx: mpsc::Receiver<Bytes>,
     /// Dropped with the body (the client went away, or shutdown cut the
@@ -695,9 +653,4 @@ impl http_body::Body for Events {
             .poll_recv(cx)
             .map(|event| event.map(|bytes| Ok(Frame::data(bytes))))
     }
-}
-
-/// An OpenAI-style error as an SSE event.
-fn error_event(error: &ApiError) -> Vec<u8> {
-    event_bytes(&error.body().to_json())
 }
