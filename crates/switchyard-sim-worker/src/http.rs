@@ -31,7 +31,7 @@ use switchyard_core::{ReplicaId, RequestId};
 use switchyard_engine::scheduler::AdmitError;
 use switchyard_engine::{EngineConfig, FinishReason, NewRequest};
 use switchyard_replica::{routed_request_id, WorkerMarks, REQUEST_ID_HEADER, ROUTER_ID_HEADER};
-use switchyard_tokenizer::{ChatMessage, Tokenizer, WordVocabulary};
+use switchyard_tokenizer::{Tokenizer, WordVocabulary};
 use switchyard_wire::openai::{
     Api, ChatCompletionRequest, Choice, ChoiceDelta, ChoiceMessage, Completion, CompletionRequest,
     ErrorBody, MessageContent, Prompt, Usage,
@@ -378,44 +378,23 @@ async fn chat_completions(
     let include_usage = body.include_usage()?;
     let return_token_ids = body.return_token_ids()?;
     let max_tokens = body.max_tokens()?.unwrap_or(state.default_max_tokens);
-    if body.messages.is_empty() {
-        return Err(
-            ErrorBody::invalid_request("messages must not be empty", Some("messages")).into(),
-        );
+    // The worker's reading: text, or text parts only (it has no encoder
+    // for anything else), read as the router reads them.
+    let text_only = body.messages.iter().all(|m| match &m.content {
+        Some(MessageContent::Parts(parts)) => parts.iter().all(|p| p.is_text()),
+        _ => true,
+    });
+    if !text_only {
+        return Err(ErrorBody::invalid_request(
+            "only text content parts are supported",
+            Some("messages"),
+        )
+        .into());
     }
-    let mut messages = Vec::with_capacity(body.messages.len());
-    for m in body.messages {
-        // The worker's reading: text, or text parts only (it has no
-        // encoder for anything else), read as the router reads them.
-        if let Some(MessageContent::Parts(parts)) = &m.content {
-            if !parts.iter().all(|p| p.is_text()) {
-                return Err(ErrorBody::invalid_request(
-                    "only text content parts are supported",
-                    Some("messages"),
-                )
-                .into());
-            }
-        }
-        let content = MessageContent::template_text(m.content).ok_or_else(|| {
-            ErrorBody::invalid_request(
-                "message content must be a string or a list of text parts",
-                Some("messages"),
-            )
-        })?;
-        // An assistant turn's tool calls are rendered, as vLLM (and the
-        // router, which must hash the same ids) renders them.
-        let tool_calls = m
-            .tool_calls
-            .into_iter()
-            .map(|c| switchyard_tokenizer::ToolCall::function(c.name, c.arguments))
-            .collect();
-        messages.push(ChatMessage {
-            role: m.role,
-            content,
-            tool_calls,
-            reasoning: m.reasoning,
-        });
-    }
+    // An assistant turn's tool calls are rendered, as vLLM (and the
+    // router, which must hash the same ids) renders them.
+    let messages = switchyard_tokenizer::render::chat_messages(body.messages)
+        .map_err(|e| ErrorBody::invalid_request(e.to_string(), Some("messages")))?;
     let tools = body.tools;
     let tokenizer = state.tokenizer.clone();
     let prompt = tokio::task::spawn_blocking(move || {

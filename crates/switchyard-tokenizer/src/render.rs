@@ -15,12 +15,12 @@
 //!   (`x-anthropic-billing-header: ...`, whose hash changes every request)
 //!   is dropped, with the rest of its text kept.
 
-use crate::ChatMessage;
+use crate::{ChatMessage, ToolCall};
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Serialize, Serializer};
+use switchyard_wire::openai::{Message, MessageContent};
 
-/// The line vLLM drops from a system message.
-pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
+pub use switchyard_wire::agentic::BILLING_HEADER;
 
 /// `content` of a system message without its leading billing-header line.
 pub fn without_billing_header(content: &str) -> &str {
@@ -29,6 +29,42 @@ pub fn without_billing_header(content: &str) -> &str {
     } else {
         content
     }
+}
+
+/// Why chat messages cannot be read ([`chat_messages`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    /// No message at all.
+    #[error("messages must not be empty")]
+    Empty,
+    /// A message's content is neither a string nor a list of parts.
+    #[error("message content must be a string or a list of content parts")]
+    Content,
+}
+
+/// The chat API's `messages` as a template reads them: each one's content
+/// as vLLM reads it ([`MessageContent::template_text`]: text parts one a
+/// line, other parts no text), its tool calls and its reasoning. The
+/// router and the sim-worker both read a chat so.
+pub fn chat_messages(messages: Vec<Message>) -> Result<Vec<ChatMessage>, Unreadable> {
+    if messages.is_empty() {
+        return Err(Unreadable::Empty);
+    }
+    messages
+        .into_iter()
+        .map(|m| {
+            Ok(ChatMessage {
+                role: m.role,
+                content: MessageContent::template_text(m.content).ok_or(Unreadable::Content)?,
+                tool_calls: m
+                    .tool_calls
+                    .into_iter()
+                    .map(|c| ToolCall::function(c.name, c.arguments))
+                    .collect(),
+                reasoning: m.reasoning,
+            })
+        })
+        .collect()
 }
 
 /// A tool call's arguments as the template sees them: the object the
@@ -128,5 +164,30 @@ mod tests {
             without_billing_header("You are\nx-anthropic-billing-header: a"),
             "You are\nx-anthropic-billing-header: a"
         );
+    }
+
+    #[test]
+    fn chat_messages_are_read_as_vllm_reads_them() {
+        assert_eq!(chat_messages(Vec::new()), Err(Unreadable::Empty));
+        let body: Vec<Message> = serde_json::from_str(
+            r#"[{"role": "user", "content": [{"type": "text", "text": "a"},
+                 {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "reasoning": "think",
+                 "tool_calls": [{"id": "c", "type": "function",
+                                 "function": {"name": "f", "arguments": "{}"}}]}]"#,
+        )
+        .expect("a chat");
+        let read = chat_messages(body).expect("readable");
+        assert_eq!(
+            read[0],
+            ChatMessage::text("user", "a\nb"),
+            "text parts a line each"
+        );
+        assert_eq!(read[1].content, "");
+        assert_eq!(read[1].tool_calls, vec![ToolCall::function("f", "{}")]);
+        assert_eq!(read[1].reasoning.as_deref(), Some("think"));
+        let bad: Vec<Message> =
+            serde_json::from_str(r#"[{"role": "user", "content": 7}]"#).expect("parsed leniently");
+        assert_eq!(chat_messages(bad), Err(Unreadable::Content));
     }
 }

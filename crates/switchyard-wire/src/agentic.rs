@@ -490,8 +490,10 @@ enum Join {
     System,
 }
 
-/// The text block vLLM drops from an Anthropic `system`.
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
+/// What starts the line vLLM drops from a system message (an Anthropic
+/// `system` text block, or a chat system message's first line): Claude
+/// Code's attribution, whose hash changes on every request.
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 impl Join {
     fn joined(self, texts: Vec<String>) -> String {

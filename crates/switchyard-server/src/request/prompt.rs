@@ -26,8 +26,8 @@ use serde::Deserialize;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_tokenizer::prompt::ChatPrompt;
-use switchyard_tokenizer::{ChatMessage, ToolCall};
-use switchyard_wire::openai::{Message, MessageContent};
+use switchyard_tokenizer::ChatMessage;
+use switchyard_wire::openai::Message;
 
 /// the upload layer: its one buffer, taken as it is).
 pub(crate) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
@@ -92,37 +92,12 @@ impl PromptIds {
     }
 }
 
-/// The router's reading of chat messages: their content as a template
-/// renders it ([`MessageContent::template_text`], as vLLM reads it; images
-/// and other parts do not change the text prefix) and their tool calls.
+/// The router's reading of chat messages
+/// ([`switchyard_tokenizer::render::chat_messages`], the sim-worker's
+/// too), or a 400 naming `messages`.
 pub(crate) fn chat_messages(body: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
-    if body.is_empty() {
-        return Err(ApiError::bad_request(
-            "messages must not be empty",
-            Some("messages"),
-        ));
-    }
-    let mut messages = Vec::with_capacity(body.len());
-    for m in body {
-        let content = MessageContent::template_text(m.content).ok_or_else(|| {
-            ApiError::bad_request(
-                "message content must be a string or a list of content parts",
-                Some("messages"),
-            )
-        })?;
-        let tool_calls = m
-            .tool_calls
-            .into_iter()
-            .map(|c| ToolCall::function(c.name, c.arguments))
-            .collect();
-        messages.push(ChatMessage {
-            role: m.role,
-            content,
-            tool_calls,
-            reasoning: m.reasoning,
-        });
-    }
-    Ok(messages)
+    switchyard_tokenizer::render::chat_messages(body)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
 }
 
 /// The prompt's token ids with the tokenizer of the request's `model`,
