@@ -9,7 +9,7 @@ use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::Attempts;
 use crate::request::chat_stream::Chunks;
-use crate::request::codec::{Answer, Codec};
+use crate::request::codec::{Answer, Codec, First};
 use crate::request::named_stream::Named;
 use crate::request::stream::{bounded_progress, Relay, RelayStart};
 use axum::body::Body;
@@ -82,54 +82,31 @@ pub(crate) fn deliver(
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
             Response::from_parts(parts, Body::from(bytes))
         }
-        Answer::Named(parts, upstream, parser, first) => {
-            let parts = attempts.client_parts(parts, &booking);
-            log_dispatch(&booking, &attempts, prompt_tokens, stream);
-            let Codec::Named(agentic) = codec else {
-                // Named events are read for the agentic APIs only.
-                drop(booking);
-                return ApiError::internal("a named stream without its API").into_response();
-            };
-            let progress = bounded_progress(&attempts, prompt.len());
-            let api = Named::new(agentic, &progress, attempts.client_id);
-            let body = Relay::body(
-                api,
-                RelayStart {
-                    attempts,
-                    booking,
-                    upstream,
-                    parser,
-                    first,
-                    prompt,
-                    prompt_tokens,
-                    original,
-                    arrival,
-                },
-            );
-            Response::from_parts(parts, body)
-        }
         Answer::Stream(parts, upstream, parser, first) => {
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
-            let Codec::Chunks(api) = codec else {
-                // Chunks are read for the chat API only.
-                drop(booking);
-                return ApiError::internal("a chat stream without its API").into_response();
+            let client = attempts.client_id;
+            let progress = bounded_progress(&attempts, prompt.len());
+            let start = RelayStart {
+                attempts,
+                booking,
+                upstream,
+                parser,
+                prompt,
+                prompt_tokens,
+                original,
+                arrival,
             };
-            let body = Relay::body(
-                Chunks::new(api, attempts.client_id),
-                RelayStart {
-                    attempts,
-                    booking,
-                    upstream,
-                    parser,
-                    first,
-                    prompt,
-                    prompt_tokens,
-                    original,
-                    arrival,
-                },
-            );
+            let body = match (codec, first) {
+                (Codec::Chunks(api), First::Chunk(first)) => {
+                    Relay::body(Chunks::new(api, client), start, first)
+                }
+                (Codec::Named(agentic), First::Named(first)) => {
+                    Relay::body(Named::new(agentic, &progress, client), start, first)
+                }
+                // A codec reads its own API's events only.
+                _ => return ApiError::internal("a stream read by another API").into_response(),
+            };
             Response::from_parts(parts, body)
         }
     }

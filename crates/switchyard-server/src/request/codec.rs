@@ -58,11 +58,11 @@ impl ApiKind {
 /// How a request's answer is read (see the module docs).
 #[derive(Clone, Debug)]
 pub(crate) enum Codec {
-    /// Chat or completions: chunks (`data:` lines), relayed by
-    /// [`crate::request::stream`].
+    /// Chat or completions: chunks (`data:` lines), relayed as
+    /// [`crate::request::chat_stream`] reads them.
     Chunks(Api),
     /// Responses or Messages: named events (`event:` and `data:` lines),
-    /// forwarded whole by [`crate::request::named_stream`]; what the API
+    /// relayed whole as [`crate::request::named_stream`] reads them; what the API
     /// keeps of an answer ([`AgenticDelivery`]).
     Named(Arc<AgenticDelivery>),
 }
@@ -92,7 +92,7 @@ impl Codec {
                 if classify_ref(first.data()) == ChunkRef::Error {
                     return Err(error_event(attempts, worker));
                 }
-                Ok(Answer::Stream(parts, upstream, parser, first))
+                Ok(Answer::Stream(parts, upstream, parser, First::Chunk(first)))
             }
             Codec::Named(delivery) => {
                 let (parts, upstream, parser, first) =
@@ -100,7 +100,7 @@ impl Codec {
                 if delivery.classify(first.data()) == EventKind::Error {
                     return Err(error_event(attempts, worker));
                 }
-                Ok(Answer::Named(parts, upstream, parser, first))
+                Ok(Answer::Stream(parts, upstream, parser, First::Named(first)))
             }
         }
     }
@@ -128,15 +128,15 @@ pub(crate) enum Answer {
     /// A whole response (non-streaming, or an error status passed through).
     Buffered(hyper::http::response::Parts, Bytes),
     /// A stream whose first event has arrived.
-    Stream(hyper::http::response::Parts, Incoming, SseParser, Event),
-    /// A stream of named events (Responses, Messages) whose first event
-    /// has arrived.
-    Named(
-        hyper::http::response::Parts,
-        Incoming,
-        SseParser,
-        NamedEvent,
-    ),
+    Stream(hyper::http::response::Parts, Incoming, SseParser, First),
+}
+
+/// A stream's first event, as its API's events are read.
+pub(crate) enum First {
+    /// A chunk (chat, completions).
+    Chunk(Event),
+    /// A named event (Responses, Messages).
+    Named(NamedEvent),
 }
 
 /// An error event first: the worker's failure.

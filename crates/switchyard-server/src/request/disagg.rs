@@ -332,7 +332,7 @@ enum PrefillEnd {
 fn prefill_end(sent: Result<Answer, HalfError>) -> PrefillEnd {
     match sent {
         Ok(answer @ Answer::Buffered(..)) => PrefillEnd::Refused(answer),
-        Ok(Answer::Stream(..) | Answer::Named(..)) => PrefillEnd::Move(
+        Ok(Answer::Stream(..)) => PrefillEnd::Move(
             Failure::Status5xx,
             "the prefill worker streamed its answer".to_owned(),
         ),

@@ -136,12 +136,11 @@ pub(crate) enum Step {
 }
 
 /// What the proxy hands over once the first event has arrived.
-pub(crate) struct RelayStart<E> {
+pub(crate) struct RelayStart {
     pub(crate) attempts: Attempts,
     pub(crate) booking: Booking,
     pub(crate) upstream: Incoming,
     pub(crate) parser: SseParser,
-    pub(crate) first: E,
     /// The prompt's token ids as routed (a resumed prompt's start).
     pub(crate) prompt: Vec<u32>,
     /// The prompt's tokens, counted or estimated.
@@ -179,10 +178,10 @@ pub(crate) struct Relay<A: StreamApi> {
 }
 
 impl<A: StreamApi> Relay<A> {
-    /// The response body of a stream whose first event has arrived
+    /// The response body of a stream whose `first` event has arrived
     /// ([`paced_body`]: the stream runs in a task of its own, so its
     /// request timeout fires whether or not the client reads).
-    pub(crate) fn body(api: A, start: RelayStart<A::Event>) -> Body {
+    pub(crate) fn body(api: A, start: RelayStart, first: A::Event) -> Body {
         let progress = bounded_progress(&start.attempts, start.prompt.len());
         paced_body(Self {
             api,
@@ -192,7 +191,7 @@ impl<A: StreamApi> Relay<A> {
                 upstream: start.upstream,
                 parser: start.parser,
             }),
-            first: Some(start.first),
+            first: Some(first),
             resumed: false,
             progress,
             prompt: Prompt {
