@@ -42,7 +42,7 @@ use switchyard_wire::agentic::{
 use switchyard_wire::agentic_events::{
     messages, response_message, response_usage, AgenticEvent, ResponsesEvents, TextItem,
 };
-use switchyard_wire::openai::{BodyError, BodyLimits, ErrorBody, Message, MessageContent};
+use switchyard_wire::openai::{BodyError, BodyLimits, ErrorBody, Message};
 use tokio::sync::mpsc;
 
 /// The agentic APIs' routes, over the worker's state (merged beside
@@ -96,24 +96,14 @@ fn body_error(e: BodyError) -> ErrorBody {
     }
 }
 
-/// The worker's reading of chat messages (text and tool calls).
-fn chat(messages: &[Message]) -> Vec<ChatMessage> {
-    messages
-        .iter()
-        .map(|m| ChatMessage {
-            role: m.role.clone(),
-            content: match &m.content {
-                Some(MessageContent::Text(t)) => t.clone(),
-                _ => String::new(),
-            },
-            tool_calls: m
-                .tool_calls
-                .iter()
-                .map(|c| switchyard_tokenizer::ToolCall::function(&c.name, &c.arguments))
-                .collect(),
-            reasoning: m.reasoning.clone(),
-        })
-        .collect()
+/// The worker's reading of a request's chat, the router's
+/// ([`switchyard_tokenizer::render::chat_messages`]); no message is none.
+fn chat(messages: &[Message]) -> Result<Vec<ChatMessage>, ErrorBody> {
+    if messages.is_empty() {
+        return Ok(Vec::new());
+    }
+    switchyard_tokenizer::render::chat_messages(messages.to_vec())
+        .map_err(|e| ErrorBody::invalid_request(e.to_string(), None))
 }
 
 /// The conversation's prompt ids, with the request's `tools` where the
@@ -282,7 +272,7 @@ async fn responses_inner(state: WorkerState, body: Bytes) -> Result<Response, Er
         })?,
         None => Vec::new(),
     };
-    let new = chat(request.chat());
+    let new = chat(request.chat())?;
     if conversation.is_empty() {
         conversation = new;
     } else {
@@ -557,7 +547,7 @@ async fn messages_inner(state: WorkerState, body: Bytes) -> Result<Response, Err
             ))
         }
     };
-    let prompt = render(&state, chat(request.chat()), request.tools.clone()).await?;
+    let prompt = render(&state, chat(request.chat())?, request.tools.clone()).await?;
     let generation = generate(&state, prompt, max_tokens).await?;
     let id = format!("msg_{:032x}", state.request_id().0);
     let model = state.model.to_string();
@@ -648,7 +638,7 @@ pub(crate) async fn count_tokens(State(state): State<WorkerState>, body: Bytes) 
     let result = async {
         let request = MessagesRequest::from_json(&body, &BodyLimits::NONE).map_err(body_error)?;
         check_model(&state, request.model.as_deref())?;
-        let prompt = render(&state, chat(request.chat()), request.tools.clone()).await?;
+        let prompt = render(&state, chat(request.chat())?, request.tools.clone()).await?;
         Ok::<_, ErrorBody>(Json(json!({"input_tokens": prompt.len()})).into_response())
     }
     .await;
