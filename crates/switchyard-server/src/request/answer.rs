@@ -11,7 +11,7 @@ use crate::request::attempt::Attempts;
 use crate::request::chat_stream::Chunks;
 use crate::request::codec::{Answer, Codec, First};
 use crate::request::named_stream::Named;
-use crate::request::stream::{bounded_progress, Relay, RelayStart};
+use crate::request::stream::{Relay, RelayStart};
 use axum::body::Body;
 use axum::response::IntoResponse;
 use axum::response::Response;
@@ -86,7 +86,6 @@ pub(crate) fn deliver(
             let parts = attempts.client_parts(parts, &booking);
             log_dispatch(&booking, &attempts, prompt_tokens, stream);
             let client = attempts.client_id;
-            let progress = bounded_progress(&attempts, prompt.len());
             let start = RelayStart {
                 attempts,
                 booking,
@@ -99,10 +98,10 @@ pub(crate) fn deliver(
             };
             let body = match (codec, first) {
                 (Codec::Chunks(api), First::Chunk(first)) => {
-                    Relay::body(Chunks::new(api, client), start, first)
+                    Relay::body(|_| Chunks::new(api, client), start, first)
                 }
                 (Codec::Named(agentic), First::Named(first)) => {
-                    Relay::body(Named::new(agentic, &progress, client), start, first)
+                    Relay::body(|kept| Named::new(agentic, kept, client), start, first)
                 }
                 // A codec reads its own API's events only.
                 _ => return ApiError::internal("a stream read by another API").into_response(),

@@ -178,13 +178,21 @@ pub(crate) struct Relay<A: StreamApi> {
 }
 
 impl<A: StreamApi> Relay<A> {
-    /// The response body of a stream whose `first` event has arrived
+    /// The response body of a stream whose `first` event has arrived,
+    /// read as `api` makes of it from what the stream will keep
     /// ([`paced_body`]: the stream runs in a task of its own, so its
     /// request timeout fires whether or not the client reads).
-    pub(crate) fn body(api: A, start: RelayStart, first: A::Event) -> Body {
-        let progress = bounded_progress(&start.attempts, start.prompt.len());
+    pub(crate) fn body(
+        api: impl FnOnce(&Progress) -> A,
+        start: RelayStart,
+        first: A::Event,
+    ) -> Body {
+        // What any resumable stream keeps: bounded by the migration
+        // sequence limit (the core's [`Progress::within_sequence`]).
+        let max_seq_len = start.attempts.state.upstream.migration.max_seq_len;
+        let progress = Progress::within_sequence(max_seq_len, start.prompt.len());
         paced_body(Self {
-            api,
+            api: api(&progress),
             attempts: start.attempts,
             leg: Some(Leg {
                 booking: start.booking,
@@ -407,13 +415,6 @@ impl<A: StreamApi> Drop for Relay<A> {
             tracing::debug!(request = %self.attempts.client_id, "client went away: upstream cancelled");
         }
     }
-}
-
-/// The progress of a stream whose prompt has `prompt_len` tokens, bounded
-/// by the migration sequence limit (the core's
-/// [`Progress::within_sequence`]): what any resumable stream keeps.
-pub(crate) fn bounded_progress(attempts: &Attempts, prompt_len: usize) -> Progress {
-    Progress::within_sequence(attempts.state.upstream.migration.max_seq_len, prompt_len)
 }
 
 /// How [`move_stream`] ended.
