@@ -22,6 +22,10 @@
 //!   resumed chunks rewritten into the API's events; [`disagg`] — what a
 //!   disaggregated request's halves are sent and what is read of their
 //!   answers (vLLM's transfer parameters, SGLang's bootstrap fields).
+//! - [`stream_codec`] — what each API makes of a stream the router relays:
+//!   one codec per API ([`stream_codec::chat::Chunks`],
+//!   [`stream_codec::named::Named`]) reads the worker's events and writes
+//!   the client's, a resumed worker's chunks in the API's shape included.
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -62,3 +66,4 @@ pub mod prometheus;
 pub mod replica;
 pub mod resume;
 pub mod sse;
+pub mod stream_codec;

@@ -10,7 +10,7 @@
 //! - the answer's usage (`output_tokens`) and, for a stored response, its
 //!   id, remembered with its worker ([`crate::response_map`]);
 //! - named events (`event: ...` lines kept) forwarded unchanged
-//!   ([`crate::request::named_stream`]);
+//!   (`switchyard_wire::stream_codec::named`);
 //! - a broken stream of plain text resumed on another worker, its
 //!   completion chunks rewritten into the API's events, and anything else
 //!   ended with the API's error event saying why
@@ -76,31 +76,22 @@ pub(crate) struct AgenticDelivery {
     /// A Responses request whose answer the worker stores: its id is
     /// remembered with the worker.
     pub(crate) remember: Option<Remember>,
-    /// Where the request is counted by API.
-    pub(crate) metrics: Arc<crate::metrics::ApiMetrics>,
 }
 
-pub(crate) use switchyard_wire::agentic_events::EventKind;
-
 impl AgenticDelivery {
-    /// The event's meaning, from its data's `type`.
-    pub(crate) fn classify(&self, data: &str) -> EventKind {
-        agentic_events::classify(self.api, data)
-    }
-
     /// A whole answer from `worker`: a stored response's id is remembered.
     pub(crate) fn answered(&self, bytes: &[u8], worker: WorkerId) {
-        if let Some(remember) = &self.remember {
-            if let Some(id) = agentic_events::response_id(bytes) {
-                remember.record(&id, worker);
-            }
+        if let Some(id) = agentic_events::response_id(bytes) {
+            self.stored(&id, worker);
         }
     }
 
-    /// The event that ends a broken stream, in the API's own shape;
-    /// `sequence` numbers a Responses event.
-    pub(crate) fn error_event(&self, message: &str, sequence: u64) -> Vec<u8> {
-        agentic_events::error_event(self.api, message, sequence)
+    /// `worker` announced the response's id (a stream's
+    /// `response.created`): remembered when the worker stores it.
+    pub(crate) fn stored(&self, id: &str, worker: WorkerId) {
+        if let Some(remember) = &self.remember {
+            remember.record(id, worker);
+        }
     }
 }
 
@@ -178,7 +169,6 @@ mod tests {
                 session: None,
                 owner: None,
             }),
-            metrics: Arc::new(crate::metrics::ApiMetrics::new()),
         }
     }
 

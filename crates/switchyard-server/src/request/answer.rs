@@ -8,15 +8,15 @@ use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::Attempts;
-use crate::request::chat_stream::Chunks;
 use crate::request::codec::{Answer, Codec, First};
-use crate::request::named_stream::Named;
 use crate::request::stream::{Relay, RelayStart};
 use axum::body::Body;
 use axum::response::IntoResponse;
 use axum::response::Response;
 use bytes::Bytes;
 use std::time::Instant;
+use switchyard_wire::stream_codec::chat::Chunks;
+use switchyard_wire::stream_codec::named::Named;
 
 /// What [`deliver`] needs of the request besides its attempts.
 #[derive(Clone)]
@@ -96,12 +96,14 @@ pub(crate) fn deliver(
                 original,
                 arrival,
             };
-            let body = match (codec, first) {
-                (Codec::Chunks(api), First::Chunk(first)) => {
-                    Relay::body(|_| Chunks::new(api, client), start, first)
+            let body = match (&codec, first) {
+                (&Codec::Chunks(api), First::Chunk(first)) => {
+                    Relay::body(codec, |_| Chunks::new(api, client), start, first)
                 }
                 (Codec::Named(agentic), First::Named(first)) => {
-                    Relay::body(|kept| Named::new(agentic, kept, client), start, first)
+                    let (api, stored) = (agentic.api, agentic.remember.is_some());
+                    let named = |kept: &_| Named::new(api, stored, kept, client);
+                    Relay::body(codec, named, start, first)
                 }
                 // A codec reads its own API's events only.
                 _ => return ApiError::internal("a stream read by another API").into_response(),

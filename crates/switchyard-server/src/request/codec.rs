@@ -4,14 +4,15 @@
 //! the named events of the Responses and Messages APIs (`/v1/responses`,
 //! `/v1/messages`). A handler makes its request's
 //! [`Codec`]; the placement loop ([`crate::request::handlers`]), the
-//! answer ([`crate::request::answer`]) and the streams
-//! ([`crate::request::stream`], [`crate::request::named_stream`]) ask it,
-//! and none of them names an API.
+//! answer ([`crate::request::answer`]) and the relay
+//! ([`crate::request::stream`], which runs the API's own stream codec of
+//! `switchyard_wire::stream_codec`) ask it, and none of them names an
+//! API.
 
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
 use crate::metrics::RequestStatus;
-use crate::request::agentic::{AgenticDelivery, EventKind};
+use crate::request::agentic::AgenticDelivery;
 use crate::request::attempt::{AttemptError, Attempts};
 use crate::request::MAX_EVENT_BYTES;
 use crate::state::AppState;
@@ -22,7 +23,7 @@ use std::sync::Arc;
 use switchyard_core::dispatch::failure::Failure;
 use switchyard_core::WorkerId;
 use switchyard_wire::agentic::AgenticApi;
-use switchyard_wire::agentic_events;
+use switchyard_wire::agentic_events::{self, EventKind};
 use switchyard_wire::openai::{completion_tokens, Api};
 use switchyard_wire::sse::{classify_ref, ChunkRef, Event, NamedEvent, SseError, SseParser};
 
@@ -59,10 +60,10 @@ impl ApiKind {
 #[derive(Clone, Debug)]
 pub(crate) enum Codec {
     /// Chat or completions: chunks (`data:` lines), relayed as
-    /// [`crate::request::chat_stream`] reads them.
+    /// `switchyard_wire::stream_codec::chat` reads them.
     Chunks(Api),
     /// Responses or Messages: named events (`event:` and `data:` lines),
-    /// relayed whole as [`crate::request::named_stream`] reads them; what the API
+    /// relayed whole as `switchyard_wire::stream_codec::named` reads them; what the API
     /// keeps of an answer ([`AgenticDelivery`]).
     Named(Arc<AgenticDelivery>),
 }
@@ -97,11 +98,19 @@ impl Codec {
             Codec::Named(delivery) => {
                 let (parts, upstream, parser, first) =
                     first_with(attempts, worker, response, SseParser::next_event_named).await?;
-                if delivery.classify(first.data()) == EventKind::Error {
+                if agentic_events::classify(delivery.api, first.data()) == EventKind::Error {
                     return Err(error_event(attempts, worker));
                 }
                 Ok(Answer::Stream(parts, upstream, parser, First::Named(first)))
             }
+        }
+    }
+
+    /// `worker` announced a stored response's id on a stream: remembered
+    /// with it (Responses, when stored).
+    pub(crate) fn stored(&self, id: &str, worker: WorkerId) {
+        if let Codec::Named(delivery) = self {
+            delivery.stored(id, worker);
         }
     }
 

@@ -56,7 +56,6 @@ pub(crate) async fn messages(State(state): State<App>, request: Request) -> Resp
         let delivery = AgenticDelivery {
             api: AgenticApi::Messages,
             remember: None,
-            metrics: state.api_metrics.clone(),
         };
         Ok::<_, ApiError>(Ready {
             body,

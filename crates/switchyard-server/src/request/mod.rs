@@ -7,9 +7,9 @@
 //! - [`responses`], [`messages`] — `/v1/responses` (with stored
 //!   responses' affinity) and Anthropic's `/v1/messages`: read as their
 //!   equivalent chat, then the placement loop every request takes;
-//!   [`agentic`] — what the two share; [`named_stream`] — their streams, forwarded unchanged and a broken
-//!   plain-text one resumed (which of them, and the rewrite into their
-//!   events: `switchyard_wire::resume::agentic`).
+//!   [`agentic`] — what the two share (their streams are the wire crate's
+//!   `stream_codec::named`: forwarded unchanged, and a broken plain-text
+//!   one resumed).
 //! - [`codec`] — which API a request came through and so how its answer
 //!   is read (the chat API's chunks, or the Responses and Messages APIs'
 //!   named events): the shared path asks it and names no API.
@@ -28,8 +28,9 @@
 //! - [`answer`] — a worker's answer on its way to the client;
 //!   [`disclosure`] — what of a worker a client learns (its name in
 //!   errors, its headers).
-//! - [`stream`] — the streaming body: forwards events and resumes a broken
-//!   stream on another worker (what a failure becomes is the core's
+//! - [`stream`] — the streaming body: one relay for every API (each
+//!   API's events are its codec's, `switchyard_wire::stream_codec`),
+//!   forwards events and resumes a broken stream on another worker (what a failure becomes is the core's
 //!   `dispatch::failure`; the bodies — can it resume, the resume request,
 //!   a body's fields without a JSON tree — are the wire crate's
 //!   `resume` and `body_fields`).
@@ -38,7 +39,6 @@ pub(crate) mod adapter_load;
 pub(crate) mod agentic;
 pub(crate) mod answer;
 pub(crate) mod attempt;
-pub(crate) mod chat_stream;
 pub(crate) mod codec;
 pub(crate) mod disagg;
 pub(crate) mod disclosure;
@@ -47,7 +47,6 @@ pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;
 pub(crate) mod messages;
-pub(crate) mod named_stream;
 pub(crate) mod prompt;
 pub(crate) mod responses;
 pub(crate) mod stream;

@@ -119,7 +119,6 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
                 session,
                 owner,
             }),
-            metrics: state.api_metrics.clone(),
         };
         Ok::<_, ApiError>(Ready {
             body,

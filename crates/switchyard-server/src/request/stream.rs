@@ -2,10 +2,11 @@
 //! their way to the client, resumed on another worker when the stream
 //! breaks. One relay ([`Relay`]) runs every stream; what differs by API
 //! (how its events are read and what they mean, how a resumed worker's
-//! chunks are shown, how it closes or says it failed) is a [`StreamApi`]:
-//! the chat API's chunks ([`crate::request::chat_stream`]) and the
-//! Responses and Messages APIs' named events
-//! ([`crate::request::named_stream`]).
+//! chunks are shown, how it closes or says it failed) is the API's codec,
+//! a [`StreamCodec`] of `switchyard_wire::stream_codec`: the chat API's
+//! chunks and the Responses and Messages APIs' named events. What the
+//! router does beside (counting by API, remembering a stored response)
+//! is the request's [`Codec`]'s.
 //!
 //! Paced by the client: the stream runs in a task of its own that reads
 //! the worker one event at a time and hands each to the client's body
@@ -45,6 +46,7 @@ use crate::driver::booking::Booking;
 use crate::error::ApiError;
 use crate::metrics::RequestStatus;
 use crate::request::attempt::{AttemptError, Attempts};
+use crate::request::codec::Codec;
 use crate::request::MAX_EVENT_BYTES;
 use crate::tokenize::INLINE_CHARS;
 use axum::body::Body;
@@ -57,83 +59,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use switchyard_core::dispatch::failure::{Failure, Phase, Progress};
-use switchyard_core::WorkerId;
 use switchyard_wire::body_fields::Fields;
-use switchyard_wire::sse::{classify_ref, ChunkRef, Delta, SseError, SseParser};
+use switchyard_wire::sse::SseParser;
+use switchyard_wire::stream_codec::{Ending, Prompt, Seen, Step, StreamCodec};
 use tokio::sync::{mpsc, oneshot};
-
-/// What one API makes of a relayed stream.
-pub(crate) trait StreamApi: Send + Sync + Sized + 'static {
-    /// One whole event as this API's streams are read.
-    type Event: Send + 'static;
-    /// Why a worker's stream that ends before its last event failed.
-    const ENDED_EARLY: &'static str;
-
-    /// The parser's next whole event (`Ok(None)`: more bytes needed).
-    fn read(parser: &mut SseParser) -> Result<Option<Self::Event>, SseError>;
-
-    /// The event's data.
-    fn data(event: &Self::Event) -> &str;
-
-    /// What the relay does with an event of the first worker. Sets
-    /// `seen.output` when the client is shown output (timing observed,
-    /// the booking's progress told) and records tokens in `seen.progress`.
-    fn first_worker(&mut self, event: Self::Event, seen: &mut Seen<'_>) -> Step;
-
-    /// A resumed worker's delta (its tokens already in `progress`) as the
-    /// client's bytes.
-    fn resumed(&mut self, delta: &Delta, progress: &Progress, at: &Prompt) -> Step;
-
-    /// The closing bytes of a stream whose tokens have all arrived,
-    /// finished for `reason` (`stop`, `length`).
-    fn close(&mut self, reason: &str, progress: &Progress, at: &Prompt) -> Vec<u8>;
-
-    /// The event telling the client the stream failed with `error`.
-    fn error_event(&self, error: &ApiError) -> Vec<u8>;
-
-    /// Whether the request may be resumed at all, and its output limit
-    /// and resumed body ([`move_stream`]), from the client's body.
-    fn resumable(&self, body: &Fields<'_>) -> Result<(), &'static str>;
-    fn max_tokens(&self, body: &Fields<'_>) -> Option<u64>;
-    fn resume_body(&self, body: &Fields<'_>, prompt: &[u32], remaining: Option<u64>) -> Vec<u8>;
-
-    /// Every token had arrived when the stream broke (only its closing
-    /// events were lost).
-    fn all_arrived(&self, progress: &Progress) -> bool;
-
-    /// The response ended with `status` (counted by the relay too).
-    fn ended(&self, _status: RequestStatus) {}
-}
-
-/// An event of the first worker, as the API reads it.
-pub(crate) struct Seen<'a> {
-    pub(crate) progress: &'a mut Progress,
-    /// The worker answering.
-    pub(crate) worker: WorkerId,
-    /// The client is shown output.
-    pub(crate) output: bool,
-}
-
-/// The prompt of a relayed request, as counts: its token ids (what a
-/// resumed prompt starts with), and its tokens (counted or estimated).
-pub(crate) struct Prompt {
-    pub(crate) ids: Vec<u32>,
-    pub(crate) tokens: u64,
-    /// `progress.generated` when the current leg started.
-    pub(crate) generated_at_resume: u64,
-}
-
-/// What the relay does next.
-pub(crate) enum Step {
-    /// Forward these bytes.
-    Send(Vec<u8>),
-    /// Forward these bytes, the response's last: it ended with `status`.
-    End(RequestStatus, Vec<u8>),
-    /// The worker failed the stream (an error chunk): resume it.
-    Broken(String),
-    /// Nothing for the client: read on.
-    Skip,
-}
 
 /// What the proxy hands over once the first event has arrived.
 pub(crate) struct RelayStart {
@@ -161,8 +90,11 @@ struct Leg {
 }
 
 /// One client stream across its workers.
-pub(crate) struct Relay<A: StreamApi> {
+pub(crate) struct Relay<A: StreamCodec> {
     api: A,
+    /// The request's API, as the router counts it and keeps its stored
+    /// responses.
+    codec: Codec,
     attempts: Attempts,
     /// `None` once the response has ended (counted).
     leg: Option<Leg>,
@@ -177,12 +109,13 @@ pub(crate) struct Relay<A: StreamApi> {
     last_event: Option<Instant>,
 }
 
-impl<A: StreamApi> Relay<A> {
+impl<A: StreamCodec> Relay<A> {
     /// The response body of a stream whose `first` event has arrived,
     /// read as `api` makes of it from what the stream will keep
     /// ([`paced_body`]: the stream runs in a task of its own, so its
     /// request timeout fires whether or not the client reads).
     pub(crate) fn body(
+        codec: Codec,
         api: impl FnOnce(&Progress) -> A,
         start: RelayStart,
         first: A::Event,
@@ -193,6 +126,7 @@ impl<A: StreamApi> Relay<A> {
         let progress = Progress::within_sequence(max_seq_len, start.prompt.len());
         paced_body(Self {
             api: api(&progress),
+            codec,
             attempts: start.attempts,
             leg: Some(Leg {
                 booking: start.booking,
@@ -244,7 +178,13 @@ impl<A: StreamApi> Relay<A> {
             };
             match step {
                 Step::Send(bytes) => return (Bytes::from(bytes), false),
-                Step::End(status, bytes) => return (self.end(status, bytes), true),
+                Step::End(ending, bytes) => {
+                    let status = match ending {
+                        Ending::Ok => RequestStatus::Ok,
+                        Ending::WorkerError => RequestStatus::WorkerError,
+                    };
+                    return (self.end(status, bytes), true);
+                }
                 Step::Skip => {}
                 Step::Broken(detail) => {
                     if let Some((status, bytes)) = self.recover(reason, detail).await {
@@ -260,13 +200,13 @@ impl<A: StreamApi> Relay<A> {
         let Some(worker) = self.leg.as_ref().map(|leg| leg.booking.worker) else {
             return Step::Skip;
         };
-        let mut seen = Seen {
-            progress: &mut self.progress,
-            worker,
-            output: false,
-        };
+        let mut seen = Seen::new(&mut self.progress);
         let step = self.api.first_worker(event, &mut seen);
-        if seen.output {
+        let (output, stored) = (seen.output, seen.stored);
+        if let Some(id) = stored {
+            self.codec.stored(&id, worker);
+        }
+        if output {
             self.observe();
         }
         step
@@ -275,24 +215,12 @@ impl<A: StreamApi> Relay<A> {
     /// A resumed worker's event (a `/v1/completions` chunk) as the
     /// client's.
     fn resumed_event(&mut self, event: A::Event) -> Step {
-        match classify_ref(A::data(&event)) {
-            ChunkRef::Done => Step::End(
-                RequestStatus::Ok,
-                self.api.close("stop", &self.progress, &self.prompt),
-            ),
-            ChunkRef::Error => Step::Broken("the worker sent an error event mid-stream".into()),
-            ChunkRef::Unknown => Step::Skip,
-            ChunkRef::Delta(delta) => {
-                self.progress.observe(
-                    delta.text.as_deref(),
-                    delta.token_ids.as_deref(),
-                    delta.finish_reason.is_some(),
-                );
-                self.observe();
-                self.api
-                    .resumed(&delta.into_owned(), &self.progress, &self.prompt)
-            }
+        let mut seen = Seen::new(&mut self.progress);
+        let step = self.api.resumed_event(&event, &mut seen, &self.prompt);
+        if seen.output {
+            self.observe();
         }
+        step
     }
 
     /// Moves the request to another worker after `reason`, until one
@@ -354,7 +282,7 @@ impl<A: StreamApi> Relay<A> {
                 let bytes = self.api.close("length", &self.progress, &self.prompt);
                 Some((RequestStatus::Ok, bytes))
             }
-            Moved::Failed(e) => Some((RequestStatus::Unavailable, self.api.error_event(&e))),
+            Moved::Failed(e) => Some((RequestStatus::Unavailable, self.api.error_event(e.body()))),
         }
     }
 
@@ -394,8 +322,7 @@ impl<A: StreamApi> Relay<A> {
     }
 
     fn count(&self, status: RequestStatus) {
-        self.attempts.state.driver.metrics().count_request(status);
-        self.api.ended(status);
+        self.codec.api().count(&self.attempts.state, status);
     }
 
     /// Ends the stream at the request timeout: the worker's request
@@ -403,12 +330,12 @@ impl<A: StreamApi> Relay<A> {
     /// reads; the client's last bytes are the API's error event.
     fn time_out(mut self) -> Bytes {
         let error = ApiError::timeout(self.attempts.state.upstream.request_timeout);
-        let bytes = self.api.error_event(&error);
+        let bytes = self.api.error_event(error.body());
         self.end(RequestStatus::Unavailable, bytes)
     }
 }
 
-impl<A: StreamApi> Drop for Relay<A> {
+impl<A: StreamCodec> Drop for Relay<A> {
     fn drop(&mut self) {
         if self.leg.is_some() {
             self.count(RequestStatus::Cancelled);
@@ -572,7 +499,7 @@ pub(crate) async fn pull_frame(
 /// stops reading stops polling the body, and a deadline checked only when
 /// the body is polled would never fire, holding the booking and the
 /// worker's request for as long as the client keeps the connection open.
-fn paced_body<A: StreamApi>(stream: Relay<A>) -> Body {
+fn paced_body<A: StreamCodec>(stream: Relay<A>) -> Body {
     let (tx, gone, body) = events_body();
     tokio::spawn(run_paced(stream, tx, gone));
     body
@@ -584,7 +511,7 @@ fn paced_body<A: StreamApi>(stream: Relay<A>) -> Body {
 /// once and the client gets its error event once it reads again. A
 /// response that has ended waits for the client to take its last bytes,
 /// with no deadline left to count.
-async fn run_paced<A: StreamApi>(
+async fn run_paced<A: StreamCodec>(
     mut stream: Relay<A>,
     tx: mpsc::Sender<Bytes>,
     mut gone: oneshot::Receiver<()>,

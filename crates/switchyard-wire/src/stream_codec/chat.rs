@@ -1,25 +1,22 @@
-//! The chat API's streams (`/v1/chat/completions`, `/v1/completions`) as
-//! the relay runs them ([`crate::request::stream`]): the first worker's
-//! chunks forwarded byte for byte, its `[DONE]` the end; a resumed
-//! worker's `/v1/completions` chunks rewritten into the original
-//! response's shape ([`StreamShape::rewrite`], its usage the whole
-//! request's), one `[DONE]` in all; a stream that cannot move ends with
-//! an OpenAI-style error event. A request the resume cannot reproduce is
-//! [`switchyard_wire::resume::resumable`]'s to say.
+//! The chat API's streams (`/v1/chat/completions`, `/v1/completions`):
+//! the first worker's chunks forwarded byte for byte, its `[DONE]` the
+//! end; a resumed worker's `/v1/completions` chunks rewritten into the
+//! original response's shape ([`StreamShape::rewrite`], its usage the
+//! whole request's), one `[DONE]` in all; a stream that cannot move ends
+//! with an OpenAI-style error event. A request the resume cannot
+//! reproduce is [`crate::resume::resumable`]'s to say.
 
-use crate::error::ApiError;
-use crate::metrics::RequestStatus;
-use crate::request::stream::{Prompt, Seen, Step, StreamApi};
-use switchyard_core::dispatch::failure::Progress;
-use switchyard_wire::body_fields::Fields;
-use switchyard_wire::openai::Api;
-use switchyard_wire::resume as migration;
-use switchyard_wire::sse::{
+use super::{Ending, Prompt, Seen, Step, StreamCodec};
+use crate::body_fields::Fields;
+use crate::openai::{Api, ErrorBody};
+use crate::resume as migration;
+use crate::sse::{
     classify_ref, event_bytes, ChunkRef, Delta, Event, SseError, SseParser, StreamShape, DONE_EVENT,
 };
+use switchyard_core::dispatch::failure::Progress;
 
 /// A chat or completions stream.
-pub(crate) struct Chunks {
+pub struct Chunks {
     api: Api,
     /// The original response's identity, from its first chunk.
     shape: Option<StreamShape>,
@@ -28,7 +25,8 @@ pub(crate) struct Chunks {
 }
 
 impl Chunks {
-    pub(crate) fn new(api: Api, client: impl std::fmt::Display) -> Self {
+    /// The stream of an `api` request whose client knows it as `client`.
+    pub fn new(api: Api, client: impl std::fmt::Display) -> Self {
         Self {
             api,
             shape: None,
@@ -55,7 +53,7 @@ impl Chunks {
     }
 }
 
-impl StreamApi for Chunks {
+impl StreamCodec for Chunks {
     type Event = Event;
     const ENDED_EARLY: &'static str = "the worker's stream ended without [DONE]";
 
@@ -71,7 +69,7 @@ impl StreamApi for Chunks {
         // The chunk borrows the event's data; the event is then forwarded
         // as the bytes it was parsed into (no copy).
         match classify_ref(event.data()) {
-            ChunkRef::Done => return Step::End(RequestStatus::Ok, DONE_EVENT.to_vec()),
+            ChunkRef::Done => return Step::End(Ending::Ok, DONE_EVENT.to_vec()),
             ChunkRef::Error => {
                 return Step::Broken("the worker sent an error event mid-stream".into())
             }
@@ -117,8 +115,8 @@ impl StreamApi for Chunks {
         bytes
     }
 
-    fn error_event(&self, error: &ApiError) -> Vec<u8> {
-        event_bytes(&error.body().to_json())
+    fn error_event(&self, error: &ErrorBody) -> Vec<u8> {
+        event_bytes(&error.to_json())
     }
 
     fn resumable(&self, body: &Fields<'_>) -> Result<(), &'static str> {
