@@ -22,11 +22,10 @@
 
 use super::config::WorkerSpec;
 use crate::driver::Driver;
+use crate::upstream::UpstreamClient;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderValue;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,37 +39,6 @@ use switchyard_wire::engine_metrics::{
     kv_usage_fraction, vllm_lora_slots, KvCapacity, ServerInfoCache,
 };
 use switchyard_wire::prometheus::Scrape;
-
-/// The pooled upstream HTTP client.
-pub(crate) type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
-
-/// Builds the pooled HTTP/1 client shared by the proxy and health checks,
-/// for `http://` workers (an `https://` one fails its handshake: no root
-/// is trusted).
-pub(crate) fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
-    upstream_client_with(connect_timeout, crate::front::tls::WorkerTls::no_roots())
-}
-
-/// [`upstream_client`] reaching `https://` workers as `tls` says
-/// ([`crate::front::tls::WorkerTls::client_config`]).
-pub(crate) fn upstream_client_with(
-    connect_timeout: Duration,
-    tls: rustls::ClientConfig,
-) -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.enforce_http(false);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(connector);
-    Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(4096)
-        .build(connector)
-}
 
 /// Adds, removes and watches workers.
 pub struct Fleet {
@@ -849,7 +817,7 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         let (driver, _) = shared_with(&config, &[]);
         let fleet = Fleet::new(
             driver.clone(),
-            upstream_client(Duration::from_secs(2)),
+            crate::upstream::client(Duration::from_secs(2)),
             false,
             config.block_size,
             3,

@@ -16,6 +16,10 @@
 //!   tokenize, charge, the placement loop (submit, placed, failed, moved
 //!   before the deadline) shared by plain and disaggregated requests, the
 //!   answer, the stream that resumes on another worker when it breaks.
+//! - `upstream` — HTTP to the workers: the pooled client, a request's
+//!   `POST` (URI, the router's headers, the first-token timeout, which
+//!   failure a failed send was), the answer head as the client gets it,
+//!   and what of a worker a client learns (`upstream::disclosure`).
 //! - [`driver`] — [`driver::Driver`]: the core's `Dispatcher` (every
 //!   lifecycle decision: admission, routing, booking, freeing, migration,
 //!   replica events, circuit breakers) behind one short-held mutex, driven
@@ -58,7 +62,7 @@
 //!
 //! Modules import each other in one direction only: `routes` →
 //! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream`)
-//! → `state` → `driver` (its guards: `driver::booking`) → `roster`,
+//! → `upstream` → `state` → `driver` (its guards: `driver::booking`) → `roster`,
 //! `metrics_state`, `metrics`.
 
 mod adapters;
@@ -84,6 +88,7 @@ pub mod state;
 mod testing;
 pub mod tokenize;
 pub mod tokenize_gate;
+mod upstream;
 
 pub use cli::ServeArgs;
 pub use config::{ServerConfig, WorkerSpec};

@@ -208,7 +208,8 @@ async fn admin_remove(
 mod tests {
     use super::*;
     use crate::driver::Driver;
-    use crate::fleet::{upstream_client, Fleet};
+    use crate::fleet::Fleet;
+    use crate::upstream::client as upstream_client;
     use crate::metrics::ServerMetrics;
     use crate::state::AppState;
     use crate::tokenize::PromptTokenizer;

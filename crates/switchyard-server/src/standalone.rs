@@ -4,7 +4,8 @@
 //! 503 (no worker); every other one in a 4xx. Nothing leaves the process
 //! (no worker, no KV events, no health checks).
 
-use super::fleet::{upstream_client, Fleet};
+use super::fleet::Fleet;
+use super::upstream::client as upstream_client;
 use super::tokenize::PromptTokenizer;
 use super::{build_driver, metrics::ServerMetrics, ServerConfig};
 use crate::front::inflight::Inflight;

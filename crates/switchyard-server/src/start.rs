@@ -259,7 +259,7 @@ pub async fn start_with_tokenizer(
     .client_config()
     .context("TLS to workers")?;
     let client =
-        fleet::upstream_client_with(Duration::from_millis(config.connect_timeout_ms), worker_tls);
+        crate::upstream::client_with(Duration::from_millis(config.connect_timeout_ms), worker_tls);
     let interval = Duration::from_millis(config.health_interval_ms);
     let fleet = Arc::new(
         fleet::Fleet::new(

@@ -3,7 +3,9 @@
 //! the request path read it; it depends on none of them).
 
 use crate::driver::Driver;
-use crate::fleet::{Fleet, UpstreamClient};
+use crate::fleet::Fleet;
+pub use crate::upstream::Upstream;
+use crate::upstream::UpstreamClient;
 use crate::front::auth::Credentials;
 use crate::models::Models;
 use crate::tokenize::PromptTokenizer;
@@ -59,28 +61,6 @@ pub struct AppState {
     pub(crate) api_metrics: Arc<crate::metrics::ApiMetrics>,
     /// Slots for tokenizing long prompts, by band and fair share.
     pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
-}
-
-/// What the placement loop and the answer read to send a request to a
-/// worker and bound it there.
-pub struct Upstream {
-    /// The HTTP client to workers.
-    pub client: UpstreamClient,
-    /// `Authorization` sent to workers (`--worker-api-key`), marked
-    /// sensitive; the client's own is never forwarded.
-    pub worker_auth: Option<HeaderValue>,
-    /// This replica's id for upstream requests, while replica sync is on.
-    pub router_id: Option<HeaderValue>,
-    /// Add `x-switchyard-worker` to answers.
-    pub worker_header: bool,
-    /// Wait for a worker's headers and first event (and each next event).
-    pub first_token_timeout: Duration,
-    /// A request's total time.
-    pub request_timeout: Duration,
-    /// Largest buffered (non-streaming) response.
-    pub max_response_bytes: usize,
-    /// Migration limits.
-    pub migration: MigrationPolicy,
 }
 
 impl AppState {

@@ -3,7 +3,8 @@
 use crate::config::WorkerSpec;
 use crate::driver::booking::{Booking, WaitHandle};
 use crate::driver::{Driver, Request};
-use crate::fleet::{upstream_client, Fleet};
+use crate::fleet::Fleet;
+use crate::upstream::client as upstream_client;
 use crate::metrics::ServerMetrics;
 use crate::{build_driver, ServerConfig};
 use std::sync::Arc;

@@ -4,7 +4,8 @@
 //! on real loopback sockets.
 
 use crate::driver::Driver;
-use crate::fleet::{upstream_client, Fleet};
+use crate::fleet::Fleet;
+    use crate::upstream::client as upstream_client;
 use crate::metrics::{RequestStatus, ServerMetrics};
 use crate::request::agentic::{parse_messages, parse_responses, AgenticApi};
 use crate::request::limits::parse_chat;

@@ -14,13 +14,11 @@
 use crate::driver::booking::{Booking, WaitHandle};
 use crate::driver::{Request, SubmitError};
 use crate::error::ApiError;
-use crate::request::WORKER_HEADER;
-use crate::roster::{Endpoint, Role};
+use crate::roster::Role;
 use crate::state::AppState;
-use axum::http::uri::{self, PathAndQuery};
-use axum::http::{header, HeaderName, HeaderValue, Method, Request as HttpRequest, Uri};
+use crate::upstream::{Post, PostError};
+use axum::http::HeaderValue;
 use bytes::Bytes;
-use http_body_util::Full;
 use hyper::body::Incoming;
 use std::sync::Arc;
 use switchyard_core::admission::{Flow, SessionKey};
@@ -333,13 +331,11 @@ impl Attempts {
         }
     }
 
-    /// POSTs `body` to the booked worker; a refused or broken connection, a
-    /// 5xx or (when `streaming`) no headers within the first-token timeout
-    /// is a [`AttemptError::Retry`]. A non-streaming answer's head comes
-    /// with the whole answer (vLLM, SGLang), so only the request timeout
-    /// bounds it: a first-token timeout there would fail every answer
-    /// longer than it. A worker still silent at the request timeout is
-    /// reported then ([`Self::timed_out_on`]).
+    /// POSTs `body` to the booked worker ([`crate::upstream::Upstream::post`]:
+    /// a refused or broken connection, a 5xx or, when `streaming`, no
+    /// headers within the first-token timeout is a [`AttemptError::Retry`]).
+    /// A worker still silent at the request timeout is reported then
+    /// ([`Self::timed_out_on`]).
     pub(crate) async fn send(
         &self,
         booking: &Booking,
@@ -352,73 +348,21 @@ impl Attempts {
                 .await
                 .map_err(AttemptError::Fatal)?;
         }
-        let Ok(uri) = upstream_uri(&booking.endpoint, &booking.url, path) else {
-            return Err(AttemptError::Fatal(ApiError::internal(
+        let to = Post {
+            endpoint: &booking.endpoint,
+            url: &booking.url,
+            worker: self.state.disclosure().worker(&booking.name),
+            path,
+            id: self.upstream_id.unwrap_or(booking.booking_id()),
+            accept: self.accept.as_ref(),
+        };
+        let upstream = &self.state.upstream;
+        match upstream.post(to, body, streaming, self.pass_server_errors).await {
+            Ok(response) => Ok(response),
+            Err(PostError::Failed(failure, detail)) => Err(AttemptError::Retry(failure, detail)),
+            Err(PostError::Build) => Err(AttemptError::Fatal(ApiError::internal(
                 "cannot build the upstream request",
-            )));
-        };
-        let mut upstream = HttpRequest::builder()
-            .method(Method::POST)
-            .uri(uri)
-            .header(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )
-            // The attempt's own booking id: worker-origin prefill marks
-            // (replica sync) name the booking, not the client's id.
-            .header(
-                REQUEST_ID,
-                id_header(self.upstream_id.unwrap_or(booking.booking_id())),
-            );
-        // A data-parallel rank's requests name it, as vLLM reads it.
-        if let Some(rank) = &booking.endpoint.dp_rank {
-            upstream = upstream.header(crate::roster::DP_RANK_HEADER, rank.clone());
-        }
-        if let Some(router_id) = &self.state.upstream.router_id {
-            upstream = upstream.header(switchyard_replica::ROUTER_ID_HEADER, router_id.clone());
-        }
-        if let Some(accept) = &self.accept {
-            upstream = upstream.header(header::ACCEPT, accept);
-        }
-        // The router's own credential; the client's is never forwarded.
-        if let Some(auth) = &self.state.upstream.worker_auth {
-            upstream = upstream.header(header::AUTHORIZATION, auth.clone());
-        }
-        let upstream = upstream.body(Full::new(body)).map_err(|_| {
-            AttemptError::Fatal(ApiError::internal("cannot build the upstream request"))
-        })?;
-        let timeout = self.state.upstream.first_token_timeout;
-        let request = self.state.upstream.client.request(upstream);
-        let answered = if streaming {
-            tokio::time::timeout(timeout, request).await
-        } else {
-            Ok(request.await)
-        };
-        // The detail reaches the client: the worker as clients may know it.
-        let worker = self.state.disclosure().worker(&booking.name);
-        match answered {
-            Err(_) => Err(AttemptError::Retry(
-                Failure::Timeout,
-                format!(
-                    "{worker} sent no response headers within {:.1} s",
-                    timeout.as_secs_f64()
-                ),
-            )),
-            Ok(Err(e)) if e.is_connect() => Err(AttemptError::Retry(
-                Failure::Connect,
-                format!("{worker} refused the connection"),
-            )),
-            Ok(Err(_)) => Err(AttemptError::Retry(
-                Failure::Reset,
-                format!("the connection to {worker} broke"),
-            )),
-            Ok(Ok(response)) if response.status().is_server_error() && !self.pass_server_errors => {
-                Err(AttemptError::Retry(
-                    Failure::Status5xx,
-                    format!("{worker} answered {}", response.status().as_u16()),
-                ))
-            }
-            Ok(Ok(response)) => Ok(response),
+            ))),
         }
     }
 
@@ -588,113 +532,14 @@ impl Attempts {
         self.timed_out_on(booking, fair)
     }
 
-    /// The worker's response head as the client gets it: hop-by-hop
-    /// headers dropped, and with client keys required only the headers a
-    /// client needs ([`crate::request::disclosure`]); then the router's own.
+    /// The worker's response head as the client gets it
+    /// ([`crate::upstream::Upstream::client_parts`]).
     pub(crate) fn client_parts(
         &self,
-        mut parts: hyper::http::response::Parts,
+        parts: hyper::http::response::Parts,
         booking: &Booking,
     ) -> hyper::http::response::Parts {
-        for name in [
-            header::CONNECTION,
-            header::TRANSFER_ENCODING,
-            header::CONTENT_LENGTH,
-            HeaderName::from_static("keep-alive"),
-        ] {
-            parts.headers.remove(name);
-        }
-        self.state.disclosure().filter_headers(&mut parts.headers);
-        if self.state.upstream.worker_header {
-            if let Some(v) = &booking.endpoint.name_header {
-                parts.headers.insert(WORKER_HEADER, v.clone());
-            }
-        }
-        parts.headers.insert(REQUEST_ID, id_header(self.client_id));
-        parts
-    }
-}
-
-/// The URI of `path` on the worker at `url`: the endpoint's scheme and
-/// authority (made once per worker) and the static path, nothing parsed or
-/// copied; a URL with a path prefix is joined and parsed.
-fn upstream_uri(
-    endpoint: &Endpoint,
-    url: &str,
-    path: &'static str,
-) -> Result<Uri, uri::InvalidUri> {
-    if let Some((scheme, authority)) = &endpoint.origin {
-        let mut parts = uri::Parts::default();
-        parts.scheme = Some(scheme.clone());
-        parts.authority = Some(authority.clone());
-        parts.path_and_query = Some(PathAndQuery::from_static(path));
-        if let Ok(uri) = Uri::from_parts(parts) {
-            return Ok(uri);
-        }
-    }
-    // Sized exactly: the URI takes the string's buffer as it is.
-    let mut joined = String::with_capacity(url.len() + path.len());
-    joined.push_str(url);
-    joined.push_str(path);
-    Uri::try_from(joined)
-}
-
-/// `x-request-id`.
-const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-
-/// `id` as a header value, its 32 hex digits (as `RequestId` displays)
-/// written on the stack: the value's own bytes are its one allocation.
-pub(crate) fn id_header(id: RequestId) -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = [0u8; 32];
-    for (i, d) in digits.iter_mut().enumerate() {
-        *d = HEX[((id.0 >> (4 * (31 - i))) & 0xf) as usize];
-    }
-    HeaderValue::from_bytes(&digits).expect("hex digits are a valid header value")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_upstream_uri_is_the_url_joined_with_the_path() {
-        for url in [
-            "http://127.0.0.1:8000",
-            "http://worker.local",
-            "https://user:pw@h:9",
-            "http://h:1/prefix",
-            "http://h:1/prefix/v2",
-        ] {
-            let endpoint = Endpoint::new("w", url);
-            for path in ["/v1/completions", "/v1/chat/completions"] {
-                let built = upstream_uri(&endpoint, url, path).unwrap();
-                let joined: Uri = format!("{url}{path}").parse().unwrap();
-                assert_eq!(built, joined, "{url} {path}");
-                assert_eq!(built.to_string(), joined.to_string());
-            }
-        }
-        assert!(Endpoint::new("w", "http://h:1").origin.is_some());
-        assert!(Endpoint::new("w", "http://h:1/prefix").origin.is_none());
-        assert!(upstream_uri(
-            &Endpoint::new("w", "not a url"),
-            "not a url",
-            "/v1/completions"
-        )
-        .is_err());
-    }
-
-    #[test]
-    fn an_id_header_is_the_ids_display() {
-        for id in [
-            0,
-            1,
-            0xabc,
-            u128::MAX,
-            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
-        ] {
-            let id = RequestId(id);
-            assert_eq!(id_header(id).to_str().unwrap(), id.to_string());
-        }
+        let disclosure = self.state.disclosure();
+        (self.state.upstream).client_parts(parts, &booking.endpoint, self.client_id, disclosure)
     }
 }

@@ -210,7 +210,8 @@ pub(crate) fn prompt_too_long(state: &AppState, param: &'static str) -> ApiError
 
 #[cfg(test)]
 mod tests {
-    use crate::fleet::{upstream_client, Fleet};
+    use crate::fleet::Fleet;
+    use crate::upstream::client as upstream_client;
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
     use crate::{build_driver, routes::app, state::AppState, ServerConfig};

@@ -28,7 +28,7 @@ use crate::request::limits::Asked;
 use crate::request::prompt::{
     preamble, request_parts, session_key, Head, Later, PromptSource, TokenizeJob,
 };
-use crate::request::responses::{any_worker_for, direct};
+use crate::request::responses::any_worker_for;
 use crate::state::App;
 use axum::extract::{Request, State};
 use axum::http::Method;
@@ -105,9 +105,10 @@ pub(crate) async fn count_tokens(State(state): State<App>, request: Request) -> 
             );
         }
         let worker = any_worker_for(&state, model.as_deref())?;
-        direct(
-            &state,
+        let disclosure = state.disclosure();
+        (state.upstream).direct(
             &worker,
+            disclosure,
             Method::POST,
             "/v1/messages/count_tokens".to_owned(),
             body,
@@ -126,7 +127,8 @@ const NO_OUTPUT: Asked = Asked {
 
 #[cfg(test)]
 mod tests {
-    use crate::fleet::{upstream_client, Fleet};
+    use crate::fleet::Fleet;
+    use crate::upstream::client as upstream_client;
     use crate::metrics::ServerMetrics;
     use crate::state::AppState;
     use crate::tokenize::HfTokenizer;

@@ -25,9 +25,8 @@
 //! - [`adapter_load`] — the request's adapter loaded on its worker first.
 //! - [`disagg`] — prefill/decode-disaggregated requests: two halves, each
 //!   placed through the same loop, and the engine family's protocol.
-//! - [`answer`] — a worker's answer on its way to the client;
-//!   [`disclosure`] — what of a worker a client learns (its name in
-//!   errors, its headers).
+//! - [`answer`] — a worker's answer on its way to the client (its head
+//!   as `crate::upstream` makes it for the client).
 //! - [`stream`] — the streaming body: one relay for every API (each
 //!   API's events are its codec's, `switchyard_wire::stream_codec`),
 //!   forwards events and resumes a broken stream on another worker (what a failure becomes is the core's
@@ -41,7 +40,6 @@ pub(crate) mod answer;
 pub(crate) mod attempt;
 pub(crate) mod codec;
 pub(crate) mod disagg;
-pub(crate) mod disclosure;
 pub(crate) mod engine_body;
 pub mod flow;
 pub(crate) mod handlers;

@@ -40,7 +40,6 @@
 
 use crate::error::ApiError;
 use crate::front::auth::ClientKey;
-use crate::front::upload::{read_whole, ReadError};
 use crate::request::agentic::{self, AgenticApi, AgenticDelivery, Remember};
 use crate::request::codec::{ApiKind, Codec};
 use crate::request::handlers::{finish, Ready};
@@ -51,10 +50,9 @@ use crate::response_map::{session_of, Holder, Owner};
 use crate::roster::WorkerInfo;
 use crate::state::{App, AppState};
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http_body_util::Full;
 use std::sync::Arc;
 use std::time::Instant;
 use switchyard_core::admission::responses::{located, Located, Standing};
@@ -186,9 +184,10 @@ async fn stored(
             ));
         }
         let (_, worker) = locate_waiting(&state, &id, owner, "response_id").await?;
-        direct(
-            &state,
+        let disclosure = state.disclosure();
+        (state.upstream).direct(
             &worker,
+            disclosure,
             method,
             format!("{PATH}/{id}{suffix}"),
             Bytes::new(),
@@ -306,69 +305,4 @@ pub(crate) fn any_worker_for(
                 && model.is_none_or(|m| w.models.is_empty() || w.models.iter().any(|n| n == m))
         })
         .ok_or_else(|| ApiError::no_workers("no worker serves the model"))
-}
-
-/// Sends `method path` with `body` to `worker` (no booking: nothing is
-/// generated) with the router's worker credential, and answers with the
-/// worker's status and body (bounded by `--max-response-bytes`).
-pub(crate) async fn direct(
-    state: &AppState,
-    worker: &WorkerInfo,
-    method: Method,
-    path: String,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let uri = hyper::Uri::try_from(format!("{}{path}", worker.url))
-        .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
-    let mut request = hyper::Request::builder().method(method).uri(uri);
-    if !body.is_empty() {
-        request = request.header(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-    }
-    if let Some(auth) = &state.upstream.worker_auth {
-        request = request.header(header::AUTHORIZATION, auth.clone());
-    }
-    let request = request
-        .body(Full::new(body))
-        .map_err(|_| ApiError::internal("cannot build the upstream request"))?;
-    let sent = tokio::time::timeout(
-        state.upstream.request_timeout,
-        state.upstream.client.request(request),
-    )
-    .await;
-    let response = match sent {
-        Err(_) => return Err(ApiError::timeout(state.upstream.request_timeout)),
-        Ok(Err(_)) => {
-            return Err(ApiError::bad_gateway(format!(
-                "{} did not answer",
-                state.disclosure().worker(&worker.name)
-            )))
-        }
-        Ok(Ok(response)) => response,
-    };
-    let (parts, upstream) = response.into_parts();
-    let limit = state.upstream.max_response_bytes;
-    let bytes = read_whole(upstream, limit).await.map_err(|e| match e {
-        ReadError::TooLarge => ApiError::bad_gateway(format!(
-            "the worker's response exceeds the router's limit of {limit} bytes (--max-response-bytes)"
-        )),
-        ReadError::Broken => ApiError::bad_gateway("the worker's response broke"),
-    })?;
-    let mut out = (
-        StatusCode::from_u16(parts.status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY),
-        bytes,
-    )
-        .into_response();
-    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-        out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
-    }
-    if state.upstream.worker_header {
-        if let Some(v) = &worker.endpoint.name_header {
-            out.headers_mut()
-                .insert(crate::request::WORKER_HEADER, v.clone());
-        }
-    }
-    Ok(out)
 }
