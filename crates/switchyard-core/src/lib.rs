@@ -38,6 +38,8 @@
 //! - [`adapters`] — which worker has which LoRA adapter loaded; the router
 //!   prices a missing one by its load time and a placement says when to
 //!   load it; which adapters a request may name (`adapters::catalogue`).
+//! - [`membership`] — live discovery's decision: which workers one
+//!   discovery source adds and drains (it drains only what it added).
 //! - [`eligibility`] — which workers may take a request: by its model,
 //!   draining, and a disaggregated fleet's pools ([`eligibility::Role`]).
 //! - [`dispatch`] — the request lifecycle as one value,
@@ -71,6 +73,7 @@ pub mod hashing;
 pub mod health;
 pub mod index;
 mod maps;
+pub mod membership;
 pub mod replica;
 pub mod router;
 pub mod select;

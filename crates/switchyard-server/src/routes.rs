@@ -209,10 +209,10 @@ mod tests {
     use super::*;
     use crate::driver::Driver;
     use crate::fleet::Fleet;
-    use crate::upstream::client as upstream_client;
     use crate::metrics::ServerMetrics;
     use crate::state::AppState;
     use crate::tokenize::PromptTokenizer;
+    use crate::upstream::client as upstream_client;
     use crate::ServerConfig;
     use axum::body::Body;
     use http_body_util::BodyExt as _;

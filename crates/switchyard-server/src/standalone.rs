@@ -5,8 +5,8 @@
 //! (no worker, no KV events, no health checks).
 
 use super::fleet::Fleet;
-use super::upstream::client as upstream_client;
 use super::tokenize::PromptTokenizer;
+use super::upstream::client as upstream_client;
 use super::{build_driver, metrics::ServerMetrics, ServerConfig};
 use crate::front::inflight::Inflight;
 use crate::routes::front_door;

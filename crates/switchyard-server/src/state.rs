@@ -4,11 +4,11 @@
 
 use crate::driver::Driver;
 use crate::fleet::Fleet;
-pub use crate::upstream::Upstream;
-use crate::upstream::UpstreamClient;
 use crate::front::auth::Credentials;
 use crate::models::Models;
 use crate::tokenize::PromptTokenizer;
+pub use crate::upstream::Upstream;
+use crate::upstream::UpstreamClient;
 use axum::http::HeaderValue;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;

@@ -6,21 +6,21 @@
 //! a discovered worker is health-checked, selected, drained and removed
 //! exactly like one added by hand.
 //!
-//! - [`reconcile`] — the pure part: one source's owned set and desired set
-//!   in, the adds and drains out. A source drains only what it added.
+//! - The pure part is the core's (`switchyard_core::membership`): one
+//!   source's owned set and desired set in, the adds and drains out. A
+//!   source drains only what it added.
 //! - [`file`] — the file source: read, hash, parse with the config file's
 //!   parser; a bad or missing file keeps the last good set.
 //! - [`dns`] — the DNS source: A/AAAA records to `http://IP:PORT`; a failed
 //!   or empty resolution keeps the last set.
 //!
 //! Data flow, per source and per interval: poll the source → (on a change)
-//! the capped desired set → read the worker table → [`reconcile::plan`] →
+//! the capped desired set → read the worker table → `membership::plan` →
 //! drain, then add. Every pass reconciles, changed or not: an add refused
 //! once (its name still draining, say) is retried at the next.
 
 pub(crate) mod dns;
 pub(crate) mod file;
-pub(crate) mod reconcile;
 
 use crate::config::{parse_dns_target, ServerConfig, WorkerSpec};
 use crate::fleet::Fleet;
@@ -29,10 +29,13 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use reconcile::WorkerSet;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
+use switchyard_core::membership;
+
+/// A source's workers by name.
+type WorkerSet = membership::WorkerSet<WorkerSpec>;
 use tokio::task::JoinHandle;
 
 /// The discovery sources' metrics, labelled by source (`file`, or
@@ -143,7 +146,8 @@ impl Source {
     /// The source's new listing, capped.
     fn set_desired(&mut self, specs: Vec<WorkerSpec>, metrics: &DiscoveryMetrics) {
         let listed = specs.len();
-        let (desired, dropped) = reconcile::capped(specs, self.limit);
+        let named = specs.into_iter().map(|s| (s.display_name(), s));
+        let (desired, dropped) = membership::capped(named, self.limit);
         if dropped > 0 {
             tracing::warn!(source = %self.label, listed, limit = self.limit, dropped, "a discovery source listed more workers than it may add: the rest are dropped");
             metrics
@@ -177,7 +181,7 @@ impl Source {
             .map(|w| w.name.to_string())
             .filter(|n| !self.owned.keys().any(|owned| is_target_of(n, owned)))
             .collect();
-        let plan = reconcile::plan(&self.owned, &self.desired, &others);
+        let plan = membership::plan(&self.owned, &self.desired, &others);
         for name in &plan.drain {
             tracing::info!(source = %self.label, worker = %name, "discovered worker gone from its source (or changed there): draining");
             if fleet.remove(name, true) {

@@ -5,7 +5,6 @@
 
 use crate::driver::Driver;
 use crate::fleet::Fleet;
-    use crate::upstream::client as upstream_client;
 use crate::metrics::{RequestStatus, ServerMetrics};
 use crate::request::agentic::{parse_messages, parse_responses, AgenticApi};
 use crate::request::limits::parse_chat;
@@ -13,6 +12,7 @@ use crate::request::prompt::{tokenize, TokenizeJob};
 use crate::routes::app;
 use crate::state::{App, AppState};
 use crate::tokenize::HfTokenizer;
+use crate::upstream::client as upstream_client;
 use crate::ServerConfig;
 use axum::body::Body;
 use axum::extract::Path;

@@ -357,7 +357,10 @@ impl Attempts {
             accept: self.accept.as_ref(),
         };
         let upstream = &self.state.upstream;
-        match upstream.post(to, body, streaming, self.pass_server_errors).await {
+        match upstream
+            .post(to, body, streaming, self.pass_server_errors)
+            .await
+        {
             Ok(response) => Ok(response),
             Err(PostError::Failed(failure, detail)) => Err(AttemptError::Retry(failure, detail)),
             Err(PostError::Build) => Err(AttemptError::Fatal(ApiError::internal(

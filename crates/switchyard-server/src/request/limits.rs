@@ -211,9 +211,9 @@ pub(crate) fn prompt_too_long(state: &AppState, param: &'static str) -> ApiError
 #[cfg(test)]
 mod tests {
     use crate::fleet::Fleet;
-    use crate::upstream::client as upstream_client;
     use crate::metrics::{InputLimit, ServerMetrics};
     use crate::tokenize::PromptTokenizer;
+    use crate::upstream::client as upstream_client;
     use crate::{build_driver, routes::app, state::AppState, ServerConfig};
     use axum::body::Body;
     use http_body_util::BodyExt as _;

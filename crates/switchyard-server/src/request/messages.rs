@@ -106,14 +106,15 @@ pub(crate) async fn count_tokens(State(state): State<App>, request: Request) -> 
         }
         let worker = any_worker_for(&state, model.as_deref())?;
         let disclosure = state.disclosure();
-        (state.upstream).direct(
-            &worker,
-            disclosure,
-            Method::POST,
-            "/v1/messages/count_tokens".to_owned(),
-            body,
-        )
-        .await
+        (state.upstream)
+            .direct(
+                &worker,
+                disclosure,
+                Method::POST,
+                "/v1/messages/count_tokens".to_owned(),
+                body,
+            )
+            .await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
@@ -128,10 +129,10 @@ const NO_OUTPUT: Asked = Asked {
 #[cfg(test)]
 mod tests {
     use crate::fleet::Fleet;
-    use crate::upstream::client as upstream_client;
     use crate::metrics::ServerMetrics;
     use crate::state::AppState;
     use crate::tokenize::HfTokenizer;
+    use crate::upstream::client as upstream_client;
     use crate::ServerConfig;
     use axum::body::Body;
     use axum::http::StatusCode;

@@ -185,14 +185,15 @@ async fn stored(
         }
         let (_, worker) = locate_waiting(&state, &id, owner, "response_id").await?;
         let disclosure = state.disclosure();
-        (state.upstream).direct(
-            &worker,
-            disclosure,
-            method,
-            format!("{PATH}/{id}{suffix}"),
-            Bytes::new(),
-        )
-        .await
+        (state.upstream)
+            .direct(
+                &worker,
+                disclosure,
+                method,
+                format!("{PATH}/{id}{suffix}"),
+                Bytes::new(),
+            )
+            .await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
