@@ -26,6 +26,9 @@
 //!   one codec per API ([`stream_codec::chat::Chunks`],
 //!   [`stream_codec::named::Named`]) reads the worker's events and writes
 //!   the client's, a resumed worker's chunks in the API's shape included.
+//! - [`engine_body`] — what of a client's body an engine is not told (a
+//!   client's `priority` and `request_id`: the router's band and the
+//!   engine's own ids speak instead).
 //! - [`openai`] — the OpenAI HTTP API: request bodies, answers and chunks,
 //!   the error body; plain serde types that the router, the simulated
 //!   worker and the load generator all read and write.
@@ -58,6 +61,7 @@ pub mod agentic;
 pub mod agentic_events;
 pub mod body_fields;
 pub mod disagg;
+pub mod engine_body;
 pub mod engine_metrics;
 pub mod kv_events;
 pub mod normalize;

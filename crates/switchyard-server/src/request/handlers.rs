@@ -32,6 +32,7 @@ use bytes::Bytes;
 use std::time::Instant;
 use switchyard_core::admission::{Flow, SessionKey};
 use switchyard_core::WorkerId;
+use switchyard_wire::engine_body::engine_body;
 use switchyard_wire::openai::{Api, Prompt};
 
 pub(crate) async fn chat_completions(State(state): State<App>, request: Request) -> Response {
@@ -187,9 +188,17 @@ async fn proxy(
         ..facts.flow
     };
     // The band speaks for the request's priority at the engine too, and
-    // a client's `request_id` stays with the router.
-    let body =
-        crate::request::engine_body::engine_body(body, state.flows.engine_priority(flow.band))?;
+    // a client's `request_id` stays with the router
+    // (`switchyard_wire::engine_body`).
+    let priority = state.flows.engine_priority(flow.band);
+    let body = match engine_body(&body, priority) {
+        Ok(None) => body,
+        Ok(Some(rewritten)) => Bytes::from(rewritten),
+        Err(e) => {
+            let message = format!("invalid request body: {e}");
+            return Err(ApiError::bad_request(message, None));
+        }
+    };
     let unrendered = facts.prompt.unrendered;
     let request = Delivery {
         codec,

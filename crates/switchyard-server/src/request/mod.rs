@@ -17,8 +17,6 @@
 //!   (`preamble`: the prompt's token ids, or an estimate, and the key's
 //!   token charge), the session.
 //! - [`limits`] — input limits, each refusal naming its limit.
-//! - [`engine_body`] — what of a body the engine is not told: a client's
-//!   `priority` (its band's instead) and `request_id`.
 //! - [`attempt`] — one request's attempts on workers: the placement loop
 //!   (submit, placed, failed, moved before the deadline) that plain and
 //!   disaggregated requests share.
@@ -40,7 +38,6 @@ pub(crate) mod answer;
 pub(crate) mod attempt;
 pub(crate) mod codec;
 pub(crate) mod disagg;
-pub(crate) mod engine_body;
 pub mod flow;
 pub(crate) mod handlers;
 pub mod limits;

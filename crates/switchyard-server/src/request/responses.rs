@@ -34,7 +34,7 @@
 //! in the caller's own namespace: [`crate::response_map::session_of`]).
 //!
 //! A client's `request_id` (which vLLM takes as the response's id) never
-//! reaches a worker ([`crate::request::engine_body`]), and a worker's
+//! reaches a worker (`switchyard_wire::engine_body`), and a worker's
 //! answer with an id another key holds is not recorded: a key cannot
 //! plant its conversation under another's id.
 

@@ -7,7 +7,7 @@
 //! | `request_id` | vLLM's request id, and a Responses request's response id | removed: the engine makes its own |
 //!
 //! A client's band is decided by the router (its key's tenant, capped by
-//! the tenant's ceiling: [`super::flow`]); an engine-side priority in the
+//! the tenant's ceiling); an engine-side priority in the
 //! body would let a sheddable tenant jump every queue the router keeps,
 //! so the band alone speaks for it. A client-chosen `request_id` would let
 //! a key answer under another key's response id; the engine's own ids
@@ -17,12 +17,10 @@
 //! mapped, is forwarded as the same buffer (one `memchr` scan for each
 //! name); only a body that names one (anywhere: a top-level check needs
 //! a parse) is read into its top-level fields and written again
-//! ([`switchyard_wire::body_fields::Fields`], no JSON tree).
+//! ([`crate::body_fields::Fields`], no JSON tree).
 
-use crate::error::ApiError;
-use bytes::Bytes;
+use crate::body_fields::Fields;
 use memchr::memmem;
-use switchyard_wire::body_fields::Fields;
 
 /// The body's `priority` field.
 const PRIORITY: &str = "priority";
@@ -30,23 +28,23 @@ const PRIORITY: &str = "priority";
 const REQUEST_ID: &str = "request_id";
 
 /// `body` as the engine gets it: `request_id` removed, `priority` set to
-/// `priority` (the request's band's mapping) or removed when none. The
-/// same buffer when there is nothing to change.
-pub(crate) fn engine_body(body: Bytes, priority: Option<i64>) -> Result<Bytes, ApiError> {
-    let names = |quoted: &[u8]| memmem::find(&body, quoted).is_some();
+/// `priority` (the request's band's mapping) or removed when none;
+/// `Ok(None)` when there is nothing to change (the same buffer goes), an
+/// error when a body that names either is no JSON object.
+pub fn engine_body(body: &[u8], priority: Option<i64>) -> Result<Option<Vec<u8>>, String> {
+    let names = |quoted: &[u8]| memmem::find(body, quoted).is_some();
     if priority.is_none() && !names(b"\"priority\"") && !names(b"\"request_id\"") {
-        return Ok(body);
+        return Ok(None);
     }
-    let mut fields = Fields::parse(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))?;
+    let mut fields = Fields::parse(body).map_err(|e| e.to_string())?;
     let had = fields.has(PRIORITY) || fields.has(REQUEST_ID);
     fields.remove(REQUEST_ID);
     match priority {
         Some(p) => fields.set(PRIORITY, &p),
         None if had => fields.remove(PRIORITY),
-        None => return Ok(body),
+        None => return Ok(None),
     }
-    Ok(Bytes::from(fields.to_vec()))
+    Ok(Some(fields.to_vec()))
 }
 
 #[cfg(test)]
@@ -55,8 +53,9 @@ mod tests {
     use serde_json::{json, Value};
 
     fn rewritten(body: &Value, priority: Option<i64>) -> Value {
-        let bytes = Bytes::from(serde_json::to_vec(body).unwrap());
-        serde_json::from_slice(&engine_body(bytes, priority).unwrap()).unwrap()
+        let bytes = serde_json::to_vec(body).unwrap();
+        let out = engine_body(&bytes, priority).unwrap().unwrap_or(bytes);
+        serde_json::from_slice(&out).unwrap()
     }
 
     #[test]
@@ -85,22 +84,21 @@ mod tests {
     }
 
     #[test]
-    fn a_body_naming_neither_is_the_same_buffer() {
-        let body = Bytes::from_static(br#"{"model":"m","messages":[]}"#);
-        let out = engine_body(body.clone(), None).unwrap();
-        assert_eq!(out.as_ptr(), body.as_ptr(), "not copied");
+    fn a_body_naming_neither_is_left_as_it_is() {
+        let body = br#"{"model":"m","messages":[]}"#;
+        assert_eq!(engine_body(body, None), Ok(None));
         // Named only inside content: parsed, nothing to change, unchanged.
-        let inner =
-            Bytes::from_static(br#"{"messages":[{"role":"user","content":"\"priority\""}]}"#);
-        assert_eq!(engine_body(inner.clone(), None).unwrap(), inner);
+        let inner = br#"{"messages":[{"role":"user","content":"\"priority\""}]}"#;
+        assert_eq!(engine_body(inner, None), Ok(None));
     }
 
     #[test]
     fn the_last_of_duplicated_fields_is_the_one_removed_with_the_rest() {
         // An engine's JSON reader keeps the last of duplicated names; the
         // rewrite drops every one.
-        let body = Bytes::from_static(br#"{"priority": 1, "prompt": "x", "priority": -9}"#);
-        let out: Value = serde_json::from_slice(&engine_body(body, None).unwrap()).unwrap();
+        let body = br#"{"priority": 1, "prompt": "x", "priority": -9}"#;
+        let out: Value =
+            serde_json::from_slice(&engine_body(body, None).unwrap().unwrap()).unwrap();
         assert_eq!(out, json!({"prompt": "x"}));
     }
 }
