@@ -62,8 +62,9 @@
 //!
 //! Modules import each other in one direction only: `routes` →
 //! `request` (`handlers` → `disagg` → `answer` → `attempt` and `stream`)
-//! → `upstream` → `state` → `driver` (its guards: `driver::booking`) → `roster`,
-//! `metrics_state`, `metrics`.
+//! → `state` → `driver` (its guards: `driver::booking`) → `roster`,
+//! `metrics_state`, `metrics`; `request`, `state` and `fleet` →
+//! `upstream` (which imports none of them).
 
 mod adapters;
 mod cli;

@@ -205,3 +205,13 @@ impl InputLimits {
         }
     }
 }
+
+impl AppState {
+    /// How the router speaks of workers to clients: guarded while client
+    /// keys are required ([`crate::upstream::disclosure`]).
+    pub(crate) fn disclosure(&self) -> crate::upstream::disclosure::Disclosure {
+        crate::upstream::disclosure::Disclosure::when_keys_required(
+            self.credentials.client_keys_required(),
+        )
+    }
+}

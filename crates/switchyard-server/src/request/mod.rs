@@ -48,6 +48,3 @@ pub(crate) mod stream;
 
 /// Largest single SSE event the router accepts from a worker.
 pub(crate) const MAX_EVENT_BYTES: usize = 256 * 1024;
-
-/// Header naming the worker that served a response.
-pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";

@@ -33,15 +33,6 @@ pub(crate) enum Disclosure {
     Guarded,
 }
 
-impl crate::state::AppState {
-    /// How the router speaks of workers to clients: guarded while client
-    /// keys are required. (Here, not in `state`: the state imports no
-    /// part of the request path.)
-    pub(crate) fn disclosure(&self) -> Disclosure {
-        Disclosure::when_keys_required(self.credentials.client_keys_required())
-    }
-}
-
 impl Disclosure {
     /// The disclosure of a router that requires client keys or not.
     pub(crate) fn when_keys_required(required: bool) -> Self {

@@ -17,7 +17,6 @@ pub(crate) mod disclosure;
 
 use crate::error::ApiError;
 use crate::front::upload::{read_whole, ReadError};
-use crate::request::WORKER_HEADER;
 use crate::roster::{Endpoint, WorkerInfo};
 use axum::http::uri::{self, PathAndQuery};
 use axum::http::{header, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
@@ -31,6 +30,9 @@ use hyper_util::client::legacy::Client;
 use std::time::Duration;
 use switchyard_core::dispatch::failure::{Failure, MigrationPolicy};
 use switchyard_core::RequestId;
+
+/// Header naming the worker that served a response.
+pub(crate) const WORKER_HEADER: &str = "x-switchyard-worker";
 
 /// The pooled upstream HTTP client.
 pub(crate) type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
