@@ -1,12 +1,9 @@
-//! Build-time inputs of the `switchyard` binary:
-//!
-//! - the bundled Mooncake conversation trace, gzipped from the repository's
-//!   `data/` into `OUT_DIR` for `include_bytes!` (`src/data.rs`), so that an
-//!   installed binary replays it with no data directory;
-//! - `SWITCHYARD_COMMIT`, the commit `--version` names: `$SWITCHYARD_BUILD_COMMIT`
-//!   when set (a build without `.git`, such as the Docker image's, passes it
-//!   in), else `git rev-parse --short HEAD` with `-dirty` when tracked files
-//!   differ from it, else `unknown` (a source tarball, or no `git`).
+//! Build-time input of the `switchyard` binary (the bundled trace is the
+//! commands' library's, `crates/switchyard-commands/build.rs`):
+//! `SWITCHYARD_COMMIT`, the commit `--version` names: `$SWITCHYARD_BUILD_COMMIT`
+//! when set (a build without `.git`, such as the Docker image's, passes it
+//! in), else `git rev-parse --short HEAD` with `-dirty` when tracked files
+//! differ from it, else `unknown` (a source tarball, or no `git`).
 //!
 //! The commit is read again when `HEAD`, the branch it names, the reflog or
 //! the index change (a commit, a checkout, `git add`), and when what the
@@ -15,29 +12,12 @@
 //! while an edit to docs or tests alone shows at the next build after a git
 //! command.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("set by cargo"));
-    gzip_into(
-        &manifest.join("../../data/traces/mooncake_conversation.jsonl"),
-        &out.join("mooncake_conversation.jsonl.gz"),
-    );
     println!("cargo:rustc-env=SWITCHYARD_COMMIT={}", commit(&manifest));
-}
-
-/// Writes `source` gzipped to `target`; rebuilt when `source` changes.
-fn gzip_into(source: &Path, target: &Path) {
-    println!("cargo:rerun-if-changed={}", source.display());
-    let bytes = std::fs::read(source)
-        .unwrap_or_else(|e| panic!("reading bundled data {}: {e}", source.display()));
-    let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    gzip.write_all(&bytes).expect("gzip into memory");
-    std::fs::write(target, gzip.finish().expect("gzip into memory"))
-        .unwrap_or_else(|e| panic!("writing {}: {e}", target.display()));
 }
 
 /// The commit this build is made from (see the module comment).

@@ -2,10 +2,10 @@
 //! read, and session-aware admit + `Dispatched` with 100,000 sessions
 //! retained.
 //!
-//! `cargo bench -p switchyard --bench admission`
+//! `cargo bench -p switchyard-bench --bench admission`
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use switchyard::bench::admission::populated_strategy;
+use switchyard_bench::admission::populated_strategy;
 use switchyard_core::admission::{
     progress_pair, AdmissionStrategy, LifecycleEvent, QueueClass, RequestFacts, SessionKey,
 };

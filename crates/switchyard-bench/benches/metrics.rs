@@ -3,7 +3,7 @@
 //! threads updating the same metric at once. (The hand-written atomics
 //! they replaced were timed beside them once; docs/router.md quotes both.)
 //!
-//! `cargo bench -p switchyard --bench metrics`
+//! `cargo bench -p switchyard-bench --bench metrics`
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::time::{Duration, Instant};

@@ -2,10 +2,10 @@
 //! index queries and event application, and one request through the
 //! dispatcher (admission, routing decision, booking, free).
 //!
-//! `cargo bench -p switchyard --bench routing`
+//! `cargo bench -p switchyard-bench --bench routing`
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
-use switchyard::bench::micro::{build, generate, MicroArgs};
+use switchyard_bench::micro::{build, generate, MicroArgs};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig, Submission};
 use switchyard_core::hashing::{local_block_hashes, DEFAULT_SEED};
 use switchyard_core::index::{CacheTier, IndexEvent, OverlapScores, PrefixIndex, StoredBlock};

@@ -9,13 +9,13 @@
 //! - `turn_cycle`: admit + dispatched + completed, for context;
 //! - `bytes_per_session`: the strategy's heap estimate divided by sessions.
 
-use crate::stats::{rss_bytes, write_json, Latency};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
+use switchyard_commands::stats::{rss_bytes, write_json, Latency};
 use switchyard_core::admission::{
     progress_pair, AdmissionStrategy, KvUsage, LifecycleEvent, QueueClass, RequestFacts,
     SessionAwareConfig, SessionAwareStrategy, SessionKey,

@@ -24,7 +24,6 @@
 //! the machine's own tail for work of that length, the floor under the
 //! decisions' p99.
 
-use crate::stats::{write_json, Latency};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -32,6 +31,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use switchyard_commands::stats::{write_json, Latency};
 use switchyard_core::index::{CacheTier, IndexEvent, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};
 use switchyard_server::driver::booking::WaitHandle;

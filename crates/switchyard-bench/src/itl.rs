@@ -15,13 +15,13 @@
 //! (`switchyard_engine_pacing_dropped_seconds_total`).
 
 use super::twin::serve::{paced_and_dropped_seconds, start_router, wait_for_workers};
-use crate::demo::start_sim_workers;
-use crate::loadgen::{self, Pacing, PreparedRequest};
-use crate::stats::{write_json, Latency};
 use clap::Args;
 use serde::Serialize;
 use serde_json::json;
 use std::path::PathBuf;
+use switchyard_commands::demo::start_sim_workers;
+use switchyard_commands::loadgen::{self, Pacing, PreparedRequest};
+use switchyard_commands::stats::{write_json, Latency};
 use switchyard_core::hashing::DEFAULT_SEED;
 use switchyard_core::RequestId;
 use switchyard_engine::{Engine, EngineConfig, NewRequest, StepReport, SyncDevice};

@@ -1,4 +1,9 @@
-//! `switchyard bench ...`: benchmarks that print figures and write JSON.
+//! `switchyard bench ...`: benchmarks that print figures and write JSON,
+//! out of the product's crates. They drive the router, the sim-workers and
+//! the simulator through the binary's own commands (`switchyard-commands`:
+//! the load generator, `replay`, the child processes, the real-engine
+//! environment); the criterion benches (`benches/`: routing, admission,
+//! metrics) sit beside them.
 //!
 //! - [`admission`] — live progress and session-aware admission;
 //! - [`micro`] — the standard indexer micro-workload;

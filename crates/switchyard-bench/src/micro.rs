@@ -14,13 +14,13 @@
 //! Each timing includes one `Instant::now()` pair; its own cost is measured
 //! and reported as `timer_overhead_ns` rather than subtracted.
 
-use crate::stats::{write_json, Latency};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
+use switchyard_commands::stats::{write_json, Latency};
 use switchyard_core::hashing::sequence_hashes;
 use switchyard_core::index::{OverlapScores, PrefixIndex, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};

@@ -8,15 +8,15 @@
 //! When pip cannot install a peer (no network, no `python3 -m venv`),
 //! [`peer_program`] says why and the benchmark goes on without it.
 
-use crate::child::Children;
-use crate::demo::free_port;
-use crate::loadgen::{self, Pacing};
 use anyhow::Context as _;
 use clap::ValueEnum;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use switchyard_commands::child::Children;
+use switchyard_commands::demo::free_port;
+use switchyard_commands::loadgen::{self, Pacing};
 
 /// How long a router may take to answer its first request.
 pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(90);
@@ -257,7 +257,7 @@ pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     Some((utime + stime) / USER_HZ)
 }
 
-pub(crate) use crate::stats::median;
+pub use switchyard_commands::stats::median;
 
 #[cfg(test)]
 mod tests {

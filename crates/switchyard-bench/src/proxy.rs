@@ -27,14 +27,14 @@
 use super::peer::{
     cpu_seconds, for_peer, launch, median, peer_program, wait_ready, Peer, SIM_MODEL,
 };
-use crate::child::Children;
-use crate::loadgen::{run_load, Pacing, PreparedRequest, Report};
-use crate::stats::write_json;
 use anyhow::Context as _;
 use clap::Args;
 use serde::Serialize;
 use serde_json::json;
 use std::path::PathBuf;
+use switchyard_commands::child::Children;
+use switchyard_commands::loadgen::{run_load, Pacing, PreparedRequest, Report};
+use switchyard_commands::stats::write_json;
 
 /// Options of `bench proxy`.
 #[derive(Debug, Clone, Args)]
@@ -197,10 +197,10 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
      -> anyhow::Result<(String, u32)> {
         let mut command = match program {
             Some(path) => std::process::Command::new(path),
-            None => crate::child::this_binary()?,
+            None => switchyard_commands::child::this_binary()?,
         };
         command.args(a).env("RUST_LOG", "warn");
-        let (child, url) = crate::child::spawn_printing_url(command, a[0])?;
+        let (child, url) = switchyard_commands::child::spawn_printing_url(command, a[0])?;
         let pid = child.id();
         children.0.push(child);
         Ok((url, pid))

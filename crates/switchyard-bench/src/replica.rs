@@ -16,12 +16,12 @@
 //!
 //! Starts its own `nats-server` (the Debian package) unless `--nats` names one.
 
-use crate::stats::{write_json, Latency};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use switchyard_commands::stats::{write_json, Latency};
 use switchyard_core::dispatch::{Dispatcher, DispatcherConfig};
 use switchyard_core::router::WorkerCapacity;
 use switchyard_core::sequences::AddRequest;

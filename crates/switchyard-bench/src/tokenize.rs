@@ -23,10 +23,10 @@
 //! Calls of the cases alternate, so the machine's noise falls on all of
 //! them alike; each call is timed alone (one `Instant` pair each).
 
-use crate::stats::{write_json, Latency};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
+use switchyard_commands::stats::{write_json, Latency};
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
 
 /// Options of `bench tokenize`.
@@ -65,7 +65,7 @@ fn fresh_prompt(i: usize) -> String {
 /// and 10,000 to 14,000 characters in its first `turns`, cut to `turns`
 /// messages or one fewer, so that it ends on a user turn.
 fn long_conversation(turns: usize) -> anyhow::Result<Vec<ChatMessage>> {
-    let path = crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?;
+    let path = switchyard_commands::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?;
     let file = std::fs::File::open(&path)?;
     let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(file));
     for messages in switchyard_sim::workload::read_conversations(reader)? {

@@ -27,11 +27,7 @@
 //! router's own order of work, not the sim-worker's tokenizing and the
 //! client's writing on the router's cores.
 
-use crate::bench::twin::serve::{start_router, wait_for_workers};
-use crate::child::{pin_this_thread, start_on, CoreSplit};
-use crate::demo::start_sim_workers;
-use crate::loadgen::{self, Pacing, PreparedRequest, Report, TenantSend};
-use crate::stats::write_json;
+use crate::twin::serve::{start_router, wait_for_workers};
 use anyhow::Context as _;
 use hyper::header::{HeaderName, HeaderValue};
 use rand::rngs::StdRng;
@@ -41,6 +37,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use switchyard_commands::child::{pin_this_thread, start_on, CoreSplit};
+use switchyard_commands::demo::start_sim_workers;
+use switchyard_commands::loadgen::{self, Pacing, PreparedRequest, Report, TenantSend};
+use switchyard_commands::stats::write_json;
 use switchyard_tokenizer::WordVocabulary;
 
 /// Options of `bench tokenize-gate`.

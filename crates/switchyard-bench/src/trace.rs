@@ -16,13 +16,13 @@
 //! started evicting (the start of the churn phase, where removals match
 //! stores) and at the end.
 
-use crate::data::Trace;
-use crate::stats::{rss_bytes, write_json, Latency};
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Instant;
+use switchyard_commands::data::Trace;
+use switchyard_commands::stats::{rss_bytes, write_json, Latency};
 use switchyard_core::hashing::{extend_local_block_hashes, sequence_hashes, DEFAULT_SEED};
 use switchyard_core::index::{IndexMemory, OverlapScores, PrefixIndex, StoredBlock};
 use switchyard_core::{EngineHash, LocalHash, WorkerId};

@@ -14,9 +14,9 @@
 //! - `sim` (default): sim-workers (`--speedup 4 --num-blocks 4096`, KV
 //!   events on);
 //! - `vllm`: vLLM's CPU build (the pinned environment of
-//!   [`crate::engines::env`], installed when missing), each server bound to
+//!   [`switchyard_commands::engines::env`], installed when missing), each server bound to
 //!   its own core, serving the tiny random-weight Qwen3 made by
-//!   [`crate::engines::models`] at 32 tokens a block with prefix caching and
+//!   [`switchyard_commands::engines::models`] at 32 tokens a block with prefix caching and
 //!   ZMQ KV events on; Switchyard reads its events, the peers route on text
 //!   as they always do.
 //!
@@ -42,18 +42,18 @@
 
 pub use super::peer::Peer;
 use super::peer::{cpu_seconds, for_peer, launch, median, peer_program, wait_ready, SIM_MODEL};
-use crate::child::Children;
-use crate::demo::{start_sim_workers, SimWorkers};
-use crate::engines::env::VllmEnv;
-use crate::engines::models::TinyModels;
-use crate::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
-use crate::loadgen::{self, LoadWorkload, Pacing, Report};
-use crate::stats::write_json;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::Duration;
+use switchyard_commands::child::Children;
+use switchyard_commands::demo::{start_sim_workers, SimWorkers};
+use switchyard_commands::engines::env::VllmEnv;
+use switchyard_commands::engines::models::TinyModels;
+use switchyard_commands::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
+use switchyard_commands::loadgen::{self, LoadWorkload, Pacing, Report};
+use switchyard_commands::stats::write_json;
 use switchyard_core::select::PolicyKind;
 use switchyard_server::config::AdmissionMode;
 
@@ -470,11 +470,12 @@ fn one_run(
     let mut children = Children(Vec::new());
     let (base, what) = match contender {
         Contender::Ours(variant) => {
-            let mut command = crate::child::this_binary()?;
+            let mut command = switchyard_commands::child::this_binary()?;
             command
                 .args(our_args(args, variant, &engines, &load.ours))
                 .env("RUST_LOG", "warn");
-            let (child, url) = crate::child::spawn_printing_url(command, "switchyard serve")?;
+            let (child, url) =
+                switchyard_commands::child::spawn_printing_url(command, "switchyard serve")?;
             children.0.push(child);
             (url, "switchyard serve".to_owned())
         }
@@ -577,8 +578,9 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
     }
     let (requests, pacing) = match args.workload {
         Some(LoadWorkload::Agentic) => {
-            let config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
-            let vocabulary = crate::agentic::vocabulary()?;
+            let config =
+                switchyard_commands::agentic::config(args.agentic_config.as_deref(), args.seed)?;
+            let vocabulary = switchyard_commands::agentic::vocabulary()?;
             let (requests, plan) = loadgen::agentic_requests(
                 config,
                 &vocabulary,
@@ -592,7 +594,9 @@ pub fn run(args: VersusArgs) -> anyhow::Result<()> {
         None => {
             let sharegpt = match &args.sharegpt {
                 Some(p) => p.clone(),
-                None => crate::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?,
+                None => {
+                    switchyard_commands::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")?
+                }
             };
             let requests = loadgen::sharegpt_requests(
                 &sharegpt,
@@ -701,7 +705,7 @@ fn print_table(args: &VersusArgs, runs: &[RunFigures]) {
         ),
         Engine::Vllm => format!(
             "vLLM {} CPU servers (tiny Qwen3, {VLLM_BLOCK_SIZE} tokens a block, one core each)",
-            crate::engines::env::VLLM_VERSION
+            switchyard_commands::engines::env::VLLM_VERSION
         ),
     };
     let load = match args.workload {

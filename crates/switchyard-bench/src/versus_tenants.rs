@@ -23,15 +23,15 @@
 //! file and, for each tenant in both, TTFT p90 in the mix over alone.
 
 use super::{contenders, find_peers, one_run, Contender, Peer, RunLoad, Variant, VersusArgs};
-use crate::loadgen::{self, Pacing, PreparedRequest, Report, TenantSend};
-use crate::stats::write_json;
-use crate::tenants::TenantMix;
 use clap::Parser;
 use hyper::header::{HeaderName, HeaderValue};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use switchyard_commands::loadgen::{self, Pacing, PreparedRequest, Report, TenantSend};
+use switchyard_commands::stats::write_json;
+use switchyard_commands::tenants::TenantMix;
 use switchyard_core::admission::FlowConfig;
 use switchyard_tokenizer::Tokenizer;
 

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 /// Child processes, killed and reaped when dropped (a benchmark or the
 /// demo that stops, by an error or Ctrl-C, leaves none running).
 #[derive(Debug, Default)]
-pub(crate) struct Children(pub(crate) Vec<Child>);
+pub struct Children(pub Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -25,10 +25,7 @@ impl Drop for Children {
 /// further output is drained on a thread so it never blocks on a full pipe.
 /// A child that exits first, or cannot be read, is killed and reported as
 /// `what`.
-pub(crate) fn spawn_printing_url(
-    mut command: Command,
-    what: &str,
-) -> anyhow::Result<(Child, String)> {
+pub fn spawn_printing_url(mut command: Command, what: &str) -> anyhow::Result<(Child, String)> {
     let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -62,7 +59,7 @@ pub(crate) fn spawn_printing_url(
 }
 
 /// This binary, to start a subcommand of.
-pub(crate) fn this_binary() -> anyhow::Result<Command> {
+pub fn this_binary() -> anyhow::Result<Command> {
     let exe = std::env::current_exe().context("locating the switchyard binary")?;
     Ok(Command::new(exe))
 }
@@ -72,17 +69,17 @@ pub(crate) fn this_binary() -> anyhow::Result<Command> {
 /// own, as a deployment does: the router runs on another machine than
 /// the engines and the clients.
 #[derive(Debug, Clone)]
-pub(crate) struct CoreSplit {
+pub struct CoreSplit {
     /// The router's: the first core this process may use.
-    pub(crate) router: CpuSet,
+    pub router: CpuSet,
     /// Every other core this process may use.
-    pub(crate) rest: CpuSet,
+    pub rest: CpuSet,
 }
 
 impl CoreSplit {
     /// The split of the cores this thread may use; an error with fewer
     /// than two.
-    pub(crate) fn of_this_thread() -> anyhow::Result<Self> {
+    pub fn of_this_thread() -> anyhow::Result<Self> {
         let mine = sched_getaffinity(None).context("reading this thread's cores")?;
         let cores: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| mine.is_set(c)).collect();
         anyhow::ensure!(
@@ -101,13 +98,13 @@ impl CoreSplit {
 
 /// Pins the calling thread to `cores`: the threads and processes it
 /// starts afterwards inherit them.
-pub(crate) fn pin_this_thread(cores: &CpuSet) -> anyhow::Result<()> {
+pub fn pin_this_thread(cores: &CpuSet) -> anyhow::Result<()> {
     sched_setaffinity(None, cores).context("pinning a thread to its cores")
 }
 
 /// Runs `start` (which spawns a child) on a thread pinned to `cores`, so
 /// that the child starts on them, every thread of it included.
-pub(crate) fn start_on<T: Send>(
+pub fn start_on<T: Send>(
     cores: &CpuSet,
     start: impl FnOnce() -> anyhow::Result<T> + Send,
 ) -> anyhow::Result<T> {

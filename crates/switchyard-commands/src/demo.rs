@@ -52,14 +52,14 @@ pub struct DemoArgs {
 
 /// Sim-worker child processes, killed on drop: their URLs and, unless
 /// approximate, their KV-event and replay endpoints.
-pub(crate) struct SimWorkers {
-    pub(crate) children: Children,
-    pub(crate) urls: Vec<String>,
-    pub(crate) events: Vec<Option<(String, String)>>,
+pub struct SimWorkers {
+    pub children: Children,
+    pub urls: Vec<String>,
+    pub events: Vec<Option<(String, String)>>,
 }
 
 /// A loopback port free a moment ago (the worker binds it right after).
-pub(crate) fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -67,7 +67,7 @@ pub(crate) fn free_port() -> anyhow::Result<u16> {
 
 /// Starts `args.workers` sim-workers (this binary) with `args`' speed-up,
 /// pool size and KV-event choice.
-pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<SimWorkers> {
+pub fn start_fleet(args: &DemoArgs) -> anyhow::Result<SimWorkers> {
     let worker_args = [
         "--speedup".to_owned(),
         args.speedup.to_string(),
@@ -81,7 +81,7 @@ pub(crate) fn start_fleet(args: &DemoArgs) -> anyhow::Result<SimWorkers> {
 /// `worker_args`, each publishing KV events (with replay) on free ports
 /// when `kv_events`; returns once each has printed its address (it binds
 /// before printing).
-pub(crate) fn start_sim_workers(
+pub fn start_sim_workers(
     count: usize,
     worker_args: &[String],
     kv_events: bool,

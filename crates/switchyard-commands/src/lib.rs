@@ -1,15 +1,17 @@
-//! The `switchyard` binary's library: everything that does I/O.
+//! The `switchyard` binary's commands beside the router (`serve`:
+//! `switchyard-server`), the simulated worker (`sim-worker`:
+//! `switchyard-sim-worker`) and the benchmarks (`bench`:
+//! `switchyard-bench`, which builds on these).
 //!
-//! `main.rs` only parses the command line and dispatches to these modules;
-//! integration tests in `tests/` drive the same modules and the built binary.
+//! The binary (`crates/switchyard`) only parses the command line and
+//! dispatches to these modules; its integration tests drive the same
+//! modules and the built binary.
 //!
 //! - [`agentic`] — the agent workload's file (`--agentic-config`) and
 //!   vocabulary, which `replay` and `loadgen` share.
-//! - [`bench`] — `switchyard bench ...`: benchmarks that print figures and
-//!   write JSON.
 //! - [`calibrate`] — `switchyard calibrate`: a live engine's prefill and
 //!   decode times fitted into an engine profile (`--engine-profile`).
-//! - `child` — this binary's subcommands started as child processes
+//! - [`child`] — this binary's subcommands started as child processes
 //!   (sim-workers, routers) and the address each prints, and the cores a
 //!   benchmark gives each.
 //! - [`data`] — finding the bundled data files.
@@ -28,9 +30,8 @@
 //!   JSON output, resident memory.
 
 pub mod agentic;
-pub mod bench;
 pub mod calibrate;
-mod child;
+pub mod child;
 pub mod data;
 pub mod demo;
 pub mod engines;

@@ -21,7 +21,7 @@ pub fn write_json(path: &std::path::Path, value: &impl Serialize) -> anyhow::Res
 }
 
 /// The median of `values` (NaN when empty).
-pub(crate) fn median(values: &[f64]) -> f64 {
+pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     let mid = v.len() / 2;

@@ -1,9 +1,12 @@
 //! The `switchyard` command: router, simulated worker, simulator and benchmarks.
 //!
-//! Each subcommand lives in its own module of the `switchyard` library;
-//! `main` only parses and dispatches.
+//! Each subcommand lives in the crate that owns it: `serve` in
+//! `switchyard-server`, `sim-worker` in `switchyard-sim-worker`, `bench` in
+//! `switchyard-bench`, the others (`replay`, `loadgen`, `demo`,
+//! `calibrate`, `engines`, `events`) in `switchyard-commands`; `main` only
+//! parses and dispatches.
 
-use switchyard::bench;
+use switchyard_bench as bench;
 
 use clap::{CommandFactory as _, Parser, Subcommand};
 use std::io::Write as _;
@@ -33,22 +36,22 @@ enum Command {
     /// Compare routing policies on a trace in the fleet simulator (the main
     /// job: with no arguments it replays the bundled Mooncake conversation
     /// trace on the default fleet).
-    Replay(switchyard::replay::ReplayArgs),
+    Replay(switchyard_commands::replay::ReplayArgs),
     /// Benchmarks of the routing core (figures on stdout, `--json PATH` for files).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
     /// Inspect engine KV events: decode a payload file, or listen to an engine.
     #[command(subcommand)]
-    Events(switchyard::events::EventsCommand),
+    Events(switchyard_commands::events::EventsCommand),
     /// Sim-workers and the router on loopback, driven by the load generator; the default policy against round-robin.
-    Demo(switchyard::demo::DemoArgs),
+    Demo(switchyard_commands::demo::DemoArgs),
     /// Real engines on this machine: install vLLM's CPU build, make tiny test models.
     #[command(subcommand)]
-    Engines(switchyard::engines::EnginesCommand),
+    Engines(switchyard_commands::engines::EnginesCommand),
     /// Replay a trace against any OpenAI-compatible endpoint and report latencies.
-    Loadgen(switchyard::loadgen::LoadgenArgs),
+    Loadgen(switchyard_commands::loadgen::LoadgenArgs),
     /// Profile a live engine's prefill and decode times and write an engine profile (TOML) for --engine-profile.
-    Calibrate(switchyard::calibrate::CalibrateArgs),
+    Calibrate(switchyard_commands::calibrate::CalibrateArgs),
     /// The router: OpenAI-compatible HTTP frontend routing to a fleet of workers.
     Serve(Box<switchyard_server::ServeArgs>),
     /// A simulated engine worker: OpenAI HTTP API, synthetic tokens paced by the timing model.
@@ -93,13 +96,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Replay(args) => switchyard::replay::run(args),
+        Command::Replay(args) => switchyard_commands::replay::run(args),
         Command::Bench(cmd) => bench::run(cmd),
-        Command::Events(cmd) => switchyard::events::run(cmd),
-        Command::Demo(args) => switchyard::demo::run(args),
-        Command::Engines(cmd) => switchyard::engines::run(cmd),
-        Command::Loadgen(args) => switchyard::loadgen::run(args),
-        Command::Calibrate(args) => switchyard::calibrate::run(args),
+        Command::Events(cmd) => switchyard_commands::events::run(cmd),
+        Command::Demo(args) => switchyard_commands::demo::run(args),
+        Command::Engines(cmd) => switchyard_commands::engines::run(cmd),
+        Command::Loadgen(args) => switchyard_commands::loadgen::run(args),
+        Command::Calibrate(args) => switchyard_commands::calibrate::run(args),
         Command::Serve(args) => switchyard_server::run(*args),
         Command::SimWorker(args) => switchyard_sim_worker::run(args),
         Command::Completions { shell } => completions(shell),

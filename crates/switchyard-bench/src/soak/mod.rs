@@ -14,12 +14,12 @@ pub mod plateau;
 pub mod routing;
 pub mod server;
 
-use crate::data::Trace;
-use crate::stats::write_json;
 use plateau::{plateau, Plateau, PLATEAU_TOLERANCE};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Duration;
+use switchyard_commands::data::Trace;
+use switchyard_commands::stats::write_json;
 use switchyard_sim::trace::{MooncakeReader, MooncakeRecord};
 
 /// `switchyard bench soak` arguments.

@@ -9,15 +9,15 @@
 //! for the whole run rather than settling on the trace's first prefixes.
 
 use super::plateau::statm_rss_bytes;
-use crate::child::Children;
-use crate::demo::{free_port, start_fleet, DemoArgs};
-use crate::loadgen::{self, Pacing, PreparedRequest};
 use anyhow::Context as _;
 use serde::Serialize;
 use serde_json::json;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use switchyard_commands::child::Children;
+use switchyard_commands::demo::{free_port, start_fleet, DemoArgs};
+use switchyard_commands::loadgen::{self, Pacing, PreparedRequest};
 use switchyard_sim::trace::{synthetic_tokens, MooncakeRecord};
 use switchyard_wire::prometheus::Scrape;
 

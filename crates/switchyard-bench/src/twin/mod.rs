@@ -27,11 +27,7 @@
 pub(crate) mod serve;
 pub mod vllm;
 
-pub use crate::bench::versus::Engine;
-use crate::data::Trace;
-use crate::loadgen::{self, LoadWorkload, Pacing};
-use crate::replay::{disagg_config, fleet_config, parse_split, ReplayArgs};
-use crate::stats::write_json;
+pub use crate::versus::Engine;
 use anyhow::Context as _;
 use clap::{Args, Parser};
 use serde::Serialize;
@@ -39,6 +35,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+use switchyard_commands::data::Trace;
+use switchyard_commands::loadgen::{self, LoadWorkload, Pacing};
+use switchyard_commands::replay::{disagg_config, fleet_config, parse_split, ReplayArgs};
+use switchyard_commands::stats::write_json;
 use switchyard_core::estimate::EstimatorConfig;
 use switchyard_core::select::PolicyKind;
 use switchyard_engine::EngineConfig;
@@ -727,12 +727,13 @@ fn load_sessions(args: &TwinArgs) -> anyhow::Result<TwinLoad> {
 /// every context capped at `--max-prompt-tokens`, and as many sessions
 /// as `loadgen` takes whole for `--requests` calls.
 fn agent_workload(args: &TwinArgs) -> anyhow::Result<(AgenticConfig, Arc<AgentVocabulary>)> {
-    let mut config = crate::agentic::config(args.agentic_config.as_deref(), args.seed)?;
+    let mut config =
+        switchyard_commands::agentic::config(args.agentic_config.as_deref(), args.seed)?;
     config.context_cap_tokens = config.context_cap_tokens.min(args.max_prompt_tokens());
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("the agent workload with --max-prompt-tokens: {e}"))?;
-    let vocabulary = crate::agentic::vocabulary()?;
+    let vocabulary = switchyard_commands::agentic::vocabulary()?;
     config.sessions = loadgen::agent_sessions_taken(config.clone(), &vocabulary, args.requests());
     Ok((config, vocabulary))
 }

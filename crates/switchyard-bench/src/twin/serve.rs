@@ -7,12 +7,12 @@
 //! when their guards drop — on success, on error, on a panic, and on
 //! Ctrl-C or SIGTERM, which end the run with an error.
 
-use crate::child::Children;
-use crate::demo::{start_sim_workers, SimWorkers};
-use crate::loadgen::{self, Pacing, PreparedRequest, Report};
 use anyhow::Context as _;
 use serde::Serialize;
 use std::time::{Duration, Instant};
+use switchyard_commands::child::Children;
+use switchyard_commands::demo::{start_sim_workers, SimWorkers};
+use switchyard_commands::loadgen::{self, Pacing, PreparedRequest, Report};
 use switchyard_core::select::PolicyKind;
 use switchyard_server::config::Role;
 use switchyard_wire::prometheus::Scrape;
@@ -169,9 +169,9 @@ pub(super) fn router_args(
 /// Starts `switchyard serve` with `args` (which must include `--port 0`)
 /// and returns it (killed on drop) with its base URL once it has printed it.
 pub(crate) fn start_router(args: &[String]) -> anyhow::Result<(Children, String)> {
-    let mut command = crate::child::this_binary()?;
+    let mut command = switchyard_commands::child::this_binary()?;
     command.args(args).env("RUST_LOG", "warn");
-    let (child, url) = crate::child::spawn_printing_url(command, "the router")?;
+    let (child, url) = switchyard_commands::child::spawn_printing_url(command, "the router")?;
     Ok((Children(vec![child]), url))
 }
 

@@ -30,17 +30,17 @@ use super::{
     twin_fleet,
 };
 use super::{Figure, Side, TwinArgs};
-use crate::bench::versus::vllm_setup;
-use crate::calibrate::{calibrate, CalibrateArgs};
-use crate::engines::vllm::VllmWorker;
-use crate::loadgen::{self, Pacing};
-use crate::stats::{median, write_json};
+use crate::versus::vllm_setup;
 use anyhow::Context as _;
 use clap::Parser;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
+use switchyard_commands::calibrate::{calibrate, CalibrateArgs};
+use switchyard_commands::engines::vllm::VllmWorker;
+use switchyard_commands::loadgen::{self, Pacing};
+use switchyard_commands::stats::{median, write_json};
 use switchyard_core::engine_profile::EngineProfile;
 use switchyard_core::select::PolicyKind;
 use switchyard_sim::fleet::FleetConfig;

@@ -25,7 +25,7 @@ use std::process::{Command, Stdio};
 /// The vLLM release the pin list holds.
 pub const VLLM_VERSION: &str = "0.32.0";
 
-/// The pin list (`crates/switchyard/engines/vllm-0.32.0.txt`).
+/// The pin list (`crates/switchyard-commands/engines/vllm-0.32.0.txt`).
 pub static VLLM_REQUIREMENTS: &str = include_str!("../../engines/vllm-0.32.0.txt");
 
 /// The file in a finished environment holding its pin list's hash.

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use switchyard_tokenizer::Tokenizer;
 
-/// The script (`crates/switchyard/engines/make_models.py`).
+/// The script (`crates/switchyard-commands/engines/make_models.py`).
 static MAKE_MODELS: &str = include_str!("../../engines/make_models.py");
 
 /// The directory of made models.

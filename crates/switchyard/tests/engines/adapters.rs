@@ -8,7 +8,7 @@
 use crate::support::{metric, scratch_file, wait_for, PATIENCE};
 use crate::tier::{admin_workers, bounded, exclusive, metrics, serve_in_front, tier, ADMIN};
 use serde_json::{json, Value};
-use switchyard::engines::vllm::{LoraOptions, VllmWorker};
+use switchyard_commands::engines::vllm::{LoraOptions, VllmWorker};
 
 /// The model ids a server lists on `/v1/models`.
 async fn listed(client: &reqwest::Client, base: &str) -> Vec<String> {

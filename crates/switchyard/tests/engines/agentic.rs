@@ -35,7 +35,7 @@ use crate::support::{metric, served_by, wait_metrics};
 use crate::tier::{bounded, exclusive, metrics, serve_in_front, sum, tier, vllm_prefix_cache};
 use serde_json::{json, Value};
 use std::path::Path;
-use switchyard::engines::vllm::VllmWorker;
+use switchyard_commands::engines::vllm::VllmWorker;
 
 /// vLLM's tokens per block, and the router's.
 const BLOCK: u64 = 32;

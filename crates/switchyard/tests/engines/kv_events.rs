@@ -6,7 +6,7 @@
 use crate::support::{metric, serve, wait_metrics};
 use crate::tier::{bounded, exclusive, metrics, sum, tier, vllm_prefix_cache};
 use serde_json::{json, Value};
-use switchyard::loadgen::{self, Pacing};
+use switchyard_commands::loadgen::{self, Pacing};
 
 /// Conversation turns of the multi-turn run.
 const TURNS: usize = 300;
@@ -36,7 +36,7 @@ async fn vllm_kv_events_are_applied_and_replayed_and_the_router_predicts_vllms_h
                 vec![("v0", tier.qwen3()), ("v1", tier.qwen3())],
             )
             .await;
-        let flags = |workers: &[switchyard::engines::vllm::VllmWorker]| {
+        let flags = |workers: &[switchyard_commands::engines::vllm::VllmWorker]| {
             let mut f = vec!["--block-size".to_owned(), "32".to_owned()];
             for (i, w) in workers.iter().enumerate() {
                 f.extend(["--worker".to_owned(), w.worker_spec(&format!("v{i}"))]);
@@ -53,7 +53,7 @@ async fn vllm_kv_events_are_applied_and_replayed_and_the_router_predicts_vllms_h
 
         // The multi-turn run: ShareGPT conversations, each turn the whole
         // conversation so far, four users at a time.
-        let sharegpt = switchyard::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")
+        let sharegpt = switchyard_commands::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")
             .expect("the bundled ShareGPT conversations");
         let requests = loadgen::sharegpt_requests(&sharegpt, TURNS, 16, Some("tiny"))
             .expect("reading the conversations");

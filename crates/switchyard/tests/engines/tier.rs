@@ -7,9 +7,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
-use switchyard::engines::env::VllmEnv;
-use switchyard::engines::models::TinyModels;
-use switchyard::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
+use switchyard_commands::engines::env::VllmEnv;
+use switchyard_commands::engines::models::TinyModels;
+use switchyard_commands::engines::vllm::{VllmOptions, VllmWorker, READY_TIMEOUT};
 use tokio::sync::{Mutex, MutexGuard};
 
 /// How long one test may run, start-up of its servers included.

@@ -15,11 +15,11 @@ use crate::tier::{bounded, exclusive, serve_in_front, tier};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
-use switchyard::bench::twin::vllm::{
+use switchyard_bench::twin::vllm::{
     reset_prefix_caches, server_flags, CHUNK_TOKENS, MAX_SEQS, NUM_BLOCKS,
 };
-use switchyard::data::Trace;
-use switchyard::loadgen::{self, Pacing};
+use switchyard_commands::data::Trace;
+use switchyard_commands::loadgen::{self, Pacing};
 use switchyard_sim::workload::{mooncake_slice, TraceSlice};
 
 /// The plan's slice: the first 60 servable records of the bundled trace

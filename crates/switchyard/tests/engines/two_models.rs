@@ -6,8 +6,8 @@
 
 use crate::support::{metric, scratch_file, serve, wait_metrics};
 use crate::tier::{bounded, exclusive, metrics, sum, tier, vllm_prefix_cache};
-use switchyard::engines::vllm::VllmOptions;
-use switchyard::loadgen::{self, Pacing};
+use switchyard_commands::engines::vllm::VllmOptions;
+use switchyard_commands::loadgen::{self, Pacing};
 
 /// Conversation turns sent for each model.
 const TURNS: usize = 80;
@@ -50,7 +50,7 @@ async fn two_models_route_each_on_its_own_tokenizer_block_size_and_index() {
         })
         .await;
 
-        let sharegpt = switchyard::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")
+        let sharegpt = switchyard_commands::data::data_path("traces/sharegpt_multiturn_3000.jsonl.gz")
             .expect("the bundled ShareGPT conversations");
         for (model, worker, block_size) in [("tiny", 0, 32.0), ("bpe", 1, 64.0)] {
             let name = ["q", "b"][worker];

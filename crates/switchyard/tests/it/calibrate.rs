@@ -5,7 +5,7 @@
 //! (a bigger batch also holds more of the cache).
 
 use crate::support::{machine_alone, scratch_file, sim_worker_with};
-use switchyard::calibrate::{calibrate, CalibrateArgs};
+use switchyard_commands::calibrate::{calibrate, CalibrateArgs};
 
 /// The known timing: every term large beside what a client adds to the
 /// engine's step on loopback (about a millisecond of HTTP and scheduling,
