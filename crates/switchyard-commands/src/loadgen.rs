@@ -691,7 +691,7 @@ pub async fn send(client: &HttpClient, base: &str, request: &PreparedRequest) ->
 
 /// One streamed answer's timing: time to first token and each later
 /// frame's gap over its tokens, ms; `None` when it failed.
-pub async fn timed(
+pub(crate) async fn timed(
     client: &HttpClient,
     base: &str,
     request: &PreparedRequest,

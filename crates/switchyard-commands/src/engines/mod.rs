@@ -50,7 +50,7 @@ pub struct ModelsArgs {
 }
 
 /// The last `lines` lines of `text` (a child's output, for an error).
-pub fn tail(text: &str, lines: usize) -> String {
+pub(crate) fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -604,13 +604,13 @@ pub fn disagg_config(args: &ReplayArgs, prefill_workers: usize) -> DisaggConfig 
 }
 
 /// The trace `args` replay; `None` for a built-in workload.
-pub fn trace(args: &ReplayArgs) -> Option<Trace> {
+pub(crate) fn trace(args: &ReplayArgs) -> Option<Trace> {
     (!matches!(args.format, TraceFormat::Synthetic | TraceFormat::Agentic))
         .then(|| Trace::or_bundled(args.trace.as_deref()))
 }
 
 /// How figures and messages name the workload `args` replay.
-pub fn workload_name(args: &ReplayArgs) -> String {
+pub(crate) fn workload_name(args: &ReplayArgs) -> String {
     match (args.format, trace(args)) {
         (TraceFormat::Agentic, _) => match &args.agentic_config {
             Some(path) => format!("agentic ({})", path.display()),
@@ -1244,7 +1244,7 @@ fn sweep(args: &ReplayArgs, source: &WorkloadSource, fleet: &FleetConfig) -> any
 
 /// `replay`'s flags parsed from a command line, for tests.
 #[cfg(test)]
-pub fn parse_args(argv: &[&str]) -> ReplayArgs {
+pub(crate) fn parse_args(argv: &[&str]) -> ReplayArgs {
     use clap::Parser;
     #[derive(Parser)]
     struct Cli {
