@@ -39,7 +39,8 @@
 //!
 //! - [`board`] — routes made before the lock: the published load board
 //!   and its publisher, and the lock guard that queues load changes.
-//! - [`roster`] — the worker table's front end: workers joining,
+//! - [`workers`] — the driver's calls on the worker table
+//!   (`crate::roster`, the one table): workers joining,
 //!   leaving, in or out of selection, their health, capacity, roles,
 //!   models and adapters; KV events checked against their liveness.
 //!
@@ -51,7 +52,7 @@
 
 mod board;
 pub mod booking;
-mod roster;
+mod workers;
 
 use crate::metrics::{AdmissionDecision, ServerMetrics};
 use crate::metrics_state::{RoutingStateCollector, Snapshot, WorkerRow};
@@ -72,7 +73,7 @@ use switchyard_wire::replica::ReplicaBatch;
 use tokio::sync::oneshot;
 
 use board::{Locked, PreRouting};
-use roster::EventWriter;
+use workers::EventWriter;
 
 /// Where a request goes, handed from the dispatcher to its waiting handler
 /// (see [`crate::driver::booking::WaitHandle`]).

@@ -1,4 +1,5 @@
-//! The worker table's front end: workers joining and leaving, in or out
+//! The driver's calls on the worker table ([`crate::roster`], the one
+//! table): workers joining and leaving, in or out
 //! of selection, their health, capacity, roles, models and adapters, and
 //! the KV events checked against their liveness. Each call takes the
 //! routing lock (or, for KV events, the event writer's own lock) and,
