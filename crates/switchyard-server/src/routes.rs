@@ -28,7 +28,7 @@ use std::sync::Arc;
 /// [`crate::error::anthropic_shaped`]).
 pub fn front_door(state: &App, inflight: Arc<Inflight>) -> AxumRouter {
     let routes = crate::front::inflight::layer(routes(state.clone()), inflight);
-    crate::front::auth::layer(routes, state.credentials.clone())
+    crate::front::auth::layer(routes, state.intake.credentials.clone())
 }
 
 /// [`front_door`] with an in-flight limit of the default's size, for
@@ -44,11 +44,11 @@ pub(crate) fn app(state: App) -> AxumRouter {
 /// ([`crate::front::upload`]) before its handler runs. The admin routes exist only
 /// while an admin token is configured.
 pub(crate) fn routes(state: App) -> AxumRouter {
-    let limit = state.max_body_bytes;
+    let limit = state.intake.max_body_bytes;
     let uploads = Arc::new(UploadLimits {
         max_bytes: limit,
-        deadline: state.body_read_timeout,
-        budget: state.body_budget.clone(),
+        deadline: state.intake.body_read_timeout,
+        budget: state.intake.body_budget.clone(),
         metrics: state.driver.metrics().clone(),
     });
     let mut routes = AxumRouter::new()
@@ -72,7 +72,7 @@ pub(crate) fn routes(state: App) -> AxumRouter {
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics));
-    if state.admin_api {
+    if state.intake.admin_api {
         routes = routes
             .route("/admin/workers", get(admin_list).post(admin_add))
             .route("/admin/workers/{name}", delete(admin_remove));
@@ -88,7 +88,7 @@ pub(crate) fn routes(state: App) -> AxumRouter {
 /// 404 for a path no route matches (its body is never read).
 async fn no_route(State(state): State<App>, uri: axum::http::Uri) -> ApiError {
     let admin = uri.path() == "/admin" || uri.path().starts_with("/admin/");
-    if admin && !state.admin_api {
+    if admin && !state.intake.admin_api {
         ApiError::not_found(
             "no such route: the admin API is off (start the router with --admin-token)",
             None,

@@ -15,7 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use switchyard_core::dispatch::failure::MigrationPolicy;
 
-/// Everything a handler reads.
+/// Everything a handler reads, grouped by what it is for: the routing
+/// state and the workers, how a request goes to them ([`Upstream`]), what
+/// a request is checked against on its way in ([`Intake`]), how its
+/// prompt becomes routing input ([`Prompts`]), and what the APIs beyond
+/// chat keep ([`Apis`]).
 pub struct AppState {
     /// Routing state.
     pub driver: Arc<Driver>,
@@ -23,14 +27,21 @@ pub struct AppState {
     pub fleet: Arc<Fleet>,
     /// How requests go to workers, and their limits there.
     pub upstream: Upstream,
-    /// Each model's tokenizer, block size and policy (`[[models]]`; the
-    /// router's own for every other model).
-    pub models: Arc<Models>,
+    /// What a request is checked against before it is placed.
+    pub intake: Intake,
+    /// How a prompt becomes routing input.
+    pub prompts: Prompts,
+    /// What the Responses, Messages and disaggregated paths keep.
+    pub apis: Apis,
     /// What `/metrics` encodes: the router's families and the routing
     /// state ([`Driver::register_metrics`]) and the KV-event plane's.
     pub registry: Registry,
-    /// Seed of block hashes (no LoRA, no salt).
-    pub hash_seed: u64,
+}
+
+/// What a request is checked against on its way in: its credential, its
+/// body's size and deadline, the limits on what the body holds, and its
+/// flow (tenant and band).
+pub struct Intake {
     /// The credentials checked from request heads.
     pub credentials: Arc<Credentials>,
     /// Whether the admin routes exist (an admin token is configured).
@@ -44,23 +55,36 @@ pub struct AppState {
     pub body_read_timeout: Duration,
     /// Limits on what a body holds ([`crate::request::limits`]).
     pub limits: InputLimits,
-    /// The disaggregated fleet's protocol (`--disagg`), when on.
-    pub disagg: Option<crate::config::DisaggMode>,
-    /// Counts of disaggregated requests' halves.
-    pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
     /// Tenants and bands ([`crate::request::flow`]).
     pub flows: Arc<switchyard_core::admission::FlowPolicy>,
     /// Waits per tenant and band.
     pub flow_metrics: Arc<crate::metrics::FlowMetrics>,
     /// With keys off, the header naming a request's tenant.
     pub tenant_header: Option<axum::http::HeaderName>,
+}
+
+/// How a prompt becomes routing input.
+pub struct Prompts {
+    /// Each model's tokenizer, block size and policy (`[[models]]`; the
+    /// router's own for every other model).
+    pub models: Arc<Models>,
+    /// Seed of block hashes (no LoRA, no salt).
+    pub hash_seed: u64,
+    /// Slots for tokenizing long prompts, by band and fair share.
+    pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
+}
+
+/// What the APIs beyond chat keep.
+pub struct Apis {
+    /// The disaggregated fleet's protocol (`--disagg`), when on.
+    pub disagg: Option<crate::config::DisaggMode>,
+    /// Counts of disaggregated requests' halves.
+    pub(crate) disagg_metrics: Arc<crate::metrics::DisaggMetrics>,
     /// Which worker stores which response, for whom (the Responses API's
     /// `previous_response_id`, `GET` and `cancel`).
     pub(crate) stored_responses: Arc<crate::response_map::ResponseMap>,
     /// The Responses and Messages APIs' requests by how they ended.
     pub(crate) api_metrics: Arc<crate::metrics::ApiMetrics>,
-    /// Slots for tokenizing long prompts, by band and fair share.
-    pub tokenize_gate: Arc<crate::tokenize_gate::TokenizeGate>,
 }
 
 impl AppState {
@@ -143,26 +167,32 @@ impl AppState {
                     max_workers: config.max_attempt_workers,
                 },
             },
-            models,
+            intake: Intake {
+                credentials,
+                admin_api: config.admin_token.is_some(),
+                max_body_bytes: config.max_body_bytes,
+                body_budget,
+                body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
+                limits: InputLimits::new(config),
+                flow_metrics,
+                flows,
+                tenant_header: config
+                    .tenant_header
+                    .as_deref()
+                    .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
+            },
+            prompts: Prompts {
+                models,
+                hash_seed: switchyard_core::hashing::seed_for(None, None),
+                tokenize_gate,
+            },
+            apis: Apis {
+                disagg: config.disagg,
+                disagg_metrics,
+                stored_responses,
+                api_metrics,
+            },
             registry,
-            hash_seed: switchyard_core::hashing::seed_for(None, None),
-            credentials,
-            admin_api: config.admin_token.is_some(),
-            max_body_bytes: config.max_body_bytes,
-            body_budget,
-            body_read_timeout: Duration::from_millis(config.body_read_timeout_ms),
-            limits: InputLimits::new(config),
-            disagg: config.disagg,
-            disagg_metrics,
-            flow_metrics,
-            flows,
-            tenant_header: config
-                .tenant_header
-                .as_deref()
-                .and_then(|h| axum::http::HeaderName::from_bytes(h.as_bytes()).ok()),
-            stored_responses,
-            api_metrics,
-            tokenize_gate,
         }
     }
 }
@@ -211,7 +241,7 @@ impl AppState {
     /// keys are required ([`crate::upstream::disclosure`]).
     pub(crate) fn disclosure(&self) -> crate::upstream::disclosure::Disclosure {
         crate::upstream::disclosure::Disclosure::when_keys_required(
-            self.credentials.client_keys_required(),
+            self.intake.credentials.client_keys_required(),
         )
     }
 }

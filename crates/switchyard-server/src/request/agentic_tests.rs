@@ -250,7 +250,7 @@ async fn routing_blocks(state: &AppState, api: &str, body: &Value) -> Vec<u64> {
     .await
     .unwrap();
     assert_eq!(prompt.unrendered, 0, "everything rendered");
-    switchyard_core::hashing::local_block_hashes(&prompt.ids, 16, state.hash_seed)
+    switchyard_core::hashing::local_block_hashes(&prompt.ids, 16, state.prompts.hash_seed)
         .into_iter()
         .map(|h| h.0)
         .collect()
@@ -421,9 +421,10 @@ async fn every_turn_of_a_response_chain_goes_to_the_worker_that_stores_its_previ
         sessions[1..].iter().all(|s| *s == sessions[1]),
         "{sessions:?}"
     );
-    assert_eq!(r.state.stored_responses.len(), 13);
+    assert_eq!(r.state.apis.stored_responses.len(), 13);
     assert_eq!(
         r.state
+            .apis
             .api_metrics
             .counted(AgenticApi::Responses, RequestStatus::Ok),
         13
@@ -498,7 +499,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
         "no other worker was asked"
     );
     // A request with store=false is not remembered.
-    let stored = r.state.stored_responses.len();
+    let stored = r.state.apis.stored_responses.len();
     let (status, _, _) = call(
         &r.state,
         "/v1/responses",
@@ -507,7 +508,7 @@ async fn an_unknown_response_is_a_404_and_one_whose_worker_left_is_a_410_never_a
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(r.state.stored_responses.len(), stored);
+    assert_eq!(r.state.apis.stored_responses.len(), stored);
 }
 
 #[tokio::test]
@@ -568,12 +569,14 @@ async fn anthropic_clients_present_x_api_key_and_get_anthropic_errors_from_the_r
     );
     assert_eq!(
         r.state
+            .apis
             .api_metrics
             .counted(AgenticApi::Messages, RequestStatus::Ok),
         1
     );
     assert_eq!(
         r.state
+            .apis
             .api_metrics
             .counted(AgenticApi::Messages, RequestStatus::Invalid),
         1

@@ -115,7 +115,11 @@ impl Attempts {
         deadline: tokio::time::Instant,
     ) -> Self {
         let adapter = state.driver.adapters.resolve(model.as_deref());
-        let routing = state.models.get(adapter.eligible_model.as_deref()).clone();
+        let routing = state
+            .prompts
+            .models
+            .get(adapter.eligible_model.as_deref())
+            .clone();
         Self {
             state,
             client_id,
@@ -215,7 +219,7 @@ impl Attempts {
                 // An adapter's blocks are its own (vLLM's events carry
                 // its name as `lora_name`).
                 Some(name) => switchyard_core::hashing::seed_for(Some(name), None),
-                None => self.state.hash_seed,
+                None => self.state.prompts.hash_seed,
             },
         )
     }
@@ -483,6 +487,7 @@ impl Attempts {
             Ok(placed) => {
                 let booking = placed.map_err(PlaceError::NoWorker)?;
                 self.state
+                    .intake
                     .flow_metrics
                     .observe_wait(&self.flow, booking.waited_ms);
                 Ok(booking)

@@ -51,7 +51,7 @@ impl ApiKind {
     pub(crate) fn count(self, state: &AppState, status: RequestStatus) {
         state.driver.metrics().count_request(status);
         if let ApiKind::Agentic(api) = self {
-            state.api_metrics.count(api, status);
+            state.apis.api_metrics.count(api, status);
         }
     }
 }

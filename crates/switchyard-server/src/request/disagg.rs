@@ -140,7 +140,7 @@ pub(crate) async fn serve(
     model: Option<String>,
     session: Option<SessionKey>,
 ) -> Result<Response, ApiError> {
-    let metrics = state.disagg_metrics.clone();
+    let metrics = state.apis.disagg_metrics.clone();
     metrics.requests.inc();
     let deadline = tokio::time::Instant::from_std(request.arrival) + state.upstream.request_timeout;
     let split = Split {
@@ -249,7 +249,7 @@ async fn move_half(
     (failure, detail): (Failure, String),
     half: Half,
 ) -> Result<Booking, Failed> {
-    let metrics = &split.state.disagg_metrics;
+    let metrics = &split.state.apis.disagg_metrics;
     let (role, reason) = match half {
         Half::Prefill => (Role::Prefill, Reason::Prefill),
         Half::Decode => (Role::Decode, Reason::Decode),
@@ -357,7 +357,7 @@ async fn vllm_prefill(
     mut booking: Booking,
     prefill_body: &Bytes,
 ) -> Result<Prefilled, Failed> {
-    let metrics = &split.state.disagg_metrics;
+    let metrics = &split.state.apis.disagg_metrics;
     loop {
         let sent_at = tokio::time::Instant::now();
         let sent = send_half(
@@ -407,7 +407,7 @@ async fn vllm(
     prefill_wait: WaitHandle,
     mut decode: Attempts,
 ) -> Result<Response, Failed> {
-    let metrics = &split.state.disagg_metrics;
+    let metrics = &split.state.apis.disagg_metrics;
     let original = &split.request.original;
     let blocks = prefill.prompt_blocks();
     let prefill_body = rewritten(vllm_prefill_body(original)).map_err(|e| (Reason::Prefill, e))?;
@@ -534,7 +534,7 @@ async fn sglang(
     (mut decode, decode_wait): (Attempts, WaitHandle),
 ) -> Result<Response, Failed> {
     let state = &split.state;
-    let metrics = state.disagg_metrics.clone();
+    let metrics = state.apis.disagg_metrics.clone();
     let original = &split.request.original;
     let blocks = first_prefill.prompt_blocks();
     let mut next_prefill = Some((first_prefill, prefill_wait));

@@ -57,9 +57,9 @@ pub(crate) fn resolve(
 ) -> Result<Flow, ApiError> {
     let band = header(headers, BAND_HEADER, MAX_NAME_BYTES)?;
     let budget = header(headers, DEADLINE_HEADER, 16)?;
-    let tenant = match key.and_then(|k| state.credentials.key_name(k)) {
+    let tenant = match key.and_then(|k| state.intake.credentials.key_name(k)) {
         Some(name) => Some(name),
-        None => match &state.tenant_header {
+        None => match &state.intake.tenant_header {
             // An unknown or unreadable tenant is the default one: the
             // header only ever picks among configured tenants.
             Some(h) => headers
@@ -70,6 +70,7 @@ pub(crate) fn resolve(
         },
     };
     state
+        .intake
         .flows
         .resolve(tenant, band, budget, 0, now_ms)
         .map_err(|e| {

@@ -190,7 +190,7 @@ async fn proxy(
     // The band speaks for the request's priority at the engine too, and
     // a client's `request_id` stays with the router
     // (`switchyard_wire::engine_body`).
-    let priority = state.flows.engine_priority(flow.band);
+    let priority = state.intake.flows.engine_priority(flow.band);
     let body = match engine_body(&body, priority) {
         Ok(None) => body,
         Ok(Some(rewritten)) => Bytes::from(rewritten),
@@ -208,7 +208,7 @@ async fn proxy(
         original: body,
         stream: facts.stream,
     };
-    if let Some(mode) = state.disagg {
+    if let Some(mode) = state.apis.disagg {
         if state.driver.disaggregated() {
             if let Codec::Named(_) = request.codec {
                 return Err(ApiError::not_implemented(

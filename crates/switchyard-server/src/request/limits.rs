@@ -45,7 +45,7 @@ use switchyard_wire::openai::{
 /// The prompt token limit in force and where it comes from (for the
 /// refusal's message).
 pub(crate) fn prompt_token_limit(state: &AppState) -> (usize, &'static str) {
-    if let Some(max) = state.limits.prompt_tokens {
+    if let Some(max) = state.intake.limits.prompt_tokens {
         return (max, "--max-prompt-tokens");
     }
     match state.fleet.max_model_len() {
@@ -63,8 +63,8 @@ pub(crate) fn prompt_token_limit(state: &AppState) -> (usize, &'static str) {
 pub(crate) fn body_limits(state: &AppState) -> BodyLimits {
     BodyLimits {
         prompt_tokens: prompt_token_limit(state).0,
-        messages: state.limits.messages,
-        content_parts: state.limits.content_parts,
+        messages: state.intake.limits.messages,
+        content_parts: state.intake.limits.content_parts,
         first_prompt_only: true,
     }
 }
@@ -139,16 +139,16 @@ pub(crate) fn check_counts(
         let Some(v) = read_count(field, name)? else {
             continue;
         };
-        if v > state.limits.n {
+        if v > state.intake.limits.n {
             let message = format!(
                 "`{name}` is {v}, over the limit of {} (--max-n)",
-                state.limits.n
+                state.intake.limits.n
             );
             return Err(refuse(state, InputLimit::N, message, name));
         }
         asked.choices = asked.choices.max(v);
     }
-    let (max, source) = match state.limits.output_tokens {
+    let (max, source) = match state.intake.limits.output_tokens {
         Some(max) => (max as usize, "--max-output-tokens"),
         None => prompt_token_limit(state),
     };

@@ -31,10 +31,10 @@ use switchyard_wire::openai::Message;
 
 /// the upload layer: its one buffer, taken as it is).
 pub(crate) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    read_whole(body, state.max_body_bytes)
+    read_whole(body, state.intake.max_body_bytes)
         .await
         .map_err(|e| match e {
-            ReadError::TooLarge => ApiError::too_large(state.max_body_bytes),
+            ReadError::TooLarge => ApiError::too_large(state.intake.max_body_bytes),
             ReadError::Broken => ApiError::bad_request("could not read the request body", None),
         })
 }
@@ -124,7 +124,10 @@ pub(crate) async fn tokenize(
         TokenizeJob::Text(t) => t.len(),
         TokenizeJob::Chat(c) => c.rendered_size(),
     };
-    let routing = state.models.for_request(&state.driver.adapters, model);
+    let routing = state
+        .prompts
+        .models
+        .for_request(&state.driver.adapters, model);
     let Some(tokenizer) = routing.tokenizer.clone() else {
         let unrendered = match &job {
             TokenizeJob::Chat(c) => c.unrendered_bytes,
@@ -155,8 +158,9 @@ pub(crate) async fn tokenize(
     let result = if chars <= INLINE_CHARS {
         run(&mut |_| {})
     } else {
-        let weight = state.flows.weight(flow.tenant);
+        let weight = state.intake.flows.weight(flow.tenant);
         let slot = state
+            .prompts
             .tokenize_gate
             .enter(flow, chars, weight)
             .await
@@ -269,7 +273,7 @@ pub(crate) fn charge_tokens(
     prompts: u64,
     asked: limits::Asked,
 ) -> Result<(), ApiError> {
-    let credentials = &state.credentials;
+    let credentials = &state.intake.credentials;
     let tokens = asked.token_charge(prompt_tokens, prompts, credentials.output_allowance());
     let key = key.map_or(0, |ClientKey(k)| k);
     credentials
@@ -291,7 +295,7 @@ pub(crate) fn session_key(
     SessionKey::of_request(
         headers.get("x-session-id").and_then(|v| v.to_str().ok()),
         body_session,
-        key.and_then(|k| state.credentials.key_name(k)),
+        key.and_then(|k| state.intake.credentials.key_name(k)),
     )
 }
 

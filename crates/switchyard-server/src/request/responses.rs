@@ -72,7 +72,7 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
             Some(previous) => {
                 let (holder, _) =
                     locate_waiting(&state, previous, owner, "previous_response_id").await?;
-                let namespace = key.and_then(|k| state.credentials.key_name(k));
+                let namespace = key.and_then(|k| state.intake.credentials.key_name(k));
                 let chain = session_of(previous, &holder, namespace);
                 (Some(holder.worker), Some(named.unwrap_or(chain)))
             }
@@ -112,7 +112,7 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
         let delivery = AgenticDelivery {
             api: AgenticApi::Responses,
             remember: parsed.store.then(|| Remember {
-                map: state.stored_responses.clone(),
+                map: state.apis.stored_responses.clone(),
                 driver: Some(state.driver.clone()),
                 session,
                 owner,
@@ -140,7 +140,7 @@ pub(crate) async fn responses(State(state): State<App>, request: Request) -> Res
 /// The owner a caller with `key` may see stored responses of: its key's
 /// (none when the router requires no keys).
 pub(crate) fn caller(state: &AppState, key: Option<ClientKey>) -> Option<Owner> {
-    key.and_then(|k| state.credentials.key_name(k))
+    key.and_then(|k| state.intake.credentials.key_name(k))
         .map(Owner::of_key)
 }
 
@@ -224,6 +224,7 @@ async fn locate_waiting(
 ) -> Result<(Holder, WorkerInfo), ApiError> {
     let known = || {
         state
+            .apis
             .stored_responses
             .get(id, owner, Instant::now())
             .is_some()
@@ -251,7 +252,7 @@ fn locate(
     owner: Option<Owner>,
     param: &'static str,
 ) -> Result<(Holder, WorkerInfo), ApiError> {
-    let holder = state.stored_responses.get(id, owner, Instant::now());
+    let holder = state.apis.stored_responses.get(id, owner, Instant::now());
     let mut row = None;
     let decision = located(holder, |w| match state.driver.worker(w) {
         None => Standing::Gone,
