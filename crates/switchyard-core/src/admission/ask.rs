@@ -1,8 +1,9 @@
 //! What a request asks its workers to generate, and what that costs it:
 //! the output flow control expects of it ([`Asked::expected_output_tokens`],
 //! its share of the fleet) and the tokens a key's rate limit charges it
-//! ([`Asked::token_charge`]). The server reads the ask from the body; the
-//! simulator knows each request's output and states it as asked.
+//! ([`Asked::token_charge`]). The server reads the ask from the body's
+//! count fields, each within its limit ([`Asked::within`]); the simulator
+//! knows each request's output and states it as asked.
 
 /// Output tokens flow control assumes for a request that names no output
 /// limit.
@@ -29,7 +30,69 @@ impl Default for Asked {
     }
 }
 
+/// The most a request may ask ([`Asked::within`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AskLimits {
+    /// Most sequences per prompt (each of `n`, `best_of`).
+    pub choices: u32,
+    /// Most output tokens per sequence (each output field).
+    pub output_tokens: u64,
+}
+
+/// A count past its limit ([`Asked::within`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OverAsk {
+    /// The field that holds it.
+    pub field: &'static str,
+    /// Its value.
+    pub value: u32,
+    /// The limit it passed.
+    pub max: u64,
+    /// An output field (else a field of sequences per prompt).
+    pub output: bool,
+}
+
 impl Asked {
+    /// The ask of a request whose fields of sequences per prompt
+    /// (`choices`: `n`, `best_of`) and output fields (`outputs`:
+    /// `max_tokens`, `max_completion_tokens`, ...) hold these counts
+    /// (`None`: absent): the larger of each group; or the first count past
+    /// its limit, the sequences' fields checked first.
+    pub fn within(
+        choices: &[(Option<u32>, &'static str)],
+        outputs: &[(Option<u32>, &'static str)],
+        limits: AskLimits,
+    ) -> Result<Asked, OverAsk> {
+        let mut asked = Asked::default();
+        for &(value, field) in choices {
+            let Some(value) = value else { continue };
+            if value > limits.choices {
+                let max = u64::from(limits.choices);
+                return Err(OverAsk {
+                    field,
+                    value,
+                    max,
+                    output: false,
+                });
+            }
+            asked.choices = asked.choices.max(value);
+        }
+        for &(value, field) in outputs {
+            let Some(value) = value else { continue };
+            if u64::from(value) > limits.output_tokens {
+                let max = limits.output_tokens;
+                return Err(OverAsk {
+                    field,
+                    value,
+                    max,
+                    output: true,
+                });
+            }
+            asked.output_tokens = asked.output_tokens.max(Some(value));
+        }
+        Ok(asked)
+    }
+
     /// Output tokens the request is expected to generate in all, as flow
     /// control charges it: every sequence's limit, or
     /// [`UNSTATED_OUTPUT_TOKENS`] each when none is given.
@@ -62,6 +125,61 @@ mod tests {
             choices,
             output_tokens,
         }
+    }
+
+    #[test]
+    fn an_ask_is_the_larger_of_each_group_and_a_count_past_its_limit_is_named() {
+        let limits = AskLimits {
+            choices: 16,
+            output_tokens: 1000,
+        };
+        let ask = Asked::within(
+            &[(Some(2), "n"), (Some(4), "best_of")],
+            &[
+                (Some(100), "max_tokens"),
+                (Some(300), "max_completion_tokens"),
+            ],
+            limits,
+        );
+        assert_eq!(ask, Ok(asked(4, Some(300))));
+        // Nothing given: one sequence of whatever length; n = 0 stays one.
+        assert_eq!(
+            Asked::within(&[(None, "n")], &[(None, "max_tokens")], limits),
+            Ok(Asked::default())
+        );
+        assert_eq!(
+            Asked::within(&[(Some(0), "n")], &[], limits),
+            Ok(asked(1, None))
+        );
+        // At a limit is within it; past it, the field, its value and the limit.
+        assert_eq!(
+            Asked::within(&[(Some(16), "n")], &[(Some(1000), "max_tokens")], limits),
+            Ok(asked(16, Some(1000)))
+        );
+        assert_eq!(
+            Asked::within(&[(Some(1), "n"), (Some(17), "best_of")], &[], limits),
+            Err(OverAsk {
+                field: "best_of",
+                value: 17,
+                max: 16,
+                output: false
+            })
+        );
+        assert_eq!(
+            Asked::within(&[], &[(Some(1001), "max_completion_tokens")], limits),
+            Err(OverAsk {
+                field: "max_completion_tokens",
+                value: 1001,
+                max: 1000,
+                output: true
+            })
+        );
+        // Both past: the sequences' field is named first.
+        assert_eq!(
+            Asked::within(&[(Some(99), "n")], &[(Some(5000), "max_tokens")], limits)
+                .map_err(|o| o.field),
+            Err("n")
+        );
     }
 
     #[test]

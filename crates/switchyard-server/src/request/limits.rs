@@ -112,6 +112,7 @@ fn body_error(state: &AppState, error: BodyError) -> ApiError {
 }
 
 pub(crate) use switchyard_core::admission::ask::Asked;
+use switchyard_core::admission::ask::{AskLimits, OverAsk};
 
 /// A count field's value: `None` when absent or `null`, a 400 naming it
 /// when it is not a count in any form the engines read as one (a JSON
@@ -125,44 +126,43 @@ fn read_count(field: &Option<Lenient<u32>>, name: &'static str) -> Result<Option
         .map_err(ApiError::from)
 }
 
-/// `n`, `best_of` and the output token fields against their limits,
-/// whatever JSON form each takes: each is read as the integer the engines
-/// read (so `64.0` and `"64"` are 64 and past a limit of 16), and a value
-/// that is no count in any form is refused naming it.
+/// `n`, `best_of` and the output token fields against their limits
+/// (the core's [`Asked::within`]), whatever JSON form each takes: each is
+/// read as the integer the engines read (so `64.0` and `"64"` are 64 and
+/// past a limit of 16), and a value that is no count in any form is
+/// refused naming it (before any limit is checked).
 pub(crate) fn check_counts(
     state: &AppState,
     choices: [(&Option<Lenient<u32>>, &'static str); 2],
     outputs: [(&Option<Lenient<u32>>, &'static str); 2],
 ) -> Result<Asked, ApiError> {
-    let mut asked = Asked::default();
-    for (field, name) in choices {
-        let Some(v) = read_count(field, name)? else {
-            continue;
-        };
-        if v > state.intake.limits.n {
-            let message = format!(
-                "`{name}` is {v}, over the limit of {} (--max-n)",
-                state.intake.limits.n
-            );
-            return Err(refuse(state, InputLimit::N, message, name));
-        }
-        asked.choices = asked.choices.max(v);
-    }
+    let read = |(field, name)| read_count(field, name).map(|count| (count, name));
+    let choices = [read(choices[0])?, read(choices[1])?];
+    let outputs = [read(outputs[0])?, read(outputs[1])?];
     let (max, source) = match state.intake.limits.output_tokens {
         Some(max) => (max as usize, "--max-output-tokens"),
         None => prompt_token_limit(state),
     };
-    for (field, name) in outputs {
-        let Some(v) = read_count(field, name)? else {
-            continue;
-        };
-        if v as usize > max {
-            let message = format!("`{name}` is {v}, over the limit of {max} tokens ({source})");
-            return Err(refuse(state, InputLimit::OutputTokens, message, name));
+    let limits = AskLimits {
+        choices: state.intake.limits.n,
+        output_tokens: max as u64,
+    };
+    Asked::within(&choices, &outputs, limits).map_err(|over| {
+        let OverAsk {
+            field, value, max, ..
+        } = over;
+        match over.output {
+            false => {
+                let message = format!("`{field}` is {value}, over the limit of {max} (--max-n)");
+                refuse(state, InputLimit::N, message, field)
+            }
+            true => {
+                let message =
+                    format!("`{field}` is {value}, over the limit of {max} tokens ({source})");
+                refuse(state, InputLimit::OutputTokens, message, field)
+            }
         }
-        asked.output_tokens = asked.output_tokens.max(Some(v));
-    }
-    Ok(asked)
+    })
 }
 
 /// A `/v1/completions` body, parsed within the limits, and what it asks
