@@ -192,6 +192,13 @@ pub struct TwinArgs {
     /// counts are compared (within [`FAILURE_COUNT_TOLERANCE`]).
     #[arg(long, value_name = "AT_S:WORKER", value_parser = parse_twin_failure)]
     pub fail_worker: Option<WorkerFailure>,
+    /// With `--fail-worker`: simulator runs per policy, each routing with
+    /// its own seed (the router's, then the next ones); compared by the
+    /// median run, as the serve side's rounds are. Which requests are in
+    /// flight on the failed worker when it dies follows the routing's
+    /// tie-breaking draws, which one seed fixes to one sample.
+    #[arg(long, default_value_t = 9)]
+    pub replay_seeds: usize,
     /// Run the simulator side only (seconds, no processes).
     #[arg(long)]
     pub replay_only: bool,
@@ -295,16 +302,21 @@ pub struct Pair {
     /// in the order run (empty for one round).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub serve_rounds: Vec<Side>,
+    /// The failure case over `--replay-seeds` seeds: every seed's
+    /// simulator side, in seed order (empty for one seed).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replay_rounds: Vec<Side>,
 }
 
-/// Several serve rounds of the failure case as one side: each figure at
-/// its median over the rounds (as `--engine vllm` reports them), and the
-/// counts of the run whose migrated count is the median (the lower of the
-/// two middle ones for an even count), so completed, migrated and failed
-/// are one real run's. The simulator's counts are deterministic; a real
-/// run's depend on the queue on the failed worker at the instant it dies,
-/// which varies from run to run, so the simulator is compared with the
-/// median run.
+/// Several runs of the failure case as one side (the serve side's rounds,
+/// or the simulator's seeds): each figure at its median over the runs (as
+/// `--engine vllm` reports them), and the counts of the run whose
+/// migrated count is the median (the lower of the two middle ones for an
+/// even count), so completed, migrated and failed are one run's. A count
+/// depends on the queue on the failed worker at the instant it dies: a
+/// real run's varies with its timing, the simulator's with the routing's
+/// tie-breaking draws (one seed, one sample), so each side is its median
+/// run.
 pub fn median_rounds(rounds: &[Side]) -> Option<Side> {
     let mut sorted: Vec<&Side> = rounds.iter().collect();
     sorted.sort_by_key(|s| s.migrated());
@@ -828,6 +840,26 @@ fn replay_side(
     Ok(Side::of_replay(&outcome.report))
 }
 
+/// The simulator's side over `seeds` routing seeds (the fleet's, then the
+/// next ones): the median run ([`median_rounds`]) and every seed's side
+/// (empty for one seed).
+fn seeded_replay_side(
+    fleet: &FleetConfig,
+    policy: PolicyKind,
+    sessions: &[Session],
+    seeds: usize,
+) -> anyhow::Result<(Side, Vec<Side>)> {
+    let runs = (0..seeds.max(1) as u64)
+        .map(|i| {
+            let mut seeded = fleet.clone();
+            seeded.router.seed = fleet.router.seed.wrapping_add(i);
+            replay_side(&seeded, policy, sessions)
+        })
+        .collect::<anyhow::Result<Vec<Side>>>()?;
+    let side = median_rounds(&runs).context("at least one seed")?;
+    Ok((side, if runs.len() > 1 { runs } else { Vec::new() }))
+}
+
 /// Everything `bench twin` measured, as written to `--json`.
 #[derive(Debug, Serialize)]
 pub struct TwinReport {
@@ -896,8 +928,14 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
         }
     );
     let mut pairs = BTreeMap::new();
+    // The failure case's count depends on the routing's draws: the
+    // simulator runs over `--replay-seeds` seeds and is its median run.
+    let seeds = match args.fail_worker {
+        Some(_) => args.replay_seeds.max(1),
+        None => 1,
+    };
     for &policy in &args.policies {
-        let side = replay_side(&fleet, policy, sessions)?;
+        let (side, runs) = seeded_replay_side(&fleet, policy, sessions, seeds)?;
         println!(
             "  replay {:<12} hit {:.3}  TTFT p50 {:.1} p90 {:.1} ms{}",
             policy.name(),
@@ -910,6 +948,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
             policy.name().to_owned(),
             Pair {
                 replay: side,
+                replay_rounds: runs,
                 ..Pair::default()
             },
         );
@@ -1065,6 +1104,17 @@ fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
                     r.errors,
                     s.errors
                 );
+                if !p.replay_rounds.is_empty() {
+                    let each: Vec<String> = p
+                        .replay_rounds
+                        .iter()
+                        .map(|s| s.migrated().to_string())
+                        .collect();
+                    println!(
+                        "  replay's seeds migrated {} (the median run's counts above)",
+                        each.join(", ")
+                    );
+                }
                 if !p.serve_rounds.is_empty() {
                     let each: Vec<String> = p
                         .serve_rounds
@@ -1573,6 +1623,39 @@ mod tests {
         assert!(
             Twin::try_parse_from(["twin", "--workload", "agentic", "--trace", "t.jsonl"]).is_err()
         );
+    }
+
+    #[test]
+    fn the_failure_cases_simulator_side_is_its_median_seed() {
+        let a = args(&[
+            "--requests",
+            "200",
+            "--workers",
+            "3",
+            "--fail-worker",
+            "3:1",
+        ]);
+        assert_eq!(a.replay_seeds, 9, "nine seeds unless told");
+        let fleet = twin_fleet(&a).unwrap();
+        let sessions = load_sessions(&a).unwrap().sessions;
+        let policy = PolicyKind::Ttft;
+        // One seed: the simulator as it always ran, no runs listed.
+        let (one, none) = seeded_replay_side(&fleet, policy, &sessions, 1).unwrap();
+        assert_eq!(one, replay_side(&fleet, policy, &sessions).unwrap());
+        assert!(none.is_empty());
+        // Five seeds: each the fleet's seed plus its index, and the side
+        // the run whose migrated count is the median.
+        let (median, runs) = seeded_replay_side(&fleet, policy, &sessions, 5).unwrap();
+        assert_eq!(runs.len(), 5);
+        for (i, run) in runs.iter().enumerate() {
+            let mut seeded = fleet.clone();
+            seeded.router.seed = fleet.router.seed + i as u64;
+            assert_eq!(*run, replay_side(&seeded, policy, &sessions).unwrap());
+        }
+        let mut migrated: Vec<u64> = runs.iter().map(|r| r.migrated()).collect();
+        migrated.sort_unstable();
+        assert_eq!(median.migrated(), migrated[2]);
+        assert_eq!(runs[0], one, "the first seed is the fleet's own");
     }
 
     #[test]
