@@ -783,6 +783,7 @@ fn check(args: &TwinArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.requests() > 0, "--requests must be at least 1");
     anyhow::ensure!(args.workers() > 0, "--workers must be at least 1");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(args.replay_seeds > 0, "--replay-seeds must be at least 1");
     if args.engine == Engine::Sim {
         anyhow::ensure!(args.loads.is_empty(), "--loads goes with --engine vllm");
     }
@@ -849,7 +850,7 @@ fn seeded_replay_side(
     sessions: &[Session],
     seeds: usize,
 ) -> anyhow::Result<(Side, Vec<Side>)> {
-    let runs = (0..seeds.max(1) as u64)
+    let runs = (0..seeds as u64)
         .map(|i| {
             let mut seeded = fleet.clone();
             seeded.router.seed = fleet.router.seed.wrapping_add(i);
@@ -931,7 +932,7 @@ pub fn run(args: TwinArgs) -> anyhow::Result<()> {
     // The failure case's count depends on the routing's draws: the
     // simulator runs over `--replay-seeds` seeds and is its median run.
     let seeds = match args.fail_worker {
-        Some(_) => args.replay_seeds.max(1),
+        Some(_) => args.replay_seeds,
         None => 1,
     };
     for &policy in &args.policies {
@@ -1104,25 +1105,16 @@ fn print_table(pairs: &BTreeMap<String, Pair>, verdict: &Verdict) {
                     r.errors,
                     s.errors
                 );
-                if !p.replay_rounds.is_empty() {
-                    let each: Vec<String> = p
-                        .replay_rounds
-                        .iter()
-                        .map(|s| s.migrated().to_string())
-                        .collect();
+                for (runs, what) in [
+                    (&p.replay_rounds, "replay's seeds"),
+                    (&p.serve_rounds, "serve's runs"),
+                ] {
+                    if runs.is_empty() {
+                        continue;
+                    }
+                    let each: Vec<String> = runs.iter().map(|s| s.migrated().to_string()).collect();
                     println!(
-                        "  replay's seeds migrated {} (the median run's counts above)",
-                        each.join(", ")
-                    );
-                }
-                if !p.serve_rounds.is_empty() {
-                    let each: Vec<String> = p
-                        .serve_rounds
-                        .iter()
-                        .map(|s| s.migrated().to_string())
-                        .collect();
-                    println!(
-                        "  serve's runs migrated {} (the median run's counts above)",
+                        "  {what} migrated {} (the median run's counts above)",
                         each.join(", ")
                     );
                 }
@@ -1636,6 +1628,7 @@ mod tests {
             "3:1",
         ]);
         assert_eq!(a.replay_seeds, 9, "nine seeds unless told");
+        assert!(check(&args(&["--fail-worker", "3:1", "--replay-seeds", "0"])).is_err());
         let fleet = twin_fleet(&a).unwrap();
         let sessions = load_sessions(&a).unwrap().sessions;
         let policy = PolicyKind::Ttft;
