@@ -91,7 +91,8 @@ struct Leg {
 
 /// One client stream across its workers.
 pub(crate) struct Relay<A: StreamCodec> {
-    api: A,
+    /// The API's own reading and writing of the stream's events.
+    events: A,
     /// The request's API, as the router counts it and keeps its stored
     /// responses.
     codec: Codec,
@@ -111,12 +112,12 @@ pub(crate) struct Relay<A: StreamCodec> {
 
 impl<A: StreamCodec> Relay<A> {
     /// The response body of a stream whose `first` event has arrived,
-    /// read as `api` makes of it from what the stream will keep
+    /// read as `events` makes of it from what the stream will keep
     /// ([`paced_body`]: the stream runs in a task of its own, so its
     /// request timeout fires whether or not the client reads).
     pub(crate) fn body(
         codec: Codec,
-        api: impl FnOnce(&Progress) -> A,
+        events: impl FnOnce(&Progress) -> A,
         start: RelayStart,
         first: A::Event,
     ) -> Body {
@@ -125,7 +126,7 @@ impl<A: StreamCodec> Relay<A> {
         let max_seq_len = start.attempts.state.upstream.migration.max_seq_len;
         let progress = Progress::within_sequence(max_seq_len, start.prompt.len());
         paced_body(Self {
-            api: api(&progress),
+            events: events(&progress),
             codec,
             attempts: start.attempts,
             leg: Some(Leg {
@@ -201,7 +202,7 @@ impl<A: StreamCodec> Relay<A> {
             return Step::Skip;
         };
         let mut seen = Seen::new(&mut self.progress);
-        let step = self.api.first_worker(event, &mut seen);
+        let step = self.events.first_worker(event, &mut seen);
         let (output, stored) = (seen.output, seen.stored);
         if let Some(id) = stored {
             self.codec.stored(&id, worker);
@@ -216,7 +217,7 @@ impl<A: StreamCodec> Relay<A> {
     /// client's.
     fn resumed_event(&mut self, event: A::Event) -> Step {
         let mut seen = Seen::new(&mut self.progress);
-        let step = self.api.resumed_event(&event, &mut seen, &self.prompt);
+        let step = self.events.resumed_event(&event, &mut seen, &self.prompt);
         if seen.output {
             self.observe();
         }
@@ -245,17 +246,17 @@ impl<A: StreamCodec> Relay<A> {
         // request cannot be reproduced), then whether its ids are the
         // engine's.
         let resumable = parsed
-            .and_then(|()| self.api.resumable(&original))
+            .and_then(|()| self.events.resumable(&original))
             .and_then(|()| self.attempts.resume_by_ids());
-        if self.api.all_arrived(&self.progress) && resumable.is_ok() {
+        if self.events.all_arrived(&self.progress) && resumable.is_ok() {
             // Every token arrived; only the closing events were lost.
             if let Some(mut booking) = failed {
                 booking.completed(self.context());
             }
-            let bytes = self.api.close("stop", &self.progress, &self.prompt);
+            let bytes = self.events.close("stop", &self.progress, &self.prompt);
             return Some((RequestStatus::Ok, bytes));
         }
-        let api = &self.api;
+        let events = &self.events;
         let moved = move_stream(
             &mut self.attempts,
             failed,
@@ -263,8 +264,8 @@ impl<A: StreamCodec> Relay<A> {
             &mut self.progress,
             &self.prompt.ids,
             resumable,
-            api.max_tokens(&original),
-            |prompt, remaining| api.resume_body(&original, prompt, remaining),
+            events.max_tokens(&original),
+            |prompt, remaining| events.resume_body(&original, prompt, remaining),
         )
         .await;
         match moved {
@@ -279,10 +280,13 @@ impl<A: StreamCodec> Relay<A> {
                 None
             }
             Moved::AllArrived => {
-                let bytes = self.api.close("length", &self.progress, &self.prompt);
+                let bytes = self.events.close("length", &self.progress, &self.prompt);
                 Some((RequestStatus::Ok, bytes))
             }
-            Moved::Failed(e) => Some((RequestStatus::Unavailable, self.api.error_event(e.body()))),
+            Moved::Failed(e) => Some((
+                RequestStatus::Unavailable,
+                self.events.error_event(e.body()),
+            )),
         }
     }
 
@@ -330,7 +334,7 @@ impl<A: StreamCodec> Relay<A> {
     /// reads; the client's last bytes are the API's error event.
     fn time_out(mut self) -> Bytes {
         let error = ApiError::timeout(self.attempts.state.upstream.request_timeout);
-        let bytes = self.api.error_event(error.body());
+        let bytes = self.events.error_event(error.body());
         self.end(RequestStatus::Unavailable, bytes)
     }
 }
